@@ -1,0 +1,202 @@
+"""RoPE math shared by every longpeft method.
+
+Conventions (those of transformers' Llama family): a head vector of size ``head_dim`` is split
+in two halves; frequency ``j`` (``0 <= j < head_dim / 2``) rotates the pair ``(x[j], x[j + head_dim/2])``
+by ``position * inv_freq[j]`` radians.
+
+This module also holds the one correct way to change the RoPE parameters of an already-built
+transformers v5 model: write a complete ``rope_parameters`` dict into the config, rebuild the
+rotary module(s) from it, and check that the frequencies really changed (assigning
+``config.rope_theta`` is silently ignored in v5).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+# rope_type -> keys that transformers requires besides "rope_type" and "rope_theta".
+ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def head_dim_of(config: Any) -> int:
+    """Size of one attention head (``config.head_dim`` or ``hidden_size / num_attention_heads``)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies of standard RoPE.
+
+    Computed exactly as transformers' default RoPE does (float32 ``arange``), so that a model
+    patched by longpeft with the model's own base is bit-identical to the unpatched one.
+
+    Returns:
+        float32 tensor of shape ``[head_dim // 2]``, radians per position.
+    """
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if base <= 1:
+        raise ValueError(f"RoPE base must be > 1, got {base}")
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / head_dim
+    return 1.0 / (base**exponents)
+
+
+def per_head_inv_freq(bases: Sequence[float], head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies for one RoPE base per head.
+
+    Returns:
+        float32 tensor of shape ``[len(bases), head_dim // 2]``; row ``h`` equals ``inv_freq(bases[h])``.
+    """
+    if len(bases) == 0:
+        raise ValueError("per_head_inv_freq needs at least one base")
+    return torch.stack([inv_freq(float(b), head_dim, device) for b in bases])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` on the last axis (the two halves of a head vector)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` by the angles whose cosines and sines are given.
+
+    Args:
+        x: ``[..., head_dim]`` (e.g. ``[batch, heads, seq, head_dim]``).
+        cos, sin: broadcastable to ``x`` (e.g. ``[batch, 1, seq, head_dim]`` for one base,
+            ``[batch, heads, seq, head_dim]`` for one base per head).
+    """
+    return x * cos + rotate_half(x) * sin
+
+
+def cos_sin(
+    position_ids: torch.Tensor, frequencies: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of ``position * frequency``, duplicated over both halves of a head.
+
+    Args:
+        position_ids: integer or float positions, ``[batch, seq]``.
+        frequencies: ``[head_dim // 2]`` (one base) or ``[heads, head_dim // 2]`` (one base per head).
+        dtype: dtype of the returned tensors (the angles are always computed in float32).
+
+    Returns:
+        ``(cos, sin)``, each ``[batch, seq, head_dim]`` for one base or ``[batch, heads, seq, head_dim]``
+        for one base per head.
+    """
+    positions = position_ids.to(torch.float32)
+    frequencies = frequencies.to(device=positions.device, dtype=torch.float32)
+    if frequencies.dim() == 1:
+        angles = positions[..., None] * frequencies  # [B, T, D/2]
+    elif frequencies.dim() == 2:
+        angles = positions[:, None, :, None] * frequencies[None, :, None, :]  # [B, H, T, D/2]
+    else:
+        raise ValueError(f"frequencies must be [D/2] or [heads, D/2], got shape {tuple(frequencies.shape)}")
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Changing the RoPE parameters of a built model (transformers v5).
+# --------------------------------------------------------------------------------------------
+
+
+def rope_parameters_of(config: Any) -> dict[str, Any]:
+    """A copy of the config's complete ``rope_parameters`` dict (``rope_type`` and ``rope_theta`` at least)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ValueError(
+            f"{type(config).__name__} has no usable rope_parameters ({params!r}); longpeft supports "
+            "RoPE models whose transformers v5 config carries rope_parameters with a rope_theta"
+        )
+    if "rope_type" not in params:
+        params = {**params, "rope_type": "default"}
+    return copy.deepcopy(dict(params))
+
+
+def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """Check a rope_parameters dict for the rope types longpeft supports; returns it unchanged."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPE_REQUIRED_KEYS:
+        raise ValueError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported; choose one of {sorted(ROPE_TYPE_REQUIRED_KEYS)}"
+        )
+    if "rope_theta" not in params:
+        raise ValueError("rope_parameters needs rope_theta (the RoPE base)")
+    if float(params["rope_theta"]) <= 1:
+        raise ValueError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
+    missing = [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]
+    if missing:
+        raise ValueError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
+    return params
+
+
+def rotary_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """All rotary embedding modules of a model as ``(parent, attribute_name, module)``.
+
+    A rotary module is recognised by its ``inv_freq`` buffer and ``rope_type`` attribute.
+    """
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if hasattr(child, "inv_freq") and hasattr(child, "rope_type"):
+                found.append((parent, name, child))
+    return found
+
+
+def set_rope_parameters(
+    model: nn.Module, rope_parameters: dict[str, Any], max_position_embeddings: int | None = None
+) -> torch.Tensor:
+    """Give a built transformers model new RoPE parameters, the v5-correct way.
+
+    Writes the complete dict into ``config.rope_parameters`` (and ``max_position_embeddings`` when
+    given), rebuilds every rotary module from the config, and verifies that the rotary module's
+    ``inv_freq`` equals what the new parameters imply.
+
+    Args:
+        model: a transformers causal LM (or its inner model); a PEFT wrapper also works.
+        rope_parameters: complete dict, e.g. ``{"rope_type": "default", "rope_theta": 2e8}``.
+        max_position_embeddings: new context length to record in the config (and for rope types
+            that read it).
+
+    Returns:
+        The new ``inv_freq`` (``[head_dim // 2]``).
+    """
+    params = validate_rope_parameters(copy.deepcopy(dict(rope_parameters)))
+    rotaries = rotary_modules(model)
+    if not rotaries:
+        raise ValueError(f"{type(model).__name__} has no rotary embedding module; is it a RoPE model?")
+    configs = {id(m.config): m.config for _, _, m in rotaries}
+    for config in configs.values():
+        config.rope_parameters = copy.deepcopy(params)
+        if max_position_embeddings is not None:
+            config.max_position_embeddings = int(max_position_embeddings)
+    new_inv_freq = None
+    for parent, name, old in rotaries:
+        device = old.inv_freq.device
+        new = type(old)(config=old.config).to(device)
+        setattr(parent, name, new)
+        expected_type = params.get("rope_type", "default")
+        if new.rope_type != expected_type:
+            raise RuntimeError(f"rotary module kept rope_type {new.rope_type!r}, expected {expected_type!r}")
+        if expected_type == "default":
+            expected = inv_freq(float(params["rope_theta"]), new.inv_freq.numel() * 2, device)
+            if not torch.equal(new.inv_freq, expected):
+                raise RuntimeError("rotary inv_freq did not change to the requested rope_theta")
+        new_inv_freq = new.inv_freq
+    # transformers reads the top-level config too (e.g. when saving); keep it consistent.
+    top_config = getattr(model, "config", None)
+    if top_config is not None and id(top_config) not in configs:
+        top_config.rope_parameters = copy.deepcopy(params)
+        if max_position_embeddings is not None:
+            top_config.max_position_embeddings = int(max_position_embeddings)
+    return new_inv_freq

@@ -1,0 +1,131 @@
+"""Tiny models and an in-memory tokenizer: no downloads.
+
+Used by the tests, `make demo` and the benchmarks. The tokenizer is a byte-level BPE trained in
+memory (it can encode any text), with single-digit pre-tokenisation (passkeys and numbers become
+one token per digit) and a chat template that marks assistant turns with ``{% generation %}``
+so TRL's assistant-only loss works. Turns end with ``<|end|>``, the eos token; ``</s>`` is a second
+eos id, as Llama-3-Instruct has two.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
+    "{% else %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Architectures the tests cover: name -> (model_type, overrides). All use grouped-query
+# attention except "llama-mha"; "qwen2" has q/k/v biases; "qwen3" has q/k norms.
+TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama-mha": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
+    "mistral": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
+    "qwen2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}),
+    "qwen3": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}),
+}
+
+_WORDS = (
+    "the a an of to in and is was for on with as by at from that this it be are were has had "
+    "river city report year market north south east west council garden harbor station village "
+    "engineer doctor teacher captain farmer writer merchant painter sailor pilot baker judge "
+    "red blue green silver golden quiet bright ancient modern small large early late "
+    "built opened moved found wrote sold visited repaired painted crossed planted measured "
+    "key value passkey number secret code remember question answer what which who where when "
+    "first second third last one two three four five six seven eight nine ten"
+).split()
+
+
+def sample_text(n_sentences: int = 400, seed: int = 0) -> list[str]:
+    """Deterministic filler sentences (words, digits, punctuation) to train the tiny tokenizer on."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_sentences):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(5, 14))]
+        words.insert(rng.randrange(len(words)), str(rng.randint(0, 99999)))
+        lines.append(" ".join(words).capitalize() + rng.choice([".", "!", "?", ":", ","]))
+    return lines
+
+
+def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer in memory and wrap it for transformers.
+
+    Args:
+        texts: training text; defaults to :func:`sample_text`.
+        vocab_size: target vocabulary size including the special tokens and the 256 byte symbols.
+    """
+    texts = list(texts) if texts is not None else sample_text()
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="<|end|>",
+        pad_token="<pad>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
+    """A transformers config for a tiny model of the given architecture (see TINY_ARCHITECTURES).
+
+    Defaults: hidden 64, 2 layers, head_dim 16, RoPE base 10000, 256 trained positions, fp32.
+    """
+    if arch not in TINY_ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
+    model_type, arch_overrides = TINY_ARCHITECTURES[arch]
+    settings: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=[6, 2],
+        attn_implementation="eager",
+    )
+    settings.update(arch_overrides)
+    settings.update(overrides)
+    attn_implementation = settings.pop("attn_implementation")
+    config = AutoConfig.for_model(model_type, **settings)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 512, **overrides: Any) -> PreTrainedModel:
+    """A randomly initialised (seeded) tiny causal LM in fp32 eval mode."""
+    config = tiny_config(arch, vocab_size=vocab_size, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
+    return model.eval()
