@@ -1,0 +1,51 @@
+"""RoPE-base expansion (and transformers' own RoPE scalings) through one entry point.
+
+The "Llama-3 8K -> 80K overnight" recipe raises the RoPE base from 500K to 200M and fine-tunes with
+QLoRA. transformers' own rope types (linear/PI, dynamic NTK, yarn, llama3) are selected the same way,
+through a complete ``rope_parameters`` dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..rope import rope_parameters_of, set_rope_parameters
+
+
+def resolve_rope_parameters(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """Complete rope_parameters from a partial request on top of a base config.
+
+    ``{"rope_theta": 2e8}`` keeps the base's rope_type; giving ``rope_type`` replaces the whole dict
+    (keys of the old type do not leak into the new one), keeping rope_theta unless given.
+    For yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length.
+    """
+    base = rope_parameters_of(config)
+    if "rope_type" in rope and rope["rope_type"] != base.get("rope_type", "default"):
+        params = {"rope_type": rope["rope_type"], "rope_theta": base["rope_theta"]}
+    else:
+        params = dict(base)
+    params.update({k: v for k, v in rope.items() if v is not None})
+    if params["rope_type"] in ("yarn", "llama3") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = config.max_position_embeddings
+    params["rope_theta"] = float(params["rope_theta"])
+    return params
+
+
+def expand_rope_base(
+    model: nn.Module, rope_parameters: dict[str, Any], max_position_embeddings: int | None = None
+) -> torch.Tensor:
+    """Set new RoPE parameters on a built model and verify the rotary frequencies changed.
+
+    Args:
+        model: transformers causal LM (PEFT-wrapped works too).
+        rope_parameters: complete or partial rope_parameters (see :func:`resolve_rope_parameters`).
+        max_position_embeddings: the new context length recorded in the config.
+
+    Returns:
+        The rotary module's new ``inv_freq`` (``[head_dim // 2]``).
+    """
+    params = resolve_rope_parameters(model.config, rope_parameters)
+    return set_rope_parameters(model, params, max_position_embeddings)
