@@ -1,0 +1,375 @@
+"""Run a recipe: base model -> ContextSpec -> LoRA/QLoRA -> TRL SFTTrainer -> adapter + longpeft.json.
+
+Output folder (``recipe.output_dir``)::
+
+    base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
+    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
+    adapter/              LoRA adapter + longpeft.json + tokenizer (``finetune: full``: the whole model)
+    metrics.jsonl         one JSON object per logging step
+    metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
+    loss.png              the loss curve
+    recipe.resolved.json  the validated recipe and every derived setting
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    TrainerCallback,
+)
+
+from ..adapters import apply_spec
+from ..adapters.rope_base import resolve_rope_parameters
+from ..rope import head_dim_of
+from ..spec import ContextSpec, recipe_hash
+from .data import filter_by_length, load_conversations
+from .schema import Recipe
+
+TINY_PREFIX = "tiny:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunResult:
+    output_dir: Path
+    adapter_dir: Path
+    metrics: dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------
+# Base model
+# ---------------------------------------------------------------------------------------------
+
+
+def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
+    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once)."""
+    from ..tiny import tiny_model, train_tokenizer
+
+    if (folder / "config.json").is_file():
+        return folder
+    arch = name[len(TINY_PREFIX):]
+    tokenizer = train_tokenizer(_tokenizer_texts())
+    model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer))
+    model.config.name_or_path = name
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _tokenizer_texts() -> list[str]:
+    """Text the tiny tokenizer learns from: the procedural corpus (so its words are single tokens)."""
+    from ..synth_data import corpus_texts
+    from ..tiny import sample_text
+
+    return corpus_texts(n=40, seed=0) + sample_text()
+
+
+def base_location(recipe: Recipe, output_dir: Path) -> str:
+    """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``)."""
+    name = recipe.model.name_or_path
+    if name.startswith(TINY_PREFIX):
+        return str(materialize_tiny_base(name, output_dir / "base", recipe.train.seed))
+    return name
+
+
+def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
+    """4-bit NF4 (QLoRA) settings; quant storage equals the compute dtype (needed by FSDP2)."""
+    if not recipe.model.load_in_4bit:
+        return None
+    dtype = _DTYPES[recipe.model.dtype]
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.model.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=recipe.model.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
+    """The ContextSpec this recipe gives the base model (resolved RoPE, HARPE bases, lengths)."""
+    rope_parameters = resolve_rope_parameters(base_config, recipe.rope.rope_parameters())
+    changes: dict[str, Any] = dict(
+        rope_parameters=rope_parameters,
+        max_position_embeddings=recipe.rope.max_position_embeddings or base_config.max_position_embeddings,
+        trained_length=recipe.data.max_length,
+        target_length=recipe.target_length or recipe.data.max_length,
+        recipe_hash=recipe_hash(recipe.model_dump()),
+    )
+    if recipe.method == "harpe":
+        from ..adapters.harpe import select_bases
+
+        h = recipe.harpe
+        changes["head_bases"] = select_bases(
+            h.selection,
+            h.b_min,
+            h.b_max,
+            n=getattr(base_config, "num_key_value_heads", None) or base_config.num_attention_heads,
+            stride=h.stride,
+            head_dim=head_dim_of(base_config),
+            target_length=changes["target_length"],
+            descending=h.descending,
+        )
+    return ContextSpec.from_base(base_config, recipe.method, base_model=base_id, **changes)
+
+
+def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
+    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+    m = recipe.model
+    common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(base_id, **common)
+    spec = build_spec(recipe, config, base_id)
+    # transformers v5: give the complete rope_parameters before the model is built...
+    config.rope_parameters = dict(spec.rope_parameters)
+    config.max_position_embeddings = spec.max_position_embeddings
+    model = AutoModelForCausalLM.from_pretrained(
+        base_id,
+        config=config,
+        dtype=_DTYPES[m.dtype],
+        attn_implementation=m.attn_implementation,
+        quantization_config=quantization_config(recipe),
+        **common,
+    )
+    # ...then apply the whole spec, which re-checks that the rotary frequencies really changed.
+    apply_spec(model, spec)
+    if m.eos_token_ids:
+        model.generation_config.eos_token_id = list(m.eos_token_ids)
+    model.config.use_cache = False
+    return model, tokenizer, spec
+
+
+# ---------------------------------------------------------------------------------------------
+# Trainer
+# ---------------------------------------------------------------------------------------------
+
+
+def lora_config(recipe: Recipe):
+    """peft LoraConfig of the recipe (None for full fine-tuning)."""
+    from peft import LoraConfig
+
+    if recipe.finetune == "full":
+        return None
+    lora = recipe.lora
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=["embed_tokens"] if lora.embeddings == "full" else None,
+        trainable_token_indices={"embed_tokens": list(lora.trainable_token_indices)}
+        if lora.embeddings == "token_indices"
+        else None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def gradient_accumulation(recipe: Recipe, processes: int) -> int:
+    """Accumulation steps so that per-device batch x processes x accumulation = global batch."""
+    per_step = recipe.train.per_device_batch_size * processes
+    if recipe.train.global_batch_size % per_step:
+        raise ValueError(
+            f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
+            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {processes} processes"
+        )
+    return recipe.train.global_batch_size // per_step
+
+
+def sft_config(recipe: Recipe, output_dir: Path):
+    """TRL SFTConfig with every optimisation setting of the recipe."""
+    from trl import SFTConfig
+
+    t = recipe.train
+    use_cuda = torch.cuda.is_available()
+    return SFTConfig(
+        output_dir=str(output_dir / "checkpoints"),
+        learning_rate=t.learning_rate,
+        lr_scheduler_type=t.lr_scheduler_type,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        optim=t.optim,
+        per_device_train_batch_size=t.per_device_batch_size,
+        gradient_accumulation_steps=gradient_accumulation(recipe, world_size()),
+        num_train_epochs=t.num_train_epochs,
+        max_steps=t.max_steps,
+        gradient_checkpointing=t.gradient_checkpointing,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        logging_steps=t.logging_steps,
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        data_seed=t.seed,
+        bf16=recipe.model.dtype == "bfloat16" and recipe.finetune == "lora",
+        fp16=recipe.model.dtype == "float16" and use_cuda,
+        use_cpu=not use_cuda,
+        max_length=recipe.data.max_length,
+        assistant_only_loss=t.assistant_only_loss,
+        packing=False,
+        report_to=list(t.report_to) or "none",
+        dataloader_num_workers=0,
+        disable_tqdm=False,
+    )
+
+
+class MetricsLogger(TrainerCallback):
+    """Appends every Trainer log (loss, lr, grad norm, ...) to ``metrics.jsonl``, one line per step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    checkpoints = sorted(
+        (output_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
+    )
+    return checkpoints[-1] if checkpoints else None
+
+
+def _trim_metrics(path: Path, last_step: int) -> None:
+    """Drop metric lines logged after ``last_step`` (the steps a killed run repeats on resume)."""
+    if path.is_file():
+        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
+        path.write_text("".join(line + "\n" for line in lines))
+
+
+@dataclass
+class Prepared:
+    """Everything the runner builds before training."""
+
+    recipe: Recipe
+    output_dir: Path
+    trainer: Any
+    tokenizer: PreTrainedTokenizerBase
+    spec: ContextSpec
+    data_stats: dict[str, int]
+    resolved: dict[str, Any]
+
+
+def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
+    """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this)."""
+    from trl import SFTTrainer
+
+    output_dir = recipe.resolved_output_dir()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    base_id = base_location(recipe, output_dir)
+    model, tokenizer, spec = load_base(recipe, base_id)
+    dataset = load_conversations(recipe.data, tokenizer)
+    dataset, data_stats = filter_by_length(dataset, tokenizer, recipe.data.max_length, recipe.data.truncate)
+    args = sft_config(recipe, output_dir)
+    peft_config = lora_config(recipe)
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
+    )
+    resolved = {
+        "recipe": recipe.model_dump(),
+        "base_model": base_id,
+        "context_spec": spec.to_dict(),
+        "world_size": world_size(),
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "effective_global_batch_size": args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
+        * world_size(),
+        "lora": peft_config.to_dict() if peft_config is not None else None,
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "quantization": quantization_config(recipe).to_dict() if recipe.model.load_in_4bit else None,
+        "data": data_stats,
+    }
+    return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
+
+
+def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] | None = None) -> RunResult:
+    """Train a recipe end to end and write the output folder described in the module docstring.
+
+    Args:
+        resume: continue from the latest checkpoint in ``output_dir/checkpoints`` (after a kill).
+    """
+    output_dir = recipe.resolved_output_dir()
+    checkpoint = latest_checkpoint(output_dir)
+    if resume and checkpoint is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {output_dir / 'checkpoints'}; start without --resume")
+    if not resume and checkpoint is not None:
+        raise FileExistsError(
+            f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
+            "or choose another output_dir"
+        )
+    if resume:
+        _trim_metrics(output_dir / "metrics.jsonl", int(checkpoint.name.rsplit("-", 1)[1]))
+    else:
+        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    prepared = prepare(recipe, callbacks)
+    trainer = prepared.trainer
+    (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
+    train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
+
+    adapter_dir = output_dir / "adapter"
+    if trainer.is_world_process_zero():
+        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir)
+        metrics = summarize(output_dir, train_output.metrics, prepared)
+    else:
+        metrics = dict(train_output.metrics)
+    trainer.accelerator.wait_for_everyone()
+    return RunResult(output_dir, adapter_dir, metrics)
+
+
+def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path) -> None:
+    """Adapter weights (or the full model), tokenizer, generation config and longpeft.json."""
+    model.save_pretrained(adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(adapter_dir)
+    spec.save(adapter_dir)
+
+
+def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
+    """Write metrics.json and loss.png from metrics.jsonl; returns the summary."""
+    from .plots import plot_loss
+
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    summary = {
+        "recipe": prepared.recipe.name,
+        "steps": prepared.trainer.state.global_step,
+        "first_loss": losses[0][1] if losses else None,
+        "final_loss": losses[-1][1] if losses else None,
+        "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
+        "data": prepared.data_stats,
+        "rope_parameters": prepared.spec.rope_parameters,
+        "max_position_embeddings": prepared.spec.max_position_embeddings,
+        "trainable_parameters": prepared.resolved["trainable_parameters"],
+    }
+    (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot_loss(losses, output_dir / "loss.png", title=f"{prepared.recipe.name}: training loss")
+    return summary
