@@ -23,6 +23,18 @@ def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | 
     return str(candidate) if not Path(spec.base_model).is_absolute() and candidate.exists() else spec.base_model
 
 
+def local_adapter_dir(adapter: str | Path) -> Path:
+    """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached)."""
+    path = Path(adapter)
+    if path.is_dir():
+        return path
+    if path.exists() or str(adapter).count("/") != 1:
+        raise FileNotFoundError(f"adapter {adapter} is neither a folder nor a Hub repo id (owner/name)")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(str(adapter)))
+
+
 def load(
     base: str | Path | PreTrainedModel | None,
     adapter_dir: str | Path,
@@ -35,7 +47,8 @@ def load(
 
     Args:
         base: a built model, a Hub id or local path, or None to use the spec's base_model.
-        adapter_dir: folder with ``adapter_config.json``, the adapter weights and ``longpeft.json``.
+        adapter_dir: folder (or Hub repo id) with ``adapter_config.json``, the adapter weights and
+            ``longpeft.json``.
         is_trainable: load the adapter for further training.
         strict_base_id: also fail when the base's id differs from the one the adapter was trained on.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype,
@@ -45,6 +58,7 @@ def load(
         SpecMismatchError: the adapter does not fit the base (checked on the config, before any
             weights are loaded when ``base`` is a path).
     """
+    adapter_dir = local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if isinstance(base, PreTrainedModel):
         model = base

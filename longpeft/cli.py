@@ -1,0 +1,139 @@
+"""The ``longpeft`` command: train | plan | merge | export | push | synth | eval | demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recipe", help="recipe YAML path or bundled recipe name (see `longpeft plan --list`)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set train.max_steps=10 (repeatable)",
+    )
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .recipes.runner import run
+    from .recipes.schema import load_recipe
+
+    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume)
+    print(json.dumps({"adapter": str(result.adapter_dir), **result.metrics}, indent=2, default=str))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .recipes.schema import bundled_recipes, load_recipe
+
+    if args.list:
+        print("\n".join(bundled_recipes()))
+        return 0
+    if not args.recipe:
+        raise SystemExit("longpeft plan: give a recipe (or --list)")
+    overrides = list(args.overrides)
+    if args.stand_in:
+        overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo"]
+        if args.output_dir:
+            overrides.append(f"output_dir={args.output_dir}")
+    recipe = load_recipe(args.recipe, overrides)
+    if not args.build:
+        print(json.dumps({"recipe": recipe.model_dump()}, indent=2, default=str))
+        return 0
+    from .recipes.runner import prepare
+
+    prepared = prepare(recipe)
+    print(json.dumps(prepared.resolved, indent=2, default=str))
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from .hub import export, merge
+
+    action = export if args.command == "export" else merge
+    result = action(args.adapter, args.out, base=args.base, dtype=args.dtype, verify=not args.no_verify)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    from .hub import push
+
+    print(push(args.source, args.repo, merged=args.merged, dtype=args.dtype, private=args.private, dry_run=args.dry_run))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, max_steps=args.max_steps)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longpeft", description="Parameter-efficient context extension.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a recipe (QLoRA + RoPE-base expansion, HARPE, ...)")
+    _recipe_arguments(train)
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint after a kill")
+    train.set_defaults(func=cmd_train)
+
+    plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")
+    plan.add_argument("recipe", nargs="?", help="recipe YAML path or bundled recipe name")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--list", action="store_true", help="list the bundled recipes")
+    plan.add_argument("--build", action="store_true", help="also load the model and data and build the trainer")
+    plan.add_argument(
+        "--stand-in",
+        metavar="ARCH",
+        help="replace the model with a tiny random one of this architecture (e.g. llama) and the data with the "
+        "offline demo set: builds the trainer with every other setting, no download",
+    )
+    plan.add_argument("--output-dir", help="output_dir for the stand-in build")
+    plan.set_defaults(func=cmd_plan)
+
+    for name, default_dtype, text in (
+        ("merge", "float32", "merge an adapter into its base (plain from_pretrained loads the result)"),
+        ("export", "bfloat16", "merge, cast and write a shareable safetensors folder with its model card"),
+    ):
+        command = sub.add_parser(name, help=text)
+        command.add_argument("adapter", help="adapter folder (with longpeft.json) or Hub id")
+        command.add_argument("--out", required=True, help="output folder")
+        command.add_argument("--base", help="base model (default: the one named in longpeft.json)")
+        command.add_argument("--dtype", default=default_dtype, choices=["float32", "bfloat16", "float16"])
+        command.add_argument("--no-verify", action="store_true", help="skip the logits check against base + adapter")
+        command.set_defaults(func=cmd_merge)
+
+    push = sub.add_parser("push", help="share an adapter (or the merged model) on the Hugging Face Hub")
+    push.add_argument("source", help="adapter folder or run folder (containing adapter/)")
+    push.add_argument("--repo", required=True, help="Hub repo id, owner/name")
+    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter")
+    push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    push.add_argument("--private", action="store_true")
+    push.add_argument("--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing")
+    push.set_defaults(func=cmd_push)
+
+    demo = sub.add_parser("demo", help="the whole path on a tiny model on CPU: data, train, eval, merge, card")
+    demo.add_argument("--out", default="runs/demo")
+    demo.add_argument("--max-steps", type=int, default=None, help="cap the training steps (quick checks)")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"longpeft {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

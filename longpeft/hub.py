@@ -1,0 +1,257 @@
+"""Merge, export and share adapters without losing what they changed besides weights.
+
+- ``merge``: base + adapter -> one model folder that loads with plain
+  ``AutoModelForCausalLM.from_pretrained`` (the new RoPE parameters live in config.json; per-head
+  RoPE bases ship a small modeling file and ``auto_map``, loaded with ``trust_remote_code=True``).
+- ``export``: a merged model in a chosen dtype (safetensors) with its model card.
+- ``push``: an adapter (default) or an exported model to the Hub; ``dry_run`` writes exactly the
+  folder that would be uploaded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .spec import SPEC_FILENAME, ContextSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_RESULTS_FILENAME = "eval_results.json"
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def probe_ids(vocab_size: int, length: int = 32) -> torch.Tensor:
+    """Fixed token ids ``[1, length]`` used to compare logits before and after a merge."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (1, length), generator=generator)
+
+
+def merge(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    base: str | Path | None = None,
+    dtype: str = "float32",
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Merge an adapter into its base and save a standalone model.
+
+    The base is loaded unquantized in ``dtype`` (a QLoRA adapter merges into the full-precision
+    base), the ContextSpec is applied, LoRA is merged, and the result is saved with tokenizer,
+    generation config (all eos ids) and ``longpeft.json`` (provenance).
+
+    Returns:
+        ``{"out_dir", "max_abs_logit_diff"}``: the merged model's logits against base + adapter on a
+        fixed probe (None when ``verify`` is off).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from .loading import load
+
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    spec = ContextSpec.load(adapter_dir)
+    model = load(base, adapter_dir, dtype=_dtype(dtype)).eval()
+    ids = probe_ids(model.config.vocab_size)
+    with torch.no_grad():
+        reference = model(ids).logits.float() if verify else None
+        merged = model.merge_and_unload().eval()
+        diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
+    merged.config.name_or_path = str(out_dir)
+    merged.save_pretrained(out_dir)
+    if spec.head_bases:
+        from .adapters.harpe import write_remote_code
+
+        write_remote_code(out_dir, spec.head_bases)
+    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    if (adapter_dir / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    shutil.copy(adapter_dir / SPEC_FILENAME, out_dir / SPEC_FILENAME)
+    _copy_eval_results(adapter_dir, out_dir)
+    return {"out_dir": str(out_dir), "max_abs_logit_diff": diff}
+
+
+def export(
+    adapter_dir: str | Path,
+    out_dir: str | Path,
+    base: str | Path | None = None,
+    dtype: str = "bfloat16",
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card."""
+    result = merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify)
+    write_model_card(out_dir, ContextSpec.load(out_dir), merged=True, repo_id=str(out_dir))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Model card
+# ---------------------------------------------------------------------------------------------
+
+
+def _copy_eval_results(source: Path, dest: Path) -> None:
+    for folder in (source, source.parent):
+        if (folder / EVAL_RESULTS_FILENAME).is_file():
+            shutil.copy(folder / EVAL_RESULTS_FILENAME, dest / EVAL_RESULTS_FILENAME)
+            return
+
+
+def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
+    """Rows of ``eval_results.json`` (``{"rows": [{"task", "setting", "length", "score"}, ...]}``), if present."""
+    path = folder / EVAL_RESULTS_FILENAME
+    if not path.is_file():
+        return []
+    rows = json.loads(path.read_text()).get("rows", [])
+    for row in rows:
+        missing = {"task", "score"} - set(row)
+        if missing:
+            raise ValueError(f"{path}: a row lacks {sorted(missing)}: {row}")
+    return rows
+
+
+def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
+    """README.md of an adapter or merged model: YAML metadata, then what changed and how to load it.
+
+    ``repo_id``: the Hub id (or local folder) the card tells users to load from.
+    """
+    metadata = {
+        "base_model": spec.base_model,
+        "library_name": "transformers" if merged else "peft",
+        "tags": ["longpeft", "long-context", spec.method] + ([] if merged else ["lora"]),
+        "longpeft": {
+            "method": spec.method,
+            "rope_theta": spec.rope_parameters.get("rope_theta"),
+            "rope_type": spec.rope_parameters.get("rope_type", "default"),
+            "original_rope_theta": spec.original_rope_parameters.get("rope_theta"),
+            "trained_length": spec.trained_length,
+            "target_length": spec.target_length,
+            "max_position_embeddings": spec.max_position_embeddings,
+        },
+    }
+    if spec.head_bases:
+        metadata["longpeft"]["head_bases"] = spec.head_bases
+    name = spec.base_model or "the base model"
+    lines = [
+        "---",
+        yaml.safe_dump(metadata, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {Path(str(name)).name} extended with longpeft ({spec.method})",
+        "",
+        f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions "
+        f"(trained at {spec.trained_length} tokens, target {spec.target_length}).",
+        f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
+    ]
+    if spec.head_bases:
+        lines.append(f"Per-KV-head RoPE bases (HARPE): {spec.head_bases}.")
+    lines += ["", "## Load", "", "```python"]
+    if merged:
+        remote = ", trust_remote_code=True" if spec.head_bases else ""
+        lines += [
+            "from transformers import AutoModelForCausalLM, AutoTokenizer",
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{remote})',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+        ]
+    else:
+        lines += [
+            "import longpeft  # applies longpeft.json (RoPE base, ...) before the LoRA weights",
+            f'model = longpeft.load("{spec.base_model}", "{repo_id}")',
+        ]
+    lines += ["```", ""]
+    if not merged:
+        lines += [
+            "Loading this adapter with plain `PeftModel.from_pretrained` on a stock base model silently keeps the "
+            "base's RoPE parameters and gives a broken model: use `longpeft.load`.",
+            "",
+        ]
+    if eval_rows:
+        lines += ["## Evaluation", "", "| task | setting | length | score |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['task']} | {r.get('setting', '')} | {r.get('length', '')} | {r['score']:.3f} |" for r in eval_rows
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str) -> Path:
+    """Write README.md (the model card) into ``folder``, with its eval table when one is there."""
+    folder = Path(folder)
+    path = folder / "README.md"
+    path.write_text(model_card_text(spec, merged, load_eval_rows(folder), repo_id))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Push
+# ---------------------------------------------------------------------------------------------
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", SPEC_FILENAME)
+
+
+def stage_upload(
+    source: str | Path, dest: str | Path, repo_id: str, merged: bool = False, dtype: str = "bfloat16"
+) -> Path:
+    """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id``.
+
+    Args:
+        source: an adapter folder (with longpeft.json), or a run folder containing ``adapter/``.
+        merged: upload the merged model (exported in ``dtype``) instead of the adapter.
+    """
+    source, dest = Path(source), Path(dest)
+    if (source / "adapter" / SPEC_FILENAME).is_file():
+        source = source / "adapter"
+    ContextSpec.load(source)  # fails clearly when this is not a longpeft adapter
+    if dest.exists() and any(dest.iterdir()):
+        raise FileExistsError(f"{dest} is not empty; choose an empty folder for the upload")
+    if merged:
+        export(source, dest, dtype=dtype)
+        write_model_card(dest, ContextSpec.load(dest), merged=True, repo_id=repo_id)
+        return dest
+    missing = [name for name in ADAPTER_FILES if not (source / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{source} lacks {missing}; is it an adapter folder written by longpeft train?")
+    dest.mkdir(parents=True, exist_ok=True)
+    skip = {"README.md"}
+    for item in source.iterdir():
+        if item.is_file() and item.name not in skip:
+            shutil.copy(item, dest / item.name)
+    _copy_eval_results(source, dest)
+    write_model_card(dest, ContextSpec.load(dest), merged=False, repo_id=repo_id)
+    return dest
+
+
+def push(
+    source: str | Path,
+    repo_id: str,
+    merged: bool = False,
+    dtype: str = "bfloat16",
+    private: bool = False,
+    dry_run: str | Path | None = None,
+) -> str:
+    """Upload an adapter (or the merged model) with its model card to ``repo_id``.
+
+    With ``dry_run`` the folder is written there and nothing is uploaded. The token comes from the
+    environment / huggingface-cli login, never from arguments written to disk.
+
+    Returns:
+        The staged folder (dry run) or the commit URL.
+    """
+    if dry_run is not None:
+        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype))
+    from huggingface_hub import HfApi
+
+    with tempfile.TemporaryDirectory() as staging:
+        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype)
+        api = HfApi()
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model")
+        return str(info)
