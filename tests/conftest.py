@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny models saved to disk, the in-memory tokenizer, small chat datasets."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from longpeft.tiny import sample_text, tiny_model, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return train_tokenizer(sample_text())
+
+
+@pytest.fixture(scope="session")
+def tiny_base_dirs(tmp_path_factory, tokenizer):
+    """Factory: arch -> folder with a saved tiny base model and tokenizer (built once per arch)."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in cache:
+            folder = tmp_path_factory.mktemp(f"base-{arch}")
+            model = tiny_model(arch, seed=0, vocab_size=len(tokenizer))
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            cache[arch] = folder
+        return cache[arch]
+
+    return make
+
+
+def write_chat_jsonl(path: Path, n: int = 8, filler_words: int = 40, seed: int = 0) -> Path:
+    """Passkey-style conversations (context in the user turn, answer in the assistant turn)."""
+    rng = random.Random(seed)
+    words = "the river city report market north south garden harbor station".split()
+    with path.open("w") as f:
+        for _ in range(n):
+            key = rng.randint(10000, 99999)
+            filler = " ".join(rng.choice(words) for _ in range(filler_words))
+            messages = [
+                {"role": "user", "content": f"{filler} The passkey is {key}. {filler} What is the passkey?"},
+                {"role": "assistant", "content": f"The passkey is {key}."},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+@pytest.fixture
+def chat_jsonl(tmp_path):
+    return write_chat_jsonl(tmp_path / "train.jsonl")
