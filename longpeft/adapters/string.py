@@ -1,0 +1,483 @@
+"""STRING: shifted rotary positions at inference (An et al., 2024, "Why does the effective context
+length of LLMs fall short?"). Training-free; switch it on and off on a built model.
+
+For query ``i`` and key ``j`` at distance ``d = i - j``:
+
+* ``d < S``  -> the usual RoPE score at distance ``d``;
+* ``d >= S`` -> the score RoPE gives at distance ``d - S + W`` (paper Eq. 4),
+
+with ``S`` the shift (default ``L // 3``, ``L`` the trained length) and ``W`` the local window
+(default 128). Only queries are shifted; the KV cache keeps keys at their original positions.
+
+How it is computed. RoPE rotations compose, so a key cached at position ``j`` rotated forward by
+``S - W`` more steps is the key at ``j + S - W``, and the score with the query at ``i`` is RoPE at
+``d - S + W``. Exactly (eager and SDPA) STRING is one softmax over ``[K ; K rotated by S - W]``
+with ``V`` duplicated, where query ``i`` may read the first copy of key ``j`` when ``d < S`` and the
+second copy when ``d >= S`` (each key is read once). To keep time and memory close to plain
+attention, queries are processed in blocks and each block only gets the keys it may read: shifted
+copies of keys ``j < end - S`` and plain copies of keys ``j > start - S``; only a band of
+``block`` keys appears in both. With flash-attn the two parts are two kernel calls (a sliding
+window over distances ``0 .. S-1`` and a causal call on the shifted keys) merged by log-sum-exp.
+
+Not reproduced from the authors' code: their prefill counts the key at distance exactly ``S``
+twice; here it is scored once, shifted. Their ~1.07 factor on cos/sin is available as
+``cos_sin_scale`` (off by default): it multiplies the cos and sin of queries and keys, i.e. every
+attention logit by ``cos_sin_scale ** 2``.
+
+Assumes a DynamicCache (what ``generate`` and plain forwards use): the queries are the last
+``T`` entries of the ``L`` keys, so distances are index differences (left padding keeps this
+true). Needs one RoPE base for all heads (not HARPE's per-head bases).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from ..rope import apply_rotary, rotary_modules
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+STRING_ATTENTION = "longpeft_string"
+DEFAULT_LOCAL_WINDOW = 128
+# Queries per block in the SDPA/eager paths: the duplicated band is this wide, so the extra work is
+# about 3 * QUERY_BLOCK / seq_len of the attention; smaller blocks mean more kernel calls.
+QUERY_BLOCK = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class StringSettings:
+    """Active STRING settings (what :func:`string_settings` returns as a dict)."""
+
+    shift: int
+    local_window: int
+    trained_length: int
+    cos_sin_scale: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _StringConfigView:
+    """Stands in for an attention module's config while STRING is on.
+
+    Every attribute reads and writes through to the model's real config, except
+    ``_attn_implementation``, which names the STRING attention function; the real implementation
+    (eager / sdpa / flash) stays readable as ``base_attn_implementation``. The model itself keeps
+    its config, so masks are still built for the real implementation.
+    """
+
+    def __init__(self, config: Any, settings: StringSettings, rotary_owner: nn.Module, rotary_name: str):
+        object.__setattr__(self, "_base", config)
+        object.__setattr__(self, "string_settings", settings)
+        object.__setattr__(self, "_rotary_owner", rotary_owner)
+        object.__setattr__(self, "_rotary_name", rotary_name)
+
+    @property
+    def _attn_implementation(self) -> str:
+        return STRING_ATTENTION
+
+    @property
+    def base_attn_implementation(self) -> str:
+        return self._base._attn_implementation or "eager"
+
+    def inv_freq(self) -> torch.Tensor:
+        """The model's current rotary inverse frequencies, ``[head_dim // 2]``."""
+        return getattr(self._rotary_owner, self._rotary_name).inv_freq
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_base":  # during unpickling/deepcopy, before __init__ ran
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._base, name, value)
+
+
+# ----------------------------------------------------------------------------------------------
+# Switching STRING on and off
+# ----------------------------------------------------------------------------------------------
+
+
+def _inner_model(model: nn.Module) -> nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """Self-attention modules of a Llama/Mistral/Qwen2/Qwen3 model (PEFT-wrapped or not)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__name__.endswith("Attention")
+        and all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "config"))
+    ]
+
+
+def enable_string(
+    model: nn.Module,
+    shift: int | None = None,
+    local_window: int = DEFAULT_LOCAL_WINDOW,
+    trained_length: int | None = None,
+    cos_sin_scale: float | None = None,
+) -> dict[str, Any]:
+    """Switch STRING on, in place (calling it again replaces the settings).
+
+    Args:
+        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with
+            eager, SDPA or flash-attention attention.
+        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
+            Default ``trained_length // 3``.
+        local_window: W (default 128); must be ``<= shift``.
+        trained_length: L, the length the model was trained at; default
+            ``config.max_position_embeddings``.
+        cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
+            multiplies every attention logit by its square. Off (None) by default.
+
+    Returns:
+        The active settings as a dict (also given by :func:`string_settings`).
+    """
+    config = model.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"STRING supports model types {SUPPORTED_MODEL_TYPES}; this model is {model_type!r}")
+    if getattr(config, "head_rope_bases", None):
+        raise ValueError(
+            "STRING needs one RoPE base for all heads, but config.head_rope_bases is set (HARPE per-head "
+            "bases); STRING cannot be combined with HARPE"
+        )
+    trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
+    if trained_length < 2:
+        raise ValueError(f"STRING trained_length must be >= 2, got {trained_length}")
+    shift = int(shift if shift is not None else trained_length // 3)
+    local_window = int(local_window)
+    if shift < 1:
+        raise ValueError(f"STRING shift must be >= 1, got {shift}")
+    if not 0 <= local_window <= shift:
+        raise ValueError(
+            f"STRING local_window must be between 0 and shift={shift}, got {local_window}; "
+            "pass a smaller local_window (the paper uses W=128 with S=L/3 for L >= 2K) or a larger shift"
+        )
+    if cos_sin_scale is not None and not cos_sin_scale > 0:
+        raise ValueError(f"STRING cos_sin_scale must be > 0 (or None to leave it off), got {cos_sin_scale}")
+    settings = StringSettings(shift, local_window, trained_length, None if cos_sin_scale is None else float(cos_sin_scale))
+
+    rotaries = rotary_modules(_inner_model(model))
+    if len(rotaries) != 1:
+        raise ValueError(f"STRING expects exactly one rotary embedding module, found {len(rotaries)}")
+    rotary_owner, rotary_name, _ = rotaries[0]
+    attentions = _attention_modules(model)
+    if not attentions:
+        raise ValueError(f"found no self-attention modules with q/k/v/o projections in {type(model).__name__}")
+    if STRING_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(STRING_ATTENTION, string_attention_forward)
+    disable_string(model)
+    for module in attentions:
+        module.config = _StringConfigView(module.config, settings, rotary_owner, rotary_name)
+    return settings.as_dict()
+
+
+def disable_string(model: nn.Module) -> None:
+    """Switch STRING off, in place; the model computes exactly what it did before enabling it."""
+    for module in _attention_modules(model):
+        if isinstance(module.config, _StringConfigView):
+            module.config = module.config._base
+
+
+def string_settings(model: nn.Module) -> dict[str, Any] | None:
+    """The active STRING settings (keyword arguments for :func:`enable_string`), or None when off."""
+    for module in _attention_modules(model):
+        if isinstance(module.config, _StringConfigView):
+            return module.config.string_settings.as_dict()
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The attention function registered as "longpeft_string"
+# ----------------------------------------------------------------------------------------------
+
+
+def rotate_keys_forward(key: torch.Tensor, steps: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate RoPE'd keys by ``steps`` more positions: the key at ``j`` becomes the key at ``j + steps``.
+
+    Args:
+        key: ``[batch, kv_heads, keys, head_dim]``, already rotated at its own positions.
+        steps: how many positions to move forward.
+        inv_freq: ``[head_dim // 2]`` rotary inverse frequencies.
+    """
+    angles = steps * inv_freq.to(device=key.device, dtype=torch.float64)
+    angles = torch.cat((angles, angles))
+    return apply_rotary(key, angles.cos().to(key.dtype), angles.sin().to(key.dtype))
+
+
+def _restrict(base: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """Combine the model's mask segment (bool, additive float or None) with STRING's ``allowed`` ``[q, k]``."""
+    if base is None:
+        return allowed
+    if base.dtype == torch.bool:
+        return base & allowed
+    return base.masked_fill(~allowed, torch.finfo(base.dtype).min)
+
+
+def _unblock_empty_rows(mask: torch.Tensor) -> torch.Tensor:
+    """Let fully masked rows of a bool mask (padding queries) read every key, so SDPA gives no NaN.
+
+    Those rows are padding: their outputs are never read by real tokens.
+    """
+    if mask.dtype != torch.bool:
+        return mask
+    empty = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty
+
+
+def string_attention_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    shift: int,
+    local_window: int,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    block: int = QUERY_BLOCK,
+) -> torch.Tensor:
+    """STRING attention on torch's scaled_dot_product_attention (exact; also the eager path's kernel).
+
+    Args:
+        query: ``[batch, heads, T, head_dim]``, RoPE'd at the T newest positions.
+        key, value: ``[batch, kv_heads, L, head_dim]`` (L >= T; the queries are the last T keys).
+        attention_mask: None (causal), or ``[batch or 1, 1, T, L]`` bool (True = may attend) or
+            additive float, as transformers builds them for SDPA/eager.
+        shift, local_window: S and W.
+        inv_freq: ``[head_dim // 2]``.
+        scaling: softmax scale.
+        block: queries per block.
+
+    Returns:
+        ``[batch, T, heads, head_dim]``.
+    """
+    batch, heads, n_queries, head_dim = query.shape
+    n_keys = key.shape[2]
+    offset = n_keys - n_queries  # cache index of query row 0
+    device = query.device
+    out = query.new_empty(batch, n_queries, heads, head_dim)
+    sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, **kw
+    )
+
+    # Rows whose keys are all nearer than S: plain attention.
+    n_plain = min(max(shift - offset, 0), n_queries)
+    if n_plain:
+        k_end = offset + n_plain
+        if attention_mask is None and offset == 0:
+            plain = sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], is_causal=True)
+        else:
+            rows = torch.arange(offset, k_end, device=device)[:, None]
+            causal = rows >= torch.arange(k_end, device=device)[None, :]
+            mask = causal if attention_mask is None else _unblock_empty_rows(attention_mask[..., :n_plain, :k_end])
+            plain = sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask)
+        out[:, :n_plain] = plain.transpose(1, 2)
+    if n_plain == n_queries:
+        return out
+
+    shifted_key = rotate_keys_forward(key[:, :, : n_keys - shift], shift - local_window, inv_freq)
+    for start in range(n_plain, n_queries, block):
+        stop = min(start + block, n_queries)
+        first, end = offset + start, offset + stop  # cache indices of the block's queries: [first, end)
+        n_shifted = end - shift  # keys j < end - S can be at distance >= S from some query
+        near_lo = max(first - shift + 1, 0)  # keys j > first - S are nearer than S to some query
+        rows = torch.arange(first, end, device=device)[:, None]
+        dist_shifted = rows - torch.arange(n_shifted, device=device)[None, :]
+        dist_near = rows - torch.arange(near_lo, end, device=device)[None, :]
+        allowed = torch.cat((dist_shifted >= shift, dist_near < shift), dim=1)
+        if attention_mask is None:
+            allowed[:, n_shifted:] &= dist_near >= 0
+            mask = allowed
+        else:
+            base = attention_mask[..., start:stop, :]
+            base = torch.cat((base[..., :n_shifted], base[..., near_lo:end]), dim=-1)
+            mask = _unblock_empty_rows(_restrict(base, allowed))
+        keys = torch.cat((shifted_key[:, :, :n_shifted], key[:, :, near_lo:end]), dim=2)
+        values = torch.cat((value[:, :, :n_shifted], value[:, :, near_lo:end]), dim=2)
+        out[:, start:stop] = sdpa(query[:, :, start:stop], keys, values, attn_mask=mask).transpose(1, 2)
+    return out
+
+
+def string_attention_eager(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    shift: int,
+    local_window: int,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    training: bool = False,
+    block: int = QUERY_BLOCK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """STRING with explicit attention weights (the eager path; shapes as :func:`string_attention_sdpa`).
+
+    The plain scores of all pairs are computed as eager attention does; for query blocks that
+    have keys at distance ``>= S``, the shifted scores of those keys replace them, then one
+    softmax runs over the row.
+
+    Returns:
+        ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``.
+    """
+    n_queries, n_keys = query.shape[2], key.shape[2]
+    offset = n_keys - n_queries
+    groups = query.shape[1] // key.shape[1]
+    key_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
+    value_rep = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    scores = torch.matmul(query, key_rep.transpose(2, 3)) * scaling
+    n_plain = min(max(shift - offset, 0), n_queries)
+    if n_plain < n_queries:
+        shifted_key = rotate_keys_forward(key_rep[:, :, : n_keys - shift], shift - local_window, inv_freq)
+        for start in range(n_plain, n_queries, block):
+            stop = min(start + block, n_queries)
+            n_shifted = offset + stop - shift
+            shifted = torch.matmul(query[:, :, start:stop], shifted_key[:, :, :n_shifted].transpose(2, 3)) * scaling
+            rows = torch.arange(offset + start, offset + stop, device=query.device)[:, None]
+            far = rows - torch.arange(n_shifted, device=query.device)[None, :] >= shift
+            region = scores[:, :, start:stop, :n_shifted]
+            scores[:, :, start:stop, :n_shifted] = torch.where(far, shifted, region)
+    if attention_mask is None:
+        rows = torch.arange(offset, n_keys, device=query.device)[:, None]
+        attention_mask = rows >= torch.arange(n_keys, device=query.device)[None, :]
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    else:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=training)
+    output = torch.matmul(weights, value_rep).transpose(1, 2).contiguous()
+    return output, weights
+
+
+def string_attention_flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    shift: int,
+    local_window: int,
+    inv_freq: torch.Tensor,
+    scaling: float,
+    dropout: float = 0.0,
+    flash_fn: Callable[..., Any] | None = None,
+) -> torch.Tensor:
+    """STRING with two flash-attention calls merged by log-sum-exp (unpadded batches).
+
+    Call 1: every query, keys at distances ``0 .. S-1`` (causal sliding window ``(S-1, 0)``).
+    Call 2: queries with ``i >= S`` against the shifted keys ``j <= i - S`` (causal, bottom-right
+    aligned, which flash-attn >= 2.1 uses when query and key lengths differ).
+
+    Args:
+        query: ``[batch, heads, T, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.
+        flash_fn: ``flash_attn.flash_attn_func`` (imported lazily when None); tests pass a
+            reference implementation with the same signature.
+
+    Returns:
+        ``[batch, T, heads, head_dim]``.
+    """
+    if flash_fn is None:
+        from flash_attn import flash_attn_func as flash_fn
+    n_queries, n_keys = query.shape[2], key.shape[2]
+    offset = n_keys - n_queries
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout [batch, seq, heads, dim]
+    near_out, near_lse, _ = flash_fn(
+        q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=(shift - 1, 0), return_attn_probs=True
+    )
+    n_plain = min(max(shift - offset, 0), n_queries)
+    if n_plain == n_queries:
+        return near_out
+    shifted_key = rotate_keys_forward(key[:, :, : n_keys - shift], shift - local_window, inv_freq).transpose(1, 2)
+    far_out, far_lse, _ = flash_fn(
+        q[:, n_plain:].contiguous(),
+        shifted_key.contiguous(),
+        v[:, : n_keys - shift].contiguous(),
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        return_attn_probs=True,
+    )
+    near_lse_tail = near_lse[:, :, n_plain:]  # [batch, heads, rows]
+    total = torch.logaddexp(near_lse_tail, far_lse)
+    near_weight = torch.exp(near_lse_tail - total).transpose(1, 2).unsqueeze(-1)
+    far_weight = torch.exp(far_lse - total).transpose(1, 2).unsqueeze(-1)
+    merged = near_out[:, n_plain:].float() * near_weight + far_out.float() * far_weight
+    return torch.cat((near_out[:, :n_plain], merged.to(near_out.dtype)), dim=1)
+
+
+def _flash_available(query: torch.Tensor) -> bool:
+    if query.device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _padding_mask_to_4d(mask_2d: torch.Tensor, n_queries: int) -> torch.Tensor:
+    """``[batch, L]`` padding mask (1 = token) -> ``[batch, 1, T, L]`` bool causal+padding mask."""
+    n_keys = mask_2d.shape[-1]
+    rows = torch.arange(n_keys - n_queries, n_keys, device=mask_2d.device)[:, None]
+    causal = rows >= torch.arange(n_keys, device=mask_2d.device)[None, :]
+    return mask_2d.bool()[:, None, None, :] & causal
+
+
+def string_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers attention function for STRING (registered as ``"longpeft_string"``).
+
+    Dispatches on the model's real attention implementation. When no key is ``S`` or more
+    positions from any query, it calls that implementation unchanged.
+    """
+    view: _StringConfigView = module.config
+    settings = view.string_settings
+    implementation = view.base_attn_implementation
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if settings.cos_sin_scale is not None:
+        scaling = scaling * settings.cos_sin_scale**2
+    base_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
+        implementation, getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    )
+    if key.shape[2] - 1 < settings.shift:  # nothing is far enough to shift
+        return base_fn(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
+        )
+    if sliding_window is not None and key.shape[2] > sliding_window:
+        raise ValueError(
+            f"STRING cannot run on a sliding-window attention layer (window {sliding_window}) with "
+            f"{key.shape[2]} keys; disable the sliding window or STRING"
+        )
+    args = (settings.shift, settings.local_window, view.inv_freq(), scaling)
+    if implementation == "eager":
+        return string_attention_eager(query, key, value, attention_mask, *args, dropout=dropout, training=module.training)
+    if implementation.startswith("flash_attention"):
+        if attention_mask is None and _flash_available(query):
+            return string_attention_flash(query, key, value, *args, dropout=dropout), None
+        if attention_mask is not None:
+            attention_mask = _padding_mask_to_4d(attention_mask, query.shape[2])
+    elif implementation != "sdpa":
+        raise ValueError(f"STRING supports eager, sdpa and flash_attention_2 attention, not {implementation!r}")
+    return string_attention_sdpa(query, key, value, attention_mask, *args, dropout=dropout), None
