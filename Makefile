@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -q tests
 
 bench: $(STAMP)
 	@for script in scripts/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

@@ -1,0 +1,156 @@
+"""ContextSpec persistence and checks; longpeft.load restores what plain peft loading loses; merge."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import longpeft
+from longpeft import hub
+from longpeft.adapters import apply_spec
+from longpeft.spec import ContextSpec, SpecMismatchError
+from longpeft.tiny import tiny_config
+
+
+def make_adapter(base_dir, out_dir, rope_theta=2e6, max_positions=1024, seed=1):
+    """A rope-base-expanded model with a non-trivial LoRA (random A and B) and a trained embedding row set."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir)
+    spec = ContextSpec.from_base(
+        model.config,
+        "rope_base",
+        base_model=str(base_dir),
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        max_position_embeddings=max_positions,
+        trained_length=max_positions,
+        target_length=max_positions,
+    )
+    apply_spec(model, spec)
+    torch.manual_seed(seed)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        modules_to_save=["embed_tokens"], init_lora_weights=False,
+    )
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():
+        peft_model.base_model.model.model.embed_tokens.modules_to_save["default"].weight.add_(0.01)
+    peft_model.save_pretrained(out_dir)
+    spec.save(out_dir)
+    AutoTokenizer.from_pretrained(base_dir).save_pretrained(out_dir)
+    return peft_model.eval(), spec
+
+
+IDS = torch.arange(5, 200)[None]
+
+
+def test_spec_roundtrip_and_unknown_field(tmp_path):
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base", rope_parameters={"rope_type": "default", "rope_theta": 5.0e5})
+    spec.save(tmp_path)
+    assert ContextSpec.load(tmp_path) == spec
+    data = json.loads((tmp_path / "longpeft.json").read_text())
+    data["surprise"] = 1
+    (tmp_path / "longpeft.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="surprise"):
+        ContextSpec.load(tmp_path)
+    with pytest.raises(FileNotFoundError, match="longpeft.json"):
+        ContextSpec.load(tmp_path / "nothing")
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ({"hidden_size": 128}, "hidden_size"),
+        ({"num_attention_heads": 8, "head_dim": 16}, "num_attention_heads"),
+        ({"num_key_value_heads": 1}, "num_key_value_heads"),
+        ({"vocab_size": 999}, "vocab_size"),
+    ],
+)
+def test_spec_mismatch_names_the_field(override, field):
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base")
+    with pytest.raises(SpecMismatchError, match=field):
+        spec.check_base(tiny_config("llama", **override))
+
+
+def test_spec_mismatch_architecture_and_base_id():
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base", base_model="org/model-a")
+    spec.architecture = "LlamaForCausalLM"
+    other = tiny_config("qwen2")
+    other.architectures = ["Qwen2ForCausalLM"]
+    with pytest.raises(SpecMismatchError, match="architecture"):
+        spec.check_base(other)
+    same = tiny_config("llama")
+    same.architectures = ["LlamaForCausalLM"]
+    spec.check_base(same, "org/model-b")  # another path for the same weights is fine by default
+    with pytest.raises(SpecMismatchError, match="base model id"):
+        spec.check_base(same, "org/model-b", strict_base_id=True)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_load_restores_rope_base_where_plain_peft_does_not(arch, tiny_base_dirs, tmp_path):
+    base_dir = tiny_base_dirs(arch)
+    trained, _ = make_adapter(base_dir, tmp_path / "adapter")
+    with torch.no_grad():
+        expected = trained(IDS).logits
+
+        loaded = longpeft.load(str(base_dir), tmp_path / "adapter").eval()
+        assert loaded.config.rope_parameters["rope_theta"] == 2e6
+        assert (loaded(IDS).logits - expected).abs().max() < 1e-5
+
+        # Why the spec exists: plain peft loading keeps the stock base's RoPE base.
+        plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), tmp_path / "adapter").eval()
+        assert plain.config.rope_parameters["rope_theta"] == 10000.0
+        assert (plain(IDS).logits - expected).abs().max() > 1e-2
+
+
+def test_load_rejects_adapter_for_another_base(tiny_base_dirs, tmp_path):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    with pytest.raises(SpecMismatchError, match="num_attention_heads|architecture"):
+        longpeft.load(str(tiny_base_dirs("qwen2")), tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_merged_model_loads_with_plain_transformers_and_equal_logits(arch, tiny_base_dirs, tmp_path):
+    base_dir = tiny_base_dirs(arch)
+    trained, _ = make_adapter(base_dir, tmp_path / "adapter")
+    result = hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    assert result["max_abs_logit_diff"] < 1e-4
+    # A fresh process with nothing but transformers: config.json must carry the new RoPE base.
+    script = (
+        "import sys, torch; from transformers import AutoModelForCausalLM as A; "
+        f"m = A.from_pretrained(r'{tmp_path / 'merged'}').eval(); "
+        f"torch.save(m(torch.arange(5, 200)[None]).logits, r'{tmp_path / 'logits.pt'}')"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    merged_logits = torch.load(tmp_path / "logits.pt")
+    with torch.no_grad():
+        expected = trained(IDS).logits
+    assert (merged_logits - expected).abs().max() < 1e-4
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 2e6
+    assert config["max_position_embeddings"] == 1024
+
+
+def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    (tmp_path / "adapter" / "eval_results.json").write_text(
+        json.dumps({"rows": [{"task": "passkey", "setting": "adapter", "length": 512, "score": 0.75}]})
+    )
+    hub.export(tmp_path / "adapter", tmp_path / "export", dtype="bfloat16")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    assert (tmp_path / "export" / "model.safetensors").is_file()
+
+    staged = hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
+    names = sorted(p.name for p in (tmp_path / "upload").iterdir())
+    assert staged == str(tmp_path / "upload")
+    assert {"adapter_config.json", "adapter_model.safetensors", "longpeft.json", "README.md"} <= set(names)
+    card = (tmp_path / "upload" / "README.md").read_text()
+    metadata = card.split("---")[1]
+    assert "base_model:" in metadata and "library_name: peft" in metadata and "rope_theta: 2000000.0" in metadata
+    assert "longpeft.load" in card and "someone/tiny-80k" in card
+    assert "| passkey | adapter | 512 | 0.750 |" in card
+    with pytest.raises(FileExistsError, match="not empty"):
+        hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
