@@ -1,0 +1,148 @@
+"""Recipes: validation errors, QLoRA on CPU, chunked loss, kill + resume, the 80K recipe's settings."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from transformers import TrainerCallback
+
+from longpeft import recipes
+from longpeft.cli import main
+from longpeft.recipes.runner import gradient_accumulation, prepare, run
+from longpeft.recipes.schema import RecipeError, load_recipe
+
+
+def tiny_recipe(base_dir, data_path, out_dir, **train):
+    settings = dict(max_steps=2, save_steps=2, per_device_batch_size=1, global_batch_size=1, seed=0)
+    settings.update(train)
+    return load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base_dir}",
+            f"data.source={data_path}",
+            "data.max_length=256",
+            "rope.max_position_embeddings=512",
+            f"output_dir={out_dir}",
+            "lora.r=4",
+        ]
+        + [f"train.{k}={v}" for k, v in settings.items()],
+    )
+
+
+def test_bad_key_fails_naming_it(tmp_path, capsys):
+    recipe = yaml.safe_load((Path(recipes.__file__).parent / "tiny-cpu.yaml").read_text())
+    recipe["lora"]["rank"] = 8
+    recipe["train"]["learning_rate"] = "fast"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "lora.rank: unknown key" in err and "train.learning_rate" in err and str(path) in err
+    # and through the real console entry point
+    proc = subprocess.run([sys.executable, "-m", "longpeft.cli", "plan", str(path)], capture_output=True, text=True)
+    assert proc.returncode != 0 and "lora.rank" in proc.stderr
+
+
+def test_overrides_and_unknown_recipe():
+    with pytest.raises(RecipeError, match="neither a file nor a bundled recipe"):
+        load_recipe("no-such-recipe")
+    with pytest.raises(RecipeError, match="section.key=value"):
+        load_recipe("tiny-cpu", ["train.max_steps"])
+    assert load_recipe("tiny-cpu", ["train.max_steps=3"]).train.max_steps == 3
+
+
+def test_global_batch_derives_accumulation():
+    recipe = load_recipe("llama3-8b-instruct-80k-qlora")
+    assert gradient_accumulation(recipe, 8) == 1
+    assert gradient_accumulation(recipe, 2) == 4
+    with pytest.raises(ValueError, match="global_batch_size"):
+        gradient_accumulation(recipe, 3)
+
+
+def test_80k_recipe_has_the_paper_settings():
+    r = load_recipe("llama3-8b-instruct-80k-qlora")
+    assert (r.lora.r, r.lora.alpha, r.lora.embeddings) == (32, 16, "full")
+    assert r.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert r.rope.rope_theta == 2e8 and r.rope.max_position_embeddings == 81920
+    assert (r.train.learning_rate, r.train.lr_scheduler_type, r.train.warmup_steps) == (5e-5, "linear", 0)
+    assert (r.train.per_device_batch_size, r.train.global_batch_size, r.train.num_train_epochs) == (1, 8, 1)
+    assert r.model.load_in_4bit and r.model.bnb_4bit_quant_type == "nf4"
+    assert r.model.eos_token_ids == [128001, 128009] and r.data.max_length == 81920
+    assert r.train.gradient_checkpointing and r.train.assistant_only_loss
+
+
+def test_chunked_loss_equals_full_logits_loss(tiny_base_dirs, chat_jsonl, tmp_path):
+    """The trainer's loss never builds [batch, seq, vocab] logits, and equals the direct computation."""
+    prepared = prepare(tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", per_device_batch_size=2, global_batch_size=2))
+    trainer = prepared.trainer
+    batch = next(iter(trainer.get_train_dataloader()))
+    model = trainer.model.eval()
+    with torch.no_grad():
+        fused = model(**{k: v for k, v in batch.items() if k != "labels"}, labels=batch["labels"], fused_lm_head=True)
+        assert getattr(fused, "logits", None) is None
+        loss = trainer.compute_loss(model, dict(batch))
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    labels = batch["labels"][:, 1:]
+    assert (labels != -100).any() and (labels == -100).any()  # assistant-only: prompt tokens are masked
+    reference = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=-100
+    )
+    assert torch.allclose(loss, reference, atol=1e-5)
+
+
+def test_qlora_4bit_trains_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
+    import bitsandbytes as bnb
+
+    recipe = tiny_recipe(tiny_base_dirs("qwen2"), chat_jsonl, tmp_path / "run", max_steps=2)
+    recipe.model.load_in_4bit = True
+    recipe.model.dtype = "float32"
+    prepared_check = prepare(recipe)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in prepared_check.trainer.model.modules())
+    result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
+    assert result.metrics["steps"] == 2 and torch.isfinite(torch.tensor(result.metrics["final_loss"]))
+    weights = load_file(result.adapter_dir / "adapter_model.safetensors")
+    lora_b = [v for k, v in weights.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # B starts at zero: training moved it
+    assert any("embed_tokens" in k for k in weights)  # the full embedding is trained and saved
+    spec = json.loads((result.adapter_dir / "longpeft.json").read_text())
+    assert spec["rope_parameters"]["rope_theta"] == 1e6 and spec["method"] == "rope_base"
+    assert (result.output_dir / "loss.png").is_file() and (result.output_dir / "metrics.json").is_file()
+    lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2]
+
+
+class KillAtStep(TrainerCallback):
+    """Simulates a kill: raise once the given optimizer step is done (after the checkpoint before it)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt(f"killed at step {self.step}")
+
+
+def test_kill_and_resume_gives_the_uninterrupted_adapter(tiny_base_dirs, chat_jsonl, tmp_path):
+    base = tiny_base_dirs("llama")
+    settings = dict(max_steps=4, save_steps=2, per_device_batch_size=1, global_batch_size=2)
+    straight = run(tiny_recipe(base, chat_jsonl, tmp_path / "straight", **settings))
+
+    killed = tiny_recipe(base, chat_jsonl, tmp_path / "killed", **settings)
+    with pytest.raises(KeyboardInterrupt):
+        run(killed, callbacks=[KillAtStep(3)])
+    with pytest.raises(FileExistsError, match="--resume"):
+        run(killed)
+    resumed = run(killed, resume=True)
+
+    a = load_file(straight.adapter_dir / "adapter_model.safetensors")
+    b = load_file(resumed.adapter_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+    records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # the killed step 3 is not logged twice
