@@ -1,0 +1,122 @@
+"""Switch HARPE's per-head RoPE on and off on a built transformers model (plain or PEFT-wrapped).
+
+The rotation itself lives in :mod:`.modeling_harpe`, which is also the modeling file shipped with
+exported models, so the library and an exported model run the same code.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+from torch import nn
+
+from ...rope import head_dim_of, rope_parameters_of
+from .modeling_harpe import (
+    CAUSAL_LM_CLASS_BY_MODEL_TYPE,
+    HeadRotaryEmbedding,
+    is_attention_module,
+    patch_head_rope,
+)
+
+SUPPORTED_MODEL_TYPES = tuple(CAUSAL_LM_CLASS_BY_MODEL_TYPE)
+
+
+def _config_of(model: nn.Module):
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} has no .config; pass a transformers causal LM (or its PEFT wrapper)")
+    return config
+
+
+def num_kv_heads(config) -> int:
+    """Number of key/value heads (``num_key_value_heads``, or the query heads for plain multi-head attention)."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def check_head_bases(config, bases: Sequence[float]) -> list[float]:
+    """Validate one base per KV head for ``config``; returns them as floats.
+
+    Raises:
+        ValueError: wrong count, non-finite or <= 1 bases, or an unsupported architecture.
+    """
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"HARPE per-head RoPE supports model types {SUPPORTED_MODEL_TYPES}, not {config.model_type!r}"
+        )
+    bases = [float(b) for b in bases]
+    expected = num_kv_heads(config)
+    if len(bases) != expected:
+        raise ValueError(
+            f"head bases: got {len(bases)} bases but the model has {expected} key/value heads "
+            f"(num_key_value_heads); give one base per KV head, the query heads of a group share it"
+        )
+    bad = [b for b in bases if not math.isfinite(b) or b <= 1]
+    if bad:
+        raise ValueError(f"head bases must be finite and > 1, got {bad}")
+    if head_dim_of(config) % 2:
+        raise ValueError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
+    return bases
+
+
+def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
+    """Give every KV head its own RoPE base (HARPE), in place.
+
+    Query heads use the base of the KV head they read (with grouped-query attention, query head
+    ``h`` reads KV head ``h // (num_attention_heads // num_key_value_heads)``). The model's rotary
+    module is replaced by one that returns cos/sin with a head axis, and every attention module's
+    forward rotates with them; the attention kernel (eager, SDPA, flash-attn) and the KV cache are
+    the model's own. The bases are stored as ``config.head_rope_bases``, so ``save_pretrained``
+    keeps them. Calling it again replaces the bases.
+
+    The per-head frequencies are plain RoPE frequencies of each base: a model whose
+    ``rope_parameters`` use another rope_type (llama3, yarn, ...) loses that scaling, with a warning.
+
+    Args:
+        model: a Llama, Mistral, Qwen2 or Qwen3 causal LM (or its inner model), plain or PEFT-wrapped.
+        bases: ``num_key_value_heads`` RoPE bases.
+    """
+    config = _config_of(model)
+    bases = check_head_bases(config, bases)
+    rope_type = rope_parameters_of(config).get("rope_type", "default")
+    if rope_type != "default":
+        warnings.warn(
+            f"the model's rope_type is {rope_type!r}; HARPE replaces it with plain RoPE at one base per head",
+            stacklevel=2,
+        )
+    if not any(is_attention_module(m) for m in model.modules()):
+        raise ValueError(f"found no attention module with q/k/v/o projections in {type(model).__name__}")
+    if not any(isinstance(m, HeadRotaryEmbedding) or (hasattr(m, "inv_freq") and hasattr(m, "rope_type"))
+               for m in model.modules()):
+        raise ValueError(f"found no rotary embedding module in {type(model).__name__}; is it a RoPE model?")
+    patch_head_rope(model, bases)
+
+
+def has_head_bases(model: nn.Module) -> bool:
+    """Whether HARPE's per-head RoPE is active on ``model``."""
+    return any(isinstance(m, HeadRotaryEmbedding) for m in model.modules())
+
+
+def remove_head_bases(model: nn.Module) -> None:
+    """Undo :func:`apply_head_bases`: restore the original rotary modules and attention forwards.
+
+    Raises:
+        ValueError: when the model has no per-head RoPE.
+    """
+    if not has_head_bases(model):
+        raise ValueError(f"{type(model).__name__} has no HARPE per-head RoPE to remove")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, HeadRotaryEmbedding):
+                if child.replaced is None:
+                    raise ValueError("this per-head rotary module was built without the original one; cannot restore")
+                setattr(parent, name, child.replaced)
+    for module in model.modules():
+        if is_attention_module(module) and "forward" in module.__dict__:
+            del module.forward
+            del module.eager_attention_forward
+    for config in {id(c): c for c in (_config_of(model), *(m.config for m in model.modules()
+                                                             if is_attention_module(m)))}.values():
+        if hasattr(config, "head_rope_bases"):
+            del config.head_rope_bases
