@@ -146,3 +146,23 @@ def test_kill_and_resume_gives_the_uninterrupted_adapter(tiny_base_dirs, chat_js
         assert torch.allclose(a[key], b[key], atol=1e-6), key
     records = [json.loads(line) for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # the killed step 3 is not logged twice
+
+
+def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
+    """accelerate launch spawns 2 CPU processes (gloo); the global batch is split across them."""
+    out = tmp_path / "mp"
+    command = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531",
+        "-m", "longpeft.cli", "train", "tiny-cpu",
+        "--set", f"model.name_or_path={tiny_base_dirs('llama')}", "--set", f"data.source={chat_jsonl}",
+        "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
+        "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256",
+    ]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = json.loads((out / "recipe.resolved.json").read_text())
+    assert resolved["world_size"] == 2 and resolved["gradient_accumulation_steps"] == 1
+    assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter" / "longpeft.json").is_file()
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["steps"] == 2 and summary["train"]["epoch"] == 0.5  # 2 steps x 2 processes = 4 of 8 samples

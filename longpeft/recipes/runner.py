@@ -180,7 +180,12 @@ def lora_config(recipe: Recipe):
 
 
 def world_size() -> int:
+    """Number of training processes (set by accelerate launch / torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def gradient_accumulation(recipe: Recipe, processes: int) -> int:
@@ -278,11 +283,12 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
 
     output_dir = recipe.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
-    base_id = base_location(recipe, output_dir)
-    model, tokenizer, spec = load_base(recipe, base_id)
-    dataset = load_conversations(recipe.data, tokenizer)
-    dataset, data_stats = filter_by_length(dataset, tokenizer, recipe.data.max_length, recipe.data.truncate)
     args = sft_config(recipe, output_dir)
+    with args.main_process_first(local=True, desc="base model and data"):
+        base_id = base_location(recipe, output_dir)
+        model, tokenizer, spec = load_base(recipe, base_id)
+        dataset = load_conversations(recipe.data, tokenizer)
+        dataset, data_stats = filter_by_length(dataset, tokenizer, recipe.data.max_length, recipe.data.truncate)
     peft_config = lora_config(recipe)
     trainer = SFTTrainer(
         model=model,
@@ -324,13 +330,15 @@ def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] |
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
-    if resume:
-        _trim_metrics(output_dir / "metrics.jsonl", int(checkpoint.name.rsplit("-", 1)[1]))
-    else:
-        (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if is_main_process():
+        if resume:
+            _trim_metrics(output_dir / "metrics.jsonl", int(checkpoint.name.rsplit("-", 1)[1]))
+        else:
+            (output_dir / "metrics.jsonl").unlink(missing_ok=True)
     prepared = prepare(recipe, callbacks)
     trainer = prepared.trainer
-    (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
+    if trainer.is_world_process_zero():
+        (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
 
     adapter_dir = output_dir / "adapter"
