@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,22 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
     return ContextSpec.from_base(base_config, recipe.method, base_model=base_id, **changes)
 
 
+def attention_implementation(requested: str) -> str:
+    """The requested attention kernel, or SDPA (with a warning) when flash-attn cannot run here."""
+    if requested != "flash_attention_2":
+        return requested
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return requested
+    warnings.warn(
+        "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package "
+        "(pip install 'longpeft[flash-attn]'); using sdpa instead",
+        stacklevel=2,
+    )
+    return "sdpa"
+
+
 def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
     """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
     m = recipe.model
@@ -142,7 +159,7 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
         base_id,
         config=config,
         dtype=_DTYPES[m.dtype],
-        attn_implementation=m.attn_implementation,
+        attn_implementation=attention_implementation(m.attn_implementation),
         quantization_config=quantization_config(recipe),
         **common,
     )
