@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -238,6 +239,38 @@ def _unblock_empty_rows(mask: torch.Tensor) -> torch.Tensor:
     return mask | empty
 
 
+def _fill_causal_string_mask(mask: torch.Tensor, first: int, end: int, shift: int) -> None:
+    """Write the additive mask of one query block of :func:`string_attention_sdpa` (model mask causal).
+
+    Query rows have cache indices ``first .. end-1``; the block's keys are the shifted copies of
+    keys ``0 .. end-S-1`` followed by the plain copies of keys ``first-S+1 .. end-1``. Row ``i``
+    may read shifted key ``j`` when ``i - j >= S`` and plain key ``j`` when ``0 <= i - j < S``.
+    Only three bands, at most ``end - first`` columns wide each, are blocked, so the mask is
+    zeroed and the bands filled in place.
+
+    Args:
+        mask: ``[end - first, (end - S) + (end - first + S - 1)]``, overwritten with 0 / -inf.
+    """
+    n_shifted, near_lo = end - shift, first - shift + 1
+    mask.zero_()
+    rows = torch.arange(first, end, device=mask.device)[:, None]
+
+    def block_band(columns_from: int, keys: torch.Tensor, blocked: torch.Tensor) -> None:
+        mask[:, columns_from : columns_from + keys.numel()].masked_fill_(blocked, float("-inf"))
+
+    far_keys = torch.arange(near_lo, n_shifted, device=mask.device)  # shifted copies some rows must skip
+    block_band(near_lo, far_keys, far_keys[None, :] > rows - shift)
+    near_keys = far_keys  # their plain copies are too far for the other rows
+    block_band(n_shifted, near_keys, near_keys[None, :] <= rows - shift)
+    future_keys = torch.arange(first + 1, end, device=mask.device)  # causal part
+    block_band(n_shifted + first + 1 - near_lo, future_keys, future_keys[None, :] > rows)
+
+
+def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A contiguous ``shape`` view on the start of a flat reusable buffer."""
+    return flat[: math.prod(shape)].view(*shape)
+
+
 def string_attention_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -250,7 +283,14 @@ def string_attention_sdpa(
     dropout: float = 0.0,
     block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """STRING attention on torch's scaled_dot_product_attention (exact; also the eager path's kernel).
+    """STRING attention on torch's scaled_dot_product_attention (exact).
+
+    Query rows with no key ``S`` or more positions away run as plain (causal) attention; the
+    others run in blocks of ``block`` rows, each over the shifted copies of keys ``0 .. end-S-1``
+    and the plain copies of keys ``first-S+1 .. end-1`` with a mask that lets each row read
+    exactly one copy of each key. Block keys, values and masks live in buffers reused across
+    blocks (fresh large allocations per block cost more than the copies), so the extra memory is
+    about one copy of the keys and values.
 
     Args:
         query: ``[batch, heads, T, head_dim]``, RoPE'd at the T newest positions.
@@ -266,13 +306,13 @@ def string_attention_sdpa(
         ``[batch, T, heads, head_dim]``.
     """
     batch, heads, n_queries, head_dim = query.shape
-    n_keys = key.shape[2]
+    kv_heads, n_keys = key.shape[1], key.shape[2]
     offset = n_keys - n_queries  # cache index of query row 0
     device = query.device
     out = query.new_empty(batch, n_queries, heads, head_dim)
-    sdpa = lambda q, k, v, **kw: F.scaled_dot_product_attention(  # noqa: E731
-        q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, **kw
-    )
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, **kw)
 
     # Rows whose keys are all nearer than S: plain attention.
     n_plain = min(max(shift - offset, 0), n_queries)
@@ -289,26 +329,42 @@ def string_attention_sdpa(
     if n_plain == n_queries:
         return out
 
-    shifted_key = rotate_keys_forward(key[:, :, : n_keys - shift], shift - local_window, inv_freq)
+    # Block keys: shifted copies of keys [0, n_shifted), then plain copies of keys [near_lo, end).
+    # n_shifted grows by one block each step, so the shifted prefix is only appended to (rotating
+    # just the new keys); the plain part after it is rewritten every block.
+    rows_per_block = min(block, n_queries - n_plain)
+    most_keys = (n_keys - shift) + rows_per_block + shift - 1
+    keys = key.new_empty(batch, kv_heads, most_keys, head_dim)
+    values = value.new_empty(batch, kv_heads, most_keys, head_dim)
+    mask_buffer = query.new_empty(rows_per_block * most_keys) if attention_mask is None else None
+    shifted_done = 0
     for start in range(n_plain, n_queries, block):
         stop = min(start + block, n_queries)
         first, end = offset + start, offset + stop  # cache indices of the block's queries: [first, end)
-        n_shifted = end - shift  # keys j < end - S can be at distance >= S from some query
-        near_lo = max(first - shift + 1, 0)  # keys j > first - S are nearer than S to some query
-        rows = torch.arange(first, end, device=device)[:, None]
-        dist_shifted = rows - torch.arange(n_shifted, device=device)[None, :]
-        dist_near = rows - torch.arange(near_lo, end, device=device)[None, :]
-        allowed = torch.cat((dist_shifted >= shift, dist_near < shift), dim=1)
-        if attention_mask is None:
-            allowed[:, n_shifted:] &= dist_near >= 0
-            mask = allowed
+        n_shifted, near_lo = end - shift, first - shift + 1  # shifted copies [0, n_shifted), plain [near_lo, end)
+        width = n_shifted + end - near_lo
+        keys[:, :, shifted_done:n_shifted] = rotate_keys_forward(
+            key[:, :, shifted_done:n_shifted], shift - local_window, inv_freq
+        )
+        values[:, :, shifted_done:n_shifted] = value[:, :, shifted_done:n_shifted]
+        shifted_done = n_shifted
+        keys[:, :, n_shifted:width] = key[:, :, near_lo:end]
+        values[:, :, n_shifted:width] = value[:, :, near_lo:end]
+        if attention_mask is None and stop - start == 1:
+            mask = None  # one query (decoding): it reads every key exactly once
+        elif attention_mask is None:
+            mask = _view(mask_buffer, stop - start, width)
+            _fill_causal_string_mask(mask, first, end, shift)
         else:
+            rows = torch.arange(first, end, device=device)[:, None]
+            dist_shifted = rows - torch.arange(n_shifted, device=device)[None, :]
+            dist_near = rows - torch.arange(near_lo, end, device=device)[None, :]
+            allowed = torch.cat((dist_shifted >= shift, dist_near < shift), dim=1)
             base = attention_mask[..., start:stop, :]
             base = torch.cat((base[..., :n_shifted], base[..., near_lo:end]), dim=-1)
             mask = _unblock_empty_rows(_restrict(base, allowed))
-        keys = torch.cat((shifted_key[:, :, :n_shifted], key[:, :, near_lo:end]), dim=2)
-        values = torch.cat((value[:, :, :n_shifted], value[:, :, near_lo:end]), dim=2)
-        out[:, start:stop] = sdpa(query[:, :, start:stop], keys, values, attn_mask=mask).transpose(1, 2)
+        block_out = sdpa(query[:, :, start:stop], keys[:, :, :width], values[:, :, :width], attn_mask=mask)
+        out[:, start:stop] = block_out.transpose(1, 2)
     return out
 
 
