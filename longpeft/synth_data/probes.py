@@ -1,0 +1,408 @@
+"""Probe (evaluation) sets with exact token lengths: passkey, needle-in-a-haystack (single, multi
+key / value / query), variable tracking, common-word extraction and topic retrieval.
+
+Every probe is assembled in token space for a given tokenizer, so ``len(probe.input_ids)`` equals
+the requested length exactly: the fixed text (instruction, needles, question, chat template) is
+tokenized piece by piece and a haystack of filler sentences fills the rest, cut to the exact
+number of tokens. Needles go in at sentence boundaries nearest the requested depth (0 = start of
+the haystack, 1 = end). The prompt ends where the answer should begin ("... The pass key is"),
+so base and chat models alike continue with the answer. Everything is deterministic given the
+seed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import string
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+PASSKEY_FILLER = [
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+]
+_SUBJECTS = ["river", "old mill", "council", "market", "north road", "harbor", "village school", "orchard", "bridge", "library"]
+_VERBS = ["was repaired", "opened early", "stayed quiet", "was painted", "grew busy", "was measured", "was cleaned", "closed late"]
+_TIMES = ["in spring", "after the storm", "every morning", "last year", "before the festival", "at dusk", "in winter", "on market day"]
+_DETAILS = ["and people talked about it for days", "while the bells rang", "as the carts went by", "and nobody minded",
+            "under a grey sky", "with little fuss", "as it had for years", "and the work went on"]
+_KEY_WORDS = ("amber basalt cedar dune ember fjord glacier harbor iris juniper kelp lagoon meadow nectar orchid "
+              "pebble quartz raven saffron tundra umber violet willow yarrow zephyr").split()
+_TOPIC_WORDS = ("astronomy beekeeping calligraphy dinosaurs economics falconry geology hiking impressionism jazz "
+                "knitting lighthouses mushrooms navigation origami pottery quilting robotics sailing tea "
+                "volcanoes whales xylophones yoga zoology").split()
+_SYLLABLES = "ba be bi bo bu da de di do du ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo vu".split()
+
+TASKS = (
+    "passkey",
+    "niah_single",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "variable_tracking",
+    "common_words",
+    "topic_retrieval",
+)
+# Tasks whose needles are placed at a depth (the others ignore ``depth``).
+DEPTH_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
+
+
+@dataclass
+class Probe:
+    """One evaluation prompt.
+
+    Attributes:
+        task: one of ``TASKS``.
+        input_ids: the prompt, exactly ``length`` token ids (special tokens included).
+        answers: what the continuation must contain (one string, or several for recall tasks).
+        metric: ``"exact"`` (the continuation starts with the single answer) or ``"recall"``
+            (fraction of ``answers`` found in the continuation).
+        length: prompt length in tokens.
+        depth: needle depth in [0, 1] (None for tasks without one).
+        metadata: task details (needle token positions, keys, ...).
+    """
+
+    task: str
+    input_ids: list[int]
+    answers: list[str]
+    metric: str
+    length: int
+    depth: float | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class ProbeBuilder:
+    """Builds probes of exact token lengths for one tokenizer.
+
+    Args:
+        tokenizer: a transformers tokenizer.
+        chat: wrap the prompt in the tokenizer's chat template as one user turn followed by the
+            generation prompt (the answer cue then ends the user turn).
+        seed: base seed of the random choices.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool = False, seed: int = 0):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.rng = random.Random(seed)
+        self._encoded: dict[str, list[int]] = {}
+        if chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise ValueError("chat=True needs a tokenizer with a chat_template; use chat=False for base models")
+            marker = "\u2063PROBE\u2063"
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+            )
+            head, tail = text.split(marker)
+            self.head = self.encode(head)
+            self.tail = self.encode(tail)
+        else:
+            self.head = self.special_prefix()
+            self.tail = []
+
+    def encode(self, text: str) -> list[int]:
+        if text not in self._encoded:
+            self._encoded[text] = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._encoded[text]
+
+    def special_prefix(self) -> list[int]:
+        """Special tokens the tokenizer puts before a text (e.g. BOS), without any it appends."""
+        ids = self.tokenizer("", add_special_tokens=True)["input_ids"]
+        eos = self.tokenizer.eos_token_id
+        return [i for i in ids if i != eos]
+
+    # --- haystack -----------------------------------------------------------------------------
+
+    def filler_sentence(self, kind: str) -> str:
+        if kind == "passkey":
+            return self.rng.choice(PASSKEY_FILLER)
+        return (
+            f"The {self.rng.choice(_SUBJECTS)} {self.rng.choice(_VERBS)} "
+            f"{self.rng.choice(_TIMES)} {self.rng.choice(_DETAILS)}."
+        )
+
+    def haystack(self, n_tokens: int, kind: str) -> tuple[list[int], list[int]]:
+        """Filler of exactly ``n_tokens`` tokens and the token offsets where sentences start."""
+        ids: list[int] = []
+        starts: list[int] = []
+        while len(ids) < n_tokens:
+            starts.append(len(ids))
+            ids.extend(self.encode(" " + self.filler_sentence(kind)))
+        starts.append(n_tokens)
+        return ids[:n_tokens], [s for s in starts if s <= n_tokens]
+
+    def assemble(
+        self,
+        length: int,
+        instruction: str,
+        inserts: Sequence[tuple[float, str]],
+        question: str,
+        kind: str = "essay",
+    ) -> tuple[list[int], list[int]]:
+        """Prompt of exactly ``length`` tokens: [head] instruction, haystack with inserts, question [tail].
+
+        Args:
+            inserts: ``(depth, text)`` pairs, placed at the sentence start nearest ``depth``
+                of the haystack, in order for equal depths.
+
+        Returns:
+            ``(input_ids, insert_token_positions)``.
+        """
+        fixed = self.head + self.encode(instruction) + self.encode(" " + question) + self.tail
+        insert_ids = [self.encode(" " + text) for _, text in inserts]
+        n_hay = length - len(fixed) - sum(len(i) for i in insert_ids)
+        if n_hay < 0:
+            raise ValueError(
+                f"probe length {length} is shorter than its fixed text ({length - n_hay} tokens: instruction, "
+                "needles, question); use a longer length"
+            )
+        hay, starts = self.haystack(n_hay, kind)
+        boundaries = [min(starts, key=lambda s: abs(s - depth * n_hay)) for depth, _ in inserts]
+        order = sorted(range(len(inserts)), key=lambda k: (boundaries[k], k))
+        body: list[int] = []
+        positions = [0] * len(inserts)
+        cursor = 0
+        prefix_len = len(self.head) + len(self.encode(instruction))
+        for k in order:
+            body.extend(hay[cursor : boundaries[k]])
+            cursor = boundaries[k]
+            positions[k] = prefix_len + len(body)
+            body.extend(insert_ids[k])
+        body.extend(hay[cursor:])
+        ids = self.head + self.encode(instruction) + body + self.encode(" " + question) + self.tail
+        assert len(ids) == length, (len(ids), length)
+        return ids, positions
+
+    # --- random values --------------------------------------------------------------------------
+
+    def number(self, digits: int) -> str:
+        return str(self.rng.randrange(10 ** (digits - 1), 10**digits)) if digits > 1 else str(self.rng.randrange(10))
+
+    def key_phrase(self, used: set[str]) -> str:
+        while True:
+            phrase = "-".join(self.rng.sample(_KEY_WORDS, 2))
+            if phrase not in used:
+                used.add(phrase)
+                return phrase
+
+    def pseudo_word(self, used: set[str], syllables: int = 3) -> str:
+        while True:
+            word = "".join(self.rng.choice(_SYLLABLES) for _ in range(syllables))
+            if word not in used:
+                used.add(word)
+                return word
+
+    # --- tasks ----------------------------------------------------------------------------------
+
+    def passkey(self, length: int, depth: float, digits: int = 5) -> Probe:
+        key = self.number(digits)
+        instruction = (
+            "There is an important piece of information hidden inside a lot of irrelevant text. "
+            "Find it and memorize it. I will quiz you about it."
+        )
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        ids, pos = self.assemble(length, instruction, [(depth, needle)], "What is the pass key? The pass key is", "passkey")
+        return Probe("passkey", ids, [key], "exact", length, depth, {"needle_position": pos[0]})
+
+    def niah(
+        self,
+        length: int,
+        depth: float,
+        n_keys: int = 1,
+        n_values: int = 1,
+        n_queries: int = 1,
+        digits: int = 7,
+        task: str = "niah_single",
+    ) -> Probe:
+        """RULER-style needles "The special magic number for <key> is: <value>."
+
+        ``n_keys`` needles with distinct keys (distractors beyond the queried ones), ``n_values``
+        values for each key, ``n_queries`` keys asked. Needles spread evenly over
+        ``[depth, 1]`` when there are several (all at ``depth`` for one).
+        """
+        if n_queries > n_keys:
+            raise ValueError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
+        used: set[str] = set()
+        keys = [self.key_phrase(used) for _ in range(n_keys)]
+        values = {k: [self.number(digits) for _ in range(n_values)] for k in keys}
+        needles = [f"The special magic number for {k} is: {v}." for k in keys for v in values[k]]
+        self.rng.shuffle(needles)
+        spread = [depth + (1 - depth) * i / max(len(needles), 1) for i in range(len(needles))]
+        asked = self.rng.sample(keys, n_queries)
+        if n_queries == 1 and n_values == 1:
+            question = f"What is the special magic number for {asked[0]}? The special magic number for {asked[0]} is:"
+            metric = "exact"
+        else:
+            what = ", ".join(asked)
+            question = (
+                f"What are all the special magic numbers for {what}? The special magic numbers for {what} are:"
+            )
+            metric = "recall"
+        instruction = "Some special magic numbers are hidden in the following text. Memorize them. I will quiz you about them."
+        ids, pos = self.assemble(length, instruction, list(zip(spread, needles)), question)
+        answers = [v for k in asked for v in values[k]]
+        return Probe(task, ids, answers, metric, length, depth, {"keys": keys, "asked": asked, "needle_positions": pos})
+
+    def variable_tracking(self, length: int, n_chains: int = 1, n_hops: int = 4, digits: int = 5) -> Probe:
+        """RULER variable tracking: ``VAR A = 12345``, ``VAR B = VAR A``, ...; name all variables holding the value."""
+        used: set[str] = set()
+        letters = string.ascii_uppercase
+
+        def name() -> str:
+            while True:
+                n = "".join(self.rng.choice(letters) for _ in range(5))
+                if n not in used:
+                    used.add(n)
+                    return n
+
+        chains = []
+        for _ in range(n_chains):
+            names = [name() for _ in range(n_hops + 1)]
+            chains.append((self.number(digits), names))
+        inserts = []
+        for value, names in chains:
+            statements = [f"VAR {names[0]} = {value}."] + [f"VAR {b} = VAR {a}." for a, b in zip(names, names[1:])]
+            depths = sorted(self.rng.uniform(0.0, 1.0) for _ in statements)
+            inserts += list(zip(depths, statements))
+        value, names = chains[0]
+        instruction = "Memorize and track the chain(s) of variable assignment hidden in the following text."
+        question = (
+            f"Question: Find all variables that are assigned the value {value} in the text above. Answer: According "
+            f"to the chain(s) of variable assignment in the text above, {len(names)} variables are assigned the value "
+            f"{value}, they are:"
+        )
+        ids, pos = self.assemble(length, instruction, sorted(inserts, key=lambda x: x[0]), question)
+        return Probe("variable_tracking", ids, names, "recall", length, None, {"value": value, "positions": pos})
+
+    def common_words(self, length: int, n_common: int = 10, rare_freq: int = 1) -> Probe:
+        """RULER common-word extraction: a numbered word list; name the ``n_common`` most frequent words.
+
+        Common words make up about half of the list whatever the length (each appears at least
+        3 times and at least 3x as often as any other word).
+        """
+        instruction = "Below is a numbered list of words. In these words, some appear more often than others."
+        question = (
+            f"Question: What are the {n_common} most common words in the above list? Answer: The top {n_common} "
+            "words that appear most often in the list are:"
+        )
+        per_item = len(self.encode(" 100. kabemi"))
+        fixed = len(self.head) + len(self.encode(instruction)) + len(self.encode(" " + question)) + len(self.tail)
+        n_items = max((length - fixed) // per_item + 2, 1)
+        common_freq = max(3 * rare_freq, 3, n_items // (2 * n_common))
+        if n_common * common_freq > n_items:
+            raise ValueError(
+                f"length {length} is too short for {n_common} common words appearing {common_freq} times each; "
+                "use a longer length or fewer common words"
+            )
+        used: set[str] = set()
+        common = [self.pseudo_word(used) for _ in range(n_common)]
+        words = [w for w in common for _ in range(common_freq)]
+        while len(words) < n_items:
+            words += [self.pseudo_word(used)] * rare_freq
+        self.rng.shuffle(words)
+        # More rare words after the shuffled list in case the estimate was short (the cut drops the tail).
+        more = (self.pseudo_word(used) for _ in itertools.count())
+        items = (f"{i + 1}. {w}" for i, w in enumerate(itertools.chain(words, more)))
+        ids, _ = self.assemble_list(length, instruction, items, question)
+        return Probe("common_words", ids, common, "recall", length, None, {"common_freq": common_freq})
+
+    def assemble_list(self, length: int, instruction: str, items: Iterable[str], question: str) -> tuple[list[int], int]:
+        """Prompt of exactly ``length`` tokens whose body is ``items`` (cut at the end to fit)."""
+        fixed = self.head + self.encode(instruction)
+        end = self.encode(" " + question) + self.tail
+        n_body = length - len(fixed) - len(end)
+        if n_body < 0:
+            raise ValueError(f"probe length {length} is shorter than its fixed text; use a longer length")
+        body: list[int] = []
+        n_items = 0
+        for item in items:
+            if len(body) >= n_body:
+                break
+            body.extend(self.encode(" " + item))
+            n_items += 1
+        if len(body) < n_body:
+            raise ValueError(f"not enough list items to fill {length} tokens")
+        ids = fixed + body[:n_body] + end
+        assert len(ids) == length
+        return ids, n_items
+
+    def topic_retrieval(self, length: int, n_topics: int = 5) -> Probe:
+        """LongChat topic retrieval: several conversations on different topics; name the first one."""
+        topics = self.rng.sample(_TOPIC_WORDS, n_topics)
+        instruction = (
+            f"Below is a record of our previous conversation on {n_topics} different topics. The USER asked to "
+            "discuss a topic and we talked about it."
+        )
+        inserts = [
+            (i / n_topics, f"USER: I would like to discuss the topic of {t}. ASSISTANT: Sure, let us talk about {t}.")
+            for i, t in enumerate(topics)
+        ]
+        question = "What is the first topic we discussed? Only give the topic name. The first topic we discussed is"
+        ids, pos = self.assemble(length, instruction, inserts, question)
+        return Probe("topic_retrieval", ids, [topics[0]], "exact", length, None, {"topics": topics, "positions": pos})
+
+    def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
+        """One probe of ``task`` (see ``TASKS``); ``depth`` is used by the needle tasks only."""
+        depth = 0.5 if depth is None else float(depth)
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth must be in [0, 1], got {depth}")
+        if task == "passkey":
+            return self.passkey(length, depth, **options)
+        if task == "niah_single":
+            return self.niah(length, depth, **options)
+        if task == "niah_multikey":
+            return self.niah(length, depth, **{"n_keys": 4, **options}, task=task)
+        if task == "niah_multivalue":
+            return self.niah(length, depth, **{"n_values": 4, **options}, task=task)
+        if task == "niah_multiquery":
+            return self.niah(length, depth, **{"n_keys": 4, "n_queries": 2, **options}, task=task)
+        if task == "variable_tracking":
+            return self.variable_tracking(length, **options)
+        if task == "common_words":
+            return self.common_words(length, **options)
+        if task == "topic_retrieval":
+            return self.topic_retrieval(length, **options)
+        raise ValueError(f"unknown probe task {task!r}; choose one of {TASKS}")
+
+
+def make_probes(
+    task: str,
+    tokenizer: PreTrainedTokenizerBase,
+    lengths: Sequence[int],
+    depths: Sequence[float] | None = None,
+    n_samples: int = 10,
+    seed: int = 0,
+    chat: bool = False,
+    **options: Any,
+) -> list[Probe]:
+    """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for ``DEPTH_TASKS``).
+
+    Args:
+        task: one of ``TASKS``.
+        lengths: prompt lengths in tokens.
+        depths: needle depths in [0, 1] (default 0, 0.25, 0.5, 0.75, 1 for needle tasks).
+        n_samples: probes per cell.
+        seed: everything is deterministic given it.
+        chat: wrap prompts in the tokenizer's chat template.
+        options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
+    """
+    if task not in TASKS:
+        raise ValueError(f"unknown probe task {task!r}; choose one of {TASKS}")
+    if n_samples < 1:
+        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+    if task in DEPTH_TASKS:
+        grid_depths: list[float | None] = list(depths) if depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
+    else:
+        grid_depths = [None]
+    builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
+    return [builder.make(task, int(length), depth, **options) for length in lengths for depth in grid_depths for _ in range(n_samples)]
