@@ -1,0 +1,83 @@
+"""Batched greedy generation with left padding that stops on every eos id of the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """All end-of-sequence ids: the generation config's (a list for e.g. Llama-3-Instruct), the
+    model config's and the tokenizer's, without duplicates."""
+    ids: list[int] = []
+    sources = (
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+        getattr(getattr(model, "config", None), "eos_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    )
+    for value in sources:
+        for i in value if isinstance(value, (list, tuple)) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    if not ids:
+        raise ValueError("the model and tokenizer define no eos token id; set generation_config.eos_token_id")
+    return ids
+
+
+def pad_token_id(tokenizer: Any, eos_ids: Sequence[int]) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)``, each ``[batch, longest]``, padded on the left."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), longest), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        if len(prompt):
+            input_ids[row, longest - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+            attention_mask[row, longest - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+def greedy_generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    batch_size: int = 4,
+    desc: str = "generating",
+) -> list[str]:
+    """Greedy continuations of token-id prompts, decoded without special tokens.
+
+    Prompts are batched in order (``batch_size`` at a time), left-padded; each continuation is cut
+    at the first of the model's eos ids.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    device = getattr(model, "device", torch.device("cpu"))
+    outputs: list[str] = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
+        batch = prompts[start : start + batch_size]
+        input_ids, attention_mask = left_pad(batch, pad_id)
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=eos_ids,
+                pad_token_id=pad_id,
+            )
+        for row in generated[:, input_ids.shape[1] :].tolist():
+            cut = next((k for k, token in enumerate(row) if token in eos_ids), len(row))
+            outputs.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return outputs

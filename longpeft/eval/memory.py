@@ -1,0 +1,86 @@
+"""Memory estimate for evaluation forwards: fail early, with the estimated need, when inputs cannot fit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..rope import head_dim_of
+
+
+class InsufficientMemoryError(MemoryError):
+    """The evaluation input is estimated not to fit in the device's free memory."""
+
+
+def _dtype_bytes(model: Any) -> int:
+    try:
+        return next(model.parameters()).element_size()
+    except (StopIteration, AttributeError):
+        return 4
+
+
+def estimate_forward_bytes(
+    config: Any, batch_size: int, seq_len: int, dtype_bytes: int = 2, attn_implementation: str = "sdpa", logits_tokens: int = 1
+) -> int:
+    """Bytes a no-grad forward of ``batch_size`` x ``seq_len`` tokens needs beyond the weights.
+
+    Counts the KV cache of all layers, one layer's activations (hidden, MLP and q/k/v/o), the
+    attention workspace (the full ``[heads, seq, seq]`` fp32 scores for eager attention; for
+    SDPA/flash, the fp32 output plus STRING's extra copy of keys and values) and the fp32 logits of
+    ``logits_tokens`` positions per sequence.
+    """
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = head_dim_of(config)
+    hidden = config.hidden_size
+    intermediate = getattr(config, "intermediate_size", 4 * hidden)
+    tokens = batch_size * seq_len
+    kv_cache = 2 * layers * tokens * kv_heads * head_dim * dtype_bytes
+    activations = tokens * (4 * hidden + 3 * intermediate + (heads + 2 * kv_heads) * head_dim) * dtype_bytes
+    if attn_implementation == "eager":
+        attention = 2 * batch_size * heads * seq_len * seq_len * 4
+    else:
+        attention = tokens * heads * head_dim * 4 + 2 * tokens * kv_heads * head_dim * dtype_bytes
+    logits = batch_size * logits_tokens * config.vocab_size * 4
+    return kv_cache + activations + attention + logits
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """Free memory on ``device``: CUDA free memory, or the system's MemAvailable for the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_memory(model: Any, batch_size: int, seq_len: int, logits_tokens: int = 1, headroom: float = 0.9) -> int:
+    """Raise InsufficientMemoryError when a forward of ``batch_size`` x ``seq_len`` will not fit.
+
+    Returns:
+        The estimated bytes.
+    """
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "num_hidden_layers"):
+        return 0  # not a transformers model (e.g. a test double): nothing to estimate
+    device = getattr(model, "device", torch.device("cpu"))
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    need = estimate_forward_bytes(config, batch_size, seq_len, _dtype_bytes(model), implementation, logits_tokens)
+    free = available_bytes(device)
+    if need > headroom * free:
+        raise InsufficientMemoryError(
+            f"evaluating {batch_size} x {seq_len} tokens needs about {need / 2**30:.2f} GiB beyond the weights "
+            f"({implementation} attention), but only {free / 2**30:.2f} GiB is free on {device}; lower --batch-size "
+            "or the longest length, or use sdpa/flash attention instead of eager"
+        )
+    return need

@@ -1,0 +1,55 @@
+"""PNG plots of evaluation results (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def depth_length_heatmap(
+    scores: dict[tuple[int, float], float], path: str | Path, title: str, lengths: Sequence[int], depths: Sequence[float]
+) -> Path:
+    """The papers' needle-in-a-haystack picture: depth (rows, 0% at the top) x length (columns).
+
+    Args:
+        scores: ``(length, depth) -> score in [0, 1]``.
+    """
+    grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("needle depth")
+    for row, depth_scores in enumerate(grid):
+        for col, value in enumerate(depth_scores):
+            ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, ax=ax, label="score")
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> Path:
+    """Line plot of a task's score against context length."""
+    lengths = sorted(scores)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.plot(lengths, [scores[length] for length in lengths], marker="o")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("score")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
