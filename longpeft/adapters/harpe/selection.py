@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ...rope import per_head_inv_freq
@@ -81,6 +80,21 @@ def waveform(bases: list[float], head_dim: int, target_length: int) -> torch.Ten
     return torch.stack([torch.cos(distances[:, None] * row[None, :]).sum(dim=1) for row in theta])
 
 
+def window_max(x: torch.Tensor, width: int) -> torch.Tensor:
+    """``out[i] = max(x[i : i + width])`` for ``i = 0 .. len(x) - width``, in O(len(x)).
+
+    Van Herk / Gil-Werman: cut ``x`` into blocks of ``width``; a window spans at most two blocks, so
+    its maximum is the max of the suffix-maximum in the first block and the prefix-maximum in the
+    second.
+    """
+    length = x.numel()
+    padded = torch.cat((x, x.new_full((-length % width,), -math.inf))).view(-1, width)
+    prefix = padded.cummax(dim=1).values.flatten()
+    suffix = padded.flip(1).cummax(dim=1).values.flip(1).flatten()
+    starts = torch.arange(length - width + 1)
+    return torch.maximum(suffix[starts], prefix[starts + width - 1])
+
+
 def peaks_and_valleys(wave: torch.Tensor, radius: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Windowed extrema of a 1-D waveform.
 
@@ -94,13 +108,9 @@ def peaks_and_valleys(wave: torch.Tensor, radius: int) -> tuple[torch.Tensor, to
     Returns:
         ``(peaks, valleys)``: float64 positions, ascending.
     """
-    x = wave[None, None]
-    window_max = F.max_pool1d(x, 2 * radius + 1, stride=1, padding=radius)[0, 0]
-    window_min = -F.max_pool1d(-x, 2 * radius + 1, stride=1, padding=radius)[0, 0]
-    position = torch.arange(wave.numel())
-    inside = (position >= radius) & (position < wave.numel() - radius)
-    peaks = torch.nonzero((wave == window_max) & inside).flatten()
-    valleys = torch.nonzero((wave == window_min) & inside).flatten()
+    centre = wave[radius : wave.numel() - radius]  # positions whose window lies inside
+    peaks = torch.nonzero(centre == window_max(wave, 2 * radius + 1)).flatten() + radius
+    valleys = torch.nonzero(centre == -window_max(-wave, 2 * radius + 1)).flatten() + radius
     return peaks.double(), valleys.double()
 
 
