@@ -14,7 +14,13 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import longpeft
-from longpeft.adapters.harpe import apply_head_bases, has_head_bases, uniform_bases, write_remote_code
+from longpeft.adapters.harpe import (
+    apply_head_bases,
+    has_head_bases,
+    peak_valley_bases,
+    uniform_bases,
+    write_remote_code,
+)
 from longpeft.spec import ContextSpec
 from longpeft.tiny import tiny_model
 
@@ -171,3 +177,20 @@ def test_write_remote_code_errors(tmp_path):
     tiny_model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="2 key/value heads but 3 bases"):
         write_remote_code(tmp_path, [1e4, 1e4, 1e4])
+
+
+def test_harpe_recipes_have_the_paper_settings_and_give_head_bases():
+    from longpeft.recipes.runner import build_spec
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.tiny import tiny_config
+
+    paper = load_recipe("llama2-7b-harpe-128k")
+    assert paper.method == "harpe" and paper.harpe.selection == "peak_valley"
+    assert (paper.harpe.b_min, paper.harpe.b_max, paper.harpe.stride) == (1e6, 5e6, 3e4)
+    assert paper.train.learning_rate == 2e-5 and (paper.train.adam_beta1, paper.train.adam_beta2) == (0.9, 0.95)
+    assert paper.target_length == paper.data.max_length == 131072
+
+    tiny = load_recipe("tiny-harpe-cpu")
+    spec = build_spec(tiny, tiny_config("llama"), "tiny:llama")
+    assert spec.method == "harpe" and len(spec.head_bases) == 2 and spec.head_bases[0] == 1e4
+    assert spec.head_bases == peak_valley_bases(1e4, 1e6, 2, 1e4, 16, 1024, show_progress=False)
