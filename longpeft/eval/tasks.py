@@ -78,9 +78,9 @@ def run_probe_task(
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ValueError(f"lengths must be positive token counts, got {lengths}")
-    probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
     new_tokens = max_new_tokens or MAX_NEW_TOKENS[task]
-    check_memory(model, min(batch_size, len(probes)), lengths[-1] + new_tokens)
+    check_memory(model, batch_size, lengths[-1] + new_tokens)  # before building anything long
+    probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
     # Longest first: a memory problem shows up at once, not after the short lengths ran.
     order = sorted(range(len(probes)), key=lambda k: -probes[k].length)
     predictions: list[str] = [""] * len(probes)

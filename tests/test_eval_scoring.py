@@ -1,0 +1,55 @@
+"""Scoring functions on hand-made continuations."""
+
+from __future__ import annotations
+
+import pytest
+
+from longpeft.eval.scoring import exact_match, normalize, recall, score
+
+
+def test_normalize():
+    assert normalize("  The\n\tPass  KEY ") == "the pass key"
+
+
+@pytest.mark.parametrize(
+    ("prediction", "expected"),
+    [
+        (" 12345", 1.0),
+        ("12345. Remember it.", 1.0),
+        (' "12345"', 1.0),
+        (": 12345 is the key", 1.0),
+        ("\n12345\n", 1.0),
+        ("123456", 0.0),  # a longer number is wrong
+        ("1234", 0.0),
+        ("The pass key is 12345", 0.0),  # must come first
+        ("", 0.0),
+        ("54321", 0.0),
+    ],
+)
+def test_exact_match(prediction, expected):
+    assert exact_match(prediction, "12345") == expected
+
+
+def test_exact_match_words_ignore_case():
+    assert exact_match(" Geology.", "geology") == 1.0
+    assert exact_match(" geologys", "geology") == 0.0
+
+
+def test_recall():
+    answers = ["1111", "2222", "3333", "4444"]
+    assert recall("1111, 2222, 3333 and 4444.", answers) == 1.0
+    assert recall("2222 and 4444", answers) == 0.5
+    assert recall("11112222", answers) == 0.0  # digits glued to others are not the answer
+    assert recall("nothing here", answers) == 0.0
+    assert recall("They are: ABCDE, fghij", ["abcde", "FGHIJ", "KLMNO"]) == pytest.approx(2 / 3)
+
+
+def test_score_dispatch_and_errors():
+    assert score(" 7", ["7"], "exact") == 1.0
+    assert score("1 and 3", ["1", "2", "3", "4"], "recall") == 0.5
+    with pytest.raises(ValueError, match="exactly one answer"):
+        score("1", ["1", "2"], "exact")
+    with pytest.raises(ValueError, match="unknown metric"):
+        score("1", ["1"], "f1")
+    with pytest.raises(ValueError, match="at least one answer"):
+        recall("x", [])
