@@ -19,7 +19,7 @@ def demo_string_settings(trained_length: int) -> dict[str, int]:
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 
 
-def retrieval_report(out: str | Path, adapter_dir: str | Path, n_samples: int = 4, seed: int = 0) -> list[dict[str, Any]]:
+def retrieval_report(out: str | Path, adapter_dir: str | Path, n_samples: int = 3, seed: int = 0) -> list[dict[str, Any]]:
     """Score the demo's base model (``out/base``) and base + adapter on passkey and single-needle NIAH.
 
     Writes ``out/eval/<setting>/`` (JSON + heatmaps) and returns rows
@@ -43,9 +43,9 @@ def retrieval_report(out: str | Path, adapter_dir: str | Path, n_samples: int = 
         for use_string in (False, True):
             setting = f"{name} + STRING" if use_string else name
             folder = out / "eval" / setting.replace(" + ", "_")
-            common = dict(n_samples=n_samples, seed=seed, chat=chat, out_dir=folder, string=string if use_string else None)
+            common = dict(n_samples=n_samples, seed=seed, chat=chat, batch_size=9, out_dir=folder, string=string if use_string else None)
             passkey = evaluate("passkey", model, tokenizer, lengths=PASSKEY_LENGTHS, depths=(0.0, 0.5, 1.0), **common)
-            niah = evaluate("niah_single", model, tokenizer, lengths=NIAH_LENGTHS, depths=(0.0, 0.25, 0.5, 0.75, 1.0), **common)
+            niah = evaluate("niah_single", model, tokenizer, lengths=NIAH_LENGTHS, depths=(0.0, 0.5, 1.0), **common)
             for result in (passkey, niah):
                 for length, value in result["by_length"].items():
                     rows.append({"task": result["task"], "setting": setting, "length": int(length), "score": value})
