@@ -133,10 +133,16 @@ import torch
 from transformers import AutoModelForCausalLM
 
 model_dir, ids_path, out_path = sys.argv[1:4]
+try:
+    AutoModelForCausalLM.from_pretrained(model_dir)
+except ValueError as error:
+    assert "trust_remote_code" in str(error), error
+else:
+    raise SystemExit("loaded without trust_remote_code: the per-head bases would be silently ignored")
 model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, attn_implementation="eager").eval()
 with torch.no_grad():
     torch.save(model(torch.load(ids_path)).logits, out_path)
-print(type(model).__name__, model.config.head_rope_bases)
+print("\nLOADED", type(model).__name__, model.config.head_rope_bases)
 """
 
 
@@ -156,6 +162,7 @@ def test_merged_export_loads_with_plain_transformers_without_longpeft(tmp_path, 
     write_remote_code(export_dir, bases)
     config = json.loads((export_dir / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_harpe.Harpe")
+    assert config["model_type"] == f"harpe_{arch}" and config["head_rope_bases"] == bases
     assert _imported_modules(export_dir / "modeling_harpe.py") <= {"__future__", "collections", "sys", "types",
                                                                     "torch", "transformers"}
 
@@ -164,10 +171,10 @@ def test_merged_export_loads_with_plain_transformers_without_longpeft(tmp_path, 
     result = subprocess.run(
         [sys.executable, "-I", "-c", _LOAD_WITHOUT_LONGPEFT, str(export_dir), str(tmp_path / "ids.pt"),
          str(tmp_path / "logits.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.startswith("Harpe")
+    assert f"LOADED Harpe{type(model).__name__}" in result.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), merged_logits, atol=0, rtol=0)
 
 

@@ -2,7 +2,9 @@
 
 ``write_remote_code`` copies :mod:`.modeling_harpe` (which imports only torch and transformers)
 into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
-class of the model's architecture.
+config and model classes of the model's architecture. The exported config gets its own model_type
+(``harpe_llama``, ...): transformers would otherwise load the folder without trust_remote_code as
+the stock architecture, silently ignoring the per-head bases; now that fails with an error.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from . import modeling_harpe
-from .modeling_harpe import CAUSAL_LM_CLASS_BY_MODEL_TYPE
+from .modeling_harpe import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_harpe.py"
 
@@ -20,10 +22,12 @@ MODELING_FILENAME = "modeling_harpe.py"
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     """Make a ``save_pretrained`` folder of a merged HARPE model loadable with plain transformers.
 
-    Writes ``modeling_harpe.py`` beside the weights and sets, in config.json, ``head_rope_bases``
-    and ``auto_map = {"AutoModelForCausalLM": "modeling_harpe.Harpe<Arch>ForCausalLM"}``. Then
+    Writes ``modeling_harpe.py`` beside the weights and sets, in config.json, ``head_rope_bases``,
+    ``model_type = "harpe_<type>"``, ``architectures`` and ``auto_map`` (``AutoConfig`` and
+    ``AutoModelForCausalLM`` -> the HARPE classes of ``modeling_harpe.py``). Then
     ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)`` builds the model
-    with the same per-head RoPE, in a process where longpeft is not installed.
+    with the same per-head RoPE, in a process where longpeft is not installed; without
+    ``trust_remote_code`` loading fails instead of giving a model with one base.
 
     Args:
         save_dir: folder written by ``model.save_pretrained`` (must hold config.json).
@@ -35,9 +39,11 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
         raise FileNotFoundError(f"{config_path} not found: call model.save_pretrained({str(save_dir)!r}) first")
     config = json.loads(config_path.read_text())
     model_type = config.get("model_type")
-    if model_type not in CAUSAL_LM_CLASS_BY_MODEL_TYPE:
+    exported = {classes[0]: base for base, classes in EXPORT_CLASSES_BY_MODEL_TYPE.items()}
+    model_type = exported.get(model_type, model_type)  # exporting an export again
+    if model_type not in EXPORT_CLASSES_BY_MODEL_TYPE:
         raise ValueError(
-            f"{config_path}: model_type {model_type!r} has no HARPE export; supported: {sorted(CAUSAL_LM_CLASS_BY_MODEL_TYPE)}"
+            f"{config_path}: model_type {model_type!r} has no HARPE export; supported: {sorted(EXPORT_CLASSES_BY_MODEL_TYPE)}"
         )
     kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
     bases = [float(b) for b in bases]
@@ -47,9 +53,14 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     if stored is not None and [float(b) for b in stored] != bases:
         raise ValueError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
     (save_dir / MODELING_FILENAME).write_text(Path(modeling_harpe.__file__).read_text())
+    exported_type, config_class, model_class = EXPORT_CLASSES_BY_MODEL_TYPE[model_type]
+    module = MODELING_FILENAME[:-3]
     config["head_rope_bases"] = bases
+    config["model_type"] = exported_type
+    config["architectures"] = [model_class]
     config["auto_map"] = {
         **config.get("auto_map", {}),
-        "AutoModelForCausalLM": f"{MODELING_FILENAME[:-3]}.{CAUSAL_LM_CLASS_BY_MODEL_TYPE[model_type]}",
+        "AutoConfig": f"{module}.{config_class}",
+        "AutoModelForCausalLM": f"{module}.{model_class}",
     }
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

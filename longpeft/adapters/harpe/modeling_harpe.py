@@ -28,7 +28,16 @@ from types import MethodType
 
 import torch
 from torch import nn
-from transformers import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import rotate_half
 
@@ -208,26 +217,57 @@ class _HeadRopeCausalLM:
         patch_head_rope(self, bases)
 
 
+# Exported models get their own model_type ("harpe_llama", ...), so that loading one without
+# trust_remote_code fails loudly instead of silently building the stock model with one base.
+
+
+class HarpeLlamaConfig(LlamaConfig):
+    model_type = "harpe_llama"
+
+
+class HarpeMistralConfig(MistralConfig):
+    model_type = "harpe_mistral"
+
+
+class HarpeQwen2Config(Qwen2Config):
+    model_type = "harpe_qwen2"
+
+
+class HarpeQwen3Config(Qwen3Config):
+    model_type = "harpe_qwen3"
+
+
 class HarpeLlamaForCausalLM(_HeadRopeCausalLM, LlamaForCausalLM):
     """Llama with one RoPE base per KV head (``config.head_rope_bases``)."""
+
+    config_class = HarpeLlamaConfig
 
 
 class HarpeMistralForCausalLM(_HeadRopeCausalLM, MistralForCausalLM):
     """Mistral with one RoPE base per KV head (``config.head_rope_bases``)."""
 
+    config_class = HarpeMistralConfig
+
 
 class HarpeQwen2ForCausalLM(_HeadRopeCausalLM, Qwen2ForCausalLM):
     """Qwen2 with one RoPE base per KV head (``config.head_rope_bases``)."""
+
+    config_class = HarpeQwen2Config
 
 
 class HarpeQwen3ForCausalLM(_HeadRopeCausalLM, Qwen3ForCausalLM):
     """Qwen3 with one RoPE base per KV head (``config.head_rope_bases``)."""
 
+    config_class = HarpeQwen3Config
 
-# model_type -> the class name auto_map points to.
-CAUSAL_LM_CLASS_BY_MODEL_TYPE = {
-    "llama": "HarpeLlamaForCausalLM",
-    "mistral": "HarpeMistralForCausalLM",
-    "qwen2": "HarpeQwen2ForCausalLM",
-    "qwen3": "HarpeQwen3ForCausalLM",
+
+# Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map.
+EXPORT_CLASSES_BY_MODEL_TYPE = {
+    base: (cls.config_class.model_type, cls.config_class.__name__, cls.__name__)
+    for base, cls in (
+        ("llama", HarpeLlamaForCausalLM),
+        ("mistral", HarpeMistralForCausalLM),
+        ("qwen2", HarpeQwen2ForCausalLM),
+        ("qwen3", HarpeQwen3ForCausalLM),
+    )
 }

@@ -14,13 +14,13 @@ from torch import nn
 
 from ...rope import head_dim_of, rope_parameters_of
 from .modeling_harpe import (
-    CAUSAL_LM_CLASS_BY_MODEL_TYPE,
+    EXPORT_CLASSES_BY_MODEL_TYPE,
     HeadRotaryEmbedding,
     is_attention_module,
     patch_head_rope,
 )
 
-SUPPORTED_MODEL_TYPES = tuple(CAUSAL_LM_CLASS_BY_MODEL_TYPE)
+SUPPORTED_MODEL_TYPES = tuple(EXPORT_CLASSES_BY_MODEL_TYPE)
 
 
 def _config_of(model: nn.Module):
