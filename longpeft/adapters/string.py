@@ -474,6 +474,15 @@ def string_attention_flash(
     return torch.cat((near_out[:, :n_plain], merged.to(near_out.dtype)), dim=1)
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
+
+
 def _flash_available(query: torch.Tensor) -> bool:
     if query.device.type != "cuda":
         return False
@@ -533,6 +542,10 @@ def string_attention_forward(
         if attention_mask is None and _flash_available(query):
             return string_attention_flash(query, key, value, *args, dropout=dropout), None
         if attention_mask is not None:
+            _warn_once(
+                "STRING on a flash-attention model: padded batches run on the exact SDPA path (the "
+                "flash-attn path takes unpadded batches only)"
+            )
             attention_mask = _padding_mask_to_4d(attention_mask, query.shape[2])
     elif implementation != "sdpa":
         raise ValueError(f"STRING supports eager, sdpa and flash_attention_2 attention, not {implementation!r}")

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..synth_data.probes import DEPTH_TASKS, TASKS as PROBE_TASKS, make_probes
+from ..synth_data.probes import TASKS as PROBE_TASKS, make_probes
 from .generation import greedy_generate
 from .memory import check_memory
 from .perplexity import perplexity_of_file
