@@ -20,12 +20,21 @@ import argparse
 import json
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from longpeft.adapters.string import disable_string, enable_string, string_attention_sdpa
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+from longpeft.adapters.string import (
+    disable_string,
+    enable_string,
+    string_attention_eager,
+    string_attention_flash,
+    string_attention_sdpa,
+)
 from longpeft.rope import inv_freq
 from longpeft.tiny import tiny_model
 
@@ -98,10 +107,27 @@ def main() -> int:
     k, v = (torch.randn(1, config.num_key_value_heads, args.seq_len, config.head_dim, device=args.device, dtype=dtype) for _ in "kv")
     freqs = inv_freq(10000.0, config.head_dim, args.device)
     scale = config.head_dim**-0.5
-    attention = {
-        "rope": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
-        "string": lambda: string_attention_sdpa(q, k, v, None, shift, window, freqs, scale),
-    }
+    if args.attn == "eager":  # explicit scores, as transformers' eager attention
+        groups = SimpleNamespace(num_key_value_groups=config.num_attention_heads // config.num_key_value_heads, training=False)
+        future = torch.ones(args.seq_len, args.seq_len, dtype=torch.bool, device=args.device).triu(1)
+        mask = torch.zeros(1, 1, args.seq_len, args.seq_len, dtype=dtype, device=args.device).masked_fill(future, torch.finfo(dtype).min)
+        attention = {
+            "rope": lambda: eager_attention_forward(groups, q, k, v, mask, scaling=scale),
+            "string": lambda: string_attention_eager(q, k, v, mask, shift, window, freqs, scale),
+        }
+    else:  # the SDPA kernel (the flash-attn path is timed on a GPU with --attn flash_attention_2 --device cuda)
+        attention = {
+            "rope": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True),
+            "string": lambda: string_attention_sdpa(q, k, v, None, shift, window, freqs, scale),
+        }
+        if args.attn == "flash_attention_2":
+            from flash_attn import flash_attn_func
+
+            qf, kf, vf = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            attention = {
+                "rope": lambda: flash_attn_func(qf, kf, vf, softmax_scale=scale, causal=True),
+                "string": lambda: string_attention_flash(q, k, v, shift, window, freqs, scale),
+            }
 
     def forward(variant: str):
         if variant == "string":

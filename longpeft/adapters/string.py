@@ -405,15 +405,14 @@ def string_attention_eager(
             shifted = torch.matmul(query[:, :, start:stop], shifted_key[:, :, :n_shifted].transpose(2, 3)) * scaling
             rows = torch.arange(offset + start, offset + stop, device=query.device)[:, None]
             far = rows - torch.arange(n_shifted, device=query.device)[None, :] >= shift
-            region = scores[:, :, start:stop, :n_shifted]
-            scores[:, :, start:stop, :n_shifted] = torch.where(far, shifted, region)
+            scores[:, :, start:stop, :n_shifted] = torch.where(far, shifted, scores[:, :, start:stop, :n_shifted])
     if attention_mask is None:
         rows = torch.arange(offset, n_keys, device=query.device)[:, None]
         attention_mask = rows >= torch.arange(n_keys, device=query.device)[None, :]
     if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+        scores.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)
     else:
-        scores = scores + attention_mask
+        scores += attention_mask  # in place: one [batch, heads, T, L] buffer fewer than eager attention
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=training)
     output = torch.matmul(weights, value_rep).transpose(1, 2).contiguous()
