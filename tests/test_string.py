@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -312,3 +313,10 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="HARPE"):
         enable_string(model, shift=40, local_window=8)
     assert string_settings(model) is None
+    del model.config.head_rope_bases
+    enable_string(model, shift=40, local_window=8)
+    model.config.head_rope_bases = [1e4, 2e4]  # bases set after STRING: refused at the next forward
+    with pytest.raises(ValueError, match="HARPE"):
+        model(ids())
+    with pytest.raises(ValueError, match="model types"):
+        enable_string(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))

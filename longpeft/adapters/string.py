@@ -517,6 +517,8 @@ def string_attention_forward(
     positions from any query, it calls that implementation unchanged.
     """
     view: _StringConfigView = module.config
+    if getattr(view, "head_rope_bases", None):
+        raise ValueError("per-head RoPE bases (HARPE) were set after STRING was enabled; STRING needs one base")
     settings = view.string_settings
     implementation = view.base_attn_implementation
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
