@@ -77,15 +77,21 @@ def test_oracle_scores_100_percent_and_heatmap_is_written(tokenizer, tmp_path):
     assert max(call["batch"] for call in model.calls) == 4
 
 
-def test_model_that_cannot_see_the_needle_scores_at_chance(tokenizer):
-    # The needle sits at depth 0 of 300-token prompts; the model sees only the last 80 tokens and
-    # guesses one digit: chance is 1/10.
-    model = CopyingModel(tokenizer, visible=80, digits=1, seed=1)
-    result = passkey_accuracy(model, tokenizer, [300], n_samples=400, seed=2, depths=[0.0], digits=1, batch_size=50)
+@pytest.mark.parametrize(("task", "length", "visible"), [("passkey", 300, 80), ("niah_single", 500, 160)])
+def test_model_that_cannot_see_the_needle_scores_at_chance(tokenizer, task, length, visible):
+    # The needle sits at depth 0; the model sees only the last tokens (needle and question when
+    # the needle is at the end) and otherwise guesses one digit: chance is 1/10.
+    model = CopyingModel(tokenizer, visible=visible, digits=1, seed=1)
+    result = evaluate(task, model, tokenizer, lengths=[length], n_samples=400, seed=2, depths=[0.0], digits=1, batch_size=50)
     assert 0.05 <= result["score"] <= 0.16  # 400 Bernoulli(0.1) draws: mean within ~3.5 sd
     # needles at the end are in view: scored perfectly
-    seen = passkey_accuracy(model, tokenizer, [300], n_samples=20, depths=[1.0], digits=1)
+    seen = evaluate(task, model, tokenizer, lengths=[length], n_samples=20, depths=[1.0], digits=1)
     assert seen["score"] == 1.0
+
+
+def test_passkey_accuracy_by_length(tokenizer):
+    result = passkey_accuracy(CopyingModel(tokenizer), tokenizer, [256, 400], n_samples=2, seed=0)
+    assert result["by_length"] == {"256": 1.0, "400": 1.0} and result["task"] == "passkey"
 
 
 def test_generation_stops_at_any_eos(tokenizer):
