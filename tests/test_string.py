@@ -318,5 +318,10 @@ def test_clear_errors():
     model.config.head_rope_bases = [1e4, 2e4]  # bases set after STRING: refused at the next forward
     with pytest.raises(ValueError, match="HARPE"):
         model(ids())
+    del model.config.head_rope_bases
+    from transformers import StaticCache
+
+    with pytest.raises(ValueError, match="DynamicCache"):
+        model(ids(), past_key_values=StaticCache(config=model.config, max_cache_len=128), use_cache=True)
     with pytest.raises(ValueError, match="model types"):
         enable_string(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from ..rope import apply_rotary, rotary_modules
@@ -183,6 +184,7 @@ def enable_string(
     disable_string(model)
     for module in attentions:
         module.config = _StringConfigView(module.config, settings, rotary_owner, rotary_name)
+        module._longpeft_string_hook = module.register_forward_pre_hook(_require_full_dynamic_cache, with_kwargs=True)
     return settings.as_dict()
 
 
@@ -191,6 +193,23 @@ def disable_string(model: nn.Module) -> None:
     for module in _attention_modules(model):
         if isinstance(module.config, _StringConfigView):
             module.config = module.config._base
+            module._longpeft_string_hook.remove()
+            del module._longpeft_string_hook
+
+
+def _require_full_dynamic_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+    """STRING reads distances off cache indices: the cache must hold every key in order (DynamicCache)."""
+    cache = kwargs.get("past_key_values")
+    layers = getattr(cache, "layers", None)
+    if not layers or module.layer_idx >= len(layers):
+        return
+    layer = layers[module.layer_idx]
+    if not isinstance(layer, DynamicLayer) or isinstance(layer, DynamicSlidingWindowLayer):
+        raise ValueError(
+            f"STRING needs a DynamicCache that keeps every key (queries are the newest keys), got a "
+            f"{type(layer).__name__}; use generate's default cache (no cache_implementation='static', no "
+            "sliding-window cache) or disable STRING"
+        )
 
 
 def string_settings(model: nn.Module) -> dict[str, Any] | None:
