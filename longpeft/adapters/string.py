@@ -24,9 +24,10 @@ twice; here it is scored once, shifted. Their ~1.07 factor on cos/sin is availab
 ``cos_sin_scale`` (off by default): it multiplies the cos and sin of queries and keys, i.e. every
 attention logit by ``cos_sin_scale ** 2``.
 
-Assumes a DynamicCache (what ``generate`` and plain forwards use): the queries are the last
-``T`` entries of the ``L`` keys, so distances are index differences (left padding keeps this
-true). Needs one RoPE base for all heads (not HARPE's per-head bases).
+Needs a DynamicCache (what ``generate`` and plain forwards use; static and sliding-window caches
+are refused): the queries are the last ``T`` of the ``L`` keys, so distances are index
+differences (left padding keeps this true). Needs one RoPE base for all heads (not HARPE's
+per-head bases).
 """
 
 from __future__ import annotations
