@@ -325,3 +325,19 @@ def test_clear_errors():
         model(ids(), past_key_values=StaticCache(config=model.config, max_cache_len=128), use_cache=True)
     with pytest.raises(ValueError, match="model types"):
         enable_string(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
+
+
+def test_settings_recorded_in_a_context_spec_are_reapplied(tmp_path):
+    from longpeft.adapters import apply_spec
+    from longpeft.spec import ContextSpec
+
+    source = tiny_model("qwen3", attn_implementation="sdpa")
+    settings = enable_string(source, shift=SHIFT, local_window=WINDOW)
+    spec = ContextSpec.from_base(source.config, "string", string=settings)
+    spec.save(tmp_path)
+    fresh = tiny_model("qwen3", attn_implementation="sdpa")
+    apply_spec(fresh, ContextSpec.load(tmp_path))
+    assert string_settings(fresh) == settings
+    x = ids()
+    with torch.no_grad():
+        assert torch.equal(fresh(x).logits, source(x).logits)
