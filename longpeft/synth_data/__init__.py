@@ -1,0 +1,67 @@
+"""Synthetic long-context training data.
+
+- :mod:`.corpus`: offline procedural documents with recorded facts (:func:`generate_document`,
+  :func:`corpus_texts` for training a tokenizer);
+- :mod:`.llm_client`: cached, retried, concurrent client for OpenAI-compatible endpoints;
+- :mod:`.qa` and :mod:`.builders`: single-detail, multi-detail (homogeneous and heterogeneous) and
+  biography conversations, answered by an LLM or exactly from procedural facts;
+- :mod:`.mix`, :mod:`.report`, :mod:`.pipeline`: mixing with plain text and instructions, outputs,
+  and the whole `longpeft synth` run;
+- :mod:`.demo`: the demo's retrieval training set (:func:`build_demo_dataset`);
+- :mod:`.utk` (Untie the Knots) and :mod:`.pose` (PoSE position ids and collator): data-side
+  long-context training tricks on token ids.
+
+This package never imports ``longpeft.adapters``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public name -> submodule. Imported on first use, so that e.g. the LLM client or the corpus can be
+# used without loading transformers/datasets/scikit-learn.
+_EXPORTS = {
+    "LengthConfig": "builders",
+    "LongContextBuilder": "builders",
+    "TokenCounter": "builders",
+    "cluster_documents": "builders",
+    "procedural_document": "builders",
+    "Document": "corpus",
+    "Fact": "corpus",
+    "corpus_texts": "corpus",
+    "generate_document": "corpus",
+    "build_demo_dataset": "demo",
+    "LLMClient": "llm_client",
+    "LLMConfig": "llm_client",
+    "LLMRequest": "llm_client",
+    "LLMResult": "llm_client",
+    "MalformedOutput": "llm_client",
+    "MixConfig": "mix",
+    "mix": "mix",
+    "SynthConfig": "pipeline",
+    "synthesize": "pipeline",
+    "PoseCollator": "pose",
+    "pose_position_ids": "pose",
+    "TASKS": "qa",
+    "LLMAnswerer": "qa",
+    "ProceduralAnswerer": "qa",
+    "QAJob": "qa",
+    "QAPair": "qa",
+    "UtkAugmenter": "utk",
+    "UtkTokens": "utk",
+    "add_utk_tokens": "utk",
+    "untie": "utk",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,447 @@
+"""Long-context conversation builders (the data recipe of "Extending Llama-3's Context Ten-Fold Overnight").
+
+Four tasks, each turning long contexts into multi-turn conversations in ``messages`` format: the long
+context sits in the first user turn, followed by the first question; every further QA pair about the
+same context is one more user/assistant turn of the same conversation.
+
+- ``single_detail``: QA about <= ``chunk_tokens``-token chunks sliced from a long context;
+- ``multi_detail``: questions aggregating several places of one long, coherent document;
+- ``heterogeneous``: texts of one cluster (TF-IDF + k-means over the corpus) packed into one context,
+  questions on their similarities and differences;
+- ``biography``: one biography per main character of a book.
+
+Lengths are measured with the training tokenizer and its chat template: every conversation a builder
+returns has between ``min_tokens`` and ``max_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PreTrainedTokenizerBase
+
+from .corpus import TOPICS, Document, generate_document
+from .qa import TASKS, Passage, QAGenerator, QAJob, QAPair, numbered_documents
+
+DEFAULT_CONTEXT_TEMPLATE = "Read the following text and answer the questions after it.\n\n{context}\n\n{question}"
+
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)|\n")
+
+
+class LengthConfig(BaseModel):
+    """Token budget of one conversation (chat template included)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_tokens: int = Field(65536, ge=1, description="shortest conversation kept")
+    max_tokens: int = Field(81920, ge=1, description="longest conversation kept")
+    chunk_tokens: int = Field(4096, ge=16, description="largest chunk a single-detail question is about")
+    qa_reserve_tokens: int = Field(1024, ge=0, description="room left after the context for the QA turns")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LengthConfig:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) is larger than max_tokens ({self.max_tokens})")
+        return self
+
+    def context_budget(self) -> tuple[int, int]:
+        """Token range for a context: from a little above ``min_tokens`` up to ``max_tokens`` minus the
+        QA reserve (the reserve shrinks to half the range when the range is narrow)."""
+        low = self.min_tokens + 8  # slack for re-tokenisation at the cut
+        reserve = min(self.qa_reserve_tokens, (self.max_tokens - self.min_tokens) // 2)
+        return low, max(low, self.max_tokens - reserve)
+
+
+class TokenCounter:
+    """Token counts and character offsets for one tokenizer (a fast tokenizer: offsets are required)."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
+        self.tokenizer = tokenizer
+        self._tokens_per_sentence: float | None = None
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """``(start, end)`` character span of every token of ``text``."""
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return [tuple(span) for span in encoding["offset_mapping"]]
+
+    def conversation(self, messages: list[dict[str, str]]) -> int:
+        """Tokens of a conversation as the trainer will see it (the chat template when there is one)."""
+        if getattr(self.tokenizer, "chat_template", None):
+            encoded = self.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)
+            return len(encoded["input_ids"])
+        return sum(self.count(m["content"]) for m in messages) + 4 * len(messages)
+
+    def tokens_per_sentence(self) -> float:
+        """Average tokens per procedural sentence (estimated once from a sample document)."""
+        if self._tokens_per_sentence is None:
+            sample = generate_document(seed=12345, n_sentences=300)
+            self._tokens_per_sentence = self.count(sample.text) / 300
+        return self._tokens_per_sentence
+
+
+def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **options: Any) -> Document:
+    """A procedural document of ``min_tokens`` to ~1.05 x ``min_tokens`` tokens.
+
+    ``options`` go to :func:`~.corpus.generate_document`; the sentence count is adjusted until the
+    length fits (a few regenerations at most).
+    """
+    n_sentences = max(8, math.ceil(min_tokens / counter.tokens_per_sentence()))
+    best: Document | None = None
+    best_tokens = 0
+    for _ in range(8):
+        document = generate_document(seed=seed, n_sentences=n_sentences, **options)
+        tokens = counter.count(document.text)
+        if tokens >= min_tokens and (best is None or tokens < best_tokens):
+            best, best_tokens = document, tokens
+        if min_tokens <= tokens <= 1.05 * min_tokens:
+            break
+        step = math.ceil(n_sentences * (min_tokens * 1.02 / tokens - 1))
+        n_sentences = max(8, n_sentences + (step or (1 if tokens < min_tokens else -1)))
+    while best is None:  # still short: grow until long enough
+        n_sentences = math.ceil(n_sentences * 1.2) + 1
+        document = generate_document(seed=seed, n_sentences=n_sentences, **options)
+        if counter.count(document.text) >= min_tokens:
+            best = document
+    return best
+
+
+def _sentence_end_after(text: str, position: int, window: int = 600) -> int:
+    """First sentence end at or after ``position`` (within ``window`` chars), else ``position``."""
+    match = _SENTENCE_END.search(text, position, min(len(text), position + window))
+    return match.end() if match else position
+
+
+def _sentence_end_before(text: str, position: int, floor: int) -> int:
+    """Last sentence end in ``(floor, position]``, else ``position``."""
+    last = None
+    for match in _SENTENCE_END.finditer(text, floor, position):
+        last = match.end()
+    return last if last is not None and last > floor else position
+
+
+@dataclass
+class ContextPlan:
+    """One future conversation: its context and the QA jobs about it."""
+
+    task: str
+    passages: list[Passage]
+    jobs: list[QAJob]
+    context_text: str
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BuildReport:
+    """What happened per task: contexts asked for, conversations built, and why others were skipped."""
+
+    requested: Counter[str] = field(default_factory=Counter)
+    built: Counter[str] = field(default_factory=Counter)
+    skipped: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def skip(self, task: str, reason: str, n: int = 1) -> None:
+        self.skipped.setdefault(task, Counter())[reason] += n
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "requested": dict(self.requested),
+            "built": dict(self.built),
+            "skipped": {task: dict(reasons) for task, reasons in self.skipped.items()},
+        }
+
+
+class LongContextBuilder:
+    """Plans contexts, asks a :class:`~.qa.QAGenerator` for QA, and assembles conversations.
+
+    Args:
+        tokenizer: the training tokenizer (fast); lengths are measured with its chat template.
+        answerer: :class:`~.qa.ProceduralAnswerer` (exact, offline) or :class:`~.qa.LLMAnswerer`.
+        length: the token budget.
+        context_template: first user turn, with ``{context}`` and ``{question}``.
+        seed: seeds every random choice (context lengths, chunk positions, packing).
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        answerer: QAGenerator,
+        length: LengthConfig,
+        context_template: str = DEFAULT_CONTEXT_TEMPLATE,
+        seed: int = 0,
+    ):
+        if "{context}" not in context_template or "{question}" not in context_template:
+            raise ValueError("context_template needs both {context} and {question}")
+        self.counter = TokenCounter(tokenizer)
+        self.answerer = answerer
+        self.length = length
+        self.context_template = context_template
+        self.seed = seed
+        self.report = BuildReport()
+
+    # ---- planning -----------------------------------------------------------------------------
+
+    def _rng(self, task: str, salt: int = 0) -> random.Random:
+        return random.Random(f"{self.seed}/{task}/{salt}")
+
+    def _context_target(self, rng: random.Random) -> int:
+        return rng.randint(*self.length.context_budget())
+
+    def _long_contexts(self, task: str, documents: Sequence[Document], count: int):
+        """Yield (document, context passage, token offsets inside it) for up to ``count`` documents."""
+        rng = self._rng(task)
+        order = list(range(len(documents)))
+        rng.shuffle(order)
+        produced = 0
+        for index in order:
+            if produced == count:
+                break
+            document = documents[index]
+            offsets = self.counter.offsets(document.text)
+            target = self._context_target(rng)
+            if len(offsets) < self.length.min_tokens:
+                self.report.skip(task, "document_too_short")
+                continue
+            end = len(document.text)
+            if len(offsets) > target:
+                end = _sentence_end_after(document.text, offsets[target - 1][1])
+            inside = [span for span in offsets if span[1] <= end]
+            produced += 1
+            yield document, Passage(document, 0, end), inside, rng
+
+    def plan_single_detail(
+        self, documents: Sequence[Document], contexts: int, chunks_per_context: int = 2, questions_per_chunk: int = 3
+    ) -> list[ContextPlan]:
+        """QA about ``chunks_per_context`` chunks (<= ``chunk_tokens``) spread over each context."""
+        plans = []
+        for document, context, offsets, rng in self._long_contexts("single_detail", documents, contexts):
+            region = len(offsets) // chunks_per_context
+            jobs, spans = [], []
+            for c in range(chunks_per_context):
+                width = min(self.length.chunk_tokens, region)
+                first = c * region + rng.randint(0, region - width)
+                start, end = offsets[first][0], offsets[first + width - 1][1]
+                if first > 0:  # start after a sentence end, end on one: chunks hold whole sentences
+                    snapped = _sentence_end_after(document.text, start)
+                    start = snapped if snapped < end else start
+                end = _sentence_end_before(document.text, end, start)
+                while start < end and document.text[start].isspace():
+                    start += 1
+                spans.append([start, end])
+                jobs.append(QAJob("single_detail", [Passage(document, start, end)], questions_per_chunk,
+                                  seed=rng.randrange(2**31)))
+            plans.append(ContextPlan("single_detail", [context], jobs, context.text, {"chunks": spans}))
+        self.report.requested["single_detail"] += contexts
+        return plans
+
+    def plan_multi_detail(self, documents: Sequence[Document], contexts: int, questions: int = 5) -> list[ContextPlan]:
+        """Questions that aggregate details from several places of one long document."""
+        plans = [
+            ContextPlan("multi_detail", [context], [QAJob("multi_detail", [context], questions, rng.randrange(2**31))],
+                        context.text)
+            for _, context, _, rng in self._long_contexts("multi_detail", documents, contexts)
+        ]
+        self.report.requested["multi_detail"] += contexts
+        return plans
+
+    def plan_biography(self, documents: Sequence[Document], contexts: int, characters: int = 3) -> list[ContextPlan]:
+        """One "write a biography of X" turn per main character of each book."""
+        plans = [
+            ContextPlan("biography", [context], [QAJob("biography", [context], characters, rng.randrange(2**31))],
+                        context.text)
+            for _, context, _, rng in self._long_contexts("biography", documents, contexts)
+        ]
+        self.report.requested["biography"] += contexts
+        return plans
+
+    def plan_heterogeneous(
+        self, documents: Sequence[Document], contexts: int, questions: int = 5, n_clusters: int | None = None
+    ) -> list[ContextPlan]:
+        """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context.
+
+        ``n_clusters`` defaults to about 1.25 contexts' worth of documents per cluster.
+        """
+        self.report.requested["heterogeneous"] += contexts
+        rng = self._rng("heterogeneous")
+        budget_min, budget_max = self.length.context_budget()
+        sizes = [self.counter.count(d.text) for d in documents]
+        usable = [i for i, n in enumerate(sizes) if n <= budget_max // 2]
+        if len(documents) - len(usable):
+            self.report.skip("heterogeneous", "document_too_long_to_pair", len(documents) - len(usable))
+        if len(usable) < 2:
+            self.report.skip("heterogeneous", "too_few_documents", contexts)
+            return []
+        if n_clusters is None:  # default: clusters of about 1.25 contexts' worth of documents
+            median = sorted(sizes[i] for i in usable)[len(usable) // 2]
+            per_context = max(2.0, (budget_min + budget_max) / 2 / max(median, 1))
+            n_clusters = max(2, round(len(usable) / (1.25 * per_context)))
+        k = n_clusters
+        clusters = cluster_documents([documents[i] for i in usable], min(k, len(usable)), seed=self.seed)
+        plans: list[ContextPlan] = []
+        queues = [[usable[i] for i in cluster] for cluster in clusters]
+        for queue in queues:
+            rng.shuffle(queue)
+        progress = True
+        while len(plans) < contexts and progress:
+            progress = False
+            for queue in queues:
+                if len(plans) == contexts:
+                    break
+                picked = _pack(queue, sizes, self._context_target(rng), budget_min, budget_max)
+                if picked is None:
+                    continue
+                progress = True
+                passages = [Passage(documents[i], 0, len(documents[i].text)) for i in picked]
+                job = QAJob("heterogeneous", passages, questions, rng.randrange(2**31))
+                plans.append(ContextPlan("heterogeneous", passages, [job], numbered_documents(passages)))
+        if len(plans) < contexts:
+            self.report.skip("heterogeneous", "clusters_exhausted", contexts - len(plans))
+        return plans
+
+    # ---- generation and assembly --------------------------------------------------------------
+
+    def build(self, plans: Sequence[ContextPlan]) -> list[dict[str, Any]]:
+        """Generate QA for every plan in one batch, then assemble and length-check the conversations."""
+        jobs = [job for plan in plans for job in plan.jobs]
+        answers = iter(self.answerer.generate(jobs))
+        rows = []
+        for plan in plans:
+            qa_lists = [next(answers) for _ in plan.jobs]
+            row = self.assemble(plan, qa_lists)
+            if row is not None:
+                row["id"] = f"{plan.task}-{self.report.built[plan.task]:05d}"
+                self.report.built[plan.task] += 1
+                rows.append(row)
+        return rows
+
+    def assemble(self, plan: ContextPlan, qa_lists: Sequence[list[QAPair] | None]) -> dict[str, Any] | None:
+        """The conversation of one plan, trimmed to ``max_tokens``; None (and a skip reason) if impossible."""
+        pairs = [pair for qa in qa_lists if qa for pair in qa]
+        if not pairs:
+            self.report.skip(plan.task, "no_qa" if all(qa is not None for qa in qa_lists) else "generation_failed")
+            return None
+        messages = self._messages(plan.context_text, pairs)
+        tokens = self.counter.conversation(messages)
+        while tokens > self.length.max_tokens and len(pairs) > 1:
+            pairs = pairs[:-1]
+            messages = self._messages(plan.context_text, pairs)
+            tokens = self.counter.conversation(messages)
+        if tokens > self.length.max_tokens:
+            self.report.skip(plan.task, "too_long")
+            return None
+        if tokens < self.length.min_tokens:
+            self.report.skip(plan.task, "too_short")
+            return None
+        meta = {
+            **plan.meta,
+            "context_chars": len(plan.context_text),
+            "evidence": [pair.evidence for pair in pairs],
+            "failed_jobs": sum(qa is None for qa in qa_lists),
+        }
+        return {
+            "task": plan.task,
+            "messages": messages,
+            "num_tokens": tokens,
+            "sources": [p.doc.doc_id for p in plan.passages],
+            "meta": json.dumps(meta),
+        }
+
+    def _messages(self, context: str, pairs: Sequence[QAPair]) -> list[dict[str, str]]:
+        first = self.context_template.format(context=context.strip(), question=pairs[0].question)
+        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": pairs[0].answer}]
+        for pair in pairs[1:]:
+            messages += [{"role": "user", "content": pair.question}, {"role": "assistant", "content": pair.answer}]
+        return messages
+
+
+def _pack(queue: list[int], sizes: Sequence[int], target: int, low: int, high: int) -> list[int] | None:
+    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``.
+
+    Removes and returns the picked indices when they are at least two and reach ``low`` tokens;
+    otherwise leaves the queue alone and returns None.
+    """
+    picked, total = [], 0
+    for index in queue:
+        if total >= target:
+            break
+        if total + sizes[index] <= high:
+            picked.append(index)
+            total += sizes[index]
+    if total < low or len(picked) < 2:
+        return None
+    for index in picked:
+        queue.remove(index)
+    return picked
+
+
+def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int = 0) -> list[list[int]]:
+    """Group documents by content: TF-IDF vectors clustered with k-means (scikit-learn).
+
+    Returns the member indices of each non-empty cluster.
+    """
+    from sklearn.cluster import KMeans
+    from sklearn.feature_extraction.text import TfidfVectorizer
+
+    vectors = TfidfVectorizer(stop_words="english", sublinear_tf=True, max_features=50000).fit_transform(
+        [d.text for d in documents]
+    )
+    labels = KMeans(n_clusters=n_clusters, n_init=4, random_state=seed).fit_predict(vectors)
+    clusters = [[i for i, label in enumerate(labels) if label == c] for c in range(n_clusters)]
+    return [c for c in clusters if c]
+
+
+# ---- procedural sources ---------------------------------------------------------------------------
+
+
+def procedural_long_documents(
+    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, **options: Any
+) -> list[Document]:
+    """``count`` procedural documents long enough for any context length of ``length``.
+
+    Biographies use chronicles (``story``) with several main characters.
+    """
+    if task == "biography":
+        options = {"kind": "story", "n_characters": 5, **options}
+    rng = random.Random(f"{seed}/{task}/documents")
+    return [
+        procedural_document(counter, length.max_tokens + 64, seed=rng.randrange(2**31),
+                            doc_id=f"{task}-doc-{i}", **options)
+        for i in range(count)
+    ]
+
+
+def procedural_cluster_pool(
+    counter: TokenCounter, contexts: int, docs_per_context: int, length: LengthConfig, seed: int
+) -> list[Document]:
+    """Shorter procedural documents on a few topics, enough to pack ``contexts`` heterogeneous contexts."""
+    rng = random.Random(f"{seed}/heterogeneous/documents")
+    budget_min, budget_max = length.context_budget()
+    # aim the sum of docs_per_context documents (each up to 5% over its minimum) at the budget's middle
+    doc_tokens = max(64, int((budget_min + budget_max) / 2 / docs_per_context / 1.025))
+    topics = sorted(TOPICS)
+    pool = []
+    for c in range(contexts):
+        topic = topics[c % len(topics)]
+        for d in range(docs_per_context + 1):
+            pool.append(procedural_document(counter, doc_tokens, seed=rng.randrange(2**31), topic=topic,
+                                            doc_id=f"heterogeneous-doc-{c}-{d}", n_characters=2))
+    return pool
+
+
+def task_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Conversations per task, in :data:`~.qa.TASKS` order first."""
+    counts = Counter(row["task"] for row in rows)
+    ordered = {task: counts[task] for task in TASKS if task in counts}
+    ordered.update({task: n for task, n in counts.items() if task not in ordered})
+    return ordered

@@ -1,0 +1,53 @@
+"""The demo's training set: retrieval QA over procedural contexts, built offline in well under a second."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from datasets import Dataset
+from transformers import PreTrainedTokenizerBase
+
+from .builders import LengthConfig, LongContextBuilder, procedural_document
+from .qa import ProceduralAnswerer
+
+
+def demo_conversations(
+    tokenizer: PreTrainedTokenizerBase,
+    n_conversations: int = 64,
+    context_tokens: int = 600,
+    seed: int = 0,
+    questions_per_conversation: int = 4,
+) -> list[dict[str, Any]]:
+    """Rows of :func:`build_demo_dataset` (``messages``, ``task``, ``num_tokens``, ``sources``, ``meta``, ``id``)."""
+    reserve = 48 * questions_per_conversation + 64
+    length = LengthConfig(min_tokens=context_tokens, max_tokens=context_tokens + reserve,
+                          chunk_tokens=context_tokens + reserve, qa_reserve_tokens=reserve)
+    builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), length, seed=seed)
+    rng = random.Random(f"{seed}/demo")
+    documents = [
+        procedural_document(builder.counter, length.max_tokens + 64, seed=rng.randrange(2**31), doc_id=f"demo-{i}",
+                            fact_kinds=("code",), fact_rate=0.25, n_characters=0)
+        for i in range(n_conversations)
+    ]
+    plans = builder.plan_single_detail(documents, n_conversations, chunks_per_context=1,
+                                       questions_per_chunk=questions_per_conversation)
+    return builder.build(plans)
+
+
+def build_demo_dataset(
+    tokenizer: PreTrainedTokenizerBase,
+    n_conversations: int = 64,
+    context_tokens: int = 600,
+    seed: int = 0,
+    questions_per_conversation: int = 4,
+) -> Dataset:
+    """A small training set for the demo: each conversation is one ~``context_tokens``-token context.
+
+    The context is procedural filler with numbered objects scattered through it ("The grey oar at
+    the pier is marked with the number 38006."); each of the ``questions_per_conversation`` turns
+    asks for one of those numbers, so the answers are pure retrieval from the context and exact.
+    Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
+    tokenizer's chat template. Deterministic given ``seed``.
+    """
+    return Dataset.from_list(demo_conversations(tokenizer, n_conversations, context_tokens, seed, questions_per_conversation))

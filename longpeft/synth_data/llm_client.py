@@ -1,0 +1,438 @@
+"""A client for any OpenAI-compatible chat-completions endpoint, built for paid batch generation.
+
+What it adds on top of the ``openai`` package:
+
+- a concurrency limit (``max_concurrency`` requests in flight);
+- retries with exponential backoff (and ``Retry-After``) on 429, 5xx, timeouts and connection errors;
+- a disk cache keyed by a hash of the request's content (model, messages, parameters, attempt number):
+  every answer is written the moment it arrives, so a killed run resumes without repeating a call
+  that was answered and cached;
+- bounded retries on malformed output: the caller's ``parse`` function raises
+  :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
+  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file;
+- token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
+- a tqdm progress bar.
+
+The API key is read from the environment variable named by ``api_key_env`` when the client starts a
+run; it is never stored in the config, the cache, the rejects file, the usage report or any log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from tqdm.auto import tqdm
+
+
+class LLMConfig(BaseModel):
+    """Endpoint and behaviour of :class:`LLMClient`. There is deliberately no field for the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field("https://api.openai.com/v1", description="OpenAI-compatible endpoint (…/v1)")
+    model: str = Field("gpt-4o", description="model name sent with every request")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
+    max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
+    max_retries: int = Field(6, ge=0, description="retries of one attempt on 429/5xx/timeout/connection errors")
+    backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
+    backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
+    timeout: float = Field(600.0, gt=0, description="seconds before one HTTP request times out")
+    max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
+    temperature: float = Field(0.7, ge=0, description="sampling temperature")
+    max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
+
+
+class MalformedOutput(ValueError):
+    """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
+
+
+class LLMRunAborted(RuntimeError):
+    """An error no retry can fix (bad key, unknown model or endpoint): the whole run stops."""
+
+
+@dataclass
+class LLMRequest:
+    """One chat-completion request.
+
+    Attributes:
+        task: accounting bucket (e.g. ``"single_detail"``).
+        messages: chat messages ``[{"role": ..., "content": ...}]``.
+        params: extra request parameters (e.g. ``response_format``); part of the cache key.
+        meta: free-form identifiers written to the rejects file; not part of the cache key.
+    """
+
+    task: str
+    messages: list[dict[str, str]]
+    params: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class LLMResult:
+    """Outcome of one request: ``value`` is the parsed output when ``ok``; ``error`` says why not."""
+
+    request: LLMRequest
+    ok: bool
+    value: Any = None
+    text: str | None = None
+    error: str | None = None
+    attempts: int = 0
+    api_calls: int = 0
+
+
+@dataclass
+class TaskUsage:
+    """Token accounting of one task: paid calls, and answers replayed from the cache."""
+
+    api_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cache_hits: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
+    retries: int = 0
+    malformed: int = 0
+    rejected: int = 0
+
+
+class _RetryableError(Exception):
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+def request_key(model: str, request: LLMRequest, sampling: dict[str, Any], attempt: int) -> str:
+    """SHA-256 of the request content: model, messages, sampling and extra params, attempt number."""
+    payload = {
+        "model": model,
+        "messages": request.messages,
+        "params": {**sampling, **request.params},
+        "attempt": attempt,
+    }
+    blob = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+class ResponseCache:
+    """One JSON file per answered request under ``root/<key[:2]>/<key>.json``, written atomically."""
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.json"
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        path = self._path(key)
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:  # never written by us (writes are atomic); treat as missing
+            return None
+
+    def put(self, key: str, entry: dict[str, Any]) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(entry, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.root.glob("*/*.json")) if self.root.is_dir() else 0
+
+
+class RejectsLog:
+    """Append-only JSONL of requests that ended without a usable answer (one line per request key)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._seen: set[str] = set()
+        if self.path.is_file():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    self._seen.add(json.loads(line)["key"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    def add(self, record: dict[str, Any]) -> None:
+        if record["key"] in self._seen:
+            return
+        self._seen.add(record["key"])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def strip_code_fence(text: str) -> str:
+    """Remove a surrounding Markdown code fence (```json ... ```) if the model added one."""
+    match = re.fullmatch(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", text, flags=re.DOTALL)
+    return match.group(1) if match else text
+
+
+def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]:
+    """Parse ``text`` as one JSON object that has every key in ``required``; else :class:`MalformedOutput`."""
+    try:
+        value = json.loads(strip_code_fence(text))
+    except json.JSONDecodeError as error:
+        raise MalformedOutput(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise MalformedOutput(f"expected a JSON object, got {type(value).__name__}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise MalformedOutput(f"JSON object lacks field(s) {missing}")
+    return value
+
+
+class LLMClient:
+    """Runs batches of :class:`LLMRequest` against an OpenAI-compatible endpoint.
+
+    Args:
+        config: endpoint and retry settings.
+        cache_dir: folder of the response cache (created on demand).
+        rejects_path: JSONL file receiving requests that failed for good.
+        show_progress: draw a tqdm bar per batch.
+    """
+
+    def __init__(
+        self,
+        config: LLMConfig,
+        cache_dir: str | os.PathLike[str],
+        rejects_path: str | os.PathLike[str],
+        show_progress: bool = True,
+    ):
+        self.config = config
+        self.cache = ResponseCache(cache_dir)
+        self.rejects = RejectsLog(rejects_path)
+        self.show_progress = show_progress
+        self.usage: dict[str, TaskUsage] = {}
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def run(
+        self,
+        requests: Sequence[LLMRequest],
+        parse: Callable[[str], Any] | None = None,
+        desc: str = "LLM requests",
+    ) -> list[LLMResult]:
+        """Send every request (concurrently, cached, retried); results come back in request order.
+
+        ``parse(text)`` turns the model's text into a value or raises :class:`MalformedOutput`;
+        without it the text itself is the value.
+        """
+        coroutine = self.arun(requests, parse, desc)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(coroutine)
+        # Called from inside an event loop (a notebook): run the batch on a private loop in a thread.
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = asyncio.run(coroutine)
+            except BaseException as error:  # re-raised in the caller's thread
+                box["error"] = error
+
+        thread = threading.Thread(target=target)
+        thread.start()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    async def arun(
+        self,
+        requests: Sequence[LLMRequest],
+        parse: Callable[[str], Any] | None = None,
+        desc: str = "LLM requests",
+    ) -> list[LLMResult]:
+        """Async form of :meth:`run`."""
+        import openai
+
+        if not requests:
+            return []
+        api_key = os.environ.get(self.config.api_key_env)
+        if not api_key:
+            raise LLMRunAborted(
+                f"environment variable {self.config.api_key_env} is not set; export your API key there "
+                "(any non-empty value for a local server without authentication)"
+            )
+        client = openai.AsyncOpenAI(
+            api_key=api_key, base_url=self.config.base_url, max_retries=0, timeout=self.config.timeout
+        )
+        del api_key
+        semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
+        try:
+
+            async def one(request: LLMRequest) -> LLMResult:
+                result = await self._complete(client, semaphore, request, parse)
+                bar.update(1)
+                bar.set_postfix(self._postfix(), refresh=False)
+                return result
+
+            tasks = [asyncio.ensure_future(one(request)) for request in requests]
+            try:
+                return list(await asyncio.gather(*tasks))
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+        finally:
+            bar.close()
+            await client.close()
+
+    def usage_report(self) -> dict[str, Any]:
+        """Per-task token accounting plus totals, as a JSON-ready dict."""
+        tasks = {name: vars(usage).copy() for name, usage in sorted(self.usage.items())}
+        total: dict[str, int] = {}
+        for usage in tasks.values():
+            for key, value in usage.items():
+                total[key] = total.get(key, 0) + value
+        return {"model": self.config.model, "base_url": self.config.base_url, "tasks": tasks, "total": total}
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _postfix(self) -> dict[str, int]:
+        calls = sum(u.api_calls for u in self.usage.values())
+        hits = sum(u.cache_hits for u in self.usage.values())
+        tokens = sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
+        return {"calls": calls, "cached": hits, "tokens": tokens}
+
+    def _sampling(self) -> dict[str, Any]:
+        sampling: dict[str, Any] = {"temperature": self.config.temperature}
+        if self.config.max_tokens is not None:
+            sampling["max_tokens"] = self.config.max_tokens
+        return sampling
+
+    async def _complete(
+        self,
+        client: Any,
+        semaphore: asyncio.Semaphore,
+        request: LLMRequest,
+        parse: Callable[[str], Any] | None,
+    ) -> LLMResult:
+        import openai
+
+        usage = self.usage.setdefault(request.task, TaskUsage())
+        sampling = self._sampling()
+        outputs: list[dict[str, Any]] = []
+        api_calls = 0
+        key = ""
+        for attempt in range(self.config.max_parse_attempts):
+            key = request_key(self.config.model, request, sampling, attempt)
+            entry = self.cache.get(key)
+            if entry is not None:
+                usage.cache_hits += 1
+                usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
+                usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+            else:
+                try:
+                    entry = await self._call(client, semaphore, request, sampling, usage)
+                except _RetryableError as error:
+                    return self._reject(request, key, usage, f"gave up after retries: {error}", outputs, attempt + 1, api_calls)
+                except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
+                    return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1, api_calls)
+                api_calls += 1
+                self.cache.put(key, {"key": key, "task": request.task, **entry})
+            text = entry["text"]
+            try:
+                value = parse(text) if parse is not None else text
+            except MalformedOutput as error:
+                usage.malformed += 1
+                outputs.append({"attempt": attempt, "text": text, "error": str(error)})
+                continue
+            return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
+        reason = f"malformed output in all {self.config.max_parse_attempts} attempts"
+        return self._reject(request, key, usage, reason, outputs, self.config.max_parse_attempts, api_calls)
+
+    def _reject(
+        self,
+        request: LLMRequest,
+        key: str,
+        usage: TaskUsage,
+        reason: str,
+        outputs: list[dict[str, Any]],
+        attempts: int,
+        api_calls: int,
+    ) -> LLMResult:
+        usage.rejected += 1
+        self.rejects.add(
+            {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts, "outputs": outputs}
+        )
+        return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
+
+    async def _call(
+        self,
+        client: Any,
+        semaphore: asyncio.Semaphore,
+        request: LLMRequest,
+        sampling: dict[str, Any],
+        usage: TaskUsage,
+    ) -> dict[str, Any]:
+        """One answered call (retrying transient failures); returns the cache entry body."""
+        import openai
+
+        delay = self.config.backoff_initial
+        for retry in range(self.config.max_retries + 1):
+            try:
+                async with semaphore:
+                    response = await client.chat.completions.create(
+                        model=self.config.model, messages=request.messages, **sampling, **request.params
+                    )
+            except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as error:
+                raise LLMRunAborted(
+                    f"{self.config.base_url} refused the request ({type(error).__name__}, HTTP {error.status_code}); "
+                    f"check {self.config.api_key_env}, the model name {self.config.model!r} and the base URL"
+                ) from None
+            except (openai.APITimeoutError, openai.APIConnectionError) as error:
+                failure = _RetryableError(f"{type(error).__name__}: {error}")
+            except openai.APIStatusError as error:
+                if error.status_code != 429 and error.status_code < 500:
+                    raise
+                failure = _RetryableError(f"HTTP {error.status_code}", _retry_after(error))
+            else:
+                text = response.choices[0].message.content if response.choices else None
+                counts = response.usage
+                prompt_tokens = int(getattr(counts, "prompt_tokens", 0) or 0)
+                completion_tokens = int(getattr(counts, "completion_tokens", 0) or 0)
+                usage.api_calls += 1
+                usage.prompt_tokens += prompt_tokens
+                usage.completion_tokens += completion_tokens
+                return {
+                    "text": text or "",
+                    "finish_reason": response.choices[0].finish_reason if response.choices else None,
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                    "created": time.time(),
+                }
+            if retry == self.config.max_retries:
+                raise failure
+            usage.retries += 1
+            wait = failure.retry_after if failure.retry_after is not None else delay * (0.5 + random.random())
+            await asyncio.sleep(min(wait, self.config.backoff_max))
+            delay = min(delay * 2, self.config.backoff_max)
+        raise AssertionError("unreachable")
+
+
+def _retry_after(error: Any) -> float | None:
+    """Seconds from a ``Retry-After`` header, if the server sent one as a number."""
+    response = getattr(error, "response", None)
+    value = response.headers.get("retry-after") if response is not None else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None

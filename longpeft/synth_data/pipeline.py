@@ -1,0 +1,183 @@
+"""The whole `longpeft synth` run: config, sources, builders, mixing, outputs.
+
+A run writes to its output folder:
+
+- ``train.jsonl``: one conversation per line (``id``, ``task``, ``messages``, ``num_tokens``,
+  ``sources``, ``meta``), the file recipes train on;
+- ``dataset/``: the same rows as a saved ``datasets.Dataset``;
+- ``stats.json``: counts per task, token-length summaries, skipped contexts and why, mixing counts,
+  LLM token usage per task;
+- ``length_hist.png``: token-length histogram per task;
+- ``config.json``: the resolved config (it never holds the API key);
+- with the LLM answerer: ``llm_cache/`` (answers by request hash; rerunning the same command
+  resumes without repeating answered calls) and ``rejects.jsonl`` (requests that failed for good).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from datasets import Dataset
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from transformers import PreTrainedTokenizerBase
+
+from .builders import (
+    DEFAULT_CONTEXT_TEMPLATE,
+    LengthConfig,
+    LongContextBuilder,
+    procedural_cluster_pool,
+    procedural_long_documents,
+)
+from .corpus import Document, corpus_texts
+from .llm_client import LLMClient, LLMConfig
+from .mix import MixConfig, mix
+from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
+from .report import write_dataset
+
+CACHE_DIR = "llm_cache"
+REJECTS_FILE = "rejects.jsonl"
+CONFIG_FILE = "config.json"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SingleDetailTask(_Strict):
+    contexts: int = Field(4, ge=0, description="conversations to build")
+    chunks_per_context: int = Field(2, ge=1, description="chunks (<= length.chunk_tokens) asked about per context")
+    questions_per_chunk: int = Field(3, ge=1)
+
+
+class MultiDetailTask(_Strict):
+    contexts: int = Field(2, ge=0)
+    questions: int = Field(5, ge=1)
+
+
+class HeterogeneousTask(_Strict):
+    contexts: int = Field(2, ge=0)
+    questions: int = Field(5, ge=1)
+    docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
+    n_clusters: int | None = Field(None, ge=2, description="k-means clusters (default: ~1.25 contexts' worth of documents each)")
+
+
+class BiographyTask(_Strict):
+    contexts: int = Field(2, ge=0)
+    characters: int = Field(3, ge=1, description="biographies (main characters) per book")
+
+
+class SourceConfig(_Strict):
+    kind: Literal["procedural", "files"] = Field("procedural", description="generated documents, or your files")
+    paths: list[str] = Field(default_factory=list, description=".txt (one document each) / .jsonl ('text', 'title')")
+
+
+class SynthConfig(_Strict):
+    """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)."""
+
+    seed: int = 0
+    tokenizer: str = Field("tiny", description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one")
+    answerer: Literal["procedural", "llm"] = Field("procedural", description="exact offline QA, or an OpenAI-compatible LLM")
+    source: SourceConfig = Field(default_factory=SourceConfig)
+    length: LengthConfig = Field(default_factory=LengthConfig)
+    single_detail: SingleDetailTask = Field(default_factory=SingleDetailTask)
+    multi_detail: MultiDetailTask = Field(default_factory=MultiDetailTask)
+    heterogeneous: HeterogeneousTask = Field(default_factory=HeterogeneousTask)
+    biography: BiographyTask = Field(default_factory=BiographyTask)
+    mix: MixConfig = Field(default_factory=MixConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    context_template: str = DEFAULT_CONTEXT_TEMPLATE
+    progress: bool = True
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SynthConfig:
+        if self.source.kind == "files" and not self.source.paths:
+            raise ValueError("source.kind 'files' needs source.paths")
+        if self.source.kind == "files" and self.answerer == "procedural":
+            raise ValueError("the procedural answerer needs procedural documents; use answerer: llm with your files")
+        return self
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """The training tokenizer; ``"tiny"`` is longpeft's in-memory tokenizer trained on the procedural corpus."""
+    if name == "tiny":
+        from ..tiny import sample_text, train_tokenizer
+
+        return train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name, use_fast=True)
+
+
+def load_documents(paths: list[str]) -> list[Document]:
+    """Documents from .txt files (one per file, titled by the file name) and .jsonl files (``text``, optional ``title``/``id``)."""
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            files += sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"source path {path} does not exist")
+    documents = []
+    for file in files:
+        if file.suffix == ".txt":
+            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=file.read_text(encoding="utf-8")))
+            continue
+        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise ValueError(f"{file}:{number}: document records need a string field 'text'")
+            documents.append(Document(doc_id=str(record.get("id", f"{file}:{number}")),
+                                      title=str(record.get("title", "")), text=record["text"]))
+    if not documents:
+        raise ValueError(f"no documents found in {paths}")
+    return documents
+
+
+def make_answerer(config: SynthConfig, out_dir: Path) -> tuple[QAGenerator, LLMClient | None]:
+    if config.answerer == "procedural":
+        return ProceduralAnswerer(), None
+    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress)
+    return LLMAnswerer(client), client
+
+
+def synthesize(
+    config: SynthConfig, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+) -> tuple[Dataset, dict[str, Any]]:
+    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+    answerer, client = make_answerer(config, out)
+    builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed)
+    counter, length, seed = builder.counter, config.length, config.seed
+    files = load_documents(config.source.paths) if config.source.kind == "files" else None
+
+    def long_documents(task: str, count: int) -> list[Document]:
+        return files if files is not None else procedural_long_documents(counter, task, count, length, seed)
+
+    plans = []
+    sd, md, het, bio = config.single_detail, config.multi_detail, config.heterogeneous, config.biography
+    if sd.contexts:
+        plans += builder.plan_single_detail(long_documents("single_detail", sd.contexts), sd.contexts,
+                                            sd.chunks_per_context, sd.questions_per_chunk)
+    if md.contexts:
+        plans += builder.plan_multi_detail(long_documents("multi_detail", md.contexts), md.contexts, md.questions)
+    if bio.contexts:
+        plans += builder.plan_biography(long_documents("biography", bio.contexts), bio.contexts, bio.characters)
+    if het.contexts:
+        pool = files if files is not None else procedural_cluster_pool(counter, het.contexts, het.docs_per_context, length, seed)
+        plans += builder.plan_heterogeneous(pool, het.contexts, het.questions, het.n_clusters)
+    rows = builder.build(plans)
+    rows, mix_stats = mix(rows, counter, config.mix, seed)
+    extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
+    if client is not None:
+        extra["llm_usage"] = client.usage_report()
+    dataset = write_dataset(rows, out, extra)
+    return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))

@@ -1,0 +1,423 @@
+"""Question-answer generation for the long-context builders: one interface, two implementations.
+
+A :class:`QAJob` says what to ask about (a <= 4K-token chunk, a whole long context, the texts of one
+cluster, a book) and how many items to write. :class:`LLMAnswerer` turns jobs into prompts for an
+OpenAI-compatible model (GPT-4-style generation, as in the 80K recipe); :class:`ProceduralAnswerer`
+answers the same jobs exactly from the facts recorded in procedural documents, with no LLM.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
+from .llm_client import LLMClient, LLMRequest, MalformedOutput, parse_json_object
+
+TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
+
+
+@dataclass(frozen=True)
+class Passage:
+    """The character span ``[start, end)`` of a document."""
+
+    doc: Document
+    start: int
+    end: int
+
+    @property
+    def text(self) -> str:
+        return self.doc.text[self.start:self.end]
+
+    def facts(self) -> list[Fact]:
+        """Facts of the document whose sentence lies entirely inside the passage."""
+        return [f for f in self.doc.facts if f.start >= self.start and f.end <= self.end]
+
+
+@dataclass
+class QAJob:
+    """One generation job.
+
+    Attributes:
+        task: one of :data:`TASKS`.
+        passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
+            biography) or the documents of one context (heterogeneous, numbered from 1 in order).
+        n: questions to write (biographies for ``biography``).
+        seed: seeds the procedural answerer's choices.
+    """
+
+    task: str
+    passages: list[Passage]
+    n: int
+    seed: int = 0
+
+
+@dataclass
+class QAPair:
+    """A question and its answer; ``evidence`` lists the fact ids behind a procedural answer."""
+
+    question: str
+    answer: str
+    evidence: list[str] = field(default_factory=list)
+
+
+class QAGenerator(Protocol):
+    """Answers a batch of jobs; ``None`` marks a job that produced nothing usable (recorded elsewhere)."""
+
+    def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]: ...
+
+
+# ---- exact answers from recorded facts ------------------------------------------------------------
+
+
+class ProceduralAnswerer:
+    """Exact QA from the ground truth of procedural documents (see :mod:`.corpus`)."""
+
+    def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]:
+        return [self.answer(job) for job in jobs]
+
+    def answer(self, job: QAJob) -> list[QAPair]:
+        for passage in job.passages:
+            if not passage.doc.facts:
+                raise ValueError(
+                    f"document {passage.doc.doc_id!r} has no recorded facts: the procedural answerer only works "
+                    "on procedural documents; use the LLM answerer for text files"
+                )
+        rng = random.Random(job.seed)
+        method = {
+            "single_detail": self._single_detail,
+            "multi_detail": self._multi_detail,
+            "heterogeneous": self._heterogeneous,
+            "biography": self._biography,
+        }[job.task]
+        return method(job, rng)
+
+    def _single_detail(self, job: QAJob, rng: random.Random) -> list[QAPair]:
+        facts = job.passages[0].facts()
+        chosen = rng.sample(facts, min(job.n, len(facts)))
+        chosen.sort(key=lambda f: f.start)
+        return [QAPair(f.question, f.value, [f.fact_id]) for f in chosen]
+
+    def _multi_detail(self, job: QAJob, rng: random.Random) -> list[QAPair]:
+        facts = job.passages[0].facts()
+        by_kind: dict[str, list[Fact]] = {}
+        for fact in facts:
+            by_kind.setdefault(fact.kind, []).append(fact)
+        makers = [_count_profession, _earlier_birth, _code_sum, _event_order]
+        pairs: list[QAPair] = []
+        seen: set[str] = set()
+        for _ in range(job.n * 8):
+            if len(pairs) == job.n:
+                break
+            pair = rng.choice(makers)(by_kind, rng)
+            if pair is not None and pair.question not in seen:
+                seen.add(pair.question)
+                pairs.append(pair)
+        return pairs
+
+    def _heterogeneous(self, job: QAJob, rng: random.Random) -> list[QAPair]:
+        docs = [_DocFacts(i + 1, p) for i, p in enumerate(job.passages)]
+        makers = [_earliest_founded, _largest_population, _shared_professions, _same_kind, _population_gap]
+        pairs: list[QAPair] = []
+        seen: set[str] = set()
+        for _ in range(job.n * 8):
+            if len(pairs) == job.n:
+                break
+            pair = rng.choice(makers)(docs, rng)
+            if pair is not None and pair.question not in seen:
+                seen.add(pair.question)
+                pairs.append(pair)
+        return pairs
+
+    def _biography(self, job: QAJob, rng: random.Random) -> list[QAPair]:
+        passage = job.passages[0]
+        facts = passage.facts()
+        pairs = []
+        for character in passage.doc.characters:
+            own = [f for f in facts if f.subject == character.name]
+            if len(own) < 3:
+                continue
+            sentences = list(dict.fromkeys(f.sentence for f in own))  # in order of appearance
+            pairs.append(QAPair(f"Write a short biography of {character.name}.", " ".join(sentences),
+                                [f.fact_id for f in own]))
+        rng.shuffle(pairs)
+        return pairs[: job.n]
+
+
+def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    groups: dict[str, list[Fact]] = {}
+    for fact in by_kind.get("profession", []):
+        groups.setdefault(fact.value, []).append(fact)
+    candidates = [p for p, fs in groups.items() if len(fs) >= 2]
+    if not candidates:
+        return None
+    profession = rng.choice(sorted(candidates))
+    people = groups[profession]
+    names = ", ".join(f.subject for f in people)
+    return QAPair(
+        f"How many people in the text worked as {article(profession)}? Name them in order of appearance.",
+        f"{len(people)}: {names}.",
+        [f.fact_id for f in people],
+    )
+
+
+def _earlier_birth(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    births = by_kind.get("birth_year", [])
+    if len(births) < 2:
+        return None
+    a, b = rng.sample(births, 2)
+    if a.value == b.value:
+        return None
+    first, second = (a, b) if int(a.value) < int(b.value) else (b, a)
+    return QAPair(
+        f"Who was born earlier, {a.subject} or {b.subject}?",
+        f"{first.subject}, born in {first.value}; {second.subject} was born in {second.value}.",
+        [a.fact_id, b.fact_id],
+    )
+
+
+def _code_sum(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    codes = by_kind.get("code", [])
+    if len(codes) < 2:
+        return None
+    a, b = sorted(rng.sample(codes, 2), key=lambda f: f.start)
+    return QAPair(
+        f"What is the sum of the numbers marked on the {a.subject} and on the {b.subject}?",
+        str(int(a.value) + int(b.value)),
+        [a.fact_id, b.fact_id],
+    )
+
+
+def _event_order(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    events = by_kind.get("event", [])
+    if len(events) < 2:
+        return None
+    a, b = rng.sample(events, 2)
+    if a.value == b.value:
+        return None
+    first, second = (a, b) if int(a.value) < int(b.value) else (b, a)
+    return QAPair(
+        f"Which came first: the council {a.get('verb')} the {a.subject}, or it {b.get('verb')} the {b.subject}?",
+        f"The council {first.get('verb')} the {first.subject} first, in {first.value}; "
+        f"it {second.get('verb')} the {second.subject} in {second.value}.",
+        [a.fact_id, b.fact_id],
+    )
+
+
+@dataclass
+class _DocFacts:
+    """What the heterogeneous questions need from one document of a context."""
+
+    number: int
+    passage: Passage
+
+    @property
+    def doc(self) -> Document:
+        return self.passage.doc
+
+    def fact(self, kind: str) -> Fact | None:
+        return next((f for f in self.passage.facts() if f.kind == kind), None)
+
+    def professions(self) -> dict[str, list[Fact]]:
+        found: dict[str, list[Fact]] = {}
+        for fact in self.passage.facts():
+            if fact.kind == "profession":
+                found.setdefault(fact.value, []).append(fact)
+        return found
+
+
+def _extreme(docs: list[_DocFacts], kind: str, largest: bool) -> tuple[_DocFacts, Fact, list[Fact]] | None:
+    rows = [(d, d.fact(kind)) for d in docs]
+    if any(f is None for _, f in rows):
+        return None
+    values = [int(f.value) for _, f in rows]
+    best = max(values) if largest else min(values)
+    if values.count(best) != 1:
+        return None
+    d, f = rows[values.index(best)]
+    return d, f, [f for _, f in rows]
+
+
+def _earliest_founded(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
+    found = _extreme(docs, "founded", largest=False)
+    if found is None:
+        return None
+    d, f, all_facts = found
+    return QAPair(
+        "Which of the towns described in these documents was founded earliest?",
+        f"{f.subject}, described in Document {d.number}, founded in {f.value}.",
+        [x.fact_id for x in all_facts],
+    )
+
+
+def _largest_population(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
+    found = _extreme(docs, "population", largest=True)
+    if found is None:
+        return None
+    d, f, all_facts = found
+    return QAPair(
+        "Which of the towns described in these documents has the most inhabitants?",
+        f"{f.subject}, described in Document {d.number}, with {f.value} inhabitants.",
+        [x.fact_id for x in all_facts],
+    )
+
+
+def _shared_professions(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
+    if len(docs) < 2:
+        return None
+    a, b = sorted(rng.sample(docs, 2), key=lambda d: d.number)
+    pa, pb = a.professions(), b.professions()
+    shared = sorted(set(pa) & set(pb))
+    evidence = [f.fact_id for p in shared for f in pa[p] + pb[p]]
+    answer = ", ".join(shared) + "." if shared else "None: no profession is mentioned in both."
+    return QAPair(f"Which professions are mentioned in both Document {a.number} and Document {b.number}?", answer, evidence)
+
+
+def _same_kind(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
+    topics = sorted({d.doc.topic for d in docs if d.doc.topic})
+    if not topics:
+        return None
+    topic = rng.choice(topics)
+    numbers = [d.number for d in docs if d.doc.topic == topic]
+    listed = ", ".join(str(n) for n in numbers[:-1]) + (" and " if len(numbers) > 1 else "") + str(numbers[-1])
+    noun = "Documents" if len(numbers) > 1 else "Only Document"
+    return QAPair(f"Which of the documents describe {TOPIC_DESCRIPTIONS[topic]}?", f"{noun} {listed}.")
+
+
+def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
+    if len(docs) < 2:
+        return None
+    a, b = sorted(rng.sample(docs, 2), key=lambda d: d.number)
+    fa, fb = a.fact("population"), b.fact("population")
+    if fa is None or fb is None or fa.value == fb.value:
+        return None
+    big, small = (a, b) if int(fa.value) > int(fb.value) else (b, a)
+    gap = abs(int(fa.value) - int(fb.value))
+    return QAPair(
+        f"Which has more inhabitants, the town of Document {a.number} or the town of Document {b.number}, and by how many?",
+        f"The town of Document {big.number}, by {gap} inhabitants.",
+        [fa.fact_id, fb.fact_id],
+    )
+
+
+# ---- GPT-4-style generation through an OpenAI-compatible endpoint ----------------------------------
+
+SYSTEM_PROMPT = "You write high-quality training data for long-context reading comprehension. You reply with JSON only."
+
+# Doubled braces: the prompts go through str.format.
+QA_FORMAT = 'Reply with JSON only, in this form: {{"qa_pairs": [{{"question": "...", "answer": "..."}}]}}'
+
+QA_RULES = (
+    "Every question must be self-contained: name the people, places or things it asks about, and never "
+    "refer to 'the excerpt', 'the passage' or 'the author'. Every answer must be correct according to the "
+    "text, complete and concise."
+)
+
+PROMPTS = {
+    "single_detail": (
+        "Below is an excerpt of a longer document.\n\n<excerpt>\n{text}\n</excerpt>\n\n"
+        "Write {n} question-answer pairs, each about one specific detail stated in this excerpt. "
+        f"{QA_RULES}\n{QA_FORMAT}"
+    ),
+    "multi_detail": (
+        "Below is a long document.\n\n<document>\n{text}\n</document>\n\n"
+        "Write {n} question-answer pairs that each need information from several different parts of the "
+        "document: counting or listing things mentioned in different places, comparing, ordering events, "
+        f"or following how something develops. {QA_RULES}\n{QA_FORMAT}"
+    ),
+    "heterogeneous": (
+        "Below are {k} related but independent documents.\n\n{text}\n\n"
+        "Write {n} question-answer pairs about the similarities and differences between these documents. "
+        "Refer to documents by number (for example 'Document 2'). "
+        f"{QA_RULES}\n{QA_FORMAT}"
+    ),
+    "biography": (
+        "Below is a book.\n\n<book>\n{text}\n</book>\n\n"
+        "Identify the {n} main characters of the book and write a biography of each: who they are, where "
+        "they come from, what they do, their relationships and what happens to them, using only the book. "
+        'Reply with JSON only, in this form: {{"biographies": [{{"name": "...", "biography": "..."}}]}}'
+    ),
+}
+
+
+def titled_text(passage: Passage) -> str:
+    """The passage's text, headed by its document's title unless the text already starts with it."""
+    text = passage.text.strip()
+    title = passage.doc.title.strip()
+    return text if not title or text.startswith(title) else f"{title}\n{text}"
+
+
+def numbered_documents(passages: Sequence[Passage]) -> str:
+    """The documents of a heterogeneous context, numbered from 1 (the layout of the training context)."""
+    return "\n\n".join(f"Document {i + 1}:\n{titled_text(p)}" for i, p in enumerate(passages))
+
+
+def job_prompt(job: QAJob) -> str:
+    """The user prompt of one job."""
+    if job.task == "heterogeneous":
+        text = "\n\n".join(
+            f"<document {i + 1}>\n{titled_text(p)}\n</document {i + 1}>" for i, p in enumerate(job.passages)
+        )
+        return PROMPTS["heterogeneous"].format(text=text, n=job.n, k=len(job.passages))
+    return PROMPTS[job.task].format(text=job.passages[0].text.strip(), n=job.n)
+
+
+def parse_qa_pairs(text: str) -> list[QAPair]:
+    """``{"qa_pairs": [...]}`` -> QA pairs; :class:`MalformedOutput` unless at least one is complete."""
+    items = parse_json_object(text, ["qa_pairs"])["qa_pairs"]
+    if not isinstance(items, list):
+        raise MalformedOutput("'qa_pairs' is not a list")
+    pairs = [
+        QAPair(item["question"].strip(), item["answer"].strip())
+        for item in items
+        if isinstance(item, dict) and isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
+        and item["question"].strip() and item["answer"].strip()
+    ]
+    if not pairs:
+        raise MalformedOutput("no item of 'qa_pairs' has a non-empty 'question' and 'answer'")
+    return pairs
+
+
+def parse_biographies(text: str) -> list[QAPair]:
+    """``{"biographies": [{"name", "biography"}]}`` -> one "write a biography" turn per character."""
+    items = parse_json_object(text, ["biographies"])["biographies"]
+    if not isinstance(items, list):
+        raise MalformedOutput("'biographies' is not a list")
+    pairs = [
+        QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
+        for item in items
+        if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("biography"), str)
+        and item["name"].strip() and item["biography"].strip()
+    ]
+    if not pairs:
+        raise MalformedOutput("no item of 'biographies' has a non-empty 'name' and 'biography'")
+    return pairs
+
+
+class LLMAnswerer:
+    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`."""
+
+    def __init__(self, client: LLMClient):
+        self.client = client
+
+    def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]:
+        results: list[list[QAPair] | None] = [None] * len(jobs)
+        for task in TASKS:
+            indices = [i for i, job in enumerate(jobs) if job.task == task]
+            if not indices:
+                continue
+            requests = [
+                LLMRequest(
+                    task=task,
+                    messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(jobs[i])}],
+                    meta={"job": i, "sources": [p.doc.doc_id for p in jobs[i].passages],
+                          "spans": [[p.start, p.end] for p in jobs[i].passages]},
+                )
+                for i in indices
+            ]
+            parse = parse_biographies if task == "biography" else parse_qa_pairs
+            for i, result in zip(indices, self.client.run(requests, parse=parse, desc=f"{task} (LLM)")):
+                results[i] = result.value[: jobs[i].n] if result.ok else None
+        return results

@@ -1,0 +1,90 @@
+"""Writing a synthetic dataset: JSONL, a saved ``datasets.Dataset``, stats JSON and a length histogram PNG."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from datasets import Dataset
+
+from .builders import task_counts
+
+TRAIN_FILE = "train.jsonl"
+DATASET_DIR = "dataset"
+STATS_FILE = "stats.json"
+HISTOGRAM_FILE = "length_hist.png"
+
+
+def length_summary(lengths: Sequence[int]) -> dict[str, float]:
+    """min / median / mean / p90 / max of token lengths (empty dict for no rows)."""
+    if not lengths:
+        return {}
+    values = np.asarray(lengths)
+    return {
+        "min": int(values.min()),
+        "median": float(np.median(values)),
+        "mean": round(float(values.mean()), 1),
+        "p90": float(np.percentile(values, 90)),
+        "max": int(values.max()),
+    }
+
+
+def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts per task, token-length summaries overall and per task, QA turns per task."""
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_task.setdefault(row["task"], []).append(row)
+    return {
+        "conversations": len(rows),
+        "counts": task_counts(rows),
+        "tokens": length_summary([row["num_tokens"] for row in rows]),
+        "tokens_per_task": {task: length_summary([r["num_tokens"] for r in group]) for task, group in by_task.items()},
+        "qa_turns_per_task": {
+            task: sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in group) for task, group in by_task.items()
+        },
+    }
+
+
+def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins: int = 30) -> None:
+    """Stacked histogram of conversation token lengths, one colour per task."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list[int]] = {}
+    for row in rows:
+        groups.setdefault(row["task"], []).append(row["num_tokens"])
+    figure, axis = plt.subplots(figsize=(8, 4.5))
+    if groups:
+        axis.hist(list(groups.values()), bins=bins, stacked=True, label=[f"{t} ({len(v)})" for t, v in groups.items()])
+        axis.legend(fontsize=8)
+    axis.set_xlabel("tokens per conversation (chat template included)")
+    axis.set_ylabel("conversations")
+    axis.set_title(f"Token lengths of {len(rows)} conversations")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def write_dataset(rows: Sequence[dict[str, Any]], out_dir: str | Path, extra_stats: dict[str, Any] | None = None) -> Dataset:
+    """Write ``train.jsonl``, ``dataset/`` (``Dataset.save_to_disk``), ``stats.json`` and ``length_hist.png``.
+
+    Returns the Dataset (columns ``id``, ``task``, ``messages``, ``num_tokens``, ``sources``, ``meta``).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    columns = ("id", "task", "messages", "num_tokens", "sources", "meta")
+    rows = [{key: row[key] for key in columns} for row in rows]
+    with (out / TRAIN_FILE).open("w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    dataset = Dataset.from_list(rows) if rows else Dataset.from_dict({key: [] for key in columns})
+    dataset.save_to_disk(str(out / DATASET_DIR))
+    stats = {**dataset_stats(rows), **(extra_stats or {})}
+    (out / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
+    plot_length_histogram(rows, out / HISTOGRAM_FILE)
+    return dataset

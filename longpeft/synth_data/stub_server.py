@@ -1,0 +1,168 @@
+"""A local OpenAI-compatible chat-completions server for tests, benchmarks and dry runs.
+
+It answers ``POST /v1/chat/completions`` on 127.0.0.1 after a fixed latency, and can misbehave on
+request: directives written inside any message as ``[[...]]`` make it fail the first calls of that
+prompt (the same messages), so retries, backoff and malformed-output handling are exercised over
+real HTTP.
+
+Directives (comma-separated inside one ``[[...]]``):
+
+- ``429*2``: the first 2 calls of this prompt get HTTP 429 (any status code works: ``500*1``, ...);
+- ``bad`` / ``bad*1``: the answer is not JSON, always / for the first answered call only;
+- ``slow=0.5*1``: the first call sleeps 0.5 s more before answering.
+
+Usage::
+
+    with StubServer(latency=0.05) as server:
+        config = LLMConfig(base_url=server.base_url, model="stub")
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+_DIRECTIVE = re.compile(r"\[\[(.*?)\]\]")
+
+
+def default_reply(body: dict[str, Any]) -> str:
+    """A well-formed JSON answer carrying every field the synth_data prompts ask for."""
+    prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
+    digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+    return json.dumps(
+        {
+            "qa_pairs": [
+                {"question": f"What detail {digest}-{i} does the text state?", "answer": f"Detail {digest}-{i}."}
+                for i in range(3)
+            ],
+            "biographies": [
+                {"name": f"Person {digest}-{i}", "biography": f"Person {digest}-{i} appears in the text."}
+                for i in range(2)
+            ],
+        }
+    )
+
+
+class StubServer:
+    """OpenAI-compatible stub on 127.0.0.1 (a random free port) in a background thread.
+
+    Args:
+        latency: seconds every request takes before its answer.
+        reply: body -> assistant text for answered calls (default :func:`default_reply`).
+
+    Attributes:
+        calls: total requests received; ``statuses`` counts them by HTTP status;
+        ``prompt_calls`` counts them per prompt hash; ``auth_headers`` holds every
+        Authorization header received (tests check the key was sent and never written).
+    """
+
+    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply):
+        self.latency = latency
+        self.reply = reply
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.statuses: Counter[int] = Counter()
+        self.prompt_calls: Counter[str] = Counter()
+        self._bad_served: Counter[str] = Counter()
+        self.auth_headers: list[str] = []
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def base_url(self) -> str:
+        assert self._httpd is not None, "start the server first"
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def start(self) -> StubServer:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:  # keep test output clean
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"{}")
+                status, payload = server._answer(body, self.headers.get("Authorization", ""))
+                data = json.dumps(payload).encode("utf-8")
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if status == 429:
+                    self.send_header("Retry-After", "0")
+                self.end_headers()
+                self.wfile.write(data)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+
+    def __enter__(self) -> StubServer:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _answer(self, body: dict[str, Any], authorization: str) -> tuple[int, dict[str, Any]]:
+        messages = body.get("messages", [])
+        prompt = json.dumps(messages, sort_keys=True)
+        prompt_hash = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+        directives = [d.strip() for group in _DIRECTIVE.findall(prompt) for d in group.split(",") if d.strip()]
+        with self.lock:
+            self.calls += 1
+            self.prompt_calls[prompt_hash] += 1
+            call_index = self.prompt_calls[prompt_hash]
+            self.auth_headers.append(authorization)
+        delay = self.latency
+        status = 200
+        bad = False
+        for directive in directives:
+            name, _, times = directive.partition("*")
+            limit = int(times) if times else None
+            if name.isdigit() and call_index <= (limit or 1):
+                status = int(name)
+            elif name.startswith("slow=") and call_index <= (limit or 1):
+                delay += float(name[len("slow="):])
+            elif name == "bad":
+                bad = limit is None or self._bad_served[prompt_hash] < limit
+        if delay:
+            time.sleep(delay)
+        with self.lock:
+            self.statuses[status] += 1
+            if status == 200 and bad:
+                self._bad_served[prompt_hash] += 1
+        if status != 200:
+            return status, {"error": {"message": f"injected HTTP {status}", "type": "stub", "code": status}}
+        content = "this is {not json" if bad else self.reply(body)
+        prompt_tokens = max(1, len(prompt) // 4)
+        completion_tokens = max(1, len(content) // 4)
+        return 200, {
+            "id": f"chatcmpl-{prompt_hash[:12]}-{call_index}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", "stub"),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }

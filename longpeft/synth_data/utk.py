@@ -1,0 +1,325 @@
+"""Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids.
+
+For one training sequence made of several documents, with probability ``p``:
+
+1. each document of at least ``min_split_tokens`` tokens is split at random points into ``h`` chunks,
+   ``h`` drawn from ``chunk_counts`` (2-3 work best in the paper; ``h = 1`` leaves it whole);
+2. each chunk of a split document gets a random chunk label ``<label> A B C D </label>`` (letters as
+   ordinary tokens), chunk ``j > 1`` starts with the head knot ``<head_j>`` and chunk ``j < h`` ends
+   with the tail knot ``<tail_j>`` (``<tail_j>`` and ``<head_{j+1}>`` mark the same cut);
+3. all chunks of all documents are shuffled; with ``preserve_order`` each document keeps its own
+   chunk order (the paper's better variant);
+4. after a document's last chunk comes the backtrace target: its chunk labels in order,
+   ``<trace> label_1 <sep> label_2 ... </trace>``.
+
+Layout of chunk ``j`` of ``h``: ``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
+
+Labels are -100 on knots, on the chunk labels where they appear as input (with their delimiters) and
+on the trace sentinels; the backtrace label ids themselves are trained, as is every original token.
+Attention stays fully causal across documents (no per-document mask): the model must search the
+sequence for the matching knot. Everything runs on numpy token ids, on the fly, seeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class UtkTokens:
+    """Ids of the UtK special tokens and of the letters chunk labels are spelled with.
+
+    ``head_knots[j]`` / ``tail_knots[j]`` are the knots of chunk ``j`` (0-based); ``head_knots[0]``
+    and ``tail_knots[-1]`` are unused (-1).
+    """
+
+    head_knots: tuple[int, ...]
+    tail_knots: tuple[int, ...]
+    label_open: int
+    label_close: int
+    trace_open: int
+    trace_sep: int
+    trace_close: int
+    letters: tuple[int, ...]
+
+    @property
+    def max_chunks(self) -> int:
+        return len(self.head_knots)
+
+    @property
+    def special_ids(self) -> list[int]:
+        knots = [i for i in self.head_knots + self.tail_knots if i >= 0]
+        return knots + [self.label_open, self.label_close, self.trace_open, self.trace_sep, self.trace_close]
+
+
+def utk_token_strings(max_chunks: int) -> dict[str, list[str] | str]:
+    """The special-token strings for up to ``max_chunks`` chunks per document."""
+    return {
+        "head_knots": [f"<|utk_head_{j}|>" for j in range(2, max_chunks + 1)],
+        "tail_knots": [f"<|utk_tail_{j}|>" for j in range(1, max_chunks)],
+        "label_open": "<|utk_label|>",
+        "label_close": "<|/utk_label|>",
+        "trace_open": "<|utk_trace|>",
+        "trace_sep": "<|utk_sep|>",
+        "trace_close": "<|/utk_trace|>",
+    }
+
+
+def add_utk_tokens(
+    tokenizer: PreTrainedTokenizerBase, max_chunks: int = 3, alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+) -> UtkTokens:
+    """Add the knot, label and trace special tokens to ``tokenizer`` (idempotent) and return their ids.
+
+    The model's embeddings must then be resized to ``len(tokenizer)``
+    (``model.resize_token_embeddings(len(tokenizer))``) and trained (e.g. ``trainable_token_indices``).
+    Chunk labels are spelled with the letters of ``alphabet`` that the tokenizer encodes as one token.
+    """
+    if max_chunks < 2:
+        raise ValueError(f"max_chunks must be at least 2, got {max_chunks}")
+    strings = utk_token_strings(max_chunks)
+    flat = strings["head_knots"] + strings["tail_knots"] + [v for k, v in strings.items() if isinstance(v, str)]
+    tokenizer.add_tokens(flat, special_tokens=True)
+    ids = {s: tokenizer.convert_tokens_to_ids(s) for s in flat}
+    letters = []
+    for letter in dict.fromkeys(alphabet):
+        encoded = tokenizer.encode(letter, add_special_tokens=False)
+        if len(encoded) == 1:
+            letters.append(encoded[0])
+    if len(letters) < 2:
+        raise ValueError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet")
+    return UtkTokens(
+        head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
+        tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
+        label_open=ids[strings["label_open"]],
+        label_close=ids[strings["label_close"]],
+        trace_open=ids[strings["trace_open"]],
+        trace_sep=ids[strings["trace_sep"]],
+        trace_close=ids[strings["trace_close"]],
+        letters=tuple(letters),
+    )
+
+
+@dataclass
+class UtkSample:
+    """Output of :class:`UtkAugmenter`.
+
+    Attributes:
+        input_ids: int64 array, the augmented sequence.
+        labels: int64 array, same length; -100 where no loss is taken.
+        origin: with ``return_origin``, int64 array giving for each position the index of the original
+            token in the concatenated input documents, or -1 for inserted tokens.
+        augmented: whether UtK was applied (probability ``p``).
+    """
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    origin: np.ndarray | None
+    augmented: bool
+
+
+class UtkAugmenter:
+    """Applies UtK to sequences of documents given as token ids.
+
+    Args:
+        tokens: from :func:`add_utk_tokens`.
+        probability: chance that a sequence is augmented (the paper: 0.3 low, 0.8 high).
+        chunk_counts: distribution of chunks per long-enough document, ``{h: weight}``; ``h = 1`` keeps
+            a document whole. Every ``h`` must be <= ``tokens.max_chunks``.
+        min_split_tokens: documents shorter than this are never split.
+        preserve_order: keep each document's chunks in their original order when shuffling.
+        label_length: letters per chunk label.
+        seed: seeds the augmenter's generator; calls consume it in order. Pass ``seed=`` to a call
+            to make that call independent of the others (e.g. the dataset index).
+    """
+
+    def __init__(
+        self,
+        tokens: UtkTokens,
+        probability: float = 0.8,
+        chunk_counts: Mapping[int, float] | None = None,
+        min_split_tokens: int = 64,
+        preserve_order: bool = True,
+        label_length: int = 4,
+        seed: int = 0,
+    ):
+        chunk_counts = dict(chunk_counts or {2: 0.5, 3: 0.5})
+        if not 0.0 <= probability <= 1.0:
+            raise ValueError(f"probability must be in [0, 1], got {probability}")
+        if not chunk_counts or min(chunk_counts) < 1 or max(chunk_counts) > tokens.max_chunks:
+            raise ValueError(
+                f"chunk_counts keys must be in 1..{tokens.max_chunks} (tokens made for {tokens.max_chunks} chunks), "
+                f"got {sorted(chunk_counts)}"
+            )
+        weights = np.asarray([chunk_counts[h] for h in sorted(chunk_counts)], dtype=float)
+        if (weights < 0).any() or weights.sum() <= 0:
+            raise ValueError(f"chunk_counts weights must be >= 0 with a positive sum, got {chunk_counts}")
+        if min_split_tokens < 2:
+            raise ValueError("min_split_tokens must be at least 2")
+        self.tokens = tokens
+        self.probability = probability
+        self.counts = np.asarray(sorted(chunk_counts))
+        self.weights = weights / weights.sum()
+        self.min_split_tokens = min_split_tokens
+        self.preserve_order = preserve_order
+        self.label_length = label_length
+        self.rng = np.random.default_rng(seed)
+        self._special = np.asarray(tokens.special_ids, dtype=np.int64)
+        self._letters = np.asarray(tokens.letters, dtype=np.int64)
+
+    def __call__(
+        self, documents: Sequence[Sequence[int] | np.ndarray], seed: int | None = None, return_origin: bool = False
+    ) -> UtkSample:
+        """Augment one sequence made of ``documents`` (token id lists, in sequence order)."""
+        rng = np.random.default_rng(seed) if seed is not None else self.rng
+        docs = [np.asarray(d, dtype=np.int64) for d in documents]
+        starts = np.cumsum([0] + [len(d) for d in docs])
+        flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
+        if np.isin(flat, self._special).any():
+            raise ValueError("the documents already contain UtK special tokens; augment raw documents only once")
+        if rng.random() >= self.probability:
+            origin = np.arange(len(flat)) if return_origin else None
+            return UtkSample(flat.copy(), flat.copy(), origin, augmented=False)
+
+        pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = []
+        used_labels: set[bytes] = set()
+        for index, doc in enumerate(docs):
+            h = int(rng.choice(self.counts, p=self.weights)) if len(doc) >= self.min_split_tokens else 1
+            h = min(h, len(doc)) if len(doc) else 1
+            if h == 1:
+                pieces.append([self._piece([(doc, doc, starts[index], 0)], return_origin)])
+                continue
+            cuts = np.sort(rng.choice(np.arange(1, len(doc)), size=h - 1, replace=False))
+            bounds = [0, *cuts.tolist(), len(doc)]
+            labels = [self._new_label(rng, used_labels) for _ in range(h)]
+            chunks = []
+            for j in range(h):
+                segments = []
+                if j > 0:
+                    segments.append(self._marker([self.tokens.head_knots[j]]))
+                segments.append(self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close]))
+                content = doc[bounds[j]:bounds[j + 1]]
+                segments.append((content, content, starts[index] + bounds[j], 0))
+                if j < h - 1:
+                    segments.append(self._marker([self.tokens.tail_knots[j]]))
+                else:
+                    segments += self._backtrace(labels)
+                chunks.append(self._piece(segments, return_origin))
+            pieces.append(chunks)
+
+        order = self._shuffle([len(p) for p in pieces], rng)
+        flat_pieces = [piece for doc_pieces in pieces for piece in doc_pieces]
+        chosen = [flat_pieces[i] for i in order]
+        input_ids = np.concatenate([p[0] for p in chosen])
+        labels = np.concatenate([p[1] for p in chosen])
+        origin = np.concatenate([p[2] for p in chosen]) if return_origin else None
+        return UtkSample(input_ids, labels, origin, augmented=True)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _new_label(self, rng: np.random.Generator, used: set[bytes]) -> list[int]:
+        for _ in range(100):
+            label = rng.choice(self._letters, size=self.label_length)
+            key = label.tobytes()
+            if key not in used:
+                used.add(key)
+                return label.tolist()
+        raise ValueError("could not draw a unique chunk label; raise label_length")
+
+    @staticmethod
+    def _marker(ids: list[int]) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Inserted tokens: never trained as targets."""
+        array = np.asarray(ids, dtype=np.int64)
+        return array, np.full(len(array), IGNORE_INDEX, dtype=np.int64), -1, 0
+
+    def _backtrace(self, labels: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
+        """``<trace> L1 <sep> L2 ... </trace>``: the label ids are trained, the sentinels are not."""
+        segments = [self._marker([self.tokens.trace_open])]
+        for j, label in enumerate(labels):
+            if j:
+                segments.append(self._marker([self.tokens.trace_sep]))
+            ids = np.asarray(label, dtype=np.int64)
+            segments.append((ids, ids, -1, 0))
+        segments.append(self._marker([self.tokens.trace_close]))
+        return segments
+
+    @staticmethod
+    def _piece(segments, return_origin: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        ids = np.concatenate([s[0] for s in segments])
+        labels = np.concatenate([s[1] for s in segments])
+        origin = None
+        if return_origin:
+            origin = np.concatenate([
+                np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
+                for s in segments
+            ])
+        return ids, labels, origin
+
+    def _shuffle(self, pieces_per_doc: list[int], rng: np.random.Generator) -> np.ndarray:
+        """Order of all pieces; with ``preserve_order`` each document's pieces keep their relative order."""
+        total = sum(pieces_per_doc)
+        if not self.preserve_order:
+            return rng.permutation(total)
+        slots = rng.permutation(total)
+        order = np.empty(total, dtype=np.int64)
+        start = 0
+        for count in pieces_per_doc:
+            # The document's pieces (flat indices start..start+count) take its slots in sorted order.
+            order[np.sort(slots[start:start + count])] = np.arange(start, start + count)
+            start += count
+        return order
+
+
+def untie(input_ids: Sequence[int] | np.ndarray, tokens: UtkTokens) -> list[list[int]]:
+    """Reassemble every split document of a UtK sequence from its labels, knots and backtrace.
+
+    Returns the documents' original token ids, in the order their backtraces appear. Raises
+    ``ValueError`` when the knots do not tie up (a head knot that does not follow its tail knot's cut).
+    """
+    ids = np.asarray(input_ids).tolist()
+    heads = {t: j for j, t in enumerate(tokens.head_knots) if t >= 0}
+    tails = {t: j for j, t in enumerate(tokens.tail_knots) if t >= 0}
+    chunks: dict[tuple[int, ...], tuple[int, list[int], bool]] = {}  # label -> (chunk index, tokens, ends in a tail)
+    traces: list[list[tuple[int, ...]]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] != tokens.label_open:
+            i += 1
+            continue
+        head = heads.get(ids[i - 1], 0) if i > 0 else 0
+        close = ids.index(tokens.label_close, i)
+        label = tuple(ids[i + 1:close])
+        end = close + 1
+        while end < len(ids) and ids[end] not in tails and ids[end] != tokens.trace_open:
+            end += 1
+        ends_in_tail = end < len(ids) and ids[end] in tails
+        if ends_in_tail and tails[ids[end]] != head:
+            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk {tails[ids[end]]}")
+        chunks[label] = (head, ids[close + 1:end], ends_in_tail)
+        if end < len(ids) and ids[end] == tokens.trace_open:
+            finish = ids.index(tokens.trace_close, end)
+            labels, current = [], []
+            for token in ids[end + 1:finish]:
+                if token == tokens.trace_sep:
+                    labels.append(tuple(current))
+                    current = []
+                else:
+                    current.append(token)
+            traces.append([*labels, tuple(current)])
+            end = finish + 1
+        i = end
+    documents = []
+    for labels in traces:  # resolved after the scan: without preserve_order a chunk may follow its trace
+        document: list[int] = []
+        for j, label in enumerate(labels):
+            head, content, ends_in_tail = chunks[label]
+            if head != j or ends_in_tail != (j < len(labels) - 1):
+                raise ValueError(f"chunk {label} is tied as chunk {head}, but the backtrace lists it as chunk {j}")
+            document += content
+        documents.append(document)
+    return documents

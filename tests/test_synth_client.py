@@ -1,0 +1,190 @@
+"""LLM client over real HTTP against an OpenAI-compatible stub server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted, parse_json_object
+from longpeft.synth_data.stub_server import StubServer
+
+KEY_ENV = "LONGPEFT_TEST_LLM_KEY"
+SECRET = "sk-test-9f8e7d6c5b4a-never-written"
+
+
+def parse_qa(text: str) -> dict:
+    return parse_json_object(text, ["qa_pairs"])
+
+
+def make_client(server: StubServer, tmp_path: Path, **overrides) -> LLMClient:
+    settings = dict(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, backoff_initial=0.01,
+                    backoff_max=0.05, max_concurrency=4, timeout=5.0)
+    settings.update(overrides)
+    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
+
+
+def request(text: str, task: str = "t") -> LLMRequest:
+    return LLMRequest(task=task, messages=[{"role": "user", "content": text}], meta={"name": text[:20]})
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, SECRET)
+
+
+def test_retries_injected_429_and_500_then_succeeds(tmp_path):
+    with StubServer() as server:
+        client = make_client(server, tmp_path)
+        results = client.run([request("a [[429*2]]"), request("b [[500*3]]"), request("c")], parse=parse_qa)
+    assert all(r.ok for r in results)
+    assert server.statuses[429] == 2 and server.statuses[500] == 3 and server.statuses[200] == 3
+    usage = client.usage_report()["total"]
+    assert usage["retries"] == 5 and usage["api_calls"] == 3 and usage["rejected"] == 0
+    assert server.auth_headers and all(h == f"Bearer {SECRET}" for h in server.auth_headers)
+
+
+def test_timeout_is_retried(tmp_path):
+    with StubServer() as server:
+        client = make_client(server, tmp_path, timeout=0.3)
+        [result] = client.run([request("slow once [[slow=1.0*1]]")], parse=parse_qa)
+    assert result.ok and client.usage_report()["total"]["retries"] == 1
+    assert server.calls == 2
+
+
+def test_persistent_5xx_ends_in_rejects_file(tmp_path):
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_retries=2)
+        [bad, good] = client.run([request("down [[503*99]]"), request("fine")], parse=parse_qa)
+    assert not bad.ok and good.ok
+    assert server.statuses[503] == 3  # first try + 2 retries
+    rejects = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 1 and "HTTP 503" in rejects[0]["error"] and rejects[0]["meta"]["name"] == "down [[503*99]]"
+
+
+def test_malformed_output_is_retried_then_rejected(tmp_path):
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_parse_attempts=3)
+        recovered, hopeless = client.run([request("once [[bad*1]]"), request("always [[bad]]")], parse=parse_qa)
+        [missing] = client.run([request("fields")], parse=lambda text: parse_json_object(text, ["no_such_field"]))
+    assert recovered.ok and recovered.attempts == 2
+    assert not hopeless.ok and hopeless.attempts == 3 and hopeless.api_calls == 3
+    assert not missing.ok and missing.attempts == 3  # valid JSON without a required field: rejected too
+    rejects = {r["meta"]["name"]: r for r in map(json.loads, (tmp_path / "rejects.jsonl").read_text().splitlines())}
+    assert set(rejects) == {"always [[bad]]", "fields"}
+    assert [o["attempt"] for o in rejects["always [[bad]]"]["outputs"]] == [0, 1, 2]
+    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["outputs"])
+    assert all("no_such_field" in o["error"] for o in rejects["fields"]["outputs"])
+    assert client.usage_report()["tasks"]["t"]["malformed"] == 1 + 3 + 3
+
+
+def test_rerun_is_served_from_cache_with_zero_calls(tmp_path):
+    requests = [request(f"prompt {i}") for i in range(6)] + [request("always [[bad]]")]
+    with StubServer() as server:
+        first = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        calls = server.calls
+        second_client = make_client(server, tmp_path)
+        second = second_client.run(requests, parse=parse_qa)
+        assert server.calls == calls  # nothing repeated, not even the malformed attempts
+    assert [r.value for r in first] == [r.value for r in second]
+    usage = second_client.usage_report()["total"]
+    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6 + 3
+    assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 1  # not duplicated on rerun
+
+
+def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
+    n_requests, concurrency = 16, 2
+    script = textwrap.dedent(f"""
+        import sys
+        from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest
+        config = LLMConfig(base_url=sys.argv[1], model="stub", api_key_env="{KEY_ENV}", max_concurrency={concurrency})
+        client = LLMClient(config, sys.argv[2], sys.argv[3], show_progress=False)
+        client.run([LLMRequest("t", [{{"role": "user", "content": f"prompt {{i}}"}}]) for i in range({n_requests})])
+    """)
+    with StubServer(latency=0.05) as server:
+        child = subprocess.Popen(
+            [sys.executable, "-c", script, server.base_url, str(tmp_path / "cache"), str(tmp_path / "rejects.jsonl")],
+            env={**os.environ}, stderr=subprocess.PIPE,
+        )
+        deadline = time.time() + 60
+        while server.calls < 6 and time.time() < deadline and child.poll() is None:
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert child.returncode == -signal.SIGKILL, child.stderr.read().decode()
+        cached = len(list((tmp_path / "cache").glob("*/*.json")))
+        assert 0 < cached < n_requests
+        before = server.calls
+        client = make_client(server, tmp_path, max_concurrency=concurrency)
+        results = client.run([request(f"prompt {i}") for i in range(n_requests)])
+        assert all(r.ok for r in results)
+        assert server.calls - before == n_requests - cached  # every cached answer reused
+        repeated = sum(1 for n in server.prompt_calls.values() if n > 1)
+        assert repeated <= concurrency  # only answers still in flight at the kill are asked again
+        third = server.calls
+        make_client(server, tmp_path).run([request(f"prompt {i}") for i in range(n_requests)])
+        assert server.calls == third
+
+
+def test_bad_key_aborts_the_run(tmp_path):
+    class Refusing(StubServer):
+        def _answer(self, body, authorization):
+            return 401, {"error": {"message": "invalid key", "type": "auth"}}
+
+    with Refusing() as server:
+        with pytest.raises(LLMRunAborted, match=KEY_ENV):
+            make_client(server, tmp_path).run([request("x")])
+
+
+def test_missing_key_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.delenv(KEY_ENV)
+    with StubServer() as server:
+        with pytest.raises(LLMRunAborted, match=KEY_ENV):
+            make_client(server, tmp_path).run([request("x")])
+
+
+def test_config_has_no_key_field():
+    with pytest.raises(ValueError, match="api_key"):
+        LLMConfig(api_key="sk-should-not-be-accepted")
+
+
+def test_api_key_appears_in_no_written_file(tmp_path):
+    """A whole `synth` run with the LLM answerer: config, cache, rejects, stats, data hold no key."""
+    from longpeft.synth_data.cli import main
+
+    source = tmp_path / "docs"
+    source.mkdir()
+    from longpeft.synth_data.corpus import generate_document
+
+    for i in range(2):
+        text = generate_document(seed=i, n_sentences=60).text
+        # book_1 asks the stub for malformed answers in every sentence, so every job about it fails
+        (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[bad]] ") if i else text)
+    out = tmp_path / "out"
+    with StubServer() as server:
+        code = main([
+            "--out", str(out), "--answerer", "llm", "--source", str(source), "--tasks", "single_detail,multi_detail",
+            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
+            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
+            "--set", "llm.backoff_initial=0.01",
+        ])
+    assert code == 0
+    assert any(h == f"Bearer {SECRET}" for h in server.auth_headers)  # the key was really used
+    written = [p for p in out.rglob("*") if p.is_file()]
+    assert (out / "rejects.jsonl") in written and (out / "llm_cache").is_dir()
+    for path in written:
+        assert SECRET.encode() not in path.read_bytes(), f"API key written to {path}"
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["llm_usage"]["total"]["api_calls"] > 0
+    assert stats["build"]["skipped"]["single_detail"]["generation_failed"] == 1
+    assert stats["build"]["skipped"]["multi_detail"]["generation_failed"] == 1
+    assert stats["counts"] == {"single_detail": 1, "multi_detail": 1}
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 2 + 1 and all(r["meta"]["sources"] == [str(source / "book_1.txt")] for r in rejects)
