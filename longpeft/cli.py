@@ -119,6 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing")
     push.set_defaults(func=cmd_push)
 
+    from .eval.cli import register as register_eval
+    from .synth_data.cli import add_synth_arguments, cmd_synth
+
+    synth = sub.add_parser("synth", help="build synthetic long-context training data (LLM or offline procedural)")
+    add_synth_arguments(synth)
+    synth.set_defaults(func=cmd_synth)
+    register_eval(sub)
+
     demo = sub.add_parser("demo", help="the whole path on a tiny model on CPU: data, train, eval, merge, card")
     demo.add_argument("--out", default="runs/demo")
     demo.add_argument("--max-steps", type=int, default=None, help="cap the training steps (quick checks)")

@@ -166,3 +166,20 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter" / "longpeft.json").is_file()
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["steps"] == 2 and summary["train"]["epoch"] == 0.5  # 2 steps x 2 processes = 4 of 8 samples
+
+
+def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
+    """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
+    code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama", "--output-dir", str(tmp_path)])
+    assert code == 0
+    resolved = json.loads(capsys.readouterr().out)
+    recipe, spec, lora = resolved["recipe"], resolved["context_spec"], resolved["lora"]
+    assert (lora["r"], lora["lora_alpha"], lora["modules_to_save"]) == (32, 16.0, ["embed_tokens"])
+    assert sorted(recipe["lora"]["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert spec["rope_parameters"]["rope_theta"] == 2e8 and spec["max_position_embeddings"] == 81920
+    assert resolved["quantization"]["load_in_4bit"] and resolved["quantization"]["bnb_4bit_quant_type"] == "nf4"
+    train = recipe["train"]
+    assert (train["learning_rate"], train["lr_scheduler_type"], train["warmup_steps"]) == (5e-5, "linear", 0)
+    assert (train["num_train_epochs"], train["gradient_checkpointing"], train["assistant_only_loss"]) == (1.0, True, True)
+    assert resolved["effective_global_batch_size"] == 8 and resolved["gradient_accumulation_steps"] == 8
+    assert recipe["data"]["max_length"] == 81920 and recipe["model"]["eos_token_ids"] == [128001, 128009]
