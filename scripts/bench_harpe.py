@@ -4,7 +4,9 @@ Same model (Llama-shaped, multi-head like Llama-2, hidden 512, 4 layers, head_di
 LoRA r=8 on q/k/v/o with AdamW, SDPA attention. Time: the two variants' steps are interleaved in
 one process (so machine load hits both alike) and the medians compared. Memory: each variant runs
 in a fresh process; on CPU the figure is the peak resident memory above the built model
-(ru_maxrss), on CUDA ``torch.cuda.max_memory_allocated`` above the built model.
+(ru_maxrss), on CUDA ``torch.cuda.max_memory_allocated`` above the built model. Resident memory
+on a busy CPU is noisy, so the bench also reports the deterministic size of the tensors autograd
+saves for the backward (``saved_activation_ratio``).
 
     python scripts/bench_harpe.py [--seq-len 1024] [--batch 1] [--steps 5] [--device cpu]
 
@@ -102,6 +104,29 @@ def memory_worker(variant: str, args: argparse.Namespace) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
 
 
+def saved_activation_mib(variant: str, args: argparse.Namespace) -> float:
+    """MiB of distinct tensor storages autograd keeps for the backward of one training forward.
+
+    Deterministic (unlike resident memory on a shared CPU); parameters are not counted.
+    """
+    import torch
+
+    model, _ = build(variant, args)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def keep(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        loss = model(input_ids=_batch(args), labels=_batch(args)).loss
+    loss.backward()
+    return sum(storages.values()) / 2**20
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -120,13 +145,14 @@ def main() -> None:
                    "--batch", str(args.batch), "--device", args.device]
         result = subprocess.run(command, capture_output=True, text=True, check=True)
         memory[variant] = json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
+    saved = {variant: saved_activation_mib(variant, args) for variant in ("rope", "harpe")}
     times = time_interleaved(args)
     median = {variant: statistics.median(values) for variant, values in times.items()}
 
     print(f"\nLoRA training step, Llama-shaped 4 x 512 (8 heads x 64), batch {args.batch} x {args.seq_len} tokens, {args.device}")
-    print(f"{'variant':<14}{'median s/step':>15}{'peak MiB over model':>22}")
+    print(f"{'variant':<14}{'median s/step':>15}{'peak MiB over model':>22}{'saved for backward MiB':>25}")
     for variant, label in (("rope", "standard RoPE"), ("harpe", "HARPE")):
-        print(f"{label:<14}{median[variant]:>15.3f}{memory[variant]:>22.1f}")
+        print(f"{label:<14}{median[variant]:>15.3f}{memory[variant]:>22.1f}{saved[variant]:>25.1f}")
     print(json.dumps({
         "bench": "harpe",
         "seq_len": args.seq_len,
@@ -134,6 +160,7 @@ def main() -> None:
         "device": args.device,
         "time_ratio": round(median["harpe"] / median["rope"], 3),
         "peak_mem_ratio": round(memory["harpe"] / memory["rope"], 3),
+        "saved_activation_ratio": round(saved["harpe"] / saved["rope"], 3),
     }))
 
 
