@@ -24,6 +24,11 @@ METHODS = ("rope_base", "harpe", "string", "pose", "beacon")
 _SHAPE_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
 
+def _architecture(config: Any) -> str | None:
+    """The config's model class name (``LlamaForCausalLM``); None for a config never saved or loaded."""
+    return (getattr(config, "architectures", None) or [None])[0]
+
+
 def _shape_of(config: Any) -> dict[str, Any]:
     return {
         "model_type": config.model_type,
@@ -64,7 +69,7 @@ class ContextSpec:
     """
 
     method: str
-    architecture: str
+    architecture: str | None
     base_shape: dict[str, Any]
     original_rope_parameters: dict[str, Any]
     rope_parameters: dict[str, Any]
@@ -104,7 +109,7 @@ class ContextSpec:
         original = rope_parameters_of(config)
         fields: dict[str, Any] = dict(
             method=method,
-            architecture=(config.architectures or [type(config).__name__])[0],
+            architecture=_architecture(config),
             base_shape=_shape_of(config),
             original_rope_parameters=original,
             rope_parameters=dict(original),
@@ -159,13 +164,14 @@ class ContextSpec:
     def check_base(self, config: Any, base_model: str | None = None, strict_base_id: bool = False) -> None:
         """Fail with :class:`SpecMismatchError` when ``config`` is not the base this spec was made for.
 
-        Compares architecture, hidden size, heads, KV heads, head dim and vocab size. The base id is
+        Compares architecture (when both sides know it), model type, hidden size, heads, KV heads,
+        head dim and vocab size. The base id is
         compared when both are known and ``strict_base_id`` is set (a local copy of the same model
         has another path, so by default a differing id is not an error).
         """
         problems = []
-        architecture = (config.architectures or [type(config).__name__])[0]
-        if architecture != self.architecture:
+        architecture = _architecture(config)
+        if architecture and self.architecture and architecture != self.architecture:
             problems.append(f"architecture: adapter {self.architecture}, base {architecture}")
         actual = _shape_of(config)
         for key in _SHAPE_FIELDS:

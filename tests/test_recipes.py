@@ -183,3 +183,26 @@ def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     assert (train["num_train_epochs"], train["gradient_checkpointing"], train["assistant_only_loss"]) == (1.0, True, True)
     assert resolved["effective_global_batch_size"] == 8 and resolved["gradient_accumulation_steps"] == 8
     assert recipe["data"]["max_length"] == 81920 and recipe["model"]["eos_token_ids"] == [128001, 128009]
+
+
+def test_plain_text_data_trains_on_every_token(tiny_base_dirs, tmp_path):
+    path = tmp_path / "text.jsonl"
+    path.write_text("".join(json.dumps({"text": f"Report {i}: the river city market opened early."}) + "\n" for i in range(4)))
+    recipe = tiny_recipe(tiny_base_dirs("llama"), path, tmp_path / "run", per_device_batch_size=2, global_batch_size=2)
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"format": "text"})})
+    prepared = prepare(recipe)
+    batch = next(iter(prepared.trainer.get_train_dataloader()))
+    assert not prepared.trainer.args.assistant_only_loss
+    real = batch["attention_mask"].bool()
+    assert (batch["labels"][real] != -100).all()  # no prompt masking on plain text
+    with pytest.raises(RecipeError, match="assistant_only_loss"):
+        load_recipe("tiny-cpu", ["data.format=text", "data.source=x.jsonl", "train.assistant_only_loss=true"])
+
+
+def test_bundled_recipes_validate():
+    from longpeft.recipes import bundled_recipes
+
+    names = bundled_recipes()
+    assert {"tiny-cpu", "llama3-8b-instruct-80k-qlora", "tiny-harpe-cpu", "llama2-7b-harpe-128k"} <= set(names)
+    for name in names:
+        load_recipe(name)

@@ -1,4 +1,5 @@
-"""Training data for recipes: conversations (``messages``) from files, the Hub, or the demo generator."""
+"""Training data for recipes: conversations (``messages``) or plain text, from files, the Hub, or the
+demo generator."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from .schema import DataSection
 ROLES = {"system", "user", "assistant"}
 
 
-def load_conversations(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
-    """Load the recipe's conversations as a Dataset with one ``messages`` column.
+def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
+    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column.
 
     ``data.source``: a .jsonl/.json file or a folder of them, a Hub dataset id, or ``demo``.
     """
@@ -37,16 +38,24 @@ def load_conversations(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
             dataset = load_dataset("json", data_files=str(path), split="train")
         else:
             dataset = load_dataset(data.source, split=data.split)
-    if data.messages_field not in dataset.column_names:
+    field, column, setting = (
+        (data.messages_field, "messages", "messages_field")
+        if data.format == "messages"
+        else (data.text_field, "text", "text_field")
+    )
+    if field not in dataset.column_names:
         raise ValueError(
-            f"data.source {data.source}: no {data.messages_field!r} column (columns: {dataset.column_names}); "
-            "set data.messages_field"
+            f"data.source {data.source}: no {field!r} column (columns: {dataset.column_names}); set data.{setting}"
         )
-    if data.messages_field != "messages":
-        dataset = dataset.rename_column(data.messages_field, "messages")
-    dataset = dataset.select_columns(["messages"])
+    if field != column:
+        dataset = dataset.rename_column(field, column)
+    dataset = dataset.select_columns([column])
     for index, row in enumerate(dataset.select(range(min(len(dataset), 100)))):
-        check_conversation(row["messages"], f"{data.source} row {index}")
+        where = f"{data.source} row {index}"
+        if column == "messages":
+            check_conversation(row["messages"], where)
+        elif not isinstance(row["text"], str) or not row["text"]:
+            raise ValueError(f"{where}: text must be a non-empty string")
     if data.max_samples:
         dataset = dataset.select(range(min(data.max_samples, len(dataset))))
     return dataset
@@ -66,18 +75,22 @@ def check_conversation(messages: Any, where: str) -> None:
 def filter_by_length(
     dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool
 ) -> tuple[Dataset, dict[str, int]]:
-    """Drop conversations longer than ``max_length`` tokens (or keep them for truncation).
+    """Drop samples longer than ``max_length`` tokens (or keep them for truncation).
 
     Returns the dataset and counts ``{"kept", "dropped", "longest"}``.
     """
-    lengths = [
-        len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"]) for m in dataset["messages"]
-    ]
+    if "messages" in dataset.column_names:
+        lengths = [
+            len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"])
+            for m in dataset["messages"]
+        ]
+    else:
+        lengths = [len(ids) for ids in tokenizer(list(dataset["text"]))["input_ids"]]
     keep = [i for i, n in enumerate(lengths) if truncate or n <= max_length]
     stats = {"kept": len(keep), "dropped": len(lengths) - len(keep), "longest": max(lengths, default=0)}
     if not keep:
         raise ValueError(
-            f"every conversation is longer than data.max_length={max_length} tokens (longest {stats['longest']}); "
+            f"every sample is longer than data.max_length={max_length} tokens (longest {stats['longest']}); "
             "raise max_length or set data.truncate: true"
         )
     return dataset.select(keep), stats

@@ -4,7 +4,8 @@ Output folder (``recipe.output_dir``)::
 
     base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
     checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
-    adapter/              LoRA adapter + longpeft.json + tokenizer (``finetune: full``: the whole model)
+    adapter/              LoRA adapter + longpeft.json + tokenizer
+    model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
     metrics.jsonl         one JSON object per logging step
     metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
     loss.png              the loss curve
@@ -36,7 +37,7 @@ from ..adapters import apply_spec
 from ..adapters.rope_base import resolve_rope_parameters
 from ..rope import head_dim_of
 from ..spec import ContextSpec, recipe_hash
-from .data import filter_by_length, load_conversations
+from .data import filter_by_length, load_training_data
 from .schema import Recipe
 
 TINY_PREFIX = "tiny:"
@@ -45,6 +46,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class RunResult:
+    """Where a run wrote its results; ``adapter_dir`` holds the full model with ``finetune: full``."""
+
     output_dir: Path
     adapter_dir: Path
     metrics: dict[str, Any]
@@ -247,7 +250,7 @@ def sft_config(recipe: Recipe, output_dir: Path):
         fp16=recipe.model.dtype == "float16" and use_cuda,
         use_cpu=not use_cuda,
         max_length=recipe.data.max_length,
-        assistant_only_loss=t.assistant_only_loss,
+        assistant_only_loss=recipe.data.format == "messages" and t.assistant_only_loss is not False,
         packing=False,
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
@@ -304,7 +307,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     with args.main_process_first(local=True, desc="base model and data"):
         base_id = base_location(recipe, output_dir)
         model, tokenizer, spec = load_base(recipe, base_id)
-        dataset = load_conversations(recipe.data, tokenizer)
+        dataset = load_training_data(recipe.data, tokenizer)
         dataset, data_stats = filter_by_length(dataset, tokenizer, recipe.data.max_length, recipe.data.truncate)
     peft_config = lora_config(recipe)
     trainer = SFTTrainer(
@@ -358,7 +361,7 @@ def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] |
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
     train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
 
-    adapter_dir = output_dir / "adapter"
+    adapter_dir = output_dir / ("adapter" if recipe.finetune == "lora" else "model")
     if trainer.is_world_process_zero():
         save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir)
         metrics = summarize(output_dir, train_output.metrics, prepared)
@@ -369,8 +372,16 @@ def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] |
 
 
 def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path) -> None:
-    """Adapter weights (or the full model), tokenizer, generation config and longpeft.json."""
+    """Adapter weights (or the full model), tokenizer, generation config and longpeft.json.
+
+    A fully fine-tuned HARPE model also gets the modeling file that plain transformers needs to keep
+    its per-head bases (``trust_remote_code=True``).
+    """
     model.save_pretrained(adapter_dir)
+    if spec.head_bases and not hasattr(model, "peft_config"):
+        from ..adapters.harpe import write_remote_code
+
+        write_remote_code(adapter_dir, spec.head_bases)
     tokenizer.save_pretrained(adapter_dir)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:

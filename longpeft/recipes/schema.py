@@ -74,7 +74,8 @@ class LoraSection(Section):
 
 
 class DataSection(Section):
-    """Training data: conversations with a ``messages`` column.
+    """Training data: conversations (``format: messages``, loss on assistant turns) or plain text
+    (``format: text``, loss on every token, e.g. continual pretraining).
 
     ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, or ``demo`` (the offline
     procedural QA set generated on the fly). Samples longer than ``max_length`` tokens are dropped
@@ -83,7 +84,9 @@ class DataSection(Section):
 
     source: str
     split: str = "train"
+    format: Literal["messages", "text"] = "messages"
     messages_field: str = "messages"
+    text_field: str = "text"
     max_length: int = Field(gt=0)
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
@@ -113,7 +116,9 @@ class TrainSection(Section):
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     seed: int = 42
-    assistant_only_loss: bool = True
+    assistant_only_loss: bool | None = Field(
+        default=None, description="loss on assistant turns only; default: on for messages data, off for text"
+    )
     report_to: list[str] = []
 
     @field_validator("max_steps")
@@ -172,6 +177,10 @@ class Recipe(Section):
             raise ValueError("method: harpe needs a harpe section (selection, b_min, b_max, stride)")
         if self.method != "harpe" and self.harpe is not None:
             raise ValueError(f"the harpe section is only used with method: harpe (method is {self.method})")
+        if self.data.format == "text" and self.train.assistant_only_loss:
+            raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)")
+        if self.data.format == "text" and self.data.source == "demo":
+            raise ValueError("data.source: demo is conversations; use data.format: messages")
         if self.finetune == "full" and self.model.load_in_4bit:
             raise ValueError("finetune: full cannot train a 4-bit model; use finetune: lora (QLoRA)")
         return self
