@@ -206,3 +206,27 @@ def test_bundled_recipes_validate():
     assert {"tiny-cpu", "llama3-8b-instruct-80k-qlora", "tiny-harpe-cpu", "llama2-7b-harpe-128k"} <= set(names)
     for name in names:
         load_recipe(name)
+
+
+def test_harpe_recipe_trains_loads_and_merges(tiny_base_dirs, chat_jsonl, tmp_path):
+    """method: harpe end to end: bases chosen at adapter creation, recorded, re-applied, exported."""
+    import longpeft
+    from longpeft import hub
+    from longpeft.adapters.harpe import has_head_bases
+
+    recipe = load_recipe(
+        "tiny-harpe-cpu",
+        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
+         "train.per_device_batch_size=1", "lora.r=4"],
+    )
+    result = run(recipe)
+    spec = json.loads((result.adapter_dir / "longpeft.json").read_text())
+    assert spec["method"] == "harpe" and len(spec["head_bases"]) == 2  # one base per KV head
+    assert spec["head_bases"][0] == 10000.0 and spec["head_bases"] == sorted(spec["head_bases"])
+    loaded = longpeft.load(None, result.adapter_dir).eval()
+    assert has_head_bases(loaded)
+    merged = hub.merge(result.adapter_dir, tmp_path / "merged")
+    assert merged["max_abs_logit_diff"] < 1e-4
+    config = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert "AutoModelForCausalLM" in config["auto_map"] and config["head_rope_bases"] == spec["head_bases"]
