@@ -53,8 +53,8 @@ def test_retries_injected_429_and_500_then_succeeds(tmp_path):
 
 def test_timeout_is_retried(tmp_path):
     with StubServer() as server:
-        client = make_client(server, tmp_path, timeout=0.3)
-        [result] = client.run([request("slow once [[slow=1.0*1]]")], parse=parse_qa)
+        client = make_client(server, tmp_path, timeout=1.0)
+        [result] = client.run([request("slow once [[slow=3.0*1]]")], parse=parse_qa)
     assert result.ok and client.usage_report()["total"]["retries"] == 1
     assert server.calls == 2
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from .corpus import TOPICS, Document, generate_document
@@ -98,7 +99,8 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
     ``options`` go to :func:`~.corpus.generate_document`; the sentence count is adjusted until the
     length fits (a few regenerations at most).
     """
-    n_sentences = max(8, math.ceil(min_tokens / counter.tokens_per_sentence()))
+    floor = max(4, 4 * options.get("n_characters", 4))  # generate_document needs 4 per character
+    n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence()))
     best: Document | None = None
     best_tokens = 0
     for _ in range(8):
@@ -109,7 +111,7 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
         if min_tokens <= tokens <= 1.05 * min_tokens:
             break
         step = math.ceil(n_sentences * (min_tokens * 1.02 / tokens - 1))
-        n_sentences = max(8, n_sentences + (step or (1 if tokens < min_tokens else -1)))
+        n_sentences = max(floor, n_sentences + (step or (1 if tokens < min_tokens else -1)))
     while best is None:  # still short: grow until long enough
         n_sentences = math.ceil(n_sentences * 1.2) + 1
         document = generate_document(seed=seed, n_sentences=n_sentences, **options)
@@ -171,6 +173,7 @@ class LongContextBuilder:
         length: the token budget.
         context_template: first user turn, with ``{context}`` and ``{question}``.
         seed: seeds every random choice (context lengths, chunk positions, packing).
+        show_progress: progress bar while assembling and measuring conversations.
     """
 
     def __init__(
@@ -180,6 +183,7 @@ class LongContextBuilder:
         length: LengthConfig,
         context_template: str = DEFAULT_CONTEXT_TEMPLATE,
         seed: int = 0,
+        show_progress: bool = False,
     ):
         if "{context}" not in context_template or "{question}" not in context_template:
             raise ValueError("context_template needs both {context} and {question}")
@@ -188,6 +192,7 @@ class LongContextBuilder:
         self.length = length
         self.context_template = context_template
         self.seed = seed
+        self.show_progress = show_progress
         self.report = BuildReport()
 
     # ---- planning -----------------------------------------------------------------------------
@@ -227,6 +232,9 @@ class LongContextBuilder:
         plans = []
         for document, context, offsets, rng in self._long_contexts("single_detail", documents, contexts):
             region = len(offsets) // chunks_per_context
+            if region < 1:
+                self.report.skip("single_detail", "context_shorter_than_chunk_count")
+                continue
             jobs, spans = [], []
             for c in range(chunks_per_context):
                 width = min(self.length.chunk_tokens, region)
@@ -285,23 +293,23 @@ class LongContextBuilder:
         if n_clusters is None:  # default: clusters of about 1.25 contexts' worth of documents
             median = sorted(sizes[i] for i in usable)[len(usable) // 2]
             per_context = max(2.0, (budget_min + budget_max) / 2 / max(median, 1))
-            n_clusters = max(2, round(len(usable) / (1.25 * per_context)))
+            n_clusters = max(1, round(len(usable) / (1.25 * per_context)))
         k = n_clusters
         clusters = cluster_documents([documents[i] for i in usable], min(k, len(usable)), seed=self.seed)
         plans: list[ContextPlan] = []
         queues = [[usable[i] for i in cluster] for cluster in clusters]
         for queue in queues:
             rng.shuffle(queue)
-        progress = True
-        while len(plans) < contexts and progress:
-            progress = False
+        packed_any = True
+        while len(plans) < contexts and packed_any:
+            packed_any = False
             for queue in queues:
                 if len(plans) == contexts:
                     break
                 picked = _pack(queue, sizes, self._context_target(rng), budget_min, budget_max)
                 if picked is None:
                     continue
-                progress = True
+                packed_any = True
                 passages = [Passage(documents[i], 0, len(documents[i].text)) for i in picked]
                 job = QAJob("heterogeneous", passages, questions, rng.randrange(2**31))
                 plans.append(ContextPlan("heterogeneous", passages, [job], numbered_documents(passages)))
@@ -316,7 +324,7 @@ class LongContextBuilder:
         jobs = [job for plan in plans for job in plan.jobs]
         answers = iter(self.answerer.generate(jobs))
         rows = []
-        for plan in plans:
+        for plan in tqdm(plans, desc="assembling conversations", unit="conv", disable=not self.show_progress):
             qa_lists = [next(answers) for _ in plan.jobs]
             row = self.assemble(plan, qa_lists)
             if row is not None:
@@ -405,7 +413,8 @@ def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int 
 
 
 def procedural_long_documents(
-    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, **options: Any
+    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, progress: bool = False,
+    **options: Any,
 ) -> list[Document]:
     """``count`` procedural documents long enough for any context length of ``length``.
 
@@ -417,12 +426,13 @@ def procedural_long_documents(
     return [
         procedural_document(counter, length.max_tokens + 64, seed=rng.randrange(2**31),
                             doc_id=f"{task}-doc-{i}", **options)
-        for i in range(count)
+        for i in tqdm(range(count), desc=f"{task} documents", unit="doc", disable=not progress)
     ]
 
 
 def procedural_cluster_pool(
-    counter: TokenCounter, contexts: int, docs_per_context: int, length: LengthConfig, seed: int
+    counter: TokenCounter, contexts: int, docs_per_context: int, length: LengthConfig, seed: int,
+    progress: bool = False,
 ) -> list[Document]:
     """Shorter procedural documents on a few topics, enough to pack ``contexts`` heterogeneous contexts."""
     rng = random.Random(f"{seed}/heterogeneous/documents")
@@ -431,11 +441,11 @@ def procedural_cluster_pool(
     doc_tokens = max(64, int((budget_min + budget_max) / 2 / docs_per_context / 1.025))
     topics = sorted(TOPICS)
     pool = []
-    for c in range(contexts):
+    for c in tqdm(range(contexts), desc="heterogeneous documents", unit="context", disable=not progress):
         topic = topics[c % len(topics)]
         for d in range(docs_per_context + 1):
             pool.append(procedural_document(counter, doc_tokens, seed=rng.randrange(2**31), topic=topic,
-                                            doc_id=f"heterogeneous-doc-{c}-{d}", n_characters=2))
+                                            doc_id=f"heterogeneous-doc-{c}-{d}", n_characters=1))
     return pool
 
 

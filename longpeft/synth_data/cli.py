@@ -29,7 +29,8 @@ from .qa import TASKS
 
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `synth` options on ``parser`` (a sub-parser of the `longpeft` command)."""
-    parser.description = __doc__.split("\n\n")[0] if __doc__ else None
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
     parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig)")
     parser.add_argument("--out", required=True, help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")

@@ -248,6 +248,8 @@ def generate_document(
         raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
     if topic not in TOPICS:
         raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
+    if n_sentences < 4 * n_characters:
+        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
     unknown = set(fact_kinds) - set(FACT_KINDS)
     if unknown:
         raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")

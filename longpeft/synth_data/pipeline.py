@@ -60,7 +60,9 @@ class HeterogeneousTask(_Strict):
     contexts: int = Field(2, ge=0)
     questions: int = Field(5, ge=1)
     docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
-    n_clusters: int | None = Field(None, ge=2, description="k-means clusters (default: ~1.25 contexts' worth of documents each)")
+    n_clusters: int | None = Field(
+        None, ge=1, description="k-means clusters (default: the generated topics, or ~1.25 contexts' worth of your files each)"
+    )
 
 
 class BiographyTask(_Strict):
@@ -155,12 +157,15 @@ def synthesize(
     (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     answerer, client = make_answerer(config, out)
-    builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed)
+    builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
+                                 show_progress=config.progress)
     counter, length, seed = builder.counter, config.length, config.seed
     files = load_documents(config.source.paths) if config.source.kind == "files" else None
 
     def long_documents(task: str, count: int) -> list[Document]:
-        return files if files is not None else procedural_long_documents(counter, task, count, length, seed)
+        if files is not None:
+            return files
+        return procedural_long_documents(counter, task, count, length, seed, progress=config.progress)
 
     plans = []
     sd, md, het, bio = config.single_detail, config.multi_detail, config.heterogeneous, config.biography
@@ -172,8 +177,13 @@ def synthesize(
     if bio.contexts:
         plans += builder.plan_biography(long_documents("biography", bio.contexts), bio.contexts, bio.characters)
     if het.contexts:
-        pool = files if files is not None else procedural_cluster_pool(counter, het.contexts, het.docs_per_context, length, seed)
-        plans += builder.plan_heterogeneous(pool, het.contexts, het.questions, het.n_clusters)
+        n_clusters = het.n_clusters
+        if files is not None:
+            pool = files
+        else:  # the generated pool covers one topic per context (up to the number of topics)
+            pool = procedural_cluster_pool(counter, het.contexts, het.docs_per_context, length, seed, config.progress)
+            n_clusters = n_clusters or len({d.topic for d in pool})
+        plans += builder.plan_heterogeneous(pool, het.contexts, het.questions, n_clusters)
     rows = builder.build(plans)
     rows, mix_stats = mix(rows, counter, config.mix, seed)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import socket
 import threading
 import time
 from collections import Counter
@@ -87,6 +88,11 @@ class StubServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
+            def setup(self) -> None:
+                super().setup()
+                # answer in one segment: no Nagle / delayed-ACK stall between headers and body
+                self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
@@ -103,8 +109,11 @@ class StubServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            request_queue_size = 256  # the default backlog (5) drops bursts of concurrent connects
+            daemon_threads = True
+
+        self._httpd = Server(("127.0.0.1", 0), Handler)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True)
         self._thread.start()
         return self
@@ -166,3 +175,25 @@ class StubServer:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serve until interrupted: ``python -m longpeft.synth_data.stub_server --latency 0.05``.
+
+    Prints the base URL as its first line (point ``--llm-base-url`` at it for an offline dry run).
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(description="OpenAI-compatible stub server on 127.0.0.1")
+    parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
+    args = parser.parse_args(argv)
+    with StubServer(latency=args.latency) as server:
+        print(server.base_url, flush=True)
+        try:
+            threading.Event().wait()
+        except KeyboardInterrupt:
+            pass
+
+
+if __name__ == "__main__":
+    main()

@@ -164,13 +164,14 @@ class UtkAugmenter:
         self.tokens = tokens
         self.probability = probability
         self.counts = np.asarray(sorted(chunk_counts))
-        self.weights = weights / weights.sum()
+        self._cumulative = np.cumsum(weights / weights.sum())
         self.min_split_tokens = min_split_tokens
         self.preserve_order = preserve_order
         self.label_length = label_length
         self.rng = np.random.default_rng(seed)
         self._special = np.asarray(tokens.special_ids, dtype=np.int64)
         self._letters = np.asarray(tokens.letters, dtype=np.int64)
+        self._ignore: dict[int, np.ndarray] = {}
 
     def __call__(
         self, documents: Sequence[Sequence[int] | np.ndarray], seed: int | None = None, return_origin: bool = False
@@ -180,77 +181,43 @@ class UtkAugmenter:
         docs = [np.asarray(d, dtype=np.int64) for d in documents]
         starts = np.cumsum([0] + [len(d) for d in docs])
         flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
-        if np.isin(flat, self._special).any():
+        if flat.size and flat.max() >= self._special.min() and np.isin(flat, self._special).any():
             raise ValueError("the documents already contain UtK special tokens; augment raw documents only once")
         if rng.random() >= self.probability:
             origin = np.arange(len(flat)) if return_origin else None
             return UtkSample(flat.copy(), flat.copy(), origin, augmented=False)
 
-        pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None]]] = []
-        used_labels: set[bytes] = set()
+        # One piece per chunk (a whole document counts as one chunk); a piece is a list of segments
+        # (ids, labels, origin of its first token or -1 for inserted tokens).
+        pieces: list[list[tuple[np.ndarray, np.ndarray, int]]] = []
+        pieces_per_doc: list[int] = []
+        used_labels: set[tuple[int, ...]] = set()
+        draws = self.counts[np.minimum(np.searchsorted(self._cumulative, rng.random(len(docs)), side="right"),
+                                       len(self.counts) - 1)]
         for index, doc in enumerate(docs):
-            h = int(rng.choice(self.counts, p=self.weights)) if len(doc) >= self.min_split_tokens else 1
-            h = min(h, len(doc)) if len(doc) else 1
+            h = min(int(draws[index]), len(doc)) if len(doc) >= self.min_split_tokens else 1
             if h == 1:
-                pieces.append([self._piece([(doc, doc, starts[index], 0)], return_origin)])
+                pieces.append([(doc, doc, int(starts[index]))])
+                pieces_per_doc.append(1)
                 continue
-            cuts = np.sort(rng.choice(np.arange(1, len(doc)), size=h - 1, replace=False))
-            bounds = [0, *cuts.tolist(), len(doc)]
-            labels = [self._new_label(rng, used_labels) for _ in range(h)]
-            chunks = []
+            bounds = [0, *self._cuts(rng, len(doc), h), len(doc)]
+            labels = self._new_labels(rng, h, used_labels)
             for j in range(h):
                 segments = []
                 if j > 0:
                     segments.append(self._marker([self.tokens.head_knots[j]]))
                 segments.append(self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close]))
                 content = doc[bounds[j]:bounds[j + 1]]
-                segments.append((content, content, starts[index] + bounds[j], 0))
+                segments.append((content, content, int(starts[index]) + bounds[j]))
                 if j < h - 1:
                     segments.append(self._marker([self.tokens.tail_knots[j]]))
                 else:
                     segments += self._backtrace(labels)
-                chunks.append(self._piece(segments, return_origin))
-            pieces.append(chunks)
+                pieces.append(segments)
+            pieces_per_doc.append(h)
 
-        order = self._shuffle([len(p) for p in pieces], rng)
-        flat_pieces = [piece for doc_pieces in pieces for piece in doc_pieces]
-        chosen = [flat_pieces[i] for i in order]
-        input_ids = np.concatenate([p[0] for p in chosen])
-        labels = np.concatenate([p[1] for p in chosen])
-        origin = np.concatenate([p[2] for p in chosen]) if return_origin else None
-        return UtkSample(input_ids, labels, origin, augmented=True)
-
-    # ---- helpers ------------------------------------------------------------------------------
-
-    def _new_label(self, rng: np.random.Generator, used: set[bytes]) -> list[int]:
-        for _ in range(100):
-            label = rng.choice(self._letters, size=self.label_length)
-            key = label.tobytes()
-            if key not in used:
-                used.add(key)
-                return label.tolist()
-        raise ValueError("could not draw a unique chunk label; raise label_length")
-
-    @staticmethod
-    def _marker(ids: list[int]) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """Inserted tokens: never trained as targets."""
-        array = np.asarray(ids, dtype=np.int64)
-        return array, np.full(len(array), IGNORE_INDEX, dtype=np.int64), -1, 0
-
-    def _backtrace(self, labels: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, int, int]]:
-        """``<trace> L1 <sep> L2 ... </trace>``: the label ids are trained, the sentinels are not."""
-        segments = [self._marker([self.tokens.trace_open])]
-        for j, label in enumerate(labels):
-            if j:
-                segments.append(self._marker([self.tokens.trace_sep]))
-            ids = np.asarray(label, dtype=np.int64)
-            segments.append((ids, ids, -1, 0))
-        segments.append(self._marker([self.tokens.trace_close]))
-        return segments
-
-    @staticmethod
-    def _piece(segments, return_origin: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        ids = np.concatenate([s[0] for s in segments])
+        segments = [segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]]
+        input_ids = np.concatenate([s[0] for s in segments])
         labels = np.concatenate([s[1] for s in segments])
         origin = None
         if return_origin:
@@ -258,7 +225,46 @@ class UtkAugmenter:
                 np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
                 for s in segments
             ])
-        return ids, labels, origin
+        return UtkSample(input_ids, labels, origin, augmented=True)
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _cuts(rng: np.random.Generator, length: int, h: int) -> list[int]:
+        """``h - 1`` distinct sorted cut points in ``1 .. length - 1`` (so every chunk is non-empty)."""
+        while True:
+            cuts = np.unique(rng.integers(1, length, size=h - 1))
+            if len(cuts) == h - 1:
+                return cuts.tolist()
+
+    def _new_labels(self, rng: np.random.Generator, h: int, used: set[tuple[int, ...]]) -> list[list[int]]:
+        """``h`` chunk labels (letter token ids), unique within the sequence."""
+        labels: list[list[int]] = []
+        for _ in range(100 * h):
+            if len(labels) == h:
+                return labels
+            label = tuple(self._letters[rng.integers(0, len(self._letters), size=self.label_length)].tolist())
+            if label not in used:
+                used.add(label)
+                labels.append(list(label))
+        raise ValueError("could not draw unique chunk labels; raise label_length")
+
+    def _marker(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+        """Inserted tokens that are never trained as targets."""
+        if len(ids) not in self._ignore:
+            self._ignore[len(ids)] = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+        return np.asarray(ids, dtype=np.int64), self._ignore[len(ids)], -1
+
+    def _backtrace(self, labels: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """``<trace> L1 <sep> L2 ... </trace>``: the label ids are trained, the sentinels are not."""
+        segments = [self._marker([self.tokens.trace_open])]
+        for j, label in enumerate(labels):
+            if j:
+                segments.append(self._marker([self.tokens.trace_sep]))
+            ids = np.asarray(label, dtype=np.int64)
+            segments.append((ids, ids, -1))
+        segments.append(self._marker([self.tokens.trace_close]))
+        return segments
 
     def _shuffle(self, pieces_per_doc: list[int], rng: np.random.Generator) -> np.ndarray:
         """Order of all pieces; with ``preserve_order`` each document's pieces keep their relative order."""

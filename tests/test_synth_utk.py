@@ -1,0 +1,152 @@
+"""Untie the Knots on token ids: survival, reassembly, label masking, seeding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from longpeft.synth_data.corpus import corpus_texts
+from longpeft.synth_data.utk import IGNORE_INDEX, UtkAugmenter, add_utk_tokens, untie
+from longpeft.tiny import sample_text, train_tokenizer
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tokenizer = train_tokenizer(corpus_texts(n=20, seed=0) + sample_text())
+    base_vocab = len(tokenizer)
+    tokens = add_utk_tokens(tokenizer, max_chunks=4)
+    texts = corpus_texts(n=10, seed=5, n_sentences=40)
+    docs = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    docs += [docs[0][:30], docs[1][:10]]  # short documents: never split (min_split_tokens=64)
+    return tokenizer, base_vocab, tokens, docs
+
+
+def test_tokens_are_added_once_and_are_special(setup):
+    tokenizer, base_vocab, tokens, _ = setup
+    assert len(tokenizer) == base_vocab + len(tokens.special_ids) == base_vocab + 3 + 3 + 5
+    assert set(tokens.special_ids) == set(range(base_vocab, len(tokenizer)))
+    again = add_utk_tokens(tokenizer, max_chunks=4)
+    assert again == tokens and len(tokenizer) == base_vocab + 11
+    assert tokenizer.decode([tokens.head_knots[1]]) == "<|utk_head_2|>"
+    assert len(tokens.letters) == 26
+
+
+@pytest.mark.parametrize("preserve_order", [True, False])
+def test_every_original_token_survives_exactly_once(setup, preserve_order):
+    _, _, tokens, docs = setup
+    flat = np.concatenate([np.asarray(d) for d in docs])
+    augmenter = UtkAugmenter(tokens, probability=1.0, chunk_counts={2: 1, 3: 1, 4: 1}, preserve_order=preserve_order)
+    for seed in range(5):
+        sample = augmenter(docs, seed=seed, return_origin=True)
+        assert sample.augmented
+        kept = sample.origin[sample.origin >= 0]
+        assert np.array_equal(np.sort(kept), np.arange(len(flat)))
+        assert np.array_equal(sample.input_ids[sample.origin >= 0], flat[kept])
+        inserted = sample.input_ids[sample.origin < 0]
+        assert np.isin(inserted, tokens.special_ids + list(tokens.letters)).all()
+
+
+@pytest.mark.parametrize("preserve_order", [True, False])
+def test_split_documents_reassemble_from_the_knots(setup, preserve_order):
+    _, _, tokens, docs = setup
+    augmenter = UtkAugmenter(tokens, probability=1.0, chunk_counts={2: 1, 3: 2, 4: 1}, preserve_order=preserve_order)
+    long_docs = sorted(tuple(d) for d in docs if len(d) >= 64)
+    for seed in range(5):
+        sample = augmenter(docs, seed=seed)
+        assert sorted(tuple(d) for d in untie(sample.input_ids, tokens)) == long_docs
+    in_order = [chunks_in_trace_order(augmenter(docs, seed=seed).input_ids, tokens) for seed in range(5)]
+    if preserve_order:
+        assert all(all(flags) for flags in in_order)
+    else:
+        assert not all(all(flags) for flags in in_order)  # some document's chunks came out of order
+
+
+def chunks_in_trace_order(input_ids, tokens):
+    """For each backtrace: do its documents' chunks appear in the sequence in the traced order?"""
+    ids = input_ids.tolist()
+    where, flags, i = {}, [], 0
+    for i, token in enumerate(ids):
+        if token == tokens.label_open:
+            where[tuple(ids[i + 1:ids.index(tokens.label_close, i)])] = i
+    for i, token in enumerate(ids):
+        if token == tokens.trace_open:
+            inner = ids[i + 1:ids.index(tokens.trace_close, i)]
+            labels, current = [], []
+            for t in inner + [tokens.trace_sep]:
+                if t == tokens.trace_sep:
+                    labels.append(tuple(current))
+                    current = []
+                else:
+                    current.append(t)
+            positions = [where[label] for label in labels]
+            flags.append(positions == sorted(positions))
+    return flags
+
+
+def test_untie_rejects_mismatched_knots(setup):
+    _, _, tokens, docs = setup
+    sample = UtkAugmenter(tokens, probability=1.0, chunk_counts={3: 1})(docs[:2], seed=0)
+    ids = sample.input_ids.copy()
+    first_tail = int(np.flatnonzero(ids == tokens.tail_knots[0])[0])
+    ids[first_tail] = tokens.tail_knots[1]  # chunk 1 now ends with chunk 2's tail knot
+    with pytest.raises(ValueError, match="tail knot"):
+        untie(ids, tokens)
+
+
+def expected_labels(input_ids, tokens):
+    """Independent reference: -100 on knots, on labels shown as input (with delimiters), on sentinels."""
+    special = set(tokens.special_ids)
+    labels, inside_label = [], False
+    for token in input_ids.tolist():
+        if token == tokens.label_open:
+            inside_label = True
+        masked = token in special or inside_label
+        if token == tokens.label_close:
+            inside_label = False
+        labels.append(IGNORE_INDEX if masked else token)
+    return np.asarray(labels)
+
+
+def test_labels_are_masked_exactly_on_knots_labels_and_sentinels(setup):
+    _, _, tokens, docs = setup
+    augmenter = UtkAugmenter(tokens, probability=1.0, chunk_counts={2: 1, 3: 1})
+    for seed in range(5):
+        sample = augmenter(docs, seed=seed, return_origin=True)
+        assert np.array_equal(sample.labels, expected_labels(sample.input_ids, tokens))
+        # the backtrace target (label letters between <trace> and </trace>) is trained
+        trace_open = np.flatnonzero(sample.input_ids == tokens.trace_open)
+        trace_close = np.flatnonzero(sample.input_ids == tokens.trace_close)
+        assert len(trace_open) == len(trace_close) > 0
+        for start, end in zip(trace_open, trace_close):
+            inner = slice(start + 1, end)
+            letters = np.isin(sample.input_ids[inner], tokens.letters)
+            assert letters.sum() > 0
+            assert np.array_equal(sample.labels[inner][letters], sample.input_ids[inner][letters])
+        assert np.array_equal(sample.labels[sample.origin >= 0], sample.input_ids[sample.origin >= 0])
+
+
+def test_same_seed_same_output_and_probability(setup):
+    _, _, tokens, docs = setup
+    a = UtkAugmenter(tokens, probability=0.5, seed=3)
+    b = UtkAugmenter(tokens, probability=0.5, seed=3)
+    outputs_a = [a(docs) for _ in range(20)]
+    outputs_b = [b(docs) for _ in range(20)]
+    for x, y in zip(outputs_a, outputs_b):
+        assert x.augmented == y.augmented
+        assert np.array_equal(x.input_ids, y.input_ids) and np.array_equal(x.labels, y.labels)
+    assert 3 <= sum(x.augmented for x in outputs_a) <= 17
+    assert not np.array_equal(outputs_a[0].input_ids, a(docs, seed=99).input_ids) or not outputs_a[0].augmented
+    flat = np.concatenate([np.asarray(d) for d in docs])
+    plain = UtkAugmenter(tokens, probability=0.0)(docs)
+    assert not plain.augmented and np.array_equal(plain.input_ids, flat) and np.array_equal(plain.labels, flat)
+
+
+def test_chunk_count_distribution_and_short_documents(setup):
+    _, _, tokens, docs = setup
+    sample = UtkAugmenter(tokens, probability=1.0, chunk_counts={3: 1.0}, min_split_tokens=64)(docs, seed=1)
+    assert (sample.input_ids == tokens.trace_open).sum() == sum(len(d) >= 64 for d in docs)
+    assert (sample.input_ids == tokens.label_open).sum() == 3 * sum(len(d) >= 64 for d in docs)
+    with pytest.raises(ValueError, match="chunk_counts"):
+        UtkAugmenter(tokens, chunk_counts={5: 1.0})
+    with pytest.raises(ValueError, match="already contain"):
+        UtkAugmenter(tokens, probability=1.0)([sample.input_ids])
