@@ -13,13 +13,13 @@ from .spec import ContextSpec
 
 
 def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | None) -> str:
-    """The base model to load: the one given, else the spec's ``base_model`` (a Hub id or a path,
-    relative paths taken from the adapter directory's parent when they exist there)."""
+    """The base model to load: the one given, else the spec's ``base_model`` (a Hub id or a path;
+    a relative path is looked up from the adapter folder first, then from the working directory)."""
     if base is not None:
         return str(base)
     if not spec.base_model:
         raise ValueError(f"{Path(adapter_dir) / 'longpeft.json'} names no base_model; pass the base model explicitly")
-    candidate = Path(adapter_dir).parent / spec.base_model
+    candidate = Path(adapter_dir) / spec.base_model
     return str(candidate) if not Path(spec.base_model).is_absolute() and candidate.exists() else spec.base_model
 
 

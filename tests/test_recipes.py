@@ -230,3 +230,22 @@ def test_harpe_recipe_trains_loads_and_merges(tiny_base_dirs, chat_jsonl, tmp_pa
     assert merged["max_abs_logit_diff"] < 1e-4
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert "AutoModelForCausalLM" in config["auto_map"] and config["head_rope_bases"] == spec["head_bases"]
+
+
+def test_tiny_base_run_folder_can_be_moved(chat_jsonl, tmp_path):
+    """A base generated inside the run folder is named relative to the adapter in longpeft.json."""
+    import shutil
+
+    import longpeft
+
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"data.source={chat_jsonl}", "data.max_length=256", f"output_dir={tmp_path / 'run'}",
+         "train.max_steps=1", "train.global_batch_size=1", "train.per_device_batch_size=1", "lora.r=2"],
+    )
+    run(recipe)
+    spec = json.loads((tmp_path / "run" / "adapter" / "longpeft.json").read_text())
+    assert spec["base_model"] == "../base"
+    shutil.move(tmp_path / "run", tmp_path / "moved")
+    model = longpeft.load(None, tmp_path / "moved" / "adapter")
+    assert model.config.rope_parameters["rope_theta"] == 1e6

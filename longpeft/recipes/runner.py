@@ -127,7 +127,17 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
             target_length=changes["target_length"],
             descending=h.descending,
         )
-    return ContextSpec.from_base(base_config, recipe.method, base_model=base_id, **changes)
+    return ContextSpec.from_base(base_config, recipe.method, base_model=spec_base_reference(recipe, base_id), **changes)
+
+
+def spec_base_reference(recipe: Recipe, base_id: str) -> str:
+    """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
+    relative to the adapter folder, so the run folder can be moved; anything else as given."""
+    output_dir = recipe.resolved_output_dir().resolve()
+    base_path = Path(base_id).resolve()
+    if base_path.is_relative_to(output_dir):
+        return os.path.relpath(base_path, output_dir / "adapter")
+    return base_id
 
 
 def attention_implementation(requested: str) -> str:
