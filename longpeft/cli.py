@@ -39,8 +39,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.stand_in:
         overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo"]
-        if args.output_dir:
-            overrides.append(f"output_dir={args.output_dir}")
+    if args.output_dir:
+        overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
     if not args.build:
         print(json.dumps({"recipe": recipe.model_dump()}, indent=2, default=str))
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="replace the model with a tiny random one of this architecture (e.g. llama) and the data with the "
         "offline demo set: builds the trainer with every other setting, no download",
     )
-    plan.add_argument("--output-dir", help="output_dir for the stand-in build")
+    plan.add_argument("--output-dir", help="override the recipe's output_dir (where --build writes the tiny base)")
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (

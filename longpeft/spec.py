@@ -20,7 +20,7 @@ SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 1
 METHODS = ("rope_base", "harpe", "string", "pose", "beacon")
 
-# Base-config fields that an adapter must match exactly: field -> how to read it from a config.
+# Base-config fields that an adapter must match exactly (read by _shape_of).
 _SHAPE_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
 
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ...rope import head_dim_of, rope_parameters_of
+from ...rope import head_dim_of, rope_parameters_of, rotary_modules
 from .modeling_harpe import (
     EXPORT_CLASSES_BY_MODEL_TYPE,
     HeadRotaryEmbedding,
@@ -87,8 +87,7 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
         )
     if not any(is_attention_module(m) for m in model.modules()):
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(model).__name__}")
-    if not any(isinstance(m, HeadRotaryEmbedding) or (hasattr(m, "inv_freq") and hasattr(m, "rope_type"))
-               for m in model.modules()):
+    if not has_head_bases(model) and not rotary_modules(model):
         raise ValueError(f"found no rotary embedding module in {type(model).__name__}; is it a RoPE model?")
     patch_head_rope(model, bases)
 
