@@ -1,0 +1,108 @@
+"""The method registry: one table that recipes, ``longpeft.load``, merge/export and model cards use.
+
+Every context-extension method has one shape (peft's tuners are the model):
+
+- a config, a :class:`~longpeft.config.StrictModel` subclass that is both its recipe section and
+  its ``longpeft.json`` section (``methods.<name>``);
+- ``resolve(config, context)``: fill what is derived when an adapter is created (HARPE's bases,
+  the complete RoPE parameters, STRING's default shift from the trained length);
+- ``apply(model, config)`` / ``remove(model)`` / ``is_applied(model)`` on a built model;
+- optional hooks: ``save`` / ``load`` (weights outside LoRA, e.g. beacon projections, written beside
+  the adapter), ``export`` (files a merged or full model needs, e.g. a modeling file with
+  ``auto_map``), ``describe`` (model-card lines).
+
+Adding a method is one folder under ``longpeft/adapters/`` and one :func:`register` call in
+``longpeft/adapters/__init__.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import StrictModel
+
+
+@dataclass(frozen=True)
+class ResolveContext:
+    """What ``resolve`` may read when an adapter is created.
+
+    Attributes:
+        base_config: the base model's transformers config, before any change.
+        trained_length: the training sequence length (tokens).
+        target_length: the length the adapter should work at.
+        configs: the other methods' configs of the same recipe (already resolved, in registry order).
+    """
+
+    base_config: Any
+    trained_length: int | None
+    target_length: int | None
+    configs: dict[str, StrictModel]
+
+
+def _identity(config: StrictModel, context: ResolveContext) -> StrictModel:
+    return config
+
+
+@dataclass(frozen=True)
+class Method:
+    """One context-extension method.
+
+    Attributes:
+        name: its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...).
+        config: the pydantic config class.
+        apply: ``apply(model, config)`` gives a built model the method, in place.
+        remove: ``remove(model)`` undoes ``apply`` exactly.
+        is_applied: ``is_applied(model)`` tells whether the method is active on ``model``.
+        resolve: ``resolve(config, context) -> config`` fills derived fields at adapter creation.
+        save / load: ``save(model, folder, config)`` / ``load(model, folder, config)`` for weights
+            that live outside peft's adapter file.
+        export: ``export(model, folder, config)`` after a merged or full model was saved to ``folder``.
+        describe: ``describe(config) -> list[str]`` model-card sentences.
+        remote_code: an exported model needs ``trust_remote_code=True`` (a modeling file ships with it).
+        changes_positions: the method changes RoPE positions/frequencies at inference (STRING refuses
+            to stack on some of them).
+    """
+
+    name: str
+    config: type[StrictModel]
+    apply: Callable[[Any, Any], None]
+    remove: Callable[[Any], None]
+    is_applied: Callable[[Any], bool]
+    resolve: Callable[[Any, ResolveContext], Any] = _identity
+    save: Callable[[Any, Path, Any], None] | None = None
+    load: Callable[[Any, Path, Any], None] | None = None
+    export: Callable[[Any, Path, Any], None] | None = None
+    describe: Callable[[Any], list[str]] | None = None
+    remote_code: bool = False
+
+
+METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+    """Add ``method`` to the registry (methods apply in registration order); returns it."""
+    if method.name in METHODS and METHODS[method.name] is not method:
+        raise ValueError(f"a method named {method.name!r} is already registered")
+    METHODS[method.name] = method
+    return method
+
+
+def unregister(name: str) -> None:
+    """Remove a method from the registry (tests, plug-ins)."""
+    METHODS.pop(name, None)
+
+
+def get_method(name: str) -> Method:
+    """The registered method called ``name``, with an error listing the known ones."""
+    if name not in METHODS:
+        raise KeyError(f"unknown longpeft method {name!r}; known methods: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
+    """A method's config from a dict (``longpeft.json`` section) or as given."""
+    config_class = get_method(name).config
+    return data if isinstance(data, config_class) else config_class.model_validate(data)

@@ -1,0 +1,108 @@
+"""The one config layer: a strict pydantic base, ``--set`` overrides, error messages, dtype names.
+
+Every settings object in longpeft (recipe sections, method configs, synth configs, the LLM client)
+derives from :class:`StrictModel`, so an unknown or misspelt key is an error that names its dotted
+path. Importing this module is cheap: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+class LongpeftError(ValueError):
+    """An expected failure caused by the user's input (a file, a key, a flag).
+
+    The CLI prints its message as one line and exits with status 2; the message names the file,
+    field or flag and says what to do.
+    """
+
+
+class ConfigError(LongpeftError):
+    """A config file or override that cannot be used; the message names the file and the key."""
+
+
+class StrictModel(BaseModel):
+    """Base of every longpeft settings model: unknown keys are errors, floats must be finite."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=(), validate_assignment=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _finite(cls, value: Any, info) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {value}")
+        return value
+
+
+def torch_dtype(name: str):
+    """The torch dtype called ``name`` (one of :data:`DTYPE_NAMES`), with an error naming the choices."""
+    if name not in DTYPE_NAMES:
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(DTYPE_NAMES)}")
+    import torch
+
+    return getattr(torch, name)
+
+
+def format_validation_error(source: str, exc: ValidationError) -> str:
+    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``."""
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"]) or "(top level)"
+        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+        lines.append(f"  {key}: {message}")
+    return f"{source}: invalid settings\n" + "\n".join(lines)
+
+
+def validate(model: type[StrictModel], data: Any, source: str) -> Any:
+    """``model.model_validate(data)`` with a :class:`ConfigError` naming ``source`` and every bad key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(source, exc)) from None
+
+
+def parse_value(raw: str, where: str) -> Any:
+    """A ``--set`` value parsed as YAML (``10`` -> int, ``[1, 2]`` -> list, ``null`` -> None)."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        problem = str(exc).splitlines()[0]
+        raise ConfigError(f"{where}: value {raw!r} is not valid YAML ({problem}); quote it or fix it") from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: str) -> dict[str, Any]:
+    """Apply ``dotted.key=value`` strings to a nested dict in place (values parsed as YAML); returns it."""
+    for override in overrides or []:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: --set {override!r} must look like section.key=value")
+        *parents, leaf = key.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{source}: --set {override!r}: {part} is not a section")
+        node[leaf] = parse_value(raw, f"{source}: --set {key}")
+    return data
+
+
+def read_yaml(path: str | Path) -> Any:
+    """A YAML (or JSON) file's content, with errors that name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        return yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        problem = str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: not valid YAML ({problem})") from None
