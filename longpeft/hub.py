@@ -19,16 +19,11 @@ from typing import Any
 import torch
 import yaml
 
+from .adapters import export_methods, spec_methods
+from .config import torch_dtype
 from .spec import SPEC_FILENAME, ContextSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_RESULTS_FILENAME = "eval_results.json"
-
-
-def _dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
 
 
 def probe_ids(vocab_size: int, length: int = 32) -> torch.Tensor:
@@ -60,7 +55,7 @@ def merge(
 
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     spec = ContextSpec.load(adapter_dir)
-    model = load(base, adapter_dir, dtype=_dtype(dtype)).eval()
+    model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     ids = probe_ids(model.config.vocab_size)
     with torch.no_grad():
         reference = model(ids).logits.float() if verify else None
@@ -68,10 +63,7 @@ def merge(
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     merged.config.name_or_path = str(out_dir)
     merged.save_pretrained(out_dir)
-    if spec.head_bases:
-        from .adapters.harpe import write_remote_code
-
-        write_remote_code(out_dir, spec.head_bases)
+    export_methods(merged, spec, out_dir)
     AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
     if (adapter_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(adapter_dir).save_pretrained(out_dir)
@@ -121,12 +113,16 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
 def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
     """README.md of an adapter or merged model: YAML metadata, then what changed and how to load it.
 
-    ``repo_id``: the Hub id (or local folder) the card tells users to load from.
+    ``repo_id``: the Hub id (or local folder) the card tells users to load from. Every method of the
+    spec contributes its metadata section and its sentences (``describe``).
     """
+    methods = spec_methods(spec)
     metadata = {
         "base_model": spec.base_model,
         "library_name": "transformers" if merged else "peft",
-        "tags": ["longpeft", "long-context", spec.method] + ([] if merged else ["lora"]),
+        "tags": ["longpeft", "long-context", *[m.name for m, _ in methods if m.name != "rope"]]
+        + ([spec.method] if spec.method == "rope" else [])
+        + ([] if merged else ["lora"]),
         "longpeft": {
             "method": spec.method,
             "rope_theta": spec.rope_parameters.get("rope_theta"),
@@ -135,27 +131,29 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
             "trained_length": spec.trained_length,
             "target_length": spec.target_length,
             "max_position_embeddings": spec.max_position_embeddings,
+            "methods": {m.name: config.model_dump(exclude_none=True) for m, config in methods},
         },
     }
     if spec.head_bases:
         metadata["longpeft"]["head_bases"] = spec.head_bases
-    name = spec.base_model or "the base model"
+    name = base_display_name(spec.base_model)
     lines = [
         "---",
         yaml.safe_dump(metadata, sort_keys=False).strip(),
         "---",
         "",
-        f"# {Path(str(name)).name} extended with longpeft ({spec.method})",
+        f"# {name} extended with longpeft ({spec.method})",
         "",
         f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions "
         f"(trained at {spec.trained_length} tokens, target {spec.target_length}).",
         f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
     ]
-    if spec.head_bases:
-        lines.append(f"Per-KV-head RoPE bases (HARPE): {spec.head_bases}.")
+    for method, config in methods:
+        if method.describe is not None and method.name != "rope":
+            lines += method.describe(config)
     lines += ["", "## Load", "", "```python"]
     if merged:
-        remote = ", trust_remote_code=True" if spec.head_bases else ""
+        remote = ", trust_remote_code=True" if any(m.remote_code for m, _ in methods) else ""
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{remote})',
@@ -180,6 +178,18 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
         ]
         lines.append("")
     return "\n".join(lines)
+
+
+def base_display_name(base_model: str | None) -> str:
+    """The base's name for a card title: a Hub id as is, a local path by its last folder."""
+    if not base_model:
+        return "the base model"
+    return base_model if is_hub_id(base_model) else Path(base_model).name
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` looks like a Hub repo id (``owner/name``) rather than a local path."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
 
 
 def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str) -> Path:

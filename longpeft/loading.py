@@ -8,7 +8,7 @@ from typing import Any
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from .adapters import apply_spec
+from .adapters import apply_spec, load_method_weights
 from .spec import ContextSpec
 
 
@@ -71,4 +71,6 @@ def load(
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+    model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+    load_method_weights(model, spec, adapter_dir)
+    return model

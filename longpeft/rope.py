@@ -79,6 +79,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotate_half(x) * sin
 
 
+def rotate_per_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate query or key heads with the cos/sin of their KV head (one RoPE base per KV head).
+
+    Args:
+        x: ``[batch, heads, seq, head_dim]`` with ``heads`` a multiple of ``kv_heads`` (query head
+            ``h`` belongs to KV head ``h // (heads // kv_heads)``, transformers' ``repeat_kv`` order).
+        cos, sin: ``[batch, kv_heads, seq, head_dim]``.
+    """
+    batch, heads, seq, head_dim = x.shape
+    kv_heads = cos.shape[1]
+    grouped = x.view(batch, kv_heads, heads // kv_heads, seq, head_dim)
+    return apply_rotary(grouped, cos[:, :, None], sin[:, :, None]).view(batch, heads, seq, head_dim)
+
+
 def cos_sin(
     position_ids: torch.Tensor, frequencies: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:

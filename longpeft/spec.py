@@ -14,14 +14,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .family import num_kv_heads
 from .rope import head_dim_of, rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
-SPEC_FORMAT_VERSION = 1
-METHODS = ("rope_base", "harpe", "string", "pose", "beacon")
+SPEC_FORMAT_VERSION = 2
 
 # Base-config fields that an adapter must match exactly (read by _shape_of).
 _SHAPE_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+# Format-1 fields that became sections of ``methods`` in format 2.
+_V1_METHOD_FIELDS = ("rope_parameters", "max_position_embeddings", "head_bases", "string", "pose", "beacon")
+_V1_METHOD_NAMES = {"rope_base": "rope"}
 
 
 def _architecture(config: Any) -> str | None:
@@ -34,10 +37,30 @@ def _shape_of(config: Any) -> dict[str, Any]:
         "model_type": config.model_type,
         "hidden_size": config.hidden_size,
         "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "num_key_value_heads": num_kv_heads(config),
         "head_dim": head_dim_of(config),
         "vocab_size": config.vocab_size,
     }
+
+
+def methods_from_v1(fields: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Format-1 fields (``rope_parameters``, ``head_bases``, ``string``, ...) as format-2 method sections.
+
+    Pops those fields from ``fields``.
+    """
+    methods: dict[str, dict[str, Any]] = {}
+    rope = fields.pop("rope_parameters", None)
+    max_positions = fields.pop("max_position_embeddings", None)
+    if rope is not None or max_positions is not None:
+        methods["rope"] = {**(rope or {}), "max_position_embeddings": max_positions}
+    bases = fields.pop("head_bases", None)
+    if bases:
+        methods["harpe"] = {"bases": list(bases)}
+    for name in ("string", "pose", "beacon"):
+        section = fields.pop(name, None)
+        if section:
+            methods[name] = dict(section)
+    return methods
 
 
 class SpecMismatchError(ValueError):
@@ -49,19 +72,16 @@ class ContextSpec:
     """Non-weight changes of a context-extension adapter (persisted as ``longpeft.json``).
 
     Attributes:
-        method: the longpeft method that produced the adapter, one of ``METHODS``.
-        base_model: Hub id or local path of the base model the adapter was trained on.
-        base_revision: revision (commit) of the base model, when known.
+        method: the recipe's method (a registered method name, e.g. ``rope``, ``harpe``), for cards and tags.
         architecture: the base model's class name, e.g. ``LlamaForCausalLM``.
         base_shape: model_type, hidden size, heads, KV heads, head dim and vocab size of the base
             model before the adapter (vocab size after resizing is in ``vocab_size``).
-        original_rope_parameters / rope_parameters: the base's and the adapted model's complete
-            transformers ``rope_parameters`` dicts.
-        original_max_position_embeddings / max_position_embeddings: the base's and the adapted
-            model's ``config.max_position_embeddings``.
-        head_bases: HARPE, one RoPE base per KV head (query heads use their KV head's base).
-        string: STRING settings (shift S, local window W, ...) to switch on at inference.
-        pose / beacon: settings of those methods.
+        original_rope_parameters / original_max_position_embeddings: the base's complete
+            ``rope_parameters`` and ``max_position_embeddings``.
+        methods: one section per applied method (registry name -> its config as a dict), e.g.
+            ``{"rope": {"rope_type": "default", "rope_theta": 2e8, "max_position_embeddings": 81920}}``.
+        base_model: Hub id or path of the base model the adapter was trained on.
+        base_revision: revision (commit) of the base model, when known.
         vocab_size: vocabulary size of the adapted model (differs from the base when tokens were added).
         trained_length / target_length: training sequence length and the length it should work at.
         recipe_hash: sha256 of the resolved recipe that trained the adapter.
@@ -72,16 +92,11 @@ class ContextSpec:
     architecture: str | None
     base_shape: dict[str, Any]
     original_rope_parameters: dict[str, Any]
-    rope_parameters: dict[str, Any]
     original_max_position_embeddings: int
-    max_position_embeddings: int
+    methods: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     base_model: str | None = None
     base_revision: str | None = None
     vocab_size: int | None = None
-    head_bases: list[float] | None = None
-    string: dict[str, Any] | None = None
-    pose: dict[str, Any] | None = None
-    beacon: dict[str, Any] | None = None
     trained_length: int | None = None
     target_length: int | None = None
     recipe_hash: str | None = None
@@ -89,8 +104,38 @@ class ContextSpec:
     format_version: int = SPEC_FORMAT_VERSION
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"ContextSpec.method={self.method!r} is not one of {METHODS}")
+        self.method = _V1_METHOD_NAMES.get(self.method, self.method)
+        if not isinstance(self.method, str) or not self.method:
+            raise ValueError(f"ContextSpec.method must be a method name, got {self.method!r}")
+        if not isinstance(self.methods, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in self.methods.items()
+        ):
+            raise ValueError("ContextSpec.methods must map method names to sections (mappings)")
+
+    # ---- what the methods changed, read back ------------------------------------------------
+
+    @property
+    def rope_parameters(self) -> dict[str, Any]:
+        """The adapted model's complete rope_parameters (the base's when the spec changes none)."""
+        rope = self.methods.get("rope")
+        if not rope:
+            return dict(self.original_rope_parameters)
+        return {k: v for k, v in rope.items() if v is not None and k != "max_position_embeddings"}
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The adapted model's ``max_position_embeddings``."""
+        return (self.methods.get("rope") or {}).get("max_position_embeddings") or self.original_max_position_embeddings
+
+    @property
+    def head_bases(self) -> list[float] | None:
+        """HARPE's per-KV-head bases, if the adapter has them."""
+        return (self.methods.get("harpe") or {}).get("bases")
+
+    @property
+    def string(self) -> dict[str, Any] | None:
+        """STRING settings switched on when the adapter is loaded, if any."""
+        return self.methods.get("string")
 
     # ---- construction ----------------------------------------------------------------------
 
@@ -100,21 +145,28 @@ class ContextSpec:
 
         Args:
             config: the base model's config, before any change.
-            method: one of ``METHODS``.
+            method: the recipe's method name.
             base_model: Hub id or path of the base (defaults to ``config.name_or_path``).
-            **changes: any ContextSpec field, e.g. ``rope_parameters=...``, ``trained_length=...``.
+            **changes: any ContextSpec field, e.g. ``methods={...}``, ``trained_length=...``; the
+                format-1 fields (``rope_parameters``, ``max_position_embeddings``, ``head_bases``,
+                ``string``, ``pose``) are accepted and stored as method sections.
         """
         from . import __version__
 
         original = rope_parameters_of(config)
+        methods = {"rope": {**original, "max_position_embeddings": config.max_position_embeddings}}
+        legacy = {k: changes.pop(k) for k in _V1_METHOD_FIELDS if k in changes}
+        legacy.setdefault("rope_parameters", original)
+        legacy.setdefault("max_position_embeddings", config.max_position_embeddings)
+        methods.update(methods_from_v1(legacy))
+        methods.update(changes.pop("methods", {}))
         fields: dict[str, Any] = dict(
             method=method,
             architecture=_architecture(config),
             base_shape=_shape_of(config),
             original_rope_parameters=original,
-            rope_parameters=dict(original),
             original_max_position_embeddings=config.max_position_embeddings,
-            max_position_embeddings=config.max_position_embeddings,
+            methods=methods,
             base_model=base_model or getattr(config, "name_or_path", None) or None,
             base_revision=getattr(config, "_commit_hash", None),
             vocab_size=config.vocab_size,
@@ -129,15 +181,22 @@ class ContextSpec:
         return dataclasses.asdict(self)
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path."""
+        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path.
+
+        Raises ValueError for a non-finite number (JSON has no Infinity/NaN).
+        """
         path = Path(directory) / SPEC_FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        try:
+            text = json.dumps(self.to_dict(), indent=2, sort_keys=True, allow_nan=False)
+        except ValueError as exc:
+            raise ValueError(f"cannot write {path}: a setting is not a finite number ({exc})") from None
+        path.write_text(text + "\n")
         return path
 
     @classmethod
     def load(cls, directory: str | Path) -> ContextSpec:
-        """Read ``longpeft.json`` from an adapter directory, with errors that name the file."""
+        """Read ``longpeft.json`` (format 1 or 2) from an adapter directory, with errors that name the file."""
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file():
             raise FileNotFoundError(
@@ -146,18 +205,35 @@ class ContextSpec:
             )
         try:
             data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+        return cls.from_dict(data, str(path))
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:
+        """A spec from the content of a ``longpeft.json``; format 1 is upgraded to format 2."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
+        data = dict(data)
+        version = data.get("format_version", 1)
+        if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+            raise ValueError(f"{source}: format_version must be a positive integer, got {version!r}")
+        if version > SPEC_FORMAT_VERSION:
+            raise ValueError(f"{source} has format_version {version}; upgrade longpeft to read it")
+        if version == 1:
+            data["methods"] = methods_from_v1(data)
+            data["format_version"] = SPEC_FORMAT_VERSION
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{path} has unknown fields {unknown}; it was written by a newer longpeft?")
-        if data.get("format_version", SPEC_FORMAT_VERSION) > SPEC_FORMAT_VERSION:
-            raise ValueError(f"{path} has format_version {data['format_version']}; upgrade longpeft to read it")
+            raise ValueError(f"{source} has unknown fields {unknown}; it was written by a newer longpeft?")
+        problems = _type_problems(data)
+        if problems:
+            raise ValueError(f"{source}: " + "; ".join(problems))
         try:
             return cls(**data)
         except TypeError as exc:
-            raise ValueError(f"{path} is missing fields: {exc}") from exc
+            raise ValueError(f"{source} is missing fields: {exc}") from exc
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -187,6 +263,42 @@ class ContextSpec:
                 "this adapter does not fit the base model: " + "; ".join(problems)
                 + ". Load the base model the adapter was trained on."
             )
+
+
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "method": (str,),
+    "architecture": (str, type(None)),
+    "base_shape": (dict,),
+    "original_rope_parameters": (dict,),
+    "original_max_position_embeddings": (int,),
+    "methods": (dict,),
+    "base_model": (str, type(None)),
+    "base_revision": (str, type(None)),
+    "vocab_size": (int, type(None)),
+    "trained_length": (int, type(None)),
+    "target_length": (int, type(None)),
+    "recipe_hash": (str, type(None)),
+    "library_version": (str, type(None)),
+}
+_MAX_VOCAB = 10_000_000
+
+
+def _type_problems(data: dict[str, Any]) -> list[str]:
+    """What is of the wrong type or out of range in a ``longpeft.json`` object."""
+    problems = []
+    for key, types in _FIELD_TYPES.items():
+        value = data.get(key)
+        if key in data and (not isinstance(value, types) or isinstance(value, bool)):
+            wanted = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            problems.append(f"{key} must be {wanted}, got {type(value).__name__}")
+    for key in ("vocab_size", "trained_length", "target_length", "original_max_position_embeddings"):
+        value = data.get(key)
+        if isinstance(value, int) and not 0 < value <= (_MAX_VOCAB if key == "vocab_size" else 1 << 31):
+            problems.append(f"{key}={value} is out of range")
+    shape_vocab = (data.get("base_shape") or {}).get("vocab_size") if isinstance(data.get("base_shape"), dict) else None
+    if isinstance(shape_vocab, int) and not 0 < shape_vocab <= _MAX_VOCAB:
+        problems.append(f"base_shape.vocab_size={shape_vocab} is out of range")
+    return problems
 
 
 def recipe_hash(resolved: dict[str, Any]) -> str:

@@ -110,7 +110,7 @@ def test_qlora_4bit_trains_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
     assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # B starts at zero: training moved it
     assert any("embed_tokens" in k for k in weights)  # the full embedding is trained and saved
     spec = json.loads((result.adapter_dir / "longpeft.json").read_text())
-    assert spec["rope_parameters"]["rope_theta"] == 1e6 and spec["method"] == "rope_base"
+    assert spec["methods"]["rope"]["rope_theta"] == 1e6 and spec["method"] == "rope"
     assert (result.output_dir / "loss.png").is_file() and (result.output_dir / "metrics.json").is_file()
     lines = (result.output_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2]
@@ -176,7 +176,8 @@ def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     recipe, spec, lora = resolved["recipe"], resolved["context_spec"], resolved["lora"]
     assert (lora["r"], lora["lora_alpha"], lora["modules_to_save"]) == (32, 16.0, ["embed_tokens"])
     assert sorted(recipe["lora"]["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
-    assert spec["rope_parameters"]["rope_theta"] == 2e8 and spec["max_position_embeddings"] == 81920
+    rope = spec["methods"]["rope"]
+    assert rope["rope_theta"] == 2e8 and rope["max_position_embeddings"] == 81920
     assert resolved["quantization"]["load_in_4bit"] and resolved["quantization"]["bnb_4bit_quant_type"] == "nf4"
     train = recipe["train"]
     assert (train["learning_rate"], train["lr_scheduler_type"], train["warmup_steps"]) == (5e-5, "linear", 0)
@@ -222,14 +223,15 @@ def test_harpe_recipe_trains_loads_and_merges(tiny_base_dirs, chat_jsonl, tmp_pa
     )
     result = run(recipe)
     spec = json.loads((result.adapter_dir / "longpeft.json").read_text())
-    assert spec["method"] == "harpe" and len(spec["head_bases"]) == 2  # one base per KV head
-    assert spec["head_bases"][0] == 10000.0 and spec["head_bases"] == sorted(spec["head_bases"])
+    bases = spec["methods"]["harpe"]["bases"]
+    assert spec["method"] == "harpe" and len(bases) == 2  # one base per KV head
+    assert bases[0] == 10000.0 and bases == sorted(bases)
     loaded = longpeft.load(None, result.adapter_dir).eval()
     assert has_head_bases(loaded)
     merged = hub.merge(result.adapter_dir, tmp_path / "merged")
     assert merged["max_abs_logit_diff"] < 1e-4
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
-    assert "AutoModelForCausalLM" in config["auto_map"] and config["head_rope_bases"] == spec["head_bases"]
+    assert "AutoModelForCausalLM" in config["auto_map"] and config["head_rope_bases"] == bases
 
 
 def test_tiny_base_run_folder_can_be_moved(chat_jsonl, tmp_path):

@@ -1,35 +1,86 @@
-"""Context-extension methods. Each module is usable on its own; ``apply_spec`` applies a whole
-:class:`~longpeft.spec.ContextSpec` (the non-weight part of an adapter) to a built model."""
+"""Context-extension methods, one folder each, in one registry (see :mod:`.registry`).
+
+``apply_spec`` gives a built model every non-weight change of a :class:`~longpeft.spec.ContextSpec`
+(``longpeft.json``), method by method in registry order: RoPE parameters, per-head bases (HARPE),
+PoSE (training-time only), STRING.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from torch import nn
 
 from ..spec import ContextSpec
+from . import harpe, pose, rope_base, string
+from .registry import METHODS, Method, ResolveContext, config_of, get_method, register, unregister
 from .rope_base import expand_rope_base
+
+register(rope_base.METHOD)
+register(harpe.METHOD)
+register(pose.METHOD)
+register(string.METHOD)
+
+
+def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
+    """``(method, config)`` for every method recorded in ``spec``, in registry order.
+
+    Raises:
+        ValueError: the spec names a method this longpeft does not know (written by a newer version
+            or a plug-in that is not imported).
+    """
+    unknown = sorted(set(spec.methods) - set(METHODS))
+    if unknown:
+        raise ValueError(
+            f"longpeft.json uses methods {unknown} that this longpeft does not know (known: {', '.join(METHODS)}); "
+            "upgrade longpeft or import the plug-in that registers them"
+        )
+    return [(METHODS[name], config_of(name, spec.methods[name])) for name in METHODS if name in spec.methods]
 
 
 def apply_spec(model: nn.Module, spec: ContextSpec) -> None:
     """Give ``model`` every non-weight change recorded in ``spec``, in place.
 
-    Order: RoPE parameters and max length, then per-head bases (HARPE), then STRING.
     Raises SpecMismatchError (via ``spec.check_base``) before changing anything when the model
     is not the base the spec was made for.
     """
     spec.check_base(model.config)
-    expand_rope_base(model, spec.rope_parameters, spec.max_position_embeddings)
-    if spec.head_bases:
-        from .harpe import apply_head_bases
-
-        apply_head_bases(model, spec.head_bases)
-    if spec.string:
-        from .string import enable_string
-
-        enable_string(model, **spec.string)
-    if spec.beacon:
-        raise NotImplementedError(
-            "this longpeft version cannot load Activation Beacon adapters (longpeft.json has a 'beacon' section)"
-        )
+    for method, config in spec_methods(spec):
+        method.apply(model, config)
 
 
-__all__ = ["apply_spec", "expand_rope_base"]
+def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
+    """Load the weights that methods keep outside peft's adapter file (e.g. beacon projections)."""
+    for method, config in spec_methods(spec):
+        if method.load is not None:
+            method.load(model, Path(folder), config)
+
+
+def save_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
+    """Save the weights that methods keep outside peft's adapter file into ``folder``."""
+    for method, config in spec_methods(spec):
+        if method.save is not None:
+            method.save(model, Path(folder), config)
+
+
+def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
+    """Run every method's export hook on a merged or fully fine-tuned model saved in ``folder``."""
+    for method, config in spec_methods(spec):
+        if method.export is not None:
+            method.export(model, Path(folder), config)
+
+
+__all__ = [
+    "METHODS",
+    "Method",
+    "ResolveContext",
+    "apply_spec",
+    "expand_rope_base",
+    "export_methods",
+    "get_method",
+    "load_method_weights",
+    "register",
+    "save_method_weights",
+    "spec_methods",
+    "unregister",
+]

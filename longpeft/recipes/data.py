@@ -72,20 +72,73 @@ def check_conversation(messages: Any, where: str) -> None:
         raise ValueError(f"{where}: no assistant turn, so nothing would be trained")
 
 
-def filter_by_length(
-    dataset: Dataset, tokenizer: PreTrainedTokenizerBase, max_length: int, truncate: bool
-) -> tuple[Dataset, dict[str, int]]:
-    """Drop samples longer than ``max_length`` tokens (or keep them for truncation).
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans of its assistant turns (end-of-turn token included).
+
+    Works with any chat template, with or without ``{% generation %}`` markers: assistant turn ``i``
+    spans from the end of ``messages[:i]`` rendered with the generation prompt to the end of
+    ``messages[:i + 1]`` rendered without it. Templates whose rendering of a conversation's prefix
+    is not a prefix of its full rendering are refused (the spans would be wrong).
+    """
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, turn in enumerate(messages):
+        if turn["role"] != "assistant":
+            continue
+        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not (full.startswith(through) and through.startswith(prompt)):
+            raise ValueError(
+                "the tokenizer's chat template renders a conversation's first turns differently from the whole "
+                "conversation, so assistant turns cannot be located; set train.assistant_only_loss: false "
+                "(loss on every token) or use a template whose turns render independently"
+            )
+        spans.append((len(prompt), len(through)))
+    return full, spans
+
+
+def tokenize_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], assistant_only: bool
+) -> dict[str, list[int]]:
+    """``input_ids`` of a rendered conversation and, with ``assistant_only``, ``assistant_masks``
+    (1 on every token that starts inside an assistant turn)."""
+    text, spans = assistant_spans(tokenizer, messages) if assistant_only else (
+        tokenizer.apply_chat_template(messages, tokenize=False), []
+    )
+    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=assistant_only)
+    row = {"input_ids": encoded["input_ids"]}
+    if assistant_only:
+        row["assistant_masks"] = [
+            int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]
+        ]
+    return row
+
+
+def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> Dataset:
+    """Tokenize the recipe's data once: ``input_ids`` (and ``assistant_masks`` for conversations with
+    assistant-only loss). TRL takes the tokenized rows as they are, and the length filter reads them."""
+    if not tokenizer.is_fast:
+        raise ValueError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True")
+    if "messages" in dataset.column_names:
+        return dataset.map(
+            lambda row: tokenize_conversation(tokenizer, row["messages"], assistant_only),
+            remove_columns=dataset.column_names,
+            desc="tokenizing conversations",
+        )
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return dataset.map(
+        lambda row: {"input_ids": tokenizer(row["text"])["input_ids"] + eos},
+        remove_columns=dataset.column_names,
+        desc="tokenizing text",
+    )
+
+
+def filter_by_length(dataset: Dataset, max_length: int, truncate: bool) -> tuple[Dataset, dict[str, int]]:
+    """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation).
 
     Returns the dataset and counts ``{"kept", "dropped", "longest"}``.
     """
-    if "messages" in dataset.column_names:
-        lengths = [
-            len(tokenizer.apply_chat_template(m, tokenize=True, return_dict=True)["input_ids"])
-            for m in dataset["messages"]
-        ]
-    else:
-        lengths = [len(ids) for ids in tokenizer(list(dataset["text"]))["input_ids"]]
+    lengths = [len(ids) for ids in dataset["input_ids"]]
     keep = [i for i, n in enumerate(lengths) if truncate or n <= max_length]
     stats = {"kept": len(keep), "dropped": len(lengths) - len(keep), "longest": max(lengths, default=0)}
     if not keep:

@@ -33,15 +33,13 @@ from transformers import (
     TrainerCallback,
 )
 
-from ..adapters import apply_spec
-from ..adapters.rope_base import resolve_rope_parameters
-from ..rope import head_dim_of
+from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights
+from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
-from .data import filter_by_length, load_training_data
+from .data import filter_by_length, load_training_data, tokenize_dataset
 from .schema import Recipe
 
 TINY_PREFIX = "tiny:"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -93,7 +91,7 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
     """4-bit NF4 (QLoRA) settings; quant storage equals the compute dtype (needed by FSDP2)."""
     if not recipe.model.load_in_4bit:
         return None
-    dtype = _DTYPES[recipe.model.dtype]
+    dtype = torch_dtype(recipe.model.dtype)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=recipe.model.bnb_4bit_quant_type,
@@ -104,30 +102,23 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
 
 
 def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
-    """The ContextSpec this recipe gives the base model (resolved RoPE, HARPE bases, lengths)."""
-    rope_parameters = resolve_rope_parameters(base_config, recipe.rope.rope_parameters())
-    changes: dict[str, Any] = dict(
-        rope_parameters=rope_parameters,
-        max_position_embeddings=recipe.rope.max_position_embeddings or base_config.max_position_embeddings,
-        trained_length=recipe.data.max_length,
-        target_length=recipe.target_length or recipe.data.max_length,
+    """The ContextSpec this recipe gives the base model: every method section resolved against the
+    base (complete RoPE parameters, HARPE bases, STRING's default shift, ...), and the lengths."""
+    trained_length = recipe.data.max_length
+    target_length = recipe.target_length or trained_length
+    resolved: dict[str, Any] = {}
+    for name, config in recipe.method_configs().items():
+        context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
+        resolved[name] = METHODS[name].resolve(config, context)
+    return ContextSpec.from_base(
+        base_config,
+        recipe.method,
+        base_model=spec_base_reference(recipe, base_id),
+        methods={name: config.model_dump() for name, config in resolved.items()},
+        trained_length=trained_length,
+        target_length=target_length,
         recipe_hash=recipe_hash(recipe.model_dump()),
     )
-    if recipe.method == "harpe":
-        from ..adapters.harpe import select_bases
-
-        h = recipe.harpe
-        changes["head_bases"] = select_bases(
-            h.selection,
-            h.b_min,
-            h.b_max,
-            n=getattr(base_config, "num_key_value_heads", None) or base_config.num_attention_heads,
-            stride=h.stride,
-            head_dim=head_dim_of(base_config),
-            target_length=changes["target_length"],
-            descending=h.descending,
-        )
-    return ContextSpec.from_base(base_config, recipe.method, base_model=spec_base_reference(recipe, base_id), **changes)
 
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
@@ -171,7 +162,7 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
     model = AutoModelForCausalLM.from_pretrained(
         base_id,
         config=config,
-        dtype=_DTYPES[m.dtype],
+        dtype=torch_dtype(m.dtype),
         attn_implementation=attention_implementation(m.attn_implementation),
         quantization_config=quantization_config(recipe),
         **common,
@@ -189,14 +180,25 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
 # ---------------------------------------------------------------------------------------------
 
 
-def lora_config(recipe: Recipe):
-    """peft LoraConfig of the recipe (None for full fine-tuning)."""
+def has_tied_embeddings(model: PreTrainedModel) -> bool:
+    """Whether the model's output head shares its weight with the input embedding."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
+    """peft LoraConfig of the recipe (None for full fine-tuning).
+
+    On a model with tied input/output embeddings a trained embedding stays tied to the output head
+    (``ensure_weight_tying``): the adapter trains one matrix, and the merged model is tied as the base was.
+    """
     from peft import LoraConfig
 
     if recipe.finetune == "full":
         return None
     lora = recipe.lora
     return LoraConfig(
+        ensure_weight_tying=model is not None and has_tied_embeddings(model) and lora.embeddings != "none",
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -260,11 +262,33 @@ def sft_config(recipe: Recipe, output_dir: Path):
         fp16=recipe.model.dtype == "float16" and use_cuda,
         use_cpu=not use_cuda,
         max_length=recipe.data.max_length,
-        assistant_only_loss=recipe.data.format == "messages" and t.assistant_only_loss is not False,
+        # The assistant masks are computed by longpeft when the data is tokenized (any chat template).
+        assistant_only_loss=False,
         packing=False,
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
         disable_tqdm=False,
+    )
+
+
+def assistant_only_loss(recipe: Recipe) -> bool:
+    """Loss on assistant turns only: the recipe's setting, on by default for conversations."""
+    return recipe.data.format == "messages" and recipe.train.assistant_only_loss is not False
+
+
+def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
+    """PoSE's collator (skip-wise position ids, explicit all-ones mask) when the recipe uses PoSE, else TRL's."""
+    pose = spec.methods.get("pose")
+    if pose is None:
+        return None
+    from ..adapters.pose import PoseCollator
+
+    return PoseCollator(
+        target_length=pose["target_length"],
+        pad_token_id=tokenizer.pad_token_id,
+        n_chunks=pose["n_chunks"],
+        max_length=recipe.data.max_length,
+        seed=recipe.train.seed,
     )
 
 
@@ -317,15 +341,16 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     with args.main_process_first(local=True, desc="base model and data"):
         base_id = base_location(recipe, output_dir)
         model, tokenizer, spec = load_base(recipe, base_id)
-        dataset = load_training_data(recipe.data, tokenizer)
-        dataset, data_stats = filter_by_length(dataset, tokenizer, recipe.data.max_length, recipe.data.truncate)
-    peft_config = lora_config(recipe)
+        dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
+        dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
+    peft_config = lora_config(recipe, model)
     trainer = SFTTrainer(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
         peft_config=peft_config,
+        data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
     resolved = {
@@ -382,16 +407,15 @@ def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] |
 
 
 def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path) -> None:
-    """Adapter weights (or the full model), tokenizer, generation config and longpeft.json.
+    """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
 
-    A fully fine-tuned HARPE model also gets the modeling file that plain transformers needs to keep
-    its per-head bases (``trust_remote_code=True``).
+    A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling file that plain
+    transformers needs to keep its per-head bases, ``trust_remote_code=True``).
     """
     model.save_pretrained(adapter_dir)
-    if spec.head_bases and not hasattr(model, "peft_config"):
-        from ..adapters.harpe import write_remote_code
-
-        write_remote_code(adapter_dir, spec.head_bases)
+    save_method_weights(model, spec, adapter_dir)
+    if not hasattr(model, "peft_config"):
+        export_methods(model, spec, adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:

@@ -2,19 +2,25 @@
 
 Unknown keys and invalid values fail with the dotted path of the key (``lora.rank: unknown key``).
 A recipe is one readable document; the runner (runner.py) turns it into a model, data and trainer.
+
+The method sections (``rope``, ``harpe``, ``string``, ``pose``, ...) are the configs of the
+registered methods (``longpeft.adapters.registry``): the schema is built from the registry, so a
+new method's section needs no edit here. ``trl:`` passes any other ``trl.SFTConfig`` argument
+through, checked against SFTConfig's fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
+from ..config import ConfigError, StrictModel, apply_overrides, format_validation_error, read_yaml
 
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+Section = StrictModel
 
 
 class ModelSection(Section):
@@ -35,22 +41,6 @@ class ModelSection(Section):
         default=None, description="every token id that ends generation (Llama-3-Instruct: 128001 and 128009)"
     )
     trust_remote_code: bool = False
-
-
-class RopeSection(Section):
-    """New RoPE parameters (merged onto the base's) and the new context length."""
-
-    rope_type: Literal["default", "linear", "dynamic", "yarn", "llama3"] | None = None
-    rope_theta: float | None = Field(default=None, gt=1)
-    factor: float | None = Field(default=None, gt=0)
-    original_max_position_embeddings: int | None = Field(default=None, gt=0)
-    low_freq_factor: float | None = None
-    high_freq_factor: float | None = None
-    max_position_embeddings: int | None = Field(default=None, gt=0)
-
-    def rope_parameters(self) -> dict[str, Any]:
-        """The requested rope_parameters keys (without max_position_embeddings), Nones dropped."""
-        return {k: v for k, v in self.model_dump().items() if v is not None and k != "max_position_embeddings"}
 
 
 class LoraSection(Section):
@@ -129,123 +119,152 @@ class TrainSection(Section):
         return value
 
 
-class HarpeSection(Section):
-    """HARPE: one RoPE base per KV head, chosen when the adapter is created (see adapters/harpe.py).
-
-    ``selection``: ``peak_valley`` (the paper's greedy search on a ``stride`` grid) or ``uniform``
-    (evenly spaced in [b_min, b_max], ascending or ``descending`` over the heads).
-    """
-
-    selection: Literal["peak_valley", "uniform"] = "peak_valley"
-    b_min: float = Field(gt=1)
-    b_max: float = Field(gt=1)
-    stride: float | None = Field(default=None, gt=0)
-    descending: bool = False
-
-    @model_validator(mode="after")
-    def _check_range(self) -> HarpeSection:
-        if self.b_max < self.b_min:
-            raise ValueError("b_max must be >= b_min")
-        if self.selection == "peak_valley" and self.stride is None:
-            raise ValueError("selection: peak_valley needs a stride (the candidate grid step)")
-        return self
+# SFTConfig arguments that the recipe sets from its own sections (give those there instead).
+TRL_KEYS_OWNED_BY_RECIPE = {
+    "output_dir": "output_dir", "learning_rate": "train.learning_rate", "lr_scheduler_type": "train.lr_scheduler_type",
+    "warmup_steps": "train.warmup_steps", "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1",
+    "adam_beta2": "train.adam_beta2", "optim": "train.optim", "per_device_train_batch_size": "train.per_device_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size", "num_train_epochs": "train.num_train_epochs",
+    "max_steps": "train.max_steps", "gradient_checkpointing": "train.gradient_checkpointing",
+    "save_steps": "train.save_steps", "save_total_limit": "train.save_total_limit",
+    "logging_steps": "train.logging_steps", "max_grad_norm": "train.max_grad_norm", "seed": "train.seed",
+    "data_seed": "train.seed", "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
+    "report_to": "train.report_to", "bf16": "model.dtype", "fp16": "model.dtype", "use_cpu": "(automatic)",
+}
 
 
-class Recipe(Section):
-    """A whole recipe file.
+def check_trl_keys(trl: dict[str, Any]) -> None:
+    """Fail naming ``trl.<key>`` when a key is not an SFTConfig argument or is set by another section."""
+    if not trl:
+        return
+    from trl import SFTConfig
 
-    ``finetune``: ``lora`` trains an adapter (QLoRA when model.load_in_4bit); ``full`` trains every
-    weight (HARPE's paper setting) and saves a full model with its longpeft.json.
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    for key in trl:
+        if key in TRL_KEYS_OWNED_BY_RECIPE:
+            raise ValueError(f"trl.{key}: set by the recipe's {TRL_KEYS_OWNED_BY_RECIPE[key]}; give it there")
+        if key not in fields:
+            raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
+
+
+class RecipeBase(Section):
+    """A whole recipe file (the method sections are added from the registry, see :func:`recipe_model`).
+
+    ``method``: the registered method the recipe is about (its section is required unless all its
+    settings have defaults). ``finetune``: ``lora`` trains an adapter (QLoRA when
+    model.load_in_4bit); ``full`` trains every weight (HARPE's paper setting) and saves a full model
+    with its longpeft.json.
     """
 
     name: str
     description: str = ""
-    method: Literal["rope_base", "harpe"] = "rope_base"
+    method: str = "rope"
     finetune: Literal["lora", "full"] = "lora"
     model: ModelSection
-    rope: RopeSection = RopeSection()
-    harpe: HarpeSection | None = None
     lora: LoraSection = LoraSection()
     data: DataSection
     train: TrainSection
+    trl: dict[str, Any] = Field(default_factory=dict, description="other trl.SFTConfig arguments, passed through")
     target_length: int | None = Field(default=None, gt=0, description="length the adapter should work at")
     output_dir: str = "runs/{name}"
 
+    @field_validator("method", mode="before")
+    @classmethod
+    def _legacy_method_name(cls, value: Any) -> Any:
+        return {"rope_base": "rope"}.get(value, value)
+
     @model_validator(mode="after")
-    def _method_sections(self) -> Recipe:
-        if self.method == "harpe" and self.harpe is None:
-            raise ValueError("method: harpe needs a harpe section (selection, b_min, b_max, stride)")
-        if self.method != "harpe" and self.harpe is not None:
-            raise ValueError(f"the harpe section is only used with method: harpe (method is {self.method})")
+    def _consistent(self) -> RecipeBase:
+        from ..adapters import METHODS
+
+        if self.method not in METHODS:
+            raise ValueError(f"method: {self.method!r} is not a registered method ({', '.join(METHODS)})")
+        if getattr(self, self.method, None) is None:
+            try:
+                setattr(self, self.method, METHODS[self.method].config())
+            except ValidationError:
+                raise ValueError(f"method: {self.method} needs a {self.method} section") from None
         if self.data.format == "text" and self.train.assistant_only_loss:
             raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)")
         if self.data.format == "text" and self.data.source == "demo":
             raise ValueError("data.source: demo is conversations; use data.format: messages")
         if self.finetune == "full" and self.model.load_in_4bit:
             raise ValueError("finetune: full cannot train a 4-bit model; use finetune: lora (QLoRA)")
+        check_trl_keys(self.trl)
         return self
+
+    def method_configs(self) -> dict[str, StrictModel]:
+        """The method sections present in the recipe, in registry order (``rope`` always)."""
+        from ..adapters import METHODS
+
+        configs = {name: getattr(self, name, None) for name in METHODS}
+        configs["rope"] = configs["rope"] or METHODS["rope"].config()
+        return {name: config for name, config in configs.items() if config is not None}
 
     def resolved_output_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))
 
 
-class RecipeError(ValueError):
+Recipe = RecipeBase
+
+
+def recipe_model() -> type[RecipeBase]:
+    """The recipe model with one optional section per registered method."""
+    from ..adapters import METHODS
+
+    return _recipe_model(tuple((name, method.config) for name, method in METHODS.items()))
+
+
+@lru_cache(maxsize=8)
+def _recipe_model(sections: tuple[tuple[str, type], ...]) -> type[RecipeBase]:
+    fields = {name: (config | None, None) for name, config in sections}
+    return create_model("Recipe", __base__=RecipeBase, **fields)
+
+
+class RecipeError(ConfigError):
     """A recipe file that cannot be used; the message names the file and the key."""
 
 
-def _format_errors(path: str, exc: ValidationError) -> str:
-    lines = []
-    for error in exc.errors():
-        key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-        lines.append(f"  {key}: {message}")
-    return f"{path}: invalid recipe\n" + "\n".join(lines)
-
-
-def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
     """Validate a recipe dict; raises RecipeError naming every bad key."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
     try:
-        return Recipe.model_validate(data)
+        return recipe_model().model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(_format_errors(source, exc)) from None
+        raise RecipeError(format_validation_error(source, exc).replace("invalid settings", "invalid recipe")) from None
 
 
-def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> Recipe:
+def recipe_path(path_or_name: str | Path) -> Path:
+    """A recipe file: the path given, or the bundled recipe of that name."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    bundled = Path(__file__).parent / f"{path_or_name}.yaml"
+    if not bundled.is_file():
+        raise RecipeError(f"recipe {path_or_name!r} is neither a file nor a bundled recipe ({', '.join(bundled_recipes())})")
+    return bundled
+
+
+def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> RecipeBase:
     """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``).
 
     Args:
         overrides: ``dotted.key=value`` strings (values parsed as YAML), applied before validation,
             e.g. ``["train.max_steps=10", "model.load_in_4bit=false"]``.
     """
-    path = Path(path_or_name)
-    if not path.is_file():
-        bundled = Path(__file__).parent / f"{path_or_name}.yaml"
-        if not bundled.is_file():
-            names = ", ".join(sorted(p.stem for p in Path(__file__).parent.glob("*.yaml")))
-            raise RecipeError(f"recipe {path_or_name!r} is neither a file nor a bundled recipe ({names})")
-        path = bundled
+    path = recipe_path(path_or_name)
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
-    for override in overrides or []:
-        _apply_override(data, override, str(path))
+        data = read_yaml(path)
+    except ConfigError as exc:
+        raise RecipeError(str(exc)) from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    try:
+        apply_overrides(data, overrides, str(path))
+    except ConfigError as exc:
+        raise RecipeError(str(exc)) from None
     return parse_recipe(data, str(path))
-
-
-def _apply_override(data: dict[str, Any], override: str, source: str) -> None:
-    key, sep, raw = override.partition("=")
-    if not sep or not key:
-        raise RecipeError(f"{source}: override {override!r} must look like section.key=value")
-    *parents, leaf = key.split(".")
-    node = data
-    for part in parents:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise RecipeError(f"{source}: override {override!r}: {part} is not a section")
-    node[leaf] = yaml.safe_load(raw)
 
 
 def bundled_recipes() -> list[str]:

@@ -41,8 +41,6 @@ _EXPORTS = {
     "mix": "mix",
     "SynthConfig": "pipeline",
     "synthesize": "pipeline",
-    "PoseCollator": "pose",
-    "pose_position_ids": "pose",
     "TASKS": "qa",
     "LLMAnswerer": "qa",
     "ProceduralAnswerer": "qa",

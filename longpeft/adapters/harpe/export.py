@@ -1,7 +1,7 @@
 """Export a merged HARPE model so plain transformers loads it (trust_remote_code), without longpeft.
 
-``write_remote_code`` copies :mod:`.modeling_harpe` (which imports only torch and transformers)
-into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
+``write_remote_code`` writes :mod:`.modeling_harpe` (with longpeft's RoPE helpers inlined, so it
+imports only torch and transformers) into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
 config and model classes of the model's architecture. The exported config gets its own model_type
 (``harpe_llama``, ...): transformers would otherwise load the folder without trust_remote_code as
 the stock architecture, silently ignoring the per-head bases; now that fails with an error.
@@ -9,6 +9,7 @@ the stock architecture, silently ignoring the per-head bases; now that fails wit
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,16 @@ from . import modeling_harpe
 from .modeling_harpe import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_harpe.py"
+_INLINE_BEGIN, _INLINE_END = "# longpeft-inline-begin\n", "# longpeft-inline-end\n"
+
+
+def standalone_modeling_source() -> str:
+    """modeling_harpe.py with its longpeft imports replaced by the source of what they import."""
+    head, rest = Path(modeling_harpe.__file__).read_text().split(_INLINE_BEGIN)
+    _, tail = rest.split(_INLINE_END)
+    helpers = "\n\n".join(inspect.getsource(f) for f in modeling_harpe.INLINED_ON_EXPORT)
+    tail = tail.replace("INLINED_ON_EXPORT = ", "INLINED_ON_EXPORT = ()  # in longpeft: ", 1)
+    return head + "# Inlined from longpeft (rope.py, family.py).\n\n" + helpers + "\n\n" + tail
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
@@ -52,7 +63,7 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     stored = config.get("head_rope_bases")
     if stored is not None and [float(b) for b in stored] != bases:
         raise ValueError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
-    (save_dir / MODELING_FILENAME).write_text(Path(modeling_harpe.__file__).read_text())
+    (save_dir / MODELING_FILENAME).write_text(standalone_modeling_source())
     exported_type, config_class, model_class = EXPORT_CLASSES_BY_MODEL_TYPE[model_type]
     module = MODELING_FILENAME[:-3]
     config["head_rope_bases"] = bases

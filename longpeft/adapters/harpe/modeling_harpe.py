@@ -1,9 +1,10 @@
 """Per-head RoPE (HARPE) for Llama, Mistral, Qwen2 and Qwen3 models of transformers.
 
-This file is self-contained on purpose: it imports only torch and transformers. longpeft patches
-models with it, and copies it verbatim beside an exported HARPE model, where
+longpeft patches models with this file, and writes it beside an exported HARPE model, where
 ``AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)`` loads it through the
-``auto_map`` of config.json without longpeft installed.
+``auto_map`` of config.json without longpeft installed. Its only longpeft imports are the RoPE and
+model-family helpers between the ``longpeft-inline`` markers, which the export replaces by their
+source (see ``export.standalone_modeling_source``), so the exported file imports only torch and transformers.
 
 Each key/value head ``g`` rotates its keys, and the queries of its group, with its own RoPE base
 ``config.head_rope_bases[g]``: frequency ``j`` of head ``g`` is ``b_g ** (-2j / head_dim)``, the
@@ -39,20 +40,13 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import rotate_half
 
+# longpeft-inline-begin
+from ...family import is_attention_module
+from ...rope import apply_rotary, cos_sin, inv_freq, per_head_inv_freq, rotate_half, rotate_per_head
 
-def head_inv_freq(bases: Sequence[float], head_dim: int) -> torch.Tensor:
-    """Standard RoPE inverse frequencies for one base per head, on the CPU.
-
-    Computed exactly like transformers' default RoPE (float32 exponents), so that a base equal to
-    the model's own gives bit-identical frequencies.
-
-    Returns:
-        float32 ``[len(bases), head_dim // 2]``.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim
-    return torch.stack([1.0 / (float(base) ** exponents) for base in bases])
+# longpeft-inline-end
+INLINED_ON_EXPORT = (inv_freq, per_head_inv_freq, rotate_half, apply_rotary, rotate_per_head, cos_sin, is_attention_module)
 
 
 class HeadRotaryEmbedding(nn.Module):
@@ -77,7 +71,7 @@ class HeadRotaryEmbedding(nn.Module):
     def inv_freq(self, device: torch.device) -> torch.Tensor:
         """``[kv_heads, head_dim // 2]`` float32 frequencies on ``device``."""
         if device not in self._inv_freq_by_device:
-            self._inv_freq_by_device[device] = head_inv_freq(self.bases, self.head_dim).to(device)
+            self._inv_freq_by_device[device] = per_head_inv_freq(self.bases, self.head_dim).to(device)
         return self._inv_freq_by_device[device]
 
     @torch.no_grad()
@@ -92,28 +86,10 @@ class HeadRotaryEmbedding(nn.Module):
             ``(cos, sin)``, each ``[batch, kv_heads, seq, head_dim]`` in ``x.dtype``; the angles are
             computed in float32 as transformers does.
         """
-        inv_freq = self.inv_freq(x.device)
-        angles = position_ids[:, None, :, None].float() * inv_freq[None, :, None, :]  # [B, H_kv, T, D/2]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        return cos_sin(position_ids, self.inv_freq(x.device), x.dtype)
 
     def extra_repr(self) -> str:
         return f"bases={self.bases}, head_dim={self.head_dim}"
-
-
-def rotate_per_head(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate query or key heads with the cos/sin of their KV head.
-
-    Args:
-        x: ``[batch, heads, seq, head_dim]`` with ``heads`` a multiple of ``kv_heads`` (query head
-            ``h`` belongs to KV head ``h // (heads // kv_heads)``, transformers' ``repeat_kv`` order).
-        cos, sin: ``[batch, kv_heads, seq, head_dim]``.
-    """
-    batch, heads, seq, head_dim = x.shape
-    kv_heads = cos.shape[1]
-    grouped = x.view(batch, kv_heads, heads // kv_heads, seq, head_dim)
-    cos, sin = cos[:, :, None], sin[:, :, None]
-    return (grouped * cos + rotate_half(grouped) * sin).view(batch, heads, seq, head_dim)
 
 
 def head_rope_attention_forward(
@@ -175,11 +151,6 @@ def head_rope_attention_forward(
     )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
-
-
-def is_attention_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a Llama-family self-attention (q/k/v/o projections, a layer index)."""
-    return all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim"))
 
 
 def patch_head_rope(model: nn.Module, bases: Sequence[float]) -> None:
@@ -271,3 +242,4 @@ EXPORT_CLASSES_BY_MODEL_TYPE = {
         ("qwen3", HarpeQwen3ForCausalLM),
     )
 }
+

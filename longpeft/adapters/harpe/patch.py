@@ -12,15 +12,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ...family import attention_modules, check_supported, is_attention_module, num_kv_heads
 from ...rope import head_dim_of, rope_parameters_of, rotary_modules
-from .modeling_harpe import (
-    EXPORT_CLASSES_BY_MODEL_TYPE,
-    HeadRotaryEmbedding,
-    is_attention_module,
-    patch_head_rope,
-)
-
-SUPPORTED_MODEL_TYPES = tuple(EXPORT_CLASSES_BY_MODEL_TYPE)
+from .modeling_harpe import HeadRotaryEmbedding, patch_head_rope
 
 
 def _config_of(model: nn.Module):
@@ -30,21 +24,13 @@ def _config_of(model: nn.Module):
     return config
 
 
-def num_kv_heads(config) -> int:
-    """Number of key/value heads (``num_key_value_heads``, or the query heads for plain multi-head attention)."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-
-
 def check_head_bases(config, bases: Sequence[float]) -> list[float]:
     """Validate one base per KV head for ``config``; returns them as floats.
 
     Raises:
         ValueError: wrong count, non-finite or <= 1 bases, or an unsupported architecture.
     """
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"HARPE per-head RoPE supports model types {SUPPORTED_MODEL_TYPES}, not {config.model_type!r}"
-        )
+    check_supported(config, "HARPE per-head RoPE")
     bases = [float(b) for b in bases]
     expected = num_kv_heads(config)
     if len(bases) != expected:
@@ -85,7 +71,7 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
             f"the model's rope_type is {rope_type!r}; HARPE replaces it with plain RoPE at one base per head",
             stacklevel=2,
         )
-    if not any(is_attention_module(m) for m in model.modules()):
+    if not attention_modules(model):
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(model).__name__}")
     if not has_head_bases(model) and not rotary_modules(model):
         raise ValueError(f"found no rotary embedding module in {type(model).__name__}; is it a RoPE model?")

@@ -1,5 +1,9 @@
 """PoSE (positional skip-wise training): position ids that make a short window look like a long one.
 
+The ``pose`` section of recipes and of ``longpeft.json`` is :class:`PoseConfig`. PoSE changes only
+the position ids seen in training (through :class:`PoseCollator`); the trained model runs with
+plain positions, so ``apply``/``remove`` change nothing on a model.
+
 A sample of ``L_c`` tokens (the training window) is split at random into ``N`` chunks (default 2).
 Position ids are contiguous inside each chunk; chunk ``i`` is shifted by a skip ``u_i``, drawn
 uniformly from ``{u_(i-1), ..., L_t - L_c}`` with ``u_0 = 0``, so skips never decrease, chunks never
@@ -20,8 +24,32 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import Field
+
+from ...config import StrictModel
+from ..registry import Method, ResolveContext
 
 IGNORE_INDEX = -100
+
+
+class PoseConfig(StrictModel):
+    """PoSE settings: train in the recipe's window (``data.max_length``) to simulate ``target_length``.
+
+    ``n_chunks``: chunks per sample (the paper's default 2); skips between chunks are drawn uniformly
+    and never decrease (the paper's skip distribution).
+    """
+
+    n_chunks: int = Field(default=2, ge=1)
+    target_length: int | None = Field(default=None, gt=0, description="default: the recipe's target_length")
+
+
+def _resolve(config: PoseConfig, context: ResolveContext) -> PoseConfig:
+    target = config.target_length or context.target_length
+    if target is None or (context.trained_length and target < context.trained_length):
+        raise ValueError(
+            f"pose.target_length ({target}) must be set and at least the training length ({context.trained_length})"
+        )
+    return config.model_copy(update={"target_length": target})
 
 
 def pose_position_ids(
@@ -122,3 +150,16 @@ class PoseCollator:
             "position_ids": torch.from_numpy(batch_positions),
             "attention_mask": torch.ones((len(rows), width), dtype=torch.long),
         }
+
+
+METHOD = Method(
+    name="pose",
+    config=PoseConfig,
+    apply=lambda model, config: None,  # training-time positions only (PoseCollator)
+    remove=lambda model: None,
+    is_applied=lambda model: False,
+    resolve=_resolve,
+    describe=lambda config: [
+        f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating {config.target_length} tokens."
+    ],
+)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from longpeft.synth_data.pose import PoseCollator, pose_position_ids
+from longpeft.adapters.pose import PoseCollator, pose_position_ids
 from longpeft.tiny import tiny_model
 
 

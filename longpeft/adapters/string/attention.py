@@ -45,11 +45,11 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ..rope import apply_rotary, rotary_modules
+from ...family import attention_modules, check_supported
+from ...rope import apply_rotary, rotary_modules
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 STRING_ATTENTION = "longpeft_string"
 DEFAULT_LOCAL_WINDOW = 128
 # Queries per block in the SDPA/eager paths: the duplicated band is this wide, so the extra work is
@@ -68,6 +68,11 @@ class StringSettings:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        """One line for the attention module's repr, e.g. ``STRING(shift=341, local_window=128, ...)``."""
+        scale = f", cos_sin_scale={self.cos_sin_scale}" if self.cos_sin_scale is not None else ""
+        return f"STRING(shift={self.shift}, local_window={self.local_window}, trained_length={self.trained_length}{scale})"
 
 
 class _StringConfigView:
@@ -115,16 +120,6 @@ def _inner_model(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """Self-attention modules of a Llama/Mistral/Qwen2/Qwen3 model (PEFT-wrapped or not)."""
-    return [
-        m
-        for m in model.modules()
-        if type(m).__name__.endswith("Attention")
-        and all(hasattr(m, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "config"))
-    ]
-
-
 def enable_string(
     model: nn.Module,
     shift: int | None = None,
@@ -149,9 +144,7 @@ def enable_string(
         The active settings as a dict (also given by :func:`string_settings`).
     """
     config = model.config
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"STRING supports model types {SUPPORTED_MODEL_TYPES}; this model is {model_type!r}")
+    check_supported(config, "STRING")
     if getattr(config, "head_rope_bases", None):
         raise ValueError(
             "STRING needs one RoPE base for all heads, but config.head_rope_bases is set (HARPE per-head "
@@ -177,7 +170,7 @@ def enable_string(
     if len(rotaries) != 1:
         raise ValueError(f"STRING expects exactly one rotary embedding module, found {len(rotaries)}")
     rotary_owner, rotary_name, _ = rotaries[0]
-    attentions = _attention_modules(model)
+    attentions = attention_modules(model)
     if not attentions:
         raise ValueError(f"found no self-attention modules with q/k/v/o projections in {type(model).__name__}")
     if STRING_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
@@ -186,16 +179,18 @@ def enable_string(
     for module in attentions:
         module.config = _StringConfigView(module.config, settings, rotary_owner, rotary_name)
         module._longpeft_string_hook = module.register_forward_pre_hook(_require_full_dynamic_cache, with_kwargs=True)
+        module.extra_repr = settings.describe  # visible in print(model)
     return settings.as_dict()
 
 
 def disable_string(model: nn.Module) -> None:
     """Switch STRING off, in place; the model computes exactly what it did before enabling it."""
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         if isinstance(module.config, _StringConfigView):
             module.config = module.config._base
             module._longpeft_string_hook.remove()
             del module._longpeft_string_hook
+            del module.extra_repr
 
 
 def _require_full_dynamic_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
@@ -215,7 +210,7 @@ def _require_full_dynamic_cache(module: nn.Module, args: tuple, kwargs: dict[str
 
 def string_settings(model: nn.Module) -> dict[str, Any] | None:
     """The active STRING settings (keyword arguments for :func:`enable_string`), or None when off."""
-    for module in _attention_modules(model):
+    for module in attention_modules(model):
         if isinstance(module.config, _StringConfigView):
             return module.config.string_settings.as_dict()
     return None

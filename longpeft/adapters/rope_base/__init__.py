@@ -1,0 +1,136 @@
+"""RoPE-base expansion (and transformers' own RoPE scalings) through one entry point.
+
+The "Llama-3 8K -> 80K overnight" recipe raises the RoPE base from 500K to 200M and fine-tunes with
+QLoRA. transformers' own rope types (linear/PI, dynamic NTK, yarn, llama3) are selected the same way,
+through a complete ``rope_parameters`` dict. The ``rope`` section of recipes and of
+``longpeft.json`` is :class:`RopeConfig`; in ``longpeft.json`` it holds the complete resolved dict.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from ...config import StrictModel
+from ...rope import rope_parameters_of, set_rope_parameters
+from ..registry import Method, ResolveContext
+
+RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3"]
+
+
+class RopeConfig(StrictModel):
+    """New RoPE parameters (merged onto the base's) and the new context length.
+
+    The fields are transformers' ``rope_parameters`` keys of the supported rope types; omitted keys
+    keep the base's values (a new ``rope_type`` replaces the whole dict). After resolution every key
+    of the complete dict is set.
+    """
+
+    rope_type: RopeType | None = None
+    rope_theta: float | None = Field(default=None, gt=1, lt=1e30)
+    factor: float | None = Field(default=None, gt=0, lt=1e6)
+    original_max_position_embeddings: int | None = Field(default=None, gt=0)
+    low_freq_factor: float | None = Field(default=None, gt=0)
+    high_freq_factor: float | None = Field(default=None, gt=0)
+    attention_factor: float | None = Field(default=None, gt=0)
+    beta_fast: float | None = Field(default=None, gt=0)
+    beta_slow: float | None = Field(default=None, gt=0)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+    partial_rotary_factor: float | None = Field(default=None, gt=0, le=1)
+    max_position_embeddings: int | None = Field(default=None, gt=0)
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """The requested rope_parameters keys (without max_position_embeddings), Nones dropped."""
+        return {k: v for k, v in self.model_dump().items() if v is not None and k != "max_position_embeddings"}
+
+
+def resolve_rope_parameters(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """Complete rope_parameters from a partial request on top of a base config.
+
+    ``{"rope_theta": 2e8}`` keeps the base's rope_type; giving ``rope_type`` replaces the whole dict
+    (keys of the old type do not leak into the new one), keeping rope_theta unless given.
+    For yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length.
+    """
+    base = rope_parameters_of(config)
+    if "rope_type" in rope and rope["rope_type"] != base.get("rope_type", "default"):
+        params = {"rope_type": rope["rope_type"], "rope_theta": base["rope_theta"]}
+    else:
+        params = dict(base)
+    params.update({k: v for k, v in rope.items() if v is not None})
+    if params["rope_type"] in ("yarn", "llama3") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = config.max_position_embeddings
+    params["rope_theta"] = float(params["rope_theta"])
+    return params
+
+
+def expand_rope_base(
+    model: nn.Module, rope_parameters: dict[str, Any], max_position_embeddings: int | None = None
+) -> torch.Tensor:
+    """Set new RoPE parameters on a built model and verify the rotary frequencies changed.
+
+    Args:
+        model: transformers causal LM (PEFT-wrapped works too).
+        rope_parameters: complete or partial rope_parameters (see :func:`resolve_rope_parameters`).
+        max_position_embeddings: the new context length recorded in the config.
+
+    Returns:
+        The rotary module's new ``inv_freq`` (``[head_dim // 2]``).
+    """
+    params = resolve_rope_parameters(model.config, rope_parameters)
+    original = getattr(model, "_longpeft_original_rope", None)
+    if original is None:
+        # Remembered once, so that remove() restores the model as it was before the first change.
+        original = (rope_parameters_of(model.config), model.config.max_position_embeddings)
+    new = set_rope_parameters(model, params, max_position_embeddings)
+    model._longpeft_original_rope = original
+    return new
+
+
+# ---- the method shape ---------------------------------------------------------------------------
+
+
+def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
+    """The complete rope_parameters and max length this section gives the base model."""
+    params = resolve_rope_parameters(context.base_config, config.rope_parameters())
+    unknown = sorted(set(params) - set(RopeConfig.model_fields))
+    if unknown:
+        raise ValueError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
+    max_positions = config.max_position_embeddings or context.base_config.max_position_embeddings
+    return RopeConfig(**params, max_position_embeddings=max_positions)
+
+
+def apply(model: nn.Module, config: RopeConfig) -> None:
+    expand_rope_base(model, config.rope_parameters(), config.max_position_embeddings)
+
+
+def remove(model: nn.Module) -> None:
+    """Restore the RoPE parameters the model had before :func:`expand_rope_base` first changed them."""
+    original = getattr(model, "_longpeft_original_rope", None)
+    if original is None:
+        raise ValueError(f"{type(model).__name__} has no RoPE change made by longpeft to remove")
+    params, max_positions = original
+    set_rope_parameters(model, copy.deepcopy(params), max_positions)
+    del model._longpeft_original_rope
+
+
+def describe(config: RopeConfig) -> list[str]:
+    return [f"RoPE parameters {config.rope_parameters()}, {config.max_position_embeddings} positions."]
+
+
+METHOD = Method(
+    name="rope",
+    config=RopeConfig,
+    apply=apply,
+    remove=remove,
+    is_applied=lambda model: getattr(model, "_longpeft_original_rope", None) is not None,
+    resolve=resolve,
+    describe=describe,
+)
+
+__all__ = ["METHOD", "RopeConfig", "expand_rope_base", "resolve_rope_parameters"]
