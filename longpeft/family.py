@@ -1,14 +1,15 @@
 """Model-family facts in one place: which architectures longpeft supports, how to find their
 attention modules, how many key/value heads they have.
 
-Imports only torch, so that modeling files exported beside merged models can inline it.
+Imports nothing heavy, so that modeling files exported beside merged models can inline it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
 
 # transformers model types whose attention longpeft's per-module patches (HARPE, STRING, beacon) know.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")

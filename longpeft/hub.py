@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -208,23 +209,41 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", SPEC_FILENA
 
 
 def stage_upload(
-    source: str | Path, dest: str | Path, repo_id: str, merged: bool = False, dtype: str = "bfloat16"
+    source: str | Path,
+    dest: str | Path,
+    repo_id: str,
+    merged: bool = False,
+    dtype: str = "bfloat16",
+    base_id: str | None = None,
 ) -> Path:
     """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id``.
 
     Args:
         source: an adapter folder (with longpeft.json), or a run folder containing ``adapter/``.
         merged: upload the merged model (exported in ``dtype``) instead of the adapter.
+        base_id: the base model's Hub id, recorded in the uploaded card, ``longpeft.json`` and
+            ``adapter_config.json``; needed when the adapter names its base by a local path.
     """
     source, dest = Path(source), Path(dest)
     if (source / "adapter" / SPEC_FILENAME).is_file():
         source = source / "adapter"
-    ContextSpec.load(source)  # fails clearly when this is not a longpeft adapter
+    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft adapter
+    base_id = base_id or spec.base_model
+    if not base_id or not is_hub_id(base_id):
+        warnings.warn(
+            f"{source / SPEC_FILENAME} names its base model by a local path ({spec.base_model!r}): the card and "
+            "longpeft.json would point users at a folder they do not have; pass the base's Hub id with --base-id "
+            "owner/name (push(..., base_id=...))",
+            stacklevel=2,
+        )
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest} is not empty; choose an empty folder for the upload")
     if merged:
         export(source, dest, dtype=dtype)
-        write_model_card(dest, ContextSpec.load(dest), merged=True, repo_id=repo_id)
+        spec = ContextSpec.load(dest)
+        spec.base_model = base_id or spec.base_model
+        spec.save(dest)
+        write_model_card(dest, spec, merged=True, repo_id=repo_id)
         return dest
     missing = [name for name in ADAPTER_FILES if not (source / name).is_file()]
     if missing:
@@ -235,8 +254,21 @@ def stage_upload(
         if item.is_file() and item.name not in skip:
             shutil.copy(item, dest / item.name)
     _copy_eval_results(source, dest)
+    if base_id:
+        _record_base_id(dest, base_id)
     write_model_card(dest, ContextSpec.load(dest), merged=False, repo_id=repo_id)
     return dest
+
+
+def _record_base_id(folder: Path, base_id: str) -> None:
+    """Name the base by its Hub id in a staged adapter's longpeft.json and adapter_config.json."""
+    spec = ContextSpec.load(folder)
+    spec.base_model = base_id
+    spec.save(folder)
+    config_path = folder / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = base_id
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def push(
@@ -246,6 +278,7 @@ def push(
     dtype: str = "bfloat16",
     private: bool = False,
     dry_run: str | Path | None = None,
+    base_id: str | None = None,
 ) -> str:
     """Upload an adapter (or the merged model) with its model card to ``repo_id``.
 
@@ -256,11 +289,11 @@ def push(
         The staged folder (dry run) or the commit URL.
     """
     if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype))
+        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id))
     from huggingface_hub import HfApi
 
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype)
+        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id)
         api = HfApi()
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model")

@@ -421,6 +421,9 @@ def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSp
     if generation_config is not None:
         generation_config.save_pretrained(adapter_dir)
     spec.save(adapter_dir)
+    from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
+
+    write_model_card(adapter_dir, spec, merged=not hasattr(model, "peft_config"), repo_id=str(adapter_dir))
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
