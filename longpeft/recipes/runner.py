@@ -231,6 +231,15 @@ def gradient_accumulation(recipe: Recipe, processes: int) -> int:
     return recipe.train.global_batch_size // per_step
 
 
+def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:
+    """Activation checkpointing under its current name (transformers >= 5.23: ``activation_checkpointing``,
+    earlier: ``gradient_checkpointing``), so no deprecation warning is printed on either."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
+
+
 def sft_config(recipe: Recipe, output_dir: Path):
     """TRL SFTConfig with every optimisation setting of the recipe."""
     from trl import SFTConfig
@@ -250,7 +259,7 @@ def sft_config(recipe: Recipe, output_dir: Path):
         gradient_accumulation_steps=gradient_accumulation(recipe, world_size()),
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
-        gradient_checkpointing=t.gradient_checkpointing,
+        **checkpointing_argument(SFTConfig, t.gradient_checkpointing),
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
@@ -268,6 +277,7 @@ def sft_config(recipe: Recipe, output_dir: Path):
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
         disable_tqdm=False,
+        **recipe.trl,
     )
 
 
@@ -390,6 +400,8 @@ def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] |
             _trim_metrics(output_dir / "metrics.jsonl", int(checkpoint.name.rsplit("-", 1)[1]))
         else:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+    # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     prepared = prepare(recipe, callbacks)
     trainer = prepared.trainer
     if trainer.is_world_process_zero():

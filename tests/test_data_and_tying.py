@@ -1,0 +1,143 @@
+"""Training data tokenized once with assistant masks from any chat template (no {% generation %}
+markers needed), and trained embeddings on tied and untied bases through train -> load -> merge ->
+plain from_pretrained."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import longpeft
+from longpeft import hub
+from longpeft.recipes.data import tokenize_conversation
+from longpeft.recipes.runner import run
+from longpeft.recipes.schema import load_recipe
+from longpeft.tiny import sample_text, tiny_model, train_tokenizer
+
+LLAMA3_TEMPLATE = (  # Llama-3-Instruct's template (no generation markers)
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+CHATML_TEMPLATE = (  # ChatML (Qwen, SmolLM): no generation markers
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# (template, special tokens, what each assistant turn contributes to the loss after its content)
+TEMPLATES = {
+    "llama3": (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),
+    "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>\n"),
+}
+CONVERSATION = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "The pass key is 60494. What is the pass key?"},
+    {"role": "assistant", "content": "The pass key is 60494."},
+    {"role": "user", "content": "And twice that?"},
+    {"role": "assistant", "content": "It is 120988."},
+]
+
+
+def marker_free_tokenizer(name: str):
+    template, specials, _ = TEMPLATES[name]
+    tokenizer = train_tokenizer(sample_text())
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", sorted(TEMPLATES))
+def test_assistant_masks_from_a_template_without_generation_markers(name):
+    tokenizer = marker_free_tokenizer(name)
+    assert "generation" not in tokenizer.chat_template
+    row = tokenize_conversation(tokenizer, CONVERSATION, assistant_only=True)
+    masked = [i for i, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m]
+    # Independent reference: what the loss must see, built from the messages and the template's turn end.
+    end = TEMPLATES[name][2]
+    expected = "".join(turn["content"] + end for turn in CONVERSATION if turn["role"] == "assistant")
+    assert tokenizer.decode(masked) == expected
+    full = tokenizer.apply_chat_template(CONVERSATION, tokenize=False)
+    assert tokenizer.decode(row["input_ids"]) == full  # tokenized once, nothing added or lost
+
+
+def test_a_template_whose_prefix_renders_differently_is_refused():
+    tokenizer = marker_free_tokenizer("chatml")
+    # Renders the last turn differently from earlier ones: prefixes are not prefixes of the whole.
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if loop.last %}[last]{% endif %}{{ message['content'] }}\n{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="train.assistant_only_loss: false"):
+        tokenize_conversation(tokenizer, CONVERSATION, assistant_only=True)
+
+
+def test_training_runs_on_a_marker_free_chat_template(tmp_path, chat_jsonl):
+    """The defect: TRL refused such templates ("not training-compatible"); longpeft builds the masks."""
+    tokenizer = marker_free_tokenizer("chatml")
+    base = tmp_path / "base"
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
+         "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"],
+    )
+    result = run(recipe)
+    assert result.metrics["steps"] == 1 and result.metrics["final_loss"] > 0
+
+
+PLAIN_LOAD = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1]).eval()
+ids = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save(model(ids).logits, sys.argv[3])
+print("TIED", model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr())
+"""
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_jsonl, tied):
+    """A user expects the base's tying to survive: a tied base trains one matrix and merges tied."""
+    base = tmp_path / "base"
+    tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=tied).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "train.global_batch_size=1",
+         "train.per_device_batch_size=1", "lora.r=2", "train.learning_rate=0.05"],
+    )
+    with pytest.warns() as record:
+        result = run(recipe)
+    assert not [w for w in record if "ensure_weight_tying" in str(w.message) or "no longer tied" in str(w.message)]
+    weights = load_file(result.adapter_dir / "adapter_model.safetensors")
+    assert any("embed_tokens" in k for k in weights)
+
+    loaded = longpeft.load(str(base), result.adapter_dir).eval()
+    inner = loaded.get_base_model()
+    trained_embedding = inner.get_input_embeddings().weight
+    stock = AutoModelForCausalLM.from_pretrained(base)
+    assert not torch.equal(trained_embedding, stock.get_input_embeddings().weight)  # the embedding trained
+    head = inner.get_output_embeddings().weight
+    assert torch.equal(head, trained_embedding) == tied  # tied: the head is the trained embedding
+
+    ids = torch.randint(0, len(tokenizer), (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = loaded(ids).logits
+    merged_dir = tmp_path / "merged"
+    hub.merge(result.adapter_dir, merged_dir)
+    assert json.loads((merged_dir / "config.json").read_text()).get("tie_word_embeddings", False) == tied
+    torch.save(ids, tmp_path / "ids.pt")
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, str(merged_dir), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
+        capture_output=True, text=True, check=True,
+    )
+    assert f"TIED {tied}" in out.stdout
+    torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,164 @@
+"""The method registry: a method registered in one place is recorded by the runner, applied by
+``longpeft.load``, carried through merge and named on the model card; format-1 longpeft.json files
+still load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import longpeft
+from longpeft import hub
+from longpeft.adapters import METHODS, Method, apply_spec, register, unregister
+from longpeft.config import StrictModel
+from longpeft.recipes.runner import run
+from longpeft.recipes.schema import RecipeError, load_recipe
+from longpeft.spec import ContextSpec
+from longpeft.tiny import tiny_config, tiny_model
+
+
+class DummyConfig(StrictModel):
+    """A plug-in method: scales the final norm's weight (an observable, mergeable change)."""
+
+    scale: float = 1.0
+    note: str | None = None
+
+
+def _apply(model, config: DummyConfig) -> None:
+    norm = model.get_base_model().model.norm if hasattr(model, "get_base_model") else model.model.norm
+    with torch.no_grad():
+        norm.weight.mul_(config.scale)
+    model.config.dummy_scale = config.scale
+
+
+def _resolve(config: DummyConfig, context) -> DummyConfig:
+    return config.model_copy(update={"note": f"resolved at {context.trained_length}"})
+
+
+def _export(model, folder, config: DummyConfig) -> None:
+    (folder / "dummy.json").write_text(json.dumps(config.model_dump()))
+
+
+DUMMY = Method(
+    name="dummy",
+    config=DummyConfig,
+    apply=_apply,
+    remove=lambda model: None,
+    is_applied=lambda model: hasattr(model.config, "dummy_scale"),
+    resolve=_resolve,
+    export=_export,
+    describe=lambda config: [f"Dummy plug-in method with scale {config.scale}."],
+)
+
+
+@pytest.fixture
+def dummy_method():
+    register(DUMMY)
+    yield DUMMY
+    unregister("dummy")
+
+
+def test_a_registered_method_flows_through_recipe_load_merge_and_card(dummy_method, tiny_base_dirs, chat_jsonl, tmp_path):
+    base = tiny_base_dirs("llama")
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256", "dummy.scale=2.0",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
+         "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"],
+    )
+    result = run(recipe)
+    spec = ContextSpec.load(result.adapter_dir)
+    assert spec.methods["dummy"] == {"scale": 2.0, "note": "resolved at 256"}  # recorded by the runner, resolved
+
+    loaded = longpeft.load(str(base), result.adapter_dir).eval()
+    assert loaded.config.dummy_scale == 2.0  # applied by longpeft.load
+    stock = AutoModelForCausalLM.from_pretrained(base)
+    assert torch.equal(loaded.get_base_model().model.norm.weight, 2.0 * stock.model.norm.weight)
+
+    merged_dir = tmp_path / "merged"
+    hub.merge(result.adapter_dir, merged_dir)
+    assert json.loads((merged_dir / "dummy.json").read_text())["scale"] == 2.0  # export hook ran
+    card = hub.model_card_text(ContextSpec.load(merged_dir), merged=True, eval_rows=[], repo_id="x/y")
+    assert "Dummy plug-in method with scale 2.0." in card and "dummy" in card
+
+
+def test_unregistered_method_sections_are_refused(tmp_path):
+    with pytest.raises(RecipeError, match="dummy: unknown key"):
+        load_recipe("tiny-cpu", ["dummy.scale=2.0"])
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope", methods={"nobody": {"x": 1}})
+    with pytest.raises(ValueError, match="nobody"):
+        apply_spec(tiny_model("llama"), spec)
+
+
+def test_method_needs_its_section_when_it_has_required_settings():
+    with pytest.raises(RecipeError, match="method: harpe needs a harpe section"):
+        load_recipe("tiny-cpu", ["method=harpe"])
+    assert load_recipe("tiny-cpu", ["method=rope_base"]).method == "rope"  # format-1 name accepted
+
+
+def test_registry_order_and_shape():
+    assert list(METHODS)[:4] == ["rope", "harpe", "pose", "string"]
+    for method in METHODS.values():
+        assert issubclass(method.config, StrictModel) and callable(method.apply) and callable(method.remove)
+
+
+def test_format_1_longpeft_json_still_loads(tmp_path):
+    """A longpeft.json written by longpeft 0.1 (format 1): RoPE, head bases and STRING become sections."""
+    config = tiny_config("llama")
+    v1 = {
+        "method": "harpe", "architecture": "LlamaForCausalLM",
+        "base_shape": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "head_dim": 16, "vocab_size": 512},
+        "original_rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "original_max_position_embeddings": 256, "max_position_embeddings": 1024,
+        "base_model": "../base", "base_revision": None, "vocab_size": 512,
+        "head_bases": [10000.0, 500000.0], "string": None, "pose": None, "beacon": None,
+        "trained_length": 1024, "target_length": 1024, "recipe_hash": "abc", "library_version": "0.1.0",
+        "format_version": 1,
+    }
+    (tmp_path / "longpeft.json").write_text(json.dumps(v1))
+    spec = ContextSpec.load(tmp_path)
+    assert spec.format_version == 2 and spec.method == "harpe"
+    assert spec.head_bases == [10000.0, 500000.0] and spec.max_position_embeddings == 1024
+    assert spec.methods["rope"]["rope_theta"] == 10000.0 and "string" not in spec.methods
+    model = tiny_model("llama")
+    apply_spec(model, spec)
+    assert model.config.head_rope_bases == [10000.0, 500000.0] and model.config.max_position_embeddings == 1024
+    assert config.max_position_embeddings == 256  # the base config object was not touched
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[]", "must hold a JSON object"),
+        ('{"format_version": "2"}', "format_version must be a positive integer"),
+        ('{"format_version": 3}', "upgrade longpeft"),
+        ('{"method": "rope", "architecture": null, "base_shape": "x", "original_rope_parameters": {}, '
+         '"original_max_position_embeddings": 256, "format_version": 2}', "base_shape must be dict"),
+        ('{"method": "rope", "architecture": null, "base_shape": {"vocab_size": -1}, "original_rope_parameters": {}, '
+         '"original_max_position_embeddings": 256, "vocab_size": 99999999999, "format_version": 2}', "out of range"),
+    ],
+)
+def test_wrong_shape_longpeft_json_is_a_clear_error(tmp_path, content, message):
+    (tmp_path / "longpeft.json").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        ContextSpec.load(tmp_path)
+
+
+def test_non_finite_settings_are_refused():
+    with pytest.raises(RecipeError, match="rope.rope_theta"):
+        load_recipe("tiny-cpu", ["rope.rope_theta=.inf"])
+    with pytest.raises(RecipeError, match="train.learning_rate"):
+        load_recipe("tiny-cpu", ["train.learning_rate=.nan"])
+
+
+def test_trl_section_is_validated():
+    assert load_recipe("tiny-cpu", ["trl.logging_first_step=true"]).trl == {"logging_first_step": True}
+    with pytest.raises(RecipeError, match="trl.not_an_argument: not an argument of trl.SFTConfig"):
+        load_recipe("tiny-cpu", ["trl.not_an_argument=1"])
+    with pytest.raises(RecipeError, match="trl.learning_rate: set by the recipe's train.learning_rate"):
+        load_recipe("tiny-cpu", ["trl.learning_rate=1e-4"])
