@@ -6,10 +6,24 @@ without STRING.
 
 from __future__ import annotations
 
-from .memory import InsufficientMemoryError, check_memory, estimate_forward_bytes
-from .perplexity import perplexity_of_file, sliding_window_perplexity
-from .scoring import exact_match, recall, score
-from .tasks import TASKS, evaluate, niah_grid, passkey_accuracy, run_probe_task, write_outputs
+import importlib
+from typing import Any
+
+# Public name -> submodule, imported on first use (the CLI imports this package without torch).
+_EXPORTS = {
+    "InsufficientMemoryError": "memory", "check_memory": "memory", "estimate_forward_bytes": "memory",
+    "perplexity_of_file": "perplexity", "sliding_window_perplexity": "perplexity",
+    "exact_match": "scoring", "recall": "scoring", "score": "scoring",
+    "TASKS": "names", "evaluate": "tasks", "niah_grid": "tasks", "passkey_accuracy": "tasks",
+    "run_probe_task": "tasks", "write_outputs": "tasks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+
 
 __all__ = [
     "TASKS",

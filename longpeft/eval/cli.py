@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .tasks import TASKS, evaluate
+from .names import TASKS
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -55,6 +55,8 @@ def run_eval(args: argparse.Namespace) -> int:
             options["depths"] = args.depths
         if args.max_new_tokens:
             options["max_new_tokens"] = args.max_new_tokens
+    from .tasks import evaluate
+
     result = evaluate(
         args.task,
         model,

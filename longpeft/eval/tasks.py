@@ -15,13 +15,13 @@ from typing import Any
 
 from ..synth_data.probes import TASKS as PROBE_TASKS, make_probes
 from .generation import greedy_generate
+from .names import TASKS
 from .memory import check_memory
 from .perplexity import perplexity_of_file
 from .plots import depth_length_heatmap, score_by_length
 from .scoring import score
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words")
-TASKS = PROBE_TASKS + ("niah", "ruler", "perplexity")
 # Continuation budget per task (tokens): enough for the answer(s) with some slack.
 MAX_NEW_TOKENS = {
     "passkey": 12,
