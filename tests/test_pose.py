@@ -93,3 +93,33 @@ def test_second_chunk_attends_to_the_first_with_pose_ids():
     with torch.no_grad():
         plain = model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1], use_cache=False).logits
     assert (plain[0, in_second] - logits[0, in_second]).abs().max() > 1e-4
+
+
+def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs, chat_jsonl, tmp_path):
+    """`method: pose`: PoSE's collator (explicit all-ones mask, skip-wise ids) feeds the trainer."""
+    import torch
+
+    from longpeft.adapters.pose import PoseCollator
+    from longpeft.recipes.runner import prepare, run
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.spec import ContextSpec
+
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
+         "method=pose", "pose.n_chunks=2", "target_length=2048", "rope.max_position_embeddings=2048",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=2",
+         "train.per_device_batch_size=2", "lora.r=2", "lora.embeddings=none"],
+    )
+    prepared = prepare(recipe)
+    collator = prepared.trainer.data_collator
+    assert isinstance(collator, PoseCollator) and collator.target_length == 2048
+    batch = next(iter(prepared.trainer.get_train_dataloader()))
+    assert torch.equal(batch["attention_mask"], torch.ones_like(batch["attention_mask"]))
+    positions = batch["position_ids"]
+    assert (positions.diff(dim=1) >= 1).all() and positions.max() < 2048
+    assert (positions.diff(dim=1) > 1).any()  # at least one skip between chunks
+
+    result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
+    spec = ContextSpec.load(result.adapter_dir)
+    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048}

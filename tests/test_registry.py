@@ -162,3 +162,52 @@ def test_trl_section_is_validated():
         load_recipe("tiny-cpu", ["trl.not_an_argument=1"])
     with pytest.raises(RecipeError, match="trl.learning_rate: set by the recipe's train.learning_rate"):
         load_recipe("tiny-cpu", ["trl.learning_rate=1e-4"])
+
+
+def test_cli_help_and_recipe_list_import_no_torch():
+    """`longpeft --help` and `plan --list` stay fast: nothing heavy is imported to print them."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from longpeft.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    main(['plan', '--list'])\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'trl', 'peft', 'matplotlib') if m in sys.modules)\n"
+        "print(heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_string_is_visible_in_the_model_repr():
+    from longpeft.adapters.string import disable_string, enable_string
+
+    model = tiny_model("llama")
+    enable_string(model, shift=64, local_window=16)
+    assert "STRING(shift=64, local_window=16, trained_length=256)" in repr(model)
+    disable_string(model)
+    assert "STRING" not in repr(model)
+
+
+def test_push_names_the_base_by_its_hub_id(tiny_base_dirs, tmp_path):
+    base = tiny_base_dirs("llama")
+    model = AutoModelForCausalLM.from_pretrained(base)
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    adapter = tmp_path / "adapter"
+    peft_model.save_pretrained(adapter)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base)).save(adapter)
+    staged = hub.push(adapter, "someone/tiny-long", dry_run=tmp_path / "upload", base_id="owner/tiny-base")
+    staged = ContextSpec.load(staged)
+    assert staged.base_model == "owner/tiny-base"
+    card = (tmp_path / "upload" / "README.md").read_text()
+    assert "base_model: owner/tiny-base" in card and str(base) not in card
+    assert json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"] == "owner/tiny-base"
+    assert ContextSpec.load(adapter).base_model == str(base)  # the source adapter is untouched
