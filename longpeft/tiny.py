@@ -94,6 +94,14 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
     return tokenizer
 
 
+def demo_tokenizer() -> PreTrainedTokenizerFast:
+    """The tokenizer of ``tiny:`` models, the demo and ``longpeft synth --tokenizer tiny``: trained in
+    memory on the procedural corpus (its words are single tokens) and :func:`sample_text`."""
+    from .synth_data.corpus import corpus_texts
+
+    return train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+
+
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
     """A transformers config for a tiny model of the given architecture (see TINY_ARCHITECTURES).
 

@@ -29,7 +29,7 @@ from longpeft.synth_data.corpus import corpus_texts, generate_document  # noqa: 
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig  # noqa: E402
 from longpeft.synth_data.qa import LLMAnswerer, Passage, QAJob  # noqa: E402
 from longpeft.synth_data.utk import UtkAugmenter, add_utk_tokens  # noqa: E402
-from longpeft.tiny import sample_text, train_tokenizer  # noqa: E402
+from longpeft.tiny import demo_tokenizer  # noqa: E402
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -42,7 +42,7 @@ def median_seconds(fn, repeats: int) -> float:
 
 
 def bench_utk(n_docs: int, repeats: int) -> dict:
-    tokenizer = train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+    tokenizer = demo_tokenizer()
     tokens = add_utk_tokens(tokenizer, max_chunks=3)
     texts = corpus_texts(n=n_docs, seed=1, n_sentences=200)
     documents = [np.asarray(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]

@@ -22,7 +22,7 @@ from longpeft.synth_data.corpus import TOPIC_DESCRIPTIONS, corpus_texts, generat
 from longpeft.synth_data.demo import build_demo_dataset
 from longpeft.synth_data.mix import MixConfig, mix
 from longpeft.synth_data.qa import LLMAnswerer, Passage, ProceduralAnswerer, QAJob
-from longpeft.tiny import sample_text, train_tokenizer
+from longpeft.tiny import demo_tokenizer
 
 LENGTH = LengthConfig(min_tokens=1500, max_tokens=2000, chunk_tokens=256, qa_reserve_tokens=300)
 
@@ -30,7 +30,7 @@ LENGTH = LengthConfig(min_tokens=1500, max_tokens=2000, chunk_tokens=256, qa_res
 @pytest.fixture(scope="module")
 def tok():
     """The tiny tokenizer as the demo trains it (procedural corpus + filler)."""
-    return train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+    return demo_tokenizer()
 
 
 @pytest.fixture(scope="module")

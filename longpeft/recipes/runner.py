@@ -58,25 +58,17 @@ class RunResult:
 
 def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
     """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once)."""
-    from ..tiny import tiny_model, train_tokenizer
+    from ..tiny import demo_tokenizer, tiny_model
 
     if (folder / "config.json").is_file():
         return folder
     arch = name[len(TINY_PREFIX):]
-    tokenizer = train_tokenizer(_tokenizer_texts())
+    tokenizer = demo_tokenizer()
     model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer))
     model.config.name_or_path = name
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
-
-
-def _tokenizer_texts() -> list[str]:
-    """Text the tiny tokenizer learns from: the procedural corpus (so its words are single tokens)."""
-    from ..synth_data import corpus_texts
-    from ..tiny import sample_text
-
-    return corpus_texts(n=40, seed=0) + sample_text()
 
 
 def base_location(recipe: Recipe, output_dir: Path) -> str:

@@ -30,7 +30,7 @@ from .builders import (
     procedural_cluster_pool,
     procedural_long_documents,
 )
-from .corpus import Document, corpus_texts
+from .corpus import Document
 from .llm_client import LLMClient, LLMConfig
 from .mix import MixConfig, mix
 from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
@@ -104,9 +104,9 @@ class SynthConfig(_Strict):
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """The training tokenizer; ``"tiny"`` is longpeft's in-memory tokenizer trained on the procedural corpus."""
     if name == "tiny":
-        from ..tiny import sample_text, train_tokenizer
+        from ..tiny import demo_tokenizer
 
-        return train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+        return demo_tokenizer()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(name, use_fast=True)
