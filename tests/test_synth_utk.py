@@ -150,3 +150,50 @@ def test_chunk_count_distribution_and_short_documents(setup):
         UtkAugmenter(tokens, chunk_counts={5: 1.0})
     with pytest.raises(ValueError, match="already contain"):
         UtkAugmenter(tokens, probability=1.0)([sample.input_ids])
+
+
+def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path):
+    """`data.utk`: documents packed to max_length, augmented on the fly, UtK tokens added and trained."""
+    import json
+
+    import torch
+
+    import longpeft
+    from longpeft.recipes.runner import prepare, run
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.spec import ContextSpec
+    from longpeft.synth_data.utk import UtkCollator, utk_token_strings
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus_texts(n=12, seed=3, n_sentences=16)))
+    recipe = load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={data}", "data.format=text",
+         "data.max_length=256", "data.utk.probability=1.0", "data.utk.min_split_tokens=16",
+         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=2",
+         "train.per_device_batch_size=2", "lora.r=2"],
+    )
+    prepared = prepare(recipe)
+    assert isinstance(prepared.trainer.data_collator, UtkCollator)
+    tokenizer = prepared.tokenizer
+    head_two = tokenizer.convert_tokens_to_ids(utk_token_strings(3)["head_knots"][0])
+    batch = next(iter(prepared.trainer.get_train_dataloader()))
+    assert batch["input_ids"].shape[1] <= 256 and (batch["input_ids"] == head_two).any()  # split and knotted
+    assert (batch["labels"][batch["input_ids"] == head_two] == IGNORE_INDEX).all()  # knots are never targets
+    assert prepared.spec.vocab_size == len(tokenizer) > 512
+
+    result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
+    assert ContextSpec.load(result.adapter_dir).vocab_size == len(tokenizer)
+    model = longpeft.load(None, result.adapter_dir)  # resizes the stock base to the adapter's vocabulary
+    assert model.get_input_embeddings().num_embeddings == len(tokenizer)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[head_two, 5, 6]])).logits).all()
+
+
+def test_data_utk_refuses_conversations_and_untrained_embeddings():
+    from longpeft.recipes.schema import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="data.utk augments plain text"):
+        load_recipe("tiny-cpu", ["data.utk.probability=0.5"])
+    with pytest.raises(RecipeError, match="lora.embeddings: full"):
+        load_recipe("tiny-cpu", ["data.format=text", "data.source=x.jsonl", "data.utk.probability=0.5", "lora.embeddings=none"])

@@ -147,3 +147,19 @@ def filter_by_length(dataset: Dataset, max_length: int, truncate: bool) -> tuple
             "raise max_length or set data.truncate: true"
         )
     return dataset.select(keep), stats
+
+
+def pack_for_utk(dataset: Dataset, max_length: int, max_chunks: int, label_length: int) -> Dataset:
+    """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose
+    documents plus UtK's insertions fit ``max_length`` (a document too long alone is cut to fit)."""
+    from ..synth_data.utk import pack_documents, utk_overhead
+
+    room = max_length - utk_overhead(1, max_chunks, label_length)
+    if room < 2:
+        raise ValueError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
+    documents = [ids[:room] for ids in dataset["input_ids"]]
+    groups = pack_documents(documents, max_length, max_chunks, label_length)
+    return Dataset.from_dict({
+        "input_ids": [[t for i in group for t in documents[i]] for group in groups],
+        "doc_lengths": [[len(documents[i]) for i in group] for group in groups],
+    })

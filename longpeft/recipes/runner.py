@@ -36,7 +36,8 @@ from transformers import (
 from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights
 from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
-from .data import filter_by_length, load_training_data, tokenize_dataset
+from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
+from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
 from .schema import Recipe
 
 TINY_PREFIX = "tiny:"
@@ -148,6 +149,9 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
         tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(base_id, **common)
     spec = build_spec(recipe, config, base_id)
+    if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
+        add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
+        spec.vocab_size = max(len(tokenizer), config.vocab_size)
     # transformers v5: give the complete rope_parameters before the model is built...
     config.rope_parameters = dict(spec.rope_parameters)
     config.max_position_embeddings = spec.max_position_embeddings
@@ -161,6 +165,8 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
     )
     # ...then apply the whole spec, which re-checks that the rotary frequencies really changed.
     apply_spec(model, spec)
+    if spec.vocab_size > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(spec.vocab_size)
     if m.eos_token_ids:
         model.generation_config.eos_token_id = list(m.eos_token_ids)
     model.config.use_cache = False
@@ -269,6 +275,8 @@ def sft_config(recipe: Recipe, output_dir: Path):
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
         disable_tqdm=False,
+        # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
+        **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False} if recipe.data.utk else {}),
         **recipe.trl,
     )
 
@@ -279,7 +287,19 @@ def assistant_only_loss(recipe: Recipe) -> bool:
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
-    """PoSE's collator (skip-wise position ids, explicit all-ones mask) when the recipe uses PoSE, else TRL's."""
+    """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; PoSE's
+    (skip-wise position ids, explicit all-ones mask) when the recipe uses PoSE; else TRL's."""
+    utk = recipe.data.utk
+    if utk is not None:
+        augmenter = UtkAugmenter(
+            add_utk_tokens(tokenizer, max(utk.chunk_counts)),
+            probability=utk.probability,
+            chunk_counts=utk.chunk_counts,
+            min_split_tokens=utk.min_split_tokens,
+            preserve_order=utk.preserve_order,
+            label_length=utk.label_length,
+        )
+        return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
     pose = spec.methods.get("pose")
     if pose is None:
         return None
@@ -344,6 +364,9 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         base_id = base_location(recipe, output_dir)
         model, tokenizer, spec = load_base(recipe, base_id)
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
+        utk = recipe.data.utk
+        if utk is not None:
+            dataset = pack_for_utk(dataset, recipe.data.max_length, max(utk.chunk_counts), utk.label_length)
         dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
     peft_config = lora_config(recipe, model)
     trainer = SFTTrainer(

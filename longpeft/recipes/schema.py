@@ -63,6 +63,31 @@ class LoraSection(Section):
         return self
 
 
+class UtkSection(Section):
+    """Untie-the-Knots augmentation, applied on the fly to plain-text data (``data.format: text``).
+
+    Consecutive documents are packed into sequences of at most ``data.max_length`` tokens (room is
+    kept for the inserted knots, labels and backtraces); each sequence is augmented with
+    ``probability``: documents of at least ``min_split_tokens`` are split into ``h`` chunks
+    (``chunk_counts``: ``{h: weight}``), knotted, shuffled (keeping each document's own order with
+    ``preserve_order``) and followed by their backtraces. The UtK special tokens are added to the
+    tokenizer, so their embedding rows must train (``lora.embeddings: full`` or ``token_indices``).
+    """
+
+    probability: float = Field(default=0.8, ge=0, le=1)
+    chunk_counts: dict[int, float] = Field(default_factory=lambda: {2: 0.5, 3: 0.5})
+    min_split_tokens: int = Field(default=64, ge=2)
+    preserve_order: bool = True
+    label_length: int = Field(default=4, ge=1, le=16)
+
+    @field_validator("chunk_counts")
+    @classmethod
+    def _counts(cls, value: dict[int, float]) -> dict[int, float]:
+        if not value or min(value) < 1 or max(value) > 8 or any(w < 0 for w in value.values()) or not sum(value.values()):
+            raise ValueError("chunk_counts maps chunk counts 1..8 to non-negative weights with a positive sum")
+        return value
+
+
 class DataSection(Section):
     """Training data: conversations (``format: messages``, loss on assistant turns) or plain text
     (``format: text``, loss on every token, e.g. continual pretraining).
@@ -83,6 +108,13 @@ class DataSection(Section):
     demo: dict[str, Any] = Field(
         default_factory=dict, description="options of the procedural demo set (n_conversations, context_tokens, seed)"
     )
+    utk: UtkSection | None = None
+
+    @model_validator(mode="after")
+    def _utk_needs_text(self) -> DataSection:
+        if self.utk is not None and self.format != "text":
+            raise ValueError("data.utk augments plain text (documents); set data.format: text")
+        return self
 
 
 class TrainSection(Section):
@@ -188,6 +220,12 @@ class RecipeBase(Section):
             raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)")
         if self.data.format == "text" and self.data.source == "demo":
             raise ValueError("data.source: demo is conversations; use data.format: messages")
+        if self.data.utk is not None and "pose" in self.method_configs():
+            raise ValueError("data.utk and PoSE each bring their own collator; use one of them")
+        if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
+            raise ValueError(
+                "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or token_indices)"
+            )
         if self.finetune == "full" and self.model.load_in_4bit:
             raise ValueError("finetune: full cannot train a 4-bit model; use finetune: lora (QLoRA)")
         check_trl_keys(self.trl)

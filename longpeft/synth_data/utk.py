@@ -329,3 +329,71 @@ def untie(input_ids: Sequence[int] | np.ndarray, tokens: UtkTokens) -> list[list
             document += content
         documents.append(document)
     return documents
+
+
+def utk_overhead(n_documents: int, max_chunks: int, label_length: int) -> int:
+    """The most tokens UtK can insert into a sequence of ``n_documents`` (knots, labels, backtraces)."""
+    per_chunk = 2 + label_length + 2  # head/tail knots + <label> L.. </label>
+    per_trace = 2 + max_chunks * label_length + (max_chunks - 1)  # <trace> L.. <sep> .. </trace>
+    return n_documents * (max_chunks * per_chunk + per_trace)
+
+
+def pack_documents(documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int) -> list[list[int]]:
+    """Group consecutive documents (token id lists) so each group plus UtK's insertions fits ``max_length``.
+
+    Returns lists of document indices; a document longer than the room left alone is cut to fit.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for index, doc in enumerate(documents):
+        fits = used + len(doc) + utk_overhead(len(current) + 1, max_chunks, label_length) <= max_length
+        if current and not fits:
+            groups.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += len(doc)
+    if current:
+        groups.append(current)
+    return groups
+
+
+class UtkCollator:
+    """Applies UtK to packed sequences on the fly and pads a batch for causal-LM training.
+
+    Each feature has ``input_ids`` (its documents concatenated) and ``doc_lengths``. The augmentation
+    of a sequence is seeded by the collator's seed and the sequence's content, so a resumed run sees
+    the same augmentation. Returns ``input_ids``, ``labels`` (-100 on UtK markers and padding) and
+    ``attention_mask``, right-padded.
+    """
+
+    def __init__(self, augmenter: UtkAugmenter, pad_token_id: int, max_length: int, seed: int = 0):
+        self.augmenter = augmenter
+        self.pad_token_id = pad_token_id
+        self.max_length = max_length
+        self.seed = seed
+
+    def _seed(self, ids: np.ndarray) -> int:
+        import zlib
+
+        return zlib.crc32(ids.tobytes(), self.seed)
+
+    def __call__(self, features: Sequence[Mapping]) -> dict:
+        import torch
+
+        rows = []
+        for feature in features:
+            ids = np.asarray(feature["input_ids"], dtype=np.int64)
+            bounds = np.cumsum([0, *feature["doc_lengths"]])
+            if bounds[-1] != len(ids):
+                raise ValueError(f"doc_lengths sum to {bounds[-1]} but the sequence has {len(ids)} tokens")
+            sample = self.augmenter([ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seed=self._seed(ids))
+            rows.append((sample.input_ids[: self.max_length], sample.labels[: self.max_length]))
+        width = max(len(r[0]) for r in rows)
+        input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for b, (ids, row_labels) in enumerate(rows):
+            input_ids[b, : len(ids)], labels[b, : len(ids)], mask[b, : len(ids)] = ids, row_labels, 1
+        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                "attention_mask": torch.from_numpy(mask)}
