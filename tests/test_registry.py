@@ -211,3 +211,11 @@ def test_push_names_the_base_by_its_hub_id(tiny_base_dirs, tmp_path):
     assert "base_model: owner/tiny-base" in card and str(base) not in card
     assert json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"] == "owner/tiny-base"
     assert ContextSpec.load(adapter).base_model == str(base)  # the source adapter is untouched
+
+
+def test_load_shows_its_real_signature():
+    import inspect
+
+    parameters = inspect.signature(longpeft.load).parameters
+    assert list(parameters)[:2] == ["base", "adapter_dir"] and "strict_base_id" in parameters
+    assert "longpeft.json" in longpeft.load.__doc__
