@@ -33,7 +33,7 @@ CHATML_TEMPLATE = (  # ChatML (Qwen, SmolLM): no generation markers
 # (template, special tokens, what each assistant turn contributes to the loss after its content)
 TEMPLATES = {
     "llama3": (LLAMA3_TEMPLATE, ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>"),
-    "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>\n"),
+    "chatml": (CHATML_TEMPLATE, ["<|im_start|>", "<|im_end|>"], "<|im_end|>"),
 }
 CONVERSATION = [
     {"role": "system", "content": "You answer briefly."},

@@ -77,7 +77,8 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
 
     Works with any chat template, with or without ``{% generation %}`` markers: assistant turn ``i``
     spans from the end of ``messages[:i]`` rendered with the generation prompt to the end of
-    ``messages[:i + 1]`` rendered without it. Templates whose rendering of a conversation's prefix
+    ``messages[:i + 1]`` rendered without it (trailing white space excluded, so the end-of-turn token
+    is trained and the template's newline after it is not). Templates whose rendering of a conversation's prefix
     is not a prefix of its full rendering are refused (the spans would be wrong).
     """
     full = tokenizer.apply_chat_template(messages, tokenize=False)
@@ -93,7 +94,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
                 "conversation, so assistant turns cannot be located; set train.assistant_only_loss: false "
                 "(loss on every token) or use a template whose turns render independently"
             )
-        spans.append((len(prompt), len(through)))
+        spans.append((len(prompt), len(through.rstrip())))  # the template's separator after the turn is not trained
     return full, spans
 
 
