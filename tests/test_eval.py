@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -31,8 +32,9 @@ class CopyingModel:
     in view it guesses ``digits`` random digits, so its score is chance.
     """
 
-    def __init__(self, tokenizer, visible: int | None = None, digits: int = 1, seed: int = 0):
+    def __init__(self, tokenizer, visible: int | None = None, digits: int = 1, seed: int = 0, reply: str = " {}."):
         self.tokenizer = tokenizer
+        self.reply = reply
         self.visible = visible
         self.digits = digits
         self.rng = torch.Generator().manual_seed(seed)
@@ -49,14 +51,15 @@ class CopyingModel:
         return None
 
     def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kwargs):
-        self.calls.append({"batch": input_ids.shape[0], "eos": eos_token_id, "padded_left": bool((attention_mask[:, 0] == 0).any())})
+        self.calls.append({"batch": input_ids.shape[0], "eos": eos_token_id, "padded_left": bool((attention_mask[:, 0] == 0).any()),
+                           "lengths": attention_mask.sum(dim=1).tolist()})
         rows = []
         for ids, mask in zip(input_ids, attention_mask):
             real = ids[mask.bool()].tolist()
             seen = real if self.visible is None else real[-self.visible :]
             found = self.answer(self.tokenizer.decode(seen))
             guess = "".join(str(int(d)) for d in torch.randint(0, 10, (self.digits,), generator=self.rng))
-            new = self.tokenizer.encode(" " + (found or guess) + ".", add_special_tokens=False) + [eos_token_id[-1]]
+            new = self.tokenizer.encode(self.reply.format(found or guess), add_special_tokens=False) + [eos_token_id[-1]]
             new = (new + [pad_token_id] * max_new_tokens)[:max_new_tokens]
             rows.append(torch.cat([ids, torch.tensor(new)]))
         return torch.stack(rows)
@@ -200,3 +203,113 @@ def test_demo_report_rows(tokenizer, tmp_path, monkeypatch):
     assert {r["task"] for r in rows} == {"passkey", "niah_single", "retrieval"}
     assert len(rows) == 4 * (2 + 1 + 1) and all(0.0 <= r["score"] <= 1.0 for r in rows)
     assert (tmp_path / "eval" / "adapter_STRING" / "niah_single_heatmap.png").exists()
+
+
+def test_chat_replies_in_their_own_words_score(tokenizer):
+    # "The pass key is 60494." is right in a chat reply; a plain continuation must start with the answer.
+    model = CopyingModel(tokenizer, reply="The pass key is {}.")
+    common = dict(lengths=[400], depths=[0.0, 1.0], n_samples=2)
+    chat = evaluate("passkey", model, tokenizer, chat=True, **common)
+    assert chat["metric"] == "contains" and chat["score"] == 1.0
+    plain = evaluate("passkey", model, tokenizer, **common)
+    assert plain["metric"] == "exact" and plain["score"] == 0.0
+
+
+def test_samples_keep_the_needle_position_and_optionally_the_prompt(tokenizer, tmp_path):
+    from longpeft.synth_data.probes import make_probes
+
+    grid = dict(lengths=[300, 400], depths=[0.0, 1.0], n_samples=1, seed=4)
+    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, **grid)
+    assert all("prompt" not in s for s in result["samples"])  # off by default: prompts are large
+    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, save_prompts=True, out_dir=tmp_path, **grid)
+    probes = make_probes("passkey", tokenizer, grid["lengths"], grid["depths"], n_samples=1, seed=4)
+    saved = json.loads((tmp_path / "passkey.json").read_text())["samples"]
+    for sample, probe in zip(saved, probes):
+        (position,) = sample["needle_positions"]
+        assert sample["depth"] == probe.depth and sample["prompt"] == tokenizer.decode(probe.input_ids)
+        key = sample["answers"][0]
+        assert tokenizer.decode(probe.input_ids[position:]).startswith(f" The pass key is {key}.")
+
+
+def test_batches_hold_one_length_and_the_cost_is_announced(tokenizer, capsys):
+    model = CopyingModel(tokenizer)
+    evaluate("passkey", model, tokenizer, lengths=[300, 400], depths=[0.5], n_samples=3, batch_size=2)
+    assert [call["lengths"] for call in model.calls] == [[400, 400], [400], [300, 300], [300]]
+    err = capsys.readouterr().err
+    assert re.search(r"passkey: 6 prompts of 300-400 tokens in 4 batches .*2,100 prompt tokens", err), err
+    assert re.search(r"forward passes", err) and re.search(r"first batch \(2 x 400 tokens\) took .* about", err), err
+
+
+def test_warns_once_when_prompts_exceed_the_model_positions(tokenizer):
+    model = tiny_model("llama", vocab_size=len(tokenizer), attn_implementation="sdpa")  # 256 positions
+    common = dict(depths=[0.5], n_samples=1, max_new_tokens=1)
+    with pytest.warns(UserWarning, match=r"300, 320 tokens .* max_position_embeddings=256") as caught:
+        evaluate("passkey", model, tokenizer, lengths=[200, 300, 320], **common)
+    assert len([w for w in caught if "max_position_embeddings" in str(w.message)]) == 1
+    with warnings.catch_warnings():  # STRING keeps every distance inside the trained range: no warning
+        warnings.simplefilter("error")
+        evaluate("passkey", model, tokenizer, lengths=[300], string={"shift": 100, "local_window": 8}, **common)
+
+
+@pytest.fixture(scope="module")
+def saved_base_and_adapter(tokenizer, tmp_path_factory):
+    """A tiny base (256 positions) and a LoRA adapter whose longpeft.json says it was trained at 120 tokens."""
+    from peft import LoraConfig, get_peft_model
+
+    from longpeft.spec import ContextSpec
+
+    folder = tmp_path_factory.mktemp("saved")
+    base_dir, adapter_dir = folder / "base", folder / "adapter"
+    model = tiny_model("llama", vocab_size=len(tokenizer), attn_implementation="sdpa")
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
+    ContextSpec.from_base(model.config, "rope_base", base_model=str(base_dir), trained_length=120).save(adapter_dir)
+    return base_dir, adapter_dir
+
+
+def run_cli(*argv):
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["eval", *argv])
+    return args.func(args)
+
+
+def test_cli_string_shift_defaults_to_the_adapters_trained_length(saved_base_and_adapter, tmp_path):
+    base_dir, adapter_dir = saved_base_and_adapter
+    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--string", "--string-window", "16",
+                   "--lengths", "256", "--depths", "0.5", "--samples", "1", "--save-prompts", "--out", str(tmp_path)) == 0
+    saved = json.loads((tmp_path / "passkey.json").read_text())
+    assert saved["string"]["trained_length"] == 120 and saved["string"]["shift"] == 40  # not 256 // 3
+    assert "What is the pass key?" in saved["samples"][0]["prompt"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--string", "--string-window", "0"], r"--string-window: must be >= 1, got 0"),
+        (["--max-new-tokens", "0"], r"--max-new-tokens: must be >= 1, got 0"),
+        (["--string", "--string-shift", "0"], r"--string-shift: must be >= 1, got 0"),
+    ],
+)
+def test_cli_rejects_bad_numbers_naming_the_flag(saved_base_and_adapter, tmp_path, capsys, flags, message):
+    base_dir, _ = saved_base_and_adapter
+    with pytest.raises(SystemExit):
+        run_cli("passkey", "--model", str(base_dir), "--lengths", "256", "--out", str(tmp_path), *flags)
+    assert re.search(message, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--string", "--string-shift", "40", "--string-window", "64"], r"--string-window 64 .*--string-shift 40"),
+        (["--string", "--string-shift", "256"], r"--string-shift 256 .*longest prompt \(--lengths\) has 256 tokens"),
+        (["--string"], r"--string-window 128 .*shift 40 = trained length 120 // 3 \(from the adapter's longpeft.json"),
+        (["--string-shift", "40"], r"--string-shift needs --string"),
+    ],
+)
+def test_cli_rejects_bad_string_settings_naming_the_flag(saved_base_and_adapter, tmp_path, flags, message):
+    base_dir, adapter_dir = saved_base_and_adapter
+    with pytest.raises(ValueError, match=message) as error:
+        run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--lengths", "256", "--out", str(tmp_path), *flags)
+    assert "local_window" not in str(error.value)

@@ -53,3 +53,30 @@ def test_score_dispatch_and_errors():
         score("1", ["1"], "f1")
     with pytest.raises(ValueError, match="at least one answer"):
         recall("x", [])
+
+
+@pytest.mark.parametrize(
+    ("reply", "expected"),
+    [
+        ("The pass key is 60494.", 1.0),  # a chat reply: the answer need not come first
+        ("60494", 1.0),
+        ("Sure! THE PASS KEY IS: **60494**", 1.0),
+        ("The pass key is 604941.", 0.0),  # word boundaries: a longer number is wrong
+        ("The pass key is 160494.", 0.0),
+        ("The pass key is 6049.", 0.0),
+        ("I do not know.", 0.0),
+        ("", 0.0),
+    ],
+)
+def test_contains_scores_chat_replies(reply, expected):
+    assert score(reply, ["60494"], "contains") == expected
+
+
+def test_contains_words_ignore_case():
+    assert score("The first topic we discussed is Geology.", ["geology"], "contains") == 1.0
+    assert score("We discussed geologys.", ["geology"], "contains") == 0.0
+
+
+def test_contains_needs_one_answer():
+    with pytest.raises(ValueError, match="exactly one answer"):
+        score("1 2", ["1", "2"], "contains")

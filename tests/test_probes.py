@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from longpeft.synth_data.probes import DEPTH_TASKS, TASKS, ProbeBuilder, make_probes
@@ -86,3 +88,38 @@ def test_clear_errors(tokenizer):
         make_probes("passkey", tokenizer, [500], [1.5], n_samples=1)
     with pytest.raises(ValueError, match="n_queries"):
         ProbeBuilder(tokenizer).niah(800, 0.5, n_keys=1, n_queries=2)
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "topic_retrieval"])
+def test_single_answer_metric_follows_prompt_style(tokenizer, task):
+    # Plain prompts end right before the answer ("... The pass key is"): the continuation must start
+    # with it. A chat model replies in its own words ("The pass key is 60494."): the answer must appear.
+    assert make_probes(task, tokenizer, [700], [0.5], n_samples=1)[0].metric == "exact"
+    assert make_probes(task, tokenizer, [700], [0.5], n_samples=1, chat=True)[0].metric == "contains"
+
+
+@pytest.mark.parametrize("task", ["passkey", "niah_single", "niah_multikey", "variable_tracking", "topic_retrieval"])
+@pytest.mark.parametrize("chat", [False, True])
+def test_filler_ends_on_a_whole_sentence_before_the_question(tokenizer, task, chat):
+    # Consecutive lengths give every remainder of the last filler sentence; none may be cut
+    # ("... The sun What is the pass key?"), and every length stays exact.
+    probes = make_probes(task, tokenizer, range(600, 640), [0.0, 0.5], n_samples=1, seed=5, chat=chat)
+    for probe in probes:
+        assert len(probe.input_ids) == probe.length
+        text = tokenizer.decode(probe.input_ids)
+        before = text[: max(text.rfind(" What "), text.rfind(" Question:"))]
+        last = re.split(r"(?<=\.) ", before)[-1]
+        assert before.endswith(".") and last[:1].isupper(), (probe.length, before[-80:])
+
+
+def test_haystack_is_whole_sentences_of_exact_length(tokenizer):
+    builder = ProbeBuilder(tokenizer, seed=0)
+    for kind in ("passkey", "essay"):
+        for n in [0, *range(12, 90)]:
+            ids, starts = builder.haystack(n, kind)
+            assert len(ids) == n and starts[-1] == n
+            for begin, end in zip(starts, starts[1:]):
+                sentence = tokenizer.decode(ids[begin:end]).strip()
+                assert sentence[:1].isupper() and sentence.endswith(".") and sentence.count(".") == 1, sentence
+    with pytest.raises(ValueError, match="whole filler sentences"):
+        builder.haystack(1, "passkey")

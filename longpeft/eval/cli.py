@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from .names import TASKS
@@ -33,28 +34,84 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     return model.eval(), tokenizer
 
 
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its error)."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse says "invalid int value: 'x'" for non-numbers
+    return parse
+
+
+STRING_FLAGS = {"string_shift": "--string-shift", "string_window": "--string-window", "string_trained_length": "--string-trained-length"}
+
+
+def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
+    """STRING's default trained length L, and where it comes from: the adapter's ``trained_length``
+    (longpeft.json), else the (adapted) model's ``max_position_embeddings``."""
+    if args.adapter:
+        from ..loading import local_adapter_dir
+        from ..spec import ContextSpec
+
+        spec = ContextSpec.load(local_adapter_dir(args.adapter))
+        if spec.trained_length:
+            return spec.trained_length, "the adapter's longpeft.json"
+        return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(args.model).max_position_embeddings, "the model's max_position_embeddings"
+
+
+def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None:
+    """``enable_string`` settings from the flags, checked before the model loads; errors name the flags.
+
+    S defaults to L // 3 with L from ``--string-trained-length``, else :func:`default_trained_length`.
+    """
+    if not args.string:
+        given = [flag for name, flag in STRING_FLAGS.items() if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} needs --string (STRING is off without it)")
+        return None
+    from ..adapters.string import DEFAULT_LOCAL_WINDOW
+
+    if args.string_trained_length is not None:
+        trained, source = args.string_trained_length, "--string-trained-length"
+    else:
+        trained, source = default_trained_length(args)
+    shift = args.string_shift or trained // 3
+    what_shift = (
+        f"--string-shift {shift}" if args.string_shift else f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
+    )
+    window = DEFAULT_LOCAL_WINDOW if args.string_window is None else args.string_window
+    if window > shift:
+        raise ValueError(
+            f"--string-window {window}{'' if args.string_window else ' (default)'} must be <= {what_shift}; "
+            "pass a smaller --string-window or a larger --string-shift"
+        )
+    longest, what_longest = (args.window, "perplexity window (--window)") if args.task == "perplexity" else (max(args.lengths), "longest prompt (--lengths)")
+    if shift >= longest:
+        raise ValueError(
+            f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
+            f"{what_longest} has {longest} tokens; pass a smaller --string-shift or longer prompts"
+        )
+    return {"shift": shift, "local_window": window, "trained_length": trained}
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    string: bool | dict[str, Any] | None = None
-    if args.string:
-        string = {
-            k: v
-            for k, v in (
-                ("shift", args.string_shift),
-                ("local_window", args.string_window),
-                ("trained_length", args.string_trained_length),
-            )
-            if v is not None
-        } or True
     if args.task == "perplexity" and not args.text:
         raise SystemExit("longpeft eval perplexity needs --text FILE")
+    string = string_settings_from_args(args)
     model, tokenizer = load_model_and_tokenizer(args)
     options: dict[str, Any] = {}
     if args.task not in ("perplexity",):
-        options.update(n_samples=args.samples, seed=args.seed, batch_size=args.batch_size, chat=args.chat)
+        options.update(n_samples=args.samples, seed=args.seed, batch_size=args.batch_size, chat=args.chat,
+                       max_new_tokens=args.max_new_tokens, save_prompts=args.save_prompts)
         if args.depths:
             options["depths"] = args.depths
-        if args.max_new_tokens:
-            options["max_new_tokens"] = args.max_new_tokens
     from .tasks import evaluate
 
     result = evaluate(
@@ -88,19 +145,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", required=True, help="base or merged model: Hub id or local folder")
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
     parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")
-    parser.add_argument("--string-shift", type=int, help="STRING shift S (default trained length // 3)")
-    parser.add_argument("--string-window", type=int, help="STRING local window W (default 128)")
-    parser.add_argument("--string-trained-length", type=int, help="trained length L for STRING's default S")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="prompt lengths in tokens")
+    parser.add_argument("--string-shift", type=_at_least(1), help="STRING shift S (default trained length // 3)")
+    parser.add_argument("--string-window", type=_at_least(1), help="STRING local window W (default 128)")
+    parser.add_argument(
+        "--string-trained-length", type=_at_least(2),
+        help="trained length L for STRING's default S (default: the adapter's trained length, else max_position_embeddings)",
+    )
+    parser.add_argument("--lengths", type=_at_least(1), nargs="+", default=[1024, 2048, 4096], help="prompt lengths in tokens")
     parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
-    parser.add_argument("--samples", type=int, default=10, help="probes per (length, depth) cell")
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--samples", type=_at_least(1), default=10, help="probes per (length, depth) cell")
+    parser.add_argument("--batch-size", type=_at_least(1), default=4, help="prompts per forward (all of one length)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, help="continuation budget (default per task)")
-    parser.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template")
+    parser.add_argument("--max-new-tokens", type=_at_least(1), help="continuation budget (default per task, +32 with --chat)")
+    parser.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)")
+    parser.add_argument("--save-prompts", action="store_true", help="keep every prompt's text in <task>.json (large)")
     parser.add_argument("--text", help="perplexity: UTF-8 text file")
-    parser.add_argument("--window", type=int, default=4096, help="perplexity: tokens per window")
-    parser.add_argument("--stride", type=int, help="perplexity: step between windows (default window // 2)")
+    parser.add_argument("--window", type=_at_least(2), default=4096, help="perplexity: tokens per window")
+    parser.add_argument("--stride", type=_at_least(1), help="perplexity: step between windows (default window // 2)")
     parser.add_argument("--dtype", default="auto", help="torch dtype to load in (auto, bfloat16, float32, ...)")
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
     parser.add_argument("--device", help="device_map for loading, e.g. cpu, cuda, auto")

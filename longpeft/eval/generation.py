@@ -43,6 +43,30 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     return input_ids, attention_mask
 
 
+def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int) -> list[str]:
+    """Greedy continuations of one left-padded batch of token-id prompts, each cut at the first eos id
+    and decoded without special tokens."""
+    input_ids, attention_mask = left_pad(prompts, pad_id)
+    device = getattr(model, "device", torch.device("cpu"))
+    with torch.no_grad():
+        generated = model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=list(eos_ids),
+            pad_token_id=pad_id,
+        )
+    outputs = []
+    for row in generated[:, input_ids.shape[1] :].tolist():
+        cut = next((k for k, token in enumerate(row) if token in eos_ids), len(row))
+        outputs.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+    return outputs
+
+
 def greedy_generate(
     model: Any,
     tokenizer: Any,
@@ -60,24 +84,7 @@ def greedy_generate(
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
-    device = getattr(model, "device", torch.device("cpu"))
     outputs: list[str] = []
     for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
-        batch = prompts[start : start + batch_size]
-        input_ids, attention_mask = left_pad(batch, pad_id)
-        with torch.no_grad():
-            generated = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                eos_token_id=eos_ids,
-                pad_token_id=pad_id,
-            )
-        for row in generated[:, input_ids.shape[1] :].tolist():
-            cut = next((k for k, token in enumerate(row) if token in eos_ids), len(row))
-            outputs.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+        outputs += generate_batch(model, tokenizer, prompts[start : start + batch_size], max_new_tokens, eos_ids, pad_id)
     return outputs

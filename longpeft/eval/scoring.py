@@ -1,4 +1,13 @@
-"""Scoring of generated continuations: exact match (first answer token) and recall (answers found)."""
+"""Scoring of generated continuations: exact match (the answer first), contains (the answer anywhere)
+and recall (the fraction of answers found).
+
+Why two single-answer rules: a plain prompt ends right before the answer ("... The pass key is"), so a
+model that read the needle continues with it; text before it means it answered something else, and
+"exact" keeps that strict. A chat model answers in its own words ("The pass key is 60494."), so its
+reply is scored with "contains". "contains" alone would serve plain prompts less well: it credits a
+continuation that first states a wrong value (or copies a distractor needle) and only later the
+right one. All rules match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong.
+"""
 
 from __future__ import annotations
 
@@ -25,21 +34,36 @@ def exact_match(prediction: str, answer: str) -> float:
     return 0.0 if rest[:1].isalnum() else 1.0
 
 
+def _appears(text: str, answer: str) -> bool:
+    """Whether ``answer`` is in the normalized ``text`` as whole words (no letter or digit glued on)."""
+    target = normalize(answer)
+    return bool(target) and re.search(rf"(?<![0-9a-z]){re.escape(target)}(?![0-9a-z])", text) is not None
+
+
+def contains(prediction: str, answer: str) -> float:
+    """1.0 when ``answer`` appears anywhere in the reply as whole words (case-insensitive), else 0.0:
+    for ``60494``, ``"The pass key is 60494."`` scores 1, ``"604941"`` scores 0."""
+    return float(_appears(normalize(prediction), answer))
+
+
 def recall(prediction: str, answers: Sequence[str]) -> float:
     """Fraction of ``answers`` that appear in the continuation as whole words (case-insensitive)."""
     if not answers:
         raise ValueError("recall needs at least one answer")
     text = normalize(prediction)
-    found = sum(1 for a in answers if re.search(rf"(?<![0-9a-z]){re.escape(normalize(a))}(?![0-9a-z])", text))
-    return found / len(answers)
+    return sum(_appears(text, a) for a in answers) / len(answers)
+
+
+SINGLE_ANSWER_METRICS = {"exact": exact_match, "contains": contains}
 
 
 def score(prediction: str, answers: Sequence[str], metric: str) -> float:
-    """Score one continuation with ``metric`` ("exact": the single answer first; "recall")."""
-    if metric == "exact":
+    """Score one continuation with ``metric``: "exact" (the single answer first: plain prompts),
+    "contains" (the single answer anywhere: chat replies) or "recall" (fraction of answers found)."""
+    if metric in SINGLE_ANSWER_METRICS:
         if len(answers) != 1:
-            raise ValueError(f"exact match needs exactly one answer, got {len(answers)}")
-        return exact_match(prediction, answers[0])
+            raise ValueError(f"{metric} match needs exactly one answer, got {len(answers)}")
+        return SINGLE_ANSWER_METRICS[metric](prediction, answers[0])
     if metric == "recall":
         return recall(prediction, answers)
-    raise ValueError(f"unknown metric {metric!r}; use 'exact' or 'recall'")
+    raise ValueError(f"unknown metric {metric!r}; use 'exact', 'contains' or 'recall'")

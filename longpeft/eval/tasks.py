@@ -9,12 +9,17 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import sys
+import time
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..synth_data.probes import TASKS as PROBE_TASKS, make_probes
-from .generation import greedy_generate
+from tqdm.auto import tqdm
+
+from ..synth_data.probes import TASKS as PROBE_TASKS, Probe, make_probes
+from .generation import eos_token_ids, generate_batch, pad_token_id
 from .names import TASKS
 from .memory import check_memory
 from .perplexity import perplexity_of_file
@@ -33,6 +38,8 @@ MAX_NEW_TOKENS = {
     "common_words": 96,
     "topic_retrieval": 16,
 }
+# Extra budget for chat replies, which often restate the question before the answer.
+CHAT_EXTRA_NEW_TOKENS = 32
 
 
 @contextlib.contextmanager
@@ -54,6 +61,84 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
             enable_string(model, **before)
 
 
+def warn_beyond_positions(model: Any, lengths: Sequence[int]) -> None:
+    """Warn (one warning for all ``lengths``) when prompts span more positions than the model's
+    ``max_position_embeddings``; with STRING on, the span is its largest scored distance + 1."""
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not max_positions:
+        return
+    from ..adapters.string import string_settings
+
+    string = string_settings(model)
+
+    def span(n: int) -> int:
+        return n if string is None else max(min(n, string["shift"]), n - string["shift"] + string["local_window"])
+
+    over = [n for n in lengths if span(n) > max_positions]
+    if over:
+        warnings.warn(
+            f"prompts of {', '.join(map(str, over))} tokens are longer than the model's max_position_embeddings="
+            f"{max_positions}{' even with STRING on' if string else ''}: positions beyond it were never trained, so "
+            "expect low scores there unless the model was extended for them",
+            stacklevel=3,
+        )
+
+
+def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
+    """Indices of ``probes`` in batches of at most ``batch_size`` that never mix prompt lengths (no
+    prompt pays for a longer one's padding), longest first (a memory problem shows up at once)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    batches = []
+    for length in sorted({p.length for p in probes}, reverse=True):
+        same = [k for k, p in enumerate(probes) if p.length == length]
+        batches += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+    return batches
+
+
+def _say(message: str) -> None:
+    """A status line on stderr (stdout is for results), printed without breaking progress bars."""
+    tqdm.write(message, file=sys.stderr)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def generate_for_probes(model: Any, tokenizer: Any, probes: Sequence[Probe], max_new_tokens: int, batch_size: int, task: str) -> list[str]:
+    """Greedy continuations of ``probes`` (in their order), in :func:`length_batches`.
+
+    A grid of more than one batch announces its cost on stderr first (batches, forward passes,
+    tokens), then, after the first (longest) batch, a rough total time: that batch's time scaled by
+    tokens (prompt + generated), an overestimate for the shorter batches' attention.
+    """
+    batches = length_batches(probes, batch_size)
+    tokens = [sum(probes[k].length + max_new_tokens for k in batch) for batch in batches]
+    lengths = sorted({p.length for p in probes})
+    if len(batches) > 1:
+        span = f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+        _say(
+            f"{task}: {len(probes)} prompts of {span} tokens in {len(batches)} batches (one length each): at most "
+            f"{len(batches) * max_new_tokens} forward passes (a prefill and up to {max_new_tokens - 1} decode steps "
+            f"per batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * max_new_tokens:,} generated"
+        )
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    predictions = [""] * len(probes)
+    for i, batch in enumerate(tqdm(batches, desc=task, unit="batch", leave=False)):
+        start = time.perf_counter()
+        texts = generate_batch(model, tokenizer, [probes[k].input_ids for k in batch], max_new_tokens, eos_ids, pad_id)
+        for k, text in zip(batch, texts):
+            predictions[k] = text
+        if i == 0 and len(batches) > 1:
+            seconds = time.perf_counter() - start
+            _say(
+                f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took {_duration(seconds)}; "
+                f"the whole grid should take about {_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
+            )
+    return predictions
+
+
 def run_probe_task(
     task: str,
     model: Any,
@@ -65,39 +150,49 @@ def run_probe_task(
     batch_size: int = 4,
     max_new_tokens: int | None = None,
     chat: bool = False,
+    save_prompts: bool = False,
     **probe_options: Any,
 ) -> dict[str, Any]:
     """Build the probe grid of ``task``, generate, and score every sample.
 
+    Args:
+        max_new_tokens: continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``).
+        chat: wrap prompts in the tokenizer's chat template (replies scored with "contains").
+        save_prompts: keep each prompt's text (special tokens included) in its sample (large:
+            about 4 characters per token).
+
     Returns:
         ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths"}`` where
-        ``cells`` holds the mean score of each (length, depth) cell.
+        ``cells`` holds the mean score of each (length, depth) cell and each sample is
+        ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
+        (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
     if task not in PROBE_TASKS:
         raise ValueError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ValueError(f"lengths must be positive token counts, got {lengths}")
-    new_tokens = max_new_tokens or MAX_NEW_TOKENS[task]
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
+    new_tokens = max_new_tokens or MAX_NEW_TOKENS[task] + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
     check_memory(model, batch_size, lengths[-1] + new_tokens)  # before building anything long
     probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
-    # Longest first: a memory problem shows up at once, not after the short lengths ran.
-    order = sorted(range(len(probes)), key=lambda k: -probes[k].length)
-    predictions: list[str] = [""] * len(probes)
-    texts = greedy_generate(model, tokenizer, [probes[k].input_ids for k in order], new_tokens, batch_size, desc=task)
-    for k, text in zip(order, texts):
-        predictions[k] = text
+    predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, task)
     samples = []
     for probe, prediction in zip(probes, predictions):
         samples.append(
             {
                 "length": probe.length,
                 "depth": probe.depth,
+                "needle_positions": probe.needle_positions,
+                "metadata": probe.metadata,
                 "answers": probe.answers,
                 "prediction": prediction,
                 "score": score(prediction, probe.answers, probe.metric),
             }
         )
+        if save_prompts:
+            samples[-1]["prompt"] = tokenizer.decode(probe.input_ids)
     cell_keys = sorted({(s["length"], s["depth"]) for s in samples}, key=lambda c: (c[0], -1 if c[1] is None else c[1]))
     cells = [
         {
@@ -170,13 +265,16 @@ def evaluate(
         string: ``True`` for STRING with its defaults, or a dict of ``enable_string`` settings.
         out_dir: where to write ``<task>.json`` and PNGs.
         text, window, stride: perplexity inputs.
-        options: ``depths``, ``n_samples``, ``seed``, ``batch_size``, ``max_new_tokens``, ``chat``
-            and task options (see :func:`run_probe_task`).
+        options: ``depths``, ``n_samples``, ``seed``, ``batch_size``, ``max_new_tokens``, ``chat``,
+            ``save_prompts`` and task options (see :func:`run_probe_task`).
+
+    Warns once when the prompts (or perplexity windows) are longer than the model's positions.
     """
     task = "niah_single" if task == "niah" else task
     if task not in TASKS:
         raise ValueError(f"unknown eval task {task!r}; choose one of {TASKS}")
     with string_enabled(model, string) as string_used:
+        warn_beyond_positions(model, [window] if task == "perplexity" else lengths)
         if task == "perplexity":
             if text is None:
                 raise ValueError("the perplexity task needs a text file (text=... / --text FILE)")

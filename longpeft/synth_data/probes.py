@@ -3,11 +3,12 @@ key / value / query), variable tracking, common-word extraction and topic retrie
 
 Every probe is assembled in token space for a given tokenizer, so ``len(probe.input_ids)`` equals
 the requested length exactly: the fixed text (instruction, needles, question, chat template) is
-tokenized piece by piece and a haystack of filler sentences fills the rest, cut to the exact
-number of tokens. Needles go in at sentence boundaries nearest the requested depth (0 = start of
-the haystack, 1 = end). The prompt ends where the answer should begin ("... The pass key is"),
-so base and chat models alike continue with the answer. Everything is deterministic given the
-seed.
+tokenized piece by piece and a haystack of whole filler sentences fills the rest exactly (see
+:meth:`ProbeBuilder.haystack`). Needles go in at sentence boundaries nearest the requested depth
+(0 = start of the haystack, 1 = end). The prompt ends where the answer should begin ("... The pass
+key is"), so a base model continues with the answer (scored "exact": it must come first); a chat
+model replies in its own words after the template's generation prompt (scored "contains": the
+answer must appear as whole words). Everything is deterministic given the seed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ PASSKEY_FILLER = [
     "Here we go.",
     "There and back again.",
 ]
+# Short whole sentences that make up the last few tokens of a haystack exactly (see ProbeBuilder.haystack).
+PAD_FILLER = ["Yes.", "Go on.", "So it goes.", *PASSKEY_FILLER]
 _SUBJECTS = ["river", "old mill", "council", "market", "north road", "harbor", "village school", "orchard", "bridge", "library"]
 _VERBS = ["was repaired", "opened early", "stayed quiet", "was painted", "grew busy", "was measured", "was cleaned", "closed late"]
 _TIMES = ["in spring", "after the storm", "every morning", "last year", "before the festival", "at dusk", "in winter", "on market day"]
@@ -63,11 +66,14 @@ class Probe:
         task: one of ``TASKS``.
         input_ids: the prompt, exactly ``length`` token ids (special tokens included).
         answers: what the continuation must contain (one string, or several for recall tasks).
-        metric: ``"exact"`` (the continuation starts with the single answer) or ``"recall"``
+        metric: ``"exact"`` (the continuation starts with the single answer; plain prompts),
+            ``"contains"`` (the single answer appears in the reply; chat prompts) or ``"recall"``
             (fraction of ``answers`` found in the continuation).
         length: prompt length in tokens.
-        depth: needle depth in [0, 1] (None for tasks without one).
-        metadata: task details (needle token positions, keys, ...).
+        depth: requested needle depth in [0, 1] (None for tasks without one).
+        needle_positions: token offset in ``input_ids`` of each inserted needle / statement, in
+            the order the task made them (empty for tasks without inserts).
+        metadata: task details (keys, topics, ...).
     """
 
     task: str
@@ -76,6 +82,7 @@ class Probe:
     metric: str
     length: int
     depth: float | None
+    needle_positions: list[int] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,6 +102,7 @@ class ProbeBuilder:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool = False, seed: int = 0):
         self.tokenizer = tokenizer
         self.chat = chat
+        self.single_answer_metric = "contains" if chat else "exact"
         self.rng = random.Random(seed)
         self._encoded: dict[str, list[int]] = {}
         if chat:
@@ -133,14 +141,52 @@ class ProbeBuilder:
         )
 
     def haystack(self, n_tokens: int, kind: str) -> tuple[list[int], list[int]]:
-        """Filler of exactly ``n_tokens`` tokens and the token offsets where sentences start."""
+        """Filler of exactly ``n_tokens`` tokens made of whole sentences, and the token offsets where
+        sentences start (``n_tokens`` last), so no sentence is ever cut (needles and the question
+        always follow a full stop).
+
+        Random sentences of ``kind`` are added while the next one fits; the few tokens left are
+        made up exactly by the fewest short sentences of ``PAD_FILLER`` whose lengths sum to them.
+        When no such sum exists (e.g. 1 token left), random sentences are given back one at a time
+        until one does.
+
+        Raises:
+            ValueError: ``n_tokens`` is too small to be a sum of whole filler sentences.
+        """
+        sentences: list[list[int]] = []
+        total = 0
+        while True:
+            sentence = self.encode(" " + self.filler_sentence(kind))
+            if total + len(sentence) > n_tokens:
+                break
+            sentences.append(sentence)
+            total += len(sentence)
+        pad = self.pad_sentences(n_tokens - total)
+        while pad is None and sentences:
+            total -= len(sentences.pop())
+            pad = self.pad_sentences(n_tokens - total)
+        if pad is None:
+            shortest = min(len(self.encode(" " + s)) for s in PAD_FILLER)
+            raise ValueError(
+                f"{n_tokens} filler tokens cannot be made of whole filler sentences (the shortest has {shortest} "
+                "tokens); use a probe length a few tokens longer"
+            )
         ids: list[int] = []
         starts: list[int] = []
-        while len(ids) < n_tokens:
+        for piece in sentences + pad:
             starts.append(len(ids))
-            ids.extend(self.encode(" " + self.filler_sentence(kind)))
-        starts.append(n_tokens)
-        return ids[:n_tokens], [s for s in starts if s <= n_tokens]
+            ids.extend(piece)
+        return ids, starts + [n_tokens]
+
+    def pad_sentences(self, n_tokens: int) -> list[list[int]] | None:
+        """The fewest ``PAD_FILLER`` sentences (token ids) whose lengths sum to exactly ``n_tokens``, or None."""
+        pool = [self.encode(" " + s) for s in PAD_FILLER]
+        fewest: list[list[int] | None] = [[]] + [None] * n_tokens  # fewest[t]: pool indices summing to t
+        for t in range(1, n_tokens + 1):
+            sums = [fewest[t - len(p)] + [k] for k, p in enumerate(pool) if 0 < len(p) <= t and fewest[t - len(p)] is not None]
+            fewest[t] = min(sums, key=len, default=None)
+        found = fewest[n_tokens]
+        return None if found is None else [pool[k] for k in found]
 
     def assemble(
         self,
@@ -213,7 +259,7 @@ class ProbeBuilder:
         )
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         ids, pos = self.assemble(length, instruction, [(depth, needle)], "What is the pass key? The pass key is", "passkey")
-        return Probe("passkey", ids, [key], "exact", length, depth, {"needle_position": pos[0]})
+        return Probe("passkey", ids, [key], self.single_answer_metric, length, depth, pos, {"needle_position": pos[0]})
 
     def niah(
         self,
@@ -242,7 +288,7 @@ class ProbeBuilder:
         asked = self.rng.sample(keys, n_queries)
         if n_queries == 1 and n_values == 1:
             question = f"What is the special magic number for {asked[0]}? The special magic number for {asked[0]} is:"
-            metric = "exact"
+            metric = self.single_answer_metric
         else:
             what = ", ".join(asked)
             question = (
@@ -252,7 +298,7 @@ class ProbeBuilder:
         instruction = "Some special magic numbers are hidden in the following text. Memorize them. I will quiz you about them."
         ids, pos = self.assemble(length, instruction, list(zip(spread, needles)), question)
         answers = [v for k in asked for v in values[k]]
-        return Probe(task, ids, answers, metric, length, depth, {"keys": keys, "asked": asked, "needle_positions": pos})
+        return Probe(task, ids, answers, metric, length, depth, pos, {"keys": keys, "asked": asked})
 
     def variable_tracking(self, length: int, n_chains: int = 1, n_hops: int = 4, digits: int = 5) -> Probe:
         """RULER variable tracking: ``VAR A = 12345``, ``VAR B = VAR A``, ...; name all variables holding the value."""
@@ -283,7 +329,7 @@ class ProbeBuilder:
             f"{value}, they are:"
         )
         ids, pos = self.assemble(length, instruction, sorted(inserts, key=lambda x: x[0]), question)
-        return Probe("variable_tracking", ids, names, "recall", length, None, {"value": value, "positions": pos})
+        return Probe("variable_tracking", ids, names, "recall", length, None, pos, {"value": value})
 
     def common_words(self, length: int, n_common: int = 10, rare_freq: int = 1) -> Probe:
         """RULER common-word extraction: a numbered word list; name the ``n_common`` most frequent words.
@@ -350,7 +396,7 @@ class ProbeBuilder:
         ]
         question = "What is the first topic we discussed? Only give the topic name. The first topic we discussed is"
         ids, pos = self.assemble(length, instruction, inserts, question)
-        return Probe("topic_retrieval", ids, [topics[0]], "exact", length, None, {"topics": topics, "positions": pos})
+        return Probe("topic_retrieval", ids, [topics[0]], self.single_answer_metric, length, None, pos, {"topics": topics})
 
     def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
         """One probe of ``task`` (see ``TASKS``); ``depth`` is used by the needle tasks only."""
