@@ -54,6 +54,9 @@ def load(
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype,
             device_map, quantization_config, attn_implementation, revision, ...).
 
+    Returns:
+        The PeftModel, with the applied ContextSpec as ``model.longpeft_spec``.
+
     Raises:
         SpecMismatchError: the adapter does not fit the base (checked on the config, before any
             weights are loaded when ``base`` is a path).
@@ -73,4 +76,5 @@ def load(
         model.resize_token_embeddings(spec.vocab_size)
     model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
     load_method_weights(model, spec, adapter_dir)
+    model.longpeft_spec = spec  # what was applied (e.g. STRING's default L is the trained length)
     return model

@@ -313,3 +313,22 @@ def test_cli_rejects_bad_string_settings_naming_the_flag(saved_base_and_adapter,
     with pytest.raises(ValueError, match=message) as error:
         run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--lengths", "256", "--out", str(tmp_path), *flags)
     assert "local_window" not in str(error.value)
+
+
+def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_path):
+    """`evaluate(longpeft.load(...), string=True)`: S = trained_length // 3, not max_positions // 3."""
+    import longpeft
+    from longpeft.eval.tasks import string_enabled
+    from longpeft.spec import ContextSpec
+
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    model.save_pretrained(base_dir)
+    from peft import LoraConfig, get_peft_model
+
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=120,
+                          max_position_embeddings=1024).save(adapter_dir)
+    loaded = longpeft.load(str(base_dir), adapter_dir)
+    with string_enabled(loaded, True) as settings:
+        assert (settings["trained_length"], settings["shift"]) == (120, 40)

@@ -70,7 +70,9 @@ def retrieval_report(out: str | Path, adapter_dir: str | Path, n_samples: int = 
     held_out = {tokens: held_out_set(tokenizer, tokens) for tokens in RETRIEVAL_CONTEXT_TOKENS}
     rows: list[dict[str, Any]] = []
     for name, model in models.items():
-        string = demo_string_settings(model.config.max_position_embeddings)
+        # STRING's L: the adapter's trained length (longpeft.json), the base's own window otherwise.
+        spec = getattr(model, "longpeft_spec", None)
+        string = demo_string_settings(getattr(spec, "trained_length", None) or model.config.max_position_embeddings)
         for use_string in (False, True):
             setting = f"{name} + STRING" if use_string else name
             folder = out / "eval" / setting.replace(" + ", "_")

@@ -45,14 +45,20 @@ CHAT_EXTRA_NEW_TOKENS = 32
 @contextlib.contextmanager
 def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator[dict[str, Any] | None]:
     """Run a block with STRING on (``True``: defaults; a dict: ``enable_string`` settings), then
-    restore whatever STRING state the model had. ``None``/``False`` leaves the model as it is."""
+    restore whatever STRING state the model had. ``None``/``False`` leaves the model as it is.
+
+    With ``True`` on a model loaded by ``longpeft.load``, L is the adapter's trained length (so S = L // 3).
+    """
     if not string:
         yield None
         return
     from ..adapters.string import disable_string, enable_string, string_settings
 
     before = string_settings(model)
-    settings = enable_string(model, **({} if string is True else dict(string)))
+    if string is True:
+        spec = getattr(model, "longpeft_spec", None)
+        string = {"trained_length": spec.trained_length} if spec is not None and spec.trained_length else {}
+    settings = enable_string(model, **dict(string))
     try:
         yield settings
     finally:
