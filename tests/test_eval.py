@@ -327,8 +327,8 @@ def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_
     from peft import LoraConfig, get_peft_model
 
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=120,
+    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=600,
                           max_position_embeddings=1024).save(adapter_dir)
     loaded = longpeft.load(str(base_dir), adapter_dir)
     with string_enabled(loaded, True) as settings:
-        assert (settings["trained_length"], settings["shift"]) == (120, 40)
+        assert (settings["trained_length"], settings["shift"]) == (600, 200)
