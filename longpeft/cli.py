@@ -24,7 +24,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .recipes.runner import run
     from .recipes.schema import load_recipe
 
-    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume)
+    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
     print(json.dumps({"adapter": str(result.adapter_dir), **result.metrics}, indent=2, default=str))
     return 0
 
@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a recipe (QLoRA + RoPE-base expansion, HARPE, ...)")
     _recipe_arguments(train)
-    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint after a kill")
+    train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint after a kill")
+    train.add_argument("--allow-recipe-change", action="store_true",
+                       help="with --resume: continue even though training keys of the recipe changed")
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")

@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from .hub import merge, write_model_card
-from .recipes.runner import latest_checkpoint, run
+from .recipes.checkpoints import latest_checkpoint
+from .recipes.runner import run
 from .recipes.schema import load_recipe
 from .spec import ContextSpec
 
@@ -23,11 +24,11 @@ from .spec import ContextSpec
 def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dict:
     """Run the demo into ``out``; returns the summary printed at the end.
 
-    A finished demo folder is replaced; an interrupted one (checkpoints, no adapter) is resumed.
+    A finished demo folder is replaced (only what the demo wrote is deleted); an interrupted one
+    (checkpoints, no adapter) is resumed. A non-empty folder the demo did not make is refused.
     """
     out = Path(out)
-    if (out / "adapter").exists():
-        shutil.rmtree(out)
+    prepare_demo_folder(out)
     overrides = [f"output_dir={out}"] + ([f"train.max_steps={max_steps}"] if max_steps else [])
     recipe = load_recipe("tiny-cpu", overrides)
     result = run(recipe, resume=latest_checkpoint(out) is not None)
@@ -53,6 +54,37 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
     }
     print_summary(summary)
     return summary
+
+
+DEMO_MARKER = ".longpeft-demo"
+# What a demo run writes into its folder (and so may delete to start a new one).
+DEMO_OUTPUTS = ("adapter", "merged", "eval", "checkpoints", "base", "metrics.jsonl", "metrics.json", "loss.png",
+                "eval_results.json", "recipe.resolved.json", "recipe.training.json")
+
+
+def prepare_demo_folder(out: Path) -> None:
+    """Make ``out`` ready for a demo run without deleting anything the demo did not write.
+
+    Raises:
+        FileExistsError: ``out`` is a non-empty folder without the demo's marker file.
+        NotADirectoryError: ``out`` is a file.
+    """
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file; choose a folder for the demo")
+    if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
+        raise FileExistsError(
+            f"--out {out} is not empty and was not written by `longpeft demo`; choose an empty or new folder "
+            "(nothing was deleted)"
+        )
+    if (out / "adapter").exists():  # a finished demo: start again, removing only the demo's own outputs
+        for name in DEMO_OUTPUTS:
+            path = out / name
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).write_text("written by `longpeft demo`: it may replace its own outputs here\n")
 
 
 def print_summary(summary: dict) -> None:

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import warnings
@@ -54,8 +55,11 @@ def merge(
 
     from .loading import load
 
-    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    from .loading import local_adapter_dir, resolve_base
+
+    adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir)
     spec = ContextSpec.load(adapter_dir)
+    check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(resolve_base(spec, adapter_dir, base))})
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     ids = probe_ids(model.config.vocab_size)
     with torch.no_grad():
@@ -71,6 +75,23 @@ def merge(
     shutil.copy(adapter_dir / SPEC_FILENAME, out_dir / SPEC_FILENAME)
     _copy_eval_results(adapter_dir, out_dir)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff}
+
+
+def check_output_folder(out_dir: Path, protected: dict[str, Path]) -> None:
+    """Refuse, before any work, an output folder that would overwrite something: a file, a folder
+    that is not empty, one of the ``protected`` folders (the adapter, the base), or an unwritable place.
+    """
+    target = out_dir.resolve()
+    for what, folder in protected.items():
+        if folder.exists() and target == folder.resolve():
+            raise FileExistsError(f"--out {out_dir} is {what}; writing the merged model there would overwrite it")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {out_dir} is a file; choose a new folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
+    parent = next(p for p in (target, *target.parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"--out {out_dir}: {parent} is not writable")
 
 
 def export(

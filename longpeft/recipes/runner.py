@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save
 from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
+from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
 from .schema import Recipe
 
@@ -326,20 +328,6 @@ class MetricsLogger(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    checkpoints = sorted(
-        (output_dir / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
-    )
-    return checkpoints[-1] if checkpoints else None
-
-
-def _trim_metrics(path: Path, last_step: int) -> None:
-    """Drop metric lines logged after ``last_step`` (the steps a killed run repeats on resume)."""
-    if path.is_file():
-        lines = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= last_step]
-        path.write_text("".join(line + "\n" for line in lines))
-
-
 @dataclass
 class Prepared:
     """Everything the runner builds before training."""
@@ -395,40 +383,88 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
 
 
-def run(recipe: Recipe, resume: bool = False, callbacks: list[TrainerCallback] | None = None) -> RunResult:
+class TrainingDiverged(ValueError):
+    """The loss or the gradient norm became NaN or infinite; the run stopped."""
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Stops a run whose logged loss or gradient norm is not finite (a NaN adapter is never saved)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key in ("loss", "grad_norm"):
+            value = (logs or {}).get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                raise TrainingDiverged(
+                    f"training diverged at step {state.global_step}: {key} = {value}; lower train.learning_rate "
+                    "(or check the data), then start again (the last checkpoint before it is kept)"
+                )
+
+
+def run(
+    recipe: Recipe,
+    resume: bool = False,
+    callbacks: list[TrainerCallback] | None = None,
+    allow_recipe_change: bool = False,
+) -> RunResult:
     """Train a recipe end to end and write the output folder described in the module docstring.
 
     Args:
-        resume: continue from the latest checkpoint in ``output_dir/checkpoints`` (after a kill).
+        resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (after a
+            kill). A run that had already finished is not trained again.
+        allow_recipe_change: resume even though training keys of the recipe changed since the run
+            started (otherwise refused, naming the keys).
     """
     output_dir = recipe.resolved_output_dir()
-    checkpoint = latest_checkpoint(output_dir)
+    skipped: list[str] = []
+    checkpoint = latest_checkpoint(output_dir, skipped)
+    for message in skipped:
+        print(f"longpeft: {message}", file=sys.stderr)
     if resume and checkpoint is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {output_dir / 'checkpoints'}; start without --resume")
+        raise FileNotFoundError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without --resume")
     if not resume and checkpoint is not None:
         raise FileExistsError(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
+    if resume:
+        changed = changed_keys(output_dir, recipe.model_dump())
+        if changed and not allow_recipe_change:
+            raise ValueError(
+                f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "
+                "would mix two trainings. Restore those keys, train into another output_dir, or pass "
+                "--allow-recipe-change to resume anyway"
+            )
+        print(f"longpeft: resuming from {checkpoint}", file=sys.stderr)
     if is_main_process():
+        output_dir.mkdir(parents=True, exist_ok=True)
         if resume:
-            _trim_metrics(output_dir / "metrics.jsonl", int(checkpoint.name.rsplit("-", 1)[1]))
+            trim_metrics(output_dir / "metrics.jsonl", checkpoint_step(checkpoint))
         else:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+            save_training_recipe(output_dir, recipe.model_dump())
     # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    prepared = prepare(recipe, callbacks)
+    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])])
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
-    train_output = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None)
+    if resume and is_finished(checkpoint):
+        # Killed after the last checkpoint (or finished): take its weights, train no further step.
+        print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
+        from transformers import TrainerState
+
+        trainer._load_from_checkpoint(str(checkpoint))
+        trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        train_metrics: dict[str, Any] = {}
+    else:
+        train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
 
     adapter_dir = output_dir / ("adapter" if recipe.finetune == "lora" else "model")
     if trainer.is_world_process_zero():
         save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir)
-        metrics = summarize(output_dir, train_output.metrics, prepared)
+        metrics = summarize(output_dir, train_metrics, prepared)
     else:
-        metrics = dict(train_output.metrics)
+        metrics = dict(train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)
 
@@ -457,6 +493,7 @@ def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepare
     """Write metrics.json and loss.png from metrics.jsonl; returns the summary."""
     from .plots import plot_loss
 
+    trim_metrics(output_dir / "metrics.jsonl", prepared.trainer.state.global_step)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     summary = {

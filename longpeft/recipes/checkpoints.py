@@ -1,0 +1,100 @@
+"""Run-folder bookkeeping that makes a kill lose nothing: complete checkpoints, the recipe a run was
+started with, and metrics lines that survive a torn write.
+
+A checkpoint folder ``checkpoints/checkpoint-<step>`` is complete when its ``trainer_state.json``
+parses and its weights and optimizer state were written; a kill while one is being written leaves an
+incomplete folder, which resume skips (saying so). Stray folders that are not ``checkpoint-<int>``
+are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+TRAINING_RECIPE_FILENAME = "recipe.training.json"
+# Recipe keys that do not change what is trained (they may differ between a kill and --resume).
+_NOT_TRAINING = {"name", "description", "output_dir", "train.save_steps", "train.save_total_limit",
+                 "train.logging_steps", "train.report_to"}
+
+
+def checkpoint_state(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint's ``trainer_state.json`` when the checkpoint is complete, else None."""
+    try:
+        state = json.loads((folder / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    complete = isinstance(state, dict) and (folder / "optimizer.pt").is_file() and any(
+        (folder / name).is_file() for name in _WEIGHT_FILES
+    )
+    return state if complete else None
+
+
+def latest_checkpoint(output_dir: Path, report: list[str] | None = None) -> Path | None:
+    """The newest complete checkpoint of a run; incomplete ones are passed over (and named in ``report``)."""
+    folders = [p for p in (Path(output_dir) / "checkpoints").glob("checkpoint-*") if _CHECKPOINT.match(p.name)]
+    for folder in sorted(folders, key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True):
+        if checkpoint_state(folder) is not None:
+            return folder
+        if report is not None:
+            report.append(f"{folder} is incomplete (a kill while it was written?); it is skipped")
+    return None
+
+
+def checkpoint_step(folder: Path) -> int:
+    return int(_CHECKPOINT.match(folder.name).group(1))
+
+
+def is_finished(folder: Path) -> bool:
+    """Whether the checkpoint was written at the run's last step."""
+    state = checkpoint_state(folder) or {}
+    return bool(state.get("max_steps")) and state.get("global_step", 0) >= state["max_steps"]
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the metric lines logged up to ``last_step``; drop later ones (a resumed run repeats them)
+    and any blank or torn line a kill left behind."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(data, dict):
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        return flat
+    return {prefix[:-1]: data}
+
+
+def training_recipe(recipe_dump: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's keys that decide what is trained, flattened to dotted names."""
+    return {k: v for k, v in _flatten(json.loads(json.dumps(recipe_dump, default=str))).items() if k not in _NOT_TRAINING}
+
+
+def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:
+    (Path(output_dir) / TRAINING_RECIPE_FILENAME).write_text(json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
+
+
+def changed_keys(output_dir: Path, recipe_dump: dict[str, Any]) -> list[str]:
+    """Dotted keys whose values differ from the recipe the run was started with (none if unknown)."""
+    path = Path(output_dir) / TRAINING_RECIPE_FILENAME
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    now = training_recipe(recipe_dump)
+    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))

@@ -1,0 +1,170 @@
+"""Nothing deleted or overwritten that longpeft did not write; resume is exact after any kill; a
+diverging run stops; bad input ends in one message and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from longpeft import hub
+from longpeft.cli import main
+from longpeft.demo import DEMO_MARKER, prepare_demo_folder
+from longpeft.recipes.runner import StopOnNonFinite, TrainingDiverged, run
+from longpeft.recipes.schema import load_recipe
+
+
+def _recipe(base, data, out, *extra):
+    return load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256", f"output_dir={out}",
+         "train.max_steps=2", "train.save_steps=1", "train.global_batch_size=1", "train.per_device_batch_size=1",
+         "lora.r=2", "lora.embeddings=none", *extra],
+    )
+
+
+def _adapter_tensors(folder: Path) -> dict:
+    return load_file(folder / "adapter_model.safetensors")
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+# ---- data loss --------------------------------------------------------------------------------
+
+
+def test_demo_never_deletes_a_folder_it_did_not_write(tmp_path):
+    mine = tmp_path / "my-runs"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("precious")
+    (mine / "adapter").mkdir()
+    with pytest.raises(FileExistsError, match="was not written by `longpeft demo`"):
+        prepare_demo_folder(mine)
+    assert (mine / "notes.txt").read_text() == "precious" and (mine / "adapter").is_dir()
+
+
+def test_demo_replaces_only_its_own_outputs(tmp_path):
+    demo = tmp_path / "demo"
+    prepare_demo_folder(demo)
+    (demo / "adapter").mkdir()
+    (demo / "metrics.json").write_text("{}")
+    (demo / "my-notes.md").write_text("keep me")
+    prepare_demo_folder(demo)
+    assert not (demo / "adapter").exists() and not (demo / "metrics.json").exists()
+    assert (demo / "my-notes.md").read_text() == "keep me" and (demo / DEMO_MARKER).is_file()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_base_dirs, tmp_path_factory):
+    from conftest import write_chat_jsonl
+
+    root = tmp_path_factory.mktemp("finished")
+    data = write_chat_jsonl(root / "train.jsonl")
+    result = run(_recipe(tiny_base_dirs("llama"), data, root / "run"))
+    return root, data, result
+
+
+@pytest.mark.parametrize("target", ["adapter", "base", "nonempty", "file"])
+def test_merge_refuses_an_output_that_would_overwrite_something(finished_run, tiny_base_dirs, target, tmp_path):
+    _, _, result = finished_run
+    before = {p: p.stat().st_mtime_ns for p in tiny_base_dirs("llama").iterdir()}
+    out = {"adapter": result.adapter_dir, "base": tiny_base_dirs("llama"), "nonempty": tmp_path, "file": tmp_path / "f"}[target]
+    (tmp_path / "something").write_text("x")
+    (tmp_path / "f").write_text("x")
+    with pytest.raises((FileExistsError, NotADirectoryError), match="--out"):
+        hub.merge(result.adapter_dir, out)
+    assert {p: p.stat().st_mtime_ns for p in tiny_base_dirs("llama").iterdir()} == before
+    assert (result.adapter_dir / "adapter_model.safetensors").is_file()
+
+
+# ---- resume -----------------------------------------------------------------------------------
+
+
+def test_resume_after_the_run_finished_trains_no_further(finished_run, tmp_path):
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    first = _adapter_tensors(copy / "adapter")
+    again = run(_recipe(_base_of(result), data, copy), resume=True)
+    assert again.metrics["steps"] == 2 and _same(_adapter_tensors(copy / "adapter"), first)
+
+    shutil.rmtree(copy / "adapter")  # a kill after the last checkpoint, before the adapter was saved
+    resumed = run(_recipe(_base_of(result), data, copy), resume=True)
+    assert resumed.metrics["steps"] == 2 and _same(_adapter_tensors(copy / "adapter"), first)
+
+
+def _base_of(result) -> str:
+    return json.loads((result.output_dir / "recipe.resolved.json").read_text())["base_model"]
+
+
+def test_resume_skips_a_torn_checkpoint_and_damaged_metrics(finished_run, tmp_path, capsys):
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    shutil.rmtree(copy / "adapter")
+    (copy / "checkpoints" / "checkpoint-2" / "optimizer.pt").unlink()  # killed while writing it
+    (copy / "checkpoints" / "checkpoint-abc").mkdir()  # a stray folder
+    with (copy / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 2, "lo')  # a torn last line
+    resumed = run(_recipe(_base_of(result), data, copy), resume=True)
+    assert "checkpoint-2 is incomplete" in capsys.readouterr().err
+    assert resumed.metrics["steps"] == 2
+    assert _same(_adapter_tensors(copy / "adapter"), _adapter_tensors(result.adapter_dir))  # same as uninterrupted
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    assert all(json.loads(line) for line in lines) and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2]
+
+
+def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    changed = _recipe(_base_of(result), data, copy, "train.learning_rate=0.01", "rope.rope_theta=50000")
+    with pytest.raises(ValueError, match=r"recipe changed .*rope.rope_theta, train.learning_rate"):
+        run(changed, resume=True)
+    assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
+
+
+# ---- non-finite -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("logs", [{"loss": math.nan}, {"grad_norm": math.inf}])
+def test_a_diverging_run_stops_with_a_message(logs):
+    from types import SimpleNamespace
+
+    with pytest.raises(TrainingDiverged, match="training diverged at step 7"):
+        StopOnNonFinite().on_log(None, SimpleNamespace(global_step=7), None, logs=logs)
+    assert issubclass(TrainingDiverged, ValueError)  # the CLI turns it into one message, exit 2
+
+
+# ---- one message, exit 2 ------------------------------------------------------------------------
+
+
+def _bad_spec(tmp_path: Path) -> Path:
+    folder = tmp_path / "bad-adapter"
+    folder.mkdir()
+    (folder / "longpeft.json").write_text("[]")
+    return folder
+
+
+@pytest.mark.parametrize(
+    "argv, names",
+    [
+        (["train", "tiny-cpu", "--set", "rope.rope_theta=.inf"], "rope.rope_theta"),
+        (["train", "tiny-cpu", "--set", "train.max_steps=[1"], "train.max_steps"),
+        (["train", "no-such-recipe"], "no-such-recipe"),
+        (["plan", "tiny-cpu", "--set", "trl.bogus=1"], "trl.bogus"),
+        (["merge", "{bad}", "--out", "{tmp}/merged"], "longpeft.json"),
+        (["merge", "{tmp}/nowhere", "--out", "{tmp}/merged"], "nowhere"),
+    ],
+)
+def test_bad_input_is_one_message_and_exit_2(argv, names, tmp_path, capsys):
+    bad = _bad_spec(tmp_path)
+    argv = [a.format(bad=bad, tmp=tmp_path) for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert names in err and "Traceback" not in err and err.startswith(f"longpeft {argv[0]}: ")
