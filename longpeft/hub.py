@@ -69,7 +69,7 @@ def merge(
     merged.config.name_or_path = str(out_dir)
     merged.save_pretrained(out_dir)
     export_methods(merged, spec, out_dir)
-    AutoTokenizer.from_pretrained(adapter_dir).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=False).save_pretrained(out_dir)
     if (adapter_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(adapter_dir).save_pretrained(out_dir)
     shutil.copy(adapter_dir / SPEC_FILENAME, out_dir / SPEC_FILENAME)
@@ -313,6 +313,12 @@ def push(
         return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id))
     from huggingface_hub import HfApi
 
+    from .loading import hub_preflight
+
+    try:
+        hub_preflight(repo_id, "push to")
+    except FileNotFoundError:
+        pass  # a new repository: create_repo makes it
     with tempfile.TemporaryDirectory() as staging:
         folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id)
         api = HfApi()

@@ -23,13 +23,69 @@ def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | 
     return str(candidate) if not Path(spec.base_model).is_absolute() and candidate.exists() else spec.base_model
 
 
+def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None:
+    """Ask the Hub about ``repo_id`` once, with a bounded wait, before anything long starts.
+
+    An endpoint that accepts connections but never answers would otherwise block forever. Skipped
+    with ``HF_HUB_OFFLINE=1`` (the local cache is used then). ``timeout`` defaults to
+    ``LONGPEFT_HUB_TIMEOUT`` seconds (30).
+
+    Raises:
+        TimeoutError: no answer within ``timeout`` seconds (the message names the endpoint).
+        FileNotFoundError: the Hub answered that there is no such repository (or it is private).
+    """
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return
+    import os
+    import threading
+
+    timeout = timeout or float(os.environ.get("LONGPEFT_HUB_TIMEOUT", "30"))
+
+    from huggingface_hub import HfApi
+
+    outcome: dict[str, BaseException | None] = {}
+
+    def ask() -> None:
+        try:
+            HfApi().model_info(repo_id, timeout=timeout)
+            outcome["error"] = None
+        except BaseException as error:  # reported in the caller's thread
+            outcome["error"] = error
+
+    thread = threading.Thread(target=ask, daemon=True)  # a hung socket cannot keep the process alive
+    thread.start()
+    thread.join(timeout + 1)
+    endpoint = constants.ENDPOINT
+    if "error" not in outcome:
+        raise TimeoutError(
+            f"{what} {repo_id}: the Hub at {endpoint} did not answer within {timeout:.0f} s; check HF_ENDPOINT and the "
+            "network, or give a local folder"
+        )
+    error = outcome["error"]
+    if error is None:
+        return
+    name = type(error).__name__
+    if "NotFound" in name or "Gated" in name or "Unauthorized" in name:
+        raise FileNotFoundError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
+    raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: {str(error).splitlines()[0][:200]})") from None
+
+
+def is_local(name: str | Path) -> bool:
+    """Whether ``name`` is meant as a local path (it exists, or does not look like ``owner/name``)."""
+    text = str(name)
+    return Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~"))
+
+
 def local_adapter_dir(adapter: str | Path) -> Path:
     """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached)."""
     path = Path(adapter)
     if path.is_dir():
         return path
-    if path.exists() or str(adapter).count("/") != 1:
-        raise FileNotFoundError(f"adapter {adapter} is neither a folder nor a Hub repo id (owner/name)")
+    if is_local(adapter):
+        raise FileNotFoundError(f"adapter {adapter}: no such folder (and not a Hub repo id owner/name)")
+    hub_preflight(str(adapter), "adapter")
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(str(adapter)))
@@ -68,6 +124,11 @@ def load(
         spec.check_base(model.config, getattr(model.config, "name_or_path", None), strict_base_id)
     else:
         name = resolve_base(spec, adapter_dir, base)
+        if is_local(name) and not Path(name).is_dir():
+            raise FileNotFoundError(f"base model {name}: no such folder (and not a Hub repo id owner/name)")
+        if not is_local(name):
+            hub_preflight(name, "base model")
+        from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id)
         model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)

@@ -168,3 +168,45 @@ def test_bad_input_is_one_message_and_exit_2(argv, names, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert names in err and "Traceback" not in err and err.startswith(f"longpeft {argv[0]}: ")
+
+
+# ---- bounded waits --------------------------------------------------------------------------------
+
+
+def test_a_hub_that_never_answers_is_a_bounded_wait_naming_the_endpoint(tmp_path):
+    """A server on 127.0.0.1 that accepts connections and never answers: the CLI gives up in seconds."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)  # accepted by the kernel, never read nor answered
+    port = listener.getsockname()[1]
+    code = "from longpeft.cli import main; import sys; sys.exit(main(sys.argv[1:]))\n"
+    env = {**__import__("os").environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0",
+           "LONGPEFT_HUB_TIMEOUT": "2"}
+    try:
+        for argv in (["eval", "passkey", "--model", "owner/name", "--out", str(tmp_path / "e")],
+                     ["merge", "owner/adapter", "--out", str(tmp_path / "m")]):
+            start = time.monotonic()
+            proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, env=env)
+            assert time.monotonic() - start < 30
+            assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr and "did not answer" in proc.stderr
+            assert "Traceback" not in proc.stderr
+    finally:
+        listener.close()
+
+
+def test_a_tokenizer_that_encodes_nothing_is_refused():
+    from longpeft.synth_data.probes import ProbeBuilder
+
+    class Silent:
+        name_or_path = "silent"
+
+        def encode(self, text, add_special_tokens=True):
+            return []
+
+    with pytest.raises(ValueError, match="encodes text to no token ids"):
+        ProbeBuilder(Silent())

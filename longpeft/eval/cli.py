@@ -16,7 +16,12 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {"dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto"}
+    from ..loading import hub_preflight, is_local
+
+    kwargs: dict[str, Any] = {
+        "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
+        "trust_remote_code": False,  # never run a repository's code unasked (nor prompt for it)
+    }
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
     if args.device:
@@ -29,6 +34,10 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         has_tokenizer = adapter.is_dir() and any((adapter / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(str(adapter) if has_tokenizer else args.model)
     else:
+        if is_local(args.model) and not Path(args.model).is_dir():
+            raise FileNotFoundError(f"--model {args.model}: no such folder (and not a Hub repo id owner/name)")
+        if not is_local(args.model):
+            hub_preflight(args.model, "--model")
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     return model.eval(), tokenizer

@@ -15,29 +15,17 @@ ROLES = {"system", "user", "assistant"}
 
 
 def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
-    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column.
+    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column; every row is checked.
 
-    ``data.source``: a .jsonl/.json file or a folder of them, a Hub dataset id, or ``demo``.
+    ``data.source``: a .jsonl/.json file or a folder of them, .txt files (plain text, one document
+    per file; ``format: text``), a Hub dataset id, or ``demo``.
     """
     if data.source == "demo":
         from ..synth_data import build_demo_dataset
 
         dataset = build_demo_dataset(tokenizer, **data.demo)
     else:
-        path = Path(data.source)
-        if path.is_dir():
-            files = sorted(str(p) for p in path.glob("*.json*"))
-            if not files:
-                raise FileNotFoundError(f"data.source {path} is a folder without .json/.jsonl files")
-            dataset = load_dataset("json", data_files=files, split="train")
-        elif path.suffix in (".json", ".jsonl"):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your data"
-                )
-            dataset = load_dataset("json", data_files=str(path), split="train")
-        else:
-            dataset = load_dataset(data.source, split=data.split)
+        dataset = _load_source(data)
     field, column, setting = (
         (data.messages_field, "messages", "messages_field")
         if data.format == "messages"
@@ -50,15 +38,50 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     if field != column:
         dataset = dataset.rename_column(field, column)
     dataset = dataset.select_columns([column])
-    for index, row in enumerate(dataset.select(range(min(len(dataset), 100)))):
-        where = f"{data.source} row {index}"
-        if column == "messages":
-            check_conversation(row["messages"], where)
-        elif not isinstance(row["text"], str) or not row["text"]:
-            raise ValueError(f"{where}: text must be a non-empty string")
     if data.max_samples:
         dataset = dataset.select(range(min(data.max_samples, len(dataset))))
+    if len(dataset) == 0:
+        raise ValueError(f"data.source {data.source} holds no rows")
+    for index, value in enumerate(dataset[column]):
+        where = f"{data.source} row {index}"
+        if column == "messages":
+            check_conversation(value, where)
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"{where}: text must be a non-empty string")
     return dataset
+
+
+def _load_source(data: DataSection) -> Dataset:
+    """A local file or folder (.jsonl/.json, or .txt for plain text), else a Hub dataset id."""
+    path = Path(data.source)
+    suffixes = (".json", ".jsonl", ".txt")
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in suffixes)
+        if not files:
+            raise FileNotFoundError(f"data.source {path} is a folder without .json/.jsonl/.txt files")
+    elif path.suffix in suffixes or path.exists():
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your data"
+            )
+        files = [path]
+    else:
+        return load_dataset(data.source, split=data.split)
+    if any(p.suffix not in suffixes for p in files):
+        raise ValueError(f"data.source {path}: expected .jsonl, .json or .txt files")
+    if {p.suffix for p in files} == {".txt"}:
+        if data.format != "text":
+            raise ValueError(f"data.source {path}: .txt files are plain text; set data.format: text")
+        return Dataset.from_dict({data.text_field: [p.read_text(encoding="utf-8") for p in files]})
+    if any(p.suffix == ".txt" for p in files):
+        raise ValueError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
+    from datasets.exceptions import DatasetGenerationError
+
+    try:
+        return load_dataset("json", data_files=[str(p) for p in files], split="train")
+    except (DatasetGenerationError, ValueError) as exc:
+        cause = exc.__cause__ or exc
+        raise ValueError(f"data.source {path}: not valid JSON lines ({str(cause).splitlines()[0][:200]})") from None
 
 
 def check_conversation(messages: Any, where: str) -> None:

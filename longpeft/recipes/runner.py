@@ -116,6 +116,27 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
     )
 
 
+def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
+    """Settings that only make sense for this base model, checked before anything is loaded or trained."""
+    vocab = spec.base_shape["vocab_size"]
+    problems = []
+    # A tiny: model stands in for the recipe's real one (plan --stand-in): its token ids are the real model's.
+    stand_in = recipe.model.name_or_path.startswith(TINY_PREFIX)
+    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
+    if bad_eos:
+        problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
+    bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
+    if bad_rows:
+        problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
+    if recipe.data.max_length > spec.max_position_embeddings:
+        problems.append(
+            f"data.max_length={recipe.data.max_length} is beyond the adapted model's {spec.max_position_embeddings} "
+            "positions; raise rope.max_position_embeddings"
+        )
+    if problems:
+        raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))
+
+
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
     """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
     relative to the adapter folder, so the run folder can be moved; anything else as given."""
@@ -151,6 +172,7 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
         tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(base_id, **common)
     spec = build_spec(recipe, config, base_id)
+    check_against_base(recipe, spec)
     if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
         spec.vocab_size = max(len(tokenizer), config.vocab_size)

@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .corpus import TOPICS, Document, generate_document
 from .qa import TASKS, Passage, QAGenerator, QAJob, QAPair, numbered_documents
+from .tokens import require_tokens
 
 DEFAULT_CONTEXT_TEMPLATE = "Read the following text and answer the questions after it.\n\n{context}\n\n{question}"
 
@@ -65,6 +66,7 @@ class TokenCounter:
     """Token counts and character offsets for one tokenizer (a fast tokenizer: offsets are required)."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        require_tokens(tokenizer)
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
         self.tokenizer = tokenizer

@@ -144,6 +144,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
+    if not len(dataset):
+        print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
+              "check the endpoint, the sources and the length range", file=sys.stderr)
+        return 3
     return 0
 
 

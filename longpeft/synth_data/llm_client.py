@@ -45,10 +45,13 @@ class LLMConfig(BaseModel):
     model: str = Field("gpt-4o", description="model name sent with every request")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
-    max_retries: int = Field(6, ge=0, description="retries of one attempt on 429/5xx/timeout/connection errors")
+    max_retries: int = Field(3, ge=0, description="retries of one attempt on 429/5xx/timeout/connection errors")
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
-    timeout: float = Field(600.0, gt=0, description="seconds before one HTTP request times out")
+    timeout: float = Field(
+        120.0, gt=0, description="seconds before one HTTP request times out (with the retries, a stalled endpoint "
+        "costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)"
+    )
     max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
     temperature: float = Field(0.7, ge=0, description="sampling temperature")
     max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
@@ -344,13 +347,17 @@ class LLMClient:
                 try:
                     entry = await self._call(client, semaphore, request, sampling, usage)
                 except _RetryableError as error:
-                    return self._reject(request, key, usage, f"gave up after retries: {error}", outputs, attempt + 1, api_calls)
+                    reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
+                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
                     return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1, api_calls)
                 api_calls += 1
-                self.cache.put(key, {"key": key, "task": request.task, **entry})
+                if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
+                    self.cache.put(key, {"key": key, "task": request.task, **entry})
             text = entry["text"]
             try:
+                if not text.strip():
+                    raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
                 value = parse(text) if parse is not None else text
             except MalformedOutput as error:
                 usage.malformed += 1
@@ -401,6 +408,8 @@ class LLMClient:
                 ) from None
             except (openai.APITimeoutError, openai.APIConnectionError) as error:
                 failure = _RetryableError(f"{type(error).__name__}: {error}")
+            except (ValueError, openai.APIResponseValidationError) as error:  # a 200 whose body is not a completion
+                failure = _RetryableError(f"the response body is not a chat completion ({type(error).__name__}: {error})")
             except openai.APIStatusError as error:
                 if error.status_code != 429 and error.status_code < 500:
                     raise

@@ -20,6 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .tokens import require_tokens
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -100,6 +102,7 @@ class ProbeBuilder:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool = False, seed: int = 0):
+        require_tokens(tokenizer)
         self.tokenizer = tokenizer
         self.chat = chat
         self.single_answer_metric = "contains" if chat else "exact"

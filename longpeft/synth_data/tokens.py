@@ -1,0 +1,17 @@
+"""Checks on the tokenizer that data and probe builders measure text with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+SAMPLE = "The pass key is 12345. The grass is green."
+
+
+def require_tokens(tokenizer: Any) -> None:
+    """Fail clearly when ``tokenizer`` turns ordinary text into no ids (length-targeted builders
+    would otherwise loop or divide by zero)."""
+    if not tokenizer.encode(SAMPLE, add_special_tokens=False):
+        raise ValueError(
+            f"the tokenizer {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__} encodes text to no "
+            "token ids; use the model's own tokenizer"
+        )
