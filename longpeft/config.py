@@ -80,19 +80,25 @@ def parse_value(raw: str, where: str) -> Any:
         raise ConfigError(f"{where}: value {raw!r} is not valid YAML ({problem}); quote it or fix it") from None
 
 
+def assign(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    """Set ``data[a][b][c] = value`` for ``dotted = "a.b.c"``, creating sections on the way."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{source}: {dotted}: {part} is not a section")
+    node[leaf] = value
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: str) -> dict[str, Any]:
     """Apply ``dotted.key=value`` strings to a nested dict in place (values parsed as YAML); returns it."""
     for override in overrides or []:
         key, sep, raw = override.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"{source}: --set {override!r} must look like section.key=value")
-        *parents, leaf = key.split(".")
-        node = data
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"{source}: --set {override!r}: {part} is not a section")
-        node[leaf] = parse_value(raw, f"{source}: --set {key}")
+        assign(data, key, parse_value(raw, f"{source}: --set {key}"), f"{source}: --set")
     return data
 
 

@@ -112,7 +112,7 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
 
 def run_eval(args: argparse.Namespace) -> int:
     if args.task == "perplexity" and not args.text:
-        raise SystemExit("longpeft eval perplexity needs --text FILE")
+        raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
     string = string_settings_from_args(args)
     model, tokenizer = load_model_and_tokenizer(args)
     options: dict[str, Any] = {}

@@ -67,6 +67,9 @@ def _load_source(data: DataSection) -> Dataset:
         files = [path]
     else:
         return load_dataset(data.source, split=data.split)
+    empty = [str(p) for p in files if not p.read_text(encoding="utf-8", errors="replace").strip()]
+    if empty:
+        raise ValueError(f"data.source: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
     if any(p.suffix not in suffixes for p in files):
         raise ValueError(f"data.source {path}: expected .jsonl, .json or .txt files")
     if {p.suffix for p in files} == {".txt"}:

@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from ..config import ConfigError, apply_overrides, assign, read_yaml, validate
 from .qa import TASKS
 
 
@@ -61,13 +60,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
-    node = config
-    *parents, last = dotted.split(".")
-    for key in parents:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"--set {dotted}: {key} is not a section")
-    node[last] = value
+    assign(config, dotted, value, "longpeft synth")
 
 
 def resolve_config(args: argparse.Namespace):
@@ -75,13 +68,11 @@ def resolve_config(args: argparse.Namespace):
     from .pipeline import SynthConfig
 
     config: dict[str, Any] = {}
+    source = args.config or "longpeft synth"
     if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        config = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        config = read_yaml(args.config) or {}
         if not isinstance(config, dict):
-            raise ValueError(f"{path}: expected a mapping of config fields")
+            raise ConfigError(f"{args.config}: expected a mapping of config fields")
     flags = {
         "tokenizer": args.tokenizer, "answerer": args.answerer, "seed": args.seed,
         "length.min_tokens": args.min_tokens, "length.max_tokens": args.max_tokens,
@@ -111,12 +102,8 @@ def resolve_config(args: argparse.Namespace):
             _assign(config, f"{task}.contexts", args.contexts)
     if args.no_progress:
         config["progress"] = False
-    for item in args.overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
-        _assign(config, key.strip(), yaml.safe_load(raw))
-    return SynthConfig.model_validate(config)
+    apply_overrides(config, args.overrides, source)
+    return validate(SynthConfig, config, source)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
