@@ -20,7 +20,6 @@ import contextlib
 import io
 import json
 import os
-import sys
 import tempfile
 import traceback
 from pathlib import Path
