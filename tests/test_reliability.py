@@ -210,3 +210,16 @@ def test_a_tokenizer_that_encodes_nothing_is_refused():
 
     with pytest.raises(ValueError, match="encodes text to no token ids"):
         ProbeBuilder(Silent())
+
+
+def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
+    from transformers import AutoTokenizer
+
+    from longpeft.recipes.runner import materialize_tiny_base
+
+    folder = tmp_path / "base"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text("{")  # what a full disk left behind
+    materialize_tiny_base("tiny:llama", folder, seed=0)
+    assert (folder / "config.json").is_file() and AutoTokenizer.from_pretrained(folder) is not None
+    assert [p.name for p in tmp_path.iterdir()] == ["base"]  # no staging folder left over

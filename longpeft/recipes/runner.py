@@ -60,17 +60,29 @@ class RunResult:
 
 
 def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
-    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once)."""
+    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once,
+    atomically: written beside it and renamed, so a kill or a full disk never leaves a partial base)."""
+    import shutil
+    import tempfile
+
     from ..tiny import demo_tokenizer, tiny_model
 
     if (folder / "config.json").is_file():
         return folder
+    if folder.exists():  # an earlier write was cut short (a kill, a full disk): never use it
+        shutil.rmtree(folder)
     arch = name[len(TINY_PREFIX):]
     tokenizer = demo_tokenizer()
     model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer))
     model.config.name_or_path = name
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".base-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        staging.rename(folder)  # atomic: the folder appears complete or not at all
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return folder
 
 
