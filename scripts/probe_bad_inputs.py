@@ -3,7 +3,7 @@
 Each case calls ``longpeft.cli.main(argv)`` in this process and is classified:
 
 - ``clear``: exit status 2 (3 for a synth run that built nothing), no traceback, a message on stderr;
-- ``recovery``: exit status 0 where the input is recoverable (e.g. resume after a torn checkpoint);
+- ``exit 0``: the command ran to the end (for these inputs: the bad value was accepted silently);
 - ``other``: anything else (a traceback, an exception escaping ``main``, a wrong exit status).
 
 Usage::
@@ -191,7 +191,7 @@ def classify(argv: list[str]) -> tuple[str, int | None, str]:
     if code in (2, 3) and "Traceback" not in text and text.strip():
         return "clear", code, text
     if code == 0:
-        return "recovery", code, text
+        return "exit 0", code, text
     return "other", code, text
 
 
@@ -202,7 +202,7 @@ def main() -> None:
         root = Path(tmp)
         adapter = make_adapter(root)
         all_cases = cases(root, adapter)
-        counts = {"clear": 0, "recovery": 0, "other": 0}
+        counts = {"clear": 0, "exit 0": 0, "other": 0}
         for name, argv in all_cases:
             kind, code, text = classify(argv)
             counts[kind] += 1
