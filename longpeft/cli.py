@@ -43,6 +43,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
+    if args.gpus:
+        from .scale import estimate
+
+        plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
+                        samples=args.samples)
+        print(plan.table())
+        return 0
     if not args.build:
         print(json.dumps({"recipe": recipe.model_dump()}, indent=2, default=str))
         return 0
@@ -107,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         "offline demo set: builds the trainer with every other setting, no download",
     )
     plan.add_argument("--output-dir", help="override the recipe's output_dir (where --build writes the tiny base)")
+    scale = plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
+    scale.add_argument("--gpus", type=int, help="estimate per-GPU peak memory by term and wall time on this many GPUs")
+    scale.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory of one GPU (default 80)")
+    scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
+    scale.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.35 for 4-bit bases, 0.45 otherwise)")
+    scale.add_argument("--samples", type=int, help="training samples (default: rows of a local data.source JSONL)")
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (

@@ -1,0 +1,261 @@
+"""Per-GPU memory and wall-time estimate of a recipe, term by term (``longpeft plan RECIPE --gpus N``).
+
+Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and trains one sample):
+
+- base weights: 4-bit NF4 linear layers at 0.5 byte/param plus the quantization constants (one fp32
+  absmax per 64 weights, or with double quantization one 8-bit absmax per 64 and one fp32 per 256 x 64),
+  everything else (embedding, LM head, norms) in the compute dtype; or the whole model in the compute dtype;
+- LoRA: weights, gradients and AdamW's two moments in fp32 (peft keeps adapters in fp32): 16 bytes/param;
+- trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, same 16 bytes/param;
+- checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
+  only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype;
+- one layer's recompute: during its backward one layer's activations exist again: per token the attention
+  projections (q, k, v, the attention output, o's input: ``3 hidden + 2 kv``), the MLP (gate, up, the
+  product and down's input: ``4 intermediate``), and the norms' inputs (``2 hidden``), in the compute
+  dtype; eager attention adds the ``heads x tokens x tokens`` score matrix;
+- loss tiles: TRL's fused LM head scores 4096 tokens x 32768 vocabulary at a time in fp32 (tile, softmax
+  and its gradient: 3 tiles), plus the final hidden states and their gradient;
+- DDP gradient buckets: one more copy of the trainable gradients (fp32);
+- runtime: the CUDA context and kernels' workspace (1 GiB) plus 10 % of the activations for allocator
+  fragmentation.
+
+Time: FLOPs per token = ``2 N`` for the forward of ``N`` parameters, again for the checkpointed
+recompute, once more for the backward to the activations, and twice for the weights' gradients only where
+weights train (LoRA: a small share); attention adds ``4 x layers x context x heads x head_dim`` per token
+(forward QK^T and AV, causal half), times 4 (forward, recompute, backward twice). Divided by the GPUs' peak
+bf16 FLOP/s times a model FLOPs utilisation (MFU, default 0.35 for QLoRA: dequantization costs).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GiB = 1024**3
+# Dense bf16 peak TFLOP/s.
+GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
+# Shapes of common bases, so that planning needs no download.
+KNOWN_SHAPES = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
+    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
+    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False),
+    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False),
+    "Qwen/Qwen2-7B": dict(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False),
+}
+TILE_TOKENS, TILE_VOCAB = 4096, 32768
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a model."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear projections (what 4-bit quantizes)."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attention + 3 * self.hidden * self.intermediate)
+
+    @property
+    def other_params(self) -> int:
+        """Embedding, LM head (unless tied) and norms."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + (2 * self.layers + 1) * self.hidden
+
+    def projection_shape(self, name: str) -> tuple[int, int]:
+        """``(in, out)`` features of a projection by its usual name."""
+        attention_out = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
+        if name in attention_out:
+            return self.hidden, attention_out[name] * self.head_dim
+        if name == "o_proj":
+            return self.heads * self.head_dim, self.hidden
+        if name in ("gate_proj", "up_proj"):
+            return self.hidden, self.intermediate
+        if name == "down_proj":
+            return self.intermediate, self.hidden
+        raise ValueError(f"lora.target_modules: {name!r} is not a projection the planner knows")
+
+
+def shape_of(name_or_path: str) -> ModelShape:
+    """A model's shape from a local folder's config.json, a ``tiny:`` model, or the table of known bases."""
+    if name_or_path.startswith("tiny:"):
+        from ..tiny import tiny_config
+
+        return _from_config(tiny_config(name_or_path[5:]).to_dict())
+    config_file = Path(name_or_path) / "config.json"
+    if config_file.is_file():
+        return _from_config(json.loads(config_file.read_text()))
+    if name_or_path in KNOWN_SHAPES:
+        return ModelShape(**KNOWN_SHAPES[name_or_path])
+    raise ValueError(
+        f"model {name_or_path!r}: no local config.json and not a known base ({', '.join(KNOWN_SHAPES)}); "
+        "point model.name_or_path at a folder with the model's config.json"
+    )
+
+
+def _from_config(config: dict[str, Any]) -> ModelShape:
+    heads = config["num_attention_heads"]
+    return ModelShape(
+        hidden=config["hidden_size"],
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        intermediate=config["intermediate_size"],
+        vocab=config["vocab_size"],
+        tied=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+@dataclass
+class Plan:
+    """The estimate: memory terms in bytes per GPU, time, and what to change when it does not fit."""
+
+    gpus: int
+    gpu_memory_gib: float
+    terms: dict[str, int]
+    tokens: int
+    flops_per_token: float
+    hours: float
+    assumptions: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.gpu_memory_gib * GiB
+
+    def levers(self) -> list[str]:
+        """What would make the run fit (or faster), largest memory term first."""
+        if self.fits:
+            return []
+        ranked = sorted(self.terms, key=self.terms.get, reverse=True)
+        advice = {
+            "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
+            "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
+            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (trl.optim: adamw_bnb_8bit)",
+            "base weights": "model.load_in_4bit: true (QLoRA)",
+            "LoRA": "a smaller lora.r or fewer target modules",
+            "loss tiles": "nothing to gain: the loss is already tiled",
+        }
+        return [f"{term}: {advice[term]}" for term in ranked if term in advice][:3]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.update(peak_bytes=self.peak_bytes, fits=self.fits, levers=self.levers())
+        return data
+
+    def table(self) -> str:
+        lines = [f"{'term':<28} {'GiB per GPU':>12}"]
+        lines += [f"{term:<28} {value / GiB:>12.2f}" for term, value in self.terms.items()]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines += [f"{'peak':<28} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB)",
+                  f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token on {self.gpus} GPUs "
+                  f"at {self.assumptions['mfu']:.0%} of {self.assumptions['peak_tflops']:g} TFLOP/s = {self.hours:.1f} h"]
+        lines += [f"lever: {lever}" for lever in self.levers()]
+        return "\n".join(lines)
+
+
+def estimate(
+    recipe: Any,
+    gpus: int = 8,
+    gpu_memory_gib: float = 80.0,
+    gpu: str = "h100",
+    mfu: float | None = None,
+    samples: int | None = None,
+    shape: ModelShape | None = None,
+) -> Plan:
+    """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
+
+    Args:
+        samples: training samples (default: the rows of ``data.source`` when it is a local JSONL file, else
+            ``train.max_steps x train.global_batch_size`` when max_steps is set, else 1000).
+    """
+    if gpu not in GPU_PEAK_TFLOPS:
+        raise ValueError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
+    shape = shape or shape_of(recipe.model.name_or_path)
+    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
+    tokens_per_sample = recipe.data.max_length
+    batch = recipe.train.per_device_batch_size
+    activation_tokens = batch * tokens_per_sample
+
+    terms: dict[str, int] = {}
+    if recipe.model.load_in_4bit:
+        constants = 0.5 + (4 / 256 if recipe.model.bnb_4bit_use_double_quant else 0) + (1 / 64 if recipe.model.bnb_4bit_use_double_quant else 4 / 64)
+        terms["base weights"] = int(shape.linear_params * constants + shape.other_params * dtype_bytes)
+    else:
+        terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
+    trainable = 0
+    if recipe.finetune == "lora":
+        lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
+        terms["LoRA"] = lora_params * 16
+        trainable += lora_params
+        if recipe.lora.embeddings == "full":
+            terms["trainable embedding"] = shape.vocab * shape.hidden * 16
+            trainable += shape.vocab * shape.hidden
+        elif recipe.lora.embeddings == "token_indices":
+            rows = len(recipe.lora.trainable_token_indices or [])
+            terms["trainable embedding"] = rows * shape.hidden * 16
+            trainable += rows * shape.hidden
+    else:
+        full = shape.linear_params + shape.other_params
+        terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
+        trainable = full
+    kv = shape.kv_heads * shape.head_dim
+    if recipe.train.gradient_checkpointing:
+        terms["checkpointed layer inputs"] = shape.layers * activation_tokens * shape.hidden * dtype_bytes
+        per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
+        terms["one layer's recompute"] = activation_tokens * per_token
+    else:
+        per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
+        terms["all layers' activations"] = shape.layers * activation_tokens * per_token
+    if recipe.model.attn_implementation == "eager":
+        terms["eager attention scores"] = batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
+    terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * activation_tokens * shape.hidden * dtype_bytes
+    if gpus > 1:
+        terms["DDP gradient buckets"] = trainable * 4
+    activations = sum(v for k, v in terms.items() if "layer" in k or "attention" in k or "loss" in k)
+    terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10
+
+    params = shape.linear_params + shape.other_params
+    attention = 4 * shape.layers * (tokens_per_sample / 2) * shape.heads * shape.head_dim
+    weight_grads = 2 * 2 * trainable if recipe.finetune == "lora" else 2 * 2 * params
+    recompute = 2 * params if recipe.train.gradient_checkpointing else 0
+    flops_per_token = 2 * params + recompute + 2 * params + weight_grads + attention * (4 if recompute else 3)
+    if samples is None:
+        samples = _samples(recipe)
+    tokens = samples * tokens_per_sample * int(max(recipe.train.num_train_epochs, 1) if recipe.train.max_steps < 0 else 1)
+    mfu = mfu if mfu is not None else (0.35 if recipe.model.load_in_4bit else 0.45)
+    seconds = tokens * flops_per_token / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    return Plan(
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
+        terms=terms,
+        tokens=tokens,
+        flops_per_token=flops_per_token,
+        hours=seconds / 3600,
+        assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
+                     "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
+                     "adapter_dtype": "float32 (16 bytes/param with AdamW)"},
+    )
+
+
+def _samples(recipe: Any) -> int:
+    path = Path(recipe.data.source)
+    if path.is_file() and path.suffix == ".jsonl":
+        with path.open(encoding="utf-8") as handle:
+            return sum(1 for line in handle if line.strip())
+    if recipe.train.max_steps > 0:
+        return recipe.train.max_steps * recipe.train.global_batch_size
+    return 1000
