@@ -21,12 +21,31 @@ def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .recipes.runner import run
     from .recipes.schema import load_recipe
+
+    if args.launch:
+        return launch_training(args, load_recipe(args.recipe, args.overrides))
+    from .recipes.runner import run
 
     result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
     print(json.dumps({"adapter": str(result.adapter_dir), **result.metrics}, indent=2, default=str))
     return 0
+
+
+def launch_training(args: argparse.Namespace, recipe) -> int:
+    """``train --launch KIND --gpus N``: check the combination, then run (or print) ``accelerate launch``."""
+    import shlex
+    import subprocess
+
+    from .launch import check_launch, launch_command
+
+    check_launch(recipe, args.launch)
+    command = launch_command(args.recipe, args.launch, args.gpus or 1, args.overrides)
+    command += ["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change
+    if args.print_command:
+        print(shlex.join(command))
+        return 0
+    return subprocess.call(command)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -100,6 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint after a kill")
     train.add_argument("--allow-recipe-change", action="store_true",
                        help="with --resume: continue even though training keys of the recipe changed")
+    train.add_argument("--launch", choices=["ddp", "fsdp2", "zero3", "ulysses"],
+                       help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)")
+    train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes)")
+    train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")

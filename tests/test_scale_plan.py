@@ -77,3 +77,30 @@ def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80", "--samples", "3500"]) == 0
     out = capsys.readouterr().out
     assert "checkpointed layer inputs" in out and "fits in 80 GiB" in out
+
+
+def test_launch_configs_and_refusals(capsys):
+    import shlex
+
+    import pytest
+    import yaml
+
+    from longpeft.launch import LAUNCHES, check_context_parallel, check_launch, config_file
+
+    for launch in LAUNCHES:
+        assert yaml.safe_load(config_file(launch).read_text())["num_processes"] == 8
+    qlora = load_recipe("llama3-8b-instruct-80k-qlora")
+    check_launch(qlora, "ddp")
+    check_launch(qlora, "fsdp2")
+    for launch, reason in (("zero3", "cannot partition bitsandbytes 4-bit"), ("ulysses", "unproven")):
+        with pytest.raises(ValueError, match=reason):
+            check_launch(qlora, launch)
+    with pytest.raises(ValueError, match="flash-attn"):
+        check_context_parallel(qlora)
+    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "fsdp2", "--gpus", "8", "--print-command",
+                 "--set", "train.max_steps=10"]) == 0
+    command = shlex.split(capsys.readouterr().out)
+    assert command[:3] == ["accelerate", "launch", "--config_file"] and command[3].endswith("fsdp2.yaml")
+    assert command[4:] == ["--num_processes", "8", "-m", "longpeft.cli", "train", "llama3-8b-instruct-80k-qlora",
+                           "--set", "train.max_steps=10"]
+    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "zero3", "--gpus", "8", "--print-command"]) == 2

@@ -294,6 +294,7 @@ def sft_config(recipe: Recipe, output_dir: Path):
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
         **checkpointing_argument(SFTConfig, t.gradient_checkpointing),
+        activation_offloading=t.activation_offloading,
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,

@@ -133,6 +133,9 @@ class TrainSection(Section):
     num_train_epochs: float = Field(default=1.0, gt=0)
     max_steps: int = Field(default=-1, description="> 0 overrides num_train_epochs")
     gradient_checkpointing: bool = True
+    activation_offloading: bool = Field(
+        default=False, description="move checkpointed activations to CPU memory (TRL): headroom for 128K tokens"
+    )
     save_steps: int = Field(default=50, gt=0)
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
@@ -161,7 +164,7 @@ TRL_KEYS_OWNED_BY_RECIPE = {
     "save_steps": "train.save_steps", "save_total_limit": "train.save_total_limit",
     "logging_steps": "train.logging_steps", "max_grad_norm": "train.max_grad_norm", "seed": "train.seed",
     "data_seed": "train.seed", "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
-    "report_to": "train.report_to", "bf16": "model.dtype", "fp16": "model.dtype", "use_cpu": "(automatic)",
+    "report_to": "train.report_to", "activation_offloading": "train.activation_offloading", "bf16": "model.dtype", "fp16": "model.dtype", "use_cpu": "(automatic)",
 }
 
 

@@ -144,7 +144,7 @@ class Plan:
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
-            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (trl.optim: adamw_bnb_8bit)",
+            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (train.optim: adamw_bnb_8bit)",
             "base weights": "model.load_in_4bit: true (QLoRA)",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
