@@ -223,3 +223,26 @@ def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
     materialize_tiny_base("tiny:llama", folder, seed=0)
     assert (folder / "config.json").is_file() and AutoTokenizer.from_pretrained(folder) is not None
     assert [p.name for p in tmp_path.iterdir()] == ["base"]  # no staging folder left over
+
+
+def test_a_synth_run_that_builds_nothing_exits_non_zero(tmp_path, capsys, monkeypatch):
+    """Every LLM answer malformed: no conversation is built, and the exit status says so (it was 0)."""
+    from longpeft.synth_data.corpus import generate_document
+    from longpeft.synth_data.stub_server import StubServer
+
+    monkeypatch.setenv("LONGPEFT_TEST_KEY", "sk-test")
+    source = tmp_path / "docs"
+    source.mkdir()
+    (source / "book.txt").write_text(generate_document(seed=1, n_sentences=60).text.replace(". ", ". [[bad]] "))
+    with StubServer() as server:
+        code = main(["synth", "--out", str(tmp_path / "out"), "--answerer", "llm", "--source", str(source),
+                     "--tasks", "single_detail", "--contexts", "1", "--min-tokens", "300", "--max-tokens", "2000",
+                     "--chunk-tokens", "128", "--llm-base-url", server.base_url, "--llm-model", "stub",
+                     "--api-key-env", "LONGPEFT_TEST_KEY", "--no-progress", "--set", "llm.backoff_initial=0.01"])
+    assert code == 3 and "no conversation was built" in capsys.readouterr().err
+
+
+def test_eval_refuses_an_out_that_is_a_file_before_loading(tmp_path, capsys):
+    (tmp_path / "results").write_text("x")
+    assert main(["eval", "passkey", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "results")]) == 2
+    assert "--out" in capsys.readouterr().err

@@ -110,10 +110,22 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
     return {"shift": shift, "local_window": window, "trained_length": trained}
 
 
+def check_writable_folder(folder: Path, flag: str) -> None:
+    """Fail now, not after hours of work, when results could not be written to ``folder``."""
+    import os
+
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{flag} {folder} is a file; choose a folder")
+    parent = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise PermissionError(f"{flag} {folder}: {parent} is not writable")
+
+
 def run_eval(args: argparse.Namespace) -> int:
     if args.task == "perplexity" and not args.text:
         raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
     string = string_settings_from_args(args)
+    check_writable_folder(Path(args.out), "--out")  # before the model loads and the grid runs
     model, tokenizer = load_model_and_tokenizer(args)
     options: dict[str, Any] = {}
     if args.task not in ("perplexity",):
