@@ -142,8 +142,8 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
     metadata = {
         "base_model": spec.base_model,
         "library_name": "transformers" if merged else "peft",
-        "tags": ["longpeft", "long-context", *[m.name for m, _ in methods if m.name != "rope"]]
-        + ([spec.method] if spec.method == "rope" else [])
+        # the recipe's method, then every other method it applied (rope is implied by all of them)
+        "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if m.name != "rope")])]
         + ([] if merged else ["lora"]),
         "longpeft": {
             "method": spec.method,
