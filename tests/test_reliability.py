@@ -246,3 +246,16 @@ def test_eval_refuses_an_out_that_is_a_file_before_loading(tmp_path, capsys):
     (tmp_path / "results").write_text("x")
     assert main(["eval", "passkey", "--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "results")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_txt_sources_are_plain_text_documents(tmp_path, tokenizer):
+    from longpeft.recipes.data import load_training_data
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("First document.")
+    (docs / "b.txt").write_text("Second document.")
+    data = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text"]).data
+    assert load_training_data(data, tokenizer)["text"] == ["First document.", "Second document."]
+    with pytest.raises(ValueError, match="set data.format: text"):
+        load_training_data(load_recipe("tiny-cpu", [f"data.source={docs / 'a.txt'}"]).data, tokenizer)

@@ -75,7 +75,9 @@ def _load_source(data: DataSection) -> Dataset:
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
             raise ValueError(f"data.source {path}: .txt files are plain text; set data.format: text")
-        return Dataset.from_dict({data.text_field: [p.read_text(encoding="utf-8") for p in files]})
+        from ..synth_data.mix import load_plain_texts  # the one plain-text document loader
+
+        return Dataset.from_dict({data.text_field: load_plain_texts(path)})
     if any(p.suffix == ".txt" for p in files):
         raise ValueError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
     from datasets.exceptions import DatasetGenerationError
