@@ -167,6 +167,19 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["steps"] == 2 and summary["train"]["epoch"] == 0.5  # 2 steps x 2 processes = 4 of 8 samples
 
+    # DDP equals one process with the same global batch (1 sample x 2 accumulation steps), to float32 rounding.
+    single = run(load_recipe("tiny-cpu", [
+        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
+        "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
+
+    def losses(folder):
+        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(out) == pytest.approx(losses(single.output_dir), rel=1e-4)
+    one, two = load_file(single.adapter_dir / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4)
+
 
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
