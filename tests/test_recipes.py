@@ -163,6 +163,7 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = json.loads((out / "recipe.resolved.json").read_text())
     assert resolved["world_size"] == 2 and resolved["gradient_accumulation_steps"] == 1
+    assert resolved["distributed_type"].endswith("MULTI_CPU")  # DDP over gloo
     assert (out / "adapter" / "adapter_model.safetensors").is_file() and (out / "adapter" / "longpeft.json").is_file()
     summary = json.loads((out / "metrics.json").read_text())
     assert summary["steps"] == 2 and summary["train"]["epoch"] == 0.5  # 2 steps x 2 processes = 4 of 8 samples

@@ -406,6 +406,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "base_model": base_id,
         "context_spec": spec.to_dict(),
         "world_size": world_size(),
+        "distributed_type": str(trainer.accelerator.distributed_type),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "effective_global_batch_size": args.per_device_train_batch_size
         * args.gradient_accumulation_steps
