@@ -182,6 +182,43 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4)
 
 
+def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
+    """2 processes: a run killed after checkpoint 2 of 4, resumed with --resume, ends with the adapter and
+    loss curve of the run that was never interrupted."""
+    import shutil
+
+    def launch(out, *extra):
+        command = [
+            str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
+            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532",
+            "-m", "longpeft.cli", "train", "tiny-cpu", *extra,
+            "--set", f"model.name_or_path={tiny_base_dirs('llama')}", "--set", f"data.source={chat_jsonl}",
+            "--set", f"output_dir={out}", "--set", "train.max_steps=4", "--set", "train.save_steps=2",
+            "--set", "train.global_batch_size=2", "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256",
+            "--set", "lora.embeddings=none",
+        ]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    launch(whole)
+    shutil.copytree(whole, killed)  # then undo everything after checkpoint 2, as a kill there would have
+    shutil.rmtree(killed / "adapter")
+    shutil.rmtree(killed / "checkpoints" / "checkpoint-4")
+    (killed / "metrics.json").unlink()
+    launch(killed, "--resume")
+    one, two = load_file(whole / "adapter" / "adapter_model.safetensors"), load_file(killed / "adapter" / "adapter_model.safetensors")
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+
+    def losses(folder):
+        records = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        return [r["step"] for r in records], [r["loss"] for r in records]
+
+    (steps, resumed), (expected_steps, expected) = losses(killed), losses(whole)
+    assert steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
+
+
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
     code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama", "--output-dir", str(tmp_path)])
