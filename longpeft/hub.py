@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 import warnings
@@ -22,7 +21,8 @@ import torch
 import yaml
 
 from .adapters import export_methods, spec_methods
-from .config import torch_dtype
+from .config import check_writable_folder, torch_dtype
+from .loading import is_local
 from .spec import SPEC_FILENAME, ContextSpec
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -85,13 +85,9 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path]) -> None:
     for what, folder in protected.items():
         if folder.exists() and target == folder.resolve():
             raise FileExistsError(f"--out {out_dir} is {what}; writing the merged model there would overwrite it")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {out_dir} is a file; choose a new folder")
+    check_writable_folder(out_dir, "--out")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
-    parent = next(p for p in (target, *target.parents) if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"--out {out_dir}: {parent} is not writable")
 
 
 def export(
@@ -206,12 +202,7 @@ def base_display_name(base_model: str | None) -> str:
     """The base's name for a card title: a Hub id as is, a local path by its last folder."""
     if not base_model:
         return "the base model"
-    return base_model if is_hub_id(base_model) else Path(base_model).name
-
-
-def is_hub_id(name: str) -> bool:
-    """Whether ``name`` looks like a Hub repo id (``owner/name``) rather than a local path."""
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+    return Path(base_model).name if is_local(base_model) else base_model
 
 
 def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str) -> Path:
@@ -250,7 +241,7 @@ def stage_upload(
         source = source / "adapter"
     spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft adapter
     base_id = base_id or spec.base_model
-    if not base_id or not is_hub_id(base_id):
+    if not base_id or is_local(base_id):
         warnings.warn(
             f"{source / SPEC_FILENAME} names its base model by a local path ({spec.base_model!r}): the card and "
             "longpeft.json would point users at a folder they do not have; pass the base's Hub id with --base-id "

@@ -78,14 +78,20 @@ def is_local(name: str | Path) -> bool:
     return Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~"))
 
 
+def check_model_source(name: str | Path, what: str) -> None:
+    """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts."""
+    if is_local(name):
+        if not Path(name).is_dir():
+            raise FileNotFoundError(f"{what} {name}: no such folder (and not a Hub repo id owner/name)")
+    else:
+        hub_preflight(str(name), what)
+
+
 def local_adapter_dir(adapter: str | Path) -> Path:
     """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached)."""
-    path = Path(adapter)
-    if path.is_dir():
-        return path
+    check_model_source(adapter, "adapter")
     if is_local(adapter):
-        raise FileNotFoundError(f"adapter {adapter}: no such folder (and not a Hub repo id owner/name)")
-    hub_preflight(str(adapter), "adapter")
+        return Path(adapter)
     from huggingface_hub import snapshot_download
 
     return Path(snapshot_download(str(adapter)))
@@ -124,10 +130,7 @@ def load(
         spec.check_base(model.config, getattr(model.config, "name_or_path", None), strict_base_id)
     else:
         name = resolve_base(spec, adapter_dir, base)
-        if is_local(name) and not Path(name).is_dir():
-            raise FileNotFoundError(f"base model {name}: no such folder (and not a Hub repo id owner/name)")
-        if not is_local(name):
-            hub_preflight(name, "base model")
+        check_model_source(name, "base model")
         from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id)

@@ -8,6 +8,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from ..config import check_writable_folder
 from .names import TASKS
 
 
@@ -16,7 +17,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..loading import hub_preflight, is_local
+    from ..loading import check_model_source
 
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
@@ -34,10 +35,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         has_tokenizer = adapter.is_dir() and any((adapter / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
         tokenizer = AutoTokenizer.from_pretrained(str(adapter) if has_tokenizer else args.model)
     else:
-        if is_local(args.model) and not Path(args.model).is_dir():
-            raise FileNotFoundError(f"--model {args.model}: no such folder (and not a Hub repo id owner/name)")
-        if not is_local(args.model):
-            hub_preflight(args.model, "--model")
+        check_model_source(args.model, "--model")
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     return model.eval(), tokenizer
@@ -108,17 +106,6 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
             f"{what_longest} has {longest} tokens; pass a smaller --string-shift or longer prompts"
         )
     return {"shift": shift, "local_window": window, "trained_length": trained}
-
-
-def check_writable_folder(folder: Path, flag: str) -> None:
-    """Fail now, not after hours of work, when results could not be written to ``folder``."""
-    import os
-
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{flag} {folder} is a file; choose a folder")
-    parent = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"{flag} {folder}: {parent} is not writable")
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -42,13 +42,23 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
         dataset = dataset.select(range(min(data.max_samples, len(dataset))))
     if len(dataset) == 0:
         raise ValueError(f"data.source {data.source} holds no rows")
-    for index, value in enumerate(dataset[column]):
-        where = f"{data.source} row {index}"
-        if column == "messages":
-            check_conversation(value, where)
-        elif not isinstance(value, str) or not value:
-            raise ValueError(f"{where}: text must be a non-empty string")
+    index = 0
+    for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
+        for value in chunk[column]:
+            where = f"{data.source} row {index}"
+            if column == "messages":
+                check_conversation(value, where)
+            elif not isinstance(value, str) or not value:
+                raise ValueError(f"{where}: text must be a non-empty string")
+            index += 1
     return dataset
+
+
+def _is_empty(path: Path) -> bool:
+    """No content but white space (reads at most the first 64 KiB: data files can be gigabytes)."""
+    with path.open("rb") as handle:
+        head = handle.read(1 << 16)
+    return not head.strip() and path.stat().st_size <= len(head)
 
 
 def _load_source(data: DataSection) -> Dataset:
@@ -67,7 +77,7 @@ def _load_source(data: DataSection) -> Dataset:
         files = [path]
     else:
         return load_dataset(data.source, split=data.split)
-    empty = [str(p) for p in files if not p.read_text(encoding="utf-8", errors="replace").strip()]
+    empty = [str(p) for p in files if _is_empty(p)]
     if empty:
         raise ValueError(f"data.source: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
     if any(p.suffix not in suffixes for p in files):
