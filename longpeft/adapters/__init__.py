@@ -2,7 +2,7 @@
 
 ``apply_spec`` gives a built model every non-weight change of a :class:`~longpeft.spec.ContextSpec`
 (``longpeft.json``), method by method in registry order: RoPE parameters, per-head bases (HARPE),
-PoSE (training-time only), STRING.
+PoSE (training-time only), STRING, Activation Beacon.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from torch import nn
 
 from ..spec import ContextSpec
-from . import harpe, pose, rope_base, string
+from . import beacon, harpe, pose, rope_base, string
 from .registry import METHODS, Method, ResolveContext, config_of, get_method, register, unregister
 from .rope_base import expand_rope_base
 
@@ -20,6 +20,7 @@ register(rope_base.METHOD)
 register(harpe.METHOD)
 register(pose.METHOD)
 register(string.METHOD)
+register(beacon.METHOD)
 
 
 def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:

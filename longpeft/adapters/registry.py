@@ -62,8 +62,10 @@ class Method:
         export: ``export(model, folder, config)`` after a merged or full model was saved to ``folder``.
         describe: ``describe(config) -> list[str]`` model-card sentences.
         remote_code: an exported model needs ``trust_remote_code=True`` (a modeling file ships with it).
-        changes_positions: the method changes RoPE positions/frequencies at inference (STRING refuses
-            to stack on some of them).
+        parameters: ``parameters(model) -> {name: Parameter}``, the method's own weights (beacon
+            projections and embedding): they train while the base stays frozen, beside LoRA if any.
+        span: ``span(config, length, max_positions) -> int``, the positions an input of ``length``
+            tokens occupies (default: ``length``); Activation Beacon keeps it inside the base's range.
     """
 
     name: str
@@ -77,6 +79,8 @@ class Method:
     export: Callable[[Any, Path, Any], None] | None = None
     describe: Callable[[Any], list[str]] | None = None
     remote_code: bool = False
+    parameters: Callable[[Any], dict[str, Any]] | None = None
+    span: Callable[[Any, int, int], int] | None = None
 
 
 METHODS: dict[str, Method] = {}

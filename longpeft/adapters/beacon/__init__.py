@@ -1,0 +1,91 @@
+"""Activation Beacon (Zhang et al., "Soaring from 4K to 400K"), as an adapter on a stock base model.
+
+Long inputs run in windows of ``W`` raw tokens; each window's beacons condense it, and when it is
+full only their K/V stay in memory, so memory and cost grow with ``length / ratio`` instead of
+``length``. Per layer the beacons have their own q/k/v(/o) projections (a trainable copy, or the
+stock projection plus a low-rank delta) and one embedding row; the base model stays frozen and
+unedited: no resized vocabulary, no modeling file (except in an exported merged model).
+
+- :mod:`.layout`: settings, window layout, masks, positions, ratio choice (the A.2 table);
+- :mod:`.cache`: :class:`BeaconCache`, the memory the caller owns;
+- :mod:`.modules`: beacon projections and the attention forward that uses them;
+- :mod:`.scheduler`: the window loop (training, prefill, decoding through ``generate``);
+- :mod:`.patch`: ``apply_beacon`` / ``remove_beacon``;
+- :mod:`.weights`: ``beacon_adapter.safetensors`` and the converter from the authors' checkpoints;
+- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..registry import Method, ResolveContext
+from .cache import BeaconCache, BeaconStep
+from .config import BeaconConfig
+from .export import write_remote_code
+from .layout import BeaconSettings, WindowLayout, window_layout, window_span
+from .patch import apply_beacon, beacon_parameters, beacons_disabled, is_beacon_applied, remove_beacon
+from .weights import WEIGHTS_FILENAME, convert_authors_checkpoint, load_beacon_weights, save_beacon_weights
+
+
+def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
+    """Write out the implied settings (inference ratios, attend_prev, LoRA rank and alpha)."""
+    return config.resolved()
+
+
+def describe(config: BeaconConfig) -> list[str]:
+    ratios = ", ".join(map(str, config.ratios))
+    return [
+        f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
+        f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
+        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}).",
+    ]
+
+
+def _load(model, folder: Path, config: BeaconConfig) -> None:
+    load_beacon_weights(model, folder)
+
+
+def _save(model, folder: Path, config: BeaconConfig) -> None:
+    save_beacon_weights(model, folder)
+
+
+def _span(config: BeaconConfig, length: int, max_positions: int) -> int:
+    return window_span(config.settings(), length, max_positions)
+
+
+METHOD = Method(
+    name="beacon",
+    config=BeaconConfig,
+    apply=lambda model, config: apply_beacon(model, config.settings()),
+    remove=remove_beacon,
+    is_applied=is_beacon_applied,
+    resolve=resolve,
+    save=_save,
+    load=_load,
+    export=lambda model, folder, config: write_remote_code(folder, config.settings()),
+    describe=describe,
+    remote_code=True,
+    parameters=beacon_parameters,
+    span=_span,
+)
+
+__all__ = [
+    "METHOD",
+    "WEIGHTS_FILENAME",
+    "BeaconCache",
+    "BeaconConfig",
+    "BeaconSettings",
+    "BeaconStep",
+    "WindowLayout",
+    "apply_beacon",
+    "beacon_parameters",
+    "beacons_disabled",
+    "convert_authors_checkpoint",
+    "is_beacon_applied",
+    "load_beacon_weights",
+    "remove_beacon",
+    "save_beacon_weights",
+    "window_layout",
+    "write_remote_code",
+]

@@ -1,0 +1,215 @@
+"""The beacon memory: a ``transformers.Cache`` that the caller owns and passes, never state on the model.
+
+Per layer it holds the **memory** (sink, then the K/V that every committed window left behind, at
+positions ``0 .. M-1``) and the **current window**'s K/V (raw tokens and beacons, at positions
+``M + offset``). The sequence-level bookkeeping (which window, its ratio and layout, how many slots
+and raw tokens it holds, which entries are padding) lives in :class:`SequenceState`, shared by all layers.
+
+Writes are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`)
+names its window's memory length and its first slot, ``update`` overwrites the window's slots from
+there on and reads only the first ``M`` memory entries, which later commits never change (memory is
+append-only). Commits run between windows, outside any checkpointed layer.
+
+transformers 5 hands the cache post-RoPE keys. Beacon keys are created at their offsets in the
+window but live in memory at ``M + j``, so ``update`` also receives the pre-RoPE keys and the commit
+rotates each beacon key once, with the model's own rotary module, at its memory position.
+
+This module imports only torch and transformers: it is part of the exported modeling file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+# longpeft-inline-begin
+from .layout import WindowLayout
+
+# longpeft-inline-end
+
+
+@dataclasses.dataclass(frozen=True)
+class BeaconStep:
+    """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``.
+
+    Attributes:
+        window_index: index of the window (memory before it holds ``memory_length`` entries).
+        memory_length: ``M``, memory entries the window reads.
+        start, end: the window's slots fed in this step.
+        beacon_rows: ``[n]`` long indices (into this step's slots) of the beacons, or None.
+    """
+
+    window_index: int
+    memory_length: int
+    start: int
+    end: int
+    beacon_rows: torch.Tensor | None
+
+
+@dataclasses.dataclass
+class SequenceState:
+    """Sequence-level bookkeeping of a :class:`BeaconCache`.
+
+    Attributes:
+        raw_seen: raw tokens consumed so far (what ``get_seq_length`` reports to ``generate``).
+        window_index: index of the current window.
+        memory_length: ``M``, entries in memory.
+        layout: the current window's layout (None before its first token).
+        window_raw: raw tokens in the current window.
+        window_slots: slots (raw and beacon) of the current window fed so far.
+        chosen_ratio: the ratio chosen once per sequence (instance-random, adapt-N).
+        memory_keep / window_keep: ``[batch, M]`` / ``[batch, window_slots]`` bool, False at padding
+            (None while there is no padding).
+    """
+
+    raw_seen: int = 0
+    window_index: int = 0
+    memory_length: int = 0
+    layout: WindowLayout | None = None
+    window_raw: int = 0
+    window_slots: int = 0
+    chosen_ratio: int | None = None
+    memory_keep: torch.Tensor | None = None
+    window_keep: torch.Tensor | None = None
+
+
+def _cat(first: torch.Tensor | None, second: torch.Tensor, dim: int = -2) -> torch.Tensor:
+    return second if first is None else torch.cat([first, second], dim=dim)
+
+
+class BeaconLayer(CacheLayerMixin):
+    """One layer's memory and current window, each ``[batch, kv_heads, length, head_dim]``."""
+
+    is_sliding = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.memory_keys: torch.Tensor | None = None
+        self.memory_values: torch.Tensor | None = None
+        self.window_keys: torch.Tensor | None = None
+        self.window_values: torch.Tensor | None = None
+        self.window_pre_rope_keys: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, beacon_step: BeaconStep | None = None,
+        pre_rope_keys: torch.Tensor | None = None, **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's K/V into window slots ``[start, end)``; return memory[:M] + window[:end].
+
+        Args:
+            key_states, value_states: ``[batch, kv_heads, end - start, head_dim]`` (keys post-RoPE).
+            beacon_step: which window and slots these are (required).
+            pre_rope_keys: the same keys before RoPE (rotated again when beacons are committed).
+        """
+        if beacon_step is None:
+            raise ValueError("a BeaconCache is written by the beacon forward only; call the model, not the layers")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = beacon_step.start
+        keep = (lambda t: None) if start == 0 else (lambda t: t[:, :, :start])
+        self.window_keys = _cat(keep(self.window_keys), key_states)
+        self.window_values = _cat(keep(self.window_values), value_states)
+        self.window_pre_rope_keys = _cat(keep(self.window_pre_rope_keys), pre_rope_keys)
+        m = beacon_step.memory_length
+        if m == 0:
+            return self.window_keys, self.window_values
+        return (
+            torch.cat([self.memory_keys[:, :, :m], self.window_keys], dim=-2),
+            torch.cat([self.memory_values[:, :, :m], self.window_values], dim=-2),
+        )
+
+    def commit(self, slots: torch.Tensor, rotate_slots: torch.Tensor, positions: torch.Tensor,
+               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Append window slots to memory and drop the window.
+
+        Args:
+            slots: ``[n]`` window slots that stay, in memory order.
+            rotate_slots: ``[n]`` bool, which of them are re-rotated (beacons) rather than kept as they are.
+            positions: ``[n]`` memory positions of the kept slots.
+            rotate: ``rotate(pre_rope_keys [b, h, n, d], positions [n]) -> keys``.
+        """
+        slots = slots.to(self.window_keys.device)
+        keys = self.window_keys.index_select(2, slots)
+        if bool(rotate_slots.any()):
+            which = rotate_slots.nonzero().flatten().to(keys.device)
+            fresh = rotate(self.window_pre_rope_keys.index_select(2, slots.index_select(0, which)),
+                           positions.to(keys.device).index_select(0, which))
+            keys = keys.index_copy(2, which, fresh.to(keys.dtype))
+        self.memory_keys = _cat(self.memory_keys, keys)
+        self.memory_values = _cat(self.memory_values, self.window_values.index_select(2, slots))
+        self.window_keys = self.window_values = self.window_pre_rope_keys = None
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        memory = 0 if self.memory_keys is None else self.memory_keys.shape[-2]
+        window = 0 if self.window_keys is None else self.window_keys.shape[-2]
+        return memory + window + query_length, 0
+
+    def get_seq_length(self) -> int:
+        memory = 0 if self.memory_keys is None else self.memory_keys.shape[-2]
+        return memory + (0 if self.window_keys is None else self.window_keys.shape[-2])
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("Activation Beacon's memory cannot be reordered (beam search is not supported)")
+
+
+class BeaconCache(Cache):
+    """Activation Beacon's memory for one batch of sequences that share a beacon layout.
+
+    Create one per request (``generate`` does it by itself); pass it as ``past_key_values`` to keep
+    a conversation's memory across calls. The model reads its settings from ``config.beacon``; the
+    cache holds only this request's state, so two requests never see each other's tokens.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(layer_class_to_replicate=BeaconLayer)
+        self.state = SequenceState()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Raw tokens consumed so far (``generate`` slices its inputs with it)."""
+        return self.state.raw_seen
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.state.memory_length + self.state.window_slots + query_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("Activation Beacon's memory cannot be reordered (beam search is not supported)")
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("Activation Beacon's memory cannot be cropped (assisted decoding is not supported)")
+
+    def commit(self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int) -> None:
+        """Close the current (full) window: its beacons (or, at ratio 0, its raw tokens; in the first
+        window also its first ``sink`` raw tokens) join the memory, its raw K/V are dropped."""
+        state = self.state
+        layout = state.layout
+        slots = torch.arange(state.window_slots)
+        is_beacon = layout.is_beacon[: state.window_slots]
+        if layout.ratio == 0:
+            kept = slots
+        else:
+            sink_slots = slots[~is_beacon][: sink if state.window_index == 0 else 0]
+            kept = torch.cat([sink_slots, slots[is_beacon]])
+        rotated = layout.is_beacon[kept]
+        positions = state.memory_length + torch.arange(kept.numel())
+        for layer in self.layers:
+            layer.commit(kept, rotated, positions, rotate)
+        if state.memory_keep is not None or state.window_keep is not None:
+            batch = (state.window_keep if state.window_keep is not None else state.memory_keep).shape[0]
+            window_keep = state.window_keep if state.window_keep is not None else torch.ones(batch, state.window_slots,
+                                                                                             dtype=torch.bool)
+            memory_keep = state.memory_keep if state.memory_keep is not None else torch.ones(batch, state.memory_length,
+                                                                                             dtype=torch.bool)
+            state.memory_keep = torch.cat([memory_keep, window_keep[:, kept]], dim=1)
+        state.memory_length += kept.numel()
+        state.window_index += 1
+        state.layout, state.window_raw, state.window_slots, state.window_keep = None, 0, 0, None

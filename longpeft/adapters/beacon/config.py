@@ -1,0 +1,100 @@
+"""The ``beacon`` section of recipes and of ``longpeft.json``."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ...config import StrictModel
+from .layout import BeaconSettings, resolve_attend_prev
+
+_MIX = re.compile(r"^(step-random|instance-random|adapt-\d+)$")
+DEFAULT_LORA_RANK = 32
+
+
+def _check_ratios(ratios: list[int], window: int, key: str) -> None:
+    if not ratios:
+        raise ValueError(f"{key} must list at least one ratio (0 = keep the window's raw K/V)")
+    for ratio in ratios:
+        if ratio < 0 or (ratio and (ratio > window or window % ratio)):
+            raise ValueError(
+                f"{key}: ratio {ratio} must be 0 or divide window {window} (each window of {window} raw tokens "
+                f"gets window / ratio beacons); choose ratios that divide the window"
+            )
+
+
+class BeaconConfig(StrictModel):
+    """Activation Beacon settings (paper: Zhang et al., "Soaring from 4K to 400K").
+
+    ``window``: raw tokens per window. ``ratios``: condensing ratios a window may get (window / ratio
+    beacons; 0 keeps the raw K/V); ``ratio_mix`` picks one per training window (``step-random``,
+    ``instance-random``, ``adapt-N``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
+    eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio whose reach covers
+    the input plus 1024 new tokens). ``attn``: which raw tokens a beacon condenses
+    (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons ``interleave``d
+    (one after every ratio raw tokens) or ``append``ed after the window. ``params``: projections
+    with beacon weights. ``sink``: first-window raw tokens kept in memory for good. ``attend_prev``:
+    beacons see their window's earlier beacons (implied by the scheme when left unset).
+    ``embed_init``: the beacon embedding starts as the eos or bos row. ``projection``: ``full``
+    (the paper: a trainable copy of each projection) or ``lora`` (the projection plus a
+    zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``).
+    """
+
+    window: int = Field(default=1024, ge=1)
+    ratios: list[int] = Field(default_factory=lambda: [2, 4, 8])
+    ratio_mix: str = "step-random"
+    inference_ratios: list[int] | None = None
+    inference_ratio_mix: str = "adapt-1024"
+    attn: Literal["full-coverage", "step-expansion", "segmentation"] = "full-coverage"
+    pos: Literal["interleave", "append"] = "interleave"
+    params: list[Literal["q", "k", "v", "o"]] = Field(default_factory=lambda: ["q", "k", "v"])
+    sink: int = Field(default=0, ge=0)
+    attend_prev: bool | None = None
+    embed_init: Literal["eos", "bos"] = "eos"
+    projection: Literal["full", "lora"] = "full"
+    lora_rank: int | None = Field(default=None, gt=0)
+    lora_alpha: float | None = Field(default=None, gt=0)
+
+    @field_validator("ratio_mix", "inference_ratio_mix")
+    @classmethod
+    def _mix(cls, value: str) -> str:
+        if not _MIX.match(value):
+            raise ValueError(f"{value!r} is not step-random, instance-random or adapt-N (N: tokens still to come)")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BeaconConfig:
+        _check_ratios(self.ratios, self.window, "ratios")
+        if self.inference_ratios is not None:
+            _check_ratios(self.inference_ratios, self.window, "inference_ratios")
+        if len(set(self.params)) != len(self.params) or not self.params:
+            raise ValueError(f"params must name each of q, k, v, o at most once and at least one, got {self.params}")
+        if self.sink >= self.window:
+            raise ValueError(f"sink ({self.sink}) must be smaller than window ({self.window})")
+        if self.attn == "segmentation" and self.pos == "interleave":
+            raise ValueError("attn: segmentation with pos: interleave is not implemented (nor in the authors' code); "
+                             "use pos: append")
+        resolve_attend_prev(self.attn, self.pos, self.attend_prev)
+        if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
+            raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set projection: lora")
+        return self
+
+    def resolved(self) -> BeaconConfig:
+        """This config with every implied value written out (what ``longpeft.json`` records)."""
+        lora = self.projection == "lora"
+        rank = self.lora_rank or (DEFAULT_LORA_RANK if lora else None)
+        return self.model_copy(update={
+            "inference_ratios": list(self.inference_ratios if self.inference_ratios is not None else self.ratios),
+            "attend_prev": resolve_attend_prev(self.attn, self.pos, self.attend_prev),
+            "lora_rank": rank,
+            "lora_alpha": (self.lora_alpha or float(rank)) if lora else None,
+        })
+
+    def settings(self) -> BeaconSettings:
+        """The runtime settings (:class:`BeaconSettings`)."""
+        resolved = self.resolved().model_dump()
+        if resolved["projection"] == "full":
+            resolved["lora_rank"], resolved["lora_alpha"] = DEFAULT_LORA_RANK, float(DEFAULT_LORA_RANK)
+        return BeaconSettings.from_dict(resolved)

@@ -1,0 +1,47 @@
+"""Export a merged Activation Beacon model so plain transformers loads it (trust_remote_code), without longpeft.
+
+The saved folder holds the stock weights plus the beacon weights (under the authors' names) and a
+``beacon`` entry in config.json. ``write_remote_code`` writes ``modeling_beacon.py`` beside them: the
+beacon runtime (:mod:`.layout`, :mod:`.cache`, :mod:`.modules`, :mod:`.scheduler`, :mod:`.patch`)
+and the causal LM classes of :mod:`.modeling`, with the few longpeft helpers they use inlined, so it
+imports only torch and transformers. ``auto_map`` points at those classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...family import attention_modules, is_attention_module
+from ...rope import apply_rotary, rotate_half
+from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
+from . import cache, layout, modeling, modules, patch, scheduler
+from .layout import BeaconSettings
+from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
+
+MODELING_FILENAME = "modeling_beacon.py"
+RUNTIME_MODULES = (layout, cache, modules, scheduler, patch, modeling)
+INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules)
+
+
+def standalone_modeling_source() -> str:
+    """The text of ``modeling_beacon.py``: the beacon runtime and model classes, no longpeft import."""
+    return standalone_source("Activation Beacon, written by longpeft for an exported model (needs only torch and "
+                             "transformers).", RUNTIME_MODULES, INLINED_HELPERS)
+
+
+def write_remote_code(save_dir: str | Path, settings: BeaconSettings) -> None:
+    """Make a ``save_pretrained`` folder of a merged beacon model loadable with plain transformers.
+
+    Writes ``modeling_beacon.py`` and sets, in config.json, ``beacon`` (the settings),
+    ``model_type = "beacon_<type>"``, ``architectures`` and ``auto_map``. Then
+    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)`` builds the model with its
+    beacons; without ``trust_remote_code`` loading fails instead of giving a model without them.
+
+    Args:
+        save_dir: folder written by ``model.save_pretrained`` of a model with beacons (config.json and
+            the weights, beacon tensors included).
+        settings: the model's beacon settings.
+    """
+    config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "Activation Beacon")
+    point_config_at_remote_code(config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME,
+                                standalone_modeling_source(), {"beacon": settings.as_dict()})

@@ -1,0 +1,299 @@
+"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the
+choice of the condensing ratio.
+
+A window holds ``W`` raw tokens. With ratio ``r > 0`` it also holds ``b = W / r`` beacon tokens:
+
+- ``interleave``: one beacon after every ``r`` raw tokens (``raw raw beacon raw raw beacon ...``);
+- ``append``: all ``b`` beacons after the ``W``-th raw token.
+
+Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)`` it may see: ``lo_j = 0`` for
+``full-coverage`` and ``step-expansion`` (beacon ``j`` sees one more span of ``r`` tokens than beacon
+``j - 1``), ``lo_j = j r`` for ``segmentation``. Everything in the window also sees the whole memory
+(sink, beacons of earlier windows, raw tokens kept by ratio 0), which sits at positions ``0 .. M-1``;
+the window's slots follow at ``M + offset``:
+
+==================  ==================================  ===============================  ==========================
+scheme, mode        raw token i sees (in the window)    beacon j sees                    beacon j's offset
+==================  ==================================  ===============================  ==========================
+full-coverage       every earlier slot (plain causal, incl. earlier beacons)             its slot index
+step-expansion,     raw 0..i                            raw 0..(j+1)r-1; beacons 0..j    (j+1)r + j
+append                                                  (attend_prev) or itself          (attend_prev) or (j+1)r
+step-expansion,     raw 0..i, never this window's       raw 0..(j+1)r-1 and itself       (j+1)r: the next raw's;
+interleave          beacons                                                              raw offsets stay i
+segmentation,       raw 0..i                            raw jr..(j+1)r-1; beacons 0..j   as step-expansion, append
+append                                                  (attend_prev) or itself
+==================  ==================================  ===============================  ==========================
+
+A beacon sits right after the last raw token it sees (and after the earlier beacons it sees), as the
+paper states. For segmentation the authors' code instead puts every beacon at offset ``r (+ j)``,
+which places beacons ``j >= 1`` before the tokens they read; longpeft follows the paper's rule.
+
+When a window is full its raw K/V are dropped and its beacons' K/V join the memory at positions
+``M .. M + b - 1`` (with ratio 0 the raw K/V themselves join it; the first window also keeps its first
+``sink`` raw tokens). Memory positions never change afterwards.
+
+This module imports only torch: it is part of the modeling file written beside exported models.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+SCHEMES = ("full-coverage", "step-expansion", "segmentation")
+POSITION_MODES = ("interleave", "append")
+PROJECTIONS = ("q", "k", "v", "o")
+
+
+@dataclasses.dataclass(frozen=True)
+class BeaconSettings:
+    """Resolved Activation Beacon settings used at run time (``config.beacon`` of a model).
+
+    Attributes:
+        window: raw tokens per window ``W``.
+        ratios / ratio_mix: condensing ratios (``0`` = keep the raw K/V) and how a training forward
+            picks one per window: ``step-random``, ``instance-random`` or ``adapt-N``.
+        inference_ratios / inference_ratio_mix: the same for forwards in eval mode (generation).
+        attn: ``full-coverage``, ``step-expansion`` or ``segmentation``.
+        pos: ``interleave`` or ``append``.
+        params: which projections have beacon weights (subset of q, k, v, o).
+        sink: raw tokens of the first window kept in memory for good.
+        attend_prev: beacons see the earlier beacons of their window.
+        embed_init: the beacon embedding starts as the ``eos`` or ``bos`` row.
+        projection: ``full`` (a copy of the projection) or ``lora`` (the projection plus a low-rank delta).
+        lora_rank / lora_alpha: rank and scale (``alpha / rank``) of the ``lora`` delta.
+    """
+
+    window: int = 1024
+    ratios: tuple[int, ...] = (2, 4, 8)
+    ratio_mix: str = "step-random"
+    inference_ratios: tuple[int, ...] = (2, 4, 8)
+    inference_ratio_mix: str = "adapt-1024"
+    attn: str = "full-coverage"
+    pos: str = "interleave"
+    params: tuple[str, ...] = ("q", "k", "v")
+    sink: int = 0
+    attend_prev: bool = True
+    embed_init: str = "eos"
+    projection: str = "full"
+    lora_rank: int = 32
+    lora_alpha: float = 32.0
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BeaconSettings:
+        """Settings from ``config.beacon`` (lists become tuples; unknown keys are an error)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            raise ValueError(f"config.beacon has unknown keys {unknown}; known: {sorted(fields)}")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowLayout:
+    """The slots of one full window in sequence order (a partial window is a prefix of them).
+
+    Attributes:
+        is_beacon: ``[L]`` bool, whether slot ``s`` is a beacon.
+        trigger: ``[L]`` long: a raw slot's raw index; a beacon's raw index after which it is inserted.
+            The slots of a window holding ``n`` raw tokens are those with ``trigger < n``.
+        offsets: ``[L]`` long, position of each slot minus the memory length ``M``.
+        visible: ``[L, L]`` bool, ``visible[q, k]``: slot ``q`` attends to slot ``k`` of the window.
+        ratio: the condensing ratio (0: no beacons, the raw K/V become memory).
+    """
+
+    is_beacon: torch.Tensor
+    trigger: torch.Tensor
+    offsets: torch.Tensor
+    visible: torch.Tensor
+    ratio: int
+
+    @property
+    def beacon_count(self) -> int:
+        return int(self.is_beacon.sum())
+
+    def slots_for(self, n_raw: int) -> int:
+        """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""
+        return int((self.trigger < n_raw).sum())
+
+
+@functools.lru_cache(maxsize=64)
+def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: bool) -> WindowLayout:
+    """The layout of a full window of ``window`` raw tokens condensed at ``ratio`` (0: none).
+
+    Raises:
+        ValueError: ``window`` not a multiple of ``ratio``, or segmentation with interleave.
+    """
+    if ratio < 0 or (ratio and window % ratio):
+        raise ValueError(f"beacon ratio {ratio} must be 0 or divide the window {window}")
+    if attn not in SCHEMES or pos not in POSITION_MODES:
+        raise ValueError(f"unknown beacon scheme {attn!r} or position mode {pos!r}")
+    if attn == "segmentation" and pos == "interleave" and ratio:
+        raise ValueError("beacon attn segmentation with pos interleave is not implemented; use pos: append")
+    n_beacons = window // ratio if ratio else 0
+    raw = torch.arange(window)
+    beacon = torch.arange(n_beacons)
+    last_raw_seen = (beacon + 1) * ratio - 1 if ratio else beacon  # raw index each beacon follows
+    if pos == "interleave":
+        # stable sort by trigger: beacon j comes right after raw (j+1)r - 1
+        trigger = torch.cat([raw, last_raw_seen])
+        is_beacon = torch.cat([torch.zeros(window, dtype=torch.bool), torch.ones(n_beacons, dtype=torch.bool)])
+        order = torch.sort(trigger * 2 + is_beacon.long(), stable=True).indices
+        trigger, is_beacon = trigger[order], is_beacon[order]
+    else:
+        trigger = torch.cat([raw, torch.full((n_beacons,), window - 1, dtype=torch.long)])
+        is_beacon = torch.cat([torch.zeros(window, dtype=torch.bool), torch.ones(n_beacons, dtype=torch.bool)])
+    length = window + n_beacons
+    slot = torch.arange(length)
+    raw_index = torch.where(is_beacon, -1, trigger)  # raw index of raw slots
+    beacon_index = torch.cumsum(is_beacon.long(), 0) - 1  # beacon index of beacon slots
+    beacon_index = torch.where(is_beacon, beacon_index, -1)
+
+    if attn == "full-coverage":
+        visible = slot[None, :] <= slot[:, None]
+        offsets = slot.clone()
+    else:
+        q_raw, k_raw = ~is_beacon[:, None], ~is_beacon[None, :]
+        q_b, k_b = is_beacon[:, None], is_beacon[None, :]
+        j = beacon_index[:, None]
+        k_raw_index = raw_index[None, :]
+        raw_sees = q_raw & k_raw & (k_raw_index <= raw_index[:, None])
+        hi = (j + 1) * ratio
+        lo = j * ratio if attn == "segmentation" else torch.zeros_like(j)
+        beacon_sees_raw = q_b & k_raw & (k_raw_index >= lo) & (k_raw_index < hi)
+        same = beacon_index[:, None] == beacon_index[None, :]
+        earlier = beacon_index[None, :] <= beacon_index[:, None]
+        beacon_sees_beacon = q_b & k_b & (earlier if attend_prev else same)
+        visible = raw_sees | beacon_sees_raw | beacon_sees_beacon
+        last_seen = (beacon_index + 1) * ratio  # offset right after the last raw token a beacon sees
+        if pos == "interleave":
+            offsets = torch.where(is_beacon, last_seen, raw_index)
+        else:
+            offsets = torch.where(is_beacon, last_seen + (beacon_index if attend_prev else 0), raw_index)
+    return WindowLayout(is_beacon, trigger, offsets, visible, ratio)
+
+
+def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
+    """``attend_prev`` implied or allowed by the scheme: full-coverage always sees earlier beacons;
+    step-expansion with interleave never does (raw tokens between them would see them too)."""
+    if attn == "full-coverage":
+        if attend_prev is False:
+            raise ValueError("attend_prev: false is impossible with attn: full-coverage (its mask is plain causal)")
+        return True
+    if attn == "step-expansion" and pos == "interleave":
+        if attend_prev:
+            raise ValueError("attend_prev: true is not possible with attn: step-expansion and pos: interleave")
+        return False
+    return True if attend_prev is None else attend_prev
+
+
+# ------------------------------------------------------------------------------------------------
+# Masks of one step
+# ------------------------------------------------------------------------------------------------
+
+
+def step_visibility(
+    layout: WindowLayout, memory_length: int, start: int, end: int, memory_keep: torch.Tensor | None,
+    window_keep: torch.Tensor | None,
+) -> torch.Tensor:
+    """Which keys the slots ``[start, end)`` of a window attend to.
+
+    Args:
+        layout: the window's layout.
+        memory_length: ``M``, memory entries before the window.
+        start, end: the slots fed in this step.
+        memory_keep: ``[batch, M]`` bool, False for memory entries that are padding (or None: none).
+        window_keep: ``[batch, end]`` bool, False for window slots that are padding (or None: none).
+
+    Returns:
+        ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
+        sees itself, so no row is empty (a padding query gets a finite, ignored output).
+    """
+    rows = layout.visible[start:end, :end]
+    batch = 1 if memory_keep is None and window_keep is None else (
+        (memory_keep if memory_keep is not None else window_keep).shape[0]
+    )
+    memory = torch.ones(batch, end - start, memory_length, dtype=torch.bool)
+    window = rows[None].expand(batch, -1, -1)
+    if memory_keep is not None and memory_length:
+        memory = memory & memory_keep[:, None, :].cpu()
+    if window_keep is not None:
+        window = window & window_keep[:, None, :].cpu()
+    diagonal = torch.zeros(end - start, end, dtype=torch.bool)
+    diagonal[torch.arange(end - start), torch.arange(start, end)] = True
+    return torch.cat([memory, window | diagonal], dim=-1)[:, None]
+
+
+def attention_mask_for(visible: torch.Tensor, implementation: str, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """The mask an attention kernel takes from a bool visibility ``[b, 1, q, k]``.
+
+    eager: additive float (0 or the dtype's minimum); sdpa and others: the bool mask itself;
+    flash_attention_2 (full-coverage only): None without padding, else the 2-D key mask ``[b, k]``
+    (flash-attn aligns a shorter query block to the end of the keys, which is the causal layout).
+    """
+    if "flash" in implementation:
+        keys = visible[:, 0, -1]  # the last query sees every non-padding key under full-coverage
+        return None if bool(keys.all()) else keys.to(device=device, dtype=torch.long)
+    if implementation == "eager":
+        mask = torch.zeros(visible.shape, dtype=dtype)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min).to(device)
+    return visible.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ratios
+# ------------------------------------------------------------------------------------------------
+
+
+def reachable_length(ratio: int, window: int, max_positions: int) -> int:
+    """Tokens a model with ``max_positions`` positions can read at ``ratio``: ``(P - W) r + W`` (``P`` at 0)."""
+    return (max_positions - window) * ratio + window if ratio else max_positions
+
+
+def adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
+    """The smallest ratio whose reachable length covers ``length`` tokens, else the largest ratio."""
+    fitting = [r for r in ratios if reachable_length(r, window, max_positions) >= length]
+    if not fitting:
+        return max(ratios)
+    return min(fitting, key=lambda r: reachable_length(r, window, max_positions))
+
+
+def mix_parameter(mix: str) -> int:
+    """N of ``adapt-N`` (tokens still to come after the input)."""
+    return int(mix.split("-", 1)[1])
+
+
+def choose_ratio(
+    ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None
+) -> int:
+    """The ratio of the next window.
+
+    Args:
+        ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
+        length: tokens of the sequence known so far (adapt-N adds N).
+        chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
+    """
+    if len(ratios) == 1:
+        return ratios[0]
+    if mix.startswith("adapt-"):
+        return chosen if chosen is not None else adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
+    if mix == "instance-random" and chosen is not None:
+        return chosen
+    return ratios[int(torch.randint(len(ratios), ()).item())]
+
+
+def window_span(settings: BeaconSettings, length: int, max_positions: int) -> int:
+    """Most keys any query attends to when ``length`` tokens run through at the inference ratio:
+    sink + beacons of all earlier windows + one window with its beacons (``length`` itself without beacons)."""
+    ratios = settings.inference_ratios
+    ratio = choose_ratio(ratios, "adapt-0" if len(ratios) > 1 else settings.inference_ratio_mix, settings.window,
+                         max_positions, length, None) if ratios else 0
+    windows = math.ceil(length / settings.window)
+    per_window = settings.window // ratio if ratio else settings.window
+    return min(length, settings.sink + (windows - 1) * per_window + settings.window + per_window)

@@ -1,0 +1,135 @@
+"""Beacon weights and the attention forward that uses them on beacon rows only.
+
+Per attention layer, each projection named in ``params`` gets a beacon twin stored beside it as
+``beacon_{q,k,v,o}_proj`` (the authors' tensor names): a :class:`BeaconLinear` (``full``: an
+independent copy of the projection's weight and bias) or a :class:`BeaconLoraDelta` (``lora``: the
+projection's own output plus a zero-initialised low-rank delta, equal to the copy at step 0). The
+stock projection (``nn.Linear``, bitsandbytes ``Linear4bit`` or a peft LoRA layer) computes every
+row; the beacon rows are then overwritten by the twin applied to those rows only (gather, project,
+scatter), which costs ``1 / (r + 1)`` of a projection instead of a second full one.
+
+The beacon embedding is one row, ``beacon_embed_tokens`` on the decoder stack, kept outside
+``embed_tokens``: the vocabulary is never resized.
+
+Beacon parameters are float32 (like peft's LoRA weights); their inputs are cast to float32 and their
+outputs back to the model's dtype.
+
+This module imports only torch and transformers: it is part of the exported modeling file.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+# longpeft-inline-begin
+from ...rope import apply_rotary
+from .cache import BeaconStep
+
+# longpeft-inline-end
+
+
+class BeaconLinear(nn.Module):
+    """``full`` beacon projection: ``y = W_b x + b_b`` with its own float32 weight ``[out, in]`` (and bias)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=torch.float32)) if bias else None
+
+    def forward(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` beacon rows, ``base [..., out]`` the stock projection of them (unused)."""
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)
+
+
+class BeaconLoraDelta(nn.Module):
+    """``lora`` beacon projection: ``y = base(x) + (alpha / rank) B A x``, ``A [rank, in]``, ``B [out, rank] = 0``."""
+
+    def __init__(self, in_features: int, out_features: int, rank: int, alpha: float) -> None:
+        super().__init__()
+        self.lora_A = nn.Linear(in_features, rank, bias=False, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, dtype=torch.float32)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=5**0.5)
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / rank
+
+    def forward(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``x [..., in]`` beacon rows, ``base [..., out]`` the stock projection of them."""
+        return base + self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype))) * self.scaling
+
+
+def project(attention: nn.Module, name: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """The stock ``{name}_proj`` of ``x [batch, seq, in]``, with the beacon twin on ``rows`` (indices into seq)."""
+    y = getattr(attention, f"{name}_proj")(x)
+    twin = getattr(attention, f"beacon_{name}_proj", None)
+    if twin is None or rows is None or rows.numel() == 0:
+        return y
+    beacon = twin(x.index_select(1, rows), y.index_select(1, rows))
+    return y.index_copy(1, rows, beacon.to(y.dtype))
+
+
+def beacon_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],
+    attention_mask: torch.Tensor | None = None,
+    past_key_values=None,
+    beacon_step: BeaconStep | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows.
+
+    Bound to every attention module while beacons are applied. Without a ``beacon_step`` (beacons
+    switched off) it computes what the stock forward computes. Qwen3's per-head q/k norms run before
+    the rotation, as in Qwen3. The pre-RoPE keys go to the beacon cache with the rotated ones.
+
+    Args:
+        hidden_states: ``[batch, seq, hidden]``.
+        position_embeddings: ``(cos, sin)``, each ``[batch, seq, head_dim]``.
+        attention_mask: what the attention kernel takes (a 4-D mask, a 2-D key mask for flash, or None).
+        past_key_values: a :class:`~.cache.BeaconCache` (with ``beacon_step``) or any transformers cache.
+        beacon_step: the window and slots this forward computes, with the beacon rows.
+
+    Returns:
+        ``(output [batch, seq, hidden], attention weights or None)``.
+    """
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    rows = beacon_step.beacon_rows if beacon_step is not None else None
+    query_states = project(self, "q", hidden_states, rows).view(hidden_shape)
+    key_states = project(self, "k", hidden_states, rows).view(hidden_shape)
+    value_states = project(self, "v", hidden_states, rows).view(hidden_shape).transpose(1, 2)
+    if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotation
+        query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
+    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+
+    cos, sin = position_embeddings
+    pre_rope_keys = key_states
+    query_states = apply_rotary(query_states, cos.unsqueeze(1), sin.unsqueeze(1))
+    key_states = apply_rotary(key_states, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    if past_key_values is not None:
+        extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
+        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, **extra)
+
+    eager: Callable = sys.modules[type(self).__module__].eager_attention_forward
+    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    attn_output, attn_weights = attention_interface(
+        self,
+        query_states,
+        key_states,
+        value_states,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        # Qwen2/Qwen3 set it per layer, Mistral reads the config, Llama has none.
+        sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
+        **kwargs,
+    )
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return project(self, "o", attn_output, rows), attn_weights

@@ -1,0 +1,175 @@
+"""Put Activation Beacon on a built model and take it off again, leaving the stock model untouched.
+
+``apply_beacon`` adds the beacon weights (``beacon_{q,k,v,o}_proj`` beside the projections,
+``beacon_embed_tokens`` on the decoder stack), binds the beacon attention forward to every attention
+module and the window scheduler to the decoder stack, lets the decoder layers keep the cache under
+gradient checkpointing, gives ``generate`` a beacon cache, and records the settings as
+``config.beacon``. ``remove_beacon`` undoes all of it. Works on plain and peft-wrapped models, and
+over a bitsandbytes 4-bit base (the ``full`` copies are dequantised).
+
+This module imports only torch and transformers: it is part of the exported modeling file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from types import MethodType
+
+import torch
+from torch import nn
+
+# longpeft-inline-begin
+from ...family import attention_modules
+from .layout import BeaconSettings
+from .modules import BeaconLinear, BeaconLoraDelta, beacon_attention_forward
+from .scheduler import beacon_backbone_forward, beacon_prepare_cache_for_generation
+
+# longpeft-inline-end
+
+_PATCHED_BACKBONE = ("forward", "beacon_settings", "beacons_enabled")
+
+
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside ``model`` (itself, or the base model of a peft wrapper)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (``model.model``) of a causal LM, plain or peft-wrapped."""
+    causal_lm = causal_lm_of(model)
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    if backbone is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
+        raise ValueError(f"{type(causal_lm).__name__} has no decoder stack with layers and embed_tokens")
+    return backbone
+
+
+def _base_layer(projection: nn.Module) -> nn.Module:
+    """The innermost layer of a projection (a peft LoRA layer wraps its ``base_layer``)."""
+    while hasattr(projection, "base_layer"):
+        projection = projection.base_layer
+    return projection
+
+
+def dense_weight(projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [out, in], bias [out] or None)`` of a projection, dequantised for bitsandbytes 4-bit,
+    the base weight for a peft LoRA layer."""
+    projection = _base_layer(projection)
+    weight = projection.weight
+    if hasattr(weight, "quant_state"):  # bitsandbytes Params4bit
+        import bitsandbytes.functional as bnb_functional
+
+        weight = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
+    return weight.detach(), None if projection.bias is None else projection.bias.detach()
+
+
+def _twin(projection: nn.Module, settings: BeaconSettings, initialise: bool) -> nn.Module:
+    """The beacon twin of a projection: a float32 copy (``full``) or a zero delta (``lora``)."""
+    base = _base_layer(projection)
+    in_features, out_features, has_bias = base.in_features, base.out_features, base.bias is not None
+    if settings.projection == "lora":
+        twin = BeaconLoraDelta(in_features, out_features, settings.lora_rank, settings.lora_alpha)
+    else:
+        twin = BeaconLinear(in_features, out_features, has_bias)
+        if initialise:
+            weight, bias = dense_weight(base)
+            with torch.no_grad():
+                twin.weight.copy_(weight.reshape(out_features, in_features).float())
+                if bias is not None:
+                    twin.bias.copy_(bias.float())
+    return twin.to(base.weight.device)
+
+
+def _special_token_id(config, name: str) -> int:
+    value = getattr(config, f"{name}_token_id", None)
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    if value is None:
+        raise ValueError(f"beacon embed_init: {name} needs config.{name}_token_id, which this model does not set; "
+                         f"use the other embed_init or set config.{name}_token_id")
+    return int(value)
+
+
+def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
+
+    Args:
+        model: the model; applying again replaces the settings and the beacon weights.
+        settings: :class:`BeaconSettings` or its dict (``config.beacon``).
+        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
+            the beacon embedding. Off when the weights are loaded right after (an exported model).
+    """
+    settings = settings if isinstance(settings, BeaconSettings) else BeaconSettings.from_dict(dict(settings))
+    causal_lm, backbone = causal_lm_of(model), backbone_of(model)
+    if is_beacon_applied(model):
+        remove_beacon(model)
+    attentions = attention_modules(backbone)
+    if not attentions:
+        raise ValueError(f"found no attention module with q/k/v/o projections in {type(causal_lm).__name__}")
+    embed = backbone.embed_tokens.weight
+    row = nn.Embedding(1, embed.shape[1], dtype=torch.float32, device=embed.device)
+    if initialise:
+        with torch.no_grad():
+            row.weight[0] = embed[_special_token_id(causal_lm.config, settings.embed_init)].float()
+    backbone.beacon_embed_tokens = row
+    for attention in attentions:
+        for name in settings.params:
+            setattr(attention, f"beacon_{name}_proj", _twin(getattr(attention, f"{name}_proj"), settings, initialise))
+        attention.forward = MethodType(beacon_attention_forward, attention)
+    for layer in backbone.layers:
+        layer._can_checkpoint_with_cache = True  # the recompute replays writes the beacon cache makes idempotent
+    backbone.forward = MethodType(beacon_backbone_forward, backbone)
+    backbone.beacon_settings = settings
+    backbone.beacons_enabled = True
+    causal_lm._prepare_cache_for_generation = MethodType(beacon_prepare_cache_for_generation, causal_lm)
+    causal_lm.config.beacon = settings.as_dict()
+
+
+def is_beacon_applied(model: nn.Module) -> bool:
+    """Whether Activation Beacon is on ``model``."""
+    try:
+        return hasattr(backbone_of(model), "beacon_embed_tokens")
+    except ValueError:
+        return False
+
+
+def remove_beacon(model: nn.Module) -> None:
+    """Undo :func:`apply_beacon`: the model is the stock one again, parameter for parameter.
+
+    Raises:
+        ValueError: the model has no beacons.
+    """
+    if not is_beacon_applied(model):
+        raise ValueError(f"{type(model).__name__} has no Activation Beacon to remove")
+    causal_lm, backbone = causal_lm_of(model), backbone_of(model)
+    del backbone.beacon_embed_tokens
+    for name in _PATCHED_BACKBONE:
+        backbone.__dict__.pop(name, None)
+    for attention in attention_modules(backbone):
+        for name in ("q", "k", "v", "o"):
+            if hasattr(attention, f"beacon_{name}_proj"):
+                delattr(attention, f"beacon_{name}_proj")
+        attention.__dict__.pop("forward", None)
+    for layer in backbone.layers:
+        layer.__dict__.pop("_can_checkpoint_with_cache", None)
+    causal_lm.__dict__.pop("_prepare_cache_for_generation", None)
+    if hasattr(causal_lm.config, "beacon"):
+        del causal_lm.config.beacon
+
+
+def beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The beacon parameters by their name in the decoder stack (``layers.0.self_attn.beacon_q_proj.weight``, ...)."""
+    backbone = backbone_of(model)
+    return {name: p for name, p in backbone.named_parameters() if ".beacon_" in f".{name}"}
+
+
+@contextlib.contextmanager
+def beacons_disabled(model: nn.Module) -> Iterator[None]:
+    """Run a block with beacons off: the model computes what the stock model computes."""
+    backbone = backbone_of(model)
+    before = backbone.beacons_enabled
+    backbone.beacons_enabled = False
+    try:
+        yield
+    finally:
+        backbone.beacons_enabled = before

@@ -1,0 +1,188 @@
+"""The window scheduler: the decoder stack's forward with Activation Beacon.
+
+:func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``). It cuts
+the new raw tokens into windows, inserts the beacon embeddings, and runs the stock decoder stack
+once per window (or per part of a window) with an explicit mask, explicit positions and the
+:class:`~.cache.BeaconCache`. It returns the hidden states of the raw tokens only, so beacons never
+get logits and are never scored. Everything above the stock stack is the model's own: the causal
+LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens in tiles).
+
+- Training (``self.training``): all windows in one forward; memory tensors stay in the autograd
+  graph, so a loss on a late window trains the beacons of every earlier one. The window that
+  reaches the end of the input gets no beacons (nothing would read them).
+- Inference: prefill and token-by-token decoding through the same code; a window that fills up is
+  committed when the next raw token arrives, so decoding one token at a time inserts the beacons
+  exactly where one prefill would.
+
+Rows of a batch share one layout (window borders by index): left padding is allowed and masked.
+
+This module imports only torch and transformers: it is part of the exported modeling file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicCache
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+# longpeft-inline-begin
+from ...rope import apply_rotary
+from .cache import BeaconCache, BeaconStep
+from .layout import BeaconSettings, attention_mask_for, choose_ratio, step_visibility, window_layout
+
+# longpeft-inline-end
+
+
+def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor | None:
+    """``[batch, n_new]`` bool padding mask of the new tokens (None when nothing is padding)."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    keep = attention_mask[:, -n_new:].bool()
+    return None if bool(keep.all()) else keep.cpu()
+
+
+def _rotate_with(rotary: torch.nn.Module) -> Any:
+    """``rotate(pre_rope_keys [b, h, n, d], positions [n])``: keys as the model's rotary module rotates them."""
+
+    def rotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rotary(keys, positions[None].to(keys.device))
+        return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    return rotate
+
+
+def _check_checkpointing(backbone: torch.nn.Module) -> None:
+    for layer in backbone.layers:
+        function = getattr(layer, "_gradient_checkpointing_func", None)
+        if layer.gradient_checkpointing and getattr(function, "keywords", {}).get("use_reentrant"):
+            raise ValueError(
+                "Activation Beacon needs non-reentrant gradient checkpointing (the memory is written inside the "
+                "checkpointed layers); enable it with gradient_checkpointing_kwargs={'use_reentrant': False}"
+            )
+
+
+def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: BeaconSettings, length: int,
+                  last: bool) -> None:
+    """Choose the ratio and layout of the window that begins now (``last``: a training window that ends the input)."""
+    state = cache.state
+    if backbone.training:
+        ratios, mix = settings.ratios, settings.ratio_mix
+    else:
+        ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
+    max_positions = backbone.config.max_position_embeddings
+    ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio)
+    if mix.startswith("adapt-") or mix == "instance-random":
+        state.chosen_ratio = ratio
+    if backbone.training and last:
+        ratio = 0  # no beacons in the window that ends a training input
+    state.layout = window_layout(settings.window, ratio, settings.attn, settings.pos, settings.attend_prev)
+
+
+def beacon_backbone_forward(
+    self: torch.nn.Module,
+    input_ids: torch.LongTensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.LongTensor | None = None,
+    past_key_values=None,
+    inputs_embeds: torch.Tensor | None = None,
+    use_cache: bool | None = None,
+    **kwargs,
+) -> BaseModelOutputWithPast:
+    """The decoder stack's forward with beacons (bound to ``model.model`` by ``apply_beacon``).
+
+    Args:
+        input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
+        attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
+        position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
+        past_key_values: a :class:`BeaconCache` to continue, or None / an empty DynamicCache for a new one.
+        use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
+
+    Returns:
+        ``last_hidden_state [batch, n, hidden]`` of the raw tokens and ``past_key_values`` (the cache).
+    """
+    stock_forward = type(self).forward
+    if not self.beacons_enabled:
+        return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("give exactly one of input_ids or inputs_embeds")
+    settings: BeaconSettings = self.beacon_settings
+    cache = past_key_values
+    if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
+        cache = BeaconCache()
+    elif not isinstance(cache, BeaconCache):
+        raise ValueError(
+            f"Activation Beacon keeps its memory in a BeaconCache, got a {type(cache).__name__} holding tokens; "
+            "pass past_key_values=None (a new request) or the BeaconCache returned by the previous call"
+        )
+    if self.training:
+        _check_checkpointing(self)
+    raw_embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+    batch, n_new = raw_embeds.shape[:2]
+    keep_new = _keep_mask(attention_mask, n_new)
+    state = cache.state
+    total = state.raw_seen + n_new
+    rotate = _rotate_with(self.rotary_emb)
+    beacon_row = self.beacon_embed_tokens.weight[0].to(raw_embeds.dtype)
+    implementation = self.config._attn_implementation or "eager"
+    outputs, done = [], 0
+    while done < n_new:
+        if state.layout is not None and state.window_raw == settings.window:
+            cache.commit(rotate, settings.sink)
+        if state.layout is None:
+            _start_window(self, cache, settings, total, last=state.raw_seen + settings.window >= total)
+        layout = state.layout
+        take = min(n_new - done, settings.window - state.window_raw)
+        start, end = state.window_slots, layout.slots_for(state.window_raw + take)
+        is_beacon = layout.is_beacon[start:end]
+        raw_rows = (~is_beacon).nonzero().flatten().to(raw_embeds.device)
+        beacon_rows = is_beacon.nonzero().flatten().to(raw_embeds.device)
+
+        step_embeds = beacon_row.expand(batch, end - start, -1).clone()
+        step_embeds = step_embeds.index_copy(1, raw_rows, raw_embeds[:, done : done + take])
+        if keep_new is not None or state.window_keep is not None:
+            keep = torch.ones(batch, end - start, dtype=torch.bool)
+            if keep_new is not None:
+                keep[:, raw_rows.cpu()] = keep_new[:, done : done + take]
+            previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
+            state.window_keep = torch.cat([previous, keep], dim=1)
+        visible = step_visibility(layout, state.memory_length, start, end, state.memory_keep, state.window_keep)
+        mask = attention_mask_for(visible, implementation, raw_embeds.dtype, raw_embeds.device)
+        positions = (state.memory_length + layout.offsets[start:end])[None].to(raw_embeds.device)
+        step = BeaconStep(state.window_index, state.memory_length, start, end,
+                          beacon_rows if beacon_rows.numel() else None)
+        hidden = stock_forward(self, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
+                               past_key_values=cache, use_cache=True, beacon_step=step, **kwargs).last_hidden_state
+        outputs.append(hidden.index_select(1, raw_rows))
+        state.window_raw += take
+        state.window_slots = end
+        state.raw_seen += take
+        done += take
+    return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), past_key_values=cache)
+
+
+SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
+                                        max_cache_length: int) -> None:
+    """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
+    caller's), and a clear error for decoding methods that would reorder or crop the memory."""
+    if generation_mode not in SUPPORTED_GENERATION:
+        raise ValueError(
+            f"Activation Beacon supports greedy and sampling generation, not {generation_mode.value} (its memory "
+            "cannot be reordered or rolled back); set num_beams=1 and do not pass an assistant model"
+        )
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"Activation Beacon brings its own cache; cache_implementation={generation_config.cache_implementation!r} "
+            "cannot be used with it"
+        )
+    given = model_kwargs.get("past_key_values")
+    if given is not None and not isinstance(given, BeaconCache):
+        raise ValueError(f"past_key_values must be a BeaconCache for a beacon model, got {type(given).__name__}")
+    if given is None and generation_config.use_cache is not False:
+        model_kwargs["past_key_values"] = BeaconCache()

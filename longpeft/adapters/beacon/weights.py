@@ -1,0 +1,186 @@
+"""Beacon weights on disk: our adapter file, and the converter from the authors' released checkpoints.
+
+An adapter keeps the beacon weights in ``beacon_adapter.safetensors`` beside ``longpeft.json`` (and
+``adapter_config.json`` when LoRA also trained). Tensor names are those of the authors' models, as
+the causal LM's state dict has them: ``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``
+(``...beacon_q_proj.lora_A.weight`` / ``lora_B.weight`` with ``projection: lora``) and
+``model.beacon_embed_tokens.weight``.
+
+The authors release full models (base weights + beacon weights + remote code, transformers 4.39).
+:func:`convert_authors_checkpoint` reads only their beacon tensors and beacon settings and writes
+our adapter for the matching stock base, so no remote code runs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from .config import BeaconConfig
+from .patch import beacon_parameters, causal_lm_of
+
+WEIGHTS_FILENAME = "beacon_adapter.safetensors"
+AUTHORS_TENSOR = re.compile(r"^model\.(layers\.\d+\.self_attn\.beacon_[qkvo]_proj\.(weight|bias)|beacon_embed_tokens\.weight)$")
+
+
+def _prefix(model: nn.Module) -> str:
+    return f"{causal_lm_of(model).base_model_prefix}."
+
+
+def beacon_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``, ...)."""
+    prefix = _prefix(model)
+    return {prefix + name: p.detach() for name, p in beacon_parameters(model).items()}
+
+
+def save_beacon_weights(model: nn.Module, folder: str | Path) -> Path:
+    """Write ``beacon_adapter.safetensors`` (float32) into ``folder``; returns its path."""
+    path = Path(folder) / WEIGHTS_FILENAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {name: t.float().contiguous().cpu() for name, t in beacon_state_dict(model).items()}
+    if not tensors:
+        raise ValueError("the model has no beacon weights to save; apply Activation Beacon first")
+    save_file(tensors, str(path), metadata={"format": "pt", "source": "longpeft"})
+    return path
+
+
+def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
+    """Load ``beacon_adapter.safetensors`` from ``folder`` into a model that has beacons of the same shape.
+
+    Raises:
+        FileNotFoundError: no weights file; ValueError: names or shapes that do not match (listed).
+    """
+    path = Path(folder) / WEIGHTS_FILENAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: the adapter's longpeft.json names Activation Beacon but its "
+                                "beacon weights are missing")
+    own = {_prefix(model) + name: p for name, p in beacon_parameters(model).items()}
+    with safe_open(str(path), framework="pt") as f:
+        stored = set(f.keys())
+        missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
+        if missing or unexpected:
+            raise ValueError(f"{path} does not fit the model's beacon weights: missing {missing[:4]}"
+                             f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                             f"{'...' if len(unexpected) > 4 else ''} (projection kind or params differ?)")
+        with torch.no_grad():
+            for name, parameter in own.items():
+                tensor = f.get_tensor(name)
+                if tensor.shape != parameter.shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                     f"{tuple(parameter.shape)}; load it on the base model it was trained on")
+                parameter.copy_(tensor.to(parameter.dtype))
+
+
+# ------------------------------------------------------------------------------------------------
+# The authors' checkpoints
+# ------------------------------------------------------------------------------------------------
+
+_MIXES = ("step-random", "instance-random")
+
+
+def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
+    """Our ``beacon`` section from the ``beacon_*`` fields of an authors' config.json.
+
+    Raises:
+        ValueError: the checkpoint is not a beacon model, or uses a stride other than its window.
+    """
+    if "beacon_window" not in config:
+        raise ValueError("config.json has no beacon_window: not an Activation Beacon checkpoint")
+    window = int(config["beacon_window"])
+    stride = int(config.get("beacon_stride", window))
+    if stride != window:
+        raise ValueError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window")
+    ratios = [int(r) for r in config.get("beacon_ratio", [2, 4, 8])]
+    mix = str(config.get("beacon_ratio_mix", "step-random"))
+    if not (mix in _MIXES or re.fullmatch(r"adapt-\d+", mix)):
+        warnings.warn(f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random", stacklevel=2)
+        mix = "step-random"
+    return BeaconConfig(
+        window=window,
+        ratios=ratios,
+        ratio_mix=mix,
+        attn=config.get("beacon_attn", "full-coverage"),
+        pos=config.get("beacon_pos", "interleave"),
+        params=list(config.get("beacon_param", ["q", "k", "v"])),
+        sink=int(config.get("beacon_sink_size", 0)),
+        attend_prev=config.get("beacon_attend_prev"),
+        embed_init=config.get("beacon_embed_init", "eos"),
+    ).resolved()
+
+
+def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Path]]:
+    """(folder, config.json, the safetensors files that hold beacon tensors) of a local folder or Hub repo."""
+    folder = Path(source)
+    if not folder.is_dir():
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
+        index = next(iter(folder.glob("*.safetensors.index.json")), None)
+        names = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if AUTHORS_TENSOR.match(k)}) \
+            if index else ["model.safetensors"]
+        files = [Path(hf_hub_download(str(source), name)) for name in names]
+    else:
+        index = next(iter(folder.glob("*.safetensors.index.json")), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [folder / f for f in sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
+    return folder, json.loads(config_path.read_text()), files
+
+
+def convert_authors_checkpoint(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
+    """Write a longpeft beacon adapter from an authors' released Activation Beacon model.
+
+    Reads the checkpoint's ``beacon_*`` settings and its beacon tensors only (no remote code runs),
+    and writes ``out_dir/longpeft.json`` (for ``base``) and ``out_dir/beacon_adapter.safetensors``.
+    Then ``longpeft.load(base, out_dir)`` gives the stock base with the authors' beacons.
+
+    Args:
+        source: local folder or Hub id of the authors' model (e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``).
+        out_dir: new adapter folder.
+        base: the stock model the checkpoint was built on (Hub id or folder), e.g. ``Qwen/Qwen2-7B-Instruct``.
+
+    Returns:
+        ``{"out_dir", "tensors", "beacon"}``.
+    """
+    from transformers import AutoConfig
+
+    from ...spec import ContextSpec
+
+    folder, checkpoint_config, files = _checkpoint_files(source)
+    beacon = config_from_authors(checkpoint_config)
+    base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if checkpoint_config.get(key) != getattr(base_config, key, None):
+            raise ValueError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
+                             f"{getattr(base_config, key, None)} in the base; give the matching stock base with --base")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k).float().contiguous() for k in f.keys() if AUTHORS_TENSOR.match(k)})
+    expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in range(base_config.num_hidden_layers)
+                for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
+    spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()})
+    spec.save(out_dir)
+    return {"out_dir": str(out_dir), "tensors": len(tensors), "beacon": beacon.model_dump()}
+
