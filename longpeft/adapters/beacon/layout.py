@@ -289,11 +289,13 @@ def choose_ratio(
 
 
 def window_span(settings: BeaconSettings, length: int, max_positions: int) -> int:
-    """Most keys any query attends to when ``length`` tokens run through at the inference ratio:
-    sink + beacons of all earlier windows + one window with its beacons (``length`` itself without beacons)."""
+    """Positions ``length`` tokens occupy at the inference ratio the model adapts to: the memory
+    (sink and the beacons of every full window) plus the last window with its beacons."""
     ratios = settings.inference_ratios
-    ratio = choose_ratio(ratios, "adapt-0" if len(ratios) > 1 else settings.inference_ratio_mix, settings.window,
-                         max_positions, length, None) if ratios else 0
+    ratio = ratios[0] if len(ratios) == 1 else adapt_ratio(ratios, settings.window, max_positions, length)
     windows = math.ceil(length / settings.window)
-    per_window = settings.window // ratio if ratio else settings.window
-    return min(length, settings.sink + (windows - 1) * per_window + settings.window + per_window)
+    last = length - (windows - 1) * settings.window
+    if not ratio:
+        return length
+    memory = (settings.sink + (windows - 1) * (settings.window // ratio)) if windows > 1 else 0
+    return memory + last + last // ratio

@@ -1,0 +1,138 @@
+"""Golden masks and positions of one window (W = 4 raw tokens, ratio 2, so 2 beacons), every attention
+scheme x position mode, written by hand from the paper and the research note's table A.2 (not
+produced by the implementation): slot order, which slots each slot attends to, position offsets
+(position minus the memory length M). Then one step's full mask with memory and padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longpeft.adapters.beacon import BeaconConfig
+from longpeft.adapters.beacon.layout import adapt_ratio, attention_mask_for, step_visibility, window_layout
+
+T = torch.tensor
+CAUSAL6 = T([[1, 0, 0, 0, 0, 0],
+             [1, 1, 0, 0, 0, 0],
+             [1, 1, 1, 0, 0, 0],
+             [1, 1, 1, 1, 0, 0],
+             [1, 1, 1, 1, 1, 0],
+             [1, 1, 1, 1, 1, 1]])
+
+# (attn, pos, attend_prev): (is_beacon per slot, offsets, visible[q, k])
+GOLDEN = {
+    # r0 r1 b0 r2 r3 b1: plain causal; every slot takes its own position
+    ("full-coverage", "interleave", True): ([0, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5], CAUSAL6),
+    # r0 r1 r2 r3 b0 b1: plain causal, beacons after the window
+    ("full-coverage", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 4, 5], CAUSAL6),
+    # b0 sees r0 r1 (one span), b1 sees r0..r3 (two spans) and b0; a beacon sits after the last
+    # raw token it sees and after the earlier beacons it sees: b0 at pos(r1)+1, b1 at pos(r3)+2
+    ("step-expansion", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 5], T([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 1, 1, 1, 1]])),
+    ("step-expansion", "append", False): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 4], T([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 1, 1, 0, 1]])),
+    # r0 r1 b0 r2 r3 b1: raw tokens never see this window's beacons and keep consecutive positions;
+    # a beacon takes the position of the next raw token
+    ("step-expansion", "interleave", False): ([0, 0, 1, 0, 0, 1], [0, 1, 2, 2, 3, 4], T([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 1, 0],
+        [1, 1, 0, 1, 1, 1]])),
+    # b0 sees r0 r1, b1 sees r2 r3 only
+    ("segmentation", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 5], T([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [0, 0, 1, 1, 1, 1]])),
+    ("segmentation", "append", False): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 4], T([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [0, 0, 1, 1, 0, 1]])),
+}
+
+
+@pytest.mark.parametrize("key", list(GOLDEN), ids=lambda k: "-".join(map(str, k)))
+def test_window_layout_matches_the_hand_written_table(key):
+    is_beacon, offsets, visible = GOLDEN[key]
+    layout = window_layout(4, 2, *key)
+    assert layout.is_beacon.tolist() == [bool(b) for b in is_beacon]
+    assert layout.offsets.tolist() == offsets
+    assert torch.equal(layout.visible, visible.bool())
+
+
+def test_ratio_zero_is_a_plain_causal_window_and_partial_windows_are_prefixes():
+    layout = window_layout(4, 0, "step-expansion", "append", True)
+    assert layout.is_beacon.tolist() == [False] * 4 and layout.offsets.tolist() == [0, 1, 2, 3]
+    assert torch.equal(layout.visible, CAUSAL6[:4, :4].bool())
+    interleave = window_layout(4, 2, "full-coverage", "interleave", True)
+    append = window_layout(4, 2, "full-coverage", "append", True)
+    # 3 raw tokens: r0 r1 b0 r2 interleaved; append inserts beacons only into a full window
+    assert [interleave.slots_for(n) for n in range(5)] == [0, 1, 3, 4, 6]
+    assert [append.slots_for(n) for n in range(5)] == [0, 1, 2, 3, 6]
+
+
+def test_one_step_mask_with_memory_and_padding():
+    layout = window_layout(4, 2, "full-coverage", "interleave", True)
+    memory_keep = T([[1, 0]]).bool()  # M = 2, the second memory entry is padding
+    window_keep = T([[0, 1, 1, 1, 1]]).bool()  # r0 is padding
+    # slots r2, r3 (3 and 4) fed after r0 r1 b0: columns m0 m1 | r0 r1 b0 r2 r3
+    visible = step_visibility(layout, 2, 3, 5, memory_keep, window_keep)
+    assert visible.shape == (1, 1, 2, 7)
+    assert visible[0, 0].long().tolist() == [[1, 0, 0, 1, 1, 1, 0],
+                                             [1, 0, 0, 1, 1, 1, 1]]
+    # a padding query still sees itself (no empty row)
+    first = step_visibility(layout, 2, 0, 2, memory_keep, window_keep[:, :2])
+    assert first[0, 0].long().tolist() == [[1, 0, 1, 0],
+                                           [1, 0, 0, 1]]
+    eager = attention_mask_for(first, "eager", torch.float32, "cpu")
+    assert eager[0, 0, 0].tolist() == [0.0, torch.finfo(torch.float32).min, 0.0, torch.finfo(torch.float32).min]
+    assert attention_mask_for(first, "sdpa", torch.float32, "cpu").dtype == torch.bool
+    assert attention_mask_for(step_visibility(layout, 2, 3, 5, None, None), "flash_attention_2", torch.float32,
+                              "cpu") is None
+
+
+def test_adapt_picks_the_smallest_ratio_that_reaches_the_input():
+    # reach (P - W) r + W with P = 256 positions and W = 64: r=2 -> 448, 4 -> 832, 8 -> 1600
+    assert adapt_ratio((2, 4, 8), 64, 256, 448) == 2
+    assert adapt_ratio((2, 4, 8), 64, 256, 449) == 4
+    assert adapt_ratio((8, 2, 4), 64, 256, 1000) == 8
+    assert adapt_ratio((2, 4, 8), 64, 256, 10**6) == 8  # nothing reaches: the largest
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"attn": "segmentation", "pos": "interleave"}, "segmentation with pos: interleave"),
+    ({"window": 100, "ratios": [3]}, "ratio 3 must be 0 or divide window 100"),
+    ({"attn": "step-expansion", "pos": "interleave", "attend_prev": True}, "attend_prev: true is not possible"),
+    ({"attend_prev": False}, "impossible with attn: full-coverage"),
+    ({"sink": 1024}, "sink"),
+    ({"params": ["q", "q"]}, "at most once"),
+    ({"lora_rank": 8}, "settings of projection: lora"),
+    ({"ratio_mix": "sequence"}, "step-random, instance-random or adapt-N"),
+    ({"inference_ratios": [5]}, "inference_ratios: ratio 5"),
+])
+def test_bad_settings_name_the_field(settings, message):
+    with pytest.raises(ValueError, match=message):
+        BeaconConfig(**settings)
+
+
+def test_resolved_settings_write_out_what_is_implied():
+    resolved = BeaconConfig(attn="step-expansion", pos="interleave", projection="lora").resolved()
+    assert resolved.attend_prev is False and resolved.inference_ratios == [2, 4, 8]
+    assert (resolved.lora_rank, resolved.lora_alpha) == (32, 32.0)

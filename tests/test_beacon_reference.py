@@ -1,0 +1,136 @@
+"""An independent dense reference: two- and three-window compressed forwards recomputed in plain torch
+(explicit per-window masks built by loops from the rules, explicit RoPE rotations at explicit
+positions, beacon keys rotated directly at their memory positions) equal the implementation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from longpeft.adapters.beacon import BeaconConfig, apply_beacon
+from longpeft.tiny import tiny_model
+
+WINDOW, SINK = 8, 1
+
+
+def rope(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
+    """Rotate ``x [heads, n, d]``: pair (j, j + d/2) turns by position * theta^(-2j/d)."""
+    d = x.shape[-1]
+    angles = torch.tensor(positions, dtype=torch.float32)[:, None] * theta ** (-torch.arange(0, d, 2).float() / d)
+    cos, sin = angles.cos(), angles.sin()
+    first, second = x[..., : d // 2], x[..., d // 2 :]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
+
+
+def rms(x: torch.Tensor, norm) -> torch.Tensor:
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+
+
+def linear(x, layer):
+    return x @ layer.weight.T + (layer.bias if layer.bias is not None else 0)
+
+
+def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
+    """Slots (kind, index), positions and the [slots, memory + slots] mask of a window, from the rules."""
+    beacons = n_raw // ratio if pos == "interleave" or n_raw == WINDOW else 0
+    if pos == "interleave":
+        slots = []
+        for i in range(n_raw):
+            slots.append(("raw", i))
+            if (i + 1) % ratio == 0:
+                slots.append(("beacon", (i + 1) // ratio - 1))
+    else:
+        slots = [("raw", i) for i in range(n_raw)] + [("beacon", j) for j in range(beacons)]
+    positions = []
+    for s, (kind, i) in enumerate(slots):
+        if attn == "full-coverage":
+            positions.append(memory + s)
+        elif kind == "raw":
+            positions.append(memory + i)
+        else:  # step-expansion, append, attend_prev: after its last raw token and the earlier beacons
+            positions.append(memory + (i + 1) * ratio + i)
+    mask = torch.zeros(len(slots), memory + len(slots), dtype=torch.bool)
+    mask[:, :memory] = True
+    for q, (q_kind, qi) in enumerate(slots):
+        for k, (k_kind, ki) in enumerate(slots):
+            if attn == "full-coverage":
+                allowed = k <= q
+            elif q_kind == "raw":
+                allowed = k_kind == "raw" and ki <= qi
+            else:
+                allowed = ki < (qi + 1) * ratio if k_kind == "raw" else ki <= qi
+            mask[q, memory + k] = allowed
+    return slots, positions, mask
+
+
+def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int) -> torch.Tensor:
+    """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window."""
+    config, backbone = model.config, model.model
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    d, theta = config.head_dim, config.rope_parameters["rope_theta"]
+    memory_k = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
+    memory_v = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
+    logits = []
+    for w, begin in enumerate(range(0, ids.numel(), WINDOW)):
+        chunk = ids[begin : begin + WINDOW]
+        m = memory_k[0].shape[1]
+        slots, positions, mask = window_rules(attn, pos, ratio, chunk.numel(), m)
+        beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
+        x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw" else backbone.beacon_embed_tokens.weight[0]
+                         for kind, i in slots])
+        pre_rope_beacon_keys = []
+        for layer_index, layer in enumerate(backbone.layers):
+            attention = layer.self_attn
+
+            def project(name, inputs):
+                out = linear(inputs, getattr(attention, f"{name}_proj"))
+                for row in beacon_rows:
+                    out[row] = linear(inputs[row], getattr(attention, f"beacon_{name}_proj"))
+                return out
+
+            h = rms(x, layer.input_layernorm)
+            q = project("q", h).view(-1, heads, d).transpose(0, 1)
+            k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
+            v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
+            pre_rope_beacon_keys.append(k[:, beacon_rows])
+            q, k = rope(q, positions, theta), rope(k, positions, theta)
+            keys = torch.cat([memory_k[layer_index], k], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+            values = torch.cat([memory_v[layer_index], v], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+            scores = (q @ keys.transpose(1, 2)) / math.sqrt(d)
+            scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            out = (scores @ values).transpose(0, 1).reshape(len(slots), -1)
+            x = x + project("o", out)
+            mlp = layer.mlp
+            h = rms(x, layer.post_attention_layernorm)
+            x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+            # memory after a full window: sink raw tokens (window 0), then the beacons rotated directly
+            # at their memory positions
+            if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
+                raw_rows = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
+                sink_rows = raw_rows[:SINK] if w == 0 else []
+                start = m + len(sink_rows)
+                beacon_keys = rope(pre_rope_beacon_keys[layer_index], list(range(start, start + len(beacon_rows))), theta)
+                memory_k[layer_index] = torch.cat([memory_k[layer_index], k[:, sink_rows], beacon_keys], dim=1)
+                memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, sink_rows], v[:, beacon_rows]], dim=1)
+        raw = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
+        logits.append(linear(rms(x[raw], backbone.norm), model.lm_head))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("length", [16 + 5, 8 + 8])  # three windows (last partial), two full windows
+@pytest.mark.parametrize("attn,pos,ratio", [("full-coverage", "interleave", 2), ("step-expansion", "append", 4)])
+def test_compressed_forward_equals_the_dense_reference(length, attn, pos, ratio):
+    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
+    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=SINK, params=["q", "k", "v", "o"])
+    apply_beacon(model, settings.settings())
+    with torch.no_grad():  # make the beacon weights differ from the copies they start as
+        for name, parameter in model.named_parameters():
+            if ".beacon_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.05)
+    ids = torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(length))
+    with torch.no_grad():
+        expected = reference_logits(model, ids, attn, pos, ratio)
+        actual = model(ids[None]).logits[0]
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
