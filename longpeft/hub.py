@@ -64,7 +64,7 @@ def merge(
     ids = probe_ids(model.config.vocab_size)
     with torch.no_grad():
         reference = model(ids).logits.float() if verify else None
-        merged = model.merge_and_unload().eval()
+        merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     merged.config.name_or_path = str(out_dir)
     merged.save_pretrained(out_dir)

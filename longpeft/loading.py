@@ -8,7 +8,7 @@ from typing import Any
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from .adapters import apply_spec, load_method_weights
+from .adapters import apply_spec, load_method_weights, spec_methods
 from .spec import ContextSpec
 
 
@@ -104,7 +104,7 @@ def load(
     is_trainable: bool = False,
     strict_base_id: bool = False,
     **from_pretrained_kwargs: Any,
-) -> PeftModel:
+) -> PeftModel | PreTrainedModel:
     """Load a longpeft adapter: apply its ContextSpec to the base model, then its weights.
 
     Args:
@@ -117,7 +117,8 @@ def load(
             device_map, quantization_config, attn_implementation, revision, ...).
 
     Returns:
-        The PeftModel, with the applied ContextSpec as ``model.longpeft_spec``.
+        The PeftModel (the model itself for an adapter without LoRA weights, e.g. Activation Beacon
+        trained with ``finetune: method``), with the applied ContextSpec as ``model.longpeft_spec``.
 
     Raises:
         SpecMismatchError: the adapter does not fit the base (checked on the config, before any
@@ -138,7 +139,11 @@ def load(
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)
-    model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+    if (adapter_dir / "adapter_config.json").is_file():
+        model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+    elif not any(method.load is not None for method, _ in spec_methods(spec)):
+        raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
+                                "own): not an adapter folder")
     load_method_weights(model, spec, adapter_dir)
     model.longpeft_spec = spec  # what was applied (e.g. STRING's default L is the trained length)
     return model

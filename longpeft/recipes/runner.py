@@ -4,7 +4,8 @@ Output folder (``recipe.output_dir``)::
 
     base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
     checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
-    adapter/              LoRA adapter + longpeft.json + tokenizer
+    adapter/              LoRA adapter (and the method's own weights, e.g. beacon_adapter.safetensors) +
+                          longpeft.json + tokenizer; only the method's weights with ``finetune: method``
     model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
     metrics.jsonl         one JSON object per logging step
     metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
@@ -34,7 +35,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights
+from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights, spec_methods
 from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
@@ -140,13 +141,28 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
     bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
     if bad_rows:
         problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
-    if recipe.data.max_length > spec.max_position_embeddings:
+    span = positions_spanned(spec, recipe.data.max_length)
+    if span > spec.max_position_embeddings:
         problems.append(
-            f"data.max_length={recipe.data.max_length} is beyond the adapted model's {spec.max_position_embeddings} "
-            "positions; raise rope.max_position_embeddings"
+            f"data.max_length={recipe.data.max_length} spans {span} positions, beyond the adapted model's "
+            f"{spec.max_position_embeddings}; raise rope.max_position_embeddings"
         )
     if problems:
         raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))
+
+
+def positions_spanned(spec: ContextSpec, length: int) -> int:
+    """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
+    unless a method keeps positions bounded, as Activation Beacon does)."""
+    spans = [method.span(config, length, spec.max_position_embeddings)
+             for method, config in spec_methods(spec) if method.span is not None]
+    return min(spans, default=length)
+
+
+def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
+    """The recipe method's own weights on ``model`` (Activation Beacon's), or none."""
+    method = METHODS[recipe.method]
+    return method.parameters(model) if method.parameters is not None else {}
 
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
@@ -228,7 +244,7 @@ def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
     """
     from peft import LoraConfig
 
-    if recipe.finetune == "full":
+    if recipe.finetune != "lora":
         return None
     lora = recipe.lora
     return LoraConfig(
@@ -302,7 +318,7 @@ def sft_config(recipe: Recipe, output_dir: Path):
         max_grad_norm=t.max_grad_norm,
         seed=t.seed,
         data_seed=t.seed,
-        bf16=recipe.model.dtype == "bfloat16" and recipe.finetune == "lora",
+        bf16=recipe.model.dtype == "bfloat16" and recipe.finetune != "full",
         fp16=recipe.model.dtype == "float16" and use_cuda,
         use_cpu=not use_cuda,
         max_length=recipe.data.max_length,
@@ -392,6 +408,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
             dataset = pack_for_utk(dataset, recipe.data.max_length, max(utk.chunk_counts), utk.label_length)
         dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
     peft_config = lora_config(recipe, model)
+    if recipe.finetune == "method":  # the base stays frozen; only the method's weights train
+        model.requires_grad_(False)
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -401,6 +419,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
+    for parameter in method_parameters(recipe, trainer.model).values():
+        parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     resolved = {
         "recipe": recipe.model_dump(),
         "base_model": base_id,
@@ -495,9 +515,9 @@ def run(
     else:
         train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
 
-    adapter_dir = output_dir / ("adapter" if recipe.finetune == "lora" else "model")
+    adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     if trainer.is_world_process_zero():
-        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir)
+        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir, recipe.finetune)
         metrics = summarize(output_dir, train_metrics, prepared)
     else:
         metrics = dict(train_metrics)
@@ -505,15 +525,18 @@ def run(
     return RunResult(output_dir, adapter_dir, metrics)
 
 
-def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path) -> None:
+def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
+                 finetune: str = "lora") -> None:
     """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
 
     A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling file that plain
-    transformers needs to keep its per-head bases, ``trust_remote_code=True``).
+    transformers needs to keep its per-head bases, ``trust_remote_code=True``). With ``finetune:
+    method`` only the method's own weights are written (the base did not change).
     """
-    model.save_pretrained(adapter_dir)
+    if finetune != "method":
+        model.save_pretrained(adapter_dir)
     save_method_weights(model, spec, adapter_dir)
-    if not hasattr(model, "peft_config"):
+    if finetune == "full":
         export_methods(model, spec, adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
     generation_config = getattr(model, "generation_config", None)
@@ -522,7 +545,7 @@ def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSp
     spec.save(adapter_dir)
     from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
 
-    write_model_card(adapter_dir, spec, merged=not hasattr(model, "peft_config"), repo_id=str(adapter_dir))
+    write_model_card(adapter_dir, spec, merged=finetune == "full", repo_id=str(adapter_dir))
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:

@@ -187,14 +187,16 @@ class RecipeBase(Section):
 
     ``method``: the registered method the recipe is about (its section is required unless all its
     settings have defaults). ``finetune``: ``lora`` trains an adapter (QLoRA when
-    model.load_in_4bit); ``full`` trains every weight (HARPE's paper setting) and saves a full model
-    with its longpeft.json.
+    model.load_in_4bit), plus the method's own weights if it has any (Activation Beacon); ``full``
+    trains every weight (HARPE's paper setting) and saves a full model with its longpeft.json;
+    ``method`` trains only the method's own weights with the base frozen and no LoRA (Activation
+    Beacon's paper setting) and saves them with longpeft.json.
     """
 
     name: str
     description: str = ""
     method: str = "rope"
-    finetune: Literal["lora", "full"] = "lora"
+    finetune: Literal["lora", "full", "method"] = "lora"
     model: ModelSection
     lora: LoraSection = LoraSection()
     data: DataSection
@@ -229,8 +231,14 @@ class RecipeBase(Section):
             raise ValueError(
                 "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or token_indices)"
             )
-        if self.finetune == "full" and self.model.load_in_4bit:
-            raise ValueError("finetune: full cannot train a 4-bit model; use finetune: lora (QLoRA)")
+        if self.data.utk is not None and self.finetune == "method":
+            raise ValueError("data.utk adds special tokens whose embedding rows must train; use finetune: lora")
+        if self.finetune in ("full", "method") and self.model.load_in_4bit:
+            raise ValueError(f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
+                             "refuses a quantized model without LoRA); use finetune: lora (QLoRA)")
+        if self.finetune == "method" and METHODS[self.method].parameters is None:
+            raise ValueError(f"finetune: method trains the method's own weights, and method {self.method} has none; "
+                             "use finetune: lora or full")
         check_trl_keys(self.trl)
         return self
 

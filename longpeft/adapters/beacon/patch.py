@@ -103,6 +103,13 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
     if is_beacon_applied(model):
         remove_beacon(model)
+    if getattr(causal_lm.config, "head_rope_bases", None):
+        raise ValueError("Activation Beacon re-rotates memory keys with the model's one rotary module; it cannot be "
+                         "combined with HARPE's per-head bases (config.head_rope_bases)")
+    implementation = causal_lm.config._attn_implementation or "eager"
+    if "flash" in implementation and settings.attn != "full-coverage":
+        raise ValueError(f"beacon attn {settings.attn} needs an explicit mask, which {implementation} cannot take; "
+                         "load the model with attn_implementation='sdpa' (or use attn full-coverage)")
     attentions = attention_modules(backbone)
     if not attentions:
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(causal_lm).__name__}")

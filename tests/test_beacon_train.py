@@ -1,0 +1,79 @@
+"""``method: beacon`` trained by the TRL-based runner: the loss falls, only the beacon weights (and LoRA
+when asked) change, and the saved adapter loads on the stock base with the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import longpeft
+from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters
+from longpeft.recipes.runner import prepare, save_adapter
+from longpeft.recipes.schema import RecipeError, load_recipe
+
+
+def beacon_recipe(base_dir, data_path, out_dir, *overrides):
+    return load_recipe("tiny-beacon-cpu", [
+        f"model.name_or_path={base_dir}", f"data.source={data_path}", "data.max_length=256", f"output_dir={out_dir}",
+        "beacon.window=16", "train.max_steps=6", "train.per_device_batch_size=1", "train.global_batch_size=1",
+        "train.learning_rate=0.02", "train.save_steps=100", *overrides,
+    ])
+
+
+def _eval_loss(model, batch) -> float:
+    model.eval()
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    model.train()
+    return loss
+
+
+@pytest.mark.parametrize("finetune", ["method", "lora"])
+def test_training_changes_only_beacon_and_lora_weights_and_the_adapter_reloads(tiny_base_dirs, chat_jsonl, tmp_path,
+                                                                                finetune):
+    base = tiny_base_dirs("llama")
+    extra = ["finetune=lora", "lora.r=2", "lora.embeddings=none"] if finetune == "lora" else []
+    prepared = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "run", *extra))
+    trainer, model = prepared.trainer, prepared.trainer.model
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+    batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    assert batch["input_ids"].shape[1] > 3 * 16  # several windows
+    before_loss = _eval_loss(model, batch)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    beacon = {n for n, p in model.named_parameters() if any(p is q for q in beacon_parameters(model).values())}
+    expected = beacon | ({n for n in before if "lora_" in n} if finetune == "lora" else set())
+    assert trainable == expected and beacon
+    trainer.train()
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed <= expected
+    # every beacon weight whose output something reads has moved (the last layer's beacon queries feed
+    # only the beacons' own outputs, which nothing reads)
+    assert {n for n in beacon if "layers.1.self_attn.beacon_q" not in n} <= changed
+    if finetune == "lora":
+        assert any("lora_" in n for n in changed)
+    assert _eval_loss(model, batch) < before_loss
+
+    adapter_dir = tmp_path / "adapter"
+    save_adapter(model, prepared.tokenizer, prepared.spec, adapter_dir, finetune)
+    assert (adapter_dir / WEIGHTS_FILENAME).is_file() and (adapter_dir / "longpeft.json").is_file()
+    assert (adapter_dir / "adapter_config.json").is_file() == (finetune == "lora")
+    loaded = longpeft.load(str(base), adapter_dir, attn_implementation="sdpa").eval()
+    model.eval()
+    ids = batch["input_ids"][:1]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
+
+
+def test_beacon_recipes_validate_and_refuse_what_cannot_train():
+    recipe = load_recipe("beacon-llama3-8b-instruct")
+    beacon = recipe.beacon.resolved()
+    assert (beacon.window, beacon.sink, beacon.ratios, beacon.attn, beacon.pos, beacon.params) == (
+        1024, 1, [2, 4, 8], "full-coverage", "interleave", ["q", "k", "v"])
+    assert recipe.finetune == "method" and recipe.train.learning_rate == 1e-5 and recipe.data.max_length == 20000
+    paper = load_recipe("beacon-llama3-8b-instruct", ["beacon.attn=step-expansion"]).beacon.resolved()
+    assert paper.attn == "step-expansion" and paper.attend_prev is False
+    with pytest.raises(RecipeError, match="4-bit"):
+        load_recipe("tiny-beacon-cpu", ["model.load_in_4bit=true"])
+    with pytest.raises(RecipeError, match="has none"):
+        load_recipe("tiny-cpu", ["finetune=method"])
