@@ -1,4 +1,4 @@
-"""The ``longpeft`` command: train | plan | merge | export | push | synth | eval | demo."""
+"""The ``longpeft`` command: train | plan | merge | export | push | convert-beacon | synth | eval | demo."""
 
 from __future__ import annotations
 
@@ -102,6 +102,13 @@ def cmd_push(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert_beacon(args: argparse.Namespace) -> int:
+    from .adapters.beacon import convert_authors_checkpoint
+
+    print(json.dumps(convert_authors_checkpoint(args.source, args.out, base=args.base), indent=2))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -167,6 +174,18 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: the base recorded in longpeft.json; a local path there is refused for upload)")
     push.add_argument("--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing")
     push.set_defaults(func=cmd_push)
+
+    convert = sub.add_parser(
+        "convert-beacon",
+        help="turn an authors' Activation Beacon model (full checkpoint + remote code) into a longpeft adapter",
+        description="Reads only the beacon settings and beacon tensors of the authors' released model (no remote "
+        "code runs) and writes longpeft.json + beacon_adapter.safetensors for the matching stock base; then "
+        "longpeft.load(BASE, OUT) gives the stock base with those beacons.",
+    )
+    convert.add_argument("source", help="the authors' model: local folder or Hub id (e.g. namespace-Pt/beacon-qwen-2-7b-instruct)")
+    convert.add_argument("--base", required=True, help="the stock model it was built on (e.g. Qwen/Qwen2-7B-Instruct)")
+    convert.add_argument("--out", required=True, help="new adapter folder")
+    convert.set_defaults(func=cmd_convert_beacon)
 
     from .eval.cli import register as register_eval
     from .synth_data.cli import add_synth_arguments, cmd_synth

@@ -53,13 +53,12 @@ def merge(
     """
     from transformers import AutoTokenizer, GenerationConfig
 
-    from .loading import load
-
-    from .loading import local_adapter_dir, resolve_base
+    from .loading import load, local_adapter_dir, resolve_base, tokenizer_source
 
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir)
     spec = ContextSpec.load(adapter_dir)
-    check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(resolve_base(spec, adapter_dir, base))})
+    base_name = resolve_base(spec, adapter_dir, base)
+    check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     ids = probe_ids(model.config.vocab_size)
     with torch.no_grad():
@@ -69,7 +68,7 @@ def merge(
     merged.config.name_or_path = str(out_dir)
     merged.save_pretrained(out_dir)
     export_methods(merged, spec, out_dir)
-    AutoTokenizer.from_pretrained(adapter_dir, trust_remote_code=False).save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_name), trust_remote_code=False).save_pretrained(out_dir)
     if (adapter_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(adapter_dir).save_pretrained(out_dir)
     shutil.copy(adapter_dir / SPEC_FILENAME, out_dir / SPEC_FILENAME)

@@ -97,6 +97,13 @@ def local_adapter_dir(adapter: str | Path) -> Path:
     return Path(snapshot_download(str(adapter)))
 
 
+def tokenizer_source(adapter_dir: str | Path, base: str | Path) -> str:
+    """Where an adapter's tokenizer is: the adapter folder when it holds one, else its base model."""
+    adapter_dir = Path(adapter_dir)
+    has_tokenizer = adapter_dir.is_dir() and any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return str(adapter_dir) if has_tokenizer else str(base)
+
+
 def load(
     base: str | Path | PreTrainedModel | None,
     adapter_dir: str | Path,

@@ -30,10 +30,10 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.adapter:
         from .. import load
 
+        from ..loading import tokenizer_source
+
         model = load(args.model, args.adapter, **kwargs)
-        adapter = Path(args.adapter)
-        has_tokenizer = adapter.is_dir() and any((adapter / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-        tokenizer = AutoTokenizer.from_pretrained(str(adapter) if has_tokenizer else args.model)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args.adapter, args.model))
     else:
         check_model_source(args.model, "--model")
         model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)

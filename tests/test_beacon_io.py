@@ -1,0 +1,195 @@
+"""Beacon weights on disk: save and load on a stock base (with and without LoRA), the merged export
+loaded in a fresh process without longpeft, and the converter from the authors' checkpoints."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import longpeft
+from longpeft import hub
+from longpeft.adapters.beacon import (
+    BeaconConfig,
+    apply_beacon,
+    beacon_parameters,
+    convert_authors_checkpoint,
+    load_beacon_weights,
+    save_beacon_weights,
+)
+from longpeft.cli import main
+from longpeft.spec import ContextSpec
+
+IDS = torch.randint(3, 500, (1, 45), generator=torch.Generator().manual_seed(3))
+
+
+def beacon_config(**changes) -> BeaconConfig:
+    return BeaconConfig(**{"window": 8, "ratios": [2], "sink": 1, "params": ["q", "k", "v", "o"], **changes})
+
+
+def trained_beacon_model(base_dir, config: BeaconConfig, seed: int = 0):
+    """The base with beacons whose weights moved away from their initial copies (as after training)."""
+    model = AutoModelForCausalLM.from_pretrained(base_dir, attn_implementation="sdpa").eval()
+    apply_beacon(model, config.settings())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in beacon_parameters(model).values():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return model
+
+
+def write_adapter(model, base_dir, config: BeaconConfig, adapter_dir) -> None:
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(adapter_dir)
+    save_beacon_weights(model, adapter_dir)
+    ContextSpec.from_base(AutoConfig.from_pretrained(base_dir), "beacon", base_model=str(base_dir),
+                          methods={"beacon": config.resolved().model_dump()}).save(adapter_dir)
+
+
+@pytest.mark.parametrize("projection,with_lora", [("full", False), ("lora", False), ("full", True)])
+def test_saved_adapter_loads_on_a_stock_base_with_the_same_logits(tiny_base_dirs, tmp_path, projection, with_lora):
+    base_dir = tiny_base_dirs("qwen2")
+    config = beacon_config(projection=projection, **({"lora_rank": 4} if projection == "lora" else {}))
+    model = trained_beacon_model(base_dir, config)
+    if with_lora:  # LoRA on the base, wrapped after the beacons as the runner does
+        torch.manual_seed(1)
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        model.eval()
+    write_adapter(model, base_dir, config, tmp_path / "adapter")
+    loaded = longpeft.load(str(base_dir), tmp_path / "adapter", attn_implementation="sdpa").eval()
+    assert hasattr(loaded, "peft_config") == with_lora
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, atol=1e-6, rtol=0)
+    other = AutoModelForCausalLM.from_pretrained(base_dir)
+    apply_beacon(other, beacon_config(projection="lora" if projection == "full" else "full").settings())
+    with pytest.raises(ValueError, match="does not fit the model's beacon weights"):
+        load_beacon_weights(other, tmp_path / "adapter")
+
+
+def _imported_modules(path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else node.module.split(".")[0])
+    return names
+
+
+_LOAD_WITHOUT_LONGPEFT = r"""
+import sys
+
+class BlockLongpeft:
+    def find_spec(self, name, path=None, target=None):
+        if name == "longpeft" or name.startswith("longpeft."):
+            raise ModuleNotFoundError(f"{name} is blocked: the export must not need longpeft")
+        return None
+
+sys.meta_path.insert(0, BlockLongpeft())
+try:
+    import longpeft
+except ModuleNotFoundError:
+    pass
+else:
+    raise SystemExit("longpeft was importable; the test would prove nothing")
+
+import torch
+from transformers import AutoModelForCausalLM
+
+model_dir, ids_path, out_path = sys.argv[1:4]
+try:
+    AutoModelForCausalLM.from_pretrained(model_dir)
+except ValueError as error:
+    assert "trust_remote_code" in str(error), error
+else:
+    raise SystemExit("loaded without trust_remote_code: the beacons would be silently dropped")
+model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, attn_implementation="sdpa").eval()
+ids = torch.load(ids_path)
+with torch.no_grad():
+    logits = model(ids).logits
+    generated = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+torch.save({"logits": logits, "generated": generated}, out_path)
+print("\nLOADED", type(model).__name__, model.config.beacon["window"])
+"""
+
+
+def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs, tmp_path):
+    base_dir = tiny_base_dirs("llama")
+    config = beacon_config()
+    model = trained_beacon_model(base_dir, config)
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "o_proj"], init_lora_weights=False)).eval()
+    write_adapter(model, base_dir, config, tmp_path / "adapter")
+    result = hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    assert result["max_abs_logit_diff"] < 1e-5
+    export = tmp_path / "merged"
+    saved = json.loads((export / "config.json").read_text())
+    assert saved["model_type"] == "beacon_llama" and saved["beacon"]["sink"] == 1
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_beacon.BeaconLlamaForCausalLM"
+    assert _imported_modules(export / "modeling_beacon.py") <= {
+        "__future__", "collections", "contextlib", "dataclasses", "functools", "math", "sys", "types", "typing",
+        "torch", "transformers", "bitsandbytes"}  # bitsandbytes: imported lazily, for a 4-bit base only
+    with torch.no_grad():
+        expected = model(IDS).logits
+        expected_tokens = model.generate(input_ids=IDS, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    torch.save(IDS, tmp_path / "ids.pt")
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run(
+        [sys.executable, "-I", "-c", _LOAD_WITHOUT_LONGPEFT, str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "LOADED BeaconLlamaForCausalLM 8" in run.stdout
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out["logits"], expected, atol=1e-5, rtol=0)
+    assert torch.equal(out["generated"], expected_tokens)
+
+
+def fake_authors_checkpoint(model, folder, config: BeaconConfig) -> None:
+    """A full model as the authors release it: every tensor (base and beacon) in two shards with an
+    index, and config.json with their beacon_* settings and remote-code auto_map."""
+    folder.mkdir()
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    settings = json.loads(model.config.to_json_string())
+    settings.pop("beacon")
+    settings.update(
+        beacon_window=config.window, beacon_stride=config.window, beacon_attn=config.attn, beacon_pos=config.pos,
+        beacon_ratio=config.ratios, beacon_ratio_mix="step-random", beacon_param=config.params,
+        beacon_sink_size=config.sink, beacon_attend_prev=True, beacon_embed_init="eos", beacon_parallel_window=1,
+        auto_map={"AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"},
+    )
+    (folder / "config.json").write_text(json.dumps(settings))
+
+
+def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, capsys):
+    base_dir = tiny_base_dirs("llama")
+    config = beacon_config()
+    model = trained_beacon_model(base_dir, config, seed=5)
+    fake_authors_checkpoint(model, tmp_path / "authors", config)
+    assert main(["convert-beacon", str(tmp_path / "authors"), "--base", str(base_dir), "--out", str(tmp_path / "ours")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["tensors"] == 2 * 4 + 1 and report["beacon"]["sink"] == 1
+    spec = json.loads((tmp_path / "ours" / "longpeft.json").read_text())
+    assert spec["method"] == "beacon" and spec["methods"]["beacon"]["params"] == ["q", "k", "v", "o"]
+    loaded = longpeft.load(str(base_dir), tmp_path / "ours", attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="not built on"):
+        convert_authors_checkpoint(tmp_path / "authors", tmp_path / "other", base=tiny_base_dirs("qwen2"))
+    with pytest.raises(ValueError, match="not an Activation Beacon checkpoint"):
+        convert_authors_checkpoint(base_dir, tmp_path / "other", base=base_dir)
