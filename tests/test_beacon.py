@@ -208,3 +208,33 @@ def test_flash_attention_full_coverage_matches_sdpa():
         with torch.no_grad():
             outputs[implementation] = model(ids).logits.float()
     torch.testing.assert_close(outputs["flash_attention_2"], outputs["sdpa"], atol=3e-2, rtol=0)
+
+
+def test_beacons_over_a_4bit_base(tiny_base_dirs):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tiny_base_dirs("llama"), quantization_config=quantization,
+                                                    dtype=torch.float32, attn_implementation="sdpa").eval()
+
+    full, lora = load(), load()
+    assert type(full.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    with torch.no_grad():
+        stock = full(IDS).logits
+        apply_beacon(full, settings(ratios=[0]))
+        torch.testing.assert_close(full(IDS).logits, stock, atol=1e-5, rtol=0)
+        apply_beacon(full, settings())  # full copies of the dequantised weights
+        apply_beacon(lora, settings(projection="lora", lora_rank=4))
+        # bitsandbytes' CPU kernel multiplies in bfloat16: the copy equals the 4-bit layer to that precision
+        torch.testing.assert_close(lora(IDS).logits, full(IDS).logits, atol=5e-3, rtol=0)
+    # training (bitsandbytes repacks a CPU weight for inference after an eval forward: train a fresh load)
+    trained = load().train()
+    apply_beacon(trained, settings(projection="lora", lora_rank=4))
+    _trainable_beacons(trained)
+    _, grads = _loss_and_grads(trained, IDS, IDS)
+    assert len(grads) == len(beacon_parameters(trained))
+    # B = 0: A gets no gradient yet; the last layer's beacon queries shape outputs nothing reads
+    unused = [n for n in grads if "lora_A" in n or n.startswith("layers.1.self_attn.beacon_q")]
+    assert all(g.abs().sum() > 0 for n, g in grads.items() if n not in unused)

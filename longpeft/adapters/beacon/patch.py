@@ -52,15 +52,17 @@ def _base_layer(projection: nn.Module) -> nn.Module:
 
 
 def dense_weight(projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight [out, in], bias [out] or None)`` of a projection, dequantised for bitsandbytes 4-bit,
-    the base weight for a peft LoRA layer."""
+    """``(weight [out, in], bias [out] or None)`` of a projection: the base weight of a peft LoRA layer;
+    for a quantized layer (bitsandbytes 4-bit) the weight it computes with, read off its output on the
+    identity (bitsandbytes may repack a CPU weight after its first forward, so its data is not read directly)."""
     projection = _base_layer(projection)
-    weight = projection.weight
-    if hasattr(weight, "quant_state"):  # bitsandbytes Params4bit
-        import bitsandbytes.functional as bnb_functional
-
-        weight = bnb_functional.dequantize_4bit(weight.data, weight.quant_state)
-    return weight.detach(), None if projection.bias is None else projection.bias.detach()
+    bias = None if projection.bias is None else projection.bias.detach()
+    if not hasattr(projection.weight, "quant_state"):
+        return projection.weight.detach(), bias
+    dtype = getattr(projection, "compute_dtype", None) or torch.float32
+    with torch.no_grad():
+        outputs = projection(torch.eye(projection.in_features, device=projection.weight.device, dtype=dtype))
+    return (outputs - (0 if bias is None else bias.to(outputs.dtype))).T.contiguous(), bias
 
 
 def _twin(projection: nn.Module, settings: BeaconSettings, initialise: bool) -> nn.Module:
