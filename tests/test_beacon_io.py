@@ -193,3 +193,22 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
         convert_authors_checkpoint(tmp_path / "authors", tmp_path / "other", base=tiny_base_dirs("qwen2"))
     with pytest.raises(ValueError, match="not an Activation Beacon checkpoint"):
         convert_authors_checkpoint(base_dir, tmp_path / "other", base=base_dir)
+
+
+def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny_base_dirs, tmp_path, recwarn):
+    from longpeft.adapters.beacon import positions_needed
+    from longpeft.tiny import sample_text
+
+    base_dir = tiny_base_dirs("llama")  # 256 positions
+    config = beacon_config(window=32, ratios=[2, 4, 8], inference_ratio_mix="adapt-32")
+    write_adapter(trained_beacon_model(base_dir, config), base_dir, config, tmp_path / "adapter")
+    common = ["--model", str(base_dir), "--adapter", str(tmp_path / "adapter"), "--out", str(tmp_path / "eval")]
+    assert main(["eval", "passkey", "--lengths", "600", "--samples", "2", "--batch-size", "2", *common]) == 0
+    assert json.loads((tmp_path / "eval" / "passkey.json").read_text())["lengths"] == [600]
+    (tmp_path / "text.txt").write_text(" ".join(sample_text(60)))
+    assert main(["eval", "perplexity", "--text", str(tmp_path / "text.txt"), "--window", "700", "--stride", "700", *common]) == 0
+    assert json.loads((tmp_path / "eval" / "perplexity.json").read_text())["perplexity"] > 1
+    assert not [w for w in recwarn if "max_position_embeddings" in str(w.message)]  # beacons stay inside 256
+    loaded = longpeft.load(str(base_dir), tmp_path / "adapter")
+    # memory grows with length / ratio: 100K tokens at ratio 8 read 1 + 3124 * 4 + 32 + 4 keys at most
+    assert positions_needed(loaded, 600) < 256 and positions_needed(loaded, 100_000) == 12533

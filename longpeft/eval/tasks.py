@@ -69,16 +69,20 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
 
 def warn_beyond_positions(model: Any, lengths: Sequence[int]) -> None:
     """Warn (one warning for all ``lengths``) when prompts span more positions than the model's
-    ``max_position_embeddings``; with STRING on, the span is its largest scored distance + 1."""
+    ``max_position_embeddings``; with STRING on, the span is its largest scored distance + 1; with
+    Activation Beacon, its memory plus one window."""
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not max_positions:
         return
+    from ..adapters.beacon import positions_needed
     from ..adapters.string import string_settings
 
     string = string_settings(model)
 
     def span(n: int) -> int:
-        return n if string is None else max(min(n, string["shift"]), n - string["shift"] + string["local_window"])
+        if string is None:
+            return positions_needed(model, n)
+        return max(min(n, string["shift"]), n - string["shift"] + string["local_window"])
 
     over = [n for n in lengths if span(n) > max_positions]
     if over:

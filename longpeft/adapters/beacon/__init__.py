@@ -24,8 +24,17 @@ from .cache import BeaconCache, BeaconStep
 from .config import BeaconConfig
 from .export import write_remote_code
 from .layout import BeaconSettings, WindowLayout, window_layout, window_span
-from .patch import apply_beacon, beacon_parameters, beacons_disabled, is_beacon_applied, remove_beacon
+from .patch import apply_beacon, backbone_of, beacon_parameters, beacons_disabled, is_beacon_applied, remove_beacon
 from .weights import WEIGHTS_FILENAME, convert_authors_checkpoint, load_beacon_weights, save_beacon_weights
+
+
+def positions_needed(model, length: int) -> int:
+    """Positions (and keys a query reads at most) for an input of ``length`` tokens: ``length`` for a
+    model without beacons; with beacons, the memory plus one window at the ratio it adapts to."""
+    if not is_beacon_applied(model):
+        return length
+    backbone = backbone_of(model)
+    return window_span(backbone.beacon_settings, length, backbone.config.max_position_embeddings)
 
 
 def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
@@ -84,6 +93,7 @@ __all__ = [
     "convert_authors_checkpoint",
     "is_beacon_applied",
     "load_beacon_weights",
+    "positions_needed",
     "remove_beacon",
     "save_beacon_weights",
     "window_layout",
