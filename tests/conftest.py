@@ -52,3 +52,14 @@ def write_chat_jsonl(path: Path, n: int = 8, filler_words: int = 40, seed: int =
 @pytest.fixture
 def chat_jsonl(tmp_path):
     return write_chat_jsonl(tmp_path / "train.jsonl")
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one torch thread: tiny models on a shared machine are much faster without thread contention."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

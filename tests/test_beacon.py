@@ -19,6 +19,8 @@ from longpeft.adapters.beacon import (
 )
 from longpeft.tiny import tiny_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 IDS = torch.randint(3, 512, (2, 37), generator=torch.Generator().manual_seed(0))
 
 

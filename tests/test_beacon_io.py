@@ -28,6 +28,8 @@ from longpeft.adapters.beacon import (
 from longpeft.cli import main
 from longpeft.spec import ContextSpec
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 IDS = torch.randint(3, 500, (1, 45), generator=torch.Generator().manual_seed(3))
 
 
@@ -141,7 +143,7 @@ def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs,
         expected = model(IDS).logits
         expected_tokens = model.generate(input_ids=IDS, max_new_tokens=12, do_sample=False, pad_token_id=0)
     torch.save(IDS, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
         [sys.executable, "-I", "-c", _LOAD_WITHOUT_LONGPEFT, str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,

@@ -12,6 +12,8 @@ import torch
 from longpeft.adapters.beacon import BeaconConfig, apply_beacon
 from longpeft.tiny import tiny_model
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 WINDOW, SINK = 8, 1
 
 

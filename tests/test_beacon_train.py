@@ -11,6 +11,8 @@ from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters
 from longpeft.recipes.runner import prepare, save_adapter
 from longpeft.recipes.schema import RecipeError, load_recipe
 
+pytestmark = pytest.mark.usefixtures("single_thread")
+
 
 def beacon_recipe(base_dir, data_path, out_dir, *overrides):
     return load_recipe("tiny-beacon-cpu", [
