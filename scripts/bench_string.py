@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -37,6 +35,8 @@ from longpeft.adapters.string import (
 )
 from longpeft.rope import inv_freq
 from longpeft.tiny import tiny_model
+
+from benchlib import peak_bytes, timed  # scripts/benchlib.py
 
 
 def build_model(seq_len: int, attn: str, device: str, dtype: torch.dtype):
@@ -51,39 +51,6 @@ def build_model(seq_len: int, attn: str, device: str, dtype: torch.dtype):
         attn_implementation=attn,
     )
     return model.to(device=device, dtype=dtype)
-
-
-def timed(fn) -> float:
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
-def peak_bytes(fn, cuda: bool) -> int:
-    """Peak tensor memory allocated while ``fn()`` runs, above what was allocated before it."""
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            fn()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.no_grad():
-            fn()
-    # Allocations are attributed to the op that made them (self memory), frees to "[memory]" events.
-    held = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        held += event.self_cpu_memory_usage
-        peak = max(peak, held)
-    return peak
 
 
 def main() -> int:

@@ -99,11 +99,14 @@ def beacon_backbone_forward(
         position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
         past_key_values: a :class:`BeaconCache` to continue, or None / an empty DynamicCache for a new one.
         use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
+        beacon_last_hidden_only (in kwargs): return the last token's hidden state only, so a long
+            prefill holds no ``[n, hidden]`` output (``generate`` sets it when it keeps one logit).
 
     Returns:
-        ``last_hidden_state [batch, n, hidden]`` of the raw tokens and ``past_key_values`` (the cache).
+        ``last_hidden_state [batch, n (or 1), hidden]`` of the raw tokens and ``past_key_values`` (the cache).
     """
     stock_forward = type(self).forward
+    last_hidden_only = kwargs.pop("beacon_last_hidden_only", False)
     if not self.beacons_enabled:
         return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -120,13 +123,14 @@ def beacon_backbone_forward(
         )
     if self.training:
         _check_checkpointing(self)
-    raw_embeds = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-    batch, n_new = raw_embeds.shape[:2]
+    batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+    weight = self.embed_tokens.weight
     keep_new = _keep_mask(attention_mask, n_new)
     state = cache.state
     total = state.raw_seen + n_new
     rotate = _rotate_with(self.rotary_emb)
-    beacon_row = self.beacon_embed_tokens.weight[0].to(raw_embeds.dtype)
+    dtype = inputs_embeds.dtype if inputs_embeds is not None else weight.dtype
+    beacon_row = self.beacon_embed_tokens.weight[0].to(dtype)
     implementation = self.config._attn_implementation or "eager"
     outputs, done = [], 0
     while done < n_new:
@@ -138,11 +142,12 @@ def beacon_backbone_forward(
         take = min(n_new - done, settings.window - state.window_raw)
         start, end = state.window_slots, layout.slots_for(state.window_raw + take)
         is_beacon = layout.is_beacon[start:end]
-        raw_rows = (~is_beacon).nonzero().flatten().to(raw_embeds.device)
-        beacon_rows = is_beacon.nonzero().flatten().to(raw_embeds.device)
-
-        step_embeds = beacon_row.expand(batch, end - start, -1).clone()
-        step_embeds = step_embeds.index_copy(1, raw_rows, raw_embeds[:, done : done + take])
+        raw_rows = (~is_beacon).nonzero().flatten().to(weight.device)
+        beacon_rows = is_beacon.nonzero().flatten().to(weight.device)
+        # embedded one window at a time: a long prompt never holds all its embeddings at once
+        raw_embeds = (inputs_embeds[:, done : done + take] if inputs_embeds is not None
+                      else self.embed_tokens(input_ids[:, done : done + take]))
+        step_embeds = beacon_row.expand(batch, end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
         if keep_new is not None or state.window_keep is not None:
             keep = torch.ones(batch, end - start, dtype=torch.bool)
             if keep_new is not None:
@@ -150,13 +155,13 @@ def beacon_backbone_forward(
             previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
             state.window_keep = torch.cat([previous, keep], dim=1)
         visible = step_visibility(layout, state.memory_length, start, end, state.memory_keep, state.window_keep)
-        mask = attention_mask_for(visible, implementation, raw_embeds.dtype, raw_embeds.device)
-        positions = (state.memory_length + layout.offsets[start:end])[None].to(raw_embeds.device)
+        mask = attention_mask_for(visible, implementation, dtype, weight.device)
+        positions = (state.memory_length + layout.offsets[start:end])[None].to(weight.device)
         step = BeaconStep(state.window_index, state.memory_length, start, end,
                           beacon_rows if beacon_rows.numel() else None)
         hidden = stock_forward(self, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
                                past_key_values=cache, use_cache=True, beacon_step=step, **kwargs).last_hidden_state
-        outputs.append(hidden.index_select(1, raw_rows))
+        outputs = [hidden.index_select(1, raw_rows[-1:])] if last_hidden_only else [*outputs, hidden.index_select(1, raw_rows)]
         state.window_raw += take
         state.window_slots = end
         state.raw_seen += take
@@ -186,3 +191,5 @@ def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: d
         raise ValueError(f"past_key_values must be a BeaconCache for a beacon model, got {type(given).__name__}")
     if given is None and generation_config.use_cache is not False:
         model_kwargs["past_key_values"] = BeaconCache()
+    if model_kwargs.get("logits_to_keep") == 1:  # only the last token's logits are used: keep no other hidden state
+        model_kwargs["beacon_last_hidden_only"] = True

@@ -1,0 +1,140 @@
+"""Benchmark: Activation Beacon's peak memory and throughput at 32x its window over 1x, beside the stock model.
+
+A small Llama-shaped model (hidden 256, 4 query / 2 KV heads of 64 dims, MLP 704, 4 layers, a
+32K vocabulary, 2048 positions) reads a prompt of 1x and of 32x the beacon window (256 and 8192
+tokens) the way ``generate`` prefills it: one logit kept, no gradient. Beacons condense each window
+at a fixed ratio 8 (so both lengths pay the same beacon overhead per token); the stock model reads
+the same prompts with full attention. Both run in one process on the same inputs; time is the
+median of the repeats; a forward's memory is the largest amount of tensor memory it holds beyond
+what was held before it (CPU: from torch.profiler's allocation events; CUDA:
+torch.cuda.max_memory_allocated). Peak memory, as in the paper's Table 3, is the model's weights
+plus that; the forward's own memory ratio is printed too.
+
+The adapter size ratio compares the beacon weights saved with ``projection: lora`` (rank = hidden / 128,
+the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
+ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
+
+    .venv/bin/python scripts/bench_beacon.py [--window 256] [--multiple 32] [--device cpu] [--threads 1]
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from longpeft.adapters.beacon import BeaconConfig, apply_beacon, beacons_disabled, save_beacon_weights
+from longpeft.tiny import tiny_model
+
+from benchlib import peak_bytes, timed  # scripts/benchlib.py
+
+RATIO = 8
+
+
+def build_model(attn: str, device: str):
+    return tiny_model("llama", vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                      attn_implementation=attn).to(device)
+
+
+def adapter_bytes(attn: str, device: str, window: int, projection: str) -> int:
+    """Size of ``beacon_adapter.safetensors`` for the bench model with this projection kind."""
+    model = build_model(attn, device)
+    rank = {"lora_rank": model.config.hidden_size // 128} if projection == "lora" else {}
+    apply_beacon(model, BeaconConfig(window=window, ratios=[RATIO], projection=projection, **rank).settings())
+    with tempfile.TemporaryDirectory() as folder:
+        return save_beacon_weights(model, folder).stat().st_size
+
+
+def llama3_8b_lora_over_full(rank: int = 32) -> float:
+    """Beacon parameters of Llama-3-8B (hidden 4096, 32 layers, 1024-dim k/v) on q, k, v: lora(rank) over full."""
+    hidden, kv, layers = 4096, 1024, 32
+    full = layers * (hidden * hidden + 2 * hidden * kv) + hidden
+    lora = layers * (rank * (hidden + hidden) + 2 * rank * (hidden + kv)) + hidden
+    return lora / full
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = build_model(args.attn, args.device).eval()
+    apply_beacon(model, BeaconConfig(window=args.window, ratios=[RATIO]).settings())
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    lengths = {"1x": args.window, f"{args.multiple}x": args.window * args.multiple}
+    prompts = {k: torch.randint(7, 32000, (1, n), device=args.device) for k, n in lengths.items()}
+
+    def forward(variant: str, length: str):
+        def run():
+            if variant == "stock":
+                with beacons_disabled(model):
+                    return model(prompts[length], logits_to_keep=1, use_cache=True)
+            return model(prompts[length], logits_to_keep=1, beacon_last_hidden_only=True)
+
+        return run
+
+    runs = [(v, k) for v in ("beacon", "stock") for k in lengths]
+    for run in runs:  # warm-up
+        timed(forward(*run))
+    times = {run: [] for run in runs}
+    for _ in range(args.repeats):
+        for run in runs:
+            times[run].append(timed(forward(*run)))
+    cuda = args.device.startswith("cuda")
+    memory = {run: peak_bytes(forward(*run), cuda) for run in runs}
+    speed = {run: lengths[run[1]] / statistics.median(times[run]) for run in runs}
+    long = f"{args.multiple}x"
+
+    def ratios(variant: str) -> tuple[float, float, float]:
+        short_mem, long_mem = memory[(variant, "1x")], memory[(variant, long)]
+        return (weights + long_mem) / (weights + short_mem), long_mem / short_mem, speed[(variant, long)] / speed[(variant, "1x")]
+
+    sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
+    print(f"Activation Beacon (window {args.window}, ratio {RATIO}) vs stock, attn={args.attn}, device={args.device}, "
+          f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}")
+    print(f"{'variant':<8} {'tokens':>7} {'forward MiB':>12} {'peak MiB':>9} {'tokens/s':>10}")
+    for variant, length in runs:
+        mem = memory[(variant, length)]
+        print(f"{variant:<8} {lengths[length]:>7} {mem / 2**20:>12.1f} {(weights + mem) / 2**20:>9.1f} "
+              f"{speed[(variant, length)]:>10.0f}")
+    beacon, stock = ratios("beacon"), ratios("stock")
+    print(f"{long} over 1x      peak memory   forward memory   throughput")
+    print(f"beacon        {beacon[0]:>11.3f} {beacon[1]:>16.3f} {beacon[2]:>12.3f}")
+    print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
+    print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
+          f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
+    result = {
+        "bench": "beacon",
+        "window": args.window,
+        "ratio": RATIO,
+        "long_tokens": lengths[long],
+        "attn": args.attn,
+        "device": args.device,
+        "peak_mem_ratio": round(beacon[0], 3),
+        "stock_peak_mem_ratio": round(stock[0], 3),
+        "forward_mem_ratio": round(beacon[1], 3),
+        "stock_forward_mem_ratio": round(stock[1], 3),
+        "throughput_ratio": round(beacon[2], 3),
+        "stock_throughput_ratio": round(stock[2], 3),
+        "lora_full_size_ratio": round(sizes["lora"] / sizes["full"], 4),
+        "llama3_8b_lora_full_size_ratio": round(llama3_8b_lora_over_full(), 4),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
