@@ -35,3 +35,55 @@ def check_supported(config: Any, what: str) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
+
+
+def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """Run the attention kernel the model is configured for (eager, SDPA, flash-attn, ...) as the
+    Llama/Mistral/Qwen2/Qwen3 attention forwards do; returns ``(output [batch, seq, heads, head_dim], weights)``.
+
+    Used by longpeft's replacement attention forwards (HARPE, Activation Beacon), which differ from the
+    stock ones only before the kernel (rotation, projections).
+    """
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward  # the model's own eager kernel
+    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    return interface(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=0.0 if not module.training else module.attention_dropout,
+        scaling=module.scaling,
+        # Qwen2/Qwen3 set it per layer, Mistral reads the config, Llama has none.
+        sliding_window=getattr(module, "sliding_window", getattr(module.config, "sliding_window", None)),
+        **kwargs,
+    )
+
+
+def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -> dict[str, tuple[str, str, str]]:
+    """Define the classes of an exported model in a modeling file's ``namespace`` (its ``globals()``).
+
+    For each supported architecture: ``{Prefix}LlamaConfig`` (model_type ``{prefix}_llama``: loading the
+    folder without trust_remote_code then fails instead of silently building the stock model) and
+    ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``; the mixin's ``__init__`` adds the method.
+
+    Returns:
+        base model_type -> (exported model_type, config class name, causal-LM class name), for ``auto_map``.
+    """
+    import transformers
+
+    table = {}
+    for model_type, stem in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")):
+        name = f"{prefix.capitalize()}{stem}"
+        attributes = {"__module__": namespace["__name__"]}
+        config_class = type(f"{name}Config", (getattr(transformers, f"{stem}Config"),),
+                            {**attributes, "model_type": f"{prefix}_{model_type}"})
+        model_class = type(f"{name}ForCausalLM", (mixin, getattr(transformers, f"{stem}ForCausalLM")),
+                           {**attributes, "config_class": config_class, "__doc__": f"{stem} with {mixin.__doc__}"})
+        namespace[config_class.__name__], namespace[model_class.__name__] = config_class, model_class
+        table[model_type] = (config_class.model_type, config_class.__name__, model_class.__name__)
+    return table

@@ -3,11 +3,7 @@ loaded in a fresh process without longpeft, and the converter from the authors' 
 
 from __future__ import annotations
 
-import ast
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +23,8 @@ from longpeft.adapters.beacon import (
 )
 from longpeft.cli import main
 from longpeft.spec import ContextSpec
+
+from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -76,44 +74,11 @@ def test_saved_adapter_loads_on_a_stock_base_with_the_same_logits(tiny_base_dirs
         load_beacon_weights(other, tmp_path / "adapter")
 
 
-def _imported_modules(path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            names.add("." if node.level else node.module.split(".")[0])
-    return names
-
-
 _LOAD_WITHOUT_LONGPEFT = r"""
-import sys
-
-class BlockLongpeft:
-    def find_spec(self, name, path=None, target=None):
-        if name == "longpeft" or name.startswith("longpeft."):
-            raise ModuleNotFoundError(f"{name} is blocked: the export must not need longpeft")
-        return None
-
-sys.meta_path.insert(0, BlockLongpeft())
-try:
-    import longpeft
-except ModuleNotFoundError:
-    pass
-else:
-    raise SystemExit("longpeft was importable; the test would prove nothing")
-
 import torch
-from transformers import AutoModelForCausalLM
 
 model_dir, ids_path, out_path = sys.argv[1:4]
-try:
-    AutoModelForCausalLM.from_pretrained(model_dir)
-except ValueError as error:
-    assert "trust_remote_code" in str(error), error
-else:
-    raise SystemExit("loaded without trust_remote_code: the beacons would be silently dropped")
-model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, attn_implementation="sdpa").eval()
+model = load_exported(model_dir, "sdpa")
 ids = torch.load(ids_path)
 with torch.no_grad():
     logits = model(ids).logits
@@ -136,18 +101,15 @@ def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs,
     saved = json.loads((export / "config.json").read_text())
     assert saved["model_type"] == "beacon_llama" and saved["beacon"]["sink"] == 1
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_beacon.BeaconLlamaForCausalLM"
-    assert _imported_modules(export / "modeling_beacon.py") <= {
+    assert imported_modules(export / "modeling_beacon.py") <= {
         "__future__", "collections", "contextlib", "dataclasses", "functools", "math", "sys", "types", "typing",
         "torch", "transformers", "bitsandbytes"}  # bitsandbytes: imported lazily, for a 4-bit base only
     with torch.no_grad():
         expected = model(IDS).logits
         expected_tokens = model.generate(input_ids=IDS, max_new_tokens=12, do_sample=False, pad_token_id=0)
     torch.save(IDS, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-I", "-c", _LOAD_WITHOUT_LONGPEFT, str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )
+    run = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT, [str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+                               tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LOADED BeaconLlamaForCausalLM 8" in run.stdout
     out = torch.load(tmp_path / "out.pt")

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +19,8 @@ from longpeft.adapters.harpe import (
 )
 from longpeft.spec import ContextSpec
 from longpeft.tiny import tiny_model
+
+from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
 
 IDS = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
 
@@ -101,45 +99,11 @@ def test_adapter_loads_on_a_stock_base_with_the_same_logits(tmp_path):
         torch.testing.assert_close(loaded(IDS).logits, trained(IDS).logits, atol=1e-6, rtol=1e-6)
 
 
-def _imported_modules(path) -> set[str]:
-    """Top-level package names a Python file imports (relative imports count as ``"."``)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            names.add("." if node.level else node.module.split(".")[0])
-    return names
-
-
 _LOAD_WITHOUT_LONGPEFT = r"""
-import sys
-
-class BlockLongpeft:
-    def find_spec(self, name, path=None, target=None):
-        if name == "longpeft" or name.startswith("longpeft."):
-            raise ModuleNotFoundError(f"{name} is blocked: the export must not need longpeft")
-        return None
-
-sys.meta_path.insert(0, BlockLongpeft())
-try:
-    import longpeft
-except ModuleNotFoundError:
-    pass
-else:
-    raise SystemExit("longpeft was importable; the test would prove nothing")
-
 import torch
-from transformers import AutoModelForCausalLM
 
 model_dir, ids_path, out_path = sys.argv[1:4]
-try:
-    AutoModelForCausalLM.from_pretrained(model_dir)
-except ValueError as error:
-    assert "trust_remote_code" in str(error), error
-else:
-    raise SystemExit("loaded without trust_remote_code: the per-head bases would be silently ignored")
-model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, attn_implementation="eager").eval()
+model = load_exported(model_dir, "eager")
 with torch.no_grad():
     torch.save(model(torch.load(ids_path)).logits, out_path)
 print("\nLOADED", type(model).__name__, model.config.head_rope_bases)
@@ -163,16 +127,12 @@ def test_merged_export_loads_with_plain_transformers_without_longpeft(tmp_path, 
     config = json.loads((export_dir / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_harpe.Harpe")
     assert config["model_type"] == f"harpe_{arch}" and config["head_rope_bases"] == bases
-    assert _imported_modules(export_dir / "modeling_harpe.py") <= {"__future__", "collections", "sys", "types",
+    assert imported_modules(export_dir / "modeling_harpe.py") <= {"__future__", "collections", "sys", "types",
                                                                     "torch", "transformers"}
 
     torch.save(IDS, tmp_path / "ids.pt")
-    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf_modules"), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run(
-        [sys.executable, "-I", "-c", _LOAD_WITHOUT_LONGPEFT, str(export_dir), str(tmp_path / "ids.pt"),
-         str(tmp_path / "logits.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
-    )
+    result = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT, [str(export_dir), str(tmp_path / "ids.pt"),
+                                                           str(tmp_path / "logits.pt")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"LOADED Harpe{type(model).__name__}" in result.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), merged_logits, atol=0, rtol=0)

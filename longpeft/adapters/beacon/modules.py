@@ -19,15 +19,12 @@ This module imports only torch and transformers: it is part of the exported mode
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # longpeft-inline-begin
+from ...family import attention_kernel
 from ...rope import apply_rotary
 from .cache import BeaconStep
 
@@ -117,19 +114,6 @@ def beacon_attention_forward(
         extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, **extra)
 
-    eager: Callable = sys.modules[type(self).__module__].eager_attention_forward
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        # Qwen2/Qwen3 set it per layer, Mistral reads the config, Llama has none.
-        sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
-        **kwargs,
-    )
+    attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return project(self, "o", attn_output, rows), attn_weights

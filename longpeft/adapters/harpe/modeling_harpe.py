@@ -23,30 +23,19 @@ Two changes make a model per-head:
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from types import MethodType
 
 import torch
 from torch import nn
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 # longpeft-inline-begin
-from ...family import is_attention_module
+from ...family import attention_kernel, define_export_classes, is_attention_module
 from ...rope import apply_rotary, cos_sin, inv_freq, per_head_inv_freq, rotate_half, rotate_per_head
 
 # longpeft-inline-end
-INLINED_ON_EXPORT = (inv_freq, per_head_inv_freq, rotate_half, apply_rotary, rotate_per_head, cos_sin, is_attention_module)
+INLINED_ON_EXPORT = (inv_freq, per_head_inv_freq, rotate_half, apply_rotary, rotate_per_head, cos_sin, is_attention_module,
+                     attention_kernel, define_export_classes)
 
 
 class HeadRotaryEmbedding(nn.Module):
@@ -134,21 +123,7 @@ def head_rope_attention_forward(
     if past_key_values is not None:
         key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
 
-    attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-        self.config._attn_implementation, self.eager_attention_forward
-    )
-    attn_output, attn_weights = attention_interface(
-        self,
-        query_states,
-        key_states,
-        value_states,
-        attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        # Qwen2/Qwen3 set it per layer, Mistral reads the config, Llama has none.
-        sliding_window=getattr(self, "sliding_window", getattr(self.config, "sliding_window", None)),
-        **kwargs,
-    )
+    attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
 
@@ -170,15 +145,13 @@ def patch_head_rope(model: nn.Module, bases: Sequence[float]) -> None:
                 setattr(parent, name, HeadRotaryEmbedding(bases, head_dim, replaced=child))
     for module in model.modules():
         if is_attention_module(module):
-            # The model's own eager kernel (identical across these four architectures).
-            module.eager_attention_forward = sys.modules[type(module).__module__].eager_attention_forward
             module.forward = MethodType(head_rope_attention_forward, module)
             module.config.head_rope_bases = bases
     model.config.head_rope_bases = bases
 
 
 class _HeadRopeCausalLM:
-    """Mixin for an exported HARPE model: builds the base architecture, then patches it."""
+    """one RoPE base per KV head (``config.head_rope_bases``)."""
 
     def __init__(self, config, *args, **kwargs) -> None:
         super().__init__(config, *args, **kwargs)
@@ -188,58 +161,6 @@ class _HeadRopeCausalLM:
         patch_head_rope(self, bases)
 
 
-# Exported models get their own model_type ("harpe_llama", ...), so that loading one without
-# trust_remote_code fails loudly instead of silently building the stock model with one base.
-
-
-class HarpeLlamaConfig(LlamaConfig):
-    model_type = "harpe_llama"
-
-
-class HarpeMistralConfig(MistralConfig):
-    model_type = "harpe_mistral"
-
-
-class HarpeQwen2Config(Qwen2Config):
-    model_type = "harpe_qwen2"
-
-
-class HarpeQwen3Config(Qwen3Config):
-    model_type = "harpe_qwen3"
-
-
-class HarpeLlamaForCausalLM(_HeadRopeCausalLM, LlamaForCausalLM):
-    """Llama with one RoPE base per KV head (``config.head_rope_bases``)."""
-
-    config_class = HarpeLlamaConfig
-
-
-class HarpeMistralForCausalLM(_HeadRopeCausalLM, MistralForCausalLM):
-    """Mistral with one RoPE base per KV head (``config.head_rope_bases``)."""
-
-    config_class = HarpeMistralConfig
-
-
-class HarpeQwen2ForCausalLM(_HeadRopeCausalLM, Qwen2ForCausalLM):
-    """Qwen2 with one RoPE base per KV head (``config.head_rope_bases``)."""
-
-    config_class = HarpeQwen2Config
-
-
-class HarpeQwen3ForCausalLM(_HeadRopeCausalLM, Qwen3ForCausalLM):
-    """Qwen3 with one RoPE base per KV head (``config.head_rope_bases``)."""
-
-    config_class = HarpeQwen3Config
-
-
-# Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map.
-EXPORT_CLASSES_BY_MODEL_TYPE = {
-    base: (cls.config_class.model_type, cls.config_class.__name__, cls.__name__)
-    for base, cls in (
-        ("llama", HarpeLlamaForCausalLM),
-        ("mistral", HarpeMistralForCausalLM),
-        ("qwen2", HarpeQwen2ForCausalLM),
-        ("qwen3", HarpeQwen3ForCausalLM),
-    )
-}
-
+# Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map:
+# HarpeLlamaConfig (model_type "harpe_llama") and HarpeLlamaForCausalLM, ...
+EXPORT_CLASSES_BY_MODEL_TYPE = define_export_classes(globals(), "harpe", _HeadRopeCausalLM)
