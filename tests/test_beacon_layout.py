@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longpeft.adapters.beacon import BeaconConfig
-from longpeft.adapters.beacon.layout import adapt_ratio, attention_mask_for, step_visibility, window_layout
+from longpeft.adapters.beacon.layout import adapt_ratio, attention_mask_for, key_keep, step_visibility, window_layout
 
 T = torch.tensor
 CAUSAL6 = T([[1, 0, 0, 0, 0, 0],
@@ -92,20 +92,27 @@ def test_one_step_mask_with_memory_and_padding():
     layout = window_layout(4, 2, "full-coverage", "interleave", True)
     memory_keep = T([[1, 0]]).bool()  # M = 2, the second memory entry is padding
     window_keep = T([[0, 1, 1, 1, 1]]).bool()  # r0 is padding
+    keys = key_keep(2, 5, memory_keep, window_keep)
+    assert keys.long().tolist() == [[1, 0, 0, 1, 1, 1, 1]]
     # slots r2, r3 (3 and 4) fed after r0 r1 b0: columns m0 m1 | r0 r1 b0 r2 r3
-    visible = step_visibility(layout, 2, 3, 5, memory_keep, window_keep)
+    visible = step_visibility(layout, 2, 3, 5, keys)
     assert visible.shape == (1, 1, 2, 7)
     assert visible[0, 0].long().tolist() == [[1, 0, 0, 1, 1, 1, 0],
                                              [1, 0, 0, 1, 1, 1, 1]]
     # a padding query still sees itself (no empty row)
-    first = step_visibility(layout, 2, 0, 2, memory_keep, window_keep[:, :2])
+    first_keys = key_keep(2, 2, memory_keep, window_keep[:, :2])
+    first = step_visibility(layout, 2, 0, 2, first_keys)
     assert first[0, 0].long().tolist() == [[1, 0, 1, 0],
                                            [1, 0, 0, 1]]
-    eager = attention_mask_for(first, "eager", torch.float32, "cpu")
+    assert step_visibility(layout, 2, 3, 5, None)[0, 0].long().tolist() == [[1, 1, 1, 1, 1, 1, 0],
+                                                                              [1, 1, 1, 1, 1, 1, 1]]
+    eager = attention_mask_for(first, first_keys, "eager", torch.float32, "cpu")
     assert eager[0, 0, 0].tolist() == [0.0, torch.finfo(torch.float32).min, 0.0, torch.finfo(torch.float32).min]
-    assert attention_mask_for(first, "sdpa", torch.float32, "cpu").dtype == torch.bool
-    assert attention_mask_for(step_visibility(layout, 2, 3, 5, None, None), "flash_attention_2", torch.float32,
-                              "cpu") is None
+    assert attention_mask_for(first, first_keys, "sdpa", torch.float32, "cpu").dtype == torch.bool
+    # flash-attn (full-coverage): no mask without padding, else the key mask (the padding query's own
+    # column stays masked there)
+    assert attention_mask_for(visible, None, "flash_attention_2", torch.float32, "cpu") is None
+    assert attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist() == [[1, 0, 0, 1, 1, 1, 1]]
 
 
 def test_adapt_picks_the_smallest_ratio_that_reaches_the_input():

@@ -24,7 +24,15 @@ from .cache import BeaconCache, BeaconStep
 from .config import BeaconConfig
 from .export import write_remote_code
 from .layout import BeaconSettings, WindowLayout, window_layout, window_span
-from .patch import apply_beacon, backbone_of, beacon_parameters, beacons_disabled, is_beacon_applied, remove_beacon
+from .patch import (
+    apply_beacon,
+    backbone_of,
+    beacon_parameters,
+    beacons_disabled,
+    is_beacon_applied,
+    remove_beacon,
+    trainable_beacon_parameters,
+)
 from .weights import WEIGHTS_FILENAME, convert_authors_checkpoint, load_beacon_weights, save_beacon_weights
 
 
@@ -75,7 +83,7 @@ METHOD = Method(
     export=lambda model, folder, config: write_remote_code(folder, config.settings()),
     describe=describe,
     remote_code=True,
-    parameters=beacon_parameters,
+    parameters=trainable_beacon_parameters,
     span=_span,
 )
 
@@ -96,6 +104,7 @@ __all__ = [
     "positions_needed",
     "remove_beacon",
     "save_beacon_weights",
+    "trainable_beacon_parameters",
     "window_layout",
     "write_remote_code",
 ]

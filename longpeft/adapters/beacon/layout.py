@@ -198,48 +198,51 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def step_visibility(
-    layout: WindowLayout, memory_length: int, start: int, end: int, memory_keep: torch.Tensor | None,
-    window_keep: torch.Tensor | None,
-) -> torch.Tensor:
+def key_keep(memory_length: int, end: int, memory_keep: torch.Tensor | None,
+             window_keep: torch.Tensor | None) -> torch.Tensor | None:
+    """``[batch, M + end]`` bool, False at memory entries and window slots that are padding (None: no padding)."""
+    if memory_keep is None and window_keep is None:
+        return None
+    batch = (memory_keep if memory_keep is not None else window_keep).shape[0]
+    memory = memory_keep if memory_keep is not None else torch.ones(batch, memory_length, dtype=torch.bool)
+    window = window_keep if window_keep is not None else torch.ones(batch, end, dtype=torch.bool)
+    return torch.cat([memory.cpu(), window.cpu()], dim=1)
+
+
+def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: int,
+                    keys: torch.Tensor | None) -> torch.Tensor:
     """Which keys the slots ``[start, end)`` of a window attend to.
 
     Args:
         layout: the window's layout.
         memory_length: ``M``, memory entries before the window.
         start, end: the slots fed in this step.
-        memory_keep: ``[batch, M]`` bool, False for memory entries that are padding (or None: none).
-        window_keep: ``[batch, end]`` bool, False for window slots that are padding (or None: none).
+        keys: ``[batch, M + end]`` bool, False at padding (:func:`key_keep`), or None.
 
     Returns:
         ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
         sees itself, so no row is empty (a padding query gets a finite, ignored output).
     """
-    rows = layout.visible[start:end, :end]
-    batch = 1 if memory_keep is None and window_keep is None else (
-        (memory_keep if memory_keep is not None else window_keep).shape[0]
-    )
-    memory = torch.ones(batch, end - start, memory_length, dtype=torch.bool)
-    window = rows[None].expand(batch, -1, -1)
-    if memory_keep is not None and memory_length:
-        memory = memory & memory_keep[:, None, :].cpu()
-    if window_keep is not None:
-        window = window & window_keep[:, None, :].cpu()
-    diagonal = torch.zeros(end - start, end, dtype=torch.bool)
-    diagonal[torch.arange(end - start), torch.arange(start, end)] = True
-    return torch.cat([memory, window | diagonal], dim=-1)[:, None]
+    rows = torch.cat([torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1)
+    rows[torch.arange(end - start), memory_length + torch.arange(start, end)] = True
+    if keys is None:
+        return rows[None, None]
+    visible = rows[None] & keys[:, None, :]
+    visible[:, torch.arange(end - start), memory_length + torch.arange(start, end)] = True
+    return visible[:, None]
 
 
-def attention_mask_for(visible: torch.Tensor, implementation: str, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """The mask an attention kernel takes from a bool visibility ``[b, 1, q, k]``.
+def attention_mask_for(visible: torch.Tensor, keys: torch.Tensor | None, implementation: str, dtype: torch.dtype,
+                       device) -> torch.Tensor | None:
+    """The mask an attention kernel takes for a step.
 
-    eager: additive float (0 or the dtype's minimum); sdpa and others: the bool mask itself;
-    flash_attention_2 (full-coverage only): None without padding, else the 2-D key mask ``[b, k]``
-    (flash-attn aligns a shorter query block to the end of the keys, which is the causal layout).
+    eager: additive float ``[b, 1, q, k]`` (0 or the dtype's minimum) from ``visible``; sdpa and others:
+    the bool ``visible`` itself; flash_attention_2 (full-coverage only, its mask is causal): None
+    without padding, else the 2-D key mask ``keys [b, k]`` (flash-attn aligns a shorter query block to
+    the end of the keys, which is the causal layout).
     """
     if "flash" in implementation:
-        keys = visible[:, 0, -1]  # the last query sees every non-padding key under full-coverage
-        return None if bool(keys.all()) else keys.to(device=device, dtype=torch.long)
+        return None if keys is None or bool(keys.all()) else keys.to(device=device, dtype=torch.long)
     if implementation == "eager":
         mask = torch.zeros(visible.shape, dtype=dtype)
         return mask.masked_fill_(~visible, torch.finfo(dtype).min).to(device)

@@ -172,6 +172,14 @@ def beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in backbone.named_parameters() if ".beacon_" in f".{name}"}
 
 
+def trainable_beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The beacon parameters that can learn: all but the last layer's beacon q and o projections, which
+    only shape the beacons' own outputs of the last layer, which nothing reads (no gradient reaches them)."""
+    last = len(backbone_of(model).layers) - 1
+    unread = (f"layers.{last}.self_attn.beacon_q_proj.", f"layers.{last}.self_attn.beacon_o_proj.")
+    return {name: p for name, p in beacon_parameters(model).items() if not name.startswith(unread)}
+
+
 @contextlib.contextmanager
 def beacons_disabled(model: nn.Module) -> Iterator[None]:
     """Run a block with beacons off: the model computes what the stock model computes."""

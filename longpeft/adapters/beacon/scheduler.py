@@ -31,7 +31,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 # longpeft-inline-begin
 from ...rope import apply_rotary
 from .cache import BeaconCache, BeaconStep
-from .layout import BeaconSettings, attention_mask_for, choose_ratio, step_visibility, window_layout
+from .layout import BeaconSettings, attention_mask_for, choose_ratio, key_keep, step_visibility, window_layout
 
 # longpeft-inline-end
 
@@ -154,8 +154,9 @@ def beacon_backbone_forward(
                 keep[:, raw_rows.cpu()] = keep_new[:, done : done + take]
             previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
             state.window_keep = torch.cat([previous, keep], dim=1)
-        visible = step_visibility(layout, state.memory_length, start, end, state.memory_keep, state.window_keep)
-        mask = attention_mask_for(visible, implementation, dtype, weight.device)
+        keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
+        visible = step_visibility(layout, state.memory_length, start, end, keys)
+        mask = attention_mask_for(visible, keys, implementation, dtype, weight.device)
         positions = (state.memory_length + layout.offsets[start:end])[None].to(weight.device)
         step = BeaconStep(state.window_index, state.memory_length, start, end,
                           beacon_rows if beacon_rows.numel() else None)
