@@ -67,6 +67,20 @@ def test_ratio_zero_on_every_architecture_and_with_left_padding(arch):
     torch.testing.assert_close(windowed[1, 5:], stock[1, 5:], atol=1e-5, rtol=0)
 
 
+def test_ratio_zero_generates_like_the_stock_model_from_a_left_padded_batch():
+    model = tiny_model("qwen2", attn_implementation="sdpa")
+    mask = torch.ones_like(IDS[:, :21])
+    mask[0, :6] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        stock = model.generate(IDS[:, :21], **kwargs)
+        apply_beacon(model, settings(ratios=[0]))
+        windowed = model.generate(IDS[:, :21], **kwargs)
+    assert torch.equal(windowed.sequences, stock.sequences)
+    torch.testing.assert_close(torch.stack(windowed.logits), torch.stack(stock.logits), atol=1e-4, rtol=0)
+
+
 def test_remove_restores_the_stock_model_bit_for_bit():
     model = tiny_model("qwen3")
     before = {k: v.clone() for k, v in model.state_dict().items()}

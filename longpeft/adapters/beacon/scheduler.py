@@ -44,6 +44,21 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
     return None if bool(keep.all()) else keep.cpu()
 
 
+def _extend_window_keep(state, keep_raw: torch.Tensor | None, raw_rows: torch.Tensor, end: int) -> None:
+    """Record which of the window's new slots ``[window_slots, end)`` are padding (beacons never are).
+
+    ``keep_raw [batch, n_raw]`` is the new raw tokens' mask (None: none is padding), ``raw_rows`` their
+    slots within the step.
+    """
+    start = state.window_slots
+    batch = (keep_raw if keep_raw is not None else state.window_keep).shape[0]
+    keep = torch.ones(batch, end - start, dtype=torch.bool)
+    if keep_raw is not None:
+        keep[:, raw_rows.cpu()] = keep_raw
+    previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
+    state.window_keep = torch.cat([previous, keep], dim=1)
+
+
 def _rotate_with(rotary: torch.nn.Module) -> Any:
     """``rotate(pre_rope_keys [b, h, n, d], positions [n])``: keys as the model's rotary module rotates them."""
 
@@ -149,11 +164,7 @@ def beacon_backbone_forward(
                       else self.embed_tokens(input_ids[:, done : done + take]))
         step_embeds = beacon_row.expand(batch, end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
         if keep_new is not None or state.window_keep is not None:
-            keep = torch.ones(batch, end - start, dtype=torch.bool)
-            if keep_new is not None:
-                keep[:, raw_rows.cpu()] = keep_new[:, done : done + take]
-            previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
-            state.window_keep = torch.cat([previous, keep], dim=1)
+            _extend_window_keep(state, None if keep_new is None else keep_new[:, done : done + take], raw_rows, end)
         keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
         visible = step_visibility(layout, state.memory_length, start, end, keys)
         mask = attention_mask_for(visible, keys, implementation, dtype, weight.device)
