@@ -1,10 +1,11 @@
 """Benchmark: Activation Beacon's peak memory and throughput at 32x its window over 1x, beside the stock model.
 
-A small Llama-shaped model (hidden 256, 4 query / 2 KV heads of 64 dims, MLP 704, 4 layers, a
-32K vocabulary, 2048 positions) reads a prompt of 1x and of 32x the beacon window (256 and 8192
-tokens) the way ``generate`` prefills it: one logit kept, no gradient. Beacons condense each window
-at a fixed ratio 8 (so both lengths pay the same beacon overhead per token); the stock model reads
-the same prompts with full attention. Both run in one process on the same inputs; time is the
+A small Llama-shaped model (hidden 512, 8 query / 2 KV heads of 64 dims, MLP 1376, 4 layers, a
+32K vocabulary, 2048 positions) reads a prompt of 1x and of 32x the beacon window (128 and 4096
+tokens) the way ``generate`` prefills it: one logit kept, no gradient. The window is a quarter of
+the hidden size, as Llama-3-8B's 1024 is of 4096, so attention over the memory weighs what it weighs
+there. Beacons condense each window at a fixed ratio 8 (so both lengths pay the same beacon
+overhead per token); the stock model reads the same prompts with full attention. Both run in one process on the same inputs; time is the
 median of the repeats; a forward's memory is the largest amount of tensor memory it holds beyond
 what was held before it (CPU: from torch.profiler's allocation events; CUDA:
 torch.cuda.max_memory_allocated). Peak memory, as in the paper's Table 3, is the model's weights
@@ -14,7 +15,7 @@ The adapter size ratio compares the beacon weights saved with ``projection: lora
 the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
 ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
 
-    .venv/bin/python scripts/bench_beacon.py [--window 256] [--multiple 32] [--device cpu] [--threads 1]
+    .venv/bin/python scripts/bench_beacon.py [--window 128] [--multiple 32] [--device cpu] [--threads 1]
 
 The last line printed is one JSON object.
 """
@@ -38,8 +39,8 @@ RATIO = 8
 
 
 def build_model(attn: str, device: str):
-    return tiny_model("llama", vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+    return tiny_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
                       attn_implementation=attn).to(device)
 
 
@@ -62,11 +63,11 @@ def llama3_8b_lora_over_full(rank: int = 32) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
