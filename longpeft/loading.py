@@ -12,15 +12,29 @@ from .adapters import apply_spec, load_method_weights
 from .spec import ContextSpec
 
 
+# Models shipped inside the package, by the name recipes and commands accept for them.
+TOY_BASE = "longpeft:toy-base"
+BUILTIN_MODELS = {TOY_BASE: Path(__file__).parent / "toy_base"}
+
+
+def model_location(name: str | Path) -> str:
+    """Where to load ``name`` from: the packaged folder for a built-in model (``longpeft:toy-base``, the
+    short-window base of the demo, see ``longpeft/toy_base/README.md``), else ``name`` as given."""
+    return str(BUILTIN_MODELS.get(str(name), name))
+
+
 def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | None) -> str:
-    """The base model to load: the one given, else the spec's ``base_model`` (a Hub id or a path;
-    a relative path is looked up from the adapter folder first, then from the working directory)."""
+    """The base model to load: the one given, else the spec's ``base_model`` (a built-in name, a Hub id
+    or a path; a relative path is looked up from the adapter folder first, then from the working
+    directory)."""
     if base is not None:
-        return str(base)
+        return model_location(base)
     if not spec.base_model:
         raise ValueError(f"{Path(adapter_dir) / 'longpeft.json'} names no base_model; pass the base model explicitly")
     candidate = Path(adapter_dir) / spec.base_model
-    return str(candidate) if not Path(spec.base_model).is_absolute() and candidate.exists() else spec.base_model
+    if not Path(spec.base_model).is_absolute() and candidate.exists():
+        return str(candidate)
+    return model_location(spec.base_model)
 
 
 def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None:
