@@ -9,18 +9,8 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .adapters import apply_spec, load_method_weights
+from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .spec import ContextSpec
-
-
-# Models shipped inside the package, by the name recipes and commands accept for them.
-TOY_BASE = "longpeft:toy-base"
-BUILTIN_MODELS = {TOY_BASE: Path(__file__).parent / "toy_base"}
-
-
-def model_location(name: str | Path) -> str:
-    """Where to load ``name`` from: the packaged folder for a built-in model (``longpeft:toy-base``, the
-    short-window base of the demo, see ``longpeft/toy_base/README.md``), else ``name`` as given."""
-    return str(BUILTIN_MODELS.get(str(name), name))
 
 
 def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | None) -> str:

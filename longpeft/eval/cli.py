@@ -111,7 +111,7 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
 def run_eval(args: argparse.Namespace) -> int:
     if args.task == "perplexity" and not args.text:
         raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
-    from ..loading import model_location
+    from ..builtin_models import model_location
 
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
     string = string_settings_from_args(args)

@@ -89,7 +89,7 @@ def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
 def base_location(recipe: Recipe, output_dir: Path) -> str:
     """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``;
     built-in models such as ``longpeft:toy-base`` are packaged folders)."""
-    from ..loading import model_location
+    from ..builtin_models import model_location
 
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
@@ -156,7 +156,7 @@ def spec_base_reference(recipe: Recipe, base_id: str) -> str:
     """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
     relative to the adapter folder, so the run folder can be moved; a built-in model by its name
     (``longpeft:toy-base``, wherever longpeft is installed); anything else as given."""
-    from ..loading import BUILTIN_MODELS
+    from ..builtin_models import BUILTIN_MODELS
 
     if recipe.model.name_or_path in BUILTIN_MODELS:
         return recipe.model.name_or_path

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..builtin_models import model_location
+
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
@@ -91,7 +93,7 @@ def shape_of(name_or_path: str) -> ModelShape:
         from ..tiny import tiny_config
 
         return _from_config(tiny_config(name_or_path[5:]).to_dict())
-    config_file = Path(name_or_path) / "config.json"
+    config_file = Path(model_location(name_or_path)) / "config.json"
     if config_file.is_file():
         return _from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
