@@ -9,9 +9,10 @@ combination; HARPE has no STRING row: STRING needs one RoPE base for all heads).
 
     python scripts/repro_methods.py --out runs/repro --seeds 0 1 --targets 4 8
 
-Writes ``OUT/methods.md`` (mean +- spread over seeds, one row per method and STRING setting, with
-the paper claim each row tests), ``OUT/methods.png`` (NIAH accuracy against length, one line per
-method) and ``OUT/results.json`` (every score of every run). ``--variants`` picks a subset.
+Writes ``OUT/methods_4W_8W.md`` (named by the targets: mean +- spread over seeds, one row per method
+and STRING setting, with the paper claim each row tests), ``OUT/methods_4W_8W.png`` (NIAH accuracy
+against length, one line per method) and ``OUT/methods_4W_8W.json`` (every score of every run).
+``--variants`` picks a subset.
 """
 
 from __future__ import annotations
@@ -260,14 +261,15 @@ def main(argv: list[str] | None = None) -> int:
     for k, (variant, target, seed) in enumerate(jobs, 1):
         print(f"[{k}/{len(jobs)}] {variant.name} to {target}W, seed {seed}", file=sys.stderr, flush=True)
         results.append(run_one(variant, target, seed, args))
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    stem = "methods_" + "_".join(f"{t}W" for t in args.targets)  # one report per set of targets
+    (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     command = "python scripts/repro_methods.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report = [f"# Methods on the toy base (W = {W}), equal training budget\n", f"`{command}`\n",
               f"Seeds {args.seeds}; {args.tokens_per_w:,} training tokens per W of target for every method; "
               f"{args.samples} probes per (length, depth) cell, 5 depths; mean ± half-range over seeds.\n"]
     report += [table(results, t) + "\n" for t in args.targets]
-    (out / "methods.md").write_text("\n".join(report))
-    plot(results, out / "methods.png")
+    (out / f"{stem}.md").write_text("\n".join(report))
+    plot(results, out / f"{stem}.png")
     print("\n".join(report))
     return 0
 
