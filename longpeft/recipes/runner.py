@@ -175,8 +175,12 @@ def attention_implementation(requested: str) -> str:
     return "sdpa"
 
 
-def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
-    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBase, Any, ContextSpec]:
+    """Tokenizer, the base config carrying the recipe's new RoPE parameters and length, and the ContextSpec.
+
+    transformers v5 reads ``rope_parameters`` when a model is built, so the config gets the complete dict
+    (and ``max_position_embeddings`` >= the training length) before any model exists.
+    """
     m = recipe.model
     common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
@@ -188,24 +192,36 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
     if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
         spec.vocab_size = max(len(tokenizer), config.vocab_size)
-    # transformers v5: give the complete rope_parameters before the model is built...
     config.rope_parameters = dict(spec.rope_parameters)
     config.max_position_embeddings = spec.max_position_embeddings
+    return tokenizer, config, spec
+
+
+def finish_base(recipe: Recipe, model: PreTrainedModel) -> None:
+    """Settings every backend gives the loaded model: the recipe's eos ids, no KV cache while training."""
+    if recipe.model.eos_token_ids:
+        model.generation_config.eos_token_id = list(recipe.model.eos_token_ids)
+    model.config.use_cache = False
+
+
+def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
+    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+    m = recipe.model
+    tokenizer, config, spec = configure_base(recipe, base_id)
     model = AutoModelForCausalLM.from_pretrained(
         base_id,
         config=config,
         dtype=torch_dtype(m.dtype),
         attn_implementation=attention_implementation(m.attn_implementation),
         quantization_config=quantization_config(recipe),
-        **common,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
     )
-    # ...then apply the whole spec, which re-checks that the rotary frequencies really changed.
+    # Then apply the whole spec, which re-checks that the rotary frequencies really changed.
     apply_spec(model, spec)
     if spec.vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(spec.vocab_size)
-    if m.eos_token_ids:
-        model.generation_config.eos_token_id = list(m.eos_token_ids)
-    model.config.use_cache = False
+    finish_base(recipe, model)
     return model, tokenizer, spec
 
 
@@ -293,7 +309,8 @@ def sft_config(recipe: Recipe, output_dir: Path):
         gradient_accumulation_steps=gradient_accumulation(recipe, world_size()),
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
-        **checkpointing_argument(SFTConfig, t.gradient_checkpointing),
+        # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
+        **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
         activation_offloading=t.activation_offloading,
         save_strategy="steps",
         save_steps=t.save_steps,
@@ -378,6 +395,11 @@ class Prepared:
 
 def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
     """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this)."""
+    fast = None
+    if recipe.train.backend == "unsloth":
+        from . import unsloth_backend
+
+        fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
     from trl import SFTTrainer
 
     output_dir = recipe.resolved_output_dir()
@@ -385,13 +407,16 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     args = sft_config(recipe, output_dir)
     with args.main_process_first(local=True, desc="base model and data"):
         base_id = base_location(recipe, output_dir)
-        model, tokenizer, spec = load_base(recipe, base_id)
+        if fast is not None:
+            model, tokenizer, spec = unsloth_backend.load_model(recipe, base_id, fast)  # LoRA added by unsloth
+        else:
+            model, tokenizer, spec = load_base(recipe, base_id)
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk = recipe.data.utk
         if utk is not None:
             dataset = pack_for_utk(dataset, recipe.data.max_length, max(utk.chunk_counts), utk.label_length)
         dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
-    peft_config = lora_config(recipe, model)
+    peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     trainer = SFTTrainer(
         model=model,
         args=args,
@@ -411,12 +436,19 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "effective_global_batch_size": args.per_device_train_batch_size
         * args.gradient_accumulation_steps
         * world_size(),
-        "lora": peft_config.to_dict() if peft_config is not None else None,
+        "backend": recipe.train.backend,
+        "lora": adapter_settings(trainer.model),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "quantization": quantization_config(recipe).to_dict() if recipe.model.load_in_4bit else None,
         "data": data_stats,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
+
+
+def adapter_settings(model: Any) -> dict[str, Any] | None:
+    """The LoRA config of the trained adapter (whichever backend added it); None for full fine-tuning."""
+    configs = getattr(model, "peft_config", None) or {}
+    return configs["default"].to_dict() if "default" in configs else None
 
 
 class TrainingDiverged(ValueError):
