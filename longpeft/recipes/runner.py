@@ -402,9 +402,13 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
     from trl import SFTTrainer
 
+    from ..compat import ensure_trl_loss_kernel, plain_cpu_device
+
+    ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
     output_dir = recipe.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
     args = sft_config(recipe, output_dir)
+    plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
     with args.main_process_first(local=True, desc="base model and data"):
         base_id = base_location(recipe, output_dir)
         if fast is not None:
@@ -426,6 +430,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
+    check_distributed_type(trainer.accelerator.distributed_type)
     resolved = {
         "recipe": recipe.model_dump(),
         "base_model": base_id,
@@ -443,6 +448,23 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "data": data_stats,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
+
+
+def check_distributed_type(distributed_type: Any) -> None:
+    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise.
+
+    accelerate 1.15 turns FSDP on only for GPU-like process groups (``AcceleratorState``: the FSDP branch sits
+    under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
+    ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
+    """
+    asked = [name for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+             if os.environ.get(variable, "false").lower() == "true"]
+    got = str(distributed_type).rsplit(".", 1)[-1]
+    if asked and got != asked[0]:
+        raise ValueError(
+            f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
+            "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
+        )
 
 
 def adapter_settings(model: Any) -> dict[str, Any] | None:
@@ -528,8 +550,9 @@ def run(
         train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
 
     adapter_dir = output_dir / ("adapter" if recipe.finetune == "lora" else "model")
+    state_dict = gathered_state_dict(trainer)  # every process takes part when the model is sharded
     if trainer.is_world_process_zero():
-        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir)
+        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir, state_dict)
         metrics = summarize(output_dir, train_metrics, prepared)
     else:
         metrics = dict(train_metrics)
@@ -537,13 +560,27 @@ def run(
     return RunResult(output_dir, adapter_dir, metrics)
 
 
-def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path) -> None:
+def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """The whole state dict of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), gathered by accelerate
+    with every process taking part (call it on all of them); None when each process holds the whole model."""
+    if trainer.is_fsdp_enabled:
+        return trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.is_deepspeed_enabled:
+        return trainer.accelerator.get_state_dict(trainer.deepspeed)
+    return None
+
+
+def save_adapter(
+    model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
+    state_dict: dict[str, Any] | None = None,
+) -> None:
     """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
 
-    A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling file that plain
-    transformers needs to keep its per-head bases, ``trust_remote_code=True``).
+    ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
+    adapter's part of it. A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling
+    file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``).
     """
-    model.save_pretrained(adapter_dir)
+    model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
     save_method_weights(model, spec, adapter_dir)
     if not hasattr(model, "peft_config"):
         export_methods(model, spec, adapter_dir)
