@@ -13,22 +13,20 @@ COMPAT_STAMP := $(COMPAT_VENV)/.installed
 venv: $(STAMP)
 venv-compat: $(COMPAT_STAMP)
 
-$(STAMP): pyproject.toml requirements-cpu.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements-cpu.txt
-	$(PY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
-
-# The versions unsloth and the GPU image need (transformers 5.17, trl 1.15, datasets 4): requirements-compat.txt.
-$(COMPAT_STAMP): pyproject.toml requirements-compat.txt
-	test -x $(COMPAT_PY) || $(PYTHON) -m venv $(COMPAT_VENV)
-	$(COMPAT_PY) -m pip install -q --upgrade pip
-	$(COMPAT_PY) -m pip install -q torch==2.13.0
-	$(COMPAT_PY) -m pip install -q -r requirements-compat.txt
-	$(COMPAT_PY) -m pip install -q --no-deps -e .
-	touch $(COMPAT_STAMP)
+# Each environment: torch's CPU build from local disk first (never an unpinned torch), then its pinned stack.
+# .venv: requirements-cpu.txt. .venv-compat: the versions unsloth and the GPU image need (transformers 5.17,
+# trl 1.15, datasets 4), requirements-compat.txt.
+$(STAMP): REQUIREMENTS := requirements-cpu.txt
+$(STAMP): requirements-cpu.txt
+$(COMPAT_STAMP): REQUIREMENTS := requirements-compat.txt
+$(COMPAT_STAMP): requirements-compat.txt
+$(STAMP) $(COMPAT_STAMP): %/.installed: pyproject.toml
+	test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
+	$*/bin/python -m pip install -q torch==2.13.0
+	$*/bin/python -m pip install -q -r $(REQUIREMENTS)
+	$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo

@@ -13,6 +13,10 @@ and ``max_position_embeddings >= data.max_length`` (the one the default backend 
 loading checks every rotary module's frequencies against what transformers computes for those parameters
 (:func:`longpeft.rope.check_rotary_frequencies`); a model whose RoPE unsloth changed is refused before any
 training. The trainer, the adapter folder and ``longpeft.json`` are the default backend's.
+
+unsloth patches TRL's trainers when it is imported, so :func:`fast_language_model` runs before TRL is imported
+(``prepare`` calls it first). transformers and peft are already imported by then (longpeft's method registry
+and runner use them), which unsloth warns about; its model patches are applied by ``from_pretrained`` all the same.
 """
 
 from __future__ import annotations
