@@ -167,6 +167,11 @@ class TrainSection(Section):
         default=None, description="loss on assistant turns only; default: on for messages data, off for text"
     )
     report_to: list[str] = []
+    backend: Literal["transformers", "unsloth"] = Field(
+        default="transformers",
+        description="unsloth: load and add LoRA through unsloth's FastLanguageModel (CUDA only, its own "
+        "environment: requirements-gpu-unsloth.txt)",
+    )
 
     @field_validator("max_steps")
     @classmethod
@@ -202,6 +207,29 @@ def check_trl_keys(trl: dict[str, Any]) -> None:
             raise ValueError(f"trl.{key}: set by the recipe's {TRL_KEYS_OWNED_BY_RECIPE[key]}; give it there")
         if key not in fields:
             raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
+
+
+def check_unsloth_recipe(recipe: RecipeBase) -> None:
+    """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
+
+    unsloth replaces the attention and decoder-layer forwards, so methods that patch attention or
+    positions (HARPE, STRING, PoSE, beacon) would silently not apply; it trains LoRA adapters, and its
+    checkpointing already offloads to CPU memory.
+    """
+    extra = [name for name in recipe.method_configs() if name != "rope"]
+    problems = []
+    if recipe.method != "rope" or extra:
+        problems.append(f"method sections {extra or [recipe.method]} (only RoPE-base expansion, method: rope)")
+    if recipe.finetune != "lora":
+        problems.append("finetune: full (LoRA/QLoRA only)")
+    if recipe.lora.embeddings == "token_indices":
+        problems.append("lora.embeddings: token_indices (use full or none)")
+    if recipe.data.utk is not None:
+        problems.append("data.utk (it adds tokens and its own collator)")
+    if recipe.train.activation_offloading:
+        problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
+    if problems:
+        raise ValueError("train.backend: unsloth does not support " + "; ".join(problems) + "; use train.backend: transformers")
 
 
 class RecipeBase(Section):
@@ -257,6 +285,8 @@ class RecipeBase(Section):
             )
         if self.finetune == "full" and self.model.load_in_4bit:
             raise ValueError("finetune: full cannot train a 4-bit model; use finetune: lora (QLoRA)")
+        if self.train.backend == "unsloth":
+            check_unsloth_recipe(self)
         check_trl_keys(self.trl)
         return self
 

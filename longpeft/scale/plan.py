@@ -46,6 +46,13 @@ KNOWN_SHAPES = {
     "mistralai/Mistral-7B-v0.1": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False),
     "Qwen/Qwen2-7B": dict(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False),
 }
+# Instruct/chat releases have their base's shape.
+KNOWN_SHAPES.update({
+    "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
+    "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
+    "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
+    "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
+})
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
 
 
@@ -143,11 +150,17 @@ class Plan:
         if self.fits:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
+        full = self.assumptions.get("finetune") == "full"
+        shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (train.optim: adamw_bnb_8bit)",
-            "base weights": "model.load_in_4bit: true (QLoRA)",
+            "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if full
+            else "--launch fsdp2 (shards the 4-bit base: its quant storage is the compute dtype)"
+            if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)",
+            "optimizer state and gradients": f"{shard}, or finetune: lora",
+            "DDP gradient buckets": shard if full else "lora.embeddings: token_indices (the buckets hold the trainable gradients)",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
         }
@@ -249,7 +262,8 @@ def estimate(
         hours=seconds / 3600,
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
-                     "adapter_dtype": "float32 (16 bytes/param with AdamW)"},
+                     "adapter_dtype": "float32 (16 bytes/param with AdamW)", "finetune": recipe.finetune,
+                     "load_in_4bit": recipe.model.load_in_4bit},
     )
 
 
