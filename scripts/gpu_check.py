@@ -200,7 +200,7 @@ def compare_kernels(tiny: bool) -> dict:
     return results
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
     parser.add_argument("--tokens", type=int, help="tokens per sample (default 81920; --tiny: 1024)")
@@ -214,7 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     args.tokens = args.tokens or (1024 if args.tiny else 81920)
     if args.tokens < 64 or args.steps < 1:
         parser.error("--tokens must be >= 64 and --steps >= 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     import torch
 
     if args.measure:
