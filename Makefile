@@ -4,17 +4,29 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+COMPAT_VENV := .venv-compat
+COMPAT_PY := $(COMPAT_VENV)/bin/python
+COMPAT_STAMP := $(COMPAT_VENV)/.installed
+
+.PHONY: demo test test-compat bench venv venv-compat clean
 
 venv: $(STAMP)
+venv-compat: $(COMPAT_STAMP)
 
-$(STAMP): pyproject.toml requirements-cpu.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -r requirements-cpu.txt
-	$(PY) -m pip install -q --no-deps -e .
-	touch $(STAMP)
+# Each environment: torch's CPU build from local disk first (never an unpinned torch), then its pinned stack.
+# .venv: requirements-cpu.txt. .venv-compat: the versions unsloth and the GPU image need (transformers 5.17,
+# trl 1.15, datasets 4), requirements-compat.txt.
+$(STAMP): REQUIREMENTS := requirements-cpu.txt
+$(STAMP): requirements-cpu.txt
+$(COMPAT_STAMP): REQUIREMENTS := requirements-compat.txt
+$(COMPAT_STAMP): requirements-compat.txt
+$(STAMP) $(COMPAT_STAMP): %/.installed: pyproject.toml
+	test -x $*/bin/python || $(PYTHON) -m venv $*
+	$*/bin/python -m pip install -q --upgrade pip
+	$*/bin/python -m pip install -q torch==2.13.0
+	$*/bin/python -m pip install -q -r $(REQUIREMENTS)
+	$*/bin/python -m pip install -q --no-deps -e .
+	touch $@
 
 demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
@@ -22,8 +34,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt.
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT_PY) -m pytest -q -m compat tests
+
 bench: $(STAMP)
 	@for script in scripts/bench_*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) runs build *.egg-info

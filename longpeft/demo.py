@@ -1,11 +1,13 @@
-"""`make demo`: the whole longpeft path on a tiny model on CPU, no download.
+"""`make demo`: the whole longpeft path on CPU, no download, on a base that really fails beyond its window.
 
-Generates offline procedural long-context QA, trains the ``tiny-cpu`` recipe (RoPE base 1e4 -> 1e6,
-context 256 -> 1024, LoRA + trainable embedding), scores retrieval before and after the fine-tune
-and with STRING, merges the adapter, and writes model cards. Output folder::
+Starts from the packaged toy base (``longpeft:toy-base``: W = 256 tokens; passkey and NIAH 1.0 inside
+W, 0.0 at 2W and 4W, see ``longpeft/toy_base/README.md``), trains the ``toy-extend-cpu`` recipe (RoPE
+base 1e4 -> 2e6 + LoRA at 4W = 1024 tokens on retrieval documents), scores passkey and NIAH at W, 2W
+and 4W for the base and base + adapter, each with and without STRING, prints the before/after table
+built from those eval results, merges the adapter and writes model cards. Output folder::
 
     adapter/ (+ longpeft.json, README.md)   merged/ (plain from_pretrained)   metrics.json   loss.png
-    eval_results.json   eval/ (per-setting JSON and NIAH heatmaps)
+    eval/<setting>/ (passkey.json, niah_single.json, heatmaps)   eval_results.json   before_after.md
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from .recipes.runner import run
 from .recipes.schema import load_recipe
 from .spec import ContextSpec
 
+DEMO_RECIPE = "toy-extend-cpu"
+
 
 def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dict:
     """Run the demo into ``out``; returns the summary printed at the end.
@@ -27,15 +31,18 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
     A finished demo folder is replaced (only what the demo wrote is deleted); an interrupted one
     (checkpoints, no adapter) is resumed. A non-empty folder the demo did not make is refused.
     """
+    from .eval.demo_report import before_after_table, collect_rows, run_demo_evals
+
     out = Path(out)
     prepare_demo_folder(out)
     overrides = [f"output_dir={out}"] + ([f"train.max_steps={max_steps}"] if max_steps else [])
-    recipe = load_recipe("tiny-cpu", overrides)
+    recipe = load_recipe(DEMO_RECIPE, overrides)
     result = run(recipe, resume=latest_checkpoint(out) is not None)
 
-    from .eval.demo_report import retrieval_report
-
-    eval_rows = retrieval_report(out, result.adapter_dir)
+    window = run_demo_evals(out, result.adapter_dir)
+    eval_rows = collect_rows(out / "eval")
+    table = before_after_table(eval_rows, window)
+    (out / "before_after.md").write_text(table + "\n")
     (out / "eval_results.json").write_text(json.dumps({"rows": eval_rows}, indent=2) + "\n")
     shutil.copy(out / "eval_results.json", result.adapter_dir / "eval_results.json")
 
@@ -50,7 +57,9 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
         "first_loss": result.metrics["first_loss"],
         "final_loss": result.metrics["final_loss"],
         "merged_max_abs_logit_diff": merged["max_abs_logit_diff"],
+        "window": window,
         "eval": eval_rows,
+        "table": table,
     }
     print_summary(summary)
     return summary
@@ -59,7 +68,7 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
 DEMO_MARKER = ".longpeft-demo"
 # What a demo run writes into its folder (and so may delete to start a new one).
 DEMO_OUTPUTS = ("adapter", "merged", "eval", "checkpoints", "base", "metrics.jsonl", "metrics.json", "loss.png",
-                "eval_results.json", "recipe.resolved.json", "recipe.training.json")
+                "eval_results.json", "before_after.md", "recipe.resolved.json", "recipe.training.json")
 
 
 def prepare_demo_folder(out: Path) -> None:
@@ -91,6 +100,5 @@ def print_summary(summary: dict) -> None:
     print(f"\nlongpeft demo -> {summary['output_dir']}")
     print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
     print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
-    print(f"  {'task':<10} {'setting':<22} {'length':>6} {'score':>6}")
-    for row in summary["eval"]:
-        print(f"  {row['task']:<10} {row.get('setting', ''):<22} {row.get('length', ''):>6} {row['score']:>6.3f}")
+    print(f"  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
+    print(summary["table"])

@@ -9,18 +9,22 @@ from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from .adapters import apply_spec, load_method_weights, spec_methods
+from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .spec import ContextSpec
 
 
 def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | None) -> str:
-    """The base model to load: the one given, else the spec's ``base_model`` (a Hub id or a path;
-    a relative path is looked up from the adapter folder first, then from the working directory)."""
+    """The base model to load: the one given, else the spec's ``base_model`` (a built-in name, a Hub id
+    or a path; a relative path is looked up from the adapter folder first, then from the working
+    directory)."""
     if base is not None:
-        return str(base)
+        return model_location(base)
     if not spec.base_model:
         raise ValueError(f"{Path(adapter_dir) / 'longpeft.json'} names no base_model; pass the base model explicitly")
     candidate = Path(adapter_dir) / spec.base_model
-    return str(candidate) if not Path(spec.base_model).is_absolute() and candidate.exists() else spec.base_model
+    if not Path(spec.base_model).is_absolute() and candidate.exists():
+        return str(candidate)
+    return model_location(spec.base_model)
 
 
 def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None:

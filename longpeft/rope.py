@@ -214,3 +214,70 @@ def set_rope_parameters(
         if max_position_embeddings is not None:
             top_config.max_position_embeddings = int(max_position_embeddings)
     return new_inv_freq
+
+
+# --------------------------------------------------------------------------------------------
+# Checking the rotary frequencies of a model built by someone else (e.g. unsloth).
+# --------------------------------------------------------------------------------------------
+
+
+class RotaryMismatch(ValueError):
+    """A built model's rotary frequencies are not the ones its config's rope_parameters imply."""
+
+
+def expected_rotary(config: Any) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` that transformers computes for the config's ``rope_parameters``.
+
+    float32 on CPU; ``default`` through :func:`inv_freq`, the other rope types through transformers'
+    own ``ROPE_INIT_FUNCTIONS``.
+    """
+    params = validate_rope_parameters(rope_parameters_of(config))
+    if params["rope_type"] == "default":
+        dim = int(head_dim_of(config) * float(params.get("partial_rotary_factor", 1.0)))
+        return inv_freq(float(params["rope_theta"]), dim), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    frequencies, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, "cpu")
+    return frequencies.float().cpu(), float(scaling)
+
+
+def effective_frequencies(module: nn.Module) -> torch.Tensor:
+    """Radians per position of a rotary module: its ``inv_freq`` divided by the position scale of
+    modules that scale positions instead of frequencies (unsloth's linear "kaiokendev" rotary keeps
+    ``inv_freq`` and divides the positions by ``scaling_factor``)."""
+    scale = getattr(module, "scaling_factor", None)
+    frequencies = module.inv_freq.detach().float().cpu()
+    return frequencies / float(scale) if isinstance(scale, (int, float)) and scale else frequencies
+
+
+def check_rotary_frequencies(model: nn.Module, config: Any, rtol: float = 1e-5) -> torch.Tensor:
+    """Verify that every rotary module of ``model`` (any module with an ``inv_freq`` buffer) rotates
+    exactly as ``config.rope_parameters`` says: same frequencies and no extra attention scaling.
+
+    Returns:
+        The expected ``inv_freq``.
+
+    Raises:
+        RotaryMismatch: naming the module, the largest relative difference, and the frequency ratio
+            (a ratio of 1/f everywhere is a linear scaling by f stacked on top of the requested RoPE).
+    """
+    expected, scaling = expected_rotary(config)
+    found = {id(m): (name, m) for name, m in model.named_modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    if not found:
+        raise RotaryMismatch(f"{type(model).__name__} has no rotary module with an inv_freq buffer to check")
+    wanted = f"rope_parameters {rope_parameters_of(config)}"
+    for name, module in found.values():
+        actual = effective_frequencies(module)
+        if actual.shape != expected.shape:
+            raise RotaryMismatch(f"{name or 'model'}: {actual.numel()} rotary frequencies, {wanted} gives {expected.numel()}")
+        difference = ((actual - expected).abs() / expected).max().item()
+        if difference > rtol:
+            ratio = (actual / expected).median().item()
+            raise RotaryMismatch(
+                f"{name or 'model'}: rotary frequencies differ from {wanted} by up to {difference:.3g} (relative; "
+                f"median ratio {ratio:.4g}, i.e. positions scaled by {1 / ratio:.4g})"
+            )
+        module_scaling = getattr(module, "attention_scaling", 1.0)
+        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > rtol * max(1.0, scaling):
+            raise RotaryMismatch(f"{name or 'model'}: attention scaling {module_scaling}, {wanted} gives {scaling}")
+    return expected

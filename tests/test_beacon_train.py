@@ -57,7 +57,7 @@ def test_training_changes_only_beacon_and_lora_weights_and_the_adapter_reloads(t
     assert _eval_loss(model, batch) < before_loss
 
     adapter_dir = tmp_path / "adapter"
-    save_adapter(model, prepared.tokenizer, prepared.spec, adapter_dir, finetune)
+    save_adapter(model, prepared.tokenizer, prepared.spec, adapter_dir, finetune=finetune)
     assert (adapter_dir / WEIGHTS_FILENAME).is_file() and (adapter_dir / "longpeft.json").is_file()
     assert (adapter_dir / "adapter_config.json").is_file() == (finetune == "lora")
     loaded = longpeft.load(str(base), adapter_dir, attn_implementation="sdpa").eval()

@@ -180,31 +180,6 @@ def test_cli_on_saved_model_and_adapter(tokenizer, tmp_path, capsys):
     assert '"task": "niah_single"' in capsys.readouterr().out
 
 
-def test_demo_report_rows(tokenizer, tmp_path, monkeypatch):
-    from peft import LoraConfig, get_peft_model
-
-    from longpeft.eval import demo_report
-    from longpeft.spec import ContextSpec
-
-    monkeypatch.setattr(demo_report, "PASSKEY_LENGTHS", (256, 400))  # fewer, shorter prompts than the demo
-    monkeypatch.setattr(demo_report, "NIAH_LENGTHS", (512,))
-    monkeypatch.setattr(demo_report, "RETRIEVAL_CONTEXT_TOKENS", (120,))
-
-    model = tiny_model("llama", vocab_size=len(tokenizer), attn_implementation="sdpa")
-    model.save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-    adapter_dir = tmp_path / "adapter"
-    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope_base", base_model=str(tmp_path / "base")).save(adapter_dir)
-    rows = demo_report.retrieval_report(tmp_path, adapter_dir, n_samples=1)
-    settings = {"base", "base + STRING", "adapter", "adapter + STRING"}
-    assert {r["setting"] for r in rows} == settings
-    assert {r["task"] for r in rows} == {"passkey", "niah_single", "retrieval"}
-    assert len(rows) == 4 * (2 + 1 + 1) and all(0.0 <= r["score"] <= 1.0 for r in rows)
-    assert (tmp_path / "eval" / "adapter_STRING" / "niah_single_heatmap.png").exists()
-
-
 def test_chat_replies_in_their_own_words_score(tokenizer):
     # "The pass key is 60494." is right in a chat reply; a plain continuation must start with the answer.
     model = CopyingModel(tokenizer, reply="The pass key is {}.")

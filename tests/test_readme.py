@@ -64,6 +64,25 @@ def test_cheap_commands_run(command, tmp_path):
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
 
 
+SCRIPTS = [c for c in COMMANDS if c.startswith("python scripts/")]
+
+
+@pytest.mark.parametrize("command", SCRIPTS)
+def test_every_script_command_parses(command):
+    """`python scripts/NAME.py ARGS` in the README: the script exists and its own parser accepts ARGS."""
+    import importlib.util
+
+    words = shlex.split(command)
+    name = "readme_" + Path(words[1]).stem
+    spec = importlib.util.spec_from_file_location(name, README.parent / words[1])
+    module = sys.modules[name] = importlib.util.module_from_spec(spec)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    try:
+        module.parse_args(words[2:])
+    except SystemExit as exc:
+        pytest.fail(f"README command does not parse ({exc.code}): {command}")
+
+
 def test_readme_paths_exist():
     root = README.parent
     for path in re.findall(r"`(longpeft/[\w/.\-]+|recipes/[\w.\-]+\.yaml|scripts/[\w.\-]+\.py)`", README.read_text()):

@@ -16,6 +16,8 @@ from longpeft.cli import main
 from longpeft.recipes.runner import gradient_accumulation, prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
 
+pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+
 
 def tiny_recipe(base_dir, data_path, out_dir, **train):
     settings = dict(max_steps=2, save_steps=2, per_device_batch_size=1, global_batch_size=1, seed=0)
@@ -219,6 +221,54 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
     assert steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
 
 
+def fsdp2_launch(out, base, data, processes, port, *extra):
+    """accelerate launch with the shipped FSDP2 config (fp32 here, so it can be compared with one process)."""
+    from longpeft.launch import config_file
+
+    command = [
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file("fsdp2")),
+        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
+        "-m", "longpeft.cli", "train", "tiny-cpu", "--set", f"model.name_or_path={base}", "--set", f"data.source={data}",
+        "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
+        "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256", *extra,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, chat_jsonl, tmp_path):
+    """accelerate makes every multi-process CPU run MULTI_CPU (DDP) whatever the config says; the runner refuses."""
+    proc = fsdp2_launch(tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, 29533)
+    assert proc.returncode != 0
+    assert "the launch config asks for FSDP, but accelerate set up MULTI_CPU" in proc.stderr
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 through accelerate needs 2 CUDA GPUs: accelerate "
+                    "runs every multi-process CPU run as DDP (see test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp)")
+def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+    """FSDP2 (LoRA + trained embedding, parameters sharded over 2 GPUs) gives the losses (rel 1e-3) and adapter
+    (atol 1e-4) of one process with the same global batch (1 sample x 2 accumulation steps)."""
+    base = tiny_base_dirs("llama")
+    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29534)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = json.loads((tmp_path / "fsdp2" / "recipe.resolved.json").read_text())
+    assert resolved["distributed_type"].endswith("FSDP") and resolved["world_size"] == 2
+    single = run(load_recipe("tiny-cpu", [
+        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
+        "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
+
+    def losses(folder):
+        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(single.output_dir), rel=1e-3)
+    one = load_file(single.adapter_dir / "adapter_model.safetensors")
+    two = load_file(tmp_path / "fsdp2" / "adapter" / "adapter_model.safetensors")
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+
+
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
     code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama", "--output-dir", str(tmp_path)])
@@ -302,3 +352,27 @@ def test_tiny_base_run_folder_can_be_moved(chat_jsonl, tmp_path):
     shutil.move(tmp_path / "run", tmp_path / "moved")
     model = longpeft.load(None, tmp_path / "moved" / "adapter")
     assert model.config.rope_parameters["rope_theta"] == 1e6
+
+
+def test_sharded_checkpoints_count_as_complete(tmp_path):
+    """FSDP (accelerate's DCP folders) and DeepSpeed checkpoints are found by --resume like one-process ones; a
+    DCP folder without its .metadata (written last) is a torn checkpoint."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+    from longpeft.recipes.checkpoints import latest_checkpoint
+
+    def checkpoint(step, *paths):
+        folder = tmp_path / "checkpoints" / f"checkpoint-{step}"
+        for path in paths:
+            (folder / path).parent.mkdir(parents=True, exist_ok=True)
+            (folder / path).write_text("x")
+        (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        return folder
+
+    fsdp = checkpoint(2, f"{FSDP_MODEL_NAME}_0/.metadata", f"{OPTIMIZER_NAME}_0/.metadata")
+    assert latest_checkpoint(tmp_path) == fsdp
+    zero3 = checkpoint(4, "adapter_model.safetensors", "global_step4/mp_rank_00_model_states.pt")
+    assert latest_checkpoint(tmp_path) == zero3
+    checkpoint(6, f"{FSDP_MODEL_NAME}_0/__0_0.distcp", f"{OPTIMIZER_NAME}_0/.metadata")  # weights torn
+    report: list[str] = []
+    assert latest_checkpoint(tmp_path, report) == zero3 and "checkpoint-6 is incomplete" in report[0]

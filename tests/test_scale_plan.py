@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -104,3 +106,23 @@ def test_launch_configs_and_refusals(capsys):
     assert command[4:] == ["--num_processes", "8", "-m", "longpeft.cli", "train", "llama3-8b-instruct-80k-qlora",
                            "--set", "train.max_steps=10"]
     assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "zero3", "--gpus", "8", "--print-command"]) == 2
+
+
+def test_plan_works_for_every_bundled_recipe(capsys):
+    """`longpeft plan RECIPE --gpus 8` for each bundled recipe (a new one joins automatically): a peak, a time,
+    and, when it does not fit, levers that the recipe can use (no 4-bit base for a full fine-tune)."""
+    from longpeft.recipes import bundled_recipes
+
+    for name in bundled_recipes():
+        assert main(["plan", name, "--gpus", "8", "--gpu-memory", "80"]) == 0, name
+        out = capsys.readouterr().out
+        assert "peak" in out and re.search(r"= \d+\.\d h$", out, flags=re.M), name
+        recipe = load_recipe(name)
+        plan = estimate(recipe, gpus=8)
+        assert plan.peak_bytes > 0 and plan.hours > 0 and plan.terms["base weights"] > 0, name
+        if not plan.fits:
+            levers = plan.levers()
+            assert levers and ("lever:" in out), name
+            if recipe.finetune == "full":
+                assert not any(lever.startswith("base weights: model.load_in_4bit") for lever in levers), name
+                assert any("--launch fsdp2" in lever for lever in levers), name

@@ -15,6 +15,8 @@ from longpeft.adapters import apply_spec
 from longpeft.spec import ContextSpec, SpecMismatchError
 from longpeft.tiny import tiny_config
 
+pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+
 
 def make_adapter(base_dir, out_dir, rope_theta=2e6, max_positions=1024, seed=1):
     """A rope-base-expanded model with a non-trivial LoRA (random A and B) and a trained embedding row set."""

@@ -111,6 +111,9 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
 def run_eval(args: argparse.Namespace) -> int:
     if args.task == "perplexity" and not args.text:
         raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
+    from ..builtin_models import model_location
+
+    args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
     string = string_settings_from_args(args)
     check_writable_folder(Path(args.out), "--out")  # before the model loads and the grid runs
     model, tokenizer = load_model_and_tokenizer(args)
@@ -150,7 +153,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("task", choices=TASKS, help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
-    parser.add_argument("--model", required=True, help="base or merged model: Hub id or local folder")
+    parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or longpeft:toy-base (the packaged demo base)")
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
     parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")
     parser.add_argument("--string-shift", type=_at_least(1), help="STRING shift S (default trained length // 3)")

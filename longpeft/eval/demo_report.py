@@ -1,94 +1,96 @@
-"""The demo's retrieval scores: passkey, NIAH and held-out questions in the format the demo trains
-on, for the base model and the fine-tuned adapter, each with and without STRING (``make demo``
-prints them as a table)."""
+"""The demo's before/after table: passkey and single-needle NIAH at W, 2W and 4W (W = the base's
+trained window) for the base model and base + adapter, each with and without STRING.
+
+:func:`run_demo_evals` writes one folder of eval results per setting (``<task>.json`` + heatmaps, as
+``longpeft eval`` does); :func:`collect_rows` and :func:`before_after_table` build the table from
+those JSON files only, so what `make demo` prints is what its evaluation measured.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-from ..adapters.string import DEFAULT_LOCAL_WINDOW, disable_string, enable_string
-from .generation import greedy_generate
-from .scoring import exact_match
+from ..adapters.string import DEFAULT_LOCAL_WINDOW
 from .tasks import evaluate
 
-PASSKEY_LENGTHS = (256, 512, 1024)
-NIAH_LENGTHS = (512, 1024)
-# Held-out demo conversations: ~120 context tokens fit the base model's 256-token window, ~700 do not.
-RETRIEVAL_CONTEXT_TOKENS = (120, 700)
-HELD_OUT_SEED = 1000  # the demo trains on seed 0
+TASKS = ("passkey", "niah_single")
+SETTINGS = ("base", "base + STRING", "adapter", "adapter + STRING")
+WINDOW_MULTIPLES = (1, 2, 4)
+DEPTHS = (0.0, 0.5, 1.0)
+
+
+def setting_folder(setting: str) -> str:
+    """``"adapter + STRING"`` -> ``"adapter_STRING"``."""
+    return setting.replace(" + ", "_")
 
 
 def demo_string_settings(trained_length: int) -> dict[str, int]:
-    """STRING for a tiny model: S = L / 3 and W = min(128, S / 4) (the paper's W = 128 needs L >= 2K)."""
+    """STRING for a small model: S = L / 3 and W = min(128, S / 4) (the paper's W = 128 needs L >= 2K)."""
     shift = trained_length // 3
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 
 
-def held_out_set(tokenizer: Any, context_tokens: int, n: int = 8, seed: int = HELD_OUT_SEED) -> tuple[list[list[int]], list[str]]:
-    """Prompts (first question of each conversation, chat template) and answers of held-out demo
-    conversations: the demo's procedural generator with another seed; each answer is a number
-    stated once in the context."""
-    from ..synth_data.demo import demo_conversations
+def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8, seed: int = 0,
+                   lengths: tuple[int, ...] | None = None) -> int:
+    """Evaluate the adapter's base and base + adapter, each with and without STRING, into
+    ``out/eval/<setting>/``; returns the base's trained window W.
 
-    rows = demo_conversations(tokenizer, n_conversations=2 * n, context_tokens=context_tokens, seed=seed, questions_per_conversation=1)[:n]
-    if not rows:
-        raise ValueError(f"the demo generator produced no conversation of {context_tokens} context tokens")
-    prompts = [
-        list(tokenizer.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        for r in rows
-    ]
-    return prompts, [r["messages"][1]["content"] for r in rows]
+    Args:
+        lengths: prompt lengths; default W, 2W and 4W.
+        n_samples: prompts per (length, needle depth) cell; depths 0, 0.5 and 1.
 
-
-def held_out_retrieval(model: Any, tokenizer: Any, prompts: list[list[int]], answers: list[str]) -> float:
-    """Exact-match accuracy of greedy answers to :func:`held_out_set` prompts."""
-    predictions = greedy_generate(model, tokenizer, prompts, max_new_tokens=12, batch_size=8, desc="held-out retrieval")
-    return sum(exact_match(p, a) for p, a in zip(predictions, answers)) / len(answers)
-
-
-def retrieval_report(out: str | Path, adapter_dir: str | Path, n_samples: int = 3, seed: int = 0) -> list[dict[str, Any]]:
-    """Score the demo's base model (``out/base``) and base + adapter on passkey, single-needle NIAH
-    and held-out demo-format retrieval (:func:`held_out_set`), each with and without STRING.
-
-    Writes ``out/eval/<setting>/`` (JSON + heatmaps) and returns rows
-    ``{"task", "setting", "length", "score"}``, one per task, setting and length (for "retrieval",
-    the mean prompt length).
+    STRING's L is the base's window for the base, the adapter's trained length for the adapter.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .. import load
+    from ..loading import load, resolve_base
+    from ..spec import ContextSpec
 
     out = Path(out)
-    base_dir = out / "base"
+    spec = ContextSpec.load(adapter_dir)
+    base = AutoModelForCausalLM.from_pretrained(resolve_base(spec, adapter_dir, None)).eval()
+    window = base.config.max_position_embeddings
     tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    models = {
-        "base": AutoModelForCausalLM.from_pretrained(str(base_dir)).eval(),
-        "adapter": load(str(base_dir), adapter_dir).eval(),
-    }
-    held_out = {tokens: held_out_set(tokenizer, tokens) for tokens in RETRIEVAL_CONTEXT_TOKENS}
-    rows: list[dict[str, Any]] = []
-    for name, model in models.items():
-        # STRING's L: the adapter's trained length (longpeft.json), the base's own window otherwise.
-        spec = getattr(model, "longpeft_spec", None)
-        string = demo_string_settings(getattr(spec, "trained_length", None) or model.config.max_position_embeddings)
-        for use_string in (False, True):
-            setting = f"{name} + STRING" if use_string else name
-            folder = out / "eval" / setting.replace(" + ", "_")
-            common = dict(n_samples=n_samples, seed=seed, chat=chat, batch_size=9, out_dir=folder, string=string if use_string else None)
-            passkey = evaluate("passkey", model, tokenizer, lengths=PASSKEY_LENGTHS, depths=(0.0, 0.5, 1.0), **common)
-            niah = evaluate("niah_single", model, tokenizer, lengths=NIAH_LENGTHS, depths=(0.0, 0.5, 1.0), **common)
-            for result in (passkey, niah):
-                for length, value in result["by_length"].items():
-                    rows.append({"task": result["task"], "setting": setting, "length": int(length), "score": value})
-            if use_string:
-                enable_string(model, **string)
-            try:
-                for prompts, answers in held_out.values():
-                    length = round(sum(len(p) for p in prompts) / len(prompts))
-                    score = held_out_retrieval(model, tokenizer, prompts, answers)
-                    rows.append({"task": "retrieval", "setting": setting, "length": length, "score": score})
-            finally:
-                disable_string(model)
+    models = {"base": (base, window), "adapter": (load(None, adapter_dir).eval(), spec.trained_length or window)}
+    for setting in SETTINGS:
+        model, trained_length = models[setting.split(" + ")[0]]
+        string = demo_string_settings(trained_length) if "STRING" in setting else None
+        for task in TASKS:
+            evaluate(task, model, tokenizer, lengths=lengths or tuple(m * window for m in WINDOW_MULTIPLES),
+                     depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12, string=string,
+                     out_dir=out / "eval" / setting_folder(setting))
+    return window
+
+
+def collect_rows(eval_dir: str | Path) -> list[dict[str, Any]]:
+    """Rows ``{"task", "setting", "length", "score"}`` read from ``eval_dir/<setting>/<task>.json``.
+
+    Raises:
+        FileNotFoundError: a setting's result is missing (the evaluation did not finish).
+    """
+    rows = []
+    for setting in SETTINGS:
+        for task in TASKS:
+            path = Path(eval_dir) / setting_folder(setting) / f"{task}.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: no eval result for {setting} / {task}; run the demo's evaluation first")
+            result = json.loads(path.read_text())
+            for length, score in result["by_length"].items():
+                rows.append({"task": task, "setting": setting, "length": int(length), "score": float(score)})
     return rows
+
+
+def before_after_table(rows: list[dict[str, Any]], window: int) -> str:
+    """A markdown table: one row per setting, one column per (task, length), lengths as multiples of W."""
+    lengths = sorted({r["length"] for r in rows})
+    score = {(r["setting"], r["task"], r["length"]): r["score"] for r in rows}
+    label = {"passkey": "passkey", "niah_single": "NIAH"}
+    columns = [(task, n) for task in TASKS for n in lengths]
+    names = [f"{label[t]} {n // window}W" if n % window == 0 else f"{label[t]} {n}" for t, n in columns]
+    lines = [f"| setting (W = {window}) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(columns)]
+    for setting in SETTINGS:
+        cells = [f"{score[(setting, t, n)]:.2f}" if (setting, t, n) in score else "-" for t, n in columns]
+        lines.append(f"| {setting} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import Any
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-_WEIGHT_FILES = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+# Weights and optimizer state as the Trainer writes them: whole (one process, DDP) or sharded (accelerate's FSDP
+# files and torch.distributed.checkpoint folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; DeepSpeed's
+# ``global_step<N>/``). A sharded folder counts once it is complete (DCP writes its ``.metadata`` last).
+_WEIGHT_PATTERNS = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                    "pytorch_model_fsdp*")
+_OPTIMIZER_PATTERNS = ("optimizer.pt", "optimizer*.bin", "optimizer_*", "global_step*")
 TRAINING_RECIPE_FILENAME = "recipe.training.json"
 # Recipe keys that do not change what is trained (they may differ between a kill and --resume).
 _NOT_TRAINING = {"name", "description", "output_dir", "train.save_steps", "train.save_total_limit",
@@ -28,10 +33,19 @@ def checkpoint_state(folder: Path) -> dict[str, Any] | None:
         state = json.loads((folder / "trainer_state.json").read_text())
     except (OSError, ValueError):
         return None
-    complete = isinstance(state, dict) and (folder / "optimizer.pt").is_file() and any(
-        (folder / name).is_file() for name in _WEIGHT_FILES
-    )
+    complete = isinstance(state, dict) and _written(folder, _WEIGHT_PATTERNS) and _written(folder, _OPTIMIZER_PATTERNS)
     return state if complete else None
+
+
+def _written(folder: Path, patterns: tuple[str, ...]) -> bool:
+    """Whether ``folder`` holds a file matching one of ``patterns``, or a complete sharded folder matching one."""
+    for pattern in patterns:
+        for path in folder.glob(pattern):
+            if path.is_file():
+                return True
+            if path.is_dir() and ((path / ".metadata").is_file() or path.name.startswith("global_step") and any(path.iterdir())):
+                return True
+    return False
 
 
 def latest_checkpoint(output_dir: Path, report: list[str] | None = None) -> Path | None:

@@ -18,12 +18,17 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column; every row is checked.
 
     ``data.source``: a .jsonl/.json file or a folder of them, .txt files (plain text, one document
-    per file; ``format: text``), a Hub dataset id, or ``demo``.
+    per file; ``format: text``), a Hub dataset id, ``demo`` or ``retrieval``.
     """
     if data.source == "demo":
         from ..synth_data import build_demo_dataset
 
         dataset = build_demo_dataset(tokenizer, **data.demo)
+    elif data.source == "retrieval":
+        from ..synth_data.retrieval_docs import build_retrieval_dataset
+
+        options = data.retrieval.model_dump() if data.retrieval is not None else {}
+        dataset = build_retrieval_dataset(tokenizer, **options)
     else:
         dataset = _load_source(data)
     field, column, setting = (

@@ -88,11 +88,14 @@ def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
 
 
 def base_location(recipe: Recipe, output_dir: Path) -> str:
-    """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``)."""
+    """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``;
+    built-in models such as ``longpeft:toy-base`` are packaged folders)."""
+    from ..builtin_models import model_location
+
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
         return str(materialize_tiny_base(name, output_dir / "base", recipe.train.seed))
-    return name
+    return model_location(name)
 
 
 def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
@@ -167,7 +170,12 @@ def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
     """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
-    relative to the adapter folder, so the run folder can be moved; anything else as given."""
+    relative to the adapter folder, so the run folder can be moved; a built-in model by its name
+    (``longpeft:toy-base``, wherever longpeft is installed); anything else as given."""
+    from ..builtin_models import BUILTIN_MODELS
+
+    if recipe.model.name_or_path in BUILTIN_MODELS:
+        return recipe.model.name_or_path
     output_dir = recipe.resolved_output_dir().resolve()
     base_path = Path(base_id).resolve()
     if base_path.is_relative_to(output_dir):
@@ -191,8 +199,12 @@ def attention_implementation(requested: str) -> str:
     return "sdpa"
 
 
-def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
-    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBase, Any, ContextSpec]:
+    """Tokenizer, the base config carrying the recipe's new RoPE parameters and length, and the ContextSpec.
+
+    transformers v5 reads ``rope_parameters`` when a model is built, so the config gets the complete dict
+    (and ``max_position_embeddings`` >= the training length) before any model exists.
+    """
     m = recipe.model
     common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
@@ -204,24 +216,36 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
     if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
         spec.vocab_size = max(len(tokenizer), config.vocab_size)
-    # transformers v5: give the complete rope_parameters before the model is built...
     config.rope_parameters = dict(spec.rope_parameters)
     config.max_position_embeddings = spec.max_position_embeddings
+    return tokenizer, config, spec
+
+
+def finish_base(recipe: Recipe, model: PreTrainedModel) -> None:
+    """Settings every backend gives the loaded model: the recipe's eos ids, no KV cache while training."""
+    if recipe.model.eos_token_ids:
+        model.generation_config.eos_token_id = list(recipe.model.eos_token_ids)
+    model.config.use_cache = False
+
+
+def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
+    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+    m = recipe.model
+    tokenizer, config, spec = configure_base(recipe, base_id)
     model = AutoModelForCausalLM.from_pretrained(
         base_id,
         config=config,
         dtype=torch_dtype(m.dtype),
         attn_implementation=attention_implementation(m.attn_implementation),
         quantization_config=quantization_config(recipe),
-        **common,
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
     )
-    # ...then apply the whole spec, which re-checks that the rotary frequencies really changed.
+    # Then apply the whole spec, which re-checks that the rotary frequencies really changed.
     apply_spec(model, spec)
     if spec.vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(spec.vocab_size)
-    if m.eos_token_ids:
-        model.generation_config.eos_token_id = list(m.eos_token_ids)
-    model.config.use_cache = False
+    finish_base(recipe, model)
     return model, tokenizer, spec
 
 
@@ -309,7 +333,8 @@ def sft_config(recipe: Recipe, output_dir: Path):
         gradient_accumulation_steps=gradient_accumulation(recipe, world_size()),
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
-        **checkpointing_argument(SFTConfig, t.gradient_checkpointing),
+        # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
+        **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
         activation_offloading=t.activation_offloading,
         save_strategy="steps",
         save_steps=t.save_steps,
@@ -394,20 +419,32 @@ class Prepared:
 
 def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
     """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this)."""
+    fast = None
+    if recipe.train.backend == "unsloth":
+        from . import unsloth_backend
+
+        fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
     from trl import SFTTrainer
 
+    from ..compat import ensure_trl_loss_kernel, plain_cpu_device
+
+    ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
     output_dir = recipe.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
     args = sft_config(recipe, output_dir)
+    plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
     with args.main_process_first(local=True, desc="base model and data"):
         base_id = base_location(recipe, output_dir)
-        model, tokenizer, spec = load_base(recipe, base_id)
+        if fast is not None:
+            model, tokenizer, spec = unsloth_backend.load_model(recipe, base_id, fast)  # LoRA added by unsloth
+        else:
+            model, tokenizer, spec = load_base(recipe, base_id)
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk = recipe.data.utk
         if utk is not None:
             dataset = pack_for_utk(dataset, recipe.data.max_length, max(utk.chunk_counts), utk.label_length)
         dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
-    peft_config = lora_config(recipe, model)
+    peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     if recipe.finetune == "method":  # the base stays frozen; only the method's weights train
         model.requires_grad_(False)
     trainer = SFTTrainer(
@@ -421,6 +458,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     )
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
+    check_distributed_type(trainer.accelerator.distributed_type)
     resolved = {
         "recipe": recipe.model_dump(),
         "base_model": base_id,
@@ -431,12 +469,36 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "effective_global_batch_size": args.per_device_train_batch_size
         * args.gradient_accumulation_steps
         * world_size(),
-        "lora": peft_config.to_dict() if peft_config is not None else None,
+        "backend": recipe.train.backend,
+        "lora": adapter_settings(trainer.model),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "quantization": quantization_config(recipe).to_dict() if recipe.model.load_in_4bit else None,
         "data": data_stats,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
+
+
+def check_distributed_type(distributed_type: Any) -> None:
+    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise.
+
+    accelerate 1.15 turns FSDP on only for GPU-like process groups (``AcceleratorState``: the FSDP branch sits
+    under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
+    ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
+    """
+    asked = [name for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+             if os.environ.get(variable, "false").lower() == "true"]
+    got = str(distributed_type).rsplit(".", 1)[-1]
+    if asked and got != asked[0]:
+        raise ValueError(
+            f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
+            "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
+        )
+
+
+def adapter_settings(model: Any) -> dict[str, Any] | None:
+    """The LoRA config of the trained adapter (whichever backend added it); None for full fine-tuning."""
+    configs = getattr(model, "peft_config", None) or {}
+    return configs["default"].to_dict() if "default" in configs else None
 
 
 class TrainingDiverged(ValueError):
@@ -516,8 +578,9 @@ def run(
         train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
 
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
+    state_dict = gathered_state_dict(trainer)  # every process takes part when the model is sharded
     if trainer.is_world_process_zero():
-        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir, recipe.finetune)
+        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir, state_dict, recipe.finetune)
         metrics = summarize(output_dir, train_metrics, prepared)
     else:
         metrics = dict(train_metrics)
@@ -525,16 +588,29 @@ def run(
     return RunResult(output_dir, adapter_dir, metrics)
 
 
-def save_adapter(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
-                 finetune: str = "lora") -> None:
+def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """The whole state dict of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), gathered by accelerate
+    with every process taking part (call it on all of them); None when each process holds the whole model."""
+    if trainer.is_fsdp_enabled:
+        return trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.is_deepspeed_enabled:
+        return trainer.accelerator.get_state_dict(trainer.deepspeed)
+    return None
+
+
+def save_adapter(
+    model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
+    state_dict: dict[str, Any] | None = None, finetune: str = "lora",
+) -> None:
     """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
 
-    A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling file that plain
-    transformers needs to keep its per-head bases, ``trust_remote_code=True``). With ``finetune:
-    method`` only the method's own weights are written (the base did not change).
+    ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
+    adapter's part of it. A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling
+    file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``). With
+    ``finetune: method`` only the method's own weights are written (the base did not change).
     """
     if finetune != "method":
-        model.save_pretrained(adapter_dir)
+        model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
     save_method_weights(model, spec, adapter_dir)
     if finetune == "full":
         export_methods(model, spec, adapter_dir)

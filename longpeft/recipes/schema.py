@@ -88,12 +88,33 @@ class UtkSection(Section):
         return value
 
 
+class RetrievalSection(Section):
+    """The built-in retrieval documents (``data.source: retrieval``, plain text): answered passkey and
+    needle-in-a-haystack probes and recurring word spans (``longpeft.synth_data.retrieval_docs``),
+    ``n_documents`` of ``min_tokens`` to ``max_tokens`` tokens, mixed by ``mix`` (kind -> weight)."""
+
+    n_documents: int = Field(default=256, gt=0)
+    min_tokens: int = Field(default=512, gt=0)
+    max_tokens: int = Field(default=1024, gt=0)
+    seed: int = 0
+    mix: dict[Literal["passkey", "niah", "induction"], float] | None = None
+
+    @model_validator(mode="after")
+    def _lengths(self) -> RetrievalSection:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+        if self.mix is not None and (any(w < 0 for w in self.mix.values()) or not sum(self.mix.values())):
+            raise ValueError("mix maps kinds to non-negative weights with a positive sum")
+        return self
+
+
 class DataSection(Section):
     """Training data: conversations (``format: messages``, loss on assistant turns) or plain text
     (``format: text``, loss on every token, e.g. continual pretraining).
 
-    ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, or ``demo`` (the offline
-    procedural QA set generated on the fly). Samples longer than ``max_length`` tokens are dropped
+    ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, ``demo`` (the offline
+    procedural QA set generated on the fly) or ``retrieval`` (built-in retrieval documents, plain
+    text, options in ``retrieval:``). Samples longer than ``max_length`` tokens are dropped
     (``truncate: true`` cuts them instead).
     """
 
@@ -108,6 +129,7 @@ class DataSection(Section):
     demo: dict[str, Any] = Field(
         default_factory=dict, description="options of the procedural demo set (n_conversations, context_tokens, seed)"
     )
+    retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
 
     @model_validator(mode="after")
@@ -145,6 +167,11 @@ class TrainSection(Section):
         default=None, description="loss on assistant turns only; default: on for messages data, off for text"
     )
     report_to: list[str] = []
+    backend: Literal["transformers", "unsloth"] = Field(
+        default="transformers",
+        description="unsloth: load and add LoRA through unsloth's FastLanguageModel (CUDA only, its own "
+        "environment: requirements-gpu-unsloth.txt)",
+    )
 
     @field_validator("max_steps")
     @classmethod
@@ -180,6 +207,29 @@ def check_trl_keys(trl: dict[str, Any]) -> None:
             raise ValueError(f"trl.{key}: set by the recipe's {TRL_KEYS_OWNED_BY_RECIPE[key]}; give it there")
         if key not in fields:
             raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
+
+
+def check_unsloth_recipe(recipe: RecipeBase) -> None:
+    """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
+
+    unsloth replaces the attention and decoder-layer forwards, so methods that patch attention or
+    positions (HARPE, STRING, PoSE, beacon) would silently not apply; it trains LoRA adapters, and its
+    checkpointing already offloads to CPU memory.
+    """
+    extra = [name for name in recipe.method_configs() if name != "rope"]
+    problems = []
+    if recipe.method != "rope" or extra:
+        problems.append(f"method sections {extra or [recipe.method]} (only RoPE-base expansion, method: rope)")
+    if recipe.finetune != "lora":
+        problems.append("finetune: full (LoRA/QLoRA only)")
+    if recipe.lora.embeddings == "token_indices":
+        problems.append("lora.embeddings: token_indices (use full or none)")
+    if recipe.data.utk is not None:
+        problems.append("data.utk (it adds tokens and its own collator)")
+    if recipe.train.activation_offloading:
+        problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
+    if problems:
+        raise ValueError("train.backend: unsloth does not support " + "; ".join(problems) + "; use train.backend: transformers")
 
 
 class RecipeBase(Section):
@@ -225,6 +275,10 @@ class RecipeBase(Section):
             raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)")
         if self.data.format == "text" and self.data.source == "demo":
             raise ValueError("data.source: demo is conversations; use data.format: messages")
+        if self.data.source == "retrieval" and self.data.format != "text":
+            raise ValueError("data.source: retrieval is plain text; use data.format: text")
+        if self.data.retrieval is not None and self.data.source != "retrieval":
+            raise ValueError("data.retrieval configures data.source: retrieval; remove it or set that source")
         if self.data.utk is not None and "pose" in self.method_configs():
             raise ValueError("data.utk and PoSE each bring their own collator; use one of them")
         if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
@@ -239,6 +293,8 @@ class RecipeBase(Section):
         if self.finetune == "method" and METHODS[self.method].parameters is None:
             raise ValueError(f"finetune: method trains the method's own weights, and method {self.method} has none; "
                              "use finetune: lora or full")
+        if self.train.backend == "unsloth":
+            check_unsloth_recipe(self)
         check_trl_keys(self.trl)
         return self
 

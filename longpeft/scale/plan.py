@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..builtin_models import model_location
+
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
@@ -44,6 +46,13 @@ KNOWN_SHAPES = {
     "mistralai/Mistral-7B-v0.1": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False),
     "Qwen/Qwen2-7B": dict(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False),
 }
+# Instruct/chat releases have their base's shape.
+KNOWN_SHAPES.update({
+    "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
+    "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
+    "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
+    "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
+})
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
 
 
@@ -91,7 +100,7 @@ def shape_of(name_or_path: str) -> ModelShape:
         from ..tiny import tiny_config
 
         return _from_config(tiny_config(name_or_path[5:]).to_dict())
-    config_file = Path(name_or_path) / "config.json"
+    config_file = Path(model_location(name_or_path)) / "config.json"
     if config_file.is_file():
         return _from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
@@ -141,11 +150,17 @@ class Plan:
         if self.fits:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
+        full = self.assumptions.get("finetune") == "full"
+        shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (train.optim: adamw_bnb_8bit)",
-            "base weights": "model.load_in_4bit: true (QLoRA)",
+            "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if full
+            else "--launch fsdp2 (shards the 4-bit base: its quant storage is the compute dtype)"
+            if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)",
+            "optimizer state and gradients": f"{shard}, or finetune: lora",
+            "DDP gradient buckets": shard if full else "lora.embeddings: token_indices (the buckets hold the trainable gradients)",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
         }
@@ -208,6 +223,12 @@ def estimate(
             rows = len(recipe.lora.trainable_token_indices or [])
             terms["trainable embedding"] = rows * shape.hidden * 16
             trainable += rows * shape.hidden
+    elif recipe.finetune == "method":  # only Activation Beacon's weights train (float32, AdamW: 16 bytes each)
+        beacon = recipe.beacon.resolved()
+        shapes = [shape.projection_shape(f"{name}_proj") for name in beacon.params]
+        per_layer = sum(beacon.lora_rank * (i + o) if beacon.projection == "lora" else i * o for i, o in shapes)
+        trainable = shape.layers * per_layer + shape.hidden
+        terms["beacon weights"] = trainable * 16
     else:
         full = shape.linear_params + shape.other_params
         terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
@@ -230,7 +251,7 @@ def estimate(
 
     params = shape.linear_params + shape.other_params
     attention = 4 * shape.layers * (tokens_per_sample / 2) * shape.heads * shape.head_dim
-    weight_grads = 2 * 2 * trainable if recipe.finetune == "lora" else 2 * 2 * params
+    weight_grads = 2 * 2 * params if recipe.finetune == "full" else 2 * 2 * trainable
     recompute = 2 * params if recipe.train.gradient_checkpointing else 0
     flops_per_token = 2 * params + recompute + 2 * params + weight_grads + attention * (4 if recompute else 3)
     if samples is None:
@@ -247,7 +268,8 @@ def estimate(
         hours=seconds / 3600,
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
-                     "adapter_dtype": "float32 (16 bytes/param with AdamW)"},
+                     "adapter_dtype": "float32 (16 bytes/param with AdamW)", "finetune": recipe.finetune,
+                     "load_in_4bit": recipe.model.load_in_4bit},
     )
 
 

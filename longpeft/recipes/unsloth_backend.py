@@ -1,0 +1,116 @@
+"""``train.backend: unsloth``: load the base and add LoRA through unsloth's FastLanguageModel (CUDA only).
+
+unsloth brings fused kernels (RMSNorm, SwiGLU, RoPE, LoRA) and its offloaded gradient checkpointing
+(checkpointed layer inputs in pinned CPU memory), the biggest memory lever at 80K-128K tokens. It is
+optional and lives in its own environment (``requirements-gpu-unsloth.txt``: unsloth 2026.10.9 caps
+transformers <= 5.17, trl <= 1.15, datasets < 5), so it is imported here, lazily, and only when a recipe
+asks for it.
+
+unsloth has no ``rope_theta`` argument, and when ``max_seq_length`` exceeds the config's
+``max_position_embeddings`` it adds its own linear ("kaiokendev") scaling on top of whatever RoPE the
+config has. So longpeft passes the config that already carries the recipe's complete ``rope_parameters``
+and ``max_position_embeddings >= data.max_length`` (the one the default backend builds from), and after
+loading checks every rotary module's frequencies against what transformers computes for those parameters
+(:func:`longpeft.rope.check_rotary_frequencies`); a model whose RoPE unsloth changed is refused before any
+training. The trainer, the adapter folder and ``longpeft.json`` are the default backend's.
+
+unsloth patches TRL's trainers when it is imported, so :func:`fast_language_model` runs before TRL is imported
+(``prepare`` calls it first). transformers and peft are already imported by then (longpeft's method registry
+and runner use them), which unsloth warns about; its model patches are applied by ``from_pretrained`` all the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from typing import Any
+
+import torch
+
+from ..config import torch_dtype
+from ..rope import RotaryMismatch, check_rotary_frequencies
+from ..spec import ContextSpec
+from .schema import Recipe
+
+INSTALL = "pip install -r requirements-gpu-unsloth.txt"
+
+
+def fast_language_model() -> Any:
+    """``unsloth.FastLanguageModel``, imported on first use.
+
+    Raises:
+        ImportError: one line naming ``train.backend`` and what to do, when unsloth is not installed
+            or there is no CUDA GPU (unsloth's kernels are Triton/CUDA only).
+    """
+    if importlib.util.find_spec("unsloth") is None:
+        raise ImportError(
+            f"train.backend: unsloth needs the unsloth package, which is not installed; on a CUDA machine run "
+            f"`{INSTALL}` in its own environment, or set train.backend: transformers"
+        )
+    if not torch.cuda.is_available():
+        raise ImportError(
+            "train.backend: unsloth needs a CUDA GPU and this machine has none; set train.backend: transformers"
+        )
+    from unsloth import FastLanguageModel
+
+    return FastLanguageModel
+
+
+def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, ContextSpec]:
+    """Base model through ``FastLanguageModel.from_pretrained`` with the recipe's RoPE, then LoRA through
+    ``FastLanguageModel.get_peft_model``; the rotary frequencies are checked after each.
+
+    Args:
+        fast: the FastLanguageModel class (:func:`fast_language_model`).
+
+    Returns:
+        ``(peft model, tokenizer, spec)``; the tokenizer is longpeft's (the default backend's), so the
+        chat template and the assistant masks are the same.
+
+    Raises:
+        RotaryMismatch: unsloth changed the RoPE the recipe asked for (e.g. stacked its linear scaling).
+    """
+    from .runner import configure_base, finish_base, quantization_config
+
+    m, lora, train = recipe.model, recipe.lora, recipe.train
+    tokenizer, config, spec = configure_base(recipe, base_id)
+    reference = copy.deepcopy(config)  # what the rotary must give, whatever unsloth does to the config it gets
+    quantization = quantization_config(recipe)
+    model, _ = fast.from_pretrained(
+        model_name=base_id,
+        config=config,
+        max_seq_length=recipe.data.max_length,
+        dtype=torch_dtype(m.dtype),
+        load_in_4bit=m.load_in_4bit,
+        **({"quantization_config": quantization} if quantization is not None else {}),
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+        use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
+        random_state=train.seed,
+    )
+    check_rope(model, reference, "after FastLanguageModel.from_pretrained")
+    finish_base(recipe, model)
+    model = fast.get_peft_model(
+        model,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=["embed_tokens"] if lora.embeddings == "full" else None,
+        use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
+        random_state=train.seed,
+    )
+    check_rope(model, reference, "after FastLanguageModel.get_peft_model")
+    return model, tokenizer, spec
+
+
+def check_rope(model: Any, config: Any, when: str) -> None:
+    """Refuse a model whose rotary frequencies are not the recipe's (one line, naming the backend)."""
+    try:
+        check_rotary_frequencies(model, config)
+    except RotaryMismatch as exc:
+        raise RotaryMismatch(
+            f"train.backend: unsloth changed the RoPE {when} ({exc}); unsloth stacks its own scaling when "
+            "max_seq_length exceeds the config's max_position_embeddings. Refusing to train: set "
+            "rope.max_position_embeddings >= data.max_length, or use train.backend: transformers"
+        ) from None

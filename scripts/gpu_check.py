@@ -1,0 +1,283 @@
+"""The 80K recipe on a real GPU, without downloads: peak memory and tokens/s beside the planner's estimate,
+and the HARPE and STRING flash-attn paths against their SDPA paths.
+
+1. Writes a random-weight Llama-3-8B-shaped base (shape from the planner's table of known bases; bf16 safetensors,
+   built on the GPU) and one long conversation per step, in the demo tokenizer's words, at ``--tokens`` tokens
+   (81,920).
+2. Trains it with the 80K recipe (``llama3-8b-instruct-80k-qlora``: NF4 base, LoRA r32 on q/k/v/o, the full
+   embedding trained, RoPE base 2e8, assistant-only loss through TRL's fused LM head, gradient checkpointing),
+   one sample per optimizer step, through longpeft's own runner: once per attention kernel (flash-attn when
+   installed, and SDPA), each in a fresh process so its peak memory is its own.
+3. Compares with ``longpeft.scale.estimate`` on one GPU: peak memory and step time (tokens x FLOPs per token at
+   the planner's utilisation).
+4. Builds a small Llama-3-like model twice, SDPA and flash-attn, with the same weights, and compares the logits
+   with HARPE per-head bases and with STRING on (max abs difference, and allclose at bf16 tolerance).
+
+The last line printed is one JSON object. Without CUDA it stops with a message; ``--tiny`` runs the same code on a
+tiny model on CPU in seconds (SDPA only; the kernel comparison is SDPA against eager there).
+
+    python scripts/gpu_check.py                 # on a CUDA machine (about 16 GB of disk for the random base)
+    python scripts/gpu_check.py --tiny          # anywhere, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RECIPE = "llama3-8b-instruct-80k-qlora"
+BASE_ID = "meta-llama/Meta-Llama-3-8B-Instruct"  # its shape, from longpeft.scale.plan.KNOWN_SHAPES
+GiB = 1024**3
+
+
+def base_config(tiny: bool):
+    """The base's transformers config: Llama-3-8B's shape (or the tiny test model's), Llama-3's RoPE and ids."""
+    from longpeft.scale.plan import KNOWN_SHAPES
+    from longpeft.tiny import tiny_config
+
+    if tiny:
+        return tiny_config("llama", attn_implementation="sdpa")
+    shape = KNOWN_SHAPES[BASE_ID]
+    return tiny_config(
+        "llama", vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"], tie_word_embeddings=shape["tied"], max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-5,
+        bos_token_id=128000, eos_token_id=[128001, 128009], pad_token_id=None, attn_implementation="sdpa",
+    )
+
+
+def write_base(folder: Path, tiny: bool) -> None:
+    """Random weights (seeded) in bf16 (fp32 for the tiny CPU model), built on the device, and the demo tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from longpeft.tiny import demo_tokenizer
+
+    device = "cpu" if tiny else "cuda"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(base_config(tiny), dtype=torch.float32 if tiny else torch.bfloat16)
+    model.save_pretrained(folder)
+    demo_tokenizer().save_pretrained(folder)
+    del model
+    if not tiny:
+        torch.cuda.empty_cache()
+
+
+def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
+    """``samples`` conversations of at most ``tokens`` tokens (a long user turn, a short answer); returns the length."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from longpeft.synth_data.corpus import corpus_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    words = " ".join(corpus_texts(n=40, seed=0)).split()
+
+    def conversation(n_words: int, seed: int) -> list[dict[str, str]]:
+        rng = random.Random(seed)
+        text = " ".join(rng.choice(words) for _ in range(n_words))
+        return [{"role": "user", "content": f"{text}\nWhat is the first word?"},
+                {"role": "assistant", "content": text.split()[0]}]
+
+    def length(n_words: int) -> int:
+        return len(tokenizer.apply_chat_template(conversation(n_words, 0), tokenize=True, return_dict=True)["input_ids"])
+
+    low, high = 1, tokens  # every word is at least one token: the longest conversation within `tokens`
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if length(middle) <= tokens else (low, middle - 1)
+    with path.open("w") as handle:
+        for seed in range(samples):
+            handle.write(json.dumps({"messages": conversation(low, seed)}) + "\n")
+    return length(low)
+
+
+def recipe_for(base: Path, data: Path, out: Path, attention: str, tokens: int, steps: int, tiny: bool):
+    from longpeft.recipes.schema import load_recipe
+
+    overrides = [
+        f"model.name_or_path={base}", f"data.source={data}", f"data.max_length={tokens}", f"target_length={tokens}",
+        f"rope.max_position_embeddings={max(tokens, 81920)}", f"model.attn_implementation={attention}",
+        f"train.max_steps={steps}", "train.global_batch_size=1", "train.per_device_batch_size=1",
+        "train.save_steps=1000000", f"output_dir={out}",
+    ]
+    if tiny:
+        # bitsandbytes' CPU 4-bit path computes in fp32; the tiny tokenizer's eos ids are its own
+        overrides += ["model.dtype=float32", "model.eos_token_ids=null"]
+    return load_recipe(RECIPE, overrides)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """One training run (in this process): peak memory, step times, losses."""
+    import torch
+    from transformers import TrainerCallback
+
+    from longpeft.recipes.runner import run
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_step_begin(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps, args.tiny)
+    result = run(recipe, callbacks=[timer])
+    losses = [r["loss"] for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    timed = timer.times[1:] or timer.times  # the first step warms up kernels and the allocator
+    report = {"attention": args.measure, "step_seconds": timer.times, "losses": losses,
+              "tokens_per_second": args.tokens / statistics.median(timed)}
+    if torch.cuda.is_available():
+        report.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
+                      peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB)
+    return report
+
+
+def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_memory_gib: float) -> dict:
+    """The planner's per-GPU peak and step time for this run (one GPU, one sample per step)."""
+    import torch
+
+    from longpeft.scale import GPU_PEAK_TFLOPS, estimate, shape_of
+
+    recipe = recipe_for(base, data, base.parent / "plan", "sdpa", tokens, steps, tiny)
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+    gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
+    plan = estimate(recipe, gpus=1, gpu_memory_gib=gpu_memory_gib, gpu=gpu, samples=steps, shape=shape_of(str(base)))
+    seconds = tokens * plan.flops_per_token / (plan.assumptions["peak_tflops"] * 1e12 * plan.assumptions["mfu"])
+    return {"gpu": gpu, "peak_gib": plan.peak_bytes / GiB, "terms_gib": {k: v / GiB for k, v in plan.terms.items()},
+            "step_seconds": seconds, "tokens_per_second": tokens / seconds, "mfu": plan.assumptions["mfu"]}
+
+
+def compare_kernels(tiny: bool) -> dict:
+    """HARPE and STRING logits with two attention kernels on the same weights (flash-attn vs SDPA on CUDA)."""
+    import torch
+
+    from longpeft.adapters.harpe import apply_head_bases, uniform_bases
+    from longpeft.adapters.string import enable_string
+    from longpeft.tiny import tiny_model
+
+    if tiny:
+        device, dtype, pair, length, shape = "cpu", torch.float32, ("sdpa", "eager"), 200, {}
+    else:
+        device, dtype, pair, length = "cuda", torch.bfloat16, ("sdpa", "flash_attention_2"), 8192
+        shape = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192)
+    ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    results = {}
+    for method in ("harpe", "string"):
+        logits = []
+        for attention in pair:
+            model = tiny_model("llama", seed=0, attn_implementation=attention, **shape).to(device, dtype)
+            if method == "harpe":
+                apply_head_bases(model, uniform_bases(1e4, 5e6, model.config.num_key_value_heads))
+            else:
+                enable_string(model, shift=length // 3, local_window=min(128, length // 8))
+            with torch.no_grad():
+                logits.append(model(ids).logits.float())
+            del model
+        difference = (logits[0] - logits[1]).abs().max().item()
+        results[method] = {"kernels": list(pair), "tokens": length, "max_abs_diff": difference,
+                           "max_abs_logit": logits[0].abs().max().item(),
+                           "allclose_atol_rtol_5e-2": bool(torch.allclose(logits[0], logits[1], atol=5e-2, rtol=5e-2))}
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
+    parser.add_argument("--tokens", type=int, help="tokens per sample (default 81920; --tiny: 1024)")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per attention kernel (the first is warm-up)")
+    parser.add_argument("--gpu-memory", type=float, help="GiB of the GPU for the planner (default: the device's)")
+    parser.add_argument("--work-dir", help="where the random base, data and runs go (default: a temporary folder, removed)")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one training run in this process
+    for internal in ("--base", "--data", "--out"):
+        parser.add_argument(internal, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.tokens = args.tokens or (1024 if args.tiny else 81920)
+    if args.tokens < 64 or args.steps < 1:
+        parser.error("--tokens must be >= 64 and --steps >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    if args.measure:
+        print(json.dumps(measure(args)))
+        return 0
+    if not args.tiny and not torch.cuda.is_available():
+        message = ("scripts/gpu_check.py needs a CUDA GPU and this machine has none; "
+                   "run it with --tiny for the same code on a tiny model on CPU")
+        print(message, file=sys.stderr)
+        print(json.dumps({"ok": False, "error": message}))
+        return 2
+
+    import importlib.util
+
+    attentions = ["sdpa"]
+    if not args.tiny and importlib.util.find_spec("flash_attn") is not None:
+        attentions.insert(0, "flash_attention_2")
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        base, data = work / "base", work / "train.jsonl"
+        if not (base / "config.json").is_file():
+            write_base(base, args.tiny)
+        sample_tokens = write_data(data, base, args.tokens, args.steps)
+        runs = {}
+        for attention in attentions:
+            command = [sys.executable, __file__, "--measure", attention, "--base", str(base), "--data", str(data),
+                       "--out", str(work / f"run-{attention}"), "--tokens", str(sample_tokens), "--steps", str(args.steps)]
+            proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True)
+            if proc.returncode != 0:
+                runs[attention] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+                print(proc.stderr[-3000:], file=sys.stderr)
+                continue
+            runs[attention] = json.loads(proc.stdout.strip().splitlines()[-1])
+        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
+        plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory)
+        for name, measured in runs.items():
+            if "peak_reserved_gib" in measured:
+                measured["planner_peak_error"] = plan["peak_gib"] / measured["peak_reserved_gib"] - 1
+                measured["peak_at_most_60_gb"] = measured["peak_reserved_gib"] * GiB <= 60e9
+            if "tokens_per_second" in measured and not args.tiny:
+                measured["planner_step_time_error"] = plan["step_seconds"] / statistics.median(
+                    measured["step_seconds"][1:] or measured["step_seconds"]) - 1
+        report = {"ok": all("error" not in r for r in runs.values()), "tiny": args.tiny, "tokens": sample_tokens,
+                  "steps": args.steps, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  "runs": runs, "planner": plan, "kernels": compare_kernels(args.tiny)}
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    for name, measured in report["runs"].items():
+        print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
+              f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
+              f"(planner {plan['tokens_per_second']:,.0f} at MFU {plan['mfu']})", file=sys.stderr)
+    for method, check in report["kernels"].items():
+        print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| {check['max_abs_diff']:.3g}",
+              file=sys.stderr)
+    print(json.dumps(report))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
