@@ -19,7 +19,8 @@ from longpeft.adapters.beacon import (
 )
 from longpeft.tiny import tiny_model
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 IDS = torch.randint(3, 512, (2, 37), generator=torch.Generator().manual_seed(0))
 

@@ -26,7 +26,8 @@ from longpeft.spec import ContextSpec
 
 from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 IDS = torch.randint(3, 500, (1, 45), generator=torch.Generator().manual_seed(3))
 

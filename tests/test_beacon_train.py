@@ -11,7 +11,8 @@ from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters, traina
 from longpeft.recipes.runner import prepare, save_adapter
 from longpeft.recipes.schema import RecipeError, load_recipe
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 
 def beacon_recipe(base_dir, data_path, out_dir, *overrides):
