@@ -5,7 +5,8 @@ extended to 4W and 8W by each method, every variant trained on the same number o
 documents (``data.source: retrieval``), then scored on passkey, single-needle NIAH (depths 0..1),
 RULER-lite (six tasks) and perplexity by length, with and without STRING on top (no training), over
 several seeds (PoSE has no UtK variant: both bring their own collator, and recipes refuse the
-combination; HARPE has no STRING row: STRING needs one RoPE base for all heads). Run by hand (hours on 2 CPU cores; every finished run is kept, so a killed run resumes):
+combination; HARPE and Activation Beacon have no STRING row: STRING needs one RoPE base for all
+heads and a plain KV cache). Run by hand (hours on 2 CPU cores; every finished run is kept, so a killed run resumes):
 
     python scripts/repro_methods.py --out runs/repro --seeds 0 1 --targets 4 8
 
@@ -73,6 +74,14 @@ def qlora(target: int) -> list[str]:
     return rope(target) + ["model.load_in_4bit=true"]
 
 
+def beacon(target: int) -> list[str]:
+    """Activation Beacon on the unchanged base: windows of 96 raw tokens (probe lengths are multiples of W,
+    so the question stays raw), ratios as small as the base's 256 positions allow at the target."""
+    ratios = [8, 16] if target <= 4 * W else [16, 32]
+    return ["method=beacon", "finetune=method", "rope.rope_theta=10000", f"rope.max_position_embeddings={W}",
+            "beacon.window=96", f"beacon.ratios={ratios}", "beacon.sink=1", "beacon.inference_ratio_mix=adapt-16"]
+
+
 CLAIMS = {
     "rope": "RoPE base + LoRA (the 80K-overnight recipe): extends retrieval to the trained length",
     "qlora": "QLoRA 4-bit loses little against 16/32-bit LoRA",
@@ -80,6 +89,7 @@ CLAIMS = {
     "harpe-uniform": "HARPE: per-head bases >= one shared base at equal budget",
     "harpe-peak-valley": "HARPE peak-valley selection >= uniform bases",
     "utk": "UtK augmentation helps retrieval at equal budget",
+    "beacon": "Activation Beacon: condensed memory reaches past the base's positions without new positions",
 }
 VARIANTS = [
     Variant("base", "the base fails beyond W; STRING alone cannot reach 4W", lambda t: [], trained=False),
@@ -92,6 +102,7 @@ VARIANTS = [
     Variant("harpe-uniform+utk", CLAIMS["utk"], utk(harpe("uniform")), string=False),
     Variant("harpe-peak-valley", CLAIMS["harpe-peak-valley"], harpe("peak_valley"), string=False),
     Variant("harpe-peak-valley+utk", CLAIMS["utk"], utk(harpe("peak_valley")), string=False),
+    Variant("beacon", CLAIMS["beacon"], beacon, string=False),  # STRING needs a plain KV cache
 ]
 STRING_CLAIM = "STRING raises retrieval inside the trained length (no training)"
 
@@ -123,12 +134,12 @@ def train(variant: Variant, target: int, seed: int, args: argparse.Namespace, fo
     window = variant.train_window(length)
     low = max(W // 2, window // 4)
     n_documents = round(args.tokens_per_w * target / ((low + window - 1) / 2))  # equal tokens for every method
-    overrides = variant.overrides(length) + [
+    overrides = [
         f"output_dir={folder}", f"target_length={length}", f"rope.max_position_embeddings={length}",
         f"data.max_length={window}", f"data.retrieval.min_tokens={low}", f"data.retrieval.max_tokens={window - 1}",
         f"data.retrieval.n_documents={n_documents}", f"data.retrieval.seed={100 + seed}", f"train.seed={seed}",
         "train.save_steps=32",
-    ]
+    ] + variant.overrides(length)  # the variant's own settings win
     recipe = load_recipe("toy-extend-cpu", overrides)
     return run(recipe, resume=latest_checkpoint(folder) is not None).adapter_dir
 
