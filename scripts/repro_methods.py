@@ -89,11 +89,13 @@ CLAIMS = {
     "harpe-uniform": "HARPE: per-head bases >= one shared base at equal budget",
     "harpe-peak-valley": "HARPE peak-valley selection >= uniform bases",
     "utk": "UtK augmentation helps retrieval at equal budget",
+    "embeddings": "control for UtK: its rows train the whole input embedding, as here without UtK",
     "beacon": "Activation Beacon: condensed memory reaches past the base's positions without new positions",
 }
 VARIANTS = [
     Variant("base", "the base fails beyond W; STRING alone cannot reach 4W", lambda t: [], trained=False),
     Variant("rope", CLAIMS["rope"], rope),
+    Variant("rope+embeddings", CLAIMS["embeddings"], lambda t: rope(t) + ["lora.embeddings=full"]),
     Variant("rope+utk", CLAIMS["utk"], utk(rope)),
     Variant("qlora", CLAIMS["qlora"], qlora),
     Variant("qlora+utk", CLAIMS["utk"], utk(qlora)),
