@@ -248,16 +248,20 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(targets), figsize=(6 * len(targets), 4.5), squeeze=False)
     for ax, target in zip(axes[0], targets):
         rows = [r for r in results if r["target"] == target]
-        for name in dict.fromkeys(r["variant"] for r in rows):
+        for k, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
             runs = [r for r in rows if r["variant"] == name]
             lengths = sorted(int(n) for n in runs[0]["plain"]["niah_single"])
             means = [statistics.fmean(r["plain"]["niah_single"][str(n)] for r in runs) for n in lengths]
             spread = [(max(v) - min(v)) / 2 for v in ([r["plain"]["niah_single"][str(n)] for r in runs] for n in lengths)]
-            ax.errorbar(lengths, means, yerr=spread, marker="o", capsize=3, label=name)
+            # Equal scores overlap: styles and markers tell the lines apart.
+            ax.errorbar(lengths, means, yerr=spread, marker="os^vDP*X"[k % 8], linestyle=["-", "--", "-.", ":"][k % 4],
+                        markersize=8 - (k % 4), capsize=3, label=name)
         ax.axvline(W, color="grey", linestyle=":", label="base window W")
         ax.set(title=f"extended to {target // W}W = {target} tokens", xlabel="prompt length (tokens)",
-               ylabel="single-needle NIAH accuracy", ylim=(-0.05, 1.05), xscale="log", xticks=lengths)
-        ax.set_xticklabels([str(n) for n in lengths])
+               ylabel="single-needle NIAH accuracy", ylim=(-0.05, 1.05))
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set_xticks(lengths, [str(n) for n in lengths])
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
