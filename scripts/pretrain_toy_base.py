@@ -129,9 +129,11 @@ def retrieval_scores(model, tokenizer, lengths: list[int], n_samples: int, seed:
     return scores
 
 
-def save_checkpoint(out: Path, model, optimizer, step: int) -> None:
+def save_checkpoint(out: Path, model, optimizer, step: int, seconds: float) -> None:
+    """`seconds`: training time of steps [0, step), summed over resumed runs."""
     tmp = out / (CHECKPOINT + ".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}, tmp)
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "seconds": seconds}, tmp)
     os.replace(tmp, out / CHECKPOINT)  # atomic: a kill mid-save leaves the previous checkpoint
 
 
@@ -178,13 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM._from_config(model_config(args, tokenizer), attn_implementation="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    start = 0
+    start, seconds_before = 0, 0.0
     log_path = out / "training_log.jsonl"
     if args.resume and (out / CHECKPOINT).is_file():
         state = torch.load(out / CHECKPOINT, weights_only=True)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        start = state["step"]
+        start, seconds_before = state["step"], state.get("seconds", 0.0)
         print(f"resuming from step {start}", file=sys.stderr)
         if log_path.exists():  # drop log lines of steps after the checkpoint (they will be redone)
             kept = [l for l in log_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start]
@@ -213,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             log.flush()
             bar.set_postfix(loss=f"{record['loss']:.3f}", length=record["length"])
             if (step + 1) % args.save_every == 0:
-                save_checkpoint(out, model, optimizer, step + 1)
-    seconds = time.time() - began
+                save_checkpoint(out, model, optimizer, step + 1, seconds_before + time.time() - began)
+    seconds = seconds_before + time.time() - began  # the whole run's training time, resumes included
     model.eval()
     model.generation_config.eos_token_id = model.config.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id

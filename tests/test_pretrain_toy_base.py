@@ -4,7 +4,9 @@ after a checkpoint and resumed gives the uninterrupted run's weights), on a very
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
+import types
 from pathlib import Path
 
 import pytest
@@ -40,11 +42,16 @@ def test_pretraining_is_seeded_and_resumes_exactly(tmp_path, monkeypatch):
             raise Killed
         return real_step_batch(step, args, tokenizer)
 
+    clock = itertools.count(0, 100)  # every reading of the clock is 100 s after the previous one
+    monkeypatch.setattr(pretrain, "time", types.SimpleNamespace(time=lambda: next(clock)))
     monkeypatch.setattr(pretrain, "step_batch", dies_at_step_3)
     with pytest.raises(Killed):
         pretrain.main(["--out", str(tmp_path / "c"), *SMALL])
     monkeypatch.setattr(pretrain, "step_batch", real_step_batch)
     assert pretrain.main(["--out", str(tmp_path / "c"), *SMALL, "--resume"]) == 0
+    # reported training time: 100 s up to the killed run's checkpoint, plus the resumed run's 200 s
+    # (clock read at its start, at its checkpoint, at its end); the resumed run alone would say 200
+    assert json.loads((tmp_path / "c" / "scores.json").read_text())["train_seconds"] == 100 + 200
     c = weights(tmp_path / "c")
     assert all((a[k] == c[k]).all() for k in a)
     log = [json.loads(line)["step"] for line in (tmp_path / "c" / "training_log.jsonl").read_text().splitlines()]
