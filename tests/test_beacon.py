@@ -155,6 +155,31 @@ def test_generate_decodes_like_a_prefill_and_requests_do_not_leak():
     torch.testing.assert_close(generated, full[:, second.shape[1] - 1 :], atol=1e-5, rtol=0)
 
 
+def test_generate_with_beacons_off_equals_the_stock_model():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    with torch.no_grad():
+        stock = _generate(model, IDS[:, :21])
+        apply_beacon(model, settings(ratios=[4]))
+        with beacons_disabled(model):
+            off = _generate(model, IDS[:, :21])
+    assert torch.equal(off.sequences, stock.sequences)
+    torch.testing.assert_close(torch.stack(off.logits, 1), torch.stack(stock.logits, 1), atol=1e-5, rtol=0)
+
+
+def test_a_refused_reapply_keeps_the_trained_beacons():
+    model = tiny_model("llama", attn_implementation="sdpa")
+    apply_beacon(model, settings(ratios=[4]))
+    with torch.no_grad():
+        model.model.beacon_embed_tokens.weight.fill_(0.5)  # stands for trained beacon weights
+    before = {k: v.clone() for k, v in beacon_parameters(model).items()}
+    model.config.eos_token_id = None
+    with pytest.raises(ValueError, match="eos_token_id"):
+        apply_beacon(model, settings(ratios=[2], embed_init="eos"))
+    assert is_beacon_applied(model) and model.config.beacon["ratios"] == [4]
+    after = beacon_parameters(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_generate_batches_rows_of_one_layout_and_refuses_beam_search():
     model = tiny_model("llama", attn_implementation="sdpa")
     apply_beacon(model, settings())

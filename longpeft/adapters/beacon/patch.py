@@ -103,8 +103,6 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     """
     settings = settings if isinstance(settings, BeaconSettings) else BeaconSettings.from_dict(dict(settings))
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
-    if is_beacon_applied(model):
-        remove_beacon(model)
     if getattr(causal_lm.config, "head_rope_bases", None):
         raise ValueError("Activation Beacon re-rotates memory keys with the model's one rotary module; it cannot be "
                          "combined with HARPE's per-head bases (config.head_rope_bases)")
@@ -115,11 +113,14 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     attentions = attention_modules(backbone)
     if not attentions:
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(causal_lm).__name__}")
+    init_token = _special_token_id(causal_lm.config, settings.embed_init) if initialise else None
+    if is_beacon_applied(model):  # only once the new settings are known to apply: a refusal keeps the old beacons
+        remove_beacon(model)
     embed = backbone.embed_tokens.weight
     row = nn.Embedding(1, embed.shape[1], dtype=torch.float32, device=embed.device)
-    if initialise:
+    if init_token is not None:
         with torch.no_grad():
-            row.weight[0] = embed[_special_token_id(causal_lm.config, settings.embed_init)].float()
+            row.weight[0] = embed[init_token].float()
     backbone.beacon_embed_tokens = row
     for attention in attentions:
         for name in settings.params:

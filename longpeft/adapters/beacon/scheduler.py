@@ -187,7 +187,11 @@ SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                         max_cache_length: int) -> None:
     """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
-    caller's), and a clear error for decoding methods that would reorder or crop the memory."""
+    caller's), and a clear error for decoding methods that would reorder or crop the memory. With beacons
+    switched off the stock set-up runs (the model is the stock model then)."""
+    if not getattr(self, self.base_model_prefix).beacons_enabled:
+        return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+                                                        batch_size, max_cache_length)
     if generation_mode not in SUPPORTED_GENERATION:
         raise ValueError(
             f"Activation Beacon supports greedy and sampling generation, not {generation_mode.value} (its memory "
