@@ -1,7 +1,7 @@
 """Pretrain the toy base that `make demo` and the tests extend: a small Llama-shaped model (RoPE,
 grouped-query attention) that retrieves inside its trained window W and fails beyond it.
 
-    python scripts/pretrain_toy_base.py --out runs/toy-base            # about an hour on 2 CPU cores
+    python scripts/pretrain_toy_base.py --out runs/toy-base            # about 25 minutes on 2 CPU cores
     python scripts/pretrain_toy_base.py --out runs/toy-base --resume   # after a kill: same result
     python scripts/pretrain_toy_base.py --out longpeft/toy_base        # replace the shipped base
 

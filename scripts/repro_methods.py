@@ -93,7 +93,7 @@ CLAIMS = {
     "beacon": "Activation Beacon: condensed memory reaches past the base's positions without new positions",
 }
 VARIANTS = [
-    Variant("base", "the base fails beyond W; STRING alone cannot reach 4W", lambda t: [], trained=False),
+    Variant("base", "the base fails beyond W; STRING alone cannot reach past W", lambda t: [], trained=False),
     Variant("rope", CLAIMS["rope"], rope),
     Variant("rope+embeddings", CLAIMS["embeddings"], lambda t: rope(t) + ["lora.embeddings=full"]),
     Variant("rope+utk", CLAIMS["utk"], utk(rope)),
@@ -214,9 +214,13 @@ def run_one(variant: Variant, target: int, seed: int, args: argparse.Namespace) 
     return result
 
 
-def mean_spread(values: list[float]) -> str:
-    mean = statistics.fmean(values)
-    spread = (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+def mean_spread(values: list[float]) -> tuple[float, float]:
+    """Mean and half-range over seeds."""
+    return statistics.fmean(values), (max(values) - min(values)) / 2
+
+
+def mean_spread_cell(values: list[float]) -> str:
+    mean, spread = mean_spread(values)
     return f"{mean:.2f}±{spread:.2f}" if len(values) > 1 else f"{mean:.2f}"
 
 
@@ -232,7 +236,7 @@ def table(results: list[dict[str, Any]], target: int) -> str:
     for name in dict.fromkeys(r["variant"] for r in rows):
         runs = [r for r in rows if r["variant"] == name]
         for mode in ("plain", "string") if runs[0]["string"] is not None else ("plain",):
-            cells = [mean_spread([r[mode][t][str(n)] for r in runs]) for t, n in columns]
+            cells = [mean_spread_cell([r[mode][t][str(n)] for r in runs]) for t, n in columns]
             claim = by_variant[name].claim if mode == "plain" else STRING_CLAIM
             lines.append(f"| {name} | {'on' if mode == 'string' else 'off'} | " + " | ".join(cells) + f" | {claim} |")
     return "\n".join(lines)
@@ -251,8 +255,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         for k, name in enumerate(dict.fromkeys(r["variant"] for r in rows)):
             runs = [r for r in rows if r["variant"] == name]
             lengths = sorted(int(n) for n in runs[0]["plain"]["niah_single"])
-            means = [statistics.fmean(r["plain"]["niah_single"][str(n)] for r in runs) for n in lengths]
-            spread = [(max(v) - min(v)) / 2 for v in ([r["plain"]["niah_single"][str(n)] for r in runs] for n in lengths)]
+            means, spread = zip(*(mean_spread([r["plain"]["niah_single"][str(n)] for r in runs]) for n in lengths))
             # Equal scores overlap: styles and markers tell the lines apart.
             ax.errorbar(lengths, means, yerr=spread, marker="os^vDP*X"[k % 8], linestyle=["-", "--", "-.", ":"][k % 4],
                         markersize=8 - (k % 4), capsize=3, label=name)

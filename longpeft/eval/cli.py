@@ -28,9 +28,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.device:
         kwargs["device_map"] = args.device
     if args.adapter:
-        from .. import load
-
-        from ..loading import tokenizer_source
+        from ..loading import load, tokenizer_source
 
         model = load(args.model, args.adapter, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args.adapter, args.model))
