@@ -143,3 +143,38 @@ def test_resolved_settings_write_out_what_is_implied():
     resolved = BeaconConfig(attn="step-expansion", pos="interleave", projection="lora").resolved()
     assert resolved.attend_prev is False and resolved.inference_ratios == [2, 4, 8]
     assert (resolved.lora_rank, resolved.lora_alpha) == (32, 32.0)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("length", [37, 64])
+def test_window_span_is_the_largest_position_the_forward_uses(training, length, monkeypatch):
+    """Reference: the positions the beacon forward really hands the rotary module, with every random ratio
+    draw forced to the smallest ratio (the worst case of step-random) in training, adapt-N at inference.
+    37 tokens: the fourth (full) window reaches further than the short last one."""
+    from longpeft.adapters.beacon import apply_beacon
+    from longpeft.adapters.beacon.layout import window_span
+    from longpeft.tiny import tiny_model
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    settings = BeaconConfig(window=8, ratios=[2, 4, 8], inference_ratios=[2, 4, 8], inference_ratio_mix="adapt-4",
+                            sink=1).settings()
+    apply_beacon(model, settings)
+    ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(1))
+    seen = []
+    rotary = model.model.rotary_emb
+    real_forward = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(torch, "randint", lambda high, size, **kw: torch.zeros(size, dtype=torch.long))  # draw ratios[0]
+    model.train(training)
+    with torch.no_grad():
+        model(ids)
+    assert max(seen) + 1 == window_span(settings, length, model.config.max_position_embeddings, training=training)
+
+
+def test_a_recipe_whose_training_ratios_overflow_the_positions_is_refused():
+    """Inference adapts its ratio to fit; training draws any of ``ratios``, so the smallest one bounds the span."""
+    from longpeft.adapters.beacon.layout import window_span
+
+    settings = BeaconConfig(window=1024, ratios=[2, 4, 8]).settings()
+    assert window_span(settings, 16384, 4096, training=True) == 14 * 512 + 1024 + 512 > 4096  # the 15th window
+    assert window_span(settings, 16384, 4096) <= 4096

@@ -68,7 +68,7 @@ def _save(model, folder: Path, config: BeaconConfig) -> None:
 
 
 def _span(config: BeaconConfig, length: int, max_positions: int) -> int:
-    return window_span(config.settings(), length, max_positions)
+    return window_span(config.settings(), length, max_positions, training=True)  # the recipe's training check
 
 
 METHOD = Method(

@@ -291,14 +291,30 @@ def choose_ratio(
     return ratios[int(torch.randint(len(ratios), ()).item())]
 
 
-def window_span(settings: BeaconSettings, length: int, max_positions: int) -> int:
-    """Positions ``length`` tokens occupy at the inference ratio the model adapts to: the memory
-    (sink and the beacons of every full window) plus the last window with its beacons."""
-    ratios = settings.inference_ratios
-    ratio = ratios[0] if len(ratios) == 1 else adapt_ratio(ratios, settings.window, max_positions, length)
-    windows = math.ceil(length / settings.window)
-    last = length - (windows - 1) * settings.window
+def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int) -> int:
+    """The ratio that bounds the positions ``length`` tokens can occupy under ``mix``: the one adapt-N
+    picks, else (random mixes) the smallest candidate, the worst draw."""
+    if len(ratios) == 1:
+        return ratios[0]
+    if mix.startswith("adapt-"):
+        return adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
+    return min(ratios)
+
+
+def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False) -> int:
+    """Positions an input of ``length`` tokens occupies at most: over its windows, the memory before a window
+    (sink and the beacons of every earlier window) plus the window's raw tokens and beacons, at the ratio
+    :func:`span_ratio` bounds them by (the inference ratios and mix, or with ``training`` the training ones,
+    where the window that ends the input has no beacons)."""
+    ratios, mix = (settings.ratios, settings.ratio_mix) if training else (settings.inference_ratios, settings.inference_ratio_mix)
+    ratio = span_ratio(ratios, mix, settings.window, max_positions, length)
     if not ratio:
         return length
-    memory = (settings.sink + (windows - 1) * (settings.window // ratio)) if windows > 1 else 0
-    return memory + last + last // ratio
+    windows = math.ceil(length / settings.window)
+    span = 0
+    for index in range(windows):
+        raw = min(settings.window, length - index * settings.window)
+        beacons = 0 if training and index == windows - 1 else raw // ratio
+        memory = settings.sink + index * (settings.window // ratio) if index else 0
+        span = max(span, memory + raw + beacons)
+    return span
