@@ -152,6 +152,9 @@ def load(
         model.resize_token_embeddings(spec.vocab_size)
     if (adapter_dir / "adapter_config.json").is_file():
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+    elif (adapter_dir / "config.json").is_file():  # finetune: full wrote the whole model, not an adapter
+        raise ValueError(f"{adapter_dir} holds a whole fine-tuned model (config.json), not an adapter: load it with "
+                         "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
     elif not any(method.load is not None for method, _ in spec_methods(spec)):
         raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
                                 "own): not an adapter folder")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 import longpeft
 from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters, trainable_beacon_parameters
-from longpeft.recipes.runner import prepare, save_adapter
+from longpeft.recipes.runner import prepare, run, save_adapter
 from longpeft.recipes.schema import RecipeError, load_recipe
 
 # compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
@@ -80,3 +82,24 @@ def test_beacon_recipes_validate_and_refuse_what_cannot_train():
         load_recipe("tiny-beacon-cpu", ["model.load_in_4bit=true"])
     with pytest.raises(RecipeError, match="has none"):
         load_recipe("tiny-cpu", ["finetune=method"])
+
+
+class _KillAtStep3(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 3:
+            raise KeyboardInterrupt("killed at step 3")
+
+
+def test_a_killed_lora_and_beacon_run_resumes_with_its_trained_beacons(tiny_base_dirs, chat_jsonl, tmp_path):
+    """peft's checkpoints hold LoRA only: the beacon weights travel in each checkpoint beside them."""
+    base = tiny_base_dirs("llama")
+    extra = ["finetune=lora", "lora.r=2", "lora.embeddings=none", "train.max_steps=4", "train.save_steps=2"]
+    straight = run(beacon_recipe(base, chat_jsonl, tmp_path / "straight", *extra))
+    killed = beacon_recipe(base, chat_jsonl, tmp_path / "killed", *extra)
+    with pytest.raises(KeyboardInterrupt):
+        run(killed, callbacks=[_KillAtStep3()])
+    assert (tmp_path / "killed" / "checkpoints" / "checkpoint-2" / WEIGHTS_FILENAME).is_file()
+    resumed = run(killed, resume=True)
+    for name in (WEIGHTS_FILENAME, "adapter_model.safetensors"):
+        a, b = load_file(straight.adapter_dir / name), load_file(resumed.adapter_dir / name)
+        assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), name

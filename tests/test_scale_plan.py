@@ -126,3 +126,14 @@ def test_plan_works_for_every_bundled_recipe(capsys):
             if recipe.finetune == "full":
                 assert not any(lever.startswith("base weights: model.load_in_4bit") for lever in levers), name
                 assert any("--launch fsdp2" in lever for lever in levers), name
+
+
+def test_beacon_weights_count_in_every_mode_that_trains_them():
+    """Activation Beacon's projections train under finetune: lora too (beside LoRA), as float32 with AdamW."""
+    method = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100")
+    lora = estimate(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), gpu="h100")
+    shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
+    q, k, v = (shape.projection_shape(f"{n}_proj") for n in "qkv")
+    beacon_params = shape.layers * sum(i * o for i, o in (q, k, v)) + shape.hidden  # full copies of q, k, v + one row
+    assert method.terms["beacon weights"] == lora.terms["beacon weights"] == beacon_params * 16
+    assert lora.assumptions["trainable_params"] > method.assumptions["trainable_params"] == beacon_params

@@ -156,3 +156,15 @@ def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
     assert "| passkey | adapter | 512 | 0.750 |" in card
     with pytest.raises(FileExistsError, match="not empty"):
         hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
+
+
+def test_load_refuses_a_whole_fine_tuned_model_instead_of_dropping_its_weights(tiny_base_dirs, tmp_path):
+    """A finetune: full folder (config.json + weights + longpeft.json) is not an adapter. With a method that keeps
+    weights of its own (Activation Beacon), loading it used to give the base plus those weights, silently."""
+    base_dir = tiny_base_dirs("llama")
+    trained, spec = make_adapter(base_dir, tmp_path / "adapter")
+    full = tmp_path / "model"
+    trained.merge_and_unload().save_pretrained(full)
+    spec.save(full)
+    with pytest.raises(ValueError, match="whole fine-tuned model"):
+        longpeft.load(None, full)

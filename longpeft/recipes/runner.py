@@ -35,7 +35,15 @@ from transformers import (
     TrainerCallback,
 )
 
-from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights, spec_methods
+from ..adapters import (
+    METHODS,
+    ResolveContext,
+    apply_spec,
+    export_methods,
+    load_method_weights,
+    save_method_weights,
+    spec_methods,
+)
 from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
@@ -163,9 +171,12 @@ def positions_spanned(spec: ContextSpec, length: int) -> int:
 
 
 def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
-    """The recipe method's own weights on ``model`` (Activation Beacon's), or none."""
-    method = METHODS[recipe.method]
-    return method.parameters(model) if method.parameters is not None else {}
+    """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
+    parameters: dict[str, Any] = {}
+    for name in recipe.method_configs():
+        if METHODS[name].parameters is not None:
+            parameters.update(METHODS[name].parameters(model))
+    return parameters
 
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
@@ -404,6 +415,35 @@ class MetricsLogger(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
 
 
+class MethodWeightsInCheckpoints(TrainerCallback):
+    """Keeps the methods' own weights (Activation Beacon's) in the checkpoints of a LoRA run, whose Trainer
+    checkpoints hold peft's adapter only: writes them into every checkpoint and, when the run resumes from
+    ``resume_from``, loads them back before the first step (after the Trainer restored LoRA and optimizer)."""
+
+    def __init__(self, spec: ContextSpec, resume_from: Path | None = None) -> None:
+        self.spec, self.resume_from = spec, resume_from
+
+    def restore(self, model: Any, checkpoint: Path) -> None:
+        try:
+            load_method_weights(model, self.spec, checkpoint)
+        except FileNotFoundError as exc:
+            raise ValueError(f"{checkpoint} lacks its method weights (the run was killed while saving it): delete that "
+                             f"folder to resume from the checkpoint before it ({exc})") from exc
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.resume_from is not None:
+            self.restore(model, self.resume_from)
+
+    def on_save(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            save_method_weights(model, self.spec, Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
+def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool:
+    """Whether Trainer checkpoints miss some trained weights: a LoRA run's methods with weights of their own."""
+    return recipe.finetune == "lora" and any(method.save is not None for method, _ in spec_methods(spec))
+
+
 @dataclass
 class Prepared:
     """Everything the runner builds before training."""
@@ -417,8 +457,9 @@ class Prepared:
     resolved: dict[str, Any]
 
 
-def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
-    """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this)."""
+def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None, resume_from: Path | None = None) -> Prepared:
+    """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this);
+    ``resume_from``: the checkpoint the run will resume from."""
     fast = None
     if recipe.train.backend == "unsloth":
         from . import unsloth_backend
@@ -456,6 +497,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
+    if keeps_weights_outside_checkpoints(recipe, spec):
+        trainer.add_callback(MethodWeightsInCheckpoints(spec, resume_from))
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     check_distributed_type(trainer.accelerator.distributed_type)
@@ -562,7 +605,7 @@ def run(
             save_training_recipe(output_dir, recipe.model_dump())
     # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])])
+    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])], resume_from=checkpoint if resume else None)
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
@@ -572,6 +615,8 @@ def run(
         from transformers import TrainerState
 
         trainer._load_from_checkpoint(str(checkpoint))
+        if keeps_weights_outside_checkpoints(recipe, prepared.spec):
+            MethodWeightsInCheckpoints(prepared.spec).restore(trainer.model, checkpoint)
         trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
         train_metrics: dict[str, Any] = {}
     else:

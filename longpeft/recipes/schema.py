@@ -221,7 +221,7 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
     if recipe.method != "rope" or extra:
         problems.append(f"method sections {extra or [recipe.method]} (only RoPE-base expansion, method: rope)")
     if recipe.finetune != "lora":
-        problems.append("finetune: full (LoRA/QLoRA only)")
+        problems.append(f"finetune: {recipe.finetune} (LoRA/QLoRA only)")
     if recipe.lora.embeddings == "token_indices":
         problems.append("lora.embeddings: token_indices (use full or none)")
     if recipe.data.utk is not None:
@@ -290,9 +290,9 @@ class RecipeBase(Section):
         if self.finetune in ("full", "method") and self.model.load_in_4bit:
             raise ValueError(f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
                              "refuses a quantized model without LoRA); use finetune: lora (QLoRA)")
-        if self.finetune == "method" and METHODS[self.method].parameters is None:
-            raise ValueError(f"finetune: method trains the method's own weights, and method {self.method} has none; "
-                             "use finetune: lora or full")
+        if self.finetune == "method" and all(METHODS[name].parameters is None for name in self.method_configs()):
+            raise ValueError("finetune: method trains the methods' own weights, and this recipe's "
+                             f"{' + '.join(self.method_configs())} has none; use finetune: lora or full")
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
         check_trl_keys(self.trl)

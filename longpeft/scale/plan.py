@@ -150,17 +150,20 @@ class Plan:
         if self.fits:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
-        full = self.assumptions.get("finetune") == "full"
+        finetune = self.assumptions.get("finetune")
+        full = finetune == "full"
         shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (train.optim: adamw_bnb_8bit)",
-            "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if full
+            "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method")
             else "--launch fsdp2 (shards the 4-bit base: its quant storage is the compute dtype)"
             if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)",
             "optimizer state and gradients": f"{shard}, or finetune: lora",
-            "DDP gradient buckets": shard if full else "lora.embeddings: token_indices (the buckets hold the trainable gradients)",
+            "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
+            if finetune == "lora" else shard,
+            "beacon weights": "beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
         }
@@ -223,16 +226,18 @@ def estimate(
             rows = len(recipe.lora.trainable_token_indices or [])
             terms["trainable embedding"] = rows * shape.hidden * 16
             trainable += rows * shape.hidden
-    elif recipe.finetune == "method":  # only Activation Beacon's weights train (float32, AdamW: 16 bytes each)
-        beacon = recipe.beacon.resolved()
-        shapes = [shape.projection_shape(f"{name}_proj") for name in beacon.params]
-        per_layer = sum(beacon.lora_rank * (i + o) if beacon.projection == "lora" else i * o for i, o in shapes)
-        trainable = shape.layers * per_layer + shape.hidden
-        terms["beacon weights"] = trainable * 16
-    else:
+    elif recipe.finetune == "full":
         full = shape.linear_params + shape.other_params
         terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
         trainable = full
+    beacon = recipe.method_configs().get("beacon")
+    if beacon is not None and recipe.finetune != "full":  # Activation Beacon's own weights train too (float32, AdamW)
+        beacon = beacon.resolved()
+        shapes = [shape.projection_shape(f"{name}_proj") for name in beacon.params]
+        per_layer = sum(beacon.lora_rank * (i + o) if beacon.projection == "lora" else i * o for i, o in shapes)
+        beacon_params = shape.layers * per_layer + shape.hidden
+        terms["beacon weights"] = beacon_params * 16
+        trainable += beacon_params
     kv = shape.kv_heads * shape.head_dim
     if recipe.train.gradient_checkpointing:
         terms["checkpointed layer inputs"] = shape.layers * activation_tokens * shape.hidden * dtype_bytes
