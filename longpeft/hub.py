@@ -83,7 +83,7 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path]) -> None:
     target = out_dir.resolve()
     for what, folder in protected.items():
         if folder.exists() and target == folder.resolve():
-            raise FileExistsError(f"--out {out_dir} is {what}; writing the merged model there would overwrite it")
+            raise FileExistsError(f"--out {out_dir} is {what}; writing there would overwrite it")
     check_writable_folder(out_dir, "--out")
     if out_dir.is_dir() and any(out_dir.iterdir()):
         raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")

@@ -158,6 +158,8 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
         convert_authors_checkpoint(tmp_path / "authors", tmp_path / "other", base=tiny_base_dirs("qwen2"))
     with pytest.raises(ValueError, match="not an Activation Beacon checkpoint"):
         convert_authors_checkpoint(base_dir, tmp_path / "other", base=base_dir)
+    with pytest.raises(FileExistsError, match="--out .* is not empty"):  # refused before anything is read
+        convert_authors_checkpoint(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
 
 
 def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny_base_dirs, tmp_path, recwarn):

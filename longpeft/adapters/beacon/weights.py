@@ -157,8 +157,11 @@ def convert_authors_checkpoint(source: str | Path, out_dir: str | Path, base: st
     """
     from transformers import AutoConfig
 
+    from ...hub import check_output_folder
     from ...spec import ContextSpec
 
+    out_dir = Path(out_dir)
+    check_output_folder(out_dir, {"the authors' model": Path(source)})  # before any download
     folder, checkpoint_config, files = _checkpoint_files(source)
     beacon = config_from_authors(checkpoint_config)
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
@@ -175,9 +178,6 @@ def convert_authors_checkpoint(source: str | Path, out_dir: str | Path, base: st
     missing = sorted(expected - set(tensors))
     if missing:
         raise ValueError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
     spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()})
