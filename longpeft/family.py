@@ -25,6 +25,20 @@ def is_attention_module(module: nn.Module) -> bool:
     return all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim"))
 
 
+def causal_lm_of(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside ``model`` (itself, or the base model of a peft wrapper)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def backbone_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (``model.model``) of a causal LM, plain or peft-wrapped."""
+    causal_lm = causal_lm_of(model)
+    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
+    if backbone is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
+        raise ValueError(f"{type(causal_lm).__name__} has no decoder stack with layers and embed_tokens")
+    return backbone
+
+
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """Every self-attention module of a model (plain or PEFT-wrapped), in layer order."""
     return [m for m in model.modules() if is_attention_module(m)]

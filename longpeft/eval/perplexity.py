@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..family import causal_lm_of
 from .memory import check_memory
 
 LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp32 logits at a time
@@ -17,7 +18,7 @@ LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp
 
 def _backbone_and_head(model: Any) -> tuple[Any, Any]:
     """The decoder stack (returns hidden states) and the output embedding of a causal LM (PEFT or not)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm_of(model)
     backbone = getattr(base, base.base_model_prefix, None)
     head = base.get_output_embeddings()
     if backbone is None or head is None:

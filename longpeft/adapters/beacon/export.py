@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...family import attention_kernel, attention_modules, define_export_classes, is_attention_module
+from ...family import (
+    attention_kernel,
+    attention_modules,
+    backbone_of,
+    causal_lm_of,
+    define_export_classes,
+    is_attention_module,
+)
 from ...rope import apply_rotary, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import cache, layout, modeling, modules, patch, scheduler
@@ -20,8 +27,8 @@ from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_beacon.py"
 RUNTIME_MODULES = (layout, cache, modules, scheduler, patch, modeling)
-INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules, attention_kernel,
-                   define_export_classes)
+INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules, causal_lm_of, backbone_of,
+                   attention_kernel, define_export_classes)
 
 
 def standalone_modeling_source() -> str:

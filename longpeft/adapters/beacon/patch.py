@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 # longpeft-inline-begin
-from ...family import attention_modules
+from ...family import attention_modules, backbone_of, causal_lm_of
 from .layout import BeaconSettings
 from .modules import BeaconLinear, BeaconLoraDelta, beacon_attention_forward
 from .scheduler import beacon_backbone_forward, beacon_prepare_cache_for_generation
@@ -28,20 +28,6 @@ from .scheduler import beacon_backbone_forward, beacon_prepare_cache_for_generat
 # longpeft-inline-end
 
 _PATCHED_BACKBONE = ("forward", "beacon_settings", "beacons_enabled")
-
-
-def causal_lm_of(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside ``model`` (itself, or the base model of a peft wrapper)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def backbone_of(model: nn.Module) -> nn.Module:
-    """The decoder stack (``model.model``) of a causal LM, plain or peft-wrapped."""
-    causal_lm = causal_lm_of(model)
-    backbone = getattr(causal_lm, causal_lm.base_model_prefix, None)
-    if backbone is None or not hasattr(backbone, "layers") or not hasattr(backbone, "embed_tokens"):
-        raise ValueError(f"{type(causal_lm).__name__} has no decoder stack with layers and embed_tokens")
-    return backbone
 
 
 def _base_layer(projection: nn.Module) -> nn.Module:

@@ -45,7 +45,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ...family import attention_modules, check_supported
+from ...family import attention_modules, causal_lm_of, check_supported
 from ...rope import apply_rotary, rotary_modules
 
 logger = logging.getLogger(__name__)
@@ -116,10 +116,6 @@ class _StringConfigView:
 # ----------------------------------------------------------------------------------------------
 
 
-def _inner_model(model: nn.Module) -> nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def enable_string(
     model: nn.Module,
     shift: int | None = None,
@@ -166,7 +162,7 @@ def enable_string(
         raise ValueError(f"STRING cos_sin_scale must be > 0 (or None to leave it off), got {cos_sin_scale}")
     settings = StringSettings(shift, local_window, trained_length, None if cos_sin_scale is None else float(cos_sin_scale))
 
-    rotaries = rotary_modules(_inner_model(model))
+    rotaries = rotary_modules(causal_lm_of(model))
     if len(rotaries) != 1:
         raise ValueError(f"STRING expects exactly one rotary embedding module, found {len(rotaries)}")
     rotary_owner, rotary_name, _ = rotaries[0]
