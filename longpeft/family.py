@@ -51,6 +51,17 @@ def check_supported(config: Any, what: str) -> None:
         raise ValueError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
 
 
+def kernel_interface(module: nn.Module, implementation: str | None) -> Any:
+    """The attention function transformers registers for ``implementation`` (``"sdpa"``, a flash-attn name, ...),
+    or the model's own eager kernel (from ``module``'s modeling file) for eager or None."""
+    import sys
+
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS.get_interface(implementation, eager)
+
+
 def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """Run the attention kernel the model is configured for (eager, SDPA, flash-attn, ...) as the
     Llama/Mistral/Qwen2/Qwen3 attention forwards do; returns ``(output [batch, seq, heads, head_dim], weights)``.
@@ -58,12 +69,7 @@ def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwa
     Used by longpeft's replacement attention forwards (HARPE, Activation Beacon), which differ from the
     stock ones only before the kernel (rotation, projections).
     """
-    import sys
-
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    eager = sys.modules[type(module).__module__].eager_attention_forward  # the model's own eager kernel
-    interface = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    interface = kernel_interface(module, module.config._attn_implementation)
     return interface(
         module,
         query,

@@ -18,6 +18,7 @@ from ...family import (
     causal_lm_of,
     define_export_classes,
     is_attention_module,
+    kernel_interface,
 )
 from ...rope import apply_rotary, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
@@ -28,7 +29,7 @@ from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 MODELING_FILENAME = "modeling_beacon.py"
 RUNTIME_MODULES = (layout, cache, modules, scheduler, patch, modeling)
 INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules, causal_lm_of, backbone_of,
-                   attention_kernel, define_export_classes)
+                   kernel_interface, attention_kernel, define_export_classes)
 
 
 def standalone_modeling_source() -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +44,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ...family import attention_modules, causal_lm_of, check_supported
+from ...family import attention_modules, causal_lm_of, check_supported, kernel_interface
 from ...rope import apply_rotary, rotary_modules
 
 logger = logging.getLogger(__name__)
@@ -535,9 +534,7 @@ def string_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if settings.cos_sin_scale is not None:
         scaling = scaling * settings.cos_sin_scale**2
-    base_fn = ALL_ATTENTION_FUNCTIONS.get_interface(
-        implementation, getattr(sys.modules[type(module).__module__], "eager_attention_forward")
-    )
+    base_fn = kernel_interface(module, implementation)
     if key.shape[2] - 1 < settings.shift:  # nothing is far enough to shift
         return base_fn(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
