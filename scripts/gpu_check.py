@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        base, data = work / "base", work / "train.jsonl"
+        base, data = work / ("base-tiny" if args.tiny else "base-8b"), work / "train.jsonl"  # a kept base per size
         if not (base / "config.json").is_file():
             write_base(base, args.tiny)
         sample_tokens = write_data(data, base, args.tokens, args.steps)
@@ -260,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 measured["planner_peak_error"] = plan["peak_gib"] / measured["peak_reserved_gib"] - 1
                 measured["peak_at_most_60_gb"] = measured["peak_reserved_gib"] * GiB <= 60e9
             if "tokens_per_second" in measured and not args.tiny:
-                measured["planner_step_time_error"] = plan["step_seconds"] / statistics.median(
-                    measured["step_seconds"][1:] or measured["step_seconds"]) - 1
+                measured["planner_step_time_error"] = plan["step_seconds"] * measured["tokens_per_second"] / sample_tokens - 1
         report = {"ok": all("error" not in r for r in runs.values()), "tiny": args.tiny, "tokens": sample_tokens,
                   "steps": args.steps, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                   "runs": runs, "planner": plan, "kernels": compare_kernels(args.tiny)}

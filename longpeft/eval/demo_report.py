@@ -45,15 +45,16 @@ def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8,
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..loading import load, resolve_base
+    from ..loading import load, resolve_base, tokenizer_source
     from ..spec import ContextSpec
 
     out = Path(out)
     spec = ContextSpec.load(adapter_dir)
-    base = AutoModelForCausalLM.from_pretrained(resolve_base(spec, adapter_dir, None)).eval()
+    base_location = resolve_base(spec, adapter_dir, None)
+    base = AutoModelForCausalLM.from_pretrained(base_location).eval()
     window = base.config.max_position_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(str(adapter_dir))
-    models = {"base": (base, window), "adapter": (load(None, adapter_dir).eval(), spec.trained_length or window)}
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_location))
+    models = {"base": (base, window), "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window)}
     for setting in SETTINGS:
         model, trained_length = models[setting.split(" + ")[0]]
         string = demo_string_settings(trained_length) if "STRING" in setting else None
