@@ -90,16 +90,59 @@ class _KillAtStep3(TrainerCallback):
             raise KeyboardInterrupt("killed at step 3")
 
 
-def test_a_killed_lora_and_beacon_run_resumes_with_its_trained_beacons(tiny_base_dirs, chat_jsonl, tmp_path):
-    """peft's checkpoints hold LoRA only: the beacon weights travel in each checkpoint beside them."""
+@pytest.mark.parametrize("finetune", ["method", "lora"])
+def test_a_killed_beacon_run_resumes_with_its_trained_beacons(tiny_base_dirs, chat_jsonl, tmp_path, finetune):
+    """peft's checkpoints hold LoRA only, the Trainer's would hold the whole frozen base: longpeft's hold the beacon
+    weights (beside LoRA, or alone with finetune: method), and a killed run resumes to the straight run's weights."""
     base = tiny_base_dirs("llama")
-    extra = ["finetune=lora", "lora.r=2", "lora.embeddings=none", "train.max_steps=4", "train.save_steps=2"]
+    extra = ["train.max_steps=4", "train.save_steps=2"]
+    if finetune == "lora":
+        extra += ["finetune=lora", "lora.r=2", "lora.embeddings=none"]
     straight = run(beacon_recipe(base, chat_jsonl, tmp_path / "straight", *extra))
     killed = beacon_recipe(base, chat_jsonl, tmp_path / "killed", *extra)
     with pytest.raises(KeyboardInterrupt):
         run(killed, callbacks=[_KillAtStep3()])
-    assert (tmp_path / "killed" / "checkpoints" / "checkpoint-2" / WEIGHTS_FILENAME).is_file()
+    checkpoint = tmp_path / "killed" / "checkpoints" / "checkpoint-2"
+    weights = sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    assert weights == sorted([WEIGHTS_FILENAME] + (["adapter_model.safetensors"] if finetune == "lora" else []))
+    beacon_bytes = (checkpoint / WEIGHTS_FILENAME).stat().st_size
+    assert sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin")) \
+        < beacon_bytes * 1.5  # no copy of the frozen base (the tiny base is as large as its beacons)
     resumed = run(killed, resume=True)
-    for name in (WEIGHTS_FILENAME, "adapter_model.safetensors"):
+    names = [WEIGHTS_FILENAME] + (["adapter_model.safetensors"] if finetune == "lora" else [])
+    for name in names:
         a, b = load_file(straight.adapter_dir / name), load_file(resumed.adapter_dir / name)
         assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a), name
+
+
+def test_a_checkpoint_without_its_beacon_weights_is_refused_with_what_to_do(tiny_base_dirs, chat_jsonl, tmp_path):
+    base = tiny_base_dirs("llama")
+    recipe = beacon_recipe(base, chat_jsonl, tmp_path / "run", "finetune=lora", "lora.r=2", "lora.embeddings=none",
+                           "train.max_steps=2", "train.save_steps=2")
+    run(recipe)
+    (tmp_path / "run" / "checkpoints" / "checkpoint-2" / WEIGHTS_FILENAME).unlink()  # e.g. written by an older longpeft
+    with pytest.raises(ValueError, match="checkpoint-2 lacks the method weights.*delete that folder"):
+        run(recipe, resume=True)
+
+
+def test_beacon_weights_are_saved_from_a_gathered_state_dict(tiny_base_dirs, tmp_path):
+    """A sharded run (FSDP, ZeRO-3) saves from the state dict the Trainer gathered, not from the sharded parameters."""
+    from peft import LoraConfig, get_peft_model
+
+    from longpeft.adapters.beacon import BeaconConfig, apply_beacon, save_beacon_weights
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_base_dirs("llama")), attn_implementation="sdpa")
+    apply_beacon(model, BeaconConfig(window=16).settings())
+    model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
+    gathered = {name: tensor + 1 for name, tensor in model.state_dict().items()}
+    saved = load_file(save_beacon_weights(model, tmp_path / "gathered", gathered))
+    own = beacon_parameters(model)
+    assert len(saved) == len(own)
+    for name, parameter in own.items():
+        torch.testing.assert_close(saved[f"model.{name}"], parameter.detach() + 1, atol=0, rtol=0)
+    some = next(iter(own.values()))
+    some.data = torch.empty(0)  # what a ZeRO-3 process holds of a parameter
+    with pytest.raises(ValueError, match="sharded across processes.*stage3_gather_16bit_weights_on_model_save"):
+        save_beacon_weights(model, tmp_path / "sharded")

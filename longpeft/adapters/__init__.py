@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ..spec import ContextSpec
 from . import beacon, harpe, pose, rope_base, string
-from .registry import METHODS, Method, ResolveContext, config_of, get_method, register, unregister
+from .registry import METHODS, Method, ResolveContext, config_of, gathered_tensors, get_method, register, unregister
 from .rope_base import expand_rope_base
 
 register(rope_base.METHOD)
@@ -57,11 +58,17 @@ def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path)
             method.load(model, Path(folder), config)
 
 
-def save_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
-    """Save the weights that methods keep outside peft's adapter file into ``folder``."""
+def save_method_weights(
+    model: nn.Module, spec: ContextSpec, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> None:
+    """Save the weights that methods keep outside peft's adapter file into ``folder``.
+
+    ``state_dict``: the gathered weights of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), keyed
+    as ``model.state_dict()``; the methods take their tensors from it instead of from their sharded parameters.
+    """
     for method, config in spec_methods(spec):
         if method.save is not None:
-            method.save(model, Path(folder), config)
+            method.save(model, Path(folder), config, state_dict)
 
 
 def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
@@ -78,6 +85,7 @@ __all__ = [
     "apply_spec",
     "expand_rope_base",
     "export_methods",
+    "gathered_tensors",
     "get_method",
     "load_method_weights",
     "register",

@@ -22,6 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
+
 from ..config import StrictModel
 
 
@@ -57,8 +60,9 @@ class Method:
         remove: ``remove(model)`` undoes ``apply`` exactly.
         is_applied: ``is_applied(model)`` tells whether the method is active on ``model``.
         resolve: ``resolve(config, context) -> config`` fills derived fields at adapter creation.
-        save / load: ``save(model, folder, config)`` / ``load(model, folder, config)`` for weights
-            that live outside peft's adapter file.
+        save / load: ``save(model, folder, config, state_dict)`` / ``load(model, folder, config)`` for
+            weights that live outside peft's adapter file; ``state_dict`` is None, or the gathered weights
+            of a model sharded across processes (read them with :func:`gathered_tensors`).
         export: ``export(model, folder, config)`` after a merged or full model was saved to ``folder``.
         describe: ``describe(config) -> list[str]`` model-card sentences.
         remote_code: an exported model needs ``trust_remote_code=True`` (a modeling file ships with it).
@@ -74,7 +78,7 @@ class Method:
     remove: Callable[[Any], None]
     is_applied: Callable[[Any], bool]
     resolve: Callable[[Any, ResolveContext], Any] = _identity
-    save: Callable[[Any, Path, Any], None] | None = None
+    save: Callable[[Any, Path, Any, dict[str, Any] | None], None] | None = None
     load: Callable[[Any, Path, Any], None] | None = None
     export: Callable[[Any, Path, Any], None] | None = None
     describe: Callable[[Any], list[str]] | None = None
@@ -110,3 +114,29 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
     """A method's config from a dict (``longpeft.json`` section) or as given."""
     config_class = get_method(name).config
     return data if isinstance(data, config_class) else config_class.model_validate(data)
+
+
+def gathered_tensors(
+    model: nn.Module, parameters: dict[str, nn.Parameter], state_dict: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` for ``parameters`` (``{name: parameter of model}``): their own data, or with a
+    gathered ``state_dict`` (keyed as ``model.state_dict()``) the tensors it holds for them.
+
+    Raises:
+        ValueError: a parameter has no whole tensor to save (sharded and absent from ``state_dict``).
+    """
+    from torch.distributed.tensor import DTensor
+
+    qualified = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    tensors = {}
+    for name, parameter in parameters.items():
+        tensor = parameter.detach()
+        if state_dict and qualified.get(id(parameter)) in state_dict:
+            tensor = state_dict[qualified[id(parameter)]]
+        if tensor.numel() == 0 or isinstance(tensor, DTensor):
+            raise ValueError(
+                f"{name} is sharded across processes and the gathered state dict lacks it; save from the "
+                "gathered weights (DeepSpeed ZeRO-3: stage3_gather_16bit_weights_on_model_save: true) or use --launch ddp"
+            )
+        tensors[name] = tensor
+    return tensors

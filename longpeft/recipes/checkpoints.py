@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
-# Weights and optimizer state as the Trainer writes them: whole (one process, DDP) or sharded (accelerate's FSDP
-# files and torch.distributed.checkpoint folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; DeepSpeed's
+# Weights and optimizer state as the Trainer writes them: whole (one process, DDP: peft's adapter, the model, or
+# for ``finetune: method`` the method's own file such as ``beacon_adapter.safetensors``) or sharded (accelerate's
+# FSDP files and torch.distributed.checkpoint folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; DeepSpeed's
 # ``global_step<N>/``). A sharded folder counts once it is complete (DCP writes its ``.metadata`` last).
-_WEIGHT_PATTERNS = ("adapter_model.safetensors", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                    "pytorch_model_fsdp*")
+_WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model_fsdp*")
 _OPTIMIZER_PATTERNS = ("optimizer.pt", "optimizer*.bin", "optimizer_*", "global_step*")
 TRAINING_RECIPE_FILENAME = "recipe.training.json"
 # Recipe keys that do not change what is trained (they may differ between a kill and --resume).

@@ -40,7 +40,6 @@ from ..adapters import (
     ResolveContext,
     apply_spec,
     export_methods,
-    load_method_weights,
     save_method_weights,
     spec_methods,
 )
@@ -49,6 +48,7 @@ from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
+from .method_trainer import method_checkpoint_trainer
 from .schema import Recipe
 
 TINY_PREFIX = "tiny:"
@@ -415,33 +415,10 @@ class MetricsLogger(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
 
 
-class MethodWeightsInCheckpoints(TrainerCallback):
-    """Keeps the methods' own weights (Activation Beacon's) in the checkpoints of a LoRA run, whose Trainer
-    checkpoints hold peft's adapter only: writes them into every checkpoint and, when the run resumes from
-    ``resume_from``, loads them back before the first step (after the Trainer restored LoRA and optimizer)."""
-
-    def __init__(self, spec: ContextSpec, resume_from: Path | None = None) -> None:
-        self.spec, self.resume_from = spec, resume_from
-
-    def restore(self, model: Any, checkpoint: Path) -> None:
-        try:
-            load_method_weights(model, self.spec, checkpoint)
-        except FileNotFoundError as exc:
-            raise ValueError(f"{checkpoint} lacks its method weights (the run was killed while saving it): delete that "
-                             f"folder to resume from the checkpoint before it ({exc})") from exc
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if self.resume_from is not None:
-            self.restore(model, self.resume_from)
-
-    def on_save(self, args, state, control, model=None, **kwargs):
-        if state.is_world_process_zero:
-            save_method_weights(model, self.spec, Path(args.output_dir) / f"checkpoint-{state.global_step}")
-
-
 def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool:
-    """Whether Trainer checkpoints miss some trained weights: a LoRA run's methods with weights of their own."""
-    return recipe.finetune == "lora" and any(method.save is not None for method, _ in spec_methods(spec))
+    """Whether Trainer checkpoints would miss (or needlessly hold) some weights: a LoRA or ``finetune: method``
+    run with methods that have weights of their own (see :mod:`.method_trainer`)."""
+    return recipe.finetune != "full" and any(method.save is not None for method, _ in spec_methods(spec))
 
 
 @dataclass
@@ -457,9 +434,8 @@ class Prepared:
     resolved: dict[str, Any]
 
 
-def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None, resume_from: Path | None = None) -> Prepared:
-    """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this);
-    ``resume_from``: the checkpoint the run will resume from."""
+def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
+    """Build model, data and trainer of a recipe without training (``longpeft plan`` prints this)."""
     fast = None
     if recipe.train.backend == "unsloth":
         from . import unsloth_backend
@@ -488,7 +464,10 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None, resu
     peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     if recipe.finetune == "method":  # the base stays frozen; only the method's weights train
         model.requires_grad_(False)
-    trainer = SFTTrainer(
+    trainer_class = SFTTrainer
+    if keeps_weights_outside_checkpoints(recipe, spec):
+        trainer_class = method_checkpoint_trainer(SFTTrainer, spec, recipe.finetune)
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=dataset,
@@ -497,8 +476,6 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None, resu
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
-    if keeps_weights_outside_checkpoints(recipe, spec):
-        trainer.add_callback(MethodWeightsInCheckpoints(spec, resume_from))
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     check_distributed_type(trainer.accelerator.distributed_type)
@@ -605,7 +582,7 @@ def run(
             save_training_recipe(output_dir, recipe.model_dump())
     # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])], resume_from=checkpoint if resume else None)
+    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])])
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
@@ -614,9 +591,7 @@ def run(
         print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
         from transformers import TrainerState
 
-        trainer._load_from_checkpoint(str(checkpoint))
-        if keeps_weights_outside_checkpoints(recipe, prepared.spec):
-            MethodWeightsInCheckpoints(prepared.spec).restore(trainer.model, checkpoint)
+        trainer._load_from_checkpoint(str(checkpoint))  # with the method weights (method_trainer)
         trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
         train_metrics: dict[str, Any] = {}
     else:
@@ -656,7 +631,7 @@ def save_adapter(
     """
     if finetune != "method":
         model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
-    save_method_weights(model, spec, adapter_dir)
+    save_method_weights(model, spec, adapter_dir, state_dict)
     if finetune == "full":
         export_methods(model, spec, adapter_dir)
     tokenizer.save_pretrained(adapter_dir)

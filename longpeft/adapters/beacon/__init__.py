@@ -63,8 +63,8 @@ def _load(model, folder: Path, config: BeaconConfig) -> None:
     load_beacon_weights(model, folder)
 
 
-def _save(model, folder: Path, config: BeaconConfig) -> None:
-    save_beacon_weights(model, folder)
+def _save(model, folder: Path, config: BeaconConfig, state_dict=None) -> None:
+    save_beacon_weights(model, folder, state_dict)
 
 
 def _span(config: BeaconConfig, length: int, max_positions: int) -> int:

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..registry import gathered_tensors
 from .config import BeaconConfig
 from .patch import beacon_parameters, causal_lm_of
 
@@ -35,17 +36,19 @@ def _prefix(model: nn.Module) -> str:
     return f"{causal_lm_of(model).base_model_prefix}."
 
 
-def beacon_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``, ...)."""
+def beacon_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``, ...);
+    taken from ``state_dict``, the gathered weights of a sharded model (keyed as ``model.state_dict()``), when given."""
     prefix = _prefix(model)
-    return {prefix + name: p.detach() for name, p in beacon_parameters(model).items()}
+    return {prefix + name: t for name, t in gathered_tensors(model, beacon_parameters(model), state_dict).items()}
 
 
-def save_beacon_weights(model: nn.Module, folder: str | Path) -> Path:
-    """Write ``beacon_adapter.safetensors`` (float32) into ``folder``; returns its path."""
+def save_beacon_weights(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write ``beacon_adapter.safetensors`` (float32) into ``folder``, from ``state_dict`` when given
+    (see :func:`beacon_state_dict`); returns its path."""
     path = Path(folder) / WEIGHTS_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.float().contiguous().cpu() for name, t in beacon_state_dict(model).items()}
+    tensors = {name: t.float().contiguous().cpu() for name, t in beacon_state_dict(model, state_dict).items()}
     if not tensors:
         raise ValueError("the model has no beacon weights to save; apply Activation Beacon first")
     save_file(tensors, str(path), metadata={"format": "pt", "source": "longpeft"})
