@@ -163,7 +163,7 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
 
 
 def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny_base_dirs, tmp_path, recwarn):
-    from longpeft.adapters.beacon import positions_needed
+    from longpeft.adapters import ModelSpan, model_span
     from longpeft.tiny import sample_text
 
     base_dir = tiny_base_dirs("llama")  # 256 positions
@@ -178,4 +178,4 @@ def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny
     assert not [w for w in recwarn if "max_position_embeddings" in str(w.message)]  # beacons stay inside 256
     loaded = longpeft.load(str(base_dir), tmp_path / "adapter")
     # memory grows with length / ratio: 100K tokens at ratio 8 read 1 + 3124 * 4 + 32 + 4 keys at most
-    assert positions_needed(loaded, 600) < 256 and positions_needed(loaded, 100_000) == 12533
+    assert model_span(loaded, 600).positions < 256 and model_span(loaded, 100_000) == ModelSpan(12533, 12533, ("beacon",))

@@ -224,6 +224,22 @@ def test_warns_once_when_prompts_exceed_the_model_positions(tokenizer):
     with warnings.catch_warnings():  # STRING keeps every distance inside the trained range: no warning
         warnings.simplefilter("error")
         evaluate("passkey", model, tokenizer, lengths=[300], string={"shift": 100, "local_window": 8}, **common)
+    with pytest.warns(UserWarning, match=r"400 tokens .* max_position_embeddings=256 even with string on"):
+        evaluate("passkey", model, tokenizer, lengths=[400], string={"shift": 100, "local_window": 8}, **common)
+
+
+def test_model_span_counts_string_positions_but_every_key():
+    """STRING bounds the positions (largest scored distance + 1), not the keys a query reads (the memory check)."""
+    from longpeft.adapters import ModelSpan, model_span
+    from longpeft.adapters.string import disable_string, enable_string
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    assert model_span(model, 400) == ModelSpan(400, 400, ())
+    enable_string(model, shift=100, local_window=8)
+    assert model_span(model, 400) == ModelSpan(400 - 100 + 8, 400, ("string",))
+    assert model_span(model, 60) == ModelSpan(60, 60, ("string",))  # shorter than the shift: nothing moves
+    disable_string(model)
+    assert model_span(model, 400).methods == ()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,18 @@ from torch import nn
 
 from ..spec import ContextSpec
 from . import beacon, harpe, pose, rope_base, string
-from .registry import METHODS, Method, ResolveContext, config_of, gathered_tensors, get_method, register, unregister
+from .registry import (
+    METHODS,
+    Method,
+    ModelSpan,
+    ResolveContext,
+    config_of,
+    gathered_tensors,
+    get_method,
+    model_span,
+    register,
+    unregister,
+)
 from .rope_base import expand_rope_base
 
 register(rope_base.METHOD)
@@ -81,6 +92,7 @@ def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> N
 __all__ = [
     "METHODS",
     "Method",
+    "ModelSpan",
     "ResolveContext",
     "apply_spec",
     "expand_rope_base",
@@ -88,6 +100,7 @@ __all__ = [
     "gathered_tensors",
     "get_method",
     "load_method_weights",
+    "model_span",
     "register",
     "save_method_weights",
     "spec_methods",

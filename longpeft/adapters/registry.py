@@ -70,6 +70,9 @@ class Method:
             projections and embedding): they train while the base stays frozen, beside LoRA if any.
         span: ``span(config, length, max_positions) -> int``, the positions an input of ``length``
             tokens occupies (default: ``length``); Activation Beacon keeps it inside the base's range.
+        model_span: ``model_span(model, length) -> (positions, keys)`` on a model the method is applied to:
+            the positions an input of ``length`` tokens occupies and the keys one query reads at most
+            (default: ``length`` both). STRING bounds the positions; Activation Beacon both.
     """
 
     name: str
@@ -85,6 +88,7 @@ class Method:
     remote_code: bool = False
     parameters: Callable[[Any], dict[str, Any]] | None = None
     span: Callable[[Any, int, int], int] | None = None
+    model_span: Callable[[Any, int], tuple[int, int]] | None = None
 
 
 METHODS: dict[str, Method] = {}
@@ -108,6 +112,32 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise KeyError(f"unknown longpeft method {name!r}; known methods: {', '.join(METHODS)}")
     return METHODS[name]
+
+
+@dataclass(frozen=True)
+class ModelSpan:
+    """What an input of some length costs a built model, once its applied methods are counted.
+
+    Attributes:
+        positions: the positions it occupies (compare with ``max_position_embeddings``).
+        keys: the keys one query reads at most (what attention memory grows with).
+        methods: the applied methods that bound them (empty: both are the input's length).
+    """
+
+    positions: int
+    keys: int
+    methods: tuple[str, ...]
+
+
+def model_span(model: Any, length: int) -> ModelSpan:
+    """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
+    methods' ``model_span`` hooks)."""
+    spans = {m.name: m.model_span(model, length) for m in METHODS.values() if m.model_span is not None and m.is_applied(model)}
+    return ModelSpan(
+        positions=min((p for p, _ in spans.values()), default=length),
+        keys=min((k for _, k in spans.values()), default=length),
+        methods=tuple(spans),
+    )
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:

@@ -67,7 +67,8 @@ def available_bytes(device: torch.device | str) -> int:
 def check_memory(model: Any, batch_size: int, seq_len: int, logits_tokens: int = 1, headroom: float = 0.9) -> int:
     """Raise InsufficientMemoryError when a forward of ``batch_size`` x ``seq_len`` will not fit.
 
-    With Activation Beacon the model reads at most its memory plus one window, whatever ``seq_len``.
+    Counts the keys one query reads at most (``Method.model_span``): with Activation Beacon its memory plus
+    one window, whatever ``seq_len``.
 
     Returns:
         The estimated bytes.
@@ -75,9 +76,9 @@ def check_memory(model: Any, batch_size: int, seq_len: int, logits_tokens: int =
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):
         return 0  # not a transformers model (e.g. a test double): nothing to estimate
-    from ..adapters.beacon import positions_needed
+    from ..adapters import model_span
 
-    seq_len = positions_needed(model, seq_len)
+    seq_len = model_span(model, seq_len).keys
     device = getattr(model, "device", torch.device("cpu"))
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     need = estimate_forward_bytes(config, batch_size, seq_len, _dtype_bytes(model), implementation, logits_tokens)

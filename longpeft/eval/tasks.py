@@ -69,27 +69,21 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
 
 def warn_beyond_positions(model: Any, lengths: Sequence[int]) -> None:
     """Warn (one warning for all ``lengths``) when prompts span more positions than the model's
-    ``max_position_embeddings``; with STRING on, the span is its largest scored distance + 1; with
-    Activation Beacon, its memory plus one window."""
+    ``max_position_embeddings``, counted with the applied methods that bound them (STRING: its largest
+    scored distance + 1; Activation Beacon: its memory plus one window; see ``Method.model_span``)."""
     max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not max_positions:
         return
-    from ..adapters.beacon import positions_needed
-    from ..adapters.string import string_settings
+    from ..adapters import model_span
 
-    string = string_settings(model)
-
-    def span(n: int) -> int:
-        if string is None:
-            return positions_needed(model, n)
-        return max(min(n, string["shift"]), n - string["shift"] + string["local_window"])
-
-    over = [n for n in lengths if span(n) > max_positions]
+    spans = {n: model_span(model, n) for n in lengths}
+    over = [n for n in lengths if spans[n].positions > max_positions]
     if over:
+        methods = " and ".join(spans[over[0]].methods)
         warnings.warn(
             f"prompts of {', '.join(map(str, over))} tokens are longer than the model's max_position_embeddings="
-            f"{max_positions}{' even with STRING on' if string else ''}: positions beyond it were never trained, so "
-            "expect low scores there unless the model was extended for them",
+            f"{max_positions}{f' even with {methods} on' if methods else ''}: positions beyond it were never trained, "
+            "so expect low scores there unless the model was extended for them",
             stacklevel=3,
         )
 

@@ -36,13 +36,12 @@ from .patch import (
 from .weights import WEIGHTS_FILENAME, convert_authors_checkpoint, load_beacon_weights, save_beacon_weights
 
 
-def positions_needed(model, length: int) -> int:
-    """Positions (and keys a query reads at most) for an input of ``length`` tokens: ``length`` for a
-    model without beacons; with beacons, the memory plus one window at the ratio it adapts to."""
-    if not is_beacon_applied(model):
-        return length
+def model_span(model, length: int) -> tuple[int, int]:
+    """(positions, keys) of an input of ``length`` tokens on a model with beacons: both are the memory plus one
+    window at the ratio it adapts to (a query reads the memory and its window, nothing older)."""
     backbone = backbone_of(model)
-    return window_span(backbone.beacon_settings, length, backbone.config.max_position_embeddings)
+    span = window_span(backbone.beacon_settings, length, backbone.config.max_position_embeddings)
+    return span, span
 
 
 def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
@@ -85,6 +84,7 @@ METHOD = Method(
     remote_code=True,
     parameters=trainable_beacon_parameters,
     span=_span,
+    model_span=model_span,
 )
 
 __all__ = [
@@ -101,7 +101,6 @@ __all__ = [
     "convert_authors_checkpoint",
     "is_beacon_applied",
     "load_beacon_weights",
-    "positions_needed",
     "remove_beacon",
     "save_beacon_weights",
     "trainable_beacon_parameters",

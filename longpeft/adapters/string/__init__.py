@@ -63,6 +63,13 @@ def describe(config: StringConfig) -> list[str]:
     ]
 
 
+def model_span(model, length: int) -> tuple[int, int]:
+    """(positions, keys) of an input of ``length`` tokens with STRING on: the largest scored distance + 1
+    (far keys score as at ``d - shift + local_window``); every key is still read."""
+    settings = string_settings(model)
+    return max(min(length, settings["shift"]), length - settings["shift"] + settings["local_window"]), length
+
+
 METHOD = Method(
     name="string",
     config=StringConfig,
@@ -71,6 +78,7 @@ METHOD = Method(
     is_applied=lambda model: string_settings(model) is not None,
     resolve=resolve,
     describe=describe,
+    model_span=model_span,
 )
 
 __all__ = [
