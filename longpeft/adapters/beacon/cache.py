@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 # longpeft-inline-begin
-from .layout import WindowLayout
+from .layout import WindowLayout, padding_keep
 
 # longpeft-inline-end
 
@@ -203,13 +203,8 @@ class BeaconCache(Cache):
         positions = state.memory_length + torch.arange(kept.numel())
         for layer in self.layers:
             layer.commit(kept, rotated, positions, rotate)
-        if state.memory_keep is not None or state.window_keep is not None:
-            batch = (state.window_keep if state.window_keep is not None else state.memory_keep).shape[0]
-            window_keep = state.window_keep if state.window_keep is not None else torch.ones(batch, state.window_slots,
-                                                                                             dtype=torch.bool)
-            memory_keep = state.memory_keep if state.memory_keep is not None else torch.ones(batch, state.memory_length,
-                                                                                             dtype=torch.bool)
-            state.memory_keep = torch.cat([memory_keep, window_keep[:, kept]], dim=1)
+        window_keep = None if state.window_keep is None else state.window_keep[:, kept]
+        state.memory_keep = padding_keep((state.memory_keep, state.memory_length), (window_keep, kept.numel()))
         state.memory_length += kept.numel()
         state.window_index += 1
         state.layout, state.window_raw, state.window_slots, state.window_keep = None, 0, 0, None

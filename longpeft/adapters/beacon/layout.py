@@ -198,15 +198,21 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
+def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None:
+    """``[batch, sum of lengths]`` bool on the CPU, False at padding: the ``(keep [batch, length] or None, length)``
+    parts side by side, a None part all True (no padding there); None when every part is None."""
+    present = [keep for keep, _ in parts if keep is not None]
+    if not present:
+        return None
+    batch = present[0].shape[0]
+    return torch.cat([keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool)
+                      for keep, length in parts], dim=1)
+
+
 def key_keep(memory_length: int, end: int, memory_keep: torch.Tensor | None,
              window_keep: torch.Tensor | None) -> torch.Tensor | None:
     """``[batch, M + end]`` bool, False at memory entries and window slots that are padding (None: no padding)."""
-    if memory_keep is None and window_keep is None:
-        return None
-    batch = (memory_keep if memory_keep is not None else window_keep).shape[0]
-    memory = memory_keep if memory_keep is not None else torch.ones(batch, memory_length, dtype=torch.bool)
-    window = window_keep if window_keep is not None else torch.ones(batch, end, dtype=torch.bool)
-    return torch.cat([memory.cpu(), window.cpu()], dim=1)
+    return padding_keep((memory_keep, memory_length), (window_keep, end))
 
 
 def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: int,

@@ -31,7 +31,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 # longpeft-inline-begin
 from ...rope import apply_rotary
 from .cache import BeaconCache, BeaconStep
-from .layout import BeaconSettings, attention_mask_for, choose_ratio, key_keep, step_visibility, window_layout
+from .layout import (
+    BeaconSettings,
+    attention_mask_for,
+    choose_ratio,
+    key_keep,
+    padding_keep,
+    step_visibility,
+    window_layout,
+)
 
 # longpeft-inline-end
 
@@ -50,13 +58,11 @@ def _extend_window_keep(state, keep_raw: torch.Tensor | None, raw_rows: torch.Te
     ``keep_raw [batch, n_raw]`` is the new raw tokens' mask (None: none is padding), ``raw_rows`` their
     slots within the step.
     """
-    start = state.window_slots
-    batch = (keep_raw if keep_raw is not None else state.window_keep).shape[0]
-    keep = torch.ones(batch, end - start, dtype=torch.bool)
+    start, new = state.window_slots, None
     if keep_raw is not None:
-        keep[:, raw_rows.cpu()] = keep_raw
-    previous = state.window_keep if state.window_keep is not None else torch.ones(batch, start, dtype=torch.bool)
-    state.window_keep = torch.cat([previous, keep], dim=1)
+        new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
+        new[:, raw_rows.cpu()] = keep_raw
+    state.window_keep = padding_keep((state.window_keep, start), (new, end - start))
 
 
 def _rotate_with(rotary: torch.nn.Module) -> Any:
@@ -163,8 +169,7 @@ def beacon_backbone_forward(
         raw_embeds = (inputs_embeds[:, done : done + take] if inputs_embeds is not None
                       else self.embed_tokens(input_ids[:, done : done + take]))
         step_embeds = beacon_row.expand(batch, end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
-        if keep_new is not None or state.window_keep is not None:
-            _extend_window_keep(state, None if keep_new is None else keep_new[:, done : done + take], raw_rows, end)
+        _extend_window_keep(state, None if keep_new is None else keep_new[:, done : done + take], raw_rows, end)
         keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
         visible = step_visibility(layout, state.memory_length, start, end, keys)
         mask = attention_mask_for(visible, keys, implementation, dtype, weight.device)
