@@ -67,18 +67,23 @@ def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     return slots, positions, mask
 
 
-def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int) -> torch.Tensor:
-    """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window."""
+def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, pad: int = 0) -> torch.Tensor:
+    """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window; the first ``pad`` tokens
+    are left padding: no query reads them (in their window, or later as sink memory), each still reads itself."""
     config, backbone = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d, theta = config.head_dim, config.rope_parameters["rope_theta"]
     memory_k = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
     memory_v = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
+    memory_keep = torch.zeros(0, dtype=torch.bool)  # False at memory entries that are padding
     logits = []
     for w, begin in enumerate(range(0, ids.numel(), WINDOW)):
         chunk = ids[begin : begin + WINDOW]
         m = memory_k[0].shape[1]
         slots, positions, mask = window_rules(attn, pos, ratio, chunk.numel(), m)
+        slot_keep = torch.tensor([kind == "beacon" or begin + i >= pad for kind, i in slots])
+        mask = mask & torch.cat([memory_keep, slot_keep])[None]
+        mask[torch.arange(len(slots)), m + torch.arange(len(slots))] = True
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
         x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw" else backbone.beacon_embed_tokens.weight[0]
                          for kind, i in slots])
@@ -116,6 +121,10 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int) 
                 beacon_keys = rope(pre_rope_beacon_keys[layer_index], list(range(start, start + len(beacon_rows))), theta)
                 memory_k[layer_index] = torch.cat([memory_k[layer_index], k[:, sink_rows], beacon_keys], dim=1)
                 memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, sink_rows], v[:, beacon_rows]], dim=1)
+        if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
+            raw_rows = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
+            kept = (raw_rows[:SINK] if w == 0 else []) + beacon_rows
+            memory_keep = torch.cat([memory_keep, slot_keep[kept]])
         raw = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
         logits.append(linear(rms(x[raw], backbone.norm), model.lm_head))
     return torch.cat(logits)
@@ -136,3 +145,22 @@ def test_compressed_forward_equals_the_dense_reference(length, attn, pos, ratio)
         expected = reference_logits(model, ids, attn, pos, ratio)
         actual = model(ids[None]).logits[0]
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [3, 9])  # padding inside the first window (the sink is padding); over a whole window
+@pytest.mark.parametrize("attn,pos,ratio", [("full-coverage", "interleave", 2), ("step-expansion", "append", 4)])
+def test_a_left_padded_batch_equals_the_dense_reference_with_padding_masked(pad, attn, pos, ratio):
+    """Rows share one window layout; padding keys (in a window, and the sink once it is memory) are never read."""
+    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
+    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=SINK, params=["q", "k", "v", "o"])
+    apply_beacon(model, settings.settings())
+    ids = torch.randint(3, 512, (2, 16 + 5), generator=torch.Generator().manual_seed(pad))
+    ids[0, :pad] = 0
+    attention_mask = torch.ones_like(ids)
+    attention_mask[0, :pad] = 0
+    with torch.no_grad():
+        actual = model(ids, attention_mask=attention_mask).logits
+        padded = reference_logits(model, ids[0], attn, pos, ratio, pad=pad)
+        full = reference_logits(model, ids[1], attn, pos, ratio)
+    torch.testing.assert_close(actual[0, pad:], padded[pad:], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(actual[1], full, atol=2e-5, rtol=1e-5)
