@@ -144,5 +144,5 @@ def test_beacon_weights_are_saved_from_a_gathered_state_dict(tiny_base_dirs, tmp
         torch.testing.assert_close(saved[f"model.{name}"], parameter.detach() + 1, atol=0, rtol=0)
     some = next(iter(own.values()))
     some.data = torch.empty(0)  # what a ZeRO-3 process holds of a parameter
-    with pytest.raises(ValueError, match="sharded across processes.*stage3_gather_16bit_weights_on_model_save"):
+    with pytest.raises(ValueError, match="sharded across processes.*stage3_gather_16bit_weights_on_model_save.*fsdp2 or ddp"):
         save_beacon_weights(model, tmp_path / "sharded")

@@ -165,8 +165,9 @@ def gathered_tensors(
             tensor = state_dict[qualified[id(parameter)]]
         if tensor.numel() == 0 or isinstance(tensor, DTensor):
             raise ValueError(
-                f"{name} is sharded across processes and the gathered state dict lacks it; save from the "
-                "gathered weights (DeepSpeed ZeRO-3: stage3_gather_16bit_weights_on_model_save: true) or use --launch ddp"
+                f"{name} is sharded across processes and the gathered state dict lacks it (DeepSpeed ZeRO-3 gathers "
+                "nothing without stage3_gather_16bit_weights_on_model_save: true, and only the trainable weights of a "
+                "LoRA run); use --launch fsdp2 or ddp"
             )
         tensors[name] = tensor
     return tensors

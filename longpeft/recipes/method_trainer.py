@@ -55,7 +55,8 @@ def method_checkpoint_trainer(trainer_class: type, spec: ContextSpec, finetune: 
             if finetune == "lora":
                 super()._save(str(folder), state_dict)
             elif self.args.should_save:  # the frozen base is not saved again
-                self.processing_class.save_pretrained(folder)
+                if self.processing_class is not None:
+                    self.processing_class.save_pretrained(folder)
                 torch.save(self.args, os.path.join(folder, TRAINING_ARGS_NAME))
 
         def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
