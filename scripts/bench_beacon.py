@@ -11,6 +11,9 @@ what was held before it (CPU: from torch.profiler's allocation events; CUDA:
 torch.cuda.max_memory_allocated). Peak memory, as in the paper's Table 3, is the model's weights
 plus that; the forward's own memory ratio is printed too.
 
+Decoding is timed too: ``generate`` greedy after the long prompt, the time of ``--new-tokens`` more tokens
+(the run with them minus the run with one), per token, beacon over stock.
+
 The adapter size ratio compares the beacon weights saved with ``projection: lora`` (rank = hidden / 128,
 the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
 ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
@@ -23,6 +26,7 @@ The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import tempfile
@@ -53,6 +57,23 @@ def adapter_bytes(attn: str, device: str, window: int, projection: str) -> int:
         return save_beacon_weights(model, folder).stat().st_size
 
 
+def decode_seconds_per_token(model, prompt: torch.Tensor, new_tokens: int, repeats: int, stock: bool) -> float:
+    """Median seconds per greedy token that ``generate`` decodes after ``prompt`` (the prefill and first token
+    subtracted: a run with ``1 + new_tokens`` tokens minus a run with one)."""
+
+    def generate(n: int):
+        def run():
+            with beacons_disabled(model) if stock else contextlib.nullcontext():
+                model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        return run
+
+    timed(generate(2))  # warm-up
+    one = statistics.median(timed(generate(1)) for _ in range(repeats))
+    more = statistics.median(timed(generate(1 + new_tokens)) for _ in range(repeats))
+    return (more - one) / new_tokens
+
+
 def llama3_8b_lora_over_full(rank: int = 32) -> float:
     """Beacon parameters of Llama-3-8B (hidden 4096, 32 layers, 1024-dim k/v) on q, k, v: lora(rank) over full."""
     hidden, kv, layers = 4096, 1024, 32
@@ -69,6 +90,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -103,6 +125,8 @@ def main() -> int:
         short_mem, long_mem = memory[(variant, "1x")], memory[(variant, long)]
         return (weights + long_mem) / (weights + short_mem), long_mem / short_mem, speed[(variant, long)] / speed[(variant, "1x")]
 
+    decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats, variant == "stock")
+              for variant in ("beacon", "stock")}
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
     print(f"Activation Beacon (window {args.window}, ratio {RATIO}) vs stock, attn={args.attn}, device={args.device}, "
           f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}")
@@ -115,6 +139,8 @@ def main() -> int:
     print(f"{long} over 1x      peak memory   forward memory   throughput")
     print(f"beacon        {beacon[0]:>11.3f} {beacon[1]:>16.3f} {beacon[2]:>12.3f}")
     print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
+    print(f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
+          f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})")
     print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
           f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
     result = {
@@ -130,6 +156,9 @@ def main() -> int:
         "stock_forward_mem_ratio": round(stock[1], 3),
         "throughput_ratio": round(beacon[2], 3),
         "stock_throughput_ratio": round(stock[2], 3),
+        "decode_ms_per_token": round(decode["beacon"] * 1e3, 3),
+        "stock_decode_ms_per_token": round(decode["stock"] * 1e3, 3),
+        "decode_time_ratio": round(decode["beacon"] / decode["stock"], 3),
         "lora_full_size_ratio": round(sizes["lora"] / sizes["full"], 4),
         "llama3_8b_lora_full_size_ratio": round(llama3_8b_lora_over_full(), 4),
     }
