@@ -171,10 +171,41 @@ def test_window_span_is_the_largest_position_the_forward_uses(training, length, 
     assert max(seen) + 1 == window_span(settings, length, model.config.max_position_embeddings, training=training)
 
 
-def test_a_recipe_whose_training_ratios_overflow_the_positions_is_refused():
-    """Inference adapts its ratio to fit; training draws any of ``ratios``, so the smallest one bounds the span."""
-    from longpeft.adapters.beacon.layout import window_span
+def test_training_draws_only_ratios_that_keep_the_input_inside_the_positions():
+    """16K tokens on 4K positions: ratios 2 and 4 would overflow, so training draws 8 (inference adapts to 8 too);
+    only a recipe whose largest ratio overflows spans more than the positions."""
+    from longpeft.adapters.beacon.layout import choose_ratio, fitting_ratios, span_at, window_span
 
     settings = BeaconConfig(window=1024, ratios=[2, 4, 8]).settings()
-    assert window_span(settings, 16384, 4096, training=True) == 14 * 512 + 1024 + 512 > 4096  # the 15th window
+    assert span_at(1024, 0, 2, 16384, training=True) == 14 * 512 + 1024 + 512 > 4096  # the 15th window
+    assert span_at(1024, 0, 4, 16384, training=True) == 14 * 256 + 1024 + 256 > 4096
+    assert fitting_ratios((2, 4, 8), 1024, 0, 4096, 16384, training=True) == (8,)
+    assert fitting_ratios((2, 4, 8), 1024, 0, 4096, 4096, training=True) == (2, 4, 8)
+    assert {choose_ratio((2, 4, 8), "step-random", 1024, 4096, 16384, None, training=True) for _ in range(20)} == {8}
+    assert window_span(settings, 16384, 4096, training=True) == span_at(1024, 0, 8, 16384, True) <= 4096
     assert window_span(settings, 16384, 4096) <= 4096
+    only_two = BeaconConfig(window=1024, ratios=[2, 4]).settings()
+    assert window_span(only_two, 16384, 4096, training=True) == span_at(1024, 0, 4, 16384, True) > 4096
+
+
+@pytest.mark.parametrize("mix", ["step-random", "instance-random"])
+def test_random_ratio_draws_in_training_never_pass_the_positions(mix, monkeypatch):
+    """The positions the beacon forward hands the rotary module over many random draws, at a length where the
+    smallest ratio would overflow (120 tokens, windows of 8, 64 positions: ratio 2 reaches position 64)."""
+    from longpeft.adapters.beacon import apply_beacon, scheduler
+    from longpeft.tiny import tiny_model
+
+    model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=64)
+    apply_beacon(model, BeaconConfig(window=8, ratios=[2, 4, 8], ratio_mix=mix, sink=1).settings())
+    ids = torch.randint(3, 512, (1, 120), generator=torch.Generator().manual_seed(0))
+    seen, drawn = [], []
+    rotary = model.model.rotary_emb
+    real_forward, real_choose = rotary.forward, scheduler.choose_ratio
+    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(scheduler, "choose_ratio", lambda *a, **k: drawn.append(real_choose(*a, **k)) or drawn[-1])
+    model.train()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _ in range(8):
+            model(ids)
+    assert set(drawn) == {4, 8} and max(seen) < 64

@@ -376,3 +376,46 @@ def test_sharded_checkpoints_count_as_complete(tmp_path):
     checkpoint(6, f"{FSDP_MODEL_NAME}_0/__0_0.distcp", f"{OPTIMIZER_NAME}_0/.metadata")  # weights torn
     report: list[str] = []
     assert latest_checkpoint(tmp_path, report) == zero3 and "checkpoint-6 is incomplete" in report[0]
+
+
+# The real shapes of the 8B recipes' bases (config.json values), for the checks made before any weight loads.
+REAL_BASES = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128009,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+    "meta-llama/Llama-2-7b-hf": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+CPU_RECIPES = ["tiny-cpu", "tiny-harpe-cpu", "tiny-beacon-cpu", "toy-extend-cpu"]
+
+
+@pytest.mark.parametrize("name", recipes.bundled_recipes())
+def test_bundled_recipes_pass_the_checks_against_their_base(name, tmp_path):
+    """What `longpeft train NAME` checks before any weight loads (positions spanned, token ids), as shipped, on the
+    recipe's own base: the CPU recipes' tiny and toy bases, the 8B recipes' bases by their real config values."""
+    from transformers import AutoConfig, LlamaConfig
+
+    from longpeft.recipes.runner import base_location, build_spec, check_against_base
+
+    # HARPE's peak-valley search at 128K (34 s on CPU) is tested in test_harpe_selection; the positions are not its.
+    faster = ["harpe.selection=uniform"] if name == "llama2-7b-harpe-128k" else []
+    recipe = load_recipe(name, [f"output_dir={tmp_path}", *faster])
+    base_id = recipe.model.name_or_path
+    if base_id in REAL_BASES:
+        config = LlamaConfig(**REAL_BASES[base_id])
+    else:
+        base_id = base_location(recipe, tmp_path)
+        config = AutoConfig.from_pretrained(base_id)
+    check_against_base(recipe, build_spec(recipe, config, base_id))
+    assert set(REAL_BASES) | {"tiny:llama", "longpeft:toy-base"} >= {recipe.model.name_or_path}
+    assert name in CPU_RECIPES or recipe.model.name_or_path in REAL_BASES
+
+
+@pytest.mark.parametrize("name", CPU_RECIPES)
+def test_cpu_recipes_train_as_shipped(name, tmp_path):
+    """`longpeft train NAME` (README) runs: the shipped recipe, one optimizer step."""
+    result = run(load_recipe(name, [f"output_dir={tmp_path / 'run'}", "train.max_steps=1"]))
+    assert (result.adapter_dir / "longpeft.json").is_file() and result.metrics["steps"] == 1

@@ -154,9 +154,13 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
         problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
+        bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
         problems.append(
-            f"data.max_length={recipe.data.max_length} spans {span} positions, beyond the adapted model's "
-            f"{spec.max_position_embeddings}; raise rope.max_position_embeddings"
+            f"data.max_length={recipe.data.max_length} spans {span} positions"
+            f"{f' even with {recipe.method}' if bounded else ''}, beyond the adapted model's "
+            f"{spec.max_position_embeddings}; "
+            + (f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions" if bounded
+               else "raise rope.max_position_embeddings")
         )
     if problems:
         raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))

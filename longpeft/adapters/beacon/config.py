@@ -30,7 +30,8 @@ class BeaconConfig(StrictModel):
 
     ``window``: raw tokens per window. ``ratios``: condensing ratios a window may get (window / ratio
     beacons; 0 keeps the raw K/V); ``ratio_mix`` picks one per training window (``step-random``,
-    ``instance-random``, ``adapt-N``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
+    ``instance-random``, ``adapt-N``; the random mixes draw among the ratios that keep the input inside
+    the base's positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
     eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio whose reach covers
     the input plus 1024 new tokens). ``attn``: which raw tokens a beacon condenses
     (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons ``interleave``d

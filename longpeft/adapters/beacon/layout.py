@@ -278,8 +278,37 @@ def mix_parameter(mix: str) -> int:
     return int(mix.split("-", 1)[1])
 
 
+def span_at(window: int, sink: int, ratio: int, length: int, training: bool) -> int:
+    """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: over the windows, the
+    memory before a window (sink and the beacons of every earlier window) plus the window's raw tokens and
+    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0."""
+    if not ratio:
+        return length
+    windows = math.ceil(length / window)
+    span = 0
+    for index in range(windows):
+        raw = min(window, length - index * window)
+        beacons = 0 if training and index == windows - 1 else raw // ratio
+        memory = sink + index * (window // ratio) if index else 0
+        span = max(span, memory + raw + beacons)
+    return span
+
+
+def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_positions: int, length: int,
+                   training: bool) -> tuple[int, ...]:
+    """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (the largest ratio when none does).
+
+    The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
+    no more beacons than at the smallest. The authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2:
+    position 10,273 of 8,192), which inference, adapting its ratio to fit, never meets.
+    """
+    fitting = tuple(r for r in ratios if span_at(window, sink, r, length, training) <= max_positions)
+    return fitting or (max(ratios),)
+
+
 def choose_ratio(
-    ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None
+    ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
+    sink: int = 0, training: bool = False,
 ) -> int:
     """The ratio of the next window.
 
@@ -287,6 +316,8 @@ def choose_ratio(
         ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
         length: tokens of the sequence known so far (adapt-N adds N).
         chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
+        sink, training: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
+            the random mixes draw among :func:`fitting_ratios`.
     """
     if len(ratios) == 1:
         return ratios[0]
@@ -294,33 +325,24 @@ def choose_ratio(
         return chosen if chosen is not None else adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
     if mix == "instance-random" and chosen is not None:
         return chosen
-    return ratios[int(torch.randint(len(ratios), ()).item())]
+    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training)
+    return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
-def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int) -> int:
+def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
+               training: bool = False) -> int:
     """The ratio that bounds the positions ``length`` tokens can occupy under ``mix``: the one adapt-N
-    picks, else (random mixes) the smallest candidate, the worst draw."""
+    picks, else (random mixes) the smallest ratio they may draw, the worst draw."""
     if len(ratios) == 1:
         return ratios[0]
     if mix.startswith("adapt-"):
         return adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
-    return min(ratios)
+    return min(fitting_ratios(ratios, window, sink, max_positions, length, training))
 
 
 def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False) -> int:
-    """Positions an input of ``length`` tokens occupies at most: over its windows, the memory before a window
-    (sink and the beacons of every earlier window) plus the window's raw tokens and beacons, at the ratio
-    :func:`span_ratio` bounds them by (the inference ratios and mix, or with ``training`` the training ones,
-    where the window that ends the input has no beacons)."""
+    """Positions an input of ``length`` tokens occupies at most (:func:`span_at`), at the ratio :func:`span_ratio`
+    bounds them by: the inference ratios and mix, or with ``training`` the training ones."""
     ratios, mix = (settings.ratios, settings.ratio_mix) if training else (settings.inference_ratios, settings.inference_ratio_mix)
-    ratio = span_ratio(ratios, mix, settings.window, max_positions, length)
-    if not ratio:
-        return length
-    windows = math.ceil(length / settings.window)
-    span = 0
-    for index in range(windows):
-        raw = min(settings.window, length - index * settings.window)
-        beacons = 0 if training and index == windows - 1 else raw // ratio
-        memory = settings.sink + index * (settings.window // ratio) if index else 0
-        span = max(span, memory + raw + beacons)
-    return span
+    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training)
+    return span_at(settings.window, settings.sink, ratio, length, training)

@@ -94,7 +94,8 @@ def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: Beaco
     else:
         ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
     max_positions = backbone.config.max_position_embeddings
-    ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio)
+    ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
+                         training=backbone.training)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     if backbone.training and last:
