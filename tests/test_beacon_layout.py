@@ -146,16 +146,17 @@ def test_resolved_settings_write_out_what_is_implied():
 
 
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("length", [37, 64])
-def test_window_span_is_the_largest_position_the_forward_uses(training, length, monkeypatch):
+@pytest.mark.parametrize("length,positions", [(37, 256), (64, 256), (120, 64)])
+def test_window_span_is_the_largest_position_the_forward_uses(training, length, positions, monkeypatch):
     """Reference: the positions the beacon forward really hands the rotary module, with every random ratio
-    draw forced to the smallest ratio (the worst case of step-random) in training, adapt-N at inference.
-    37 tokens: the fourth (full) window reaches further than the short last one."""
+    draw forced to the first ratio it may draw (the smallest that fits, the worst case of step-random) in
+    training, adapt-N at inference. 37 tokens: the fourth (full) window reaches further than the short last
+    one; 120 tokens on 64 positions: ratio 2 does not fit, 4 is the worst draw."""
     from longpeft.adapters.beacon import apply_beacon
     from longpeft.adapters.beacon.layout import window_span
     from longpeft.tiny import tiny_model
 
-    model = tiny_model("llama", attn_implementation="sdpa")
+    model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=positions)
     settings = BeaconConfig(window=8, ratios=[2, 4, 8], inference_ratios=[2, 4, 8], inference_ratio_mix="adapt-4",
                             sink=1).settings()
     apply_beacon(model, settings)
@@ -168,7 +169,7 @@ def test_window_span_is_the_largest_position_the_forward_uses(training, length, 
     model.train(training)
     with torch.no_grad():
         model(ids)
-    assert max(seen) + 1 == window_span(settings, length, model.config.max_position_embeddings, training=training)
+    assert max(seen) + 1 == window_span(settings, length, positions, training=training) <= positions
 
 
 def test_training_draws_only_ratios_that_keep_the_input_inside_the_positions():
