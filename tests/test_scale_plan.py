@@ -99,6 +99,10 @@ def test_launch_configs_and_refusals(capsys):
             check_launch(qlora, launch)
     with pytest.raises(ValueError, match="flash-attn"):
         check_context_parallel(qlora)
+    beacon = load_recipe("beacon-llama3-8b-instruct")
+    check_launch(beacon, "zero3")  # finetune: method gathers every beacon weight
+    with pytest.raises(ValueError, match="zero3 with finetune: lora and beacon: .* gathers only the trainable"):
+        check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "fsdp2", "--gpus", "8", "--print-command",
                  "--set", "train.max_steps=10"]) == 0
     command = shlex.split(capsys.readouterr().out)

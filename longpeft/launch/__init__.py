@@ -34,6 +34,16 @@ def check_launch(recipe: Any, launch: str) -> None:
         )
     if launch == "ulysses" and attention == "eager":
         raise ValueError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score matrix)")
+    if launch == "zero3" and recipe.finetune == "lora":
+        from ..adapters import METHODS
+
+        weighted = [name for name in recipe.method_configs() if METHODS[name].save is not None]
+        if weighted:
+            raise ValueError(
+                f"--launch zero3 with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
+                "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "
+                "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
+            )
     if launch == "zero3" and recipe.model.load_in_4bit:
         raise ValueError(
             "--launch zero3 with model.load_in_4bit: DeepSpeed ZeRO-3 cannot partition bitsandbytes 4-bit weights; "
