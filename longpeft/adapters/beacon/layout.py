@@ -281,12 +281,14 @@ def mix_parameter(mix: str) -> int:
 def span_at(window: int, sink: int, ratio: int, length: int, training: bool) -> int:
     """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: over the windows, the
     memory before a window (sink and the beacons of every earlier window) plus the window's raw tokens and
-    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0."""
+    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0. Each full
+    window reaches further than the one before, so only the last full window and the last one can be the
+    furthest (O(1): the random mixes call this at every window start)."""
     if not ratio:
         return length
     windows = math.ceil(length / window)
     span = 0
-    for index in range(windows):
+    for index in range(max(0, windows - 2), windows):
         raw = min(window, length - index * window)
         beacons = 0 if training and index == windows - 1 else raw // ratio
         memory = sink + index * (window // ratio) if index else 0
@@ -300,7 +302,7 @@ def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_position
 
     The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
     no more beacons than at the smallest. The authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2:
-    position 10,273 of 8,192), which inference, adapting its ratio to fit, never meets.
+    position 10,753 of 8,192), which inference, adapting its ratio to fit, never meets.
     """
     fitting = tuple(r for r in ratios if span_at(window, sink, r, length, training) <= max_positions)
     return fitting or (max(ratios),)
