@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
@@ -132,12 +133,36 @@ def test_plan_works_for_every_bundled_recipe(capsys):
                 assert any("--launch fsdp2" in lever for lever in levers), name
 
 
+@pytest.mark.parametrize("settings", [
+    {},  # the paper's: full copies of q, k, v
+    {"params": ["q", "k", "v", "o"]},
+    {"params": ["k", "v"], "projection": "lora", "lora_rank": 4},
+    {"params": ["q", "k", "v", "o"], "projection": "lora", "lora_rank": 3},
+])
+def test_planned_beacon_parameters_are_those_of_a_built_model(settings):
+    """The planner's beacon counts equal the parameters apply_beacon really adds (trainable and frozen)."""
+    from longpeft.adapters.beacon import METHOD, BeaconConfig, apply_beacon, beacon_parameters, trainable_beacon_parameters
+
+    config = BeaconConfig(window=8, ratios=[2], **settings)
+    model = tiny_model("llama")
+    apply_beacon(model, config.settings())
+    every = sum(p.numel() for p in beacon_parameters(model).values())
+    trainable = sum(p.numel() for p in trainable_beacon_parameters(model).values())
+    assert METHOD.planned_parameters(config, _shape(model.config.num_hidden_layers)) == (trainable, every - trainable)
+
+
 def test_beacon_weights_count_in_every_mode_that_trains_them():
-    """Activation Beacon's projections train under finetune: lora too (beside LoRA), as float32 with AdamW."""
-    method = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100")
-    lora = estimate(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), gpu="h100")
+    """Activation Beacon's projections train under finetune: lora and full too, as float32 with AdamW; the last
+    layer's beacon q is held but frozen (4 bytes per parameter)."""
+    plans = {mode: estimate(load_recipe("beacon-llama3-8b-instruct", [f"finetune={mode}"]), gpu="h100")
+             for mode in ("method", "lora", "full")}
     shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
-    q, k, v = (shape.projection_shape(f"{n}_proj") for n in "qkv")
-    beacon_params = shape.layers * sum(i * o for i, o in (q, k, v)) + shape.hidden  # full copies of q, k, v + one row
-    assert method.terms["beacon weights"] == lora.terms["beacon weights"] == beacon_params * 16
-    assert lora.assumptions["trainable_params"] > method.assumptions["trainable_params"] == beacon_params
+    q, k, v = (i * o for i, o in (shape.projection_shape(f"{n}_proj") for n in "qkv"))
+    trainable = shape.layers * (q + k + v) - q + shape.hidden  # full copies of q, k, v + one row; last q frozen
+    assert {plan.terms["beacon weights"] for plan in plans.values()} == {trainable * 16 + q * 4}
+    assert plans["method"].assumptions["trainable_params"] == trainable
+    assert plans["lora"].assumptions["trainable_params"] > trainable
+    full = shape.linear_params + shape.other_params
+    assert plans["full"].assumptions["trainable_params"] == full + trainable
+    tight = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100", gpu_memory_gib=24)
+    assert "beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)" in tight.levers()

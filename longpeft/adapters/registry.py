@@ -73,6 +73,10 @@ class Method:
         model_span: ``model_span(model, length) -> (positions, keys)`` on a model the method is applied to:
             the positions an input of ``length`` tokens occupies and the keys one query reads at most
             (default: ``length`` both). STRING bounds the positions; Activation Beacon both.
+        planned_parameters: ``planned_parameters(config, shape) -> (trainable, frozen)``, the parameter counts
+            of the method's own float32 weights on a base of ``shape`` (a :class:`longpeft.scale.plan.ModelShape`),
+            for ``longpeft plan``: trainable ones cost weight, gradient and AdamW state, frozen ones their weight.
+        plan_lever: what to change in the method's section when its weights are a large memory term.
     """
 
     name: str
@@ -89,6 +93,8 @@ class Method:
     parameters: Callable[[Any], dict[str, Any]] | None = None
     span: Callable[[Any, int, int], int] | None = None
     model_span: Callable[[Any, int], tuple[int, int]] | None = None
+    planned_parameters: Callable[[Any, Any], tuple[int, int]] | None = None
+    plan_lever: str | None = None
 
 
 METHODS: dict[str, Method] = {}

@@ -10,20 +10,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..family import causal_lm_of
+from ..family import backbone_of, causal_lm_of
 from .memory import check_memory
 
 LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp32 logits at a time
-
-
-def _backbone_and_head(model: Any) -> tuple[Any, Any]:
-    """The decoder stack (returns hidden states) and the output embedding of a causal LM (PEFT or not)."""
-    base = causal_lm_of(model)
-    backbone = getattr(base, base.base_model_prefix, None)
-    head = base.get_output_embeddings()
-    if backbone is None or head is None:
-        raise ValueError(f"{type(base).__name__} has no decoder/lm_head pair; is it a causal LM?")
-    return backbone, head
 
 
 def _target_nll(hidden: torch.Tensor, targets: torch.Tensor, head: Any) -> torch.Tensor:
@@ -71,7 +61,9 @@ def sliding_window_perplexity(
     if n_tokens < 2:
         raise ValueError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
     check_memory(model, 1, min(window, n_tokens), logits_tokens=min(LOGIT_CHUNK, window))
-    backbone, head = _backbone_and_head(model)
+    backbone, head = backbone_of(model), causal_lm_of(model).get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(causal_lm_of(model)).__name__} has no output embedding (lm_head); is it a causal LM?")
     device = getattr(model, "device", torch.device("cpu"))
     total_nll, n_scored, scored_until = 0.0, 0, 0
     n_windows = -(-max(n_tokens - window, 0) // stride) + 1

@@ -7,6 +7,8 @@ Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and 
   everything else (embedding, LM head, norms) in the compute dtype; or the whole model in the compute dtype;
 - LoRA: weights, gradients and AdamW's two moments in fp32 (peft keeps adapters in fp32): 16 bytes/param;
 - trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, same 16 bytes/param;
+- a method's own weights (Activation Beacon's projections, in every finetune mode): float32, 16 bytes per
+  trainable parameter and 4 per frozen one, counted by the method's ``planned_parameters`` registry hook;
 - checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
   only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype;
 - one layer's recompute: during its backward one layer's activations exist again: per token the attention
@@ -33,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..adapters import get_method
 from ..builtin_models import model_location
 
 GiB = 1024**3
@@ -136,6 +139,7 @@ class Plan:
     flops_per_token: float
     hours: float
     assumptions: dict[str, Any] = field(default_factory=dict)
+    method_levers: dict[str, str] = field(default_factory=dict)  # {"beacon weights": what to change, ...}
 
     @property
     def peak_bytes(self) -> int:
@@ -163,9 +167,9 @@ class Plan:
             "optimizer state and gradients": f"{shard}, or finetune: lora",
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
             if finetune == "lora" else shard,
-            "beacon weights": "beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
+            **self.method_levers,
         }
         return [f"{term}: {advice[term]}" for term in ranked if term in advice][:3]
 
@@ -175,10 +179,11 @@ class Plan:
         return data
 
     def table(self) -> str:
-        lines = [f"{'term':<28} {'GiB per GPU':>12}"]
-        lines += [f"{term:<28} {value / GiB:>12.2f}" for term, value in self.terms.items()]
+        width = max(map(len, self.terms))
+        lines = [f"{'term':<{width}} {'GiB per GPU':>12}"]
+        lines += [f"{term:<{width}} {value / GiB:>12.2f}" for term, value in self.terms.items()]
         verdict = "fits" if self.fits else "does NOT fit"
-        lines += [f"{'peak':<28} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB)",
+        lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB)",
                   f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token on {self.gpus} GPUs "
                   f"at {self.assumptions['mfu']:.0%} of {self.assumptions['peak_tflops']:g} TFLOP/s = {self.hours:.1f} h"]
         lines += [f"lever: {lever}" for lever in self.levers()]
@@ -230,14 +235,14 @@ def estimate(
         full = shape.linear_params + shape.other_params
         terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
         trainable = full
-    beacon = recipe.method_configs().get("beacon")
-    if beacon is not None and recipe.finetune != "full":  # Activation Beacon's own weights train too (float32, AdamW)
-        beacon = beacon.resolved()
-        shapes = [shape.projection_shape(f"{name}_proj") for name in beacon.params]
-        per_layer = sum(beacon.lora_rank * (i + o) if beacon.projection == "lora" else i * o for i, o in shapes)
-        beacon_params = shape.layers * per_layer + shape.hidden
-        terms["beacon weights"] = beacon_params * 16
-        trainable += beacon_params
+    method_levers = {}
+    for name, config in recipe.method_configs().items():  # a method's own weights (beacon) train in every mode
+        method = get_method(name)
+        if method.planned_parameters is not None:
+            method_trainable, method_frozen = method.planned_parameters(config, shape)
+            terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4  # float32; AdamW on the trainable
+            trainable += method_trainable
+            method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
     kv = shape.kv_heads * shape.head_dim
     if recipe.train.gradient_checkpointing:
         terms["checkpointed layer inputs"] = shape.layers * activation_tokens * shape.hidden * dtype_bytes
@@ -271,6 +276,7 @@ def estimate(
         tokens=tokens,
         flops_per_token=flops_per_token,
         hours=seconds / 3600,
+        method_levers=method_levers,
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "adapter_dtype": "float32 (16 bytes/param with AdamW)", "finetune": recipe.finetune,

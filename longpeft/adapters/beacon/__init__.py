@@ -66,6 +66,20 @@ def _save(model, folder: Path, config: BeaconConfig, state_dict=None) -> None:
     save_beacon_weights(model, folder, state_dict)
 
 
+def planned_parameters(config: BeaconConfig, shape) -> tuple[int, int]:
+    """(trainable, frozen) beacon parameters on a base of ``shape`` (a ``ModelShape``): per layer a copy or a
+    low-rank delta of each projection in ``params``, and one embedding row; the last layer's q and o twins stay
+    frozen (see :func:`trainable_beacon_parameters`). Biases are not counted."""
+    config = config.resolved()
+    per_projection = {}
+    for name in config.params:
+        in_features, out_features = shape.projection_shape(f"{name}_proj")
+        full = config.projection == "full"
+        per_projection[name] = in_features * out_features if full else config.lora_rank * (in_features + out_features)
+    frozen = sum(per_projection.get(name, 0) for name in ("q", "o"))
+    return shape.layers * sum(per_projection.values()) - frozen + shape.hidden, frozen
+
+
 def _span(config: BeaconConfig, length: int, max_positions: int) -> int:
     return window_span(config.settings(), length, max_positions, training=True)  # the recipe's training check
 
@@ -85,6 +99,8 @@ METHOD = Method(
     parameters=trainable_beacon_parameters,
     span=_span,
     model_span=model_span,
+    planned_parameters=planned_parameters,
+    plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
 )
 
 __all__ = [
