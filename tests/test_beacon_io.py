@@ -162,6 +162,19 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
         convert_authors_checkpoint(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
 
 
+@pytest.mark.parametrize(("their_mix", "training", "inference"), [
+    ("adapt-1024", "adapt-1024", "adapt-1024"),
+    ("adapt-16", "adapt-16", "adapt-16"),  # their code reads its one mix at inference too
+    ("step-random", "step-random", "adapt-1024"),  # a random draw at inference would be a coin toss; ours adapts
+    ("instance-random", "instance-random", "adapt-1024"),
+])
+def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training, inference):
+    from longpeft.adapters.beacon.weights import config_from_authors
+
+    config = config_from_authors({"beacon_window": 16, "beacon_ratio": [2, 4, 8], "beacon_ratio_mix": their_mix})
+    assert (config.ratio_mix, config.inference_ratio_mix, config.inference_ratios) == (training, inference, [2, 4, 8])
+
+
 def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny_base_dirs, tmp_path, recwarn):
     from longpeft.adapters import ModelSpan, model_span
     from longpeft.tiny import sample_text

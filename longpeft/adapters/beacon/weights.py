@@ -110,6 +110,7 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         window=window,
         ratios=ratios,
         ratio_mix=mix,
+        inference_ratio_mix=mix if mix.startswith("adapt-") else "adapt-1024",  # their code reads one mix in both modes
         attn=config.get("beacon_attn", "full-coverage"),
         pos=config.get("beacon_pos", "interleave"),
         params=list(config.get("beacon_param", ["q", "k", "v"])),
