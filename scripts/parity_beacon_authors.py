@@ -14,10 +14,17 @@ For each setting (ratio, sink, beacon projections) the authors' side builds a ti
 code, gives every beacon weight random values (so that they differ from the projections they start as), saves it
 as a checkpoint the way their released models are saved (``config.json`` with the ``beacon_*`` fields and one
 safetensors file), and reads token sequences of several lengths (one window to several) in eval mode, keeping
-the mean token loss over the whole sequence and the last window's logits. Our side writes the stock base (the
-same weights without the beacon tensors), converts the checkpoint with ``longpeft convert-beacon``'s function,
-loads it with ``longpeft.load`` and reads the same sequences. It prints the largest differences; the last line is
-one JSON object.
+the mean token loss over the whole sequence and the last window's logits; then it decodes greedily after a prompt,
+and in train mode takes one training step's loss and the gradient of every beacon weight (through the memory of
+earlier windows). Our side writes the stock base (the same weights without the beacon tensors), converts the
+checkpoint with ``longpeft convert-beacon``'s function, loads it with ``longpeft.load`` and does the same. It
+prints the largest differences; the last line is one JSON object.
+
+One training difference is known and emulated here: with any layout but full-coverage + interleave, the authors
+score no token of the first window in training (``modeling_beacon.py``: "skip computing loss in the very first
+window"); we score it (those tokens read no beacon, so it changes only the loss's normalisation, and under
+``finetune: lora`` gives LoRA that window's loss too). For those layouts our side passes labels without the first
+window, so that the comparison checks everything else.
 
 Settings compared (``SETTINGS``): ``attn: full-coverage`` with ``pos: interleave`` (what the released models use)
 and ``append``, ``step-expansion`` with ``append``, sinks, beacon o projections, and the adapt-N ratio choice; one
@@ -105,8 +112,22 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
     with torch.no_grad():
         generated = model.generate(torch.tensor([sequences()[-2]]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    results.append({"tokens": generated.sequences[0].tolist(), "logits": torch.cat(generated.logits).tolist()})
-    (out / "authors.json").write_text(json.dumps(results))
+    decoding = {"tokens": generated.sequences[0].tolist(), "logits": torch.cat(generated.logits).tolist()}
+    from safetensors.torch import save_file
+
+    model.train()  # one training step's loss and beacon gradients (through the memory of earlier windows)
+    training = []
+    for ids in sequences()[-2:]:
+        model.memory.reset()
+        model.zero_grad(set_to_none=True)
+        input_ids = torch.tensor([ids])
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
+                 for name, p in model.named_parameters() if "beacon_" in name}
+        save_file(grads, str(out / f"grads-{len(ids)}.safetensors"))
+        training.append({"length": len(ids), "loss": loss.item()})
+    (out / "authors.json").write_text(json.dumps({"reads": results, "decoding": decoding, "training": training}))
 
 
 def our_side(out: Path, setting: dict) -> list[dict]:
@@ -129,8 +150,8 @@ def our_side(out: Path, setting: dict) -> list[dict]:
     base.save_pretrained(out / "base")
     convert_authors_checkpoint(authors, out / "adapter", out / "base")
     model = longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation="eager").eval()
-    expected = json.loads((out / "authors.json").read_text())
-    generation = expected.pop()
+    authors = json.loads((out / "authors.json").read_text())
+    expected, generation = authors["reads"], authors["decoding"]
     rows = []
     for ids, theirs in zip(sequences(), expected, strict=True):
         input_ids = torch.tensor([ids])
@@ -152,7 +173,46 @@ def our_side(out: Path, setting: dict) -> list[dict]:
     decoding = {"length": f"{prompt.shape[1]} + {NEW_TOKENS} generated",
                 "same_tokens": generated.sequences[0].tolist() == generation["tokens"],
                 "logits_max_abs_diff": float((torch.cat(generated.logits) - torch.tensor(generation["logits"])).abs().max())}
-    return rows, decoding
+    first_window_unscored = (setting["attn"], setting["pos"]) != ("full-coverage", "interleave")
+    return rows, decoding, training_parity(model, out, authors["training"], first_window_unscored)
+
+
+def training_parity(model, out: Path, expected: list[dict], first_window_unscored: bool) -> list[dict]:
+    """One training step on our side: its loss and the gradients of every beacon weight, against the authors'.
+    The weights ours keeps frozen (the last layer's beacon q and o) must get no gradient there either."""
+    import torch
+    from safetensors.torch import load_file
+
+    from longpeft.adapters.beacon import beacon_parameters, trainable_beacon_parameters
+
+    prefix = "model."
+    trainable = trainable_beacon_parameters(model)
+    for parameter in trainable.values():
+        parameter.requires_grad_(True)
+    model.train()
+    rows = []
+    for ids, theirs in zip(sequences()[-2:], expected, strict=True):
+        model.zero_grad(set_to_none=True)
+        input_ids = torch.tensor([ids])
+        labels = input_ids.clone()
+        if first_window_unscored:
+            labels[:, : WINDOW + 1] = -100
+        loss = model(input_ids=input_ids, labels=labels).loss
+        loss.backward()
+        their_grads = load_file(str(out / f"grads-{len(ids)}.safetensors"))
+        diffs, frozen_their_grad = [], 0.0
+        for name, parameter in beacon_parameters(model).items():
+            their = their_grads[prefix + name]
+            if name in trainable:
+                diffs.append(float((parameter.grad - their).abs().max()))
+            else:
+                frozen_their_grad = max(frozen_their_grad, float(their.abs().max()))
+        rows.append({"length": len(ids), "loss_abs_diff": abs(loss.item() - theirs["loss"]),
+                     "grad_max_abs_diff": max(diffs),
+                     "grad_max_abs": max(float(their_grads[prefix + n].abs().max()) for n in trainable),
+                     "frozen_weights_their_grad_max_abs": frozen_their_grad})
+    model.eval()
+    return rows
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -187,7 +247,7 @@ def main() -> int:
                 print(f"the authors' side failed for {setting} (exit {authors.returncode}; its traceback is above); "
                       f"does {args.authors_python} have transformers 4.39?", file=sys.stderr)
                 return 1
-            rows, decoding = our_side(out, setting)
+            rows, decoding, training = our_side(out, setting)
         for row in rows:
             print(f"{setting['attn']}/{setting['pos']} ratios {setting['ratios']} {setting.get('mix', '')} "
                   f"sink {setting['sink']} params {''.join(setting['params'])} "
@@ -196,13 +256,21 @@ def main() -> int:
                   f"over {row['last_window_tokens']} tokens (control, beacons off: {row['control_logits_max_abs_diff']:.2e})")
         print(f"  greedy decoding, {decoding['length']}: same tokens {decoding['same_tokens']}, "
               f"logits max |diff| {decoding['logits_max_abs_diff']:.2e}")
-        report.append({**setting, "rows": rows, "decoding": decoding})
+        for row in training:
+            print(f"  training step, length {row['length']}: loss |diff| {row['loss_abs_diff']:.2e}, beacon gradients "
+                  f"max |diff| {row['grad_max_abs_diff']:.2e} (largest gradient {row['grad_max_abs']:.2e}); their "
+                  f"gradient of the weights we freeze: {row['frozen_weights_their_grad_max_abs']:.1e}")
+        report.append({**setting, "rows": rows, "decoding": decoding, "training": training})
     worst_loss = max(row["loss_abs_diff"] for entry in report for row in entry["rows"])
     worst_logits = max(row["logits_max_abs_diff"] for entry in report for row in entry["rows"])
     worst_decoding = max(entry["decoding"]["logits_max_abs_diff"] for entry in report)
+    training = [row for entry in report for row in entry["training"]]
     print(json.dumps({"bench": "parity_beacon_authors", "settings": report, "loss_max_abs_diff": worst_loss,
                       "logits_max_abs_diff": worst_logits, "decoding_logits_max_abs_diff": worst_decoding,
-                      "decoding_same_tokens": all(entry["decoding"]["same_tokens"] for entry in report)}))
+                      "decoding_same_tokens": all(entry["decoding"]["same_tokens"] for entry in report),
+                      "training_loss_max_abs_diff": max(row["loss_abs_diff"] for row in training),
+                      "training_grad_max_abs_diff": max(row["grad_max_abs_diff"] for row in training),
+                      "frozen_weights_their_grad_max_abs": max(row["frozen_weights_their_grad_max_abs"] for row in training)}))
     return 0
 
 
