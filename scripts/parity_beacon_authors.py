@@ -10,15 +10,15 @@ The authors' model (FlagEmbedding ``research/Long_LLM/activation_beacon/src``: t
         --authors-python /tmp/venv-authors/bin/python \\
         --authors-src FlagEmbedding/research/Long_LLM/activation_beacon/src
 
-For each setting (ratio, sink, beacon projections) the authors' side builds a tiny Llama-shaped model with their
-code, gives every beacon weight random values (so that they differ from the projections they start as), saves it
-as a checkpoint the way their released models are saved (``config.json`` with the ``beacon_*`` fields and one
-safetensors file), and reads token sequences of several lengths (one window to several) in eval mode, keeping
-the mean token loss over the whole sequence and the last window's logits; then it decodes greedily after a prompt,
-and in train mode takes one training step's loss and the gradient of every beacon weight (through the memory of
-earlier windows). Our side writes the stock base (the same weights without the beacon tensors), converts the
-checkpoint with ``longpeft convert-beacon``'s function, loads it with ``longpeft.load`` and does the same. It
-prints the largest differences; the last line is one JSON object.
+For each setting (layout, ratios, sink, beacon projections) the authors' side builds a tiny Llama-shaped model with
+their code, gives every beacon weight random values (so that they differ from the projections they start as), saves
+it as a checkpoint the way their released models are saved (``config.json`` with the ``beacon_*`` fields and one
+safetensors file), and reads token sequences of several lengths (one window to several) in eval mode, keeping the
+mean token loss over the whole sequence and the last window's logits; then it decodes greedily after a prompt, and
+in train mode takes one training step's loss and the gradient of every beacon weight (through the memory of earlier
+windows). Our side writes the stock base (the same weights without the beacon tensors), converts the checkpoint with
+``longpeft convert-beacon``'s function, loads it with ``longpeft.load`` and does the same. It prints the largest
+differences; the last line is one JSON object.
 
 One training difference is known and emulated here: with any layout but full-coverage + interleave, the authors
 score no token of the first window in training (``modeling_beacon.py``: "skip computing loss in the very first
@@ -30,9 +30,9 @@ Settings compared (``SETTINGS``): ``attn: full-coverage`` with ``pos: interleave
 and ``append``, ``step-expansion`` with ``append``, sinks, beacon o projections, and the adapt-N ratio choice; one
 ratio per run otherwise (the authors' step-random draws come from their own generator); float32, eager attention.
 ``segmentation`` is left out: the authors' code raises a TypeError there (``modeling_beacon.py``, the
-``new_full(beacon_size, ...)`` of its segmentation positions), and our positions follow the paper. As a control, our model
-with beacons off (full attention over every raw token) is compared with the authors' logits too: parity must be far
-below that difference for the comparison to mean anything.
+``new_full(beacon_size, ...)`` of its segmentation positions), and our positions follow the paper. As a control, our
+model with beacons off (full attention over every raw token) is compared with the authors' logits too: parity must
+be far below that difference for the comparison to mean anything.
 """
 
 from __future__ import annotations
@@ -130,8 +130,12 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
     (out / "authors.json").write_text(json.dumps({"reads": results, "decoding": decoding, "training": training}))
 
 
-def our_side(out: Path, setting: dict) -> list[dict]:
-    """With longpeft: base folder, conversion, load, the same sequences; differences per length."""
+def our_side(out: Path, setting: dict) -> tuple[list[dict], dict, list[dict]]:
+    """With longpeft: base folder, conversion, load, then the authors' reads, decoding and training step again.
+
+    Returns:
+        (a row per read length, the decoding comparison, a row per training length).
+    """
     import torch
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -139,8 +143,8 @@ def our_side(out: Path, setting: dict) -> list[dict]:
     import longpeft
     from longpeft.adapters.beacon import beacons_disabled, convert_authors_checkpoint
 
-    authors = out / "authors"
-    weights = load_file(str(authors / "model.safetensors"))
+    checkpoint = out / "authors"
+    weights = load_file(str(checkpoint / "model.safetensors"))
     config = LlamaConfig(**SHAPE, max_position_embeddings=setting.get("positions", 512))
     base = LlamaForCausalLM(config)
     stock = {name: tensor for name, tensor in weights.items() if "beacon_" not in name}
@@ -148,7 +152,7 @@ def our_side(out: Path, setting: dict) -> list[dict]:
     if unexpected or [name for name in missing if "rotary" not in name]:
         raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected {unexpected}")
     base.save_pretrained(out / "base")
-    convert_authors_checkpoint(authors, out / "adapter", out / "base")
+    convert_authors_checkpoint(checkpoint, out / "adapter", out / "base")
     model = longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation="eager").eval()
     authors = json.loads((out / "authors.json").read_text())
     expected, generation = authors["reads"], authors["decoding"]

@@ -71,10 +71,10 @@ def planned_parameters(config: BeaconConfig, shape) -> tuple[int, int]:
     low-rank delta of each projection in ``params``, and one embedding row; the last layer's q and o twins stay
     frozen (see :func:`trainable_beacon_parameters`). Biases are not counted."""
     config = config.resolved()
+    full = config.projection == "full"
     per_projection = {}
     for name in config.params:
         in_features, out_features = shape.projection_shape(f"{name}_proj")
-        full = config.projection == "full"
         per_projection[name] = in_features * out_features if full else config.lora_rank * (in_features + out_features)
     frozen = sum(per_projection.get(name, 0) for name in ("q", "o"))
     return shape.layers * sum(per_projection.values()) - frozen + shape.hidden, frozen
