@@ -71,8 +71,11 @@ def sequences(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, VOCAB) for _ in range(length)] for length in LENGTHS]
 
 
-def authors_side(src: Path, out: Path, setting: dict) -> None:
-    """Under transformers 4.39: build, save and run the authors' model; write ``out/authors.json``."""
+def build_authors_model(src: Path, setting: dict, out: Path | None = None, shape: dict | None = None):
+    """Under transformers 4.39: the authors' Llama with Activation Beacon for ``setting`` (keys of ``SETTINGS``, plus
+    an optional ``window``), with random beacon weights (so that they differ from the projections they start as);
+    saved to ``out / "authors"`` as their released models are, when ``out`` is given. ``shape``: LlamaConfig fields
+    (default ``SHAPE``)."""
     import importlib
     import types
 
@@ -85,21 +88,54 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
     modeling = importlib.import_module("authors_beacon.llama.modeling_llama")
     memory_module = importlib.import_module("authors_beacon.modeling_beacon")
 
+    window = setting.get("window", WINDOW)
     config = configuration.LlamaConfig(
-        **SHAPE, max_position_embeddings=setting.get("positions", 512), beacon_window=WINDOW, beacon_stride=WINDOW,
-        beacon_attn=setting["attn"], beacon_pos=setting["pos"], beacon_ratio=setting["ratios"],
+        **(shape or SHAPE), max_position_embeddings=setting.get("positions", 512), beacon_window=window,
+        beacon_stride=window, beacon_attn=setting["attn"], beacon_pos=setting["pos"], beacon_ratio=setting["ratios"],
         beacon_ratio_mix=setting.get("mix", "step-random"), beacon_param=setting["params"], beacon_embed_init="eos",
         beacon_sink_size=setting["sink"], beacon_attend_prev=True, beacon_parallel_window=1, attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = modeling.LlamaForCausalLM(config)
-    with torch.no_grad():  # random beacon weights: parity must not rest on copies of the stock projections
+    with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "beacon_" in name:
                 parameter.normal_(0.0, config.initializer_range * 2)
-    model.save_pretrained(out / "authors", safe_serialization=True)
+    if out is not None:
+        model.save_pretrained(out / "authors", safe_serialization=True)
     config.torch_dtype = torch.float32  # their Memory reads the masks' dtype here (save_pretrained leaves a string)
     model.memory = memory_module.Memory(model_config=config, k_seq_dim=2, v_seq_dim=2)
+    return model
+
+
+def load_converted(out: Path, positions: int, shape: dict | None = None, attn_implementation: str = "eager"):
+    """Our side: the stock base (the authors' checkpoint in ``out / "authors"`` without its beacon tensors) written to
+    ``out / "base"``, the checkpoint converted to ``out / "adapter"``, and both loaded with ``longpeft.load``."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import longpeft
+    from longpeft.adapters.beacon import convert_authors_checkpoint
+
+    checkpoint = out / "authors"
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    base = LlamaForCausalLM(LlamaConfig(**(shape or SHAPE), max_position_embeddings=positions))
+    stock = {name: tensor for name, tensor in weights.items() if "beacon_" not in name}
+    missing, unexpected = base.load_state_dict(stock, strict=False)
+    if unexpected or [name for name in missing if "rotary" not in name]:
+        raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected {unexpected}")
+    base.save_pretrained(out / "base")
+    convert_authors_checkpoint(checkpoint, out / "adapter", out / "base")
+    return longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def authors_side(src: Path, out: Path, setting: dict) -> None:
+    """Under transformers 4.39: build, save and run the authors' model; write ``out/authors.json``."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = build_authors_model(src, setting, out)
     model.eval()
     results = []
     for ids in sequences():
@@ -113,8 +149,6 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
         generated = model.generate(torch.tensor([sequences()[-2]]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                    output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     decoding = {"tokens": generated.sequences[0].tolist(), "logits": torch.cat(generated.logits).tolist()}
-    from safetensors.torch import save_file
-
     model.train()  # one training step's loss and beacon gradients (through the memory of earlier windows)
     training = []
     for ids in sequences()[-2:]:
@@ -137,23 +171,10 @@ def our_side(out: Path, setting: dict) -> tuple[list[dict], dict, list[dict]]:
         (a row per read length, the decoding comparison, a row per training length).
     """
     import torch
-    from safetensors.torch import load_file
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    import longpeft
-    from longpeft.adapters.beacon import beacons_disabled, convert_authors_checkpoint
+    from longpeft.adapters.beacon import beacons_disabled
 
-    checkpoint = out / "authors"
-    weights = load_file(str(checkpoint / "model.safetensors"))
-    config = LlamaConfig(**SHAPE, max_position_embeddings=setting.get("positions", 512))
-    base = LlamaForCausalLM(config)
-    stock = {name: tensor for name, tensor in weights.items() if "beacon_" not in name}
-    missing, unexpected = base.load_state_dict(stock, strict=False)
-    if unexpected or [name for name in missing if "rotary" not in name]:
-        raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected {unexpected}")
-    base.save_pretrained(out / "base")
-    convert_authors_checkpoint(checkpoint, out / "adapter", out / "base")
-    model = longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation="eager").eval()
+    model = load_converted(out, setting.get("positions", 512)).eval()
     authors = json.loads((out / "authors.json").read_text())
     expected, generation = authors["reads"], authors["decoding"]
     rows = []
