@@ -29,11 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parity script beside this one
+from parity_beacon_authors import add_authors_arguments, authors_side_or_error, run_authors_side  # noqa: E402
 
 SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=1024, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1,
@@ -95,7 +97,7 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
 def authors_side(src: Path, out: Path, windows: int, repeats: int, threads: int) -> None:
     import torch
 
-    from parity_beacon_authors import build_authors_model
+    from parity_beacon_authors import build_authors_model  # needs only torch and the authors' code
 
     torch.set_num_threads(threads)
     model = build_authors_model(src, SETTING, out, shape=SHAPE)
@@ -121,38 +123,27 @@ def our_side(out: Path, repeats: int, threads: int) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--authors-python", required=True, help="python of an environment with transformers 4.39")
-    parser.add_argument("--authors-src", type=Path, required=True,
-                        help="the authors' research/Long_LLM/activation_beacon/src folder")
+    add_authors_arguments(parser)
     parser.add_argument("--windows", type=int, default=32, help="input length in windows of 128 tokens")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides")
-    parser.add_argument("--side", choices=["both", "authors"], default="both", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
-    if not (args.authors_src / "modeling_beacon.py").is_file():
-        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src folder",
-              file=sys.stderr)
-        return 2
-    if args.side == "authors":
-        authors_side(args.authors_src.resolve(), args.out, args.windows, args.repeats, args.threads)
-        return 0
+    status = authors_side_or_error(
+        args, lambda: authors_side(args.authors_src.resolve(), args.out, args.windows, args.repeats, args.threads))
+    if status is not None:
+        return status
     import torch
 
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
         torch.manual_seed(0)
         torch.save(torch.randint(3, SHAPE["vocab_size"], (1, WINDOW * args.windows)), out / "input_ids.pt")
-        authors = subprocess.run([args.authors_python, __file__, "--side", "authors", "--authors-python",
-                                  args.authors_python, "--authors-src", str(args.authors_src), "--out", str(out),
-                                  "--windows", str(args.windows), "--repeats", str(args.repeats),
-                                  "--threads", str(args.threads)])
-        if authors.returncode != 0:
-            print(f"the authors' side failed (exit {authors.returncode}; its traceback is above)", file=sys.stderr)
+        if not run_authors_side(__file__, args, out, "--windows", str(args.windows), "--repeats", str(args.repeats),
+                                "--threads", str(args.threads)):
             return 1
         theirs = json.loads((out / "authors-bench.json").read_text())
         ours = our_side(out, args.repeats, args.threads)

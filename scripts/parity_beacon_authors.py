@@ -240,37 +240,57 @@ def training_parity(model, out: Path, expected: list[dict], first_window_unscore
     return rows
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_authors_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a script that runs the authors' side in their environment (this one, bench_beacon_authors)."""
     parser.add_argument("--authors-python", required=True,
                         help="python of an environment with transformers 4.39 (the authors' code needs it; see above)")
     parser.add_argument("--authors-src", type=Path, required=True,
                         help="the authors' research/Long_LLM/activation_beacon/src folder")
     parser.add_argument("--side", choices=["both", "authors"], default="both", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+
+
+def authors_side_or_error(args: argparse.Namespace, authors_side) -> int | None:
+    """The exit status when this process has nothing more to do: 2 (said on stderr) when ``--authors-src`` is not
+    the authors' source folder, 0 once ``authors_side()`` ran (``--side authors``); None on the main side."""
+    if not (args.authors_src / "modeling_beacon.py").is_file():
+        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src folder",
+              file=sys.stderr)
+        return 2
+    if args.side == "authors":
+        authors_side()
+        return 0
+    return None
+
+
+def run_authors_side(script: str, args: argparse.Namespace, out: Path, *options: str) -> bool:
+    """Run ``script --side authors`` with the authors' python (writing into ``out``); False, said on stderr, if it
+    failed."""
+    authors = subprocess.run([args.authors_python, script, "--side", "authors", "--authors-python", args.authors_python,
+                              "--authors-src", str(args.authors_src), "--out", str(out), *options])
+    if authors.returncode != 0:
+        print(f"the authors' side failed (exit {authors.returncode}; its traceback is above); does "
+              f"{args.authors_python} have transformers 4.39?", file=sys.stderr)
+    return authors.returncode == 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_authors_arguments(parser)
     parser.add_argument("--setting", type=json.loads, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
-    if not (args.authors_src / "modeling_beacon.py").is_file():
-        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src folder",
-              file=sys.stderr)
-        return 2
-    if args.side == "authors":
-        authors_side(args.authors_src.resolve(), args.out, args.setting)
-        return 0
+    status = authors_side_or_error(args, lambda: authors_side(args.authors_src.resolve(), args.out, args.setting))
+    if status is not None:
+        return status
     report = []
     for setting in SETTINGS:
         with tempfile.TemporaryDirectory() as folder:
             out = Path(folder)
-            authors = subprocess.run([args.authors_python, __file__, "--side", "authors", "--authors-python",
-                                      args.authors_python, "--authors-src", str(args.authors_src), "--out", str(out),
-                                      "--setting", json.dumps(setting)])
-            if authors.returncode != 0:
-                print(f"the authors' side failed for {setting} (exit {authors.returncode}; its traceback is above); "
-                      f"does {args.authors_python} have transformers 4.39?", file=sys.stderr)
+            if not run_authors_side(__file__, args, out, "--setting", json.dumps(setting)):
                 return 1
             rows, decoding, training = our_side(out, setting)
         for row in rows:
