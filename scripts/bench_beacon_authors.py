@@ -18,10 +18,12 @@ q/k/v beacon projections. The input: ``--windows`` windows of random tokens (def
 - training step: train mode, loss over every token, backward to the beacon weights (the base frozen on both
   sides), through the memory of earlier windows. Ours runs all windows in one forward; theirs one forward per
   window.
+- decode per token: greedy ``generate`` of 33 new tokens after the prompt; the time from the first new token's
+  scores to the last one's (stamped by a logits processor), per token; time only.
 
-Time is the median of ``--repeats`` runs after one warm-up, on ``--threads`` CPU threads; memory is the peak
-tensor memory above what was held before the call (torch.profiler's allocation events on CPU). Ratios are ours over
-the authors' (below 1: ours is faster or leaner); the last line is one JSON object with them.
+Time is the median of ``--repeats`` runs (default 5) after one warm-up, on ``--threads`` CPU threads; memory is the
+peak tensor memory above what was held before the call (torch.profiler's allocation events on CPU). Ratios are ours
+over the authors' (below 1: ours is faster or leaner); the last line is one JSON object with them.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_a
              num_key_value_heads=2, vocab_size=1024, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1,
              eos_token_id=2, pad_token_id=None, tie_word_embeddings=False, attention_bias=False)
 WINDOW, RATIO, POSITIONS = 128, 8, 2048
+NEW_TOKENS = 32  # decoding: the time from the first new token to the last of 1 + NEW_TOKENS, per token
 SETTING = {"attn": "full-coverage", "pos": "interleave", "ratios": [RATIO], "sink": 0, "params": ["q", "k", "v"],
            "window": WINDOW, "positions": POSITIONS}
 
@@ -75,8 +78,10 @@ def freeze_all_but_beacons(model, trainable_names) -> None:
 
 
 def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool = False) -> dict:
-    """Prefill and training-step measurements of one side (``reset()`` before each call clears the authors'
-    memory; ours keeps none between calls)."""
+    """Prefill, training-step and decoding measurements of one side (``reset()`` before each call clears the
+    authors' memory; ours keeps none between calls)."""
+    import torch
+
     reset = reset or (lambda: None)
 
     def prefill():
@@ -91,7 +96,26 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
         model.zero_grad(set_to_none=True)
         model(input_ids=input_ids, labels=input_ids).loss.backward()
 
-    return {"prefill": measure(prefill, repeats, grad=False), "training step": measure(train_step, repeats, grad=True)}
+    def decode_seconds_per_token() -> float:
+        """Greedy ``generate`` after the prompt; the time between the first and the last new token's scores, per
+        token (the prefill is outside it)."""
+        stamps = []
+
+        def stamp(input_ids, scores):  # a logits processor: called once per new token, after its forward
+            stamps.append(time.perf_counter())
+            return scores
+
+        reset()
+        model.eval()
+        with torch.no_grad():
+            model.generate(input_ids, max_new_tokens=1 + NEW_TOKENS, min_new_tokens=1 + NEW_TOKENS, do_sample=False,
+                           pad_token_id=0, logits_processor=[stamp])
+        return (stamps[-1] - stamps[0]) / NEW_TOKENS
+
+    decode_seconds_per_token()  # warm-up
+    per_token = statistics.median(decode_seconds_per_token() for _ in range(repeats))
+    return {"prefill": measure(prefill, repeats, grad=False), "training step": measure(train_step, repeats, grad=True),
+            "decode per token": {"seconds": per_token}}
 
 
 def authors_side(src: Path, out: Path, windows: int, repeats: int, threads: int) -> None:
@@ -125,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_authors_arguments(parser)
     parser.add_argument("--windows", type=int, default=32, help="input length in windows of 128 tokens")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides")
     return parser.parse_args(argv)
 
@@ -148,16 +172,19 @@ def main() -> int:
         theirs = json.loads((out / "authors-bench.json").read_text())
         ours = our_side(out, args.repeats, args.threads)
     print(f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), {args.threads} thread(s)")
-    print(f"{'':<15} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
+    print(f"{'':<16} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
           f"{'memory ratio':>13}")
     ratios = {}
-    for task in ("prefill", "training step"):
+    for task in ("prefill", "training step", "decode per token"):
         o, a = ours[task], theirs[task]
-        time_ratio, memory_ratio = o["seconds"] / a["seconds"], o["peak_bytes"] / a["peak_bytes"]
         key = task.replace(" ", "_")
-        ratios[f"{key}_time_ratio"], ratios[f"{key}_peak_mem_ratio"] = time_ratio, memory_ratio
-        print(f"{task:<15} {o['seconds']:>9.3f} {a['seconds']:>10.3f} {time_ratio:>11.2f} "
-              f"{o['peak_bytes'] / 2**20:>9.1f} {a['peak_bytes'] / 2**20:>12.1f} {memory_ratio:>13.2f}")
+        ratios[f"{key}_time_ratio"] = o["seconds"] / a["seconds"]
+        line = f"{task:<16} {o['seconds']:>9.3f} {a['seconds']:>10.3f} {ratios[f'{key}_time_ratio']:>11.2f}"
+        if "peak_bytes" in o:
+            ratios[f"{key}_peak_mem_ratio"] = o["peak_bytes"] / a["peak_bytes"]
+            line += (f" {o['peak_bytes'] / 2**20:>9.1f} {a['peak_bytes'] / 2**20:>12.1f} "
+                     f"{ratios[f'{key}_peak_mem_ratio']:>13.2f}")
+        print(line)
     print(json.dumps({"bench": "beacon_authors", "tokens": WINDOW * args.windows, "threads": args.threads,
                       "ours": ours, "authors": theirs, **ratios}))
     return 0
