@@ -37,7 +37,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the parity script beside this one
-from parity_beacon_authors import add_authors_arguments, authors_side_or_error, run_authors_side  # noqa: E402
+from parity_beacon_authors import (  # noqa: E402
+    add_authors_arguments,
+    authors_side_or_error,
+    build_authors_model,
+    load_converted,
+    run_authors_side,
+)
 
 SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=1024, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1,
@@ -73,6 +79,7 @@ def measure(run, repeats: int, grad: bool) -> dict:
 
 
 def freeze_all_but_beacons(model, trainable_names) -> None:
+    """Only the named (beacon) parameters train, on both sides alike."""
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name in trainable_names)
 
@@ -101,7 +108,7 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
         token (the prefill is outside it)."""
         stamps = []
 
-        def stamp(input_ids, scores):  # a logits processor: called once per new token, after its forward
+        def stamp(_ids, scores):  # a logits processor: called once per new token, after its forward
             stamps.append(time.perf_counter())
             return scores
 
@@ -118,10 +125,9 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
             "decode per token": {"seconds": per_token}}
 
 
-def authors_side(src: Path, out: Path, windows: int, repeats: int, threads: int) -> None:
+def authors_side(src: Path, out: Path, repeats: int, threads: int) -> None:
+    """Under transformers 4.39: the authors' model on the saved input; writes ``out/authors-bench.json``."""
     import torch
-
-    from parity_beacon_authors import build_authors_model  # needs only torch and the authors' code
 
     torch.set_num_threads(threads)
     model = build_authors_model(src, SETTING, out, shape=SHAPE)
@@ -133,10 +139,10 @@ def authors_side(src: Path, out: Path, windows: int, repeats: int, threads: int)
 
 
 def our_side(out: Path, repeats: int, threads: int) -> dict:
+    """longpeft: the converted checkpoint on the same input, measured as the authors' side was."""
     import torch
 
     from longpeft.adapters.beacon import trainable_beacon_parameters
-    from parity_beacon_authors import load_converted
 
     torch.set_num_threads(threads)
     model = load_converted(out, POSITIONS, shape=SHAPE)
@@ -157,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     status = authors_side_or_error(
-        args, lambda: authors_side(args.authors_src.resolve(), args.out, args.windows, args.repeats, args.threads))
+        args, lambda: authors_side(args.authors_src.resolve(), args.out, args.repeats, args.threads))
     if status is not None:
         return status
     import torch
@@ -166,8 +172,7 @@ def main() -> int:
         out = Path(folder)
         torch.manual_seed(0)
         torch.save(torch.randint(3, SHAPE["vocab_size"], (1, WINDOW * args.windows)), out / "input_ids.pt")
-        if not run_authors_side(__file__, args, out, "--windows", str(args.windows), "--repeats", str(args.repeats),
-                                "--threads", str(args.threads)):
+        if not run_authors_side(__file__, args, out, "--repeats", str(args.repeats), "--threads", str(args.threads)):
             return 1
         theirs = json.loads((out / "authors-bench.json").read_text())
         ours = our_side(out, args.repeats, args.threads)
