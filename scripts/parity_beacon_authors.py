@@ -20,11 +20,9 @@ windows). Our side writes the stock base (the same weights without the beacon te
 ``longpeft convert-beacon``'s function, loads it with ``longpeft.load`` and does the same. It prints the largest
 differences; the last line is one JSON object.
 
-One training difference is known and emulated here: with any layout but full-coverage + interleave, the authors
-score no token of the first window in training (``modeling_beacon.py``: "skip computing loss in the very first
-window"); we score it (those tokens read no beacon, so it changes only the loss's normalisation, and under
-``finetune: lora`` gives LoRA that window's loss too). For those layouts our side passes labels without the first
-window, so that the comparison checks everything else.
+In training, with any layout but full-coverage + interleave, the authors score no token of the first window
+(``modeling_beacon.py``: "skip computing loss in the very first window"); so does longpeft's runner (the beacon
+method's ``training_labels`` rule, applied to every batch), and our side here applies the same rule to its labels.
 
 Settings compared (``SETTINGS``): ``attn: full-coverage`` with ``pos: interleave`` (what the released models use)
 and ``append``, ``step-expansion`` with ``append``, sinks, beacon o projections, and the adapt-N ratio choice; one
@@ -198,17 +196,19 @@ def our_side(out: Path, setting: dict) -> tuple[list[dict], dict, list[dict]]:
     decoding = {"length": f"{prompt.shape[1]} + {NEW_TOKENS} generated",
                 "same_tokens": generated.sequences[0].tolist() == generation["tokens"],
                 "logits_max_abs_diff": float((torch.cat(generated.logits) - torch.tensor(generation["logits"])).abs().max())}
-    first_window_unscored = (setting["attn"], setting["pos"]) != ("full-coverage", "interleave")
-    return rows, decoding, training_parity(model, out, authors["training"], first_window_unscored)
+    return rows, decoding, training_parity(model, out, authors["training"])
 
 
-def training_parity(model, out: Path, expected: list[dict], first_window_unscored: bool) -> list[dict]:
+def training_parity(model, out: Path, expected: list[dict]) -> list[dict]:
     """One training step on our side: its loss and the gradients of every beacon weight, against the authors'.
     The weights ours keeps frozen (the last layer's beacon q and o) must get no gradient there either."""
     import torch
     from safetensors.torch import load_file
 
-    from longpeft.adapters.beacon import beacon_parameters, trainable_beacon_parameters
+    from longpeft.adapters import config_of
+    from longpeft.adapters.beacon import METHOD, beacon_parameters, trainable_beacon_parameters
+
+    config = config_of("beacon", model.longpeft_spec.methods["beacon"])
 
     prefix = "model."
     trainable = trainable_beacon_parameters(model)
@@ -219,9 +219,7 @@ def training_parity(model, out: Path, expected: list[dict], first_window_unscore
     for ids, theirs in zip(sequences()[-2:], expected, strict=True):
         model.zero_grad(set_to_none=True)
         input_ids = torch.tensor([ids])
-        labels = input_ids.clone()
-        if first_window_unscored:
-            labels[:, : WINDOW + 1] = -100
+        labels = METHOD.training_labels(config, input_ids)  # what the runner's collator does to every batch
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         their_grads = load_file(str(out / f"grads-{len(ids)}.safetensors"))

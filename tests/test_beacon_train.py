@@ -70,6 +70,47 @@ def test_training_changes_only_beacon_and_lora_weights_and_the_adapter_reloads(t
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(("attn", "pos", "unscored"), [
+    ("full-coverage", "interleave", False),  # the released layout: its first window's tokens read beacons
+    ("full-coverage", "append", True),
+    ("step-expansion", "append", True),
+    ("step-expansion", "interleave", True),
+    ("segmentation", "append", True),
+])
+def test_training_labels_leave_the_first_window_out_as_the_authors_do(attn, pos, unscored):
+    """Reference: position by position, a target t (label column t, predicted from token t - 1) is left out when
+    t <= window, with every layout but full-coverage + interleave."""
+    from longpeft.adapters.beacon import METHOD, BeaconConfig
+
+    config = BeaconConfig(window=4, ratios=[2], attn=attn, pos=pos, attend_prev=False if attn != "full-coverage" else None)
+    labels = torch.arange(2 * 11).reshape(2, 11)
+    labels[1, 9:] = -100  # padding stays unscored
+    expected = labels.clone()
+    for row in range(2):
+        for t in range(11):
+            if unscored and t <= 4:
+                expected[row, t] = -100
+    assert torch.equal(METHOD.training_labels(config, labels), expected)
+    assert labels[0, 1] == 1  # the caller's batch is not changed in place
+
+
+def test_the_runner_applies_the_rule_to_every_training_batch(tiny_base_dirs, chat_jsonl, tmp_path):
+    from longpeft.recipes.runner import MethodTrainingLabels
+
+    base = tiny_base_dirs("llama")
+    prepared = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "run", "beacon.attn=step-expansion",
+                                     "beacon.pos=append", "train.assistant_only_loss=false"))  # prompts scored too
+    collator = prepared.trainer.data_collator
+    assert isinstance(collator, MethodTrainingLabels)
+    features = [prepared.trainer.train_dataset[i] for i in range(2)]
+    batch, plain = collator(features), collator.collator(features)
+    assert (batch["labels"][:, : 16 + 1] == -100).all()
+    assert torch.equal(batch["labels"][:, 17:], plain["labels"][:, 17:]) and (plain["labels"][:, :17] != -100).any()
+    released = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "released", "train.assistant_only_loss=false"))
+    collator = released.trainer.data_collator  # full-coverage + interleave: every target stays
+    assert torch.equal(collator(features)["labels"], collator.collator(features)["labels"])
+
+
 def test_beacon_recipes_validate_and_refuse_what_cannot_train():
     recipe = load_recipe("beacon-llama3-8b-instruct")
     beacon = recipe.beacon.resolved()

@@ -77,6 +77,9 @@ class Method:
             of the method's own float32 weights on a base of ``shape`` (a :class:`longpeft.scale.plan.ModelShape`),
             for ``longpeft plan``: trainable ones cost weight, gradient and AdamW state, frozen ones their weight.
         plan_lever: what to change in the method's section when its weights are a large memory term.
+        training_labels: ``training_labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]``
+            (unshifted, -100 = not scored): the labels with those the method leaves out of the training loss set to
+            -100 (Activation Beacon, as its authors: the first window, unless full-coverage + interleave).
     """
 
     name: str
@@ -95,6 +98,7 @@ class Method:
     model_span: Callable[[Any, int], tuple[int, int]] | None = None
     planned_parameters: Callable[[Any, Any], tuple[int, int]] | None = None
     plan_lever: str | None = None
+    training_labels: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
 
 METHODS: dict[str, Method] = {}

@@ -407,6 +407,29 @@ def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokeni
     )
 
 
+class MethodTrainingLabels:
+    """A data collator's batches with each method's ``training_labels`` rule applied to their labels (Activation
+    Beacon leaves the first window out of the training loss with some layouts, as its authors do)."""
+
+    def __init__(self, collator: Any, rules: list[tuple[Any, Any]]) -> None:
+        self.collator = collator
+        self.rules = rules  # [(Method, config)]
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.collator(features)
+        for method, config in self.rules:
+            batch["labels"] = method.training_labels(config, batch["labels"])
+        return batch
+
+
+def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
+    """Wrap ``trainer.data_collator`` (the recipe's, or the one TRL built) in :class:`MethodTrainingLabels` when a
+    method of ``spec`` has a ``training_labels`` rule."""
+    rules = [(method, config) for method, config in spec_methods(spec) if method.training_labels is not None]
+    if rules:
+        trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
+
+
 class MetricsLogger(TrainerCallback):
     """Appends every Trainer log (loss, lr, grad norm, ...) to ``metrics.jsonl``, one line per step."""
 
@@ -482,6 +505,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     )
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
+    with_method_labels(trainer, spec)
     check_distributed_type(trainer.accelerator.distributed_type)
     resolved = {
         "recipe": recipe.model_dump(),

@@ -80,6 +80,17 @@ def planned_parameters(config: BeaconConfig, shape) -> tuple[int, int]:
     return shape.layers * sum(per_projection.values()) - frozen + shape.hidden, frozen
 
 
+def training_labels(config: BeaconConfig, labels):
+    """``labels [batch, seq]`` without the first window's targets (tokens 1..window), as the authors train every
+    layout but full-coverage + interleave: there the first window's tokens read no beacon, so they teach the beacons
+    nothing (``modeling_beacon.py``: "skip computing loss in the very first window")."""
+    if (config.attn, config.pos) == ("full-coverage", "interleave"):
+        return labels
+    labels = labels.clone()
+    labels[:, : config.window + 1] = -100
+    return labels
+
+
 def _span(config: BeaconConfig, length: int, max_positions: int) -> int:
     return window_span(config.settings(), length, max_positions, training=True)  # the recipe's training check
 
@@ -101,6 +112,7 @@ METHOD = Method(
     model_span=model_span,
     planned_parameters=planned_parameters,
     plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
+    training_labels=training_labels,
 )
 
 __all__ = [
