@@ -160,8 +160,30 @@ def test_trl_section_is_validated():
     assert load_recipe("tiny-cpu", ["trl.logging_first_step=true"]).trl == {"logging_first_step": True}
     with pytest.raises(RecipeError, match="trl.not_an_argument: not an argument of trl.SFTConfig"):
         load_recipe("tiny-cpu", ["trl.not_an_argument=1"])
-    with pytest.raises(RecipeError, match="trl.learning_rate: set by the recipe's train.learning_rate"):
+    with pytest.raises(RecipeError, match="trl.learning_rate is set by longpeft: use train.learning_rate"):
         load_recipe("tiny-cpu", ["trl.learning_rate=1e-4"])
+
+
+@pytest.mark.parametrize("key", ["packing", "save_strategy", "dataloader_num_workers", "disable_tqdm",
+                                 "activation_checkpointing", "save_only_model"])
+def test_trl_keys_longpeft_sets_or_needs_are_refused_when_the_recipe_is_read(key):
+    with pytest.raises(RecipeError, match=f"trl.{key} is set by longpeft: "):
+        load_recipe("tiny-cpu", [f"trl.{key}=true"])
+
+
+@pytest.mark.parametrize("recipe", ["tiny-cpu", "tiny-beacon-cpu"])
+def test_every_sft_argument_longpeft_sets_is_refused_in_the_trl_section(recipe, tmp_path):
+    """The refusal list covers what the runner passes (a trl key among them would crash SFTConfig with a bare
+    TypeError); the UtK variant adds its dataset arguments."""
+    from longpeft.recipes.runner import sft_arguments
+    from longpeft.recipes.schema import TRL_KEYS_OWNED_BY_RECIPE
+
+    (tmp_path / "docs.jsonl").write_text('{"text": "a document"}\n')
+    utk = [f"data.source={tmp_path / 'docs.jsonl'}", "data.format=text", "data.utk.probability=0.5"]
+    for overrides in ([], utk) if recipe == "tiny-cpu" else ([],):
+        arguments = sft_arguments(load_recipe(recipe, overrides), tmp_path)
+        assert ("dataset_kwargs" in arguments) == bool(overrides)
+        assert set(arguments) <= set(TRL_KEYS_OWNED_BY_RECIPE), set(arguments) - set(TRL_KEYS_OWNED_BY_RECIPE)
 
 
 def test_cli_help_and_recipe_list_import_no_torch():

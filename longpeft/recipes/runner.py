@@ -49,7 +49,7 @@ from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
 from .method_trainer import method_checkpoint_trainer
-from .schema import Recipe
+from .schema import TRL_KEYS_OWNED_BY_RECIPE, Recipe
 
 TINY_PREFIX = "tiny:"
 
@@ -330,12 +330,25 @@ def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
-    """TRL SFTConfig with every optimisation setting of the recipe."""
+    """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (keys longpeft sets
+    itself are refused, naming the recipe setting to use)."""
+    from trl import SFTConfig
+
+    arguments = sft_arguments(recipe, output_dir)
+    clash = sorted(set(arguments) & set(recipe.trl))
+    if clash:
+        raise ValueError(f"recipe {recipe.name}: trl.{clash[0]} is set by longpeft: "
+                         f"{TRL_KEYS_OWNED_BY_RECIPE.get(clash[0], 'remove it from the trl section')}")
+    return SFTConfig(**arguments, **recipe.trl)
+
+
+def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
+    """The SFTConfig arguments longpeft sets from the recipe (each one a key of ``TRL_KEYS_OWNED_BY_RECIPE``)."""
     from trl import SFTConfig
 
     t = recipe.train
     use_cuda = torch.cuda.is_available()
-    return SFTConfig(
+    return dict(
         output_dir=str(output_dir / "checkpoints"),
         learning_rate=t.learning_rate,
         lr_scheduler_type=t.lr_scheduler_type,
@@ -370,7 +383,6 @@ def sft_config(recipe: Recipe, output_dir: Path):
         disable_tqdm=False,
         # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
         **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False} if recipe.data.utk else {}),
-        **recipe.trl,
     )
 
 

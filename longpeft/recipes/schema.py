@@ -182,16 +182,30 @@ class TrainSection(Section):
 
 
 # SFTConfig arguments that the recipe sets from its own sections (give those there instead).
+# SFTConfig arguments longpeft sets itself (runner.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
-    "output_dir": "output_dir", "learning_rate": "train.learning_rate", "lr_scheduler_type": "train.lr_scheduler_type",
-    "warmup_steps": "train.warmup_steps", "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1",
-    "adam_beta2": "train.adam_beta2", "optim": "train.optim", "per_device_train_batch_size": "train.per_device_batch_size",
-    "gradient_accumulation_steps": "train.global_batch_size", "num_train_epochs": "train.num_train_epochs",
-    "max_steps": "train.max_steps", "gradient_checkpointing": "train.gradient_checkpointing",
-    "save_steps": "train.save_steps", "save_total_limit": "train.save_total_limit",
-    "logging_steps": "train.logging_steps", "max_grad_norm": "train.max_grad_norm", "seed": "train.seed",
-    "data_seed": "train.seed", "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
-    "report_to": "train.report_to", "activation_offloading": "train.activation_offloading", "bf16": "model.dtype", "fp16": "model.dtype", "use_cpu": "(automatic)",
+    **{key: f"use {setting}" for key, setting in {
+        "output_dir": "output_dir", "learning_rate": "train.learning_rate",
+        "lr_scheduler_type": "train.lr_scheduler_type", "warmup_steps": "train.warmup_steps",
+        "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
+        "optim": "train.optim", "per_device_train_batch_size": "train.per_device_batch_size",
+        "gradient_accumulation_steps": "train.global_batch_size", "num_train_epochs": "train.num_train_epochs",
+        "max_steps": "train.max_steps", "gradient_checkpointing": "train.gradient_checkpointing",
+        "activation_checkpointing": "train.gradient_checkpointing", "save_steps": "train.save_steps",
+        "save_total_limit": "train.save_total_limit", "logging_steps": "train.logging_steps",
+        "max_grad_norm": "train.max_grad_norm", "seed": "train.seed", "data_seed": "train.seed",
+        "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
+        "report_to": "train.report_to", "activation_offloading": "train.activation_offloading",
+        "bf16": "model.dtype", "fp16": "model.dtype",
+    }.items()},
+    "use_cpu": "it follows the machine (CPU when there is no CUDA)",
+    "save_strategy": "checkpoints are written every train.save_steps steps",
+    "packing": "TRL packing is not supported (data.utk packs its own sequences)",
+    "dataloader_num_workers": "0, since the collators draw from their own generators",
+    "disable_tqdm": "progress bars stay on",
+    "dataset_kwargs": "data.utk prepares its sequences itself",
+    "remove_unused_columns": "data.utk's collator reads doc_lengths",
+    "save_only_model": "checkpoints keep the optimizer state, which --resume needs",
 }
 
 
@@ -204,7 +218,7 @@ def check_trl_keys(trl: dict[str, Any]) -> None:
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
     for key in trl:
         if key in TRL_KEYS_OWNED_BY_RECIPE:
-            raise ValueError(f"trl.{key}: set by the recipe's {TRL_KEYS_OWNED_BY_RECIPE[key]}; give it there")
+            raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
         if key not in fields:
             raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
 
