@@ -419,3 +419,15 @@ def test_cpu_recipes_train_as_shipped(name, tmp_path):
     """`longpeft train NAME` (README) runs: the shipped recipe, one optimizer step."""
     result = run(load_recipe(name, [f"output_dir={tmp_path / 'run'}", "train.max_steps=1"]))
     assert (result.adapter_dir / "longpeft.json").is_file() and result.metrics["steps"] == 1
+
+
+def test_truncation_that_leaves_no_scored_token_says_what_to_do(tiny_base_dirs, chat_jsonl, tmp_path):
+    """data.truncate cuts every conversation before its assistant turn: TRL drops them all; the run stops with
+    longpeft's message, not torch's "num_samples=0"."""
+    base = tiny_base_dirs("llama")
+    recipe = load_recipe("tiny-cpu", [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=32",
+                                      "data.truncate=true", f"output_dir={tmp_path / 'run'}", "lora.r=2"])
+    with pytest.raises(ValueError, match="no training sample has a scored token within data.max_length=32"):
+        prepare(recipe)
+    kept = prepare(tiny_recipe(base, chat_jsonl, tmp_path / "run2")).data_stats
+    assert kept["kept"] == 8 and kept["dropped_without_scored_tokens"] == 0

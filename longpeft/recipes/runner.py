@@ -442,6 +442,20 @@ def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
         trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
 
 
+def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
+    """Count the samples TRL's own preparation dropped (with ``data.truncate``, samples whose every scored token
+    was cut off) into ``data_stats``, and fail with what to do when none is left to train on."""
+    left = len(trainer.train_dataset)
+    data_stats["dropped_without_scored_tokens"] = data_stats["kept"] - left
+    data_stats["kept"] = left
+    if left == 0:
+        raise ValueError(
+            f"recipe {recipe.name}: no training sample has a scored token within data.max_length="
+            f"{recipe.data.max_length} (the assistant turns were cut off, or every label is masked); raise "
+            "data.max_length, use shorter samples, or set train.assistant_only_loss: false"
+        )
+
+
 class MetricsLogger(TrainerCallback):
     """Appends every Trainer log (loss, lr, grad norm, ...) to ``metrics.jsonl``, one line per step."""
 
@@ -518,6 +532,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)
+    check_samples_left(trainer, data_stats, recipe)
     check_distributed_type(trainer.accelerator.distributed_type)
     resolved = {
         "recipe": recipe.model_dump(),
