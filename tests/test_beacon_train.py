@@ -106,6 +106,12 @@ def test_the_runner_applies_the_rule_to_every_training_batch(tiny_base_dirs, cha
     batch, plain = collator(features), collator.collator(features)
     assert (batch["labels"][:, : 16 + 1] == -100).all()
     assert torch.equal(batch["labels"][:, 17:], plain["labels"][:, 17:]) and (plain["labels"][:, :17] != -100).any()
+    assert prepared.data_stats["kept"] == 8 and prepared.data_stats["dropped_without_scored_tokens"] == 0
+    with pytest.raises(ValueError, match="Activation Beacon does not score the first window"):  # every answer in it
+        prepare(beacon_recipe(base, chat_jsonl, tmp_path / "short", "beacon.attn=step-expansion", "beacon.pos=append",
+                              "beacon.window=256", "data.max_length=240"))
+    assert prepare(beacon_recipe(base, chat_jsonl, tmp_path / "short-released", "beacon.window=256",
+                                 "data.max_length=240")).data_stats["kept"] == 8  # the rule, not the data, emptied it
     released = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "released", "train.assistant_only_loss=false"))
     collator = released.trainer.data_collator  # full-coverage + interleave: every target stays
     assert torch.equal(collator(features)["labels"], collator.collator(features)["labels"])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -443,16 +444,26 @@ def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
 
 
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
-    """Count the samples TRL's own preparation dropped (with ``data.truncate``, samples whose every scored token
-    was cut off) into ``data_stats``, and fail with what to do when none is left to train on."""
-    left = len(trainer.train_dataset)
+    """Drop the samples a method's ``training_labels`` rule leaves without a scored target (Activation Beacon's
+    first window can hold a short sample's every answer), count them and those TRL's own preparation dropped (with
+    ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
+    when none is left to train on."""
+    collator, dataset = trainer.data_collator, trainer.train_dataset
+    if isinstance(collator, MethodTrainingLabels):
+        scored = [i for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
+                  if (collator([dataset[i]])["labels"][:, 1:] != -100).any()]
+        if len(scored) < len(dataset):
+            trainer.train_dataset = dataset = dataset.select(scored)
+    left = len(dataset)
     data_stats["dropped_without_scored_tokens"] = data_stats["kept"] - left
     data_stats["kept"] = left
     if left == 0:
         raise ValueError(
             f"recipe {recipe.name}: no training sample has a scored token within data.max_length="
-            f"{recipe.data.max_length} (the assistant turns were cut off, or every label is masked); raise "
-            "data.max_length, use shorter samples, or set train.assistant_only_loss: false"
+            f"{recipe.data.max_length} (the assistant turns were cut off, every label is masked, or a method leaves "
+            "them out: Activation Beacon does not score the first window unless attn: full-coverage with pos: "
+            "interleave); raise data.max_length, use longer samples or a smaller beacon.window, or set "
+            "train.assistant_only_loss: false"
         )
 
 
