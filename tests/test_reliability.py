@@ -129,6 +129,18 @@ def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
     assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
 
 
+def test_resume_with_more_steps_trains_them(finished_run, tmp_path):
+    """A finished 2-step run resumed with train.max_steps=4 (an allowed recipe change) trains steps 3 and 4."""
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    longer = run(_recipe(_base_of(result), data, copy, "train.max_steps=4"), resume=True, allow_recipe_change=True)
+    assert longer.metrics["steps"] == 4
+    assert not _same(_adapter_tensors(copy / "adapter"), _adapter_tensors(result.adapter_dir))
+    logged = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert {3, 4} <= set(logged)
+
+
 # ---- non-finite -------------------------------------------------------------------------------
 
 

@@ -652,7 +652,7 @@ def run(
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
-    if resume and is_finished(checkpoint):
+    if resume and is_finished(checkpoint, recipe.train.max_steps, recipe.train.num_train_epochs):
         # Killed after the last checkpoint (or finished): take its weights, train no further step.
         print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
         from transformers import TrainerState
