@@ -123,3 +123,28 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     spec = ContextSpec.load(result.adapter_dir)
     assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048}
+
+
+def test_a_killed_pose_run_resumes_to_the_uninterrupted_adapter(tiny_base_dirs, chat_jsonl, tmp_path):
+    """Each sample's skips are seeded by its tokens, not by a generator the checkpoint does not keep: the draws
+    after a resume are those of the uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from longpeft.recipes.runner import run
+    from longpeft.recipes.schema import load_recipe
+    from test_recipes import KillAtStep
+
+    def recipe(out):
+        return load_recipe("tiny-cpu", [
+            f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
+            "method=pose", "target_length=2048", "rope.max_position_embeddings=2048", f"output_dir={out}",
+            "train.max_steps=4", "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
+            "lora.r=4", "lora.embeddings=none"])
+
+    straight = run(recipe(tmp_path / "straight"))
+    with pytest.raises(KeyboardInterrupt):
+        run(recipe(tmp_path / "killed"), callbacks=[KillAtStep(3)])
+    resumed = run(recipe(tmp_path / "killed"), resume=True)
+    a = load_file(straight.adapter_dir / "adapter_model.safetensors")
+    b = load_file(resumed.adapter_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)

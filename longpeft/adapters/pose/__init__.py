@@ -22,6 +22,7 @@ a ``position_ids`` column, so PoSE needs this collator of its own.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -99,7 +100,9 @@ class PoseCollator:
         pad_token_id: id used for padding.
         n_chunks: PoSE chunks per sample.
         max_length: training window ``L_c``: longer samples are truncated to it (None: no truncation).
-        seed: seeds the collator's generator (each call draws new skips).
+        seed: with each sample's tokens, seeds that sample's draw (as UtK's collator does), so a resumed run, or
+            another process, draws what an uninterrupted one would; a sample seen again in a later epoch gets the
+            same positions.
     """
 
     def __init__(
@@ -116,7 +119,7 @@ class PoseCollator:
         self.pad_token_id = pad_token_id
         self.n_chunks = n_chunks
         self.max_length = max_length
-        self.rng = np.random.default_rng(seed)
+        self.seed = seed
 
     def _labels(self, feature: dict[str, Any], input_ids: np.ndarray) -> np.ndarray:
         if feature.get("labels") is not None:
@@ -137,7 +140,8 @@ class PoseCollator:
                 input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
                 positions = positions[: self.max_length] if positions is not None else None
             if positions is None:
-                positions = pose_position_ids(len(input_ids), self.target_length, min(self.n_chunks, len(input_ids)), self.rng)
+                rng = np.random.default_rng(zlib.crc32(input_ids.tobytes(), self.seed))
+                positions = pose_position_ids(len(input_ids), self.target_length, min(self.n_chunks, len(input_ids)), rng)
             rows.append((input_ids, labels, np.asarray(positions, dtype=np.int64)))
         width = max(len(r[0]) for r in rows)
         batch_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
