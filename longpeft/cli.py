@@ -83,7 +83,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .hub import export, merge
 
     action = export if args.command == "export" else merge
-    result = action(args.adapter, args.out, base=args.base, dtype=args.dtype, verify=not args.no_verify)
+    result = action(args.adapter, args.out, base=args.base, dtype=args.dtype, verify=not args.no_verify,
+                    without=tuple(args.without))
     print(json.dumps(result, indent=2))
     if result.get("max_abs_logit_diff") is not None:
         print(
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--base", help="base model (default: the one named in longpeft.json)")
         command.add_argument("--dtype", default=default_dtype, choices=["float32", "bfloat16", "float16"])
         command.add_argument("--no-verify", action="store_true", help="skip the logits check against base + adapter")
+        command.add_argument("--without", action="append", default=[], metavar="METHOD",
+                             help="leave out a method a merged model cannot keep (string: it lives in longpeft's "
+                                  "attention patch); repeatable")
         command.set_defaults(func=cmd_merge)
 
     push = sub.add_parser("push", help="share an adapter (or the merged model) on the Hugging Face Hub")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -40,40 +41,72 @@ def merge(
     base: str | Path | None = None,
     dtype: str = "float32",
     verify: bool = True,
+    without: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Merge an adapter into its base and save a standalone model.
 
     The base is loaded unquantized in ``dtype`` (a QLoRA adapter merges into the full-precision
-    base), the ContextSpec is applied, LoRA is merged, and the result is saved with tokenizer,
-    generation config (all eos ids) and ``longpeft.json`` (provenance).
+    base; a base saved quantized is refused), the ContextSpec is applied, LoRA is merged, and the result
+    is saved with tokenizer, generation config (all eos ids) and ``longpeft.json`` (provenance). The folder
+    is written beside ``out_dir`` and renamed to it at the end, so a failure leaves no half-written ``out_dir``.
+
+    Args:
+        without: methods to leave out of the merged model, among those a merge cannot keep (``merge_loses``:
+            STRING); the others are refused, naming what to do.
 
     Returns:
-        ``{"out_dir", "max_abs_logit_diff"}``: the merged model's logits against base + adapter on a
-        fixed probe (None when ``verify`` is off).
+        ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
+        the methods left out removed from both) on a fixed probe (None when ``verify`` is off).
     """
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from .adapters import METHODS
     from .loading import load, local_adapter_dir, resolve_base, tokenizer_source
 
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir)
     spec = ContextSpec.load(adapter_dir)
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
+    unknown = sorted(set(without) - set(spec.methods))
+    if unknown:
+        raise ValueError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
+                         f"{', '.join(spec.methods)})")
+    lost = [name for name in spec.methods if name in METHODS and METHODS[name].merge_loses and name not in without]
+    if lost:
+        name = lost[0]
+        raise ValueError(f"the adapter uses {name}: {METHODS[name].merge_loses}, so a merged model would run without "
+                         f"it. Use the adapter with longpeft.load, or merge with --without {name} (the merged model "
+                         "then runs without it)")
+    quantization = getattr(AutoConfig.from_pretrained(base_name), "quantization_config", None)
+    if quantization:
+        raise ValueError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
+                         "a merge needs the full-precision base; pass it with --base")
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
+    for name in without:
+        METHODS[name].remove(model)
     ids = probe_ids(model.config.vocab_size)
     with torch.no_grad():
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    merged.config.name_or_path = str(out_dir)
-    merged.save_pretrained(out_dir)
-    export_methods(merged, spec, out_dir)
-    AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_name), trust_remote_code=False).save_pretrained(out_dir)
-    if (adapter_dir / "generation_config.json").is_file():
-        GenerationConfig.from_pretrained(adapter_dir).save_pretrained(out_dir)
-    shutil.copy(adapter_dir / SPEC_FILENAME, out_dir / SPEC_FILENAME)
-    _copy_eval_results(adapter_dir, out_dir)
-    return {"out_dir": str(out_dir), "max_abs_logit_diff": diff}
+    kept = dataclasses.replace(spec, methods={name: section for name, section in spec.methods.items() if name not in without})
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        merged.config.name_or_path = str(out_dir)
+        merged.save_pretrained(partial)
+        export_methods(merged, kept, partial)
+        AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_name), trust_remote_code=False).save_pretrained(partial)
+        if (adapter_dir / "generation_config.json").is_file():
+            GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
+        kept.save(partial)
+        _copy_eval_results(adapter_dir, partial)
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty: check_output_folder refused anything else
+        partial.rename(out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
 def check_output_folder(out_dir: Path, protected: dict[str, Path]) -> None:
@@ -95,9 +128,10 @@ def export(
     base: str | Path | None = None,
     dtype: str = "bfloat16",
     verify: bool = True,
+    without: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card."""
-    result = merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify)
+    result = merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without)
     write_model_card(out_dir, ContextSpec.load(out_dir), merged=True, repo_id=str(out_dir))
     return result
 
@@ -216,7 +250,24 @@ def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_i
 # Push
 # ---------------------------------------------------------------------------------------------
 
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", SPEC_FILENAME)
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def check_adapter_files(folder: Path) -> None:
+    """An adapter folder holds longpeft.json and weights: LoRA's two files, or only a method's own weights file
+    (an Activation Beacon adapter trained with ``finetune: method``), or both.
+
+    Raises:
+        FileNotFoundError: naming what is missing.
+    """
+    lora = [name for name in LORA_FILES if (folder / name).is_file()]
+    missing = [name for name in LORA_FILES if name not in lora] if lora else []
+    if not (folder / SPEC_FILENAME).is_file():
+        missing.append(SPEC_FILENAME)
+    if not lora and not any(folder.glob("*.safetensors")):
+        missing.append("weights (adapter_model.safetensors or a method's own *.safetensors)")
+    if missing:
+        raise FileNotFoundError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
 
 
 def stage_upload(
@@ -256,9 +307,7 @@ def stage_upload(
         spec.save(dest)
         write_model_card(dest, spec, merged=True, repo_id=repo_id)
         return dest
-    missing = [name for name in ADAPTER_FILES if not (source / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{source} lacks {missing}; is it an adapter folder written by longpeft train?")
+    check_adapter_files(source)
     dest.mkdir(parents=True, exist_ok=True)
     skip = {"README.md"}
     for item in source.iterdir():
@@ -277,9 +326,10 @@ def _record_base_id(folder: Path, base_id: str) -> None:
     spec.base_model = base_id
     spec.save(folder)
     config_path = folder / "adapter_config.json"
-    config = json.loads(config_path.read_text())
-    config["base_model_name_or_path"] = base_id
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if config_path.is_file():  # an adapter without LoRA (beacon weights only) has none
+        config = json.loads(config_path.read_text())
+        config["base_model_name_or_path"] = base_id
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def push(

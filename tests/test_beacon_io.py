@@ -4,6 +4,7 @@ loaded in a fresh process without longpeft, and the converter from the authors' 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import longpeft
 from longpeft import hub
 from longpeft.adapters.beacon import (
+    WEIGHTS_FILENAME,
     BeaconConfig,
     apply_beacon,
     beacon_parameters,
@@ -192,3 +194,18 @@ def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny
     loaded = longpeft.load(str(base_dir), tmp_path / "adapter")
     # memory grows with length / ratio: 100K tokens at ratio 8 read 1 + 3124 * 4 + 32 + 4 keys at most
     assert model_span(loaded, 600).positions < 256 and model_span(loaded, 100_000) == ModelSpan(12533, 12533, ("beacon",))
+
+
+def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
+    """finetune: method writes no LoRA files, only the beacon weights and longpeft.json: push stages it."""
+    base_dir = tiny_base_dirs("llama")
+    config = beacon_config()
+    write_adapter(trained_beacon_model(base_dir, config), base_dir, config, tmp_path / "adapter")
+    staged = hub.push(tmp_path / "adapter", "someone/tiny-beacon", dry_run=tmp_path / "upload", base_id="owner/base")
+    names = {p.name for p in Path(staged).iterdir()}
+    assert {WEIGHTS_FILENAME, "longpeft.json", "README.md"} <= names and "adapter_config.json" not in names
+    assert json.loads((Path(staged) / "longpeft.json").read_text())["base_model"] == "owner/base"
+    (tmp_path / "empty").mkdir()
+    ContextSpec.from_base(AutoConfig.from_pretrained(base_dir), "beacon").save(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="lacks .*weights"):
+        hub.push(tmp_path / "empty", "someone/x", dry_run=tmp_path / "upload2")

@@ -1,8 +1,10 @@
 """ContextSpec persistence and checks; longpeft.load restores what plain peft loading loses; merge."""
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,3 +170,63 @@ def test_load_refuses_a_whole_fine_tuned_model_instead_of_dropping_its_weights(t
     spec.save(full)
     with pytest.raises(ValueError, match="whole fine-tuned model"):
         longpeft.load(None, full)
+
+
+def _with_string(adapter_dir: Path) -> None:
+    spec = ContextSpec.load(adapter_dir)
+    spec.methods["string"] = {"shift": 16, "local_window": 4, "trained_length": 48, "cos_sin_scale": None}
+    spec.save(adapter_dir)
+
+
+def test_merge_refuses_to_drop_string_silently_and_leaves_it_out_when_told(tiny_base_dirs, tmp_path):
+    """STRING lives in longpeft's attention patch: a merged model would run without it, so merge says so; with
+    --without string the merged model equals base + adapter with STRING off, beyond the shift too."""
+    from longpeft.adapters.string import disable_string
+
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    _with_string(tmp_path / "adapter")
+    with pytest.raises(ValueError, match="uses string: STRING lives in longpeft's attention patch.*--without string"):
+        hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    result = hub.merge(tmp_path / "adapter", tmp_path / "merged", without=("string",))
+    assert result["left_out"] == ["string"] and result["max_abs_logit_diff"] < 1e-4
+    assert "string" not in ContextSpec.load(tmp_path / "merged").methods
+    ids = torch.arange(5, 105)[None]  # 100 tokens: far keys beyond the shift of 16
+    adapter = longpeft.load(None, tmp_path / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        with_string = adapter(ids).logits
+        disable_string(adapter)
+        without_string = adapter(ids).logits
+        assert (merged(ids).logits - without_string).abs().max() < 1e-4
+    assert (with_string - without_string).abs().max() > 1e-3  # STRING was really on in the adapter
+    with pytest.raises(ValueError, match="--without harpe: the adapter has no such method"):
+        hub.merge(tmp_path / "adapter", tmp_path / "other", without=("harpe",))
+
+
+def test_a_failed_merge_leaves_no_half_written_output(tiny_base_dirs, tmp_path, monkeypatch):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hub, "export_methods", broken)
+    with pytest.raises(OSError, match="disk full"):
+        hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists() and not (tmp_path / ".merged.partial").exists()
+    monkeypatch.undo()
+    (tmp_path / "merged").mkdir()  # an empty --out is fine
+    assert hub.merge(tmp_path / "adapter", tmp_path / "merged")["max_abs_logit_diff"] < 1e-4
+
+
+def test_merge_refuses_a_base_saved_quantized(tiny_base_dirs, tmp_path):
+    base = tmp_path / "base-4bit"
+    shutil.copytree(tiny_base_dirs("llama"), base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "float32"}
+    (base / "config.json").write_text(json.dumps(config))
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    with pytest.raises(ValueError, match="is saved quantized .*bitsandbytes.*full-precision base"):
+        hub.merge(tmp_path / "adapter", tmp_path / "merged", base=str(base))
+    assert not (tmp_path / "merged").exists()

@@ -77,6 +77,8 @@ class Method:
             of the method's own float32 weights on a base of ``shape`` (a :class:`longpeft.scale.plan.ModelShape`),
             for ``longpeft plan``: trainable ones cost weight, gradient and AdamW state, frozen ones their weight.
         plan_lever: what to change in the method's section when its weights are a large memory term.
+        merge_loses: why a merged model would run without the method (it lives only in longpeft's runtime
+            patches, as STRING does), or None: merge then refuses unless told to leave it out.
         training_labels: ``training_labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]``
             (unshifted, -100 = not scored): the labels with those the method leaves out of the training loss set to
             -100 (Activation Beacon, as its authors: the first window, unless full-coverage + interleave).
@@ -99,6 +101,7 @@ class Method:
     planned_parameters: Callable[[Any, Any], tuple[int, int]] | None = None
     plan_lever: str | None = None
     training_labels: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    merge_loses: str | None = None
 
 
 METHODS: dict[str, Method] = {}

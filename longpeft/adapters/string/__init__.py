@@ -79,6 +79,7 @@ METHOD = Method(
     resolve=resolve,
     describe=describe,
     model_span=model_span,
+    merge_loses="STRING lives in longpeft's attention patch, not in the weights or config.json",
 )
 
 __all__ = [
