@@ -21,7 +21,9 @@ SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 2
 
 # Base-config fields that an adapter must match exactly (read by _shape_of).
-_SHAPE_FIELDS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")
+# Specs written before num_hidden_layers was recorded lack it; they are not checked on it.
+_SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                 "head_dim", "vocab_size")
 # Format-1 fields that became sections of ``methods`` in format 2.
 _V1_METHOD_FIELDS = ("rope_parameters", "max_position_embeddings", "head_bases", "string", "pose", "beacon")
 _V1_METHOD_NAMES = {"rope_base": "rope"}
@@ -36,6 +38,7 @@ def _shape_of(config: Any) -> dict[str, Any]:
     return {
         "model_type": config.model_type,
         "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
         "num_attention_heads": config.num_attention_heads,
         "num_key_value_heads": num_kv_heads(config),
         "head_dim": head_dim_of(config),
@@ -240,8 +243,8 @@ class ContextSpec:
     def check_base(self, config: Any, base_model: str | None = None, strict_base_id: bool = False) -> None:
         """Fail with :class:`SpecMismatchError` when ``config`` is not the base this spec was made for.
 
-        Compares architecture (when both sides know it), model type, hidden size, heads, KV heads,
-        head dim and vocab size. The base id is
+        Compares architecture (when both sides know it), model type, hidden size, layers (when the spec
+        records them), heads, KV heads, head dim and vocab size. The base id is
         compared when both are known and ``strict_base_id`` is set (a local copy of the same model
         has another path, so by default a differing id is not an error).
         """

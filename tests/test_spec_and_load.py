@@ -70,12 +70,20 @@ def test_spec_roundtrip_and_unknown_field(tmp_path):
         ({"num_attention_heads": 8, "head_dim": 16}, "num_attention_heads"),
         ({"num_key_value_heads": 1}, "num_key_value_heads"),
         ({"vocab_size": 999}, "vocab_size"),
+        ({"num_hidden_layers": 3}, "num_hidden_layers"),  # peft would drop or miss whole layers' LoRA weights
     ],
 )
 def test_spec_mismatch_names_the_field(override, field):
     spec = ContextSpec.from_base(tiny_config("llama"), "rope_base")
     with pytest.raises(SpecMismatchError, match=field):
         spec.check_base(tiny_config("llama", **override))
+
+
+def test_a_spec_without_the_layer_count_still_loads_on_its_base():
+    """Specs written before num_hidden_layers was recorded are not checked on it."""
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base")
+    del spec.base_shape["num_hidden_layers"]
+    spec.check_base(tiny_config("llama", num_hidden_layers=3))
 
 
 def test_spec_mismatch_architecture_and_base_id():
