@@ -238,3 +238,12 @@ def test_merge_refuses_a_base_saved_quantized(tiny_base_dirs, tmp_path):
     with pytest.raises(ValueError, match="is saved quantized .*bitsandbytes.*full-precision base"):
         hub.merge(tmp_path / "adapter", tmp_path / "merged", base=str(base))
     assert not (tmp_path / "merged").exists()
+
+
+def test_a_bad_method_section_names_it(tiny_base_dirs, tmp_path):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    spec = ContextSpec.load(tmp_path / "adapter")
+    spec.methods["rope"]["new_key"] = 1
+    spec.save(tmp_path / "adapter")
+    with pytest.raises(ValueError, match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"):
+        longpeft.load(None, tmp_path / "adapter")

@@ -154,9 +154,21 @@ def model_span(model: Any, length: int) -> ModelSpan:
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
-    """A method's config from a dict (``longpeft.json`` section) or as given."""
+    """A method's config from a dict (``longpeft.json`` section) or as given.
+
+    Raises:
+        ValueError: the section does not validate, naming ``methods.<name>`` and each bad field.
+    """
+    from pydantic import ValidationError
+
     config_class = get_method(name).config
-    return data if isinstance(data, config_class) else config_class.model_validate(data)
+    if isinstance(data, config_class):
+        return data
+    try:
+        return config_class.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors())
+        raise ValueError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
 
 
 def gathered_tensors(
