@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from torch import nn
 
 from ..config import StrictModel
@@ -159,8 +160,6 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
     Raises:
         ValueError: the section does not validate, naming ``methods.<name>`` and each bad field.
     """
-    from pydantic import ValidationError
-
     config_class = get_method(name).config
     if isinstance(data, config_class):
         return data

@@ -50,7 +50,7 @@ from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
 from .method_trainer import method_checkpoint_trainer
-from .schema import TRL_KEYS_OWNED_BY_RECIPE, Recipe
+from .schema import Recipe
 
 TINY_PREFIX = "tiny:"
 
@@ -331,16 +331,11 @@ def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
-    """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (keys longpeft sets
-    itself are refused, naming the recipe setting to use)."""
+    """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (whose keys the
+    recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``)."""
     from trl import SFTConfig
 
-    arguments = sft_arguments(recipe, output_dir)
-    clash = sorted(set(arguments) & set(recipe.trl))
-    if clash:
-        raise ValueError(f"recipe {recipe.name}: trl.{clash[0]} is set by longpeft: "
-                         f"{TRL_KEYS_OWNED_BY_RECIPE.get(clash[0], 'remove it from the trl section')}")
-    return SFTConfig(**arguments, **recipe.trl)
+    return SFTConfig(**sft_arguments(recipe, output_dir), **recipe.trl)
 
 
 def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
@@ -430,9 +425,20 @@ class MethodTrainingLabels:
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(features)
-        for method, config in self.rules:
-            batch["labels"] = method.training_labels(config, batch["labels"])
+        batch["labels"] = self.apply(batch["labels"])
         return batch
+
+    def apply(self, labels: torch.Tensor) -> torch.Tensor:
+        """``labels [batch, seq]`` after every rule."""
+        for method, config in self.rules:
+            labels = method.training_labels(config, labels)
+        return labels
+
+    def changes_labels(self, length: int) -> bool:
+        """Whether the rules leave out any target of a fully scored ``[1, length]`` batch (beacon's released
+        layout leaves none: then no sample needs checking)."""
+        scored = torch.zeros(1, length, dtype=torch.long)
+        return not torch.equal(self.apply(scored), scored)
 
 
 def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
@@ -449,7 +455,7 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
     ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
     when none is left to train on."""
     collator, dataset = trainer.data_collator, trainer.train_dataset
-    if isinstance(collator, MethodTrainingLabels):
+    if isinstance(collator, MethodTrainingLabels) and collator.changes_labels(recipe.data.max_length):
         scored = [i for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
                   if (collator([dataset[i]])["labels"][:, 1:] != -100).any()]
         if len(scored) < len(dataset):

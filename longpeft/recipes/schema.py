@@ -181,7 +181,6 @@ class TrainSection(Section):
         return value
 
 
-# SFTConfig arguments that the recipe sets from its own sections (give those there instead).
 # SFTConfig arguments longpeft sets itself (runner.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
     **{key: f"use {setting}" for key, setting in {
