@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--dtype", default=default_dtype, choices=["float32", "bfloat16", "float16"])
         command.add_argument("--no-verify", action="store_true", help="skip the logits check against base + adapter")
         command.add_argument("--without", action="append", default=[], metavar="METHOD",
-                             help="leave out a method a merged model cannot keep (string: it lives in longpeft's "
-                                  "attention patch); repeatable")
+                             help="leave out an inference-time method (string), so the merged model loads without its "
+                                  "modeling file (trust_remote_code); repeatable")
         command.set_defaults(func=cmd_merge)
 
     push = sub.add_parser("push", help="share an adapter (or the merged model) on the Hugging Face Hub")

@@ -100,5 +100,5 @@ def print_summary(summary: dict) -> None:
     print(f"\nlongpeft demo -> {summary['output_dir']}")
     print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
     print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
-    print(f"  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
+    print("  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
     print(summary["table"])

@@ -1,8 +1,9 @@
 """Merge, export and share adapters without losing what they changed besides weights.
 
 - ``merge``: base + adapter -> one model folder that loads with plain
-  ``AutoModelForCausalLM.from_pretrained`` (the new RoPE parameters live in config.json; per-head
-  RoPE bases ship a small modeling file and ``auto_map``, loaded with ``trust_remote_code=True``).
+  ``AutoModelForCausalLM.from_pretrained`` (the new RoPE parameters live in config.json; HARPE's per-head
+  bases, Activation Beacon and STRING ship a small modeling file and ``auto_map``, loaded with
+  ``trust_remote_code=True``).
 - ``export``: a merged model in a chosen dtype (safetensors) with its model card.
 - ``push``: an adapter (default) or an exported model to the Hub; ``dry_run`` writes exactly the
   folder that would be uploaded.
@@ -51,8 +52,8 @@ def merge(
     is written beside ``out_dir`` and renamed to it at the end, so a failure leaves no half-written ``out_dir``.
 
     Args:
-        without: methods to leave out of the merged model, among those a merge cannot keep (``merge_loses``:
-            STRING); the others are refused, naming what to do.
+        without: inference-time methods (``inference_only``: STRING) to leave out of the merged model, so that it
+            loads without their modeling file; methods the adapter was trained with are refused.
 
     Returns:
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
@@ -71,12 +72,11 @@ def merge(
     if unknown:
         raise ValueError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
                          f"{', '.join(spec.methods)})")
-    lost = [name for name in spec.methods if name in METHODS and METHODS[name].merge_loses and name not in without]
-    if lost:
-        name = lost[0]
-        raise ValueError(f"the adapter uses {name}: {METHODS[name].merge_loses}, so a merged model would run without "
-                         f"it. Use the adapter with longpeft.load, or merge with --without {name} (the merged model "
-                         "then runs without it)")
+    trained = [name for name in without if not METHODS[name].inference_only]
+    if trained:
+        optional = [name for name, method in METHODS.items() if method.inference_only]
+        raise ValueError(f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
+                         f"it out; only inference-time methods ({', '.join(optional)}) can be")
     quantization = getattr(AutoConfig.from_pretrained(base_name), "quantization_config", None)
     if quantization:
         raise ValueError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "

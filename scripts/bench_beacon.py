@@ -30,7 +30,6 @@ import contextlib
 import json
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 

@@ -14,8 +14,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import longpeft
 from longpeft import hub
 from longpeft.adapters import apply_spec
+from longpeft.cli import main
 from longpeft.spec import ContextSpec, SpecMismatchError
 from longpeft.tiny import tiny_config
+
+from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
 
 pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
 
@@ -186,30 +189,77 @@ def _with_string(adapter_dir: Path) -> None:
     spec.save(adapter_dir)
 
 
-def test_merge_refuses_to_drop_string_silently_and_leaves_it_out_when_told(tiny_base_dirs, tmp_path):
-    """STRING lives in longpeft's attention patch: a merged model would run without it, so merge says so; with
-    --without string the merged model equals base + adapter with STRING off, beyond the shift too."""
+_STRING_WITHOUT_LONGPEFT = r"""
+import torch
+
+model_dir, ids_path, out_path = sys.argv[1:4]
+model = load_exported(model_dir, "sdpa")
+ids = torch.load(ids_path)
+with torch.no_grad():
+    logits = model(ids).logits
+    generated = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    # the exported file's own switch: STRING off gives the stock attention
+    sys.modules[type(model).__module__].disable_string(model)
+    plain = model(ids).logits
+torch.save({"logits": logits, "generated": generated, "plain": plain}, out_path)
+print("\nLOADED", type(model).__name__, model.config.string["shift"])
+"""
+
+
+def test_merge_keeps_string_in_a_modeling_file_and_leaves_it_out_when_told(tiny_base_dirs, tmp_path, capsys):
+    """STRING changes no weight: the merged model carries it in modeling_string.py (trust_remote_code), and a fresh
+    process without longpeft gives base + adapter's logits and tokens with STRING on, beyond the shift. With
+    --without string the merged model is the stock architecture and equals base + adapter with STRING off."""
     from longpeft.adapters.string import disable_string
 
     make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     _with_string(tmp_path / "adapter")
-    with pytest.raises(ValueError, match="uses string: STRING lives in longpeft's attention patch.*--without string"):
-        hub.merge(tmp_path / "adapter", tmp_path / "merged")
-    assert not (tmp_path / "merged").exists()
-    result = hub.merge(tmp_path / "adapter", tmp_path / "merged", without=("string",))
-    assert result["left_out"] == ["string"] and result["max_abs_logit_diff"] < 1e-4
-    assert "string" not in ContextSpec.load(tmp_path / "merged").methods
     ids = torch.arange(5, 105)[None]  # 100 tokens: far keys beyond the shift of 16
     adapter = longpeft.load(None, tmp_path / "adapter").eval()
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     with torch.no_grad():
         with_string = adapter(ids).logits
+        tokens = adapter.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
         disable_string(adapter)
         without_string = adapter(ids).logits
-        assert (merged(ids).logits - without_string).abs().max() < 1e-4
     assert (with_string - without_string).abs().max() > 1e-3  # STRING was really on in the adapter
+
+    result = hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    merged = tmp_path / "merged"
+    assert result["left_out"] == [] and result["max_abs_logit_diff"] < 1e-4
+    saved = json.loads((merged / "config.json").read_text())
+    assert saved["model_type"] == "string_llama" and saved["string"]["shift"] == 16
+    assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_string.StringLlamaForCausalLM"
+    assert saved["rope_parameters"]["rope_theta"] == 2e6  # what the adapter changed besides STRING stays too
+    assert imported_modules(merged / "modeling_string.py") <= {
+        "__future__", "collections", "dataclasses", "flash_attn", "logging", "math", "sys", "typing", "torch",
+        "transformers"}  # flash_attn: imported lazily, on the flash path only
+    torch.save(ids, tmp_path / "ids.pt")
+    run = run_without_longpeft(_STRING_WITHOUT_LONGPEFT, [str(merged), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
+                               tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "LOADED StringLlamaForCausalLM 16" in run.stdout
+    out = torch.load(tmp_path / "out.pt")
+    torch.testing.assert_close(out["logits"], with_string, atol=1e-4, rtol=0)
+    assert torch.equal(out["generated"], tokens)
+    torch.testing.assert_close(out["plain"], without_string, atol=1e-4, rtol=0)
+    evaluate = ["eval", "passkey", "--model", str(merged), "--lengths", "160", "--samples", "1", "--out", str(tmp_path / "ev")]
+    assert main(evaluate) == 2  # its modeling file does not run unasked
+    assert "ships its own modeling code" in capsys.readouterr().err
+    assert main([*evaluate, "--trust-remote-code"]) == 0
+
+    result = hub.merge(tmp_path / "adapter", tmp_path / "plain", without=("string",))
+    assert result["left_out"] == ["string"] and result["max_abs_logit_diff"] < 1e-4
+    assert "string" not in ContextSpec.load(tmp_path / "plain").methods
+    assert not (tmp_path / "plain" / "modeling_string.py").exists()
+    with torch.no_grad():
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain").eval()  # no trust_remote_code needed
+        assert (plain(ids).logits - without_string).abs().max() < 1e-4
     with pytest.raises(ValueError, match="--without harpe: the adapter has no such method"):
         hub.merge(tmp_path / "adapter", tmp_path / "other", without=("harpe",))
+    with pytest.raises(ValueError, match="--without rope: the adapter was trained with it.*only inference-time methods "
+                                         r"\(string\)"):
+        hub.merge(tmp_path / "adapter", tmp_path / "other", without=("rope",))
+    assert not (tmp_path / "other").exists()
 
 
 def test_a_failed_merge_leaves_no_half_written_output(tiny_base_dirs, tmp_path, monkeypatch):

@@ -327,6 +327,32 @@ def test_clear_errors():
         enable_string(SimpleNamespace(config=SimpleNamespace(model_type="gpt2")))
 
 
+def test_methods_string_cannot_run_with_are_refused_in_recipes_and_on_models():
+    """STRING reads distances off cache indices with one RoPE base: HARPE and Activation Beacon break both, so a
+    recipe naming both sections is refused before anything loads, and so is switching one on over the other."""
+    from longpeft.adapters.beacon import BeaconConfig, apply_beacon, remove_beacon
+    from longpeft.recipes.schema import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="string and harpe cannot be combined: STRING needs one RoPE base"):
+        load_recipe("tiny-harpe-cpu", ["string.shift=200", "string.local_window=8"])
+    with pytest.raises(RecipeError, match="string and beacon cannot be combined: Activation Beacon"):
+        load_recipe("tiny-beacon-cpu", ["string.shift=200", "string.local_window=8"])
+    load_recipe("tiny-cpu", ["string.shift=200", "string.local_window=8"])  # with rope alone it is the intended use
+
+    model = tiny_model("llama", attn_implementation="sdpa")
+    settings = BeaconConfig(window=16, ratios=[4]).settings()
+    apply_beacon(model, settings)
+    with pytest.raises(ValueError, match="this model has beacon on .*STRING cannot be combined with beacon"):
+        enable_string(model, shift=40, local_window=8)
+    remove_beacon(model)
+    enable_string(model, shift=40, local_window=8)
+    with pytest.raises(ValueError, match="STRING is on: .*switch STRING off"):
+        apply_beacon(model, settings)
+    assert not hasattr(model.config, "beacon")  # refused before changing anything
+    disable_string(model)
+    apply_beacon(model, settings)
+
+
 def test_settings_recorded_in_a_context_spec_are_reapplied(tmp_path):
     from longpeft.adapters import apply_spec
     from longpeft.spec import ContextSpec

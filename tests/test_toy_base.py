@@ -7,7 +7,6 @@ import json
 import warnings
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from longpeft.eval import evaluate

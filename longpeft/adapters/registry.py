@@ -18,7 +18,7 @@ Adding a method is one folder under ``longpeft/adapters/`` and one :func:`regist
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,9 @@ class Method:
             of the method's own float32 weights on a base of ``shape`` (a :class:`longpeft.scale.plan.ModelShape`),
             for ``longpeft plan``: trainable ones cost weight, gradient and AdamW state, frozen ones their weight.
         plan_lever: what to change in the method's section when its weights are a large memory term.
-        merge_loses: why a merged model would run without the method (it lives only in longpeft's runtime
-            patches, as STRING does), or None: merge then refuses unless told to leave it out.
+        inference_only: the method changes no weight and training did not use it (STRING): a merge may leave it
+            out when asked (``--without``), giving a model that loads without its modeling file.
+        excludes: ``{other method: why}``, methods this one cannot run with; a recipe naming both is refused.
         training_labels: ``training_labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]``
             (unshifted, -100 = not scored): the labels with those the method leaves out of the training loss set to
             -100 (Activation Beacon, as its authors: the first window, unless full-coverage + interleave).
@@ -102,7 +103,8 @@ class Method:
     planned_parameters: Callable[[Any, Any], tuple[int, int]] | None = None
     plan_lever: str | None = None
     training_labels: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
-    merge_loses: str | None = None
+    inference_only: bool = False
+    excludes: dict[str, str] = field(default_factory=dict)
 
 
 METHODS: dict[str, Method] = {}

@@ -21,7 +21,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
 
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
-        "trust_remote_code": False,  # never run a repository's code unasked (nor prompt for it)
+        "trust_remote_code": args.trust_remote_code,  # never run a repository's code unasked (nor prompt for it)
     }
     if args.attn_implementation:
         kwargs["attn_implementation"] = args.attn_implementation
@@ -31,11 +31,18 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         from ..loading import load, tokenizer_source
 
         model = load(args.model, args.adapter, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args.adapter, args.model))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args.adapter, args.model),
+                                                  trust_remote_code=args.trust_remote_code)
     else:
         check_model_source(args.model, "--model")
-        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+        except ValueError as error:
+            if "trust_remote_code" not in str(error) or args.trust_remote_code:
+                raise
+            raise ValueError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, Activation "
+                             "Beacon or STRING model); pass --trust-remote-code if you trust that folder") from None
+        tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
 
 
@@ -174,5 +181,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", help="torch dtype to load in (auto, bfloat16, float32, ...)")
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
     parser.add_argument("--device", help="device_map for loading, e.g. cpu, cuda, auto")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships (auto_map); "
+                             "only for folders you trust")
     parser.add_argument("--out", required=True, help="output folder for JSON and PNGs")
     parser.set_defaults(func=run_eval)

@@ -306,6 +306,12 @@ class RecipeBase(Section):
         if self.finetune == "method" and all(METHODS[name].parameters is None for name in self.method_configs()):
             raise ValueError("finetune: method trains the methods' own weights, and this recipe's "
                              f"{' + '.join(self.method_configs())} has none; use finetune: lora or full")
+        configs = self.method_configs()
+        for name in configs:
+            clash = next((other for other in METHODS[name].excludes if other in configs), None)
+            if clash:
+                raise ValueError(f"{name} and {clash} cannot be combined: {METHODS[name].excludes[clash]}; "
+                                 f"remove one of the two sections")
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
         check_trl_keys(self.trl)

@@ -155,7 +155,6 @@ class Plan:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
         finetune = self.assumptions.get("finetune")
-        full = finetune == "full"
         shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",

@@ -92,11 +92,14 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     if getattr(causal_lm.config, "head_rope_bases", None):
         raise ValueError("Activation Beacon re-rotates memory keys with the model's one rotary module; it cannot be "
                          "combined with HARPE's per-head bases (config.head_rope_bases)")
+    attentions = attention_modules(backbone)
+    if any(hasattr(attention.config, "string_settings") for attention in attentions):
+        raise ValueError("STRING is on: it reads distances off cache indices, which beacon caches do not keep; switch "
+                         "STRING off (disable_string) before applying Activation Beacon")
     implementation = causal_lm.config._attn_implementation or "eager"
     if "flash" in implementation and settings.attn != "full-coverage":
         raise ValueError(f"beacon attn {settings.attn} needs an explicit mask, which {implementation} cannot take; "
                          "load the model with attn_implementation='sdpa' (or use attn full-coverage)")
-    attentions = attention_modules(backbone)
     if not attentions:
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(causal_lm).__name__}")
     init_token = _special_token_id(causal_lm.config, settings.embed_init) if initialise else None

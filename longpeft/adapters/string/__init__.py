@@ -3,21 +3,26 @@
 ``enable_string(model)`` / ``disable_string(model)`` switch it on a built model; the active settings
 show in ``print(model)`` on every attention module. The ``string`` section of a recipe or of
 ``longpeft.json`` (:class:`StringConfig`) switches it on when an adapter is loaded. The attention
-math and its exactness argument are in :mod:`.attention`.
+math and its exactness argument are in :mod:`.attention`; a merged model keeps STRING through the
+modeling file :mod:`.export` writes beside it (``trust_remote_code=True``).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, model_validator
+from torch import nn
 
 from ...config import StrictModel
+from ...family import causal_lm_of, check_supported
 from ..registry import Method, ResolveContext
 from .attention import (
     DEFAULT_LOCAL_WINDOW,
     STRING_ATTENTION,
     StringSettings,
     disable_string,
-    enable_string,
+    install_string,
     rotate_keys_forward,
     string_attention_eager,
     string_attention_flash,
@@ -25,6 +30,52 @@ from .attention import (
     string_attention_sdpa,
     string_settings,
 )
+from .export import write_remote_code
+
+# Methods STRING cannot run with, and why (recipes naming both are refused; so is enabling it on such a model).
+EXCLUDES = {
+    "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
+    "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon keys "
+              "whose positions are not their cache indices (STRING reads distances off those)",
+}
+
+
+def enable_string(
+    model: nn.Module,
+    shift: int | None = None,
+    local_window: int = DEFAULT_LOCAL_WINDOW,
+    trained_length: int | None = None,
+    cos_sin_scale: float | None = None,
+) -> dict[str, Any]:
+    """Switch STRING on, in place (calling it again replaces the settings).
+
+    Args:
+        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with
+            eager, SDPA or flash-attention attention.
+        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
+            Default ``trained_length // 3``.
+        local_window: W (default 128); must be ``<= shift``.
+        trained_length: L, the length the model was trained at; default
+            ``config.max_position_embeddings``.
+        cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
+            multiplies every attention logit by its square. Off (None) by default.
+
+    Returns:
+        The active settings as a dict (also given by :func:`string_settings`).
+    """
+    config = causal_lm_of(model).config
+    if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
+        check_supported(config, "STRING")
+    for name, attribute in (("harpe", "head_rope_bases"), ("beacon", "beacon")):
+        if getattr(config, attribute, None):
+            raise ValueError(f"this model has {name} on (config.{attribute}): {EXCLUDES[name]}; STRING cannot be "
+                             f"combined with {name}")
+    trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
+    shift = int(shift if shift is not None else trained_length // 3)
+    scale = None if cos_sin_scale is None else float(cos_sin_scale)
+    settings = StringSettings(shift, int(local_window), trained_length, scale)
+    install_string(model, settings)
+    return settings.as_dict()
 
 
 class StringConfig(StrictModel):
@@ -79,7 +130,10 @@ METHOD = Method(
     resolve=resolve,
     describe=describe,
     model_span=model_span,
-    merge_loses="STRING lives in longpeft's attention patch, not in the weights or config.json",
+    export=lambda model, folder, config: write_remote_code(folder, StringSettings(**config.model_dump())),
+    remote_code=True,
+    inference_only=True,
+    excludes=EXCLUDES,
 )
 
 __all__ = [
@@ -89,10 +143,12 @@ __all__ = [
     "StringSettings",
     "disable_string",
     "enable_string",
+    "install_string",
     "rotate_keys_forward",
     "string_attention_eager",
     "string_attention_flash",
     "string_attention_forward",
     "string_attention_sdpa",
     "string_settings",
+    "write_remote_code",
 ]

@@ -44,8 +44,11 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from ...family import attention_modules, causal_lm_of, check_supported, kernel_interface
+# longpeft-inline-begin
+from ...family import attention_modules, causal_lm_of, kernel_interface
 from ...rope import apply_rotary, rotary_modules
+
+# longpeft-inline-end
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +67,19 @@ class StringSettings:
     local_window: int
     trained_length: int
     cos_sin_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.trained_length < 2:
+            raise ValueError(f"STRING trained_length must be >= 2, got {self.trained_length}")
+        if self.shift < 1:
+            raise ValueError(f"STRING shift must be >= 1, got {self.shift}")
+        if not 0 <= self.local_window <= self.shift:
+            raise ValueError(
+                f"STRING local_window must be between 0 and shift={self.shift}, got {self.local_window}; pass a "
+                "smaller local_window (the paper uses W=128 with S=L/3 for L >= 2K) or a larger shift"
+            )
+        if self.cos_sin_scale is not None and not self.cos_sin_scale > 0:
+            raise ValueError(f"STRING cos_sin_scale must be > 0 (or None to leave it off), got {self.cos_sin_scale}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -115,52 +131,12 @@ class _StringConfigView:
 # ----------------------------------------------------------------------------------------------
 
 
-def enable_string(
-    model: nn.Module,
-    shift: int | None = None,
-    local_window: int = DEFAULT_LOCAL_WINDOW,
-    trained_length: int | None = None,
-    cos_sin_scale: float | None = None,
-) -> dict[str, Any]:
-    """Switch STRING on, in place (calling it again replaces the settings).
+def install_string(model: nn.Module, settings: StringSettings) -> None:
+    """Switch STRING on with ``settings``, in place, without checking the model (see ``enable_string``).
 
-    Args:
-        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with
-            eager, SDPA or flash-attention attention.
-        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
-            Default ``trained_length // 3``.
-        local_window: W (default 128); must be ``<= shift``.
-        trained_length: L, the length the model was trained at; default
-            ``config.max_position_embeddings``.
-        cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
-            multiplies every attention logit by its square. Off (None) by default.
-
-    Returns:
-        The active settings as a dict (also given by :func:`string_settings`).
+    Every attention module gets a config view naming the STRING attention function, a hook that
+    refuses caches STRING cannot read distances from, and the settings in its repr.
     """
-    config = model.config
-    check_supported(config, "STRING")
-    if getattr(config, "head_rope_bases", None):
-        raise ValueError(
-            "STRING needs one RoPE base for all heads, but config.head_rope_bases is set (HARPE per-head "
-            "bases); STRING cannot be combined with HARPE"
-        )
-    trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
-    if trained_length < 2:
-        raise ValueError(f"STRING trained_length must be >= 2, got {trained_length}")
-    shift = int(shift if shift is not None else trained_length // 3)
-    local_window = int(local_window)
-    if shift < 1:
-        raise ValueError(f"STRING shift must be >= 1, got {shift}")
-    if not 0 <= local_window <= shift:
-        raise ValueError(
-            f"STRING local_window must be between 0 and shift={shift}, got {local_window}; "
-            "pass a smaller local_window (the paper uses W=128 with S=L/3 for L >= 2K) or a larger shift"
-        )
-    if cos_sin_scale is not None and not cos_sin_scale > 0:
-        raise ValueError(f"STRING cos_sin_scale must be > 0 (or None to leave it off), got {cos_sin_scale}")
-    settings = StringSettings(shift, local_window, trained_length, None if cos_sin_scale is None else float(cos_sin_scale))
-
     rotaries = rotary_modules(causal_lm_of(model))
     if len(rotaries) != 1:
         raise ValueError(f"STRING expects exactly one rotary embedding module, found {len(rotaries)}")
@@ -175,7 +151,6 @@ def enable_string(
         module.config = _StringConfigView(module.config, settings, rotary_owner, rotary_name)
         module._longpeft_string_hook = module.register_forward_pre_hook(_require_full_dynamic_cache, with_kwargs=True)
         module.extra_repr = settings.describe  # visible in print(model)
-    return settings.as_dict()
 
 
 def disable_string(model: nn.Module) -> None:
@@ -455,7 +430,11 @@ def string_attention_flash(
         ``[batch, T, heads, head_dim]``.
     """
     if flash_fn is None:
-        from flash_attn import flash_attn_func as flash_fn
+        try:  # (in a try: transformers then does not require flash-attn to load an exported modeling file)
+            from flash_attn import flash_attn_func as flash_fn
+        except ImportError as error:
+            raise ImportError("STRING's flash path needs flash-attn; pip install flash-attn, or load the model with "
+                              "attn_implementation='sdpa'") from error
     n_queries, n_keys = query.shape[2], key.shape[2]
     offset = n_keys - n_queries
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout [batch, seq, heads, dim]
