@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM
 
 import longpeft
 from longpeft import hub
+from longpeft.adapters import apply_spec
 from longpeft.recipes.data import tokenize_conversation
-from longpeft.recipes.runner import run
+from longpeft.recipes.runner import lora_config, prepare, run
 from longpeft.recipes.schema import load_recipe
 from longpeft.tiny import sample_text, tiny_model, train_tokenizer
 
@@ -103,8 +104,20 @@ print("TIED", model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight
 """
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_jsonl, tied):
+def passkey_rows(tokenizer) -> list[int]:
+    """Token ids of "The passkey is", which every assistant answer of ``chat_jsonl`` starts with."""
+    return tokenizer("The passkey is", add_special_tokens=False)["input_ids"]
+
+
+def embedding_overrides(embeddings: str, tokenizer) -> list[str]:
+    """Recipe overrides training the whole embedding, or only the :func:`passkey_rows` rows."""
+    if embeddings == "full":
+        return ["lora.embeddings=full"]
+    return ["lora.embeddings=token_indices", f"lora.trainable_token_indices={passkey_rows(tokenizer)}"]
+
+
+@pytest.mark.parametrize(("tied", "embeddings"), [(True, "full"), (False, "full"), (True, "token_indices")])
+def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_jsonl, tied, embeddings):
     """A user expects the base's tying to survive: a tied base trains one matrix and merges tied."""
     base = tmp_path / "base"
     tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=tied).save_pretrained(base)
@@ -113,7 +126,8 @@ def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_js
         "tiny-cpu",
         [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
          f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "train.global_batch_size=1",
-         "train.per_device_batch_size=1", "lora.r=2", "train.learning_rate=0.05"],
+         "train.per_device_batch_size=1", "lora.r=2", "train.learning_rate=0.05",
+         *embedding_overrides(embeddings, tokenizer)],
     )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -146,3 +160,46 @@ def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_js
     )
     assert f"TIED {tied}" in out.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fused_loss_with_token_indices_on_a_tied_base_equals_the_plain_model_loss(tmp_path, tokenizer, chat_jsonl):
+    """The defect: TRL's fused LM head read ``lm_head.bias`` from the head peft wraps for the trained rows
+    (``TrainableTokensWrapper``, no ``bias``) and every step failed; its loss must score with the trained rows."""
+    base = tmp_path / "base"
+    tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    prepared = prepare(load_recipe(
+        "tiny-cpu",
+        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
+         f"output_dir={tmp_path / 'run'}", "train.per_device_batch_size=2", "train.global_batch_size=2", "lora.r=2",
+         *embedding_overrides("token_indices", tokenizer)],
+    ))
+    model = prepared.trainer.model.eval()
+    rows = passkey_rows(tokenizer)
+    trained = torch.randn(len(rows), model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # as if trained; LoRA's B is still zero, so LoRA changes nothing
+        model.get_input_embeddings().token_adapter.trainable_tokens_delta["default"].copy_(trained)
+    batch = next(iter(prepared.trainer.get_train_dataloader()))
+    labels = batch["labels"][:, 1:]
+    assert torch.isin(labels, torch.tensor(rows)).any()  # trained rows are scored targets: the head's rows count
+    with torch.no_grad():
+        loss = prepared.trainer.compute_loss(model, dict(batch))
+
+    # Independent reference: a plain transformers model (no peft, no TRL) whose one tied matrix has the trained rows.
+    plain = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa").eval()
+    apply_spec(plain, prepared.spec)
+    with torch.no_grad():
+        plain.get_input_embeddings().weight[rows] = trained
+        logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
+    torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_token_indices_on_a_tied_head_with_a_bias_is_refused(tokenizer):
+    """peft's trainable tokens leave a tied head's bias out of its forward: the adapter would not be the model."""
+    model = tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True)
+    model.lm_head.bias = torch.nn.Parameter(torch.zeros(len(tokenizer)))
+    recipe = load_recipe("tiny-cpu", embedding_overrides("token_indices", tokenizer))
+    with pytest.raises(ValueError, match="lora.embeddings: token_indices .* bias"):
+        lora_config(recipe, model)
+    assert lora_config(load_recipe("tiny-cpu"), model).ensure_weight_tying  # full: trained as one matrix

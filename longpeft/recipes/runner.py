@@ -279,16 +279,24 @@ def has_tied_embeddings(model: PreTrainedModel) -> bool:
 def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
     """peft LoraConfig of the recipe (None for full fine-tuning).
 
-    On a model with tied input/output embeddings a trained embedding stays tied to the output head
-    (``ensure_weight_tying``): the adapter trains one matrix, and the merged model is tied as the base was.
+    On a model with tied input/output embeddings a trained embedding stays tied to the output head: the adapter
+    trains one matrix, and the merged model is tied as the base was. A fully trained one needs
+    ``ensure_weight_tying``; peft ties trained rows (``token_indices``) by itself, and the flag there only warns.
+    ``lora.embeddings: token_indices`` is refused on a tied head with a bias: peft's trainable tokens drop it.
     """
     from peft import LoraConfig
 
     if recipe.finetune != "lora":
         return None
     lora = recipe.lora
+    tied = model is not None and has_tied_embeddings(model)
+    if tied and lora.embeddings == "token_indices" and model.get_output_embeddings().bias is not None:
+        raise ValueError(
+            f"recipe {recipe.name}: lora.embeddings: token_indices on a base whose tied output head has a bias: "
+            "peft's trainable tokens leave the bias out of the head's forward; use lora.embeddings: full"
+        )
     return LoraConfig(
-        ensure_weight_tying=model is not None and has_tied_embeddings(model) and lora.embeddings != "none",
+        ensure_weight_tying=tied and lora.embeddings == "full",
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
@@ -299,6 +307,24 @@ def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
         else None,
         task_type="CAUSAL_LM",
     )
+
+
+def expose_token_indices_head_bias(model: Any) -> None:
+    """Give the output head that peft wraps for ``lora.embeddings: token_indices`` on a tied base the ``bias``
+    TRL's fused LM head reads (no-op for any other head).
+
+    peft wraps such a head in a ``TrainableTokensWrapper`` tied to the embedding's trained rows. Its ``weight`` is
+    already the effective ``[vocab, hidden]`` matrix (the base's rows with the trained ``trainable_token_indices``
+    rows copied in, differentiable in them) that its own forward multiplies by, but it has no ``bias``, which TRL's
+    fused loss reads beside ``weight`` (``AttributeError`` on the first step). Its forward adds no bias
+    (``F.linear(hidden, weight)``; :func:`lora_config` refuses heads that have one), so ``bias = None`` makes the
+    fused loss the loss of the model's own forward.
+    """
+    from peft.utils.other import TrainableTokensWrapper
+
+    head = model.get_output_embeddings()
+    if isinstance(head, TrainableTokensWrapper):
+        head.bias = None
 
 
 def world_size() -> int:
@@ -546,6 +572,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
+    expose_token_indices_head_bias(trainer.model)
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)
