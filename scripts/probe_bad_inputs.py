@@ -137,6 +137,9 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     out.append(("merge out is a file", ["merge", str(adapter), "--out", str(root / "chat.jsonl")]))
     out.append(("merge dtype bogus", ["merge", str(adapter), "--out", str(root / "m-d"), "--dtype", "bogus"]))
     out.append(("merge missing adapter", ["merge", str(root / "nowhere"), "--out", str(root / "m-n")]))
+    out.append(("merge without a trained method", ["merge", str(adapter), "--out", str(root / "m-w"), "--without", "rope"]))
+    out.append(("train string with harpe", ["train", "tiny-harpe-cpu", "--set", "string.shift=200", "--set",
+                                            "string.local_window=8", "--set", f"output_dir={root / 'never'}"]))
     out.append(("push dry-run non-empty", ["push", str(adapter), "--repo", "a/b", "--dry-run", str(root / "data")]))
     out.append(("push missing source", ["push", str(root / "nowhere"), "--repo", "a/b", "--dry-run", str(root / "p1")]))
     out.append(("push not an adapter", ["push", str(root / "data"), "--repo", "a/b", "--dry-run", str(root / "p2")]))
