@@ -168,11 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
                                   "modeling file (trust_remote_code); repeatable")
         command.set_defaults(func=cmd_merge)
 
-    push = sub.add_parser("push", help="share an adapter (or the merged model) on the Hugging Face Hub")
-    push.add_argument("source", help="adapter folder or run folder (containing adapter/)")
+    push = sub.add_parser("push", help="share an adapter (or the merged model), or a fully fine-tuned model, on the "
+                          "Hugging Face Hub")
+    push.add_argument("source", help="adapter folder, model folder of a finetune: full run, or run folder (containing "
+                      "adapter/ or model/)")
     push.add_argument("--repo", required=True, help="Hub repo id, owner/name")
-    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter")
-    push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter (a fully "
+                      "fine-tuned model is uploaded as a model either way)")
+    push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                      help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
+                      "adapter is uploaded as saved")
     push.add_argument("--private", action="store_true")
     push.add_argument("--base-id", help="the base model's Hub id, written into the card and longpeft.json "
                       "(default: the base recorded in longpeft.json; a local path there is refused for upload)")

@@ -5,8 +5,8 @@
   bases, Activation Beacon and STRING ship a small modeling file and ``auto_map``, loaded with
   ``trust_remote_code=True``).
 - ``export``: a merged model in a chosen dtype (safetensors) with its model card.
-- ``push``: an adapter (default) or an exported model to the Hub; ``dry_run`` writes exactly the
-  folder that would be uploaded.
+- ``push``: an adapter (default), an exported model, or a whole fine-tuned model (``finetune: full``)
+  to the Hub; ``dry_run`` writes exactly the folder that would be uploaded.
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from .adapters import export_methods, spec_methods
 from .config import check_writable_folder, torch_dtype
-from .loading import is_local
+from .loading import is_local, is_whole_model
 from .spec import SPEC_FILENAME, ContextSpec
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -161,19 +163,24 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
-    """README.md of an adapter or merged model: YAML metadata, then what changed and how to load it.
+def model_card_text(
+    spec: ContextSpec, merged: bool, eval_rows: list[dict[str, Any]], repo_id: str, full: bool = False
+) -> str:
+    """README.md of an adapter, a merged model or a fully fine-tuned model: YAML metadata, then what changed
+    and how to load it.
 
-    ``repo_id``: the Hub id (or local folder) the card tells users to load from. Every method of the
-    spec contributes its metadata section and its sentences (``describe``).
+    ``repo_id``: the Hub id (or local folder) the card tells users to load from. ``full``: the folder is a
+    whole model whose every weight was trained (``finetune: full``), loaded like a merged one. Every method
+    of the spec contributes its metadata section and its sentences (``describe``).
     """
     methods = spec_methods(spec)
+    standalone = merged or full
     metadata = {
         "base_model": spec.base_model,
-        "library_name": "transformers" if merged else "peft",
+        "library_name": "transformers" if standalone else "peft",
         # the recipe's method, then every other method it applied (rope is implied by all of them)
         "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if m.name != "rope")])]
-        + ([] if merged else ["lora"]),
+        + (["full-finetune"] if full else [] if merged else ["lora"]),
         "longpeft": {
             "method": spec.method,
             "rope_theta": spec.rope_parameters.get("rope_theta"),
@@ -188,13 +195,22 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
     if spec.head_bases:
         metadata["longpeft"]["head_bases"] = spec.head_bases
     name = base_display_name(spec.base_model)
+    remote = any(m.remote_code for m, _ in methods)
     lines = [
         "---",
         yaml.safe_dump(metadata, sort_keys=False).strip(),
         "---",
         "",
-        f"# {name} extended with longpeft ({spec.method})",
+        f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})",
         "",
+    ]
+    if full:
+        lines += [
+            f"A full fine-tune (longpeft `finetune: full`): every weight of {name} was trained, so this is the whole "
+            "model, not an adapter; it loads with transformers alone, without longpeft or the base model.",
+            "",
+        ]
+    lines += [
         f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions "
         f"(trained at {spec.trained_length} tokens, target {spec.target_length}).",
         f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
@@ -203,11 +219,10 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
         if method.describe is not None and method.name != "rope":
             lines += method.describe(config)
     lines += ["", "## Load", "", "```python"]
-    if merged:
-        remote = ", trust_remote_code=True" if any(m.remote_code for m, _ in methods) else ""
+    if standalone:
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{remote})',
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{", trust_remote_code=True" if remote else ""})',
             f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
         ]
     else:
@@ -216,7 +231,13 @@ def model_card_text(spec: ContextSpec, merged: bool, eval_rows: list[dict[str, A
             f'model = longpeft.load("{spec.base_model}", "{repo_id}")',
         ]
     lines += ["```", ""]
-    if not merged:
+    if standalone and remote:
+        lines += [
+            "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "
+            "and transformers); without it loading fails rather than giving a model without the method.",
+            "",
+        ]
+    if not standalone:
         lines += [
             "Loading this adapter with plain `PeftModel.from_pretrained` on a stock base model silently keeps the "
             "base's RoPE parameters and gives a broken model: use `longpeft.load`.",
@@ -238,11 +259,11 @@ def base_display_name(base_model: str | None) -> str:
     return Path(base_model).name if is_local(base_model) else base_model
 
 
-def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str) -> Path:
+def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str, full: bool = False) -> Path:
     """Write README.md (the model card) into ``folder``, with its eval table when one is there."""
     folder = Path(folder)
     path = folder / "README.md"
-    path.write_text(model_card_text(spec, merged, load_eval_rows(folder), repo_id))
+    path.write_text(model_card_text(spec, merged, load_eval_rows(folder), repo_id, full=full))
     return path
 
 
@@ -270,6 +291,15 @@ def check_adapter_files(folder: Path) -> None:
         raise FileNotFoundError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
 
 
+def upload_source(source: Path) -> Path:
+    """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
+    found = [source / name for name in ("adapter", "model") if (source / name / SPEC_FILENAME).is_file()]
+    if len(found) > 1:
+        raise ValueError(f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+                         "settings wrote there); push the one you mean: " + " or ".join(map(str, found)))
+    return found[0] if found else source
+
+
 def stage_upload(
     source: str | Path,
     dest: str | Path,
@@ -281,15 +311,15 @@ def stage_upload(
     """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id``.
 
     Args:
-        source: an adapter folder (with longpeft.json), or a run folder containing ``adapter/``.
-        merged: upload the merged model (exported in ``dtype``) instead of the adapter.
+        source: an adapter folder (with longpeft.json), a whole fine-tuned model folder (``finetune: full``:
+            config.json, weights and longpeft.json), or a run folder containing ``adapter/`` or ``model/``.
+        merged: upload the merged model (exported in ``dtype``) instead of the adapter. A whole fine-tuned
+            model is uploaded as a model, in ``dtype``, with or without ``merged``.
         base_id: the base model's Hub id, recorded in the uploaded card, ``longpeft.json`` and
-            ``adapter_config.json``; needed when the adapter names its base by a local path.
+            ``adapter_config.json``; needed when the folder names its base by a local path.
     """
-    source, dest = Path(source), Path(dest)
-    if (source / "adapter" / SPEC_FILENAME).is_file():
-        source = source / "adapter"
-    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft adapter
+    source, dest = upload_source(Path(source)), Path(dest)
+    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
     base_id = base_id or spec.base_model
     if not base_id or is_local(base_id):
         warnings.warn(
@@ -300,28 +330,61 @@ def stage_upload(
         )
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest} is not empty; choose an empty folder for the upload")
-    if merged:
+    full = is_whole_model(source)
+    if full:
+        stage_whole_model(source, dest, dtype)
+    elif merged:
         export(source, dest, dtype=dtype)
-        spec = ContextSpec.load(dest)
-        spec.base_model = base_id or spec.base_model
-        spec.save(dest)
-        write_model_card(dest, spec, merged=True, repo_id=repo_id)
-        return dest
-    check_adapter_files(source)
-    dest.mkdir(parents=True, exist_ok=True)
-    skip = {"README.md"}
-    for item in source.iterdir():
-        if item.is_file() and item.name not in skip:
-            shutil.copy(item, dest / item.name)
+    else:
+        check_adapter_files(source)
+        _copy_files(source, dest)
     _copy_eval_results(source, dest)
     if base_id:
         _record_base_id(dest, base_id)
-    write_model_card(dest, ContextSpec.load(dest), merged=False, repo_id=repo_id)
+    write_model_card(dest, ContextSpec.load(dest), merged=merged and not full, full=full, repo_id=repo_id)
     return dest
 
 
+def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
+    """Copy the files of ``source`` (not its subfolders, nor its card: the staged folder gets its own) to ``dest``."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and item.name != "README.md" and item.name not in skip:
+            shutil.copy(item, dest / item.name)
+
+
+def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
+    """Copy a whole fine-tuned model (``finetune: full``) to ``dest`` with its floating-point weights cast to
+    ``dtype``: safetensors, config.json (``dtype``; ``auto_map`` and a method's modeling file stay), tokenizer,
+    generation config, longpeft.json. Tensors are cast file by file; no model is built, no remote code runs.
+
+    Raises:
+        FileNotFoundError: no ``*.safetensors`` weights beside config.json.
+    """
+    weights = sorted(source.glob("*.safetensors"))
+    if not weights:
+        raise FileNotFoundError(f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
+                                "of a longpeft run with finetune: full?")
+    target = torch_dtype(dtype)
+    _copy_files(source, dest, skip=tuple(path.name for path in weights))
+    sizes = {}
+    for path in weights:
+        with safe_open(path, framework="pt") as f:
+            metadata = f.metadata()
+        tensors = {key: t.to(target) if t.is_floating_point() else t for key, t in load_file(path).items()}
+        save_file(tensors, dest / path.name, metadata=metadata)
+        sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
+    config = json.loads((dest / "config.json").read_text())
+    config["dtype"] = dtype
+    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for index_path in dest.glob("*.safetensors.index.json"):  # sharded weights: the index records their size
+        index = json.loads(index_path.read_text())
+        index.setdefault("metadata", {})["total_size"] = sum(sizes[name] for name in set(index["weight_map"].values()))
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
 def _record_base_id(folder: Path, base_id: str) -> None:
-    """Name the base by its Hub id in a staged adapter's longpeft.json and adapter_config.json."""
+    """Name the base by its Hub id in a staged folder's longpeft.json (and an adapter's adapter_config.json)."""
     spec = ContextSpec.load(folder)
     spec.base_model = base_id
     spec.save(folder)
@@ -341,7 +404,8 @@ def push(
     dry_run: str | Path | None = None,
     base_id: str | None = None,
 ) -> str:
-    """Upload an adapter (or the merged model) with its model card to ``repo_id``.
+    """Upload an adapter (or the merged model), or a whole fine-tuned model, with its model card to ``repo_id``
+    (what is uploaded: :func:`stage_upload`).
 
     With ``dry_run`` the folder is written there and nothing is uploaded. The token comes from the
     environment / huggingface-cli login, never from arguments written to disk.

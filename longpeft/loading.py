@@ -82,6 +82,12 @@ def is_local(name: str | Path) -> bool:
     return Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~"))
 
 
+def is_whole_model(folder: Path) -> bool:
+    """Whether a longpeft folder holds a whole fine-tuned model (``finetune: full`` wrote config.json and the
+    weights) rather than an adapter."""
+    return (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file()
+
+
 def check_model_source(name: str | Path, what: str) -> None:
     """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts."""
     if is_local(name):
@@ -152,7 +158,7 @@ def load(
         model.resize_token_embeddings(spec.vocab_size)
     if (adapter_dir / "adapter_config.json").is_file():
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
-    elif (adapter_dir / "config.json").is_file():  # finetune: full wrote the whole model, not an adapter
+    elif is_whole_model(adapter_dir):
         raise ValueError(f"{adapter_dir} holds a whole fine-tuned model (config.json), not an adapter: load it with "
                          "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
     elif not any(method.load is not None for method, _ in spec_methods(spec)):

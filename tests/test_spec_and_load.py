@@ -171,6 +171,115 @@ def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
         hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    """A one-step tiny HARPE run with finetune: full: its model/ folder holds the whole model, modeling_harpe.py
+    (auto_map) and longpeft.json, and names its base by a local path (../base)."""
+    from longpeft.recipes.runner import run
+    from longpeft.recipes.schema import load_recipe
+
+    out = tmp_path_factory.mktemp("full-run")
+    recipe = load_recipe("tiny-harpe-cpu", [
+        "finetune=full", f"output_dir={out}", "train.max_steps=1", "train.global_batch_size=1",
+        "train.per_device_batch_size=1", "data.max_length=256", "data.demo.n_conversations=4",
+        "data.demo.context_tokens=100"])
+    return run(recipe).output_dir
+
+
+def _logits(folder: Path) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    with torch.no_grad():
+        return model(IDS).logits.float()
+
+
+def test_push_dry_run_of_a_full_fine_tune_run_stages_the_model(full_run, tmp_path):
+    """Pushing a finetune: full run folder used to fail (it looked for adapter/ only), and its model/ folder was
+    staged as an adapter (a peft card telling users to call longpeft.load, which refuses whole models)."""
+    (full_run / "eval_results.json").write_text(json.dumps({"rows": [{"task": "passkey", "score": 0.5}]}))
+    staged = Path(hub.push(full_run, "someone/tiny-full", dtype="float32", base_id="someone/tiny-base",
+                           dry_run=tmp_path / "upload"))
+    names = {p.name for p in staged.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_harpe.py", "tokenizer.json", "generation_config.json",
+            "longpeft.json", "README.md", "eval_results.json"} <= names
+    assert "adapter_config.json" not in names
+    config = json.loads((staged / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_harpe.HarpeLlamaForCausalLM"
+    assert config["dtype"] == "float32"
+    assert ContextSpec.load(staged).base_model == "someone/tiny-base"
+    torch.testing.assert_close(_logits(staged), _logits(full_run / "model"), atol=0, rtol=0)
+    card = (staged / "README.md").read_text()
+    metadata = card.split("---")[1]
+    assert "base_model: someone/tiny-base" in metadata and "library_name: transformers" in metadata
+    assert "- full-finetune" in metadata and "- lora" not in metadata
+    assert "fully fine-tuned" in card and "every weight of someone/tiny-base was trained" in card
+    assert 'AutoModelForCausalLM.from_pretrained("someone/tiny-full", trust_remote_code=True)' in card
+    assert "longpeft.load" not in card and "| passkey |" in card
+
+
+def test_push_casts_a_full_fine_tune_to_dtype_and_merged_changes_nothing(full_run, tmp_path):
+    from safetensors import safe_open
+
+    from longpeft.cli import main
+
+    args = ["push", str(full_run / "model"), "--repo", "someone/tiny-full", "--base-id", "someone/tiny-base"]
+    assert main([*args, "--dry-run", str(tmp_path / "bf16")]) == 0  # the default --dtype: bfloat16
+    assert main([*args, "--merged", "--dry-run", str(tmp_path / "merged")]) == 0
+    for name in ("model.safetensors", "config.json", "longpeft.json", "README.md"):
+        assert (tmp_path / "bf16" / name).read_bytes() == (tmp_path / "merged" / name).read_bytes()
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    with safe_open(tmp_path / "bf16" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
+    torch.testing.assert_close(_logits(tmp_path / "bf16"), _logits(full_run / "model"), atol=0.05, rtol=0)
+
+
+def test_push_refuses_an_ambiguous_run_folder(full_run, tmp_path):
+    shutil.copytree(full_run / "model", tmp_path / "run" / "model")
+    shutil.copytree(full_run / "model", tmp_path / "run" / "adapter")
+    with pytest.raises(ValueError, match="holds both adapter/ and model/"):
+        hub.push(tmp_path / "run", "someone/tiny-full", base_id="someone/tiny-base", dry_run=tmp_path / "upload")
+
+
+def test_a_recipe_string_section_is_off_while_training_and_on_in_the_model_it_writes(tmp_path):
+    """STRING is an inference-time method: a recipe's string section trains without it (it used to be on in
+    training, remapping the far distances the run was meant to learn), and the whole model the run writes loads
+    with it on through modeling_string.py; pushing that model keeps it."""
+    from transformers import TrainerCallback
+
+    from longpeft.adapters.string import disable_string, enable_string, string_settings
+    from longpeft.recipes.runner import run
+    from longpeft.recipes.schema import load_recipe
+
+    seen = []
+
+    class RecordString(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            seen.append(string_settings(model))
+
+    recipe = load_recipe("tiny-cpu", [
+        "finetune=full", f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
+        "train.per_device_batch_size=1", "data.max_length=512", "data.demo.n_conversations=2",
+        "data.demo.context_tokens=100", "string.shift=64", "string.local_window=8"])
+    model_dir = run(recipe, callbacks=[RecordString()]).adapter_dir
+    assert seen == [None]
+    staged = Path(hub.push(model_dir, "someone/tiny-full", base_id="someone/tiny-base", dtype="float32",
+                           dry_run=tmp_path / "upload"))
+    for folder in (model_dir, staged):
+        assert (folder / "modeling_string.py").is_file()
+        loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+        assert string_settings(loaded) == {"shift": 64, "local_window": 8, "trained_length": 512, "cos_sin_scale": None}
+    assert "trust_remote_code=True" in (staged / "README.md").read_text()
+    # longpeft's switches act on the exported file's STRING too (replace, then off: the stock attention again)
+    ids = torch.arange(5, 205)[None]
+    stock = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True)
+    disable_string(stock)
+    with torch.no_grad():
+        plain = stock(ids).logits
+        enable_string(loaded, shift=32, local_window=4)
+        assert string_settings(loaded)["shift"] == 32 and (loaded(ids).logits - plain).abs().max() > 1e-3
+        disable_string(loaded)
+        assert string_settings(loaded) is None and torch.equal(loaded(ids).logits, plain)
+
+
 def test_load_refuses_a_whole_fine_tuned_model_instead_of_dropping_its_weights(tiny_base_dirs, tmp_path):
     """A finetune: full folder (config.json + weights + longpeft.json) is not an adapter. With a method that keeps
     weights of its own (Activation Beacon), loading it used to give the base plus those weights, silently."""

@@ -51,15 +51,19 @@ def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
     return [(METHODS[name], config_of(name, spec.methods[name])) for name in METHODS if name in spec.methods]
 
 
-def apply_spec(model: nn.Module, spec: ContextSpec) -> None:
+def apply_spec(model: nn.Module, spec: ContextSpec, training: bool = False) -> None:
     """Give ``model`` every non-weight change recorded in ``spec``, in place.
+
+    ``training``: leave out the inference-time methods (``inference_only``: STRING, which its paper applies to a
+    trained model, never while training); ``longpeft.load`` switches them on with the adapter.
 
     Raises SpecMismatchError (via ``spec.check_base``) before changing anything when the model
     is not the base the spec was made for.
     """
     spec.check_base(model.config)
     for method, config in spec_methods(spec):
-        method.apply(model, config)
+        if not (training and method.inference_only):
+            method.apply(model, config)
 
 
 def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:

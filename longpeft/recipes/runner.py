@@ -257,8 +257,8 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
     )
-    # Then apply the whole spec, which re-checks that the rotary frequencies really changed.
-    apply_spec(model, spec)
+    # Then apply the spec (all but inference-time methods), which re-checks that the rotary frequencies changed.
+    apply_spec(model, spec, training=True)
     if spec.vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(spec.vocab_size)
     finish_base(recipe, model)
@@ -740,7 +740,7 @@ def save_adapter(
     spec.save(adapter_dir)
     from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
 
-    write_model_card(adapter_dir, spec, merged=finetune == "full", repo_id=str(adapter_dir))
+    write_model_card(adapter_dir, spec, merged=False, full=finetune == "full", repo_id=str(adapter_dir))
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:

@@ -153,10 +153,16 @@ def install_string(model: nn.Module, settings: StringSettings) -> None:
         module.extra_repr = settings.describe  # visible in print(model)
 
 
+def _is_string_view(config: Any) -> bool:
+    """Whether an attention module's config is a :class:`_StringConfigView`: longpeft's, or the copy of an exported
+    model's ``modeling_string.py`` (another class of the same shape, so not ``isinstance``)."""
+    return "string_settings" in vars(config) and hasattr(config, "base_attn_implementation")
+
+
 def disable_string(model: nn.Module) -> None:
     """Switch STRING off, in place; the model computes exactly what it did before enabling it."""
     for module in attention_modules(model):
-        if isinstance(module.config, _StringConfigView):
+        if _is_string_view(module.config):
             module.config = module.config._base
             module._longpeft_string_hook.remove()
             del module._longpeft_string_hook
@@ -181,7 +187,7 @@ def _require_full_dynamic_cache(module: nn.Module, args: tuple, kwargs: dict[str
 def string_settings(model: nn.Module) -> dict[str, Any] | None:
     """The active STRING settings (keyword arguments for :func:`enable_string`), or None when off."""
     for module in attention_modules(model):
-        if isinstance(module.config, _StringConfigView):
+        if _is_string_view(module.config):
             return module.config.string_settings.as_dict()
     return None
 
