@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Failures caused by the user's input or environment: one message, exit status 2, no traceback.
 EXPECTED_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                   PermissionError, OSError, TimeoutError, ImportError)
+                   PermissionError, OSError, TimeoutError, ImportError, MemoryError)
 
 
 def main(argv: list[str] | None = None) -> int:

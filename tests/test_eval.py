@@ -306,6 +306,66 @@ def test_cli_rejects_bad_string_settings_naming_the_flag(saved_base_and_adapter,
     assert "local_window" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    ("task", "flags", "message"),
+    [
+        ("perplexity", ["--text", "t.txt", "--chat", "--depths", "0.5"], r"--depths, --chat: not used by eval perplexity"),
+        ("passkey", ["--text", "t.txt", "--window", "64"], r"--text, --window: not used by eval passkey \(its own flags"),
+        ("common_words", ["--depths", "0.5"], r"--depths: not used by eval common_words \(its prompts have no needle depth"),
+    ],
+)
+def test_cli_refuses_flags_the_task_does_not_use(saved_base_and_adapter, tmp_path, task, flags, message):
+    base_dir, _ = saved_base_and_adapter
+    with pytest.raises(ValueError, match=message):
+        run_cli(task, "--model", str(base_dir), "--out", str(tmp_path), *flags)
+
+
+def test_cli_refuses_an_unknown_dtype(saved_base_and_adapter, tmp_path, capsys):
+    base_dir, _ = saved_base_and_adapter
+    with pytest.raises(SystemExit):
+        run_cli("passkey", "--model", str(base_dir), "--dtype", "bf16", "--out", str(tmp_path))
+    assert "--dtype: invalid choice: 'bf16'" in capsys.readouterr().err
+
+
+def test_greedy_ignores_the_decoding_settings_a_model_ships(tokenizer):
+    """A saved repetition penalty (some instruct models ship one), banned n-grams or beams must not change what
+    a probe's answer is scored on."""
+    model = tiny_model("llama", vocab_size=len(tokenizer)).eval()
+    prompts = [list(range(3, 43)), list(range(50, 80))]
+    plain = greedy_generate(model, tokenizer, prompts, 16)
+    config = model.generation_config
+    config.repetition_penalty, config.no_repeat_ngram_size, config.num_beams, config.bad_words_ids = 4.0, 2, 3, [[7]]
+    assert greedy_generate(model, tokenizer, prompts, 16) == plain
+
+
+def test_the_string_a_model_runs_is_reported(tokenizer):
+    """STRING an adapter's longpeft.json (or a merged model) switched on is in the result, not only --string's."""
+    model = tiny_model("llama", vocab_size=len(tokenizer)).eval()
+    settings = enable_string(model, shift=100, local_window=8)
+    result = evaluate("passkey", model, tokenizer, lengths=[200], depths=[0.5], n_samples=1)
+    assert result["string"] == settings == string_settings(model)
+
+
+def test_a_grid_is_counted_once_per_cell_and_batched_as_it_runs(tokenizer):
+    from longpeft.eval.tasks import build_probe_grid
+
+    grid = build_probe_grid("passkey", tokenizer, [300, 300], depths=[0.5, 0.5], n_samples=2)
+    assert grid.lengths == [300] and len(grid.probes) == 2 and grid.largest_batch(4) == 2
+    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, lengths=[300, 300], depths=[0.5, 0.5], n_samples=2)
+    assert [cell["n"] for cell in result["cells"]] == [2]
+
+
+def test_ruler_builds_every_task_before_generating(tokenizer, tmp_path):
+    """common_words needs the longest prompt of the six: a length too short for it fails before any generation,
+    instead of after five tasks' work was done and thrown away."""
+    model = CopyingModel(tokenizer)
+    with pytest.raises(ValueError, match=r"too short for .* common words.*--lengths"):
+        evaluate("ruler", model, tokenizer, lengths=[400], n_samples=1, depths=[0.5], out_dir=tmp_path)
+    assert model.calls == [] and not list(tmp_path.iterdir())
+    result = evaluate("ruler", model, tokenizer, lengths=[700], n_samples=1, depths=[0.5], out_dir=tmp_path)
+    assert {f.name for f in tmp_path.glob("*.json")} == {f"{t}.json" for t in result["tasks"]} | {"ruler.json"}
+
+
 def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_path):
     """`evaluate(longpeft.load(...), string=True)`: S = trained_length // 3, not max_positions // 3."""
     import longpeft

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import warnings
+
 import pytest
 import torch
 
@@ -68,5 +70,9 @@ def test_text_file_through_evaluate(setup, tmp_path):
     assert (tmp_path / "perplexity.json").exists()
     with pytest.raises(FileNotFoundError, match="does not exist"):
         evaluate("perplexity", model, tokenizer, text=tmp_path / "missing.txt")
+    with warnings.catch_warnings():  # a window longer than the text: the forwards see the text's tokens only
+        warnings.simplefilter("error")
+        short = evaluate("perplexity", model, tokenizer, text=path, window=100_000)
+    assert short["window"] == short["n_tokens"] < model.config.max_position_embeddings
     with pytest.raises(ValueError, match="stride"):
         sliding_window_perplexity(model, tokenizer, input_ids=ids, window=8, stride=9)

@@ -74,6 +74,7 @@ def test_task_structure(tokenizer):
     body = tokenizer.decode(cwe.input_ids)
     counts = {w: body.count(f". {w} ") for w in cwe.answers}
     assert min(counts.values()) >= 3
+    assert cwe.needle_positions == [] and cwe.metadata == {"common_freq": min(counts.values())}  # was in needle_positions
     topic = builder.make("topic_retrieval", 1500)
     text = tokenizer.decode(topic.input_ids)
     assert text.index(f"topic of {topic.answers[0]}.") < min(text.index(f"topic of {t}.") for t in topic.metadata["topics"][1:])

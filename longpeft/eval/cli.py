@@ -75,7 +75,8 @@ def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
         return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(args.model).max_position_embeddings, "the model's max_position_embeddings"
+    config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
+    return config.max_position_embeddings, "the model's max_position_embeddings"
 
 
 def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None:
@@ -113,9 +114,37 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
     return {"shift": shift, "local_window": window, "trained_length": trained}
 
 
-def run_eval(args: argparse.Namespace) -> int:
-    if args.task == "perplexity" and not args.text:
+# Flags of one kind of task: {dest: (flag, default)}. Their parser default is None, so a flag given to a task it
+# does not apply to is refused instead of ignored; check_task_flags fills the defaults of the others.
+PROBE_FLAGS = {"lengths": ("--lengths", [1024, 2048, 4096]), "depths": ("--depths", None), "samples": ("--samples", 10),
+               "batch_size": ("--batch-size", 4), "seed": ("--seed", 0), "max_new_tokens": ("--max-new-tokens", None),
+               "chat": ("--chat", False), "save_prompts": ("--save-prompts", False)}
+PERPLEXITY_FLAGS = {"text": ("--text", None), "window": ("--window", 4096), "stride": ("--stride", None)}
+
+
+def check_task_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags ``args.task`` does not use (naming them), then fill in the defaults of those it does."""
+    from ..synth_data.probes import DEPTH_TASKS
+
+    perplexity = args.task == "perplexity"
+    foreign = PROBE_FLAGS if perplexity else PERPLEXITY_FLAGS
+    given = [flag for dest, (flag, _) in foreign.items() if getattr(args, dest) not in (None, False)]
+    if not perplexity and args.depths is not None and args.task not in (*DEPTH_TASKS, "niah", "ruler"):
+        given.append("--depths")
+    if given:
+        own = ", ".join(flag for flag, _ in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).values())
+        why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own}"
+        raise ValueError(f"{', '.join(given)}: not used by eval {args.task} ({why}); remove "
+                         f"{'it' if len(given) == 1 else 'them'}")
+    for dest, (_, default) in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+    if perplexity and not args.text:
         raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    check_task_flags(args)
     from ..builtin_models import model_location
 
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
@@ -167,18 +196,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--string-trained-length", type=_at_least(2),
         help="trained length L for STRING's default S (default: the adapter's trained length, else max_position_embeddings)",
     )
-    parser.add_argument("--lengths", type=_at_least(1), nargs="+", default=[1024, 2048, 4096], help="prompt lengths in tokens")
+    parser.add_argument("--lengths", type=_at_least(1), nargs="+", help="prompt lengths in tokens (default 1024 2048 4096)")
     parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
-    parser.add_argument("--samples", type=_at_least(1), default=10, help="probes per (length, depth) cell")
-    parser.add_argument("--batch-size", type=_at_least(1), default=4, help="prompts per forward (all of one length)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=_at_least(1), help="probes per (length, depth) cell (default 10)")
+    parser.add_argument("--batch-size", type=_at_least(1), help="prompts per forward, all of one length (default 4)")
+    parser.add_argument("--seed", type=int, help="seed of the probes' random content (default 0)")
     parser.add_argument("--max-new-tokens", type=_at_least(1), help="continuation budget (default per task, +32 with --chat)")
-    parser.add_argument("--chat", action="store_true", help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)")
-    parser.add_argument("--save-prompts", action="store_true", help="keep every prompt's text in <task>.json (large)")
+    parser.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)")
+    parser.add_argument("--save-prompts", action="store_true", default=None, help="keep every prompt's text in <task>.json (large)")
     parser.add_argument("--text", help="perplexity: UTF-8 text file")
-    parser.add_argument("--window", type=_at_least(2), default=4096, help="perplexity: tokens per window")
+    parser.add_argument("--window", type=_at_least(2), help="perplexity: tokens per window (default 4096)")
     parser.add_argument("--stride", type=_at_least(1), help="perplexity: step between windows (default window // 2)")
-    parser.add_argument("--dtype", default="auto", help="torch dtype to load in (auto, bfloat16, float32, ...)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="torch dtype to load in (default auto: the checkpoint's)")
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
     parser.add_argument("--device", help="device_map for loading, e.g. cpu, cuda, auto")
     parser.add_argument("--trust-remote-code", action="store_true",

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..family import backbone_of, causal_lm_of
 from .memory import check_memory
+from .positions import warn_beyond_positions
 
 LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp32 logits at a time
 
@@ -46,7 +47,8 @@ def sliding_window_perplexity(
         max_tokens: score only the first ``max_tokens`` tokens.
 
     Returns:
-        ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``.
+        ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``; ``window`` is the longest
+        input a forward got (``min(window, n_tokens)``).
     """
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text or input_ids")
@@ -60,6 +62,7 @@ def sliding_window_perplexity(
     n_tokens = ids.numel()
     if n_tokens < 2:
         raise ValueError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
+    warn_beyond_positions(model, [min(window, n_tokens)])  # the longest input a forward gets
     check_memory(model, 1, min(window, n_tokens), logits_tokens=min(LOGIT_CHUNK, window))
     backbone, head = backbone_of(model), causal_lm_of(model).get_output_embeddings()
     if head is None:
@@ -85,7 +88,7 @@ def sliding_window_perplexity(
         "nll_per_token": nll,
         "n_scored": n_scored,
         "n_tokens": n_tokens,
-        "window": window,
+        "window": min(window, n_tokens),
         "stride": stride,
     }
 

@@ -7,15 +7,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from torch import nn
 from tqdm.auto import tqdm
 
 from ..synth_data.probes import TASKS as PROBE_TASKS, Probe, make_probes
@@ -23,6 +24,7 @@ from .generation import eos_token_ids, generate_batch, pad_token_id
 from .names import TASKS
 from .memory import check_memory
 from .perplexity import perplexity_of_file
+from .positions import warn_beyond_positions
 from .plots import depth_length_heatmap, score_by_length
 from .scoring import score
 
@@ -65,27 +67,6 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
         disable_string(model)
         if before is not None:
             enable_string(model, **before)
-
-
-def warn_beyond_positions(model: Any, lengths: Sequence[int]) -> None:
-    """Warn (one warning for all ``lengths``) when prompts span more positions than the model's
-    ``max_position_embeddings``, counted with the applied methods that bound them (STRING: its largest
-    scored distance + 1; Activation Beacon: its memory plus one window; see ``Method.model_span``)."""
-    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if not max_positions:
-        return
-    from ..adapters import model_span
-
-    spans = {n: model_span(model, n) for n in lengths}
-    over = [n for n in lengths if spans[n].positions > max_positions]
-    if over:
-        methods = " and ".join(spans[over[0]].methods)
-        warnings.warn(
-            f"prompts of {', '.join(map(str, over))} tokens are longer than the model's max_position_embeddings="
-            f"{max_positions}{f' even with {methods} on' if methods else ''}: positions beyond it were never trained, "
-            "so expect low scores there unless the model was extended for them",
-            stacklevel=3,
-        )
 
 
 def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
@@ -143,6 +124,51 @@ def generate_for_probes(model: Any, tokenizer: Any, probes: Sequence[Probe], max
     return predictions
 
 
+@dataclasses.dataclass
+class ProbeGrid:
+    """A task's probes, built before anything generates (cheap: token ids only).
+
+    Attributes:
+        task: the probe task.
+        probes: the grid, ``n_samples`` per (length, depth) cell.
+        lengths: the distinct prompt lengths, ascending.
+        new_tokens: the continuation budget per prompt.
+    """
+
+    task: str
+    probes: list[Probe]
+    lengths: list[int]
+    new_tokens: int
+
+    def largest_batch(self, batch_size: int) -> int:
+        """Prompts in the longest batch :func:`length_batches` makes (at most ``batch_size``, of the longest length)."""
+        return min(batch_size, sum(1 for p in self.probes if p.length == self.lengths[-1]))
+
+
+def build_probe_grid(
+    task: str,
+    tokenizer: Any,
+    lengths: Sequence[int],
+    depths: Sequence[float] | None = None,
+    n_samples: int = 10,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    chat: bool = False,
+    **probe_options: Any,
+) -> ProbeGrid:
+    """The :class:`ProbeGrid` of ``task`` (options as :func:`run_probe_task`); fails before any generation."""
+    if task not in PROBE_TASKS:
+        raise ValueError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
+    lengths = sorted({int(length) for length in lengths})
+    if not lengths or lengths[0] < 1:
+        raise ValueError(f"lengths must be positive token counts, got {lengths}")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
+    new_tokens = max_new_tokens or MAX_NEW_TOKENS[task] + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
+    probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
+    return ProbeGrid(task, probes, lengths, new_tokens)
+
+
 def run_probe_task(
     task: str,
     model: Any,
@@ -155,6 +181,7 @@ def run_probe_task(
     max_new_tokens: int | None = None,
     chat: bool = False,
     save_prompts: bool = False,
+    grid: ProbeGrid | None = None,
     **probe_options: Any,
 ) -> dict[str, Any]:
     """Build the probe grid of ``task``, generate, and score every sample.
@@ -164,6 +191,7 @@ def run_probe_task(
         chat: wrap prompts in the tokenizer's chat template (replies scored with "contains").
         save_prompts: keep each prompt's text (special tokens included) in its sample (large:
             about 4 characters per token).
+        grid: the grid, when already built by :func:`build_probe_grid` with these options.
 
     Returns:
         ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths"}`` where
@@ -171,16 +199,10 @@ def run_probe_task(
         ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
-    if task not in PROBE_TASKS:
-        raise ValueError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
-    lengths = sorted({int(length) for length in lengths})
-    if not lengths or lengths[0] < 1:
-        raise ValueError(f"lengths must be positive token counts, got {lengths}")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
-    new_tokens = max_new_tokens or MAX_NEW_TOKENS[task] + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
-    check_memory(model, batch_size, lengths[-1] + new_tokens)  # before building anything long
-    probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
+    if grid is None:
+        grid = build_probe_grid(task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options)
+    probes, lengths, new_tokens = grid.probes, grid.lengths, grid.new_tokens
+    check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
     predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, task)
     samples = []
     for probe, prediction in zip(probes, predictions):
@@ -277,14 +299,24 @@ def evaluate(
     task = "niah_single" if task == "niah" else task
     if task not in TASKS:
         raise ValueError(f"unknown eval task {task!r}; choose one of {TASKS}")
-    with string_enabled(model, string) as string_used:
-        warn_beyond_positions(model, [window] if task == "perplexity" else lengths)
+    with string_enabled(model, string) as requested:
+        from ..adapters.string import string_settings
+
+        # what runs: also the STRING an adapter's longpeft.json or a merged model switched on
+        string_used = string_settings(model) if isinstance(model, nn.Module) else requested
         if task == "perplexity":
             if text is None:
                 raise ValueError("the perplexity task needs a text file (text=... / --text FILE)")
             result = {"task": task, **perplexity_of_file(model, tokenizer, text, window=window, stride=stride)}
         elif task == "ruler":
-            parts = {t: run_probe_task(t, model, tokenizer, lengths, **options) for t in RULER_TASKS}
+            warn_beyond_positions(model, lengths)
+            grid_options = {k: v for k, v in options.items() if k not in ("batch_size", "save_prompts")}
+            grids = {t: build_probe_grid(t, tokenizer, lengths, **grid_options) for t in RULER_TASKS}  # all, first
+            parts = {}
+            for t in RULER_TASKS:
+                parts[t] = run_probe_task(t, model, tokenizer, lengths, grid=grids[t], **options)
+                if out_dir is not None:  # each task's results land as soon as it is done
+                    write_outputs({**parts[t], "string": string_used}, out_dir)
             lengths_done = parts[RULER_TASKS[0]]["lengths"]
             result = {
                 "task": "ruler",
@@ -296,10 +328,8 @@ def evaluate(
                 "lengths": lengths_done,
                 "tasks": {t: {k: v for k, v in p.items() if k != "samples"} for t, p in parts.items()},
             }
-            if out_dir is not None:
-                for t, p in parts.items():
-                    write_outputs({**p, "string": string_used}, out_dir)
         else:
+            warn_beyond_positions(model, lengths)
             result = run_probe_task(task, model, tokenizer, lengths, **options)
     result["string"] = string_used
     if out_dir is not None:

@@ -110,7 +110,8 @@ class ProbeBuilder:
         self._encoded: dict[str, list[int]] = {}
         if chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("chat=True needs a tokenizer with a chat_template; use chat=False for base models")
+                raise ValueError("chat prompts (--chat, chat=True) need a tokenizer with a chat_template; leave chat "
+                                 "off for base models")
             marker = "\u2063PROBE\u2063"
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
@@ -352,7 +353,7 @@ class ProbeBuilder:
         if n_common * common_freq > n_items:
             raise ValueError(
                 f"length {length} is too short for {n_common} common words appearing {common_freq} times each; "
-                "use a longer length or fewer common words"
+                "use a longer length (--lengths), or fewer common words (n_common)"
             )
         used: set[str] = set()
         common = [self.pseudo_word(used) for _ in range(n_common)]
@@ -364,7 +365,7 @@ class ProbeBuilder:
         more = (self.pseudo_word(used) for _ in itertools.count())
         items = (f"{i + 1}. {w}" for i, w in enumerate(itertools.chain(words, more)))
         ids, _ = self.assemble_list(length, instruction, items, question)
-        return Probe("common_words", ids, common, "recall", length, None, {"common_freq": common_freq})
+        return Probe("common_words", ids, common, "recall", length, None, [], {"common_freq": common_freq})
 
     def assemble_list(self, length: int, instruction: str, items: Iterable[str], question: str) -> tuple[list[int], int]:
         """Prompt of exactly ``length`` tokens whose body is ``items`` (cut at the end to fit)."""
@@ -440,7 +441,8 @@ def make_probes(
     Args:
         task: one of ``TASKS``.
         lengths: prompt lengths in tokens.
-        depths: needle depths in [0, 1] (default 0, 0.25, 0.5, 0.75, 1 for needle tasks).
+        depths: needle depths in [0, 1] (default 0, 0.25, 0.5, 0.75, 1 for needle tasks; repeats count once,
+            as repeated lengths do).
         n_samples: probes per cell.
         seed: everything is deterministic given it.
         chat: wrap prompts in the tokenizer's chat template.
@@ -451,7 +453,8 @@ def make_probes(
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     if task in DEPTH_TASKS:
-        grid_depths: list[float | None] = list(depths) if depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
+        grid_depths: list[float | None] = (sorted({float(d) for d in depths}) if depths is not None
+                                           else [0.0, 0.25, 0.5, 0.75, 1.0])
     else:
         grid_depths = [None]
     builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
