@@ -27,6 +27,22 @@ ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# Keys each rope type reads besides its required ones (transformers ignores, with a log line, any other key).
+ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": (),
+    "dynamic": (),
+    "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "truncate"),
+    "llama3": (),
+}
+
+
+def unused_rope_keys(rope_type: str, keys: Any) -> list[str]:
+    """The ``keys`` a ``rope_type`` does not read (transformers would ignore them)."""
+    used = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
+            *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ())}
+    return sorted(set(keys) - used)
 
 
 def head_dim_of(config: Any) -> int:

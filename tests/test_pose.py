@@ -60,7 +60,8 @@ def test_collator_keeps_positions_and_passes_an_all_ones_mask():
     assert torch.equal(batch["attention_mask"], torch.ones(2, 20, dtype=torch.long))
     assert batch["labels"][0, :15].eq(-100).all() and torch.equal(batch["labels"][0, 15:], torch.arange(25, 30))
     assert batch["position_ids"][1, :12].tolist() == list(range(6)) + list(range(100, 106))  # kept as given
-    assert batch["position_ids"][1, 12:].tolist() == list(range(106, 114)) and batch["labels"][1, 12:].eq(-100).all()
+    # padding repeats the last position (it used to count on, past target_length - 1 for long pads)
+    assert batch["position_ids"][1, 12:].tolist() == [105] * 8 and batch["labels"][1, 12:].eq(-100).all()
     assert batch["input_ids"][1, 12:].eq(0).all()
     assert (batch["position_ids"][0] <= 255).all()
     truncating = PoseCollator(target_length=256, pad_token_id=0, max_length=8)
@@ -116,13 +117,41 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
     assert isinstance(collator, PoseCollator) and collator.target_length == 2048
     batch = next(iter(prepared.trainer.get_train_dataloader()))
     assert torch.equal(batch["attention_mask"], torch.ones_like(batch["attention_mask"]))
-    positions = batch["position_ids"]
-    assert (positions.diff(dim=1) >= 1).all() and positions.max() < 2048
-    assert (positions.diff(dim=1) > 1).any()  # at least one skip between chunks
+    positions, real = batch["position_ids"], batch["input_ids"] != prepared.tokenizer.pad_token_id
+    steps = positions.diff(dim=1)
+    assert (steps[real[:, 1:]] >= 1).all() and (steps[~real[:, 1:]] == 0).all() and positions.max() < 2048
+    assert (steps > 1).any()  # at least one skip between chunks
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     spec = ContextSpec.load(result.adapter_dir)
     assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rope.max_position_embeddings=512"], r"spans 2048 positions with pose, beyond the adapted model's 512"),
+        (["target_length=256"], r"pose.target_length \(256\) must be set and longer than the training length"),
+    ],
+)
+def test_pose_positions_must_fit_the_model_and_reach_past_the_window(tiny_base_dirs, overrides, message):
+    """PoSE trains positions up to its target: a model left at fewer positions (its spec said 512 for a model
+    trained to 2047) or a target no longer than the window (every skip 0: plain training) is refused."""
+    from longpeft.recipes.runner import build_spec, check_against_base
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.tiny import tiny_config
+
+    recipe = load_recipe("tiny-cpu", ["data.max_length=256", "method=pose", "target_length=2048",
+                                      "rope.max_position_embeddings=2048", *overrides])
+    with pytest.raises(ValueError, match=message):
+        check_against_base(recipe, build_spec(recipe, tiny_config("llama"), "tiny"))
+
+
+def test_pose_with_beacon_is_refused():
+    from longpeft.recipes.schema import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match="pose and beacon cannot be combined: Activation Beacon sets the positions"):
+        load_recipe("tiny-beacon-cpu", ["pose.n_chunks=2", "pose.target_length=4096"])
 
 
 def test_a_killed_pose_run_resumes_to_the_uninterrupted_adapter(tiny_base_dirs, chat_jsonl, tmp_path):

@@ -102,3 +102,26 @@ def test_resolve_keeps_type_and_rejects_unknown():
         expand_rope_base(model, {"rope_type": "longrope"})
     with pytest.raises(ValueError, match="needs"):
         expand_rope_base(model, {"rope_type": "linear"})
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rope.rope_type=llama3", "rope.factor=8", "rope.low_freq_factor=1", "rope.high_freq_factor=4",
+          "rope.attention_factor=2"], r"rope.attention_factor is not read by rope_type llama3"),
+        (["rope.factor=2"], r"rope.factor is not read by rope_type default"),
+        (["rope.rope_type=dynamic", "rope.factor=4"], r"rope_type dynamic rescales only beyond max_position_embeddings"),
+    ],
+)
+def test_recipes_refuse_rope_settings_transformers_would_ignore(overrides, message):
+    """transformers logs and ignores keys a rope type does not read, and dynamic NTK never rescales inside the
+    positions a recipe trains: both used to train plain RoPE without a word."""
+    from longpeft.recipes.runner import build_spec
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.tiny import tiny_config
+
+    recipe = load_recipe("tiny-cpu", overrides)
+    with pytest.raises(ValueError, match=message):
+        build_spec(recipe, tiny_config("llama"), "tiny")
+    yarn = load_recipe("tiny-cpu", ["rope.rope_type=yarn", "rope.factor=4", "rope.attention_factor=1.2"])
+    assert build_spec(yarn, tiny_config("llama"), "tiny").rope_parameters["attention_factor"] == 1.2

@@ -70,6 +70,58 @@ def test_checkpointed_layer_inputs_match_what_autograd_saves():
     assert abs((plan4 - plan2) - measured) / measured < 0.10
 
 
+@pytest.mark.parametrize("finetune,checkpointing", [("lora", "true"), ("lora", "false"), ("full", "true"), ("full", "false")])
+def test_flops_per_token_match_a_counted_training_step(tmp_path, finetune, checkpointing):
+    """One real training step (TRL's fused loss, eager attention so that every matmul is an aten op) under torch's
+    FLOP counter, which misses the fused loss's in-place accumulations (addmm_): they are counted here."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from longpeft.recipes.runner import prepare
+
+    recipe = _recipe(f"finetune={finetune}", f"train.gradient_checkpointing={checkpointing}", "model.attn_implementation=eager",
+                     "data.max_length=512", "data.demo.context_tokens=300", "train.per_device_batch_size=1",
+                     "train.global_batch_size=1", "train.max_steps=1", f"output_dir={tmp_path}")
+    trainer = prepare(recipe).trainer
+    tokens = next(iter(trainer.get_train_dataloader()))["input_ids"].numel()
+    accumulate = {torch.ops.aten.addmm_: lambda acc, a, b, *args, out_shape=None, **kwargs: 2 * a[0] * a[1] * b[1]}
+    with FlopCounterMode(display=False, custom_mapping=accumulate) as counter:
+        trainer.train()
+    measured = counter.get_total_flops() / tokens
+    planned = estimate(recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_length": tokens})}),
+                       gpus=1).flops_per_token
+    assert abs(planned - measured) / measured < 0.10, (planned, measured)
+
+
+def test_4bit_weight_bytes_match_bitsandbytes():
+    """NF4 weights with and without double quantization, against what bitsandbytes stores for a tensor."""
+    import bitsandbytes.functional as bnbf
+
+    weight = torch.randn(512, 1024, dtype=torch.bfloat16)
+    for double in (True, False):
+        packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=double)
+        stored = [packed, state.absmax] + ([state.state2.absmax, state.offset] if double else [])
+        measured = sum(t.numel() * t.element_size() for t in stored) / weight.numel()
+        recipe = _recipe("model.load_in_4bit=true", "model.dtype=bfloat16", f"model.bnb_4bit_use_double_quant={double}")
+        shape = _shape()
+        planned = (estimate(recipe, gpus=1, shape=shape).terms["base weights"] - shape.other_params * 2) / shape.linear_params
+        assert abs(planned - measured) / measured < 0.01, (double, planned, measured)
+
+
+def test_tokens_follow_max_steps_then_fractional_epochs(tmp_path, chat_jsonl):
+    by_steps = estimate(_recipe(f"data.source={chat_jsonl}", "train.max_steps=10", "train.global_batch_size=4"), gpus=1)
+    assert by_steps.tokens == 10 * 4 * 128  # not the file's rows
+    by_epochs = estimate(_recipe(f"data.source={chat_jsonl}", "train.num_train_epochs=2.5"), gpus=1)
+    assert by_epochs.tokens == round(8 * 2.5) * 128  # 8 rows, 2.5 epochs (was truncated to 2)
+    assert estimate(_recipe("data.demo.n_conversations=48"), gpus=1).assumptions["samples"] == 48
+
+
+def test_trained_weights_in_bfloat16_halve_their_terms():
+    default = estimate(_recipe(), gpus=2).terms
+    halved = estimate(_recipe("lora.trainable_dtype=bfloat16"), gpus=2).terms
+    for term in ("LoRA", "trainable embedding", "DDP gradient buckets"):
+        assert halved[term] * 2 == default[term]
+
+
 def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     recipe = load_recipe("llama3-8b-instruct-80k-qlora")
     plan = estimate(recipe, gpus=8, gpu_memory_gib=80, samples=3500)

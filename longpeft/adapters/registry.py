@@ -70,7 +70,8 @@ class Method:
         parameters: ``parameters(model) -> {name: Parameter}``, the method's own weights (beacon
             projections and embedding): they train while the base stays frozen, beside LoRA if any.
         span: ``span(config, length, max_positions) -> int``, the positions an input of ``length``
-            tokens occupies (default: ``length``); Activation Beacon keeps it inside the base's range.
+            tokens occupies in training (default: ``length``); Activation Beacon keeps it inside the base's range,
+            PoSE's position ids reach its target length.
         model_span: ``model_span(model, length) -> (positions, keys)`` on a model the method is applied to:
             the positions an input of ``length`` tokens occupies and the keys one query reads at most
             (default: ``length`` both). STRING bounds the positions; Activation Beacon both.

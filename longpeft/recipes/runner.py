@@ -156,9 +156,10 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
         bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
+        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.span is not None)
+        how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
         problems.append(
-            f"data.max_length={recipe.data.max_length} spans {span} positions"
-            f"{f' even with {recipe.method}' if bounded else ''}, beyond the adapted model's "
+            f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
             f"{spec.max_position_embeddings}; "
             + (f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions" if bounded
                else "raise rope.max_position_embeddings")
@@ -325,6 +326,23 @@ def expose_token_indices_head_bias(model: Any) -> None:
     head = model.get_output_embeddings()
     if isinstance(head, TrainableTokensWrapper):
         head.bias = None
+
+
+def keep_trained_weights_in(model: Any, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    """Keep every trained weight of ``model`` in ``dtype`` (``lora.trainable_dtype``) while the forward computes in
+    ``compute_dtype``.
+
+    TRL casts trained weights to bfloat16 over a 4-bit base, and peft's trainable embedding copy starts in the
+    base's dtype; either way AdamW would then drop updates smaller than bfloat16's precision. The input
+    embedding's output is cast to ``compute_dtype`` so that a float32 embedding copy does not turn the residual
+    stream (and every checkpointed layer input, ``[batch, seq, hidden]``) into float32.
+    """
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    embeddings = model.get_input_embeddings()
+    if dtype != compute_dtype and any(p.requires_grad for p in embeddings.parameters()):
+        embeddings.register_forward_hook(lambda module, args, output: output.to(compute_dtype))
 
 
 def world_size() -> int:
@@ -573,6 +591,9 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
     )
     expose_token_indices_head_bias(trainer.model)
+    if recipe.finetune == "lora" and recipe.train.backend == "transformers":
+        keep_trained_weights_in(trainer.model, torch_dtype(recipe.lora.trainable_dtype or "float32"),
+                                torch_dtype(recipe.model.dtype))
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)

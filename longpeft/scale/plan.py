@@ -5,8 +5,9 @@ Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and 
 - base weights: 4-bit NF4 linear layers at 0.5 byte/param plus the quantization constants (one fp32
   absmax per 64 weights, or with double quantization one 8-bit absmax per 64 and one fp32 per 256 x 64),
   everything else (embedding, LM head, norms) in the compute dtype; or the whole model in the compute dtype;
-- LoRA: weights, gradients and AdamW's two moments in fp32 (peft keeps adapters in fp32): 16 bytes/param;
-- trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, same 16 bytes/param;
+- LoRA: weights, gradients and AdamW's two moments in ``lora.trainable_dtype`` (float32 by default: 16 bytes/param;
+  bfloat16: 8);
+- trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, the same bytes/param;
 - a method's own weights (Activation Beacon's projections, in every finetune mode): float32, 16 bytes per
   trainable parameter and 4 per frozen one, counted by the method's ``planned_parameters`` registry hook;
 - checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
@@ -14,18 +15,23 @@ Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and 
 - one layer's recompute: during its backward one layer's activations exist again: per token the attention
   projections (q, k, v, the attention output, o's input: ``3 hidden + 2 kv``), the MLP (gate, up, the
   product and down's input: ``4 intermediate``), and the norms' inputs (``2 hidden``), in the compute
-  dtype; eager attention adds the ``heads x tokens x tokens`` score matrix;
+  dtype; eager attention adds the ``heads x tokens x tokens`` scores and probabilities (of every layer without
+  checkpointing);
 - loss tiles: TRL's fused LM head scores 4096 tokens x 32768 vocabulary at a time in fp32 (tile, softmax
   and its gradient: 3 tiles), plus the final hidden states and their gradient;
-- DDP gradient buckets: one more copy of the trainable gradients (fp32);
+- DDP gradient buckets: one more copy of the trainable gradients (in their dtype);
 - runtime: the CUDA context and kernels' workspace (1 GiB) plus 10 % of the activations for allocator
   fragmentation.
 
-Time: FLOPs per token = ``2 N`` for the forward of ``N`` parameters, again for the checkpointed
-recompute, once more for the backward to the activations, and twice for the weights' gradients only where
-weights train (LoRA: a small share); attention adds ``4 x layers x context x heads x head_dim`` per token
-(forward QK^T and AV, causal half), times 4 (forward, recompute, backward twice). Divided by the GPUs' peak
-bf16 FLOP/s times a model FLOPs utilisation (MFU, default 0.35 for QLoRA: dequantization costs).
+Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
+LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
+loss's recompute of the logits (the head), ``2 M`` for the backward to the activations, and ``2`` per trained
+matmul parameter for the weights' gradients (LoRA: a small share; a trained embedding is a lookup's gradient);
+attention adds ``4 x layers x context x heads x head_dim`` per token (forward QK^T and AV; context: half the
+sample, as causal kernels skip the masked half, or all of it with eager attention), times 4 (forward, recompute,
+backward twice). Tokens: ``train.max_steps x global batch`` samples when max_steps is set,
+else the data's rows x ``num_train_epochs``, each of ``data.max_length`` tokens. Divided by the GPUs' peak bf16
+FLOP/s times a model FLOPs utilisation (MFU, default 0.35 for QLoRA: dequantization costs).
 """
 
 from __future__ import annotations
@@ -201,8 +207,8 @@ def estimate(
     """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
 
     Args:
-        samples: training samples (default: the rows of ``data.source`` when it is a local JSONL file, else
-            ``train.max_steps x train.global_batch_size`` when max_steps is set, else 1000).
+        samples: rows of the training data (default: a local JSONL ``data.source``'s rows, the demo set's
+            conversations, else 1000); unused when ``train.max_steps`` is set.
     """
     if gpu not in GPU_PEAK_TFLOPS:
         raise ValueError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
@@ -214,26 +220,31 @@ def estimate(
 
     terms: dict[str, int] = {}
     if recipe.model.load_in_4bit:
-        constants = 0.5 + (4 / 256 if recipe.model.bnb_4bit_use_double_quant else 0) + (1 / 64 if recipe.model.bnb_4bit_use_double_quant else 4 / 64)
+        # one absmax per 64 weights: fp32, or with double quantization 8-bit plus one fp32 per 256 of those
+        constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
+        constants += 0.5
         terms["base weights"] = int(shape.linear_params * constants + shape.other_params * dtype_bytes)
     else:
         terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
-    trainable = 0
+    trainable = trainable_matmul = lora_params = 0
+    trained_bytes = 4  # per trained parameter (weight, gradient and each AdamW moment): float32
     if recipe.finetune == "lora":
+        trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
         lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
-        terms["LoRA"] = lora_params * 16
-        trainable += lora_params
+        terms["LoRA"] = lora_params * 4 * trained_bytes
+        trainable = trainable_matmul = lora_params
         if recipe.lora.embeddings == "full":
-            terms["trainable embedding"] = shape.vocab * shape.hidden * 16
+            terms["trainable embedding"] = shape.vocab * shape.hidden * 4 * trained_bytes
             trainable += shape.vocab * shape.hidden
         elif recipe.lora.embeddings == "token_indices":
             rows = len(recipe.lora.trainable_token_indices or [])
-            terms["trainable embedding"] = rows * shape.hidden * 16
+            terms["trainable embedding"] = rows * shape.hidden * 4 * trained_bytes
             trainable += rows * shape.hidden
     elif recipe.finetune == "full":
         full = shape.linear_params + shape.other_params
         terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
         trainable = full
+        trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
     method_levers = {}
     for name, config in recipe.method_configs().items():  # a method's own weights (beacon) train in every mode
         method = get_method(name)
@@ -241,6 +252,7 @@ def estimate(
             method_trainable, method_frozen = method.planned_parameters(config, shape)
             terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4  # float32; AdamW on the trainable
             trainable += method_trainable
+            trainable_matmul += method_trainable
             method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
     kv = shape.kv_heads * shape.head_dim
     if recipe.train.gradient_checkpointing:
@@ -250,22 +262,29 @@ def estimate(
     else:
         per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
         terms["all layers' activations"] = shape.layers * activation_tokens * per_token
-    if recipe.model.attn_implementation == "eager":
-        terms["eager attention scores"] = batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
+    if recipe.model.attn_implementation == "eager":  # scores and probabilities; every layer's without checkpointing
+        layers_kept = 1 if recipe.train.gradient_checkpointing else shape.layers
+        terms["eager attention scores"] = layers_kept * batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
     terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * activation_tokens * shape.hidden * dtype_bytes
     if gpus > 1:
-        terms["DDP gradient buckets"] = trainable * 4
+        terms["DDP gradient buckets"] = trainable * trained_bytes
     activations = sum(v for k, v in terms.items() if "layer" in k or "attention" in k or "loss" in k)
     terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10
 
-    params = shape.linear_params + shape.other_params
-    attention = 4 * shape.layers * (tokens_per_sample / 2) * shape.heads * shape.head_dim
-    weight_grads = 2 * 2 * params if recipe.finetune == "full" else 2 * 2 * trainable
-    recompute = 2 * params if recipe.train.gradient_checkpointing else 0
-    flops_per_token = 2 * params + recompute + 2 * params + weight_grads + attention * (4 if recompute else 3)
+    layers = shape.linear_params + lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
+    head = shape.vocab * shape.hidden  # the LM head's matmul (the input embedding is a lookup: no FLOPs)
+    # eager attention computes the whole score matrix; SDPA and flash-attn kernels skip the causal mask's upper half
+    context = tokens_per_sample if recipe.model.attn_implementation == "eager" else tokens_per_sample / 2
+    attention = 4 * shape.layers * context * shape.heads * shape.head_dim
+    recompute = 2 * layers if recipe.train.gradient_checkpointing else 0
+    # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights' gradients
+    flops_per_token = (2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
+                       + attention * (4 if recompute else 3))
     if samples is None:
         samples = _samples(recipe)
-    tokens = samples * tokens_per_sample * int(max(recipe.train.num_train_epochs, 1) if recipe.train.max_steps < 0 else 1)
+    trained_samples = (recipe.train.max_steps * recipe.train.global_batch_size if recipe.train.max_steps > 0
+                       else round(samples * recipe.train.num_train_epochs))
+    tokens = trained_samples * tokens_per_sample
     mfu = mfu if mfu is not None else (0.35 if recipe.model.load_in_4bit else 0.45)
     seconds = tokens * flops_per_token / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12 * mfu)
     return Plan(
@@ -278,16 +297,22 @@ def estimate(
         method_levers=method_levers,
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
-                     "adapter_dtype": "float32 (16 bytes/param with AdamW)", "finetune": recipe.finetune,
+                     "trained_samples": trained_samples,
+                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({4 * trained_bytes} bytes/param "
+                                        "with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit},
     )
 
 
 def _samples(recipe: Any) -> int:
+    """Rows of the training data: a local JSONL file's, the demo set's ``n_conversations``, else 1000 (pass
+    ``--samples`` for the real count)."""
     path = Path(recipe.data.source)
     if path.is_file() and path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as handle:
             return sum(1 for line in handle if line.strip())
-    if recipe.train.max_steps > 0:
-        return recipe.train.max_steps * recipe.train.global_batch_size
+    if recipe.data.source == "demo":
+        from ..synth_data.demo import DEMO_CONVERSATIONS
+
+        return int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS))
     return 1000

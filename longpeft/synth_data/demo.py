@@ -11,10 +11,12 @@ from transformers import PreTrainedTokenizerBase
 from .builders import LengthConfig, LongContextBuilder, procedural_document
 from .qa import ProceduralAnswerer
 
+DEMO_CONVERSATIONS = 64  # conversations in the demo set unless data.demo.n_conversations says otherwise
+
 
 def demo_conversations(
     tokenizer: PreTrainedTokenizerBase,
-    n_conversations: int = 64,
+    n_conversations: int = DEMO_CONVERSATIONS,
     context_tokens: int = 600,
     seed: int = 0,
     questions_per_conversation: int = 4,
@@ -37,7 +39,7 @@ def demo_conversations(
 
 def build_demo_dataset(
     tokenizer: PreTrainedTokenizerBase,
-    n_conversations: int = 64,
+    n_conversations: int = DEMO_CONVERSATIONS,
     context_tokens: int = 600,
     seed: int = 0,
     questions_per_conversation: int = 4,

@@ -49,9 +49,10 @@ class PoseConfig(StrictModel):
 
 def _resolve(config: PoseConfig, context: ResolveContext) -> PoseConfig:
     target = config.target_length or context.target_length
-    if target is None or (context.trained_length and target < context.trained_length):
+    if target is None or (context.trained_length and target <= context.trained_length):
         raise ValueError(
-            f"pose.target_length ({target}) must be set and at least the training length ({context.trained_length})"
+            f"pose.target_length ({target}) must be set and longer than the training length "
+            f"({context.trained_length}, data.max_length): at equal lengths every skip is 0 and PoSE changes nothing"
         )
     return config.model_copy(update={"target_length": target})
 
@@ -150,7 +151,9 @@ class PoseCollator:
         for b, (ids, labels, positions) in enumerate(rows):
             n = len(ids)
             batch_ids[b, :n], batch_labels[b, :n], batch_positions[b, :n] = ids, labels, positions
-            batch_positions[b, n:] = positions[-1] + 1 + np.arange(width - n)
+            # padding repeats the last position: positions past target_length - 1 would change what a rope type
+            # that reads the batch's largest position (dynamic) computes for the real tokens
+            batch_positions[b, n:] = positions[-1]
         return {
             "input_ids": torch.from_numpy(batch_ids),
             "labels": torch.from_numpy(batch_labels),
@@ -166,6 +169,9 @@ METHOD = Method(
     remove=lambda model: None,
     is_applied=lambda model: False,
     resolve=_resolve,
+    span=lambda config, length, max_positions: config.target_length,  # trained positions reach target_length - 1
+    excludes={"beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's "
+                        "position ids would be ignored"},
     describe=lambda config: [
         f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating {config.target_length} tokens."
     ],

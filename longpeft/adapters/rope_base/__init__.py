@@ -16,7 +16,7 @@ from pydantic import Field
 from torch import nn
 
 from ...config import StrictModel
-from ...rope import rope_parameters_of, set_rope_parameters
+from ...rope import rope_parameters_of, set_rope_parameters, unused_rope_keys
 from ..registry import Method, ResolveContext
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3"]
@@ -96,8 +96,22 @@ def expand_rope_base(
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
-    """The complete rope_parameters and max length this section gives the base model."""
-    params = resolve_rope_parameters(context.base_config, config.rope_parameters())
+    """The complete rope_parameters and max length this section gives the base model.
+
+    Refuses keys the resulting rope type does not read (transformers would ignore them), and ``dynamic`` for a
+    training run: dynamic NTK rescales only beyond ``max_position_embeddings``, which a recipe sets to at least its
+    training length, so the run would train plain RoPE.
+    """
+    requested = config.rope_parameters()
+    params = resolve_rope_parameters(context.base_config, requested)
+    unused = unused_rope_keys(params["rope_type"], requested)
+    if unused:
+        raise ValueError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would ignore "
+                         "it); remove it, or choose a rope_type that reads it")
+    if params["rope_type"] == "dynamic" and context.trained_length:
+        raise ValueError("rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
+                         "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "
+                         "rope_theta (dynamic stays available without training: expand_rope_base)")
     unknown = sorted(set(params) - set(RopeConfig.model_fields))
     if unknown:
         raise ValueError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
