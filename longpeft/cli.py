@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory of one GPU (default 80)")
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
     scale.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.35 for 4-bit bases, 0.45 otherwise)")
-    scale.add_argument("--samples", type=int, help="training samples (default: rows of a local data.source JSONL)")
+    scale.add_argument("--samples", type=int, help="rows of the training data (default: a local data.source JSONL's "
+                       "rows, the demo set's size, else 1000); train.max_steps, when set, decides instead")
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (

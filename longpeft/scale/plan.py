@@ -165,7 +165,7 @@ class Plan:
         advice = {
             "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
-            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer (train.optim: adamw_bnb_8bit)",
+            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), an 8-bit optimizer (train.optim: adamw_bnb_8bit), or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)",
             "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method")
             else "--launch fsdp2 (shards the 4-bit base: its quant storage is the compute dtype)"
             if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)",
