@@ -24,6 +24,12 @@ def test_normalize():
         ("The pass key is 12345", 0.0),  # must come first
         ("", 0.0),
         ("54321", 0.0),
+        (" 12345.6", 0.0),  # numbers continued through a separator are other numbers
+        (" 12345,678", 0.0),
+        (" 12345-7", 0.0),
+        (" 12345_9", 0.0),
+        (" 12345, then", 1.0),
+        (" 12345.", 1.0),
     ],
 )
 def test_exact_match(prediction, expected):
@@ -64,6 +70,9 @@ def test_score_dispatch_and_errors():
         ("The pass key is 604941.", 0.0),  # word boundaries: a longer number is wrong
         ("The pass key is 160494.", 0.0),
         ("The pass key is 6049.", 0.0),
+        ("The pass key is 60494.5.", 0.0),
+        ("The pass key is 1.60494 or 60494,1.", 0.0),
+        ("It is 1.60494, no: 60494.", 1.0),  # one whole occurrence is enough
         ("I do not know.", 0.0),
         ("", 0.0),
     ],

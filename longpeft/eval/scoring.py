@@ -6,7 +6,8 @@ model that read the needle continues with it; text before it means it answered s
 "exact" keeps that strict. A chat model answers in its own words ("The pass key is 60494."), so its
 reply is scored with "contains". "contains" alone would serve plain prompts less well: it credits a
 continuation that first states a wrong value (or copies a distractor needle) and only later the
-right one. All rules match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong.
+right one. All rules match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong, and so
+are numbers that continue it through a separator (``60494.1``, ``60494,123``, ``60494-7``).
 """
 
 from __future__ import annotations
@@ -20,24 +21,37 @@ def normalize(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
+# A number glued to a number answer through one of these is another number (12345.6, 12345,678, 12345-7).
+_NUMBER_JOINERS = ".,_-"
+
+
+def _glued(before: str, target: str, after: str) -> bool:
+    """Whether ``target``, between the texts ``before`` and ``after``, is part of a longer word or number."""
+    if before[-1:].isalnum() or after[:1].isalnum():
+        return True
+    if target[-1:].isdigit() and after[:1] in _NUMBER_JOINERS and after[1:2].isdigit():
+        return True
+    return bool(target[:1].isdigit() and before[-1:] in _NUMBER_JOINERS and before[-2:-1].isdigit())
+
+
 def exact_match(prediction: str, answer: str) -> float:
     """1.0 when the continuation begins with ``answer`` as a whole word, else 0.0.
 
     Leading spaces, quotes and colons are skipped, and case is ignored: for the answer ``12345``,
-    ``" 12345. Remember"`` scores 1, ``"123456"`` and ``"The 12345"`` score 0.
+    ``" 12345. Remember"`` scores 1, ``"123456"``, ``"12345.6"`` and ``"The 12345"`` score 0.
     """
     text = normalize(prediction).lstrip(" \"'`:*")
     target = normalize(answer)
     if not target or not text.startswith(target):
         return 0.0
-    rest = text[len(target) :]
-    return 0.0 if rest[:1].isalnum() else 1.0
+    return 0.0 if _glued("", target, text[len(target) :]) else 1.0
 
 
 def _appears(text: str, answer: str) -> bool:
-    """Whether ``answer`` is in the normalized ``text`` as whole words (no letter or digit glued on)."""
+    """Whether ``answer`` is in the normalized ``text`` as whole words (nothing glued on, see :func:`_glued`)."""
     target = normalize(answer)
-    return bool(target) and re.search(rf"(?<![0-9a-z]){re.escape(target)}(?![0-9a-z])", text) is not None
+    return bool(target) and any(not _glued(text[: m.start()], target, text[m.end() :])
+                                for m in re.finditer(re.escape(target), text))
 
 
 def contains(prediction: str, answer: str) -> float:
