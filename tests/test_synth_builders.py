@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections import Counter
 
@@ -18,10 +19,18 @@ from longpeft.synth_data.builders import (
     procedural_long_documents,
 )
 from longpeft.synth_data.cli import main as synth_main
-from longpeft.synth_data.corpus import TOPIC_DESCRIPTIONS, corpus_texts, generate_document
+from longpeft.synth_data.corpus import GENERAL_PROFESSIONS, TOPIC_DESCRIPTIONS, TOPICS, corpus_texts, generate_document
 from longpeft.synth_data.demo import build_demo_dataset
 from longpeft.synth_data.mix import MixConfig, mix
-from longpeft.synth_data.qa import LLMAnswerer, Passage, ProceduralAnswerer, QAJob
+from longpeft.synth_data.qa import (
+    LLMAnswerer,
+    Passage,
+    ProceduralAnswerer,
+    QAJob,
+    _count_profession,
+    _DocFacts,
+    _shared_professions,
+)
 from longpeft.tiny import demo_tokenizer
 
 LENGTH = LengthConfig(min_tokens=1500, max_tokens=2000, chunk_tokens=256, qa_reserve_tokens=300)
@@ -64,6 +73,15 @@ def turns(row):
 
 def facts_of(row, documents):
     return {f.fact_id: f for doc_id in row["sources"] for f in documents[doc_id].facts}
+
+
+def named_workers(text):
+    """(name, profession) of every person the text itself names with a profession, in order of appearance."""
+    return re.findall(r"([A-Z][a-z]+ [A-Z][a-z]+) (?:worked as|made a living as) an? ([a-z ]+)\.", text)
+
+
+def named_professions(text):
+    return {profession for _, profession in named_workers(text)}
 
 
 def test_every_task_is_built_within_the_token_range(built, tok):
@@ -111,7 +129,7 @@ def check_multi_detail(question, answer, used, in_context):
     if "sum of the numbers" in question:
         assert int(answer) == sum(int(f.value) for f in used)
         return "sum"
-    if question.startswith("How many people"):
+    if question.startswith("How many people named in the text"):
         profession = re.search(r"worked as an? (.+?)\?", question).group(1)
         everyone = [f.subject for f in in_context if f.kind == "profession" and f.value == profession]
         assert answer == f"{len(everyone)}: {', '.join(everyone)}."
@@ -147,6 +165,36 @@ def test_every_multi_detail_question_kind_on_a_long_document():
     assert set(kinds) == {"sum", "count", "birth", "event"} and len(pairs) == 16
 
 
+def test_profession_questions_ask_about_named_people_and_the_text_agrees():
+    """Filler prose also mentions unnamed workers ("spoke with a sailor", "every sailor knew"), so the
+    profession questions ask about people *named* in the text, and their answers are read off the text."""
+    professions = TOPICS["harbor"]["professions"] + GENERAL_PROFESSIONS
+    loose_mentions_differ = 0
+    for seed in range(8):
+        a, b = (generate_document(seed=2 * seed + i, n_sentences=200, topic="harbor") for i in (0, 1))
+        docs = [_DocFacts(1, Passage(a, 0, len(a.text))), _DocFacts(2, Passage(b, 0, len(b.text)))]
+        pair = _shared_professions(docs, random.Random(seed))
+        assert pair.question == "Which professions are held both by someone named in Document 1 and by someone " \
+                                "named in Document 2?"
+        shared = sorted(named_professions(a.text) & named_professions(b.text))
+        assert pair.answer == (", ".join(shared) + "." if shared else "None: no profession is held by people named in both.")
+        mentioned = [p for p in professions if all(re.search(rf"\b{p}\b", d.text) for d in (a, b))]
+        loose_mentions_differ += mentioned != shared
+
+        by_kind = {}
+        for fact in a.facts:
+            by_kind.setdefault(fact.kind, []).append(fact)
+        pair = _count_profession(by_kind, random.Random(seed))
+        if pair is None:
+            continue
+        match = re.fullmatch(r"How many people named in the text worked as an? (.+)\? Name them in order of appearance\.",
+                             pair.question)
+        assert match, pair.question
+        people = [name for name, p in named_workers(a.text) if p == match.group(1)]
+        assert pair.answer == f"{len(people)}: {', '.join(people)}."
+    assert loose_mentions_differ  # "mentioned in both" would have had another answer
+
+
 def test_heterogeneous_contexts_hold_one_cluster_and_compare_documents(built):
     _, rows, documents = built
     for row in (r for r in rows if r["task"] == "heterogeneous"):
@@ -163,11 +211,10 @@ def test_heterogeneous_contexts_hold_one_cluster_and_compare_documents(built):
             elif "most inhabitants" in question:
                 biggest = max(docs, key=lambda d: d.profile["population"])
                 assert answer.startswith(f"{biggest.profile['town']}, described in Document {docs.index(biggest) + 1}")
-            elif "mentioned in both" in question:
+            elif "Which professions are held both" in question:
                 a, b = (int(n) for n in re.findall(r"Document (\d+)", question))
-                shared = sorted({f.value for f in docs[a - 1].facts if f.kind == "profession"}
-                                & {f.value for f in docs[b - 1].facts if f.kind == "profession"})
-                assert answer == (", ".join(shared) + "." if shared else "None: no profession is mentioned in both.")
+                shared = sorted(named_professions(docs[a - 1].text) & named_professions(docs[b - 1].text))
+                assert answer == (", ".join(shared) + "." if shared else "None: no profession is held by people named in both.")
             elif "and by how many" in question:
                 a, b = (docs[int(n) - 1].profile["population"] for n in re.findall(r"Document (\d+)", question))
                 assert answer.endswith(f"by {abs(a - b)} inhabitants.")
@@ -290,6 +337,34 @@ def test_cli_names_a_bad_config_key(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         synth_main(["--help"])
     assert exit_info.value.code == 0 and "--answerer" in capsys.readouterr().out
+
+
+def test_cli_names_an_unsupported_source_file_and_a_bad_jsonl_line(tmp_path, capsys):
+    notes, bad = tmp_path / "notes.md", tmp_path / "bad.jsonl"
+    notes.write_text("# notes\n")
+    bad.write_text('{"text": "a"}\n{"text": "b",}\n')
+    for source, message in [(notes, f"source file {notes}: unsupported type '.md'; use .txt (one document per file) "
+                                    "or .jsonl"), (bad, f"{bad}:2: not valid JSON (")]:
+        assert synth_main(["--out", str(tmp_path / "o"), "--answerer", "llm", "--source", str(source)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_retrieval_texts_hold_no_bos_and_tokenize_to_the_drawn_length(tok):
+    """A BOS-adding tokenizer: the texts must not carry the BOS that training's tokenization adds again."""
+    import copy
+
+    from tokenizers import processors
+
+    from longpeft.synth_data.retrieval_docs import build_retrieval_dataset
+
+    bos_tok = copy.deepcopy(tok)
+    bos = bos_tok.bos_token_id
+    bos_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos_tok.bos_token} $A", special_tokens=[(bos_tok.bos_token, bos)])
+    texts = build_retrieval_dataset(bos_tok, n_documents=9, min_tokens=300, max_tokens=300, seed=0)["text"]
+    for text in texts:
+        ids = bos_tok(text)["input_ids"]  # as recipes/data.py tokenizes plain text
+        assert bos_tok.bos_token not in text and ids.count(bos) == 1 and len(ids) == 300
 
 
 def test_demo_dataset_is_exact_retrieval_and_deterministic(tok):

@@ -59,6 +59,43 @@ def test_timeout_is_retried(tmp_path):
     assert server.calls == 2
 
 
+def test_408_and_409_are_retried_and_retry_after_ms_is_honoured(tmp_path):
+    with StubServer() as server:
+        client = make_client(server, tmp_path, backoff_max=5.0)
+        results = client.run([request("a [[408*1]]"), request("b [[409*2]]")], parse=parse_qa)
+        assert all(r.ok for r in results) and server.statuses[408] == 1 and server.statuses[409] == 2
+        start = time.monotonic()
+        [result] = client.run([request("c [[429*1,retry_ms=600]]")], parse=parse_qa)  # also sends Retry-After: 0
+        assert result.ok and time.monotonic() - start >= 0.6
+    assert client.usage_report()["total"]["retries"] == 1 + 2 + 1
+
+
+def test_a_200_that_is_not_a_completion_is_retried_then_rejected(tmp_path):
+    """A gateway's HTML page with HTTP 200 (openai hands it back as a str) fails that request only."""
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_retries=2)
+        once, always, fine = client.run([request("once [[html*1]]"), request("always [[html]]"), request("fine")],
+                                        parse=parse_qa)
+    assert once.ok and fine.ok and not always.ok
+    assert client.usage_report()["total"]["retries"] == 1 + 2
+    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["meta"]["name"] == "always [[html]]"
+    assert "not a chat completion" in reject["error"] and "Please sign in" in reject["error"]
+
+
+def test_cache_is_per_endpoint(tmp_path):
+    """A dry run against the stub, then a run against another endpoint into the same cache: the stub's
+    answers are not served as the other endpoint's."""
+    requests = [request(f"prompt {i}") for i in range(3)]
+    with StubServer() as dry_run, StubServer() as real:
+        make_client(dry_run, tmp_path).run(requests, parse=parse_qa)
+        make_client(real, tmp_path).run(requests, parse=parse_qa)
+        assert dry_run.calls == real.calls == 3
+        again = make_client(real, tmp_path, base_url=real.base_url + "/")  # same endpoint, trailing slash
+        again.run(requests, parse=parse_qa)
+        assert real.calls == 3 and again.usage_report()["total"]["cache_hits"] == 3
+
+
 def test_persistent_5xx_ends_in_rejects_file(tmp_path):
     with StubServer() as server:
         client = make_client(server, tmp_path, max_retries=2)

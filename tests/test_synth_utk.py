@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from longpeft.synth_data.corpus import corpus_texts
-from longpeft.synth_data.utk import IGNORE_INDEX, UtkAugmenter, add_utk_tokens, untie
+from longpeft.synth_data.utk import IGNORE_INDEX, UtkAugmenter, add_utk_tokens, chunk_labels_needed, untie
 from longpeft.tiny import sample_text, train_tokenizer
 
 
@@ -150,6 +152,42 @@ def test_chunk_count_distribution_and_short_documents(setup):
         UtkAugmenter(tokens, chunk_counts={5: 1.0})
     with pytest.raises(ValueError, match="already contain"):
         UtkAugmenter(tokens, probability=1.0)([sample.input_ids])
+
+
+def test_every_label_of_the_alphabet_can_be_used_and_no_more(setup):
+    """A sequence needing exactly len(letters) ** label_length labels gets them all (random draws alone
+    would keep colliding on the last free ones); one more chunk is refused, naming label_length."""
+    _, _, tokens, _ = setup
+    four_letters = dataclasses.replace(tokens, letters=tokens.letters[:4])
+    augmenter = UtkAugmenter(four_letters, probability=1.0, chunk_counts={2: 1.0}, min_split_tokens=2, label_length=5)
+    docs = [[5, 6]] * 512
+    assert chunk_labels_needed([2] * 512, max_chunks=2, min_split_tokens=2) == 1024 == 4**5
+    sample = augmenter(docs, seed=0)
+    assert (sample.input_ids == tokens.label_open).sum() == 1024 and len(untie(sample.input_ids, four_letters)) == 512
+    with pytest.raises(ValueError, match="raise label_length"):
+        augmenter(docs + [[5, 6]], seed=0)
+
+
+def test_pack_for_utk_refuses_too_short_labels_and_cuts_long_documents():
+    from datasets import Dataset
+
+    from longpeft.recipes.data import pack_for_utk
+    from longpeft.recipes.schema import UtkSection
+    from longpeft.synth_data.utk import utk_overhead
+
+    assert chunk_labels_needed([64, 63, 100, 1], max_chunks=3, min_split_tokens=64) == 6
+    assert chunk_labels_needed([64, 100], max_chunks=1, min_split_tokens=64) == 0  # {1: ...} never splits
+    documents = Dataset.from_dict({"input_ids": [[50 + i] * 64 for i in range(10)]})  # one sequence, 30 chunks
+    utk = UtkSection(chunk_counts={2: 0.5, 3: 0.5}, min_split_tokens=64, label_length=1)
+    with pytest.raises(ValueError, match=r"data.utk.label_length=1 spells 26\*\*1 = 26 distinct chunk labels, but a packed "
+                                         r"sequence of up to data.max_length=1024 tokens can need 30 .* at least 2"):
+        pack_for_utk(documents, 1024, utk, n_letters=26)
+    packed = pack_for_utk(documents, 1024, utk.model_copy(update={"label_length": 2}), n_letters=26)
+    assert packed["doc_lengths"] == [[64] * 10]
+    assert len(pack_for_utk(documents, 1024, utk, n_letters=26 * 2)) == 1  # 52 letters: 52 labels are enough
+    long = pack_for_utk(Dataset.from_dict({"input_ids": [[7] * 2000, [8] * 10]}), 512, utk, n_letters=26)
+    room = 512 - utk_overhead(1, 3, 1)
+    assert long["doc_lengths"] == [[room], [10]]  # the long document is cut to the room left by UtK
 
 
 def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path):

@@ -3,13 +3,14 @@ demo generator."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from .schema import DataSection
+from .schema import DataSection, UtkSection
 
 ROLES = {"system", "user", "assistant"}
 
@@ -193,16 +194,33 @@ def filter_by_length(dataset: Dataset, max_length: int, truncate: bool) -> tuple
     return dataset.select(keep), stats
 
 
-def pack_for_utk(dataset: Dataset, max_length: int, max_chunks: int, label_length: int) -> Dataset:
+def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: int) -> Dataset:
     """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose
-    documents plus UtK's insertions fit ``max_length`` (a document too long alone is cut to fit)."""
-    from ..synth_data.utk import pack_documents, utk_overhead
+    documents plus UtK's insertions fit ``max_length`` (a document too long alone is cut to fit).
 
+    Refuses a ``utk.label_length`` whose ``n_letters ** label_length`` chunk labels (``n_letters``:
+    the single-token letters of :func:`~longpeft.synth_data.utk.add_utk_tokens`) cannot label every
+    chunk of the fullest sequence, rather than failing in the collator mid-training.
+    """
+    from ..synth_data.utk import chunk_labels_needed, pack_documents, utk_overhead
+
+    max_chunks, label_length = max(utk.chunk_counts), utk.label_length
     room = max_length - utk_overhead(1, max_chunks, label_length)
     if room < 2:
         raise ValueError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
     documents = [ids[:room] for ids in dataset["input_ids"]]
     groups = pack_documents(documents, max_length, max_chunks, label_length)
+    needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens) for g in groups),
+                 default=0)
+    if needed > n_letters**label_length:
+        enough = next(n for n in itertools.count(1) if n_letters**n >= needed)
+        raise ValueError(
+            f"data.utk.label_length={label_length} spells {n_letters}**{label_length} = {n_letters**label_length} "
+            f"distinct chunk labels, but a packed sequence of up to data.max_length={max_length} tokens can need "
+            f"{needed} (its documents of >= data.utk.min_split_tokens={utk.min_split_tokens} tokens split into up "
+            f"to {max_chunks} chunks each); set data.utk.label_length to at least {enough} (or raise "
+            "data.utk.min_split_tokens)"
+        )
     return Dataset.from_dict({
         "input_ids": [[t for i in group for t in documents[i]] for group in groups],
         "doc_lengths": [[len(documents[i]) for i in group] for group in groups],

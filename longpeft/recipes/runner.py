@@ -573,7 +573,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk = recipe.data.utk
         if utk is not None:
-            dataset = pack_for_utk(dataset, recipe.data.max_length, max(utk.chunk_counts), utk.label_length)
+            letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
+            dataset = pack_for_utk(dataset, recipe.data.max_length, utk, len(letters))
         dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
     peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     if recipe.finetune == "method":  # the base stays frozen; only the method's weights train

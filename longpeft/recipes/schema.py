@@ -79,6 +79,8 @@ class UtkSection(Section):
     (``chunk_counts``: ``{h: weight}``), knotted, shuffled (keeping each document's own order with
     ``preserve_order``) and followed by their backtraces. The UtK special tokens are added to the
     tokenizer, so their embedding rows must train (``lora.embeddings: full`` or ``token_indices``).
+    Every chunk of a sequence gets a distinct label of ``label_length`` letters: packing refuses a
+    ``label_length`` too short for the chunks of the fullest sequence.
     """
 
     probability: float = Field(default=0.8, ge=0, le=1)

@@ -8,8 +8,11 @@
 - :mod:`.mix`, :mod:`.report`, :mod:`.pipeline`: mixing with plain text and instructions, outputs,
   and the whole `longpeft synth` run;
 - :mod:`.demo`: the demo's retrieval training set (:func:`build_demo_dataset`);
-- :mod:`.utk` (Untie the Knots) and :mod:`.pose` (PoSE position ids and collator): data-side
-  long-context training tricks on token ids.
+- :mod:`.retrieval_docs`: retrieval documents (answered passkey / needle probes, recurring spans) for
+  ``data.source: retrieval``; :mod:`.probes`: exact-length evaluation probes;
+- :mod:`.stub_server`: a local OpenAI-compatible server for tests and dry runs;
+- :mod:`.utk` (Untie the Knots): a data-side long-context training trick on token ids. (PoSE, the
+  other one, lives with the methods: ``longpeft.adapters.pose``.)
 
 This package never imports ``longpeft.adapters``.
 """

@@ -3,10 +3,12 @@
 What it adds on top of the ``openai`` package:
 
 - a concurrency limit (``max_concurrency`` requests in flight);
-- retries with exponential backoff (and ``Retry-After``) on 429, 5xx, timeouts and connection errors;
-- a disk cache keyed by a hash of the request's content (model, messages, parameters, attempt number):
-  every answer is written the moment it arrives, so a killed run resumes without repeating a call
-  that was answered and cached;
+- retries with exponential backoff (and ``retry-after-ms`` / ``Retry-After``) on 408, 409, 429, 5xx,
+  timeouts, connection errors and 200 responses whose body is not a chat completion;
+- a disk cache keyed by a hash of the endpoint and the request's content (base URL, model, messages,
+  parameters, attempt number): every answer is written the moment it arrives, so a killed run resumes
+  without repeating a call that was answered and cached, and answers of one endpoint (a stub for a dry
+  run) are never served as another's. Caches written before the base URL joined the key are not reused;
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
   and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file;
@@ -45,7 +47,9 @@ class LLMConfig(BaseModel):
     model: str = Field("gpt-4o", description="model name sent with every request")
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
-    max_retries: int = Field(3, ge=0, description="retries of one attempt on 429/5xx/timeout/connection errors")
+    max_retries: int = Field(
+        3, ge=0, description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies"
+    )
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
     timeout: float = Field(
@@ -116,9 +120,14 @@ class _RetryableError(Exception):
         self.retry_after = retry_after
 
 
-def request_key(model: str, request: LLMRequest, sampling: dict[str, Any], attempt: int) -> str:
-    """SHA-256 of the request content: model, messages, sampling and extra params, attempt number."""
+RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
+
+
+def request_key(base_url: str, model: str, request: LLMRequest, sampling: dict[str, Any], attempt: int) -> str:
+    """SHA-256 of the endpoint and the request content: base URL (without trailing slashes), model,
+    messages, sampling and extra params, attempt number."""
     payload = {
+        "base_url": base_url.rstrip("/"),
         "model": model,
         "messages": request.messages,
         "params": {**sampling, **request.params},
@@ -337,7 +346,7 @@ class LLMClient:
         api_calls = 0
         key = ""
         for attempt in range(self.config.max_parse_attempts):
-            key = request_key(self.config.model, request, sampling, attempt)
+            key = request_key(self.config.base_url, self.config.model, request, sampling, attempt)
             entry = self.cache.get(key)
             if entry is not None:
                 usage.cache_hits += 1
@@ -401,6 +410,8 @@ class LLMClient:
                     response = await client.chat.completions.create(
                         model=self.config.model, messages=request.messages, **sampling, **request.params
                     )
+                if not isinstance(getattr(response, "choices", None), list):  # openai returns a non-JSON body as str
+                    raise ValueError(f"got {str(response)[:200]!r}")
             except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as error:
                 raise LLMRunAborted(
                     f"{self.config.base_url} refused the request ({type(error).__name__}, HTTP {error.status_code}); "
@@ -411,7 +422,7 @@ class LLMClient:
             except (ValueError, openai.APIResponseValidationError) as error:  # a 200 whose body is not a completion
                 failure = _RetryableError(f"the response body is not a chat completion ({type(error).__name__}: {error})")
             except openai.APIStatusError as error:
-                if error.status_code != 429 and error.status_code < 500:
+                if error.status_code not in RETRYABLE_STATUS and error.status_code < 500:
                     raise
                 failure = _RetryableError(f"HTTP {error.status_code}", _retry_after(error))
             else:
@@ -438,10 +449,14 @@ class LLMClient:
 
 
 def _retry_after(error: Any) -> float | None:
-    """Seconds from a ``Retry-After`` header, if the server sent one as a number."""
+    """Seconds the server asks to wait: its ``retry-after-ms`` header, else ``Retry-After`` in seconds
+    (the HTTP-date form is ignored: the backoff applies)."""
     response = getattr(error, "response", None)
-    value = response.headers.get("retry-after") if response is not None else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
+    if response is None:
         return None
+    for header, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            return float(response.headers[header]) / scale
+        except (KeyError, ValueError):
+            continue
+    return None

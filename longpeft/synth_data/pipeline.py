@@ -113,16 +113,23 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def load_documents(paths: list[str]) -> list[Document]:
-    """Documents from .txt files (one per file, titled by the file name) and .jsonl files (``text``, optional ``title``/``id``)."""
+    """Documents from .txt files (one per file, titled by the file name) and .jsonl files (``text``, optional
+    ``title``/``id``); folders are searched for both, a named file of another type is refused."""
+    suffixes = (".txt", ".jsonl")
     files: list[Path] = []
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
-        elif path.is_file():
+            files += sorted(p for p in path.rglob("*") if p.suffix in suffixes)
+        elif not path.is_file():
+            raise FileNotFoundError(f"source path {path} does not exist")
+        elif path.suffix in suffixes:
             files.append(path)
         else:
-            raise FileNotFoundError(f"source path {path} does not exist")
+            raise ValueError(
+                f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use .txt (one document per "
+                "file) or .jsonl (one JSON record with a 'text' field per line)"
+            )
     documents = []
     for file in files:
         if file.suffix == ".txt":
@@ -131,7 +138,10 @@ def load_documents(paths: list[str]) -> list[Document]:
         for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{file}:{number}: not valid JSON ({error})") from None
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{file}:{number}: document records need a string field 'text'")
             documents.append(Document(doc_id=str(record.get("id", f"{file}:{number}")),
@@ -152,6 +162,7 @@ def synthesize(
     config: SynthConfig, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> tuple[Dataset, dict[str, Any]]:
     """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats)."""
+    files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
@@ -160,7 +171,6 @@ def synthesize(
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
                                  show_progress=config.progress)
     counter, length, seed = builder.counter, config.length, config.seed
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None
 
     def long_documents(task: str, count: int) -> list[Document]:
         if files is not None:

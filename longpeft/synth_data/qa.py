@@ -147,6 +147,7 @@ class ProceduralAnswerer:
 
 
 def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    # Asks about people *named* in the text: filler prose also mentions unnamed workers ("spoke with a sailor").
     groups: dict[str, list[Fact]] = {}
     for fact in by_kind.get("profession", []):
         groups.setdefault(fact.value, []).append(fact)
@@ -157,7 +158,7 @@ def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAP
     people = groups[profession]
     names = ", ".join(f.subject for f in people)
     return QAPair(
-        f"How many people in the text worked as {article(profession)}? Name them in order of appearance.",
+        f"How many people named in the text worked as {article(profession)}? Name them in order of appearance.",
         f"{len(people)}: {names}.",
         [f.fact_id for f in people],
     )
@@ -271,8 +272,11 @@ def _shared_professions(docs: list[_DocFacts], rng: random.Random) -> QAPair | N
     pa, pb = a.professions(), b.professions()
     shared = sorted(set(pa) & set(pb))
     evidence = [f.fact_id for p in shared for f in pa[p] + pb[p]]
-    answer = ", ".join(shared) + "." if shared else "None: no profession is mentioned in both."
-    return QAPair(f"Which professions are mentioned in both Document {a.number} and Document {b.number}?", answer, evidence)
+    answer = ", ".join(shared) + "." if shared else "None: no profession is held by people named in both."
+    # "named": filler prose mentions unnamed workers too ("spoke with a sailor"), which the facts do not record
+    question = (f"Which professions are held both by someone named in Document {a.number} "
+                f"and by someone named in Document {b.number}?")
+    return QAPair(question, answer, evidence)
 
 
 def _same_kind(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:

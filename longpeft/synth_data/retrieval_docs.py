@@ -111,11 +111,19 @@ def build_retrieval_dataset(
     mix: dict[str, float] | None = None,
 ) -> Any:
     """A ``datasets.Dataset`` with one ``text`` column of retrieval documents whose lengths are drawn
-    uniformly in ``[min_tokens, max_tokens]`` tokens (plain text: ``data.format: text``)."""
+    uniformly in ``[min_tokens, max_tokens]`` tokens (plain text: ``data.format: text``).
+
+    Lengths count the special prefix (e.g. BOS) that tokenizing the text for training adds back, so
+    the texts themselves hold no special tokens: probes are built with that prefix and lose it here,
+    induction documents (built without it) lose their last tokens instead.
+    """
     from datasets import Dataset
 
     if not 0 < min_tokens <= max_tokens:
         raise ValueError(f"need 0 < min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
     builder = RetrievalDocuments(tokenizer, seed=seed, mix=mix)
     docs = builder.documents(n_documents, range(min_tokens, max_tokens + 1))
-    return Dataset.from_dict({"text": [tokenizer.decode(ids) for ids in docs]})
+    prefix = builder.probes.special_prefix()
+    cut = len(prefix)
+    texts = [tokenizer.decode(ids[cut:] if ids[:cut] == prefix else ids[: len(ids) - cut]) for ids in docs]
+    return Dataset.from_dict({"text": texts})

@@ -8,7 +8,11 @@ real HTTP.
 Directives (comma-separated inside one ``[[...]]``):
 
 - ``429*2``: the first 2 calls of this prompt get HTTP 429 (any status code works: ``500*1``, ...);
+  a 429 carries ``Retry-After: 0``;
+- ``retry_ms=300``: error responses also carry ``retry-after-ms: 300``;
 - ``bad`` / ``bad*1``: the answer is not JSON, always / for the first answered call only;
+- ``html`` / ``html*1``: HTTP 200 with an HTML page instead of a chat completion (a gateway's login
+  page), always / for the first call only;
 - ``slow=0.5*1``: the first call sleeps 0.5 s more before answering.
 
 Usage::
@@ -99,13 +103,17 @@ class StubServer:
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                status, payload = server._answer(body, self.headers.get("Authorization", ""))
-                data = json.dumps(payload).encode("utf-8")
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                status, payload, *extra = server._answer(body, self.headers.get("Authorization", ""))
+                headers = {"Content-Type": "application/json", **(extra[0] if extra else {})}
+                if isinstance(payload, str):  # a raw page, not JSON
+                    data, headers["Content-Type"] = payload.encode("utf-8"), "text/html"
+                else:
+                    data = json.dumps(payload).encode("utf-8")
                 if status == 429:
-                    self.send_header("Retry-After", "0")
+                    headers.setdefault("Retry-After", "0")
+                self.send_response(status)
+                for name, value in {**headers, "Content-Length": str(len(data))}.items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -130,7 +138,8 @@ class StubServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def _answer(self, body: dict[str, Any], authorization: str) -> tuple[int, dict[str, Any]]:
+    def _answer(self, body: dict[str, Any], authorization: str) -> tuple[Any, ...]:
+        """``(status, payload[, headers])``: payload is a JSON body, or a ``str`` sent as an HTML page."""
         messages = body.get("messages", [])
         prompt = json.dumps(messages, sort_keys=True)
         prompt_hash = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
@@ -142,7 +151,8 @@ class StubServer:
             self.auth_headers.append(authorization)
         delay = self.latency
         status = 200
-        bad = False
+        bad = html = False
+        headers: dict[str, str] = {}
         for directive in directives:
             name, _, times = directive.partition("*")
             limit = int(times) if times else None
@@ -152,6 +162,10 @@ class StubServer:
                 delay += float(name[len("slow="):])
             elif name == "bad":
                 bad = limit is None or self._bad_served[prompt_hash] < limit
+            elif name == "html":
+                html = limit is None or call_index <= limit
+            elif name.startswith("retry_ms="):
+                headers["retry-after-ms"] = name[len("retry_ms="):]
         if delay:
             time.sleep(delay)
         with self.lock:
@@ -159,7 +173,9 @@ class StubServer:
             if status == 200 and bad:
                 self._bad_served[prompt_hash] += 1
         if status != 200:
-            return status, {"error": {"message": f"injected HTTP {status}", "type": "stub", "code": status}}
+            return status, {"error": {"message": f"injected HTTP {status}", "type": "stub", "code": status}}, headers
+        if html:
+            return 200, "<html><body>Please sign in</body></html>"
         content = "this is {not json" if bad else self.reply(body)
         prompt_tokens = max(1, len(prompt) // 4)
         completion_tokens = max(1, len(content) // 4)

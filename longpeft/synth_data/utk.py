@@ -22,6 +22,7 @@ sequence for the matching knot. Everything runs on numpy token ids, on the fly, 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -238,16 +239,27 @@ class UtkAugmenter:
                 return cuts.tolist()
 
     def _new_labels(self, rng: np.random.Generator, h: int, used: set[tuple[int, ...]]) -> list[list[int]]:
-        """``h`` chunk labels (letter token ids), unique within the sequence."""
+        """``h`` chunk labels (letter token ids), unique within the sequence; fails only when fewer than
+        ``h`` of the ``len(letters) ** label_length`` labels are left (see :func:`chunk_labels_needed`)."""
         labels: list[list[int]] = []
         for _ in range(100 * h):
-            if len(labels) == h:
-                return labels
             label = tuple(self._letters[rng.integers(0, len(self._letters), size=self.label_length)].tolist())
             if label not in used:
                 used.add(label)
                 labels.append(list(label))
-        raise ValueError("could not draw unique chunk labels; raise label_length")
+                if len(labels) == h:
+                    return labels
+        # Random draws keep colliding only when nearly every label is taken: pick among the free ones.
+        free = [label for label in itertools.product(self._letters.tolist(), repeat=self.label_length) if label not in used]
+        if len(free) < h - len(labels):
+            raise ValueError(
+                f"this sequence needs more than the {len(self._letters)}**{self.label_length} distinct chunk labels; "
+                "raise label_length (chunk_labels_needed gives a sequence's worst case)"
+            )
+        for index in rng.choice(len(free), size=h - len(labels), replace=False):
+            used.add(free[index])
+            labels.append(list(free[index]))
+        return labels
 
     def _marker(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
         """Inserted tokens that are never trained as targets."""
@@ -338,10 +350,20 @@ def utk_overhead(n_documents: int, max_chunks: int, label_length: int) -> int:
     return n_documents * (max_chunks * per_chunk + per_trace)
 
 
+def chunk_labels_needed(doc_lengths: Sequence[int], max_chunks: int, min_split_tokens: int) -> int:
+    """The most chunk labels :class:`UtkAugmenter` can draw for one sequence of documents of these
+    lengths: every document of at least ``min_split_tokens`` tokens split into ``max_chunks`` chunks
+    (at most one per token). They must fit in ``len(tokens.letters) ** label_length``."""
+    chunks = [min(max_chunks, n) for n in doc_lengths if n >= min_split_tokens]
+    return sum(h for h in chunks if h > 1)
+
+
 def pack_documents(documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int) -> list[list[int]]:
     """Group consecutive documents (token id lists) so each group plus UtK's insertions fits ``max_length``.
 
-    Returns lists of document indices; a document longer than the room left alone is cut to fit.
+    Returns lists of document indices. Documents are not cut: one too long to fit even alone gets a
+    group of its own that exceeds ``max_length`` (cut documents to ``max_length - utk_overhead(1, ...)``
+    tokens first, as ``longpeft.recipes.data.pack_for_utk`` does).
     """
     groups: list[list[int]] = []
     current: list[int] = []
