@@ -67,6 +67,34 @@ def test_assistant_masks_from_a_template_without_generation_markers(name):
     assert tokenizer.decode(row["input_ids"]) == full  # tokenized once, nothing added or lost
 
 
+@pytest.mark.parametrize("name", [*sorted(TEMPLATES), "chatml+default-system"])
+def test_a_conversation_that_opens_with_the_assistant_scores_only_its_turns(name):
+    """The first turn's prompt used to be taken as empty, so BOS, the role header and a template's default system
+    prompt were scored with the answer."""
+    tokenizer = marker_free_tokenizer(name.split("+")[0])
+    if name.endswith("default-system"):  # Qwen2.5's: a system turn is added when the conversation has none
+        tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+                                   "assistant.<|im_end|>\n{% endif %}" + CHATML_TEMPLATE)
+    conversation = [{"role": "assistant", "content": "Hello, how can I help?"}, *CONVERSATION[1:3]]
+    row = tokenize_conversation(tokenizer, conversation, assistant_only=True)
+    masked = [i for i, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m]
+    end = TEMPLATES[name.split("+")[0]][2]
+    assert tokenizer.decode(masked) == "".join(t["content"] + end for t in conversation if t["role"] == "assistant")
+
+
+def test_plain_text_ends_with_exactly_one_eos():
+    """An EOS was appended even to texts (or tokenizers) that already end with it."""
+    from datasets import Dataset
+
+    from longpeft.recipes.data import tokenize_dataset
+
+    tokenizer = train_tokenizer(sample_text())
+    eos = tokenizer.eos_token
+    rows = tokenize_dataset(Dataset.from_dict({"text": ["the river city", f"the river city{eos}"]}), tokenizer, False)
+    first, second = rows["input_ids"]
+    assert first == second and first[-1] == tokenizer.eos_token_id and first[-2] != tokenizer.eos_token_id
+
+
 def test_a_template_whose_prefix_renders_differently_is_refused():
     tokenizer = marker_free_tokenizer("chatml")
     # Renders the last turn differently from earlier ones: prefixes are not prefixes of the whole.

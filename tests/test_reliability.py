@@ -141,6 +141,20 @@ def test_resume_with_more_steps_trains_them(finished_run, tmp_path):
     assert {3, 4} <= set(logged)
 
 
+def test_a_finished_run_of_fractional_epochs_is_not_trained_again(tiny_base_dirs, tmp_path):
+    """transformers records ceil(num_train_epochs) in the checkpoint, so 0.5 epochs never equalled the recipe's
+    and a finished run trained one more step on resume."""
+    from conftest import write_chat_jsonl
+
+    data = write_chat_jsonl(tmp_path / "train.jsonl", n=8)
+    recipe = _recipe(tiny_base_dirs("llama"), data, tmp_path / "run", "train.max_steps=-1", "train.num_train_epochs=0.5")
+    first = run(recipe)
+    weights = _adapter_tensors(first.adapter_dir)
+    again = run(recipe, resume=True)
+    assert again.metrics["steps"] == first.metrics["steps"] == 4 and _same(_adapter_tensors(again.adapter_dir), weights)
+    assert not (tmp_path / "run" / "checkpoints" / "checkpoint-5").exists()
+
+
 # ---- non-finite -------------------------------------------------------------------------------
 
 
@@ -269,5 +283,15 @@ def test_txt_sources_are_plain_text_documents(tmp_path, tokenizer):
     (docs / "b.txt").write_text("Second document.")
     data = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text"]).data
     assert load_training_data(data, tokenizer)["text"] == ["First document.", "Second document."]
+    (docs / ".ipynb_checkpoints").mkdir()  # a subfolder's files are not the source's (they were read twice)
+    (docs / ".ipynb_checkpoints" / "a.txt").write_text("First document.")
+    assert load_training_data(data, tokenizer)["text"] == ["First document.", "Second document."]
+    (docs / "b.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"b.txt: not UTF-8 text"):
+        load_training_data(data, tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl: not UTF-8 text"):
+        load_training_data(load_recipe("tiny-cpu", [f"data.source={bad}", "data.format=text"]).data, tokenizer)
     with pytest.raises(ValueError, match="set data.format: text"):
         load_training_data(load_recipe("tiny-cpu", [f"data.source={docs / 'a.txt'}"]).data, tokenizer)

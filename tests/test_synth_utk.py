@@ -207,7 +207,7 @@ def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path
     recipe = load_recipe(
         "tiny-cpu",
         [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={data}", "data.format=text",
-         "data.max_length=256", "data.utk.probability=1.0", "data.utk.min_split_tokens=16",
+         "data.max_length=256", "data.truncate=true", "data.utk.probability=1.0", "data.utk.min_split_tokens=16",
          f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=2",
          "train.per_device_batch_size=2", "lora.r=2"],
     )
@@ -219,6 +219,17 @@ def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path
     assert batch["input_ids"].shape[1] <= 256 and (batch["input_ids"] == head_two).any()  # split and knotted
     assert (batch["labels"][batch["input_ids"] == head_two] == IGNORE_INDEX).all()  # knots are never targets
     assert prepared.spec.vocab_size == len(tokenizer) > 512
+    # Documents are counted as documents. These are longer than a sequence's room: data.truncate cuts them; without
+    # it they are dropped (they used to be cut silently, losing their ends) and an all-too-long source is refused.
+    stats = prepared.data_stats
+    assert stats["kept"] == 12 and stats["dropped"] == 0 and stats["packed_sequences"] == len(prepared.trainer.train_dataset)
+    keep_whole = recipe.model_copy(update={"data": recipe.data.model_copy(update={"truncate": False})})
+    with pytest.raises(ValueError, match=r"every sample is longer than data.max_length=256 minus UtK's insertions"):
+        prepare(keep_whole)
+    with data.open("a") as handle:
+        handle.write(json.dumps({"text": "A short document that fits whole. It has two sentences."}) + "\n")
+    assert {k: prepare(keep_whole).data_stats[k] for k in ("kept", "dropped", "packed_sequences")} == {
+        "kept": 1, "dropped": 12, "packed_sequences": 1}
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     assert ContextSpec.load(result.adapter_dir).vocab_size == len(tokenizer)

@@ -63,15 +63,12 @@ def checkpoint_step(folder: Path) -> int:
     return int(_CHECKPOINT.match(folder.name).group(1))
 
 
-def is_finished(folder: Path, max_steps: int, num_train_epochs: float) -> bool:
-    """Whether the checkpoint was written at the last step of a run with these settings (``train.max_steps``, or
-    when it is not positive ``train.num_train_epochs``): a resumed run with more steps or epochs is not finished."""
+def is_finished(folder: Path, total_steps: int) -> bool:
+    """Whether the checkpoint was written at the last of the run's ``total_steps`` optimizer steps (what
+    transformers derives from ``train.max_steps`` or the epochs: see ``runner.planned_steps``); a resumed run
+    given more steps or epochs is not finished."""
     state = checkpoint_state(folder) or {}
-    step = state.get("global_step", 0)
-    if max_steps > 0:
-        return step >= max_steps
-    same_epochs = state.get("num_train_epochs") == num_train_epochs
-    return same_epochs and bool(state.get("max_steps")) and step >= state["max_steps"]
+    return state.get("global_step", 0) >= total_steps
 
 
 def trim_metrics(path: Path, last_step: int) -> None:

@@ -49,15 +49,23 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     if len(dataset) == 0:
         raise ValueError(f"data.source {data.source} holds no rows")
     index = 0
-    for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
-        for value in chunk[column]:
-            where = f"{data.source} row {index}"
-            if column == "messages":
-                check_conversation(value, where)
-            elif not isinstance(value, str) or not value:
-                raise ValueError(f"{where}: text must be a non-empty string")
-            index += 1
+    try:
+        for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
+            _check_rows(chunk[column], column, data.source, index)
+            index += len(chunk[column])
+    except UnicodeDecodeError as error:
+        raise ValueError(f"data.source {data.source}: not UTF-8 text after row {index} ({error.reason})") from None
     return dataset
+
+
+def _check_rows(values: list[Any], column: str, source: str, first: int) -> None:
+    """Fail clearly on the first malformed row of a chunk (rows ``first ..``)."""
+    for index, value in enumerate(values, start=first):
+        where = f"{source} row {index}"
+        if column == "messages":
+            check_conversation(value, where)
+        elif not isinstance(value, str) or not value:
+            raise ValueError(f"{where}: text must be a non-empty string")
 
 
 def _is_empty(path: Path) -> bool:
@@ -91,9 +99,9 @@ def _load_source(data: DataSection) -> Dataset:
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
             raise ValueError(f"data.source {path}: .txt files are plain text; set data.format: text")
-        from ..synth_data.mix import load_plain_texts  # the one plain-text document loader
+        from ..synth_data.mix import read_text_file
 
-        return Dataset.from_dict({data.text_field: load_plain_texts(path)})
+        return Dataset.from_dict({data.text_field: [read_text_file(p) for p in files]})  # the files checked above
     if any(p.suffix == ".txt" for p in files):
         raise ValueError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
     from datasets.exceptions import DatasetGenerationError
@@ -120,7 +128,8 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     """The rendered conversation and the character spans of its assistant turns (end-of-turn token included).
 
     Works with any chat template, with or without ``{% generation %}`` markers: assistant turn ``i``
-    spans from the end of ``messages[:i]`` rendered with the generation prompt to the end of
+    spans from the end of ``messages[:i]`` rendered with the generation prompt (for a conversation that opens
+    with the assistant, from where its content starts) to the end of
     ``messages[:i + 1]`` rendered without it (trailing white space excluded, so the end-of-turn token
     is trained and the template's newline after it is not). Templates whose rendering of a conversation's prefix
     is not a prefix of its full rendering are refused (the spans would be wrong).
@@ -130,8 +139,9 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
     for i, turn in enumerate(messages):
         if turn["role"] != "assistant":
             continue
-        prompt = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        prompt = (tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
+                  else _text_before_content(tokenizer, turn))
         if not (full.startswith(through) and through.startswith(prompt)):
             raise ValueError(
                 "the tokenizer's chat template renders a conversation's first turns differently from the whole "
@@ -140,6 +150,19 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
             )
         spans.append((len(prompt), len(through.rstrip())))  # the template's separator after the turn is not trained
     return full, spans
+
+
+_CONTENT_MARK = "\u2063longpeft-content\u2063"  # text no template adds: where a turn's content starts
+
+
+def _text_before_content(tokenizer: PreTrainedTokenizerBase, turn: dict[str, Any]) -> str:
+    """What the template renders before the content of a conversation's first turn (BOS, a default system prompt,
+    the role header), found by rendering the turn with a marker as its content."""
+    rendered = tokenizer.apply_chat_template([{**turn, "content": _CONTENT_MARK}], tokenize=False)
+    if _CONTENT_MARK not in rendered:
+        raise ValueError("the tokenizer's chat template does not render a turn's content as given, so assistant turns "
+                         "cannot be located; set train.assistant_only_loss: false (loss on every token)")
+    return rendered[: rendered.index(_CONTENT_MARK)]
 
 
 def tokenize_conversation(
@@ -170,16 +193,25 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
             remove_columns=dataset.column_names,
             desc="tokenizing conversations",
         )
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     return dataset.map(
-        lambda row: {"input_ids": tokenizer(row["text"])["input_ids"] + eos},
+        lambda row: {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)},
         remove_columns=dataset.column_names,
         desc="tokenizing text",
     )
 
 
-def filter_by_length(dataset: Dataset, max_length: int, truncate: bool) -> tuple[Dataset, dict[str, int]]:
+def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
+    """``ids`` ending with one ``eos_id`` (added unless the text or the tokenizer's post-processor put it there)."""
+    return ids if eos_id is None or ids[-1:] == [eos_id] else [*ids, eos_id]
+
+
+def filter_by_length(
+    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None
+) -> tuple[Dataset, dict[str, int]]:
     """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation).
+
+    Args:
+        limit: what ``max_length`` is, for the error (default ``data.max_length=<max_length>``).
 
     Returns the dataset and counts ``{"kept", "dropped", "longest"}``.
     """
@@ -188,26 +220,35 @@ def filter_by_length(dataset: Dataset, max_length: int, truncate: bool) -> tuple
     stats = {"kept": len(keep), "dropped": len(lengths) - len(keep), "longest": max(lengths, default=0)}
     if not keep:
         raise ValueError(
-            f"every sample is longer than data.max_length={max_length} tokens (longest {stats['longest']}); "
-            "raise max_length or set data.truncate: true"
+            f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
+            f"{stats['longest']}); raise data.max_length or set data.truncate: true"
         )
     return dataset.select(keep), stats
 
 
+def utk_document_room(max_length: int, utk: UtkSection) -> int:
+    """The longest document a UtK sequence of ``max_length`` tokens holds with its insertions."""
+    from ..synth_data.utk import utk_overhead
+
+    room = max_length - utk_overhead(1, max(utk.chunk_counts), utk.label_length)
+    if room < 2:
+        raise ValueError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
+    return room
+
+
 def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: int) -> Dataset:
     """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose
-    documents plus UtK's insertions fit ``max_length`` (a document too long alone is cut to fit).
+    documents plus UtK's insertions fit ``max_length``. A document longer than :func:`utk_document_room` is cut
+    to it (the runner drops those first unless ``data.truncate``).
 
     Refuses a ``utk.label_length`` whose ``n_letters ** label_length`` chunk labels (``n_letters``:
     the single-token letters of :func:`~longpeft.synth_data.utk.add_utk_tokens`) cannot label every
     chunk of the fullest sequence, rather than failing in the collator mid-training.
     """
-    from ..synth_data.utk import chunk_labels_needed, pack_documents, utk_overhead
+    from ..synth_data.utk import chunk_labels_needed, pack_documents
 
     max_chunks, label_length = max(utk.chunk_counts), utk.label_length
-    room = max_length - utk_overhead(1, max_chunks, label_length)
-    if room < 2:
-        raise ValueError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
+    room = utk_document_room(max_length, utk)
     documents = [ids[:room] for ids in dataset["input_ids"]]
     groups = pack_documents(documents, max_length, max_chunks, label_length)
     needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens) for g in groups),

@@ -48,7 +48,7 @@ from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
-from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset
+from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset, utk_document_room
 from .method_trainer import method_checkpoint_trainer
 from .schema import Recipe
 
@@ -505,8 +505,9 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
         if len(scored) < len(dataset):
             trainer.train_dataset = dataset = dataset.select(scored)
     left = len(dataset)
-    data_stats["dropped_without_scored_tokens"] = data_stats["kept"] - left
-    data_stats["kept"] = left
+    rows = "packed_sequences" if "packed_sequences" in data_stats else "kept"  # what the trainer's rows are
+    data_stats["dropped_without_scored_tokens"] = data_stats[rows] - left
+    data_stats[rows] = left
     if left == 0:
         raise ValueError(
             f"recipe {recipe.name}: no training sample has a scored token within data.max_length="
@@ -571,11 +572,16 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         else:
             model, tokenizer, spec = load_base(recipe, base_id)
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
-        utk = recipe.data.utk
-        if utk is not None:
+        utk, max_length = recipe.data.utk, recipe.data.max_length
+        if utk is None:
+            dataset, data_stats = filter_by_length(dataset, max_length, recipe.data.truncate)
+        else:  # documents are counted, kept or dropped (data.truncate) as they are, before packing
+            room = utk_document_room(max_length, utk)
+            dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate,
+                                                   f"data.max_length={max_length} minus UtK's insertions ({room})")
             letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
-            dataset = pack_for_utk(dataset, recipe.data.max_length, utk, len(letters))
-        dataset, data_stats = filter_by_length(dataset, recipe.data.max_length, recipe.data.truncate)
+            dataset = pack_for_utk(dataset, max_length, utk, len(letters))
+            data_stats["packed_sequences"] = len(dataset)
     peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     if recipe.finetune == "method":  # the base stays frozen; only the method's weights train
         model.requires_grad_(False)
@@ -707,7 +713,7 @@ def run(
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
-    if resume and is_finished(checkpoint, recipe.train.max_steps, recipe.train.num_train_epochs):
+    if resume and is_finished(checkpoint, planned_steps(trainer)):
         # Killed after the last checkpoint (or finished): take its weights, train no further step.
         print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
         from transformers import TrainerState
@@ -727,6 +733,12 @@ def run(
         metrics = dict(train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)
+
+
+def planned_steps(trainer: Any) -> int:
+    """The optimizer steps the run trains in all: ``train.max_steps``, else the epochs over the data loader
+    (``ceil(num_train_epochs x updates per epoch)``, computed by transformers itself)."""
+    return trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
 
 
 def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:

@@ -75,12 +75,20 @@ def _jsonl(path: Path):
                     raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
 
 
+def read_text_file(path: Path) -> str:
+    """A UTF-8 text file's content; other encodings fail naming the file and the byte."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
 def load_plain_texts(path: str | Path) -> list[str]:
     """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
     texts = []
     for file in _files(path, (".txt", ".jsonl")):
         if file.suffix == ".txt":
-            texts.append(file.read_text(encoding="utf-8"))
+            texts.append(read_text_file(file))
             continue
         for number, record in _jsonl(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
