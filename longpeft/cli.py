@@ -99,7 +99,7 @@ def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push
 
     print(push(args.source, args.repo, merged=args.merged, dtype=args.dtype, private=args.private,
-               dry_run=args.dry_run, base_id=args.base_id))
+               dry_run=args.dry_run, base_id=args.base_id, base=args.base))
     return 0
 
 
@@ -174,14 +174,16 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("source", help="adapter folder, model folder of a finetune: full run, or run folder (containing "
                       "adapter/ or model/)")
     push.add_argument("--repo", required=True, help="Hub repo id, owner/name")
-    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter (a fully "
-                      "fine-tuned model is uploaded as a model either way)")
+    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter (a whole "
+                      "model, merged or fully fine-tuned, is uploaded as it is either way)")
     push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                       help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
                       "adapter is uploaded as saved")
     push.add_argument("--private", action="store_true")
     push.add_argument("--base-id", help="the base model's Hub id, written into the card and longpeft.json "
-                      "(default: the base recorded in longpeft.json; a local path there is refused for upload)")
+                      "(default: the base recorded in longpeft.json; push warns when that is a local path)")
+    push.add_argument("--base", help="the base model to merge into with --merged (default: the one named in "
+                      "longpeft.json)")
     push.add_argument("--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing")
     push.set_defaults(func=cmd_push)
 

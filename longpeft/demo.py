@@ -47,9 +47,8 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
     shutil.copy(out / "eval_results.json", result.adapter_dir / "eval_results.json")
 
     merged = merge(result.adapter_dir, out / "merged")
-    spec = ContextSpec.load(result.adapter_dir)
-    write_model_card(result.adapter_dir, spec, merged=False, repo_id=str(result.adapter_dir))
-    write_model_card(out / "merged", spec, merged=True, repo_id=str(out / "merged"))
+    for folder in (result.adapter_dir, out / "merged"):  # now with the eval table
+        write_model_card(folder, ContextSpec.load(folder), repo_id=str(folder))
 
     summary = {
         "output_dir": str(out),

@@ -11,11 +11,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import export_methods, spec_methods
 from .config import check_writable_folder, torch_dtype
-from .loading import is_local, is_whole_model
+from .loading import check_model_source, is_local, is_whole_model
 from .spec import SPEC_FILENAME, ContextSpec
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -66,10 +68,11 @@ def merge(
     from .adapters import METHODS
     from .loading import load, local_adapter_dir, resolve_base, tokenizer_source
 
-    adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir)
+    adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
+    check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
     unknown = sorted(set(without) - set(spec.methods))
     if unknown:
         raise ValueError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
@@ -91,10 +94,10 @@ def merge(
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    kept = dataclasses.replace(spec, methods={name: section for name, section in spec.methods.items() if name not in without})
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
+    kept = dataclasses.replace(
+        spec, methods={name: section for name, section in spec.methods.items() if name not in without}, weights="merged"
+    )
+    with written_atomically(out_dir) as partial:
         merged.config.name_or_path = str(out_dir)
         merged.save_pretrained(partial)
         export_methods(merged, kept, partial)
@@ -103,25 +106,41 @@ def merge(
             GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
         kept.save(partial)
         _copy_eval_results(adapter_dir, partial)
-        if out_dir.is_dir():
-            out_dir.rmdir()  # empty: check_output_folder refused anything else
-        partial.rename(out_dir)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
-def check_output_folder(out_dir: Path, protected: dict[str, Path]) -> None:
+def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "--out") -> None:
     """Refuse, before any work, an output folder that would overwrite something: a file, a folder
     that is not empty, one of the ``protected`` folders (the adapter, the base), or an unwritable place.
+    ``flag`` names the option that gave the folder.
     """
     target = out_dir.resolve()
     for what, folder in protected.items():
         if folder.exists() and target == folder.resolve():
-            raise FileExistsError(f"--out {out_dir} is {what}; writing there would overwrite it")
-    check_writable_folder(out_dir, "--out")
+            raise FileExistsError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
+    check_writable_folder(out_dir, flag)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(f"--out {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
+        raise FileExistsError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
+
+
+@contextlib.contextmanager
+def written_atomically(out_dir: Path) -> Iterator[Path]:
+    """A folder beside ``out_dir`` (``.NAME.partial``) to write into; its files become ``out_dir``'s only when the
+    block succeeds, so a failure leaves no half-written ``out_dir``. ``out_dir`` must be new or empty
+    (:func:`check_output_folder`) and absolute (``.`` has no name to write beside).
+    """
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
+        if out_dir.is_dir():  # empty: keep the folder itself (it may be the working directory)
+            for item in partial.iterdir():
+                item.rename(out_dir / item.name)
+        else:
+            partial.rename(out_dir)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def export(
@@ -134,7 +153,7 @@ def export(
 ) -> dict[str, Any]:
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card."""
     result = merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without)
-    write_model_card(out_dir, ContextSpec.load(out_dir), merged=True, repo_id=str(out_dir))
+    write_model_card(result["out_dir"], ContextSpec.load(result["out_dir"]), repo_id=result["out_dir"])
     return result
 
 
@@ -163,24 +182,25 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def model_card_text(
-    spec: ContextSpec, merged: bool, eval_rows: list[dict[str, Any]], repo_id: str, full: bool = False
-) -> str:
-    """README.md of an adapter, a merged model or a fully fine-tuned model: YAML metadata, then what changed
-    and how to load it.
+def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
+    """README.md of what ``spec.weights`` says the folder holds (a LoRA adapter when unknown): YAML metadata, then
+    what changed and how to load it.
 
-    ``repo_id``: the Hub id (or local folder) the card tells users to load from. ``full``: the folder is a
-    whole model whose every weight was trained (``finetune: full``), loaded like a merged one. Every method
-    of the spec contributes its metadata section and its sentences (``describe``).
+    ``repo_id``: the Hub id (or local folder) the card tells users to load from. A merged or fully fine-tuned
+    model loads with transformers alone; an adapter (LoRA, or only a method's own weights) with
+    ``longpeft.load``. Every method of the spec contributes its metadata section and its sentences (``describe``).
     """
     methods = spec_methods(spec)
-    standalone = merged or full
+    weights = spec.weights or "lora"
+    full = weights == "full"
+    standalone = weights in ("full", "merged")
+    library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
     metadata = {
         "base_model": spec.base_model,
-        "library_name": "transformers" if standalone else "peft",
+        **({"library_name": library} if library else {}),
         # the recipe's method, then every other method it applied (rope is implied by all of them)
         "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if m.name != "rope")])]
-        + (["full-finetune"] if full else [] if merged else ["lora"]),
+        + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
         "longpeft": {
             "method": spec.method,
             "rope_theta": spec.rope_parameters.get("rope_theta"),
@@ -210,9 +230,11 @@ def model_card_text(
             "model, not an adapter; it loads with transformers alone, without longpeft or the base model.",
             "",
         ]
+    lengths = [text for text, known in ((f"trained at {spec.trained_length} tokens", spec.trained_length),
+                                        (f"target {spec.target_length}", spec.target_length)) if known]
     lines += [
-        f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions "
-        f"(trained at {spec.trained_length} tokens, target {spec.target_length}).",
+        f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions"
+        + (f" ({', '.join(lengths)})." if lengths else "."),
         f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
     ]
     for method, config in methods:
@@ -220,14 +242,15 @@ def model_card_text(
             lines += method.describe(config)
     lines += ["", "## Load", "", "```python"]
     if standalone:
+        trust = ", trust_remote_code=True" if remote else ""  # the tokenizer reads the same auto_map: no prompt
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{", trust_remote_code=True" if remote else ""})',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}")',
+            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{trust})',
+            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{trust})',
         ]
     else:
         lines += [
-            "import longpeft  # applies longpeft.json (RoPE base, ...) before the LoRA weights",
+            "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
             f'model = longpeft.load("{spec.base_model}", "{repo_id}")',
         ]
     lines += ["```", ""]
@@ -237,10 +260,17 @@ def model_card_text(
             "and transformers); without it loading fails rather than giving a model without the method.",
             "",
         ]
-    if not standalone:
+    if weights == "lora":
         lines += [
             "Loading this adapter with plain `PeftModel.from_pretrained` on a stock base model silently keeps the "
             "base's RoPE parameters and gives a broken model: use `longpeft.load`.",
+            "",
+        ]
+    elif weights == "method":
+        lines += [
+            f"This adapter has no LoRA weights (the base model's weights are unchanged), only {spec.method}'s own "
+            "weights: `longpeft.load` adds them to the base and applies `longpeft.json`; neither peft nor plain "
+            "transformers loads it.",
             "",
         ]
     if eval_rows:
@@ -259,12 +289,40 @@ def base_display_name(base_model: str | None) -> str:
     return Path(base_model).name if is_local(base_model) else base_model
 
 
-def write_model_card(folder: str | Path, spec: ContextSpec, merged: bool, repo_id: str, full: bool = False) -> Path:
-    """Write README.md (the model card) into ``folder``, with its eval table when one is there."""
+def write_model_card(folder: str | Path, spec: ContextSpec, repo_id: str) -> Path:
+    """Write README.md (the model card) of what ``folder`` holds (:func:`folder_weights`) into it, with its eval
+    table when one is there."""
     folder = Path(folder)
     path = folder / "README.md"
-    path.write_text(model_card_text(spec, merged, load_eval_rows(folder), repo_id, full=full))
+    card = model_card_text(dataclasses.replace(spec, weights=folder_weights(folder, spec)), load_eval_rows(folder), repo_id)
+    path.write_text(card)
     return path
+
+
+def folder_weights(folder: Path, spec: ContextSpec) -> str:
+    """What a longpeft folder's weights are (``ContextSpec.weights``): as recorded, else, for a folder written before
+    format 3, from its files: LoRA (adapter_config.json), a method's own weights only, or a whole model, fully
+    fine-tuned when the card the runner wrote there says so, else merged (merge and export wrote no record either).
+    """
+    if spec.weights:
+        return spec.weights
+    if (folder / "adapter_config.json").is_file():
+        return "lora"
+    if not is_whole_model(folder):
+        return "method"
+    return "full" if "full-finetune" in card_tags(folder) else "merged"
+
+
+def card_tags(folder: Path) -> list[str]:
+    """The tags in the YAML header of ``folder``'s README.md (none without one)."""
+    path = folder / "README.md"
+    parts = path.read_text().split("---", 2) if path.is_file() else []
+    try:
+        header = yaml.safe_load(parts[1]) if len(parts) == 3 and not parts[0].strip() else None
+    except yaml.YAMLError:
+        return []
+    tags = header.get("tags") if isinstance(header, dict) else None
+    return tags if isinstance(tags, list) else []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,18 +365,22 @@ def stage_upload(
     merged: bool = False,
     dtype: str = "bfloat16",
     base_id: str | None = None,
+    base: str | Path | None = None,
 ) -> Path:
-    """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id``.
+    """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id`` (all or nothing: written beside it
+    and moved there at the end).
 
     Args:
-        source: an adapter folder (with longpeft.json), a whole fine-tuned model folder (``finetune: full``:
-            config.json, weights and longpeft.json), or a run folder containing ``adapter/`` or ``model/``.
-        merged: upload the merged model (exported in ``dtype``) instead of the adapter. A whole fine-tuned
-            model is uploaded as a model, in ``dtype``, with or without ``merged``.
+        source: an adapter folder (with longpeft.json), a whole model folder (a merged or exported model, or the
+            model/ folder of a ``finetune: full`` run: config.json, weights and longpeft.json), or a run folder
+            containing ``adapter/`` or ``model/``.
+        merged: upload the merged model (merged in ``dtype``) instead of the adapter. A whole model is
+            uploaded as it is, in ``dtype``, with or without ``merged``.
         base_id: the base model's Hub id, recorded in the uploaded card, ``longpeft.json`` and
             ``adapter_config.json``; needed when the folder names its base by a local path.
+        base: the base model to merge into (``merged``), when not where longpeft.json says.
     """
-    source, dest = upload_source(Path(source)), Path(dest)
+    source, dest = upload_source(Path(source)), Path(dest).resolve()
     spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
     base_id = base_id or spec.base_model
     if not base_id or is_local(base_id):
@@ -328,20 +390,20 @@ def stage_upload(
             "owner/name (push(..., base_id=...))",
             stacklevel=2,
         )
-    if dest.exists() and any(dest.iterdir()):
-        raise FileExistsError(f"{dest} is not empty; choose an empty folder for the upload")
-    full = is_whole_model(source)
-    if full:
-        stage_whole_model(source, dest, dtype)
-    elif merged:
-        export(source, dest, dtype=dtype)
-    else:
-        check_adapter_files(source)
-        _copy_files(source, dest)
-    _copy_eval_results(source, dest)
-    if base_id:
-        _record_base_id(dest, base_id)
-    write_model_card(dest, ContextSpec.load(dest), merged=merged and not full, full=full, repo_id=repo_id)
+    check_output_folder(dest, protected={"the folder to upload": source}, flag="--dry-run")
+    weights = folder_weights(source, spec)
+    with written_atomically(dest) as partial:
+        if weights in ("full", "merged"):
+            stage_whole_model(source, partial, dtype)
+        elif merged:
+            merge(source, partial, base=base, dtype=dtype)
+            weights = "merged"
+        else:
+            check_adapter_files(source)
+            _copy_files(source, partial)
+        _copy_eval_results(source, partial)
+        _record(partial, weights, base_id)
+        write_model_card(partial, ContextSpec.load(partial), repo_id=repo_id)
     return dest
 
 
@@ -376,6 +438,7 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
         sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
     config = json.loads((dest / "config.json").read_text())
     config["dtype"] = dtype
+    config["use_cache"] = True  # a model saved by an older longpeft's training run has it off
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for index_path in dest.glob("*.safetensors.index.json"):  # sharded weights: the index records their size
         index = json.loads(index_path.read_text())
@@ -383,13 +446,15 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _record_base_id(folder: Path, base_id: str) -> None:
-    """Name the base by its Hub id in a staged folder's longpeft.json (and an adapter's adapter_config.json)."""
+def _record(folder: Path, weights: str, base_id: str | None) -> None:
+    """Record in a staged folder's longpeft.json what its weights are, and name the base by its Hub id there (and
+    in an adapter's adapter_config.json)."""
     spec = ContextSpec.load(folder)
-    spec.base_model = base_id
+    spec.weights = weights
+    spec.base_model = base_id or spec.base_model
     spec.save(folder)
     config_path = folder / "adapter_config.json"
-    if config_path.is_file():  # an adapter without LoRA (beacon weights only) has none
+    if base_id and config_path.is_file():  # an adapter without LoRA (beacon weights only) has none
         config = json.loads(config_path.read_text())
         config["base_model_name_or_path"] = base_id
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -403,18 +468,20 @@ def push(
     private: bool = False,
     dry_run: str | Path | None = None,
     base_id: str | None = None,
+    base: str | Path | None = None,
 ) -> str:
     """Upload an adapter (or the merged model), or a whole fine-tuned model, with its model card to ``repo_id``
     (what is uploaded: :func:`stage_upload`).
 
-    With ``dry_run`` the folder is written there and nothing is uploaded. The token comes from the
+    With ``dry_run`` the folder is written there and nothing is uploaded. Otherwise the repository's files become
+    exactly the staged folder's (files of an earlier push that this one lacks are deleted). The token comes from the
     environment / huggingface-cli login, never from arguments written to disk.
 
     Returns:
         The staged folder (dry run) or the commit URL.
     """
     if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id))
+        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base))
     from huggingface_hub import HfApi
 
     from .loading import hub_preflight
@@ -424,8 +491,12 @@ def push(
     except FileNotFoundError:
         pass  # a new repository: create_repo makes it
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id)
+        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id,
+                              base=base)
         api = HfApi()
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model")
+        # delete_patterns: no file of an earlier push stays (a stale adapter_config.json would make the repo an
+        # adapter again); the Hub keeps .gitattributes
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model",
+                                 delete_patterns=["*"])
         return str(info)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from peft import PeftModel
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
@@ -88,11 +88,14 @@ def is_whole_model(folder: Path) -> bool:
     return (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file()
 
 
-def check_model_source(name: str | Path, what: str) -> None:
-    """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts."""
+def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
+    """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts.
+
+    ``hint``: what to do instead, appended to the error for a missing folder.
+    """
     if is_local(name):
         if not Path(name).is_dir():
-            raise FileNotFoundError(f"{what} {name}: no such folder (and not a Hub repo id owner/name)")
+            raise FileNotFoundError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
     else:
         hub_preflight(str(name), what)
 
@@ -112,6 +115,11 @@ def tokenizer_source(adapter_dir: str | Path, base: str | Path) -> str:
     adapter_dir = Path(adapter_dir)
     has_tokenizer = adapter_dir.is_dir() and any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     return str(adapter_dir) if has_tokenizer else str(base)
+
+
+# from_pretrained arguments that also decide where the base's config is read from
+CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder", "proxies",
+                 "force_download")
 
 
 def load(
@@ -143,24 +151,27 @@ def load(
     """
     adapter_dir = local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
+    if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none
+        raise ValueError(f"{adapter_dir} holds a whole model (config.json), not an adapter: load it with "
+                         "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
+    recorded = resolve_base(spec, adapter_dir, None) if spec.base_model else None  # for strict_base_id
     if isinstance(base, PreTrainedModel):
         model = base
-        spec.check_base(model.config, getattr(model.config, "name_or_path", None), strict_base_id)
+        spec.check_base(model.config, getattr(model.config, "name_or_path", None), strict_base_id, recorded)
     else:
         name = resolve_base(spec, adapter_dir, base)
-        check_model_source(name, "base model")
+        check_model_source(name, "base model", "; pass the base model (longpeft.load(base, adapter))")
         from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
-        kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in ("revision", "trust_remote_code", "token")}
-        spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id)
+        kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
+        spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
         model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)
+    if (adapter_dir / "generation_config.json").is_file():  # the recipe's eos ids (merge ships the same file)
+        model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
-    elif is_whole_model(adapter_dir):
-        raise ValueError(f"{adapter_dir} holds a whole fine-tuned model (config.json), not an adapter: load it with "
-                         "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
     elif not any(method.load is not None for method, _ in spec_methods(spec)):
         raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
                                 "own): not an adapter folder")

@@ -18,7 +18,10 @@ from .family import num_kv_heads
 from .rope import head_dim_of, rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
-SPEC_FORMAT_VERSION = 2
+SPEC_FORMAT_VERSION = 3
+# What a folder's weights are (ContextSpec.weights, format 3): a LoRA adapter (maybe with a method's weights), a
+# method's own weights only (finetune: method), a whole fully fine-tuned model, or a whole merged model.
+WEIGHTS_KINDS = ("lora", "method", "full", "merged")
 
 # Base-config fields that an adapter must match exactly (read by _shape_of).
 # Specs written before num_hidden_layers was recorded lack it; they are not checked on it.
@@ -89,6 +92,8 @@ class ContextSpec:
         trained_length / target_length: training sequence length and the length it should work at.
         recipe_hash: sha256 of the resolved recipe that trained the adapter.
         library_version: longpeft version that wrote the spec.
+        weights: what the folder's weights are, one of ``WEIGHTS_KINDS`` (format 3; None in older folders, whose
+            files tell: :func:`longpeft.hub.folder_weights`).
     """
 
     method: str
@@ -104,6 +109,7 @@ class ContextSpec:
     target_length: int | None = None
     recipe_hash: str | None = None
     library_version: str | None = None
+    weights: str | None = None
     format_version: int = SPEC_FORMAT_VERSION
 
     def __post_init__(self) -> None:
@@ -199,7 +205,7 @@ class ContextSpec:
 
     @classmethod
     def load(cls, directory: str | Path) -> ContextSpec:
-        """Read ``longpeft.json`` (format 1 or 2) from an adapter directory, with errors that name the file."""
+        """Read ``longpeft.json`` (format 1, 2 or 3) from an adapter directory, with errors that name the file."""
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file():
             raise FileNotFoundError(
@@ -214,7 +220,7 @@ class ContextSpec:
 
     @classmethod
     def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:
-        """A spec from the content of a ``longpeft.json``; format 1 is upgraded to format 2."""
+        """A spec from the content of a ``longpeft.json``; formats 1 and 2 are upgraded to the current one."""
         if not isinstance(data, dict):
             raise ValueError(f"{source} must hold a JSON object, got {type(data).__name__}")
         data = dict(data)
@@ -225,7 +231,7 @@ class ContextSpec:
             raise ValueError(f"{source} has format_version {version}; upgrade longpeft to read it")
         if version == 1:
             data["methods"] = methods_from_v1(data)
-            data["format_version"] = SPEC_FORMAT_VERSION
+        data["format_version"] = SPEC_FORMAT_VERSION  # format 2 lacks only ``weights`` (None: unknown)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -240,13 +246,16 @@ class ContextSpec:
 
     # ---- checks ----------------------------------------------------------------------------
 
-    def check_base(self, config: Any, base_model: str | None = None, strict_base_id: bool = False) -> None:
+    def check_base(
+        self, config: Any, base_model: str | None = None, strict_base_id: bool = False, recorded: str | None = None
+    ) -> None:
         """Fail with :class:`SpecMismatchError` when ``config`` is not the base this spec was made for.
 
         Compares architecture (when both sides know it), model type, hidden size, layers (when the spec
         records them), heads, KV heads, head dim and vocab size. The base id is
         compared when both are known and ``strict_base_id`` is set (a local copy of the same model
-        has another path, so by default a differing id is not an error).
+        has another path, so by default a differing id is not an error); ``recorded`` is where the spec's
+        ``base_model`` resolves to (a path relative to the adapter, a built-in model's folder), compared by location.
         """
         problems = []
         architecture = _architecture(config)
@@ -259,13 +268,18 @@ class ContextSpec:
                 continue
             if expected is not None and actual[key] != expected:
                 problems.append(f"{key}: adapter expects {expected}, base has {actual[key]}")
-        if strict_base_id and base_model and self.base_model and base_model != self.base_model:
+        if strict_base_id and base_model and self.base_model and not _same_model(base_model, recorded or self.base_model):
             problems.append(f"base model id: adapter was trained on {self.base_model!r}, got {base_model!r}")
         if problems:
             raise SpecMismatchError(
                 "this adapter does not fit the base model: " + "; ".join(problems)
                 + ". Load the base model the adapter was trained on."
             )
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names are the same Hub id or lead to the same folder."""
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
@@ -282,6 +296,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "target_length": (int, type(None)),
     "recipe_hash": (str, type(None)),
     "library_version": (str, type(None)),
+    "weights": (str, type(None)),
 }
 _MAX_VOCAB = 10_000_000
 
@@ -298,6 +313,8 @@ def _type_problems(data: dict[str, Any]) -> list[str]:
         value = data.get(key)
         if isinstance(value, int) and not 0 < value <= (_MAX_VOCAB if key == "vocab_size" else 1 << 31):
             problems.append(f"{key}={value} is out of range")
+    if isinstance(data.get("weights"), str) and data["weights"] not in WEIGHTS_KINDS:
+        problems.append(f"weights must be one of {', '.join(WEIGHTS_KINDS)}, got {data['weights']!r}")
     shape_vocab = (data.get("base_shape") or {}).get("vocab_size") if isinstance(data.get("base_shape"), dict) else None
     if isinstance(shape_vocab, int) and not 0 < shape_vocab <= _MAX_VOCAB:
         problems.append(f"base_shape.vocab_size={shape_vocab} is out of range")

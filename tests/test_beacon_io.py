@@ -205,6 +205,17 @@ def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
     names = {p.name for p in Path(staged).iterdir()}
     assert {WEIGHTS_FILENAME, "longpeft.json", "README.md"} <= names and "adapter_config.json" not in names
     assert json.loads((Path(staged) / "longpeft.json").read_text())["base_model"] == "owner/base"
+    # its card is not a LoRA adapter's (peft, lora, PeftModel), and unknown lengths (convert-beacon) are left out
+    spec = ContextSpec.load(tmp_path / "adapter")
+    spec.trained_length = spec.target_length = spec.weights = None  # as written before format 3, converted
+    spec.save(tmp_path / "adapter")
+    staged = Path(hub.push(tmp_path / "adapter", "someone/tiny-beacon", dry_run=tmp_path / "upload3",
+                           base_id="owner/base"))
+    card = (staged / "README.md").read_text()
+    metadata = card.split("---")[1]
+    assert "library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card and "None" not in card
+    assert 'longpeft.load("owner/base", "someone/tiny-beacon")' in card and "no LoRA weights" in card
+    assert ContextSpec.load(staged).weights == "method"
     (tmp_path / "empty").mkdir()
     ContextSpec.from_base(AutoConfig.from_pretrained(base_dir), "beacon").save(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match="lacks .*weights"):

@@ -16,7 +16,7 @@ from longpeft.adapters import METHODS, Method, apply_spec, register, unregister
 from longpeft.config import StrictModel
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import RecipeError, load_recipe
-from longpeft.spec import ContextSpec
+from longpeft.spec import SPEC_FORMAT_VERSION, ContextSpec
 from longpeft.tiny import tiny_config, tiny_model
 
 
@@ -81,7 +81,7 @@ def test_a_registered_method_flows_through_recipe_load_merge_and_card(dummy_meth
     merged_dir = tmp_path / "merged"
     hub.merge(result.adapter_dir, merged_dir)
     assert json.loads((merged_dir / "dummy.json").read_text())["scale"] == 2.0  # export hook ran
-    card = hub.model_card_text(ContextSpec.load(merged_dir), merged=True, eval_rows=[], repo_id="x/y")
+    card = hub.model_card_text(ContextSpec.load(merged_dir), eval_rows=[], repo_id="x/y")
     assert "Dummy plug-in method with scale 2.0." in card and "dummy" in card
 
 
@@ -122,7 +122,7 @@ def test_format_1_longpeft_json_still_loads(tmp_path):
     }
     (tmp_path / "longpeft.json").write_text(json.dumps(v1))
     spec = ContextSpec.load(tmp_path)
-    assert spec.format_version == 2 and spec.method == "harpe"
+    assert spec.format_version == SPEC_FORMAT_VERSION and spec.method == "harpe" and spec.weights is None
     assert spec.head_bases == [10000.0, 500000.0] and spec.max_position_embeddings == 1024
     assert spec.methods["rope"]["rope_theta"] == 10000.0 and "string" not in spec.methods
     model = tiny_model("llama")
@@ -136,11 +136,13 @@ def test_format_1_longpeft_json_still_loads(tmp_path):
     [
         ("[]", "must hold a JSON object"),
         ('{"format_version": "2"}', "format_version must be a positive integer"),
-        ('{"format_version": 3}', "upgrade longpeft"),
+        ('{"format_version": 4}', "upgrade longpeft"),
         ('{"method": "rope", "architecture": null, "base_shape": "x", "original_rope_parameters": {}, '
          '"original_max_position_embeddings": 256, "format_version": 2}', "base_shape must be dict"),
         ('{"method": "rope", "architecture": null, "base_shape": {"vocab_size": -1}, "original_rope_parameters": {}, '
          '"original_max_position_embeddings": 256, "vocab_size": 99999999999, "format_version": 2}', "out of range"),
+        ('{"method": "rope", "architecture": null, "base_shape": {}, "original_rope_parameters": {}, '
+         '"original_max_position_embeddings": 256, "weights": "qlora", "format_version": 3}', "weights must be one of"),
     ],
 )
 def test_wrong_shape_longpeft_json_is_a_clear_error(tmp_path, content, message):

@@ -103,6 +103,54 @@ def test_spec_mismatch_architecture_and_base_id():
         spec.check_base(same, "org/model-b", strict_base_id=True)
 
 
+def test_strict_base_id_accepts_the_adapters_own_relative_or_builtin_base(tiny_base_dirs, tmp_path):
+    """strict_base_id compared the recorded name (../base, longpeft:toy-base) with the resolved path: it refused
+    the adapter's own base."""
+    from longpeft.builtin_models import TOY_BASE, model_location
+
+    shutil.copytree(tiny_base_dirs("llama"), tmp_path / "run" / "base")
+    make_adapter(tmp_path / "run" / "base", tmp_path / "run" / "adapter")
+    spec = ContextSpec.load(tmp_path / "run" / "adapter")
+    spec.base_model = "../base"  # as the runner records a base inside the run folder
+    spec.save(tmp_path / "run" / "adapter")
+    longpeft.load(None, tmp_path / "run" / "adapter", strict_base_id=True)
+    with pytest.raises(SpecMismatchError, match="base model id"):  # another copy is still refused
+        longpeft.load(str(tiny_base_dirs("llama")), tmp_path / "run" / "adapter", strict_base_id=True)
+
+    toy = AutoModelForCausalLM.from_pretrained(model_location(TOY_BASE))
+    get_peft_model(toy, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "toy")
+    ContextSpec.from_base(toy.config, "rope", base_model=TOY_BASE).save(tmp_path / "toy")
+    longpeft.load(None, tmp_path / "toy", strict_base_id=True)
+    longpeft.load(TOY_BASE, tmp_path / "toy", strict_base_id=True)
+
+
+def test_load_applies_the_adapters_generation_config(tiny_base_dirs, tmp_path):
+    """The recipe's eos ids (generation_config.json in the adapter) were dropped by longpeft.load; merge kept them."""
+    from transformers import GenerationConfig
+
+    base_dir = tiny_base_dirs("llama")
+    make_adapter(base_dir, tmp_path / "adapter")
+    generation = GenerationConfig.from_pretrained(base_dir)
+    generation.eos_token_id = [6, 2, 3]
+    generation.save_pretrained(tmp_path / "adapter")
+    assert longpeft.load(None, tmp_path / "adapter").generation_config.eos_token_id == [6, 2, 3]
+
+
+def test_load_reads_the_bases_config_with_cache_dir(tiny_base_dirs, tmp_path, monkeypatch):
+    """cache_dir (and local_files_only, ...) reached from_pretrained but not the base's AutoConfig."""
+    from longpeft import loading
+
+    snapshot = tmp_path / "cache" / "models--someorg--tiny-base" / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny_base_dirs("llama"), snapshot)
+    (tmp_path / "cache" / "models--someorg--tiny-base" / "refs").mkdir()
+    (tmp_path / "cache" / "models--someorg--tiny-base" / "refs" / "main").write_text("a" * 40)
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    monkeypatch.setattr(loading, "hub_preflight", lambda *args, **kwargs: None)
+    model = longpeft.load("someorg/tiny-base", tmp_path / "adapter", cache_dir=str(tmp_path / "cache"),
+                          local_files_only=True)
+    assert model.longpeft_spec.rope_parameters["rope_theta"] == 2e6
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_load_restores_rope_base_where_plain_peft_does_not(arch, tiny_base_dirs, tmp_path):
     base_dir = tiny_base_dirs(arch)
@@ -213,6 +261,11 @@ def test_push_dry_run_of_a_full_fine_tune_run_stages_the_model(full_run, tmp_pat
     assert "- full-finetune" in metadata and "- lora" not in metadata
     assert "fully fine-tuned" in card and "every weight of someone/tiny-base was trained" in card
     assert 'AutoModelForCausalLM.from_pretrained("someone/tiny-full", trust_remote_code=True)' in card
+    assert 'AutoTokenizer.from_pretrained("someone/tiny-full", trust_remote_code=True)' in card  # no prompt
+    assert ContextSpec.load(full_run / "model").weights == "full" and ContextSpec.load(staged).weights == "full"
+    # training turned use_cache off; the runner saves it on, and staging turns it on in older folders
+    assert json.loads((full_run / "model" / "config.json").read_text())["use_cache"] is True
+    assert config["use_cache"] is True
     assert "longpeft.load" not in card and "| passkey |" in card
 
 
@@ -230,6 +283,98 @@ def test_push_casts_a_full_fine_tune_to_dtype_and_merged_changes_nothing(full_ru
     with safe_open(tmp_path / "bf16" / "model.safetensors", framework="pt") as f:
         assert {f.get_slice(key).get_dtype() for key in f.keys()} == {"BF16"}
     torch.testing.assert_close(_logits(tmp_path / "bf16"), _logits(full_run / "model"), atol=0.05, rtol=0)
+
+
+def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp_path):
+    """An exported folder (config.json, no adapter_config.json) was pushed with a "fully fine-tuned" card; the card
+    now follows what longpeft.json records, and older folders without the record are merged unless the runner's
+    card says full."""
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    hub.export(tmp_path / "adapter", tmp_path / "export", dtype="bfloat16")
+    assert ContextSpec.load(tmp_path / "export").weights == "merged"
+    old_full = tmp_path / "old-full"
+    shutil.copytree(full_run / "model", old_full)
+    for folder in (tmp_path / "export", old_full):  # as written before format 3
+        data = json.loads((folder / "longpeft.json").read_text())
+        del data["weights"]
+        (folder / "longpeft.json").write_text(json.dumps({**data, "format_version": 2}))
+    for merged in (False, True):
+        staged = Path(hub.push(tmp_path / "export", "someone/tiny-merged", merged=merged, base_id="someone/base",
+                               dry_run=tmp_path / f"upload-{merged}"))
+        card = (staged / "README.md").read_text()
+        metadata = card.split("---")[1]
+        assert "# someone/base extended with longpeft" in card and "fully fine-tuned" not in card
+        assert "full-finetune" not in metadata and "- lora" not in metadata and "library_name: transformers" in metadata
+        assert ContextSpec.load(staged).weights == "merged"
+    staged = Path(hub.push(old_full, "someone/full", base_id="someone/base", dry_run=tmp_path / "upload-full"))
+    assert ContextSpec.load(staged).weights == "full" and "- full-finetune" in (staged / "README.md").read_text()
+
+
+def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, monkeypatch):
+    """upload_folder without delete_patterns kept an earlier push's adapter_config.json beside a later merged
+    model. The Hub is simulated by a folder; upload_folder honours delete_patterns as the Hub does."""
+    import fnmatch
+
+    import huggingface_hub
+
+    from longpeft import loading
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+
+    class FakeApi:
+        def create_repo(self, repo_id, private=False, exist_ok=False):
+            pass
+
+        def upload_folder(self, repo_id, folder_path, commit_message, delete_patterns=None, **kwargs):
+            for path in list(repo.iterdir()):
+                if path.name != ".gitattributes" and any(fnmatch.fnmatch(path.name, p) for p in delete_patterns or []):
+                    path.unlink()
+            for path in Path(folder_path).iterdir():
+                shutil.copy(path, repo / path.name)
+            return "commit"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    monkeypatch.setattr(loading, "hub_preflight", lambda *args, **kwargs: None)
+    trained, _ = make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    hub.push(tmp_path / "adapter", "someone/tiny-80k", base_id="someone/base")
+    assert (repo / "adapter_config.json").is_file()
+    hub.push(tmp_path / "adapter", "someone/tiny-80k", merged=True, dtype="float32", base_id="someone/base")
+    assert not (repo / "adapter_config.json").exists() and (repo / ".gitattributes").is_file()
+    model = AutoModelForCausalLM.from_pretrained(repo).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, trained(IDS).logits, atol=1e-4, rtol=0)
+
+
+def test_merge_and_push_merged_with_a_moved_base(tiny_base_dirs, tmp_path):
+    """A base that is no longer where longpeft.json says: merge failed late in AutoConfig, push could not take
+    the base."""
+    base_dir = tiny_base_dirs("llama")
+    make_adapter(base_dir, tmp_path / "adapter")
+    spec = ContextSpec.load(tmp_path / "adapter")
+    spec.base_model = "/data/old-machine/llama-base"
+    spec.save(tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match="no such folder.*--base"):
+        hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    assert main(["push", str(tmp_path / "adapter"), "--repo", "someone/x", "--merged", "--base", str(base_dir),
+                 "--base-id", "someone/base", "--dry-run", str(tmp_path / "upload")]) == 0
+    assert ContextSpec.load(tmp_path / "upload").weights == "merged"
+
+
+def test_a_failed_push_dry_run_leaves_nothing_behind(tiny_base_dirs, tmp_path, monkeypatch):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hub, "write_model_card", broken)
+    with pytest.raises(OSError, match="disk full"):
+        hub.push(tmp_path / "adapter", "someone/x", base_id="someone/base", dry_run=tmp_path / "upload")
+    assert not (tmp_path / "upload").exists() and not (tmp_path / ".upload.partial").exists()
+    monkeypatch.undo()
+    hub.push(tmp_path / "adapter", "someone/x", base_id="someone/base", dry_run=tmp_path / "upload")
+    assert (tmp_path / "upload" / "README.md").is_file()
 
 
 def test_push_refuses_an_ambiguous_run_folder(full_run, tmp_path):
@@ -288,7 +433,11 @@ def test_load_refuses_a_whole_fine_tuned_model_instead_of_dropping_its_weights(t
     full = tmp_path / "model"
     trained.merge_and_unload().save_pretrained(full)
     spec.save(full)
-    with pytest.raises(ValueError, match="whole fine-tuned model"):
+    with pytest.raises(ValueError, match="holds a whole model"):
+        longpeft.load(None, full)
+    spec.base_model = "../gone-base"  # refused before the base is looked for (it was: "no such folder")
+    spec.save(full)
+    with pytest.raises(ValueError, match="holds a whole model"):
         longpeft.load(None, full)
 
 
@@ -384,6 +533,10 @@ def test_a_failed_merge_leaves_no_half_written_output(tiny_base_dirs, tmp_path, 
     monkeypatch.undo()
     (tmp_path / "merged").mkdir()  # an empty --out is fine
     assert hub.merge(tmp_path / "adapter", tmp_path / "merged")["max_abs_logit_diff"] < 1e-4
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")  # --out . (it failed at the end: "." has no name to rename)
+    hub.merge(tmp_path / "adapter", ".", verify=False)
+    assert (tmp_path / "here" / "model.safetensors").is_file() and Path.cwd() == tmp_path / "here"
 
 
 def test_merge_refuses_a_base_saved_quantized(tiny_base_dirs, tmp_path):

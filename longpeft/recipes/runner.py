@@ -15,6 +15,7 @@ Output folder (``recipe.output_dir``)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -760,8 +761,11 @@ def save_adapter(
     ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
     adapter's part of it. A fully fine-tuned model also gets what its methods export (e.g. HARPE's modeling
     file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``). With
-    ``finetune: method`` only the method's own weights are written (the base did not change).
+    ``finetune: method`` only the method's own weights are written (the base did not change). longpeft.json
+    records which (``weights``: the ``finetune`` setting).
     """
+    if finetune == "full":
+        model.config.use_cache = True  # training turned it off; the saved model is for generation
     if finetune != "method":
         model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
     save_method_weights(model, spec, adapter_dir, state_dict)
@@ -771,10 +775,11 @@ def save_adapter(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(adapter_dir)
+    spec = dataclasses.replace(spec, weights=finetune)
     spec.save(adapter_dir)
     from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
 
-    write_model_card(adapter_dir, spec, merged=False, full=finetune == "full", repo_id=str(adapter_dir))
+    write_model_card(adapter_dir, spec, repo_id=str(adapter_dir))
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:

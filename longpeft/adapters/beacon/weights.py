@@ -184,7 +184,8 @@ def convert_authors_checkpoint(source: str | Path, out_dir: str | Path, base: st
         raise ValueError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
-    spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()})
+    spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()},
+                                 weights="method")
     spec.save(out_dir)
     return {"out_dir": str(out_dir), "tensors": len(tensors), "beacon": beacon.model_dump()}
 
