@@ -127,6 +127,7 @@ def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
     with pytest.raises(ValueError, match=r"recipe changed .*rope.rope_theta, train.learning_rate"):
         run(changed, resume=True)
     assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
+    assert run(changed, resume=True).metrics["steps"] == 2  # the allowed recipe is the run's now (flag not needed again)
 
 
 def test_resume_with_more_steps_trains_them(finished_run, tmp_path):

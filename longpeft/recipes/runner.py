@@ -678,7 +678,7 @@ def run(
         resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (after a
             kill). A run that had already finished is not trained again.
         allow_recipe_change: resume even though training keys of the recipe changed since the run
-            started (otherwise refused, naming the keys).
+            started (otherwise refused, naming the keys); the run then goes on with, and records, this recipe.
     """
     output_dir = recipe.resolved_output_dir()
     skipped: list[str] = []
@@ -692,8 +692,8 @@ def run(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
+    changed = changed_keys(output_dir, recipe.model_dump()) if resume else []
     if resume:
-        changed = changed_keys(output_dir, recipe.model_dump())
         if changed and not allow_recipe_change:
             raise ValueError(
                 f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "
@@ -705,6 +705,8 @@ def run(
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             trim_metrics(output_dir / "metrics.jsonl", checkpoint_step(checkpoint))
+            if changed:  # allowed: the run goes on with this recipe, which later resumes compare with
+                save_training_recipe(output_dir, recipe.model_dump())
         else:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
             save_training_recipe(output_dir, recipe.model_dump())
