@@ -222,7 +222,8 @@ def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path
     # Documents are counted as documents. These are longer than a sequence's room: data.truncate cuts them; without
     # it they are dropped (they used to be cut silently, losing their ends) and an all-too-long source is refused.
     stats = prepared.data_stats
-    assert stats["kept"] == 12 and stats["dropped"] == 0 and stats["packed_sequences"] == len(prepared.trainer.train_dataset)
+    assert stats["kept"] == stats["truncated"] == 12 and stats["dropped"] == 0
+    assert stats["packed_sequences"] == len(prepared.trainer.train_dataset)
     keep_whole = recipe.model_copy(update={"data": recipe.data.model_copy(update={"truncate": False})})
     with pytest.raises(ValueError, match=r"every sample is longer than data.max_length=256 minus UtK's insertions"):
         prepare(keep_whole)

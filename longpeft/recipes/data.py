@@ -213,11 +213,13 @@ def filter_by_length(
     Args:
         limit: what ``max_length`` is, for the error (default ``data.max_length=<max_length>``).
 
-    Returns the dataset and counts ``{"kept", "dropped", "longest"}``.
+    Returns the dataset and counts ``{"kept", "dropped", "truncated", "longest"}`` (``truncated``: kept samples
+    longer than ``max_length``, which training cuts).
     """
     lengths = [len(ids) for ids in dataset["input_ids"]]
     keep = [i for i, n in enumerate(lengths) if truncate or n <= max_length]
-    stats = {"kept": len(keep), "dropped": len(lengths) - len(keep), "longest": max(lengths, default=0)}
+    stats = {"kept": len(keep), "dropped": len(lengths) - len(keep),
+             "truncated": sum(n > max_length for n in lengths) if truncate else 0, "longest": max(lengths, default=0)}
     if not keep:
         raise ValueError(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
