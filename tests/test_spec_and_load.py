@@ -16,7 +16,7 @@ from longpeft import hub
 from longpeft.adapters import apply_spec
 from longpeft.cli import main
 from longpeft.spec import ContextSpec, SpecMismatchError
-from longpeft.tiny import tiny_config
+from longpeft.tiny import tiny_config, tiny_model
 
 from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
 
@@ -559,3 +559,33 @@ def test_a_bad_method_section_names_it(tiny_base_dirs, tmp_path):
     spec.save(tmp_path / "adapter")
     with pytest.raises(ValueError, match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"):
         longpeft.load(None, tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "default", "rope_theta": 2e6},
+    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256},
+])
+def test_saved_models_carry_the_rope_keys_transformers_4_reads(tmp_path, rope):
+    """transformers 5 saves only rope_parameters: transformers 4.39 built the merged demo model with base 10,000
+    instead of 2e6 (logits off by up to 19.9 over 800 tokens; equal once these keys are written). transformers 5
+    reads the file as before."""
+    from longpeft.adapters.rope_base import RopeConfig, expand_rope_base, write_legacy_rope_keys
+
+    model = tiny_model("llama")
+    expand_rope_base(model, rope, 1024)
+    model.save_pretrained(tmp_path)
+    before = AutoModelForCausalLM.from_pretrained(tmp_path).model.rotary_emb
+    write_legacy_rope_keys(tmp_path, RopeConfig(**model.config.rope_parameters, max_position_embeddings=1024))
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["rope_theta"] == rope["rope_theta"]
+    scaled = {k: v for k, v in saved["rope_parameters"].items() if k != "rope_theta"}
+    assert saved["rope_scaling"] == (None if rope["rope_type"] == "default" else scaled)
+    after = AutoModelForCausalLM.from_pretrained(tmp_path).model.rotary_emb
+    assert torch.equal(after.inv_freq, before.inv_freq) and after.attention_scaling == before.attention_scaling
+
+
+def test_a_merged_model_records_its_rope_base_for_older_readers(tiny_base_dirs, tmp_path):
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    hub.merge(tmp_path / "adapter", tmp_path / "merged")
+    saved = json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"] == 2e6 and saved["rope_scaling"] is None

@@ -4,11 +4,15 @@ The "Llama-3 8K -> 80K overnight" recipe raises the RoPE base from 500K to 200M 
 QLoRA. transformers' own rope types (linear/PI, dynamic NTK, yarn, llama3) are selected the same way,
 through a complete ``rope_parameters`` dict. The ``rope`` section of recipes and of
 ``longpeft.json`` is :class:`RopeConfig`; in ``longpeft.json`` it holds the complete resolved dict.
+A merged or fully fine-tuned model's config.json also gets the keys transformers 4 reads
+(:func:`write_legacy_rope_keys`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -133,6 +137,23 @@ def remove(model: nn.Module) -> None:
     del model._longpeft_original_rope
 
 
+def write_legacy_rope_keys(folder: Path, config: RopeConfig) -> None:
+    """Also write a saved model's RoPE parameters as transformers 4 reads them: top-level ``rope_theta``, and
+    ``rope_scaling`` for a scaled rope type (null for the default one).
+
+    transformers 5 saves only ``rope_parameters``; a reader of the old keys (transformers < 5, serving stacks
+    pinned to it) then builds the model with the architecture's default base (10,000 for Llama), silently.
+    transformers 5 reads the file as before: ``rope_scaling`` holds the same parameters, ``rope_theta`` fills it.
+    """
+    path = folder / "config.json"
+    data = json.loads(path.read_text())
+    params = config.rope_parameters()
+    scaling = {key: value for key, value in params.items() if key != "rope_theta"}
+    data["rope_theta"] = params["rope_theta"]
+    data["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def describe(config: RopeConfig) -> list[str]:
     return [f"RoPE parameters {config.rope_parameters()}, {config.max_position_embeddings} positions."]
 
@@ -144,7 +165,8 @@ METHOD = Method(
     remove=remove,
     is_applied=lambda model: getattr(model, "_longpeft_original_rope", None) is not None,
     resolve=resolve,
+    export=lambda model, folder, config: write_legacy_rope_keys(folder, config),
     describe=describe,
 )
 
-__all__ = ["METHOD", "RopeConfig", "expand_rope_base", "resolve_rope_parameters"]
+__all__ = ["METHOD", "RopeConfig", "expand_rope_base", "resolve_rope_parameters", "write_legacy_rope_keys"]
