@@ -51,21 +51,25 @@ class MixConfig(BaseModel):
         return self
 
 
-def _files(path: str | Path, suffixes: Sequence[str]) -> list[Path]:
+def source_files(path: str | Path, kinds: dict[str, str]) -> list[Path]:
+    """The files a source path names: itself, or a folder's files (searched recursively) of the ``kinds``
+    (``{suffix: what a file of that kind holds}``, used in the error for a named file of another type)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in suffixes)
+        files = sorted(p for p in path.rglob("*") if p.suffix in kinds)
         if not files:
-            raise FileNotFoundError(f"{path} holds no {'/'.join(suffixes)} files")
+            raise FileNotFoundError(f"{path} holds no {'/'.join(kinds)} files")
         return files
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist")
-    if path.suffix not in suffixes:
-        raise ValueError(f"{path}: expected a {'/'.join(suffixes)} file")
+        raise FileNotFoundError(f"source path {path} does not exist")
+    if path.suffix not in kinds:
+        use = " or ".join(f"{suffix} ({what})" for suffix, what in kinds.items())
+        raise ValueError(f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use {use}")
     return [path]
 
 
-def _jsonl(path: Path):
+def jsonl_records(path: Path):
+    """``(line number, record)`` of a JSON-lines file, blank lines skipped; a bad line fails as ``path:line``."""
     with path.open(encoding="utf-8") as handle:
         for number, line in enumerate(handle, 1):
             if line.strip():
@@ -86,11 +90,11 @@ def read_text_file(path: Path) -> str:
 def load_plain_texts(path: str | Path) -> list[str]:
     """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
     texts = []
-    for file in _files(path, (".txt", ".jsonl")):
+    for file in source_files(path, {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}):
         if file.suffix == ".txt":
             texts.append(read_text_file(file))
             continue
-        for number, record in _jsonl(file):
+        for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{file}:{number}: plain-text records need a string field 'text'")
             texts.append(record["text"])
@@ -113,8 +117,8 @@ def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
     """Conversations from .jsonl files (see :func:`to_messages`)."""
     return [
         to_messages(record, f"{file}:{number}")
-        for file in _files(path, (".jsonl",))
-        for number, record in _jsonl(file)
+        for file in source_files(path, {".jsonl": "one conversation per line"})
+        for number, record in jsonl_records(file)
     ]
 
 

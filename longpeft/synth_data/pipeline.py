@@ -32,7 +32,7 @@ from .builders import (
 )
 from .corpus import Document
 from .llm_client import LLMClient, LLMConfig
-from .mix import MixConfig, mix
+from .mix import MixConfig, jsonl_records, mix, read_text_file, source_files
 from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
 from .report import write_dataset
 
@@ -115,33 +115,13 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 def load_documents(paths: list[str]) -> list[Document]:
     """Documents from .txt files (one per file, titled by the file name) and .jsonl files (``text``, optional
     ``title``/``id``); folders are searched for both, a named file of another type is refused."""
-    suffixes = (".txt", ".jsonl")
-    files: list[Path] = []
-    for raw in paths:
-        path = Path(raw)
-        if path.is_dir():
-            files += sorted(p for p in path.rglob("*") if p.suffix in suffixes)
-        elif not path.is_file():
-            raise FileNotFoundError(f"source path {path} does not exist")
-        elif path.suffix in suffixes:
-            files.append(path)
-        else:
-            raise ValueError(
-                f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use .txt (one document per "
-                "file) or .jsonl (one JSON record with a 'text' field per line)"
-            )
+    kinds = {".txt": "one document per file", ".jsonl": "one JSON record with a 'text' field per line"}
     documents = []
-    for file in files:
+    for file in (file for raw in paths for file in source_files(raw, kinds)):
         if file.suffix == ".txt":
-            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=file.read_text(encoding="utf-8")))
+            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=read_text_file(file)))
             continue
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{file}:{number}: not valid JSON ({error})") from None
+        for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise ValueError(f"{file}:{number}: document records need a string field 'text'")
             documents.append(Document(doc_id=str(record.get("id", f"{file}:{number}")),
