@@ -179,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                       help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
                       "adapter is uploaded as saved")
-    push.add_argument("--private", action="store_true")
+    push.add_argument("--private", action="store_true", help="make the repository private (an existing public one "
+                      "too); without it a new repository gets the account's default visibility and an existing one "
+                      "keeps its own")
     push.add_argument("--base-id", help="the base model's Hub id, written into the card and longpeft.json "
                       "(default: the base recorded in longpeft.json; push warns when that is a local path)")
     push.add_argument("--base", help="the base model to merge into with --merged (default: the one named in "

@@ -63,10 +63,10 @@ def merge(
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
         the methods left out removed from both) on a fixed probe (None when ``verify`` is off).
     """
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     from .adapters import METHODS
-    from .loading import load, local_adapter_dir, resolve_base, tokenizer_source
+    from .loading import load, load_tokenizer, local_adapter_dir, pin_base_revision, resolve_base
 
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
@@ -82,7 +82,8 @@ def merge(
         optional = [name for name, method in METHODS.items() if method.inference_only]
         raise ValueError(f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
                          f"it out; only inference-time methods ({', '.join(optional)}) can be")
-    quantization = getattr(AutoConfig.from_pretrained(base_name), "quantization_config", None)
+    revision = pin_base_revision(spec, base_name, {}).get("revision")
+    quantization = getattr(AutoConfig.from_pretrained(base_name, revision=revision), "quantization_config", None)
     if quantization:
         raise ValueError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
                          "a merge needs the full-precision base; pass it with --base")
@@ -101,7 +102,7 @@ def merge(
         merged.config.name_or_path = str(out_dir)
         merged.save_pretrained(partial)
         export_methods(merged, kept, partial)
-        AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_name), trust_remote_code=False).save_pretrained(partial)
+        load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
         if (adapter_dir / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
         kept.save(partial)
@@ -494,7 +495,9 @@ def push(
         folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id,
                               base=base)
         api = HfApi()
-        api.create_repo(repo_id, private=private, exist_ok=True)
+        api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
+        if private:  # create_repo leaves an existing repository's visibility as it was
+            api.update_repo_settings(repo_id, private=True)
         # delete_patterns: no file of an earlier push stays (a stale adapter_config.json would make the repo an
         # adapter again); the Hub keeps .gitattributes
         info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model",

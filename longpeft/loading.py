@@ -110,16 +110,33 @@ def local_adapter_dir(adapter: str | Path) -> Path:
     return Path(snapshot_download(str(adapter)))
 
 
-def tokenizer_source(adapter_dir: str | Path, base: str | Path) -> str:
-    """Where an adapter's tokenizer is: the adapter folder when it holds one, else its base model."""
-    adapter_dir = Path(adapter_dir)
-    has_tokenizer = adapter_dir.is_dir() and any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
-    return str(adapter_dir) if has_tokenizer else str(base)
+def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs: Any) -> Any:
+    """An adapter's tokenizer: from its folder (or Hub repo) when it ships one (with any tokens the recipe added),
+    else from its base model (``base``, default the spec's), at the revision the adapter was trained on.
+    ``kwargs`` go to ``AutoTokenizer.from_pretrained``."""
+    from transformers import AutoTokenizer
+
+    adapter_dir = local_adapter_dir(adapter)
+    if any((adapter_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(adapter_dir, **kwargs)
+    spec = ContextSpec.load(adapter_dir)
+    name = resolve_base(spec, adapter_dir, base)
+    return AutoTokenizer.from_pretrained(name, **pin_base_revision(spec, name, kwargs))
 
 
 # from_pretrained arguments that also decide where the base's config is read from
 CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder", "proxies",
                  "force_download")
+
+
+def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
+    the Hub repository the spec names and no revision was given (as peft's ``revision`` does): a base repository
+    updated after training is not silently used instead."""
+    if (spec.base_revision and "revision" not in from_pretrained_kwargs and not is_local(name)
+            and name == spec.base_model):
+        return {**from_pretrained_kwargs, "revision": spec.base_revision}
+    return from_pretrained_kwargs
 
 
 def load(
@@ -139,7 +156,8 @@ def load(
         is_trainable: load the adapter for further training.
         strict_base_id: also fail when the base's id differs from the one the adapter was trained on.
         **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype,
-            device_map, quantization_config, attn_implementation, revision, ...).
+            device_map, quantization_config, attn_implementation, revision, ...). Without ``revision``, the
+            spec's Hub base is loaded at the commit the adapter was trained on (``base_revision``).
 
     Returns:
         The PeftModel (the model itself for an adapter without LoRA weights, e.g. Activation Beacon
@@ -162,6 +180,7 @@ def load(
         name = resolve_base(spec, adapter_dir, base)
         check_model_source(name, "base model", "; pass the base model (longpeft.load(base, adapter))")
         from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
+        from_pretrained_kwargs = pin_base_revision(spec, name, from_pretrained_kwargs)
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
         model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)

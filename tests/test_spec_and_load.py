@@ -312,7 +312,8 @@ def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp
 
 def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, monkeypatch):
     """upload_folder without delete_patterns kept an earlier push's adapter_config.json beside a later merged
-    model. The Hub is simulated by a folder; upload_folder honours delete_patterns as the Hub does."""
+    model, and --private did not make an existing repository private. The Hub is simulated by a folder;
+    upload_folder honours delete_patterns as the Hub does."""
     import fnmatch
 
     import huggingface_hub
@@ -323,9 +324,14 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
     repo.mkdir()
     (repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
 
-    class FakeApi:
-        def create_repo(self, repo_id, private=False, exist_ok=False):
-            pass
+    visibility = {}
+
+    class FakeApi:  # create_repo(exist_ok=True) leaves an existing repository's visibility alone, as the Hub does
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            visibility.setdefault(repo_id, bool(private))
+
+        def update_repo_settings(self, repo_id, private=None):
+            visibility[repo_id] = private
 
         def upload_folder(self, repo_id, folder_path, commit_message, delete_patterns=None, **kwargs):
             for path in list(repo.iterdir()):
@@ -340,8 +346,11 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
     trained, _ = make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     hub.push(tmp_path / "adapter", "someone/tiny-80k", base_id="someone/base")
     assert (repo / "adapter_config.json").is_file()
-    hub.push(tmp_path / "adapter", "someone/tiny-80k", merged=True, dtype="float32", base_id="someone/base")
+    assert visibility == {"someone/tiny-80k": False}
+    hub.push(tmp_path / "adapter", "someone/tiny-80k", merged=True, dtype="float32", base_id="someone/base",
+             private=True)
     assert not (repo / "adapter_config.json").exists() and (repo / ".gitattributes").is_file()
+    assert visibility == {"someone/tiny-80k": True}  # --private on an existing public repository makes it private
     model = AutoModelForCausalLM.from_pretrained(repo).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, trained(IDS).logits, atol=1e-4, rtol=0)
@@ -589,3 +598,43 @@ def test_a_merged_model_records_its_rope_base_for_older_readers(tiny_base_dirs, 
     hub.merge(tmp_path / "adapter", tmp_path / "merged")
     saved = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert saved["rope_theta"] == saved["rope_parameters"]["rope_theta"] == 2e6 and saved["rope_scaling"] is None
+
+
+def test_a_hub_base_is_loaded_at_the_commit_the_adapter_was_trained_on(tiny_base_dirs, tmp_path, monkeypatch):
+    """``base_revision`` was recorded but not used: load/merge took the base repository's newest commit. Here the Hub
+    cache (offline) holds two commits of someone/base; main is a different model without a tokenizer."""
+    import json
+
+    import huggingface_hub
+
+    from longpeft.loading import load, load_tokenizer
+
+    base_dir = tiny_base_dirs("llama")
+    trained, _ = make_adapter(base_dir, tmp_path / "adapter")
+    repo = tmp_path / "cache" / "models--someone--base"
+    old, new = "a" * 40, "b" * 40
+    shutil.copytree(base_dir, repo / "snapshots" / old)
+    changed = AutoModelForCausalLM.from_pretrained(base_dir)
+    with torch.no_grad():
+        changed.lm_head.weight.mul_(2.0)  # the repository updated after training
+    changed.save_pretrained(repo / "snapshots" / new)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(new)
+    spec_path = tmp_path / "adapter" / "longpeft.json"
+    spec = json.loads(spec_path.read_text())
+    spec.update(base_model="someone/base", base_revision=old)
+    spec_path.write_text(json.dumps(spec))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "adapter" / name).unlink()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    cache = str(tmp_path / "cache")
+
+    model = load(None, tmp_path / "adapter", cache_dir=cache).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(IDS).logits, trained(IDS).logits, atol=1e-5, rtol=0)
+    assert load_tokenizer(tmp_path / "adapter", cache_dir=cache).encode("hello") == \
+        AutoTokenizer.from_pretrained(base_dir).encode("hello")
+    # a revision given explicitly wins
+    newest = load(None, tmp_path / "adapter", cache_dir=cache, revision="main").eval()
+    with torch.no_grad():
+        assert (newest(IDS).logits - trained(IDS).logits).abs().max() > 1e-2

@@ -28,11 +28,10 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.device:
         kwargs["device_map"] = args.device
     if args.adapter:
-        from ..loading import load, tokenizer_source
+        from ..loading import load, load_tokenizer
 
         model = load(args.model, args.adapter, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(args.adapter, args.model),
-                                                  trust_remote_code=args.trust_remote_code)
+        tokenizer = load_tokenizer(args.adapter, args.model, trust_remote_code=args.trust_remote_code)
     else:
         check_model_source(args.model, "--model")
         try:

@@ -43,9 +43,9 @@ def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8,
 
     STRING's L is the base's window for the base, the adapter's trained length for the adapter.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from ..loading import load, resolve_base, tokenizer_source
+    from ..loading import load, load_tokenizer, resolve_base
     from ..spec import ContextSpec
 
     out = Path(out)
@@ -53,7 +53,7 @@ def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8,
     base_location = resolve_base(spec, adapter_dir, None)
     base = AutoModelForCausalLM.from_pretrained(base_location).eval()
     window = base.config.max_position_embeddings
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(adapter_dir, base_location))
+    tokenizer = load_tokenizer(adapter_dir, base_location)
     models = {"base": (base, window), "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window)}
     for setting in SETTINGS:
         model, trained_length = models[setting.split(" + ")[0]]
