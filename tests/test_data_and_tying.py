@@ -95,6 +95,29 @@ def test_plain_text_ends_with_exactly_one_eos():
     assert first == second and first[-1] == tokenizer.eos_token_id and first[-2] != tokenizer.eos_token_id
 
 
+def test_cached_tokenization_is_redone_when_longpeft_tokenizing_code_changes(tmp_path, monkeypatch):
+    """datasets' cache key named longpeft's tokenizing functions without their code: after an upgrade that changed
+    the masks, a data file tokenized before was read back from the old cache. Rerunning unchanged code still reuses
+    the cache (a resumed run does not tokenize again)."""
+    from datasets import load_dataset
+
+    from longpeft.recipes import data
+
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    tokenizer = marker_free_tokenizer("llama3")
+
+    def cache_file() -> str:
+        rows = load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train", cache_dir=str(tmp_path / "c"))
+        return data.tokenize_dataset(rows, tokenizer, True).cache_files[0]["filename"]
+
+    first = cache_file()
+    assert cache_file() == first
+    changed = tmp_path / "data.py"
+    changed.write_text(data.TOKENIZING_CODE.read_text() + "\n# a newer longpeft\n")
+    monkeypatch.setattr(data, "TOKENIZING_CODE", changed)
+    assert cache_file() != first
+
+
 def test_a_template_whose_prefix_renders_differently_is_refused():
     tokenizer = marker_free_tokenizer("chatml")
     # Renders the last turn differently from earlier ones: prefixes are not prefixes of the whole.

@@ -182,21 +182,34 @@ def tokenize_conversation(
     return row
 
 
+TOKENIZING_CODE = Path(__file__)  # the code that turns rows into input_ids and masks: part of the cache key
+
+
 def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> Dataset:
     """Tokenize the recipe's data once: ``input_ids`` (and ``assistant_masks`` for conversations with
-    assistant-only loss). TRL takes the tokenized rows as they are, and the length filter reads them."""
+    assistant-only loss). TRL takes the tokenized rows as they are, and the length filter reads them.
+
+    A dataset read from files is cached by ``datasets`` under a fingerprint of the rows, the tokenizer, the flag and
+    this module's code: datasets' own fingerprint names longpeft's functions without their code, so a longpeft
+    upgrade that changes the masking would otherwise reuse the old masks.
+    """
+    from datasets.fingerprint import Hasher
+
     if not tokenizer.is_fast:
         raise ValueError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True")
+    fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
     if "messages" in dataset.column_names:
         return dataset.map(
             lambda row: tokenize_conversation(tokenizer, row["messages"], assistant_only),
             remove_columns=dataset.column_names,
             desc="tokenizing conversations",
+            new_fingerprint=fingerprint,
         )
     return dataset.map(
         lambda row: {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)},
         remove_columns=dataset.column_names,
         desc="tokenizing text",
+        new_fingerprint=fingerprint,
     )
 
 
