@@ -254,3 +254,19 @@ def test_token_indices_on_a_tied_head_with_a_bias_is_refused(tokenizer):
     with pytest.raises(ValueError, match="lora.embeddings: token_indices .* bias"):
         lora_config(recipe, model)
     assert lora_config(load_recipe("tiny-cpu"), model).ensure_weight_tying  # full: trained as one matrix
+
+
+@pytest.mark.parametrize("embeddings", ["token_indices", "full"])
+def test_a_trained_embedding_beside_activation_beacon_leaves_the_beacon_row_alone(tmp_path, tiny_base_dirs, tokenizer,
+                                                                                  chat_jsonl, embeddings):
+    """peft matches module names by suffix: ``embed_tokens`` also wrapped the beacon's one-row
+    ``beacon_embed_tokens`` (token_indices: IndexError in prepare; full: a second trained copy of the beacon row)."""
+    recipe = load_recipe("tiny-beacon-cpu", [
+        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
+        f"output_dir={tmp_path / 'run'}", "beacon.window=16", "train.max_steps=1", "train.per_device_batch_size=1",
+        "train.global_batch_size=1", "finetune=lora", "lora.r=2", *embedding_overrides(embeddings, tokenizer)])
+    model = prepare(recipe).trainer.model
+    wrapped = [name for name, module in model.named_modules() if "beacon_embed_tokens" in name
+               and type(module).__name__ in ("TrainableTokensWrapper", "ModulesToSaveWrapper")]
+    assert wrapped == []
+    assert type(model.get_input_embeddings()).__name__ in ("TrainableTokensWrapper", "ModulesToSaveWrapper")

@@ -297,18 +297,26 @@ def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
             f"recipe {recipe.name}: lora.embeddings: token_indices on a base whose tied output head has a bias: "
             "peft's trainable tokens leave the bias out of the head's forward; use lora.embeddings: full"
         )
+    embedding = input_embedding_path(model) if model is not None else "embed_tokens"
     return LoraConfig(
         ensure_weight_tying=tied and lora.embeddings == "full",
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
-        modules_to_save=["embed_tokens"] if lora.embeddings == "full" else None,
-        trainable_token_indices={"embed_tokens": list(lora.trainable_token_indices)}
+        modules_to_save=[embedding] if lora.embeddings == "full" else None,
+        trainable_token_indices={embedding: list(lora.trainable_token_indices)}
         if lora.embeddings == "token_indices"
         else None,
         task_type="CAUSAL_LM",
     )
+
+
+def input_embedding_path(model: PreTrainedModel) -> str:
+    """The input embedding's module path (e.g. ``model.embed_tokens``): peft matches module names by suffix, and a
+    bare ``embed_tokens`` also matched Activation Beacon's one-row ``beacon_embed_tokens``."""
+    embedding = model.get_input_embeddings()
+    return next(name for name, module in model.named_modules() if module is embedding)
 
 
 def expose_token_indices_head_bias(model: Any) -> None:
