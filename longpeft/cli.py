@@ -25,6 +25,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.launch:
         return launch_training(args, load_recipe(args.recipe, args.overrides))
+    if args.gpus is not None or args.print_command:
+        raise ValueError(f"{'--gpus' if args.gpus is not None else '--print-command'} goes with --launch "
+                         "ddp|fsdp2|zero3|ulysses (without --launch the recipe trains in this one process)")
     from .recipes.runner import run
 
     result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
@@ -40,12 +43,22 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     from .launch import check_launch, launch_command
 
     check_launch(recipe, args.launch)
-    command = launch_command(args.recipe, args.launch, args.gpus or 1, args.overrides)
+    gpus = args.gpus if args.gpus is not None else torch_cuda_devices()
+    if gpus < 1:
+        raise ValueError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {torch_cuda_devices()} CUDA "
+                         "devices)")
+    command = launch_command(recipe, args.recipe, args.launch, gpus, args.overrides)
     command += ["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change
     if args.print_command:
         print(shlex.join(command))
         return 0
     return subprocess.call(command)
+
+
+def torch_cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -129,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --resume: continue even though training keys of the recipe changed")
     train.add_argument("--launch", choices=["ddp", "fsdp2", "zero3", "ulysses"],
                        help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)")
-    train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes)")
+    train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes; default: every CUDA device)")
     train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
     train.set_defaults(func=cmd_train)
 

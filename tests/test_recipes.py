@@ -176,16 +176,16 @@ def test_kill_and_resume_gives_the_uninterrupted_adapter(tiny_base_dirs, chat_js
 
 
 def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
-    """accelerate launch spawns 2 CPU processes (gloo); the global batch is split across them."""
+    """`longpeft train --launch ddp`'s command (the shipped ddp.yaml, the recipe's float32: no autocast) spawns 2 CPU
+    processes (gloo); the global batch is split across them."""
+    from longpeft.launch import launch_command
+
     out = tmp_path / "mp"
-    command = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531",
-        "-m", "longpeft.cli", "train", "tiny-cpu",
-        "--set", f"model.name_or_path={tiny_base_dirs('llama')}", "--set", f"data.source={chat_jsonl}",
-        "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
-        "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256",
-    ]
+    overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={out}",
+                 "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]
+    command = launch_command(load_recipe("tiny-cpu", overrides), "tiny-cpu", "ddp", 2, overrides)
+    assert command[:2] == ["accelerate", "launch"] and command[command.index("--mixed_precision") + 1] == "no"
+    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29531"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = json.loads((out / "recipe.resolved.json").read_text())

@@ -145,24 +145,99 @@ def test_launch_configs_and_refusals(capsys):
     for launch in LAUNCHES:
         assert yaml.safe_load(config_file(launch).read_text())["num_processes"] == 8
     qlora = load_recipe("llama3-8b-instruct-80k-qlora")
-    check_launch(qlora, "ddp")
-    check_launch(qlora, "fsdp2")
-    for launch, reason in (("zero3", "cannot partition bitsandbytes 4-bit"), ("ulysses", "unproven")):
-        with pytest.raises(ValueError, match=reason):
-            check_launch(qlora, launch)
+    for launch in ("ddp", "fsdp2", "zero3"):  # ZeRO-3 shards a 4-bit base stored in bf16 (bnb_4bit_quant_storage)
+        check_launch(qlora, launch)
+    with pytest.raises(ValueError, match="unproven"):
+        check_launch(qlora, "ulysses")
     with pytest.raises(ValueError, match="flash-attn"):
         check_context_parallel(qlora)
     beacon = load_recipe("beacon-llama3-8b-instruct")
     check_launch(beacon, "zero3")  # finetune: method gathers every beacon weight
     with pytest.raises(ValueError, match="zero3 with finetune: lora and beacon: .* gathers only the trainable"):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
+    bf16_base = ["model.load_in_4bit=false"]
+    for overrides, reason in ((["method=pose", "pose.target_length=81920"], "PoSE"),
+                              (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"], "data.utk"),
+                              ([], None)):
+        recipe = load_recipe("llama3-8b-instruct-80k-qlora", bf16_base + overrides)
+        if reason:
+            with pytest.raises(ValueError, match=f"--launch ulysses with {reason}"):
+                check_launch(recipe, "ulysses")
+        else:
+            check_launch(recipe, "ulysses")
+    with pytest.raises(ValueError, match="ulysses with Activation Beacon"):
+        check_launch(beacon, "ulysses")
     assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "fsdp2", "--gpus", "8", "--print-command",
                  "--set", "train.max_steps=10"]) == 0
     command = shlex.split(capsys.readouterr().out)
     assert command[:3] == ["accelerate", "launch", "--config_file"] and command[3].endswith("fsdp2.yaml")
-    assert command[4:] == ["--num_processes", "8", "-m", "longpeft.cli", "train", "llama3-8b-instruct-80k-qlora",
-                           "--set", "train.max_steps=10"]
-    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "zero3", "--gpus", "8", "--print-command"]) == 2
+    assert command[4:] == ["--num_processes", "8", "--mixed_precision", "bf16", "-m", "longpeft.cli", "train",
+                           "llama3-8b-instruct-80k-qlora", "--set", "train.max_steps=10"]
+    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "ulysses", "--gpus", "8", "--print-command"]) == 2
+
+
+def test_launch_commands_carry_the_recipe_precision_and_ulysses_sizes(capsys):
+    """Every yaml says bf16, and accelerate's --mixed_precision overrides the recipe: a float32 recipe trained under
+    bf16 autocast, and a bf16 full fine-tune under DeepSpeed was refused by the Trainer (ds bf16 on, hf off).
+    Ulysses kept sp_size 8 and SDPA whatever --gpus and the recipe said."""
+    from longpeft.launch import launch_command
+
+    def flag(command, name):
+        return command[command.index(name) + 1]
+
+    harpe = load_recipe("llama2-7b-harpe-128k")  # finetune: full, bf16
+    assert harpe.finetune == "full" and harpe.model.dtype == "bfloat16"
+    assert flag(launch_command(harpe, "h", "ddp", 8), "--mixed_precision") == "no"  # bf16 weights, no autocast
+    assert flag(launch_command(harpe, "h", "zero3", 8), "--mixed_precision") == "bf16"  # DeepSpeed's bf16 mode
+    assert flag(launch_command(load_recipe("tiny-cpu"), "tiny-cpu", "fsdp2", 2), "--mixed_precision") == "no"
+    ulysses = launch_command(harpe, "h", "ulysses", 4)
+    assert flag(ulysses, "--parallelism_config_sp_size") == "4" and flag(ulysses, "--num_processes") == "4"
+    assert flag(ulysses, "--parallelism_config_sp_attn_implementation") == harpe.model.attn_implementation
+
+
+def test_sft_arguments_follow_deepspeed_and_sequence_parallel_launches(tmp_path, monkeypatch):
+    """Under DeepSpeed a bf16 full fine-tune turns bf16 on (the Trainer refuses a mismatch with DeepSpeed's); under
+    Ulysses (sp_size 4 of 8 processes) two groups each train one sample, so accumulation counts 2 data-parallel
+    ranks, and batches are padded to a multiple of sp_size (and of the recipe's own pad_to_multiple_of)."""
+    from longpeft.recipes.runner import sft_arguments
+
+    harpe = load_recipe("llama2-7b-harpe-128k", ["trl.pad_to_multiple_of=8"])
+    assert not sft_arguments(harpe, tmp_path)["bf16"] and "pad_to_multiple_of" not in sft_arguments(harpe, tmp_path)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "4")
+    arguments = sft_arguments(harpe, tmp_path)
+    per_step = harpe.train.per_device_batch_size * 2
+    assert arguments["bf16"] and arguments["gradient_accumulation_steps"] == harpe.train.global_batch_size // per_step
+    assert arguments["pad_to_multiple_of"] == 8
+    monkeypatch.setenv("PARALLELISM_CONFIG_SP_SIZE", "3")
+    with pytest.raises(ValueError, match="sequence parallel size 3 does not divide the 8 processes"):
+        sft_arguments(harpe, tmp_path)
+
+
+def test_parallelism_from_a_users_own_accelerate_config_is_checked():
+    """check_context_parallel was only called by tests: a user's accelerate config with cp_size > 1 went unchecked."""
+    from types import SimpleNamespace
+
+    from longpeft.recipes.runner import check_parallelism
+
+    qlora = load_recipe("llama3-8b-instruct-80k-qlora")
+    with pytest.raises(ValueError, match="context parallelism .* flash-attn"):
+        check_parallelism(qlora, SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=True, sp_enabled=False)))
+    with pytest.raises(ValueError, match="ulysses with model.load_in_4bit"):
+        check_parallelism(qlora, SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=False, sp_enabled=True)))
+    check_parallelism(qlora, SimpleNamespace(parallelism_config=None))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_launch_flags_are_not_silently_ignored(capsys):
+    for argv, message in ((["--gpus", "8"], "--gpus goes with --launch"),
+                          (["--print-command"], "--print-command goes with --launch"),
+                          (["--launch", "ddp", "--print-command"], "give --gpus N >= 1"),
+                          (["--launch", "ddp", "--gpus", "0", "--print-command"], "give --gpus N >= 1")):
+        assert main(["train", "tiny-cpu", *argv]) == 2, argv
+        assert message in capsys.readouterr().err, argv
 
 
 def test_plan_works_for_every_bundled_recipe(capsys):

@@ -116,7 +116,8 @@ def test_unsloth_backend_gets_the_rope_through_the_config_and_writes_the_default
     assert call["config"].max_position_embeddings == 1024 >= call["max_seq_length"]  # so unsloth adds no scaling
     resolved = json.loads((result.output_dir / "recipe.resolved.json").read_text())
     assert resolved["backend"] == "unsloth" and resolved["lora"]["r"] == 4
-    assert resolved["lora"]["modules_to_save"] == ["embed_tokens"]
+    assert resolved["lora"]["modules_to_save"] == ["model.embed_tokens"]
+    assert call["use_exact_model_name"] is True  # not unsloth's pre-quantized mirror of the base
 
     default = run(unsloth_recipe(base, chat_jsonl, tmp_path / "default", "train.backend=transformers"))
     files = {p.name for p in result.adapter_dir.iterdir()}

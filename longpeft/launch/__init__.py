@@ -1,6 +1,6 @@
 """Launch configurations for one multi-GPU node (accelerate config files shipped with longpeft).
 
-``launch_command(recipe, launch, gpus)`` builds the ``accelerate launch`` command of a recipe;
+``launch_command(recipe, name, launch, gpus)`` builds the ``accelerate launch`` command of a recipe;
 ``check_launch`` refuses combinations known not to work, saying why and what to use instead.
 """
 
@@ -19,6 +19,25 @@ def config_file(launch: str) -> Path:
     return Path(__file__).parent / f"{launch}.yaml"
 
 
+DEEPSPEED_LAUNCHES = ("zero3", "ulysses")  # the launches that run DeepSpeed (ulysses.yaml is ZeRO-3 too)
+
+
+def mixed_precision(recipe: Any, on_gpu: bool, deepspeed: bool) -> str:
+    """``bf16``, ``fp16`` or ``no``: the autocast of a recipe's run, for SFTConfig and for ``accelerate launch``
+    (whose ``--mixed_precision`` the Trainer would otherwise take over the recipe's).
+
+    A full fine-tune of a bf16 model trains its bf16 weights without autocast, except under DeepSpeed, which casts
+    the model itself and keeps float32 master weights; its ``bf16`` must then be on (the Trainer refuses a
+    mismatch). fp16 autocast needs CUDA.
+    """
+    dtype = recipe.model.dtype
+    if dtype == "bfloat16" and (recipe.finetune != "full" or deepspeed):
+        return "bf16"
+    if dtype == "float16" and on_gpu:
+        return "fp16"
+    return "no"
+
+
 def check_launch(recipe: Any, launch: str) -> None:
     """Refuse launch/recipe combinations that are known not to work (see DESIGN.md, Scale).
 
@@ -26,47 +45,85 @@ def check_launch(recipe: Any, launch: str) -> None:
         ValueError: naming the combination, why it fails, and what to use instead.
     """
     config_file(launch)
-    attention = recipe.model.attn_implementation
-    if launch == "ulysses" and recipe.model.load_in_4bit:
-        raise ValueError(
-            "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
-            "(trl#4314, accelerate#3874); use --launch ddp with train.activation_offloading, or a bf16 base"
-        )
-    if launch == "ulysses" and attention == "eager":
-        raise ValueError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score matrix)")
-    if launch == "zero3" and recipe.finetune == "lora":
+    if launch == "ulysses":
+        check_sequence_parallel(recipe)
+    if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
         from ..adapters import METHODS
 
         weighted = [name for name in recipe.method_configs() if METHODS[name].save is not None]
         if weighted:
             raise ValueError(
-                f"--launch zero3 with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
+                f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
                 "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "
                 "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
             )
-    if launch == "zero3" and recipe.model.load_in_4bit:
+    if launch in DEEPSPEED_LAUNCHES and recipe.train.backend == "unsloth":
+        raise ValueError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
+                         "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
+
+
+def check_sequence_parallel(recipe: Any) -> None:
+    """Ulysses sequence parallelism (``--launch ulysses``) shards each sequence across GPUs: what cannot be
+    sharded that way is refused."""
+    if recipe.model.load_in_4bit:
         raise ValueError(
-            "--launch zero3 with model.load_in_4bit: DeepSpeed ZeRO-3 cannot partition bitsandbytes 4-bit weights; "
-            "use --launch fsdp2 (longpeft sets bnb_4bit_quant_storage to the compute dtype for it) or ddp"
+            "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
+            "(trl#4314, accelerate#3874); use --launch ddp with train.activation_offloading, or a bf16 base"
         )
+    if recipe.model.attn_implementation == "eager":
+        raise ValueError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score "
+                         "matrix)")
+    methods = recipe.method_configs()
+    if "beacon" in methods:
+        raise ValueError("--launch ulysses with Activation Beacon: beacon condenses each sequence window by window, "
+                         "which cannot run on sequence shards; use --launch ddp or fsdp2")
+    if "pose" in methods:
+        raise ValueError("--launch ulysses with PoSE: PoSE trains on sequences of the base's window, which need no "
+                         "sequence parallelism; use --launch ddp")
+    if recipe.data.utk is not None:
+        raise ValueError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard "
+                         "would restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading")
+    if recipe.train.backend == "unsloth":
+        raise ValueError("--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
+                         "Ulysses shards; use --launch ddp")
 
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
-    """torch context parallelism (accelerate ``cp_size``) is refused where it is known to fail."""
+    """torch context parallelism (accelerate ``cp_size`` in a user's own accelerate config) is refused where it is
+    known to fail. ``packing``: the run packs several documents into a sequence (``data.utk``)."""
     if recipe.model.attn_implementation == "flash_attention_2":
-        raise ValueError("context parallelism needs sdpa attention (it does not work with flash-attn); use --launch ulysses")
+        raise ValueError("context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
+                         "flash-attn); use --launch ulysses")
     if packing:
-        raise ValueError("context parallelism does not support packed sequences; turn packing off")
+        raise ValueError("context parallelism (accelerate cp_size > 1) does not support packed sequences (data.utk "
+                         "packs documents); drop data.utk or use --launch ddp")
     if recipe.model.load_in_4bit:
-        raise ValueError("context parallelism with a 4-bit base (QLoRA) is unproven; use --launch ddp or a bf16 base")
+        raise ValueError("context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
+                         "--launch ddp or a bf16 base")
 
 
-def launch_command(recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None) -> list[str]:
-    """``accelerate launch --config_file <launch>.yaml --num_processes N -m longpeft.cli train RECIPE [--set ...]``."""
+def sequence_parallel_size() -> int:
+    """GPUs that share one sequence under ``accelerate launch`` with sequence parallelism (1 without)."""
+    import os
+
+    if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") != "true":
+        return 1
+    return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
+
+
+def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None) -> list[str]:
+    """``accelerate launch --config_file <launch>.yaml --num_processes N --mixed_precision P [Ulysses' sizes] -m
+    longpeft.cli train RECIPE [--set ...]``. With ``ulysses`` every GPU shares each sequence (sp_size = N) with the
+    recipe's attention kernel."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    precision = mixed_precision(recipe, on_gpu=True, deepspeed=launch in DEEPSPEED_LAUNCHES)
     command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(gpus),
-               "-m", "longpeft.cli", "train", recipe_name]
+               "--mixed_precision", precision]
+    if launch == "ulysses":
+        command += ["--parallelism_config_sp_size", str(gpus),
+                    "--parallelism_config_sp_attn_implementation", recipe.model.attn_implementation]
+    command += ["-m", "longpeft.cli", "train", recipe_name]
     for override in overrides or []:
         command += ["--set", override]
     return command

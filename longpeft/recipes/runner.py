@@ -359,6 +359,17 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def data_parallel_size() -> int:
+    """Processes that each train on their own samples: all of them, except that sequence parallelism
+    (``--launch ulysses``) gives one sample to every group of ``sp_size`` processes."""
+    from ..launch import sequence_parallel_size
+
+    sp = sequence_parallel_size()
+    if world_size() % sp:
+        raise ValueError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
+    return world_size() // sp
+
+
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
@@ -388,15 +399,19 @@ def sft_config(recipe: Recipe, output_dir: Path):
     recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``)."""
     from trl import SFTConfig
 
-    return SFTConfig(**sft_arguments(recipe, output_dir), **recipe.trl)
+    return SFTConfig(**{**recipe.trl, **sft_arguments(recipe, output_dir)})  # only pad_to_multiple_of is in both
 
 
 def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     """The SFTConfig arguments longpeft sets from the recipe (each one a key of ``TRL_KEYS_OWNED_BY_RECIPE``)."""
     from trl import SFTConfig
 
+    from ..launch import mixed_precision, sequence_parallel_size
+
     t = recipe.train
     use_cuda = torch.cuda.is_available()
+    precision = mixed_precision(recipe, use_cuda, os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true")
+    sp = sequence_parallel_size()
     return dict(
         output_dir=str(output_dir / "checkpoints"),
         learning_rate=t.learning_rate,
@@ -407,7 +422,7 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         adam_beta2=t.adam_beta2,
         optim=t.optim,
         per_device_train_batch_size=t.per_device_batch_size,
-        gradient_accumulation_steps=gradient_accumulation(recipe, world_size()),
+        gradient_accumulation_steps=gradient_accumulation(recipe, data_parallel_size()),
         num_train_epochs=t.num_train_epochs,
         max_steps=t.max_steps,
         # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
@@ -420,8 +435,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         max_grad_norm=t.max_grad_norm,
         seed=t.seed,
         data_seed=t.seed,
-        bf16=recipe.model.dtype == "bfloat16" and recipe.finetune != "full",
-        fp16=recipe.model.dtype == "float16" and use_cuda,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
         use_cpu=not use_cuda,
         max_length=recipe.data.max_length,
         # The assistant masks are computed by longpeft when the data is tokenized (any chat template).
@@ -432,6 +447,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         disable_tqdm=False,
         # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
         **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False} if recipe.data.utk else {}),
+        # Ulysses shards every batch into sp equal slices of the sequence
+        **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )
 
 
@@ -615,6 +632,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     with_method_labels(trainer, spec)
     check_samples_left(trainer, data_stats, recipe)
     check_distributed_type(trainer.accelerator.distributed_type)
+    check_parallelism(recipe, trainer.accelerator)
     resolved = {
         "recipe": recipe.model_dump(),
         "base_model": base_id,
@@ -624,7 +642,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "effective_global_batch_size": args.per_device_train_batch_size
         * args.gradient_accumulation_steps
-        * world_size(),
+        * data_parallel_size(),
         "backend": recipe.train.backend,
         "lora": adapter_settings(trainer.model),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
@@ -649,6 +667,18 @@ def check_distributed_type(distributed_type: Any) -> None:
             f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
             "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
         )
+
+
+def check_parallelism(recipe: Recipe, accelerator: Any) -> None:
+    """Refuse sequence or context parallelism that the recipe cannot run under (however it was configured:
+    ``--launch ulysses`` or a user's own accelerate config)."""
+    from ..launch import check_context_parallel, check_sequence_parallel
+
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if parallelism is not None and parallelism.cp_enabled:
+        check_context_parallel(recipe, packing=recipe.data.utk is not None)
+    if parallelism is not None and parallelism.sp_enabled:
+        check_sequence_parallel(recipe)
 
 
 def adapter_settings(model: Any) -> dict[str, Any] | None:

@@ -70,7 +70,7 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
     Raises:
         RotaryMismatch: unsloth changed the RoPE the recipe asked for (e.g. stacked its linear scaling).
     """
-    from .runner import configure_base, finish_base, quantization_config
+    from .runner import configure_base, finish_base, input_embedding_path, quantization_config
 
     m, lora, train = recipe.model, recipe.lora, recipe.train
     tokenizer, config, spec = configure_base(recipe, base_id)
@@ -85,6 +85,9 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
         **({"quantization_config": quantization} if quantization is not None else {}),
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
+        # the recipe's base as it is: with load_in_4bit unsloth would otherwise swap in its own pre-quantized mirror
+        # (another repository, without the revision and with that checkpoint's baked-in quantization settings)
+        use_exact_model_name=True,
         use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
         random_state=train.seed,
     )
@@ -96,7 +99,7 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
-        modules_to_save=["embed_tokens"] if lora.embeddings == "full" else None,
+        modules_to_save=[input_embedding_path(model)] if lora.embeddings == "full" else None,
         use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
         random_state=train.seed,
     )
