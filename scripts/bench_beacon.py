@@ -104,7 +104,7 @@ def main() -> int:
             if variant == "stock":
                 with beacons_disabled(model):
                     return model(prompts[length], logits_to_keep=1, use_cache=True)
-            return model(prompts[length], logits_to_keep=1, beacon_last_hidden_only=True)
+            return model(prompts[length], logits_to_keep=1)
 
         return run
 

@@ -13,7 +13,7 @@ authors' masks are explicit). Beacons: window 128, ratio 8, full-coverage + inte
 q/k/v beacon projections. The input: ``--windows`` windows of random tokens (default 32: 4096 tokens).
 
 - prefill: eval mode, no gradient; ours keeps the last position's hidden state and logits, as ``generate`` asks
-  it to (``logits_to_keep=1, beacon_last_hidden_only=True``); theirs computes every window's logits and keeps the
+  it to (``logits_to_keep=1``); theirs computes every window's logits and keeps the
   last window's (it cannot do otherwise; with this vocabulary that costs little).
 - training step: train mode, loss over every token, backward to the beacon weights (the base frozen on both
   sides), through the memory of earlier windows. Ours runs all windows in one forward; theirs one forward per
@@ -94,8 +94,7 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
     def prefill():
         reset()
         model.eval()
-        return model(input_ids=input_ids, **({"logits_to_keep": 1, "beacon_last_hidden_only": True}
-                                              if keep_last_logits else {}))
+        return model(input_ids=input_ids, **({"logits_to_keep": 1} if keep_last_logits else {}))
 
     def train_step():
         reset()

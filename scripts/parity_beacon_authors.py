@@ -44,7 +44,8 @@ from pathlib import Path
 
 VOCAB, WINDOW = 256, 16
 # One authors' model per setting. "positions": the base's max_position_embeddings (adapt-N picks the smallest ratio
-# whose reach, (positions - window) x ratio + window, covers the input plus N).
+# whose positions fit the input plus N; the authors count (positions - window) x ratio + window, longpeft also the
+# sink and the last window's beacons: both pick the same ratios at these lengths).
 SETTINGS = [
     {"attn": "full-coverage", "pos": "interleave", "ratios": [2], "sink": 0, "params": ["q", "k", "v"]},
     {"attn": "full-coverage", "pos": "interleave", "ratios": [4], "sink": 1, "params": ["q", "k", "v"]},

@@ -1,12 +1,16 @@
 """Activation Beacon on a stock model: exactness where it must be exact (ratio 0, beacons off, removal),
-decoding equals prefill, no state leaks between requests, gradient checkpointing, gradients through memory."""
+decoding equals prefill, no state leaks between requests, left padding, the caches and outputs it refuses,
+gradient checkpointing, gradients through memory."""
 
 from __future__ import annotations
 
 import importlib.util
 
+import inspect
+
 import pytest
 import torch
+from transformers import DynamicCache
 
 from longpeft.adapters.beacon import (
     BeaconCache,
@@ -95,6 +99,7 @@ def test_remove_restores_the_stock_model_bit_for_bit():
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert "forward" not in model.model.__dict__ and "_prepare_cache_for_generation" not in model.__dict__
+    assert "forward" not in model.__dict__
     assert all("forward" not in layer.self_attn.__dict__ for layer in model.model.layers)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, stock)
@@ -153,6 +158,98 @@ def test_generate_decodes_like_a_prefill_and_requests_do_not_leak():
     torch.testing.assert_close(torch.stack(after.logits, 1), torch.stack(alone.logits, 1), atol=0, rtol=0)
     generated = torch.stack(alone.logits, dim=1)
     torch.testing.assert_close(generated, full[:, second.shape[1] - 1 :], atol=1e-5, rtol=0)
+
+
+def test_a_row_left_padded_by_a_whole_window_reads_like_the_row_alone():
+    """Sink 0, one ratio: the padded row's tokens have the windows, beacons and relative positions of the row
+    alone; only the all-padding window's beacons are extra, and nothing may read them (in their window or in
+    memory). Before they were read: logits off by 0.68 (forward) and 0.38 (generate)."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    apply_beacon(model, settings(sink=0))
+    row = IDS[1:, :16]
+    ids = torch.cat([IDS[:1, :24], torch.cat([torch.zeros(1, 8, dtype=torch.long), row], dim=1)])
+    mask = torch.ones_like(ids)
+    mask[1, :8] = 0
+    with torch.no_grad():
+        batched, alone = model(ids, attention_mask=mask).logits[1, 8:], model(row).logits[0]
+        generated, generated_alone = _generate(model, ids, attention_mask=mask), _generate(model, row)
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=0)
+    assert torch.equal(generated.sequences[1, 24:], generated_alone.sequences[0, 16:])
+    torch.testing.assert_close(torch.stack(generated.logits, 1)[1], torch.stack(generated_alone.logits, 1)[0],
+                               atol=1e-5, rtol=0)
+
+
+def test_only_a_beacon_cache_carries_memory_across_calls_and_generate():
+    """A DynamicCache (the stock way to continue) is refused rather than silently left empty; a BeaconCache passed
+    in continues, in forwards and in generate."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    apply_beacon(model, settings())
+    ids = IDS[:1, :24]
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"past_key_values=BeaconCache\(\) or None"):
+            model(ids[:, :20], past_key_values=DynamicCache(config=model.config))
+        with pytest.raises(ValueError, match="got a DynamicCache"):
+            _generate(model, ids, past_key_values=DynamicCache(config=model.config))
+        cache = BeaconCache()
+        model(ids[:, :20], past_key_values=cache)
+        continued = model(ids[:, 20:], past_key_values=cache).logits
+        full = model(ids).logits[:, 20:]
+        alone = _generate(model, ids)
+        cache = BeaconCache()
+        given = _generate(model, ids, past_key_values=cache)
+        more = _generate(model, given.sequences, past_key_values=cache)
+        scratch = _generate(model, given.sequences)
+    torch.testing.assert_close(continued, full, atol=1e-5, rtol=0)
+    assert given.past_key_values is cache and torch.equal(given.sequences, alone.sequences)
+    assert torch.equal(more.sequences, scratch.sequences)
+    torch.testing.assert_close(torch.stack(more.logits, 1), torch.stack(scratch.logits, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keep", [1, 7])  # 7: the last partial window's 5 tokens and 2 of the window before
+def test_logits_to_keep_keeps_only_the_hidden_states_it_scores(keep):
+    """The decoder stack returns ``[batch, keep, hidden]``, not one row per token, and the logits are the full
+    forward's last rows; generate reads the same signature as the stock forward's (``logits_to_keep``)."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    stock_signature = inspect.signature(model.forward)
+    apply_beacon(model, settings())
+    assert inspect.signature(model.forward) == stock_signature and model._supports_logits_to_keep()
+    kept = []
+    model.model.register_forward_hook(lambda module, args, out: kept.append(tuple(out.last_hidden_state.shape)))
+    with torch.no_grad():
+        full = model(IDS).logits
+        last = model(IDS, logits_to_keep=keep).logits
+        _generate(model, IDS)
+    assert kept[0] == (2, 37, 64) and kept[1] == (2, keep, 64)
+    assert kept[2] == (2, 1, 64)  # generate's prefill
+    torch.testing.assert_close(last, full[:, -keep:], atol=1e-5, rtol=0)
+    model.train()
+    loss = model(IDS, logits_to_keep=keep).logits.sum()
+    loss.backward()  # training through the kept rows
+    assert kept[-1] == (2, keep, 64)
+
+
+@pytest.mark.parametrize("flag", ["output_hidden_states", "output_attentions"])
+def test_hidden_states_and_attentions_are_refused_rather_than_dropped(flag):
+    model = tiny_model("llama", attn_implementation="eager")
+    apply_beacon(model, settings())
+    with torch.no_grad(), pytest.raises(ValueError, match=f"{flag}=True is not supported with Activation Beacon"):
+        model(IDS, **{flag: True})
+    with beacons_disabled(model), torch.no_grad():
+        assert getattr(model(IDS, **{flag: True}), flag.removeprefix("output_")) is not None
+
+
+def test_generate_in_training_mode_keeps_the_beacons_of_every_window():
+    """A training forward over a whole input gives the window that ends it no beacons; generate continues its
+    cache, so every window keeps them, as in eval mode (before: the windows stayed raw, 36 memory entries, not 24)."""
+    model = tiny_model("llama", attn_implementation="sdpa")
+    apply_beacon(model, settings())
+    with torch.no_grad():
+        evaluated = _generate(model, IDS[:1, :30])
+        model.train()
+        trained = _generate(model, IDS[:1, :30])
+    assert trained.past_key_values.state.memory_length == evaluated.past_key_values.state.memory_length == 5 * 4
+    assert torch.equal(trained.sequences, evaluated.sequences)
+    torch.testing.assert_close(torch.stack(trained.logits, 1), torch.stack(evaluated.logits, 1), atol=1e-5, rtol=0)
 
 
 def test_generate_with_beacons_off_equals_the_stock_model():

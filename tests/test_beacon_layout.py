@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longpeft.adapters.beacon import BeaconConfig
-from longpeft.adapters.beacon.layout import adapt_ratio, attention_mask_for, key_keep, step_visibility, window_layout
+from longpeft.adapters.beacon.layout import attention_mask_for, choose_ratio, key_keep, step_visibility, window_layout
 
 T = torch.tensor
 CAUSAL6 = T([[1, 0, 0, 0, 0, 0],
@@ -115,12 +115,28 @@ def test_one_step_mask_with_memory_and_padding():
     assert attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist() == [[1, 0, 0, 1, 1, 1, 1]]
 
 
-def test_adapt_picks_the_smallest_ratio_that_reaches_the_input():
-    # reach (P - W) r + W with P = 256 positions and W = 64: r=2 -> 448, 4 -> 832, 8 -> 1600
-    assert adapt_ratio((2, 4, 8), 64, 256, 448) == 2
-    assert adapt_ratio((2, 4, 8), 64, 256, 449) == 4
-    assert adapt_ratio((8, 2, 4), 64, 256, 1000) == 8
-    assert adapt_ratio((2, 4, 8), 64, 256, 10**6) == 8  # nothing reaches: the largest
+@pytest.mark.parametrize("length,ratio", [(95, 2), (96, 4)])
+def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monkeypatch):
+    """Reference: the positions the forward hands the rotary module. 64 positions, windows of 16, sink 1: at ratio 2,
+    95 tokens use positions 0..62 (memory 1 + 5 x 8, then 15 raw tokens and 7 beacons); 96 would use 0..64, so adapt
+    takes 4. The authors' reach, (64 - 16) x 2 + 16 = 112 tokens at ratio 2, leaves out the sink and the last
+    window's beacons: it took ratio 2 at 96 to 112 tokens and went up to position 72."""
+    from longpeft.adapters.beacon import BeaconCache, apply_beacon
+    from longpeft.tiny import tiny_model
+
+    model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=64)
+    apply_beacon(model, BeaconConfig(window=16, ratios=[2, 4], sink=1, inference_ratio_mix="adapt-0").settings())
+    seen, cache = [], BeaconCache()
+    rotary = model.model.rotary_emb
+    real_forward = rotary.forward
+    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
+    assert cache.state.chosen_ratio == ratio and max(seen) < 64
+    assert choose_ratio((2, 4), "adapt-0", 16, 64, length, None, sink=1) == ratio
+    assert choose_ratio((2, 4), "adapt-1", 16, 64, 95, None, sink=1) == 4  # adapt-N counts N tokens still to come
+    assert choose_ratio((8, 2, 4), "adapt-0", 16, 64, 96, None, sink=1) == 4
+    assert choose_ratio((2, 4), "adapt-0", 16, 64, 10**6, None, sink=1) == 4  # nothing fits: the largest
 
 
 @pytest.mark.parametrize("settings,message", [

@@ -1,6 +1,6 @@
 """An independent dense reference: two- and three-window compressed forwards recomputed in plain torch
 (explicit per-window masks built by loops from the rules, explicit RoPE rotations at explicit
-positions, beacon keys rotated directly at their memory positions) equal the implementation."""
+positions, memory keys (sink and beacons) rotated directly at their memory positions) equal the implementation."""
 
 from __future__ import annotations
 
@@ -67,9 +67,11 @@ def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     return slots, positions, mask
 
 
-def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, pad: int = 0) -> torch.Tensor:
+def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, pad: int = 0,
+                     sink: int = SINK) -> torch.Tensor:
     """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window; the first ``pad`` tokens
-    are left padding: no query reads them (in their window, or later as sink memory), each still reads itself."""
+    are left padding: no query reads them (in their window, or later as sink memory), each still reads itself, and
+    neither is a beacon read whose mask shows it no raw token of its window but padding."""
     config, backbone = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d, theta = config.head_dim, config.rope_parameters["rope_theta"]
@@ -81,13 +83,16 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         chunk = ids[begin : begin + WINDOW]
         m = memory_k[0].shape[1]
         slots, positions, mask = window_rules(attn, pos, ratio, chunk.numel(), m)
-        slot_keep = torch.tensor([kind == "beacon" or begin + i >= pad for kind, i in slots])
+        raw_keep = [kind == "raw" and begin + i >= pad for kind, i in slots]
+        slot_keep = torch.tensor([raw_keep[s] or kind == "beacon" and any(mask[s, m + k] and raw_keep[k]
+                                                                          for k in range(len(slots)))
+                                  for s, (kind, _) in enumerate(slots)])
         mask = mask & torch.cat([memory_keep, slot_keep])[None]
         mask[torch.arange(len(slots)), m + torch.arange(len(slots))] = True
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
         x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw" else backbone.beacon_embed_tokens.weight[0]
                          for kind, i in slots])
-        pre_rope_beacon_keys = []
+        pre_rope_keys = []
         for layer_index, layer in enumerate(backbone.layers):
             attention = layer.self_attn
 
@@ -101,7 +106,7 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
             q = project("q", h).view(-1, heads, d).transpose(0, 1)
             k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
             v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
-            pre_rope_beacon_keys.append(k[:, beacon_rows])
+            pre_rope_keys.append(k)
             q, k = rope(q, positions, theta), rope(k, positions, theta)
             keys = torch.cat([memory_k[layer_index], k], dim=1).repeat_interleave(heads // kv_heads, dim=0)
             values = torch.cat([memory_v[layer_index], v], dim=1).repeat_interleave(heads // kv_heads, dim=0)
@@ -112,34 +117,38 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
             mlp = layer.mlp
             h = rms(x, layer.post_attention_layernorm)
             x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
-            # memory after a full window: sink raw tokens (window 0), then the beacons rotated directly
-            # at their memory positions
+            # memory after a full window: sink raw tokens (window 0), then the beacons, each key rotated
+            # directly at its memory position
             if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
                 raw_rows = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
-                sink_rows = raw_rows[:SINK] if w == 0 else []
-                start = m + len(sink_rows)
-                beacon_keys = rope(pre_rope_beacon_keys[layer_index], list(range(start, start + len(beacon_rows))), theta)
-                memory_k[layer_index] = torch.cat([memory_k[layer_index], k[:, sink_rows], beacon_keys], dim=1)
-                memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, sink_rows], v[:, beacon_rows]], dim=1)
+                kept = (raw_rows[:sink] if w == 0 else []) + beacon_rows
+                kept_keys = rope(pre_rope_keys[layer_index][:, kept], list(range(m, m + len(kept))), theta)
+                memory_k[layer_index] = torch.cat([memory_k[layer_index], kept_keys], dim=1)
+                memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, kept]], dim=1)
         if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
-            raw_rows = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
-            kept = (raw_rows[:SINK] if w == 0 else []) + beacon_rows
             memory_keep = torch.cat([memory_keep, slot_keep[kept]])
         raw = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
         logits.append(linear(rms(x[raw], backbone.norm), model.lm_head))
     return torch.cat(logits)
 
 
+def beacon_model(attn: str, pos: str, ratio: int, sink: int = SINK):
+    """A tiny Llama with beacons whose weights differ from the copies they start as."""
+    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
+    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"])
+    apply_beacon(model, settings.settings())
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".beacon_" in name:
+                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+    return model
+
+
 @pytest.mark.parametrize("length", [16 + 5, 8 + 8])  # three windows (last partial), two full windows
 @pytest.mark.parametrize("attn,pos,ratio", [("full-coverage", "interleave", 2), ("step-expansion", "append", 4)])
 def test_compressed_forward_equals_the_dense_reference(length, attn, pos, ratio):
-    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
-    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=SINK, params=["q", "k", "v", "o"])
-    apply_beacon(model, settings.settings())
-    with torch.no_grad():  # make the beacon weights differ from the copies they start as
-        for name, parameter in model.named_parameters():
-            if ".beacon_" in name:
-                parameter.add_(torch.randn_like(parameter) * 0.05)
+    model = beacon_model(attn, pos, ratio)
     ids = torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(length))
     with torch.no_grad():
         expected = reference_logits(model, ids, attn, pos, ratio)
@@ -147,13 +156,25 @@ def test_compressed_forward_equals_the_dense_reference(length, attn, pos, ratio)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("pad", [3, 9])  # padding inside the first window (the sink is padding); over a whole window
+def test_a_sink_longer_than_the_ratio_sits_at_memory_positions_0_to_sink():
+    """Sink 4 at ratio 2, interleaved: window 0's beacons sit between the sink tokens, which the memory then
+    holds at positions 0..3 (a sink token's key moves from its slot to its memory position, as a beacon's does)."""
+    model = beacon_model("full-coverage", "interleave", 2, sink=4)
+    ids = torch.randint(3, 512, (16 + 5,), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = reference_logits(model, ids, "full-coverage", "interleave", 2, sink=4)
+        actual = model(ids[None]).logits[0]
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+
+
+# padding inside the first window (the sink is padding; interleaved at ratio 2 beacon 0 condenses padding only);
+# 5: the appended beacon 0 of ratio 4 (raw 0..3) condenses padding only; over a whole window (all its beacons)
+@pytest.mark.parametrize("pad", [3, 5, 9])
 @pytest.mark.parametrize("attn,pos,ratio", [("full-coverage", "interleave", 2), ("step-expansion", "append", 4)])
 def test_a_left_padded_batch_equals_the_dense_reference_with_padding_masked(pad, attn, pos, ratio):
-    """Rows share one window layout; padding keys (in a window, and the sink once it is memory) are never read."""
-    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
-    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=SINK, params=["q", "k", "v", "o"])
-    apply_beacon(model, settings.settings())
+    """Rows share one window layout; padding keys (in a window, and the sink once it is memory) and beacons that
+    condense padding only are never read."""
+    model = beacon_model(attn, pos, ratio)
     ids = torch.randint(3, 512, (2, 16 + 5), generator=torch.Generator().manual_seed(pad))
     ids[0, :pad] = 0
     attention_mask = torch.ones_like(ids)

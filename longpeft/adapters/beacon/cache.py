@@ -11,8 +11,9 @@ there on and reads only the first ``M`` memory entries, which later commits neve
 append-only). Commits run between windows, outside any checkpointed layer.
 
 transformers 5 hands the cache post-RoPE keys. Beacon keys are created at their offsets in the
-window but live in memory at ``M + j``, so ``update`` also receives the pre-RoPE keys and the commit
-rotates each beacon key once, with the model's own rotary module, at its memory position.
+window but live in memory at ``M + j`` (and so do sink keys when beacons sit between them), so
+``update`` also receives the pre-RoPE keys and the commit rotates each key whose position changes
+once, with the model's own rotary module, at its memory position.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -131,7 +132,8 @@ class BeaconLayer(CacheLayerMixin):
 
         Args:
             slots: ``[n]`` window slots that stay, in memory order.
-            rotate_slots: ``[n]`` bool, which of them are re-rotated (beacons) rather than kept as they are.
+            rotate_slots: ``[n]`` bool, which of them are re-rotated (their memory position differs from the
+                one they were computed at) rather than kept as they are.
             positions: ``[n]`` memory positions of the kept slots.
             rotate: ``rotate(pre_rope_keys [b, h, n, d], positions [n]) -> keys``.
         """
@@ -199,8 +201,8 @@ class BeaconCache(Cache):
         else:
             sink_slots = slots[~is_beacon][: sink if state.window_index == 0 else 0]
             kept = torch.cat([sink_slots, slots[is_beacon]])
-        rotated = layout.is_beacon[kept]
         positions = state.memory_length + torch.arange(kept.numel())
+        rotated = state.memory_length + layout.offsets[kept] != positions  # beacons, and sink keys behind a beacon
         for layer in self.layers:
             layer.commit(kept, rotated, positions, rotate)
         window_keep = None if state.window_keep is None else state.window_keep[:, kept]

@@ -32,9 +32,9 @@ class BeaconConfig(StrictModel):
     beacons; 0 keeps the raw K/V); ``ratio_mix`` picks one per training window (``step-random``,
     ``instance-random``, ``adapt-N``; the random mixes draw among the ratios that keep the input inside
     the base's positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
-    eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio whose reach covers
-    the input plus 1024 new tokens). ``attn``: which raw tokens a beacon condenses
-    (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons ``interleave``d
+    eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio that keeps the input plus
+    1024 new tokens inside the base's positions, see ``layout.span_ratio``). ``attn``: which raw tokens a
+    beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons ``interleave``d
     (one after every ratio raw tokens) or ``append``ed after the window. ``params``: projections
     with beacon weights. ``sink``: first-window raw tokens kept in memory for good. ``attend_prev``:
     beacons see their window's earlier beacons (implied by the scheme when left unset).

@@ -260,19 +260,6 @@ def attention_mask_for(visible: torch.Tensor, keys: torch.Tensor | None, impleme
 # ------------------------------------------------------------------------------------------------
 
 
-def reachable_length(ratio: int, window: int, max_positions: int) -> int:
-    """Tokens a model with ``max_positions`` positions can read at ``ratio``: ``(P - W) r + W`` (``P`` at 0)."""
-    return (max_positions - window) * ratio + window if ratio else max_positions
-
-
-def adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
-    """The smallest ratio whose reachable length covers ``length`` tokens, else the largest ratio."""
-    fitting = [r for r in ratios if reachable_length(r, window, max_positions) >= length]
-    if not fitting:
-        return max(ratios)
-    return min(fitting, key=lambda r: reachable_length(r, window, max_positions))
-
-
 def mix_parameter(mix: str) -> int:
     """N of ``adapt-N`` (tokens still to come after the input)."""
     return int(mix.split("-", 1)[1])
@@ -319,26 +306,32 @@ def choose_ratio(
         length: tokens of the sequence known so far (adapt-N adds N).
         chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
         sink, training: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
-            the random mixes draw among :func:`fitting_ratios`.
+            adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
     """
     if len(ratios) == 1:
         return ratios[0]
-    if mix.startswith("adapt-"):
-        return chosen if chosen is not None else adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
-    if mix == "instance-random" and chosen is not None:
+    if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
+    if mix.startswith("adapt-"):
+        return span_ratio(ratios, mix, window, max_positions, length, sink, training)
     candidates = fitting_ratios(ratios, window, sink, max_positions, length, training)
     return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
                training: bool = False) -> int:
-    """The ratio that bounds the positions ``length`` tokens can occupy under ``mix``: the one adapt-N
-    picks, else (random mixes) the smallest ratio they may draw, the worst draw."""
+    """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
+    (:func:`fitting_ratios`; the largest ratio when none does).
+
+    That is adapt-N's choice and, for the random mixes, their worst draw, so it bounds the positions the input
+    can occupy. The authors' adapt-N takes the smallest ``r`` with ``(P - W) r + W >= length + N``, which leaves
+    out the sink and the last window's own ``W / r`` beacons: up to ``sink + W / r`` positions past ``P``
+    (Llama-3-8B, ``W`` 1024, sink 1: 58,368 tokens at ratio 8 reach position 8,320 of 8,192).
+    """
     if len(ratios) == 1:
         return ratios[0]
     if mix.startswith("adapt-"):
-        return adapt_ratio(ratios, window, max_positions, length + mix_parameter(mix))
+        length += mix_parameter(mix)
     return min(fitting_ratios(ratios, window, sink, max_positions, length, training))
 
 

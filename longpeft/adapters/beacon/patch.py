@@ -3,9 +3,10 @@
 ``apply_beacon`` adds the beacon weights (``beacon_{q,k,v,o}_proj`` beside the projections,
 ``beacon_embed_tokens`` on the decoder stack), binds the beacon attention forward to every attention
 module and the window scheduler to the decoder stack, lets the decoder layers keep the cache under
-gradient checkpointing, gives ``generate`` a beacon cache, and records the settings as
-``config.beacon``. ``remove_beacon`` undoes all of it. Works on plain and peft-wrapped models, and
-over a bitsandbytes 4-bit base (the ``full`` copies are dequantised).
+gradient checkpointing, gives ``generate`` a beacon cache, passes the causal LM's ``logits_to_keep``
+down to the scheduler, and records the settings as ``config.beacon``. ``remove_beacon`` undoes all of
+it. Works on plain and peft-wrapped models, and over a bitsandbytes 4-bit base (the ``full`` copies
+are dequantised).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -13,6 +14,7 @@ This module imports only torch and transformers: it is part of the exported mode
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from types import MethodType
 
@@ -78,6 +80,23 @@ def _special_token_id(config, name: str) -> int:
     return int(value)
 
 
+def _keep_last_forward(causal_lm: nn.Module) -> MethodType:
+    """The causal LM's stock forward, bound to ``causal_lm``, that tells the decoder stack which hidden states
+    its LM head reads: with an int ``logits_to_keep = k > 0`` only the last ``k`` raw tokens' ``[batch, k, hidden]``
+    (``beacon_keep_last``), so a long prompt scored for its next token (``generate``'s prefill) holds no
+    ``[batch, n, hidden]`` output. It keeps the stock signature, which ``generate`` reads (``logits_to_keep``,
+    ``attention_mask``)."""
+    stock = type(causal_lm).forward
+
+    @functools.wraps(stock)
+    def forward(self, *args, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            kwargs["beacon_keep_last"] = logits_to_keep
+        return stock(self, *args, logits_to_keep=logits_to_keep, **kwargs)
+
+    return MethodType(forward, causal_lm)
+
+
 def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
     """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
 
@@ -121,6 +140,7 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     backbone.beacon_settings = settings
     backbone.beacons_enabled = True
     causal_lm._prepare_cache_for_generation = MethodType(beacon_prepare_cache_for_generation, causal_lm)
+    causal_lm.forward = _keep_last_forward(causal_lm)
     causal_lm.config.beacon = settings.as_dict()
 
 
@@ -152,6 +172,7 @@ def remove_beacon(model: nn.Module) -> None:
     for layer in backbone.layers:
         layer.__dict__.pop("_can_checkpoint_with_cache", None)
     causal_lm.__dict__.pop("_prepare_cache_for_generation", None)
+    causal_lm.__dict__.pop("forward", None)
     if hasattr(causal_lm.config, "beacon"):
         del causal_lm.config.beacon
 

@@ -8,13 +8,15 @@ get logits and are never scored. Everything above the stock stack is the model's
 LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens in tiles).
 
 - Training (``self.training``): all windows in one forward; memory tensors stay in the autograd
-  graph, so a loss on a late window trains the beacons of every earlier one. The window that
-  reaches the end of the input gets no beacons (nothing would read them).
+  graph, so a loss on a late window trains the beacons of every earlier one. When no cache is
+  passed in (the input is complete), the window that reaches its end gets no beacons (nothing would
+  read them); a forward that continues a cache (``generate`` in training mode) keeps them.
 - Inference: prefill and token-by-token decoding through the same code; a window that fills up is
   committed when the next raw token arrives, so decoding one token at a time inserts the beacons
   exactly where one prefill would.
 
-Rows of a batch share one layout (window borders by index): left padding is allowed and masked.
+Rows of a batch share one layout (window borders by index): left padding is allowed and masked, and
+so is a beacon that sees no raw token of its window but padding (it condensed nothing else).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -24,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -53,16 +54,33 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
 
 
 def _extend_window_keep(state, keep_raw: torch.Tensor | None, raw_rows: torch.Tensor, end: int) -> None:
-    """Record which of the window's new slots ``[window_slots, end)`` are padding (beacons never are).
+    """Record which of the window's new slots ``[window_slots, end)`` are padding in ``state.window_keep``.
 
-    ``keep_raw [batch, n_raw]`` is the new raw tokens' mask (None: none is padding), ``raw_rows`` their
-    slots within the step.
+    A raw slot is padding where ``keep_raw [batch, n_raw]`` (the new raw tokens' mask, None: none is
+    padding; ``raw_rows [n_raw]`` their slots within the step) says so; a beacon, when every raw token of
+    the window it sees is padding (with left padding: the last one it sees is), so neither its window nor
+    the memory reads it.
     """
-    start, new = state.window_slots, None
+    start, layout, new = state.window_slots, state.layout, None
     if keep_raw is not None:
         new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
         new[:, raw_rows.cpu()] = keep_raw
-    state.window_keep = padding_keep((state.window_keep, start), (new, end - start))
+    keep = padding_keep((state.window_keep, start), (new, end - start))  # [batch, end] or None
+    if keep is not None:
+        beacons = start + layout.is_beacon[start:end].nonzero().flatten()  # [n_beacons] slots
+        sees_raw = layout.visible[beacons, :end] & ~layout.is_beacon[:end]  # [n_beacons, end]
+        keep[:, beacons] = (sees_raw[None] & keep[:, None, :]).any(dim=-1)  # sees a raw token that is not padding
+    state.window_keep = keep
+
+
+def _check_cache(cache) -> None:
+    """Refuse a cache other than a :class:`BeaconCache` (None is fine: a new request)."""
+    if cache is not None and not isinstance(cache, BeaconCache):
+        raise ValueError(
+            f"Activation Beacon keeps its memory in a BeaconCache, got a {type(cache).__name__}: pass "
+            "past_key_values=BeaconCache() or None (a new request) and continue with the returned "
+            "outputs.past_key_values"
+        )
 
 
 def _rotate_with(rotary: torch.nn.Module) -> Any:
@@ -86,8 +104,12 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
 
 
 def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: BeaconSettings, length: int,
-                  last: bool) -> None:
-    """Choose the ratio and layout of the window that begins now (``last``: a training window that ends the input)."""
+                  complete: bool) -> None:
+    """Choose the ratio and layout of the window that begins now.
+
+    ``complete``: a training forward over a whole input (no cache passed in): the window that reaches
+    its end (``length`` tokens) gets no beacons.
+    """
     state = cache.state
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
@@ -95,10 +117,10 @@ def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: Beaco
         ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
     max_positions = backbone.config.max_position_embeddings
     ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
-                         training=backbone.training)
+                         training=complete)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
-    if backbone.training and last:
+    if complete and state.raw_seen + settings.window >= length:
         ratio = 0  # no beacons in the window that ends a training input
     state.layout = window_layout(settings.window, ratio, settings.attn, settings.pos, settings.attend_prev)
 
@@ -119,30 +141,32 @@ def beacon_backbone_forward(
         input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
         attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
         position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
-        past_key_values: a :class:`BeaconCache` to continue, or None / an empty DynamicCache for a new one.
+        past_key_values: a :class:`BeaconCache` to continue, or None for a new one (any other cache is refused).
         use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
-        beacon_last_hidden_only (in kwargs): return the last token's hidden state only, so a long
-            prefill holds no ``[n, hidden]`` output (``generate`` sets it when it keeps one logit).
+        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only, so a long
+            prefill holds no ``[n, hidden]`` output (the causal LM passes its int ``logits_to_keep``).
+        output_hidden_states, output_attentions (in kwargs or the config): refused when true; a window's
+            states and attention weights cover its beacons and memory, not the input's tokens.
 
     Returns:
-        ``last_hidden_state [batch, n (or 1), hidden]`` of the raw tokens and ``past_key_values`` (the cache).
+        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and ``past_key_values`` (the cache).
     """
     stock_forward = type(self).forward
-    last_hidden_only = kwargs.pop("beacon_last_hidden_only", False)
+    keep_last = kwargs.pop("beacon_keep_last", None)
     if not self.beacons_enabled:
         return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name, getattr(self.config, name, False)):
+            raise ValueError(f"{name}=True is not supported with Activation Beacon (the decoder stack runs window by "
+                             "window, over beacons and memory); leave it off, or switch beacons off "
+                             "(beacons_disabled) to get the stock model's")
     settings: BeaconSettings = self.beacon_settings
-    cache = past_key_values
-    if cache is None or (isinstance(cache, DynamicCache) and cache.get_seq_length() == 0):
-        cache = BeaconCache()
-    elif not isinstance(cache, BeaconCache):
-        raise ValueError(
-            f"Activation Beacon keeps its memory in a BeaconCache, got a {type(cache).__name__} holding tokens; "
-            "pass past_key_values=None (a new request) or the BeaconCache returned by the previous call"
-        )
+    _check_cache(past_key_values)
+    complete = self.training and past_key_values is None
+    cache = BeaconCache() if past_key_values is None else past_key_values
     if self.training:
         _check_checkpointing(self)
     batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -159,7 +183,7 @@ def beacon_backbone_forward(
         if state.layout is not None and state.window_raw == settings.window:
             cache.commit(rotate, settings.sink)
         if state.layout is None:
-            _start_window(self, cache, settings, total, last=state.raw_seen + settings.window >= total)
+            _start_window(self, cache, settings, total, complete)
         layout = state.layout
         take = min(n_new - done, settings.window - state.window_raw)
         start, end = state.window_slots, layout.slots_for(state.window_raw + take)
@@ -179,7 +203,9 @@ def beacon_backbone_forward(
                           beacon_rows if beacon_rows.numel() else None)
         hidden = stock_forward(self, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
                                past_key_values=cache, use_cache=True, beacon_step=step, **kwargs).last_hidden_state
-        outputs = [hidden.index_select(1, raw_rows[-1:])] if last_hidden_only else [*outputs, hidden.index_select(1, raw_rows)]
+        outputs.append(hidden.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:]))
+        if keep_last is not None:
+            outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
         state.window_raw += take
         state.window_slots = end
         state.raw_seen += take
@@ -193,8 +219,9 @@ SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
                                         max_cache_length: int) -> None:
     """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
-    caller's), and a clear error for decoding methods that would reorder or crop the memory. With beacons
-    switched off the stock set-up runs (the model is the stock model then)."""
+    caller's, which it continues), and a clear error for other caches and for decoding methods that would
+    reorder or crop the memory. With beacons switched off the stock set-up runs (the model is the stock model
+    then). ``generate`` passes ``logits_to_keep=1``, so a prefill keeps one hidden state per row."""
     if not getattr(self, self.base_model_prefix).beacons_enabled:
         return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
                                                         batch_size, max_cache_length)
@@ -208,10 +235,6 @@ def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: d
             f"Activation Beacon brings its own cache; cache_implementation={generation_config.cache_implementation!r} "
             "cannot be used with it"
         )
-    given = model_kwargs.get("past_key_values")
-    if given is not None and not isinstance(given, BeaconCache):
-        raise ValueError(f"past_key_values must be a BeaconCache for a beacon model, got {type(given).__name__}")
-    if given is None and generation_config.use_cache is not False:
+    _check_cache(model_kwargs.get("past_key_values"))
+    if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
         model_kwargs["past_key_values"] = BeaconCache()
-    if model_kwargs.get("logits_to_keep") == 1:  # only the last token's logits are used: keep no other hidden state
-        model_kwargs["beacon_last_hidden_only"] = True
