@@ -185,10 +185,10 @@ def test_launch_commands_carry_the_recipe_precision_and_ulysses_sizes(capsys):
     def flag(command, name):
         return command[command.index(name) + 1]
 
-    harpe = load_recipe("llama2-7b-harpe-128k")  # finetune: full, bf16
+    harpe = load_recipe("llama2-7b-harpe-128k")  # finetune: full, bf16: float32 weights under bf16 autocast
     assert harpe.finetune == "full" and harpe.model.dtype == "bfloat16"
-    assert flag(launch_command(harpe, "h", "ddp", 8), "--mixed_precision") == "no"  # bf16 weights, no autocast
-    assert flag(launch_command(harpe, "h", "zero3", 8), "--mixed_precision") == "bf16"  # DeepSpeed's bf16 mode
+    for launch in ("ddp", "zero3"):
+        assert flag(launch_command(harpe, "h", launch, 8), "--mixed_precision") == "bf16"
     assert flag(launch_command(load_recipe("tiny-cpu"), "tiny-cpu", "fsdp2", 2), "--mixed_precision") == "no"
     ulysses = launch_command(harpe, "h", "ulysses", 4)
     assert flag(ulysses, "--parallelism_config_sp_size") == "4" and flag(ulysses, "--num_processes") == "4"
@@ -196,13 +196,13 @@ def test_launch_commands_carry_the_recipe_precision_and_ulysses_sizes(capsys):
 
 
 def test_sft_arguments_follow_deepspeed_and_sequence_parallel_launches(tmp_path, monkeypatch):
-    """Under DeepSpeed a bf16 full fine-tune turns bf16 on (the Trainer refuses a mismatch with DeepSpeed's); under
-    Ulysses (sp_size 4 of 8 processes) two groups each train one sample, so accumulation counts 2 data-parallel
-    ranks, and batches are padded to a multiple of sp_size (and of the recipe's own pad_to_multiple_of)."""
+    """A bf16 full fine-tune runs under bf16 autocast (DeepSpeed refused the old bf16=False beside its bf16 mode);
+    under Ulysses (sp_size 4 of 8 processes) two groups each train one sample, so accumulation counts 2
+    data-parallel ranks, and batches are padded to a multiple of sp_size (and of the recipe's pad_to_multiple_of)."""
     from longpeft.recipes.runner import sft_arguments
 
     harpe = load_recipe("llama2-7b-harpe-128k", ["trl.pad_to_multiple_of=8"])
-    assert not sft_arguments(harpe, tmp_path)["bf16"] and "pad_to_multiple_of" not in sft_arguments(harpe, tmp_path)
+    assert sft_arguments(harpe, tmp_path)["bf16"] and "pad_to_multiple_of" not in sft_arguments(harpe, tmp_path)
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
@@ -293,3 +293,16 @@ def test_beacon_weights_count_in_every_mode_that_trains_them():
     assert plans["full"].assumptions["trainable_params"] == full + trainable
     tight = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100", gpu_memory_gib=24)
     assert "beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)" in tight.levers()
+
+
+def test_plan_with_activation_offloading_keeps_two_layer_inputs_and_stops_suggesting_it():
+    """The planner counted every checkpointed layer input on the GPU with train.activation_offloading on, and
+    named turning it on as the lever."""
+    on = estimate(load_recipe("llama2-7b-harpe-128k", ["train.activation_offloading=true"]), gpus=8)
+    off = estimate(load_recipe("llama2-7b-harpe-128k"), gpus=8)
+    layers = shape_of("meta-llama/Llama-2-7b-hf").layers
+    assert on.terms["checkpointed layer inputs"] * layers == off.terms["checkpointed layer inputs"] * 2
+    assert not any("activation_offloading" in lever for lever in on.levers())
+    assert any("activation_offloading" in lever for lever in off.levers())
+    # a full fine-tune trains float32 weights: 4 bytes of weights, 12 of gradients and AdamW state per parameter
+    assert off.terms["optimizer state and gradients"] == 3 * off.terms["base weights"]

@@ -22,18 +22,17 @@ def config_file(launch: str) -> Path:
 DEEPSPEED_LAUNCHES = ("zero3", "ulysses")  # the launches that run DeepSpeed (ulysses.yaml is ZeRO-3 too)
 
 
-def mixed_precision(recipe: Any, on_gpu: bool, deepspeed: bool) -> str:
+def mixed_precision(recipe: Any, on_gpu: bool) -> str:
     """``bf16``, ``fp16`` or ``no``: the autocast of a recipe's run, for SFTConfig and for ``accelerate launch``
     (whose ``--mixed_precision`` the Trainer would otherwise take over the recipe's).
 
-    A full fine-tune of a bf16 model trains its bf16 weights without autocast, except under DeepSpeed, which casts
-    the model itself and keeps float32 master weights; its ``bf16`` must then be on (the Trainer refuses a
-    mismatch). fp16 autocast needs CUDA.
+    A half-precision model computes under autocast while its trained weights stay float32 (LoRA: see
+    ``lora.trainable_dtype``; ``finetune: full``: every weight), so that AdamW updates are not rounded away. fp16
+    autocast needs CUDA.
     """
-    dtype = recipe.model.dtype
-    if dtype == "bfloat16" and (recipe.finetune != "full" or deepspeed):
+    if recipe.model.dtype == "bfloat16":
         return "bf16"
-    if dtype == "float16" and on_gpu:
+    if recipe.model.dtype == "float16" and on_gpu:
         return "fp16"
     return "no"
 
@@ -117,7 +116,7 @@ def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overri
     recipe's attention kernel."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
-    precision = mixed_precision(recipe, on_gpu=True, deepspeed=launch in DEEPSPEED_LAUNCHES)
+    precision = mixed_precision(recipe, on_gpu=True)
     command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(gpus),
                "--mixed_precision", precision]
     if launch == "ulysses":

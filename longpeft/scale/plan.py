@@ -6,12 +6,15 @@ Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and 
   absmax per 64 weights, or with double quantization one 8-bit absmax per 64 and one fp32 per 256 x 64),
   everything else (embedding, LM head, norms) in the compute dtype; or the whole model in the compute dtype;
 - LoRA: weights, gradients and AdamW's two moments in ``lora.trainable_dtype`` (float32 by default: 16 bytes/param;
-  bfloat16: 8);
+  bfloat16: 8); ``finetune: full``: every weight trains in float32 (4 bytes of weights, 12 of gradients and AdamW
+  state per parameter);
 - trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, the same bytes/param;
 - a method's own weights (Activation Beacon's projections, in every finetune mode): float32, 16 bytes per
   trainable parameter and 4 per frozen one, counted by the method's ``planned_parameters`` registry hook;
 - checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
-  only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype;
+  only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype; with
+  ``train.activation_offloading`` they wait in CPU memory and two layers' worth stay on the GPU (the one in use
+  and the one being fetched);
 - one layer's recompute: during its backward one layer's activations exist again: per token the attention
   projections (q, k, v, the attention output, o's input: ``3 hidden + 2 kv``), the MLP (gate, up, the
   product and down's input: ``4 intermediate``), and the norms' inputs (``2 hidden``), in the compute
@@ -163,7 +166,9 @@ class Plan:
         finetune = self.assumptions.get("finetune")
         shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
         advice = {
-            "checkpointed layer inputs": "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
+            "checkpointed layer inputs": "sequence parallelism across GPUs (--launch ulysses)"
+            if self.assumptions.get("activation_offloading") else
+            "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
             "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), an 8-bit optimizer (train.optim: adamw_bnb_8bit), or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)",
             "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method")
@@ -240,9 +245,10 @@ def estimate(
             rows = len(recipe.lora.trainable_token_indices or [])
             terms["trainable embedding"] = rows * shape.hidden * 4 * trained_bytes
             trainable += rows * shape.hidden
-    elif recipe.finetune == "full":
+    elif recipe.finetune == "full":  # every weight trains in float32 (under the compute dtype's autocast)
         full = shape.linear_params + shape.other_params
-        terms["optimizer state and gradients"] = full * (dtype_bytes + 8)
+        terms["base weights"] = full * 4
+        terms["optimizer state and gradients"] = full * 12
         trainable = full
         trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
     method_levers = {}
@@ -255,8 +261,10 @@ def estimate(
             trainable_matmul += method_trainable
             method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
     kv = shape.kv_heads * shape.head_dim
-    if recipe.train.gradient_checkpointing:
-        terms["checkpointed layer inputs"] = shape.layers * activation_tokens * shape.hidden * dtype_bytes
+    offloaded = recipe.train.activation_offloading and recipe.train.gradient_checkpointing
+    if recipe.train.gradient_checkpointing:  # offloaded: the layer in flight and the one being fetched stay on the GPU
+        kept_layers = 2 if offloaded else shape.layers
+        terms["checkpointed layer inputs"] = kept_layers * activation_tokens * shape.hidden * dtype_bytes
         per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
         terms["one layer's recompute"] = activation_tokens * per_token
     else:
@@ -300,7 +308,7 @@ def estimate(
                      "trained_samples": trained_samples,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({4 * trained_bytes} bytes/param "
                                         "with AdamW)", "finetune": recipe.finetune,
-                     "load_in_4bit": recipe.model.load_in_4bit},
+                     "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded},
     )
 
 
