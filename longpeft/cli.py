@@ -55,6 +55,22 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     return subprocess.call(command)
 
 
+def _number(kind: type, low: float, high: float | None = None, inclusive: bool = True):
+    """An argparse type: a ``kind`` number >= ``low`` (> with ``inclusive=False``) and <= ``high``."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value < low or (value == low and not inclusive) or (high is not None and value > high):
+            bound = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            raise argparse.ArgumentTypeError(f"{text} is out of range: must be {bound}")
+        return value
+
+    return parse
+
+
 def torch_cuda_devices() -> int:
     import torch
 
@@ -75,7 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
-    if args.gpus:
+    if args.gpus is not None:
         from .scale import estimate
 
         plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
@@ -159,11 +175,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--output-dir", help="override the recipe's output_dir (where --build writes the tiny base)")
     scale = plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
-    scale.add_argument("--gpus", type=int, help="estimate per-GPU peak memory by term and wall time on this many GPUs")
-    scale.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory of one GPU (default 80)")
+    scale.add_argument("--gpus", type=_number(int, 1), help="estimate per-GPU peak memory by term and wall time on "
+                       "this many GPUs")
+    scale.add_argument("--gpu-memory", type=_number(float, 0, inclusive=False), default=80.0, metavar="GIB",
+                       help="memory of one GPU (default 80)")
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
-    scale.add_argument("--mfu", type=float, help="model FLOPs utilisation (default 0.35 for 4-bit bases, 0.45 otherwise)")
-    scale.add_argument("--samples", type=int, help="rows of the training data (default: a local data.source JSONL's "
+    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="model FLOPs utilisation, in (0, 1] "
+                       "(default 0.35 for 4-bit bases, 0.45 otherwise)")
+    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: a local data.source JSONL's "
                        "rows, the demo set's size, else 1000); train.max_steps, when set, decides instead")
     plan.set_defaults(func=cmd_plan)
 

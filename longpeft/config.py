@@ -114,13 +114,29 @@ def check_writable_folder(folder: str | Path, flag: str) -> None:
         raise PermissionError(f"{flag} {folder}: {parent} is not writable")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (yaml keeps the last one silently: a second
+    ``train:`` section would replace the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two",
+                    key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> Any:
-    """A YAML (or JSON) file's content, with errors that name the file."""
+    """A YAML (or JSON) file's content, with errors that name the file (a key given twice is one)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        problem = str(exc).splitlines()[0]
+        problem = str(exc).splitlines()[0] if not isinstance(exc, yaml.constructor.ConstructorError) else exc.problem
         raise ConfigError(f"{path}: not valid YAML ({problem})") from None

@@ -207,6 +207,9 @@ class ContextSpec:
     def load(cls, directory: str | Path) -> ContextSpec:
         """Read ``longpeft.json`` (format 1, 2 or 3) from an adapter directory, with errors that name the file."""
         path = Path(directory) / SPEC_FILENAME
+        inside = [Path(directory) / sub for sub in ("adapter", "model") if (Path(directory) / sub / SPEC_FILENAME).is_file()]
+        if not path.is_file() and inside:
+            raise FileNotFoundError(f"{directory} is a training run folder: give the folder it wrote, {inside[0]}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} not found: this directory was not written by longpeft (or the spec was deleted); "

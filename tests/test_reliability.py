@@ -296,3 +296,25 @@ def test_txt_sources_are_plain_text_documents(tmp_path, tokenizer):
         load_training_data(load_recipe("tiny-cpu", [f"data.source={bad}", "data.format=text"]).data, tokenizer)
     with pytest.raises(ValueError, match="set data.format: text"):
         load_training_data(load_recipe("tiny-cpu", [f"data.source={docs / 'a.txt'}"]).data, tokenizer)
+
+
+def test_more_bad_inputs_are_one_clear_message(tmp_path, capsys):
+    """A key given twice in a recipe silently replaced the first section; a run folder given for an adapter was
+    'not written by longpeft'; convert-beacon named a missing folder a bad repo id; plan took --gpus 0 as no plan."""
+    from longpeft.recipes import schema
+
+    recipe = tmp_path / "dup.yaml"
+    recipe.write_text(Path(schema.__file__).with_name("tiny-cpu.yaml").read_text() + "train:\n  learning_rate: 1.0e-3\n")
+    run = tmp_path / "run"
+    (run / "adapter").mkdir(parents=True)
+    (run / "adapter" / "longpeft.json").write_text("{}")
+    for argv, message in ((["plan", str(recipe)], "key 'train' appears twice"),
+                          (["merge", str(run), "--out", str(tmp_path / "m")], f"give the folder it wrote, {run / 'adapter'}"),
+                          (["convert-beacon", str(tmp_path / "nowhere"), "--base", str(tmp_path), "--out",
+                            str(tmp_path / "c")], "nowhere: no such folder")):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["plan", "tiny-cpu", "--gpus", "0"])
+    assert "--gpus: 0 is out of range" in capsys.readouterr().err

@@ -162,10 +162,13 @@ def convert_authors_checkpoint(source: str | Path, out_dir: str | Path, base: st
     from transformers import AutoConfig
 
     from ...hub import check_output_folder
+    from ...loading import check_model_source
     from ...spec import ContextSpec
 
     out_dir = Path(out_dir)
     check_output_folder(out_dir, {"the authors' model": Path(source)})  # before any download
+    check_model_source(source, "the authors' model")
+    check_model_source(base, "--base")
     folder, checkpoint_config, files = _checkpoint_files(source)
     beacon = config_from_authors(checkpoint_config)
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
