@@ -73,7 +73,9 @@ def write_base(folder: Path, tiny: bool) -> None:
 
 
 def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
-    """``samples`` conversations of at most ``tokens`` tokens (a long user turn, a short answer); returns the length."""
+    """``samples`` copies of one conversation of at most ``tokens`` tokens (a long user turn, a short answer), so
+    that every step runs at the measured length (conversations drawn with other seeds tokenize to other lengths:
+    longer ones were dropped, shorter ones inflated tokens/s); returns the length."""
     import random
 
     from transformers import AutoTokenizer
@@ -97,8 +99,8 @@ def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if length(middle) <= tokens else (low, middle - 1)
     with path.open("w") as handle:
-        for seed in range(samples):
-            handle.write(json.dumps({"messages": conversation(low, seed)}) + "\n")
+        for _ in range(samples):
+            handle.write(json.dumps({"messages": conversation(low, 0)}) + "\n")
     return length(low)
 
 

@@ -29,6 +29,7 @@ def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_p
     assert spec["methods"]["rope"]["rope_theta"] == 2e8  # the 80K recipe's settings were applied
     resolved = json.loads((tmp_path / "run-sdpa" / "recipe.resolved.json").read_text())
     assert resolved["quantization"]["bnb_4bit_quant_type"] == "nf4" and resolved["lora"]["r"] == 32
+    assert resolved["data"]["dropped"] == 0 and resolved["data"]["longest"] == report["tokens"]  # every step at length
     plan = report["planner"]
     assert plan["peak_gib"] > 0 and set(plan["terms_gib"]) >= {"base weights", "checkpointed layer inputs"}
     for method in ("harpe", "string"):
