@@ -43,10 +43,10 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     from .launch import check_launch, launch_command
 
     check_launch(recipe, args.launch)
-    gpus = args.gpus if args.gpus is not None else torch_cuda_devices()
+    devices = torch_cuda_devices()
+    gpus = args.gpus if args.gpus is not None else devices
     if gpus < 1:
-        raise ValueError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {torch_cuda_devices()} CUDA "
-                         "devices)")
+        raise ValueError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {devices} CUDA devices)")
     command = launch_command(recipe, args.recipe, args.launch, gpus, args.overrides)
     command += ["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change
     if args.print_command:

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from .adapters import export_methods, spec_methods
 from .config import check_writable_folder, torch_dtype
 from .loading import check_model_source, is_local, is_whole_model
-from .spec import SPEC_FILENAME, ContextSpec
+from .spec import SPEC_FILENAME, ContextSpec, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
 
@@ -352,7 +352,7 @@ def check_adapter_files(folder: Path) -> None:
 
 def upload_source(source: Path) -> Path:
     """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
-    found = [source / name for name in ("adapter", "model") if (source / name / SPEC_FILENAME).is_file()]
+    found = run_outputs(source)
     if len(found) > 1:
         raise ValueError(f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
                          "settings wrote there); push the one you mean: " + " or ".join(map(str, found)))

@@ -73,6 +73,12 @@ class SpecMismatchError(ValueError):
     """The adapter's ContextSpec does not fit the base model it is being loaded onto."""
 
 
+def run_outputs(folder: str | Path) -> list[Path]:
+    """What a training run folder holds: its ``adapter/`` and/or ``model/`` (``finetune: full``) folder, each with a
+    ``longpeft.json`` (empty for any other folder)."""
+    return [Path(folder) / name for name in ("adapter", "model") if (Path(folder) / name / SPEC_FILENAME).is_file()]
+
+
 @dataclasses.dataclass
 class ContextSpec:
     """Non-weight changes of a context-extension adapter (persisted as ``longpeft.json``).
@@ -207,9 +213,9 @@ class ContextSpec:
     def load(cls, directory: str | Path) -> ContextSpec:
         """Read ``longpeft.json`` (format 1, 2 or 3) from an adapter directory, with errors that name the file."""
         path = Path(directory) / SPEC_FILENAME
-        inside = [Path(directory) / sub for sub in ("adapter", "model") if (Path(directory) / sub / SPEC_FILENAME).is_file()]
-        if not path.is_file() and inside:
-            raise FileNotFoundError(f"{directory} is a training run folder: give the folder it wrote, {inside[0]}")
+        if not path.is_file() and (outputs := run_outputs(directory)):
+            raise FileNotFoundError(f"{directory} is a training run folder: give the folder it wrote, "
+                                    f"{' or '.join(map(str, outputs))}")
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} not found: this directory was not written by longpeft (or the spec was deleted); "

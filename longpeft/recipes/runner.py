@@ -677,9 +677,11 @@ def check_parallelism(recipe: Recipe, accelerator: Any) -> None:
     from ..launch import check_context_parallel, check_sequence_parallel
 
     parallelism = getattr(accelerator, "parallelism_config", None)
-    if parallelism is not None and parallelism.cp_enabled:
+    if parallelism is None:
+        return
+    if parallelism.cp_enabled:
         check_context_parallel(recipe, packing=recipe.data.utk is not None)
-    if parallelism is not None and parallelism.sp_enabled:
+    if parallelism.sp_enabled:
         check_sequence_parallel(recipe)
 
 

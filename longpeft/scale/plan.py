@@ -229,8 +229,8 @@ def estimate(
         constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
         constants += 0.5
         terms["base weights"] = int(shape.linear_params * constants + shape.other_params * dtype_bytes)
-    else:
-        terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
+    else:  # a full fine-tune trains every weight in float32 (under the compute dtype's autocast)
+        terms["base weights"] = (shape.linear_params + shape.other_params) * (4 if recipe.finetune == "full" else dtype_bytes)
     trainable = trainable_matmul = lora_params = 0
     trained_bytes = 4  # per trained parameter (weight, gradient and each AdamW moment): float32
     if recipe.finetune == "lora":
@@ -245,9 +245,8 @@ def estimate(
             rows = len(recipe.lora.trainable_token_indices or [])
             terms["trainable embedding"] = rows * shape.hidden * 4 * trained_bytes
             trainable += rows * shape.hidden
-    elif recipe.finetune == "full":  # every weight trains in float32 (under the compute dtype's autocast)
+    elif recipe.finetune == "full":  # float32 gradients and AdamW moments beside the float32 weights
         full = shape.linear_params + shape.other_params
-        terms["base weights"] = full * 4
         terms["optimizer state and gradients"] = full * 12
         trainable = full
         trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
