@@ -481,3 +481,22 @@ def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
                  dtype=torch.bfloat16)
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+
+
+def test_rotary_frequencies_cast_by_a_wrapper_are_given_back_float32(tiny_base_dirs, chat_jsonl, tmp_path):
+    """DeepSpeed casts a model's buffers with its weights (DeepSpeed#5812): inv_freq in bf16 turns positions near
+    100K by hundreds of radians. Simulated here by a cast after prepare, where the Trainer's wrapping happens."""
+    from longpeft.recipes.runner import prepare
+    from longpeft.rope import rotary_modules
+
+    prepared = prepare(tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", max_steps=1))
+    rotary = [module for _, _, module in rotary_modules(prepared.trainer.model)]
+    exact = [(m.inv_freq.clone(), m.original_inv_freq.clone()) for m in rotary]
+    for module in rotary:  # what DeepSpeed's module.bfloat16() does to buffers
+        module.inv_freq, module.original_inv_freq = module.inv_freq.bfloat16(), module.original_inv_freq.bfloat16()
+    assert not torch.equal(rotary[0].inv_freq.float(), exact[0][0])
+    with pytest.warns(UserWarning, match="cast 2 rotary frequency buffers to torch.bfloat16; longpeft put their float32"):
+        prepared.trainer.train()
+    for module, (inv_freq, original) in zip(rotary, exact):
+        assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, inv_freq)
+        assert torch.equal(module.original_inv_freq, original) and "inv_freq" in module._buffers

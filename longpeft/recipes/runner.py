@@ -623,7 +623,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         processing_class=tokenizer,
         peft_config=peft_config,
         data_collator=data_collator(recipe, spec, tokenizer),
-        callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), *(callbacks or [])],
+        callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *(callbacks or [])],
     )
     expose_token_indices_head_bias(trainer.model)
     if recipe.train.backend == "transformers" and recipe.finetune in ("lora", "full"):
@@ -693,6 +693,35 @@ def adapter_settings(model: Any) -> dict[str, Any] | None:
 
 class TrainingDiverged(ValueError):
     """The loss or the gradient norm became NaN or infinite; the run stopped."""
+
+
+class KeepRotaryFrequencies(TrainerCallback):
+    """Gives every rotary module its float32 frequencies back when training begins.
+
+    DeepSpeed casts the whole module to bf16 when it wraps it, buffers included (DeepSpeed#5812), which rounds
+    ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
+    turns by hundreds of radians. The float32 values are kept from ``prepare`` and put back (with a warning) at
+    ``on_train_begin``, after the Trainer has wrapped the model.
+    """
+
+    NAMES = ("inv_freq", "original_inv_freq")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from ..rope import rotary_modules
+
+        self.saved = [(module, name, getattr(module, name).detach().clone()) for _, _, module in rotary_modules(model)
+                      for name in self.NAMES if isinstance(getattr(module, name, None), torch.Tensor)]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        cast = {}
+        for module, name, value in self.saved:
+            current = getattr(module, name)
+            if current.dtype != value.dtype:
+                cast[current.dtype] = cast.get(current.dtype, 0) + 1
+                setattr(module, name, value.to(current.device))
+        if cast:
+            warnings.warn(f"the model's wrapper cast {sum(cast.values())} rotary frequency buffers to "
+                          f"{', '.join(map(str, cast))}; longpeft put their float32 values back", stacklevel=1)
 
 
 class StopOnNonFinite(TrainerCallback):
