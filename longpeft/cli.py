@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from .launch import LAUNCHES
 
 def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML path or bundled recipe name (see `longpeft plan --list`)")
@@ -91,11 +92,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
+    if args.launch and args.gpus is None:
+        raise ValueError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.gpus is not None:
         from .scale import estimate
 
         plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
-                        samples=args.samples)
+                        samples=args.samples, launch=args.launch)
         print(plan.table())
         return 0
     if not args.build:
@@ -156,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint after a kill")
     train.add_argument("--allow-recipe-change", action="store_true",
                        help="with --resume: continue even though training keys of the recipe changed")
-    train.add_argument("--launch", choices=["ddp", "fsdp2", "zero3", "ulysses"],
+    train.add_argument("--launch", choices=LAUNCHES,
                        help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)")
     train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes; default: every CUDA device)")
     train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
@@ -177,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale = plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
     scale.add_argument("--gpus", type=_number(int, 1), help="estimate per-GPU peak memory by term and wall time on "
                        "this many GPUs")
+    scale.add_argument("--launch", choices=LAUNCHES, help="how the GPUs share the work, as train --launch "
+                       "(default ddp: a whole replica per GPU; fsdp2, zero3, ulysses shard it)")
     scale.add_argument("--gpu-memory", type=_number(float, 0, inclusive=False), default=80.0, metavar="GIB",
                        help="memory of one GPU (default 80)")
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")

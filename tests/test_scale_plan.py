@@ -48,6 +48,66 @@ def test_adapter_and_optimizer_bytes_match_one_adamw_step():
     assert abs(planned - measured) / measured < 0.10
 
 
+def _fsdp2_rank_bytes(mode: str) -> list[dict[str, int]]:
+    """What each of 2 CPU processes holds after one AdamW step under torch's FSDP2 (tests/fsdp2_bytes_worker.py)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    worker = Path(__file__).with_name("fsdp2_bytes_worker.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(worker), mode], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+    return ranks
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_fsdp2_shards_match_what_each_process_holds(mode):
+    """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
+    the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%."""
+    terms = estimate(_recipe(f"finetune={mode}"), gpus=2, shape=_shape(), launch="fsdp2").terms
+    assert "DDP gradient buckets" not in terms and terms["gathered layers and LM head"] > 0
+    if mode == "full":
+        pairs = [(terms["base weights"], "trained_weights"),
+                 (terms["optimizer state and gradients"], ("gradients", "moments"))]
+    else:
+        pairs = [(terms["base weights"], "frozen_weights"),
+                 (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "moments"))]
+    for rank in _fsdp2_rank_bytes(mode):
+        for planned, keys in pairs:
+            measured = sum(rank[key] for key in ((keys,) if isinstance(keys, str) else keys))
+            assert abs(planned - measured) / measured < 0.10, (mode, keys, planned, measured)
+
+
+def test_sharded_and_sequence_parallel_launches_change_the_right_terms(capsys):
+    """fsdp2/zero3 divide the state terms by the GPUs (activations stay); ulysses also splits every sequence;
+    combinations train --launch refuses are refused here too."""
+    recipe = load_recipe("llama2-7b-harpe-128k")
+    ddp, fsdp2 = estimate(recipe, gpus=8), estimate(recipe, gpus=8, launch="fsdp2")
+    ulysses = estimate(recipe, gpus=8, launch="ulysses")
+    assert ddp.assumptions["launch"] == "ddp" and estimate(recipe, gpus=1).assumptions["launch"] is None
+    for term in ("base weights", "optimizer state and gradients"):
+        assert fsdp2.terms[term] == -(-ddp.terms[term] // 8) == ulysses.terms[term]
+    for term in ("checkpointed layer inputs", "one layer's recompute"):
+        assert fsdp2.terms[term] == ddp.terms[term] == ulysses.terms[term] * 8
+    assert estimate(recipe, gpus=8, launch="zero3").terms == fsdp2.terms
+    assert fsdp2.hours == ddp.hours == ulysses.hours  # communication is not modelled
+    # the HARPE recipe does not fit replicated; the lever says how to plan the run README gives, which fits
+    assert not ddp.fits and any("plan it with --launch fsdp2 --gpus 8" in lever for lever in ddp.levers())
+    assert estimate(load_recipe("llama2-7b-harpe-128k", ["train.activation_offloading=true"]), gpus=8,
+                    launch="fsdp2").fits
+    with pytest.raises(ValueError, match="--launch ulysses with model.load_in_4bit"):
+        estimate(load_recipe("llama3-8b-instruct-80k-qlora"), gpus=8, launch="ulysses")
+    assert main(["plan", "llama2-7b-harpe-128k", "--launch", "fsdp2"]) == 2
+    assert "give --gpus N" in capsys.readouterr().err
+    assert main(["plan", "llama2-7b-harpe-128k", "--launch", "fsdp2", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "gathered layers and LM head" in out and "--launch fsdp2)" in out
+
+
 def _saved_bytes(layers: int, tokens: int) -> int:
     """Bytes of distinct tensors saved for backward by a checkpointed forward."""
     model = tiny_model("llama", num_hidden_layers=layers).train()
@@ -241,23 +301,33 @@ def test_launch_flags_are_not_silently_ignored(capsys):
 
 
 def test_plan_works_for_every_bundled_recipe(capsys):
-    """`longpeft plan RECIPE --gpus 8` for each bundled recipe (a new one joins automatically): a peak, a time,
-    and, when it does not fit, levers that the recipe can use (no 4-bit base for a full fine-tune)."""
+    """`longpeft plan RECIPE --gpus 8 [--launch KIND]` for each bundled recipe (a new one joins automatically) and
+    every launch it can use: a peak, a time, and, when it does not fit, levers that the recipe can use (no 4-bit
+    base for a full fine-tune)."""
+    from longpeft.launch import LAUNCHES, check_launch
     from longpeft.recipes import bundled_recipes
 
     for name in bundled_recipes():
-        assert main(["plan", name, "--gpus", "8", "--gpu-memory", "80"]) == 0, name
-        out = capsys.readouterr().out
-        assert "peak" in out and re.search(r"= \d+\.\d h$", out, flags=re.M), name
         recipe = load_recipe(name)
-        plan = estimate(recipe, gpus=8)
-        assert plan.peak_bytes > 0 and plan.hours > 0 and plan.terms["base weights"] > 0, name
-        if not plan.fits:
-            levers = plan.levers()
-            assert levers and ("lever:" in out), name
-            if recipe.finetune == "full":
-                assert not any(lever.startswith("base weights: model.load_in_4bit") for lever in levers), name
-                assert any("--launch fsdp2" in lever for lever in levers), name
+        for launch in LAUNCHES:
+            try:
+                check_launch(recipe, launch)
+            except ValueError:
+                assert main(["plan", name, "--gpus", "8", "--launch", launch]) == 2, (name, launch)
+                capsys.readouterr()
+                continue
+            assert main(["plan", name, "--gpus", "8", "--gpu-memory", "80", "--launch", launch]) == 0, (name, launch)
+            out = capsys.readouterr().out
+            assert "peak" in out and re.search(r"= \d+\.\d h$", out, flags=re.M), (name, launch)
+            plan = estimate(recipe, gpus=8, launch=launch)
+            assert plan.peak_bytes > 0 and plan.hours > 0 and plan.terms["base weights"] > 0, (name, launch)
+            if not plan.fits:
+                levers = plan.levers()
+                assert levers and ("lever:" in out), (name, launch)
+                if recipe.finetune == "full":
+                    assert not any(lever.startswith("base weights: model.load_in_4bit") for lever in levers), name
+                    if launch == "ddp":
+                        assert any("--launch fsdp2" in lever for lever in levers), name
 
 
 @pytest.mark.parametrize("settings", [

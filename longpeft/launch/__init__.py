@@ -20,6 +20,7 @@ def config_file(launch: str) -> Path:
 
 
 DEEPSPEED_LAUNCHES = ("zero3", "ulysses")  # the launches that run DeepSpeed (ulysses.yaml is ZeRO-3 too)
+SHARDED_LAUNCHES = ("fsdp2", *DEEPSPEED_LAUNCHES)  # the launches that shard weights, gradients and optimizer state
 
 
 def mixed_precision(recipe: Any, on_gpu: bool) -> str:

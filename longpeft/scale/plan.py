@@ -1,6 +1,7 @@
 """Per-GPU memory and wall-time estimate of a recipe, term by term (``longpeft plan RECIPE --gpus N``).
 
-Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and trains one sample):
+Memory terms (bytes per GPU; with ``--launch ddp``, the default on several GPUs, every GPU holds a whole replica
+and trains its own samples; sharded launches below):
 
 - base weights: 4-bit NF4 linear layers at 0.5 byte/param plus the quantization constants (one fp32
   absmax per 64 weights, or with double quantization one 8-bit absmax per 64 and one fp32 per 256 x 64),
@@ -26,6 +27,14 @@ Memory terms (bytes per GPU, data parallel: every GPU holds a whole replica and 
 - runtime: the CUDA context and kernels' workspace (1 GiB) plus 10 % of the activations for allocator
   fragmentation.
 
+Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs ZeRO-3): the weights, gradients and
+AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
+decoder layer while the next is prefetched, and keeps the LM head (with the final norm) gathered from the end of the
+forward to its backward, all in the compute dtype (4-bit weights gather as stored); the gradients of one unit
+exist unsharded before their reduce-scatter (compute dtype). ZeRO-3 bounds its live parameters by its own buckets;
+the same term stands for them. ``ulysses`` also splits every sequence across the GPUs (sequence parallel size = GPUs),
+so every activation term holds ``tokens / GPUs`` per GPU. Communication time is not modelled.
+
 Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
 LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
 loss's recompute of the logits (the head), ``2 M`` for the backward to the activations, and ``2`` per trained
@@ -46,6 +55,7 @@ from typing import Any
 
 from ..adapters import get_method
 from ..builtin_models import model_location
+from ..launch import SHARDED_LAUNCHES, check_launch
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -66,6 +76,9 @@ KNOWN_SHAPES.update({
     "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
 })
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
+# The terms that grow with the tokens (what sequence parallelism splits; 10 % of them count as fragmentation).
+ACTIVATION_TERMS = ("checkpointed layer inputs", "one layer's recompute", "all layers' activations",
+                    "eager attention scores", "loss tiles")
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,10 @@ class Plan:
         return sum(self.terms.values())
 
     @property
+    def sharded(self) -> bool:
+        return self.assumptions.get("launch") in SHARDED_LAUNCHES
+
+    @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.gpu_memory_gib * GiB
 
@@ -164,19 +181,24 @@ class Plan:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
         finetune = self.assumptions.get("finetune")
-        shard = "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs)"
+        if self.sharded:
+            shard = f"more GPUs (--launch {self.assumptions['launch']} divides it by their number)"
+        else:
+            shard = (f"--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it with "
+                     f"--launch fsdp2 --gpus {self.gpus})")
+        sequence = ("sequence parallelism across GPUs (--launch ulysses)" if self.assumptions.get("launch") != "ulysses"
+                    else "more GPUs in the sequence-parallel group (each holds tokens / GPUs)")
         advice = {
-            "checkpointed layer inputs": "sequence parallelism across GPUs (--launch ulysses)"
-            if self.assumptions.get("activation_offloading") else
-            "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or sequence parallelism across GPUs",
-            "one layer's recompute": "a shorter data.max_length, or sequence parallelism (Ulysses) to split the sequence",
+            "checkpointed layer inputs": sequence if self.assumptions.get("activation_offloading") else
+            f"train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or {sequence}",
+            "one layer's recompute": f"a shorter data.max_length, or {sequence}",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), an 8-bit optimizer (train.optim: adamw_bnb_8bit), or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)",
             "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method")
-            else "--launch fsdp2 (shards the 4-bit base: its quant storage is the compute dtype)"
-            if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)",
+            else shard if self.assumptions.get("load_in_4bit") or self.sharded else "model.load_in_4bit: true (QLoRA)",
             "optimizer state and gradients": f"{shard}, or finetune: lora",
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
             if finetune == "lora" else shard,
+            "gathered layers and LM head": "nothing to gain: the shards are gathered one layer at a time",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
             **self.method_levers,
@@ -193,7 +215,9 @@ class Plan:
         lines = [f"{'term':<{width}} {'GiB per GPU':>12}"]
         lines += [f"{term:<{width}} {value / GiB:>12.2f}" for term, value in self.terms.items()]
         verdict = "fits" if self.fits else "does NOT fit"
-        lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB)",
+        launch = self.assumptions["launch"]
+        lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
+                  f"{f', --launch {launch}' if launch else ''})",
                   f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token on {self.gpus} GPUs "
                   f"at {self.assumptions['mfu']:.0%} of {self.assumptions['peak_tflops']:g} TFLOP/s = {self.hours:.1f} h"]
         lines += [f"lever: {lever}" for lever in self.levers()]
@@ -208,27 +232,36 @@ def estimate(
     mfu: float | None = None,
     samples: int | None = None,
     shape: ModelShape | None = None,
+    launch: str | None = None,
 ) -> Plan:
     """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
 
     Args:
         samples: rows of the training data (default: a local JSONL ``data.source``'s rows, the demo set's
             conversations, else 1000); unused when ``train.max_steps`` is set.
+        launch: how the GPUs share the work, as ``longpeft train --launch`` (``ddp``, ``fsdp2``, ``zero3``,
+            ``ulysses``); default ``ddp`` on several GPUs. A combination ``train --launch`` refuses is refused here.
     """
     if gpu not in GPU_PEAK_TFLOPS:
         raise ValueError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
+    launch = launch or ("ddp" if gpus > 1 else None)
+    if launch:
+        check_launch(recipe, launch)
+    shards = gpus if launch in SHARDED_LAUNCHES else 1  # GPUs that split weights, gradients and AdamW state
+    sequence_shards = gpus if launch == "ulysses" else 1  # GPUs that split each sequence
     shape = shape or shape_of(recipe.model.name_or_path)
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     tokens_per_sample = recipe.data.max_length
     batch = recipe.train.per_device_batch_size
-    activation_tokens = batch * tokens_per_sample
+    activation_tokens = -(-batch * tokens_per_sample // sequence_shards)
 
     terms: dict[str, int] = {}
+    linear_bytes = dtype_bytes  # per parameter of the decoder layers' linear projections, as stored
     if recipe.model.load_in_4bit:
         # one absmax per 64 weights: fp32, or with double quantization 8-bit plus one fp32 per 256 of those
         constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
-        constants += 0.5
-        terms["base weights"] = int(shape.linear_params * constants + shape.other_params * dtype_bytes)
+        linear_bytes = 0.5 + constants
+        terms["base weights"] = int(shape.linear_params * linear_bytes + shape.other_params * dtype_bytes)
     else:  # a full fine-tune trains every weight in float32 (under the compute dtype's autocast)
         terms["base weights"] = (shape.linear_params + shape.other_params) * (4 if recipe.finetune == "full" else dtype_bytes)
     trainable = trainable_matmul = lora_params = 0
@@ -251,11 +284,13 @@ def estimate(
         trainable = full
         trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
     method_levers = {}
+    method_params = 0  # a method's own weights, trained and frozen
     for name, config in recipe.method_configs().items():  # a method's own weights (beacon) train in every mode
         method = get_method(name)
         if method.planned_parameters is not None:
             method_trainable, method_frozen = method.planned_parameters(config, shape)
             terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4  # float32; AdamW on the trainable
+            method_params += method_trainable + method_frozen
             trainable += method_trainable
             trainable_matmul += method_trainable
             method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
@@ -273,9 +308,20 @@ def estimate(
         layers_kept = 1 if recipe.train.gradient_checkpointing else shape.layers
         terms["eager attention scores"] = layers_kept * batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
     terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * activation_tokens * shape.hidden * dtype_bytes
-    if gpus > 1:
+    if shards > 1:  # weights, gradients and AdamW state are split; the units in use are gathered whole
+        for term in list(terms):
+            if term not in ACTIVATION_TERMS:
+                terms[term] = -(-terms[term] // shards)
+        layer_bytes = shape.linear_params // shape.layers * linear_bytes + (lora_params + method_params) // shape.layers * dtype_bytes
+        head_bytes = shape.vocab * shape.hidden * dtype_bytes
+        trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
+            method_params // shape.layers)
+        trained_head = shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
+        unsharded_gradients = max(trained_layer, trained_head) * dtype_bytes
+        terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
+    elif gpus > 1:
         terms["DDP gradient buckets"] = trainable * trained_bytes
-    activations = sum(v for k, v in terms.items() if "layer" in k or "attention" in k or "loss" in k)
+    activations = sum(terms.get(term, 0) for term in ACTIVATION_TERMS)
     terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10
 
     layers = shape.linear_params + lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
@@ -307,7 +353,8 @@ def estimate(
                      "trained_samples": trained_samples,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({4 * trained_bytes} bytes/param "
                                         "with AdamW)", "finetune": recipe.finetune,
-                     "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded},
+                     "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
+                     "launch": launch, "sequence_parallel": sequence_shards},
     )
 
 

@@ -1,0 +1,59 @@
+"""Run under ``torchrun --nproc_per_node N`` (gloo, CPU): shard a tiny model with torch's FSDP2 (``fully_shard``
+on every decoder layer, then the root, as accelerate does), take one AdamW step, and print, from every rank, one
+JSON line of the bytes that rank holds: frozen and trained weights, gradients and optimizer moments.
+
+Argument: ``full`` (every weight trains) or ``lora`` (LoRA r=4 on q, k, v, o and a trained copy of the input
+embedding, as the planner's tiny-cpu recipe).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of this rank's shard of ``tensor`` (the whole tensor when it is not sharded)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def main(mode: str) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from longpeft.tiny import tiny_model
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_model("llama")
+    if mode == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                                 modules_to_save=["embed_tokens"]))
+    layers = model.get_base_model().model.layers if mode == "lora" else model.model.layers
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    tokens = torch.randint(0, 512, (1, 16), generator=generator)
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    print(json.dumps({
+        "rank": dist.get_rank(),
+        "frozen_weights": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
+        "trained_weights": sum(local_bytes(p) for p in trained),
+        "gradients": sum(local_bytes(p.grad) for p in trained),
+        "moments": sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim()),
+    }), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
