@@ -225,3 +225,36 @@ def test_api_key_appears_in_no_written_file(tmp_path):
     assert stats["counts"] == {"single_detail": 1, "multi_detail": 1}
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert len(rejects) == 2 + 1 and all(r["meta"]["sources"] == [str(source / "book_1.txt")] for r in rejects)
+
+
+def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
+    """`--config llama3-80k` (the 80K recipe's data): without your files it names the flag to give; with them
+    (shrunk here to 2 contexts per task, tiny tokenizer, stub LLM) it mixes plain text and instructions to the
+    paper's 3.5K : 5K : 12K."""
+    from longpeft.synth_data.cli import main
+    from longpeft.synth_data.corpus import generate_document
+
+    out = tmp_path / "out"
+    assert main(["--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
+    assert "needs mix.plain_text (a file or folder; --plain-text PATH)" in capsys.readouterr().err
+    source = tmp_path / "books"
+    source.mkdir()
+    for i in range(2):
+        (source / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60).text)
+    plain, instructions = tmp_path / "plain.jsonl", tmp_path / "instructions.jsonl"
+    plain.write_text("".join(json.dumps({"text": generate_document(seed=10 + i, n_sentences=16).text}) + "\n"
+                             for i in range(10)))
+    instructions.write_text("".join(json.dumps({"instruction": f"Say {i}.", "input": "", "output": str(i)}) + "\n"
+                                    for i in range(20)))
+    with StubServer() as server:
+        code = main([
+            "--config", "llama3-80k", "--out", str(out), "--source", str(source), "--plain-text", str(plain),
+            "--instructions", str(instructions), "--tokenizer", "tiny", "--tasks", "single_detail,multi_detail",
+            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
+            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
+            "--set", "llm.backoff_initial=0.01",
+        ])
+    assert code == 0, capsys.readouterr().err
+    counts = json.loads((out / "stats.json").read_text())["counts"]
+    assert counts == {"single_detail": 2, "multi_detail": 2, "plain_text": 6, "instruction": 14}  # 4 x 5/3.5, 4 x 12/3.5
+    assert server.auth_headers  # the LLM answered

@@ -5,10 +5,11 @@ Examples::
     # offline, exact QA over generated documents (no LLM, no network)
     longpeft synth --out runs/synth/demo --tokenizer tiny --contexts 4 --min-tokens 4096 --max-tokens 6144
 
-    # the 80K recipe's data from your books with GPT-4-class QA, mixed with plain text and instructions
+    # the 80K recipe's data (bundled config llama3-80k): GPT-4-class QA over your books, mixed with plain text
+    # and instructions as in the paper
     export OPENAI_API_KEY=...
-    longpeft synth --config synth.yaml --out runs/synth/llama3-80k --answerer llm --source books/ \\
-        --tokenizer meta-llama/Meta-Llama-3-8B-Instruct --llm-model gpt-4o --concurrency 16
+    longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
+        --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16
 
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
 calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from ..config import ConfigError, apply_overrides, assign, read_yaml, validate
@@ -29,7 +31,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `synth` options on ``parser`` (a sub-parser of the `longpeft` command)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
-    parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig)")
+    parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig), "
+                        f"or a bundled config: {', '.join(bundled_configs())}")
     parser.add_argument("--out", required=True, help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
@@ -58,6 +61,26 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
+BUNDLED = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> list[str]:
+    """Names of the synth configs shipped with longpeft (``longpeft/synth_data/configs/NAME.yaml``)."""
+    return sorted(path.stem for path in BUNDLED.glob("*.yaml"))
+
+
+def config_path(path_or_name: str) -> Path:
+    """A synth config file: the path given, or the bundled config of that name."""
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    bundled = BUNDLED / f"{path_or_name}.yaml"
+    if not bundled.is_file():
+        raise ConfigError(f"--config {path_or_name!r} is neither a file nor a bundled config "
+                          f"({', '.join(bundled_configs())})")
+    return bundled
+
+
 def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
     assign(config, dotted, value, "longpeft synth")
 
@@ -67,11 +90,12 @@ def resolve_config(args: argparse.Namespace):
     from .pipeline import SynthConfig
 
     config: dict[str, Any] = {}
-    source = args.config or "longpeft synth"
+    source = "longpeft synth"
     if args.config:
-        config = read_yaml(args.config) or {}
+        source = str(config_path(args.config))
+        config = read_yaml(source) or {}
         if not isinstance(config, dict):
-            raise ConfigError(f"{args.config}: expected a mapping of config fields")
+            raise ConfigError(f"{source}: expected a mapping of config fields")
     flags = {
         "tokenizer": args.tokenizer, "answerer": args.answerer, "seed": args.seed,
         "length.min_tokens": args.min_tokens, "length.max_tokens": args.max_tokens,

@@ -45,9 +45,9 @@ class MixConfig(BaseModel):
         if self.plain_ratio + self.instruction_ratio >= 1:
             raise ValueError("plain_ratio + instruction_ratio must stay below 1 (the rest is synthetic data)")
         if self.plain_ratio > 0 and not self.plain_text:
-            raise ValueError("plain_ratio > 0 needs mix.plain_text (a file or folder)")
+            raise ValueError("plain_ratio > 0 needs mix.plain_text (a file or folder; --plain-text PATH)")
         if self.instruction_ratio > 0 and not self.instructions:
-            raise ValueError("instruction_ratio > 0 needs mix.instructions (a file or folder)")
+            raise ValueError("instruction_ratio > 0 needs mix.instructions (a file or folder; --instructions PATH)")
         return self
 
 

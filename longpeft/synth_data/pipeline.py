@@ -95,7 +95,7 @@ class SynthConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> SynthConfig:
         if self.source.kind == "files" and not self.source.paths:
-            raise ValueError("source.kind 'files' needs source.paths")
+            raise ValueError("source.kind 'files' needs source.paths (your documents; --source PATH ...)")
         if self.source.kind == "files" and self.answerer == "procedural":
             raise ValueError("the procedural answerer needs procedural documents; use answerer: llm with your files")
         return self
