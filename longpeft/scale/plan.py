@@ -30,8 +30,9 @@ and trains its own samples; sharded launches below):
 Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs ZeRO-3): the weights, gradients and
 AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
 decoder layer while the next is prefetched, and keeps the LM head (with the final norm) gathered from the end of the
-forward to its backward, all in the compute dtype (4-bit weights gather as stored); the gradients of one unit
-exist unsharded before their reduce-scatter (compute dtype). ZeRO-3 bounds its live parameters by its own buckets;
+forward to its backward, all in the compute dtype (4-bit weights gather as stored), except that TRL's fused loss
+gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
+one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its live parameters by its own buckets;
 the same term stands for them. ``ulysses`` also splits every sequence across the GPUs (sequence parallel size = GPUs),
 so every activation term holds ``tokens / GPUs`` per GPU. Communication time is not modelled.
 
@@ -313,11 +314,13 @@ def estimate(
             if term not in ACTIVATION_TERMS:
                 terms[term] = -(-terms[term] // shards)
         layer_bytes = shape.linear_params // shape.layers * linear_bytes + (lora_params + method_params) // shape.layers * dtype_bytes
-        head_bytes = shape.vocab * shape.hidden * dtype_bytes
+        # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
+        head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" else dtype_bytes)
         trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
             method_params // shape.layers)
-        trained_head = shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
-        unsharded_gradients = max(trained_layer, trained_head) * dtype_bytes
+        trained_embedding = shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
+        unsharded_gradients = max(trained_layer * dtype_bytes, trained_embedding * dtype_bytes,
+                                  head_bytes if recipe.finetune == "full" else 0)
         terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
     elif gpus > 1:
         terms["DDP gradient buckets"] = trainable * trained_bytes
