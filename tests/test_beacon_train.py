@@ -123,6 +123,7 @@ def test_beacon_recipes_validate_and_refuse_what_cannot_train():
     assert (beacon.window, beacon.sink, beacon.ratios, beacon.attn, beacon.pos, beacon.params) == (
         1024, 1, [2, 4, 8], "full-coverage", "interleave", ["q", "k", "v"])
     assert recipe.finetune == "method" and recipe.train.learning_rate == 1e-5 and recipe.data.max_length == 20000
+    assert recipe.data.min_length == 7200  # the authors' --min_length
     paper = load_recipe("beacon-llama3-8b-instruct", ["beacon.attn=step-expansion"]).beacon.resolved()
     assert paper.attn == "step-expansion" and paper.attend_prev is False
     with pytest.raises(RecipeError, match="4-bit"):

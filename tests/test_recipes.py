@@ -458,6 +458,28 @@ def test_truncation_that_leaves_no_scored_token_says_what_to_do(tiny_base_dirs, 
     assert kept["kept"] == 8 and kept["dropped_without_scored_tokens"] == 0
 
 
+def test_min_length_drops_short_samples_and_says_when_none_is_left(tiny_base_dirs, chat_jsonl, tmp_path):
+    """data.min_length (the beacon authors' 7200): samples shorter than it are dropped and counted; a value above
+    every sample stops with what to do; one above data.max_length is refused before anything loads."""
+    from longpeft.recipes.schema import RecipeError
+
+    base = tiny_base_dirs("llama")
+    every = prepare(tiny_recipe(base, chat_jsonl, tmp_path / "every"))
+    lengths = sorted(len(ids) for ids in every.trainer.train_dataset["input_ids"])
+    middle = lengths[len(lengths) // 2]
+    recipe = tiny_recipe(base, chat_jsonl, tmp_path / "long")
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"min_length": middle})})
+    kept = prepare(recipe)
+    assert kept.data_stats["dropped_short"] == sum(n < middle for n in lengths) > 0
+    assert kept.data_stats["kept"] == sum(n >= middle for n in lengths) == len(kept.trainer.train_dataset)
+    assert min(len(ids) for ids in kept.trainer.train_dataset["input_ids"]) >= middle
+    recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"min_length": lengths[-1] + 1})})
+    with pytest.raises(ValueError, match=f"every sample is shorter than data.min_length={lengths[-1] + 1} tokens"):
+        prepare(recipe)
+    with pytest.raises(RecipeError, match=r"data.min_length \(300\) is above data.max_length \(256\)"):
+        load_recipe("tiny-cpu", ["data.max_length=256", "data.min_length=300"])
+
+
 def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
     """A bf16 full fine-tune trained its bf16 weights themselves: at lr 2e-5 AdamW's updates rounded away (74 % of
     the weights never moved in 3 steps). Now every weight trains in float32 under bf16 autocast, and the saved

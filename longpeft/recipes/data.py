@@ -219,20 +219,25 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
 
 
 def filter_by_length(
-    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None
+    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0
 ) -> tuple[Dataset, dict[str, int]]:
-    """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation).
+    """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation), and those shorter
+    than ``min_length``.
 
     Args:
         limit: what ``max_length`` is, for the error (default ``data.max_length=<max_length>``).
 
-    Returns the dataset and counts ``{"kept", "dropped", "truncated", "longest"}`` (``truncated``: kept samples
-    longer than ``max_length``, which training cuts).
+    Returns the dataset and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}`` (``dropped``:
+    too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
     """
     lengths = [len(ids) for ids in dataset["input_ids"]]
-    keep = [i for i, n in enumerate(lengths) if truncate or n <= max_length]
-    stats = {"kept": len(keep), "dropped": len(lengths) - len(keep),
-             "truncated": sum(n > max_length for n in lengths) if truncate else 0, "longest": max(lengths, default=0)}
+    long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
+    keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
+    stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep), "dropped_short": len(lengths) - len(long_enough),
+             "truncated": sum(lengths[i] > max_length for i in keep), "longest": max(lengths, default=0)}
+    if not long_enough:
+        raise ValueError(f"every sample is shorter than data.min_length={min_length} tokens (longest "
+                         f"{stats['longest']}); lower data.min_length or use longer data")
     if not keep:
         raise ValueError(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "

@@ -602,11 +602,13 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk, max_length = recipe.data.utk, recipe.data.max_length
         if utk is None:
-            dataset, data_stats = filter_by_length(dataset, max_length, recipe.data.truncate)
+            dataset, data_stats = filter_by_length(dataset, max_length, recipe.data.truncate,
+                                                   min_length=recipe.data.min_length)
         else:  # documents are counted, kept or dropped (data.truncate) as they are, before packing
             room = utk_document_room(max_length, utk)
             dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate,
-                                                   f"data.max_length={max_length} minus UtK's insertions ({room})")
+                                                   f"data.max_length={max_length} minus UtK's insertions ({room})",
+                                                   min_length=recipe.data.min_length)
             letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
             dataset = pack_for_utk(dataset, max_length, utk, len(letters))
             data_stats["packed_sequences"] = len(dataset)

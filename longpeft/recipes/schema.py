@@ -124,7 +124,8 @@ class DataSection(Section):
     ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, ``demo`` (the offline
     procedural QA set generated on the fly) or ``retrieval`` (built-in retrieval documents, plain
     text, options in ``retrieval:``). Samples longer than ``max_length`` tokens are dropped
-    (``truncate: true`` cuts them instead).
+    (``truncate: true`` cuts them instead); samples shorter than ``min_length`` tokens are dropped (the
+    Activation Beacon authors fine-tune on samples of 7200 tokens and more, so that every one spans several windows).
     """
 
     source: str
@@ -133,6 +134,7 @@ class DataSection(Section):
     messages_field: str = "messages"
     text_field: str = "text"
     max_length: int = Field(gt=0)
+    min_length: int = Field(default=0, ge=0, description="drop samples shorter than this many tokens")
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
     demo: dict[str, Any] = Field(
@@ -140,6 +142,12 @@ class DataSection(Section):
     )
     retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
+
+    @model_validator(mode="after")
+    def _lengths_ordered(self) -> DataSection:
+        if self.min_length > self.max_length:
+            raise ValueError(f"data.min_length ({self.min_length}) is above data.max_length ({self.max_length})")
+        return self
 
     @model_validator(mode="after")
     def _utk_needs_text(self) -> DataSection:
