@@ -246,18 +246,23 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
     assert steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
 
 
-def fsdp2_launch(out, base, data, processes, port, *extra):
-    """accelerate launch with the shipped FSDP2 config (fp32 here, so it can be compared with one process)."""
+def fsdp2_launch(out, base, data, processes, port, *extra, on_cpu=False, recipe="tiny-cpu"):
+    """accelerate launch with the shipped FSDP2 config (fp32 here, so it can be compared with one process).
+    ``on_cpu``: through tests/fsdp2_cpu_entry.py, which lets accelerate's FSDP2 path run on CPU processes."""
     from longpeft.launch import config_file
 
+    entry = [str(Path(__file__).with_name("fsdp2_cpu_entry.py"))] if on_cpu else ["-m", "longpeft.cli"]
     command = [
         str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file("fsdp2")),
         "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
-        "-m", "longpeft.cli", "train", "tiny-cpu", "--set", f"model.name_or_path={base}", "--set", f"data.source={data}",
+        *entry, "train", recipe, "--set", f"model.name_or_path={base}", "--set", f"data.source={data}",
         "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
         "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256", *extra,
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    Path("/tmp/fsdp2-logs").mkdir(exist_ok=True)
+    Path(f"/tmp/fsdp2-logs/{out.parent.name}-{out.name}.log").write_text(proc.stderr)
+    return proc
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
@@ -269,13 +274,12 @@ def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, c
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 through accelerate needs 2 CUDA GPUs: accelerate "
-                    "runs every multi-process CPU run as DDP (see test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp)")
 def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
-    """FSDP2 (LoRA + trained embedding, parameters sharded over 2 GPUs) gives the losses (rel 1e-3) and adapter
-    (atol 1e-4) of one process with the same global batch (1 sample x 2 accumulation steps)."""
+    """FSDP2 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU processes over gloo through
+    tests/fsdp2_cpu_entry.py) gives the losses (rel 1e-3) and adapter (atol 1e-4) of one process with the same
+    global batch (1 sample x 2 accumulation steps)."""
     base = tiny_base_dirs("llama")
-    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29534)
+    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29534, on_cpu=torch.cuda.device_count() < 2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resolved = json.loads((tmp_path / "fsdp2" / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith("FSDP") and resolved["world_size"] == 2
@@ -292,6 +296,75 @@ def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_pa
     assert one.keys() == two.keys()
     for key in one:
         torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+
+
+def test_fsdp2_kill_and_resume_from_sharded_checkpoints_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
+    """FSDP2 over 2 processes: checkpoints are sharded (accelerate's DCP folders); a run killed after checkpoint 2 of
+    4 and resumed with --resume ends with the adapter and losses of the run that was never interrupted."""
+    import shutil
+
+    base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
+    steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = fsdp2_launch(whole, base, chat_jsonl, 2, 29535, *steps, on_cpu=on_cpu)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any((whole / "checkpoints" / "checkpoint-2").glob("pytorch_model_fsdp_0/*.distcp"))  # sharded, not whole
+    shutil.copytree(whole, killed)  # then undo everything after checkpoint 2, as a kill there would have
+    shutil.rmtree(killed / "adapter")
+    shutil.rmtree(killed / "checkpoints" / "checkpoint-4")
+    (killed / "metrics.json").unlink()
+    proc = fsdp2_launch(killed, base, chat_jsonl, 2, 29536, *steps, "--resume", on_cpu=on_cpu)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
+    one, two = (load_file(folder / "adapter" / "adapter_model.safetensors") for folder in (whole, killed))
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+
+    def losses(folder):
+        records = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        return [r["step"] for r in records], [r["loss"] for r in records]
+
+    (resumed_steps, resumed), (expected_steps, expected) = losses(killed), losses(whole)
+    assert resumed_steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
+
+
+def test_fsdp2_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+    """The HARPE recipe's run (finetune: full under --launch fsdp2, every weight sharded over 2 processes): the
+    losses (rel 1e-3) and the saved model (atol 1e-4), per-head bases included, of one process with the same global
+    batch."""
+    base = tiny_base_dirs("llama")
+    full = ("--set", "finetune=full", "--set", "rope.max_position_embeddings=1024")
+    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29538, *full, on_cpu=torch.cuda.device_count() < 2,
+                        recipe="tiny-harpe-cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = run(load_recipe("tiny-harpe-cpu", [
+        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "finetune=full",
+        "rope.max_position_embeddings=1024", "train.max_steps=2", "train.global_batch_size=2",
+        "train.per_device_batch_size=1", "data.max_length=256"]))
+
+    def losses(folder):
+        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(single.output_dir), rel=1e-3)
+    one = load_file(single.adapter_dir / "model.safetensors")
+    two = load_file(tmp_path / "fsdp2" / "model" / "model.safetensors")
+    assert one.keys() == two.keys() and len(one) > 10
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], atol=1e-4, rtol=1e-3)
+    configs = [json.loads((folder / "config.json").read_text()) for folder in (single.adapter_dir, tmp_path / "fsdp2" / "model")]
+    assert configs[0]["head_rope_bases"] == configs[1]["head_rope_bases"] and configs[1]["auto_map"]
+
+
+def test_beacon_under_fsdp2_is_refused_before_training(tiny_base_dirs, chat_jsonl, tmp_path):
+    """Activation Beacon under FSDP2 (here from the launch config itself, as a user's own accelerate config would
+    set it): the processes' window counts differ, so their collectives would not match (gloo failed mid-step; NCCL
+    would hang). The runner refuses before the first step."""
+    proc = fsdp2_launch(tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, 29537, on_cpu=True,
+                        recipe="tiny-beacon-cpu")
+    assert proc.returncode != 0
+    assert "FSDP with beacon: Activation Beacon runs the decoder once per window" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):

@@ -212,7 +212,11 @@ def test_launch_configs_and_refusals(capsys):
     with pytest.raises(ValueError, match="flash-attn"):
         check_context_parallel(qlora)
     beacon = load_recipe("beacon-llama3-8b-instruct")
-    check_launch(beacon, "zero3")  # finetune: method gathers every beacon weight
+    for launch in ("fsdp2", "zero3"):  # window by window: the processes' collectives would not match
+        with pytest.raises(ValueError, match=f"--launch {launch} with beacon: Activation Beacon runs the decoder once "
+                                             "per window.*Use --launch ddp"):
+            check_launch(beacon, launch)
+    check_launch(beacon, "ddp")
     with pytest.raises(ValueError, match="zero3 with finetune: lora and beacon: .* gathers only the trainable"):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     bf16_base = ["model.load_in_4bit=false"]
@@ -282,12 +286,25 @@ def test_parallelism_from_a_users_own_accelerate_config_is_checked():
 
     from longpeft.recipes.runner import check_parallelism
 
+    def accelerator(parallelism=None, distributed_type="MULTI_GPU", zero_stage=None):
+        deepspeed = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
+        return SimpleNamespace(parallelism_config=parallelism, distributed_type=f"DistributedType.{distributed_type}",
+                               state=SimpleNamespace(deepspeed_plugin=deepspeed))
+
     qlora = load_recipe("llama3-8b-instruct-80k-qlora")
     with pytest.raises(ValueError, match="context parallelism .* flash-attn"):
-        check_parallelism(qlora, SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=True, sp_enabled=False)))
+        check_parallelism(qlora, accelerator(SimpleNamespace(cp_enabled=True, sp_enabled=False)))
     with pytest.raises(ValueError, match="ulysses with model.load_in_4bit"):
-        check_parallelism(qlora, SimpleNamespace(parallelism_config=SimpleNamespace(cp_enabled=False, sp_enabled=True)))
-    check_parallelism(qlora, SimpleNamespace(parallelism_config=None))
+        check_parallelism(qlora, accelerator(SimpleNamespace(cp_enabled=False, sp_enabled=True)))
+    check_parallelism(qlora, accelerator())
+    # weight sharding from a user's own config: Activation Beacon runs window by window (see check_sharded)
+    beacon = load_recipe("beacon-llama3-8b-instruct")
+    for sharded, message in ((accelerator(distributed_type="FSDP"), "FSDP with beacon"),
+                             (accelerator(distributed_type="DEEPSPEED", zero_stage=3), "DeepSpeed ZeRO-3 with beacon")):
+        with pytest.raises(ValueError, match=f"{message}: Activation Beacon runs the decoder once per window"):
+            check_parallelism(beacon, sharded)
+    check_parallelism(beacon, accelerator(distributed_type="DEEPSPEED", zero_stage=2))  # the authors' ZeRO-2
+    check_parallelism(qlora, accelerator(distributed_type="FSDP"))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -321,6 +338,10 @@ def test_plan_works_for_every_bundled_recipe(capsys):
             assert "peak" in out and re.search(r"= \d+\.\d h$", out, flags=re.M), (name, launch)
             plan = estimate(recipe, gpus=8, launch=launch)
             assert plan.peak_bytes > 0 and plan.hours > 0 and plan.terms["base weights"] > 0, (name, launch)
+            for memory in (80, 16):  # at 16 GiB nothing fits: every lever is named, none a launch train refuses
+                levers = estimate(recipe, gpus=8, launch=launch, gpu_memory_gib=memory).levers()
+                for suggested in {kind for lever in levers for kind in re.findall(r"--launch (\w+)", lever)}:
+                    check_launch(recipe, suggested)
             if not plan.fits:
                 levers = plan.levers()
                 assert levers and ("lever:" in out), (name, launch)

@@ -82,6 +82,8 @@ class Method:
         inference_only: the method changes no weight and training did not use it (STRING): a merge may leave it
             out when asked (``--without``), giving a model that loads without its modeling file.
         excludes: ``{other method: why}``, methods this one cannot run with; a recipe naming both is refused.
+        sharding_conflict: why the method cannot train with its model's weights sharded across processes (FSDP2,
+            DeepSpeed ZeRO-3), or None; ``train --launch fsdp2|zero3|ulysses`` (and ``plan``) refuse it with this.
         training_labels: ``training_labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]``
             (unshifted, -100 = not scored): the labels with those the method leaves out of the training loss set to
             -100 (Activation Beacon, as its authors: the first window, unless full-coverage + interleave).
@@ -106,6 +108,7 @@ class Method:
     training_labels: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
     inference_only: bool = False
     excludes: dict[str, str] = field(default_factory=dict)
+    sharding_conflict: str | None = None
 
 
 METHODS: dict[str, Method] = {}

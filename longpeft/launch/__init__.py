@@ -57,9 +57,21 @@ def check_launch(recipe: Any, launch: str) -> None:
                 "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "
                 "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
             )
+    if launch in SHARDED_LAUNCHES:
+        check_sharded(recipe, f"--launch {launch}")
     if launch in DEEPSPEED_LAUNCHES and recipe.train.backend == "unsloth":
         raise ValueError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
                          "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
+
+
+def check_sharded(recipe: Any, how: str) -> None:
+    """Refuse a method that cannot train with the model's weights sharded across processes (its registry entry's
+    ``sharding_conflict``); ``how`` names the sharding for the message (``--launch fsdp2``, ...)."""
+    from ..adapters import METHODS
+
+    for name in recipe.method_configs():
+        if METHODS[name].sharding_conflict:
+            raise ValueError(f"{how} with {name}: {METHODS[name].sharding_conflict}")
 
 
 def check_sequence_parallel(recipe: Any) -> None:

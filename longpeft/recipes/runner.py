@@ -674,10 +674,16 @@ def check_distributed_type(distributed_type: Any) -> None:
 
 
 def check_parallelism(recipe: Recipe, accelerator: Any) -> None:
-    """Refuse sequence or context parallelism that the recipe cannot run under (however it was configured:
-    ``--launch ulysses`` or a user's own accelerate config)."""
-    from ..launch import check_context_parallel, check_sequence_parallel
+    """Refuse weight sharding (FSDP, DeepSpeed ZeRO-3), sequence or context parallelism that the recipe cannot run
+    under (however it was configured: ``--launch`` or a user's own accelerate config)."""
+    from ..launch import check_context_parallel, check_sequence_parallel, check_sharded
 
+    distributed_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if distributed_type == "FSDP":
+        check_sharded(recipe, "FSDP")
+    elif distributed_type == "DEEPSPEED" and deepspeed is not None and deepspeed.zero_stage == 3:
+        check_sharded(recipe, "DeepSpeed ZeRO-3")
     parallelism = getattr(accelerator, "parallelism_config", None)
     if parallelism is None:
         return

@@ -56,7 +56,7 @@ from typing import Any
 
 from ..adapters import get_method
 from ..builtin_models import model_location
-from ..launch import SHARDED_LAUNCHES, check_launch
+from ..launch import SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -181,22 +181,27 @@ class Plan:
         if self.fits:
             return []
         ranked = sorted(self.terms, key=self.terms.get, reverse=True)
-        finetune = self.assumptions.get("finetune")
+        finetune, launch = self.assumptions.get("finetune"), self.assumptions.get("launch")
+        shard = sequence = None  # None: the recipe cannot use that lever (train --launch would refuse it)
         if self.sharded:
-            shard = f"more GPUs (--launch {self.assumptions['launch']} divides it by their number)"
-        else:
+            shard = f"more GPUs (--launch {launch} divides it by their number)"
+        elif self.assumptions.get("can_shard", True):
             shard = (f"--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it with "
                      f"--launch fsdp2 --gpus {self.gpus})")
-        sequence = ("sequence parallelism across GPUs (--launch ulysses)" if self.assumptions.get("launch") != "ulysses"
-                    else "more GPUs in the sequence-parallel group (each holds tokens / GPUs)")
+        if launch == "ulysses":
+            sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
+        elif self.assumptions.get("can_split_sequences", True):
+            sequence = "sequence parallelism across GPUs (--launch ulysses)"
+        offload = None if self.assumptions.get("activation_offloading") else \
+            "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory)"
+        qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method") else (
+            None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
         advice = {
-            "checkpointed layer inputs": sequence if self.assumptions.get("activation_offloading") else
-            f"train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory), or {sequence}",
-            "one layer's recompute": f"a shorter data.max_length, or {sequence}",
+            "checkpointed layer inputs": _either(offload, sequence),
+            "one layer's recompute": _either("a shorter data.max_length", sequence),
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), an 8-bit optimizer (train.optim: adamw_bnb_8bit), or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)",
-            "base weights": f"{shard}, or finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method")
-            else shard if self.assumptions.get("load_in_4bit") or self.sharded else "model.load_in_4bit: true (QLoRA)",
-            "optimizer state and gradients": f"{shard}, or finetune: lora",
+            "base weights": _either(shard, qlora),
+            "optimizer state and gradients": _either(shard, "finetune: lora"),
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
             if finetune == "lora" else shard,
             "gathered layers and LM head": "nothing to gain: the shards are gathered one layer at a time",
@@ -204,6 +209,7 @@ class Plan:
             "loss tiles": "nothing to gain: the loss is already tiled",
             **self.method_levers,
         }
+        advice = {term: text for term, text in advice.items() if text}
         return [f"{term}: {advice[term]}" for term in ranked if term in advice][:3]
 
     def to_dict(self) -> dict[str, Any]:
@@ -223,6 +229,21 @@ class Plan:
                   f"at {self.assumptions['mfu']:.0%} of {self.assumptions['peak_tflops']:g} TFLOP/s = {self.hours:.1f} h"]
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
+
+
+def _either(*options: str | None) -> str | None:
+    """The usable options joined with ", or " (None when there is none)."""
+    usable = [option for option in options if option]
+    return ", or ".join(usable) or None
+
+
+def _allowed(check: Any, *args: Any) -> bool:
+    """Whether ``check(*args)`` (a launch check) accepts, rather than raises."""
+    try:
+        check(*args)
+    except ValueError:
+        return False
+    return True
 
 
 def estimate(
@@ -357,7 +378,9 @@ def estimate(
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({4 * trained_bytes} bytes/param "
                                         "with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
-                     "launch": launch, "sequence_parallel": sequence_shards},
+                     "launch": launch, "sequence_parallel": sequence_shards,
+                     "can_shard": _allowed(check_sharded, recipe, "sharding"),
+                     "can_split_sequences": _allowed(check_sequence_parallel, recipe)},
     )
 
 

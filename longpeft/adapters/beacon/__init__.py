@@ -113,6 +113,12 @@ METHOD = Method(
     planned_parameters=planned_parameters,
     plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
     training_labels=training_labels,
+    sharding_conflict=(
+        "Activation Beacon runs the decoder once per window, and samples of different lengths give the processes "
+        "different numbers of windows, while FSDP2 and ZeRO-3 gather every layer's weights collectively on each run: "
+        "the processes' collectives stop matching (2 CPU processes under FSDP2 fail with gloo's size mismatch; NCCL "
+        "would hang). Use --launch ddp (each GPU holds the frozen base; only the beacon weights train)"
+    ),
 )
 
 __all__ = [
