@@ -243,3 +243,26 @@ def test_load_shows_its_real_signature():
     parameters = inspect.signature(longpeft.load).parameters
     assert list(parameters)[:2] == ["base", "adapter_dir"] and "strict_base_id" in parameters
     assert "longpeft.json" in longpeft.load.__doc__
+
+
+def test_launch_checks_read_the_registry(dummy_method):
+    """A plug-in's weights outside LoRA (a save hook) are refused with LoRA under ZeRO-3 (its checkpoints gather only
+    the trainable weights); a plug-in's sharding_conflict is refused under every sharded launch, with its reason."""
+    import dataclasses
+
+    from longpeft.launch import check_launch
+
+    recipe = load_recipe("tiny-cpu", ["dummy.scale=2.0"])
+    for launch in ("ddp", "fsdp2", "zero3"):
+        check_launch(recipe, launch)
+    unregister("dummy")
+    register(dataclasses.replace(DUMMY, save=lambda model, folder, config, state_dict: None))
+    with pytest.raises(ValueError, match="zero3 with finetune: lora and dummy: .* gathers only the trainable"):
+        check_launch(recipe, "zero3")
+    check_launch(recipe, "fsdp2")
+    unregister("dummy")
+    register(dataclasses.replace(DUMMY, sharding_conflict="it counts the processes' steps"))
+    for launch in ("fsdp2", "zero3"):
+        with pytest.raises(ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps"):
+            check_launch(recipe, launch)
+    check_launch(recipe, "ddp")

@@ -217,7 +217,7 @@ def test_launch_configs_and_refusals(capsys):
                                              "per window.*Use --launch ddp"):
             check_launch(beacon, launch)
     check_launch(beacon, "ddp")
-    with pytest.raises(ValueError, match="zero3 with finetune: lora and beacon: .* gathers only the trainable"):
+    with pytest.raises(ValueError, match="zero3 with beacon: Activation Beacon runs the decoder once per window"):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     bf16_base = ["model.load_in_4bit=false"]
     for overrides, reason in ((["method=pose", "pose.target_length=81920"], "PoSE"),

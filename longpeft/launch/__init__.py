@@ -47,6 +47,8 @@ def check_launch(recipe: Any, launch: str) -> None:
     config_file(launch)
     if launch == "ulysses":
         check_sequence_parallel(recipe)
+    if launch in SHARDED_LAUNCHES:
+        check_sharded(recipe, f"--launch {launch}")
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
         from ..adapters import METHODS
 
@@ -57,8 +59,6 @@ def check_launch(recipe: Any, launch: str) -> None:
                 "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "
                 "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
             )
-    if launch in SHARDED_LAUNCHES:
-        check_sharded(recipe, f"--launch {launch}")
     if launch in DEEPSPEED_LAUNCHES and recipe.train.backend == "unsloth":
         raise ValueError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
                          "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
