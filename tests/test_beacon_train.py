@@ -194,3 +194,37 @@ def test_beacon_weights_are_saved_from_a_gathered_state_dict(tiny_base_dirs, tmp
     some.data = torch.empty(0)  # what a ZeRO-3 process holds of a parameter
     with pytest.raises(ValueError, match="sharded across processes.*stage3_gather_16bit_weights_on_model_save.*fsdp2 or ddp"):
         save_beacon_weights(model, tmp_path / "sharded")
+
+
+def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+    """--launch ddp, the launch Activation Beacon trains under: 2 CPU processes whose samples span different numbers
+    of windows give the losses (rel 1e-4) and beacon weights (atol 1e-5) of one process with the same global batch.
+    One condensing ratio: random ratios are drawn from each process's own generator, so they differ from one
+    process's draws."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longpeft.launch import launch_command
+
+    base = tiny_base_dirs("llama")
+    overrides = [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256", "beacon.window=16",
+                 "beacon.ratios=[4]", "train.max_steps=2", "train.per_device_batch_size=1", "train.global_batch_size=2",
+                 "train.learning_rate=0.02"]
+    two = tmp_path / "ddp"
+    command = launch_command(load_recipe("tiny-beacon-cpu", overrides), "tiny-beacon-cpu", "ddp", 2,
+                             [*overrides, f"output_dir={two}"])
+    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29539"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = run(load_recipe("tiny-beacon-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
+
+    def losses(folder):
+        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+
+    assert losses(two) == pytest.approx(losses(single.output_dir), rel=1e-4)
+    one, other = (load_file(folder / WEIGHTS_FILENAME) for folder in (single.adapter_dir, two / "adapter"))
+    assert one.keys() == other.keys() and one
+    for key in one:
+        torch.testing.assert_close(other[key], one[key], atol=1e-5, rtol=1e-4)
