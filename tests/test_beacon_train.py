@@ -201,12 +201,12 @@ def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path
     of windows give the losses (rel 1e-4) and beacon weights (atol 1e-5) of one process with the same global batch.
     One condensing ratio: random ratios are drawn from each process's own generator, so they differ from one
     process's draws."""
-    import json
     import subprocess
     import sys
     from pathlib import Path
 
     from longpeft.launch import launch_command
+    from run_helpers import logged_losses  # tests/run_helpers.py
 
     base = tiny_base_dirs("llama")
     overrides = [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256", "beacon.window=16",
@@ -220,10 +220,7 @@ def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     single = run(load_recipe("tiny-beacon-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
 
-    def losses(folder):
-        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-    assert losses(two) == pytest.approx(losses(single.output_dir), rel=1e-4)
+    assert logged_losses(two)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
     one, other = (load_file(folder / WEIGHTS_FILENAME) for folder in (single.adapter_dir, two / "adapter"))
     assert one.keys() == other.keys() and one
     for key in one:

@@ -16,6 +16,7 @@ from longpeft import recipes
 from longpeft.cli import main
 from longpeft.recipes.runner import gradient_accumulation, prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
+from run_helpers import assert_resumed_as_uninterrupted, logged_losses, undo_after_checkpoint  # tests/run_helpers.py
 
 pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
 
@@ -201,10 +202,7 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
         f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
         "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
 
-    def losses(folder):
-        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-    assert losses(out) == pytest.approx(losses(single.output_dir), rel=1e-4)
+    assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
     one, two = load_file(single.adapter_dir / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4)
@@ -213,7 +211,6 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
 def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
     """2 processes: a run killed after checkpoint 2 of 4, resumed with --resume, ends with the adapter and
     loss curve of the run that was never interrupted."""
-    import shutil
 
     def launch(out, *extra):
         command = [
@@ -230,21 +227,9 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
 
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     launch(whole)
-    shutil.copytree(whole, killed)  # then undo everything after checkpoint 2, as a kill there would have
-    shutil.rmtree(killed / "adapter")
-    shutil.rmtree(killed / "checkpoints" / "checkpoint-4")
-    (killed / "metrics.json").unlink()
+    undo_after_checkpoint(whole, killed, 2, 4)
     launch(killed, "--resume")
-    one, two = load_file(whole / "adapter" / "adapter_model.safetensors"), load_file(killed / "adapter" / "adapter_model.safetensors")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
-
-    def losses(folder):
-        records = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-        return [r["step"] for r in records], [r["loss"] for r in records]
-
-    (steps, resumed), (expected_steps, expected) = losses(killed), losses(whole)
-    assert steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
+    assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
 
 
 def fsdp2_launch(out, base, data, processes, port, *extra, on_cpu=False, recipe="tiny-cpu"):
@@ -291,10 +276,7 @@ def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_pa
         f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
         "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
 
-    def losses(folder):
-        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(single.output_dir), rel=1e-3)
+    assert logged_losses(tmp_path / "fsdp2")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "adapter_model.safetensors")
     two = load_file(tmp_path / "fsdp2" / "adapter" / "adapter_model.safetensors")
     assert one.keys() == two.keys()
@@ -305,32 +287,17 @@ def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_pa
 def test_fsdp2_kill_and_resume_from_sharded_checkpoints_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
     """FSDP2 over 2 processes: checkpoints are sharded (accelerate's DCP folders); a run killed after checkpoint 2 of
     4 and resumed with --resume ends with the adapter and losses of the run that was never interrupted."""
-    import shutil
-
     base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
     steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = fsdp2_launch(whole, base, chat_jsonl, 2, 29535, *steps, on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     assert any((whole / "checkpoints" / "checkpoint-2").glob("pytorch_model_fsdp_0/*.distcp"))  # sharded, not whole
-    shutil.copytree(whole, killed)  # then undo everything after checkpoint 2, as a kill there would have
-    shutil.rmtree(killed / "adapter")
-    shutil.rmtree(killed / "checkpoints" / "checkpoint-4")
-    (killed / "metrics.json").unlink()
+    undo_after_checkpoint(whole, killed, 2, 4)
     proc = fsdp2_launch(killed, base, chat_jsonl, 2, 29536, *steps, "--resume", on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
-    one, two = (load_file(folder / "adapter" / "adapter_model.safetensors") for folder in (whole, killed))
-    assert one.keys() == two.keys()
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
-
-    def losses(folder):
-        records = [r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-        return [r["step"] for r in records], [r["loss"] for r in records]
-
-    (resumed_steps, resumed), (expected_steps, expected) = losses(killed), losses(whole)
-    assert resumed_steps == expected_steps == [1, 2, 3, 4] and resumed == pytest.approx(expected, rel=1e-5)
+    assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
 
 
 def test_fsdp2_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
@@ -347,10 +314,7 @@ def test_fsdp2_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_j
         "rope.max_position_embeddings=1024", "train.max_steps=2", "train.global_batch_size=2",
         "train.per_device_batch_size=1", "data.max_length=256"]))
 
-    def losses(folder):
-        return [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
-
-    assert losses(tmp_path / "fsdp2") == pytest.approx(losses(single.output_dir), rel=1e-3)
+    assert logged_losses(tmp_path / "fsdp2")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "model.safetensors")
     two = load_file(tmp_path / "fsdp2" / "model" / "model.safetensors")
     assert one.keys() == two.keys() and len(one) > 10
