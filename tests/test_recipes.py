@@ -263,38 +263,31 @@ def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, c
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-def test_two_process_fsdp2_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+def test_two_process_fsdp2_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl, tmp_path):
     """FSDP2 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU processes over gloo through
     tests/fsdp2_cpu_entry.py) gives the losses (rel 1e-3) and adapter (atol 1e-4) of one process with the same
-    global batch (1 sample x 2 accumulation steps)."""
-    base = tiny_base_dirs("llama")
-    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29534, on_cpu=torch.cuda.device_count() < 2)
+    global batch (1 sample x 2 accumulation steps). Its checkpoints are sharded (accelerate's DCP folders): the run
+    killed after checkpoint 2 of 4 and resumed with --resume ends with the adapter and losses of the whole run."""
+    base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
+    steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    proc = fsdp2_launch(whole, base, chat_jsonl, 2, 29534, *steps, on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
-    resolved = json.loads((tmp_path / "fsdp2" / "recipe.resolved.json").read_text())
+    resolved = json.loads((whole / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith("FSDP") and resolved["world_size"] == 2
     single = run(load_recipe("tiny-cpu", [
-        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
-        "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
-
-    assert logged_losses(tmp_path / "fsdp2")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
+        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "train.max_steps=4",
+        "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
+    assert logged_losses(whole)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "adapter_model.safetensors")
-    two = load_file(tmp_path / "fsdp2" / "adapter" / "adapter_model.safetensors")
+    two = load_file(whole / "adapter" / "adapter_model.safetensors")
     assert one.keys() == two.keys()
     for key in one:
         torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
 
-
-def test_fsdp2_kill_and_resume_from_sharded_checkpoints_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
-    """FSDP2 over 2 processes: checkpoints are sharded (accelerate's DCP folders); a run killed after checkpoint 2 of
-    4 and resumed with --resume ends with the adapter and losses of the run that was never interrupted."""
-    base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
-    steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
-    whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = fsdp2_launch(whole, base, chat_jsonl, 2, 29535, *steps, on_cpu=on_cpu)
-    assert proc.returncode == 0, failure(proc)
     assert any((whole / "checkpoints" / "checkpoint-2").glob("pytorch_model_fsdp_0/*.distcp"))  # sharded, not whole
     undo_after_checkpoint(whole, killed, 2, 4)
-    proc = fsdp2_launch(killed, base, chat_jsonl, 2, 29536, *steps, "--resume", on_cpu=on_cpu)
+    proc = fsdp2_launch(killed, base, chat_jsonl, 2, 29535, *steps, "--resume", on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
     assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
