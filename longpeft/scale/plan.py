@@ -29,12 +29,12 @@ and trains its own samples; sharded launches below):
 
 Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs ZeRO-3): the weights, gradients and
 AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
-decoder layer while the next is prefetched, and keeps the LM head (with the final norm) gathered from the end of the
-forward to its backward, all in the compute dtype (4-bit weights gather as stored), except that TRL's fused loss
+decoder layer while the next is prefetched, in the compute dtype (4-bit weights gather as stored); TRL's fused loss
 gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
-one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its live parameters by its own buckets;
-the same term stands for them. ``ulysses`` also splits every sequence across the GPUs (sequence parallel size = GPUs),
-so every activation term holds ``tokens / GPUs`` per GPU. Communication time is not modelled.
+one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its
+live parameters by its own buckets; the same term stands for them. ``ulysses`` also splits every sequence across the
+GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per GPU. Communication time
+is not modelled.
 
 Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
 LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
