@@ -130,6 +130,27 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def bundled_names(folder: Path) -> list[str]:
+    """Names of the YAML files shipped in ``folder`` (bundled recipes, synth configs)."""
+    return sorted(path.stem for path in folder.glob("*.yaml"))
+
+
+def file_or_bundled(path_or_name: str | Path, folder: Path, what: str) -> Path:
+    """The file given, or the bundled ``folder/NAME.yaml`` of that name.
+
+    Raises:
+        ConfigError: naming what was asked for (``what``: ``recipe``, ``synth config``) and the bundled names.
+    """
+    path = Path(path_or_name)
+    if path.is_file():
+        return path
+    bundled = folder / f"{path_or_name}.yaml"
+    if not bundled.is_file():
+        raise ConfigError(f"{what} {str(path_or_name)!r} is neither a file nor a bundled {what} "
+                          f"({', '.join(bundled_names(folder))})")
+    return bundled
+
+
 def read_yaml(path: str | Path) -> Any:
     """A YAML (or JSON) file's content, with errors that name the file (a key given twice is one)."""
     path = Path(path)

@@ -88,7 +88,7 @@ def check_sequence_parallel(recipe: Any) -> None:
     methods = recipe.method_configs()
     if "beacon" in methods:
         raise ValueError("--launch ulysses with Activation Beacon: beacon condenses each sequence window by window, "
-                         "which cannot run on sequence shards; use --launch ddp or fsdp2")
+                         "which cannot run on sequence shards; use --launch ddp")
     if "pose" in methods:
         raise ValueError("--launch ulysses with PoSE: PoSE trains on sequences of the base's window, which need no "
                          "sequence parallelism; use --launch ddp")

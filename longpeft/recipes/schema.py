@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from ..config import ConfigError, StrictModel, apply_overrides, format_validation_error, read_yaml
+from ..config import (ConfigError, StrictModel, apply_overrides, bundled_names, file_or_bundled, format_validation_error,
+                      read_yaml)
 
 Section = StrictModel
 
@@ -380,13 +381,10 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
 
 def recipe_path(path_or_name: str | Path) -> Path:
     """A recipe file: the path given, or the bundled recipe of that name."""
-    path = Path(path_or_name)
-    if path.is_file():
-        return path
-    bundled = Path(__file__).parent / f"{path_or_name}.yaml"
-    if not bundled.is_file():
-        raise RecipeError(f"recipe {path_or_name!r} is neither a file nor a bundled recipe ({', '.join(bundled_recipes())})")
-    return bundled
+    try:
+        return file_or_bundled(path_or_name, Path(__file__).parent, "recipe")
+    except ConfigError as exc:
+        raise RecipeError(str(exc)) from None
 
 
 def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> RecipeBase:
@@ -412,4 +410,4 @@ def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) ->
 
 def bundled_recipes() -> list[str]:
     """Names of the recipes shipped with longpeft."""
-    return sorted(p.stem for p in Path(__file__).parent.glob("*.yaml"))
+    return bundled_names(Path(__file__).parent)

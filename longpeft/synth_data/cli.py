@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, apply_overrides, assign, read_yaml, validate
+from ..config import ConfigError, apply_overrides, assign, bundled_names, file_or_bundled, read_yaml, validate
 from .qa import TASKS
 
 
@@ -32,7 +32,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
     parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig), "
-                        f"or a bundled config: {', '.join(bundled_configs())}")
+                        f"or a bundled config: {', '.join(bundled_names(BUNDLED))}")
     parser.add_argument("--out", required=True, help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
@@ -61,24 +61,7 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 
-BUNDLED = Path(__file__).parent / "configs"
-
-
-def bundled_configs() -> list[str]:
-    """Names of the synth configs shipped with longpeft (``longpeft/synth_data/configs/NAME.yaml``)."""
-    return sorted(path.stem for path in BUNDLED.glob("*.yaml"))
-
-
-def config_path(path_or_name: str) -> Path:
-    """A synth config file: the path given, or the bundled config of that name."""
-    path = Path(path_or_name)
-    if path.is_file():
-        return path
-    bundled = BUNDLED / f"{path_or_name}.yaml"
-    if not bundled.is_file():
-        raise ConfigError(f"--config {path_or_name!r} is neither a file nor a bundled config "
-                          f"({', '.join(bundled_configs())})")
-    return bundled
+BUNDLED = Path(__file__).parent / "configs"  # synth configs shipped with longpeft (``--config NAME``)
 
 
 def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
@@ -92,7 +75,7 @@ def resolve_config(args: argparse.Namespace):
     config: dict[str, Any] = {}
     source = "longpeft synth"
     if args.config:
-        source = str(config_path(args.config))
+        source = str(file_or_bundled(args.config, BUNDLED, "synth config"))
         config = read_yaml(source) or {}
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a mapping of config fields")
