@@ -130,6 +130,21 @@ def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
     assert run(changed, resume=True).metrics["steps"] == 2  # the allowed recipe is the run's now (flag not needed again)
 
 
+def test_resume_of_a_run_started_before_a_key_existed(finished_run, tmp_path):
+    """A run started by a longpeft without ``data.min_length`` resumes without --allow-recipe-change while the key
+    stays at its default (the old behaviour), and is refused, naming it, when the key is set."""
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    saved = copy / "recipe.training.json"
+    older = json.loads(saved.read_text())
+    del older["data.min_length"]
+    saved.write_text(json.dumps(older))
+    with pytest.raises(ValueError, match=r"recipe changed .*\(data\.min_length\)"):
+        run(_recipe(_base_of(result), data, copy, "data.min_length=4"), resume=True)
+    assert run(_recipe(_base_of(result), data, copy), resume=True).metrics["steps"] == 2
+
+
 def test_resume_with_more_steps_trains_them(finished_run, tmp_path):
     """A finished 2-step run resumed with train.max_steps=4 (an allowed recipe change) trains steps 3 and 4."""
     root, data, result = finished_run

@@ -105,12 +105,16 @@ def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:
     (Path(output_dir) / TRAINING_RECIPE_FILENAME).write_text(json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
 
 
-def changed_keys(output_dir: Path, recipe_dump: dict[str, Any]) -> list[str]:
-    """Dotted keys whose values differ from the recipe the run was started with (none if unknown)."""
+def changed_keys(output_dir: Path, recipe: Any) -> list[str]:
+    """Dotted keys of ``recipe`` (a :class:`~longpeft.recipes.schema.Recipe`) whose values differ from the recipe
+    the run was started with (none if unknown). A key the saved recipe lacks is a key a later longpeft added: it is
+    a change only when set to something other than its default (defaults keep the earlier behaviour)."""
     path = Path(output_dir) / TRAINING_RECIPE_FILENAME
     try:
         before = json.loads(path.read_text())
     except (OSError, ValueError):
         return []
-    now = training_recipe(recipe_dump)
-    return sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    now = training_recipe(recipe.model_dump())
+    not_default = set(training_recipe(recipe.model_dump(exclude_defaults=True)))
+    return sorted(k for k in set(before) | set(now)
+                  if before.get(k) != now.get(k) and (k in before or k in not_default))

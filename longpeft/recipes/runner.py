@@ -771,7 +771,7 @@ def run(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
-    changed = changed_keys(output_dir, recipe.model_dump()) if resume else []
+    changed = changed_keys(output_dir, recipe) if resume else []
     if resume:
         if changed and not allow_recipe_change:
             raise ValueError(
