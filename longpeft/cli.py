@@ -88,7 +88,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit("longpeft plan: give a recipe (or --list)")
     overrides = list(args.overrides)
     if args.stand_in:
-        overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo"]
+        # an earlier stage's adapter (model.init_from) was trained on the real base: the stand-in starts fresh
+        overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo", "model.init_from=null"]
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)

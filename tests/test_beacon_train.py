@@ -3,6 +3,8 @@ when asked) change, and the saved adapter loads on the stock base with the same 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -124,6 +126,15 @@ def test_beacon_recipes_validate_and_refuse_what_cannot_train():
         1024, 1, [2, 4, 8], "full-coverage", "interleave", ["q", "k", "v"])
     assert recipe.finetune == "method" and recipe.train.learning_rate == 1e-5 and recipe.data.max_length == 20000
     assert recipe.data.min_length == 7200  # the authors' --min_length
+    # stage 1, the authors' pretraining: plain text of 2400..20000 tokens, ratios up to 32, transformers' default lr;
+    # the same beacon layout, and stage 2 starts from its adapter
+    pretrain = load_recipe("beacon-llama3-8b-instruct-pretrain")
+    assert pretrain.beacon.resolved().ratios == [2, 4, 8, 16, 32]
+    assert pretrain.beacon.model_dump(exclude={"ratios"}) == recipe.beacon.model_dump(exclude={"ratios"})
+    assert (pretrain.data.format, pretrain.data.min_length, pretrain.data.max_length) == ("text", 2400, 20000)
+    assert (pretrain.finetune, pretrain.train.learning_rate, pretrain.model) == (
+        "method", 5e-5, recipe.model.model_copy(update={"init_from": None}))
+    assert Path(recipe.model.init_from) == pretrain.resolved_output_dir() / "adapter"
     paper = load_recipe("beacon-llama3-8b-instruct", ["beacon.attn=step-expansion"]).beacon.resolved()
     assert paper.attn == "step-expansion" and paper.attend_prev is False
     with pytest.raises(RecipeError, match="4-bit"):

@@ -397,3 +397,13 @@ def test_plan_with_activation_offloading_keeps_two_layer_inputs_and_stops_sugges
     assert any("activation_offloading" in lever for lever in off.levers())
     # a full fine-tune trains float32 weights: 4 bytes of weights, 12 of gradients and AdamW state per parameter
     assert off.terms["optimizer state and gradients"] == 3 * off.terms["base weights"]
+
+
+def test_planned_samples_count_the_data_rows_up_to_max_samples(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join('{"text": "a b c"}\n' for _ in range(5)) + "\n")
+    cases = {("demo", None): 64, ("demo", 10): 10, (str(rows), None): 5, (str(rows), 3): 3, (str(rows), 9): 5,
+             ("owner/hub-dataset", None): 1000, ("owner/hub-dataset", 7): 7}
+    for (source, cap), samples in cases.items():
+        overrides = [f"data.source={source}", *([f"data.max_samples={cap}"] if cap else [])]
+        assert estimate(load_recipe("tiny-cpu", overrides), gpus=1).assumptions["samples"] == samples, (source, cap)

@@ -50,6 +50,7 @@ from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset, utk_document_room
+from .init_from import check_init_adapter, load_init_weights, report_differences
 from .method_trainer import method_checkpoint_trainer
 from .schema import Recipe
 
@@ -599,6 +600,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
             model, tokenizer, spec = unsloth_backend.load_model(recipe, base_id, fast)  # LoRA added by unsloth
         else:
             model, tokenizer, spec = load_base(recipe, base_id)
+        start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk, max_length = recipe.data.utk, recipe.data.max_length
         if utk is None:
@@ -631,6 +633,9 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     if recipe.train.backend == "transformers" and recipe.finetune in ("lora", "full"):
         trained_dtype = recipe.lora.trainable_dtype if recipe.finetune == "lora" else None
         keep_trained_weights_in(trainer.model, torch_dtype(trained_dtype or "float32"), torch_dtype(recipe.model.dtype))
+    if start is not None:
+        load_init_weights(trainer.model, start.folder, start.kind, spec)
+        report_differences(start.folder, start.differences)
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)
@@ -652,6 +657,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "quantization": quantization_config(recipe).to_dict() if recipe.model.load_in_4bit else None,
         "data": data_stats,
+        "init_from": start.to_dict() if start is not None else None,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
 

@@ -42,6 +42,11 @@ class ModelSection(Section):
         default=None, description="every token id that ends generation (Llama-3-Instruct: 128001 and 128009)"
     )
     trust_remote_code: bool = False
+    init_from: str | None = Field(
+        default=None,
+        description="an earlier run's adapter folder (or its run folder, or a Hub repo) whose trained weights this run "
+        "starts from: training in stages, e.g. Activation Beacon's pretraining then fine-tuning (recipes/init_from.py)",
+    )
 
 
 class LoraSection(Section):

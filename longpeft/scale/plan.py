@@ -386,13 +386,16 @@ def estimate(
 
 def _samples(recipe: Any) -> int:
     """Rows of the training data: a local JSONL file's, the demo set's ``n_conversations``, else 1000 (pass
-    ``--samples`` for the real count)."""
+    ``--samples`` for the real count); at most ``data.max_samples`` (the runner reads no more)."""
     path = Path(recipe.data.source)
+    cap = recipe.data.max_samples
     if path.is_file() and path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as handle:
-            return sum(1 for line in handle if line.strip())
-    if recipe.data.source == "demo":
+            rows = sum(1 for line in handle if line.strip())
+    elif recipe.data.source == "demo":
         from ..synth_data.demo import DEMO_CONVERSATIONS
 
-        return int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS))
-    return 1000
+        rows = int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS))
+    else:
+        return cap or 1000
+    return min(rows, cap) if cap else rows

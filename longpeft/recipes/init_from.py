@@ -1,0 +1,150 @@
+"""Start a run from the trained weights of an earlier one (``model.init_from``): training in stages.
+
+Activation Beacon's authors pretrain the beacon weights on plain text (ratios up to 32) and then fine-tune them on
+conversations (ratios up to 8); the second stage starts from the first stage's beacon weights. ``model.init_from``
+names the earlier run's adapter folder (or the run folder holding it, or a Hub repo id); the new run loads its base
+from ``model.name_or_path`` as usual, applies its own methods, then copies the earlier adapter's trained weights in
+before the first step:
+
+- the methods' own weights (beacon projections and embedding), for ``finetune: method`` and ``lora`` alike;
+- the LoRA weights and trained embedding rows, when the earlier run trained LoRA (then this one must train LoRA
+  with the same shapes: ``lora.r``, ``lora.target_modules``, ``lora.embeddings``).
+
+Refused, with the reason: a folder that is not a longpeft adapter, a whole model (make it ``model.name_or_path``
+instead), a base of another shape, methods with weights that one side has and the other lacks (their weights would
+be lost or start from scratch unnoticed), LoRA weights for a run that trains none. Method settings that differ
+between the stages (Activation Beacon's ratios, say) are allowed, printed and recorded in ``recipe.resolved.json``.
+``--resume`` then takes every weight from the checkpoint, as always.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..adapters import load_method_weights, spec_methods
+from ..loading import check_model_source, local_adapter_dir
+from ..spec import SPEC_FILENAME, ContextSpec
+from .schema import Recipe
+
+WEIGHTED_KINDS = ("lora", "method")  # what a folder must hold to start a run from (ContextSpec.weights)
+
+
+def adapter_folder(location: str) -> Path:
+    """The adapter folder ``model.init_from`` names: the folder itself, a run folder's ``adapter/``, or a Hub repo
+    (downloaded once)."""
+    check_model_source(location, "model.init_from", "; train that stage first, or name its run's adapter/ folder")
+    folder = local_adapter_dir(location)
+    if not (folder / SPEC_FILENAME).is_file() and (folder / "adapter" / SPEC_FILENAME).is_file():
+        folder = folder / "adapter"
+    if not (folder / SPEC_FILENAME).is_file():
+        raise FileNotFoundError(f"model.init_from: {folder} has no {SPEC_FILENAME}; point it at the adapter/ folder "
+                                "of a finished longpeft run (train that stage first)")
+    return folder
+
+
+def _weighted_methods(spec: ContextSpec) -> set[str]:
+    return {method.name for method, _ in spec_methods(spec) if method.load is not None}
+
+
+def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dict[str, list[Any]]]:
+    """``{method: {key: [earlier value, this run's value]}}`` for every method setting that changed between the
+    stages (a method one side lacks shows as ``{"applied": [bool, bool]}``)."""
+    differences: dict[str, dict[str, list[Any]]] = {}
+    for name in sorted(set(earlier.methods) | set(spec.methods)):
+        before, now = earlier.methods.get(name), spec.methods.get(name)
+        if before is None or now is None:
+            differences[name] = {"applied": [before is not None, now is not None]}
+            continue
+        changed = {key: [before.get(key), now.get(key)] for key in sorted(set(before) | set(now))
+                   if before.get(key) != now.get(key)}
+        if changed:
+            differences[name] = changed
+    return differences
+
+
+@dataclass
+class InitAdapter:
+    """The adapter a run starts from: its folder, what its weights are (``lora`` or ``method``) and the method
+    settings this run changes (:func:`method_differences`)."""
+
+    folder: Path
+    kind: str
+    differences: dict[str, dict[str, list[Any]]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": str(self.folder), "weights": self.kind, "changed_method_settings": self.differences}
+
+
+def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
+    """The recipe's ``model.init_from``, checked against this run (its ContextSpec ``spec`` and its base model's
+    ``base_config``) before any weight is copied.
+
+    Raises:
+        FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from (see the module).
+        SpecMismatchError: the earlier run's base has another shape.
+    """
+    from ..hub import folder_weights
+
+    folder = adapter_folder(recipe.model.init_from)
+    earlier = ContextSpec.load(folder)
+    kind = folder_weights(folder, earlier)
+    where = f"model.init_from ({folder})"
+    if kind not in WEIGHTED_KINDS:
+        raise ValueError(f"{where} holds a whole model ({kind}), not an adapter: set model.name_or_path to it and "
+                         "drop model.init_from")
+    earlier.check_base(base_config)
+    theirs, ours = _weighted_methods(earlier), _weighted_methods(spec)
+    if theirs != ours:
+        raise ValueError(
+            f"{where}: its methods with weights ({', '.join(sorted(theirs)) or 'none'}) are not "
+            f"this recipe's ({', '.join(sorted(ours)) or 'none'}): "
+            + ("their weights would be dropped" if theirs - ours else "they would start from scratch")
+            + "; start from a run of the same method"
+        )
+    if kind == "lora" and recipe.finetune != "lora":
+        raise ValueError(f"{where} trained LoRA weights, which finetune: {recipe.finetune} would drop; set "
+                         "finetune: lora (with the earlier run's lora section)")
+    return InitAdapter(folder, kind, method_differences(earlier, spec))
+
+
+def load_init_weights(model: Any, folder: Path, kind: str, spec: ContextSpec) -> None:
+    """Copy the earlier adapter's trained weights into ``model`` (the trainer's model: peft-wrapped when LoRA
+    trains), in place: the methods' own weights, and LoRA's when ``kind`` is ``lora``.
+
+    Raises:
+        ValueError: LoRA weights that do not fit this run's LoRA (names or shapes, listed).
+    """
+    load_method_weights(model, spec, folder)
+    if kind == "lora":
+        _load_lora(model, folder)
+
+
+def _load_lora(model: Any, folder: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+
+    where = f"model.init_from ({folder})"
+    weights = load_peft_weights(str(folder), device="cpu")
+    try:
+        result = set_peft_model_state_dict(model, weights)
+    except RuntimeError as error:  # size mismatch
+        reason = str(error).splitlines()[-1].strip()
+        raise ValueError(f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "
+                         f"lora.embeddings must match the earlier run's): {reason}") from None
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    missing = [name for name in result.missing_keys if name in trained]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings must "
+                         f"match the earlier run's): missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
+
+
+def report_differences(folder: Path, differences: dict[str, dict[str, list[Any]]]) -> None:
+    """Say on stderr which method settings this stage changes from the one it starts from."""
+    if not differences:
+        return
+    changes = "; ".join(f"{name}.{key}: {before!r} -> {now!r}" for name, keys in differences.items()
+                        for key, (before, now) in keys.items())
+    print(f"longpeft: starting from {folder}, with these method settings changed: {changes}", file=sys.stderr)
