@@ -13,11 +13,20 @@ and the HARPE and STRING flash-attn paths against their SDPA paths.
 4. Builds a small Llama-3-like model twice, SDPA and flash-attn, with the same weights, and compares the logits
    with HARPE per-head bases and with STRING on (max abs difference, and allclose at bf16 tolerance).
 
-The last line printed is one JSON object. Without CUDA it stops with a message; ``--tiny`` runs the same code on a
-tiny model on CPU in seconds (SDPA only; the kernel comparison is SDPA against eager there).
+The last line printed is one JSON object (``--report FILE`` also writes it after each part, so a call stopped at a
+time limit keeps what finished). Without CUDA it stops with a message; ``--tiny`` runs the same code on a tiny model
+on CPU in seconds (SDPA only; the kernel comparison is SDPA against eager there). Without flash-attn on a CUDA
+machine it trains with SDPA only and compares SDPA against eager (``kernels.flash_attn_installed: false``).
 
     python scripts/gpu_check.py                 # on a CUDA machine (about 16 GB of disk for the random base)
     python scripts/gpu_check.py --tiny          # anywhere, seconds
+
+On a lent GPU machine with short calls, keep the base between calls and train one kernel per call:
+
+    python scripts/gpu_check.py --work-dir /tmp/gc --attentions sdpa --no-kernel-check --report $OUT/sdpa.json
+    python scripts/gpu_check.py --work-dir /tmp/gc --attentions flash_attention_2 --report $OUT/flash.json
+
+The packages the GPU image lacks travel as wheels: ``scripts/gpu_wheels.sh`` downloads them and prints the command.
 """
 
 from __future__ import annotations
@@ -168,8 +177,15 @@ def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_mem
             "step_seconds": seconds, "tokens_per_second": tokens / seconds, "mfu": plan.assumptions["mfu"]}
 
 
+def has_flash_attn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def compare_kernels(tiny: bool) -> dict:
-    """HARPE and STRING logits with two attention kernels on the same weights (flash-attn vs SDPA on CUDA)."""
+    """HARPE and STRING logits with two attention kernels on the same weights: flash-attn vs SDPA on CUDA (SDPA vs
+    eager, and ``flash_attn_installed: false``, on a CUDA machine without flash-attn; SDPA vs eager with ``--tiny``)."""
     import torch
 
     from longpeft.adapters.harpe import apply_head_bases, uniform_bases
@@ -179,11 +195,12 @@ def compare_kernels(tiny: bool) -> dict:
     if tiny:
         device, dtype, pair, length, shape = "cpu", torch.float32, ("sdpa", "eager"), 200, {}
     else:
-        device, dtype, pair, length = "cuda", torch.bfloat16, ("sdpa", "flash_attention_2"), 8192
+        device, dtype, length = "cuda", torch.bfloat16, 8192
+        pair = ("sdpa", "flash_attention_2" if has_flash_attn() else "eager")
         shape = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
                      num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192)
     ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
-    results = {}
+    results: dict = {"flash_attn_installed": has_flash_attn()}
     for method in ("harpe", "string"):
         logits = []
         for attention in pair:
@@ -202,13 +219,30 @@ def compare_kernels(tiny: bool) -> dict:
     return results
 
 
+def compare_with_plan(measured: dict, plan: dict, tokens: int, tiny: bool) -> None:
+    """Add the planner's errors against one measured run (and the 60 GB target) to ``measured``, in place."""
+    if "peak_reserved_gib" in measured:
+        measured["planner_peak_error"] = plan["peak_gib"] / measured["peak_reserved_gib"] - 1
+        measured["peak_at_most_60_gb"] = measured["peak_reserved_gib"] * GiB <= 60e9
+    if "tokens_per_second" in measured and not tiny:
+        measured["planner_step_time_error"] = plan["step_seconds"] * measured["tokens_per_second"] / tokens - 1
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
     parser.add_argument("--tokens", type=int, help="tokens per sample (default 81920; --tiny: 1024)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per attention kernel (the first is warm-up)")
     parser.add_argument("--gpu-memory", type=float, help="GiB of the GPU for the planner (default: the device's)")
-    parser.add_argument("--work-dir", help="where the random base, data and runs go (default: a temporary folder, removed)")
+    parser.add_argument("--work-dir", help="where the random base, data and runs go (default: a temporary folder, "
+                        "removed); kept, the base is written once and later calls reuse it")
+    parser.add_argument("--attentions", nargs="+", choices=["flash_attention_2", "sdpa"],
+                        help="kernels to train with, each in its own process (default: flash-attn when installed, "
+                        "and SDPA); one per call keeps each call short")
+    parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
+                        help="skip the HARPE and STRING kernel comparison")
+    parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
+                        "time limit keeps what finished)")
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one training run in this process
     for internal in ("--base", "--data", "--out"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
@@ -216,6 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tokens = args.tokens or (1024 if args.tiny else 81920)
     if args.tokens < 64 or args.steps < 1:
         parser.error("--tokens must be >= 64 and --steps >= 1")
+    if args.tiny and args.attentions and args.attentions != ["sdpa"]:
+        parser.error("--tiny trains with SDPA only (flash-attn needs CUDA)")
+    if not args.tiny and "flash_attention_2" in (args.attentions or []) and not has_flash_attn():
+        parser.error("--attentions flash_attention_2: flash-attn is not installed (pip install flash-attn)")
     return args
 
 
@@ -233,39 +271,43 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "error": message}))
         return 2
 
-    import importlib.util
-
-    attentions = ["sdpa"]
-    if not args.tiny and importlib.util.find_spec("flash_attn") is not None:
-        attentions.insert(0, "flash_attention_2")
+    attentions = args.attentions or (["flash_attention_2", "sdpa"] if not args.tiny and has_flash_attn() else ["sdpa"])
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
+    report: dict = {"ok": False, "tiny": args.tiny, "steps": args.steps, "runs": {},
+                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+    def save_report() -> None:
+        if args.report:
+            Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+
     try:
         base, data = work / ("base-tiny" if args.tiny else "base-8b"), work / "train.jsonl"  # a kept base per size
         if not (base / "config.json").is_file():
+            started = time.perf_counter()
             write_base(base, args.tiny)
-        sample_tokens = write_data(data, base, args.tokens, args.steps)
-        runs = {}
+            report["base_written_seconds"] = time.perf_counter() - started
+        report["tokens"] = sample_tokens = write_data(data, base, args.tokens, args.steps)
+        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
+        report["planner"] = plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory)
+        save_report()
+        runs = report["runs"]
         for attention in attentions:
             command = [sys.executable, __file__, "--measure", attention, "--base", str(base), "--data", str(data),
                        "--out", str(work / f"run-{attention}"), "--tokens", str(sample_tokens), "--steps", str(args.steps)]
+            shutil.rmtree(work / f"run-{attention}", ignore_errors=True)  # a kept work dir: train again, not resume
             proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True)
             if proc.returncode != 0:
                 runs[attention] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
                 print(proc.stderr[-3000:], file=sys.stderr)
-                continue
-            runs[attention] = json.loads(proc.stdout.strip().splitlines()[-1])
-        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
-        plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory)
-        for name, measured in runs.items():
-            if "peak_reserved_gib" in measured:
-                measured["planner_peak_error"] = plan["peak_gib"] / measured["peak_reserved_gib"] - 1
-                measured["peak_at_most_60_gb"] = measured["peak_reserved_gib"] * GiB <= 60e9
-            if "tokens_per_second" in measured and not args.tiny:
-                measured["planner_step_time_error"] = plan["step_seconds"] * measured["tokens_per_second"] / sample_tokens - 1
-        report = {"ok": all("error" not in r for r in runs.values()), "tiny": args.tiny, "tokens": sample_tokens,
-                  "steps": args.steps, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                  "runs": runs, "planner": plan, "kernels": compare_kernels(args.tiny)}
+            else:
+                runs[attention] = measured = json.loads(proc.stdout.strip().splitlines()[-1])
+                compare_with_plan(measured, plan, sample_tokens, args.tiny)
+                print(f"{attention}: {json.dumps(measured)}", file=sys.stderr)
+            save_report()
+        report["kernels"] = compare_kernels(args.tiny) if args.kernel_check else None
+        report["ok"] = all("error" not in r for r in runs.values())
+        save_report()
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -273,9 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
               f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
               f"(planner {plan['tokens_per_second']:,.0f} at MFU {plan['mfu']})", file=sys.stderr)
-    for method, check in report["kernels"].items():
-        print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| {check['max_abs_diff']:.3g}",
-              file=sys.stderr)
+    for method, check in (report["kernels"] or {}).items():
+        if isinstance(check, dict):
+            print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| "
+                  f"{check['max_abs_diff']:.3g}", file=sys.stderr)
     print(json.dumps(report))
     return 0 if report["ok"] else 1
 

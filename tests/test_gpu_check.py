@@ -17,9 +17,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 
 def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--tokens", "256", "--steps", "2",
-                           "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=600)
+                           "--work-dir", str(tmp_path), "--report", str(tmp_path / "report.json")],
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "report.json").read_text()) == report  # the file a time-limited call keeps
     assert report["ok"] and report["tiny"] and list(report["runs"]) == ["sdpa"]
     assert 240 <= report["tokens"] <= 256  # the longest conversation that fits the sample length
     run = report["runs"]["sdpa"]
@@ -32,6 +34,7 @@ def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_p
     assert resolved["data"]["dropped"] == 0 and resolved["data"]["longest"] == report["tokens"]  # every step at length
     plan = report["planner"]
     assert plan["peak_gib"] > 0 and set(plan["terms_gib"]) >= {"base weights", "checkpointed layer inputs"}
+    assert report["kernels"]["flash_attn_installed"] in (True, False)
     for method in ("harpe", "string"):
         check = report["kernels"][method]
         assert check["kernels"] == ["sdpa", "eager"] and check["allclose_atol_rtol_5e-2"] and check["max_abs_diff"] < 1e-4
@@ -42,3 +45,25 @@ def test_gpu_mode_without_cuda_says_so():
     proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "needs a CUDA GPU" in proc.stderr and "--tiny" in proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
+
+
+def test_a_second_call_reuses_the_kept_base_and_trains_afresh(tmp_path):
+    """With --work-dir the random base is written once; each call trains again (a kept run folder is not resumed)."""
+    common = [sys.executable, str(SCRIPT), "--tiny", "--tokens", "128", "--steps", "1", "--work-dir", str(tmp_path),
+              "--attentions", "sdpa", "--no-kernel-check"]
+    reports = []
+    for _ in range(2):
+        proc = subprocess.run(common, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "base_written_seconds" in reports[0] and "base_written_seconds" not in reports[1]
+    assert all(r["ok"] and r["kernels"] is None and len(r["runs"]["sdpa"]["losses"]) == 1 for r in reports)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tiny", "--attentions", "flash_attention_2"], "--tiny trains with SDPA only"),
+    (["--tokens", "8"], "--tokens must be >= 64"),
+])
+def test_bad_flags_are_refused_with_the_reason(flags, message):
+    proc = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr
