@@ -16,6 +16,7 @@ from longpeft import recipes
 from longpeft.cli import main
 from longpeft.recipes.runner import gradient_accumulation, prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
+from conftest import write_chat_jsonl  # tests/conftest.py
 from run_helpers import assert_resumed_as_uninterrupted, logged_losses, undo_after_checkpoint  # tests/run_helpers.py
 
 pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
@@ -232,20 +233,28 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
     assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
 
 
-def fsdp2_launch(out, base, data, processes, port, *extra, on_cpu=False, recipe="tiny-cpu"):
-    """accelerate launch with the shipped FSDP2 config (fp32 here, so it can be compared with one process).
-    ``on_cpu``: through tests/fsdp2_cpu_entry.py, which lets accelerate's FSDP2 path run on CPU processes."""
+def sharded_launch(launch, out, base, data, processes, port, *extra, on_cpu=False, recipe="tiny-cpu"):
+    """accelerate launch with the shipped FSDP2 or ZeRO-3 config (fp32 here, so it can be compared with one process).
+    ``on_cpu``: FSDP2 through tests/fsdp2_cpu_entry.py, which lets accelerate's FSDP2 path run on CPU processes
+    (DeepSpeed needs no such help: its CPU accelerator runs ZeRO-3 over gloo under accelerate as it is)."""
     from longpeft.launch import config_file
 
-    entry = [str(Path(__file__).with_name("fsdp2_cpu_entry.py"))] if on_cpu else ["-m", "longpeft.cli"]
+    lifted = on_cpu and launch == "fsdp2"
+    entry = [str(Path(__file__).with_name("fsdp2_cpu_entry.py"))] if lifted else ["-m", "longpeft.cli"]
     command = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file("fsdp2")),
+        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file(launch)),
         "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
         *entry, "train", recipe, "--set", f"model.name_or_path={base}", "--set", f"data.source={data}",
         "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
         "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256", *extra,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+SHARDED = [pytest.param("fsdp2", id="fsdp2"), pytest.param("zero3", id="zero3")]
+DISTRIBUTED_TYPE = {"fsdp2": "FSDP", "zero3": "DEEPSPEED"}
+# what a sharded checkpoint holds instead of whole weights: accelerate's DCP folders, DeepSpeed's partitions
+SHARDS = {"fsdp2": "pytorch_model_fsdp_0/*.distcp", "zero3": "global_step*/*zero_pp_rank_1*"}
 
 
 def failure(proc: subprocess.CompletedProcess) -> str:
@@ -257,24 +266,27 @@ def failure(proc: subprocess.CompletedProcess) -> str:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, chat_jsonl, tmp_path):
     """accelerate makes every multi-process CPU run MULTI_CPU (DDP) whatever the config says; the runner refuses."""
-    proc = fsdp2_launch(tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, 29533)
+    proc = sharded_launch("fsdp2", tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, 29533)
     assert proc.returncode != 0
-    assert "the launch config asks for FSDP, but accelerate set up MULTI_CPU" in proc.stderr
+    assert "the launch config asks for FSDP, but accelerate set up MULTI_CPU" in proc.stderr, failure(proc)
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-def test_two_process_fsdp2_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl, tmp_path):
-    """FSDP2 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU processes over gloo through
-    tests/fsdp2_cpu_entry.py) gives the losses (rel 1e-3) and adapter (atol 1e-4) of one process with the same
-    global batch (1 sample x 2 accumulation steps). Its checkpoints are sharded (accelerate's DCP folders): the run
+@pytest.mark.parametrize("launch", SHARDED)
+def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl,
+                                                                                         tmp_path, launch):
+    """FSDP2 or DeepSpeed ZeRO-3 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU
+    processes over gloo: FSDP2 through tests/fsdp2_cpu_entry.py) gives the losses (rel 1e-3) and adapter (atol 1e-4) of
+    one process with the same global batch (1 sample x 2 accumulation steps). Its checkpoints are sharded: the run
     killed after checkpoint 2 of 4 and resumed with --resume ends with the adapter and losses of the whole run."""
     base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
+    port = {"fsdp2": 29534, "zero3": 29540}[launch]
     steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    proc = fsdp2_launch(whole, base, chat_jsonl, 2, 29534, *steps, on_cpu=on_cpu)
+    proc = sharded_launch(launch, whole, base, chat_jsonl, 2, port, *steps, on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     resolved = json.loads((whole / "recipe.resolved.json").read_text())
-    assert resolved["distributed_type"].endswith("FSDP") and resolved["world_size"] == 2
+    assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["world_size"] == 2
     single = run(load_recipe("tiny-cpu", [
         f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "train.max_steps=4",
         "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
@@ -285,46 +297,108 @@ def test_two_process_fsdp2_equals_one_process_and_resumes_from_sharded_checkpoin
     for key in one:
         torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
 
-    assert any((whole / "checkpoints" / "checkpoint-2").glob("pytorch_model_fsdp_0/*.distcp"))  # sharded, not whole
+    assert any((whole / "checkpoints" / "checkpoint-2").glob(SHARDS[launch]))  # sharded, not whole
     undo_after_checkpoint(whole, killed, 2, 4)
-    proc = fsdp2_launch(killed, base, chat_jsonl, 2, 29535, *steps, "--resume", on_cpu=on_cpu)
+    proc = sharded_launch(launch, killed, base, chat_jsonl, 2, port + 1, *steps, "--resume", on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
     assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
 
 
-def test_fsdp2_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
-    """The HARPE recipe's run (finetune: full under --launch fsdp2, every weight sharded over 2 processes): the
-    losses (rel 1e-3) and the saved model (atol 1e-4), per-head bases included, of one process with the same global
-    batch."""
+@pytest.fixture(scope="module")
+def qlora_one_process(tiny_base_dirs, tmp_path_factory):
+    """The QLoRA run (4-bit NF4 base, LoRA) in one process, with the global batch of the sharded runs."""
+    data = write_chat_jsonl(tmp_path_factory.mktemp("qlora-data") / "train.jsonl")
+    out = tmp_path_factory.mktemp("qlora-one") / "run"
+    run(load_recipe("tiny-cpu", [
+        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={data}", f"output_dir={out}",
+        "model.load_in_4bit=true", "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
+        "data.max_length=256"]))
+    return data, out
+
+
+@pytest.mark.parametrize("launch", SHARDED)
+def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlora_one_process, tmp_path, launch):
+    """A 4-bit NF4 base (quant storage in the compute dtype) under --launch fsdp2 or zero3 over 2 processes: the
+    losses (rel 1e-3) and the adapter (atol 1e-4) of one process with the same global batch."""
+    data, single = qlora_one_process
+    port = {"fsdp2": 29546, "zero3": 29547}[launch]
+    proc = sharded_launch(launch, tmp_path / "sharded", tiny_base_dirs("llama"), data, 2, port, "--set",
+                          "model.load_in_4bit=true", on_cpu=torch.cuda.device_count() < 2)
+    assert proc.returncode == 0, failure(proc)
+    resolved = json.loads((tmp_path / "sharded" / "recipe.resolved.json").read_text())
+    assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["quantization"]["load_in_4bit"]
+    assert logged_losses(tmp_path / "sharded")[1] == pytest.approx(logged_losses(single)[1], rel=1e-3)
+    one = load_file(single / "adapter" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "sharded" / "adapter" / "adapter_model.safetensors")
+    assert one.keys() == two.keys() and one
+    for key in one:
+        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+
+
+def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+    """--launch ulysses over 2 processes (DeepSpeed ZeRO-3 with each sequence split in two, the attention heads
+    exchanged all-to-all; the command built by longpeft.launch): the losses (rel 1e-3) and adapter (atol 1e-4) of one
+    process with the same global batch. Every sequence is padded to 256 tokens here: on CPU, gloo gathers only
+    equal shapes across the sequence-parallel group (NCCL takes any)."""
+    from longpeft.launch import launch_command
+
+    overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
+                 "train.max_steps=2", "train.global_batch_size=1", "train.per_device_batch_size=1",
+                 "trl.pad_to_multiple_of=256"]
+    command = launch_command(load_recipe("tiny-cpu", overrides), "tiny-cpu", "ulysses", 2,
+                             [*overrides, f"output_dir={tmp_path / 'ulysses'}"])
+    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29548"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, failure(proc)
+    resolved = json.loads((tmp_path / "ulysses" / "recipe.resolved.json").read_text())
+    assert resolved["distributed_type"].endswith("DEEPSPEED") and resolved["world_size"] == 2
+    assert resolved["effective_global_batch_size"] == 1  # both processes read the same sequence
+    single = run(load_recipe("tiny-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
+    assert logged_losses(tmp_path / "ulysses")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
+    one = load_file(single.adapter_dir / "adapter_model.safetensors")
+    two = load_file(tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors")
+    assert one.keys() == two.keys() and one
+    for key in one:
+        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("launch", SHARDED)
+def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path, launch):
+    """The HARPE recipe's run (finetune: full under --launch fsdp2 or zero3, every weight sharded over 2 processes):
+    the losses (rel 1e-3) and the saved model (atol 1e-4), per-head bases included, of one process with the same
+    global batch. Under DeepSpeed, whose engine re-creates the rotary buffers, this also checks that the per-head
+    frequencies survive (KeepRotaryFrequencies)."""
     base = tiny_base_dirs("llama")
     full = ("--set", "finetune=full", "--set", "rope.max_position_embeddings=1024")
-    proc = fsdp2_launch(tmp_path / "fsdp2", base, chat_jsonl, 2, 29538, *full, on_cpu=torch.cuda.device_count() < 2,
-                        recipe="tiny-harpe-cpu")
+    port = {"fsdp2": 29538, "zero3": 29542}[launch]
+    proc = sharded_launch(launch, tmp_path / "sharded", base, chat_jsonl, 2, port, *full,
+                          on_cpu=torch.cuda.device_count() < 2, recipe="tiny-harpe-cpu")
     assert proc.returncode == 0, failure(proc)
     single = run(load_recipe("tiny-harpe-cpu", [
         f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "finetune=full",
         "rope.max_position_embeddings=1024", "train.max_steps=2", "train.global_batch_size=2",
         "train.per_device_batch_size=1", "data.max_length=256"]))
 
-    assert logged_losses(tmp_path / "fsdp2")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
+    assert logged_losses(tmp_path / "sharded")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "model.safetensors")
-    two = load_file(tmp_path / "fsdp2" / "model" / "model.safetensors")
+    two = load_file(tmp_path / "sharded" / "model" / "model.safetensors")
     assert one.keys() == two.keys() and len(one) > 10
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-4, rtol=1e-3)
-    configs = [json.loads((folder / "config.json").read_text()) for folder in (single.adapter_dir, tmp_path / "fsdp2" / "model")]
+    configs = [json.loads((folder / "config.json").read_text()) for folder in (single.adapter_dir, tmp_path / "sharded" / "model")]
     assert configs[0]["head_rope_bases"] == configs[1]["head_rope_bases"] and configs[1]["auto_map"]
 
 
-def test_beacon_under_fsdp2_is_refused_before_training(tiny_base_dirs, chat_jsonl, tmp_path):
-    """Activation Beacon under FSDP2 (here from the launch config itself, as a user's own accelerate config would
-    set it): the processes' window counts differ, so their collectives would not match (gloo failed mid-step; NCCL
-    would hang). The runner refuses before the first step."""
-    proc = fsdp2_launch(tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, 29537, on_cpu=True,
-                        recipe="tiny-beacon-cpu")
+@pytest.mark.parametrize(("launch", "how", "port"), [("fsdp2", "FSDP", 29537), ("zero3", "DeepSpeed ZeRO-3", 29544)])
+def test_beacon_under_sharding_is_refused_before_training(tiny_base_dirs, chat_jsonl, tmp_path, launch, how, port):
+    """Activation Beacon under FSDP2 or ZeRO-3 (here from the launch config itself, as a user's own accelerate config
+    would set it): the processes' window counts differ, so their collectives would not match (gloo failed mid-step;
+    NCCL would hang). The runner refuses before the first step."""
+    proc = sharded_launch(launch, tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, port, on_cpu=True,
+                          recipe="tiny-beacon-cpu")
     assert proc.returncode != 0
-    assert "FSDP with beacon: Activation Beacon runs the decoder once per window" in proc.stderr
+    assert f"{how} with beacon: Activation Beacon runs the decoder once per window" in proc.stderr, failure(proc)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,9 @@ class RunResult:
 
 def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
     """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once,
-    atomically: written beside it and renamed, so a kill or a full disk never leaves a partial base)."""
+    atomically: written beside it and renamed, so a kill or a full disk never leaves a partial base). Processes
+    of one run may all call it at once: each builds the same base (seeded), the first rename wins, and the others
+    use its folder."""
     import shutil
     import tempfile
 
@@ -92,10 +95,22 @@ def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        staging.rename(folder)  # atomic: the folder appears complete or not at all
+        try:
+            staging.rename(folder)  # atomic: the folder appears complete or not at all
+        except OSError:
+            if not (folder / "config.json").is_file():  # not another process's complete base: a real failure
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return folder
+
+
+def builds_partitioned(recipe: Recipe) -> bool:
+    """Whether loading the base builds it partitioned across processes (DeepSpeed ZeRO-3's ``zero.Init``, which
+    transformers uses for unquantized models under a ZeRO-3 config with ``zero3_init_flag``): a collective step."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled() and not recipe.model.load_in_4bit
 
 
 def base_location(recipe: Recipe, output_dir: Path) -> str:
@@ -592,15 +607,24 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
     output_dir = recipe.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
+    base_id = base_location(recipe, output_dir)  # a tiny: base is built before DeepSpeed's config exists (no zero.Init)
     args = sft_config(recipe, output_dir)
     plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
-    with args.main_process_first(local=True, desc="base model and data"):
-        base_id = base_location(recipe, output_dir)
+    # Each process loads the base after the local main one (which downloads it once), except under DeepSpeed ZeRO-3,
+    # whose zero.Init partitions every weight while the model is built, with all processes taking part; a method
+    # that cannot train sharded is refused before then (it would read partitioned, empty weights).
+    partitioned = builds_partitioned(recipe)
+    if partitioned:
+        from ..launch import check_sharded
+
+        check_sharded(recipe, "DeepSpeed ZeRO-3")
+    with nullcontext() if partitioned else args.main_process_first(local=True, desc="base model"):
         if fast is not None:
             model, tokenizer, spec = unsloth_backend.load_model(recipe, base_id, fast)  # LoRA added by unsloth
         else:
             model, tokenizer, spec = load_base(recipe, base_id)
-        start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
+    start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
+    with args.main_process_first(local=True, desc="data"):
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk, max_length = recipe.data.utk, recipe.data.max_length
         if utk is None:
