@@ -4,7 +4,7 @@
 # here, in the repository root (a machine that reaches the package registry); it downloads into .whl/ (ignored by
 # git, carried with `carry: [".whl"]`), for CPython 3.12 on x86-64 Linux, the versions of requirements-compat.txt
 # (the stack `make test-compat` tests) plus the dependencies the image lacks, and prints the command to run there.
-# About 48 MB, bitsandbytes (all its CUDA builds) most of it; a call carries at most 64 MiB with the repository.
+# About 50 MB, bitsandbytes (all its CUDA builds) most of it; a call carries at most 64 MiB with the repository.
 #
 #   bash scripts/gpu_wheels.sh
 set -euo pipefail
@@ -20,6 +20,7 @@ packages=(
     # pydantic 2.14.3: pydantic-core 2.50.4, typing-extensions >= 4.16)
     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
     dill==0.4.1 multiprocess==0.70.19 fsspec==2026.2.0
+    hjson==3.1.0 py-cpuinfo==9.0.0   # deepspeed's, beyond the image (for --launch zero3 / ulysses)
 )
 
 exclude="$(git rev-parse --git-path info/exclude)"
@@ -33,6 +34,8 @@ for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 man
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d .whl "${packages[@]}"
+# deepspeed is published as source only; built without its compiled ops it is a pure-Python wheel
+python3 -m pip wheel -q --no-deps -w .whl "$(pinned deepspeed)"
 
 echo "downloaded into .whl/ ($(du -sh .whl | cut -f1)):"
 ls .whl
