@@ -736,10 +736,11 @@ class TrainingDiverged(ValueError):
 class KeepRotaryFrequencies(TrainerCallback):
     """Gives every rotary module its float32 frequencies back when training begins.
 
-    DeepSpeed casts the whole module to bf16 when it wraps it, buffers included (DeepSpeed#5812), which rounds
-    ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
-    turns by hundreds of radians. The float32 values are kept from ``prepare`` and put back (with a warning) at
-    ``on_train_begin``, after the Trainer has wrapped the model.
+    DeepSpeed releases with DeepSpeed#5812 cast the whole module to bf16 when they wrap it, buffers included, which
+    rounds ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
+    turns by hundreds of radians. (0.19.8, the one longpeft pins, casts parameters only: a bf16 ZeRO-3 run on CPU
+    leaves the buffers float32.) The float32 values are kept from ``prepare`` and put back (with a warning) at
+    ``on_train_begin``, after the Trainer has wrapped the model, whatever wrapper cast them.
     """
 
     NAMES = ("inv_freq", "original_inv_freq")
