@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -280,7 +281,7 @@ def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_che
     one process with the same global batch (1 sample x 2 accumulation steps). Its checkpoints are sharded: the run
     killed after checkpoint 2 of 4 and resumed with --resume ends with the adapter and losses of the whole run."""
     base, on_cpu = tiny_base_dirs("llama"), torch.cuda.device_count() < 2
-    port = {"fsdp2": 29534, "zero3": 29540}[launch]
+    port = {"fsdp2": 29534, "zero3": 29550}[launch]  # and the next two
     steps = ("--set", "train.max_steps=4", "--set", "train.save_steps=2")
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     proc = sharded_launch(launch, whole, base, chat_jsonl, 2, port, *steps, on_cpu=on_cpu)
@@ -302,6 +303,12 @@ def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_che
     proc = sharded_launch(launch, killed, base, chat_jsonl, 2, port + 1, *steps, "--resume", on_cpu=on_cpu)
     assert proc.returncode == 0, failure(proc)
     assert "resuming from" in proc.stderr and "checkpoint-2" in proc.stderr
+    assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
+
+    shutil.rmtree(killed / "adapter")  # killed after the last checkpoint: its weights are saved, no step trained
+    proc = sharded_launch(launch, killed, base, chat_jsonl, 2, port + 2, *steps, "--resume", on_cpu=on_cpu)
+    assert proc.returncode == 0, failure(proc)
+    assert "checkpoint-4 is the run's last step; saving it without training" in proc.stderr
     assert_resumed_as_uninterrupted(whole, killed, [1, 2, 3, 4])
 
 
@@ -336,25 +343,26 @@ def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlo
         torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
 
 
-def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path):
+@pytest.mark.parametrize(("recipe", "port"), [("tiny-cpu", 29548), ("tiny-harpe-cpu", 29549)])
+def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path, recipe, port):
     """--launch ulysses over 2 processes (DeepSpeed ZeRO-3 with each sequence split in two, the attention heads
-    exchanged all-to-all; the command built by longpeft.launch): the losses (rel 1e-3) and adapter (atol 1e-4) of one
-    process with the same global batch. Every sequence is padded to 256 tokens here: on CPU, gloo gathers only
-    equal shapes across the sequence-parallel group (NCCL takes any)."""
+    exchanged all-to-all; the command built by longpeft.launch), with one RoPE base or HARPE's per-head bases: the
+    losses (rel 1e-3) and adapter (atol 1e-4) of one process with the same global batch. Every sequence is padded to
+    256 tokens here: on CPU, gloo gathers only equal shapes across the sequence-parallel group (NCCL takes any)."""
     from longpeft.launch import launch_command
 
     overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
                  "train.max_steps=2", "train.global_batch_size=1", "train.per_device_batch_size=1",
                  "trl.pad_to_multiple_of=256"]
-    command = launch_command(load_recipe("tiny-cpu", overrides), "tiny-cpu", "ulysses", 2,
+    command = launch_command(load_recipe(recipe, overrides), recipe, "ulysses", 2,
                              [*overrides, f"output_dir={tmp_path / 'ulysses'}"])
-    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29548"]
+    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", str(port)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, failure(proc)
     resolved = json.loads((tmp_path / "ulysses" / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith("DEEPSPEED") and resolved["world_size"] == 2
     assert resolved["effective_global_batch_size"] == 1  # both processes read the same sequence
-    single = run(load_recipe("tiny-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
+    single = run(load_recipe(recipe, [*overrides, f"output_dir={tmp_path / 'one'}"]))
     assert logged_losses(tmp_path / "ulysses")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "adapter_model.safetensors")
     two = load_file(tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors")

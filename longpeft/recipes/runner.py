@@ -763,6 +763,19 @@ class KeepRotaryFrequencies(TrainerCallback):
                           f"{', '.join(map(str, cast))}; longpeft put their float32 values back", stacklevel=1)
 
 
+class CheckpointLoaded(Exception):
+    """Raised by :class:`StopBeforeTraining` once the Trainer has loaded the checkpoint it resumes from."""
+
+
+class StopBeforeTraining(TrainerCallback):
+    """Ends ``trainer.train(resume_from_checkpoint=...)`` when training begins: by then the Trainer has wrapped the
+    model (DeepSpeed's engine, FSDP) and loaded the checkpoint's weights and state into it, and no step has run.
+    The runner uses it to save a finished run whose adapter a kill lost."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise CheckpointLoaded
+
+
 class StopOnNonFinite(TrainerCallback):
     """Stops a run whose logged loss or gradient norm is not finite (a NaN adapter is never saved)."""
 
@@ -827,12 +840,15 @@ def run(
     if trainer.is_world_process_zero():
         (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
     if resume and is_finished(checkpoint, planned_steps(trainer)):
-        # Killed after the last checkpoint (or finished): take its weights, train no further step.
+        # Killed after the last checkpoint (or finished): take its weights, train no further step. The Trainer loads
+        # the checkpoint itself (a sharded one into the wrapped model: DeepSpeed's engine, FSDP) and is stopped
+        # before its first step.
         print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
-        from transformers import TrainerState
-
-        trainer._load_from_checkpoint(str(checkpoint))  # with the method weights (method_trainer)
-        trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+        trainer.add_callback(StopBeforeTraining())
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        except CheckpointLoaded:
+            pass
         train_metrics: dict[str, Any] = {}
     else:
         train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
