@@ -93,6 +93,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
+    if not args.build:  # --build checks the recipe against the base it loads
+        from .recipes.runner import check_against_local_base
+
+        source = check_against_local_base(recipe)
+        print(f"longpeft plan: recipe checked against the base's config ({source})" if source else
+              f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was not "
+              "checked against it (plan --build downloads it and checks)", file=sys.stderr)
     if args.launch and args.gpus is None:
         raise ValueError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.gpus is not None:

@@ -407,3 +407,33 @@ def test_planned_samples_count_the_data_rows_up_to_max_samples(tmp_path):
     for (source, cap), samples in cases.items():
         overrides = [f"data.source={source}", *([f"data.max_samples={cap}"] if cap else [])]
         assert estimate(load_recipe("tiny-cpu", overrides), gpus=1).assumptions["samples"] == samples, (source, cap)
+
+
+def test_plan_checks_the_recipe_against_a_base_config_on_this_machine(tiny_base_dirs, tmp_path, monkeypatch, capsys):
+    """`longpeft plan` (no --build, nothing downloaded) runs the checks `train` runs against the base's config when
+    it is here: a tiny: model, a local folder, a Hub model in the cache; otherwise it says it could not."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    assert main(["plan", "tiny-cpu", "--set", "data.max_length=4096"]) == 2
+    assert "data.max_length=4096 spans 4096 positions, beyond the adapted model's 1024" in capsys.readouterr().err
+
+    base = tiny_base_dirs("llama")
+    bad_eos = ["--set", f"model.name_or_path={base}", "--set", "model.eos_token_ids=[999999]"]
+    assert main(["plan", "tiny-cpu", *bad_eos]) == 2
+    assert "model.eos_token_ids [999999] are outside the vocabulary" in capsys.readouterr().err
+
+    hub = ["--set", "model.name_or_path=owner/cached-model", "--set", "model.eos_token_ids=[999999]"]
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["plan", "tiny-cpu", *hub]) == 0  # not in the cache: planned, and said so
+    assert "owner/cached-model's config.json is not on this machine" in capsys.readouterr().err
+    snapshot = tmp_path / "hub" / "models--owner--cached-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    shutil.copy(base / "config.json", snapshot / "config.json")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("abc123")
+    assert main(["plan", "tiny-cpu", *hub]) == 2
+    assert "model.eos_token_ids [999999] are outside the vocabulary" in capsys.readouterr().err
+    assert main(["plan", "tiny-cpu", "--set", "model.name_or_path=owner/cached-model", "--gpus", "2"]) == 0
+    assert f"checked against the base's config ({snapshot / 'config.json'})" in capsys.readouterr().err

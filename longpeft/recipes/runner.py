@@ -185,6 +185,26 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
         raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))
 
 
+def check_against_local_base(recipe: Recipe) -> str | None:
+    """:func:`check_against_base` without loading or downloading anything (``longpeft plan``): against a ``tiny:``
+    model's config or the base's config.json on this machine (a local folder, or a Hub model in the cache).
+    Returns where the config came from, or None when there is none here (nothing checked)."""
+    from ..scale.plan import local_config_file
+
+    name = recipe.model.name_or_path
+    if name.startswith(TINY_PREFIX):
+        from ..tiny import tiny_config
+
+        config, source = tiny_config(name[len(TINY_PREFIX):]), name
+    else:
+        config_file = local_config_file(name)
+        if config_file is None:
+            return None
+        config, source = AutoConfig.from_pretrained(config_file.parent), str(config_file)
+    check_against_base(recipe, build_spec(recipe, config, name))
+    return source
+
+
 def positions_spanned(spec: ContextSpec, length: int) -> int:
     """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
     unless a method keeps positions bounded, as Activation Beacon does)."""

@@ -120,14 +120,31 @@ class ModelShape:
         raise ValueError(f"lora.target_modules: {name!r} is not a projection the planner knows")
 
 
+def local_config_file(name_or_path: str) -> Path | None:
+    """The base's ``config.json`` on this machine, never downloaded: a local (or built-in) model folder's, or a Hub
+    model's already in the Hugging Face cache; None when there is none."""
+    config_file = Path(model_location(name_or_path)) / "config.json"
+    if config_file.is_file():
+        return config_file
+    from ..loading import is_local
+
+    if is_local(name_or_path):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name_or_path, "config.json")
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def shape_of(name_or_path: str) -> ModelShape:
-    """A model's shape from a local folder's config.json, a ``tiny:`` model, or the table of known bases."""
+    """A model's shape from a ``tiny:`` model, its config.json on this machine (:func:`local_config_file`), or the
+    table of known bases."""
     if name_or_path.startswith("tiny:"):
         from ..tiny import tiny_config
 
         return _from_config(tiny_config(name_or_path[5:]).to_dict())
-    config_file = Path(model_location(name_or_path)) / "config.json"
-    if config_file.is_file():
+    config_file = local_config_file(name_or_path)
+    if config_file is not None:
         return _from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
         return ModelShape(**KNOWN_SHAPES[name_or_path])
