@@ -9,6 +9,7 @@ embedding, as the planner's tiny-cpu recipe).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -45,13 +46,16 @@ def main(mode: str) -> None:
     tokens = torch.randint(0, 512, (1, 16), generator=generator)
     model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
-    print(json.dumps({
+    line = json.dumps({
         "rank": dist.get_rank(),
         "frozen_weights": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
         "trained_weights": sum(local_bytes(p) for p in trained),
         "gradients": sum(local_bytes(p.grad) for p in trained),
         "moments": sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim()),
-    }), flush=True)
+    })
+    # one write call with its newline: both ranks share the stdout pipe, and print's two writes interleaved
+    # ('{...rank 0...}{...rank 1...}' on one line, then two newlines); a pipe write under 4 KiB is atomic
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
     dist.destroy_process_group()
 
 
