@@ -100,9 +100,10 @@ def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
         hub_preflight(str(name), what)
 
 
-def local_adapter_dir(adapter: str | Path) -> Path:
-    """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached)."""
-    check_model_source(adapter, "adapter")
+def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = "") -> Path:
+    """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached); ``what`` and
+    ``hint`` name it and say what to do in the error for a missing folder (:func:`check_model_source`)."""
+    check_model_source(adapter, what, hint)
     if is_local(adapter):
         return Path(adapter)
     from huggingface_hub import snapshot_download

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters import load_method_weights, spec_methods
-from ..loading import check_model_source, local_adapter_dir
+from ..loading import local_adapter_dir
 from ..spec import SPEC_FILENAME, ContextSpec
 from .schema import Recipe
 
@@ -35,8 +35,7 @@ WEIGHTED_KINDS = ("lora", "method")  # what a folder must hold to start a run fr
 def adapter_folder(location: str) -> Path:
     """The adapter folder ``model.init_from`` names: the folder itself, a run folder's ``adapter/``, or a Hub repo
     (downloaded once)."""
-    check_model_source(location, "model.init_from", "; train that stage first, or name its run's adapter/ folder")
-    folder = local_adapter_dir(location)
+    folder = local_adapter_dir(location, "model.init_from", "; train that stage first, or name its run's adapter/ folder")
     if not (folder / SPEC_FILENAME).is_file() and (folder / "adapter" / SPEC_FILENAME).is_file():
         folder = folder / "adapter"
     if not (folder / SPEC_FILENAME).is_file():
