@@ -82,18 +82,66 @@ def test_fsdp2_shards_match_what_each_process_holds(mode):
             assert abs(planned - measured) / measured < 0.10, (mode, keys, planned, measured)
 
 
+def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int]]:
+    """What each of 2 CPU processes holds after one AdamW step under DeepSpeed ZeRO-3, launched by accelerate with the
+    shipped zero3.yaml (tests/zero3_bytes_worker.py)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longpeft.launch import config_file
+
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    worker = Path(__file__).with_name("zero3_bytes_worker.py")
+    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
+                           str(config_file("zero3")), "--num_processes", "2", "--mixed_precision", precision,
+                           "--main_process_port", "29557", str(worker), mode, str(tmp_path / "base")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+    return ranks
+
+
+@pytest.mark.parametrize(("mode", "precision"), [("lora", "bf16"), ("full", "bf16"), ("lora", "no")])
+def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
+    """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
+    (CPU, gloo), within 10%: a float32 LoRA weight under bf16 costs 18 bytes (weight 4, bf16 gradient 2, float32
+    master copy 4, moments 8), a bf16 full fine-tune's 16, float32 20; and the reduce bucket, exactly."""
+    dtype = "bfloat16" if precision == "bf16" else "float32"
+    terms = estimate(_recipe(f"finetune={mode}", f"model.dtype={dtype}"), gpus=2, shape=_shape(), launch="zero3").terms
+    if mode == "full":
+        pairs = [(terms["base weights"], ("trained_weights",)),
+                 (terms["optimizer state and gradients"], ("gradients", "master", "moments"))]
+    else:
+        pairs = [(terms["base weights"], ("frozen_weights",)),
+                 (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "master", "moments"))]
+    for rank in _zero3_rank_bytes(mode, precision, tmp_path):
+        for planned, keys in pairs:
+            measured = sum(rank[key] for key in keys)
+            assert abs(planned - measured) / measured < 0.10, (mode, precision, keys, planned, measured)
+        assert terms["DeepSpeed reduce bucket"] == rank["reduce_bucket"]
+
+
 def test_sharded_and_sequence_parallel_launches_change_the_right_terms(capsys):
     """fsdp2/zero3 divide the state terms by the GPUs (activations stay); ulysses also splits every sequence;
     combinations train --launch refuses are refused here too."""
-    recipe = load_recipe("llama2-7b-harpe-128k")
+    recipe = load_recipe("llama2-7b-harpe-128k")  # a bf16 full fine-tune
     ddp, fsdp2 = estimate(recipe, gpus=8), estimate(recipe, gpus=8, launch="fsdp2")
-    ulysses = estimate(recipe, gpus=8, launch="ulysses")
+    zero3, ulysses = estimate(recipe, gpus=8, launch="zero3"), estimate(recipe, gpus=8, launch="ulysses")
     assert ddp.assumptions["launch"] == "ddp" and estimate(recipe, gpus=1).assumptions["launch"] is None
-    for term in ("base weights", "optimizer state and gradients"):
-        assert fsdp2.terms[term] == -(-ddp.terms[term] // 8) == ulysses.terms[term]
+    state = ("base weights", "optimizer state and gradients")
+    for term in state:
+        assert fsdp2.terms[term] == -(-ddp.terms[term] // 8)
+        assert zero3.terms[term] == ulysses.terms[term]
+    # DeepSpeed: bf16 weights and gradients, float32 master and moments (2 + 2 + 4 + 8); FSDP2: float32 weights,
+    # gradients and moments (4 + 4 + 8): the same 16 bytes per parameter, split otherwise; plus DeepSpeed's bucket
+    assert zero3.terms["base weights"] * 2 == fsdp2.terms["base weights"]
+    assert sum(zero3.terms[term] for term in state) == pytest.approx(sum(fsdp2.terms[term] for term in state), rel=1e-6)
+    assert zero3.terms["DeepSpeed reduce bucket"] == 10**9 and "DeepSpeed reduce bucket" not in fsdp2.terms
     for term in ("checkpointed layer inputs", "one layer's recompute"):
-        assert fsdp2.terms[term] == ddp.terms[term] == ulysses.terms[term] * 8
-    assert estimate(recipe, gpus=8, launch="zero3").terms == fsdp2.terms
+        assert fsdp2.terms[term] == ddp.terms[term] == zero3.terms[term] == ulysses.terms[term] * 8
     assert fsdp2.hours == ddp.hours == ulysses.hours  # communication is not modelled
     # the HARPE recipe does not fit replicated; the lever says how to plan the run README gives, which fits
     assert not ddp.fits and any("plan it with --launch fsdp2 --gpus 8" in lever for lever in ddp.levers())
@@ -175,11 +223,22 @@ def test_tokens_follow_max_steps_then_fractional_epochs(tmp_path, chat_jsonl):
     assert estimate(_recipe("data.demo.n_conversations=48"), gpus=1).assumptions["samples"] == 48
 
 
-def test_trained_weights_in_bfloat16_halve_their_terms():
+def test_trained_weights_in_bfloat16_halve_their_terms_except_under_deepspeed():
     default = estimate(_recipe(), gpus=2).terms
     halved = estimate(_recipe("lora.trainable_dtype=bfloat16"), gpus=2).terms
     for term in ("LoRA", "trainable embedding", "DDP gradient buckets"):
         assert halved[term] * 2 == default[term]
+    # DeepSpeed keeps a float32 master copy and float32 moments whatever the weights' dtype: bf16 saves 2 of 18 bytes
+    # (weight 4 -> 2; gradient in the compute dtype, 2), and the planner does not offer it as a lever there
+    bf16 = ["model.dtype=bfloat16"]
+    zero3 = estimate(_recipe(*bf16), gpus=2, launch="zero3")
+    zero3_half = estimate(_recipe(*bf16, "lora.trainable_dtype=bfloat16"), gpus=2, launch="zero3")
+    assert zero3_half.terms["trainable embedding"] * 18 == zero3.terms["trainable embedding"] * 16
+    tight = estimate(_recipe(*bf16), gpus=2, launch="zero3", gpu_memory_gib=0.5)
+    lever = next(text for text in tight.levers() if text.startswith("trainable embedding"))
+    assert "trainable_dtype" not in lever
+    assert "trainable_dtype" in next(text for text in estimate(_recipe(*bf16), gpus=2, gpu_memory_gib=0.001).levers()
+                                     if text.startswith("trainable embedding"))
 
 
 def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):

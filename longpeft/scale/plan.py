@@ -32,7 +32,13 @@ AdamW state terms are divided by the GPUs, and the DDP buckets give way to the g
 decoder layer while the next is prefetched, in the compute dtype (4-bit weights gather as stored); TRL's fused loss
 gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
 one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its
-live parameters by its own buckets; the same term stands for them. ``ulysses`` also splits every sequence across the
+live parameters by its own buckets; the same term stands for them. DeepSpeed (``zero3``, ``ulysses``) keeps, per
+trained parameter, its weight as stored (LoRA and the embedding copy in ``lora.trainable_dtype``; a full fine-tune's
+weights in the compute dtype, as ``zero.Init`` built them), its gradient in the compute dtype, a separate float32
+master copy and float32 AdamW moments, whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16,
+16 for a bf16 full fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its
+code would reuse float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is
+never equal); plus one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits every sequence across the
 GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per GPU. Communication time
 is not modelled.
 
@@ -56,7 +62,7 @@ from typing import Any
 
 from ..adapters import get_method
 from ..builtin_models import model_location
-from ..launch import SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
+from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -77,6 +83,9 @@ KNOWN_SHAPES.update({
     "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
 })
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO-3 allocates one contiguous gradient bucket of it per GPU
+# (longpeft's launch configs leave it at the default; accelerate writes no "auto" for the Trainer to fill).
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # The terms that grow with the tokens (what sequence parallelism splits; 10 % of them count as fragmentation).
 ACTIVATION_TERMS = ("checkpointed layer inputs", "one layer's recompute", "all layers' activations",
                     "eager attention scores", "loss tiles")
@@ -216,7 +225,10 @@ class Plan:
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
             "one layer's recompute": _either("a shorter data.max_length", sequence),
-            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), an 8-bit optimizer (train.optim: adamw_bnb_8bit), or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)",
+            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer "
+                                   "(train.optim: adamw_bnb_8bit)" + ("" if launch in DEEPSPEED_LAUNCHES else
+                                   ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 "
+                                   "precision)"),
             "base weights": _either(shard, qlora),
             "optimizer state and gradients": _either(shard, "finetune: lora"),
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
@@ -301,25 +313,36 @@ def estimate(
         constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
         linear_bytes = 0.5 + constants
         terms["base weights"] = int(shape.linear_params * linear_bytes + shape.other_params * dtype_bytes)
-    else:  # a full fine-tune trains every weight in float32 (under the compute dtype's autocast)
-        terms["base weights"] = (shape.linear_params + shape.other_params) * (4 if recipe.finetune == "full" else dtype_bytes)
+    else:  # a full fine-tune's trained weights: below
+        terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
     trainable = trainable_matmul = lora_params = 0
-    trained_bytes = 4  # per trained parameter (weight, gradient and each AdamW moment): float32
+    trained_bytes = 4  # per trained weight as stored: float32
+    deepspeed = launch in DEEPSPEED_LAUNCHES
+
+    def with_state(weight_bytes: int) -> int:
+        """Bytes per trained parameter: its weight, gradient and AdamW's two moments, all in the weight's dtype;
+        under DeepSpeed the gradient in the compute dtype, and a float32 master copy and float32 moments whatever the
+        weight's dtype (measured: tests/zero3_bytes_worker.py)."""
+        return weight_bytes + dtype_bytes + 4 + 8 if deepspeed else 4 * weight_bytes
+
     if recipe.finetune == "lora":
         trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
         lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
-        terms["LoRA"] = lora_params * 4 * trained_bytes
+        terms["LoRA"] = lora_params * with_state(trained_bytes)
         trainable = trainable_matmul = lora_params
         if recipe.lora.embeddings == "full":
-            terms["trainable embedding"] = shape.vocab * shape.hidden * 4 * trained_bytes
+            terms["trainable embedding"] = shape.vocab * shape.hidden * with_state(trained_bytes)
             trainable += shape.vocab * shape.hidden
         elif recipe.lora.embeddings == "token_indices":
             rows = len(recipe.lora.trainable_token_indices or [])
-            terms["trainable embedding"] = rows * shape.hidden * 4 * trained_bytes
+            terms["trainable embedding"] = rows * shape.hidden * with_state(trained_bytes)
             trainable += rows * shape.hidden
-    elif recipe.finetune == "full":  # float32 gradients and AdamW moments beside the float32 weights
+    elif recipe.finetune == "full":  # gradients and AdamW moments beside the weights
         full = shape.linear_params + shape.other_params
-        terms["optimizer state and gradients"] = full * 12
+        # float32 weights; under DeepSpeed zero.Init builds them in the compute dtype (beside a float32 master copy)
+        weight_bytes = dtype_bytes if deepspeed else 4
+        terms["base weights"] = full * weight_bytes
+        terms["optimizer state and gradients"] = full * (with_state(weight_bytes) - weight_bytes)
         trainable = full
         trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
     method_levers = {}
@@ -353,13 +376,15 @@ def estimate(
                 terms[term] = -(-terms[term] // shards)
         layer_bytes = shape.linear_params // shape.layers * linear_bytes + (lora_params + method_params) // shape.layers * dtype_bytes
         # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
-        head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" else dtype_bytes)
+        head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" and not deepspeed else dtype_bytes)
         trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
             method_params // shape.layers)
         trained_embedding = shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
         unsharded_gradients = max(trained_layer * dtype_bytes, trained_embedding * dtype_bytes,
                                   head_bytes if recipe.finetune == "full" else 0)
         terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
+        if deepspeed:  # one contiguous gradient bucket, in the compute dtype
+            terms["DeepSpeed reduce bucket"] = DEEPSPEED_REDUCE_BUCKET * dtype_bytes
     elif gpus > 1:
         terms["DDP gradient buckets"] = trainable * trained_bytes
     activations = sum(terms.get(term, 0) for term in ACTIVATION_TERMS)
@@ -392,8 +417,8 @@ def estimate(
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "trained_samples": trained_samples,
-                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({4 * trained_bytes} bytes/param "
-                                        "with AdamW)", "finetune": recipe.finetune,
+                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
+                                        "bytes/param with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
                      "launch": launch, "sequence_parallel": sequence_shards,
                      "can_shard": _allowed(check_sharded, recipe, "sharding"),
