@@ -76,10 +76,17 @@ def qlora(target: int) -> list[str]:
 
 def beacon(target: int) -> list[str]:
     """Activation Beacon on the unchanged base: windows of 96 raw tokens (probe lengths are multiples of W,
-    so the question stays raw), ratios as small as the base's 256 positions allow at the target."""
+    so the question stays raw), ratios as small as the base's 256 positions allow at the target; the released
+    recipes' full-coverage attention with interleaved beacons."""
     ratios = [8, 16] if target <= 4 * W else [16, 32]
     return ["method=beacon", "finetune=method", "rope.rope_theta=10000", f"rope.max_position_embeddings={W}",
             "beacon.window=96", f"beacon.ratios={ratios}", "beacon.sink=1", "beacon.inference_ratio_mix=adapt-16"]
+
+
+def beacon_step(target: int) -> list[str]:
+    """The same, with the paper's stepwise expansion: raw tokens do not see their window's beacons, and their
+    positions stay consecutive (with full coverage each interleaved beacon takes a position between them)."""
+    return beacon(target) + ["beacon.attn=step-expansion", "beacon.attend_prev=false"]
 
 
 CLAIMS = {
@@ -91,6 +98,7 @@ CLAIMS = {
     "utk": "UtK augmentation helps retrieval at equal budget",
     "embeddings": "control for UtK: its rows train the whole input embedding, as here without UtK",
     "beacon": "Activation Beacon: condensed memory reaches past the base's positions without new positions",
+    "beacon-step": "Activation Beacon, stepwise expansion (the paper's best) >= full coverage (the released recipes')",
 }
 VARIANTS = [
     Variant("base", "the base fails beyond W; STRING alone cannot reach past W", lambda t: [], trained=False),
@@ -105,6 +113,7 @@ VARIANTS = [
     Variant("harpe-peak-valley", CLAIMS["harpe-peak-valley"], harpe("peak_valley"), string=False),
     Variant("harpe-peak-valley+utk", CLAIMS["utk"], utk(harpe("peak_valley")), string=False),
     Variant("beacon", CLAIMS["beacon"], beacon, string=False),  # STRING needs a plain KV cache
+    Variant("beacon-step", CLAIMS["beacon-step"], beacon_step, string=False),
 ]
 STRING_CLAIM = "STRING raises retrieval inside the trained length (no training)"
 
@@ -124,25 +133,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def train(variant: Variant, target: int, seed: int, args: argparse.Namespace, folder: Path) -> Path:
-    """Train one variant (resumes an interrupted run; a finished one is reused); returns the adapter folder."""
-    from longpeft.recipes.checkpoints import latest_checkpoint
-    from longpeft.recipes.runner import run
+def variant_recipe(variant: Variant, target: int, seed: int, tokens_per_w: int, folder: Path) -> Any:
+    """The validated recipe that trains ``variant`` to ``target`` x W with ``tokens_per_w`` tokens per W."""
     from longpeft.recipes.schema import load_recipe
 
-    if (folder / "adapter" / "longpeft.json").is_file():
-        return folder / "adapter"
     length = target * W
     window = variant.train_window(length)
     low = max(W // 2, window // 4)
-    n_documents = round(args.tokens_per_w * target / ((low + window - 1) / 2))  # equal tokens for every method
+    n_documents = round(tokens_per_w * target / ((low + window - 1) / 2))  # equal tokens for every method
     overrides = [
         f"output_dir={folder}", f"target_length={length}", f"rope.max_position_embeddings={length}",
         f"data.max_length={window}", f"data.retrieval.min_tokens={low}", f"data.retrieval.max_tokens={window - 1}",
         f"data.retrieval.n_documents={n_documents}", f"data.retrieval.seed={100 + seed}", f"train.seed={seed}",
         "train.save_steps=32",
     ] + variant.overrides(length)  # the variant's own settings win
-    recipe = load_recipe("toy-extend-cpu", overrides)
+    return load_recipe("toy-extend-cpu", overrides)
+
+
+def train(variant: Variant, target: int, seed: int, args: argparse.Namespace, folder: Path) -> Path:
+    """Train one variant (resumes an interrupted run; a finished one is reused); returns the adapter folder."""
+    from longpeft.recipes.checkpoints import latest_checkpoint
+    from longpeft.recipes.runner import run
+
+    if (folder / "adapter" / "longpeft.json").is_file():
+        return folder / "adapter"
+    recipe = variant_recipe(variant, target, seed, args.tokens_per_w, folder)
     return run(recipe, resume=latest_checkpoint(folder) is not None).adapter_dir
 
 
