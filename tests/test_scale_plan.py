@@ -104,18 +104,21 @@ def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int
     return ranks
 
 
-@pytest.mark.parametrize(("mode", "precision"), [("lora", "bf16"), ("full", "bf16"), ("lora", "no")])
+@pytest.mark.parametrize(("mode", "precision"), [("lora", "bf16"), ("full", "bf16"), ("lora", "no"), ("qlora", "bf16")])
 def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
     """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
     (CPU, gloo), within 10%: a float32 LoRA weight under bf16 costs 18 bytes (weight 4, bf16 gradient 2, float32
-    master copy 4, moments 8), a bf16 full fine-tune's 16, float32 20; and the reduce bucket, exactly."""
+    master copy 4, moments 8), a bf16 full fine-tune's and QLoRA's 16 (DeepSpeed casts the LoRA weights of a model
+    zero.Init did not build), float32 20; a 4-bit base's packed weights are sharded, its quantization constants
+    not; and the reduce bucket, exactly."""
     dtype = "bfloat16" if precision == "bf16" else "float32"
-    terms = estimate(_recipe(f"finetune={mode}", f"model.dtype={dtype}"), gpus=2, shape=_shape(), launch="zero3").terms
+    extra = ["finetune=lora", "model.load_in_4bit=true"] if mode == "qlora" else [f"finetune={mode}"]
+    terms = estimate(_recipe(*extra, f"model.dtype={dtype}"), gpus=2, shape=_shape(), launch="zero3").terms
     if mode == "full":
         pairs = [(terms["base weights"], ("trained_weights",)),
                  (terms["optimizer state and gradients"], ("gradients", "master", "moments"))]
     else:
-        pairs = [(terms["base weights"], ("frozen_weights",)),
+        pairs = [(terms["base weights"], ("frozen_weights", "quant_constants")),
                  (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "master", "moments"))]
     for rank in _zero3_rank_bytes(mode, precision, tmp_path):
         for planned, keys in pairs:

@@ -25,6 +25,15 @@ def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
 
 
+def quant_tensors(state) -> list[torch.Tensor]:
+    """The tensors of a bitsandbytes 4-bit quant state: absmax, and with double quantization its own absmax,
+    offset and code (what the planner counts as quantization constants)."""
+    tensors = [state.absmax]
+    if state.nested:
+        tensors += [state.state2.absmax, state.offset]
+    return tensors
+
+
 def main(mode: str, base: str) -> None:
     from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model
@@ -36,8 +45,14 @@ def main(mode: str, base: str) -> None:
     accelerator = Accelerator()
     assert is_deepspeed_zero3_enabled()  # so from_pretrained builds the base partitioned, inside zero.Init
     compute = torch.bfloat16 if accelerator.mixed_precision == "bf16" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=compute)
-    if mode == "lora":
+    quantization = None
+    if mode == "qlora":  # as the runner's quantization_config: NF4, double quantization, storage in the compute dtype
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                          bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=compute)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=compute, quantization_config=quantization)
+    if mode in ("lora", "qlora"):
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                                  modules_to_save=["embed_tokens"]))
     # trained weights in float32 (the runner's default lora.trainable_dtype), the forward in the compute dtype
@@ -56,6 +71,8 @@ def main(mode: str, base: str) -> None:
     line = json.dumps({
         "rank": torch.distributed.get_rank(),
         "frozen_weights": sum(nbytes(p.ds_tensor) for p in frozen),
+        "quant_constants": sum(nbytes(t) for p in frozen if getattr(p, "quant_state", None) is not None
+                               for t in quant_tensors(p.quant_state)),
         "trained_weights": sum(nbytes(p.ds_tensor) for p in trained),
         "trained_dtype": str(trained[0].ds_tensor.dtype),
         "gradients": nbytes(zero.grad_partitions_flat_buffer),

@@ -31,12 +31,14 @@ Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs Ze
 AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
 decoder layer while the next is prefetched, in the compute dtype (4-bit weights gather as stored); TRL's fused loss
 gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
-one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its
+one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). A 4-bit base's
+quantization constants are no parameters and stay whole on every GPU. ZeRO-3 bounds its
 live parameters by its own buckets; the same term stands for them. DeepSpeed (``zero3``, ``ulysses``) keeps, per
 trained parameter, its weight as stored (LoRA and the embedding copy in ``lora.trainable_dtype``; a full fine-tune's
-weights in the compute dtype, as ``zero.Init`` built them), its gradient in the compute dtype, a separate float32
-master copy and float32 AdamW moments, whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16,
-16 for a bf16 full fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its
+weights in the compute dtype, as ``zero.Init`` built them; over a 4-bit base, which ``zero.Init`` does not build,
+DeepSpeed casts every weight to the compute dtype), its gradient in the compute dtype, a separate float32 master
+copy and float32 AdamW moments, whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16, 16 for
+QLoRA and for a bf16 full fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its
 code would reuse float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is
 never equal); plus one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits every sequence across the
 GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per GPU. Communication time
@@ -307,12 +309,15 @@ def estimate(
     activation_tokens = -(-batch * tokens_per_sample // sequence_shards)
 
     terms: dict[str, int] = {}
+    whole: dict[str, int] = {}  # bytes of a term that sharding leaves whole on every GPU
     linear_bytes = dtype_bytes  # per parameter of the decoder layers' linear projections, as stored
     if recipe.model.load_in_4bit:
-        # one absmax per 64 weights: fp32, or with double quantization 8-bit plus one fp32 per 256 of those
+        # one absmax per 64 weights: fp32, or with double quantization 8-bit plus one fp32 per 256 of those;
+        # they are no parameters (bitsandbytes' quant state), so FSDP2 and ZeRO-3 shard only the packed weights
         constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
         linear_bytes = 0.5 + constants
         terms["base weights"] = int(shape.linear_params * linear_bytes + shape.other_params * dtype_bytes)
+        whole["base weights"] = int(shape.linear_params * constants)
     else:  # a full fine-tune's trained weights: below
         terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
     trainable = trainable_matmul = lora_params = 0
@@ -327,6 +332,8 @@ def estimate(
 
     if recipe.finetune == "lora":
         trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
+        if deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
+            trained_bytes = dtype_bytes
         lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
         terms["LoRA"] = lora_params * with_state(trained_bytes)
         trainable = trainable_matmul = lora_params
@@ -373,7 +380,8 @@ def estimate(
     if shards > 1:  # weights, gradients and AdamW state are split; the units in use are gathered whole
         for term in list(terms):
             if term not in ACTIVATION_TERMS:
-                terms[term] = -(-terms[term] // shards)
+                kept = whole.get(term, 0)
+                terms[term] = kept + -(-(terms[term] - kept) // shards)
         layer_bytes = shape.linear_params // shape.layers * linear_bytes + (lora_params + method_params) // shape.layers * dtype_bytes
         # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
         head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" and not deepspeed else dtype_bytes)
