@@ -31,18 +31,18 @@ Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs Ze
 AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
 decoder layer while the next is prefetched, in the compute dtype (4-bit weights gather as stored); TRL's fused loss
 gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
-one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). A 4-bit base's
-quantization constants are no parameters and stay whole on every GPU. ZeRO-3 bounds its
-live parameters by its own buckets; the same term stands for them. DeepSpeed (``zero3``, ``ulysses``) keeps, per
-trained parameter, its weight as stored (LoRA and the embedding copy in ``lora.trainable_dtype``; a full fine-tune's
-weights in the compute dtype, as ``zero.Init`` built them; over a 4-bit base, which ``zero.Init`` does not build,
-DeepSpeed casts every weight to the compute dtype), its gradient in the compute dtype, a separate float32 master
-copy and float32 AdamW moments, whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16, 16 for
-QLoRA and for a bf16 full fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its
-code would reuse float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is
-never equal); plus one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits every sequence across the
-GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per GPU. Communication time
-is not modelled.
+one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its
+live parameters by its own buckets; the same term stands for them. A 4-bit base's quantization constants are no
+parameters and stay whole on every GPU. DeepSpeed (``zero3``, ``ulysses``) keeps, per trained parameter, its weight
+as stored (LoRA and the embedding copy in ``lora.trainable_dtype``; a full fine-tune's weights in the compute dtype,
+as ``zero.Init`` built them; over a 4-bit base, which ``zero.Init`` does not build, DeepSpeed casts every weight to
+the compute dtype), its gradient in the compute dtype, a separate float32 master copy and float32 AdamW moments,
+whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16, 16 for QLoRA and for a bf16 full
+fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its code would reuse
+float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is never equal); plus
+one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits
+every sequence across the GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per
+GPU. Communication time is not modelled.
 
 Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
 LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
