@@ -48,35 +48,38 @@ def test_adapter_and_optimizer_bytes_match_one_adamw_step():
     assert abs(planned - measured) / measured < 0.10
 
 
-def _fsdp2_rank_bytes(mode: str) -> list[dict[str, int]]:
+def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
     """What each of 2 CPU processes holds after one AdamW step under torch's FSDP2 (tests/fsdp2_bytes_worker.py)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
+    tiny_model("llama").save_pretrained(tmp_path / "base")  # what the qlora mode loads in 4 bits
     worker = Path(__file__).with_name("fsdp2_bytes_worker.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), mode], capture_output=True, text=True, timeout=300)
+                           str(worker), mode, str(tmp_path / "base")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(rank["rank"] for rank in ranks) == [0, 1]
     return ranks
 
 
-@pytest.mark.parametrize("mode", ["full", "lora"])
-def test_fsdp2_shards_match_what_each_process_holds(mode):
+@pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
+def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
     """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
-    the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%."""
-    terms = estimate(_recipe(f"finetune={mode}"), gpus=2, shape=_shape(), launch="fsdp2").terms
+    the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%; a 4-bit base's
+    packed weights are sharded, its quantization constants (bitsandbytes' quant state, on the module) stay whole."""
+    extra = ["finetune=lora", "model.load_in_4bit=true", "model.dtype=bfloat16"] if mode == "qlora" else [f"finetune={mode}"]
+    terms = estimate(_recipe(*extra), gpus=2, shape=_shape(), launch="fsdp2").terms
     assert "DDP gradient buckets" not in terms and terms["gathered layers and LM head"] > 0
     if mode == "full":
         pairs = [(terms["base weights"], "trained_weights"),
                  (terms["optimizer state and gradients"], ("gradients", "moments"))]
     else:
-        pairs = [(terms["base weights"], "frozen_weights"),
+        pairs = [(terms["base weights"], ("frozen_weights", "quant_constants")),
                  (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "moments"))]
-    for rank in _fsdp2_rank_bytes(mode):
+    for rank in _fsdp2_rank_bytes(mode, tmp_path):
         for planned, keys in pairs:
             measured = sum(rank[key] for key in ((keys,) if isinstance(keys, str) else keys))
             assert abs(planned - measured) / measured < 0.10, (mode, keys, planned, measured)
