@@ -128,6 +128,19 @@ def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs
 # from_pretrained arguments that also decide where the base's config is read from
 CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder", "proxies",
                  "force_download")
+# What from_pretrained's look-up of an adapter_config.json in the base repo must honour too: transformers passes it the
+# token and revision only (5.17 to 5.23), so under local_files_only=True it still asked the Hub for that file (about
+# 20 s of retries on a machine without internet) and looked outside cache_dir.
+ADAPTER_LOOKUP_KWARGS = ("cache_dir", "local_files_only", "subfolder", "proxies", "force_download")
+
+
+def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``from_pretrained_kwargs`` whose ``adapter_kwargs`` (the base repo's adapter look-up) also get the caller's
+    :data:`ADAPTER_LOOKUP_KWARGS`; what the caller set in ``adapter_kwargs`` wins."""
+    lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
+    if not lookup:
+        return from_pretrained_kwargs
+    return {**from_pretrained_kwargs, "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}}
 
 
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -184,7 +197,7 @@ def load(
         from_pretrained_kwargs = pin_base_revision(spec, name, from_pretrained_kwargs)
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
-        model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, **with_adapter_lookup_kwargs(from_pretrained_kwargs))
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)

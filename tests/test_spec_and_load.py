@@ -137,8 +137,17 @@ def test_load_applies_the_adapters_generation_config(tiny_base_dirs, tmp_path):
 
 
 def test_load_reads_the_bases_config_with_cache_dir(tiny_base_dirs, tmp_path, monkeypatch):
-    """cache_dir (and local_files_only, ...) reached from_pretrained but not the base's AutoConfig."""
+    """cache_dir (and local_files_only, ...) reached from_pretrained but not the base's AutoConfig; and
+    from_pretrained's own look-up of an adapter_config.json in the base repo asked the Hub despite local_files_only
+    (transformers passes it the token and revision only: 20 s of retries here, where the Hub cannot be reached)."""
+    import huggingface_hub.file_download
+
     from longpeft import loading
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"asked the Hub for {args} {kwargs} under local_files_only=True")
+
+    monkeypatch.setattr(huggingface_hub.file_download, "get_hf_file_metadata", no_hub)
 
     snapshot = tmp_path / "cache" / "models--someorg--tiny-base" / "snapshots" / ("a" * 40)
     shutil.copytree(tiny_base_dirs("llama"), snapshot)
