@@ -4,8 +4,9 @@ trained weights in float32), prepare it and torch AdamW with accelerate, take on
 one JSON line of the bytes that rank holds under ZeRO-3: weight partitions (frozen and trained), the gradient
 partitions, the float32 master partitions, AdamW's moments, and the reduce bucket.
 
-Arguments: ``full`` (every weight trains) or ``lora`` (LoRA r=4 on q, k, v, o and a trained copy of the input
-embedding, as the planner's tiny-cpu recipe); the saved tiny base's folder. The precision is the launch's
+Arguments: ``full`` (every weight trains), ``lora`` (LoRA r=4 on q, k, v, o and a trained copy of the input
+embedding, as the planner's tiny-cpu recipe) or ``qlora`` (the same over the base loaded in 4 bits, NF4 with double
+quantization, as the runner's ``quantization_config``); the saved tiny base's folder. The precision is the launch's
 ``--mixed_precision`` (``no``: float32; ``bf16``: DeepSpeed's bf16 mode). The sizes are read from the DeepSpeed
 optimizer's own tensors, so they are what this release allocates, not what the planner assumes. Not counted: the
 whole copies DeepSpeed keeps on every rank of parameters under ``stage3_param_persistence_threshold`` (1e5
@@ -19,19 +20,11 @@ import os
 import sys
 
 import torch
+from fsdp2_bytes_worker import quant_tensors  # this folder is on sys.path when the worker runs as a script
 
 
 def nbytes(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.numel() * tensor.element_size()
-
-
-def quant_tensors(state) -> list[torch.Tensor]:
-    """The tensors of a bitsandbytes 4-bit quant state: absmax, and with double quantization its own absmax,
-    offset and code (what the planner counts as quantization constants)."""
-    tensors = [state.absmax]
-    if state.nested:
-        tensors += [state.state2.absmax, state.offset]
-    return tensors
 
 
 def main(mode: str, base: str) -> None:
