@@ -27,11 +27,18 @@ def undo_after_checkpoint(whole: Path, killed: Path, checkpoint: int, last: int)
     (killed / "metrics.json").unlink()
 
 
-def assert_resumed_as_uninterrupted(whole: Path, killed: Path, steps: list[int]) -> None:
-    """The resumed run ends with the uninterrupted run's adapter (atol 1e-6) and losses (rel 1e-5) at ``steps``."""
-    one, two = (load_file(folder / "adapter" / "adapter_model.safetensors") for folder in (whole, killed))
+def assert_same_weights(expected: Path, actual: Path, atol: float, rtol: float) -> None:
+    """The safetensors file ``actual`` holds the tensors of ``expected`` (same names, none missing), each within
+    ``atol`` + ``rtol``."""
+    one, two = load_file(expected), load_file(actual)
     assert one.keys() == two.keys() and one
     for key in one:
-        torch.testing.assert_close(two[key], one[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=atol, rtol=rtol)
+
+
+def assert_resumed_as_uninterrupted(whole: Path, killed: Path, steps: list[int]) -> None:
+    """The resumed run ends with the uninterrupted run's adapter (atol 1e-6) and losses (rel 1e-5) at ``steps``."""
+    assert_same_weights(*(folder / "adapter" / "adapter_model.safetensors" for folder in (whole, killed)), atol=1e-6,
+                        rtol=0)
     (resumed_steps, resumed), (expected_steps, expected) = logged_losses(killed), logged_losses(whole)
     assert resumed_steps == expected_steps == steps and resumed == pytest.approx(expected, rel=1e-5)

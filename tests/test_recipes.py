@@ -18,7 +18,12 @@ from longpeft.cli import main
 from longpeft.recipes.runner import gradient_accumulation, prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
 from conftest import write_chat_jsonl  # tests/conftest.py
-from run_helpers import assert_resumed_as_uninterrupted, logged_losses, undo_after_checkpoint  # tests/run_helpers.py
+from run_helpers import (  # tests/run_helpers.py
+    assert_resumed_as_uninterrupted,
+    assert_same_weights,
+    logged_losses,
+    undo_after_checkpoint,
+)
 
 pytestmark = pytest.mark.compat  # also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
 
@@ -205,9 +210,8 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
         "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
 
     assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
-    one, two = load_file(single.adapter_dir / "adapter_model.safetensors"), load_file(out / "adapter" / "adapter_model.safetensors")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], atol=1e-5, rtol=1e-4)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors", out / "adapter" / "adapter_model.safetensors",
+                        atol=1e-5, rtol=1e-4)
 
 
 def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
@@ -292,11 +296,8 @@ def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_che
         f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "train.max_steps=4",
         "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
     assert logged_losses(whole)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    one = load_file(single.adapter_dir / "adapter_model.safetensors")
-    two = load_file(whole / "adapter" / "adapter_model.safetensors")
-    assert one.keys() == two.keys()
-    for key in one:
-        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors", whole / "adapter" / "adapter_model.safetensors",
+                        atol=1e-4, rtol=1e-3)
 
     assert any((whole / "checkpoints" / "checkpoint-2").glob(SHARDS[launch]))  # sharded, not whole
     undo_after_checkpoint(whole, killed, 2, 4)
@@ -336,11 +337,8 @@ def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlo
     resolved = json.loads((tmp_path / "sharded" / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["quantization"]["load_in_4bit"]
     assert logged_losses(tmp_path / "sharded")[1] == pytest.approx(logged_losses(single)[1], rel=1e-3)
-    one = load_file(single / "adapter" / "adapter_model.safetensors")
-    two = load_file(tmp_path / "sharded" / "adapter" / "adapter_model.safetensors")
-    assert one.keys() == two.keys() and one
-    for key in one:
-        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+    assert_same_weights(single / "adapter" / "adapter_model.safetensors",
+                        tmp_path / "sharded" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize(("recipe", "port"), [("tiny-cpu", 29548), ("tiny-harpe-cpu", 29549)])
@@ -364,11 +362,8 @@ def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl
     assert resolved["effective_global_batch_size"] == 1  # both processes read the same sequence
     single = run(load_recipe(recipe, [*overrides, f"output_dir={tmp_path / 'one'}"]))
     assert logged_losses(tmp_path / "ulysses")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    one = load_file(single.adapter_dir / "adapter_model.safetensors")
-    two = load_file(tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors")
-    assert one.keys() == two.keys() and one
-    for key in one:
-        torch.testing.assert_close(two[key].cpu(), one[key].cpu(), atol=1e-4, rtol=1e-3)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
+                        tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
 
 
 @pytest.mark.parametrize("launch", SHARDED)

@@ -48,21 +48,28 @@ def test_adapter_and_optimizer_bytes_match_one_adamw_step():
     assert abs(planned - measured) / measured < 0.10
 
 
-def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
-    """What each of 2 CPU processes holds after one AdamW step under torch's FSDP2 (tests/fsdp2_bytes_worker.py)."""
+def _rank_bytes(launcher: list[str], worker: str, mode: str, tmp_path) -> list[dict[str, int]]:
+    """Run ``tests/<worker>`` on 2 CPU processes under ``launcher`` with ``mode`` and the saved tiny model (what the
+    qlora mode loads in 4 bits): the JSON line of bytes each process printed after one AdamW step."""
     import json
     import subprocess
-    import sys
     from pathlib import Path
 
-    tiny_model("llama").save_pretrained(tmp_path / "base")  # what the qlora mode loads in 4 bits
-    worker = Path(__file__).with_name("fsdp2_bytes_worker.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(worker), mode, str(tmp_path / "base")], capture_output=True, text=True, timeout=300)
+    tiny_model("llama").save_pretrained(tmp_path / "base")
+    proc = subprocess.run([*launcher, str(Path(__file__).with_name(worker)), mode, str(tmp_path / "base")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(rank["rank"] for rank in ranks) == [0, 1]
     return ranks
+
+
+def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
+    """What each of 2 CPU processes holds under torch's FSDP2 (tests/fsdp2_bytes_worker.py)."""
+    import sys
+
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return _rank_bytes(launcher, "fsdp2_bytes_worker.py", mode, tmp_path)
 
 
 @pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
@@ -86,25 +93,16 @@ def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
 
 
 def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int]]:
-    """What each of 2 CPU processes holds after one AdamW step under DeepSpeed ZeRO-3, launched by accelerate with the
-    shipped zero3.yaml (tests/zero3_bytes_worker.py)."""
-    import json
-    import subprocess
+    """What each of 2 CPU processes holds under DeepSpeed ZeRO-3, launched by accelerate with the shipped zero3.yaml
+    (tests/zero3_bytes_worker.py)."""
     import sys
     from pathlib import Path
 
     from longpeft.launch import config_file
 
-    tiny_model("llama").save_pretrained(tmp_path / "base")
-    worker = Path(__file__).with_name("zero3_bytes_worker.py")
-    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file",
-                           str(config_file("zero3")), "--num_processes", "2", "--mixed_precision", precision,
-                           "--main_process_port", "29557", str(worker), mode, str(tmp_path / "base")],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
-    return ranks
+    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file("zero3")),
+                "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", "29557"]
+    return _rank_bytes(launcher, "zero3_bytes_worker.py", mode, tmp_path)
 
 
 @pytest.mark.parametrize(("mode", "precision"), [("lora", "bf16"), ("full", "bf16"), ("lora", "no"), ("qlora", "bf16")])
