@@ -74,10 +74,9 @@ def main(mode: str, base: str) -> None:
         "reduce_bucket": sum(nbytes(bucket.buffer) for bucket in zero.ipg_buckets.values()),
     })
     os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: the ranks share the pipe
-    torch.distributed.barrier()
-    # skip interpreter teardown: a DeepSpeed/gloo thread still alive then aborts the process about 1 run in 2
-    # ("terminate called without an active exception"), after the bytes were written
-    os._exit(0)
+    from longpeft.cli import exit_without_teardown
+
+    exit_without_teardown()  # DeepSpeed's CPU processes abort at teardown now and then, after the bytes were written
 
 
 if __name__ == "__main__":
