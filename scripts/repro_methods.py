@@ -39,7 +39,8 @@ class Variant:
     name: str
     claim: str
     overrides: Callable[[int], list[str]]  # target length -> recipe overrides
-    train_window: Callable[[int], int] = lambda target: target  # longest training document
+    train_window: Callable[[int], int] = lambda target: target  # data.max_length
+    longest_document: Callable[[int], int] | None = None  # default: the window (PoSE's content skip: the target)
     trained: bool = True
     string: bool = True  # STRING on top at inference (refused with HARPE's per-head bases)
 
@@ -55,6 +56,10 @@ def rope(target: int) -> list[str]:
 
 def pose(target: int) -> list[str]:
     return rope(target) + ["method=pose", "pose.n_chunks=2", f"pose.target_length={target}"]
+
+
+def pose_content(skip: str) -> Callable[[int], list[str]]:
+    return lambda target: pose(target) + [f"pose.content_skip={skip}"]
 
 
 def harpe(selection: str) -> Callable[[int], list[str]]:
@@ -93,6 +98,8 @@ CLAIMS = {
     "rope": "RoPE base + LoRA (the 80K-overnight recipe): extends retrieval to the trained length",
     "qlora": "QLoRA 4-bit loses little against 16/32-bit LoRA",
     "pose": "PoSE: training in W with skip-wise positions comes close to training at full length",
+    "pose-content": "PoSE's content skip (W-token windows drawn from documents up to the target) ~ the window's "
+                    "first tokens (the paper's Table 4)",
     "harpe-uniform": "HARPE: per-head bases >= one shared base at equal budget",
     "harpe-peak-valley": "HARPE peak-valley selection >= uniform bases",
     "utk": "UtK augmentation helps retrieval at equal budget",
@@ -108,6 +115,10 @@ VARIANTS = [
     Variant("qlora", CLAIMS["qlora"], qlora),
     Variant("qlora+utk", CLAIMS["utk"], utk(qlora)),
     Variant("pose", CLAIMS["pose"], pose, train_window=lambda target: W),
+    Variant("pose+uniform", CLAIMS["pose-content"], pose_content("uniform"), train_window=lambda target: W,
+            longest_document=lambda target: target),
+    Variant("pose+aligned", CLAIMS["pose-content"], pose_content("aligned"), train_window=lambda target: W,
+            longest_document=lambda target: target),
     Variant("harpe-uniform", CLAIMS["harpe-uniform"], harpe("uniform"), string=False),
     Variant("harpe-uniform+utk", CLAIMS["utk"], utk(harpe("uniform")), string=False),
     Variant("harpe-peak-valley", CLAIMS["harpe-peak-valley"], harpe("peak_valley"), string=False),
@@ -139,11 +150,13 @@ def variant_recipe(variant: Variant, target: int, seed: int, tokens_per_w: int, 
 
     length = target * W
     window = variant.train_window(length)
-    low = max(W // 2, window // 4)
-    n_documents = round(tokens_per_w * target / ((low + window - 1) / 2))  # equal tokens for every method
+    longest = variant.longest_document(length) if variant.longest_document else window
+    low = max(W // 2, longest // 4)
+    trained_per_document = sum(min(n, window) for n in range(low, longest)) / (longest - low)  # lengths low..longest-1
+    n_documents = round(tokens_per_w * target / trained_per_document)  # equal trained tokens for every method
     overrides = [
         f"output_dir={folder}", f"target_length={length}", f"rope.max_position_embeddings={length}",
-        f"data.max_length={window}", f"data.retrieval.min_tokens={low}", f"data.retrieval.max_tokens={window - 1}",
+        f"data.max_length={window}", f"data.retrieval.min_tokens={low}", f"data.retrieval.max_tokens={longest - 1}",
         f"data.retrieval.n_documents={n_documents}", f"data.retrieval.seed={100 + seed}", f"train.seed={seed}",
         "train.save_steps=32",
     ] + variant.overrides(length)  # the variant's own settings win

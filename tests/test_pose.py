@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from longpeft.adapters.pose import PoseCollator, pose_position_ids
+from longpeft.adapters.pose import PoseCollator, pose_position_ids, pose_sample
 from longpeft.tiny import tiny_model
 
 
@@ -47,6 +47,99 @@ def test_position_ids_are_seeded_and_validated():
         pose_position_ids(100, 50)
     with pytest.raises(ValueError, match="n_chunks"):
         pose_position_ids(3, 50, n_chunks=4)
+
+
+def eq5_reference(x, window, target, n_chunks, content_skip, seed):
+    """The paper's Eq. 5 by slicing: chunk i holds x[v_i + st_i : v_i + st_i + l_i] at positions u_i + st_i ...,
+    with the draws made in pose_sample's documented order (cut points, then the u_i, then the v_i) from ``seed``."""
+    rng = np.random.default_rng(seed)
+    length = min(window, len(x))
+    cuts = sorted(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False).tolist()) if n_chunks > 1 else []
+    starts, ends = [0, *cuts], [*cuts, length]
+
+    def draw(most):
+        skips = [0]
+        for _ in range(n_chunks - 1):
+            skips.append(int(rng.integers(skips[-1], most + 1)))
+        return skips
+
+    if content_skip == "none":
+        u, v = draw(target - length), [0] * n_chunks
+    elif content_skip == "aligned":
+        u = v = draw(min(len(x), target) - length)
+    else:
+        u = draw(target - length)
+        v = draw(len(x) - length)
+    tokens, positions = [], []
+    for st, end, ui, vi in zip(starts, ends, u, v):
+        tokens += list(x[vi + st: vi + end])
+        positions += list(range(ui + st, ui + end))
+    return tokens, positions
+
+
+@pytest.mark.parametrize("content_skip", ["none", "uniform", "aligned"])
+def test_pose_sample_equals_eq5_by_slicing(content_skip):
+    """Every draw: the tokens pose_sample picks are the Eq. 5 chunks of the text, at the Eq. 5 positions."""
+    draws = np.random.default_rng(5)
+    for trial in range(300):
+        source = int(draws.integers(1, 400))
+        window, target = int(draws.integers(1, 64)), 400
+        n_chunks = int(draws.integers(1, min(window, source) + 1))
+        x = draws.integers(0, 1000, source)
+        index, positions = pose_sample(source, window, target, n_chunks, content_skip, rng=trial)
+        tokens, expected_positions = eq5_reference(x, window, target, n_chunks, content_skip, trial)
+        assert x[index].tolist() == tokens and positions.tolist() == expected_positions
+        assert index[-1] < source and positions[-1] < target and (np.diff(positions) >= 1).all()
+        if content_skip == "aligned":
+            assert np.array_equal(index, positions)  # each token at its own position in the text
+
+
+def test_pose_sample_without_content_skip_draws_the_plain_position_ids():
+    """``none`` is the sample's first L_c tokens with what pose_position_ids draws (runs before content_skip existed
+    draw the same positions)."""
+    index, positions = pose_sample(300, 100, 1000, 2, "none", rng=3)
+    assert np.array_equal(index, np.arange(100)) and np.array_equal(positions, pose_position_ids(100, 1000, 2, 3))
+
+
+def test_content_skip_reaches_every_token_and_aligned_every_distance():
+    """Uniform offsets draw the window from anywhere in the text (first and last token included); aligned positions
+    cover every distance up to min(L_x, L_t) - 1, and no further."""
+    rng = np.random.default_rng(0)
+    seen, distances = set(), set()
+    for _ in range(2000):
+        index, _ = pose_sample(200, 16, 1000, 2, "uniform", rng)
+        seen |= set(index.tolist())
+        index, positions = pose_sample(200, 16, 150, 2, "aligned", rng)
+        distances |= set((positions[:, None] - positions[None, :]).ravel().tolist())
+    assert seen == set(range(200))
+    assert set(range(150)) == {d for d in distances if d >= 0}
+
+
+def test_collator_draws_the_window_from_longer_samples_with_content_skip():
+    """With content_skip the collator keeps a long sample whole until it draws the window (seeded by the whole
+    sample), takes the labels with the tokens, and leaves the first token after a skipped stretch unscored."""
+    x = np.arange(1000, 1600)  # 600 distinct tokens: a token's id tells its place in the text
+    collator = PoseCollator(target_length=1024, pad_token_id=0, max_length=64, seed=2, content_skip="aligned")
+    short = list(range(2000, 2040))
+    batch = collator([{"input_ids": x.tolist()}, {"input_ids": short}])
+    ids, labels, positions = batch["input_ids"][0].numpy(), batch["labels"][0].numpy(), batch["position_ids"][0].numpy()
+    assert ids.shape == (64,) and np.array_equal(ids, x[positions])  # aligned: every token at its real position
+    jumps = np.flatnonzero(np.diff(positions) > 1) + 1
+    assert len(jumps) == 1, "seed 2 skips once; pick another seed if the draw changes"
+    unscored = np.flatnonzero(labels == -100)
+    assert unscored.tolist() == jumps.tolist() and np.array_equal(np.delete(labels, jumps), np.delete(ids, jumps))
+    # a sample no longer than the window is not skipped within: its tokens as they are, PoSE positions
+    assert batch["input_ids"][1, :40].tolist() == short and batch["labels"][1, :40].tolist() == short
+    assert batch["labels"][1, 40:].eq(-100).all()
+    again = collator([{"input_ids": x.tolist()}])
+    assert torch.equal(again["position_ids"][0], batch["position_ids"][0])  # seeded by the sample itself
+    uniform = PoseCollator(target_length=1024, pad_token_id=0, max_length=64, seed=2, content_skip="uniform")
+    drawn = uniform([{"input_ids": x.tolist()}])["input_ids"][0].numpy()
+    assert set(drawn.tolist()) <= set(x.tolist()) and (np.diff(drawn) >= 1).all()
+    with pytest.raises(ValueError, match="content_skip='aligned' draws a window from each sample: set max_length"):
+        PoseCollator(target_length=1024, pad_token_id=0, content_skip="aligned")
+    with pytest.raises(ValueError, match="content_skip must be none, uniform or aligned"):
+        PoseCollator(target_length=1024, pad_token_id=0, max_length=64, content_skip="random")
 
 
 def test_collator_keeps_positions_and_passes_an_all_ones_mask():
@@ -124,7 +217,7 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     spec = ContextSpec.load(result.adapter_dir)
-    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048}
+    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048, "content_skip": "none"}
 
 
 @pytest.mark.parametrize(
@@ -177,3 +270,58 @@ def test_a_killed_pose_run_resumes_to_the_uninterrupted_adapter(tiny_base_dirs, 
     a = load_file(straight.adapter_dir / "adapter_model.safetensors")
     b = load_file(resumed.adapter_dir / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def write_text_jsonl(path, lengths, seed=0):
+    """Plain-text documents of roughly ``lengths`` words each."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = "the river city report market north south garden harbor station amber cedar dune".split()
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n" for n in lengths))
+    return path
+
+
+def test_content_skip_in_a_recipe_trains_on_windows_drawn_from_long_documents(tiny_base_dirs, tmp_path):
+    """`pose.content_skip: aligned` on plain text: documents up to pose.target_length reach the collator whole (TRL
+    does not cut them to data.max_length), and every trained token sits at its own position in its document."""
+    from longpeft.recipes.runner import prepare, run
+    from longpeft.recipes.schema import load_recipe
+    from longpeft.spec import ContextSpec
+
+    docs = write_text_jsonl(tmp_path / "docs.jsonl", [10, 300, 400, 500, 1500])
+    recipe = load_recipe("tiny-cpu", [
+        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={docs}", "data.format=text",
+        "data.max_length=64", "method=pose", "pose.content_skip=aligned", "target_length=1024",
+        "rope.max_position_embeddings=1024", f"output_dir={tmp_path / 'run'}", "train.max_steps=1",
+        "train.global_batch_size=2", "train.per_device_batch_size=2", "lora.r=2", "lora.embeddings=none"])
+    prepared = prepare(recipe)
+    stats = prepared.data_stats
+    assert stats["kept"] == 4 and stats["dropped"] == 1 and stats["longer_than_window"] == 3  # 1500 words > 1024
+    documents = [row["input_ids"] for row in prepared.trainer.train_dataset]
+    assert sorted(map(len, documents))[-1] > 64  # not cut to the window on the way
+    for batch in prepared.trainer.get_train_dataloader():
+        for ids, positions, real in zip(batch["input_ids"], batch["position_ids"], batch["input_ids"] != 0):
+            ids, positions = ids[real].tolist(), positions[real].tolist()
+            assert len(ids) <= 64 and any(len(doc) > max(positions) and [doc[p] for p in positions] == ids
+                                          for doc in documents)
+    result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
+    assert ContextSpec.load(result.adapter_dir).methods["pose"]["content_skip"] == "aligned"
+
+
+def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_window(
+        tiny_base_dirs, chat_jsonl, tmp_path):
+    """A skip would cut a conversation's context from its answer; documents no longer than the window leave
+    nothing to skip (the setting would silently change nothing)."""
+    from longpeft.recipes.runner import prepare
+    from longpeft.recipes.schema import RecipeError, load_recipe
+
+    pose = ["method=pose", "pose.content_skip=uniform", "target_length=1024", "rope.max_position_embeddings=1024",
+            f"model.name_or_path={tiny_base_dirs('llama')}", f"output_dir={tmp_path / 'run'}", "lora.r=2"]
+    with pytest.raises(RecipeError, match="pose.content_skip: uniform skips stretches of text.*data.format: text"):
+        load_recipe("tiny-cpu", [f"data.source={chat_jsonl}", *pose])
+    docs = write_text_jsonl(tmp_path / "short.jsonl", [20, 30])
+    recipe = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text", "data.max_length=256", *pose])
+    with pytest.raises(ValueError, match="no training sample is longer than data.max_length=256 tokens"):
+        prepare(recipe)

@@ -17,8 +17,13 @@ spec.loader.exec_module(repro)
 
 
 def _planned_tokens(recipe) -> float:
-    """Tokens of the recipe's documents: their count times their mean length."""
-    retrieval = recipe.data.retrieval
+    """Tokens trained on: the documents' count times their mean length, or with PoSE's content skip (documents
+    longer than the window) times the mean tokens a document gives the window."""
+    retrieval, window = recipe.data.retrieval, recipe.data.max_length
+    if recipe.method == "pose" and recipe.pose.content_skip != "none":
+        return retrieval.n_documents * sum(min(n, window) for n in range(retrieval.min_tokens, retrieval.max_tokens + 1)) / (
+            retrieval.max_tokens + 1 - retrieval.min_tokens)
+    assert retrieval.max_tokens < window
     return retrieval.n_documents * (retrieval.min_tokens + retrieval.max_tokens) / 2
 
 
@@ -28,6 +33,10 @@ def test_every_variant_validates_with_an_equal_budget(target, tmp_path):
     budget = 160_000 * target
     for name, recipe in recipes.items():
         assert _planned_tokens(recipe) == pytest.approx(budget, rel=0.01), name
+    for skip in ("uniform", "aligned"):
+        recipe = recipes[f"pose+{skip}"]
+        assert recipe.pose.content_skip == skip and recipe.data.max_length == repro.W
+        assert recipe.data.retrieval.max_tokens == target * repro.W - 1  # documents up to the target
     step, full = recipes["beacon-step"].beacon, recipes["beacon"].beacon
     assert (step.attn, step.attend_prev, full.attn) == ("step-expansion", False, "full-coverage")
     assert step.model_dump(exclude={"attn", "attend_prev"}) == full.model_dump(exclude={"attn", "attend_prev"})

@@ -476,7 +476,7 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         use_cpu=not use_cuda,
-        max_length=recipe.data.max_length,
+        max_length=longest_sample(recipe)[0],  # TRL cuts samples to it
         # The assistant masks are computed by longpeft when the data is tokenized (any chat template).
         assistant_only_loss=False,
         packing=False,
@@ -520,7 +520,29 @@ def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokeni
         n_chunks=pose["n_chunks"],
         max_length=recipe.data.max_length,
         seed=recipe.train.seed,
+        content_skip=pose["content_skip"],
     )
+
+
+def longest_sample(recipe: Recipe) -> tuple[int, str]:
+    """The most tokens a training sample keeps on its way to the collator, and the setting that says so:
+    ``data.max_length``, or with PoSE's content skip the simulated length (its collator draws the window from it)."""
+    pose = recipe.method_configs().get("pose")
+    if pose is not None and pose.content_skip != "none" and (pose.target_length or recipe.target_length):
+        target = pose.target_length or recipe.target_length  # without one, PoSE's resolve refuses the recipe
+        return target, f"pose.target_length={target} (PoSE's content skip)"
+    return recipe.data.max_length, f"data.max_length={recipe.data.max_length}"
+
+
+def check_content_to_skip(dataset: Any, window: int) -> int:
+    """The samples longer than ``window`` tokens (PoSE's content skip draws from them); fails when there are none,
+    as the skip would change nothing."""
+    longer = sum(len(ids) > window for ids in dataset["input_ids"])
+    if not longer:
+        raise ValueError(f"pose.content_skip: no training sample is longer than data.max_length={window} tokens, so "
+                         "no content would be skipped; use longer documents (up to pose.target_length) or "
+                         "pose.content_skip: none")
+    return longer
 
 
 class MethodTrainingLabels:
@@ -648,8 +670,11 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
         utk, max_length = recipe.data.utk, recipe.data.max_length
         if utk is None:
-            dataset, data_stats = filter_by_length(dataset, max_length, recipe.data.truncate,
+            longest, limit = longest_sample(recipe)
+            dataset, data_stats = filter_by_length(dataset, longest, recipe.data.truncate, limit,
                                                    min_length=recipe.data.min_length)
+            if longest > max_length:
+                data_stats["longer_than_window"] = check_content_to_skip(dataset, max_length)
         else:  # documents are counted, kept or dropped (data.truncate) as they are, before packing
             room = utk_document_room(max_length, utk)
             dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate,

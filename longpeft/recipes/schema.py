@@ -319,6 +319,11 @@ class RecipeBase(Section):
             raise ValueError("data.retrieval configures data.source: retrieval; remove it or set that source")
         if self.data.utk is not None and "pose" in self.method_configs():
             raise ValueError("data.utk and PoSE each bring their own collator; use one of them")
+        pose = self.method_configs().get("pose")
+        if pose is not None and pose.content_skip != "none" and self.data.format != "text":
+            raise ValueError(f"pose.content_skip: {pose.content_skip} skips stretches of text, which would cut a "
+                             "conversation's context from its answers; use it with data.format: text, or "
+                             "pose.content_skip: none")
         if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
             raise ValueError(
                 "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or token_indices)"
