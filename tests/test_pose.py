@@ -325,3 +325,13 @@ def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_
     recipe = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text", "data.max_length=256", *pose])
     with pytest.raises(ValueError, match="no training sample is longer than data.max_length=256 tokens"):
         prepare(recipe)
+
+
+def test_model_card_names_the_content_skip():
+    from longpeft.adapters.pose import METHOD, PoseConfig
+
+    [plain] = METHOD.describe(PoseConfig(target_length=4096))
+    [aligned] = METHOD.describe(PoseConfig(target_length=4096, content_skip="aligned"))
+    assert plain == "Trained with PoSE: 2 chunks with skip-wise position ids simulating 4096 tokens."
+    assert aligned.endswith("simulating 4096 tokens, each chunk's text taken at its position ids in documents up to "
+                            "that long.")
