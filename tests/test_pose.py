@@ -313,7 +313,8 @@ def test_content_skip_in_a_recipe_trains_on_windows_drawn_from_long_documents(ti
 def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_window(
         tiny_base_dirs, chat_jsonl, tmp_path):
     """A skip would cut a conversation's context from its answer; documents no longer than the window leave
-    nothing to skip (the setting would silently change nothing)."""
+    nothing to skip (the setting would silently change nothing); documents longer than the simulated length are
+    dropped, or with data.truncate cut to it."""
     from longpeft.recipes.runner import prepare
     from longpeft.recipes.schema import RecipeError, load_recipe
 
@@ -325,6 +326,14 @@ def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_
     recipe = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text", "data.max_length=256", *pose])
     with pytest.raises(ValueError, match="no training sample is longer than data.max_length=256 tokens"):
         prepare(recipe)
+    docs = write_text_jsonl(tmp_path / "long.jsonl", [1500, 1600])  # longer than the simulated 1024 tokens
+    recipe = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text", "data.max_length=256", *pose])
+    with pytest.raises(ValueError, match=r"longer than pose.target_length=1024 \(PoSE's content skip\) tokens "
+                                         r"\(longest \d+\); raise pose.target_length or set data.truncate: true"):
+        prepare(recipe)
+    cut = prepare(recipe.model_copy(update={"data": recipe.data.model_copy(update={"truncate": True})}))
+    assert cut.data_stats["truncated"] == 2 and cut.data_stats["longer_than_window"] == 2
+    assert [len(row["input_ids"]) for row in cut.trainer.train_dataset] == [1024, 1024]  # cut to the simulated length
 
 
 def test_model_card_names_the_content_skip():

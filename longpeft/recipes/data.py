@@ -225,7 +225,8 @@ def filter_by_length(
     than ``min_length``.
 
     Args:
-        limit: what ``max_length`` is, for the error (default ``data.max_length=<max_length>``).
+        limit: what ``max_length`` is, for the error, as ``setting=value ...`` (the error tells to raise that
+            setting; default ``data.max_length=<max_length>``).
 
     Returns the dataset and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}`` (``dropped``:
     too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
@@ -241,7 +242,7 @@ def filter_by_length(
     if not keep:
         raise ValueError(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
-            f"{stats['longest']}); raise data.max_length or set data.truncate: true"
+            f"{stats['longest']}); raise {(limit or 'data.max_length').split('=')[0]} or set data.truncate: true"
         )
     return dataset.select(keep), stats
 
