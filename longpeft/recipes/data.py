@@ -219,7 +219,8 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
 
 
 def filter_by_length(
-    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0
+    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0,
+    window: int | None = None,
 ) -> tuple[Dataset, dict[str, int]]:
     """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation), and those shorter
     than ``min_length``.
@@ -227,6 +228,8 @@ def filter_by_length(
     Args:
         limit: what ``max_length`` is, for the error, as ``setting=value ...`` (the error tells to raise that
             setting; default ``data.max_length=<max_length>``).
+        window: also count the kept samples longer than it (``longer_than_window``; PoSE's content skip draws its
+            training window from them).
 
     Returns the dataset and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}`` (``dropped``:
     too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
@@ -236,6 +239,8 @@ def filter_by_length(
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
     stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep), "dropped_short": len(lengths) - len(long_enough),
              "truncated": sum(lengths[i] > max_length for i in keep), "longest": max(lengths, default=0)}
+    if window is not None:
+        stats["longer_than_window"] = sum(lengths[i] > window for i in keep)
     if not long_enough:
         raise ValueError(f"every sample is shorter than data.min_length={min_length} tokens (longest "
                          f"{stats['longest']}); lower data.min_length or use longer data")

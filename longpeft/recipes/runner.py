@@ -528,21 +528,19 @@ def longest_sample(recipe: Recipe) -> tuple[int, str]:
     """The most tokens a training sample keeps on its way to the collator, and the setting that says so:
     ``data.max_length``, or with PoSE's content skip the simulated length (its collator draws the window from it)."""
     pose = recipe.method_configs().get("pose")
-    if pose is not None and pose.content_skip != "none" and (pose.target_length or recipe.target_length):
-        target = pose.target_length or recipe.target_length  # without one, PoSE's resolve refuses the recipe
+    target = (pose.target_length or recipe.target_length) if pose is not None and pose.content_skip != "none" else None
+    if target:  # without one, PoSE's resolve refuses the recipe
         return target, f"pose.target_length={target} (PoSE's content skip)"
     return recipe.data.max_length, f"data.max_length={recipe.data.max_length}"
 
 
-def check_content_to_skip(dataset: Any, window: int) -> int:
-    """The samples longer than ``window`` tokens (PoSE's content skip draws from them); fails when there are none,
-    as the skip would change nothing."""
-    longer = sum(len(ids) > window for ids in dataset["input_ids"])
-    if not longer:
+def check_content_to_skip(data_stats: dict[str, int], window: int) -> None:
+    """Fail when no sample is longer than ``window`` tokens (``data_stats`` of :func:`filter_by_length`): PoSE's
+    content skip draws from such samples, and would change nothing."""
+    if not data_stats["longer_than_window"]:
         raise ValueError(f"pose.content_skip: no training sample is longer than data.max_length={window} tokens, so "
                          "no content would be skipped; use longer documents (up to pose.target_length) or "
                          "pose.content_skip: none")
-    return longer
 
 
 class MethodTrainingLabels:
@@ -671,10 +669,12 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         utk, max_length = recipe.data.utk, recipe.data.max_length
         if utk is None:
             longest, limit = longest_sample(recipe)
+            skips_content = longest > max_length
             dataset, data_stats = filter_by_length(dataset, longest, recipe.data.truncate, limit,
-                                                   min_length=recipe.data.min_length)
-            if longest > max_length:
-                data_stats["longer_than_window"] = check_content_to_skip(dataset, max_length)
+                                                   min_length=recipe.data.min_length,
+                                                   window=max_length if skips_content else None)
+            if skips_content:
+                check_content_to_skip(data_stats, max_length)
         else:  # documents are counted, kept or dropped (data.truncate) as they are, before packing
             room = utk_document_room(max_length, utk)
             dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate,
