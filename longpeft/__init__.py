@@ -8,9 +8,24 @@ and transformers load when ``load``, ``ContextSpec`` or ``SpecMismatchError`` is
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
+
+# bitsandbytes' CPU backend, on CPUs with AVX512-BF16, tries to fetch an optional faster 4-bit matmul from the
+# Hub through the `kernels` package at import, and logs a warning on every import when it cannot (package
+# absent, or no network), then uses its own CPU kernel: the one longpeft's 4-bit CPU paths are tested with.
+# That one notice reads like a failure in every CPU command's output, so it is dropped; the logger's other
+# records pass.
+BNB_OPTIONAL_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+def _not_bnb_optional_kernel_notice(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(BNB_OPTIONAL_KERNEL_NOTICE)
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_optional_kernel_notice)
 
 # Public name -> the submodule that defines it (the object itself is returned: real signature and docs).
 _EXPORTS = {"load": "loading", "ContextSpec": "spec", "SpecMismatchError": "spec"}
