@@ -14,7 +14,7 @@ settings, 21 get stuck (at some pick no candidate covers any chosen point, where
 fail), and the other 9 share 6 to 14 values with Table 2: no setting comes close to it either.
 
     python scripts/repro_harpe_table2.py [--window-fraction 0.015625]
-    python scripts/repro_harpe_table2.py --cited      # about 3 minutes on 2 cores
+    python scripts/repro_harpe_table2.py --cited      # about 2 minutes on 2 cores
 """
 
 from __future__ import annotations
