@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from longpeft.adapters.harpe.selection import DEFAULT_WINDOW_FRACTION, candidate_grid, peak_valley_bases
+from longpeft.adapters.harpe.selection import DEFAULT_WINDOW_FRACTION, candidate_grid, peak_valley_bases, waveform
 
 # Table 2 of the HARPE paper, heads 1..32, in millions (comparison only).
 PAPER_TABLE2_MILLIONS = [
@@ -40,13 +40,6 @@ CHANCE_SHARED = 1 + 31 * 31 / 133
 
 def shared_with_paper(bases: list[float]) -> int:
     return len({round(b / 1e6, 2) for b in bases} & set(PAPER_TABLE2_MILLIONS))
-
-
-def attention_score(base: float, distances: torch.Tensor) -> torch.Tensor:
-    """``sum_j cos(m * base^(-2j/d))`` for each distance ``m`` (float64): the cited work's waveform, up to its
-    constant factor ``2 / sqrt(d)``, which changes no extremum."""
-    theta = base ** (-2 * torch.arange(HEAD_DIM // 2, dtype=torch.float64) / HEAD_DIM)
-    return torch.cos(distances[:, None] * theta[None, :]).sum(dim=1)
 
 
 def local_maxima(values: torch.Tensor) -> list[int]:
@@ -83,12 +76,13 @@ def envelope_peaks(values: torch.Tensor, count: int, gap: int = 50, span: int = 
     return kept
 
 
-def envelope_extrema(base: float, distances: torch.Tensor, count: int) -> tuple[list[float], list[float]]:
-    """``(peaks, valleys)`` of one base's waveform, as distances."""
-    values = attention_score(base, distances)
-    last = distances.numel() - 1
-    peaks = [float(distances[i]) for i in envelope_peaks(values, count)]
-    valleys = [float(distances[last - i]) for i in envelope_peaks(-values.flip(0), count)]
+def envelope_extrema(base: float, first: int, last: int, count: int) -> tuple[list[float], list[float]]:
+    """``(peaks, valleys)``, as distances in ``first..last``, of one base's waveform: the library's
+    ``sum_j cos(m * theta_j)`` (the model's float32 frequencies; the cited work's waveform up to its constant
+    factor ``2 / sqrt(d)``, which moves no extremum)."""
+    values = waveform([base], HEAD_DIM, last + 1)[0, first:]
+    peaks = [float(first + i) for i in envelope_peaks(values, count)]
+    valleys = [float(last - i) for i in envelope_peaks(-values.flip(0), count)]
     return peaks, sorted(valleys)
 
 
@@ -106,9 +100,8 @@ def cited_search(first: int, last: int, count: int, radius: float) -> list[float
     grid base whose peaks cover the most chosen valleys, and valleys the most chosen peaks, within ``radius``
     (ties: the smaller mean squared distance, then the smaller base); points that are both a chosen peak and a
     chosen valley are dropped from both. None when no candidate covers anything."""
-    distances = torch.arange(first, last + 1, dtype=torch.float64)
     grid = [B_MIN, *candidate_grid(B_MIN, B_MAX, STRIDE)]
-    extrema = {base: envelope_extrema(base, distances, count) for base in grid}
+    extrema = {base: envelope_extrema(base, first, last, count) for base in grid}
     chosen, peaks, valleys = [B_MIN], list(extrema[B_MIN][0]), list(extrema[B_MIN][1])
     while len(chosen) < HEADS:
         best, best_key = None, (0, -math.inf)
@@ -157,8 +150,8 @@ def run_cited(args: argparse.Namespace) -> None:
         results.append({"distances": [first, last], "count": count, "radius": radius, "shared_with_paper": shared})
         print(f"{first:>6}..{last:<7}{count:>6}{radius:>7}{'stuck' if shared is None else shared:>7}", flush=True)
     found = [r["shared_with_paper"] for r in results if r["shared_with_paper"] is not None]
-    print(f"\nshared values over {len(found)} settings: {min(found)}..{max(found)} of 32 "
-          f"(random picks share ~{CHANCE_SHARED:.1f})")
+    summary = f"{min(found)}..{max(found)} of 32" if found else "none (every setting got stuck)"
+    print(f"\nshared values over {len(found)} settings: {summary} (random picks share ~{CHANCE_SHARED:.1f})")
     print(json.dumps({"repro": "harpe_table2_cited", "settings": results}))
 
 
