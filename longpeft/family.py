@@ -51,6 +51,24 @@ def check_supported(config: Any, what: str) -> None:
         raise ValueError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
 
 
+def cache_keyword() -> str:
+    """The name transformers gives the KV cache in model forwards, their outputs and ``generate``'s model
+    kwargs: ``"cache"`` from transformers 5.24, which renamed ``past_key_values`` (still accepted, with a
+    deprecation warning, until 5.40), and ``"past_key_values"`` before."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    return "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def pop_cache(kwargs: dict[str, Any]) -> Any:
+    """Take the KV cache out of a forward's keyword arguments under either name (``cache`` or the older
+    ``past_key_values``, see :func:`cache_keyword`) and return it; None when neither is given."""
+    cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
+    if cache is not None and legacy is not None:
+        raise ValueError("give the KV cache once, as cache= (or past_key_values= before transformers 5.24), not both")
+    return cache if cache is not None else legacy
+
+
 def kernel_interface(module: nn.Module, implementation: str | None) -> Any:
     """The attention function transformers registers for ``implementation`` (``"sdpa"``, a flash-attn name, ...),
     or the model's own eager kernel (from ``module``'s modeling file) for eager or None."""

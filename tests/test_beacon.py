@@ -21,6 +21,7 @@ from longpeft.adapters.beacon import (
     is_beacon_applied,
     remove_beacon,
 )
+from longpeft.family import cache_keyword
 from longpeft.tiny import tiny_model
 
 # compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
@@ -186,7 +187,7 @@ def test_only_a_beacon_cache_carries_memory_across_calls_and_generate():
     apply_beacon(model, settings())
     ids = IDS[:1, :24]
     with torch.no_grad():
-        with pytest.raises(ValueError, match=r"past_key_values=BeaconCache\(\) or None"):
+        with pytest.raises(ValueError, match=rf"{cache_keyword()}=BeaconCache\(\) or None"):
             model(ids[:, :20], past_key_values=DynamicCache(config=model.config))
         with pytest.raises(ValueError, match="got a DynamicCache"):
             _generate(model, ids, past_key_values=DynamicCache(config=model.config))

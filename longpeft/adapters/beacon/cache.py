@@ -167,8 +167,8 @@ class BeaconLayer(CacheLayerMixin):
 class BeaconCache(Cache):
     """Activation Beacon's memory for one batch of sequences that share a beacon layout.
 
-    Create one per request (``generate`` does it by itself); pass it as ``past_key_values`` to keep
-    a conversation's memory across calls. The model reads its settings from ``config.beacon``; the
+    Create one per request (``generate`` does it by itself); pass it as ``cache`` (``past_key_values`` before
+    transformers 5.24) to keep a conversation's memory across calls. The model reads its settings from ``config.beacon``; the
     cache holds only this request's state, so two requests never see each other's tokens.
     """
 

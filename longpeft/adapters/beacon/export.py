@@ -15,10 +15,12 @@ from ...family import (
     attention_kernel,
     attention_modules,
     backbone_of,
+    cache_keyword,
     causal_lm_of,
     define_export_classes,
     is_attention_module,
     kernel_interface,
+    pop_cache,
 )
 from ...rope import apply_rotary, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
@@ -29,7 +31,7 @@ from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 MODELING_FILENAME = "modeling_beacon.py"
 RUNTIME_MODULES = (layout, cache, modules, scheduler, patch, modeling)
 INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules, causal_lm_of, backbone_of,
-                   kernel_interface, attention_kernel, define_export_classes)
+                   cache_keyword, pop_cache, kernel_interface, attention_kernel, define_export_classes)
 
 
 def standalone_modeling_source() -> str:

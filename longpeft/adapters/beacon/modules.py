@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # longpeft-inline-begin
-from ...family import attention_kernel
+from ...family import attention_kernel, pop_cache
 from ...rope import apply_rotary
 from .cache import BeaconStep
 
@@ -75,7 +75,6 @@ def beacon_attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
     beacon_step: BeaconStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -89,8 +88,9 @@ def beacon_attention_forward(
         hidden_states: ``[batch, seq, hidden]``.
         position_embeddings: ``(cos, sin)``, each ``[batch, seq, head_dim]``.
         attention_mask: what the attention kernel takes (a 4-D mask, a 2-D key mask for flash, or None).
-        past_key_values: a :class:`~.cache.BeaconCache` (with ``beacon_step``) or any transformers cache.
         beacon_step: the window and slots this forward computes, with the beacon rows.
+        kwargs: the kernel's, and the KV cache as ``cache`` (transformers >= 5.24) or ``past_key_values``:
+            a :class:`~.cache.BeaconCache` (with ``beacon_step``) or any transformers cache.
 
     Returns:
         ``(output [batch, seq, hidden], attention weights or None)``.
@@ -110,9 +110,10 @@ def beacon_attention_forward(
     query_states = apply_rotary(query_states, cos.unsqueeze(1), sin.unsqueeze(1))
     key_states = apply_rotary(key_states, cos.unsqueeze(1), sin.unsqueeze(1))
 
-    if past_key_values is not None:
+    cache = pop_cache(kwargs)
+    if cache is not None:
         extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx, **extra)
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
 
     attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()

@@ -30,6 +30,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 # longpeft-inline-begin
+from ...family import cache_keyword, pop_cache
 from ...rope import apply_rotary
 from .cache import BeaconCache, BeaconStep
 from .layout import (
@@ -76,10 +77,10 @@ def _extend_window_keep(state, keep_raw: torch.Tensor | None, raw_rows: torch.Te
 def _check_cache(cache) -> None:
     """Refuse a cache other than a :class:`BeaconCache` (None is fine: a new request)."""
     if cache is not None and not isinstance(cache, BeaconCache):
+        name = cache_keyword()
         raise ValueError(
             f"Activation Beacon keeps its memory in a BeaconCache, got a {type(cache).__name__}: pass "
-            "past_key_values=BeaconCache() or None (a new request) and continue with the returned "
-            "outputs.past_key_values"
+            f"{name}=BeaconCache() or None (a new request) and continue with the returned outputs.{name}"
         )
 
 
@@ -130,7 +131,6 @@ def beacon_backbone_forward(
     input_ids: torch.LongTensor | None = None,
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.LongTensor | None = None,
-    past_key_values=None,
     inputs_embeds: torch.Tensor | None = None,
     use_cache: bool | None = None,
     **kwargs,
@@ -141,7 +141,8 @@ def beacon_backbone_forward(
         input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
         attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
         position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
-        past_key_values: a :class:`BeaconCache` to continue, or None for a new one (any other cache is refused).
+        cache (in kwargs; ``past_key_values`` before transformers 5.24): a :class:`BeaconCache` to continue, or
+            None for a new one (any other cache is refused).
         use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
         beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only, so a long
             prefill holds no ``[n, hidden]`` output (the causal LM passes its int ``logits_to_keep``).
@@ -149,13 +150,15 @@ def beacon_backbone_forward(
             states and attention weights cover its beacons and memory, not the input's tokens.
 
     Returns:
-        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and ``past_key_values`` (the cache).
+        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache (as ``cache``, or
+        ``past_key_values`` before transformers 5.24).
     """
     stock_forward = type(self).forward
     keep_last = kwargs.pop("beacon_keep_last", None)
+    given, cache_name = pop_cache(kwargs), cache_keyword()
     if not self.beacons_enabled:
         return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                             inputs_embeds=inputs_embeds, use_cache=use_cache, **{cache_name: given}, **kwargs)
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     for name in ("output_hidden_states", "output_attentions"):
@@ -164,9 +167,9 @@ def beacon_backbone_forward(
                              "window, over beacons and memory); leave it off, or switch beacons off "
                              "(beacons_disabled) to get the stock model's")
     settings: BeaconSettings = self.beacon_settings
-    _check_cache(past_key_values)
-    complete = self.training and past_key_values is None
-    cache = BeaconCache() if past_key_values is None else past_key_values
+    _check_cache(given)
+    complete = self.training and given is None
+    cache = BeaconCache() if given is None else given
     if self.training:
         _check_checkpointing(self)
     batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
@@ -202,7 +205,7 @@ def beacon_backbone_forward(
         step = BeaconStep(state.window_index, state.memory_length, start, end,
                           beacon_rows if beacon_rows.numel() else None)
         hidden = stock_forward(self, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
-                               past_key_values=cache, use_cache=True, beacon_step=step, **kwargs).last_hidden_state
+                               use_cache=True, beacon_step=step, **{cache_name: cache}, **kwargs).last_hidden_state
         outputs.append(hidden.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:]))
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
@@ -210,7 +213,7 @@ def beacon_backbone_forward(
         state.window_slots = end
         state.raw_seen += take
         done += take
-    return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), past_key_values=cache)
+    return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: cache})
 
 
 SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
@@ -235,6 +238,7 @@ def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: d
             f"Activation Beacon brings its own cache; cache_implementation={generation_config.cache_implementation!r} "
             "cannot be used with it"
         )
-    _check_cache(model_kwargs.get("past_key_values"))
-    if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-        model_kwargs["past_key_values"] = BeaconCache()
+    name = cache_keyword()
+    _check_cache(model_kwargs.get(name))
+    if model_kwargs.get(name) is None and generation_config.use_cache is not False:
+        model_kwargs[name] = BeaconCache()

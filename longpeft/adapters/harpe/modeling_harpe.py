@@ -30,12 +30,12 @@ import torch
 from torch import nn
 
 # longpeft-inline-begin
-from ...family import attention_kernel, define_export_classes, is_attention_module, kernel_interface
+from ...family import attention_kernel, define_export_classes, is_attention_module, kernel_interface, pop_cache
 from ...rope import apply_rotary, cos_sin, inv_freq, per_head_inv_freq, rotate_half, rotate_per_head
 
 # longpeft-inline-end
 INLINED_ON_EXPORT = (inv_freq, per_head_inv_freq, rotate_half, apply_rotary, rotate_per_head, cos_sin, is_attention_module,
-                     kernel_interface, attention_kernel, define_export_classes)
+                     kernel_interface, attention_kernel, pop_cache, define_export_classes)
 
 
 class HeadRotaryEmbedding(nn.Module):
@@ -86,7 +86,6 @@ def head_rope_attention_forward(
     hidden_states: torch.Tensor,
     position_embeddings: tuple[torch.Tensor, torch.Tensor],
     attention_mask: torch.Tensor | None = None,
-    past_key_values=None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention forward of Llama/Mistral/Qwen2/Qwen3, rotating with per-head cos/sin.
@@ -98,7 +97,8 @@ def head_rope_attention_forward(
     Args:
         hidden_states: ``[batch, seq, hidden]``.
         position_embeddings: ``(cos, sin)`` from :class:`HeadRotaryEmbedding`, ``[batch, kv_heads, seq, head_dim]``.
-        attention_mask, past_key_values, kwargs: as the model's attention receives them.
+        attention_mask, kwargs: as the model's attention receives them (the KV cache as ``cache`` from
+            transformers 5.24, ``past_key_values`` before).
 
     Returns:
         ``(output [batch, seq, hidden], attention weights or None)``.
@@ -120,8 +120,9 @@ def head_rope_attention_forward(
     key_states = rotate_per_head(key_states.transpose(1, 2), cos, sin)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-    if past_key_values is not None:
-        key_states, value_states = past_key_values.update(key_states, value_states, self.layer_idx)
+    cache = pop_cache(kwargs)
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
     attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()

@@ -45,7 +45,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 # longpeft-inline-begin
-from ...family import attention_modules, causal_lm_of, kernel_interface
+from ...family import attention_modules, causal_lm_of, kernel_interface, pop_cache
 from ...rope import apply_rotary, rotary_modules
 
 # longpeft-inline-end
@@ -171,7 +171,7 @@ def disable_string(model: nn.Module) -> None:
 
 def _require_full_dynamic_cache(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
     """STRING reads distances off cache indices: the cache must hold every key in order (DynamicCache)."""
-    cache = kwargs.get("past_key_values")
+    cache = pop_cache(dict(kwargs))  # read only: the attention forward takes it as it is
     layers = getattr(cache, "layers", None)
     if not layers or module.layer_idx >= len(layers):
         return

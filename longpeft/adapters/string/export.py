@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...family import attention_modules, causal_lm_of, define_export_classes, is_attention_module, kernel_interface
+from ...family import (
+    attention_modules,
+    causal_lm_of,
+    define_export_classes,
+    is_attention_module,
+    kernel_interface,
+    pop_cache,
+)
 from ...rope import apply_rotary, rotary_modules, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import attention, modeling
@@ -21,7 +28,7 @@ from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_string.py"
 INLINED_HELPERS = (rotate_half, apply_rotary, rotary_modules, is_attention_module, attention_modules, causal_lm_of,
-                   kernel_interface, define_export_classes)
+                   pop_cache, kernel_interface, define_export_classes)
 
 
 def standalone_modeling_source() -> str:
