@@ -168,8 +168,8 @@ class BeaconCache(Cache):
     """Activation Beacon's memory for one batch of sequences that share a beacon layout.
 
     Create one per request (``generate`` does it by itself); pass it as ``cache`` (``past_key_values`` before
-    transformers 5.24) to keep a conversation's memory across calls. The model reads its settings from ``config.beacon``; the
-    cache holds only this request's state, so two requests never see each other's tokens.
+    transformers 5.24) to keep a conversation's memory across calls. The model reads its settings from
+    ``config.beacon``; the cache holds only this request's state, so two requests never see each other's tokens.
     """
 
     def __init__(self) -> None:
