@@ -8,7 +8,7 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: demo test test-compat bench venv venv-compat clean
+.PHONY: demo test test-compat test-latest bench venv venv-compat clean
 
 venv: $(STAMP)
 venv-compat: $(COMPAT_STAMP)
@@ -38,10 +38,26 @@ test: $(STAMP)
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_PY) -m pytest -q -m compat tests
 
+# The newest release of every package of requirements-cpu.txt except torch (held at the CPU build on local disk by
+# a constraint): what `pip install longpeft` gives a user today. Rebuilt on each call, not run by CI (it depends on
+# what the registry has that day); run it when transformers, peft, trl or accelerate release.
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	echo "torch==2.13.0" > $(LATEST_VENV)/constraints.txt
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade -c $(LATEST_VENV)/constraints.txt \
+		$$(sed -e 's/#.*//' -e 's/[=<>].*//' requirements-cpu.txt | grep -vx 'torch' | tr -s ' \n' ' ')
+	$(LATEST_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(LATEST_VENV)/bin/python -m pip list --format=freeze | grep -iE '^(transformers|peft|trl|accelerate|datasets|bitsandbytes)=='
+	$(LATEST_VENV)/bin/python -m pytest -q tests
+
 # bench_beacon_authors.py is left out: it needs the authors' code in a second environment (see its docstring).
 bench: $(STAMP)
 	@for script in $(filter-out scripts/bench_beacon_authors.py,$(wildcard scripts/bench_*.py)); do \
 		echo "== $$script"; $(PY) $$script || exit 1; done
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(LATEST_VENV) runs build *.egg-info
