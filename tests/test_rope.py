@@ -72,6 +72,33 @@ def test_expand_rope_base_changes_frequencies_and_config(arch):
     assert torch.equal(model(ids).logits, before)
 
 
+def test_rotary_rounding_of_another_device_is_accepted_and_an_unchanged_base_refused():
+    """On a CUDA base the rebuilt rotary's inv_freq (computed on the CPU by transformers, then moved) differed in the
+    last bit from one computed on the GPU, and set_rope_parameters refused a correct base (H100, 2026-11-24). Here a
+    rotary whose frequencies are one float32 step off stands for that device; one that ignores the config's base
+    must still be refused."""
+    model = tiny_model("llama")
+    stock = type(model.model.rotary_emb)
+
+    class OtherDeviceRounding(stock):
+        def __init__(self, config, **kwargs):
+            super().__init__(config, **kwargs)
+            self.inv_freq = torch.nextafter(self.inv_freq, torch.full_like(self.inv_freq, math.inf))
+
+    class IgnoresTheBase(stock):
+        def __init__(self, config, **kwargs):
+            super().__init__(config, **kwargs)
+            self.inv_freq = rope.inv_freq(10000.0, self.inv_freq.numel() * 2)
+
+    model.model.rotary_emb = OtherDeviceRounding(model.config)
+    new = rope.set_rope_parameters(model, {"rope_type": "default", "rope_theta": 2e8})
+    assert not torch.equal(new, rope.inv_freq(2e8, new.numel() * 2))  # one step off, and accepted
+    torch.testing.assert_close(new, rope.inv_freq(2e8, new.numel() * 2), rtol=1e-6, atol=0)
+    model.model.rotary_emb = IgnoresTheBase(model.config)
+    with pytest.raises(RuntimeError, match="did not change to the requested rope_theta"):
+        rope.set_rope_parameters(model, {"rope_type": "default", "rope_theta": 2e8})
+
+
 @pytest.mark.parametrize(
     "request_, expected_type",
     [
