@@ -127,6 +127,16 @@ def test_qlora_4bit_trains_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
     assert [json.loads(line)["step"] for line in lines if "loss" in json.loads(line)] == [1, 2]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_activation_offloading_without_a_gpu_is_refused_before_the_base_loads(tiny_base_dirs, chat_jsonl, tmp_path):
+    """TRL's offloader fails on CPU with "'NoneType' object has no attribute 'type'"; the runner says why first."""
+    recipe = tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", max_steps=1)
+    recipe.train.activation_offloading = True
+    with pytest.raises(ValueError, match="train.activation_offloading .* no CUDA GPU"):
+        prepare(recipe)
+    assert not (tmp_path / "run" / "adapter").exists()
+
+
 @pytest.mark.parametrize("trainable_dtype", [None, "bfloat16"])
 def test_qlora_keeps_trained_weights_in_float32_and_the_residual_stream_in_bf16(tiny_base_dirs, chat_jsonl, tmp_path,
                                                                                trainable_dtype):

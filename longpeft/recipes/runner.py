@@ -448,6 +448,9 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
     t = recipe.train
     use_cuda = torch.cuda.is_available()
+    if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
+        raise ValueError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and "
+                         "this machine has no CUDA GPU; set train.activation_offloading: false here")
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(
