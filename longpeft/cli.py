@@ -215,8 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--gpu-memory", type=_number(float, 0, inclusive=False), default=80.0, metavar="GIB",
                        help="memory of one GPU (default 80)")
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
-    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="model FLOPs utilisation, in (0, 1] "
-                       "(default 0.35 for 4-bit bases, 0.45 otherwise)")
+    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], for "
+                       "the matmuls and attention alike (default: measured on h100/h200, by attention kernel; other "
+                       "GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
     scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: a local data.source JSONL's "
                        "rows, the demo set's size, else 1000); train.max_steps, when set, decides instead")
     plan.set_defaults(func=cmd_plan)

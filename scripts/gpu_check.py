@@ -8,8 +8,10 @@ and the HARPE and STRING flash-attn paths against their SDPA paths.
    embedding trained, RoPE base 2e8, assistant-only loss through TRL's fused LM head, gradient checkpointing),
    one sample per optimizer step, through longpeft's own runner: once per attention kernel (flash-attn when
    installed, and SDPA), each in a fresh process so its peak memory is its own.
-3. Compares with ``longpeft.scale.estimate`` on one GPU: peak memory and step time (tokens x FLOPs per token at
-   the planner's utilisation).
+3. Compares with ``longpeft.scale.estimate`` on one GPU, per kernel: peak memory and step time (the planner's
+   FLOPs at its utilisations for the matmuls and for that attention kernel). ``--set KEY=VALUE`` changes the
+   recipe for both (e.g. ``model.load_in_4bit=false``, ``train.activation_offloading=true``). On CUDA it also
+   records which kernels torch's SDPA runs (``sdpa_kernels``).
 4. Builds a small Llama-3-like model twice, SDPA and flash-attn, with the same weights, and compares the logits
    with HARPE per-head bases and with STRING on (max abs difference, and allclose at bf16 tolerance).
 
@@ -113,7 +115,9 @@ def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
     return length(low)
 
 
-def recipe_for(base: Path, data: Path, out: Path, attention: str, tokens: int, steps: int, tiny: bool):
+def recipe_for(base: Path, data: Path, out: Path, attention: str, tokens: int, steps: int, tiny: bool,
+               extra: list[str] = ()):
+    """The 80K recipe at this length and kernel; ``extra`` (``--set KEY=VALUE``) overrides last."""
     from longpeft.recipes.schema import load_recipe
 
     overrides = [
@@ -125,7 +129,7 @@ def recipe_for(base: Path, data: Path, out: Path, attention: str, tokens: int, s
     if tiny:
         # bitsandbytes' CPU 4-bit path computes in fp32; the tiny tokenizer's eos ids are its own
         overrides += ["model.dtype=float32", "model.eos_token_ids=null"]
-    return load_recipe(RECIPE, overrides)
+    return load_recipe(RECIPE, overrides + list(extra))
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -150,7 +154,8 @@ def measure(args: argparse.Namespace) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
-    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps, args.tiny)
+    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps, args.tiny,
+                        args.set)
     result = run(recipe, callbacks=[timer])
     losses = [r["loss"] for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     timed = timer.times[1:] or timer.times  # the first step warms up kernels and the allocator
@@ -162,19 +167,36 @@ def measure(args: argparse.Namespace) -> dict:
     return report
 
 
-def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_memory_gib: float) -> dict:
-    """The planner's per-GPU peak and step time for this run (one GPU, one sample per step)."""
+def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_memory_gib: float, attention: str,
+            extra: list[str]) -> dict:
+    """The planner's per-GPU peak and step time for this run (one GPU, one sample per step, this kernel)."""
     import torch
 
     from longpeft.scale import GPU_PEAK_TFLOPS, estimate, shape_of
 
-    recipe = recipe_for(base, data, base.parent / "plan", "sdpa", tokens, steps, tiny)
+    recipe = recipe_for(base, data, base.parent / "plan", attention, tokens, steps, tiny, extra)
     name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
     gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
     plan = estimate(recipe, gpus=1, gpu_memory_gib=gpu_memory_gib, gpu=gpu, samples=steps, shape=shape_of(str(base)))
-    seconds = tokens * plan.flops_per_token / (plan.assumptions["peak_tflops"] * 1e12 * plan.assumptions["mfu"])
-    return {"gpu": gpu, "peak_gib": plan.peak_bytes / GiB, "terms_gib": {k: v / GiB for k, v in plan.terms.items()},
-            "step_seconds": seconds, "tokens_per_second": tokens / seconds, "mfu": plan.assumptions["mfu"]}
+    seconds = plan.hours * 3600 / steps  # one sample of `tokens` per step
+    return {"gpu": gpu, "attention": attention, "peak_gib": plan.peak_bytes / GiB,
+            "terms_gib": {k: v / GiB for k, v in plan.terms.items()}, "step_seconds": seconds,
+            "tokens_per_second": tokens / seconds, "utilisation": plan.assumptions["utilisation"]}
+
+
+def sdpa_kernels() -> list[str]:
+    """The CUDA kernels that torch's SDPA runs for one causal bf16 forward and backward at Llama-3-8B's head shape
+    (which backend it picked: flash, cuDNN, memory-efficient), by the profiler's kernel names."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    q, k, v = (torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        torch.cuda.synchronize()
+    names = {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
+    return sorted(n[:120] for n in names if any(word in n.lower() for word in ("flash", "fmha", "cudnn", "attention",
+                                                                                "sdpa", "mem_eff")))
 
 
 def has_flash_attn() -> bool:
@@ -239,6 +261,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attentions", nargs="+", choices=["flash_attention_2", "sdpa"],
                         help="kernels to train with, each in its own process (default: flash-attn when installed, "
                         "and SDPA); one per call keeps each call short")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe override for the training runs and the planner, as `longpeft train --set` "
+                        "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true")
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
                         help="skip the HARPE and STRING kernel comparison")
     parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
@@ -289,12 +314,15 @@ def main(argv: list[str] | None = None) -> int:
             report["base_written_seconds"] = time.perf_counter() - started
         report["tokens"] = sample_tokens = write_data(data, base, args.tokens, args.steps)
         memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
-        report["planner"] = plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory)
-        save_report()
-        runs = report["runs"]
+        runs, plans = report["runs"], report.setdefault("planner", {})
+        if not args.tiny and torch.cuda.is_available():
+            report["sdpa_kernels"] = sdpa_kernels()
         for attention in attentions:
+            plans[attention] = plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory, attention, args.set)
+            save_report()
             command = [sys.executable, __file__, "--measure", attention, "--base", str(base), "--data", str(data),
-                       "--out", str(work / f"run-{attention}"), "--tokens", str(sample_tokens), "--steps", str(args.steps)]
+                       "--out", str(work / f"run-{attention}"), "--tokens", str(sample_tokens), "--steps", str(args.steps),
+                       *(f"--set={override}" for override in args.set)]
             shutil.rmtree(work / f"run-{attention}", ignore_errors=True)  # a kept work dir: train again, not resume
             proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True)
             if proc.returncode != 0:
@@ -312,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
     for name, measured in report["runs"].items():
+        plan = report["planner"][name]
         print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
               f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
-              f"(planner {plan['tokens_per_second']:,.0f} at MFU {plan['mfu']})", file=sys.stderr)
+              f"(planner {plan['tokens_per_second']:,.0f} at utilisation {plan['utilisation']})", file=sys.stderr)
     for method, check in (report["kernels"] or {}).items():
         if isinstance(check, dict):
             print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| "

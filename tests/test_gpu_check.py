@@ -32,7 +32,8 @@ def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_p
     resolved = json.loads((tmp_path / "run-sdpa" / "recipe.resolved.json").read_text())
     assert resolved["quantization"]["bnb_4bit_quant_type"] == "nf4" and resolved["lora"]["r"] == 32
     assert resolved["data"]["dropped"] == 0 and resolved["data"]["longest"] == report["tokens"]  # every step at length
-    plan = report["planner"]
+    plan = report["planner"]["sdpa"]
+    assert plan["attention"] == "sdpa" and set(plan["utilisation"]) == {"matmuls", "attention", "source"}
     assert plan["peak_gib"] > 0 and set(plan["terms_gib"]) >= {"base weights", "checkpointed layer inputs"}
     assert report["kernels"]["flash_attn_installed"] in (True, False)
     for method in ("harpe", "string"):
@@ -48,16 +49,20 @@ def test_gpu_mode_without_cuda_says_so():
 
 
 def test_a_second_call_reuses_the_kept_base_and_trains_afresh(tmp_path):
-    """With --work-dir the random base is written once; each call trains again (a kept run folder is not resumed)."""
+    """With --work-dir the random base is written once; each call trains again (a kept run folder is not resumed).
+    --set overrides reach both the training run and the planner."""
     common = [sys.executable, str(SCRIPT), "--tiny", "--tokens", "128", "--steps", "1", "--work-dir", str(tmp_path),
               "--attentions", "sdpa", "--no-kernel-check"]
     reports = []
-    for _ in range(2):
-        proc = subprocess.run(common, capture_output=True, text=True, timeout=600)
+    for extra in ([], ["--set", "lora.r=8"]):
+        proc = subprocess.run(common + extra, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         reports.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "base_written_seconds" in reports[0] and "base_written_seconds" not in reports[1]
     assert all(r["ok"] and r["kernels"] is None and len(r["runs"]["sdpa"]["losses"]) == 1 for r in reports)
+    assert json.loads((tmp_path / "run-sdpa" / "recipe.resolved.json").read_text())["lora"]["r"] == 8
+    lora = [r["planner"]["sdpa"]["terms_gib"]["LoRA"] for r in reports]
+    assert lora[0] == pytest.approx(4 * lora[1])  # r 32 -> 8
 
 
 @pytest.mark.parametrize(("flags", "message"), [

@@ -14,8 +14,10 @@ and trains its own samples; sharded launches below):
   trainable parameter and 4 per frozen one, counted by the method's ``planned_parameters`` registry hook;
 - checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
   only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype; with
-  ``train.activation_offloading`` they wait in CPU memory and two layers' worth stay on the GPU (the one in use
-  and the one being fetched);
+  ``train.activation_offloading`` they wait in CPU memory and seven layers' worth stay on the GPU: the one in use,
+  the one being fetched back, and the last five offloaded, which TRL keeps alive until their copy ends
+  (``OffloadActivations(max_fwd_stash_size=5)``; measured at 131,072 tokens on an H100: 44.2 GiB allocated, 43.6
+  planned without the runtime term);
 - one layer's recompute: during its backward one layer's activations exist again: per token the attention
   projections (q, k, v, the attention output, o's input: ``3 hidden + 2 kv``), the MLP (gate, up, the
   product and down's input: ``4 intermediate``), and the norms' inputs (``2 hidden``), in the compute
@@ -24,8 +26,10 @@ and trains its own samples; sharded launches below):
 - loss tiles: TRL's fused LM head scores 4096 tokens x 32768 vocabulary at a time in fp32 (tile, softmax
   and its gradient: 3 tiles), plus the final hidden states and their gradient;
 - DDP gradient buckets: one more copy of the trainable gradients (in their dtype);
-- runtime: the CUDA context and kernels' workspace (1 GiB) plus 10 % of the activations for allocator
-  fragmentation.
+- runtime: the CUDA context and kernels' workspace (1 GiB), plus what torch's caching allocator reserves beyond
+  the allocated peak: 10 % of the activations and 5 GiB. On an H100 the reserved peak exceeded the allocated one by
+  5.3 to 9.0 GiB in all eight measured runs (32K to 128K tokens), nearly independent of the length; the 5 GiB is
+  fitted to them, so that the planned peak is within -1 % to +8 % of the reserved one there.
 
 Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs ZeRO-3): the weights, gradients and
 AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
@@ -52,7 +56,17 @@ attention adds ``4 x layers x context x heads x head_dim`` per token (forward QK
 sample, as causal kernels skip the masked half, or all of it with eager attention), times 4 (forward, recompute,
 backward twice). Tokens: ``train.max_steps x global batch`` samples when max_steps is set,
 else the data's rows x ``num_train_epochs``, each of ``data.max_length`` tokens. Divided by the GPUs' peak bf16
-FLOP/s times a model FLOPs utilisation (MFU, default 0.35 for QLoRA: dequantization costs).
+FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both).
+
+Utilisations measured on one H100 80GB (``scripts/gpu_check.py``, 2026-11-24: torch 2.11 + CUDA 13, flash-attn
+2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step): ``tokens x (matmul FLOPs /
+0.48 + attention FLOPs / u) / peak`` fits the six step times within 0.3 %, with u = 0.51 for SDPA and 0.31 for
+flash-attn 2 (whose Ampere kernels run at about a third of Hopper's peak; the FlashAttention-3 paper reports 35 %),
+and the same 0.48 for the matmuls under both kernels. A bf16 base's matmuls: 0.46 (one run, 32,765 tokens with SDPA; at
+these lengths dequantization is amortised over the tokens, so 4-bit costs nothing measurable). With activation
+offloading at 131,072 tokens the step took 2 % longer than planned (the copies overlap the compute). H200 takes H100's figures
+(the same chip and peak). Other GPUs are not measured: both utilisations default to 0.35 for 4-bit bases, 0.45
+otherwise, as before these measurements.
 """
 
 from __future__ import annotations
@@ -69,6 +83,13 @@ from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_s
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
+# Fractions of that peak, measured (module docstring): the matmuls by base (4-bit or not), attention by kernel.
+MEASURED_MATMUL_UTILISATION = {"h100": {True: 0.48, False: 0.46}, "h200": {True: 0.48, False: 0.46}}
+MEASURED_ATTENTION_UTILISATION = {"h100": {"sdpa": 0.51, "flash_attention_2": 0.31},
+                                  "h200": {"sdpa": 0.51, "flash_attention_2": 0.31}}
+UNMEASURED_UTILISATION = {True: 0.35, False: 0.45}  # other GPUs, both parts: 4-bit bases pay for dequantization
+ALLOCATOR_RESERVE = 5 * GiB  # reserved beyond the allocated peak, fitted on an H100 (module docstring)
+TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their copy ends (max_fwd_stash_size)
 # Shapes of common bases, so that planning needs no download.
 KNOWN_SHAPES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
@@ -187,8 +208,9 @@ class Plan:
     gpu_memory_gib: float
     terms: dict[str, int]
     tokens: int
-    flops_per_token: float
+    flops_per_token: float  # all of it, attention included
     hours: float
+    attention_flops_per_token: float = 0.0  # the attention kernels' share of flops_per_token
     assumptions: dict[str, Any] = field(default_factory=dict)
     method_levers: dict[str, str] = field(default_factory=dict)  # {"beacon weights": what to change, ...}
 
@@ -256,8 +278,12 @@ class Plan:
         launch = self.assumptions["launch"]
         lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
                   f"{f', --launch {launch}' if launch else ''})",
-                  f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token on {self.gpus} GPUs "
-                  f"at {self.assumptions['mfu']:.0%} of {self.assumptions['peak_tflops']:g} TFLOP/s = {self.hours:.1f} h"]
+                  f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
+                  f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
+                  f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
+                  f"{self.assumptions['utilisation']['attention']:.0%} (attention, {self.assumptions['attention']}) of "
+                  f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']}) "
+                  f"= {self.hours:.1f} h"]
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
 
@@ -365,8 +391,8 @@ def estimate(
             method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
     kv = shape.kv_heads * shape.head_dim
     offloaded = recipe.train.activation_offloading and recipe.train.gradient_checkpointing
-    if recipe.train.gradient_checkpointing:  # offloaded: the layer in flight and the one being fetched stay on the GPU
-        kept_layers = 2 if offloaded else shape.layers
+    if recipe.train.gradient_checkpointing:  # offloaded: in use, being fetched, and TRL's stash stay on the GPU
+        kept_layers = 2 + TRL_OFFLOAD_STASH if offloaded else shape.layers
         terms["checkpointed layer inputs"] = kept_layers * activation_tokens * shape.hidden * dtype_bytes
         per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
         terms["one layer's recompute"] = activation_tokens * per_token
@@ -396,7 +422,7 @@ def estimate(
     elif gpus > 1:
         terms["DDP gradient buckets"] = trainable * trained_bytes
     activations = sum(terms.get(term, 0) for term in ACTIVATION_TERMS)
-    terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10
+    terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10 + ALLOCATOR_RESERVE
 
     layers = shape.linear_params + lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
     head = shape.vocab * shape.hidden  # the LM head's matmul (the input embedding is a lookup: no FLOPs)
@@ -404,25 +430,29 @@ def estimate(
     context = tokens_per_sample if recipe.model.attn_implementation == "eager" else tokens_per_sample / 2
     attention = 4 * shape.layers * context * shape.heads * shape.head_dim
     recompute = 2 * layers if recipe.train.gradient_checkpointing else 0
+    attention_flops = attention * (4 if recompute else 3)
     # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights' gradients
     flops_per_token = (2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
-                       + attention * (4 if recompute else 3))
+                       + attention_flops)
     if samples is None:
         samples = _samples(recipe)
     trained_samples = (recipe.train.max_steps * recipe.train.global_batch_size if recipe.train.max_steps > 0
                        else round(samples * recipe.train.num_train_epochs))
     tokens = trained_samples * tokens_per_sample
-    mfu = mfu if mfu is not None else (0.35 if recipe.model.load_in_4bit else 0.45)
-    seconds = tokens * flops_per_token / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12 * mfu)
+    utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
+    seconds = tokens * ((flops_per_token - attention_flops) / utilisation["matmuls"]
+                        + attention_flops / utilisation["attention"]) / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12)
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
         terms=terms,
         tokens=tokens,
         flops_per_token=flops_per_token,
+        attention_flops_per_token=attention_flops,
         hours=seconds / 3600,
         method_levers=method_levers,
-        assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "mfu": mfu, "samples": samples,
+        assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "utilisation": utilisation,
+                     "attention": recipe.model.attn_implementation, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "trained_samples": trained_samples,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
@@ -432,6 +462,19 @@ def estimate(
                      "can_shard": _allowed(check_sharded, recipe, "sharding"),
                      "can_split_sequences": _allowed(check_sequence_parallel, recipe)},
     )
+
+
+def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) -> dict[str, float | str]:
+    """Fractions of the peak FLOP/s: ``{"matmuls", "attention", "source"}``. ``mfu`` (``--mfu``) sets both; else
+    the figures measured on this GPU (eager attention counts as matmuls), else the unmeasured defaults."""
+    if mfu is not None:
+        return {"matmuls": mfu, "attention": mfu, "source": "--mfu"}
+    if gpu not in MEASURED_MATMUL_UTILISATION:
+        default = UNMEASURED_UTILISATION[four_bit]
+        return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
+    matmuls = MEASURED_MATMUL_UTILISATION[gpu][four_bit]
+    return {"matmuls": matmuls, "attention": MEASURED_ATTENTION_UTILISATION[gpu].get(attention, matmuls),
+            "source": "measured on an H100"}
 
 
 def _samples(recipe: Any) -> int:
