@@ -4,7 +4,7 @@
 # here, in the repository root (a machine that reaches the package registry); it downloads into .whl/ (ignored by
 # git, carried with `carry: [".whl"]`), for CPython 3.12 on x86-64 Linux, the versions of requirements-compat.txt
 # (the stack `make test-compat` tests) plus the dependencies the image lacks, and prints the command to run there.
-# About 50 MB, bitsandbytes (all its CUDA builds) most of it; a call carries at most 64 MiB with the repository.
+# About 15 MB (bitsandbytes trimmed to its CUDA 13 library); a call carries at most 64 MiB with the repository.
 #
 #   bash scripts/gpu_wheels.sh
 set -euo pipefail
@@ -36,6 +36,21 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     "${platforms[@]}" -d .whl "${packages[@]}"
 # deepspeed is published as source only; built without its compiled ops it is a pure-Python wheel
 python3 -m pip wheel -q --no-deps -w .whl "$(pinned deepspeed)"
+# bitsandbytes ships a library per CUDA and ROCm version (43 MB); the image's torch is built for CUDA 13 (2026-11),
+# so keep CUDA 13's and the CPU one: 7 MB, which leaves room for .fa/ (scripts/gpu_flash_attn_src.sh) in a call
+python3 - <<'EOF'
+import glob
+import re
+import zipfile
+
+wheel = glob.glob(".whl/bitsandbytes-*.whl")[0]
+with zipfile.ZipFile(wheel) as source:
+    entries = [(item, source.read(item.filename)) for item in source.infolist()
+               if not re.search(r"libbitsandbytes_(rocm|cuda(?!13))", item.filename)]
+with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as target:
+    for item, data in entries:
+        target.writestr(item, data)
+EOF
 
 echo "downloaded into .whl/ ($(du -sh .whl | cut -f1)):"
 ls .whl
@@ -46,4 +61,5 @@ On the GPU machine (device tool `run`, carry [".whl"]), begin the command with:
     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 || exit;
 then, e.g.:
   python3 scripts/gpu_check.py --work-dir /tmp/gc --attentions sdpa --no-kernel-check --report $OUT/sdpa.json
+flash-attn is source only on PyPI: scripts/gpu_flash_attn_src.sh prepares a build that fits a call.
 EOF
