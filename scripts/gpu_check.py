@@ -343,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = report["planner"][name]
         print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
               f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
-              f"(planner {plan['tokens_per_second']:,.0f} at utilisation {plan['utilisation']})", file=sys.stderr)
+              f"(planner {plan['tokens_per_second']:,.0f} at {plan['utilisation']['matmuls']:.0%} matmuls, "
+              f"{plan['utilisation']['attention']:.0%} attention)", file=sys.stderr)
     for method, check in (report["kernels"] or {}).items():
         if isinstance(check, dict):
             print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| "

@@ -59,14 +59,14 @@ else the data's rows x ``num_train_epochs``, each of ``data.max_length`` tokens.
 FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both).
 
 Utilisations measured on one H100 80GB (``scripts/gpu_check.py``, 2026-11-24: torch 2.11 + CUDA 13, flash-attn
-2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step): ``tokens x (matmul FLOPs /
-0.48 + attention FLOPs / u) / peak`` fits the six step times within 0.3 %, with u = 0.51 for SDPA and 0.31 for
-flash-attn 2 (whose Ampere kernels run at about a third of Hopper's peak; the FlashAttention-3 paper reports 35 %),
-and the same 0.48 for the matmuls under both kernels. A bf16 base's matmuls: 0.46 (one run, 32,765 tokens with SDPA; at
-these lengths dequantization is amortised over the tokens, so 4-bit costs nothing measurable). With activation
-offloading at 131,072 tokens the step took 2 % longer than planned (the copies overlap the compute). H200 takes H100's figures
-(the same chip and peak). Other GPUs are not measured: both utilisations default to 0.35 for 4-bit bases, 0.45
-otherwise, as before these measurements.
+2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step; ``docs/measurements/``):
+``tokens x (matmul FLOPs / 0.48 + attention FLOPs / u) / peak`` fits the six step times within 1 %, with u = 0.51
+for SDPA (cuDNN's Hopper kernels) and 0.31 for flash-attn 2 (its Ampere kernels; the FlashAttention-3 paper reports
+35 % of an H100's peak for them), and the same 0.48 for the matmuls under both kernels. A bf16 base's matmuls: 0.46
+(one run, 32,765 tokens with SDPA; at these lengths dequantization is amortised over the tokens). With activation
+offloading at 131,072 tokens the step took 2 % longer than planned (the copies overlap the compute). H200 takes
+H100's figures (the same chip and peak). Other GPUs are not measured: both utilisations default to 0.35 for 4-bit
+bases, 0.45 otherwise, as before these measurements.
 """
 
 from __future__ import annotations
