@@ -83,10 +83,10 @@ from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_s
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
-# Fractions of that peak, measured (module docstring): the matmuls by base (4-bit or not), attention by kernel.
-MEASURED_MATMUL_UTILISATION = {"h100": {True: 0.48, False: 0.46}, "h200": {True: 0.48, False: 0.46}}
-MEASURED_ATTENTION_UTILISATION = {"h100": {"sdpa": 0.51, "flash_attention_2": 0.31},
-                                  "h200": {"sdpa": 0.51, "flash_attention_2": 0.31}}
+# Fractions of that peak measured on an H100 (module docstring): the matmuls by base (4-bit or not), attention by
+# kernel. The H200 is the same chip at the same peak and takes them too.
+MEASURED_ON_H100 = {"matmuls": {True: 0.48, False: 0.46}, "attention": {"sdpa": 0.51, "flash_attention_2": 0.31}}
+MEASURED_UTILISATION = {"h100": MEASURED_ON_H100, "h200": MEASURED_ON_H100}
 UNMEASURED_UTILISATION = {True: 0.35, False: 0.45}  # other GPUs, both parts: 4-bit bases pay for dequantization
 ALLOCATOR_RESERVE = 5 * GiB  # reserved beyond the allocated peak, fitted on an H100 (module docstring)
 TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their copy ends (max_fwd_stash_size)
@@ -209,8 +209,8 @@ class Plan:
     terms: dict[str, int]
     tokens: int
     flops_per_token: float  # all of it, attention included
+    attention_flops_per_token: float  # the attention kernels' share of flops_per_token
     hours: float
-    attention_flops_per_token: float = 0.0  # the attention kernels' share of flops_per_token
     assumptions: dict[str, Any] = field(default_factory=dict)
     method_levers: dict[str, str] = field(default_factory=dict)  # {"beacon weights": what to change, ...}
 
@@ -469,12 +469,12 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
     the figures measured on this GPU (eager attention counts as matmuls), else the unmeasured defaults."""
     if mfu is not None:
         return {"matmuls": mfu, "attention": mfu, "source": "--mfu"}
-    if gpu not in MEASURED_MATMUL_UTILISATION:
+    if gpu not in MEASURED_UTILISATION:
         default = UNMEASURED_UTILISATION[four_bit]
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
-    matmuls = MEASURED_MATMUL_UTILISATION[gpu][four_bit]
-    return {"matmuls": matmuls, "attention": MEASURED_ATTENTION_UTILISATION[gpu].get(attention, matmuls),
-            "source": "measured on an H100"}
+    measured = MEASURED_UTILISATION[gpu]
+    matmuls = measured["matmuls"][four_bit]
+    return {"matmuls": matmuls, "attention": measured["attention"].get(attention, matmuls), "source": "measured on an H100"}
 
 
 def _samples(recipe: Any) -> int:
