@@ -84,6 +84,8 @@ class Method:
         excludes: ``{other method: why}``, methods this one cannot run with; a recipe naming both is refused.
         sharding_conflict: why the method cannot train with its model's weights sharded across processes (FSDP2,
             DeepSpeed ZeRO-3), or None; ``train --launch fsdp2|zero3|ulysses`` (and ``plan``) refuse it with this.
+        kernel_conflict: why the method cannot train with Liger's fused kernels (``train.use_liger_kernel``: RMSNorm,
+            SwiGLU and a RoPE kernel that replaces transformers' rotation of queries and keys), or None.
         training_labels: ``training_labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]``
             (unshifted, -100 = not scored): the labels with those the method leaves out of the training loss set to
             -100 (Activation Beacon, as its authors: the first window, unless full-coverage + interleave).
@@ -109,6 +111,7 @@ class Method:
     inference_only: bool = False
     excludes: dict[str, str] = field(default_factory=dict)
     sharding_conflict: str | None = None
+    kernel_conflict: str | None = None
 
 
 METHODS: dict[str, Method] = {}

@@ -52,6 +52,7 @@ from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset, utk_document_room
 from .init_from import check_init_adapter, load_init_weights, report_differences
+from .memory import TrainingMemory, check_memory_options, checkpoint_settings, shapes_memory
 from .method_trainer import method_checkpoint_trainer
 from .schema import Recipe
 
@@ -469,6 +470,9 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
         **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
         activation_offloading=t.activation_offloading,
+        # Liger's layer kernels only: the loss stays TRL's fused LM head (Liger's fused loss would replace it)
+        **({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": False,
+                                                              "cross_entropy": False}} if t.use_liger_kernel else {}),
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
@@ -714,6 +718,14 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     check_samples_left(trainer, data_stats, recipe)
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
+    distributed_type = str(trainer.accelerator.distributed_type)
+    check_memory_options(recipe, sharded="FSDP" in distributed_type or "DEEPSPEED" in distributed_type)
+    checkpointing = None
+    if recipe.train.backend == "transformers" and shapes_memory(recipe):
+        checkpointing = checkpoint_settings(recipe, model.config, world_size(), distributed_type)
+        if is_main_process():
+            print(f"longpeft: checkpointing: {checkpointing.describe(model.config.num_hidden_layers)}", file=sys.stderr)
+    trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
     resolved = {
         "recipe": recipe.model_dump(),
         "base_model": base_id,
@@ -730,6 +742,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "quantization": quantization_config(recipe).to_dict() if recipe.model.load_in_4bit else None,
         "data": data_stats,
         "init_from": start.to_dict() if start is not None else None,
+        "checkpointing": dataclasses.asdict(checkpointing) if checkpointing is not None else None,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
 

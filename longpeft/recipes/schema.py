@@ -181,6 +181,36 @@ class TrainSection(Section):
     activation_offloading: bool = Field(
         default=False, description="move checkpointed activations to CPU memory (TRL): headroom for 128K tokens"
     )
+    checkpoint_layers: Literal["auto", "all"] | int = Field(
+        default="all",
+        description="decoder layers under activation checkpointing (the first N; the others keep their activations "
+        "and are not recomputed): all, N, or auto (as many as memory forces, chosen by the planner: "
+        "longpeft/scale/plan.py choose_checkpointing)",
+    )
+    keep_attention: Literal["auto", "all", "none"] | int = Field(
+        default="none",
+        description="checkpointed layers (the first N) that keep their attention kernel's output and log-sum-exp so "
+        "their recompute skips the attention forward (an extra hidden-sized tensor per layer): none, all, N, or auto",
+    )
+    offload_checkpoints: bool = Field(
+        default=False,
+        description="checkpointed layer inputs wait in pinned CPU memory, fetched back one layer ahead of their "
+        "recompute (longpeft/scale/checkpointing.py); only those, unlike activation_offloading",
+    )
+    mlp_tile_tokens: int | None = Field(
+        default=None, gt=0,
+        description="run each decoder layer's MLP this many tokens at a time in training (its intermediate "
+        "activations then exist for one tile at a time: longpeft/scale/tiling.py); null: untiled",
+    )
+    memory_budget_gib: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="GiB of each GPU the auto choices may plan for (default: 95 % of the GPU's memory)",
+    )
+    use_liger_kernel: bool = Field(
+        default=False,
+        description="Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (TRL's use_liger_kernel; CUDA and the "
+        "liger-kernel package)",
+    )
     save_steps: int = Field(default=50, gt=0)
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
@@ -203,6 +233,29 @@ class TrainSection(Section):
             raise ValueError("max_steps must be -1 (use num_train_epochs) or > 0")
         return value
 
+    @field_validator("checkpoint_layers", "keep_attention")
+    @classmethod
+    def _layer_count(cls, value: str | int) -> str | int:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be a number of layers >= 0, or one of the words the field allows")
+        return value
+
+    @model_validator(mode="after")
+    def _checkpointing(self) -> TrainSection:
+        checkpointing = ("checkpoint_layers", "keep_attention", "offload_checkpoints")
+        changed = [key for key in checkpointing if getattr(self, key) != TrainSection.model_fields[key].default]
+        if changed and not self.gradient_checkpointing:
+            raise ValueError(f"train.{changed[0]} shapes activation checkpointing, which train.gradient_checkpointing: "
+                             "false turns off; set it to true")
+        if self.offload_checkpoints and self.activation_offloading:
+            raise ValueError("train.offload_checkpoints and train.activation_offloading both move checkpointed inputs "
+                             "to CPU memory; use one (offload_checkpoints moves only the layer inputs, ahead of time)")
+        if self.activation_offloading and (self.keep_attention != "none" or self.checkpoint_layers != "all"):
+            raise ValueError("train.activation_offloading offloads every saved activation, kept attention outputs "
+                             "and unchecked layers too; use train.offload_checkpoints with train.checkpoint_layers / "
+                             "train.keep_attention")
+        return self
+
 
 # SFTConfig arguments longpeft sets itself (runner.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
@@ -218,6 +271,8 @@ TRL_KEYS_OWNED_BY_RECIPE = {
         "max_grad_norm": "train.max_grad_norm", "seed": "train.seed", "data_seed": "train.seed",
         "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
         "report_to": "train.report_to", "activation_offloading": "train.activation_offloading",
+        "use_liger_kernel": "train.use_liger_kernel",
+        "gradient_checkpointing_kwargs": "train.checkpoint_layers, train.keep_attention and train.offload_checkpoints",
         "bf16": "model.dtype", "fp16": "model.dtype",
     }.items()},
     "use_cpu": "it follows the machine (CPU when there is no CUDA)",
@@ -264,6 +319,11 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
         problems.append("data.utk (it adds tokens and its own collator)")
     if recipe.train.activation_offloading:
         problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
+    memory = [key for key in ("checkpoint_layers", "keep_attention", "offload_checkpoints", "mlp_tile_tokens",
+                              "use_liger_kernel")
+              if getattr(recipe.train, key) != TrainSection.model_fields[key].default]
+    if memory:
+        problems.append(f"train.{memory[0]} (unsloth checkpoints its own way and picks its own kernels)")
     if recipe.lora.trainable_dtype is not None:
         problems.append("lora.trainable_dtype (unsloth keeps trained weights in the model's dtype)")
     if problems:

@@ -72,13 +72,15 @@ bases, 0.45 otherwise, as before these measurements.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..adapters import get_method
 from ..builtin_models import model_location
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
+from .checkpointing import CheckpointSettings
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -90,6 +92,9 @@ MEASURED_UTILISATION = {"h100": MEASURED_ON_H100, "h200": MEASURED_ON_H100}
 UNMEASURED_UTILISATION = {True: 0.35, False: 0.45}  # other GPUs, both parts: 4-bit bases pay for dequantization
 ALLOCATOR_RESERVE = 5 * GiB  # reserved beyond the allocated peak, fitted on an H100 (module docstring)
 TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their copy ends (max_fwd_stash_size)
+# train.offload_checkpoints: the last checkpointed layer's input (kept) and the one fetched ahead stay on the GPU
+OFFLOADED_INPUTS_ON_GPU = 2
+BUDGET_SHARE = 0.95  # of the GPU's memory, what the auto checkpointing choices plan for by default
 # Shapes of common bases, so that planning needs no download.
 KNOWN_SHAPES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
@@ -110,7 +115,8 @@ TILE_TOKENS, TILE_VOCAB = 4096, 32768
 # (longpeft's launch configs leave it at the default; accelerate writes no "auto" for the Trainer to fill).
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # The terms that grow with the tokens (what sequence parallelism splits; 10 % of them count as fragmentation).
-ACTIVATION_TERMS = ("checkpointed layer inputs", "one layer's recompute", "all layers' activations",
+ACTIVATION_TERMS = ("checkpointed layer inputs", "kept attention outputs", "layers not checkpointed",
+                    "one layer's recompute", "all layers' activations",
                     "eager attention scores", "loss tiles")
 
 
@@ -174,10 +180,10 @@ def shape_of(name_or_path: str) -> ModelShape:
     if name_or_path.startswith("tiny:"):
         from ..tiny import tiny_config
 
-        return _from_config(tiny_config(name_or_path[5:]).to_dict())
+        return shape_from_config(tiny_config(name_or_path[5:]).to_dict())
     config_file = local_config_file(name_or_path)
     if config_file is not None:
-        return _from_config(json.loads(config_file.read_text()))
+        return shape_from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
         return ModelShape(**KNOWN_SHAPES[name_or_path])
     raise ValueError(
@@ -186,7 +192,7 @@ def shape_of(name_or_path: str) -> ModelShape:
     )
 
 
-def _from_config(config: dict[str, Any]) -> ModelShape:
+def shape_from_config(config: dict[str, Any]) -> ModelShape:
     heads = config["num_attention_heads"]
     return ModelShape(
         hidden=config["hidden_size"],
@@ -312,6 +318,7 @@ def estimate(
     samples: int | None = None,
     shape: ModelShape | None = None,
     launch: str | None = None,
+    checkpointing: CheckpointSettings | None = None,
 ) -> Plan:
     """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
 
@@ -320,6 +327,8 @@ def estimate(
             conversations, else 1000); unused when ``train.max_steps`` is set.
         launch: how the GPUs share the work, as ``longpeft train --launch`` (``ddp``, ``fsdp2``, ``zero3``,
             ``ulysses``); default ``ddp`` on several GPUs. A combination ``train --launch`` refuses is refused here.
+        checkpointing: what each layer keeps (default: the recipe's ``train.checkpoint_layers``,
+            ``keep_attention`` and ``offload_checkpoints``, ``auto`` resolved by :func:`choose_checkpointing`).
     """
     if gpu not in GPU_PEAK_TFLOPS:
         raise ValueError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
@@ -389,18 +398,12 @@ def estimate(
             trainable += method_trainable
             trainable_matmul += method_trainable
             method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
-    kv = shape.kv_heads * shape.head_dim
-    offloaded = recipe.train.activation_offloading and recipe.train.gradient_checkpointing
-    if recipe.train.gradient_checkpointing:  # offloaded: in use, being fetched, and TRL's stash stay on the GPU
-        kept_layers = 2 + TRL_OFFLOAD_STASH if offloaded else shape.layers
-        terms["checkpointed layer inputs"] = kept_layers * activation_tokens * shape.hidden * dtype_bytes
-        per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
-        terms["one layer's recompute"] = activation_tokens * per_token
-    else:
-        per_token = (5 * shape.hidden + 2 * kv + 4 * shape.intermediate) * dtype_bytes
-        terms["all layers' activations"] = shape.layers * activation_tokens * per_token
+    checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, launch)
+    offloaded = recipe.train.activation_offloading and checkpointing.checkpointed > 0
+    terms.update(activation_terms(shape, checkpointing, activation_tokens, dtype_bytes, recipe.train.mlp_tile_tokens,
+                                  trl_offloading=offloaded))
     if recipe.model.attn_implementation == "eager":  # scores and probabilities; every layer's without checkpointing
-        layers_kept = 1 if recipe.train.gradient_checkpointing else shape.layers
+        layers_kept = 1 + shape.layers - checkpointing.checkpointed if checkpointing.checkpointed else shape.layers
         terms["eager attention scores"] = layers_kept * batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
     terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * activation_tokens * shape.hidden * dtype_bytes
     if shards > 1:  # weights, gradients and AdamW state are split; the units in use are gathered whole
@@ -429,8 +432,9 @@ def estimate(
     # eager attention computes the whole score matrix; SDPA and flash-attn kernels skip the causal mask's upper half
     context = tokens_per_sample if recipe.model.attn_implementation == "eager" else tokens_per_sample / 2
     attention = 4 * shape.layers * context * shape.heads * shape.head_dim
-    recompute = 2 * layers if recipe.train.gradient_checkpointing else 0
-    attention_flops = attention * (4 if recompute else 3)
+    recompute = recompute_flops(shape, checkpointing, layers, tokens_per_sample, recipe.train.mlp_tile_tokens)
+    # forward, backward (twice), and the recompute of the checkpointed layers that keep no attention outputs
+    attention_flops = attention * (3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers)
     # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights' gradients
     flops_per_token = (2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
                        + attention_flops)
@@ -458,10 +462,117 @@ def estimate(
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
                                         "bytes/param with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
+                     "checkpointing": asdict(checkpointing),
+                     "checkpointing_summary": checkpointing.describe(shape.layers),
                      "launch": launch, "sequence_parallel": sequence_shards,
                      "can_shard": _allowed(check_sharded, recipe, "sharding"),
                      "can_split_sequences": _allowed(check_sequence_parallel, recipe)},
     )
+
+
+def activation_terms(shape: ModelShape, checkpointing: CheckpointSettings, tokens: int, dtype_bytes: int,
+                     mlp_tile_tokens: int | None = None, trl_offloading: bool = False) -> dict[str, int]:
+    """The memory terms of the decoder layers' activations, in bytes, for ``tokens`` tokens on one GPU.
+
+    One layer's activations per token: the attention projections (q, k, v, the attention output, o's input:
+    ``3 hidden + 2 kv``), the norms' inputs (``2 hidden``) and the MLP (gate, up, the product and down's input:
+    ``4 intermediate``; tiled, its input ``hidden`` plus one tile's ``4 intermediate`` for ``mlp_tile_tokens``
+    tokens). Checkpointed layers keep their input (``hidden``: all of them, or with offloaded inputs the last one
+    and the one fetched ahead; with TRL's activation offloading seven), kept attention outputs
+    (``heads x head_dim`` in the compute dtype and a float32 log-sum-exp per head), and one layer's activations
+    exist again during its recompute; layers not checkpointed keep all of theirs.
+    """
+    kv = shape.kv_heads * shape.head_dim
+    mlp = tokens * 4 * shape.intermediate * dtype_bytes
+    if mlp_tile_tokens and mlp_tile_tokens < tokens:
+        mlp = tokens * shape.hidden * dtype_bytes + mlp_tile_tokens * 4 * shape.intermediate * dtype_bytes
+    layer = tokens * (5 * shape.hidden + 2 * kv) * dtype_bytes + mlp
+    checkpointed, layers = checkpointing.checkpointed, shape.layers
+    if checkpointed == 0:
+        return {"all layers' activations": layers * layer}
+    if trl_offloading:  # in use, being fetched, and TRL's stash stay on the GPU
+        inputs_on_gpu = 2 + TRL_OFFLOAD_STASH
+    else:
+        inputs_on_gpu = min(checkpointed, OFFLOADED_INPUTS_ON_GPU) if checkpointing.offload else checkpointed
+    terms = {"checkpointed layer inputs": inputs_on_gpu * tokens * shape.hidden * dtype_bytes}
+    if checkpointing.keep_attention:
+        per_token = shape.heads * shape.head_dim * dtype_bytes + shape.heads * 4
+        terms["kept attention outputs"] = checkpointing.keep_attention * tokens * per_token
+    if checkpointed < layers:
+        terms["layers not checkpointed"] = (layers - checkpointed) * layer
+    terms["one layer's recompute"] = layer
+    return terms
+
+
+def recompute_flops(shape: ModelShape, checkpointing: CheckpointSettings, layer_matmul_params: int, tokens: int,
+                    mlp_tile_tokens: int | None = None) -> float:
+    """Matmul FLOPs per token that checkpointing adds: the checkpointed layers' forward again (``2`` per matmul
+    parameter of those layers). A tiled MLP in a layer that is not checkpointed runs its forward again in its
+    backward; in a checkpointed one the recompute stops before the tiles (:mod:`.tiling`), so nothing is added."""
+    flops = 2 * layer_matmul_params * checkpointing.checkpointed / shape.layers
+    if mlp_tile_tokens and mlp_tile_tokens < tokens:
+        flops += 2 * 3 * shape.hidden * shape.intermediate * (shape.layers - checkpointing.checkpointed)
+    return flops
+
+
+def resolve_checkpointing(recipe: Any, shape: ModelShape, gpus: int = 1, gpu_memory_gib: float = 80.0,
+                          gpu: str = "h100", launch: str | None = None) -> CheckpointSettings:
+    """The recipe's ``train.checkpoint_layers`` / ``keep_attention`` / ``offload_checkpoints`` on a model of
+    ``shape``, with ``auto`` chosen by :func:`choose_checkpointing` within ``train.memory_budget_gib`` (default:
+    95 % of ``gpu_memory_gib``)."""
+    train = recipe.train
+    if not train.gradient_checkpointing:
+        return CheckpointSettings(0)
+    layers = shape.layers
+    for key in ("checkpoint_layers", "keep_attention"):
+        value = getattr(train, key)
+        if isinstance(value, int) and value > layers:
+            raise ValueError(f"train.{key}={value}: the model has {layers} decoder layers")
+    checkpointed = train.checkpoint_layers if isinstance(train.checkpoint_layers, int) else layers
+    keep = train.keep_attention
+    kept = {"none": 0, "auto": 0, "all": checkpointed}[keep] if isinstance(keep, str) else min(keep, checkpointed)
+    settings = CheckpointSettings(checkpointed, kept, train.offload_checkpoints)
+    vary_layers, vary_attention = train.checkpoint_layers == "auto", keep == "auto"
+    if not (vary_layers or vary_attention):
+        return settings
+    budget = (train.memory_budget_gib or BUDGET_SHARE * gpu_memory_gib) * GiB
+
+    def plan_of(option: CheckpointSettings) -> Plan:
+        return estimate(recipe, gpus, gpu_memory_gib, gpu, samples=1, shape=shape, launch=launch, checkpointing=option)
+
+    return choose_checkpointing(plan_of, settings, budget, vary_layers, vary_attention)
+
+
+def choose_checkpointing(plan_of: Callable[[CheckpointSettings], Plan], start: CheckpointSettings, budget_bytes: float,
+                         vary_layers: bool, vary_attention: bool) -> CheckpointSettings:
+    """Keep what memory allows, starting from ``start``: one step at a time, take the change that saves the most
+    time per byte of peak memory among keeping one more layer's attention outputs (``vary_attention``) and
+    checkpointing one layer fewer (``vary_layers``), while the planned peak (``plan_of(settings).peak_bytes``)
+    stays within ``budget_bytes``."""
+
+    def seconds_per_token(plan: Plan) -> float:
+        return plan.hours * 3600 / max(plan.tokens, 1)
+
+    current, plan = start, plan_of(start)
+    while True:
+        options = []
+        if vary_attention and current.keep_attention < current.checkpointed:
+            options.append(replace(current, keep_attention=current.keep_attention + 1))
+        if vary_layers and current.checkpointed > 0:
+            fewer = current.checkpointed - 1
+            options.append(replace(current, checkpointed=fewer, keep_attention=min(current.keep_attention, fewer)))
+        best = None
+        for option in options:
+            candidate = plan_of(option)
+            saved = seconds_per_token(plan) - seconds_per_token(candidate)
+            if candidate.peak_bytes > budget_bytes or saved <= 0:
+                continue
+            score = saved / max(candidate.peak_bytes - plan.peak_bytes, 1)
+            if best is None or score > best[0]:
+                best = (score, option, candidate)
+        if best is None:
+            return current
+        _, current, plan = best
 
 
 def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) -> dict[str, float | str]:

@@ -119,6 +119,10 @@ METHOD = Method(
         "the processes' collectives stop matching (2 CPU processes under FSDP2 fail with gloo's size mismatch; NCCL "
         "would hang). Use --launch ddp (each GPU holds the frozen base; only the beacon weights train)"
     ),
+    kernel_conflict=(
+        "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory), "
+        "where Liger's RoPE kernel does not reach, and the pair is not checked"
+    ),
 )
 
 __all__ = [

@@ -89,6 +89,10 @@ METHOD = Method(
     export=lambda model, folder, config: write_remote_code(folder, _require_bases(config)),
     describe=describe,
     remote_code=True,
+    kernel_conflict=(
+        "its attention forward rotates queries and keys itself (one RoPE base per head), "
+        "where Liger's RoPE kernel does not reach, and the pair is not checked"
+    ),
 )
 
 __all__ = [

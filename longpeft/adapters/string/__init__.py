@@ -134,6 +134,10 @@ METHOD = Method(
     remote_code=True,
     inference_only=True,
     excludes=EXCLUDES,
+    kernel_conflict=(
+        "its attention forward rotates queries and keys itself (shifted positions for far keys), "
+        "where Liger's RoPE kernel does not reach, and the pair is not checked"
+    ),
 )
 
 __all__ = [

@@ -1,0 +1,101 @@
+"""A run's activation memory: what each layer keeps, offloaded layer inputs, the tiled MLP, Liger's kernels.
+
+The recipe's ``train.checkpoint_layers``, ``keep_attention`` and ``offload_checkpoints`` become a
+:class:`~longpeft.scale.checkpointing.CheckpointSettings` (``auto`` chosen by the planner for this model, this
+run's launch and this machine's GPU memory), and ``train.mlp_tile_tokens`` tiles the decoder layers' MLP. Both are
+installed by :class:`TrainingMemory` when training begins, after the Trainer turned checkpointing on and applied
+Liger's kernels, which they build on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..launch import sequence_parallel_size
+from ..scale.checkpointing import CheckpointSettings, apply_checkpointing
+from ..scale.plan import GPU_PEAK_TFLOPS, GiB, resolve_checkpointing, shape_from_config
+from ..scale.tiling import apply_tiled_mlp
+from .schema import Recipe
+
+
+def shapes_memory(recipe: Recipe) -> bool:
+    """Whether the recipe changes what the layers keep (otherwise transformers' own checkpointing runs as is)."""
+    train = recipe.train
+    return train.checkpoint_layers != "all" or train.keep_attention != "none" or train.offload_checkpoints
+
+
+def device_memory_gib() -> float:
+    """This process's GPU memory in GiB (the machine's RAM without CUDA)."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
+    import psutil
+
+    return psutil.virtual_memory().total / GiB
+
+
+def planned_launch(distributed_type: str, processes: int) -> str | None:
+    """The ``longpeft plan --launch`` equivalent of the run's accelerate setup (``None`` for one process)."""
+    if processes <= 1:
+        return None
+    if "DEEPSPEED" in distributed_type:
+        return "ulysses" if sequence_parallel_size() > 1 else "zero3"
+    return "fsdp2" if "FSDP" in distributed_type else "ddp"
+
+
+def checkpoint_settings(recipe: Recipe, model_config: Any, processes: int, distributed_type: str) -> CheckpointSettings:
+    """The run's checkpointing, ``auto`` resolved by the planner on the model's real shape and this GPU's memory."""
+    gpu = "h100"
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
+    shape = shape_from_config(model_config.to_dict())
+    return resolve_checkpointing(recipe, shape, processes, device_memory_gib(), gpu,
+                                 planned_launch(distributed_type, processes))
+
+
+def check_memory_options(recipe: Recipe, sharded: bool) -> None:
+    """Refuse the memory options this run cannot carry out, naming the key and why."""
+    if recipe.train.mlp_tile_tokens and sharded:
+        raise ValueError("train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP reads "
+                         "its layer's weights outside the sharded module's gather; use --launch ddp or remove "
+                         "train.mlp_tile_tokens")
+    if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
+        raise ValueError("train.keep_attention keeps the output of an attention kernel, and eager attention is no "
+                         "single kernel; use model.attn_implementation: sdpa (or flash_attention_2)")
+    if recipe.train.use_liger_kernel:
+        check_liger(recipe)
+
+
+def check_liger(recipe: Recipe) -> None:
+    """Liger's kernels need CUDA and the liger-kernel package, and replace the RoPE of methods that rotate their own
+    queries and keys (their registry ``kernel_conflict``)."""
+    from ..adapters import METHODS
+
+    for name in recipe.method_configs():
+        if METHODS[name].kernel_conflict:
+            raise ValueError(f"train.use_liger_kernel with {name}: {METHODS[name].kernel_conflict}; set "
+                             "train.use_liger_kernel: false")
+    if not torch.cuda.is_available():
+        raise ValueError("train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
+                         "has none; set train.use_liger_kernel: false here")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise ValueError("train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)")
+
+
+class TrainingMemory(TrainerCallback):
+    """Installs the run's checkpointing and tiled MLP when training begins; ``offloader`` then holds the counters
+    of the offloaded layer inputs (None without offloading)."""
+
+    def __init__(self, settings: CheckpointSettings | None, mlp_tile_tokens: int | None) -> None:
+        self.settings, self.mlp_tile_tokens = settings, mlp_tile_tokens
+        self.offloader = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.settings is not None:
+            self.offloader = apply_checkpointing(model, self.settings)
+        if self.mlp_tile_tokens:
+            apply_tiled_mlp(model, self.mlp_tile_tokens)
