@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 RECIPE = "llama3-8b-instruct-80k-qlora"
@@ -140,17 +142,25 @@ def measure(args: argparse.Namespace) -> dict:
     from longpeft.recipes.runner import run
 
     class StepTimer(TrainerCallback):
+        """Each step's time, and on CUDA the memory allocated when it begins (weights and optimizer state: what
+        stays between steps) and its own allocated and reserved peaks."""
+
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.memory: list[dict[str, float]] = []
 
         def on_step_begin(self, *a, **k):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+                self.memory.append({"allocated_at_begin_gib": torch.cuda.memory_allocated() / GiB})
+                torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
 
         def on_step_end(self, *a, **k):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+                self.memory[-1].update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
+                                       peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB)
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
@@ -161,9 +171,12 @@ def measure(args: argparse.Namespace) -> dict:
     timed = timer.times[1:] or timer.times  # the first step warms up kernels and the allocator
     report = {"attention": args.measure, "step_seconds": timer.times, "losses": losses,
               "tokens_per_second": args.tokens / statistics.median(timed)}
-    if torch.cuda.is_available():
-        report.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
-                      peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB)
+    resolved = json.loads((result.output_dir / "recipe.resolved.json").read_text())
+    report["checkpointing"] = resolved.get("checkpointing")
+    if torch.cuda.is_available():  # the peaks of the steps (reset when each begins), and what each step began with
+        report.update(peak_allocated_gib=max(m["peak_allocated_gib"] for m in timer.memory),
+                      peak_reserved_gib=max(m["peak_reserved_gib"] for m in timer.memory), step_memory=timer.memory,
+                      allocator_config=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
     return report
 
 
@@ -181,7 +194,8 @@ def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_mem
     seconds = plan.hours * 3600 / steps  # one sample of `tokens` per step
     return {"gpu": gpu, "attention": attention, "peak_gib": plan.peak_bytes / GiB,
             "terms_gib": {k: v / GiB for k, v in plan.terms.items()}, "step_seconds": seconds,
-            "tokens_per_second": tokens / seconds, "utilisation": plan.assumptions["utilisation"]}
+            "tokens_per_second": tokens / seconds, "utilisation": plan.assumptions["utilisation"],
+            "checkpointing": plan.assumptions["checkpointing"]}
 
 
 def sdpa_kernels() -> list[str]:
@@ -250,6 +264,66 @@ def compare_with_plan(measured: dict, plan: dict, tokens: int, tiny: bool) -> No
         measured["planner_step_time_error"] = plan["step_seconds"] * measured["tokens_per_second"] / tokens - 1
 
 
+@dataclass
+class Run:
+    """One training run of the check: its report key, attention kernel, recipe overrides, length and steps."""
+
+    name: str
+    attention: str
+    overrides: list[str]
+    tokens: int
+    steps: int
+
+
+def planned_runs(args: argparse.Namespace, attentions: list[str]) -> list[Run]:
+    """The runs of this call: one per ``--variant`` when given (``tokens=N`` and ``steps=N`` set its length and
+    steps, ``model.attn_implementation=...`` its kernel, other ``KEY=VALUE`` pairs go to the recipe after
+    ``--set``), else one per attention kernel with ``--set``."""
+    if not args.variant:
+        return [Run(attention, attention, list(args.set), args.tokens, args.steps) for attention in attentions]
+    runs = []
+    for name, *pairs in args.variant:
+        settings = dict(pair.split("=", 1) for pair in pairs)
+        tokens, steps = int(settings.pop("tokens", args.tokens)), int(settings.pop("steps", args.steps))
+        attention = settings.get("model.attn_implementation", "sdpa")
+        runs.append(Run(name, attention, list(args.set) + [f"{k}={v}" for k, v in settings.items()], tokens, steps))
+    return runs
+
+
+def compare_liger() -> dict:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels against transformers' on a small Llama-3-like bf16 model on CUDA, as
+    ``train.use_liger_kernel`` applies them (no fused loss): max |logit diff| and max |grad diff| of every weight."""
+    import importlib.util
+
+    import torch
+
+    from longpeft.tiny import tiny_model
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("liger_kernel") is None:
+        return {"ran": False, "reason": "needs CUDA and liger-kernel"}
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    shape = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192)
+    ids = torch.randint(0, 4000, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
+    results = []
+    for liger in (False, True):
+        model = tiny_model("llama", seed=0, attn_implementation="sdpa", **shape).to("cuda", torch.bfloat16)
+        if liger:
+            _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                            fused_linear_cross_entropy=False)
+        logits = model(ids).logits.float()
+        logits.square().mean().backward()
+        results.append((logits.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+        del model
+    (plain, plain_grads), (fused, fused_grads) = results
+    grad_diff = max((plain_grads[n] - fused_grads[n]).abs().max().item() for n in plain_grads)
+    grad_scale = max(g.abs().max().item() for g in plain_grads.values())
+    return {"ran": True, "tokens": 4096, "max_abs_logit_diff": (plain - fused).abs().max().item(),
+            "max_abs_logit": plain.abs().max().item(), "max_abs_grad_diff": grad_diff, "max_abs_grad": grad_scale,
+            "allclose_atol_rtol_5e-2": bool(torch.allclose(plain, fused, atol=5e-2, rtol=5e-2))}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
@@ -264,6 +338,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for the training runs and the planner, as `longpeft train --set` "
                         "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true")
+    parser.add_argument("--variant", action="append", nargs="+", metavar="NAME [KEY=VALUE ...]",
+                        help="instead of one run per kernel, a named run with its own overrides (repeatable), e.g. "
+                        "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and steps=N "
+                        "set its length and steps")
+    parser.add_argument("--deadline", type=float, metavar="SECONDS",
+                        help="start no run that the planner says would end later than this many seconds after the "
+                        "call began (model load included); skipped runs are reported as such")
+    parser.add_argument("--liger-check", action="store_true",
+                        help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, liger-kernel)")
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
                         help="skip the HARPE and STRING kernel comparison")
     parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
@@ -279,10 +362,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--tiny trains with SDPA only (flash-attn needs CUDA)")
     if not args.tiny and "flash_attention_2" in (args.attentions or []) and not has_flash_attn():
         parser.error("--attentions flash_attention_2: flash-attn is not installed (pip install flash-attn)")
+    for name, *pairs in args.variant or []:
+        bad = [pair for pair in pairs if "=" not in pair]
+        if bad or "=" in name:
+            parser.error(f"--variant {name} {' '.join(pairs)}: a name, then KEY=VALUE pairs")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = parse_args(argv)
     import torch
 
@@ -307,33 +395,49 @@ def main(argv: list[str] | None = None) -> int:
             Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
 
     try:
-        base, data = work / ("base-tiny" if args.tiny else "base-8b"), work / "train.jsonl"  # a kept base per size
+        base = work / ("base-tiny" if args.tiny else "base-8b")  # a kept base per size
         if not (base / "config.json").is_file():
-            started = time.perf_counter()
+            began = time.perf_counter()
             write_base(base, args.tiny)
-            report["base_written_seconds"] = time.perf_counter() - started
-        report["tokens"] = sample_tokens = write_data(data, base, args.tokens, args.steps)
+            report["base_written_seconds"] = time.perf_counter() - began
         memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
         runs, plans = report["runs"], report.setdefault("planner", {})
         if not args.tiny and torch.cuda.is_available():
             report["sdpa_kernels"] = sdpa_kernels()
-        for attention in attentions:
-            plans[attention] = plan = planner(base, data, sample_tokens, args.steps, args.tiny, memory, attention, args.set)
+        sample_tokens = {}  # requested tokens -> the data file's sample length
+        for run in planned_runs(args, attentions):
+            data = work / f"train-{run.tokens}.jsonl"
+            if run.tokens not in sample_tokens:
+                sample_tokens[run.tokens] = write_data(data, base, run.tokens, run.steps)
+            elif sum(1 for _ in data.open()) < run.steps:
+                write_data(data, base, run.tokens, run.steps)
+            report.setdefault("tokens", sample_tokens[run.tokens])
+            plans[run.name] = plan = planner(base, data, sample_tokens[run.tokens], run.steps, args.tiny, memory,
+                                             run.attention, run.overrides)
+            plan["tokens"] = sample_tokens[run.tokens]
+            planned_seconds = plan["step_seconds"] * run.steps + 90  # the base's load, about a minute at 8B
+            if args.deadline and time.perf_counter() - started + planned_seconds > args.deadline:
+                runs[run.name] = {"skipped": f"planned {planned_seconds:.0f} s would pass --deadline {args.deadline:g}"}
+                save_report()
+                continue
             save_report()
-            command = [sys.executable, __file__, "--measure", attention, "--base", str(base), "--data", str(data),
-                       "--out", str(work / f"run-{attention}"), "--tokens", str(sample_tokens), "--steps", str(args.steps),
-                       *(f"--set={override}" for override in args.set)]
-            shutil.rmtree(work / f"run-{attention}", ignore_errors=True)  # a kept work dir: train again, not resume
+            command = [sys.executable, __file__, "--measure", run.attention, "--base", str(base), "--data", str(data),
+                       "--out", str(work / f"run-{run.name}"), "--tokens", str(sample_tokens[run.tokens]),
+                       "--steps", str(run.steps), *(f"--set={override}" for override in run.overrides)]
+            shutil.rmtree(work / f"run-{run.name}", ignore_errors=True)  # a kept work dir: train again, not resume
             proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True)
             if proc.returncode != 0:
-                runs[attention] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+                runs[run.name] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
                 print(proc.stderr[-3000:], file=sys.stderr)
             else:
-                runs[attention] = measured = json.loads(proc.stdout.strip().splitlines()[-1])
-                compare_with_plan(measured, plan, sample_tokens, args.tiny)
-                print(f"{attention}: {json.dumps(measured)}", file=sys.stderr)
+                runs[run.name] = measured = json.loads(proc.stdout.strip().splitlines()[-1])
+                measured["tokens"] = sample_tokens[run.tokens]
+                compare_with_plan(measured, plan, sample_tokens[run.tokens], args.tiny)
+                print(f"{run.name}: {json.dumps(measured)}", file=sys.stderr)
             save_report()
         report["kernels"] = compare_kernels(args.tiny) if args.kernel_check else None
+        if args.liger_check:
+            report["liger"] = compare_liger()
         report["ok"] = all("error" not in r for r in runs.values())
         save_report()
     finally:
@@ -341,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     for name, measured in report["runs"].items():
         plan = report["planner"][name]
+        if "skipped" in measured:
+            print(f"{name}: skipped ({measured['skipped']})", file=sys.stderr)
+            continue
         print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
               f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
               f"(planner {plan['tokens_per_second']:,.0f} at {plan['utilisation']['matmuls']:.0%} matmuls, "
@@ -351,7 +458,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{check['max_abs_diff']:.3g}", file=sys.stderr)
     print(json.dumps(report))
     return 0 if report["ok"] else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

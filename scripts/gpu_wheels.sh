@@ -21,6 +21,7 @@ packages=(
     pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
     dill==0.4.1 multiprocess==0.70.19 fsspec==2026.2.0
     hjson==3.1.0 py-cpuinfo==9.0.0   # deepspeed's, beyond the image (for --launch zero3 / ulysses)
+    liger-kernel==0.8.5              # train.use_liger_kernel (pure Python over the image's Triton)
 )
 
 exclude="$(git rev-parse --git-path info/exclude)"

@@ -248,13 +248,17 @@ class Plan:
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
         elif self.assumptions.get("can_split_sequences", True):
             sequence = "sequence parallelism across GPUs (--launch ulysses)"
-        offload = None if self.assumptions.get("activation_offloading") else \
-            "train.activation_offloading: true (TRL moves checkpointed inputs to CPU memory)"
+        checkpointing = self.assumptions.get("checkpointing", {})
+        offload = None if self.assumptions.get("activation_offloading") or checkpointing.get("offload") else \
+            "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of their layer)"
         qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method") else (
             None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
-            "one layer's recompute": _either("a shorter data.max_length", sequence),
+            "one layer's recompute": _either("train.mlp_tile_tokens: 4096 (the MLP's intermediates one tile at a time)",
+                                             "a shorter data.max_length", sequence),
+            "kept attention outputs": "train.keep_attention: auto (keeps what fits) or fewer layers",
+            "layers not checkpointed": "train.checkpoint_layers: auto (checkpoints what memory forces) or all",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer "
                                    "(train.optim: adamw_bnb_8bit)" + ("" if launch in DEEPSPEED_LAUNCHES else
                                    ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 "
@@ -284,6 +288,7 @@ class Plan:
         launch = self.assumptions["launch"]
         lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
                   f"{f', --launch {launch}' if launch else ''})",
+                  f"checkpointing: {self.assumptions['checkpointing_summary']}",
                   f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
                   f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
                   f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "

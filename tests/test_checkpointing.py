@@ -1,0 +1,298 @@
+"""Checkpointing that keeps what memory allows, offloaded layer inputs and the tiled MLP (longpeft/scale/
+checkpointing.py, tiling.py): each against plain checkpointing of every layer (the reference), losses and every
+gradient; what each keeps or recomputes, counted at the dispatcher; the planner's terms and its auto choice; the
+recipe keys and their refusals."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from longpeft.recipes.schema import load_recipe
+from longpeft.scale import estimate, shape_of
+from longpeft.scale.checkpointing import CheckpointSettings, apply_checkpointing, decoder_layers, is_attention_kernel
+from longpeft.scale.plan import GiB, activation_terms, choose_checkpointing, resolve_checkpointing
+from longpeft.scale.tiling import apply_tiled_mlp, is_tiled, remove_tiled_mlp
+from longpeft.tiny import tiny_model
+
+LAYERS = 4
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the attention kernels' forward and backward calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.forward = self.backward = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        if "scaled_dot_product" in name:
+            if "backward" in name:
+                self.backward += 1
+            else:
+                self.forward += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(scope="module")
+def lora_model():
+    """A tiny Llama with LoRA on attention and MLP projections (non-zero B, so every LoRA weight gets a gradient)."""
+    model = tiny_model("llama", seed=0, attn_implementation="sdpa", num_hidden_layers=LAYERS)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
+                                            init_lora_weights=False))
+
+
+def train_step(base, settings=None, tile_tokens=None, seq=48):
+    """One forward and backward of a copy of ``base``: plain checkpointing of every layer (transformers'), then
+    ``settings`` and ``tile_tokens`` on top. Returns the loss, every gradient, the attention op counts of the
+    backward, and the model."""
+    model = copy.deepcopy(base)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offloader = apply_checkpointing(model, settings) if settings is not None else None
+    if tile_tokens:
+        apply_tiled_mlp(model, tile_tokens)
+    ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    ops = CountOps()
+    with ops:
+        loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, ops, model, offloader
+
+
+@pytest.mark.parametrize("settings", [
+    CheckpointSettings(LAYERS, keep_attention=LAYERS),
+    CheckpointSettings(2, keep_attention=1),
+    CheckpointSettings(0),
+    CheckpointSettings(LAYERS, keep_attention=2, offload=True),
+    CheckpointSettings(3, keep_attention=0, offload=True),
+])
+def test_each_setting_gives_the_losses_and_gradients_of_plain_checkpointing(lora_model, settings):
+    loss, grads, _, _, _ = train_step(lora_model)
+    kept_loss, kept_grads, ops, _, offloader = train_step(lora_model, settings)
+    assert torch.equal(kept_loss, loss) and kept_grads.keys() == grads.keys() and len(grads) > LAYERS * 4
+    for name in grads:
+        assert torch.equal(kept_grads[name], grads[name]), name
+    # the backward runs the attention forward again only in checkpointed layers that keep no attention output
+    assert ops.backward == LAYERS and ops.forward == settings.checkpointed - settings.keep_attention
+    if settings.offload:  # every checkpointed input but the last one's, each fetched ahead of its recompute
+        assert offloader.offloaded == settings.checkpointed - 1
+    else:
+        assert offloader is None
+
+
+def test_plain_checkpointing_recomputes_every_attention_forward(lora_model):
+    *_, ops, _, _ = train_step(lora_model)
+    assert (ops.forward, ops.backward) == (LAYERS, LAYERS)
+    assert is_attention_kernel(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert not is_attention_kernel(torch.ops.aten.mm.default)
+
+
+def test_apply_checkpointing_sets_each_layer_and_refuses_more_layers_than_the_model_has(lora_model):
+    model = copy.deepcopy(lora_model)
+    apply_checkpointing(model, CheckpointSettings(3, keep_attention=1))
+    assert [layer.gradient_checkpointing for layer in decoder_layers(model)] == [True, True, True, False]
+    with pytest.raises(ValueError, match="train.checkpoint_layers=5: the model has 4 decoder layers"):
+        apply_checkpointing(model, CheckpointSettings(5))
+    with pytest.raises(ValueError, match="keep_attention"):
+        CheckpointSettings(2, keep_attention=3)
+    assert CheckpointSettings(32, 24, True).describe(32) == (
+        "32 of 32 layers checkpointed, attention kept in 24, inputs offloaded to CPU memory")
+
+
+class MLPCalls:
+    """Counts the MLP's down projection forwards (one per MLP run, per tile when tiled)."""
+
+    def __init__(self, model) -> None:
+        self.count = 0
+        for layer in decoder_layers(model):
+            layer.mlp.down_proj.register_forward_hook(self.hook)
+
+    def hook(self, *args) -> None:
+        self.count += 1
+
+
+@pytest.mark.parametrize(("settings", "tile"), [
+    (None, 16),  # checkpointed layers
+    (CheckpointSettings(0), 7),  # no checkpointing: the tiles' backward recomputes each tile
+    (CheckpointSettings(LAYERS, keep_attention=LAYERS, offload=True), 13),  # with the other levers
+])
+def test_the_tiled_mlp_matches_the_untiled_one(lora_model, settings, tile):
+    loss, grads, _, _, _ = train_step(lora_model)
+    tiled_loss, tiled_grads, _, model, _ = train_step(lora_model, settings, tile)
+    assert is_tiled(model)
+    assert torch.allclose(tiled_loss, loss, rtol=1e-6, atol=0) and tiled_grads.keys() == grads.keys()
+    for name in grads:  # the parameter gradients are sums over the tiles: equal up to the order of the sums
+        torch.testing.assert_close(tiled_grads[name], grads[name], rtol=1e-5, atol=1e-7, msg=name)
+    remove_tiled_mlp(model)
+    assert not is_tiled(model)
+
+
+def test_a_checkpointed_recompute_stops_before_the_tiles(lora_model):
+    """Checkpointed: the backward runs each tile once (its forward with gradients); the layer's recompute stops
+    at the MLP input. Not checkpointed: the same tiles. So the tiled MLP adds no MLP forward to a checkpointed
+    layer."""
+    seq, tile = 48, 16
+    for settings in (None, CheckpointSettings(0)):
+        model = copy.deepcopy(lora_model)
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings is not None:
+            apply_checkpointing(model, settings)
+        apply_tiled_mlp(model, tile)
+        calls = MLPCalls(model)
+        ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(1))
+        loss = model(input_ids=ids, labels=ids).loss
+        assert calls.count == LAYERS * seq // tile  # the forward: tile by tile
+        calls.count = 0
+        loss.backward()
+        assert calls.count == LAYERS * seq // tile
+
+
+def test_the_tiled_mlp_runs_untiled_without_gradients_or_when_shorter_than_a_tile(lora_model):
+    model = copy.deepcopy(lora_model)
+    apply_tiled_mlp(model, 16)
+    calls = MLPCalls(model)
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 48, dtype=torch.long))
+    assert calls.count == LAYERS
+    with pytest.raises(ValueError, match="mlp_tile_tokens must be >= 1"):
+        apply_tiled_mlp(model, 0)
+
+
+# --- the planner ---------------------------------------------------------------------------------------------
+
+def test_activation_terms_against_a_direct_count():
+    shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
+    tokens, b = 81920, 2
+    hidden, kv, inter = 4096, 8 * 128, 14336
+    layer = tokens * (5 * hidden + 2 * kv + 4 * inter) * b
+    full = activation_terms(shape, CheckpointSettings(32), tokens, b)
+    assert full == {"checkpointed layer inputs": 32 * tokens * hidden * b, "one layer's recompute": layer}
+    kept = activation_terms(shape, CheckpointSettings(30, keep_attention=20, offload=True), tokens, b)
+    assert kept == {"checkpointed layer inputs": 2 * tokens * hidden * b,
+                    "kept attention outputs": 20 * tokens * (32 * 128 * b + 32 * 4),
+                    "layers not checkpointed": 2 * layer, "one layer's recompute": layer}
+    tiled = activation_terms(shape, CheckpointSettings(32, offload=True), tokens, b, mlp_tile_tokens=4096)
+    assert tiled["one layer's recompute"] == tokens * (6 * hidden + 2 * kv) * b + 4096 * 4 * inter * b
+    assert activation_terms(shape, CheckpointSettings(0), tokens, b) == {"all layers' activations": 32 * layer}
+
+
+def test_kept_attention_saves_its_recompute_in_the_planned_time():
+    plain = load_recipe("llama3-8b-instruct-80k-qlora", ["train.max_steps=1", "train.global_batch_size=1"])
+    shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
+    reference = estimate(plain, gpus=1, shape=shape)
+    kept = estimate(plain, gpus=1, shape=shape, checkpointing=CheckpointSettings(32, keep_attention=32))
+    # attention: forward, two backward kernels, and the recompute, which keeping removes (a quarter)
+    assert kept.attention_flops_per_token == pytest.approx(reference.attention_flops_per_token * 3 / 4)
+    assert kept.flops_per_token == pytest.approx(reference.flops_per_token - reference.attention_flops_per_token / 4)
+    unchecked = estimate(plain, gpus=1, shape=shape, checkpointing=CheckpointSettings(0))
+    layer_params = shape.linear_params + plain.lora.r * 32 * sum(sum(shape.projection_shape(n))
+                                                                for n in plain.lora.target_modules)
+    assert reference.flops_per_token - unchecked.flops_per_token == pytest.approx(
+        2 * layer_params + reference.attention_flops_per_token / 4)
+
+
+def test_auto_keeps_attention_first_at_long_lengths_and_stays_within_the_budget():
+    recipe = load_recipe("llama3-8b-instruct-80k-qlora", ["train.keep_attention=auto", "train.checkpoint_layers=auto",
+                                                          "train.offload_checkpoints=true",
+                                                          "train.memory_budget_gib=55"])
+    shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
+    chosen = resolve_checkpointing(recipe, shape, gpu_memory_gib=80)
+    plan = estimate(recipe, gpus=1, shape=shape, checkpointing=chosen)
+    assert chosen.checkpointed == 32 and 0 < chosen.keep_attention < 32 and chosen.offload
+    assert plan.peak_bytes <= 55 * GiB < estimate(recipe, gpus=1, shape=shape, checkpointing=CheckpointSettings(
+        32, chosen.keep_attention + 1, True)).peak_bytes  # one more kept layer would not fit
+    assert estimate(recipe, gpus=1, shape=shape).assumptions["checkpointing"] == {
+        "checkpointed": 32, "keep_attention": chosen.keep_attention, "offload": True}
+
+
+def test_choose_checkpointing_takes_the_most_time_per_byte():
+    """A toy plan of 4 layers: keeping an attention output saves 3 s for 1 byte; an unchecked layer saves 5 s for 4
+    bytes (it keeps everything, its attention too: from a layer that kept its attention, 2 s for 3 bytes)."""
+    class Toy:
+        def __init__(self, settings):
+            kept, unchecked = settings.keep_attention, 4 - settings.checkpointed
+            self.peak_bytes = 10 + kept + 4 * unchecked
+            self.hours, self.tokens = (100 - 3 * kept - 5 * unchecked) / 3600, 1
+
+    def choose(budget, vary_layers=True):
+        return choose_checkpointing(Toy, CheckpointSettings(4), budget, vary_layers, vary_attention=True)
+
+    assert choose(12) == CheckpointSettings(4, keep_attention=2)  # attention first: the most time per byte
+    assert choose(16) == CheckpointSettings(4, keep_attention=4)  # then an unchecked layer would pass 16 bytes
+    assert choose(20) == CheckpointSettings(2, keep_attention=2)
+    assert choose(20, vary_layers=False) == CheckpointSettings(4, keep_attention=4)
+
+
+def test_the_plan_table_says_what_each_layer_keeps(capsys):
+    from longpeft.cli import main
+
+    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "1", "--set", "train.offload_checkpoints=true",
+                 "--set", "train.keep_attention=auto"]) == 0
+    out = capsys.readouterr().out
+    assert "checkpointing: 32 of 32 layers checkpointed, attention kept in 32, inputs offloaded to CPU memory" in out
+    assert "kept attention outputs" in out
+
+
+# --- recipe keys ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["train.gradient_checkpointing=false", "train.keep_attention=all"], "train.keep_attention shapes activation "
+     "checkpointing"),
+    (["train.offload_checkpoints=true", "train.activation_offloading=true"], "use one"),
+    (["train.keep_attention=-1"], "must be a number of layers >= 0"),
+    (["train.mlp_tile_tokens=0"], "train.mlp_tile_tokens"),
+    (["train.memory_budget_gib=nan"], "train.memory_budget_gib"),
+    (["train.backend=unsloth", "train.offload_checkpoints=true"], "train.offload_checkpoints (unsloth checkpoints"),
+])
+def test_bad_memory_settings_are_refused_naming_the_key(overrides, message):
+    from longpeft.config import ConfigError
+
+    with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(")):
+        load_recipe("tiny-cpu", overrides)
+
+
+def test_layers_beyond_the_model_are_refused():
+    recipe = load_recipe("tiny-cpu", ["train.checkpoint_layers=9"])
+    with pytest.raises(ValueError, match="train.checkpoint_layers=9: the model has 2 decoder layers"):
+        resolve_checkpointing(recipe, shape_of("tiny:llama"))
+
+
+@pytest.mark.parametrize(("recipe", "overrides", "message"), [
+    ("tiny-harpe-cpu", [], "train.use_liger_kernel with harpe: its attention forward rotates"),
+    ("tiny-cpu", [], "Liger's kernels are Triton kernels for CUDA GPUs"),
+])
+def test_liger_is_refused_with_the_reason(recipe, overrides, message):
+    from longpeft.recipes.memory import check_liger
+
+    if torch.cuda.is_available() and "CUDA" in message:
+        pytest.skip("checks the refusal on a machine without CUDA")
+    with pytest.raises(ValueError, match=message):
+        check_liger(load_recipe(recipe, ["train.use_liger_kernel=true", *overrides]))
+
+
+def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path):
+    """The runner end to end on CPU: one checkpointed layer of two that keeps its attention, offloaded inputs and a
+    tiled MLP give the losses of the plain run, and the resolved recipe records what each layer kept."""
+    from longpeft.recipes.runner import run
+
+    def losses(name, overrides):
+        recipe = load_recipe("tiny-cpu", [f"output_dir={tmp_path / name}", "train.max_steps=2", *overrides])
+        result = run(recipe)
+        rows = (result.output_dir / "metrics.jsonl").read_text().splitlines()
+        resolved = json.loads((result.output_dir / "recipe.resolved.json").read_text())
+        return [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)], resolved["checkpointing"]
+
+    plain, none = losses("plain", [])
+    levers, recorded = losses("levers", ["train.checkpoint_layers=1", "train.keep_attention=all",
+                                         "train.offload_checkpoints=true", "train.mlp_tile_tokens=64"])
+    assert none is None and recorded == {"checkpointed": 1, "keep_attention": 1, "offload": True}
+    assert levers == pytest.approx(plain, rel=1e-5)
