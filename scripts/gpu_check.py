@@ -42,8 +42,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 RECIPE = "llama3-8b-instruct-80k-qlora"
 BASE_ID = "meta-llama/Meta-Llama-3-8B-Instruct"  # its shape, from longpeft.scale.plan.KNOWN_SHAPES
@@ -264,8 +264,7 @@ def compare_with_plan(measured: dict, plan: dict, tokens: int, tiny: bool) -> No
         measured["planner_step_time_error"] = plan["step_seconds"] * measured["tokens_per_second"] / tokens - 1
 
 
-@dataclass
-class Run:
+class Run(NamedTuple):
     """One training run of the check: its report key, attention kernel, recipe overrides, length and steps."""
 
     name: str

@@ -253,7 +253,7 @@ def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     assert plan.fits and 45 < plan.peak_bytes / 2**30 < 62  # DESIGN.md: ~50-54 GiB plus runtime overhead
     assert 1 < plan.hours < 12
     tight = estimate(recipe, gpus=8, gpu_memory_gib=40, samples=3500)
-    assert not tight.fits and "activation_offloading" in tight.levers()[0]
+    assert not tight.fits and "offload_checkpoints" in tight.levers()[0]
     assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80", "--samples", "3500"]) == 0
     out = capsys.readouterr().out
     assert "checkpointed layer inputs" in out and "fits in 80 GiB" in out
@@ -456,16 +456,16 @@ def test_beacon_weights_count_in_every_mode_that_trains_them():
     assert "beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)" in tight.levers()
 
 
-def test_plan_with_activation_offloading_keeps_seven_layer_inputs_and_stops_suggesting_it():
-    """The planner counted every checkpointed layer input on the GPU with train.activation_offloading on, and
-    named turning it on as the lever. Offloaded, the layer in use, the one fetched back and TRL's stash of the last
-    five offloaded stay on the GPU (measured on an H100: docs/measurements/)."""
+def test_plan_with_activation_offloading_keeps_seven_layer_inputs_and_stops_suggesting_offloading():
+    """With train.activation_offloading, the layer in use, the one fetched back and TRL's stash of the last five
+    offloaded stay on the GPU (measured on an H100: docs/measurements/), and offloading is no longer the lever;
+    without it, train.offload_checkpoints is."""
     on = estimate(load_recipe("llama2-7b-harpe-128k", ["train.activation_offloading=true"]), gpus=8)
     off = estimate(load_recipe("llama2-7b-harpe-128k"), gpus=8)
     layers = shape_of("meta-llama/Llama-2-7b-hf").layers
     assert on.terms["checkpointed layer inputs"] * layers == off.terms["checkpointed layer inputs"] * 7
-    assert not any("activation_offloading" in lever for lever in on.levers())
-    assert any("activation_offloading" in lever for lever in off.levers())
+    assert not any("offload" in lever for lever in on.levers())
+    assert any("offload_checkpoints" in lever for lever in off.levers())
     # a full fine-tune trains float32 weights: 4 bytes of weights, 12 of gradients and AdamW state per parameter
     assert off.terms["optimizer state and gradients"] == 3 * off.terms["base weights"]
 

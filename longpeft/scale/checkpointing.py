@@ -12,10 +12,10 @@ checkpointing every layer:
   kernel's bookkeeping), through torch's selective checkpointing policy, so their recompute skips the
   attention forward, the longest op of the recompute at long lengths;
 - ``offload``: the checkpointed layers' inputs wait in pinned CPU memory. Each is copied out on a side
-  stream while the forward goes on, and fetched back on another side stream one layer ahead of its recompute,
-  so the copies overlap the compute; the last checkpointed layer's input, needed first, stays on the GPU.
-  Only the layer inputs move (what torch's checkpoint saves for its recompute), not every activation as
-  TRL's ``activation_offloading`` does.
+  stream once its layer's forward has run, and its GPU memory freed; it is fetched back on another side stream
+  one layer ahead of its recompute, so the copies overlap the compute; the last checkpointed layer's input,
+  needed first, stays on the GPU. Only the layer inputs move (what torch's checkpoint keeps for its recompute),
+  not every activation as TRL's ``activation_offloading`` does.
 
 :func:`apply_checkpointing` installs them on a transformers model's decoder layers (the
 ``GradientCheckpointingLayer`` modules, in forward order) once checkpointing is on (the Trainer turns it on
@@ -24,9 +24,7 @@ when training starts).
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,96 +84,102 @@ class CheckpointSettings:
 
 
 class _Offloaded:
-    """A layer input copied to host memory: ``host`` (pinned on CUDA), the event that ends the copy, and, once a
-    fetch started, the device tensor and the event that ends the fetch."""
+    """A layer input whose device memory was freed: ``tensor`` (its storage resized to 0 bytes), the copy of its
+    values in ``host`` (pinned on CUDA), the event that ends that copy, and once a fetch started, the event that
+    ends it."""
 
-    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event | None, device: torch.device) -> None:
-        self.host, self.copied, self.device = host, copied, device
-        self.fetched: tuple[torch.Tensor, torch.cuda.Event] | None = None
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        self.tensor, self.host, self.copied = tensor, host, copied
+        self.nbytes = tensor.untyped_storage().nbytes()
+        self.fetched: torch.cuda.Event | None = None
+        self.back = False
 
 
 class InputOffloader:
-    """Moves the tensors a checkpoint saves for its recompute (its inputs) to CPU memory and back.
+    """Keeps checkpointed layers' inputs in CPU memory between their layer's forward and its backward.
 
-    :meth:`offloading` is a context around one ``checkpoint`` call: the tensor it names is copied to host
-    memory when the checkpoint saves it, and copied back when the backward asks for it. The backward asks in
-    the reverse order of the forward, so each fetch also starts the fetch of the input saved just before, on a
-    side stream: it is on the GPU when its layer's recompute starts. Pinned buffers are reused across steps.
-    Without CUDA the copies are plain host copies (the same bookkeeping, for tests).
+    :meth:`offload` is called once a layer's forward has run: the input's values are copied to host memory (on a
+    side stream) and its device storage is freed, while the tensor itself stays where the checkpoint keeps it. When
+    the backward reaches the layer's output, before the layer's recompute reads the input, the storage is allocated
+    again and the values copied back (:meth:`_fetch`), and the fetch of the input of the layer before it starts on
+    another side stream, so that it is back when that layer's recompute starts. Pinned buffers are reused across
+    steps. Only tensors that own their whole storage are offloaded (never a view sharing memory with another
+    tensor). Without CUDA the copies are plain host copies (the same bookkeeping, for tests).
     """
 
     def __init__(self) -> None:
-        self._pending: list[weakref.ref[_Offloaded]] = []  # copied out, not yet fetched, in forward order
+        self._waiting: list[_Offloaded] = []  # offloaded, not yet fetched back, in forward order
         self._streams: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
         self._free: dict[tuple[torch.Size, torch.dtype], list[tuple[torch.Tensor, torch.cuda.Event | None]]] = {}
-        self.offloaded = 0  # tensors copied out so far
-        self.prefetched = 0  # fetches that had started before the backward asked
+        self.offloaded = 0  # inputs offloaded so far
+        self.prefetched = 0  # fetches that had started before the backward asked for them
 
-    @contextmanager
-    def offloading(self, tensor: torch.Tensor) -> Iterator[None]:
-        """Within the context, the autograd graph saves ``tensor`` in CPU memory; every other tensor as usual."""
-
-        def pack(saved: torch.Tensor) -> Any:
-            same = saved is tensor or (saved.data_ptr() == tensor.data_ptr() and saved.shape == tensor.shape
-                                       and saved.stride() == tensor.stride() and saved.dtype == tensor.dtype)
-            return self._copy_out(saved) if same else saved
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-            yield
-
-    def _copy_out(self, tensor: torch.Tensor) -> _Offloaded:
-        self.offloaded += 1
-        if tensor.device.type != "cuda":
-            handle = _Offloaded(tensor.detach().clone(), None, tensor.device)
-        else:
+    def offload(self, tensor: torch.Tensor, output: Any) -> None:
+        """Free ``tensor``'s device memory until the backward reaches ``output`` (a tensor computed from it, or a
+        tuple whose first element is): then its values are back. Does nothing when there is no backward to wait for
+        or the tensor shares its storage."""
+        output = output[0] if isinstance(output, (tuple, list)) else output
+        grad_fn = getattr(output, "grad_fn", None)
+        storage = tensor.untyped_storage()
+        if grad_fn is None or not tensor.is_contiguous() or tensor.storage_offset() != 0 or \
+                storage.nbytes() != tensor.numel() * tensor.element_size():
+            return
+        if tensor.device.type == "cuda":
             out_stream, _ = self._streams_of(tensor.device)
             host, last_use = self._take_buffer(tensor)
-            out_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor is computed
+            out_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the layer's forward has read it
             with torch.cuda.stream(out_stream):
                 if last_use is not None:  # the buffer's previous fetch has read it
                     out_stream.wait_event(last_use)
                 host.copy_(tensor.detach(), non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(out_stream)
-            tensor.record_stream(out_stream)  # its memory is not reused before the copy ends
-            handle = _Offloaded(host, copied, tensor.device)
-        self._pending.append(weakref.ref(handle))
-        return handle
+            tensor.record_stream(out_stream)  # the freed memory is not reused before the copy has read it
+        else:
+            host, copied = tensor.detach().clone(), None
+        handle = _Offloaded(tensor, host, copied)
+        storage.resize_(0)
+        self._waiting.append(handle)
+        self.offloaded += 1
+        grad_fn.register_prehook(lambda grad_outputs: self._fetch(handle))
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Offloaded):
-            return packed
-        self._pending = [ref for ref in self._pending if ref() is not None]
-        position = next((i for i, ref in enumerate(self._pending) if ref() is packed), None)
+    def _fetch(self, handle: _Offloaded) -> None:
+        if handle.back:
+            return
+        position = next((i for i, waiting in enumerate(self._waiting) if waiting is handle), None)
         if position is not None:
-            del self._pending[position]
-            if position > 0:  # the input the backward asks for next
-                self._start_fetch(self._pending[position - 1]())
-        if packed.device.type != "cuda":
-            return packed.host
-        if packed.fetched is None:
-            self._start_fetch(packed)
+            del self._waiting[position]
+        if handle.fetched is None:
+            self._start_fetch(handle)
         else:
             self.prefetched += 1
-        tensor, fetched = packed.fetched
-        current = torch.cuda.current_stream(packed.device)
-        current.wait_event(fetched)
-        tensor.record_stream(current)
-        self._free.setdefault((packed.host.shape, packed.host.dtype), []).append((packed.host, fetched))
-        packed.fetched = None
-        return tensor
+        if handle.tensor.device.type == "cuda":
+            current = torch.cuda.current_stream(handle.tensor.device)
+            current.wait_event(handle.fetched)
+            handle.tensor.record_stream(current)
+            self._free.setdefault((handle.host.shape, handle.host.dtype), []).append((handle.host, handle.fetched))
+        handle.back = True
+        if position:  # the input the backward reaches next
+            self._start_fetch(self._waiting[position - 1])
 
-    def _start_fetch(self, handle: _Offloaded | None) -> None:
-        if handle is None or handle.fetched is not None or handle.device.type != "cuda":
+    def _start_fetch(self, handle: _Offloaded) -> None:
+        if handle.fetched is not None:
             return
-        _, in_stream = self._streams_of(handle.device)
+        tensor = handle.tensor
+        if tensor.device.type != "cuda":
+            tensor.untyped_storage().resize_(handle.nbytes)
+            tensor.data.copy_(handle.host)  # through .data: the values come back without a new version
+            handle.fetched = True
+            return
+        _, in_stream = self._streams_of(tensor.device)
+        in_stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(in_stream):
             in_stream.wait_event(handle.copied)
-            tensor = torch.empty(handle.host.shape, dtype=handle.host.dtype, device=handle.device)
-            tensor.copy_(handle.host, non_blocking=True)
+            tensor.untyped_storage().resize_(handle.nbytes)
+            tensor.data.copy_(handle.host, non_blocking=True)
             fetched = torch.cuda.Event()
             fetched.record(in_stream)
-        handle.fetched = (tensor, fetched)
+        handle.fetched = fetched
 
     def _streams_of(self, device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
         if device not in self._streams:
@@ -200,11 +204,10 @@ class LayerCheckpoint:
         options: dict[str, Any] = {"use_reentrant": False}
         if self.keep_attention:
             options["context_fn"] = keep_attention_contexts
-        hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        if self.offloader is None or hidden is None:
-            return checkpoint(function, *args, **options, **kwargs)
-        with self.offloader.offloading(hidden):
-            return checkpoint(function, *args, **options, **kwargs)
+        output = checkpoint(function, *args, **options, **kwargs)
+        if self.offloader is not None and args and isinstance(args[0], torch.Tensor):
+            self.offloader.offload(args[0], output)
+        return output
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
