@@ -75,3 +75,33 @@ def format_histogram(rows: list[dict[str, Any]]) -> list[str]:
     lines += [f"{row['low']:>10,} - {row['high']:>10,} {row['samples']:>10,} {row['tokens'] / tokens:>8.1%} "
               f"{row['flops'] / flops:>8.1%}" for row in rows]
     return lines
+
+
+def random_order_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], trained_samples: int,
+                         per_device_batch: int, data_parallel: int, accumulation: int, seed: int = 0) -> float:
+    """Seconds of ``trained_samples`` samples in random order, as data-parallel training spends them: the samples
+    cycle through ``lengths`` in a fresh (seeded) shuffle per pass; each optimizer step takes ``per_device_batch x
+    data_parallel x accumulation`` of them, micro-batch ``j`` of a step going to GPU ``j % data_parallel`` (how
+    accelerate shards batches), each micro-batch padded to its longest sample; a step lasts as long as its slowest
+    GPU's micro-batches (the gradients' all-reduce waits for it).
+
+    ``sample_seconds(n)``: one GPU's seconds for one sample of ``n`` tokens (an array of lengths in, an array out).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(lengths, dtype=np.int64)
+    passes = -(-trained_samples // len(pool))
+    order = np.concatenate([rng.permutation(pool) for _ in range(passes)])[:trained_samples]
+    micro = -(-len(order) // per_device_batch)
+    padded = np.zeros(micro * per_device_batch, dtype=np.int64)
+    padded[:len(order)] = order
+    longest = padded.reshape(micro, per_device_batch).max(axis=1)
+    micro_seconds = per_device_batch * sample_seconds(longest.astype(np.float64))
+    per_step = data_parallel * accumulation
+    steps = -(-micro // per_step)
+    grid = np.zeros(steps * per_step)
+    grid[:micro] = micro_seconds
+    # micro-batch j of a step runs on GPU j % data_parallel: sum each GPU's, then the slowest GPU per step
+    gpu_seconds = grid.reshape(steps, accumulation, data_parallel).sum(axis=1)
+    return float(gpu_seconds.max(axis=1).sum())

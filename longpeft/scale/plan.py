@@ -83,7 +83,7 @@ from typing import Any
 from ..adapters import get_method
 from ..builtin_models import model_location
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
-from .lengths import SampleLengths, format_histogram, length_histogram
+from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -291,9 +291,20 @@ class Plan:
                   f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
                   f"{self.assumptions['utilisation']['attention']:.0%} (attention, {self.assumptions['attention']}) of "
                   f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
-                  f"{self.assumptions['time_caveats']}= {self.hours:.1f} h"]
+                  + self._time_ending()]
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
+
+    def _time_ending(self) -> str:
+        """The time line's end: what it leaves out (and the hours in random order, which count it), then its hours."""
+        a = self.assumptions
+        notes = ["padding to each batch's longest sample not counted"] * bool(a.get("padding_not_counted"))
+        notes += ["every GPU equally loaded (batches grouped by length)"] * bool(a.get("unequal_load_not_counted"))
+        random_order = a.get("hours_in_random_order")
+        return ("".join(f"; {note}" for note in notes)
+                + ("" if random_order is None else
+                   f" (in random order, the Trainer's default, {a['random_order_waits']}: {random_order:.1f} h)")
+                + f" = {self.hours:.1f} h")
 
 
 def _either(*options: str | None) -> str | None:
@@ -464,8 +475,20 @@ def estimate(
     histogram = length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops
                                  + attention_per_position * causal_share * n * n) if lengths else []
     utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
+    peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
-               + attention_total / utilisation["attention"]) / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12)
+               + attention_total / utilisation["attention"]) / (gpus * peak)
+    data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
+    random_order = None
+    if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
+
+        def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
+            return (n * matmul_flops / utilisation["matmuls"] + attention_per_position * causal_share * n * n
+                    / utilisation["attention"]) / (sequence_shards * peak)
+
+        accumulation = max(1, recipe.train.global_batch_size // (batch * data_parallel))
+        random_order = random_order_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel,
+                                            accumulation, seed=recipe.train.seed) / 3600
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -481,7 +504,7 @@ def estimate(
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "trained_samples": trained_samples,
                      "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
-                     "time_caveats": _time_caveats(batch, gpus, lengths),
+                     **_time_caveats(batch, data_parallel, lengths), "hours_in_random_order": random_order,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
                                         "bytes/param with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
@@ -543,11 +566,12 @@ def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: S
             f"{why})")
 
 
-def _time_caveats(batch: int, gpus: int, lengths: tuple[int, ...]) -> str:
-    """What the time leaves out, for its line (empty when nothing applies)."""
-    caveats = []
-    if batch > 1 and len(set(lengths)) > 1:
-        caveats.append("padding to each batch's longest sample")
-    if gpus > 1 and len(set(lengths)) > 1:
-        caveats.append("GPUs waiting for the slowest at each step")
-    return f"; not counted: {', '.join(caveats)} " if caveats else " "
+def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...]) -> dict[str, Any]:
+    """What the time leaves out when the samples' lengths differ: ``padding`` (several samples per batch) and an
+    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``random_order_waits``: what
+    the time in random order adds for them."""
+    varied = len(set(lengths)) > 1
+    padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
+    waits = ["each step waits for its slowest GPU"] * unequal_load + ["each batch is padded to its longest sample"] * padding
+    return {"padding_not_counted": padding, "unequal_load_not_counted": unequal_load,
+            "random_order_waits": " and ".join(waits)}
