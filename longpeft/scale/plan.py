@@ -58,9 +58,12 @@ backward twice); summed per sample at its own length, so a sample of ``n`` token
 and ``n**2`` times the attention. Samples: ``train.max_steps x global batch`` when max_steps is set, else the data's
 rows x ``num_train_epochs``, cycling through the data (each sample as often; a partial pass at the mean). Their
 lengths: counted from the data by the recipe's own tokenizer and filters when ``longpeft plan`` can
-(:mod:`longpeft.recipes.plan_data`), else ``data.max_length`` each, said on the time line. Padding and an unequal
-load of the GPUs are not counted. Divided by the GPUs' peak bf16 FLOP/s times a utilisation, one for the matmuls and
-one for the attention kernel (``--mfu`` sets both).
+(:mod:`longpeft.recipes.plan_data`), else ``data.max_length`` each, said on the time line. Divided by the GPUs' peak
+bf16 FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both). That
+time assumes every GPU equally loaded and no padding (batches grouped by length); when the lengths differ, the
+time line also gives the time in random order (the Trainer's default), where each optimizer step lasts as long
+as its slowest GPU and each batch is padded to its longest sample (:func:`.lengths.random_order_seconds`, a
+seeded shuffle of the samples; on the paper's mix about 4x: ``docs/plan-paper-mix.md``).
 
 Utilisations measured on one H100 80GB (``scripts/gpu_check.py``, 2026-11-24: torch 2.11 + CUDA 13, flash-attn
 2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step; ``docs/measurements/``):
