@@ -301,13 +301,15 @@ class Plan:
     def _time_ending(self) -> str:
         """The time line's end: what it leaves out (and the hours in random order, which count it), then its hours."""
         a = self.assumptions
-        notes = ["padding to each batch's longest sample not counted"] * bool(a.get("padding_not_counted"))
-        notes += ["every GPU equally loaded (batches grouped by length)"] * bool(a.get("unequal_load_not_counted"))
-        random_order = a.get("hours_in_random_order")
-        return ("".join(f"; {note}" for note in notes)
-                + ("" if random_order is None else
-                   f" (in random order, the Trainer's default, {a['random_order_waits']}: {random_order:.1f} h)")
-                + f" = {self.hours:.1f} h")
+        ending = ""
+        if a.get("padding_not_counted"):
+            ending += "; padding to each batch's longest sample not counted"
+        if a.get("unequal_load_not_counted"):
+            ending += "; every GPU equally loaded (batches grouped by length)"
+        if a.get("hours_in_random_order") is not None:
+            ending += (f" (in random order, the Trainer's default, {a['random_order_waits']}: "
+                       f"{a['hours_in_random_order']:.1f} h)")
+        return f"{ending} = {self.hours:.1f} h"
 
 
 def _either(*options: str | None) -> str | None:
@@ -470,13 +472,14 @@ def estimate(
     counted = len(lengths) or 1
     total, total_square = (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample,
                                                                                        tokens_per_sample**2)
+    attention_per_square = attention_per_position * causal_share  # a sample of n tokens: n**2 times this
     planned_tokens = trained_samples * total / counted
-    attention_total = attention_per_position * causal_share * (trained_samples * total_square / counted)
+    attention_total = attention_per_square * (trained_samples * total_square / counted)
     attention_flops = attention_total / planned_tokens
     flops_per_token = matmul_flops + attention_flops
     tokens = round(planned_tokens)
     histogram = length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops
-                                 + attention_per_position * causal_share * n * n) if lengths else []
+                                 + attention_per_square * n * n) if lengths else []
     utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
@@ -486,7 +489,7 @@ def estimate(
     if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
 
         def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
-            return (n * matmul_flops / utilisation["matmuls"] + attention_per_position * causal_share * n * n
+            return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
                     / utilisation["attention"]) / (sequence_shards * peak)
 
         accumulation = max(1, recipe.train.global_batch_size // (batch * data_parallel))
@@ -575,6 +578,10 @@ def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...]) -> d
     the time in random order adds for them."""
     varied = len(set(lengths)) > 1
     padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
-    waits = ["each step waits for its slowest GPU"] * unequal_load + ["each batch is padded to its longest sample"] * padding
+    waits = []
+    if unequal_load:
+        waits.append("each step waits for its slowest GPU")
+    if padding:
+        waits.append("each batch is padded to its longest sample")
     return {"padding_not_counted": padding, "unequal_load_not_counted": unequal_load,
             "random_order_waits": " and ".join(waits)}
