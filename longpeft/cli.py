@@ -125,10 +125,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.launch and args.gpus is None:
         raise ValueError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.gpus is not None:
+        from .recipes.plan_data import count_sample_lengths
         from .scale import estimate
 
         plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
-                        samples=args.samples, launch=args.launch)
+                        samples=args.samples, launch=args.launch, sample_lengths=count_sample_lengths(recipe))
         print(plan.table())
         return 0
     if not args.build:
@@ -218,8 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], for "
                        "the matmuls and attention alike (default: measured on h100/h200, by attention kernel; other "
                        "GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
-    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: a local data.source JSONL's "
-                       "rows, the demo set's size, else 1000); train.max_steps, when set, decides instead")
+    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a local "
+                       "data.source after the recipe's length filters, the demo set's size, else 1000); their lengths "
+                       "follow the local data's, else data.max_length each; train.max_steps, when set, decides instead")
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (

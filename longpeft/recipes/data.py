@@ -68,6 +68,17 @@ def _check_rows(values: list[Any], column: str, source: str, first: int) -> None
             raise ValueError(f"{where}: text must be a non-empty string")
 
 
+def synth_output_file(source: str) -> Path | None:
+    """The training file of a ``longpeft synth`` output folder (its ``train.jsonl``, beside the run's
+    ``stats.json`` and ``config.json``, which are no training rows); None for any other source."""
+    from ..synth_data.report import STATS_FILE, TRAIN_FILE
+
+    folder = Path(source)
+    if folder.is_dir() and (folder / TRAIN_FILE).is_file() and (folder / STATS_FILE).is_file():
+        return folder / TRAIN_FILE
+    return None
+
+
 def _is_empty(path: Path) -> bool:
     """No content but white space (reads at most the first 64 KiB: data files can be gigabytes)."""
     with path.open("rb") as handle:
@@ -76,8 +87,9 @@ def _is_empty(path: Path) -> bool:
 
 
 def _load_source(data: DataSection) -> Dataset:
-    """A local file or folder (.jsonl/.json, or .txt for plain text), else a Hub dataset id."""
-    path = Path(data.source)
+    """A local file or folder (.jsonl/.json, or .txt for plain text; a ``longpeft synth`` output folder: its
+    train.jsonl), else a Hub dataset id."""
+    path = synth_output_file(data.source) or Path(data.source)
     suffixes = (".json", ".jsonl", ".txt")
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in suffixes)
@@ -223,7 +235,21 @@ def filter_by_length(
     window: int | None = None,
 ) -> tuple[Dataset, dict[str, int]]:
     """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation), and those shorter
-    than ``min_length``.
+    than ``min_length``: :func:`select_by_length` on the rows' ``input_ids``.
+
+    Returns the dataset and the counts of :func:`select_by_length`.
+    """
+    keep, stats = select_by_length([len(ids) for ids in dataset["input_ids"]], max_length, truncate, limit,
+                                   min_length, window)
+    return dataset.select(keep), stats
+
+
+def select_by_length(
+    lengths: list[int], max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0,
+    window: int | None = None,
+) -> tuple[list[int], dict[str, int]]:
+    """The indices of the samples (of these token ``lengths``) that training keeps: none longer than ``max_length``
+    (unless ``truncate``: training cuts them), none shorter than ``min_length``.
 
     Args:
         limit: what ``max_length`` is, for the error, as ``setting=value ...`` (the error tells to raise that
@@ -231,10 +257,9 @@ def filter_by_length(
         window: also count the kept samples longer than it (``longer_than_window``; PoSE's content skip draws its
             training window from them).
 
-    Returns the dataset and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}`` (``dropped``:
-    too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
+    Returns the kept indices and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}``
+    (``dropped``: too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
     """
-    lengths = [len(ids) for ids in dataset["input_ids"]]
     long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
     stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep), "dropped_short": len(lengths) - len(long_enough),
@@ -249,7 +274,7 @@ def filter_by_length(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
             f"{stats['longest']}); raise {(limit or 'data.max_length').split('=')[0]} or set data.truncate: true"
         )
-    return dataset.select(keep), stats
+    return keep, stats
 
 
 def utk_document_room(max_length: int, utk: UtkSection) -> int:
@@ -262,6 +287,11 @@ def utk_document_room(max_length: int, utk: UtkSection) -> int:
     return room
 
 
+def utk_limit(max_length: int, room: int) -> str:
+    """What limits a UtK document to ``room`` tokens (:func:`utk_document_room`), for the length filter's error."""
+    return f"data.max_length={max_length} minus UtK's insertions ({room})"
+
+
 def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: int) -> Dataset:
     """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose
     documents plus UtK's insertions fit ``max_length``. A document longer than :func:`utk_document_room` is cut
@@ -271,12 +301,12 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
     the single-token letters of :func:`~longpeft.synth_data.utk.add_utk_tokens`) cannot label every
     chunk of the fullest sequence, rather than failing in the collator mid-training.
     """
-    from ..synth_data.utk import chunk_labels_needed, pack_documents
+    from ..synth_data.utk import chunk_labels_needed
 
     max_chunks, label_length = max(utk.chunk_counts), utk.label_length
     room = utk_document_room(max_length, utk)
     documents = [ids[:room] for ids in dataset["input_ids"]]
-    groups = pack_documents(documents, max_length, max_chunks, label_length)
+    groups = utk_groups([len(ids) for ids in documents], max_length, utk)
     needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens) for g in groups),
                  default=0)
     if needed > n_letters**label_length:
@@ -292,3 +322,11 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
         "input_ids": [[t for i in group for t in documents[i]] for group in groups],
         "doc_lengths": [[len(documents[i]) for i in group] for group in groups],
     })
+
+
+def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) -> list[list[int]]:
+    """The documents (indices) each UtK sequence packs, from the documents' token counts, each already cut to
+    :func:`utk_document_room`: consecutive documents while they and UtK's insertions fit ``max_length``."""
+    from ..synth_data.utk import pack_documents
+
+    return pack_documents([range(n) for n in document_lengths], max_length, max(utk.chunk_counts), utk.label_length)

@@ -50,7 +50,8 @@ from ..config import torch_dtype
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .checkpoints import changed_keys, checkpoint_step, is_finished, latest_checkpoint, save_training_recipe, trim_metrics
-from .data import filter_by_length, load_training_data, pack_for_utk, tokenize_dataset, utk_document_room
+from .data import (filter_by_length, load_training_data, pack_for_utk, tokenize_dataset, utk_document_room,
+                   utk_limit)
 from .init_from import check_init_adapter, load_init_weights, report_differences
 from .memory import TrainingMemory, check_memory_options, checkpoint_settings, shapes_memory
 from .method_trainer import method_checkpoint_trainer
@@ -684,8 +685,7 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
                 check_content_to_skip(data_stats, max_length)
         else:  # documents are counted, kept or dropped (data.truncate) as they are, before packing
             room = utk_document_room(max_length, utk)
-            dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate,
-                                                   f"data.max_length={max_length} minus UtK's insertions ({room})",
+            dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate, utk_limit(max_length, room),
                                                    min_length=recipe.data.min_length)
             letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
             dataset = pack_for_utk(dataset, max_length, utk, len(letters))

@@ -54,9 +54,16 @@ loss's recompute of the logits (the head), ``2 M`` for the backward to the activ
 matmul parameter for the weights' gradients (LoRA: a small share; a trained embedding is a lookup's gradient);
 attention adds ``4 x layers x context x heads x head_dim`` per token (forward QK^T and AV; context: half the
 sample, as causal kernels skip the masked half, or all of it with eager attention), times 4 (forward, recompute,
-backward twice). Tokens: ``train.max_steps x global batch`` samples when max_steps is set,
-else the data's rows x ``num_train_epochs``, each of ``data.max_length`` tokens. Divided by the GPUs' peak bf16
-FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both).
+backward twice); summed per sample at its own length, so a sample of ``n`` tokens costs ``n`` times the matmuls
+and ``n**2`` times the attention. Samples: ``train.max_steps x global batch`` when max_steps is set, else the data's
+rows x ``num_train_epochs``, cycling through the data (each sample as often; a partial pass at the mean). Their
+lengths: counted from the data by the recipe's own tokenizer and filters when ``longpeft plan`` can
+(:mod:`longpeft.recipes.plan_data`), else ``data.max_length`` each, said on the time line. Divided by the GPUs' peak
+bf16 FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both). That
+time assumes every GPU equally loaded and no padding (batches grouped by length); when the lengths differ, the
+time line also gives the time in random order (the Trainer's default), where each optimizer step lasts as long
+as its slowest GPU and each batch is padded to its longest sample (:func:`.lengths.random_order_seconds`, a
+seeded shuffle of the samples; on the paper's mix about 4x: ``docs/plan-paper-mix.md``).
 
 Utilisations measured on one H100 80GB (``scripts/gpu_check.py``, 2026-11-24: torch 2.11 + CUDA 13, flash-attn
 2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step; ``docs/measurements/``):
@@ -81,6 +88,7 @@ from ..adapters import get_method
 from ..builtin_models import model_location
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 from .checkpointing import CheckpointSettings
+from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -219,6 +227,7 @@ class Plan:
     hours: float
     assumptions: dict[str, Any] = field(default_factory=dict)
     method_levers: dict[str, str] = field(default_factory=dict)  # {"beacon weights": what to change, ...}
+    length_histogram: list[dict[str, Any]] = field(default_factory=list)  # planned from the samples' own lengths
 
     @property
     def peak_bytes(self) -> int:
@@ -288,15 +297,30 @@ class Plan:
         launch = self.assumptions["launch"]
         lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
                   f"{f', --launch {launch}' if launch else ''})",
-                  f"checkpointing: {self.assumptions['checkpointing_summary']}",
-                  f"time: {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
+                  f"checkpointing: {self.assumptions['checkpointing_summary']}"]
+        lines += format_histogram(self.length_histogram) if self.length_histogram else []
+        lines += [f"time: {self.assumptions['time_basis']} = {self.tokens:,} tokens x "
+                  f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
                   f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
                   f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
                   f"{self.assumptions['utilisation']['attention']:.0%} (attention, {self.assumptions['attention']}) of "
-                  f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']}) "
-                  f"= {self.hours:.1f} h"]
+                  f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
+                  + self._time_ending()]
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
+
+    def _time_ending(self) -> str:
+        """The time line's end: what it leaves out (and the hours in random order, which count it), then its hours."""
+        a = self.assumptions
+        ending = ""
+        if a.get("padding_not_counted"):
+            ending += "; padding to each batch's longest sample not counted"
+        if a.get("unequal_load_not_counted"):
+            ending += "; every GPU equally loaded (batches grouped by length)"
+        if a.get("hours_in_random_order") is not None:
+            ending += (f" (in random order, the Trainer's default, {a['random_order_waits']}: "
+                       f"{a['hours_in_random_order']:.1f} h)")
+        return f"{ending} = {self.hours:.1f} h"
 
 
 def _either(*options: str | None) -> str | None:
@@ -324,12 +348,17 @@ def estimate(
     shape: ModelShape | None = None,
     launch: str | None = None,
     checkpointing: CheckpointSettings | None = None,
+    sample_lengths: SampleLengths | None = None,
 ) -> Plan:
     """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
 
     Args:
-        samples: rows of the training data (default: a local JSONL ``data.source``'s rows, the demo set's
-            conversations, else 1000); unused when ``train.max_steps`` is set.
+        samples: rows of the training data (default: as many as ``sample_lengths`` has, else a local JSONL
+            ``data.source``'s rows, the demo set's conversations, else 1000); unused when ``train.max_steps`` is set.
+        sample_lengths: the samples' own token counts (:func:`longpeft.recipes.plan_data.count_sample_lengths`):
+            the time sums each sample's matmuls and attention at its own length; without them every sample is
+            assumed ``data.max_length`` tokens long, and the time line says so. The memory terms plan for
+            ``data.max_length`` either way.
         launch: how the GPUs share the work, as ``longpeft train --launch`` (``ddp``, ``fsdp2``, ``zero3``,
             ``ulysses``); default ``ddp`` on several GPUs. A combination ``train --launch`` refuses is refused here.
         checkpointing: what each layer keeps (default: the recipe's ``train.checkpoint_layers``,
@@ -435,22 +464,47 @@ def estimate(
     layers = shape.linear_params + lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
     head = shape.vocab * shape.hidden  # the LM head's matmul (the input embedding is a lookup: no FLOPs)
     # eager attention computes the whole score matrix; SDPA and flash-attn kernels skip the causal mask's upper half
-    context = tokens_per_sample if recipe.model.attn_implementation == "eager" else tokens_per_sample / 2
-    attention = 4 * shape.layers * context * shape.heads * shape.head_dim
+    causal_share = 1.0 if recipe.model.attn_implementation == "eager" else 0.5
     recompute = recompute_flops(shape, checkpointing, layers, tokens_per_sample, recipe.train.mlp_tile_tokens)
-    # forward, backward (twice), and the recompute of the checkpointed layers that keep no attention outputs
-    attention_flops = attention * (3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers)
+    # per token and per position it attends to: QK^T and AV, forward, backward twice, and the recompute in the
+    # checkpointed layers that keep no attention outputs
+    attention_passes = 3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers
+    attention_per_position = 4 * shape.layers * shape.heads * shape.head_dim * attention_passes
     # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights' gradients
-    flops_per_token = (2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
-                       + attention_flops)
+    matmul_flops = 2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
+    lengths = sample_lengths.lengths if sample_lengths is not None else ()
+    rows_from = "--samples" if samples is not None else None
     if samples is None:
-        samples = _samples(recipe)
+        samples, rows_from = (len(lengths), "") if lengths else _samples(recipe)
     trained_samples = (recipe.train.max_steps * recipe.train.global_batch_size if recipe.train.max_steps > 0
                        else round(samples * recipe.train.num_train_epochs))
-    tokens = trained_samples * tokens_per_sample
+    # the Trainer cycles through the data: every sample as often, a partial pass at the samples' mean
+    counted = len(lengths) or 1
+    total, total_square = (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample,
+                                                                                       tokens_per_sample**2)
+    attention_per_square = attention_per_position * causal_share  # a sample of n tokens: n**2 times this
+    planned_tokens = trained_samples * total / counted
+    attention_total = attention_per_square * (trained_samples * total_square / counted)
+    attention_flops = attention_total / planned_tokens
+    flops_per_token = matmul_flops + attention_flops
+    tokens = round(planned_tokens)
+    histogram = length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops
+                                 + attention_per_square * n * n) if lengths else []
     utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
-    seconds = tokens * ((flops_per_token - attention_flops) / utilisation["matmuls"]
-                        + attention_flops / utilisation["attention"]) / (gpus * GPU_PEAK_TFLOPS[gpu] * 1e12)
+    peak = GPU_PEAK_TFLOPS[gpu] * 1e12
+    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
+               + attention_total / utilisation["attention"]) / (gpus * peak)
+    data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
+    random_order = None
+    if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
+
+        def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
+            return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
+                    / utilisation["attention"]) / (sequence_shards * peak)
+
+        accumulation = max(1, recipe.train.global_batch_size // (batch * data_parallel))
+        random_order = random_order_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel,
+                                            accumulation, seed=recipe.train.seed) / 3600
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -460,10 +514,13 @@ def estimate(
         attention_flops_per_token=attention_flops,
         hours=seconds / 3600,
         method_levers=method_levers,
+        length_histogram=histogram,
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "utilisation": utilisation,
                      "attention": recipe.model.attn_implementation, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "trained_samples": trained_samples,
+                     "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
+                     **_time_caveats(batch, data_parallel, lengths), "hours_in_random_order": random_order,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
                                         "bytes/param with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
@@ -593,18 +650,55 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
     return {"matmuls": matmuls, "attention": measured["attention"].get(attention, matmuls), "source": "measured on an H100"}
 
 
-def _samples(recipe: Any) -> int:
-    """Rows of the training data: a local JSONL file's, the demo set's ``n_conversations``, else 1000 (pass
-    ``--samples`` for the real count); at most ``data.max_samples`` (the runner reads no more)."""
+def _samples(recipe: Any) -> tuple[int, str]:
+    """Rows of the training data and where that number comes from: a local JSONL file's rows, the demo set's
+    ``n_conversations``, else ``data.max_samples`` or an assumed 1000 (pass ``--samples`` for the real count); at
+    most ``data.max_samples`` (the runner reads no more)."""
     path = Path(recipe.data.source)
     cap = recipe.data.max_samples
     if path.is_file() and path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as handle:
-            rows = sum(1 for line in handle if line.strip())
+            rows, rows_from = sum(1 for line in handle if line.strip()), f"the rows of {path}"
     elif recipe.data.source == "demo":
         from ..synth_data.demo import DEMO_CONVERSATIONS
 
-        rows = int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS))
+        rows, rows_from = int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS)), "the demo set's size"
     else:
-        return cap or 1000
-    return min(rows, cap) if cap else rows
+        return (cap, "data.max_samples") if cap else (1000, "assumed: pass --samples N")
+    return (min(rows, cap), f"{rows_from}, at most data.max_samples") if cap else (rows, rows_from)
+
+
+def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: SampleLengths | None) -> str:
+    """What the time is planned from, for its line: how many samples and why, and their lengths' source."""
+    if recipe.train.max_steps > 0:
+        how = f"train.max_steps={recipe.train.max_steps} x global batch {recipe.train.global_batch_size}"
+    else:
+        epochs = recipe.train.num_train_epochs
+        how = f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows" + (f" ({rows_from})" if rows_from else "")
+    if lengths is not None and lengths.lengths:
+        counted = len(lengths.lengths)
+        if rows != counted:
+            cycling = f"; each of the {rows:,} rows planned at the {counted:,} counted samples' average"
+        elif trained % counted:
+            cycling = "; cycling through them, the partial pass at their average"
+        else:
+            cycling = ""
+        return f"{trained:,} samples ({how}) at their own lengths ({lengths.describe()}{cycling})"
+    why = lengths.unknown if lengths is not None else "no sample lengths given"
+    return (f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; "
+            f"{why})")
+
+
+def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...]) -> dict[str, Any]:
+    """What the time leaves out when the samples' lengths differ: ``padding`` (several samples per batch) and an
+    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``random_order_waits``: what
+    the time in random order adds for them."""
+    varied = len(set(lengths)) > 1
+    padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
+    waits = []
+    if unequal_load:
+        waits.append("each step waits for its slowest GPU")
+    if padding:
+        waits.append("each batch is padded to its longest sample")
+    return {"padding_not_counted": padding, "unequal_load_not_counted": unequal_load,
+            "random_order_waits": " and ".join(waits)}

@@ -11,6 +11,10 @@ Examples::
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16
 
+    # what that build will ask of the LLM (requests, tokens, time at 16 in flight and a rate limit), sending nothing
+    longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
+        --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
+
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
 calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
 """
@@ -59,6 +63,15 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    plan = parser.add_argument_group("--plan: the LLM build's requests, tokens and time, before any call")
+    plan.add_argument("--plan", action="store_true", help="count the requests and their tokens, estimate the time, "
+                      "call nothing and write nothing (see longpeft/synth_data/build_plan.py)")
+    plan.add_argument("--output-tokens", type=int, metavar="N",
+                      help="completion tokens you expect per request (default: llm.max_tokens, an upper bound)")
+    plan.add_argument("--output-tokens-per-second", type=float, metavar="R",
+                      help="decoding speed of one request (default 50, assumed)")
+    plan.add_argument("--tokens-per-minute", type=float, metavar="TPM", help="your endpoint's token rate limit")
+    plan.add_argument("--requests-per-minute", type=float, metavar="RPM", help="your endpoint's request rate limit")
 
 
 BUNDLED = Path(__file__).parent / "configs"  # synth configs shipped with longpeft (``--config NAME``)
@@ -121,6 +134,12 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
+    if args.plan:
+        return print_build_plan(config, args)
+    rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
+    given = [flag for flag in rates if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     try:
         dataset, stats = synthesize(config, args.out)
     except LLMRunAborted as error:
@@ -141,6 +160,20 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)
         return 3
+    return 0
+
+
+def print_build_plan(config, args: argparse.Namespace) -> int:
+    """``synth --plan``: print what the build would ask of the LLM (:mod:`.build_plan`)."""
+    from .build_plan import OUTPUT_TOKENS_PER_SECOND, plan_build
+
+    for flag in ("output_tokens", "output_tokens_per_second", "tokens_per_minute", "requests_per_minute"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+    plan = plan_build(config, args.out, output_tokens=args.output_tokens)
+    print(plan.report(args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute,
+                      args.requests_per_minute))
     return 0
 
 

@@ -208,6 +208,14 @@ def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]
     return value
 
 
+def sampling_params(config: LLMConfig) -> dict[str, Any]:
+    """The sampling parameters every request carries (part of its cache key)."""
+    sampling: dict[str, Any] = {"temperature": config.temperature}
+    if config.max_tokens is not None:
+        sampling["max_tokens"] = config.max_tokens
+    return sampling
+
+
 class LLMClient:
     """Runs batches of :class:`LLMRequest` against an OpenAI-compatible endpoint.
 
@@ -325,12 +333,6 @@ class LLMClient:
         tokens = sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
         return {"calls": calls, "cached": hits, "tokens": tokens}
 
-    def _sampling(self) -> dict[str, Any]:
-        sampling: dict[str, Any] = {"temperature": self.config.temperature}
-        if self.config.max_tokens is not None:
-            sampling["max_tokens"] = self.config.max_tokens
-        return sampling
-
     async def _complete(
         self,
         client: Any,
@@ -341,7 +343,7 @@ class LLMClient:
         import openai
 
         usage = self.usage.setdefault(request.task, TaskUsage())
-        sampling = self._sampling()
+        sampling = sampling_params(self.config)
         outputs: list[dict[str, Any]] = []
         api_calls = 0
         key = ""

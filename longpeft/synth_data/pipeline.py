@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from .builders import (
     DEFAULT_CONTEXT_TEMPLATE,
+    ContextPlan,
     LengthConfig,
     LongContextBuilder,
     procedural_cluster_pool,
@@ -150,6 +151,19 @@ def synthesize(
     answerer, client = make_answerer(config, out)
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
                                  show_progress=config.progress)
+    plans = plan_contexts(config, builder, files)
+    rows = builder.build(plans)
+    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed)
+    extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
+    if client is not None:
+        extra["llm_usage"] = client.usage_report()
+    dataset = write_dataset(rows, out, extra)
+    return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
+
+
+def plan_contexts(config: SynthConfig, builder: LongContextBuilder, files: list[Document] | None) -> list[ContextPlan]:
+    """Every conversation's context and QA jobs, task by task (no QA is generated yet): from your documents
+    (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
     counter, length, seed = builder.counter, config.length, config.seed
 
     def long_documents(task: str, count: int) -> list[Document]:
@@ -174,10 +188,4 @@ def synthesize(
             pool = procedural_cluster_pool(counter, het.contexts, het.docs_per_context, length, seed, config.progress)
             n_clusters = n_clusters or len({d.topic for d in pool})
         plans += builder.plan_heterogeneous(pool, het.contexts, het.questions, n_clusters)
-    rows = builder.build(plans)
-    rows, mix_stats = mix(rows, counter, config.mix, seed)
-    extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
-    if client is not None:
-        extra["llm_usage"] = client.usage_report()
-    dataset = write_dataset(rows, out, extra)
-    return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
+    return plans

@@ -400,6 +400,17 @@ def parse_biographies(text: str) -> list[QAPair]:
     return pairs
 
 
+def job_request(job: QAJob, index: int = 0) -> LLMRequest:
+    """The chat request :class:`LLMAnswerer` sends for ``job`` (the ``index``-th of its batch, for the rejects
+    file)."""
+    return LLMRequest(
+        task=job.task,
+        messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
+        meta={"job": index, "sources": [p.doc.doc_id for p in job.passages],
+              "spans": [[p.start, p.end] for p in job.passages]},
+    )
+
+
 class LLMAnswerer:
     """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`."""
 
@@ -412,15 +423,7 @@ class LLMAnswerer:
             indices = [i for i, job in enumerate(jobs) if job.task == task]
             if not indices:
                 continue
-            requests = [
-                LLMRequest(
-                    task=task,
-                    messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(jobs[i])}],
-                    meta={"job": i, "sources": [p.doc.doc_id for p in jobs[i].passages],
-                          "spans": [[p.start, p.end] for p in jobs[i].passages]},
-                )
-                for i in indices
-            ]
+            requests = [job_request(jobs[i], i) for i in indices]
             parse = parse_biographies if task == "biography" else parse_qa_pairs
             for i, result in zip(indices, self.client.run(requests, parse=parse, desc=f"{task} (LLM)")):
                 results[i] = result.value[: jobs[i].n] if result.ok else None

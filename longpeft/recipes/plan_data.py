@@ -1,0 +1,173 @@
+"""The training samples' token counts for the planner (``longpeft plan --gpus N``), by the runner's own rules.
+
+The runner (:func:`longpeft.recipes.runner.prepare`) loads the data, renders and tokenizes every row with the base's
+tokenizer and chat template, drops (or, with ``data.truncate``, cuts) the samples outside ``data.min_length`` ..
+the length limit, and with ``data.utk`` packs documents into sequences. :func:`count_sample_lengths` does the same
+with the same functions, so that the planner's time sums each sample at the length training will see, without
+loading the model and without downloading anything:
+
+- the tokenizer only when it is on this machine: a ``tiny:`` model's (trained in memory), a built-in or local
+  model folder's, or a Hub model's already in the Hugging Face cache; else the lengths are estimated at
+  :data:`CHARS_PER_TOKEN` characters per token of the rows' text (conversations: their turns' contents, without
+  the chat template's own tokens), and the planner says so;
+- the data only when it is here: a local file or folder (a ``longpeft synth`` output folder reads its
+  train.jsonl), or the built-in ``demo`` and ``retrieval`` sets, which are generated with the tokenizer. A Hub
+  dataset is not downloaded: the planner then assumes ``data.max_length`` tokens per sample and says so.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from ..scale.lengths import SampleLengths
+from .data import load_training_data, select_by_length, tokenize_dataset, utk_document_room, utk_groups, utk_limit
+from .schema import Recipe
+
+# Characters per token of English text with today's BPE vocabularies (a common rule of thumb; Llama-3's 128K
+# vocabulary gives somewhat more, so the estimate errs long). Used only when the tokenizer is not on this machine.
+CHARS_PER_TOKEN = 4.0
+GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the recipe runs
+
+
+def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
+    """The recipe's tokenizer as the runner sets it up (UtK's tokens added), only from this machine; else None and
+    why. Never downloads."""
+    from transformers import AutoTokenizer
+
+    from ..builtin_models import model_location
+    from ..loading import is_local
+    from .runner import TINY_PREFIX
+
+    name = recipe.model.name_or_path
+    if name.startswith(TINY_PREFIX):
+        from ..tiny import demo_tokenizer
+
+        tokenizer = demo_tokenizer()  # the one materialize_tiny_base saves beside a tiny: model
+    else:
+        location = model_location(name)
+        local = is_local(location)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(location, revision=recipe.model.revision,
+                                                      trust_remote_code=recipe.model.trust_remote_code,
+                                                      local_files_only=True)
+        except (OSError, ValueError) as error:
+            if local:
+                return None, f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})"
+            return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
+    if recipe.data.utk is not None:
+        from ..synth_data.utk import add_utk_tokens
+
+        add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
+    return tokenizer, ""
+
+
+def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths:
+    """The tokens of every sample the recipe trains on, after its length filters, truncation and packing (see the
+    module docstring); :meth:`SampleLengths.not_known` with the reason when the data is not on this machine.
+
+    Raises what the runner raises for the same data: no row left after the filters, malformed rows, PoSE's content
+    skip with no sample longer than ``data.max_length``.
+    """
+    from .runner import assistant_only_loss, longest_sample
+
+    source = recipe.data.source
+    generated = source in GENERATED_SOURCES
+    if not generated and not Path(source).exists():
+        return SampleLengths.not_known(f"data.source {source} is not on this machine, and the planner downloads no "
+                                       "data set")
+    tokenizer, why = local_tokenizer(recipe)
+    if tokenizer is None and generated:
+        return SampleLengths.not_known(f"data.source {source} is generated with the tokenizer, and {why}")
+    dataset = load_training_data(recipe.data, tokenizer)
+    scored = None
+    if tokenizer is not None:
+        tokenized = tokenize_dataset(dataset, tokenizer, assistant_only_loss(recipe))
+        lengths, scored = token_counts(tokenized, longest_sample(recipe)[0])
+        how = "its chat template" if recipe.data.format == "messages" else "an end-of-text token per text"
+        counted_with = f"the tokenizer of {recipe.model.name_or_path} ({how})"
+    else:
+        lengths = estimated_lengths(dataset, progress)
+        counted_with = (f"an estimate of {CHARS_PER_TOKEN:g} characters per token, {why}"
+                        + ("; the chat template's own tokens not counted" if recipe.data.format == "messages" else ""))
+    kept, filtered = trained_lengths(recipe, lengths, scored)
+    return SampleLengths(lengths=tuple(kept), source=_described(source), counted_with=counted_with, filtered=filtered)
+
+
+def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | None]:
+    """Tokens of each row of a tokenized training set (:func:`~.data.tokenize_dataset`), and with assistant masks
+    whether a scored token lies within its first ``limit`` tokens (TRL drops a sample its cut leaves without one).
+    Reads the rows' Arrow columns a batch at a time: no row's ids become Python lists."""
+    import pyarrow.compute as pc
+
+    lengths: list[int] = []
+    scored: list[bool] | None = [] if "assistant_masks" in tokenized.column_names else None
+    for table in tokenized.with_format("arrow").iter(batch_size=1024):
+        lengths += pc.list_value_length(table["input_ids"]).to_pylist()
+        if scored is not None:
+            masks = table["assistant_masks"].combine_chunks()
+            offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
+            scored += [bool(values[start:min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])]
+    return lengths, scored
+
+
+def estimated_lengths(dataset: Any, progress: bool = True) -> list[int]:
+    """Tokens of each row of a loaded training set (``messages`` or ``text``) at :data:`CHARS_PER_TOKEN`
+    characters per token, rounded up: conversations count the characters of their turns' contents."""
+    column = "messages" if "messages" in dataset.column_names else "text"
+    lengths = []
+    with tqdm(total=len(dataset), desc="estimating sample lengths", unit="row", disable=not progress) as bar:
+        for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
+            for value in chunk[column]:
+                chars = sum(len(turn["content"]) for turn in value) if column == "messages" else len(value)
+                lengths.append(math.ceil(chars / CHARS_PER_TOKEN))
+            bar.update(len(chunk[column]))
+    return lengths
+
+
+def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | None = None
+                    ) -> tuple[list[int], dict[str, int]]:
+    """The tokens training sees of samples of these ``lengths``, by the runner's rules (:func:`runner.prepare`):
+    the samples outside ``data.min_length`` .. the length limit dropped (with ``data.truncate`` the long ones kept,
+    and those whose cut leaves no scored token dropped: ``scored``, from :func:`token_counts`), each kept sample at
+    most ``data.max_length`` tokens (TRL cuts it, or PoSE's collator draws a window of that many); with
+    ``data.utk``, documents cut to the room UtK leaves and packed into sequences, whose lengths these are (UtK's
+    insertions, added on the fly, not counted). Returns them and the filter's counts."""
+    from .runner import check_content_to_skip, longest_sample
+
+    utk, max_length, data = recipe.data.utk, recipe.data.max_length, recipe.data
+    if utk is None:
+        longest, limit = longest_sample(recipe)
+        skips_content = longest > max_length
+        keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length,
+                                       window=max_length if skips_content else None)
+        if skips_content:
+            check_content_to_skip(stats, max_length)
+        if scored is not None:
+            left = [i for i in keep if scored[i]]
+            stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left
+            stats.update(kept=len(keep), truncated=sum(lengths[i] > max_length for i in keep))
+            if not keep:
+                raise ValueError(f"recipe {recipe.name}: no training sample has a scored token within {limit} "
+                                 "tokens (the cut removed every assistant turn); raise that limit or use shorter "
+                                 "samples")
+        return [min(lengths[i], max_length) for i in keep], stats
+    room = utk_document_room(max_length, utk)
+    keep, stats = select_by_length(lengths, room, data.truncate, utk_limit(max_length, room),
+                                   min_length=data.min_length)
+    documents = [min(lengths[i], room) for i in keep]
+    groups = utk_groups(documents, max_length, utk)
+    stats["packed_sequences"] = len(groups)
+    return [sum(documents[i] for i in group) for group in groups], stats
+
+
+def _described(source: str) -> str:
+    """The data source as the time line names it."""
+    from .data import synth_output_file
+
+    if source in GENERATED_SOURCES:
+        return f"the {source} set"
+    return str(synth_output_file(source) or source)

@@ -1,0 +1,107 @@
+"""The training samples' own token counts, which the planner's time estimate sums over (``longpeft plan``).
+
+The counting itself needs the recipe's tokenizer, chat template and data rules, so it lives with the recipes
+(:mod:`longpeft.recipes.plan_data`); this module holds what the planner receives and how it summarises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+HISTOGRAM_BUCKETS = 5  # (max/2, max], (max/4, max/2], ..., and everything up to max/16
+
+
+@dataclass(frozen=True)
+class SampleLengths:
+    """Tokens of every training sample as training sees them: after the recipe's length filters, truncation and
+    packing (one entry per trained row, in no particular order); or, with no ``lengths``, why they are unknown.
+
+    Attributes:
+        lengths: one token count per sample (empty when unknown).
+        source: the data they were counted from (a file, ``demo``, ...).
+        counted_with: how: ``"the tokenizer of <model>"`` or the characters-per-token estimate and why.
+        filtered: what the recipe's filters did, as :func:`longpeft.recipes.data.select_by_length` counts it
+            (``dropped``, ``dropped_short``, ``truncated``; ``packed_sequences`` with UtK).
+        unknown: why there are no lengths (the planner then assumes ``data.max_length`` tokens per sample).
+    """
+
+    lengths: tuple[int, ...] = ()
+    source: str = ""
+    counted_with: str = ""
+    filtered: dict[str, int] = field(default_factory=dict)
+    unknown: str = ""
+
+    @classmethod
+    def not_known(cls, why: str) -> SampleLengths:
+        return cls(unknown=why)
+
+    def describe(self) -> str:
+        """Where the lengths come from, for the planner's time line."""
+        cuts = [f"{self.filtered[key]:,} {what}" for key, what in (
+            ("dropped", "dropped as too long"), ("dropped_short", "dropped as too short"),
+            ("truncated", "cut to the length limit"),
+            ("dropped_without_scored_tokens", "dropped with no scored token left after the cut")) if self.filtered.get(key)]
+        packed = self.filtered.get("packed_sequences")
+        if packed is not None:
+            cuts.append(f"documents packed into {packed:,} UtK sequences, UtK's own insertions not counted")
+        return (f"counted in {self.source} with {self.counted_with}; "
+                + (", ".join(cuts) if cuts else "the recipe's length filters dropped none"))
+
+
+def length_histogram(lengths: Sequence[int], max_length: int, sample_flops: Callable[[int], float],
+                     buckets: int = HISTOGRAM_BUCKETS) -> list[dict[str, Any]]:
+    """Samples, tokens and FLOPs per length bucket: ``(max_length / 2, max_length]``, the half below it, ..., and
+    ``[1, max_length / 2**(buckets - 1)]`` (longer samples fall in the top bucket). ``sample_flops(n)``: the FLOPs
+    of one sample of ``n`` tokens. Rows ``{"low", "high", "samples", "tokens", "flops"}``, longest first; empty
+    buckets are kept so the shape shows."""
+    edges = [max_length // 2**k for k in range(buckets)] + [0]
+    rows = [{"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0} for k in range(buckets)]
+    for n in lengths:
+        k = next((k for k in range(buckets - 1, -1, -1) if n <= edges[k]), 0)
+        rows[k]["samples"] += 1
+        rows[k]["tokens"] += n
+        rows[k]["flops"] += sample_flops(n)
+    rows[0]["high"] = max(max_length, max(lengths, default=0))
+    return rows
+
+
+def format_histogram(rows: list[dict[str, Any]]) -> list[str]:
+    """The histogram as text lines: each bucket's samples and its shares of the tokens and of the FLOPs."""
+    tokens = sum(row["tokens"] for row in rows) or 1
+    flops = sum(row["flops"] for row in rows) or 1.0
+    lines = [f"{'sample length (tokens)':<24} {'samples':>9} {'tokens':>8} {'FLOPs':>8}"]
+    lines += [f"{row['low']:>10,} - {row['high']:>10,} {row['samples']:>10,} {row['tokens'] / tokens:>8.1%} "
+              f"{row['flops'] / flops:>8.1%}" for row in rows]
+    return lines
+
+
+def random_order_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], trained_samples: int,
+                         per_device_batch: int, data_parallel: int, accumulation: int, seed: int = 0) -> float:
+    """Seconds of ``trained_samples`` samples in random order, as data-parallel training spends them: the samples
+    cycle through ``lengths`` in a fresh (seeded) shuffle per pass; each optimizer step takes ``per_device_batch x
+    data_parallel x accumulation`` of them, micro-batch ``j`` of a step going to GPU ``j % data_parallel`` (how
+    accelerate shards batches), each micro-batch padded to its longest sample; a step lasts as long as its slowest
+    GPU's micro-batches (the gradients' all-reduce waits for it).
+
+    ``sample_seconds(n)``: one GPU's seconds for one sample of ``n`` tokens (an array of lengths in, an array out).
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    pool = np.asarray(lengths, dtype=np.int64)
+    passes = -(-trained_samples // len(pool))
+    order = np.concatenate([rng.permutation(pool) for _ in range(passes)])[:trained_samples]
+    micro = -(-len(order) // per_device_batch)
+    padded = np.zeros(micro * per_device_batch, dtype=np.int64)
+    padded[:len(order)] = order
+    longest = padded.reshape(micro, per_device_batch).max(axis=1)
+    micro_seconds = per_device_batch * sample_seconds(longest.astype(np.float64))
+    per_step = data_parallel * accumulation
+    steps = -(-micro // per_step)
+    grid = np.zeros(steps * per_step)
+    grid[:micro] = micro_seconds
+    # micro-batch j of a step runs on GPU j % data_parallel: sum each GPU's, then the slowest GPU per step
+    gpu_seconds = grid.reshape(steps, accumulation, data_parallel).sum(axis=1)
+    return float(gpu_seconds.max(axis=1).sum())

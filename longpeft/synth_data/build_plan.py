@@ -1,0 +1,167 @@
+"""``longpeft synth --plan``: the LLM requests a data build will send, their tokens and time, before any call.
+
+The plan runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`) and builds
+every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead of sending:
+
+- requests: one per QA job (first attempts: a malformed answer is asked again, up to ``llm.max_parse_attempts``
+  times, and transient failures are retried: neither is counted); those whose answer is already in
+  ``<out>/llm_cache`` (a resumed run) cost nothing and are counted apart;
+- input tokens: the messages' contents, counted with the training tokenizer (``tokenizer:``): the endpoint's own
+  tokenizer counts somewhat differently, and its chat format adds a few tokens per message;
+- output tokens: ``llm.max_tokens`` per request (an upper bound: the answers are usually far shorter), or the
+  expectation given with ``--output-tokens``;
+- time: the slowest of three limits: ``llm.max_concurrency`` requests in flight (in waves of that many), each
+  decoding its output at ``--output-tokens-per-second`` (assumed :data:`OUTPUT_TOKENS_PER_SECOND` by default; the
+  prompt's own processing not counted); the endpoint's tokens per minute (``--tokens-per-minute``) and requests per
+  minute (``--requests-per-minute``), when given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+OUTPUT_TOKENS_PER_SECOND = 50.0  # one request's decoding speed when --output-tokens-per-second is not given
+
+
+@dataclass
+class TaskRequests:
+    """One task's first-attempt requests: how many, their input tokens, and how many the cache answers already."""
+
+    requests: int = 0
+    input_tokens: int = 0
+    cached: int = 0
+    cached_input_tokens: int = 0
+
+
+@dataclass
+class BuildPlan:
+    """What a build will ask of the LLM (see the module docstring)."""
+
+    tasks: dict[str, TaskRequests]
+    conversations: int  # contexts planned: at most one conversation each
+    output_tokens_per_request: int
+    output_tokens_from: str  # where output_tokens_per_request comes from
+    counted_with: str  # the tokenizer that counted the input tokens
+    model: str
+    concurrency: int
+    max_parse_attempts: int
+    skipped: dict[str, dict[str, int]] = field(default_factory=dict)  # contexts the planning already skipped
+
+    @property
+    def requests(self) -> int:
+        return sum(task.requests for task in self.tasks.values())
+
+    @property
+    def to_send(self) -> int:
+        """Requests the cache does not answer."""
+        return sum(task.requests - task.cached for task in self.tasks.values())
+
+    @property
+    def input_tokens(self) -> int:
+        return sum(task.input_tokens for task in self.tasks.values())
+
+    def time_limits(self, output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
+                    tokens_per_minute: float | None = None, requests_per_minute: float | None = None
+                    ) -> dict[str, float]:
+        """Seconds each limit allows the uncached requests to take, by limit: ``concurrency`` (always),
+        ``tokens per minute`` and ``requests per minute`` (when given). The build takes about the largest."""
+        unsent_input = sum(task.input_tokens - task.cached_input_tokens for task in self.tasks.values())
+        tokens = unsent_input + self.to_send * self.output_tokens_per_request
+        waves = math.ceil(self.to_send / self.concurrency)  # the requests in flight together take as long as one
+        limits = {"concurrency": waves * self.output_tokens_per_request / output_tokens_per_second}
+        if tokens_per_minute:
+            limits["tokens per minute"] = 60 * tokens / tokens_per_minute
+        if requests_per_minute:
+            limits["requests per minute"] = 60 * self.to_send / requests_per_minute
+        return limits
+
+    def report(self, output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
+               tokens_per_minute: float | None = None, requests_per_minute: float | None = None) -> str:
+        """The plan as text: requests and tokens per task, then the time under each limit and the estimate."""
+        out = self.output_tokens_per_request
+        lines = [f"longpeft synth --plan: {self.conversations:,} contexts planned, {self.requests:,} requests to "
+                 f"{self.model}; nothing was sent",
+                 f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}"]
+        for name, task in self.tasks.items():
+            lines.append(f"{name:<15} {task.requests:>9,} {task.input_tokens:>14,} {task.requests * out:>14,} "
+                         f"{task.cached:>9,}")
+        lines.append(f"{'total':<15} {self.requests:>9,} {self.input_tokens:>14,} {self.requests * out:>14,} "
+                     f"{self.requests - self.to_send:>9,}")
+        lines.append(f"input tokens: the messages' contents counted with {self.counted_with} (the endpoint's "
+                     f"tokenizer counts differently); output tokens: {out:,} per request ({self.output_tokens_from}); "
+                     f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
+                     "attempts, and failed calls are retried: not counted)")
+        for task, reasons in self.skipped.items():
+            lines.append(f"skipped while planning ({task}): "
+                         + ", ".join(f"{n} {reason}" for reason, n in reasons.items()))
+        limits = self.time_limits(output_tokens_per_second, tokens_per_minute, requests_per_minute)
+        given = {"concurrency": f"{self.concurrency} requests in flight, each decoding {output_tokens_per_second:g} "
+                                "output tokens/s" + ("" if output_tokens_per_second != OUTPUT_TOKENS_PER_SECOND else
+                                                     " (assumed; --output-tokens-per-second)"),
+                 "tokens per minute": f"{tokens_per_minute:,.0f} tokens/min (input and output)" if tokens_per_minute
+                 else "", "requests per minute": f"{requests_per_minute:,.0f} requests/min" if requests_per_minute
+                 else ""}
+        slowest = max(limits, key=limits.get)
+        for limit, seconds in limits.items():
+            lines.append(f"time at {given[limit]}: {_hours(seconds)}{'   <- the limit' if limit == slowest else ''}")
+        if len(limits) == 1:
+            lines.append("no rate limit given: --tokens-per-minute and --requests-per-minute (your endpoint's "
+                         "limits) bound the time too")
+        lines.append(f"estimate: {_hours(limits[slowest])} for the {self.to_send:,} requests not in the cache")
+        return "\n".join(lines)
+
+
+def _hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+               output_tokens: int | None = None) -> BuildPlan:
+    """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir`` without calling the LLM
+    and without writing anything: see the module docstring.
+
+    Args:
+        tokenizer: the training tokenizer (default: ``config.tokenizer``, loaded as the build loads it).
+        output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
+    """
+    from .builders import LongContextBuilder
+    from .llm_client import ResponseCache, request_key, sampling_params
+    from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
+    from .qa import ProceduralAnswerer, job_request
+
+    if config.answerer != "llm":
+        raise ValueError("longpeft synth --plan: this config's answerer is procedural, which calls no LLM (exact QA "
+                         "offline); set answerer: llm (--answerer llm) to plan an LLM build")
+    if output_tokens is None and config.llm.max_tokens is None:
+        raise ValueError("longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
+                         "--output-tokens N (the completion tokens you expect per request)")
+    files = load_documents(config.source.paths) if config.source.kind == "files" else None
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+    builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), config.length, config.context_template, config.seed,
+                                 show_progress=config.progress)  # the answerer is never asked: planning only
+    plans = plan_contexts(config, builder, files)
+    cache = ResponseCache(Path(out_dir) / CACHE_DIR)
+    llm, sampling = config.llm, sampling_params(config.llm)
+    tasks: dict[str, TaskRequests] = {}
+    jobs = [job for plan in plans for job in plan.jobs]
+    for index, job in enumerate(jobs):
+        request = job_request(job, index)
+        task = tasks.setdefault(job.task, TaskRequests())
+        tokens = sum(builder.counter.count(message["content"]) for message in request.messages)
+        task.requests += 1
+        task.input_tokens += tokens
+        if cache.get(request_key(llm.base_url, llm.model, request, sampling, 0)) is not None:
+            task.cached += 1
+            task.cached_input_tokens += tokens
+    return BuildPlan(
+        tasks=tasks, conversations=len(plans),
+        output_tokens_per_request=output_tokens if output_tokens is not None else llm.max_tokens,
+        output_tokens_from="--output-tokens" if output_tokens is not None else
+        "llm.max_tokens, an upper bound; --output-tokens N for your expectation",
+        counted_with=f"the tokenizer {config.tokenizer}", model=llm.model, concurrency=llm.max_concurrency,
+        max_parse_attempts=llm.max_parse_attempts, skipped=builder.report.to_dict()["skipped"],
+    )
