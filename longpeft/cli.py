@@ -128,6 +128,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .recipes.plan_data import count_sample_lengths
         from .scale import estimate
 
+        if args.longest:
+            from .scale.plan import longest_fitting
+
+            tokens, plan = longest_fitting(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu,
+                                           launch=args.launch)
+            print(f"longest sample that fits: {tokens:,} tokens per GPU sample (multiples of 1,024; "
+                  f"{args.gpu_memory:g} GiB per GPU); the plan at that length:")
+            print("\n".join(line for line in plan.table().splitlines() if not line.startswith(("time:", "lever:"))))
+            return 0
         plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
                         samples=args.samples, launch=args.launch, sample_lengths=count_sample_lengths(recipe))
         print(plan.table())
@@ -222,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a local "
                        "data.source after the recipe's length filters, the demo set's size, else 1000); their lengths "
                        "follow the local data's, else data.max_length each; train.max_steps, when set, decides instead")
+    scale.add_argument("--longest", action="store_true", help="print the longest sample (tokens) whose step fits in "
+                       "--gpu-memory with the recipe's settings, and the memory terms at that length")
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (

@@ -20,18 +20,20 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def peak_bytes(fn, cuda: bool) -> int:
-    """Peak tensor memory allocated while ``fn()`` runs, above what was allocated before it."""
+def peak_bytes(fn, cuda: bool, grad: bool = False) -> int:
+    """Peak tensor memory allocated while ``fn()`` runs (without autograd, unless ``grad``: a forward and backward),
+    above what was allocated before it."""
+    context = torch.enable_grad if grad else torch.no_grad
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        with torch.no_grad():
+        with context():
             fn()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.no_grad():
+        with context():
             fn()
     # Allocations are attributed to the op that made them (self memory), frees to "[memory]" events.
     held = peak = 0

@@ -297,7 +297,9 @@ class Plan:
         launch = self.assumptions["launch"]
         lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
                   f"{f', --launch {launch}' if launch else ''})",
-                  f"checkpointing: {self.assumptions['checkpointing_summary']}"]
+                  f"checkpointing: {self.assumptions['checkpointing_summary']}"
+                  + (f" ({self.assumptions['pinned_host_bytes'] / GiB:.1f} GiB of pinned host memory per GPU)"
+                     if self.assumptions.get("pinned_host_bytes") else "")]
         lines += format_histogram(self.length_histogram) if self.length_histogram else []
         lines += [f"time: {self.assumptions['time_basis']} = {self.tokens:,} tokens x "
                   f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
@@ -525,6 +527,9 @@ def estimate(
                                         "bytes/param with AdamW)", "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
                      "checkpointing": asdict(checkpointing),
+                     # train.offload_checkpoints: every checkpointed input but the last waits in pinned host memory
+                     "pinned_host_bytes": max(checkpointing.checkpointed - 1, 0) * activation_tokens * shape.hidden
+                     * dtype_bytes if checkpointing.offload else 0,
                      "checkpointing_summary": checkpointing.describe(shape.layers),
                      "launch": launch, "sequence_parallel": sequence_shards,
                      "can_shard": _allowed(check_sharded, recipe, "sharding"),
@@ -635,6 +640,26 @@ def choose_checkpointing(plan_of: Callable[[CheckpointSettings], Plan], start: C
         if best is None:
             return current
         _, current, plan = best
+
+
+def longest_fitting(recipe: Any, gpus: int = 1, gpu_memory_gib: float = 80.0, gpu: str = "h100",
+                    shape: ModelShape | None = None, launch: str | None = None, step: int = 1024,
+                    limit: int = 1 << 24) -> tuple[int, Plan]:
+    """The longest sample (a multiple of ``step`` tokens, up to ``limit``) whose planned peak fits in
+    ``gpu_memory_gib``, with the recipe's settings (``auto`` choices re-made at each length), and its plan; ``(0,
+    plan at step tokens)`` when not even ``step`` tokens fit."""
+    shape = shape or shape_of(recipe.model.name_or_path)
+
+    def plan_at(tokens: int) -> Plan:
+        data = recipe.data.model_copy(update={"max_length": tokens})
+        return estimate(recipe.model_copy(update={"data": data}), gpus, gpu_memory_gib, gpu, samples=1, shape=shape,
+                        launch=launch)
+
+    low, high = 0, limit // step  # in steps: low fits (or is 0), high + 1 does not
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if plan_at(middle * step).fits else (low, middle - 1)
+    return low * step, plan_at(max(low, 1) * step)
 
 
 def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) -> dict[str, float | str]:
