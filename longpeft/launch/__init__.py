@@ -142,12 +142,14 @@ def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> 
 
 
 def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None,
-                   nodes: Nodes = Nodes()) -> list[str]:
+                   nodes: Nodes | None = None) -> list[str]:
     """``accelerate launch --config_file <launch>.yaml --num_processes P --mixed_precision M [this node's place]
     [Ulysses' sizes] -m longpeft.cli train RECIPE [--set ...]``, P = ``gpus`` per node x ``nodes.count``. With
-    ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel."""
+    ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel.
+    ``nodes``: this node's place in a job of several (default: one node)."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    nodes = nodes or Nodes()
     processes = gpus * nodes.count
     precision = mixed_precision(recipe, on_gpu=True)
     command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(processes),
