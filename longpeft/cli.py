@@ -26,9 +26,13 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.launch:
         return launch_training(args, load_recipe(args.recipe, args.overrides))
-    if args.gpus is not None or args.print_command:
-        raise ValueError(f"{'--gpus' if args.gpus is not None else '--print-command'} goes with --launch "
-                         "ddp|fsdp2|zero3|ulysses (without --launch the recipe trains in this one process)")
+    launch_flags = {"--gpus": args.gpus is not None, "--print-command": args.print_command, "--nodes": args.nodes,
+                    "--node-rank": args.node_rank is not None, "--main-address": args.main_address,
+                    "--print-slurm": args.print_slurm}
+    given = [flag for flag, present in launch_flags.items() if present]
+    if given:
+        raise ValueError(f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains "
+                         "in this one process)")
     from .recipes.runner import run
 
     result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
@@ -59,23 +63,68 @@ def exit_without_teardown() -> None:
 
 
 def launch_training(args: argparse.Namespace, recipe) -> int:
-    """``train --launch KIND --gpus N``: check the combination, then run (or print) ``accelerate launch``."""
+    """``train --launch KIND --gpus G [--nodes N --node-rank R --main-address HOST:PORT]``: check the combination at
+    N x G processes, then run (or print) ``accelerate launch``, or print a SLURM script that runs it on every node."""
     import shlex
     import subprocess
 
-    from .launch import check_launch, launch_command
+    from .launch import launch_command
+    from .launch.nodes import DEFAULT_MAIN_PORT, Nodes, parse_main_address, slurm_script
 
-    check_launch(recipe, args.launch)
+    if args.print_slurm and args.print_command:
+        raise ValueError("--print-slurm and --print-command: choose one (the script holds the command)")
     devices = torch_cuda_devices()
     gpus = args.gpus if args.gpus is not None else devices
+    if args.print_slurm and args.gpus is None:
+        raise ValueError("--print-slurm: give --gpus G, the GPUs of each node (the script asks SLURM for them)")
     if gpus < 1:
         raise ValueError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {devices} CUDA devices)")
-    command = launch_command(recipe, args.recipe, args.launch, gpus, args.overrides)
+    count = args.nodes or 1
+    if args.print_slurm:
+        for flag, given in (("--node-rank", args.node_rank is not None), ("--main-address", args.main_address)):
+            if given:
+                raise ValueError(f"--print-slurm with {flag}: the script takes each node's rank from $SLURM_NODEID and "
+                                 "the main address from the first host of the allocation (MAIN_PORT=PORT sbatch ... "
+                                 "changes the port)")
+        nodes = Nodes(count, host="MAIN_HOST")  # the script replaces the address and the rank
+    else:
+        host, port = parse_main_address(args.main_address) if args.main_address else (None, DEFAULT_MAIN_PORT)
+        nodes = Nodes(count, args.node_rank or 0, host, port)
+    check_processes(recipe, args.launch, gpus * count)
+    command = launch_command(recipe, args.recipe, args.launch, gpus, args.overrides, nodes)
     command += ["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change
+    if args.print_slurm:
+        print(slurm_script(command, f"longpeft-{recipe.name}", count, gpus), end="")
+        return 0
     if args.print_command:
         print(shlex.join(command))
         return 0
     return subprocess.call(command)
+
+
+def check_processes(recipe, launch: str, processes: int) -> None:
+    """What ``train --launch`` refuses at ``processes`` (nodes x GPUs per node): the launch's own checks, a Ulysses
+    group (every process) that cannot split the model's heads, a global batch the data-parallel ranks do not divide."""
+    from .launch import check_launch, check_sequence_parallel_group
+    from .recipes.runner import gradient_accumulation
+
+    check_launch(recipe, launch)
+    if launch == "ulysses":
+        from .scale import shape_of
+
+        try:
+            shape = shape_of(recipe.model.name_or_path)
+        except ValueError:  # not on this machine: DeepSpeed checks the heads when the model is built
+            print(f"longpeft train: {recipe.model.name_or_path}'s config.json is not on this machine; Ulysses' group "
+                  f"of {processes} processes is checked against its heads when training starts", file=sys.stderr)
+        else:
+            check_sequence_parallel_group(processes, shape.heads, shape.kv_heads)
+    data_parallel = 1 if launch == "ulysses" else processes  # a Ulysses group trains one sample
+    try:
+        gradient_accumulation(recipe, data_parallel)
+    except ValueError as exc:
+        raise ValueError(f"{exc}: --set train.global_batch_size to a multiple of "
+                         f"{recipe.train.per_device_batch_size * data_parallel}, or train on fewer GPUs") from None
 
 
 def _number(kind: type, low: float, high: float | None = None, inclusive: bool = True):
@@ -124,21 +173,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
               "checked against it (plan --build downloads it and checks)", file=sys.stderr)
     if args.launch and args.gpus is None:
         raise ValueError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
+    if args.nodes > 1 and args.gpus is None:
+        raise ValueError(f"longpeft plan --nodes {args.nodes}: give --gpus G, the GPUs of each node")
+    if args.inter_node_gbps is not None and args.nodes == 1:
+        raise ValueError("longpeft plan --inter-node-gbps goes with --nodes N > 1 (one node's GPUs talk over its own "
+                         "links, which the plan does not model)")
     if args.gpus is not None:
         from .recipes.plan_data import count_sample_lengths
         from .scale import estimate
+        from .scale.network import DEFAULT_INTER_NODE_GBPS, add_inter_node
 
         if args.longest:
             from .scale.plan import longest_fitting
 
-            tokens, plan = longest_fitting(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu,
-                                           launch=args.launch)
+            tokens, plan = longest_fitting(recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory,
+                                           gpu=args.gpu, launch=args.launch)
             print(f"longest sample that fits: {tokens:,} tokens per GPU sample (multiples of 1,024; "
                   f"{args.gpu_memory:g} GiB per GPU); the plan at that length:")
             print("\n".join(line for line in plan.table().splitlines() if not line.startswith(("time:", "lever:"))))
             return 0
-        plan = estimate(recipe, gpus=args.gpus, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, mfu=args.mfu,
-                        samples=args.samples, launch=args.launch, sample_lengths=count_sample_lengths(recipe))
+        plan = estimate(recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu,
+                        mfu=args.mfu, samples=args.samples, launch=args.launch,
+                        sample_lengths=count_sample_lengths(recipe))
+        if args.nodes > 1:
+            add_inter_node(plan, recipe, args.nodes, args.inter_node_gbps or DEFAULT_INTER_NODE_GBPS)
         print(plan.table())
         return 0
     if not args.build:
@@ -203,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)")
     train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes; default: every CUDA device)")
     train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
+    nodes = train.add_argument_group("past one node (with --launch; run the same command on every node)")
+    nodes.add_argument("--nodes", type=_number(int, 1), help="number of nodes (default 1); --gpus is per node")
+    nodes.add_argument("--node-rank", type=int, help="this node's rank, 0 to nodes - 1 (0: the node at --main-address)")
+    nodes.add_argument("--main-address", metavar="HOST:PORT", help="address of the node of rank 0 and a free port on "
+                       "it, the same on every node")
+    nodes.add_argument("--print-slurm", action="store_true", help="print a SLURM batch script that runs this launch on "
+                       "--nodes nodes of --gpus GPUs (one srun task per node), do not train")
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")
@@ -228,6 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], for "
                        "the matmuls and attention alike (default: measured on h100/h200, by attention kernel; other "
                        "GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
+    scale.add_argument("--nodes", type=_number(int, 1), default=1, help="nodes of --gpus GPUs each (default 1): the "
+                       "estimate runs on nodes x GPUs, and adds the gradient traffic between nodes")
+    scale.add_argument("--inter-node-gbps", type=_number(float, 0, inclusive=False), metavar="GBPS",
+                       help="with --nodes N > 1: network bandwidth each GPU has to other nodes, in Gb/s (default 400: "
+                       "one NDR InfiniBand port per GPU)")
     scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a local "
                        "data.source after the recipe's length filters, the demo set's size, else 1000); their lengths "
                        "follow the local data's, else data.max_length each; train.max_steps, when set, decides instead")

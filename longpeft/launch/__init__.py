@@ -1,13 +1,17 @@
-"""Launch configurations for one multi-GPU node (accelerate config files shipped with longpeft).
+"""Launch configurations for multi-GPU training (accelerate config files shipped with longpeft), on one node or
+several (:mod:`.nodes`).
 
-``launch_command(recipe, name, launch, gpus)`` builds the ``accelerate launch`` command of a recipe;
-``check_launch`` refuses combinations known not to work, saying why and what to use instead.
+``launch_command(recipe, name, launch, gpus, nodes=...)`` builds the ``accelerate launch`` command of a recipe;
+``check_launch`` refuses combinations known not to work, saying why and what to use instead;
+``check_sequence_parallel_group`` refuses a Ulysses group that cannot split the model's attention heads.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from .nodes import Nodes
 
 LAUNCHES = ("ddp", "fsdp2", "zero3", "ulysses")
 
@@ -123,17 +127,35 @@ def sequence_parallel_size() -> int:
     return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
 
 
-def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None) -> list[str]:
-    """``accelerate launch --config_file <launch>.yaml --num_processes N --mixed_precision P [Ulysses' sizes] -m
-    longpeft.cli train RECIPE [--set ...]``. With ``ulysses`` every GPU shares each sequence (sp_size = N) with the
-    recipe's attention kernel."""
+def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> None:
+    """Ulysses (``--launch ulysses``: every process, on every node, shares each sequence) gives each process
+    ``heads / processes`` attention heads, so the group must divide the query heads, and divide or be a multiple of
+    the KV heads (DeepSpeed then replicates them); DeepSpeed refuses anything else when the model is built."""
+    if heads % processes:
+        raise ValueError(f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
+                         f"model's {heads} attention heads, and {processes} does not divide {heads}; use a number of "
+                         "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3")
+    if kv_heads % processes and processes % kv_heads:
+        raise ValueError(f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
+                         f"multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a number "
+                         "of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
+
+
+def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None,
+                   nodes: Nodes | None = None) -> list[str]:
+    """``accelerate launch --config_file <launch>.yaml --num_processes P --mixed_precision M [this node's place]
+    [Ulysses' sizes] -m longpeft.cli train RECIPE [--set ...]``, P = ``gpus`` per node x ``nodes.count``. With
+    ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel.
+    ``nodes``: this node's place in a job of several (default: one node)."""
     if gpus < 1:
         raise ValueError(f"--gpus must be >= 1, got {gpus}")
+    nodes = nodes or Nodes()
+    processes = gpus * nodes.count
     precision = mixed_precision(recipe, on_gpu=True)
-    command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(gpus),
-               "--mixed_precision", precision]
+    command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(processes),
+               "--mixed_precision", precision, *nodes.accelerate_arguments(launch)]
     if launch == "ulysses":
-        command += ["--parallelism_config_sp_size", str(gpus),
+        command += ["--parallelism_config_sp_size", str(processes),
                     "--parallelism_config_sp_attn_implementation", recipe.model.attn_implementation]
     command += ["-m", "longpeft.cli", "train", recipe_name]
     for override in overrides or []:

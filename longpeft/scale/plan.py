@@ -46,7 +46,7 @@ fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_wor
 float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is never equal); plus
 one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits
 every sequence across the GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per
-GPU. Communication time is not modelled.
+GPU. Communication time is not modelled (between nodes, ``plan --nodes``: :mod:`.network`).
 
 Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
 LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
@@ -89,6 +89,7 @@ from ..builtin_models import model_location
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 from .checkpointing import CheckpointSettings
 from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
+from .network import inter_node_lines
 
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
@@ -308,6 +309,7 @@ class Plan:
                   f"{self.assumptions['utilisation']['attention']:.0%} (attention, {self.assumptions['attention']}) of "
                   f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
                   + self._time_ending()]
+        lines += inter_node_lines(self.assumptions.get("inter_node"), self.hours)
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
 
