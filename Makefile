@@ -8,7 +8,7 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: demo test test-compat test-latest bench venv venv-compat clean
+.PHONY: demo test test-slow test-compat test-latest bench venv venv-compat clean
 
 venv: $(STAMP)
 venv-compat: $(COMPAT_STAMP)
@@ -32,11 +32,15 @@ demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m "not slow" tests
+
+# The tests `make test` leaves out for their time (marker `slow`): run them when you change what they cover.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt.
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q -m compat tests
+	$(COMPAT_PY) -m pytest -q -m "compat and not slow" tests
 
 # The newest release of every package of requirements-cpu.txt except torch (held at the CPU build on local disk by
 # a constraint): what `pip install longpeft` gives a user today. Rebuilt on each call, not run by CI (it depends on

@@ -29,8 +29,6 @@ from longpeft.scale import estimate
 from longpeft.scale.network import add_inter_node
 from run_helpers import assert_resumed_as_uninterrupted, assert_same_weights, logged_losses  # tests/run_helpers.py
 
-pytestmark = pytest.mark.compat  # resuming a multi-process CPU run differs on transformers 5.17
-
 QLORA_80K = "llama3-8b-instruct-80k-qlora"  # global batch 8, one sample per GPU; Llama-3-8B: 32 heads, 8 KV heads
 
 
@@ -284,6 +282,7 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_base_dirs, data, two_
                         two_node_run / "adapter" / "adapter_model.safetensors", atol=1e-5, rtol=0)
 
 
+@pytest.mark.compat  # resuming a multi-process CPU run differs on transformers 5.17
 def test_two_nodes_killed_after_a_checkpoint_resume_to_the_uninterrupted_run(tiny_base_dirs, data, two_node_run,
                                                                              tmp_path):
     """Both nodes killed (SIGKILL, every process of both launches) once a checkpoint is complete, then both started
@@ -311,6 +310,7 @@ def test_two_nodes_killed_after_a_checkpoint_resume_to_the_uninterrupted_run(tin
     assert_resumed_as_uninterrupted(two_node_run, killed, list(range(1, STEPS + 1)))
 
 
+@pytest.mark.slow  # 1.5 min: DeepSpeed's start, twice; `make test-slow` runs it
 def test_ulysses_group_spanning_two_nodes_equals_one_process(tiny_base_dirs, data, tmp_path):
     """--launch ulysses on two one-process nodes: DeepSpeed started by torchrun on each node, one sequence-parallel
     group of both (each sequence split across the nodes, heads exchanged all-to-all): the losses (rel 1e-3) and
