@@ -272,8 +272,8 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_base_dirs, data, two_
     one_node = tmp_path / "one-node"
     finish(start_train(one_node, tiny_base_dirs("llama"), data, "--launch", "ddp", "--gpus", "2", "--main-address",
                        f"127.0.0.1:{free_port()}"))
-    for run in (two_node_run, one_node):
-        resolved = json.loads((run / "recipe.resolved.json").read_text())
+    for folder in (two_node_run, one_node):
+        resolved = json.loads((folder / "recipe.resolved.json").read_text())
         assert resolved["world_size"] == 2 and resolved["distributed_type"].endswith("MULTI_CPU")
     steps, losses = logged_losses(two_node_run)
     assert steps == list(range(1, STEPS + 1))
