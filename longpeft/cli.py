@@ -234,9 +234,9 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 
 def cmd_convert_beacon(args: argparse.Namespace) -> int:
-    from .adapters.beacon import convert_authors_checkpoint
+    from .convert import convert_authors_beacon
 
-    print(json.dumps(convert_authors_checkpoint(args.source, args.out, base=args.base), indent=2))
+    print(json.dumps(convert_authors_beacon(args.source, args.out, base=args.base), indent=2))
     return 0
 
 

@@ -102,18 +102,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: s
     return data
 
 
-def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Fail now, not after hours of work, when results could not be written to ``folder`` (named by ``flag``)."""
-    import os
-
-    folder = Path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{flag} {folder} is a file; choose a folder")
-    parent = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.exists())
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"{flag} {folder}: {parent} is not writable")
-
-
 class _UniqueKeyLoader(yaml.SafeLoader):
     """yaml's safe loader, refusing a key given twice in one mapping (yaml keeps the last one silently: a second
     ``train:`` section would replace the first)."""

@@ -11,13 +11,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .adapters import export_methods, spec_methods
-from .config import check_writable_folder, torch_dtype
-from .loading import check_model_source, is_local, is_whole_model
+from .config import torch_dtype
+from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
 from .spec import SPEC_FILENAME, ContextSpec, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -66,7 +64,8 @@ def merge(
     from transformers import AutoConfig, GenerationConfig
 
     from .adapters import METHODS
-    from .loading import load, load_tokenizer, local_adapter_dir, pin_base_revision, resolve_base
+    from .files import local_adapter_dir
+    from .loading import load, load_tokenizer, pin_base_revision, resolve_base
 
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
@@ -108,40 +107,6 @@ def merge(
         kept.save(partial)
         _copy_eval_results(adapter_dir, partial)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
-
-
-def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "--out") -> None:
-    """Refuse, before any work, an output folder that would overwrite something: a file, a folder
-    that is not empty, one of the ``protected`` folders (the adapter, the base), or an unwritable place.
-    ``flag`` names the option that gave the folder.
-    """
-    target = out_dir.resolve()
-    for what, folder in protected.items():
-        if folder.exists() and target == folder.resolve():
-            raise FileExistsError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
-    check_writable_folder(out_dir, flag)
-    if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
-
-
-@contextlib.contextmanager
-def written_atomically(out_dir: Path) -> Iterator[Path]:
-    """A folder beside ``out_dir`` (``.NAME.partial``) to write into; its files become ``out_dir``'s only when the
-    block succeeds, so a failure leaves no half-written ``out_dir``. ``out_dir`` must be new or empty
-    (:func:`check_output_folder`) and absolute (``.`` has no name to write beside).
-    """
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-        if out_dir.is_dir():  # empty: keep the folder itself (it may be the working directory)
-            for item in partial.iterdir():
-                item.rename(out_dir / item.name)
-        else:
-            partial.rename(out_dir)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def export(
@@ -485,7 +450,7 @@ def push(
         return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base))
     from huggingface_hub import HfApi
 
-    from .loading import hub_preflight
+    from .files import hub_preflight
 
     try:
         hub_preflight(repo_id, "push to")

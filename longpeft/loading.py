@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
+from .files import check_model_source, is_local, is_whole_model, local_adapter_dir
 from .spec import ContextSpec
 
 
@@ -25,90 +26,6 @@ def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | 
     if not Path(spec.base_model).is_absolute() and candidate.exists():
         return str(candidate)
     return model_location(spec.base_model)
-
-
-def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None:
-    """Ask the Hub about ``repo_id`` once, with a bounded wait, before anything long starts.
-
-    An endpoint that accepts connections but never answers would otherwise block forever. Skipped
-    with ``HF_HUB_OFFLINE=1`` (the local cache is used then). ``timeout`` defaults to
-    ``LONGPEFT_HUB_TIMEOUT`` seconds (30).
-
-    Raises:
-        TimeoutError: no answer within ``timeout`` seconds (the message names the endpoint).
-        FileNotFoundError: the Hub answered that there is no such repository (or it is private).
-    """
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return
-    import os
-    import threading
-
-    timeout = timeout or float(os.environ.get("LONGPEFT_HUB_TIMEOUT", "30"))
-
-    from huggingface_hub import HfApi
-
-    outcome: dict[str, BaseException | None] = {}
-
-    def ask() -> None:
-        try:
-            HfApi().model_info(repo_id, timeout=timeout)
-            outcome["error"] = None
-        except BaseException as error:  # reported in the caller's thread
-            outcome["error"] = error
-
-    thread = threading.Thread(target=ask, daemon=True)  # a hung socket cannot keep the process alive
-    thread.start()
-    thread.join(timeout + 1)
-    endpoint = constants.ENDPOINT
-    if "error" not in outcome:
-        raise TimeoutError(
-            f"{what} {repo_id}: the Hub at {endpoint} did not answer within {timeout:.0f} s; check HF_ENDPOINT and the "
-            "network, or give a local folder"
-        )
-    error = outcome["error"]
-    if error is None:
-        return
-    name = type(error).__name__
-    if "NotFound" in name or "Gated" in name or "Unauthorized" in name:
-        raise FileNotFoundError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
-    raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: {str(error).splitlines()[0][:200]})") from None
-
-
-def is_local(name: str | Path) -> bool:
-    """Whether ``name`` is meant as a local path (it exists, or does not look like ``owner/name``)."""
-    text = str(name)
-    return Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~"))
-
-
-def is_whole_model(folder: Path) -> bool:
-    """Whether a longpeft folder holds a whole fine-tuned model (``finetune: full`` wrote config.json and the
-    weights) rather than an adapter."""
-    return (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file()
-
-
-def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
-    """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts.
-
-    ``hint``: what to do instead, appended to the error for a missing folder.
-    """
-    if is_local(name):
-        if not Path(name).is_dir():
-            raise FileNotFoundError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
-    else:
-        hub_preflight(str(name), what)
-
-
-def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = "") -> Path:
-    """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached); ``what`` and
-    ``hint`` name it and say what to do in the error for a missing folder (:func:`check_model_source`)."""
-    check_model_source(adapter, what, hint)
-    if is_local(adapter):
-        return Path(adapter)
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(str(adapter)))
 
 
 def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs: Any) -> Any:

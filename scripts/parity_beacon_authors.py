@@ -115,7 +115,7 @@ def load_converted(out: Path, positions: int, shape: dict | None = None, attn_im
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import longpeft
-    from longpeft.adapters.beacon import convert_authors_checkpoint
+    from longpeft.convert import convert_authors_beacon
 
     checkpoint = out / "authors"
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -125,7 +125,7 @@ def load_converted(out: Path, positions: int, shape: dict | None = None, attn_im
     if unexpected or [name for name in missing if "rotary" not in name]:
         raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected {unexpected}")
     base.save_pretrained(out / "base")
-    convert_authors_checkpoint(checkpoint, out / "adapter", out / "base")
+    convert_authors_beacon(checkpoint, out / "adapter", out / "base")
     return longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation=attn_implementation)
 
 

@@ -19,11 +19,11 @@ from longpeft.adapters.beacon import (
     BeaconConfig,
     apply_beacon,
     beacon_parameters,
-    convert_authors_checkpoint,
     load_beacon_weights,
     save_beacon_weights,
 )
 from longpeft.cli import main
+from longpeft.convert import convert_authors_beacon
 from longpeft.spec import ContextSpec
 
 from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
@@ -157,11 +157,11 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, model(IDS).logits, atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="not built on"):
-        convert_authors_checkpoint(tmp_path / "authors", tmp_path / "other", base=tiny_base_dirs("qwen2"))
+        convert_authors_beacon(tmp_path / "authors", tmp_path / "other", base=tiny_base_dirs("qwen2"))
     with pytest.raises(ValueError, match="not an Activation Beacon checkpoint"):
-        convert_authors_checkpoint(base_dir, tmp_path / "other", base=base_dir)
+        convert_authors_beacon(base_dir, tmp_path / "other", base=base_dir)
     with pytest.raises(FileExistsError, match="--out .* is not empty"):  # refused before anything is read
-        convert_authors_checkpoint(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
+        convert_authors_beacon(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
 
 
 @pytest.mark.parametrize(("their_mix", "training", "inference"), [

@@ -142,7 +142,7 @@ def test_load_reads_the_bases_config_with_cache_dir(tiny_base_dirs, tmp_path, mo
     (transformers passes it the token and revision only: 20 s of retries here, where the Hub cannot be reached)."""
     import huggingface_hub.file_download
 
-    from longpeft import loading
+    from longpeft import files
 
     def no_hub(*args, **kwargs):
         raise AssertionError(f"asked the Hub for {args} {kwargs} under local_files_only=True")
@@ -154,7 +154,7 @@ def test_load_reads_the_bases_config_with_cache_dir(tiny_base_dirs, tmp_path, mo
     (tmp_path / "cache" / "models--someorg--tiny-base" / "refs").mkdir()
     (tmp_path / "cache" / "models--someorg--tiny-base" / "refs" / "main").write_text("a" * 40)
     make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
-    monkeypatch.setattr(loading, "hub_preflight", lambda *args, **kwargs: None)
+    monkeypatch.setattr(files, "hub_preflight", lambda *args, **kwargs: None)
     model = longpeft.load("someorg/tiny-base", tmp_path / "adapter", cache_dir=str(tmp_path / "cache"),
                           local_files_only=True)
     assert model.longpeft_spec.rope_parameters["rope_theta"] == 2e6
@@ -327,7 +327,7 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
 
     import huggingface_hub
 
-    from longpeft import loading
+    from longpeft import files
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -351,7 +351,7 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
             return "commit"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    monkeypatch.setattr(loading, "hub_preflight", lambda *args, **kwargs: None)
+    monkeypatch.setattr(files, "hub_preflight", lambda *args, **kwargs: None)
     trained, _ = make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     hub.push(tmp_path / "adapter", "someone/tiny-80k", base_id="someone/base")
     assert (repo / "adapter_config.json").is_file()

@@ -8,7 +8,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from ..config import check_writable_folder
+from ..files import check_writable_folder
 from .names import TASKS
 
 
@@ -17,7 +17,7 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..loading import check_model_source
+    from ..files import check_model_source
 
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
@@ -65,7 +65,7 @@ def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
     """STRING's default trained length L, and where it comes from: the adapter's ``trained_length``
     (longpeft.json), else the (adapted) model's ``max_position_embeddings``."""
     if args.adapter:
-        from ..loading import local_adapter_dir
+        from ..files import local_adapter_dir
         from ..spec import ContextSpec
 
         spec = ContextSpec.load(local_adapter_dir(args.adapter))

@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from .kinds import DEEPSPEED_LAUNCHES, LAUNCHES, SHARDED_LAUNCHES
 from .nodes import Nodes
-
-LAUNCHES = ("ddp", "fsdp2", "zero3", "ulysses")
 
 
 def config_file(launch: str) -> Path:
@@ -21,10 +20,6 @@ def config_file(launch: str) -> Path:
     if launch not in LAUNCHES:
         raise ValueError(f"--launch {launch!r}: choose one of {', '.join(LAUNCHES)}")
     return Path(__file__).parent / f"{launch}.yaml"
-
-
-DEEPSPEED_LAUNCHES = ("zero3", "ulysses")  # the launches that run DeepSpeed (ulysses.yaml is ZeRO-3 too)
-SHARDED_LAUNCHES = ("fsdp2", *DEEPSPEED_LAUNCHES)  # the launches that shard weights, gradients and optimizer state
 
 
 def mixed_precision(recipe: Any, on_gpu: bool) -> str:

@@ -15,6 +15,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from .kinds import DEEPSPEED_LAUNCHES
+
 DEFAULT_MAIN_PORT = 29500  # torchrun's and accelerate's default
 
 
@@ -48,8 +50,6 @@ class Nodes:
             return [] if self.host is None else ["--main_process_ip", self.host, "--main_process_port", str(self.port)]
         arguments = ["--num_machines", str(self.count), "--machine_rank", str(self.rank),
                      "--main_process_ip", self.host, "--main_process_port", str(self.port)]
-        from . import DEEPSPEED_LAUNCHES
-
         if launch in DEEPSPEED_LAUNCHES:
             arguments += ["--deepspeed_multinode_launcher", "standard"]
         return arguments

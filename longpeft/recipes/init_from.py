@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters import load_method_weights, spec_methods
-from ..loading import local_adapter_dir
+from ..files import local_adapter_dir
 from ..spec import SPEC_FILENAME, ContextSpec
 from .schema import Recipe
 

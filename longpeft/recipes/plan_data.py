@@ -39,7 +39,7 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
     from transformers import AutoTokenizer
 
     from ..builtin_models import model_location
-    from ..loading import is_local
+    from ..files import is_local
     from .runner import TINY_PREFIX
 
     name = recipe.model.name_or_path

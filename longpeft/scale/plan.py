@@ -173,7 +173,7 @@ def local_config_file(name_or_path: str) -> Path | None:
     config_file = Path(model_location(name_or_path)) / "config.json"
     if config_file.is_file():
         return config_file
-    from ..loading import is_local
+    from ..files import is_local
 
     if is_local(name_or_path):
         return None

@@ -33,7 +33,7 @@ from .patch import (
     remove_beacon,
     trainable_beacon_parameters,
 )
-from .weights import WEIGHTS_FILENAME, convert_authors_checkpoint, load_beacon_weights, save_beacon_weights
+from .weights import WEIGHTS_FILENAME, load_beacon_weights, save_beacon_weights
 
 
 def model_span(model, length: int) -> tuple[int, int]:
@@ -136,7 +136,6 @@ __all__ = [
     "apply_beacon",
     "beacon_parameters",
     "beacons_disabled",
-    "convert_authors_checkpoint",
     "is_beacon_applied",
     "load_beacon_weights",
     "remove_beacon",

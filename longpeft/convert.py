@@ -1,0 +1,89 @@
+"""Converters from other formats into longpeft adapters: Activation Beacon's released models.
+
+Like merge and export (``longpeft.hub``), a conversion checks its sources and its output folder before any
+download, and writes its folder atomically (:func:`longpeft.files.written_atomically`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .adapters.beacon import WEIGHTS_FILENAME
+from .adapters.beacon.weights import AUTHORS_TENSOR, config_from_authors
+from .files import check_model_source, check_output_folder, written_atomically
+from .spec import ContextSpec
+
+
+def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Path]]:
+    """(folder, config.json, the safetensors files that hold beacon tensors) of a local folder or Hub repo."""
+    folder = Path(source)
+    if not folder.is_dir():
+        from huggingface_hub import hf_hub_download, snapshot_download
+
+        folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
+        index = next(iter(folder.glob("*.safetensors.index.json")), None)
+        names = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if AUTHORS_TENSOR.match(k)}) \
+            if index else ["model.safetensors"]
+        files = [Path(hf_hub_download(str(source), name)) for name in names]
+    else:
+        index = next(iter(folder.glob("*.safetensors.index.json")), None)
+        if index is not None:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [folder / f for f in sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})]
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
+    return folder, json.loads(config_path.read_text()), files
+
+
+def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
+    """Write a longpeft beacon adapter from an authors' released Activation Beacon model.
+
+    Reads the checkpoint's ``beacon_*`` settings and its beacon tensors only (no remote code runs),
+    and writes ``out_dir/longpeft.json`` (for ``base``) and ``out_dir/beacon_adapter.safetensors``.
+    Then ``longpeft.load(base, out_dir)`` gives the stock base with the authors' beacons.
+
+    Args:
+        source: local folder or Hub id of the authors' model (e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``).
+        out_dir: new adapter folder.
+        base: the stock model the checkpoint was built on (Hub id or folder), e.g. ``Qwen/Qwen2-7B-Instruct``.
+
+    Returns:
+        ``{"out_dir", "tensors", "beacon"}``.
+    """
+    from transformers import AutoConfig
+
+    out_dir = Path(out_dir)
+    check_output_folder(out_dir, {"the authors' model": Path(source)})  # before any download
+    check_model_source(source, "the authors' model")
+    check_model_source(base, "--base")
+    folder, checkpoint_config, files = _checkpoint_files(source)
+    beacon = config_from_authors(checkpoint_config)
+    base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if checkpoint_config.get(key) != getattr(base_config, key, None):
+            raise ValueError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
+                             f"{getattr(base_config, key, None)} in the base; give the matching stock base with --base")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            tensors.update({k: f.get_tensor(k).float().contiguous() for k in f.keys() if AUTHORS_TENSOR.match(k)})
+    expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in range(base_config.num_hidden_layers)
+                for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
+    spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()},
+                                 weights="method")
+    with written_atomically(out_dir.resolve()) as partial:  # a failure leaves no adapter that looks complete
+        save_file(tensors, str(partial / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
+        spec.save(partial)
+    return {"out_dir": str(out_dir), "tensors": len(tensors), "beacon": beacon.model_dump()}
