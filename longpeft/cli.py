@@ -106,7 +106,7 @@ def check_processes(recipe, launch: str, processes: int) -> None:
     """What ``train --launch`` refuses at ``processes`` (nodes x GPUs per node): the launch's own checks, a Ulysses
     group (every process) that cannot split the model's heads, a global batch the data-parallel ranks do not divide."""
     from .launch import check_launch, check_sequence_parallel_group
-    from .recipes.runner import gradient_accumulation
+    from .recipes.trainer import gradient_accumulation
 
     check_launch(recipe, launch)
     if launch == "ulysses":
@@ -165,7 +165,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
     if not args.build:  # --build checks the recipe against the base it loads
-        from .recipes.runner import check_against_local_base
+        from .recipes.model import check_against_local_base
 
         source = check_against_local_base(recipe)
         print(f"longpeft plan: recipe checked against the base's config ({source})" if source else

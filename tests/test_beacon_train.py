@@ -12,7 +12,8 @@ from transformers import TrainerCallback
 
 import longpeft
 from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters, trainable_beacon_parameters
-from longpeft.recipes.runner import prepare, run, save_adapter
+from longpeft.recipes.model import save_adapter
+from longpeft.recipes.runner import prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
 
 # compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
@@ -97,7 +98,7 @@ def test_training_labels_leave_the_first_window_out_as_the_authors_do(attn, pos,
 
 
 def test_the_runner_applies_the_rule_to_every_training_batch(tiny_base_dirs, chat_jsonl, tmp_path):
-    from longpeft.recipes.runner import MethodTrainingLabels
+    from longpeft.recipes.trainer import MethodTrainingLabels
 
     base = tiny_base_dirs("llama")
     prepared = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "run", "beacon.attn=step-expansion",

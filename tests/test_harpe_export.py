@@ -147,7 +147,7 @@ def test_write_remote_code_errors(tmp_path):
 
 
 def test_harpe_recipes_have_the_paper_settings_and_give_head_bases():
-    from longpeft.recipes.runner import build_spec
+    from longpeft.recipes.model import build_spec
     from longpeft.recipes.schema import load_recipe
     from longpeft.tiny import tiny_config
 

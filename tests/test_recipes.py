@@ -15,7 +15,8 @@ from transformers import TrainerCallback
 
 from longpeft import recipes
 from longpeft.cli import main
-from longpeft.recipes.runner import gradient_accumulation, prepare, run
+from longpeft.recipes.runner import prepare, run
+from longpeft.recipes.trainer import gradient_accumulation
 from longpeft.recipes.schema import RecipeError, load_recipe
 from conftest import write_chat_jsonl  # tests/conftest.py
 from run_helpers import (  # tests/run_helpers.py
@@ -547,7 +548,7 @@ def test_bundled_recipes_pass_the_checks_against_their_base(name, tmp_path):
     recipe's own base: the CPU recipes' tiny and toy bases, the 8B recipes' bases by their real config values."""
     from transformers import AutoConfig, LlamaConfig
 
-    from longpeft.recipes.runner import base_location, build_spec, check_against_base
+    from longpeft.recipes.model import base_location, build_spec, check_against_base
 
     # HARPE's peak-valley search at 128K (34 s on CPU) is tested in test_harpe_selection; the positions are not its.
     faster = ["harpe.selection=uniform"] if name == "llama2-7b-harpe-128k" else []
@@ -610,7 +611,8 @@ def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
     model is bf16 again (the recipe's dtype)."""
     from safetensors import safe_open
 
-    from longpeft.recipes.runner import prepare, save_adapter
+    from longpeft.recipes.model import save_adapter
+    from longpeft.recipes.runner import prepare
 
     recipe = load_recipe("tiny-harpe-cpu", [
         "finetune=full", "model.dtype=bfloat16", f"output_dir={tmp_path / 'run'}", "train.max_steps=3",

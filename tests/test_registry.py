@@ -177,7 +177,7 @@ def test_trl_keys_longpeft_sets_or_needs_are_refused_when_the_recipe_is_read(key
 def test_every_sft_argument_longpeft_sets_is_refused_in_the_trl_section(recipe, tmp_path):
     """The refusal list covers what the runner passes (a trl key among them would crash SFTConfig with a bare
     TypeError); the UtK variant adds its dataset arguments."""
-    from longpeft.recipes.runner import sft_arguments
+    from longpeft.recipes.trainer import sft_arguments
     from longpeft.recipes.schema import TRL_KEYS_OWNED_BY_RECIPE
 
     (tmp_path / "docs.jsonl").write_text('{"text": "a document"}\n')

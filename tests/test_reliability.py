@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from longpeft import hub
 from longpeft.cli import main
 from longpeft.demo import DEMO_MARKER, prepare_demo_folder
-from longpeft.recipes.runner import StopOnNonFinite, TrainingDiverged, run
+from longpeft.recipes.runner import run
+from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
 from longpeft.recipes.schema import load_recipe
 
 
@@ -257,7 +258,7 @@ def test_a_tokenizer_that_encodes_nothing_is_refused():
 def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
     from transformers import AutoTokenizer
 
-    from longpeft.recipes.runner import materialize_tiny_base
+    from longpeft.recipes.model import materialize_tiny_base
 
     folder = tmp_path / "base"
     folder.mkdir()

@@ -330,7 +330,7 @@ def test_sft_arguments_follow_deepspeed_and_sequence_parallel_launches(tmp_path,
     """A bf16 full fine-tune runs under bf16 autocast (DeepSpeed refused the old bf16=False beside its bf16 mode);
     under Ulysses (sp_size 4 of 8 processes) two groups each train one sample, so accumulation counts 2
     data-parallel ranks, and batches are padded to a multiple of sp_size (and of the recipe's pad_to_multiple_of)."""
-    from longpeft.recipes.runner import sft_arguments
+    from longpeft.recipes.trainer import sft_arguments
 
     harpe = load_recipe("llama2-7b-harpe-128k", ["trl.pad_to_multiple_of=8"])
     assert sft_arguments(harpe, tmp_path)["bf16"] and "pad_to_multiple_of" not in sft_arguments(harpe, tmp_path)
@@ -351,7 +351,7 @@ def test_parallelism_from_a_users_own_accelerate_config_is_checked():
     """check_context_parallel was only called by tests: a user's accelerate config with cp_size > 1 went unchecked."""
     from types import SimpleNamespace
 
-    from longpeft.recipes.runner import check_parallelism
+    from longpeft.launch.topology import check_parallelism
 
     def accelerator(parallelism=None, distributed_type="MULTI_GPU", zero_stage=None):
         deepspeed = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None

@@ -65,7 +65,7 @@ def checkpoint_step(folder: Path) -> int:
 
 def is_finished(folder: Path, total_steps: int) -> bool:
     """Whether the checkpoint was written at the last of the run's ``total_steps`` optimizer steps (what
-    transformers derives from ``train.max_steps`` or the epochs: see ``runner.planned_steps``); a resumed run
+    transformers derives from ``train.max_steps`` or the epochs: see ``trainer.planned_steps``); a resumed run
     given more steps or epochs is not finished."""
     state = checkpoint_state(folder) or {}
     return state.get("global_step", 0) >= total_steps

@@ -10,7 +10,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
-from .schema import DataSection, UtkSection
+from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
 
@@ -330,3 +330,22 @@ def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) ->
     from ..synth_data.utk import pack_documents
 
     return pack_documents([range(n) for n in document_lengths], max_length, max(utk.chunk_counts), utk.label_length)
+
+
+def longest_sample(recipe: Recipe) -> tuple[int, str]:
+    """The most tokens a training sample keeps on its way to the collator, and the setting that says so:
+    ``data.max_length``, or with PoSE's content skip the simulated length (its collator draws the window from it)."""
+    pose = recipe.method_configs().get("pose")
+    target = (pose.target_length or recipe.target_length) if pose is not None and pose.content_skip != "none" else None
+    if target:  # without one, PoSE's resolve refuses the recipe
+        return target, f"pose.target_length={target} (PoSE's content skip)"
+    return recipe.data.max_length, f"data.max_length={recipe.data.max_length}"
+
+
+def check_content_to_skip(data_stats: dict[str, int], window: int) -> None:
+    """Fail when no sample is longer than ``window`` tokens (``data_stats`` of :func:`filter_by_length`): PoSE's
+    content skip draws from such samples, and would change nothing."""
+    if not data_stats["longer_than_window"]:
+        raise ValueError(f"pose.content_skip: no training sample is longer than data.max_length={window} tokens, so "
+                         "no content would be skipped; use longer documents (up to pose.target_length) or "
+                         "pose.content_skip: none")

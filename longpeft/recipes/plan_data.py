@@ -40,7 +40,7 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
 
     from ..builtin_models import model_location
     from ..files import is_local
-    from .runner import TINY_PREFIX
+    from .model import TINY_PREFIX
 
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
@@ -72,7 +72,8 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
     Raises what the runner raises for the same data: no row left after the filters, malformed rows, PoSE's content
     skip with no sample longer than ``data.max_length``.
     """
-    from .runner import assistant_only_loss, longest_sample
+    from .data import longest_sample
+    from .trainer import assistant_only_loss
 
     source = recipe.data.source
     generated = source in GENERATED_SOURCES
@@ -136,7 +137,7 @@ def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | Non
     most ``data.max_length`` tokens (TRL cuts it, or PoSE's collator draws a window of that many); with
     ``data.utk``, documents cut to the room UtK leaves and packed into sequences, whose lengths these are (UtK's
     insertions, added on the fly, not counted). Returns them and the filter's counts."""
-    from .runner import check_content_to_skip, longest_sample
+    from .data import check_content_to_skip, longest_sample
 
     utk, max_length, data = recipe.data.utk, recipe.data.max_length, recipe.data
     if utk is None:

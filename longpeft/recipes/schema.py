@@ -257,7 +257,7 @@ class TrainSection(Section):
         return self
 
 
-# SFTConfig arguments longpeft sets itself (runner.sft_arguments), with what to do instead.
+# SFTConfig arguments longpeft sets itself (trainer.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
     **{key: f"use {setting}" for key, setting in {
         "output_dir": "output_dir", "learning_rate": "train.learning_rate",

@@ -70,7 +70,7 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
     Raises:
         RotaryMismatch: unsloth changed the RoPE the recipe asked for (e.g. stacked its linear scaling).
     """
-    from .runner import configure_base, finish_base, input_embedding_path, quantization_config
+    from .model import configure_base, finish_base, input_embedding_path, quantization_config
 
     m, lora, train = recipe.model, recipe.lora, recipe.train
     tokenizer, config, spec = configure_base(recipe, base_id)

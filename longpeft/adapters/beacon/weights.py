@@ -13,7 +13,6 @@ The authors release full models (base weights + beacon weights + remote code, tr
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 from pathlib import Path

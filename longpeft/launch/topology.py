@@ -1,0 +1,65 @@
+"""The processes of a run, as ``accelerate launch`` (or torchrun) set them up: how many, which is the main one, how
+many train samples of their own; and the refusals of a distributed setup a recipe cannot run under.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def world_size() -> int:
+    """Number of training processes (set by accelerate launch / torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size() -> int:
+    """Processes that each train on their own samples: all of them, except that sequence parallelism
+    (``--launch ulysses``) gives one sample to every group of ``sp_size`` processes."""
+    from . import sequence_parallel_size
+
+    sp = sequence_parallel_size()
+    if world_size() % sp:
+        raise ValueError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
+    return world_size() // sp
+
+
+def is_main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def check_distributed_type(distributed_type: Any) -> None:
+    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise.
+
+    accelerate 1.15 turns FSDP on only for GPU-like process groups (``AcceleratorState``: the FSDP branch sits
+    under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
+    ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
+    """
+    asked = [name for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+             if os.environ.get(variable, "false").lower() == "true"]
+    got = str(distributed_type).rsplit(".", 1)[-1]
+    if asked and got != asked[0]:
+        raise ValueError(
+            f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
+            "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
+        )
+
+
+def check_parallelism(recipe: Any, accelerator: Any) -> None:
+    """Refuse weight sharding (FSDP, DeepSpeed ZeRO-3), sequence or context parallelism that the recipe cannot run
+    under (however it was configured: ``--launch`` or a user's own accelerate config)."""
+    from . import check_context_parallel, check_sequence_parallel, check_sharded
+
+    distributed_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
+    deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
+    if distributed_type == "FSDP":
+        check_sharded(recipe, "FSDP")
+    elif distributed_type == "DEEPSPEED" and deepspeed is not None and deepspeed.zero_stage == 3:
+        check_sharded(recipe, "DeepSpeed ZeRO-3")
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if parallelism is None:
+        return
+    if parallelism.cp_enabled:
+        check_context_parallel(recipe, packing=recipe.data.utk is not None)
+    if parallelism.sp_enabled:
+        check_sequence_parallel(recipe)

@@ -1,0 +1,405 @@
+"""The model of a recipe, for every backend: the base (a Hub model, a local folder or a generated ``tiny:`` one),
+its ContextSpec and the methods applied to it, 4-bit quantization, and the peft glue (the LoRA config, trained
+embeddings, trained weights' dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from ..adapters import (
+    METHODS,
+    ResolveContext,
+    apply_spec,
+    export_methods,
+    save_method_weights,
+    spec_methods,
+)
+from ..config import torch_dtype
+from ..spec import ContextSpec, recipe_hash
+from ..synth_data.utk import add_utk_tokens
+from .schema import Recipe
+
+TINY_PREFIX = "tiny:"
+
+
+def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
+    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once,
+    atomically: written beside it and renamed, so a kill or a full disk never leaves a partial base). Processes
+    of one run may all call it at once: each builds the same base (seeded), the first rename wins, and the others
+    use its folder."""
+    import shutil
+    import tempfile
+
+    from ..tiny import demo_tokenizer, tiny_model
+
+    if (folder / "config.json").is_file():
+        return folder
+    if folder.exists():  # an earlier write was cut short (a kill, a full disk): never use it
+        shutil.rmtree(folder)
+    arch = name[len(TINY_PREFIX):]
+    tokenizer = demo_tokenizer()
+    model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer))
+    model.config.name_or_path = name
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".base-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(folder)  # atomic: the folder appears complete or not at all
+        except OSError:
+            if not (folder / "config.json").is_file():  # not another process's complete base: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def builds_partitioned(recipe: Recipe) -> bool:
+    """Whether loading the base builds it partitioned across processes (DeepSpeed ZeRO-3's ``zero.Init``, which
+    transformers uses for unquantized models under a ZeRO-3 config with ``zero3_init_flag``): a collective step."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled() and not recipe.model.load_in_4bit
+
+
+def base_location(recipe: Recipe, output_dir: Path) -> str:
+    """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``;
+    built-in models such as ``longpeft:toy-base`` are packaged folders)."""
+    from ..builtin_models import model_location
+
+    name = recipe.model.name_or_path
+    if name.startswith(TINY_PREFIX):
+        return str(materialize_tiny_base(name, output_dir / "base", recipe.train.seed))
+    return model_location(name)
+
+
+def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
+    """4-bit NF4 (QLoRA) settings; quant storage equals the compute dtype (needed by FSDP2)."""
+    if not recipe.model.load_in_4bit:
+        return None
+    dtype = torch_dtype(recipe.model.dtype)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=recipe.model.bnb_4bit_quant_type,
+        bnb_4bit_use_double_quant=recipe.model.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=dtype,
+        bnb_4bit_quant_storage=dtype,
+    )
+
+
+def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
+    """The ContextSpec this recipe gives the base model: every method section resolved against the
+    base (complete RoPE parameters, HARPE bases, STRING's default shift, ...), and the lengths."""
+    trained_length = recipe.data.max_length
+    target_length = recipe.target_length or trained_length
+    resolved: dict[str, Any] = {}
+    for name, config in recipe.method_configs().items():
+        context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
+        resolved[name] = METHODS[name].resolve(config, context)
+    return ContextSpec.from_base(
+        base_config,
+        recipe.method,
+        base_model=spec_base_reference(recipe, base_id),
+        methods={name: config.model_dump() for name, config in resolved.items()},
+        trained_length=trained_length,
+        target_length=target_length,
+        recipe_hash=recipe_hash(recipe.model_dump()),
+    )
+
+
+def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
+    """Settings that only make sense for this base model, checked before anything is loaded or trained."""
+    vocab = spec.base_shape["vocab_size"]
+    problems = []
+    # A tiny: model stands in for the recipe's real one (plan --stand-in): its token ids are the real model's.
+    stand_in = recipe.model.name_or_path.startswith(TINY_PREFIX)
+    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
+    if bad_eos:
+        problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
+    bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
+    if bad_rows:
+        problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
+    span = positions_spanned(spec, recipe.data.max_length)
+    if span > spec.max_position_embeddings:
+        bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
+        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.span is not None)
+        how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
+        problems.append(
+            f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
+            f"{spec.max_position_embeddings}; "
+            + (f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions" if bounded
+               else "raise rope.max_position_embeddings")
+        )
+    if problems:
+        raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))
+
+
+def check_against_local_base(recipe: Recipe) -> str | None:
+    """:func:`check_against_base` without loading or downloading anything (``longpeft plan``): against a ``tiny:``
+    model's config or the base's config.json on this machine (a local folder, or a Hub model in the cache).
+    Returns where the config came from, or None when there is none here (nothing checked)."""
+    from ..scale.plan import local_config_file
+
+    name = recipe.model.name_or_path
+    if name.startswith(TINY_PREFIX):
+        from ..tiny import tiny_config
+
+        config, source = tiny_config(name[len(TINY_PREFIX):]), name
+    else:
+        config_file = local_config_file(name)
+        if config_file is None:
+            return None
+        config, source = AutoConfig.from_pretrained(config_file.parent), str(config_file)
+    check_against_base(recipe, build_spec(recipe, config, name))
+    return source
+
+
+def positions_spanned(spec: ContextSpec, length: int) -> int:
+    """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
+    unless a method keeps positions bounded, as Activation Beacon does)."""
+    spans = [method.span(config, length, spec.max_position_embeddings)
+             for method, config in spec_methods(spec) if method.span is not None]
+    return min(spans, default=length)
+
+
+def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
+    """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
+    parameters: dict[str, Any] = {}
+    for name in recipe.method_configs():
+        if METHODS[name].parameters is not None:
+            parameters.update(METHODS[name].parameters(model))
+    return parameters
+
+
+def spec_base_reference(recipe: Recipe, base_id: str) -> str:
+    """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
+    relative to the adapter folder, so the run folder can be moved; a built-in model by its name
+    (``longpeft:toy-base``, wherever longpeft is installed); anything else as given."""
+    from ..builtin_models import BUILTIN_MODELS
+
+    if recipe.model.name_or_path in BUILTIN_MODELS:
+        return recipe.model.name_or_path
+    output_dir = recipe.resolved_output_dir().resolve()
+    base_path = Path(base_id).resolve()
+    if base_path.is_relative_to(output_dir):
+        return os.path.relpath(base_path, output_dir / "adapter")
+    return base_id
+
+
+def attention_implementation(requested: str) -> str:
+    """The requested attention kernel, or SDPA (with a warning) when flash-attn cannot run here."""
+    if requested != "flash_attention_2":
+        return requested
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return requested
+    warnings.warn(
+        "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package "
+        "(pip install 'longpeft[flash-attn]'); using sdpa instead",
+        stacklevel=2,
+    )
+    return "sdpa"
+
+
+def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBase, Any, ContextSpec]:
+    """Tokenizer, the base config carrying the recipe's new RoPE parameters and length, and the ContextSpec.
+
+    transformers v5 reads ``rope_parameters`` when a model is built, so the config gets the complete dict
+    (and ``max_position_embeddings`` >= the training length) before any model exists.
+    """
+    m = recipe.model
+    common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    config = AutoConfig.from_pretrained(base_id, **common)
+    spec = build_spec(recipe, config, base_id)
+    check_against_base(recipe, spec)
+    if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
+        add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
+        spec.vocab_size = max(len(tokenizer), config.vocab_size)
+    config.rope_parameters = dict(spec.rope_parameters)
+    config.max_position_embeddings = spec.max_position_embeddings
+    return tokenizer, config, spec
+
+
+def finish_base(recipe: Recipe, model: PreTrainedModel) -> None:
+    """Settings every backend gives the loaded model: the recipe's eos ids, no KV cache while training."""
+    if recipe.model.eos_token_ids:
+        model.generation_config.eos_token_id = list(recipe.model.eos_token_ids)
+    model.config.use_cache = False
+
+
+def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
+    """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+    m = recipe.model
+    tokenizer, config, spec = configure_base(recipe, base_id)
+    model = AutoModelForCausalLM.from_pretrained(
+        base_id,
+        config=config,
+        dtype=torch_dtype(m.dtype),
+        attn_implementation=attention_implementation(m.attn_implementation),
+        quantization_config=quantization_config(recipe),
+        revision=m.revision,
+        trust_remote_code=m.trust_remote_code,
+    )
+    # Then apply the spec (all but inference-time methods), which re-checks that the rotary frequencies changed.
+    apply_spec(model, spec, training=True)
+    if spec.vocab_size > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(spec.vocab_size)
+    finish_base(recipe, model)
+    return model, tokenizer, spec
+
+
+def has_tied_embeddings(model: PreTrainedModel) -> bool:
+    """Whether the model's output head shares its weight with the input embedding."""
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
+    """peft LoraConfig of the recipe (None for full fine-tuning).
+
+    On a model with tied input/output embeddings a trained embedding stays tied to the output head: the adapter
+    trains one matrix, and the merged model is tied as the base was. A fully trained one needs
+    ``ensure_weight_tying``; peft ties trained rows (``token_indices``) by itself, and the flag there only warns.
+    ``lora.embeddings: token_indices`` is refused on a tied head with a bias: peft's trainable tokens drop it.
+    """
+    from peft import LoraConfig
+
+    if recipe.finetune != "lora":
+        return None
+    lora = recipe.lora
+    tied = model is not None and has_tied_embeddings(model)
+    if tied and lora.embeddings == "token_indices" and model.get_output_embeddings().bias is not None:
+        raise ValueError(
+            f"recipe {recipe.name}: lora.embeddings: token_indices on a base whose tied output head has a bias: "
+            "peft's trainable tokens leave the bias out of the head's forward; use lora.embeddings: full"
+        )
+    embedding = input_embedding_path(model) if model is not None else "embed_tokens"
+    return LoraConfig(
+        ensure_weight_tying=tied and lora.embeddings == "full",
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        modules_to_save=[embedding] if lora.embeddings == "full" else None,
+        trainable_token_indices={embedding: list(lora.trainable_token_indices)}
+        if lora.embeddings == "token_indices"
+        else None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def input_embedding_path(model: PreTrainedModel) -> str:
+    """The input embedding's module path (e.g. ``model.embed_tokens``): peft matches module names by suffix, and a
+    bare ``embed_tokens`` also matched Activation Beacon's one-row ``beacon_embed_tokens``."""
+    embedding = model.get_input_embeddings()
+    return next(name for name, module in model.named_modules() if module is embedding)
+
+
+def expose_token_indices_head_bias(model: Any) -> None:
+    """Give the output head that peft wraps for ``lora.embeddings: token_indices`` on a tied base the ``bias``
+    TRL's fused LM head reads (no-op for any other head).
+
+    peft wraps such a head in a ``TrainableTokensWrapper`` tied to the embedding's trained rows. Its ``weight`` is
+    already the effective ``[vocab, hidden]`` matrix (the base's rows with the trained ``trainable_token_indices``
+    rows copied in, differentiable in them) that its own forward multiplies by, but it has no ``bias``, which TRL's
+    fused loss reads beside ``weight`` (``AttributeError`` on the first step). Its forward adds no bias
+    (``F.linear(hidden, weight)``; :func:`lora_config` refuses heads that have one), so ``bias = None`` makes the
+    fused loss the loss of the model's own forward.
+    """
+    from peft.utils.other import TrainableTokensWrapper
+
+    head = model.get_output_embeddings()
+    if isinstance(head, TrainableTokensWrapper):
+        head.bias = None
+
+
+def keep_trained_weights_in(model: Any, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
+    """Keep every trained weight of ``model`` in ``dtype`` (``lora.trainable_dtype``) while the forward computes in
+    ``compute_dtype``.
+
+    TRL casts trained weights to bfloat16 over a 4-bit base, peft's trainable embedding copy starts in the
+    base's dtype, and a full fine-tune of a bf16 model would train its bf16 weights themselves; either way AdamW
+    would then drop updates smaller than bfloat16's precision (at lr 2e-5 on a tiny model, 74 % of the weights of a
+    full fine-tune never moved in 3 steps). The forward runs under the compute dtype's autocast. The input
+    embedding's output is cast to ``compute_dtype`` so that a float32 embedding copy does not turn the residual
+    stream (and every checkpointed layer input, ``[batch, seq, hidden]``) into float32.
+    """
+    for parameter in model.parameters():
+        if parameter.requires_grad and parameter.is_floating_point() and parameter.dtype != dtype:
+            parameter.data = parameter.data.to(dtype)
+    embeddings = model.get_input_embeddings()
+    if dtype != compute_dtype and any(p.requires_grad for p in embeddings.parameters()):
+        embeddings.register_forward_hook(lambda module, args, output: output.to(compute_dtype))
+
+
+def adapter_settings(model: Any) -> dict[str, Any] | None:
+    """The LoRA config of the trained adapter (whichever backend added it); None for full fine-tuning."""
+    configs = getattr(model, "peft_config", None) or {}
+    return configs["default"].to_dict() if "default" in configs else None
+
+
+def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
+    """The whole state dict of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), gathered by accelerate
+    with every process taking part (call it on all of them); None when each process holds the whole model."""
+    if trainer.is_fsdp_enabled:
+        return trainer.accelerator.get_state_dict(trainer.model)
+    if trainer.is_deepspeed_enabled:
+        return trainer.accelerator.get_state_dict(trainer.deepspeed)
+    return None
+
+
+def save_adapter(
+    model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
+    state_dict: dict[str, Any] | None = None, finetune: str = "lora", dtype: torch.dtype = torch.float32,
+) -> None:
+    """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
+
+    ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
+    adapter's part of it. A fully fine-tuned model is saved in ``dtype`` (the recipe's ``model.dtype``; it trained
+    float32 weights) and also gets what its methods export (e.g. HARPE's modeling
+    file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``). With
+    ``finetune: method`` only the method's own weights are written (the base did not change). longpeft.json
+    records which (``weights``: the ``finetune`` setting).
+    """
+    if finetune == "full":
+        model.config.use_cache = True  # training turned it off; the saved model is for generation
+        # the float32 weights it trained are saved in the model's dtype (buffers such as inv_freq stay as they are)
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                parameter.data = parameter.data.to(dtype)
+        if state_dict is not None:
+            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    if finetune != "method":
+        model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
+    save_method_weights(model, spec, adapter_dir, state_dict)
+    if finetune == "full":
+        export_methods(model, spec, adapter_dir)
+    tokenizer.save_pretrained(adapter_dir)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(adapter_dir)
+    spec = dataclasses.replace(spec, weights=finetune)
+    spec.save(adapter_dir)
+    from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
+
+    write_model_card(adapter_dir, spec, repo_id=str(adapter_dir))

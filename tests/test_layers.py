@@ -1,0 +1,120 @@
+"""The package's layers: no import cycle, and no layer imports one above it (DESIGN.md: rope/files <- adapters <-
+recipes <- cli). Imports are read from the source, those inside functions included, so a lazy import that would
+close a cycle counts too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "longpeft"
+
+# layer -> the layers it must not import
+FORBIDDEN = {
+    "files": {"*"},  # torch-free and at the bottom: nothing of longpeft
+    "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
+    "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
+    "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},
+    "eval": {"recipes", "cli"},
+    "scale": {"recipes", "cli", "hub", "convert"},
+    "launch": {"recipes", "scale", "cli", "hub", "convert"},
+    "hub": {"recipes", "cli"},
+    "loading": {"recipes", "cli", "hub", "convert"},
+    "convert": {"recipes", "cli"},
+    "recipes": {"cli"},
+}
+HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+
+
+def imports(name: str) -> tuple[set[str], set[str]]:
+    """The longpeft modules ``name`` imports (the deepest existing module of each ``from ... import``), and the
+    top-level names of the other packages it imports."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    ours, others = set(), set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] or [base]
+        else:
+            continue
+        for target in targets:
+            if not target.startswith("longpeft"):
+                others.add(target.split(".")[0])
+                continue
+            while target not in MODULES and "." in target:
+                target = target.rpartition(".")[0]
+            if target in MODULES and target != name:
+                ours.add(target)
+    return ours, others
+
+
+GRAPH = {name: imports(name)[0] for name in MODULES}
+
+
+def layer(name: str) -> str:
+    return name.split(".")[1] if "." in name else ""
+
+
+def test_no_import_cycle():
+    """Tarjan's strongly connected components of the import graph: each must be a single module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in GRAPH[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in GRAPH:
+        if node not in index:
+            visit(node)
+    assert cycles == []
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if layer(name) in FORBIDDEN))
+def test_no_layer_imports_one_above_it(name):
+    forbidden = FORBIDDEN[layer(name)]
+    above = sorted(target for target in GRAPH[name] if "*" in forbidden or layer(target) in forbidden)
+    assert above == [], f"{name} imports {above}"
+
+
+def test_the_file_rules_need_no_torch():
+    assert not imports("longpeft.files")[1] & set(HEAVY)
+
+
+def test_the_graph_reads_lazy_imports():
+    """The reader sees imports inside functions (the runner's lazy import of the model card writer)."""
+    assert "longpeft.hub" in GRAPH["longpeft.recipes.model"]
+    assert {"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"} <= GRAPH["longpeft.recipes.runner"]
