@@ -73,7 +73,7 @@ for SDPA (cuDNN's Hopper kernels) and 0.31 for flash-attn 2 (its Ampere kernels;
 (one run, 32,765 tokens with SDPA; at these lengths dequantization is amortised over the tokens). With activation
 offloading at 131,072 tokens the step took 2 % longer than planned (the copies overlap the compute). H200 takes
 H100's figures (the same chip and peak). Other GPUs are not measured: both utilisations default to 0.35 for 4-bit
-bases, 0.45 otherwise, as before these measurements.
+bases, 0.45 otherwise.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 imports only torch and transformers) into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
 config and model classes of the model's architecture. The exported config gets its own model_type
 (``harpe_llama``, ...): transformers would otherwise load the folder without trust_remote_code as
-the stock architecture, silently ignoring the per-head bases; now that fails with an error.
+the stock architecture, silently ignoring the per-head bases; with its own model_type that fails with an error.
 """
 
 from __future__ import annotations
