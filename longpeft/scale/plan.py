@@ -1,79 +1,30 @@
 """Per-GPU memory and wall-time estimate of a recipe, term by term (``longpeft plan RECIPE --gpus N``).
 
-Memory terms (bytes per GPU; with ``--launch ddp``, the default on several GPUs, every GPU holds a whole replica
-and trains its own samples; sharded launches below):
+Memory terms, in bytes per GPU (``--launch ddp``, the default on several GPUs: a whole replica per GPU):
 
-- base weights: 4-bit NF4 linear layers at 0.5 byte/param plus the quantization constants (one fp32
-  absmax per 64 weights, or with double quantization one 8-bit absmax per 64 and one fp32 per 256 x 64),
-  everything else (embedding, LM head, norms) in the compute dtype; or the whole model in the compute dtype;
-- LoRA: weights, gradients and AdamW's two moments in ``lora.trainable_dtype`` (float32 by default: 16 bytes/param;
-  bfloat16: 8); ``finetune: full``: every weight trains in float32 (4 bytes of weights, 12 of gradients and AdamW
-  state per parameter);
-- trainable embedding (``lora.embeddings: full``): a trainable copy of the input embedding, the same bytes/param;
-- a method's own weights (Activation Beacon's projections, in every finetune mode): float32, 16 bytes per
-  trainable parameter and 4 per frozen one, counted by the method's ``planned_parameters`` registry hook;
-- checkpointed layer inputs: with per-layer (non-reentrant) activation checkpointing each decoder layer keeps
-  only its input hidden states, ``layers x batch x tokens x hidden`` in the compute dtype; with
-  ``train.activation_offloading`` they wait in CPU memory and seven layers' worth stay on the GPU: the one in use,
-  the one being fetched back, and the last five offloaded, which TRL keeps alive until their copy ends
-  (``OffloadActivations(max_fwd_stash_size=5)``; measured at 131,072 tokens on an H100: 44.2 GiB allocated, 43.6
-  planned without the runtime term);
-- one layer's recompute: during its backward one layer's activations exist again: per token the attention
-  projections (q, k, v, the attention output, o's input: ``3 hidden + 2 kv``), the MLP (gate, up, the
-  product and down's input: ``4 intermediate``), and the norms' inputs (``2 hidden``), in the compute
-  dtype; eager attention adds the ``heads x tokens x tokens`` scores and probabilities (of every layer without
-  checkpointing);
-- loss tiles: TRL's fused LM head scores 4096 tokens x 32768 vocabulary at a time in fp32 (tile, softmax
-  and its gradient: 3 tiles), plus the final hidden states and their gradient;
-- DDP gradient buckets: one more copy of the trainable gradients (in their dtype);
-- runtime: the CUDA context and kernels' workspace (1 GiB), plus what torch's caching allocator reserves beyond
-  the allocated peak: 10 % of the activations and 5 GiB. On an H100 the reserved peak exceeded the allocated one by
-  5.3 to 9.0 GiB in all eight measured runs (32K to 128K tokens), nearly independent of the length; the 5 GiB is
-  fitted to them, so that the planned peak is within -1 % to +8 % of the reserved one there.
+- base weights: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantization constants, everything else
+  in the compute dtype; or the whole model in the compute dtype;
+- LoRA, a trainable embedding, a method's own weights (its ``planned_parameters`` hook), or a full fine-tune's
+  weights: each trained parameter with its gradient and AdamW's two moments (:func:`estimate`'s ``with_state``);
+- activations (:func:`activation_terms`): checkpointed layer inputs, kept attention outputs, layers not
+  checkpointed, one layer's recompute (a tiled MLP holds one tile), or every layer's activations without
+  checkpointing; eager attention's score matrices; the fused loss's tiles and the final hidden states;
+- DDP gradient buckets, or under sharded launches the gathered layer, LM head and unsharded gradients (and
+  DeepSpeed's reduce bucket), weights and optimizer state divided by the GPUs; ``ulysses`` divides every activation
+  term by the GPUs too;
+- runtime: the CUDA context (1 GiB), 10 % of the activations and the caching allocator's reserve
+  (``ALLOCATOR_RESERVE``).
 
-Sharded launches (``launch`` ``fsdp2``, ``zero3``, or ``ulysses``, which runs ZeRO-3): the weights, gradients and
-AdamW state terms are divided by the GPUs, and the DDP buckets give way to the gathered units: FSDP2 all-gathers one
-decoder layer while the next is prefetched, in the compute dtype (4-bit weights gather as stored); TRL's fused loss
-gathers the LM head itself (``DTensor.full_tensor``) in its stored dtype, float32 when it trains; the gradients of
-one unit exist unsharded before their reduce-scatter (compute dtype; the LM head's in float32). ZeRO-3 bounds its
-live parameters by its own buckets; the same term stands for them. A 4-bit base's quantization constants are no
-parameters and stay whole on every GPU. DeepSpeed (``zero3``, ``ulysses``) keeps, per trained parameter, its weight
-as stored (LoRA and the embedding copy in ``lora.trainable_dtype``; a full fine-tune's weights in the compute dtype,
-as ``zero.Init`` built them; over a 4-bit base, which ``zero.Init`` does not build, DeepSpeed casts every weight to
-the compute dtype), its gradient in the compute dtype, a separate float32 master copy and float32 AdamW moments,
-whatever ``lora.trainable_dtype`` says: 18 bytes for float32 LoRA under bf16, 16 for QLoRA and for a bf16 full
-fine-tune, 20 in float32 (measured with 2 CPU processes: ``tests/zero3_bytes_worker.py``; its code would reuse
-float32 weights as the master copy, but compares a ``torch.device`` with a string there, which is never equal); plus
-one contiguous reduce bucket of 5e8 elements in the compute dtype (1 GB in bf16) per GPU. ``ulysses`` also splits
-every sequence across the GPUs (sequence parallel size = GPUs), so every activation term holds ``tokens / GPUs`` per
-GPU. Communication time is not modelled (between nodes, ``plan --nodes``: :mod:`.network`).
+Time: the matmul FLOPs per token (forward, the checkpointed layers' recompute, the fused loss's recompute of the
+logits, backward, the trained weights' gradients) times each sample's length, plus attention per sample at its own
+length squared (forward, backward twice, and the recompute of checkpointed layers that keep no attention output),
+divided by the GPUs' peak bf16 FLOP/s times a utilisation for the matmuls and one for the attention kernel. Sample
+lengths come from the data when ``longpeft plan`` can count them (:mod:`longpeft.recipes.plan_data`), else
+``data.max_length`` each; the time line says which, and adds the time in random order, each step as long as its
+slowest GPU (:func:`.lengths.random_order_seconds`). Communication between nodes: :mod:`.network`.
 
-Time: FLOPs per token = ``2 M`` for the forward of the ``M`` matmul parameters (decoder layers with LoRA, and the
-LM head; the input embedding is a lookup), again for the checkpointed recompute (the layers) and for the fused
-loss's recompute of the logits (the head), ``2 M`` for the backward to the activations, and ``2`` per trained
-matmul parameter for the weights' gradients (LoRA: a small share; a trained embedding is a lookup's gradient);
-attention adds ``4 x layers x context x heads x head_dim`` per token (forward QK^T and AV; context: half the
-sample, as causal kernels skip the masked half, or all of it with eager attention), times 4 (forward, recompute,
-backward twice); summed per sample at its own length, so a sample of ``n`` tokens costs ``n`` times the matmuls
-and ``n**2`` times the attention. Samples: ``train.max_steps x global batch`` when max_steps is set, else the data's
-rows x ``num_train_epochs``, cycling through the data (each sample as often; a partial pass at the mean). Their
-lengths: counted from the data by the recipe's own tokenizer and filters when ``longpeft plan`` can
-(:mod:`longpeft.recipes.plan_data`), else ``data.max_length`` each, said on the time line. Divided by the GPUs' peak
-bf16 FLOP/s times a utilisation, one for the matmuls and one for the attention kernel (``--mfu`` sets both). That
-time assumes every GPU equally loaded and no padding (batches grouped by length); when the lengths differ, the
-time line also gives the time in random order (the Trainer's default), where each optimizer step lasts as long
-as its slowest GPU and each batch is padded to its longest sample (:func:`.lengths.random_order_seconds`, a
-seeded shuffle of the samples; on the paper's mix about 4x: ``docs/plan-paper-mix.md``).
-
-Utilisations measured on one H100 80GB (``scripts/gpu_check.py``, 2026-11-24: torch 2.11 + CUDA 13, flash-attn
-2.8.3, the 80K QLoRA recipe at 32,765, 49,152 and 81,920 tokens, one sample per step; ``docs/measurements/``):
-``tokens x (matmul FLOPs / 0.48 + attention FLOPs / u) / peak`` fits the six step times within 1 %, with u = 0.51
-for SDPA (cuDNN's Hopper kernels) and 0.31 for flash-attn 2 (its Ampere kernels; the FlashAttention-3 paper reports
-35 % of an H100's peak for them), and the same 0.48 for the matmuls under both kernels. A bf16 base's matmuls: 0.46
-(one run, 32,765 tokens with SDPA; at these lengths dequantization is amortised over the tokens). With activation
-offloading at 131,072 tokens the step took 2 % longer than planned (the copies overlap the compute). H200 takes
-H100's figures (the same chip and peak). Other GPUs are not measured: both utilisations default to 0.35 for 4-bit
-bases, 0.45 otherwise.
+The constants measured on an H100 (utilisations by kernel, the allocator's reserve, TRL's offloading stash) and the
+runs they were fitted to are in ``docs/measurements/README.md``; ``docs/scale.md`` explains the terms for users.
 """
 
 from __future__ import annotations
@@ -94,12 +45,12 @@ from .network import inter_node_lines
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
-# Fractions of that peak measured on an H100 (module docstring): the matmuls by base (4-bit or not), attention by
+# Fractions of that peak measured on an H100 (docs/measurements/README.md): the matmuls by base (4-bit or not), attention by
 # kernel. The H200 is the same chip at the same peak and takes them too.
 MEASURED_ON_H100 = {"matmuls": {True: 0.48, False: 0.46}, "attention": {"sdpa": 0.51, "flash_attention_2": 0.31}}
 MEASURED_UTILISATION = {"h100": MEASURED_ON_H100, "h200": MEASURED_ON_H100}
 UNMEASURED_UTILISATION = {True: 0.35, False: 0.45}  # other GPUs, both parts: 4-bit bases pay for dequantization
-ALLOCATOR_RESERVE = 5 * GiB  # reserved beyond the allocated peak, fitted on an H100 (module docstring)
+ALLOCATOR_RESERVE = 5 * GiB  # reserved beyond the allocated peak, fitted on an H100 (docs/measurements)
 TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their copy ends (max_fwd_stash_size)
 # train.offload_checkpoints: the last checkpointed layer's input (kept) and the one fetched ahead stay on the GPU
 OFFLOADED_INPUTS_ON_GPU = 2
