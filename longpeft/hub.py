@@ -164,8 +164,8 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
     metadata = {
         "base_model": spec.base_model,
         **({"library_name": library} if library else {}),
-        # the recipe's method, then every other method it applied (rope is implied by all of them)
-        "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if m.name != "rope")])]
+        # the recipe's method, then every other method it applied (those every model has, RoPE, go without saying)
+        "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])]
         + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
         "longpeft": {
             "method": spec.method,
@@ -178,8 +178,6 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
             "methods": {m.name: config.model_dump(exclude_none=True) for m, config in methods},
         },
     }
-    if spec.head_bases:
-        metadata["longpeft"]["head_bases"] = spec.head_bases
     name = base_display_name(spec.base_model)
     remote = any(m.remote_code for m, _ in methods)
     lines = [
@@ -204,7 +202,7 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
         f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
     ]
     for method, config in methods:
-        if method.describe is not None and method.name != "rope":
+        if method.describe is not None:
             lines += method.describe(config)
     lines += ["", "## Load", "", "```python"]
     if standalone:

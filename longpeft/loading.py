@@ -122,7 +122,7 @@ def load(
         model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
-    elif not any(method.load is not None for method, _ in spec_methods(spec)):
+    elif not any(method.weights is not None for method, _ in spec_methods(spec)):
         raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
                                 "own): not an adapter folder")
     load_method_weights(model, spec, adapter_dir)

@@ -22,7 +22,7 @@ differences; the last line is one JSON object.
 
 In training, with any layout but full-coverage + interleave, the authors score no token of the first window
 (``modeling_beacon.py``: "skip computing loss in the very first window"); so does longpeft's runner (the beacon
-method's ``training_labels`` rule, applied to every batch), and our side here applies the same rule to its labels.
+method's ``training.labels`` rule, applied to every batch), and our side here applies the same rule to its labels.
 
 Settings compared (``SETTINGS``): ``attn: full-coverage`` with ``pos: interleave`` (what the released models use)
 and ``append``, ``step-expansion`` with ``append``, sinks, beacon o projections, and the adapt-N ratio choice; one
@@ -220,7 +220,7 @@ def training_parity(model, out: Path, expected: list[dict]) -> list[dict]:
     for ids, theirs in zip(sequences()[-2:], expected, strict=True):
         model.zero_grad(set_to_none=True)
         input_ids = torch.tensor([ids])
-        labels = METHOD.training_labels(config, input_ids)  # what the runner's collator does to every batch
+        labels = METHOD.training.labels(config, input_ids)  # what the runner's collator does to every batch
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         their_grads = load_file(str(out / f"grads-{len(ids)}.safetensors"))

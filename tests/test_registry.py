@@ -101,8 +101,9 @@ def test_method_needs_its_section_when_it_has_required_settings():
 
 def test_registry_order_and_shape():
     assert list(METHODS)[:4] == ["rope", "harpe", "pose", "string"]
-    for method in METHODS.values():
-        assert issubclass(method.config, StrictModel) and callable(method.apply) and callable(method.remove)
+    for method in METHODS.values():  # apply/remove on a model, or none (PoSE changes only the training inputs)
+        assert issubclass(method.config, StrictModel) and callable(method.resolve)
+        assert all(callable(hook) for hook in (method.apply, method.remove, method.is_applied)) or method.apply is None
 
 
 def test_format_1_longpeft_json_still_loads(tmp_path):
@@ -246,23 +247,31 @@ def test_load_shows_its_real_signature():
 
 
 def test_launch_checks_read_the_registry(dummy_method):
-    """A plug-in's weights outside LoRA (a save hook) are refused with LoRA under ZeRO-3 (its checkpoints gather only
-    the trainable weights); a plug-in's sharding_conflict is refused under every sharded launch, with its reason."""
+    """A plug-in's weights outside LoRA (its weights hooks) are refused with LoRA under ZeRO-3 (its checkpoints gather
+    only the trainable weights); a plug-in's sharded_weights conflict is refused under every sharded launch, with its
+    reason."""
     import dataclasses
 
+    from longpeft.adapters import MethodWeights
     from longpeft.launch import check_launch
 
     recipe = load_recipe("tiny-cpu", ["dummy.scale=2.0"])
     for launch in ("ddp", "fsdp2", "zero3"):
         check_launch(recipe, launch)
     unregister("dummy")
-    register(dataclasses.replace(DUMMY, save=lambda model, folder, config, state_dict: None))
+    def not_called(*args):
+        raise AssertionError("the launch checks only read whether a method has weights")
+
+    weights = MethodWeights(parameters=not_called, save=not_called, load=not_called, planned=not_called,
+                            plan_lever="dummy.scale")
+    register(dataclasses.replace(DUMMY, weights=weights))
     with pytest.raises(ValueError, match="zero3 with finetune: lora and dummy: .* gathers only the trainable"):
         check_launch(recipe, "zero3")
     check_launch(recipe, "fsdp2")
     unregister("dummy")
-    register(dataclasses.replace(DUMMY, sharding_conflict="it counts the processes' steps"))
+    register(dataclasses.replace(DUMMY, conflicts={"sharded_weights": "it counts the processes' steps"}))
     for launch in ("fsdp2", "zero3"):
-        with pytest.raises(ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps"):
+        with pytest.raises(ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps; use "
+                                             "--launch ddp"):
             check_launch(recipe, launch)
     check_launch(recipe, "ddp")

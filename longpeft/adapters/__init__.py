@@ -2,7 +2,9 @@
 
 ``apply_spec`` gives a built model every non-weight change of a :class:`~longpeft.spec.ContextSpec`
 (``longpeft.json``), method by method in registry order: RoPE parameters, per-head bases (HARPE),
-PoSE (training-time only), STRING, Activation Beacon.
+STRING, Activation Beacon (PoSE changes only the training inputs).
+
+A new method is a folder beside these (see :mod:`.registry` for its files) and one ``register`` line below.
 """
 
 from __future__ import annotations
@@ -16,14 +18,24 @@ from ..spec import ContextSpec
 from . import beacon, harpe, pose, rope_base, string
 from .registry import (
     METHODS,
+    RUN_FEATURES,
+    CollatorContext,
+    LongSamples,
     Method,
+    MethodConflict,
+    MethodTraining,
+    MethodWeights,
     ModelSpan,
     ResolveContext,
+    check_applicable,
+    check_conflicts,
     config_of,
+    find_conflicts,
     gathered_tensors,
     get_method,
     model_span,
     register,
+    registered,
     unregister,
 )
 from .rope_base import expand_rope_base
@@ -57,20 +69,22 @@ def apply_spec(model: nn.Module, spec: ContextSpec, training: bool = False) -> N
     ``training``: leave out the inference-time methods (``inference_only``: STRING, which its paper applies to a
     trained model, never while training); ``longpeft.load`` switches them on with the adapter.
 
-    Raises SpecMismatchError (via ``spec.check_base``) before changing anything when the model
-    is not the base the spec was made for.
+    Raises SpecMismatchError (via ``spec.check_base``), or MethodConflict when the spec names methods that cannot
+    run together, before changing anything.
     """
     spec.check_base(model.config)
-    for method, config in spec_methods(spec):
-        if not (training and method.inference_only):
+    methods = spec_methods(spec)
+    check_conflicts(method.name for method, _ in methods)
+    for method, config in methods:
+        if method.apply is not None and not (training and method.inference_only):
             method.apply(model, config)
 
 
 def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
     """Load the weights that methods keep outside peft's adapter file (e.g. beacon projections)."""
     for method, config in spec_methods(spec):
-        if method.load is not None:
-            method.load(model, Path(folder), config)
+        if method.weights is not None:
+            method.weights.load(model, Path(folder), config)
 
 
 def save_method_weights(
@@ -82,8 +96,8 @@ def save_method_weights(
     as ``model.state_dict()``; the methods take their tensors from it instead of from their sharded parameters.
     """
     for method, config in spec_methods(spec):
-        if method.save is not None:
-            method.save(model, Path(folder), config, state_dict)
+        if method.weights is not None:
+            method.weights.save(model, Path(folder), config, state_dict)
 
 
 def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
@@ -95,17 +109,28 @@ def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> N
 
 __all__ = [
     "METHODS",
+    "RUN_FEATURES",
+    "CollatorContext",
+    "LongSamples",
     "Method",
+    "MethodConflict",
+    "MethodTraining",
+    "MethodWeights",
     "ModelSpan",
     "ResolveContext",
     "apply_spec",
+    "check_applicable",
+    "check_conflicts",
+    "config_of",
     "expand_rope_base",
     "export_methods",
+    "find_conflicts",
     "gathered_tensors",
     "get_method",
     "load_method_weights",
     "model_span",
     "register",
+    "registered",
     "save_method_weights",
     "spec_methods",
     "unregister",

@@ -51,7 +51,7 @@ def check_launch(recipe: Any, launch: str) -> None:
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
         from ..adapters import METHODS
 
-        weighted = [name for name in recipe.method_configs() if METHODS[name].save is not None]
+        weighted = [name for name in recipe.method_configs() if METHODS[name].weights is not None]
         if weighted:
             raise ValueError(
                 f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
@@ -64,18 +64,16 @@ def check_launch(recipe: Any, launch: str) -> None:
 
 
 def check_sharded(recipe: Any, how: str) -> None:
-    """Refuse a method that cannot train with the model's weights sharded across processes (its registry entry's
-    ``sharding_conflict``); ``how`` names the sharding for the message (``--launch fsdp2``, ...)."""
-    from ..adapters import METHODS
+    """Refuse a method that cannot train with the model's weights sharded across processes (its registry
+    ``conflicts`` name ``sharded_weights``); ``how`` names the sharding for the message (``--launch fsdp2``, ...)."""
+    from ..adapters import check_conflicts
 
-    for name in recipe.method_configs():
-        if METHODS[name].sharding_conflict:
-            raise ValueError(f"{how} with {name}: {METHODS[name].sharding_conflict}")
+    check_conflicts(recipe.method_configs(), {"sharded_weights": how})
 
 
 def check_sequence_parallel(recipe: Any) -> None:
     """Ulysses sequence parallelism (``--launch ulysses``) shards each sequence across GPUs: what cannot be
-    sharded that way is refused."""
+    sharded that way is refused (methods: their registry ``conflicts`` name ``split_sequences``)."""
     if recipe.model.load_in_4bit:
         raise ValueError(
             "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
@@ -84,13 +82,9 @@ def check_sequence_parallel(recipe: Any) -> None:
     if recipe.model.attn_implementation == "eager":
         raise ValueError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score "
                          "matrix)")
-    methods = recipe.method_configs()
-    if "beacon" in methods:
-        raise ValueError("--launch ulysses with Activation Beacon: beacon condenses each sequence window by window, "
-                         "which cannot run on sequence shards; use --launch ddp")
-    if "pose" in methods:
-        raise ValueError("--launch ulysses with PoSE: PoSE trains on sequences of the base's window, which need no "
-                         "sequence parallelism; use --launch ddp")
+    from ..adapters import check_conflicts
+
+    check_conflicts(recipe.method_configs(), {"split_sequences": "--launch ulysses"})
     if recipe.data.utk is not None:
         raise ValueError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard "
                          "would restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading")
@@ -101,7 +95,8 @@ def check_sequence_parallel(recipe: Any) -> None:
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
     """torch context parallelism (accelerate ``cp_size`` in a user's own accelerate config) is refused where it is
-    known to fail. ``packing``: the run packs several documents into a sequence (``data.utk``)."""
+    known to fail, and with the methods that cannot run on sequence shards (their registry ``conflicts`` name
+    ``split_sequences``). ``packing``: the run packs several documents into a sequence (``data.utk``)."""
     if recipe.model.attn_implementation == "flash_attention_2":
         raise ValueError("context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
                          "flash-attn); use --launch ulysses")
@@ -111,6 +106,9 @@ def check_context_parallel(recipe: Any, packing: bool = False) -> None:
     if recipe.model.load_in_4bit:
         raise ValueError("context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
                          "--launch ddp or a bf16 base")
+    from ..adapters import check_conflicts
+
+    check_conflicts(recipe.method_configs(), {"split_sequences": "context parallelism (accelerate cp_size > 1)"})
 
 
 def sequence_parallel_size() -> int:

@@ -334,18 +334,19 @@ def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) ->
 
 def longest_sample(recipe: Recipe) -> tuple[int, str]:
     """The most tokens a training sample keeps on its way to the collator, and the setting that says so:
-    ``data.max_length``, or with PoSE's content skip the simulated length (its collator draws the window from it)."""
-    pose = recipe.method_configs().get("pose")
-    target = (pose.target_length or recipe.target_length) if pose is not None and pose.content_skip != "none" else None
-    if target:  # without one, PoSE's resolve refuses the recipe
-        return target, f"pose.target_length={target} (PoSE's content skip)"
+    ``data.max_length``, or the longer samples a method's collator draws its window from (:meth:`Recipe.long_samples`:
+    PoSE's content skip, up to its simulated length)."""
+    samples = recipe.long_samples()
+    if samples is not None:
+        return samples.tokens, samples.limit
     return recipe.data.max_length, f"data.max_length={recipe.data.max_length}"
 
 
-def check_content_to_skip(data_stats: dict[str, int], window: int) -> None:
-    """Fail when no sample is longer than ``window`` tokens (``data_stats`` of :func:`filter_by_length`): PoSE's
-    content skip draws from such samples, and would change nothing."""
-    if not data_stats["longer_than_window"]:
-        raise ValueError(f"pose.content_skip: no training sample is longer than data.max_length={window} tokens, so "
-                         "no content would be skipped; use longer documents (up to pose.target_length) or "
-                         "pose.content_skip: none")
+def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
+    """Fail when no sample is longer than the window (``data_stats`` of :func:`filter_by_length`) while a method's
+    collator draws the window from longer samples (:meth:`Recipe.long_samples`): it would change nothing."""
+    samples, window = recipe.long_samples(), recipe.data.max_length
+    if samples is not None and not data_stats["longer_than_window"]:
+        raise ValueError(f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
+                         f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
+                         f"{samples.off}")

@@ -72,13 +72,10 @@ def check_memory_options(recipe: Recipe, sharded: bool) -> None:
 
 def check_liger(recipe: Recipe) -> None:
     """Liger's kernels need CUDA and the liger-kernel package, and replace the RoPE of methods that rotate their own
-    queries and keys (their registry ``kernel_conflict``)."""
-    from ..adapters import METHODS
+    queries and keys (their registry ``conflicts`` name ``liger_kernels``)."""
+    from ..adapters import check_conflicts
 
-    for name in recipe.method_configs():
-        if METHODS[name].kernel_conflict:
-            raise ValueError(f"train.use_liger_kernel with {name}: {METHODS[name].kernel_conflict}; set "
-                             "train.use_liger_kernel: false")
+    check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
     if not torch.cuda.is_available():
         raise ValueError("train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
                          "has none; set train.use_liger_kernel: false here")

@@ -138,7 +138,7 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
         bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
-        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.span is not None)
+        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.training.span is not None)
         how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
         problems.append(
             f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
@@ -173,8 +173,8 @@ def check_against_local_base(recipe: Recipe) -> str | None:
 def positions_spanned(spec: ContextSpec, length: int) -> int:
     """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
     unless a method keeps positions bounded, as Activation Beacon does)."""
-    spans = [method.span(config, length, spec.max_position_embeddings)
-             for method, config in spec_methods(spec) if method.span is not None]
+    spans = [method.training.span(config, length, spec.max_position_embeddings)
+             for method, config in spec_methods(spec) if method.training.span is not None]
     return min(spans, default=length)
 
 
@@ -182,8 +182,8 @@ def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
     """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
     parameters: dict[str, Any] = {}
     for name in recipe.method_configs():
-        if METHODS[name].parameters is not None:
-            parameters.update(METHODS[name].parameters(model))
+        if METHODS[name].weights is not None:
+            parameters.update(METHODS[name].weights.parameters(model))
     return parameters
 
 

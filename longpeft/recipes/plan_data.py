@@ -146,7 +146,7 @@ def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | Non
         keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length,
                                        window=max_length if skips_content else None)
         if skips_content:
-            check_content_to_skip(stats, max_length)
+            check_content_to_skip(recipe, stats)
         if scored is not None:
             left = [i for i in keep if scored[i]]
             stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left

@@ -193,7 +193,7 @@ def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[A
                                                min_length=recipe.data.min_length,
                                                window=max_length if skips_content else None)
         if skips_content:
-            check_content_to_skip(data_stats, max_length)
+            check_content_to_skip(recipe, data_stats)
         return dataset, data_stats
     # documents are counted, kept or dropped (data.truncate) as they are, before packing
     room = utk_document_room(max_length, utk)

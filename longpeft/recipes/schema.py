@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from ..config import (ConfigError, StrictModel, apply_overrides, bundled_names, file_or_bundled, format_validation_error,
                       read_yaml)
+
+if TYPE_CHECKING:
+    from ..adapters import LongSamples
 
 Section = StrictModel
 
@@ -303,14 +306,14 @@ def check_trl_keys(trl: dict[str, Any]) -> None:
 def check_unsloth_recipe(recipe: RecipeBase) -> None:
     """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
 
-    unsloth replaces the attention and decoder-layer forwards, so methods that patch attention or
-    positions (HARPE, STRING, PoSE, beacon) would silently not apply; it trains LoRA adapters, and its
+    unsloth replaces the attention and decoder-layer forwards, so the methods that patch attention or positions
+    would silently not apply (their registry ``conflicts`` name ``unsloth``); it trains LoRA adapters, and its
     checkpointing already offloads to CPU memory.
     """
-    extra = [name for name in recipe.method_configs() if name != "rope"]
-    problems = []
-    if recipe.method != "rope" or extra:
-        problems.append(f"method sections {extra or [recipe.method]} (only RoPE-base expansion, method: rope)")
+    from ..adapters import find_conflicts
+
+    problems = [f"{conflict.second} ({conflict.why})"
+                for conflict in find_conflicts(recipe.method_configs(), {"unsloth": "train.backend: unsloth"})]
     if recipe.finetune != "lora":
         problems.append(f"finetune: {recipe.finetune} (LoRA/QLoRA only)")
     if recipe.lora.embeddings == "token_indices":
@@ -360,7 +363,8 @@ class RecipeBase(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RecipeBase:
-        from ..adapters import METHODS
+        from ..adapters import METHODS, check_conflicts
+        from ..adapters.registry import COLLATOR
 
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not a registered method ({', '.join(METHODS)})")
@@ -377,13 +381,12 @@ class RecipeBase(Section):
             raise ValueError("data.source: retrieval is plain text; use data.format: text")
         if self.data.retrieval is not None and self.data.source != "retrieval":
             raise ValueError("data.retrieval configures data.source: retrieval; remove it or set that source")
-        if self.data.utk is not None and "pose" in self.method_configs():
-            raise ValueError("data.utk and PoSE each bring their own collator; use one of them")
-        pose = self.method_configs().get("pose")
-        if pose is not None and pose.content_skip != "none" and self.data.format != "text":
-            raise ValueError(f"pose.content_skip: {pose.content_skip} skips stretches of text, which would cut a "
-                             "conversation's context from its answers; use it with data.format: text, or "
-                             "pose.content_skip: none")
+        configs = self.method_configs()
+        check_conflicts(configs, {COLLATOR: "data.utk"} if self.data.utk is not None else {})
+        samples = self.long_samples()
+        if samples is not None and self.data.format != "text":
+            raise ValueError(f"{samples.setting} skips stretches of text, which would cut a conversation's context "
+                             f"from its answers; use it with data.format: text, or {samples.off}")
         if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
             raise ValueError(
                 "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or token_indices)"
@@ -393,27 +396,33 @@ class RecipeBase(Section):
         if self.finetune in ("full", "method") and self.model.load_in_4bit:
             raise ValueError(f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
                              "refuses a quantized model without LoRA); use finetune: lora (QLoRA)")
-        if self.finetune == "method" and all(METHODS[name].parameters is None for name in self.method_configs()):
+        if self.finetune == "method" and all(METHODS[name].weights is None for name in configs):
             raise ValueError("finetune: method trains the methods' own weights, and this recipe's "
-                             f"{' + '.join(self.method_configs())} has none; use finetune: lora or full")
-        configs = self.method_configs()
-        for name in configs:
-            clash = next((other for other in METHODS[name].excludes if other in configs), None)
-            if clash:
-                raise ValueError(f"{name} and {clash} cannot be combined: {METHODS[name].excludes[clash]}; "
-                                 f"remove one of the two sections")
+                             f"{' + '.join(configs)} has none; use finetune: lora or full")
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
         check_trl_keys(self.trl)
         return self
 
     def method_configs(self) -> dict[str, StrictModel]:
-        """The method sections present in the recipe, in registry order (``rope`` always)."""
+        """The method sections present in the recipe, in registry order, and the implied methods' (RoPE) always."""
         from ..adapters import METHODS
 
-        configs = {name: getattr(self, name, None) for name in METHODS}
-        configs["rope"] = configs["rope"] or METHODS["rope"].config()
+        configs = {name: getattr(self, name, None) or (method.config() if method.implied else None)
+                   for name, method in METHODS.items()}
         return {name: config for name, config in configs.items() if config is not None}
+
+    def long_samples(self) -> LongSamples | None:
+        """The samples longer than ``data.max_length`` that a method's collator takes (PoSE's content skip), or
+        None: its ``training.long_samples`` hook."""
+        from ..adapters import METHODS
+
+        for name, config in self.method_configs().items():
+            hook = METHODS[name].training.long_samples
+            samples = hook(config, self.target_length) if hook is not None else None
+            if samples is not None:
+                return samples
+        return None
 
     def resolved_output_dir(self) -> Path:
         return Path(self.output_dir.format(name=self.name))

@@ -17,9 +17,7 @@ from transformers import (
     TrainerCallback,
 )
 
-from ..adapters import (
-    spec_methods,
-)
+from ..adapters import CollatorContext, spec_methods
 from ..launch.topology import data_parallel_size
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
@@ -117,8 +115,9 @@ def assistant_only_loss(recipe: Recipe) -> bool:
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
-    """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; PoSE's
-    (skip-wise position ids, explicit all-ones mask) when the recipe uses PoSE; else TRL's."""
+    """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; else the collator of the
+    method that brings one (its ``training.collator``: PoSE's skip-wise position ids); else None (TRL's). The
+    recipe's validation refuses two of them (``registry.find_conflicts``)."""
     utk = recipe.data.utk
     if utk is not None:
         augmenter = UtkAugmenter(
@@ -130,23 +129,16 @@ def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokeni
             label_length=utk.label_length,
         )
         return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
-    pose = spec.methods.get("pose")
-    if pose is None:
-        return None
-    from ..adapters.pose import PoseCollator
-
-    return PoseCollator(
-        target_length=pose["target_length"],
-        pad_token_id=tokenizer.pad_token_id,
-        n_chunks=pose["n_chunks"],
-        max_length=recipe.data.max_length,
-        seed=recipe.train.seed,
-        content_skip=pose["content_skip"],
-    )
+    context = CollatorContext(pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length,
+                              seed=recipe.train.seed)
+    for method, config in spec_methods(spec):
+        if method.training.collator is not None:
+            return method.training.collator(config, context)
+    return None
 
 
 class MethodTrainingLabels:
-    """A data collator's batches with each method's ``training_labels`` rule applied to their labels (Activation
+    """A data collator's batches with each method's ``training.labels`` rule applied to their labels (Activation
     Beacon leaves the first window out of the training loss with some layouts, as its authors do)."""
 
     def __init__(self, collator: Any, rules: list[tuple[Any, Any]]) -> None:
@@ -161,7 +153,7 @@ class MethodTrainingLabels:
     def apply(self, labels: torch.Tensor) -> torch.Tensor:
         """``labels [batch, seq]`` after every rule."""
         for method, config in self.rules:
-            labels = method.training_labels(config, labels)
+            labels = method.training.labels(config, labels)
         return labels
 
     def changes_labels(self, length: int) -> bool:
@@ -173,14 +165,14 @@ class MethodTrainingLabels:
 
 def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
     """Wrap ``trainer.data_collator`` (the recipe's, or the one TRL built) in :class:`MethodTrainingLabels` when a
-    method of ``spec`` has a ``training_labels`` rule."""
-    rules = [(method, config) for method, config in spec_methods(spec) if method.training_labels is not None]
+    method of ``spec`` has a ``training.labels`` rule."""
+    rules = [(method, config) for method, config in spec_methods(spec) if method.training.labels is not None]
     if rules:
         trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
 
 
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
-    """Drop the samples a method's ``training_labels`` rule leaves without a scored target (Activation Beacon's
+    """Drop the samples a method's ``training.labels`` rule leaves without a scored target (Activation Beacon's
     first window can hold a short sample's every answer), count them and those TRL's own preparation dropped (with
     ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
     when none is left to train on."""
@@ -219,7 +211,7 @@ class MetricsLogger(TrainerCallback):
 def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool:
     """Whether Trainer checkpoints would miss (or needlessly hold) some weights: a LoRA or ``finetune: method``
     run with methods that have weights of their own (see :mod:`.method_trainer`)."""
-    return recipe.finetune != "full" and any(method.save is not None for method, _ in spec_methods(spec))
+    return recipe.finetune != "full" and any(method.weights is not None for method, _ in spec_methods(spec))
 
 
 class TrainingDiverged(ValueError):

@@ -380,13 +380,13 @@ def estimate(
     method_params = 0  # a method's own weights, trained and frozen
     for name, config in recipe.method_configs().items():  # a method's own weights (beacon) train in every mode
         method = get_method(name)
-        if method.planned_parameters is not None:
-            method_trainable, method_frozen = method.planned_parameters(config, shape)
+        if method.weights is not None:
+            method_trainable, method_frozen = method.weights.planned(config, shape)
             terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4  # float32; AdamW on the trainable
             method_params += method_trainable + method_frozen
             trainable += method_trainable
             trainable_matmul += method_trainable
-            method_levers[f"{name} weights"] = method.plan_lever or f"a smaller {name} section"
+            method_levers[f"{name} weights"] = method.weights.plan_lever
     checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, launch)
     offloaded = recipe.train.activation_offloading and checkpointing.checkpointed > 0
     terms.update(activation_terms(shape, checkpointing, activation_tokens, dtype_bytes, recipe.train.mlp_tile_tokens,

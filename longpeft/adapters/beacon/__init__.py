@@ -6,11 +6,13 @@ full only their K/V stay in memory, so memory and cost grow with ``length / rati
 stock projection plus a low-rank delta) and one embedding row; the base model stays frozen and
 unedited: no resized vocabulary, no modeling file (except in an exported merged model).
 
-- :mod:`.layout`: settings, window layout, masks, positions, ratio choice (the A.2 table);
+- :mod:`.config`: :class:`BeaconConfig`, the section, and its pure settings logic;
+- :mod:`.layout`: runtime settings, window layout, masks, positions, ratio choice (the A.2 table);
 - :mod:`.cache`: :class:`BeaconCache`, the memory the caller owns;
 - :mod:`.modules`: beacon projections and the attention forward that uses them;
 - :mod:`.scheduler`: the window loop (training, prefill, decoding through ``generate``);
-- :mod:`.patch`: ``apply_beacon`` / ``remove_beacon``;
+- :mod:`.patch`: ``install_beacon`` / ``remove_beacon`` (:func:`apply_beacon` checks, then installs);
+- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
 - :mod:`.weights`: ``beacon_adapter.safetensors`` and the converter from the authors' checkpoints;
 - :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """
@@ -19,16 +21,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..registry import Method, ResolveContext
+from torch import nn
+
+from ..registry import Method, MethodTraining, MethodWeights, check_applicable
 from .cache import BeaconCache, BeaconStep
-from .config import BeaconConfig
+from .config import BeaconConfig, describe, planned_parameters, resolve, training_labels
 from .export import write_remote_code
 from .layout import BeaconSettings, WindowLayout, window_layout, window_span
 from .patch import (
-    apply_beacon,
     backbone_of,
     beacon_parameters,
     beacons_disabled,
+    install_beacon,
     is_beacon_applied,
     remove_beacon,
     trainable_beacon_parameters,
@@ -36,7 +40,49 @@ from .patch import (
 from .weights import WEIGHTS_FILENAME, load_beacon_weights, save_beacon_weights
 
 
-def model_span(model, length: int) -> tuple[int, int]:
+def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
+
+    Args:
+        model: the model; applying again replaces the settings and the beacon weights.
+        settings: :class:`BeaconSettings` or its dict (``config.beacon``).
+        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
+            the beacon embedding. Off when the weights are loaded right after (an exported model).
+
+    Raises:
+        MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).
+    """
+    check_applicable(model, "beacon")
+    install_beacon(model, settings, initialise)
+
+
+def apply_beacon_config(model: nn.Module, config: BeaconConfig) -> None:
+    """The method's ``apply``: :func:`apply_beacon` with the section's settings."""
+    apply_beacon(model, config.settings())
+
+
+def export_beacon(model: nn.Module, folder: Path, config: BeaconConfig) -> None:
+    """The method's ``export``: ``modeling_beacon.py`` and ``auto_map`` in the saved ``folder``."""
+    write_remote_code(folder, config.settings())
+
+
+def save_weights(model: nn.Module, folder: Path, config: BeaconConfig, state_dict=None) -> None:
+    """The method's ``weights.save``: ``beacon_adapter.safetensors`` in ``folder``."""
+    save_beacon_weights(model, folder, state_dict)
+
+
+def load_weights(model: nn.Module, folder: Path, config: BeaconConfig) -> None:
+    """The method's ``weights.load``: ``beacon_adapter.safetensors`` of ``folder`` onto ``model``."""
+    load_beacon_weights(model, folder)
+
+
+def training_span(config: BeaconConfig, length: int, max_positions: int) -> int:
+    """Positions a training input of ``length`` tokens occupies: the memory plus one window at the training ratios
+    (the recipe's check that they fit the base)."""
+    return window_span(config.settings(), length, max_positions, training=True)
+
+
+def model_span(model: nn.Module, length: int) -> tuple[int, int]:
     """(positions, keys) of an input of ``length`` tokens on a model with beacons: both are the memory plus one
     window at the ratio it adapts to (a query reads the memory and its window, nothing older)."""
     backbone = backbone_of(model)
@@ -44,85 +90,42 @@ def model_span(model, length: int) -> tuple[int, int]:
     return span, span
 
 
-def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
-    """Write out the implied settings (inference ratios, attend_prev, LoRA rank and alpha)."""
-    return config.resolved()
-
-
-def describe(config: BeaconConfig) -> list[str]:
-    ratios = ", ".join(map(str, config.ratios))
-    return [
-        f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
-        f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
-        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}).",
-    ]
-
-
-def _load(model, folder: Path, config: BeaconConfig) -> None:
-    load_beacon_weights(model, folder)
-
-
-def _save(model, folder: Path, config: BeaconConfig, state_dict=None) -> None:
-    save_beacon_weights(model, folder, state_dict)
-
-
-def planned_parameters(config: BeaconConfig, shape) -> tuple[int, int]:
-    """(trainable, frozen) beacon parameters on a base of ``shape`` (a ``ModelShape``): per layer a copy or a
-    low-rank delta of each projection in ``params``, and one embedding row; the last layer's q and o twins stay
-    frozen (see :func:`trainable_beacon_parameters`). Biases are not counted."""
-    config = config.resolved()
-    full = config.projection == "full"
-    per_projection = {}
-    for name in config.params:
-        in_features, out_features = shape.projection_shape(f"{name}_proj")
-        per_projection[name] = in_features * out_features if full else config.lora_rank * (in_features + out_features)
-    frozen = sum(per_projection.get(name, 0) for name in ("q", "o"))
-    return shape.layers * sum(per_projection.values()) - frozen + shape.hidden, frozen
-
-
-def training_labels(config: BeaconConfig, labels):
-    """``labels [batch, seq]`` without the first window's targets (tokens 1..window), as the authors train every
-    layout but full-coverage + interleave: there the first window's tokens read no beacon, so they teach the beacons
-    nothing (``modeling_beacon.py``: "skip computing loss in the very first window")."""
-    if (config.attn, config.pos) == ("full-coverage", "interleave"):
-        return labels
-    labels = labels.clone()
-    labels[:, : config.window + 1] = -100
-    return labels
-
-
-def _span(config: BeaconConfig, length: int, max_positions: int) -> int:
-    return window_span(config.settings(), length, max_positions, training=True)  # the recipe's training check
-
+ROTATES_ITSELF = "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory)"
 
 METHOD = Method(
     name="beacon",
     config=BeaconConfig,
-    apply=lambda model, config: apply_beacon(model, config.settings()),
+    resolve=resolve,
+    apply=apply_beacon_config,
     remove=remove_beacon,
     is_applied=is_beacon_applied,
-    resolve=resolve,
-    save=_save,
-    load=_load,
-    export=lambda model, folder, config: write_remote_code(folder, config.settings()),
     describe=describe,
+    export=export_beacon,
     remote_code=True,
-    parameters=trainable_beacon_parameters,
-    span=_span,
+    weights=MethodWeights(
+        parameters=trainable_beacon_parameters,
+        save=save_weights,
+        load=load_weights,
+        planned=planned_parameters,
+        plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
+    ),
+    training=MethodTraining(span=training_span, labels=training_labels),
     model_span=model_span,
-    planned_parameters=planned_parameters,
-    plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
-    training_labels=training_labels,
-    sharding_conflict=(
-        "Activation Beacon runs the decoder once per window, and samples of different lengths give the processes "
-        "different numbers of windows, while FSDP2 and ZeRO-3 gather every layer's weights collectively on each run: "
-        "the processes' collectives stop matching (2 CPU processes under FSDP2 fail with gloo's size mismatch; NCCL "
-        "would hang). Use --launch ddp (each GPU holds the frozen base; only the beacon weights train)"
-    ),
-    kernel_conflict=(
-        "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory), "
-        "where Liger's RoPE kernel does not reach, and the pair is not checked"
-    ),
+    conflicts={
+        "harpe": "Activation Beacon re-rotates memory keys with the model's one rotary module, and HARPE gives each "
+                 "head its own RoPE base",
+        "sharded_weights": (
+            "Activation Beacon runs the decoder once per window, and samples of different lengths give the processes "
+            "different numbers of windows, while FSDP2 and ZeRO-3 gather every layer's weights collectively on each "
+            "run: the processes' collectives stop matching (2 CPU processes under FSDP2 fail with gloo's size "
+            "mismatch; NCCL would hang); it needs no sharding either: each GPU holds the frozen base, and only the "
+            "beacon weights train"
+        ),
+        "split_sequences": "Activation Beacon condenses each sequence window by window, which cannot run on sequence "
+                           "shards",
+        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "unsloth": f"unsloth replaces the attention and decoder-layer forwards, and {ROTATES_ITSELF}",
+    },
 )
 
 __all__ = [
@@ -136,6 +139,7 @@ __all__ = [
     "apply_beacon",
     "beacon_parameters",
     "beacons_disabled",
+    "install_beacon",
     "is_beacon_applied",
     "load_beacon_weights",
     "remove_beacon",

@@ -1,14 +1,19 @@
-"""The ``beacon`` section of recipes and of ``longpeft.json``."""
+"""The ``beacon`` section of recipes and of ``longpeft.json``, and its pure settings logic (no torch)."""
 
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from ...config import StrictModel
-from .layout import BeaconSettings, resolve_attend_prev
+from ..registry import ResolveContext
+
+if TYPE_CHECKING:
+    import torch
+
+    from .layout import BeaconSettings
 
 _MIX = re.compile(r"^(step-random|instance-random|adapt-\d+)$")
 DEFAULT_LORA_RANK = 32
@@ -23,6 +28,20 @@ def _check_ratios(ratios: list[int], window: int, key: str) -> None:
                 f"{key}: ratio {ratio} must be 0 or divide window {window} (each window of {window} raw tokens "
                 f"gets window / ratio beacons); choose ratios that divide the window"
             )
+
+
+def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
+    """``attend_prev`` implied or allowed by the scheme: full-coverage always sees earlier beacons;
+    step-expansion with interleave never does (raw tokens between them would see them too)."""
+    if attn == "full-coverage":
+        if attend_prev is False:
+            raise ValueError("attend_prev: false is impossible with attn: full-coverage (its mask is plain causal)")
+        return True
+    if attn == "step-expansion" and pos == "interleave":
+        if attend_prev:
+            raise ValueError("attend_prev: true is not possible with attn: step-expansion and pos: interleave")
+        return False
+    return True if attend_prev is None else attend_prev
 
 
 class BeaconConfig(StrictModel):
@@ -94,8 +113,50 @@ class BeaconConfig(StrictModel):
         })
 
     def settings(self) -> BeaconSettings:
-        """The runtime settings (:class:`BeaconSettings`)."""
+        """The runtime settings (:class:`~.layout.BeaconSettings`, of the modeling code)."""
+        from .layout import BeaconSettings
+
         resolved = self.resolved().model_dump()
         if resolved["projection"] == "full":
             resolved["lora_rank"], resolved["lora_alpha"] = DEFAULT_LORA_RANK, float(DEFAULT_LORA_RANK)
         return BeaconSettings.from_dict(resolved)
+
+
+def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
+    """Write out the implied settings (inference ratios, attend_prev, LoRA rank and alpha)."""
+    return config.resolved()
+
+
+def describe(config: BeaconConfig) -> list[str]:
+    """Model-card sentence: windows, ratios, layout, projections, and the ratio at inference."""
+    ratios = ", ".join(map(str, config.ratios))
+    return [
+        f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
+        f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
+        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}).",
+    ]
+
+
+def planned_parameters(config: BeaconConfig, shape) -> tuple[int, int]:
+    """(trainable, frozen) beacon parameters on a base of ``shape`` (a ``ModelShape``): per layer a copy or a
+    low-rank delta of each projection in ``params``, and one embedding row; the last layer's q and o twins stay
+    frozen (see ``patch.trainable_beacon_parameters``). Biases are not counted."""
+    config = config.resolved()
+    full = config.projection == "full"
+    per_projection = {}
+    for name in config.params:
+        in_features, out_features = shape.projection_shape(f"{name}_proj")
+        per_projection[name] = in_features * out_features if full else config.lora_rank * (in_features + out_features)
+    frozen = sum(per_projection.get(name, 0) for name in ("q", "o"))
+    return shape.layers * sum(per_projection.values()) - frozen + shape.hidden, frozen
+
+
+def training_labels(config: BeaconConfig, labels: torch.Tensor) -> torch.Tensor:
+    """``labels [batch, seq]`` without the first window's targets (tokens 1..window), as the authors train every
+    layout but full-coverage + interleave: there the first window's tokens read no beacon, so they teach the beacons
+    nothing (``modeling_beacon.py``: "skip computing loss in the very first window")."""
+    if (config.attn, config.pos) == ("full-coverage", "interleave"):
+        return labels
+    labels = labels.clone()
+    labels[:, : config.window + 1] = -100
+    return labels

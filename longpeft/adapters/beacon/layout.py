@@ -179,20 +179,6 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
     return WindowLayout(is_beacon, trigger, offsets, visible, ratio)
 
 
-def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
-    """``attend_prev`` implied or allowed by the scheme: full-coverage always sees earlier beacons;
-    step-expansion with interleave never does (raw tokens between them would see them too)."""
-    if attn == "full-coverage":
-        if attend_prev is False:
-            raise ValueError("attend_prev: false is impossible with attn: full-coverage (its mask is plain causal)")
-        return True
-    if attn == "step-expansion" and pos == "interleave":
-        if attend_prev:
-            raise ValueError("attend_prev: true is not possible with attn: step-expansion and pos: interleave")
-        return False
-    return True if attend_prev is None else attend_prev
-
-
 # ------------------------------------------------------------------------------------------------
 # Masks of one step
 # ------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 # longpeft-inline-begin
 from ...family import define_export_classes
-from .patch import apply_beacon
+from .patch import install_beacon
 
 # longpeft-inline-end
 
@@ -23,7 +23,7 @@ class _BeaconCausalLM:
         settings = getattr(config, "beacon", None)
         if not settings:
             raise ValueError("config.json has no beacon settings: this is not an Activation Beacon model")
-        apply_beacon(self, settings, initialise=False)
+        install_beacon(self, settings, initialise=False)
 
 
 # Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map.

@@ -1,6 +1,6 @@
 """Put Activation Beacon on a built model and take it off again, leaving the stock model untouched.
 
-``apply_beacon`` adds the beacon weights (``beacon_{q,k,v,o}_proj`` beside the projections,
+``install_beacon`` adds the beacon weights (``beacon_{q,k,v,o}_proj`` beside the projections,
 ``beacon_embed_tokens`` on the decoder stack), binds the beacon attention forward to every attention
 module and the window scheduler to the decoder stack, lets the decoder layers keep the cache under
 gradient checkpointing, gives ``generate`` a beacon cache, passes the causal LM's ``logits_to_keep``
@@ -97,8 +97,10 @@ def _keep_last_forward(causal_lm: nn.Module) -> MethodType:
     return MethodType(forward, causal_lm)
 
 
-def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
-    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
+def install_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place (the
+    runtime of ``apply_beacon``, which first refuses the methods beacon cannot run with; an exported model's classes
+    call this directly).
 
     Args:
         model: the model; applying again replaces the settings and the beacon weights.
@@ -108,13 +110,7 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     """
     settings = settings if isinstance(settings, BeaconSettings) else BeaconSettings.from_dict(dict(settings))
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
-    if getattr(causal_lm.config, "head_rope_bases", None):
-        raise ValueError("Activation Beacon re-rotates memory keys with the model's one rotary module; it cannot be "
-                         "combined with HARPE's per-head bases (config.head_rope_bases)")
     attentions = attention_modules(backbone)
-    if any(hasattr(attention.config, "string_settings") for attention in attentions):
-        raise ValueError("STRING is on: it reads distances off cache indices, which beacon caches do not keep; switch "
-                         "STRING off (disable_string) before applying Activation Beacon")
     implementation = causal_lm.config._attn_implementation or "eager"
     if "flash" in implementation and settings.attn != "full-coverage":
         raise ValueError(f"beacon attn {settings.attn} needs an explicit mask, which {implementation} cannot take; "
@@ -153,7 +149,7 @@ def is_beacon_applied(model: nn.Module) -> bool:
 
 
 def remove_beacon(model: nn.Module) -> None:
-    """Undo :func:`apply_beacon`: the model is the stock one again, parameter for parameter.
+    """Undo :func:`install_beacon`: the model is the stock one again, parameter for parameter.
 
     Raises:
         ValueError: the model has no beacons.

@@ -135,7 +135,7 @@ def beacon_backbone_forward(
     use_cache: bool | None = None,
     **kwargs,
 ) -> BaseModelOutputWithPast:
-    """The decoder stack's forward with beacons (bound to ``model.model`` by ``apply_beacon``).
+    """The decoder stack's forward with beacons (bound to ``model.model`` by ``install_beacon``).
 
     Args:
         input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).

@@ -6,49 +6,27 @@ are chosen when the adapter is created (:class:`HarpeConfig` resolved by ``selec
 to the model (``apply_head_bases``), recorded in the adapter's ``longpeft.json``, and the model
 trains at the target length in one stage. A merged model is exported for plain transformers with
 ``write_remote_code``.
+
+- :mod:`.config`: :class:`HarpeConfig`;
+- :mod:`.selection`: the uniform and peak-valley choices of bases;
+- :mod:`.modeling`: the per-head rotary module and attention forward (also the exported ``modeling_harpe.py``);
+- :mod:`.patch`: ``apply_head_bases`` / ``remove_head_bases`` on a built model;
+- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
 
-from pydantic import Field, model_validator
+from torch import nn
 
-from ...config import StrictModel
 from ...family import num_kv_heads
 from ...rope import head_dim_of
 from ..registry import Method, ResolveContext
+from .config import HarpeConfig, describe
 from .export import write_remote_code
-from .patch import apply_head_bases, check_head_bases, has_head_bases, remove_head_bases
+from .patch import apply_head_bases, check_head_bases, has_head_bases, is_harpe_on, remove_head_bases
 from .selection import peak_valley_bases, select_bases, uniform_bases
-
-
-class HarpeConfig(StrictModel):
-    """The ``harpe`` section: how the per-KV-head bases are chosen, and (once chosen) the bases.
-
-    ``selection``: ``peak_valley`` (the paper's greedy search on a ``stride`` grid) or ``uniform``
-    (evenly spaced in [b_min, b_max], ascending or ``descending`` over the heads). ``bases`` is
-    filled when the adapter is created; giving it in a recipe skips the selection.
-    """
-
-    selection: Literal["peak_valley", "uniform"] = "peak_valley"
-    b_min: float | None = Field(default=None, gt=1, lt=1e30)
-    b_max: float | None = Field(default=None, gt=1, lt=1e30)
-    stride: float | None = Field(default=None, gt=0)
-    descending: bool = False
-    bases: list[float] | None = None
-
-    @model_validator(mode="after")
-    def _check_range(self) -> HarpeConfig:
-        if self.bases is not None:
-            return self
-        if self.b_min is None or self.b_max is None:
-            raise ValueError("give b_min and b_max (the range the bases are chosen from), or the bases themselves")
-        if self.b_max < self.b_min:
-            raise ValueError("b_max must be >= b_min")
-        if self.selection == "peak_valley" and self.stride is None:
-            raise ValueError("selection: peak_valley needs a stride (the candidate grid step)")
-        return self
 
 
 def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
@@ -69,30 +47,32 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
     return config.model_copy(update={"bases": bases})
 
 
-def _require_bases(config: HarpeConfig) -> list[float]:
-    if config.bases is None:
-        raise ValueError("the harpe section has no bases yet; resolve it against the base model first")
-    return config.bases
+def apply_harpe_config(model: nn.Module, config: HarpeConfig) -> None:
+    """The method's ``apply``: the section's bases on ``model``."""
+    apply_head_bases(model, config.chosen_bases())
 
 
-def describe(config: HarpeConfig) -> list[str]:
-    return [f"Per-KV-head RoPE bases (HARPE, {config.selection}): {config.bases}."]
+def export_harpe(model: nn.Module, folder: Path, config: HarpeConfig) -> None:
+    """The method's ``export``: ``modeling_harpe.py`` and ``auto_map`` in the saved ``folder``."""
+    write_remote_code(folder, config.chosen_bases())
 
+
+ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoPE base per head)"
 
 METHOD = Method(
     name="harpe",
     config=HarpeConfig,
-    apply=lambda model, config: apply_head_bases(model, _require_bases(config)),
-    remove=remove_head_bases,
-    is_applied=has_head_bases,
     resolve=resolve,
-    export=lambda model, folder, config: write_remote_code(folder, _require_bases(config)),
+    apply=apply_harpe_config,
+    remove=remove_head_bases,
+    is_applied=is_harpe_on,
     describe=describe,
+    export=export_harpe,
     remote_code=True,
-    kernel_conflict=(
-        "its attention forward rotates queries and keys itself (one RoPE base per head), "
-        "where Liger's RoPE kernel does not reach, and the pair is not checked"
-    ),
+    conflicts={
+        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "unsloth": f"unsloth replaces the attention forward, and {ROTATES_ITSELF}: the bases would silently not apply",
+    },
 )
 
 __all__ = [
@@ -101,6 +81,7 @@ __all__ = [
     "apply_head_bases",
     "check_head_bases",
     "has_head_bases",
+    "is_harpe_on",
     "peak_valley_bases",
     "remove_head_bases",
     "select_bases",

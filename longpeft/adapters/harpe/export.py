@@ -1,7 +1,7 @@
 """Export a merged HARPE model so plain transformers loads it (trust_remote_code), without longpeft.
 
-``write_remote_code`` writes :mod:`.modeling_harpe` (with longpeft's RoPE helpers inlined, so it
-imports only torch and transformers) into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
+``write_remote_code`` writes :mod:`.modeling` (with longpeft's RoPE helpers inlined, so it imports only torch
+and transformers) into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
 config and model classes of the model's architecture. The exported config gets its own model_type
 (``harpe_llama``, ...): transformers would otherwise load the folder without trust_remote_code as
 the stock architecture, silently ignoring the per-head bases; with its own model_type that fails with an error.
@@ -13,16 +13,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
-from . import modeling_harpe
-from .modeling_harpe import EXPORT_CLASSES_BY_MODEL_TYPE
+from . import modeling
+from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_harpe.py"
 
 
 def standalone_modeling_source() -> str:
-    """modeling_harpe.py with its longpeft imports replaced by the source of what they import."""
-    return standalone_source("Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling_harpe],
-                             modeling_harpe.INLINED_ON_EXPORT)
+    """modeling_harpe.py: :mod:`.modeling` with its longpeft imports replaced by the source of what they import."""
+    return standalone_source("Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling],
+                             modeling.INLINED_ON_EXPORT)
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:

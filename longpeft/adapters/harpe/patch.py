@@ -1,6 +1,6 @@
 """Switch HARPE's per-head RoPE on and off on a built transformers model (plain or PEFT-wrapped).
 
-The rotation itself lives in :mod:`.modeling_harpe`, which is also the modeling file shipped with
+The rotation itself lives in :mod:`.modeling`, which is also the modeling file shipped with
 exported models, so the library and an exported model run the same code.
 """
 
@@ -14,7 +14,8 @@ from torch import nn
 
 from ...family import attention_modules, check_supported, is_attention_module, num_kv_heads
 from ...rope import head_dim_of, rope_parameters_of, rotary_modules
-from .modeling_harpe import HeadRotaryEmbedding, patch_head_rope
+from ..registry import check_applicable
+from .modeling import HeadRotaryEmbedding, patch_head_rope
 
 
 def _config_of(model: nn.Module):
@@ -65,6 +66,7 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
     """
     config = _config_of(model)
     bases = check_head_bases(config, bases)
+    check_applicable(model, "harpe")
     rope_type = rope_parameters_of(config).get("rope_type", "default")
     if rope_type != "default":
         warnings.warn(
@@ -81,6 +83,12 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
 def has_head_bases(model: nn.Module) -> bool:
     """Whether HARPE's per-head RoPE is active on ``model``."""
     return any(isinstance(m, HeadRotaryEmbedding) for m in model.modules())
+
+
+def is_harpe_on(model: nn.Module) -> bool:
+    """Whether ``model`` rotates with one base per head: patched by :func:`apply_head_bases`, or an exported HARPE
+    model (``config.head_rope_bases``, with its modeling file's own classes)."""
+    return has_head_bases(model) or bool(getattr(_config_of(model), "head_rope_bases", None))
 
 
 def remove_head_bases(model: nn.Module) -> None:

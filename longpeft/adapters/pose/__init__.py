@@ -1,8 +1,8 @@
 """PoSE (positional skip-wise training): position ids that make a short window look like a long one.
 
 The ``pose`` section of recipes and of ``longpeft.json`` is :class:`PoseConfig`. PoSE changes only
-the position ids seen in training (through :class:`PoseCollator`); the trained model runs with
-plain positions, so ``apply``/``remove`` change nothing on a model.
+the position ids seen in training (through :class:`PoseCollator`, its method's ``collator``); the
+trained model runs with plain positions, so the method has no ``apply``/``remove``.
 
 A sample of ``L_c`` tokens (the training window) is split at random into ``N`` chunks (default 2).
 Position ids are contiguous inside each chunk; chunk ``i`` is shifted by a skip ``u_i``, drawn
@@ -35,241 +35,31 @@ a ``position_ids`` column, so PoSE needs this collator of its own.
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Sequence
-from typing import Any, Literal
-
-import numpy as np
-import torch
-from pydantic import Field
-
-from ...config import StrictModel
-from ..registry import Method, ResolveContext
-
-IGNORE_INDEX = -100
+from ..registry import CollatorContext, Method, MethodTraining
+from .config import PoseConfig, describe, long_samples, resolve, training_span
+from .modeling import IGNORE_INDEX, PoseCollator, pose_position_ids, pose_sample
 
 
-class PoseConfig(StrictModel):
-    """PoSE settings: train in the recipe's window (``data.max_length``) to simulate ``target_length``.
+def pose_collator(config: PoseConfig, context: CollatorContext) -> PoseCollator:
+    """The method's ``collator``: :class:`PoseCollator` of a resolved section in the run's window."""
+    return PoseCollator(target_length=config.target_length, pad_token_id=context.pad_token_id,
+                        n_chunks=config.n_chunks, max_length=context.max_length, seed=context.seed,
+                        content_skip=config.content_skip)
 
-    ``n_chunks``: chunks per sample (the paper's default 2); skips between chunks are drawn uniformly
-    and never decrease (the paper's skip distribution). ``content_skip``: what the chunks hold (module
-    docstring); other than ``none`` it needs plain-text data (``data.format: text``).
-    """
-
-    n_chunks: int = Field(default=2, ge=1)
-    target_length: int | None = Field(default=None, gt=0, description="default: the recipe's target_length")
-    content_skip: Literal["none", "uniform", "aligned"] = Field(
-        default="none",
-        description="what the chunks hold: the sample's first tokens (none), spans drawn from a text up to "
-        "target_length tokens long (uniform, the paper's), or the spans at the chunks' own positions (aligned)",
-    )
-
-
-def _resolve(config: PoseConfig, context: ResolveContext) -> PoseConfig:
-    target = config.target_length or context.target_length
-    if target is None or (context.trained_length and target <= context.trained_length):
-        raise ValueError(
-            f"pose.target_length ({target}) must be set and longer than the training length "
-            f"({context.trained_length}, data.max_length): at equal lengths every skip is 0 and PoSE changes nothing"
-        )
-    return config.model_copy(update={"target_length": target})
-
-
-def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
-    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-
-
-def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.ndarray:
-    """``(length,)`` chunk index of each token: ``n_chunks`` non-empty chunks cut uniformly at random."""
-    if length < 1:
-        raise ValueError("length must be at least 1")
-    if not 1 <= n_chunks <= length:
-        raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False)) if n_chunks > 1 else np.zeros(0, int)
-    bounds = np.concatenate([[0], cuts, [length]])
-    return np.repeat(np.arange(n_chunks), np.diff(bounds))
-
-
-def _skips(n_chunks: int, max_skip: int, rng: np.random.Generator) -> np.ndarray:
-    """``(n_chunks,)`` skips: ``s_0 = 0``, then each drawn uniformly from ``{s_(i-1), ..., max_skip}``."""
-    skips = np.zeros(n_chunks, dtype=np.int64)
-    for i in range(1, n_chunks):
-        skips[i] = rng.integers(skips[i - 1], max_skip + 1)
-    return skips
-
-
-def pose_position_ids(
-    length: int, target_length: int, n_chunks: int = 2, rng: np.random.Generator | int | None = None
-) -> np.ndarray:
-    """PoSE position ids for one sample of ``length`` tokens simulating ``target_length``.
-
-    Args:
-        length: tokens in the sample (``L_c``, at most the training window).
-        target_length: the context length to simulate (``L_t >= L_c``).
-        n_chunks: chunks ``N`` (at most ``length``); 1 gives plain positions ``0 .. length - 1``.
-        rng: a numpy Generator or a seed.
-
-    Returns:
-        int64 array of shape ``(length,)``, non-decreasing jumps between chunks, max ``<= L_t - 1``.
-    """
-    if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the sample length ({length})")
-    rng = _generator(rng)
-    chunk = _chunk_of_token(length, n_chunks, rng)
-    return np.arange(length, dtype=np.int64) + _skips(n_chunks, target_length - length, rng)[chunk]
-
-
-def pose_sample(
-    source_length: int,
-    window: int,
-    target_length: int,
-    n_chunks: int = 2,
-    content_skip: str = "none",
-    rng: np.random.Generator | int | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Which tokens of a sample train, and at which positions (the paper's Eq. 5 with ``content_skip``).
-
-    Args:
-        source_length: tokens in the sample (``L_x``).
-        window: the training window; ``L_c = min(window, L_x)`` tokens train.
-        target_length: the simulated context length ``L_t`` (at least ``L_c``).
-        n_chunks: chunks ``N`` (at most ``L_c``).
-        content_skip: ``none`` (``v_i = 0``), ``uniform`` (``v_i`` drawn from ``{v_(i-1), ..., L_x - L_c}``) or
-            ``aligned`` (``v_i = u_i``, skips up to ``min(L_x, L_t) - L_c``); see the module docstring.
-        rng: a numpy Generator or a seed. ``none`` draws what :func:`pose_position_ids` draws.
-
-    Returns:
-        ``(token_index, position_ids)``, int64 arrays of shape ``(L_c,)``: the sample's tokens
-        ``x[token_index]`` train at ``position_ids``; both increase, by 1 inside a chunk.
-    """
-    length = min(window, source_length)
-    if content_skip == "none":
-        return np.arange(length, dtype=np.int64), pose_position_ids(length, target_length, n_chunks, rng)
-    if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the window ({length})")
-    rng = _generator(rng)
-    chunk = _chunk_of_token(length, n_chunks, rng)
-    steps = np.arange(length, dtype=np.int64)
-    if content_skip == "aligned":
-        index = steps + _skips(n_chunks, min(source_length, target_length) - length, rng)[chunk]
-        return index, index.copy()
-    if content_skip == "uniform":
-        positions = steps + _skips(n_chunks, target_length - length, rng)[chunk]
-        return steps + _skips(n_chunks, source_length - length, rng)[chunk], positions
-    raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
-
-
-class PoseCollator:
-    """Pads a batch and attaches PoSE ``position_ids`` and an explicit all-ones ``attention_mask``.
-
-    Each feature needs ``input_ids``; labels come from ``labels``, else from TRL's
-    ``assistant_masks`` / ``completion_mask`` (1 = trained), else from ``input_ids``. A feature that
-    already has ``position_ids`` keeps them (and is only truncated to the window). Batches are right-padded;
-    padding gets label -100 and repeats the sample's last position.
-
-    Args:
-        target_length: the simulated context length ``L_t``.
-        pad_token_id: id used for padding.
-        n_chunks: PoSE chunks per sample.
-        max_length: training window ``L_c``: longer samples are truncated to it, or with a content skip give
-            ``L_c`` of their tokens (None: no truncation, no content skip).
-        seed: with each sample's tokens, seeds that sample's draw (as UtK's collator does), so a resumed run, or
-            another process, draws what an uninterrupted one would; a sample seen again in a later epoch gets the
-            same positions.
-        content_skip: ``none``, ``uniform`` or ``aligned`` (:func:`pose_sample`): which of a longer sample's tokens
-            fill the window. The first token after a skipped stretch of text gets label -100.
-    """
-
-    def __init__(
-        self,
-        target_length: int,
-        pad_token_id: int,
-        n_chunks: int = 2,
-        max_length: int | None = None,
-        seed: int = 0,
-        content_skip: Literal["none", "uniform", "aligned"] = "none",
-    ):
-        if max_length is not None and max_length > target_length:
-            raise ValueError(f"max_length ({max_length}) must not exceed target_length ({target_length})")
-        if content_skip not in ("none", "uniform", "aligned"):
-            raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
-        if content_skip != "none" and max_length is None:
-            raise ValueError(f"content_skip={content_skip!r} draws a window from each sample: set max_length")
-        self.target_length = target_length
-        self.pad_token_id = pad_token_id
-        self.n_chunks = n_chunks
-        self.max_length = max_length
-        self.seed = seed
-        self.content_skip = content_skip
-
-    def _draw(self, input_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The window's ``(input_ids, labels, position_ids)`` drawn from one sample, each ``(L_c,)``."""
-        if self.content_skip == "none" and self.max_length is not None:
-            input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
-        rng = np.random.default_rng(zlib.crc32(input_ids.tobytes(), self.seed))
-        window = self.max_length or len(input_ids)
-        index, positions = pose_sample(len(input_ids), window, self.target_length,
-                                       min(self.n_chunks, window, len(input_ids)), self.content_skip, rng)
-        labels = labels[index]
-        labels[1:][np.diff(index) > 1] = IGNORE_INDEX  # its predecessor in the window did not precede it
-        return input_ids[index], labels, positions
-
-    def _labels(self, feature: dict[str, Any], input_ids: np.ndarray) -> np.ndarray:
-        if feature.get("labels") is not None:
-            return np.asarray(feature["labels"], dtype=np.int64)
-        for key in ("assistant_masks", "completion_mask"):
-            if feature.get(key) is not None:
-                mask = np.asarray(feature[key], dtype=bool)
-                return np.where(mask, input_ids, IGNORE_INDEX)
-        return input_ids.copy()
-
-    def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        rows = []
-        for feature in features:
-            input_ids = np.asarray(feature["input_ids"], dtype=np.int64)
-            labels = self._labels(feature, input_ids)
-            if feature.get("position_ids") is None:
-                rows.append(self._draw(input_ids, labels))
-                continue
-            keep = slice(self.max_length)
-            rows.append((input_ids[keep], labels[keep], np.asarray(feature["position_ids"], dtype=np.int64)[keep]))
-        width = max(len(r[0]) for r in rows)
-        batch_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        batch_labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
-        batch_positions = np.zeros((len(rows), width), dtype=np.int64)
-        for b, (ids, labels, positions) in enumerate(rows):
-            n = len(ids)
-            batch_ids[b, :n], batch_labels[b, :n], batch_positions[b, :n] = ids, labels, positions
-            # padding repeats the last position: positions past target_length - 1 would change what a rope type
-            # that reads the batch's largest position (dynamic) computes for the real tokens
-            batch_positions[b, n:] = positions[-1]
-        return {
-            "input_ids": torch.from_numpy(batch_ids),
-            "labels": torch.from_numpy(batch_labels),
-            "position_ids": torch.from_numpy(batch_positions),
-            "attention_mask": torch.ones((len(rows), width), dtype=torch.long),
-        }
-
-
-CONTENT_SKIP_WORDS = {
-    "none": "",
-    "uniform": ", each chunk's text drawn from anywhere in documents up to that long",
-    "aligned": ", each chunk's text taken at its position ids in documents up to that long",
-}
 
 METHOD = Method(
     name="pose",
     config=PoseConfig,
-    apply=lambda model, config: None,  # training-time positions only (PoseCollator)
-    remove=lambda model: None,
-    is_applied=lambda model: False,
-    resolve=_resolve,
-    span=lambda config, length, max_positions: config.target_length,  # trained positions reach target_length - 1
-    excludes={"beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's "
-                        "position ids would be ignored"},
-    describe=lambda config: [
-        f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating {config.target_length} tokens"
-        + CONTENT_SKIP_WORDS[config.content_skip] + "."
-    ],
+    resolve=resolve,
+    describe=describe,
+    training=MethodTraining(collator=pose_collator, long_samples=long_samples, span=training_span),
+    conflicts={
+        "beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's position "
+                  "ids would be ignored",
+        "split_sequences": "PoSE trains on sequences of the base's window, which need no sequence parallelism",
+        "unsloth": "unsloth runs its own attention and RoPE kernels, which are not checked with PoSE's skip-wise "
+                   "position ids",
+    },
 )
+
+__all__ = ["IGNORE_INDEX", "METHOD", "PoseCollator", "PoseConfig", "pose_collator", "pose_position_ids", "pose_sample"]

@@ -5,20 +5,23 @@ show in ``print(model)`` on every attention module. The ``string`` section of a 
 ``longpeft.json`` (:class:`StringConfig`) switches it on when an adapter is loaded. The attention
 math and its exactness argument are in :mod:`.attention`; a merged model keeps STRING through the
 modeling file :mod:`.export` writes beside it (``trust_remote_code=True``).
+
+- :mod:`.config`: :class:`StringConfig`;
+- :mod:`.attention`: the attention of eager, SDPA and flash-attn with shifted far keys;
+- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_string.py``);
+- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
 from torch import nn
 
-from ...config import StrictModel
 from ...family import causal_lm_of, check_supported
-from ..registry import Method, ResolveContext
+from ..registry import Method, check_applicable
 from .attention import (
-    DEFAULT_LOCAL_WINDOW,
     STRING_ATTENTION,
     StringSettings,
     disable_string,
@@ -30,14 +33,8 @@ from .attention import (
     string_attention_sdpa,
     string_settings,
 )
+from .config import DEFAULT_LOCAL_WINDOW, StringConfig, describe, resolve
 from .export import write_remote_code
-
-# Methods STRING cannot run with, and why (recipes naming both are refused; so is enabling it on such a model).
-EXCLUDES = {
-    "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
-    "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon keys "
-              "whose positions are not their cache indices (STRING reads distances off those)",
-}
 
 
 def enable_string(
@@ -62,14 +59,14 @@ def enable_string(
 
     Returns:
         The active settings as a dict (also given by :func:`string_settings`).
+
+    Raises:
+        MethodConflict: a method STRING cannot run with is on (its registry ``conflicts``).
     """
     config = causal_lm_of(model).config
     if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
         check_supported(config, "STRING")
-    for name, attribute in (("harpe", "head_rope_bases"), ("beacon", "beacon")):
-        if getattr(config, attribute, None):
-            raise ValueError(f"this model has {name} on (config.{attribute}): {EXCLUDES[name]}; STRING cannot be "
-                             f"combined with {name}")
+    check_applicable(model, "string")
     trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
     shift = int(shift if shift is not None else trained_length // 3)
     scale = None if cos_sin_scale is None else float(cos_sin_scale)
@@ -78,69 +75,53 @@ def enable_string(
     return settings.as_dict()
 
 
-class StringConfig(StrictModel):
-    """STRING settings: keys at distance ``d >= shift`` score as at ``d - shift + local_window``.
-
-    ``shift`` defaults to ``trained_length // 3``; ``trained_length`` defaults to the adapter's
-    training length (when resolved by a recipe) or the model's ``max_position_embeddings``.
-    """
-
-    shift: int | None = Field(default=None, ge=1)
-    local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0)
-    trained_length: int | None = Field(default=None, ge=2)
-    cos_sin_scale: float | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _window_inside_shift(self) -> StringConfig:
-        if self.shift is not None and self.local_window > self.shift:
-            raise ValueError(f"local_window ({self.local_window}) must be <= shift ({self.shift})")
-        return self
-
-
-def resolve(config: StringConfig, context: ResolveContext) -> StringConfig:
-    """Fill the trained length (the recipe's training length) and the default shift L // 3."""
-    trained = config.trained_length or context.trained_length or context.base_config.max_position_embeddings
-    return config.model_copy(update={"trained_length": trained, "shift": config.shift or trained // 3})
-
-
-def apply(model, config: StringConfig) -> None:
+def apply_string_config(model: nn.Module, config: StringConfig) -> None:
+    """The method's ``apply``: :func:`enable_string` with the section's settings."""
     enable_string(model, **config.model_dump())
 
 
-def describe(config: StringConfig) -> list[str]:
-    return [
-        f"STRING at inference: keys at distance >= {config.shift} are scored as if at distance "
-        f"d - {config.shift} + {config.local_window} (trained length {config.trained_length})."
-    ]
+def is_string_on(model: nn.Module) -> bool:
+    """Whether STRING is on ``model``."""
+    return string_settings(model) is not None
 
 
-def model_span(model, length: int) -> tuple[int, int]:
+def export_string(model: nn.Module, folder: Path, config: StringConfig) -> None:
+    """The method's ``export``: ``modeling_string.py`` and ``auto_map`` in the saved ``folder``."""
+    write_remote_code(folder, StringSettings(**config.model_dump()))
+
+
+def model_span(model: nn.Module, length: int) -> tuple[int, int]:
     """(positions, keys) of an input of ``length`` tokens with STRING on: the largest scored distance + 1
     (far keys score as at ``d - shift + local_window``); every key is still read."""
     settings = string_settings(model)
     return max(min(length, settings["shift"]), length - settings["shift"] + settings["local_window"]), length
 
 
+ROTATES_ITSELF = "its attention forward rotates queries and keys itself (shifted positions for far keys)"
+
 METHOD = Method(
     name="string",
     config=StringConfig,
-    apply=apply,
-    remove=disable_string,
-    is_applied=lambda model: string_settings(model) is not None,
     resolve=resolve,
+    apply=apply_string_config,
+    remove=disable_string,
+    is_applied=is_string_on,
     describe=describe,
-    model_span=model_span,
-    export=lambda model, folder, config: write_remote_code(folder, StringSettings(**config.model_dump())),
+    export=export_string,
     remote_code=True,
+    model_span=model_span,
     inference_only=True,
-    excludes=EXCLUDES,
-    kernel_conflict=(
-        "its attention forward rotates queries and keys itself (shifted positions for far keys), "
-        "where Liger's RoPE kernel does not reach, and the pair is not checked"
-    ),
+    conflicts={
+        "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
+        "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon keys "
+                  "whose positions are not their cache indices (STRING reads distances off those)",
+        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "unsloth": f"unsloth replaces the attention forward, and {ROTATES_ITSELF}",
+    },
 )
 
 __all__ = [
+    "DEFAULT_LOCAL_WINDOW",
     "METHOD",
     "STRING_ATTENTION",
     "StringConfig",
@@ -148,6 +129,7 @@ __all__ = [
     "disable_string",
     "enable_string",
     "install_string",
+    "is_string_on",
     "rotate_keys_forward",
     "string_attention_eager",
     "string_attention_flash",

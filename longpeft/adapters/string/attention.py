@@ -53,7 +53,6 @@ from ...rope import apply_rotary, rotary_modules
 logger = logging.getLogger(__name__)
 
 STRING_ATTENTION = "longpeft_string"
-DEFAULT_LOCAL_WINDOW = 128
 # Queries per block in the SDPA/eager paths: the duplicated band is this wide, so the extra work is
 # about 3 * QUERY_BLOCK / seq_len of the attention; smaller blocks mean more kernel calls.
 QUERY_BLOCK = 128

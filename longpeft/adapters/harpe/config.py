@@ -1,0 +1,52 @@
+"""The ``harpe`` section of recipes and of ``longpeft.json``: how the per-KV-head bases are chosen (no torch)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ...config import StrictModel
+
+
+class HarpeConfig(StrictModel):
+    """The ``harpe`` section: how the per-KV-head bases are chosen, and (once chosen) the bases.
+
+    ``selection``: ``peak_valley`` (the paper's greedy search on a ``stride`` grid) or ``uniform``
+    (evenly spaced in [b_min, b_max], ascending or ``descending`` over the heads). ``bases`` is
+    filled when the adapter is created; giving it in a recipe skips the selection.
+    """
+
+    selection: Literal["peak_valley", "uniform"] = "peak_valley"
+    b_min: float | None = Field(default=None, gt=1, lt=1e30)
+    b_max: float | None = Field(default=None, gt=1, lt=1e30)
+    stride: float | None = Field(default=None, gt=0)
+    descending: bool = False
+    bases: list[float] | None = None
+
+    @model_validator(mode="after")
+    def _check_range(self) -> HarpeConfig:
+        if self.bases is not None:
+            return self
+        if self.b_min is None or self.b_max is None:
+            raise ValueError("give b_min and b_max (the range the bases are chosen from), or the bases themselves")
+        if self.b_max < self.b_min:
+            raise ValueError("b_max must be >= b_min")
+        if self.selection == "peak_valley" and self.stride is None:
+            raise ValueError("selection: peak_valley needs a stride (the candidate grid step)")
+        return self
+
+    def chosen_bases(self) -> list[float]:
+        """The bases, once chosen (:func:`longpeft.adapters.harpe.resolve`).
+
+        Raises:
+            ValueError: the section has no bases yet.
+        """
+        if self.bases is None:
+            raise ValueError("the harpe section has no bases yet; resolve it against the base model first")
+        return self.bases
+
+
+def describe(config: HarpeConfig) -> list[str]:
+    """Model-card sentence: the selection and the bases."""
+    return [f"Per-KV-head RoPE bases (HARPE, {config.selection}): {config.bases}."]

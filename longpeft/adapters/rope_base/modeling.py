@@ -1,0 +1,74 @@
+"""Set RoPE parameters on a built model, and restore them: the torch side of the ``rope`` method."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...rope import rope_parameters_of, set_rope_parameters
+from .config import RopeConfig
+
+
+def resolve_rope_parameters(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
+    """Complete rope_parameters from a partial request on top of a base config.
+
+    ``{"rope_theta": 2e8}`` keeps the base's rope_type; giving ``rope_type`` replaces the whole dict
+    (keys of the old type do not leak into the new one), keeping rope_theta unless given.
+    For yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length.
+    """
+    base = rope_parameters_of(config)
+    if "rope_type" in rope and rope["rope_type"] != base.get("rope_type", "default"):
+        params = {"rope_type": rope["rope_type"], "rope_theta": base["rope_theta"]}
+    else:
+        params = dict(base)
+    params.update({k: v for k, v in rope.items() if v is not None})
+    if params["rope_type"] in ("yarn", "llama3") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = config.max_position_embeddings
+    params["rope_theta"] = float(params["rope_theta"])
+    return params
+
+
+def expand_rope_base(
+    model: nn.Module, rope_parameters: dict[str, Any], max_position_embeddings: int | None = None
+) -> torch.Tensor:
+    """Set new RoPE parameters on a built model and verify the rotary frequencies changed.
+
+    Args:
+        model: transformers causal LM (PEFT-wrapped works too).
+        rope_parameters: complete or partial rope_parameters (see :func:`resolve_rope_parameters`).
+        max_position_embeddings: the new context length recorded in the config.
+
+    Returns:
+        The rotary module's new ``inv_freq`` (``[head_dim // 2]``).
+    """
+    params = resolve_rope_parameters(model.config, rope_parameters)
+    original = getattr(model, "_longpeft_original_rope", None)
+    if original is None:
+        # Remembered once, so that remove() restores the model as it was before the first change.
+        original = (rope_parameters_of(model.config), model.config.max_position_embeddings)
+    new = set_rope_parameters(model, params, max_position_embeddings)
+    model._longpeft_original_rope = original
+    return new
+
+
+def apply_rope_config(model: nn.Module, config: RopeConfig) -> None:
+    """The method's ``apply``: the section's RoPE parameters and length on ``model``."""
+    expand_rope_base(model, config.rope_parameters(), config.max_position_embeddings)
+
+
+def restore_rope(model: nn.Module) -> None:
+    """Restore the RoPE parameters the model had before :func:`expand_rope_base` first changed them."""
+    original = getattr(model, "_longpeft_original_rope", None)
+    if original is None:
+        raise ValueError(f"{type(model).__name__} has no RoPE change made by longpeft to remove")
+    params, max_positions = original
+    set_rope_parameters(model, copy.deepcopy(params), max_positions)
+    del model._longpeft_original_rope
+
+
+def has_rope_change(model: nn.Module) -> bool:
+    """Whether :func:`expand_rope_base` changed ``model``'s RoPE parameters (and :func:`restore_rope` did not undo it)."""
+    return getattr(model, "_longpeft_original_rope", None) is not None

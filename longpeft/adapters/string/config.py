@@ -1,0 +1,43 @@
+"""The ``string`` section of recipes and of ``longpeft.json``: STRING's shift and local window (no torch)."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from ...config import StrictModel
+from ..registry import ResolveContext
+
+DEFAULT_LOCAL_WINDOW = 128  # W: far keys score as at distance d - shift + W
+
+
+class StringConfig(StrictModel):
+    """STRING settings: keys at distance ``d >= shift`` score as at ``d - shift + local_window``.
+
+    ``shift`` defaults to ``trained_length // 3``; ``trained_length`` defaults to the adapter's
+    training length (when resolved by a recipe) or the model's ``max_position_embeddings``.
+    """
+
+    shift: int | None = Field(default=None, ge=1)
+    local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0)
+    trained_length: int | None = Field(default=None, ge=2)
+    cos_sin_scale: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _window_inside_shift(self) -> StringConfig:
+        if self.shift is not None and self.local_window > self.shift:
+            raise ValueError(f"local_window ({self.local_window}) must be <= shift ({self.shift})")
+        return self
+
+
+def resolve(config: StringConfig, context: ResolveContext) -> StringConfig:
+    """Fill the trained length (the recipe's training length) and the default shift L // 3."""
+    trained = config.trained_length or context.trained_length or context.base_config.max_position_embeddings
+    return config.model_copy(update={"trained_length": trained, "shift": config.shift or trained // 3})
+
+
+def describe(config: StringConfig) -> list[str]:
+    """Model-card sentence: the shifted distances and the trained length."""
+    return [
+        f"STRING at inference: keys at distance >= {config.shift} are scored as if at distance "
+        f"d - {config.shift} + {config.local_window} (trained length {config.trained_length})."
+    ]
