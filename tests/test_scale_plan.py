@@ -281,13 +281,13 @@ def test_launch_configs_and_refusals(capsys):
     beacon = load_recipe("beacon-llama3-8b-instruct")
     for launch in ("fsdp2", "zero3"):  # window by window: the processes' collectives would not match
         with pytest.raises(ValueError, match=f"--launch {launch} with beacon: Activation Beacon runs the decoder once "
-                                             "per window.*Use --launch ddp"):
+                                             "per window.*; use --launch ddp"):
             check_launch(beacon, launch)
     check_launch(beacon, "ddp")
     with pytest.raises(ValueError, match="zero3 with beacon: Activation Beacon runs the decoder once per window"):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     bf16_base = ["model.load_in_4bit=false"]
-    for overrides, reason in ((["method=pose", "pose.target_length=81920"], "PoSE"),
+    for overrides, reason in ((["method=pose", "pose.target_length=81920"], "pose: PoSE trains on sequences"),
                               (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"], "data.utk"),
                               ([], None)):
         recipe = load_recipe("llama3-8b-instruct-80k-qlora", bf16_base + overrides)
@@ -296,8 +296,12 @@ def test_launch_configs_and_refusals(capsys):
                 check_launch(recipe, "ulysses")
         else:
             check_launch(recipe, "ulysses")
-    with pytest.raises(ValueError, match="ulysses with Activation Beacon"):
+    with pytest.raises(ValueError, match="--launch ulysses with beacon: Activation Beacon condenses each sequence window "
+                                         "by window.*; use --launch ddp"):
         check_launch(beacon, "ulysses")
+    with pytest.raises(ValueError, match=r"context parallelism \(accelerate cp_size > 1\) with beacon: Activation "
+                                         "Beacon condenses"):
+        check_context_parallel(beacon)
     assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "fsdp2", "--gpus", "8", "--print-command",
                  "--set", "train.max_steps=10"]) == 0
     command = shlex.split(capsys.readouterr().out)

@@ -342,15 +342,33 @@ def test_methods_string_cannot_run_with_are_refused_in_recipes_and_on_models():
     model = tiny_model("llama", attn_implementation="sdpa")
     settings = BeaconConfig(window=16, ratios=[4]).settings()
     apply_beacon(model, settings)
-    with pytest.raises(ValueError, match="this model has beacon on .*STRING cannot be combined with beacon"):
+    with pytest.raises(ValueError, match="this model has beacon on, and string cannot be combined with it: Activation "
+                                         "Beacon keeps positions .*; remove beacon from the model first"):
         enable_string(model, shift=40, local_window=8)
     remove_beacon(model)
     enable_string(model, shift=40, local_window=8)
-    with pytest.raises(ValueError, match="STRING is on: .*switch STRING off"):
+    with pytest.raises(ValueError, match="this model has string on, and beacon cannot be combined with it: .*reads "
+                                         "distances off those"):
         apply_beacon(model, settings)
     assert not hasattr(model.config, "beacon")  # refused before changing anything
     disable_string(model)
     apply_beacon(model, settings)
+    remove_beacon(model)
+
+    from longpeft.adapters.harpe import apply_head_bases, remove_head_bases
+
+    apply_head_bases(model, [1e4, 1e5])
+    with pytest.raises(ValueError, match="this model has harpe on, and string cannot be combined with it: STRING "
+                                         "needs one RoPE base"):
+        enable_string(model, shift=40, local_window=8)
+    remove_head_bases(model)
+    model.config.head_rope_bases = [1e4, 1e5]  # how a merged HARPE model, built by its own modeling file, shows them
+    with pytest.raises(ValueError, match="this model has harpe on"):
+        enable_string(model, shift=40, local_window=8)
+    del model.config.head_rope_bases
+    enable_string(model, shift=40, local_window=8)
+    with pytest.raises(ValueError, match="this model has string on, and harpe cannot be combined with it"):
+        apply_head_bases(model, [1e4, 1e5])
 
 
 def test_settings_recorded_in_a_context_spec_are_reapplied(tmp_path):

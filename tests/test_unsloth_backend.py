@@ -97,7 +97,8 @@ def test_no_cuda_is_refused_even_with_unsloth_installed(monkeypatch):
 
 
 def test_unsupported_settings_are_refused_naming_the_backend():
-    with pytest.raises(RecipeError, match="train.backend: unsloth does not support method sections"):
+    with pytest.raises(RecipeError, match=r"train.backend: unsloth does not support harpe \(unsloth replaces the "
+                                          "attention forward that rotates with HARPE's per-head bases"):
         load_recipe("tiny-harpe-cpu", ["train.backend=unsloth"])
     with pytest.raises(RecipeError, match="train.activation_offloading"):
         load_recipe("tiny-cpu", ["train.backend=unsloth", "train.activation_offloading=true"])

@@ -124,7 +124,8 @@ METHOD = Method(
         "split_sequences": "Activation Beacon condenses each sequence window by window, which cannot run on sequence "
                            "shards",
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
-        "unsloth": f"unsloth replaces the attention and decoder-layer forwards, and {ROTATES_ITSELF}",
+        "unsloth": "unsloth replaces the attention and decoder-layer forwards that Activation Beacon patches, which "
+                   "would silently not apply",
     },
 )
 

@@ -116,7 +116,7 @@ METHOD = Method(
         "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon keys "
                   "whose positions are not their cache indices (STRING reads distances off those)",
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
-        "unsloth": f"unsloth replaces the attention forward, and {ROTATES_ITSELF}",
+        "unsloth": "unsloth replaces the attention forward that STRING patches, which would silently not apply",
     },
 )
 
