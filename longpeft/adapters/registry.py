@@ -198,8 +198,8 @@ def register(method: Method) -> Method:
     """Add ``method`` to the registry (methods apply in registration order); returns it.
 
     Raises:
-        ValueError: another method has its name, it gives only some of ``apply``/``remove``/``is_applied``, or a
-            ``conflicts`` entry has no reason.
+        ValueError: another method has its name, it gives only some of ``apply``/``remove``/``is_applied`` (or
+            none, with a model_span), or a ``conflicts`` entry has no reason.
     """
     if method.name in METHODS and METHODS[method.name] is not method:
         raise ValueError(f"a method named {method.name!r} is already registered")
@@ -208,6 +208,9 @@ def register(method: Method) -> Method:
         missing = [name for name, hook in hooks.items() if hook is None]
         raise ValueError(f"method {method.name}: give apply, remove and is_applied together (missing {missing}), or "
                          "none of them for a method that changes only the training inputs")
+    if method.apply is None and method.model_span is not None:
+        raise ValueError(f"method {method.name}: model_span reads a model the method is applied to; give apply, "
+                         "remove and is_applied")
     empty = [other for other, why in method.conflicts.items() if not why]
     if empty:
         raise ValueError(f"method {method.name}: conflicts {empty} need a reason (what breaks)")

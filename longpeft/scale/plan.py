@@ -4,7 +4,7 @@ Memory terms, in bytes per GPU (``--launch ddp``, the default on several GPUs: a
 
 - base weights: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantization constants, everything else
   in the compute dtype; or the whole model in the compute dtype;
-- LoRA, a trainable embedding, a method's own weights (its ``planned_parameters`` hook), or a full fine-tune's
+- LoRA, a trainable embedding, a method's own weights (its ``weights.planned`` hook), or a full fine-tune's
   weights: each trained parameter with its gradient and AdamW's two moments (:func:`estimate`'s ``with_state``);
 - activations (:func:`activation_terms`): checkpointed layer inputs, kept attention outputs, layers not
   checkpointed, one layer's recompute (a tiled MLP holds one tile), or every layer's activations without
