@@ -15,7 +15,7 @@ class PoseConfig(StrictModel):
 
     ``n_chunks``: chunks per sample (the paper's default 2); skips between chunks are drawn uniformly
     and never decrease (the paper's skip distribution). ``content_skip``: what the chunks hold (see
-    :mod:`longpeft.adapters.pose`); other than ``none`` it needs plain-text data (``data.format: text``).
+    :mod:`.modeling`); other than ``none`` it needs plain-text data (``data.format: text``).
     """
 
     n_chunks: int = Field(default=2, ge=1)
