@@ -254,38 +254,45 @@ def test_method_weights_save_and_load_back_exactly(name, tmp_path):
     assert torch.equal(logits(fresh), logits(trained))
 
 
-LOAD_EXPORT = r"""
+LOAD_EXPORTS = r"""
 import torch
 from transformers import AutoModelForCausalLM
 
-model_dir, ids_path, out_path, remote_code = sys.argv[1:5]
-if remote_code == "1":
-    model = load_exported(model_dir, "sdpa")
-else:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
-with torch.no_grad():
-    torch.save(model(torch.load(ids_path)).logits, out_path)
-print("\nLOADED", type(model).__name__)
+ids = torch.load(sys.argv[1])
+for model_dir, out_path, remote_code in zip(*[iter(sys.argv[2:])] * 3):
+    if remote_code == "1":
+        model = load_exported(model_dir, "sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        torch.save(model(ids).logits, out_path)
+    print("LOADED", model_dir, type(model).__name__)
 """
 
 
-@pytest.mark.parametrize("name", [name for name, method in METHODS.items() if method.export is not None])
-def test_an_export_loads_in_a_fresh_process_without_longpeft(name, tmp_path):
+def test_every_export_loads_in_a_fresh_process_without_longpeft(tmp_path):
     """A model with the method on, saved and exported as ``hub.merge`` does, loads with transformers alone
-    (``trust_remote_code`` where the method ships a modeling file, and only then) and gives the same logits."""
-    method = METHODS[name]
-    config = case_config(method)
-    model = base_model()
-    method.apply(model, config)
-    folder = tmp_path / "exported"
-    model.save_pretrained(folder)
-    method.export(model, folder, config)
+    (``trust_remote_code`` where the method ships a modeling file, and only then) and gives the same logits. One
+    fresh process loads every method's export (each start costs seconds)."""
+    exporting = [method for method in METHODS.values() if method.export is not None]
+    assert exporting
+    expected, arguments = {}, [str(tmp_path / "ids.pt")]
     torch.save(IDS, tmp_path / "ids.pt")
-    run = run_without_longpeft(LOAD_EXPORT, [str(folder), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt"),
-                                             "1" if method.remote_code else "0"], tmp_path)
+    for method in exporting:
+        config = case_config(method)
+        model = base_model()
+        method.apply(model, config)
+        folder = tmp_path / method.name
+        model.save_pretrained(folder)
+        method.export(model, folder, config)
+        expected[method.name] = logits(model)
+        arguments += [str(folder), str(tmp_path / f"{method.name}.pt"), "1" if method.remote_code else "0"]
+    run = run_without_longpeft(LOAD_EXPORTS, arguments, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "LOADED" in run.stdout
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), logits(model), atol=1e-5, rtol=0)
+    for method in exporting:
+        assert f"LOADED {tmp_path / method.name} " in run.stdout, method.name
+        torch.testing.assert_close(torch.load(tmp_path / f"{method.name}.pt"), expected[method.name], atol=1e-5,
+                                   rtol=0, msg=lambda text, name=method.name: f"{name}'s export: {text}")
 
 
 def test_conflicts_are_refused_naming_both_sides_and_the_fix():
