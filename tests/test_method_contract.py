@@ -32,7 +32,8 @@ from longpeft.tiny import tiny_config, tiny_model
 
 from export_helpers import run_without_longpeft  # tests/export_helpers.py
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+# compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.compat]
 
 PACKAGE = Path(__file__).resolve().parents[1] / "longpeft"
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors", "accelerate", "bitsandbytes")
