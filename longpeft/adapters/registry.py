@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from torch import nn
 
 from ..config import StrictModel
+from ..errors import DataError
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
         return config_class.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors())
-        raise ValueError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
+        raise DataError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
 
 
 def gathered_tensors(

@@ -44,6 +44,7 @@ import torch
 from pydantic import Field
 
 from ...config import StrictModel
+from ...errors import ConfigError
 from ..registry import Method, ResolveContext
 
 IGNORE_INDEX = -100
@@ -69,7 +70,7 @@ class PoseConfig(StrictModel):
 def _resolve(config: PoseConfig, context: ResolveContext) -> PoseConfig:
     target = config.target_length or context.target_length
     if target is None or (context.trained_length and target <= context.trained_length):
-        raise ValueError(
+        raise ConfigError(
             f"pose.target_length ({target}) must be set and longer than the training length "
             f"({context.trained_length}, data.max_length): at equal lengths every skip is 0 and PoSE changes nothing"
         )

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from ...config import StrictModel
+from ...errors import ConfigError
 from ...family import causal_lm_of, check_supported
 from ..registry import Method, ResolveContext
 from .attention import (
@@ -68,8 +69,8 @@ def enable_string(
         check_supported(config, "STRING")
     for name, attribute in (("harpe", "head_rope_bases"), ("beacon", "beacon")):
         if getattr(config, attribute, None):
-            raise ValueError(f"this model has {name} on (config.{attribute}): {EXCLUDES[name]}; STRING cannot be "
-                             f"combined with {name}")
+            raise ConfigError(f"this model has {name} on (config.{attribute}): {EXCLUDES[name]}; STRING cannot be "
+                              f"combined with {name}")
     trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
     shift = int(shift if shift is not None else trained_length // 3)
     scale = None if cos_sin_scale is None else float(cos_sin_scale)
