@@ -2,7 +2,8 @@
 
 ``longpeft.load(base, adapter_dir)`` loads an adapter onto a base model (its ``longpeft.json``
 first, then the weights; see :func:`longpeft.loading.load`). Importing the package is cheap: torch
-and transformers load when ``load``, ``ContextSpec`` or ``SpecMismatchError`` is first used.
+and transformers load when ``load``, ``ContextSpec`` or ``SpecMismatchError`` is first used. Every error
+longpeft raises for input it cannot use is a ``LongpeftError`` (the kinds: :mod:`longpeft.errors`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _not_bnb_optional_kernel_notice(record: logging.LogRecord) -> bool:
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_optional_kernel_notice)
 
 # Public name -> the submodule that defines it (the object itself is returned: real signature and docs).
-_EXPORTS = {"load": "loading", "ContextSpec": "spec", "SpecMismatchError": "spec"}
+_EXPORTS = {"load": "loading", "ContextSpec": "spec", "SpecMismatchError": "spec", "LongpeftError": "errors"}
 
 
 def __getattr__(name: str) -> Any:
@@ -41,4 +42,4 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-__all__ = ["ContextSpec", "SpecMismatchError", "load", "__version__"]
+__all__ = ["ContextSpec", "LongpeftError", "SpecMismatchError", "load", "__version__"]

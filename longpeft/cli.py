@@ -7,7 +7,9 @@ import json
 import os
 import sys
 
+from .errors import ConfigError
 from .launch import LAUNCHES
+
 
 def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("recipe", help="recipe YAML path or bundled recipe name (see `longpeft plan --list`)")
@@ -31,8 +33,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                     "--print-slurm": args.print_slurm}
     given = [flag for flag, present in launch_flags.items() if present]
     if given:
-        raise ValueError(f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains "
-                         "in this one process)")
+        raise ConfigError(f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains "
+                          "in this one process)")
     from .recipes.runner import run
 
     result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
@@ -72,20 +74,20 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     from .launch.nodes import DEFAULT_MAIN_PORT, Nodes, parse_main_address, slurm_script
 
     if args.print_slurm and args.print_command:
-        raise ValueError("--print-slurm and --print-command: choose one (the script holds the command)")
+        raise ConfigError("--print-slurm and --print-command: choose one (the script holds the command)")
     devices = torch_cuda_devices()
     gpus = args.gpus if args.gpus is not None else devices
     if args.print_slurm and args.gpus is None:
-        raise ValueError("--print-slurm: give --gpus G, the GPUs of each node (the script asks SLURM for them)")
+        raise ConfigError("--print-slurm: give --gpus G, the GPUs of each node (the script asks SLURM for them)")
     if gpus < 1:
-        raise ValueError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {devices} CUDA devices)")
+        raise ConfigError(f"--launch {args.launch}: give --gpus N >= 1 (this machine shows {devices} CUDA devices)")
     count = args.nodes or 1
     if args.print_slurm:
         for flag, given in (("--node-rank", args.node_rank is not None), ("--main-address", args.main_address)):
             if given:
-                raise ValueError(f"--print-slurm with {flag}: the script takes each node's rank from $SLURM_NODEID and "
-                                 "the main address from the first host of the allocation (MAIN_PORT=PORT sbatch ... "
-                                 "changes the port)")
+                raise ConfigError(f"--print-slurm with {flag}: the script takes each node's rank from "
+                                  "$SLURM_NODEID and the main address from the first host of the allocation "
+                                  "(MAIN_PORT=PORT sbatch ... changes the port)")
         nodes = Nodes(count, host="MAIN_HOST")  # the script replaces the address and the rank
     else:
         host, port = parse_main_address(args.main_address) if args.main_address else (None, DEFAULT_MAIN_PORT)
@@ -114,7 +116,7 @@ def check_processes(recipe, launch: str, processes: int) -> None:
 
         try:
             shape = shape_of(recipe.model.name_or_path)
-        except ValueError:  # not on this machine: DeepSpeed checks the heads when the model is built
+        except ConfigError:  # not on this machine: DeepSpeed checks the heads when the model is built
             print(f"longpeft train: {recipe.model.name_or_path}'s config.json is not on this machine; Ulysses' group "
                   f"of {processes} processes is checked against its heads when training starts", file=sys.stderr)
         else:
@@ -122,9 +124,9 @@ def check_processes(recipe, launch: str, processes: int) -> None:
     data_parallel = 1 if launch == "ulysses" else processes  # a Ulysses group trains one sample
     try:
         gradient_accumulation(recipe, data_parallel)
-    except ValueError as exc:
-        raise ValueError(f"{exc}: --set train.global_batch_size to a multiple of "
-                         f"{recipe.train.per_device_batch_size * data_parallel}, or train on fewer GPUs") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}: --set train.global_batch_size to a multiple of "
+                          f"{recipe.train.per_device_batch_size * data_parallel}, or train on fewer GPUs") from None
 
 
 def _number(kind: type, low: float, high: float | None = None, inclusive: bool = True):
@@ -156,7 +158,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("\n".join(bundled_recipes()))
         return 0
     if not args.recipe:
-        raise SystemExit("longpeft plan: give a recipe (or --list)")
+        raise ConfigError("longpeft plan: give a recipe (or --list)")
     overrides = list(args.overrides)
     if args.stand_in:
         # an earlier stage's adapter (model.init_from) was trained on the real base: the stand-in starts fresh
@@ -172,12 +174,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was not "
               "checked against it (plan --build downloads it and checks)", file=sys.stderr)
     if args.launch and args.gpus is None:
-        raise ValueError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
+        raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:
-        raise ValueError(f"longpeft plan --nodes {args.nodes}: give --gpus G, the GPUs of each node")
+        raise ConfigError(f"longpeft plan --nodes {args.nodes}: give --gpus G, the GPUs of each node")
     if args.inter_node_gbps is not None and args.nodes == 1:
-        raise ValueError("longpeft plan --inter-node-gbps goes with --nodes N > 1 (one node's GPUs talk over its own "
-                         "links, which the plan does not model)")
+        raise ConfigError("longpeft plan --inter-node-gbps goes with --nodes N > 1 (one node's GPUs talk over its own "
+                          "links, which the plan does not model)")
     if args.gpus is not None:
         from .recipes.plan_data import count_sample_lengths
         from .scale import estimate
@@ -367,24 +369,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Failures caused by the user's input or environment: one message, exit status 2, no traceback.
-EXPECTED_ERRORS = (ValueError, KeyError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                   PermissionError, OSError, TimeoutError, ImportError, MemoryError)
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """What the command line reports as one line (exit status 2) rather than a traceback: longpeft's own
+    :class:`~longpeft.errors.LongpeftError` (bad input, named), and what libraries raise for bad input files or a
+    failing environment: a file, folder, disk or network problem (``OSError``: missing file, permission, no space
+    left, a refused connection or timeout), a package not installed (``ImportError``), text that is not JSON, YAML or
+    UTF-8, settings refused by pydantic, a Hub id or request refused by huggingface_hub, a corrupt safetensors file.
+
+    Anything else (``KeyError``, ``TypeError``, ``AttributeError``, a bare ``ValueError``, ...) is a bug and keeps
+    its traceback.
+    """
+    import json
+
+    import pydantic
+    import yaml
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+    from safetensors import SafetensorError
+
+    from .errors import LongpeftError
+
+    return (LongpeftError, OSError, ImportError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError,
+            pydantic.ValidationError, HFValidationError, HfHubHTTPError, SafetensorError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``longpeft`` command; returns its exit status.
+
+    The one error boundary of every command: an expected error (:func:`expected_errors`) prints
+    ``longpeft COMMAND: error: MESSAGE`` and returns 2, an interrupt returns 130; any other exception propagates
+    with its traceback. ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets expected errors propagate too.
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except KeyboardInterrupt:
         print(f"longpeft {args.command}: interrupted", file=sys.stderr)
         return 130
-    except EXPECTED_ERRORS as exc:
-        if args.debug or os.environ.get("LONGPEFT_DEBUG"):
+    except Exception as exc:
+        if args.debug or os.environ.get("LONGPEFT_DEBUG") or not isinstance(exc, expected_errors()):
             raise
         message = str(exc).strip() or type(exc).__name__
-        if isinstance(exc, KeyError) and exc.args:
-            message = str(exc.args[0])
         print(f"longpeft {args.command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

@@ -1,8 +1,9 @@
 """The one config layer: a strict pydantic base, ``--set`` overrides, error messages, dtype names.
 
-Every settings object in longpeft (recipe sections, method configs, synth configs, the LLM client)
-derives from :class:`StrictModel`, so an unknown or misspelt key is an error that names its dotted
-path. Importing this module is cheap: no torch, no transformers.
+Every settings object in longpeft (recipe sections, method configs, synth configs, the LLM client,
+``longpeft.json``'s ContextSpec) derives from :class:`StrictModel`, so an unknown or misspelt key is an
+error that names its dotted path; a bad config raises :class:`~longpeft.errors.ConfigError`. Importing
+this module is cheap: no torch, no transformers.
 """
 
 from __future__ import annotations
@@ -14,19 +15,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
+from .errors import ConfigError
+
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
-class LongpeftError(ValueError):
-    """An expected failure caused by the user's input (a file, a key, a flag).
-
-    The CLI prints its message as one line and exits with status 2; the message names the file,
-    field or flag and says what to do.
-    """
-
-
-class ConfigError(LongpeftError):
-    """A config file or override that cannot be used; the message names the file and the key."""
 
 
 class StrictModel(BaseModel):

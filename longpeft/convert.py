@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from .adapters.beacon import WEIGHTS_FILENAME
 from .adapters.beacon.weights import AUTHORS_TENSOR, config_from_authors
+from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, written_atomically
 from .spec import ContextSpec
 
@@ -40,7 +41,7 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
             files = sorted(folder.glob("*.safetensors"))
     config_path = folder / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
+        raise ModelSourceError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
     return folder, json.loads(config_path.read_text()), files
 
 
@@ -70,8 +71,8 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
     for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if checkpoint_config.get(key) != getattr(base_config, key, None):
-            raise ValueError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
-                             f"{getattr(base_config, key, None)} in the base; give the matching stock base with --base")
+            raise ConfigError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
+                              f"{getattr(base_config, key, None)} in the base; give the matching stock base with --base")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
@@ -80,7 +81,7 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
                 for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
     missing = sorted(expected - set(tensors))
     if missing:
-        raise ValueError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
+        raise DataError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
     spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()},
                                  weights="method")
     with written_atomically(out_dir.resolve()) as partial:  # a failure leaves no adapter that looks complete

@@ -16,6 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
+from .errors import OutputFolderError
 from .hub import merge, write_model_card
 from .recipes.checkpoints import latest_checkpoint
 from .recipes.runner import run
@@ -78,9 +79,9 @@ def prepare_demo_folder(out: Path) -> None:
         NotADirectoryError: ``out`` is a file.
     """
     if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"--out {out} is a file; choose a folder for the demo")
+        raise OutputFolderError(f"--out {out} is a file; choose a folder for the demo")
     if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():
-        raise FileExistsError(
+        raise OutputFolderError(
             f"--out {out} is not empty and was not written by `longpeft demo`; choose an empty or new folder "
             "(nothing was deleted)"
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .errors import ConfigError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -48,7 +50,7 @@ def check_supported(config: Any, what: str) -> None:
     """Raise ValueError naming ``what`` when the config's model type is not one longpeft patches."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
+        raise ConfigError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
 
 
 def cache_keyword() -> str:

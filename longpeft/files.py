@@ -15,6 +15,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from .errors import ModelSourceError, OutputFolderError
+
 
 def is_local(name: str | Path) -> bool:
     """Whether ``name`` is meant as a local path (it exists, or does not look like ``owner/name``)."""
@@ -37,7 +39,8 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None
 
     Raises:
         TimeoutError: no answer within ``timeout`` seconds (the message names the endpoint).
-        FileNotFoundError: the Hub answered that there is no such repository (or it is private).
+        ModelSourceError: the Hub answered that there is no such repository (or it is private).
+        OSError: the Hub answered with another failure.
     """
     from huggingface_hub import constants
 
@@ -73,7 +76,7 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None
         return
     name = type(error).__name__
     if "NotFound" in name or "Gated" in name or "Unauthorized" in name:
-        raise FileNotFoundError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
+        raise ModelSourceError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
     raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: {str(error).splitlines()[0][:200]})") from None
 
 
@@ -81,10 +84,13 @@ def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
     """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts.
 
     ``hint``: what to do instead, appended to the error for a missing folder.
+
+    Raises:
+        ModelSourceError: no such local folder, or no such Hub repo (see :func:`hub_preflight` for the others).
     """
     if is_local(name):
         if not Path(name).is_dir():
-            raise FileNotFoundError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
+            raise ModelSourceError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
     else:
         hub_preflight(str(name), what)
 
@@ -101,12 +107,17 @@ def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = ""
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Fail now, not after hours of work, when results could not be written to ``folder`` (named by ``flag``)."""
+    """Fail now, not after hours of work, when results could not be written to ``folder`` (named by ``flag``).
+
+    Raises:
+        OutputFolderError: ``folder`` is a file.
+        PermissionError: the nearest existing folder on its path is not writable.
+    """
     import os
 
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"{flag} {folder} is a file; choose a folder")
+        raise OutputFolderError(f"{flag} {folder} is a file; choose a folder")
     parent = next(p for p in (folder.resolve(), *folder.resolve().parents) if p.exists())
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"{flag} {folder}: {parent} is not writable")
@@ -116,14 +127,18 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
     """Refuse, before any work, an output folder that would overwrite something: a file, a folder
     that is not empty, one of the ``protected`` folders (the adapter, the base), or an unwritable place.
     ``flag`` names the option that gave the folder.
+
+    Raises:
+        OutputFolderError: naming the flag, the folder and what it would overwrite.
+        PermissionError: the folder could not be written.
     """
     target = out_dir.resolve()
     for what, folder in protected.items():
         if folder.exists() and target == folder.resolve():
-            raise FileExistsError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
+            raise OutputFolderError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
     check_writable_folder(out_dir, flag)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise FileExistsError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
+        raise OutputFolderError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
 
 
 @contextlib.contextmanager

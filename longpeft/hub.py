@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from .adapters import export_methods, spec_methods
 from .config import torch_dtype
+from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
 from .spec import SPEC_FILENAME, ContextSpec, run_outputs
 
@@ -74,18 +74,18 @@ def merge(
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
     unknown = sorted(set(without) - set(spec.methods))
     if unknown:
-        raise ValueError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
-                         f"{', '.join(spec.methods)})")
+        raise ConfigError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
+                          f"{', '.join(spec.methods)})")
     trained = [name for name in without if not METHODS[name].inference_only]
     if trained:
         optional = [name for name, method in METHODS.items() if method.inference_only]
-        raise ValueError(f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
-                         f"it out; only inference-time methods ({', '.join(optional)}) can be")
+        raise ConfigError(f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
+                          f"it out; only inference-time methods ({', '.join(optional)}) can be")
     revision = pin_base_revision(spec, base_name, {}).get("revision")
     quantization = getattr(AutoConfig.from_pretrained(base_name, revision=revision), "quantization_config", None)
     if quantization:
-        raise ValueError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
-                         "a merge needs the full-precision base; pass it with --base")
+        raise ConfigError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
+                          "a merge needs the full-precision base; pass it with --base")
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     for name in without:
         METHODS[name].remove(model)
@@ -94,9 +94,9 @@ def merge(
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    kept = dataclasses.replace(
-        spec, methods={name: section for name, section in spec.methods.items() if name not in without}, weights="merged"
-    )
+    kept = spec.model_copy(update={
+        "methods": {name: section for name, section in spec.methods.items() if name not in without}, "weights": "merged"
+    })
     with written_atomically(out_dir) as partial:
         merged.config.name_or_path = str(out_dir)
         merged.save_pretrained(partial)
@@ -144,7 +144,7 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     for row in rows:
         missing = {"task", "score"} - set(row)
         if missing:
-            raise ValueError(f"{path}: a row lacks {sorted(missing)}: {row}")
+            raise DataError(f"{path}: a row lacks {sorted(missing)}: {row}")
     return rows
 
 
@@ -258,15 +258,20 @@ def write_model_card(folder: str | Path, spec: ContextSpec, repo_id: str) -> Pat
     table when one is there."""
     folder = Path(folder)
     path = folder / "README.md"
-    card = model_card_text(dataclasses.replace(spec, weights=folder_weights(folder, spec)), load_eval_rows(folder), repo_id)
+    card = model_card_text(spec.model_copy(update={"weights": folder_weights(folder, spec)}), load_eval_rows(folder),
+                           repo_id)
     path.write_text(card)
     return path
 
 
 def folder_weights(folder: Path, spec: ContextSpec) -> str:
-    """What a longpeft folder's weights are (``ContextSpec.weights``): as recorded, else, for a folder written before
-    format 3, from its files: LoRA (adapter_config.json), a method's own weights only, or a whole model, fully
-    fine-tuned when the card the runner wrote there says so, else merged (merge and export wrote no record either).
+    """What a longpeft folder's weights are (``ContextSpec.weights``): as recorded (every longpeft command that
+    writes a folder records it), else, for a spec saved from Python without it, from the files: LoRA
+    (adapter_config.json) or a method's own weights only.
+
+    Raises:
+        DataError: a whole model (config.json and weights) whose longpeft.json does not say whether it is fully
+            fine-tuned or merged.
     """
     if spec.weights:
         return spec.weights
@@ -274,19 +279,8 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
         return "lora"
     if not is_whole_model(folder):
         return "method"
-    return "full" if "full-finetune" in card_tags(folder) else "merged"
-
-
-def card_tags(folder: Path) -> list[str]:
-    """The tags in the YAML header of ``folder``'s README.md (none without one)."""
-    path = folder / "README.md"
-    parts = path.read_text().split("---", 2) if path.is_file() else []
-    try:
-        header = yaml.safe_load(parts[1]) if len(parts) == 3 and not parts[0].strip() else None
-    except yaml.YAMLError:
-        return []
-    tags = header.get("tags") if isinstance(header, dict) else None
-    return tags if isinstance(tags, list) else []
+    raise DataError(f"{folder / SPEC_FILENAME} does not record what this whole model is (weights: full or merged); "
+                    "write it with longpeft (merge, export, or a finetune: full run), or set weights in that file")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,15 +304,15 @@ def check_adapter_files(folder: Path) -> None:
     if not lora and not any(folder.glob("*.safetensors")):
         missing.append("weights (adapter_model.safetensors or a method's own *.safetensors)")
     if missing:
-        raise FileNotFoundError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
+        raise ModelSourceError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
 
 
 def upload_source(source: Path) -> Path:
     """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
     found = run_outputs(source)
     if len(found) > 1:
-        raise ValueError(f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
-                         "settings wrote there); push the one you mean: " + " or ".join(map(str, found)))
+        raise ConfigError(f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+                          "settings wrote there); push the one you mean: " + " or ".join(map(str, found)))
     return found[0] if found else source
 
 
@@ -389,8 +383,8 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     """
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
-        raise FileNotFoundError(f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
-                                "of a longpeft run with finetune: full?")
+        raise ModelSourceError(f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
+                               "of a longpeft run with finetune: full?")
     target = torch_dtype(dtype)
     _copy_files(source, dest, skip=tuple(path.name for path in weights))
     sizes = {}

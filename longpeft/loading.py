@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
+from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir
 from .spec import ContextSpec
 
@@ -21,7 +22,7 @@ def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | 
     if base is not None:
         return model_location(base)
     if not spec.base_model:
-        raise ValueError(f"{Path(adapter_dir) / 'longpeft.json'} names no base_model; pass the base model explicitly")
+        raise DataError(f"{Path(adapter_dir) / 'longpeft.json'} names no base_model; pass the base model explicitly")
     candidate = Path(adapter_dir) / spec.base_model
     if not Path(spec.base_model).is_absolute() and candidate.exists():
         return str(candidate)
@@ -101,8 +102,8 @@ def load(
     adapter_dir = local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none
-        raise ValueError(f"{adapter_dir} holds a whole model (config.json), not an adapter: load it with "
-                         "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
+        raise ConfigError(f"{adapter_dir} holds a whole model (config.json), not an adapter: load it with "
+                          "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
     recorded = resolve_base(spec, adapter_dir, None) if spec.base_model else None  # for strict_base_id
     if isinstance(base, PreTrainedModel):
         model = base
@@ -123,8 +124,8 @@ def load(
     if (adapter_dir / "adapter_config.json").is_file():
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
     elif not any(method.weights is not None for method, _ in spec_methods(spec)):
-        raise FileNotFoundError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
-                                "own): not an adapter folder")
+        raise ModelSourceError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
+                               "own): not an adapter folder")
     load_method_weights(model, spec, adapter_dir)
     model.longpeft_spec = spec  # what was applied (e.g. STRING's default L is the trained length)
     return model

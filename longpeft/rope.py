@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import ConfigError, LongpeftError
+
 # rope_type -> keys that transformers requires besides "rope_type" and "rope_theta".
 ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -144,7 +146,7 @@ def rope_parameters_of(config: Any) -> dict[str, Any]:
     """A copy of the config's complete ``rope_parameters`` dict (``rope_type`` and ``rope_theta`` at least)."""
     params = getattr(config, "rope_parameters", None)
     if not isinstance(params, dict) or "rope_theta" not in params:
-        raise ValueError(
+        raise ConfigError(
             f"{type(config).__name__} has no usable rope_parameters ({params!r}); longpeft supports "
             "RoPE models whose transformers v5 config carries rope_parameters with a rope_theta"
         )
@@ -157,16 +159,16 @@ def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
     """Check a rope_parameters dict for the rope types longpeft supports; returns it unchanged."""
     rope_type = params.get("rope_type", "default")
     if rope_type not in ROPE_TYPE_REQUIRED_KEYS:
-        raise ValueError(
+        raise ConfigError(
             f"rope_parameters.rope_type={rope_type!r} is not supported; choose one of {sorted(ROPE_TYPE_REQUIRED_KEYS)}"
         )
     if "rope_theta" not in params:
-        raise ValueError("rope_parameters needs rope_theta (the RoPE base)")
+        raise ConfigError("rope_parameters needs rope_theta (the RoPE base)")
     if float(params["rope_theta"]) <= 1:
-        raise ValueError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
+        raise ConfigError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
     missing = [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]
     if missing:
-        raise ValueError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
+        raise ConfigError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
     return params
 
 
@@ -204,7 +206,7 @@ def set_rope_parameters(
     params = validate_rope_parameters(copy.deepcopy(dict(rope_parameters)))
     rotaries = rotary_modules(model)
     if not rotaries:
-        raise ValueError(f"{type(model).__name__} has no rotary embedding module; is it a RoPE model?")
+        raise ConfigError(f"{type(model).__name__} has no rotary embedding module; is it a RoPE model?")
     configs = {id(m.config): m.config for _, _, m in rotaries}
     for config in configs.values():
         config.rope_parameters = copy.deepcopy(params)
@@ -239,8 +241,9 @@ def set_rope_parameters(
 # --------------------------------------------------------------------------------------------
 
 
-class RotaryMismatch(ValueError):
-    """A built model's rotary frequencies are not the ones its config's rope_parameters imply."""
+class RotaryMismatch(LongpeftError, ValueError):
+    """A built model's rotary frequencies are not the ones its config's rope_parameters imply (a library that built
+    it changed them: the message says which and what to do)."""
 
 
 def expected_rotary(config: Any) -> tuple[torch.Tensor, float]:

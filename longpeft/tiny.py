@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from .errors import ConfigError
+
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 CHAT_TEMPLATE = (
@@ -108,7 +110,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
     Defaults: hidden 64, 2 layers, head_dim 16, RoPE base 10000, 256 trained positions, fp32.
     """
     if arch not in TINY_ARCHITECTURES:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
+        raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
     model_type, arch_overrides = TINY_ARCHITECTURES[arch]
     settings: dict[str, Any] = dict(
         vocab_size=vocab_size,

@@ -62,8 +62,9 @@ def bench_throughput(latency: float, per_worker: int, concurrencies: list[int]) 
     (so the server's threads do not compete with the client for this process's GIL)."""
     os.environ.setdefault("LONGPEFT_BENCH_KEY", "bench")
     document = generate_document(seed=0, n_sentences=400)
-    server = subprocess.Popen([sys.executable, "-m", "longpeft.synth_data.stub_server", "--latency", str(latency)],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, str(root / "tests" / "stub_server.py"), "--latency", str(latency)],
+                              stdout=subprocess.PIPE, text=True, cwd=root)
     rates = {}
     try:
         base_url = server.stdout.readline().strip()

@@ -254,7 +254,7 @@ def test_the_plan_table_says_what_each_layer_keeps(capsys):
     (["train.backend=unsloth", "train.offload_checkpoints=true"], "train.offload_checkpoints (unsloth checkpoints"),
 ])
 def test_bad_memory_settings_are_refused_naming_the_key(overrides, message):
-    from longpeft.config import ConfigError
+    from longpeft.errors import ConfigError
 
     with pytest.raises((ConfigError, ValueError), match=message.replace("(", r"\(")):
         load_recipe("tiny-cpu", overrides)

@@ -16,8 +16,17 @@ import torch
 from longpeft.adapters.string import enable_string, string_settings
 from longpeft.eval import InsufficientMemoryError, check_memory, evaluate, niah_grid, passkey_accuracy
 from longpeft.eval.cli import register
-from longpeft.eval.generation import greedy_generate
+from longpeft.eval.generation import eos_token_ids, generate_batch, pad_token_id
 from longpeft.tiny import tiny_model, train_tokenizer
+
+
+def greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size=4):
+    """Greedy continuations of token-id ``prompts``, ``batch_size`` at a time, as the eval tasks run them."""
+    eos_ids = eos_token_ids(model, tokenizer)
+    pad_id = pad_token_id(tokenizer, eos_ids)
+    return [text for start in range(0, len(prompts), batch_size)
+            for text in generate_batch(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, eos_ids,
+                                       pad_id)]
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +171,7 @@ def test_cli_on_saved_model_and_adapter(tokenizer, tmp_path, capsys):
     tokenizer.save_pretrained(base_dir)
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"]))
     peft_model.save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope_base", base_model=str(base_dir)).save(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir)).save(adapter_dir)
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
@@ -255,7 +264,7 @@ def saved_base_and_adapter(tokenizer, tmp_path_factory):
     model.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope_base", base_model=str(base_dir), trained_length=120).save(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=120).save(adapter_dir)
     return base_dir, adapter_dir
 
 
@@ -379,7 +388,8 @@ def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_
 
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
     ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=600,
-                          max_position_embeddings=1024).save(adapter_dir)
+                          methods={"rope": {**model.config.rope_parameters, "max_position_embeddings": 1024}}
+                          ).save(adapter_dir)
     loaded = longpeft.load(str(base_dir), adapter_dir)
     with string_enabled(loaded, True) as settings:
         assert (settings["trained_length"], settings["shift"]) == (600, 200)

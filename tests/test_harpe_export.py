@@ -91,7 +91,8 @@ def test_adapter_loads_on_a_stock_base_with_the_same_logits(tmp_path):
     apply_head_bases(trained, bases)
     trained = _lora(trained).eval()
     trained.save_pretrained(adapter_dir)
-    ContextSpec.from_base(base_config, "harpe", base_model=str(base_dir), head_bases=bases).save(adapter_dir)
+    ContextSpec.from_base(base_config, "harpe", base_model=str(base_dir), methods={"harpe": {"bases": bases}}).save(
+        adapter_dir)
 
     loaded = longpeft.load(str(base_dir), adapter_dir, attn_implementation="eager").eval()
     assert loaded.config.head_rope_bases == bases

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from longpeft.synth_data.probes import DEPTH_TASKS, TASKS, ProbeBuilder, make_probes
+from longpeft.synth_data.probes import DEPTH_TASKS, PROBE_TASKS, ProbeBuilder, make_probes
 from longpeft.tiny import train_tokenizer
 
 
@@ -15,7 +15,7 @@ def tokenizer():
     return train_tokenizer()
 
 
-@pytest.mark.parametrize("task", TASKS)
+@pytest.mark.parametrize("task", PROBE_TASKS)
 @pytest.mark.parametrize("chat", [False, True])
 def test_exact_lengths_and_answers_in_prompt(tokenizer, task, chat):
     probes = make_probes(task, tokenizer, [900, 1333], [0.0, 0.6, 1.0], n_samples=2, seed=3, chat=chat)

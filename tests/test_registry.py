@@ -1,6 +1,5 @@
 """The method registry: a method registered in one place is recorded by the runner, applied by
-``longpeft.load``, carried through merge and named on the model card; format-1 longpeft.json files
-still load."""
+``longpeft.load``, carried through merge and named on the model card."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from longpeft.adapters import METHODS, Method, apply_spec, register, unregister
 from longpeft.config import StrictModel
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import RecipeError, load_recipe
-from longpeft.spec import SPEC_FORMAT_VERSION, ContextSpec
+from longpeft.spec import ContextSpec
 from longpeft.tiny import tiny_config, tiny_model
 
 
@@ -96,7 +95,6 @@ def test_unregistered_method_sections_are_refused(tmp_path):
 def test_method_needs_its_section_when_it_has_required_settings():
     with pytest.raises(RecipeError, match="method: harpe needs a harpe section"):
         load_recipe("tiny-cpu", ["method=harpe"])
-    assert load_recipe("tiny-cpu", ["method=rope_base"]).method == "rope"  # format-1 name accepted
 
 
 def test_registry_order_and_shape():
@@ -104,52 +102,6 @@ def test_registry_order_and_shape():
     for method in METHODS.values():  # apply/remove on a model, or none (PoSE changes only the training inputs)
         assert issubclass(method.config, StrictModel) and callable(method.resolve)
         assert all(callable(hook) for hook in (method.apply, method.remove, method.is_applied)) or method.apply is None
-
-
-def test_format_1_longpeft_json_still_loads(tmp_path):
-    """A longpeft.json written by longpeft 0.1 (format 1): RoPE, head bases and STRING become sections."""
-    config = tiny_config("llama")
-    v1 = {
-        "method": "harpe", "architecture": "LlamaForCausalLM",
-        "base_shape": {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                       "head_dim": 16, "vocab_size": 512},
-        "original_rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-        "original_max_position_embeddings": 256, "max_position_embeddings": 1024,
-        "base_model": "../base", "base_revision": None, "vocab_size": 512,
-        "head_bases": [10000.0, 500000.0], "string": None, "pose": None, "beacon": None,
-        "trained_length": 1024, "target_length": 1024, "recipe_hash": "abc", "library_version": "0.1.0",
-        "format_version": 1,
-    }
-    (tmp_path / "longpeft.json").write_text(json.dumps(v1))
-    spec = ContextSpec.load(tmp_path)
-    assert spec.format_version == SPEC_FORMAT_VERSION and spec.method == "harpe" and spec.weights is None
-    assert spec.head_bases == [10000.0, 500000.0] and spec.max_position_embeddings == 1024
-    assert spec.methods["rope"]["rope_theta"] == 10000.0 and "string" not in spec.methods
-    model = tiny_model("llama")
-    apply_spec(model, spec)
-    assert model.config.head_rope_bases == [10000.0, 500000.0] and model.config.max_position_embeddings == 1024
-    assert config.max_position_embeddings == 256  # the base config object was not touched
-
-
-@pytest.mark.parametrize(
-    "content, message",
-    [
-        ("[]", "must hold a JSON object"),
-        ('{"format_version": "2"}', "format_version must be a positive integer"),
-        ('{"format_version": 4}', "upgrade longpeft"),
-        ('{"method": "rope", "architecture": null, "base_shape": "x", "original_rope_parameters": {}, '
-         '"original_max_position_embeddings": 256, "format_version": 2}', "base_shape must be dict"),
-        ('{"method": "rope", "architecture": null, "base_shape": {"vocab_size": -1}, "original_rope_parameters": {}, '
-         '"original_max_position_embeddings": 256, "vocab_size": 99999999999, "format_version": 2}', "out of range"),
-        ('{"method": "rope", "architecture": null, "base_shape": {}, "original_rope_parameters": {}, '
-         '"original_max_position_embeddings": 256, "weights": "qlora", "format_version": 3}', "weights must be one of"),
-    ],
-)
-def test_wrong_shape_longpeft_json_is_a_clear_error(tmp_path, content, message):
-    (tmp_path / "longpeft.json").write_text(content)
-    with pytest.raises(ValueError, match=message):
-        ContextSpec.load(tmp_path)
 
 
 def test_non_finite_settings_are_refused():

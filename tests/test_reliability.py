@@ -3,17 +3,22 @@ diverging run stops; bad input ends in one message and exit status 2."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import shutil
 from pathlib import Path
 
 import pytest
+import yaml
+from huggingface_hub.errors import HFValidationError
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from longpeft import hub
 from longpeft.cli import main
 from longpeft.demo import DEMO_MARKER, prepare_demo_folder
+from longpeft.errors import ConfigError, DataError, LongpeftError, ModelSourceError, OutputFolderError
 from longpeft.recipes.runner import run
 from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
 from longpeft.recipes.schema import load_recipe
@@ -181,7 +186,7 @@ def test_a_diverging_run_stops_with_a_message(logs):
 
     with pytest.raises(TrainingDiverged, match="training diverged at step 7"):
         StopOnNonFinite().on_log(None, SimpleNamespace(global_step=7), None, logs=logs)
-    assert issubclass(TrainingDiverged, ValueError)  # the CLI turns it into one message, exit 2
+    assert issubclass(TrainingDiverged, LongpeftError)  # the CLI turns it into one message, exit 2
 
 
 # ---- one message, exit 2 ------------------------------------------------------------------------
@@ -211,6 +216,66 @@ def test_bad_input_is_one_message_and_exit_2(argv, names, tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert names in err and "Traceback" not in err and err.startswith(f"longpeft {argv[0]}: ")
+
+
+def _raising(error: BaseException):
+    def command(args):
+        raise error
+
+    return command
+
+
+@pytest.mark.parametrize("error", [
+    ConfigError("train.bogus: unknown key"), DataError("data.jsonl row 3: no assistant turn"),
+    ModelSourceError("base model /no/base: no such folder"), OutputFolderError("--out runs/x is not empty"),
+    OSError(errno.ENOSPC, "No space left on device"), PermissionError("runs/x is not writable"),
+    ImportError("flash_attn is not installed"), json.JSONDecodeError("Expecting value", "{", 1),
+    yaml.YAMLError("mapping values are not allowed here"), HFValidationError("Repo id must be in the form 'a/b'"),
+    SafetensorError("Error while deserializing header: header too large"),
+])
+def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypatch, capsys):
+    """The one boundary of every command: longpeft's errors and the libraries' bad-input errors print one line and
+    exit 2; --debug (or LONGPEFT_DEBUG) lets them through with their traceback."""
+    import longpeft.cli
+
+    monkeypatch.setattr(longpeft.cli, "cmd_plan", _raising(error))
+    assert main(["plan", "tiny-cpu"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"longpeft plan: error: {error}", "(run with --debug for the traceback)"]
+    with pytest.raises(type(error)):
+        main(["--debug", "plan", "tiny-cpu"])
+    monkeypatch.setenv("LONGPEFT_DEBUG", "1")
+    with pytest.raises(type(error)):
+        main(["plan", "tiny-cpu"])
+
+
+@pytest.mark.parametrize("error", [KeyError("num_attention_heads"), TypeError("unsupported operand"),
+                                   AttributeError("'NoneType' object has no attribute 'config'"),
+                                   ValueError("too many values to unpack")])
+def test_a_bug_keeps_its_traceback(error, monkeypatch, capsys):
+    """A KeyError (or any error longpeft did not raise as a user error) is a bug: it is not dressed as bad input."""
+    import longpeft.cli
+
+    monkeypatch.setattr(longpeft.cli, "cmd_plan", _raising(error))
+    with pytest.raises(type(error)):
+        main(["plan", "tiny-cpu"])
+    assert "error:" not in capsys.readouterr().err
+
+
+def test_the_console_prints_a_bugs_traceback(tmp_path):
+    """What a user sees: the whole traceback of a KeyError from a bug, one line for bad input."""
+    import subprocess
+    import sys
+
+    code = ("import sys, longpeft.cli as cli\n"
+            "def broken(args): return {}['num_attention_heads']\n"
+            "cli.cmd_plan = broken\n"
+            "sys.exit(cli.main(sys.argv[1:]))\n")
+    bug = subprocess.run([sys.executable, "-c", code, "plan", "tiny-cpu"], capture_output=True, text=True, timeout=120)
+    assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'num_attention_heads'" in bug.stderr
+    bad = subprocess.run([sys.executable, "-m", "longpeft.cli", "plan", "tiny-cpu", "--set", "train.bogus=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "train.bogus: unknown key" in bad.stderr
 
 
 # ---- bounded waits --------------------------------------------------------------------------------
@@ -271,7 +336,7 @@ def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
 def test_a_synth_run_that_builds_nothing_exits_non_zero(tmp_path, capsys, monkeypatch):
     """Every LLM answer malformed: no conversation is built, and the exit status says so (it was 0)."""
     from longpeft.synth_data.corpus import generate_document
-    from longpeft.synth_data.stub_server import StubServer
+    from stub_server import StubServer
 
     monkeypatch.setenv("LONGPEFT_TEST_KEY", "sk-test")
     source = tmp_path / "docs"

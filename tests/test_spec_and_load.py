@@ -15,6 +15,7 @@ import longpeft
 from longpeft import hub
 from longpeft.adapters import apply_spec
 from longpeft.cli import main
+from longpeft.errors import DataError
 from longpeft.spec import ContextSpec, SpecMismatchError
 from longpeft.tiny import tiny_config, tiny_model
 
@@ -28,10 +29,9 @@ def make_adapter(base_dir, out_dir, rope_theta=2e6, max_positions=1024, seed=1):
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     spec = ContextSpec.from_base(
         model.config,
-        "rope_base",
+        "rope",
         base_model=str(base_dir),
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-        max_position_embeddings=max_positions,
+        methods={"rope": {"rope_type": "default", "rope_theta": rope_theta, "max_position_embeddings": max_positions}},
         trained_length=max_positions,
         target_length=max_positions,
     )
@@ -54,16 +54,72 @@ IDS = torch.arange(5, 200)[None]
 
 
 def test_spec_roundtrip_and_unknown_field(tmp_path):
-    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base", rope_parameters={"rope_type": "default", "rope_theta": 5.0e5})
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope",
+                                 methods={"rope": {"rope_type": "default", "rope_theta": 5.0e5}})
     spec.save(tmp_path)
     assert ContextSpec.load(tmp_path) == spec
     data = json.loads((tmp_path / "longpeft.json").read_text())
-    data["surprise"] = 1
-    (tmp_path / "longpeft.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="surprise"):
+    assert sorted(data) == sorted(ContextSpec.model_fields) and data["format_version"] == 3
+    assert data["base_shape"] == {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+    (tmp_path / "longpeft.json").write_text(json.dumps({**data, "surprise": 1}))
+    with pytest.raises(DataError, match="surprise: unknown key"):
+        ContextSpec.load(tmp_path)
+    (tmp_path / "longpeft.json").write_text(json.dumps({**data, "base_shape": {**data["base_shape"], "heads": 4}}))
+    with pytest.raises(DataError, match=r"base_shape\.heads: unknown key"):
         ContextSpec.load(tmp_path)
     with pytest.raises(FileNotFoundError, match="longpeft.json"):
         ContextSpec.load(tmp_path / "nothing")
+
+
+FORMAT_3 = Path(__file__).parent / "longpeft_format3.json"  # written by the ContextSpec before it was a StrictModel
+
+
+def test_a_format_3_file_round_trips_byte_for_byte(tmp_path):
+    """longpeft.json stays format 3: a file an earlier build wrote loads, saves to the same bytes, and equals the
+    spec built from the same settings now."""
+    spec = ContextSpec.from_dict(json.loads(FORMAT_3.read_text()))
+    assert spec.save(tmp_path).read_bytes() == FORMAT_3.read_bytes()
+    assert spec == ContextSpec.from_base(
+        tiny_config("llama"), "harpe", base_model="org/base", trained_length=1024, target_length=2048,
+        methods={"rope": {"rope_type": "default", "rope_theta": 2.0e6, "max_position_embeddings": 2048},
+                 "harpe": {"bases": [1.0e4, 5.0e5]}, "string": {"shift": 600, "local_window": 128}},
+        recipe_hash="ab" * 32, weights="lora", library_version="0.1.0")
+    assert spec.head_bases == [1.0e4, 5.0e5] and spec.max_position_embeddings == 2048
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format_version": None}, "is in format 1, written by a development version of longpeft before its first "
+                                   "release; this version reads format 3 only: re-create the adapter"),
+        ({"format_version": 2}, "is in format 2, .* re-create the adapter"),
+        ({"format_version": 4}, "has format_version 4, newer than the 3 this longpeft reads; upgrade longpeft"),
+        ({"format_version": "3"}, "format_version must be the integer 3, got '3'"),
+        ({"base_shape": "x"}, "base_shape: Input should be a valid dictionary"),
+        ({"vocab_size": 99999999999}, "vocab_size: Input should be less than or equal to 10000000"),
+        ({"base_shape": {"vocab_size": -1}}, r"base_shape\.vocab_size: Input should be greater than 0"),
+        ({"trained_length": "1024"}, "trained_length: Input should be a valid integer"),
+        ({"trained_length": True}, "trained_length: Input should be a valid integer"),
+        ({"weights": "qlora"}, "weights: Input should be 'lora', 'method', 'full' or 'merged'"),
+        ({"methods": {"rope": 5}}, r"methods\.rope: Input should be a valid dictionary"),
+    ],
+)
+def test_a_longpeft_json_it_cannot_read_is_a_clear_error(tmp_path, change, message):
+    data = json.loads(FORMAT_3.read_text())
+    for key, value in change.items():
+        if isinstance(value, dict):
+            data[key] = {**data[key], **value}
+        elif value is None:
+            del data[key]
+        else:
+            data[key] = value
+    (tmp_path / "longpeft.json").write_text(json.dumps(data))
+    with pytest.raises(DataError, match=message):
+        ContextSpec.load(tmp_path)
+    (tmp_path / "longpeft.json").write_text("[]")
+    with pytest.raises(DataError, match="must hold a JSON object, got list"):
+        ContextSpec.load(tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -77,20 +133,13 @@ def test_spec_roundtrip_and_unknown_field(tmp_path):
     ],
 )
 def test_spec_mismatch_names_the_field(override, field):
-    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base")
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope")
     with pytest.raises(SpecMismatchError, match=field):
         spec.check_base(tiny_config("llama", **override))
 
 
-def test_a_spec_without_the_layer_count_still_loads_on_its_base():
-    """Specs written before num_hidden_layers was recorded are not checked on it."""
-    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base")
-    del spec.base_shape["num_hidden_layers"]
-    spec.check_base(tiny_config("llama", num_hidden_layers=3))
-
-
 def test_spec_mismatch_architecture_and_base_id():
-    spec = ContextSpec.from_base(tiny_config("llama"), "rope_base", base_model="org/model-a")
+    spec = ContextSpec.from_base(tiny_config("llama"), "rope", base_model="org/model-a")
     spec.architecture = "LlamaForCausalLM"
     other = tiny_config("qwen2")
     other.architectures = ["Qwen2ForCausalLM"]
@@ -296,17 +345,10 @@ def test_push_casts_a_full_fine_tune_to_dtype_and_merged_changes_nothing(full_ru
 
 def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp_path):
     """An exported folder (config.json, no adapter_config.json) was pushed with a "fully fine-tuned" card; the card
-    now follows what longpeft.json records, and older folders without the record are merged unless the runner's
-    card says full."""
+    follows what longpeft.json records. A whole model whose longpeft.json lacks the record is refused, naming it."""
     make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     hub.export(tmp_path / "adapter", tmp_path / "export", dtype="bfloat16")
     assert ContextSpec.load(tmp_path / "export").weights == "merged"
-    old_full = tmp_path / "old-full"
-    shutil.copytree(full_run / "model", old_full)
-    for folder in (tmp_path / "export", old_full):  # as written before format 3
-        data = json.loads((folder / "longpeft.json").read_text())
-        del data["weights"]
-        (folder / "longpeft.json").write_text(json.dumps({**data, "format_version": 2}))
     for merged in (False, True):
         staged = Path(hub.push(tmp_path / "export", "someone/tiny-merged", merged=merged, base_id="someone/base",
                                dry_run=tmp_path / f"upload-{merged}"))
@@ -315,8 +357,16 @@ def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp
         assert "# someone/base extended with longpeft" in card and "fully fine-tuned" not in card
         assert "full-finetune" not in metadata and "- lora" not in metadata and "library_name: transformers" in metadata
         assert ContextSpec.load(staged).weights == "merged"
-    staged = Path(hub.push(old_full, "someone/full", base_id="someone/base", dry_run=tmp_path / "upload-full"))
+    staged = Path(hub.push(full_run / "model", "someone/full", base_id="someone/base",
+                           dry_run=tmp_path / "upload-full"))
     assert ContextSpec.load(staged).weights == "full" and "- full-finetune" in (staged / "README.md").read_text()
+    unrecorded = tmp_path / "unrecorded"
+    shutil.copytree(full_run / "model", unrecorded)
+    spec = ContextSpec.load(unrecorded)
+    spec.weights = None
+    spec.save(unrecorded)
+    with pytest.raises(DataError, match=r"unrecorded/longpeft.json does not record what this whole model is"):
+        hub.push(unrecorded, "someone/full", base_id="someone/base", dry_run=tmp_path / "upload-unrecorded")
 
 
 def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, monkeypatch):

@@ -377,7 +377,7 @@ def test_settings_recorded_in_a_context_spec_are_reapplied(tmp_path):
 
     source = tiny_model("qwen3", attn_implementation="sdpa")
     settings = enable_string(source, shift=SHIFT, local_window=WINDOW)
-    spec = ContextSpec.from_base(source.config, "string", string=settings)
+    spec = ContextSpec.from_base(source.config, "string", methods={"string": settings})
     spec.save(tmp_path)
     fresh = tiny_model("qwen3", attn_implementation="sdpa")
     apply_spec(fresh, ContextSpec.load(tmp_path))

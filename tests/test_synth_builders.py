@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 from datasets import load_from_disk
 
+from longpeft.cli import main
 from longpeft.synth_data.builders import (
     LengthConfig,
     LongContextBuilder,
@@ -18,7 +19,6 @@ from longpeft.synth_data.builders import (
     procedural_document,
     procedural_long_documents,
 )
-from longpeft.synth_data.cli import main as synth_main
 from longpeft.synth_data.corpus import GENERAL_PROFESSIONS, TOPIC_DESCRIPTIONS, TOPICS, corpus_texts, generate_document
 from longpeft.synth_data.demo import build_demo_dataset
 from longpeft.synth_data.mix import MixConfig, mix
@@ -265,7 +265,7 @@ def test_procedural_document_hits_its_token_target(tok):
 
 def test_llm_answerer_builds_conversations_through_the_stub(tok, tmp_path, monkeypatch):
     from longpeft.synth_data.llm_client import LLMClient, LLMConfig
-    from longpeft.synth_data.stub_server import StubServer
+    from stub_server import StubServer
 
     monkeypatch.setenv("STUB_KEY", "x")
     docs = procedural_long_documents(LongContextBuilder(tok, ProceduralAnswerer(), LENGTH).counter, "biography", 2, LENGTH, 1)
@@ -313,7 +313,7 @@ def test_cli_writes_jsonl_dataset_stats_and_histogram(tmp_path, capsys):
     out = tmp_path / "synth"
     args = ["--out", str(out), "--contexts", "1", "--min-tokens", "800", "--max-tokens", "1200",
             "--chunk-tokens", "128", "--no-progress", "--seed", "3"]
-    assert synth_main(args) == 0
+    assert main(["synth", *args]) == 0
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     assert Counter(r["task"] for r in rows) == {"single_detail": 1, "multi_detail": 1, "heterogeneous": 1, "biography": 1}
     dataset = load_from_disk(str(out / "dataset"))
@@ -330,12 +330,12 @@ def test_cli_writes_jsonl_dataset_stats_and_histogram(tmp_path, capsys):
 def test_cli_names_a_bad_config_key(tmp_path, capsys):
     config = tmp_path / "synth.yaml"
     config.write_text("length:\n  min_tokenz: 10\n")
-    assert synth_main(["--config", str(config), "--out", str(tmp_path / "o")]) == 2
+    assert main(["synth", "--config", str(config), "--out", str(tmp_path / "o")]) == 2
     assert "min_tokenz" in capsys.readouterr().err
-    assert synth_main(["--out", str(tmp_path / "o"), "--tasks", "single,biography"]) == 2
-    assert synth_main(["--out", str(tmp_path / "o"), "--source", str(tmp_path)]) == 2  # files need the LLM answerer
+    assert main(["synth", "--out", str(tmp_path / "o"), "--tasks", "single,biography"]) == 2
+    assert main(["synth", "--out", str(tmp_path / "o"), "--source", str(tmp_path)]) == 2  # files need the LLM answerer
     with pytest.raises(SystemExit) as exit_info:
-        synth_main(["--help"])
+        main(["synth", "--help"])
     assert exit_info.value.code == 0 and "--answerer" in capsys.readouterr().out
 
 
@@ -345,7 +345,7 @@ def test_cli_names_an_unsupported_source_file_and_a_bad_jsonl_line(tmp_path, cap
     bad.write_text('{"text": "a"}\n{"text": "b",}\n')
     for source, message in [(notes, f"source file {notes}: unsupported type '.md'; use .txt (one document per file) "
                                     "or .jsonl"), (bad, f"{bad}:2: not valid JSON (")]:
-        assert synth_main(["--out", str(tmp_path / "o"), "--answerer", "llm", "--source", str(source)]) == 2
+        assert main(["synth", "--out", str(tmp_path / "o"), "--answerer", "llm", "--source", str(source)]) == 2
         assert message in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted, parse_json_object
-from longpeft.synth_data.stub_server import StubServer
+from stub_server import StubServer  # tests/stub_server.py
 
 KEY_ENV = "LONGPEFT_TEST_LLM_KEY"
 SECRET = "sk-test-9f8e7d6c5b4a-never-written"
@@ -194,7 +194,7 @@ def test_config_has_no_key_field():
 
 def test_api_key_appears_in_no_written_file(tmp_path):
     """A whole `synth` run with the LLM answerer: config, cache, rejects, stats, data hold no key."""
-    from longpeft.synth_data.cli import main
+    from longpeft.cli import main
 
     source = tmp_path / "docs"
     source.mkdir()
@@ -207,7 +207,8 @@ def test_api_key_appears_in_no_written_file(tmp_path):
     out = tmp_path / "out"
     with StubServer() as server:
         code = main([
-            "--out", str(out), "--answerer", "llm", "--source", str(source), "--tasks", "single_detail,multi_detail",
+            "synth", "--out", str(out), "--answerer", "llm", "--source", str(source),
+            "--tasks", "single_detail,multi_detail",
             "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
             "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
             "--set", "llm.backoff_initial=0.01",
@@ -231,13 +232,13 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
     """`--config llama3-80k` (the 80K recipe's data): without your files it names the flag to give; with them
     (shrunk here to 2 contexts per task, tiny tokenizer, stub LLM) it mixes plain text and instructions to the
     paper's 3.5K : 5K : 12K."""
-    from longpeft.synth_data.cli import main
+    from longpeft.cli import main
     from longpeft.synth_data.corpus import generate_document
 
     out = tmp_path / "out"
-    assert main(["--config", "llama3-8k", "--out", str(out)]) == 2
+    assert main(["synth", "--config", "llama3-8k", "--out", str(out)]) == 2
     assert "synth config 'llama3-8k' is neither a file nor a bundled synth config (llama3-80k)" in capsys.readouterr().err
-    assert main(["--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
+    assert main(["synth", "--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
     assert "needs mix.plain_text (a file or folder; --plain-text PATH)" in capsys.readouterr().err
     source = tmp_path / "books"
     source.mkdir()
@@ -250,7 +251,7 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
                                     for i in range(20)))
     with StubServer() as server:
         code = main([
-            "--config", "llama3-80k", "--out", str(out), "--source", str(source), "--plain-text", str(plain),
+            "synth", "--config", "llama3-80k", "--out", str(out), "--source", str(source), "--plain-text", str(plain),
             "--instructions", str(instructions), "--tokenizer", "tiny", "--tasks", "single_detail,multi_detail",
             "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
             "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",

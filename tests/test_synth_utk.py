@@ -8,8 +8,59 @@ import numpy as np
 import pytest
 
 from longpeft.synth_data.corpus import corpus_texts
-from longpeft.synth_data.utk import IGNORE_INDEX, UtkAugmenter, add_utk_tokens, chunk_labels_needed, untie
+from longpeft.synth_data.utk import IGNORE_INDEX, UtkAugmenter, UtkTokens, add_utk_tokens, chunk_labels_needed
 from longpeft.tiny import sample_text, train_tokenizer
+
+
+def untie(input_ids: list[int] | np.ndarray, tokens: UtkTokens) -> list[list[int]]:
+    """Reassemble every split document of a UtK sequence from its labels, knots and backtrace: the inverse of
+    :class:`UtkAugmenter`'s transform, which the tests check the augmenter's output against.
+
+    Returns the documents' original token ids, in the order their backtraces appear. Raises
+    ``ValueError`` when the knots do not tie up (a head knot that does not follow its tail knot's cut).
+    """
+    ids = np.asarray(input_ids).tolist()
+    heads = {t: j for j, t in enumerate(tokens.head_knots) if t >= 0}
+    tails = {t: j for j, t in enumerate(tokens.tail_knots) if t >= 0}
+    chunks: dict[tuple[int, ...], tuple[int, list[int], bool]] = {}  # label -> (chunk index, tokens, ends in a tail)
+    traces: list[list[tuple[int, ...]]] = []
+    i = 0
+    while i < len(ids):
+        if ids[i] != tokens.label_open:
+            i += 1
+            continue
+        head = heads.get(ids[i - 1], 0) if i > 0 else 0
+        close = ids.index(tokens.label_close, i)
+        label = tuple(ids[i + 1:close])
+        end = close + 1
+        while end < len(ids) and ids[end] not in tails and ids[end] != tokens.trace_open:
+            end += 1
+        ends_in_tail = end < len(ids) and ids[end] in tails
+        if ends_in_tail and tails[ids[end]] != head:
+            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk {tails[ids[end]]}")
+        chunks[label] = (head, ids[close + 1:end], ends_in_tail)
+        if end < len(ids) and ids[end] == tokens.trace_open:
+            finish = ids.index(tokens.trace_close, end)
+            labels, current = [], []
+            for token in ids[end + 1:finish]:
+                if token == tokens.trace_sep:
+                    labels.append(tuple(current))
+                    current = []
+                else:
+                    current.append(token)
+            traces.append([*labels, tuple(current)])
+            end = finish + 1
+        i = end
+    documents = []
+    for labels in traces:  # resolved after the scan: without preserve_order a chunk may follow its trace
+        document: list[int] = []
+        for j, label in enumerate(labels):
+            head, content, ends_in_tail = chunks[label]
+            if head != j or ends_in_tail != (j < len(labels) - 1):
+                raise ValueError(f"chunk {label} is tied as chunk {head}, but the backtrace lists it as chunk {j}")
+            document += content
+        documents.append(document)
+    return documents
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,14 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from longpeft.eval import evaluate
-from longpeft.eval.demo_report import SETTINGS, TASKS, before_after_table, collect_rows, run_demo_evals, setting_folder
+from longpeft.eval.demo_report import (
+    DEMO_TASKS,
+    SETTINGS,
+    before_after_table,
+    collect_rows,
+    run_demo_evals,
+    setting_folder,
+)
 from longpeft.builtin_models import BUILTIN_MODELS, TOY_BASE, model_location
 from longpeft.synth_data.retrieval_docs import RetrievalDocuments, build_retrieval_dataset
 
@@ -107,13 +114,13 @@ def test_builtin_model_names_resolve_to_packaged_folders(tmp_path):
 def test_before_after_table_is_built_from_eval_json(tmp_path):
     # Distinct made-up scores per cell: the table must show exactly what the JSON files say.
     for k, setting in enumerate(SETTINGS):
-        for j, task in enumerate(TASKS):
+        for j, task in enumerate(DEMO_TASKS):
             folder = tmp_path / setting_folder(setting)
             folder.mkdir(exist_ok=True)
             by_length = {str(n): round(0.01 * (k * 40 + j * 10 + m), 2) for m, n in enumerate((64, 128, 256))}
             (folder / f"{task}.json").write_text(json.dumps({"task": task, "by_length": by_length}))
     rows = collect_rows(tmp_path)
-    assert len(rows) == len(SETTINGS) * len(TASKS) * 3
+    assert len(rows) == len(SETTINGS) * len(DEMO_TASKS) * 3
     table = before_after_table(rows, window=64).splitlines()
     assert table[0] == "| setting (W = 64) | passkey 1W | passkey 2W | passkey 4W | NIAH 1W | NIAH 2W | NIAH 4W |"
     assert table[4] == "| adapter | 0.80 | 0.81 | 0.82 | 0.90 | 0.91 | 0.92 |"

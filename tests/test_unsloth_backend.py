@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from longpeft.cli import main
+from longpeft.errors import ConfigError
 from longpeft.recipes import unsloth_backend
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import RecipeError, load_recipe
@@ -92,7 +93,7 @@ def test_no_cuda_is_refused_even_with_unsloth_installed(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "unsloth" else real(name, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ImportError, match="train.backend: unsloth needs a CUDA GPU"):
+    with pytest.raises(ConfigError, match="train.backend: unsloth needs a CUDA GPU"):
         unsloth_backend.fast_language_model()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import DataError
 from ..spec import ContextSpec
 from . import beacon, harpe, pose, rope_base, string
 from .registry import (
@@ -56,7 +57,7 @@ def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
     """
     unknown = sorted(set(spec.methods) - set(METHODS))
     if unknown:
-        raise ValueError(
+        raise DataError(
             f"longpeft.json uses methods {unknown} that this longpeft does not know (known: {', '.join(METHODS)}); "
             "upgrade longpeft or import the plug-in that registers them"
         )

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from ..config import StrictModel
+from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # the registry itself needs no torch: method configs import it
     import torch
@@ -243,7 +244,7 @@ def get_method(name: str) -> Method:
 # ---- conflicts: declared in the registry, checked here only ------------------------------------------------------
 
 
-class MethodConflict(ValueError):
+class MethodConflict(ConfigError):
     """Methods that cannot run together, or a method that cannot run the way a run trains."""
 
 
@@ -371,7 +372,7 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
         return config_class.model_validate(data)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors())
-        raise ValueError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
+        raise DataError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
 
 
 def gathered_tensors(

@@ -18,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from ..errors import ConfigError
+
 INLINE_BEGIN, INLINE_END = "# longpeft-inline-begin\n", "# longpeft-inline-end\n"
 _FUTURE = "from __future__ import annotations\n"
 
@@ -58,8 +60,8 @@ def saved_config(save_dir: str | Path, classes_by_model_type: dict[str, tuple[st
     exported = {classes[0]: base for base, classes in classes_by_model_type.items()}
     model_type = exported.get(config.get("model_type"), config.get("model_type"))
     if model_type not in classes_by_model_type:
-        raise ValueError(f"{config_path}: model_type {model_type!r} has no {what} export; "
-                         f"supported: {sorted(classes_by_model_type)}")
+        raise ConfigError(f"{config_path}: model_type {model_type!r} has no {what} export; "
+                          f"supported: {sorted(classes_by_model_type)}")
     return config_path, config, model_type
 
 

@@ -14,7 +14,7 @@ _EXPORTS = {
     "InsufficientMemoryError": "memory", "check_memory": "memory", "estimate_forward_bytes": "memory",
     "perplexity_of_file": "perplexity", "sliding_window_perplexity": "perplexity",
     "exact_match": "scoring", "recall": "scoring", "score": "scoring",
-    "TASKS": "names", "evaluate": "tasks", "niah_grid": "tasks", "passkey_accuracy": "tasks",
+    "EVAL_TASKS": "names", "evaluate": "tasks", "niah_grid": "tasks", "passkey_accuracy": "tasks",
     "run_probe_task": "tasks", "write_outputs": "tasks",
 }
 
@@ -26,7 +26,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "TASKS",
+    "EVAL_TASKS",
     "InsufficientMemoryError",
     "check_memory",
     "estimate_forward_bytes",

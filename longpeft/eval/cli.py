@@ -8,8 +8,9 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from ..errors import ConfigError
 from ..files import check_writable_folder
-from .names import TASKS
+from .names import EVAL_TASKS
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -39,8 +40,8 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         except ValueError as error:
             if "trust_remote_code" not in str(error) or args.trust_remote_code:
                 raise
-            raise ValueError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, Activation "
-                             "Beacon or STRING model); pass --trust-remote-code if you trust that folder") from None
+            raise ConfigError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, Activation "
+                              "Beacon or STRING model); pass --trust-remote-code if you trust that folder") from None
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
 
@@ -86,7 +87,7 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
     if not args.string:
         given = [flag for name, flag in STRING_FLAGS.items() if getattr(args, name) is not None]
         if given:
-            raise ValueError(f"{', '.join(given)} needs --string (STRING is off without it)")
+            raise ConfigError(f"{', '.join(given)} needs --string (STRING is off without it)")
         return None
     from ..adapters.string import DEFAULT_LOCAL_WINDOW
 
@@ -100,13 +101,13 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
     )
     window = DEFAULT_LOCAL_WINDOW if args.string_window is None else args.string_window
     if window > shift:
-        raise ValueError(
+        raise ConfigError(
             f"--string-window {window}{'' if args.string_window else ' (default)'} must be <= {what_shift}; "
             "pass a smaller --string-window or a larger --string-shift"
         )
     longest, what_longest = (args.window, "perplexity window (--window)") if args.task == "perplexity" else (max(args.lengths), "longest prompt (--lengths)")
     if shift >= longest:
-        raise ValueError(
+        raise ConfigError(
             f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
             f"{what_longest} has {longest} tokens; pass a smaller --string-shift or longer prompts"
         )
@@ -133,13 +134,13 @@ def check_task_flags(args: argparse.Namespace) -> None:
     if given:
         own = ", ".join(flag for flag, _ in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).values())
         why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own}"
-        raise ValueError(f"{', '.join(given)}: not used by eval {args.task} ({why}); remove "
-                         f"{'it' if len(given) == 1 else 'them'}")
+        raise ConfigError(f"{', '.join(given)}: not used by eval {args.task} ({why}); remove "
+                          f"{'it' if len(given) == 1 else 'them'}")
     for dest, (_, default) in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
     if perplexity and not args.text:
-        raise ValueError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
+        raise ConfigError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -185,7 +186,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out."
         ),
     )
-    parser.add_argument("task", choices=TASKS, help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
+    parser.add_argument("task", choices=EVAL_TASKS, help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
     parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or longpeft:toy-base (the packaged demo base)")
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
     parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters.string import DEFAULT_LOCAL_WINDOW
+from ..errors import DataNotFoundError
 from .tasks import evaluate
 
-TASKS = ("passkey", "niah_single")
+DEMO_TASKS = ("passkey", "niah_single")
 SETTINGS = ("base", "base + STRING", "adapter", "adapter + STRING")
 WINDOW_MULTIPLES = (1, 2, 4)
 DEPTHS = (0.0, 0.5, 1.0)
@@ -58,7 +59,7 @@ def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8,
     for setting in SETTINGS:
         model, trained_length = models[setting.split(" + ")[0]]
         string = demo_string_settings(trained_length) if "STRING" in setting else None
-        for task in TASKS:
+        for task in DEMO_TASKS:
             evaluate(task, model, tokenizer, lengths=lengths or tuple(m * window for m in WINDOW_MULTIPLES),
                      depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12, string=string,
                      out_dir=out / "eval" / setting_folder(setting))
@@ -73,10 +74,10 @@ def collect_rows(eval_dir: str | Path) -> list[dict[str, Any]]:
     """
     rows = []
     for setting in SETTINGS:
-        for task in TASKS:
+        for task in DEMO_TASKS:
             path = Path(eval_dir) / setting_folder(setting) / f"{task}.json"
             if not path.is_file():
-                raise FileNotFoundError(f"{path}: no eval result for {setting} / {task}; run the demo's evaluation first")
+                raise DataNotFoundError(f"{path}: no eval result for {setting} / {task}; run the demo's evaluation first")
             result = json.loads(path.read_text())
             for length, score in result["by_length"].items():
                 rows.append({"task": task, "setting": setting, "length": int(length), "score": float(score)})
@@ -88,7 +89,7 @@ def before_after_table(rows: list[dict[str, Any]], window: int) -> str:
     lengths = sorted({r["length"] for r in rows})
     score = {(r["setting"], r["task"], r["length"]): r["score"] for r in rows}
     label = {"passkey": "passkey", "niah_single": "NIAH"}
-    columns = [(task, n) for task in TASKS for n in lengths]
+    columns = [(task, n) for task in DEMO_TASKS for n in lengths]
     names = [f"{label[t]} {n // window}W" if n % window == 0 else f"{label[t]} {n}" for t, n in columns]
     lines = [f"| setting (W = {window}) | " + " | ".join(names) + " |", "|---|" + "---:|" * len(columns)]
     for setting in SETTINGS:

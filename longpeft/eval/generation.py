@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
+
+from ..errors import ConfigError
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
@@ -23,7 +24,7 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
     if not ids:
-        raise ValueError("the model and tokenizer define no eos token id; set generation_config.eos_token_id")
+        raise ConfigError("the model and tokenizer define no eos token id; set generation_config.eos_token_id")
     return ids
 
 
@@ -72,27 +73,4 @@ def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]],
     for row in generated[:, input_ids.shape[1] :].tolist():
         cut = next((k for k, token in enumerate(row) if token in eos_ids), len(row))
         outputs.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    return outputs
-
-
-def greedy_generate(
-    model: Any,
-    tokenizer: Any,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    batch_size: int = 4,
-    desc: str = "generating",
-) -> list[str]:
-    """Greedy continuations of token-id prompts, decoded without special tokens.
-
-    Prompts are batched in order (``batch_size`` at a time), left-padded; each continuation is cut
-    at the first of the model's eos ids.
-    """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = pad_token_id(tokenizer, eos_ids)
-    outputs: list[str] = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch", leave=False):
-        outputs += generate_batch(model, tokenizer, prompts[start : start + batch_size], max_new_tokens, eos_ids, pad_id)
     return outputs

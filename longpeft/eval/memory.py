@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 
+from ..errors import LongpeftError
 from ..rope import head_dim_of
 
 
-class InsufficientMemoryError(MemoryError):
+class InsufficientMemoryError(LongpeftError, MemoryError):
     """The evaluation input is estimated not to fit in the device's free memory."""
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..errors import ConfigError, DataError, DataNotFoundError
 from ..family import backbone_of, causal_lm_of
 from .memory import check_memory
 from .positions import warn_beyond_positions
@@ -54,19 +55,19 @@ def sliding_window_perplexity(
         raise ValueError("give exactly one of text or input_ids")
     stride = window // 2 if stride is None else stride
     if window < 2 or not 1 <= stride <= window:
-        raise ValueError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
+        raise ConfigError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
     ids = tokenizer(text)["input_ids"] if text is not None else input_ids
     ids = torch.as_tensor(ids, dtype=torch.long).flatten()
     if max_tokens is not None:
         ids = ids[:max_tokens]
     n_tokens = ids.numel()
     if n_tokens < 2:
-        raise ValueError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
+        raise DataError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
     warn_beyond_positions(model, [min(window, n_tokens)])  # the longest input a forward gets
     check_memory(model, 1, min(window, n_tokens), logits_tokens=min(LOGIT_CHUNK, window))
     backbone, head = backbone_of(model), causal_lm_of(model).get_output_embeddings()
     if head is None:
-        raise ValueError(f"{type(causal_lm_of(model)).__name__} has no output embedding (lm_head); is it a causal LM?")
+        raise ConfigError(f"{type(causal_lm_of(model)).__name__} has no output embedding (lm_head); is it a causal LM?")
     device = getattr(model, "device", torch.device("cpu"))
     total_nll, n_scored, scored_until = 0.0, 0, 0
     n_windows = -(-max(n_tokens - window, 0) // stride) + 1
@@ -97,6 +98,6 @@ def perplexity_of_file(model: Any, tokenizer: Any, path: str | Path, **options: 
     """:func:`sliding_window_perplexity` on a UTF-8 text file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"text file {path} does not exist; pass a UTF-8 text file with --text")
+        raise DataNotFoundError(f"text file {path} does not exist; pass a UTF-8 text file with --text")
     result = sliding_window_perplexity(model, tokenizer, text=path.read_text(encoding="utf-8"), **options)
     return {**result, "text": str(path)}

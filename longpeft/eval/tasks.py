@@ -19,9 +19,10 @@ from typing import Any
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..synth_data.probes import TASKS as PROBE_TASKS, Probe, make_probes
+from ..errors import ConfigError
+from ..synth_data.probes import PROBE_TASKS, Probe, make_probes
 from .generation import eos_token_ids, generate_batch, pad_token_id
-from .names import TASKS
+from .names import EVAL_TASKS
 from .memory import check_memory
 from .perplexity import perplexity_of_file
 from .positions import warn_beyond_positions
@@ -73,7 +74,7 @@ def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
     """Indices of ``probes`` in batches of at most ``batch_size`` that never mix prompt lengths (no
     prompt pays for a longer one's padding), longest first (a memory problem shows up at once)."""
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
     batches = []
     for length in sorted({p.length for p in probes}, reverse=True):
         same = [k for k, p in enumerate(probes) if p.length == length]
@@ -158,12 +159,12 @@ def build_probe_grid(
 ) -> ProbeGrid:
     """The :class:`ProbeGrid` of ``task`` (options as :func:`run_probe_task`); fails before any generation."""
     if task not in PROBE_TASKS:
-        raise ValueError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
+        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
-        raise ValueError(f"lengths must be positive token counts, got {lengths}")
+        raise ConfigError(f"lengths must be positive token counts, got {lengths}")
     if max_new_tokens is not None and max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
+        raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
     new_tokens = max_new_tokens or MAX_NEW_TOKENS[task] + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
     probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
     return ProbeGrid(task, probes, lengths, new_tokens)
@@ -297,8 +298,8 @@ def evaluate(
     Warns once when the prompts (or perplexity windows) are longer than the model's positions.
     """
     task = "niah_single" if task == "niah" else task
-    if task not in TASKS:
-        raise ValueError(f"unknown eval task {task!r}; choose one of {TASKS}")
+    if task not in EVAL_TASKS:
+        raise ConfigError(f"unknown eval task {task!r}; choose one of {EVAL_TASKS}")
     with string_enabled(model, string) as requested:
         from ..adapters.string import string_settings
 
@@ -306,7 +307,7 @@ def evaluate(
         string_used = string_settings(model) if isinstance(model, nn.Module) else requested
         if task == "perplexity":
             if text is None:
-                raise ValueError("the perplexity task needs a text file (text=... / --text FILE)")
+                raise ConfigError("the perplexity task needs a text file (text=... / --text FILE)")
             result = {"task": task, **perplexity_of_file(model, tokenizer, text, window=window, stride=stride)}
         elif task == "ruler":
             warn_beyond_positions(model, lengths)

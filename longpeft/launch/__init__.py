@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from .kinds import DEEPSPEED_LAUNCHES, LAUNCHES, SHARDED_LAUNCHES
 from .nodes import Nodes
 
@@ -18,7 +19,7 @@ from .nodes import Nodes
 def config_file(launch: str) -> Path:
     """The accelerate config file of a launch kind."""
     if launch not in LAUNCHES:
-        raise ValueError(f"--launch {launch!r}: choose one of {', '.join(LAUNCHES)}")
+        raise ConfigError(f"--launch {launch!r}: choose one of {', '.join(LAUNCHES)}")
     return Path(__file__).parent / f"{launch}.yaml"
 
 
@@ -53,14 +54,14 @@ def check_launch(recipe: Any, launch: str) -> None:
 
         weighted = [name for name in recipe.method_configs() if METHODS[name].weights is not None]
         if weighted:
-            raise ValueError(
+            raise ConfigError(
                 f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
                 "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "
                 "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
             )
     if launch in DEEPSPEED_LAUNCHES and recipe.train.backend == "unsloth":
-        raise ValueError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
-                         "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
+        raise ConfigError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
+                          "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
 
 
 def check_sharded(recipe: Any, how: str) -> None:
@@ -75,22 +76,22 @@ def check_sequence_parallel(recipe: Any) -> None:
     """Ulysses sequence parallelism (``--launch ulysses``) shards each sequence across GPUs: what cannot be
     sharded that way is refused (methods: their registry ``conflicts`` name ``split_sequences``)."""
     if recipe.model.load_in_4bit:
-        raise ValueError(
+        raise ConfigError(
             "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
             "(trl#4314, accelerate#3874); use --launch ddp with train.activation_offloading, or a bf16 base"
         )
     if recipe.model.attn_implementation == "eager":
-        raise ValueError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score "
-                         "matrix)")
+        raise ConfigError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score "
+                          "matrix)")
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"split_sequences": "--launch ulysses"})
     if recipe.data.utk is not None:
-        raise ValueError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard "
-                         "would restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading")
+        raise ConfigError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard "
+                          "would restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading")
     if recipe.train.backend == "unsloth":
-        raise ValueError("--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
-                         "Ulysses shards; use --launch ddp")
+        raise ConfigError("--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
+                          "Ulysses shards; use --launch ddp")
 
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
@@ -98,14 +99,14 @@ def check_context_parallel(recipe: Any, packing: bool = False) -> None:
     known to fail, and with the methods that cannot run on sequence shards (their registry ``conflicts`` name
     ``split_sequences``). ``packing``: the run packs several documents into a sequence (``data.utk``)."""
     if recipe.model.attn_implementation == "flash_attention_2":
-        raise ValueError("context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
-                         "flash-attn); use --launch ulysses")
+        raise ConfigError("context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
+                          "flash-attn); use --launch ulysses")
     if packing:
-        raise ValueError("context parallelism (accelerate cp_size > 1) does not support packed sequences (data.utk "
-                         "packs documents); drop data.utk or use --launch ddp")
+        raise ConfigError("context parallelism (accelerate cp_size > 1) does not support packed sequences (data.utk "
+                          "packs documents); drop data.utk or use --launch ddp")
     if recipe.model.load_in_4bit:
-        raise ValueError("context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
-                         "--launch ddp or a bf16 base")
+        raise ConfigError("context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
+                          "--launch ddp or a bf16 base")
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"split_sequences": "context parallelism (accelerate cp_size > 1)"})
@@ -125,13 +126,13 @@ def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> 
     ``heads / processes`` attention heads, so the group must divide the query heads, and divide or be a multiple of
     the KV heads (DeepSpeed then replicates them); DeepSpeed refuses anything else when the model is built."""
     if heads % processes:
-        raise ValueError(f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
-                         f"model's {heads} attention heads, and {processes} does not divide {heads}; use a number of "
-                         "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3")
+        raise ConfigError(f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
+                          f"model's {heads} attention heads, and {processes} does not divide {heads}; use a number of "
+                          "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3")
     if kv_heads % processes and processes % kv_heads:
-        raise ValueError(f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
-                         f"multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a number "
-                         "of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
+        raise ConfigError(f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
+                          f"multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a number "
+                          "of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
 
 
 def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None,
@@ -141,7 +142,7 @@ def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overri
     ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel.
     ``nodes``: this node's place in a job of several (default: one node)."""
     if gpus < 1:
-        raise ValueError(f"--gpus must be >= 1, got {gpus}")
+        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     nodes = nodes or Nodes()
     processes = gpus * nodes.count
     precision = mixed_precision(recipe, on_gpu=True)

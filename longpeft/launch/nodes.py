@@ -15,6 +15,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .kinds import DEEPSPEED_LAUNCHES
 
 DEFAULT_MAIN_PORT = 29500  # torchrun's and accelerate's default
@@ -33,15 +34,15 @@ class Nodes:
 
     def __post_init__(self) -> None:
         if self.count < 1:
-            raise ValueError(f"--nodes must be >= 1, got {self.count}")
+            raise ConfigError(f"--nodes must be >= 1, got {self.count}")
         if not 0 <= self.rank < self.count:
-            raise ValueError(f"--node-rank {self.rank} is out of range for --nodes {self.count}: give 0 to "
-                             f"{self.count - 1} (0 is the node at --main-address), a different one on every node")
+            raise ConfigError(f"--node-rank {self.rank} is out of range for --nodes {self.count}: give 0 to "
+                              f"{self.count - 1} (0 is the node at --main-address), a different one on every node")
         if self.count > 1 and self.host is None:
-            raise ValueError(f"--nodes {self.count}: give --main-address HOST:PORT, the address of the node of "
-                             "--node-rank 0 that every node can reach (the same on every node)")
+            raise ConfigError(f"--nodes {self.count}: give --main-address HOST:PORT, the address of the node of "
+                              "--node-rank 0 that every node can reach (the same on every node)")
         if not 1 <= self.port <= 65535:
-            raise ValueError(f"--main-address: port {self.port} is out of range (1 to 65535)")
+            raise ConfigError(f"--main-address: port {self.port} is out of range (1 to 65535)")
 
     def accelerate_arguments(self, launch: str) -> list[str]:
         """``accelerate launch`` flags of this node's place: ``--num_machines --machine_rank --main_process_ip
@@ -63,17 +64,17 @@ def parse_main_address(text: str) -> tuple[str, int]:
     """
     match = re.fullmatch(r"\[(?P<ipv6>[^]]+)\]:(?P<port>\d+)|(?P<host>[A-Za-z0-9._-]+):(?P<port2>\d+)", text)
     if match is None:
-        raise ValueError(f"--main-address {text!r}: give HOST:PORT, the node of rank 0 and a free port on it, e.g. "
-                         "10.0.0.1:29500 or node001:29500 ([fd00::1]:29500 for IPv6)")
+        raise ConfigError(f"--main-address {text!r}: give HOST:PORT, the node of rank 0 and a free port on it, e.g. "
+                          "10.0.0.1:29500 or node001:29500 ([fd00::1]:29500 for IPv6)")
     host = match["host"] or match["ipv6"]
     if match["ipv6"]:
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise ValueError(f"--main-address {text!r}: {host!r} is not an IPv6 address") from None
+            raise ConfigError(f"--main-address {text!r}: {host!r} is not an IPv6 address") from None
     port = int(match["port"] or match["port2"])
     if not 1 <= port <= 65535:
-        raise ValueError(f"--main-address {text!r}: port {port} is out of range (1 to 65535)")
+        raise ConfigError(f"--main-address {text!r}: port {port} is out of range (1 to 65535)")
     return host, port
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import ConfigError
+
 
 def world_size() -> int:
     """Number of training processes (set by accelerate launch / torchrun)."""
@@ -20,7 +22,7 @@ def data_parallel_size() -> int:
 
     sp = sequence_parallel_size()
     if world_size() % sp:
-        raise ValueError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
+        raise ConfigError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
     return world_size() // sp
 
 
@@ -39,7 +41,7 @@ def check_distributed_type(distributed_type: Any) -> None:
              if os.environ.get(variable, "false").lower() == "true"]
     got = str(distributed_type).rsplit(".", 1)[-1]
     if asked and got != asked[0]:
-        raise ValueError(
+        raise ConfigError(
             f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
             "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
         )

@@ -10,6 +10,7 @@ from typing import Any
 from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import ConfigError, DataError, DataNotFoundError
 from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
@@ -38,7 +39,7 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
         else (data.text_field, "text", "text_field")
     )
     if field not in dataset.column_names:
-        raise ValueError(
+        raise DataError(
             f"data.source {data.source}: no {field!r} column (columns: {dataset.column_names}); set data.{setting}"
         )
     if field != column:
@@ -47,14 +48,14 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     if data.max_samples:
         dataset = dataset.select(range(min(data.max_samples, len(dataset))))
     if len(dataset) == 0:
-        raise ValueError(f"data.source {data.source} holds no rows")
+        raise DataError(f"data.source {data.source} holds no rows")
     index = 0
     try:
         for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
             _check_rows(chunk[column], column, data.source, index)
             index += len(chunk[column])
     except UnicodeDecodeError as error:
-        raise ValueError(f"data.source {data.source}: not UTF-8 text after row {index} ({error.reason})") from None
+        raise DataError(f"data.source {data.source}: not UTF-8 text after row {index} ({error.reason})") from None
     return dataset
 
 
@@ -65,7 +66,7 @@ def _check_rows(values: list[Any], column: str, source: str, first: int) -> None
         if column == "messages":
             check_conversation(value, where)
         elif not isinstance(value, str) or not value:
-            raise ValueError(f"{where}: text must be a non-empty string")
+            raise DataError(f"{where}: text must be a non-empty string")
 
 
 def synth_output_file(source: str) -> Path | None:
@@ -94,10 +95,10 @@ def _load_source(data: DataSection) -> Dataset:
     if path.is_dir():
         files = sorted(p for p in path.iterdir() if p.suffix in suffixes)
         if not files:
-            raise FileNotFoundError(f"data.source {path} is a folder without .json/.jsonl/.txt files")
+            raise DataNotFoundError(f"data.source {path} is a folder without .json/.jsonl/.txt files")
     elif path.suffix in suffixes or path.exists():
         if not path.is_file():
-            raise FileNotFoundError(
+            raise DataNotFoundError(
                 f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your data"
             )
         files = [path]
@@ -105,35 +106,35 @@ def _load_source(data: DataSection) -> Dataset:
         return load_dataset(data.source, split=data.split)
     empty = [str(p) for p in files if _is_empty(p)]
     if empty:
-        raise ValueError(f"data.source: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
+        raise DataError(f"data.source: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
     if any(p.suffix not in suffixes for p in files):
-        raise ValueError(f"data.source {path}: expected .jsonl, .json or .txt files")
+        raise DataError(f"data.source {path}: expected .jsonl, .json or .txt files")
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
-            raise ValueError(f"data.source {path}: .txt files are plain text; set data.format: text")
+            raise ConfigError(f"data.source {path}: .txt files are plain text; set data.format: text")
         from ..synth_data.mix import read_text_file
 
         return Dataset.from_dict({data.text_field: [read_text_file(p) for p in files]})  # the files checked above
     if any(p.suffix == ".txt" for p in files):
-        raise ValueError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
+        raise DataError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
     from datasets.exceptions import DatasetGenerationError
 
     try:
         return load_dataset("json", data_files=[str(p) for p in files], split="train")
     except (DatasetGenerationError, ValueError) as exc:
         cause = exc.__cause__ or exc
-        raise ValueError(f"data.source {path}: not valid JSON lines ({str(cause).splitlines()[0][:200]})") from None
+        raise DataError(f"data.source {path}: not valid JSON lines ({str(cause).splitlines()[0][:200]})") from None
 
 
 def check_conversation(messages: Any, where: str) -> None:
     """Fail clearly on a malformed conversation (list of {role, content} with an assistant turn)."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}}")
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
     for turn in messages:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise ValueError(f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and content")
+            raise DataError(f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and content")
     if not any(turn["role"] == "assistant" for turn in messages):
-        raise ValueError(f"{where}: no assistant turn, so nothing would be trained")
+        raise DataError(f"{where}: no assistant turn, so nothing would be trained")
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
@@ -155,7 +156,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str,
         prompt = (tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
                   else _text_before_content(tokenizer, turn))
         if not (full.startswith(through) and through.startswith(prompt)):
-            raise ValueError(
+            raise ConfigError(
                 "the tokenizer's chat template renders a conversation's first turns differently from the whole "
                 "conversation, so assistant turns cannot be located; set train.assistant_only_loss: false "
                 "(loss on every token) or use a template whose turns render independently"
@@ -172,8 +173,8 @@ def _text_before_content(tokenizer: PreTrainedTokenizerBase, turn: dict[str, Any
     the role header), found by rendering the turn with a marker as its content."""
     rendered = tokenizer.apply_chat_template([{**turn, "content": _CONTENT_MARK}], tokenize=False)
     if _CONTENT_MARK not in rendered:
-        raise ValueError("the tokenizer's chat template does not render a turn's content as given, so assistant turns "
-                         "cannot be located; set train.assistant_only_loss: false (loss on every token)")
+        raise ConfigError("the tokenizer's chat template does not render a turn's content as given, so assistant turns "
+                          "cannot be located; set train.assistant_only_loss: false (loss on every token)")
     return rendered[: rendered.index(_CONTENT_MARK)]
 
 
@@ -208,7 +209,7 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
     from datasets.fingerprint import Hasher
 
     if not tokenizer.is_fast:
-        raise ValueError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True")
+        raise ConfigError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True")
     fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
     if "messages" in dataset.column_names:
         return dataset.map(
@@ -267,10 +268,10 @@ def select_by_length(
     if window is not None:
         stats["longer_than_window"] = sum(lengths[i] > window for i in keep)
     if not long_enough:
-        raise ValueError(f"every sample is shorter than data.min_length={min_length} tokens (longest "
-                         f"{stats['longest']}); lower data.min_length or use longer data")
+        raise DataError(f"every sample is shorter than data.min_length={min_length} tokens (longest "
+                        f"{stats['longest']}); lower data.min_length or use longer data")
     if not keep:
-        raise ValueError(
+        raise DataError(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
             f"{stats['longest']}); raise {(limit or 'data.max_length').split('=')[0]} or set data.truncate: true"
         )
@@ -283,7 +284,7 @@ def utk_document_room(max_length: int, utk: UtkSection) -> int:
 
     room = max_length - utk_overhead(1, max(utk.chunk_counts), utk.label_length)
     if room < 2:
-        raise ValueError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
+        raise ConfigError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
     return room
 
 
@@ -311,7 +312,7 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
                  default=0)
     if needed > n_letters**label_length:
         enough = next(n for n in itertools.count(1) if n_letters**n >= needed)
-        raise ValueError(
+        raise ConfigError(
             f"data.utk.label_length={label_length} spells {n_letters}**{label_length} = {n_letters**label_length} "
             f"distinct chunk labels, but a packed sequence of up to data.max_length={max_length} tokens can need "
             f"{needed} (its documents of >= data.utk.min_split_tokens={utk.min_split_tokens} tokens split into up "
@@ -347,6 +348,6 @@ def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
     collator draws the window from longer samples (:meth:`Recipe.long_samples`): it would change nothing."""
     samples, window = recipe.long_samples(), recipe.data.max_length
     if samples is not None and not data_stats["longer_than_window"]:
-        raise ValueError(f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
+        raise DataError(f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
                          f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
                          f"{samples.off}")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters import load_method_weights, spec_methods
+from ..errors import ConfigError, ModelSourceError
 from ..files import local_adapter_dir
 from ..spec import SPEC_FILENAME, ContextSpec
 from .schema import Recipe
@@ -39,8 +40,8 @@ def adapter_folder(location: str) -> Path:
     if not (folder / SPEC_FILENAME).is_file() and (folder / "adapter" / SPEC_FILENAME).is_file():
         folder = folder / "adapter"
     if not (folder / SPEC_FILENAME).is_file():
-        raise FileNotFoundError(f"model.init_from: {folder} has no {SPEC_FILENAME}; point it at the adapter/ folder "
-                                "of a finished longpeft run (train that stage first)")
+        raise ModelSourceError(f"model.init_from: {folder} has no {SPEC_FILENAME}; point it at the adapter/ folder "
+                               "of a finished longpeft run (train that stage first)")
     return folder
 
 
@@ -92,20 +93,20 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
     kind = folder_weights(folder, earlier)
     where = f"model.init_from ({folder})"
     if kind not in WEIGHTED_KINDS:
-        raise ValueError(f"{where} holds a whole model ({kind}), not an adapter: set model.name_or_path to it and "
-                         "drop model.init_from")
+        raise ConfigError(f"{where} holds a whole model ({kind}), not an adapter: set model.name_or_path to it and "
+                          "drop model.init_from")
     earlier.check_base(base_config)
     theirs, ours = _weighted_methods(earlier), _weighted_methods(spec)
     if theirs != ours:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: its methods with weights ({', '.join(sorted(theirs)) or 'none'}) are not "
             f"this recipe's ({', '.join(sorted(ours)) or 'none'}): "
             + ("their weights would be dropped" if theirs - ours else "they would start from scratch")
             + "; start from a run of the same method"
         )
     if kind == "lora" and recipe.finetune != "lora":
-        raise ValueError(f"{where} trained LoRA weights, which finetune: {recipe.finetune} would drop; set "
-                         "finetune: lora (with the earlier run's lora section)")
+        raise ConfigError(f"{where} trained LoRA weights, which finetune: {recipe.finetune} would drop; set "
+                          "finetune: lora (with the earlier run's lora section)")
     return InitAdapter(folder, kind, method_differences(earlier, spec))
 
 
@@ -131,13 +132,13 @@ def _load_lora(model: Any, folder: Path) -> None:
         result = set_peft_model_state_dict(model, weights)
     except RuntimeError as error:  # size mismatch
         reason = str(error).splitlines()[-1].strip()
-        raise ValueError(f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "
-                         f"lora.embeddings must match the earlier run's): {reason}") from None
+        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "
+                          f"lora.embeddings must match the earlier run's): {reason}") from None
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name in result.missing_keys if name in trained]
     if result.unexpected_keys or missing:
-        raise ValueError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings must "
-                         f"match the earlier run's): missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
+        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings must "
+                          f"match the earlier run's): missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
 
 
 def report_differences(folder: Path, differences: dict[str, dict[str, list[Any]]]) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..adapters import load_method_weights, save_method_weights
+from ..errors import DataError
 from ..spec import ContextSpec
 
 TRAINING_ARGS_NAME = "training_args.bin"  # as transformers names it
@@ -34,9 +35,9 @@ def restore_method_weights(model: Any, spec: ContextSpec, checkpoint: Path) -> N
     try:
         load_method_weights(model, spec, checkpoint)
     except FileNotFoundError as exc:
-        raise ValueError(f"{checkpoint} lacks the method weights of this run (written by another longpeft version, "
-                         f"or the recipe's methods changed): delete that folder to resume from the checkpoint "
-                         f"before it, or start again ({exc})") from exc
+        raise DataError(f"{checkpoint} lacks the method weights of this run (written by another longpeft version, "
+                        f"or the recipe's methods changed): delete that folder to resume from the checkpoint "
+                        f"before it, or start again ({exc})") from exc
 
 
 def method_checkpoint_trainer(trainer_class: type, spec: ContextSpec, finetune: str) -> type:

@@ -5,7 +5,6 @@ embeddings, trained weights' dtype).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -30,6 +29,7 @@ from ..adapters import (
     spec_methods,
 )
 from ..config import torch_dtype
+from ..errors import ConfigError
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
@@ -125,7 +125,7 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
 
 def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
     """Settings that only make sense for this base model, checked before anything is loaded or trained."""
-    vocab = spec.base_shape["vocab_size"]
+    vocab = spec.base_shape.vocab_size
     problems = []
     # A tiny: model stands in for the recipe's real one (plan --stand-in): its token ids are the real model's.
     stand_in = recipe.model.name_or_path.startswith(TINY_PREFIX)
@@ -147,7 +147,7 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
                else "raise rope.max_position_embeddings")
         )
     if problems:
-        raise ValueError(f"recipe {recipe.name}: " + "; ".join(problems))
+        raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
 
 
 def check_against_local_base(recipe: Recipe) -> str | None:
@@ -289,7 +289,7 @@ def lora_config(recipe: Recipe, model: PreTrainedModel | None = None):
     lora = recipe.lora
     tied = model is not None and has_tied_embeddings(model)
     if tied and lora.embeddings == "token_indices" and model.get_output_embeddings().bias is not None:
-        raise ValueError(
+        raise ConfigError(
             f"recipe {recipe.name}: lora.embeddings: token_indices on a base whose tied output head has a bias: "
             "peft's trainable tokens leave the bias out of the head's forward; use lora.embeddings: full"
         )
@@ -398,7 +398,7 @@ def save_adapter(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(adapter_dir)
-    spec = dataclasses.replace(spec, weights=finetune)
+    spec = spec.model_copy(update={"weights": finetune})
     spec.save(adapter_dir)
     from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
 

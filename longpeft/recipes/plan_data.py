@@ -23,6 +23,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..errors import DataError
 from ..scale.lengths import SampleLengths
 from .data import load_training_data, select_by_length, tokenize_dataset, utk_document_room, utk_groups, utk_limit
 from .schema import Recipe
@@ -152,9 +153,9 @@ def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | Non
             stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left
             stats.update(kept=len(keep), truncated=sum(lengths[i] > max_length for i in keep))
             if not keep:
-                raise ValueError(f"recipe {recipe.name}: no training sample has a scored token within {limit} "
-                                 "tokens (the cut removed every assistant turn); raise that limit or use shorter "
-                                 "samples")
+                raise DataError(f"recipe {recipe.name}: no training sample has a scored token within {limit} "
+                                "tokens (the cut removed every assistant turn); raise that limit or use shorter "
+                                "samples")
         return [min(lengths[i], max_length) for i in keep], stats
     room = utk_document_room(max_length, utk)
     keep, stats = select_by_length(lengths, room, data.truncate, utk_limit(max_length, room),

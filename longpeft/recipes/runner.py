@@ -32,6 +32,7 @@ from transformers import (
 
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..config import torch_dtype
+from ..errors import ConfigError, ModelSourceError, OutputFolderError
 from ..launch import check_sharded
 from ..launch.topology import (
     check_distributed_type,
@@ -267,16 +268,16 @@ def run(
     for message in skipped:
         print(f"longpeft: {message}", file=sys.stderr)
     if resume and checkpoint is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without --resume")
+        raise ModelSourceError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without --resume")
     if not resume and checkpoint is not None:
-        raise FileExistsError(
+        raise OutputFolderError(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
     changed = changed_keys(output_dir, recipe) if resume else []
     if resume:
         if changed and not allow_recipe_change:
-            raise ValueError(
+            raise ConfigError(
                 f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "
                 "would mix two trainings. Restore those keys, train into another output_dir, or pass "
                 "--allow-recipe-change to resume anyway"

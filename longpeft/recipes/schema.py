@@ -356,11 +356,6 @@ class RecipeBase(Section):
     target_length: int | None = Field(default=None, gt=0, description="length the adapter should work at")
     output_dir: str = "runs/{name}"
 
-    @field_validator("method", mode="before")
-    @classmethod
-    def _legacy_method_name(cls, value: Any) -> Any:
-        return {"rope_base": "rope"}.get(value, value)
-
     @model_validator(mode="after")
     def _consistent(self) -> RecipeBase:
         from ..adapters import METHODS, check_conflicts

@@ -18,6 +18,7 @@ from transformers import (
 )
 
 from ..adapters import CollatorContext, spec_methods
+from ..errors import ConfigError, DataError, LongpeftError
 from ..launch.topology import data_parallel_size
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
@@ -29,7 +30,7 @@ def gradient_accumulation(recipe: Recipe, processes: int) -> int:
     """Accumulation steps so that per-device batch x processes x accumulation = global batch."""
     per_step = recipe.train.per_device_batch_size * processes
     if recipe.train.global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
             f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {processes} processes"
         )
@@ -62,8 +63,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     t = recipe.train
     use_cuda = torch.cuda.is_available()
     if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
-        raise ValueError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and "
-                         "this machine has no CUDA GPU; set train.activation_offloading: false here")
+        raise ConfigError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and "
+                          "this machine has no CUDA GPU; set train.activation_offloading: false here")
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(
@@ -187,7 +188,7 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
     data_stats["dropped_without_scored_tokens"] = data_stats[rows] - left
     data_stats[rows] = left
     if left == 0:
-        raise ValueError(
+        raise DataError(
             f"recipe {recipe.name}: no training sample has a scored token within data.max_length="
             f"{recipe.data.max_length} (the assistant turns were cut off, every label is masked, or a method leaves "
             "them out: Activation Beacon does not score the first window unless attn: full-coverage with pos: "
@@ -214,8 +215,8 @@ def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool
     return recipe.finetune != "full" and any(method.weights is not None for method, _ in spec_methods(spec))
 
 
-class TrainingDiverged(ValueError):
-    """The loss or the gradient norm became NaN or infinite; the run stopped."""
+class TrainingDiverged(LongpeftError, ValueError):
+    """The loss or the gradient norm became NaN or infinite; the run stopped (the message says what to change)."""
 
 
 class KeepRotaryFrequencies(TrainerCallback):

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..config import torch_dtype
+from ..errors import ConfigError
 from ..rope import RotaryMismatch, check_rotary_frequencies
 from ..spec import ContextSpec
 from .schema import Recipe
@@ -39,8 +40,8 @@ def fast_language_model() -> Any:
     """``unsloth.FastLanguageModel``, imported on first use.
 
     Raises:
-        ImportError: one line naming ``train.backend`` and what to do, when unsloth is not installed
-            or there is no CUDA GPU (unsloth's kernels are Triton/CUDA only).
+        ImportError: unsloth is not installed (the message names ``train.backend`` and what to do).
+        ConfigError: there is no CUDA GPU (unsloth's kernels are Triton/CUDA only).
     """
     if importlib.util.find_spec("unsloth") is None:
         raise ImportError(
@@ -48,7 +49,7 @@ def fast_language_model() -> Any:
             f"`{INSTALL}` in its own environment, or set train.backend: transformers"
         )
     if not torch.cuda.is_available():
-        raise ImportError(
+        raise ConfigError(
             "train.backend: unsloth needs a CUDA GPU and this machine has none; set train.backend: transformers"
         )
     from unsloth import FastLanguageModel

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..errors import ConfigError
+
 # Attention kernels whose outputs ``keep_attention`` saves: torch's SDPA backends (CPU, flash, memory-efficient,
 # cuDNN) and the flash-attn package's ops (matched by name, as they register under their own namespace).
 ATTENTION_OPS = tuple(
@@ -69,8 +71,8 @@ class CheckpointSettings:
 
     def __post_init__(self) -> None:
         if self.checkpointed < 0 or not 0 <= self.keep_attention <= self.checkpointed:
-            raise ValueError(f"checkpointing: need 0 <= keep_attention ({self.keep_attention}) <= checkpointed "
-                             f"layers ({self.checkpointed})")
+            raise ConfigError(f"checkpointing: need 0 <= keep_attention ({self.keep_attention}) <= checkpointed "
+                              f"layers ({self.checkpointed})")
 
     def describe(self, layers: int) -> str:
         """One line for the run's log, e.g. ``32 of 32 layers checkpointed, attention kept in 24, inputs
@@ -225,10 +227,10 @@ def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> Input
     """
     layers = decoder_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
-                         "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need them")
+        raise ConfigError(f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
+                          "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need them")
     if settings.checkpointed > len(layers):
-        raise ValueError(f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder layers")
+        raise ConfigError(f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder layers")
     offloader = InputOffloader() if settings.offload and settings.checkpointed else None
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = index < settings.checkpointed

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import ConfigError
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES
 
 # Gb/s each GPU has to other nodes: one 400 Gb/s NDR InfiniBand (or 400 GbE) port per GPU, as in DGX H100 nodes.
@@ -38,18 +39,18 @@ def inter_node_traffic(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT
     = nodes x GPUs per node) between ``nodes`` nodes at ``gbps`` Gb/s per GPU: bytes every GPU sends per optimizer
     step, seconds per step and hours over the run's optimizer steps."""
     if nodes < 2:
-        raise ValueError(f"--nodes {nodes}: inter-node traffic needs 2 nodes or more")
+        raise ConfigError(f"--nodes {nodes}: inter-node traffic needs 2 nodes or more")
     if gbps <= 0:
-        raise ValueError(f"--inter-node-gbps must be > 0, got {gbps:g}")
+        raise ConfigError(f"--inter-node-gbps must be > 0, got {gbps:g}")
     processes, launch = plan.gpus, plan.assumptions["launch"]
     gradient = plan.assumptions["trainable_params"] * gradient_bytes_per_param(recipe, launch)
     data_parallel = processes // plan.assumptions["sequence_parallel"]
     per_micro_batch = recipe.train.per_device_batch_size * data_parallel
     if recipe.train.global_batch_size % per_micro_batch:
-        raise ValueError(f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-                         f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
-                         f"data-parallel processes on {nodes} nodes (train --launch refuses it): --set "
-                         f"train.global_batch_size to a multiple of {per_micro_batch}")
+        raise ConfigError(f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
+                          f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
+                          f"data-parallel processes on {nodes} nodes (train --launch refuses it): --set "
+                          f"train.global_batch_size to a multiple of {per_micro_batch}")
     micro_batches = recipe.train.global_batch_size // per_micro_batch
     reductions = micro_batches if launch in DEEPSPEED_LAUNCHES else 1  # reduce-scatters; then one all-gather
     sent = (reductions + 1) * (processes - 1) / processes * gradient

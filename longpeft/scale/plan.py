@@ -37,6 +37,7 @@ from typing import Any
 
 from ..adapters import get_method
 from ..builtin_models import model_location
+from ..errors import ConfigError
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 from .checkpointing import CheckpointSettings
 from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
@@ -115,7 +116,7 @@ class ModelShape:
             return self.hidden, self.intermediate
         if name == "down_proj":
             return self.intermediate, self.hidden
-        raise ValueError(f"lora.target_modules: {name!r} is not a projection the planner knows")
+        raise ConfigError(f"lora.target_modules: {name!r} is not a projection the planner knows")
 
 
 def local_config_file(name_or_path: str) -> Path | None:
@@ -146,7 +147,7 @@ def shape_of(name_or_path: str) -> ModelShape:
         return shape_from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
         return ModelShape(**KNOWN_SHAPES[name_or_path])
-    raise ValueError(
+    raise ConfigError(
         f"model {name_or_path!r}: no local config.json and not a known base ({', '.join(KNOWN_SHAPES)}); "
         "point model.name_or_path at a folder with the model's config.json"
     )
@@ -288,7 +289,7 @@ def _allowed(check: Any, *args: Any) -> bool:
     """Whether ``check(*args)`` (a launch check) accepts, rather than raises."""
     try:
         check(*args)
-    except ValueError:
+    except ConfigError:
         return False
     return True
 
@@ -320,7 +321,7 @@ def estimate(
             ``keep_attention`` and ``offload_checkpoints``, ``auto`` resolved by :func:`choose_checkpointing`).
     """
     if gpu not in GPU_PEAK_TFLOPS:
-        raise ValueError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
+        raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
     launch = launch or ("ddp" if gpus > 1 else None)
     if launch:
         check_launch(recipe, launch)
@@ -547,7 +548,7 @@ def resolve_checkpointing(recipe: Any, shape: ModelShape, gpus: int = 1, gpu_mem
     for key in ("checkpoint_layers", "keep_attention"):
         value = getattr(train, key)
         if isinstance(value, int) and value > layers:
-            raise ValueError(f"train.{key}={value}: the model has {layers} decoder layers")
+            raise ConfigError(f"train.{key}={value}: the model has {layers} decoder layers")
     checkpointed = train.checkpoint_layers if isinstance(train.checkpoint_layers, int) else layers
     keep = train.keep_attention
     kept = {"none": 0, "auto": 0, "all": checkpointed}[keep] if isinstance(keep, str) else min(keep, checkpointed)

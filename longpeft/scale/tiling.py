@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigError
 from .checkpointing import decoder_layers
 
 
@@ -93,17 +94,17 @@ class TiledMLPForward:
 def _mlp_of(layer: nn.Module) -> nn.Module:
     mlp = getattr(layer, "mlp", None)
     if not isinstance(mlp, nn.Module):
-        raise ValueError(f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile")
+        raise ConfigError(f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile")
     return mlp
 
 
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
     """Tile every decoder layer's MLP of ``model`` along the sequence, ``tile_tokens`` tokens at a time, in place."""
     if tile_tokens < 1:
-        raise ValueError(f"train.mlp_tile_tokens must be >= 1, got {tile_tokens}")
+        raise ConfigError(f"train.mlp_tile_tokens must be >= 1, got {tile_tokens}")
     layers = decoder_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layers whose MLP could be tiled")
+        raise ConfigError(f"{type(model).__name__} has no decoder layers whose MLP could be tiled")
     for layer in layers:
         mlp = _mlp_of(layer)
         mlp.forward = TiledMLPForward(mlp, tile_tokens)

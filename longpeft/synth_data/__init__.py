@@ -10,7 +10,6 @@
 - :mod:`.demo`: the demo's retrieval training set (:func:`build_demo_dataset`);
 - :mod:`.retrieval_docs`: retrieval documents (answered passkey / needle probes, recurring spans) for
   ``data.source: retrieval``; :mod:`.probes`: exact-length evaluation probes;
-- :mod:`.stub_server`: a local OpenAI-compatible server for tests and dry runs;
 - :mod:`.utk` (Untie the Knots): a data-side long-context training trick on token ids. (PoSE, the
   other one, lives with the methods: ``longpeft.adapters.pose``.)
 
@@ -44,7 +43,7 @@ _EXPORTS = {
     "mix": "mix",
     "SynthConfig": "pipeline",
     "synthesize": "pipeline",
-    "TASKS": "qa",
+    "SYNTH_TASKS": "qa",
     "LLMAnswerer": "qa",
     "ProceduralAnswerer": "qa",
     "QAJob": "qa",
@@ -52,7 +51,6 @@ _EXPORTS = {
     "UtkAugmenter": "utk",
     "UtkTokens": "utk",
     "add_utk_tokens": "utk",
-    "untie": "utk",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -24,6 +24,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import ConfigError
+
 OUTPUT_TOKENS_PER_SECOND = 50.0  # one request's decoding speed when --output-tokens-per-second is not given
 
 
@@ -134,11 +136,11 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
     from .qa import ProceduralAnswerer, job_request
 
     if config.answerer != "llm":
-        raise ValueError("longpeft synth --plan: this config's answerer is procedural, which calls no LLM (exact QA "
-                         "offline); set answerer: llm (--answerer llm) to plan an LLM build")
+        raise ConfigError("longpeft synth --plan: this config's answerer is procedural, which calls no LLM (exact QA "
+                          "offline); set answerer: llm (--answerer llm) to plan an LLM build")
     if output_tokens is None and config.llm.max_tokens is None:
-        raise ValueError("longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
-                         "--output-tokens N (the completion tokens you expect per request)")
+        raise ConfigError("longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
+                          "--output-tokens N (the completion tokens you expect per request)")
     files = load_documents(config.source.paths) if config.source.kind == "files" else None
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), config.length, config.context_template, config.seed,

@@ -25,12 +25,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
+from ..config import StrictModel
+from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
-from .qa import TASKS, Passage, QAGenerator, QAJob, QAPair, numbered_documents
+from .qa import SYNTH_TASKS, Passage, QAGenerator, QAJob, QAPair, numbered_documents
 from .tokens import require_tokens
 
 DEFAULT_CONTEXT_TEMPLATE = "Read the following text and answer the questions after it.\n\n{context}\n\n{question}"
@@ -38,10 +40,8 @@ DEFAULT_CONTEXT_TEMPLATE = "Read the following text and answer the questions aft
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s)|\n")
 
 
-class LengthConfig(BaseModel):
+class LengthConfig(StrictModel):
     """Token budget of one conversation (chat template included)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     min_tokens: int = Field(65536, ge=1, description="shortest conversation kept")
     max_tokens: int = Field(81920, ge=1, description="longest conversation kept")
@@ -68,7 +68,7 @@ class TokenCounter:
     def __init__(self, tokenizer: PreTrainedTokenizerBase):
         require_tokens(tokenizer)
         if not getattr(tokenizer, "is_fast", False):
-            raise ValueError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
+            raise ConfigError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
         self.tokenizer = tokenizer
         self._tokens_per_sentence: float | None = None
 
@@ -188,7 +188,7 @@ class LongContextBuilder:
         show_progress: bool = False,
     ):
         if "{context}" not in context_template or "{question}" not in context_template:
-            raise ValueError("context_template needs both {context} and {question}")
+            raise ConfigError("context_template needs both {context} and {question}")
         self.counter = TokenCounter(tokenizer)
         self.answerer = answerer
         self.length = length
@@ -452,8 +452,8 @@ def procedural_cluster_pool(
 
 
 def task_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Conversations per task, in :data:`~.qa.TASKS` order first."""
+    """Conversations per task, in :data:`~.qa.SYNTH_TASKS` order first."""
     counts = Counter(row["task"] for row in rows)
-    ordered = {task: counts[task] for task in TASKS if task in counts}
+    ordered = {task: counts[task] for task in SYNTH_TASKS if task in counts}
     ordered.update({task: n for task, n in counts.items() if task not in ordered})
     return ordered

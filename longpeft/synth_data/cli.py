@@ -27,8 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, apply_overrides, assign, bundled_names, file_or_bundled, read_yaml, validate
-from .qa import TASKS
+from ..config import apply_overrides, assign, bundled_names, file_or_bundled, read_yaml, validate
+from ..errors import ConfigError
+from ..files import check_writable_folder
+from .qa import SYNTH_TASKS
 
 
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +44,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
     parser.add_argument("--source", nargs="+", metavar="PATH",
                         help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones")
-    parser.add_argument("--tasks", help=f"comma-separated tasks to build (of {','.join(TASKS)}); the others are off")
+    parser.add_argument("--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are "
+                        "off")
     parser.add_argument("--contexts", type=int, help="conversations per task")
     parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
     parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
@@ -107,13 +110,13 @@ def resolve_config(args: argparse.Namespace):
     if args.source:
         _assign(config, "source.kind", "files")
         _assign(config, "source.paths", list(args.source))
-    chosen = list(TASKS)
+    chosen = list(SYNTH_TASKS)
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(chosen) - set(TASKS))
+        unknown = sorted(set(chosen) - set(SYNTH_TASKS))
         if unknown:
-            raise ValueError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
-        for task in TASKS:
+            raise ConfigError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(SYNTH_TASKS)}")
+        for task in SYNTH_TASKS:
             if task not in chosen:
                 _assign(config, f"{task}.contexts", 0)
     if args.contexts is not None:
@@ -126,8 +129,9 @@ def resolve_config(args: argparse.Namespace):
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
-    """Run `longpeft synth`; prints a summary, returns the exit code."""
-    from .llm_client import LLMRunAborted
+    """Run `longpeft synth`; prints a summary and returns 0, or 3 when no conversation was built. Bad input raises
+    (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_client.LLMRunAborted`) for
+    the command line's one error boundary (:func:`longpeft.cli.main`, exit status 2)."""
     from .pipeline import synthesize
 
     config = resolve_config(args)
@@ -139,12 +143,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
     rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
     given = [flag for flag in rates if getattr(args, flag[2:].replace("-", "_")) is not None]
     if given:
-        raise ValueError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
-    try:
-        dataset, stats = synthesize(config, args.out)
-    except LLMRunAborted as error:
-        print(f"longpeft synth: error: {error}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
+    check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
+    dataset, stats = synthesize(config, args.out)
     print(f"\nlongpeft synth -> {args.out}  ({len(dataset)} conversations)")
     for task, count in stats["counts"].items():
         tokens = stats["tokens_per_task"].get(task, {})
@@ -170,23 +171,8 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
     for flag in ("output_tokens", "output_tokens_per_second", "tokens_per_minute", "requests_per_minute"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
-            raise ValueError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
     plan = plan_build(config, args.out, output_tokens=args.output_tokens)
     print(plan.report(args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute,
                       args.requests_per_minute))
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="longpeft synth")
-    add_synth_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return cmd_synth(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"longpeft synth: error: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

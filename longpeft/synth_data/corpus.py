@@ -91,7 +91,6 @@ TIMES = ["in the morning", "at noon", "in the evening", "after the rain", "befor
 ADVERBS = ["slowly", "quietly", "steadily", "without pause", "as usual", "with great care"]
 
 FACT_KINDS = ("code", "profession", "street", "event")
-CHARACTER_ATTRIBUTES = ("birth_year", "birthplace", "profession", "sibling", "pet")
 
 
 @dataclass(frozen=True)
@@ -100,8 +99,8 @@ class Fact:
 
     Attributes:
         fact_id: unique id ``"<doc_id>:<n>"``.
-        kind: ``code``, ``profession``, ``street``, ``event``, ``founded``, ``population`` or one
-            of :data:`CHARACTER_ATTRIBUTES`.
+        kind: ``code``, ``profession``, ``street``, ``event``, ``founded``, ``population``, or a main
+            character's ``birth_year``, ``birthplace``, ``profession``, ``sibling`` or ``pet``.
         subject: who or what the fact is about (a person, ``"the blue lantern at the pier"``, ...).
         value: the exact answer as written in the text.
         question: a question whose only correct answer is ``value``.
@@ -119,11 +118,6 @@ class Fact:
     start: int
     end: int
     detail: tuple[tuple[str, str], ...] = ()
-
-    def shifted(self, offset: int) -> Fact:
-        """The same fact with its span moved by ``-offset`` characters (for a passage view)."""
-        return Fact(self.fact_id, self.kind, self.subject, self.value, self.question, self.sentence,
-                    self.start - offset, self.end - offset, self.detail)
 
     def get(self, key: str) -> str:
         return dict(self.detail)[key]
@@ -237,8 +231,8 @@ def generate_document(
         topic: a key of :data:`TOPICS` (random when None).
         fact_kinds: kinds of scattered facts to write, from :data:`FACT_KINDS`.
         fact_rate: fraction of sentences that state a scattered fact.
-        n_characters: main characters; each gets a fact per attribute in
-            :data:`CHARACTER_ATTRIBUTES`, spread over the document (0 for none).
+        n_characters: main characters; each gets a fact per attribute (birth year, birthplace, profession,
+            sibling, pet), spread over the document (0 for none).
         doc_id: identifier (default ``"doc-<seed>"``).
     """
     rng = random.Random(seed)

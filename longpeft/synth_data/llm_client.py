@@ -34,14 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from tqdm.auto import tqdm
 
+from ..config import StrictModel
+from ..errors import LongpeftError
 
-class LLMConfig(BaseModel):
+
+class LLMConfig(StrictModel):
     """Endpoint and behaviour of :class:`LLMClient`. There is deliberately no field for the key."""
-
-    model_config = ConfigDict(extra="forbid")
 
     base_url: str = Field("https://api.openai.com/v1", description="OpenAI-compatible endpoint (…/v1)")
     model: str = Field("gpt-4o", description="model name sent with every request")
@@ -65,7 +66,7 @@ class MalformedOutput(ValueError):
     """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
 
 
-class LLMRunAborted(RuntimeError):
+class LLMRunAborted(LongpeftError, RuntimeError):
     """An error no retry can fix (bad key, unknown model or endpoint): the whole run stops."""
 
 

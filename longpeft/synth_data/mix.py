@@ -16,17 +16,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from ..config import StrictModel
+from ..errors import DataError, DataNotFoundError
 from .builders import TokenCounter
 
 DEFAULT_PLAIN_PROMPT = "Write a passage of text."
 
 
-class MixConfig(BaseModel):
+class MixConfig(StrictModel):
     """Extra data and its share of the final dataset (ratios are fractions of the total)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     plain_text: str | None = Field(None, description=".jsonl (field 'text') or .txt file, or a folder of them")
     plain_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is plain text")
@@ -58,13 +58,13 @@ def source_files(path: str | Path, kinds: dict[str, str]) -> list[Path]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in kinds)
         if not files:
-            raise FileNotFoundError(f"{path} holds no {'/'.join(kinds)} files")
+            raise DataNotFoundError(f"{path} holds no {'/'.join(kinds)} files")
         return files
     if not path.is_file():
-        raise FileNotFoundError(f"source path {path} does not exist")
+        raise DataNotFoundError(f"source path {path} does not exist")
     if path.suffix not in kinds:
         use = " or ".join(f"{suffix} ({what})" for suffix, what in kinds.items())
-        raise ValueError(f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use {use}")
+        raise DataError(f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use {use}")
     return [path]
 
 
@@ -76,7 +76,7 @@ def jsonl_records(path: Path):
                 try:
                     yield number, json.loads(line)
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not valid JSON ({error})") from None
+                    raise DataError(f"{path}:{number}: not valid JSON ({error})") from None
 
 
 def read_text_file(path: Path) -> str:
@@ -84,7 +84,7 @@ def read_text_file(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        raise DataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def load_plain_texts(path: str | Path) -> list[str]:
@@ -96,7 +96,7 @@ def load_plain_texts(path: str | Path) -> list[str]:
             continue
         for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{file}:{number}: plain-text records need a string field 'text'")
+                raise DataError(f"{file}:{number}: plain-text records need a string field 'text'")
             texts.append(record["text"])
     return texts
 
@@ -110,7 +110,7 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}"
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    raise ValueError(f"{where}: an instruction record needs 'messages' or 'instruction' and 'output'")
+    raise DataError(f"{where}: an instruction record needs 'messages' or 'instruction' and 'output'")
 
 
 def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
@@ -164,7 +164,7 @@ def mix(
     stats: dict[str, Any] = {}
     synthetic_share = 1 - config.plain_ratio - config.instruction_ratio
     if (config.plain_ratio or config.instruction_ratio) and not rows:
-        raise ValueError("mixing ratios are relative to the synthetic conversations, and none were built")
+        raise DataError("mixing ratios are relative to the synthetic conversations, and none were built")
     if config.plain_ratio:
         wanted = round(len(synthetic) * config.plain_ratio / synthetic_share)
         texts = load_plain_texts(config.plain_text)

@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from datasets import Dataset
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 from transformers import PreTrainedTokenizerBase
 
+from ..config import StrictModel
+from ..errors import DataError
 from .builders import (
     DEFAULT_CONTEXT_TEMPLATE,
     ContextPlan,
@@ -42,22 +44,18 @@ REJECTS_FILE = "rejects.jsonl"
 CONFIG_FILE = "config.json"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SingleDetailTask(_Strict):
+class SingleDetailTask(StrictModel):
     contexts: int = Field(4, ge=0, description="conversations to build")
     chunks_per_context: int = Field(2, ge=1, description="chunks (<= length.chunk_tokens) asked about per context")
     questions_per_chunk: int = Field(3, ge=1)
 
 
-class MultiDetailTask(_Strict):
+class MultiDetailTask(StrictModel):
     contexts: int = Field(2, ge=0)
     questions: int = Field(5, ge=1)
 
 
-class HeterogeneousTask(_Strict):
+class HeterogeneousTask(StrictModel):
     contexts: int = Field(2, ge=0)
     questions: int = Field(5, ge=1)
     docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
@@ -66,17 +64,17 @@ class HeterogeneousTask(_Strict):
     )
 
 
-class BiographyTask(_Strict):
+class BiographyTask(StrictModel):
     contexts: int = Field(2, ge=0)
     characters: int = Field(3, ge=1, description="biographies (main characters) per book")
 
 
-class SourceConfig(_Strict):
+class SourceConfig(StrictModel):
     kind: Literal["procedural", "files"] = Field("procedural", description="generated documents, or your files")
     paths: list[str] = Field(default_factory=list, description=".txt (one document each) / .jsonl ('text', 'title')")
 
 
-class SynthConfig(_Strict):
+class SynthConfig(StrictModel):
     """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)."""
 
     seed: int = 0
@@ -124,11 +122,11 @@ def load_documents(paths: list[str]) -> list[Document]:
             continue
         for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f"{file}:{number}: document records need a string field 'text'")
+                raise DataError(f"{file}:{number}: document records need a string field 'text'")
             documents.append(Document(doc_id=str(record.get("id", f"{file}:{number}")),
                                       title=str(record.get("title", "")), text=record["text"]))
     if not documents:
-        raise ValueError(f"no documents found in {paths}")
+        raise DataError(f"no documents found in {paths}")
     return documents
 
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..errors import ConfigError
 from .tokens import require_tokens
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ _TOPIC_WORDS = ("astronomy beekeeping calligraphy dinosaurs economics falconry g
                 "volcanoes whales xylophones yoga zoology").split()
 _SYLLABLES = "ba be bi bo bu da de di do du ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re ri ro ru sa se si so su ta te ti to tu va ve vi vo vu".split()
 
-TASKS = (
+PROBE_TASKS = (
     "passkey",
     "niah_single",
     "niah_multikey",
@@ -65,7 +66,7 @@ class Probe:
     """One evaluation prompt.
 
     Attributes:
-        task: one of ``TASKS``.
+        task: one of ``PROBE_TASKS``.
         input_ids: the prompt, exactly ``length`` token ids (special tokens included).
         answers: what the continuation must contain (one string, or several for recall tasks).
         metric: ``"exact"`` (the continuation starts with the single answer; plain prompts),
@@ -110,8 +111,8 @@ class ProbeBuilder:
         self._encoded: dict[str, list[int]] = {}
         if chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise ValueError("chat prompts (--chat, chat=True) need a tokenizer with a chat_template; leave chat "
-                                 "off for base models")
+                raise ConfigError("chat prompts (--chat, chat=True) need a tokenizer with a chat_template; leave chat "
+                                  "off for base models")
             marker = "\u2063PROBE\u2063"
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
@@ -171,7 +172,7 @@ class ProbeBuilder:
             pad = self.pad_sentences(n_tokens - total)
         if pad is None:
             shortest = min(len(self.encode(" " + s)) for s in PAD_FILLER)
-            raise ValueError(
+            raise ConfigError(
                 f"{n_tokens} filler tokens cannot be made of whole filler sentences (the shortest has {shortest} "
                 "tokens); use a probe length a few tokens longer"
             )
@@ -213,7 +214,7 @@ class ProbeBuilder:
         insert_ids = [self.encode(" " + text) for _, text in inserts]
         n_hay = length - len(fixed) - sum(len(i) for i in insert_ids)
         if n_hay < 0:
-            raise ValueError(
+            raise ConfigError(
                 f"probe length {length} is shorter than its fixed text ({length - n_hay} tokens: instruction, "
                 "needles, question); use a longer length"
             )
@@ -282,7 +283,7 @@ class ProbeBuilder:
         ``[depth, 1]`` when there are several (all at ``depth`` for one).
         """
         if n_queries > n_keys:
-            raise ValueError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
+            raise ConfigError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
         used: set[str] = set()
         keys = [self.key_phrase(used) for _ in range(n_keys)]
         values = {k: [self.number(digits) for _ in range(n_values)] for k in keys}
@@ -351,7 +352,7 @@ class ProbeBuilder:
         n_items = max((length - fixed) // per_item + 2, 1)
         common_freq = max(3 * rare_freq, 3, n_items // (2 * n_common))
         if n_common * common_freq > n_items:
-            raise ValueError(
+            raise ConfigError(
                 f"length {length} is too short for {n_common} common words appearing {common_freq} times each; "
                 "use a longer length (--lengths), or fewer common words (n_common)"
             )
@@ -373,7 +374,7 @@ class ProbeBuilder:
         end = self.encode(" " + question) + self.tail
         n_body = length - len(fixed) - len(end)
         if n_body < 0:
-            raise ValueError(f"probe length {length} is shorter than its fixed text; use a longer length")
+            raise ConfigError(f"probe length {length} is shorter than its fixed text; use a longer length")
         body: list[int] = []
         n_items = 0
         for item in items:
@@ -382,7 +383,7 @@ class ProbeBuilder:
             body.extend(self.encode(" " + item))
             n_items += 1
         if len(body) < n_body:
-            raise ValueError(f"not enough list items to fill {length} tokens")
+            raise ConfigError(f"not enough list items to fill {length} tokens")
         ids = fixed + body[:n_body] + end
         assert len(ids) == length
         return ids, n_items
@@ -403,10 +404,10 @@ class ProbeBuilder:
         return Probe("topic_retrieval", ids, [topics[0]], self.single_answer_metric, length, None, pos, {"topics": topics})
 
     def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
-        """One probe of ``task`` (see ``TASKS``); ``depth`` is used by the needle tasks only."""
+        """One probe of ``task`` (see ``PROBE_TASKS``); ``depth`` is used by the needle tasks only."""
         depth = 0.5 if depth is None else float(depth)
         if not 0.0 <= depth <= 1.0:
-            raise ValueError(f"depth must be in [0, 1], got {depth}")
+            raise ConfigError(f"depth must be in [0, 1], got {depth}")
         if task == "passkey":
             return self.passkey(length, depth, **options)
         if task == "niah_single":
@@ -423,7 +424,7 @@ class ProbeBuilder:
             return self.common_words(length, **options)
         if task == "topic_retrieval":
             return self.topic_retrieval(length, **options)
-        raise ValueError(f"unknown probe task {task!r}; choose one of {TASKS}")
+        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
 
 
 def make_probes(
@@ -439,7 +440,7 @@ def make_probes(
     """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for ``DEPTH_TASKS``).
 
     Args:
-        task: one of ``TASKS``.
+        task: one of ``PROBE_TASKS``.
         lengths: prompt lengths in tokens.
         depths: needle depths in [0, 1] (default 0, 0.25, 0.5, 0.75, 1 for needle tasks; repeats count once,
             as repeated lengths do).
@@ -448,10 +449,10 @@ def make_probes(
         chat: wrap prompts in the tokenizer's chat template.
         options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
     """
-    if task not in TASKS:
-        raise ValueError(f"unknown probe task {task!r}; choose one of {TASKS}")
+    if task not in PROBE_TASKS:
+        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
     if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
     if task in DEPTH_TASKS:
         grid_depths: list[float | None] = (sorted({float(d) for d in depths}) if depths is not None
                                            else [0.0, 0.25, 0.5, 0.75, 1.0])

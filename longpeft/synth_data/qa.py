@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from ..errors import DataError
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
 from .llm_client import LLMClient, LLMRequest, MalformedOutput, parse_json_object
 
-TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
+SYNTH_TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class QAJob:
     """One generation job.
 
     Attributes:
-        task: one of :data:`TASKS`.
+        task: one of :data:`SYNTH_TASKS`.
         passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
             biography) or the documents of one context (heterogeneous, numbered from 1 in order).
         n: questions to write (biographies for ``biography``).
@@ -81,7 +82,7 @@ class ProceduralAnswerer:
     def answer(self, job: QAJob) -> list[QAPair]:
         for passage in job.passages:
             if not passage.doc.facts:
-                raise ValueError(
+                raise DataError(
                     f"document {passage.doc.doc_id!r} has no recorded facts: the procedural answerer only works "
                     "on procedural documents; use the LLM answerer for text files"
                 )
@@ -419,7 +420,7 @@ class LLMAnswerer:
 
     def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]:
         results: list[list[QAPair] | None] = [None] * len(jobs)
-        for task in TASKS:
+        for task in SYNTH_TASKS:
             indices = [i for i, job in enumerate(jobs) if job.task == task]
             if not indices:
                 continue

@@ -20,6 +20,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from ..errors import ConfigError
 from .probes import ProbeBuilder
 
 KINDS = ("passkey", "niah", "induction")
@@ -45,7 +46,7 @@ class RetrievalDocuments:
         mix = dict(DEFAULT_MIX if mix is None else mix)
         unknown = set(mix) - set(KINDS)
         if unknown or not mix or any(w < 0 for w in mix.values()) or not sum(mix.values()):
-            raise ValueError(f"mix maps kinds {KINDS} to non-negative weights with a positive sum, got {mix}")
+            raise ConfigError(f"mix maps kinds {KINDS} to non-negative weights with a positive sum, got {mix}")
         self.tokenizer = tokenizer
         self.rng = random.Random(f"retrieval/{seed}")
         self.probes = ProbeBuilder(tokenizer, chat=False, seed=seed)
@@ -70,7 +71,7 @@ class RetrievalDocuments:
                 error = exc
         if drawn:  # a probe's fixed text does not fit this short a document
             return self.induction(n_tokens)
-        raise ValueError(f"cannot build a {kind} document of {n_tokens} tokens: {error}")
+        raise ConfigError(f"cannot build a {kind} document of {n_tokens} tokens: {error}")
 
     def answered_probe(self, n_tokens: int, kind: str) -> list[int]:
         """A ``passkey`` or ``niah`` probe followed by its answer and a full stop, ``n_tokens`` ids in all."""
@@ -85,7 +86,7 @@ class RetrievalDocuments:
             n_keys = self.rng.randint(1, max(1, min(4, (n_tokens - 100) // 20)))
             probe = self.probes.niah(n_tokens - answer_len, depth, n_keys=n_keys, digits=digits)
         else:
-            raise ValueError(f"unknown retrieval document kind {kind!r}; choose one of {KINDS}")
+            raise ConfigError(f"unknown retrieval document kind {kind!r}; choose one of {KINDS}")
         return probe.input_ids + self.probes.encode(" " + probe.answers[0] + ".")
 
     def induction(self, n_tokens: int) -> list[int]:
@@ -120,7 +121,7 @@ def build_retrieval_dataset(
     from datasets import Dataset
 
     if not 0 < min_tokens <= max_tokens:
-        raise ValueError(f"need 0 < min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
+        raise ConfigError(f"need 0 < min_tokens <= max_tokens, got {min_tokens} and {max_tokens}")
     builder = RetrievalDocuments(tokenizer, seed=seed, mix=mix)
     docs = builder.documents(n_documents, range(min_tokens, max_tokens + 1))
     prefix = builder.probes.special_prefix()

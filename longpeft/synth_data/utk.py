@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
+from ..errors import ConfigError, DataError
+
 IGNORE_INDEX = -100
 
 
@@ -82,7 +84,7 @@ def add_utk_tokens(
     Chunk labels are spelled with the letters of ``alphabet`` that the tokenizer encodes as one token.
     """
     if max_chunks < 2:
-        raise ValueError(f"max_chunks must be at least 2, got {max_chunks}")
+        raise ConfigError(f"max_chunks must be at least 2, got {max_chunks}")
     strings = utk_token_strings(max_chunks)
     flat = strings["head_knots"] + strings["tail_knots"] + [v for k, v in strings.items() if isinstance(v, str)]
     tokenizer.add_tokens(flat, special_tokens=True)
@@ -93,7 +95,7 @@ def add_utk_tokens(
         if len(encoded) == 1:
             letters.append(encoded[0])
     if len(letters) < 2:
-        raise ValueError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet")
+        raise ConfigError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet")
     return UtkTokens(
         head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
         tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
@@ -151,17 +153,17 @@ class UtkAugmenter:
     ):
         chunk_counts = dict(chunk_counts or {2: 0.5, 3: 0.5})
         if not 0.0 <= probability <= 1.0:
-            raise ValueError(f"probability must be in [0, 1], got {probability}")
+            raise ConfigError(f"probability must be in [0, 1], got {probability}")
         if not chunk_counts or min(chunk_counts) < 1 or max(chunk_counts) > tokens.max_chunks:
-            raise ValueError(
+            raise ConfigError(
                 f"chunk_counts keys must be in 1..{tokens.max_chunks} (tokens made for {tokens.max_chunks} chunks), "
                 f"got {sorted(chunk_counts)}"
             )
         weights = np.asarray([chunk_counts[h] for h in sorted(chunk_counts)], dtype=float)
         if (weights < 0).any() or weights.sum() <= 0:
-            raise ValueError(f"chunk_counts weights must be >= 0 with a positive sum, got {chunk_counts}")
+            raise ConfigError(f"chunk_counts weights must be >= 0 with a positive sum, got {chunk_counts}")
         if min_split_tokens < 2:
-            raise ValueError("min_split_tokens must be at least 2")
+            raise ConfigError("min_split_tokens must be at least 2")
         self.tokens = tokens
         self.probability = probability
         self.counts = np.asarray(sorted(chunk_counts))
@@ -183,7 +185,7 @@ class UtkAugmenter:
         starts = np.cumsum([0] + [len(d) for d in docs])
         flat = np.concatenate(docs) if docs else np.zeros(0, dtype=np.int64)
         if flat.size and flat.max() >= self._special.min() and np.isin(flat, self._special).any():
-            raise ValueError("the documents already contain UtK special tokens; augment raw documents only once")
+            raise DataError("the documents already contain UtK special tokens; augment raw documents only once")
         if rng.random() >= self.probability:
             origin = np.arange(len(flat)) if return_origin else None
             return UtkSample(flat.copy(), flat.copy(), origin, augmented=False)
@@ -252,7 +254,7 @@ class UtkAugmenter:
         # Random draws keep colliding only when nearly every label is taken: pick among the free ones.
         free = [label for label in itertools.product(self._letters.tolist(), repeat=self.label_length) if label not in used]
         if len(free) < h - len(labels):
-            raise ValueError(
+            raise ConfigError(
                 f"this sequence needs more than the {len(self._letters)}**{self.label_length} distinct chunk labels; "
                 "raise label_length (chunk_labels_needed gives a sequence's worst case)"
             )
@@ -291,56 +293,6 @@ class UtkAugmenter:
             order[np.sort(slots[start:start + count])] = np.arange(start, start + count)
             start += count
         return order
-
-
-def untie(input_ids: Sequence[int] | np.ndarray, tokens: UtkTokens) -> list[list[int]]:
-    """Reassemble every split document of a UtK sequence from its labels, knots and backtrace.
-
-    Returns the documents' original token ids, in the order their backtraces appear. Raises
-    ``ValueError`` when the knots do not tie up (a head knot that does not follow its tail knot's cut).
-    """
-    ids = np.asarray(input_ids).tolist()
-    heads = {t: j for j, t in enumerate(tokens.head_knots) if t >= 0}
-    tails = {t: j for j, t in enumerate(tokens.tail_knots) if t >= 0}
-    chunks: dict[tuple[int, ...], tuple[int, list[int], bool]] = {}  # label -> (chunk index, tokens, ends in a tail)
-    traces: list[list[tuple[int, ...]]] = []
-    i = 0
-    while i < len(ids):
-        if ids[i] != tokens.label_open:
-            i += 1
-            continue
-        head = heads.get(ids[i - 1], 0) if i > 0 else 0
-        close = ids.index(tokens.label_close, i)
-        label = tuple(ids[i + 1:close])
-        end = close + 1
-        while end < len(ids) and ids[end] not in tails and ids[end] != tokens.trace_open:
-            end += 1
-        ends_in_tail = end < len(ids) and ids[end] in tails
-        if ends_in_tail and tails[ids[end]] != head:
-            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk {tails[ids[end]]}")
-        chunks[label] = (head, ids[close + 1:end], ends_in_tail)
-        if end < len(ids) and ids[end] == tokens.trace_open:
-            finish = ids.index(tokens.trace_close, end)
-            labels, current = [], []
-            for token in ids[end + 1:finish]:
-                if token == tokens.trace_sep:
-                    labels.append(tuple(current))
-                    current = []
-                else:
-                    current.append(token)
-            traces.append([*labels, tuple(current)])
-            end = finish + 1
-        i = end
-    documents = []
-    for labels in traces:  # resolved after the scan: without preserve_order a chunk may follow its trace
-        document: list[int] = []
-        for j, label in enumerate(labels):
-            head, content, ends_in_tail = chunks[label]
-            if head != j or ends_in_tail != (j < len(labels) - 1):
-                raise ValueError(f"chunk {label} is tied as chunk {head}, but the backtrace lists it as chunk {j}")
-            document += content
-        documents.append(document)
-    return documents
 
 
 def utk_overhead(n_documents: int, max_chunks: int, label_length: int) -> int:

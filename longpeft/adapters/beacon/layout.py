@@ -114,10 +114,6 @@ class WindowLayout:
     visible: torch.Tensor
     ratio: int
 
-    @property
-    def beacon_count(self) -> int:
-        return int(self.is_beacon.sum())
-
     def slots_for(self, n_raw: int) -> int:
         """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""
         return int((self.trigger < n_raw).sum())

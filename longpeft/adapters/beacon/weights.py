@@ -23,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ...errors import DataError
 from ..registry import gathered_tensors
 from .config import BeaconConfig
 from .patch import beacon_parameters, causal_lm_of
@@ -69,15 +70,15 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
         stored = set(f.keys())
         missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
         if missing or unexpected:
-            raise ValueError(f"{path} does not fit the model's beacon weights: missing {missing[:4]}"
-                             f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
-                             f"{'...' if len(unexpected) > 4 else ''} (projection kind or params differ?)")
+            raise DataError(f"{path} does not fit the model's beacon weights: missing {missing[:4]}"
+                            f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                            f"{'...' if len(unexpected) > 4 else ''} (projection kind or params differ?)")
         with torch.no_grad():
             for name, parameter in own.items():
                 tensor = f.get_tensor(name)
                 if tensor.shape != parameter.shape:
-                    raise ValueError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                                     f"{tuple(parameter.shape)}; load it on the base model it was trained on")
+                    raise DataError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                                    f"{tuple(parameter.shape)}; load it on the base model it was trained on")
                 parameter.copy_(tensor.to(parameter.dtype))
 
 
@@ -95,11 +96,11 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         ValueError: the checkpoint is not a beacon model, or uses a stride other than its window.
     """
     if "beacon_window" not in config:
-        raise ValueError("config.json has no beacon_window: not an Activation Beacon checkpoint")
+        raise DataError("config.json has no beacon_window: not an Activation Beacon checkpoint")
     window = int(config["beacon_window"])
     stride = int(config.get("beacon_stride", window))
     if stride != window:
-        raise ValueError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window")
+        raise DataError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window")
     ratios = [int(r) for r in config.get("beacon_ratio", [2, 4, 8])]
     mix = str(config.get("beacon_ratio_mix", "step-random"))
     if not (mix in _MIXES or re.fullmatch(r"adapt-\d+", mix)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ...errors import DataError
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import modeling
 from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
@@ -43,9 +44,9 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
     bases = [float(b) for b in bases]
     if len(bases) != kv_heads:
-        raise ValueError(f"{config_path}: the model has {kv_heads} key/value heads but {len(bases)} bases were given")
+        raise DataError(f"{config_path}: the model has {kv_heads} key/value heads but {len(bases)} bases were given")
     stored = config.get("head_rope_bases")
     if stored is not None and [float(b) for b in stored] != bases:
-        raise ValueError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
+        raise DataError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
     point_config_at_remote_code(config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME,
                                 standalone_modeling_source(), {"head_rope_bases": bases})

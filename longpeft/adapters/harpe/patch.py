@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ...errors import ConfigError
 from ...family import attention_modules, check_supported, is_attention_module, num_kv_heads
 from ...rope import head_dim_of, rope_parameters_of, rotary_modules
 from ..registry import check_applicable
@@ -35,15 +36,15 @@ def check_head_bases(config, bases: Sequence[float]) -> list[float]:
     bases = [float(b) for b in bases]
     expected = num_kv_heads(config)
     if len(bases) != expected:
-        raise ValueError(
+        raise ConfigError(
             f"head bases: got {len(bases)} bases but the model has {expected} key/value heads "
             f"(num_key_value_heads); give one base per KV head, the query heads of a group share it"
         )
     bad = [b for b in bases if not math.isfinite(b) or b <= 1]
     if bad:
-        raise ValueError(f"head bases must be finite and > 1, got {bad}")
+        raise ConfigError(f"head bases must be finite and > 1, got {bad}")
     if head_dim_of(config) % 2:
-        raise ValueError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
+        raise ConfigError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
     return bases
 
 

@@ -32,6 +32,7 @@ import math
 import torch
 from tqdm.auto import tqdm
 
+from ...errors import ConfigError
 from ...rope import per_head_inv_freq
 
 SELECTIONS = ("uniform", "peak_valley")
@@ -158,10 +159,10 @@ def peak_valley_bases(
         raise ValueError(f"window_fraction must be in (0, 0.5), got {window_fraction}")
     radius = max(1, round(window_fraction * target_length))
     if target_length < 4 * radius + 1:
-        raise ValueError(f"target_length={target_length} is too short for the peak/valley window (radius {radius})")
+        raise ConfigError(f"target_length={target_length} is too short for the peak/valley window (radius {radius})")
     candidates = candidate_grid(b_min, b_max, stride)
     if len(candidates) < n - 1:
-        raise ValueError(
+        raise ConfigError(
             f"the stride grid over [{b_min}, {b_max}] with stride {stride} has {len(candidates)} candidates, "
             f"fewer than the {n - 1} bases to add; lower the stride or widen the range"
         )
@@ -171,7 +172,7 @@ def peak_valley_bases(
         extrema.append(peaks_and_valleys(waveform([base], head_dim, target_length)[0], radius))
     chosen_peaks, chosen_valleys = extrema[0]
     if chosen_peaks.numel() == 0 or chosen_valleys.numel() == 0:
-        raise ValueError(
+        raise ConfigError(
             f"the waveform of b_min={b_min} has no peak or valley within {target_length} tokens at window "
             f"radius {radius}; raise target_length or lower window_fraction"
         )
@@ -188,7 +189,7 @@ def peak_valley_bases(
             if score < best_score:
                 best_index, best_score = index, score
         if best_index is None:
-            raise ValueError(
+            raise ConfigError(
                 f"only {len(chosen)} of the candidate waveforms have peaks or valleys within {target_length} tokens; "
                 "raise target_length, lower window_fraction or widen the base range"
             )

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from ...config import StrictModel
+from ...errors import ConfigError
 from ..registry import LongSamples, ResolveContext
 
 
@@ -31,7 +32,7 @@ def resolve(config: PoseConfig, context: ResolveContext) -> PoseConfig:
     """The simulated length: the section's, else the recipe's target length; it must exceed the training length."""
     target = config.target_length or context.target_length
     if target is None or (context.trained_length and target <= context.trained_length):
-        raise ValueError(
+        raise ConfigError(
             f"pose.target_length ({target}) must be set and longer than the training length "
             f"({context.trained_length}, data.max_length): at equal lengths every skip is 0 and PoSE changes nothing"
         )

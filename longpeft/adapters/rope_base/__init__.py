@@ -14,6 +14,7 @@ A merged or fully fine-tuned model's config.json also gets the keys transformers
 
 from __future__ import annotations
 
+from ...errors import ConfigError
 from ...rope import unused_rope_keys
 from ..registry import Method, ResolveContext
 from .config import RopeConfig, RopeType
@@ -32,15 +33,15 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     params = resolve_rope_parameters(context.base_config, requested)
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
-        raise ValueError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would ignore "
-                         "it); remove it, or choose a rope_type that reads it")
+        raise ConfigError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would ignore "
+                          "it); remove it, or choose a rope_type that reads it")
     if params["rope_type"] == "dynamic" and context.trained_length:
-        raise ValueError("rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
-                         "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "
-                         "rope_theta (dynamic stays available without training: expand_rope_base)")
+        raise ConfigError("rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
+                          "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "
+                          "rope_theta (dynamic stays available without training: expand_rope_base)")
     unknown = sorted(set(params) - set(RopeConfig.model_fields))
     if unknown:
-        raise ValueError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
+        raise ConfigError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
     max_positions = config.max_position_embeddings or context.base_config.max_position_embeddings
     return RopeConfig(**params, max_position_embeddings=max_positions)
 

@@ -1,4 +1,4 @@
-"""A local OpenAI-compatible chat-completions server for tests, benchmarks and dry runs.
+"""A local OpenAI-compatible chat-completions server for the tests and scripts/bench_synth.py.
 
 It answers ``POST /v1/chat/completions`` on 127.0.0.1 after a fixed latency, and can misbehave on
 request: directives written inside any message as ``[[...]]`` make it fail the first calls of that
@@ -194,9 +194,9 @@ class StubServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serve until interrupted: ``python -m longpeft.synth_data.stub_server --latency 0.05``.
+    """Serve until interrupted: ``python tests/stub_server.py --latency 0.05``.
 
-    Prints the base URL as its first line (point ``--llm-base-url`` at it for an offline dry run).
+    Prints the base URL as its first line (point ``--llm-base-url`` at it).
     """
     import argparse
 

@@ -1,0 +1,56 @@
+"""The errors longpeft raises for input it cannot use: one base, four kinds.
+
+Every expected failure caused by what the user gave (a file, a folder, a key, a flag) is a :class:`LongpeftError`;
+its message names the file, field or flag and says what to do. The command line prints it as one line and exits
+with status 2 (``--debug`` shows the traceback); any other exception is a bug and keeps its traceback
+(:func:`longpeft.cli.main`).
+
+Each kind also derives from the built-in exception it stands for, so ``except ValueError`` or
+``except FileNotFoundError`` around a longpeft call keeps working:
+
+================================  ======================  ===================================================
+class                             also a                  raised for
+================================  ======================  ===================================================
+:class:`ConfigError`              ``ValueError``          a recipe or synth config key, a ``--set`` override,
+                                                          a command-line flag, a setting the base cannot take
+:class:`DataError`                ``ValueError``          training data, documents, ``longpeft.json`` or
+                                                          other files whose content cannot be used
+:class:`DataNotFoundError`        ``FileNotFoundError``   a data file or folder that is not there
+:class:`ModelSourceError`         ``FileNotFoundError``   a model, adapter or checkpoint that is not where it
+                                                          was said to be (no such folder, not on the Hub, not
+                                                          a folder longpeft wrote)
+:class:`OutputFolderError`        ``FileExistsError``     an output folder that would overwrite something
+================================  ======================  ===================================================
+
+This module is the floor of the package: it imports nothing (``files``, the torch-free file rules, raises these).
+"""
+
+from __future__ import annotations
+
+
+class LongpeftError(Exception):
+    """An expected failure caused by the user's input: the message names the file, field or flag and says what to
+    do. The CLI prints it as one line and exits with status 2."""
+
+
+class ConfigError(LongpeftError, ValueError):
+    """A setting that cannot be used: a config file or key, a ``--set`` override, a command-line flag, or a method
+    setting that does not fit the base model."""
+
+
+class DataError(LongpeftError, ValueError):
+    """Input data whose content cannot be used: training data, documents, ``longpeft.json``, eval results; the
+    message names the file (and row or line)."""
+
+
+class DataNotFoundError(DataError, FileNotFoundError):
+    """A data file or folder that is not there, or holds no file of the kinds read."""
+
+
+class ModelSourceError(LongpeftError, FileNotFoundError):
+    """A model, adapter or checkpoint that is not where it was said to be: no such folder, not on the Hub, or a
+    folder longpeft did not write (a file it needs is missing)."""
+
+
+class OutputFolderError(LongpeftError, FileExistsError):
+    """An output folder that would overwrite something: a folder that is not empty, a file, or one of the inputs."""
