@@ -8,7 +8,7 @@ COMPAT_VENV := .venv-compat
 COMPAT_PY := $(COMPAT_VENV)/bin/python
 COMPAT_STAMP := $(COMPAT_VENV)/.installed
 
-.PHONY: demo test test-slow test-compat test-latest bench venv venv-compat clean
+.PHONY: demo test test-slow test-compat test-latest lint bench venv venv-compat clean
 
 venv: $(STAMP)
 venv-compat: $(COMPAT_STAMP)
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
+
+# ruff with the rules of pyproject.toml ([tool.ruff]); CI runs it.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check longpeft scripts tests
 
 # The tests `make test` leaves out for their time (marker `slow`): run them when you change what they cover.
 test-slow: $(STAMP)
