@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from longpeft.adapters.string import (

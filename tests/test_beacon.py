@@ -5,7 +5,6 @@ gradient checkpointing, gradients through memory."""
 from __future__ import annotations
 
 import importlib.util
-
 import inspect
 
 import pytest

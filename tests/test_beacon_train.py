@@ -188,10 +188,9 @@ def test_a_checkpoint_without_its_beacon_weights_is_refused_with_what_to_do(tiny
 def test_beacon_weights_are_saved_from_a_gathered_state_dict(tiny_base_dirs, tmp_path):
     """A sharded run (FSDP, ZeRO-3) saves from the state dict the Trainer gathered, not from the sharded parameters."""
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     from longpeft.adapters.beacon import BeaconConfig, apply_beacon, save_beacon_weights
-
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_base_dirs("llama")), attn_implementation="sdpa")
     apply_beacon(model, BeaconConfig(window=16).settings())
@@ -218,6 +217,7 @@ def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path
     from pathlib import Path
 
     from longpeft.launch import launch_command
+
     from run_helpers import assert_same_weights, logged_losses  # tests/run_helpers.py
 
     base = tiny_base_dirs("llama")

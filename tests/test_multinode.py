@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import write_chat_jsonl  # tests/conftest.py
 from longpeft.cli import main
 from longpeft.launch import check_sequence_parallel_group, launch_command
 from longpeft.launch.nodes import Nodes, parse_main_address
@@ -27,6 +26,8 @@ from longpeft.recipes.runner import run
 from longpeft.recipes.schema import load_recipe
 from longpeft.scale import estimate
 from longpeft.scale.network import add_inter_node
+
+from conftest import write_chat_jsonl  # tests/conftest.py
 from run_helpers import assert_resumed_as_uninterrupted, assert_same_weights, logged_losses  # tests/run_helpers.py
 
 QLORA_80K = "llama3-8b-instruct-80k-qlora"  # global batch 8, one sample per GPU; Llama-3-8B: 32 heads, 8 KV heads

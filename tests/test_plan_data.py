@@ -202,8 +202,9 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
     plan finds them all in the cache; --plan sends nothing."""
     from longpeft.synth_data.build_plan import plan_build
     from longpeft.synth_data.pipeline import synthesize
-    from stub_server import StubServer, default_reply
     from longpeft.tiny import demo_tokenizer
+
+    from stub_server import StubServer, default_reply
 
     monkeypatch.setenv("STUB_KEY", "x")
     received = []

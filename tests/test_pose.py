@@ -254,6 +254,7 @@ def test_a_killed_pose_run_resumes_to_the_uninterrupted_adapter(tiny_base_dirs, 
 
     from longpeft.recipes.runner import run
     from longpeft.recipes.schema import load_recipe
+
     from test_recipes import KillAtStep
 
     def recipe(out):

@@ -130,8 +130,8 @@ def test_trl_keys_longpeft_sets_or_needs_are_refused_when_the_recipe_is_read(key
 def test_every_sft_argument_longpeft_sets_is_refused_in_the_trl_section(recipe, tmp_path):
     """The refusal list covers what the runner passes (a trl key among them would crash SFTConfig with a bare
     TypeError); the UtK variant adds its dataset arguments."""
-    from longpeft.recipes.trainer import sft_arguments
     from longpeft.recipes.schema import TRL_KEYS_OWNED_BY_RECIPE
+    from longpeft.recipes.trainer import sft_arguments
 
     (tmp_path / "docs.jsonl").write_text('{"text": "a document"}\n')
     utk = [f"data.source={tmp_path / 'docs.jsonl'}", "data.format=text", "data.utk.probability=0.5"]

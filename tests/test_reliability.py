@@ -20,8 +20,8 @@ from longpeft.cli import main
 from longpeft.demo import DEMO_MARKER, prepare_demo_folder
 from longpeft.errors import ConfigError, DataError, LongpeftError, ModelSourceError, OutputFolderError
 from longpeft.recipes.runner import run
-from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
 from longpeft.recipes.schema import load_recipe
+from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
 
 
 def _recipe(base, data, out, *extra):
@@ -336,6 +336,7 @@ def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
 def test_a_synth_run_that_builds_nothing_exits_non_zero(tmp_path, capsys, monkeypatch):
     """Every LLM answer malformed: no conversation is built, and the exit status says so (it was 0)."""
     from longpeft.synth_data.corpus import generate_document
+
     from stub_server import StubServer
 
     monkeypatch.setenv("LONGPEFT_TEST_KEY", "sk-test")

@@ -433,7 +433,13 @@ def test_plan_works_for_every_bundled_recipe(capsys):
 ])
 def test_planned_beacon_parameters_are_those_of_a_built_model(settings):
     """The planner's beacon counts equal the parameters apply_beacon really adds (trainable and frozen)."""
-    from longpeft.adapters.beacon import METHOD, BeaconConfig, apply_beacon, beacon_parameters, trainable_beacon_parameters
+    from longpeft.adapters.beacon import (
+        METHOD,
+        BeaconConfig,
+        apply_beacon,
+        beacon_parameters,
+        trainable_beacon_parameters,
+    )
 
     config = BeaconConfig(window=8, ratios=[2], **settings)
     model = tiny_model("llama")

@@ -265,6 +265,7 @@ def test_procedural_document_hits_its_token_target(tok):
 
 def test_llm_answerer_builds_conversations_through_the_stub(tok, tmp_path, monkeypatch):
     from longpeft.synth_data.llm_client import LLMClient, LLMConfig
+
     from stub_server import StubServer
 
     monkeypatch.setenv("STUB_KEY", "x")

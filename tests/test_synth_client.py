@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted, parse_json_object
+
 from stub_server import StubServer  # tests/stub_server.py
 
 KEY_ENV = "LONGPEFT_TEST_LLM_KEY"

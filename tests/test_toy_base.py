@@ -9,6 +9,7 @@ import warnings
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from longpeft.builtin_models import BUILTIN_MODELS, TOY_BASE, model_location
 from longpeft.eval import evaluate
 from longpeft.eval.demo_report import (
     DEMO_TASKS,
@@ -18,7 +19,6 @@ from longpeft.eval.demo_report import (
     run_demo_evals,
     setting_folder,
 )
-from longpeft.builtin_models import BUILTIN_MODELS, TOY_BASE, model_location
 from longpeft.synth_data.retrieval_docs import RetrievalDocuments, build_retrieval_dataset
 
 TOY = BUILTIN_MODELS[TOY_BASE]

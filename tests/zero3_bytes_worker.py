@@ -20,6 +20,7 @@ import os
 import sys
 
 import torch
+
 from fsdp2_bytes_worker import quant_tensors  # this folder is on sys.path when the worker runs as a script
 
 

@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError
 from ..synth_data.probes import PROBE_TASKS, Probe, make_probes
 from .generation import eos_token_ids, generate_batch, pad_token_id
-from .names import EVAL_TASKS
 from .memory import check_memory
+from .names import EVAL_TASKS
 from .perplexity import perplexity_of_file
-from .positions import warn_beyond_positions
 from .plots import depth_length_heatmap, score_by_length
+from .positions import warn_beyond_positions
 from .scoring import score
 
 RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words")

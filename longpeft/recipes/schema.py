@@ -18,8 +18,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
-from ..config import (ConfigError, StrictModel, apply_overrides, bundled_names, file_or_bundled, format_validation_error,
-                      read_yaml)
+from ..config import (
+    ConfigError,
+    StrictModel,
+    apply_overrides,
+    bundled_names,
+    file_or_bundled,
+    format_validation_error,
+    read_yaml,
+)
 
 if TYPE_CHECKING:
     from ..adapters import LongSamples
