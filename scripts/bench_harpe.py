@@ -74,7 +74,7 @@ def time_interleaved(args: argparse.Namespace) -> dict[str, list[float]]:
     runs = {variant: build(variant, args) for variant in ("rope", "harpe")}
     ids = _batch(args)
     times: dict[str, list[float]] = {"rope": [], "harpe": []}
-    for variant, (model, optimizer) in runs.items():
+    for model, optimizer in runs.values():
         train_step(model, optimizer, ids)
     for _ in tqdm(range(args.steps), desc="interleaved steps", unit="pair"):
         for variant, (model, optimizer) in runs.items():

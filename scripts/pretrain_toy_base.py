@@ -189,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         start, seconds_before = state["step"], state.get("seconds", 0.0)
         print(f"resuming from step {start}", file=sys.stderr)
         if log_path.exists():  # drop log lines of steps after the checkpoint (they will be redone)
-            kept = [l for l in log_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] < start]
-            log_path.write_text("".join(l + "\n" for l in kept))
+            kept = [line for line in log_path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] < start]
+            log_path.write_text("".join(line + "\n" for line in kept))
     elif log_path.exists():
         log_path.unlink()
     began = time.time()

@@ -96,7 +96,7 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         for layer_index, layer in enumerate(backbone.layers):
             attention = layer.self_attn
 
-            def project(name, inputs):
+            def project(name, inputs, attention=attention, beacon_rows=beacon_rows):
                 out = linear(inputs, getattr(attention, f"{name}_proj"))
                 for row in beacon_rows:
                     out[row] = linear(inputs[row], getattr(attention, f"beacon_{name}_proj"))
