@@ -37,7 +37,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                           "in this one process)")
     from .recipes.runner import run
 
-    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change)
+    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume,
+                 allow_recipe_change=args.allow_recipe_change)
     print(json.dumps({"adapter": str(result.adapter_dir), **result.metrics}, indent=2, default=str))
     if deepspeed_on_cpu():
         exit_without_teardown()
@@ -171,8 +172,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         source = check_against_local_base(recipe)
         print(f"longpeft plan: recipe checked against the base's config ({source})" if source else
-              f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was not "
-              "checked against it (plan --build downloads it and checks)", file=sys.stderr)
+              f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was "
+              "not checked against it (plan --build downloads it and checks)", file=sys.stderr)
     if args.launch and args.gpus is None:
         raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:
@@ -251,7 +252,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longpeft", description="Parameter-efficient context extension.")
-    parser.add_argument("--debug", action="store_true", help="show the full traceback of an error (or set LONGPEFT_DEBUG=1)")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (or set LONGPEFT_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a recipe (QLoRA + RoPE-base expansion, HARPE, ...)")
@@ -260,16 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--allow-recipe-change", action="store_true",
                        help="with --resume: continue even though training keys of the recipe changed")
     train.add_argument("--launch", choices=LAUNCHES,
-                       help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)")
-    train.add_argument("--gpus", type=int, help="with --launch: number of GPUs (processes; default: every CUDA device)")
+                       help="run on several GPUs with accelerate and longpeft's config of that kind (see "
+                       "longpeft/launch/)")
+    train.add_argument("--gpus", type=int,
+                       help="with --launch: number of GPUs (processes; default: every CUDA device)")
     train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
     nodes = train.add_argument_group("past one node (with --launch; run the same command on every node)")
     nodes.add_argument("--nodes", type=_number(int, 1), help="number of nodes (default 1); --gpus is per node")
-    nodes.add_argument("--node-rank", type=int, help="this node's rank, 0 to nodes - 1 (0: the node at --main-address)")
+    nodes.add_argument("--node-rank", type=int,
+                       help="this node's rank, 0 to nodes - 1 (0: the node at --main-address)")
     nodes.add_argument("--main-address", metavar="HOST:PORT", help="address of the node of rank 0 and a free port on "
                        "it, the same on every node")
-    nodes.add_argument("--print-slurm", action="store_true", help="print a SLURM batch script that runs this launch on "
-                       "--nodes nodes of --gpus GPUs (one srun task per node), do not train")
+    nodes.add_argument("--print-slurm", action="store_true", help="print a SLURM batch script that runs this launch "
+                       "on --nodes nodes of --gpus GPUs (one srun task per node), do not train")
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")
@@ -292,17 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     scale.add_argument("--gpu-memory", type=_number(float, 0, inclusive=False), default=80.0, metavar="GIB",
                        help="memory of one GPU (default 80)")
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
-    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], for "
-                       "the matmuls and attention alike (default: measured on h100/h200, by attention kernel; other "
-                       "GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
+    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], "
+                       "for the matmuls and attention alike (default: measured on h100/h200, by attention kernel; "
+                       "other GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
     scale.add_argument("--nodes", type=_number(int, 1), default=1, help="nodes of --gpus GPUs each (default 1): the "
                        "estimate runs on nodes x GPUs, and adds the gradient traffic between nodes")
     scale.add_argument("--inter-node-gbps", type=_number(float, 0, inclusive=False), metavar="GBPS",
                        help="with --nodes N > 1: network bandwidth each GPU has to other nodes, in Gb/s (default 400: "
                        "one NDR InfiniBand port per GPU)")
-    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a local "
-                       "data.source after the recipe's length filters, the demo set's size, else 1000); their lengths "
-                       "follow the local data's, else data.max_length each; train.max_steps, when set, decides instead")
+    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a "
+                       "local data.source after the recipe's length filters, the demo set's size, else 1000); their "
+                       "lengths follow the local data's, else data.max_length each; train.max_steps, when set, "
+                       "decides instead")
     scale.add_argument("--longest", action="store_true", help="print the longest sample (tokens) whose step fits in "
                        "--gpu-memory with the recipe's settings, and the memory terms at that length")
     plan.set_defaults(func=cmd_plan)
@@ -339,7 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default: the base recorded in longpeft.json; push warns when that is a local path)")
     push.add_argument("--base", help="the base model to merge into with --merged (default: the one named in "
                       "longpeft.json)")
-    push.add_argument("--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing")
+    push.add_argument("--dry-run", metavar="DIR",
+                      help="write exactly the folder that would be uploaded, upload nothing")
     push.set_defaults(func=cmd_push)
 
     convert = sub.add_parser(
@@ -349,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
         "code runs) and writes longpeft.json + beacon_adapter.safetensors for the matching stock base; then "
         "longpeft.load(BASE, OUT) gives the stock base with those beacons.",
     )
-    convert.add_argument("source", help="the authors' model: local folder or Hub id (e.g. namespace-Pt/beacon-qwen-2-7b-instruct)")
+    convert.add_argument("source", help="the authors' model: local folder or Hub id (e.g. "
+                         "namespace-Pt/beacon-qwen-2-7b-instruct)")
     convert.add_argument("--base", required=True, help="the stock model it was built on (e.g. Qwen/Qwen2-7B-Instruct)")
     convert.add_argument("--out", required=True, help="new adapter folder")
     convert.set_defaults(func=cmd_convert_beacon)

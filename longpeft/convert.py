@@ -29,8 +29,8 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
 
         folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
-        names = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items() if AUTHORS_TENSOR.match(k)}) \
-            if index else ["model.safetensors"]
+        names = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items()
+                        if AUTHORS_TENSOR.match(k)}) if index else ["model.safetensors"]
         files = [Path(hf_hub_download(str(source), name)) for name in names]
     else:
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
@@ -72,7 +72,8 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if checkpoint_config.get(key) != getattr(base_config, key, None):
             raise ConfigError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
-                              f"{getattr(base_config, key, None)} in the base; give the matching stock base with --base")
+                              f"{getattr(base_config, key, None)} in the base; give the matching stock base with "
+                              "--base")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:

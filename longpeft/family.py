@@ -50,7 +50,8 @@ def check_supported(config: Any, what: str) -> None:
     """Raise ValueError naming ``what`` when the config's model type is not one longpeft patches."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}")
+        raise ConfigError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is "
+                          f"{model_type!r}")
 
 
 def cache_keyword() -> str:

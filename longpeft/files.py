@@ -68,8 +68,8 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None
     endpoint = constants.ENDPOINT
     if "error" not in outcome:
         raise TimeoutError(
-            f"{what} {repo_id}: the Hub at {endpoint} did not answer within {timeout:.0f} s; check HF_ENDPOINT and the "
-            "network, or give a local folder"
+            f"{what} {repo_id}: the Hub at {endpoint} did not answer within {timeout:.0f} s; check HF_ENDPOINT and "
+            "the network, or give a local folder"
         )
     error = outcome["error"]
     if error is None:
@@ -77,7 +77,8 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None) -> None
     name = type(error).__name__
     if "NotFound" in name or "Gated" in name or "Unauthorized" in name:
         raise ModelSourceError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
-    raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: {str(error).splitlines()[0][:200]})") from None
+    raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: "
+                  f"{str(error).splitlines()[0][:200]})") from None
 
 
 def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
@@ -138,7 +139,8 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
             raise OutputFolderError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
     check_writable_folder(out_dir, flag)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise OutputFolderError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)")
+        raise OutputFolderError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was "
+                                "overwritten)")
 
 
 @contextlib.contextmanager

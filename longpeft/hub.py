@@ -95,7 +95,8 @@ def merge(
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     kept = spec.model_copy(update={
-        "methods": {name: section for name, section in spec.methods.items() if name not in without}, "weights": "merged"
+        "methods": {name: section for name, section in spec.methods.items() if name not in without},
+        "weights": "merged",
     })
     with written_atomically(out_dir) as partial:
         merged.config.name_or_path = str(out_dir)
@@ -165,7 +166,8 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
         "base_model": spec.base_model,
         **({"library_name": library} if library else {}),
         # the recipe's method, then every other method it applied (those every model has, RoPE, go without saying)
-        "tags": ["longpeft", "long-context", *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])]
+        "tags": ["longpeft", "long-context",
+                 *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])]
         + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
         "longpeft": {
             "method": spec.method,

@@ -58,7 +58,8 @@ def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[s
     lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
     if not lookup:
         return from_pretrained_kwargs
-    return {**from_pretrained_kwargs, "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}}
+    return {**from_pretrained_kwargs,
+            "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}}
 
 
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -351,7 +351,8 @@ class ModelSpan:
 def model_span(model: Any, length: int) -> ModelSpan:
     """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
     methods' ``model_span`` hooks)."""
-    spans = {m.name: m.model_span(model, length) for m in METHODS.values() if m.model_span is not None and m.is_applied(model)}
+    spans = {m.name: m.model_span(model, length) for m in METHODS.values()
+             if m.model_span is not None and m.is_applied(model)}
     return ModelSpan(
         positions=min((p for p, _ in spans.values()), default=length),
         keys=min((k for _, k in spans.values()), default=length),
@@ -371,8 +372,10 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
     try:
         return config_class.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors())
-        raise DataError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)") from None
+        problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}"
+                             for error in exc.errors())
+        raise DataError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by "
+                        "hand?)") from None
 
 
 def gathered_tensors(

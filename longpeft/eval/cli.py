@@ -40,8 +40,9 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         except ValueError as error:
             if "trust_remote_code" not in str(error) or args.trust_remote_code:
                 raise
-            raise ConfigError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, Activation "
-                              "Beacon or STRING model); pass --trust-remote-code if you trust that folder") from None
+            raise ConfigError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, "
+                              "Activation Beacon or STRING model); pass --trust-remote-code if you trust that "
+                              "folder") from None
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
 
@@ -59,7 +60,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-STRING_FLAGS = {"string_shift": "--string-shift", "string_window": "--string-window", "string_trained_length": "--string-trained-length"}
+STRING_FLAGS = {"string_shift": "--string-shift", "string_window": "--string-window",
+                "string_trained_length": "--string-trained-length"}
 
 
 def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
@@ -97,7 +99,8 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
         trained, source = default_trained_length(args)
     shift = args.string_shift or trained // 3
     what_shift = (
-        f"--string-shift {shift}" if args.string_shift else f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
+        f"--string-shift {shift}" if args.string_shift
+        else f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
     )
     window = DEFAULT_LOCAL_WINDOW if args.string_window is None else args.string_window
     if window > shift:
@@ -105,7 +108,8 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
             f"--string-window {window}{'' if args.string_window else ' (default)'} must be <= {what_shift}; "
             "pass a smaller --string-window or a larger --string-shift"
         )
-    longest, what_longest = (args.window, "perplexity window (--window)") if args.task == "perplexity" else (max(args.lengths), "longest prompt (--lengths)")
+    longest, what_longest = ((args.window, "perplexity window (--window)") if args.task == "perplexity"
+                             else (max(args.lengths), "longest prompt (--lengths)"))
     if shift >= longest:
         raise ConfigError(
             f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
@@ -116,9 +120,10 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
 
 # Flags of one kind of task: {dest: (flag, default)}. Their parser default is None, so a flag given to a task it
 # does not apply to is refused instead of ignored; check_task_flags fills the defaults of the others.
-PROBE_FLAGS = {"lengths": ("--lengths", [1024, 2048, 4096]), "depths": ("--depths", None), "samples": ("--samples", 10),
-               "batch_size": ("--batch-size", 4), "seed": ("--seed", 0), "max_new_tokens": ("--max-new-tokens", None),
-               "chat": ("--chat", False), "save_prompts": ("--save-prompts", False)}
+PROBE_FLAGS = {"lengths": ("--lengths", [1024, 2048, 4096]), "depths": ("--depths", None),
+               "samples": ("--samples", 10), "batch_size": ("--batch-size", 4), "seed": ("--seed", 0),
+               "max_new_tokens": ("--max-new-tokens", None), "chat": ("--chat", False),
+               "save_prompts": ("--save-prompts", False)}
 PERPLEXITY_FLAGS = {"text": ("--text", None), "window": ("--window", 4096), "stride": ("--stride", None)}
 
 
@@ -186,24 +191,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out."
         ),
     )
-    parser.add_argument("task", choices=EVAL_TASKS, help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
-    parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or longpeft:toy-base (the packaged demo base)")
+    parser.add_argument("task", choices=EVAL_TASKS,
+                        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
+    parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or "
+                        "longpeft:toy-base (the packaged demo base)")
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
     parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")
     parser.add_argument("--string-shift", type=_at_least(1), help="STRING shift S (default trained length // 3)")
     parser.add_argument("--string-window", type=_at_least(1), help="STRING local window W (default 128)")
     parser.add_argument(
         "--string-trained-length", type=_at_least(2),
-        help="trained length L for STRING's default S (default: the adapter's trained length, else max_position_embeddings)",
+        help="trained length L for STRING's default S (default: the adapter's trained length, else "
+             "max_position_embeddings)",
     )
-    parser.add_argument("--lengths", type=_at_least(1), nargs="+", help="prompt lengths in tokens (default 1024 2048 4096)")
+    parser.add_argument("--lengths", type=_at_least(1), nargs="+",
+                        help="prompt lengths in tokens (default 1024 2048 4096)")
     parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     parser.add_argument("--samples", type=_at_least(1), help="probes per (length, depth) cell (default 10)")
     parser.add_argument("--batch-size", type=_at_least(1), help="prompts per forward, all of one length (default 4)")
     parser.add_argument("--seed", type=int, help="seed of the probes' random content (default 0)")
-    parser.add_argument("--max-new-tokens", type=_at_least(1), help="continuation budget (default per task, +32 with --chat)")
-    parser.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)")
-    parser.add_argument("--save-prompts", action="store_true", default=None, help="keep every prompt's text in <task>.json (large)")
+    parser.add_argument("--max-new-tokens", type=_at_least(1),
+                        help="continuation budget (default per task, +32 with --chat)")
+    parser.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the tokenizer's chat "
+                        "template (the answer may appear anywhere in the reply)")
+    parser.add_argument("--save-prompts", action="store_true", default=None,
+                        help="keep every prompt's text in <task>.json (large)")
     parser.add_argument("--text", help="perplexity: UTF-8 text file")
     parser.add_argument("--window", type=_at_least(2), help="perplexity: tokens per window (default 4096)")
     parser.add_argument("--stride", type=_at_least(1), help="perplexity: step between windows (default window // 2)")
@@ -212,7 +224,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
     parser.add_argument("--device", help="device_map for loading, e.g. cpu, cuda, auto")
     parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships (auto_map); "
-                             "only for folders you trust")
+                        help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships "
+                             "(auto_map); only for folders you trust")
     parser.add_argument("--out", required=True, help="output folder for JSON and PNGs")
     parser.set_defaults(func=run_eval)

@@ -55,7 +55,10 @@ GREEDY = dict(
 )
 
 
-def generate_batch(model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int], pad_id: int) -> list[str]:
+def generate_batch(
+    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
+    pad_id: int,
+) -> list[str]:
     """Greedy continuations (:data:`GREEDY`) of one left-padded batch of token-id prompts, each cut at the first
     eos id and decoded without special tokens."""
     input_ids, attention_mask = left_pad(prompts, pad_id)

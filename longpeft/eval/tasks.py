@@ -29,7 +29,8 @@ from .plots import depth_length_heatmap, score_by_length
 from .positions import warn_beyond_positions
 from .scoring import score
 
-RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words")
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
+               "common_words")
 # Continuation budget per task (tokens): enough for the answer(s) with some slack.
 MAX_NEW_TOKENS = {
     "passkey": 12,
@@ -88,10 +89,13 @@ def _say(message: str) -> None:
 
 
 def _duration(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+    return (f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200
+            else f"{seconds / 3600:.1f} h")
 
 
-def generate_for_probes(model: Any, tokenizer: Any, probes: Sequence[Probe], max_new_tokens: int, batch_size: int, task: str) -> list[str]:
+def generate_for_probes(
+    model: Any, tokenizer: Any, probes: Sequence[Probe], max_new_tokens: int, batch_size: int, task: str
+) -> list[str]:
     """Greedy continuations of ``probes`` (in their order), in :func:`length_batches`.
 
     A grid of more than one batch announces its cost on stderr first (batches, forward passes,
@@ -106,7 +110,8 @@ def generate_for_probes(model: Any, tokenizer: Any, probes: Sequence[Probe], max
         _say(
             f"{task}: {len(probes)} prompts of {span} tokens in {len(batches)} batches (one length each): at most "
             f"{len(batches) * max_new_tokens} forward passes (a prefill and up to {max_new_tokens - 1} decode steps "
-            f"per batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * max_new_tokens:,} generated"
+            f"per batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * max_new_tokens:,} "
+            "generated"
         )
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -119,8 +124,9 @@ def generate_for_probes(model: Any, tokenizer: Any, probes: Sequence[Probe], max
         if i == 0 and len(batches) > 1:
             seconds = time.perf_counter() - start
             _say(
-                f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took {_duration(seconds)}; "
-                f"the whole grid should take about {_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
+                f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took "
+                f"{_duration(seconds)}; the whole grid should take about "
+                f"{_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
             )
     return predictions
 
@@ -142,7 +148,8 @@ class ProbeGrid:
     new_tokens: int
 
     def largest_batch(self, batch_size: int) -> int:
-        """Prompts in the longest batch :func:`length_batches` makes (at most ``batch_size``, of the longest length)."""
+        """Prompts in the longest batch :func:`length_batches` makes (at most ``batch_size``, of the longest
+        length)."""
         return min(batch_size, sum(1 for p in self.probes if p.length == self.lengths[-1]))
 
 
@@ -201,7 +208,8 @@ def run_probe_task(
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
     if grid is None:
-        grid = build_probe_grid(task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options)
+        grid = build_probe_grid(task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat,
+                                **probe_options)
     probes, lengths, new_tokens = grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
     predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, task)
@@ -220,7 +228,8 @@ def run_probe_task(
         )
         if save_prompts:
             samples[-1]["prompt"] = tokenizer.decode(probe.input_ids)
-    cell_keys = sorted({(s["length"], s["depth"]) for s in samples}, key=lambda c: (c[0], -1 if c[1] is None else c[1]))
+    cell_keys = sorted({(s["length"], s["depth"]) for s in samples},
+                       key=lambda c: (c[0], -1 if c[1] is None else c[1]))
     cells = [
         {
             "length": length,
@@ -258,7 +267,8 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None 
     suffix = " + STRING" if result.get("string") else ""
     if result.get("depths"):
         scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
-        png = depth_length_heatmap(scores, out_dir / f"{name}_heatmap.png", f"{result['task']}{suffix}", result["lengths"], result["depths"])
+        png = depth_length_heatmap(scores, out_dir / f"{name}_heatmap.png", f"{result['task']}{suffix}",
+                                   result["lengths"], result["depths"])
         files["heatmap"] = str(png)
     elif "by_length" in result:
         scores = {int(k): v for k, v in result["by_length"].items()}
@@ -348,7 +358,8 @@ def passkey_accuracy(
     **options: Any,
 ) -> dict[str, Any]:
     """Passkey retrieval accuracy per context length (``result["by_length"]``) and overall (``["score"]``)."""
-    return evaluate("passkey", model, tokenizer, lengths=context_lengths, n_samples=n_samples, seed=seed, depths=depths, **options)
+    return evaluate("passkey", model, tokenizer, lengths=context_lengths, n_samples=n_samples, seed=seed,
+                    depths=depths, **options)
 
 
 def niah_grid(
@@ -362,4 +373,5 @@ def niah_grid(
     **options: Any,
 ) -> dict[str, Any]:
     """Single-needle NIAH over a depth x length grid (``result["cells"]``; heatmap PNG in ``out_dir``)."""
-    return evaluate("niah_single", model, tokenizer, lengths=lengths, depths=depths, n_samples=n_samples, seed=seed, out_dir=out_dir, **options)
+    return evaluate("niah_single", model, tokenizer, lengths=lengths, depths=depths, n_samples=n_samples, seed=seed,
+                    out_dir=out_dir, **options)

@@ -81,14 +81,15 @@ def check_sequence_parallel(recipe: Any) -> None:
             "(trl#4314, accelerate#3874); use --launch ddp with train.activation_offloading, or a bf16 base"
         )
     if recipe.model.attn_implementation == "eager":
-        raise ConfigError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score "
-                          "matrix)")
+        raise ConfigError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full "
+                          "score matrix)")
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"split_sequences": "--launch ulysses"})
     if recipe.data.utk is not None:
-        raise ConfigError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard "
-                          "would restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading")
+        raise ConfigError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence "
+                          "shard would restart its positions at 0; use --launch ddp or fsdp2 with "
+                          "train.activation_offloading")
     if recipe.train.backend == "unsloth":
         raise ConfigError("--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
                           "Ulysses shards; use --launch ddp")
@@ -131,8 +132,8 @@ def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> 
                           "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3")
     if kv_heads % processes and processes % kv_heads:
         raise ConfigError(f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
-                          f"multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a number "
-                          "of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
+                          "multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a "
+                          "number of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
 
 
 def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None,

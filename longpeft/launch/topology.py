@@ -43,7 +43,8 @@ def check_distributed_type(distributed_type: Any) -> None:
     if asked and got != asked[0]:
         raise ConfigError(
             f"the launch config asks for {asked[0]}, but accelerate set up {got}: accelerate runs FSDP and DeepSpeed "
-            "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch --multi_gpu)"
+            "only on GPUs (every multi-process CPU run is DDP); on CPU use --launch ddp (or accelerate launch "
+            "--multi_gpu)"
         )
 
 

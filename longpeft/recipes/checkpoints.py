@@ -43,7 +43,8 @@ def _written(folder: Path, patterns: tuple[str, ...]) -> bool:
         for path in folder.glob(pattern):
             if path.is_file():
                 return True
-            if path.is_dir() and ((path / ".metadata").is_file() or path.name.startswith("global_step") and any(path.iterdir())):
+            if path.is_dir() and ((path / ".metadata").is_file()
+                                  or path.name.startswith("global_step") and any(path.iterdir())):
                 return True
     return False
 
@@ -98,7 +99,8 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 def training_recipe(recipe_dump: dict[str, Any]) -> dict[str, Any]:
     """The recipe's keys that decide what is trained, flattened to dotted names."""
-    return {k: v for k, v in _flatten(json.loads(json.dumps(recipe_dump, default=str))).items() if k not in _NOT_TRAINING}
+    return {k: v for k, v in _flatten(json.loads(json.dumps(recipe_dump, default=str))).items()
+            if k not in _NOT_TRAINING}
 
 
 def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:

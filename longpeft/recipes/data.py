@@ -99,7 +99,8 @@ def _load_source(data: DataSection) -> Dataset:
     elif path.suffix in suffixes or path.exists():
         if not path.is_file():
             raise DataNotFoundError(
-                f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your data"
+                f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your "
+                "data"
             )
         files = [path]
     else:
@@ -132,12 +133,15 @@ def check_conversation(messages: Any, where: str) -> None:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
     for turn in messages:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise DataError(f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and content")
+            raise DataError(f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and "
+                            "content")
     if not any(turn["role"] == "assistant" for turn in messages):
         raise DataError(f"{where}: no assistant turn, so nothing would be trained")
 
 
-def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (end-of-turn token included).
 
     Works with any chat template, with or without ``{% generation %}`` markers: assistant turn ``i``
@@ -173,8 +177,8 @@ def _text_before_content(tokenizer: PreTrainedTokenizerBase, turn: dict[str, Any
     the role header), found by rendering the turn with a marker as its content."""
     rendered = tokenizer.apply_chat_template([{**turn, "content": _CONTENT_MARK}], tokenize=False)
     if _CONTENT_MARK not in rendered:
-        raise ConfigError("the tokenizer's chat template does not render a turn's content as given, so assistant turns "
-                          "cannot be located; set train.assistant_only_loss: false (loss on every token)")
+        raise ConfigError("the tokenizer's chat template does not render a turn's content as given, so assistant "
+                          "turns cannot be located; set train.assistant_only_loss: false (loss on every token)")
     return rendered[: rendered.index(_CONTENT_MARK)]
 
 
@@ -209,7 +213,8 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
     from datasets.fingerprint import Hasher
 
     if not tokenizer.is_fast:
-        raise ConfigError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True")
+        raise ConfigError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with "
+                          "use_fast=True")
     fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
     if "messages" in dataset.column_names:
         return dataset.map(
@@ -263,8 +268,9 @@ def select_by_length(
     """
     long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
-    stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep), "dropped_short": len(lengths) - len(long_enough),
-             "truncated": sum(lengths[i] > max_length for i in keep), "longest": max(lengths, default=0)}
+    stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep),
+             "dropped_short": len(lengths) - len(long_enough), "truncated": sum(lengths[i] > max_length for i in keep),
+             "longest": max(lengths, default=0)}
     if window is not None:
         stats["longer_than_window"] = sum(lengths[i] > window for i in keep)
     if not long_enough:
@@ -308,8 +314,8 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
     room = utk_document_room(max_length, utk)
     documents = [ids[:room] for ids in dataset["input_ids"]]
     groups = utk_groups([len(ids) for ids in documents], max_length, utk)
-    needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens) for g in groups),
-                 default=0)
+    needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens)
+                  for g in groups), default=0)
     if needed > n_letters**label_length:
         enough = next(n for n in itertools.count(1) if n_letters**n >= needed)
         raise ConfigError(

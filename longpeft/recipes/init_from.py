@@ -36,7 +36,8 @@ WEIGHTED_KINDS = ("lora", "method")  # what a folder must hold to start a run fr
 def adapter_folder(location: str) -> Path:
     """The adapter folder ``model.init_from`` names: the folder itself, a run folder's ``adapter/``, or a Hub repo
     (downloaded once)."""
-    folder = local_adapter_dir(location, "model.init_from", "; train that stage first, or name its run's adapter/ folder")
+    folder = local_adapter_dir(location, "model.init_from",
+                               "; train that stage first, or name its run's adapter/ folder")
     if not (folder / SPEC_FILENAME).is_file() and (folder / "adapter" / SPEC_FILENAME).is_file():
         folder = folder / "adapter"
     if not (folder / SPEC_FILENAME).is_file():
@@ -137,8 +138,9 @@ def _load_lora(model: Any, folder: Path) -> None:
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name in result.missing_keys if name in trained]
     if result.unexpected_keys or missing:
-        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings must "
-                          f"match the earlier run's): missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}")
+        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings "
+                          f"must match the earlier run's): missing {missing[:4]}, unexpected "
+                          f"{result.unexpected_keys[:4]}")
 
 
 def report_differences(folder: Path, differences: dict[str, dict[str, list[Any]]]) -> None:

@@ -47,7 +47,9 @@ def planned_launch(distributed_type: str, processes: int) -> str | None:
     return "fsdp2" if "FSDP" in distributed_type else "ddp"
 
 
-def checkpoint_settings(recipe: Recipe, model_config: Any, processes: int, distributed_type: str) -> CheckpointSettings:
+def checkpoint_settings(
+    recipe: Recipe, model_config: Any, processes: int, distributed_type: str
+) -> CheckpointSettings:
     """The run's checkpointing, ``auto`` resolved by the planner on the model's real shape and this GPU's memory."""
     gpu = "h100"
     if torch.cuda.is_available():
@@ -61,8 +63,8 @@ def checkpoint_settings(recipe: Recipe, model_config: Any, processes: int, distr
 def check_memory_options(recipe: Recipe, sharded: bool) -> None:
     """Refuse the memory options this run cannot carry out, naming the key and why."""
     if recipe.train.mlp_tile_tokens and sharded:
-        raise ConfigError("train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP reads "
-                          "its layer's weights outside the sharded module's gather; use --launch ddp or remove "
+        raise ConfigError("train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP "
+                          "reads its layer's weights outside the sharded module's gather; use --launch ddp or remove "
                           "train.mlp_tile_tokens")
     if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
         raise ConfigError("train.keep_attention keeps the output of an attention kernel, and eager attention is no "
@@ -81,7 +83,8 @@ def check_liger(recipe: Recipe) -> None:
         raise ConfigError("train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
                           "has none; set train.use_liger_kernel: false here")
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError("train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)")
+        raise ConfigError("train.use_liger_kernel: the liger-kernel package is not installed (pip install "
+                          "liger-kernel)")
 
 
 class TrainingMemory(TrainerCallback):

@@ -67,5 +67,7 @@ def method_checkpoint_trainer(trainer_class: type, spec: ContextSpec, finetune: 
             if not sharded:
                 restore_method_weights(self.model, spec, Path(resume_from_checkpoint))
 
-    MethodCheckpointTrainer.__name__ = MethodCheckpointTrainer.__qualname__ = f"MethodCheckpoint{trainer_class.__name__}"
+    MethodCheckpointTrainer.__name__ = MethodCheckpointTrainer.__qualname__ = (
+        f"MethodCheckpoint{trainer_class.__name__}"
+    )
     return MethodCheckpointTrainer

@@ -57,7 +57,8 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
                                                       local_files_only=True)
         except (OSError, ValueError) as error:
             if local:
-                return None, f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})"
+                return None, (f"the tokenizer of {name} does not load from its folder "
+                              f"({str(error).splitlines()[0][:160]})")
             return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
     if recipe.data.utk is not None:
         from ..synth_data.utk import add_utk_tokens
@@ -112,7 +113,8 @@ def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | No
         if scored is not None:
             masks = table["assistant_masks"].combine_chunks()
             offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
-            scored += [bool(values[start:min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])]
+            scored += [bool(values[start:min(end, start + limit)].any())
+                       for start, end in zip(offsets[:-1], offsets[1:])]
     return lengths, scored
 
 

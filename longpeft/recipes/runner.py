@@ -131,7 +131,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
     output_dir = recipe.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
-    base_id = base_location(recipe, output_dir)  # a tiny: base is built before DeepSpeed's config exists (no zero.Init)
+    # a tiny: base is built before DeepSpeed's config exists (no zero.Init)
+    base_id = base_location(recipe, output_dir)
     args = sft_config(recipe, output_dir)
     plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
     model, tokenizer, spec = build_model(recipe, base_id, args, fast)
@@ -165,7 +166,9 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
 
 
-def build_model(recipe: Recipe, base_id: str, args: Any, fast: Any) -> tuple[Any, PreTrainedTokenizerBase, ContextSpec]:
+def build_model(
+    recipe: Recipe, base_id: str, args: Any, fast: Any
+) -> tuple[Any, PreTrainedTokenizerBase, ContextSpec]:
     """The base with the recipe's methods applied (and LoRA, with unsloth's ``fast`` loader).
 
     Each process loads the base after the local main one (which downloads it once), except under DeepSpeed ZeRO-3,
@@ -225,7 +228,8 @@ def build_trainer(recipe: Recipe, model: Any, tokenizer: PreTrainedTokenizerBase
     expose_token_indices_head_bias(trainer.model)
     if recipe.train.backend == "transformers" and recipe.finetune in ("lora", "full"):
         trained_dtype = recipe.lora.trainable_dtype if recipe.finetune == "lora" else None
-        keep_trained_weights_in(trainer.model, torch_dtype(trained_dtype or "float32"), torch_dtype(recipe.model.dtype))
+        keep_trained_weights_in(trainer.model, torch_dtype(trained_dtype or "float32"),
+                                torch_dtype(recipe.model.dtype))
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)
@@ -243,7 +247,8 @@ def build_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Any:
     if recipe.train.backend == "transformers" and shapes_memory(recipe):
         checkpointing = checkpoint_settings(recipe, model_config, world_size(), distributed_type)
         if is_main_process():
-            print(f"longpeft: checkpointing: {checkpointing.describe(model_config.num_hidden_layers)}", file=sys.stderr)
+            print(f"longpeft: checkpointing: {checkpointing.describe(model_config.num_hidden_layers)}",
+                  file=sys.stderr)
     trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
     return checkpointing
 
@@ -268,7 +273,8 @@ def run(
     for message in skipped:
         print(f"longpeft: {message}", file=sys.stderr)
     if resume and checkpoint is None:
-        raise ModelSourceError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without --resume")
+        raise ModelSourceError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without "
+                               "--resume")
     if not resume and checkpoint is not None:
         raise OutputFolderError(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "

@@ -98,7 +98,8 @@ class BeaconConfig(StrictModel):
                              "use pos: append")
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
-            raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set projection: lora")
+            raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set "
+                             "projection: lora")
         return self
 
     def resolved(self) -> BeaconConfig:

@@ -211,7 +211,8 @@ def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: i
         ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
         sees itself, so no row is empty (a padding query gets a finite, ignored output).
     """
-    rows = torch.cat([torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1)
+    rows = torch.cat([torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]],
+                     dim=1)
     rows[torch.arange(end - start), memory_length + torch.arange(start, end)] = True
     if keys is None:
         return rows[None, None]
@@ -320,6 +321,7 @@ def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: in
 def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False) -> int:
     """Positions an input of ``length`` tokens occupies at most (:func:`span_at`), at the ratio :func:`span_ratio`
     bounds them by: the inference ratios and mix, or with ``training`` the training ones."""
-    ratios, mix = (settings.ratios, settings.ratio_mix) if training else (settings.inference_ratios, settings.inference_ratio_mix)
+    ratios, mix = ((settings.ratios, settings.ratio_mix) if training
+                   else (settings.inference_ratios, settings.inference_ratio_mix))
     ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training)
     return span_at(settings.window, settings.sink, ratio, length, training)

@@ -29,7 +29,9 @@ from .config import BeaconConfig
 from .patch import beacon_parameters, causal_lm_of
 
 WEIGHTS_FILENAME = "beacon_adapter.safetensors"
-AUTHORS_TENSOR = re.compile(r"^model\.(layers\.\d+\.self_attn\.beacon_[qkvo]_proj\.(weight|bias)|beacon_embed_tokens\.weight)$")
+AUTHORS_TENSOR = re.compile(
+    r"^model\.(layers\.\d+\.self_attn\.beacon_[qkvo]_proj\.(weight|bias)|beacon_embed_tokens\.weight)$"
+)
 
 
 def _prefix(model: nn.Module) -> str:
@@ -37,13 +39,16 @@ def _prefix(model: nn.Module) -> str:
 
 
 def beacon_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``, ...);
-    taken from ``state_dict``, the gathered weights of a sharded model (keyed as ``model.state_dict()``), when given."""
+    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``,
+    ...); taken from ``state_dict``, the gathered weights of a sharded model (keyed as ``model.state_dict()``), when
+    given."""
     prefix = _prefix(model)
     return {prefix + name: t for name, t in gathered_tensors(model, beacon_parameters(model), state_dict).items()}
 
 
-def save_beacon_weights(model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def save_beacon_weights(
+    model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Write ``beacon_adapter.safetensors`` (float32) into ``folder``, from ``state_dict`` when given
     (see :func:`beacon_state_dict`); returns its path."""
     path = Path(folder) / WEIGHTS_FILENAME
@@ -100,17 +105,20 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
     window = int(config["beacon_window"])
     stride = int(config.get("beacon_stride", window))
     if stride != window:
-        raise DataError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window")
+        raise DataError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports "
+                        "stride == window")
     ratios = [int(r) for r in config.get("beacon_ratio", [2, 4, 8])]
     mix = str(config.get("beacon_ratio_mix", "step-random"))
     if not (mix in _MIXES or re.fullmatch(r"adapt-\d+", mix)):
-        warnings.warn(f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random", stacklevel=2)
+        warnings.warn(f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random",
+                      stacklevel=2)
         mix = "step-random"
     return BeaconConfig(
         window=window,
         ratios=ratios,
         ratio_mix=mix,
-        inference_ratio_mix=mix if mix.startswith("adapt-") else "adapt-1024",  # their code reads one mix in both modes
+        # their code reads one mix in both modes
+        inference_ratio_mix=mix if mix.startswith("adapt-") else "adapt-1024",
         attn=config.get("beacon_attn", "full-coverage"),
         pos=config.get("beacon_pos", "interleave"),
         params=list(config.get("beacon_param", ["q", "k", "v"])),

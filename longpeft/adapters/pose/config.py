@@ -64,6 +64,7 @@ CONTENT_SKIP_WORDS = {
 def describe(config: PoseConfig) -> list[str]:
     """Model-card sentence: the chunks, the simulated length and what the chunks held."""
     return [
-        f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating {config.target_length} tokens"
+        f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating "
+        f"{config.target_length} tokens"
         + CONTENT_SKIP_WORDS[config.content_skip] + "."
     ]

@@ -54,7 +54,8 @@ def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.
         raise ValueError("length must be at least 1")
     if not 1 <= n_chunks <= length:
         raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False)) if n_chunks > 1 else np.zeros(0, int)
+    cuts = (np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False)) if n_chunks > 1
+            else np.zeros(0, int))
     bounds = np.concatenate([[0], cuts, [length]])
     return np.repeat(np.arange(n_chunks), np.diff(bounds))
 

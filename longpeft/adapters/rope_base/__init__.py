@@ -33,8 +33,8 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     params = resolve_rope_parameters(context.base_config, requested)
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
-        raise ConfigError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would ignore "
-                          "it); remove it, or choose a rope_type that reads it")
+        raise ConfigError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would "
+                          "ignore it); remove it, or choose a rope_type that reads it")
     if params["rope_type"] == "dynamic" and context.trained_length:
         raise ConfigError("rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
                           "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "

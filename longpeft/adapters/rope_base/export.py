@@ -1,4 +1,5 @@
-"""Export of a merged or fully fine-tuned model with new RoPE parameters: config.json as transformers 4 reads it too."""
+"""Export of a merged or fully fine-tuned model with new RoPE parameters: config.json as transformers 4 reads it
+too."""
 
 from __future__ import annotations
 

@@ -70,5 +70,6 @@ def restore_rope(model: nn.Module) -> None:
 
 
 def has_rope_change(model: nn.Module) -> bool:
-    """Whether :func:`expand_rope_base` changed ``model``'s RoPE parameters (and :func:`restore_rope` did not undo it)."""
+    """Whether :func:`expand_rope_base` changed ``model``'s RoPE parameters (and :func:`restore_rope` did not undo
+    it)."""
     return getattr(model, "_longpeft_original_rope", None) is not None
