@@ -46,14 +46,16 @@ class BaseShape(StrictModel):
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
-    vocab_size: int = Field(gt=0, le=_MAX_VOCAB, description="before tokens were added (after: ContextSpec.vocab_size)")
+    vocab_size: int = Field(gt=0, le=_MAX_VOCAB,
+                            description="before tokens were added (after: ContextSpec.vocab_size)")
 
     @classmethod
     def of(cls, config: Any) -> BaseShape:
         """The shape of a transformers config."""
         return cls(model_type=config.model_type, hidden_size=config.hidden_size,
                    num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                   num_key_value_heads=num_kv_heads(config), head_dim=head_dim_of(config), vocab_size=config.vocab_size)
+                   num_key_value_heads=num_kv_heads(config), head_dim=head_dim_of(config),
+                   vocab_size=config.vocab_size)
 
 
 class SpecMismatchError(ConfigError):
@@ -85,8 +87,8 @@ class ContextSpec(StrictModel):
         recipe_hash: sha256 of the resolved recipe that trained the adapter.
         library_version: longpeft version that wrote the spec.
         weights: what the folder's weights are, one of ``WEIGHTS_KINDS``; every longpeft command that writes a
-            folder records it (None for a spec built in Python and saved without it: :func:`longpeft.hub.folder_weights`
-            then reads it off the folder's files).
+            folder records it (None for a spec built in Python and saved without it:
+            :func:`longpeft.hub.folder_weights` then reads it off the folder's files).
 
     Every field is checked on construction and on assignment (types are strict: ``"3"`` is not a number); an
     unknown key is refused by name.
@@ -249,7 +251,8 @@ class ContextSpec(StrictModel):
                 continue
             if actual[key] != expected:
                 problems.append(f"{key}: adapter expects {expected}, base has {actual[key]}")
-        if strict_base_id and base_model and self.base_model and not _same_model(base_model, recorded or self.base_model):
+        if (strict_base_id and base_model and self.base_model
+                and not _same_model(base_model, recorded or self.base_model)):
             problems.append(f"base model id: adapter was trained on {self.base_model!r}, got {base_model!r}")
         if problems:
             raise SpecMismatchError(

@@ -54,8 +54,9 @@ class ModelSection(Section):
     trust_remote_code: bool = False
     init_from: str | None = Field(
         default=None,
-        description="an earlier run's adapter folder (or its run folder, or a Hub repo) whose trained weights this run "
-        "starts from: training in stages, e.g. Activation Beacon's pretraining then fine-tuning (recipes/init_from.py)",
+        description="an earlier run's adapter folder (or its run folder, or a Hub repo) whose trained weights this "
+        "run starts from: training in stages, e.g. Activation Beacon's pretraining then fine-tuning "
+        "(recipes/init_from.py)",
     )
 
 
@@ -108,7 +109,8 @@ class UtkSection(Section):
     @field_validator("chunk_counts")
     @classmethod
     def _counts(cls, value: dict[int, float]) -> dict[int, float]:
-        if not value or min(value) < 1 or max(value) > 8 or any(w < 0 for w in value.values()) or not sum(value.values()):
+        if (not value or min(value) < 1 or max(value) > 8 or any(w < 0 for w in value.values())
+                or not sum(value.values())):
             raise ValueError("chunk_counts maps chunk counts 1..8 to non-negative weights with a positive sum")
         return value
 
@@ -255,8 +257,8 @@ class TrainSection(Section):
         checkpointing = ("checkpoint_layers", "keep_attention", "offload_checkpoints")
         changed = [key for key in checkpointing if getattr(self, key) != TrainSection.model_fields[key].default]
         if changed and not self.gradient_checkpointing:
-            raise ValueError(f"train.{changed[0]} shapes activation checkpointing, which train.gradient_checkpointing: "
-                             "false turns off; set it to true")
+            raise ValueError(f"train.{changed[0]} shapes activation checkpointing, which "
+                             "train.gradient_checkpointing: false turns off; set it to true")
         if self.offload_checkpoints and self.activation_offloading:
             raise ValueError("train.offload_checkpoints and train.activation_offloading both move checkpointed inputs "
                              "to CPU memory; use one (offload_checkpoints moves only the layer inputs, ahead of time)")
@@ -337,7 +339,8 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
     if recipe.lora.trainable_dtype is not None:
         problems.append("lora.trainable_dtype (unsloth keeps trained weights in the model's dtype)")
     if problems:
-        raise ValueError("train.backend: unsloth does not support " + "; ".join(problems) + "; use train.backend: transformers")
+        raise ValueError("train.backend: unsloth does not support " + "; ".join(problems)
+                         + "; use train.backend: transformers")
 
 
 class RecipeBase(Section):
@@ -376,7 +379,8 @@ class RecipeBase(Section):
             except ValidationError:
                 raise ValueError(f"method: {self.method} needs a {self.method} section") from None
         if self.data.format == "text" and self.train.assistant_only_loss:
-            raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)")
+            raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant "
+                             "turns)")
         if self.data.format == "text" and self.data.source == "demo":
             raise ValueError("data.source: demo is conversations; use data.format: messages")
         if self.data.source == "retrieval" and self.data.format != "text":
@@ -391,7 +395,8 @@ class RecipeBase(Section):
                              f"from its answers; use it with data.format: text, or {samples.off}")
         if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
             raise ValueError(
-                "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or token_indices)"
+                "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or "
+                "token_indices)"
             )
         if self.data.utk is not None and self.finetune == "method":
             raise ValueError("data.utk adds special tokens whose embedding rows must train; use finetune: lora")

@@ -63,8 +63,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     t = recipe.train
     use_cuda = torch.cuda.is_available()
     if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
-        raise ConfigError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and "
-                          "this machine has no CUDA GPU; set train.activation_offloading: false here")
+        raise ConfigError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, "
+                          "and this machine has no CUDA GPU; set train.activation_offloading: false here")
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(
@@ -104,7 +104,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=False,
         # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
-        **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False} if recipe.data.utk else {}),
+        **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
+           if recipe.data.utk else {}),
         # Ulysses shards every batch into sp equal slices of the sequence
         **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )

@@ -228,9 +228,11 @@ def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> Input
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
-                          "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need them")
+                          "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need "
+                          "them")
     if settings.checkpointed > len(layers):
-        raise ConfigError(f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder layers")
+        raise ConfigError(f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder "
+                          "layers")
     offloader = InputOffloader() if settings.offload and settings.checkpointed else None
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = index < settings.checkpointed

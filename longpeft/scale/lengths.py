@@ -42,7 +42,8 @@ class SampleLengths:
         cuts = [f"{self.filtered[key]:,} {what}" for key, what in (
             ("dropped", "dropped as too long"), ("dropped_short", "dropped as too short"),
             ("truncated", "cut to the length limit"),
-            ("dropped_without_scored_tokens", "dropped with no scored token left after the cut")) if self.filtered.get(key)]
+            ("dropped_without_scored_tokens", "dropped with no scored token left after the cut"))
+            if self.filtered.get(key)]
         packed = self.filtered.get("packed_sequences")
         if packed is not None:
             cuts.append(f"documents packed into {packed:,} UtK sequences, UtK's own insertions not counted")
@@ -57,7 +58,8 @@ def length_histogram(lengths: Sequence[int], max_length: int, sample_flops: Call
     of one sample of ``n`` tokens. Rows ``{"low", "high", "samples", "tokens", "flops"}``, longest first; empty
     buckets are kept so the shape shows."""
     edges = [max_length // 2**k for k in range(buckets)] + [0]
-    rows = [{"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0} for k in range(buckets)]
+    rows = [{"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0}
+            for k in range(buckets)]
     for n in lengths:
         k = next((k for k in range(buckets - 1, -1, -1) if n <= edges[k]), 0)
         rows[k]["samples"] += 1

@@ -46,8 +46,8 @@ from .network import inter_node_lines
 GiB = 1024**3
 # Dense bf16 peak TFLOP/s.
 GPU_PEAK_TFLOPS = {"h100": 989.0, "h200": 989.0, "a100": 312.0, "a800": 312.0, "l40s": 362.0}
-# Fractions of that peak measured on an H100 (docs/measurements/README.md): the matmuls by base (4-bit or not), attention by
-# kernel. The H200 is the same chip at the same peak and takes them too.
+# Fractions of that peak measured on an H100 (docs/measurements/README.md): the matmuls by base (4-bit or not),
+# attention by kernel. The H200 is the same chip at the same peak and takes them too.
 MEASURED_ON_H100 = {"matmuls": {True: 0.48, False: 0.46}, "attention": {"sdpa": 0.51, "flash_attention_2": 0.31}}
 MEASURED_UTILISATION = {"h100": MEASURED_ON_H100, "h200": MEASURED_ON_H100}
 UNMEASURED_UTILISATION = {True: 0.35, False: 0.45}  # other GPUs, both parts: 4-bit bases pay for dequantization
@@ -58,11 +58,21 @@ OFFLOADED_INPUTS_ON_GPU = 2
 BUDGET_SHARE = 0.95  # of the GPU's memory, what the auto checkpointing choices plan for by default
 # Shapes of common bases, so that planning needs no download.
 KNOWN_SHAPES = {
-    "meta-llama/Meta-Llama-3-8B-Instruct": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
-    "meta-llama/Meta-Llama-3-8B": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False),
-    "meta-llama/Llama-2-7b-hf": dict(hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False),
-    "mistralai/Mistral-7B-v0.1": dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False),
-    "Qwen/Qwen2-7B": dict(hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False),
+    "meta-llama/Meta-Llama-3-8B-Instruct": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
+    ),
+    "meta-llama/Meta-Llama-3-8B": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
+    ),
+    "meta-llama/Llama-2-7b-hf": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
+    ),
+    "mistralai/Mistral-7B-v0.1": dict(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False
+    ),
+    "Qwen/Qwen2-7B": dict(
+        hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
+    ),
 }
 # Instruct/chat releases have their base's shape.
 KNOWN_SHAPES.update({
@@ -204,8 +214,8 @@ class Plan:
         if self.sharded:
             shard = f"more GPUs (--launch {launch} divides it by their number)"
         elif self.assumptions.get("can_shard", True):
-            shard = (f"--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it with "
-                     f"--launch fsdp2 --gpus {self.gpus})")
+            shard = ("--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it "
+                     f"with --launch fsdp2 --gpus {self.gpus})")
         if launch == "ulysses":
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
         elif self.assumptions.get("can_split_sequences", True):
@@ -217,14 +227,15 @@ class Plan:
             None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
-            "one layer's recompute": _either("train.mlp_tile_tokens: 4096 (the MLP's intermediates one tile at a time)",
-                                             "a shorter data.max_length", sequence),
+            "one layer's recompute": _either("train.mlp_tile_tokens: 4096 (the MLP's intermediates one tile at a "
+                                             "time)", "a shorter data.max_length", sequence),
             "kept attention outputs": "train.keep_attention: auto (keeps what fits) or fewer layers",
             "layers not checkpointed": "train.checkpoint_layers: auto (checkpoints what memory forces) or all",
-            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit optimizer "
-                                   "(train.optim: adamw_bnb_8bit)" + ("" if launch in DEEPSPEED_LAUNCHES else
-                                   ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 "
-                                   "precision)"),
+            "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit "
+                                   "optimizer (train.optim: adamw_bnb_8bit)"
+                                   + ("" if launch in DEEPSPEED_LAUNCHES else
+                                      ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates "
+                                      "below bf16 precision)"),
             "base weights": _either(shard, qlora),
             "optimizer state and gradients": _either(shard, "finetune: lora"),
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
@@ -258,7 +269,8 @@ class Plan:
                   f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
                   f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
                   f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
-                  f"{self.assumptions['utilisation']['attention']:.0%} (attention, {self.assumptions['attention']}) of "
+                  f"{self.assumptions['utilisation']['attention']:.0%} (attention, "
+                  f"{self.assumptions['attention']}) of "
                   f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
                   + self._time_ending()]
         lines += inter_node_lines(self.assumptions.get("inter_node"), self.hours)
@@ -359,7 +371,8 @@ def estimate(
         trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
         if deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
             trained_bytes = dtype_bytes
-        lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
+        lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n))
+                                         for n in recipe.lora.target_modules)
         terms["LoRA"] = lora_params * with_state(trained_bytes)
         trainable = trainable_matmul = lora_params
         if recipe.lora.embeddings == "full":
@@ -401,12 +414,14 @@ def estimate(
             if term not in ACTIVATION_TERMS:
                 kept = whole.get(term, 0)
                 terms[term] = kept + -(-(terms[term] - kept) // shards)
-        layer_bytes = shape.linear_params // shape.layers * linear_bytes + (lora_params + method_params) // shape.layers * dtype_bytes
+        layer_bytes = (shape.linear_params // shape.layers * linear_bytes
+                       + (lora_params + method_params) // shape.layers * dtype_bytes)
         # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
         head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" and not deepspeed else dtype_bytes)
         trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
             method_params // shape.layers)
-        trained_embedding = shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
+        trained_embedding = (shape.vocab * shape.hidden
+                             if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0)
         unsharded_gradients = max(trained_layer * dtype_bytes, trained_embedding * dtype_bytes,
                                   head_bytes if recipe.finetune == "full" else 0)
         terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
@@ -426,7 +441,8 @@ def estimate(
     # checkpointed layers that keep no attention outputs
     attention_passes = 3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers
     attention_per_position = 4 * shape.layers * shape.heads * shape.head_dim * attention_passes
-    # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights' gradients
+    # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights'
+    # gradients
     matmul_flops = 2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
     lengths = sample_lengths.lengths if sample_lengths is not None else ()
     rows_from = "--samples" if samples is not None else None
@@ -477,8 +493,9 @@ def estimate(
                      "trained_samples": trained_samples,
                      "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
                      **_time_caveats(batch, data_parallel, lengths), "hours_in_random_order": random_order,
-                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} ({with_state(trained_bytes)} "
-                                        "bytes/param with AdamW)", "finetune": recipe.finetune,
+                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} "
+                                        f"({with_state(trained_bytes)} bytes/param with AdamW)",
+                     "finetune": recipe.finetune,
                      "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
                      "checkpointing": asdict(checkpointing),
                      # train.offload_checkpoints: every checkpointed input but the last waits in pinned host memory
@@ -626,7 +643,8 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
     measured = MEASURED_UTILISATION[gpu]
     matmuls = measured["matmuls"][four_bit]
-    return {"matmuls": matmuls, "attention": measured["attention"].get(attention, matmuls), "source": "measured on an H100"}
+    return {"matmuls": matmuls, "attention": measured["attention"].get(attention, matmuls),
+            "source": "measured on an H100"}
 
 
 def _samples(recipe: Any) -> tuple[int, str]:
@@ -653,7 +671,8 @@ def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: S
         how = f"train.max_steps={recipe.train.max_steps} x global batch {recipe.train.global_batch_size}"
     else:
         epochs = recipe.train.num_train_epochs
-        how = f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows" + (f" ({rows_from})" if rows_from else "")
+        how = (f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows"
+               + (f" ({rows_from})" if rows_from else ""))
     if lengths is not None and lengths.lengths:
         counted = len(lengths.lengths)
         if rows != counted:

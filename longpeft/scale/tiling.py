@@ -94,7 +94,8 @@ class TiledMLPForward:
 def _mlp_of(layer: nn.Module) -> nn.Module:
     mlp = getattr(layer, "mlp", None)
     if not isinstance(mlp, nn.Module):
-        raise ConfigError(f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile")
+        raise ConfigError(f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to "
+                          "tile")
     return mlp
 
 

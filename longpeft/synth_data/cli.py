@@ -37,9 +37,11 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `synth` options on ``parser`` (a sub-parser of the `longpeft` command)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
-    parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig), "
-                        f"or a bundled config: {', '.join(bundled_names(BUNDLED))}")
-    parser.add_argument("--out", required=True, help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
+    parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see "
+                        "longpeft.synth_data.SynthConfig), or a bundled config: "
+                        f"{', '.join(bundled_names(BUNDLED))}")
+    parser.add_argument("--out", required=True,
+                        help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
     parser.add_argument("--source", nargs="+", metavar="PATH",
@@ -49,7 +51,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=int, help="conversations per task")
     parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
     parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
-    parser.add_argument("--chunk-tokens", type=int, help="largest chunk a single-detail question is about (default 4096)")
+    parser.add_argument("--chunk-tokens", type=int,
+                        help="largest chunk a single-detail question is about (default 4096)")
     parser.add_argument("--questions-per-chunk", type=int, help="single-detail questions per chunk (default 3)")
     parser.add_argument("--seed", type=int)
     llm = parser.add_argument_group("LLM (with --answerer llm; the key is read from the environment only)")

@@ -52,4 +52,5 @@ def build_demo_dataset(
     Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
     tokenizer's chat template. Deterministic given ``seed``.
     """
-    return Dataset.from_list(demo_conversations(tokenizer, n_conversations, context_tokens, seed, questions_per_conversation))
+    return Dataset.from_list(demo_conversations(tokenizer, n_conversations, context_tokens, seed,
+                                                questions_per_conversation))

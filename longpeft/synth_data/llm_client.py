@@ -49,7 +49,8 @@ class LLMConfig(StrictModel):
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
     max_retries: int = Field(
-        3, ge=0, description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies"
+        3, ge=0,
+        description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies",
     )
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
@@ -362,7 +363,8 @@ class LLMClient:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
                     return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
-                    return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1, api_calls)
+                    return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1,
+                                        api_calls)
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
@@ -391,7 +393,8 @@ class LLMClient:
     ) -> LLMResult:
         usage.rejected += 1
         self.rejects.add(
-            {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts, "outputs": outputs}
+            {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts,
+             "outputs": outputs}
         )
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
 
@@ -423,7 +426,8 @@ class LLMClient:
             except (openai.APITimeoutError, openai.APIConnectionError) as error:
                 failure = _RetryableError(f"{type(error).__name__}: {error}")
             except (ValueError, openai.APIResponseValidationError) as error:  # a 200 whose body is not a completion
-                failure = _RetryableError(f"the response body is not a chat completion ({type(error).__name__}: {error})")
+                failure = _RetryableError(f"the response body is not a chat completion ({type(error).__name__}: "
+                                          f"{error})")
             except openai.APIStatusError as error:
                 if error.status_code not in RETRYABLE_STATUS and error.status_code < 500:
                     raise

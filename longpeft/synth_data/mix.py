@@ -105,7 +105,8 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
     """A conversation from ``messages`` or Alpaca-style ``instruction``/``input``/``output`` fields."""
     if isinstance(record, dict) and isinstance(record.get("messages"), list):
         return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
-    if isinstance(record, dict) and isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+    if (isinstance(record, dict) and isinstance(record.get("instruction"), str)
+            and isinstance(record.get("output"), str)):
         prompt = record["instruction"]
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}"
@@ -168,9 +169,10 @@ def mix(
     if config.plain_ratio:
         wanted = round(len(synthetic) * config.plain_ratio / synthetic_share)
         texts = load_plain_texts(config.plain_text)
-        candidates = [[{"role": "user", "content": config.plain_prompt}, {"role": "assistant", "content": t}] for t in texts]
-        taken, stats["plain_text"] = _take(candidates, wanted, counter, config.plain_min_tokens, config.plain_max_tokens,
-                                           "plain_text", rng)
+        candidates = [[{"role": "user", "content": config.plain_prompt}, {"role": "assistant", "content": t}]
+                      for t in texts]
+        taken, stats["plain_text"] = _take(candidates, wanted, counter, config.plain_min_tokens,
+                                           config.plain_max_tokens, "plain_text", rng)
         rows += taken
     if config.instruction_ratio:
         wanted = round(len(synthetic) * config.instruction_ratio / synthetic_share)

@@ -60,7 +60,8 @@ class HeterogeneousTask(StrictModel):
     questions: int = Field(5, ge=1)
     docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
     n_clusters: int | None = Field(
-        None, ge=1, description="k-means clusters (default: the generated topics, or ~1.25 contexts' worth of your files each)"
+        None, ge=1,
+        description="k-means clusters (default: the generated topics, or ~1.25 contexts' worth of your files each)",
     )
 
 
@@ -78,8 +79,10 @@ class SynthConfig(StrictModel):
     """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)."""
 
     seed: int = 0
-    tokenizer: str = Field("tiny", description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one")
-    answerer: Literal["procedural", "llm"] = Field("procedural", description="exact offline QA, or an OpenAI-compatible LLM")
+    tokenizer: str = Field("tiny",
+                           description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one")
+    answerer: Literal["procedural", "llm"] = Field("procedural",
+                                                   description="exact offline QA, or an OpenAI-compatible LLM")
     source: SourceConfig = Field(default_factory=SourceConfig)
     length: LengthConfig = Field(default_factory=LengthConfig)
     single_detail: SingleDetailTask = Field(default_factory=SingleDetailTask)

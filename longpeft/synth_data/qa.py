@@ -301,7 +301,8 @@ def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
     big, small = (a, b) if int(fa.value) > int(fb.value) else (b, a)
     gap = abs(int(fa.value) - int(fb.value))
     return QAPair(
-        f"Which has more inhabitants, the town of Document {a.number} or the town of Document {b.number}, and by how many?",
+        f"Which has more inhabitants, the town of Document {a.number} or the town of Document {b.number}, and by "
+        "how many?",
         f"The town of Document {big.number}, by {gap} inhabitants.",
         [fa.fact_id, fb.fact_id],
     )
@@ -309,7 +310,8 @@ def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
 
 # ---- GPT-4-style generation through an OpenAI-compatible endpoint ----------------------------------
 
-SYSTEM_PROMPT = "You write high-quality training data for long-context reading comprehension. You reply with JSON only."
+SYSTEM_PROMPT = ("You write high-quality training data for long-context reading comprehension. You reply with JSON "
+                 "only.")
 
 # Doubled braces: the prompts go through str.format.
 QA_FORMAT = 'Reply with JSON only, in this form: {{"qa_pairs": [{{"question": "...", "answer": "..."}}]}}'

@@ -43,7 +43,8 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens": length_summary([row["num_tokens"] for row in rows]),
         "tokens_per_task": {task: length_summary([r["num_tokens"] for r in group]) for task, group in by_task.items()},
         "qa_turns_per_task": {
-            task: sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in group) for task, group in by_task.items()
+            task: sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in group)
+            for task, group in by_task.items()
         },
     }
 
@@ -70,7 +71,9 @@ def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins
     plt.close(figure)
 
 
-def write_dataset(rows: Sequence[dict[str, Any]], out_dir: str | Path, extra_stats: dict[str, Any] | None = None) -> Dataset:
+def write_dataset(
+    rows: Sequence[dict[str, Any]], out_dir: str | Path, extra_stats: dict[str, Any] | None = None
+) -> Dataset:
     """Write ``train.jsonl``, ``dataset/`` (``Dataset.save_to_disk``), ``stats.json`` and ``length_hist.png``.
 
     Returns the Dataset (columns ``id``, ``task``, ``messages``, ``num_tokens``, ``sources``, ``meta``).

@@ -12,7 +12,8 @@ For one training sequence made of several documents, with probability ``p``:
 4. after a document's last chunk comes the backtrace target: its chunk labels in order,
    ``<trace> label_1 <sep> label_2 ... </trace>``.
 
-Layout of chunk ``j`` of ``h``: ``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
+Layout of chunk ``j`` of ``h``:
+``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
 
 Labels are -100 on knots, on the chunk labels where they appear as input (with their delimiters) and
 on the trace sentinels; the backtrace label ids themselves are trained, as is every original token.
@@ -95,7 +96,8 @@ def add_utk_tokens(
         if len(encoded) == 1:
             letters.append(encoded[0])
     if len(letters) < 2:
-        raise ConfigError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet")
+        raise ConfigError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another "
+                          "alphabet")
     return UtkTokens(
         head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
         tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
@@ -252,7 +254,8 @@ class UtkAugmenter:
                 if len(labels) == h:
                     return labels
         # Random draws keep colliding only when nearly every label is taken: pick among the free ones.
-        free = [label for label in itertools.product(self._letters.tolist(), repeat=self.label_length) if label not in used]
+        free = [label for label in itertools.product(self._letters.tolist(), repeat=self.label_length)
+                if label not in used]
         if len(free) < h - len(labels):
             raise ConfigError(
                 f"this sequence needs more than the {len(self._letters)}**{self.label_length} distinct chunk labels; "
@@ -310,7 +313,9 @@ def chunk_labels_needed(doc_lengths: Sequence[int], max_chunks: int, min_split_t
     return sum(h for h in chunks if h > 1)
 
 
-def pack_documents(documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int) -> list[list[int]]:
+def pack_documents(
+    documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int
+) -> list[list[int]]:
     """Group consecutive documents (token id lists) so each group plus UtK's insertions fits ``max_length``.
 
     Returns lists of document indices. Documents are not cut: one too long to fit even alone gets a
