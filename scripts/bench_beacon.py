@@ -5,11 +5,11 @@ A small Llama-shaped model (hidden 512, 8 query / 2 KV heads of 64 dims, MLP 137
 tokens) the way ``generate`` prefills it: one logit kept, no gradient. The window is a quarter of
 the hidden size, as Llama-3-8B's 1024 is of 4096, so attention over the memory weighs what it weighs
 there. Beacons condense each window at a fixed ratio 8 (so both lengths pay the same beacon
-overhead per token); the stock model reads the same prompts with full attention. Both run in one process on the same inputs; time is the
-median of the repeats; a forward's memory is the largest amount of tensor memory it holds beyond
-what was held before it (CPU: from torch.profiler's allocation events; CUDA:
-torch.cuda.max_memory_allocated). Peak memory, as in the paper's Table 3, is the model's weights
-plus that; the forward's own memory ratio is printed too.
+overhead per token); the stock model reads the same prompts with full attention. Both run in one
+process on the same inputs; time is the median of the repeats; a forward's memory is the largest
+amount of tensor memory it holds beyond what was held before it (CPU: from torch.profiler's
+allocation events; CUDA: torch.cuda.max_memory_allocated). Peak memory, as in the paper's Table 3,
+is the model's weights plus that; the forward's own memory ratio is printed too.
 
 Decoding is timed too: ``generate`` greedy after the long prompt, the time of ``--new-tokens`` more tokens
 (the run with them minus the run with one), per token, beacon over stock.
@@ -88,7 +88,8 @@ def main() -> int:
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1 gives steadier ratios on a shared machine)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -122,9 +123,11 @@ def main() -> int:
 
     def ratios(variant: str) -> tuple[float, float, float]:
         short_mem, long_mem = memory[(variant, "1x")], memory[(variant, long)]
-        return (weights + long_mem) / (weights + short_mem), long_mem / short_mem, speed[(variant, long)] / speed[(variant, "1x")]
+        return ((weights + long_mem) / (weights + short_mem), long_mem / short_mem,
+                speed[(variant, long)] / speed[(variant, "1x")])
 
-    decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats, variant == "stock")
+    decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats,
+                                                variant == "stock")
               for variant in ("beacon", "stock")}
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
     print(f"Activation Beacon (window {args.window}, ratio {RATIO}) vs stock, attn={args.attn}, device={args.device}, "

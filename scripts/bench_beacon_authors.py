@@ -175,7 +175,8 @@ def main() -> int:
             return 1
         theirs = json.loads((out / "authors-bench.json").read_text())
         ours = our_side(out, args.repeats, args.threads)
-    print(f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), {args.threads} thread(s)")
+    print(f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), "
+          f"{args.threads} thread(s)")
     print(f"{'':<16} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
           f"{'memory ratio':>13}")
     ratios = {}

@@ -39,7 +39,8 @@ def build(variant: str, args: argparse.Namespace):
     ).to(args.device)
     if variant == "harpe":
         apply_head_bases(model, uniform_bases(1e4, 1e6, model.config.num_key_value_heads))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16,
+                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, optimizer
@@ -57,7 +58,8 @@ def train_step(model, optimizer, ids) -> float:
 def _batch(args: argparse.Namespace):
     import torch
 
-    return torch.randint(0, 4096, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(args.device)
+    return torch.randint(0, 4096, (args.batch, args.seq_len),
+                         generator=torch.Generator().manual_seed(0)).to(args.device)
 
 
 def _sync(device: str) -> None:
@@ -149,7 +151,8 @@ def main() -> None:
     times = time_interleaved(args)
     median = {variant: statistics.median(values) for variant, values in times.items()}
 
-    print(f"\nLoRA training step, Llama-shaped 4 x 512 (8 heads x 64), batch {args.batch} x {args.seq_len} tokens, {args.device}")
+    print(f"\nLoRA training step, Llama-shaped 4 x 512 (8 heads x 64), batch {args.batch} x {args.seq_len} tokens, "
+          f"{args.device}")
     print(f"{'variant':<14}{'median s/step':>15}{'peak MiB over model':>22}{'saved for backward MiB':>25}")
     for variant, label in (("rope", "standard RoPE"), ("harpe", "HARPE")):
         print(f"{label:<14}{median[variant]:>15.3f}{memory[variant]:>22.1f}{saved[variant]:>25.1f}")

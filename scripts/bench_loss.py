@@ -60,7 +60,8 @@ def main() -> None:
     results = {}
     for variant in ("backbone", "full", "fused"):
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", variant, "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)],
+            [sys.executable, __file__, "--worker", variant, "--seq-len", str(args.seq_len),
+             "--vocab", str(args.vocab)],
             capture_output=True, text=True, check=True,
         )
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -88,7 +88,8 @@ def main() -> None:
         result[f"{key}_peak_mem_ratio"] = tiled_peak / peak
         result[f"{key}_time_ratio"] = tiled_seconds / seconds
         result[f"{key}_max_abs_grad_diff"] = difference
-    print(f"{'part':<20} {'peak MiB':>9} {'tiled':>9} {'ratio':>6} {'s':>7} {'tiled s':>8} {'ratio':>6} {'|grad diff|':>12}")
+    print(f"{'part':<20} {'peak MiB':>9} {'tiled':>9} {'ratio':>6} {'s':>7} {'tiled s':>8} {'ratio':>6} "
+          f"{'|grad diff|':>12}")
     for part, peak, tiled_peak, seconds, tiled_seconds, difference in rows:
         print(f"{part:<20} {peak / 2**20:>9.1f} {tiled_peak / 2**20:>9.1f} {tiled_peak / peak:>6.2f} {seconds:>7.3f} "
               f"{tiled_seconds:>8.3f} {tiled_seconds / seconds:>6.2f} {difference:>12.2e}")

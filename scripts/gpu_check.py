@@ -105,7 +105,8 @@ def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
                 {"role": "assistant", "content": text.split()[0]}]
 
     def length(n_words: int) -> int:
-        return len(tokenizer.apply_chat_template(conversation(n_words, 0), tokenize=True, return_dict=True)["input_ids"])
+        return len(tokenizer.apply_chat_template(conversation(n_words, 0), tokenize=True,
+                                                 return_dict=True)["input_ids"])
 
     low, high = 1, tokens  # every word is at least one token: the longest conversation within `tokens`
     while low < high:
@@ -164,10 +165,11 @@ def measure(args: argparse.Namespace) -> dict:
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
-    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps, args.tiny,
-                        args.set)
+    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps,
+                        args.tiny, args.set)
     result = run(recipe, callbacks=[timer])
-    losses = [r["loss"] for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    losses = [r["loss"] for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines())
+              if "loss" in r]
     timed = timer.times[1:] or timer.times  # the first step warms up kernels and the allocator
     report = {"attention": args.measure, "step_seconds": timer.times, "losses": losses,
               "tokens_per_second": args.tokens / statistics.median(timed)}
@@ -204,7 +206,8 @@ def sdpa_kernels() -> list[str]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v = (torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         torch.cuda.synchronize()
@@ -221,7 +224,8 @@ def has_flash_attn() -> bool:
 
 def compare_kernels(tiny: bool) -> dict:
     """HARPE and STRING logits with two attention kernels on the same weights: flash-attn vs SDPA on CUDA (SDPA vs
-    eager, and ``flash_attn_installed: false``, on a CUDA machine without flash-attn; SDPA vs eager with ``--tiny``)."""
+    eager, and ``flash_attn_installed: false``, on a CUDA machine without flash-attn; SDPA vs eager with
+    ``--tiny``)."""
     import torch
 
     from longpeft.adapters.harpe import apply_head_bases, uniform_bases
@@ -327,7 +331,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
     parser.add_argument("--tokens", type=int, help="tokens per sample (default 81920; --tiny: 1024)")
-    parser.add_argument("--steps", type=int, default=3, help="optimizer steps per attention kernel (the first is warm-up)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="optimizer steps per attention kernel (the first is warm-up)")
     parser.add_argument("--gpu-memory", type=float, help="GiB of the GPU for the planner (default: the device's)")
     parser.add_argument("--work-dir", help="where the random base, data and runs go (default: a temporary folder, "
                         "removed); kept, the base is written once and later calls reuse it")
@@ -339,13 +344,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true")
     parser.add_argument("--variant", action="append", nargs="+", metavar="NAME [KEY=VALUE ...]",
                         help="instead of one run per kernel, a named run with its own overrides (repeatable), e.g. "
-                        "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and steps=N "
-                        "set its length and steps")
+                        "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and "
+                        "steps=N set its length and steps")
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help="start no run that the planner says would end later than this many seconds after the "
                         "call began (model load included); skipped runs are reported as such")
     parser.add_argument("--liger-check", action="store_true",
-                        help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, liger-kernel)")
+                        help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, "
+                        "liger-kernel)")
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
                         help="skip the HARPE and STRING kernel comparison")
     parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
@@ -399,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             write_base(base, args.tiny)
             report["base_written_seconds"] = time.perf_counter() - began
-        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0)
+        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB
+                                     if torch.cuda.is_available() else 80.0)
         runs, plans = report["runs"], report.setdefault("planner", {})
         if not args.tiny and torch.cuda.is_available():
             report["sdpa_kernels"] = sdpa_kernels()
@@ -416,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             plan["tokens"] = sample_tokens[run.tokens]
             planned_seconds = plan["step_seconds"] * run.steps + 90  # the base's load, about a minute at 8B
             if args.deadline and time.perf_counter() - started + planned_seconds > args.deadline:
-                runs[run.name] = {"skipped": f"planned {planned_seconds:.0f} s would pass --deadline {args.deadline:g}"}
+                runs[run.name] = {"skipped": f"planned {planned_seconds:.0f} s would pass --deadline "
+                                             f"{args.deadline:g}"}
                 save_report()
                 continue
             save_report()

@@ -92,7 +92,8 @@ def build_authors_model(src: Path, setting: dict, out: Path | None = None, shape
         **(shape or SHAPE), max_position_embeddings=setting.get("positions", 512), beacon_window=window,
         beacon_stride=window, beacon_attn=setting["attn"], beacon_pos=setting["pos"], beacon_ratio=setting["ratios"],
         beacon_ratio_mix=setting.get("mix", "step-random"), beacon_param=setting["params"], beacon_embed_init="eos",
-        beacon_sink_size=setting["sink"], beacon_attend_prev=True, beacon_parallel_window=1, attn_implementation="eager",
+        beacon_sink_size=setting["sink"], beacon_attend_prev=True, beacon_parallel_window=1,
+        attn_implementation="eager",
     )
     torch.manual_seed(0)
     model = modeling.LlamaForCausalLM(config)
@@ -123,10 +124,12 @@ def load_converted(out: Path, positions: int, shape: dict | None = None, attn_im
     stock = {name: tensor for name, tensor in weights.items() if "beacon_" not in name}
     missing, unexpected = base.load_state_dict(stock, strict=False)
     if unexpected or [name for name in missing if "rotary" not in name]:
-        raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected {unexpected}")
+        raise SystemExit(f"the authors' checkpoint does not fit a stock Llama: missing {missing}, unexpected "
+                         f"{unexpected}")
     base.save_pretrained(out / "base")
     convert_authors_beacon(checkpoint, out / "adapter", out / "base")
-    return longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation=attn_implementation)
+    return longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32,
+                         attn_implementation=attn_implementation)
 
 
 def authors_side(src: Path, out: Path, setting: dict) -> None:
@@ -196,7 +199,8 @@ def our_side(out: Path, setting: dict) -> tuple[list[dict], dict, list[dict]]:
                                    return_dict_in_generate=True, pad_token_id=0)
     decoding = {"length": f"{prompt.shape[1]} + {NEW_TOKENS} generated",
                 "same_tokens": generated.sequences[0].tolist() == generation["tokens"],
-                "logits_max_abs_diff": float((torch.cat(generated.logits) - torch.tensor(generation["logits"])).abs().max())}
+                "logits_max_abs_diff": float((torch.cat(generated.logits)
+                                              - torch.tensor(generation["logits"])).abs().max())}
     return rows, decoding, training_parity(model, out, authors["training"])
 
 
@@ -253,8 +257,8 @@ def authors_side_or_error(args: argparse.Namespace, authors_side) -> int | None:
     """The exit status when this process has nothing more to do: 2 (said on stderr) when ``--authors-src`` is not
     the authors' source folder, 0 once ``authors_side()`` ran (``--side authors``); None on the main side."""
     if not (args.authors_src / "modeling_beacon.py").is_file():
-        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src folder",
-              file=sys.stderr)
+        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src "
+              "folder", file=sys.stderr)
         return 2
     if args.side == "authors":
         authors_side()
@@ -265,7 +269,8 @@ def authors_side_or_error(args: argparse.Namespace, authors_side) -> int | None:
 def run_authors_side(script: str, args: argparse.Namespace, out: Path, *options: str) -> bool:
     """Run ``script --side authors`` with the authors' python (writing into ``out``); False, said on stderr, if it
     failed."""
-    authors = subprocess.run([args.authors_python, script, "--side", "authors", "--authors-python", args.authors_python,
+    authors = subprocess.run([args.authors_python, script, "--side", "authors",
+                              "--authors-python", args.authors_python,
                               "--authors-src", str(args.authors_src), "--out", str(out), *options])
     if authors.returncode != 0:
         print(f"the authors' side failed (exit {authors.returncode}; its traceback is above); does "
@@ -296,8 +301,9 @@ def main() -> int:
             print(f"{setting['attn']}/{setting['pos']} ratios {setting['ratios']} {setting.get('mix', '')} "
                   f"sink {setting['sink']} params {''.join(setting['params'])} "
                   f"length {row['length']:>3}: loss ours {row['loss_ours']:.6f} authors {row['loss_authors']:.6f} "
-                  f"(|diff| {row['loss_abs_diff']:.2e}); last-window logits max |diff| {row['logits_max_abs_diff']:.2e} "
-                  f"over {row['last_window_tokens']} tokens (control, beacons off: {row['control_logits_max_abs_diff']:.2e})")
+                  f"(|diff| {row['loss_abs_diff']:.2e}); last-window logits max |diff| "
+                  f"{row['logits_max_abs_diff']:.2e} over {row['last_window_tokens']} tokens (control, beacons off: "
+                  f"{row['control_logits_max_abs_diff']:.2e})")
         print(f"  greedy decoding, {decoding['length']}: same tokens {decoding['same_tokens']}, "
               f"logits max |diff| {decoding['logits_max_abs_diff']:.2e}")
         for row in training:
@@ -314,7 +320,8 @@ def main() -> int:
                       "decoding_same_tokens": all(entry["decoding"]["same_tokens"] for entry in report),
                       "training_loss_max_abs_diff": max(row["loss_abs_diff"] for row in training),
                       "training_grad_max_abs_diff": max(row["grad_max_abs_diff"] for row in training),
-                      "frozen_weights_their_grad_max_abs": max(row["frozen_weights_their_grad_max_abs"] for row in training)}))
+                      "frozen_weights_their_grad_max_abs": max(row["frozen_weights_their_grad_max_abs"]
+                                                               for row in training)}))
     return 0
 
 

@@ -57,7 +57,8 @@ SYNTHETIC, REDPAJAMA, LONGALPACA = 3_500, 5_000, 12_000
 SYNTHETIC_RANGE = (64 * K, 80 * K)  # uniform
 REDPAJAMA_RANGE = (1 * K, 8 * K)  # log-uniform
 LONGALPACA_RANGE = (1 * K, 16 * K)  # uniform
-PLAIN_PROMPT = "Write a passage of text."  # the request longpeft synth puts before a plain text (mix.DEFAULT_PLAIN_PROMPT)
+# the request longpeft synth puts before a plain text (mix.DEFAULT_PLAIN_PROMPT)
+PLAIN_PROMPT = "Write a passage of text."
 ANSWER_TOKENS = 64  # each synthetic QA answer; the rest of a conversation is its context and questions
 QA_TURNS = 4  # questions per synthetic conversation
 
@@ -137,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = intended_lengths(args.seed)
     print("the paper's mix, as built here:")
     for part, ns in lengths.items():
-        print(f"  {part:<18} {len(ns):>6,} samples, {min(ns):>6,} .. {max(ns):>6,} tokens, mean {sum(ns) / len(ns):>8,.0f}")
+        print(f"  {part:<18} {len(ns):>6,} samples, {min(ns):>6,} .. {max(ns):>6,} tokens, "
+              f"mean {sum(ns) / len(ns):>8,.0f}")
     try:
         write_mix(data, lengths, CHARS_PER_TOKEN, args.seed)
         recipe = load_recipe(RECIPE, [f"data.source={data}"])
@@ -174,15 +176,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{'hours on 8 GPUs':<66} {'A800':>7} {'H100':>7}")
     for name, hours in rows.items():
         print(f"{name:<66} {hours['a800']:>7.1f} {hours['h100']:>7.1f}")
-    print(f"{'the paper (8 x A800, unsloth, flash-attn 2, --group_by_length)':<66} {PAPER_HOURS_8XA800:>7.1f} {'-':>7}")
+    print(f"{'the paper (8 x A800, unsloth, flash-attn 2, --group_by_length)':<66} {PAPER_HOURS_8XA800:>7.1f} "
+          f"{'-':>7}")
     print(json.dumps({"script": "plan_paper_mix", "recipe": RECIPE, "samples": len(intended),
                       "tokens": plans["a800"].tokens, "hours_8xa800": round(plans["a800"].hours, 2),
                       "hours_8xh100": round(plans["h100"].hours, 2),
                       "hours_random_order_8xa800": round(random_order["a800"], 2),
                       "hours_random_order_8xh100": round(random_order["h100"], 2),
-                      "hours_bounds_8xa800": [round(bounds["shortest"]["a800"], 2), round(bounds["longest"]["a800"], 2)],
-                      "hours_bounds_8xh100": [round(bounds["shortest"]["h100"], 2), round(bounds["longest"]["h100"], 2)],
-                      "hours_without_data_8xa800": round(assumed["a800"], 2), "paper_hours_8xa800": PAPER_HOURS_8XA800}))
+                      "hours_bounds_8xa800": [round(bounds["shortest"]["a800"], 2),
+                                              round(bounds["longest"]["a800"], 2)],
+                      "hours_bounds_8xh100": [round(bounds["shortest"]["h100"], 2),
+                                              round(bounds["longest"]["h100"], 2)],
+                      "hours_without_data_8xa800": round(assumed["a800"], 2),
+                      "paper_hours_8xa800": PAPER_HOURS_8XA800}))
     return 0
 
 

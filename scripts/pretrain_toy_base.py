@@ -39,14 +39,17 @@ FINAL_SAMPLES = 8  # final scores: prompts per (length, depth)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/toy-base", help="output folder (default: runs/toy-base)")
     p.add_argument("--window", type=int, default=256, help="trained window W in tokens (max_position_embeddings)")
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--tokens-per-step", type=int, default=8192, help="batch size x length (the batch grows as documents shorten)")
+    p.add_argument("--tokens-per-step", type=int, default=8192,
+                   help="batch size x length (the batch grows as documents shorten)")
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--curriculum", type=float, default=0.3, help="fraction of steps over which lengths grow from W/4 to W")
+    p.add_argument("--curriculum", type=float, default=0.3,
+                   help="fraction of steps over which lengths grow from W/4 to W")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -59,7 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     args = p.parse_args(argv)
-    for name in ("window", "steps", "tokens_per_step", "hidden", "layers", "heads", "kv_heads", "intermediate", "eval_every", "save_every"):
+    for name in ("window", "steps", "tokens_per_step", "hidden", "layers", "heads", "kv_heads", "intermediate",
+                 "eval_every", "save_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.heads % args.kv_heads or args.hidden % args.heads:
@@ -119,7 +123,9 @@ def learning_rate(step: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def retrieval_scores(model, tokenizer, lengths: list[int], n_samples: int, seed: int = 1234) -> dict[str, dict[int, float]]:
+def retrieval_scores(
+    model, tokenizer, lengths: list[int], n_samples: int, seed: int = 1234
+) -> dict[str, dict[int, float]]:
     """Passkey and single-needle NIAH accuracy by length (greedy, exact match; depths 0, 0.5, 1)."""
     scores = {}
     for task in ("passkey", "niah_single"):
@@ -154,7 +160,8 @@ A {n_params / 1e6:.2f}M-parameter Llama-shaped model (RoPE base {args.rope_theta
 retrieve inside a {w}-token window and fail beyond it, so that context-extension methods have something
 real to extend. It is what `make demo` and the tests start from; it knows nothing but its training data.
 
-Made by `python scripts/pretrain_toy_base.py --out DIR --seed {args.seed} --steps {args.steps}` ({seconds / 60:.0f} min on
+Made by `python scripts/pretrain_toy_base.py --out DIR --seed {args.seed} --steps {args.steps}` \
+({seconds / 60:.0f} min on
 {torch.get_num_threads()} CPU threads): {args.steps} steps of {args.tokens_per_step} tokens of retrieval documents
 (`longpeft.synth_data.retrieval_docs`: answered passkey and needle-in-a-haystack probes, recurring
 random word spans), every token scored, lengths growing from {w // 4} to {w} tokens, AdamW lr {args.lr:g}
@@ -196,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         log_path.unlink()
     began = time.time()
     model.train()
-    with log_path.open("a") as log, tqdm(range(start, args.steps), initial=start, total=args.steps, desc="pretraining") as bar:
+    with log_path.open("a") as log, tqdm(range(start, args.steps), initial=start, total=args.steps,
+                                         desc="pretraining") as bar:
         for step in bar:
             input_ids, labels = step_batch(step, args, tokenizer)
             for group in optimizer.param_groups:
@@ -206,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            record = {"step": step, "loss": round(loss.item(), 4), "grad_norm": round(norm.item(), 3), "length": input_ids.shape[1]}
+            record = {"step": step, "loss": round(loss.item(), 4), "grad_norm": round(norm.item(), 3),
+                      "length": input_ids.shape[1]}
             if (step + 1) % args.eval_every == 0:
                 model.eval()
                 record["scores"] = retrieval_scores(model, tokenizer, [args.window], n_samples=4)

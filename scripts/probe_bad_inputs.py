@@ -80,7 +80,8 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     binary = root / "recipes" / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00\x01")
     out += [(f"plan {p.name}", ["plan", str(p)]) for p in (bad_yaml, list_yaml, empty_yaml, binary)]
-    out += [("plan missing recipe", ["plan", "no-such-recipe"]), ("train missing recipe", ["train", str(root / "x.yaml")])]
+    out += [("plan missing recipe", ["plan", "no-such-recipe"]),
+            ("train missing recipe", ["train", str(root / "x.yaml")])]
 
     base = ["train", "tiny-cpu", "--set", "data.max_length=256", "--set", "train.max_steps=1"]
     data_files = {
@@ -88,8 +89,10 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         "empty": write(root / "data" / "empty.jsonl", ""),
         "malformed": write(root / "data" / "malformed.jsonl", '{"messages": [\n'),
         "null messages": write(root / "data" / "null.jsonl", '{"messages": null}\n'),
-        "no assistant": write(root / "data" / "noassist.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"),
-        "bad role": write(root / "data" / "role.jsonl", json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"),
+        "no assistant": write(root / "data" / "noassist.jsonl",
+                              json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"),
+        "bad role": write(root / "data" / "role.jsonl",
+                          json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"),
         "txt as messages": write(root / "data" / "doc.txt", "some text"),
         "wrong column": write(root / "data" / "col.jsonl", json.dumps({"conversation": []}) + "\n"),
         "folder without data": (root / "data" / "emptydir"),
@@ -100,12 +103,18 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         for _ in range(150)) + json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
     data_files["bad row 151"] = bad_late
     for name, path in data_files.items():
-        out.append((f"train data {name}", [*base, "--set", f"data.source={path}", "--set", f"output_dir={root / 'runs' / name.replace(' ', '_')}"]))
-    out.append(("train eos outside vocab", [*base, "--set", f"data.source={bad_late}", "--set", "model.name_or_path=" + str(adapter.parent / "base"),
-                                            "--set", "model.eos_token_ids=[99999]", "--set", f"output_dir={root / 'runs' / 'eos'}"]))
-    out.append(("train length beyond positions", [*base, "--set", "data.max_length=4096", "--set", f"output_dir={root / 'runs' / 'len'}"]))
-    out.append(("train missing base path", [*base, "--set", f"model.name_or_path={root / 'no-base'}", "--set", f"output_dir={root / 'runs' / 'nb'}"]))
-    out.append(("train resume without checkpoint", [*base, "--resume", "--set", f"output_dir={root / 'runs' / 'fresh'}"]))
+        out.append((f"train data {name}", [*base, "--set", f"data.source={path}",
+                                           "--set", f"output_dir={root / 'runs' / name.replace(' ', '_')}"]))
+    out.append(("train eos outside vocab", [*base, "--set", f"data.source={bad_late}",
+                                            "--set", "model.name_or_path=" + str(adapter.parent / "base"),
+                                            "--set", "model.eos_token_ids=[99999]",
+                                            "--set", f"output_dir={root / 'runs' / 'eos'}"]))
+    out.append(("train length beyond positions", [*base, "--set", "data.max_length=4096",
+                                                  "--set", f"output_dir={root / 'runs' / 'len'}"]))
+    out.append(("train missing base path", [*base, "--set", f"model.name_or_path={root / 'no-base'}",
+                                            "--set", f"output_dir={root / 'runs' / 'nb'}"]))
+    out.append(("train resume without checkpoint",
+                [*base, "--resume", "--set", f"output_dir={root / 'runs' / 'fresh'}"]))
 
     variants = {
         "spec list": lambda d: write(d / "longpeft.json", "[]"),
@@ -113,35 +122,46 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         "spec string": lambda d: write(d / "longpeft.json", '"x"'),
         "spec invalid json": lambda d: write(d / "longpeft.json", "{"),
         "spec truncated": lambda d: write(d / "longpeft.json", (d / "longpeft.json").read_text()[:40]),
-        "spec version string": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "format_version": "2"})),
-        "spec version 99": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "format_version": 99})),
-        "spec huge vocab": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "vocab_size": 10**12})),
-        "spec negative vocab": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "vocab_size": -3})),
-        "spec base_shape string": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "base_shape": "x"})),
-        "spec unknown field": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "zzz": 1})),
+        "spec version string": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "format_version": "2"})),
+        "spec version 99": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "format_version": 99})),
+        "spec huge vocab": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "vocab_size": 10**12})),
+        "spec negative vocab": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "vocab_size": -3})),
+        "spec base_shape string": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "base_shape": "x"})),
+        "spec unknown field": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "zzz": 1})),
         "spec missing": lambda d: (d / "longpeft.json").unlink(),
         "weights missing": lambda d: (d / "adapter_model.safetensors").unlink(),
         "weights garbage": lambda d: (d / "adapter_model.safetensors").write_bytes(b"garbage" * 10),
-        "weights truncated": lambda d: (d / "adapter_model.safetensors").write_bytes((d / "adapter_model.safetensors").read_bytes()[:100]),
+        "weights truncated": lambda d: (d / "adapter_model.safetensors").write_bytes(
+            (d / "adapter_model.safetensors").read_bytes()[:100]),
         "config missing": lambda d: (d / "adapter_config.json").unlink(),
         "config garbage": lambda d: write(d / "adapter_config.json", "{oops"),
-        "base gone": lambda d: write(d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "base_model": "/no/such/base"})),
+        "base gone": lambda d: write(d / "longpeft.json", json.dumps(
+            {**json.loads((d / "longpeft.json").read_text()), "base_model": "/no/such/base"})),
     }
     for name, damage in variants.items():
         folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
         for command in ("merge", "export"):
-            out.append((f"{command} {name}", [command, folder, "--out", str(root / "merged" / f"{command}-{name.replace(' ', '_')}")]))
+            out.append((f"{command} {name}",
+                        [command, folder, "--out", str(root / "merged" / f"{command}-{name.replace(' ', '_')}")]))
     out.append(("merge out = adapter", ["merge", str(adapter), "--out", str(adapter)]))
     out.append(("merge out = base", ["merge", str(adapter), "--out", str(adapter.parent / "base")]))
     out.append(("merge out non-empty", ["merge", str(adapter), "--out", str(root / "data")]))
     out.append(("merge out is a file", ["merge", str(adapter), "--out", str(root / "chat.jsonl")]))
     out.append(("merge dtype bogus", ["merge", str(adapter), "--out", str(root / "m-d"), "--dtype", "bogus"]))
     out.append(("merge missing adapter", ["merge", str(root / "nowhere"), "--out", str(root / "m-n")]))
-    out.append(("merge without a trained method", ["merge", str(adapter), "--out", str(root / "m-w"), "--without", "rope"]))
+    out.append(("merge without a trained method",
+                ["merge", str(adapter), "--out", str(root / "m-w"), "--without", "rope"]))
     out.append(("train string with harpe", ["train", "tiny-harpe-cpu", "--set", "string.shift=200", "--set",
                                             "string.local_window=8", "--set", f"output_dir={root / 'never'}"]))
     out.append(("push dry-run non-empty", ["push", str(adapter), "--repo", "a/b", "--dry-run", str(root / "data")]))
-    out.append(("push missing source", ["push", str(root / "nowhere"), "--repo", "a/b", "--dry-run", str(root / "p1")]))
+    out.append(("push missing source",
+                ["push", str(root / "nowhere"), "--repo", "a/b", "--dry-run", str(root / "p1")]))
     out.append(("push not an adapter", ["push", str(root / "data"), "--repo", "a/b", "--dry-run", str(root / "p2")]))
 
     model = str(adapter.parent / "base")
@@ -149,11 +169,14 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         ["eval", "passkey", "--model", str(root / "no-model"), "--out", str(root / "e1")],
         ["eval", "passkey", "--model", model, "--max-new-tokens", "0", "--out", str(root / "e2")],
         ["eval", "passkey", "--model", model, "--string", "--string-window", "0", "--out", str(root / "e3")],
-        ["eval", "passkey", "--model", model, "--string", "--string-shift", "5000", "--lengths", "256", "--out", str(root / "e4")],
+        ["eval", "passkey", "--model", model, "--string", "--string-shift", "5000", "--lengths", "256",
+         "--out", str(root / "e4")],
         ["eval", "passkey", "--model", model, "--lengths", "0", "--out", str(root / "e5")],
         ["eval", "passkey", "--model", model, "--adapter", str(root / "no-adapter"), "--out", str(root / "e6")],
         ["eval", "bogus-task", "--model", model, "--out", str(root / "e7")],
-        ["eval", "passkey", "--model", model, "--adapter", adapter_variant(root, adapter, "eval_spec_list", variants["spec list"]), "--out", str(root / "e8")],
+        ["eval", "passkey", "--model", model,
+         "--adapter", adapter_variant(root, adapter, "eval_spec_list", variants["spec list"]),
+         "--out", str(root / "e8")],
         ["eval", "passkey", "--model", model, "--string-window", "64", "--out", str(root / "e9")],
         ["eval", "perplexity", "--model", model, "--out", str(root / "e10")],
     ]

@@ -123,7 +123,8 @@ def cited_search(first: int, last: int, count: int, radius: float) -> list[float
 
 
 def run_ours(args: argparse.Namespace) -> None:
-    ours = peak_valley_bases(B_MIN, B_MAX, HEADS, STRIDE, HEAD_DIM, args.target_length, window_fraction=args.window_fraction)
+    ours = peak_valley_bases(B_MIN, B_MAX, HEADS, STRIDE, HEAD_DIM, args.target_length,
+                             window_fraction=args.window_fraction)
     ours_millions = [round(b / 1e6, 2) for b in ours]
     print(f"\n{'head':>4}{'ours (M)':>10}{'paper (M)':>11}{'diff':>8}")
     for head, (mine, theirs) in enumerate(zip(ours_millions, PAPER_TABLE2_MILLIONS), start=1):

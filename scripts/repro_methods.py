@@ -66,7 +66,8 @@ def harpe(selection: str) -> Callable[[int], list[str]]:
     def overrides(target: int) -> list[str]:
         theta = rope_theta(target)
         extra = [f"harpe.stride={theta / 8:g}"] if selection == "peak_valley" else []
-        return ["method=harpe", f"harpe.selection={selection}", f"harpe.b_min={theta / 4:g}", f"harpe.b_max={theta:g}", *extra]
+        return ["method=harpe", f"harpe.selection={selection}", f"harpe.b_min={theta / 4:g}", f"harpe.b_max={theta:g}",
+                *extra]
 
     return overrides
 
@@ -130,7 +131,8 @@ STRING_CLAIM = "STRING raises retrieval inside the trained length (no training)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/repro")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--targets", type=int, nargs="+", default=[4, 8], help="target lengths as multiples of W")
@@ -184,13 +186,16 @@ def perplexity_by_length(model: Any, tokenizer: Any, lengths: list[int], n_docs:
     docs = RetrievalDocuments(tokenizer, seed=999)
     result = {}
     for n in lengths:
-        nll = [sliding_window_perplexity(model, tokenizer, input_ids=docs.document(n), window=n, stride=n)["nll_per_token"]
+        nll = [sliding_window_perplexity(model, tokenizer, input_ids=docs.document(n), window=n,
+                                         stride=n)["nll_per_token"]
                for _ in range(n_docs)]
         result[str(n)] = math.exp(statistics.fmean(nll))
     return result
 
 
-def score(model: Any, tokenizer: Any, target: int, string: dict[str, int] | None, samples: int) -> dict[str, dict[str, float]]:
+def score(
+    model: Any, tokenizer: Any, target: int, string: dict[str, int] | None, samples: int
+) -> dict[str, dict[str, float]]:
     """``{task: {length: score}}`` for passkey, NIAH (W .. target), RULER-lite (at the target) and ppl."""
     from longpeft.eval.tasks import evaluate, string_enabled
 
@@ -256,7 +261,8 @@ def table(results: list[dict[str, Any]], target: int) -> str:
     """Markdown: one row per (variant, STRING), NIAH/passkey at W..target, RULER at target, ppl at target."""
     rows = [r for r in results if r["target"] == target * W]
     lengths = sorted({int(n) for r in rows for n in r["plain"]["niah_single"]})
-    columns = [("passkey", n) for n in lengths] + [("niah_single", n) for n in lengths] + [("ruler", target * W), ("ppl", target * W)]
+    columns = ([("passkey", n) for n in lengths] + [("niah_single", n) for n in lengths]
+               + [("ruler", target * W), ("ppl", target * W)])
     head = [f"{TASK_LABELS[t]} {n // W}W" for t, n in columns]
     lines = [f"| method (to {target}W = {target * W}) | STRING | " + " | ".join(head) + " | claim tested |",
              "|---|---|" + "---:|" * len(columns) + "---|"]
