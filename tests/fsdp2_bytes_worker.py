@@ -43,9 +43,10 @@ def main(mode: str, base: str | None = None) -> None:
     if mode == "qlora":  # the saved tiny model loaded through bitsandbytes, as the runner loads a 4-bit base
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16))
+        model = AutoModelForCausalLM.from_pretrained(
+            base, dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16))
     if mode in ("lora", "qlora"):
         model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                                  modules_to_save=["embed_tokens"]))

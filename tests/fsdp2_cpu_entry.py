@@ -4,7 +4,8 @@ train RECIPE ...`` runs ``longpeft`` with accelerate's FSDP2 path on CPU process
 accelerate 1.15 turns FSDP on only for GPU-like process groups and makes every multi-process CPU run plain DDP
 (``MULTI_CPU``), although torch's FSDP2 (``fully_shard``) runs on CPU over gloo. Here, and only here, the
 ``AcceleratorState`` that accelerate built is switched to FSDP with the plugin it was given, and the type written
-back to ``PartialState``, as accelerate does on GPUs; everything after that (sharding, the Trainer, longpeft's saving and resuming) is the real code.
+back to ``PartialState``, as accelerate does on GPUs; everything after that (sharding, the Trainer, longpeft's
+saving and resuming) is the real code.
 """
 
 from __future__ import annotations

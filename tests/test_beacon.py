@@ -114,7 +114,8 @@ def test_lora_projection_equals_the_full_copy_at_initialisation():
     with torch.no_grad():
         torch.testing.assert_close(lora(IDS).logits, full(IDS).logits, atol=1e-5, rtol=0)
         assert (full(IDS).logits - tiny_model("qwen2")(IDS).logits).abs().max() > 1e-4  # beacons do change the output
-    sizes = {kind: sum(p.numel() for p in beacon_parameters(m).values()) for kind, m in (("full", full), ("lora", lora))}
+    sizes = {kind: sum(p.numel() for p in beacon_parameters(m).values())
+             for kind, m in (("full", full), ("lora", lora))}
     assert sizes["lora"] < sizes["full"] / 2
 
 
@@ -352,7 +353,8 @@ def test_flash_attention_full_coverage_matches_sdpa():
 def test_beacons_over_a_4bit_base(tiny_base_dirs):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                      bnb_4bit_compute_dtype=torch.float32)
 
     def load():
         return AutoModelForCausalLM.from_pretrained(tiny_base_dirs("llama"), quantization_config=quantization,

@@ -111,8 +111,8 @@ def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs,
         expected = model(IDS).logits
         expected_tokens = model.generate(input_ids=IDS, max_new_tokens=12, do_sample=False, pad_token_id=0)
     torch.save(IDS, tmp_path / "ids.pt")
-    run = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT, [str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-                               tmp_path)
+    run = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT,
+                               [str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LOADED BeaconLlamaForCausalLM 8" in run.stdout
     out = torch.load(tmp_path / "out.pt")
@@ -148,7 +148,8 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
     config = beacon_config()
     model = trained_beacon_model(base_dir, config, seed=5)
     fake_authors_checkpoint(model, tmp_path / "authors", config)
-    assert main(["convert-beacon", str(tmp_path / "authors"), "--base", str(base_dir), "--out", str(tmp_path / "ours")]) == 0
+    assert main(["convert-beacon", str(tmp_path / "authors"), "--base", str(base_dir),
+                 "--out", str(tmp_path / "ours")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["tensors"] == 2 * 4 + 1 and report["beacon"]["sink"] == 1
     spec = json.loads((tmp_path / "ours" / "longpeft.json").read_text())
@@ -188,12 +189,14 @@ def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny
     assert main(["eval", "passkey", "--lengths", "600", "--samples", "2", "--batch-size", "2", *common]) == 0
     assert json.loads((tmp_path / "eval" / "passkey.json").read_text())["lengths"] == [600]
     (tmp_path / "text.txt").write_text(" ".join(sample_text(60)))
-    assert main(["eval", "perplexity", "--text", str(tmp_path / "text.txt"), "--window", "700", "--stride", "700", *common]) == 0
+    assert main(["eval", "perplexity", "--text", str(tmp_path / "text.txt"), "--window", "700", "--stride", "700",
+                 *common]) == 0
     assert json.loads((tmp_path / "eval" / "perplexity.json").read_text())["perplexity"] > 1
     assert not [w for w in recwarn if "max_position_embeddings" in str(w.message)]  # beacons stay inside 256
     loaded = longpeft.load(str(base_dir), tmp_path / "adapter")
     # memory grows with length / ratio: 100K tokens at ratio 8 read 1 + 3124 * 4 + 32 + 4 keys at most
-    assert model_span(loaded, 600).positions < 256 and model_span(loaded, 100_000) == ModelSpan(12533, 12533, ("beacon",))
+    assert (model_span(loaded, 600).positions < 256
+            and model_span(loaded, 100_000) == ModelSpan(12533, 12533, ("beacon",)))
 
 
 def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
@@ -213,7 +216,8 @@ def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
                            base_id="owner/base"))
     card = (staged / "README.md").read_text()
     metadata = card.split("---")[1]
-    assert "library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card and "None" not in card
+    assert ("library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card
+            and "None" not in card)
     assert 'longpeft.load("owner/base", "someone/tiny-beacon")' in card and "no LoRA weights" in card
     assert ContextSpec.load(staged).weights == "method"
     (tmp_path / "empty").mkdir()

@@ -112,7 +112,8 @@ def test_one_step_mask_with_memory_and_padding():
     # flash-attn (full-coverage): no mask without padding, else the key mask (the padding query's own
     # column stays masked there)
     assert attention_mask_for(visible, None, "flash_attention_2", torch.float32, "cpu") is None
-    assert attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist() == [[1, 0, 0, 1, 1, 1, 1]]
+    assert (attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist()
+            == [[1, 0, 0, 1, 1, 1, 1]])
 
 
 @pytest.mark.parametrize("length,ratio", [(95, 2), (96, 4)])
@@ -129,7 +130,8 @@ def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monke
     seen, cache = [], BeaconCache()
     rotary = model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(rotary, "forward",
+                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
     with torch.no_grad():
         model(torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
     assert cache.state.chosen_ratio == ratio and max(seen) < 64
@@ -180,8 +182,10 @@ def test_window_span_is_the_largest_position_the_forward_uses(training, length, 
     seen = []
     rotary = model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
-    monkeypatch.setattr(torch, "randint", lambda high, size, **kw: torch.zeros(size, dtype=torch.long))  # draw ratios[0]
+    monkeypatch.setattr(rotary, "forward",
+                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    # draw ratios[0]
+    monkeypatch.setattr(torch, "randint", lambda high, size, **kw: torch.zeros(size, dtype=torch.long))
     model.train(training)
     with torch.no_grad():
         model(ids)
@@ -218,7 +222,8 @@ def test_random_ratio_draws_in_training_never_pass_the_positions(mix, monkeypatc
     seen, drawn = [], []
     rotary = model.model.rotary_emb
     real_forward, real_choose = rotary.forward, scheduler.choose_ratio
-    monkeypatch.setattr(rotary, "forward", lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(rotary, "forward",
+                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
     monkeypatch.setattr(scheduler, "choose_ratio", lambda *a, **k: drawn.append(real_choose(*a, **k)) or drawn[-1])
     model.train()
     torch.manual_seed(0)

@@ -90,8 +90,8 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         mask = mask & torch.cat([memory_keep, slot_keep])[None]
         mask[torch.arange(len(slots)), m + torch.arange(len(slots))] = True
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
-        x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw" else backbone.beacon_embed_tokens.weight[0]
-                         for kind, i in slots])
+        x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw"
+                         else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
         pre_rope_keys = []
         for layer_index, layer in enumerate(backbone.layers):
             attention = layer.self_attn

@@ -85,7 +85,8 @@ def test_training_labels_leave_the_first_window_out_as_the_authors_do(attn, pos,
     t <= window, with every layout but full-coverage + interleave."""
     from longpeft.adapters.beacon import METHOD, BeaconConfig
 
-    config = BeaconConfig(window=4, ratios=[2], attn=attn, pos=pos, attend_prev=False if attn != "full-coverage" else None)
+    config = BeaconConfig(window=4, ratios=[2], attn=attn, pos=pos,
+                          attend_prev=False if attn != "full-coverage" else None)
     labels = torch.arange(2 * 11).reshape(2, 11)
     labels[1, 9:] = -100  # padding stays unscored
     expected = labels.clone()
@@ -166,7 +167,8 @@ def test_a_killed_beacon_run_resumes_with_its_trained_beacons(tiny_base_dirs, ch
     weights = sorted(p.name for p in checkpoint.glob("*.safetensors"))
     assert weights == sorted([WEIGHTS_FILENAME] + (["adapter_model.safetensors"] if finetune == "lora" else []))
     beacon_bytes = (checkpoint / WEIGHTS_FILENAME).stat().st_size
-    assert sum(p.stat().st_size for p in checkpoint.iterdir() if p.is_file() and p.suffix in (".safetensors", ".bin")) \
+    assert sum(p.stat().st_size for p in checkpoint.iterdir()
+               if p.is_file() and p.suffix in (".safetensors", ".bin")) \
         < beacon_bytes * 1.5  # no copy of the frozen base (the tiny base is as large as its beacons)
     resumed = run(killed, resume=True)
     names = [WEIGHTS_FILENAME] + (["adapter_model.safetensors"] if finetune == "lora" else [])
@@ -180,7 +182,8 @@ def test_a_checkpoint_without_its_beacon_weights_is_refused_with_what_to_do(tiny
     recipe = beacon_recipe(base, chat_jsonl, tmp_path / "run", "finetune=lora", "lora.r=2", "lora.embeddings=none",
                            "train.max_steps=2", "train.save_steps=2")
     run(recipe)
-    (tmp_path / "run" / "checkpoints" / "checkpoint-2" / WEIGHTS_FILENAME).unlink()  # e.g. written by an older longpeft
+    # e.g. written by an older longpeft
+    (tmp_path / "run" / "checkpoints" / "checkpoint-2" / WEIGHTS_FILENAME).unlink()
     with pytest.raises(ValueError, match="checkpoint-2 lacks the method weights.*delete that folder"):
         run(recipe, resume=True)
 
@@ -203,7 +206,8 @@ def test_beacon_weights_are_saved_from_a_gathered_state_dict(tiny_base_dirs, tmp
         torch.testing.assert_close(saved[f"model.{name}"], parameter.detach() + 1, atol=0, rtol=0)
     some = next(iter(own.values()))
     some.data = torch.empty(0)  # what a ZeRO-3 process holds of a parameter
-    with pytest.raises(ValueError, match="sharded across processes.*stage3_gather_16bit_weights_on_model_save.*fsdp2 or ddp"):
+    with pytest.raises(ValueError,
+                       match="sharded across processes.*stage3_gather_16bit_weights_on_model_save.*fsdp2 or ddp"):
         save_beacon_weights(model, tmp_path / "sharded")
 
 
@@ -222,8 +226,8 @@ def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path
 
     base = tiny_base_dirs("llama")
     overrides = [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256", "beacon.window=16",
-                 "beacon.ratios=[4]", "train.max_steps=2", "train.per_device_batch_size=1", "train.global_batch_size=2",
-                 "train.learning_rate=0.02"]
+                 "beacon.ratios=[4]", "train.max_steps=2", "train.per_device_batch_size=1",
+                 "train.global_batch_size=2", "train.learning_rate=0.02"]
     two = tmp_path / "ddp"
     command = launch_command(load_recipe("tiny-beacon-cpu", overrides), "tiny-beacon-cpu", "ddp", 2,
                              [*overrides, f"output_dir={two}"])
@@ -233,4 +237,5 @@ def test_two_process_ddp_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path
     single = run(load_recipe("tiny-beacon-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
 
     assert logged_losses(two)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
-    assert_same_weights(single.adapter_dir / WEIGHTS_FILENAME, two / "adapter" / WEIGHTS_FILENAME, atol=1e-5, rtol=1e-4)
+    assert_same_weights(single.adapter_dir / WEIGHTS_FILENAME, two / "adapter" / WEIGHTS_FILENAME, atol=1e-5,
+                        rtol=1e-4)

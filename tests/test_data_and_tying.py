@@ -108,7 +108,8 @@ def test_cached_tokenization_is_redone_when_longpeft_tokenizing_code_changes(tmp
     tokenizer = marker_free_tokenizer("llama3")
 
     def cache_file() -> str:
-        rows = load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train", cache_dir=str(tmp_path / "c"))
+        rows = load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train",
+                            cache_dir=str(tmp_path / "c"))
         return data.tokenize_dataset(rows, tokenizer, True).cache_files[0]["filename"]
 
     first = cache_file()

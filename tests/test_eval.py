@@ -60,7 +60,8 @@ class CopyingModel:
         return None
 
     def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kwargs):
-        self.calls.append({"batch": input_ids.shape[0], "eos": eos_token_id, "padded_left": bool((attention_mask[:, 0] == 0).any()),
+        self.calls.append({"batch": input_ids.shape[0], "eos": eos_token_id,
+                           "padded_left": bool((attention_mask[:, 0] == 0).any()),
                            "lengths": attention_mask.sum(dim=1).tolist()})
         rows = []
         for ids, mask in zip(input_ids, attention_mask):
@@ -68,7 +69,8 @@ class CopyingModel:
             seen = real if self.visible is None else real[-self.visible :]
             found = self.answer(self.tokenizer.decode(seen))
             guess = "".join(str(int(d)) for d in torch.randint(0, 10, (self.digits,), generator=self.rng))
-            new = self.tokenizer.encode(self.reply.format(found or guess), add_special_tokens=False) + [eos_token_id[-1]]
+            new = (self.tokenizer.encode(self.reply.format(found or guess), add_special_tokens=False)
+                   + [eos_token_id[-1]])
             new = (new + [pad_token_id] * max_new_tokens)[:max_new_tokens]
             rows.append(torch.cat([ids, torch.tensor(new)]))
         return torch.stack(rows)
@@ -76,7 +78,8 @@ class CopyingModel:
 
 def test_oracle_scores_100_percent_and_heatmap_is_written(tokenizer, tmp_path):
     model = CopyingModel(tokenizer)
-    result = niah_grid(model, tokenizer, lengths=[400, 700], depths=[0.0, 0.5, 1.0], n_samples=3, out_dir=tmp_path, batch_size=4)
+    result = niah_grid(model, tokenizer, lengths=[400, 700], depths=[0.0, 0.5, 1.0], n_samples=3, out_dir=tmp_path,
+                       batch_size=4)
     assert result["score"] == 1.0
     assert all(cell["score"] == 1.0 and cell["n"] == 3 for cell in result["cells"])
     assert len(result["cells"]) == 6
@@ -94,7 +97,8 @@ def test_model_that_cannot_see_the_needle_scores_at_chance(tokenizer, task, leng
     # The needle sits at depth 0; the model sees only the last tokens (needle and question when
     # the needle is at the end) and otherwise guesses one digit: chance is 1/10.
     model = CopyingModel(tokenizer, visible=visible, digits=1, seed=1)
-    result = evaluate(task, model, tokenizer, lengths=[length], n_samples=400, seed=2, depths=[0.0], digits=1, batch_size=50)
+    result = evaluate(task, model, tokenizer, lengths=[length], n_samples=400, seed=2, depths=[0.0], digits=1,
+                      batch_size=50)
     assert 0.05 <= result["score"] <= 0.16  # 400 Bernoulli(0.1) draws: mean within ~3.5 sd
     # needles at the end are in view: scored perfectly
     seen = evaluate(task, model, tokenizer, lengths=[length], n_samples=20, depths=[1.0], digits=1)
@@ -277,8 +281,9 @@ def run_cli(*argv):
 
 def test_cli_string_shift_defaults_to_the_adapters_trained_length(saved_base_and_adapter, tmp_path):
     base_dir, adapter_dir = saved_base_and_adapter
-    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--string", "--string-window", "16",
-                   "--lengths", "256", "--depths", "0.5", "--samples", "1", "--save-prompts", "--out", str(tmp_path)) == 0
+    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--string",
+                   "--string-window", "16", "--lengths", "256", "--depths", "0.5", "--samples", "1", "--save-prompts",
+                   "--out", str(tmp_path)) == 0
     saved = json.loads((tmp_path / "passkey.json").read_text())
     assert saved["string"]["trained_length"] == 120 and saved["string"]["shift"] == 40  # not 256 // 3
     assert "What is the pass key?" in saved["samples"][0]["prompt"]
@@ -311,16 +316,20 @@ def test_cli_rejects_bad_numbers_naming_the_flag(saved_base_and_adapter, tmp_pat
 def test_cli_rejects_bad_string_settings_naming_the_flag(saved_base_and_adapter, tmp_path, flags, message):
     base_dir, adapter_dir = saved_base_and_adapter
     with pytest.raises(ValueError, match=message) as error:
-        run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--lengths", "256", "--out", str(tmp_path), *flags)
+        run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--lengths", "256",
+                "--out", str(tmp_path), *flags)
     assert "local_window" not in str(error.value)
 
 
 @pytest.mark.parametrize(
     ("task", "flags", "message"),
     [
-        ("perplexity", ["--text", "t.txt", "--chat", "--depths", "0.5"], r"--depths, --chat: not used by eval perplexity"),
-        ("passkey", ["--text", "t.txt", "--window", "64"], r"--text, --window: not used by eval passkey \(its own flags"),
-        ("common_words", ["--depths", "0.5"], r"--depths: not used by eval common_words \(its prompts have no needle depth"),
+        ("perplexity", ["--text", "t.txt", "--chat", "--depths", "0.5"],
+         r"--depths, --chat: not used by eval perplexity"),
+        ("passkey", ["--text", "t.txt", "--window", "64"],
+         r"--text, --window: not used by eval passkey \(its own flags"),
+        ("common_words", ["--depths", "0.5"],
+         r"--depths: not used by eval common_words \(its prompts have no needle depth"),
     ],
 )
 def test_cli_refuses_flags_the_task_does_not_use(saved_base_and_adapter, tmp_path, task, flags, message):
@@ -360,7 +369,8 @@ def test_a_grid_is_counted_once_per_cell_and_batched_as_it_runs(tokenizer):
 
     grid = build_probe_grid("passkey", tokenizer, [300, 300], depths=[0.5, 0.5], n_samples=2)
     assert grid.lengths == [300] and len(grid.probes) == 2 and grid.largest_batch(4) == 2
-    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, lengths=[300, 300], depths=[0.5, 0.5], n_samples=2)
+    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, lengths=[300, 300], depths=[0.5, 0.5],
+                      n_samples=2)
     assert [cell["n"] for cell in result["cells"]] == [2]
 
 

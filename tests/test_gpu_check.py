@@ -38,7 +38,8 @@ def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_p
     assert report["kernels"]["flash_attn_installed"] in (True, False)
     for method in ("harpe", "string"):
         check = report["kernels"][method]
-        assert check["kernels"] == ["sdpa", "eager"] and check["allclose_atol_rtol_5e-2"] and check["max_abs_diff"] < 1e-4
+        assert (check["kernels"] == ["sdpa", "eager"] and check["allclose_atol_rtol_5e-2"]
+                and check["max_abs_diff"] < 1e-4)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")

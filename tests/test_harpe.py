@@ -122,7 +122,8 @@ def test_sdpa_matches_dense_reference():
     apply_head_bases(model, bases)
     ids = _ids(seq=10)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits.double(), _reference_logits(model, ids, bases), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(ids).logits.double(), _reference_logits(model, ids, bases), atol=1e-4,
+                                   rtol=1e-4)
 
 
 # ---- exactness against the unpatched model --------------------------------------------------------

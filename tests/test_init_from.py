@@ -25,7 +25,8 @@ def _text_jsonl(path, n=6, words=120):
     vocabulary = "the river city report market north south garden harbor station".split()
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"text": " ".join(vocabulary[(i + j * 7) % len(vocabulary)] for j in range(words))}) + "\n")
+            f.write(json.dumps({"text": " ".join(vocabulary[(i + j * 7) % len(vocabulary)] for j in range(words))})
+                    + "\n")
     return path
 
 
@@ -91,7 +92,8 @@ def test_a_second_lora_stage_starts_from_the_first_stages_lora_and_embedding(lor
     prepared = prepare(_lora(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "stage2",
                              f"model.init_from={lora_stage.adapter_dir}", "train.learning_rate=0.0001"))
     state = get_peft_model_state_dict(prepared.trainer.model)
-    assert state.keys() == saved.keys() and any("lora_A" in k for k in saved) and any("embed_tokens" in k for k in saved)
+    assert (state.keys() == saved.keys() and any("lora_A" in k for k in saved)
+            and any("embed_tokens" in k for k in saved))
     for name, tensor in saved.items():
         torch.testing.assert_close(state[name].float(), tensor.float(), rtol=0, atol=0)
     assert prepared.resolved["init_from"]["weights"] == "lora"
@@ -115,7 +117,8 @@ def test_what_cannot_be_continued_is_refused_with_the_reason(beacon_pretrained, 
         prepare(_lora(base, chat_jsonl, tmp_path / "e", f"model.init_from={lora_stage.adapter_dir}",
                       "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj]"))
     with pytest.raises(SpecMismatchError, match="does not fit the base model"):
-        prepare(_lora(tiny_base_dirs("qwen2"), chat_jsonl, tmp_path / "f", f"model.init_from={lora_stage.adapter_dir}"))
+        prepare(_lora(tiny_base_dirs("qwen2"), chat_jsonl, tmp_path / "f",
+                      f"model.init_from={lora_stage.adapter_dir}"))
 
     whole = tmp_path / "whole"
     shutil.copytree(lora_stage.adapter_dir, whole)
