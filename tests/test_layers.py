@@ -126,4 +126,5 @@ def test_the_errors_import_nothing():
 def test_the_graph_reads_lazy_imports():
     """The reader sees imports inside functions (the runner's lazy import of the model card writer)."""
     assert "longpeft.hub" in GRAPH["longpeft.recipes.model"]
-    assert {"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"} <= GRAPH["longpeft.recipes.runner"]
+    assert ({"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"}
+            <= GRAPH["longpeft.recipes.runner"])

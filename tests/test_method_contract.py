@@ -7,9 +7,10 @@ style: each method gives one set of settings in :data:`CASES`, and the same chec
 - its own weights (``weights``) save and load back exactly;
 - its ``export`` of a saved model loads in a fresh process without longpeft, with the same logits.
 
-A method registered later (a plug-in) is one folder and one ``register`` line: :func:`test_a_new_method_is_one_folder_and_one_register_line`
-writes one (with a data collator and an exclusion) into a temporary folder, registers it, and trains it through the
-runner. The last test keeps method names out of every condition outside the method folders.
+A method registered later (a plug-in) is one folder and one ``register`` line:
+:func:`test_a_new_method_is_one_folder_and_one_register_line` writes one (with a data collator and an exclusion) into a
+temporary folder, registers it, and trains it through the runner. The last test keeps method names out of every
+condition outside the method folders.
 """
 
 from __future__ import annotations
@@ -176,7 +177,8 @@ def check_apply_and_remove(method: Method, config) -> None:
     method.remove(model)
     assert not method.is_applied(model)
     assert torch.equal(logits(model), before)
-    assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert (model.state_dict().keys() == state.keys()
+            and all(torch.equal(model.state_dict()[k], v) for k, v in state.items()))
 
 
 def check_spec_round_trip(method: Method, config, folder: Path) -> None:
@@ -298,8 +300,10 @@ def test_every_export_loads_in_a_fresh_process_without_longpeft(tmp_path):
 
 def test_conflicts_are_refused_naming_both_sides_and_the_fix():
     assert [str(c) for c in find_conflicts(["rope", "string", "beacon"])] == [
-        f"string and beacon cannot be combined: {METHODS['string'].conflicts['beacon']}; remove one of the two sections"]
-    assert [str(c) for c in find_conflicts(["rope", "pose"], {COLLATOR: "data.utk", "split_sequences": "--launch ulysses"})] == [
+        f"string and beacon cannot be combined: {METHODS['string'].conflicts['beacon']}; remove one of the two "
+        "sections"]
+    assert [str(c) for c in find_conflicts(["rope", "pose"],
+                                           {COLLATOR: "data.utk", "split_sequences": "--launch ulysses"})] == [
         f"--launch ulysses with pose: {METHODS['pose'].conflicts['split_sequences']}; use --launch ddp",
         "data.utk and pose cannot be combined: each brings its own data collator; use one of them"]
     assert find_conflicts(["rope"], {"sharded_weights": "--launch fsdp2", COLLATOR: "data.utk"}) == []
@@ -441,8 +445,8 @@ def test_a_new_method_is_one_folder_and_one_register_line(plugin, tiny_base_dirs
         check_apply_and_remove(method, config)
         check_spec_round_trip(method, config, tmp_path / "spec")
 
-        overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-                     "dummy.scale=1.5", f"output_dir={tmp_path / 'run'}", "train.max_steps=2",
+        overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}",
+                     "data.max_length=256", "dummy.scale=1.5", f"output_dir={tmp_path / 'run'}", "train.max_steps=2",
                      "train.global_batch_size=2", "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"]
         result = run(load_recipe("tiny-cpu", overrides))
         calls = sys.modules["longpeft_dummy.modeling"].CALLS

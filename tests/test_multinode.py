@@ -327,5 +327,5 @@ def test_ulysses_group_spanning_two_nodes_equals_one_process(tiny_base_dirs, dat
     single = run(load_recipe("tiny-cpu", [f"model.name_or_path={base}", f"data.source={data}",
                                           f"output_dir={tmp_path / 'one'}", *train]))
     assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors", out / "adapter" / "adapter_model.safetensors",
-                        atol=1e-4, rtol=1e-3)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
+                        out / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)

@@ -33,8 +33,8 @@ def _conversations(path: Path, filler_words=FILLER_WORDS, seed: int = 0) -> Path
 
 
 def _recipe(source: Path, tmp_path: Path, *extra: str):
-    return load_recipe("tiny-cpu", [f"data.source={source}", "train.per_device_batch_size=1", "train.global_batch_size=1",
-                                    "lora.r=4", f"output_dir={tmp_path / 'run'}", *extra])
+    return load_recipe("tiny-cpu", [f"data.source={source}", "train.per_device_batch_size=1",
+                                    "train.global_batch_size=1", "lora.r=4", f"output_dir={tmp_path / 'run'}", *extra])
 
 
 def _trained_lengths(recipe) -> list[int]:
@@ -47,14 +47,16 @@ def _trained_lengths(recipe) -> list[int]:
 def _sample_flops(recipe, n: int) -> tuple[float, float]:
     """FLOPs and attention FLOPs of one sample of ``n`` tokens, from the planner's uniform-length path (every sample
     data.max_length tokens, checked against torch's FLOP counter in test_scale_plan.py) at max_length = n."""
-    plan = estimate(recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_length": n, "min_length": 0})}),
+    plan = estimate(recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_length": n,
+                                                                                     "min_length": 0})}),
                     gpus=1, samples=1)
     return plan.flops_per_token * n, plan.attention_flops_per_token * n
 
 
 @pytest.mark.parametrize("rules", [
     ("data.max_length=400", "data.min_length=60"),  # the longest dropped, the shortest dropped
-    ("data.max_length=400", "data.truncate=true"),  # the longest cut to 400 tokens, or dropped when the cut leaves no answer
+    # the longest cut to 400 tokens, or dropped when the cut leaves no answer
+    ("data.max_length=400", "data.truncate=true"),
 ])
 def test_tokens_and_flops_match_a_direct_count_of_what_the_runner_trains(tmp_path, rules):
     recipe = _recipe(_conversations(tmp_path / "train.jsonl"), tmp_path, "train.num_train_epochs=2", *rules)
@@ -67,7 +69,8 @@ def test_tokens_and_flops_match_a_direct_count_of_what_the_runner_trains(tmp_pat
     flops = [_sample_flops(recipe, n) for n in trained]
     assert plan.flops_per_token * plan.tokens == pytest.approx(2 * sum(f for f, _ in flops), rel=1e-9)
     assert plan.attention_flops_per_token * plan.tokens == pytest.approx(2 * sum(a for _, a in flops), rel=1e-9)
-    seconds = 2 * sum((f - a) / 0.46 + a / 0.51 for f, a in flops) / 989e12  # a float32 base on an H100: 0.46, SDPA 0.51
+    # a float32 base on an H100: 0.46, SDPA 0.51
+    seconds = 2 * sum((f - a) / 0.46 + a / 0.51 for f, a in flops) / 989e12
     assert plan.hours * 3600 == pytest.approx(seconds, rel=1e-9)
 
 
@@ -104,8 +107,9 @@ def test_lengths_are_estimated_from_characters_when_the_tokenizer_is_not_here(tm
     assert plan.tokens == sum(expected)
     line = plan.table().splitlines()[-1]
     assert line.startswith(f"time: {len(expected)} samples (1 epoch of {len(expected)} rows) at their own lengths")
-    assert ("an estimate of 4 characters per token, the tokenizer of meta-llama/Meta-Llama-3-8B-Instruct is not in the "
-            "Hugging Face cache (the planner downloads nothing); the chat template's own tokens not counted") in line
+    assert ("an estimate of 4 characters per token, the tokenizer of meta-llama/Meta-Llama-3-8B-Instruct is not in "
+            "the Hugging Face cache (the planner downloads nothing); the chat template's own tokens not "
+            "counted") in line
     assert "dropped as too long" in line and "dropped as too short" in line
 
 
@@ -179,7 +183,8 @@ def test_uniform_lengths_plan_as_the_max_length_path():
     """Every sample at data.max_length: the same tokens, FLOPs and hours as planning without lengths."""
     recipe = load_recipe("llama3-8b-instruct-80k-qlora")
     assumed = estimate(recipe, gpus=8, samples=40)
-    counted = estimate(recipe, gpus=8, sample_lengths=SampleLengths(lengths=(81920,) * 40, source="x", counted_with="y"))
+    counted = estimate(recipe, gpus=8,
+                       sample_lengths=SampleLengths(lengths=(81920,) * 40, source="x", counted_with="y"))
     assert counted.tokens == assumed.tokens == 40 * 81920
     assert counted.flops_per_token == pytest.approx(assumed.flops_per_token, rel=1e-12)
     assert counted.hours == pytest.approx(assumed.hours, rel=1e-12)
@@ -232,7 +237,8 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
     report = capsys.readouterr().out
     total = next(line for line in report.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "7", f"{counted:,}", f"{7 * 300:,}", "7"]  # all 7 in the cache by then
-    assert "7 requests to stub; nothing was sent" in report and "estimate: 0.0 min for the 0 requests not in the cache" in report
+    assert ("7 requests to stub; nothing was sent" in report
+            and "estimate: 0.0 min for the 0 requests not in the cache" in report)
     again = plan_build(config, tmp_path / "out", tokenizer=tokenizer)  # answered: a resumed run sends none
     assert again.to_send == 0 and again.requests - again.to_send == 7
 

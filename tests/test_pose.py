@@ -122,7 +122,8 @@ def test_collator_draws_the_window_from_longer_samples_with_content_skip():
     collator = PoseCollator(target_length=1024, pad_token_id=0, max_length=64, seed=2, content_skip="aligned")
     short = list(range(2000, 2040))
     batch = collator([{"input_ids": x.tolist()}, {"input_ids": short}])
-    ids, labels, positions = batch["input_ids"][0].numpy(), batch["labels"][0].numpy(), batch["position_ids"][0].numpy()
+    ids, labels, positions = (batch["input_ids"][0].numpy(), batch["labels"][0].numpy(),
+                              batch["position_ids"][0].numpy())
     assert ids.shape == (64,) and np.array_equal(ids, x[positions])  # aligned: every token at its real position
     jumps = np.flatnonzero(np.diff(positions) > 1) + 1
     assert len(jumps) == 1, "seed 2 skips once; pick another seed if the draw changes"
@@ -185,7 +186,8 @@ def test_second_chunk_attends_to_the_first_with_pose_ids():
     assert torch.allclose(unmasked[0, in_second], unmasked[1, in_second], atol=1e-6)  # the pitfall
     # and the positions matter: the same ids with plain positions give other logits
     with torch.no_grad():
-        plain = model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1], use_cache=False).logits
+        plain = model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1],
+                      use_cache=False).logits
     assert (plain[0, in_second] - logits[0, in_second]).abs().max() > 1e-4
 
 
@@ -217,7 +219,8 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     spec = ContextSpec.load(result.adapter_dir)
-    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048, "content_skip": "none"}
+    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048,
+                                                              "content_skip": "none"}
 
 
 @pytest.mark.parametrize(
@@ -280,7 +283,8 @@ def write_text_jsonl(path, lengths, seed=0):
 
     rng = random.Random(seed)
     words = "the river city report market north south garden harbor station amber cedar dune".split()
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n" for n in lengths))
+    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n"
+                            for n in lengths))
     return path
 
 

@@ -64,4 +64,5 @@ def test_pretraining_is_seeded_and_resumes_exactly(tmp_path, monkeypatch):
 def test_pretraining_arguments_are_checked():
     with pytest.raises(SystemExit):
         pretrain.parse_args(["--heads", "3", "--kv-heads", "2"])
-    assert pretrain.step_length(0, pretrain.parse_args([])) == 64 and pretrain.step_length(10**6, pretrain.parse_args([])) == 256
+    assert (pretrain.step_length(0, pretrain.parse_args([])) == 64
+            and pretrain.step_length(10**6, pretrain.parse_args([])) == 256)

@@ -91,7 +91,8 @@ def test_80k_recipe_has_the_paper_settings():
 
 def test_chunked_loss_equals_full_logits_loss(tiny_base_dirs, chat_jsonl, tmp_path):
     """The trainer's loss never builds [batch, seq, vocab] logits, and equals the direct computation."""
-    prepared = prepare(tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", per_device_batch_size=2, global_batch_size=2))
+    prepared = prepare(tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", per_device_batch_size=2,
+                                   global_batch_size=2))
     trainer = prepared.trainer
     batch = next(iter(trainer.get_train_dataloader()))
     model = trainer.model.eval()
@@ -153,8 +154,8 @@ def test_qlora_keeps_trained_weights_in_float32_and_the_residual_stream_in_bf16(
     assert {p.dtype for p in trained.values()} == {torch.bfloat16 if trainable_dtype else torch.float32}
     layer_inputs = []
     layer = trainer.model.get_base_model().model.layers[0]
-    layer.register_forward_pre_hook(lambda m, args, kwargs: layer_inputs.append((args or [kwargs["hidden_states"]])[0].dtype),
-                                    with_kwargs=True)
+    layer.register_forward_pre_hook(
+        lambda m, args, kwargs: layer_inputs.append((args or [kwargs["hidden_states"]])[0].dtype), with_kwargs=True)
     embedding = next(p for name, p in trained.items() if "embed_tokens" in name)
     before = embedding.detach().clone()
     trainer.train()
@@ -203,7 +204,8 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
 
     out = tmp_path / "mp"
     overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={out}",
-                 "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]
+                 "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
+                 "data.max_length=256"]
     command = launch_command(load_recipe("tiny-cpu", overrides), "tiny-cpu", "ddp", 2, overrides)
     assert command[:2] == ["accelerate", "launch"] and command[command.index("--mixed_precision") + 1] == "no"
     command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29531"]
@@ -222,8 +224,8 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
         "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
 
     assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors", out / "adapter" / "adapter_model.safetensors",
-                        atol=1e-5, rtol=1e-4)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
+                        out / "adapter" / "adapter_model.safetensors", atol=1e-5, rtol=1e-4)
 
 
 def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
@@ -237,7 +239,8 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
             "-m", "longpeft.cli", "train", "tiny-cpu", *extra,
             "--set", f"model.name_or_path={tiny_base_dirs('llama')}", "--set", f"data.source={chat_jsonl}",
             "--set", f"output_dir={out}", "--set", "train.max_steps=4", "--set", "train.save_steps=2",
-            "--set", "train.global_batch_size=2", "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256",
+            "--set", "train.global_batch_size=2", "--set", "train.per_device_batch_size=1",
+            "--set", "data.max_length=256",
             "--set", "lora.embeddings=none",
         ]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
@@ -305,11 +308,12 @@ def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_che
     resolved = json.loads((whole / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["world_size"] == 2
     single = run(load_recipe("tiny-cpu", [
-        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "train.max_steps=4",
-        "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
+        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
+        "train.max_steps=4", "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
+        "data.max_length=256"]))
     assert logged_losses(whole)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors", whole / "adapter" / "adapter_model.safetensors",
-                        atol=1e-4, rtol=1e-3)
+    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
+                        whole / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
 
     assert any((whole / "checkpoints" / "checkpoint-2").glob(SHARDS[launch]))  # sharded, not whole
     undo_after_checkpoint(whole, killed, 2, 4)
@@ -401,7 +405,8 @@ def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat
     assert one.keys() == two.keys() and len(one) > 10
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-4, rtol=1e-3)
-    configs = [json.loads((folder / "config.json").read_text()) for folder in (single.adapter_dir, tmp_path / "sharded" / "model")]
+    configs = [json.loads((folder / "config.json").read_text())
+               for folder in (single.adapter_dir, tmp_path / "sharded" / "model")]
     assert configs[0]["head_rope_bases"] == configs[1]["head_rope_bases"] and configs[1]["auto_map"]
 
 
@@ -420,8 +425,8 @@ def test_beacon_under_sharding_is_refused_before_training(tiny_base_dirs, chat_j
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
     # an earlier stage's adapter was trained on the real base: the stand-in leaves it out (it would not fit)
-    code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama", "--output-dir", str(tmp_path),
-                 "--set", "model.init_from=runs/no-such-stage/adapter"])
+    code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama",
+                 "--output-dir", str(tmp_path), "--set", "model.init_from=runs/no-such-stage/adapter"])
     assert code == 0
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["init_from"] is None and resolved["recipe"]["model"]["init_from"] is None
@@ -433,14 +438,16 @@ def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     assert resolved["quantization"]["load_in_4bit"] and resolved["quantization"]["bnb_4bit_quant_type"] == "nf4"
     train = recipe["train"]
     assert (train["learning_rate"], train["lr_scheduler_type"], train["warmup_steps"]) == (5e-5, "linear", 0)
-    assert (train["num_train_epochs"], train["gradient_checkpointing"], train["assistant_only_loss"]) == (1.0, True, True)
+    assert (train["num_train_epochs"], train["gradient_checkpointing"],
+            train["assistant_only_loss"]) == (1.0, True, True)
     assert resolved["effective_global_batch_size"] == 8 and resolved["gradient_accumulation_steps"] == 8
     assert recipe["data"]["max_length"] == 81920 and recipe["model"]["eos_token_ids"] == [128001, 128009]
 
 
 def test_plain_text_data_trains_on_every_token(tiny_base_dirs, tmp_path):
     path = tmp_path / "text.jsonl"
-    path.write_text("".join(json.dumps({"text": f"Report {i}: the river city market opened early."}) + "\n" for i in range(4)))
+    path.write_text("".join(json.dumps({"text": f"Report {i}: the river city market opened early."}) + "\n"
+                            for i in range(4)))
     recipe = tiny_recipe(tiny_base_dirs("llama"), path, tmp_path / "run", per_device_batch_size=2, global_batch_size=2)
     recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"format": "text"})})
     prepared = prepare(recipe)
@@ -644,7 +651,8 @@ def test_rotary_frequencies_cast_by_a_wrapper_are_given_back_float32(tiny_base_d
     for module in rotary:  # what DeepSpeed's module.bfloat16() does to buffers
         module.inv_freq, module.original_inv_freq = module.inv_freq.bfloat16(), module.original_inv_freq.bfloat16()
     assert not torch.equal(rotary[0].inv_freq.float(), exact[0][0])
-    with pytest.warns(UserWarning, match="cast 2 rotary frequency buffers to torch.bfloat16; longpeft put their float32"):
+    with pytest.warns(UserWarning,
+                      match="cast 2 rotary frequency buffers to torch.bfloat16; longpeft put their float32"):
         prepared.trainer.train()
     for module, (inv_freq, original) in zip(rotary, exact):
         assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, inv_freq)

@@ -60,7 +60,8 @@ def dummy_method():
     unregister("dummy")
 
 
-def test_a_registered_method_flows_through_recipe_load_merge_and_card(dummy_method, tiny_base_dirs, chat_jsonl, tmp_path):
+def test_a_registered_method_flows_through_recipe_load_merge_and_card(dummy_method, tiny_base_dirs, chat_jsonl,
+                                                                       tmp_path):
     base = tiny_base_dirs("llama")
     recipe = load_recipe(
         "tiny-cpu",
@@ -186,7 +187,8 @@ def test_push_names_the_base_by_its_hub_id(tiny_base_dirs, tmp_path):
     assert staged.base_model == "owner/tiny-base"
     card = (tmp_path / "upload" / "README.md").read_text()
     assert "base_model: owner/tiny-base" in card and str(base) not in card
-    assert json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"] == "owner/tiny-base"
+    assert (json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"]
+            == "owner/tiny-base")
     assert ContextSpec.load(adapter).base_model == str(base)  # the source adapter is untouched
 
 

@@ -79,7 +79,8 @@ def finished_run(tiny_base_dirs, tmp_path_factory):
 def test_merge_refuses_an_output_that_would_overwrite_something(finished_run, tiny_base_dirs, target, tmp_path):
     _, _, result = finished_run
     before = {p: p.stat().st_mtime_ns for p in tiny_base_dirs("llama").iterdir()}
-    out = {"adapter": result.adapter_dir, "base": tiny_base_dirs("llama"), "nonempty": tmp_path, "file": tmp_path / "f"}[target]
+    out = {"adapter": result.adapter_dir, "base": tiny_base_dirs("llama"), "nonempty": tmp_path,
+           "file": tmp_path / "f"}[target]
     (tmp_path / "something").write_text("x")
     (tmp_path / "f").write_text("x")
     with pytest.raises((FileExistsError, NotADirectoryError), match="--out"):
@@ -122,7 +123,8 @@ def test_resume_skips_a_torn_checkpoint_and_damaged_metrics(finished_run, tmp_pa
     assert resumed.metrics["steps"] == 2
     assert _same(_adapter_tensors(copy / "adapter"), _adapter_tensors(result.adapter_dir))  # same as uninterrupted
     lines = (copy / "metrics.jsonl").read_text().splitlines()
-    assert all(json.loads(line) for line in lines) and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2]
+    assert (all(json.loads(line) for line in lines)
+            and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2])
 
 
 def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
@@ -133,7 +135,8 @@ def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):
     with pytest.raises(ValueError, match=r"recipe changed .*rope.rope_theta, train.learning_rate"):
         run(changed, resume=True)
     assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
-    assert run(changed, resume=True).metrics["steps"] == 2  # the allowed recipe is the run's now (flag not needed again)
+    # the allowed recipe is the run's now (flag not needed again)
+    assert run(changed, resume=True).metrics["steps"] == 2
 
 
 def test_resume_of_a_run_started_before_a_key_existed(finished_run, tmp_path):
@@ -169,11 +172,13 @@ def test_a_finished_run_of_fractional_epochs_is_not_trained_again(tiny_base_dirs
     from conftest import write_chat_jsonl
 
     data = write_chat_jsonl(tmp_path / "train.jsonl", n=8)
-    recipe = _recipe(tiny_base_dirs("llama"), data, tmp_path / "run", "train.max_steps=-1", "train.num_train_epochs=0.5")
+    recipe = _recipe(tiny_base_dirs("llama"), data, tmp_path / "run", "train.max_steps=-1",
+                     "train.num_train_epochs=0.5")
     first = run(recipe)
     weights = _adapter_tensors(first.adapter_dir)
     again = run(recipe, resume=True)
-    assert again.metrics["steps"] == first.metrics["steps"] == 4 and _same(_adapter_tensors(again.adapter_dir), weights)
+    assert (again.metrics["steps"] == first.metrics["steps"] == 4
+            and _same(_adapter_tensors(again.adapter_dir), weights))
     assert not (tmp_path / "run" / "checkpoints" / "checkpoint-5").exists()
 
 
@@ -299,7 +304,8 @@ def test_a_hub_that_never_answers_is_a_bounded_wait_naming_the_endpoint(tmp_path
         for argv in (["eval", "passkey", "--model", "owner/name", "--out", str(tmp_path / "e")],
                      ["merge", "owner/adapter", "--out", str(tmp_path / "m")]):
             start = time.monotonic()
-            proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60, env=env)
+            proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=60,
+                                  env=env)
             assert time.monotonic() - start < 30
             assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr and "did not answer" in proc.stderr
             assert "Traceback" not in proc.stderr
@@ -386,12 +392,14 @@ def test_more_bad_inputs_are_one_clear_message(tmp_path, capsys):
     from longpeft.recipes import schema
 
     recipe = tmp_path / "dup.yaml"
-    recipe.write_text(Path(schema.__file__).with_name("tiny-cpu.yaml").read_text() + "train:\n  learning_rate: 1.0e-3\n")
+    recipe.write_text(Path(schema.__file__).with_name("tiny-cpu.yaml").read_text()
+                      + "train:\n  learning_rate: 1.0e-3\n")
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
     (run / "adapter" / "longpeft.json").write_text("{}")
     for argv, message in ((["plan", str(recipe)], "key 'train' appears twice"),
-                          (["merge", str(run), "--out", str(tmp_path / "m")], f"give the folder it wrote, {run / 'adapter'}"),
+                          (["merge", str(run), "--out", str(tmp_path / "m")],
+                           f"give the folder it wrote, {run / 'adapter'}"),
                           (["convert-beacon", str(tmp_path / "nowhere"), "--base", str(tmp_path), "--out",
                             str(tmp_path / "c")], "nowhere: no such folder")):
         assert main(argv) == 2, argv
