@@ -37,7 +37,8 @@ def test_parameter_bytes_match_the_model():
 
 def test_adapter_and_optimizer_bytes_match_one_adamw_step():
     """LoRA + trainable embedding: weights, gradients and AdamW moments (fp32, 16 bytes/param)."""
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4,
+                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                                                            modules_to_save=["embed_tokens"]))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)
@@ -79,7 +80,8 @@ def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
     """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
     the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%; a 4-bit base's
     packed weights are sharded, its quantization constants (bitsandbytes' quant state, on the module) stay whole."""
-    extra = ["finetune=lora", "model.load_in_4bit=true", "model.dtype=bfloat16"] if mode == "qlora" else [f"finetune={mode}"]
+    extra = (["finetune=lora", "model.load_in_4bit=true", "model.dtype=bfloat16"] if mode == "qlora"
+             else [f"finetune={mode}"])
     terms = estimate(_recipe(*extra), gpus=2, shape=_shape(), launch="fsdp2").terms
     assert "DDP gradient buckets" not in terms and terms["gathered layers and LM head"] > 0
     if mode == "full":
@@ -107,7 +109,8 @@ def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int
     return _rank_bytes(launcher, "zero3_bytes_worker.py", mode, tmp_path)
 
 
-@pytest.mark.parametrize(("mode", "precision"), [("lora", "bf16"), ("full", "bf16"), ("lora", "no"), ("qlora", "bf16")])
+@pytest.mark.parametrize(("mode", "precision"),
+                         [("lora", "bf16"), ("full", "bf16"), ("lora", "no"), ("qlora", "bf16")])
 def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
     """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
     (CPU, gloo), within 10%: a float32 LoRA weight under bf16 costs 18 bytes (weight 4, bf16 gradient 2, float32
@@ -144,7 +147,8 @@ def test_sharded_and_sequence_parallel_launches_change_the_right_terms(capsys):
     # DeepSpeed: bf16 weights and gradients, float32 master and moments (2 + 2 + 4 + 8); FSDP2: float32 weights,
     # gradients and moments (4 + 4 + 8): the same 16 bytes per parameter, split otherwise; plus DeepSpeed's bucket
     assert zero3.terms["base weights"] * 2 == fsdp2.terms["base weights"]
-    assert sum(zero3.terms[term] for term in state) == pytest.approx(sum(fsdp2.terms[term] for term in state), rel=1e-6)
+    assert sum(zero3.terms[term] for term in state) == pytest.approx(sum(fsdp2.terms[term] for term in state),
+                                                                     rel=1e-6)
     assert zero3.terms["DeepSpeed reduce bucket"] == 10**9 and "DeepSpeed reduce bucket" not in fsdp2.terms
     for term in ("checkpointed layer inputs", "one layer's recompute"):
         assert fsdp2.terms[term] == ddp.terms[term] == zero3.terms[term] == ulysses.terms[term] * 8
@@ -184,7 +188,8 @@ def test_checkpointed_layer_inputs_match_what_autograd_saves():
     assert abs((plan4 - plan2) - measured) / measured < 0.10
 
 
-@pytest.mark.parametrize("finetune,checkpointing", [("lora", "true"), ("lora", "false"), ("full", "true"), ("full", "false")])
+@pytest.mark.parametrize("finetune,checkpointing",
+                         [("lora", "true"), ("lora", "false"), ("full", "true"), ("full", "false")])
 def test_flops_per_token_match_a_counted_training_step(tmp_path, finetune, checkpointing):
     """One real training step (TRL's fused loss, eager attention so that every matmul is an aten op) under torch's
     FLOP counter, which misses the fused loss's in-place accumulations (addmm_): they are counted here."""
@@ -192,9 +197,10 @@ def test_flops_per_token_match_a_counted_training_step(tmp_path, finetune, check
 
     from longpeft.recipes.runner import prepare
 
-    recipe = _recipe(f"finetune={finetune}", f"train.gradient_checkpointing={checkpointing}", "model.attn_implementation=eager",
-                     "data.max_length=512", "data.demo.context_tokens=300", "train.per_device_batch_size=1",
-                     "train.global_batch_size=1", "train.max_steps=1", f"output_dir={tmp_path}")
+    recipe = _recipe(f"finetune={finetune}", f"train.gradient_checkpointing={checkpointing}",
+                     "model.attn_implementation=eager", "data.max_length=512", "data.demo.context_tokens=300",
+                     "train.per_device_batch_size=1", "train.global_batch_size=1", "train.max_steps=1",
+                     f"output_dir={tmp_path}")
     trainer = prepare(recipe).trainer
     tokens = next(iter(trainer.get_train_dataloader()))["input_ids"].numel()
     accumulate = {torch.ops.aten.addmm_: lambda acc, a, b, *args, out_shape=None, **kwargs: 2 * a[0] * a[1] * b[1]}
@@ -215,14 +221,17 @@ def test_4bit_weight_bytes_match_bitsandbytes():
         packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=double)
         stored = [packed, state.absmax] + ([state.state2.absmax, state.offset] if double else [])
         measured = sum(t.numel() * t.element_size() for t in stored) / weight.numel()
-        recipe = _recipe("model.load_in_4bit=true", "model.dtype=bfloat16", f"model.bnb_4bit_use_double_quant={double}")
+        recipe = _recipe("model.load_in_4bit=true", "model.dtype=bfloat16",
+                         f"model.bnb_4bit_use_double_quant={double}")
         shape = _shape()
-        planned = (estimate(recipe, gpus=1, shape=shape).terms["base weights"] - shape.other_params * 2) / shape.linear_params
+        planned = ((estimate(recipe, gpus=1, shape=shape).terms["base weights"] - shape.other_params * 2)
+                   / shape.linear_params)
         assert abs(planned - measured) / measured < 0.01, (double, planned, measured)
 
 
 def test_tokens_follow_max_steps_then_fractional_epochs(tmp_path, chat_jsonl):
-    by_steps = estimate(_recipe(f"data.source={chat_jsonl}", "train.max_steps=10", "train.global_batch_size=4"), gpus=1)
+    by_steps = estimate(_recipe(f"data.source={chat_jsonl}", "train.max_steps=10", "train.global_batch_size=4"),
+                        gpus=1)
     assert by_steps.tokens == 10 * 4 * 128  # not the file's rows
     by_epochs = estimate(_recipe(f"data.source={chat_jsonl}", "train.num_train_epochs=2.5"), gpus=1)
     assert by_epochs.tokens == round(8 * 2.5) * 128  # 8 rows, 2.5 epochs (was truncated to 2)
@@ -254,7 +263,8 @@ def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     assert 1 < plan.hours < 12
     tight = estimate(recipe, gpus=8, gpu_memory_gib=40, samples=3500)
     assert not tight.fits and "offload_checkpoints" in tight.levers()[0]
-    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80", "--samples", "3500"]) == 0
+    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80",
+                 "--samples", "3500"]) == 0
     out = capsys.readouterr().out
     assert "checkpointed layer inputs" in out and "fits in 80 GiB" in out
 
@@ -275,7 +285,8 @@ def test_launch_configs_and_refusals(capsys):
     with pytest.raises(ValueError, match="unproven"):
         check_launch(qlora, "ulysses")
     with pytest.raises(ValueError, match="flash-attn"):
-        check_context_parallel(load_recipe("llama3-8b-instruct-80k-qlora", ["model.attn_implementation=flash_attention_2"]))
+        check_context_parallel(load_recipe("llama3-8b-instruct-80k-qlora",
+                                           ["model.attn_implementation=flash_attention_2"]))
     with pytest.raises(ValueError, match="4-bit base"):
         check_context_parallel(qlora)
     beacon = load_recipe("beacon-llama3-8b-instruct")
@@ -288,7 +299,8 @@ def test_launch_configs_and_refusals(capsys):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     bf16_base = ["model.load_in_4bit=false"]
     for overrides, reason in ((["method=pose", "pose.target_length=81920"], "pose: PoSE trains on sequences"),
-                              (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"], "data.utk"),
+                              (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"],
+                               "data.utk"),
                               ([], None)):
         recipe = load_recipe("llama3-8b-instruct-80k-qlora", bf16_base + overrides)
         if reason:
@@ -296,8 +308,8 @@ def test_launch_configs_and_refusals(capsys):
                 check_launch(recipe, "ulysses")
         else:
             check_launch(recipe, "ulysses")
-    with pytest.raises(ValueError, match="--launch ulysses with beacon: Activation Beacon condenses each sequence window "
-                                         "by window.*; use --launch ddp"):
+    with pytest.raises(ValueError, match="--launch ulysses with beacon: Activation Beacon condenses each sequence "
+                                         "window by window.*; use --launch ddp"):
         check_launch(beacon, "ulysses")
     with pytest.raises(ValueError, match=r"context parallelism \(accelerate cp_size > 1\) with beacon: Activation "
                                          "Beacon condenses"):
@@ -308,7 +320,8 @@ def test_launch_configs_and_refusals(capsys):
     assert command[:3] == ["accelerate", "launch", "--config_file"] and command[3].endswith("fsdp2.yaml")
     assert command[4:] == ["--num_processes", "8", "--mixed_precision", "bf16", "-m", "longpeft.cli", "train",
                            "llama3-8b-instruct-80k-qlora", "--set", "train.max_steps=10"]
-    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "ulysses", "--gpus", "8", "--print-command"]) == 2
+    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "ulysses", "--gpus", "8",
+                 "--print-command"]) == 2
 
 
 def test_launch_commands_carry_the_recipe_precision_and_ulysses_sizes(capsys):
@@ -374,7 +387,8 @@ def test_parallelism_from_a_users_own_accelerate_config_is_checked():
     # weight sharding from a user's own config: Activation Beacon runs window by window (see check_sharded)
     beacon = load_recipe("beacon-llama3-8b-instruct")
     for sharded, message in ((accelerator(distributed_type="FSDP"), "FSDP with beacon"),
-                             (accelerator(distributed_type="DEEPSPEED", zero_stage=3), "DeepSpeed ZeRO-3 with beacon")):
+                             (accelerator(distributed_type="DEEPSPEED", zero_stage=3),
+                              "DeepSpeed ZeRO-3 with beacon")):
         with pytest.raises(ValueError, match=f"{message}: Activation Beacon runs the decoder once per window"):
             check_parallelism(beacon, sharded)
     check_parallelism(beacon, accelerator(distributed_type="DEEPSPEED", zero_stage=2))  # the authors' ZeRO-2
@@ -463,7 +477,8 @@ def test_beacon_weights_count_in_every_mode_that_trains_them():
     full = shape.linear_params + shape.other_params
     assert plans["full"].assumptions["trainable_params"] == full + trainable
     tight = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100", gpu_memory_gib=24)
-    assert "beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)" in tight.levers()
+    assert ("beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)"
+            in tight.levers())
 
 
 def test_plan_with_activation_offloading_keeps_seven_layer_inputs_and_stops_suggesting_offloading():
@@ -559,13 +574,15 @@ def test_time_splits_matmuls_and_attention_at_their_own_utilisations():
         plan = plans[kernel]
         assert plan.tokens == 10 * 8 * 81920 and 0 < plan.attention_flops_per_token < plan.flops_per_token
         matmuls = plan.flops_per_token - plan.attention_flops_per_token
-        seconds = plan.tokens * (matmuls / 0.48 + plan.attention_flops_per_token / attention_utilisation) / (8 * 989e12)
+        seconds = (plan.tokens * (matmuls / 0.48 + plan.attention_flops_per_token / attention_utilisation)
+                   / (8 * 989e12))
         assert plan.hours * 3600 == pytest.approx(seconds, rel=1e-9)
     assert plans["flash_attention_2"].hours > plans["sdpa"].hours
     for gpu, mfu, peak in (("a100", None, 312e12), ("h100", 0.4, 989e12)):
         plan = estimate(recipe, gpus=8, gpu=gpu, mfu=mfu)
         utilisation = mfu or 0.35  # a 4-bit base on a GPU without measurements
-        assert plan.hours * 3600 == pytest.approx(plan.tokens * plan.flops_per_token / (8 * peak * utilisation), rel=1e-9)
+        assert plan.hours * 3600 == pytest.approx(plan.tokens * plan.flops_per_token / (8 * peak * utilisation),
+                                                  rel=1e-9)
         assert estimate(flash, gpus=8, gpu=gpu, mfu=mfu).hours == pytest.approx(plan.hours)
     assert "(attention, sdpa) of 989 TFLOP/s (measured on an H100)" in plans["sdpa"].table()
     assert "(assumed: not measured on a100)" in estimate(recipe, gpus=8, gpu="a100").table()

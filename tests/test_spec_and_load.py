@@ -61,7 +61,8 @@ def test_spec_roundtrip_and_unknown_field(tmp_path):
     data = json.loads((tmp_path / "longpeft.json").read_text())
     assert sorted(data) == sorted(ContextSpec.model_fields) and data["format_version"] == 3
     assert data["base_shape"] == {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                  "vocab_size": 512}
     (tmp_path / "longpeft.json").write_text(json.dumps({**data, "surprise": 1}))
     with pytest.raises(DataError, match="surprise: unknown key"):
         ContextSpec.load(tmp_path)
@@ -355,7 +356,8 @@ def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp
         card = (staged / "README.md").read_text()
         metadata = card.split("---")[1]
         assert "# someone/base extended with longpeft" in card and "fully fine-tuned" not in card
-        assert "full-finetune" not in metadata and "- lora" not in metadata and "library_name: transformers" in metadata
+        assert ("full-finetune" not in metadata and "- lora" not in metadata
+                and "library_name: transformers" in metadata)
         assert ContextSpec.load(staged).weights == "merged"
     staged = Path(hub.push(full_run / "model", "someone/full", base_id="someone/base",
                            dry_run=tmp_path / "upload-full"))
@@ -479,7 +481,8 @@ def test_a_recipe_string_section_is_off_while_training_and_on_in_the_model_it_wr
     for folder in (model_dir, staged):
         assert (folder / "modeling_string.py").is_file()
         loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        assert string_settings(loaded) == {"shift": 64, "local_window": 8, "trained_length": 512, "cos_sin_scale": None}
+        assert string_settings(loaded) == {"shift": 64, "local_window": 8, "trained_length": 512,
+                                           "cos_sin_scale": None}
     assert "trust_remote_code=True" in (staged / "README.md").read_text()
     # longpeft's switches act on the exported file's STRING too (replace, then off: the stock attention again)
     ids = torch.arange(5, 205)[None]
@@ -560,15 +563,16 @@ def test_merge_keeps_string_in_a_modeling_file_and_leaves_it_out_when_told(tiny_
         "__future__", "collections", "dataclasses", "flash_attn", "logging", "math", "sys", "typing", "torch",
         "transformers"}  # flash_attn: imported lazily, on the flash path only
     torch.save(ids, tmp_path / "ids.pt")
-    run = run_without_longpeft(_STRING_WITHOUT_LONGPEFT, [str(merged), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")],
-                               tmp_path)
+    run = run_without_longpeft(_STRING_WITHOUT_LONGPEFT,
+                               [str(merged), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LOADED StringLlamaForCausalLM 16" in run.stdout
     out = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(out["logits"], with_string, atol=1e-4, rtol=0)
     assert torch.equal(out["generated"], tokens)
     torch.testing.assert_close(out["plain"], without_string, atol=1e-4, rtol=0)
-    evaluate = ["eval", "passkey", "--model", str(merged), "--lengths", "160", "--samples", "1", "--out", str(tmp_path / "ev")]
+    evaluate = ["eval", "passkey", "--model", str(merged), "--lengths", "160", "--samples", "1",
+                "--out", str(tmp_path / "ev")]
     assert main(evaluate) == 2  # its modeling file does not run unasked
     assert "ships its own modeling code" in capsys.readouterr().err
     assert main([*evaluate, "--trust-remote-code"]) == 0
@@ -582,8 +586,8 @@ def test_merge_keeps_string_in_a_modeling_file_and_leaves_it_out_when_told(tiny_
         assert (plain(ids).logits - without_string).abs().max() < 1e-4
     with pytest.raises(ValueError, match="--without harpe: the adapter has no such method"):
         hub.merge(tmp_path / "adapter", tmp_path / "other", without=("harpe",))
-    with pytest.raises(ValueError, match="--without rope: the adapter was trained with it.*only inference-time methods "
-                                         r"\(string\)"):
+    with pytest.raises(ValueError, match="--without rope: the adapter was trained with it.*only inference-time "
+                                         r"methods \(string\)"):
         hub.merge(tmp_path / "adapter", tmp_path / "other", without=("rope",))
     assert not (tmp_path / "other").exists()
 
@@ -625,7 +629,8 @@ def test_a_bad_method_section_names_it(tiny_base_dirs, tmp_path):
     spec = ContextSpec.load(tmp_path / "adapter")
     spec.methods["rope"]["new_key"] = 1
     spec.save(tmp_path / "adapter")
-    with pytest.raises(ValueError, match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"):
+    with pytest.raises(ValueError,
+                       match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"):
         longpeft.load(None, tmp_path / "adapter")
 
 

@@ -217,7 +217,8 @@ def test_generate_runs_and_stops_on_eos():
     assert torch.equal(gen, seq)
 
 
-def reference_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), return_attn_probs=False):
+def reference_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                    return_attn_probs=False):
     """flash_attn_func semantics in plain torch: [B, T, H, D] layout, bottom-right causal, window, LSE."""
     n_q, n_k = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]

@@ -86,7 +86,8 @@ def named_professions(text):
 
 def test_every_task_is_built_within_the_token_range(built, tok):
     builder, rows, _ = built
-    assert Counter(r["task"] for r in rows) == {"single_detail": 3, "multi_detail": 3, "biography": 3, "heterogeneous": 3}
+    assert Counter(r["task"] for r in rows) == {"single_detail": 3, "multi_detail": 3, "biography": 3,
+                                                "heterogeneous": 3}
     for row in rows:
         measured = len(tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
         assert measured == row["num_tokens"]
@@ -177,7 +178,8 @@ def test_profession_questions_ask_about_named_people_and_the_text_agrees():
         assert pair.question == "Which professions are held both by someone named in Document 1 and by someone " \
                                 "named in Document 2?"
         shared = sorted(named_professions(a.text) & named_professions(b.text))
-        assert pair.answer == (", ".join(shared) + "." if shared else "None: no profession is held by people named in both.")
+        assert pair.answer == (", ".join(shared) + "." if shared
+                               else "None: no profession is held by people named in both.")
         mentioned = [p for p in professions if all(re.search(rf"\b{p}\b", d.text) for d in (a, b))]
         loose_mentions_differ += mentioned != shared
 
@@ -187,8 +189,8 @@ def test_profession_questions_ask_about_named_people_and_the_text_agrees():
         pair = _count_profession(by_kind, random.Random(seed))
         if pair is None:
             continue
-        match = re.fullmatch(r"How many people named in the text worked as an? (.+)\? Name them in order of appearance\.",
-                             pair.question)
+        match = re.fullmatch(r"How many people named in the text worked as an? (.+)\? Name them in order of "
+                             r"appearance\.", pair.question)
         assert match, pair.question
         people = [name for name, p in named_workers(a.text) if p == match.group(1)]
         assert pair.answer == f"{len(people)}: {', '.join(people)}."
@@ -214,7 +216,8 @@ def test_heterogeneous_contexts_hold_one_cluster_and_compare_documents(built):
             elif "Which professions are held both" in question:
                 a, b = (int(n) for n in re.findall(r"Document (\d+)", question))
                 shared = sorted(named_professions(docs[a - 1].text) & named_professions(docs[b - 1].text))
-                assert answer == (", ".join(shared) + "." if shared else "None: no profession is held by people named in both.")
+                assert answer == (", ".join(shared) + "." if shared
+                                  else "None: no profession is held by people named in both.")
             elif "and by how many" in question:
                 a, b = (docs[int(n) - 1].profile["population"] for n in re.findall(r"Document (\d+)", question))
                 assert answer.endswith(f"by {abs(a - b)} inhabitants.")
@@ -240,7 +243,8 @@ def test_clustering_groups_documents_by_topic(tok):
     docs = [generate_document(seed=s, n_sentences=80, topic=t, doc_id=f"{t}-{s}")
             for t in ("harbor", "railway", "orchard") for s in range(4)]
     clusters = cluster_documents(docs, 3, seed=0)
-    assert sorted(sorted(docs[i].topic for i in c) for c in clusters) == [["harbor"] * 4, ["orchard"] * 4, ["railway"] * 4]
+    assert sorted(sorted(docs[i].topic for i in c) for c in clusters) == [["harbor"] * 4, ["orchard"] * 4,
+                                                                          ["railway"] * 4]
 
 
 def test_procedural_corpus_is_deterministic_and_its_facts_are_where_recorded():
@@ -269,7 +273,8 @@ def test_llm_answerer_builds_conversations_through_the_stub(tok, tmp_path, monke
     from stub_server import StubServer
 
     monkeypatch.setenv("STUB_KEY", "x")
-    docs = procedural_long_documents(LongContextBuilder(tok, ProceduralAnswerer(), LENGTH).counter, "biography", 2, LENGTH, 1)
+    docs = procedural_long_documents(LongContextBuilder(tok, ProceduralAnswerer(), LENGTH).counter, "biography", 2,
+                                     LENGTH, 1)
     with StubServer() as server:
         config = LLMConfig(base_url=server.base_url, model="stub", api_key_env="STUB_KEY")
         client = LLMClient(config, tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
@@ -316,7 +321,8 @@ def test_cli_writes_jsonl_dataset_stats_and_histogram(tmp_path, capsys):
             "--chunk-tokens", "128", "--no-progress", "--seed", "3"]
     assert main(["synth", *args]) == 0
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert Counter(r["task"] for r in rows) == {"single_detail": 1, "multi_detail": 1, "heterogeneous": 1, "biography": 1}
+    assert Counter(r["task"] for r in rows) == {"single_detail": 1, "multi_detail": 1, "heterogeneous": 1,
+                                                "biography": 1}
     dataset = load_from_disk(str(out / "dataset"))
     assert dataset.column_names == ["id", "task", "messages", "num_tokens", "sources", "meta"]
     assert dataset["messages"][0] == rows[0]["messages"]

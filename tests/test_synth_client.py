@@ -238,7 +238,8 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
     out = tmp_path / "out"
     assert main(["synth", "--config", "llama3-8k", "--out", str(out)]) == 2
-    assert "synth config 'llama3-8k' is neither a file nor a bundled synth config (llama3-80k)" in capsys.readouterr().err
+    assert ("synth config 'llama3-8k' is neither a file nor a bundled synth config (llama3-80k)"
+            in capsys.readouterr().err)
     assert main(["synth", "--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
     assert "needs mix.plain_text (a file or folder; --plain-text PATH)" in capsys.readouterr().err
     source = tmp_path / "books"
@@ -260,5 +261,6 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
         ])
     assert code == 0, capsys.readouterr().err
     counts = json.loads((out / "stats.json").read_text())["counts"]
-    assert counts == {"single_detail": 2, "multi_detail": 2, "plain_text": 6, "instruction": 14}  # 4 x 5/3.5, 4 x 12/3.5
+    # 4 x 5/3.5, 4 x 12/3.5
+    assert counts == {"single_detail": 2, "multi_detail": 2, "plain_text": 6, "instruction": 14}
     assert server.auth_headers  # the LLM answered

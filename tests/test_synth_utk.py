@@ -37,7 +37,8 @@ def untie(input_ids: list[int] | np.ndarray, tokens: UtkTokens) -> list[list[int
             end += 1
         ends_in_tail = end < len(ids) and ids[end] in tails
         if ends_in_tail and tails[ids[end]] != head:
-            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk {tails[ids[end]]}")
+            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk "
+                             f"{tails[ids[end]]}")
         chunks[label] = (head, ids[close + 1:end], ends_in_tail)
         if end < len(ids) and ids[end] == tokens.trace_open:
             finish = ids.index(tokens.trace_close, end)
@@ -230,8 +231,9 @@ def test_pack_for_utk_refuses_too_short_labels_and_cuts_long_documents():
     assert chunk_labels_needed([64, 100], max_chunks=1, min_split_tokens=64) == 0  # {1: ...} never splits
     documents = Dataset.from_dict({"input_ids": [[50 + i] * 64 for i in range(10)]})  # one sequence, 30 chunks
     utk = UtkSection(chunk_counts={2: 0.5, 3: 0.5}, min_split_tokens=64, label_length=1)
-    with pytest.raises(ValueError, match=r"data.utk.label_length=1 spells 26\*\*1 = 26 distinct chunk labels, but a packed "
-                                         r"sequence of up to data.max_length=1024 tokens can need 30 .* at least 2"):
+    with pytest.raises(ValueError, match=r"data.utk.label_length=1 spells 26\*\*1 = 26 distinct chunk labels, but a "
+                                         r"packed sequence of up to data.max_length=1024 tokens can need 30 .* at "
+                                         r"least 2"):
         pack_for_utk(documents, 1024, utk, n_letters=26)
     packed = pack_for_utk(documents, 1024, utk.model_copy(update={"label_length": 2}), n_letters=26)
     assert packed["doc_lengths"] == [[64] * 10]
@@ -297,4 +299,5 @@ def test_data_utk_refuses_conversations_and_untrained_embeddings():
     with pytest.raises(RecipeError, match="data.utk augments plain text"):
         load_recipe("tiny-cpu", ["data.utk.probability=0.5"])
     with pytest.raises(RecipeError, match="lora.embeddings: full"):
-        load_recipe("tiny-cpu", ["data.format=text", "data.source=x.jsonl", "data.utk.probability=0.5", "lora.embeddings=none"])
+        load_recipe("tiny-cpu", ["data.format=text", "data.source=x.jsonl", "data.utk.probability=0.5",
+                                 "lora.embeddings=none"])

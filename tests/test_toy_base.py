@@ -140,7 +140,8 @@ def test_demo_evals_write_every_setting(tmp_path, tokenizer):
     adapter_dir = tmp_path / "adapter"
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope", base_model=str(tmp_path / "base"), trained_length=256).save(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(tmp_path / "base"),
+                          trained_length=256).save(adapter_dir)
     window = run_demo_evals(tmp_path, adapter_dir, n_samples=1, lengths=(256,))
     assert window == 256
     rows = collect_rows(tmp_path / "eval")

@@ -91,7 +91,8 @@ def test_missing_unsloth_is_one_line_naming_the_key_and_the_install(tmp_path, ca
 
 def test_no_cuda_is_refused_even_with_unsloth_installed(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "unsloth" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "unsloth" else real(name, *a))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="train.backend: unsloth needs a CUDA GPU"):
         unsloth_backend.fast_language_model()
@@ -123,15 +124,18 @@ def test_unsloth_backend_gets_the_rope_through_the_config_and_writes_the_default
 
     default = run(unsloth_recipe(base, chat_jsonl, tmp_path / "default", "train.backend=transformers"))
     files = {p.name for p in result.adapter_dir.iterdir()}
-    assert files == {p.name for p in default.adapter_dir.iterdir()} and {"adapter_model.safetensors", "longpeft.json"} <= files
-    spec, default_spec = (json.loads((d / "longpeft.json").read_text()) for d in (result.adapter_dir, default.adapter_dir))
+    assert (files == {p.name for p in default.adapter_dir.iterdir()}
+            and {"adapter_model.safetensors", "longpeft.json"} <= files)
+    spec, default_spec = (json.loads((d / "longpeft.json").read_text())
+                          for d in (result.adapter_dir, default.adapter_dir))
     assert spec["methods"] == default_spec["methods"] and spec["methods"]["rope"]["rope_theta"] == 1e6
     loaded = longpeft.load(None, result.adapter_dir)
     check_rotary_frequencies(loaded, loaded.config)
     assert loaded.config.rope_parameters["rope_theta"] == 1e6
 
 
-def test_stacked_linear_scaling_is_refused_before_training(stand_in, monkeypatch, tiny_base_dirs, chat_jsonl, tmp_path):
+def test_stacked_linear_scaling_is_refused_before_training(stand_in, monkeypatch, tiny_base_dirs, chat_jsonl,
+                                                            tmp_path):
     monkeypatch.setattr(stand_in, "reads_checkpoint_config", True)  # 512 > the checkpoint's 256 positions: x2
     with pytest.raises(RotaryMismatch, match=r"train.backend: unsloth changed the RoPE after FastLanguageModel"
                                              r".from_pretrained .*positions scaled by 2\b"):
