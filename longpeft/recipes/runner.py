@@ -25,10 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import (
-    PreTrainedTokenizerBase,
-    TrainerCallback,
-)
+from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..config import torch_dtype
@@ -63,12 +60,7 @@ from .data import (
     utk_limit,
 )
 from .init_from import check_init_adapter, load_init_weights, report_differences
-from .memory import (
-    TrainingMemory,
-    check_memory_options,
-    checkpoint_settings,
-    shapes_memory,
-)
+from .memory import TrainingMemory, check_memory_options, checkpoint_settings, shapes_memory
 from .method_trainer import method_checkpoint_trainer
 from .model import (
     adapter_settings,
