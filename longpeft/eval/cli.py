@@ -60,6 +60,16 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _limit(text: str) -> int | float:
+    """An argparse type for --limit: a count (an integer >= 1) or a fraction in (0, 1)."""
+    value = float(text)
+    if not (0 < value < 1 or (value >= 1 and value.is_integer())):
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or a fraction in (0, 1), got {text}")
+    return int(value) if value >= 1 else value
+
+
+_limit.__name__ = "number"  # argparse says "invalid number value: 'x'"
+
 STRING_FLAGS = {"string_shift": "--string-shift", "string_window": "--string-window",
                 "string_trained_length": "--string-trained-length"}
 
@@ -125,27 +135,68 @@ PROBE_FLAGS = {"lengths": ("--lengths", [1024, 2048, 4096]), "depths": ("--depth
                "max_new_tokens": ("--max-new-tokens", None), "chat": ("--chat", False),
                "save_prompts": ("--save-prompts", False)}
 PERPLEXITY_FLAGS = {"text": ("--text", None), "window": ("--window", 4096), "stride": ("--stride", None)}
+HARNESS_FLAGS = {"tasks": ("--tasks", None), "include_path": ("--include-path", None), "limit": ("--limit", None),
+                 "max_length": ("--max-length", None), "num_fewshot": ("--num-fewshot", None),
+                 "metadata": ("--metadata", None), "log_samples": ("--log-samples", False),
+                 "batch_size": ("--batch-size", 1), "chat": ("--chat", False), "seed": ("--seed", 0)}
+FLAGS_OF_TASK = {"perplexity": PERPLEXITY_FLAGS, "harness": HARNESS_FLAGS}  # any other task: PROBE_FLAGS
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
     """Refuse the flags ``args.task`` does not use (naming them), then fill in the defaults of those it does."""
     from ..synth_data.probes import DEPTH_TASKS
 
-    perplexity = args.task == "perplexity"
-    foreign = PROBE_FLAGS if perplexity else PERPLEXITY_FLAGS
-    given = [flag for dest, (flag, _) in foreign.items() if getattr(args, dest) not in (None, False)]
-    if not perplexity and args.depths is not None and args.task not in (*DEPTH_TASKS, "niah", "ruler"):
+    own = FLAGS_OF_TASK.get(args.task, PROBE_FLAGS)
+    foreign = {dest: flag for group in (PROBE_FLAGS, PERPLEXITY_FLAGS, HARNESS_FLAGS) if group is not own
+               for dest, (flag, _) in group.items() if dest not in own}
+    given = [flag for dest, flag in foreign.items() if getattr(args, dest) not in (None, False)]
+    if own is PROBE_FLAGS and args.depths is not None and args.task not in (*DEPTH_TASKS, "niah", "ruler"):
         given.append("--depths")
     if given:
-        own = ", ".join(flag for flag, _ in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).values())
-        why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own}"
+        own_flags = ", ".join(flag for flag, _ in own.values())
+        why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own_flags}"
         raise ConfigError(f"{', '.join(given)}: not used by eval {args.task} ({why}); remove "
                           f"{'it' if len(given) == 1 else 'them'}")
-    for dest, (_, default) in (PERPLEXITY_FLAGS if perplexity else PROBE_FLAGS).items():
+    for dest, (_, default) in own.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
-    if perplexity and not args.text:
+    if args.task == "perplexity" and not args.text:
         raise ConfigError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
+    if args.task == "harness" and not args.tasks:
+        raise ConfigError("longpeft eval harness needs --tasks T1,T2 (lm-eval task or group names, e.g. ruler)")
+
+
+def run_harness_eval(args: argparse.Namespace) -> int:
+    """``eval harness``: lm-eval tasks on the model (base + adapter through ``longpeft.load``), with the adapter's
+    extended context as HFLM's max_length; prints lm-eval's table and writes its results to ``--out FILE``."""
+    from ..errors import OutputFolderError
+    from ..files import local_adapter_dir
+    from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
+
+    out = Path(args.out)
+    if out.is_dir():
+        raise OutputFolderError(f"--out {out} is a folder; eval harness writes one JSON file: give its name, e.g. "
+                                f"{out / 'harness.json'}")
+    check_writable_folder(out.parent, "--out")
+    try:
+        metadata = json.loads(args.metadata) if args.metadata else {}
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--metadata is not JSON ({error.msg}): give an object, e.g. "
+                          """'{"max_seq_lengths": [8192, 16384]}'""") from None
+    if not isinstance(metadata, dict):
+        raise ConfigError("--metadata must be a JSON object, e.g. '{\"max_seq_lengths\": [8192, 16384]}'")
+    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
+    import_lm_eval()  # before the model loads
+    model, tokenizer = load_model_and_tokenizer(args)
+    max_length = args.max_length or extended_length(local_adapter_dir(args.adapter) if args.adapter else args.model)
+    metadata.setdefault("tokenizer", tokenizer.name_or_path)  # tasks that build their own prompts (RULER) size them
+    results = run_harness(model, tokenizer, tasks, max_length=max_length, include_path=args.include_path,
+                          limit=args.limit, batch_size=args.batch_size, num_fewshot=args.num_fewshot, chat=args.chat,
+                          metadata=metadata, log_samples=args.log_samples, seed=args.seed)
+    print(results_table(results))
+    length = results["longpeft"]["max_length"] or "from the model config"
+    print(f"max_length {length}; wrote {write_results(results, out)}")
+    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -153,6 +204,8 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..builtin_models import model_location
 
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
+    if args.task == "harness":
+        return run_harness_eval(args)
     string = string_settings_from_args(args)
     check_writable_folder(Path(args.out), "--out")  # before the model loads and the grid runs
     model, tokenizer = load_model_and_tokenizer(args)
@@ -185,14 +238,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``eval`` subcommand."""
     parser = subparsers.add_parser(
         "eval",
-        help="score a model on passkey / NIAH / RULER-lite / topic retrieval / perplexity (JSON + PNG)",
+        help="score a model on passkey / NIAH / RULER-lite / topic retrieval / perplexity (JSON + PNG), or on "
+             "lm-evaluation-harness tasks (harness)",
         description=(
             "Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
-            "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out."
+            "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. "
+            "'harness' runs lm-evaluation-harness tasks (--tasks; pip install 'longpeft[eval]') on the same model "
+            "and writes lm-eval's results to --out FILE."
         ),
     )
-    parser.add_argument("task", choices=EVAL_TASKS,
-                        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single)")
+    parser.add_argument("task", choices=(*EVAL_TASKS, "harness"),
+                        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single, 'harness' = "
+                             "lm-evaluation-harness tasks)")
     parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or "
                         "longpeft:toy-base (the packaged demo base)")
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
@@ -208,8 +265,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="prompt lengths in tokens (default 1024 2048 4096)")
     parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     parser.add_argument("--samples", type=_at_least(1), help="probes per (length, depth) cell (default 10)")
-    parser.add_argument("--batch-size", type=_at_least(1), help="prompts per forward, all of one length (default 4)")
-    parser.add_argument("--seed", type=int, help="seed of the probes' random content (default 0)")
+    parser.add_argument("--batch-size", type=_at_least(1), help="prompts per forward, all of one length (default 4; "
+                        "harness: requests per forward, default 1)")
+    parser.add_argument("--seed", type=int, help="seed of the probes' random content (default 0; harness: lm-eval's "
+                        "seeds)")
     parser.add_argument("--max-new-tokens", type=_at_least(1),
                         help="continuation budget (default per task, +32 with --chat)")
     parser.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the tokenizer's chat "
@@ -226,5 +285,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships "
                              "(auto_map); only for folders you trust")
-    parser.add_argument("--out", required=True, help="output folder for JSON and PNGs")
+    harness = parser.add_argument_group("harness (lm-evaluation-harness; also --batch-size, --chat, --seed)")
+    harness.add_argument("--tasks", help="lm-eval tasks, groups or tags, comma-separated (e.g. ruler, "
+                         "longbench, or tasks of --include-path)")
+    harness.add_argument("--include-path", help="folder of your own lm-eval task YAML files")
+    harness.add_argument("--limit", type=_limit, help="at most N documents per task (a number < 1: that fraction)")
+    harness.add_argument("--max-length", type=_at_least(1), help="tokens a request may hold (default: the extended "
+                         "length in longpeft.json, else the model config's)")
+    harness.add_argument("--num-fewshot", type=_at_least(0), help="few-shot examples per prompt (default: each "
+                         "task's)")
+    harness.add_argument("--metadata", help="JSON object passed to the tasks, e.g. "
+                         """'{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is the model's)""")
+    harness.add_argument("--log-samples", action="store_true", default=None,
+                         help="keep every request and the model's answers in the JSON (large)")
+    parser.add_argument("--out", required=True, help="output folder for JSON and PNGs (harness: the JSON file)")
     parser.set_defaults(func=run_eval)

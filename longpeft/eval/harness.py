@@ -1,0 +1,141 @@
+"""Standard benchmarks on an extended model, through lm-evaluation-harness (``lm-eval``, optional extra ``eval``).
+
+The bridge wraps the model ``longpeft.load`` returns (the RoPE parameters and every method of the adapter's
+``longpeft.json`` applied, then its weights) in lm-eval's ``HFLM``, so any lm-eval task (its own groups such as
+``ruler`` and ``longbench``, or a task YAML of yours under ``include_path``) scores the extended model, not the
+stock base. ``HFLM`` would otherwise take its context length from the config it is given or default to 2048; here
+it is the extended length recorded in ``longpeft.json`` unless ``max_length`` says otherwise.
+
+lm-eval is imported only when a function here runs; without it the error names the extra to install.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+INSTALL_HINT = "pip install 'longpeft[eval]' (or pip install lm-eval==0.4.13)"
+
+
+def import_lm_eval() -> Any:
+    """The ``lm_eval`` package, or a ConfigError naming what to install."""
+    try:
+        import lm_eval
+        import lm_eval.models.huggingface  # noqa: F401  (HFLM; fails on a partial install)
+        import lm_eval.tasks  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"longpeft eval harness needs lm-evaluation-harness ({error.name or 'lm_eval'} is not "
+                          f"importable): {INSTALL_HINT}") from None
+    return lm_eval
+
+
+def extended_length(model_or_adapter: str | Path | None) -> int | None:
+    """The context length recorded in ``longpeft.json`` (the adapted model's ``max_position_embeddings``) of a local
+    adapter or merged-model folder; None when the folder has no ``longpeft.json`` (a plain model)."""
+    from ..spec import SPEC_FILENAME, ContextSpec
+
+    if model_or_adapter is None or not (Path(model_or_adapter) / SPEC_FILENAME).is_file():
+        return None
+    return ContextSpec.load(Path(model_or_adapter)).max_position_embeddings
+
+
+def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
+    """lm-eval's ``HFLM`` over an already built ``model`` (e.g. ``longpeft.load(...)``) and its ``tokenizer``.
+
+    Args:
+        max_length: tokens a request may hold (longer contexts are cut from the left); None: HFLM reads the model's
+            config (``max_position_embeddings``). Give the extended length: :func:`extended_length`.
+        batch_size: requests per forward.
+    """
+    import_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
+
+
+def task_manager(tasks: Sequence[str], include_path: str | Path | None, metadata: dict[str, Any] | None) -> Any:
+    """lm-eval's ``TaskManager``: over ``include_path`` alone when it defines every one of ``tasks`` (indexing
+    lm-eval's own ~15,000 task files takes 10-30 s), else over lm-eval's tasks and ``include_path``."""
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None:
+        own = TaskManager(include_path=str(include_path), include_defaults=False, metadata=metadata)
+        if all(task in own.all_tasks for task in tasks):
+            return own
+    return TaskManager(include_path=str(include_path) if include_path else None, metadata=metadata)
+
+
+def run_harness(
+    model: Any,
+    tokenizer: Any,
+    tasks: Sequence[str],
+    *,
+    max_length: int | None = None,
+    include_path: str | Path | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 1,
+    num_fewshot: int | None = None,
+    chat: bool = False,
+    metadata: dict[str, Any] | None = None,
+    log_samples: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Run lm-eval tasks on ``model`` with :func:`harness_lm`; returns lm-eval's result dict (``results``, ``groups``,
+    ``configs``, ...; ``samples`` with each request and the model's answers when ``log_samples``).
+
+    Args:
+        tasks: lm-eval task, group or tag names (e.g. ``["ruler"]``), or names of tasks defined under
+            ``include_path``.
+        include_path: a folder of task YAML files of your own, searched besides lm-eval's tasks.
+        limit: at most this many documents per task (a float < 1: that fraction).
+        num_fewshot: few-shot examples per prompt (None: each task's default).
+        chat: wrap prompts in the tokenizer's chat template (lm-eval's ``apply_chat_template``).
+        metadata: passed to the tasks (RULER reads ``max_seq_lengths`` and ``tokenizer`` from it).
+        seed: lm-eval's Python, NumPy, torch and few-shot seeds.
+
+    Raises:
+        ConfigError: lm-eval is missing, ``tasks`` is empty or names a task lm-eval does not know.
+    """
+    lm_eval = import_lm_eval()
+    if not tasks:
+        raise ConfigError("--tasks: give at least one lm-eval task or group, e.g. --tasks ruler")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise ConfigError(f"--include-path {include_path}: no such folder (it should hold task YAML files)")
+    manager = task_manager(tasks, include_path, metadata)
+    unknown = [task for task in tasks if task not in manager.all_tasks and not Path(task).is_file()]
+    if unknown:
+        where = f" nor under --include-path {include_path}" if include_path else ""
+        raise ConfigError(f"--tasks {', '.join(unknown)}: not a task, group or tag of lm-eval{where} (list them with "
+                          "`lm-eval ls tasks`)")
+    results = lm_eval.simple_evaluate(
+        model=harness_lm(model, tokenizer, max_length=max_length, batch_size=batch_size),
+        tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot, apply_chat_template=chat,
+        log_samples=log_samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+        fewshot_random_seed=seed, bootstrap_iters=0,
+    )
+    results["longpeft"] = {"max_length": max_length, "tasks": list(tasks), "limit": limit}
+    return results
+
+
+def results_table(results: dict[str, Any]) -> str:
+    """lm-eval's Markdown table of the tasks' metrics, then the groups' (when a group ran)."""
+    from lm_eval.utils import make_table
+
+    table = make_table(results)
+    if results.get("groups"):
+        table += "\n" + make_table(results, "groups")
+    return table
+
+
+def write_results(results: dict[str, Any], path: str | Path) -> Path:
+    """Write ``results`` as JSON to ``path`` (lm-eval's own conversion for values JSON has no type for)."""
+    from lm_eval.utils import handle_non_serializable
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+    return path
