@@ -225,6 +225,9 @@ def cmd_merge(args: argparse.Namespace) -> int:
             f"{result['max_abs_logit_diff']:.3g} ({args.dtype} merged model against the adapter run in {args.dtype}; "
             "bfloat16 rounding alone gives differences of order 0.1-1, float32 of order 1e-5)"
         )
+    from .hub import serving_note
+
+    print(serving_note(result["out_dir"]))
     return 0
 
 

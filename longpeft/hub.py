@@ -124,6 +124,33 @@ def export(
     return result
 
 
+SERVING_DOCS = "docs/recipes.md#serving-engines"
+
+
+def serving_note(folder: str | Path) -> str:
+    """What a merged or exported ``folder`` needs to be served, in one paragraph: plain (the stock architecture;
+    the RoPE base and context length are in config.json, where serving engines and llama.cpp's GGUF converter read
+    them), or ``trust_remote_code`` (a method's modeling file: transformers only, no GGUF conversion)."""
+    from .adapters import METHODS
+
+    folder = Path(folder)
+    spec = ContextSpec.load(folder)
+    remote = [name for name in spec.methods if name in METHODS and METHODS[name].remote_code]
+    if not remote:
+        return (f"{folder} is a plain transformers model (no trust_remote_code): its RoPE base and context length "
+                f"({spec.max_position_embeddings} positions) are in config.json, where vLLM, SGLang and llama.cpp's "
+                f"convert_hf_to_gguf.py read them ({SERVING_DOCS}).")
+    config = json.loads((folder / "config.json").read_text())
+    files = ", ".join(sorted(path.name for path in folder.glob("modeling_*.py")))
+    trained = [name for name in remote if not METHODS[name].inference_only]
+    fix = (f"; {', '.join(trained)} is part of the trained model, so there is no plain export of it" if trained
+           else f"; for a plain model pass --without {' --without '.join(remote)}")
+    return (f"{folder} needs trust_remote_code=True: {', '.join(remote)} run in its own modeling file ({files}, "
+            f"architecture {(config.get('architectures') or ['?'])[0]}). It loads with transformers; it does not "
+            "convert to GGUF (llama.cpp's converter does not know that architecture) and engines that run their own "
+            f"model code (vLLM, SGLang, llama.cpp) have no {', '.join(remote)}{fix} ({SERVING_DOCS}).")
+
+
 # ---------------------------------------------------------------------------------------------
 # Model card
 # ---------------------------------------------------------------------------------------------
