@@ -1,7 +1,7 @@
 """Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite
 (multi-key/value/query NIAH, variable tracking, common-word extraction), topic retrieval and
 sliding-window perplexity, on any causal LM + tokenizer (base, base + adapter, merged), with or
-without STRING.
+without STRING; and any lm-evaluation-harness task through :mod:`.harness` (the ``eval`` extra).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ _EXPORTS = {
     "exact_match": "scoring", "recall": "scoring", "score": "scoring",
     "EVAL_TASKS": "names", "evaluate": "tasks", "niah_grid": "tasks", "passkey_accuracy": "tasks",
     "run_probe_task": "tasks", "write_outputs": "tasks",
+    "extended_length": "harness", "harness_lm": "harness", "run_harness": "harness",
 }
 
 
@@ -32,10 +33,13 @@ __all__ = [
     "estimate_forward_bytes",
     "evaluate",
     "exact_match",
+    "extended_length",
+    "harness_lm",
     "niah_grid",
     "passkey_accuracy",
     "perplexity_of_file",
     "recall",
+    "run_harness",
     "run_probe_task",
     "score",
     "sliding_window_perplexity",
