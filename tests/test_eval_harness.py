@@ -137,6 +137,15 @@ def test_max_length_is_the_extended_length_from_longpeft_json(tokenizer, base_an
     assert tiny_model("llama", vocab_size=len(tokenizer)).config.max_position_embeddings == 256
 
 
+def test_extended_length_is_the_target_length_when_longer(tokenizer, tmp_path):
+    """A method that reads past its positions (Activation Beacon, STRING) records a longer target length."""
+    from longpeft.spec import ContextSpec
+
+    config = tiny_model("llama", vocab_size=len(tokenizer)).config
+    ContextSpec.from_base(config, "beacon", target_length=4096).save(tmp_path)
+    assert extended_length(tmp_path) == 4096
+
+
 def run_cli(*argv):
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

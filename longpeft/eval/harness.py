@@ -34,13 +34,15 @@ def import_lm_eval() -> Any:
 
 
 def extended_length(model_or_adapter: str | Path | None) -> int | None:
-    """The context length recorded in ``longpeft.json`` (the adapted model's ``max_position_embeddings``) of a local
-    adapter or merged-model folder; None when the folder has no ``longpeft.json`` (a plain model)."""
+    """The context length recorded in ``longpeft.json`` of a local adapter or merged-model folder: the adapted model's
+    ``max_position_embeddings``, or its ``target_length`` when longer (Activation Beacon and STRING read past their
+    positions); None when the folder has no ``longpeft.json`` (a plain model)."""
     from ..spec import SPEC_FILENAME, ContextSpec
 
     if model_or_adapter is None or not (Path(model_or_adapter) / SPEC_FILENAME).is_file():
         return None
-    return ContextSpec.load(Path(model_or_adapter)).max_position_embeddings
+    spec = ContextSpec.load(Path(model_or_adapter))
+    return max(spec.max_position_embeddings, spec.target_length or 0)
 
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
