@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -102,14 +103,28 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     if args.print_command:
         print(shlex.join(command))
         return 0
-    return subprocess.call(command)
+    return subprocess.call([accelerate_executable(), *command[1:]])
+
+
+def accelerate_executable() -> str:
+    """The ``accelerate`` of this Python environment (beside its interpreter, so an environment that is not on PATH
+    works), else the one on PATH; a ConfigError when neither exists."""
+    import shutil
+    from pathlib import Path
+
+    beside = Path(sys.executable).with_name("accelerate")
+    found = str(beside) if beside.is_file() else shutil.which("accelerate")
+    if found is None:
+        raise ConfigError(f"train --launch runs `accelerate launch`, and accelerate is not installed beside "
+                          f"{sys.executable} nor on PATH: pip install accelerate (longpeft's requirements pin it)")
+    return found
 
 
 def check_processes(recipe, launch: str, processes: int) -> None:
     """What ``train --launch`` refuses at ``processes`` (nodes x GPUs per node): the launch's own checks, a Ulysses
     group (every process) that cannot split the model's heads, a global batch the data-parallel ranks do not divide."""
     from .launch import check_launch, check_sequence_parallel_group
-    from .recipes.trainer import gradient_accumulation
+    from .launch.topology import gradient_accumulation
 
     check_launch(recipe, launch)
     if launch == "ulysses":
@@ -122,12 +137,7 @@ def check_processes(recipe, launch: str, processes: int) -> None:
                   f"of {processes} processes is checked against its heads when training starts", file=sys.stderr)
         else:
             check_sequence_parallel_group(processes, shape.heads, shape.kv_heads)
-    data_parallel = 1 if launch == "ulysses" else processes  # a Ulysses group trains one sample
-    try:
-        gradient_accumulation(recipe, data_parallel)
-    except ConfigError as exc:
-        raise ConfigError(f"{exc}: --set train.global_batch_size to a multiple of "
-                          f"{recipe.train.per_device_batch_size * data_parallel}, or train on fewer GPUs") from None
+    gradient_accumulation(recipe, 1 if launch == "ulysses" else processes)  # a Ulysses group trains one sample
 
 
 def _number(kind: type, low: float, high: float | None = None, inclusive: bool = True):
@@ -138,6 +148,8 @@ def _number(kind: type, low: float, high: float | None = None, inclusive: bool =
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
         if value < low or (value == low and not inclusive) or (high is not None and value > high):
             bound = f"{'>=' if inclusive else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
             raise argparse.ArgumentTypeError(f"{text} is out of range: must be {bound}")

@@ -403,3 +403,6 @@ def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_
     loaded = longpeft.load(str(base_dir), adapter_dir)
     with string_enabled(loaded, True) as settings:
         assert (settings["trained_length"], settings["shift"]) == (600, 200)
+    from longpeft.adapters.string import enable_string
+
+    assert enable_string(loaded)["shift"] == 200  # the Python API's default is the CLI's (trained length // 3)

@@ -17,6 +17,7 @@ FLOOR = "errors"  # the exception classes: every layer may import them
 FORBIDDEN = {
     "errors": {"*"},
     "files": {"*"},  # torch-free and at the bottom: nothing of longpeft but its errors
+    "units": {"*"},  # how quantities are written: torch-free, imports nothing of longpeft
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
     "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},

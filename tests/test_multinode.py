@@ -79,7 +79,7 @@ def test_node_flags_become_accelerates_machine_arguments(capsys):
     (["--nodes", "2", "--main-address", "[fd00::zz]:29500"], "is not an IPv6 address"),
     # the recipe's global batch 8 cannot be split over 16 data-parallel processes
     (["--nodes", "2", "--main-address", "h:29500", "--set", "train.global_batch_size=8"],
-     "global_batch_size=8 is not a multiple of train.per_device_batch_size=1 x 16 processes: --set "
+     "global_batch_size=8 is not a multiple of train.per_device_batch_size=1 x 16 data-parallel processes: --set "
      "train.global_batch_size to a multiple of 16"),
     # Ulysses over 8 nodes x 8 GPUs: 64 processes cannot share 32 heads
     (["--nodes", "8", "--main-address", "h:29500", "--launch", "ulysses", "--set", "model.load_in_4bit=false"],
@@ -210,7 +210,7 @@ def test_plan_adds_the_gradient_all_reduce_between_nodes(capsys):
     (["--nodes", "2"], "longpeft plan --nodes 2: give --gpus G"),
     (["--gpus", "8", "--inter-node-gbps", "100"], "--inter-node-gbps goes with --nodes N > 1"),
     (["--gpus", "8", "--nodes", "2"], "train.global_batch_size=8 is not a multiple of train.per_device_batch_size=1 "
-                                      "x 16 data-parallel processes on 2 nodes"),
+                                      "x 16 data-parallel processes: --set train.global_batch_size to a multiple"),
 ])
 def test_plan_node_flags_are_checked(capsys, argv, message):
     assert main(["plan", QLORA_80K, *argv]) == 2

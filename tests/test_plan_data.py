@@ -14,6 +14,7 @@ from longpeft.recipes.plan_data import CHARS_PER_TOKEN, count_sample_lengths
 from longpeft.recipes.schema import load_recipe
 from longpeft.scale import estimate
 from longpeft.scale.lengths import SampleLengths
+from longpeft.units import format_duration
 
 WORDS = "the river city report market north south garden harbor station".split()
 FILLER_WORDS = (5, 12, 30, 60, 90, 140, 260, 330)  # conversations of ~50 to ~900 tiny tokens
@@ -238,7 +239,7 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
     total = next(line for line in report.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "7", f"{counted:,}", f"{7 * 300:,}", "7"]  # all 7 in the cache by then
     assert ("7 requests to stub; nothing was sent" in report
-            and "estimate: 0.0 min for the 0 requests not in the cache" in report)
+            and "estimate: 0.0 s for the 0 requests not in the cache" in report)
     again = plan_build(config, tmp_path / "out", tokenizer=tokenizer)  # answered: a resumed run sends none
     assert again.to_send == 0 and again.requests - again.to_send == 7
 
@@ -294,7 +295,7 @@ def test_the_time_line_gives_the_random_order_hours_beside_the_balanced_ones():
     assert plan.hours < waiting <= 8 * plan.hours
     assert plan.table().splitlines()[-1].endswith(
         f"; every GPU equally loaded (batches grouped by length) (in random order, the Trainer's default, each step "
-        f"waits for its slowest GPU: {waiting:.1f} h) = {plan.hours:.1f} h")
+        f"waits for its slowest GPU: {format_duration(waiting * 3600)}) = {format_duration(plan.hours * 3600)}")
     uniform = SampleLengths(lengths=(4096,) * 64, source="x", counted_with="y")
     assert estimate(recipe, gpus=8, sample_lengths=uniform).assumptions["hours_in_random_order"] is None
     bf16 = load_recipe("llama3-8b-instruct-80k-qlora", ["model.load_in_4bit=false"])  # ulysses: one sample on all GPUs

@@ -15,9 +15,9 @@ from transformers import TrainerCallback
 
 from longpeft import recipes
 from longpeft.cli import main
+from longpeft.launch.topology import gradient_accumulation
 from longpeft.recipes.runner import prepare, run
 from longpeft.recipes.schema import RecipeError, load_recipe
-from longpeft.recipes.trainer import gradient_accumulation
 
 from conftest import write_chat_jsonl  # tests/conftest.py
 from run_helpers import (  # tests/run_helpers.py

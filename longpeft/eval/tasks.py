@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from ..synth_data.probes import PROBE_TASKS, Probe, make_probes
+from ..units import format_duration
 from .generation import eos_token_ids, generate_batch, pad_token_id
 from .memory import check_memory
 from .names import EVAL_TASKS
@@ -59,10 +60,7 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
     from ..adapters.string import disable_string, enable_string, string_settings
 
     before = string_settings(model)
-    if string is True:
-        spec = getattr(model, "longpeft_spec", None)
-        string = {"trained_length": spec.trained_length} if spec is not None and spec.trained_length else {}
-    settings = enable_string(model, **dict(string))
+    settings = enable_string(model, **({} if string is True else dict(string)))
     try:
         yield settings
     finally:
@@ -86,11 +84,6 @@ def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
 def _say(message: str) -> None:
     """A status line on stderr (stdout is for results), printed without breaking progress bars."""
     tqdm.write(message, file=sys.stderr)
-
-
-def _duration(seconds: float) -> str:
-    return (f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200
-            else f"{seconds / 3600:.1f} h")
 
 
 def generate_for_probes(
@@ -125,8 +118,8 @@ def generate_for_probes(
             seconds = time.perf_counter() - start
             _say(
                 f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took "
-                f"{_duration(seconds)}; the whole grid should take about "
-                f"{_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
+                f"{format_duration(seconds)}; the whole grid should take about "
+                f"{format_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
             )
     return predictions
 

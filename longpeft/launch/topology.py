@@ -26,6 +26,19 @@ def data_parallel_size() -> int:
     return world_size() // sp
 
 
+def gradient_accumulation(recipe: Any, data_parallel: int) -> int:
+    """Accumulation steps so that ``train.per_device_batch_size`` x ``data_parallel`` (processes that train samples
+    of their own) x steps = ``train.global_batch_size``; a ConfigError naming the fix when they do not divide it.
+    ``train`` (every launch) and ``plan`` (every ``--gpus``) refuse the same recipes through it."""
+    per_step = recipe.train.per_device_batch_size * data_parallel
+    if recipe.train.global_batch_size % per_step:
+        raise ConfigError(f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
+                          f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
+                          f"data-parallel processes: --set train.global_batch_size to a multiple of {per_step}, or "
+                          "train on fewer GPUs")
+    return recipe.train.global_batch_size // per_step
+
+
 def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 

@@ -182,9 +182,9 @@ class TrainSection(Section):
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
     warmup_steps: int = Field(default=0, ge=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    optim: str = "adamw_torch"
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    optim: str = Field(default="adamw_torch", description="a transformers optimizer name (OptimizerNames)")
     per_device_batch_size: int = Field(default=1, gt=0)
     global_batch_size: int = Field(default=8, gt=0)
     num_train_epochs: float = Field(default=1.0, gt=0)
@@ -250,6 +250,16 @@ class TrainSection(Section):
     def _layer_count(cls, value: str | int) -> str | int:
         if isinstance(value, int) and value < 0:
             raise ValueError("must be a number of layers >= 0, or one of the words the field allows")
+        return value
+
+    @field_validator("optim")
+    @classmethod
+    def _known_optimizer(cls, value: str) -> str:
+        from transformers.training_args import OptimizerNames
+
+        names = [name.value for name in OptimizerNames]
+        if value not in names:
+            raise ValueError(f"{value!r} is not a transformers optimizer; use one of {', '.join(names)}")
         return value
 
     @model_validator(mode="after")
@@ -381,6 +391,8 @@ class RecipeBase(Section):
         if self.data.format == "text" and self.train.assistant_only_loss:
             raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant "
                              "turns)")
+        if self.train.assistant_only_loss is None:  # the effective value, in plan's output and the run's record
+            self.train.assistant_only_loss = self.data.format == "messages"
         if self.data.format == "text" and self.data.source == "demo":
             raise ValueError("data.source: demo is conversations; use data.format: messages")
         if self.data.source == "retrieval" and self.data.format != "text":

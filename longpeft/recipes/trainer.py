@@ -19,22 +19,11 @@ from transformers import (
 
 from ..adapters import CollatorContext, spec_methods
 from ..errors import ConfigError, DataError, LongpeftError
-from ..launch.topology import data_parallel_size
+from ..launch.topology import data_parallel_size, gradient_accumulation
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
 from .schema import Recipe
-
-
-def gradient_accumulation(recipe: Recipe, processes: int) -> int:
-    """Accumulation steps so that per-device batch x processes x accumulation = global batch."""
-    per_step = recipe.train.per_device_batch_size * processes
-    if recipe.train.global_batch_size % per_step:
-        raise ConfigError(
-            f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {processes} processes"
-        )
-    return recipe.train.global_batch_size // per_step
 
 
 def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:

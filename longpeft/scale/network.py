@@ -21,6 +21,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES
+from ..launch.topology import gradient_accumulation
+from ..units import format_duration
 
 # Gb/s each GPU has to other nodes: one 400 Gb/s NDR InfiniBand (or 400 GbE) port per GPU, as in DGX H100 nodes.
 DEFAULT_INTER_NODE_GBPS = 400.0
@@ -45,13 +47,7 @@ def inter_node_traffic(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT
     processes, launch = plan.gpus, plan.assumptions["launch"]
     gradient = plan.assumptions["trainable_params"] * gradient_bytes_per_param(recipe, launch)
     data_parallel = processes // plan.assumptions["sequence_parallel"]
-    per_micro_batch = recipe.train.per_device_batch_size * data_parallel
-    if recipe.train.global_batch_size % per_micro_batch:
-        raise ConfigError(f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-                          f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
-                          f"data-parallel processes on {nodes} nodes (train --launch refuses it): --set "
-                          f"train.global_batch_size to a multiple of {per_micro_batch}")
-    micro_batches = recipe.train.global_batch_size // per_micro_batch
+    micro_batches = gradient_accumulation(recipe, data_parallel)
     reductions = micro_batches if launch in DEEPSPEED_LAUNCHES else 1  # reduce-scatters; then one all-gather
     sent = (reductions + 1) * (processes - 1) / processes * gradient
     seconds = sent / (gbps * 1e9 / 8)
@@ -77,9 +73,5 @@ def inter_node_lines(traffic: dict[str, Any] | None, compute_hours: float) -> li
     return [f"inter-node: {traffic['nodes']} nodes x {traffic['gpus_per_node']} GPUs, gradient all-reduce of "
             f"{traffic['gradient_bytes'] / 1e9:.2f} GB{times}: {traffic['bytes_per_step'] / 1e9:.2f} GB sent per GPU "
             f"per optimizer step, {traffic['seconds_per_step']:.3g} s at {traffic['gbps']:g} Gb/s per GPU, "
-            f"{_duration(traffic['hours'])} over {traffic['optimizer_steps']:,} steps ({share:.1%} of the compute "
-            "time, added to it where it does not overlap the backward)"]
-
-
-def _duration(hours: float) -> str:
-    return f"{hours:.2f} h" if hours >= 1 else f"{hours * 60:.1f} min"
+            f"{format_duration(traffic['hours'] * 3600)} over {traffic['optimizer_steps']:,} steps ({share:.1%} of "
+            "the compute time, added to it where it does not overlap the backward)"]

@@ -39,6 +39,8 @@ from ..adapters import get_method
 from ..builtin_models import model_location
 from ..errors import ConfigError
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
+from ..launch.topology import gradient_accumulation
+from ..units import format_duration
 from .checkpointing import CheckpointSettings
 from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
 from .network import inter_node_lines
@@ -287,8 +289,8 @@ class Plan:
             ending += "; every GPU equally loaded (batches grouped by length)"
         if a.get("hours_in_random_order") is not None:
             ending += (f" (in random order, the Trainer's default, {a['random_order_waits']}: "
-                       f"{a['hours_in_random_order']:.1f} h)")
-        return f"{ending} = {self.hours:.1f} h"
+                       f"{format_duration(a['hours_in_random_order'] * 3600)})")
+        return f"{ending} = {format_duration(self.hours * 3600)}"
 
 
 def _either(*options: str | None) -> str | None:
@@ -339,6 +341,7 @@ def estimate(
         check_launch(recipe, launch)
     shards = gpus if launch in SHARDED_LAUNCHES else 1  # GPUs that split weights, gradients and AdamW state
     sequence_shards = gpus if launch == "ulysses" else 1  # GPUs that split each sequence
+    accumulation = gradient_accumulation(recipe, gpus // sequence_shards)  # train refuses what does not divide
     shape = shape or shape_of(recipe.model.name_or_path)
     dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
     tokens_per_sample = recipe.data.max_length
@@ -474,7 +477,6 @@ def estimate(
             return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
                     / utilisation["attention"]) / (sequence_shards * peak)
 
-        accumulation = max(1, recipe.train.global_batch_size // (batch * data_parallel))
         random_order = random_order_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel,
                                             accumulation, seed=recipe.train.seed) / 3600
     return Plan(

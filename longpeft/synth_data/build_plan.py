@@ -25,6 +25,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
+from ..units import format_duration
 
 OUTPUT_TOKENS_PER_SECOND = 50.0  # one request's decoding speed when --output-tokens-per-second is not given
 
@@ -109,16 +110,14 @@ class BuildPlan:
                  else ""}
         slowest = max(limits, key=limits.get)
         for limit, seconds in limits.items():
-            lines.append(f"time at {given[limit]}: {_hours(seconds)}{'   <- the limit' if limit == slowest else ''}")
+            mark = "   <- the limit" if limit == slowest else ""
+            lines.append(f"time at {given[limit]}: {format_duration(seconds)}{mark}")
         if len(limits) == 1:
             lines.append("no rate limit given: --tokens-per-minute and --requests-per-minute (your endpoint's "
                          "limits) bound the time too")
-        lines.append(f"estimate: {_hours(limits[slowest])} for the {self.to_send:,} requests not in the cache")
+        lines.append(f"estimate: {format_duration(limits[slowest])} for the {self.to_send:,} requests not in the "
+                     "cache")
         return "\n".join(lines)
-
-
-def _hours(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,

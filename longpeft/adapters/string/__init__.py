@@ -52,7 +52,8 @@ def enable_string(
         shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
             Default ``trained_length // 3``.
         local_window: W (default 128); must be ``<= shift``.
-        trained_length: L, the length the model was trained at; default
+        trained_length: L, the length the model was trained at; default: the adapter's ``trained_length`` on a
+            model loaded by ``longpeft.load`` (as ``longpeft eval --string`` takes it), else
             ``config.max_position_embeddings``.
         cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
             multiplies every attention logit by its square. Off (None) by default.
@@ -67,6 +68,9 @@ def enable_string(
     if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
         check_supported(config, "STRING")
     check_applicable(model, "string")
+    if trained_length is None:
+        spec = getattr(model, "longpeft_spec", None)  # set by longpeft.load: what the adapter was trained at
+        trained_length = spec.trained_length if spec is not None and spec.trained_length else None
     trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
     shift = int(shift if shift is not None else trained_length // 3)
     scale = None if cos_sin_scale is None else float(cos_sin_scale)
