@@ -225,11 +225,15 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
         ]
     lengths = [text for text, known in ((f"trained at {spec.trained_length} tokens", spec.trained_length),
                                         (f"target {spec.target_length}", spec.target_length)) if known]
-    lines += [
-        f"Context extended from {spec.original_max_position_embeddings} to {spec.max_position_embeddings} positions"
-        + (f" ({', '.join(lengths)})." if lengths else "."),
-        f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.",
-    ]
+    said = f" ({', '.join(lengths)})." if lengths else "."
+    if spec.max_position_embeddings != spec.original_max_position_embeddings:
+        lines.append(f"Context extended from {spec.original_max_position_embeddings} to "
+                     f"{spec.max_position_embeddings} positions{said}")
+    else:  # a method that reads past the window without new positions (beacon, STRING)
+        lines.append(f"Positions unchanged at {spec.max_position_embeddings}{said[:-1]}; the methods below extend "
+                     "what the model reads.")
+    if spec.rope_parameters != spec.original_rope_parameters:
+        lines.append(f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.")
     for method, config in methods:
         if method.describe is not None:
             lines += method.describe(config)

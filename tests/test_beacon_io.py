@@ -219,6 +219,9 @@ def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
     assert ("library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card
             and "None" not in card)
     assert 'longpeft.load("owner/base", "someone/tiny-beacon")' in card and "no LoRA weights" in card
+    positions = spec.max_position_embeddings  # beacon reads past the window without new positions
+    assert f"Positions unchanged at {positions}; the methods below extend" in card
+    assert "Context extended" not in card and "RoPE: " not in card
     assert ContextSpec.load(staged).weights == "method"
     (tmp_path / "empty").mkdir()
     ContextSpec.from_base(AutoConfig.from_pretrained(base_dir), "beacon").save(tmp_path / "empty")
