@@ -12,6 +12,12 @@ What it adds on top of the ``openai`` package:
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
   and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file;
+- structured output (``structured``): each request asks for its output schema through ``response_format``;
+  with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
+  to the prompt-only JSON contract for the rest of its life, with one line on the console;
+- requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
+  :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
+  (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending;
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -27,18 +33,22 @@ import json
 import os
 import random
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 from tqdm.auto import tqdm
 
 from ..config import StrictModel
 from ..errors import LongpeftError
+
+if TYPE_CHECKING:
+    from .answer_schema import OutputSchema
 
 
 class LLMConfig(StrictModel):
@@ -55,12 +65,26 @@ class LLMConfig(StrictModel):
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
     timeout: float = Field(
-        120.0, gt=0, description="seconds before one HTTP request times out (with the retries, a stalled endpoint "
-        "costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)"
+        120.0, gt=0, description="seconds before one HTTP request times out, counting the time it waits in the "
+        "server's queue: a server with one slot (llama.cpp's default) answers one request at a time, so use "
+        "max_concurrency 1 there, or a timeout of max_concurrency x the time of one answer (with the retries, a "
+        "stalled endpoint costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)"
     )
     max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
     temperature: float = Field(0.7, ge=0, description="sampling temperature")
     max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
+    structured: Literal["auto", "json_schema", "json_object", "off"] = Field(
+        "auto", description="structured output through response_format: 'json_schema' sends each answer's JSON "
+        "schema, 'json_object' asks for any JSON object, 'off' sends neither (the prompt states the JSON contract "
+        "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and, the first "
+        "time the endpoint refuses it, falls back to 'off' for the rest of the run; 'json_schema' and "
+        "'json_object' stop the run when refused"
+    )
+    context_tokens: int | None = Field(
+        None, ge=1, description="tokens one request may hold at the endpoint; a longer prompt is refused before "
+        "sending (a reject with reason prompt_too_long). Unset: the value the server reports at the start "
+        "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check"
+    )
 
 
 class MalformedOutput(ValueError):
@@ -78,14 +102,17 @@ class LLMRequest:
     Attributes:
         task: accounting bucket (e.g. ``"single_detail"``).
         messages: chat messages ``[{"role": ..., "content": ...}]``.
-        params: extra request parameters (e.g. ``response_format``); part of the cache key.
+        params: extra request parameters; part of the cache key.
         meta: free-form identifiers written to the rejects file; not part of the cache key.
+        schema: the JSON schema of the answer (:mod:`.answer_schema`), sent as ``response_format`` as
+            ``LLMConfig.structured`` says; the ``response_format`` actually sent is part of the cache key.
     """
 
     task: str
     messages: list[dict[str, str]]
     params: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    schema: OutputSchema | None = None
 
 
 @dataclass
@@ -114,6 +141,8 @@ class TaskUsage:
     retries: int = 0
     malformed: int = 0
     rejected: int = 0
+    refused: int = 0  # of ``rejected``: refused by the endpoint with HTTP 4xx
+    prompt_too_long: int = 0  # of ``rejected``: longer than the endpoint's context, never sent
 
 
 class _RetryableError(Exception):
@@ -123,6 +152,47 @@ class _RetryableError(Exception):
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
+SHOWN_REFUSALS = 3  # HTTP 4xx refusals whose server reason is printed; the rest are counted
+# Words of a 400/422 body that refuses structured output (OpenAI: "Invalid parameter: 'response_format' of type
+# 'json_schema' is not supported with this model"; vLLM/FastAPI validation: loc ["body", "response_format"];
+# llama.cpp: "JSON schema conversion failed"; TGI: "grammar is not supported"; vLLM: "guided decoding").
+STRUCTURED_REFUSAL = re.compile(r"response_format|json_schema|schema|grammar|structured output|guided", re.I)
+CHARS_PER_TOKEN_ESTIMATE = 5  # without a tokenizer: fewer tokens than GPT-4/Llama-3 vocabularies give (~4 chars)
+MESSAGE_OVERHEAD_TOKENS = 8  # chat-template tokens around one message (role header, end of turn), an upper bound
+
+
+def server_reason(error: Any) -> str:
+    """The server's own words in an HTTP error: ``error.message`` of an OpenAI-style body, FastAPI's ``detail``
+    (vLLM, SGLang), else the body or the exception text; one line, at most 300 characters."""
+    body = getattr(error, "body", None)
+    if isinstance(body, dict):
+        inner = body.get("error", body)
+        inner = inner if isinstance(inner, dict) else {"message": inner}
+        text = inner.get("message") or inner.get("detail") or body.get("detail") or json.dumps(body)
+    else:
+        text = body if isinstance(body, str) and body.strip() else str(error)
+    text = " ".join(str(text if not isinstance(text, (list, dict)) else json.dumps(text)).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def refuses_structured_output(error: Any) -> bool:
+    """Whether an HTTP error answers a request carrying ``response_format`` by refusing structured output: status
+    400 or 422 whose body names the feature (:data:`STRUCTURED_REFUSAL`). Other 400s (a prompt beyond the
+    context, a bad parameter) are about the request itself: falling back would hide them and double the cost."""
+    if getattr(error, "status_code", None) not in (400, 422):
+        return False
+    body = getattr(error, "body", None)
+    return bool(STRUCTURED_REFUSAL.search(f"{server_reason(error)} {json.dumps(body, default=str)}"))
+
+
+def structured_params(config: LLMConfig, request: LLMRequest, refused: bool = False) -> dict[str, Any]:
+    """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
+    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it); part of the cache key."""
+    if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
+        return {}
+    if config.structured == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {"response_format": request.schema.response_format()}
 
 
 def request_key(base_url: str, model: str, request: LLMRequest, sampling: dict[str, Any], attempt: int) -> str:
@@ -226,6 +296,9 @@ class LLMClient:
         cache_dir: folder of the response cache (created on demand).
         rejects_path: JSONL file receiving requests that failed for good.
         show_progress: draw a tqdm bar per batch.
+        count_tokens: text -> tokens, for the prompt-length check against the endpoint's context (the builder's
+            training tokenizer); without it a prompt is estimated at :data:`CHARS_PER_TOKEN_ESTIMATE` characters
+            per token, fewer tokens than usual vocabularies give, so only surely-too-long prompts are refused.
     """
 
     def __init__(
@@ -234,12 +307,17 @@ class LLMClient:
         cache_dir: str | os.PathLike[str],
         rejects_path: str | os.PathLike[str],
         show_progress: bool = True,
+        count_tokens: Callable[[str], int] | None = None,
     ):
         self.config = config
         self.cache = ResponseCache(cache_dir)
         self.rejects = RejectsLog(rejects_path)
         self.show_progress = show_progress
+        self.count_tokens = count_tokens
         self.usage: dict[str, TaskUsage] = {}
+        self.structured_refused: str | None = None  # the server's reason, once it refused structured output
+        self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
+        self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -295,6 +373,8 @@ class LLMClient:
         client = openai.AsyncOpenAI(
             api_key=api_key, base_url=self.config.base_url, max_retries=0, timeout=self.config.timeout
         )
+        if self.endpoint is None and self.config.context_tokens is None:
+            await self._ask_endpoint(api_key)
         del api_key
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
@@ -327,7 +407,67 @@ class LLMClient:
                 total[key] = total.get(key, 0) + value
         return {"model": self.config.model, "base_url": self.config.base_url, "tasks": tasks, "total": total}
 
+    def context_limit(self) -> tuple[int, str] | None:
+        """``(tokens, where from)`` of the endpoint's context, or ``None`` when neither set nor reported."""
+        if self.config.context_tokens is not None:
+            return self.config.context_tokens, "llm.context_tokens"
+        if self.endpoint is not None and self.endpoint.context_tokens is not None:
+            return self.endpoint.context_tokens, f"reported by the endpoint's {self.endpoint.context_source}"
+        return None
+
+    def prompt_tokens(self, request: LLMRequest) -> tuple[int, str]:
+        """``(tokens, how counted)`` of the request's messages, with :data:`MESSAGE_OVERHEAD_TOKENS` per message."""
+        overhead = MESSAGE_OVERHEAD_TOKENS * len(request.messages)
+        texts = [str(m.get("content", "")) for m in request.messages]
+        if self.count_tokens is None:
+            return sum(len(t) for t in texts) // CHARS_PER_TOKEN_ESTIMATE + overhead, (
+                f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters per token")
+        return sum(self.count_tokens(t) for t in texts) + overhead, "counted with the training tokenizer"
+
     # ---- internals --------------------------------------------------------------------------
+
+    def _say(self, line: str) -> None:
+        tqdm.write(line, file=sys.stderr)
+
+    async def _ask_endpoint(self, api_key: str) -> None:
+        """Learn the endpoint's context and slots (:mod:`.endpoint`); say what was learned in one line."""
+        from .endpoint import discover
+
+        self.endpoint = await asyncio.to_thread(discover, self.config.base_url, self.config.model, api_key,
+                                                min(self.config.timeout, 10.0))
+        info = self.endpoint
+        if info.context_tokens is not None:
+            self._say(f"{self.config.base_url}: context of {info.context_tokens} tokens ({info.context_source}); "
+                      "longer prompts are refused before sending")
+        if info.slots is not None and info.slots < self.config.max_concurrency:
+            self._say(f"{self.config.base_url}: the server decodes {info.slots} request(s) at once (/props "
+                      f"total_slots) and llm.max_concurrency is {self.config.max_concurrency}: the others wait in "
+                      f"its queue, inside llm.timeout ({self.config.timeout:g} s); set llm.max_concurrency "
+                      f"{info.slots} or raise llm.timeout")
+
+    def _structured_refusal(self, error: Any) -> None:
+        """The endpoint refused ``response_format``: with ``auto``, fall back to the prompt-only contract (once,
+        said once); with ``json_schema`` / ``json_object``, stop the run naming the setting."""
+        reason = server_reason(error)
+        if self.config.structured != "auto":
+            raise LLMRunAborted(
+                f"{self.config.base_url} refused structured output (llm.structured={self.config.structured}; HTTP "
+                f"{error.status_code}: {reason}); set llm.structured to auto (falls back to the prompt) or off"
+            )
+        if self.structured_refused is None:
+            self.structured_refused = reason
+            self._say(f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
+                      "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
+
+    def _refusal(self, request: LLMRequest, usage: TaskUsage, error: Any) -> str:
+        """Count an HTTP 4xx refusal and print the server's reason for the first :data:`SHOWN_REFUSALS`."""
+        usage.refused += 1
+        self.refusals += 1
+        reason = f"HTTP {error.status_code}: {server_reason(error)}"
+        if self.refusals <= SHOWN_REFUSALS:
+            more = "; further refusals are counted in the summary" if self.refusals == SHOWN_REFUSALS else ""
+            self._say(f"{self.config.base_url} refused a {request.task} request ({reason}){more}")
+        return reason
 
     def _postfix(self) -> dict[str, int]:
         calls = sum(u.api_calls for u in self.usage.values())
@@ -349,22 +489,39 @@ class LLMClient:
         outputs: list[dict[str, Any]] = []
         api_calls = 0
         key = ""
+        limit = self.context_limit()
+        if limit is not None and _utf8_bytes(request) + MESSAGE_OVERHEAD_TOKENS * len(request.messages) >= limit[0]:
+            tokens, counted = self.prompt_tokens(request)  # tokens <= bytes: a shorter prompt surely fits, uncounted
+            if tokens >= limit[0]:
+                usage.prompt_too_long += 1
+                key = request_key(self.config.base_url, self.config.model, request,
+                                  {**sampling, **self._structured(request)}, 0)
+                reason = (f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
+                          f"{limit[0]} ({limit[1]}); not sent")
+                return self._reject(request, key, usage, reason, outputs, 0, 0, code="prompt_too_long")
         for attempt in range(self.config.max_parse_attempts):
-            key = request_key(self.config.base_url, self.config.model, request, sampling, attempt)
-            entry = self.cache.get(key)
-            if entry is not None:
-                usage.cache_hits += 1
-                usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
-                usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
-            else:
+            entry = None
+            while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
+                sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
+                key = request_key(self.config.base_url, self.config.model, request, sent, attempt)
+                entry = self.cache.get(key)
+                if entry is not None:
+                    usage.cache_hits += 1
+                    usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
+                    usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                    break
                 try:
-                    entry = await self._call(client, semaphore, request, sampling, usage)
+                    entry = await self._call(client, semaphore, request, sent, usage)
                 except _RetryableError as error:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
                     return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
-                    return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1,
-                                        api_calls)
+                    if "response_format" in sent and refuses_structured_output(error):
+                        self._structured_refusal(error)  # raises unless llm.structured is auto
+                        continue
+                    reason = self._refusal(request, usage, error)
+                    return self._reject(request, key, usage, f"{type(error).__name__}: {reason}", outputs,
+                                        attempt + 1, api_calls, code="http_refused")
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
@@ -390,13 +547,18 @@ class LLMClient:
         outputs: list[dict[str, Any]],
         attempts: int,
         api_calls: int,
+        code: str | None = None,
     ) -> LLMResult:
         usage.rejected += 1
-        self.rejects.add(
-            {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts,
-             "outputs": outputs}
-        )
+        record = {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts,
+                  "outputs": outputs}
+        if code is not None:
+            record["reason"] = code
+        self.rejects.add(record)
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
+
+    def _structured(self, request: LLMRequest) -> dict[str, Any]:
+        return structured_params(self.config, request, refused=self.structured_refused is not None)
 
     async def _call(
         self,
@@ -453,6 +615,10 @@ class LLMClient:
             await asyncio.sleep(min(wait, self.config.backoff_max))
             delay = min(delay * 2, self.config.backoff_max)
         raise AssertionError("unreachable")
+
+
+def _utf8_bytes(request: LLMRequest) -> int:
+    return sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
 
 
 def _retry_after(error: Any) -> float | None:

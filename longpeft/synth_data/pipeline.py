@@ -30,6 +30,7 @@ from .builders import (
     ContextPlan,
     LengthConfig,
     LongContextBuilder,
+    TokenCounter,
     procedural_cluster_pool,
     procedural_long_documents,
 )
@@ -133,10 +134,15 @@ def load_documents(paths: list[str]) -> list[Document]:
     return documents
 
 
-def make_answerer(config: SynthConfig, out_dir: Path) -> tuple[QAGenerator, LLMClient | None]:
+def make_answerer(config: SynthConfig, out_dir: Path,
+                  tokenizer: PreTrainedTokenizerBase | None = None) -> tuple[QAGenerator, LLMClient | None]:
+    """The answerer of ``config``; the LLM one counts prompt tokens with ``tokenizer`` (the training tokenizer)
+    when it checks prompts against the endpoint's context."""
     if config.answerer == "procedural":
         return ProceduralAnswerer(), None
-    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress)
+    count = TokenCounter(tokenizer).count if tokenizer is not None else None
+    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress,
+                       count_tokens=count)
     return LLMAnswerer(client), client
 
 
@@ -149,7 +155,7 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
-    answerer, client = make_answerer(config, out)
+    answerer, client = make_answerer(config, out, tokenizer)
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
                                  show_progress=config.progress)
     plans = plan_contexts(config, builder, files)

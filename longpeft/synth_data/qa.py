@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import DataError
+from .answer_schema import BIOGRAPHIES, QA_PAIRS, OutputSchema
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
-from .llm_client import LLMClient, LLMRequest, MalformedOutput, parse_json_object
+from .llm_client import LLMClient, LLMRequest, parse_json_object
 
 SYNTH_TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
 
@@ -371,36 +372,29 @@ def job_prompt(job: QAJob) -> str:
     return PROMPTS[job.task].format(text=job.passages[0].text.strip(), n=job.n)
 
 
+def parse_answer(text: str, schema: OutputSchema) -> list:
+    """The list under ``schema.name`` of the JSON answer ``text``, validated against ``schema`` (the one sent as
+    ``response_format``); :class:`MalformedOutput` names the first path that breaks it."""
+    value = parse_json_object(text)
+    schema.validate(value)
+    return value[schema.name]
+
+
 def parse_qa_pairs(text: str) -> list[QAPair]:
-    """``{"qa_pairs": [...]}`` -> QA pairs; :class:`MalformedOutput` unless at least one is complete."""
-    items = parse_json_object(text, ["qa_pairs"])["qa_pairs"]
-    if not isinstance(items, list):
-        raise MalformedOutput("'qa_pairs' is not a list")
-    pairs = [
-        QAPair(item["question"].strip(), item["answer"].strip())
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
-        and item["question"].strip() and item["answer"].strip()
-    ]
-    if not pairs:
-        raise MalformedOutput("no item of 'qa_pairs' has a non-empty 'question' and 'answer'")
-    return pairs
+    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
+    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in parse_answer(text, QA_PAIRS)]
 
 
 def parse_biographies(text: str) -> list[QAPair]:
-    """``{"biographies": [{"name", "biography"}]}`` -> one "write a biography" turn per character."""
-    items = parse_json_object(text, ["biographies"])["biographies"]
-    if not isinstance(items, list):
-        raise MalformedOutput("'biographies' is not a list")
-    pairs = [
-        QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("biography"), str)
-        and item["name"].strip() and item["biography"].strip()
-    ]
-    if not pairs:
-        raise MalformedOutput("no item of 'biographies' has a non-empty 'name' and 'biography'")
-    return pairs
+    """``{"biographies": [{"name", "biography"}]}`` (:data:`.answer_schema.BIOGRAPHIES`) -> one "write a
+    biography" turn per character."""
+    return [QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
+            for item in parse_answer(text, BIOGRAPHIES)]
+
+
+TASK_SCHEMAS = {"single_detail": QA_PAIRS, "multi_detail": QA_PAIRS, "heterogeneous": QA_PAIRS,
+                "biography": BIOGRAPHIES}
+"""The output schema of each task's answer (sent as ``response_format``, checked by its parser)."""
 
 
 def job_request(job: QAJob, index: int = 0) -> LLMRequest:
@@ -409,6 +403,7 @@ def job_request(job: QAJob, index: int = 0) -> LLMRequest:
     return LLMRequest(
         task=job.task,
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
+        schema=TASK_SCHEMAS[job.task],
         meta={"job": index, "sources": [p.doc.doc_id for p in job.passages],
               "spans": [[p.start, p.end] for p in job.passages]},
     )
