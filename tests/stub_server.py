@@ -15,6 +15,13 @@ Directives (comma-separated inside one ``[[...]]``):
   page), always / for the first call only;
 - ``slow=0.5*1``: the first call sleeps 0.5 s more before answering.
 
+Structured output (``structured=``): ``"ignore"`` (default) answers as if ``response_format`` were
+absent; ``"accept"`` checks it (a ``json_schema`` needs ``name``, ``schema`` and ``strict``; HTTP 400
+otherwise) and answers only the fields the schema requires; ``"refuse"`` answers HTTP 400 to any request
+carrying it, as a server without structured output does. ``GET /v1/models`` lists the model (with the
+``models_info`` fields, e.g. vLLM's ``max_model_len``) and ``GET /props`` answers ``props`` (llama.cpp's
+``n_ctx``, ``total_slots``), or 404 when it is ``None``.
+
 Usage::
 
     with StubServer(latency=0.05) as server:
@@ -68,9 +75,17 @@ class StubServer:
         Authorization header received (tests check the key was sent and never written).
     """
 
-    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply):
+    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply,
+                 structured: str = "ignore", models_info: dict[str, Any] | None = None,
+                 props: dict[str, Any] | None = None):
+        assert structured in ("ignore", "accept", "refuse"), structured
         self.latency = latency
         self.reply = reply
+        self.structured = structured
+        self.models_info = models_info or {}
+        self.props = props
+        self.response_formats: list[Any] = []  # the response_format of every chat request (None: absent)
+        self.gets: list[str] = []  # paths of the GET requests
         self.lock = threading.Lock()
         self.calls = 0
         self.statuses: Counter[int] = Counter()
@@ -100,10 +115,23 @@ class StubServer:
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                with server.lock:
+                    server.gets.append(self.path)
+                if self.path == "/v1/models":
+                    self.reply_with(200, {"object": "list", "data": [{"id": "stub", "object": "model",
+                                                                **server.models_info}]})
+                elif self.path == "/props" and server.props is not None:
+                    self.reply_with(200, server.props)
+                else:
+                    self.reply_with(404, {"error": {"message": f"no route {self.path}"}})
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                status, payload, *extra = server._answer(body, self.headers.get("Authorization", ""))
+                self.reply_with(*server._answer(body, self.headers.get("Authorization", "")))
+
+            def reply_with(self, status: int, payload: Any, *extra: dict[str, str]) -> None:
                 headers = {"Content-Type": "application/json", **(extra[0] if extra else {})}
                 if isinstance(payload, str):  # a raw page, not JSON
                     data, headers["Content-Type"] = payload.encode("utf-8"), "text/html"
@@ -138,8 +166,31 @@ class StubServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def _structured_error(self, response_format: Any) -> str | None:
+        """Why this server refuses ``response_format`` (``None``: it is accepted)."""
+        if response_format is None or self.structured == "ignore":
+            return None
+        if self.structured == "refuse":
+            return f"response_format of type {response_format.get('type')!r} is not supported by this server"
+        if response_format.get("type") == "json_object":
+            return None
+        spec = response_format.get("json_schema")
+        if response_format.get("type") != "json_schema" or not isinstance(spec, dict):
+            return f"invalid response_format {response_format!r}"
+        missing = [key for key in ("name", "schema", "strict") if key not in spec]
+        return f"response_format.json_schema lacks {missing}" if missing else None
+
     def _answer(self, body: dict[str, Any], authorization: str) -> tuple[Any, ...]:
         """``(status, payload[, headers])``: payload is a JSON body, or a ``str`` sent as an HTML page."""
+        response_format = body.get("response_format")
+        with self.lock:
+            self.response_formats.append(response_format)
+        refused = self._structured_error(response_format)
+        if refused is not None:
+            with self.lock:
+                self.calls += 1
+                self.statuses[400] += 1
+            return 400, {"error": {"message": refused, "type": "invalid_request_error", "param": "response_format"}}
         messages = body.get("messages", [])
         prompt = json.dumps(messages, sort_keys=True)
         prompt_hash = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
@@ -177,6 +228,9 @@ class StubServer:
         if html:
             return 200, "<html><body>Please sign in</body></html>"
         content = "this is {not json" if bad else self.reply(body)
+        if not bad and self.structured == "accept" and (response_format or {}).get("type") == "json_schema":
+            required = response_format["json_schema"]["schema"].get("required", [])
+            content = json.dumps({k: v for k, v in json.loads(content).items() if k in required})
         prompt_tokens = max(1, len(prompt) // 4)
         completion_tokens = max(1, len(content) // 4)
         return 200, {

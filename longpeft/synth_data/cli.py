@@ -15,6 +15,10 @@ Examples::
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
 
+    # a local server (vLLM, SGLang, llama.cpp): one small request first; model, latency, structured output, context
+    export OPENAI_API_KEY=local
+    longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
+
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
 calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
 """
@@ -40,8 +44,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see "
                         "longpeft.synth_data.SynthConfig), or a bundled config: "
                         f"{', '.join(bundled_names(BUNDLED))}")
-    parser.add_argument("--out", required=True,
-                        help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
+    parser.add_argument("--out", help="output folder (train.jsonl, dataset/, stats.json, length_hist.png); required "
+                        "except with --check-endpoint")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
     parser.add_argument("--source", nargs="+", metavar="PATH",
@@ -59,7 +63,11 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     llm.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (default https://api.openai.com/v1)")
     llm.add_argument("--llm-model", help="model name (default gpt-4o)")
     llm.add_argument("--api-key-env", help="environment variable holding the key (default OPENAI_API_KEY)")
-    llm.add_argument("--concurrency", type=int, help="requests in flight (default 8)")
+    llm.add_argument("--concurrency", type=int, help="requests in flight (default 8; 1 for a one-slot server such as "
+                     "llama.cpp's default)")
+    llm.add_argument("--check-endpoint", action="store_true",
+                     help="send one small request to the endpoint and print the model, latency, whether structured "
+                     "output works and the context length; exit 0 when usable as configured, 1 when not")
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
@@ -141,6 +149,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
+    if args.check_endpoint:
+        from .check_endpoint import check_endpoint
+
+        result = check_endpoint(config.llm)
+        print(result.report())
+        return 0 if result.usable else 1
+    if not args.out:
+        raise ConfigError("longpeft synth: --out is required (the output folder), except with --check-endpoint")
     if args.plan:
         return print_build_plan(config, args)
     rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
@@ -160,6 +176,9 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
+        if total.get("refused") or total.get("prompt_too_long"):
+            print(f"  of the rejected: {total.get('refused', 0)} refused by the endpoint (HTTP 4xx; the first reasons "
+                  f"are above), {total.get('prompt_too_long', 0)} prompts longer than its context (not sent)")
     if not len(dataset):
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)

@@ -316,6 +316,8 @@ class LLMClient:
         self.count_tokens = count_tokens
         self.usage: dict[str, TaskUsage] = {}
         self.structured_refused: str | None = None  # the server's reason, once it refused structured output
+        self.structured_accepted = False  # the endpoint answered a request carrying response_format
+        self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
 
@@ -377,6 +379,7 @@ class LLMClient:
             await self._ask_endpoint(api_key)
         del api_key
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
+        self._first_structured = asyncio.Lock()  # bound to this run's event loop
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
         try:
 
@@ -511,7 +514,9 @@ class LLMClient:
                     usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
                     break
                 try:
-                    entry = await self._call(client, semaphore, request, sent, usage)
+                    entry = await self._send(client, semaphore, request, sent, usage)
+                    if entry is None:  # the endpoint refused structured output while this request waited
+                        continue
                 except _RetryableError as error:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
                     return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
@@ -559,6 +564,28 @@ class LLMClient:
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
         return structured_params(self.config, request, refused=self.structured_refused is not None)
+
+    async def _send(
+        self,
+        client: Any,
+        semaphore: asyncio.Semaphore,
+        request: LLMRequest,
+        sent: dict[str, Any],
+        usage: TaskUsage,
+    ) -> dict[str, Any] | None:
+        """:meth:`_call`, except that until the endpoint has answered one request carrying ``response_format``,
+        such requests go one at a time: a server that refuses structured output refuses one request, not every
+        request of the first wave. ``None``: it was refused while this request waited (ask without it)."""
+        if "response_format" in sent and not self.structured_accepted:
+            assert self._first_structured is not None
+            async with self._first_structured:
+                if not self.structured_accepted:
+                    if "response_format" not in self._structured(request):
+                        return None
+                    entry = await self._call(client, semaphore, request, sent, usage)
+                    self.structured_accepted = True
+                    return entry
+        return await self._call(client, semaphore, request, sent, usage)
 
     async def _call(
         self,
