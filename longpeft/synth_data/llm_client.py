@@ -39,16 +39,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from pydantic import Field
 from tqdm.auto import tqdm
 
 from ..config import StrictModel
 from ..errors import LongpeftError
-
-if TYPE_CHECKING:
-    from .answer_schema import OutputSchema
 
 
 class LLMConfig(StrictModel):
@@ -87,6 +84,14 @@ class LLMConfig(StrictModel):
     )
 
 
+class ResponseSchema(Protocol):
+    """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
+
+    def response_format(self) -> dict[str, Any]:
+        """The ``response_format`` request field asking for the schema."""
+        ...
+
+
 class MalformedOutput(ValueError):
     """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
 
@@ -112,7 +117,7 @@ class LLMRequest:
     messages: list[dict[str, str]]
     params: dict[str, Any] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
-    schema: OutputSchema | None = None
+    schema: ResponseSchema | None = None
 
 
 @dataclass
