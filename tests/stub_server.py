@@ -256,8 +256,10 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="OpenAI-compatible stub server on 127.0.0.1")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
+    parser.add_argument("--structured", choices=["ignore", "accept", "refuse"], default="ignore",
+                        help="what it does with response_format (see the module docstring)")
     args = parser.parse_args(argv)
-    with StubServer(latency=args.latency) as server:
+    with StubServer(latency=args.latency, structured=args.structured) as server:
         print(server.base_url, flush=True)
         try:
             threading.Event().wait()

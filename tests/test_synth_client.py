@@ -506,18 +506,23 @@ def test_check_endpoint_errors_name_the_fix(capsys, monkeypatch):
     monkeypatch.delenv(KEY_ENV)
     code, out = check(type("Any", (), {"base_url": base_url})(), capsys)
     assert code == 2 and KEY_ENV in out
+    from longpeft.cli import main
+
+    assert main(["synth", "--contexts", "1"]) == 2  # without --check-endpoint, --out is required
+    assert "--out: give the output folder" in capsys.readouterr().err
 
 
 def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     """The whole command against a server that refuses response_format: rows are built, the fallback is said once,
-    and the run's summary counts the refusals of other requests."""
+    and the server's reasons for refusing other requests (every request about book_1) reach the console."""
     from longpeft.cli import main
     from longpeft.synth_data.corpus import generate_document
 
     source = tmp_path / "docs"
     source.mkdir()
     for i in range(2):
-        (source / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60).text)
+        text = generate_document(seed=i, n_sentences=60).text
+        (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[400*99]] ") if i else text)
     out = tmp_path / "out"
     with StubServer(structured="refuse") as server:
         code = main([
@@ -529,7 +534,10 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.err.count("refused structured output") == 1
+    assert captured.err.count("injected HTTP 400") == 3 and "further refusals are counted" in captured.err
     stats = json.loads((out / "stats.json").read_text())
-    assert stats["counts"] == {"single_detail": 2, "biography": 2}
-    assert stats["llm_usage"]["total"]["rejected"] == 0
-    assert server.statuses[400] == 1 and server.response_formats[-1] is None
+    assert stats["counts"] == {"single_detail": 1, "biography": 1}
+    total = stats["llm_usage"]["total"]
+    assert total["rejected"] == total["refused"] == 3  # 2 chunks and 1 book
+    assert "of the rejected: 3 refused by the endpoint (HTTP 4xx; the first reasons are above)" in captured.out
+    assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused

@@ -156,7 +156,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(result.report())
         return 0 if result.usable else 1
     if not args.out:
-        raise ConfigError("longpeft synth: --out is required (the output folder), except with --check-endpoint")
+        raise ConfigError("--out: give the output folder (required except with --check-endpoint)")
     if args.plan:
         return print_build_plan(config, args)
     rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
@@ -176,9 +176,11 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
-        if total.get("refused") or total.get("prompt_too_long"):
-            print(f"  of the rejected: {total.get('refused', 0)} refused by the endpoint (HTTP 4xx; the first reasons "
-                  f"are above), {total.get('prompt_too_long', 0)} prompts longer than its context (not sent)")
+        parts = [f"{total[key]} {what}" for key, what in (
+            ("refused", "refused by the endpoint (HTTP 4xx; the first reasons are above)"),
+            ("prompt_too_long", "prompts longer than its context (not sent)")) if total.get(key)]
+        if parts:
+            print(f"  of the rejected: {', '.join(parts)}")
     if not len(dataset):
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)
