@@ -322,6 +322,10 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
         assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
     assert qa_request("Some text.").schema is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    from longpeft.synth_data.answer_schema import OutputSchema
+
+    with pytest.raises(ValueError, match=r"\$\.a: schema uses \['pattern'\], outside the supported subset"):
+        OutputSchema("x", {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x$"}}})
 
 
 def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
