@@ -25,11 +25,12 @@ def parse_qa(text: str) -> dict:
     return parse_json_object(text, ["qa_pairs"])
 
 
-def make_client(server: StubServer, tmp_path: Path, **overrides) -> LLMClient:
+def make_client(server: StubServer, tmp_path: Path, retry_rejected: bool = False, **overrides) -> LLMClient:
     settings = dict(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, backoff_initial=0.01,
                     backoff_max=0.05, max_concurrency=4, timeout=5.0)
     settings.update(overrides)
-    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
+    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False,
+                     retry_rejected=retry_rejected)
 
 
 def request(text: str, task: str = "t") -> LLMRequest:
@@ -133,8 +134,74 @@ def test_rerun_is_served_from_cache_with_zero_calls(tmp_path):
         assert server.calls == calls  # nothing repeated, not even the malformed attempts
     assert [r.value for r in first] == [r.value for r in second]
     usage = second_client.usage_report()["total"]
-    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6 + 3
+    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6  # the rejected request is not even replayed
+    assert usage["skipped_rejected"] == 1 and "--retry-rejected" in second[-1].error
     assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 1  # not duplicated on rerun
+
+
+def test_retry_rejected_asks_again_and_keeps_what_was_answered(tmp_path):
+    """A request rejected for malformed output is marked with its reason: a rerun skips it, --retry-rejected
+    (``retry_rejected``) asks it again with new attempts, and a later plain rerun replays that answer."""
+    requests = [request("fine"), request("bad three times [[bad*3]]")]
+    with StubServer() as server:
+        first = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert first[0].ok and not first[1].ok and server.calls == 1 + 3
+        skipped = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert server.calls == 4 and not skipped[1].ok
+        assert "rejected in an earlier run (malformed:" in skipped[1].error
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        again = retry.run(requests, parse=parse_qa)
+        assert again[1].ok and again[1].attempts == 4  # 3 cached malformed answers replayed, then 1 new call
+        assert server.calls == 4 + 1 and retry.usage_report()["total"]["cache_hits"] == 1 + 3
+        later = make_client(server, tmp_path)
+        replayed = later.run(requests, parse=parse_qa)
+        assert server.calls == 5 and [r.value for r in replayed] == [r.value for r in again]
+        assert later.usage_report()["total"]["skipped_rejected"] == 0
+    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "malformed" and reject["kind"] == "request"
+
+
+def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
+    """``check`` raising RejectedOutput makes a new attempt, like malformed output; when every attempt fails,
+    the reject record says 'quality', and --retry-rejected asks again."""
+    from longpeft.synth_data.llm_client import RejectedOutput
+
+    verdicts = iter([False, True] + [False] * 3 + [False] * 3 + [True])  # a; b; b retried: 3 replayed, 1 new
+
+    def check(req, value):
+        if not next(verdicts):
+            raise RejectedOutput("every item failed the quality gates (placeholder)")
+        return value
+
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_parse_attempts=3)
+        [second_try] = client.run([request("a")], parse=parse_qa, check=check)
+        [hopeless] = client.run([request("b")], parse=parse_qa, check=check)
+        assert second_try.ok and second_try.attempts == 2 and not hopeless.ok
+        assert client.usage_report()["total"]["quality_rejected"] == 1 + 3
+        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert reject["reason"] == "quality" and "quality gates" in reject["error"]
+        [skipped] = make_client(server, tmp_path).run([request("b")], parse=parse_qa, check=check)
+        assert not skipped.ok and server.calls == 2 + 3
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        [retried] = retry.run([request("b")], parse=parse_qa, check=check)
+        assert retried.ok and retried.attempts == 4 and server.calls == 2 + 3 + 1
+        [relaxed] = make_client(server, tmp_path, retry_rejected=True).run([request("b")], parse=parse_qa,
+                                                                          check=lambda req, value: value)
+        assert relaxed.ok and relaxed.attempts == 1 and server.calls == 6  # a relaxed check costs no call
+
+
+def test_transient_failures_are_not_marked_rejected(tmp_path):
+    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    with StubServer() as server:
+        down, refused = make_client(server, tmp_path, max_retries=1).run(
+            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa)
+        assert not down.ok and not refused.ok
+        again = make_client(server, tmp_path).run([request("down [[503*2]]"), request("refused [[400*1]]")],
+                                                  parse=parse_qa)
+        assert again[0].ok and not again[1].ok and "rejected in an earlier run (http_400" in again[1].error
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reasons == ["gave_up", "http_400"] or reasons == ["http_400", "gave_up"]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):

@@ -16,7 +16,10 @@ Examples::
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
 
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
-calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
+calls; requests rejected for good (malformed or gated output, an HTTP 4xx) are not asked again unless
+``--retry-rejected``. Every LLM-written item passes the quality gates (``quality:`` in the config;
+longpeft/synth_data/quality.py). Flags override the config file; ``--set key.sub=value`` reaches any
+config field.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     llm.add_argument("--llm-model", help="model name (default gpt-4o)")
     llm.add_argument("--api-key-env", help="environment variable holding the key (default OPENAI_API_KEY)")
     llm.add_argument("--concurrency", type=int, help="requests in flight (default 8)")
+    llm.add_argument("--retry-rejected", action="store_true",
+                     help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
+                     "4xx); by default a rerun skips them and says how many")
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
@@ -136,6 +142,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_client.LLMRunAborted`) for
     the command line's one error boundary (:func:`longpeft.cli.main`, exit status 2)."""
     from .pipeline import synthesize
+    from .report import rejection_summary
 
     config = resolve_config(args)
     if args.print_config:
@@ -148,7 +155,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
-    dataset, stats = synthesize(config, args.out)
+    dataset, stats = synthesize(config, args.out, retry_rejected=args.retry_rejected)
     print(f"\nlongpeft synth -> {args.out}  ({len(dataset)} conversations)")
     for task, count in stats["counts"].items():
         tokens = stats["tokens_per_task"].get(task, {})
@@ -160,6 +167,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
+    for line in rejection_summary(stats):
+        print(f"  {line}")
     if not len(dataset):
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)

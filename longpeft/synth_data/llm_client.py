@@ -11,7 +11,13 @@ What it adds on top of the ``openai`` package:
   run) are never served as another's. Caches written before the base URL joined the key are not reused;
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file;
+  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file; a
+  ``check`` function (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`);
+- a request rejected for good (malformed or gated output in every attempt, or an HTTP 4xx refusal) is
+  marked in the cache with its reason: a rerun does not ask it again (it counts it as ``skipped_rejected``)
+  unless the client runs with ``retry_rejected``, which asks it again with new attempt numbers (the earlier
+  answers are replayed from the cache first, so relaxed gates cost nothing). A request given up after
+  transient failures (timeouts, 429, 5xx) is not marked: a rerun asks it again;
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -67,6 +73,11 @@ class MalformedOutput(ValueError):
     """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
 
 
+class RejectedOutput(MalformedOutput):
+    """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the
+    quality gates): the request is asked again as a new attempt, like malformed output."""
+
+
 class LLMRunAborted(LongpeftError, RuntimeError):
     """An error no retry can fix (bad key, unknown model or endpoint): the whole run stops."""
 
@@ -113,7 +124,9 @@ class TaskUsage:
     cached_completion_tokens: int = 0
     retries: int = 0
     malformed: int = 0
+    quality_rejected: int = 0  # attempts whose every item failed the quality gates
     rejected: int = 0
+    skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)
 
 
 class _RetryableError(Exception):
@@ -139,8 +152,14 @@ def request_key(base_url: str, model: str, request: LLMRequest, sampling: dict[s
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+def outcome_key(first_key: str) -> str:
+    """Cache key of a request's outcome mark, from the key of its first attempt."""
+    return hashlib.sha256(f"{first_key}/outcome".encode()).hexdigest()
+
+
 class ResponseCache:
-    """One JSON file per answered request under ``root/<key[:2]>/<key>.json``, written atomically."""
+    """One JSON file per answered request (and per outcome mark, :func:`outcome_key`) under
+    ``root/<key[:2]>/<key>.json``, written atomically."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -226,6 +245,7 @@ class LLMClient:
         cache_dir: folder of the response cache (created on demand).
         rejects_path: JSONL file receiving requests that failed for good.
         show_progress: draw a tqdm bar per batch.
+        retry_rejected: ask again the requests an earlier run rejected (by default they are skipped).
     """
 
     def __init__(
@@ -234,8 +254,10 @@ class LLMClient:
         cache_dir: str | os.PathLike[str],
         rejects_path: str | os.PathLike[str],
         show_progress: bool = True,
+        retry_rejected: bool = False,
     ):
         self.config = config
+        self.retry_rejected = retry_rejected
         self.cache = ResponseCache(cache_dir)
         self.rejects = RejectsLog(rejects_path)
         self.show_progress = show_progress
@@ -248,13 +270,15 @@ class LLMClient:
         requests: Sequence[LLMRequest],
         parse: Callable[[str], Any] | None = None,
         desc: str = "LLM requests",
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> list[LLMResult]:
         """Send every request (concurrently, cached, retried); results come back in request order.
 
         ``parse(text)`` turns the model's text into a value or raises :class:`MalformedOutput`;
-        without it the text itself is the value.
+        without it the text itself is the value. ``check(request, value)`` then returns the value to keep
+        or raises :class:`RejectedOutput` (a new attempt follows).
         """
-        coroutine = self.arun(requests, parse, desc)
+        coroutine = self.arun(requests, parse, desc, check)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -280,6 +304,7 @@ class LLMClient:
         requests: Sequence[LLMRequest],
         parse: Callable[[str], Any] | None = None,
         desc: str = "LLM requests",
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> list[LLMResult]:
         """Async form of :meth:`run`."""
         import openai
@@ -301,7 +326,7 @@ class LLMClient:
         try:
 
             async def one(request: LLMRequest) -> LLMResult:
-                result = await self._complete(client, semaphore, request, parse)
+                result = await self._complete(client, semaphore, request, parse, check)
                 bar.update(1)
                 bar.set_postfix(self._postfix(), refresh=False)
                 return result
@@ -341,6 +366,7 @@ class LLMClient:
         semaphore: asyncio.Semaphore,
         request: LLMRequest,
         parse: Callable[[str], Any] | None,
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> LLMResult:
         import openai
 
@@ -348,8 +374,21 @@ class LLMClient:
         sampling = sampling_params(self.config)
         outputs: list[dict[str, Any]] = []
         api_calls = 0
+        mark_key = outcome_key(request_key(self.config.base_url, self.config.model, request, sampling, 0))
+        mark = self.cache.get(mark_key)
+        end = self.config.max_parse_attempts
+        if mark is not None and mark.get("outcome") == "rejected":
+            if not self.retry_rejected:
+                usage.skipped_rejected += 1
+                why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
+                return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+            end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
+        elif mark is not None:  # answered by an attempt of a retry round
+            end = max(end, mark["end"])
+        state = {"mark_key": mark_key, "end": end}
         key = ""
-        for attempt in range(self.config.max_parse_attempts):
+        last_code = "malformed"
+        for attempt in range(end):
             key = request_key(self.config.base_url, self.config.model, request, sampling, attempt)
             entry = self.cache.get(key)
             if entry is not None:
@@ -361,10 +400,11 @@ class LLMClient:
                     entry = await self._call(client, semaphore, request, sampling, usage)
                 except _RetryableError as error:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
+                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls, "gave_up")
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
+                    state["end"] = attempt + 1
                     return self._reject(request, key, usage, f"{type(error).__name__}: {error}", outputs, attempt + 1,
-                                        api_calls)
+                                        api_calls, f"http_{error.status_code}", state)
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
@@ -373,13 +413,24 @@ class LLMClient:
                 if not text.strip():
                     raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
                 value = parse(text) if parse is not None else text
+                if check is not None:
+                    value = check(request, value)
             except MalformedOutput as error:
-                usage.malformed += 1
+                last_code = "quality" if isinstance(error, RejectedOutput) else "malformed"
+                if last_code == "quality":
+                    usage.quality_rejected += 1
+                else:
+                    usage.malformed += 1
                 outputs.append({"attempt": attempt, "text": text, "error": str(error)})
                 continue
+            if mark is not None:  # a retry round answered: later reruns replay up to this attempt
+                self.cache.put(mark_key, {"key": mark_key, "task": request.task, "outcome": "answered",
+                                          "end": attempt + 1})
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        reason = f"malformed output in all {self.config.max_parse_attempts} attempts"
-        return self._reject(request, key, usage, reason, outputs, self.config.max_parse_attempts, api_calls)
+        what = "output failing the quality gates" if last_code == "quality" else "malformed output"
+        reason = f"{what} in all {self.config.max_parse_attempts} attempts"
+        return self._reject(request, key, usage, reason, outputs, self.config.max_parse_attempts, api_calls,
+                            last_code, state)
 
     def _reject(
         self,
@@ -390,12 +441,19 @@ class LLMClient:
         outputs: list[dict[str, Any]],
         attempts: int,
         api_calls: int,
+        code: str,
+        state: dict[str, Any] | None = None,
     ) -> LLMResult:
+        """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
+        rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
         usage.rejected += 1
         self.rejects.add(
-            {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts,
-             "outputs": outputs}
+            {"key": key, "kind": "request", "task": request.task, "meta": request.meta, "reason": code,
+             "error": reason, "attempts": attempts, "outputs": outputs}
         )
+        if state is not None:
+            self.cache.put(state["mark_key"], {"key": state["mark_key"], "task": request.task, "outcome": "rejected",
+                                               "reason": code, "error": reason, "end": state["end"]})
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
 
     async def _call(

@@ -49,6 +49,26 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def rejection_summary(stats: dict[str, Any]) -> list[str]:
+    """Console lines on what an LLM run rejected: items dropped by the quality gates per reason (and task), and
+    requests an earlier run rejected that were not asked again. Empty for a run without the LLM answerer."""
+    lines = []
+    quality = stats.get("quality")
+    if quality and quality.get("checked"):
+        reasons = ", ".join(f"{reason} {count}" for reason, count in quality["rejected"].items()) or "none"
+        lines.append(f"quality gates: {quality['kept']} of {quality['checked']} items kept; rejected: {reasons} "
+                     "(rejects.jsonl)")
+        for task, counts in quality["rejected_per_task"].items():
+            lines.append(f"  {task:<14} " + ", ".join(f"{reason} {count}" for reason, count in counts.items()))
+    elif quality and not quality.get("enabled", True):
+        lines.append("quality gates: off (quality.enabled: false)")
+    skipped = stats.get("llm_usage", {}).get("total", {}).get("skipped_rejected", 0)
+    if skipped:
+        lines.append(f"{skipped} request(s) rejected in an earlier run were not asked again (reasons in "
+                     "rejects.jsonl); --retry-rejected asks them again")
+    return lines
+
+
 def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins: int = 30) -> None:
     """Stacked histogram of conversation token lengths, one colour per task."""
     import matplotlib
