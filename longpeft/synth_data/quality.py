@@ -15,8 +15,9 @@ short reason code and a detail message; the first gate that fails gives the reas
   case, punctuation, thousands separators, number words and simple suffixes normalised) occur in the text
   the question was asked about (the chunk, the document, or the numbered documents); words the answer
   repeats from its question are left out of the count ("Greta Nagel was born in Paris" to "Where was Greta
-  Nagel born?" is judged by "Paris" alone); numbers are exempt in
-  the aggregating tasks (``multi_detail``, ``heterogeneous``), whose counts and sums are computed;
+  Nagel born?" is judged by "Paris" alone). A number must occur in the text whatever the fraction (a wrong
+  year is a wrong answer), except in the aggregating tasks (``multi_detail``, ``heterogeneous``), whose
+  counts, sums and gaps are computed: there numbers are not counted;
 - ``near_duplicate``: a question whose normalised word set has a Jaccard similarity of at least
   ``max_question_similarity`` with an earlier kept question of the same context (questions naming different
   numbers, "Document 1 or Document 3" against "Document 2 or Document 3", are different questions).
@@ -239,12 +240,13 @@ def ungrounded(answer: str, evidence_stems: set[str], min_fraction: float, drop_
         return None
     missing = [s for s in stems if s not in evidence_stems]
     present = 1 - len(missing) / len(stems)
-    if present + 1e-9 >= min_fraction:
+    if present + 1e-9 >= min_fraction and not any(s.isdigit() for s in missing):
         return None
     original = {stem(w): w for w in words(answer)}
     shown = ", ".join(repr(original.get(s, s)) for s in missing[:12]) + (" ..." if len(missing) > 12 else "")
+    need = f"need {min_fraction:.0%}" + (", and every number" if not drop_numbers else "")
     return (f"{len(missing)} of {len(stems)} content words not in the text asked about ({present:.0%} present, "
-            f"need {min_fraction:.0%}): {shown}")
+            f"{need}): {shown}")
 
 
 def _name_tokens(name: str, others: Iterable[str]) -> list[str]:
