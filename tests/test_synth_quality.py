@@ -62,6 +62,7 @@ GOOD_MULTI = [
     ("How many years passed between the building of the Varn lighthouse and the storm that destroyed half of the "
      "harbour wall?", "31 years: the lighthouse was built in 1843 and the storm struck in 1874."),
     ("Who kept the Varn lighthouse, in order?", "First Ilse Marten, then her son Pieter Marten."),
+    ("Which of the people named in the text was born in Oldmoor?", "None."),
 ]
 GOOD_BIOGRAPHIES = {
     "Ilse Marten": (
@@ -74,6 +75,10 @@ GOOD_BIOGRAPHIES = {
         "Pieter Marten is the son of Ilse Marten, the first keeper of the lighthouse. After a winter storm destroyed "
         "half of the harbour wall in 1874, he led forty volunteers in its repair. He later became the second keeper "
         "of the Varn lighthouse and married Anna Voss, the village schoolteacher."
+    ),
+    "Anna Voss": (  # named as often as her husband once "Anna's" counts as a mention
+        "Anna Voss was the village schoolteacher of Varn. Anna's husband was Pieter Marten, the son of the first "
+        "keeper; Pieter later became the second keeper of the lighthouse."
     ),
 }
 
@@ -89,6 +94,8 @@ BAD_SINGLE = [
      "refusal"),
     ("Who paid for the stone?", "As an AI language model, I cannot know who paid for it.", "refusal"),
     ("Sure, here are three questions about the text:", "1. When was the lighthouse built?", "refusal"),
+    ("What was the colour of the lamp?", "There is no mention of the lamp's colour in the text.", "refusal"),
+    ("Who built the lighthouse?", "N/A", "placeholder"),
     (".-", "1843.", "too_short"),
     ("Varn?", "A fishing village.", "too_short"),
     ("When was the lighthouse built?", "-", "too_short"),
@@ -117,7 +124,7 @@ def test_good_gpt4_class_rows_are_kept():
     bios = [(f"Write a short biography of {name}.", text) for name, text in GOOD_BIOGRAPHIES.items()]
     _, verdict = judge("biography", bios, gates, subjects=names)
     assert verdict.rejected == []
-    assert gates.report() == {"enabled": True, "checked": 11, "kept": 11, "rejected": {}, "rejected_per_task": {}}
+    assert gates.report() == {"enabled": True, "checked": 13, "kept": 13, "rejected": {}, "rejected_per_task": {}}
 
 
 @pytest.mark.parametrize("question,answer,reason", BAD_SINGLE, ids=[f"{r}-{i}" for i, (_, _, r) in

@@ -167,8 +167,8 @@ def numbers(text: str) -> set[str]:
 _PLACEHOLDER_WORDS = frozenset({
     "question", "answer", "string", "text", "name", "biography", "placeholder", "example", "todo", "tbd", "tba",
     "n/a", "na", "xxx", "your question", "your answer", "your question here", "your answer here", "question here",
-    "answer here", "insert question", "insert answer", "lorem ipsum", "null", "none", "undefined",
-})
+    "answer here", "insert question", "insert answer", "lorem ipsum", "null", "undefined",
+})  # not "none": "None." answers "which ... both?" correctly
 _PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
 _BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
 _JSON_FORMAT = re.compile(r"\"\s*(?:qa_pairs|question|answer|biographies|biography|name)\s*\"\s*:")
@@ -182,9 +182,12 @@ _REFUSALS = [re.compile(pattern, re.IGNORECASE) for pattern in (
     r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
     r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
     r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
-    r"\b(?:is|are|was|were) not (?:mentioned|stated|specified|provided|given|described|included) in the "
+    r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
+    r"in the "
     r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
     r"\bnot enough information\b",
+    r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
+    r"context|story)",
     r"\bno information (?:is |was )?(?:given|provided|available)\b",
 )]
 
@@ -196,7 +199,7 @@ def placeholder(text: str) -> str | None:
         return f"{stripped!r} is a placeholder"
     if _BRACKETED.fullmatch(stripped):
         return f"{stripped!r} is a template slot"
-    if " ".join(words(stripped)) in _PLACEHOLDER_WORDS:
+    if " ".join(words(stripped)) in _PLACEHOLDER_WORDS or stripped.lower().rstrip(".") in _PLACEHOLDER_WORDS:
         return f"{stripped!r} is a placeholder word"
     if "lorem ipsum" in stripped.lower():
         return "contains 'lorem ipsum'"
@@ -256,6 +259,11 @@ def _name_tokens(name: str, others: Iterable[str]) -> list[str]:
     return [w for w in own if w not in shared] or own
 
 
+def name_words(text: str) -> list[str]:
+    """Words of ``text`` with possessives dropped ("Marten's" -> "marten"), to find names."""
+    return [re.sub(r"['’]s$", "", word) for word in words(text)]
+
+
 def _mentions(tokens: Sequence[str], counts: Counter[str]) -> int:
     return max((counts[t] for t in tokens), default=0)
 
@@ -266,7 +274,7 @@ def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_wor
     tokens = _name_tokens(name, others)
     if not tokens:
         return f"the requested name {name!r} has no letters"
-    counts = Counter(words(biography))
+    counts = Counter(name_words(biography))
     own = _mentions(tokens, counts)
     if not own:
         return f"the biography never names {name!r}"
@@ -318,7 +326,7 @@ class QualityGates:
             verdict.kept = list(items)
             return verdict
         cfg = self.config
-        evidence_words = set(words(evidence))
+        evidence_words = set(name_words(evidence))
         evidence_stems = {stem(w) for w in evidence_words}
         grams = echo_grams(instructions, evidence, cfg.echo_words) if instructions else set()
         kept_questions = list(earlier_questions)
