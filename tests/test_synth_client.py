@@ -331,3 +331,16 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
     # 4 x 5/3.5, 4 x 12/3.5
     assert counts == {"single_detail": 2, "multi_detail": 2, "plain_text": 6, "instruction": 14}
     assert server.auth_headers  # the LLM answered
+
+
+def test_a_failed_retry_round_is_recorded_again(tmp_path):
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
+    record (the first is kept), and a plain rerun skips it again."""
+    with StubServer() as server:
+        make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
+        assert not again.ok and again.attempts == 6 and again.api_calls == 3 and server.calls == 6
+        [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        assert not skipped.ok and server.calls == 6
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"

@@ -428,9 +428,8 @@ class LLMClient:
                                           "end": attempt + 1})
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
         what = "output failing the quality gates" if last_code == "quality" else "malformed output"
-        reason = f"{what} in all {self.config.max_parse_attempts} attempts"
-        return self._reject(request, key, usage, reason, outputs, self.config.max_parse_attempts, api_calls,
-                            last_code, state)
+        reason = f"{what} in all {end} attempts"  # more than max_parse_attempts in a --retry-rejected round
+        return self._reject(request, key, usage, reason, outputs, end, api_calls, last_code, state)
 
     def _reject(
         self,
