@@ -25,11 +25,12 @@ def parse_qa(text: str) -> dict:
     return parse_json_object(text, ["qa_pairs"])
 
 
-def make_client(server: StubServer, tmp_path: Path, **overrides) -> LLMClient:
+def make_client(server: StubServer, tmp_path: Path, retry_rejected: bool = False, **overrides) -> LLMClient:
     settings = dict(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, backoff_initial=0.01,
                     backoff_max=0.05, max_concurrency=4, timeout=5.0)
     settings.update(overrides)
-    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
+    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False,
+                     retry_rejected=retry_rejected)
 
 
 def request(text: str, task: str = "t") -> LLMRequest:
@@ -133,8 +134,76 @@ def test_rerun_is_served_from_cache_with_zero_calls(tmp_path):
         assert server.calls == calls  # nothing repeated, not even the malformed attempts
     assert [r.value for r in first] == [r.value for r in second]
     usage = second_client.usage_report()["total"]
-    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6 + 3
+    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6  # the rejected request is not even replayed
+    assert usage["skipped_rejected"] == 1 and "--retry-rejected" in second[-1].error
     assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 1  # not duplicated on rerun
+
+
+def test_retry_rejected_asks_again_and_keeps_what_was_answered(tmp_path):
+    """A request rejected for malformed output is marked with its reason: a rerun skips it, --retry-rejected
+    (``retry_rejected``) asks it again with new attempts, and a later plain rerun replays that answer."""
+    requests = [request("fine"), request("bad three times [[bad*3]]")]
+    with StubServer() as server:
+        first = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert first[0].ok and not first[1].ok and server.calls == 1 + 3
+        skipped = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert server.calls == 4 and not skipped[1].ok
+        assert "rejected in an earlier run (malformed:" in skipped[1].error
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        again = retry.run(requests, parse=parse_qa)
+        assert again[1].ok and again[1].attempts == 4  # 3 cached malformed answers replayed, then 1 new call
+        assert server.calls == 4 + 1 and retry.usage_report()["total"]["cache_hits"] == 1 + 3
+        later = make_client(server, tmp_path)
+        replayed = later.run(requests, parse=parse_qa)
+        assert server.calls == 5 and [r.value for r in replayed] == [r.value for r in again]
+        assert later.usage_report()["total"]["skipped_rejected"] == 0
+    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "malformed" and reject["kind"] == "request"
+
+
+def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
+    """``check`` raising RejectedOutput makes a new attempt, like malformed output; when every attempt fails,
+    the reject record says 'quality', and --retry-rejected asks again."""
+    from longpeft.synth_data.llm_client import RejectedOutput
+
+    verdicts = iter([False, True] + [False] * 3 + [False] * 3 + [True])  # a; b; b retried: 3 replayed, 1 new
+
+    def check(req, value):
+        if not next(verdicts):
+            raise RejectedOutput("every item failed the quality gates (placeholder)")
+        return value
+
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_parse_attempts=3)
+        [second_try] = client.run([request("a")], parse=parse_qa, check=check)
+        [hopeless] = client.run([request("b")], parse=parse_qa, check=check)
+        assert second_try.ok and second_try.attempts == 2 and not hopeless.ok
+        assert client.usage_report()["total"]["quality_rejected"] == 1 + 3
+        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert reject["reason"] == "quality" and "quality gates" in reject["error"]
+        [skipped] = make_client(server, tmp_path).run([request("b")], parse=parse_qa, check=check)
+        assert not skipped.ok and server.calls == 2 + 3
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        [retried] = retry.run([request("b")], parse=parse_qa, check=check)
+        assert retried.ok and retried.attempts == 4 and server.calls == 2 + 3 + 1
+        [relaxed] = make_client(server, tmp_path, retry_rejected=True).run([request("b")], parse=parse_qa,
+                                                                          check=lambda req, value: value)
+        assert relaxed.ok and relaxed.attempts == 1 and server.calls == 6  # a relaxed check costs no call
+
+
+def test_transient_failures_are_not_marked_rejected(tmp_path):
+    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    with StubServer() as server:
+        down, refused = make_client(server, tmp_path, max_retries=1).run(
+            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa)
+        assert not down.ok and not refused.ok
+        again = make_client(server, tmp_path).run([request("down [[503*2]]"), request("refused [[400*1]]")],
+                                                  parse=parse_qa)
+        assert again[0].ok and not again[1].ok
+        assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
+            again[1].error)
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(reasons) == ["gave_up", "http_refused"]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
@@ -266,6 +335,19 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
     assert server.auth_headers  # the LLM answered
 
 
+def test_a_failed_retry_round_is_recorded_again(tmp_path):
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
+    record (the first is kept), and a plain rerun skips it again."""
+    with StubServer() as server:
+        make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
+        assert not again.ok and again.attempts == 6 and again.api_calls == 3 and server.calls == 6
+        [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        assert not skipped.ok and server.calls == 6
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"
+
+
 # ---- structured output: one schema for the request and the parser ---------------------------------------------
 
 
@@ -352,7 +434,8 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
     request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
     from longpeft.synth_data.qa import parse_qa_pairs
 
-    requests = [qa_request(f"Text number {i}.") for i in range(6)]
+    requests = [qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")
+                for i in range(6)]
     with StubServer(structured="refuse", latency=0.02) as server:
         client = make_client(server, tmp_path, max_concurrency=3)
         results = client.run(requests, parse=parse_qa_pairs)
@@ -366,7 +449,7 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("refused structured output") == 1 and "not supported by this server" in err
         usage = client.usage_report()["total"]
-        assert usage["rejected"] == 0 and usage["refused"] == 0
+        assert usage["rejected"] == 0 and usage["rejected_reasons"] == {}  # a fallback is no rejection
         rerun = make_client(server, tmp_path)
         assert all(r.ok for r in rerun.run(requests, parse=parse_qa_pairs))
         assert rerun.usage_report()["total"]["cache_hits"] == 6
@@ -393,7 +476,7 @@ def test_a_400_that_is_not_about_structured_output_is_no_fallback(tmp_path, caps
         assert server.response_formats[-1] is not None  # still structured
     err = capsys.readouterr().err
     assert err.count("injected HTTP 400") == 3 and "further refusals are counted" in err
-    assert client.usage_report()["total"]["refused"] == 5
+    assert client.usage_report()["total"]["rejected_reasons"] == {"http_refused": 5}
     rejects = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
     assert len(rejects) == 5 and all(r["reason"] == "http_refused" and "injected HTTP 400" in r["error"]
                                      for r in rejects)
@@ -419,7 +502,10 @@ def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
     with StubServer() as server:
         refused = make_client(server, tmp_path, context_tokens=108).run([request])
         assert server.calls == 0 and not refused[0].ok and "prompt_too_long" in refused[0].error
-        assert make_client(server, tmp_path, context_tokens=109).run([request])[0].ok and server.calls == 1
+        [skipped] = make_client(server, tmp_path, context_tokens=109).run([request])  # marked: not asked again
+        assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
+        retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
+        assert retry.run([request])[0].ok and server.calls == 1
         words = LLMClient(LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
                           tmp_path / "c2", tmp_path / "r2.jsonl", show_progress=False,
                           count_tokens=lambda t: len(t.split()))
@@ -542,6 +628,17 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["counts"] == {"single_detail": 1, "biography": 1}
     total = stats["llm_usage"]["total"]
-    assert total["rejected"] == total["refused"] == 3  # 2 chunks and 1 book
-    assert "of the rejected: 3 refused by the endpoint (HTTP 4xx; the first reasons are above)" in captured.out
+    assert total["rejected"] == 3 and total["rejected_reasons"] == {"http_refused": 3}  # 2 chunks and 1 book
+    assert "requests rejected: http_refused 3 (rejects.jsonl; HTTP 4xx reasons: the first are above)" in captured.out
     assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
+
+
+def test_a_bare_off_in_yaml_is_the_structured_mode_off():
+    """YAML 1.1 reads ``structured: off`` (and ``--set llm.structured=off``) as false: it means ``off``."""
+    import yaml
+
+    assert LLMConfig(**yaml.safe_load("structured: off")).structured == "off"
+    assert LLMConfig(structured=False).structured == "off"
+    assert LLMConfig(structured="off").structured == "off" and LLMConfig().structured == "auto"
+    with pytest.raises(ValueError, match="structured"):
+        LLMConfig(structured=True)

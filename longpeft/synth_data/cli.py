@@ -20,7 +20,10 @@ Examples::
     longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
 
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
-calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
+calls; requests rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's
+context) are not asked again unless ``--retry-rejected``. Every LLM-written item passes the quality gates
+(``quality:`` in the config; longpeft/synth_data/quality.py). Flags override the config file;
+``--set key.sub=value`` reaches any config field.
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     llm.add_argument("--check-endpoint", action="store_true",
                      help="send one small request to the endpoint and print the model, latency, whether structured "
                      "output works and the context length; exit 0 when usable as configured, 1 when not")
+    llm.add_argument("--retry-rejected", action="store_true",
+                     help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
+                     "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many")
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
@@ -144,6 +150,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_client.LLMRunAborted`) for
     the command line's one error boundary (:func:`longpeft.cli.main`, exit status 2)."""
     from .pipeline import synthesize
+    from .report import rejection_summary
 
     config = resolve_config(args)
     if args.print_config:
@@ -164,7 +171,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
-    dataset, stats = synthesize(config, args.out)
+    dataset, stats = synthesize(config, args.out, retry_rejected=args.retry_rejected)
     print(f"\nlongpeft synth -> {args.out}  ({len(dataset)} conversations)")
     for task, count in stats["counts"].items():
         tokens = stats["tokens_per_task"].get(task, {})
@@ -176,11 +183,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
-        parts = [f"{total[key]} {what}" for key, what in (
-            ("refused", "refused by the endpoint (HTTP 4xx; the first reasons are above)"),
-            ("prompt_too_long", "prompts longer than its context (not sent)")) if total.get(key)]
-        if parts:
-            print(f"  of the rejected: {', '.join(parts)}")
+    for line in rejection_summary(stats):
+        print(f"  {line}")
     if not len(dataset):
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)

@@ -11,13 +11,21 @@ What it adds on top of the ``openai`` package:
   run) are never served as another's. Caches written before the base URL joined the key are not reused;
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file;
+  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file; a
+  ``check`` function (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`);
 - structured output (``structured``): each request asks for its output schema through ``response_format``;
   with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
-  to the prompt-only JSON contract for the rest of its life, with one line on the console;
+  to the prompt-only JSON contract for the rest of its life, with one line on the console (a fallback, not a
+  rejection: the request is asked again at once without ``response_format``);
 - requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
   :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
   (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending;
+- a request rejected for good (:data:`REJECT_REASONS`: malformed or gated output in every attempt, an HTTP
+  4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
+  does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
+  ``retry_rejected``, which asks it again with new attempt numbers (the earlier answers are replayed from the
+  cache first, so relaxed gates cost nothing). A request given up after transient failures (timeouts, 429,
+  5xx; reason ``gave_up``) is not marked: a rerun asks it again;
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -41,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from tqdm.auto import tqdm
 
 from ..config import StrictModel
@@ -83,6 +91,12 @@ class LLMConfig(StrictModel):
         "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check"
     )
 
+    @field_validator("structured", mode="before")
+    @classmethod
+    def _bare_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` (``structured: off``, ``--set llm.structured=off``) as ``false``."""
+        return "off" if value is False else value
+
 
 class ResponseSchema(Protocol):
     """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
@@ -94,6 +108,11 @@ class ResponseSchema(Protocol):
 
 class MalformedOutput(ValueError):
     """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
+
+
+class RejectedOutput(MalformedOutput):
+    """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the
+    quality gates): the request is asked again as a new attempt, like malformed output."""
 
 
 class LLMRunAborted(LongpeftError, RuntimeError):
@@ -145,9 +164,10 @@ class TaskUsage:
     cached_completion_tokens: int = 0
     retries: int = 0
     malformed: int = 0
+    quality_rejected: int = 0  # attempts whose every item failed the quality gates
     rejected: int = 0
-    refused: int = 0  # of ``rejected``: refused by the endpoint with HTTP 4xx
-    prompt_too_long: int = 0  # of ``rejected``: longer than the endpoint's context, never sent
+    rejected_reasons: dict[str, int] = field(default_factory=dict)  # ``rejected`` per reason (REJECT_REASONS)
+    skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)
 
 
 class _RetryableError(Exception):
@@ -157,6 +177,13 @@ class _RetryableError(Exception):
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
+REJECT_REASONS = ("malformed", "quality", "http_refused", "prompt_too_long", "gave_up")
+"""Why a request was rejected for good (``reason`` in the rejects file, ``rejected_reasons`` in the usage):
+``malformed`` output or output failing the ``quality`` gates in every attempt, ``http_refused`` by the endpoint
+with HTTP 4xx (the error holds the server's reason), a prompt longer than the endpoint's context
+(``prompt_too_long``, never sent), ``gave_up`` after transient failures. All but ``gave_up`` are marked in the
+cache (a rerun skips them unless ``retry_rejected``). A refusal of structured output that makes ``auto`` fall
+back to the prompt is not a rejection."""
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals whose server reason is printed; the rest are counted
 # Words of a 400/422 body that refuses structured output (OpenAI: "Invalid parameter: 'response_format' of type
 # 'json_schema' is not supported with this model"; vLLM/FastAPI validation: loc ["body", "response_format"];
@@ -214,8 +241,14 @@ def request_key(base_url: str, model: str, request: LLMRequest, sampling: dict[s
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
+def outcome_key(first_key: str) -> str:
+    """Cache key of a request's outcome mark, from the key of its first attempt."""
+    return hashlib.sha256(f"{first_key}/outcome".encode()).hexdigest()
+
+
 class ResponseCache:
-    """One JSON file per answered request under ``root/<key[:2]>/<key>.json``, written atomically."""
+    """One JSON file per answered request (and per outcome mark, :func:`outcome_key`) under
+    ``root/<key[:2]>/<key>.json``, written atomically."""
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
@@ -304,6 +337,7 @@ class LLMClient:
         count_tokens: text -> tokens, for the prompt-length check against the endpoint's context (the builder's
             training tokenizer); without it a prompt is estimated at :data:`CHARS_PER_TOKEN_ESTIMATE` characters
             per token, fewer tokens than usual vocabularies give, so only surely-too-long prompts are refused.
+        retry_rejected: ask again the requests an earlier run rejected (by default they are skipped).
     """
 
     def __init__(
@@ -313,8 +347,10 @@ class LLMClient:
         rejects_path: str | os.PathLike[str],
         show_progress: bool = True,
         count_tokens: Callable[[str], int] | None = None,
+        retry_rejected: bool = False,
     ):
         self.config = config
+        self.retry_rejected = retry_rejected
         self.cache = ResponseCache(cache_dir)
         self.rejects = RejectsLog(rejects_path)
         self.show_progress = show_progress
@@ -333,13 +369,15 @@ class LLMClient:
         requests: Sequence[LLMRequest],
         parse: Callable[[str], Any] | None = None,
         desc: str = "LLM requests",
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> list[LLMResult]:
         """Send every request (concurrently, cached, retried); results come back in request order.
 
         ``parse(text)`` turns the model's text into a value or raises :class:`MalformedOutput`;
-        without it the text itself is the value.
+        without it the text itself is the value. ``check(request, value)`` then returns the value to keep
+        or raises :class:`RejectedOutput` (a new attempt follows).
         """
-        coroutine = self.arun(requests, parse, desc)
+        coroutine = self.arun(requests, parse, desc, check)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -365,6 +403,7 @@ class LLMClient:
         requests: Sequence[LLMRequest],
         parse: Callable[[str], Any] | None = None,
         desc: str = "LLM requests",
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> list[LLMResult]:
         """Async form of :meth:`run`."""
         import openai
@@ -389,7 +428,7 @@ class LLMClient:
         try:
 
             async def one(request: LLMRequest) -> LLMResult:
-                result = await self._complete(client, semaphore, request, parse)
+                result = await self._complete(client, semaphore, request, parse, check)
                 bar.update(1)
                 bar.set_postfix(self._postfix(), refresh=False)
                 return result
@@ -409,10 +448,15 @@ class LLMClient:
     def usage_report(self) -> dict[str, Any]:
         """Per-task token accounting plus totals, as a JSON-ready dict."""
         tasks = {name: vars(usage).copy() for name, usage in sorted(self.usage.items())}
-        total: dict[str, int] = {}
+        total: dict[str, Any] = {}
         for usage in tasks.values():
             for key, value in usage.items():
-                total[key] = total.get(key, 0) + value
+                if isinstance(value, dict):  # rejected_reasons: summed per reason
+                    merged = total.setdefault(key, {})
+                    for reason, count in value.items():
+                        merged[reason] = merged.get(reason, 0) + count
+                else:
+                    total[key] = total.get(key, 0) + value
         return {"model": self.config.model, "base_url": self.config.base_url, "tasks": tasks, "total": total}
 
     def context_limit(self) -> tuple[int, str] | None:
@@ -467,9 +511,9 @@ class LLMClient:
             self._say(f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
                       "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
 
-    def _refusal(self, request: LLMRequest, usage: TaskUsage, error: Any) -> str:
-        """Count an HTTP 4xx refusal and print the server's reason for the first :data:`SHOWN_REFUSALS`."""
-        usage.refused += 1
+    def _refusal(self, request: LLMRequest, error: Any) -> str:
+        """Count an HTTP 4xx refusal (reason ``http_refused``) and print the server's reason for the first
+        :data:`SHOWN_REFUSALS`."""
         self.refusals += 1
         reason = f"HTTP {error.status_code}: {server_reason(error)}"
         if self.refusals <= SHOWN_REFUSALS:
@@ -489,6 +533,7 @@ class LLMClient:
         semaphore: asyncio.Semaphore,
         request: LLMRequest,
         parse: Callable[[str], Any] | None,
+        check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> LLMResult:
         import openai
 
@@ -496,18 +541,33 @@ class LLMClient:
         sampling = sampling_params(self.config)
         outputs: list[dict[str, Any]] = []
         api_calls = 0
+        # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
+        # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
+        # answers themselves are keyed on what is sent, sampling and response_format).
+        first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
+        mark_key = outcome_key(first_key)
+        mark = self.cache.get(mark_key)
+        end = self.config.max_parse_attempts
+        if mark is not None and mark.get("outcome") == "rejected":
+            if not self.retry_rejected:
+                usage.skipped_rejected += 1
+                why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
+                return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+            end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
+        elif mark is not None:  # answered by an attempt of a retry round
+            end = max(end, mark["end"])
+        state = {"mark_key": mark_key, "end": end}
         key = ""
+        last_code = "malformed"
         limit = self.context_limit()
         if limit is not None and _utf8_bytes(request) + MESSAGE_OVERHEAD_TOKENS * len(request.messages) >= limit[0]:
             tokens, counted = self.prompt_tokens(request)  # tokens <= bytes: a shorter prompt surely fits, uncounted
             if tokens >= limit[0]:
-                usage.prompt_too_long += 1
-                key = request_key(self.config.base_url, self.config.model, request,
-                                  {**sampling, **self._structured(request)}, 0)
+                state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
                 reason = (f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
                           f"{limit[0]} ({limit[1]}); not sent")
-                return self._reject(request, key, usage, reason, outputs, 0, 0, code="prompt_too_long")
-        for attempt in range(self.config.max_parse_attempts):
+                return self._reject(request, first_key, usage, reason, outputs, 0, 0, "prompt_too_long", state)
+        for attempt in range(end):
             entry = None
             while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
                 sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
@@ -524,14 +584,15 @@ class LLMClient:
                         continue
                 except _RetryableError as error:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls)
+                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls, "gave_up")
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
                     if "response_format" in sent and refuses_structured_output(error):
-                        self._structured_refusal(error)  # raises unless llm.structured is auto
+                        self._structured_refusal(error)  # raises unless llm.structured is auto; not a rejection
                         continue
-                    reason = self._refusal(request, usage, error)
+                    state["end"] = attempt + 1
+                    reason = self._refusal(request, error)
                     return self._reject(request, key, usage, f"{type(error).__name__}: {reason}", outputs,
-                                        attempt + 1, api_calls, code="http_refused")
+                                        attempt + 1, api_calls, "http_refused", state)
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
@@ -540,13 +601,23 @@ class LLMClient:
                 if not text.strip():
                     raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
                 value = parse(text) if parse is not None else text
+                if check is not None:
+                    value = check(request, value)
             except MalformedOutput as error:
-                usage.malformed += 1
+                last_code = "quality" if isinstance(error, RejectedOutput) else "malformed"
+                if last_code == "quality":
+                    usage.quality_rejected += 1
+                else:
+                    usage.malformed += 1
                 outputs.append({"attempt": attempt, "text": text, "error": str(error)})
                 continue
+            if mark is not None:  # a retry round answered: later reruns replay up to this attempt
+                self.cache.put(mark_key, {"key": mark_key, "task": request.task, "outcome": "answered",
+                                          "end": attempt + 1})
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        reason = f"malformed output in all {self.config.max_parse_attempts} attempts"
-        return self._reject(request, key, usage, reason, outputs, self.config.max_parse_attempts, api_calls)
+        what = "output failing the quality gates" if last_code == "quality" else "malformed output"
+        reason = f"{what} in all {end} attempts"  # more than max_parse_attempts in a --retry-rejected round
+        return self._reject(request, key, usage, reason, outputs, end, api_calls, last_code, state)
 
     def _reject(
         self,
@@ -557,14 +628,20 @@ class LLMClient:
         outputs: list[dict[str, Any]],
         attempts: int,
         api_calls: int,
-        code: str | None = None,
+        code: str,
+        state: dict[str, Any] | None = None,
     ) -> LLMResult:
+        """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
+        rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
         usage.rejected += 1
-        record = {"key": key, "task": request.task, "meta": request.meta, "error": reason, "attempts": attempts,
-                  "outputs": outputs}
-        if code is not None:
-            record["reason"] = code
-        self.rejects.add(record)
+        usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
+        self.rejects.add(
+            {"key": key, "kind": "request", "task": request.task, "meta": request.meta, "reason": code,
+             "error": reason, "attempts": attempts, "outputs": outputs}
+        )
+        if state is not None:
+            self.cache.put(state["mark_key"], {"key": state["mark_key"], "task": request.task, "outcome": "rejected",
+                                               "reason": code, "error": reason, "end": state["end"]})
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
