@@ -15,6 +15,14 @@ Directives (comma-separated inside one ``[[...]]``):
   page), always / for the first call only;
 - ``slow=0.5*1``: the first call sleeps 0.5 s more before answering.
 
+Structured output (``structured=``): ``"ignore"`` (default) answers as if ``response_format`` were
+absent; ``"accept"`` checks it (a ``json_schema`` needs ``name``, ``schema`` and ``strict``; HTTP 400
+otherwise) and answers only the fields the schema requires (the same grounded items, so they pass the
+quality gates as in the other modes); ``"refuse"`` answers HTTP 400 to any request
+carrying it, as a server without structured output does. ``GET /v1/models`` lists the model (with the
+``models_info`` fields, e.g. vLLM's ``max_model_len``) and ``GET /props`` answers ``props`` (llama.cpp's
+``n_ctx``, ``total_slots``), or 404 when it is ``None``.
+
 Usage::
 
     with StubServer(latency=0.05) as server:
@@ -37,22 +45,77 @@ from typing import Any
 _DIRECTIVE = re.compile(r"\[\[(.*?)\]\]")
 
 
-def default_reply(body: dict[str, Any]) -> str:
-    """A well-formed JSON answer carrying every field the synth_data prompts ask for."""
+_TAGGED = re.compile(r"<(excerpt|document|book|document \d+)>\n(.*?)\n</\1>", re.DOTALL)
+_SENTENCE = re.compile(r"(?<=[.!?])\s+")
+_NAME = re.compile(r"\b[A-Z][a-z]+ [A-Z][a-z]+\b")
+
+
+def _sentences(body: dict[str, Any]) -> list[str]:
+    """Sentences (4 words or more) of the text inside the prompt's tags, else of the whole prompt."""
     prompt = "\n".join(str(m.get("content", "")) for m in body.get("messages", []))
-    digest = hashlib.sha256(prompt.encode("utf-8")).hexdigest()[:8]
+    texts = [match.group(2) for match in _TAGGED.finditer(prompt)] or [prompt]
+    found = [s.strip() for text in texts for s in _SENTENCE.split(text) if len(s.split()) >= 4]
+    return list(dict.fromkeys(found)) or [prompt.strip() or "The text is empty."]
+
+
+def default_reply(body: dict[str, Any]) -> str:
+    """A well-formed JSON answer carrying every field the synth_data prompts ask for, grounded in the prompt's
+    text so that it passes the quality gates: each answer is a sentence of the text (chosen by a hash of the
+    prompt), each question quotes its first words; each biography gathers the sentences naming one of the two
+    names (capitalised word pairs) the text mentions most."""
+    sentences = _sentences(body)
+    digest = int(hashlib.sha256("".join(sentences).encode("utf-8")).hexdigest()[:8], 16)
+    chosen: dict[str, str] = {}
+    for offset in range(len(sentences)):
+        sentence = sentences[(digest + offset * 7) % len(sentences)]
+        chosen.setdefault(" ".join(sentence.split()[:6]), sentence)
+        if len(chosen) == 3:
+            break
+    counts: dict[str, int] = {}
+    for name in _NAME.findall(" ".join(sentences)):
+        counts[name] = counts.get(name, 0) + 1
+    names = sorted(counts, key=lambda n: (-counts[n], n))[:2]
     return json.dumps(
         {
             "qa_pairs": [
-                {"question": f"What detail {digest}-{i} does the text state?", "answer": f"Detail {digest}-{i}."}
-                for i in range(3)
+                {"question": f'Which sentence of the text begins with the words "{start}"?', "answer": sentence}
+                for start, sentence in chosen.items()
             ],
             "biographies": [
-                {"name": f"Person {digest}-{i}", "biography": f"Person {digest}-{i} appears in the text."}
-                for i in range(2)
+                {"name": name, "biography": " ".join([s for s in sentences if name in s][:6])} for name in names
             ],
         }
     )
+
+
+def junk_reply(body: dict[str, Any]) -> str:
+    """:func:`default_reply`'s grounded items plus one bad item per quality gate (placeholder, prompt echo,
+    refusal, too short, ungrounded, near-duplicate; for biographies: too short, a name not in the book, a
+    biography of someone else): what a weak model writes. ``python tests/stub_server.py --junk`` serves it."""
+    good = json.loads(default_reply(body))
+    pairs, bios = good["qa_pairs"], good["biographies"]
+    first = pairs[0]
+    pairs = pairs + [
+        {"question": "...", "answer": "..."},
+        {"question": "Every question must be self-contained: name the people, places or things it asks about?",
+         "answer": first["answer"]},
+        {"question": "What does the text say about the harbour master?",
+         "answer": "I'm sorry, but the text does not mention a harbour master."},
+        {"question": ".-", "answer": first["answer"]},
+        {"question": "Which colour was the dragon that guarded the glass mountain?",
+         "answer": "A purple dragon guarded the glass mountain beside a silver lake."},
+        {"question": first["question"].replace("Which sentence", "Which sentence exactly"), "answer": first["answer"]},
+    ]
+    if bios:
+        name, text = bios[0]["name"], bios[0]["biography"]
+        bios = bios + [
+            {"name": "Zed Quorrin", "biography": text.replace(name, "Zed Quorrin") + " Zed Quorrin left the town."},
+            {"name": name + " Junior", "biography": name},
+        ]
+        if len(bios) > 3:
+            other = bios[1]
+            bios.append({"name": name, "biography": f"{other['biography']} {name} was mentioned once."})
+    return json.dumps({"qa_pairs": pairs, "biographies": bios})
 
 
 class StubServer:
@@ -68,9 +131,17 @@ class StubServer:
         Authorization header received (tests check the key was sent and never written).
     """
 
-    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply):
+    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply,
+                 structured: str = "ignore", models_info: dict[str, Any] | None = None,
+                 props: dict[str, Any] | None = None):
+        assert structured in ("ignore", "accept", "refuse"), structured
         self.latency = latency
         self.reply = reply
+        self.structured = structured
+        self.models_info = models_info or {}
+        self.props = props
+        self.response_formats: list[Any] = []  # the response_format of every chat request (None: absent)
+        self.gets: list[str] = []  # paths of the GET requests
         self.lock = threading.Lock()
         self.calls = 0
         self.statuses: Counter[int] = Counter()
@@ -100,10 +171,23 @@ class StubServer:
             def log_message(self, *args: Any) -> None:  # keep test output clean
                 pass
 
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                with server.lock:
+                    server.gets.append(self.path)
+                if self.path == "/v1/models":
+                    self.reply_with(200, {"object": "list", "data": [{"id": "stub", "object": "model",
+                                                                **server.models_info}]})
+                elif self.path == "/props" and server.props is not None:
+                    self.reply_with(200, server.props)
+                else:
+                    self.reply_with(404, {"error": {"message": f"no route {self.path}"}})
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 length = int(self.headers.get("Content-Length", 0))
                 body = json.loads(self.rfile.read(length) or b"{}")
-                status, payload, *extra = server._answer(body, self.headers.get("Authorization", ""))
+                self.reply_with(*server._answer(body, self.headers.get("Authorization", "")))
+
+            def reply_with(self, status: int, payload: Any, *extra: dict[str, str]) -> None:
                 headers = {"Content-Type": "application/json", **(extra[0] if extra else {})}
                 if isinstance(payload, str):  # a raw page, not JSON
                     data, headers["Content-Type"] = payload.encode("utf-8"), "text/html"
@@ -138,8 +222,31 @@ class StubServer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
+    def _structured_error(self, response_format: Any) -> str | None:
+        """Why this server refuses ``response_format`` (``None``: it is accepted)."""
+        if response_format is None or self.structured == "ignore":
+            return None
+        if self.structured == "refuse":
+            return f"response_format of type {response_format.get('type')!r} is not supported by this server"
+        if response_format.get("type") == "json_object":
+            return None
+        spec = response_format.get("json_schema")
+        if response_format.get("type") != "json_schema" or not isinstance(spec, dict):
+            return f"invalid response_format {response_format!r}"
+        missing = [key for key in ("name", "schema", "strict") if key not in spec]
+        return f"response_format.json_schema lacks {missing}" if missing else None
+
     def _answer(self, body: dict[str, Any], authorization: str) -> tuple[Any, ...]:
         """``(status, payload[, headers])``: payload is a JSON body, or a ``str`` sent as an HTML page."""
+        response_format = body.get("response_format")
+        with self.lock:
+            self.response_formats.append(response_format)
+        refused = self._structured_error(response_format)
+        if refused is not None:
+            with self.lock:
+                self.calls += 1
+                self.statuses[400] += 1
+            return 400, {"error": {"message": refused, "type": "invalid_request_error", "param": "response_format"}}
         messages = body.get("messages", [])
         prompt = json.dumps(messages, sort_keys=True)
         prompt_hash = hashlib.sha256(prompt.encode("utf-8")).hexdigest()
@@ -177,6 +284,9 @@ class StubServer:
         if html:
             return 200, "<html><body>Please sign in</body></html>"
         content = "this is {not json" if bad else self.reply(body)
+        if not bad and self.structured == "accept" and (response_format or {}).get("type") == "json_schema":
+            required = response_format["json_schema"]["schema"].get("required", [])
+            content = json.dumps({k: v for k, v in json.loads(content).items() if k in required})
         prompt_tokens = max(1, len(prompt) // 4)
         completion_tokens = max(1, len(content) // 4)
         return 200, {
@@ -202,8 +312,12 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="OpenAI-compatible stub server on 127.0.0.1")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
+    parser.add_argument("--structured", choices=["ignore", "accept", "refuse"], default="ignore",
+                        help="what it does with response_format (see the module docstring)")
+    parser.add_argument("--junk", action="store_true", help="answer with bad items too (junk_reply)")
     args = parser.parse_args(argv)
-    with StubServer(latency=args.latency) as server:
+    with StubServer(latency=args.latency, reply=junk_reply if args.junk else default_reply,
+                    structured=args.structured) as server:
         print(server.base_url, flush=True)
         try:
             threading.Event().wait()

@@ -25,11 +25,12 @@ def parse_qa(text: str) -> dict:
     return parse_json_object(text, ["qa_pairs"])
 
 
-def make_client(server: StubServer, tmp_path: Path, **overrides) -> LLMClient:
+def make_client(server: StubServer, tmp_path: Path, retry_rejected: bool = False, **overrides) -> LLMClient:
     settings = dict(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, backoff_initial=0.01,
                     backoff_max=0.05, max_concurrency=4, timeout=5.0)
     settings.update(overrides)
-    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
+    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False,
+                     retry_rejected=retry_rejected)
 
 
 def request(text: str, task: str = "t") -> LLMRequest:
@@ -133,8 +134,76 @@ def test_rerun_is_served_from_cache_with_zero_calls(tmp_path):
         assert server.calls == calls  # nothing repeated, not even the malformed attempts
     assert [r.value for r in first] == [r.value for r in second]
     usage = second_client.usage_report()["total"]
-    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6 + 3
+    assert usage["api_calls"] == 0 and usage["cache_hits"] == 6  # the rejected request is not even replayed
+    assert usage["skipped_rejected"] == 1 and "--retry-rejected" in second[-1].error
     assert len((tmp_path / "rejects.jsonl").read_text().splitlines()) == 1  # not duplicated on rerun
+
+
+def test_retry_rejected_asks_again_and_keeps_what_was_answered(tmp_path):
+    """A request rejected for malformed output is marked with its reason: a rerun skips it, --retry-rejected
+    (``retry_rejected``) asks it again with new attempts, and a later plain rerun replays that answer."""
+    requests = [request("fine"), request("bad three times [[bad*3]]")]
+    with StubServer() as server:
+        first = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert first[0].ok and not first[1].ok and server.calls == 1 + 3
+        skipped = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert server.calls == 4 and not skipped[1].ok
+        assert "rejected in an earlier run (malformed:" in skipped[1].error
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        again = retry.run(requests, parse=parse_qa)
+        assert again[1].ok and again[1].attempts == 4  # 3 cached malformed answers replayed, then 1 new call
+        assert server.calls == 4 + 1 and retry.usage_report()["total"]["cache_hits"] == 1 + 3
+        later = make_client(server, tmp_path)
+        replayed = later.run(requests, parse=parse_qa)
+        assert server.calls == 5 and [r.value for r in replayed] == [r.value for r in again]
+        assert later.usage_report()["total"]["skipped_rejected"] == 0
+    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "malformed" and reject["kind"] == "request"
+
+
+def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
+    """``check`` raising RejectedOutput makes a new attempt, like malformed output; when every attempt fails,
+    the reject record says 'quality', and --retry-rejected asks again."""
+    from longpeft.synth_data.llm_client import RejectedOutput
+
+    verdicts = iter([False, True] + [False] * 3 + [False] * 3 + [True])  # a; b; b retried: 3 replayed, 1 new
+
+    def check(req, value):
+        if not next(verdicts):
+            raise RejectedOutput("every item failed the quality gates (placeholder)")
+        return value
+
+    with StubServer() as server:
+        client = make_client(server, tmp_path, max_parse_attempts=3)
+        [second_try] = client.run([request("a")], parse=parse_qa, check=check)
+        [hopeless] = client.run([request("b")], parse=parse_qa, check=check)
+        assert second_try.ok and second_try.attempts == 2 and not hopeless.ok
+        assert client.usage_report()["total"]["quality_rejected"] == 1 + 3
+        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert reject["reason"] == "quality" and "quality gates" in reject["error"]
+        [skipped] = make_client(server, tmp_path).run([request("b")], parse=parse_qa, check=check)
+        assert not skipped.ok and server.calls == 2 + 3
+        retry = make_client(server, tmp_path, retry_rejected=True)
+        [retried] = retry.run([request("b")], parse=parse_qa, check=check)
+        assert retried.ok and retried.attempts == 4 and server.calls == 2 + 3 + 1
+        [relaxed] = make_client(server, tmp_path, retry_rejected=True).run([request("b")], parse=parse_qa,
+                                                                          check=lambda req, value: value)
+        assert relaxed.ok and relaxed.attempts == 1 and server.calls == 6  # a relaxed check costs no call
+
+
+def test_transient_failures_are_not_marked_rejected(tmp_path):
+    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    with StubServer() as server:
+        down, refused = make_client(server, tmp_path, max_retries=1).run(
+            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa)
+        assert not down.ok and not refused.ok
+        again = make_client(server, tmp_path).run([request("down [[503*2]]"), request("refused [[400*1]]")],
+                                                  parse=parse_qa)
+        assert again[0].ok and not again[1].ok
+        assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
+            again[1].error)
+    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(reasons) == ["gave_up", "http_refused"]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
@@ -264,3 +333,312 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
     # 4 x 5/3.5, 4 x 12/3.5
     assert counts == {"single_detail": 2, "multi_detail": 2, "plain_text": 6, "instruction": 14}
     assert server.auth_headers  # the LLM answered
+
+
+def test_a_failed_retry_round_is_recorded_again(tmp_path):
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
+    record (the first is kept), and a plain rerun skips it again."""
+    with StubServer() as server:
+        make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
+        assert not again.ok and again.attempts == 6 and again.api_calls == 3 and server.calls == 6
+        [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
+        assert not skipped.ok and server.calls == 6
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"
+
+
+# ---- structured output: one schema for the request and the parser ---------------------------------------------
+
+
+def qa_request(text: str, task: str = "single_detail"):
+    """The request the LLM answerer sends for a one-chunk job over ``text`` (its schema included)."""
+    from longpeft.synth_data.corpus import Document
+    from longpeft.synth_data.qa import Passage, QAJob, job_request
+
+    return job_request(QAJob(task, [Passage(Document("d", "Title", text), 0, len(text))], 2))
+
+
+def test_parsers_validate_against_the_schema_and_name_the_path():
+    from longpeft.synth_data.llm_client import MalformedOutput
+    from longpeft.synth_data.qa import parse_biographies, parse_qa_pairs
+
+    bad = {
+        '{"qa_pairs": [{"question": 5}]}': r"\$\.qa_pairs\[0\]\.question: expected a string, got int 5",
+        '{"qa_pairs": [{"question": "Who?"}]}': r"\$\.qa_pairs\[0\]: lacks field\(s\) \['answer'\]",
+        '{"qa_pairs": [{"question": "Who?", "answer": "A."}, {"question": " ", "answer": "B."}]}':
+            r"\$\.qa_pairs\[1\]\.question: empty string",
+        '{"qa_pairs": []}': r"\$\.qa_pairs: 0 item\(s\), at least 1 needed",
+        '{"qa_pairs": {"question": "Who?"}}': r"\$\.qa_pairs: expected an array, got dict",
+        '{"answers": []}': r"\$: lacks field\(s\) \['qa_pairs'\]",
+        '[1, 2]': r"expected a JSON object",
+    }
+    for text, message in bad.items():
+        with pytest.raises(MalformedOutput, match=message):
+            parse_qa_pairs(text)
+    with pytest.raises(MalformedOutput, match=r"\$\.biographies\[0\]\.name: expected a string, got NoneType"):
+        parse_biographies('{"biographies": [{"name": null, "biography": "x"}]}')
+    # extra keys are ignored, strings are stripped, a code fence is removed
+    pairs = parse_qa_pairs('```json\n{"qa_pairs": [{"question": " Who built it? ", "answer": "Mara.", "why": 1}],'
+                           ' "note": "x"}\n```')
+    assert [(p.question, p.answer) for p in pairs] == [("Who built it?", "Mara.")]
+    [bio] = parse_biographies('{"biographies": [{"name": "Mara Quill", "biography": "An engineer."}]}')
+    assert (bio.question, bio.answer) == ("Write a short biography of Mara Quill.", "An engineer.")
+
+
+def test_the_schema_sent_is_the_one_the_parser_checks():
+    """What goes out as response_format is the parser's schema without its length constraints: the same fields,
+    types and required keys, and strict mode's additionalProperties: false on every object."""
+    from longpeft.synth_data.answer_schema import BIOGRAPHIES, QA_PAIRS
+    from longpeft.synth_data.qa import TASK_SCHEMAS
+
+    def shape(schema):  # the schema with minItems/minLength dropped, written independently of the module
+        return {k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
+                for k, v in schema.items() if k not in ("minItems", "minLength")}
+
+    for schema in (QA_PAIRS, BIOGRAPHIES):
+        sent = schema.response_format()
+        assert sent["type"] == "json_schema" and sent["json_schema"]["strict"] is True
+        assert sent["json_schema"]["name"] == schema.name
+        assert sent["json_schema"]["schema"] == shape(schema.schema)
+        item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
+        assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
+    assert qa_request("Some text.").schema is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    from longpeft.synth_data.answer_schema import OutputSchema
+
+    with pytest.raises(ValueError, match=r"\$\.a: schema uses \['pattern'\], outside the supported subset"):
+        OutputSchema("x", {"type": "object", "properties": {"a": {"type": "string", "pattern": "^x$"}}})
+
+
+def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
+    """auto against a server that enforces response_format: every request carries the schema; the same requests
+    with llm.structured=off are other cache entries (asked again), and auto again is served from the cache."""
+    from longpeft.synth_data.qa import parse_qa_pairs
+
+    requests = [qa_request(f"Text number {i}.") for i in range(3)]
+    with StubServer(structured="accept") as server:
+        results = make_client(server, tmp_path).run(requests, parse=parse_qa_pairs)
+        assert all(r.ok for r in results) and server.calls == 3
+        assert all(f["json_schema"]["name"] == "qa_pairs" for f in server.response_formats)
+        make_client(server, tmp_path, structured="off").run(requests, parse=parse_qa_pairs)
+        assert server.calls == 6 and server.response_formats[3:] == [None] * 3
+        make_client(server, tmp_path, structured="json_object").run(requests, parse=parse_qa_pairs)
+        assert server.calls == 9 and server.response_formats[6:] == [{"type": "json_object"}] * 3
+        again = make_client(server, tmp_path)
+        again.run(requests, parse=parse_qa_pairs)
+        assert server.calls == 9 and again.usage_report()["total"]["cache_hits"] == 3
+
+
+def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
+    """A server without structured output answers 400 to response_format: the client says so once, asks every
+    request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
+    from longpeft.synth_data.qa import parse_qa_pairs
+
+    requests = [qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")
+                for i in range(6)]
+    with StubServer(structured="refuse", latency=0.02) as server:
+        client = make_client(server, tmp_path, max_concurrency=3)
+        results = client.run(requests, parse=parse_qa_pairs)
+        assert all(r.ok for r in results) and all(len(r.value) == 3 for r in results)  # the stub writes 3
+        refused = server.statuses[400]
+        assert refused == 1  # one structured request goes first; the others wait for its answer
+        assert sum(f is not None for f in server.response_formats) == refused
+        assert server.statuses[200] == 6
+        client.run([qa_request("One more text.")], parse=parse_qa_pairs)
+        assert server.response_formats[-1] is None and server.statuses[400] == refused
+        err = capsys.readouterr().err
+        assert err.count("refused structured output") == 1 and "not supported by this server" in err
+        usage = client.usage_report()["total"]
+        assert usage["rejected"] == 0 and usage["rejected_reasons"] == {}  # a fallback is no rejection
+        rerun = make_client(server, tmp_path)
+        assert all(r.ok for r in rerun.run(requests, parse=parse_qa_pairs))
+        assert rerun.usage_report()["total"]["cache_hits"] == 6
+        assert server.statuses[200] == 7  # the rerun's one refused structured request, then cache hits only
+
+
+@pytest.mark.parametrize("mode", ["json_schema", "json_object"])
+def test_explicit_structured_modes_never_fall_back(tmp_path, mode):
+    with StubServer(structured="refuse") as server:
+        with pytest.raises(LLMRunAborted, match=rf"refused structured output \(llm.structured={mode}; HTTP 400"):
+            make_client(server, tmp_path, structured=mode).run([qa_request("Text.")])
+        assert server.statuses[200] == 0
+
+
+def test_a_400_that_is_not_about_structured_output_is_no_fallback(tmp_path, capsys):
+    """HTTP 4xx refusals: the server's reason reaches the console for the first three, all are counted, the
+    rejects file keeps the reason; a 400 that does not name structured output leaves it on."""
+    from longpeft.synth_data.llm_client import refuses_structured_output
+
+    with StubServer(structured="accept") as server:
+        client = make_client(server, tmp_path)
+        results = client.run([qa_request(f"Text {i} [[400*9]].") for i in range(5)] + [qa_request("Fine.")])
+        assert [r.ok for r in results] == [False] * 5 + [True]
+        assert server.response_formats[-1] is not None  # still structured
+    err = capsys.readouterr().err
+    assert err.count("injected HTTP 400") == 3 and "further refusals are counted" in err
+    assert client.usage_report()["total"]["rejected_reasons"] == {"http_refused": 5}
+    rejects = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert len(rejects) == 5 and all(r["reason"] == "http_refused" and "injected HTTP 400" in r["error"]
+                                     for r in rejects)
+
+    class Error:
+        def __init__(self, status, body):
+            self.status_code, self.body = status, body
+
+    assert refuses_structured_output(Error(422, {"detail": [{"loc": ["body", "response_format"], "msg": "x"}]}))
+    assert refuses_structured_output(Error(400, {"message": "JSON schema conversion failed"}))
+    assert not refuses_structured_output(Error(400, {"message": "the request exceeds the available context size"}))
+    assert not refuses_structured_output(Error(500, {"message": "response_format crashed"}))
+
+
+# ---- local servers: context, slots, the endpoint check --------------------------------------------------------
+
+
+def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
+    """llm.context_tokens: without a tokenizer a prompt is estimated at 5 characters per token plus 8 per message;
+    the limit is inclusive (no room left for the answer). With a tokenizer its count is used."""
+    text = "x" * 500
+    request = LLMRequest("t", [{"role": "user", "content": text}])  # 100 + 8 tokens by the estimate
+    with StubServer() as server:
+        refused = make_client(server, tmp_path, context_tokens=108).run([request])
+        assert server.calls == 0 and not refused[0].ok and "prompt_too_long" in refused[0].error
+        [skipped] = make_client(server, tmp_path, context_tokens=109).run([request])  # marked: not asked again
+        assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
+        retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
+        assert retry.run([request])[0].ok and server.calls == 1
+        words = LLMClient(LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
+                          tmp_path / "c2", tmp_path / "r2.jsonl", show_progress=False,
+                          count_tokens=lambda t: len(t.split()))
+        [result] = words.run([LLMRequest("t", [{"role": "user", "content": "w " * 12}])])  # 12 + 8 tokens
+        assert "prompt_too_long" in result.error and "counted with the training tokenizer" in result.error
+    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
+
+
+@pytest.mark.parametrize(("models_info", "props", "source"), [
+    ({"max_model_len": 60}, None, "/v1/models max_model_len"),  # vLLM, SGLang
+    ({"meta": {"n_ctx_train": 100000}}, {"default_generation_settings": {"n_ctx": 60}, "total_slots": 1},
+     "/props default_generation_settings.n_ctx"),  # llama.cpp
+    ({}, {"n_ctx": 60}, "/props n_ctx"),  # older llama.cpp
+])
+def test_context_learned_from_the_server(tmp_path, capsys, models_info, props, source):
+    long = LLMRequest("t", [{"role": "user", "content": "y" * 400}])  # 80 + 8 tokens by the estimate
+    with StubServer(models_info=models_info, props=props) as server:
+        client = make_client(server, tmp_path)
+        bad, good = client.run([long, request("short")])
+        assert not bad.ok and good.ok and server.calls == 1
+    assert f"the endpoint's context is 60 (reported by the endpoint's {source})" in bad.error
+    err = capsys.readouterr().err
+    assert "context of 60 tokens" in err
+    assert ("decodes 1 request(s) at once" in err) == bool(props and props.get("total_slots"))
+
+
+def test_endpoint_lookups_are_tolerant():
+    from longpeft.synth_data.endpoint import EndpointInfo, read_models, read_props, server_root
+
+    assert server_root("http://h:8080/v1/") == "http://h:8080" and server_root("http://h/api") == "http://h/api"
+    for body in (None, "text", {"data": "x"}, {"data": [1, {"id": "m", "max_model_len": "big"}]}):
+        info = EndpointInfo()
+        read_models(body, "m", info)
+        read_props(body, info)
+        assert info.context_tokens is None and info.slots is None
+    info = EndpointInfo()
+    read_models({"data": [{"id": "a", "max_model_len": 1}, {"id": "m", "context_length": 4096}]}, "m", info)
+    assert (info.models, info.context_tokens, info.context_source) == (["a", "m"], 4096, "/v1/models context_length")
+    other = EndpointInfo()
+    read_models({"data": [{"id": "a", "max_model_len": 1}, {"id": "b", "max_model_len": 2}]}, "m", other)
+    assert other.context_tokens is None  # several models, none of them ours: nothing to say
+
+
+def check(server: StubServer, capsys, *extra: str) -> tuple[int, str]:
+    from longpeft.cli import main
+
+    code = main(["synth", "--check-endpoint", "--llm-base-url", server.base_url, "--llm-model", "stub",
+                 "--api-key-env", KEY_ENV, *extra])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+def test_check_endpoint(capsys):
+    props = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 1}
+    with StubServer(structured="accept", props=props) as server:
+        code, out = check(server, capsys)
+        assert server.response_formats[0]["json_schema"]["name"] == "qa_pairs"
+    assert code == 0, out
+    assert "answered as 'stub'; the server lists stub" in out and "latency" in out
+    assert "structured  yes: json_schema accepted" in out and "passes the builders' parser" in out
+    assert "context     8192 tokens (/props default_generation_settings.n_ctx)" in out
+    assert "set it to 1" in out and "usable as configured" in out
+    with StubServer(structured="refuse") as server:
+        code, out = check(server, capsys)
+        assert code == 0 and "no: json_schema refused (HTTP 400: response_format" in out
+        assert "llm.structured=auto falls back" in out and "context     not reported" in out
+        code, out = check(server, capsys, "--set", "llm.structured=json_schema")
+        assert code == 1 and "would stop the run" in out and "NOT usable" in out
+        assert server.calls == 4
+    with StubServer(reply=lambda body: "I cannot help with that.") as server:
+        code, out = check(server, capsys)
+        assert code == 1 and "fails the builders' parser: not valid JSON" in out
+
+
+def test_check_endpoint_errors_name_the_fix(capsys, monkeypatch):
+    class Refusing(StubServer):
+        def _answer(self, body, authorization):
+            return 400, {"error": {"message": "model 'stub' is not loaded"}}
+
+    with Refusing() as server:
+        code, out = check(server, capsys)
+    assert code == 2 and "refused the check request (HTTP 400: model 'stub' is not loaded)" in out
+    with StubServer() as server:
+        base_url = server.base_url
+    code, out = check(type("Gone", (), {"base_url": base_url})(), capsys, "--set", "llm.timeout=2")
+    assert code == 2 and "cannot reach" in out
+    monkeypatch.delenv(KEY_ENV)
+    code, out = check(type("Any", (), {"base_url": base_url})(), capsys)
+    assert code == 2 and KEY_ENV in out
+    from longpeft.cli import main
+
+    assert main(["synth", "--contexts", "1"]) == 2  # without --check-endpoint, --out is required
+    assert "--out: give the output folder" in capsys.readouterr().err
+
+
+def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
+    """The whole command against a server that refuses response_format: rows are built, the fallback is said once,
+    and the server's reasons for refusing other requests (every request about book_1) reach the console."""
+    from longpeft.cli import main
+    from longpeft.synth_data.corpus import generate_document
+
+    source = tmp_path / "docs"
+    source.mkdir()
+    for i in range(2):
+        text = generate_document(seed=i, n_sentences=60).text
+        (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[400*99]] ") if i else text)
+    out = tmp_path / "out"
+    with StubServer(structured="refuse") as server:
+        code = main([
+            "synth", "--out", str(out), "--answerer", "llm", "--source", str(source),
+            "--tasks", "single_detail,biography",
+            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
+            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
+        ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.err.count("refused structured output") == 1
+    assert captured.err.count("injected HTTP 400") == 3 and "further refusals are counted" in captured.err
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["counts"] == {"single_detail": 1, "biography": 1}
+    total = stats["llm_usage"]["total"]
+    assert total["rejected"] == 3 and total["rejected_reasons"] == {"http_refused": 3}  # 2 chunks and 1 book
+    assert "requests rejected: http_refused 3 (rejects.jsonl; HTTP 4xx reasons: the first are above)" in captured.out
+    assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
+
+
+def test_a_bare_off_in_yaml_is_the_structured_mode_off():
+    """YAML 1.1 reads ``structured: off`` (and ``--set llm.structured=off``) as false: it means ``off``."""
+    import yaml
+
+    assert LLMConfig(**yaml.safe_load("structured: off")).structured == "off"
+    assert LLMConfig(structured=False).structured == "off"
+    assert LLMConfig(structured="off").structured == "off" and LLMConfig().structured == "auto"
+    with pytest.raises(ValueError, match="structured"):
+        LLMConfig(structured=True)

@@ -5,6 +5,7 @@
 - :mod:`.llm_client`: cached, retried, concurrent client for OpenAI-compatible endpoints;
 - :mod:`.qa` and :mod:`.builders`: single-detail, multi-detail (homogeneous and heterogeneous) and
   biography conversations, answered by an LLM or exactly from procedural facts;
+- :mod:`.quality`: the quality gates every LLM-written item passes before its row is written;
 - :mod:`.mix`, :mod:`.report`, :mod:`.pipeline`: mixing with plain text and instructions, outputs,
   and the whole `longpeft synth` run;
 - :mod:`.demo`: the demo's retrieval training set (:func:`build_demo_dataset`);
@@ -46,6 +47,8 @@ _EXPORTS = {
     "SYNTH_TASKS": "qa",
     "LLMAnswerer": "qa",
     "ProceduralAnswerer": "qa",
+    "QualityConfig": "quality",
+    "QualityGates": "quality",
     "QAJob": "qa",
     "QAPair": "qa",
     "UtkAugmenter": "utk",

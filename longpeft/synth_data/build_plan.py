@@ -130,7 +130,7 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
         output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
     """
     from .builders import LongContextBuilder
-    from .llm_client import ResponseCache, request_key, sampling_params
+    from .llm_client import ResponseCache, request_key, sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
     from .qa import ProceduralAnswerer, job_request
 
@@ -155,7 +155,8 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
         tokens = sum(builder.counter.count(message["content"]) for message in request.messages)
         task.requests += 1
         task.input_tokens += tokens
-        if cache.get(request_key(llm.base_url, llm.model, request, sampling, 0)) is not None:
+        sent = ({**sampling, **structured_params(llm, request, refused)} for refused in (False, True))  # auto: both
+        if any(cache.get(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
             task.cached += 1
             task.cached_input_tokens += tokens
     return BuildPlan(

@@ -15,8 +15,15 @@ Examples::
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
 
+    # a local server (vLLM, SGLang, llama.cpp): one small request first; model, latency, structured output, context
+    export OPENAI_API_KEY=local
+    longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
+
 Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
-calls. Flags override the config file; ``--set key.sub=value`` reaches any config field.
+calls; requests rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's
+context) are not asked again unless ``--retry-rejected``. Every LLM-written item passes the quality gates
+(``quality:`` in the config; longpeft/synth_data/quality.py). Flags override the config file;
+``--set key.sub=value`` reaches any config field.
 """
 
 from __future__ import annotations
@@ -40,8 +47,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see "
                         "longpeft.synth_data.SynthConfig), or a bundled config: "
                         f"{', '.join(bundled_names(BUNDLED))}")
-    parser.add_argument("--out", required=True,
-                        help="output folder (train.jsonl, dataset/, stats.json, length_hist.png)")
+    parser.add_argument("--out", help="output folder (train.jsonl, dataset/, stats.json, length_hist.png); required "
+                        "except with --check-endpoint")
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
     parser.add_argument("--source", nargs="+", metavar="PATH",
@@ -59,7 +66,14 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     llm.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (default https://api.openai.com/v1)")
     llm.add_argument("--llm-model", help="model name (default gpt-4o)")
     llm.add_argument("--api-key-env", help="environment variable holding the key (default OPENAI_API_KEY)")
-    llm.add_argument("--concurrency", type=int, help="requests in flight (default 8)")
+    llm.add_argument("--concurrency", type=int, help="requests in flight (default 8; 1 for a one-slot server such as "
+                     "llama.cpp's default)")
+    llm.add_argument("--check-endpoint", action="store_true",
+                     help="send one small request to the endpoint and print the model, latency, whether structured "
+                     "output works and the context length; exit 0 when usable as configured, 1 when not")
+    llm.add_argument("--retry-rejected", action="store_true",
+                     help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
+                     "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many")
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
@@ -136,11 +150,20 @@ def cmd_synth(args: argparse.Namespace) -> int:
     (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_client.LLMRunAborted`) for
     the command line's one error boundary (:func:`longpeft.cli.main`, exit status 2)."""
     from .pipeline import synthesize
+    from .report import rejection_summary
 
     config = resolve_config(args)
     if args.print_config:
         print(config.model_dump_json(indent=2))
         return 0
+    if args.check_endpoint:
+        from .check_endpoint import check_endpoint
+
+        result = check_endpoint(config.llm)
+        print(result.report())
+        return 0 if result.usable else 1
+    if not args.out:
+        raise ConfigError("--out: give the output folder (required except with --check-endpoint)")
     if args.plan:
         return print_build_plan(config, args)
     rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
@@ -148,7 +171,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
-    dataset, stats = synthesize(config, args.out)
+    dataset, stats = synthesize(config, args.out, retry_rejected=args.retry_rejected)
     print(f"\nlongpeft synth -> {args.out}  ({len(dataset)} conversations)")
     for task, count in stats["counts"].items():
         tokens = stats["tokens_per_task"].get(task, {})
@@ -160,6 +183,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
               f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
+    for line in rejection_summary(stats):
+        print(f"  {line}")
     if not len(dataset):
         print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
               "check the endpoint, the sources and the length range", file=sys.stderr)

@@ -6,11 +6,13 @@ A run writes to its output folder:
   ``sources``, ``meta``), the file recipes train on;
 - ``dataset/``: the same rows as a saved ``datasets.Dataset``;
 - ``stats.json``: counts per task, token-length summaries, skipped contexts and why, mixing counts,
-  LLM token usage per task;
+  LLM token usage per task, and with the LLM answerer ``quality``: items rejected by the quality gates
+  (:mod:`.quality`) per reason and task;
 - ``length_hist.png``: token-length histogram per task;
 - ``config.json``: the resolved config (it never holds the API key);
 - with the LLM answerer: ``llm_cache/`` (answers by request hash; rerunning the same command
-  resumes without repeating answered calls) and ``rejects.jsonl`` (requests that failed for good).
+  resumes without repeating answered calls) and ``rejects.jsonl`` (requests that failed for good, and items
+  the quality gates dropped, each with its reason code and detail).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .builders import (
     ContextPlan,
     LengthConfig,
     LongContextBuilder,
+    TokenCounter,
     procedural_cluster_pool,
     procedural_long_documents,
 )
@@ -37,6 +40,7 @@ from .corpus import Document
 from .llm_client import LLMClient, LLMConfig
 from .mix import MixConfig, jsonl_records, mix, read_text_file, source_files
 from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
+from .quality import QualityConfig, QualityGates
 from .report import write_dataset
 
 CACHE_DIR = "llm_cache"
@@ -91,6 +95,8 @@ class SynthConfig(StrictModel):
     biography: BiographyTask = Field(default_factory=BiographyTask)
     mix: MixConfig = Field(default_factory=MixConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
+    quality: QualityConfig = Field(default_factory=QualityConfig,
+                                   description="quality gates on LLM-written items (longpeft/synth_data/quality.py)")
     context_template: str = DEFAULT_CONTEXT_TEMPLATE
     progress: bool = True
 
@@ -133,23 +139,35 @@ def load_documents(paths: list[str]) -> list[Document]:
     return documents
 
 
-def make_answerer(config: SynthConfig, out_dir: Path) -> tuple[QAGenerator, LLMClient | None]:
+def make_answerer(
+    config: SynthConfig, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None, retry_rejected: bool = False
+) -> tuple[QAGenerator, LLMClient | None]:
+    """The procedural answerer, or the LLM answerer (with the quality gates of ``config.quality``) and its client.
+
+    The client counts prompt tokens with ``tokenizer`` (the training tokenizer) when it checks prompts against the
+    endpoint's context, and asks again the requests an earlier run rejected when ``retry_rejected``."""
     if config.answerer == "procedural":
         return ProceduralAnswerer(), None
-    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress)
-    return LLMAnswerer(client), client
+    count = TokenCounter(tokenizer).count if tokenizer is not None else None
+    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress,
+                       count_tokens=count, retry_rejected=retry_rejected)
+    return LLMAnswerer(client, QualityGates(config.quality)), client
 
 
 def synthesize(
-    config: SynthConfig, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None
+    config: SynthConfig, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+    retry_rejected: bool = False,
 ) -> tuple[Dataset, dict[str, Any]]:
-    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats)."""
+    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats).
+
+    ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
+    they are skipped and counted as ``skipped_rejected`` in the usage report)."""
     files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
-    answerer, client = make_answerer(config, out)
+    answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
                                  show_progress=config.progress)
     plans = plan_contexts(config, builder, files)
@@ -158,6 +176,8 @@ def synthesize(
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
         extra["llm_usage"] = client.usage_report()
+    if isinstance(answerer, LLMAnswerer):
+        extra["quality"] = answerer.gates.report()
     dataset = write_dataset(rows, out, extra)
     return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
 

@@ -8,14 +8,19 @@ answers the same jobs exactly from the facts recorded in procedural documents, w
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import DataError
+from .answer_schema import BIOGRAPHIES, QA_PAIRS, OutputSchema
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
-from .llm_client import LLMClient, LLMRequest, MalformedOutput, parse_json_object
+from .llm_client import LLMClient, LLMRequest, RejectedOutput, parse_json_object
+from .quality import QualityGates, Rejection
 
 SYNTH_TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
 
@@ -371,36 +376,29 @@ def job_prompt(job: QAJob) -> str:
     return PROMPTS[job.task].format(text=job.passages[0].text.strip(), n=job.n)
 
 
+def parse_answer(text: str, schema: OutputSchema) -> list:
+    """The list under ``schema.name`` of the JSON answer ``text``, validated against ``schema`` (the one sent as
+    ``response_format``); :class:`MalformedOutput` names the first path that breaks it."""
+    value = parse_json_object(text)
+    schema.validate(value)
+    return value[schema.name]
+
+
 def parse_qa_pairs(text: str) -> list[QAPair]:
-    """``{"qa_pairs": [...]}`` -> QA pairs; :class:`MalformedOutput` unless at least one is complete."""
-    items = parse_json_object(text, ["qa_pairs"])["qa_pairs"]
-    if not isinstance(items, list):
-        raise MalformedOutput("'qa_pairs' is not a list")
-    pairs = [
-        QAPair(item["question"].strip(), item["answer"].strip())
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("question"), str) and isinstance(item.get("answer"), str)
-        and item["question"].strip() and item["answer"].strip()
-    ]
-    if not pairs:
-        raise MalformedOutput("no item of 'qa_pairs' has a non-empty 'question' and 'answer'")
-    return pairs
+    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
+    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in parse_answer(text, QA_PAIRS)]
 
 
 def parse_biographies(text: str) -> list[QAPair]:
-    """``{"biographies": [{"name", "biography"}]}`` -> one "write a biography" turn per character."""
-    items = parse_json_object(text, ["biographies"])["biographies"]
-    if not isinstance(items, list):
-        raise MalformedOutput("'biographies' is not a list")
-    pairs = [
-        QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
-        for item in items
-        if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("biography"), str)
-        and item["name"].strip() and item["biography"].strip()
-    ]
-    if not pairs:
-        raise MalformedOutput("no item of 'biographies' has a non-empty 'name' and 'biography'")
-    return pairs
+    """``{"biographies": [{"name", "biography"}]}`` (:data:`.answer_schema.BIOGRAPHIES`) -> one "write a
+    biography" turn per character."""
+    return [QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
+            for item in parse_answer(text, BIOGRAPHIES)]
+
+
+TASK_SCHEMAS = {"single_detail": QA_PAIRS, "multi_detail": QA_PAIRS, "heterogeneous": QA_PAIRS,
+                "biography": BIOGRAPHIES}
+"""The output schema of each task's answer (sent as ``response_format``, checked by its parser)."""
 
 
 def job_request(job: QAJob, index: int = 0) -> LLMRequest:
@@ -409,25 +407,95 @@ def job_request(job: QAJob, index: int = 0) -> LLMRequest:
     return LLMRequest(
         task=job.task,
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
+        schema=TASK_SCHEMAS[job.task],
         meta={"job": index, "sources": [p.doc.doc_id for p in job.passages],
               "spans": [[p.start, p.end] for p in job.passages]},
     )
 
 
-class LLMAnswerer:
-    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`."""
+_BIOGRAPHY_TURN = re.compile(r"Write a short biography of (.+)\.\s*$", re.DOTALL)
 
-    def __init__(self, client: LLMClient):
+
+def biography_subject(question: str) -> str:
+    """The name in a "Write a short biography of NAME." turn (the whole question if it is not one)."""
+    match = _BIOGRAPHY_TURN.match(question.strip())
+    return match.group(1).strip() if match else question
+
+
+def job_evidence(job: QAJob) -> str:
+    """The text a job's answers must be grounded in: its chunk or document, or the numbered documents."""
+    if job.task == "heterogeneous":
+        return numbered_documents(job.passages)
+    return "\n\n".join(titled_text(p) for p in job.passages)
+
+
+def job_instructions(job: QAJob) -> str:
+    """The prompt of ``job`` without its text: what an answer must not copy."""
+    return SYSTEM_PROMPT + "\n" + PROMPTS[job.task].format(text="", n=job.n, k=len(job.passages))
+
+
+class LLMAnswerer:
+    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`.
+
+    Every parsed item goes through the quality gates (``gates``, default :class:`~.quality.QualityGates` with
+    default thresholds): a rejected item is dropped, counted and written to the rejects file; an answer whose
+    items are all rejected is asked again as a new attempt, like malformed output (a fresh sample usually
+    passes, and otherwise the whole conversation of that context would be lost). Questions repeating an
+    earlier one of the same context (the chunks of one single-detail document) are dropped too.
+    """
+
+    def __init__(self, client: LLMClient, gates: QualityGates | None = None):
         self.client = client
+        self.gates = gates if gates is not None else QualityGates()
 
     def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]:
         results: list[list[QAPair] | None] = [None] * len(jobs)
+        requests: dict[int, LLMRequest] = {}
         for task in SYNTH_TASKS:
             indices = [i for i, job in enumerate(jobs) if job.task == task]
             if not indices:
                 continue
-            requests = [job_request(jobs[i], i) for i in indices]
+            batch = [job_request(jobs[i], i) for i in indices]
+            requests.update(zip(indices, batch))
             parse = parse_biographies if task == "biography" else parse_qa_pairs
-            for i, result in zip(indices, self.client.run(requests, parse=parse, desc=f"{task} (LLM)")):
+            answered = self.client.run(batch, parse=parse, desc=f"{task} (LLM)", check=self._checker(jobs))
+            for i, result in zip(indices, answered):
                 results[i] = result.value[: jobs[i].n] if result.ok else None
+        self._drop_repeats_across_chunks(jobs, results, requests)
         return results
+
+    def _checker(self, jobs: Sequence[QAJob]) -> Callable[[LLMRequest, list[QAPair]], list[QAPair]]:
+        def check(request: LLMRequest, pairs: list[QAPair]) -> list[QAPair]:
+            job = jobs[request.meta["job"]]
+            subjects = [biography_subject(p.question) for p in pairs] if job.task == "biography" else None
+            verdict = self.gates.check(job.task, pairs, job_evidence(job), job_instructions(job), subjects)
+            for pair, rejection in verdict.rejected:
+                self._log(request, pair, rejection)
+            if not verdict.kept:
+                reasons = ", ".join(sorted({r.reason for _, r in verdict.rejected}))
+                raise RejectedOutput(f"every item failed the quality gates ({reasons})")
+            return verdict.kept
+
+        return check
+
+    def _drop_repeats_across_chunks(self, jobs: Sequence[QAJob], results: list[list[QAPair] | None],
+                                    requests: dict[int, LLMRequest]) -> None:
+        """Near-duplicate questions across the jobs of one context: the single-detail chunks of one document
+        (each document gives one context per task)."""
+        kept: dict[str, list[str]] = {}
+        for i, job in enumerate(jobs):
+            if job.task != "single_detail" or not results[i]:
+                continue
+            earlier = kept.setdefault(job.passages[0].doc.doc_id, [])
+            verdict = self.gates.check_repeats(job.task, results[i], earlier)
+            for pair, rejection in verdict.rejected:
+                self._log(requests[i], pair, rejection)
+            results[i] = verdict.kept
+            earlier.extend(p.question for p in verdict.kept)
+
+    def _log(self, request: LLMRequest, pair: QAPair, rejection: Rejection) -> None:
+        """One line of the rejects file per rejected item (written once, also over reruns)."""
+        record = {"kind": "item", "task": request.task, "meta": request.meta, "reason": rejection.reason,
+                  "detail": rejection.detail, "question": pair.question, "answer": pair.answer}
+        blob = json.dumps(record, sort_keys=True, ensure_ascii=False)
+        self.client.rejects.add({"key": hashlib.sha256(blob.encode("utf-8")).hexdigest(), **record})

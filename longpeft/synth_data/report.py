@@ -11,6 +11,7 @@ import numpy as np
 from datasets import Dataset
 
 from .builders import task_counts
+from .llm_client import REJECT_REASONS
 
 TRAIN_FILE = "train.jsonl"
 DATASET_DIR = "dataset"
@@ -47,6 +48,35 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for task, group in by_task.items()
         },
     }
+
+
+def rejection_summary(stats: dict[str, Any]) -> list[str]:
+    """Console lines on what an LLM run rejected: requests rejected for good per reason
+    (:data:`.llm_client.REJECT_REASONS`), items dropped by the quality gates per reason (and task), and requests an
+    earlier run rejected that were not asked again. Empty for a run without the LLM answerer."""
+    lines = []
+    total = stats.get("llm_usage", {}).get("total", {})
+    by_reason = total.get("rejected_reasons", {})
+    if by_reason:
+        counts = ", ".join(f"{reason} {by_reason[reason]}" for reason in REJECT_REASONS if by_reason.get(reason))
+        lines.append(f"requests rejected: {counts} (rejects.jsonl"
+                     + ("; HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "")
+                     + ("; prompt_too_long: not sent, longer than the endpoint's context"
+                        if by_reason.get("prompt_too_long") else "") + ")")
+    quality = stats.get("quality")
+    if quality and quality.get("checked"):
+        reasons = ", ".join(f"{reason} {count}" for reason, count in quality["rejected"].items()) or "none"
+        lines.append(f"quality gates: {quality['kept']} of {quality['checked']} items kept; rejected: {reasons} "
+                     "(rejects.jsonl)")
+        for task, counts in quality["rejected_per_task"].items():
+            lines.append(f"  {task:<14} " + ", ".join(f"{reason} {count}" for reason, count in counts.items()))
+    elif quality and not quality.get("enabled", True):
+        lines.append("quality gates: off (quality.enabled: false)")
+    skipped = total.get("skipped_rejected", 0)
+    if skipped:
+        lines.append(f"{skipped} request(s) rejected in an earlier run were not asked again (reasons in "
+                     "rejects.jsonl); --retry-rejected asks them again")
+    return lines
 
 
 def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins: int = 30) -> None:

@@ -1,0 +1,133 @@
+"""The JSON every LLM-built output must be: one JSON-schema definition per output, used twice.
+
+The same :class:`OutputSchema` is sent to the endpoint as ``response_format`` (structured output,
+``llm.structured``) and checked by the parser of the answer (:func:`.qa.parse_qa_pairs`,
+:func:`.qa.parse_biographies`), so what the server is asked to produce and what the parser accepts
+cannot drift apart.
+
+Schemas use a small subset of JSON Schema: ``type`` (object, array, string), ``properties``,
+``required``, ``additionalProperties: false``, ``items``, ``minItems`` and ``minLength``. Two rules of
+the checker differ from a plain JSON-Schema validator, on purpose:
+
+- ``minLength`` counts the string with surrounding whitespace stripped (``"  "`` is empty);
+- ``additionalProperties: false`` is sent (OpenAI's strict mode requires it) but extra keys in an
+  answer are ignored, not refused: a prompt-only answer that adds a field still carries what was asked.
+
+The endpoint gets the schema without ``minItems`` and ``minLength``: the common subset that strict
+structured output accepts everywhere (OpenAI, vLLM, SGLang, llama.cpp's server) has no length
+constraints; the parser enforces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .llm_client import MalformedOutput
+
+# Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
+PARSER_ONLY_KEYWORDS = ("minItems", "minLength")
+_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS}
+_PY_TYPES = {"object": dict, "array": list, "string": str}
+
+
+@dataclass(frozen=True)
+class OutputSchema:
+    """A named JSON schema for one builder output.
+
+    Attributes:
+        name: the ``json_schema.name`` sent to the endpoint (letters, digits, ``_`` and ``-``).
+        schema: the JSON schema (the subset described in the module docstring).
+    """
+
+    name: str
+    schema: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        _check_subset(self.schema, "$")
+
+    def wire_schema(self) -> dict[str, Any]:
+        """The schema sent to the endpoint: :attr:`schema` without :data:`PARSER_ONLY_KEYWORDS`."""
+        return _without(self.schema, PARSER_ONLY_KEYWORDS)
+
+    def response_format(self) -> dict[str, Any]:
+        """The ``response_format`` request field asking for this schema (strict structured output)."""
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.wire_schema(),
+                                                       "strict": True}}
+
+    def validate(self, value: Any) -> None:
+        """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks
+        the schema; return ``None`` when ``value`` conforms."""
+        _validate(value, self.schema, "$")
+
+
+def _check_subset(schema: dict[str, Any], path: str) -> None:
+    unknown = set(schema) - _KEYWORDS
+    if unknown or schema.get("type") not in _PY_TYPES:
+        outside = sorted(unknown) or schema.get("type")
+        raise ValueError(f"{path}: schema uses {outside!r}, outside the supported subset")
+    for name, sub in schema.get("properties", {}).items():
+        _check_subset(sub, f"{path}.{name}")
+    if "items" in schema:
+        _check_subset(schema["items"], f"{path}[]")
+
+
+def _without(schema: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any]:
+    copy: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in keywords:
+            continue
+        if key == "properties":
+            value = {name: _without(sub, keywords) for name, sub in value.items()}
+        elif key == "items":
+            value = _without(value, keywords)
+        copy[key] = value
+    return copy
+
+
+def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
+    kind = schema["type"]
+    if not isinstance(value, _PY_TYPES[kind]):
+        raise MalformedOutput(f"{path}: expected {'an' if kind[0] in 'ao' else 'a'} {kind}, got "
+                              f"{type(value).__name__} {_short(value)}")
+    if kind == "object":
+        for key, sub in schema.get("properties", {}).items():
+            if key in value:
+                _validate(value[key], sub, f"{path}.{key}")
+        missing = [key for key in schema.get("required", []) if key not in value]
+        if missing:
+            raise MalformedOutput(f"{path}: lacks field(s) {missing}")
+    elif kind == "array":
+        if len(value) < schema.get("minItems", 0):
+            raise MalformedOutput(f"{path}: {len(value)} item(s), at least {schema['minItems']} needed")
+        for index, item in enumerate(value):
+            _validate(item, schema["items"], f"{path}[{index}]")
+    elif len(value.strip()) < schema.get("minLength", 0):
+        raise MalformedOutput(f"{path}: empty string" if not value.strip() else
+                              f"{path}: shorter than {schema['minLength']} characters")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
+
+
+def _list_of(name: str, item_fields: dict[str, dict[str, Any]]) -> OutputSchema:
+    item = {"type": "object", "properties": item_fields, "required": list(item_fields),
+            "additionalProperties": False}
+    return OutputSchema(name, {
+        "type": "object",
+        "properties": {name: {"type": "array", "items": item, "minItems": 1}},
+        "required": [name],
+        "additionalProperties": False,
+    })
+
+
+QA_PAIRS = _list_of("qa_pairs", {"question": NON_EMPTY_TEXT, "answer": NON_EMPTY_TEXT})
+"""``{"qa_pairs": [{"question", "answer"}, ...]}``: single-detail, multi-detail and heterogeneous QA."""
+
+BIOGRAPHIES = _list_of("biographies", {"name": NON_EMPTY_TEXT, "biography": NON_EMPTY_TEXT})
+"""``{"biographies": [{"name", "biography"}, ...]}``: the biography task."""

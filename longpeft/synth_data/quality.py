@@ -1,0 +1,425 @@
+"""Quality gates on LLM-written QA pairs and biographies, applied after parsing and before a row is written.
+
+Each gate rejects one item (a QA pair, or a biography with its "write a biography of NAME" question) with a
+short reason code and a detail message; the first gate that fails gives the reason:
+
+- ``placeholder``: the text is a placeholder (``...``, ``<question>``, ``answer``, ``lorem ipsum``);
+- ``prompt_echo``: the text copies ``echo_words`` consecutive words of the prompt's instructions (words not in
+  the document itself), or the prompt's JSON format;
+- ``refusal``: a refusal or meta-answer ("I cannot", "As an AI", "the text does not mention", "Sure, here are");
+- ``too_short``: fewer real words (words with a letter or digit) than ``min_question_words`` /
+  ``min_answer_words`` / ``min_biography_words``;
+- ``wrong_subject``: a biography that never names the requested person, whose name is not in the book, or
+  that names another requested person more often than its own subject;
+- ``ungrounded``: less than ``min_grounded_fraction`` of the answer's content words (stop words removed;
+  case, punctuation, thousands separators, number words and simple suffixes normalised) occur in the text
+  the question was asked about (the chunk, the document, or the numbered documents); words the answer
+  repeats from its question are left out of the count ("Greta Nagel was born in Paris" to "Where was Greta
+  Nagel born?" is judged by "Paris" alone). A number must occur in the text whatever the fraction (a wrong
+  year is a wrong answer), except in the aggregating tasks (``multi_detail``, ``heterogeneous``), whose
+  counts, sums and gaps are computed: there numbers are not counted;
+- ``near_duplicate``: a question whose normalised word set has a Jaccard similarity of at least
+  ``max_question_similarity`` with an earlier kept question of the same context (questions naming different
+  numbers, "Document 1 or Document 3" against "Document 2 or Document 3", are different questions).
+
+The gates are plain text checks, torch-free and deterministic; :class:`QualityGates` counts every rejection
+by task and reason for the run's stats.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import Field
+
+from ..config import StrictModel
+
+REASONS = ("placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded", "near_duplicate")
+GateName = Literal["placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded",
+                   "near_duplicate"]
+AGGREGATING_TASKS = ("multi_detail", "heterogeneous")  # answers may hold computed numbers (counts, sums, gaps)
+
+
+class QualityConfig(StrictModel):
+    """Thresholds of the quality gates (``quality:`` in the synth config). The defaults keep well-formed
+    GPT-4-class answers, including one-word factual answers (a year, a name) that occur in the text."""
+
+    enabled: bool = Field(True, description="run the gates on every LLM-written item (false: keep everything parsed)")
+    disable: list[GateName] = Field(default_factory=list,
+                                    description=f"gates to switch off, by reason code ({', '.join(REASONS)})")
+    echo_words: int = Field(6, ge=3, description="consecutive instruction words that make a prompt echo")
+    min_question_words: int = Field(3, ge=0, description="real words a question needs ('Who founded Brenn?' has 3)")
+    min_answer_words: int = Field(1, ge=0, description="real words an answer needs (1: a year or a name is fine)")
+    min_biography_words: int = Field(12, ge=0, description="real words a biography needs")
+    min_grounded_fraction: float = Field(
+        0.5, ge=0, le=1,
+        description="share of an answer's content words that must occur in the text it was asked about",
+    )
+    max_question_similarity: float = Field(
+        0.8, gt=0, le=1,
+        description="Jaccard similarity of normalised word sets at which a question repeats an earlier one",
+    )
+
+
+class Item(Protocol):
+    """What the gates read: a question and its answer (a QA pair, or a biography turn)."""
+
+    question: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """Why one item was dropped: ``reason`` is one of :data:`REASONS`; ``detail`` is for people."""
+
+    reason: str
+    detail: str
+
+
+@dataclass
+class Verdict:
+    """The items kept (in order) and the rejected ones with their reasons."""
+
+    kept: list[Any] = field(default_factory=list)
+    rejected: list[tuple[Any, Rejection]] = field(default_factory=list)
+
+
+# ---- normalisation --------------------------------------------------------------------------------
+
+STOP_WORDS = frozenset("""
+a about above after again against all also am an and any are as at be because been before being below between
+both but by can could did do does doing done down during each either else ever every few for from further had has
+have having he her here hers herself him himself his how however i if in into is it its itself just least less
+let like made make many may me might more most much must my myself neither no nor not now of off often on once
+one only or other our ours ourselves out over own per perhaps quite rather same shall she should since so some
+still such than that the their theirs them themselves then there these they this those though through thus to
+too under until up upon us very was we were what whatever when where whether which while who whom whose why will
+with within without would yes yet you your yours yourself none nothing nobody
+people person someone somebody anyone everyone
+according answer answered mentioned named called described text document documents passage excerpt book story
+first second third last earlier later earliest latest before after total sum number numbers times count both
+together respectively compared whereas different difference differences similar similarity similarities common
+also named namely including include includes included
+""".split())
+
+NUMBER_WORDS = {
+    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
+    "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14",
+    "fifteen": "15", "sixteen": "16", "seventeen": "17", "eighteen": "18", "nineteen": "19", "twenty": "20",
+    "thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90",
+    "hundred": "100",
+}
+
+_WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
+_THOUSANDS = re.compile(r"(?<=\d)[,_ ](?=\d{3}\b)")
+
+
+def words(text: str) -> list[str]:
+    """Real words of ``text``, lower-cased: runs of letters/digits (inner apostrophes kept), thousands
+    separators dropped ("5,326" -> "5326")."""
+    return _WORD.findall(_THOUSANDS.sub("", text.lower()))
+
+
+def stem(word: str) -> str:
+    """A crude suffix stripper, applied alike to answer and evidence: possessive, plural, -ed, -ing, -ly,
+    then a final e ("lived", "lives", "living" -> "liv"); number words become digits."""
+    word = NUMBER_WORDS.get(word, word)
+    if word.isdigit():
+        return word
+    word = re.sub(r"['’]s$", "", word)
+    for suffix, replacement in (("ied", "y"), ("ies", "y"), ("ing", ""), ("ed", ""), ("ly", ""), ("s", "")):
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
+            word = word[: len(word) - len(suffix)] + replacement
+            break
+    return word[:-1] if word.endswith("e") and len(word) > 3 else word
+
+
+def content_stems(text: str, drop_numbers: bool = False) -> list[str]:
+    """Stems of ``text``'s content words (stop words removed), in order, without repeats."""
+    stems = []
+    for word in words(text):
+        if word in STOP_WORDS:
+            continue
+        token = stem(word)
+        if drop_numbers and token.isdigit():
+            continue
+        stems.append(token)
+    return list(dict.fromkeys(stems))
+
+
+def jaccard(a: str, b: str) -> float:
+    """Jaccard similarity of the stemmed word sets of two texts (stop words kept: they carry the question)."""
+    x, y = {stem(w) for w in words(a)}, {stem(w) for w in words(b)}
+    return len(x & y) / len(x | y) if x | y else 1.0
+
+
+def numbers(text: str) -> set[str]:
+    """The numbers of ``text`` (digits and number words, normalised)."""
+    return {token for token in map(stem, words(text)) if token.isdigit()}
+
+
+# ---- the gates ------------------------------------------------------------------------------------
+
+_PLACEHOLDER_WORDS = frozenset({
+    "question", "answer", "string", "text", "name", "biography", "placeholder", "example", "todo", "tbd", "tba",
+    "n/a", "na", "xxx", "your question", "your answer", "your question here", "your answer here", "question here",
+    "answer here", "insert question", "insert answer", "lorem ipsum", "null", "undefined",
+})  # not "none": "None." answers "which ... both?" correctly
+_PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
+_BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
+_JSON_FORMAT = re.compile(r"\"\s*(?:qa_pairs|question|answer|biographies|biography|name)\s*\"\s*:")
+_REFUSALS = [re.compile(pattern, re.IGNORECASE) for pattern in (
+    r"\bas an ai\b",
+    r"\b(?:large )?language model\b",
+    r"\bi(?:'m| am) (?:sorry|unable|not able)\b",
+    r"\bi (?:cannot|can't|can ?not|won't|am unable to)\b",
+    r"\bi apologi[sz]e\b",
+    r"^\s*(?:sure|certainly|of course|okay|ok|absolutely)\b[^.!?\n]{0,40}\bhere (?:is|are)\b",
+    r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
+    r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
+    r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
+    r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
+    r"in the "
+    r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
+    r"\bnot enough information\b",
+    r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
+    r"context|story)",
+    r"\bno information (?:is |was )?(?:given|provided|available)\b",
+)]
+
+
+def placeholder(text: str) -> str | None:
+    """Why ``text`` is a placeholder, or None."""
+    stripped = text.strip()
+    if _PUNCTUATION_ONLY.fullmatch(stripped) and ("..." in stripped or "…" in stripped or not stripped):
+        return f"{stripped!r} is a placeholder"
+    if _BRACKETED.fullmatch(stripped):
+        return f"{stripped!r} is a template slot"
+    if " ".join(words(stripped)) in _PLACEHOLDER_WORDS or stripped.lower().rstrip(".") in _PLACEHOLDER_WORDS:
+        return f"{stripped!r} is a placeholder word"
+    if "lorem ipsum" in stripped.lower():
+        return "contains 'lorem ipsum'"
+    return None
+
+
+def echo_grams(instructions: str, evidence: str, n: int) -> set[tuple[str, ...]]:
+    """Word n-grams of the prompt's instructions that do not occur in the evidence text."""
+    inst, ev = words(instructions), words(evidence)
+    grams = {tuple(inst[i:i + n]) for i in range(len(inst) - n + 1)}
+    return grams - {tuple(ev[i:i + n]) for i in range(len(ev) - n + 1)}
+
+
+def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
+    """Why ``text`` copies the prompt (an instruction n-gram of ``grams``, or the JSON format), or None."""
+    if _JSON_FORMAT.search(text):
+        return "contains the prompt's JSON format"
+    found = words(text)
+    for i in range(len(found) - n + 1):
+        if tuple(found[i:i + n]) in grams:
+            return f"copies the prompt's instructions: {' '.join(found[i:i + n])!r}"
+    return None
+
+
+def refusal(text: str) -> str | None:
+    """The refusal or meta-answer phrase in ``text``, or None."""
+    for pattern in _REFUSALS:
+        match = pattern.search(text)
+        if match:
+            return f"refusal or meta-answer: {match.group(0).strip()!r}"
+    return None
+
+
+def ungrounded(answer: str, evidence_stems: set[str], min_fraction: float, drop_numbers: bool,
+               question: str = "") -> str | None:
+    """Why ``answer`` is not grounded (the missing content words), or None; the words of ``question`` are not
+    counted (an answer restates its question)."""
+    asked = {stem(w) for w in words(question)}
+    stems = [s for s in content_stems(answer, drop_numbers) if s not in asked]
+    if not stems:
+        return None
+    missing = [s for s in stems if s not in evidence_stems]
+    present = 1 - len(missing) / len(stems)
+    if present + 1e-9 >= min_fraction and not any(s.isdigit() for s in missing):
+        return None
+    original = {stem(w): w for w in words(answer)}
+    shown = ", ".join(repr(original.get(s, s)) for s in missing[:12]) + (" ..." if len(missing) > 12 else "")
+    need = f"need {min_fraction:.0%}" + (", and every number" if not drop_numbers else "")
+    return (f"{len(missing)} of {len(stems)} content words not in the text asked about ({present:.0%} present, "
+            f"{need}): {shown}")
+
+
+def _name_tokens(name: str, others: Iterable[str]) -> list[str]:
+    """Words of ``name`` that tell it apart from the ``others`` (a shared family name does not)."""
+    shared = {w for other in others for w in words(other)}
+    own = [w for w in words(name) if w not in STOP_WORDS and len(w) >= 2]
+    return [w for w in own if w not in shared] or own
+
+
+def name_words(text: str) -> list[str]:
+    """Words of ``text`` with possessives dropped ("Marten's" -> "marten"), to find names."""
+    return [re.sub(r"['’]s$", "", word) for word in words(text)]
+
+
+def _mentions(tokens: Sequence[str], counts: Counter[str]) -> int:
+    return max((counts[t] for t in tokens), default=0)
+
+
+def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_words: set[str]) -> str | None:
+    """Why the biography is not about ``name`` (absent from it or from the book, or another requested
+    name is mentioned more often), or None."""
+    tokens = _name_tokens(name, others)
+    if not tokens:
+        return f"the requested name {name!r} has no letters"
+    counts = Counter(name_words(biography))
+    own = _mentions(tokens, counts)
+    if not own:
+        return f"the biography never names {name!r}"
+    if not any(t in evidence_words for t in tokens):
+        return f"{name!r} does not occur in the book"
+    for other in others:
+        theirs = _mentions(_name_tokens(other, [name, *[o for o in others if o != other]]), counts)
+        if theirs > own:
+            return f"mostly about {other!r} ({theirs} mentions) rather than {name!r} ({own})"
+    return None
+
+
+class QualityGates:
+    """Applies the gates of a :class:`QualityConfig` and counts rejections by task and reason.
+
+    Attributes:
+        checked: items seen per task; ``rejected``: rejections per task and reason.
+    """
+
+    def __init__(self, config: QualityConfig | None = None):
+        self.config = config or QualityConfig()
+        self.checked: Counter[str] = Counter()
+        self.rejected: dict[str, Counter[str]] = {}
+
+    def on(self, gate: str) -> bool:
+        return self.config.enabled and gate not in self.config.disable
+
+    def check(
+        self,
+        task: str,
+        items: Sequence[Item],
+        evidence: str,
+        instructions: str = "",
+        subjects: Sequence[str] | None = None,
+        earlier_questions: Sequence[str] = (),
+    ) -> Verdict:
+        """Judge the items of one answer.
+
+        Args:
+            task: the builder task (``single_detail``, ``multi_detail``, ``heterogeneous``, ``biography``).
+            items: QA pairs or biography turns, in the model's order.
+            evidence: the text the items were asked about (the chunk, the document, the numbered documents).
+            instructions: the prompt without the evidence (for ``prompt_echo``).
+            subjects: for biographies, the requested name of each item (same order).
+            earlier_questions: questions already kept for the same context (for ``near_duplicate``).
+        """
+        verdict = Verdict()
+        if not self.config.enabled:
+            verdict.kept = list(items)
+            return verdict
+        cfg = self.config
+        evidence_words = set(name_words(evidence))
+        evidence_stems = {stem(w) for w in evidence_words}
+        grams = echo_grams(instructions, evidence, cfg.echo_words) if instructions else set()
+        kept_questions = list(earlier_questions)
+        for index, item in enumerate(items):
+            self.checked[task] += 1
+            name = subjects[index] if subjects is not None else None
+            others = [s for s in (subjects or []) if s != name]
+            rejection = self._first_failure(task, item, name, others, evidence_words, evidence_stems, grams)
+            if rejection is None and self.on("near_duplicate"):
+                rejection = self._duplicate(item.question, kept_questions)
+            if rejection is None:
+                verdict.kept.append(item)
+                kept_questions.append(item.question)
+            else:
+                self.count(task, rejection.reason)
+                verdict.rejected.append((item, rejection))
+        return verdict
+
+    def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
+        """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
+        for the same context from other answers (the chunks of one document)."""
+        verdict = Verdict()
+        kept = list(earlier_questions)
+        for item in items:
+            rejection = self._duplicate(item.question, kept) if self.on("near_duplicate") else None
+            if rejection is None:
+                verdict.kept.append(item)
+                kept.append(item.question)
+            else:
+                self.count(task, rejection.reason)
+                verdict.rejected.append((item, rejection))
+        return verdict
+
+    def count(self, task: str, reason: str) -> None:
+        self.rejected.setdefault(task, Counter())[reason] += 1
+
+    def _first_failure(
+        self, task: str, item: Item, name: str | None, others: Sequence[str], evidence_words: set[str],
+        evidence_stems: set[str], grams: set[tuple[str, ...]],
+    ) -> Rejection | None:
+        cfg = self.config
+        fields = (("question", item.question), ("biography" if name is not None else "answer", item.answer))
+        checks = [
+            ("placeholder", lambda text: placeholder(text)),
+            ("prompt_echo", lambda text: prompt_echo(text, grams, cfg.echo_words) if grams else None),
+            ("refusal", refusal),
+        ]
+        for gate, test in checks:
+            if not self.on(gate):
+                continue
+            for label, text in fields:
+                why = test(text)
+                if why:
+                    return Rejection(gate, f"{label}: {why}")
+        if self.on("too_short"):
+            minimum = {"question": cfg.min_question_words, "answer": cfg.min_answer_words,
+                       "biography": cfg.min_biography_words}
+            for label, text in fields:
+                count = len(words(text))
+                if count < minimum[label]:
+                    return Rejection("too_short", f"{label} has {count} real word(s) ({text.strip()[:60]!r}), "
+                                                  f"minimum {minimum[label]}")
+        if name is not None and self.on("wrong_subject"):
+            why = wrong_subject(name, item.answer, others, evidence_words)
+            if why:
+                return Rejection("wrong_subject", why)
+        if self.on("ungrounded"):
+            why = ungrounded(item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS,
+                             item.question)
+            if why:
+                return Rejection("ungrounded", why)
+        return None
+
+    def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
+        for earlier in kept:
+            if numbers(question) != numbers(earlier):
+                continue
+            similarity = jaccard(question, earlier)
+            if similarity >= self.config.max_question_similarity:
+                return Rejection("near_duplicate", f"repeats {earlier[:80]!r} (similarity {similarity:.2f})")
+        return None
+
+    def report(self) -> dict[str, Any]:
+        """JSON-ready counts: items checked and kept, rejections by reason overall and per task."""
+        total: Counter[str] = Counter()
+        for counts in self.rejected.values():
+            total.update(counts)
+        checked = sum(self.checked.values())
+        return {
+            "enabled": self.config.enabled,
+            "checked": checked,
+            "kept": checked - sum(total.values()),
+            "rejected": {reason: total[reason] for reason in REASONS if total[reason]},
+            "rejected_per_task": {task: {r: counts[r] for r in REASONS if counts[r]}
+                                  for task, counts in sorted(self.rejected.items())},
+        }
