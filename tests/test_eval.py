@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from longpeft.adapters.string import enable_string, string_settings
+from longpeft.errors import ConfigError
 from longpeft.eval import InsufficientMemoryError, check_memory, evaluate, niah_grid, passkey_accuracy
 from longpeft.eval.cli import register
 from longpeft.eval.generation import eos_token_ids, generate_batch, pad_token_id
@@ -90,6 +91,22 @@ def test_oracle_scores_100_percent_and_heatmap_is_written(tokenizer, tmp_path):
     # generation stopped on the *second* eos id of the generation config, and batches were used
     assert all(call["eos"][-1] == 2 for call in model.calls)
     assert max(call["batch"] for call in model.calls) == 4
+
+
+def test_an_adapter_folder_given_as_model_is_loaded_with_its_longpeft_json(saved_base_and_adapter, tmp_path, capsys):
+    """`--model ADAPTER`: the same scores and STRING settings as `--model BASE --adapter ADAPTER`, not the base
+    model with the LoRA weights and without longpeft.json's changes."""
+    base_dir, adapter_dir = saved_base_and_adapter
+    flags = ["--string", "--string-window", "16", "--lengths", "256", "--depths", "0.5", "--samples", "1"]
+    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), *flags,
+                   "--out", str(tmp_path / "pair")) == 0
+    assert run_cli("passkey", "--model", str(adapter_dir), *flags, "--out", str(tmp_path / "alone")) == 0
+    assert "is an adapter folder" in capsys.readouterr().err
+    pair, alone = (json.loads((tmp_path / name / "passkey.json").read_text()) for name in ("pair", "alone"))
+    assert alone["string"] == pair["string"] and alone["string"]["shift"] == 40
+    assert alone["samples"] == pair["samples"]
+    with pytest.raises(ConfigError, match="pass the base model as --model and the adapter as --adapter"):
+        run_cli("passkey", "--model", str(adapter_dir), "--adapter", str(adapter_dir), "--out", str(tmp_path / "x"))
 
 
 @pytest.mark.parametrize(("task", "length", "visible"), [("passkey", 300, 80), ("niah_single", 500, 160)])
@@ -403,6 +420,4 @@ def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_
     loaded = longpeft.load(str(base_dir), adapter_dir)
     with string_enabled(loaded, True) as settings:
         assert (settings["trained_length"], settings["shift"]) == (600, 200)
-    from longpeft.adapters.string import enable_string
-
     assert enable_string(loaded)["shift"] == 200  # the Python API's default is the CLI's (trained length // 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,23 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
                               "folder") from None
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
+
+
+def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str | None]:
+    """``(--model, --adapter)`` to load. A local adapter folder given as ``--model`` (longpeft.json and no
+    config.json: not a loadable model by itself) becomes the adapter, on the base its longpeft.json names, so its
+    RoPE change and methods are applied (``longpeft.load``) instead of silently missing."""
+    from ..spec import SPEC_FILENAME
+
+    folder = Path(model)
+    if not (folder.is_dir() and (folder / SPEC_FILENAME).is_file() and not (folder / "config.json").is_file()):
+        return model, adapter
+    if adapter:
+        raise ConfigError(f"--model {model} is a longpeft adapter folder (longpeft.json, no config.json) and "
+                          "--adapter is given too: pass the base model as --model and the adapter as --adapter")
+    print(f"longpeft eval: --model {model} is an adapter folder: evaluating it on the base its longpeft.json names, "
+          "through longpeft.load (as --adapter)", file=sys.stderr)
+    return None, model
 
 
 def _at_least(minimum: int) -> Callable[[str], int]:
@@ -204,6 +222,7 @@ def run_eval(args: argparse.Namespace) -> int:
     from ..builtin_models import model_location
 
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
+    args.model, args.adapter = model_and_adapter(args.model, args.adapter)
     if args.task == "harness":
         return run_harness_eval(args)
     string = string_settings_from_args(args)
