@@ -428,7 +428,9 @@ def error_message(exc: BaseException) -> str | None:
         return f"not valid YAML{where} ({getattr(exc, 'problem', None) or text})"
     if isinstance(exc, json.JSONDecodeError):
         return f"not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
-    if isinstance(exc, (HfHubHTTPError, HFValidationError)) or _is_network_error(exc):
+    if isinstance(exc, HFValidationError):
+        return f"not a local folder nor a Hub repo id ({text}); give an existing folder or a Hub id owner/name"
+    if isinstance(exc, HfHubHTTPError) or _is_network_error(exc):
         return (f"the Hugging Face Hub or the network failed ({detail}); check the network, HF_ENDPOINT and the "
                 "repo id, or give a local folder")
     if isinstance(exc, (OSError, ImportError, UnicodeDecodeError)):
