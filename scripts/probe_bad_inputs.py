@@ -5,6 +5,7 @@ raising its own full-disk or permission error, a Hub that answers with the wrong
 
 - ``clear``: exit status 2 (3 for a synth run that built nothing), no traceback, a message on stderr, and for a
   simulated full disk no output folder left behind;
+- ``unnamed``: as clear, but the message does not name the file or folder at fault (the cases that say which);
 - ``exit 0``: the command ran to the end (for these inputs: the bad value was accepted silently);
 - ``other``: anything else (a traceback, an exception escaping ``main``, a wrong exit status, a partial output).
 
@@ -206,12 +207,12 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     out += [(f"synth #{i}", a) for i, a in enumerate(synth)]
     out.append(("demo out is a file", ["demo", "--out", str(root / "chat.jsonl")]))
     out.append(("demo out foreign folder", ["demo", "--out", str(root / "data")]))
-    out += broken_file_cases(root, adapter, variants)
     return out
 
 
-def broken_file_cases(root: Path, adapter: Path, variants: dict) -> list[tuple[str, list[str]]]:
-    """Weights, torch files and JSON that lie or are broken, in every command that reads them."""
+def broken_file_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], None, None, str]]:
+    """Weights, torch files and JSON that lie or are broken, in every command that reads them: (name, argv, no
+    fault, no output to check, what the message must name)."""
     import torch
     from safetensors.torch import load_file
 
@@ -226,23 +227,29 @@ def broken_file_cases(root: Path, adapter: Path, variants: dict) -> list[tuple[s
 
     model = str(adapter.parent / "base")
     out = []
-    for name, damage in (("lying rank", lying_rank), ("pickle payload", pickled),
-                         ("weights header too large", lambda d: (d / "adapter_model.safetensors").write_bytes(
-                             (10**9).to_bytes(8, "little") + b"{}"))):
+    for name, damage, file in (
+            ("lying rank", lying_rank, "adapter_model.safetensors"), ("pickle payload", pickled, "adapter_model.bin"),
+            ("weights header too large", lambda d: (d / "adapter_model.safetensors").write_bytes(
+                (10**9).to_bytes(8, "little") + b"{}"), "adapter_model.safetensors")):
         folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
         out += [(f"{command} {name}", [command, folder, "--out", str(root / "merged" / f"{command}-{name}"),
-                                       "--base", model]) for command in ("merge", "export")]
+                                       "--base", model], None, None, f"{folder}/{file}")
+                for command in ("merge", "export")]
         out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
-                                               "--lengths", "512", "--out", str(root / "ev" / name)]))
+                                               "--lengths", "512", "--out", str(root / "ev" / name)],
+                    None, None, f"{folder}/{file}"))
     for name in ("weights garbage", "weights truncated", "weights missing"):
         folder = str(root / "variants" / name.replace(" ", "_"))
         out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
-                                               "--lengths", "512", "--out", str(root / "ev" / name)]))
+                                               "--lengths", "512", "--out", str(root / "ev" / name)],
+                    None, None, "adapter_model.safetensors"))
     # a relative path of the form owner/name: a local folder lacking a file, a folder partly there
     out.append(("merge variants/weights_missing (relative)",
-                ["merge", "variants/weights_missing", "--out", str(root / "merged" / "rel"), "--base", model]))
+                ["merge", "variants/weights_missing", "--out", str(root / "merged" / "rel"), "--base", model],
+                None, None, "adapter_model.safetensors is missing"))
     out.append(("merge variants/does_not_exist (relative)",
-                ["merge", "variants/does_not_exist", "--out", str(root / "merged" / "rel2")]))
+                ["merge", "variants/does_not_exist", "--out", str(root / "merged" / "rel2")],
+                None, None, "variants/does_not_exist: no such folder"))
     # convert-beacon: the authors' config.json and index broken, their tensors cut short
     authors = make_authors_checkpoint(root / "authors", Path(model))
     for name, damage in (
@@ -257,15 +264,18 @@ def broken_file_cases(root: Path, adapter: Path, variants: dict) -> list[tuple[s
         copy = root / "authors-variants" / name.replace(" ", "_")
         shutil.copytree(authors, copy)
         damage(copy)
+        file = "config.json" if "config" in name or "beacon_" in name else "model.safetensors"
         out.append((f"convert-beacon {name}", ["convert-beacon", str(copy), "--base", model,
-                                               "--out", str(root / "converted" / name.replace(" ", "_"))]))
+                                               "--out", str(root / "converted" / name.replace(" ", "_"))],
+                    None, None, f"{copy}/{file}"))
     # resume from a checkpoint whose optimizer file carries a pickle payload
     run = root / "pickled-run"
     shutil.copytree(adapter.parent, run, ignore=shutil.ignore_patterns("adapter", "base"))
     last = max((run / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     torch.save({"state": {}, "param_groups": [], "payload": print}, last / "optimizer.pt")
     out.append(("train resume pickle checkpoint", [*TRAIN, "--set", f"data.source={root / 'chat.jsonl'}",
-                                                   "--set", f"output_dir={run}", "--resume"]))
+                                                   "--set", f"output_dir={run}", "--resume"],
+                None, None, f"{last}: a file there is not a plain tensor file"))
     return out
 
 
@@ -308,12 +318,14 @@ def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
         setattr(owner, name, old)
 
 
-def failing(error: BaseException, only: str = "") -> Callable:
-    """A writer that leaves a torn file and raises ``error`` (for paths containing ``only``; else writes)."""
+def failing(error: BaseException, only: str | tuple[str, ...] = ()) -> Callable:
+    """A writer that leaves a torn file and raises ``error`` (for paths containing one of ``only``, when given;
+    others are written)."""
+    only = (only,) if isinstance(only, str) else only
 
     def write_then_fail(*args, real=None, **kwargs):
         target = next((a for a in args if isinstance(a, (str, Path))), kwargs.get("filename") or kwargs.get("f"))
-        if only and only not in str(target):
+        if only and not any(part in str(target) for part in only):
             return real(*args, **kwargs)
         if isinstance(target, (str, Path)) and Path(target).parent.is_dir():
             Path(target).write_bytes(b"\x00" * 16)
@@ -333,8 +345,9 @@ SAFETENSORS_DENIED = ("Error while serializing: IoError(Os { code: 13, kind: Per
 TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
 
 
-def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callable, Path]]:
-    """(name, argv, a context that injects the fault, the output that must not be left behind)."""
+def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callable, Path, str | None]]:
+    """(name, argv, a context that injects the fault, the output that must not be left behind, what the message
+    must name: the folder that could not be written)."""
     import datasets
     import matplotlib.figure
     import peft.peft_model
@@ -374,8 +387,8 @@ def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callabl
     run = root / "faults" / "train-adapter"
     out.append(("train full disk (adapter save)", [*TRAIN, *data, "--set", f"output_dir={run}"],
                 lambda: replaced(peft.peft_model, "safe_save_file", with_real(
-                    failing(SafetensorError(SAFETENSORS_FULL), ".adapter.partial"), safetensors.torch.save_file)),
-                run / "adapter"))
+                    failing(SafetensorError(SAFETENSORS_FULL), (".adapter.partial", f"{run}/adapter/")),
+                    safetensors.torch.save_file)), run / "adapter"))
     target = root / "faults" / "synth"
     out.append(("synth full disk (datasets)", ["synth", "--out", str(target), "--contexts", "1", "--min-tokens",
                                                "512", "--max-tokens", "1024"],
@@ -391,7 +404,9 @@ def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callabl
         target = root / "faults" / f"hub-{name.replace(' ', '_')}"
         out.append((f"merge Hub answers {name}", ["merge", "owner/adapter", "--out", str(target)],
                     lambda answer=answer: wrong_shape_hub(answer), target))
-    return out
+    names = {"train full disk (torch.save checkpoint)": str(root / "faults" / "train-ckpt" / "checkpoints")}
+    return [(name, argv, fault, left, None if "Hub" in name else names.get(name, str(left).removesuffix(
+        "/stats.json").removesuffix("/passkey.json"))) for name, argv, fault, left in out]
 
 
 class _WrongShapeHub(BaseHTTPRequestHandler):
@@ -443,8 +458,8 @@ def wrong_shape_hub(answer: object) -> Iterator[None]:
         server.server_close()
 
 
-def classify(argv: list[str], fault: Callable | None = None, leftover: Path | None = None) -> tuple[str, int | None,
-                                                                                                    str]:
+def classify(argv: list[str], fault: Callable | None = None, leftover: Path | None = None,
+             names: str | None = None) -> tuple[str, int | None, str]:
     from longpeft.cli import main
 
     err, std = io.StringIO(), io.StringIO()
@@ -461,6 +476,8 @@ def classify(argv: list[str], fault: Callable | None = None, leftover: Path | No
     text = err.getvalue()
     if leftover is not None and leftover.exists():
         return "other", code, f"{text}\nleft behind: {leftover}"
+    if names is not None and code in (2, 3) and names not in text:
+        return "unnamed", code, f"{text}\nthe message does not name {names}"
     if code in (2, 3) and "Traceback" not in text and text.strip():
         return "clear", code, text
     if code == 0:
@@ -477,13 +494,15 @@ def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, 
         previous = Path.cwd()
         os.chdir(root)  # the relative-path cases
         try:
-            all_cases = [(name, argv, None, None) for name, argv in cases(root, adapter)] + fault_cases(root, adapter)
-            counts = {"cases": len(all_cases), "clear": 0, "exit 0": 0, "other": 0}
+            all_cases = ([(name, argv, None, None, None) for name, argv in cases(root, adapter)]
+                         + broken_file_cases(root, adapter) + fault_cases(root, adapter))
+            counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "other": 0}
             failures = []
-            for name, argv, fault, leftover in all_cases:
-                kind, code, text = classify(argv, fault, leftover)
+            for name, argv, fault, leftover, names in all_cases:
+                kind, code, text = classify(argv, fault, leftover, names)
                 counts[kind] += 1
-                last = (text.strip().splitlines() or [""])[-2 if text.strip().endswith("traceback)") else -1][:150]
+                lines = [t for t in text.strip().splitlines() if t != "(run with --debug for the traceback)"]
+                last = (lines or [""])[-1][:150]
                 line = f"{kind:<9} rc={code!s:<4} {name:<40} {last}"
                 show(line)
                 if kind != "clear":
