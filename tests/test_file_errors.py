@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from longpeft.cli import error_message, main
-from longpeft.errors import DataError, OutputWriteError
+from longpeft.errors import DataError, ModelSourceError, OutputWriteError
 from longpeft.files import is_local, write_failure, write_text_atomically, writing_to
 from longpeft.reading import (
     REFUSED_FOR_SAFETY,
@@ -199,6 +199,15 @@ def test_eval_adapter_with_broken_weights_is_one_line(adapter, trained, tmp_path
     line = _one_line(["eval", "passkey", "--model", _base_of(trained[1]), "--adapter", adapter, "--lengths", "128",
                       "--out", tmp_path / "e"], capsys)
     assert f"{adapter / 'adapter_model.safetensors'}: not a safetensors file" in line
+
+
+def test_init_from_an_adapter_without_weights_names_the_file(adapter):
+    """model.init_from reads the earlier adapter through the same checks (before any model is touched)."""
+    from longpeft.recipes.init_from import _load_lora
+
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(ModelSourceError, match=f"adapter_model.safetensors is missing in model.init_from {adapter}"):
+        _load_lora(None, adapter)
 
 
 def _base_of(result) -> str:
