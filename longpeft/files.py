@@ -195,6 +195,15 @@ def write_failure(error: BaseException) -> str | None:
     return None
 
 
+def _elsewhere(error: BaseException, folder: Path) -> bool:
+    """Whether ``error`` names a file outside ``folder``'s parent (an input that could not be read, not the
+    output)."""
+    filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    if not isinstance(filename, (str, Path)):
+        return False
+    return not os.path.abspath(filename).startswith(os.path.abspath(folder.parent))
+
+
 def _size(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count:,} bytes"
 
@@ -213,9 +222,10 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         raise
     except Exception as error:
         problem = write_failure(error)
-        if problem is None:
-            raise
         folder = Path(folder)
+        refused = problem is not None and problem.startswith(("permission", "read-only"))
+        if problem is None or refused and _elsewhere(error, folder):  # an input that could not be read
+            raise
         sizes = []
         if needed_bytes:
             sizes.append(f"it needs about {_size(needed_bytes)}")
