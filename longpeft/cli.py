@@ -392,17 +392,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def expected_errors() -> tuple[type[BaseException], ...]:
-    """What the command line reports as one line (exit status 2) rather than a traceback: longpeft's own
-    :class:`~longpeft.errors.LongpeftError` (bad input, named), and what libraries raise for bad input files or a
-    failing environment: a file, folder, disk or network problem (``OSError``: missing file, permission, no space
-    left, a refused connection or timeout), a package not installed (``ImportError``), text that is not JSON, YAML or
-    UTF-8, settings refused by pydantic, a Hub id or request refused by huggingface_hub, a corrupt safetensors file.
+LIBRARY_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3")  # they parse a server's answers
 
-    Anything else (``KeyError``, ``TypeError``, ``AttributeError``, a bare ``ValueError``, ...) is a bug and keeps
-    its traceback.
+
+def error_message(exc: BaseException) -> str | None:
+    """The one line the command line prints for an expected error, or None for a bug (which keeps its traceback).
+
+    Expected: longpeft's own :class:`~longpeft.errors.LongpeftError` (bad input, named); a full disk or a refused
+    write from any library (``OSError``, safetensors' ``SafetensorError``, ``torch.save``'s ``RuntimeError``); and
+    what the libraries underneath raise for bad files or a failing environment: a corrupt safetensors file, a file
+    ``torch.load`` refuses (a pickle payload), a Hub or network failure (huggingface_hub, httpx), settings refused by
+    pydantic, text that is not YAML, JSON or UTF-8, any other ``OSError``, a package not installed. A ``KeyError``,
+    ``TypeError`` or ``AttributeError`` is a bug, except when raised inside a Hub or HTTP client reading a server's
+    answer (a wrong-shape answer); any other exception (a bare ``ValueError``, ...) is a bug too.
     """
-    import json
+    import pickle
 
     import pydantic
     import yaml
@@ -410,17 +414,84 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from safetensors import SafetensorError
 
     from .errors import LongpeftError
+    from .files import write_failure
+    from .reading import REFUSED_FOR_SAFETY
 
-    return (LongpeftError, OSError, ImportError, json.JSONDecodeError, UnicodeDecodeError, yaml.YAMLError,
-            pydantic.ValidationError, HFValidationError, HfHubHTTPError, SafetensorError)
+    text = " ".join(str(exc).split())
+    detail = f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+    if isinstance(exc, LongpeftError):  # longpeft's own messages are written to be read as they are
+        return str(exc).strip() or type(exc).__name__
+    if isinstance(exc, (KeyError, TypeError, AttributeError)):
+        if _raised_in(exc, LIBRARY_PACKAGES):
+            what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
+            return (f"a server gave an answer of an unexpected shape ({what}); check HF_ENDPOINT (a Hub mirror or "
+                    "proxy?), or give a local folder")
+        return None
+    problem = write_failure(exc)
+    if problem is not None:
+        return f"a write failed: {problem} ({detail}); free space or choose a writable folder, and run again"
+    if isinstance(exc, SafetensorError):
+        return f"a safetensors file could not be read ({detail}); re-create or download it again"
+    if isinstance(exc, pickle.UnpicklingError):
+        return f"torch.load: {REFUSED_FOR_SAFETY} ({detail}); use .safetensors files or files longpeft wrote"
+    if isinstance(exc, pydantic.ValidationError):
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors()[:5])
+        return f"invalid settings ({exc.title}): {problems}"
+    if isinstance(exc, yaml.YAMLError):
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at {mark.name}:{mark.line + 1}" if mark is not None else ""
+        return f"not valid YAML{where} ({getattr(exc, 'problem', None) or text})"
+    if isinstance(exc, json.JSONDecodeError):
+        return f"not valid JSON at line {exc.lineno} column {exc.colno} ({exc.msg})"
+    if isinstance(exc, HFValidationError):
+        return f"not a local folder nor a Hub repo id ({text}); give an existing folder or a Hub id owner/name"
+    if isinstance(exc, HfHubHTTPError) or _is_network_error(exc):
+        return (f"the Hugging Face Hub or the network failed ({detail}); check the network, HF_ENDPOINT and the "
+                "repo id, or give a local folder")
+    if isinstance(exc, (OSError, ImportError, UnicodeDecodeError)):
+        return text or type(exc).__name__
+    return None
+
+
+def _is_network_error(exc: BaseException) -> bool:
+    """An HTTP client's error: httpx's (not ``OSError`` subclasses) or requests' (whichever huggingface_hub uses)."""
+    kinds: list[type[BaseException]] = []
+    try:
+        import httpx
+
+        kinds += [httpx.HTTPError, httpx.InvalidURL]
+    except ImportError:
+        pass
+    try:
+        import requests
+
+        kinds.append(requests.RequestException)
+    except ImportError:
+        pass
+    return isinstance(exc, tuple(kinds))
+
+
+def _raised_in(exc: BaseException, packages: tuple[str, ...]) -> bool:
+    """Whether the innermost frame of ``exc``'s traceback is in one of ``packages`` (installed libraries)."""
+    import os.path
+
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    if not frames:
+        return False
+    parts = os.path.normpath(frames[-1]).split(os.sep)
+    return any(package in parts for package in packages)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run one ``longpeft`` command; returns its exit status.
 
-    The one error boundary of every command: an expected error (:func:`expected_errors`) prints
-    ``longpeft COMMAND: error: MESSAGE`` and returns 2, an interrupt returns 130; any other exception propagates
-    with its traceback. ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets expected errors propagate too.
+    The one error boundary of every command: an expected error (:func:`error_message`) prints
+    ``longpeft COMMAND: error: MESSAGE`` on one line and returns 2, an interrupt returns 130; any other exception
+    (a bug) propagates with its traceback. ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets expected errors propagate too.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -429,9 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"longpeft {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        if args.debug or os.environ.get("LONGPEFT_DEBUG") or not isinstance(exc, expected_errors()):
+        if args.debug or os.environ.get("LONGPEFT_DEBUG"):
             raise
-        message = str(exc).strip() or type(exc).__name__
+        message = error_message(exc)
+        if message is None:
+            raise
         print(f"longpeft {args.command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

@@ -139,4 +139,6 @@ def read_yaml(path: str | Path) -> Any:
         return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         problem = str(exc).splitlines()[0] if not isinstance(exc, yaml.constructor.ConstructorError) else exc.problem
-        raise ConfigError(f"{path}: not valid YAML ({problem})") from None
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({problem}); fix the file") from None

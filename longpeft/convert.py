@@ -6,18 +6,17 @@ download, and writes its folder atomically (:func:`longpeft.files.written_atomic
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .adapters.beacon import WEIGHTS_FILENAME
 from .adapters.beacon.weights import AUTHORS_TENSOR, config_from_authors
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, written_atomically
+from .reading import read_json_object, read_safetensors
 from .spec import ContextSpec
 
 
@@ -29,20 +28,28 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
 
         folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
-        names = sorted({f for k, f in json.loads(index.read_text())["weight_map"].items()
+        names = sorted({f for k, f in _weight_map(index).items()
                         if AUTHORS_TENSOR.match(k)}) if index else ["model.safetensors"]
         files = [Path(hf_hub_download(str(source), name)) for name in names]
     else:
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
         if index is not None:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _weight_map(index)
             files = [folder / f for f in sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})]
         else:
             files = sorted(folder.glob("*.safetensors"))
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelSourceError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
-    return folder, json.loads(config_path.read_text()), files
+    return folder, read_json_object(config_path, "the authors' config"), files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor -> file) of a ``*.safetensors.index.json``."""
+    weight_map = read_json_object(index, "safetensors index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise DataError(f"{index}: no weight_map of tensor names to file names; download the model again")
+    return weight_map
 
 
 def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
@@ -67,7 +74,12 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     check_model_source(source, "the authors' model")
     check_model_source(base, "--base")
     folder, checkpoint_config, files = _checkpoint_files(source)
-    beacon = config_from_authors(checkpoint_config)
+    try:
+        beacon = config_from_authors(checkpoint_config)
+    except (ValueError, TypeError) as error:  # pydantic's ValidationError and int() of a bad value are ValueErrors
+        problem = " ".join(str(error).split())[:300]
+        raise DataError(f"{folder / 'config.json'}: its beacon settings cannot be used ({problem}); give an "
+                        "Activation Beacon model's folder with its config.json as released") from None
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
     for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if checkpoint_config.get(key) != getattr(base_config, key, None):
@@ -76,8 +88,7 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
                               "--base")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            tensors.update({k: f.get_tensor(k).float().contiguous() for k in f.keys() if AUTHORS_TENSOR.match(k)})
+        tensors.update({k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()})
     expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in range(base_config.num_hidden_layers)
                 for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
     missing = sorted(expected - set(tensors))
@@ -85,7 +96,8 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
         raise DataError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
     spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()},
                                  weights="method")
-    with written_atomically(out_dir.resolve()) as partial:  # a failure leaves no adapter that looks complete
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    with written_atomically(out_dir.resolve(), needed) as partial:  # a failure leaves no adapter that looks complete
         save_file(tensors, str(partial / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
         spec.save(partial)
     return {"out_dir": str(out_dir), "tensors": len(tensors), "beacon": beacon.model_dump()}

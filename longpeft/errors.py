@@ -1,4 +1,4 @@
-"""The errors longpeft raises for input it cannot use: one base, four kinds.
+"""The errors longpeft raises for input it cannot use: one base, five kinds.
 
 Every expected failure caused by what the user gave (a file, a folder, a key, a flag) is a :class:`LongpeftError`;
 its message names the file, field or flag and says what to do. The command line prints it as one line and exits
@@ -20,6 +20,8 @@ class                             also a                  raised for
                                                           was said to be (no such folder, not on the Hub, not
                                                           a folder longpeft wrote)
 :class:`OutputFolderError`        ``FileExistsError``     an output folder that would overwrite something
+:class:`OutputWriteError`         ``OSError``             results that could not be written: a full disk, an
+                                                          unwritable folder (from any library's writer)
 ================================  ======================  ===================================================
 
 This module is the floor of the package: it imports nothing (``files``, the torch-free file rules, raises these).
@@ -54,3 +56,8 @@ class ModelSourceError(LongpeftError, FileNotFoundError):
 
 class OutputFolderError(LongpeftError, FileExistsError):
     """An output folder that would overwrite something: a folder that is not empty, a file, or one of the inputs."""
+
+
+class OutputWriteError(LongpeftError, OSError):
+    """Results that could not be written (no space left, no permission): the message names the folder and, where
+    known, the bytes it needed; nothing that looks complete was left behind (:func:`longpeft.files.writing_to`)."""

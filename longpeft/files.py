@@ -4,24 +4,46 @@ they are written.
 - A model source is a local folder that must exist, or a Hub repo id that must answer (with a bounded wait) before
   anything long starts (:func:`check_model_source`); a local path is never retried as a Hub id.
 - An output folder must be new or empty, writable, and none of the inputs (:func:`check_output_folder`); results
-  are written beside it and renamed into place (:func:`written_atomically`), so a failure never leaves a folder
-  that a rerun would take for complete.
+  are written beside it and renamed into place (:func:`written_atomically`, :func:`write_text_atomically`), so a
+  failure never leaves a folder that a rerun would take for complete.
+- A write that fails for want of space or permission, whichever library wrote (``OSError``, safetensors'
+  ``SafetensorError``, ``torch.save``'s ``RuntimeError``), ends in one :class:`OutputWriteError` naming the folder
+  and the bytes needed where known (:func:`writing_to`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import ModelSourceError, OutputFolderError
+from .errors import LongpeftError, ModelSourceError, OutputFolderError, OutputWriteError
 
 
 def is_local(name: str | Path) -> bool:
-    """Whether ``name`` is meant as a local path (it exists, or does not look like ``owner/name``)."""
+    """Whether ``name`` is meant as a local path: it exists, starts like a path (``.``, ``/``, ``~``), does not look
+    like ``owner/name``, or its first folder exists here (``runs/missing``: a path that is partly there)."""
     text = str(name)
-    return Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~"))
+    if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")) or "\\" in text:
+        return True
+    return Path(text.split("/")[0]).is_dir()
+
+
+def require_file(folder: str | Path, name: str, what: str, hint: str = "") -> Path:
+    """``folder / name``, which must be a file: a local folder lacking it is named as such, never retried as a Hub
+    id. ``what`` names the folder (``adapter``), ``hint`` says what to do (appended).
+
+    Raises:
+        ModelSourceError: ``name`` is missing in ``folder``.
+    """
+    path = Path(folder) / name
+    if not path.is_file():
+        todo = hint or "; the folder is incomplete: copy or download it again"
+        raise ModelSourceError(f"{name} is missing in {what} {folder}{todo}")
+    return path
 
 
 def is_whole_model(folder: Path) -> bool:
@@ -143,21 +165,120 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
                                 "overwritten)")
 
 
+_NO_SPACE = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
+_NO_PERMISSION = ("permission denied", "os error 13", "read-only file system", "os error 30")
+# torch.save's writer on a full disk: "[enforce fail at inline_container.cc:...] . unexpected pos ..." or
+# "PytorchStreamWriter failed writing file ...: file write failed"
+_TORCH_WRITE = ("enforce fail at inline_container", "pytorchstreamwriter failed writing", "file write failed")
+
+
+def write_failure(error: BaseException) -> str | None:
+    """What stopped a write, in words (``no space left on device``, ``permission denied``), when ``error`` (or an
+    error it was raised from) is a full disk or a refused write from any library; None for anything else."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        code = getattr(error, "errno", None) if isinstance(error, OSError) else None
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            return "no space left on device"
+        if code in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return "permission denied" if code != errno.EROFS else "read-only file system"
+        if type(error).__name__ in ("SafetensorError", "RuntimeError", "OSError") or isinstance(error, OSError):
+            text = str(error).lower()
+            if any(s in text for s in _NO_SPACE):
+                return "no space left on device"
+            if any(s in text for s in _NO_PERMISSION):
+                return "permission denied"
+            if any(s in text for s in _TORCH_WRITE):
+                return "the file could not be written (torch.save: a full disk?)"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _elsewhere(error: BaseException, folder: Path) -> bool:
+    """Whether ``error`` names a file outside ``folder``'s parent (an input that could not be read, not the
+    output)."""
+    filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
+    if not isinstance(filename, (str, Path)):
+        return False
+    return not os.path.abspath(filename).startswith(os.path.abspath(folder.parent))
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count:,} bytes"
+
+
 @contextlib.contextmanager
-def written_atomically(out_dir: Path) -> Iterator[Path]:
+def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[None]:
+    """Turn a write in the block that fails for want of space or permission (:func:`write_failure`) into one
+    :class:`OutputWriteError` naming ``folder``, the bytes needed (``needed_bytes``, where known) and those free.
+
+    Raises:
+        OutputWriteError: the block's write failed that way; other errors pass unchanged.
+    """
+    try:
+        yield
+    except LongpeftError:
+        raise
+    except Exception as error:
+        problem = write_failure(error)
+        folder = Path(folder)
+        refused = problem is not None and problem.startswith(("permission", "read-only"))
+        if problem is None or refused and _elsewhere(error, folder):  # an input that could not be read
+            raise
+        sizes = []
+        if needed_bytes:
+            sizes.append(f"it needs about {_size(needed_bytes)}")
+        existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
+        if existing is not None and problem.startswith(("no space", "the file")):
+            with contextlib.suppress(OSError):
+                sizes.append(f"{_size(shutil.disk_usage(existing).free)} free")
+        todo = ("free space there" if not problem.startswith(("permission", "read-only"))
+                else "make it writable")
+        amounts = f" ({', '.join(sizes)})" if sizes else ""
+        raise OutputWriteError(f"could not write to {folder}: {problem}{amounts}; {todo} or choose another "
+                               "folder, and run the command again (nothing incomplete was kept)") from error
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through a temporary name beside it, renamed into place: a failure leaves
+    the old file (or none), never a truncated one; a full disk or a refused write is an :class:`OutputWriteError`."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.partial")
+    with writing_to(path.parent):
+        try:
+            temporary.write_text(text, encoding="utf-8")
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def written_atomically(out_dir: Path, needed_bytes: int | None = None, replace: bool = False) -> Iterator[Path]:
     """A folder beside ``out_dir`` (``.NAME.partial``) to write into; its files become ``out_dir``'s only when the
     block succeeds, so a failure leaves no half-written ``out_dir``. ``out_dir`` must be new or empty
-    (:func:`check_output_folder`) and absolute (``.`` has no name to write beside).
+    (:func:`check_output_folder`) and absolute (``.`` has no name to write beside), unless ``replace``: then a
+    folder already there is swapped for the new one once that is complete (a rerun's output replaces the last).
+    A full disk or a refused write is an :class:`OutputWriteError` naming ``out_dir`` (``needed_bytes``: what the
+    folder needs, where known).
     """
     partial = out_dir.with_name(f".{out_dir.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
-        yield partial
-        if out_dir.is_dir():  # empty: keep the folder itself (it may be the working directory)
-            for item in partial.iterdir():
-                item.rename(out_dir / item.name)
-        else:
-            partial.rename(out_dir)
-    finally:
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    with writing_to(out_dir, needed_bytes):
         shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        try:
+            yield partial
+            if replace and out_dir.is_dir() and any(out_dir.iterdir()):
+                shutil.rmtree(old, ignore_errors=True)
+                out_dir.rename(old)
+                partial.rename(out_dir)
+                shutil.rmtree(old, ignore_errors=True)
+            elif out_dir.is_dir():  # empty: keep the folder itself (it may be the working directory)
+                for item in partial.iterdir():
+                    item.rename(out_dir / item.name)
+            else:
+                partial.rename(out_dir)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)

@@ -21,12 +21,13 @@ from typing import Any
 import torch
 import yaml
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from .adapters import export_methods, spec_methods
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
+from .reading import read_safetensors
 from .spec import SPEC_FILENAME, ContextSpec, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -45,8 +46,9 @@ def merge(
     dtype: str = "float32",
     verify: bool = True,
     without: tuple[str, ...] = (),
+    card: bool = False,
 ) -> dict[str, Any]:
-    """Merge an adapter into its base and save a standalone model.
+    """Merge an adapter into its base and save a standalone model (with its model card when ``card``).
 
     The base is loaded unquantized in ``dtype`` (a QLoRA adapter merges into the full-precision
     base; a base saved quantized is refused), the ContextSpec is applied, LoRA is merged, and the result
@@ -98,7 +100,8 @@ def merge(
         "methods": {name: section for name, section in spec.methods.items() if name not in without},
         "weights": "merged",
     })
-    with written_atomically(out_dir) as partial:
+    needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
+    with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
         merged.config.name_or_path = str(out_dir)
         merged.save_pretrained(partial)
         export_methods(merged, kept, partial)
@@ -107,6 +110,8 @@ def merge(
             GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
         kept.save(partial)
         _copy_eval_results(adapter_dir, partial)
+        if card:
+            write_model_card(partial, kept, repo_id=str(out_dir))
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
@@ -119,9 +124,7 @@ def export(
     without: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card."""
-    result = merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without)
-    write_model_card(result["out_dir"], ContextSpec.load(result["out_dir"]), repo_id=result["out_dir"])
-    return result
+    return merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True)
 
 
 SERVING_DOCS = "docs/recipes.md#serving-engines"
@@ -422,9 +425,9 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     _copy_files(source, dest, skip=tuple(path.name for path in weights))
     sizes = {}
     for path in weights:
+        tensors = {key: t.to(target) if t.is_floating_point() else t for key, t in read_safetensors(path).items()}
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata()
-        tensors = {key: t.to(target) if t.is_floating_point() else t for key, t in load_file(path).items()}
         save_file(tensors, dest / path.name, metadata=metadata)
         sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
     config = json.loads((dest / "config.json").read_text())

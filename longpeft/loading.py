@@ -12,6 +12,7 @@ from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir
+from .reading import check_lora_adapter
 from .spec import ContextSpec
 
 
@@ -123,6 +124,7 @@ def load(
     if (adapter_dir / "generation_config.json").is_file():  # the recipe's eos ids (merge ships the same file)
         model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
+        check_lora_adapter(adapter_dir)  # a missing or broken file is named here, never looked for on the Hub
         model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
     elif not any(method.weights is not None for method, _ in spec_methods(spec)):
         raise ModelSourceError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "

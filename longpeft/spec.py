@@ -18,6 +18,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from .config import StrictModel, format_validation_error
 from .errors import ConfigError, DataError, ModelSourceError
 from .family import num_kv_heads
+from .reading import read_json
 from .rope import head_dim_of, rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
@@ -202,11 +203,7 @@ class ContextSpec(StrictModel):
                 f"{path} not found: this directory was not written by longpeft (or the spec was deleted); "
                 "without it the adapter's RoPE changes are unknown"
             )
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DataError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:

@@ -1,10 +1,13 @@
-"""Run longpeft's CLI on >= 100 bad inputs and count how each ends (run by hand; not a test).
+"""Run longpeft's CLI on >= 150 bad inputs and count how each ends (tests/test_file_errors.py runs it as a test).
 
-Each case calls ``longpeft.cli.main(argv)`` in this process and is classified:
+Each case calls ``longpeft.cli.main(argv)`` in this process, some under a simulated fault (a library's write
+raising its own full-disk or permission error, a Hub that answers with the wrong JSON shape), and is classified:
 
-- ``clear``: exit status 2 (3 for a synth run that built nothing), no traceback, a message on stderr;
+- ``clear``: exit status 2 (3 for a synth run that built nothing), no traceback, a message on stderr, and for a
+  simulated full disk no output folder left behind;
+- ``unnamed``: as clear, but the message does not name the file or folder at fault (the cases that say which);
 - ``exit 0``: the command ran to the end (for these inputs: the bad value was accepted silently);
-- ``other``: anything else (a traceback, an exception escaping ``main``, a wrong exit status).
+- ``other``: anything else (a traceback, an exception escaping ``main``, a wrong exit status, a partial output).
 
 Usage::
 
@@ -17,11 +20,16 @@ The last line is one JSON object with the counts.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
+import shutil
 import tempfile
+import threading
 import traceback
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -146,9 +154,11 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     }
     for name, damage in variants.items():
         folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
+        base_flag = [] if name == "base gone" else ["--base", str(adapter.parent / "base")]  # copies lose ../base
         for command in ("merge", "export"):
             out.append((f"{command} {name}",
-                        [command, folder, "--out", str(root / "merged" / f"{command}-{name.replace(' ', '_')}")]))
+                        [command, folder, "--out", str(root / "merged" / f"{command}-{name.replace(' ', '_')}"),
+                         *base_flag]))
     out.append(("merge out = adapter", ["merge", str(adapter), "--out", str(adapter)]))
     out.append(("merge out = base", ["merge", str(adapter), "--out", str(adapter.parent / "base")]))
     out.append(("merge out non-empty", ["merge", str(adapter), "--out", str(root / "data")]))
@@ -200,20 +210,274 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def classify(argv: list[str]) -> tuple[str, int | None, str]:
+def broken_file_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], None, None, str]]:
+    """Weights, torch files and JSON that lie or are broken, in every command that reads them: (name, argv, no
+    fault, no output to check, what the message must name)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def lying_rank(d: Path) -> None:
+        config = json.loads((d / "adapter_config.json").read_text())
+        write(d / "adapter_config.json", json.dumps({**config, "r": config["r"] + 2}))
+
+    def pickled(d: Path) -> None:
+        weights = d / "adapter_model.safetensors"
+        torch.save({**load_file(weights), "payload": print}, d / "adapter_model.bin")
+        weights.unlink()
+
+    model = str(adapter.parent / "base")
+    out = []
+    for name, damage, file in (
+            ("lying rank", lying_rank, "adapter_model.safetensors"), ("pickle payload", pickled, "adapter_model.bin"),
+            ("weights header too large", lambda d: (d / "adapter_model.safetensors").write_bytes(
+                (10**9).to_bytes(8, "little") + b"{}"), "adapter_model.safetensors")):
+        folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
+        out += [(f"{command} {name}", [command, folder, "--out", str(root / "merged" / f"{command}-{name}"),
+                                       "--base", model], None, None, f"{folder}/{file}")
+                for command in ("merge", "export")]
+        out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
+                                               "--lengths", "512", "--out", str(root / "ev" / name)],
+                    None, None, f"{folder}/{file}"))
+    for name in ("weights garbage", "weights truncated", "weights missing"):
+        folder = str(root / "variants" / name.replace(" ", "_"))
+        out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
+                                               "--lengths", "512", "--out", str(root / "ev" / name)],
+                    None, None, "adapter_model.safetensors"))
+    # a relative path of the form owner/name: a local folder lacking a file, a folder partly there
+    out.append(("merge variants/weights_missing (relative)",
+                ["merge", "variants/weights_missing", "--out", str(root / "merged" / "rel"), "--base", model],
+                None, None, "adapter_model.safetensors is missing"))
+    out.append(("merge variants/does_not_exist (relative)",
+                ["merge", "variants/does_not_exist", "--out", str(root / "merged" / "rel2")],
+                None, None, "variants/does_not_exist: no such folder"))
+    # convert-beacon: the authors' config.json and index broken, their tensors cut short
+    authors = make_authors_checkpoint(root / "authors", Path(model))
+    for name, damage in (
+        ("config garbage", lambda d: write(d / "config.json", "{oops")),
+        ("config a list", lambda d: write(d / "config.json", "[]")),
+        ("beacon_window not a number", lambda d: write(d / "config.json", json.dumps(
+            {**json.loads((d / "config.json").read_text()), "beacon_window": "wide"}))),
+        ("weights truncated", lambda d: (d / "model.safetensors").write_bytes(
+            (d / "model.safetensors").read_bytes()[:-50])),
+        ("weights garbage", lambda d: (d / "model.safetensors").write_bytes(b"garbage" * 9)),
+    ):
+        copy = root / "authors-variants" / name.replace(" ", "_")
+        shutil.copytree(authors, copy)
+        damage(copy)
+        file = "config.json" if "config" in name or "beacon_" in name else "model.safetensors"
+        out.append((f"convert-beacon {name}", ["convert-beacon", str(copy), "--base", model,
+                                               "--out", str(root / "converted" / name.replace(" ", "_"))],
+                    None, None, f"{copy}/{file}"))
+    # resume from a checkpoint whose optimizer file carries a pickle payload
+    run = root / "pickled-run"
+    shutil.copytree(adapter.parent, run, ignore=shutil.ignore_patterns("adapter", "base"))
+    last = max((run / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    torch.save({"state": {}, "param_groups": [], "payload": print}, last / "optimizer.pt")
+    out.append(("train resume pickle checkpoint", [*TRAIN, "--set", f"data.source={root / 'chat.jsonl'}",
+                                                   "--set", f"output_dir={run}", "--resume"],
+                None, None, f"{last}: a file there is not a plain tensor file"))
+    return out
+
+
+TRAIN = ["train", "tiny-cpu", "--set", "data.max_length=256", "--set", "train.max_steps=1", "--set",
+         "train.global_batch_size=1", "--set", "train.per_device_batch_size=1", "--set", "lora.r=2"]
+
+
+def make_authors_checkpoint(folder: Path, base: Path) -> Path:
+    """An Activation Beacon model as its authors release it (one file of base and beacon tensors, config.json with
+    their beacon_* settings), built on ``base``."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from longpeft.adapters.beacon import BeaconConfig, apply_beacon
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    config = BeaconConfig(window=8, ratios=[2], sink=1, params=["q", "k", "v", "o"])
+    apply_beacon(model, config.settings())
+    folder.mkdir(parents=True)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
+    settings = json.loads(model.config.to_json_string())
+    settings.pop("beacon", None)
+    settings.update(beacon_window=8, beacon_stride=8, beacon_attn=config.attn, beacon_pos=config.pos,
+                    beacon_ratio=[2], beacon_ratio_mix="step-random", beacon_param=config.params, beacon_sink_size=1,
+                    beacon_attend_prev=True, beacon_embed_init="eos", beacon_parallel_window=1)
+    write(folder / "config.json", json.dumps(settings))
+    return folder
+
+
+# ---- faults: a library's write on a full disk or an unwritable folder, a Hub answering the wrong shape -------
+
+
+@contextlib.contextmanager
+def replaced(owner: object, name: str, replacement: object) -> Iterator[None]:
+    old = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+
+
+def failing(error: BaseException, only: str | tuple[str, ...] = ()) -> Callable:
+    """A writer that leaves a torn file and raises ``error`` (for paths containing one of ``only``, when given;
+    others are written)."""
+    only = (only,) if isinstance(only, str) else only
+
+    def write_then_fail(*args, real=None, **kwargs):
+        target = next((a for a in args if isinstance(a, (str, Path))), kwargs.get("filename") or kwargs.get("f"))
+        if only and not any(part in str(target) for part in only):
+            return real(*args, **kwargs)
+        if isinstance(target, (str, Path)) and Path(target).parent.is_dir():
+            Path(target).write_bytes(b"\x00" * 16)
+        raise error
+
+    return write_then_fail
+
+
+def with_real(fake: Callable, real: Callable) -> Callable:
+    return lambda *args, **kwargs: fake(*args, real=real, **kwargs)
+
+
+SAFETENSORS_FULL = ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                    "\"No space left on device\" })")
+SAFETENSORS_DENIED = ("Error while serializing: IoError(Os { code: 13, kind: PermissionDenied, message: "
+                      "\"Permission denied\" })")
+TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
+
+
+def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callable, Path, str | None]]:
+    """(name, argv, a context that injects the fault, the output that must not be left behind, what the message
+    must name: the folder that could not be written)."""
+    import datasets
+    import matplotlib.figure
+    import peft.peft_model
+    import safetensors.torch
+    import torch
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    model = str(adapter.parent / "base")
+    saving = transformers.modeling_utils
+
+    def safetensors_fault(message: str, only: str = "") -> Callable:
+        return lambda: replaced(saving, "safe_save_file", with_real(failing(SafetensorError(message), only),
+                                                                    safetensors.torch.save_file))
+
+    out = []
+    for command in ("merge", "export"):
+        for name, message in (("full disk", SAFETENSORS_FULL), ("unwritable", SAFETENSORS_DENIED)):
+            target = root / "faults" / f"{command}-{name.replace(' ', '_')}"
+            out.append((f"{command} {name} (safetensors)", [command, str(adapter), "--out", str(target)],
+                        safetensors_fault(message), target))
+        target = root / "faults" / f"{command}-json"
+        out.append((f"{command} full disk (json)", [command, str(adapter), "--out", str(target)],
+                    lambda: replaced(Path, "write_text", failing(OSError(errno.ENOSPC, "No space left on device"))),
+                    target))
+    authors = root / "authors"
+    target = root / "faults" / "converted"
+    out.append(("convert-beacon full disk (safetensors)", ["convert-beacon", str(authors), "--base", model, "--out",
+                                                           str(target)],
+                lambda: replaced(__import__("longpeft.convert").convert, "save_file",
+                                 failing(SafetensorError(SAFETENSORS_FULL))), target))
+    data = ["--set", f"data.source={root / 'chat.jsonl'}", "--set", f"model.name_or_path={model}"]
+    run = root / "faults" / "train-ckpt"
+    out.append(("train full disk (torch.save checkpoint)", [*TRAIN, *data, "--set", f"output_dir={run}"],
+                lambda: replaced(torch, "save", with_real(failing(RuntimeError(TORCH_FULL), "checkpoint-"),
+                                                          torch.save)), run / "adapter"))
+    run = root / "faults" / "train-adapter"
+    out.append(("train full disk (adapter save)", [*TRAIN, *data, "--set", f"output_dir={run}"],
+                lambda: replaced(peft.peft_model, "safe_save_file", with_real(
+                    failing(SafetensorError(SAFETENSORS_FULL), (".adapter.partial", f"{run}/adapter/")),
+                    safetensors.torch.save_file)), run / "adapter"))
+    target = root / "faults" / "synth"
+    out.append(("synth full disk (datasets)", ["synth", "--out", str(target), "--contexts", "1", "--min-tokens",
+                                               "512", "--max-tokens", "1024"],
+                lambda: replaced(datasets.Dataset, "save_to_disk",
+                                 failing(OSError(errno.ENOSPC, "No space left on device"))), target / "stats.json"))
+    target = root / "faults" / "eval"
+    out.append(("eval full disk (matplotlib)", ["eval", "passkey", "--model", model, "--lengths", "512",
+                                                "--out", str(target)],
+                lambda: replaced(matplotlib.figure.Figure, "savefig",
+                                 failing(OSError(errno.ENOSPC, "No space left on device"))), target / "passkey.json"))
+    for name, answer in (("a list", []), ("a string", "x"), ("siblings of numbers", {"sha": "0" * 40,
+                                                                                    "siblings": [1, 2]})):
+        target = root / "faults" / f"hub-{name.replace(' ', '_')}"
+        out.append((f"merge Hub answers {name}", ["merge", "owner/adapter", "--out", str(target)],
+                    lambda answer=answer: wrong_shape_hub(answer), target))
+    names = {"train full disk (torch.save checkpoint)": str(root / "faults" / "train-ckpt" / "checkpoints")}
+    return [(name, argv, fault, left, None if "Hub" in name else names.get(name, str(left).removesuffix(
+        "/stats.json").removesuffix("/passkey.json"))) for name, argv, fault, left in out]
+
+
+class _WrongShapeHub(BaseHTTPRequestHandler):
+    """The repo's model_info answers as the Hub does (the bounded pre-check passes); its other API answers (the
+    revision's info, the file listing) are ``answer``; anything else is a 404."""
+
+    answer: object = None
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        path = self.path.split("?")[0]
+        if path == "/api/models/owner/adapter":
+            body: object = {"id": "owner/adapter", "sha": "0" * 40, "siblings": [{"rfilename": "longpeft.json"}]}
+        elif path.startswith("/api/models/owner/adapter/"):
+            body = self.answer
+        else:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def wrong_shape_hub(answer: object) -> Iterator[None]:
+    """A Hub on 127.0.0.1 whose answers have the wrong JSON shape, in place of the offline Hub."""
+    from huggingface_hub import constants
+
+    handler = type("Handler", (_WrongShapeHub,), {"answer": answer})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        with replaced(constants, "HF_HUB_OFFLINE", False), replaced(constants, "ENDPOINT", endpoint), \
+                replaced(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template):
+            yield
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def classify(argv: list[str], fault: Callable | None = None, leftover: Path | None = None,
+             names: str | None = None) -> tuple[str, int | None, str]:
     from longpeft.cli import main
 
     err, std = io.StringIO(), io.StringIO()
     code: int | None
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         try:
-            code = main(argv)
+            with fault() if fault is not None else contextlib.nullcontext():
+                code = main(argv)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
         except BaseException:  # noqa: BLE001 - an escaped exception is what we count
             traceback.print_exc()
             code = None
     text = err.getvalue()
+    if leftover is not None and leftover.exists():
+        return "other", code, f"{text}\nleft behind: {leftover}"
+    if names is not None and code in (2, 3) and names not in text:
+        return "unnamed", code, f"{text}\nthe message does not name {names}"
     if code in (2, 3) and "Traceback" not in text and text.strip():
         return "clear", code, text
     if code == 0:
@@ -221,21 +485,39 @@ def classify(argv: list[str]) -> tuple[str, int | None, str]:
     return "other", code, text
 
 
-def main() -> None:
-    from longpeft import __file__ as where
-
+def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, int], list[str]]:
+    """Run every case; returns the counts (``cases``, ``clear``, ``exit 0``, ``other``) and a line per case that
+    is not clear. ``show`` gets a line per case as it ends."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         adapter = make_adapter(root)
-        all_cases = cases(root, adapter)
-        counts = {"clear": 0, "exit 0": 0, "other": 0}
-        for name, argv in all_cases:
-            kind, code, text = classify(argv)
-            counts[kind] += 1
-            last = (text.strip().splitlines() or [""])[-1][:150]
-            print(f"{kind:<9} rc={code!s:<4} {name:<40} {last}", flush=True)
-    print(f"\nlongpeft at {Path(where).parent}: {len(all_cases)} bad inputs")
-    print(json.dumps({"bench": "probe_bad_inputs", "cases": len(all_cases), **counts}))
+        previous = Path.cwd()
+        os.chdir(root)  # the relative-path cases
+        try:
+            all_cases = ([(name, argv, None, None, None) for name, argv in cases(root, adapter)]
+                         + broken_file_cases(root, adapter) + fault_cases(root, adapter))
+            counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "other": 0}
+            failures = []
+            for name, argv, fault, leftover, names in all_cases:
+                kind, code, text = classify(argv, fault, leftover, names)
+                counts[kind] += 1
+                lines = [t for t in text.strip().splitlines() if t != "(run with --debug for the traceback)"]
+                last = (lines or [""])[-1][:150]
+                line = f"{kind:<9} rc={code!s:<4} {name:<40} {last}"
+                show(line)
+                if kind != "clear":
+                    failures.append(f"{line}\n{text[-3000:]}")
+        finally:
+            os.chdir(previous)
+    return counts, failures
+
+
+def main() -> None:
+    from longpeft import __file__ as where
+
+    counts, _ = run_all(lambda line: print(line, flush=True))
+    print(f"\nlongpeft at {Path(where).parent}: {counts['cases']} bad inputs")
+    print(json.dumps({"bench": "probe_bad_inputs", **counts}))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ FORBIDDEN = {
     "errors": {"*"},
     "files": {"*"},  # torch-free and at the bottom: nothing of longpeft but its errors
     "units": {"*"},  # how quantities are written: torch-free, imports nothing of longpeft
+    # the one reader of weights, checkpoints and JSON: the file rules and errors only (torch imported lazily)
+    "reading": {"rope", "spec", "config", "adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale",
+                "launch", "synth_data", "tiny", "family"},
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
     "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},
@@ -117,6 +120,14 @@ def test_no_layer_imports_one_above_it(name):
 
 def test_the_file_rules_need_no_torch():
     assert not imports("longpeft.files")[1] & set(HEAVY)
+
+
+def test_the_reader_imports_no_torch_at_import_time():
+    """``longpeft.reading`` imports torch and safetensors inside the readers that need them only."""
+    tree = ast.parse((PACKAGE / "reading.py").read_text())
+    top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
+    top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
+    assert not top & set(HEAVY)
 
 
 def test_the_errors_import_nothing():

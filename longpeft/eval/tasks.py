@@ -20,6 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from ..files import write_text_atomically, writing_to
 from ..synth_data.probes import PROBE_TASKS, Probe, make_probes
 from ..units import format_duration
 from .generation import eos_token_ids, generate_batch, pad_token_id
@@ -252,8 +253,13 @@ def run_probe_task(
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None = None) -> dict[str, str]:
-    """Write ``<name>.json`` and its PNG (depth x length heatmap, or score by length) into ``out_dir``."""
-    out_dir = Path(out_dir)
+    """Write ``<name>.json`` and its PNG (depth x length heatmap, or score by length) into ``out_dir``; a full disk
+    or a refused write is an ``OutputWriteError`` naming ``out_dir``."""
+    with writing_to(out_dir):
+        return _write_outputs(result, Path(out_dir), name)
+
+
+def _write_outputs(result: dict[str, Any], out_dir: Path, name: str | None) -> dict[str, str]:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = name or result["task"]
     files = {"json": str(out_dir / f"{name}.json")}
@@ -267,7 +273,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None 
         scores = {int(k): v for k, v in result["by_length"].items()}
         files["plot"] = str(score_by_length(scores, out_dir / f"{name}_by_length.png", f"{result['task']}{suffix}"))
     result["files"] = files
-    Path(files["json"]).write_text(json.dumps(result, indent=2) + "\n")
+    write_text_atomically(files["json"], json.dumps(result, indent=2) + "\n")
     return files
 
 

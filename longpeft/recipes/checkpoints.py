@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..files import write_text_atomically
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # Weights and optimizer state as the Trainer writes them: whole (one process, DDP: peft's adapter, the model, or
 # for ``finetune: method`` the method's own file such as ``beacon_adapter.safetensors``) or sharded (accelerate's
@@ -85,7 +87,7 @@ def trim_metrics(path: Path, last_step: int) -> None:
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= last_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    write_text_atomically(path, "".join(line + "\n" for line in kept))  # a full disk keeps the old lines
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -104,7 +106,8 @@ def training_recipe(recipe_dump: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:
-    (Path(output_dir) / TRAINING_RECIPE_FILENAME).write_text(json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
+    write_text_atomically(Path(output_dir) / TRAINING_RECIPE_FILENAME,
+                          json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
 
 
 def changed_keys(output_dir: Path, recipe: Any) -> list[str]:

@@ -127,7 +127,10 @@ def _load_lora(model: Any, folder: Path) -> None:
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
 
+    from ..reading import check_lora_adapter
+
     where = f"model.init_from ({folder})"
+    check_lora_adapter(folder, "model.init_from")  # a missing or broken file is named, never looked for on the Hub
     weights = load_peft_weights(str(folder), device="cpu")
     try:
         result = set_peft_model_state_dict(model, weights)

@@ -30,6 +30,7 @@ from ..adapters import (
 )
 from ..config import torch_dtype
 from ..errors import ConfigError
+from ..files import written_atomically
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
@@ -380,7 +381,25 @@ def save_adapter(
     file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``). With
     ``finetune: method`` only the method's own weights are written (the base did not change). longpeft.json
     records which (``weights``: the ``finetune`` setting).
+
+    The folder is written beside ``adapter_dir`` and swapped in once complete (a full disk leaves the one before, or
+    none: never a folder that looks complete); a full disk or a refused write is an ``OutputWriteError``.
     """
+    adapter_dir = Path(adapter_dir).absolute()
+    with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as partial:
+        _save_adapter_files(model, tokenizer, spec, partial, adapter_dir, state_dict, finetune, dtype)
+
+
+def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
+    """About what the saved weights take: the trainable parameters (or the gathered ``state_dict``)."""
+    tensors = state_dict.values() if state_dict else (p for p in model.parameters() if p.requires_grad)
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _save_adapter_files(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, folder: Path,
+                        adapter_dir: Path, state_dict: dict[str, Any] | None, finetune: str,
+                        dtype: torch.dtype) -> None:
+    """:func:`save_adapter`'s files, written into ``folder`` (its card names ``adapter_dir``)."""
     if finetune == "full":
         model.config.use_cache = True  # training turned it off; the saved model is for generation
         # the float32 weights it trained are saved in the model's dtype (buffers such as inv_freq stay as they are)
@@ -390,16 +409,16 @@ def save_adapter(
         if state_dict is not None:
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if finetune != "method":
-        model.save_pretrained(adapter_dir, **({"state_dict": state_dict} if state_dict is not None else {}))
-    save_method_weights(model, spec, adapter_dir, state_dict)
+        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+    save_method_weights(model, spec, folder, state_dict)
     if finetune == "full":
-        export_methods(model, spec, adapter_dir)
-    tokenizer.save_pretrained(adapter_dir)
+        export_methods(model, spec, folder)
+    tokenizer.save_pretrained(folder)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
-        generation_config.save_pretrained(adapter_dir)
+        generation_config.save_pretrained(folder)
     spec = spec.model_copy(update={"weights": finetune})
-    spec.save(adapter_dir)
+    spec.save(folder)
     from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
 
-    write_model_card(adapter_dir, spec, repo_id=str(adapter_dir))
+    write_model_card(folder, spec, repo_id=str(adapter_dir))

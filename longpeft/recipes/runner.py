@@ -20,7 +20,8 @@ import json
 import math
 import sys
 import warnings
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..config import torch_dtype
-from ..errors import ConfigError, ModelSourceError, OutputFolderError
+from ..errors import ConfigError, DataError, ModelSourceError, OutputFolderError
+from ..files import write_text_atomically, writing_to
 from ..launch import check_sharded
 from ..launch.topology import (
     check_distributed_type,
@@ -38,6 +40,7 @@ from ..launch.topology import (
     is_main_process,
     world_size,
 )
+from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from . import unsloth_backend
@@ -295,20 +298,10 @@ def run(
     prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])])
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
-        (output_dir / "recipe.resolved.json").write_text(json.dumps(prepared.resolved, indent=2, default=str) + "\n")
-    if resume and is_finished(checkpoint, planned_steps(trainer)):
-        # Killed after the last checkpoint (or finished): take its weights, train no further step. The Trainer loads
-        # the checkpoint itself (a sharded one into the wrapped model: DeepSpeed's engine, FSDP) and is stopped
-        # before its first step.
-        print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
-        trainer.add_callback(StopBeforeTraining())
-        try:
-            trainer.train(resume_from_checkpoint=str(checkpoint))
-        except CheckpointLoaded:
-            pass
-        train_metrics: dict[str, Any] = {}
-    else:
-        train_metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if resume else None).metrics
+        write_text_atomically(output_dir / "recipe.resolved.json",
+                              json.dumps(prepared.resolved, indent=2, default=str) + "\n")
+    with writing_to(output_dir / "checkpoints"), checkpoint_refusals(checkpoint if resume else None):
+        train_metrics = train_or_take_last(trainer, checkpoint if resume else None)
 
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     state_dict = gathered_state_dict(trainer)  # every process takes part when the model is sharded
@@ -320,6 +313,38 @@ def run(
         metrics = dict(train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)
+
+
+@contextmanager
+def checkpoint_refusals(checkpoint: Path | None) -> Iterator[None]:
+    """Name the checkpoint when resuming from it meets a file that weights-only loading refuses (a pickle payload)."""
+    import pickle
+
+    try:
+        yield
+    except pickle.UnpicklingError:
+        if checkpoint is None:
+            raise
+        raise DataError(f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
+                        "loading does not run); delete that checkpoint folder to resume from the one before, or "
+                        "start again into a new output_dir") from None
+
+
+def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
+    """Train (from ``checkpoint`` when resuming); a checkpoint of the run's last step is only loaded. Returns the
+    Trainer's metrics."""
+    if checkpoint is not None and is_finished(checkpoint, planned_steps(trainer)):
+        # Killed after the last checkpoint (or finished): take its weights, train no further step. The Trainer loads
+        # the checkpoint itself (a sharded one into the wrapped model: DeepSpeed's engine, FSDP) and is stopped
+        # before its first step.
+        print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
+        trainer.add_callback(StopBeforeTraining())
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint))
+        except CheckpointLoaded:
+            pass
+        return {}
+    return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:
@@ -340,6 +365,7 @@ def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepare
         "max_position_embeddings": prepared.spec.max_position_embeddings,
         "trainable_parameters": prepared.resolved["trainable_parameters"],
     }
-    (output_dir / "metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
-    plot_loss(losses, output_dir / "loss.png", title=f"{prepared.recipe.name}: training loss")
+    write_text_atomically(output_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
+    with writing_to(output_dir):
+        plot_loss(losses, output_dir / "loss.png", title=f"{prepared.recipe.name}: training loss")
     return summary

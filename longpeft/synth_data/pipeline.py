@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..config import StrictModel
 from ..errors import DataError
+from ..files import write_text_atomically
 from .builders import (
     DEFAULT_CONTEXT_TEMPLATE,
     ContextPlan,
@@ -165,7 +166,7 @@ def synthesize(
     files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / CONFIG_FILE).write_text(config.model_dump_json(indent=2) + "\n", encoding="utf-8")
+    write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,

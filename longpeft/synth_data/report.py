@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 from datasets import Dataset
 
+from ..files import write_text_atomically, writing_to
 from .builders import task_counts
 from .llm_client import REJECT_REASONS
 
@@ -106,18 +107,20 @@ def write_dataset(
 ) -> Dataset:
     """Write ``train.jsonl``, ``dataset/`` (``Dataset.save_to_disk``), ``stats.json`` and ``length_hist.png``.
 
+    ``train.jsonl`` and ``stats.json`` are written through temporary names (a full disk never leaves a truncated
+    one); a full disk or a refused write is an ``OutputWriteError`` naming ``out_dir``.
+
     Returns the Dataset (columns ``id``, ``task``, ``messages``, ``num_tokens``, ``sources``, ``meta``).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     columns = ("id", "task", "messages", "num_tokens", "sources", "meta")
     rows = [{key: row[key] for key in columns} for row in rows]
-    with (out / TRAIN_FILE).open("w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_text_atomically(out / TRAIN_FILE, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
     dataset = Dataset.from_list(rows) if rows else Dataset.from_dict({key: [] for key in columns})
-    dataset.save_to_disk(str(out / DATASET_DIR))
-    stats = {**dataset_stats(rows), **(extra_stats or {})}
-    (out / STATS_FILE).write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-    plot_length_histogram(rows, out / HISTOGRAM_FILE)
+    with writing_to(out):
+        dataset.save_to_disk(str(out / DATASET_DIR))
+        stats = {**dataset_stats(rows), **(extra_stats or {})}
+        write_text_atomically(out / STATS_FILE, json.dumps(stats, indent=2) + "\n")
+        plot_length_histogram(rows, out / HISTOGRAM_FILE)
     return dataset

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ...errors import DataError
+from ...reading import safetensors_header
 from ..registry import gathered_tensors
 from .config import BeaconConfig
 from .patch import beacon_parameters, causal_lm_of
@@ -71,6 +72,7 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
         raise FileNotFoundError(f"{path} not found: the adapter's longpeft.json names Activation Beacon but its "
                                 "beacon weights are missing")
     own = {_prefix(model) + name: p for name, p in beacon_parameters(model).items()}
+    safetensors_header(path)  # a truncated or foreign file is named before safetensors reads it
     with safe_open(str(path), framework="pt") as f:
         stored = set(f.keys())
         missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
