@@ -20,8 +20,7 @@ import json
 import math
 import sys
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..config import torch_dtype
-from ..errors import ConfigError, DataError, ModelSourceError, OutputFolderError
+from ..errors import ConfigError, ModelSourceError, OutputFolderError
 from ..files import write_text_atomically, writing_to
 from ..launch import check_sharded
 from ..launch.topology import (
@@ -40,14 +39,12 @@ from ..launch.topology import (
     is_main_process,
     world_size,
 )
-from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from . import unsloth_backend
 from .checkpoints import (
     changed_keys,
     checkpoint_step,
-    is_finished,
     latest_checkpoint,
     save_training_recipe,
     trim_metrics,
@@ -80,17 +77,15 @@ from .model import (
 )
 from .schema import Recipe
 from .trainer import (
-    CheckpointLoaded,
     KeepRotaryFrequencies,
     MetricsLogger,
-    StopBeforeTraining,
     StopOnNonFinite,
     assistant_only_loss,
     check_samples_left,
     data_collator,
     keeps_weights_outside_checkpoints,
-    planned_steps,
     sft_config,
+    train_or_take_last,
     with_method_labels,
 )
 
@@ -300,7 +295,7 @@ def run(
     if trainer.is_world_process_zero():
         write_text_atomically(output_dir / "recipe.resolved.json",
                               json.dumps(prepared.resolved, indent=2, default=str) + "\n")
-    with writing_to(output_dir / "checkpoints"), checkpoint_refusals(checkpoint if resume else None):
+    with writing_to(output_dir / "checkpoints"):
         train_metrics = train_or_take_last(trainer, checkpoint if resume else None)
 
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
@@ -313,38 +308,6 @@ def run(
         metrics = dict(train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)
-
-
-@contextmanager
-def checkpoint_refusals(checkpoint: Path | None) -> Iterator[None]:
-    """Name the checkpoint when resuming from it meets a file that weights-only loading refuses (a pickle payload)."""
-    import pickle
-
-    try:
-        yield
-    except pickle.UnpicklingError:
-        if checkpoint is None:
-            raise
-        raise DataError(f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
-                        "loading does not run); delete that checkpoint folder to resume from the one before, or "
-                        "start again into a new output_dir") from None
-
-
-def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
-    """Train (from ``checkpoint`` when resuming); a checkpoint of the run's last step is only loaded. Returns the
-    Trainer's metrics."""
-    if checkpoint is not None and is_finished(checkpoint, planned_steps(trainer)):
-        # Killed after the last checkpoint (or finished): take its weights, train no further step. The Trainer loads
-        # the checkpoint itself (a sharded one into the wrapped model: DeepSpeed's engine, FSDP) and is stopped
-        # before its first step.
-        print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
-        trainer.add_callback(StopBeforeTraining())
-        try:
-            trainer.train(resume_from_checkpoint=str(checkpoint))
-        except CheckpointLoaded:
-            pass
-        return {}
-    return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
 
 
 def summarize(output_dir: Path, train_metrics: dict[str, Any], prepared: Prepared) -> dict[str, Any]:

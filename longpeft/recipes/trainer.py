@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,10 @@ from transformers import (
 from ..adapters import CollatorContext, spec_methods
 from ..errors import ConfigError, DataError, LongpeftError
 from ..launch.topology import data_parallel_size, gradient_accumulation
+from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
+from .checkpoints import is_finished
 from .data import longest_sample
 from .schema import Recipe
 
@@ -269,3 +272,29 @@ def planned_steps(trainer: Any) -> int:
     """The optimizer steps the run trains in all: ``train.max_steps``, else the epochs over the data loader
     (``ceil(num_train_epochs x updates per epoch)``, computed by transformers itself)."""
     return trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
+
+
+def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
+    """Train (from ``checkpoint`` when resuming) and return the Trainer's metrics; a checkpoint of the run's last
+    step is only loaded (killed after it, or finished: its weights are taken, no step runs; the Trainer loads it
+    itself, a sharded one into the wrapped model, and :class:`StopBeforeTraining` stops it before its first step).
+    A checkpoint file that weights-only loading refuses (a pickle payload) ends in a DataError naming the checkpoint.
+    """
+    import pickle
+
+    try:
+        if checkpoint is not None and is_finished(checkpoint, planned_steps(trainer)):
+            print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
+            trainer.add_callback(StopBeforeTraining())
+            try:
+                trainer.train(resume_from_checkpoint=str(checkpoint))
+            except CheckpointLoaded:
+                pass
+            return {}
+        return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
+    except pickle.UnpicklingError:
+        if checkpoint is None:
+            raise
+        raise DataError(f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
+                        "loading does not run); delete that checkpoint folder to resume from the one before, or "
+                        "start again into a new output_dir") from None
