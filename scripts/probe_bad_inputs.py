@@ -82,6 +82,16 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     out += [(f"plan --set {s}", ["plan", "tiny-cpu", "--set", s]) for s in recipe_sets]
     out += [(f"train --set {s}", ["train", "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
             for s in recipe_sets[:10]]
+    # plan refuses what train refuses (optimizer values SFTConfig would take, a batch the GPUs do not divide)
+    parity_sets = ["train.adam_beta1=5", "train.adam_beta2=1", "train.optim=notanoptimizer"]
+    for command in ("plan", "train"):
+        out += [(f"{command} --set {s}", [command, "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
+                for s in parity_sets]
+    out += [("plan --gpus 16, global batch 4", ["plan", "tiny-cpu", "--gpus", "16"]),
+            ("train --launch ddp --gpus 16, global batch 4",
+             ["train", "tiny-cpu", "--launch", "ddp", "--gpus", "16", "--print-command"])]
+    out += [(f"plan {flag} {value}", ["plan", "tiny-cpu", "--gpus", "2", flag, value])
+            for flag in ("--mfu", "--gpu-memory", "--inter-node-gbps") for value in ("nan", "inf")]
     bad_yaml = write(root / "recipes" / "bad.yaml", "name: [unclosed\n")
     list_yaml = write(root / "recipes" / "list.yaml", "- a\n- b\n")
     empty_yaml = write(root / "recipes" / "empty.yaml", "")
