@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,59 @@ def test_resume_with_more_steps_trains_them(finished_run, tmp_path):
     assert not _same(_adapter_tensors(copy / "adapter"), _adapter_tensors(result.adapter_dir))
     logged = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert {3, 4} <= set(logged)
+
+
+def _logged_rates(folder: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["learning_rate"] for r in records if "learning_rate" in r}
+
+
+def test_a_changed_learning_rate_is_taken_up_by_the_resumed_run(finished_run, tmp_path):
+    """--allow-recipe-change with a new learning rate trains with it (the checkpoint's optimizer and scheduler
+    state would restore the old one): steps 3 and 4 run at 10x the rates of the same resume without the change."""
+    root, data, result = finished_run
+    faster_rate = 10 * load_recipe("tiny-cpu").train.learning_rate
+    runs = {}
+    for name, extra in (("same", ()), ("faster", (f"train.learning_rate={faster_rate}",))):
+        copy = tmp_path / name
+        shutil.copytree(result.output_dir, copy)
+        run(_recipe(_base_of(result), data, copy, "train.max_steps=4", *extra), resume=True, allow_recipe_change=True)
+        runs[name] = copy
+    same, faster = (_logged_rates(runs[name]) for name in ("same", "faster"))
+    assert {3, 4} <= same.keys() and same[3] > 0
+    for step in (3, 4):
+        assert faster[step] == pytest.approx(10 * same[step], rel=1e-6), step
+    assert not _same(_adapter_tensors(runs["same"] / "adapter"), _adapter_tensors(runs["faster"] / "adapter"))
+
+
+@pytest.mark.parametrize("damage", ["missing", "garbage", "a list"])
+def test_a_resume_without_a_readable_recipe_record_is_refused(finished_run, tmp_path, damage):
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    record = copy / "recipe.training.json"
+    if damage == "missing":
+        record.unlink()
+    else:
+        record.write_text("{not json" if damage == "garbage" else "[1, 2]")
+    changed = _recipe(_base_of(result), data, copy, "rope.rope_theta=50000")
+    with pytest.raises(ConfigError, match=r"recipe.training.json is missing or unreadable, so a changed recipe "
+                                          r"cannot be detected; resume with --allow-recipe-change"):
+        run(changed, resume=True)
+    assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
+    assert json.loads(record.read_text())["rope.rope_theta"] == 50000  # written anew: the next resume compares
+    run(changed, resume=True)
+
+
+@pytest.mark.parametrize("change, key", [("train.weight_decay=0.1", "train.weight_decay"),
+                                         ("train.optim=adafactor", "train.optim"), ("lora.r=4", "lora.r")])
+def test_a_resume_refuses_changes_it_cannot_take_up(finished_run, tmp_path, change, key):
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    refused = rf"--resume: {re.escape(key)} \(the checkpoint.*cannot take this change up"
+    with pytest.raises(ConfigError, match=refused):
+        run(_recipe(_base_of(result), data, copy, change), resume=True, allow_recipe_change=True)
 
 
 def test_a_finished_run_of_fractional_epochs_is_not_trained_again(tiny_base_dirs, tmp_path):
@@ -411,3 +465,18 @@ def test_more_bad_inputs_are_one_clear_message(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["plan", "tiny-cpu", "--gpus", "0"])
     assert "--gpus: 0 is out of range" in capsys.readouterr().err
+
+
+def test_a_checkpoint_of_other_shapes_is_named_not_a_traceback(finished_run, tmp_path, monkeypatch):
+    """Weights whose shapes a recipe change altered (here a LoRA rank, let through) end in a DataError naming the
+    checkpoint, not torch's size-mismatch traceback."""
+    from longpeft.recipes import checkpoints
+
+    root, data, result = finished_run
+    copy = tmp_path / "run"
+    shutil.copytree(result.output_dir, copy)
+    monkeypatch.setattr(checkpoints, "FIXED_FOR_THE_RUN", {})
+    with pytest.raises(DataError, match=r"checkpoint-2: its weights have other shapes than this recipe's model "
+                                        r"\(size mismatch for .*lora"):
+        run(_recipe(_base_of(result), data, copy, "lora.r=4", "train.max_steps=4"), resume=True,
+            allow_recipe_change=True)

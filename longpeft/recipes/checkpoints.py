@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..errors import ConfigError
 from ..files import write_text_atomically
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -27,6 +28,18 @@ TRAINING_RECIPE_FILENAME = "recipe.training.json"
 # Recipe keys that do not change what is trained (they may differ between a kill and --resume).
 _NOT_TRAINING = {"name", "description", "output_dir", "train.save_steps", "train.save_total_limit",
                  "train.logging_steps", "train.report_to"}
+# Training keys a resumed run cannot take up (--allow-recipe-change refuses them), with the reason: the checkpoint's
+# optimizer state is restored as it was, and its weights have the shapes these keys gave them.
+FIXED_FOR_THE_RUN = {
+    "train.optim": "the checkpoint holds the state of the optimizer the run started with",
+    "train.weight_decay": "the checkpoint's optimizer state restores the weight decay the run started with",
+    "finetune": "the checkpoint holds the weights this setting chose to train",
+    "method": "the checkpoint holds the weights this setting chose to train",
+    "model.name_or_path": "the checkpoint's weights belong to the base the run started with",
+    "lora.r": "the checkpoint's LoRA weights have the rank the run started with",
+    "lora.target_modules": "the checkpoint's LoRA weights are for the modules the run started with",
+    "lora.embeddings": "the checkpoint's trained embedding rows are those the run started with",
+}
 
 
 def checkpoint_state(folder: Path) -> dict[str, Any] | None:
@@ -110,16 +123,45 @@ def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:
                           json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
 
 
-def changed_keys(output_dir: Path, recipe: Any) -> list[str]:
+def changed_keys(output_dir: Path, recipe: Any) -> list[str] | None:
     """Dotted keys of ``recipe`` (a :class:`~longpeft.recipes.schema.Recipe`) whose values differ from the recipe
-    the run was started with (none if unknown). A key the saved recipe lacks is a key a later longpeft added: it is
-    a change only when set to something other than its default (defaults keep the earlier behaviour)."""
+    the run was started with; None when that record (``recipe.training.json``) is missing or unreadable, so nothing
+    can be compared. A key the saved recipe lacks is a key a later longpeft added: it is a change only when set to
+    something other than its default (defaults keep the earlier behaviour)."""
     path = Path(output_dir) / TRAINING_RECIPE_FILENAME
     try:
         before = json.loads(path.read_text())
     except (OSError, ValueError):
-        return []
+        return None
+    if not isinstance(before, dict):
+        return None
     now = training_recipe(recipe.model_dump())
     not_default = set(training_recipe(recipe.model_dump(exclude_defaults=True)))
     return sorted(k for k in set(before) | set(now)
                   if before.get(k) != now.get(k) and (k in before or k in not_default))
+
+
+def check_recipe_change(output_dir: Path, recipe: Any, allow: bool) -> list[str]:
+    """The training keys changed since the run in ``output_dir`` started (a resume). Refused unless ``allow``
+    (--allow-recipe-change); refused even then for the keys a resumed run cannot take up (FIXED_FOR_THE_RUN), and
+    when the run's record of its recipe is missing or unreadable, unless ``allow`` (then every key counts as
+    changed, and the record is written anew)."""
+    changed = changed_keys(output_dir, recipe)
+    record = output_dir / TRAINING_RECIPE_FILENAME
+    if changed is None:
+        if not allow:
+            raise ConfigError(f"--resume: {record} is missing or unreadable, so a changed recipe cannot be detected; "
+                              "resume with --allow-recipe-change if this recipe is the one the run started with (the "
+                              "record is then written anew), or train into another output_dir")
+        return ["(all: no record)"]
+    fixed = [f"{key} ({FIXED_FOR_THE_RUN[key]})" for key in changed if key in FIXED_FOR_THE_RUN]
+    if fixed:
+        raise ConfigError(f"--resume: {'; '.join(fixed)}: a resumed run cannot take this change up; restore it, or "
+                          "train into another output_dir")
+    if changed and not allow:
+        raise ConfigError(
+            f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "
+            "would mix two trainings. Restore those keys, train into another output_dir, or pass "
+            "--allow-recipe-change to resume anyway"
+        )
+    return changed

@@ -29,7 +29,7 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..config import torch_dtype
-from ..errors import ConfigError, ModelSourceError, OutputFolderError
+from ..errors import ModelSourceError, OutputFolderError
 from ..files import write_text_atomically, writing_to
 from ..launch import check_sharded
 from ..launch.topology import (
@@ -43,7 +43,7 @@ from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from . import unsloth_backend
 from .checkpoints import (
-    changed_keys,
+    check_recipe_change,
     checkpoint_step,
     latest_checkpoint,
     save_training_recipe,
@@ -77,6 +77,7 @@ from .model import (
 )
 from .schema import Recipe
 from .trainer import (
+    ApplyOptimizerSettings,
     KeepRotaryFrequencies,
     MetricsLogger,
     StopOnNonFinite,
@@ -270,14 +271,8 @@ def run(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
             "or choose another output_dir"
         )
-    changed = changed_keys(output_dir, recipe) if resume else []
+    changed = check_recipe_change(output_dir, recipe, allow_recipe_change) if resume else []
     if resume:
-        if changed and not allow_recipe_change:
-            raise ConfigError(
-                f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "
-                "would mix two trainings. Restore those keys, train into another output_dir, or pass "
-                "--allow-recipe-change to resume anyway"
-            )
         print(f"longpeft: resuming from {checkpoint}", file=sys.stderr)
     if is_main_process():
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +285,8 @@ def run(
             save_training_recipe(output_dir, recipe.model_dump())
     # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-    prepared = prepare(recipe, [StopOnNonFinite(), *(callbacks or [])])
+    taken_up = [ApplyOptimizerSettings(recipe.train)] if changed else []  # the checkpoint restores the old ones
+    prepared = prepare(recipe, [StopOnNonFinite(), *taken_up, *(callbacks or [])])
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         write_text_atomically(output_dir / "recipe.resolved.json",

@@ -255,6 +255,30 @@ class StopBeforeTraining(TrainerCallback):
         raise CheckpointLoaded
 
 
+class ApplyOptimizerSettings(TrainerCallback):
+    """A resumed run with a changed recipe (--allow-recipe-change) takes up its learning rate and Adam betas: the
+    checkpoint's optimizer and scheduler state, loaded before training begins, restore the ones the run started
+    with. The schedule's shape (warmup, decay, steps) follows the new recipe already; its base rate is set here, and
+    the first resumed step runs at the new schedule's rate for its step (with more ``train.max_steps``, the old
+    schedule's last rate, often 0, would otherwise be used once). ``train``: the recipe's train section."""
+
+    def __init__(self, train: Any):
+        self.train = train
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
+        groups = optimizer.param_groups
+        for index, group in enumerate(groups):
+            group["initial_lr"] = self.train.learning_rate
+            if "betas" in group:
+                group["betas"] = (self.train.adam_beta1, self.train.adam_beta2)
+            if scheduler is not None:
+                scheduler.base_lrs[index] = self.train.learning_rate
+                group["lr"] = self.train.learning_rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
+        if scheduler is not None:  # what the Trainer logs as this step's learning rate
+            scheduler._last_lr = [group["lr"] for group in groups]
+
+
 class StopOnNonFinite(TrainerCallback):
     """Stops a run whose logged loss or gradient norm is not finite (a NaN adapter is never saved)."""
 
@@ -278,7 +302,8 @@ def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
     """Train (from ``checkpoint`` when resuming) and return the Trainer's metrics; a checkpoint of the run's last
     step is only loaded (killed after it, or finished: its weights are taken, no step runs; the Trainer loads it
     itself, a sharded one into the wrapped model, and :class:`StopBeforeTraining` stops it before its first step).
-    A checkpoint file that weights-only loading refuses (a pickle payload) ends in a DataError naming the checkpoint.
+    A checkpoint file that weights-only loading refuses (a pickle payload), or weights of other shapes than the
+    recipe's model, end in a DataError naming the checkpoint.
     """
     import pickle
 
@@ -298,3 +323,9 @@ def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
         raise DataError(f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
                         "loading does not run); delete that checkpoint folder to resume from the one before, or "
                         "start again into a new output_dir") from None
+    except RuntimeError as error:  # torch's load_state_dict: the recipe builds other shapes than the run's
+        if checkpoint is None or "size mismatch" not in str(error):
+            raise
+        first = next(line.strip() for line in str(error).splitlines() if "size mismatch" in line)
+        raise DataError(f"{checkpoint}: its weights have other shapes than this recipe's model ({first}); resume "
+                        "with the recipe the run started with, or train into a new output_dir") from None
