@@ -229,7 +229,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
     action = export if args.command == "export" else merge
     result = action(args.adapter, args.out, base=args.base, dtype=args.dtype, verify=not args.no_verify,
-                    without=tuple(args.without))
+                    without=tuple(args.without), base_id=args.base_id)
     print(json.dumps(result, indent=2))
     if result.get("max_abs_logit_diff") is not None:
         print(
@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--without", action="append", default=[], metavar="METHOD",
                              help="leave out an inference-time method (string), so the merged model loads without its "
                                   "modeling file (trust_remote_code); repeatable")
+        command.add_argument("--base-id", help="the base model's Hub id (owner/name), recorded in longpeft.json and "
+                             "the card when the adapter names its base by a local path (the card leaves a path out)")
         command.set_defaults(func=cmd_merge)
 
     push = sub.add_parser("push", help="share an adapter (or the merged model), or a fully fine-tuned model, on the "

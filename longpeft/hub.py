@@ -47,6 +47,7 @@ def merge(
     verify: bool = True,
     without: tuple[str, ...] = (),
     card: bool = False,
+    base_id: str | None = None,
 ) -> dict[str, Any]:
     """Merge an adapter into its base and save a standalone model (with its model card when ``card``).
 
@@ -58,6 +59,8 @@ def merge(
     Args:
         without: inference-time methods (``inference_only``: STRING) to leave out of the merged model, so that it
             loads without their modeling file; methods the adapter was trained with are refused.
+        base_id: the base's Hub id, recorded in longpeft.json and the card instead of a local path (which the
+            card then leaves out: :func:`shareable_base`).
 
     Returns:
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
@@ -69,6 +72,8 @@ def merge(
     from .files import local_adapter_dir
     from .loading import load, load_tokenizer, pin_base_revision, resolve_base
 
+    if base_id:
+        check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
     base_name = resolve_base(spec, adapter_dir, base)
@@ -99,6 +104,7 @@ def merge(
     kept = spec.model_copy(update={
         "methods": {name: section for name, section in spec.methods.items() if name not in without},
         "weights": "merged",
+        **({"base_model": base_id} if base_id else {}),
     })
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
@@ -122,9 +128,12 @@ def export(
     dtype: str = "bfloat16",
     verify: bool = True,
     without: tuple[str, ...] = (),
+    base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card."""
-    return merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True)
+    """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
+    the base by ``base_id`` when given)."""
+    return merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True,
+                 base_id=base_id)
 
 
 SERVING_DOCS = "docs/recipes.md#serving-engines"
@@ -179,6 +188,28 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def check_repo_id(value: str, flag: str) -> str:
+    """``value`` if it is a valid Hub repo id (``owner/name``: letters, digits, ``-_.``; no newline or space), else
+    a ConfigError naming ``flag``: what goes into a card's YAML and longpeft.json must be an id."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError as error:
+        raise ConfigError(f"{flag} {value!r} is not a Hub repo id ({str(error).splitlines()[0]}); give owner/name"
+                          ) from None
+    return value
+
+
+def shareable_base(base_model: str | None) -> bool:
+    """Whether a card may name ``base_model``: a Hub id or a model packaged with longpeft, not a local path (which
+    would point others at a folder they do not have)."""
+    from .builtin_models import BUILTIN_MODELS
+
+    return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
+
+
 def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
     """README.md of what ``spec.weights`` says the folder holds (a LoRA adapter when unknown): YAML metadata, then
     what changed and how to load it.
@@ -193,7 +224,7 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
     standalone = weights in ("full", "merged")
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
     metadata = {
-        "base_model": spec.base_model,
+        **({"base_model": spec.base_model} if shareable_base(spec.base_model) else {}),
         **({"library_name": library} if library else {}),
         # the recipe's method, then every other method it applied (those every model has, RoPE, go without saying)
         "tags": ["longpeft", "long-context",
@@ -251,7 +282,8 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
     else:
         lines += [
             "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
-            f'model = longpeft.load("{spec.base_model}", "{repo_id}")',
+            f'model = longpeft.load("{spec.base_model}", "{repo_id}")' if shareable_base(spec.base_model)
+            else f'model = longpeft.load(None, "{repo_id}")  # None: the base longpeft.json names',
         ]
     lines += ["```", ""]
     if standalone and remote:
@@ -374,6 +406,9 @@ def stage_upload(
             ``adapter_config.json``; needed when the folder names its base by a local path.
         base: the base model to merge into (``merged``), when not where longpeft.json says.
     """
+    check_repo_id(repo_id, "--repo")
+    if base_id:
+        check_repo_id(base_id, "--base-id")
     source, dest = upload_source(Path(source)), Path(dest).resolve()
     spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
     base_id = base_id or spec.base_model

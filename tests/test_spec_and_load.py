@@ -15,7 +15,7 @@ import longpeft
 from longpeft import hub
 from longpeft.adapters import apply_spec
 from longpeft.cli import main
-from longpeft.errors import DataError
+from longpeft.errors import ConfigError, DataError
 from longpeft.spec import ContextSpec, SpecMismatchError
 from longpeft.tiny import tiny_config, tiny_model
 
@@ -260,22 +260,42 @@ def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
     (tmp_path / "adapter" / "eval_results.json").write_text(
         json.dumps({"rows": [{"task": "passkey", "setting": "adapter", "length": 512, "score": 0.75}]})
     )
+    base_path = str(tiny_base_dirs("llama"))  # the adapter names its base by this local path
     hub.export(tmp_path / "adapter", tmp_path / "export", dtype="bfloat16")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["dtype"] == "bfloat16"
     assert (tmp_path / "export" / "model.safetensors").is_file()
+    assert base_path not in (tmp_path / "export" / "README.md").read_text()  # a card never names a local path
+    hub.export(tmp_path / "adapter", tmp_path / "export-id", dtype="bfloat16", verify=False, base_id="owner/base")
+    assert "base_model: owner/base" in (tmp_path / "export-id" / "README.md").read_text()
+    assert json.loads((tmp_path / "export-id" / "longpeft.json").read_text())["base_model"] == "owner/base"
+    for bad in ("owner/base\n# Injected heading", "not an id/with/slashes", "owner/ba se"):
+        with pytest.raises(ConfigError, match=r"--base-id .* is not a Hub repo id"):
+            hub.export(tmp_path / "adapter", tmp_path / "never", verify=False, base_id=bad)
+        with pytest.raises(ConfigError, match=r"--base-id .* is not a Hub repo id"):
+            hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "never", base_id=bad)
+    with pytest.raises(ConfigError, match=r"--repo .* is not a Hub repo id"):
+        hub.push(tmp_path / "adapter", "someone/tiny 80k", dry_run=tmp_path / "never")
+    assert not (tmp_path / "never").exists()
 
-    staged = hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
+    with pytest.warns(UserWarning, match="names its base model by a local path"):
+        hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload-local")
+    card = (tmp_path / "upload-local" / "README.md").read_text()
+    assert base_path not in card and "base_model:" not in card.split("---")[1]
+    assert 'longpeft.load(None, "someone/tiny-80k")' in card
+
+    staged = hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload", base_id="owner/base")
     names = sorted(p.name for p in (tmp_path / "upload").iterdir())
     assert staged == str(tmp_path / "upload")
     assert {"adapter_config.json", "adapter_model.safetensors", "longpeft.json", "README.md"} <= set(names)
     card = (tmp_path / "upload" / "README.md").read_text()
     metadata = card.split("---")[1]
-    assert "base_model:" in metadata and "library_name: peft" in metadata and "rope_theta: 2000000.0" in metadata
-    assert "longpeft.load" in card and "someone/tiny-80k" in card
+    assert ("base_model: owner/base" in metadata and "library_name: peft" in metadata
+            and "rope_theta: 2000000.0" in metadata)
+    assert 'longpeft.load("owner/base", "someone/tiny-80k")' in card
     assert "| passkey | adapter | 512 | 0.750 |" in card
     with pytest.raises(FileExistsError, match="not empty"):
-        hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload")
+        hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload", base_id="owner/base")
 
 
 @pytest.fixture(scope="module")
