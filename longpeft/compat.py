@@ -11,13 +11,32 @@ the version or the missing feature, and does nothing on the pinned stack.
   ``map_location=args.device``, which under DDP on CPU is the indexed ``cpu:N`` that ``torch.load`` cannot
   restore to ("don't know how to restore data location ... tagged with cpu:0"); 5.23 maps it to ``cpu``.
   :func:`plain_cpu_device` gives such a run's arguments the plain ``cpu`` device (the same device).
+- The other way round, transformers >= 5.23 deprecates ``is_gradient_checkpointing``, which peft and TRL (not
+  longpeft) still read when they wrap or train a model: :func:`without_checkpointing_notice` hides that
+  FutureWarning around longpeft's own calls into them (load, merge, export, plan --build, train).
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from packaging.version import Version
 from torch.utils.checkpoint import checkpoint
+
+CHECKPOINTING_NOTICE = "`is_gradient_checkpointing` is deprecated"
+
+
+@contextmanager
+def without_checkpointing_notice() -> Iterator[None]:
+    """Run a block without transformers' FutureWarning about ``is_gradient_checkpointing``, which peft and TRL
+    read (other warnings are untouched)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=CHECKPOINTING_NOTICE, category=FutureWarning)
+        yield
+
 
 # trl's TOKEN_CHUNK_SIZE: tokens projected through the LM head at a time.
 TOKEN_CHUNK_SIZE = 4096

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
+from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir
 from .reading import check_lora_adapter
@@ -73,6 +74,7 @@ def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict
     return from_pretrained_kwargs
 
 
+@without_checkpointing_notice()  # peft reads a property transformers deprecates
 def load(
     base: str | Path | PreTrainedModel | None,
     adapter_dir: str | Path,

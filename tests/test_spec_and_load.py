@@ -722,3 +722,17 @@ def test_a_hub_base_is_loaded_at_the_commit_the_adapter_was_trained_on(tiny_base
     newest = load(None, tmp_path / "adapter", cache_dir=cache, revision="main").eval()
     with torch.no_grad():
         assert (newest(IDS).logits - trained(IDS).logits).abs().max() > 1e-2
+
+
+def test_loading_prints_no_deprecation_notice_of_the_libraries_it_calls(tiny_base_dirs, tmp_path):
+    """peft reads `is_gradient_checkpointing`, which transformers deprecates: longpeft.load does not pass that
+    FutureWarning on (and leaves the warning filters as they were)."""
+    import warnings
+
+    make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
+    before = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        longpeft.load(None, tmp_path / "adapter")
+    assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+    assert warnings.filters == before

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import sys
-import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 
-from ..compat import ensure_trl_loss_kernel, plain_cpu_device
+from ..compat import ensure_trl_loss_kernel, plain_cpu_device, without_checkpointing_notice
 from ..config import torch_dtype
 from ..errors import ModelSourceError, OutputFolderError
 from ..files import write_text_atomically, writing_to
@@ -113,6 +112,7 @@ class Prepared:
     resolved: dict[str, Any]
 
 
+@without_checkpointing_notice()  # peft and TRL read a property transformers deprecates
 def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
     """Build the model, the data and the trainer of a recipe, in that order, without training (``longpeft plan
     --build`` prints the result's ``resolved`` settings)."""
@@ -244,6 +244,7 @@ def build_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Any:
     return checkpointing
 
 
+@without_checkpointing_notice()
 def run(
     recipe: Recipe,
     resume: bool = False,
@@ -283,8 +284,6 @@ def run(
         else:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
             save_training_recipe(output_dir, recipe.model_dump())
-    # TRL and peft (not longpeft) still read this deprecated transformers property on every run.
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     taken_up = [ApplyOptimizerSettings(recipe.train)] if changed else []  # the checkpoint restores the old ones
     prepared = prepare(recipe, [StopOnNonFinite(), *taken_up, *(callbacks or [])])
     trainer = prepared.trainer
