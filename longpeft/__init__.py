@@ -28,6 +28,23 @@ def _not_bnb_optional_kernel_notice(record: logging.LogRecord) -> bool:
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_optional_kernel_notice)
 
+# DeepSpeed, imported by accelerate on the first save_pretrained of a process when it is installed, probes for an
+# accelerator and on a machine without one warns "Setting accelerator to CPU. If you have GPU or other accelerator,
+# we were unable to detect it." on stdout (breaking a command's JSON output). Where torch sees no CUDA device
+# either, CPU is what the run uses knowingly, so that record is dropped; with a CUDA device the warning passes.
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU"
+
+
+def _not_deepspeed_cpu_notice(record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(DEEPSPEED_CPU_NOTICE):
+        return True
+    import torch  # imported already: DeepSpeed imports it first
+
+    return torch.cuda.device_count() > 0
+
+
+logging.getLogger("DeepSpeed").addFilter(_not_deepspeed_cpu_notice)
+
 # Public name -> the submodule that defines it (the object itself is returned: real signature and docs).
 _EXPORTS = {"load": "loading", "ContextSpec": "spec", "SpecMismatchError": "spec", "LongpeftError": "errors"}
 

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from .adapters.beacon import WEIGHTS_FILENAME
-from .adapters.beacon.weights import AUTHORS_TENSOR, config_from_authors
+from .adapters.beacon.weights import AUTHORS_TENSOR, authors_tensor_shape, config_from_authors
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, written_atomically
 from .reading import read_json_object, read_safetensors
@@ -52,6 +52,21 @@ def _weight_map(index: Path) -> dict[str, str]:
     return weight_map
 
 
+def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_config: Any, base: str | Path) -> None:
+    """Refuse, naming ``path`` and the tensor, an authors' beacon tensor whose shape is not the one the base's
+    projections give it (:func:`authors_tensor_shape`) or that holds NaN or infinity: such an adapter would fail
+    only at load, or load and score 0."""
+    for name, tensor in tensors.items():
+        expected = authors_tensor_shape(name, base_config)
+        if tuple(tensor.shape) != expected:
+            raise DataError(f"{path}: {name} has shape {tuple(tensor.shape)}, and on the base {base} it must be "
+                            f"{expected}; the checkpoint is damaged or built on another base (--base)")
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise DataError(f"{path}: {name} holds {bad} NaN or infinite values; the checkpoint is damaged: "
+                            "download it again")
+
+
 def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
     """Write a longpeft beacon adapter from an authors' released Activation Beacon model.
 
@@ -88,7 +103,9 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
                               "--base")
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
-        tensors.update({k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()})
+        read = {k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()}
+        check_beacon_tensors(read, path, base_config, base)
+        tensors.update(read)
     expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in range(base_config.num_hidden_layers)
                 for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
     missing = sorted(expected - set(tensors))

@@ -4,6 +4,7 @@ loaded in a fresh process without longpeft, and the converter from the authors' 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from longpeft.adapters.beacon import (
 )
 from longpeft.cli import main
 from longpeft.convert import convert_authors_beacon
+from longpeft.errors import DataError
 from longpeft.spec import ContextSpec
 
 from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py
@@ -163,6 +165,50 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
         convert_authors_beacon(base_dir, tmp_path / "other", base=base_dir)
     with pytest.raises(FileExistsError, match="--out .* is not empty"):  # refused before anything is read
         convert_authors_beacon(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
+
+
+@pytest.mark.parametrize("damage", ["nan", "inf", "shape", "embedding"])
+def test_converter_refuses_damaged_beacon_tensors_before_writing(tiny_base_dirs, tmp_path, damage):
+    """A NaN, an infinity or a wrong shape in the authors' beacon tensors is named with its file before anything is
+    written (such an adapter failed only at load, or loaded and scored 0)."""
+    from safetensors.torch import load_file
+
+    from longpeft.adapters.beacon.weights import authors_tensor_shape
+
+    base_dir = tiny_base_dirs("llama")
+    config = beacon_config()
+    model = trained_beacon_model(base_dir, config, seed=5)
+    fake_authors_checkpoint(model, tmp_path / "authors", config)
+    index = json.loads((tmp_path / "authors" / "model.safetensors.index.json").read_text())["weight_map"]
+    name = ("model.beacon_embed_tokens.weight" if damage == "embedding"
+            else "model.layers.1.self_attn.beacon_k_proj.weight")
+    shard = tmp_path / "authors" / index[name]
+    tensors = load_file(shard)
+    assert tuple(tensors[name].shape) == authors_tensor_shape(name, model.config)  # the reference shapes hold
+    if damage in ("nan", "inf"):
+        tensors[name][0, 0] = float(damage)
+        message = rf"{re.escape(str(shard))}: {re.escape(name)} holds 1 NaN or infinite values"
+    else:
+        tensors[name] = torch.cat([tensors[name], tensors[name][:1]])
+        message = rf"{re.escape(name)} has shape \(\d+, \d+\), and on the base .* it must be \(\d+, \d+\)"
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(DataError, match=message):
+        convert_authors_beacon(tmp_path / "authors", tmp_path / "ours", base=base_dir)
+    assert not (tmp_path / "ours").exists()
+
+
+def test_the_authors_tensor_shapes_follow_grouped_query_attention():
+    from types import SimpleNamespace
+
+    from longpeft.adapters.beacon.weights import authors_tensor_shape
+
+    config = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    layer = "model.layers.3.self_attn.beacon_{}_proj.{}"
+    assert authors_tensor_shape(layer.format("q", "weight"), config) == (4096, 4096)
+    assert authors_tensor_shape(layer.format("k", "weight"), config) == (1024, 4096)
+    assert authors_tensor_shape(layer.format("v", "bias"), config) == (1024,)
+    assert authors_tensor_shape(layer.format("o", "weight"), config) == (4096, 4096)
+    assert authors_tensor_shape("model.beacon_embed_tokens.weight", config) == (1, 4096)
 
 
 @pytest.mark.parametrize(("their_mix", "training", "inference"), [

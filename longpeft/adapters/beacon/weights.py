@@ -35,6 +35,21 @@ AUTHORS_TENSOR = re.compile(
 )
 
 
+def authors_tensor_shape(name: str, config: Any) -> tuple[int, ...]:
+    """The shape an authors' beacon tensor ``name`` (matching :data:`AUTHORS_TENSOR`) has on a base of ``config``:
+    the base's own projection's (q: heads x head_dim by hidden; k, v: kv_heads x head_dim by hidden; o: hidden by
+    heads x head_dim; a bias: the output size), and one row of the hidden size for ``beacon_embed_tokens``."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if name.endswith("beacon_embed_tokens.weight"):
+        return (1, hidden)
+    projection = name.split(".")[-2][len("beacon_")]  # q, k, v or o
+    out_size, in_size = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
+                         "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim)}[projection]
+    return (out_size,) if name.endswith(".bias") else (out_size, in_size)
+
+
 def _prefix(model: nn.Module) -> str:
     return f"{causal_lm_of(model).base_model_prefix}."
 
