@@ -49,6 +49,7 @@ def test_gpu_mode_without_cuda_says_so():
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
 
 
+@pytest.mark.slow  # two tiny training runs of the GPU script (2 min): `make test-slow` runs it
 def test_a_second_call_reuses_the_kept_base_and_trains_afresh(tmp_path):
     """With --work-dir the random base is written once; each call trains again (a kept run folder is not resumed).
     --set overrides reach both the training run and the planner."""
