@@ -42,9 +42,10 @@ lint: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
-# The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt.
+# The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the rest of
+# the multi-process launch matrix (marker `launch_matrix`), which make test runs on the pinned stack.
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q -m "compat and not slow" tests
+	$(COMPAT_PY) -m pytest -q -m "compat and not slow and not launch_matrix" tests
 
 # The newest release of every package of requirements-cpu.txt except torch (held at the CPU build on local disk by
 # a constraint): what `pip install longpeft` gives a user today. Rebuilt on each call, not run by CI (it depends on

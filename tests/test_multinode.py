@@ -283,6 +283,7 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_base_dirs, data, two_
                         two_node_run / "adapter" / "adapter_model.safetensors", atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # 2 min: two launches killed and started again; test_recipes' kill-and-resume runs in make test
 def test_two_nodes_killed_after_a_checkpoint_resume_to_the_uninterrupted_run(tiny_base_dirs, data, two_node_run,
                                                                              tmp_path):
     """Both nodes killed (SIGKILL, every process of both launches) once a checkpoint is complete, then both started

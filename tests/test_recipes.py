@@ -197,6 +197,7 @@ def test_kill_and_resume_gives_the_uninterrupted_adapter(tiny_base_dirs, chat_js
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]  # the killed step 3 is not logged twice
 
 
+@pytest.mark.launch_matrix  # the older stack: the kill-and-resume test above runs two processes too
 def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl, tmp_path):
     """`longpeft train --launch ddp`'s command (the shipped ddp.yaml, the recipe's float32: no autocast) spawns 2 CPU
     processes (gloo); the global batch is split across them."""
@@ -283,6 +284,7 @@ def failure(proc: subprocess.CompletedProcess) -> str:
     return "\n".join(errors[:40]) + "\n...\n" + proc.stderr[-2000:]
 
 
+@pytest.mark.launch_matrix
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, chat_jsonl, tmp_path):
     """accelerate makes every multi-process CPU run MULTI_CPU (DDP) whatever the config says; the runner refuses."""
@@ -292,7 +294,7 @@ def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, c
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-@pytest.mark.parametrize("launch", SHARDED)
+@pytest.mark.parametrize("launch", [SHARDED[0], pytest.param("zero3", id="zero3", marks=pytest.mark.launch_matrix)])
 def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl,
                                                                                          tmp_path, launch):
     """FSDP2 or DeepSpeed ZeRO-3 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU
@@ -341,6 +343,7 @@ def qlora_one_process(tiny_base_dirs, tmp_path_factory):
     return data, out
 
 
+@pytest.mark.launch_matrix
 @pytest.mark.parametrize("launch", SHARDED)
 def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlora_one_process, tmp_path, launch):
     """A 4-bit NF4 base (quant storage in the compute dtype) under --launch fsdp2 or zero3 over 2 processes: the
@@ -357,6 +360,7 @@ def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlo
                         tmp_path / "sharded" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.launch_matrix
 @pytest.mark.parametrize(("recipe", "port"), [("tiny-cpu", 29548), ("tiny-harpe-cpu", 29549)])
 def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path, recipe, port):
     """--launch ulysses over 2 processes (DeepSpeed ZeRO-3 with each sequence split in two, the attention heads
@@ -382,6 +386,7 @@ def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl
                         tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.launch_matrix
 @pytest.mark.parametrize("launch", SHARDED)
 def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat_jsonl, tmp_path, launch):
     """The HARPE recipe's run (finetune: full under --launch fsdp2 or zero3, every weight sharded over 2 processes):
@@ -410,6 +415,7 @@ def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat
     assert configs[0]["head_rope_bases"] == configs[1]["head_rope_bases"] and configs[1]["auto_map"]
 
 
+@pytest.mark.launch_matrix
 @pytest.mark.parametrize(("launch", "how", "port"), [("fsdp2", "FSDP", 29537), ("zero3", "DeepSpeed ZeRO-3", 29544)])
 def test_beacon_under_sharding_is_refused_before_training(tiny_base_dirs, chat_jsonl, tmp_path, launch, how, port):
     """Activation Beacon under FSDP2 or ZeRO-3 (here from the launch config itself, as a user's own accelerate config
