@@ -75,7 +75,9 @@ def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
     return _rank_bytes(launcher, "fsdp2_bytes_worker.py", mode, tmp_path)
 
 
-@pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
+# one variant per launch in make test; the others (25 s each: two processes) in make test-slow
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow), "lora",
+                                  pytest.param("qlora", marks=pytest.mark.slow)])
 def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
     """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
     the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%; a 4-bit base's
@@ -110,7 +112,8 @@ def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int
 
 
 @pytest.mark.parametrize(("mode", "precision"),
-                         [("lora", "bf16"), ("full", "bf16"), ("lora", "no"), ("qlora", "bf16")])
+                         [("lora", "bf16"), pytest.param("full", "bf16", marks=pytest.mark.slow), ("lora", "no"),
+                          pytest.param("qlora", "bf16", marks=pytest.mark.slow)])
 def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
     """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
     (CPU, gloo), within 10%: a float32 LoRA weight under bf16 costs 18 bytes (weight 4, bf16 gradient 2, float32
