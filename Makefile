@@ -32,15 +32,16 @@ demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow and not launch_matrix" tests
 
 # ruff with the rules of pyproject.toml ([tool.ruff]); CI runs it.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check longpeft scripts tests
 
-# The tests `make test` leaves out for their time (marker `slow`): run them when you change what they cover.
+# The tests `make test` leaves out for their time (markers `slow` and `launch_matrix`): run them when you change
+# what they cover (the launch matrix: anything in recipes/, launch/ or scale/ that multi-process runs go through).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow tests
+	$(PY) -m pytest -q -m "slow or launch_matrix" tests
 
 # The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the rest of
 # the multi-process launch matrix (marker `launch_matrix`), which make test runs on the pinned stack.
