@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -329,32 +329,32 @@ class QualityGates:
         evidence_words = set(name_words(evidence))
         evidence_stems = {stem(w) for w in evidence_words}
         grams = echo_grams(instructions, evidence, cfg.echo_words) if instructions else set()
-        kept_questions = list(earlier_questions)
-        for index, item in enumerate(items):
+
+        def failure(index: int, item: Item) -> Rejection | None:
             self.checked[task] += 1
             name = subjects[index] if subjects is not None else None
             others = [s for s in (subjects or []) if s != name]
-            rejection = self._first_failure(task, item, name, others, evidence_words, evidence_stems, grams)
+            return self._first_failure(task, item, name, others, evidence_words, evidence_stems, grams)
+
+        return self._judge(task, items, earlier_questions, failure)
+
+    def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
+        """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
+        for the same context from other answers (the chunks of one document)."""
+        return self._judge(task, items, earlier_questions, lambda index, item: None)
+
+    def _judge(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str],
+               failure: Callable[[int, Item], Rejection | None]) -> Verdict:
+        """Keep or reject each item: its first ``failure``, else ``near_duplicate`` against the questions kept so
+        far (``earlier_questions``, then this call's); rejections are counted."""
+        verdict, kept_questions = Verdict(), list(earlier_questions)
+        for index, item in enumerate(items):
+            rejection = failure(index, item)
             if rejection is None and self.on("near_duplicate"):
                 rejection = self._duplicate(item.question, kept_questions)
             if rejection is None:
                 verdict.kept.append(item)
                 kept_questions.append(item.question)
-            else:
-                self.count(task, rejection.reason)
-                verdict.rejected.append((item, rejection))
-        return verdict
-
-    def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
-        """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
-        for the same context from other answers (the chunks of one document)."""
-        verdict = Verdict()
-        kept = list(earlier_questions)
-        for item in items:
-            rejection = self._duplicate(item.question, kept) if self.on("near_duplicate") else None
-            if rejection is None:
-                verdict.kept.append(item)
-                kept.append(item.question)
             else:
                 self.count(task, rejection.reason)
                 verdict.rejected.append((item, rejection))
