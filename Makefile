@@ -32,7 +32,7 @@ demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not launch_matrix" tests
+	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow and not launch_matrix" tests
 
 # ruff with the rules of pyproject.toml ([tool.ruff]); CI runs it.
 lint: $(STAMP)
@@ -41,12 +41,12 @@ lint: $(STAMP)
 # The tests `make test` leaves out for their time (markers `slow` and `launch_matrix`): run them when you change
 # what they cover (the launch matrix: anything in recipes/, launch/ or scale/ that multi-process runs go through).
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m "slow or launch_matrix" tests
+	$(PY) -m pytest -q -n auto --dist worksteal -m "slow or launch_matrix" tests
 
 # The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the rest of
 # the multi-process launch matrix (marker `launch_matrix`), which make test runs on the pinned stack.
 test-compat: $(COMPAT_STAMP)
-	$(COMPAT_PY) -m pytest -q -m "compat and not slow and not launch_matrix" tests
+	$(COMPAT_PY) -m pytest -q -n auto --dist worksteal -m "compat and not slow and not launch_matrix" tests
 
 # The newest release of every package of requirements-cpu.txt except torch (held at the CPU build on local disk by
 # a constraint): what `pip install longpeft` gives a user today. Rebuilt on each call, not run by CI (it depends on

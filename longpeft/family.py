@@ -106,25 +106,39 @@ def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwa
 
 
 def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -> dict[str, tuple[str, str, str]]:
-    """Define the classes of an exported model in a modeling file's ``namespace`` (its ``globals()``).
+    """Declare the classes of an exported model in a modeling file's ``namespace`` (its ``globals()``).
 
     For each supported architecture: ``{Prefix}LlamaConfig`` (model_type ``{prefix}_llama``: loading the
     folder without trust_remote_code then fails instead of silently building the stock model) and
     ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``; the mixin's ``__init__`` adds the method.
+    The classes are built on first access (a module ``__getattr__``, which is how transformers' ``auto_map`` and
+    ``modeling.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
+    architecture's transformers modules; an architecture's config and model classes are built together.
 
     Returns:
         base model_type -> (exported model_type, config class name, causal-LM class name), for ``auto_map``.
     """
-    import transformers
+    stems = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    table = {model_type: (f"{prefix}_{model_type}", f"{prefix.capitalize()}{stem}Config",
+                          f"{prefix.capitalize()}{stem}ForCausalLM") for model_type, stem in stems.items()}
+    model_type_of = {name: model_type for model_type, names in table.items() for name in names[1:]}
 
-    table = {}
-    for model_type, stem in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3")):
-        name = f"{prefix.capitalize()}{stem}"
+    def build(model_type: str) -> None:
+        import transformers
+
+        stem, (exported_type, config_name, model_name) = stems[model_type], table[model_type]
         attributes = {"__module__": namespace["__name__"]}
-        config_class = type(f"{name}Config", (getattr(transformers, f"{stem}Config"),),
-                            {**attributes, "model_type": f"{prefix}_{model_type}"})
-        model_class = type(f"{name}ForCausalLM", (mixin, getattr(transformers, f"{stem}ForCausalLM")),
+        config_class = type(config_name, (getattr(transformers, f"{stem}Config"),),
+                            {**attributes, "model_type": exported_type})
+        model_class = type(model_name, (mixin, getattr(transformers, f"{stem}ForCausalLM")),
                            {**attributes, "config_class": config_class, "__doc__": f"{stem} with {mixin.__doc__}"})
-        namespace[config_class.__name__], namespace[model_class.__name__] = config_class, model_class
-        table[model_type] = (config_class.model_type, config_class.__name__, model_class.__name__)
+        namespace[config_name], namespace[model_name] = config_class, model_class
+
+    def module_getattr(name: str) -> type:
+        if name not in model_type_of:
+            raise AttributeError(f"module {namespace['__name__']!r} has no attribute {name!r}")
+        build(model_type_of[name])
+        return namespace[name]
+
+    namespace["__getattr__"] = module_getattr
     return table

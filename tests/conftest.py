@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker per core: one torch thread each (read at import)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 

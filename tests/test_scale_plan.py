@@ -60,7 +60,7 @@ def _rank_bytes(launcher: list[str], worker: str, mode: str, tmp_path) -> list[d
 
     tiny_model("llama").save_pretrained(tmp_path / "base")
     proc = subprocess.run([*launcher, str(Path(__file__).with_name(worker)), mode, str(tmp_path / "base")],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(rank["rank"] for rank in ranks) == [0, 1]

@@ -8,17 +8,9 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    BitsAndBytesConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from ..adapters import (
     METHODS,
@@ -34,6 +26,9 @@ from ..files import written_atomically
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
+
+if TYPE_CHECKING:  # transformers' classes are imported where they are used: `longpeft plan` needs none of them
+    from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 TINY_PREFIX = "tiny:"
 
@@ -94,6 +89,8 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
     """4-bit NF4 (QLoRA) settings; quant storage equals the compute dtype (needed by FSDP2)."""
     if not recipe.model.load_in_4bit:
         return None
+    from transformers import BitsAndBytesConfig
+
     dtype = torch_dtype(recipe.model.dtype)
     return BitsAndBytesConfig(
         load_in_4bit=True,
@@ -166,6 +163,8 @@ def check_against_local_base(recipe: Recipe) -> str | None:
         config_file = local_config_file(name)
         if config_file is None:
             return None
+        from transformers import AutoConfig
+
         config, source = AutoConfig.from_pretrained(config_file.parent), str(config_file)
     check_against_base(recipe, build_spec(recipe, config, name))
     return source
@@ -225,6 +224,8 @@ def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBas
     transformers v5 reads ``rope_parameters`` when a model is built, so the config gets the complete dict
     (and ``max_position_embeddings`` >= the training length) before any model exists.
     """
+    from transformers import AutoConfig, AutoTokenizer
+
     m = recipe.model
     common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
@@ -250,6 +251,8 @@ def finish_base(recipe: Recipe, model: PreTrainedModel) -> None:
 
 def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, ContextSpec]:
     """Load tokenizer and model, give the model the recipe's ContextSpec, set its eos ids."""
+    from transformers import AutoModelForCausalLM
+
     m = recipe.model
     tokenizer, config, spec = configure_base(recipe, base_id)
     model = AutoModelForCausalLM.from_pretrained(

@@ -42,7 +42,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 # longpeft-inline-begin
 from ...family import attention_modules, causal_lm_of, kernel_interface, pop_cache
@@ -144,6 +143,8 @@ def install_string(model: nn.Module, settings: StringSettings) -> None:
     attentions = attention_modules(model)
     if not attentions:
         raise ValueError(f"found no self-attention modules with q/k/v/o projections in {type(model).__name__}")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface  # heavy: not at import
+
     if STRING_ATTENTION not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(STRING_ATTENTION, string_attention_forward)
     disable_string(model)
