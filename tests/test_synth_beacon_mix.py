@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from longpeft.cli import build_parser, main
-from longpeft.recipes.data import load_training_data
+from longpeft.recipes.data import load_training_data, tokenize_dataset
 from longpeft.recipes.schema import load_recipe
 from longpeft.synth_data.corpus import generate_document
 from longpeft.synth_data.mix import DEFAULT_PLAIN_PROMPT, DEFAULT_SUMMARY_PROMPT
@@ -131,6 +131,8 @@ def test_beacon_config_builds_the_authors_mix_and_the_recipe_reads_it(tmp_path, 
     assert Path(recipe.data.source) == Path(OUT) / "train.jsonl"
     dataset = load_training_data(recipe.data, tok)  # the recipe's own data section, from the folder written here
     assert dataset["messages"] == [row["messages"] for row in rows]
+    tokenized = tokenize_dataset(dataset, tok, assistant_only=True)  # training counts the tokens synth counted
+    assert [len(ids) for ids in tokenized["input_ids"]] == [row["num_tokens"] for row in rows]
 
 
 def test_bundled_config_holds_the_authors_numbers():
