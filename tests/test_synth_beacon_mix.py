@@ -189,3 +189,15 @@ def test_instructions_read_the_authors_conversations_files_and_json_lists(tmp_pa
     lines.write_text(json.dumps({"conversations": turns}) + "\n" + json.dumps({"conversations": [{"role": "user"}]}))
     with pytest.raises(DataError, match=re.escape(f"{lines}:2: every turn needs string fields 'role' and 'content'")):
         load_instructions(lines)
+
+
+def test_contexts_flag_keeps_the_tasks_the_config_turned_off():
+    """`--contexts N` sizes the config's tasks: with beacon-llama3 (single-detail QA only) it does not switch the
+    other builders on."""
+    from longpeft.synth_data.cli import resolve_config
+
+    files = ["--source", "books/", "--plain-text", "p.jsonl", "--instructions", "i.json", "--summaries", "s.jsonl"]
+    args = build_parser().parse_args(["synth", "--config", "beacon-llama3", "--out", "o", "--contexts", "3", *files])
+    config = resolve_config(args)
+    assert [getattr(config, task).contexts for task in ("single_detail", "multi_detail", "heterogeneous",
+                                                        "biography")] == [3, 0, 0, 0]

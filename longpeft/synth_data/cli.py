@@ -55,7 +55,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones")
     parser.add_argument("--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are "
                         "off")
-    parser.add_argument("--contexts", type=int, help="conversations per task")
+    parser.add_argument("--contexts", type=int, help="conversations per task (the tasks of --tasks, else those the "
+                        "config leaves on)")
     parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
     parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
     parser.add_argument("--chunk-tokens", type=int,
@@ -132,7 +133,7 @@ def resolve_config(args: argparse.Namespace):
     if args.source:
         _assign(config, "source.kind", "files")
         _assign(config, "source.paths", list(args.source))
-    chosen = list(SYNTH_TASKS)
+    chosen = [task for task in SYNTH_TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
         unknown = sorted(set(chosen) - set(SYNTH_TASKS))
