@@ -216,6 +216,7 @@ def test_the_authors_tensor_shapes_follow_grouped_query_attention():
     ("adapt-16", "adapt-16", "adapt-16"),  # their code reads its one mix at inference too
     ("step-random", "step-random", "adapt-1024"),  # a random draw at inference would be a coin toss; ours adapts
     ("instance-random", "instance-random", "adapt-1024"),
+    ("sequence", "sequence", "sequence"),  # deterministic: their cycle at inference too
 ])
 def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training, inference):
     from longpeft.adapters.beacon.weights import config_from_authors

@@ -149,7 +149,7 @@ def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monke
     ({"sink": 1024}, "sink"),
     ({"params": ["q", "q"]}, "at most once"),
     ({"lora_rank": 8}, "settings of projection: lora"),
-    ({"ratio_mix": "sequence"}, "step-random, instance-random or adapt-N"),
+    ({"ratio_mix": "round-robin"}, "step-random, instance-random, sequence or adapt-N"),
     ({"inference_ratios": [5]}, "inference_ratios: ratio 5"),
 ])
 def test_bad_settings_name_the_field(settings, message):

@@ -307,7 +307,7 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
     out = tmp_path / "out"
     assert main(["synth", "--config", "llama3-8k", "--out", str(out)]) == 2
-    assert ("synth config 'llama3-8k' is neither a file nor a bundled synth config (llama3-80k)"
+    assert ("synth config 'llama3-8k' is neither a file nor a bundled synth config (beacon-llama3, llama3-80k)"
             in capsys.readouterr().err)
     assert main(["synth", "--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
     assert "needs mix.plain_text (a file or folder; --plain-text PATH)" in capsys.readouterr().err

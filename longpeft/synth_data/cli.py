@@ -55,7 +55,8 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
                         help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones")
     parser.add_argument("--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are "
                         "off")
-    parser.add_argument("--contexts", type=int, help="conversations per task")
+    parser.add_argument("--contexts", type=int, help="conversations per task (the tasks of --tasks, else those the "
+                        "config leaves on)")
     parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
     parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
     parser.add_argument("--chunk-tokens", type=int,
@@ -77,8 +78,12 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
-    extra.add_argument("--instructions", help="instruction data: .jsonl with 'messages' or instruction/input/output")
+    extra.add_argument("--instructions", help="instruction data: .jsonl/.json with 'messages', 'conversations' or "
+                       "instruction/input/output")
     extra.add_argument("--instruction-ratio", type=float)
+    extra.add_argument("--summaries", help="summarisation data: .jsonl/.json with a text and its summary (BookSum's "
+                       "'chapter' and 'summary_text'; see mix.summary_text_field)")
+    extra.add_argument("--summary-ratio", type=float)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -120,6 +125,7 @@ def resolve_config(args: argparse.Namespace):
         "llm.max_concurrency": args.concurrency,
         "mix.plain_text": args.plain_text, "mix.plain_ratio": args.plain_ratio,
         "mix.instructions": args.instructions, "mix.instruction_ratio": args.instruction_ratio,
+        "mix.summaries": args.summaries, "mix.summary_ratio": args.summary_ratio,
     }
     for key, value in flags.items():
         if value is not None:
@@ -127,7 +133,7 @@ def resolve_config(args: argparse.Namespace):
     if args.source:
         _assign(config, "source.kind", "files")
         _assign(config, "source.paths", list(args.source))
-    chosen = list(SYNTH_TASKS)
+    chosen = [task for task in SYNTH_TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
         unknown = sorted(set(chosen) - set(SYNTH_TASKS))

@@ -1,18 +1,20 @@
-"""Mixing the synthetic long-context conversations with plain text and instruction data.
+"""Mixing the synthetic long-context conversations with plain text, instruction and summarisation data.
 
 The 80K recipe adds plain pretraining text (RedPajama) against forgetting and instruction data
-(LongAlpaca) to its ~3.5K synthetic conversations. Here both are added by ratio of the final dataset,
-after length filters measured with the training tokenizer and chat template.
+(LongAlpaca) to its ~3.5K synthetic conversations; Activation Beacon's fine-tuning adds summaries
+(BookSum) too. Each source is added by ratio of the final dataset, after a length filter measured
+with the training tokenizer and chat template.
 
 Plain text becomes a two-turn conversation (a fixed request, then the text as the assistant turn),
-so that assistant-only loss trains on the text itself.
+so that assistant-only loss trains on the text itself; a summarisation record becomes a request to
+summarise its text, answered by its summary.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,45 +25,76 @@ from ..errors import DataError, DataNotFoundError
 from .builders import TokenCounter
 
 DEFAULT_PLAIN_PROMPT = "Write a passage of text."
+DEFAULT_SUMMARY_PROMPT = "Summarize the following text.\n\n{text}"
+RECORD_FILES = {".jsonl": "one JSON record per line", ".json": "a JSON list of records, or one record per line"}
+MIX_TASKS = ("plain_text", "instruction", "summary")  # the task name of each source's rows, in mixing order
 
 
 class MixConfig(StrictModel):
-    """Extra data and its share of the final dataset (ratios are fractions of the total)."""
+    """Extra data and its share of the final dataset (ratios are fractions of the total); each source keeps the
+    records whose conversation has ``*_min_tokens`` to ``*_max_tokens`` tokens."""
 
     plain_text: str | None = Field(None, description=".jsonl (field 'text') or .txt file, or a folder of them")
     plain_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is plain text")
     plain_min_tokens: int = Field(0, ge=0)
     plain_max_tokens: int | None = Field(None, ge=1)
+    plain_truncate: bool = Field(False, description="cut a plain text longer than plain_max_tokens to fit (as "
+                                 "language-modelling data is cut) instead of leaving it out")
     plain_prompt: str = Field(DEFAULT_PLAIN_PROMPT, description="user turn before a plain text")
     instructions: str | None = Field(
-        None, description=".jsonl with 'messages' or 'instruction'/'input'/'output' (Alpaca, LongAlpaca), or a folder"
+        None, description=".jsonl or .json records with 'messages' or 'conversations' (role/content turns) or "
+        "'instruction'/'input'/'output' (Alpaca, LongAlpaca), or a folder of them"
     )
     instruction_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is instructions")
     instruction_min_tokens: int = Field(0, ge=0)
     instruction_max_tokens: int | None = Field(None, ge=1)
+    summaries: str | None = Field(
+        None, description=".jsonl or .json records holding a text and its summary (summary_text_field, summary_field; "
+        "BookSum's 'chapter' and 'summary_text') or a ready conversation ('messages' or 'conversations'), or a folder"
+    )
+    summary_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is summaries")
+    summary_min_tokens: int = Field(0, ge=0)
+    summary_max_tokens: int | None = Field(None, ge=1)
+    summary_prompt: str = Field(DEFAULT_SUMMARY_PROMPT, description="the request for a summary ({text}: the text)")
+    summary_text_field: str = Field("chapter", description="field of a summarisation record holding the text")
+    summary_field: str = Field("summary_text", description="field of a summarisation record holding the summary")
 
     @model_validator(mode="after")
     def _consistent(self) -> MixConfig:
-        if self.plain_ratio + self.instruction_ratio >= 1:
-            raise ValueError("plain_ratio + instruction_ratio must stay below 1 (the rest is synthetic data)")
+        if self.plain_ratio + self.instruction_ratio + self.summary_ratio >= 1:
+            raise ValueError("plain_ratio + instruction_ratio + summary_ratio must stay below 1 (the rest is "
+                             "synthetic data)")
         if self.plain_ratio > 0 and not self.plain_text:
             raise ValueError("plain_ratio > 0 needs mix.plain_text (a file or folder; --plain-text PATH)")
         if self.instruction_ratio > 0 and not self.instructions:
             raise ValueError("instruction_ratio > 0 needs mix.instructions (a file or folder; --instructions PATH)")
+        if self.summary_ratio > 0 and not self.summaries:
+            raise ValueError("summary_ratio > 0 needs mix.summaries (a file or folder; --summaries PATH)")
+        if self.plain_truncate and self.plain_max_tokens is None:
+            raise ValueError("plain_truncate needs plain_max_tokens (the length a plain text is cut to)")
+        if "{text}" not in self.summary_prompt:
+            raise ValueError("summary_prompt needs {text} (where the text to summarise goes)")
         return self
 
+    def share(self, task: str) -> tuple[float, int, int | None]:
+        """``(ratio, min_tokens, max_tokens)`` of the source whose rows are ``task`` (one of :data:`MIX_TASKS`)."""
+        prefix = {"plain_text": "plain", "instruction": "instruction", "summary": "summary"}[task]
+        return (getattr(self, f"{prefix}_ratio"), getattr(self, f"{prefix}_min_tokens"),
+                getattr(self, f"{prefix}_max_tokens"))
 
-def source_files(path: str | Path, kinds: dict[str, str]) -> list[Path]:
+
+def source_files(path: str | Path, kinds: dict[str, str], name: str = "source path") -> list[Path]:
     """The files a source path names: itself, or a folder's files (searched recursively) of the ``kinds``
-    (``{suffix: what a file of that kind holds}``, used in the error for a named file of another type)."""
+    (``{suffix: what a file of that kind holds}``, used in the error for a named file of another type). ``name``
+    says which source the path is in errors (a config key and its flag)."""
     path = Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.suffix in kinds)
         if not files:
-            raise DataNotFoundError(f"{path} holds no {'/'.join(kinds)} files")
+            raise DataNotFoundError(f"{name} {path} holds no {'/'.join(kinds)} files")
         return files
     if not path.is_file():
-        raise DataNotFoundError(f"source path {path} does not exist")
+        raise DataNotFoundError(f"{name} {path} does not exist")
     if path.suffix not in kinds:
         use = " or ".join(f"{suffix} ({what})" for suffix, what in kinds.items())
         raise DataError(f"source file {path}: unsupported type {path.suffix or '(no suffix)'!r}; use {use}")
@@ -79,6 +112,24 @@ def jsonl_records(path: Path):
                     raise DataError(f"{path}:{number}: not valid JSON ({error})") from None
 
 
+def file_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` of a .jsonl file, or of a .json file holding one JSON list of records or one record per line
+    (as ``datasets`` reads both); ``where`` names the line (``path:line``) or the list item (``path[index]``)."""
+    if path.suffix == ".json":
+        with path.open(encoding="utf-8") as handle:
+            first = handle.read(4096).lstrip()[:1]
+        if first == "[":
+            try:
+                records = json.loads(read_text_file(path))
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}: not valid JSON ({error})") from None
+            for index, record in enumerate(records):
+                yield f"{path}[{index}]", record
+            return
+    for number, record in jsonl_records(path):
+        yield f"{path}:{number}", record
+
+
 def read_text_file(path: Path) -> str:
     """A UTF-8 text file's content; other encodings fail naming the file and the byte."""
     try:
@@ -90,7 +141,8 @@ def read_text_file(path: Path) -> str:
 def load_plain_texts(path: str | Path) -> list[str]:
     """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
     texts = []
-    for file in source_files(path, {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}):
+    kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
+    for file in source_files(path, kinds, "mix.plain_text (--plain-text)"):
         if file.suffix == ".txt":
             texts.append(read_text_file(file))
             continue
@@ -101,26 +153,93 @@ def load_plain_texts(path: str | Path) -> list[str]:
     return texts
 
 
+def _turns(turns: Any, where: str) -> list[dict[str, str]] | None:
+    """``turns`` as role/content messages, or None when it is not a list of such turns."""
+    if not isinstance(turns, list) or not turns:
+        return None
+    if not all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+               for t in turns):
+        raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
 def to_messages(record: Any, where: str) -> list[dict[str, str]]:
-    """A conversation from ``messages`` or Alpaca-style ``instruction``/``input``/``output`` fields."""
-    if isinstance(record, dict) and isinstance(record.get("messages"), list):
-        return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
+    """A conversation from ``messages`` or ``conversations`` (role/content turns; the authors of Activation Beacon
+    write their files so) or Alpaca-style ``instruction``/``input``/``output`` fields."""
+    if isinstance(record, dict):
+        for key in ("messages", "conversations"):
+            turns = _turns(record.get(key), where)
+            if turns is not None:
+                return turns
     if (isinstance(record, dict) and isinstance(record.get("instruction"), str)
             and isinstance(record.get("output"), str)):
         prompt = record["instruction"]
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}"
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
-    raise DataError(f"{where}: an instruction record needs 'messages' or 'instruction' and 'output'")
+    raise DataError(f"{where}: an instruction record needs 'messages', 'conversations', or 'instruction' and 'output'")
 
 
 def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
-    """Conversations from .jsonl files (see :func:`to_messages`)."""
+    """Conversations from .jsonl and .json files (see :func:`to_messages`)."""
     return [
-        to_messages(record, f"{file}:{number}")
-        for file in source_files(path, {".jsonl": "one conversation per line"})
-        for number, record in jsonl_records(file)
+        to_messages(record, where)
+        for file in source_files(path, RECORD_FILES, "mix.instructions (--instructions)")
+        for where, record in file_records(file)
     ]
+
+
+def load_summaries(path: str | Path, prompt: str = DEFAULT_SUMMARY_PROMPT, text_field: str = "chapter",
+                   summary_field: str = "summary_text") -> list[list[dict[str, str]]]:
+    """Summarisation conversations from .jsonl and .json files: a record with string fields ``text_field`` and
+    ``summary_field`` becomes ``prompt`` (with its text) answered by its summary; a record holding a conversation
+    (``messages`` or ``conversations``) is taken as it is."""
+    conversations = []
+    for file in source_files(path, RECORD_FILES, "mix.summaries (--summaries)"):
+        for where, record in file_records(file):
+            if isinstance(record, dict) and isinstance(record.get(text_field), str) \
+                    and isinstance(record.get(summary_field), str):
+                conversations.append([{"role": "user", "content": prompt.replace("{text}", record[text_field])},
+                                      {"role": "assistant", "content": record[summary_field]}])
+            elif isinstance(record, dict) and ("messages" in record or "conversations" in record):
+                conversations.append(to_messages(record, where))
+            else:
+                raise DataError(f"{where}: a summarisation record needs string fields {text_field!r} and "
+                                f"{summary_field!r} (mix.summary_text_field, mix.summary_field) or 'messages'")
+    return conversations
+
+
+def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]:
+    """The candidate conversations of every source with a ratio above 0, by task (:data:`MIX_TASKS`). A missing file
+    or a bad record fails here, naming the file (and line), so a run can check its sources before the long build."""
+    sources = {}
+    if config.plain_ratio:
+        prompt = {"role": "user", "content": config.plain_prompt}
+        sources["plain_text"] = [[prompt, {"role": "assistant", "content": text}]
+                                 for text in load_plain_texts(config.plain_text)]
+    if config.instruction_ratio:
+        sources["instruction"] = load_instructions(config.instructions)
+    if config.summary_ratio:
+        sources["summary"] = load_summaries(config.summaries, config.summary_prompt, config.summary_text_field,
+                                            config.summary_field)
+    return sources
+
+
+def cut_to_fit(messages: list[dict[str, str]], tokens: int, max_tokens: int, counter: TokenCounter
+               ) -> tuple[list[dict[str, str]], int] | None:
+    """``messages`` (``tokens`` tokens long) with the last turn's content cut at a token boundary, so that the
+    conversation holds at most ``max_tokens`` tokens, and its new length; None when even an empty last turn is longer.
+    The cut drops the excess tokens, then a few more where re-tokenising the prefix merges tokens differently."""
+    text = messages[-1]["content"]
+    offsets = counter.offsets(text)
+    keep = len(offsets) - (tokens - max_tokens)
+    while keep > 0:
+        cut = [*messages[:-1], {**messages[-1], "content": text[: offsets[keep - 1][1]]}]
+        tokens = counter.conversation(cut)
+        if tokens <= max_tokens:
+            return cut, tokens
+        keep -= tokens - max_tokens
+    return None
 
 
 def _take(
@@ -131,21 +250,31 @@ def _take(
     max_tokens: int | None,
     task: str,
     rng: random.Random,
+    truncate: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Up to ``wanted`` rows drawn at random from ``candidates`` that pass the length filter."""
+    """Up to ``wanted`` rows drawn at random from ``candidates`` that pass the length filter (with ``truncate``, a
+    candidate over ``max_tokens`` is cut to fit, :func:`cut_to_fit`, and counted in ``truncated``)."""
     order = list(range(len(candidates)))
     rng.shuffle(order)
-    rows, rejected = [], 0
+    rows, rejected, truncated = [], 0, 0
     for index in order:
         if len(rows) == wanted:
             break
-        tokens = counter.conversation(candidates[index])
+        messages = candidates[index]
+        tokens = counter.conversation(messages)
+        if truncate and max_tokens is not None and tokens > max_tokens:
+            fitted = cut_to_fit(messages, tokens, max_tokens, counter)
+            if fitted is not None:
+                (messages, tokens), truncated = fitted, truncated + 1
         if tokens < min_tokens or (max_tokens is not None and tokens > max_tokens):
             rejected += 1
             continue
-        rows.append({"id": f"{task}-{index:06d}", "task": task, "messages": candidates[index], "num_tokens": tokens,
+        rows.append({"id": f"{task}-{index:06d}", "task": task, "messages": messages, "num_tokens": tokens,
                      "sources": [f"{task}:{index}"], "meta": "{}"})
-    return rows, {"wanted": wanted, "taken": len(rows), "available": len(candidates), "filtered_out": rejected}
+    stats = {"wanted": wanted, "taken": len(rows), "available": len(candidates), "filtered_out": rejected}
+    if truncate:
+        stats["truncated"] = truncated
+    return rows, stats
 
 
 def mix(
@@ -153,32 +282,29 @@ def mix(
     counter: TokenCounter,
     config: MixConfig,
     seed: int = 0,
+    sources: dict[str, list[list[dict[str, str]]]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Add plain text and instructions to ``synthetic`` rows by ratio; returns shuffled rows and counts.
+    """Add plain text, instructions and summaries to ``synthetic`` rows by ratio; returns shuffled rows and counts.
 
-    With ``S`` synthetic rows and ratios ``p`` (plain) and ``i`` (instructions) the target is
-    ``round(S * p / (1 - p - i))`` plain rows and ``round(S * i / (1 - p - i))`` instruction rows; a
-    source with too few rows passing its length filter gives all it has (``taken < wanted``).
+    With ``S`` synthetic rows and ratios ``p`` (plain), ``i`` (instructions) and ``s`` (summaries) the target of a
+    source of ratio ``x`` is ``round(S * x / (1 - p - i - s))`` rows; a source with too few rows passing its length
+    filter gives all it has (``taken < wanted``). ``sources``: the candidates :func:`load_mix_sources` loaded (read
+    from the config's files when None).
     """
     rng = random.Random(f"{seed}/mix")
     rows = list(synthetic)
     stats: dict[str, Any] = {}
-    synthetic_share = 1 - config.plain_ratio - config.instruction_ratio
-    if (config.plain_ratio or config.instruction_ratio) and not rows:
+    synthetic_share = 1 - config.plain_ratio - config.instruction_ratio - config.summary_ratio
+    if synthetic_share < 1 and not rows:
         raise DataError("mixing ratios are relative to the synthetic conversations, and none were built")
-    if config.plain_ratio:
-        wanted = round(len(synthetic) * config.plain_ratio / synthetic_share)
-        texts = load_plain_texts(config.plain_text)
-        candidates = [[{"role": "user", "content": config.plain_prompt}, {"role": "assistant", "content": t}]
-                      for t in texts]
-        taken, stats["plain_text"] = _take(candidates, wanted, counter, config.plain_min_tokens,
-                                           config.plain_max_tokens, "plain_text", rng)
-        rows += taken
-    if config.instruction_ratio:
-        wanted = round(len(synthetic) * config.instruction_ratio / synthetic_share)
-        candidates = load_instructions(config.instructions)
-        taken, stats["instruction"] = _take(candidates, wanted, counter, config.instruction_min_tokens,
-                                            config.instruction_max_tokens, "instruction", rng)
+    sources = load_mix_sources(config) if sources is None else sources
+    for task in MIX_TASKS:
+        ratio, min_tokens, max_tokens = config.share(task)
+        if not ratio:
+            continue
+        wanted = round(len(synthetic) * ratio / synthetic_share)
+        taken, stats[task] = _take(sources[task], wanted, counter, min_tokens, max_tokens, task, rng,
+                                   truncate=task == "plain_text" and config.plain_truncate)
         rows += taken
     rng.shuffle(rows)
     return rows, stats

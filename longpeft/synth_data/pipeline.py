@@ -39,7 +39,7 @@ from .builders import (
 )
 from .corpus import Document
 from .llm_client import LLMClient, LLMConfig
-from .mix import MixConfig, jsonl_records, mix, read_text_file, source_files
+from .mix import MixConfig, jsonl_records, load_mix_sources, mix, read_text_file, source_files
 from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
 from .quality import QualityConfig, QualityGates
 from .report import write_dataset
@@ -164,6 +164,7 @@ def synthesize(
     ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
     they are skipped and counted as ``skipped_rejected`` in the usage report)."""
     files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
+    mix_sources = load_mix_sources(config.mix)  # and so do the mixed-in ones, before the long build
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
@@ -173,7 +174,7 @@ def synthesize(
                                  show_progress=config.progress)
     plans = plan_contexts(config, builder, files)
     rows = builder.build(plans)
-    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed)
+    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
         extra["llm_usage"] = client.usage_report()

@@ -62,6 +62,8 @@ class SequenceState:
         window_raw: raw tokens in the current window.
         window_slots: slots (raw and beacon) of the current window fed so far.
         chosen_ratio: the ratio chosen once per sequence (instance-random, adapt-N).
+        ratio_cycle: the ratios the ``sequence`` mix cycles through, one per window (fixed at the first window).
+        zero_ratio_used: a window of this sequence took ratio 0 (the authors' training rule allows one).
         memory_keep / window_keep: ``[batch, M]`` / ``[batch, window_slots]`` bool, False at padding
             (None while there is no padding).
     """
@@ -73,6 +75,8 @@ class SequenceState:
     window_raw: int = 0
     window_slots: int = 0
     chosen_ratio: int | None = None
+    ratio_cycle: tuple[int, ...] | None = None
+    zero_ratio_used: bool = False
     memory_keep: torch.Tensor | None = None
     window_keep: torch.Tensor | None = None
 

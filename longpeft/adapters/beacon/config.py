@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from .layout import BeaconSettings
 
-_MIX = re.compile(r"^(step-random|instance-random|adapt-\d+)$")
+_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")
 DEFAULT_LORA_RANK = 32
 
 
@@ -49,12 +49,15 @@ class BeaconConfig(StrictModel):
 
     ``window``: raw tokens per window. ``ratios``: condensing ratios a window may get (window / ratio
     beacons; 0 keeps the raw K/V); ``ratio_mix`` picks one per training window (``step-random``,
-    ``instance-random``, ``adapt-N``; the random mixes draw among the ratios that keep the input inside
-    the base's positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
+    ``instance-random``, ``sequence``: the ratios in the listed order, one per window, over again from the first
+    ratio for each input, ``adapt-N``; all but adapt-N take only ratios that keep the input inside the base's
+    positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
     eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio that keeps the input plus
-    1024 new tokens inside the base's positions, see ``layout.span_ratio``). ``attn``: which raw tokens a
-    beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons ``interleave``d
-    (one after every ratio raw tokens) or ``append``ed after the window. ``params``: projections
+    1024 new tokens inside the base's positions, see ``layout.span_ratio``). ``zero_ratio_rule``: which training
+    windows may take ratio 0 when ``ratios`` lists it (``authors``: at most one window per input, and only one that
+    a full window follows; ``any``: every window, as any other ratio; see ``layout.training_ratios``). ``attn``:
+    which raw tokens a beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons
+    ``interleave``d (one after every ratio raw tokens) or ``append``ed after the window. ``params``: projections
     with beacon weights. ``sink``: first-window raw tokens kept in memory for good. ``attend_prev``:
     beacons see their window's earlier beacons (implied by the scheme when left unset).
     ``embed_init``: the beacon embedding starts as the eos or bos row. ``projection``: ``full``
@@ -65,6 +68,7 @@ class BeaconConfig(StrictModel):
     window: int = Field(default=1024, ge=1)
     ratios: list[int] = Field(default_factory=lambda: [2, 4, 8])
     ratio_mix: str = "step-random"
+    zero_ratio_rule: Literal["authors", "any"] = "authors"
     inference_ratios: list[int] | None = None
     inference_ratio_mix: str = "adapt-1024"
     attn: Literal["full-coverage", "step-expansion", "segmentation"] = "full-coverage"
@@ -81,7 +85,8 @@ class BeaconConfig(StrictModel):
     @classmethod
     def _mix(cls, value: str) -> str:
         if not _MIX.match(value):
-            raise ValueError(f"{value!r} is not step-random, instance-random or adapt-N (N: tokens still to come)")
+            raise ValueError(f"{value!r} is not step-random, instance-random, sequence or adapt-N (N: tokens still to "
+                             "come)")
         return value
 
     @model_validator(mode="after")

@@ -55,7 +55,8 @@ class BeaconSettings:
     Attributes:
         window: raw tokens per window ``W``.
         ratios / ratio_mix: condensing ratios (``0`` = keep the raw K/V) and how a training forward
-            picks one per window: ``step-random``, ``instance-random`` or ``adapt-N``.
+            picks one per window: ``step-random``, ``instance-random``, ``sequence`` or ``adapt-N``.
+        zero_ratio_rule: which training windows may take ratio 0: ``authors`` (:func:`training_ratios`) or ``any``.
         inference_ratios / inference_ratio_mix: the same for forwards in eval mode (generation).
         attn: ``full-coverage``, ``step-expansion`` or ``segmentation``.
         pos: ``interleave`` or ``append``.
@@ -70,6 +71,7 @@ class BeaconSettings:
     window: int = 1024
     ratios: tuple[int, ...] = (2, 4, 8)
     ratio_mix: str = "step-random"
+    zero_ratio_rule: str = "authors"
     inference_ratios: tuple[int, ...] = (2, 4, 8)
     inference_ratio_mix: str = "adapt-1024"
     attn: str = "full-coverage"
@@ -278,11 +280,25 @@ def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_position
     return fitting or (max(ratios),)
 
 
+def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: int, zero_used: bool) -> tuple[int, ...]:
+    """The ``ratios`` a training window may take under the authors' rule for ratio 0 (``zero_ratio_rule: authors``).
+
+    Ratio 0 (the window's raw K/V become memory) is left out when an earlier window of the input took it, or when no
+    full window follows this one (the window starts at raw token ``start`` of a ``length``-token input: ratio 0 needs
+    ``start + 2 window <= length``), so an input keeps at most one raw window and beacons after it. A single listed
+    ratio is always allowed, as in the authors' code (``Memory.set_compression_ratio``).
+    """
+    if len(ratios) == 1 or 0 not in ratios or not (zero_used or start + 2 * window > length):
+        return ratios
+    return tuple(ratio for ratio in ratios if ratio)
+
+
 def choose_ratio(
     ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
     sink: int = 0, training: bool = False,
 ) -> int:
-    """The ratio of the next window.
+    """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
+    first window: see ``scheduler._start_window``).
 
     Args:
         ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).

@@ -37,9 +37,11 @@ from .layout import (
     BeaconSettings,
     attention_mask_for,
     choose_ratio,
+    fitting_ratios,
     key_keep,
     padding_keep,
     step_visibility,
+    training_ratios,
     window_layout,
 )
 
@@ -114,13 +116,22 @@ def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: Beaco
     state = cache.state
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
+        if settings.zero_ratio_rule == "authors":
+            ratios = training_ratios(ratios, settings.window, state.raw_seen, length, state.zero_ratio_used)
     else:
         ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
     max_positions = backbone.config.max_position_embeddings
-    ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
-                         training=complete)
+    if mix == "sequence":
+        if state.ratio_cycle is None:
+            state.ratio_cycle = fitting_ratios(ratios, settings.window, settings.sink, max_positions, length,
+                                               training=complete)
+        ratio = state.ratio_cycle[state.window_index % len(state.ratio_cycle)]
+    else:
+        ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
+                             training=complete)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
+    state.zero_ratio_used |= ratio == 0
     if complete and state.raw_seen + settings.window >= length:
         ratio = 0  # no beacons in the window that ends a training input
     state.layout = window_layout(settings.window, ratio, settings.attn, settings.pos, settings.attend_prev)

@@ -108,7 +108,7 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
 # The authors' checkpoints
 # ------------------------------------------------------------------------------------------------
 
-_MIXES = ("step-random", "instance-random")
+_MIXES = ("step-random", "instance-random", "sequence")
 
 
 def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
@@ -134,8 +134,8 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         window=window,
         ratios=ratios,
         ratio_mix=mix,
-        # their code reads one mix in both modes
-        inference_ratio_mix=mix if mix.startswith("adapt-") else "adapt-1024",
+        # their code reads one mix in both modes; a random one becomes adapt-1024 at inference
+        inference_ratio_mix=mix if mix.startswith("adapt-") or mix == "sequence" else "adapt-1024",
         attn=config.get("beacon_attn", "full-coverage"),
         pos=config.get("beacon_pos", "interleave"),
         params=list(config.get("beacon_param", ["q", "k", "v"])),
