@@ -118,7 +118,7 @@ def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: Beaco
         ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
     max_positions = backbone.config.max_position_embeddings
     ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
-                         training=complete)
+                         training=complete, rule=settings.layout_rule)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     if complete and state.raw_seen + settings.window >= length:
@@ -184,7 +184,7 @@ def beacon_backbone_forward(
     outputs, done = [], 0
     while done < n_new:
         if state.layout is not None and state.window_raw == settings.window:
-            cache.commit(rotate, settings.sink)
+            cache.commit(rotate, settings.sink, settings.layout_rule)
         if state.layout is None:
             _start_window(self, cache, settings, total, complete)
         layout = state.layout
