@@ -3,6 +3,7 @@ loaded in a fresh process without longpeft, and the converter from the authors' 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -122,9 +123,9 @@ def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs,
     assert torch.equal(out["generated"], expected_tokens)
 
 
-def fake_authors_checkpoint(model, folder, config: BeaconConfig) -> None:
+def fake_authors_checkpoint(model, folder, config: BeaconConfig, mix: str = "step-random") -> None:
     """A full model as the authors release it: every tensor (base and beacon) in two shards with an
-    index, and config.json with their beacon_* settings and remote-code auto_map."""
+    index, and config.json with their beacon_* settings (ratio mix ``mix``) and remote-code auto_map."""
     folder.mkdir()
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     names = sorted(state)
@@ -138,7 +139,7 @@ def fake_authors_checkpoint(model, folder, config: BeaconConfig) -> None:
     settings.pop("beacon")
     settings.update(
         beacon_window=config.window, beacon_stride=config.window, beacon_attn=config.attn, beacon_pos=config.pos,
-        beacon_ratio=config.ratios, beacon_ratio_mix="step-random", beacon_param=config.params,
+        beacon_ratio=config.ratios, beacon_ratio_mix=mix, beacon_param=config.params,
         beacon_sink_size=config.sink, beacon_attend_prev=True, beacon_embed_init="eos", beacon_parallel_window=1,
         auto_map={"AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"},
     )
@@ -165,6 +166,42 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
         convert_authors_beacon(base_dir, tmp_path / "other", base=base_dir)
     with pytest.raises(FileExistsError, match="--out .* is not empty"):  # refused before anything is read
         convert_authors_beacon(tmp_path / "missing-model", tmp_path / "ours", base=base_dir)
+
+
+@pytest.mark.parametrize("length,expected", [(488, 2), (489, 4)])
+def test_a_converted_model_adapts_its_ratio_as_the_authors_count(tiny_base_dirs, tmp_path, length, expected):
+    """One length each side of the authors' first adapt-16 boundary on the tiny base (256 positions, window 8):
+    ratio 2 reaches (256 - 8) x 2 + 8 = 504 = 488 + 16 tokens. The converted model records their rule; it picks
+    their ratio (the reference: ``test_beacon_layout.authors_choice``) and reads exactly as the same model held at
+    that one ratio, where longpeft's own rule, counting the sink and the last window's beacons, takes 4 at 488."""
+    from test_beacon_layout import authors_choice
+
+    from longpeft.adapters.beacon import BeaconCache, backbone_of
+
+    assert authors_choice((2, 4, 8), 8, 256, length + 16) == expected
+    base_dir = tiny_base_dirs("llama")
+    config = beacon_config(ratios=[2, 4, 8])
+    fake_authors_checkpoint(trained_beacon_model(base_dir, config, seed=7), tmp_path / "authors", config, "adapt-16")
+    convert_authors_beacon(tmp_path / "authors", tmp_path / "ours", base=base_dir)
+    spec = json.loads((tmp_path / "ours" / "longpeft.json").read_text())["methods"]["beacon"]
+    assert (spec["layout_rule"], spec["inference_ratio_mix"]) == ("authors", "adapt-16")
+    model = longpeft.load(str(base_dir), tmp_path / "ours", attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 500, (1, length), generator=torch.Generator().manual_seed(length))
+    backbone = backbone_of(model)
+    settings = backbone.beacon_settings
+    logits = {}
+    for name, changes in [("authors", {}), ("held", {"inference_ratios": (expected,)}),
+                          ("longpeft", {"layout_rule": "longpeft"})]:
+        backbone.beacon_settings = dataclasses.replace(settings, **changes)
+        cache = BeaconCache()
+        with torch.no_grad():
+            logits[name] = model(ids, past_key_values=cache).logits
+        if name != "held":
+            logits[name + " ratio"] = cache.state.chosen_ratio
+    backbone.beacon_settings = settings
+    assert logits["authors ratio"] == expected and logits["longpeft ratio"] == 4
+    torch.testing.assert_close(logits["authors"], logits["held"], atol=1e-6, rtol=0)
+    assert (float((logits["authors"] - logits["longpeft"]).abs().max()) > 1e-3) == (expected == 2)
 
 
 @pytest.mark.parametrize("damage", ["nan", "inf", "shape", "embedding"])
@@ -223,6 +260,19 @@ def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training
 
     config = config_from_authors({"beacon_window": 16, "beacon_ratio": [2, 4, 8], "beacon_ratio_mix": their_mix})
     assert (config.ratio_mix, config.inference_ratio_mix, config.inference_ratios) == (training, inference, [2, 4, 8])
+    assert config.layout_rule == "authors"
+
+
+@pytest.mark.parametrize("their_config,message", [
+    ({"beacon_attn": "step-expansion", "beacon_pos": "interleave", "beacon_attend_prev": False},
+     "hides window slots 0 and 1 instead of the beacons"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "counts max_position_embeddings x 2.0 positions"),
+])
+def test_the_converter_refuses_what_the_authors_rule_cannot_reproduce(their_config, message):
+    from longpeft.adapters.beacon.weights import config_from_authors
+
+    with pytest.raises(ValueError, match=message):
+        config_from_authors({"beacon_window": 16, "beacon_ratio": [2], **their_config})
 
 
 def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny_base_dirs, tmp_path, recwarn):

@@ -151,6 +151,9 @@ def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monke
     ({"lora_rank": 8}, "settings of projection: lora"),
     ({"ratio_mix": "round-robin"}, "step-random, instance-random, sequence or adapt-N"),
     ({"inference_ratios": [5]}, "inference_ratios: ratio 5"),
+    ({"layout_rule": "authors", "attn": "step-expansion"}, "hides window slots 0 and 1 instead of the beacons"),
+    ({"layout_rule": "authors", "attn": "segmentation", "pos": "append"}, "the authors' code fails there"),
+    ({"layout_rule": "paper"}, "layout_rule"),
 ])
 def test_bad_settings_name_the_field(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -231,3 +234,50 @@ def test_random_ratio_draws_in_training_never_pass_the_positions(mix, monkeypatc
         for _ in range(8):
             model(ids)
     assert set(drawn) == {4, 8} and max(seen) < 64
+
+
+def authors_admit(ratio: int, window: int, positions: int, length: int) -> bool:
+    """Whether the authors' adapt-N admits ``length`` tokens at ``ratio``, written from their rule and walked token by
+    token: each token of the first window takes a position, each later one ``1 / ratio`` of a position (its window is
+    condensed, as every window but the last is, and the last counts as raw) ; ratio 0: a position per token. Counted
+    in ``1 / ratio`` units so that the walk stays in integers."""
+    if not ratio:
+        return length <= positions
+    used = 0
+    for token in range(length):
+        used += ratio if token < window else 1
+    return used <= positions * ratio
+
+
+def authors_choice(ratios: tuple[int, ...], window: int, positions: int, length: int) -> int:
+    """The smallest ratio the authors' rule admits ``length`` tokens at (the largest when none does)."""
+    admitted = [ratio for ratio in sorted(ratios) if authors_admit(ratio, window, positions, length)]
+    return admitted[0] if admitted else max(ratios)
+
+
+@pytest.mark.parametrize("window,positions,mix", [(8, 256, "adapt-16"), (16, 48, "adapt-0"),
+                                                  (1024, 8192, "adapt-1024")])
+@pytest.mark.parametrize("ratios", [(2, 4, 8), (8, 2, 4), (0, 2, 4)])
+def test_the_authors_adapt_rule_equals_a_token_by_token_count(window, positions, mix, ratios):
+    """One length each side of every boundary of the reference (and a few between): ``layout_rule: authors`` picks
+    the ratio the authors' count admits, longpeft's own rule a larger one just below each boundary."""
+    n = int(mix.split("-")[1])
+    lengths = {window // 2, window + 1, 3 * positions}
+    for ratio in ratios:
+        reach = (positions - window) * ratio + window if ratio else positions
+        lengths |= {reach - n, reach - n + 1}
+    for length in sorted(x for x in lengths if x > 0):
+        expected = authors_choice(ratios, window, positions, length + n)
+        assert choose_ratio(ratios, mix, window, positions, length, None, sink=1, rule="authors") == expected, length
+        assert choose_ratio(ratios, mix, window, positions, length, None, sink=1) >= expected
+
+
+def test_the_authors_rule_picks_a_smaller_ratio_just_below_each_boundary_on_llama3_8b():
+    """Llama-3-8B, window 1024, sink 1, adapt-1024, ratios 2/4/8: the two rules part on 13,312-14,336 and
+    27,648-28,672 prompt tokens."""
+    picks = {length: (choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1, rule="authors"),
+                      choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1))
+             for length in (13311, 13312, 14336, 14337, 27647, 27648, 28672, 28673)}
+    assert picks == {13311: (2, 2), 13312: (2, 4), 14336: (2, 4), 14337: (4, 4),
+                     27647: (4, 4), 27648: (4, 8), 28672: (4, 8), 28673: (8, 8)}
+    assert all(authors_choice((2, 4, 8), 1024, 8192, length + 1024) == ours for length, (ours, _) in picks.items())

@@ -36,12 +36,12 @@ def linear(x, layer):
 
 def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     """Slots (kind, index), positions and the [slots, memory + slots] mask of a window, from the rules."""
-    beacons = n_raw // ratio if pos == "interleave" or n_raw == WINDOW else 0
+    beacons = n_raw // ratio if ratio and (pos == "interleave" or n_raw == WINDOW) else 0
     if pos == "interleave":
         slots = []
         for i in range(n_raw):
             slots.append(("raw", i))
-            if (i + 1) % ratio == 0:
+            if ratio and (i + 1) % ratio == 0:
                 slots.append(("beacon", (i + 1) // ratio - 1))
     else:
         slots = [("raw", i) for i in range(n_raw)] + [("beacon", j) for j in range(beacons)]
@@ -68,10 +68,13 @@ def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
 
 
 def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, pad: int = 0,
-                     sink: int = SINK) -> torch.Tensor:
+                     sink: int = SINK, rule: str = "longpeft") -> torch.Tensor:
     """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window; the first ``pad`` tokens
     are left padding: no query reads them (in their window, or later as sink memory), each still reads itself, and
-    neither is a beacon read whose mask shows it no raw token of its window but padding."""
+    neither is a beacon read whose mask shows it no raw token of its window but padding. Ratio 0 keeps every raw
+    token of a full window in memory. The sink, first in memory: ``rule`` longpeft, the first ``sink`` raw tokens
+    (none besides the raw window at ratio 0); authors, the first ``sink`` slots of the first window whatever they
+    hold, then its beacons (at ratio 0, all its slots again)."""
     config, backbone = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     d, theta = config.head_dim, config.rope_parameters["rope_theta"]
@@ -121,7 +124,11 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
             # directly at its memory position
             if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
                 raw_rows = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
-                kept = (raw_rows[:sink] if w == 0 else []) + beacon_rows
+                window_kept = beacon_rows if ratio else raw_rows
+                if rule == "authors":
+                    kept = (list(range(sink)) if w == 0 else []) + window_kept
+                else:
+                    kept = (raw_rows[:sink] if w == 0 and ratio else []) + window_kept
                 kept_keys = rope(pre_rope_keys[layer_index][:, kept], list(range(m, m + len(kept))), theta)
                 memory_k[layer_index] = torch.cat([memory_k[layer_index], kept_keys], dim=1)
                 memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, kept]], dim=1)
@@ -132,10 +139,11 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
     return torch.cat(logits)
 
 
-def beacon_model(attn: str, pos: str, ratio: int, sink: int = SINK):
+def beacon_model(attn: str, pos: str, ratio: int, sink: int = SINK, rule: str = "longpeft"):
     """A tiny Llama with beacons whose weights differ from the copies they start as."""
     model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
-    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"])
+    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
+                            layout_rule=rule)
     apply_beacon(model, settings.settings())
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -165,6 +173,26 @@ def test_a_sink_longer_than_the_ratio_sits_at_memory_positions_0_to_sink():
         expected = reference_logits(model, ids, "full-coverage", "interleave", 2, sink=4)
         actual = model(ids[None]).logits[0]
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attn,pos,ratio,sink", [
+    ("full-coverage", "interleave", 2, 4),  # the sink holds raw 0, 1, beacon 0, raw 2 (beacon 0 is in memory twice)
+    ("full-coverage", "interleave", 0, 2),  # ratio 0: the sink, then the whole first window again
+    ("full-coverage", "append", 4, 2),  # the first slots are raw tokens: both rules agree
+])
+def test_the_authors_sink_layout_equals_the_dense_reference(attn, pos, ratio, sink):
+    """``layout_rule: authors`` keeps the first ``sink`` slots of the first window (beacons included) and, at ratio
+    0, stores them again before the window's raw tokens, as the authors' code does; longpeft's rule differs exactly
+    where the authors' sink holds a beacon or is stored twice."""
+    ids = torch.randint(3, 512, (16 + 5,), generator=torch.Generator().manual_seed(sink))
+    model = beacon_model(attn, pos, ratio, sink=sink, rule="authors")
+    with torch.no_grad():
+        expected = reference_logits(model, ids, attn, pos, ratio, sink=sink, rule="authors")
+        ours = reference_logits(model, ids, attn, pos, ratio, sink=sink)
+        actual = model(ids[None]).logits[0]
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
+    differs = float((ours - expected).abs().max()) > 1e-3
+    assert differs == (pos == "interleave")
 
 
 # padding inside the first window (the sink is padding; interleaved at ratio 2 beacon 0 condenses padding only);

@@ -193,18 +193,24 @@ class BeaconCache(Cache):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("Activation Beacon's memory cannot be cropped (assisted decoding is not supported)")
 
-    def commit(self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int) -> None:
-        """Close the current (full) window: its beacons (or, at ratio 0, its raw tokens; in the first
-        window also its first ``sink`` raw tokens) join the memory, its raw K/V are dropped."""
+    def commit(self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int,
+               rule: str = "longpeft") -> None:
+        """Close the current (full) window: its beacons (or, at ratio 0, its raw tokens) join the memory, its raw
+        K/V are dropped. The first window also leaves its sink, first in memory: its first ``sink`` raw tokens
+        (``rule`` longpeft, not again at ratio 0), or, as the authors' code does (``rule`` authors), its first
+        ``sink`` slots, the beacons among them included, and again at ratio 0 (their memory holds those entries
+        twice)."""
         state = self.state
         layout = state.layout
         slots = torch.arange(state.window_slots)
         is_beacon = layout.is_beacon[: state.window_slots]
-        if layout.ratio == 0:
+        sink = sink if state.window_index == 0 else 0
+        if rule == "authors":
+            kept = torch.cat([slots[:sink], slots if layout.ratio == 0 else slots[is_beacon]])
+        elif layout.ratio == 0:
             kept = slots
         else:
-            sink_slots = slots[~is_beacon][: sink if state.window_index == 0 else 0]
-            kept = torch.cat([sink_slots, slots[is_beacon]])
+            kept = torch.cat([slots[~is_beacon][:sink], slots[is_beacon]])
         positions = state.memory_length + torch.arange(kept.numel())
         rotated = state.memory_length + layout.offsets[kept] != positions  # beacons, and sink keys behind a beacon
         for layer in self.layers:

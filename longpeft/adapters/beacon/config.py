@@ -44,6 +44,21 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
     return True if attend_prev is None else attend_prev
 
 
+def _check_authors_rule(rule: str, attn: str, pos: str) -> None:
+    """Refuse ``layout_rule: authors`` with the schemes whose outputs longpeft does not reproduce from their code."""
+    if rule != "authors":
+        return
+    if attn == "segmentation":
+        raise ValueError("layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
+                         "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
+                         "read, as the paper says)")
+    if (attn, pos) == ("step-expansion", "interleave"):
+        raise ValueError("layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
+                         "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
+                         "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
+                         "paper says)")
+
+
 class BeaconConfig(StrictModel):
     """Activation Beacon settings (paper: Zhang et al., "Soaring from 4K to 400K").
 
@@ -62,7 +77,11 @@ class BeaconConfig(StrictModel):
     beacons see their window's earlier beacons (implied by the scheme when left unset).
     ``embed_init``: the beacon embedding starts as the eos or bos row. ``projection``: ``full``
     (the paper: a trainable copy of each projection) or ``lora`` (the projection plus a
-    zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``).
+    zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``). ``layout_rule``: whose
+    rules choose the adapt-N ratio and lay out the sink in memory: ``longpeft`` (the default: adapt-N counts every
+    position the input uses, the sink is raw tokens stored once) or ``authors`` (what ``convert-beacon`` records,
+    so that a released model reads as in the authors' code: their adapt-N count, their sink layout; see
+    ``layout.BeaconSettings`` and docs/beacon.md).
     """
 
     window: int = Field(default=1024, ge=1)
@@ -80,6 +99,7 @@ class BeaconConfig(StrictModel):
     projection: Literal["full", "lora"] = "full"
     lora_rank: int | None = Field(default=None, gt=0)
     lora_alpha: float | None = Field(default=None, gt=0)
+    layout_rule: Literal["longpeft", "authors"] = "longpeft"
 
     @field_validator("ratio_mix", "inference_ratio_mix")
     @classmethod
@@ -102,6 +122,7 @@ class BeaconConfig(StrictModel):
             raise ValueError("attn: segmentation with pos: interleave is not implemented (nor in the authors' code); "
                              "use pos: append")
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
+        _check_authors_rule(self.layout_rule, self.attn, self.pos)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
             raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set "
                              "projection: lora")
@@ -139,7 +160,9 @@ def describe(config: BeaconConfig) -> list[str]:
     return [
         f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
         f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
-        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}).",
+        f"at inference the ratio adapts to the input ({config.inference_ratio_mix})"
+        + (", counted as in the authors' code, whose sink layout it keeps too." if config.layout_rule == "authors"
+           else "."),
     ]
 
 

@@ -44,6 +44,7 @@ import math
 import torch
 
 SCHEMES = ("full-coverage", "step-expansion", "segmentation")
+LAYOUT_RULES = ("longpeft", "authors")
 POSITION_MODES = ("interleave", "append")
 PROJECTIONS = ("q", "k", "v", "o")
 
@@ -66,6 +67,10 @@ class BeaconSettings:
         embed_init: the beacon embedding starts as the ``eos`` or ``bos`` row.
         projection: ``full`` (a copy of the projection) or ``lora`` (the projection plus a low-rank delta).
         lora_rank / lora_alpha: rank and scale (``alpha / rank``) of the ``lora`` delta.
+        layout_rule: whose rules choose the adapt-N ratio and lay out the sink in memory: ``longpeft`` (the
+            positions really used, :func:`span_ratio`; the sink is raw tokens, stored once) or ``authors`` (their
+            code: :func:`authors_adapt_ratio`; the sink is the first ``sink`` slots of the first window, beacons
+            included, and with ratio 0 it is stored again before that window's raw tokens).
     """
 
     window: int = 1024
@@ -83,6 +88,7 @@ class BeaconSettings:
     projection: str = "full"
     lora_rank: int = 32
     lora_alpha: float = 32.0
+    layout_rule: str = "longpeft"
 
     @classmethod
     def from_dict(cls, data: dict) -> BeaconSettings:
@@ -250,14 +256,15 @@ def mix_parameter(mix: str) -> int:
     return int(mix.split("-", 1)[1])
 
 
-def span_at(window: int, sink: int, ratio: int, length: int, training: bool) -> int:
+def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rule: str = "longpeft") -> int:
     """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: over the windows, the
     memory before a window (sink and the beacons of every earlier window) plus the window's raw tokens and
-    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0. Each full
+    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0 (plus the sink
+    once the first window is in memory under the authors' ``rule``, which stores it twice). Each full
     window reaches further than the one before, so only the last full window and the last one can be the
     furthest (O(1): the random mixes call this at every window start)."""
     if not ratio:
-        return length
+        return length + (sink if rule == "authors" and length > window else 0)
     windows = math.ceil(length / window)
     span = 0
     for index in range(max(0, windows - 2), windows):
@@ -295,7 +302,7 @@ def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: in
 
 def choose_ratio(
     ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
-    sink: int = 0, training: bool = False,
+    sink: int = 0, training: bool = False, rule: str = "longpeft",
 ) -> int:
     """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
     first window: see ``scheduler._start_window``).
@@ -306,32 +313,55 @@ def choose_ratio(
         chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
         sink, training: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
             adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
+        rule: ``layout_rule`` (:class:`BeaconSettings`): ``authors`` counts adapt-N as the authors' code does.
     """
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
     if mix.startswith("adapt-"):
-        return span_ratio(ratios, mix, window, max_positions, length, sink, training)
+        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule)
     candidates = fitting_ratios(ratios, window, sink, max_positions, length, training)
     return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
-               training: bool = False) -> int:
+               training: bool = False, rule: str = "longpeft") -> int:
     """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
     (:func:`fitting_ratios`; the largest ratio when none does).
 
     That is adapt-N's choice and, for the random mixes, their worst draw, so it bounds the positions the input
     can occupy. The authors' adapt-N takes the smallest ``r`` with ``(P - W) r + W >= length + N``, which leaves
     out the sink and the last window's own ``W / r`` beacons: up to ``sink + W / r`` positions past ``P``
-    (Llama-3-8B, ``W`` 1024, sink 1: 58,368 tokens at ratio 8 reach position 8,320 of 8,192).
+    (Llama-3-8B, ``W`` 1024, sink 1: 58,368 tokens at ratio 8 reach position 8,320 of 8,192). With ``rule``
+    ``authors`` (a converted released model), adapt-N takes their choice, :func:`authors_adapt_ratio`.
     """
     if len(ratios) == 1:
         return ratios[0]
     if mix.startswith("adapt-"):
         length += mix_parameter(mix)
+        if rule == "authors":
+            return authors_adapt_ratio(ratios, window, max_positions, length)
     return min(fitting_ratios(ratios, window, sink, max_positions, length, training))
+
+
+def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
+    """adapt-N as the authors' code chooses it, for ``length`` tokens (the input plus N).
+
+    Ratio ``r`` reaches ``(max_positions - window) * r + window`` tokens (ratio 0: ``max_positions``): the memory
+    holds every window but the last condensed ``r`` times, the last one raw; neither the sink nor the last window's
+    own beacons are counted. The ratio whose reach is the shortest among those that reach ``length`` wins (the first
+    listed on a tie), the largest ratio when none does. Against :func:`span_ratio` this takes a smaller ratio just
+    below each of its boundaries: Llama-3-8B, window 1024, sink 1, adapt-1024, ratios 2/4/8: ratio 2 up to 14,336
+    prompt tokens (longpeft: up to 13,311), 4 up to 28,672 (longpeft: up to 27,647).
+    """
+    if len(ratios) == 1:
+        return ratios[0]
+    reach = {ratio: (max_positions - window) * ratio + window if ratio else max_positions for ratio in ratios}
+    reaching = [ratio for ratio in ratios if reach[ratio] >= length]
+    if not reaching:
+        return max(ratios)
+    return min(reaching, key=lambda ratio: reach[ratio])
 
 
 def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False) -> int:
@@ -339,5 +369,6 @@ def window_span(settings: BeaconSettings, length: int, max_positions: int, train
     bounds them by: the inference ratios and mix, or with ``training`` the training ones."""
     ratios, mix = ((settings.ratios, settings.ratio_mix) if training
                    else (settings.inference_ratios, settings.inference_ratio_mix))
-    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training)
-    return span_at(settings.window, settings.sink, ratio, length, training)
+    rule = settings.layout_rule
+    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule)
+    return span_at(settings.window, settings.sink, ratio, length, training, rule)

@@ -128,7 +128,7 @@ def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: Beaco
         ratio = state.ratio_cycle[state.window_index % len(state.ratio_cycle)]
     else:
         ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
-                             training=complete)
+                             training=complete, rule=settings.layout_rule)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
@@ -195,7 +195,7 @@ def beacon_backbone_forward(
     outputs, done = [], 0
     while done < n_new:
         if state.layout is not None and state.window_raw == settings.window:
-            cache.commit(rotate, settings.sink)
+            cache.commit(rotate, settings.sink, settings.layout_rule)
         if state.layout is None:
             _start_window(self, cache, settings, total, complete)
         layout = state.layout

@@ -112,13 +112,21 @@ _MIXES = ("step-random", "instance-random", "sequence")
 
 
 def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
-    """Our ``beacon`` section from the ``beacon_*`` fields of an authors' config.json.
+    """Our ``beacon`` section from the ``beacon_*`` fields of an authors' config.json, with ``layout_rule:
+    authors`` (their adapt-N count and sink layout), so that the converted model reads as their code does.
 
     Raises:
-        ValueError: the checkpoint is not a beacon model, or uses a stride other than its window.
+        ValueError: the checkpoint is not a beacon model, uses a stride other than its window, scales its RoPE
+            (their adapt-N then counts positions times the scaling factor), or a scheme whose outputs the authors'
+            rule cannot reproduce (``BeaconConfig``'s check).
     """
     if "beacon_window" not in config:
         raise DataError("config.json has no beacon_window: not an Activation Beacon checkpoint")
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
+        raise DataError(f"rope_scaling {scaling} in config.json: the authors' adapt-N counts "
+                        f"max_position_embeddings x {scaling.get('factor')} positions there, which longpeft does not "
+                        "reproduce; no released Activation Beacon model scales its RoPE")
     window = int(config["beacon_window"])
     stride = int(config.get("beacon_stride", window))
     if stride != window:
@@ -142,4 +150,5 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         sink=int(config.get("beacon_sink_size", 0)),
         attend_prev=config.get("beacon_attend_prev"),
         embed_init=config.get("beacon_embed_init", "eos"),
+        layout_rule="authors",
     ).resolved()
