@@ -14,11 +14,17 @@ is the model's weights plus that; the forward's own memory ratio is printed too.
 Decoding is timed too: ``generate`` greedy after the long prompt, the time of ``--new-tokens`` more tokens
 (the run with them minus the run with one), per token, beacon over stock.
 
+Parallel windows: the long prompt's prefill with ``--parallel-windows`` windows per forward of the decoder stack
+against one window per forward (``parallel_windows: 1``), on the same model and prompt, alternating, median of the
+repeats: the speed-up is sequential time over parallel time, and the largest difference of their last-token logits
+is printed beside it (the two are exact up to float rounding). The rows above run the config's default.
+
 The adapter size ratio compares the beacon weights saved with ``projection: lora`` (rank = hidden / 128,
 the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
 ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
 
     .venv/bin/python scripts/bench_beacon.py [--window 128] [--multiple 32] [--device cpu] [--threads 1]
+        [--parallel-windows 4]
 
 The last line printed is one JSON object.
 """
@@ -33,7 +39,13 @@ import tempfile
 
 import torch
 
-from longpeft.adapters.beacon import BeaconConfig, apply_beacon, beacons_disabled, save_beacon_weights
+from longpeft.adapters.beacon import (
+    BeaconConfig,
+    apply_beacon,
+    beacons_disabled,
+    save_beacon_weights,
+    set_inference_settings,
+)
 from longpeft.tiny import tiny_model
 
 from benchlib import peak_bytes, timed  # scripts/benchlib.py
@@ -73,6 +85,30 @@ def decode_seconds_per_token(model, prompt: torch.Tensor, new_tokens: int, repea
     return (more - one) / new_tokens
 
 
+def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) -> tuple[float, float, float]:
+    """(sequential seconds, parallel seconds, largest last-token logit difference) of one prefill of ``prompt`` with
+    one window per forward and with ``windows``, alternating, medians of ``repeats``; the model is left as it was."""
+    before = model.model.beacon_settings.parallel_windows
+    logits, times = {}, {1: [], windows: []}
+
+    def prefill(count: int) -> float:
+        set_inference_settings(model, parallel_windows=count)
+
+        def run():
+            logits[count] = model(prompt, logits_to_keep=1).logits
+
+        return timed(run)
+
+    for count in times:  # warm-up
+        prefill(count)
+    for _ in range(repeats):
+        for count in times:
+            times[count].append(prefill(count))
+    set_inference_settings(model, parallel_windows=before)
+    difference = (logits[1] - logits[windows]).abs().max().item()
+    return statistics.median(times[1]), statistics.median(times[windows]), difference
+
+
 def llama3_8b_lora_over_full(rank: int = 32) -> float:
     """Beacon parameters of Llama-3-8B (hidden 4096, 32 layers, 1024-dim k/v) on q, k, v: lora(rank) over full."""
     hidden, kv, layers = 4096, 1024, 32
@@ -91,6 +127,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 gives steadier ratios on a shared machine)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
+    parser.add_argument("--parallel-windows", type=int, default=BeaconConfig().parallel_windows,
+                        help="windows per forward in the parallel prefill, timed against one (default: the config's)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -129,8 +167,11 @@ def main() -> int:
     decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats,
                                                 variant == "stock")
               for variant in ("beacon", "stock")}
+    sequential_s, parallel_s, parallel_difference = parallel_prefill(model, prompts[long], args.parallel_windows,
+                                                                     args.repeats)
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
-    print(f"Activation Beacon (window {args.window}, ratio {RATIO}) vs stock, attn={args.attn}, device={args.device}, "
+    print(f"Activation Beacon (window {args.window}, ratio {RATIO}, {model.model.beacon_settings.parallel_windows} "
+          f"parallel windows) vs stock, attn={args.attn}, device={args.device}, "
           f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}")
     print(f"{'variant':<8} {'tokens':>7} {'forward MiB':>12} {'peak MiB':>9} {'tokens/s':>10}")
     for variant, length in runs:
@@ -143,6 +184,9 @@ def main() -> int:
     print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
     print(f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
           f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})")
+    print(f"prefill of {lengths[long]} tokens: one window per forward {sequential_s:.3f} s, "
+          f"{args.parallel_windows} windows per forward {parallel_s:.3f} s (speed-up {sequential_s / parallel_s:.3f}; "
+          f"last-token logits differ by at most {parallel_difference:.1e})")
     print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
           f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
     result = {
@@ -161,6 +205,11 @@ def main() -> int:
         "decode_ms_per_token": round(decode["beacon"] * 1e3, 3),
         "stock_decode_ms_per_token": round(decode["stock"] * 1e3, 3),
         "decode_time_ratio": round(decode["beacon"] / decode["stock"], 3),
+        "parallel_windows": args.parallel_windows,
+        "parallel_prefill_speedup": round(sequential_s / parallel_s, 3),
+        "parallel_prefill_s": round(parallel_s, 4),
+        "sequential_prefill_s": round(sequential_s, 4),
+        "parallel_max_logit_diff": float(f"{parallel_difference:.2e}"),
         "lora_full_size_ratio": round(sizes["lora"] / sizes["full"], 4),
         "llama3_8b_lora_full_size_ratio": round(llama3_8b_lora_over_full(), 4),
     }
