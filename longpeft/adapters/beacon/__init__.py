@@ -85,7 +85,8 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     try:
         settings = BeaconConfig(**{**current, **changes}).settings()
     except pydantic.ValidationError as error:
-        raise ConfigError(f"beacon inference settings {changes}: {error}") from error
+        reasons = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
+        raise ConfigError(f"beacon inference settings {changes}: {reasons}") from error
     backbone.beacon_settings = settings
     causal_lm_of(model).config.beacon = settings.as_dict()
     return settings
