@@ -35,7 +35,9 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -48,7 +50,8 @@ from longpeft.adapters.beacon import (
 )
 from longpeft.tiny import tiny_model
 
-from benchlib import peak_bytes, timed  # scripts/benchlib.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchlib.py, also when loaded by path
+from benchlib import peak_bytes, timed  # noqa: E402
 
 RATIO = 8
 
@@ -117,7 +120,7 @@ def llama3_8b_lora_over_full(rank: int = 32) -> float:
     return lora / full
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
@@ -129,7 +132,14 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
     parser.add_argument("--parallel-windows", type=int, default=BeaconConfig().parallel_windows,
                         help="windows per forward in the parallel prefill, timed against one (default: the config's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.parallel_windows < 2:
+        parser.error(f"--parallel-windows {args.parallel_windows}: give 2 or more (it is timed against 1)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(args.attn, args.device).eval()
