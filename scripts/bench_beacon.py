@@ -16,8 +16,9 @@ Decoding is timed too: ``generate`` greedy after the long prompt, the time of ``
 
 Parallel windows: the long prompt's prefill with ``--parallel-windows`` windows per forward of the decoder stack
 against one window per forward (``parallel_windows: 1``), on the same model and prompt, alternating, median of the
-repeats: the speed-up is sequential time over parallel time, and the largest difference of their last-token logits
-is printed beside it (the two are exact up to float rounding). The rows above run the config's default.
+repeats: the speed-up is sequential time over parallel time (wall time, and process CPU time, which waiting for a
+core on a shared machine does not inflate), and the largest difference of their last-token logits is printed beside
+it (the two are exact up to float rounding). The rows above run the config's default.
 
 The adapter size ratio compares the beacon weights saved with ``projection: lora`` (rank = hidden / 128,
 the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
@@ -37,7 +38,9 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -88,28 +91,46 @@ def decode_seconds_per_token(model, prompt: torch.Tensor, new_tokens: int, repea
     return (more - one) / new_tokens
 
 
-def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) -> tuple[float, float, float]:
-    """(sequential seconds, parallel seconds, largest last-token logit difference) of one prefill of ``prompt`` with
-    one window per forward and with ``windows``, alternating, medians of ``repeats``; the model is left as it was."""
-    before = model.model.beacon_settings.parallel_windows
-    logits, times = {}, {1: [], windows: []}
+class ParallelPrefill(NamedTuple):
+    """One prefill with one window per forward against ``windows`` per forward: medians of wall seconds and of
+    process CPU seconds (steadier on a shared machine: time spent waiting for a core does not count), and the
+    largest difference of their last-token logits."""
 
-    def prefill(count: int) -> float:
+    windows: int
+    sequential_s: float
+    parallel_s: float
+    sequential_cpu_s: float
+    parallel_cpu_s: float
+    max_logit_diff: float
+
+
+def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) -> ParallelPrefill:
+    """Time the prefill of ``prompt`` with one window per forward and with ``windows``, alternating, ``repeats``
+    times each after a warm-up; the model is left with the setting it had."""
+    before = model.model.beacon_settings.parallel_windows
+    logits, wall, cpu = {}, {1: [], windows: []}, {1: [], windows: []}
+
+    def prefill(count: int) -> None:
         set_inference_settings(model, parallel_windows=count)
 
         def run():
             logits[count] = model(prompt, logits_to_keep=1).logits
 
-        return timed(run)
+        started = time.process_time()
+        wall[count].append(timed(run))
+        cpu[count].append(time.process_time() - started)
 
-    for count in times:  # warm-up
+    for count in wall:  # warm-up
         prefill(count)
+        wall[count].clear()
+        cpu[count].clear()
     for _ in range(repeats):
-        for count in times:
-            times[count].append(prefill(count))
+        for count in wall:
+            prefill(count)
     set_inference_settings(model, parallel_windows=before)
-    difference = (logits[1] - logits[windows]).abs().max().item()
-    return statistics.median(times[1]), statistics.median(times[windows]), difference
+    median = statistics.median
+    return ParallelPrefill(windows, median(wall[1]), median(wall[windows]), median(cpu[1]), median(cpu[windows]),
+                           (logits[1] - logits[windows]).abs().max().item())
 
 
 def llama3_8b_lora_over_full(rank: int = 32) -> float:
@@ -177,8 +198,7 @@ def main() -> int:
     decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats,
                                                 variant == "stock")
               for variant in ("beacon", "stock")}
-    sequential_s, parallel_s, parallel_difference = parallel_prefill(model, prompts[long], args.parallel_windows,
-                                                                     args.repeats)
+    parallel = parallel_prefill(model, prompts[long], args.parallel_windows, args.repeats)
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
     print(f"Activation Beacon (window {args.window}, ratio {RATIO}, {model.model.beacon_settings.parallel_windows} "
           f"parallel windows) vs stock, attn={args.attn}, device={args.device}, "
@@ -194,9 +214,12 @@ def main() -> int:
     print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
     print(f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
           f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})")
-    print(f"prefill of {lengths[long]} tokens: one window per forward {sequential_s:.3f} s, "
-          f"{args.parallel_windows} windows per forward {parallel_s:.3f} s (speed-up {sequential_s / parallel_s:.3f}; "
-          f"last-token logits differ by at most {parallel_difference:.1e})")
+    speedup = parallel.sequential_s / parallel.parallel_s
+    cpu_speedup = parallel.sequential_cpu_s / parallel.parallel_cpu_s
+    print(f"prefill of {lengths[long]} tokens: one window per forward {parallel.sequential_s:.3f} s "
+          f"(CPU {parallel.sequential_cpu_s:.3f} s), {parallel.windows} windows per forward "
+          f"{parallel.parallel_s:.3f} s (CPU {parallel.parallel_cpu_s:.3f} s): speed-up {speedup:.3f} (CPU time "
+          f"{cpu_speedup:.3f}); last-token logits differ by at most {parallel.max_logit_diff:.1e}")
     print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
           f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
     result = {
@@ -215,11 +238,12 @@ def main() -> int:
         "decode_ms_per_token": round(decode["beacon"] * 1e3, 3),
         "stock_decode_ms_per_token": round(decode["stock"] * 1e3, 3),
         "decode_time_ratio": round(decode["beacon"] / decode["stock"], 3),
-        "parallel_windows": args.parallel_windows,
-        "parallel_prefill_speedup": round(sequential_s / parallel_s, 3),
-        "parallel_prefill_s": round(parallel_s, 4),
-        "sequential_prefill_s": round(sequential_s, 4),
-        "parallel_max_logit_diff": float(f"{parallel_difference:.2e}"),
+        "parallel_windows": parallel.windows,
+        "parallel_prefill_speedup": round(speedup, 3),
+        "parallel_prefill_cpu_speedup": round(cpu_speedup, 3),
+        "parallel_prefill_s": round(parallel.parallel_s, 4),
+        "sequential_prefill_s": round(parallel.sequential_s, 4),
+        "parallel_max_logit_diff": float(f"{parallel.max_logit_diff:.2e}"),
         "lora_full_size_ratio": round(sizes["lora"] / sizes["full"], 4),
         "llama3_8b_lora_full_size_ratio": round(llama3_8b_lora_over_full(), 4),
     }

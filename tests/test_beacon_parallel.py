@@ -89,7 +89,7 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
     beacon that reads padding only)."""
     config, backbone = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    d, theta = config.head_dim, config.rope_parameters["rope_theta"]
+    d, theta = config.hidden_size // heads, config.rope_parameters["rope_theta"]
     memory_k = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
     memory_v = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
     memory_keep = torch.zeros(0, dtype=torch.bool)
@@ -126,16 +126,19 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
             q = project("q", h).view(-1, heads, d).transpose(0, 1)
             k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
             v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
-            keys = torch.cat([memory_k[index], rope(k, positions, theta)], dim=1).repeat_interleave(heads // kv_heads, 0)
-            values = torch.cat([memory_v[index], v], dim=1).repeat_interleave(heads // kv_heads, 0)
+            group = heads // kv_heads
+            keys = torch.cat([memory_k[index], rope(k, positions, theta)], dim=1).repeat_interleave(group, 0)
+            values = torch.cat([memory_v[index], v], dim=1).repeat_interleave(group, 0)
             scores = (rope(q, positions, theta) @ keys.transpose(1, 2)) / math.sqrt(d)
-            out = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1).reshape(len(slots), -1)
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
+            out = out.transpose(0, 1).reshape(len(slots), -1)
             x = x + project("o", out)
             h = rms(x, layer.post_attention_layernorm)
             mlp = layer.mlp
             x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
             if commits:  # memory entries, each key rotated directly at its memory position
-                memory_k[index] = torch.cat([memory_k[index], rope(k[:, kept], list(range(m, m + len(kept))), theta)], 1)
+                moved = rope(k[:, kept], list(range(m, m + len(kept))), theta)
+                memory_k[index] = torch.cat([memory_k[index], moved], dim=1)
                 memory_v[index] = torch.cat([memory_v[index], v[:, kept]], dim=1)
         if commits:
             memory_keep = torch.cat([memory_keep, slot_keep[kept]])
@@ -143,12 +146,15 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
     return torch.cat(logits)
 
 
-def beacon_model(layout: str, attn_implementation: str = "eager", parallel_windows: int = 1, **kept):
-    """A tiny Llama with beacons whose weights differ from the copies they start as."""
+def beacon_model(layout: str, attn_implementation: str = "eager", parallel_windows: int = 1, arch: str = "llama",
+                 **kept):
+    """A tiny Llama (or ``arch``) with beacons whose weights differ from the copies they start as."""
     attn, pos, ratio, sink = LAYOUTS[layout]
-    model = tiny_model("llama", attn_implementation=attn_implementation, attention_bias=True)
-    config = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=0 if kept.get("keep_start") else sink,
-                          params=["q", "k", "v", "o"], parallel_windows=parallel_windows, **kept)
+    bias = {"attention_bias": True} if arch == "llama" else {}  # Qwen2 has q/k/v biases of its own
+    model = tiny_model(arch, attn_implementation=attn_implementation, **bias)
+    sink = 0 if kept.get("keep_start") else sink
+    config = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
+                          parallel_windows=parallel_windows, **kept)
     apply_beacon(model, config.settings())
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -163,11 +169,13 @@ def forwards(monkeypatch):
     """Counts the runs of the stock decoder stack (one per window, or per group of windows)."""
     runs = []
     stock = modeling_llama.LlamaModel.forward
-    monkeypatch.setattr(modeling_llama.LlamaModel, "forward", lambda self, *a, **k: runs.append(1) or stock(self, *a, **k))
+    monkeypatch.setattr(modeling_llama.LlamaModel, "forward",
+                        lambda self, *a, **k: runs.append(1) or stock(self, *a, **k))
     return runs
 
 
-def both_ways(model, ids: torch.Tensor, windows: int, forwards: list, **kwargs) -> tuple[torch.Tensor, torch.Tensor, int]:
+def both_ways(model, ids: torch.Tensor, windows: int, forwards: list,
+              **kwargs) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits with one window per forward and with ``windows``, and how many decoder-stack runs the second took."""
     set_inference_settings(model, parallel_windows=1)
     with torch.no_grad():
@@ -253,9 +261,9 @@ KEPT = [(5, None), (0, 16), (5, 21), (3, 3)]
 
 
 @pytest.mark.parametrize("keep_start,keep_end", KEPT)
-@pytest.mark.parametrize("layout", ["full-coverage/interleave", "step-expansion/append"])
-def test_kept_start_and_end_equal_the_reference(layout, keep_start, keep_end, forwards):
-    model, config = beacon_model(layout, keep_start=keep_start, keep_end=keep_end)
+@pytest.mark.parametrize("layout,arch", [("full-coverage/interleave", "qwen2"), ("step-expansion/append", "llama")])
+def test_kept_start_and_end_equal_the_reference(layout, arch, keep_start, keep_end, forwards):
+    model, config = beacon_model(layout, arch=arch, keep_start=keep_start, keep_end=keep_end)
     ids = torch.randint(3, 512, (43,), generator=torch.Generator().manual_seed(keep_start))
     one, parallel, _ = both_ways(model, ids[None], 3, forwards)
     with torch.no_grad():
