@@ -8,7 +8,9 @@ and raw tokens it holds, which entries are padding) lives in :class:`SequenceSta
 Writes are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`)
 names its window's memory length and its first slot, ``update`` overwrites the window's slots from
 there on and reads only the first ``M`` memory entries, which later commits never change (memory is
-append-only). Commits run between windows, outside any checkpointed layer.
+append-only). Commits run between windows, outside any checkpointed layer. A step of several full windows
+(:class:`WindowGroup`, a prefill's parallel windows) commits all but its last inside ``update``, as
+memory[:M] plus the group's entries: idempotent too.
 
 transformers 5 hands the cache post-RoPE keys. Beacon keys are created at their offsets in the
 window but live in memory at ``M + j`` (and so do sink keys when beacons sit between them), so

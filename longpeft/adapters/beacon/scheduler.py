@@ -13,7 +13,8 @@ LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens
   read them); a forward that continues a cache (``generate`` in training mode) keeps them.
 - Inference: prefill and token-by-token decoding through the same code; a window that fills up is
   committed when the next raw token arrives, so decoding one token at a time inserts the beacons
-  exactly where one prefill would.
+  exactly where one prefill would. A prefill runs up to ``parallel_windows`` full windows per forward
+  (:mod:`.parallel`), with the same results.
 
 Rows of a batch share one layout (window borders by index): left padding is allowed and masked, and
 so is a beacon that sees no raw token of its window but padding (it condensed nothing else).
@@ -113,11 +114,11 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     return window_layout(window, ratio, attn, pos, attend_prev)
 
 
-def _check_kept_spans(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
+def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
     if backbone.training and (settings.keep_start or settings.keep_end is not None):
         raise ValueError(
             "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the start or "
-            "the end of a prompt uncompressed); train without them (keep_start 0, keep_end null) and set them on the "
+            "the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and set them on the "
             "trained model, or switch the model to eval mode"
         )
 
@@ -213,7 +214,7 @@ def beacon_backbone_forward(
     cache = BeaconCache() if given is None else given
     if self.training:
         _check_checkpointing(self)
-        _check_kept_spans(self, settings)
+        _refuse_kept_spans_in_training(self, settings)
     batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
     weight = self.embed_tokens.weight
     keep_new = _keep_mask(attention_mask, n_new)
