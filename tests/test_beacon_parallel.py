@@ -232,6 +232,31 @@ def test_parallel_windows_of_a_left_padded_batch_equal_the_reference(layout, pad
     torch.testing.assert_close(parallel[:, pad:], one[:, pad:], atol=1e-5, rtol=1e-5)
 
 
+def test_a_random_inference_mix_groups_the_windows_of_one_ratio(forwards, monkeypatch):
+    """step-random at inference: the windows draw their ratios in the same order as one window at a time would, and
+    a window whose ratio differs from its group's starts the next group."""
+    from longpeft.adapters.beacon import scheduler
+
+    model, _ = beacon_model("full-coverage/interleave")
+    set_inference_settings(model, inference_ratios=[2, 4], inference_ratio_mix="step-random")
+    drawn, real_choose = [], scheduler.choose_ratio
+    monkeypatch.setattr(scheduler, "choose_ratio", lambda *a, **k: drawn.append(real_choose(*a, **k)) or drawn[-1])
+    ids = torch.randint(3, 512, (1, 8 * 9 + 3), generator=torch.Generator().manual_seed(5))
+    logits, ratios, runs = {}, {}, {}
+    for windows in (1, 3):
+        set_inference_settings(model, parallel_windows=windows)
+        torch.manual_seed(1)
+        drawn.clear()
+        forwards.clear()
+        with torch.no_grad():
+            logits[windows] = model(ids).logits
+        ratios[windows], runs[windows] = list(drawn), len(forwards)
+    assert ratios[3] == ratios[1] and len(set(ratios[1])) == 2  # the same draws, of both ratios
+    changes = sum(a != b for a, b in zip(ratios[1][:9], ratios[1][1:9]))  # among the 9 full windows
+    assert changes + 2 <= runs[3] < runs[1] == 10  # a group per run of one ratio, the tail; fewer runs than windows
+    torch.testing.assert_close(logits[3], logits[1], atol=1e-5, rtol=1e-5)
+
+
 def decode_after_prefill(model, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """Logits of ``ids [n]``: ``prompt`` tokens in one forward, then one token per forward on its cache."""
     name = cache_keyword()
