@@ -14,11 +14,18 @@ is the model's weights plus that; the forward's own memory ratio is printed too.
 Decoding is timed too: ``generate`` greedy after the long prompt, the time of ``--new-tokens`` more tokens
 (the run with them minus the run with one), per token, beacon over stock.
 
+Parallel windows: the long prompt's prefill with ``--parallel-windows`` windows per forward of the decoder stack
+against one window per forward (``parallel_windows: 1``), on the same model and prompt, alternating, median of the
+repeats: the speed-up is sequential time over parallel time (wall time, and process CPU time, which waiting for a
+core on a shared machine does not inflate), and the largest difference of their last-token logits is printed beside
+it (the two are exact up to float rounding). The rows above run the config's default.
+
 The adapter size ratio compares the beacon weights saved with ``projection: lora`` (rank = hidden / 128,
 the proportion of rank 32 at Llama-3-8B's 4096) and ``projection: full`` for this model, and the same
 ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
 
     .venv/bin/python scripts/bench_beacon.py [--window 128] [--multiple 32] [--device cpu] [--threads 1]
+        [--parallel-windows 4]
 
 The last line printed is one JSON object.
 """
@@ -29,14 +36,25 @@ import argparse
 import contextlib
 import json
 import statistics
+import sys
 import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
-from longpeft.adapters.beacon import BeaconConfig, apply_beacon, beacons_disabled, save_beacon_weights
+from longpeft.adapters.beacon import (
+    BeaconConfig,
+    apply_beacon,
+    beacons_disabled,
+    save_beacon_weights,
+    set_inference_settings,
+)
 from longpeft.tiny import tiny_model
 
-from benchlib import peak_bytes, timed  # scripts/benchlib.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchlib.py, also when loaded by path
+from benchlib import peak_bytes, timed  # noqa: E402
 
 RATIO = 8
 
@@ -73,6 +91,48 @@ def decode_seconds_per_token(model, prompt: torch.Tensor, new_tokens: int, repea
     return (more - one) / new_tokens
 
 
+class ParallelPrefill(NamedTuple):
+    """One prefill with one window per forward against ``windows`` per forward: medians of wall seconds and of
+    process CPU seconds (steadier on a shared machine: time spent waiting for a core does not count), and the
+    largest difference of their last-token logits."""
+
+    windows: int
+    sequential_s: float
+    parallel_s: float
+    sequential_cpu_s: float
+    parallel_cpu_s: float
+    max_logit_diff: float
+
+
+def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) -> ParallelPrefill:
+    """Time the prefill of ``prompt`` with one window per forward and with ``windows``, alternating, ``repeats``
+    times each after a warm-up; the model is left with the setting it had."""
+    before = model.model.beacon_settings.parallel_windows
+    logits, wall, cpu = {}, {1: [], windows: []}, {1: [], windows: []}
+
+    def prefill(count: int) -> None:
+        set_inference_settings(model, parallel_windows=count)
+
+        def run():
+            logits[count] = model(prompt, logits_to_keep=1).logits
+
+        started = time.process_time()
+        wall[count].append(timed(run))
+        cpu[count].append(time.process_time() - started)
+
+    for count in wall:  # warm-up
+        prefill(count)
+        wall[count].clear()
+        cpu[count].clear()
+    for _ in range(repeats):
+        for count in wall:
+            prefill(count)
+    set_inference_settings(model, parallel_windows=before)
+    median = statistics.median
+    return ParallelPrefill(windows, median(wall[1]), median(wall[windows]), median(cpu[1]), median(cpu[windows]),
+                           (logits[1] - logits[windows]).abs().max().item())
+
+
 def llama3_8b_lora_over_full(rank: int = 32) -> float:
     """Beacon parameters of Llama-3-8B (hidden 4096, 32 layers, 1024-dim k/v) on q, k, v: lora(rank) over full."""
     hidden, kv, layers = 4096, 1024, 32
@@ -81,7 +141,7 @@ def llama3_8b_lora_over_full(rank: int = 32) -> float:
     return lora / full
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--window", type=int, default=128)
     parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
@@ -91,7 +151,16 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1 gives steadier ratios on a shared machine)")
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
-    args = parser.parse_args()
+    parser.add_argument("--parallel-windows", type=int, default=BeaconConfig().parallel_windows,
+                        help="windows per forward in the parallel prefill, timed against one (default: the config's)")
+    args = parser.parse_args(argv)
+    if args.parallel_windows < 2:
+        parser.error(f"--parallel-windows {args.parallel_windows}: give 2 or more (it is timed against 1)")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model = build_model(args.attn, args.device).eval()
@@ -129,8 +198,10 @@ def main() -> int:
     decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats,
                                                 variant == "stock")
               for variant in ("beacon", "stock")}
+    parallel = parallel_prefill(model, prompts[long], args.parallel_windows, args.repeats)
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
-    print(f"Activation Beacon (window {args.window}, ratio {RATIO}) vs stock, attn={args.attn}, device={args.device}, "
+    print(f"Activation Beacon (window {args.window}, ratio {RATIO}, {model.model.beacon_settings.parallel_windows} "
+          f"parallel windows) vs stock, attn={args.attn}, device={args.device}, "
           f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}")
     print(f"{'variant':<8} {'tokens':>7} {'forward MiB':>12} {'peak MiB':>9} {'tokens/s':>10}")
     for variant, length in runs:
@@ -143,6 +214,12 @@ def main() -> int:
     print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
     print(f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
           f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})")
+    speedup = parallel.sequential_s / parallel.parallel_s
+    cpu_speedup = parallel.sequential_cpu_s / parallel.parallel_cpu_s
+    print(f"prefill of {lengths[long]} tokens: one window per forward {parallel.sequential_s:.3f} s "
+          f"(CPU {parallel.sequential_cpu_s:.3f} s), {parallel.windows} windows per forward "
+          f"{parallel.parallel_s:.3f} s (CPU {parallel.parallel_cpu_s:.3f} s): speed-up {speedup:.3f} (CPU time "
+          f"{cpu_speedup:.3f}); last-token logits differ by at most {parallel.max_logit_diff:.1e}")
     print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
           f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
     result = {
@@ -161,6 +238,12 @@ def main() -> int:
         "decode_ms_per_token": round(decode["beacon"] * 1e3, 3),
         "stock_decode_ms_per_token": round(decode["stock"] * 1e3, 3),
         "decode_time_ratio": round(decode["beacon"] / decode["stock"], 3),
+        "parallel_windows": parallel.windows,
+        "parallel_prefill_speedup": round(speedup, 3),
+        "parallel_prefill_cpu_speedup": round(cpu_speedup, 3),
+        "parallel_prefill_s": round(parallel.parallel_s, 4),
+        "sequential_prefill_s": round(parallel.sequential_s, 4),
+        "parallel_max_logit_diff": float(f"{parallel.max_logit_diff:.2e}"),
         "lora_full_size_ratio": round(sizes["lora"] / sizes["full"], 4),
         "llama3_8b_lora_full_size_ratio": round(llama3_8b_lora_over_full(), 4),
     }

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pydantic
 from torch import nn
 
+from ...errors import ConfigError
+from ...family import causal_lm_of
 from ..registry import Method, MethodTraining, MethodWeights, check_applicable
 from .cache import BeaconCache, BeaconStep
 from .config import BeaconConfig, describe, planned_parameters, resolve, training_labels
@@ -54,6 +57,39 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     """
     check_applicable(model, "beacon")
     install_beacon(model, settings, initialise)
+
+
+INFERENCE_SETTINGS = ("inference_ratios", "inference_ratio_mix", "parallel_windows", "keep_start", "keep_end")
+
+
+def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
+    """Change the settings of a model with beacons that only inference reads (:data:`INFERENCE_SETTINGS`: the
+    inference ratios and mix, ``parallel_windows``, ``keep_start``, ``keep_end``), keeping its beacon weights;
+    returns the new settings. A request already under way keeps its cache, which the new settings may not fit:
+    start new requests after the change.
+
+    Raises:
+        ConfigError: a setting that is not an inference setting, or a value :class:`BeaconConfig` refuses.
+        ValueError: the model has no beacons.
+    """
+    other = sorted(set(changes) - set(INFERENCE_SETTINGS))
+    if other:
+        raise ConfigError(f"{other} are not inference settings ({', '.join(INFERENCE_SETTINGS)}); apply the beacons "
+                          "again (apply_beacon) to change the others")
+    if not is_beacon_applied(model):
+        raise ValueError(f"{type(model).__name__} has no Activation Beacon")
+    backbone = backbone_of(model)
+    current = backbone.beacon_settings.as_dict()
+    if current["projection"] == "full":  # BeaconSettings fills in a rank that projection: full does not take
+        current["lora_rank"] = current["lora_alpha"] = None
+    try:
+        settings = BeaconConfig(**{**current, **changes}).settings()
+    except pydantic.ValidationError as error:
+        reasons = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
+        raise ConfigError(f"beacon inference settings {changes}: {reasons}") from error
+    backbone.beacon_settings = settings
+    causal_lm_of(model).config.beacon = settings.as_dict()
+    return settings
 
 
 def apply_beacon_config(model: nn.Module, config: BeaconConfig) -> None:
@@ -136,6 +172,7 @@ __all__ = [
     "BeaconConfig",
     "BeaconSettings",
     "BeaconStep",
+    "INFERENCE_SETTINGS",
     "WindowLayout",
     "apply_beacon",
     "beacon_parameters",
@@ -145,6 +182,7 @@ __all__ = [
     "load_beacon_weights",
     "remove_beacon",
     "save_beacon_weights",
+    "set_inference_settings",
     "trainable_beacon_parameters",
     "window_layout",
     "write_remote_code",

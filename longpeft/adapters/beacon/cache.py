@@ -8,7 +8,9 @@ and raw tokens it holds, which entries are padding) lives in :class:`SequenceSta
 Writes are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`)
 names its window's memory length and its first slot, ``update`` overwrites the window's slots from
 there on and reads only the first ``M`` memory entries, which later commits never change (memory is
-append-only). Commits run between windows, outside any checkpointed layer.
+append-only). Commits run between windows, outside any checkpointed layer. A step of several full windows
+(:class:`WindowGroup`, a prefill's parallel windows) commits all but its last inside ``update``, as
+memory[:M] plus the group's entries: idempotent too.
 
 transformers 5 hands the cache post-RoPE keys. Beacon keys are created at their offsets in the
 window but live in memory at ``M + j`` (and so do sink keys when beacons sit between them), so
@@ -33,6 +35,32 @@ from .layout import WindowLayout, padding_keep
 
 
 @dataclasses.dataclass(frozen=True)
+class WindowGroup:
+    """``windows`` consecutive full windows of one layout computed in one step (the step's rows are batch-major:
+    row ``b * windows + p`` is window ``p`` of sequence ``b``).
+
+    Windows ``0 .. windows-2`` of the group are committed by the step: their memory entries (:func:`committed_slots`,
+    ``G`` in all, in memory order) follow the memory, and window ``p`` reads those of the windows before it, so it
+    reads what it would read run alone. The last window stays open.
+
+    Attributes:
+        windows: ``P``, windows in the group.
+        entry_window / entry_slot: ``[G]`` long, the group window and the slot each new memory entry comes from.
+        entry_positions: ``[G]`` long, their memory positions.
+        entry_rotate: ``[G]`` bool, which keys are rotated again at their memory position (it differs from the
+            one they were computed at).
+        rotate: ``rotate(pre_rope_keys [b, h, n, d], positions [n]) -> keys``.
+    """
+
+    windows: int
+    entry_window: torch.Tensor
+    entry_slot: torch.Tensor
+    entry_positions: torch.Tensor
+    entry_rotate: torch.Tensor
+    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
 class BeaconStep:
     """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``.
 
@@ -41,6 +69,8 @@ class BeaconStep:
         memory_length: ``M``, memory entries the window reads.
         start, end: the window's slots fed in this step.
         beacon_rows: ``[n]`` long indices (into this step's slots) of the beacons, or None.
+        group: the windows computed together when the step holds several full windows (then ``start`` is 0 and
+            ``end`` the slots of one window), or None.
     """
 
     window_index: int
@@ -48,6 +78,7 @@ class BeaconStep:
     start: int
     end: int
     beacon_rows: torch.Tensor | None
+    group: WindowGroup | None = None
 
 
 @dataclasses.dataclass
@@ -85,6 +116,22 @@ def _cat(first: torch.Tensor | None, second: torch.Tensor, dim: int = -2) -> tor
     return second if first is None else torch.cat([first, second], dim=dim)
 
 
+def committed_slots(layout: WindowLayout, window_slots: int, window_index: int, sink: int,
+                    rule: str = "longpeft") -> torch.Tensor:
+    """``[n]`` long: the slots of a full window (its first ``window_slots``) that join the memory, in memory order:
+    at ratio 0 all of them, else the window's beacons; window 0 puts its sink first. The sink is the first ``sink``
+    raw tokens (``rule`` longpeft; none again at ratio 0, where they are in memory anyway) or, as the authors' code
+    does (``rule`` authors), the first ``sink`` slots, beacons included, and again at ratio 0 (then held twice)."""
+    slots = torch.arange(window_slots)
+    is_beacon = layout.is_beacon[:window_slots]
+    sink = sink if window_index == 0 else 0
+    if rule == "authors":
+        return torch.cat([slots[:sink], slots if layout.ratio == 0 else slots[is_beacon]])
+    if layout.ratio == 0:
+        return slots
+    return torch.cat([slots[~is_beacon][:sink], slots[is_beacon]])
+
+
 class BeaconLayer(CacheLayerMixin):
     """One layer's memory and current window, each ``[batch, kv_heads, length, head_dim]``."""
 
@@ -117,6 +164,8 @@ class BeaconLayer(CacheLayerMixin):
             raise ValueError("a BeaconCache is written by the beacon forward only; call the model, not the layers")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if beacon_step.group is not None:
+            return self._update_group(key_states, value_states, pre_rope_keys, beacon_step)
         start = beacon_step.start
         keep = (lambda t: None) if start == 0 else (lambda t: t[:, :, :start])
         self.window_keys = _cat(keep(self.window_keys), key_states)
@@ -129,6 +178,42 @@ class BeaconLayer(CacheLayerMixin):
             torch.cat([self.memory_keys[:, :, :m], self.window_keys], dim=-2),
             torch.cat([self.memory_values[:, :, :m], self.window_values], dim=-2),
         )
+
+    def _update_group(self, key_states: torch.Tensor, value_states: torch.Tensor, pre_rope_keys: torch.Tensor,
+                      step: BeaconStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """A :class:`WindowGroup` step: ``[batch * P, kv_heads, L, head_dim]`` in; the memory becomes memory[:M]
+        plus the group's entries, the window the group's last one; returns, per row, the memory, the group's
+        entries and the row's own window (``[batch * P, kv_heads, M + G + L, head_dim]``)."""
+        group = step.group
+        windows = group.windows
+        rows, heads, length, dim = key_states.shape
+        batch = rows // windows
+        keys, values, pre = (t.view(batch, windows, heads, length, dim) for t in (key_states, value_states,
+                                                                                 pre_rope_keys))
+        index = (group.entry_window * length + group.entry_slot).to(keys.device)  # [G] into the group's P * L slots
+
+        def entries(t: torch.Tensor, which: torch.Tensor) -> torch.Tensor:  # [batch, heads, n, dim]
+            return t.transpose(1, 2).reshape(batch, heads, windows * length, dim).index_select(2, which)
+
+        entry_keys = entries(keys, index)
+        if bool(group.entry_rotate.any()):
+            moved = group.entry_rotate.nonzero().flatten().to(keys.device)
+            fresh = group.rotate(entries(pre, index.index_select(0, moved)),
+                                 group.entry_positions.to(keys.device).index_select(0, moved))
+            entry_keys = entry_keys.index_copy(2, moved, fresh.to(entry_keys.dtype))
+        m = step.memory_length
+        before = (lambda t: None) if m == 0 else (lambda t: t[:, :, :m])
+        self.memory_keys = _cat(before(self.memory_keys), entry_keys)
+        self.memory_values = _cat(before(self.memory_values), entries(values, index))
+        # copies: views would keep every window of the group alive
+        self.window_keys, self.window_values = keys[:, -1].clone(), values[:, -1].clone()
+        self.window_pre_rope_keys = pre[:, -1].clone()
+
+        def per_row(memory: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+            shared = memory[:, None].expand(batch, windows, heads, memory.shape[2], dim)
+            return torch.cat([shared, own], dim=3).reshape(rows, heads, memory.shape[2] + length, dim)
+
+        return per_row(self.memory_keys, keys), per_row(self.memory_values, values)
 
     def commit(self, slots: torch.Tensor, rotate_slots: torch.Tensor, positions: torch.Tensor,
                rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
@@ -202,15 +287,7 @@ class BeaconCache(Cache):
         twice)."""
         state = self.state
         layout = state.layout
-        slots = torch.arange(state.window_slots)
-        is_beacon = layout.is_beacon[: state.window_slots]
-        sink = sink if state.window_index == 0 else 0
-        if rule == "authors":
-            kept = torch.cat([slots[:sink], slots if layout.ratio == 0 else slots[is_beacon]])
-        elif layout.ratio == 0:
-            kept = slots
-        else:
-            kept = torch.cat([slots[~is_beacon][:sink], slots[is_beacon]])
+        kept = committed_slots(layout, state.window_slots, state.window_index, sink, rule)
         positions = state.memory_length + torch.arange(kept.numel())
         rotated = state.memory_length + layout.offsets[kept] != positions  # beacons, and sink keys behind a beacon
         for layer in self.layers:

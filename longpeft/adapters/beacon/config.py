@@ -59,6 +59,22 @@ def _check_authors_rule(rule: str, attn: str, pos: str) -> None:
                          "paper says)")
 
 
+def _check_kept_spans(config: BeaconConfig) -> None:
+    """keep_start / keep_end as the authors allow them: no sink beside a kept start (the kept start is the sink),
+    and a whole number of windows between the two."""
+    if config.keep_start and config.sink:
+        raise ValueError(f"keep_start ({config.keep_start}) keeps the first tokens in memory already; set sink: 0")
+    if config.keep_end is None:
+        return
+    condensed = config.keep_end - config.keep_start
+    if condensed < 0 or condensed % config.window:
+        nearest = config.keep_start + config.window * max(0, round(condensed / config.window))
+        raise ValueError(
+            f"keep_end ({config.keep_end}) must be keep_start ({config.keep_start}) plus a whole number of windows "
+            f"of {config.window} tokens, so that no window is cut (e.g. keep_end: {nearest})"
+        )
+
+
 class BeaconConfig(StrictModel):
     """Activation Beacon settings (paper: Zhang et al., "Soaring from 4K to 400K").
 
@@ -82,6 +98,12 @@ class BeaconConfig(StrictModel):
     position the input uses, the sink is raw tokens stored once) or ``authors`` (what ``convert-beacon`` records,
     so that a released model reads as in the authors' code: their adapt-N count, their sink layout; see
     ``layout.BeaconSettings`` and docs/beacon.md).
+
+    Inference settings: ``parallel_windows``: a prefill runs up to this many full windows in one forward of the
+    decoder stack, with the logits of running them one after another (see :mod:`.parallel`; 1: one at a time).
+    ``keep_start`` / ``keep_end`` (the authors' Qwen2 ``beacon_skip_first`` / ``beacon_skip_last``): the first
+    ``keep_start`` tokens run alone and stay in memory uncondensed, windows counting from the token after them;
+    tokens from index ``keep_end`` on (counted from the first token) stay uncondensed.
     """
 
     window: int = Field(default=1024, ge=1)
@@ -100,6 +122,9 @@ class BeaconConfig(StrictModel):
     lora_rank: int | None = Field(default=None, gt=0)
     lora_alpha: float | None = Field(default=None, gt=0)
     layout_rule: Literal["longpeft", "authors"] = "longpeft"
+    parallel_windows: int = Field(default=4, ge=1)
+    keep_start: int = Field(default=0, ge=0)
+    keep_end: int | None = Field(default=None, ge=0)
 
     @field_validator("ratio_mix", "inference_ratio_mix")
     @classmethod
@@ -123,6 +148,7 @@ class BeaconConfig(StrictModel):
                              "use pos: append")
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
         _check_authors_rule(self.layout_rule, self.attn, self.pos)
+        _check_kept_spans(self)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
             raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set "
                              "projection: lora")

@@ -71,6 +71,12 @@ class BeaconSettings:
             positions really used, :func:`span_ratio`; the sink is raw tokens, stored once) or ``authors`` (their
             code: :func:`authors_adapt_ratio`; the sink is the first ``sink`` slots of the first window, beacons
             included, and with ratio 0 it is stored again before that window's raw tokens).
+        parallel_windows: in eval mode, up to this many consecutive full windows of one layout run in one forward
+            of the decoder stack (each still reads exactly the memory it reads sequentially); 1: one at a time.
+        keep_start: the first ``keep_start`` raw tokens form a chunk of their own (plain causal attention, no
+            beacons) that stays in memory for good; windows count from the token after it.
+        keep_end: raw tokens from this index on are never condensed (windows starting there keep their raw K/V,
+            ratio 0); None: every window is condensed.
     """
 
     window: int = 1024
@@ -89,6 +95,9 @@ class BeaconSettings:
     lora_rank: int = 32
     lora_alpha: float = 32.0
     layout_rule: str = "longpeft"
+    parallel_windows: int = 4
+    keep_start: int = 0
+    keep_end: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> BeaconSettings:
@@ -114,6 +123,7 @@ class WindowLayout:
         offsets: ``[L]`` long, position of each slot minus the memory length ``M``.
         visible: ``[L, L]`` bool, ``visible[q, k]``: slot ``q`` attends to slot ``k`` of the window.
         ratio: the condensing ratio (0: no beacons, the raw K/V become memory).
+        window: raw tokens the full window holds.
     """
 
     is_beacon: torch.Tensor
@@ -121,6 +131,7 @@ class WindowLayout:
     offsets: torch.Tensor
     visible: torch.Tensor
     ratio: int
+    window: int
 
     def slots_for(self, n_raw: int) -> int:
         """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""
@@ -180,7 +191,7 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
             offsets = torch.where(is_beacon, last_seen, raw_index)
         else:
             offsets = torch.where(is_beacon, last_seen + (beacon_index if attend_prev else 0), raw_index)
-    return WindowLayout(is_beacon, trigger, offsets, visible, ratio)
+    return WindowLayout(is_beacon, trigger, offsets, visible, ratio, window)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,6 +208,27 @@ def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None
     batch = present[0].shape[0]
     return torch.cat([keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool)
                       for keep, length in parts], dim=1)
+
+
+def window_keep(layout: WindowLayout, keep: torch.Tensor | None, start: int, end: int,
+                keep_raw: torch.Tensor | None, raw_rows: torch.Tensor) -> torch.Tensor | None:
+    """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
+    join the first ``start`` (whose keep is ``keep [batch, start]`` or None).
+
+    A raw slot is padding where ``keep_raw [batch, n_raw]`` (the new raw tokens' mask, None: none is padding;
+    ``raw_rows [n_raw]`` their slots within ``[start, end)``) says so; a beacon, when every raw token of the window
+    it sees is padding (with left padding: the last one it sees is), so neither its window nor the memory reads it.
+    """
+    new = None
+    if keep_raw is not None:
+        new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
+        new[:, raw_rows.cpu()] = keep_raw.cpu()
+    keep = padding_keep((keep, start), (new, end - start))  # [batch, end] or None
+    if keep is not None:
+        beacons = start + layout.is_beacon[start:end].nonzero().flatten()  # [n_beacons] slots
+        sees_raw = layout.visible[beacons, :end] & ~layout.is_beacon[:end]  # [n_beacons, end]
+        keep[:, beacons] = (sees_raw[None] & keep[:, None, :]).any(dim=-1)  # sees a raw token that is not padding
+    return keep
 
 
 def key_keep(memory_length: int, end: int, memory_keep: torch.Tensor | None,
@@ -256,15 +288,34 @@ def mix_parameter(mix: str) -> int:
     return int(mix.split("-", 1)[1])
 
 
-def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rule: str = "longpeft") -> int:
+def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rule: str = "longpeft",
+            keep: tuple[int, int | None] = (0, None)) -> int:
     """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: over the windows, the
     memory before a window (sink and the beacons of every earlier window) plus the window's raw tokens and
     beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0 (plus the sink
     once the first window is in memory under the authors' ``rule``, which stores it twice). Each full
     window reaches further than the one before, so only the last full window and the last one can be the
-    furthest (O(1): the random mixes call this at every window start)."""
+    furthest (O(1): the random mixes call this at every window start).
+
+    ``keep = (keep_start, keep_end)`` (:class:`BeaconSettings`): the first ``keep_start`` tokens sit in memory
+    before every window, and the tokens from ``keep_end`` on follow the beacons of the windows before them raw.
+    """
     if not ratio:
         return length + (sink if rule == "authors" and length > window else 0)
+    start, end = keep
+    if length <= start:
+        return length
+    condensed = length if end is None else min(length, end)
+    span = start + _windows_span(window, sink, ratio, condensed - start, training and condensed == length)
+    if condensed < length:
+        windows = (end - start) // window
+        memory = start + (sink + windows * (window // ratio) if windows else 0)
+        span = max(span, memory + length - end)
+    return span
+
+
+def _windows_span(window: int, sink: int, ratio: int, length: int, training: bool) -> int:
+    """:func:`span_at` of ``length`` tokens that all run in windows condensed at ``ratio > 0``."""
     windows = math.ceil(length / window)
     span = 0
     for index in range(max(0, windows - 2), windows):
@@ -276,14 +327,14 @@ def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rul
 
 
 def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_positions: int, length: int,
-                   training: bool) -> tuple[int, ...]:
+                   training: bool, keep: tuple[int, int | None] = (0, None)) -> tuple[int, ...]:
     """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (the largest ratio when none does).
 
     The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
     no more beacons than at the smallest. The authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2:
     position 10,753 of 8,192), which inference, adapting its ratio to fit, never meets.
     """
-    fitting = tuple(r for r in ratios if span_at(window, sink, r, length, training) <= max_positions)
+    fitting = tuple(r for r in ratios if span_at(window, sink, r, length, training, keep=keep) <= max_positions)
     return fitting or (max(ratios),)
 
 
@@ -302,7 +353,7 @@ def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: in
 
 def choose_ratio(
     ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
-    sink: int = 0, training: bool = False, rule: str = "longpeft",
+    sink: int = 0, training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None),
 ) -> int:
     """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
     first window: see ``scheduler._start_window``).
@@ -311,7 +362,7 @@ def choose_ratio(
         ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
         length: tokens of the sequence known so far (adapt-N adds N).
         chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
-        sink, training: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
+        sink, training, keep: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
             adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
         rule: ``layout_rule`` (:class:`BeaconSettings`): ``authors`` counts adapt-N as the authors' code does.
     """
@@ -320,13 +371,13 @@ def choose_ratio(
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
     if mix.startswith("adapt-"):
-        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule)
-    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training)
+        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule, keep)
+    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep)
     return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
-               training: bool = False, rule: str = "longpeft") -> int:
+               training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None)) -> int:
     """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
     (:func:`fitting_ratios`; the largest ratio when none does).
 
@@ -342,7 +393,7 @@ def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: in
         length += mix_parameter(mix)
         if rule == "authors":
             return authors_adapt_ratio(ratios, window, max_positions, length)
-    return min(fitting_ratios(ratios, window, sink, max_positions, length, training))
+    return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep))
 
 
 def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
@@ -369,6 +420,6 @@ def window_span(settings: BeaconSettings, length: int, max_positions: int, train
     bounds them by: the inference ratios and mix, or with ``training`` the training ones."""
     ratios, mix = ((settings.ratios, settings.ratio_mix) if training
                    else (settings.inference_ratios, settings.inference_ratio_mix))
-    rule = settings.layout_rule
-    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule)
-    return span_at(settings.window, settings.sink, ratio, length, training, rule)
+    rule, keep = settings.layout_rule, (settings.keep_start, settings.keep_end)
+    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep)
+    return span_at(settings.window, settings.sink, ratio, length, training, rule, keep)

@@ -13,7 +13,8 @@ LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens
   read them); a forward that continues a cache (``generate`` in training mode) keeps them.
 - Inference: prefill and token-by-token decoding through the same code; a window that fills up is
   committed when the next raw token arrives, so decoding one token at a time inserts the beacons
-  exactly where one prefill would.
+  exactly where one prefill would. A prefill runs up to ``parallel_windows`` full windows per forward
+  (:mod:`.parallel`), with the same results.
 
 Rows of a batch share one layout (window borders by index): left padding is allowed and masked, and
 so is a beacon that sees no raw token of its window but padding (it condensed nothing else).
@@ -39,11 +40,12 @@ from .layout import (
     choose_ratio,
     fitting_ratios,
     key_keep,
-    padding_keep,
     step_visibility,
     training_ratios,
+    window_keep,
     window_layout,
 )
+from .parallel import close_group, group_inputs, plan_group
 
 # longpeft-inline-end
 
@@ -54,26 +56,6 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
         return None
     keep = attention_mask[:, -n_new:].bool()
     return None if bool(keep.all()) else keep.cpu()
-
-
-def _extend_window_keep(state, keep_raw: torch.Tensor | None, raw_rows: torch.Tensor, end: int) -> None:
-    """Record which of the window's new slots ``[window_slots, end)`` are padding in ``state.window_keep``.
-
-    A raw slot is padding where ``keep_raw [batch, n_raw]`` (the new raw tokens' mask, None: none is
-    padding; ``raw_rows [n_raw]`` their slots within the step) says so; a beacon, when every raw token of
-    the window it sees is padding (with left padding: the last one it sees is), so neither its window nor
-    the memory reads it.
-    """
-    start, layout, new = state.window_slots, state.layout, None
-    if keep_raw is not None:
-        new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
-        new[:, raw_rows.cpu()] = keep_raw
-    keep = padding_keep((state.window_keep, start), (new, end - start))  # [batch, end] or None
-    if keep is not None:
-        beacons = start + layout.is_beacon[start:end].nonzero().flatten()  # [n_beacons] slots
-        sees_raw = layout.visible[beacons, :end] & ~layout.is_beacon[:end]  # [n_beacons, end]
-        keep[:, beacons] = (sees_raw[None] & keep[:, None, :]).any(dim=-1)  # sees a raw token that is not padding
-    state.window_keep = keep
 
 
 def _check_cache(cache) -> None:
@@ -106,35 +88,95 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
             )
 
 
-def _start_window(backbone: torch.nn.Module, cache: BeaconCache, settings: BeaconSettings, length: int,
-                  complete: bool) -> None:
-    """Choose the ratio and layout of the window that begins now.
+def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int,
+               complete: bool):
+    """The layout of the window that begins at raw token ``start`` (its ratio drawn now; call once per window,
+    in order).
 
-    ``complete``: a training forward over a whole input (no cache passed in): the window that reaches
-    its end (``length`` tokens) gets no beacons.
+    ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows
+    from that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in):
+    the window that reaches its end (``length`` tokens) gets no beacons.
     """
-    state = cache.state
+    window, attn, pos, attend_prev = settings.window, settings.attn, settings.pos, settings.attend_prev
+    if settings.keep_start and start == 0:
+        return window_layout(settings.keep_start, 0, attn, pos, attend_prev)
+    if settings.keep_end is not None and start >= settings.keep_end:
+        return window_layout(window, 0, attn, pos, attend_prev)
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
         if settings.zero_ratio_rule == "authors":
-            ratios = training_ratios(ratios, settings.window, state.raw_seen, length, state.zero_ratio_used)
+            ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
     else:
         ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
-    max_positions = backbone.config.max_position_embeddings
-    if mix == "sequence":
+    max_positions, keep = backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
+    if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
-            state.ratio_cycle = fitting_ratios(ratios, settings.window, settings.sink, max_positions, length,
-                                               training=complete)
-        ratio = state.ratio_cycle[state.window_index % len(state.ratio_cycle)]
+            state.ratio_cycle = fitting_ratios(ratios, window, settings.sink, max_positions, length, training=complete,
+                                               keep=keep)
+        ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
     else:
-        ratio = choose_ratio(ratios, mix, settings.window, max_positions, length, state.chosen_ratio, settings.sink,
-                             training=complete, rule=settings.layout_rule)
+        ratio = choose_ratio(ratios, mix, window, max_positions, length, state.chosen_ratio, settings.sink,
+                             training=complete, rule=settings.layout_rule, keep=keep)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
-    if complete and state.raw_seen + settings.window >= length:
+    if complete and start + window >= length:
         ratio = 0  # no beacons in the window that ends a training input
-    state.layout = window_layout(settings.window, ratio, settings.attn, settings.pos, settings.attend_prev)
+    return window_layout(window, ratio, attn, pos, attend_prev)
+
+
+def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
+    if backbone.training and (settings.keep_start or settings.keep_end is not None):
+        raise ValueError(
+            "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the start or "
+            "the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and set them on the "
+            "trained model, or switch the model to eval mode"
+        )
+
+
+def _run_step(backbone: torch.nn.Module, cache: BeaconCache, layout, take: int, raw_embeds: torch.Tensor,
+              keep_raw: torch.Tensor | None, beacon_row: torch.Tensor, implementation: str, cache_name: str,
+              kwargs: dict, keep_last: int | None) -> torch.Tensor:
+    """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``) of the open window, with the beacons
+    they bring; returns the raw tokens' hidden states (the last ``keep_last`` only, when given)."""
+    state, device = cache.state, raw_embeds.device
+    start, end = state.window_slots, layout.slots_for(state.window_raw + take)
+    is_beacon = layout.is_beacon[start:end]
+    raw_rows = (~is_beacon).nonzero().flatten().to(device)
+    beacon_rows = is_beacon.nonzero().flatten().to(device)
+    step_embeds = beacon_row.expand(raw_embeds.shape[0], end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
+    state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw, raw_rows)
+    keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
+    visible = step_visibility(layout, state.memory_length, start, end, keys)
+    mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, device)
+    positions = (state.memory_length + layout.offsets[start:end])[None].to(device)
+    step = BeaconStep(state.window_index, state.memory_length, start, end,
+                      beacon_rows if beacon_rows.numel() else None)
+    hidden = type(backbone).forward(backbone, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
+                                    use_cache=True, beacon_step=step, **{cache_name: cache}, **kwargs)
+    state.window_raw += take
+    state.window_slots = end
+    state.raw_seen += take
+    return hidden.last_hidden_state.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:])
+
+
+def _run_group(backbone: torch.nn.Module, cache: BeaconCache, layout, windows: int, raw_embeds: torch.Tensor,
+               keep_raw: torch.Tensor | None, beacon_row: torch.Tensor, rotate, sink: int, rule: str,
+               implementation: str, cache_name: str, kwargs: dict) -> torch.Tensor:
+    """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
+    (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
+    batch, _, hidden_size = raw_embeds.shape
+    device, slots = raw_embeds.device, len(layout.is_beacon)
+    inputs = group_inputs(layout, windows, cache.state, sink, rule, batch, keep_raw, rotate)
+    raw_rows = (~layout.is_beacon).nonzero().flatten().to(device)
+    rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
+    step_embeds = beacon_row.expand(batch * windows, slots, -1).clone().index_copy(1, raw_rows, rows)
+    mask = attention_mask_for(inputs.visible, inputs.keys, implementation, raw_embeds.dtype, device)
+    hidden = type(backbone).forward(backbone, inputs_embeds=step_embeds, attention_mask=mask,
+                                    position_ids=inputs.positions.to(device), use_cache=True, beacon_step=inputs.step,
+                                    **{cache_name: cache}, **kwargs).last_hidden_state
+    close_group(cache.state, layout, inputs)
+    return hidden.index_select(1, raw_rows).reshape(batch, windows * layout.window, hidden_size)
 
 
 def beacon_backbone_forward(
@@ -183,6 +225,7 @@ def beacon_backbone_forward(
     cache = BeaconCache() if given is None else given
     if self.training:
         _check_checkpointing(self)
+        _refuse_kept_spans_in_training(self, settings)
     batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
     weight = self.embed_tokens.weight
     keep_new = _keep_mask(attention_mask, n_new)
@@ -192,37 +235,32 @@ def beacon_backbone_forward(
     dtype = inputs_embeds.dtype if inputs_embeds is not None else weight.dtype
     beacon_row = self.beacon_embed_tokens.weight[0].to(dtype)
     implementation = self.config._attn_implementation or "eager"
-    outputs, done = [], 0
+    parallel = 1 if self.training else settings.parallel_windows
+    outputs, done, pending = [], 0, None
     while done < n_new:
-        if state.layout is not None and state.window_raw == settings.window:
+        if state.layout is not None and state.window_raw == state.layout.window:
             cache.commit(rotate, settings.sink, settings.layout_rule)
+        windows = 1
         if state.layout is None:
-            _start_window(self, cache, settings, total, complete)
+            state.layout = pending or _layout_at(self, state, settings, state.raw_seen, total, complete)
+            windows, pending = plan_group(
+                state.layout, lambda start: _layout_at(self, state, settings, start, total, complete),
+                state.raw_seen, settings.window, n_new - done, parallel)
         layout = state.layout
-        take = min(n_new - done, settings.window - state.window_raw)
-        start, end = state.window_slots, layout.slots_for(state.window_raw + take)
-        is_beacon = layout.is_beacon[start:end]
-        raw_rows = (~is_beacon).nonzero().flatten().to(weight.device)
-        beacon_rows = is_beacon.nonzero().flatten().to(weight.device)
-        # embedded one window at a time: a long prompt never holds all its embeddings at once
+        take = windows * layout.window if windows > 1 else min(n_new - done, layout.window - state.window_raw)
+        # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
         raw_embeds = (inputs_embeds[:, done : done + take] if inputs_embeds is not None
                       else self.embed_tokens(input_ids[:, done : done + take]))
-        step_embeds = beacon_row.expand(batch, end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
-        _extend_window_keep(state, None if keep_new is None else keep_new[:, done : done + take], raw_rows, end)
-        keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
-        visible = step_visibility(layout, state.memory_length, start, end, keys)
-        mask = attention_mask_for(visible, keys, implementation, dtype, weight.device)
-        positions = (state.memory_length + layout.offsets[start:end])[None].to(weight.device)
-        step = BeaconStep(state.window_index, state.memory_length, start, end,
-                          beacon_rows if beacon_rows.numel() else None)
-        hidden = stock_forward(self, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
-                               use_cache=True, beacon_step=step, **{cache_name: cache}, **kwargs).last_hidden_state
-        outputs.append(hidden.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:]))
+        keep_raw = None if keep_new is None else keep_new[:, done : done + take]
+        if windows > 1:
+            hidden = _run_group(self, cache, layout, windows, raw_embeds, keep_raw, beacon_row, rotate, settings.sink,
+                                settings.layout_rule, implementation, cache_name, kwargs)
+            outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
+        else:
+            outputs.append(_run_step(self, cache, layout, take, raw_embeds, keep_raw, beacon_row, implementation,
+                                     cache_name, kwargs, keep_last))
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
-        state.window_raw += take
-        state.window_slots = end
-        state.raw_seen += take
         done += take
     return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: cache})
 

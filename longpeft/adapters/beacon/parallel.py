@@ -1,0 +1,136 @@
+"""Parallel windows: several full windows of a prefill in one forward of the decoder stack, with the logits of
+running them one after another.
+
+Why it is exact: window ``p`` reads the memory and its own slots. In layer ``l`` its memory entries from the
+windows before it are the K/V that layer ``l`` computes at their kept slots (beacons; the sink in window 0; every
+slot at ratio 0) from layer ``l``'s input there, re-rotated at their memory positions. A forward that runs the
+windows together layer by layer has that input in hand when layer ``l`` runs, so window ``p`` can read exactly
+those entries in the same layer. Nothing else crosses windows (a window never reads earlier raw slots: they left
+the memory), so each window computes what it computes alone; only float rounding differs (other matmul shapes).
+
+Here the ``P`` windows are ``P`` rows of one batch (:class:`~.cache.WindowGroup`). Row ``p`` reads the memory, the
+group's new entries (those of windows ``0 .. P-2``, in memory order) and its own window; its mask hides the
+entries of windows ``p`` and later. Windows ``0 .. P-2`` are committed by the step, the last one stays open, so
+the cache ends as it ends after ``P`` sequential steps. A group holds full windows of one layout (ratio and size);
+a window of another ratio (a random mix) starts the next group, and a partial last window runs on its own.
+
+This module imports only torch: it is part of the exported modeling file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+# longpeft-inline-begin
+from .cache import BeaconStep, SequenceState, WindowGroup, committed_slots
+from .layout import WindowLayout, padding_keep, step_visibility, window_keep
+
+# longpeft-inline-end
+
+
+def plan_group(first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int,
+               remaining: int, most: int) -> tuple[int, WindowLayout | None]:
+    """How many windows run in the group that begins with ``first`` (a window starting at raw token ``start``).
+
+    Args:
+        first: the first window's layout.
+        next_layout: ``next_layout(start)``, the layout of the window beginning at raw token ``start`` (it draws
+            that window's ratio, so it is called once per window, in order).
+        window: raw tokens of every later window.
+        remaining: new raw tokens from ``start`` on in this forward (only full windows join a group).
+        most: ``parallel_windows``.
+
+    Returns:
+        ``(windows, pending)``: the group's size (1: run ``first`` alone) and the layout already chosen for the
+        window after the group when it could not join (another ratio or size), else None.
+    """
+    if most < 2 or remaining < first.window:
+        return 1, None
+    count, used = 1, first.window
+    while count < most and remaining - used >= window:
+        layout = next_layout(start + used)
+        if (layout.ratio, layout.window) != (first.ratio, first.window):
+            return count, layout
+        count, used = count + 1, used + window
+    return count, None
+
+
+class GroupInputs(NamedTuple):
+    """What the decoder stack takes for a group of ``P`` windows of ``L`` slots, ``B`` sequences.
+
+    Attributes:
+        step: the :class:`~.cache.BeaconStep` (with its :class:`~.cache.WindowGroup`).
+        positions: ``[B * P, L]`` long, each slot's position (window ``p`` starts after the memory it reads).
+        visible: ``[B * P, 1, L, K]`` bool, ``K = M + G + L``: what each slot attends to.
+        keys: ``[B * P, K]`` bool, the keys each row may read (padding and later windows' entries hidden).
+        window_keeps: per window ``[B, L]`` bool (False at padding) or None.
+        entry_keep: ``[B, G]`` bool (False at padding) of the group's new memory entries, or None.
+    """
+
+    step: BeaconStep
+    positions: torch.Tensor
+    visible: torch.Tensor
+    keys: torch.Tensor
+    window_keeps: list[torch.Tensor | None]
+    entry_keep: torch.Tensor | None
+
+
+def group_inputs(layout: WindowLayout, windows: int, state: SequenceState, sink: int, rule: str, batch: int,
+                 keep_raw: torch.Tensor | None,
+                 rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> GroupInputs:
+    """Positions, masks and step of ``windows`` full windows of ``layout`` that begin after ``state``.
+
+    Args:
+        layout: the windows' layout.
+        windows: ``P >= 2``.
+        state: the cache's state (at a window border: no open window).
+        sink, rule: window 0's sink and whose layout it takes (:func:`~.cache.committed_slots`).
+        batch: ``B``.
+        keep_raw: ``[B, P * W]`` bool, False at the raw tokens that are padding, or None.
+        rotate: ``rotate(pre_rope_keys, positions)``, the model's rotation.
+    """
+    slots, memory = len(layout.is_beacon), state.memory_length
+    raw_rows = (~layout.is_beacon).nonzero().flatten()
+    kept = [committed_slots(layout, slots, state.window_index + p, sink, rule) for p in range(windows - 1)]
+    starts = [memory]  # memory length before each window
+    for entries in kept:
+        starts.append(starts[-1] + entries.numel())
+    entry_window = torch.cat([torch.full((entries.numel(),), p) for p, entries in enumerate(kept)])
+    entry_slot = torch.cat(kept)
+    entry_positions = torch.arange(memory, starts[-1])
+    computed_at = torch.cat([start + layout.offsets[entries] for start, entries in zip(starts, kept)])
+    group = WindowGroup(windows, entry_window, entry_slot, entry_positions, computed_at != entry_positions, rotate)
+
+    window_keeps = [None if keep_raw is None else
+                    window_keep(layout, None, 0, slots, keep_raw[:, p * layout.window : (p + 1) * layout.window],
+                                raw_rows)
+                    for p in range(windows)]
+    entry_keep = padding_keep(*[(None if keep is None else keep[:, entries], entries.numel())
+                                for keep, entries in zip(window_keeps, kept)])
+    read = entry_window[None, :] < torch.arange(windows)[:, None]  # [P, G]: row p reads windows before it
+    memory_keep = torch.ones(batch, memory, dtype=torch.bool) if state.memory_keep is None else state.memory_keep
+    entries = read[None] if entry_keep is None else read[None] & entry_keep[:, None]  # [B or 1, P, G]
+    own = torch.stack([torch.ones(batch, slots, dtype=torch.bool) if keep is None else keep
+                       for keep in window_keeps], dim=1)  # [B, P, L]
+    keys = torch.cat([memory_keep[:, None].expand(batch, windows, memory), entries.expand(batch, windows, -1), own],
+                     dim=2).reshape(batch * windows, -1)
+    visible = step_visibility(layout, starts[-1], 0, slots, keys)
+    positions = (torch.tensor(starts)[:, None] + layout.offsets[None]).repeat(batch, 1)
+    beacon_rows = layout.is_beacon.nonzero().flatten()
+    step = BeaconStep(state.window_index, memory, 0, slots, beacon_rows if beacon_rows.numel() else None, group)
+    return GroupInputs(step, positions, visible, keys, window_keeps, entry_keep)
+
+
+def close_group(state: SequenceState, layout: WindowLayout, inputs: GroupInputs) -> None:
+    """The state after the group's step: windows ``0 .. P-2`` committed, the last one open and full."""
+    group, windows = inputs.step.group, len(inputs.window_keeps)
+    added = group.entry_slot.numel()
+    state.memory_keep = padding_keep((state.memory_keep, state.memory_length), (inputs.entry_keep, added))
+    state.memory_length += added
+    state.window_index += windows - 1
+    state.layout, state.window_raw, state.window_slots = layout, layout.window, len(layout.is_beacon)
+    state.window_keep = inputs.window_keeps[-1]
+    state.raw_seen += windows * layout.window
