@@ -355,3 +355,21 @@ def test_set_inference_settings_changes_only_inference_settings():
     settings = set_inference_settings(model, parallel_windows=2, keep_end=16)
     assert (settings.parallel_windows, settings.keep_end, settings.sink) == (2, 16, 1)
     assert model.config.beacon["parallel_windows"] == 2 and model.model.beacon_settings is settings
+
+
+# the authors' sink layouts (layout_rule: authors): a sink longer than the ratio holds beacon slots; at ratio 0
+# the sink is stored twice. Parallel groups must commit the same entries as one window at a time.
+@pytest.mark.parametrize("ratio,sink", [(2, 3), (0, 2)])
+def test_parallel_windows_follow_the_authors_sink_layout(ratio, sink, forwards):
+    model = tiny_model("llama")
+    config = BeaconConfig(window=WINDOW, ratios=[ratio], sink=sink, layout_rule="authors", params=["q", "k", "v"])
+    apply_beacon(model, config.settings())
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".beacon_" in name:
+                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+    ids = torch.randint(3, 512, (1, 43), generator=generator)
+    one, parallel, used = both_ways(model, ids, 3, forwards)
+    assert used == 3  # windows 0-2, windows 3-4, the partial window
+    torch.testing.assert_close(parallel, one, atol=1e-5, rtol=1e-5)
