@@ -137,14 +137,16 @@ def authors_side(src: Path, out: Path, repeats: int, threads: int) -> None:
     (out / "authors-bench.json").write_text(json.dumps(results))
 
 
-def our_side(out: Path, repeats: int, threads: int) -> dict:
-    """longpeft: the converted checkpoint on the same input, measured as the authors' side was."""
+def our_side(out: Path, repeats: int, threads: int, parallel_windows: int) -> dict:
+    """longpeft: the converted checkpoint on the same input, measured as the authors' side was, its prefill running
+    ``parallel_windows`` windows per forward (the authors' side: one)."""
     import torch
 
-    from longpeft.adapters.beacon import trainable_beacon_parameters
+    from longpeft.adapters.beacon import set_inference_settings, trainable_beacon_parameters
 
     torch.set_num_threads(threads)
     model = load_converted(out, POSITIONS, shape=SHAPE)
+    set_inference_settings(model, parallel_windows=parallel_windows)
     trainable = {f"model.{name}" for name in trainable_beacon_parameters(model)}
     freeze_all_but_beacons(model, trainable)
     return run_both(model, torch.load(out / "input_ids.pt"), repeats, keep_last_logits=True)
@@ -156,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=32, help="input length in windows of 128 tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides")
+    parser.add_argument("--parallel-windows", type=int, default=1,
+                        help="windows per forward in our prefill (default 1: like the authors' side, one at a time)")
     return parser.parse_args(argv)
 
 
@@ -174,9 +178,9 @@ def main() -> int:
         if not run_authors_side(__file__, args, out, "--repeats", str(args.repeats), "--threads", str(args.threads)):
             return 1
         theirs = json.loads((out / "authors-bench.json").read_text())
-        ours = our_side(out, args.repeats, args.threads)
+        ours = our_side(out, args.repeats, args.threads, args.parallel_windows)
     print(f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), "
-          f"{args.threads} thread(s)")
+          f"{args.threads} thread(s), our prefill {args.parallel_windows} window(s) per forward")
     print(f"{'':<16} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
           f"{'memory ratio':>13}")
     ratios = {}
@@ -191,7 +195,7 @@ def main() -> int:
                      f"{ratios[f'{key}_peak_mem_ratio']:>13.2f}")
         print(line)
     print(json.dumps({"bench": "beacon_authors", "tokens": WINDOW * args.windows, "threads": args.threads,
-                      "ours": ours, "authors": theirs, **ratios}))
+                      "parallel_windows": args.parallel_windows, "ours": ours, "authors": theirs, **ratios}))
     return 0
 
 
