@@ -92,8 +92,9 @@ def clear_staging(checkpoints: Path) -> None:
 
 def publish_checkpoint(checkpoints: Path, name: str) -> Path:
     """Give the checkpoint written in :func:`staging_folder` under ``name`` (``checkpoint-<step>``) that name in
-    ``checkpoints``, in one rename; a folder already there by that name (one an older run's kill left incomplete: a
-    resume passes complete ones by) is removed first. Returns the checkpoint's folder."""
+    ``checkpoints``, in one rename. A folder already there by that name is an incomplete one (a resume would have
+    continued from it, not from an earlier step, were it complete: a kill of an older longpeft's save, or of a
+    rotation), and is removed first. Returns the checkpoint's folder."""
     final = Path(checkpoints) / name
     if final.exists():
         shutil.rmtree(final)

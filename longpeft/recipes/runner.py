@@ -3,7 +3,8 @@
 Output folder (``recipe.output_dir``)::
 
     base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
-    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
+    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last);
+                          each is written under ``checkpoints/.saving`` and renamed once complete
     adapter/              LoRA adapter (and the method's own weights, e.g. beacon_adapter.safetensors) +
                           longpeft.json + tokenizer; only the method's weights with ``finetune: method``
     model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
