@@ -125,3 +125,17 @@ def test_an_adapter_of_both_names_as_peft_writes_it_still_loads(tiny_base_dirs, 
     loaded = load_adapter(tiny_model("llama-tied", vocab_size=400), tmp_path)
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, expected, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("record", ["{not json", '["a list"]', json.dumps({HEAD: "missing.weight"})])
+def test_a_damaged_record_of_tied_names_is_named(tmp_path, record):
+    from safetensors.torch import save_file
+
+    from longpeft.adapter_weights import adapter_weights
+    from longpeft.errors import DataError
+
+    save_file({EMBEDDING: torch.zeros(4, 2)}, str(tmp_path / "adapter_model.safetensors"),
+              metadata={"format": "pt", TIED_METADATA: record})
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    with pytest.raises(DataError, match=r"adapter_model.safetensors: .*re-create it"):
+        adapter_weights(tmp_path)
