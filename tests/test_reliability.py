@@ -145,7 +145,7 @@ def _cut_short(write, name: str, step: int = 2):
     return cut
 
 
-def _killed_before_the_rename(publish):
+def _killed_before_the_rename(_publish):
     def cut(checkpoints, name):
         raise KeyboardInterrupt(f"killed before {name} took its name")
 
@@ -162,14 +162,14 @@ def _killed_while_rotating(rmtree):
     return cut
 
 
-# Each moment of checkpoint 2's save at which a kill comes: (what is patched, its replacement, extra recipe keys)
+# Each moment of checkpoint 2's save at which a kill comes: (the writer patched, its replacement given the writer)
 SAVE_MOMENTS = {
-    "adapter weights": ("peft.peft_model.safe_save_file", lambda f: _cut_short(f, "adapter_model.safetensors"), ()),
-    "optimizer": ("torch.save", lambda f: _cut_short(f, "optimizer.pt"), ()),
+    "adapter weights": ("peft.peft_model.safe_save_file", lambda f: _cut_short(f, "adapter_model.safetensors")),
+    "optimizer": ("torch.save", lambda f: _cut_short(f, "optimizer.pt")),
     "trainer state": ("transformers.trainer_callback.TrainerState.save_to_json",
-                      lambda f: _cut_short(f, "trainer_state.json"), ()),
+                      lambda f: _cut_short(f, "trainer_state.json")),
     "every file written, not yet renamed": ("longpeft.recipes.checkpoint_trainer.publish_checkpoint",
-                                            _killed_before_the_rename, ()),
+                                            _killed_before_the_rename),
 }
 
 
@@ -187,11 +187,11 @@ def test_a_checkpoint_save_cut_short_at_any_moment_leaves_nothing_a_resume_takes
     killed = tmp_path / "run"
     undo_after_checkpoint(result.output_dir, killed, 1, 2)
     checkpoints = killed / "checkpoints"
-    for moment, (target, replacement, extra) in SAVE_MOMENTS.items():
+    for moment, (target, replacement) in SAVE_MOMENTS.items():
         with monkeypatch.context() as patch:
             patch.setattr(target, replacement(resolve_name(target)))
             with pytest.raises(KeyboardInterrupt):
-                run(_recipe(_base_of(result), data, killed, *extra), resume=True)
+                run(_recipe(_base_of(result), data, killed), resume=True)
         assert not (checkpoints / "checkpoint-2").exists(), moment
         assert latest_checkpoint(killed) == checkpoints / "checkpoint-1", moment
 
