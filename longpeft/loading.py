@@ -8,6 +8,7 @@ from typing import Any
 from peft import PeftModel
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
+from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .compat import without_checkpointing_notice
@@ -127,7 +128,7 @@ def load(
         model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
         check_lora_adapter(adapter_dir)  # a missing or broken file is named here, never looked for on the Hub
-        model = PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=is_trainable)
+        model = load_adapter(model, adapter_dir, is_trainable=is_trainable)
     elif not any(method.weights is not None for method, _ in spec_methods(spec)):
         raise ModelSourceError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
                                "own): not an adapter folder")

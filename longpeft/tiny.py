@@ -34,10 +34,12 @@ CHAT_TEMPLATE = (
 )
 
 # Architectures the tests cover: name -> (model_type, overrides). All use grouped-query
-# attention except "llama-mha"; "qwen2" has q/k/v biases; "qwen3" has q/k norms.
+# attention except "llama-mha"; "qwen2" has q/k/v biases; "qwen3" has q/k norms; "llama-tied" ties its output head to
+# the input embedding (tie_word_embeddings, as small chat models do).
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "llama-mha": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
+    "llama-tied": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
     "qwen2": ("qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}),
     "qwen3": ("qwen3", {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}),

@@ -67,11 +67,9 @@ def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     return slots, positions, mask
 
 
-def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, pad: int = 0,
-                     sink: int = SINK, rule: str = "longpeft") -> torch.Tensor:
-    """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window; the first ``pad`` tokens
-    are left padding: no query reads them (in their window, or later as sink memory), each still reads itself, and
-    neither is a beacon read whose mask shows it no raw token of its window but padding. Ratio 0 keeps every raw
+def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, sink: int = SINK,
+                     rule: str = "longpeft") -> torch.Tensor:
+    """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window. Ratio 0 keeps every raw
     token of a full window in memory. The sink, first in memory: ``rule`` longpeft, the first ``sink`` raw tokens
     (none besides the raw window at ratio 0); authors, the first ``sink`` slots of the first window whatever they
     hold, then its beacons (at ratio 0, all its slots again)."""
@@ -80,18 +78,11 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
     d, theta = config.head_dim, config.rope_parameters["rope_theta"]
     memory_k = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
     memory_v = [torch.zeros(kv_heads, 0, d) for _ in backbone.layers]
-    memory_keep = torch.zeros(0, dtype=torch.bool)  # False at memory entries that are padding
     logits = []
     for w, begin in enumerate(range(0, ids.numel(), WINDOW)):
         chunk = ids[begin : begin + WINDOW]
         m = memory_k[0].shape[1]
         slots, positions, mask = window_rules(attn, pos, ratio, chunk.numel(), m)
-        raw_keep = [kind == "raw" and begin + i >= pad for kind, i in slots]
-        slot_keep = torch.tensor([raw_keep[s] or kind == "beacon" and any(mask[s, m + k] and raw_keep[k]
-                                                                          for k in range(len(slots)))
-                                  for s, (kind, _) in enumerate(slots)])
-        mask = mask & torch.cat([memory_keep, slot_keep])[None]
-        mask[torch.arange(len(slots)), m + torch.arange(len(slots))] = True
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
         x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw"
                          else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
@@ -132,8 +123,6 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
                 kept_keys = rope(pre_rope_keys[layer_index][:, kept], list(range(m, m + len(kept))), theta)
                 memory_k[layer_index] = torch.cat([memory_k[layer_index], kept_keys], dim=1)
                 memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, kept]], dim=1)
-        if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
-            memory_keep = torch.cat([memory_keep, slot_keep[kept]])
         raw = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
         logits.append(linear(rms(x[raw], backbone.norm), model.lm_head))
     return torch.cat(logits)
@@ -195,21 +184,19 @@ def test_the_authors_sink_layout_equals_the_dense_reference(attn, pos, ratio, si
     assert differs == (pos == "interleave")
 
 
-# padding inside the first window (the sink is padding; interleaved at ratio 2 beacon 0 condenses padding only);
-# 5: the appended beacon 0 of ratio 4 (raw 0..3) condenses padding only; over a whole window (all its beacons)
-@pytest.mark.parametrize("pad", [3, 5, 9])
+@pytest.mark.parametrize("pad", [3, 5, 9])  # inside the last window; 9: past a window border
 @pytest.mark.parametrize("attn,pos,ratio", [("full-coverage", "interleave", 2), ("step-expansion", "append", 4)])
-def test_a_left_padded_batch_equals_the_dense_reference_with_padding_masked(pad, attn, pos, ratio):
-    """Rows share one window layout; padding keys (in a window, and the sink once it is memory) and beacons that
-    condense padding only are never read."""
+def test_a_right_padded_batch_gives_each_row_the_reference_of_its_tokens_alone(pad, attn, pos, ratio):
+    """Rows share one window layout from index 0, so a row padded after its tokens (TRL's training batches) reads
+    what its tokens read alone (left padding is refused: tests/test_beacon.py)."""
     model = beacon_model(attn, pos, ratio)
     ids = torch.randint(3, 512, (2, 16 + 5), generator=torch.Generator().manual_seed(pad))
-    ids[0, :pad] = 0
+    ids[0, -pad:] = 0
     attention_mask = torch.ones_like(ids)
-    attention_mask[0, :pad] = 0
+    attention_mask[0, -pad:] = 0
     with torch.no_grad():
         actual = model(ids, attention_mask=attention_mask).logits
-        padded = reference_logits(model, ids[0], attn, pos, ratio, pad=pad)
+        short = reference_logits(model, ids[0, :-pad], attn, pos, ratio)
         full = reference_logits(model, ids[1], attn, pos, ratio)
-    torch.testing.assert_close(actual[0, pad:], padded[pad:], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(actual[0, :-pad], short, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(actual[1], full, atol=2e-5, rtol=1e-5)

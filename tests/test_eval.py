@@ -1,5 +1,6 @@
 """Evaluation runs: an oracle scores 100%, a model that cannot see the needle scores at chance,
-heatmaps are written, batching with left padding changes nothing, STRING is switched back off,
+heatmaps are written, batching with left padding changes nothing (a beacon model's batches hold prompts of one
+length), STRING is switched back off,
 memory problems fail early, the CLI works on saved models and adapters."""
 
 from __future__ import annotations
@@ -147,6 +148,20 @@ def test_left_padded_batches_equal_single_prompts(tokenizer, use_string):
     batched = greedy_generate(model, tokenizer, prompts, max_new_tokens=6, batch_size=3)
     single = [greedy_generate(model, tokenizer, [p], max_new_tokens=6, batch_size=1)[0] for p in prompts]
     assert batched == single
+
+
+def test_batched_probes_of_a_beacon_model_are_scored_as_one_prompt_at_a_time(tokenizer, single_thread):
+    """Activation Beacon refuses left padding; the probe grids batch prompts of one length only (none padded), so a
+    beacon model's batched evaluation runs and answers each probe as it does alone."""
+    from longpeft.adapters.beacon import BeaconConfig, apply_beacon
+
+    model = tiny_model("llama", vocab_size=len(tokenizer), attn_implementation="sdpa")
+    apply_beacon(model, BeaconConfig(window=32, ratios=[2, 4], sink=1).settings())
+    options = dict(lengths=[160, 200], depths=[0.25, 0.75], n_samples=1, max_new_tokens=4)
+    batched = evaluate("passkey", model, tokenizer, batch_size=4, **options)
+    alone = evaluate("passkey", model, tokenizer, batch_size=1, **options)
+    assert [s["prediction"] for s in batched["samples"]] == [s["prediction"] for s in alone["samples"]]
+    assert len({s["length"] for s in batched["samples"]}) == 2
 
 
 def test_evaluate_on_tiny_model_restores_string_state(tokenizer, tmp_path):

@@ -215,3 +215,19 @@ def test_without_lm_eval_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # `import lm_eval` raises ImportError
     with pytest.raises(ConfigError, match=r"needs lm-evaluation-harness .*pip install 'longpeft\[eval\]'"):
         import_lm_eval()
+
+
+def test_a_beacon_model_is_scored_one_request_at_a_time(tokenizer, task_dir, single_thread):
+    """lm-eval pads a batch's requests to one length; a beacon model would read a padded request differently from
+    the request alone (its windows start at the same index in every row), so --batch-size > 1 is refused first, and
+    one request at a time scores each as the direct computation does (windows of 16 tokens: the questions fill 2-4)."""
+    from longpeft.adapters.beacon import BeaconConfig, apply_beacon
+
+    folder, rows = task_dir
+    model = tiny_model("llama", vocab_size=len(tokenizer), attn_implementation="sdpa")
+    apply_beacon(model, BeaconConfig(window=16, ratios=[2], inference_ratios=[2], sink=1).settings())
+    with pytest.raises(ConfigError, match=r"--batch-size 2: lm-eval pads .* Activation Beacon .* use --batch-size 1"):
+        run_harness(model, tokenizer, [TASK], include_path=folder, batch_size=2)
+    results = run_harness(model, tokenizer, [TASK], include_path=folder, log_samples=True)
+    got, reference = harness_loglikelihoods(results), direct_loglikelihoods(model, tokenizer, rows)
+    assert (torch.tensor(got) - torch.tensor(reference)).abs().max() < 1e-4

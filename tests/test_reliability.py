@@ -20,9 +20,12 @@ from longpeft import hub
 from longpeft.cli import main
 from longpeft.demo import DEMO_MARKER, prepare_demo_folder
 from longpeft.errors import ConfigError, DataError, LongpeftError, ModelSourceError, OutputFolderError
+from longpeft.recipes.checkpoints import STAGING
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import load_recipe
 from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
+
+from run_helpers import assert_resumed_as_uninterrupted, undo_after_checkpoint
 
 
 def _recipe(base, data, out, *extra):
@@ -126,6 +129,81 @@ def test_resume_skips_a_torn_checkpoint_and_damaged_metrics(finished_run, tmp_pa
     lines = (copy / "metrics.jsonl").read_text().splitlines()
     assert (all(json.loads(line) for line in lines)
             and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2])
+
+
+def _cut_short(write, name: str, step: int = 2):
+    """``write(obj, path, ...)`` that, writing ``name`` into checkpoint ``step``, leaves half of it and is killed."""
+
+    def cut(obj, path, *args, **kwargs):
+        write(obj, path, *args, **kwargs)
+        path = Path(path)
+        if path.name == name and path.parent.name == f"checkpoint-{step}":
+            with path.open("r+b") as handle:
+                handle.truncate(path.stat().st_size // 2)
+            raise KeyboardInterrupt(f"killed while writing {path}")
+
+    return cut
+
+
+def _killed_before_the_rename(_publish):
+    def cut(checkpoints, name):
+        raise KeyboardInterrupt(f"killed before {name} took its name")
+
+    return cut
+
+
+def _killed_while_rotating(rmtree):
+    def cut(path, *args, **kwargs):
+        if Path(path).name != "checkpoint-1":
+            return rmtree(path, *args, **kwargs)
+        next(p for p in Path(path).iterdir() if p.is_file()).unlink()  # one file gone, then the kill
+        raise KeyboardInterrupt(f"killed while deleting {path}")
+
+    return cut
+
+
+# Each moment of checkpoint 2's save at which a kill comes: (the writer patched, its replacement given the writer)
+SAVE_MOMENTS = {
+    "adapter weights": ("peft.peft_model.safe_save_file", lambda f: _cut_short(f, "adapter_model.safetensors")),
+    "optimizer": ("torch.save", lambda f: _cut_short(f, "optimizer.pt")),
+    "trainer state": ("transformers.trainer_callback.TrainerState.save_to_json",
+                      lambda f: _cut_short(f, "trainer_state.json")),
+    "every file written, not yet renamed": ("longpeft.recipes.checkpoint_trainer.publish_checkpoint",
+                                            _killed_before_the_rename),
+}
+
+
+def test_a_checkpoint_save_cut_short_at_any_moment_leaves_nothing_a_resume_takes(finished_run, tmp_path,
+                                                                                  monkeypatch):
+    """A kill inside each write of a checkpoint's save (the file half written) or just before it takes its name
+    leaves no folder under that name; each rerun resumes from the checkpoint before and is cut short at the next
+    moment. A kill while the save rotates an older checkpoint away leaves the new one, complete. The last rerun ends
+    with the adapter and losses of the run never cut short."""
+    from pkgutil import resolve_name
+
+    from longpeft.recipes.checkpoints import latest_checkpoint
+
+    root, data, result = finished_run
+    killed = tmp_path / "run"
+    undo_after_checkpoint(result.output_dir, killed, 1, 2)
+    checkpoints = killed / "checkpoints"
+    for moment, (target, replacement) in SAVE_MOMENTS.items():
+        with monkeypatch.context() as patch:
+            patch.setattr(target, replacement(resolve_name(target)))
+            with pytest.raises(KeyboardInterrupt):
+                run(_recipe(_base_of(result), data, killed), resume=True)
+        assert not (checkpoints / "checkpoint-2").exists(), moment
+        assert latest_checkpoint(killed) == checkpoints / "checkpoint-1", moment
+
+    with monkeypatch.context() as patch:  # the new checkpoint has its name before older ones are deleted
+        patch.setattr(shutil, "rmtree", _killed_while_rotating(shutil.rmtree))
+        with pytest.raises(KeyboardInterrupt):
+            run(_recipe(_base_of(result), data, killed, "train.save_total_limit=1"), resume=True)
+    assert latest_checkpoint(killed) == checkpoints / "checkpoint-2"
+    assert not (checkpoints / STAGING).exists() or not any((checkpoints / STAGING).iterdir())
+
+    run(_recipe(_base_of(result), data, killed), resume=True)  # takes checkpoint 2: the run's last step
+    assert_resumed_as_uninterrupted(result.output_dir, killed, [1, 2])
 
 
 def test_resume_refuses_a_changed_recipe(finished_run, tmp_path):

@@ -45,6 +45,18 @@ def extended_length(model_or_adapter: str | Path | None) -> int | None:
     return max(spec.max_position_embeddings, spec.target_length or 0)
 
 
+def check_batch_size(model: Any, batch_size: int) -> None:
+    """Refuse ``batch_size > 1`` on an Activation Beacon model: lm-eval pads a batch's requests to one length
+    (generation requests on the left, which beacon refuses; scored ones on the right, where beacon would choose its
+    ratio for the padded length), so a request would not be scored as it is alone."""
+    from ..adapters.beacon import is_beacon_applied
+
+    if batch_size > 1 and is_beacon_applied(model):
+        raise ConfigError(f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and an "
+                          "Activation Beacon model reads a padded request differently from the request alone (its "
+                          "windows start at the same index in every row); use --batch-size 1")
+
+
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
     """lm-eval's ``HFLM`` over an already built ``model`` (e.g. ``longpeft.load(...)``) and its ``tokenizer``.
 
@@ -100,8 +112,10 @@ def run_harness(
         seed: lm-eval's Python, NumPy, torch and few-shot seeds.
 
     Raises:
-        ConfigError: lm-eval is missing, ``tasks`` is empty or names a task lm-eval does not know.
+        ConfigError: lm-eval is missing, ``tasks`` is empty or names a task lm-eval does not know, or
+            ``batch_size > 1`` on an Activation Beacon model (:func:`check_batch_size`).
     """
+    check_batch_size(model, batch_size)
     lm_eval = import_lm_eval()
     if not tasks:
         raise ConfigError("--tasks: give at least one lm-eval task or group, e.g. --tasks ruler")

@@ -1,16 +1,19 @@
 """Run-folder bookkeeping that makes a kill lose nothing: complete checkpoints, the recipe a run was
 started with, and metrics lines that survive a torn write.
 
-A checkpoint folder ``checkpoints/checkpoint-<step>`` is complete when its ``trainer_state.json``
-parses and its weights and optimizer state were written; a kill while one is being written leaves an
-incomplete folder, which resume skips (saying so). Stray folders that are not ``checkpoint-<int>``
-are ignored.
+A checkpoint is written into ``checkpoints/.saving/checkpoint-<step>`` and takes its name
+``checkpoints/checkpoint-<step>`` by a rename once every process has written its part
+(:func:`publish_checkpoint`, run by the Trainer of :mod:`.checkpoint_trainer`): a kill while one is being written
+leaves nothing under that name. A folder under it is also checked before a resume takes it: complete when its
+``trainer_state.json`` parses and its weights and optimizer state are there (an older run's folder cut short, or
+one a rotation was deleting, is skipped, saying so). Stray folders that are not ``checkpoint-<int>`` are ignored.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ from ..errors import ConfigError
 from ..files import write_text_atomically
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+STAGING = ".saving"  # under checkpoints/: where a checkpoint is written before it takes its name
 # Weights and optimizer state as the Trainer writes them: whole (one process, DDP: peft's adapter, the model, or
 # for ``finetune: method`` the method's own file such as ``beacon_adapter.safetensors``) or sharded (accelerate's
 # FSDP files and torch.distributed.checkpoint folders, ``pytorch_model_fsdp_0/`` and ``optimizer_0/``; DeepSpeed's
@@ -73,6 +77,29 @@ def latest_checkpoint(output_dir: Path, report: list[str] | None = None) -> Path
         if report is not None:
             report.append(f"{folder} is incomplete (a kill while it was written?); it is skipped")
     return None
+
+
+def staging_folder(checkpoints: Path) -> Path:
+    """Where the checkpoints of ``checkpoints`` (a run's ``checkpoints/``) are written before they take their names
+    (the Trainer writes ``<it>/checkpoint-<step>``); never read by a resume."""
+    return Path(checkpoints) / STAGING
+
+
+def clear_staging(checkpoints: Path) -> None:
+    """Remove what a save cut short left in :func:`staging_folder` (before the next save writes there)."""
+    shutil.rmtree(staging_folder(checkpoints), ignore_errors=True)
+
+
+def publish_checkpoint(checkpoints: Path, name: str) -> Path:
+    """Give the checkpoint written in :func:`staging_folder` under ``name`` (``checkpoint-<step>``) that name in
+    ``checkpoints``, in one rename. A folder already there by that name is an incomplete one (a resume would have
+    continued from it, not from an earlier step, were it complete: a kill of an older longpeft's save, or of a
+    rotation), and is removed first. Returns the checkpoint's folder."""
+    final = Path(checkpoints) / name
+    if final.exists():
+        shutil.rmtree(final)
+    (staging_folder(checkpoints) / name).rename(final)
+    return final
 
 
 def checkpoint_step(folder: Path) -> int:

@@ -124,16 +124,13 @@ def load_init_weights(model: Any, folder: Path, kind: str, spec: ContextSpec) ->
 
 
 def _load_lora(model: Any, folder: Path) -> None:
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-
+    from ..adapter_weights import load_weights_into
     from ..reading import check_lora_adapter
 
     where = f"model.init_from ({folder})"
     check_lora_adapter(folder, "model.init_from")  # a missing or broken file is named, never looked for on the Hub
-    weights = load_peft_weights(str(folder), device="cpu")
     try:
-        result = set_peft_model_state_dict(model, weights)
+        result = load_weights_into(model, folder)  # a tied embedding the file keeps once is tied again
     except RuntimeError as error:  # size mismatch
         reason = str(error).splitlines()[-1].strip()
         raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..adapter_weights import leave_out_tied_copies
 from ..adapters import (
     METHODS,
     ResolveContext,
@@ -413,6 +414,7 @@ def _save_adapter_files(model: Any, tokenizer: PreTrainedTokenizerBase, spec: Co
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if finetune != "method":
         model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+        leave_out_tied_copies(model, folder)  # a tied embedding is written once
     save_method_weights(model, spec, folder, state_dict)
     if finetune == "full":
         export_methods(model, spec, folder)

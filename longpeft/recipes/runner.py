@@ -3,7 +3,8 @@
 Output folder (``recipe.output_dir``)::
 
     base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
-    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
+    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last);
+                          each is written under ``checkpoints/.saving`` and renamed once complete
     adapter/              LoRA adapter (and the method's own weights, e.g. beacon_adapter.safetensors) +
                           longpeft.json + tokenizer; only the method's weights with ``finetune: method``
     model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
@@ -41,6 +42,7 @@ from ..launch.topology import (
 from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from . import unsloth_backend
+from .checkpoint_trainer import checkpoint_trainer
 from .checkpoints import (
     check_recipe_change,
     checkpoint_step,
@@ -210,9 +212,9 @@ def build_trainer(recipe: Recipe, model: Any, tokenizer: PreTrainedTokenizerBase
     peft_config = lora_config(recipe, model) if recipe.train.backend == "transformers" else None
     if recipe.finetune == "method":  # the base stays frozen; only the method's weights train
         model.requires_grad_(False)
-    trainer_class = SFTTrainer
+    trainer_class = checkpoint_trainer(SFTTrainer)
     if keeps_weights_outside_checkpoints(recipe, spec):
-        trainer_class = method_checkpoint_trainer(SFTTrainer, spec, recipe.finetune)
+        trainer_class = method_checkpoint_trainer(trainer_class, spec, recipe.finetune)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config, data_collator=data_collator(recipe, spec, tokenizer),
                             callbacks=callbacks)

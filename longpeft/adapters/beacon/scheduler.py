@@ -16,8 +16,10 @@ LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens
   exactly where one prefill would. A prefill runs up to ``parallel_windows`` full windows per forward
   (:mod:`.parallel`), with the same results.
 
-Rows of a batch share one layout (window borders by index): left padding is allowed and masked, and
-so is a beacon that sees no raw token of its window but padding (it condensed nothing else).
+Rows of a batch share one layout: window borders, beacons and positions by index. So every row's tokens must
+start at index 0: a row whose tokens follow padding (left padding) would have other windows than its prompt alone,
+and is refused (:func:`_check_no_padding_before_tokens`; ratio 0 alone, with no beacons, takes it). Padding after a
+row's tokens (TRL's training batches) is masked, and so is a beacon that sees no raw token of its window but padding.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -56,6 +58,40 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
         return None
     keep = attention_mask[:, -n_new:].bool()
     return None if bool(keep.all()) else keep.cpu()
+
+
+def _rows_with_padding(state) -> torch.Tensor | None:
+    """``[batch]`` bool: the rows that held padding among what the cache has read (None: none did)."""
+    parts = [~keep for keep in (state.memory_keep, state.window_keep) if keep is not None]
+    return torch.cat(parts, dim=1).any(dim=1) if parts else None
+
+
+def _check_no_padding_before_tokens(keep_new: torch.Tensor | None, state, settings: BeaconSettings,
+                                    training: bool) -> None:
+    """Refuse a batch in which a row's token follows padding (``keep_new [batch, n]``: the new tokens' padding mask;
+    the cache's state: what came before), unless no beacon can be inserted (every ratio in use is 0).
+
+    Windows start at the same index in every row, so such a row's windows, beacons and positions would differ from
+    those of its prompt alone (the stock model gives the same logits either way; beacon's would not)."""
+    padded_before = _rows_with_padding(state)
+    if keep_new is None and padded_before is None:
+        return
+    if not any(settings.ratios if training else settings.inference_ratios):
+        return
+    batch = (keep_new if keep_new is not None else padded_before).shape[0]
+    earlier = padded_before if padded_before is not None else torch.zeros(batch, dtype=torch.bool)
+    if keep_new is None:
+        follows = earlier
+    else:
+        after_padding = earlier[:, None] | (~keep_new).cumsum(dim=1).bool()  # [batch, n]: padding at or before
+        follows = (keep_new & after_padding).any(dim=1)
+    if bool(follows.any()):
+        row = int(follows.nonzero()[0])
+        raise ValueError(
+            f"Activation Beacon: row {row} of the batch has tokens after padding (left padding); beacon windows "
+            "start at the same index in every row, so its windows would differ from its prompt alone and give other "
+            "logits: batch prompts of one length, or give one prompt at a time"
+        )
 
 
 def _check_cache(cache) -> None:
@@ -230,6 +266,7 @@ def beacon_backbone_forward(
     weight = self.embed_tokens.weight
     keep_new = _keep_mask(attention_mask, n_new)
     state = cache.state
+    _check_no_padding_before_tokens(keep_new, state, settings, self.training)
     total = state.raw_seen + n_new
     rotate = _rotate_with(self.rotary_emb)
     dtype = inputs_embeds.dtype if inputs_embeds is not None else weight.dtype
