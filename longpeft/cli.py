@@ -394,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-LIBRARY_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "requests", "urllib3")  # they parse a server's answers
+# they parse a server's answers
+LIBRARY_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "httpx2", "httpcore2", "requests", "urllib3")
 
 
 def error_message(exc: BaseException) -> str | None:
@@ -415,7 +416,7 @@ def error_message(exc: BaseException) -> str | None:
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
     from safetensors import SafetensorError
 
-    from .errors import LongpeftError
+    from .errors import HubTimeoutError, LongpeftError
     from .files import write_failure
     from .reading import REFUSED_FOR_SAFETY
 
@@ -423,6 +424,9 @@ def error_message(exc: BaseException) -> str | None:
     detail = f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
     if isinstance(exc, LongpeftError):  # longpeft's own messages are written to be read as they are
         return str(exc).strip() or type(exc).__name__
+    silent_hub = _cause_of_kind(exc, HubTimeoutError)  # a library turned a silent Hub into its own error
+    if silent_hub is not None:
+        return str(silent_hub)
     if isinstance(exc, (KeyError, TypeError, AttributeError)):
         if _raised_in(exc, LIBRARY_PACKAGES):
             what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
@@ -455,15 +459,30 @@ def error_message(exc: BaseException) -> str | None:
     return None
 
 
-def _is_network_error(exc: BaseException) -> bool:
-    """An HTTP client's error: httpx's (not ``OSError`` subclasses) or requests' (whichever huggingface_hub uses)."""
-    kinds: list[type[BaseException]] = []
-    try:
-        import httpx
+def _cause_of_kind(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first error of ``kind`` among the errors ``exc`` was raised from or while handling, else None."""
+    seen: set[int] = set()
+    error: BaseException | None = exc
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kind):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
-        kinds += [httpx.HTTPError, httpx.InvalidURL]
-    except ImportError:
-        pass
+
+def _is_network_error(exc: BaseException) -> bool:
+    """An HTTP client's error: httpx's or httpx2's (not ``OSError`` subclasses) or requests' (whichever
+    huggingface_hub uses)."""
+    import importlib
+
+    kinds: list[type[BaseException]] = []
+    for name in ("httpx", "httpx2"):  # huggingface_hub 1 uses httpx, 2 httpx2
+        try:
+            library = importlib.import_module(name)
+        except ImportError:
+            continue
+        kinds += [library.HTTPError, library.InvalidURL]
     try:
         import requests
 

@@ -1,4 +1,4 @@
-"""The errors longpeft raises for input it cannot use: one base, five kinds.
+"""The errors longpeft raises for input it cannot use: one base, six kinds.
 
 Every expected failure caused by what the user gave (a file, a folder, a key, a flag) is a :class:`LongpeftError`;
 its message names the file, field or flag and says what to do. The command line prints it as one line and exits
@@ -22,6 +22,8 @@ class                             also a                  raised for
 :class:`OutputFolderError`        ``FileExistsError``     an output folder that would overwrite something
 :class:`OutputWriteError`         ``OSError``             results that could not be written: a full disk, an
                                                           unwritable folder (from any library's writer)
+:class:`HubTimeoutError`          ``TimeoutError``        a Hub endpoint (``HF_ENDPOINT``) that sent nothing
+                                                          for ``LONGPEFT_HUB_TIMEOUT`` seconds
 ================================  ======================  ===================================================
 
 This module is the floor of the package: it imports nothing (``files``, the torch-free file rules, raises these).
@@ -61,3 +63,8 @@ class OutputFolderError(LongpeftError, FileExistsError):
 class OutputWriteError(LongpeftError, OSError):
     """Results that could not be written (no space left, no permission): the message names the folder and, where
     known, the bytes it needed; nothing that looks complete was left behind (:func:`longpeft.files.writing_to`)."""
+
+
+class HubTimeoutError(LongpeftError, TimeoutError):
+    """A Hub endpoint that sent nothing (no answer, no byte of a download) for ``LONGPEFT_HUB_TIMEOUT`` seconds: the
+    message names the endpoint, the repo and the file where known, and what to do (:mod:`longpeft.files`)."""

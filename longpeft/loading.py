@@ -43,6 +43,7 @@ def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs
         return AutoTokenizer.from_pretrained(adapter_dir, **kwargs)
     spec = ContextSpec.load(adapter_dir)
     name = resolve_base(spec, adapter_dir, base)
+    check_model_source(name, "base model", "; pass the base model (load_tokenizer(adapter, base))")
     return AutoTokenizer.from_pretrained(name, **pin_base_revision(spec, name, kwargs))
 
 

@@ -1,12 +1,14 @@
 """Run longpeft's CLI on >= 150 bad inputs and count how each ends (tests/test_file_errors.py runs it as a test).
 
 Each case calls ``longpeft.cli.main(argv)`` in this process, some under a simulated fault (a library's write
-raising its own full-disk or permission error, a Hub that answers with the wrong JSON shape), and is classified:
+raising its own full-disk or permission error; a Hub on 127.0.0.1, tests/fake_hub.py, that answers with the wrong
+JSON shape, never answers, or stalls its files), and is classified:
 
 - ``clear``: exit status 2 (3 for a synth run that built nothing), no traceback, a message on stderr, and for a
   simulated full disk no output folder left behind;
 - ``unnamed``: as clear, but the message does not name the file or folder at fault (the cases that say which);
 - ``exit 0``: the command ran to the end (for these inputs: the bad value was accepted silently);
+- ``hung``: still running after ``CASE_LIMIT`` seconds (given up, in a thread of its own);
 - ``other``: anything else (a traceback, an exception escaping ``main``, a wrong exit status, a partial output).
 
 Usage::
@@ -25,15 +27,19 @@ import io
 import json
 import os
 import shutil
+import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the fake Hub the tests use
+
+from fake_hub import FakeHub, pointed_at, silent_hub  # noqa: E402
 
 
 def write(path: Path, text: str) -> Path:
@@ -83,7 +89,8 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     out += [(f"train --set {s}", ["train", "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
             for s in recipe_sets[:10]]
     # plan refuses what train refuses (optimizer values SFTConfig would take, a batch the GPUs do not divide)
-    parity_sets = ["train.adam_beta1=5", "train.adam_beta2=1", "train.optim=notanoptimizer"]
+    parity_sets = ["train.adam_beta1=5", "train.adam_beta2=1", "train.optim=notanoptimizer",
+                   "rope.rope_theta=1.0001", "rope.rope_theta=9999"]
     for command in ("plan", "train"):
         out += [(f"{command} --set {s}", [command, "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
                 for s in parity_sets]
@@ -419,53 +426,64 @@ def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callabl
         "/stats.json").removesuffix("/passkey.json"))) for name, argv, fault, left in out]
 
 
-class _WrongShapeHub(BaseHTTPRequestHandler):
-    """The repo's model_info answers as the Hub does (the bounded pre-check passes); its other API answers (the
-    revision's info, the file listing) are ``answer``; anything else is a 404."""
-
-    answer: object = None
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        path = self.path.split("?")[0]
-        if path == "/api/models/owner/adapter":
-            body: object = {"id": "owner/adapter", "sha": "0" * 40, "siblings": [{"rfilename": "longpeft.json"}]}
-        elif path.startswith("/api/models/owner/adapter/"):
-            body = self.answer
-        else:
-            self.send_response(404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-            return
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    do_HEAD = do_GET
-
-    def log_message(self, *args) -> None:
-        pass
+@contextlib.contextmanager
+def wrong_shape_hub(answer: object) -> Iterator[None]:
+    """A Hub on 127.0.0.1 whose answers have the wrong JSON shape (tests/fake_hub.py), in place of the offline Hub."""
+    with FakeHub("answer", answer) as hub, pointed_at(hub.endpoint):
+        yield
 
 
 @contextlib.contextmanager
-def wrong_shape_hub(answer: object) -> Iterator[None]:
-    """A Hub on 127.0.0.1 whose answers have the wrong JSON shape, in place of the offline Hub."""
-    from huggingface_hub import constants
-
-    handler = type("Handler", (_WrongShapeHub,), {"answer": answer})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+def misbehaving_hub(kind: str) -> Iterator[None]:
+    """A Hub on 127.0.0.1 that never answers (``silent``) or stalls its files (a :class:`FakeHub` mode), asked with
+    a short :data:`HUB_WAIT`."""
+    previous = os.environ.get("LONGPEFT_HUB_TIMEOUT")
+    os.environ["LONGPEFT_HUB_TIMEOUT"] = str(HUB_WAIT)
     try:
-        template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
-        with replaced(constants, "HF_HUB_OFFLINE", False), replaced(constants, "ENDPOINT", endpoint), \
-                replaced(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template):
-            yield
+        if kind == "silent":
+            with silent_hub() as endpoint, pointed_at(endpoint):
+                yield
+        else:
+            with FakeHub(kind) as hub, pointed_at(hub.endpoint):
+                yield
     finally:
-        server.shutdown()
-        server.server_close()
+        if previous is None:
+            os.environ.pop("LONGPEFT_HUB_TIMEOUT", None)
+        else:
+            os.environ["LONGPEFT_HUB_TIMEOUT"] = previous
+
+
+HUB_WAIT = 2  # LONGPEFT_HUB_TIMEOUT of the Hub cases, seconds
+CASE_LIMIT = 60  # seconds: a case still running then is counted as hung
+
+
+def hub_cases(root: Path) -> list[tuple[str, list[str], Callable | None, None, str]]:
+    """A silent or stalling Hub under every command that loads a model or tokenizer by Hub id, and local paths that
+    do not exist under the same commands: (name, argv, the Hub, no output to check, what the message must name)."""
+    def argv(command: str, source: str, out: str) -> list[str]:
+        if command == "synth --tokenizer":
+            return ["synth", "--out", str(root / out), "--tokenizer", source, "--contexts", "1", "--min-tokens",
+                    "512", "--max-tokens", "1024", "--no-progress"]
+        return [command.split()[0], "tiny-cpu", *(["--build"] if "build" in command else []),
+                "--set", f"model.name_or_path={source}", "--set", f"output_dir={root / out}"]
+
+    (root / "models").mkdir(exist_ok=True)
+    out = []
+    for command in ("train", "synth --tokenizer", "plan --build"):
+        for kind in ("silent", "stall", "stall_body"):
+            out.append((f"{command}: Hub {kind}", argv(command, "owner/name", f"hub-{kind}"),
+                        lambda kind=kind: misbehaving_hub(kind), None, "owner/name"))
+        for missing in (str(root / "no-model"), "models/no-model"):
+            out.append((f"{command}: missing {'relative ' if missing[0] != '/' else ''}path",
+                        argv(command, missing, "hub-missing"), lambda: misbehaving_hub("stall"), None,
+                        f"{missing}: no such folder"))
+    out.append(("train: Hub dataset silent", ["train", "tiny-cpu", "--set", "data.source=owner/data",
+                                              "--set", f"output_dir={root / 'hub-data'}"],
+                lambda: misbehaving_hub("silent"), None, "data.source owner/data"))
+    out.append(("train: missing relative data.source", ["train", "tiny-cpu", "--set", "data.source=models/chats",
+                                                        "--set", f"output_dir={root / 'hub-data'}"],
+                lambda: misbehaving_hub("stall"), None, "data.source models/chats does not exist"))
+    return out
 
 
 def classify(argv: list[str], fault: Callable | None = None, leftover: Path | None = None,
@@ -473,16 +491,25 @@ def classify(argv: list[str], fault: Callable | None = None, leftover: Path | No
     from longpeft.cli import main
 
     err, std = io.StringIO(), io.StringIO()
-    code: int | None
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+    result: dict[str, int | None] = {}
+
+    def run() -> None:
         try:
-            with fault() if fault is not None else contextlib.nullcontext():
-                code = main(argv)
+            result["code"] = main(argv)
         except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
+            result["code"] = exit_.code if isinstance(exit_.code, int) else 1
         except BaseException:  # noqa: BLE001 - an escaped exception is what we count
             traceback.print_exc()
-            code = None
+            result["code"] = None
+
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
+        with fault() if fault is not None else contextlib.nullcontext():
+            case = threading.Thread(target=run, daemon=True)  # a hung case is given up, not waited for
+            case.start()
+            case.join(CASE_LIMIT)
+    if case.is_alive():
+        return "hung", None, f"{err.getvalue()}\nstill running after {CASE_LIMIT} s"
+    code = result["code"]
     text = err.getvalue()
     if leftover is not None and leftover.exists():
         return "other", code, f"{text}\nleft behind: {leftover}"
@@ -496,8 +523,8 @@ def classify(argv: list[str], fault: Callable | None = None, leftover: Path | No
 
 
 def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, int], list[str]]:
-    """Run every case; returns the counts (``cases``, ``clear``, ``exit 0``, ``other``) and a line per case that
-    is not clear. ``show`` gets a line per case as it ends."""
+    """Run every case; returns the counts (``cases`` and one per class: ``clear``, ``unnamed``, ``exit 0``, ``hung``,
+    ``other``) and a line per case that is not clear. ``show`` gets a line per case as it ends."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         adapter = make_adapter(root)
@@ -505,15 +532,16 @@ def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, 
         os.chdir(root)  # the relative-path cases
         try:
             all_cases = ([(name, argv, None, None, None) for name, argv in cases(root, adapter)]
-                         + broken_file_cases(root, adapter) + fault_cases(root, adapter))
-            counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "other": 0}
+                         + broken_file_cases(root, adapter) + fault_cases(root, adapter) + hub_cases(root))
+            counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "hung": 0, "other": 0}
             failures = []
             for name, argv, fault, leftover, names in all_cases:
+                start = time.monotonic()
                 kind, code, text = classify(argv, fault, leftover, names)
                 counts[kind] += 1
                 lines = [t for t in text.strip().splitlines() if t != "(run with --debug for the traceback)"]
                 last = (lines or [""])[-1][:150]
-                line = f"{kind:<9} rc={code!s:<4} {name:<40} {last}"
+                line = f"{kind:<9} rc={code!s:<4} {time.monotonic() - start:5.1f} s {name:<40} {last}"
                 show(line)
                 if kind != "clear":
                     failures.append(f"{line}\n{text[-3000:]}")

@@ -87,3 +87,35 @@ def test_the_launch_finds_accelerate_beside_the_interpreter(tmp_path, monkeypatc
     beside.chmod(0o755)
     assert accelerate_executable() == str(beside)
     assert os.access(beside, os.X_OK)
+
+
+def _error(err: str) -> str:
+    return next(line for line in err.splitlines() if ": error: " in line).split(": error: ")[1]
+
+
+@pytest.mark.parametrize("theta", ["1.0001", "9999"])
+def test_plan_and_train_refuse_a_rope_base_below_the_models_own(theta, tmp_path, capsys):
+    """tiny-cpu's base model turns with base 10000: a smaller rope.rope_theta shortens every wavelength instead of
+    extending the context, and plan refuses it in train's words (both resolve the recipe against the base through
+    one path, build_spec)."""
+    messages = []
+    for command in (["plan", "tiny-cpu"], ["train", "tiny-cpu", "--set", f"output_dir={tmp_path}"]):
+        assert main([*command, "--set", f"rope.rope_theta={theta}"]) == 2
+        messages.append(_error(capsys.readouterr().err))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith(f"rope.rope_theta={float(theta):g} is below the base model's own RoPE base 10000")
+    assert main(["plan", "tiny-cpu", "--set", "rope.rope_theta=10000"]) == 0  # the model's own base is kept
+
+
+def test_a_rope_base_below_a_real_bases_is_refused_before_anything_loads():
+    """The 80K recipe's base (Llama-3-8B-Instruct, config values) turns with 500000."""
+    from transformers import LlamaConfig
+
+    from longpeft.recipes.model import build_spec
+
+    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    assert build_spec(load_recipe(RECIPE), config, "base").rope_parameters["rope_theta"] == 2e8
+    with pytest.raises(ConfigError, match="rope.rope_theta=100000 is below the base model's own RoPE base 500000"):
+        build_spec(load_recipe(RECIPE, ["rope.rope_theta=1e5"]), config, "base")

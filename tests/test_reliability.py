@@ -422,28 +422,22 @@ def test_the_console_prints_a_bugs_traceback(tmp_path):
 
 
 def test_a_hub_that_never_answers_is_a_bounded_wait_naming_the_endpoint(tmp_path):
-    """A server on 127.0.0.1 that accepts connections and never answers: the CLI gives up in seconds."""
-    import socket
+    """A server on 127.0.0.1 that accepts connections and never answers, named by HF_ENDPOINT as a user would: the
+    CLI gives up in seconds (tests/test_hub_access.py: every command, stalled files too)."""
     import subprocess
     import sys
 
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(16)  # accepted by the kernel, never read nor answered
-    port = listener.getsockname()[1]
+    from fake_hub import hub_env, silent_hub
+
     code = "from longpeft.cli import main; import sys; sys.exit(main(sys.argv[1:]))\n"
-    env = {**__import__("os").environ, "HF_ENDPOINT": f"http://127.0.0.1:{port}", "HF_HUB_OFFLINE": "0",
-           "LONGPEFT_HUB_TIMEOUT": "2"}
-    try:
+    with silent_hub() as endpoint:
         for argv in (["eval", "passkey", "--model", "owner/name", "--out", str(tmp_path / "e")],
                      ["merge", "owner/adapter", "--out", str(tmp_path / "m")]):
             # an unbounded wait would hang until this timeout (TimeoutExpired); a loaded machine may take a minute
             proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180,
-                                  env=env)
-            assert proc.returncode == 2 and f"127.0.0.1:{port}" in proc.stderr and "did not answer" in proc.stderr
+                                  env=hub_env(endpoint, timeout=2))
+            assert proc.returncode == 2 and endpoint in proc.stderr and "did not answer" in proc.stderr
             assert "Traceback" not in proc.stderr
-    finally:
-        listener.close()
 
 
 def test_a_tokenizer_that_encodes_nothing_is_refused():

@@ -105,6 +105,9 @@ def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
         return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
 
+    from ..files import check_model_source
+
+    check_model_source(args.model, "--model")
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return config.max_position_embeddings, "the model's max_position_embeddings"
 

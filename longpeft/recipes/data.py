@@ -11,9 +11,11 @@ from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError, DataNotFoundError
+from ..files import hub_preflight, is_local
 from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
+GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the recipe runs
 
 
 def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
@@ -80,6 +82,23 @@ def synth_output_file(source: str) -> Path | None:
     return None
 
 
+def check_data_source(data: DataSection) -> None:
+    """``data.source`` before anything loads: a generated set, a local file or folder, which must exist (a missing
+    one is named as missing, never tried as a Hub id: :func:`~longpeft.files.is_local`), or a Hub dataset id
+    (``owner/name``), which must answer within ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.hub_preflight`).
+
+    Raises:
+        DataNotFoundError: no such local file or folder.
+        ModelSourceError: no such dataset on the Hub; HubTimeoutError: the Hub did not answer.
+    """
+    if data.source in GENERATED_SOURCES or Path(data.source).exists():
+        return
+    if is_local(data.source):
+        raise DataNotFoundError(f"data.source {data.source} does not exist; generate it with `longpeft synth` or "
+                                "point the recipe at your data (a Hub dataset is named owner/name)")
+    hub_preflight(data.source, "data.source", repo_type="dataset")
+
+
 def _is_empty(path: Path) -> bool:
     """No content but white space (reads at most the first 64 KiB: data files can be gigabytes)."""
     with path.open("rb") as handle:
@@ -104,6 +123,7 @@ def _load_source(data: DataSection) -> Dataset:
             )
         files = [path]
     else:
+        check_data_source(data)
         return load_dataset(data.source, split=data.split)
     empty = [str(p) for p in files if _is_empty(p)]
     if empty:

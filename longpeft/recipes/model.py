@@ -23,7 +23,7 @@ from ..adapters import (
 )
 from ..config import torch_dtype
 from ..errors import ConfigError
-from ..files import written_atomically
+from ..files import check_model_source, written_atomically
 from ..spec import ContextSpec, recipe_hash
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
@@ -84,6 +84,16 @@ def base_location(recipe: Recipe, output_dir: Path) -> str:
     if name.startswith(TINY_PREFIX):
         return str(materialize_tiny_base(name, output_dir / "base", recipe.train.seed))
     return model_location(name)
+
+
+def check_base_source(recipe: Recipe) -> None:
+    """``model.name_or_path`` before anything loads: a local folder must exist, a Hub id must answer within
+    ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.check_model_source`); a ``tiny:`` model is built here."""
+    from ..builtin_models import model_location
+
+    name = recipe.model.name_or_path
+    if not name.startswith(TINY_PREFIX):
+        check_model_source(model_location(name), "model.name_or_path", "; point it at the base model's folder")
 
 
 def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:

@@ -25,13 +25,20 @@ from tqdm.auto import tqdm
 
 from ..errors import DataError
 from ..scale.lengths import SampleLengths
-from .data import load_training_data, select_by_length, tokenize_dataset, utk_document_room, utk_groups, utk_limit
+from .data import (
+    GENERATED_SOURCES,
+    load_training_data,
+    select_by_length,
+    tokenize_dataset,
+    utk_document_room,
+    utk_groups,
+    utk_limit,
+)
 from .schema import Recipe
 
 # Characters per token of English text with today's BPE vocabularies (a common rule of thumb; Llama-3's 128K
 # vocabulary gives somewhat more, so the estimate errs long). Used only when the tokenizer is not on this machine.
 CHARS_PER_TOKEN = 4.0
-GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the recipe runs
 
 
 def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:

@@ -52,6 +52,7 @@ from .checkpoints import (
 )
 from .data import (
     check_content_to_skip,
+    check_data_source,
     filter_by_length,
     load_training_data,
     longest_sample,
@@ -60,13 +61,14 @@ from .data import (
     utk_document_room,
     utk_limit,
 )
-from .init_from import check_init_adapter, load_init_weights, report_differences
+from .init_from import adapter_folder, check_init_adapter, load_init_weights, report_differences
 from .memory import TrainingMemory, check_memory_options, checkpoint_settings, shapes_memory
 from .method_trainer import method_checkpoint_trainer
 from .model import (
     adapter_settings,
     base_location,
     builds_partitioned,
+    check_base_source,
     expose_token_indices_head_bias,
     gathered_state_dict,
     keep_trained_weights_in,
@@ -117,7 +119,9 @@ class Prepared:
 @without_checkpointing_notice()  # peft and TRL read a property transformers deprecates
 def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
     """Build the model, the data and the trainer of a recipe, in that order, without training (``longpeft plan
-    --build`` prints the result's ``resolved`` settings)."""
+    --build`` prints the result's ``resolved`` settings); every source the recipe names is checked first
+    (:func:`check_sources`)."""
+    check_sources(recipe)
     fast = None
     if recipe.train.backend == "unsloth":
         fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
@@ -157,6 +161,17 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "checkpointing": dataclasses.asdict(checkpointing) if checkpointing is not None else None,
     }
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
+
+
+def check_sources(recipe: Recipe) -> None:
+    """Every model, adapter and data set the recipe names (``model.name_or_path``, ``model.init_from``,
+    ``data.source``), before anything is built: a local path must exist and is named as missing otherwise (never
+    tried as a Hub id), a Hub id must answer within ``LONGPEFT_HUB_TIMEOUT``, and the downloads that follow are
+    bounded by it too (:func:`longpeft.files.check_model_source`)."""
+    check_base_source(recipe)
+    if recipe.model.init_from:
+        adapter_folder(recipe.model.init_from)  # a Hub adapter is downloaded now, before the base loads
+    check_data_source(recipe.data)
 
 
 def build_model(

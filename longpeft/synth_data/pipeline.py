@@ -111,13 +111,18 @@ class SynthConfig(StrictModel):
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The training tokenizer; ``"tiny"`` is longpeft's in-memory tokenizer trained on the procedural corpus."""
+    """The training tokenizer (``tokenizer``, ``--tokenizer``): a local folder, which must exist, or a Hub id, which
+    must answer within ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.check_model_source`); ``"tiny"`` is longpeft's
+    in-memory tokenizer trained on the procedural corpus."""
     if name == "tiny":
         from ..tiny import demo_tokenizer
 
         return demo_tokenizer()
     from transformers import AutoTokenizer
 
+    from ..files import check_model_source
+
+    check_model_source(name, "tokenizer (--tokenizer)", "; give a tokenizer's folder, a Hub id owner/name, or tiny")
     return AutoTokenizer.from_pretrained(name, use_fast=True)
 
 
@@ -165,10 +170,10 @@ def synthesize(
     they are skipped and counted as ``skipped_rejected`` in the usage report)."""
     files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
     mix_sources = load_mix_sources(config.mix)  # and so do the mixed-in ones, before the long build
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)  # and a bad tokenizer too
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
     builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
                                  show_progress=config.progress)

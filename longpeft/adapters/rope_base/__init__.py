@@ -15,7 +15,7 @@ A merged or fully fine-tuned model's config.json also gets the keys transformers
 from __future__ import annotations
 
 from ...errors import ConfigError
-from ...rope import unused_rope_keys
+from ...rope import rope_parameters_of, unused_rope_keys
 from ..registry import Method, ResolveContext
 from .config import RopeConfig, RopeType
 from .export import export_rope, write_legacy_rope_keys
@@ -25,11 +25,14 @@ from .modeling import apply_rope_config, expand_rope_base, has_rope_change, reso
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     """The complete rope_parameters and max length this section gives the base model.
 
-    Refuses keys the resulting rope type does not read (transformers would ignore them), and ``dynamic`` for a
+    Refuses keys the resulting rope type does not read (transformers would ignore them), ``dynamic`` for a
     training run: dynamic NTK rescales only beyond ``max_position_embeddings``, which a recipe sets to at least its
-    training length, so the run would train plain RoPE.
+    training length, so the run would train plain RoPE; and a ``rope_theta`` below the base model's own
+    (:func:`check_rope_theta`).
     """
     requested = config.rope_parameters()
+    if "rope_theta" in requested:
+        check_rope_theta(requested["rope_theta"], float(rope_parameters_of(context.base_config)["rope_theta"]))
     params = resolve_rope_parameters(context.base_config, requested)
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
@@ -44,6 +47,23 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
         raise ConfigError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
     max_positions = config.max_position_embeddings or context.base_config.max_position_embeddings
     return RopeConfig(**params, max_position_embeddings=max_positions)
+
+
+def check_rope_theta(theta: float, base_theta: float) -> None:
+    """A recipe's ``rope.rope_theta`` extends the context only when it is at least the base model's own base
+    ``base_theta``: the longest rotary wavelength grows with the base, so a smaller one shortens every wavelength and
+    leaves fewer positions the model tells apart (a base near 1 turns every pair at about one radian per position,
+    ~6 positions a turn). Equal keeps the model's own base (a rope_type's scaling may still change).
+
+    Raises:
+        ConfigError: ``theta`` below ``base_theta``, naming the field, both values and what to do.
+    """
+    if theta < base_theta:
+        raise ConfigError(
+            f"rope.rope_theta={theta:g} is below the base model's own RoPE base {base_theta:g}: a smaller base "
+            "shortens every rotary wavelength, so the model tells fewer positions apart instead of more; give a base "
+            f"above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to keep the "
+            "model's own")
 
 
 METHOD = Method(
