@@ -115,7 +115,7 @@ class FakeHub:
     requests it received (``"GET /path"``)."""
 
     TRICKLED = b'{"model_type": "llama"}'  # what "trickle" sends, a byte at a time
-    TRICKLE_GAP = 0.1  # seconds between two bytes
+    TRICKLE_GAP = 0.15  # seconds between two bytes (23 bytes: longer than the tests' 2 s wait)
 
     def __init__(self, mode: str = "stall", answer: object = None) -> None:
         if mode not in ("stall", "stall_body", "trickle", "answer"):

@@ -146,7 +146,7 @@ def test_a_download_that_keeps_sending_is_not_cut():
         start = time.monotonic()
         path = Path(hf_hub_download("owner/name", "config.json"))
         assert path.read_bytes() == FakeHub.TRICKLED
-    assert time.monotonic() - start > 2 * WAIT  # it did take longer than the wait
+    assert time.monotonic() - start > WAIT  # it did take longer than the wait
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "nan", "inf", "soon"])
