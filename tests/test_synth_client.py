@@ -141,11 +141,14 @@ def test_rerun_is_served_from_cache_with_zero_calls(tmp_path):
 
 def test_retry_rejected_asks_again_and_keeps_what_was_answered(tmp_path):
     """A request rejected for malformed output is marked with its reason: a rerun skips it, --retry-rejected
-    (``retry_rejected``) asks it again with new attempts, and a later plain rerun replays that answer."""
+    (``retry_rejected``) asks it again with new attempts (answered, it leaves rejects.jsonl), and a later plain rerun
+    replays that answer."""
     requests = [request("fine"), request("bad three times [[bad*3]]")]
     with StubServer() as server:
         first = make_client(server, tmp_path).run(requests, parse=parse_qa)
         assert first[0].ok and not first[1].ok and server.calls == 1 + 3
+        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert reject["reason"] == "malformed" and reject["kind"] == "request"
         skipped = make_client(server, tmp_path).run(requests, parse=parse_qa)
         assert server.calls == 4 and not skipped[1].ok
         assert "rejected in an earlier run (malformed:" in skipped[1].error
@@ -157,8 +160,7 @@ def test_retry_rejected_asks_again_and_keeps_what_was_answered(tmp_path):
         replayed = later.run(requests, parse=parse_qa)
         assert server.calls == 5 and [r.value for r in replayed] == [r.value for r in again]
         assert later.usage_report()["total"]["skipped_rejected"] == 0
-    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert reject["reason"] == "malformed" and reject["kind"] == "request"
+    assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed as rejected
 
 
 def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
@@ -504,15 +506,16 @@ def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
         assert server.calls == 0 and not refused[0].ok and "prompt_too_long" in refused[0].error
         [skipped] = make_client(server, tmp_path, context_tokens=109).run([request])  # marked: not asked again
         assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
+        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
         retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
         assert retry.run([request])[0].ok and server.calls == 1
+        assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed
         words = LLMClient(LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
                           tmp_path / "c2", tmp_path / "r2.jsonl", show_progress=False,
                           count_tokens=lambda t: len(t.split()))
         [result] = words.run([LLMRequest("t", [{"role": "user", "content": "w " * 12}])])  # 12 + 8 tokens
         assert "prompt_too_long" in result.error and "counted with the training tokenizer" in result.error
-    [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
 
 
 @pytest.mark.parametrize(("models_info", "props", "source"), [

@@ -299,6 +299,7 @@ def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp
         console = capsys.readouterr().out
         stats = json.loads((out / "stats.json").read_text())
         first_rows = (out / "train.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         calls = server.calls
         # a plain rerun: nothing asked, the rejected requests skipped and counted, the same rows
         assert main(synth_argv(out, source, server)) == 0
@@ -315,12 +316,13 @@ def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp
     line = next(line for line in console.splitlines() if "quality gates:" in line)
     for reason, count in quality["rejected"].items():
         assert f"{reason} {count}" in line
-    records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     items = [r for r in records if r["kind"] == "item"]
     assert {r["reason"] for r in items} == set(quality["rejected"]) and all(r["detail"] for r in items)
     requests = [r for r in records if r["kind"] == "request"]
     assert requests and all(r["reason"] == "quality" for r in requests)
     assert stats["llm_usage"]["total"]["rejected"] == len(requests)
+    after_retry = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert not [r for r in after_retry if r["kind"] == "request"]  # answered now: no longer listed as rejected
     skipped = re.search(r"(\d+) request\(s\) rejected in an earlier run were not asked again", rerun_console)
     assert skipped and int(skipped.group(1)) == len(requests) and "--retry-rejected" in rerun_console
     # the retry builds the contexts of book_1 too; the first run's rows stay, none twice
@@ -361,6 +363,7 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
         first = capsys.readouterr()
         stats = json.loads((out / "stats.json").read_text())
         first_rows = (out / "train.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
         calls, refused = server.calls, server.statuses[400]
         assert main(synth_argv(out, source, server, *short)) == 0  # a plain rerun
         rerun = capsys.readouterr()
@@ -379,8 +382,7 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     assert total["rejected_reasons"] == expected and total["rejected"] == sum(expected.values())
     assert "requests rejected: quality 1, http_refused 3, prompt_too_long 1 (rejects.jsonl" in first.out
     assert set(stats["quality"]["rejected"]) == set(REASONS) - {"wrong_subject"}  # no biography got through
-    records = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
-    first_requests = [r for r in records if r["kind"] == "request"][:sum(expected.values())]
+    first_requests = [r for r in records if r["kind"] == "request"]
     assert Counter(r["reason"] for r in first_requests) == expected
     assert not any("response_format" in r.get("error", "") for r in records)  # the fallback is no rejection
     assert rerun_stats["llm_usage"]["total"]["skipped_rejected"] == sum(expected.values())
@@ -389,6 +391,8 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     retried = retry_stats["llm_usage"]["total"]
     # the prompt too long was about book_1 too: sent now, the server refuses it like the other three
     assert retried["skipped_rejected"] == 0 and retried["rejected_reasons"] == {"http_refused": 4}
+    after_retry = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert "quality" not in {r["reason"] for r in after_retry if r["kind"] == "request"}  # answered: it left
     assert sum(retry_stats["counts"].values()) > sum(stats["counts"].values())
     assert {json.dumps(json.loads(row)["messages"]) for row in first_rows} <= {
         json.dumps(json.loads(row)["messages"]) for row in (out / "train.jsonl").read_text().splitlines()}

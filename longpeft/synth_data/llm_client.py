@@ -54,6 +54,7 @@ from tqdm.auto import tqdm
 
 from ..config import StrictModel
 from ..errors import LongpeftError
+from ..files import write_text_atomically
 
 
 class LLMConfig(StrictModel):
@@ -277,7 +278,9 @@ class ResponseCache:
 
 
 class RejectsLog:
-    """Append-only JSONL of requests that ended without a usable answer (one line per request key)."""
+    """JSONL of requests that ended without a usable answer (one line per request key), appended to as they fail; a
+    request answered by a later ``retry_rejected`` round leaves it (:meth:`answered`), so the file lists what is still
+    rejected."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -296,6 +299,25 @@ class RejectsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+    def answered(self, mark: str) -> None:
+        """Drop the records of the request whose outcome mark is ``mark`` (their ``mark`` field): it is answered."""
+        if not self.path.is_file():
+            return
+        kept, dropped = [], set()
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                kept.append(line)
+                continue
+            if isinstance(record, dict) and record.get("mark") == mark:
+                dropped.add(record.get("key"))
+            else:
+                kept.append(line)
+        if dropped:
+            write_text_atomically(self.path, "".join(line + "\n" for line in kept))
+            self._seen -= dropped
 
 
 def strip_code_fence(text: str) -> str:
@@ -614,6 +636,8 @@ class LLMClient:
             if mark is not None:  # a retry round answered: later reruns replay up to this attempt
                 self.cache.put(mark_key, {"key": mark_key, "task": request.task, "outcome": "answered",
                                           "end": attempt + 1})
+                if mark.get("outcome") == "rejected":
+                    self.rejects.answered(mark_key)
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
         what = "output failing the quality gates" if last_code == "quality" else "malformed output"
         reason = f"{what} in all {end} attempts"  # more than max_parse_attempts in a --retry-rejected round
@@ -637,7 +661,8 @@ class LLMClient:
         usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
         self.rejects.add(
             {"key": key, "kind": "request", "task": request.task, "meta": request.meta, "reason": code,
-             "error": reason, "attempts": attempts, "outputs": outputs}
+             "error": reason, "attempts": attempts, "outputs": outputs,
+             **({"mark": state["mark_key"]} if state is not None else {})}
         )
         if state is not None:
             self.cache.put(state["mark_key"], {"key": state["mark_key"], "task": request.task, "outcome": "rejected",
