@@ -294,7 +294,8 @@ def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, c
     assert not (tmp_path / "run" / "adapter").exists()
 
 
-@pytest.mark.parametrize("launch", [SHARDED[0], pytest.param("zero3", id="zero3", marks=pytest.mark.launch_matrix)])
+@pytest.mark.launch_matrix  # make test runs the DDP kill-and-resume above; make test-slow runs these
+@pytest.mark.parametrize("launch", [SHARDED[0], "zero3"])
 def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl,
                                                                                          tmp_path, launch):
     """FSDP2 or DeepSpeed ZeRO-3 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU

@@ -75,8 +75,9 @@ def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
     return _rank_bytes(launcher, "fsdp2_bytes_worker.py", mode, tmp_path)
 
 
-# one variant per launch in make test; the others (25 s each: two processes) in make test-slow
-@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow), "lora",
+# two processes per variant: make test-slow runs them (marker launch_matrix: the lora ones; slow: the others)
+@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow),
+                                  pytest.param("lora", marks=pytest.mark.launch_matrix),
                                   pytest.param("qlora", marks=pytest.mark.slow)])
 def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
     """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
@@ -112,7 +113,9 @@ def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int
 
 
 @pytest.mark.parametrize(("mode", "precision"),
-                         [("lora", "bf16"), pytest.param("full", "bf16", marks=pytest.mark.slow), ("lora", "no"),
+                         [pytest.param("lora", "bf16", marks=pytest.mark.launch_matrix),
+                          pytest.param("full", "bf16", marks=pytest.mark.slow),
+                          pytest.param("lora", "no", marks=pytest.mark.launch_matrix),
                           pytest.param("qlora", "bf16", marks=pytest.mark.slow)])
 def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
     """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
