@@ -31,6 +31,7 @@ $(STAMP) $(COMPAT_STAMP): %/.installed: pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/longpeft demo --out runs/demo
 
+# Every test target runs one pytest worker per core (pytest-xdist), each worker on one torch thread (tests/conftest.py).
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow and not launch_matrix" tests
 
@@ -43,8 +44,8 @@ lint: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist worksteal -m "slow or launch_matrix" tests
 
-# The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the rest of
-# the multi-process launch matrix (marker `launch_matrix`), which make test runs on the pinned stack.
+# The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the slow
+# ones and the multi-process launch matrix (markers `slow`, `launch_matrix`), as make test.
 test-compat: $(COMPAT_STAMP)
 	$(COMPAT_PY) -m pytest -q -n auto --dist worksteal -m "compat and not slow and not launch_matrix" tests
 
