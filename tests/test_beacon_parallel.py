@@ -10,11 +10,15 @@ knows no parallel windows: the model, with several windows per forward, must giv
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from test_beacon_reference import linear, rms, rope  # tests/test_beacon_reference.py
+from test_beacon_reference import (  # tests/test_beacon_reference.py
+    linear,
+    perturb_beacon_weights,
+    reference_layer,
+    rms,
+    rope,
+)
 from transformers.models.llama import modeling_llama
 
 from longpeft.adapters.beacon import BeaconCache, BeaconConfig, apply_beacon, set_inference_settings
@@ -106,28 +110,8 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         x = torch.stack([backbone.embed_tokens.weight[ids[begin + i]] if kind == "raw"
                          else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
         for index, layer in enumerate(backbone.layers):
-            attention = layer.self_attn
-
-            def project(name, inputs, attention=attention, beacon_rows=beacon_rows):
-                out = linear(inputs, getattr(attention, f"{name}_proj"))
-                for row in beacon_rows:
-                    out[row] = linear(inputs[row], getattr(attention, f"beacon_{name}_proj"))
-                return out
-
-            h = rms(x, layer.input_layernorm)
-            q = project("q", h).view(-1, heads, d).transpose(0, 1)
-            k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
-            v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
-            group = heads // kv_heads
-            keys = torch.cat([memory_k[index], rope(k, positions, theta)], dim=1).repeat_interleave(group, 0)
-            values = torch.cat([memory_v[index], v], dim=1).repeat_interleave(group, 0)
-            scores = (rope(q, positions, theta) @ keys.transpose(1, 2)) / math.sqrt(d)
-            out = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values
-            out = out.transpose(0, 1).reshape(len(slots), -1)
-            x = x + project("o", out)
-            h = rms(x, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+            x, k, v = reference_layer(layer, x, positions, mask, memory_k[index], memory_v[index], beacon_rows, theta,
+                                      heads)
             if commits:  # memory entries, each key rotated directly at its memory position
                 moved = rope(k[:, kept], list(range(m, m + len(kept))), theta)
                 memory_k[index] = torch.cat([memory_k[index], moved], dim=1)
@@ -146,11 +130,7 @@ def beacon_model(layout: str, attn_implementation: str = "eager", parallel_windo
     config = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
                           parallel_windows=parallel_windows, **kept)
     apply_beacon(model, config.settings())
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".beacon_" in name:
-                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+    perturb_beacon_weights(model, torch.Generator().manual_seed(0))
     return model, config
 
 
@@ -356,10 +336,7 @@ def test_parallel_windows_follow_the_authors_sink_layout(ratio, sink, forwards):
     config = BeaconConfig(window=WINDOW, ratios=[ratio], sink=sink, layout_rule="authors", params=["q", "k", "v"])
     apply_beacon(model, config.settings())
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".beacon_" in name:
-                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+    perturb_beacon_weights(model, generator)
     ids = torch.randint(3, 512, (1, 43), generator=generator)
     one, parallel, used = both_ways(model, ids, 3, forwards)
     assert used == 3  # windows 0-2, windows 3-4, the partial window

@@ -34,6 +34,44 @@ def linear(x, layer):
     return x @ layer.weight.T + (layer.bias if layer.bias is not None else 0)
 
 
+def reference_layer(layer, x: torch.Tensor, positions: list[int], mask: torch.Tensor, memory_k: torch.Tensor,
+                    memory_v: torch.Tensor, beacon_rows: list[int], theta: float, heads: int):
+    """One decoder layer over a chunk's slots ``x [slots, hidden]`` (the beacon projections at ``beacon_rows``), each
+    query reading the memory ``memory_k / memory_v [kv_heads, m, d]`` (keys already rotated) and the chunk's slots
+    as ``mask [slots, m + slots]`` allows. Returns the layer's output and the slots' keys before rotation and values,
+    ``[kv_heads, slots, d]``, which the caller keeps as memory."""
+    attention, d = layer.self_attn, memory_k.shape[-1]
+    kv_heads = memory_k.shape[0]
+
+    def project(name, inputs):
+        out = linear(inputs, getattr(attention, f"{name}_proj"))
+        for row in beacon_rows:
+            out[row] = linear(inputs[row], getattr(attention, f"beacon_{name}_proj"))
+        return out
+
+    h = rms(x, layer.input_layernorm)
+    q = project("q", h).view(-1, heads, d).transpose(0, 1)
+    k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
+    v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
+    keys = torch.cat([memory_k, rope(k, positions, theta)], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+    values = torch.cat([memory_v, v], dim=1).repeat_interleave(heads // kv_heads, dim=0)
+    scores = (rope(q, positions, theta) @ keys.transpose(1, 2)) / math.sqrt(d)
+    out = (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ values).transpose(0, 1).reshape(len(x), -1)
+    x = x + project("o", out)
+    h = rms(x, layer.post_attention_layernorm)
+    mlp = layer.mlp
+    x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+    return x, k, v
+
+
+def perturb_beacon_weights(model, generator: torch.Generator) -> None:
+    """Move every beacon weight away from the projection it starts as a copy of (else beacons change nothing)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if ".beacon_" in name:
+                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+
+
 def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     """Slots (kind, index), positions and the [slots, memory + slots] mask of a window, from the rules."""
     beacons = n_raw // ratio if ratio and (pos == "interleave" or n_raw == WINDOW) else 0
@@ -86,31 +124,9 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
         x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw"
                          else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
-        pre_rope_keys = []
         for layer_index, layer in enumerate(backbone.layers):
-            attention = layer.self_attn
-
-            def project(name, inputs, attention=attention, beacon_rows=beacon_rows):
-                out = linear(inputs, getattr(attention, f"{name}_proj"))
-                for row in beacon_rows:
-                    out[row] = linear(inputs[row], getattr(attention, f"beacon_{name}_proj"))
-                return out
-
-            h = rms(x, layer.input_layernorm)
-            q = project("q", h).view(-1, heads, d).transpose(0, 1)
-            k = project("k", h).view(-1, kv_heads, d).transpose(0, 1)
-            v = project("v", h).view(-1, kv_heads, d).transpose(0, 1)
-            pre_rope_keys.append(k)
-            q, k = rope(q, positions, theta), rope(k, positions, theta)
-            keys = torch.cat([memory_k[layer_index], k], dim=1).repeat_interleave(heads // kv_heads, dim=0)
-            values = torch.cat([memory_v[layer_index], v], dim=1).repeat_interleave(heads // kv_heads, dim=0)
-            scores = (q @ keys.transpose(1, 2)) / math.sqrt(d)
-            scores = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-            out = (scores @ values).transpose(0, 1).reshape(len(slots), -1)
-            x = x + project("o", out)
-            mlp = layer.mlp
-            h = rms(x, layer.post_attention_layernorm)
-            x = x + linear(torch.nn.functional.silu(linear(h, mlp.gate_proj)) * linear(h, mlp.up_proj), mlp.down_proj)
+            x, k, v = reference_layer(layer, x, positions, mask, memory_k[layer_index], memory_v[layer_index],
+                                      beacon_rows, theta, heads)
             # memory after a full window: sink raw tokens (window 0), then the beacons, each key rotated
             # directly at its memory position
             if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
@@ -120,7 +136,7 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
                     kept = (list(range(sink)) if w == 0 else []) + window_kept
                 else:
                     kept = (raw_rows[:sink] if w == 0 and ratio else []) + window_kept
-                kept_keys = rope(pre_rope_keys[layer_index][:, kept], list(range(m, m + len(kept))), theta)
+                kept_keys = rope(k[:, kept], list(range(m, m + len(kept))), theta)
                 memory_k[layer_index] = torch.cat([memory_k[layer_index], kept_keys], dim=1)
                 memory_v[layer_index] = torch.cat([memory_v[layer_index], v[:, kept]], dim=1)
         raw = [s for s, (kind, _) in enumerate(slots) if kind == "raw"]
@@ -134,11 +150,7 @@ def beacon_model(attn: str, pos: str, ratio: int, sink: int = SINK, rule: str = 
     settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
                             layout_rule=rule)
     apply_beacon(model, settings.settings())
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if ".beacon_" in name:
-                parameter.add_(torch.randn_like(parameter, generator=generator) * 0.05)
+    perturb_beacon_weights(model, torch.Generator().manual_seed(0))
     return model
 
 
