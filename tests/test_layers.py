@@ -37,6 +37,16 @@ FORBIDDEN = {
     "recipes": {"cli"},
 }
 BESIDE = {"files": {"hub_wait"}}  # layer -> the "*" layers beside it that it may import
+# The LLM client's parts in synth_data -> the modules of synth_data each may import: the cache, the rejects file and
+# the HTTP call know nothing of each other nor of the client that joins them.
+LLM_CLIENT_PARTS = {
+    "llm_output": set(),
+    "llm_request": set(),
+    "llm_cache": {"llm_request"},
+    "llm_rejects": set(),
+    "llm_http": {"llm_request"},
+    "llm_client": {"llm_output", "llm_request", "llm_cache", "llm_rejects", "llm_http", "endpoint"},
+}
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
 
 
@@ -122,6 +132,13 @@ def test_no_layer_imports_one_above_it(name):
                    if ("*" in forbidden and layer(target) not in {FLOOR, *BESIDE.get(layer(name), ())})
                    or layer(target) in forbidden)
     assert above == [], f"{name} imports {above}"
+
+
+@pytest.mark.parametrize("part", sorted(LLM_CLIENT_PARTS))
+def test_the_llm_client_parts_import_only_those_below_them(part):
+    name = f"longpeft.synth_data.{part}"
+    used = {target.rpartition(".")[2] for target in GRAPH[name] if layer(target) == "synth_data"}
+    assert used <= LLM_CLIENT_PARTS[part], f"{name} imports {sorted(used - LLM_CLIENT_PARTS[part])}"
 
 
 @pytest.mark.parametrize("name", ["longpeft.files", "longpeft.hub_wait"])

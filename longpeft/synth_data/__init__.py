@@ -2,7 +2,9 @@
 
 - :mod:`.corpus`: offline procedural documents with recorded facts (:func:`generate_document`,
   :func:`corpus_texts` for training a tokenizer);
-- :mod:`.llm_client`: cached, retried, concurrent client for OpenAI-compatible endpoints;
+- :mod:`.llm_client`: cached, retried, concurrent client for OpenAI-compatible endpoints, with its parts
+  :mod:`.llm_request` (settings, request, result), :mod:`.llm_output` (parse errors), :mod:`.llm_http` (one
+  call and its retries), :mod:`.llm_cache` (the response cache) and :mod:`.llm_rejects` (the rejects file);
 - :mod:`.qa` and :mod:`.builders`: single-detail, multi-detail (homogeneous and heterogeneous) and
   biography conversations, answered by an LLM or exactly from procedural facts;
 - :mod:`.quality`: the quality gates every LLM-written item passes before its row is written;
@@ -36,10 +38,10 @@ _EXPORTS = {
     "generate_document": "corpus",
     "build_demo_dataset": "demo",
     "LLMClient": "llm_client",
-    "LLMConfig": "llm_client",
-    "LLMRequest": "llm_client",
-    "LLMResult": "llm_client",
-    "MalformedOutput": "llm_client",
+    "LLMConfig": "llm_request",
+    "LLMRequest": "llm_request",
+    "LLMResult": "llm_request",
+    "MalformedOutput": "llm_output",
     "MixConfig": "mix",
     "mix": "mix",
     "SynthConfig": "pipeline",

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .llm_client import MalformedOutput
+from .llm_output import MalformedOutput
 
 # Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
 PARSER_ONLY_KEYWORDS = ("minItems", "minLength")

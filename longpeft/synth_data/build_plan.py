@@ -130,7 +130,8 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
         output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
     """
     from .builders import LongContextBuilder
-    from .llm_client import ResponseCache, request_key, sampling_params, structured_params
+    from .llm_cache import ResponseCache, request_key
+    from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
     from .qa import ProceduralAnswerer, job_request
 

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from .answer_schema import QA_PAIRS
 from .corpus import Document
 from .endpoint import EndpointInfo, discover
-from .llm_client import LLMConfig, LLMRunAborted, MalformedOutput, refuses_structured_output, server_reason
+from .llm_http import refuses_structured_output, server_reason
+from .llm_output import MalformedOutput
+from .llm_request import LLMConfig, LLMRunAborted
 from .qa import Passage, QAJob, job_request, parse_qa_pairs
 
 CHECK_TEXT = ("The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
@@ -90,7 +92,7 @@ class EndpointCheck:
 
 def check_endpoint(config: LLMConfig) -> EndpointCheck:
     """Run the check against ``config``'s endpoint; an unreachable endpoint, a bad key or model, or a refused
-    request raise :class:`~.llm_client.LLMRunAborted` naming what to fix."""
+    request raise :class:`~.llm_request.LLMRunAborted` naming what to fix."""
     import openai
 
     api_key = os.environ.get(config.api_key_env)

@@ -153,7 +153,7 @@ def resolve_config(args: argparse.Namespace):
 
 def cmd_synth(args: argparse.Namespace) -> int:
     """Run `longpeft synth`; prints a summary and returns 0, or 3 when no conversation was built. Bad input raises
-    (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_client.LLMRunAborted`) for
+    (:class:`~longpeft.errors.LongpeftError`; an endpoint no retry can fix: :class:`~.llm_request.LLMRunAborted`) for
     the command line's one error boundary (:func:`longpeft.cli.main`, exit status 2)."""
     from .pipeline import synthesize
     from .report import rejection_summary

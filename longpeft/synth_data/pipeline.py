@@ -38,7 +38,8 @@ from .builders import (
     procedural_long_documents,
 )
 from .corpus import Document
-from .llm_client import LLMClient, LLMConfig
+from .llm_client import LLMClient
+from .llm_request import LLMConfig
 from .mix import MixConfig, jsonl_records, load_mix_sources, mix, read_text_file, source_files
 from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
 from .quality import QualityConfig, QualityGates

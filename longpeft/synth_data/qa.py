@@ -19,7 +19,9 @@ from typing import Protocol
 from ..errors import DataError
 from .answer_schema import BIOGRAPHIES, QA_PAIRS, OutputSchema
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
-from .llm_client import LLMClient, LLMRequest, RejectedOutput, parse_json_object
+from .llm_client import LLMClient
+from .llm_output import RejectedOutput, parse_json_object
+from .llm_request import LLMRequest
 from .quality import QualityGates, Rejection
 
 SYNTH_TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")

@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from ..files import write_text_atomically, writing_to
 from .builders import task_counts
-from .llm_client import REJECT_REASONS
+from .llm_rejects import REJECT_REASONS
 
 TRAIN_FILE = "train.jsonl"
 DATASET_DIR = "dataset"
@@ -53,7 +53,7 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def rejection_summary(stats: dict[str, Any]) -> list[str]:
     """Console lines on what an LLM run rejected: requests rejected for good per reason
-    (:data:`.llm_client.REJECT_REASONS`), items dropped by the quality gates per reason (and task), and requests an
+    (:data:`.llm_rejects.REJECT_REASONS`), items dropped by the quality gates per reason (and task), and requests an
     earlier run rejected that were not asked again. Empty for a run without the LLM answerer."""
     lines = []
     total = stats.get("llm_usage", {}).get("total", {})

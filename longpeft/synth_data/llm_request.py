@@ -1,0 +1,138 @@
+"""What one request to an OpenAI-compatible endpoint is made of: the client's settings (:class:`LLMConfig`), one
+request (:class:`LLMRequest`) and its outcome (:class:`LLMResult`), the parameters every request carries under the
+settings (:func:`sampling_params`, :func:`structured_params`: both part of the request's cache key), the token
+accounting of one task (:class:`TaskUsage`), and the error that stops a whole run (:class:`LLMRunAborted`).
+Nothing here sends a request or touches a file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from pydantic import Field, field_validator
+
+from ..config import StrictModel
+from ..errors import LongpeftError
+
+
+class LLMConfig(StrictModel):
+    """Endpoint and behaviour of :class:`.llm_client.LLMClient`. There is deliberately no field for the key."""
+
+    base_url: str = Field("https://api.openai.com/v1", description="OpenAI-compatible endpoint (…/v1)")
+    model: str = Field("gpt-4o", description="model name sent with every request")
+    api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
+    max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
+    max_retries: int = Field(
+        3, ge=0,
+        description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies",
+    )
+    backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
+    backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
+    timeout: float = Field(
+        120.0, gt=0, description="seconds before one HTTP request times out, counting the time it waits in the "
+        "server's queue: a server with one slot (llama.cpp's default) answers one request at a time, so use "
+        "max_concurrency 1 there, or a timeout of max_concurrency x the time of one answer (with the retries, a "
+        "stalled endpoint costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)"
+    )
+    max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
+    temperature: float = Field(0.7, ge=0, description="sampling temperature")
+    max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
+    structured: Literal["auto", "json_schema", "json_object", "off"] = Field(
+        "auto", description="structured output through response_format: 'json_schema' sends each answer's JSON "
+        "schema, 'json_object' asks for any JSON object, 'off' sends neither (the prompt states the JSON contract "
+        "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and, the first "
+        "time the endpoint refuses it, falls back to 'off' for the rest of the run; 'json_schema' and "
+        "'json_object' stop the run when refused"
+    )
+    context_tokens: int | None = Field(
+        None, ge=1, description="tokens one request may hold at the endpoint; a longer prompt is refused before "
+        "sending (a reject with reason prompt_too_long). Unset: the value the server reports at the start "
+        "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check"
+    )
+
+    @field_validator("structured", mode="before")
+    @classmethod
+    def _bare_off(cls, value: Any) -> Any:
+        """YAML reads a bare ``off`` (``structured: off``, ``--set llm.structured=off``) as ``false``."""
+        return "off" if value is False else value
+
+
+class ResponseSchema(Protocol):
+    """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
+
+    def response_format(self) -> dict[str, Any]:
+        """The ``response_format`` request field asking for the schema."""
+        ...
+
+
+class LLMRunAborted(LongpeftError, RuntimeError):
+    """An error no retry can fix (bad key, unknown model or endpoint): the whole run stops."""
+
+
+@dataclass
+class LLMRequest:
+    """One chat-completion request.
+
+    Attributes:
+        task: accounting bucket (e.g. ``"single_detail"``).
+        messages: chat messages ``[{"role": ..., "content": ...}]``.
+        params: extra request parameters; part of the cache key.
+        meta: free-form identifiers written to the rejects file; not part of the cache key.
+        schema: the JSON schema of the answer (:mod:`.answer_schema`), sent as ``response_format`` as
+            ``LLMConfig.structured`` says; the ``response_format`` actually sent is part of the cache key.
+    """
+
+    task: str
+    messages: list[dict[str, str]]
+    params: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    schema: ResponseSchema | None = None
+
+
+@dataclass
+class LLMResult:
+    """Outcome of one request: ``value`` is the parsed output when ``ok``; ``error`` says why not."""
+
+    request: LLMRequest
+    ok: bool
+    value: Any = None
+    text: str | None = None
+    error: str | None = None
+    attempts: int = 0
+    api_calls: int = 0
+
+
+@dataclass
+class TaskUsage:
+    """Token accounting of one task: paid calls, and answers replayed from the cache."""
+
+    api_calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cache_hits: int = 0
+    cached_prompt_tokens: int = 0
+    cached_completion_tokens: int = 0
+    retries: int = 0
+    malformed: int = 0
+    quality_rejected: int = 0  # attempts whose every item failed the quality gates
+    rejected: int = 0
+    rejected_reasons: dict[str, int] = field(default_factory=dict)  # ``rejected`` per reason (REJECT_REASONS)
+    skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)
+
+
+def sampling_params(config: LLMConfig) -> dict[str, Any]:
+    """The sampling parameters every request carries (part of its cache key)."""
+    sampling: dict[str, Any] = {"temperature": config.temperature}
+    if config.max_tokens is not None:
+        sampling["max_tokens"] = config.max_tokens
+    return sampling
+
+
+def structured_params(config: LLMConfig, request: LLMRequest, refused: bool = False) -> dict[str, Any]:
+    """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
+    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it); part of the cache key."""
+    if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
+        return {}
+    if config.structured == "json_object":
+        return {"response_format": {"type": "json_object"}}
+    return {"response_format": request.schema.response_format()}
