@@ -137,9 +137,9 @@ def test_the_cli_prints_the_histogram_it_planned_from(tmp_path, capsys):
     assert [(int(b[0].replace(",", "")), int(b[2].replace(",", ""))) for b in buckets] == [
         (513, 1024), (257, 512), (129, 256), (65, 128), (1, 64)]
     assert sum(int(b[3]) for b in buckets) == 8
-    assert ("; padding to each batch's longest sample not counted; every GPU equally loaded (batches grouped by "
-            "length) (in random order, the Trainer's default, each step waits for its slowest GPU and each batch is "
-            "padded to its longest sample: ") in table[-1]  # tiny-cpu: 2 samples per batch
+    assert ("; padding to each batch's longest sample not counted; every GPU equally loaded (in the order the recipe "
+            "trains them, random (the Trainer's default; train.group_by_length: true groups them), each step waits "
+            "for its slowest GPU and each batch is padded to its longest sample: ") in table[-1]  # 2 per batch
 
 
 def test_utk_sequences_are_the_runners_packing(tmp_path):
