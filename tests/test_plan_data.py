@@ -137,9 +137,9 @@ def test_the_cli_prints_the_histogram_it_planned_from(tmp_path, capsys):
     assert [(int(b[0].replace(",", "")), int(b[2].replace(",", ""))) for b in buckets] == [
         (513, 1024), (257, 512), (129, 256), (65, 128), (1, 64)]
     assert sum(int(b[3]) for b in buckets) == 8
-    assert ("; padding to each batch's longest sample not counted; every GPU equally loaded (batches grouped by "
-            "length) (in random order, the Trainer's default, each step waits for its slowest GPU and each batch is "
-            "padded to its longest sample: ") in table[-1]  # tiny-cpu: 2 samples per batch
+    assert ("; padding to each batch's longest sample not counted; every GPU equally loaded (in the order the recipe "
+            "trains them, random (the Trainer's default; train.group_by_length: true groups them), each step waits "
+            "for its slowest GPU and each batch is padded to its longest sample: ") in table[-1]  # 2 per batch
 
 
 def test_utk_sequences_are_the_runners_packing(tmp_path):
@@ -272,31 +272,32 @@ def test_synth_plan_needs_an_llm_answerer_and_bounded_outputs(tmp_path):
 
 def test_random_order_steps_wait_for_their_slowest_gpu():
     """Hand-counted cases whose answer does not depend on the shuffle (one GPU-second per token)."""
-    from longpeft.scale.lengths import random_order_seconds
+    from longpeft.scale.lengths import ordered_seconds
 
     def seconds(n):
         return n
 
     # two GPUs, one sample each: every step holds the 10 and the 1, and lasts 10 (balanced: 5.5)
-    assert random_order_seconds([10, 1], seconds, 6, per_device_batch=1, data_parallel=2, accumulation=1) == 30
+    assert ordered_seconds([10, 1], seconds, 6, per_device_batch=1, data_parallel=2, accumulation=1) == 30
     # one GPU, batches of two: the 1 is padded to 10
-    assert random_order_seconds([10, 1], seconds, 6, per_device_batch=2, data_parallel=1, accumulation=1) == 60
+    assert ordered_seconds([10, 1], seconds, 6, per_device_batch=2, data_parallel=1, accumulation=1) == 60
     # two GPUs, two micro-batches each before the all-reduce: the GPU with the 10 takes 10 + 1
-    assert random_order_seconds([10, 1, 1, 1], seconds, 8, per_device_batch=1, data_parallel=2, accumulation=2) == 22
+    assert ordered_seconds([10, 1, 1, 1], seconds, 8, per_device_batch=1, data_parallel=2, accumulation=2) == 22
     # equal lengths: no waiting
-    assert random_order_seconds([5] * 8, seconds, 16, per_device_batch=1, data_parallel=4, accumulation=1) == 20
+    assert ordered_seconds([5] * 8, seconds, 16, per_device_batch=1, data_parallel=4, accumulation=1) == 20
 
 
 def test_the_time_line_gives_the_random_order_hours_beside_the_balanced_ones():
-    recipe = load_recipe("llama3-8b-instruct-80k-qlora")
+    recipe = load_recipe("llama3-8b-instruct-80k-qlora", ["train.group_by_length=false"])
     mixed = SampleLengths(lengths=(81920,) * 8 + (2048,) * 56, source="x", counted_with="y")
     plan = estimate(recipe, gpus=8, sample_lengths=mixed)
-    waiting = plan.assumptions["hours_in_random_order"]
+    waiting = plan.assumptions["hours_in_order"]
     assert plan.hours < waiting <= 8 * plan.hours
     assert plan.table().splitlines()[-1].endswith(
-        f"; every GPU equally loaded (batches grouped by length) (in random order, the Trainer's default, each step "
-        f"waits for its slowest GPU: {format_duration(waiting * 3600)}) = {format_duration(plan.hours * 3600)}")
+        f"; every GPU equally loaded (in the order the recipe trains them, random (the Trainer's default; "
+        f"train.group_by_length: true groups them), each step waits for its slowest GPU: "
+        f"{format_duration(waiting * 3600)}) = {format_duration(plan.hours * 3600)}")
     uniform = SampleLengths(lengths=(4096,) * 64, source="x", counted_with="y")
-    assert estimate(recipe, gpus=8, sample_lengths=uniform).assumptions["hours_in_random_order"] is None
+    assert estimate(recipe, gpus=8, sample_lengths=uniform).assumptions["hours_in_order"] is None
     bf16 = load_recipe("llama3-8b-instruct-80k-qlora", ["model.load_in_4bit=false"])  # ulysses: one sample on all GPUs
-    assert estimate(bf16, gpus=8, launch="ulysses", sample_lengths=mixed).assumptions["hours_in_random_order"] is None
+    assert estimate(bf16, gpus=8, launch="ulysses", sample_lengths=mixed).assumptions["hours_in_order"] is None

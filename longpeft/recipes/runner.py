@@ -78,6 +78,7 @@ from .model import (
     quantization_config,
     save_adapter,
 )
+from .sampling import length_grouped_trainer
 from .schema import Recipe
 from .trainer import (
     ApplyOptimizerSettings,
@@ -230,6 +231,8 @@ def build_trainer(recipe: Recipe, model: Any, tokenizer: PreTrainedTokenizerBase
     trainer_class = checkpoint_trainer(SFTTrainer)
     if keeps_weights_outside_checkpoints(recipe, spec):
         trainer_class = method_checkpoint_trainer(trainer_class, spec, recipe.finetune)
+    if recipe.train.group_by_length:
+        trainer_class = length_grouped_trainer(trainer_class)
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=peft_config, data_collator=data_collator(recipe, spec, tokenizer),
                             callbacks=callbacks)

@@ -223,6 +223,12 @@ class TrainSection(Section):
         description="Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (TRL's use_liger_kernel; CUDA and the "
         "liger-kernel package)",
     )
+    group_by_length: bool = Field(
+        default=False,
+        description="train in batches of similar lengths: each epoch's random order is cut into blocks of 50 "
+        "optimizer steps, each sorted by length (as the Trainer's group_by_length), so the GPUs of a step wait little "
+        "for each other; the order follows from train.seed and the epoch alone (a resume continues it)",
+    )
     save_steps: int = Field(default=50, gt=0)
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)

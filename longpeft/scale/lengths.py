@@ -79,10 +79,50 @@ def format_histogram(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def random_order_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], trained_samples: int,
-                         per_device_batch: int, data_parallel: int, accumulation: int, seed: int = 0) -> float:
-    """Seconds of ``trained_samples`` samples in random order, as data-parallel training spends them: the samples
-    cycle through ``lengths`` in a fresh (seeded) shuffle per pass; each optimizer step takes ``per_device_batch x
+GROUPED_STEPS = 50  # optimizer steps per length-sorted block of :func:`length_grouped_order` (the Trainer's 50)
+
+
+def length_grouped_order(lengths: Sequence[int], step_samples: int, seed: int, epoch: int) -> Any:
+    """The order of one epoch's samples when batches are grouped by length (``train.group_by_length``): a
+    permutation drawn from ``(seed, epoch)`` alone, cut into blocks of ``GROUPED_STEPS`` optimizer steps
+    (``step_samples`` samples each; fewer steps when the data holds less than 4 blocks' worth, as the Trainer's
+    ``group_by_length`` does), each block sorted longest first, and the longest sample of all moved to the very
+    front so that a run that cannot fit it fails at its first step. Consecutive samples are then of similar
+    lengths, so the GPUs of a data-parallel step wait little for each other.
+
+    ``lengths``: tokens of each sample (index = row). Returns a numpy array of row indices, each row once. The
+    same ``(seed, epoch)`` gives the same order in every process and after a resume.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng([seed, epoch])
+    return group_by_length(rng.permutation(len(lengths)), lengths, step_samples)
+
+
+def group_by_length(permutation: Any, lengths: Sequence[int], step_samples: int) -> Any:
+    """:func:`length_grouped_order`'s grouping of a given ``permutation`` (numpy array of row indices): blocks of
+    ``min(rows // (4 * step_samples), GROUPED_STEPS)`` steps (at least one), each sorted by length, longest first
+    (ties keep their order in ``permutation``), then the longest block head swapped with the first block's."""
+    import numpy as np
+
+    if step_samples < 1:
+        raise ValueError(f"step_samples must be >= 1, not {step_samples}")
+    sizes = np.asarray(lengths, dtype=np.int64)
+    block = max(1, min(len(permutation) // (4 * step_samples), GROUPED_STEPS)) * step_samples
+    blocks = [permutation[i:i + block] for i in range(0, len(permutation), block)]
+    blocks = [rows[np.argsort(-sizes[rows], kind="stable")] for rows in blocks]
+    if blocks:
+        longest = int(np.argmax([sizes[rows[0]] for rows in blocks]))
+        blocks[0][0], blocks[longest][0] = blocks[longest][0], blocks[0][0]
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
+
+
+def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], trained_samples: int,
+                    per_device_batch: int, data_parallel: int, accumulation: int, seed: int = 0,
+                    grouped: bool = False) -> float:
+    """Seconds of ``trained_samples`` samples as data-parallel training spends them, in the order it draws them:
+    the samples cycle through ``lengths``, each pass in a fresh (seeded) random order, or with ``grouped`` in
+    :func:`length_grouped_order`'s order for that pass (its epoch); each optimizer step takes ``per_device_batch x
     data_parallel x accumulation`` of them, micro-batch ``j`` of a step going to GPU ``j % data_parallel`` (how
     accelerate shards batches), each micro-batch padded to its longest sample; a step lasts as long as its slowest
     GPU's micro-batches (the gradients' all-reduce waits for it).
@@ -93,8 +133,11 @@ def random_order_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any],
 
     rng = np.random.default_rng(seed)
     pool = np.asarray(lengths, dtype=np.int64)
+    step_samples = per_device_batch * data_parallel * accumulation
     passes = -(-trained_samples // len(pool))
-    order = np.concatenate([rng.permutation(pool) for _ in range(passes)])[:trained_samples]
+    orders = [length_grouped_order(pool, step_samples, seed, epoch) if grouped else rng.permutation(len(pool))
+              for epoch in range(passes)]
+    order = pool[np.concatenate(orders)][:trained_samples]
     micro = -(-len(order) // per_device_batch)
     padded = np.zeros(micro * per_device_batch, dtype=np.int64)
     padded[:len(order)] = order

@@ -20,8 +20,9 @@ logits, backward, the trained weights' gradients) times each sample's length, pl
 length squared (forward, backward twice, and the recompute of checkpointed layers that keep no attention output),
 divided by the GPUs' peak bf16 FLOP/s times a utilisation for the matmuls and one for the attention kernel. Sample
 lengths come from the data when ``longpeft plan`` can count them (:mod:`longpeft.recipes.plan_data`), else
-``data.max_length`` each; the time line says which, and adds the time in random order, each step as long as its
-slowest GPU (:func:`.lengths.random_order_seconds`). Communication between nodes: :mod:`.network`.
+``data.max_length`` each; the time line says which, and adds the time in the order the recipe trains them (random,
+or grouped by length with ``train.group_by_length``), each step as long as its slowest GPU
+(:func:`.lengths.ordered_seconds`). Communication between nodes: :mod:`.network`.
 
 The constants measured on an H100 (utilisations by kernel, the allocator's reserve, TRL's offloading stash) and the
 runs they were fitted to are in ``docs/measurements/README.md``; ``docs/scale.md`` explains the terms for users.
@@ -42,7 +43,7 @@ from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_s
 from ..launch.topology import gradient_accumulation
 from ..units import format_duration
 from .checkpointing import CheckpointSettings
-from .lengths import SampleLengths, format_histogram, length_histogram, random_order_seconds
+from .lengths import SampleLengths, format_histogram, length_histogram, ordered_seconds
 from .network import inter_node_lines
 
 GiB = 1024**3
@@ -286,10 +287,10 @@ class Plan:
         if a.get("padding_not_counted"):
             ending += "; padding to each batch's longest sample not counted"
         if a.get("unequal_load_not_counted"):
-            ending += "; every GPU equally loaded (batches grouped by length)"
-        if a.get("hours_in_random_order") is not None:
-            ending += (f" (in random order, the Trainer's default, {a['random_order_waits']}: "
-                       f"{format_duration(a['hours_in_random_order'] * 3600)})")
+            ending += "; every GPU equally loaded"
+        if a.get("hours_in_order") is not None:
+            ending += (f" (in the order the recipe trains them, {a['order']}, {a['order_waits']}: "
+                       f"{format_duration(a['hours_in_order'] * 3600)})")
         return f"{ending} = {format_duration(self.hours * 3600)}"
 
 
@@ -470,15 +471,15 @@ def estimate(
     seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
                + attention_total / utilisation["attention"]) / (gpus * peak)
     data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
-    random_order = None
+    in_order = None
     if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
 
         def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
             return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
                     / utilisation["attention"]) / (sequence_shards * peak)
 
-        random_order = random_order_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel,
-                                            accumulation, seed=recipe.train.seed) / 3600
+        in_order = ordered_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel, accumulation,
+                                   seed=recipe.train.seed, grouped=recipe.train.group_by_length) / 3600
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -494,7 +495,8 @@ def estimate(
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
                      "trained_samples": trained_samples,
                      "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
-                     **_time_caveats(batch, data_parallel, lengths), "hours_in_random_order": random_order,
+                     **_time_caveats(batch, data_parallel, lengths, recipe.train.group_by_length),
+                     "hours_in_order": in_order,
                      "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} "
                                         f"({with_state(trained_bytes)} bytes/param with AdamW)",
                      "finetune": recipe.finetune,
@@ -689,10 +691,10 @@ def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: S
             f"{why})")
 
 
-def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...]) -> dict[str, Any]:
+def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...], grouped: bool) -> dict[str, Any]:
     """What the time leaves out when the samples' lengths differ: ``padding`` (several samples per batch) and an
-    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``random_order_waits``: what
-    the time in random order adds for them."""
+    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``order``: the order the
+    recipe trains in; ``order_waits``: what the time in that order adds for them."""
     varied = len(set(lengths)) > 1
     padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
     waits = []
@@ -701,4 +703,6 @@ def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...]) -> d
     if padding:
         waits.append("each batch is padded to its longest sample")
     return {"padding_not_counted": padding, "unequal_load_not_counted": unequal_load,
-            "random_order_waits": " and ".join(waits)}
+            "order": "grouped by length (train.group_by_length)" if grouped else
+                     "random (the Trainer's default; train.group_by_length: true groups them)",
+            "order_waits": " and ".join(waits)}
