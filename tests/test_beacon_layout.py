@@ -166,20 +166,25 @@ def test_resolved_settings_write_out_what_is_implied():
     assert (resolved.lora_rank, resolved.lora_alpha) == (32, 32.0)
 
 
+@pytest.mark.usefixtures("single_thread")
+@pytest.mark.parametrize("attn,pos", [("full-coverage", "interleave"), ("full-coverage", "append"),
+                                      ("step-expansion", "interleave")])
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize("length,positions", [(37, 256), (64, 256), (120, 64)])
-def test_window_span_is_the_largest_position_the_forward_uses(training, length, positions, monkeypatch):
+@pytest.mark.parametrize("length,positions", [(37, 256), (38, 256), (64, 256), (120, 64)])
+def test_window_span_is_the_largest_position_the_forward_uses(attn, pos, training, length, positions, monkeypatch):
     """Reference: the positions the beacon forward really hands the rotary module, with every random ratio
     draw forced to the first ratio it may draw (the smallest that fits, the worst case of step-random) in
     training, adapt-N at inference. 37 tokens: the fourth (full) window reaches further than the short last
-    one; 120 tokens on 64 positions: ratio 2 does not fit, 4 is the worst draw."""
+    one; 38 tokens: with interleaved beacons the short last one (6 raw tokens, 3 beacons) reaches further, with
+    appended ones it has no beacon yet; 120 tokens on 64 positions: ratio 2 does not fit, 4 is the worst draw.
+    Stepwise expansion with interleaved beacons: a beacon takes the position of the raw token after it."""
     from longpeft.adapters.beacon import apply_beacon
     from longpeft.adapters.beacon.layout import window_span
     from longpeft.tiny import tiny_model
 
     model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=positions)
     settings = BeaconConfig(window=8, ratios=[2, 4, 8], inference_ratios=[2, 4, 8], inference_ratio_mix="adapt-4",
-                            sink=1).settings()
+                            sink=1, attn=attn, pos=pos).settings()
     apply_beacon(model, settings)
     ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(1))
     seen = []

@@ -119,11 +119,12 @@ def training_span(config: BeaconConfig, length: int, max_positions: int) -> int:
 
 
 def model_span(model: nn.Module, length: int) -> tuple[int, int]:
-    """(positions, keys) of an input of ``length`` tokens on a model with beacons: both are the memory plus one
-    window at the ratio it adapts to (a query reads the memory and its window, nothing older)."""
+    """(positions, keys) of an input of ``length`` tokens on a model with beacons: the memory plus one window at the
+    ratio it adapts to (a query reads the memory and its window, nothing older); the keys outnumber the positions
+    where beacons take the positions of raw tokens (step-expansion, segmentation: ``layout.span_at``)."""
     backbone = backbone_of(model)
-    span = window_span(backbone.beacon_settings, length, backbone.config.max_position_embeddings)
-    return span, span
+    settings, max_positions = backbone.beacon_settings, backbone.config.max_position_embeddings
+    return window_span(settings, length, max_positions), window_span(settings, length, max_positions, keys=True)
 
 
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory)"

@@ -99,6 +99,12 @@ class BeaconSettings:
     keep_start: int = 0
     keep_end: int | None = None
 
+    @property
+    def scheme(self) -> tuple[str, str, bool]:
+        """``(attn, pos, attend_prev)``: what, besides the window and the ratio, lays a window out
+        (:func:`window_layout`), so what the positions an input occupies depend on (:func:`span_at`)."""
+        return self.attn, self.pos, self.attend_prev
+
     @classmethod
     def from_dict(cls, data: dict) -> BeaconSettings:
         """Settings from ``config.beacon`` (lists become tuples; unknown keys are an error)."""
@@ -136,6 +142,14 @@ class WindowLayout:
     def slots_for(self, n_raw: int) -> int:
         """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""
         return int((self.trigger < n_raw).sum())
+
+    def reach(self, n_raw: int) -> int:
+        """Positions past the memory that the slots of a window holding ``n_raw`` raw tokens take: their largest
+        offset plus one (0 for no token). Appended beacons come with the window's last raw token, so a window that
+        is not full reaches ``n_raw``; where beacons share positions with raw tokens (step-expansion, a beacon at
+        its next raw token's) a full window reaches ``window + 1``, fewer than its slots."""
+        slots = self.slots_for(n_raw)
+        return int(self.offsets[:slots].max()) + 1 if slots else 0
 
 
 @functools.lru_cache(maxsize=64)
@@ -288,53 +302,65 @@ def mix_parameter(mix: str) -> int:
     return int(mix.split("-", 1)[1])
 
 
+DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconSettings' (and the recipes') window layout
+
+
 def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rule: str = "longpeft",
-            keep: tuple[int, int | None] = (0, None)) -> int:
-    """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: over the windows, the
-    memory before a window (sink and the beacons of every earlier window) plus the window's raw tokens and
-    beacons (with ``training``, the window that ends the input has none); ``length`` at ratio 0 (plus the sink
-    once the first window is in memory under the authors' ``rule``, which stores it twice). Each full
-    window reaches further than the one before, so only the last full window and the last one can be the
-    furthest (O(1): the random mixes call this at every window start).
+            keep: tuple[int, int | None] = (0, None), scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
+            keys: bool = False) -> int:
+    """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: the largest position id the
+    beacon forward gives them, plus one. Over the windows, the memory before a window (sink and the beacons of
+    every earlier window) plus the positions the window's slots take (:meth:`WindowLayout.reach` of the window's
+    ``scheme``, ``(attn, pos, attend_prev)``: a window that is not full has only the beacons that follow its raw
+    tokens so far, none when they are appended; with ``training``, the window that ends the input has none);
+    ``length`` at ratio 0 (plus the sink once the first window is in memory under the authors' ``rule``, which
+    stores it twice). Each full window reaches further than the one before, so only the last full window and the
+    last one can be the furthest (O(1): the random mixes call this at every window start).
 
     ``keep = (keep_start, keep_end)`` (:class:`BeaconSettings`): the first ``keep_start`` tokens sit in memory
     before every window, and the tokens from ``keep_end`` on follow the beacons of the windows before them raw.
+
+    ``keys``: the keys one query reads at most instead, the memory plus the slots of its window
+    (:meth:`WindowLayout.slots_for`); more than the positions where beacons take the positions of raw tokens
+    (step-expansion, segmentation).
     """
-    if not ratio:
-        return length + (sink if rule == "authors" and length > window else 0)
     start, end = keep
-    if length <= start:
-        return length
-    condensed = length if end is None else min(length, end)
-    span = start + _windows_span(window, sink, ratio, condensed - start, training and condensed == length)
-    if condensed < length:
-        windows = (end - start) // window
-        memory = start + (sink + windows * (window // ratio) if windows else 0)
+    condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
+    if not ratio or condensed <= start:  # every window raw
+        return length + (sink if rule == "authors" and length > window else 0)
+    span = start + _windows_span(window, sink, ratio, condensed - start, training and condensed == length, scheme,
+                                 keys)
+    if condensed < length:  # raw windows from keep_end on follow the memory of the condensed ones
+        memory = start + sink + (end - start) // window * (window // ratio)
         span = max(span, memory + length - end)
     return span
 
 
-def _windows_span(window: int, sink: int, ratio: int, length: int, training: bool) -> int:
-    """:func:`span_at` of ``length`` tokens that all run in windows condensed at ``ratio > 0``."""
+def _windows_span(window: int, sink: int, ratio: int, length: int, training: bool, scheme: tuple[str, str, bool],
+                  keys: bool) -> int:
+    """:func:`span_at` of ``length > 0`` tokens that all run in windows condensed at ``ratio > 0``."""
     windows = math.ceil(length / window)
     span = 0
     for index in range(max(0, windows - 2), windows):
         raw = min(window, length - index * window)
-        beacons = 0 if training and index == windows - 1 else raw // ratio
+        layout = window_layout(window, 0 if training and index == windows - 1 else ratio, *scheme)
         memory = sink + index * (window // ratio) if index else 0
-        span = max(span, memory + raw + beacons)
+        span = max(span, memory + (layout.slots_for(raw) if keys else layout.reach(raw)))
     return span
 
 
 def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_positions: int, length: int,
-                   training: bool, keep: tuple[int, int | None] = (0, None)) -> tuple[int, ...]:
-    """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (the largest ratio when none does).
+                   training: bool, keep: tuple[int, int | None] = (0, None), rule: str = "longpeft",
+                   scheme: tuple[str, str, bool] = DEFAULT_SCHEME) -> tuple[int, ...]:
+    """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (:func:`span_at`; the largest ratio
+    when none does).
 
     The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
     no more beacons than at the smallest. The authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2:
     position 10,753 of 8,192), which inference, adapting its ratio to fit, never meets.
     """
-    fitting = tuple(r for r in ratios if span_at(window, sink, r, length, training, keep=keep) <= max_positions)
+    fitting = tuple(r for r in ratios
+                    if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions)
     return fitting or (max(ratios),)
 
 
@@ -354,6 +380,7 @@ def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: in
 def choose_ratio(
     ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
     sink: int = 0, training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None),
+    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
     first window: see ``scheduler._start_window``).
@@ -362,22 +389,24 @@ def choose_ratio(
         ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
         length: tokens of the sequence known so far (adapt-N adds N).
         chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
-        sink, training, keep: what the positions of ``length`` tokens depend on besides the ratio (:func:`span_at`);
-            adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
-        rule: ``layout_rule`` (:class:`BeaconSettings`): ``authors`` counts adapt-N as the authors' code does.
+        sink, training, keep, scheme: what the positions of ``length`` tokens depend on besides the ratio
+            (:func:`span_at`); adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
+        rule: ``layout_rule`` (:class:`BeaconSettings`): ``authors`` counts adapt-N as the authors' code does (and
+            lays out the sink as it does: :func:`span_at` counts it).
     """
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
     if mix.startswith("adapt-"):
-        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule, keep)
-    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep)
+        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule, keep, scheme)
+    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
     return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
-               training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None)) -> int:
+               training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None),
+               scheme: tuple[str, str, bool] = DEFAULT_SCHEME) -> int:
     """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
     (:func:`fitting_ratios`; the largest ratio when none does).
 
@@ -393,7 +422,7 @@ def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: in
         length += mix_parameter(mix)
         if rule == "authors":
             return authors_adapt_ratio(ratios, window, max_positions, length)
-    return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep))
+    return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
 
 
 def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
@@ -415,11 +444,14 @@ def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int
     return min(reaching, key=lambda ratio: reach[ratio])
 
 
-def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False) -> int:
-    """Positions an input of ``length`` tokens occupies at most (:func:`span_at`), at the ratio :func:`span_ratio`
-    bounds them by: the inference ratios and mix, or with ``training`` the training ones."""
+def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False,
+                keys: bool = False) -> int:
+    """Positions an input of ``length`` tokens occupies at most (:func:`span_at`; with ``keys``, the keys one query
+    reads at most), at the ratio :func:`span_ratio` bounds them by: the inference ratios and mix, or with
+    ``training`` the training ones."""
     ratios, mix = ((settings.ratios, settings.ratio_mix) if training
                    else (settings.inference_ratios, settings.inference_ratio_mix))
-    rule, keep = settings.layout_rule, (settings.keep_start, settings.keep_end)
-    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep)
-    return span_at(settings.window, settings.sink, ratio, length, training, rule, keep)
+    rule, keep, scheme = settings.layout_rule, (settings.keep_start, settings.keep_end), settings.scheme
+    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep,
+                       scheme)
+    return span_at(settings.window, settings.sink, ratio, length, training, rule, keep, scheme, keys)

@@ -148,11 +148,11 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
             state.ratio_cycle = fitting_ratios(ratios, window, settings.sink, max_positions, length, training=complete,
-                                               keep=keep)
+                                               keep=keep, rule=settings.layout_rule, scheme=settings.scheme)
         ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
     else:
         ratio = choose_ratio(ratios, mix, window, max_positions, length, state.chosen_ratio, settings.sink,
-                             training=complete, rule=settings.layout_rule, keep=keep)
+                             training=complete, rule=settings.layout_rule, keep=keep, scheme=settings.scheme)
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
