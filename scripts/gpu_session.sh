@@ -3,10 +3,10 @@
 # CUDA only, Activation Beacon at 8K-128K) on a lent machine, in priority order, as one prepared script.
 #
 # Parts (run in the order given; default: all five in this order):
-#   80k     the 80K QLoRA step, every layer checkpointed (all81920) against the planner's choice of what to keep with
-#           offloaded inputs (kept81920: train.keep_attention=auto train.offload_checkpoints=true
-#           train.memory_budget_gib=57), 2 steps each, in one gpu_check call, without expandable segments
-#           (targets: >= 4,175 tokens/s at <= 60 GB reserved)                               -> qlora_80k.json
+#   80k     the 80K QLoRA step with the planner's choice of what to keep and offloaded inputs (kept81920:
+#           train.keep_attention=auto train.offload_checkpoints=true train.memory_budget_gib=57), then with every
+#           layer checkpointed (all81920, the baseline), 2 steps each, in one gpu_check call, without expandable
+#           segments (targets: >= 4,175 tokens/s at <= 60 GB reserved)                      -> qlora_80k.json
 #   262k    one step at 262,144 tokens with offloaded checkpoints and the MLP tiled by 4,096 tokens
 #           (target: >= 256K on one 80 GB GPU)                                              -> qlora_262k.json
 #   liger   Liger's kernels against transformers' (gpu_check --no-train --liger-check; with the HARPE and STRING
@@ -23,21 +23,21 @@
 # built here from a carried .fa/flash-src.tgz (carry it as .fa/ next time: it installs in seconds).
 #
 # Time. GPU_SESSION_DEADLINE (default 560) is the seconds after this script starts by which every part has ended:
-# a part starts only with the seconds it needs left (80k, 262k: 60, then gpu_check's --deadline skips each run the
-# planner says would end later; liger 40; tests 90; beacon 150) and is stopped at the deadline. Measured or planned
-# on one H100 (docs/measurements/README.md): the random 8B base is written once per machine (42 s, kept in /tmp/gc
-# while the machine stays warm); each training run loads it (about 60-90 s) before its steps; the 80K steps take
-# 27 + 22 s (all) and 38 + 19 s (kept); one 262K step is planned at 168 s; the wheels install in about 10 s. So
-# 80k takes about 5 minutes, 262k about 4.5, liger under 1, tests about 1.5 (5.5 on 2 CPU cores), beacon about 2.5,
-# and a fresh machine takes 1 to 2 minutes to start, all out of the 15 minutes of device time a task is lent:
-# 80k and 262k do not fit one call (600 s), and after both about 2 minutes are left.
+# a part starts only with the seconds it needs left (80k 150, 262k 240, and then gpu_check's --deadline skips each
+# run the planner says would end later; liger 40; tests 60; beacon 150) and is stopped at the deadline. Measured
+# or planned on one H100 (docs/measurements/README.md): the random 8B base is written once per machine (42 s, kept
+# in /tmp/gc while the machine stays warm); each training run loads it (about 60-90 s) before its steps; the 80K
+# steps take 27 + 22 s (all) and 38 + 19 s (kept); one 262K step is planned at 168 s; the wheels install in about
+# 10 s. So 80k takes 5 to 6 minutes, 262k 4.5 to 5, liger under 1, tests 1 to 1.5 (5.5 on 2 CPU cores, serially),
+# beacon about 2.5, and a fresh machine takes 1 to 2 minutes to start, all out of the 15 minutes of device time a
+# task is lent: 80k and 262k do not fit one call (600 s), and after both about 2 minutes are left.
 #
 # The calls (device tool `run`, from the repository root of the session's checkout), after, here:
 #   bash scripts/gpu_wheels.sh      # once: .whl/ (ignored by git); the GPU image lacks trl, datasets, bitsandbytes
 #   1. run(command="bash scripts/gpu_session.sh 80k liger", carry=[".whl"], timeout_s=600)
 #        -> session.log, parts.json, qlora_80k.json, liger.json (about 6 minutes)
 #   2. at once (the base in /tmp/gc survives only while the machine is warm, 30 s after a call; else it is written
-#      again, 42 s), with D = the budget_left_s that `status` gives minus 60 (at most 560):
+#      again, 42 s), with D = the budget_left_s that `status` gives minus 45 (at most 560):
 #      run(command="GPU_SESSION_DEADLINE=D bash scripts/gpu_session.sh 262k tests beacon", carry=[".whl"],
 #          timeout_s=D+30)
 #        -> session.log, parts.json, qlora_262k.json, pytest.log, beacon.json (the parts that had time)
@@ -177,7 +177,7 @@ else
     fi
     export PYTHONPATH=/tmp/site:$PYTHONPATH
     work=/tmp/gc
-    tokens_80k=81920 tokens_262k=262144 tile=4096 needs=(60 60 40 90 150)
+    tokens_80k=81920 tokens_262k=262144 tile=4096 needs=(150 240 40 60 150)
     gpu_check=("$PYTHON" scripts/gpu_check.py --work-dir "$work")
     tests=(${GPU_SESSION_TESTS:-tests/test_beacon.py tests/test_beacon_train.py tests/test_init_from.py
                                  tests/test_data_and_tying.py})
@@ -225,9 +225,9 @@ for part in "${parts[@]}"; do
     case "$part" in
         80k) run_part 80k "${needs[0]}" qlora_80k.json "${gpu_check[@]}" --no-kernel-check --deadline @LEFT@ \
                 --report "$OUT/qlora_80k.json" \
-                --variant "all$tokens_80k" "tokens=$tokens_80k" steps=2 \
                 --variant "kept$tokens_80k" "tokens=$tokens_80k" steps=2 train.keep_attention=auto \
-                train.offload_checkpoints=true train.memory_budget_gib=57 ;;
+                train.offload_checkpoints=true train.memory_budget_gib=57 \
+                --variant "all$tokens_80k" "tokens=$tokens_80k" steps=2 ;;
         262k) run_part 262k "${needs[1]}" qlora_262k.json "${gpu_check[@]}" --no-kernel-check --deadline @LEFT@ \
                 --report "$OUT/qlora_262k.json" \
                 --variant "long$tokens_262k" "tokens=$tokens_262k" steps=1 train.offload_checkpoints=true \

@@ -169,9 +169,9 @@ def test_the_session_without_cuda_says_so(tmp_path):
     assert proc.returncode == 2 and "no CUDA GPU here" in proc.stdout and "--tiny" in proc.stdout
 
 
-@pytest.mark.slow  # every part for real on the tiny model: about 3 minutes on 2 CPU cores (`make test-slow`)
+@pytest.mark.slow  # every part for real on the tiny model: 3 minutes or more on 2 CPU cores (`make test-slow`)
 def test_the_tiny_session_runs_every_part_and_each_writes_its_file(tmp_path):
-    proc = session(tmp_path, "--tiny", timeout=900)
+    proc = session(tmp_path, "--tiny", deadline=3000, timeout=3600)  # a loaded machine takes 3 to 8 minutes
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = tmp_path / "out"
     parts = parts_of(tmp_path)
