@@ -27,6 +27,17 @@ ratio computed for Llama-3-8B's shapes (q, k, v; rank 32).
     .venv/bin/python scripts/bench_beacon.py [--window 128] [--multiple 32] [--device cpu] [--threads 1]
         [--parallel-windows 4]
 
+Lengths (``--lengths N ...``, in place of the rows above): beacon and stock prefill at each length (peak memory:
+weights plus the forward's own; tokens/s; one untimed run first, which is the memory measurement), the peak ratio
+of the longest over the shortest, and at the shortest length the beacon's logits over the last window with each
+attention kernel against eager (SDPA, and flash-attn when installed on CUDA) and the parallel-window prefill against
+one window per forward with each of SDPA and flash-attn (flash-attn reads a parallel group through a 2-D key mask).
+``--shape llama3-8b`` builds Llama-3-8B's shape (random bf16 weights on ``--device cuda``; 16 GB) with the
+``beacon-llama3-8b-instruct`` recipe's layout (window 1024, sink 1, beacon copies of q, k, v) at ratio 8.
+``--report FILE`` writes the JSON after each length and check (a run stopped at a time limit keeps what ended):
+
+    python3 scripts/bench_beacon.py --shape llama3-8b --device cuda --lengths 8192 32768 65536 131072 --repeats 1
+
 The last line printed is one JSON object.
 """
 
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -57,12 +69,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchlib.py,
 from benchlib import peak_bytes, timed  # noqa: E402
 
 RATIO = 8
+GiB = 1024**3
 
 
-def build_model(attn: str, device: str):
-    return tiny_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                      attn_implementation=attn).to(device)
+def build_model(attn: str, device: str, shape: str = "small"):
+    """The bench model: ``small`` (the module docstring's; fp32), or ``llama3-8b``: Llama-3-8B's shape and RoPE as
+    scripts/gpu_check.py builds it, random bf16 weights made on ``device``."""
+    if shape == "small":
+        return tiny_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
+                          attn_implementation=attn).to(device)
+    from gpu_check import base_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(base_config(tiny=False), dtype=torch.bfloat16,
+                                                 attn_implementation=attn)
+    return model.eval()
+
+
+def bench_config(args: argparse.Namespace) -> BeaconConfig:
+    """Windows of ``--window`` tokens at ratio 8; with ``--shape llama3-8b`` one sink token too, as the
+    beacon-llama3-8b-instruct recipe (its other settings are BeaconConfig's defaults)."""
+    return BeaconConfig(window=args.window, ratios=[RATIO], sink=1 if args.shape == "llama3-8b" else 0)
 
 
 def adapter_bytes(attn: str, device: str, window: int, projection: str) -> int:
@@ -133,6 +163,121 @@ def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) ->
                            (logits[1] - logits[windows]).abs().max().item())
 
 
+def has_flash_attn() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def kernel_check(model, prompt: torch.Tensor, kernels: list[str], keep: int) -> dict:
+    """The beacon's logits over the last ``keep`` tokens of ``prompt`` with each attention kernel against eager:
+    the largest difference, and allclose at bf16 tolerance (atol = rtol = 5e-2). A kernel that fails is reported
+    with its error; the model is left with SDPA."""
+    logits, result = {}, {"tokens": prompt.shape[1], "logits_kept": keep}
+    for kernel in ["eager", *kernels]:
+        try:
+            model.set_attn_implementation(kernel)
+            with torch.no_grad():
+                logits[kernel] = model(prompt, logits_to_keep=keep).logits.float()
+        except Exception as error:  # a measurement: the report says what failed, the rest goes on
+            result[kernel] = {"error": error_text(error)}
+    model.set_attn_implementation("sdpa")
+    reference = logits.get("eager")
+    if reference is not None:
+        result["max_abs_logit"] = reference.abs().max().item()
+        for kernel in kernels:
+            if kernel in logits:
+                result[kernel] = {
+                    "max_abs_diff": (logits[kernel] - reference).abs().max().item(),
+                    "allclose_atol_rtol_5e-2": bool(torch.allclose(logits[kernel], reference, atol=5e-2, rtol=5e-2)),
+                }
+    return result
+
+
+def length_sweep(model, args: argparse.Namespace) -> dict:
+    """Beacon and stock prefill at each of ``args.lengths`` (peak memory, tokens/s), then the kernel and
+    parallel-window checks at the shortest length; the report is written to ``args.report`` after each part."""
+    cuda = args.device.startswith("cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    flash = cuda and has_flash_attn()
+    report = {"bench": "beacon-lengths", "shape": args.shape, "window": args.window, "ratio": RATIO,
+              "sink": model.model.beacon_settings.sink, "attn": args.attn, "device": args.device,
+              "dtype": str(next(model.parameters()).dtype), "weights_gib": weights / GiB,
+              "parallel_windows": model.model.beacon_settings.parallel_windows, "repeats": args.repeats,
+              "flash_attn_installed": has_flash_attn(), "lengths": {}}
+
+    def save() -> None:
+        if args.report:
+            Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
+
+    generator = torch.Generator().manual_seed(0)
+    prompts = {n: torch.randint(7, model.config.vocab_size, (1, n), generator=generator).to(args.device)
+               for n in args.lengths}
+    print(f"Activation Beacon ({args.shape}, window {args.window}, ratio {RATIO}, attn={args.attn}, "
+          f"device={args.device}) vs stock: weights {weights / GiB:.2f} GiB, median of {args.repeats}")
+    print(f"{'tokens':>7} {'variant':<7} {'forward GiB':>12} {'peak GiB':>9} {'tokens/s':>10}")
+    for length in args.lengths:
+        row = report["lengths"][str(length)] = {}
+        for variant in ("beacon", "stock"):
+            def run(prompt=prompts[length], stock=variant == "stock"):
+                with beacons_disabled(model) if stock else contextlib.nullcontext():
+                    return model(prompt, logits_to_keep=1, use_cache=True)
+
+            try:
+                memory = peak_bytes(run, cuda)  # the first run: its memory, and the warm-up of the timed ones
+                seconds = statistics.median(timed(run) for _ in range(args.repeats))
+            except Exception as error:  # e.g. out of memory: the report says so, the rest goes on
+                row[variant] = {"error": error_text(error)}
+                print(f"{length:>7} {variant:<7} {row[variant]['error']}")
+                continue
+            finally:
+                if cuda:
+                    torch.cuda.empty_cache()
+            row[variant] = {"forward_gib": memory / GiB, "peak_gib": (weights + memory) / GiB, "seconds": seconds,
+                            "tokens_per_s": length / seconds}
+            print(f"{length:>7} {variant:<7} {memory / GiB:>12.3f} {(weights + memory) / GiB:>9.2f} "
+                  f"{length / seconds:>10.0f}")
+        if "error" not in row["beacon"] and "error" not in row["stock"]:
+            row["beacon_over_stock_tokens_per_s"] = row["beacon"]["tokens_per_s"] / row["stock"]["tokens_per_s"]
+        save()
+    shortest, longest = (report["lengths"][str(n)] for n in (min(args.lengths), max(args.lengths)))
+    for variant in ("beacon", "stock"):
+        if "error" not in shortest[variant] and "error" not in longest[variant]:
+            report[f"{variant}_peak_ratio"] = longest[variant]["peak_gib"] / shortest[variant]["peak_gib"]
+            print(f"{variant}: peak memory at {max(args.lengths)} over {min(args.lengths)} tokens "
+                  f"{report[f'{variant}_peak_ratio']:.3f}")
+    save()
+    kernels = ["sdpa", "flash_attention_2"] if flash else ["sdpa"]
+    prompt = prompts[min(args.lengths)]
+    report["kernels"] = kernel_check(model, prompt, kernels, min(args.window, prompt.shape[1]))
+    for kernel in kernels:
+        check = report["kernels"].get(kernel, {})
+        print(f"beacon logits, {kernel} vs eager at {prompt.shape[1]} tokens: "
+              + (check["error"] if "error" in check else f"max |diff| {check.get('max_abs_diff', float('nan')):.3g}"))
+    save()
+    report["parallel"] = {}
+    for kernel in kernels:
+        try:
+            model.set_attn_implementation(kernel)
+            result = parallel_prefill(model, prompt, args.parallel_windows, args.repeats)
+            report["parallel"][kernel] = {**result._asdict(), "speedup": result.sequential_s / result.parallel_s}
+            print(f"parallel prefill with {kernel}: {result.windows} windows per forward {result.parallel_s:.3f} s, "
+                  f"one per forward {result.sequential_s:.3f} s; last-token logits differ by at most "
+                  f"{result.max_logit_diff:.1e}")
+        except Exception as error:  # the report says which kernel failed and why
+            report["parallel"][kernel] = {"error": error_text(error)}
+            print(f"parallel prefill with {kernel}: {report['parallel'][kernel]['error']}")
+        finally:
+            model.set_attn_implementation("sdpa")
+        save()
+    if not flash:
+        report["flash_attn_skipped"] = "flash-attn is not installed" if cuda else "flash-attn needs CUDA"
+    save()
+    return report
+
+
 def llama3_8b_lora_over_full(rank: int = 32) -> float:
     """Beacon parameters of Llama-3-8B (hidden 4096, 32 layers, 1024-dim k/v) on q, k, v: lora(rank) over full."""
     hidden, kv, layers = 4096, 1024, 32
@@ -143,8 +288,14 @@ def llama3_8b_lora_over_full(rank: int = 32) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window", type=int, default=128)
+    parser.add_argument("--shape", default="small", choices=["small", "llama3-8b"],
+                        help="small: the CPU bench model; llama3-8b: Llama-3-8B's shape in bf16 (CUDA, 16 GB)")
+    parser.add_argument("--window", type=int, help="beacon window (default: 128; 1024 with --shape llama3-8b)")
     parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
+    parser.add_argument("--lengths", type=int, nargs="+", metavar="TOKENS",
+                        help="prefill at each of these lengths instead (beacon and stock), and the kernel and "
+                        "parallel-window checks at the shortest")
+    parser.add_argument("--report", help="with --lengths: also write the JSON here, after each length and check")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
@@ -154,8 +305,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--parallel-windows", type=int, default=BeaconConfig().parallel_windows,
                         help="windows per forward in the parallel prefill, timed against one (default: the config's)")
     args = parser.parse_args(argv)
+    args.window = args.window or (1024 if args.shape == "llama3-8b" else 128)
     if args.parallel_windows < 2:
         parser.error(f"--parallel-windows {args.parallel_windows}: give 2 or more (it is timed against 1)")
+    if args.shape == "llama3-8b" and not args.device.startswith("cuda"):
+        parser.error("--shape llama3-8b needs --device cuda (16 GB of bf16 weights)")
+    if args.lengths and min(args.lengths) < args.window:
+        parser.error(f"--lengths {min(args.lengths)}: give lengths of at least the window ({args.window} tokens)")
+    if args.report and not args.lengths:
+        parser.error("--report goes with --lengths")
     return args
 
 
@@ -163,8 +321,11 @@ def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build_model(args.attn, args.device).eval()
-    apply_beacon(model, BeaconConfig(window=args.window, ratios=[RATIO]).settings())
+    model = build_model(args.attn, args.device, args.shape).eval()
+    apply_beacon(model, bench_config(args).settings())
+    if args.lengths:
+        print(json.dumps(length_sweep(model, args)))
+        return 0
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     lengths = {"1x": args.window, f"{args.multiple}x": args.window * args.multiple}
     prompts = {k: torch.randint(7, 32000, (1, n), device=args.device) for k, n in lengths.items()}

@@ -10,15 +10,22 @@ and the HARPE and STRING flash-attn paths against their SDPA paths.
    installed, and SDPA), each in a fresh process so its peak memory is its own.
 3. Compares with ``longpeft.scale.estimate`` on one GPU, per kernel: peak memory and step time (the planner's
    FLOPs at its utilisations for the matmuls and for that attention kernel). ``--set KEY=VALUE`` changes the
-   recipe for both (e.g. ``model.load_in_4bit=false``, ``train.activation_offloading=true``). On CUDA it also
-   records which kernels torch's SDPA runs (``sdpa_kernels``).
+   recipe for both (e.g. ``model.load_in_4bit=false``, ``train.activation_offloading=true``); ``env.NAME=VALUE``
+   sets an environment variable for the training run's process only (e.g.
+   ``env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``; an empty value removes it). On CUDA it also records
+   which kernels torch's SDPA runs (``sdpa_kernels``) and, at each step's end, what torch's caching allocator
+   holds per CUDA stream (each stream has its own pool: ``step_memory[].pools``, from ``torch.cuda.memory_snapshot``),
+   with its retries after a failed allocation and its inactive split blocks, so a reserved peak far above the
+   allocated one says whose pool holds the cache.
 4. Builds a small Llama-3-like model twice, SDPA and flash-attn, with the same weights, and compares the logits
    with HARPE per-head bases and with STRING on (max abs difference, and allclose at bf16 tolerance).
 
 The last line printed is one JSON object (``--report FILE`` also writes it after each part, so a call stopped at a
-time limit keeps what finished). Without CUDA it stops with a message; ``--tiny`` runs the same code on a tiny model
-on CPU in seconds (SDPA only; the kernel comparison is SDPA against eager there). Without flash-attn on a CUDA
-machine it trains with SDPA only and compares SDPA against eager (``kernels.flash_attn_installed: false``).
+time limit keeps what finished). ``--no-train`` runs only the checks of step 4 (and ``--liger-check``). Without
+CUDA it stops with a message; ``--tiny`` runs the same code on a tiny model on CPU in seconds (SDPA only; the kernel
+comparison is SDPA against eager there). Without flash-attn on a CUDA machine it trains with SDPA only and compares
+SDPA against eager (``kernels.flash_attn_installed: false``). ``scripts/gpu_session.sh`` runs it, with the other
+GPU checks, as a lent machine's calls allow.
 
     python scripts/gpu_check.py                 # on a CUDA machine (about 16 GB of disk for the random base)
     python scripts/gpu_check.py --tiny          # anywhere, seconds
@@ -160,8 +167,13 @@ def measure(args: argparse.Namespace) -> dict:
         def on_step_end(self, *a, **k):
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-                self.memory[-1].update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
-                                       peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB)
+                stats = torch.cuda.memory_stats()
+                self.memory[-1].update(
+                    peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
+                    peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
+                    pools=pools_by_stream(torch.cuda.memory_snapshot(), torch.cuda.current_stream().cuda_stream),
+                    alloc_retries=stats.get("num_alloc_retries", 0),
+                    inactive_split_gib=stats.get("inactive_split_bytes.all.current", 0) / GiB)
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
@@ -175,11 +187,26 @@ def measure(args: argparse.Namespace) -> dict:
               "tokens_per_second": args.tokens / statistics.median(timed)}
     resolved = json.loads((result.output_dir / "recipe.resolved.json").read_text())
     report["checkpointing"] = resolved.get("checkpointing")
+    report["allocator_config"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if torch.cuda.is_available():  # the peaks of the steps (reset when each begins), and what each step began with
         report.update(peak_allocated_gib=max(m["peak_allocated_gib"] for m in timer.memory),
-                      peak_reserved_gib=max(m["peak_reserved_gib"] for m in timer.memory), step_memory=timer.memory,
-                      allocator_config=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+                      peak_reserved_gib=max(m["peak_reserved_gib"] for m in timer.memory), step_memory=timer.memory)
     return report
+
+
+def pools_by_stream(segments: list[dict], compute_stream: int) -> dict[str, dict[str, float]]:
+    """What the caching allocator holds per CUDA stream, from ``torch.cuda.memory_snapshot()``'s segments (each
+    a ``stream`` handle, ``total_size`` and ``allocated_size`` in bytes): reserved and allocated GiB and the number
+    of segments, keyed ``compute`` for ``compute_stream`` (the stream the step runs on) and ``stream 0x...`` for
+    the others (side streams: a block a side stream allocated serves only that stream's later allocations)."""
+    pools: dict[str, dict[str, float]] = {}
+    for segment in segments:
+        name = "compute" if segment["stream"] == compute_stream else f"stream {segment['stream']:#x}"
+        pool = pools.setdefault(name, {"reserved_gib": 0.0, "allocated_gib": 0.0, "segments": 0})
+        pool["reserved_gib"] += segment["total_size"] / GiB
+        pool["allocated_gib"] += segment["allocated_size"] / GiB
+        pool["segments"] += 1
+    return pools
 
 
 def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_memory_gib: float, attention: str,
@@ -269,28 +296,51 @@ def compare_with_plan(measured: dict, plan: dict, tokens: int, tiny: bool) -> No
 
 
 class Run(NamedTuple):
-    """One training run of the check: its report key, attention kernel, recipe overrides, length and steps."""
+    """One training run of the check: its report key, attention kernel, recipe overrides, length, steps, and the
+    environment variables its process gets (an empty value removes one)."""
 
     name: str
     attention: str
     overrides: list[str]
     tokens: int
     steps: int
+    env: dict[str, str]
+
+
+def split_env(pairs: list[str]) -> tuple[list[str], dict[str, str]]:
+    """``KEY=VALUE`` pairs split into recipe overrides and ``env.NAME=VALUE`` environment variables."""
+    overrides, env = [], {}
+    for pair in pairs:
+        key, value = pair.split("=", 1)
+        if key.startswith("env."):
+            env[key.removeprefix("env.")] = value
+        else:
+            overrides.append(pair)
+    return overrides, env
 
 
 def planned_runs(args: argparse.Namespace, attentions: list[str]) -> list[Run]:
     """The runs of this call: one per ``--variant`` when given (``tokens=N`` and ``steps=N`` set its length and
-    steps, ``model.attn_implementation=...`` its kernel, other ``KEY=VALUE`` pairs go to the recipe after
-    ``--set``), else one per attention kernel with ``--set``."""
+    steps, ``model.attn_implementation=...`` its kernel, ``env.NAME=VALUE`` its process's environment, other
+    ``KEY=VALUE`` pairs go to the recipe after ``--set``), else one per attention kernel with ``--set``."""
+    common, common_env = split_env(args.set)
     if not args.variant:
-        return [Run(attention, attention, list(args.set), args.tokens, args.steps) for attention in attentions]
+        return [Run(attention, attention, common, args.tokens, args.steps, common_env) for attention in attentions]
     runs = []
     for name, *pairs in args.variant:
-        settings = dict(pair.split("=", 1) for pair in pairs)
+        overrides, env = split_env(pairs)
+        settings = dict(pair.split("=", 1) for pair in overrides)
         tokens, steps = int(settings.pop("tokens", args.tokens)), int(settings.pop("steps", args.steps))
         attention = settings.get("model.attn_implementation", "sdpa")
-        runs.append(Run(name, attention, list(args.set) + [f"{k}={v}" for k, v in settings.items()], tokens, steps))
+        runs.append(Run(name, attention, common + [f"{k}={v}" for k, v in settings.items()], tokens, steps,
+                        {**common_env, **env}))
     return runs
+
+
+def run_environment(env: dict[str, str]) -> dict[str, str]:
+    """This process's environment with a run's variables set (an empty value removes the variable)."""
+    merged = {**os.environ, **env}
+    return {name: value for name, value in merged.items() if not (name in env and value == "")}
 
 
 def compare_liger() -> dict:
@@ -341,17 +391,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "and SDPA); one per call keeps each call short")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a recipe override for the training runs and the planner, as `longpeft train --set` "
-                        "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true")
+                        "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true; "
+                        "env.NAME=VALUE sets an environment variable of the training runs' processes only (empty: "
+                        "removed), e.g. env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     parser.add_argument("--variant", action="append", nargs="+", metavar="NAME [KEY=VALUE ...]",
                         help="instead of one run per kernel, a named run with its own overrides (repeatable), e.g. "
                         "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and "
-                        "steps=N set its length and steps")
+                        "steps=N set its length and steps, env.NAME=VALUE its process's environment")
     parser.add_argument("--deadline", type=float, metavar="SECONDS",
                         help="start no run that the planner says would end later than this many seconds after the "
                         "call began (model load included); skipped runs are reported as such")
     parser.add_argument("--liger-check", action="store_true",
                         help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, "
                         "liger-kernel)")
+    parser.add_argument("--no-train", dest="train", action="store_false",
+                        help="no training runs (and no random base): only the kernel check and --liger-check")
     parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
                         help="skip the HARPE and STRING kernel comparison")
     parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
@@ -368,9 +422,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.tiny and "flash_attention_2" in (args.attentions or []) and not has_flash_attn():
         parser.error("--attentions flash_attention_2: flash-attn is not installed (pip install flash-attn)")
     for name, *pairs in args.variant or []:
-        bad = [pair for pair in pairs if "=" not in pair]
+        bad = [pair for pair in pairs if "=" not in pair or pair.startswith(("=", "env.="))]
         if bad or "=" in name:
             parser.error(f"--variant {name} {' '.join(pairs)}: a name, then KEY=VALUE pairs")
+    bad = [pair for pair in args.set if "=" not in pair or pair.startswith(("=", "env.="))]
+    if bad:
+        parser.error(f"--set {bad[0]}: give KEY=VALUE (a recipe key, or env.NAME for an environment variable)")
     return args
 
 
@@ -401,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         base = work / ("base-tiny" if args.tiny else "base-8b")  # a kept base per size
-        if not (base / "config.json").is_file():
+        if args.train and not (base / "config.json").is_file():
             began = time.perf_counter()
             write_base(base, args.tiny)
             report["base_written_seconds"] = time.perf_counter() - began
@@ -411,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tiny and torch.cuda.is_available():
             report["sdpa_kernels"] = sdpa_kernels()
         sample_tokens = {}  # requested tokens -> the data file's sample length
-        for run in planned_runs(args, attentions):
+        for run in planned_runs(args, attentions) if args.train else []:
             data = work / f"train-{run.tokens}.jsonl"
             if run.tokens not in sample_tokens:
                 sample_tokens[run.tokens] = write_data(data, base, run.tokens, run.steps)
@@ -432,13 +489,16 @@ def main(argv: list[str] | None = None) -> int:
                        "--out", str(work / f"run-{run.name}"), "--tokens", str(sample_tokens[run.tokens]),
                        "--steps", str(run.steps), *(f"--set={override}" for override in run.overrides)]
             shutil.rmtree(work / f"run-{run.name}", ignore_errors=True)  # a kept work dir: train again, not resume
-            proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True)
+            proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True,
+                                  env=run_environment(run.env))
             if proc.returncode != 0:
                 runs[run.name] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
                 print(proc.stderr[-3000:], file=sys.stderr)
             else:
                 runs[run.name] = measured = json.loads(proc.stdout.strip().splitlines()[-1])
                 measured["tokens"] = sample_tokens[run.tokens]
+                if run.env:
+                    measured["env"] = run.env
                 compare_with_plan(measured, plan, sample_tokens[run.tokens], args.tiny)
                 print(f"{run.name}: {json.dumps(measured)}", file=sys.stderr)
             save_report()

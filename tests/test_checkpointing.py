@@ -48,17 +48,17 @@ def lora_model():
                                             init_lora_weights=False))
 
 
-def train_step(base, settings=None, tile_tokens=None, seq=48):
-    """One forward and backward of a copy of ``base``: plain checkpointing of every layer (transformers'), then
-    ``settings`` and ``tile_tokens`` on top. Returns the loss, every gradient, the attention op counts of the
-    backward, and the model."""
-    model = copy.deepcopy(base)
+def train_step(base, settings=None, tile_tokens=None, seq=48, device="cpu"):
+    """One forward and backward of a copy of ``base`` on ``device``: plain checkpointing of every layer
+    (transformers'), then ``settings`` and ``tile_tokens`` on top. Returns the loss, every gradient, the attention op
+    counts of the backward, and the model."""
+    model = copy.deepcopy(base).to(device)
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     offloader = apply_checkpointing(model, settings) if settings is not None else None
     if tile_tokens:
         apply_tiled_mlp(model, tile_tokens)
-    ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 200, (2, seq), generator=torch.Generator().manual_seed(1)).to(device)
     loss = model(input_ids=ids, labels=ids).loss
     ops = CountOps()
     with ops:
@@ -86,6 +86,29 @@ def test_each_setting_gives_the_losses_and_gradients_of_plain_checkpointing(lora
         assert offloader.offloaded == settings.checkpointed - 1
     else:
         assert offloader is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the offloader's side streams and pinned copies need CUDA")
+def test_offloaded_inputs_on_cuda_give_the_gradients_of_plain_checkpointing_from_the_compute_streams_pool(lora_model):
+    """On CUDA the inputs go out and come back on side streams, the copies overlapping the compute (4,096 tokens, so
+    that they take time): the loss of plain checkpointing, its gradients (within float32 rounding: SDPA's CUDA
+    backward adds in no fixed order), every fetch but the first started ahead, and every segment the step made
+    belongs to the compute stream's pool (an input fetched back into a side stream's pool would leave its blocks
+    there once freed, where the compute stream cannot use them)."""
+    loss, grads, *_ = train_step(lora_model, seq=4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = {segment["address"] for segment in torch.cuda.memory_snapshot()}
+    kept_loss, kept_grads, _, _, offloader = train_step(lora_model, CheckpointSettings(LAYERS, offload=True),
+                                                       seq=4096, device="cuda")
+    torch.cuda.synchronize()
+    made = [segment for segment in torch.cuda.memory_snapshot() if segment["address"] not in before]
+    assert made and {segment["stream"] for segment in made} == {torch.cuda.current_stream().cuda_stream}
+    assert (offloader.offloaded, offloader.prefetched) == (LAYERS - 1, LAYERS - 2)
+    assert torch.equal(kept_loss, loss) and kept_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(kept_grads[name], grads[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda text, name=name: f"{name}: {text}")
 
 
 def test_plain_checkpointing_recomputes_every_attention_forward(lora_model):

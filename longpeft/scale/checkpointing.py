@@ -158,13 +158,21 @@ class InputOffloader:
         if handle.tensor.device.type == "cuda":
             current = torch.cuda.current_stream(handle.tensor.device)
             current.wait_event(handle.fetched)
-            handle.tensor.record_stream(current)
+            handle.tensor.record_stream(current)  # a no-op when this stream allocated it (_start_fetch), as it does
             self._free.setdefault((handle.host.shape, handle.host.dtype), []).append((handle.host, handle.fetched))
         handle.back = True
         if position:  # the input the backward reaches next
             self._start_fetch(self._waiting[position - 1])
 
     def _start_fetch(self, handle: _Offloaded) -> None:
+        """Allocate ``handle``'s storage again and start copying its values back on the side stream.
+
+        The storage is allocated on the compute stream, which reads it, so that once freed after its layer's backward
+        it serves the compute stream's later allocations (the caching allocator keeps a pool per stream, and a block
+        of the side stream's pool never serves another stream). No record_stream is needed: the side stream waits for
+        the compute stream's work so far (earlier users of the block included) before it writes, and the compute
+        stream waits for the fetch's event before it reads.
+        """
         if handle.fetched is not None:
             return
         tensor = handle.tensor
@@ -173,11 +181,11 @@ class InputOffloader:
             tensor.data.copy_(handle.host)  # through .data: the values come back without a new version
             handle.fetched = True
             return
-        _, in_stream = self._streams_of(tensor.device)
-        in_stream.wait_stream(torch.cuda.current_stream(tensor.device))
+        compute, (_, in_stream) = torch.cuda.current_stream(tensor.device), self._streams_of(tensor.device)
+        tensor.untyped_storage().resize_(handle.nbytes)
+        in_stream.wait_stream(compute)
         with torch.cuda.stream(in_stream):
             in_stream.wait_event(handle.copied)
-            tensor.untyped_storage().resize_(handle.nbytes)
             tensor.data.copy_(handle.host, non_blocking=True)
             fetched = torch.cuda.Event()
             fetched.record(in_stream)
