@@ -55,6 +55,11 @@ def test_sampler_follows_set_epoch():
     assert list(sampler) == length_grouped_order(lengths, 2, 3, 2).tolist()
 
 
+def test_trl_cannot_choose_another_order():
+    with pytest.raises(Exception, match="trl.train_sampling_strategy is set by longpeft: use train.group_by_length"):
+        load_recipe("tiny-cpu", ["trl.train_sampling_strategy=group_by_length"])
+
+
 def test_row_lengths_read_the_rows_the_dataset_shows():
     dataset = Dataset.from_dict({"input_ids": [[1] * n for n in (5, 1, 9, 3, 7)], "other": list(range(5))})
     assert row_lengths(dataset) == [5, 1, 9, 3, 7]

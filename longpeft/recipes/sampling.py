@@ -1,7 +1,8 @@
 """The order training draws its samples in, when the recipe groups them by length (``train.group_by_length``).
 
-The Trainer's own ``group_by_length`` draws its order from the global torch generator, groups one process's
-batches only, and recomputes every sample's length by reading it whole. Here the order is
+The Trainer's own grouping (``train_sampling_strategy="group_by_length"``) draws its order from the global torch
+generator, groups one process's batches only, and without a length column reads every row whole to count it. Here
+the order is
 :func:`longpeft.scale.lengths.length_grouped_order` (the one the planner times): blocks of whole optimizer steps
 (every process's samples of a step together) sorted by length, drawn from ``train.seed`` and the epoch alone, so
 that every process draws the same order, a resumed run continues the one it was interrupted in, and the planner's

@@ -311,6 +311,7 @@ TRL_KEYS_OWNED_BY_RECIPE = {
     "dataset_kwargs": "data.utk prepares its sequences itself",
     "remove_unused_columns": "data.utk's collator reads doc_lengths",
     "save_only_model": "checkpoints keep the optimizer state, which --resume needs",
+    "train_sampling_strategy": "use train.group_by_length (the order longpeft plan times)",
 }
 
 

@@ -281,7 +281,8 @@ class Plan:
         return "\n".join(lines)
 
     def _time_ending(self) -> str:
-        """The time line's end: what it leaves out (and the hours in random order, which count it), then its hours."""
+        """The time line's end: what it leaves out (and the hours in the recipe's order, which count it), then its
+        hours."""
         a = self.assumptions
         ending = ""
         if a.get("padding_not_counted"):
