@@ -178,3 +178,38 @@ def test_adapt_1024_on_llama3_8b_takes_the_smallest_ratio_that_fits(scheme, sink
         recipes = choose_ratio(ratios, "adapt-1024", window, positions, length, None, sink=sink)
         half = [ratio for first, last, ratio in halved if first <= length <= last]
         assert (ours, recipes) == ((half[0], 2 * half[0]) if half else (recipes, recipes)), length
+
+
+@pytest.mark.parametrize("zero_rule", ["any", "authors"])
+def test_every_mix_of_the_fitting_ratios_stays_inside_the_positions(recorded, monkeypatch, zero_rule):
+    """Training with ratios 0 and 2 mixed per window (step-random): every sequence of draws among the ratios
+    ``fitting_ratios`` offers at each window (forced through the scheduler, one run per sequence) keeps the forward's
+    largest position inside the base's positions. A raw window leaves more in memory than a condensed one, so ratio 0
+    mixed with 2 reaches further than either alone (17 tokens: 20 positions, where 0 alone takes 17 and 2 alone 16)."""
+    from longpeft.adapters.beacon import scheduler
+    from longpeft.adapters.beacon.layout import fitting_ratios
+
+    backbone, _ = recorded
+    picks: list[int] = []
+
+    def forced(ratios, mix, window, max_positions, length, chosen, sink=0, training=False, rule="longpeft",
+               keep=(0, None), scheme=None):
+        offered = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
+        return offered[picks.pop(0) % len(offered)] if picks else offered[0]
+
+    monkeypatch.setattr(scheduler, "choose_ratio", forced)
+    monkeypatch.setattr(backbone.config, "max_position_embeddings", backbone.config.max_position_embeddings)
+    unchecked = fitting_ratios((0, 2), WINDOW, 0, 18, 17, True)
+    assert unchecked == (2,)  # 0 alone fits (17 positions), 2 alone fits (16), but 0 then 2 would take 20
+    for sink, length in itertools.product((0, 1, 3), (17, 24, 25, 33)):
+        settings = BeaconConfig(window=WINDOW, ratios=[0, 2], ratio_mix="step-random", sink=sink,
+                                zero_ratio_rule=zero_rule, parallel_windows=1).settings()
+        for positions in range(length - 2, length + sink + WINDOW // 2 + 2):
+            if span_at(WINDOW, sink, 2, length, True) > positions:
+                continue  # no ratio fits: the largest is taken, and the sample is too long for the base
+            backbone.config.max_position_embeddings = positions
+            draws = -(-length // WINDOW) - 1  # the window that ends the input draws too, but holds no beacons
+            for sequence in itertools.product((0, 1), repeat=draws):
+                picks[:] = sequence
+                reached, _ = forward_span(recorded, settings, length, True)
+                assert reached <= positions, (sink, length, positions, sequence, zero_rule)

@@ -356,11 +356,19 @@ def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_position
     when none does).
 
     The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
-    no more beacons than at the smallest. The authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2:
-    position 10,753 of 8,192), which inference, adapting its ratio to fit, never meets.
+    no more beacons than at the smallest. Ratio 0 is the exception: a raw window leaves more in memory than any
+    condensed one, so raw windows before a condensed one can reach further than either ratio alone (window 8,
+    ratios 0 and 2, 17 training tokens: 20 positions, where ratio 0 alone takes 17 and ratio 2 alone 16). A mix
+    with ratio 0 reaches at most ``length + sink + window // r`` (every earlier window raw, the sink once more,
+    the window at the smallest other ratio ``r``); where that passes ``max_positions``, ratio 0 is left out. The
+    authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2: position 10,753 of 8,192), which inference,
+    adapting its ratio to fit, never meets.
     """
     fitting = tuple(r for r in ratios
                     if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions)
+    condensed = [r for r in fitting if r]
+    if 0 in fitting and condensed and length + sink + window // min(condensed) > max_positions:
+        fitting = tuple(condensed)
     return fitting or (max(ratios),)
 
 
