@@ -247,9 +247,11 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
 
 def write_text_atomically(path: str | Path, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` through a temporary name beside it, renamed into place: a failure leaves
-    the old file (or none), never a truncated one; a full disk or a refused write is an :class:`OutputWriteError`."""
+    the old file (or none), never a truncated one; a full disk or a refused write is an :class:`OutputWriteError`.
+    The temporary name is the writer's own (process and thread), so concurrent writers of one path each rename a
+    whole file: the last rename wins."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.partial")
+    temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     with writing_to(path.parent):
         try:
             temporary.write_text(text, encoding="utf-8")

@@ -273,6 +273,33 @@ def test_a_text_file_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     assert path.read_text() == "new\n"
 
 
+def test_concurrent_writers_of_one_file_each_rename_a_whole_one(tmp_path):
+    """The LLM cache's threads may write one answer twice: each writer has its own temporary name."""
+    import threading
+
+    path = tmp_path / "answer.json"
+    texts = [f"{n}" * 20_000 for n in range(8)]
+    barrier = threading.Barrier(len(texts))
+
+    failures = []
+
+    def write(text):
+        barrier.wait()
+        try:
+            for _ in range(20):
+                write_text_atomically(path, text)
+        except Exception as error:  # a thread's error would not fail the test by itself
+            failures.append(error)
+
+    threads = [threading.Thread(target=write, args=(text,)) for text in texts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert path.read_text() in texts and sorted(p.name for p in tmp_path.iterdir()) == ["answer.json"]
+
+
 @pytest.mark.parametrize("command", ["merge", "export"])
 def test_merge_on_a_full_disk_leaves_nothing_and_a_rerun_succeeds(command, trained, tmp_path, monkeypatch, capsys):
     """safetensors' own error, raised by the weights write inside save_pretrained."""

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
+from ..files import write_text_atomically
 from .llm_request import LLMRequest
 
 
@@ -65,9 +66,7 @@ class ResponseCache:
     def put(self, key: str, entry: dict[str, Any]) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(entry, ensure_ascii=False), encoding="utf-8")
-        os.replace(tmp, path)
+        write_text_atomically(path, json.dumps(entry, ensure_ascii=False))
 
     def mark(self, key: str, task: str, outcome: Literal["answered", "rejected"], end: int, **why: str) -> None:
         """Write the outcome mark ``key`` (:func:`outcome_key`) of a request of ``task``: ``answered``, or
