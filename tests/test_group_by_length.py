@@ -176,3 +176,32 @@ def test_a_run_draws_in_the_grouped_order_and_a_resume_continues_it(tiny_base_di
     straight_losses = [json.loads(line) for line in (straight.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in losses if "loss" in r] == pytest.approx(
         [r["loss"] for r in straight_losses if "loss" in r], rel=1e-5)
+
+
+@pytest.mark.launch_matrix  # two processes: make test-slow
+def test_two_processes_train_the_rows_of_one_process(tiny_base_dirs, tmp_path):
+    """--launch ddp with two CPU processes draws the same grouped order in both (each takes its share of every
+    step): losses (rel 1e-4) and adapter (atol 1e-5) equal one process's with the same global batch. Were the
+    processes' orders their own, the steps would train other rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from longpeft.launch import launch_command
+
+    from run_helpers import assert_same_weights, logged_losses  # tests/run_helpers.py
+
+    base, data = tiny_base_dirs("llama"), _varied_chats(tmp_path / "train.jsonl")
+    overrides = [f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256",
+                 "rope.max_position_embeddings=512", "lora.r=4", "train.group_by_length=true", "train.max_steps=3",
+                 "train.per_device_batch_size=1", "train.global_batch_size=2", "train.seed=5"]
+    two = tmp_path / "ddp"
+    recipe = load_recipe("tiny-cpu", overrides)
+    command = launch_command(recipe, "tiny-cpu", "ddp", 2, [*overrides, f"output_dir={two}"])
+    command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29561"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    single = runner.run(load_recipe("tiny-cpu", [*overrides, f"output_dir={tmp_path / 'one'}"]))
+    assert logged_losses(two)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
+    weights = "adapter_model.safetensors"
+    assert_same_weights(single.adapter_dir / weights, two / "adapter" / weights, atol=1e-5, rtol=1e-4)
