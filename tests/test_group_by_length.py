@@ -60,6 +60,12 @@ def test_trl_cannot_choose_another_order():
         load_recipe("tiny-cpu", ["trl.train_sampling_strategy=group_by_length"])
 
 
+@pytest.mark.parametrize("seed", [-1, 2**32])
+def test_a_seed_numpy_cannot_take_is_refused_naming_it(seed):
+    with pytest.raises(Exception, match="train.seed"):
+        load_recipe("tiny-cpu", [f"train.seed={seed}"])
+
+
 def test_row_lengths_read_the_rows_the_dataset_shows():
     dataset = Dataset.from_dict({"input_ids": [[1] * n for n in (5, 1, 9, 3, 7)], "other": list(range(5))})
     assert row_lengths(dataset) == [5, 1, 9, 3, 7]

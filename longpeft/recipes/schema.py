@@ -233,7 +233,8 @@ class TrainSection(Section):
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = 42
+    seed: int = Field(default=42, ge=0, lt=2**32,
+                      description="seeds torch, numpy and the training order (numpy takes 0 to 2**32 - 1)")
     assistant_only_loss: bool | None = Field(
         default=None, description="loss on assistant turns only; default: on for messages data, off for text"
     )
