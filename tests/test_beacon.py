@@ -384,19 +384,20 @@ def test_beacons_over_a_4bit_base(tiny_base_dirs):
 
     full, lora = load(), load()
     assert type(full.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    ids = IDS.to(full.device)  # bitsandbytes puts a 4-bit model on the GPU where there is one
     with torch.no_grad():
-        stock = full(IDS).logits
+        stock = full(ids).logits
         apply_beacon(full, settings(ratios=[0]))
-        torch.testing.assert_close(full(IDS).logits, stock, atol=1e-5, rtol=0)
+        torch.testing.assert_close(full(ids).logits, stock, atol=1e-5, rtol=0)
         apply_beacon(full, settings())  # full copies of the dequantised weights
         apply_beacon(lora, settings(projection="lora", lora_rank=4))
         # bitsandbytes' CPU kernel multiplies in bfloat16: the copy equals the 4-bit layer to that precision
-        torch.testing.assert_close(lora(IDS).logits, full(IDS).logits, atol=5e-3, rtol=0)
+        torch.testing.assert_close(lora(ids).logits, full(ids).logits, atol=5e-3, rtol=0)
     # training (bitsandbytes repacks a CPU weight for inference after an eval forward: train a fresh load)
     trained = load().train()
     apply_beacon(trained, settings(projection="lora", lora_rank=4))
     _trainable_beacons(trained)
-    _, grads = _loss_and_grads(trained, IDS, IDS)
+    _, grads = _loss_and_grads(trained, ids, ids)
     assert len(grads) == len(beacon_parameters(trained))
     # B = 0: A gets no gradient yet; the last layer's beacon queries shape outputs nothing reads
     unused = [n for n in grads if "lora_A" in n or n.startswith("layers.1.self_attn.beacon_q")]

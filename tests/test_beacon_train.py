@@ -44,7 +44,8 @@ def test_training_changes_only_beacon_and_lora_weights_and_the_adapter_reloads(t
     prepared = prepare(beacon_recipe(base, chat_jsonl, tmp_path / "run", *extra))
     trainer, model = prepared.trainer, prepared.trainer.model
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
-    batch = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
+    # the Trainer moved the model to the GPU where there is one
+    batch = {k: v.to(model.device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "labels")}
     assert batch["input_ids"].shape[1] > 3 * 16  # several windows
     before_loss = _eval_loss(model, batch)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -66,7 +67,7 @@ def test_training_changes_only_beacon_and_lora_weights_and_the_adapter_reloads(t
     save_adapter(model, prepared.tokenizer, prepared.spec, adapter_dir, finetune=finetune)
     assert (adapter_dir / WEIGHTS_FILENAME).is_file() and (adapter_dir / "longpeft.json").is_file()
     assert (adapter_dir / "adapter_config.json").is_file() == (finetune == "lora")
-    loaded = longpeft.load(str(base), adapter_dir, attn_implementation="sdpa").eval()
+    loaded = longpeft.load(str(base), adapter_dir, attn_implementation="sdpa").to(model.device).eval()
     model.eval()
     ids = batch["input_ids"][:1]
     with torch.no_grad():

@@ -234,15 +234,15 @@ def test_fused_loss_with_token_indices_on_a_tied_base_equals_the_plain_model_los
         model.get_input_embeddings().token_adapter.trainable_tokens_delta["default"].copy_(trained)
     batch = next(iter(prepared.trainer.get_train_dataloader()))
     labels = batch["labels"][:, 1:]
-    assert torch.isin(labels, torch.tensor(rows)).any()  # trained rows are scored targets: the head's rows count
+    assert torch.isin(labels.cpu(), torch.tensor(rows)).any()  # trained rows are scored targets: the head's rows count
     with torch.no_grad():
         loss = prepared.trainer.compute_loss(model, dict(batch))
 
     # Independent reference: a plain transformers model (no peft, no TRL) whose one tied matrix has the trained rows.
-    plain = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa").eval()
+    plain = AutoModelForCausalLM.from_pretrained(base, attn_implementation="sdpa").to(model.device).eval()
     apply_spec(plain, prepared.spec)
     with torch.no_grad():
-        plain.get_input_embeddings().weight[rows] = trained
+        plain.get_input_embeddings().weight[rows] = trained.to(model.device)
         logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     reference = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels.flatten(), ignore_index=-100)
     torch.testing.assert_close(loss, reference, atol=1e-5, rtol=1e-5)

@@ -72,7 +72,7 @@ def test_finetune_starts_from_the_pretrained_beacons_and_records_what_changed(be
     own = beacon_parameters(prepared.trainer.model)
     assert len(own) == len(saved)
     for name, parameter in own.items():
-        torch.testing.assert_close(parameter.detach(), saved[f"model.{name}"], rtol=0, atol=0)
+        torch.testing.assert_close(parameter.detach().cpu(), saved[f"model.{name}"], rtol=0, atol=0)
     fresh = beacon_parameters(prepare(_beacon(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "fresh")).trainer.model)
     assert any(not torch.equal(fresh[n], own[n]) for n in own)  # the copy is not what a fresh run starts from
     start = prepared.resolved["init_from"]
@@ -95,7 +95,7 @@ def test_a_second_lora_stage_starts_from_the_first_stages_lora_and_embedding(lor
     assert (state.keys() == saved.keys() and any("lora_A" in k for k in saved)
             and any("embed_tokens" in k for k in saved))
     for name, tensor in saved.items():
-        torch.testing.assert_close(state[name].float(), tensor.float(), rtol=0, atol=0)
+        torch.testing.assert_close(state[name].float().cpu(), tensor.float(), rtol=0, atol=0)
     assert prepared.resolved["init_from"]["weights"] == "lora"
 
 
