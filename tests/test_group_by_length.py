@@ -75,27 +75,46 @@ def test_row_lengths_read_the_rows_the_dataset_shows():
         row_lengths(Dataset.from_dict({"text": ["a"]}))
 
 
-def _slow_seconds(order_lengths, seconds, batch, gpus, accumulation):
-    """Step by step: GPU g of a step runs micro-batches g, g + gpus, ... of it, each padded to its longest sample."""
-    micro = [order_lengths[i:i + batch] for i in range(0, len(order_lengths), batch)]
-    total, per_step = 0.0, gpus * accumulation
-    for start in range(0, len(micro), per_step):
-        step = micro[start:start + per_step]
-        total += max(sum(batch * seconds(max(m)) for m in step[g::gpus]) for g in range(gpus))
+def _accelerate_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed):
+    """Step by step, as training takes the samples: each epoch accelerate deals the grouped sampler's batches to
+    the processes (``BatchSamplerShard`` with even batches; one process reads the batches as they are) and the
+    Trainer takes ``accumulation`` of each process's per step, the epoch's last step the rest. A step lasts as
+    long as its slowest process's micro-batches, each padded to its longest sample."""
+    from accelerate.data_loader import BatchSamplerShard
+    from torch.utils.data import BatchSampler
+
+    from longpeft.recipes.sampling import LengthGroupedSampler
+    from longpeft.scale.lengths import epoch_steps
+
+    sampler = LengthGroupedSampler(lengths, batch * gpus * accumulation, seed)
+    total, done, epoch = 0.0, 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        batches = BatchSampler(sampler, batch, drop_last=False)
+        per_gpu = [list(BatchSamplerShard(batches, gpus, rank)) for rank in range(gpus)] if gpus > 1 \
+            else [list(batches)]
+        micro = len(per_gpu[0])
+        assert all(len(own) == micro for own in per_gpu)
+        assert -(-micro // accumulation) == epoch_steps(len(lengths), batch, gpus, accumulation)
+        for start in range(0, micro, accumulation):
+            if done < steps:
+                total += max(sum(len(rows) * seconds(max(lengths[i] for i in rows))
+                                 for rows in own[start:start + accumulation]) for own in per_gpu)
+                done += 1
+        epoch += 1
     return total
 
 
-@pytest.mark.parametrize("batch, gpus, accumulation, trained", [(1, 8, 1, 1_000), (2, 4, 2, 500), (1, 2, 3, 613)])
-def test_time_in_grouped_order_against_a_step_by_step_count(batch, gpus, accumulation, trained):
-    lengths = np.random.default_rng(5).integers(100, 5_000, 400).tolist()
+@pytest.mark.parametrize("batch, gpus, accumulation, steps", [(1, 8, 1, 120), (2, 4, 2, 60), (1, 2, 3, 150),
+                                                              (2, 1, 3, 100)])
+def test_time_in_grouped_order_against_accelerates_batches(batch, gpus, accumulation, steps):
+    """401 samples: every epoch ends in a short round or step; the steps cross an epoch."""
+    lengths = np.random.default_rng(5).integers(100, 5_000, 401).tolist()
     seconds = lambda n: 1e-3 * n + 1e-7 * np.square(n)  # noqa: E731
-    step = batch * gpus * accumulation
-    passes = -(-trained // 400)
-    order = np.concatenate([length_grouped_order(lengths, step, 11, epoch) for epoch in range(passes)])[:trained]
-    expected = _slow_seconds([lengths[i] for i in order], seconds, batch, gpus, accumulation)
-    got = ordered_seconds(lengths, seconds, trained, batch, gpus, accumulation, seed=11, grouped=True)
+    expected = _accelerate_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed=11)
+    got = ordered_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed=11, grouped=True)
     assert got == pytest.approx(expected, rel=1e-12)
-    assert got < ordered_seconds(lengths, seconds, trained, batch, gpus, accumulation, seed=11)
+    assert got < ordered_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed=11)
 
 
 def test_the_time_line_names_the_order_the_recipe_trains_in():

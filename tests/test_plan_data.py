@@ -278,13 +278,31 @@ def test_random_order_steps_wait_for_their_slowest_gpu():
         return n
 
     # two GPUs, one sample each: every step holds the 10 and the 1, and lasts 10 (balanced: 5.5)
-    assert ordered_seconds([10, 1], seconds, 6, per_device_batch=1, data_parallel=2, accumulation=1) == 30
+    assert ordered_seconds([10, 1], seconds, 3, per_device_batch=1, data_parallel=2, accumulation=1) == 30
     # one GPU, batches of two: the 1 is padded to 10
-    assert ordered_seconds([10, 1], seconds, 6, per_device_batch=2, data_parallel=1, accumulation=1) == 60
+    assert ordered_seconds([10, 1], seconds, 3, per_device_batch=2, data_parallel=1, accumulation=1) == 60
     # two GPUs, two micro-batches each before the all-reduce: the GPU with the 10 takes 10 + 1
-    assert ordered_seconds([10, 1, 1, 1], seconds, 8, per_device_batch=1, data_parallel=2, accumulation=2) == 22
+    assert ordered_seconds([10, 1, 1, 1], seconds, 2, per_device_batch=1, data_parallel=2, accumulation=2) == 22
     # equal lengths: no waiting
-    assert ordered_seconds([5] * 8, seconds, 16, per_device_batch=1, data_parallel=4, accumulation=1) == 20
+    assert ordered_seconds([5] * 8, seconds, 4, per_device_batch=1, data_parallel=4, accumulation=1) == 20
+
+
+def test_an_epoch_ends_as_accelerate_and_the_trainer_end_it():
+    """Hand-counted epoch ends in grouped order, which starts each epoch with its longest sample."""
+    from longpeft.scale.lengths import epoch_steps, ordered_seconds
+
+    def seconds(n):
+        return n
+
+    # two GPUs, 3 samples: the second step's other GPU trains the epoch's first sample again (even_batches)
+    assert epoch_steps(3, 1, 2, 1) == 2
+    assert ordered_seconds([10, 1, 1], seconds, 2, 1, 2, 1, grouped=True) == 10 + 10
+    # one GPU, batches of two: the epoch's last batch holds the one sample left, unpadded
+    assert epoch_steps(3, 2, 1, 1) == 2
+    assert ordered_seconds([10, 1, 1], seconds, 4, 2, 1, 1, grouped=True) == 2 * (2 * 10 + 1)
+    # one GPU, 5 micro-batches in steps of 2: the epoch's last step has one
+    assert epoch_steps(5, 1, 1, 2) == 3
+    assert ordered_seconds([10, 1, 1, 1, 1], seconds, 3, 1, 1, 2, grouped=True) == (10 + 1) + (1 + 1) + 1
 
 
 def test_the_time_line_gives_the_random_order_hours_beside_the_balanced_ones():

@@ -117,15 +117,33 @@ def group_by_length(permutation: Any, lengths: Sequence[int], step_samples: int)
     return np.concatenate(blocks) if blocks else np.zeros(0, dtype=np.int64)
 
 
-def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], trained_samples: int,
-                    per_device_batch: int, data_parallel: int, accumulation: int, seed: int = 0,
-                    grouped: bool = False) -> float:
-    """Seconds of ``trained_samples`` samples as data-parallel training spends them, in the order it draws them:
-    the samples cycle through ``lengths``, each pass in a fresh (seeded) random order, or with ``grouped`` in
-    :func:`length_grouped_order`'s order for that pass (its epoch); each optimizer step takes ``per_device_batch x
-    data_parallel x accumulation`` of them, micro-batch ``j`` of a step going to GPU ``j % data_parallel`` (how
-    accelerate shards batches), each micro-batch padded to its longest sample; a step lasts as long as its slowest
-    GPU's micro-batches (the gradients' all-reduce waits for it).
+def epoch_steps(rows: int, per_device_batch: int, data_parallel: int, accumulation: int) -> int:
+    """Optimizer steps in one epoch of ``rows`` samples, as the Trainer counts them: the rows cut into
+    micro-batches of ``per_device_batch``, dealt round-robin to ``data_parallel`` GPUs (the last round completed),
+    each GPU's micro-batches in steps of ``accumulation``, the last step taking the rest."""
+    return max(1, _ceil(_rounds(rows, per_device_batch, data_parallel), accumulation))
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rounds(rows: int, per_device_batch: int, data_parallel: int) -> int:
+    """Micro-batches each GPU trains in an epoch of ``rows`` samples."""
+    return _ceil(_ceil(rows, per_device_batch), data_parallel)
+
+
+def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], steps: int, per_device_batch: int,
+                    data_parallel: int, accumulation: int, seed: int = 0, grouped: bool = False) -> float:
+    """Seconds of ``steps`` optimizer steps of data-parallel training over the samples of ``lengths``, taken as the
+    Trainer and accelerate take them. Each epoch draws every sample once, in a fresh (seeded) random order, or with
+    ``grouped`` in :func:`length_grouped_order`'s order for that epoch, and cuts that order into micro-batches of
+    ``per_device_batch``, micro-batch ``j`` going to GPU ``j % data_parallel``. With several GPUs accelerate
+    completes the epoch's last micro-batches with its first samples (``even_batches``: in grouped order the longest
+    ones), so that every GPU gets as many full micro-batches; one GPU trains a short last micro-batch as it is. A
+    step takes ``accumulation`` micro-batches per GPU (the epoch's last step the rest: :func:`epoch_steps` steps
+    an epoch), each padded to its longest sample, and lasts as long as its slowest GPU's micro-batches (the
+    gradients' all-reduce waits for it). ``steps`` past an epoch go on in the next.
 
     ``sample_seconds(n)``: one GPU's seconds for one sample of ``n`` tokens (an array of lengths in, an array out).
     """
@@ -133,20 +151,21 @@ def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any]
 
     rng = np.random.default_rng(seed)
     pool = np.asarray(lengths, dtype=np.int64)
-    step_samples = per_device_batch * data_parallel * accumulation
-    passes = -(-trained_samples // len(pool))
-    orders = [length_grouped_order(pool, step_samples, seed, epoch) if grouped else rng.permutation(len(pool))
-              for epoch in range(passes)]
-    order = pool[np.concatenate(orders)][:trained_samples]
-    micro = -(-len(order) // per_device_batch)
-    padded = np.zeros(micro * per_device_batch, dtype=np.int64)
-    padded[:len(order)] = order
-    longest = padded.reshape(micro, per_device_batch).max(axis=1)
-    micro_seconds = per_device_batch * sample_seconds(longest.astype(np.float64))
-    per_step = data_parallel * accumulation
-    steps = -(-micro // per_step)
-    grid = np.zeros(steps * per_step)
-    grid[:micro] = micro_seconds
-    # micro-batch j of a step runs on GPU j % data_parallel: sum each GPU's, then the slowest GPU per step
-    gpu_seconds = grid.reshape(steps, accumulation, data_parallel).sum(axis=1)
-    return float(gpu_seconds.max(axis=1).sum())
+    rows, step_samples = len(pool), per_device_batch * data_parallel * accumulation
+    filled = _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch \
+        if data_parallel > 1 else rows
+    batch = np.arange(filled) // per_device_batch  # each drawn sample's micro-batch
+    micro = np.arange(batch[-1] + 1)
+    per_epoch = epoch_steps(rows, per_device_batch, data_parallel, accumulation)
+    # micro-batch j runs on GPU j % data_parallel, in step (j // data_parallel) // accumulation of the epoch
+    cell = micro // data_parallel // accumulation * data_parallel + micro % data_parallel
+    seconds = []
+    for epoch in range(_ceil(steps, per_epoch)):
+        order = length_grouped_order(pool, step_samples, seed, epoch) if grouped else rng.permutation(rows)
+        drawn = pool[np.resize(order, filled)]  # the last round completed with the epoch's first samples
+        longest = np.zeros(len(micro), dtype=np.int64)
+        np.maximum.at(longest, batch, drawn)
+        micro_seconds = np.bincount(batch) * sample_seconds(longest.astype(np.float64))
+        gpu_seconds = np.bincount(cell, weights=micro_seconds, minlength=per_epoch * data_parallel)
+        seconds.append(gpu_seconds.reshape(per_epoch, data_parallel).max(axis=1))
+    return float(np.concatenate(seconds)[:steps].sum()) if seconds else 0.0

@@ -51,7 +51,7 @@ def inter_node_traffic(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT
     reductions = micro_batches if launch in DEEPSPEED_LAUNCHES else 1  # reduce-scatters; then one all-gather
     sent = (reductions + 1) * (processes - 1) / processes * gradient
     seconds = sent / (gbps * 1e9 / 8)
-    steps = math.ceil(plan.assumptions["trained_samples"] / recipe.train.global_batch_size)
+    steps = plan.assumptions["optimizer_steps"]
     return {"nodes": nodes, "gpus_per_node": processes // nodes, "gbps": gbps, "gradient_bytes": gradient,
             "reductions_per_step": reductions, "bytes_per_step": sent, "seconds_per_step": seconds,
             "optimizer_steps": steps, "hours": seconds * steps / 3600}

@@ -31,6 +31,7 @@ runs they were fitted to are in ``docs/measurements/README.md``; ``docs/scale.md
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -43,7 +44,7 @@ from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_s
 from ..launch.topology import gradient_accumulation
 from ..units import format_duration
 from .checkpointing import CheckpointSettings
-from .lengths import SampleLengths, format_histogram, length_histogram, ordered_seconds
+from .lengths import SampleLengths, epoch_steps, format_histogram, length_histogram, ordered_seconds
 from .network import inter_node_lines
 
 GiB = 1024**3
@@ -455,6 +456,10 @@ def estimate(
         samples, rows_from = (len(lengths), "") if lengths else _samples(recipe)
     trained_samples = (recipe.train.max_steps * recipe.train.global_batch_size if recipe.train.max_steps > 0
                        else round(samples * recipe.train.num_train_epochs))
+    data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
+    # the Trainer's optimizer steps: each epoch's last one may take fewer samples
+    optimizer_steps = recipe.train.max_steps if recipe.train.max_steps > 0 else math.ceil(
+        recipe.train.num_train_epochs * epoch_steps(samples, batch, data_parallel, accumulation))
     # the Trainer cycles through the data: every sample as often, a partial pass at the samples' mean
     counted = len(lengths) or 1
     total, total_square = (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample,
@@ -471,7 +476,6 @@ def estimate(
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
                + attention_total / utilisation["attention"]) / (gpus * peak)
-    data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
     in_order = None
     if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
 
@@ -479,7 +483,7 @@ def estimate(
             return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
                     / utilisation["attention"]) / (sequence_shards * peak)
 
-        in_order = ordered_seconds(lengths, sample_seconds, trained_samples, batch, data_parallel, accumulation,
+        in_order = ordered_seconds(lengths, sample_seconds, optimizer_steps, batch, data_parallel, accumulation,
                                    seed=recipe.train.seed, grouped=recipe.train.group_by_length) / 3600
     return Plan(
         gpus=gpus,
@@ -494,7 +498,7 @@ def estimate(
         assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "utilisation": utilisation,
                      "attention": recipe.model.attn_implementation, "samples": samples,
                      "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
-                     "trained_samples": trained_samples,
+                     "trained_samples": trained_samples, "optimizer_steps": optimizer_steps,
                      "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
                      **_time_caveats(batch, data_parallel, lengths, recipe.train.group_by_length),
                      "hours_in_order": in_order,
