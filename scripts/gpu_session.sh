@@ -105,7 +105,7 @@ record() {  # part, status, exit status, seconds, file, note: one entry of parts
 run_part() {  # name, seconds it needs to start, its file in $OUT, then the command (@LEFT@: seconds left, less 15)
     local name=$1 need=$2 file=$3
     shift 3
-    local left=$(( deadline - SECONDS ))
+    local left=$(( deadline > SECONDS ? deadline - SECONDS : 0 ))  # past the deadline: 0 left
     if (( left < need )); then
         note "$name: skipped, ${left} s left of the deadline and it needs ${need} s"
         record "$name" skipped "" 0 "$file" "needs ${need} s, ${left} s were left"

@@ -37,7 +37,7 @@ class TrainedLogits(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         model.eval()
         with torch.no_grad():
-            self.logits = model(IDS).logits.clone()
+            self.logits = model(IDS.to(model.device)).logits.cpu()  # the Trainer may hold it on the GPU
         model.train()
 
 
