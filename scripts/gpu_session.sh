@@ -12,7 +12,8 @@
 #   liger   Liger's kernels against transformers' (gpu_check --no-train --liger-check; with the HARPE and STRING
 #           kernel check, flash-attn against SDPA when installed, else SDPA against eager)   -> liger.json
 #   tests   the tests that failed on CUDA only: tests/test_beacon.py, test_beacon_train.py, test_init_from.py,
-#           test_data_and_tying.py, pytest -v, written as it goes; stopped by SIGINT at the deadline, so pytest
+#           test_data_and_tying.py, and test_tied_embedding.py (which compared devices the same way and never ran
+#           there), pytest -v, written as it goes; stopped by SIGINT at the deadline, so pytest
 #           still prints the failures it has (GPU_SESSION_TESTS="FILE ..." runs others)   -> pytest.log
 #   beacon  Activation Beacon on a Llama-3-8B-shaped random model at 8K..128K: peak memory (target <= 1.25x from 8K
 #           to 128K), prefill tokens/s against the stock model with SDPA, SDPA (and flash-attn) against eager at 8K,
@@ -180,7 +181,7 @@ else
     tokens_80k=81920 tokens_262k=262144 tile=4096 needs=(150 240 40 60 150)
     gpu_check=("$PYTHON" scripts/gpu_check.py --work-dir "$work")
     tests=(${GPU_SESSION_TESTS:-tests/test_beacon.py tests/test_beacon_train.py tests/test_init_from.py
-                                 tests/test_data_and_tying.py})
+                                 tests/test_data_and_tying.py tests/test_tied_embedding.py})
     "$PYTHON" -c "import xdist" 2>/dev/null && tests=(-n 4 "${tests[@]}")
     beacon=(--shape llama3-8b --device cuda --lengths 8192 32768 65536 131072)
     if "$PYTHON" -c "import flash_attn" 2>/dev/null; then
