@@ -2,11 +2,10 @@
 
 The Trainer's own grouping (``train_sampling_strategy="group_by_length"``) draws its order from the global torch
 generator, groups one process's batches only, and without a length column reads every row whole to count it. Here
-the order is
-:func:`longpeft.scale.lengths.length_grouped_order` (the one the planner times): blocks of whole optimizer steps
-(every process's samples of a step together) sorted by length, drawn from ``train.seed`` and the epoch alone, so
-that every process draws the same order, a resumed run continues the one it was interrupted in, and the planner's
-hours are for the order training uses.
+the order is :func:`longpeft.scale.lengths.length_grouped_order` (the one the planner times): blocks of whole
+optimizer steps (every process's samples of a step together) sorted by length, drawn from ``train.seed`` and the
+epoch alone, so that every process draws the same order, a resumed run continues the one it was interrupted in, and
+the planner's hours are for the order training uses.
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any]
     filled = _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch \
         if data_parallel > 1 else rows
     batch = np.arange(filled) // per_device_batch  # each drawn sample's micro-batch
-    micro = np.arange(batch[-1] + 1)
+    micro = np.arange(_ceil(filled, per_device_batch))
     per_epoch = epoch_steps(rows, per_device_batch, data_parallel, accumulation)
     # micro-batch j runs on GPU j % data_parallel, in step (j // data_parallel) // accumulation of the epoch
     cell = micro // data_parallel // accumulation * data_parallel + micro % data_parallel
