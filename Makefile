@@ -35,9 +35,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto --dist worksteal -m "not slow and not launch_matrix" tests
 
-# ruff with the rules of pyproject.toml ([tool.ruff]); CI runs it.
+# ruff's lint rules and its formatter, with the settings of pyproject.toml ([tool.ruff]); CI runs it.
+# `ruff format longpeft scripts tests` formats a change before it is committed.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check longpeft scripts tests
+	$(VENV)/bin/ruff format --check longpeft scripts tests
 
 # The tests `make test` leaves out for their time (markers `slow` and `launch_matrix`): run them when you change
 # what they cover (the launch matrix: anything in recipes/, launch/ or scale/ that multi-process runs go through).

@@ -91,8 +91,10 @@ def tied_names(folder: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as handle:
             raw = (handle.metadata() or {}).get(TIED_METADATA)
     except SafetensorError as error:
-        raise DataError(f"{path}: could not be read ({str(error).splitlines()[0]}); re-create it (or copy / "
-                        "download the folder again)") from None
+        raise DataError(
+            f"{path}: could not be read ({str(error).splitlines()[0]}); re-create it (or copy / "
+            "download the folder again)"
+        ) from None
     if raw is None:
         return {}
     try:
@@ -100,8 +102,10 @@ def tied_names(folder: str | Path) -> dict[str, str]:
     except ValueError:
         names = None
     if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-        raise DataError(f"{path}: its {TIED_METADATA} metadata is not a JSON object of tensor names; re-create it "
-                        "(or copy / download the folder again)")
+        raise DataError(
+            f"{path}: its {TIED_METADATA} metadata is not a JSON object of tensor names; re-create it "
+            "(or copy / download the folder again)"
+        )
     return names
 
 
@@ -117,8 +121,10 @@ def adapter_weights(folder: str | Path) -> dict[str, Any]:
     weights = load_peft_weights(str(folder), device="cpu")
     for copy, source in tied_names(folder).items():
         if source not in weights:
-            raise DataError(f"{Path(folder) / WEIGHTS_NAME}: {copy} is tied to {source}, which the file does not "
-                            "hold (a damaged file); re-create it (or copy / download the folder again)")
+            raise DataError(
+                f"{Path(folder) / WEIGHTS_NAME}: {copy} is tied to {source}, which the file does not "
+                "hold (a damaged file); re-create it (or copy / download the folder again)"
+            )
         weights[copy] = weights[source]
     return weights
 
@@ -152,17 +158,21 @@ def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> 
     if not tied_names(folder):
         return PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable)
     if any(parameter.device.type == "meta" for parameter in model.parameters()):
-        raise ConfigError(f"{folder}: this adapter keeps its tied embedding once, which longpeft loads onto a base "
-                          "held in memory whole; load the base without offloading part of it to CPU or disk "
-                          "(device_map)")
+        raise ConfigError(
+            f"{folder}: this adapter keeps its tied embedding once, which longpeft loads onto a base "
+            "held in memory whole; load the base without offloading part of it to CPU or disk "
+            "(device_map)"
+        )
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = not is_trainable
     peft_model = get_peft_model(model, config)
     missing = missing_adapter_weights(peft_model, load_weights_into(peft_model, folder))
     if missing:
-        raise DataError(f"{Path(folder) / WEIGHTS_NAME}: lacks {len(missing)} weights of the adapter its "
-                        f"adapter_config.json describes (e.g. {missing[0]}); re-create the folder (or copy / download "
-                        "it again)")
+        raise DataError(
+            f"{Path(folder) / WEIGHTS_NAME}: lacks {len(missing)} weights of the adapter its "
+            f"adapter_config.json describes (e.g. {missing[0]}); re-create the folder (or copy / download "
+            "it again)"
+        )
     if not is_trainable:
         peft_model.eval()
     return peft_model

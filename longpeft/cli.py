@@ -29,17 +29,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     if args.launch:
         return launch_training(args, load_recipe(args.recipe, args.overrides))
-    launch_flags = {"--gpus": args.gpus is not None, "--print-command": args.print_command, "--nodes": args.nodes,
-                    "--node-rank": args.node_rank is not None, "--main-address": args.main_address,
-                    "--print-slurm": args.print_slurm}
+    launch_flags = {
+        "--gpus": args.gpus is not None,
+        "--print-command": args.print_command,
+        "--nodes": args.nodes,
+        "--node-rank": args.node_rank is not None,
+        "--main-address": args.main_address,
+        "--print-slurm": args.print_slurm,
+    }
     given = [flag for flag, present in launch_flags.items() if present]
     if given:
-        raise ConfigError(f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains "
-                          "in this one process)")
+        raise ConfigError(
+            f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains "
+            "in this one process)"
+        )
     from .recipes.runner import run
 
-    result = run(load_recipe(args.recipe, args.overrides), resume=args.resume,
-                 allow_recipe_change=args.allow_recipe_change)
+    result = run(
+        load_recipe(args.recipe, args.overrides), resume=args.resume, allow_recipe_change=args.allow_recipe_change
+    )
     print(json.dumps({"adapter": str(result.adapter_dir), **result.metrics}, indent=2, default=str))
     if deepspeed_on_cpu():
         exit_without_teardown()
@@ -50,8 +58,11 @@ def deepspeed_on_cpu() -> bool:
     """Whether this process trains under DeepSpeed on CPU processes (gloo), as the tests do."""
     import torch
 
-    return (os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and torch.distributed.is_initialized()
-            and not torch.cuda.is_available())
+    return (
+        os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+        and torch.distributed.is_initialized()
+        and not torch.cuda.is_available()
+    )
 
 
 def exit_without_teardown() -> None:
@@ -87,9 +98,11 @@ def launch_training(args: argparse.Namespace, recipe) -> int:
     if args.print_slurm:
         for flag, given in (("--node-rank", args.node_rank is not None), ("--main-address", args.main_address)):
             if given:
-                raise ConfigError(f"--print-slurm with {flag}: the script takes each node's rank from "
-                                  "$SLURM_NODEID and the main address from the first host of the allocation "
-                                  "(MAIN_PORT=PORT sbatch ... changes the port)")
+                raise ConfigError(
+                    f"--print-slurm with {flag}: the script takes each node's rank from "
+                    "$SLURM_NODEID and the main address from the first host of the allocation "
+                    "(MAIN_PORT=PORT sbatch ... changes the port)"
+                )
         nodes = Nodes(count, host="MAIN_HOST")  # the script replaces the address and the rank
     else:
         host, port = parse_main_address(args.main_address) if args.main_address else (None, DEFAULT_MAIN_PORT)
@@ -115,8 +128,10 @@ def accelerate_executable() -> str:
     beside = Path(sys.executable).with_name("accelerate")
     found = str(beside) if beside.is_file() else shutil.which("accelerate")
     if found is None:
-        raise ConfigError(f"train --launch runs `accelerate launch`, and accelerate is not installed beside "
-                          f"{sys.executable} nor on PATH: pip install accelerate (longpeft's requirements pin it)")
+        raise ConfigError(
+            f"train --launch runs `accelerate launch`, and accelerate is not installed beside "
+            f"{sys.executable} nor on PATH: pip install accelerate (longpeft's requirements pin it)"
+        )
     return found
 
 
@@ -133,8 +148,11 @@ def check_processes(recipe, launch: str, processes: int) -> None:
         try:
             shape = shape_of(recipe.model.name_or_path)
         except ConfigError:  # not on this machine: DeepSpeed checks the heads when the model is built
-            print(f"longpeft train: {recipe.model.name_or_path}'s config.json is not on this machine; Ulysses' group "
-                  f"of {processes} processes is checked against its heads when training starts", file=sys.stderr)
+            print(
+                f"longpeft train: {recipe.model.name_or_path}'s config.json is not on this machine; Ulysses' group "
+                f"of {processes} processes is checked against its heads when training starts",
+                file=sys.stderr,
+            )
         else:
             check_sequence_parallel_group(processes, shape.heads, shape.kv_heads)
     gradient_accumulation(recipe, 1 if launch == "ulysses" else processes)  # a Ulysses group trains one sample
@@ -183,16 +201,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .recipes.model import check_against_local_base
 
         source = check_against_local_base(recipe)
-        print(f"longpeft plan: recipe checked against the base's config ({source})" if source else
-              f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was "
-              "not checked against it (plan --build downloads it and checks)", file=sys.stderr)
+        print(
+            f"longpeft plan: recipe checked against the base's config ({source})"
+            if source
+            else f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was "
+            "not checked against it (plan --build downloads it and checks)",
+            file=sys.stderr,
+        )
     if args.launch and args.gpus is None:
         raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:
         raise ConfigError(f"longpeft plan --nodes {args.nodes}: give --gpus G, the GPUs of each node")
     if args.inter_node_gbps is not None and args.nodes == 1:
-        raise ConfigError("longpeft plan --inter-node-gbps goes with --nodes N > 1 (one node's GPUs talk over its own "
-                          "links, which the plan does not model)")
+        raise ConfigError(
+            "longpeft plan --inter-node-gbps goes with --nodes N > 1 (one node's GPUs talk over its own "
+            "links, which the plan does not model)"
+        )
     if args.gpus is not None:
         from .recipes.plan_data import count_sample_lengths
         from .scale import estimate
@@ -201,15 +225,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if args.longest:
             from .scale.plan import longest_fitting
 
-            tokens, plan = longest_fitting(recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory,
-                                           gpu=args.gpu, launch=args.launch)
-            print(f"longest sample that fits: {tokens:,} tokens per GPU sample (multiples of 1,024; "
-                  f"{args.gpu_memory:g} GiB per GPU); the plan at that length:")
+            tokens, plan = longest_fitting(
+                recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch
+            )
+            print(
+                f"longest sample that fits: {tokens:,} tokens per GPU sample (multiples of 1,024; "
+                f"{args.gpu_memory:g} GiB per GPU); the plan at that length:"
+            )
             print("\n".join(line for line in plan.table().splitlines() if not line.startswith(("time:", "lever:"))))
             return 0
-        plan = estimate(recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu,
-                        mfu=args.mfu, samples=args.samples, launch=args.launch,
-                        sample_lengths=count_sample_lengths(recipe))
+        plan = estimate(
+            recipe,
+            gpus=args.gpus * args.nodes,
+            gpu_memory_gib=args.gpu_memory,
+            gpu=args.gpu,
+            mfu=args.mfu,
+            samples=args.samples,
+            launch=args.launch,
+            sample_lengths=count_sample_lengths(recipe),
+        )
         if args.nodes > 1:
             add_inter_node(plan, recipe, args.nodes, args.inter_node_gbps or DEFAULT_INTER_NODE_GBPS)
         print(plan.table())
@@ -228,8 +262,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from .hub import export, merge
 
     action = export if args.command == "export" else merge
-    result = action(args.adapter, args.out, base=args.base, dtype=args.dtype, verify=not args.no_verify,
-                    without=tuple(args.without), base_id=args.base_id)
+    result = action(
+        args.adapter,
+        args.out,
+        base=args.base,
+        dtype=args.dtype,
+        verify=not args.no_verify,
+        without=tuple(args.without),
+        base_id=args.base_id,
+    )
     print(json.dumps(result, indent=2))
     if result.get("max_abs_logit_diff") is not None:
         print(
@@ -246,8 +287,18 @@ def cmd_merge(args: argparse.Namespace) -> int:
 def cmd_push(args: argparse.Namespace) -> int:
     from .hub import push
 
-    print(push(args.source, args.repo, merged=args.merged, dtype=args.dtype, private=args.private,
-               dry_run=args.dry_run, base_id=args.base_id, base=args.base))
+    print(
+        push(
+            args.source,
+            args.repo,
+            merged=args.merged,
+            dtype=args.dtype,
+            private=args.private,
+            dry_run=args.dry_run,
+            base_id=args.base_id,
+            base=args.base,
+        )
+    )
     return 0
 
 
@@ -267,29 +318,44 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longpeft", description="Parameter-efficient context extension.")
-    parser.add_argument("--debug", action="store_true",
-                        help="show the full traceback of an error (or set LONGPEFT_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show the full traceback of an error (or set LONGPEFT_DEBUG=1)"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train a recipe (QLoRA + RoPE-base expansion, HARPE, ...)")
     _recipe_arguments(train)
     train.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint after a kill")
-    train.add_argument("--allow-recipe-change", action="store_true",
-                       help="with --resume: continue even though training keys of the recipe changed")
-    train.add_argument("--launch", choices=LAUNCHES,
-                       help="run on several GPUs with accelerate and longpeft's config of that kind (see "
-                       "longpeft/launch/)")
-    train.add_argument("--gpus", type=int,
-                       help="with --launch: number of GPUs (processes; default: every CUDA device)")
+    train.add_argument(
+        "--allow-recipe-change",
+        action="store_true",
+        help="with --resume: continue even though training keys of the recipe changed",
+    )
+    train.add_argument(
+        "--launch",
+        choices=LAUNCHES,
+        help="run on several GPUs with accelerate and longpeft's config of that kind (see longpeft/launch/)",
+    )
+    train.add_argument(
+        "--gpus", type=int, help="with --launch: number of GPUs (processes; default: every CUDA device)"
+    )
     train.add_argument("--print-command", action="store_true", help="with --launch: print the command, do not run it")
     nodes = train.add_argument_group("past one node (with --launch; run the same command on every node)")
     nodes.add_argument("--nodes", type=_number(int, 1), help="number of nodes (default 1); --gpus is per node")
-    nodes.add_argument("--node-rank", type=int,
-                       help="this node's rank, 0 to nodes - 1 (0: the node at --main-address)")
-    nodes.add_argument("--main-address", metavar="HOST:PORT", help="address of the node of rank 0 and a free port on "
-                       "it, the same on every node")
-    nodes.add_argument("--print-slurm", action="store_true", help="print a SLURM batch script that runs this launch "
-                       "on --nodes nodes of --gpus GPUs (one srun task per node), do not train")
+    nodes.add_argument(
+        "--node-rank", type=int, help="this node's rank, 0 to nodes - 1 (0: the node at --main-address)"
+    )
+    nodes.add_argument(
+        "--main-address",
+        metavar="HOST:PORT",
+        help="address of the node of rank 0 and a free port on it, the same on every node",
+    )
+    nodes.add_argument(
+        "--print-slurm",
+        action="store_true",
+        help="print a SLURM batch script that runs this launch "
+        "on --nodes nodes of --gpus GPUs (one srun task per node), do not train",
+    )
     train.set_defaults(func=cmd_train)
 
     plan = sub.add_parser("plan", help="validate a recipe and print every resolved setting")
@@ -305,27 +371,58 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--output-dir", help="override the recipe's output_dir (where --build writes the tiny base)")
     scale = plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
-    scale.add_argument("--gpus", type=_number(int, 1), help="estimate per-GPU peak memory by term and wall time on "
-                       "this many GPUs")
-    scale.add_argument("--launch", choices=LAUNCHES, help="how the GPUs share the work, as train --launch "
-                       "(default ddp: a whole replica per GPU; fsdp2, zero3, ulysses shard it)")
-    scale.add_argument("--gpu-memory", type=_number(float, 0, inclusive=False), default=80.0, metavar="GIB",
-                       help="memory of one GPU (default 80)")
+    scale.add_argument(
+        "--gpus", type=_number(int, 1), help="estimate per-GPU peak memory by term and wall time on this many GPUs"
+    )
+    scale.add_argument(
+        "--launch",
+        choices=LAUNCHES,
+        help="how the GPUs share the work, as train --launch "
+        "(default ddp: a whole replica per GPU; fsdp2, zero3, ulysses shard it)",
+    )
+    scale.add_argument(
+        "--gpu-memory",
+        type=_number(float, 0, inclusive=False),
+        default=80.0,
+        metavar="GIB",
+        help="memory of one GPU (default 80)",
+    )
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
-    scale.add_argument("--mfu", type=_number(float, 0, 1, inclusive=False), help="one FLOPs utilisation, in (0, 1], "
-                       "for the matmuls and attention alike (default: measured on h100/h200, by attention kernel; "
-                       "other GPUs 0.35 for 4-bit bases, 0.45 otherwise)")
-    scale.add_argument("--nodes", type=_number(int, 1), default=1, help="nodes of --gpus GPUs each (default 1): the "
-                       "estimate runs on nodes x GPUs, and adds the gradient traffic between nodes")
-    scale.add_argument("--inter-node-gbps", type=_number(float, 0, inclusive=False), metavar="GBPS",
-                       help="with --nodes N > 1: network bandwidth each GPU has to other nodes, in Gb/s (default 400: "
-                       "one NDR InfiniBand port per GPU)")
-    scale.add_argument("--samples", type=_number(int, 1), help="rows of the training data (default: the rows of a "
-                       "local data.source after the recipe's length filters, the demo set's size, else 1000); their "
-                       "lengths follow the local data's, else data.max_length each; train.max_steps, when set, "
-                       "decides instead")
-    scale.add_argument("--longest", action="store_true", help="print the longest sample (tokens) whose step fits in "
-                       "--gpu-memory with the recipe's settings, and the memory terms at that length")
+    scale.add_argument(
+        "--mfu",
+        type=_number(float, 0, 1, inclusive=False),
+        help="one FLOPs utilisation, in (0, 1], "
+        "for the matmuls and attention alike (default: measured on h100/h200, by attention kernel; "
+        "other GPUs 0.35 for 4-bit bases, 0.45 otherwise)",
+    )
+    scale.add_argument(
+        "--nodes",
+        type=_number(int, 1),
+        default=1,
+        help="nodes of --gpus GPUs each (default 1): the "
+        "estimate runs on nodes x GPUs, and adds the gradient traffic between nodes",
+    )
+    scale.add_argument(
+        "--inter-node-gbps",
+        type=_number(float, 0, inclusive=False),
+        metavar="GBPS",
+        help="with --nodes N > 1: network bandwidth each GPU has to other nodes, in Gb/s (default 400: "
+        "one NDR InfiniBand port per GPU)",
+    )
+    scale.add_argument(
+        "--samples",
+        type=_number(int, 1),
+        help="rows of the training data (default: the rows of a "
+        "local data.source after the recipe's length filters, the demo set's size, else 1000); their "
+        "lengths follow the local data's, else data.max_length each; train.max_steps, when set, "
+        "decides instead",
+    )
+    scale.add_argument(
+        "--longest",
+        action="store_true",
+        help="print the longest sample (tokens) whose step fits in "
+        "--gpu-memory with the recipe's settings, and the memory terms at that length",
+    )
     plan.set_defaults(func=cmd_plan)
 
     for name, default_dtype, text in (
@@ -338,32 +435,60 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--base", help="base model (default: the one named in longpeft.json)")
         command.add_argument("--dtype", default=default_dtype, choices=["float32", "bfloat16", "float16"])
         command.add_argument("--no-verify", action="store_true", help="skip the logits check against base + adapter")
-        command.add_argument("--without", action="append", default=[], metavar="METHOD",
-                             help="leave out an inference-time method (string), so the merged model loads without its "
-                                  "modeling file (trust_remote_code); repeatable")
-        command.add_argument("--base-id", help="the base model's Hub id (owner/name), recorded in longpeft.json and "
-                             "the card when the adapter names its base by a local path (the card leaves a path out)")
+        command.add_argument(
+            "--without",
+            action="append",
+            default=[],
+            metavar="METHOD",
+            help="leave out an inference-time method (string), so the merged model loads without its "
+            "modeling file (trust_remote_code); repeatable",
+        )
+        command.add_argument(
+            "--base-id",
+            help="the base model's Hub id (owner/name), recorded in longpeft.json and "
+            "the card when the adapter names its base by a local path (the card leaves a path out)",
+        )
         command.set_defaults(func=cmd_merge)
 
-    push = sub.add_parser("push", help="share an adapter (or the merged model), or a fully fine-tuned model, on the "
-                          "Hugging Face Hub")
-    push.add_argument("source", help="adapter folder, model folder of a finetune: full run, or run folder (containing "
-                      "adapter/ or model/)")
+    push = sub.add_parser(
+        "push", help="share an adapter (or the merged model), or a fully fine-tuned model, on the Hugging Face Hub"
+    )
+    push.add_argument(
+        "source",
+        help="adapter folder, model folder of a finetune: full run, or run folder (containing adapter/ or model/)",
+    )
     push.add_argument("--repo", required=True, help="Hub repo id, owner/name")
-    push.add_argument("--merged", action="store_true", help="upload the merged model instead of the adapter (a whole "
-                      "model, merged or fully fine-tuned, is uploaded as it is either way)")
-    push.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                      help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
-                      "adapter is uploaded as saved")
-    push.add_argument("--private", action="store_true", help="make the repository private (an existing public one "
-                      "too); without it a new repository gets the account's default visibility and an existing one "
-                      "keeps its own")
-    push.add_argument("--base-id", help="the base model's Hub id, written into the card and longpeft.json "
-                      "(default: the base recorded in longpeft.json; push warns when that is a local path)")
-    push.add_argument("--base", help="the base model to merge into with --merged (default: the one named in "
-                      "longpeft.json)")
-    push.add_argument("--dry-run", metavar="DIR",
-                      help="write exactly the folder that would be uploaded, upload nothing")
+    push.add_argument(
+        "--merged",
+        action="store_true",
+        help="upload the merged model instead of the adapter (a whole "
+        "model, merged or fully fine-tuned, is uploaded as it is either way)",
+    )
+    push.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
+        "adapter is uploaded as saved",
+    )
+    push.add_argument(
+        "--private",
+        action="store_true",
+        help="make the repository private (an existing public one "
+        "too); without it a new repository gets the account's default visibility and an existing one "
+        "keeps its own",
+    )
+    push.add_argument(
+        "--base-id",
+        help="the base model's Hub id, written into the card and longpeft.json "
+        "(default: the base recorded in longpeft.json; push warns when that is a local path)",
+    )
+    push.add_argument(
+        "--base", help="the base model to merge into with --merged (default: the one named in longpeft.json)"
+    )
+    push.add_argument(
+        "--dry-run", metavar="DIR", help="write exactly the folder that would be uploaded, upload nothing"
+    )
     push.set_defaults(func=cmd_push)
 
     convert = sub.add_parser(
@@ -373,8 +498,9 @@ def build_parser() -> argparse.ArgumentParser:
         "code runs) and writes longpeft.json + beacon_adapter.safetensors for the matching stock base; then "
         "longpeft.load(BASE, OUT) gives the stock base with those beacons.",
     )
-    convert.add_argument("source", help="the authors' model: local folder or Hub id (e.g. "
-                         "namespace-Pt/beacon-qwen-2-7b-instruct)")
+    convert.add_argument(
+        "source", help="the authors' model: local folder or Hub id (e.g. namespace-Pt/beacon-qwen-2-7b-instruct)"
+    )
     convert.add_argument("--base", required=True, help="the stock model it was built on (e.g. Qwen/Qwen2-7B-Instruct)")
     convert.add_argument("--out", required=True, help="new adapter folder")
     convert.set_defaults(func=cmd_convert_beacon)
@@ -430,8 +556,10 @@ def error_message(exc: BaseException) -> str | None:
     if isinstance(exc, (KeyError, TypeError, AttributeError)):
         if _raised_in(exc, LIBRARY_PACKAGES):
             what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
-            return (f"a server gave an answer of an unexpected shape ({what}); check HF_ENDPOINT (a Hub mirror or "
-                    "proxy?), or give a local folder")
+            return (
+                f"a server gave an answer of an unexpected shape ({what}); check HF_ENDPOINT (a Hub mirror or "
+                "proxy?), or give a local folder"
+            )
         return None
     problem = write_failure(exc)
     if problem is not None:
@@ -452,8 +580,10 @@ def error_message(exc: BaseException) -> str | None:
     if isinstance(exc, HFValidationError):
         return f"not a local folder nor a Hub repo id ({text}); give an existing folder or a Hub id owner/name"
     if isinstance(exc, HfHubHTTPError) or _is_network_error(exc):
-        return (f"the Hugging Face Hub or the network failed ({detail}); check the network, HF_ENDPOINT and the "
-                "repo id, or give a local folder")
+        return (
+            f"the Hugging Face Hub or the network failed ({detail}); check the network, HF_ENDPOINT and the "
+            "repo id, or give a local folder"
+        )
     if isinstance(exc, (OSError, ImportError, UnicodeDecodeError)):
         return text or type(exc).__name__
     return None

@@ -103,8 +103,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two",
-                    key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two",
+                    key_node.start_mark,
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -125,8 +128,9 @@ def file_or_bundled(path_or_name: str | Path, folder: Path, what: str) -> Path:
         return path
     bundled = folder / f"{path_or_name}.yaml"
     if not bundled.is_file():
-        raise ConfigError(f"{what} {str(path_or_name)!r} is neither a file nor a bundled {what} "
-                          f"({', '.join(bundled_names(folder))})")
+        raise ConfigError(
+            f"{what} {str(path_or_name)!r} is neither a file nor a bundled {what} ({', '.join(bundled_names(folder))})"
+        )
     return bundled
 
 

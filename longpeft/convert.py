@@ -28,8 +28,11 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
 
         folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
-        names = sorted({f for k, f in _weight_map(index).items()
-                        if AUTHORS_TENSOR.match(k)}) if index else ["model.safetensors"]
+        names = (
+            sorted({f for k, f in _weight_map(index).items() if AUTHORS_TENSOR.match(k)})
+            if index
+            else ["model.safetensors"]
+        )
         files = [Path(hf_hub_download(str(source), name)) for name in names]
     else:
         index = next(iter(folder.glob("*.safetensors.index.json")), None)
@@ -59,12 +62,15 @@ def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_conf
     for name, tensor in tensors.items():
         expected = authors_tensor_shape(name, base_config)
         if tuple(tensor.shape) != expected:
-            raise DataError(f"{path}: {name} has shape {tuple(tensor.shape)}, and on the base {base} it must be "
-                            f"{expected}; the checkpoint is damaged or built on another base (--base)")
+            raise DataError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, and on the base {base} it must be "
+                f"{expected}; the checkpoint is damaged or built on another base (--base)"
+            )
         if not torch.isfinite(tensor).all():
             bad = int((~torch.isfinite(tensor)).sum())
-            raise DataError(f"{path}: {name} holds {bad} NaN or infinite values; the checkpoint is damaged: "
-                            "download it again")
+            raise DataError(
+                f"{path}: {name} holds {bad} NaN or infinite values; the checkpoint is damaged: download it again"
+            )
 
 
 def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
@@ -93,26 +99,34 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
         beacon = config_from_authors(checkpoint_config)
     except (ValueError, TypeError) as error:  # pydantic's ValidationError and int() of a bad value are ValueErrors
         problem = " ".join(str(error).split())[:300]
-        raise DataError(f"{folder / 'config.json'}: its beacon settings cannot be used ({problem}); give an "
-                        "Activation Beacon model's folder with its config.json as released") from None
+        raise DataError(
+            f"{folder / 'config.json'}: its beacon settings cannot be used ({problem}); give an "
+            "Activation Beacon model's folder with its config.json as released"
+        ) from None
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
     for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if checkpoint_config.get(key) != getattr(base_config, key, None):
-            raise ConfigError(f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
-                              f"{getattr(base_config, key, None)} in the base; give the matching stock base with "
-                              "--base")
+            raise ConfigError(
+                f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
+                f"{getattr(base_config, key, None)} in the base; give the matching stock base with "
+                "--base"
+            )
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         read = {k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()}
         check_beacon_tensors(read, path, base_config, base)
         tensors.update(read)
-    expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in range(base_config.num_hidden_layers)
-                for p in beacon.params} | {"model.beacon_embed_tokens.weight"}
+    expected = {
+        f"model.layers.{i}.self_attn.beacon_{p}_proj.weight"
+        for i in range(base_config.num_hidden_layers)
+        for p in beacon.params
+    } | {"model.beacon_embed_tokens.weight"}
     missing = sorted(expected - set(tensors))
     if missing:
         raise DataError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
-    spec = ContextSpec.from_base(base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()},
-                                 weights="method")
+    spec = ContextSpec.from_base(
+        base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()}, weights="method"
+    )
     needed = sum(t.numel() * t.element_size() for t in tensors.values())
     with written_atomically(out_dir.resolve(), needed) as partial:  # a failure leaves no adapter that looks complete
         save_file(tensors, str(partial / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})

@@ -50,8 +50,9 @@ def check_supported(config: Any, what: str) -> None:
     """Raise ValueError naming ``what`` when the config's model type is not one longpeft patches."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is "
-                          f"{model_type!r}")
+        raise ConfigError(
+            f"{what} supports model types {', '.join(SUPPORTED_MODEL_TYPES)}; this model is {model_type!r}"
+        )
 
 
 def cache_keyword() -> str:
@@ -119,8 +120,14 @@ def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -
         base model_type -> (exported model_type, config class name, causal-LM class name), for ``auto_map``.
     """
     stems = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
-    table = {model_type: (f"{prefix}_{model_type}", f"{prefix.capitalize()}{stem}Config",
-                          f"{prefix.capitalize()}{stem}ForCausalLM") for model_type, stem in stems.items()}
+    table = {
+        model_type: (
+            f"{prefix}_{model_type}",
+            f"{prefix.capitalize()}{stem}Config",
+            f"{prefix.capitalize()}{stem}ForCausalLM",
+        )
+        for model_type, stem in stems.items()
+    }
     model_type_of = {name: model_type for model_type, names in table.items() for name in names[1:]}
 
     def build(model_type: str) -> None:
@@ -128,10 +135,14 @@ def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -
 
         stem, (exported_type, config_name, model_name) = stems[model_type], table[model_type]
         attributes = {"__module__": namespace["__name__"]}
-        config_class = type(config_name, (getattr(transformers, f"{stem}Config"),),
-                            {**attributes, "model_type": exported_type})
-        model_class = type(model_name, (mixin, getattr(transformers, f"{stem}ForCausalLM")),
-                           {**attributes, "config_class": config_class, "__doc__": f"{stem} with {mixin.__doc__}"})
+        config_class = type(
+            config_name, (getattr(transformers, f"{stem}Config"),), {**attributes, "model_type": exported_type}
+        )
+        model_class = type(
+            model_name,
+            (mixin, getattr(transformers, f"{stem}ForCausalLM")),
+            {**attributes, "config_class": config_class, "__doc__": f"{stem} with {mixin.__doc__}"},
+        )
         namespace[config_name], namespace[model_name] = config_class, model_class
 
     def module_getattr(name: str) -> type:

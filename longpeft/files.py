@@ -104,8 +104,9 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_ty
     name = type(error).__name__
     if "NotFound" in name or "Gated" in name or "Unauthorized" in name:
         raise ModelSourceError(f"{what} {repo_id}: not on the Hub at {endpoint} (or private: log in first)") from None
-    raise OSError(f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: "
-                  f"{str(error).splitlines()[0][:200]})") from None
+    raise OSError(
+        f"{what} {repo_id}: the Hub at {endpoint} failed ({name}: {str(error).splitlines()[0][:200]})"
+    ) from None
 
 
 def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
@@ -166,8 +167,9 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
             raise OutputFolderError(f"{flag} {out_dir} is {what}; writing there would overwrite it")
     check_writable_folder(out_dir, flag)
     if out_dir.is_dir() and any(out_dir.iterdir()):
-        raise OutputFolderError(f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was "
-                                "overwritten)")
+        raise OutputFolderError(
+            f"{flag} {out_dir} is not empty; choose a new or empty folder (nothing was overwritten)"
+        )
 
 
 _NO_SPACE = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
@@ -238,11 +240,12 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         if existing is not None and problem.startswith(("no space", "the file")):
             with contextlib.suppress(OSError):
                 sizes.append(f"{_size(shutil.disk_usage(existing).free)} free")
-        todo = ("free space there" if not problem.startswith(("permission", "read-only"))
-                else "make it writable")
+        todo = "free space there" if not problem.startswith(("permission", "read-only")) else "make it writable"
         amounts = f" ({', '.join(sizes)})" if sizes else ""
-        raise OutputWriteError(f"could not write to {folder}: {problem}{amounts}; {todo} or choose another "
-                               "folder, and run the command again (nothing incomplete was kept)") from error
+        raise OutputWriteError(
+            f"could not write to {folder}: {problem}{amounts}; {todo} or choose another "
+            "folder, and run the command again (nothing incomplete was kept)"
+        ) from error
 
 
 def write_text_atomically(path: str | Path, text: str) -> Path:

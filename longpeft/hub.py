@@ -81,18 +81,23 @@ def merge(
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
     unknown = sorted(set(without) - set(spec.methods))
     if unknown:
-        raise ConfigError(f"--without {', '.join(unknown)}: the adapter has no such method (it has "
-                          f"{', '.join(spec.methods)})")
+        raise ConfigError(
+            f"--without {', '.join(unknown)}: the adapter has no such method (it has {', '.join(spec.methods)})"
+        )
     trained = [name for name in without if not METHODS[name].inference_only]
     if trained:
         optional = [name for name, method in METHODS.items() if method.inference_only]
-        raise ConfigError(f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
-                          f"it out; only inference-time methods ({', '.join(optional)}) can be")
+        raise ConfigError(
+            f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
+            f"it out; only inference-time methods ({', '.join(optional)}) can be"
+        )
     revision = pin_base_revision(spec, base_name, {}).get("revision")
     quantization = getattr(AutoConfig.from_pretrained(base_name, revision=revision), "quantization_config", None)
     if quantization:
-        raise ConfigError(f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
-                          "a merge needs the full-precision base; pass it with --base")
+        raise ConfigError(
+            f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
+            "a merge needs the full-precision base; pass it with --base"
+        )
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     for name in without:
         METHODS[name].remove(model)
@@ -101,11 +106,13 @@ def merge(
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    kept = spec.model_copy(update={
-        "methods": {name: section for name, section in spec.methods.items() if name not in without},
-        "weights": "merged",
-        **({"base_model": base_id} if base_id else {}),
-    })
+    kept = spec.model_copy(
+        update={
+            "methods": {name: section for name, section in spec.methods.items() if name not in without},
+            "weights": "merged",
+            **({"base_model": base_id} if base_id else {}),
+        }
+    )
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
         merged.config.name_or_path = str(out_dir)
@@ -132,8 +139,9 @@ def export(
 ) -> dict[str, Any]:
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
     the base by ``base_id`` when given)."""
-    return merge(adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True,
-                 base_id=base_id)
+    return merge(
+        adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
+    )
 
 
 SERVING_DOCS = "docs/recipes.md#serving-engines"
@@ -149,18 +157,25 @@ def serving_note(folder: str | Path) -> str:
     spec = ContextSpec.load(folder)
     remote = [name for name in spec.methods if name in METHODS and METHODS[name].remote_code]
     if not remote:
-        return (f"{folder} is a plain transformers model (no trust_remote_code): its RoPE base and context length "
-                f"({spec.max_position_embeddings} positions) are in config.json, where vLLM, SGLang and llama.cpp's "
-                f"convert_hf_to_gguf.py read them ({SERVING_DOCS}).")
+        return (
+            f"{folder} is a plain transformers model (no trust_remote_code): its RoPE base and context length "
+            f"({spec.max_position_embeddings} positions) are in config.json, where vLLM, SGLang and llama.cpp's "
+            f"convert_hf_to_gguf.py read them ({SERVING_DOCS})."
+        )
     config = json.loads((folder / "config.json").read_text())
     files = ", ".join(sorted(path.name for path in folder.glob("modeling_*.py")))
     trained = [name for name in remote if not METHODS[name].inference_only]
-    fix = (f"; {', '.join(trained)} is part of the trained model, so there is no plain export of it" if trained
-           else f"; for a plain model pass --without {' --without '.join(remote)}")
-    return (f"{folder} needs trust_remote_code=True: {', '.join(remote)} run in its own modeling file ({files}, "
-            f"architecture {(config.get('architectures') or ['?'])[0]}). It loads with transformers; it does not "
-            "convert to GGUF (llama.cpp's converter does not know that architecture) and engines that run their own "
-            f"model code (vLLM, SGLang, llama.cpp) have no {', '.join(remote)}{fix} ({SERVING_DOCS}).")
+    fix = (
+        f"; {', '.join(trained)} is part of the trained model, so there is no plain export of it"
+        if trained
+        else f"; for a plain model pass --without {' --without '.join(remote)}"
+    )
+    return (
+        f"{folder} needs trust_remote_code=True: {', '.join(remote)} run in its own modeling file ({files}, "
+        f"architecture {(config.get('architectures') or ['?'])[0]}). It loads with transformers; it does not "
+        "convert to GGUF (llama.cpp's converter does not know that architecture) and engines that run their own "
+        f"model code (vLLM, SGLang, llama.cpp) have no {', '.join(remote)}{fix} ({SERVING_DOCS})."
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -197,8 +212,9 @@ def check_repo_id(value: str, flag: str) -> str:
     try:
         validate_repo_id(value)
     except HFValidationError as error:
-        raise ConfigError(f"{flag} {value!r} is not a Hub repo id ({str(error).splitlines()[0]}); give owner/name"
-                          ) from None
+        raise ConfigError(
+            f"{flag} {value!r} is not a Hub repo id ({str(error).splitlines()[0]}); give owner/name"
+        ) from None
     return value
 
 
@@ -227,8 +243,11 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
         **({"base_model": spec.base_model} if shareable_base(spec.base_model) else {}),
         **({"library_name": library} if library else {}),
         # the recipe's method, then every other method it applied (those every model has, RoPE, go without saying)
-        "tags": ["longpeft", "long-context",
-                 *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])]
+        "tags": [
+            "longpeft",
+            "long-context",
+            *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)]),
+        ]
         + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
         "longpeft": {
             "method": spec.method,
@@ -257,15 +276,25 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
             "model, not an adapter; it loads with transformers alone, without longpeft or the base model.",
             "",
         ]
-    lengths = [text for text, known in ((f"trained at {spec.trained_length} tokens", spec.trained_length),
-                                        (f"target {spec.target_length}", spec.target_length)) if known]
+    lengths = [
+        text
+        for text, known in (
+            (f"trained at {spec.trained_length} tokens", spec.trained_length),
+            (f"target {spec.target_length}", spec.target_length),
+        )
+        if known
+    ]
     said = f" ({', '.join(lengths)})." if lengths else "."
     if spec.max_position_embeddings != spec.original_max_position_embeddings:
-        lines.append(f"Context extended from {spec.original_max_position_embeddings} to "
-                     f"{spec.max_position_embeddings} positions{said}")
+        lines.append(
+            f"Context extended from {spec.original_max_position_embeddings} to "
+            f"{spec.max_position_embeddings} positions{said}"
+        )
     else:  # a method that reads past the window without new positions (beacon, STRING)
-        lines.append(f"Positions unchanged at {spec.max_position_embeddings}{said[:-1]}; the methods below extend "
-                     "what the model reads.")
+        lines.append(
+            f"Positions unchanged at {spec.max_position_embeddings}{said[:-1]}; the methods below extend "
+            "what the model reads."
+        )
     if spec.rope_parameters != spec.original_rope_parameters:
         lines.append(f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.")
     for method, config in methods:
@@ -282,7 +311,8 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
     else:
         lines += [
             "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
-            f'model = longpeft.load("{spec.base_model}", "{repo_id}")' if shareable_base(spec.base_model)
+            f'model = longpeft.load("{spec.base_model}", "{repo_id}")'
+            if shareable_base(spec.base_model)
             else f'model = longpeft.load(None, "{repo_id}")  # None: the base longpeft.json names',
         ]
     lines += ["```", ""]
@@ -326,8 +356,9 @@ def write_model_card(folder: str | Path, spec: ContextSpec, repo_id: str) -> Pat
     table when one is there."""
     folder = Path(folder)
     path = folder / "README.md"
-    card = model_card_text(spec.model_copy(update={"weights": folder_weights(folder, spec)}), load_eval_rows(folder),
-                           repo_id)
+    card = model_card_text(
+        spec.model_copy(update={"weights": folder_weights(folder, spec)}), load_eval_rows(folder), repo_id
+    )
     path.write_text(card)
     return path
 
@@ -347,8 +378,10 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
         return "lora"
     if not is_whole_model(folder):
         return "method"
-    raise DataError(f"{folder / SPEC_FILENAME} does not record what this whole model is (weights: full or merged); "
-                    "write it with longpeft (merge, export, or a finetune: full run), or set weights in that file")
+    raise DataError(
+        f"{folder / SPEC_FILENAME} does not record what this whole model is (weights: full or merged); "
+        "write it with longpeft (merge, export, or a finetune: full run), or set weights in that file"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -379,8 +412,10 @@ def upload_source(source: Path) -> Path:
     """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
     found = run_outputs(source)
     if len(found) > 1:
-        raise ConfigError(f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
-                          "settings wrote there); push the one you mean: " + " or ".join(map(str, found)))
+        raise ConfigError(
+            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
+        )
     return found[0] if found else source
 
 
@@ -454,8 +489,10 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     """
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
-        raise ModelSourceError(f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
-                               "of a longpeft run with finetune: full?")
+        raise ModelSourceError(
+            f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
+            "of a longpeft run with finetune: full?"
+        )
     target = torch_dtype(dtype)
     _copy_files(source, dest, skip=tuple(path.name for path in weights))
     sizes = {}
@@ -520,14 +557,16 @@ def push(
     except FileNotFoundError:
         pass  # a new repository: create_repo makes it
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id,
-                              base=base)
+        folder = stage_upload(
+            source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base
+        )
         api = HfApi()
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
         if private:  # create_repo leaves an existing repository's visibility as it was
             api.update_repo_settings(repo_id, private=True)
         # delete_patterns: no file of an earlier push stays (a stale adapter_config.json would make the repo an
         # adapter again); the Hub keeps .gitattributes
-        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model",
-                                 delete_patterns=["*"])
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model", delete_patterns=["*"]
+        )
         return str(info)

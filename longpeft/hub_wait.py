@@ -36,8 +36,10 @@ def hub_timeout() -> float:
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{HUB_TIMEOUT_VARIABLE}={text!r}: give the seconds to wait on a silent Hub, a number > 0 "
-                          f"(default {DEFAULT_HUB_TIMEOUT:g})")
+        raise ConfigError(
+            f"{HUB_TIMEOUT_VARIABLE}={text!r}: give the seconds to wait on a silent Hub, a number > 0 "
+            f"(default {DEFAULT_HUB_TIMEOUT:g})"
+        )
     return value
 
 
@@ -62,8 +64,11 @@ class _HubWait:
         """Seconds a request for ``url`` may wait now; refuses it when the wait has run out."""
         limit = hub_timeout()
         with self.lock:
-            if self.gave_up is None and self.silent_since is not None and \
-                    time.monotonic() - self.silent_since >= limit:
+            if (
+                self.gave_up is None
+                and self.silent_since is not None
+                and time.monotonic() - self.silent_since >= limit
+            ):
                 self.gave_up = _silent_hub_message(url, limit)
             if self.gave_up is not None:
                 raise HubTimeoutError(self.gave_up)
@@ -90,6 +95,8 @@ _HUB_WAIT = _HubWait()
 def ask_again() -> None:
     """Forget an earlier silence (a new pre-check): requests are sent again."""
     _HUB_WAIT.ask_again()
+
+
 XET_TIMEOUTS = ("HF_XET_CLIENT_CONNECT_TIMEOUT", "HF_XET_CLIENT_READ_TIMEOUT")  # hf_xet's own knobs
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/[^/]+/(.+)$")
 _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+?)(/tree/.*|/revision/.*|/paths-info/.*)?$")
@@ -112,8 +119,10 @@ def _silent_hub_message(url: Any, limit: float) -> str:
         doing = f"while {'listing the files of' if listing else 'asking about'} {kind}{api.group(2)}"
     else:
         doing = f"while downloading {path.rsplit('/', 1)[-1] or path} (a file the Hub sent the download to)"
-    return (f"the Hub at {server} sent nothing for {limit:g} s {doing}; check the network and HF_ENDPOINT, raise "
-            f"{HUB_TIMEOUT_VARIABLE} on a slow link, or give a local folder (a rerun resumes what was downloaded)")
+    return (
+        f"the Hub at {server} sent nothing for {limit:g} s {doing}; check the network and HF_ENDPOINT, raise "
+        f"{HUB_TIMEOUT_VARIABLE} on a slow link, or give a local folder (a rerun resumes what was downloaded)"
+    )
 
 
 def bound_hub_requests() -> None:
@@ -154,8 +163,10 @@ def _bounded_client(make_client: Callable[[], Any]) -> Any:
             return send(request, **kwargs)
         left = _HUB_WAIT.budget(request.url)
         timeouts = request.extensions.get("timeout") or {}
-        request.extensions["timeout"] = {kind: left if timeouts.get(kind) is None else min(timeouts[kind], left)
-                                         for kind in ("connect", "read", "write", "pool")}
+        request.extensions["timeout"] = {
+            kind: left if timeouts.get(kind) is None else min(timeouts[kind], left)
+            for kind in ("connect", "read", "write", "pool")
+        }
         started = time.monotonic()
         try:
             response = send(request, **kwargs)

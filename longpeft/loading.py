@@ -48,8 +48,16 @@ def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs
 
 
 # from_pretrained arguments that also decide where the base's config is read from
-CONFIG_KWARGS = ("revision", "trust_remote_code", "token", "cache_dir", "local_files_only", "subfolder", "proxies",
-                 "force_download")
+CONFIG_KWARGS = (
+    "revision",
+    "trust_remote_code",
+    "token",
+    "cache_dir",
+    "local_files_only",
+    "subfolder",
+    "proxies",
+    "force_download",
+)
 # What from_pretrained's look-up of an adapter_config.json in the base repo must honour too: transformers passes it the
 # token and revision only (5.17 to 5.23), so under local_files_only=True it still asked the Hub for that file (about
 # 20 s of retries on a machine without internet) and looked outside cache_dir.
@@ -62,16 +70,22 @@ def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[s
     lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
     if not lookup:
         return from_pretrained_kwargs
-    return {**from_pretrained_kwargs,
-            "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}}
+    return {
+        **from_pretrained_kwargs,
+        "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})},
+    }
 
 
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
     the Hub repository the spec names and no revision was given (as peft's ``revision`` does): a base repository
     updated after training is not silently used instead."""
-    if (spec.base_revision and "revision" not in from_pretrained_kwargs and not is_local(name)
-            and name == spec.base_model):
+    if (
+        spec.base_revision
+        and "revision" not in from_pretrained_kwargs
+        and not is_local(name)
+        and name == spec.base_model
+    ):
         return {**from_pretrained_kwargs, "revision": spec.base_revision}
     return from_pretrained_kwargs
 
@@ -108,8 +122,10 @@ def load(
     adapter_dir = local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none
-        raise ConfigError(f"{adapter_dir} holds a whole model (config.json), not an adapter: load it with "
-                          "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)")
+        raise ConfigError(
+            f"{adapter_dir} holds a whole model (config.json), not an adapter: load it with "
+            "AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)"
+        )
     recorded = resolve_base(spec, adapter_dir, None) if spec.base_model else None  # for strict_base_id
     if isinstance(base, PreTrainedModel):
         model = base
@@ -131,8 +147,10 @@ def load(
         check_lora_adapter(adapter_dir)  # a missing or broken file is named here, never looked for on the Hub
         model = load_adapter(model, adapter_dir, is_trainable=is_trainable)
     elif not any(method.weights is not None for method, _ in spec_methods(spec)):
-        raise ModelSourceError(f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
-                               "own): not an adapter folder")
+        raise ModelSourceError(
+            f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
+            "own): not an adapter folder"
+        )
     load_method_weights(model, spec, adapter_dir)
     model.longpeft_spec = spec  # what was applied (e.g. STRING's default L is the trained length)
     return model

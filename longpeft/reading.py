@@ -29,8 +29,25 @@ from .errors import DataError, ModelSourceError
 from .files import require_file
 
 # bytes per element of each safetensors dtype (the format's own names)
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
-               "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+DTYPE_BYTES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}
 MAX_HEADER_BYTES = 100_000_000  # as safetensors itself: a larger header is a foreign or broken file
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 REFUSED_FOR_SAFETY = "not a plain tensor file: refused for safety"
@@ -65,8 +82,10 @@ def read_json_object(path: str | Path, what: str = "") -> dict[str, Any]:
     """:func:`read_json` of a file that must hold one JSON object (``{...}``)."""
     data = read_json(path, what)
     if not isinstance(data, dict):
-        raise DataError(f"{what + ' ' if what else ''}{path}: holds a JSON {type(data).__name__}, not an object "
-                        f"({{...}}); {_fix(Path(path))}")
+        raise DataError(
+            f"{what + ' ' if what else ''}{path}: holds a JSON {type(data).__name__}, not an object "
+            f"({{...}}); {_fix(Path(path))}"
+        )
     return data
 
 
@@ -87,8 +106,10 @@ def safetensors_header(path: str | Path) -> dict[str, dict[str, Any]]:
             length = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
             if length is None or length > min(MAX_HEADER_BYTES, size - 8):
                 state = "missing" if length is None else "too large or cut off"
-                raise DataError(f"{path}: not a safetensors file (the header is {state}: a truncated, damaged or "
-                                f"foreign file); {_fix(path)}")
+                raise DataError(
+                    f"{path}: not a safetensors file (the header is {state}: a truncated, damaged or "
+                    f"foreign file); {_fix(path)}"
+                )
             raw = handle.read(length)
     except FileNotFoundError:
         raise ModelSourceError(f"{path}: no such file") from None
@@ -131,8 +152,9 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
     return None
 
 
-def check_shapes(path: str | Path, header: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]],
-                 source: str) -> None:
+def check_shapes(
+    path: str | Path, header: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], source: str
+) -> None:
     """Each tensor of ``header`` named in ``expected`` has that shape (``source`` says where the expected shapes
     come from, e.g. ``adapter_config.json r=8``).
 
@@ -141,13 +163,19 @@ def check_shapes(path: str | Path, header: dict[str, dict[str, Any]], expected: 
     """
     for name, shape in expected.items():
         if name in header and tuple(header[name]["shape"]) != tuple(shape):
-            raise DataError(f"{path}: tensor {name} has shape {list(header[name]['shape'])} where {source} gives "
-                            f"{list(shape)}; the weights and their config do not belong together: re-create or "
-                            "re-download the folder")
+            raise DataError(
+                f"{path}: tensor {name} has shape {list(header[name]['shape'])} where {source} gives "
+                f"{list(shape)}; the weights and their config do not belong together: re-create or "
+                "re-download the folder"
+            )
 
 
-def read_safetensors(path: str | Path, keep: Callable[[str], bool] = lambda name: True,
-                     expected: dict[str, tuple[int, ...]] | None = None, source: str = "") -> dict[str, Any]:
+def read_safetensors(
+    path: str | Path,
+    keep: Callable[[str], bool] = lambda name: True,
+    expected: dict[str, tuple[int, ...]] | None = None,
+    source: str = "",
+) -> dict[str, Any]:
     """The tensors of a safetensors file whose names ``keep`` accepts, after :func:`safetensors_header` (and
     :func:`check_shapes` against ``expected``, from ``source``)."""
     from safetensors import SafetensorError, safe_open
@@ -180,11 +208,14 @@ def read_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
-        raise DataError(f"{path}: {REFUSED_FOR_SAFETY} (it holds Python objects that weights-only loading does not "
-                        "run); use a file longpeft or peft wrote, or a .safetensors file") from None
+        raise DataError(
+            f"{path}: {REFUSED_FOR_SAFETY} (it holds Python objects that weights-only loading does not "
+            "run); use a file longpeft or peft wrote, or a .safetensors file"
+        ) from None
     except (RuntimeError, EOFError, ValueError) as error:
-        raise DataError(f"{path}: not a torch tensor file ({str(error).splitlines()[0][:200]}); "
-                        f"{_fix(path)}") from None
+        raise DataError(
+            f"{path}: not a torch tensor file ({str(error).splitlines()[0][:200]}); {_fix(path)}"
+        ) from None
 
 
 def _lora_rank(name: str, config: dict[str, Any]) -> int | None:
@@ -225,8 +256,12 @@ def check_lora_adapter(folder: str | Path, what: str = "adapter") -> Path:
     config = read_json_object(require_file(folder, "adapter_config.json", what), "adapter config")
     weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
     if weights is None:
-        require_file(folder, ADAPTER_WEIGHTS[0], what, "; the adapter's weights were not saved or were deleted: "
-                     "copy the whole folder again, or train again")
+        require_file(
+            folder,
+            ADAPTER_WEIGHTS[0],
+            what,
+            "; the adapter's weights were not saved or were deleted: copy the whole folder again, or train again",
+        )
     if weights.suffix == ".bin":
         read_torch_file(weights)
         return weights
@@ -234,4 +269,3 @@ def check_lora_adapter(folder: str | Path, what: str = "adapter") -> Path:
     rank = config.get("r")
     check_shapes(weights, header, lora_rank_shapes(header, config), f"adapter_config.json (r={rank})")
     return weights
-

@@ -34,16 +34,28 @@ ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": (),
     "dynamic": (),
-    "yarn": ("original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
-             "mscale_all_dim", "truncate"),
+    "yarn": (
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
     "llama3": (),
 }
 
 
 def unused_rope_keys(rope_type: str, keys: Any) -> list[str]:
     """The ``keys`` a ``rope_type`` does not read (transformers would ignore them)."""
-    used = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
-            *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ())}
+    used = {
+        "rope_type",
+        "rope_theta",
+        "partial_rotary_factor",
+        *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
+        *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ()),
+    }
     return sorted(set(keys) - used)
 
 
@@ -284,16 +296,18 @@ def check_rotary_frequencies(model: nn.Module, config: Any, rtol: float = 1e-5) 
             (a ratio of 1/f everywhere is a linear scaling by f stacked on top of the requested RoPE).
     """
     expected, scaling = expected_rotary(config)
-    found = {id(m): (name, m) for name, m in model.named_modules()
-             if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    found = {
+        id(m): (name, m) for name, m in model.named_modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)
+    }
     if not found:
         raise RotaryMismatch(f"{type(model).__name__} has no rotary module with an inv_freq buffer to check")
     wanted = f"rope_parameters {rope_parameters_of(config)}"
     for name, module in found.values():
         actual = effective_frequencies(module)
         if actual.shape != expected.shape:
-            raise RotaryMismatch(f"{name or 'model'}: {actual.numel()} rotary frequencies, {wanted} gives "
-                                 f"{expected.numel()}")
+            raise RotaryMismatch(
+                f"{name or 'model'}: {actual.numel()} rotary frequencies, {wanted} gives {expected.numel()}"
+            )
         difference = ((actual - expected).abs() / expected).max().item()
         if difference > rtol:
             ratio = (actual / expected).median().item()
@@ -302,7 +316,8 @@ def check_rotary_frequencies(model: nn.Module, config: Any, rtol: float = 1e-5) 
                 f"median ratio {ratio:.4g}, i.e. positions scaled by {1 / ratio:.4g})"
             )
         module_scaling = getattr(module, "attention_scaling", 1.0)
-        if (isinstance(module_scaling, (int, float))
-                and abs(float(module_scaling) - scaling) > rtol * max(1.0, scaling)):
+        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > rtol * max(
+            1.0, scaling
+        ):
             raise RotaryMismatch(f"{name or 'model'}: attention scaling {module_scaling}, {wanted} gives {scaling}")
     return expected

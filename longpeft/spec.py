@@ -47,16 +47,22 @@ class BaseShape(StrictModel):
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
-    vocab_size: int = Field(gt=0, le=_MAX_VOCAB,
-                            description="before tokens were added (after: ContextSpec.vocab_size)")
+    vocab_size: int = Field(
+        gt=0, le=_MAX_VOCAB, description="before tokens were added (after: ContextSpec.vocab_size)"
+    )
 
     @classmethod
     def of(cls, config: Any) -> BaseShape:
         """The shape of a transformers config."""
-        return cls(model_type=config.model_type, hidden_size=config.hidden_size,
-                   num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                   num_key_value_heads=num_kv_heads(config), head_dim=head_dim_of(config),
-                   vocab_size=config.vocab_size)
+        return cls(
+            model_type=config.model_type,
+            hidden_size=config.hidden_size,
+            num_hidden_layers=config.num_hidden_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=num_kv_heads(config),
+            head_dim=head_dim_of(config),
+            vocab_size=config.vocab_size,
+        )
 
 
 class SpecMismatchError(ConfigError):
@@ -149,8 +155,10 @@ class ContextSpec(StrictModel):
         from . import __version__
 
         original = rope_parameters_of(config)
-        methods = {"rope": {**original, "max_position_embeddings": config.max_position_embeddings},
-                   **changes.pop("methods", {})}
+        methods = {
+            "rope": {**original, "max_position_embeddings": config.max_position_embeddings},
+            **changes.pop("methods", {}),
+        }
         fields: dict[str, Any] = dict(
             method=method,
             architecture=_architecture(config),
@@ -196,8 +204,9 @@ class ContextSpec(StrictModel):
         """
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file() and (outputs := run_outputs(directory)):
-            raise ModelSourceError(f"{directory} is a training run folder: give the folder it wrote, "
-                                   f"{' or '.join(map(str, outputs))}")
+            raise ModelSourceError(
+                f"{directory} is a training run folder: give the folder it wrote, {' or '.join(map(str, outputs))}"
+            )
         if not path.is_file():
             raise ModelSourceError(
                 f"{path} not found: this directory was not written by longpeft (or the spec was deleted); "
@@ -221,9 +230,12 @@ class ContextSpec(StrictModel):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise DataError(format_validation_error(source, exc).replace(
-                "invalid settings", "not a longpeft.json this version reads (written by a newer longpeft, or edited "
-                "by hand?)")) from None
+            raise DataError(
+                format_validation_error(source, exc).replace(
+                    "invalid settings",
+                    "not a longpeft.json this version reads (written by a newer longpeft, or edited by hand?)",
+                )
+            ) from None
 
     # ---- checks ----------------------------------------------------------------------------
 
@@ -248,12 +260,17 @@ class ContextSpec(StrictModel):
                 continue
             if actual[key] != expected:
                 problems.append(f"{key}: adapter expects {expected}, base has {actual[key]}")
-        if (strict_base_id and base_model and self.base_model
-                and not _same_model(base_model, recorded or self.base_model)):
+        if (
+            strict_base_id
+            and base_model
+            and self.base_model
+            and not _same_model(base_model, recorded or self.base_model)
+        ):
             problems.append(f"base model id: adapter was trained on {self.base_model!r}, got {base_model!r}")
         if problems:
             raise SpecMismatchError(
-                "this adapter does not fit the base model: " + "; ".join(problems)
+                "this adapter does not fit the base model: "
+                + "; ".join(problems)
                 + ". Load the base model the adapter was trained on."
             )
 
@@ -266,12 +283,16 @@ def _same_model(a: str, b: str) -> bool:
 def _format_problem(source: str, version: Any) -> str:
     """Why a ``longpeft.json`` with this ``format_version`` (None: no such key) is not read, and what to do."""
     if version is None or (type(version) is int and 0 < version < SPEC_FORMAT_VERSION):
-        return (f"{source} is in format {version or 1}, written by a development version of longpeft before its "
-                f"first release; this version reads format {SPEC_FORMAT_VERSION} only: re-create the adapter (or "
-                "model) with this version")
+        return (
+            f"{source} is in format {version or 1}, written by a development version of longpeft before its "
+            f"first release; this version reads format {SPEC_FORMAT_VERSION} only: re-create the adapter (or "
+            "model) with this version"
+        )
     if type(version) is int and version > SPEC_FORMAT_VERSION:
-        return (f"{source} has format_version {version}, newer than the {SPEC_FORMAT_VERSION} this longpeft reads; "
-                "upgrade longpeft to read it")
+        return (
+            f"{source} has format_version {version}, newer than the {SPEC_FORMAT_VERSION} this longpeft reads; "
+            "upgrade longpeft to read it"
+        )
     return f"{source}: format_version must be the integer {SPEC_FORMAT_VERSION}, got {version!r}"
 
 

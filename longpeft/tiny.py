@@ -88,11 +88,7 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
     )
     backend.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token="<s>",
-        eos_token="<|end|>",
-        pad_token="<pad>",
-        unk_token=None,
+        tokenizer_object=backend, bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", unk_token=None
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer

@@ -76,16 +76,26 @@ def build_model(attn: str, device: str, shape: str = "small"):
     """The bench model: ``small`` (the module docstring's; fp32), or ``llama3-8b``: Llama-3-8B's shape and RoPE as
     scripts/gpu_check.py builds it, random bf16 weights made on ``device``."""
     if shape == "small":
-        return tiny_model("llama", vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048,
-                          attn_implementation=attn).to(device)
+        return tiny_model(
+            "llama",
+            vocab_size=32000,
+            hidden_size=512,
+            intermediate_size=1376,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            max_position_embeddings=2048,
+            attn_implementation=attn,
+        ).to(device)
     from gpu_check import base_config
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(base_config(tiny=False), dtype=torch.bfloat16,
-                                                 attn_implementation=attn)
+        model = AutoModelForCausalLM.from_config(
+            base_config(tiny=False), dtype=torch.bfloat16, attn_implementation=attn
+        )
     return model.eval()
 
 
@@ -159,8 +169,14 @@ def parallel_prefill(model, prompt: torch.Tensor, windows: int, repeats: int) ->
             prefill(count)
     set_inference_settings(model, parallel_windows=before)
     median = statistics.median
-    return ParallelPrefill(windows, median(wall[1]), median(wall[windows]), median(cpu[1]), median(cpu[windows]),
-                           (logits[1] - logits[windows]).abs().max().item())
+    return ParallelPrefill(
+        windows,
+        median(wall[1]),
+        median(wall[windows]),
+        median(cpu[1]),
+        median(cpu[windows]),
+        (logits[1] - logits[windows]).abs().max().item(),
+    )
 
 
 def has_flash_attn() -> bool:
@@ -202,25 +218,39 @@ def length_sweep(model, args: argparse.Namespace) -> dict:
     cuda = args.device.startswith("cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     flash = cuda and has_flash_attn()
-    report = {"bench": "beacon-lengths", "shape": args.shape, "window": args.window, "ratio": RATIO,
-              "sink": model.model.beacon_settings.sink, "attn": args.attn, "device": args.device,
-              "dtype": str(next(model.parameters()).dtype), "weights_gib": weights / GiB,
-              "parallel_windows": model.model.beacon_settings.parallel_windows, "repeats": args.repeats,
-              "flash_attn_installed": has_flash_attn(), "lengths": {}}
+    report = {
+        "bench": "beacon-lengths",
+        "shape": args.shape,
+        "window": args.window,
+        "ratio": RATIO,
+        "sink": model.model.beacon_settings.sink,
+        "attn": args.attn,
+        "device": args.device,
+        "dtype": str(next(model.parameters()).dtype),
+        "weights_gib": weights / GiB,
+        "parallel_windows": model.model.beacon_settings.parallel_windows,
+        "repeats": args.repeats,
+        "flash_attn_installed": has_flash_attn(),
+        "lengths": {},
+    }
 
     def save() -> None:
         if args.report:
             Path(args.report).write_text(json.dumps(report, indent=2) + "\n")
 
     generator = torch.Generator().manual_seed(0)
-    prompts = {n: torch.randint(7, model.config.vocab_size, (1, n), generator=generator).to(args.device)
-               for n in args.lengths}
-    print(f"Activation Beacon ({args.shape}, window {args.window}, ratio {RATIO}, attn={args.attn}, "
-          f"device={args.device}) vs stock: weights {weights / GiB:.2f} GiB, median of {args.repeats}")
+    prompts = {
+        n: torch.randint(7, model.config.vocab_size, (1, n), generator=generator).to(args.device) for n in args.lengths
+    }
+    print(
+        f"Activation Beacon ({args.shape}, window {args.window}, ratio {RATIO}, attn={args.attn}, "
+        f"device={args.device}) vs stock: weights {weights / GiB:.2f} GiB, median of {args.repeats}"
+    )
     print(f"{'tokens':>7} {'variant':<7} {'forward GiB':>12} {'peak GiB':>9} {'tokens/s':>10}")
     for length in args.lengths:
         row = report["lengths"][str(length)] = {}
         for variant in ("beacon", "stock"):
+
             def run(prompt=prompts[length], stock=variant == "stock"):
                 with beacons_disabled(model) if stock else contextlib.nullcontext():
                     return model(prompt, logits_to_keep=1, use_cache=True)
@@ -235,10 +265,16 @@ def length_sweep(model, args: argparse.Namespace) -> dict:
             finally:
                 if cuda:
                     torch.cuda.empty_cache()
-            row[variant] = {"forward_gib": memory / GiB, "peak_gib": (weights + memory) / GiB, "seconds": seconds,
-                            "tokens_per_s": length / seconds}
-            print(f"{length:>7} {variant:<7} {memory / GiB:>12.3f} {(weights + memory) / GiB:>9.2f} "
-                  f"{length / seconds:>10.0f}")
+            row[variant] = {
+                "forward_gib": memory / GiB,
+                "peak_gib": (weights + memory) / GiB,
+                "seconds": seconds,
+                "tokens_per_s": length / seconds,
+            }
+            print(
+                f"{length:>7} {variant:<7} {memory / GiB:>12.3f} {(weights + memory) / GiB:>9.2f} "
+                f"{length / seconds:>10.0f}"
+            )
         if "error" not in row["beacon"] and "error" not in row["stock"]:
             row["beacon_over_stock_tokens_per_s"] = row["beacon"]["tokens_per_s"] / row["stock"]["tokens_per_s"]
         save()
@@ -246,16 +282,20 @@ def length_sweep(model, args: argparse.Namespace) -> dict:
     for variant in ("beacon", "stock"):
         if "error" not in shortest[variant] and "error" not in longest[variant]:
             report[f"{variant}_peak_ratio"] = longest[variant]["peak_gib"] / shortest[variant]["peak_gib"]
-            print(f"{variant}: peak memory at {max(args.lengths)} over {min(args.lengths)} tokens "
-                  f"{report[f'{variant}_peak_ratio']:.3f}")
+            print(
+                f"{variant}: peak memory at {max(args.lengths)} over {min(args.lengths)} tokens "
+                f"{report[f'{variant}_peak_ratio']:.3f}"
+            )
     save()
     kernels = ["sdpa", "flash_attention_2"] if flash else ["sdpa"]
     prompt = prompts[min(args.lengths)]
     report["kernels"] = kernel_check(model, prompt, kernels, min(args.window, prompt.shape[1]))
     for kernel in kernels:
         check = report["kernels"].get(kernel, {})
-        print(f"beacon logits, {kernel} vs eager at {prompt.shape[1]} tokens: "
-              + (check["error"] if "error" in check else f"max |diff| {check.get('max_abs_diff', float('nan')):.3g}"))
+        print(
+            f"beacon logits, {kernel} vs eager at {prompt.shape[1]} tokens: "
+            + (check["error"] if "error" in check else f"max |diff| {check.get('max_abs_diff', float('nan')):.3g}")
+        )
     save()
     report["parallel"] = {}
     for kernel in kernels:
@@ -263,9 +303,11 @@ def length_sweep(model, args: argparse.Namespace) -> dict:
             model.set_attn_implementation(kernel)
             result = parallel_prefill(model, prompt, args.parallel_windows, args.repeats)
             report["parallel"][kernel] = {**result._asdict(), "speedup": result.sequential_s / result.parallel_s}
-            print(f"parallel prefill with {kernel}: {result.windows} windows per forward {result.parallel_s:.3f} s, "
-                  f"one per forward {result.sequential_s:.3f} s; last-token logits differ by at most "
-                  f"{result.max_logit_diff:.1e}")
+            print(
+                f"parallel prefill with {kernel}: {result.windows} windows per forward {result.parallel_s:.3f} s, "
+                f"one per forward {result.sequential_s:.3f} s; last-token logits differ by at most "
+                f"{result.max_logit_diff:.1e}"
+            )
         except Exception as error:  # the report says which kernel failed and why
             report["parallel"][kernel] = {"error": error_text(error)}
             print(f"parallel prefill with {kernel}: {report['parallel'][kernel]['error']}")
@@ -288,22 +330,36 @@ def llama3_8b_lora_over_full(rank: int = 32) -> float:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="small", choices=["small", "llama3-8b"],
-                        help="small: the CPU bench model; llama3-8b: Llama-3-8B's shape in bf16 (CUDA, 16 GB)")
+    parser.add_argument(
+        "--shape",
+        default="small",
+        choices=["small", "llama3-8b"],
+        help="small: the CPU bench model; llama3-8b: Llama-3-8B's shape in bf16 (CUDA, 16 GB)",
+    )
     parser.add_argument("--window", type=int, help="beacon window (default: 128; 1024 with --shape llama3-8b)")
     parser.add_argument("--multiple", type=int, default=32, help="the long prompt is this many windows")
-    parser.add_argument("--lengths", type=int, nargs="+", metavar="TOKENS",
-                        help="prefill at each of these lengths instead (beacon and stock), and the kernel and "
-                        "parallel-window checks at the shortest")
+    parser.add_argument(
+        "--lengths",
+        type=int,
+        nargs="+",
+        metavar="TOKENS",
+        help="prefill at each of these lengths instead (beacon and stock), and the kernel and "
+        "parallel-window checks at the shortest",
+    )
     parser.add_argument("--report", help="with --lengths: also write the JSON here, after each length and check")
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1 gives steadier ratios on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)"
+    )
     parser.add_argument("--new-tokens", type=int, default=32, help="decoded tokens timed after the long prompt")
-    parser.add_argument("--parallel-windows", type=int, default=BeaconConfig().parallel_windows,
-                        help="windows per forward in the parallel prefill, timed against one (default: the config's)")
+    parser.add_argument(
+        "--parallel-windows",
+        type=int,
+        default=BeaconConfig().parallel_windows,
+        help="windows per forward in the parallel prefill, timed against one (default: the config's)",
+    )
     args = parser.parse_args(argv)
     args.window = args.window or (1024 if args.shape == "llama3-8b" else 128)
     if args.parallel_windows < 2:
@@ -353,36 +409,50 @@ def main() -> int:
 
     def ratios(variant: str) -> tuple[float, float, float]:
         short_mem, long_mem = memory[(variant, "1x")], memory[(variant, long)]
-        return ((weights + long_mem) / (weights + short_mem), long_mem / short_mem,
-                speed[(variant, long)] / speed[(variant, "1x")])
+        return (
+            (weights + long_mem) / (weights + short_mem),
+            long_mem / short_mem,
+            speed[(variant, long)] / speed[(variant, "1x")],
+        )
 
-    decode = {variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats,
-                                                variant == "stock")
-              for variant in ("beacon", "stock")}
+    decode = {
+        variant: decode_seconds_per_token(model, prompts[long], args.new_tokens, args.repeats, variant == "stock")
+        for variant in ("beacon", "stock")
+    }
     parallel = parallel_prefill(model, prompts[long], args.parallel_windows, args.repeats)
     sizes = {kind: adapter_bytes(args.attn, args.device, args.window, kind) for kind in ("full", "lora")}
-    print(f"Activation Beacon (window {args.window}, ratio {RATIO}, {model.model.beacon_settings.parallel_windows} "
-          f"parallel windows) vs stock, attn={args.attn}, device={args.device}, "
-          f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}")
+    print(
+        f"Activation Beacon (window {args.window}, ratio {RATIO}, {model.model.beacon_settings.parallel_windows} "
+        f"parallel windows) vs stock, attn={args.attn}, device={args.device}, "
+        f"threads={torch.get_num_threads()}, weights {weights / 2**20:.1f} MiB, median of {args.repeats}"
+    )
     print(f"{'variant':<8} {'tokens':>7} {'forward MiB':>12} {'peak MiB':>9} {'tokens/s':>10}")
     for variant, length in runs:
         mem = memory[(variant, length)]
-        print(f"{variant:<8} {lengths[length]:>7} {mem / 2**20:>12.1f} {(weights + mem) / 2**20:>9.1f} "
-              f"{speed[(variant, length)]:>10.0f}")
+        print(
+            f"{variant:<8} {lengths[length]:>7} {mem / 2**20:>12.1f} {(weights + mem) / 2**20:>9.1f} "
+            f"{speed[(variant, length)]:>10.0f}"
+        )
     beacon, stock = ratios("beacon"), ratios("stock")
     print(f"{long} over 1x      peak memory   forward memory   throughput")
     print(f"beacon        {beacon[0]:>11.3f} {beacon[1]:>16.3f} {beacon[2]:>12.3f}")
     print(f"stock         {stock[0]:>11.3f} {stock[1]:>16.3f} {stock[2]:>12.3f}")
-    print(f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
-          f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})")
+    print(
+        f"decoding after {lengths[long]} tokens: beacon {decode['beacon'] * 1e3:.2f} ms/token, stock "
+        f"{decode['stock'] * 1e3:.2f} ms/token (beacon / stock {decode['beacon'] / decode['stock']:.3f})"
+    )
     speedup = parallel.sequential_s / parallel.parallel_s
     cpu_speedup = parallel.sequential_cpu_s / parallel.parallel_cpu_s
-    print(f"prefill of {lengths[long]} tokens: one window per forward {parallel.sequential_s:.3f} s "
-          f"(CPU {parallel.sequential_cpu_s:.3f} s), {parallel.windows} windows per forward "
-          f"{parallel.parallel_s:.3f} s (CPU {parallel.parallel_cpu_s:.3f} s): speed-up {speedup:.3f} (CPU time "
-          f"{cpu_speedup:.3f}); last-token logits differ by at most {parallel.max_logit_diff:.1e}")
-    print(f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
-          f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}")
+    print(
+        f"prefill of {lengths[long]} tokens: one window per forward {parallel.sequential_s:.3f} s "
+        f"(CPU {parallel.sequential_cpu_s:.3f} s), {parallel.windows} windows per forward "
+        f"{parallel.parallel_s:.3f} s (CPU {parallel.parallel_cpu_s:.3f} s): speed-up {speedup:.3f} (CPU time "
+        f"{cpu_speedup:.3f}); last-token logits differ by at most {parallel.max_logit_diff:.1e}"
+    )
+    print(
+        f"beacon adapter: full {sizes['full'] / 2**20:.2f} MiB, lora {sizes['lora'] / 2**20:.2f} MiB; "
+        f"Llama-3-8B q,k,v lora r32 / full = {llama3_8b_lora_over_full():.4f}"
+    )
     result = {
         "bench": "beacon",
         "window": args.window,

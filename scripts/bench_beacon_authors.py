@@ -45,13 +45,32 @@ from parity_beacon_authors import (  # noqa: E402
     run_authors_side,
 )
 
-SHAPE = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=1024, rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1,
-             eos_token_id=2, pad_token_id=None, tie_word_embeddings=False, attention_bias=False)
+SHAPE = dict(
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+    attention_bias=False,
+)
 WINDOW, RATIO, POSITIONS = 128, 8, 2048
 NEW_TOKENS = 32  # decoding: the time from the first new token to the last of 1 + NEW_TOKENS, per token
-SETTING = {"attn": "full-coverage", "pos": "interleave", "ratios": [RATIO], "sink": 0, "params": ["q", "k", "v"],
-           "window": WINDOW, "positions": POSITIONS}
+SETTING = {
+    "attn": "full-coverage",
+    "pos": "interleave",
+    "ratios": [RATIO],
+    "sink": 0,
+    "params": ["q", "k", "v"],
+    "window": WINDOW,
+    "positions": POSITIONS,
+}
 
 
 def measure(run, repeats: int, grad: bool) -> dict:
@@ -114,14 +133,23 @@ def run_both(model, input_ids, repeats: int, reset=None, keep_last_logits: bool 
         reset()
         model.eval()
         with torch.no_grad():
-            model.generate(input_ids, max_new_tokens=1 + NEW_TOKENS, min_new_tokens=1 + NEW_TOKENS, do_sample=False,
-                           pad_token_id=0, logits_processor=[stamp])
+            model.generate(
+                input_ids,
+                max_new_tokens=1 + NEW_TOKENS,
+                min_new_tokens=1 + NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=[stamp],
+            )
         return (stamps[-1] - stamps[0]) / NEW_TOKENS
 
     decode_seconds_per_token()  # warm-up
     per_token = statistics.median(decode_seconds_per_token() for _ in range(repeats))
-    return {"prefill": measure(prefill, repeats, grad=False), "training step": measure(train_step, repeats, grad=True),
-            "decode per token": {"seconds": per_token}}
+    return {
+        "prefill": measure(prefill, repeats, grad=False),
+        "training step": measure(train_step, repeats, grad=True),
+        "decode per token": {"seconds": per_token},
+    }
 
 
 def authors_side(src: Path, out: Path, repeats: int, threads: int) -> None:
@@ -158,15 +186,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--windows", type=int, default=32, help="input length in windows of 128 tokens")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads on both sides")
-    parser.add_argument("--parallel-windows", type=int, default=1,
-                        help="windows per forward in our prefill (default 1: like the authors' side, one at a time)")
+    parser.add_argument(
+        "--parallel-windows",
+        type=int,
+        default=1,
+        help="windows per forward in our prefill (default 1: like the authors' side, one at a time)",
+    )
     return parser.parse_args(argv)
 
 
 def main() -> int:
     args = parse_args()
     status = authors_side_or_error(
-        args, lambda: authors_side(args.authors_src.resolve(), args.out, args.repeats, args.threads))
+        args, lambda: authors_side(args.authors_src.resolve(), args.out, args.repeats, args.threads)
+    )
     if status is not None:
         return status
     import torch
@@ -179,10 +212,14 @@ def main() -> int:
             return 1
         theirs = json.loads((out / "authors-bench.json").read_text())
         ours = our_side(out, args.repeats, args.threads, args.parallel_windows)
-    print(f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), "
-          f"{args.threads} thread(s), our prefill {args.parallel_windows} window(s) per forward")
-    print(f"{'':<16} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
-          f"{'memory ratio':>13}")
+    print(
+        f"{WINDOW * args.windows} tokens ({args.windows} windows of {WINDOW}, ratio {RATIO}), "
+        f"{args.threads} thread(s), our prefill {args.parallel_windows} window(s) per forward"
+    )
+    print(
+        f"{'':<16} {'ours s':>9} {'authors s':>10} {'time ratio':>11} {'ours MiB':>9} {'authors MiB':>12} "
+        f"{'memory ratio':>13}"
+    )
     ratios = {}
     for task in ("prefill", "training step", "decode per token"):
         o, a = ours[task], theirs[task]
@@ -191,11 +228,24 @@ def main() -> int:
         line = f"{task:<16} {o['seconds']:>9.3f} {a['seconds']:>10.3f} {ratios[f'{key}_time_ratio']:>11.2f}"
         if "peak_bytes" in o:
             ratios[f"{key}_peak_mem_ratio"] = o["peak_bytes"] / a["peak_bytes"]
-            line += (f" {o['peak_bytes'] / 2**20:>9.1f} {a['peak_bytes'] / 2**20:>12.1f} "
-                     f"{ratios[f'{key}_peak_mem_ratio']:>13.2f}")
+            line += (
+                f" {o['peak_bytes'] / 2**20:>9.1f} {a['peak_bytes'] / 2**20:>12.1f} "
+                f"{ratios[f'{key}_peak_mem_ratio']:>13.2f}"
+            )
         print(line)
-    print(json.dumps({"bench": "beacon_authors", "tokens": WINDOW * args.windows, "threads": args.threads,
-                      "parallel_windows": args.parallel_windows, "ours": ours, "authors": theirs, **ratios}))
+    print(
+        json.dumps(
+            {
+                "bench": "beacon_authors",
+                "tokens": WINDOW * args.windows,
+                "threads": args.threads,
+                "parallel_windows": args.parallel_windows,
+                "ours": ours,
+                "authors": theirs,
+                **ratios,
+            }
+        )
+    )
     return 0
 
 

@@ -33,14 +33,22 @@ def build(variant: str, args: argparse.Namespace):
     from longpeft.tiny import tiny_model
 
     model = tiny_model(
-        "llama-mha", hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=8, head_dim=64, max_position_embeddings=args.seq_len, vocab_size=4096,
+        "llama-mha",
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=args.seq_len,
+        vocab_size=4096,
         attn_implementation="sdpa",
     ).to(args.device)
     if variant == "harpe":
         apply_head_bases(model, uniform_bases(1e4, 1e6, model.config.num_key_value_heads))
-    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16,
-                                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    model = get_peft_model(
+        model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    )
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     return model, optimizer
@@ -58,8 +66,9 @@ def train_step(model, optimizer, ids) -> float:
 def _batch(args: argparse.Namespace):
     import torch
 
-    return torch.randint(0, 4096, (args.batch, args.seq_len),
-                         generator=torch.Generator().manual_seed(0)).to(args.device)
+    return torch.randint(0, 4096, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0)).to(
+        args.device
+    )
 
 
 def _sync(device: str) -> None:
@@ -143,28 +152,44 @@ def main() -> None:
 
     memory = {}
     for variant in ("rope", "harpe"):
-        command = [sys.executable, __file__, "--memory-worker", variant, "--seq-len", str(args.seq_len),
-                   "--batch", str(args.batch), "--device", args.device]
+        command = [
+            sys.executable,
+            __file__,
+            "--memory-worker",
+            variant,
+            "--seq-len",
+            str(args.seq_len),
+            "--batch",
+            str(args.batch),
+            "--device",
+            args.device,
+        ]
         result = subprocess.run(command, capture_output=True, text=True, check=True)
         memory[variant] = json.loads(result.stdout.strip().splitlines()[-1])["peak_mib"]
     saved = {variant: saved_activation_mib(variant, args) for variant in ("rope", "harpe")}
     times = time_interleaved(args)
     median = {variant: statistics.median(values) for variant, values in times.items()}
 
-    print(f"\nLoRA training step, Llama-shaped 4 x 512 (8 heads x 64), batch {args.batch} x {args.seq_len} tokens, "
-          f"{args.device}")
+    print(
+        f"\nLoRA training step, Llama-shaped 4 x 512 (8 heads x 64), batch {args.batch} x {args.seq_len} tokens, "
+        f"{args.device}"
+    )
     print(f"{'variant':<14}{'median s/step':>15}{'peak MiB over model':>22}{'saved for backward MiB':>25}")
     for variant, label in (("rope", "standard RoPE"), ("harpe", "HARPE")):
         print(f"{label:<14}{median[variant]:>15.3f}{memory[variant]:>22.1f}{saved[variant]:>25.1f}")
-    print(json.dumps({
-        "bench": "harpe",
-        "seq_len": args.seq_len,
-        "batch": args.batch,
-        "device": args.device,
-        "time_ratio": round(median["harpe"] / median["rope"], 3),
-        "peak_mem_ratio": round(memory["harpe"] / memory["rope"], 3),
-        "saved_activation_ratio": round(saved["harpe"] / saved["rope"], 3),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "harpe",
+                "seq_len": args.seq_len,
+                "batch": args.batch,
+                "device": args.device,
+                "time_ratio": round(median["harpe"] / median["rope"], 3),
+                "peak_mem_ratio": round(memory["harpe"] / memory["rope"], 3),
+                "saved_activation_ratio": round(saved["harpe"] / saved["rope"], 3),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

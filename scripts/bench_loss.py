@@ -27,8 +27,15 @@ def worker(variant: str, seq_len: int, vocab: int) -> dict:
     from longpeft.tiny import tiny_model
 
     torch.manual_seed(0)
-    model = tiny_model("llama", vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                       max_position_embeddings=seq_len, attn_implementation="sdpa").train()
+    model = tiny_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        max_position_embeddings=seq_len,
+        attn_implementation="sdpa",
+    ).train()
     ids = torch.randint(0, vocab, (1, seq_len))
     if variant == "fused":
         add_fused_lm_head(model)
@@ -60,9 +67,19 @@ def main() -> None:
     results = {}
     for variant in ("backbone", "full", "fused"):
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", variant, "--seq-len", str(args.seq_len),
-             "--vocab", str(args.vocab)],
-            capture_output=True, text=True, check=True,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                variant,
+                "--seq-len",
+                str(args.seq_len),
+                "--vocab",
+                str(args.vocab),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
         )
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
     backbone, full, fused = results["backbone"], results["full"], results["fused"]
@@ -74,13 +91,19 @@ def main() -> None:
     for r in (backbone, full, fused):
         own = r["extra_mib"] - backbone["extra_mib"]
         print(f"{r['variant']:<14}{r['loss']:>10.5f}{r['seconds']:>10.2f}{r['extra_mib']:>12.0f}{own:>10.0f}")
-    print(json.dumps({
-        "bench": "loss", "seq_len": args.seq_len, "vocab": args.vocab,
-        "time_ratio": round(fused["seconds"] / full["seconds"], 3),
-        "peak_mem_ratio": round(fused_own / full_own, 3),
-        "total_peak_mem_ratio": round(fused["extra_mib"] / full["extra_mib"], 3),
-        "loss_abs_diff": abs(fused["loss"] - full["loss"]),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "loss",
+                "seq_len": args.seq_len,
+                "vocab": args.vocab,
+                "time_ratio": round(fused["seconds"] / full["seconds"], 3),
+                "peak_mem_ratio": round(fused_own / full_own, 3),
+                "total_peak_mem_ratio": round(fused["extra_mib"] / full["extra_mib"], 3),
+                "loss_abs_diff": abs(fused["loss"] - full["loss"]),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,9 @@ def main() -> int:
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (1 gives steadier ratios on a shared machine)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch CPU threads (1 gives steadier ratios on a shared machine)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.attn == "flash_attention_2" else torch.float32
@@ -72,16 +73,20 @@ def main() -> int:
     shift, window = settings["shift"], settings["local_window"]
     config = model.config
     q = torch.randn(1, config.num_attention_heads, args.seq_len, config.head_dim, device=args.device, dtype=dtype)
-    k, v = (torch.randn(1, config.num_key_value_heads, args.seq_len, config.head_dim, device=args.device, dtype=dtype)
-            for _ in "kv")
+    k, v = (
+        torch.randn(1, config.num_key_value_heads, args.seq_len, config.head_dim, device=args.device, dtype=dtype)
+        for _ in "kv"
+    )
     freqs = inv_freq(10000.0, config.head_dim, args.device)
     scale = config.head_dim**-0.5
     if args.attn == "eager":  # explicit scores, as transformers' eager attention
-        groups = SimpleNamespace(num_key_value_groups=config.num_attention_heads // config.num_key_value_heads,
-                                 training=False)
+        groups = SimpleNamespace(
+            num_key_value_groups=config.num_attention_heads // config.num_key_value_heads, training=False
+        )
         future = torch.ones(args.seq_len, args.seq_len, dtype=torch.bool, device=args.device).triu(1)
         mask = torch.zeros(1, 1, args.seq_len, args.seq_len, dtype=dtype, device=args.device).masked_fill(
-            future, torch.finfo(dtype).min)
+            future, torch.finfo(dtype).min
+        )
         attention = {
             "rope": lambda: eager_attention_forward(groups, q, k, v, mask, scaling=scale),
             "string": lambda: string_attention_eager(q, k, v, mask, shift, window, freqs, scale),
@@ -127,13 +132,17 @@ def main() -> int:
         f"STRING vs RoPE, seq_len={args.seq_len}, attn={args.attn}, device={args.device}, "
         f"threads={torch.get_num_threads()}, S={shift}, W={window}, median of {args.repeats}"
     )
-    print(f"{'what':<22} {'rope s':>9} {'string s':>9} {'time ratio':>10} {'rope MiB':>9} {'string MiB':>10} "
-          f"{'mem ratio':>9}")
+    print(
+        f"{'what':<22} {'rope s':>9} {'string s':>9} {'time ratio':>10} {'rope MiB':>9} {'string MiB':>10} "
+        f"{'mem ratio':>9}"
+    )
     for part, label in (("model", "whole model forward"), ("attn", "attention kernel only")):
         t_r, t_s = median[f"{part}_rope"], median[f"{part}_string"]
         m_r, m_s = peak[f"{part}_rope"], peak[f"{part}_string"]
-        print(f"{label:<22} {t_r:>9.4f} {t_s:>9.4f} {t_s / t_r:>10.3f} {m_r / 2**20:>9.1f} {m_s / 2**20:>10.1f} "
-              f"{m_s / m_r:>9.3f}")
+        print(
+            f"{label:<22} {t_r:>9.4f} {t_s:>9.4f} {t_s / t_r:>10.3f} {m_r / 2**20:>9.1f} {m_s / 2**20:>10.1f} "
+            f"{m_s / m_r:>9.3f}"
+        )
     result = {
         "bench": "string",
         "seq_len": args.seq_len,

@@ -63,8 +63,12 @@ def bench_throughput(latency: float, per_worker: int, concurrencies: list[int]) 
     os.environ.setdefault("LONGPEFT_BENCH_KEY", "bench")
     document = generate_document(seed=0, n_sentences=400)
     root = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, str(root / "tests" / "stub_server.py"), "--latency", str(latency)],
-                              stdout=subprocess.PIPE, text=True, cwd=root)
+    server = subprocess.Popen(
+        [sys.executable, str(root / "tests" / "stub_server.py"), "--latency", str(latency)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=root,
+    )
     rates = {}
     try:
         base_url = server.stdout.readline().strip()
@@ -73,10 +77,12 @@ def bench_throughput(latency: float, per_worker: int, concurrencies: list[int]) 
                 n = per_worker * concurrency
                 step = len(document.text) // n
                 jobs = [QAJob("single_detail", [Passage(document, i * step, (i + 1) * step)], 3) for i in range(n)]
-                config = LLMConfig(base_url=base_url, model="stub", api_key_env="LONGPEFT_BENCH_KEY",
-                                   max_concurrency=concurrency)
-                client = LLMClient(config, Path(tmp) / f"cache-{run}", Path(tmp) / "rejects.jsonl",
-                                   show_progress=False)
+                config = LLMConfig(
+                    base_url=base_url, model="stub", api_key_env="LONGPEFT_BENCH_KEY", max_concurrency=concurrency
+                )
+                client = LLMClient(
+                    config, Path(tmp) / f"cache-{run}", Path(tmp) / "rejects.jsonl", show_progress=False
+                )
                 start = time.perf_counter()
                 results = LLMAnswerer(client).generate(jobs)
                 elapsed = time.perf_counter() - start
@@ -98,8 +104,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--docs", type=int, default=40, help="documents in the UtK sequence")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--latency", type=float, default=0.5,
-                        help="stub server latency per request (s); real LLM calls take seconds")
+    parser.add_argument(
+        "--latency", type=float, default=0.5, help="stub server latency per request (s); real LLM calls take seconds"
+    )
     parser.add_argument("--per-worker", type=int, default=6, help="requests per unit of concurrency")
     args = parser.parse_args()
 
@@ -107,8 +114,10 @@ def main() -> None:
     throughput = bench_throughput(args.latency, args.per_worker, [1, 4, 16])
     efficiency = throughput["linear_efficiency"]
 
-    print(f"UtK on {utk['utk_tokens']} tokens: {utk['utk_s'] * 1e3:.1f} ms vs tokenizing "
-          f"{utk['tokenize_s'] * 1e3:.1f} ms -> ratio {utk['utk_time_ratio']:.4f} (target < 0.05)")
+    print(
+        f"UtK on {utk['utk_tokens']} tokens: {utk['utk_s'] * 1e3:.1f} ms vs tokenizing "
+        f"{utk['tokenize_s'] * 1e3:.1f} ms -> ratio {utk['utk_time_ratio']:.4f} (target < 0.05)"
+    )
     print(f"LLM builder throughput, stub latency {args.latency * 1e3:.0f} ms:")
     print(f"  {'concurrency':>11} {'req/s':>8} {'vs linear':>10}")
     for c, rate in throughput["requests_per_s"].items():

@@ -31,12 +31,14 @@ from benchlib import peak_bytes  # scripts/benchlib.py
 def forward_backward(module, x):
     """A closure: ``module``'s forward on a fresh copy of ``x`` (requiring grad) and the backward of its sum;
     returns the input's gradient."""
+
     def run():
         inputs = x.detach().requires_grad_(True)
         output = module(inputs)
         output = output[0] if isinstance(output, tuple) else output
         output.float().sum().backward()
         return inputs.grad
+
     return run
 
 
@@ -63,9 +65,17 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     cuda = args.device == "cuda"
-    model = tiny_model("llama", seed=0, attn_implementation="sdpa", hidden_size=512, intermediate_size=1792,
-                       num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=2,
-                       max_position_embeddings=args.seq_len).to(args.device)
+    model = tiny_model(
+        "llama",
+        seed=0,
+        attn_implementation="sdpa",
+        hidden_size=512,
+        intermediate_size=1792,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=args.seq_len,
+    ).to(args.device)
     model.train()
     layer = model.model.layers[0]
     x = torch.randn(1, args.seq_len, 512, generator=torch.Generator().manual_seed(0)).to(args.device)
@@ -88,11 +98,15 @@ def main() -> None:
         result[f"{key}_peak_mem_ratio"] = tiled_peak / peak
         result[f"{key}_time_ratio"] = tiled_seconds / seconds
         result[f"{key}_max_abs_grad_diff"] = difference
-    print(f"{'part':<20} {'peak MiB':>9} {'tiled':>9} {'ratio':>6} {'s':>7} {'tiled s':>8} {'ratio':>6} "
-          f"{'|grad diff|':>12}")
+    print(
+        f"{'part':<20} {'peak MiB':>9} {'tiled':>9} {'ratio':>6} {'s':>7} {'tiled s':>8} {'ratio':>6} "
+        f"{'|grad diff|':>12}"
+    )
     for part, peak, tiled_peak, seconds, tiled_seconds, difference in rows:
-        print(f"{part:<20} {peak / 2**20:>9.1f} {tiled_peak / 2**20:>9.1f} {tiled_peak / peak:>6.2f} {seconds:>7.3f} "
-              f"{tiled_seconds:>8.3f} {tiled_seconds / seconds:>6.2f} {difference:>12.2e}")
+        print(
+            f"{part:<20} {peak / 2**20:>9.1f} {tiled_peak / 2**20:>9.1f} {tiled_peak / peak:>6.2f} {seconds:>7.3f} "
+            f"{tiled_seconds:>8.3f} {tiled_seconds / seconds:>6.2f} {difference:>12.2e}"
+        )
     result["peak_mem_ratio"], result["time_ratio"] = result["mlp_peak_mem_ratio"], result["mlp_time_ratio"]
     print(json.dumps(result))
 

@@ -66,11 +66,22 @@ def base_config(tiny: bool):
         return tiny_config("llama", attn_implementation="sdpa")
     shape = KNOWN_SHAPES[BASE_ID]
     return tiny_config(
-        "llama", vocab_size=shape["vocab"], hidden_size=shape["hidden"], intermediate_size=shape["intermediate"],
-        num_hidden_layers=shape["layers"], num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], tie_word_embeddings=shape["tied"], max_position_embeddings=8192,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, rms_norm_eps=1e-5,
-        bos_token_id=128000, eos_token_id=[128001, 128009], pad_token_id=None, attn_implementation="sdpa",
+        "llama",
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        tie_word_embeddings=shape["tied"],
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        rms_norm_eps=1e-5,
+        bos_token_id=128000,
+        eos_token_id=[128001, 128009],
+        pad_token_id=None,
+        attn_implementation="sdpa",
     )
 
 
@@ -108,12 +119,15 @@ def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
     def conversation(n_words: int, seed: int) -> list[dict[str, str]]:
         rng = random.Random(seed)
         text = " ".join(rng.choice(words) for _ in range(n_words))
-        return [{"role": "user", "content": f"{text}\nWhat is the first word?"},
-                {"role": "assistant", "content": text.split()[0]}]
+        return [
+            {"role": "user", "content": f"{text}\nWhat is the first word?"},
+            {"role": "assistant", "content": text.split()[0]},
+        ]
 
     def length(n_words: int) -> int:
-        return len(tokenizer.apply_chat_template(conversation(n_words, 0), tokenize=True,
-                                                 return_dict=True)["input_ids"])
+        return len(
+            tokenizer.apply_chat_template(conversation(n_words, 0), tokenize=True, return_dict=True)["input_ids"]
+        )
 
     low, high = 1, tokens  # every word is at least one token: the longest conversation within `tokens`
     while low < high:
@@ -125,16 +139,24 @@ def write_data(path: Path, base: Path, tokens: int, samples: int) -> int:
     return length(low)
 
 
-def recipe_for(base: Path, data: Path, out: Path, attention: str, tokens: int, steps: int, tiny: bool,
-               extra: list[str] = ()):
+def recipe_for(
+    base: Path, data: Path, out: Path, attention: str, tokens: int, steps: int, tiny: bool, extra: list[str] = ()
+):
     """The 80K recipe at this length and kernel; ``extra`` (``--set KEY=VALUE``) overrides last."""
     from longpeft.recipes.schema import load_recipe
 
     overrides = [
-        f"model.name_or_path={base}", f"data.source={data}", f"data.max_length={tokens}", f"target_length={tokens}",
-        f"rope.max_position_embeddings={max(tokens, 81920)}", f"model.attn_implementation={attention}",
-        f"train.max_steps={steps}", "train.global_batch_size=1", "train.per_device_batch_size=1",
-        "train.save_steps=1000000", f"output_dir={out}",
+        f"model.name_or_path={base}",
+        f"data.source={data}",
+        f"data.max_length={tokens}",
+        f"target_length={tokens}",
+        f"rope.max_position_embeddings={max(tokens, 81920)}",
+        f"model.attn_implementation={attention}",
+        f"train.max_steps={steps}",
+        "train.global_batch_size=1",
+        "train.per_device_batch_size=1",
+        "train.save_steps=1000000",
+        f"output_dir={out}",
     ]
     if tiny:
         # bitsandbytes' CPU 4-bit path computes in fp32; the tiny tokenizer's eos ids are its own
@@ -173,24 +195,36 @@ def measure(args: argparse.Namespace) -> dict:
                     peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
                     pools=pools_by_stream(torch.cuda.memory_snapshot(), torch.cuda.current_stream().cuda_stream),
                     alloc_retries=stats.get("num_alloc_retries", 0),
-                    inactive_split_gib=stats.get("inactive_split_bytes.all.current", 0) / GiB)
+                    inactive_split_gib=stats.get("inactive_split_bytes.all.current", 0) / GiB,
+                )
             self.times.append(time.perf_counter() - self.start)
 
     timer = StepTimer()
-    recipe = recipe_for(Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps,
-                        args.tiny, args.set)
+    recipe = recipe_for(
+        Path(args.base), Path(args.data), Path(args.out), args.measure, args.tokens, args.steps, args.tiny, args.set
+    )
     result = run(recipe, callbacks=[timer])
-    losses = [r["loss"] for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines())
-              if "loss" in r]
+    losses = [
+        r["loss"]
+        for r in map(json.loads, (result.output_dir / "metrics.jsonl").read_text().splitlines())
+        if "loss" in r
+    ]
     timed = timer.times[1:] or timer.times  # the first step warms up kernels and the allocator
-    report = {"attention": args.measure, "step_seconds": timer.times, "losses": losses,
-              "tokens_per_second": args.tokens / statistics.median(timed)}
+    report = {
+        "attention": args.measure,
+        "step_seconds": timer.times,
+        "losses": losses,
+        "tokens_per_second": args.tokens / statistics.median(timed),
+    }
     resolved = json.loads((result.output_dir / "recipe.resolved.json").read_text())
     report["checkpointing"] = resolved.get("checkpointing")
     report["allocator_config"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     if torch.cuda.is_available():  # the peaks of the steps (reset when each begins), and what each step began with
-        report.update(peak_allocated_gib=max(m["peak_allocated_gib"] for m in timer.memory),
-                      peak_reserved_gib=max(m["peak_reserved_gib"] for m in timer.memory), step_memory=timer.memory)
+        report.update(
+            peak_allocated_gib=max(m["peak_allocated_gib"] for m in timer.memory),
+            peak_reserved_gib=max(m["peak_reserved_gib"] for m in timer.memory),
+            step_memory=timer.memory,
+        )
     return report
 
 
@@ -209,8 +243,16 @@ def pools_by_stream(segments: list[dict], compute_stream: int) -> dict[str, dict
     return pools
 
 
-def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_memory_gib: float, attention: str,
-            extra: list[str]) -> dict:
+def planner(
+    base: Path,
+    data: Path,
+    tokens: int,
+    steps: int,
+    tiny: bool,
+    gpu_memory_gib: float,
+    attention: str,
+    extra: list[str],
+) -> dict:
     """The planner's per-GPU peak and step time for this run (one GPU, one sample per step, this kernel)."""
     import torch
 
@@ -221,10 +263,16 @@ def planner(base: Path, data: Path, tokens: int, steps: int, tiny: bool, gpu_mem
     gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
     plan = estimate(recipe, gpus=1, gpu_memory_gib=gpu_memory_gib, gpu=gpu, samples=steps, shape=shape_of(str(base)))
     seconds = plan.hours * 3600 / steps  # one sample of `tokens` per step
-    return {"gpu": gpu, "attention": attention, "peak_gib": plan.peak_bytes / GiB,
-            "terms_gib": {k: v / GiB for k, v in plan.terms.items()}, "step_seconds": seconds,
-            "tokens_per_second": tokens / seconds, "utilisation": plan.assumptions["utilisation"],
-            "checkpointing": plan.assumptions["checkpointing"]}
+    return {
+        "gpu": gpu,
+        "attention": attention,
+        "peak_gib": plan.peak_bytes / GiB,
+        "terms_gib": {k: v / GiB for k, v in plan.terms.items()},
+        "step_seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "utilisation": plan.assumptions["utilisation"],
+        "checkpointing": plan.assumptions["checkpointing"],
+    }
 
 
 def sdpa_kernels() -> list[str]:
@@ -233,14 +281,18 @@ def sdpa_kernels() -> list[str]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    q, k, v = (torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 32, 4096, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         torch.cuda.synchronize()
     names = {event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA}
-    return sorted(n[:120] for n in names if any(word in n.lower() for word in ("flash", "fmha", "cudnn", "attention",
-                                                                                "sdpa", "mem_eff")))
+    return sorted(
+        n[:120]
+        for n in names
+        if any(word in n.lower() for word in ("flash", "fmha", "cudnn", "attention", "sdpa", "mem_eff"))
+    )
 
 
 def has_flash_attn() -> bool:
@@ -264,8 +316,16 @@ def compare_kernels(tiny: bool) -> dict:
     else:
         device, dtype, length = "cuda", torch.bfloat16, 8192
         pair = ("sdpa", "flash_attention_2" if has_flash_attn() else "eager")
-        shape = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
-                     num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192)
+        shape = dict(
+            hidden_size=1024,
+            intermediate_size=2048,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=4096,
+            max_position_embeddings=8192,
+        )
     ids = torch.randint(0, 500, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
     results: dict = {"flash_attn_installed": has_flash_attn()}
     for method in ("harpe", "string"):
@@ -280,9 +340,13 @@ def compare_kernels(tiny: bool) -> dict:
                 logits.append(model(ids).logits.float())
             del model
         difference = (logits[0] - logits[1]).abs().max().item()
-        results[method] = {"kernels": list(pair), "tokens": length, "max_abs_diff": difference,
-                           "max_abs_logit": logits[0].abs().max().item(),
-                           "allclose_atol_rtol_5e-2": bool(torch.allclose(logits[0], logits[1], atol=5e-2, rtol=5e-2))}
+        results[method] = {
+            "kernels": list(pair),
+            "tokens": length,
+            "max_abs_diff": difference,
+            "max_abs_logit": logits[0].abs().max().item(),
+            "allclose_atol_rtol_5e-2": bool(torch.allclose(logits[0], logits[1], atol=5e-2, rtol=5e-2)),
+        }
     return results
 
 
@@ -332,8 +396,16 @@ def planned_runs(args: argparse.Namespace, attentions: list[str]) -> list[Run]:
         settings = dict(pair.split("=", 1) for pair in overrides)
         tokens, steps = int(settings.pop("tokens", args.tokens)), int(settings.pop("steps", args.steps))
         attention = settings.get("model.attn_implementation", "sdpa")
-        runs.append(Run(name, attention, common + [f"{k}={v}" for k, v in settings.items()], tokens, steps,
-                        {**common_env, **env}))
+        runs.append(
+            Run(
+                name,
+                attention,
+                common + [f"{k}={v}" for k, v in settings.items()],
+                tokens,
+                steps,
+                {**common_env, **env},
+            )
+        )
     return runs
 
 
@@ -356,15 +428,29 @@ def compare_liger() -> dict:
         return {"ran": False, "reason": "needs CUDA and liger-kernel"}
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
-    shape = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, head_dim=128, vocab_size=4096, max_position_embeddings=8192)
+    shape = dict(
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=4096,
+        max_position_embeddings=8192,
+    )
     ids = torch.randint(0, 4000, (1, 4096), generator=torch.Generator().manual_seed(0)).cuda()
     results = []
     for liger in (False, True):
         model = tiny_model("llama", seed=0, attn_implementation="sdpa", **shape).to("cuda", torch.bfloat16)
         if liger:
-            _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                            fused_linear_cross_entropy=False)
+            _apply_liger_kernel_to_instance(
+                model=model,
+                rope=True,
+                rms_norm=True,
+                swiglu=True,
+                cross_entropy=False,
+                fused_linear_cross_entropy=False,
+            )
         logits = model(ids).logits.float()
         logits.square().mean().backward()
         results.append((logits.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
@@ -372,44 +458,85 @@ def compare_liger() -> dict:
     (plain, plain_grads), (fused, fused_grads) = results
     grad_diff = max((plain_grads[n] - fused_grads[n]).abs().max().item() for n in plain_grads)
     grad_scale = max(g.abs().max().item() for g in plain_grads.values())
-    return {"ran": True, "tokens": 4096, "max_abs_logit_diff": (plain - fused).abs().max().item(),
-            "max_abs_logit": plain.abs().max().item(), "max_abs_grad_diff": grad_diff, "max_abs_grad": grad_scale,
-            "allclose_atol_rtol_5e-2": bool(torch.allclose(plain, fused, atol=5e-2, rtol=5e-2))}
+    return {
+        "ran": True,
+        "tokens": 4096,
+        "max_abs_logit_diff": (plain - fused).abs().max().item(),
+        "max_abs_logit": plain.abs().max().item(),
+        "max_abs_grad_diff": grad_diff,
+        "max_abs_grad": grad_scale,
+        "allclose_atol_rtol_5e-2": bool(torch.allclose(plain, fused, atol=5e-2, rtol=5e-2)),
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny model on CPU (SDPA only): the same code in seconds")
     parser.add_argument("--tokens", type=int, help="tokens per sample (default 81920; --tiny: 1024)")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="optimizer steps per attention kernel (the first is warm-up)")
+    parser.add_argument(
+        "--steps", type=int, default=3, help="optimizer steps per attention kernel (the first is warm-up)"
+    )
     parser.add_argument("--gpu-memory", type=float, help="GiB of the GPU for the planner (default: the device's)")
-    parser.add_argument("--work-dir", help="where the random base, data and runs go (default: a temporary folder, "
-                        "removed); kept, the base is written once and later calls reuse it")
-    parser.add_argument("--attentions", nargs="+", choices=["flash_attention_2", "sdpa"],
-                        help="kernels to train with, each in its own process (default: flash-attn when installed, "
-                        "and SDPA); one per call keeps each call short")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a recipe override for the training runs and the planner, as `longpeft train --set` "
-                        "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true; "
-                        "env.NAME=VALUE sets an environment variable of the training runs' processes only (empty: "
-                        "removed), e.g. env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
-    parser.add_argument("--variant", action="append", nargs="+", metavar="NAME [KEY=VALUE ...]",
-                        help="instead of one run per kernel, a named run with its own overrides (repeatable), e.g. "
-                        "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and "
-                        "steps=N set its length and steps, env.NAME=VALUE its process's environment")
-    parser.add_argument("--deadline", type=float, metavar="SECONDS",
-                        help="start no run that the planner says would end later than this many seconds after the "
-                        "call began (model load included); skipped runs are reported as such")
-    parser.add_argument("--liger-check", action="store_true",
-                        help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, "
-                        "liger-kernel)")
-    parser.add_argument("--no-train", dest="train", action="store_false",
-                        help="no training runs (and no random base): only the kernel check and --liger-check")
-    parser.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
-                        help="skip the HARPE and STRING kernel comparison")
-    parser.add_argument("--report", help="also write the report here, updated after each part (a call stopped at its "
-                        "time limit keeps what finished)")
+    parser.add_argument(
+        "--work-dir",
+        help="where the random base, data and runs go (default: a temporary folder, "
+        "removed); kept, the base is written once and later calls reuse it",
+    )
+    parser.add_argument(
+        "--attentions",
+        nargs="+",
+        choices=["flash_attention_2", "sdpa"],
+        help="kernels to train with, each in its own process (default: flash-attn when installed, "
+        "and SDPA); one per call keeps each call short",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe override for the training runs and the planner, as `longpeft train --set` "
+        "(repeatable), e.g. model.load_in_4bit=false or train.activation_offloading=true; "
+        "env.NAME=VALUE sets an environment variable of the training runs' processes only (empty: "
+        "removed), e.g. env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        nargs="+",
+        metavar="NAME [KEY=VALUE ...]",
+        help="instead of one run per kernel, a named run with its own overrides (repeatable), e.g. "
+        "--variant kept train.keep_attention=auto train.offload_checkpoints=true; tokens=N and "
+        "steps=N set its length and steps, env.NAME=VALUE its process's environment",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        metavar="SECONDS",
+        help="start no run that the planner says would end later than this many seconds after the "
+        "call began (model load included); skipped runs are reported as such",
+    )
+    parser.add_argument(
+        "--liger-check",
+        action="store_true",
+        help="also compare Liger's kernels with transformers' on a small bf16 model (CUDA, liger-kernel)",
+    )
+    parser.add_argument(
+        "--no-train",
+        dest="train",
+        action="store_false",
+        help="no training runs (and no random base): only the kernel check and --liger-check",
+    )
+    parser.add_argument(
+        "--no-kernel-check",
+        dest="kernel_check",
+        action="store_false",
+        help="skip the HARPE and STRING kernel comparison",
+    )
+    parser.add_argument(
+        "--report",
+        help="also write the report here, updated after each part (a call stopped at its "
+        "time limit keeps what finished)",
+    )
     parser.add_argument("--measure", help=argparse.SUPPRESS)  # internal: one training run in this process
     for internal in ("--base", "--data", "--out"):
         parser.add_argument(internal, help=argparse.SUPPRESS)
@@ -440,8 +567,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args)))
         return 0
     if not args.tiny and not torch.cuda.is_available():
-        message = ("scripts/gpu_check.py needs a CUDA GPU and this machine has none; "
-                   "run it with --tiny for the same code on a tiny model on CPU")
+        message = (
+            "scripts/gpu_check.py needs a CUDA GPU and this machine has none; "
+            "run it with --tiny for the same code on a tiny model on CPU"
+        )
         print(message, file=sys.stderr)
         print(json.dumps({"ok": False, "error": message}))
         return 2
@@ -449,8 +578,13 @@ def main(argv: list[str] | None = None) -> int:
     attentions = args.attentions or (["flash_attention_2", "sdpa"] if not args.tiny and has_flash_attn() else ["sdpa"])
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check-"))
     work.mkdir(parents=True, exist_ok=True)
-    report: dict = {"ok": False, "tiny": args.tiny, "steps": args.steps, "runs": {},
-                    "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    report: dict = {
+        "ok": False,
+        "tiny": args.tiny,
+        "steps": args.steps,
+        "runs": {},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
 
     def save_report() -> None:
         if args.report:
@@ -462,8 +596,9 @@ def main(argv: list[str] | None = None) -> int:
             began = time.perf_counter()
             write_base(base, args.tiny)
             report["base_written_seconds"] = time.perf_counter() - began
-        memory = args.gpu_memory or (torch.cuda.get_device_properties(0).total_memory / GiB
-                                     if torch.cuda.is_available() else 80.0)
+        memory = args.gpu_memory or (
+            torch.cuda.get_device_properties(0).total_memory / GiB if torch.cuda.is_available() else 80.0
+        )
         runs, plans = report["runs"], report.setdefault("planner", {})
         if not args.tiny and torch.cuda.is_available():
             report["sdpa_kernels"] = sdpa_kernels()
@@ -475,22 +610,39 @@ def main(argv: list[str] | None = None) -> int:
             elif sum(1 for _ in data.open()) < run.steps:
                 write_data(data, base, run.tokens, run.steps)
             report.setdefault("tokens", sample_tokens[run.tokens])
-            plans[run.name] = plan = planner(base, data, sample_tokens[run.tokens], run.steps, args.tiny, memory,
-                                             run.attention, run.overrides)
+            plans[run.name] = plan = planner(
+                base, data, sample_tokens[run.tokens], run.steps, args.tiny, memory, run.attention, run.overrides
+            )
             plan["tokens"] = sample_tokens[run.tokens]
             planned_seconds = plan["step_seconds"] * run.steps + 90  # the base's load, about a minute at 8B
             if args.deadline and time.perf_counter() - started + planned_seconds > args.deadline:
-                runs[run.name] = {"skipped": f"planned {planned_seconds:.0f} s would pass --deadline "
-                                             f"{args.deadline:g}"}
+                runs[run.name] = {
+                    "skipped": f"planned {planned_seconds:.0f} s would pass --deadline {args.deadline:g}"
+                }
                 save_report()
                 continue
             save_report()
-            command = [sys.executable, __file__, "--measure", run.attention, "--base", str(base), "--data", str(data),
-                       "--out", str(work / f"run-{run.name}"), "--tokens", str(sample_tokens[run.tokens]),
-                       "--steps", str(run.steps), *(f"--set={override}" for override in run.overrides)]
+            command = [
+                sys.executable,
+                __file__,
+                "--measure",
+                run.attention,
+                "--base",
+                str(base),
+                "--data",
+                str(data),
+                "--out",
+                str(work / f"run-{run.name}"),
+                "--tokens",
+                str(sample_tokens[run.tokens]),
+                "--steps",
+                str(run.steps),
+                *(f"--set={override}" for override in run.overrides),
+            ]
             shutil.rmtree(work / f"run-{run.name}", ignore_errors=True)  # a kept work dir: train again, not resume
-            proc = subprocess.run(command + ["--tiny"] * args.tiny, capture_output=True, text=True,
-                                  env=run_environment(run.env))
+            proc = subprocess.run(
+                command + ["--tiny"] * args.tiny, capture_output=True, text=True, env=run_environment(run.env)
+            )
             if proc.returncode != 0:
                 runs[run.name] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
                 print(proc.stderr[-3000:], file=sys.stderr)
@@ -515,16 +667,23 @@ def main(argv: list[str] | None = None) -> int:
         if "skipped" in measured:
             print(f"{name}: skipped ({measured['skipped']})", file=sys.stderr)
             continue
-        print(f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
-              f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
-              f"(planner {plan['tokens_per_second']:,.0f} at {plan['utilisation']['matmuls']:.0%} matmuls, "
-              f"{plan['utilisation']['attention']:.0%} attention)", file=sys.stderr)
+        print(
+            f"{name}: peak {measured.get('peak_reserved_gib', float('nan')):.1f} GiB reserved "
+            f"(planner {plan['peak_gib']:.1f}), {measured.get('tokens_per_second', float('nan')):,.0f} tokens/s "
+            f"(planner {plan['tokens_per_second']:,.0f} at {plan['utilisation']['matmuls']:.0%} matmuls, "
+            f"{plan['utilisation']['attention']:.0%} attention)",
+            file=sys.stderr,
+        )
     for method, check in (report["kernels"] or {}).items():
         if isinstance(check, dict):
-            print(f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| "
-                  f"{check['max_abs_diff']:.3g}", file=sys.stderr)
+            print(
+                f"{method}: {check['kernels'][1]} vs {check['kernels'][0]}: max |logit diff| "
+                f"{check['max_abs_diff']:.3g}",
+                file=sys.stderr,
+            )
     print(json.dumps(report))
     return 0 if report["ok"] else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())

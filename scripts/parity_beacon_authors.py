@@ -53,17 +53,31 @@ TOLERANCE = 1e-5  # every-token logits, all settings
 LENGTHS = [WINDOW // 2, WINDOW, 2 * WINDOW + 5, 5 * WINDOW]
 ADAPT_LENGTHS = [2 * WINDOW + 5, 64, 65, 128, 129]  # adapt-16 on 48 positions: ratio 2 up to 64 tokens, 4 up to 128
 NEW_TOKENS = 2 * WINDOW  # greedy decoding after the 2W + 5 prompt: crosses two window boundaries
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              vocab_size=VOCAB, rope_theta=10000.0, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
-              pad_token_id=None, tie_word_embeddings=False)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+)
 SHAPES = {  # config fields per family (Qwen2: q/k/v biases, so beacon biases too; Mistral: no sliding window)
     "llama": {**COMMON, "attention_bias": False},
     "qwen2": {**COMMON, "use_sliding_window": False},
     "mistral": {**COMMON, "sliding_window": None},
 }
 SHAPE = SHAPES["llama"]
-CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "mistral": ("MistralConfig", "MistralForCausalLM")}
+CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
 QKV, QKVO = ["q", "k", "v"], ["q", "k", "v", "o"]
 # One authors' model per setting; "positions": the base's max_position_embeddings (default 512).
 SETTINGS = [
@@ -74,14 +88,45 @@ SETTINGS = [
     {"attn": "step-expansion", "pos": "append", "ratios": [2], "sink": 0, "params": QKV},
     {"attn": "full-coverage", "pos": "interleave", "ratios": [2], "sink": 3, "params": QKV},  # sink > ratio
     {"attn": "full-coverage", "pos": "interleave", "ratios": [0], "sink": 2, "params": QKV},  # ratio 0 with a sink
-    {"attn": "full-coverage", "pos": "interleave", "ratios": [2, 4, 8], "mix": "adapt-16", "positions": 48, "sink": 1,
-     "params": QKV, "lengths": ADAPT_LENGTHS},
-    {"family": "qwen2", "attn": "full-coverage", "pos": "interleave", "ratios": [2], "sink": 1, "params": QKV,
-     "implementation": "sdpa", "checkpointing": True},
-    {"family": "mistral", "attn": "full-coverage", "pos": "interleave", "ratios": [4], "sink": 0, "params": QKVO,
-     "implementation": "sdpa", "checkpointing": True},
-    {"attn": "full-coverage", "pos": "append", "ratios": [2], "sink": 0, "params": QKV, "implementation": "sdpa",
-     "checkpointing": True},
+    {
+        "attn": "full-coverage",
+        "pos": "interleave",
+        "ratios": [2, 4, 8],
+        "mix": "adapt-16",
+        "positions": 48,
+        "sink": 1,
+        "params": QKV,
+        "lengths": ADAPT_LENGTHS,
+    },
+    {
+        "family": "qwen2",
+        "attn": "full-coverage",
+        "pos": "interleave",
+        "ratios": [2],
+        "sink": 1,
+        "params": QKV,
+        "implementation": "sdpa",
+        "checkpointing": True,
+    },
+    {
+        "family": "mistral",
+        "attn": "full-coverage",
+        "pos": "interleave",
+        "ratios": [4],
+        "sink": 0,
+        "params": QKVO,
+        "implementation": "sdpa",
+        "checkpointing": True,
+    },
+    {
+        "attn": "full-coverage",
+        "pos": "append",
+        "ratios": [2],
+        "sink": 0,
+        "params": QKV,
+        "implementation": "sdpa",
+        "checkpointing": True,
+    },
 ]
 
 
@@ -89,8 +134,10 @@ def label(setting: dict) -> str:
     """A short name of a setting for the table."""
     ratios = "/".join(map(str, setting["ratios"])) + (f" {setting['mix']}" if "mix" in setting else "")
     extras = [setting.get("implementation", "eager")] + (["ckpt"] if setting.get("checkpointing") else [])
-    return (f"{setting.get('family', 'llama')} {setting['attn']}/{setting['pos']} r{ratios} sink {setting['sink']} "
-            f"{''.join(setting['params'])} {' '.join(extras)}")
+    return (
+        f"{setting.get('family', 'llama')} {setting['attn']}/{setting['pos']} r{ratios} sink {setting['sink']} "
+        f"{''.join(setting['params'])} {' '.join(extras)}"
+    )
 
 
 def sequences(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -122,14 +169,24 @@ def build_authors_model(src: Path, setting: dict, out: Path | None = None, shape
     configuration = importlib.import_module(f"authors_beacon.{family}.configuration_{family}")
     modeling = importlib.import_module(f"authors_beacon.{family}.modeling_{family}")
     memory_module = importlib.import_module("authors_beacon.modeling_beacon")
-    config_class, model_class = (getattr(module, name) for module, name in zip((configuration, modeling),
-                                                                                CLASSES[family], strict=True))
+    config_class, model_class = (
+        getattr(module, name) for module, name in zip((configuration, modeling), CLASSES[family], strict=True)
+    )
     window = setting.get("window", WINDOW)
     config = config_class(
-        **(shape or SHAPES[family]), max_position_embeddings=setting.get("positions", 512), beacon_window=window,
-        beacon_stride=window, beacon_attn=setting["attn"], beacon_pos=setting["pos"], beacon_ratio=setting["ratios"],
-        beacon_ratio_mix=setting.get("mix", "step-random"), beacon_param=setting["params"], beacon_embed_init="eos",
-        beacon_sink_size=setting["sink"], beacon_attend_prev=True, beacon_parallel_window=1,
+        **(shape or SHAPES[family]),
+        max_position_embeddings=setting.get("positions", 512),
+        beacon_window=window,
+        beacon_stride=window,
+        beacon_attn=setting["attn"],
+        beacon_pos=setting["pos"],
+        beacon_ratio=setting["ratios"],
+        beacon_ratio_mix=setting.get("mix", "step-random"),
+        beacon_param=setting["params"],
+        beacon_embed_init="eos",
+        beacon_sink_size=setting["sink"],
+        beacon_attend_prev=True,
+        beacon_parallel_window=1,
         attn_implementation=setting.get("implementation", "eager"),
     )
     torch.manual_seed(0)
@@ -145,8 +202,9 @@ def build_authors_model(src: Path, setting: dict, out: Path | None = None, shape
     return model
 
 
-def load_converted(out: Path, positions: int, shape: dict | None = None, attn_implementation: str = "eager",
-                   family: str = "llama"):
+def load_converted(
+    out: Path, positions: int, shape: dict | None = None, attn_implementation: str = "eager", family: str = "llama"
+):
     """Our side: the stock base (the authors' checkpoint in ``out / "authors"`` without its beacon tensors) written to
     ``out / "base"``, the checkpoint converted to ``out / "adapter"``, and both loaded with ``longpeft.load``."""
     import torch
@@ -163,12 +221,14 @@ def load_converted(out: Path, positions: int, shape: dict | None = None, attn_im
     stock = {name: tensor for name, tensor in weights.items() if "beacon_" not in name}
     missing, unexpected = base.load_state_dict(stock, strict=False)
     if unexpected or [name for name in missing if "rotary" not in name]:
-        raise SystemExit(f"the authors' checkpoint does not fit a stock {family}: missing {missing}, unexpected "
-                         f"{unexpected}")
+        raise SystemExit(
+            f"the authors' checkpoint does not fit a stock {family}: missing {missing}, unexpected {unexpected}"
+        )
     base.save_pretrained(out / "base")
     convert_authors_beacon(checkpoint, out / "adapter", out / "base")
-    return longpeft.load(str(out / "base"), out / "adapter", dtype=torch.float32,
-                         attn_implementation=attn_implementation)
+    return longpeft.load(
+        str(out / "base"), out / "adapter", dtype=torch.float32, attn_implementation=attn_implementation
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -211,8 +271,14 @@ def authors_decode(model, prompt: list[int], new_tokens: int) -> dict:
 
     model.memory.reset()
     with torch.no_grad():
-        generated = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
-                                   output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        generated = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
     return {"tokens": generated.sequences[0].tolist(), "logits": torch.cat(generated.logits).tolist()}
 
 
@@ -239,12 +305,16 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
         input_ids = torch.tensor([ids])
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
-        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
-                 for name, p in model.named_parameters() if "beacon_" in name}
+        grads = {
+            name: (p.grad if p.grad is not None else torch.zeros_like(p)).contiguous()
+            for name, p in model.named_parameters()
+            if "beacon_" in name
+        }
         save_file(grads, str(out / f"grads-{len(ids)}.safetensors"))
         training.append({"length": len(ids), "loss": loss.item()})
-    (out / "authors.json").write_text(json.dumps({"reads": reads, "decoding": decoding, "short_decoding": short,
-                                                  "training": training}))
+    (out / "authors.json").write_text(
+        json.dumps({"reads": reads, "decoding": decoding, "short_decoding": short, "training": training})
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,16 +360,29 @@ def our_reads(model, setting: dict, expected: list[dict]) -> list[dict]:
             backbone_of(model).beacon_settings = settings
         their_logits = torch.tensor(theirs["logits"])
         ratio = cache.state.chosen_ratio
-        own_rule = choose_ratio(settings.inference_ratios, settings.inference_ratio_mix, settings.window, positions,
-                                len(ids), None, settings.sink)
-        rows.append({"length": len(ids), "ratio_ours": ratio, "ratio_authors": theirs["ratio"],
-                     "ratio_longpeft_rule": own_rule, "tokens_reading_a_beacon": tokens_reading_a_beacon(
-                         setting, len(ids), ratio),
-                     "logits_rows": their_logits.shape[0],
-                     "logits_max_abs_diff": float((output.logits[0] - their_logits).abs().max()),
-                     "loss_abs_diff": abs(float(output.loss) - theirs["loss"]),
-                     "control_logits_max_abs_diff": float((stock.logits[0] - their_logits).abs().max()),
-                     "longpeft_rule_logits_max_abs_diff": float((own_rule_logits[0] - their_logits).abs().max())})
+        own_rule = choose_ratio(
+            settings.inference_ratios,
+            settings.inference_ratio_mix,
+            settings.window,
+            positions,
+            len(ids),
+            None,
+            settings.sink,
+        )
+        rows.append(
+            {
+                "length": len(ids),
+                "ratio_ours": ratio,
+                "ratio_authors": theirs["ratio"],
+                "ratio_longpeft_rule": own_rule,
+                "tokens_reading_a_beacon": tokens_reading_a_beacon(setting, len(ids), ratio),
+                "logits_rows": their_logits.shape[0],
+                "logits_max_abs_diff": float((output.logits[0] - their_logits).abs().max()),
+                "loss_abs_diff": abs(float(output.loss) - theirs["loss"]),
+                "control_logits_max_abs_diff": float((stock.logits[0] - their_logits).abs().max()),
+                "longpeft_rule_logits_max_abs_diff": float((own_rule_logits[0] - their_logits).abs().max()),
+            }
+        )
     return rows
 
 
@@ -309,11 +392,19 @@ def our_decoding(model, theirs: dict) -> dict:
 
     prompt = torch.tensor([sequences(LENGTHS)[2]])
     with torch.no_grad():
-        generated = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, output_logits=True,
-                                   return_dict_in_generate=True, pad_token_id=0)
-    return {"length": f"{prompt.shape[1]} + {NEW_TOKENS} generated",
-            "same_tokens": generated.sequences[0].tolist() == theirs["tokens"],
-            "logits_max_abs_diff": float((torch.cat(generated.logits) - torch.tensor(theirs["logits"])).abs().max())}
+        generated = model.generate(
+            prompt,
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return {
+        "length": f"{prompt.shape[1]} + {NEW_TOKENS} generated",
+        "same_tokens": generated.sequences[0].tolist() == theirs["tokens"],
+        "logits_max_abs_diff": float((torch.cat(generated.logits) - torch.tensor(theirs["logits"])).abs().max()),
+    }
 
 
 def short_prompt_decoding(model, theirs: dict) -> dict:
@@ -331,9 +422,11 @@ def short_prompt_decoding(model, theirs: dict) -> dict:
         ours.append(model(torch.tensor([tokens[:prompt]]), **{cache_keyword(): cache}).logits[0, -1])
         for index in range(prompt, len(tokens) - 1):
             ours.append(model(torch.tensor([[tokens[index]]]), **{cache_keyword(): cache}).logits[0, -1])
-    return {"length": f"{prompt} + {len(tokens) - prompt} decoded",
-            "authors_decode_vs_their_prefill": float((torch.tensor(theirs["logits"]) - prefill).abs().max()),
-            "ours_vs_their_prefill": float((torch.stack(ours) - prefill).abs().max())}
+    return {
+        "length": f"{prompt} + {len(tokens) - prompt} decoded",
+        "authors_decode_vs_their_prefill": float((torch.tensor(theirs["logits"]) - prefill).abs().max()),
+        "ours_vs_their_prefill": float((torch.stack(ours) - prefill).abs().max()),
+    }
 
 
 def training_parity(model, out: Path, setting: dict, expected: list[dict]) -> list[dict]:
@@ -369,22 +462,32 @@ def training_parity(model, out: Path, setting: dict, expected: list[dict]) -> li
                 diffs.append(float((grad - their).abs().max()))
             else:
                 frozen_their_grad = max(frozen_their_grad, float(their.abs().max()))
-        rows.append({"length": len(ids), "loss_abs_diff": abs(loss.item() - theirs["loss"]),
-                     "grad_max_abs_diff": max(diffs),
-                     "grad_max_abs": max(float(their_grads[prefix + n].abs().max()) for n in trainable),
-                     "frozen_weights_their_grad_max_abs": frozen_their_grad})
+        rows.append(
+            {
+                "length": len(ids),
+                "loss_abs_diff": abs(loss.item() - theirs["loss"]),
+                "grad_max_abs_diff": max(diffs),
+                "grad_max_abs": max(float(their_grads[prefix + n].abs().max()) for n in trainable),
+                "frozen_weights_their_grad_max_abs": frozen_their_grad,
+            }
+        )
     model.eval()
     return rows
 
 
 def our_side(out: Path, setting: dict) -> dict:
     """With longpeft: base folder, conversion, load, then the authors' reads, decoding and training step again."""
-    model = load_converted(out, setting.get("positions", 512), attn_implementation=setting.get("implementation",
-                                                                                                "eager"),
-                           family=setting.get("family", "llama")).eval()
+    model = load_converted(
+        out,
+        setting.get("positions", 512),
+        attn_implementation=setting.get("implementation", "eager"),
+        family=setting.get("family", "llama"),
+    ).eval()
     authors = json.loads((out / "authors.json").read_text())
-    result = {"rows": our_reads(model, setting, authors["reads"]),
-              "decoding": our_decoding(model, authors["decoding"])}
+    result = {
+        "rows": our_reads(model, setting, authors["reads"]),
+        "decoding": our_decoding(model, authors["decoding"]),
+    }
     if authors["short_decoding"] is not None:
         result["short_decoding"] = short_prompt_decoding(model, authors["short_decoding"])
     result["training"] = training_parity(model, out, setting, authors["training"])
@@ -398,10 +501,14 @@ def our_side(out: Path, setting: dict) -> dict:
 
 def add_authors_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a script that runs the authors' side in their environment (this one, bench_beacon_authors)."""
-    parser.add_argument("--authors-python", required=True,
-                        help="python of an environment with transformers 4.39 (the authors' code needs it; see above)")
-    parser.add_argument("--authors-src", type=Path, required=True,
-                        help="the authors' research/Long_LLM/activation_beacon/src folder")
+    parser.add_argument(
+        "--authors-python",
+        required=True,
+        help="python of an environment with transformers 4.39 (the authors' code needs it; see above)",
+    )
+    parser.add_argument(
+        "--authors-src", type=Path, required=True, help="the authors' research/Long_LLM/activation_beacon/src folder"
+    )
     parser.add_argument("--side", choices=["both", "authors"], default="both", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
 
@@ -410,8 +517,10 @@ def authors_side_or_error(args: argparse.Namespace, authors_side) -> int | None:
     """The exit status when this process has nothing more to do: 2 (said on stderr) when ``--authors-src`` is not
     the authors' source folder, 0 once ``authors_side()`` ran (``--side authors``); None on the main side."""
     if not (args.authors_src / "modeling_beacon.py").is_file():
-        print(f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src "
-              "folder", file=sys.stderr)
+        print(
+            f"--authors-src {args.authors_src}: no modeling_beacon.py; give the authors' activation_beacon/src folder",
+            file=sys.stderr,
+        )
         return 2
     if args.side == "authors":
         authors_side()
@@ -422,12 +531,27 @@ def authors_side_or_error(args: argparse.Namespace, authors_side) -> int | None:
 def run_authors_side(script: str, args: argparse.Namespace, out: Path, *options: str) -> bool:
     """Run ``script --side authors`` with the authors' python (writing into ``out``); False, said on stderr, if it
     failed."""
-    authors = subprocess.run([args.authors_python, script, "--side", "authors",
-                              "--authors-python", args.authors_python,
-                              "--authors-src", str(args.authors_src), "--out", str(out), *options])
+    authors = subprocess.run(
+        [
+            args.authors_python,
+            script,
+            "--side",
+            "authors",
+            "--authors-python",
+            args.authors_python,
+            "--authors-src",
+            str(args.authors_src),
+            "--out",
+            str(out),
+            *options,
+        ]
+    )
     if authors.returncode != 0:
-        print(f"the authors' side failed (exit {authors.returncode}; its traceback is above); does "
-              f"{args.authors_python} have transformers 4.39?", file=sys.stderr)
+        print(
+            f"the authors' side failed (exit {authors.returncode}; its traceback is above); does "
+            f"{args.authors_python} have transformers 4.39?",
+            file=sys.stderr,
+        )
     return authors.returncode == 0
 
 
@@ -445,21 +569,29 @@ def print_setting(setting: dict, result: dict) -> None:
         ratios = f"{row['ratio_ours']}/{row['ratio_authors'] if row['ratio_authors'] is not None else '-'}"
         if "mix" in setting:
             ratios += f" ({row['ratio_longpeft_rule']})"
-        print(f"| {label(setting):<58} | {row['length']:>4} | {ratios:>9} | {row['tokens_reading_a_beacon']:>4} | "
-              f"{row['logits_max_abs_diff']:.1e} | {row['loss_abs_diff']:.1e} | "
-              f"{row['longpeft_rule_logits_max_abs_diff']:.1e} | {row['control_logits_max_abs_diff']:.1e} |")
+        print(
+            f"| {label(setting):<58} | {row['length']:>4} | {ratios:>9} | {row['tokens_reading_a_beacon']:>4} | "
+            f"{row['logits_max_abs_diff']:.1e} | {row['loss_abs_diff']:.1e} | "
+            f"{row['longpeft_rule_logits_max_abs_diff']:.1e} | {row['control_logits_max_abs_diff']:.1e} |"
+        )
     decoding = result["decoding"]
-    print(f"|   greedy decoding {decoding['length']}: same tokens {decoding['same_tokens']}, logits max |diff| "
-          f"{decoding['logits_max_abs_diff']:.1e}")
+    print(
+        f"|   greedy decoding {decoding['length']}: same tokens {decoding['same_tokens']}, logits max |diff| "
+        f"{decoding['logits_max_abs_diff']:.1e}"
+    )
     for row in result["training"]:
-        print(f"|   training step, length {row['length']}: loss |diff| {row['loss_abs_diff']:.1e}, beacon gradients "
-              f"max |diff| {row['grad_max_abs_diff']:.1e} (largest {row['grad_max_abs']:.1e}); their gradient of "
-              f"the weights we freeze {row['frozen_weights_their_grad_max_abs']:.1e}")
+        print(
+            f"|   training step, length {row['length']}: loss |diff| {row['loss_abs_diff']:.1e}, beacon gradients "
+            f"max |diff| {row['grad_max_abs_diff']:.1e} (largest {row['grad_max_abs']:.1e}); their gradient of "
+            f"the weights we freeze {row['frozen_weights_their_grad_max_abs']:.1e}"
+        )
     if "short_decoding" in result:
         short = result["short_decoding"]
-        print(f"|   not parity: decoding {short['length']} (a sink, a prompt shorter than the window): their decoding "
-              f"vs their own prefill {short['authors_decode_vs_their_prefill']:.1e}; ours vs their prefill "
-              f"{short['ours_vs_their_prefill']:.1e}")
+        print(
+            f"|   not parity: decoding {short['length']} (a sink, a prompt shorter than the window): their decoding "
+            f"vs their own prefill {short['authors_decode_vs_their_prefill']:.1e}; ours vs their prefill "
+            f"{short['ours_vs_their_prefill']:.1e}"
+        )
 
 
 def main() -> int:
@@ -468,10 +600,14 @@ def main() -> int:
     if status is not None:
         return status
     chosen = [SETTINGS[index] for index in args.only] if args.only else SETTINGS
-    print("| setting                                                    |  len | ratio o/a | beac | logits  | loss    "
-          "| own rule | control |")
-    print("(ratio: ours / the authors' (longpeft's own rule); beac: tokens that read a beacon; logits: every token's "
-          "max |diff|; own rule: the same with layout_rule longpeft; control: ours with beacons off, against theirs)")
+    print(
+        "| setting                                                    |  len | ratio o/a | beac | logits  | loss    "
+        "| own rule | control |"
+    )
+    print(
+        "(ratio: ours / the authors' (longpeft's own rule); beac: tokens that read a beacon; logits: every token's "
+        "max |diff|; own rule: the same with layout_rule longpeft; control: ours with beacons off, against theirs)"
+    )
     report = []
     for setting in chosen:
         with tempfile.TemporaryDirectory() as folder:
@@ -492,13 +628,19 @@ def main() -> int:
         "training_grad_max_abs_diff": max(row["grad_max_abs_diff"] for row in training),
         "frozen_weights_their_grad_max_abs": max(row["frozen_weights_their_grad_max_abs"] for row in training),
         "same_ratios": all(row["ratio_authors"] in (None, row["ratio_ours"]) for row in rows),
-        "rows_reading_a_beacon": sum(row["tokens_reading_a_beacon"] > 0 for row in rows), "rows": len(rows),
+        "rows_reading_a_beacon": sum(row["tokens_reading_a_beacon"] > 0 for row in rows),
+        "rows": len(rows),
     }
-    summary["within_tolerance"] = (summary["logits_max_abs_diff"] <= TOLERANCE and summary["same_ratios"]
-                                   and summary["decoding_logits_max_abs_diff"] <= TOLERANCE)
-    print(f"every-token logits within {TOLERANCE:.0e} on all settings: {summary['within_tolerance']} (worst "
-          f"{summary['logits_max_abs_diff']:.1e}); {summary['rows_reading_a_beacon']} of {summary['rows']} rows read "
-          "a beacon")
+    summary["within_tolerance"] = (
+        summary["logits_max_abs_diff"] <= TOLERANCE
+        and summary["same_ratios"]
+        and summary["decoding_logits_max_abs_diff"] <= TOLERANCE
+    )
+    print(
+        f"every-token logits within {TOLERANCE:.0e} on all settings: {summary['within_tolerance']} (worst "
+        f"{summary['logits_max_abs_diff']:.1e}); {summary['rows_reading_a_beacon']} of {summary['rows']} rows read "
+        "a beacon"
+    )
     print(json.dumps({"bench": "parity_beacon_authors", **summary, "settings": report}))
     return 0 if summary["within_tolerance"] else 1
 

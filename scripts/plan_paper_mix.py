@@ -84,19 +84,23 @@ def filler(chars: int, rng: random.Random) -> str:
     repeats = -(-chars // len(_BLOCK))
     block = _BLOCK * (repeats + 1)
     start = rng.randrange(len(_BLOCK))
-    return block[start:start + chars]
+    return block[start : start + chars]
 
 
 def conversation(part: str, tokens: int, chars_per_token: float, rng: random.Random) -> list[dict[str, str]]:
     """A conversation of ``tokens`` tokens at ``chars_per_token`` characters each (its turns' contents)."""
     chars = round(tokens * chars_per_token)
     if part == "RedPajama":
-        return [{"role": "user", "content": PLAIN_PROMPT},
-                {"role": "assistant", "content": filler(chars - len(PLAIN_PROMPT), rng)}]
+        return [
+            {"role": "user", "content": PLAIN_PROMPT},
+            {"role": "assistant", "content": filler(chars - len(PLAIN_PROMPT), rng)},
+        ]
     if part == "LongAlpaca":
         answer = chars // 4
-        return [{"role": "user", "content": filler(chars - answer, rng)},
-                {"role": "assistant", "content": filler(answer, rng)}]
+        return [
+            {"role": "user", "content": filler(chars - answer, rng)},
+            {"role": "assistant", "content": filler(answer, rng)},
+        ]
     answer = round(ANSWER_TOKENS * chars_per_token)
     question = filler(round(16 * chars_per_token), rng)
     context = filler(chars - QA_TURNS * (answer + len(question)), rng)
@@ -139,31 +143,47 @@ def main(argv: list[str] | None = None) -> int:
     lengths = intended_lengths(args.seed)
     print("the paper's mix, as built here:")
     for part, ns in lengths.items():
-        print(f"  {part:<18} {len(ns):>6,} samples, {min(ns):>6,} .. {max(ns):>6,} tokens, "
-              f"mean {sum(ns) / len(ns):>8,.0f}")
+        print(
+            f"  {part:<18} {len(ns):>6,} samples, {min(ns):>6,} .. {max(ns):>6,} tokens, "
+            f"mean {sum(ns) / len(ns):>8,.0f}"
+        )
     try:
         write_mix(data, lengths, CHARS_PER_TOKEN, args.seed)
         recipe = load_recipe(RECIPE, [f"data.source={data}"])
         counted = count_sample_lengths(recipe)
         intended = sorted(n for ns in lengths.values() for n in ns)
         if sorted(counted.lengths) != intended:
-            raise SystemExit("the planner's counted lengths differ from the intended ones: is a Llama-3 tokenizer "
-                             "reachable after all?")
-        plans = {gpu: estimate(recipe, gpus=8, gpu_memory_gib=80, gpu=gpu, sample_lengths=counted)
-                 for gpu in ("a800", "h100")}
+            raise SystemExit(
+                "the planner's counted lengths differ from the intended ones: is a Llama-3 tokenizer "
+                "reachable after all?"
+            )
+        plans = {
+            gpu: estimate(recipe, gpus=8, gpu_memory_gib=80, gpu=gpu, sample_lengths=counted)
+            for gpu in ("a800", "h100")
+        }
         shuffled = load_recipe(RECIPE, [f"data.source={data}", "train.group_by_length=false"])
-        random_order = {gpu: estimate(shuffled, gpus=8, gpu_memory_gib=80, gpu=gpu, sample_lengths=counted)
-                        .assumptions["hours_in_order"] for gpu in plans}
+        random_order = {
+            gpu: estimate(shuffled, gpus=8, gpu_memory_gib=80, gpu=gpu, sample_lengths=counted).assumptions[
+                "hours_in_order"
+            ]
+            for gpu in plans
+        }
         for gpu, plan in plans.items():
-            print(f"\nwhat `longpeft plan {RECIPE} --set data.source={data.name} --gpus 8 --gpu {gpu}` prints:\n"
-                  f"{plan.table()}")
+            print(
+                f"\nwhat `longpeft plan {RECIPE} --set data.source={data.name} --gpus 8 --gpu {gpu}` prints:\n"
+                f"{plan.table()}"
+            )
         bounds = {}
         for bound, (redpajama, longalpaca) in {"shortest": (K, K), "longest": (8 * K, 16 * K)}.items():
-            varied = SampleLengths(lengths=tuple(lengths["synthetic long QA"] + [redpajama] * REDPAJAMA
-                                                 + [longalpaca] * LONGALPACA), source=bound, counted_with="-")
+            varied = SampleLengths(
+                lengths=tuple(lengths["synthetic long QA"] + [redpajama] * REDPAJAMA + [longalpaca] * LONGALPACA),
+                source=bound,
+                counted_with="-",
+            )
             bounds[bound] = {gpu: estimate(recipe, gpus=8, gpu=gpu, sample_lengths=varied).hours for gpu in plans}
-        assumed = {gpu: estimate(recipe, gpus=8, gpu=gpu, samples=SYNTHETIC + REDPAJAMA + LONGALPACA).hours
-                   for gpu in plans}
+        assumed = {
+            gpu: estimate(recipe, gpus=8, gpu=gpu, samples=SYNTHETIC + REDPAJAMA + LONGALPACA).hours for gpu in plans
+        }
     finally:
         shutil.rmtree(hidden_cache, ignore_errors=True)
         if not args.keep:
@@ -171,30 +191,40 @@ def main(argv: list[str] | None = None) -> int:
             if args.out is None:
                 shutil.rmtree(folder, ignore_errors=True)
     grouped = {gpu: plan.assumptions["hours_in_order"] for gpu, plan in plans.items()}
-    rows = {"the mix as built, every GPU equally loaded": {gpu: plan.hours for gpu, plan in plans.items()},
-            "the mix as built, grouped by length (the recipe's order)": grouped,
-            "the mix as built, in random order": random_order,
-            "RedPajama and LongAlpaca all at 1,024 tokens, equally loaded": bounds["shortest"],
-            "RedPajama at 8,192, LongAlpaca at 16,384 tokens, equally loaded": bounds["longest"],
-            "every sample at 81,920 tokens (the planner without the data)": assumed}
+    rows = {
+        "the mix as built, every GPU equally loaded": {gpu: plan.hours for gpu, plan in plans.items()},
+        "the mix as built, grouped by length (the recipe's order)": grouped,
+        "the mix as built, in random order": random_order,
+        "RedPajama and LongAlpaca all at 1,024 tokens, equally loaded": bounds["shortest"],
+        "RedPajama at 8,192, LongAlpaca at 16,384 tokens, equally loaded": bounds["longest"],
+        "every sample at 81,920 tokens (the planner without the data)": assumed,
+    }
     print(f"\n{'hours on 8 GPUs':<66} {'A800':>7} {'H100':>7}")
     for name, hours in rows.items():
         print(f"{name:<66} {hours['a800']:>7.1f} {hours['h100']:>7.1f}")
-    print(f"{'the paper (8 x A800, unsloth, flash-attn 2, --group_by_length)':<66} {PAPER_HOURS_8XA800:>7.1f} "
-          f"{'-':>7}")
-    print(json.dumps({"script": "plan_paper_mix", "recipe": RECIPE, "samples": len(intended),
-                      "tokens": plans["a800"].tokens, "hours_8xa800": round(plans["a800"].hours, 2),
-                      "hours_8xh100": round(plans["h100"].hours, 2),
-                      "hours_grouped_8xa800": round(grouped["a800"], 2),
-                      "hours_grouped_8xh100": round(grouped["h100"], 2),
-                      "hours_random_order_8xa800": round(random_order["a800"], 2),
-                      "hours_random_order_8xh100": round(random_order["h100"], 2),
-                      "hours_bounds_8xa800": [round(bounds["shortest"]["a800"], 2),
-                                              round(bounds["longest"]["a800"], 2)],
-                      "hours_bounds_8xh100": [round(bounds["shortest"]["h100"], 2),
-                                              round(bounds["longest"]["h100"], 2)],
-                      "hours_without_data_8xa800": round(assumed["a800"], 2),
-                      "paper_hours_8xa800": PAPER_HOURS_8XA800}))
+    print(
+        f"{'the paper (8 x A800, unsloth, flash-attn 2, --group_by_length)':<66} {PAPER_HOURS_8XA800:>7.1f} {'-':>7}"
+    )
+    print(
+        json.dumps(
+            {
+                "script": "plan_paper_mix",
+                "recipe": RECIPE,
+                "samples": len(intended),
+                "tokens": plans["a800"].tokens,
+                "hours_8xa800": round(plans["a800"].hours, 2),
+                "hours_8xh100": round(plans["h100"].hours, 2),
+                "hours_grouped_8xa800": round(grouped["a800"], 2),
+                "hours_grouped_8xh100": round(grouped["h100"], 2),
+                "hours_random_order_8xa800": round(random_order["a800"], 2),
+                "hours_random_order_8xh100": round(random_order["h100"], 2),
+                "hours_bounds_8xa800": [round(bounds["shortest"]["a800"], 2), round(bounds["longest"]["a800"], 2)],
+                "hours_bounds_8xh100": [round(bounds["shortest"]["h100"], 2), round(bounds["longest"]["h100"], 2)],
+                "hours_without_data_8xa800": round(assumed["a800"], 2),
+                "paper_hours_8xa800": PAPER_HOURS_8XA800,
+            }
+        )
+    )
     return 0
 
 

@@ -39,17 +39,20 @@ FINAL_SAMPLES = 8  # final scores: prompts per (length, depth)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="runs/toy-base", help="output folder (default: runs/toy-base)")
     p.add_argument("--window", type=int, default=256, help="trained window W in tokens (max_position_embeddings)")
     p.add_argument("--steps", type=int, default=3000)
-    p.add_argument("--tokens-per-step", type=int, default=8192,
-                   help="batch size x length (the batch grows as documents shorten)")
+    p.add_argument(
+        "--tokens-per-step", type=int, default=8192, help="batch size x length (the batch grows as documents shorten)"
+    )
     p.add_argument("--lr", type=float, default=1.5e-3)
     p.add_argument("--warmup", type=int, default=150)
-    p.add_argument("--curriculum", type=float, default=0.3,
-                   help="fraction of steps over which lengths grow from W/4 to W")
+    p.add_argument(
+        "--curriculum", type=float, default=0.3, help="fraction of steps over which lengths grow from W/4 to W"
+    )
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
@@ -62,8 +65,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     args = p.parse_args(argv)
-    for name in ("window", "steps", "tokens_per_step", "hidden", "layers", "heads", "kv_heads", "intermediate",
-                 "eval_every", "save_every"):
+    for name in (
+        "window",
+        "steps",
+        "tokens_per_step",
+        "hidden",
+        "layers",
+        "heads",
+        "kv_heads",
+        "intermediate",
+        "eval_every",
+        "save_every",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.heads % args.kv_heads or args.hidden % args.heads:
@@ -129,8 +142,17 @@ def retrieval_scores(
     """Passkey and single-needle NIAH accuracy by length (greedy, exact match; depths 0, 0.5, 1)."""
     scores = {}
     for task in ("passkey", "niah_single"):
-        result = evaluate(task, model, tokenizer, lengths=lengths, depths=(0.0, 0.5, 1.0), n_samples=n_samples,
-                          seed=seed, chat=False, batch_size=16)
+        result = evaluate(
+            task,
+            model,
+            tokenizer,
+            lengths=lengths,
+            depths=(0.0, 0.5, 1.0),
+            n_samples=n_samples,
+            seed=seed,
+            chat=False,
+            batch_size=16,
+        )
         scores[task] = {int(k): v for k, v in result["by_length"].items()}
     return scores
 
@@ -138,8 +160,9 @@ def retrieval_scores(
 def save_checkpoint(out: Path, model, optimizer, step: int, seconds: float) -> None:
     """`seconds`: training time of steps [0, step), summed over resumed runs."""
     tmp = out / (CHECKPOINT + ".tmp")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "seconds": seconds}, tmp)
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "seconds": seconds}, tmp
+    )
     os.replace(tmp, out / CHECKPOINT)  # atomic: a kill mid-save leaves the previous checkpoint
 
 
@@ -171,7 +194,7 @@ Greedy exact-match accuracy ({3 * FINAL_SAMPLES} prompts per length: {FINAL_SAMP
 probe seed 1234, never seen in training):
 
 | task | {header} |
-|---|{'---|' * len(next(iter(scores.values())))}
+|---|{"---|" * len(next(iter(scores.values())))}
 {rows}
 """)
 
@@ -196,15 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         start, seconds_before = state["step"], state.get("seconds", 0.0)
         print(f"resuming from step {start}", file=sys.stderr)
         if log_path.exists():  # drop log lines of steps after the checkpoint (they will be redone)
-            kept = [line for line in log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] < start]
+            kept = [
+                line for line in log_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < start
+            ]
             log_path.write_text("".join(line + "\n" for line in kept))
     elif log_path.exists():
         log_path.unlink()
     began = time.time()
     model.train()
-    with log_path.open("a") as log, tqdm(range(start, args.steps), initial=start, total=args.steps,
-                                         desc="pretraining") as bar:
+    with (
+        log_path.open("a") as log,
+        tqdm(range(start, args.steps), initial=start, total=args.steps, desc="pretraining") as bar,
+    ):
         for step in bar:
             input_ids, labels = step_batch(step, args, tokenizer)
             for group in optimizer.param_groups:
@@ -214,8 +240,12 @@ def main(argv: list[str] | None = None) -> int:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            record = {"step": step, "loss": round(loss.item(), 4), "grad_norm": round(norm.item(), 3),
-                      "length": input_ids.shape[1]}
+            record = {
+                "step": step,
+                "loss": round(loss.item(), 4),
+                "grad_norm": round(norm.item(), 3),
+                "length": input_ids.shape[1],
+            }
             if (step + 1) % args.eval_every == 0:
                 model.eval()
                 record["scores"] = retrieval_scores(model, tokenizer, [args.window], n_samples=4)
@@ -232,10 +262,25 @@ def main(argv: list[str] | None = None) -> int:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    scores = retrieval_scores(AutoModelForCausalLM.from_pretrained(out).eval(), tokenizer,
-                              [args.window, 2 * args.window, 4 * args.window], n_samples=FINAL_SAMPLES)
-    (out / "scores.json").write_text(json.dumps({"window": args.window, "seed": args.seed, "steps": args.steps,
-                                                 "train_seconds": round(seconds), "scores": scores}, indent=2) + "\n")
+    scores = retrieval_scores(
+        AutoModelForCausalLM.from_pretrained(out).eval(),
+        tokenizer,
+        [args.window, 2 * args.window, 4 * args.window],
+        n_samples=FINAL_SAMPLES,
+    )
+    (out / "scores.json").write_text(
+        json.dumps(
+            {
+                "window": args.window,
+                "seed": args.seed,
+                "steps": args.steps,
+                "train_seconds": round(seconds),
+                "scores": scores,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     write_card(out, args, scores, sum(p.numel() for p in model.parameters()), seconds)
     (out / CHECKPOINT).unlink(missing_ok=True)
     print(json.dumps({"out": str(out), "scores": scores}))

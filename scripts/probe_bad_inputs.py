@@ -52,13 +52,42 @@ def make_adapter(root: Path) -> Path:
     """A real tiny adapter (trained 1 step) to damage in the merge/export/push cases."""
     from longpeft.cli import main
 
-    data = write(root / "chat.jsonl", "".join(json.dumps({"messages": [
-        {"role": "user", "content": f"The pass key is {k}. What is it?"},
-        {"role": "assistant", "content": f"It is {k}."}]}) + "\n" for k in range(10000, 10008)))
+    data = write(
+        root / "chat.jsonl",
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"The pass key is {k}. What is it?"},
+                        {"role": "assistant", "content": f"It is {k}."},
+                    ]
+                }
+            )
+            + "\n"
+            for k in range(10000, 10008)
+        ),
+    )
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        main(["train", "tiny-cpu", "--set", f"output_dir={root / 'run'}", "--set", f"data.source={data}",
-              "--set", "data.max_length=256", "--set", "train.max_steps=1", "--set", "train.global_batch_size=1",
-              "--set", "train.per_device_batch_size=1", "--set", "lora.r=2"])
+        main(
+            [
+                "train",
+                "tiny-cpu",
+                "--set",
+                f"output_dir={root / 'run'}",
+                "--set",
+                f"data.source={data}",
+                "--set",
+                "data.max_length=256",
+                "--set",
+                "train.max_steps=1",
+                "--set",
+                "train.global_batch_size=1",
+                "--set",
+                "train.per_device_batch_size=1",
+                "--set",
+                "lora.r=2",
+            ]
+        )
     return root / "run" / "adapter"
 
 
@@ -75,38 +104,87 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
     """(name, argv) of every bad input."""
     out = []
     recipe_sets = [
-        "train.learning_rate=.inf", "train.learning_rate=.nan", "train.learning_rate=-1", "train.learning_rate=0",
-        "train.learning_rate=abc", "rope.rope_theta=.inf", "rope.rope_theta=1e300", "rope.rope_theta=0.5",
-        "rope.rope_theta=-3", "rope.rope_theta=x", "rope.factor=.inf", "lora.r=0", "lora.r=-1", "lora.r=a",
-        "lora.alpha=-2", "lora.dropout=1.5", "data.max_length=0", "data.max_length=-5", "data.max_length=z",
-        "train.max_steps=0", "train.max_steps=-2", "train.global_batch_size=0", "foo.bar=1", "train.bogus=1",
-        "lora.rank=3", "train.max_steps=[1", "train.seed={", "trl.bogus=1", "trl.learning_rate=1",
-        "method=nope", "method=harpe", "model.dtype=bogus", "lora.embeddings=half",
-        "lora.embeddings=token_indices", "data.format=csv", "train.max_grad_norm=.inf", "target_length=-1",
-        "=5", "noequals", "rope.rope_type=wavy",
+        "train.learning_rate=.inf",
+        "train.learning_rate=.nan",
+        "train.learning_rate=-1",
+        "train.learning_rate=0",
+        "train.learning_rate=abc",
+        "rope.rope_theta=.inf",
+        "rope.rope_theta=1e300",
+        "rope.rope_theta=0.5",
+        "rope.rope_theta=-3",
+        "rope.rope_theta=x",
+        "rope.factor=.inf",
+        "lora.r=0",
+        "lora.r=-1",
+        "lora.r=a",
+        "lora.alpha=-2",
+        "lora.dropout=1.5",
+        "data.max_length=0",
+        "data.max_length=-5",
+        "data.max_length=z",
+        "train.max_steps=0",
+        "train.max_steps=-2",
+        "train.global_batch_size=0",
+        "foo.bar=1",
+        "train.bogus=1",
+        "lora.rank=3",
+        "train.max_steps=[1",
+        "train.seed={",
+        "trl.bogus=1",
+        "trl.learning_rate=1",
+        "method=nope",
+        "method=harpe",
+        "model.dtype=bogus",
+        "lora.embeddings=half",
+        "lora.embeddings=token_indices",
+        "data.format=csv",
+        "train.max_grad_norm=.inf",
+        "target_length=-1",
+        "=5",
+        "noequals",
+        "rope.rope_type=wavy",
     ]
     out += [(f"plan --set {s}", ["plan", "tiny-cpu", "--set", s]) for s in recipe_sets]
-    out += [(f"train --set {s}", ["train", "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
-            for s in recipe_sets[:10]]
+    out += [
+        (f"train --set {s}", ["train", "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
+        for s in recipe_sets[:10]
+    ]
     # plan refuses what train refuses (optimizer values SFTConfig would take, a batch the GPUs do not divide)
-    parity_sets = ["train.adam_beta1=5", "train.adam_beta2=1", "train.optim=notanoptimizer",
-                   "rope.rope_theta=1.0001", "rope.rope_theta=9999"]
+    parity_sets = [
+        "train.adam_beta1=5",
+        "train.adam_beta2=1",
+        "train.optim=notanoptimizer",
+        "rope.rope_theta=1.0001",
+        "rope.rope_theta=9999",
+    ]
     for command in ("plan", "train"):
-        out += [(f"{command} --set {s}", [command, "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
-                for s in parity_sets]
-    out += [("plan --gpus 16, global batch 4", ["plan", "tiny-cpu", "--gpus", "16"]),
-            ("train --launch ddp --gpus 16, global batch 4",
-             ["train", "tiny-cpu", "--launch", "ddp", "--gpus", "16", "--print-command"])]
-    out += [(f"plan {flag} {value}", ["plan", "tiny-cpu", "--gpus", "2", flag, value])
-            for flag in ("--mfu", "--gpu-memory", "--inter-node-gbps") for value in ("nan", "inf")]
+        out += [
+            (f"{command} --set {s}", [command, "tiny-cpu", "--set", s, "--set", f"output_dir={root / 'never'}"])
+            for s in parity_sets
+        ]
+    out += [
+        ("plan --gpus 16, global batch 4", ["plan", "tiny-cpu", "--gpus", "16"]),
+        (
+            "train --launch ddp --gpus 16, global batch 4",
+            ["train", "tiny-cpu", "--launch", "ddp", "--gpus", "16", "--print-command"],
+        ),
+    ]
+    out += [
+        (f"plan {flag} {value}", ["plan", "tiny-cpu", "--gpus", "2", flag, value])
+        for flag in ("--mfu", "--gpu-memory", "--inter-node-gbps")
+        for value in ("nan", "inf")
+    ]
     bad_yaml = write(root / "recipes" / "bad.yaml", "name: [unclosed\n")
     list_yaml = write(root / "recipes" / "list.yaml", "- a\n- b\n")
     empty_yaml = write(root / "recipes" / "empty.yaml", "")
     binary = root / "recipes" / "binary.yaml"
     binary.write_bytes(b"\xff\xfe\x00\x01")
     out += [(f"plan {p.name}", ["plan", str(p)]) for p in (bad_yaml, list_yaml, empty_yaml, binary)]
-    out += [("plan missing recipe", ["plan", "no-such-recipe"]),
-            ("train missing recipe", ["train", str(root / "x.yaml")])]
+    out += [
+        ("plan missing recipe", ["plan", "no-such-recipe"]),
+        ("train missing recipe", ["train", str(root / "x.yaml")]),
+    ]
 
     base = ["train", "tiny-cpu", "--set", "data.max_length=256", "--set", "train.max_steps=1"]
     data_files = {
@@ -114,32 +192,71 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         "empty": write(root / "data" / "empty.jsonl", ""),
         "malformed": write(root / "data" / "malformed.jsonl", '{"messages": [\n'),
         "null messages": write(root / "data" / "null.jsonl", '{"messages": null}\n'),
-        "no assistant": write(root / "data" / "noassist.jsonl",
-                              json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"),
-        "bad role": write(root / "data" / "role.jsonl",
-                          json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"),
+        "no assistant": write(
+            root / "data" / "noassist.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+        ),
+        "bad role": write(
+            root / "data" / "role.jsonl", json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"
+        ),
         "txt as messages": write(root / "data" / "doc.txt", "some text"),
         "wrong column": write(root / "data" / "col.jsonl", json.dumps({"conversation": []}) + "\n"),
         "folder without data": (root / "data" / "emptydir"),
     }
     (root / "data" / "emptydir").mkdir(parents=True, exist_ok=True)
-    bad_late = write(root / "data" / "late.jsonl", "".join(
-        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n"
-        for _ in range(150)) + json.dumps({"messages": [{"role": "user", "content": None}]}) + "\n")
+    bad_late = write(
+        root / "data" / "late.jsonl",
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n"
+            for _ in range(150)
+        )
+        + json.dumps({"messages": [{"role": "user", "content": None}]})
+        + "\n",
+    )
     data_files["bad row 151"] = bad_late
     for name, path in data_files.items():
-        out.append((f"train data {name}", [*base, "--set", f"data.source={path}",
-                                           "--set", f"output_dir={root / 'runs' / name.replace(' ', '_')}"]))
-    out.append(("train eos outside vocab", [*base, "--set", f"data.source={bad_late}",
-                                            "--set", "model.name_or_path=" + str(adapter.parent / "base"),
-                                            "--set", "model.eos_token_ids=[99999]",
-                                            "--set", f"output_dir={root / 'runs' / 'eos'}"]))
-    out.append(("train length beyond positions", [*base, "--set", "data.max_length=4096",
-                                                  "--set", f"output_dir={root / 'runs' / 'len'}"]))
-    out.append(("train missing base path", [*base, "--set", f"model.name_or_path={root / 'no-base'}",
-                                            "--set", f"output_dir={root / 'runs' / 'nb'}"]))
-    out.append(("train resume without checkpoint",
-                [*base, "--resume", "--set", f"output_dir={root / 'runs' / 'fresh'}"]))
+        out.append(
+            (
+                f"train data {name}",
+                [
+                    *base,
+                    "--set",
+                    f"data.source={path}",
+                    "--set",
+                    f"output_dir={root / 'runs' / name.replace(' ', '_')}",
+                ],
+            )
+        )
+    out.append(
+        (
+            "train eos outside vocab",
+            [
+                *base,
+                "--set",
+                f"data.source={bad_late}",
+                "--set",
+                "model.name_or_path=" + str(adapter.parent / "base"),
+                "--set",
+                "model.eos_token_ids=[99999]",
+                "--set",
+                f"output_dir={root / 'runs' / 'eos'}",
+            ],
+        )
+    )
+    out.append(
+        (
+            "train length beyond positions",
+            [*base, "--set", "data.max_length=4096", "--set", f"output_dir={root / 'runs' / 'len'}"],
+        )
+    )
+    out.append(
+        (
+            "train missing base path",
+            [*base, "--set", f"model.name_or_path={root / 'no-base'}", "--set", f"output_dir={root / 'runs' / 'nb'}"],
+        )
+    )
+    out.append(
+        ("train resume without checkpoint", [*base, "--resume", "--set", f"output_dir={root / 'runs' / 'fresh'}"])
+    )
 
     variants = {
         "spec list": lambda d: write(d / "longpeft.json", "[]"),
@@ -147,48 +264,81 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         "spec string": lambda d: write(d / "longpeft.json", '"x"'),
         "spec invalid json": lambda d: write(d / "longpeft.json", "{"),
         "spec truncated": lambda d: write(d / "longpeft.json", (d / "longpeft.json").read_text()[:40]),
-        "spec version string": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "format_version": "2"})),
-        "spec version 99": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "format_version": 99})),
-        "spec huge vocab": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "vocab_size": 10**12})),
-        "spec negative vocab": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "vocab_size": -3})),
-        "spec base_shape string": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "base_shape": "x"})),
-        "spec unknown field": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "zzz": 1})),
+        "spec version string": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "format_version": "2"})
+        ),
+        "spec version 99": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "format_version": 99})
+        ),
+        "spec huge vocab": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "vocab_size": 10**12})
+        ),
+        "spec negative vocab": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "vocab_size": -3})
+        ),
+        "spec base_shape string": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "base_shape": "x"})
+        ),
+        "spec unknown field": lambda d: write(
+            d / "longpeft.json", json.dumps({**json.loads((d / "longpeft.json").read_text()), "zzz": 1})
+        ),
         "spec missing": lambda d: (d / "longpeft.json").unlink(),
         "weights missing": lambda d: (d / "adapter_model.safetensors").unlink(),
         "weights garbage": lambda d: (d / "adapter_model.safetensors").write_bytes(b"garbage" * 10),
         "weights truncated": lambda d: (d / "adapter_model.safetensors").write_bytes(
-            (d / "adapter_model.safetensors").read_bytes()[:100]),
+            (d / "adapter_model.safetensors").read_bytes()[:100]
+        ),
         "config missing": lambda d: (d / "adapter_config.json").unlink(),
         "config garbage": lambda d: write(d / "adapter_config.json", "{oops"),
-        "base gone": lambda d: write(d / "longpeft.json", json.dumps(
-            {**json.loads((d / "longpeft.json").read_text()), "base_model": "/no/such/base"})),
+        "base gone": lambda d: write(
+            d / "longpeft.json",
+            json.dumps({**json.loads((d / "longpeft.json").read_text()), "base_model": "/no/such/base"}),
+        ),
     }
     for name, damage in variants.items():
         folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
         base_flag = [] if name == "base gone" else ["--base", str(adapter.parent / "base")]  # copies lose ../base
         for command in ("merge", "export"):
-            out.append((f"{command} {name}",
-                        [command, folder, "--out", str(root / "merged" / f"{command}-{name.replace(' ', '_')}"),
-                         *base_flag]))
+            out.append(
+                (
+                    f"{command} {name}",
+                    [
+                        command,
+                        folder,
+                        "--out",
+                        str(root / "merged" / f"{command}-{name.replace(' ', '_')}"),
+                        *base_flag,
+                    ],
+                )
+            )
     out.append(("merge out = adapter", ["merge", str(adapter), "--out", str(adapter)]))
     out.append(("merge out = base", ["merge", str(adapter), "--out", str(adapter.parent / "base")]))
     out.append(("merge out non-empty", ["merge", str(adapter), "--out", str(root / "data")]))
     out.append(("merge out is a file", ["merge", str(adapter), "--out", str(root / "chat.jsonl")]))
     out.append(("merge dtype bogus", ["merge", str(adapter), "--out", str(root / "m-d"), "--dtype", "bogus"]))
     out.append(("merge missing adapter", ["merge", str(root / "nowhere"), "--out", str(root / "m-n")]))
-    out.append(("merge without a trained method",
-                ["merge", str(adapter), "--out", str(root / "m-w"), "--without", "rope"]))
-    out.append(("train string with harpe", ["train", "tiny-harpe-cpu", "--set", "string.shift=200", "--set",
-                                            "string.local_window=8", "--set", f"output_dir={root / 'never'}"]))
+    out.append(
+        ("merge without a trained method", ["merge", str(adapter), "--out", str(root / "m-w"), "--without", "rope"])
+    )
+    out.append(
+        (
+            "train string with harpe",
+            [
+                "train",
+                "tiny-harpe-cpu",
+                "--set",
+                "string.shift=200",
+                "--set",
+                "string.local_window=8",
+                "--set",
+                f"output_dir={root / 'never'}",
+            ],
+        )
+    )
     out.append(("push dry-run non-empty", ["push", str(adapter), "--repo", "a/b", "--dry-run", str(root / "data")]))
-    out.append(("push missing source",
-                ["push", str(root / "nowhere"), "--repo", "a/b", "--dry-run", str(root / "p1")]))
+    out.append(
+        ("push missing source", ["push", str(root / "nowhere"), "--repo", "a/b", "--dry-run", str(root / "p1")])
+    )
     out.append(("push not an adapter", ["push", str(root / "data"), "--repo", "a/b", "--dry-run", str(root / "p2")]))
 
     model = str(adapter.parent / "base")
@@ -196,14 +346,32 @@ def cases(root: Path, adapter: Path) -> list[tuple[str, list[str]]]:
         ["eval", "passkey", "--model", str(root / "no-model"), "--out", str(root / "e1")],
         ["eval", "passkey", "--model", model, "--max-new-tokens", "0", "--out", str(root / "e2")],
         ["eval", "passkey", "--model", model, "--string", "--string-window", "0", "--out", str(root / "e3")],
-        ["eval", "passkey", "--model", model, "--string", "--string-shift", "5000", "--lengths", "256",
-         "--out", str(root / "e4")],
+        [
+            "eval",
+            "passkey",
+            "--model",
+            model,
+            "--string",
+            "--string-shift",
+            "5000",
+            "--lengths",
+            "256",
+            "--out",
+            str(root / "e4"),
+        ],
         ["eval", "passkey", "--model", model, "--lengths", "0", "--out", str(root / "e5")],
         ["eval", "passkey", "--model", model, "--adapter", str(root / "no-adapter"), "--out", str(root / "e6")],
         ["eval", "bogus-task", "--model", model, "--out", str(root / "e7")],
-        ["eval", "passkey", "--model", model,
-         "--adapter", adapter_variant(root, adapter, "eval_spec_list", variants["spec list"]),
-         "--out", str(root / "e8")],
+        [
+            "eval",
+            "passkey",
+            "--model",
+            model,
+            "--adapter",
+            adapter_variant(root, adapter, "eval_spec_list", variants["spec list"]),
+            "--out",
+            str(root / "e8"),
+        ],
         ["eval", "passkey", "--model", model, "--string-window", "64", "--out", str(root / "e9")],
         ["eval", "perplexity", "--model", model, "--out", str(root / "e10")],
     ]
@@ -245,59 +413,154 @@ def broken_file_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], N
     model = str(adapter.parent / "base")
     out = []
     for name, damage, file in (
-            ("lying rank", lying_rank, "adapter_model.safetensors"), ("pickle payload", pickled, "adapter_model.bin"),
-            ("weights header too large", lambda d: (d / "adapter_model.safetensors").write_bytes(
-                (10**9).to_bytes(8, "little") + b"{}"), "adapter_model.safetensors")):
+        ("lying rank", lying_rank, "adapter_model.safetensors"),
+        ("pickle payload", pickled, "adapter_model.bin"),
+        (
+            "weights header too large",
+            lambda d: (d / "adapter_model.safetensors").write_bytes((10**9).to_bytes(8, "little") + b"{}"),
+            "adapter_model.safetensors",
+        ),
+    ):
         folder = adapter_variant(root, adapter, name.replace(" ", "_"), damage)
-        out += [(f"{command} {name}", [command, folder, "--out", str(root / "merged" / f"{command}-{name}"),
-                                       "--base", model], None, None, f"{folder}/{file}")
-                for command in ("merge", "export")]
-        out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
-                                               "--lengths", "512", "--out", str(root / "ev" / name)],
-                    None, None, f"{folder}/{file}"))
+        out += [
+            (
+                f"{command} {name}",
+                [command, folder, "--out", str(root / "merged" / f"{command}-{name}"), "--base", model],
+                None,
+                None,
+                f"{folder}/{file}",
+            )
+            for command in ("merge", "export")
+        ]
+        out.append(
+            (
+                f"eval --adapter {name}",
+                [
+                    "eval",
+                    "passkey",
+                    "--model",
+                    model,
+                    "--adapter",
+                    folder,
+                    "--lengths",
+                    "512",
+                    "--out",
+                    str(root / "ev" / name),
+                ],
+                None,
+                None,
+                f"{folder}/{file}",
+            )
+        )
     for name in ("weights garbage", "weights truncated", "weights missing"):
         folder = str(root / "variants" / name.replace(" ", "_"))
-        out.append((f"eval --adapter {name}", ["eval", "passkey", "--model", model, "--adapter", folder,
-                                               "--lengths", "512", "--out", str(root / "ev" / name)],
-                    None, None, "adapter_model.safetensors"))
+        out.append(
+            (
+                f"eval --adapter {name}",
+                [
+                    "eval",
+                    "passkey",
+                    "--model",
+                    model,
+                    "--adapter",
+                    folder,
+                    "--lengths",
+                    "512",
+                    "--out",
+                    str(root / "ev" / name),
+                ],
+                None,
+                None,
+                "adapter_model.safetensors",
+            )
+        )
     # a relative path of the form owner/name: a local folder lacking a file, a folder partly there
-    out.append(("merge variants/weights_missing (relative)",
-                ["merge", "variants/weights_missing", "--out", str(root / "merged" / "rel"), "--base", model],
-                None, None, "adapter_model.safetensors is missing"))
-    out.append(("merge variants/does_not_exist (relative)",
-                ["merge", "variants/does_not_exist", "--out", str(root / "merged" / "rel2")],
-                None, None, "variants/does_not_exist: no such folder"))
+    out.append(
+        (
+            "merge variants/weights_missing (relative)",
+            ["merge", "variants/weights_missing", "--out", str(root / "merged" / "rel"), "--base", model],
+            None,
+            None,
+            "adapter_model.safetensors is missing",
+        )
+    )
+    out.append(
+        (
+            "merge variants/does_not_exist (relative)",
+            ["merge", "variants/does_not_exist", "--out", str(root / "merged" / "rel2")],
+            None,
+            None,
+            "variants/does_not_exist: no such folder",
+        )
+    )
     # convert-beacon: the authors' config.json and index broken, their tensors cut short
     authors = make_authors_checkpoint(root / "authors", Path(model))
     for name, damage in (
         ("config garbage", lambda d: write(d / "config.json", "{oops")),
         ("config a list", lambda d: write(d / "config.json", "[]")),
-        ("beacon_window not a number", lambda d: write(d / "config.json", json.dumps(
-            {**json.loads((d / "config.json").read_text()), "beacon_window": "wide"}))),
-        ("weights truncated", lambda d: (d / "model.safetensors").write_bytes(
-            (d / "model.safetensors").read_bytes()[:-50])),
+        (
+            "beacon_window not a number",
+            lambda d: write(
+                d / "config.json", json.dumps({**json.loads((d / "config.json").read_text()), "beacon_window": "wide"})
+            ),
+        ),
+        (
+            "weights truncated",
+            lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:-50]),
+        ),
         ("weights garbage", lambda d: (d / "model.safetensors").write_bytes(b"garbage" * 9)),
     ):
         copy = root / "authors-variants" / name.replace(" ", "_")
         shutil.copytree(authors, copy)
         damage(copy)
         file = "config.json" if "config" in name or "beacon_" in name else "model.safetensors"
-        out.append((f"convert-beacon {name}", ["convert-beacon", str(copy), "--base", model,
-                                               "--out", str(root / "converted" / name.replace(" ", "_"))],
-                    None, None, f"{copy}/{file}"))
+        out.append(
+            (
+                f"convert-beacon {name}",
+                [
+                    "convert-beacon",
+                    str(copy),
+                    "--base",
+                    model,
+                    "--out",
+                    str(root / "converted" / name.replace(" ", "_")),
+                ],
+                None,
+                None,
+                f"{copy}/{file}",
+            )
+        )
     # resume from a checkpoint whose optimizer file carries a pickle payload
     run = root / "pickled-run"
     shutil.copytree(adapter.parent, run, ignore=shutil.ignore_patterns("adapter", "base"))
     last = max((run / "checkpoints").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     torch.save({"state": {}, "param_groups": [], "payload": print}, last / "optimizer.pt")
-    out.append(("train resume pickle checkpoint", [*TRAIN, "--set", f"data.source={root / 'chat.jsonl'}",
-                                                   "--set", f"output_dir={run}", "--resume"],
-                None, None, f"{last}: a file there is not a plain tensor file"))
+    out.append(
+        (
+            "train resume pickle checkpoint",
+            [*TRAIN, "--set", f"data.source={root / 'chat.jsonl'}", "--set", f"output_dir={run}", "--resume"],
+            None,
+            None,
+            f"{last}: a file there is not a plain tensor file",
+        )
+    )
     return out
 
 
-TRAIN = ["train", "tiny-cpu", "--set", "data.max_length=256", "--set", "train.max_steps=1", "--set",
-         "train.global_batch_size=1", "--set", "train.per_device_batch_size=1", "--set", "lora.r=2"]
+TRAIN = [
+    "train",
+    "tiny-cpu",
+    "--set",
+    "data.max_length=256",
+    "--set",
+    "train.max_steps=1",
+    "--set",
+    "train.global_batch_size=1",
+    "--set",
+    "train.per_device_batch_size=1",
+    "--set",
+    "lora.r=2",
+]
 
 
 def make_authors_checkpoint(folder: Path, base: Path) -> Path:
@@ -315,9 +578,19 @@ def make_authors_checkpoint(folder: Path, base: Path) -> Path:
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     settings = json.loads(model.config.to_json_string())
     settings.pop("beacon", None)
-    settings.update(beacon_window=8, beacon_stride=8, beacon_attn=config.attn, beacon_pos=config.pos,
-                    beacon_ratio=[2], beacon_ratio_mix="step-random", beacon_param=config.params, beacon_sink_size=1,
-                    beacon_attend_prev=True, beacon_embed_init="eos", beacon_parallel_window=1)
+    settings.update(
+        beacon_window=8,
+        beacon_stride=8,
+        beacon_attn=config.attn,
+        beacon_pos=config.pos,
+        beacon_ratio=[2],
+        beacon_ratio_mix="step-random",
+        beacon_param=config.params,
+        beacon_sink_size=1,
+        beacon_attend_prev=True,
+        beacon_embed_init="eos",
+        beacon_parallel_window=1,
+    )
     write(folder / "config.json", json.dumps(settings))
     return folder
 
@@ -355,10 +628,12 @@ def with_real(fake: Callable, real: Callable) -> Callable:
     return lambda *args, **kwargs: fake(*args, real=real, **kwargs)
 
 
-SAFETENSORS_FULL = ("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
-                    "\"No space left on device\" })")
-SAFETENSORS_DENIED = ("Error while serializing: IoError(Os { code: 13, kind: PermissionDenied, message: "
-                      "\"Permission denied\" })")
+SAFETENSORS_FULL = (
+    'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+)
+SAFETENSORS_DENIED = (
+    'Error while serializing: IoError(Os { code: 13, kind: PermissionDenied, message: "Permission denied" })'
+)
 TORCH_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"
 
 
@@ -377,53 +652,118 @@ def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callabl
     saving = transformers.modeling_utils
 
     def safetensors_fault(message: str, only: str = "") -> Callable:
-        return lambda: replaced(saving, "safe_save_file", with_real(failing(SafetensorError(message), only),
-                                                                    safetensors.torch.save_file))
+        return lambda: replaced(
+            saving, "safe_save_file", with_real(failing(SafetensorError(message), only), safetensors.torch.save_file)
+        )
 
     out = []
     for command in ("merge", "export"):
         for name, message in (("full disk", SAFETENSORS_FULL), ("unwritable", SAFETENSORS_DENIED)):
             target = root / "faults" / f"{command}-{name.replace(' ', '_')}"
-            out.append((f"{command} {name} (safetensors)", [command, str(adapter), "--out", str(target)],
-                        safetensors_fault(message), target))
+            out.append(
+                (
+                    f"{command} {name} (safetensors)",
+                    [command, str(adapter), "--out", str(target)],
+                    safetensors_fault(message),
+                    target,
+                )
+            )
         target = root / "faults" / f"{command}-json"
-        out.append((f"{command} full disk (json)", [command, str(adapter), "--out", str(target)],
-                    lambda: replaced(Path, "write_text", failing(OSError(errno.ENOSPC, "No space left on device"))),
-                    target))
+        out.append(
+            (
+                f"{command} full disk (json)",
+                [command, str(adapter), "--out", str(target)],
+                lambda: replaced(Path, "write_text", failing(OSError(errno.ENOSPC, "No space left on device"))),
+                target,
+            )
+        )
     authors = root / "authors"
     target = root / "faults" / "converted"
-    out.append(("convert-beacon full disk (safetensors)", ["convert-beacon", str(authors), "--base", model, "--out",
-                                                           str(target)],
-                lambda: replaced(__import__("longpeft.convert").convert, "save_file",
-                                 failing(SafetensorError(SAFETENSORS_FULL))), target))
+    out.append(
+        (
+            "convert-beacon full disk (safetensors)",
+            ["convert-beacon", str(authors), "--base", model, "--out", str(target)],
+            lambda: replaced(
+                __import__("longpeft.convert").convert, "save_file", failing(SafetensorError(SAFETENSORS_FULL))
+            ),
+            target,
+        )
+    )
     data = ["--set", f"data.source={root / 'chat.jsonl'}", "--set", f"model.name_or_path={model}"]
     run = root / "faults" / "train-ckpt"
-    out.append(("train full disk (torch.save checkpoint)", [*TRAIN, *data, "--set", f"output_dir={run}"],
-                lambda: replaced(torch, "save", with_real(failing(RuntimeError(TORCH_FULL), "checkpoint-"),
-                                                          torch.save)), run / "adapter"))
+    out.append(
+        (
+            "train full disk (torch.save checkpoint)",
+            [*TRAIN, *data, "--set", f"output_dir={run}"],
+            lambda: replaced(torch, "save", with_real(failing(RuntimeError(TORCH_FULL), "checkpoint-"), torch.save)),
+            run / "adapter",
+        )
+    )
     run = root / "faults" / "train-adapter"
-    out.append(("train full disk (adapter save)", [*TRAIN, *data, "--set", f"output_dir={run}"],
-                lambda: replaced(peft.peft_model, "safe_save_file", with_real(
+    out.append(
+        (
+            "train full disk (adapter save)",
+            [*TRAIN, *data, "--set", f"output_dir={run}"],
+            lambda: replaced(
+                peft.peft_model,
+                "safe_save_file",
+                with_real(
                     failing(SafetensorError(SAFETENSORS_FULL), (".adapter.partial", f"{run}/adapter/")),
-                    safetensors.torch.save_file)), run / "adapter"))
+                    safetensors.torch.save_file,
+                ),
+            ),
+            run / "adapter",
+        )
+    )
     target = root / "faults" / "synth"
-    out.append(("synth full disk (datasets)", ["synth", "--out", str(target), "--contexts", "1", "--min-tokens",
-                                               "512", "--max-tokens", "1024"],
-                lambda: replaced(datasets.Dataset, "save_to_disk",
-                                 failing(OSError(errno.ENOSPC, "No space left on device"))), target / "stats.json"))
+    out.append(
+        (
+            "synth full disk (datasets)",
+            ["synth", "--out", str(target), "--contexts", "1", "--min-tokens", "512", "--max-tokens", "1024"],
+            lambda: replaced(
+                datasets.Dataset, "save_to_disk", failing(OSError(errno.ENOSPC, "No space left on device"))
+            ),
+            target / "stats.json",
+        )
+    )
     target = root / "faults" / "eval"
-    out.append(("eval full disk (matplotlib)", ["eval", "passkey", "--model", model, "--lengths", "512",
-                                                "--out", str(target)],
-                lambda: replaced(matplotlib.figure.Figure, "savefig",
-                                 failing(OSError(errno.ENOSPC, "No space left on device"))), target / "passkey.json"))
-    for name, answer in (("a list", []), ("a string", "x"), ("siblings of numbers", {"sha": "0" * 40,
-                                                                                    "siblings": [1, 2]})):
+    out.append(
+        (
+            "eval full disk (matplotlib)",
+            ["eval", "passkey", "--model", model, "--lengths", "512", "--out", str(target)],
+            lambda: replaced(
+                matplotlib.figure.Figure, "savefig", failing(OSError(errno.ENOSPC, "No space left on device"))
+            ),
+            target / "passkey.json",
+        )
+    )
+    for name, answer in (
+        ("a list", []),
+        ("a string", "x"),
+        ("siblings of numbers", {"sha": "0" * 40, "siblings": [1, 2]}),
+    ):
         target = root / "faults" / f"hub-{name.replace(' ', '_')}"
-        out.append((f"merge Hub answers {name}", ["merge", "owner/adapter", "--out", str(target)],
-                    lambda answer=answer: wrong_shape_hub(answer), target))
+        out.append(
+            (
+                f"merge Hub answers {name}",
+                ["merge", "owner/adapter", "--out", str(target)],
+                lambda answer=answer: wrong_shape_hub(answer),
+                target,
+            )
+        )
     names = {"train full disk (torch.save checkpoint)": str(root / "faults" / "train-ckpt" / "checkpoints")}
-    return [(name, argv, fault, left, None if "Hub" in name else names.get(name, str(left).removesuffix(
-        "/stats.json").removesuffix("/passkey.json"))) for name, argv, fault, left in out]
+    return [
+        (
+            name,
+            argv,
+            fault,
+            left,
+            None
+            if "Hub" in name
+            else names.get(name, str(left).removesuffix("/stats.json").removesuffix("/passkey.json")),
+        )
+        for name, argv, fault, left in out
+    ]
 
 
 @contextlib.contextmanager
@@ -460,34 +800,80 @@ CASE_LIMIT = 60  # seconds: a case still running then is counted as hung
 def hub_cases(root: Path) -> list[tuple[str, list[str], Callable | None, None, str]]:
     """A silent or stalling Hub under every command that loads a model or tokenizer by Hub id, and local paths that
     do not exist under the same commands: (name, argv, the Hub, no output to check, what the message must name)."""
+
     def argv(command: str, source: str, out: str) -> list[str]:
         if command == "synth --tokenizer":
-            return ["synth", "--out", str(root / out), "--tokenizer", source, "--contexts", "1", "--min-tokens",
-                    "512", "--max-tokens", "1024", "--no-progress"]
-        return [command.split()[0], "tiny-cpu", *(["--build"] if "build" in command else []),
-                "--set", f"model.name_or_path={source}", "--set", f"output_dir={root / out}"]
+            return [
+                "synth",
+                "--out",
+                str(root / out),
+                "--tokenizer",
+                source,
+                "--contexts",
+                "1",
+                "--min-tokens",
+                "512",
+                "--max-tokens",
+                "1024",
+                "--no-progress",
+            ]
+        return [
+            command.split()[0],
+            "tiny-cpu",
+            *(["--build"] if "build" in command else []),
+            "--set",
+            f"model.name_or_path={source}",
+            "--set",
+            f"output_dir={root / out}",
+        ]
 
     (root / "models").mkdir(exist_ok=True)
     out = []
     for command in ("train", "synth --tokenizer", "plan --build"):
         for kind in ("silent", "stall", "stall_body"):
-            out.append((f"{command}: Hub {kind}", argv(command, "owner/name", f"hub-{kind}"),
-                        lambda kind=kind: misbehaving_hub(kind), None, "owner/name"))
+            out.append(
+                (
+                    f"{command}: Hub {kind}",
+                    argv(command, "owner/name", f"hub-{kind}"),
+                    lambda kind=kind: misbehaving_hub(kind),
+                    None,
+                    "owner/name",
+                )
+            )
         for missing in (str(root / "no-model"), "models/no-model"):
-            out.append((f"{command}: missing {'relative ' if missing[0] != '/' else ''}path",
-                        argv(command, missing, "hub-missing"), lambda: misbehaving_hub("stall"), None,
-                        f"{missing}: no such folder"))
-    out.append(("train: Hub dataset silent", ["train", "tiny-cpu", "--set", "data.source=owner/data",
-                                              "--set", f"output_dir={root / 'hub-data'}"],
-                lambda: misbehaving_hub("silent"), None, "data.source owner/data"))
-    out.append(("train: missing relative data.source", ["train", "tiny-cpu", "--set", "data.source=models/chats",
-                                                        "--set", f"output_dir={root / 'hub-data'}"],
-                lambda: misbehaving_hub("stall"), None, "data.source models/chats does not exist"))
+            out.append(
+                (
+                    f"{command}: missing {'relative ' if missing[0] != '/' else ''}path",
+                    argv(command, missing, "hub-missing"),
+                    lambda: misbehaving_hub("stall"),
+                    None,
+                    f"{missing}: no such folder",
+                )
+            )
+    out.append(
+        (
+            "train: Hub dataset silent",
+            ["train", "tiny-cpu", "--set", "data.source=owner/data", "--set", f"output_dir={root / 'hub-data'}"],
+            lambda: misbehaving_hub("silent"),
+            None,
+            "data.source owner/data",
+        )
+    )
+    out.append(
+        (
+            "train: missing relative data.source",
+            ["train", "tiny-cpu", "--set", "data.source=models/chats", "--set", f"output_dir={root / 'hub-data'}"],
+            lambda: misbehaving_hub("stall"),
+            None,
+            "data.source models/chats does not exist",
+        )
+    )
     return out
 
 
-def classify(argv: list[str], fault: Callable | None = None, leftover: Path | None = None,
-             names: str | None = None) -> tuple[str, int | None, str]:
+def classify(
+    argv: list[str], fault: Callable | None = None, leftover: Path | None = None, names: str | None = None
+) -> tuple[str, int | None, str]:
     from longpeft.cli import main
 
     err, std = io.StringIO(), io.StringIO()
@@ -531,8 +917,12 @@ def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, 
         previous = Path.cwd()
         os.chdir(root)  # the relative-path cases
         try:
-            all_cases = ([(name, argv, None, None, None) for name, argv in cases(root, adapter)]
-                         + broken_file_cases(root, adapter) + fault_cases(root, adapter) + hub_cases(root))
+            all_cases = (
+                [(name, argv, None, None, None) for name, argv in cases(root, adapter)]
+                + broken_file_cases(root, adapter)
+                + fault_cases(root, adapter)
+                + hub_cases(root)
+            )
             counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "hung": 0, "other": 0}
             failures = []
             for name, argv, fault, leftover, names in all_cases:

@@ -30,8 +30,38 @@ from longpeft.adapters.harpe.selection import DEFAULT_WINDOW_FRACTION, candidate
 
 # Table 2 of the HARPE paper, heads 1..32, in millions (comparison only).
 PAPER_TABLE2_MILLIONS = [
-    1.00, 1.15, 1.30, 1.45, 2.17, 2.20, 2.23, 2.47, 2.50, 2.65, 2.68, 2.71, 2.74, 2.80, 2.83, 2.92,
-    3.01, 3.04, 3.10, 3.13, 3.16, 3.22, 3.43, 3.46, 3.61, 3.88, 4.09, 4.15, 4.39, 4.45, 4.51, 4.54,
+    1.00,
+    1.15,
+    1.30,
+    1.45,
+    2.17,
+    2.20,
+    2.23,
+    2.47,
+    2.50,
+    2.65,
+    2.68,
+    2.71,
+    2.74,
+    2.80,
+    2.83,
+    2.92,
+    3.01,
+    3.04,
+    3.10,
+    3.13,
+    3.16,
+    3.22,
+    3.43,
+    3.46,
+    3.61,
+    3.88,
+    4.09,
+    4.15,
+    4.39,
+    4.45,
+    4.51,
+    4.54,
 ]
 B_MIN, B_MAX, STRIDE, HEADS, HEAD_DIM = 1e6, 5e6, 30_000, 32, 128
 # Chance level: b_min is in both sets, and two random 31-of-133 grid picks share 31 * 31 / 133 more on average.
@@ -69,7 +99,7 @@ def envelope_peaks(values: torch.Tensor, count: int, gap: int = 50, span: int = 
         if not kept or index - kept[-1] > gap:
             kept.append(index)
         start = min(index + gap, maxima[k + 1]) if k + 1 < len(maxima) else index + gap
-        window = values[start:start + span]
+        window = values[start : start + span]
         if window.numel() == 0:
             break
         target = window.max()
@@ -123,26 +153,41 @@ def cited_search(first: int, last: int, count: int, radius: float) -> list[float
 
 
 def run_ours(args: argparse.Namespace) -> None:
-    ours = peak_valley_bases(B_MIN, B_MAX, HEADS, STRIDE, HEAD_DIM, args.target_length,
-                             window_fraction=args.window_fraction)
+    ours = peak_valley_bases(
+        B_MIN, B_MAX, HEADS, STRIDE, HEAD_DIM, args.target_length, window_fraction=args.window_fraction
+    )
     ours_millions = [round(b / 1e6, 2) for b in ours]
     print(f"\n{'head':>4}{'ours (M)':>10}{'paper (M)':>11}{'diff':>8}")
     for head, (mine, theirs) in enumerate(zip(ours_millions, PAPER_TABLE2_MILLIONS), start=1):
         print(f"{head:>4}{mine:>10.2f}{theirs:>11.2f}{mine - theirs:>+8.2f}")
     shared = shared_with_paper(ours)
     mean_abs = sum(abs(a - b) for a, b in zip(ours_millions, PAPER_TABLE2_MILLIONS)) / HEADS
-    print(f"\nshared values: {shared} of 32 (random picks share ~{CHANCE_SHARED:.1f}); "
-          f"mean |ours - paper| per head: {mean_abs:.3f}M")
-    print(json.dumps({"repro": "harpe_table2", "window_fraction": args.window_fraction,
-                      "target_length": args.target_length, "ours_millions": ours_millions,
-                      "shared_with_paper": shared, "mean_abs_diff_millions": round(mean_abs, 3)}))
+    print(
+        f"\nshared values: {shared} of 32 (random picks share ~{CHANCE_SHARED:.1f}); "
+        f"mean |ours - paper| per head: {mean_abs:.3f}M"
+    )
+    print(
+        json.dumps(
+            {
+                "repro": "harpe_table2",
+                "window_fraction": args.window_fraction,
+                "target_length": args.target_length,
+                "ours_millions": ours_millions,
+                "shared_with_paper": shared,
+                "mean_abs_diff_millions": round(mean_abs, 3),
+            }
+        )
+    )
 
 
 def run_cited(args: argparse.Namespace) -> None:
     """The cited search over distance ranges (its own 1000..4090 for a 4K model, up to HARPE's 128K), feature
     counts (its 6, and 12) and cover radii (its 3, and 1 and 10)."""
-    settings = list(itertools.product([(1000, 4090), (1, 8192), (1000, 8192), (1, 32768), (1, args.target_length)],
-                                      [6, 12], [1, 3, 10]))
+    settings = list(
+        itertools.product(
+            [(1000, 4090), (1, 8192), (1000, 8192), (1, 32768), (1, args.target_length)], [6, 12], [1, 3, 10]
+        )
+    )
     print(f"{'distances':>14}{'count':>6}{'radius':>7}{'shared':>7}")
     results = []
     for (first, last), count, radius in settings:
@@ -158,11 +203,18 @@ def run_cited(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--window-fraction", type=float, default=DEFAULT_WINDOW_FRACTION,
-                        help="peak/valley window half-width as a fraction of the target length")
+    parser.add_argument(
+        "--window-fraction",
+        type=float,
+        default=DEFAULT_WINDOW_FRACTION,
+        help="peak/valley window half-width as a fraction of the target length",
+    )
     parser.add_argument("--target-length", type=int, default=131072)
-    parser.add_argument("--cited", action="store_true",
-                        help="run the cited work's search over the settings it leaves open, instead of ours")
+    parser.add_argument(
+        "--cited",
+        action="store_true",
+        help="run the cited work's search over the settings it leaves open, instead of ours",
+    )
     args = parser.parse_args()
     (run_cited if args.cited else run_ours)(args)
 

@@ -66,8 +66,13 @@ def harpe(selection: str) -> Callable[[int], list[str]]:
     def overrides(target: int) -> list[str]:
         theta = rope_theta(target)
         extra = [f"harpe.stride={theta / 8:g}"] if selection == "peak_valley" else []
-        return ["method=harpe", f"harpe.selection={selection}", f"harpe.b_min={theta / 4:g}", f"harpe.b_max={theta:g}",
-                *extra]
+        return [
+            "method=harpe",
+            f"harpe.selection={selection}",
+            f"harpe.b_min={theta / 4:g}",
+            f"harpe.b_max={theta:g}",
+            *extra,
+        ]
 
     return overrides
 
@@ -85,8 +90,16 @@ def beacon(target: int) -> list[str]:
     so the question stays raw), ratios as small as the base's 256 positions allow at the target; the released
     recipes' full-coverage attention with interleaved beacons."""
     ratios = [8, 16] if target <= 4 * W else [16, 32]
-    return ["method=beacon", "finetune=method", "rope.rope_theta=10000", f"rope.max_position_embeddings={W}",
-            "beacon.window=96", f"beacon.ratios={ratios}", "beacon.sink=1", "beacon.inference_ratio_mix=adapt-16"]
+    return [
+        "method=beacon",
+        "finetune=method",
+        "rope.rope_theta=10000",
+        f"rope.max_position_embeddings={W}",
+        "beacon.window=96",
+        f"beacon.ratios={ratios}",
+        "beacon.sink=1",
+        "beacon.inference_ratio_mix=adapt-16",
+    ]
 
 
 def beacon_step(target: int) -> list[str]:
@@ -100,7 +113,7 @@ CLAIMS = {
     "qlora": "QLoRA 4-bit loses little against 16/32-bit LoRA",
     "pose": "PoSE: training in W with skip-wise positions comes close to training at full length",
     "pose-content": "PoSE's content skip (W-token windows drawn from documents up to the target) ~ the window's "
-                    "first tokens (the paper's Table 4)",
+    "first tokens (the paper's Table 4)",
     "harpe-uniform": "HARPE: per-head bases >= one shared base at equal budget",
     "harpe-peak-valley": "HARPE peak-valley selection >= uniform bases",
     "utk": "UtK augmentation helps retrieval at equal budget",
@@ -116,10 +129,20 @@ VARIANTS = [
     Variant("qlora", CLAIMS["qlora"], qlora),
     Variant("qlora+utk", CLAIMS["utk"], utk(qlora)),
     Variant("pose", CLAIMS["pose"], pose, train_window=lambda target: W),
-    Variant("pose+uniform", CLAIMS["pose-content"], pose_content("uniform"), train_window=lambda target: W,
-            longest_document=lambda target: target),
-    Variant("pose+aligned", CLAIMS["pose-content"], pose_content("aligned"), train_window=lambda target: W,
-            longest_document=lambda target: target),
+    Variant(
+        "pose+uniform",
+        CLAIMS["pose-content"],
+        pose_content("uniform"),
+        train_window=lambda target: W,
+        longest_document=lambda target: target,
+    ),
+    Variant(
+        "pose+aligned",
+        CLAIMS["pose-content"],
+        pose_content("aligned"),
+        train_window=lambda target: W,
+        longest_document=lambda target: target,
+    ),
     Variant("harpe-uniform", CLAIMS["harpe-uniform"], harpe("uniform"), string=False),
     Variant("harpe-uniform+utk", CLAIMS["utk"], utk(harpe("uniform")), string=False),
     Variant("harpe-peak-valley", CLAIMS["harpe-peak-valley"], harpe("peak_valley"), string=False),
@@ -131,14 +154,19 @@ STRING_CLAIM = "STRING raises retrieval inside the trained length (no training)"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="runs/repro")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--targets", type=int, nargs="+", default=[4, 8], help="target lengths as multiples of W")
     p.add_argument("--variants", nargs="+", choices=[v.name for v in VARIANTS], help="default: all")
-    p.add_argument("--tokens-per-w", type=int, default=160_000,
-                   help="training tokens per window multiple of the target (4W: 640K tokens for every method)")
+    p.add_argument(
+        "--tokens-per-w",
+        type=int,
+        default=160_000,
+        help="training tokens per window multiple of the target (4W: 640K tokens for every method)",
+    )
     p.add_argument("--samples", type=int, default=2, help="probes per (length, depth) cell; 5 depths")
     args = p.parse_args(argv)
     if any(t < 2 for t in args.targets) or args.tokens_per_w < 1 or args.samples < 1:
@@ -157,9 +185,15 @@ def variant_recipe(variant: Variant, target: int, seed: int, tokens_per_w: int, 
     trained_per_document = sum(min(n, window) for n in range(low, longest)) / (longest - low)  # lengths low..longest-1
     n_documents = round(tokens_per_w * target / trained_per_document)  # equal trained tokens for every method
     overrides = [
-        f"output_dir={folder}", f"target_length={length}", f"rope.max_position_embeddings={length}",
-        f"data.max_length={window}", f"data.retrieval.min_tokens={low}", f"data.retrieval.max_tokens={longest - 1}",
-        f"data.retrieval.n_documents={n_documents}", f"data.retrieval.seed={100 + seed}", f"train.seed={seed}",
+        f"output_dir={folder}",
+        f"target_length={length}",
+        f"rope.max_position_embeddings={length}",
+        f"data.max_length={window}",
+        f"data.retrieval.min_tokens={low}",
+        f"data.retrieval.max_tokens={longest - 1}",
+        f"data.retrieval.n_documents={n_documents}",
+        f"data.retrieval.seed={100 + seed}",
+        f"train.seed={seed}",
         "train.save_steps=32",
     ] + variant.overrides(length)  # the variant's own settings win
     return load_recipe("toy-extend-cpu", overrides)
@@ -186,9 +220,12 @@ def perplexity_by_length(model: Any, tokenizer: Any, lengths: list[int], n_docs:
     docs = RetrievalDocuments(tokenizer, seed=999)
     result = {}
     for n in lengths:
-        nll = [sliding_window_perplexity(model, tokenizer, input_ids=docs.document(n), window=n,
-                                         stride=n)["nll_per_token"]
-               for _ in range(n_docs)]
+        nll = [
+            sliding_window_perplexity(model, tokenizer, input_ids=docs.document(n), window=n, stride=n)[
+                "nll_per_token"
+            ]
+            for _ in range(n_docs)
+        ]
         result[str(n)] = math.exp(statistics.fmean(nll))
     return result
 
@@ -203,8 +240,9 @@ def score(
     common = dict(seed=7, chat=False, batch_size=8, string=string)
     out = {}
     for task in ("passkey", "niah_single"):
-        out[task] = evaluate(task, model, tokenizer, lengths=lengths, depths=(0.0, 0.25, 0.5, 0.75, 1.0),
-                             n_samples=samples, **common)["by_length"]
+        out[task] = evaluate(
+            task, model, tokenizer, lengths=lengths, depths=(0.0, 0.25, 0.5, 0.75, 1.0), n_samples=samples, **common
+        )["by_length"]
     out["ruler"] = evaluate("ruler", model, tokenizer, lengths=[target], n_samples=samples, **common)["by_length"]
     with string_enabled(model, string):
         out["ppl"] = perplexity_by_length(model, tokenizer, lengths)
@@ -236,10 +274,13 @@ def run_one(variant: Variant, target: int, seed: int, args: argparse.Namespace) 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # lengths beyond the base's positions are the point here
         result = {
-            "variant": variant.name, "target": length, "seed": seed,
+            "variant": variant.name,
+            "target": length,
+            "seed": seed,
             "plain": score(model, tokenizer, length, None, args.samples),
             "string": score(model, tokenizer, length, demo_string_settings(trained_length), args.samples)
-            if variant.string else None,
+            if variant.string
+            else None,
         }
     result["seconds"] = round(time.time() - began)
     folder.mkdir(parents=True, exist_ok=True)
@@ -261,11 +302,16 @@ def table(results: list[dict[str, Any]], target: int) -> str:
     """Markdown: one row per (variant, STRING), NIAH/passkey at W..target, RULER at target, ppl at target."""
     rows = [r for r in results if r["target"] == target * W]
     lengths = sorted({int(n) for r in rows for n in r["plain"]["niah_single"]})
-    columns = ([("passkey", n) for n in lengths] + [("niah_single", n) for n in lengths]
-               + [("ruler", target * W), ("ppl", target * W)])
+    columns = (
+        [("passkey", n) for n in lengths]
+        + [("niah_single", n) for n in lengths]
+        + [("ruler", target * W), ("ppl", target * W)]
+    )
     head = [f"{TASK_LABELS[t]} {n // W}W" for t, n in columns]
-    lines = [f"| method (to {target}W = {target * W}) | STRING | " + " | ".join(head) + " | claim tested |",
-             "|---|---|" + "---:|" * len(columns) + "---|"]
+    lines = [
+        f"| method (to {target}W = {target * W}) | STRING | " + " | ".join(head) + " | claim tested |",
+        "|---|---|" + "---:|" * len(columns) + "---|",
+    ]
     by_variant = {v.name: v for v in VARIANTS}
     for name in dict.fromkeys(r["variant"] for r in rows):
         runs = [r for r in rows if r["variant"] == name]
@@ -291,11 +337,23 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             lengths = sorted(int(n) for n in runs[0]["plain"]["niah_single"])
             means, spread = zip(*(mean_spread([r["plain"]["niah_single"][str(n)] for r in runs]) for n in lengths))
             # Equal scores overlap: styles and markers tell the lines apart.
-            ax.errorbar(lengths, means, yerr=spread, marker="os^vDP*X"[k % 8], linestyle=["-", "--", "-.", ":"][k % 4],
-                        markersize=8 - (k % 4), capsize=3, label=name)
+            ax.errorbar(
+                lengths,
+                means,
+                yerr=spread,
+                marker="os^vDP*X"[k % 8],
+                linestyle=["-", "--", "-.", ":"][k % 4],
+                markersize=8 - (k % 4),
+                capsize=3,
+                label=name,
+            )
         ax.axvline(W, color="grey", linestyle=":", label="base window W")
-        ax.set(title=f"extended to {target // W}W = {target} tokens", xlabel="prompt length (tokens)",
-               ylabel="single-needle NIAH accuracy", ylim=(-0.05, 1.05))
+        ax.set(
+            title=f"extended to {target // W}W = {target} tokens",
+            xlabel="prompt length (tokens)",
+            ylabel="single-needle NIAH accuracy",
+            ylim=(-0.05, 1.05),
+        )
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set_xticks(lengths, [str(n) for n in lengths])
@@ -318,9 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     stem = "methods_" + "_".join(f"{t}W" for t in args.targets)  # one report per set of targets
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     command = "python scripts/repro_methods.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    report = [f"# Methods on the toy base (W = {W}), equal training budget\n", f"`{command}`\n",
-              f"Seeds {args.seeds}; {args.tokens_per_w:,} training tokens per W of target for every method; "
-              f"{args.samples} probes per (length, depth) cell, 5 depths; mean ± half-range over seeds.\n"]
+    report = [
+        f"# Methods on the toy base (W = {W}), equal training budget\n",
+        f"`{command}`\n",
+        f"Seeds {args.seeds}; {args.tokens_per_w:,} training tokens per W of target for every method; "
+        f"{args.samples} probes per (length, depth) cell, 5 depths; mean ± half-range over seeds.\n",
+    ]
     report += [table(results, t) + "\n" for t in args.targets]
     (out / f"{stem}.md").write_text("\n".join(report))
     plot(results, out / f"{stem}.png")

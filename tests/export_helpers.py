@@ -56,9 +56,18 @@ def imported_modules(path: Path) -> set[str]:
 
 def run_without_longpeft(script: str, args: list[str], workdir: Path) -> subprocess.CompletedProcess:
     """Run ``script`` (after :data:`BLOCK_LONGPEFT`) with ``args`` in a fresh isolated interpreter, offline."""
-    env = {**os.environ, "HF_MODULES_CACHE": str(workdir / "hf_modules"), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_MODULES_CACHE": str(workdir / "hf_modules"),
+        "HF_HUB_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(
         [sys.executable, "-I", "-c", BLOCK_LONGPEFT + script, *args],
-        cwd=workdir, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+        cwd=workdir,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
     )

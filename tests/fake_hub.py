@@ -76,8 +76,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _file(self, body: bytes) -> None:
         """Headers of a file of ``body`` (an empty body: one that never comes), then its bytes one at a time."""
         self.send_response(200)
-        for name, value in (("Content-Length", str(len(body) or FILE_SIZE)), ("ETag", f'"{"1" * 40}"'),
-                            ("X-Repo-Commit", SHA), ("Content-Type", "application/octet-stream")):
+        for name, value in (
+            ("Content-Length", str(len(body) or FILE_SIZE)),
+            ("ETag", f'"{"1" * 40}"'),
+            ("X-Repo-Commit", SHA),
+            ("Content-Type", "application/octet-stream"),
+        ):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.flush()
@@ -174,5 +178,9 @@ def hub_env(endpoint: str, timeout: float, base: dict[str, str] | None = None) -
     """The environment of a subprocess that asks ``endpoint``, with ``LONGPEFT_HUB_TIMEOUT=timeout``."""
     import os
 
-    return {**(base if base is not None else os.environ), "HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "0",
-            "LONGPEFT_HUB_TIMEOUT": f"{timeout:g}"}
+    return {
+        **(base if base is not None else os.environ),
+        "HF_ENDPOINT": endpoint,
+        "HF_HUB_OFFLINE": "0",
+        "LONGPEFT_HUB_TIMEOUT": f"{timeout:g}",
+    }

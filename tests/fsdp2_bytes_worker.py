@@ -44,12 +44,21 @@ def main(mode: str, base: str | None = None) -> None:
         from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
         model = AutoModelForCausalLM.from_pretrained(
-            base, dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16))
+            base,
+            dtype=torch.bfloat16,
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=torch.bfloat16,
+                bnb_4bit_quant_storage=torch.bfloat16,
+            ),
+        )
     if mode in ("lora", "qlora"):
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                 modules_to_save=["embed_tokens"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=["embed_tokens"]),
+        )
     if mode == "qlora":  # trained weights in float32, as the runner keeps them (peft copied the embedding in bf16)
         from longpeft.recipes.model import keep_trained_weights_in
 
@@ -64,16 +73,22 @@ def main(mode: str, base: str | None = None) -> None:
     tokens = torch.randint(0, 512, (1, 16), generator=generator)
     model(input_ids=tokens, labels=tokens).loss.backward()
     optimizer.step()
-    line = json.dumps({
-        "rank": dist.get_rank(),
-        "frozen_weights": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
-        "trained_weights": sum(local_bytes(p) for p in trained),
-        "gradients": sum(local_bytes(p.grad) for p in trained),
-        "moments": sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim()),
-        # bitsandbytes keeps a 4-bit layer's quant state on the module (FSDP2 replaced its weight parameter)
-        "quant_constants": sum(local_bytes(t) for module in model.modules() if getattr(module, "quant_state", None)
-                               for t in quant_tensors(module.quant_state)),
-    })
+    line = json.dumps(
+        {
+            "rank": dist.get_rank(),
+            "frozen_weights": sum(local_bytes(p) for p in model.parameters() if not p.requires_grad),
+            "trained_weights": sum(local_bytes(p) for p in trained),
+            "gradients": sum(local_bytes(p.grad) for p in trained),
+            "moments": sum(local_bytes(t) for state in optimizer.state.values() for t in state.values() if t.dim()),
+            # bitsandbytes keeps a 4-bit layer's quant state on the module (FSDP2 replaced its weight parameter)
+            "quant_constants": sum(
+                local_bytes(t)
+                for module in model.modules()
+                if getattr(module, "quant_state", None)
+                for t in quant_tensors(module.quant_state)
+            ),
+        }
+    )
     # one write call with its newline: both ranks share the stdout pipe, and print's two writes interleaved
     # ('{...rank 0...}{...rank 1...}' on one line, then two newlines); a pipe write under 4 KiB is atomic
     os.write(sys.stdout.fileno(), (line + "\n").encode())

@@ -21,8 +21,11 @@ _original_init = AcceleratorState.__init__
 
 def _init_with_fsdp_on_cpu(self, *args, fsdp_plugin=None, **kwargs):
     _original_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    if (self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None
-            and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"):
+    if (
+        self.distributed_type == DistributedType.MULTI_CPU
+        and fsdp_plugin is not None
+        and os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    ):
         self.distributed_type = DistributedType.FSDP
         self.fsdp_plugin = fsdp_plugin
         PartialState._shared_state["distributed_type"] = self.distributed_type  # as accelerate does at the end

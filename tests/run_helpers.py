@@ -38,7 +38,8 @@ def assert_same_weights(expected: Path, actual: Path, atol: float, rtol: float) 
 
 def assert_resumed_as_uninterrupted(whole: Path, killed: Path, steps: list[int]) -> None:
     """The resumed run ends with the uninterrupted run's adapter (atol 1e-6) and losses (rel 1e-5) at ``steps``."""
-    assert_same_weights(*(folder / "adapter" / "adapter_model.safetensors" for folder in (whole, killed)), atol=1e-6,
-                        rtol=0)
+    assert_same_weights(
+        *(folder / "adapter" / "adapter_model.safetensors" for folder in (whole, killed)), atol=1e-6, rtol=0
+    )
     (resumed_steps, resumed), (expected_steps, expected) = logged_losses(killed), logged_losses(whole)
     assert resumed_steps == expected_steps == steps and resumed == pytest.approx(expected, rel=1e-5)

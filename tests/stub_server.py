@@ -97,13 +97,19 @@ def junk_reply(body: dict[str, Any]) -> str:
     first = pairs[0]
     pairs = pairs + [
         {"question": "...", "answer": "..."},
-        {"question": "Every question must be self-contained: name the people, places or things it asks about?",
-         "answer": first["answer"]},
-        {"question": "What does the text say about the harbour master?",
-         "answer": "I'm sorry, but the text does not mention a harbour master."},
+        {
+            "question": "Every question must be self-contained: name the people, places or things it asks about?",
+            "answer": first["answer"],
+        },
+        {
+            "question": "What does the text say about the harbour master?",
+            "answer": "I'm sorry, but the text does not mention a harbour master.",
+        },
         {"question": ".-", "answer": first["answer"]},
-        {"question": "Which colour was the dragon that guarded the glass mountain?",
-         "answer": "A purple dragon guarded the glass mountain beside a silver lake."},
+        {
+            "question": "Which colour was the dragon that guarded the glass mountain?",
+            "answer": "A purple dragon guarded the glass mountain beside a silver lake.",
+        },
         {"question": first["question"].replace("Which sentence", "Which sentence exactly"), "answer": first["answer"]},
     ]
     if bios:
@@ -131,9 +137,14 @@ class StubServer:
         Authorization header received (tests check the key was sent and never written).
     """
 
-    def __init__(self, latency: float = 0.0, reply: Callable[[dict[str, Any]], str] = default_reply,
-                 structured: str = "ignore", models_info: dict[str, Any] | None = None,
-                 props: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        latency: float = 0.0,
+        reply: Callable[[dict[str, Any]], str] = default_reply,
+        structured: str = "ignore",
+        models_info: dict[str, Any] | None = None,
+        props: dict[str, Any] | None = None,
+    ):
         assert structured in ("ignore", "accept", "refuse"), structured
         self.latency = latency
         self.reply = reply
@@ -175,8 +186,9 @@ class StubServer:
                 with server.lock:
                     server.gets.append(self.path)
                 if self.path == "/v1/models":
-                    self.reply_with(200, {"object": "list", "data": [{"id": "stub", "object": "model",
-                                                                **server.models_info}]})
+                    self.reply_with(
+                        200, {"object": "list", "data": [{"id": "stub", "object": "model", **server.models_info}]}
+                    )
                 elif self.path == "/props" and server.props is not None:
                     self.reply_with(200, server.props)
                 else:
@@ -266,13 +278,13 @@ class StubServer:
             if name.isdigit() and call_index <= (limit or 1):
                 status = int(name)
             elif name.startswith("slow=") and call_index <= (limit or 1):
-                delay += float(name[len("slow="):])
+                delay += float(name[len("slow=") :])
             elif name == "bad":
                 bad = limit is None or self._bad_served[prompt_hash] < limit
             elif name == "html":
                 html = limit is None or call_index <= limit
             elif name.startswith("retry_ms="):
-                headers["retry-after-ms"] = name[len("retry_ms="):]
+                headers["retry-after-ms"] = name[len("retry_ms=") :]
         if delay:
             time.sleep(delay)
         with self.lock:
@@ -312,12 +324,17 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="OpenAI-compatible stub server on 127.0.0.1")
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
-    parser.add_argument("--structured", choices=["ignore", "accept", "refuse"], default="ignore",
-                        help="what it does with response_format (see the module docstring)")
+    parser.add_argument(
+        "--structured",
+        choices=["ignore", "accept", "refuse"],
+        default="ignore",
+        help="what it does with response_format (see the module docstring)",
+    )
     parser.add_argument("--junk", action="store_true", help="answer with bad items too (junk_reply)")
     args = parser.parse_args(argv)
-    with StubServer(latency=args.latency, reply=junk_reply if args.junk else default_reply,
-                    structured=args.structured) as server:
+    with StubServer(
+        latency=args.latency, reply=junk_reply if args.junk else default_reply, structured=args.structured
+    ) as server:
         print(server.base_url, flush=True)
         try:
             threading.Event().wait()

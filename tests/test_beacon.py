@@ -32,8 +32,9 @@ IDS = torch.randint(3, 512, (2, 37), generator=torch.Generator().manual_seed(0))
 def settings(**changes):
     """Small windows; one ratio for training and inference unless given."""
     ratios = changes.pop("ratios", [2])
-    return BeaconConfig(window=8, ratios=ratios, inference_ratios=changes.pop("inference_ratios", ratios),
-                        **changes).settings()
+    return BeaconConfig(
+        window=8, ratios=ratios, inference_ratios=changes.pop("inference_ratios", ratios), **changes
+    ).settings()
 
 
 @pytest.mark.parametrize("implementation", ["eager", "sdpa"])
@@ -76,8 +77,14 @@ def test_ratio_zero_generates_like_the_stock_model_from_a_left_padded_batch():
     model = tiny_model("qwen2", attn_implementation="sdpa")
     mask = torch.ones_like(IDS[:, :21])
     mask[0, :6] = 0
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
-                  return_dict_in_generate=True)
+    kwargs = dict(
+        attention_mask=mask,
+        max_new_tokens=12,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     with torch.no_grad():
         stock = model.generate(IDS[:, :21], **kwargs)
         apply_beacon(model, settings(ratios=[0]))
@@ -114,13 +121,19 @@ def test_lora_projection_equals_the_full_copy_at_initialisation():
     with torch.no_grad():
         torch.testing.assert_close(lora(IDS).logits, full(IDS).logits, atol=1e-5, rtol=0)
         assert (full(IDS).logits - tiny_model("qwen2")(IDS).logits).abs().max() > 1e-4  # beacons do change the output
-    sizes = {kind: sum(p.numel() for p in beacon_parameters(m).values())
-             for kind, m in (("full", full), ("lora", lora))}
+    sizes = {
+        kind: sum(p.numel() for p in beacon_parameters(m).values()) for kind, m in (("full", full), ("lora", lora))
+    }
     assert sizes["lora"] < sizes["full"] / 2
 
 
-SCHEMES = [("full-coverage", "interleave"), ("full-coverage", "append"), ("step-expansion", "append"),
-           ("step-expansion", "interleave"), ("segmentation", "append")]
+SCHEMES = [
+    ("full-coverage", "interleave"),
+    ("full-coverage", "append"),
+    ("step-expansion", "append"),
+    ("step-expansion", "interleave"),
+    ("segmentation", "append"),
+]
 
 
 @pytest.mark.parametrize("attn,pos", SCHEMES)
@@ -142,8 +155,15 @@ def test_token_by_token_decoding_equals_one_prefill(attn, pos):
 
 
 def _generate(model, ids, **kwargs):
-    return model.generate(ids, max_new_tokens=14, do_sample=False, pad_token_id=0, output_logits=True,
-                          return_dict_in_generate=True, **kwargs)
+    return model.generate(
+        ids,
+        max_new_tokens=14,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
 
 
 def test_generate_decodes_like_a_prefill_and_requests_do_not_leak():
@@ -172,8 +192,9 @@ def test_a_batch_of_one_length_gives_each_prompt_what_it_gives_alone():
             alone, generated_alone = model(ids[row : row + 1]).logits, _generate(model, ids[row : row + 1])
             torch.testing.assert_close(batched[row], alone[0], atol=1e-5, rtol=0)
             assert torch.equal(generated.sequences[row], generated_alone.sequences[0])
-            torch.testing.assert_close(torch.stack(generated.logits, 1)[row],
-                                       torch.stack(generated_alone.logits, 1)[0], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.stack(generated.logits, 1)[row], torch.stack(generated_alone.logits, 1)[0], atol=1e-5, rtol=0
+            )
 
 
 def test_left_padding_is_refused_saying_why_and_what_to_do():
@@ -186,8 +207,10 @@ def test_left_padding_is_refused_saying_why_and_what_to_do():
     left = torch.cat([IDS[:1, :30], torch.cat([torch.zeros(1, 8, dtype=torch.long), row], dim=1)])
     mask = torch.ones_like(left)
     mask[1, :8] = 0
-    refused = r"row 1 of the batch has tokens after padding \(left padding\); beacon windows start at the same " \
-              r"index in every row.*batch prompts of one length, or give one prompt at a time"
+    refused = (
+        r"row 1 of the batch has tokens after padding \(left padding\); beacon windows start at the same "
+        r"index in every row.*batch prompts of one length, or give one prompt at a time"
+    )
     with torch.no_grad(), pytest.raises(ValueError, match=refused):
         model(left, attention_mask=mask)
     with torch.no_grad(), pytest.raises(ValueError, match=refused):
@@ -359,8 +382,10 @@ def test_a_loss_on_the_last_window_trains_the_beacons_of_earlier_windows():
     assert {n for n, g in grads.items() if g.abs().sum() > 0} == expected
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
-                    reason="flash-attn needs CUDA and the flash_attn package")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flash_attn") is None,
+    reason="flash-attn needs CUDA and the flash_attn package",
+)
 def test_flash_attention_full_coverage_matches_sdpa():
     ids = IDS.cuda()
     outputs = {}
@@ -375,12 +400,14 @@ def test_flash_attention_full_coverage_matches_sdpa():
 def test_beacons_over_a_4bit_base(tiny_base_dirs):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                      bnb_4bit_compute_dtype=torch.float32)
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32
+    )
 
     def load():
-        return AutoModelForCausalLM.from_pretrained(tiny_base_dirs("llama"), quantization_config=quantization,
-                                                    dtype=torch.float32, attn_implementation="sdpa").eval()
+        return AutoModelForCausalLM.from_pretrained(
+            tiny_base_dirs("llama"), quantization_config=quantization, dtype=torch.float32, attn_implementation="sdpa"
+        ).eval()
 
     full, lora = load(), load()
     assert type(full.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"

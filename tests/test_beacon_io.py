@@ -56,8 +56,12 @@ def write_adapter(model, base_dir, config: BeaconConfig, adapter_dir) -> None:
     if hasattr(model, "peft_config"):
         model.save_pretrained(adapter_dir)
     save_beacon_weights(model, adapter_dir)
-    ContextSpec.from_base(AutoConfig.from_pretrained(base_dir), "beacon", base_model=str(base_dir),
-                          methods={"beacon": config.resolved().model_dump()}).save(adapter_dir)
+    ContextSpec.from_base(
+        AutoConfig.from_pretrained(base_dir),
+        "beacon",
+        base_model=str(base_dir),
+        methods={"beacon": config.resolved().model_dump()},
+    ).save(adapter_dir)
 
 
 @pytest.mark.parametrize("projection,with_lora", [("full", False), ("lora", False), ("full", True)])
@@ -108,14 +112,26 @@ def test_merged_export_loads_in_a_fresh_process_without_longpeft(tiny_base_dirs,
     assert saved["model_type"] == "beacon_llama" and saved["beacon"]["sink"] == 1
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_beacon.BeaconLlamaForCausalLM"
     assert imported_modules(export / "modeling_beacon.py") <= {
-        "__future__", "collections", "contextlib", "dataclasses", "functools", "math", "sys", "types", "typing",
-        "torch", "transformers", "bitsandbytes"}  # bitsandbytes: imported lazily, for a 4-bit base only
+        "__future__",
+        "collections",
+        "contextlib",
+        "dataclasses",
+        "functools",
+        "math",
+        "sys",
+        "types",
+        "typing",
+        "torch",
+        "transformers",
+        "bitsandbytes",
+    }  # bitsandbytes: imported lazily, for a 4-bit base only
     with torch.no_grad():
         expected = model(IDS).logits
         expected_tokens = model.generate(input_ids=IDS, max_new_tokens=12, do_sample=False, pad_token_id=0)
     torch.save(IDS, tmp_path / "ids.pt")
-    run = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT,
-                               [str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path)
+    run = run_without_longpeft(
+        _LOAD_WITHOUT_LONGPEFT, [str(export), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LOADED BeaconLlamaForCausalLM 8" in run.stdout
     out = torch.load(tmp_path / "out.pt")
@@ -129,8 +145,10 @@ def fake_authors_checkpoint(model, folder, config: BeaconConfig, mix: str = "ste
     folder.mkdir()
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         save_file({k: state[k] for k in keys}, str(folder / file), metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -138,9 +156,17 @@ def fake_authors_checkpoint(model, folder, config: BeaconConfig, mix: str = "ste
     settings = json.loads(model.config.to_json_string())
     settings.pop("beacon")
     settings.update(
-        beacon_window=config.window, beacon_stride=config.window, beacon_attn=config.attn, beacon_pos=config.pos,
-        beacon_ratio=config.ratios, beacon_ratio_mix=mix, beacon_param=config.params,
-        beacon_sink_size=config.sink, beacon_attend_prev=True, beacon_embed_init="eos", beacon_parallel_window=1,
+        beacon_window=config.window,
+        beacon_stride=config.window,
+        beacon_attn=config.attn,
+        beacon_pos=config.pos,
+        beacon_ratio=config.ratios,
+        beacon_ratio_mix=mix,
+        beacon_param=config.params,
+        beacon_sink_size=config.sink,
+        beacon_attend_prev=True,
+        beacon_embed_init="eos",
+        beacon_parallel_window=1,
         auto_map={"AutoModelForCausalLM": "modeling_llama.LlamaForCausalLM"},
     )
     (folder / "config.json").write_text(json.dumps(settings))
@@ -151,8 +177,10 @@ def test_converter_round_trips_an_authors_checkpoint(tiny_base_dirs, tmp_path, c
     config = beacon_config()
     model = trained_beacon_model(base_dir, config, seed=5)
     fake_authors_checkpoint(model, tmp_path / "authors", config)
-    assert main(["convert-beacon", str(tmp_path / "authors"), "--base", str(base_dir),
-                 "--out", str(tmp_path / "ours")]) == 0
+    assert (
+        main(["convert-beacon", str(tmp_path / "authors"), "--base", str(base_dir), "--out", str(tmp_path / "ours")])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["tensors"] == 2 * 4 + 1 and report["beacon"]["sink"] == 1
     spec = json.loads((tmp_path / "ours" / "longpeft.json").read_text())
@@ -190,8 +218,11 @@ def test_a_converted_model_adapts_its_ratio_as_the_authors_count(tiny_base_dirs,
     backbone = backbone_of(model)
     settings = backbone.beacon_settings
     logits = {}
-    for name, changes in [("authors", {}), ("held", {"inference_ratios": (expected,)}),
-                          ("longpeft", {"layout_rule": "longpeft"})]:
+    for name, changes in [
+        ("authors", {}),
+        ("held", {"inference_ratios": (expected,)}),
+        ("longpeft", {"layout_rule": "longpeft"}),
+    ]:
         backbone.beacon_settings = dataclasses.replace(settings, **changes)
         cache = BeaconCache()
         with torch.no_grad():
@@ -217,8 +248,11 @@ def test_converter_refuses_damaged_beacon_tensors_before_writing(tiny_base_dirs,
     model = trained_beacon_model(base_dir, config, seed=5)
     fake_authors_checkpoint(model, tmp_path / "authors", config)
     index = json.loads((tmp_path / "authors" / "model.safetensors.index.json").read_text())["weight_map"]
-    name = ("model.beacon_embed_tokens.weight" if damage == "embedding"
-            else "model.layers.1.self_attn.beacon_k_proj.weight")
+    name = (
+        "model.beacon_embed_tokens.weight"
+        if damage == "embedding"
+        else "model.layers.1.self_attn.beacon_k_proj.weight"
+    )
     shard = tmp_path / "authors" / index[name]
     tensors = load_file(shard)
     assert tuple(tensors[name].shape) == authors_tensor_shape(name, model.config)  # the reference shapes hold
@@ -248,13 +282,16 @@ def test_the_authors_tensor_shapes_follow_grouped_query_attention():
     assert authors_tensor_shape("model.beacon_embed_tokens.weight", config) == (1, 4096)
 
 
-@pytest.mark.parametrize(("their_mix", "training", "inference"), [
-    ("adapt-1024", "adapt-1024", "adapt-1024"),
-    ("adapt-16", "adapt-16", "adapt-16"),  # their code reads its one mix at inference too
-    ("step-random", "step-random", "adapt-1024"),  # a random draw at inference would be a coin toss; ours adapts
-    ("instance-random", "instance-random", "adapt-1024"),
-    ("sequence", "sequence", "sequence"),  # deterministic: their cycle at inference too
-])
+@pytest.mark.parametrize(
+    ("their_mix", "training", "inference"),
+    [
+        ("adapt-1024", "adapt-1024", "adapt-1024"),
+        ("adapt-16", "adapt-16", "adapt-16"),  # their code reads its one mix at inference too
+        ("step-random", "step-random", "adapt-1024"),  # a random draw at inference would be a coin toss; ours adapts
+        ("instance-random", "instance-random", "adapt-1024"),
+        ("sequence", "sequence", "sequence"),  # deterministic: their cycle at inference too
+    ],
+)
 def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training, inference):
     from longpeft.adapters.beacon.weights import config_from_authors
 
@@ -263,11 +300,16 @@ def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training
     assert config.layout_rule == "authors"
 
 
-@pytest.mark.parametrize("their_config,message", [
-    ({"beacon_attn": "step-expansion", "beacon_pos": "interleave", "beacon_attend_prev": False},
-     "hides window slots 0 and 1 instead of the beacons"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "counts max_position_embeddings x 2.0 positions"),
-])
+@pytest.mark.parametrize(
+    "their_config,message",
+    [
+        (
+            {"beacon_attn": "step-expansion", "beacon_pos": "interleave", "beacon_attend_prev": False},
+            "hides window slots 0 and 1 instead of the beacons",
+        ),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "counts max_position_embeddings x 2.0 positions"),
+    ],
+)
 def test_the_converter_refuses_what_the_authors_rule_cannot_reproduce(their_config, message):
     from longpeft.adapters.beacon.weights import config_from_authors
 
@@ -286,14 +328,19 @@ def test_eval_runs_passkey_and_perplexity_with_beacons_inside_the_positions(tiny
     assert main(["eval", "passkey", "--lengths", "600", "--samples", "2", "--batch-size", "2", *common]) == 0
     assert json.loads((tmp_path / "eval" / "passkey.json").read_text())["lengths"] == [600]
     (tmp_path / "text.txt").write_text(" ".join(sample_text(60)))
-    assert main(["eval", "perplexity", "--text", str(tmp_path / "text.txt"), "--window", "700", "--stride", "700",
-                 *common]) == 0
+    assert (
+        main(
+            ["eval", "perplexity", "--text", str(tmp_path / "text.txt"), "--window", "700", "--stride", "700", *common]
+        )
+        == 0
+    )
     assert json.loads((tmp_path / "eval" / "perplexity.json").read_text())["perplexity"] > 1
     assert not [w for w in recwarn if "max_position_embeddings" in str(w.message)]  # beacons stay inside 256
     loaded = longpeft.load(str(base_dir), tmp_path / "adapter")
     # memory grows with length / ratio: 100K tokens at ratio 8 read 1 + 3124 * 4 + 32 + 4 keys at most
-    assert (model_span(loaded, 600).positions < 256
-            and model_span(loaded, 100_000) == ModelSpan(12533, 12533, ("beacon",)))
+    assert model_span(loaded, 600).positions < 256 and model_span(loaded, 100_000) == ModelSpan(
+        12533, 12533, ("beacon",)
+    )
 
 
 def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
@@ -309,12 +356,14 @@ def test_a_beacon_only_adapter_can_be_pushed(tiny_base_dirs, tmp_path):
     spec = ContextSpec.load(tmp_path / "adapter")
     spec.trained_length = spec.target_length = spec.weights = None  # as written before format 3, converted
     spec.save(tmp_path / "adapter")
-    staged = Path(hub.push(tmp_path / "adapter", "someone/tiny-beacon", dry_run=tmp_path / "upload3",
-                           base_id="owner/base"))
+    staged = Path(
+        hub.push(tmp_path / "adapter", "someone/tiny-beacon", dry_run=tmp_path / "upload3", base_id="owner/base")
+    )
     card = (staged / "README.md").read_text()
     metadata = card.split("---")[1]
-    assert ("library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card
-            and "None" not in card)
+    assert (
+        "library_name" not in metadata and "- lora" not in metadata and "PeftModel" not in card and "None" not in card
+    )
     assert 'longpeft.load("owner/base", "someone/tiny-beacon")' in card and "no LoRA weights" in card
     positions = spec.max_position_embeddings  # beacon reads past the window without new positions
     assert f"Positions unchanged at {positions}; the methods below extend" in card

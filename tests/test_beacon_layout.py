@@ -12,12 +12,16 @@ from longpeft.adapters.beacon import BeaconConfig
 from longpeft.adapters.beacon.layout import attention_mask_for, choose_ratio, key_keep, step_visibility, window_layout
 
 T = torch.tensor
-CAUSAL6 = T([[1, 0, 0, 0, 0, 0],
-             [1, 1, 0, 0, 0, 0],
-             [1, 1, 1, 0, 0, 0],
-             [1, 1, 1, 1, 0, 0],
-             [1, 1, 1, 1, 1, 0],
-             [1, 1, 1, 1, 1, 1]])
+CAUSAL6 = T(
+    [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1],
+    ]
+)
 
 # (attn, pos, attend_prev): (is_beacon per slot, offsets, visible[q, k])
 GOLDEN = {
@@ -27,44 +31,79 @@ GOLDEN = {
     ("full-coverage", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 4, 5], CAUSAL6),
     # b0 sees r0 r1 (one span), b1 sees r0..r3 (two spans) and b0; a beacon sits after the last
     # raw token it sees and after the earlier beacons it sees: b0 at pos(r1)+1, b1 at pos(r3)+2
-    ("step-expansion", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 5], T([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [1, 1, 1, 1, 1, 1]])),
-    ("step-expansion", "append", False): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 4], T([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [1, 1, 1, 1, 0, 1]])),
+    ("step-expansion", "append", True): (
+        [0, 0, 0, 0, 1, 1],
+        [0, 1, 2, 3, 2, 5],
+        T(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 0, 0, 1, 0],
+                [1, 1, 1, 1, 1, 1],
+            ]
+        ),
+    ),
+    ("step-expansion", "append", False): (
+        [0, 0, 0, 0, 1, 1],
+        [0, 1, 2, 3, 2, 4],
+        T(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 0, 0, 1, 0],
+                [1, 1, 1, 1, 0, 1],
+            ]
+        ),
+    ),
     # r0 r1 b0 r2 r3 b1: raw tokens never see this window's beacons and keep consecutive positions;
     # a beacon takes the position of the next raw token
-    ("step-expansion", "interleave", False): ([0, 0, 1, 0, 0, 1], [0, 1, 2, 2, 3, 4], T([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 0, 1, 0, 0],
-        [1, 1, 0, 1, 1, 0],
-        [1, 1, 0, 1, 1, 1]])),
+    ("step-expansion", "interleave", False): (
+        [0, 0, 1, 0, 0, 1],
+        [0, 1, 2, 2, 3, 4],
+        T(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 0, 1, 0, 0],
+                [1, 1, 0, 1, 1, 0],
+                [1, 1, 0, 1, 1, 1],
+            ]
+        ),
+    ),
     # b0 sees r0 r1, b1 sees r2 r3 only
-    ("segmentation", "append", True): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 5], T([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [0, 0, 1, 1, 1, 1]])),
-    ("segmentation", "append", False): ([0, 0, 0, 0, 1, 1], [0, 1, 2, 3, 2, 4], T([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 1, 0],
-        [0, 0, 1, 1, 0, 1]])),
+    ("segmentation", "append", True): (
+        [0, 0, 0, 0, 1, 1],
+        [0, 1, 2, 3, 2, 5],
+        T(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 0, 0, 1, 0],
+                [0, 0, 1, 1, 1, 1],
+            ]
+        ),
+    ),
+    ("segmentation", "append", False): (
+        [0, 0, 0, 0, 1, 1],
+        [0, 1, 2, 3, 2, 4],
+        T(
+            [
+                [1, 0, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0, 0],
+                [1, 1, 1, 0, 0, 0],
+                [1, 1, 1, 1, 0, 0],
+                [1, 1, 0, 0, 1, 0],
+                [0, 0, 1, 1, 0, 1],
+            ]
+        ),
+    ),
 }
 
 
@@ -97,23 +136,24 @@ def test_one_step_mask_with_memory_and_padding():
     # slots r2, r3 (3 and 4) fed after r0 r1 b0: columns m0 m1 | r0 r1 b0 r2 r3
     visible = step_visibility(layout, 2, 3, 5, keys)
     assert visible.shape == (1, 1, 2, 7)
-    assert visible[0, 0].long().tolist() == [[1, 0, 0, 1, 1, 1, 0],
-                                             [1, 0, 0, 1, 1, 1, 1]]
+    assert visible[0, 0].long().tolist() == [[1, 0, 0, 1, 1, 1, 0], [1, 0, 0, 1, 1, 1, 1]]
     # a padding query still sees itself (no empty row)
     first_keys = key_keep(2, 2, memory_keep, window_keep[:, :2])
     first = step_visibility(layout, 2, 0, 2, first_keys)
-    assert first[0, 0].long().tolist() == [[1, 0, 1, 0],
-                                           [1, 0, 0, 1]]
-    assert step_visibility(layout, 2, 3, 5, None)[0, 0].long().tolist() == [[1, 1, 1, 1, 1, 1, 0],
-                                                                              [1, 1, 1, 1, 1, 1, 1]]
+    assert first[0, 0].long().tolist() == [[1, 0, 1, 0], [1, 0, 0, 1]]
+    assert step_visibility(layout, 2, 3, 5, None)[0, 0].long().tolist() == [
+        [1, 1, 1, 1, 1, 1, 0],
+        [1, 1, 1, 1, 1, 1, 1],
+    ]
     eager = attention_mask_for(first, first_keys, "eager", torch.float32, "cpu")
     assert eager[0, 0, 0].tolist() == [0.0, torch.finfo(torch.float32).min, 0.0, torch.finfo(torch.float32).min]
     assert attention_mask_for(first, first_keys, "sdpa", torch.float32, "cpu").dtype == torch.bool
     # flash-attn (full-coverage): no mask without padding, else the key mask (the padding query's own
     # column stays masked there)
     assert attention_mask_for(visible, None, "flash_attention_2", torch.float32, "cpu") is None
-    assert (attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist()
-            == [[1, 0, 0, 1, 1, 1, 1]])
+    assert attention_mask_for(visible, keys, "flash_attention_2", torch.float32, "cpu").tolist() == [
+        [1, 0, 0, 1, 1, 1, 1]
+    ]
 
 
 @pytest.mark.parametrize("length,ratio", [(95, 2), (96, 4)])
@@ -130,8 +170,11 @@ def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monke
     seen, cache = [], BeaconCache()
     rotary = model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward",
-                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids),
+    )
     with torch.no_grad():
         model(torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(0)), past_key_values=cache)
     assert cache.state.chosen_ratio == ratio and max(seen) < 64
@@ -141,20 +184,23 @@ def test_adapt_picks_the_smallest_ratio_whose_positions_fit(length, ratio, monke
     assert choose_ratio((2, 4), "adapt-0", 16, 64, 10**6, None, sink=1) == 4  # nothing fits: the largest
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"attn": "segmentation", "pos": "interleave"}, "segmentation with pos: interleave"),
-    ({"window": 100, "ratios": [3]}, "ratio 3 must be 0 or divide window 100"),
-    ({"attn": "step-expansion", "pos": "interleave", "attend_prev": True}, "attend_prev: true is not possible"),
-    ({"attend_prev": False}, "impossible with attn: full-coverage"),
-    ({"sink": 1024}, "sink"),
-    ({"params": ["q", "q"]}, "at most once"),
-    ({"lora_rank": 8}, "settings of projection: lora"),
-    ({"ratio_mix": "round-robin"}, "step-random, instance-random, sequence or adapt-N"),
-    ({"inference_ratios": [5]}, "inference_ratios: ratio 5"),
-    ({"layout_rule": "authors", "attn": "step-expansion"}, "hides window slots 0 and 1 instead of the beacons"),
-    ({"layout_rule": "authors", "attn": "segmentation", "pos": "append"}, "the authors' code fails there"),
-    ({"layout_rule": "paper"}, "layout_rule"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"attn": "segmentation", "pos": "interleave"}, "segmentation with pos: interleave"),
+        ({"window": 100, "ratios": [3]}, "ratio 3 must be 0 or divide window 100"),
+        ({"attn": "step-expansion", "pos": "interleave", "attend_prev": True}, "attend_prev: true is not possible"),
+        ({"attend_prev": False}, "impossible with attn: full-coverage"),
+        ({"sink": 1024}, "sink"),
+        ({"params": ["q", "q"]}, "at most once"),
+        ({"lora_rank": 8}, "settings of projection: lora"),
+        ({"ratio_mix": "round-robin"}, "step-random, instance-random, sequence or adapt-N"),
+        ({"inference_ratios": [5]}, "inference_ratios: ratio 5"),
+        ({"layout_rule": "authors", "attn": "step-expansion"}, "hides window slots 0 and 1 instead of the beacons"),
+        ({"layout_rule": "authors", "attn": "segmentation", "pos": "append"}, "the authors' code fails there"),
+        ({"layout_rule": "paper"}, "layout_rule"),
+    ],
+)
 def test_bad_settings_name_the_field(settings, message):
     with pytest.raises(ValueError, match=message):
         BeaconConfig(**settings)
@@ -167,8 +213,9 @@ def test_resolved_settings_write_out_what_is_implied():
 
 
 @pytest.mark.usefixtures("single_thread")
-@pytest.mark.parametrize("attn,pos", [("full-coverage", "interleave"), ("full-coverage", "append"),
-                                      ("step-expansion", "interleave")])
+@pytest.mark.parametrize(
+    "attn,pos", [("full-coverage", "interleave"), ("full-coverage", "append"), ("step-expansion", "interleave")]
+)
 @pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("length,positions", [(37, 256), (38, 256), (64, 256), (120, 64)])
 def test_window_span_is_the_largest_position_the_forward_uses(attn, pos, training, length, positions, monkeypatch):
@@ -183,15 +230,25 @@ def test_window_span_is_the_largest_position_the_forward_uses(attn, pos, trainin
     from longpeft.tiny import tiny_model
 
     model = tiny_model("llama", attn_implementation="sdpa", max_position_embeddings=positions)
-    settings = BeaconConfig(window=8, ratios=[2, 4, 8], inference_ratios=[2, 4, 8], inference_ratio_mix="adapt-4",
-                            sink=1, attn=attn, pos=pos).settings()
+    settings = BeaconConfig(
+        window=8,
+        ratios=[2, 4, 8],
+        inference_ratios=[2, 4, 8],
+        inference_ratio_mix="adapt-4",
+        sink=1,
+        attn=attn,
+        pos=pos,
+    ).settings()
     apply_beacon(model, settings)
     ids = torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(1))
     seen = []
     rotary = model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward",
-                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids),
+    )
     # draw ratios[0]
     monkeypatch.setattr(torch, "randint", lambda high, size, **kw: torch.zeros(size, dtype=torch.long))
     model.train(training)
@@ -230,8 +287,11 @@ def test_random_ratio_draws_in_training_never_pass_the_positions(mix, monkeypatc
     seen, drawn = [], []
     rotary = model.model.rotary_emb
     real_forward, real_choose = rotary.forward, scheduler.choose_ratio
-    monkeypatch.setattr(rotary, "forward",
-                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids),
+    )
     monkeypatch.setattr(scheduler, "choose_ratio", lambda *a, **k: drawn.append(real_choose(*a, **k)) or drawn[-1])
     model.train()
     torch.manual_seed(0)
@@ -260,8 +320,9 @@ def authors_choice(ratios: tuple[int, ...], window: int, positions: int, length:
     return admitted[0] if admitted else max(ratios)
 
 
-@pytest.mark.parametrize("window,positions,mix", [(8, 256, "adapt-16"), (16, 48, "adapt-0"),
-                                                  (1024, 8192, "adapt-1024")])
+@pytest.mark.parametrize(
+    "window,positions,mix", [(8, 256, "adapt-16"), (16, 48, "adapt-0"), (1024, 8192, "adapt-1024")]
+)
 @pytest.mark.parametrize("ratios", [(2, 4, 8), (8, 2, 4), (0, 2, 4)])
 def test_the_authors_adapt_rule_equals_a_token_by_token_count(window, positions, mix, ratios):
     """One length each side of every boundary of the reference (and a few between): ``layout_rule: authors`` picks
@@ -280,9 +341,21 @@ def test_the_authors_adapt_rule_equals_a_token_by_token_count(window, positions,
 def test_the_authors_rule_picks_a_smaller_ratio_just_below_each_boundary_on_llama3_8b():
     """Llama-3-8B, window 1024, sink 1, adapt-1024, ratios 2/4/8: the two rules part on 13,312-14,336 and
     27,648-28,672 prompt tokens."""
-    picks = {length: (choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1, rule="authors"),
-                      choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1))
-             for length in (13311, 13312, 14336, 14337, 27647, 27648, 28672, 28673)}
-    assert picks == {13311: (2, 2), 13312: (2, 4), 14336: (2, 4), 14337: (4, 4),
-                     27647: (4, 4), 27648: (4, 8), 28672: (4, 8), 28673: (8, 8)}
+    picks = {
+        length: (
+            choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1, rule="authors"),
+            choose_ratio((2, 4, 8), "adapt-1024", 1024, 8192, length, None, sink=1),
+        )
+        for length in (13311, 13312, 14336, 14337, 27647, 27648, 28672, 28673)
+    }
+    assert picks == {
+        13311: (2, 2),
+        13312: (2, 4),
+        14336: (2, 4),
+        14337: (4, 4),
+        27647: (4, 4),
+        27648: (4, 8),
+        28672: (4, 8),
+        28673: (8, 8),
+    }
     assert all(authors_choice((2, 4, 8), 1024, 8192, length + 1024) == ours for length, (ours, _) in picks.items())

@@ -64,8 +64,9 @@ def chunk_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
             if (i + 1) % ratio == 0:
                 slots.append(("beacon", (i + 1) // ratio - 1))
     else:  # appended beacons come with the window's last raw token
-        slots = [("raw", i) for i in range(n_raw)] + [("beacon", j) for j in range(WINDOW // ratio if n_raw == WINDOW
-                                                                                    else 0)]
+        slots = [("raw", i) for i in range(n_raw)] + [
+            ("beacon", j) for j in range(WINDOW // ratio if n_raw == WINDOW else 0)
+        ]
     attend_prev = not (attn == "step-expansion" and pos == "interleave")
     positions, mask = [], torch.zeros(len(slots), memory + len(slots), dtype=torch.bool)
     mask[:, :memory] = True
@@ -87,8 +88,16 @@ def chunk_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     return slots, positions, mask
 
 
-def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, sink: int = 0, keep_start: int = 0,
-                     keep_end: int | None = None) -> torch.Tensor:
+def reference_logits(
+    model,
+    ids: torch.Tensor,
+    attn: str,
+    pos: str,
+    ratio: int,
+    sink: int = 0,
+    keep_start: int = 0,
+    keep_end: int | None = None,
+) -> torch.Tensor:
     """Logits of ``ids [n]`` chunk by chunk."""
     config, backbone = model.config, model.model
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -107,11 +116,18 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         else:
             kept = (raw_rows[:sink] if windows == 0 else []) + beacon_rows
             windows += 1
-        x = torch.stack([backbone.embed_tokens.weight[ids[begin + i]] if kind == "raw"
-                         else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
+        x = torch.stack(
+            [
+                backbone.embed_tokens.weight[ids[begin + i]]
+                if kind == "raw"
+                else backbone.beacon_embed_tokens.weight[0]
+                for kind, i in slots
+            ]
+        )
         for index, layer in enumerate(backbone.layers):
-            x, k, v = reference_layer(layer, x, positions, mask, memory_k[index], memory_v[index], beacon_rows, theta,
-                                      heads)
+            x, k, v = reference_layer(
+                layer, x, positions, mask, memory_k[index], memory_v[index], beacon_rows, theta, heads
+            )
             if commits:  # memory entries, each key rotated directly at its memory position
                 moved = rope(k[:, kept], list(range(m, m + len(kept))), theta)
                 memory_k[index] = torch.cat([memory_k[index], moved], dim=1)
@@ -120,15 +136,24 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
     return torch.cat(logits)
 
 
-def beacon_model(layout: str, attn_implementation: str = "eager", parallel_windows: int = 1, arch: str = "llama",
-                 **kept):
+def beacon_model(
+    layout: str, attn_implementation: str = "eager", parallel_windows: int = 1, arch: str = "llama", **kept
+):
     """A tiny Llama (or ``arch``) with beacons whose weights differ from the copies they start as."""
     attn, pos, ratio, sink = LAYOUTS[layout]
     bias = {"attention_bias": True} if arch == "llama" else {}  # Qwen2 has q/k/v biases of its own
     model = tiny_model(arch, attn_implementation=attn_implementation, **bias)
     sink = 0 if kept.get("keep_start") else sink
-    config = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
-                          parallel_windows=parallel_windows, **kept)
+    config = BeaconConfig(
+        window=WINDOW,
+        ratios=[ratio],
+        attn=attn,
+        pos=pos,
+        sink=sink,
+        params=["q", "k", "v", "o"],
+        parallel_windows=parallel_windows,
+        **kept,
+    )
     apply_beacon(model, config.settings())
     perturb_beacon_weights(model, torch.Generator().manual_seed(0))
     return model, config
@@ -139,13 +164,15 @@ def forwards(monkeypatch):
     """Counts the runs of the stock decoder stack (one per window, or per group of windows)."""
     runs = []
     stock = modeling_llama.LlamaModel.forward
-    monkeypatch.setattr(modeling_llama.LlamaModel, "forward",
-                        lambda self, *a, **k: runs.append(1) or stock(self, *a, **k))
+    monkeypatch.setattr(
+        modeling_llama.LlamaModel, "forward", lambda self, *a, **k: runs.append(1) or stock(self, *a, **k)
+    )
     return runs
 
 
-def both_ways(model, ids: torch.Tensor, windows: int, forwards: list,
-              **kwargs) -> tuple[torch.Tensor, torch.Tensor, int]:
+def both_ways(
+    model, ids: torch.Tensor, windows: int, forwards: list, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Logits with one window per forward and with ``windows``, and how many decoder-stack runs the second took."""
     set_inference_settings(model, parallel_windows=1)
     with torch.no_grad():
@@ -263,8 +290,9 @@ def test_kept_start_and_end_equal_the_reference(layout, arch, keep_start, keep_e
     ids = torch.randint(3, 512, (43,), generator=torch.Generator().manual_seed(keep_start))
     one, parallel, _ = both_ways(model, ids[None], 3, forwards)
     with torch.no_grad():
-        expected = reference_logits(model, ids, config.attn, config.pos, config.ratios[0], config.sink, keep_start,
-                                    keep_end)
+        expected = reference_logits(
+            model, ids, config.attn, config.pos, config.ratios[0], config.sink, keep_start, keep_end
+        )
         unkept = reference_logits(model, ids, config.attn, config.pos, config.ratios[0], config.sink)
     torch.testing.assert_close(one[0], expected, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(parallel[0], expected, atol=2e-5, rtol=1e-5)
@@ -274,24 +302,30 @@ def test_kept_start_and_end_equal_the_reference(layout, arch, keep_start, keep_e
 @pytest.mark.parametrize("keep_start,keep_end", [(5, 21), (0, 16)])
 def test_decoding_into_the_kept_end_equals_the_reference(keep_start, keep_end):
     """Generated tokens past keep_end stay raw too (the prompt ends inside a condensed window)."""
-    model, config = beacon_model("full-coverage/interleave", parallel_windows=3, keep_start=keep_start,
-                                 keep_end=keep_end)
+    model, config = beacon_model(
+        "full-coverage/interleave", parallel_windows=3, keep_start=keep_start, keep_end=keep_end
+    )
     ids = torch.randint(3, 512, (36,), generator=torch.Generator().manual_seed(11))
     with torch.no_grad():
-        expected = reference_logits(model, ids, config.attn, config.pos, config.ratios[0], config.sink, keep_start,
-                                    keep_end)
+        expected = reference_logits(
+            model, ids, config.attn, config.pos, config.ratios[0], config.sink, keep_start, keep_end
+        )
     torch.testing.assert_close(decode_after_prefill(model, ids, 14), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("keep_start,keep_end", KEPT)
 def test_window_span_counts_the_kept_spans(keep_start, keep_end, monkeypatch):
     """The largest position the forward hands the rotary module is the span ``model_span`` reports."""
-    model, _ = beacon_model("full-coverage/interleave", "sdpa", parallel_windows=3, keep_start=keep_start,
-                            keep_end=keep_end)
+    model, _ = beacon_model(
+        "full-coverage/interleave", "sdpa", parallel_windows=3, keep_start=keep_start, keep_end=keep_end
+    )
     seen, rotary = [], model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward",
-                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids),
+    )
     for length in (4, 20, 43):
         seen.clear()
         with torch.no_grad():
@@ -299,12 +333,15 @@ def test_window_span_counts_the_kept_spans(keep_start, keep_end, monkeypatch):
         assert max(seen) + 1 == window_span(model.model.beacon_settings, length, 256)
 
 
-@pytest.mark.parametrize("settings,message", [
-    ({"keep_start": 4, "sink": 1}, "keep_start .4. keeps the first tokens in memory already; set sink: 0"),
-    ({"keep_start": 4, "keep_end": 10}, r"whole number of windows of 8 tokens.*keep_end: 12"),
-    ({"keep_end": 3}, r"keep_end: 0\)"),
-    ({"parallel_windows": 0}, "parallel_windows"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        ({"keep_start": 4, "sink": 1}, "keep_start .4. keeps the first tokens in memory already; set sink: 0"),
+        ({"keep_start": 4, "keep_end": 10}, r"whole number of windows of 8 tokens.*keep_end: 12"),
+        ({"keep_end": 3}, r"keep_end: 0\)"),
+        ({"parallel_windows": 0}, "parallel_windows"),
+    ],
+)
 def test_bad_kept_spans_and_parallel_windows_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
         BeaconConfig(window=8, ratios=[2], **settings)

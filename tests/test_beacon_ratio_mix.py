@@ -37,8 +37,9 @@ def authors_window_ratios(ratios, mix, window, length, training, draw=None):
             out.append((ratios[0], tuple(ratios)))
             history.append(ratios[0])
             continue
-        candidates = tuple(r for r in ratios
-                           if not (r == 0 and training and (0 in history or start + 2 * window > length)))
+        candidates = tuple(
+            r for r in ratios if not (r == 0 and training and (0 in history or start + 2 * window > length))
+        )
         if mix == "sequence":
             cycle = cycle or itertools.cycle(candidates)
             ratio = next(cycle)
@@ -64,10 +65,16 @@ def run_windows(monkeypatch):
     layout was built with, the candidates of each ``choose_ratio`` call, and the memory entries left in the cache."""
     layouts, draws = [], []
     real_layout, real_choose = scheduler.window_layout, scheduler.choose_ratio
-    monkeypatch.setattr(scheduler, "window_layout", lambda window, ratio, *rest: layouts.append(ratio)
-                        or real_layout(window, ratio, *rest))
-    monkeypatch.setattr(scheduler, "choose_ratio", lambda ratios, *rest, **kw: draws.append(tuple(ratios))
-                        or real_choose(ratios, *rest, **kw))
+    monkeypatch.setattr(
+        scheduler,
+        "window_layout",
+        lambda window, ratio, *rest: layouts.append(ratio) or real_layout(window, ratio, *rest),
+    )
+    monkeypatch.setattr(
+        scheduler,
+        "choose_ratio",
+        lambda ratios, *rest, **kw: draws.append(tuple(ratios)) or real_choose(ratios, *rest, **kw),
+    )
 
     def run(model, length, training, seed=0):
         layouts.clear()
@@ -83,16 +90,20 @@ def run_windows(monkeypatch):
 
 
 @pytest.mark.parametrize("training", [True, False])
-@pytest.mark.parametrize(("ratios", "length"), [
-    ((2, 4, 8), 5 * WINDOW + 3),
-    ((8, 2), 6 * WINDOW),
-    ((0, 2, 4), 6 * WINDOW + 1),  # 0 in the cycle (a full window follows the first), so it comes back
-    ((2, 0, 4), WINDOW + 5),  # training: no full window after the first, so 0 leaves the cycle
-    ((4,), 3 * WINDOW + 2),
-])
+@pytest.mark.parametrize(
+    ("ratios", "length"),
+    [
+        ((2, 4, 8), 5 * WINDOW + 3),
+        ((8, 2), 6 * WINDOW),
+        ((0, 2, 4), 6 * WINDOW + 1),  # 0 in the cycle (a full window follows the first), so it comes back
+        ((2, 0, 4), WINDOW + 5),  # training: no full window after the first, so 0 leaves the cycle
+        ((4,), 3 * WINDOW + 2),
+    ],
+)
 def test_sequence_mix_cycles_like_the_authors(ratios, length, training, run_windows):
-    model = beacon_model(ratio_mix="sequence", inference_ratios=list(ratios), inference_ratio_mix="sequence",
-                         ratios=list(ratios))
+    model = beacon_model(
+        ratio_mix="sequence", inference_ratios=list(ratios), inference_ratio_mix="sequence", ratios=list(ratios)
+    )
     layouts, _, memory = run_windows(model, length, training)
     reference = authors_window_ratios(ratios, "sequence", WINDOW, length, training)
     assert layouts == [0 if ratio is None else ratio for ratio, _ in reference]
@@ -108,8 +119,11 @@ def test_sequence_mix_takes_only_ratios_that_keep_the_input_inside_the_positions
     model = beacon_model(positions=64, ratios=[2, 4, 8], ratio_mix="sequence")
     rotary = model.model.rotary_emb
     real_forward = rotary.forward
-    monkeypatch.setattr(rotary, "forward",
-                        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids))
+    monkeypatch.setattr(
+        rotary,
+        "forward",
+        lambda x, position_ids: seen.append(int(position_ids.max())) or real_forward(x, position_ids),
+    )
     layouts, _, _ = run_windows(model, 120, True)
     assert layouts == [4, 8] * 7 + [0] and max(seen) < 64
 

@@ -34,8 +34,17 @@ def linear(x, layer):
     return x @ layer.weight.T + (layer.bias if layer.bias is not None else 0)
 
 
-def reference_layer(layer, x: torch.Tensor, positions: list[int], mask: torch.Tensor, memory_k: torch.Tensor,
-                    memory_v: torch.Tensor, beacon_rows: list[int], theta: float, heads: int):
+def reference_layer(
+    layer,
+    x: torch.Tensor,
+    positions: list[int],
+    mask: torch.Tensor,
+    memory_k: torch.Tensor,
+    memory_v: torch.Tensor,
+    beacon_rows: list[int],
+    theta: float,
+    heads: int,
+):
     """One decoder layer over a chunk's slots ``x [slots, hidden]`` (the beacon projections at ``beacon_rows``), each
     query reading the memory ``memory_k / memory_v [kv_heads, m, d]`` (keys already rotated) and the chunk's slots
     as ``mask [slots, m + slots]`` allows. Returns the layer's output and the slots' keys before rotation and values,
@@ -105,8 +114,9 @@ def window_rules(attn: str, pos: str, ratio: int, n_raw: int, memory: int):
     return slots, positions, mask
 
 
-def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, sink: int = SINK,
-                     rule: str = "longpeft") -> torch.Tensor:
+def reference_logits(
+    model, ids: torch.Tensor, attn: str, pos: str, ratio: int, sink: int = SINK, rule: str = "longpeft"
+) -> torch.Tensor:
     """Logits of the raw tokens of ``ids [n]`` with beacons, recomputed window by window. Ratio 0 keeps every raw
     token of a full window in memory. The sink, first in memory: ``rule`` longpeft, the first ``sink`` raw tokens
     (none besides the raw window at ratio 0); authors, the first ``sink`` slots of the first window whatever they
@@ -122,11 +132,16 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
         m = memory_k[0].shape[1]
         slots, positions, mask = window_rules(attn, pos, ratio, chunk.numel(), m)
         beacon_rows = [s for s, (kind, _) in enumerate(slots) if kind == "beacon"]
-        x = torch.stack([backbone.embed_tokens.weight[chunk[i]] if kind == "raw"
-                         else backbone.beacon_embed_tokens.weight[0] for kind, i in slots])
+        x = torch.stack(
+            [
+                backbone.embed_tokens.weight[chunk[i]] if kind == "raw" else backbone.beacon_embed_tokens.weight[0]
+                for kind, i in slots
+            ]
+        )
         for layer_index, layer in enumerate(backbone.layers):
-            x, k, v = reference_layer(layer, x, positions, mask, memory_k[layer_index], memory_v[layer_index],
-                                      beacon_rows, theta, heads)
+            x, k, v = reference_layer(
+                layer, x, positions, mask, memory_k[layer_index], memory_v[layer_index], beacon_rows, theta, heads
+            )
             # memory after a full window: sink raw tokens (window 0), then the beacons, each key rotated
             # directly at its memory position
             if chunk.numel() == WINDOW and begin + WINDOW < ids.numel():
@@ -147,8 +162,9 @@ def reference_logits(model, ids: torch.Tensor, attn: str, pos: str, ratio: int, 
 def beacon_model(attn: str, pos: str, ratio: int, sink: int = SINK, rule: str = "longpeft"):
     """A tiny Llama with beacons whose weights differ from the copies they start as."""
     model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
-    settings = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"],
-                            layout_rule=rule)
+    settings = BeaconConfig(
+        window=WINDOW, ratios=[ratio], attn=attn, pos=pos, sink=sink, params=["q", "k", "v", "o"], layout_rule=rule
+    )
     apply_beacon(model, settings.settings())
     perturb_beacon_weights(model, torch.Generator().manual_seed(0))
     return model
@@ -176,11 +192,19 @@ def test_a_sink_longer_than_the_ratio_sits_at_memory_positions_0_to_sink():
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("attn,pos,ratio,sink", [
-    ("full-coverage", "interleave", 2, 4),  # the sink holds raw 0, 1, beacon 0, raw 2 (beacon 0 is in memory twice)
-    ("full-coverage", "interleave", 0, 2),  # ratio 0: the sink, then the whole first window again
-    ("full-coverage", "append", 4, 2),  # the first slots are raw tokens: both rules agree
-])
+@pytest.mark.parametrize(
+    "attn,pos,ratio,sink",
+    [
+        (
+            "full-coverage",
+            "interleave",
+            2,
+            4,
+        ),  # the sink holds raw 0, 1, beacon 0, raw 2 (beacon 0 is in memory twice)
+        ("full-coverage", "interleave", 0, 2),  # ratio 0: the sink, then the whole first window again
+        ("full-coverage", "append", 4, 2),  # the first slots are raw tokens: both rules agree
+    ],
+)
 def test_the_authors_sink_layout_equals_the_dense_reference(attn, pos, ratio, sink):
     """``layout_rule: authors`` keeps the first ``sink`` slots of the first window (beacons included) and, at ratio
     0, stores them again before the window's raw tokens, as the authors' code does; longpeft's rule differs exactly

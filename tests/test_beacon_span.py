@@ -40,8 +40,9 @@ SCHEMES = [  # attn, pos, attend_prev
 LENGTHS = (1, 3, 4, 7, 8, 9, 15, 16, 17, 23, 24, 25, 33)
 
 
-def brute_span(window: int, ratio: int, sink: int, length: int, training: bool, attn: str, pos: str,
-               attend_prev: bool, rule: str) -> int:
+def brute_span(
+    window: int, ratio: int, sink: int, length: int, training: bool, attn: str, pos: str, attend_prev: bool, rule: str
+) -> int:
     """The largest position + 1 of ``length`` tokens, every window at ``ratio``, from the rules: the memory sits at
     ``0..M-1``; a window's raw token ``i`` and beacon ``j`` (beacon ``j`` condenses raw tokens up to
     ``(j + 1) ratio - 1``) follow it. Full coverage: each slot one position further, in slot order (interleaved: a
@@ -54,8 +55,11 @@ def brute_span(window: int, ratio: int, sink: int, length: int, training: bool, 
     while begin < length:
         n = min(window, length - begin)
         last = begin + n == length
-        beacons = [] if not ratio or (training and last) else [
-            j for j in range(window // ratio) if ((j + 1) * ratio if pos == "interleave" else window) <= n]
+        beacons = (
+            []
+            if not ratio or (training and last)
+            else [j for j in range(window // ratio) if ((j + 1) * ratio if pos == "interleave" else window) <= n]
+        )
         slot = 0
         for i in range(n):
             furthest = max(furthest, memory + (slot if attn == "full-coverage" else i) + 1)
@@ -112,8 +116,17 @@ def settings_grid(scheme, sinks=(0, 1, 3), **extra):
         authors_allowed = attn != "segmentation" and (attn, pos) != ("step-expansion", "interleave")
         if rule == "authors" and not (authors_allowed and sink == max(sinks)):
             continue
-        config = BeaconConfig(window=WINDOW, ratios=[ratio], attn=attn, pos=pos, attend_prev=attend_prev, sink=sink,
-                              layout_rule=rule, parallel_windows=1, **extra)
+        config = BeaconConfig(
+            window=WINDOW,
+            ratios=[ratio],
+            attn=attn,
+            pos=pos,
+            attend_prev=attend_prev,
+            sink=sink,
+            layout_rule=rule,
+            parallel_windows=1,
+            **extra,
+        )
         yield ratio, sink, rule, config.settings()
 
 
@@ -153,14 +166,18 @@ def test_span_at_counts_the_kept_start_and_end(recorded, scheme):
                 assert keys == span_at(WINDOW, sink, ratio, length, False, rule, keep, scheme, keys=True), where
 
 
-@pytest.mark.parametrize("scheme,sink,halved", [
-    # (first, last prompt tokens, ratio) where the adaptive ratio is half the one the recipes' layout takes (full
-    # coverage, interleaved beacons: W / r beacons in every full window and those their raw tokens brought in the
-    # last): appended beacons are not there before their window is full, stepwise expansion's take raw positions
-    (("full-coverage", "append", True), 0, [(13996, 14335, 2), (28468, 28671, 4)]),
-    (("step-expansion", "interleave", False), 1, [(13312, 14335, 2), (27648, 28671, 4)]),
-    (("full-coverage", "append", True), 1, []),  # sink 1 moves the borders off the lengths where the counts differ
-], ids=["append-sink0", "step-expansion-interleave-sink1", "append-sink1"])
+@pytest.mark.parametrize(
+    "scheme,sink,halved",
+    [
+        # (first, last prompt tokens, ratio) where the adaptive ratio is half the one the recipes' layout takes (full
+        # coverage, interleaved beacons: W / r beacons in every full window and those their raw tokens brought in the
+        # last): appended beacons are not there before their window is full, stepwise expansion's take raw positions
+        (("full-coverage", "append", True), 0, [(13996, 14335, 2), (28468, 28671, 4)]),
+        (("step-expansion", "interleave", False), 1, [(13312, 14335, 2), (27648, 28671, 4)]),
+        (("full-coverage", "append", True), 1, []),  # sink 1 moves the borders off the lengths where the counts differ
+    ],
+    ids=["append-sink0", "step-expansion-interleave-sink1", "append-sink1"],
+)
 def test_adapt_1024_on_llama3_8b_takes_the_smallest_ratio_that_fits(scheme, sink, halved):
     """Llama-3-8B (window 1024, 8,192 positions, ratios 2/4/8), adapt-1024, one length each side of the borders:
     the ratio is the smallest whose brute-force span of the prompt plus 1,024 tokens fits; ``layout_rule: authors``
@@ -168,12 +185,14 @@ def test_adapt_1024_on_llama3_8b_takes_the_smallest_ratio_that_fits(scheme, sink
     window, positions, ratios = 1024, 8192, (2, 4, 8)
     borders = (13312, 13996, 14336, 28468, 28672) if sink == 0 else (13312, 13996, 14336, 27648, 28672)
     for length in sorted({b + side for b in borders for side in (-1, 0)}):
-        fits = [r for r in ratios
-                if brute_span(window, r, sink, length + 1024, False, *scheme, "longpeft") <= positions]
+        fits = [
+            r for r in ratios if brute_span(window, r, sink, length + 1024, False, *scheme, "longpeft") <= positions
+        ]
         ours = choose_ratio(ratios, "adapt-1024", window, positions, length, None, sink=sink, scheme=scheme)
         assert ours == min(fits, default=max(ratios)), length
-        authors = choose_ratio(ratios, "adapt-1024", window, positions, length, None, sink=sink, rule="authors",
-                               scheme=scheme)
+        authors = choose_ratio(
+            ratios, "adapt-1024", window, positions, length, None, sink=sink, rule="authors", scheme=scheme
+        )
         assert authors == authors_choice(ratios, window, positions, length + 1024), length
         recipes = choose_ratio(ratios, "adapt-1024", window, positions, length, None, sink=sink)
         half = [ratio for first, last, ratio in halved if first <= length <= last]
@@ -192,8 +211,19 @@ def test_every_mix_of_the_fitting_ratios_stays_inside_the_positions(recorded, mo
     backbone, _ = recorded
     picks: list[int] = []
 
-    def forced(ratios, mix, window, max_positions, length, chosen, sink=0, training=False, rule="longpeft",
-               keep=(0, None), scheme=None):
+    def forced(
+        ratios,
+        mix,
+        window,
+        max_positions,
+        length,
+        chosen,
+        sink=0,
+        training=False,
+        rule="longpeft",
+        keep=(0, None),
+        scheme=None,
+    ):
         offered = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
         return offered[picks.pop(0) % len(offered)] if picks else offered[0]
 
@@ -202,8 +232,14 @@ def test_every_mix_of_the_fitting_ratios_stays_inside_the_positions(recorded, mo
     unchecked = fitting_ratios((0, 2), WINDOW, 0, 18, 17, True)
     assert unchecked == (2,)  # 0 alone fits (17 positions), 2 alone fits (16), but 0 then 2 would take 20
     for sink, length in itertools.product((0, 1, 3), (17, 24, 25, 33)):
-        settings = BeaconConfig(window=WINDOW, ratios=[0, 2], ratio_mix="step-random", sink=sink,
-                                zero_ratio_rule=zero_rule, parallel_windows=1).settings()
+        settings = BeaconConfig(
+            window=WINDOW,
+            ratios=[0, 2],
+            ratio_mix="step-random",
+            sink=sink,
+            zero_ratio_rule=zero_rule,
+            parallel_windows=1,
+        ).settings()
         for positions in range(length - 2, length + sink + WINDOW // 2 + 2):
             if span_at(WINDOW, sink, 2, length, True) > positions:
                 continue  # no ratio fits: the largest is taken, and the sample is too long for the base

@@ -45,8 +45,9 @@ def test_cache_keyword_is_the_installed_llama_forwards():
 def layer_call(model) -> tuple[torch.nn.Module, dict]:
     """Layer 0's attention module and the keyword arguments its decoder layer passes it for ``IDS``, cache removed."""
     attention, captured = attention_modules(model)[0], {}
-    handle = attention.register_forward_pre_hook(lambda module, args, kwargs: captured.update(kwargs),
-                                                 with_kwargs=True)
+    handle = attention.register_forward_pre_hook(
+        lambda module, args, kwargs: captured.update(kwargs), with_kwargs=True
+    )
     with torch.no_grad():
         model(IDS, use_cache=False)
     handle.remove()

@@ -44,8 +44,9 @@ class CountOps(TorchDispatchMode):
 def lora_model():
     """A tiny Llama with LoRA on attention and MLP projections (non-zero B, so every LoRA weight gets a gradient)."""
     model = tiny_model("llama", seed=0, attn_implementation="sdpa", num_hidden_layers=LAYERS)
-    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"],
-                                            init_lora_weights=False))
+    return get_peft_model(
+        model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], init_lora_weights=False)
+    )
 
 
 def train_step(base, settings=None, tile_tokens=None, seq=48, device="cpu"):
@@ -67,13 +68,16 @@ def train_step(base, settings=None, tile_tokens=None, seq=48, device="cpu"):
     return loss.detach(), grads, ops, model, offloader
 
 
-@pytest.mark.parametrize("settings", [
-    CheckpointSettings(LAYERS, keep_attention=LAYERS),
-    CheckpointSettings(2, keep_attention=1),
-    CheckpointSettings(0),
-    CheckpointSettings(LAYERS, keep_attention=2, offload=True),
-    CheckpointSettings(3, keep_attention=0, offload=True),
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        CheckpointSettings(LAYERS, keep_attention=LAYERS),
+        CheckpointSettings(2, keep_attention=1),
+        CheckpointSettings(0),
+        CheckpointSettings(LAYERS, keep_attention=2, offload=True),
+        CheckpointSettings(3, keep_attention=0, offload=True),
+    ],
+)
 def test_each_setting_gives_the_losses_and_gradients_of_plain_checkpointing(lora_model, settings):
     loss, grads, _, _, _ = train_step(lora_model)
     kept_loss, kept_grads, ops, _, offloader = train_step(lora_model, settings)
@@ -99,16 +103,18 @@ def test_offloaded_inputs_on_cuda_give_the_gradients_of_plain_checkpointing_from
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = {segment["address"] for segment in torch.cuda.memory_snapshot()}
-    kept_loss, kept_grads, _, _, offloader = train_step(lora_model, CheckpointSettings(LAYERS, offload=True),
-                                                       seq=4096, device="cuda")
+    kept_loss, kept_grads, _, _, offloader = train_step(
+        lora_model, CheckpointSettings(LAYERS, offload=True), seq=4096, device="cuda"
+    )
     torch.cuda.synchronize()
     made = [segment for segment in torch.cuda.memory_snapshot() if segment["address"] not in before]
     assert made and {segment["stream"] for segment in made} == {torch.cuda.current_stream().cuda_stream}
     assert (offloader.offloaded, offloader.prefetched) == (LAYERS - 1, LAYERS - 2)
     assert torch.equal(kept_loss, loss) and kept_grads.keys() == grads.keys()
     for name in grads:
-        torch.testing.assert_close(kept_grads[name], grads[name], rtol=1e-5, atol=1e-6,
-                                   msg=lambda text, name=name: f"{name}: {text}")
+        torch.testing.assert_close(
+            kept_grads[name], grads[name], rtol=1e-5, atol=1e-6, msg=lambda text, name=name: f"{name}: {text}"
+        )
 
 
 def test_plain_checkpointing_recomputes_every_attention_forward(lora_model):
@@ -127,7 +133,8 @@ def test_apply_checkpointing_sets_each_layer_and_refuses_more_layers_than_the_mo
     with pytest.raises(ValueError, match="keep_attention"):
         CheckpointSettings(2, keep_attention=3)
     assert CheckpointSettings(32, 24, True).describe(32) == (
-        "32 of 32 layers checkpointed, attention kept in 24, inputs offloaded to CPU memory")
+        "32 of 32 layers checkpointed, attention kept in 24, inputs offloaded to CPU memory"
+    )
 
 
 class MLPCalls:
@@ -142,11 +149,14 @@ class MLPCalls:
         self.count += 1
 
 
-@pytest.mark.parametrize(("settings", "tile"), [
-    (None, 16),  # checkpointed layers
-    (CheckpointSettings(0), 7),  # no checkpointing: the tiles' backward recomputes each tile
-    (CheckpointSettings(LAYERS, keep_attention=LAYERS, offload=True), 13),  # with the other levers
-])
+@pytest.mark.parametrize(
+    ("settings", "tile"),
+    [
+        (None, 16),  # checkpointed layers
+        (CheckpointSettings(0), 7),  # no checkpointing: the tiles' backward recomputes each tile
+        (CheckpointSettings(LAYERS, keep_attention=LAYERS, offload=True), 13),  # with the other levers
+    ],
+)
 def test_the_tiled_mlp_matches_the_untiled_one(lora_model, settings, tile):
     loss, grads, _, _, _ = train_step(lora_model)
     tiled_loss, tiled_grads, _, model, _ = train_step(lora_model, settings, tile)
@@ -192,6 +202,7 @@ def test_the_tiled_mlp_runs_untiled_without_gradients_or_when_shorter_than_a_til
 
 # --- the planner ---------------------------------------------------------------------------------------------
 
+
 def test_activation_terms_against_a_direct_count():
     shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
     tokens, b = 81920, 2
@@ -200,9 +211,12 @@ def test_activation_terms_against_a_direct_count():
     full = activation_terms(shape, CheckpointSettings(32), tokens, b)
     assert full == {"checkpointed layer inputs": 32 * tokens * hidden * b, "one layer's recompute": layer}
     kept = activation_terms(shape, CheckpointSettings(30, keep_attention=20, offload=True), tokens, b)
-    assert kept == {"checkpointed layer inputs": 2 * tokens * hidden * b,
-                    "kept attention outputs": 20 * tokens * (32 * 128 * b + 32 * 4),
-                    "layers not checkpointed": 2 * layer, "one layer's recompute": layer}
+    assert kept == {
+        "checkpointed layer inputs": 2 * tokens * hidden * b,
+        "kept attention outputs": 20 * tokens * (32 * 128 * b + 32 * 4),
+        "layers not checkpointed": 2 * layer,
+        "one layer's recompute": layer,
+    }
     tiled = activation_terms(shape, CheckpointSettings(32, offload=True), tokens, b, mlp_tile_tokens=4096)
     assert tiled["one layer's recompute"] == tokens * (6 * hidden + 2 * kv) * b + 4096 * 4 * inter * b
     assert activation_terms(shape, CheckpointSettings(0), tokens, b) == {"all layers' activations": 32 * layer}
@@ -217,29 +231,46 @@ def test_kept_attention_saves_its_recompute_in_the_planned_time():
     assert kept.attention_flops_per_token == pytest.approx(reference.attention_flops_per_token * 3 / 4)
     assert kept.flops_per_token == pytest.approx(reference.flops_per_token - reference.attention_flops_per_token / 4)
     unchecked = estimate(plain, gpus=1, shape=shape, checkpointing=CheckpointSettings(0))
-    layer_params = shape.linear_params + plain.lora.r * 32 * sum(sum(shape.projection_shape(n))
-                                                                for n in plain.lora.target_modules)
+    layer_params = shape.linear_params + plain.lora.r * 32 * sum(
+        sum(shape.projection_shape(n)) for n in plain.lora.target_modules
+    )
     assert reference.flops_per_token - unchecked.flops_per_token == pytest.approx(
-        2 * layer_params + reference.attention_flops_per_token / 4)
+        2 * layer_params + reference.attention_flops_per_token / 4
+    )
 
 
 def test_auto_keeps_attention_first_at_long_lengths_and_stays_within_the_budget():
-    recipe = load_recipe("llama3-8b-instruct-80k-qlora", ["train.keep_attention=auto", "train.checkpoint_layers=auto",
-                                                          "train.offload_checkpoints=true",
-                                                          "train.memory_budget_gib=55"])
+    recipe = load_recipe(
+        "llama3-8b-instruct-80k-qlora",
+        [
+            "train.keep_attention=auto",
+            "train.checkpoint_layers=auto",
+            "train.offload_checkpoints=true",
+            "train.memory_budget_gib=55",
+        ],
+    )
     shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
     chosen = resolve_checkpointing(recipe, shape, gpu_memory_gib=80)
     plan = estimate(recipe, gpus=1, shape=shape, checkpointing=chosen)
     assert chosen.checkpointed == 32 and 0 < chosen.keep_attention < 32 and chosen.offload
-    assert plan.peak_bytes <= 55 * GiB < estimate(recipe, gpus=1, shape=shape, checkpointing=CheckpointSettings(
-        32, chosen.keep_attention + 1, True)).peak_bytes  # one more kept layer would not fit
+    assert (
+        plan.peak_bytes
+        <= 55 * GiB
+        < estimate(
+            recipe, gpus=1, shape=shape, checkpointing=CheckpointSettings(32, chosen.keep_attention + 1, True)
+        ).peak_bytes
+    )  # one more kept layer would not fit
     assert estimate(recipe, gpus=1, shape=shape).assumptions["checkpointing"] == {
-        "checkpointed": 32, "keep_attention": chosen.keep_attention, "offload": True}
+        "checkpointed": 32,
+        "keep_attention": chosen.keep_attention,
+        "offload": True,
+    }
 
 
 def test_choose_checkpointing_takes_the_most_time_per_byte():
     """A toy plan of 4 layers: keeping an attention output saves 3 s for 1 byte; an unchecked layer saves 5 s for 4
     bytes (it keeps everything, its attention too: from a layer that kept its attention, 2 s for 3 bytes)."""
+
     class Toy:
         def __init__(self, settings):
             kept, unchecked = settings.keep_attention, 4 - settings.checkpointed
@@ -258,8 +289,21 @@ def test_choose_checkpointing_takes_the_most_time_per_byte():
 def test_the_plan_table_says_what_each_layer_keeps(capsys):
     from longpeft.cli import main
 
-    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "1", "--set", "train.offload_checkpoints=true",
-                 "--set", "train.keep_attention=auto"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "llama3-8b-instruct-80k-qlora",
+                "--gpus",
+                "1",
+                "--set",
+                "train.offload_checkpoints=true",
+                "--set",
+                "train.keep_attention=auto",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "checkpointing: 32 of 32 layers checkpointed, attention kept in 32, inputs offloaded to CPU memory" in out
     assert "kept attention outputs" in out
@@ -267,15 +311,24 @@ def test_the_plan_table_says_what_each_layer_keeps(capsys):
 
 # --- recipe keys ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["train.gradient_checkpointing=false", "train.keep_attention=all"], "train.keep_attention shapes activation "
-     "checkpointing"),
-    (["train.offload_checkpoints=true", "train.activation_offloading=true"], "use one"),
-    (["train.keep_attention=-1"], "must be a number of layers >= 0"),
-    (["train.mlp_tile_tokens=0"], "train.mlp_tile_tokens"),
-    (["train.memory_budget_gib=nan"], "train.memory_budget_gib"),
-    (["train.backend=unsloth", "train.offload_checkpoints=true"], "train.offload_checkpoints (unsloth checkpoints"),
-])
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.gradient_checkpointing=false", "train.keep_attention=all"],
+            "train.keep_attention shapes activation checkpointing",
+        ),
+        (["train.offload_checkpoints=true", "train.activation_offloading=true"], "use one"),
+        (["train.keep_attention=-1"], "must be a number of layers >= 0"),
+        (["train.mlp_tile_tokens=0"], "train.mlp_tile_tokens"),
+        (["train.memory_budget_gib=nan"], "train.memory_budget_gib"),
+        (
+            ["train.backend=unsloth", "train.offload_checkpoints=true"],
+            "train.offload_checkpoints (unsloth checkpoints",
+        ),
+    ],
+)
 def test_bad_memory_settings_are_refused_naming_the_key(overrides, message):
     from longpeft.errors import ConfigError
 
@@ -289,10 +342,13 @@ def test_layers_beyond_the_model_are_refused():
         resolve_checkpointing(recipe, shape_of("tiny:llama"))
 
 
-@pytest.mark.parametrize(("recipe", "overrides", "message"), [
-    ("tiny-harpe-cpu", [], "train.use_liger_kernel with harpe: its attention forward rotates"),
-    ("tiny-cpu", [], "Liger's kernels are Triton kernels for CUDA GPUs"),
-])
+@pytest.mark.parametrize(
+    ("recipe", "overrides", "message"),
+    [
+        ("tiny-harpe-cpu", [], "train.use_liger_kernel with harpe: its attention forward rotates"),
+        ("tiny-cpu", [], "Liger's kernels are Triton kernels for CUDA GPUs"),
+    ],
+)
 def test_liger_is_refused_with_the_reason(recipe, overrides, message):
     from longpeft.recipes.memory import check_liger
 
@@ -315,8 +371,15 @@ def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path):
         return [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)], resolved["checkpointing"]
 
     plain, none = losses("plain", [])
-    levers, recorded = losses("levers", ["train.checkpoint_layers=1", "train.keep_attention=all",
-                                         "train.offload_checkpoints=true", "train.mlp_tile_tokens=64"])
+    levers, recorded = losses(
+        "levers",
+        [
+            "train.checkpoint_layers=1",
+            "train.keep_attention=all",
+            "train.offload_checkpoints=true",
+            "train.mlp_tile_tokens=64",
+        ],
+    )
     assert none is None and recorded == {"checkpointed": 1, "keep_attention": 1, "offload": True}
     assert levers == pytest.approx(plain, rel=1e-5)
 
@@ -336,12 +399,22 @@ def test_planner_against_the_kept_attention_run_measured_on_an_h100():
     report = json.loads((root / "docs/measurements/h100-2026-11-27/qlora_kept_offload_81920.json").read_text())
     run = report["runs"]["kept81920"]
     overrides = ["train.keep_attention=auto", "train.offload_checkpoints=true", "train.memory_budget_gib=57"]
-    recipe = gpu_check.recipe_for(Path("base"), Path("train.jsonl"), Path("out"), "sdpa", run["tokens"], 2, False,
-                                  overrides)
-    plan = estimate(recipe, gpus=1, gpu_memory_gib=79.2, gpu="h100", samples=2,
-                    shape=shape_of("meta-llama/Meta-Llama-3-8B-Instruct"))
-    assert plan.assumptions["checkpointing"] == run["checkpointing"] == {"checkpointed": 32, "keep_attention": 28,
-                                                                          "offload": True}
+    recipe = gpu_check.recipe_for(
+        Path("base"), Path("train.jsonl"), Path("out"), "sdpa", run["tokens"], 2, False, overrides
+    )
+    plan = estimate(
+        recipe,
+        gpus=1,
+        gpu_memory_gib=79.2,
+        gpu="h100",
+        samples=2,
+        shape=shape_of("meta-llama/Meta-Llama-3-8B-Instruct"),
+    )
+    assert (
+        plan.assumptions["checkpointing"]
+        == run["checkpointing"]
+        == {"checkpointed": 32, "keep_attention": 28, "offload": True}
+    )
     step = plan.hours * 3600 / 2
     assert abs(step / statistics.median(run["step_seconds"][1:]) - 1) < 0.05
     terms = plan.peak_bytes - plan.terms["runtime (CUDA context, fragmentation)"]

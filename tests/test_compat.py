@@ -28,7 +28,8 @@ def test_torch_chunked_log_probs_equal_full_logits_with_gradients(monkeypatch, s
     bias = torch.randn(50, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 50, (20,))
     logprobs, entropy, log_sum_sq, mean_logits, is_top1 = TorchChunkedLogProb.apply(
-        hidden, weight, bias, targets, 0.7, 32768, softcap, 1.3)
+        hidden, weight, bias, targets, 0.7, 32768, softcap, 1.3
+    )
     want_logprobs, want_entropy, log_p = reference(hidden, weight, bias, targets, 0.7, softcap, 1.3)
     torch.testing.assert_close(logprobs, want_logprobs.float())
     torch.testing.assert_close(entropy, want_entropy.float())
@@ -42,8 +43,17 @@ def test_torch_chunked_log_probs_equal_full_logits_with_gradients(monkeypatch, s
 
 
 def test_no_labels_give_empty_outputs():
-    out = TorchChunkedLogProb.apply(torch.zeros(0, 4), torch.randn(9, 4), None, torch.zeros(0, dtype=torch.long),
-                                    1.0, 32768, None, 1.0, ("entropy",))
+    out = TorchChunkedLogProb.apply(
+        torch.zeros(0, 4),
+        torch.randn(9, 4),
+        None,
+        torch.zeros(0, dtype=torch.long),
+        1.0,
+        32768,
+        None,
+        1.0,
+        ("entropy",),
+    )
     assert out[0].shape == (0,) and out[1].shape == (0,) and out[2] is None and out[4] is None
 
 

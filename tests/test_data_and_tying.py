@@ -74,8 +74,10 @@ def test_a_conversation_that_opens_with_the_assistant_scores_only_its_turns(name
     prompt were scored with the answer."""
     tokenizer = marker_free_tokenizer(name.split("+")[0])
     if name.endswith("default-system"):  # Qwen2.5's: a system turn is added when the conversation has none
-        tokenizer.chat_template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
-                                   "assistant.<|im_end|>\n{% endif %}" + CHATML_TEMPLATE)
+        tokenizer.chat_template = (
+            "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful "
+            "assistant.<|im_end|>\n{% endif %}" + CHATML_TEMPLATE
+        )
     conversation = [{"role": "assistant", "content": "Hello, how can I help?"}, *CONVERSATION[1:3]]
     row = tokenize_conversation(tokenizer, conversation, assistant_only=True)
     masked = [i for i, m in zip(row["input_ids"], row["assistant_masks"], strict=True) if m]
@@ -108,8 +110,9 @@ def test_cached_tokenization_is_redone_when_longpeft_tokenizing_code_changes(tmp
     tokenizer = marker_free_tokenizer("llama3")
 
     def cache_file() -> str:
-        rows = load_dataset("json", data_files=str(tmp_path / "chat.jsonl"), split="train",
-                            cache_dir=str(tmp_path / "c"))
+        rows = load_dataset(
+            "json", data_files=str(tmp_path / "chat.jsonl"), split="train", cache_dir=str(tmp_path / "c")
+        )
         return data.tokenize_dataset(rows, tokenizer, True).cache_files[0]["filename"]
 
     first = cache_file()
@@ -138,9 +141,17 @@ def test_training_runs_on_a_marker_free_chat_template(tmp_path, chat_jsonl):
     tokenizer.save_pretrained(base)
     recipe = load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
-         "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"],
+        [
+            f"model.name_or_path={base}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "lora.embeddings=none",
+        ],
     )
     result = run(recipe)
     assert result.metrics["steps"] == 1 and result.metrics["final_loss"] > 0
@@ -177,10 +188,18 @@ def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_js
     tokenizer.save_pretrained(base)
     recipe = load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "train.global_batch_size=1",
-         "train.per_device_batch_size=1", "lora.r=2", "train.learning_rate=0.05",
-         *embedding_overrides(embeddings, tokenizer)],
+        [
+            f"model.name_or_path={base}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=2",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "train.learning_rate=0.05",
+            *embedding_overrides(embeddings, tokenizer),
+        ],
     )
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
@@ -209,7 +228,9 @@ def test_trained_embedding_on_tied_and_untied_bases(tmp_path, tokenizer, chat_js
     torch.save(ids, tmp_path / "ids.pt")
     out = subprocess.run(
         [sys.executable, "-c", PLAIN_LOAD, str(merged_dir), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert f"TIED {tied}" in out.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), expected, atol=1e-4, rtol=1e-4)
@@ -221,12 +242,21 @@ def test_fused_loss_with_token_indices_on_a_tied_base_equals_the_plain_model_los
     base = tmp_path / "base"
     tiny_model("llama", vocab_size=len(tokenizer), tie_word_embeddings=True).save_pretrained(base)
     tokenizer.save_pretrained(base)
-    prepared = prepare(load_recipe(
-        "tiny-cpu",
-        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256",
-         f"output_dir={tmp_path / 'run'}", "train.per_device_batch_size=2", "train.global_batch_size=2", "lora.r=2",
-         *embedding_overrides("token_indices", tokenizer)],
-    ))
+    prepared = prepare(
+        load_recipe(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={base}",
+                f"data.source={chat_jsonl}",
+                "data.max_length=256",
+                f"output_dir={tmp_path / 'run'}",
+                "train.per_device_batch_size=2",
+                "train.global_batch_size=2",
+                "lora.r=2",
+                *embedding_overrides("token_indices", tokenizer),
+            ],
+        )
+    )
     model = prepared.trainer.model.eval()
     rows = passkey_rows(tokenizer)
     trained = torch.randn(len(rows), model.config.hidden_size, generator=torch.Generator().manual_seed(0))
@@ -259,16 +289,33 @@ def test_token_indices_on_a_tied_head_with_a_bias_is_refused(tokenizer):
 
 
 @pytest.mark.parametrize("embeddings", ["token_indices", "full"])
-def test_a_trained_embedding_beside_activation_beacon_leaves_the_beacon_row_alone(tmp_path, tiny_base_dirs, tokenizer,
-                                                                                  chat_jsonl, embeddings):
+def test_a_trained_embedding_beside_activation_beacon_leaves_the_beacon_row_alone(
+    tmp_path, tiny_base_dirs, tokenizer, chat_jsonl, embeddings
+):
     """peft matches module names by suffix: ``embed_tokens`` also wrapped the beacon's one-row
     ``beacon_embed_tokens`` (token_indices: IndexError in prepare; full: a second trained copy of the beacon row)."""
-    recipe = load_recipe("tiny-beacon-cpu", [
-        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-        f"output_dir={tmp_path / 'run'}", "beacon.window=16", "train.max_steps=1", "train.per_device_batch_size=1",
-        "train.global_batch_size=1", "finetune=lora", "lora.r=2", *embedding_overrides(embeddings, tokenizer)])
+    recipe = load_recipe(
+        "tiny-beacon-cpu",
+        [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            f"output_dir={tmp_path / 'run'}",
+            "beacon.window=16",
+            "train.max_steps=1",
+            "train.per_device_batch_size=1",
+            "train.global_batch_size=1",
+            "finetune=lora",
+            "lora.r=2",
+            *embedding_overrides(embeddings, tokenizer),
+        ],
+    )
     model = prepare(recipe).trainer.model
-    wrapped = [name for name, module in model.named_modules() if "beacon_embed_tokens" in name
-               and type(module).__name__ in ("TrainableTokensWrapper", "ModulesToSaveWrapper")]
+    wrapped = [
+        name
+        for name, module in model.named_modules()
+        if "beacon_embed_tokens" in name
+        and type(module).__name__ in ("TrainableTokensWrapper", "ModulesToSaveWrapper")
+    ]
     assert wrapped == []
     assert type(model.get_input_embeddings()).__name__ in ("TrainableTokensWrapper", "ModulesToSaveWrapper")

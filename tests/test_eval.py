@@ -26,9 +26,13 @@ def greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size=4):
     """Greedy continuations of token-id ``prompts``, ``batch_size`` at a time, as the eval tasks run them."""
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
-    return [text for start in range(0, len(prompts), batch_size)
-            for text in generate_batch(model, tokenizer, prompts[start:start + batch_size], max_new_tokens, eos_ids,
-                                       pad_id)]
+    return [
+        text
+        for start in range(0, len(prompts), batch_size)
+        for text in generate_batch(
+            model, tokenizer, prompts[start : start + batch_size], max_new_tokens, eos_ids, pad_id
+        )
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +66,23 @@ class CopyingModel:
         return None
 
     def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kwargs):
-        self.calls.append({"batch": input_ids.shape[0], "eos": eos_token_id,
-                           "padded_left": bool((attention_mask[:, 0] == 0).any()),
-                           "lengths": attention_mask.sum(dim=1).tolist()})
+        self.calls.append(
+            {
+                "batch": input_ids.shape[0],
+                "eos": eos_token_id,
+                "padded_left": bool((attention_mask[:, 0] == 0).any()),
+                "lengths": attention_mask.sum(dim=1).tolist(),
+            }
+        )
         rows = []
         for ids, mask in zip(input_ids, attention_mask):
             real = ids[mask.bool()].tolist()
             seen = real if self.visible is None else real[-self.visible :]
             found = self.answer(self.tokenizer.decode(seen))
             guess = "".join(str(int(d)) for d in torch.randint(0, 10, (self.digits,), generator=self.rng))
-            new = (self.tokenizer.encode(self.reply.format(found or guess), add_special_tokens=False)
-                   + [eos_token_id[-1]])
+            new = self.tokenizer.encode(self.reply.format(found or guess), add_special_tokens=False) + [
+                eos_token_id[-1]
+            ]
             new = (new + [pad_token_id] * max_new_tokens)[:max_new_tokens]
             rows.append(torch.cat([ids, torch.tensor(new)]))
         return torch.stack(rows)
@@ -80,8 +90,9 @@ class CopyingModel:
 
 def test_oracle_scores_100_percent_and_heatmap_is_written(tokenizer, tmp_path):
     model = CopyingModel(tokenizer)
-    result = niah_grid(model, tokenizer, lengths=[400, 700], depths=[0.0, 0.5, 1.0], n_samples=3, out_dir=tmp_path,
-                       batch_size=4)
+    result = niah_grid(
+        model, tokenizer, lengths=[400, 700], depths=[0.0, 0.5, 1.0], n_samples=3, out_dir=tmp_path, batch_size=4
+    )
     assert result["score"] == 1.0
     assert all(cell["score"] == 1.0 and cell["n"] == 3 for cell in result["cells"])
     assert len(result["cells"]) == 6
@@ -99,8 +110,12 @@ def test_an_adapter_folder_given_as_model_is_loaded_with_its_longpeft_json(saved
     model with the LoRA weights and without longpeft.json's changes."""
     base_dir, adapter_dir = saved_base_and_adapter
     flags = ["--string", "--string-window", "16", "--lengths", "256", "--depths", "0.5", "--samples", "1"]
-    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), *flags,
-                   "--out", str(tmp_path / "pair")) == 0
+    assert (
+        run_cli(
+            "passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), *flags, "--out", str(tmp_path / "pair")
+        )
+        == 0
+    )
     assert run_cli("passkey", "--model", str(adapter_dir), *flags, "--out", str(tmp_path / "alone")) == 0
     assert "is an adapter folder" in capsys.readouterr().err
     pair, alone = (json.loads((tmp_path / name / "passkey.json").read_text()) for name in ("pair", "alone"))
@@ -115,8 +130,9 @@ def test_model_that_cannot_see_the_needle_scores_at_chance(tokenizer, task, leng
     # The needle sits at depth 0; the model sees only the last tokens (needle and question when
     # the needle is at the end) and otherwise guesses one digit: chance is 1/10.
     model = CopyingModel(tokenizer, visible=visible, digits=1, seed=1)
-    result = evaluate(task, model, tokenizer, lengths=[length], n_samples=400, seed=2, depths=[0.0], digits=1,
-                      batch_size=50)
+    result = evaluate(
+        task, model, tokenizer, lengths=[length], n_samples=400, seed=2, depths=[0.0], digits=1, batch_size=50
+    )
     assert 0.05 <= result["score"] <= 0.16  # 400 Bernoulli(0.1) draws: mean within ~3.5 sd
     # needles at the end are in view: scored perfectly
     seen = evaluate(task, model, tokenizer, lengths=[length], n_samples=20, depths=[1.0], digits=1)
@@ -167,8 +183,14 @@ def test_batched_probes_of_a_beacon_model_are_scored_as_one_prompt_at_a_time(tok
 def test_evaluate_on_tiny_model_restores_string_state(tokenizer, tmp_path):
     model = tiny_model("qwen2", vocab_size=len(tokenizer), attn_implementation="sdpa")
     result = evaluate(
-        "passkey", model, tokenizer, lengths=[256], depths=[0.5], n_samples=2,
-        string={"shift": 60, "local_window": 8}, out_dir=tmp_path,
+        "passkey",
+        model,
+        tokenizer,
+        lengths=[256],
+        depths=[0.5],
+        n_samples=2,
+        string={"shift": 60, "local_window": 8},
+        out_dir=tmp_path,
     )
     assert result["string"] == {"shift": 60, "local_window": 8, "trained_length": 256, "cos_sin_scale": None}
     assert string_settings(model) is None
@@ -183,7 +205,12 @@ def test_ruler_runs_all_tasks(tokenizer, tmp_path):
     model = CopyingModel(tokenizer)
     result = evaluate("ruler", model, tokenizer, lengths=[1500], n_samples=1, depths=[0.5], out_dir=tmp_path)
     assert set(result["tasks"]) == {
-        "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words",
+        "niah_single",
+        "niah_multikey",
+        "niah_multivalue",
+        "niah_multiquery",
+        "variable_tracking",
+        "common_words",
     }
     assert result["tasks"]["niah_single"]["score"] == 1.0 and result["tasks"]["niah_multikey"]["score"] == 1.0
     assert (tmp_path / "ruler.json").exists() and (tmp_path / "variable_tracking_by_length.png").exists()
@@ -215,8 +242,23 @@ def test_cli_on_saved_model_and_adapter(tokenizer, tmp_path, capsys):
     args = parser.parse_args(["eval", "passkey", "--model", str(base_dir), "--out", str(tmp_path / "a"), *common])
     assert args.func(args) == 0
     args = parser.parse_args(
-        ["eval", "niah", "--model", str(base_dir), "--adapter", str(adapter_dir), "--string",
-         "--string-window", "16", "--out", str(tmp_path / "b"), *common, "--depths", "0.0", "1.0"]
+        [
+            "eval",
+            "niah",
+            "--model",
+            str(base_dir),
+            "--adapter",
+            str(adapter_dir),
+            "--string",
+            "--string-window",
+            "16",
+            "--out",
+            str(tmp_path / "b"),
+            *common,
+            "--depths",
+            "0.0",
+            "1.0",
+        ]
     )
     assert args.func(args) == 0
     saved = json.loads((tmp_path / "b" / "niah_single.json").read_text())
@@ -313,9 +355,28 @@ def run_cli(*argv):
 
 def test_cli_string_shift_defaults_to_the_adapters_trained_length(saved_base_and_adapter, tmp_path):
     base_dir, adapter_dir = saved_base_and_adapter
-    assert run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--string",
-                   "--string-window", "16", "--lengths", "256", "--depths", "0.5", "--samples", "1", "--save-prompts",
-                   "--out", str(tmp_path)) == 0
+    assert (
+        run_cli(
+            "passkey",
+            "--model",
+            str(base_dir),
+            "--adapter",
+            str(adapter_dir),
+            "--string",
+            "--string-window",
+            "16",
+            "--lengths",
+            "256",
+            "--depths",
+            "0.5",
+            "--samples",
+            "1",
+            "--save-prompts",
+            "--out",
+            str(tmp_path),
+        )
+        == 0
+    )
     saved = json.loads((tmp_path / "passkey.json").read_text())
     assert saved["string"]["trained_length"] == 120 and saved["string"]["shift"] == 40  # not 256 // 3
     assert "What is the pass key?" in saved["samples"][0]["prompt"]
@@ -348,20 +409,39 @@ def test_cli_rejects_bad_numbers_naming_the_flag(saved_base_and_adapter, tmp_pat
 def test_cli_rejects_bad_string_settings_naming_the_flag(saved_base_and_adapter, tmp_path, flags, message):
     base_dir, adapter_dir = saved_base_and_adapter
     with pytest.raises(ValueError, match=message) as error:
-        run_cli("passkey", "--model", str(base_dir), "--adapter", str(adapter_dir), "--lengths", "256",
-                "--out", str(tmp_path), *flags)
+        run_cli(
+            "passkey",
+            "--model",
+            str(base_dir),
+            "--adapter",
+            str(adapter_dir),
+            "--lengths",
+            "256",
+            "--out",
+            str(tmp_path),
+            *flags,
+        )
     assert "local_window" not in str(error.value)
 
 
 @pytest.mark.parametrize(
     ("task", "flags", "message"),
     [
-        ("perplexity", ["--text", "t.txt", "--chat", "--depths", "0.5"],
-         r"--depths, --chat: not used by eval perplexity"),
-        ("passkey", ["--text", "t.txt", "--window", "64"],
-         r"--text, --window: not used by eval passkey \(its own flags"),
-        ("common_words", ["--depths", "0.5"],
-         r"--depths: not used by eval common_words \(its prompts have no needle depth"),
+        (
+            "perplexity",
+            ["--text", "t.txt", "--chat", "--depths", "0.5"],
+            r"--depths, --chat: not used by eval perplexity",
+        ),
+        (
+            "passkey",
+            ["--text", "t.txt", "--window", "64"],
+            r"--text, --window: not used by eval passkey \(its own flags",
+        ),
+        (
+            "common_words",
+            ["--depths", "0.5"],
+            r"--depths: not used by eval common_words \(its prompts have no needle depth",
+        ),
     ],
 )
 def test_cli_refuses_flags_the_task_does_not_use(saved_base_and_adapter, tmp_path, task, flags, message):
@@ -401,8 +481,9 @@ def test_a_grid_is_counted_once_per_cell_and_batched_as_it_runs(tokenizer):
 
     grid = build_probe_grid("passkey", tokenizer, [300, 300], depths=[0.5, 0.5], n_samples=2)
     assert grid.lengths == [300] and len(grid.probes) == 2 and grid.largest_batch(4) == 2
-    result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, lengths=[300, 300], depths=[0.5, 0.5],
-                      n_samples=2)
+    result = evaluate(
+        "passkey", CopyingModel(tokenizer), tokenizer, lengths=[300, 300], depths=[0.5, 0.5], n_samples=2
+    )
     assert [cell["n"] for cell in result["cells"]] == [2]
 
 
@@ -429,9 +510,13 @@ def test_string_true_on_a_loaded_adapter_uses_its_trained_length(tokenizer, tmp_
     from peft import LoraConfig, get_peft_model
 
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir), trained_length=600,
-                          methods={"rope": {**model.config.rope_parameters, "max_position_embeddings": 1024}}
-                          ).save(adapter_dir)
+    ContextSpec.from_base(
+        model.config,
+        "rope",
+        base_model=str(base_dir),
+        trained_length=600,
+        methods={"rope": {**model.config.rope_parameters, "max_position_embeddings": 1024}},
+    ).save(adapter_dir)
     loaded = longpeft.load(str(base_dir), adapter_dir)
     with string_enabled(loaded, True) as settings:
         assert (settings["trained_length"], settings["shift"]) == (600, 200)

@@ -53,8 +53,13 @@ def task_dir(tmp_path_factory):
     """A local lm-eval task: a loglikelihood multiple choice over a jsonl file (lm-eval's `json` loader)."""
     folder = tmp_path_factory.mktemp("tasks")
     words = "the river city report market north south garden harbor station".split()
-    rows = [{"question": " ".join(words[(i + j) % len(words)] for j in range(24 + 3 * i)) + " . The answer is",
-             "label": i % len(CHOICES)} for i in range(6)]
+    rows = [
+        {
+            "question": " ".join(words[(i + j) % len(words)] for j in range(24 + 3 * i)) + " . The answer is",
+            "label": i % len(CHOICES),
+        }
+        for i in range(6)
+    ]
     (folder / "docs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     (folder / f"{TASK}.yaml").write_text(f"""task: {TASK}
 dataset_path: json
@@ -86,10 +91,11 @@ def direct_loglikelihoods(model, tokenizer, rows) -> list[list[float]]:
             per_choice = []
             for choice in CHOICES:
                 whole = tokenizer(row["question"] + " " + choice).input_ids
-                assert whole[:len(context)] == context
+                assert whole[: len(context)] == context
                 logprobs = model(torch.tensor([whole])).logits[0].float().log_softmax(-1)
-                per_choice.append(sum(logprobs[position - 1, whole[position]].item()
-                                      for position in range(len(context), len(whole))))
+                per_choice.append(
+                    sum(logprobs[position - 1, whole[position]].item() for position in range(len(context), len(whole)))
+                )
             scores.append(per_choice)
     return scores
 
@@ -104,7 +110,8 @@ def accuracy(scores, rows) -> float:
 
 
 def test_harness_on_longpeft_load_equals_a_direct_computation_and_keeps_the_adapters_rope(
-        tokenizer, base_and_adapter, task_dir, single_thread):
+    tokenizer, base_and_adapter, task_dir, single_thread
+):
     from transformers import AutoModelForCausalLM
 
     import longpeft
@@ -112,8 +119,15 @@ def test_harness_on_longpeft_load_equals_a_direct_computation_and_keeps_the_adap
     base_dir, adapter_dir = base_and_adapter
     folder, rows = task_dir
     model = longpeft.load(str(base_dir), adapter_dir).eval()
-    results = run_harness(model, tokenizer, [TASK], include_path=folder, max_length=extended_length(adapter_dir),
-                          batch_size=2, log_samples=True)
+    results = run_harness(
+        model,
+        tokenizer,
+        [TASK],
+        include_path=folder,
+        max_length=extended_length(adapter_dir),
+        batch_size=2,
+        log_samples=True,
+    )
     reference = direct_loglikelihoods(model, tokenizer, rows)
     got = harness_loglikelihoods(results)
     assert (torch.tensor(got) - torch.tensor(reference)).abs().max() < 1e-4
@@ -153,15 +167,34 @@ def run_cli(*argv):
     return args.func(args)
 
 
-def test_cli_prints_the_table_and_writes_the_results(tokenizer, base_and_adapter, task_dir, tmp_path, capsys,
-                                                     single_thread):
+def test_cli_prints_the_table_and_writes_the_results(
+    tokenizer, base_and_adapter, task_dir, tmp_path, capsys, single_thread
+):
     import longpeft
 
     base_dir, adapter_dir = base_and_adapter
     folder, rows = task_dir
     out = tmp_path / "results" / "harness.json"
-    assert run_cli("harness", "--model", str(base_dir), "--adapter", str(adapter_dir), "--tasks", TASK,
-                   "--include-path", str(folder), "--limit", "4", "--batch-size", "3", "--out", str(out)) == 0
+    assert (
+        run_cli(
+            "harness",
+            "--model",
+            str(base_dir),
+            "--adapter",
+            str(adapter_dir),
+            "--tasks",
+            TASK,
+            "--include-path",
+            str(folder),
+            "--limit",
+            "4",
+            "--batch-size",
+            "3",
+            "--out",
+            str(out),
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"|{TASK}|" in printed.replace(" ", "") and f"max_length {EXTENDED}; wrote {out}" in printed
     saved = json.loads(out.read_text())
@@ -183,8 +216,16 @@ def test_cli_prints_the_table_and_writes_the_results(tokenizer, base_and_adapter
 def test_cli_refuses_bad_flags_naming_them(base_and_adapter, task_dir, tmp_path, flags, error, message):
     base_dir, _ = base_and_adapter
     with pytest.raises(error, match=message):
-        run_cli("harness", "--model", str(base_dir), "--include-path", str(task_dir[0]), "--out",
-                str(tmp_path / "r.json"), *flags)
+        run_cli(
+            "harness",
+            "--model",
+            str(base_dir),
+            "--include-path",
+            str(task_dir[0]),
+            "--out",
+            str(tmp_path / "r.json"),
+            *flags,
+        )
 
 
 def test_an_unknown_task_is_named(base_and_adapter, task_dir, tmp_path, monkeypatch):
@@ -194,13 +235,26 @@ def test_an_unknown_task_is_named(base_and_adapter, task_dir, tmp_path, monkeypa
 
     from longpeft.eval import harness
 
-    monkeypatch.setattr(harness, "task_manager", lambda tasks, include_path, metadata: SimpleNamespace(
-        all_tasks=[TASK]))
+    monkeypatch.setattr(
+        harness, "task_manager", lambda tasks, include_path, metadata: SimpleNamespace(all_tasks=[TASK])
+    )
     base_dir, _ = base_and_adapter
-    with pytest.raises(ConfigError, match=r"--tasks no_such_task: not a task, group or tag of lm-eval nor under "
-                                          r"--include-path .*lm-eval ls tasks"):
-        run_cli("harness", "--model", str(base_dir), "--tasks", f"{TASK},no_such_task", "--include-path",
-                str(task_dir[0]), "--out", str(tmp_path / "r.json"))
+    with pytest.raises(
+        ConfigError,
+        match=r"--tasks no_such_task: not a task, group or tag of lm-eval nor under "
+        r"--include-path .*lm-eval ls tasks",
+    ):
+        run_cli(
+            "harness",
+            "--model",
+            str(base_dir),
+            "--tasks",
+            f"{TASK},no_such_task",
+            "--include-path",
+            str(task_dir[0]),
+            "--out",
+            str(tmp_path / "r.json"),
+        )
 
 
 def test_cli_refuses_a_folder_as_out_and_harness_flags_elsewhere(base_and_adapter, task_dir, tmp_path):

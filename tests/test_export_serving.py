@@ -26,8 +26,9 @@ def adapter_with_string(tiny_base_dirs, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(base_dir)
     adapter = tmp_path / "adapter"
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
-    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir),
-                          methods={"rope": ROPE, "string": STRING}).save(adapter)
+    ContextSpec.from_base(
+        model.config, "rope", base_model=str(base_dir), methods={"rope": ROPE, "string": STRING}
+    ).save(adapter)
     return adapter
 
 
@@ -39,16 +40,20 @@ def test_export_says_which_outputs_need_trust_remote_code(adapter_with_string, t
         f"{remote} needs trust_remote_code=True: string run in its own modeling file (modeling_string.py, "
         "architecture StringLlamaForCausalLM). It loads with transformers; it does not convert to GGUF (llama.cpp's "
         "converter does not know that architecture) and engines that run their own model code (vLLM, SGLang, "
-        "llama.cpp) have no string; for a plain model pass --without string (docs/recipes.md#serving-engines).")
+        "llama.cpp) have no string; for a plain model pass --without string (docs/recipes.md#serving-engines)."
+    )
     assert json.loads((remote / "config.json").read_text())["architectures"] == ["StringLlamaForCausalLM"]
 
-    assert main(["export", str(adapter_with_string), "--out", str(plain), "--dtype", "float32",
-                 "--without", "string"]) == 0
+    assert (
+        main(["export", str(adapter_with_string), "--out", str(plain), "--dtype", "float32", "--without", "string"])
+        == 0
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (
         f"{plain} is a plain transformers model (no trust_remote_code): its RoPE base and context length (1024 "
         "positions) are in config.json, where vLLM, SGLang and llama.cpp's convert_hf_to_gguf.py read them "
-        "(docs/recipes.md#serving-engines).")
+        "(docs/recipes.md#serving-engines)."
+    )
     config = json.loads((plain / "config.json").read_text())
     # what the note promises: the stock architecture, and the keys the engines and the converter read
     assert config["architectures"] == ["LlamaForCausalLM"] and "auto_map" not in config
@@ -67,6 +72,8 @@ def test_a_trained_method_with_a_modeling_file_has_no_plain_export(tmp_path, mon
     (folder / "modeling_harpe.py").write_text("")
     assert METHODS["harpe"].remote_code and not METHODS["harpe"].inference_only
     note = serving_note(folder)
-    assert note.startswith(f"{folder} needs trust_remote_code=True: harpe run in its own modeling file "
-                           "(modeling_harpe.py, architecture HarpeLlamaForCausalLM)")
+    assert note.startswith(
+        f"{folder} needs trust_remote_code=True: harpe run in its own modeling file "
+        "(modeling_harpe.py, architecture HarpeLlamaForCausalLM)"
+    )
     assert "; harpe is part of the trained model, so there is no plain export of it" in note

@@ -40,8 +40,9 @@ from longpeft.recipes.schema import load_recipe
 ENOSPC = OSError(errno.ENOSPC, "No space left on device")
 # what each library raises on a full disk (their real types and messages)
 FULL_DISK = {
-    "safetensors": SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
-                                   "\"No space left on device\" })"),
+    "safetensors": SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    ),
     "torch.save": RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0"),
     "torch.save stream": RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed"),
     "json / open": OSError(errno.ENOSPC, "No space left on device"),
@@ -50,10 +51,22 @@ FULL_DISK = {
 
 
 def _recipe(base, data, out, *extra):
-    return load_recipe("tiny-cpu", [f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256",
-                                    f"output_dir={out}", "train.max_steps=2", "train.save_steps=1",
-                                    "train.global_batch_size=1", "train.per_device_batch_size=1", "lora.r=2",
-                                    "lora.embeddings=none", *extra])
+    return load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base}",
+            f"data.source={data}",
+            "data.max_length=256",
+            f"output_dir={out}",
+            "train.max_steps=2",
+            "train.save_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "lora.embeddings=none",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +103,13 @@ def test_the_header_reader_agrees_with_safetensors(tmp_path):
     """Reference: safetensors' own reader, on a file of several dtypes and shapes."""
     from safetensors import safe_open
 
-    tensors = {"a": torch.zeros(3, 5), "b": torch.ones(2, dtype=torch.bfloat16), "c": torch.arange(7),
-               "d": torch.zeros(0, 4, dtype=torch.float16), "e": torch.tensor(True)}
+    tensors = {
+        "a": torch.zeros(3, 5),
+        "b": torch.ones(2, dtype=torch.bfloat16),
+        "c": torch.arange(7),
+        "d": torch.zeros(0, 4, dtype=torch.float16),
+        "e": torch.tensor(True),
+    }
     path = tmp_path / "w.safetensors"
     save_file(tensors, str(path))
     header = safetensors_header(path)
@@ -113,8 +131,15 @@ def test_every_truncation_of_a_weights_file_is_named(tmp_path):
     assert set(read_safetensors(path)) == {"a", "b"}
 
 
-@pytest.mark.parametrize("content", [b"garbage" * 10, struct.pack("<Q", 10**12) + b"{}",
-                                     struct.pack("<Q", 2) + b"[]", struct.pack("<Q", 7) + b"{\"a\": 1}"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"garbage" * 10,
+        struct.pack("<Q", 10**12) + b"{}",
+        struct.pack("<Q", 2) + b"[]",
+        struct.pack("<Q", 7) + b'{"a": 1}',
+    ],
+)
 def test_a_foreign_weights_file_is_named(content, tmp_path):
     path = tmp_path / "w.safetensors"
     path.write_bytes(content)
@@ -131,7 +156,7 @@ def test_a_pickle_payload_is_refused_for_safety(tmp_path):
     assert torch.equal(read_torch_file(path)["state"], torch.zeros(2))
 
 
-@pytest.mark.parametrize("text, where", [("{\n  \"r\": 2,\n  oops\n}", ":3:3:"), ("", ":1:1:"), ("[1,", ":1:4:")])
+@pytest.mark.parametrize("text, where", [('{\n  "r": 2,\n  oops\n}', ":3:3:"), ("", ":1:1:"), ("[1,", ":1:4:")])
 def test_a_json_syntax_error_names_file_line_and_column(text, where, tmp_path):
     path = tmp_path / "adapter_config.json"
     path.write_text(text)
@@ -153,13 +178,16 @@ def test_lying_lora_shapes_are_named_before_loading(adapter):
 
 
 @pytest.mark.parametrize("command", ["merge", "export"])
-@pytest.mark.parametrize("damage, expected", [
-    ("garbage", "adapter_model.safetensors: not a safetensors file"),
-    ("truncated", "adapter_model.safetensors: "),
-    ("lying rank", "adapter_config.json (r=4)"),
-    ("pickle", f"adapter_model.bin: {REFUSED_FOR_SAFETY}"),
-    ("config garbage", "adapter_config.json:1:2: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        ("garbage", "adapter_model.safetensors: not a safetensors file"),
+        ("truncated", "adapter_model.safetensors: "),
+        ("lying rank", "adapter_config.json (r=4)"),
+        ("pickle", f"adapter_model.bin: {REFUSED_FOR_SAFETY}"),
+        ("config garbage", "adapter_config.json:1:2: not valid JSON"),
+    ],
+)
 def test_merge_of_a_broken_adapter_is_one_line_naming_the_file(command, damage, expected, adapter, tmp_path, capsys):
     weights = adapter / "adapter_model.safetensors"
     if damage == "garbage":
@@ -196,8 +224,21 @@ def test_a_local_path_that_is_partly_there_is_named_as_missing(adapter, monkeypa
 
 def test_eval_adapter_with_broken_weights_is_one_line(adapter, trained, tmp_path, capsys):
     (adapter / "adapter_model.safetensors").write_bytes(b"\x00" * 5)
-    line = _one_line(["eval", "passkey", "--model", _base_of(trained[1]), "--adapter", adapter, "--lengths", "128",
-                      "--out", tmp_path / "e"], capsys)
+    line = _one_line(
+        [
+            "eval",
+            "passkey",
+            "--model",
+            _base_of(trained[1]),
+            "--adapter",
+            adapter,
+            "--lengths",
+            "128",
+            "--out",
+            tmp_path / "e",
+        ],
+        capsys,
+    )
     assert f"{adapter / 'adapter_model.safetensors'}: not a safetensors file" in line
 
 
@@ -236,18 +277,32 @@ def test_each_librarys_full_disk_error_is_one_output_write_error(library, tmp_pa
     assert "it needs about 3.0 MiB" in str(caught.value) and "free" in str(caught.value)
 
 
-@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"),
-                                   OSError(errno.EROFS, "Read-only file system"),
-                                   SafetensorError("Error while serializing: IoError(Os { code: 13, kind: "
-                                                   "PermissionDenied, message: \"Permission denied\" })")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        PermissionError(errno.EACCES, "Permission denied"),
+        OSError(errno.EROFS, "Read-only file system"),
+        SafetensorError(
+            'Error while serializing: IoError(Os { code: 13, kind: PermissionDenied, message: "Permission denied" })'
+        ),
+    ],
+)
 def test_an_unwritable_folder_is_one_output_write_error(error, tmp_path):
     with pytest.raises(OutputWriteError, match="make it writable"):
         with writing_to(tmp_path):
             raise error
 
 
-@pytest.mark.parametrize("error", [ValueError("no"), OSError(errno.ENOENT, "No such file"), RuntimeError("boom"),
-                                   KeyError("x"), PermissionError(errno.EACCES, "Permission denied", "/etc/input")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("no"),
+        OSError(errno.ENOENT, "No such file"),
+        RuntimeError("boom"),
+        KeyError("x"),
+        PermissionError(errno.EACCES, "Permission denied", "/etc/input"),
+    ],
+)
 def test_other_errors_pass_unchanged(error, tmp_path):
     """Not a failed write (an input that cannot be read is named by its own error)."""
     assert write_failure(error) is None or error.filename == "/etc/input"
@@ -373,8 +428,7 @@ def test_synth_on_a_full_disk_is_one_line_naming_the_folder(tmp_path, monkeypatc
 
     monkeypatch.setattr(datasets.Dataset, "save_to_disk", full)
     out = tmp_path / "synth"
-    line = _one_line(["synth", "--out", out, "--contexts", "1", "--min-tokens", "512", "--max-tokens", "1024"],
-                     capsys)
+    line = _one_line(["synth", "--out", out, "--contexts", "1", "--min-tokens", "512", "--max-tokens", "1024"], capsys)
     assert f"could not write to {out}: no space left on device" in line
 
 
@@ -388,8 +442,12 @@ def test_eval_report_on_a_full_disk_is_one_output_write_error(tmp_path, monkeypa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
-    result = {"task": "passkey", "lengths": [128], "depths": [0.5], "cells": [{"length": 128, "depth": 0.5,
-                                                                                "score": 1.0}]}
+    result = {
+        "task": "passkey",
+        "lengths": [128],
+        "depths": [0.5],
+        "cells": [{"length": 128, "depth": 0.5, "score": 1.0}],
+    }
     with pytest.raises(OutputWriteError, match=f"could not write to {tmp_path / 'e'}: no space left"):
         write_outputs(result, tmp_path / "e")
     assert not (tmp_path / "e" / "passkey.json").exists()
@@ -443,20 +501,28 @@ def _library_errors():
     except json.JSONDecodeError as error:
         bad_json = error
     return {
-        "safetensors": (SafetensorError("Error while deserializing header: header too large\nmore"),
-                        "a safetensors file could not be read"),
+        "safetensors": (
+            SafetensorError("Error while deserializing header: header too large\nmore"),
+            "a safetensors file could not be read",
+        ),
         "huggingface_hub": (HFValidationError("Repo id must be in the form 'repo_name'"), "nor a Hub repo id"),
         "httpx or requests": (_network_error(), "the network failed"),
-        "torch.load": (pickle.UnpicklingError("Weights only load failed.\n\nUnsupported global: builtins.print"),
-                       REFUSED_FOR_SAFETY),
+        "torch.load": (
+            pickle.UnpicklingError("Weights only load failed.\n\nUnsupported global: builtins.print"),
+            REFUSED_FOR_SAFETY,
+        ),
         "pydantic": (validation, "invalid settings (Settings): rank: Input should be a valid integer"),
         "yaml": (bad_yaml, "not valid YAML at <unicode string>:2"),
         "json": (bad_json, "not valid JSON at line 2 column 1"),
         "torch.save full disk": (FULL_DISK["torch.save"], "a write failed"),
-        "wrong-shape hub answer": (_raised_in_a_library(TypeError("string indices must be integers"),
-                                                        "huggingface_hub"), "an answer of an unexpected shape"),
-        "missing key in a hub answer": (_raised_in_a_library(KeyError("siblings"), "huggingface_hub"),
-                                        "KeyError 'siblings'"),
+        "wrong-shape hub answer": (
+            _raised_in_a_library(TypeError("string indices must be integers"), "huggingface_hub"),
+            "an answer of an unexpected shape",
+        ),
+        "missing key in a hub answer": (
+            _raised_in_a_library(KeyError("siblings"), "huggingface_hub"),
+            "KeyError 'siblings'",
+        ),
     }
 
 
@@ -476,8 +542,15 @@ def test_each_librarys_error_is_one_line_and_debug_shows_its_traceback(library, 
         main(["--debug", "plan", "tiny-cpu"])
 
 
-@pytest.mark.parametrize("error", [KeyError("factor"), KeyError("usage"), TypeError("unexpected keyword"),
-                                   AttributeError("'NoneType' object has no attribute 'x'")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        KeyError("factor"),
+        KeyError("usage"),
+        TypeError("unexpected keyword"),
+        AttributeError("'NoneType' object has no attribute 'x'"),
+    ],
+)
 def test_a_bug_in_our_code_keeps_its_traceback_and_a_key_never_prints_alone(error, monkeypatch, capsys):
     import longpeft.cli
 
@@ -502,8 +575,9 @@ def test_the_probe_finds_every_bad_input_clear():
     or 3), and no simulated full disk leaves an output behind."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("probe", Path(__file__).parents[1] / "scripts" /
-                                                  "probe_bad_inputs.py")
+    spec = importlib.util.spec_from_file_location(
+        "probe", Path(__file__).parents[1] / "scripts" / "probe_bad_inputs.py"
+    )
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
     counts, failures = probe.run_all()

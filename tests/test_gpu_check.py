@@ -31,10 +31,26 @@ def gpu_check():
 
 
 def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_path):
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", "--tokens", "256", "--steps", "2",
-                           "--work-dir", str(tmp_path), "--report", str(tmp_path / "report.json"),
-                           "--set", "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--tiny",
+            "--tokens",
+            "256",
+            "--steps",
+            "2",
+            "--work-dir",
+            str(tmp_path),
+            "--report",
+            str(tmp_path / "report.json"),
+            "--set",
+            "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert json.loads((tmp_path / "report.json").read_text()) == report  # the file a time-limited call keeps
@@ -57,8 +73,9 @@ def test_tiny_mode_trains_compares_with_the_planner_and_checks_the_kernels(tmp_p
     assert report["kernels"]["flash_attn_installed"] in (True, False)
     for method in ("harpe", "string"):
         check = report["kernels"][method]
-        assert (check["kernels"] == ["sdpa", "eager"] and check["allclose_atol_rtol_5e-2"]
-                and check["max_abs_diff"] < 1e-4)
+        assert (
+            check["kernels"] == ["sdpa", "eager"] and check["allclose_atol_rtol_5e-2"] and check["max_abs_diff"] < 1e-4
+        )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
@@ -72,8 +89,20 @@ def test_gpu_mode_without_cuda_says_so():
 def test_a_second_call_reuses_the_kept_base_and_trains_afresh(tmp_path):
     """With --work-dir the random base is written once; each call trains again (a kept run folder is not resumed).
     --set overrides reach both the training run and the planner."""
-    common = [sys.executable, str(SCRIPT), "--tiny", "--tokens", "128", "--steps", "1", "--work-dir", str(tmp_path),
-              "--attentions", "sdpa", "--no-kernel-check"]
+    common = [
+        sys.executable,
+        str(SCRIPT),
+        "--tiny",
+        "--tokens",
+        "128",
+        "--steps",
+        "1",
+        "--work-dir",
+        str(tmp_path),
+        "--attentions",
+        "sdpa",
+        "--no-kernel-check",
+    ]
     reports = []
     for extra in ([], ["--set", "lora.r=8"]):
         proc = subprocess.run(common + extra, capture_output=True, text=True, timeout=600)
@@ -87,15 +116,32 @@ def test_a_second_call_reuses_the_kept_base_and_trains_afresh(tmp_path):
 
 
 def test_env_overrides_go_to_each_runs_process_and_not_to_the_recipe(gpu_check, monkeypatch):
-    args = gpu_check.parse_args([
-        "--tiny", "--set", "lora.r=8", "--set", "env.A=1",
-        "--variant", "kept", "tokens=128", "train.offload_checkpoints=true",
-        "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
-        "--variant", "plain", "env.A=",
-    ])
+    args = gpu_check.parse_args(
+        [
+            "--tiny",
+            "--set",
+            "lora.r=8",
+            "--set",
+            "env.A=1",
+            "--variant",
+            "kept",
+            "tokens=128",
+            "train.offload_checkpoints=true",
+            "env.PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+            "--variant",
+            "plain",
+            "env.A=",
+        ]
+    )
     kept, plain = gpu_check.planned_runs(args, ["sdpa"])
-    assert kept == gpu_check.Run("kept", "sdpa", ["lora.r=8", "train.offload_checkpoints=true"], 128, 3,
-                                 {"A": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert kept == gpu_check.Run(
+        "kept",
+        "sdpa",
+        ["lora.r=8", "train.offload_checkpoints=true"],
+        128,
+        3,
+        {"A": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+    )
     assert plain == gpu_check.Run("plain", "sdpa", ["lora.r=8"], 1024, 3, {"A": ""})
     monkeypatch.setenv("A", "from the caller")
     monkeypatch.setenv("B", "kept")
@@ -119,12 +165,15 @@ def test_the_allocators_segments_are_summed_per_stream(gpu_check):
     assert gpu_check.pools_by_stream([], 0) == {}
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--tiny", "--attentions", "flash_attention_2"], "--tiny trains with SDPA only"),
-    (["--tokens", "8"], "--tokens must be >= 64"),
-    (["--tiny", "--set", "env.=1"], "--set env.=1: give KEY=VALUE"),
-    (["--tiny", "--set", "lora.r"], "--set lora.r: give KEY=VALUE"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tiny", "--attentions", "flash_attention_2"], "--tiny trains with SDPA only"),
+        (["--tokens", "8"], "--tokens must be >= 64"),
+        (["--tiny", "--set", "env.=1"], "--set env.=1: give KEY=VALUE"),
+        (["--tiny", "--set", "lora.r"], "--set lora.r: give KEY=VALUE"),
+    ],
+)
 def test_bad_flags_are_refused_with_the_reason(flags, message):
     proc = subprocess.run([sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and message in proc.stderr
@@ -136,8 +185,9 @@ def session(tmp_path: Path, *args: str, deadline: int | None = None, timeout: in
     env.pop("GPU_SESSION_DEADLINE", None)
     if deadline is not None:
         env["GPU_SESSION_DEADLINE"] = str(deadline)
-    return subprocess.run(["bash", str(SESSION), *args], capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=tmp_path)
+    return subprocess.run(
+        ["bash", str(SESSION), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path
+    )
 
 
 def parts_of(tmp_path: Path) -> dict[str, dict]:
@@ -154,10 +204,13 @@ def test_the_session_skips_the_parts_its_deadline_leaves_no_time_for(tmp_path):
     assert "80k: skipped" in proc.stdout and "80k: skipped" in (tmp_path / "out" / "session.log").read_text()
 
 
-@pytest.mark.parametrize(("args", "deadline", "message"), [
-    (["--tiny", "90k"], None, "'90k' is no part or flag"),
-    (["--tiny"], "9m", "GPU_SESSION_DEADLINE=9m: give whole seconds"),
-])
+@pytest.mark.parametrize(
+    ("args", "deadline", "message"),
+    [
+        (["--tiny", "90k"], None, "'90k' is no part or flag"),
+        (["--tiny"], "9m", "GPU_SESSION_DEADLINE=9m: give whole seconds"),
+    ],
+)
 def test_the_session_refuses_bad_parts_and_deadlines(tmp_path, args, deadline, message):
     proc = session(tmp_path, *args, deadline=deadline)
     assert proc.returncode == 2 and message in proc.stderr

@@ -38,12 +38,12 @@ def test_the_order_is_a_grouped_permutation_fixed_by_seed_and_epoch():
     assert (order != length_grouped_order(lengths, 8, seed=43, epoch=0)).any()
     block = 8 * min(1_000 // 32, 50)  # blocks of 31 steps here
     for start in range(0, 1_000, block):
-        sizes = [lengths[i] for i in order[start:start + block]][1:]  # the first row may be the swapped-in longest
+        sizes = [lengths[i] for i in order[start : start + block]][1:]  # the first row may be the swapped-in longest
         assert sizes == sorted(sizes, reverse=True)
     # the GPUs of a step get similar lengths: the step's spread is far below random order's
-    spread = np.mean([np.ptp([lengths[i] for i in order[s:s + 8]]) for s in range(0, 1_000, 8)])
+    spread = np.mean([np.ptp([lengths[i] for i in order[s : s + 8]]) for s in range(0, 1_000, 8)])
     shuffled = np.random.default_rng(1).permutation(1_000)
-    assert spread < 0.1 * np.mean([np.ptp([lengths[i] for i in shuffled[s:s + 8]]) for s in range(0, 1_000, 8)])
+    assert spread < 0.1 * np.mean([np.ptp([lengths[i] for i in shuffled[s : s + 8]]) for s in range(0, 1_000, 8)])
 
 
 def test_sampler_follows_set_epoch():
@@ -91,22 +91,29 @@ def _accelerate_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed
     while done < steps:
         sampler.set_epoch(epoch)
         batches = BatchSampler(sampler, batch, drop_last=False)
-        per_gpu = [list(BatchSamplerShard(batches, gpus, rank)) for rank in range(gpus)] if gpus > 1 \
-            else [list(batches)]
+        per_gpu = (
+            [list(BatchSamplerShard(batches, gpus, rank)) for rank in range(gpus)] if gpus > 1 else [list(batches)]
+        )
         micro = len(per_gpu[0])
         assert all(len(own) == micro for own in per_gpu)
         assert -(-micro // accumulation) == epoch_steps(len(lengths), batch, gpus, accumulation)
         for start in range(0, micro, accumulation):
             if done < steps:
-                total += max(sum(len(rows) * seconds(max(lengths[i] for i in rows))
-                                 for rows in own[start:start + accumulation]) for own in per_gpu)
+                total += max(
+                    sum(
+                        len(rows) * seconds(max(lengths[i] for i in rows))
+                        for rows in own[start : start + accumulation]
+                    )
+                    for own in per_gpu
+                )
                 done += 1
         epoch += 1
     return total
 
 
-@pytest.mark.parametrize("batch, gpus, accumulation, steps", [(1, 8, 1, 120), (2, 4, 2, 60), (1, 2, 3, 150),
-                                                              (2, 1, 3, 100)])
+@pytest.mark.parametrize(
+    "batch, gpus, accumulation, steps", [(1, 8, 1, 120), (2, 4, 2, 60), (1, 2, 3, 150), (2, 1, 3, 100)]
+)
 def test_time_in_grouped_order_against_accelerates_batches(batch, gpus, accumulation, steps):
     """401 samples: every epoch ends in a short round or step; the steps cross an epoch."""
     lengths = np.random.default_rng(5).integers(100, 5_000, 401).tolist()
@@ -118,11 +125,15 @@ def test_time_in_grouped_order_against_accelerates_batches(batch, gpus, accumula
 
 
 def test_the_time_line_names_the_order_the_recipe_trains_in():
-    lengths = SampleLengths(tuple(int(n) for n in np.random.default_rng(2).integers(1_000, 81_920, 400)),
-                            source="mix.jsonl", counted_with="a test")
+    lengths = SampleLengths(
+        tuple(int(n) for n in np.random.default_rng(2).integers(1_000, 81_920, 400)),
+        source="mix.jsonl",
+        counted_with="a test",
+    )
     grouped = estimate(load_recipe("llama3-8b-instruct-80k-qlora"), gpus=8, sample_lengths=lengths)
-    random = estimate(load_recipe("llama3-8b-instruct-80k-qlora", ["train.group_by_length=false"]), gpus=8,
-                      sample_lengths=lengths)
+    random = estimate(
+        load_recipe("llama3-8b-instruct-80k-qlora", ["train.group_by_length=false"]), gpus=8, sample_lengths=lengths
+    )
     assert grouped.hours == random.hours  # every GPU equally loaded: the order does not change it
     assert grouped.hours < grouped.assumptions["hours_in_order"] < random.assumptions["hours_in_order"]
     assert "in the order the recipe trains them, grouped by length (train.group_by_length)" in grouped.table()
@@ -137,8 +148,17 @@ def _varied_chats(path, words=(4, 40, 12, 60, 8, 28, 50, 20, 16)):
     with path.open("w") as handle:
         for i, n in enumerate(words):
             text = " ".join(["river", "north", "garden"][(i + k) % 3] for k in range(n))
-            handle.write(json.dumps({"messages": [{"role": "user", "content": f"{text} Which word came first?"},
-                                                  {"role": "assistant", "content": text.split()[0]}]}) + "\n")
+            handle.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"{text} Which word came first?"},
+                            {"role": "assistant", "content": text.split()[0]},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -170,11 +190,23 @@ class _KillAfterStep4(TrainerCallback):
 
 
 def _recipe(base, data, out):
-    return load_recipe("tiny-cpu", [
-        f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256", "rope.max_position_embeddings=512",
-        f"output_dir={out}", "lora.r=4", "train.group_by_length=true", "train.max_steps=6", "train.save_steps=2",
-        "train.per_device_batch_size=1", "train.global_batch_size=2", "train.seed=5",
-    ])
+    return load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base}",
+            f"data.source={data}",
+            "data.max_length=256",
+            "rope.max_position_embeddings=512",
+            f"output_dir={out}",
+            "lora.r=4",
+            "train.group_by_length=true",
+            "train.max_steps=6",
+            "train.save_steps=2",
+            "train.per_device_batch_size=1",
+            "train.global_batch_size=2",
+            "train.seed=5",
+        ],
+    )
 
 
 def test_a_run_draws_in_the_grouped_order_and_a_resume_continues_it(tiny_base_dirs, tmp_path, monkeypatch):
@@ -200,7 +232,8 @@ def test_a_run_draws_in_the_grouped_order_and_a_resume_continues_it(tiny_base_di
     losses = [json.loads(line) for line in (resumed.output_dir / "metrics.jsonl").read_text().splitlines()]
     straight_losses = [json.loads(line) for line in (straight.output_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in losses if "loss" in r] == pytest.approx(
-        [r["loss"] for r in straight_losses if "loss" in r], rel=1e-5)
+        [r["loss"] for r in straight_losses if "loss" in r], rel=1e-5
+    )
 
 
 @pytest.mark.launch_matrix  # two processes: make test-slow
@@ -217,9 +250,18 @@ def test_two_processes_train_the_rows_of_one_process(tiny_base_dirs, tmp_path):
     from run_helpers import assert_same_weights, logged_losses  # tests/run_helpers.py
 
     base, data = tiny_base_dirs("llama"), _varied_chats(tmp_path / "train.jsonl")
-    overrides = [f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256",
-                 "rope.max_position_embeddings=512", "lora.r=4", "train.group_by_length=true", "train.max_steps=3",
-                 "train.per_device_batch_size=1", "train.global_batch_size=2", "train.seed=5"]
+    overrides = [
+        f"model.name_or_path={base}",
+        f"data.source={data}",
+        "data.max_length=256",
+        "rope.max_position_embeddings=512",
+        "lora.r=4",
+        "train.group_by_length=true",
+        "train.max_steps=3",
+        "train.per_device_batch_size=1",
+        "train.global_batch_size=2",
+        "train.seed=5",
+    ]
     two = tmp_path / "ddp"
     recipe = load_recipe("tiny-cpu", overrides)
     command = launch_command(recipe, "tiny-cpu", "ddp", 2, [*overrides, f"output_dir={two}"])

@@ -63,9 +63,7 @@ def _reference_attention(attn, hidden: torch.Tensor, bases: list[float]) -> torc
         q, k = _rms_norm(q, attn.q_norm), _rms_norm(k, attn.k_norm)
     n_q, n_kv = q.shape[2], k.shape[2]
     group = n_q // n_kv
-    rotations = {
-        (g, t): _rotation_matrix(t, bases[g], d) for g in range(n_kv) for t in range(seq)
-    }
+    rotations = {(g, t): _rotation_matrix(t, bases[g], d) for g in range(n_kv) for t in range(seq)}
     out = torch.zeros(batch, seq, n_q, d, dtype=torch.float64)
     for b in range(batch):
         for h in range(n_q):
@@ -122,8 +120,9 @@ def test_sdpa_matches_dense_reference():
     apply_head_bases(model, bases)
     ids = _ids(seq=10)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits.double(), _reference_logits(model, ids, bases), atol=1e-4,
-                                   rtol=1e-4)
+        torch.testing.assert_close(
+            model(ids).logits.double(), _reference_logits(model, ids, bases), atol=1e-4, rtol=1e-4
+        )
 
 
 # ---- exactness against the unpatched model --------------------------------------------------------

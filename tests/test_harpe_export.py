@@ -27,8 +27,9 @@ IDS = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(1))
 
 def _lora(model, trainable: bool = True):
     """LoRA on q/k/v/o with random B (``init_lora_weights=False``) so the adapter changes the outputs."""
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                        init_lora_weights=False)
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False
+    )
     torch.manual_seed(7)
     return get_peft_model(model, config, autocast_adapter_dtype=False) if trainable else model
 
@@ -92,7 +93,8 @@ def test_adapter_loads_on_a_stock_base_with_the_same_logits(tmp_path):
     trained = _lora(trained).eval()
     trained.save_pretrained(adapter_dir)
     ContextSpec.from_base(base_config, "harpe", base_model=str(base_dir), methods={"harpe": {"bases": bases}}).save(
-        adapter_dir)
+        adapter_dir
+    )
 
     loaded = longpeft.load(str(base_dir), adapter_dir, attn_implementation="eager").eval()
     assert loaded.config.head_rope_bases == bases
@@ -128,12 +130,19 @@ def test_merged_export_loads_with_plain_transformers_without_longpeft(tmp_path, 
     config = json.loads((export_dir / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"].startswith("modeling_harpe.Harpe")
     assert config["model_type"] == f"harpe_{arch}" and config["head_rope_bases"] == bases
-    assert imported_modules(export_dir / "modeling_harpe.py") <= {"__future__", "collections", "sys", "types",
-                                                                    "torch", "transformers"}
+    assert imported_modules(export_dir / "modeling_harpe.py") <= {
+        "__future__",
+        "collections",
+        "sys",
+        "types",
+        "torch",
+        "transformers",
+    }
 
     torch.save(IDS, tmp_path / "ids.pt")
-    result = run_without_longpeft(_LOAD_WITHOUT_LONGPEFT, [str(export_dir), str(tmp_path / "ids.pt"),
-                                                           str(tmp_path / "logits.pt")], tmp_path)
+    result = run_without_longpeft(
+        _LOAD_WITHOUT_LONGPEFT, [str(export_dir), str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")], tmp_path
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"LOADED Harpe{type(model).__name__}" in result.stdout
     torch.testing.assert_close(torch.load(tmp_path / "logits.pt"), merged_logits, atol=0, rtol=0)

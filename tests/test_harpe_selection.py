@@ -20,8 +20,7 @@ def test_uniform_bases_follow_eq9():
 
 
 @pytest.mark.parametrize(
-    "args,match",
-    [((0.5, 10.0, 2), "b_min"), ((100.0, 10.0, 2), "b_max"), ((10.0, 100.0, 0), "positive integer")],
+    "args,match", [((0.5, 10.0, 2), "b_min"), ((100.0, 10.0, 2), "b_max"), ((10.0, 100.0, 0), "positive integer")]
 )
 def test_uniform_bases_reject_bad_ranges(args, match):
     with pytest.raises(ValueError, match=match):
@@ -116,9 +115,10 @@ def test_select_bases_dispatches_and_validates():
     assert select_bases("uniform", 1e4, 3e4, 3, descending=True) == [3e4, 2e4, 1e4]
     searched = select_bases("peak_valley", 1e4, 4e4, 4, stride=2000.0, head_dim=16, target_length=640)
     assert searched == peak_valley_bases(1e4, 4e4, 4, 2000.0, 16, 640, show_progress=False)
-    assert select_bases(
-        "peak_valley", 1e4, 4e4, 4, stride=2000.0, head_dim=16, target_length=640, descending=True
-    ) == searched[::-1]
+    assert (
+        select_bases("peak_valley", 1e4, 4e4, 4, stride=2000.0, head_dim=16, target_length=640, descending=True)
+        == searched[::-1]
+    )
     with pytest.raises(ValueError, match="needs \\['stride'\\]"):
         select_bases("peak_valley", 1e4, 4e4, 4, head_dim=16, target_length=640)
     with pytest.raises(ValueError, match="unknown HARPE base selection 'random'"):

@@ -29,11 +29,30 @@ ENDED = 90
 def _argv(command: str, source: str, out) -> list[str]:
     """``command`` with ``source`` as its model (train, plan --build) or tokenizer (synth)."""
     if command == "synth --tokenizer":
-        return ["synth", "--out", str(out), "--tokenizer", source, "--contexts", "1", "--min-tokens", "512",
-                "--max-tokens", "1024", "--no-progress"]
+        return [
+            "synth",
+            "--out",
+            str(out),
+            "--tokenizer",
+            source,
+            "--contexts",
+            "1",
+            "--min-tokens",
+            "512",
+            "--max-tokens",
+            "1024",
+            "--no-progress",
+        ]
     build = ["--build"] if command == "plan --build" else []
-    return [command.split()[0], "tiny-cpu", *build, "--set", f"model.name_or_path={source}",
-            "--set", f"output_dir={out}"]
+    return [
+        command.split()[0],
+        "tiny-cpu",
+        *build,
+        "--set",
+        f"model.name_or_path={source}",
+        "--set",
+        f"output_dir={out}",
+    ]
 
 
 COMMANDS = ["train", "synth --tokenizer", "plan --build"]
@@ -158,7 +177,9 @@ def test_the_wait_must_be_a_positive_number(value, monkeypatch):
 
 def test_the_silent_hub_message_names_repo_file_and_endpoint():
     message = hub_wait._silent_hub_message("http://hub.test/datasets/owner/data/resolve/main/data%2Ftrain.jsonl", 30)
-    assert message.startswith("the Hub at http://hub.test sent nothing for 30 s while downloading data/train.jsonl "
-                              "of dataset owner/data;")
+    assert message.startswith(
+        "the Hub at http://hub.test sent nothing for 30 s while downloading data/train.jsonl of dataset owner/data;"
+    )
     assert "listing the files of owner/name" in hub_wait._silent_hub_message(
-        "http://hub.test/api/models/owner/name/tree/main", 30)
+        "http://hub.test/api/models/owner/name/tree/main", 30
+    )

@@ -34,8 +34,9 @@ def test_the_optional_kernel_notice_is_dropped_and_the_loggers_other_records_pas
 def test_importing_bitsandbytes_after_longpeft_prints_no_kernel_notice():
     """In a fresh interpreter, the way every CLI command starts (bitsandbytes itself prints the notice only on
     CPUs with AVX512-BF16: elsewhere this passes either way)."""
-    done = subprocess.run([sys.executable, "-c", "import longpeft, bitsandbytes"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "import longpeft, bitsandbytes"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert longpeft.BNB_OPTIONAL_KERNEL_NOTICE not in done.stderr
 
@@ -53,8 +54,10 @@ def test_deepspeeds_cpu_notice_is_dropped_only_without_cuda(monkeypatch):
         logger.warning(longpeft.DEEPSPEED_CPU_NOTICE + ". If you have GPU or other accelerator, ...")
     finally:
         logger.removeHandler(records)
-    assert records.messages == ["some other DeepSpeed warning",
-                                longpeft.DEEPSPEED_CPU_NOTICE + ". If you have GPU or other accelerator, ..."]
+    assert records.messages == [
+        "some other DeepSpeed warning",
+        longpeft.DEEPSPEED_CPU_NOTICE + ". If you have GPU or other accelerator, ...",
+    ]
 
 
 def test_importing_deepspeed_after_longpeft_prints_no_cpu_notice():
@@ -66,7 +69,8 @@ def test_importing_deepspeed_after_longpeft_prints_no_cpu_notice():
 
     if importlib.util.find_spec("deepspeed") is None or torch.cuda.device_count() > 0:
         pytest.skip("needs DeepSpeed installed and no CUDA device")
-    done = subprocess.run([sys.executable, "-c", "import longpeft, deepspeed"], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", "import longpeft, deepspeed"], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     assert longpeft.DEEPSPEED_CPU_NOTICE not in done.stdout + done.stderr

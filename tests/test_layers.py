@@ -20,11 +20,39 @@ FORBIDDEN = {
     "hub_wait": {"*"},  # torch-free: the bound on Hub downloads that the file rules' Hub check installs
     "units": {"*"},  # how quantities are written: torch-free, imports nothing of longpeft
     # the one reader of weights, checkpoints and JSON: the file rules and errors only (torch imported lazily)
-    "reading": {"rope", "spec", "config", "adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale",
-                "launch", "synth_data", "tiny", "family"},
+    "reading": {
+        "rope",
+        "spec",
+        "config",
+        "adapters",
+        "recipes",
+        "cli",
+        "hub",
+        "loading",
+        "convert",
+        "eval",
+        "scale",
+        "launch",
+        "synth_data",
+        "tiny",
+        "family",
+    },
     # peft glue for adapter weight files (a tied embedding written once): below loading and recipes, which use it
-    "adapter_weights": {"rope", "spec", "adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale",
-                        "launch", "synth_data", "tiny"},
+    "adapter_weights": {
+        "rope",
+        "spec",
+        "adapters",
+        "recipes",
+        "cli",
+        "hub",
+        "loading",
+        "convert",
+        "eval",
+        "scale",
+        "launch",
+        "synth_data",
+        "tiny",
+    },
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
     "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},
@@ -128,9 +156,12 @@ def test_no_import_cycle():
 @pytest.mark.parametrize("name", sorted(name for name in MODULES if layer(name) in FORBIDDEN))
 def test_no_layer_imports_one_above_it(name):
     forbidden = FORBIDDEN[layer(name)]
-    above = sorted(target for target in GRAPH[name]
-                   if ("*" in forbidden and layer(target) not in {FLOOR, *BESIDE.get(layer(name), ())})
-                   or layer(target) in forbidden)
+    above = sorted(
+        target
+        for target in GRAPH[name]
+        if ("*" in forbidden and layer(target) not in {FLOOR, *BESIDE.get(layer(name), ())})
+        or layer(target) in forbidden
+    )
     assert above == [], f"{name} imports {above}"
 
 
@@ -162,5 +193,6 @@ def test_the_errors_import_nothing():
 def test_the_graph_reads_lazy_imports():
     """The reader sees imports inside functions (the runner's lazy import of the model card writer)."""
     assert "longpeft.hub" in GRAPH["longpeft.recipes.model"]
-    assert ({"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"}
-            <= GRAPH["longpeft.recipes.runner"])
+    assert {"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"} <= GRAPH[
+        "longpeft.recipes.runner"
+    ]

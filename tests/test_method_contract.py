@@ -102,7 +102,8 @@ def check_named_hooks(method: Method) -> None:
     for name, hook in hooks_of(method).items():
         assert hook.__name__ != "<lambda>", f"{method.name}.{name} is a lambda: tracebacks would say <lambda>"
         assert hook.__module__.startswith(package) or hook.__module__ == "longpeft.adapters.registry", (
-            f"{method.name}.{name} is {hook.__module__}.{hook.__name__}, outside the method's folder")
+            f"{method.name}.{name} is {hook.__module__}.{hook.__name__}, outside the method's folder"
+        )
 
 
 def executed_statements(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -114,8 +115,9 @@ def executed_statements(body: list[ast.stmt]) -> list[ast.stmt]:
         if isinstance(node, ast.If) and not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
             statements += executed_statements(node.body + node.orelse)
         elif isinstance(node, ast.Try):
-            statements += executed_statements(node.body + node.orelse + node.finalbody
-                                              + [s for handler in node.handlers for s in handler.body])
+            statements += executed_statements(
+                node.body + node.orelse + node.finalbody + [s for handler in node.handlers for s in handler.body]
+            )
     return statements
 
 
@@ -177,8 +179,9 @@ def check_apply_and_remove(method: Method, config) -> None:
     method.remove(model)
     assert not method.is_applied(model)
     assert torch.equal(logits(model), before)
-    assert (model.state_dict().keys() == state.keys()
-            and all(torch.equal(model.state_dict()[k], v) for k, v in state.items()))
+    assert model.state_dict().keys() == state.keys() and all(
+        torch.equal(model.state_dict()[k], v) for k, v in state.items()
+    )
 
 
 def check_spec_round_trip(method: Method, config, folder: Path) -> None:
@@ -294,18 +297,26 @@ def test_every_export_loads_in_a_fresh_process_without_longpeft(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     for method in exporting:
         assert f"LOADED {tmp_path / method.name} " in run.stdout, method.name
-        torch.testing.assert_close(torch.load(tmp_path / f"{method.name}.pt"), expected[method.name], atol=1e-5,
-                                   rtol=0, msg=lambda text, name=method.name: f"{name}'s export: {text}")
+        torch.testing.assert_close(
+            torch.load(tmp_path / f"{method.name}.pt"),
+            expected[method.name],
+            atol=1e-5,
+            rtol=0,
+            msg=lambda text, name=method.name: f"{name}'s export: {text}",
+        )
 
 
 def test_conflicts_are_refused_naming_both_sides_and_the_fix():
     assert [str(c) for c in find_conflicts(["rope", "string", "beacon"])] == [
         f"string and beacon cannot be combined: {METHODS['string'].conflicts['beacon']}; remove one of the two "
-        "sections"]
-    assert [str(c) for c in find_conflicts(["rope", "pose"],
-                                           {COLLATOR: "data.utk", "split_sequences": "--launch ulysses"})] == [
+        "sections"
+    ]
+    assert [
+        str(c) for c in find_conflicts(["rope", "pose"], {COLLATOR: "data.utk", "split_sequences": "--launch ulysses"})
+    ] == [
         f"--launch ulysses with pose: {METHODS['pose'].conflicts['split_sequences']}; use --launch ddp",
-        "data.utk and pose cannot be combined: each brings its own data collator; use one of them"]
+        "data.utk and pose cannot be combined: each brings its own data collator; use one of them",
+    ]
     assert find_conflicts(["rope"], {"sharded_weights": "--launch fsdp2", COLLATOR: "data.utk"}) == []
     with pytest.raises(ValueError, match="unknown run features \\['fsdp'\\]"):
         find_conflicts(["rope"], {"fsdp": "--launch fsdp2"})
@@ -445,24 +456,43 @@ def test_a_new_method_is_one_folder_and_one_register_line(plugin, tiny_base_dirs
         check_apply_and_remove(method, config)
         check_spec_round_trip(method, config, tmp_path / "spec")
 
-        overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}",
-                     "data.max_length=256", "dummy.scale=1.5", f"output_dir={tmp_path / 'run'}", "train.max_steps=2",
-                     "train.global_batch_size=2", "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"]
+        overrides = [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            "dummy.scale=1.5",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=2",
+            "train.global_batch_size=2",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "lora.embeddings=none",
+        ]
         result = run(load_recipe("tiny-cpu", overrides))
         calls = sys.modules["longpeft_dummy.modeling"].CALLS
         assert len(calls) >= 4 and set(calls) == {1}  # 2 steps x 2 accumulated batches of 1 sample, at least
         assert ContextSpec.load(result.adapter_dir).methods["dummy"] == {"scale": 1.5}
 
-        with pytest.raises(RecipeError, match="dummy and beacon cannot be combined: the dummy scales the norm whose "
-                                              "output Activation Beacon's windows condense; remove one of the two"):
+        with pytest.raises(
+            RecipeError,
+            match="dummy and beacon cannot be combined: the dummy scales the norm whose "
+            "output Activation Beacon's windows condense; remove one of the two",
+        ):
             load_recipe("tiny-beacon-cpu", ["dummy.scale=1.5"])
-        with pytest.raises(RecipeError, match="pose and dummy cannot be combined: each brings its own data collator; "
-                                              "use one of them"):
+        with pytest.raises(
+            RecipeError, match="pose and dummy cannot be combined: each brings its own data collator; use one of them"
+        ):
             load_recipe("tiny-cpu", ["dummy.scale=1.5", "pose.target_length=2048"])
-        utk = [f"data.source={tmp_path / 'docs.jsonl'}", "data.format=text", "train.assistant_only_loss=false",
-               "data.utk.probability=0.5"]
-        with pytest.raises(RecipeError, match="data.utk and dummy cannot be combined: each brings its own data "
-                                              "collator; use one of them"):
+        utk = [
+            f"data.source={tmp_path / 'docs.jsonl'}",
+            "data.format=text",
+            "train.assistant_only_loss=false",
+            "data.utk.probability=0.5",
+        ]
+        with pytest.raises(
+            RecipeError,
+            match="data.utk and dummy cannot be combined: each brings its own data collator; use one of them",
+        ):
             load_recipe("tiny-cpu", ["dummy.scale=1.5", *utk])
         model = base_model()
         method.apply(model, config)
@@ -480,16 +510,16 @@ def test_a_new_method_is_one_folder_and_one_register_line(plugin, tiny_base_dirs
 # (module, function) -> why it may name a method; every other module asks the registry.
 EXCEPTIONS = {
     ("longpeft/spec.py", "methods_from_v1"): "the format-1 reader (format-1 fields became method sections); the "
-                                             "issue29-settings branch, which owns spec.py, deletes it",
+    "issue29-settings branch, which owns spec.py, deletes it",
     ("longpeft/spec.py", "rope_parameters"): "spec.py sits below the registry (adapters import it): every "
-                                             "longpeft.json carries the implied rope section, read back here",
+    "longpeft.json carries the implied rope section, read back here",
     ("longpeft/spec.py", "max_position_embeddings"): "as rope_parameters",
     ("longpeft/spec.py", "head_bases"): "a ContextSpec accessor below the registry; longpeft itself no longer reads "
-                                        "it (spec.py is left to the issue29-settings branch)",
+    "it (spec.py is left to the issue29-settings branch)",
     ("longpeft/spec.py", "string"): "as head_bases",
     ("longpeft/eval/tasks.py", "_write_outputs"): "'string' there is the results' key of the STRING settings an "
-                                                 "evaluation ran with (eval switches STRING on by design), not a "
-                                                 "method section",
+    "evaluation ran with (eval switches STRING on by design), not a "
+    "method section",
     ("longpeft/eval/tasks.py", "evaluate"): "as _write_outputs",
 }
 
@@ -510,8 +540,13 @@ def method_name_conditions(path: Path, names: set[str]) -> list[tuple[str, int, 
             function = node.name
         hit = (
             (isinstance(node, ast.Compare) and any(literal(operand) for operand in (node.left, *node.comparators)))
-            or (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in ("get", "pop", "setdefault") and node.args and literal(node.args[0]))
+            or (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("get", "pop", "setdefault")
+                and node.args
+                and literal(node.args[0])
+            )
             or (isinstance(node, ast.Subscript) and literal(node.slice))
         )
         if hit:
@@ -543,7 +578,7 @@ def test_no_module_outside_a_method_folder_names_a_method_in_a_condition():
 
 def test_the_condition_scan_sees_each_form(tmp_path):
     """The scan of the test above flags each way of naming a method in a condition, and not a name in plain data."""
-    code = textwrap.dedent('''
+    code = textwrap.dedent("""
         def f(recipe, spec, name, m):
             a = name == "pose"
             b = "beacon" in recipe.method_configs()
@@ -551,7 +586,7 @@ def test_the_condition_scan_sees_each_form(tmp_path):
             d = spec.methods.get("pose")
             e = recipe.configs["rope"]
             return {"rope": 1}, ["pose"], m.name
-        ''')
+        """)
     path = tmp_path / "probe.py"
     path.write_text(code)
     assert sorted(line for _, line, _ in method_name_conditions(path, set(BUILT_IN))) == [3, 4, 5, 6, 7]

@@ -47,18 +47,70 @@ def test_node_flags_become_accelerates_machine_arguments(capsys):
     torchrun on each node (accelerate's default for them is DeepSpeed's ssh launcher over a hostfile); Ulysses'
     group spans every node."""
     batch = ("--set", "train.global_batch_size=16")
-    ddp = printed_command(capsys, QLORA_80K, "--launch", "ddp", "--gpus", "8", "--nodes", "2", "--node-rank", "1",
-                          "--main-address", "10.0.0.1:29600", *batch)
-    assert ddp[ddp.index("--num_processes"):ddp.index("-m")] == [
-        "--num_processes", "16", "--mixed_precision", "bf16", "--num_machines", "2", "--machine_rank", "1",
-        "--main_process_ip", "10.0.0.1", "--main_process_port", "29600"]
-    assert ddp[ddp.index("-m"):] == ["-m", "longpeft.cli", "train", QLORA_80K, "--set", "train.global_batch_size=16"]
-    zero3 = printed_command(capsys, QLORA_80K, "--launch", "zero3", "--gpus", "8", "--nodes", "2", "--node-rank", "0",
-                            "--main-address", "node001:29500", *batch, "--resume")
+    ddp = printed_command(
+        capsys,
+        QLORA_80K,
+        "--launch",
+        "ddp",
+        "--gpus",
+        "8",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--main-address",
+        "10.0.0.1:29600",
+        *batch,
+    )
+    assert ddp[ddp.index("--num_processes") : ddp.index("-m")] == [
+        "--num_processes",
+        "16",
+        "--mixed_precision",
+        "bf16",
+        "--num_machines",
+        "2",
+        "--machine_rank",
+        "1",
+        "--main_process_ip",
+        "10.0.0.1",
+        "--main_process_port",
+        "29600",
+    ]
+    assert ddp[ddp.index("-m") :] == ["-m", "longpeft.cli", "train", QLORA_80K, "--set", "train.global_batch_size=16"]
+    zero3 = printed_command(
+        capsys,
+        QLORA_80K,
+        "--launch",
+        "zero3",
+        "--gpus",
+        "8",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "0",
+        "--main-address",
+        "node001:29500",
+        *batch,
+        "--resume",
+    )
     assert flag(zero3, "--deepspeed_multinode_launcher") == "standard" and flag(zero3, "--machine_rank") == "0"
     assert zero3[-1] == "--resume" and flag(zero3, "--main_process_ip") == "node001"
-    ulysses = printed_command(capsys, QLORA_80K, "--launch", "ulysses", "--gpus", "8", "--nodes", "2", "--node-rank",
-                              "1", "--main-address", "[fd00::1]:29500", "--set", "model.load_in_4bit=false")
+    ulysses = printed_command(
+        capsys,
+        QLORA_80K,
+        "--launch",
+        "ulysses",
+        "--gpus",
+        "8",
+        "--nodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--main-address",
+        "[fd00::1]:29500",
+        "--set",
+        "model.load_in_4bit=false",
+    )
     assert flag(ulysses, "--parallelism_config_sp_size") == "16" and flag(ulysses, "--num_processes") == "16"
     assert flag(ulysses, "--main_process_ip") == "fd00::1" and "--deepspeed_multinode_launcher" in ulysses
     one_node = printed_command(capsys, QLORA_80K, "--launch", "ddp", "--gpus", "8", "--main-address", "10.0.0.1:29601")
@@ -66,30 +118,44 @@ def test_node_flags_become_accelerates_machine_arguments(capsys):
     assert parse_main_address("localhost:1") == ("localhost", 1)
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--nodes", "2", "--node-rank", "2", "--main-address", "h:29500"], "--node-rank 2 is out of range for --nodes 2"),
-    (["--nodes", "2", "--node-rank", "-1", "--main-address", "h:29500"], "--node-rank -1 is out of range"),
-    (["--node-rank", "1"], "--node-rank 1 is out of range for --nodes 1"),
-    (["--nodes", "2", "--node-rank", "1"], "--nodes 2: give --main-address HOST:PORT"),
-    (["--nodes", "2", "--main-address", "10.0.0.1"], "--main-address '10.0.0.1': give HOST:PORT"),
-    (["--nodes", "2", "--main-address", "http://10.0.0.1:29500"], "give HOST:PORT"),
-    (["--nodes", "2", "--main-address", ":29500"], "give HOST:PORT"),
-    (["--nodes", "2", "--main-address", "10.0.0.1:0"], "port 0 is out of range (1 to 65535)"),
-    (["--nodes", "2", "--main-address", "10.0.0.1:65536"], "port 65536 is out of range (1 to 65535)"),
-    (["--nodes", "2", "--main-address", "[fd00::zz]:29500"], "is not an IPv6 address"),
-    # the recipe's global batch 8 cannot be split over 16 data-parallel processes
-    (["--nodes", "2", "--main-address", "h:29500", "--set", "train.global_batch_size=8"],
-     "global_batch_size=8 is not a multiple of train.per_device_batch_size=1 x 16 data-parallel processes: --set "
-     "train.global_batch_size to a multiple of 16"),
-    # Ulysses over 8 nodes x 8 GPUs: 64 processes cannot share 32 heads
-    (["--nodes", "8", "--main-address", "h:29500", "--launch", "ulysses", "--set", "model.load_in_4bit=false"],
-     "does not divide 32"),
-    # the launch's own checks still hold past one node
-    (["--nodes", "2", "--main-address", "h:29500", "--launch", "ulysses"], "--launch ulysses with model.load_in_4bit"),
-    (["--nodes", "2", "--print-slurm", "--node-rank", "1"], "--print-slurm with --node-rank"),
-    (["--nodes", "2", "--print-slurm", "--main-address", "h:29500"], "--print-slurm with --main-address"),
-    (["--nodes", "2", "--print-slurm", "--print-command"], "--print-slurm and --print-command: choose one"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--nodes", "2", "--node-rank", "2", "--main-address", "h:29500"],
+            "--node-rank 2 is out of range for --nodes 2",
+        ),
+        (["--nodes", "2", "--node-rank", "-1", "--main-address", "h:29500"], "--node-rank -1 is out of range"),
+        (["--node-rank", "1"], "--node-rank 1 is out of range for --nodes 1"),
+        (["--nodes", "2", "--node-rank", "1"], "--nodes 2: give --main-address HOST:PORT"),
+        (["--nodes", "2", "--main-address", "10.0.0.1"], "--main-address '10.0.0.1': give HOST:PORT"),
+        (["--nodes", "2", "--main-address", "http://10.0.0.1:29500"], "give HOST:PORT"),
+        (["--nodes", "2", "--main-address", ":29500"], "give HOST:PORT"),
+        (["--nodes", "2", "--main-address", "10.0.0.1:0"], "port 0 is out of range (1 to 65535)"),
+        (["--nodes", "2", "--main-address", "10.0.0.1:65536"], "port 65536 is out of range (1 to 65535)"),
+        (["--nodes", "2", "--main-address", "[fd00::zz]:29500"], "is not an IPv6 address"),
+        # the recipe's global batch 8 cannot be split over 16 data-parallel processes
+        (
+            ["--nodes", "2", "--main-address", "h:29500", "--set", "train.global_batch_size=8"],
+            "global_batch_size=8 is not a multiple of train.per_device_batch_size=1 x 16 data-parallel processes: "
+            "--set train.global_batch_size to a multiple of 16",
+        ),
+        # Ulysses over 8 nodes x 8 GPUs: 64 processes cannot share 32 heads
+        (
+            ["--nodes", "8", "--main-address", "h:29500", "--launch", "ulysses"]
+            + ["--set", "model.load_in_4bit=false"],
+            "does not divide 32",
+        ),
+        # the launch's own checks still hold past one node
+        (
+            ["--nodes", "2", "--main-address", "h:29500", "--launch", "ulysses"],
+            "--launch ulysses with model.load_in_4bit",
+        ),
+        (["--nodes", "2", "--print-slurm", "--node-rank", "1"], "--print-slurm with --node-rank"),
+        (["--nodes", "2", "--print-slurm", "--main-address", "h:29500"], "--print-slurm with --main-address"),
+        (["--nodes", "2", "--print-slurm", "--print-command"], "--print-slurm and --print-command: choose one"),
+    ],
+)
 def test_bad_node_flags_are_refused_with_the_reason(capsys, argv, message):
     if "--launch" not in argv:
         argv = [*argv, "--launch", "ddp"]
@@ -133,13 +199,19 @@ def test_slurm_script_runs_one_launch_per_node(tmp_path, capsys):
     would give on that node, R from $SLURM_NODEID and HOST the allocation's first host. Executed by bash with stand-in
     scontrol, srun (one task per node id) and accelerate (which records its arguments)."""
     overrides = ["--set", "train.global_batch_size=8"]
-    assert main(["train", QLORA_80K, "--launch", "zero3", "--gpus", "4", "--nodes", "2", "--print-slurm",
-                 *overrides]) == 0
+    assert (
+        main(["train", QLORA_80K, "--launch", "zero3", "--gpus", "4", "--nodes", "2", "--print-slurm", *overrides])
+        == 0
+    )
     script = tmp_path / "job.sh"
     script.write_text(capsys.readouterr().out)
     text = script.read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4",
-                 'scontrol show hostnames "$SLURM_JOB_NODELIST"'):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        'scontrol show hostnames "$SLURM_JOB_NODELIST"',
+    ):
         assert line in text
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
 
@@ -150,9 +222,9 @@ def test_slurm_script_runs_one_launch_per_node(tmp_path, capsys):
         "scontrol": '[ "$1 $2" = "show hostnames" ] && [ "$3" = "gpu-[07-08]" ] && printf "gpu-07\\ngpu-08\\n"',
         # srun's options, then one task per node (SLURM_NODEID set), as SLURM starts them
         "srun": 'while [ "${1#--}" != "$1" ]; do shift; done\n'
-                'for node in 0 1; do SLURM_NODEID=$node "$@" || exit $?; done',
+        'for node in 0 1; do SLURM_NODEID=$node "$@" || exit $?; done',
         "accelerate": f'{shlex.quote(sys.executable)} -c "import json, sys; print(json.dumps(sys.argv[1:]))" "$@" '
-                      f'> {shlex.quote(str(out))}/node-$SLURM_NODEID.json',
+        f"> {shlex.quote(str(out))}/node-$SLURM_NODEID.json",
     }
     for name, body in stand_ins.items():
         (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
@@ -165,8 +237,9 @@ def test_slurm_script_runs_one_launch_per_node(tmp_path, capsys):
         proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         for rank in (0, 1):
-            expected = launch_command(recipe, QLORA_80K, "zero3", 4, ["train.global_batch_size=8"],
-                                      Nodes(2, rank, "gpu-07", port))
+            expected = launch_command(
+                recipe, QLORA_80K, "zero3", 4, ["train.global_batch_size=8"], Nodes(2, rank, "gpu-07", port)
+            )
             assert json.loads((out / f"node-{rank}.json").read_text()) == expected[1:]  # after `accelerate`
 
 
@@ -193,25 +266,48 @@ def test_plan_adds_the_gradient_all_reduce_between_nodes(capsys):
     ulysses = add_inter_node(estimate(bf16, gpus=16, launch="ulysses"), bf16, 2).assumptions["inter_node"]
     assert ulysses["reductions_per_step"] == 32 and ulysses["gbps"] == 400
 
-    assert main(["plan", QLORA_80K, "--gpus", "8", "--nodes", "2", "--samples", "3500",
-                 "--set", "train.global_batch_size=32"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                QLORA_80K,
+                "--gpus",
+                "8",
+                "--nodes",
+                "2",
+                "--samples",
+                "3500",
+                "--set",
+                "train.global_batch_size=32",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "on 16 GPUs" in out and "= 1.3 h" in out  # nodes x GPUs in the time estimate
     line = next(line for line in out.splitlines() if line.startswith("inter-node:"))
-    assert line.startswith(f"inter-node: 2 nodes x 8 GPUs, gradient all-reduce of {trainable * 4 / 1e9:.2f} GB: "
-                           f"{sent / 1e9:.2f} GB sent per GPU per optimizer step, {sent / 50e9:.3g} s at 400 Gb/s "
-                           "per GPU")
+    assert line.startswith(
+        f"inter-node: 2 nodes x 8 GPUs, gradient all-reduce of {trainable * 4 / 1e9:.2f} GB: "
+        f"{sent / 1e9:.2f} GB sent per GPU per optimizer step, {sent / 50e9:.3g} s at 400 Gb/s "
+        "per GPU"
+    )
     assert main(["plan", QLORA_80K, "--gpus", "16", "--samples", "3500", "--set", "train.global_batch_size=32"]) == 0
     single = capsys.readouterr().out
     assert "inter-node" not in single and "on 16 GPUs" in single and "= 1.3 h" in single
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--nodes", "2"], "longpeft plan --nodes 2: give --gpus G"),
-    (["--gpus", "8", "--inter-node-gbps", "100"], "--inter-node-gbps goes with --nodes N > 1"),
-    (["--gpus", "8", "--nodes", "2"], "train.global_batch_size=8 is not a multiple of train.per_device_batch_size=1 "
-                                      "x 16 data-parallel processes: --set train.global_batch_size to a multiple"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "2"], "longpeft plan --nodes 2: give --gpus G"),
+        (["--gpus", "8", "--inter-node-gbps", "100"], "--inter-node-gbps goes with --nodes N > 1"),
+        (
+            ["--gpus", "8", "--nodes", "2"],
+            "train.global_batch_size=8 is not a multiple of train.per_device_batch_size=1 "
+            "x 16 data-parallel processes: --set train.global_batch_size to a multiple",
+        ),
+    ],
+)
 def test_plan_node_flags_are_checked(capsys, argv, message):
     assert main(["plan", QLORA_80K, *argv]) == 2
     assert message in capsys.readouterr().err
@@ -219,8 +315,13 @@ def test_plan_node_flags_are_checked(capsys, argv, message):
 
 # Two "nodes" on this machine: each `longpeft train` starts one accelerate launch of one CPU process (gloo).
 STEPS = 8
-TRAIN = ("train.max_steps=8", "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
-         "data.max_length=256")
+TRAIN = (
+    "train.max_steps=8",
+    "train.save_steps=2",
+    "train.global_batch_size=2",
+    "train.per_device_batch_size=1",
+    "data.max_length=256",
+)
 
 
 def free_port() -> int:
@@ -229,15 +330,20 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_train(out: Path, base: Path, data: Path, *launch: str, train: tuple[str, ...] = TRAIN
-                ) -> tuple[subprocess.Popen, Path]:
+def start_train(
+    out: Path, base: Path, data: Path, *launch: str, train: tuple[str, ...] = TRAIN
+) -> tuple[subprocess.Popen, Path]:
     """``longpeft train tiny-cpu --launch ...`` in the background on CPU processes; its output goes to a log."""
     overrides = [f"model.name_or_path={base}", f"data.source={data}", f"output_dir={out}", *train]
     argv = [sys.executable, "-m", "longpeft.cli", "train", "tiny-cpu", *launch]
     argv += [word for override in overrides for word in ("--set", override)]
     # gloo on CPU processes, also on a machine with GPUs; one thread per process, as torchrun sets for 2 per node
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "1",
+    }
     log = out.with_name(f"{out.name}-{len(list(out.parent.glob(f'{out.name}-*.log')))}.log")
     return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env), log
 
@@ -247,12 +353,31 @@ def finish(*started: tuple[subprocess.Popen, Path]) -> None:
         assert proc.wait(timeout=600) == 0, log.read_text()[-4000:]
 
 
-def two_nodes(out: Path, base: Path, data: Path, *extra: str, launch: str = "ddp", train: tuple[str, ...] = TRAIN
-              ) -> list[tuple[subprocess.Popen, Path]]:
+def two_nodes(
+    out: Path, base: Path, data: Path, *extra: str, launch: str = "ddp", train: tuple[str, ...] = TRAIN
+) -> list[tuple[subprocess.Popen, Path]]:
     """Both nodes of a 2-node run of one process each, started together (node 1 joins node 0's rendezvous)."""
     address = f"127.0.0.1:{free_port()}"
-    return [start_train(out, base, data, "--launch", launch, "--gpus", "1", "--nodes", "2", "--node-rank", str(rank),
-                        "--main-address", address, *extra, train=train) for rank in (0, 1)]
+    return [
+        start_train(
+            out,
+            base,
+            data,
+            "--launch",
+            launch,
+            "--gpus",
+            "1",
+            "--nodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--main-address",
+            address,
+            *extra,
+            train=train,
+        )
+        for rank in (0, 1)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -271,29 +396,46 @@ def test_two_nodes_train_as_one_node_of_two_processes(tiny_base_dirs, data, two_
     """Two launches of one process each (--nodes 2, ranks 0 and 1, rendezvous at 127.0.0.1) give the losses
     (rel 1e-4) and adapter (atol 1e-5) of one launch of two processes (--gpus 2), the same global batch."""
     one_node = tmp_path / "one-node"
-    finish(start_train(one_node, tiny_base_dirs("llama"), data, "--launch", "ddp", "--gpus", "2", "--main-address",
-                       f"127.0.0.1:{free_port()}"))
+    finish(
+        start_train(
+            one_node,
+            tiny_base_dirs("llama"),
+            data,
+            "--launch",
+            "ddp",
+            "--gpus",
+            "2",
+            "--main-address",
+            f"127.0.0.1:{free_port()}",
+        )
+    )
     for folder in (two_node_run, one_node):
         resolved = json.loads((folder / "recipe.resolved.json").read_text())
         assert resolved["world_size"] == 2 and resolved["distributed_type"].endswith("MULTI_CPU")
     steps, losses = logged_losses(two_node_run)
     assert steps == list(range(1, STEPS + 1))
     assert losses == pytest.approx(logged_losses(one_node)[1], rel=1e-4)
-    assert_same_weights(one_node / "adapter" / "adapter_model.safetensors",
-                        two_node_run / "adapter" / "adapter_model.safetensors", atol=1e-5, rtol=0)
+    assert_same_weights(
+        one_node / "adapter" / "adapter_model.safetensors",
+        two_node_run / "adapter" / "adapter_model.safetensors",
+        atol=1e-5,
+        rtol=0,
+    )
 
 
 @pytest.mark.slow  # 2 min: two launches killed and started again; test_recipes' kill-and-resume runs in make test
-def test_two_nodes_killed_after_a_checkpoint_resume_to_the_uninterrupted_run(tiny_base_dirs, data, two_node_run,
-                                                                             tmp_path):
+def test_two_nodes_killed_after_a_checkpoint_resume_to_the_uninterrupted_run(
+    tiny_base_dirs, data, two_node_run, tmp_path
+):
     """Both nodes killed (SIGKILL, every process of both launches) once a checkpoint is complete, then both started
     again with --resume: the adapter and losses of the run that was never interrupted."""
     killed, base = tmp_path / "killed", tiny_base_dirs("llama")
     started = two_nodes(killed, base, data)
     deadline = time.monotonic() + 600
     while latest_checkpoint(killed) is None:
-        assert time.monotonic() < deadline and all(proc.poll() is None for proc, _ in started), \
-            "\n".join(log.read_text()[-3000:] for _, log in started)
+        assert time.monotonic() < deadline and all(proc.poll() is None for proc, _ in started), "\n".join(
+            log.read_text()[-3000:] for _, log in started
+        )
         time.sleep(0.02)
     processes = [psutil.Process(proc.pid) for proc, _ in started]
     for process in [child for parent in processes for child in parent.children(recursive=True)][::-1] + processes:
@@ -318,14 +460,26 @@ def test_ulysses_group_spanning_two_nodes_equals_one_process(tiny_base_dirs, dat
     adapter (atol 1e-4) of one process with the same global batch. Sequences are padded to 256 tokens (gloo gathers
     only equal shapes across the group)."""
     base, out = tiny_base_dirs("llama"), tmp_path / "ulysses"
-    train = ("data.max_length=256", "train.max_steps=2", "train.global_batch_size=1", "train.per_device_batch_size=1",
-             "trl.pad_to_multiple_of=256")
+    train = (
+        "data.max_length=256",
+        "train.max_steps=2",
+        "train.global_batch_size=1",
+        "train.per_device_batch_size=1",
+        "trl.pad_to_multiple_of=256",
+    )
     finish(*two_nodes(out, base, data, launch="ulysses", train=train))
     resolved = json.loads((out / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith("DEEPSPEED") and resolved["world_size"] == 2
     assert resolved["effective_global_batch_size"] == 1  # both nodes read the same sequence
-    single = run(load_recipe("tiny-cpu", [f"model.name_or_path={base}", f"data.source={data}",
-                                          f"output_dir={tmp_path / 'one'}", *train]))
+    single = run(
+        load_recipe(
+            "tiny-cpu", [f"model.name_or_path={base}", f"data.source={data}", f"output_dir={tmp_path / 'one'}", *train]
+        )
+    )
     assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
-                        out / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
+    assert_same_weights(
+        single.adapter_dir / "adapter_model.safetensors",
+        out / "adapter" / "adapter_model.safetensors",
+        atol=1e-4,
+        rtol=1e-3,
+    )

@@ -17,16 +17,31 @@ from longpeft.units import format_duration
 RECIPE = "llama3-8b-instruct-80k-qlora"  # global batch 8, per-device batch 1
 
 
-@pytest.mark.parametrize("seconds, text", [(0, "0.0 s"), (42, "42.0 s"), (59.94, "59.9 s"), (60, "1.0 min"),
-                                           (750, "12.5 min"), (3599, "60.0 min"), (3600, "1.0 h"),
-                                           (3.2 * 3600, "3.2 h")])
+@pytest.mark.parametrize(
+    "seconds, text",
+    [
+        (0, "0.0 s"),
+        (42, "42.0 s"),
+        (59.94, "59.9 s"),
+        (60, "1.0 min"),
+        (750, "12.5 min"),
+        (3599, "60.0 min"),
+        (3600, "1.0 h"),
+        (3.2 * 3600, "3.2 h"),
+    ],
+)
 def test_durations_switch_unit_at_a_minute_and_an_hour(seconds, text):
     assert format_duration(seconds) == text
 
 
-@pytest.mark.parametrize("override, field", [("train.adam_beta1=5", "train.adam_beta1"),
-                                             ("train.adam_beta2=1", "train.adam_beta2"),
-                                             ("train.optim=notanoptimizer", "train.optim")])
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("train.adam_beta1=5", "train.adam_beta1"),
+        ("train.adam_beta2=1", "train.adam_beta2"),
+        ("train.optim=notanoptimizer", "train.optim"),
+    ],
+)
 def test_plan_and_train_refuse_the_same_optimizer_settings(override, field, capsys):
     with pytest.raises(ConfigError, match=field):  # the one validation both commands load the recipe through
         load_recipe(RECIPE, [override])
@@ -49,6 +64,7 @@ def test_plan_refuses_a_global_batch_the_gpus_do_not_divide_as_train_does(capsys
     assert main(["train", RECIPE, "--launch", "ddp", "--gpus", "16", "--print-command"]) == 2
     train_error = capsys.readouterr().err
     assert "train.global_batch_size=8 is not a multiple" in plan_error
+
     def message(err):
         return next(line for line in err.splitlines() if ": error: " in line).split(": error: ")[1]
 
@@ -113,9 +129,16 @@ def test_a_rope_base_below_a_real_bases_is_refused_before_anything_loads():
 
     from longpeft.recipes.model import build_spec
 
-    config = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
     assert build_spec(load_recipe(RECIPE), config, "base").rope_parameters["rope_theta"] == 2e8
     with pytest.raises(ConfigError, match="rope.rope_theta=100000 is below the base model's own RoPE base 500000"):
         build_spec(load_recipe(RECIPE, ["rope.rope_theta=1e5"]), config, "base")

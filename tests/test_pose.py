@@ -72,7 +72,7 @@ def eq5_reference(x, window, target, n_chunks, content_skip, seed):
         v = draw(len(x) - length)
     tokens, positions = [], []
     for st, end, ui, vi in zip(starts, ends, u, v):
-        tokens += list(x[vi + st: vi + end])
+        tokens += list(x[vi + st : vi + end])
         positions += list(range(ui + st, ui + end))
     return tokens, positions
 
@@ -122,8 +122,11 @@ def test_collator_draws_the_window_from_longer_samples_with_content_skip():
     collator = PoseCollator(target_length=1024, pad_token_id=0, max_length=64, seed=2, content_skip="aligned")
     short = list(range(2000, 2040))
     batch = collator([{"input_ids": x.tolist()}, {"input_ids": short}])
-    ids, labels, positions = (batch["input_ids"][0].numpy(), batch["labels"][0].numpy(),
-                              batch["position_ids"][0].numpy())
+    ids, labels, positions = (
+        batch["input_ids"][0].numpy(),
+        batch["labels"][0].numpy(),
+        batch["position_ids"][0].numpy(),
+    )
     assert ids.shape == (64,) and np.array_equal(ids, x[positions])  # aligned: every token at its real position
     jumps = np.flatnonzero(np.diff(positions) > 1) + 1
     assert len(jumps) == 1, "seed 2 skips once; pick another seed if the draw changes"
@@ -175,19 +178,28 @@ def test_second_chunk_attends_to_the_first_with_pose_ids():
     changed = ids.clone()
     changed[len(first) // 2] = (ids[len(first) // 2] + 1) % 128  # a token inside chunk 1
     collator = PoseCollator(target_length=target, pad_token_id=0)
-    batch = collator([{"input_ids": ids.tolist(), "position_ids": positions.tolist()},
-                      {"input_ids": changed.tolist(), "position_ids": positions.tolist()}])
+    batch = collator(
+        [
+            {"input_ids": ids.tolist(), "position_ids": positions.tolist()},
+            {"input_ids": changed.tolist(), "position_ids": positions.tolist()},
+        ]
+    )
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                       attention_mask=batch["attention_mask"], use_cache=False).logits
+        logits = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            attention_mask=batch["attention_mask"],
+            use_cache=False,
+        ).logits
         unmasked = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
     in_second = slice(len(first), length)
     assert (logits[0, in_second] - logits[1, in_second]).abs().max() > 1e-4  # chunk 2 sees chunk 1
     assert torch.allclose(unmasked[0, in_second], unmasked[1, in_second], atol=1e-6)  # the pitfall
     # and the positions matter: the same ids with plain positions give other logits
     with torch.no_grad():
-        plain = model(input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1],
-                      use_cache=False).logits
+        plain = model(
+            input_ids=batch["input_ids"][:1], attention_mask=batch["attention_mask"][:1], use_cache=False
+        ).logits
     assert (plain[0, in_second] - logits[0, in_second]).abs().max() > 1e-4
 
 
@@ -202,10 +214,21 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
 
     recipe = load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-         "method=pose", "pose.n_chunks=2", "target_length=2048", "rope.max_position_embeddings=2048",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=2",
-         "train.per_device_batch_size=2", "lora.r=2", "lora.embeddings=none"],
+        [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            "method=pose",
+            "pose.n_chunks=2",
+            "target_length=2048",
+            "rope.max_position_embeddings=2048",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=2",
+            "train.per_device_batch_size=2",
+            "lora.r=2",
+            "lora.embeddings=none",
+        ],
     )
     prepared = prepare(recipe)
     collator = prepared.trainer.data_collator
@@ -219,8 +242,11 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     spec = ContextSpec.load(result.adapter_dir)
-    assert spec.method == "pose" and spec.methods["pose"] == {"n_chunks": 2, "target_length": 2048,
-                                                              "content_skip": "none"}
+    assert spec.method == "pose" and spec.methods["pose"] == {
+        "n_chunks": 2,
+        "target_length": 2048,
+        "content_skip": "none",
+    }
 
 
 @pytest.mark.parametrize(
@@ -237,8 +263,10 @@ def test_pose_positions_must_fit_the_model_and_reach_past_the_window(tiny_base_d
     from longpeft.recipes.schema import load_recipe
     from longpeft.tiny import tiny_config
 
-    recipe = load_recipe("tiny-cpu", ["data.max_length=256", "method=pose", "target_length=2048",
-                                      "rope.max_position_embeddings=2048", *overrides])
+    recipe = load_recipe(
+        "tiny-cpu",
+        ["data.max_length=256", "method=pose", "target_length=2048", "rope.max_position_embeddings=2048", *overrides],
+    )
     with pytest.raises(ValueError, match=message):
         check_against_base(recipe, build_spec(recipe, tiny_config("llama"), "tiny"))
 
@@ -261,11 +289,24 @@ def test_a_killed_pose_run_resumes_to_the_uninterrupted_adapter(tiny_base_dirs, 
     from test_recipes import KillAtStep
 
     def recipe(out):
-        return load_recipe("tiny-cpu", [
-            f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-            "method=pose", "target_length=2048", "rope.max_position_embeddings=2048", f"output_dir={out}",
-            "train.max_steps=4", "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
-            "lora.r=4", "lora.embeddings=none"])
+        return load_recipe(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={tiny_base_dirs('llama')}",
+                f"data.source={chat_jsonl}",
+                "data.max_length=256",
+                "method=pose",
+                "target_length=2048",
+                "rope.max_position_embeddings=2048",
+                f"output_dir={out}",
+                "train.max_steps=4",
+                "train.save_steps=2",
+                "train.global_batch_size=2",
+                "train.per_device_batch_size=1",
+                "lora.r=4",
+                "lora.embeddings=none",
+            ],
+        )
 
     straight = run(recipe(tmp_path / "straight"))
     with pytest.raises(KeyboardInterrupt):
@@ -283,8 +324,9 @@ def write_text_jsonl(path, lengths, seed=0):
 
     rng = random.Random(seed)
     words = "the river city report market north south garden harbor station amber cedar dune".split()
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n"
-                            for n in lengths))
+    path.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choice(words) for _ in range(n))}) + "\n" for n in lengths)
+    )
     return path
 
 
@@ -296,11 +338,25 @@ def test_content_skip_in_a_recipe_trains_on_windows_drawn_from_long_documents(ti
     from longpeft.spec import ContextSpec
 
     docs = write_text_jsonl(tmp_path / "docs.jsonl", [10, 300, 400, 500, 1500])
-    recipe = load_recipe("tiny-cpu", [
-        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={docs}", "data.format=text",
-        "data.max_length=64", "method=pose", "pose.content_skip=aligned", "target_length=1024",
-        "rope.max_position_embeddings=1024", f"output_dir={tmp_path / 'run'}", "train.max_steps=1",
-        "train.global_batch_size=2", "train.per_device_batch_size=2", "lora.r=2", "lora.embeddings=none"])
+    recipe = load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={docs}",
+            "data.format=text",
+            "data.max_length=64",
+            "method=pose",
+            "pose.content_skip=aligned",
+            "target_length=1024",
+            "rope.max_position_embeddings=1024",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=2",
+            "train.per_device_batch_size=2",
+            "lora.r=2",
+            "lora.embeddings=none",
+        ],
+    )
     prepared = prepare(recipe)
     stats = prepared.data_stats
     assert stats["kept"] == 4 and stats["dropped"] == 1 and stats["longer_than_window"] == 3  # 1500 words > 1024
@@ -309,22 +365,31 @@ def test_content_skip_in_a_recipe_trains_on_windows_drawn_from_long_documents(ti
     for batch in prepared.trainer.get_train_dataloader():
         for ids, positions, real in zip(batch["input_ids"], batch["position_ids"], batch["input_ids"] != 0):
             ids, positions = ids[real].tolist(), positions[real].tolist()
-            assert len(ids) <= 64 and any(len(doc) > max(positions) and [doc[p] for p in positions] == ids
-                                          for doc in documents)
+            assert len(ids) <= 64 and any(
+                len(doc) > max(positions) and [doc[p] for p in positions] == ids for doc in documents
+            )
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     assert ContextSpec.load(result.adapter_dir).methods["pose"]["content_skip"] == "aligned"
 
 
 def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_window(
-        tiny_base_dirs, chat_jsonl, tmp_path):
+    tiny_base_dirs, chat_jsonl, tmp_path
+):
     """A skip would cut a conversation's context from its answer; documents no longer than the window leave
     nothing to skip (the setting would silently change nothing); documents longer than the simulated length are
     dropped, or with data.truncate cut to it."""
     from longpeft.recipes.runner import prepare
     from longpeft.recipes.schema import RecipeError, load_recipe
 
-    pose = ["method=pose", "pose.content_skip=uniform", "target_length=1024", "rope.max_position_embeddings=1024",
-            f"model.name_or_path={tiny_base_dirs('llama')}", f"output_dir={tmp_path / 'run'}", "lora.r=2"]
+    pose = [
+        "method=pose",
+        "pose.content_skip=uniform",
+        "target_length=1024",
+        "rope.max_position_embeddings=1024",
+        f"model.name_or_path={tiny_base_dirs('llama')}",
+        f"output_dir={tmp_path / 'run'}",
+        "lora.r=2",
+    ]
     with pytest.raises(RecipeError, match="pose.content_skip: uniform skips stretches of text.*data.format: text"):
         load_recipe("tiny-cpu", [f"data.source={chat_jsonl}", *pose])
     docs = write_text_jsonl(tmp_path / "short.jsonl", [20, 30])
@@ -333,8 +398,11 @@ def test_content_skip_is_refused_on_conversations_and_on_documents_that_fit_the_
         prepare(recipe)
     docs = write_text_jsonl(tmp_path / "long.jsonl", [1500, 1600])  # longer than the simulated 1024 tokens
     recipe = load_recipe("tiny-cpu", [f"data.source={docs}", "data.format=text", "data.max_length=256", *pose])
-    with pytest.raises(ValueError, match=r"longer than pose.target_length=1024 \(PoSE's content skip\) tokens "
-                                         r"\(longest \d+\); raise pose.target_length or set data.truncate: true"):
+    with pytest.raises(
+        ValueError,
+        match=r"longer than pose.target_length=1024 \(PoSE's content skip\) tokens "
+        r"\(longest \d+\); raise pose.target_length or set data.truncate: true",
+    ):
         prepare(recipe)
     cut = prepare(recipe.model_copy(update={"data": recipe.data.model_copy(update={"truncate": True})}))
     assert cut.data_stats["truncated"] == 2 and cut.data_stats["longer_than_window"] == 2
@@ -347,5 +415,6 @@ def test_model_card_names_the_content_skip():
     [plain] = METHOD.describe(PoseConfig(target_length=4096))
     [aligned] = METHOD.describe(PoseConfig(target_length=4096, content_skip="aligned"))
     assert plain == "Trained with PoSE: 2 chunks with skip-wise position ids simulating 4096 tokens."
-    assert aligned.endswith("simulating 4096 tokens, each chunk's text taken at its position ids in documents up to "
-                            "that long.")
+    assert aligned.endswith(
+        "simulating 4096 tokens, each chunk's text taken at its position ids in documents up to that long."
+    )

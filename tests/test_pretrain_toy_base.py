@@ -17,8 +17,28 @@ spec = importlib.util.spec_from_file_location("pretrain_toy_base", SCRIPT)
 pretrain = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pretrain)
 
-SMALL = ["--steps", "4", "--hidden", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "64",
-         "--tokens-per-step", "512", "--eval-every", "100", "--save-every", "2", "--warmup", "2"]
+SMALL = [
+    "--steps",
+    "4",
+    "--hidden",
+    "32",
+    "--layers",
+    "1",
+    "--heads",
+    "2",
+    "--kv-heads",
+    "1",
+    "--intermediate",
+    "64",
+    "--tokens-per-step",
+    "512",
+    "--eval-every",
+    "100",
+    "--save-every",
+    "2",
+    "--warmup",
+    "2",
+]
 
 
 class Killed(Exception):
@@ -64,5 +84,7 @@ def test_pretraining_is_seeded_and_resumes_exactly(tmp_path, monkeypatch):
 def test_pretraining_arguments_are_checked():
     with pytest.raises(SystemExit):
         pretrain.parse_args(["--heads", "3", "--kv-heads", "2"])
-    assert (pretrain.step_length(0, pretrain.parse_args([])) == 64
-            and pretrain.step_length(10**6, pretrain.parse_args([])) == 256)
+    assert (
+        pretrain.step_length(0, pretrain.parse_args([])) == 64
+        and pretrain.step_length(10**6, pretrain.parse_args([])) == 256
+    )

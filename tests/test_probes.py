@@ -37,8 +37,9 @@ def test_needle_positions_follow_depth(tokenizer):
     for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
         probe = builder.passkey(2000, depth)
         key = probe.answers[0]
-        needle = tokenizer.encode(f" The pass key is {key}. Remember it. {key} is the pass key.",
-                                  add_special_tokens=False)
+        needle = tokenizer.encode(
+            f" The pass key is {key}. Remember it. {key} is the pass key.", add_special_tokens=False
+        )
         pos = probe.metadata["needle_position"]
         assert probe.input_ids[pos : pos + len(needle)] == needle
         positions.append(pos)
@@ -79,8 +80,9 @@ def test_task_structure(tokenizer):
     assert cwe.needle_positions == [] and cwe.metadata == {"common_freq": min(counts.values())}
     topic = builder.make("topic_retrieval", 1500)
     text = tokenizer.decode(topic.input_ids)
-    assert text.index(f"topic of {topic.answers[0]}.") < min(text.index(f"topic of {t}.")
-                                                             for t in topic.metadata["topics"][1:])
+    assert text.index(f"topic of {topic.answers[0]}.") < min(
+        text.index(f"topic of {t}.") for t in topic.metadata["topics"][1:]
+    )
 
 
 def test_clear_errors(tokenizer):

@@ -127,7 +127,8 @@ def heading_anchors(page: Path) -> set[str]:
 
 def test_anchors_are_githubs():
     assert anchor("The older stack (transformers 5.17, trl 1.15, datasets 4)") == (
-        "the-older-stack-transformers-517-trl-115-datasets-4")
+        "the-older-stack-transformers-517-trl-115-datasets-4"
+    )
     assert anchor("Why `longpeft.json`") == "why-longpeftjson"
     assert anchor("Parity with the authors' code (2026-11-24)") == "parity-with-the-authors-code-2026-11-24"
     assert anchor("RoPE-base expansion and QLoRA") == "rope-base-expansion-and-qlora"

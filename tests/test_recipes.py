@@ -91,8 +91,11 @@ def test_80k_recipe_has_the_paper_settings():
 
 def test_chunked_loss_equals_full_logits_loss(tiny_base_dirs, chat_jsonl, tmp_path):
     """The trainer's loss never builds [batch, seq, vocab] logits, and equals the direct computation."""
-    prepared = prepare(tiny_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", per_device_batch_size=2,
-                                   global_batch_size=2))
+    prepared = prepare(
+        tiny_recipe(
+            tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run", per_device_batch_size=2, global_batch_size=2
+        )
+    )
     trainer = prepared.trainer
     batch = next(iter(trainer.get_train_dataloader()))
     model = trainer.model.eval()
@@ -141,8 +144,9 @@ def test_activation_offloading_without_a_gpu_is_refused_before_the_base_loads(ti
 
 
 @pytest.mark.parametrize("trainable_dtype", [None, "bfloat16"])
-def test_qlora_keeps_trained_weights_in_float32_and_the_residual_stream_in_bf16(tiny_base_dirs, chat_jsonl, tmp_path,
-                                                                               trainable_dtype):
+def test_qlora_keeps_trained_weights_in_float32_and_the_residual_stream_in_bf16(
+    tiny_base_dirs, chat_jsonl, tmp_path, trainable_dtype
+):
     """TRL casts trained weights to bf16 over a 4-bit base: at lr 5e-5 AdamW then lost 44 % of the embedding's
     updates (tiny model, 2 steps). They stay float32 (lora.trainable_dtype), and the float32 embedding copy's output
     is cast back to bf16, so the layers' inputs (what checkpointing keeps) do not double."""
@@ -155,7 +159,8 @@ def test_qlora_keeps_trained_weights_in_float32_and_the_residual_stream_in_bf16(
     layer_inputs = []
     layer = trainer.model.get_base_model().model.layers[0]
     layer.register_forward_pre_hook(
-        lambda m, args, kwargs: layer_inputs.append((args or [kwargs["hidden_states"]])[0].dtype), with_kwargs=True)
+        lambda m, args, kwargs: layer_inputs.append((args or [kwargs["hidden_states"]])[0].dtype), with_kwargs=True
+    )
     embedding = next(p for name, p in trained.items() if "embed_tokens" in name)
     before = embedding.detach().clone()
     trainer.train()
@@ -204,9 +209,15 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
     from longpeft.launch import launch_command
 
     out = tmp_path / "mp"
-    overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={out}",
-                 "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
-                 "data.max_length=256"]
+    overrides = [
+        f"model.name_or_path={tiny_base_dirs('llama')}",
+        f"data.source={chat_jsonl}",
+        f"output_dir={out}",
+        "train.max_steps=2",
+        "train.global_batch_size=2",
+        "train.per_device_batch_size=1",
+        "data.max_length=256",
+    ]
     command = launch_command(load_recipe("tiny-cpu", overrides), "tiny-cpu", "ddp", 2, overrides)
     assert command[:2] == ["accelerate", "launch"] and command[command.index("--mixed_precision") + 1] == "no"
     command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", "29531"]
@@ -220,13 +231,28 @@ def test_two_process_training_with_accelerate_on_cpu(tiny_base_dirs, chat_jsonl,
     assert summary["steps"] == 2 and summary["train"]["epoch"] == 0.5  # 2 steps x 2 processes = 4 of 8 samples
 
     # DDP equals one process with the same global batch (1 sample x 2 accumulation steps), to float32 rounding.
-    single = run(load_recipe("tiny-cpu", [
-        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
-        "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1", "data.max_length=256"]))
+    single = run(
+        load_recipe(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={tiny_base_dirs('llama')}",
+                f"data.source={chat_jsonl}",
+                f"output_dir={tmp_path / 'one'}",
+                "train.max_steps=2",
+                "train.global_batch_size=2",
+                "train.per_device_batch_size=1",
+                "data.max_length=256",
+            ],
+        )
+    )
 
     assert logged_losses(out)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-4)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
-                        out / "adapter" / "adapter_model.safetensors", atol=1e-5, rtol=1e-4)
+    assert_same_weights(
+        single.adapter_dir / "adapter_model.safetensors",
+        out / "adapter" / "adapter_model.safetensors",
+        atol=1e-5,
+        rtol=1e-4,
+    )
 
 
 def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs, chat_jsonl, tmp_path):
@@ -235,14 +261,42 @@ def test_two_process_kill_and_resume_equals_an_uninterrupted_run(tiny_base_dirs,
 
     def launch(out, *extra):
         command = [
-            str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29532",
-            "-m", "longpeft.cli", "train", "tiny-cpu", *extra,
-            "--set", f"model.name_or_path={tiny_base_dirs('llama')}", "--set", f"data.source={chat_jsonl}",
-            "--set", f"output_dir={out}", "--set", "train.max_steps=4", "--set", "train.save_steps=2",
-            "--set", "train.global_batch_size=2", "--set", "train.per_device_batch_size=1",
-            "--set", "data.max_length=256",
-            "--set", "lora.embeddings=none",
+            str(Path(sys.executable).parent / "accelerate"),
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            "29532",
+            "-m",
+            "longpeft.cli",
+            "train",
+            "tiny-cpu",
+            *extra,
+            "--set",
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            "--set",
+            f"data.source={chat_jsonl}",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            "train.max_steps=4",
+            "--set",
+            "train.save_steps=2",
+            "--set",
+            "train.global_batch_size=2",
+            "--set",
+            "train.per_device_batch_size=1",
+            "--set",
+            "data.max_length=256",
+            "--set",
+            "lora.embeddings=none",
         ]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, failure(proc)
@@ -263,11 +317,34 @@ def sharded_launch(launch, out, base, data, processes, port, *extra, on_cpu=Fals
     lifted = on_cpu and launch == "fsdp2"
     entry = [str(Path(__file__).with_name("fsdp2_cpu_entry.py"))] if lifted else ["-m", "longpeft.cli"]
     command = [
-        str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file(launch)),
-        "--num_processes", str(processes), "--mixed_precision", "no", "--main_process_port", str(port),
-        *entry, "train", recipe, "--set", f"model.name_or_path={base}", "--set", f"data.source={data}",
-        "--set", f"output_dir={out}", "--set", "train.max_steps=2", "--set", "train.global_batch_size=2",
-        "--set", "train.per_device_batch_size=1", "--set", "data.max_length=256", *extra,
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        str(config_file(launch)),
+        "--num_processes",
+        str(processes),
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(port),
+        *entry,
+        "train",
+        recipe,
+        "--set",
+        f"model.name_or_path={base}",
+        "--set",
+        f"data.source={data}",
+        "--set",
+        f"output_dir={out}",
+        "--set",
+        "train.max_steps=2",
+        "--set",
+        "train.global_batch_size=2",
+        "--set",
+        "train.per_device_batch_size=1",
+        "--set",
+        "data.max_length=256",
+        *extra,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
@@ -296,8 +373,9 @@ def test_fsdp2_launch_on_cpu_is_refused_instead_of_running_ddp(tiny_base_dirs, c
 
 @pytest.mark.launch_matrix  # make test runs the DDP kill-and-resume above; make test-slow runs these
 @pytest.mark.parametrize("launch", [SHARDED[0], "zero3"])
-def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_checkpoints(tiny_base_dirs, chat_jsonl,
-                                                                                         tmp_path, launch):
+def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_checkpoints(
+    tiny_base_dirs, chat_jsonl, tmp_path, launch
+):
     """FSDP2 or DeepSpeed ZeRO-3 (LoRA + trained embedding, parameters sharded over 2 processes: GPUs, or CPU
     processes over gloo: FSDP2 through tests/fsdp2_cpu_entry.py) gives the losses (rel 1e-3) and adapter (atol 1e-4) of
     one process with the same global batch (1 sample x 2 accumulation steps). Its checkpoints are sharded: the run
@@ -310,13 +388,28 @@ def test_two_process_sharded_run_equals_one_process_and_resumes_from_sharded_che
     assert proc.returncode == 0, failure(proc)
     resolved = json.loads((whole / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["world_size"] == 2
-    single = run(load_recipe("tiny-cpu", [
-        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}",
-        "train.max_steps=4", "train.save_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
-        "data.max_length=256"]))
+    single = run(
+        load_recipe(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={base}",
+                f"data.source={chat_jsonl}",
+                f"output_dir={tmp_path / 'one'}",
+                "train.max_steps=4",
+                "train.save_steps=2",
+                "train.global_batch_size=2",
+                "train.per_device_batch_size=1",
+                "data.max_length=256",
+            ],
+        )
+    )
     assert logged_losses(whole)[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
-                        whole / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
+    assert_same_weights(
+        single.adapter_dir / "adapter_model.safetensors",
+        whole / "adapter" / "adapter_model.safetensors",
+        atol=1e-4,
+        rtol=1e-3,
+    )
 
     assert any((whole / "checkpoints" / "checkpoint-2").glob(SHARDS[launch]))  # sharded, not whole
     undo_after_checkpoint(whole, killed, 2, 4)
@@ -337,10 +430,21 @@ def qlora_one_process(tiny_base_dirs, tmp_path_factory):
     """The QLoRA run (4-bit NF4 base, LoRA) in one process, with the global batch of the sharded runs."""
     data = write_chat_jsonl(tmp_path_factory.mktemp("qlora-data") / "train.jsonl")
     out = tmp_path_factory.mktemp("qlora-one") / "run"
-    run(load_recipe("tiny-cpu", [
-        f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={data}", f"output_dir={out}",
-        "model.load_in_4bit=true", "train.max_steps=2", "train.global_batch_size=2", "train.per_device_batch_size=1",
-        "data.max_length=256"]))
+    run(
+        load_recipe(
+            "tiny-cpu",
+            [
+                f"model.name_or_path={tiny_base_dirs('llama')}",
+                f"data.source={data}",
+                f"output_dir={out}",
+                "model.load_in_4bit=true",
+                "train.max_steps=2",
+                "train.global_batch_size=2",
+                "train.per_device_batch_size=1",
+                "data.max_length=256",
+            ],
+        )
+    )
     return data, out
 
 
@@ -351,14 +455,27 @@ def test_qlora_with_its_4bit_base_sharded_equals_one_process(tiny_base_dirs, qlo
     losses (rel 1e-3) and the adapter (atol 1e-4) of one process with the same global batch."""
     data, single = qlora_one_process
     port = {"fsdp2": 29546, "zero3": 29547}[launch]
-    proc = sharded_launch(launch, tmp_path / "sharded", tiny_base_dirs("llama"), data, 2, port, "--set",
-                          "model.load_in_4bit=true", on_cpu=torch.cuda.device_count() < 2)
+    proc = sharded_launch(
+        launch,
+        tmp_path / "sharded",
+        tiny_base_dirs("llama"),
+        data,
+        2,
+        port,
+        "--set",
+        "model.load_in_4bit=true",
+        on_cpu=torch.cuda.device_count() < 2,
+    )
     assert proc.returncode == 0, failure(proc)
     resolved = json.loads((tmp_path / "sharded" / "recipe.resolved.json").read_text())
     assert resolved["distributed_type"].endswith(DISTRIBUTED_TYPE[launch]) and resolved["quantization"]["load_in_4bit"]
     assert logged_losses(tmp_path / "sharded")[1] == pytest.approx(logged_losses(single)[1], rel=1e-3)
-    assert_same_weights(single / "adapter" / "adapter_model.safetensors",
-                        tmp_path / "sharded" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
+    assert_same_weights(
+        single / "adapter" / "adapter_model.safetensors",
+        tmp_path / "sharded" / "adapter" / "adapter_model.safetensors",
+        atol=1e-4,
+        rtol=1e-3,
+    )
 
 
 @pytest.mark.launch_matrix
@@ -370,11 +487,18 @@ def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl
     256 tokens here: on CPU, gloo gathers only equal shapes across the sequence-parallel group (NCCL takes any)."""
     from longpeft.launch import launch_command
 
-    overrides = [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-                 "train.max_steps=2", "train.global_batch_size=1", "train.per_device_batch_size=1",
-                 "trl.pad_to_multiple_of=256"]
-    command = launch_command(load_recipe(recipe, overrides), recipe, "ulysses", 2,
-                             [*overrides, f"output_dir={tmp_path / 'ulysses'}"])
+    overrides = [
+        f"model.name_or_path={tiny_base_dirs('llama')}",
+        f"data.source={chat_jsonl}",
+        "data.max_length=256",
+        "train.max_steps=2",
+        "train.global_batch_size=1",
+        "train.per_device_batch_size=1",
+        "trl.pad_to_multiple_of=256",
+    ]
+    command = launch_command(
+        load_recipe(recipe, overrides), recipe, "ulysses", 2, [*overrides, f"output_dir={tmp_path / 'ulysses'}"]
+    )
     command[:2] = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", str(port)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, failure(proc)
@@ -383,8 +507,12 @@ def test_ulysses_sequence_parallel_equals_one_process(tiny_base_dirs, chat_jsonl
     assert resolved["effective_global_batch_size"] == 1  # both processes read the same sequence
     single = run(load_recipe(recipe, [*overrides, f"output_dir={tmp_path / 'one'}"]))
     assert logged_losses(tmp_path / "ulysses")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
-    assert_same_weights(single.adapter_dir / "adapter_model.safetensors",
-                        tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors", atol=1e-4, rtol=1e-3)
+    assert_same_weights(
+        single.adapter_dir / "adapter_model.safetensors",
+        tmp_path / "ulysses" / "adapter" / "adapter_model.safetensors",
+        atol=1e-4,
+        rtol=1e-3,
+    )
 
 
 @pytest.mark.launch_matrix
@@ -397,13 +525,34 @@ def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat
     base = tiny_base_dirs("llama")
     full = ("--set", "finetune=full", "--set", "rope.max_position_embeddings=1024")
     port = {"fsdp2": 29538, "zero3": 29542}[launch]
-    proc = sharded_launch(launch, tmp_path / "sharded", base, chat_jsonl, 2, port, *full,
-                          on_cpu=torch.cuda.device_count() < 2, recipe="tiny-harpe-cpu")
+    proc = sharded_launch(
+        launch,
+        tmp_path / "sharded",
+        base,
+        chat_jsonl,
+        2,
+        port,
+        *full,
+        on_cpu=torch.cuda.device_count() < 2,
+        recipe="tiny-harpe-cpu",
+    )
     assert proc.returncode == 0, failure(proc)
-    single = run(load_recipe("tiny-harpe-cpu", [
-        f"model.name_or_path={base}", f"data.source={chat_jsonl}", f"output_dir={tmp_path / 'one'}", "finetune=full",
-        "rope.max_position_embeddings=1024", "train.max_steps=2", "train.global_batch_size=2",
-        "train.per_device_batch_size=1", "data.max_length=256"]))
+    single = run(
+        load_recipe(
+            "tiny-harpe-cpu",
+            [
+                f"model.name_or_path={base}",
+                f"data.source={chat_jsonl}",
+                f"output_dir={tmp_path / 'one'}",
+                "finetune=full",
+                "rope.max_position_embeddings=1024",
+                "train.max_steps=2",
+                "train.global_batch_size=2",
+                "train.per_device_batch_size=1",
+                "data.max_length=256",
+            ],
+        )
+    )
 
     assert logged_losses(tmp_path / "sharded")[1] == pytest.approx(logged_losses(single.output_dir)[1], rel=1e-3)
     one = load_file(single.adapter_dir / "model.safetensors")
@@ -411,8 +560,10 @@ def test_sharded_full_fine_tune_of_harpe_equals_one_process(tiny_base_dirs, chat
     assert one.keys() == two.keys() and len(one) > 10
     for key in one:
         torch.testing.assert_close(two[key], one[key], atol=1e-4, rtol=1e-3)
-    configs = [json.loads((folder / "config.json").read_text())
-               for folder in (single.adapter_dir, tmp_path / "sharded" / "model")]
+    configs = [
+        json.loads((folder / "config.json").read_text())
+        for folder in (single.adapter_dir, tmp_path / "sharded" / "model")
+    ]
     assert configs[0]["head_rope_bases"] == configs[1]["head_rope_bases"] and configs[1]["auto_map"]
 
 
@@ -422,8 +573,9 @@ def test_beacon_under_sharding_is_refused_before_training(tiny_base_dirs, chat_j
     """Activation Beacon under FSDP2 or ZeRO-3 (here from the launch config itself, as a user's own accelerate config
     would set it): the processes' window counts differ, so their collectives would not match (gloo failed mid-step;
     NCCL would hang). The runner refuses before the first step."""
-    proc = sharded_launch(launch, tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, port, on_cpu=True,
-                          recipe="tiny-beacon-cpu")
+    proc = sharded_launch(
+        launch, tmp_path / "run", tiny_base_dirs("llama"), chat_jsonl, 2, port, on_cpu=True, recipe="tiny-beacon-cpu"
+    )
     assert proc.returncode != 0
     assert f"{how} with beacon: Activation Beacon runs the decoder once per window" in proc.stderr, failure(proc)
     assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
@@ -432,8 +584,19 @@ def test_beacon_under_sharding_is_refused_before_training(tiny_base_dirs, chat_j
 def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     """`longpeft plan --build --stand-in llama`: no download, every paper setting in the printed config."""
     # an earlier stage's adapter was trained on the real base: the stand-in leaves it out (it would not fit)
-    code = main(["plan", "llama3-8b-instruct-80k-qlora", "--build", "--stand-in", "llama",
-                 "--output-dir", str(tmp_path), "--set", "model.init_from=runs/no-such-stage/adapter"])
+    code = main(
+        [
+            "plan",
+            "llama3-8b-instruct-80k-qlora",
+            "--build",
+            "--stand-in",
+            "llama",
+            "--output-dir",
+            str(tmp_path),
+            "--set",
+            "model.init_from=runs/no-such-stage/adapter",
+        ]
+    )
     assert code == 0
     resolved = json.loads(capsys.readouterr().out)
     assert resolved["init_from"] is None and resolved["recipe"]["model"]["init_from"] is None
@@ -445,16 +608,20 @@ def test_80k_recipe_builds_its_trainer_on_a_tiny_stand_in(tmp_path, capsys):
     assert resolved["quantization"]["load_in_4bit"] and resolved["quantization"]["bnb_4bit_quant_type"] == "nf4"
     train = recipe["train"]
     assert (train["learning_rate"], train["lr_scheduler_type"], train["warmup_steps"]) == (5e-5, "linear", 0)
-    assert (train["num_train_epochs"], train["gradient_checkpointing"],
-            train["assistant_only_loss"]) == (1.0, True, True)
+    assert (train["num_train_epochs"], train["gradient_checkpointing"], train["assistant_only_loss"]) == (
+        1.0,
+        True,
+        True,
+    )
     assert resolved["effective_global_batch_size"] == 8 and resolved["gradient_accumulation_steps"] == 8
     assert recipe["data"]["max_length"] == 81920 and recipe["model"]["eos_token_ids"] == [128001, 128009]
 
 
 def test_plain_text_data_trains_on_every_token(tiny_base_dirs, tmp_path):
     path = tmp_path / "text.jsonl"
-    path.write_text("".join(json.dumps({"text": f"Report {i}: the river city market opened early."}) + "\n"
-                            for i in range(4)))
+    path.write_text(
+        "".join(json.dumps({"text": f"Report {i}: the river city market opened early."}) + "\n" for i in range(4))
+    )
     recipe = tiny_recipe(tiny_base_dirs("llama"), path, tmp_path / "run", per_device_batch_size=2, global_batch_size=2)
     recipe = recipe.model_copy(update={"data": recipe.data.model_copy(update={"format": "text"})})
     prepared = prepare(recipe)
@@ -483,9 +650,16 @@ def test_harpe_recipe_trains_loads_and_merges(tiny_base_dirs, chat_jsonl, tmp_pa
 
     recipe = load_recipe(
         "tiny-harpe-cpu",
-        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={chat_jsonl}", "data.max_length=256",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
-         "train.per_device_batch_size=1", "lora.r=4"],
+        [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=4",
+        ],
     )
     result = run(recipe)
     spec = json.loads((result.adapter_dir / "longpeft.json").read_text())
@@ -508,8 +682,15 @@ def test_tiny_base_run_folder_can_be_moved(chat_jsonl, tmp_path):
 
     recipe = load_recipe(
         "tiny-cpu",
-        [f"data.source={chat_jsonl}", "data.max_length=256", f"output_dir={tmp_path / 'run'}",
-         "train.max_steps=1", "train.global_batch_size=1", "train.per_device_batch_size=1", "lora.r=2"],
+        [
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+        ],
     )
     run(recipe)
     spec = json.loads((tmp_path / "run" / "adapter" / "longpeft.json").read_text())
@@ -546,13 +727,29 @@ def test_sharded_checkpoints_count_as_complete(tmp_path):
 # The real shapes of the 8B recipes' bases (config.json values), for the checks made before any weight loads.
 REAL_BASES = {
     "meta-llama/Meta-Llama-3-8B-Instruct": dict(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=8192, bos_token_id=128000, eos_token_id=128009,
-        rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        bos_token_id=128000,
+        eos_token_id=128009,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    ),
     "meta-llama/Llama-2-7b-hf": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
 CPU_RECIPES = ["tiny-cpu", "tiny-harpe-cpu", "tiny-beacon-cpu", "toy-extend-cpu"]
 
@@ -590,8 +787,17 @@ def test_truncation_that_leaves_no_scored_token_says_what_to_do(tiny_base_dirs, 
     """data.truncate cuts every conversation before its assistant turn: TRL drops them all; the run stops with
     longpeft's message, not torch's "num_samples=0"."""
     base = tiny_base_dirs("llama")
-    recipe = load_recipe("tiny-cpu", [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=32",
-                                      "data.truncate=true", f"output_dir={tmp_path / 'run'}", "lora.r=2"])
+    recipe = load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=32",
+            "data.truncate=true",
+            f"output_dir={tmp_path / 'run'}",
+            "lora.r=2",
+        ],
+    )
     with pytest.raises(ValueError, match="no training sample has a scored token within data.max_length=32"):
         prepare(recipe)
     kept = prepare(tiny_recipe(base, chat_jsonl, tmp_path / "run2")).data_stats
@@ -629,10 +835,19 @@ def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
     from longpeft.recipes.model import save_adapter
     from longpeft.recipes.runner import prepare
 
-    recipe = load_recipe("tiny-harpe-cpu", [
-        "finetune=full", "model.dtype=bfloat16", f"output_dir={tmp_path / 'run'}", "train.max_steps=3",
-        "train.global_batch_size=2", "train.per_device_batch_size=1", "train.learning_rate=2e-5",
-        "data.demo.n_conversations=8"])
+    recipe = load_recipe(
+        "tiny-harpe-cpu",
+        [
+            "finetune=full",
+            "model.dtype=bfloat16",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=3",
+            "train.global_batch_size=2",
+            "train.per_device_batch_size=1",
+            "train.learning_rate=2e-5",
+            "data.demo.n_conversations=8",
+        ],
+    )
     prepared = prepare(recipe)
     trainer = prepared.trainer
     assert trainer.args.bf16 and {p.dtype for p in trainer.model.parameters()} == {torch.float32}
@@ -640,8 +855,9 @@ def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
     trainer.train()
     moved = sum((p.detach() != before[n]).sum().item() for n, p in trainer.model.named_parameters() if n in before)
     assert moved / sum(t.numel() for t in before.values()) > 0.8
-    save_adapter(trainer.model, prepared.tokenizer, prepared.spec, tmp_path / "model", finetune="full",
-                 dtype=torch.bfloat16)
+    save_adapter(
+        trainer.model, prepared.tokenizer, prepared.spec, tmp_path / "model", finetune="full", dtype=torch.bfloat16
+    )
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
 
@@ -658,8 +874,9 @@ def test_rotary_frequencies_cast_by_a_wrapper_are_given_back_float32(tiny_base_d
     for module in rotary:  # what DeepSpeed's module.bfloat16() does to buffers
         module.inv_freq, module.original_inv_freq = module.inv_freq.bfloat16(), module.original_inv_freq.bfloat16()
     assert not torch.equal(rotary[0].inv_freq.float(), exact[0][0])
-    with pytest.warns(UserWarning,
-                      match="cast 2 rotary frequency buffers to torch.bfloat16; longpeft put their float32"):
+    with pytest.warns(
+        UserWarning, match="cast 2 rotary frequency buffers to torch.bfloat16; longpeft put their float32"
+    ):
         prepared.trainer.train()
     for module, (inv_freq, original) in zip(rotary, exact):
         assert module.inv_freq.dtype == torch.float32 and torch.equal(module.inv_freq, inv_freq)

@@ -60,14 +60,24 @@ def dummy_method():
     unregister("dummy")
 
 
-def test_a_registered_method_flows_through_recipe_load_merge_and_card(dummy_method, tiny_base_dirs, chat_jsonl,
-                                                                       tmp_path):
+def test_a_registered_method_flows_through_recipe_load_merge_and_card(
+    dummy_method, tiny_base_dirs, chat_jsonl, tmp_path
+):
     base = tiny_base_dirs("llama")
     recipe = load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={base}", f"data.source={chat_jsonl}", "data.max_length=256", "dummy.scale=2.0",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
-         "train.per_device_batch_size=1", "lora.r=2", "lora.embeddings=none"],
+        [
+            f"model.name_or_path={base}",
+            f"data.source={chat_jsonl}",
+            "data.max_length=256",
+            "dummy.scale=2.0",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "lora.embeddings=none",
+        ],
     )
     result = run(recipe)
     spec = ContextSpec.load(result.adapter_dir)
@@ -120,8 +130,17 @@ def test_trl_section_is_validated():
         load_recipe("tiny-cpu", ["trl.learning_rate=1e-4"])
 
 
-@pytest.mark.parametrize("key", ["packing", "save_strategy", "dataloader_num_workers", "disable_tqdm",
-                                 "activation_checkpointing", "save_only_model"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "packing",
+        "save_strategy",
+        "dataloader_num_workers",
+        "disable_tqdm",
+        "activation_checkpointing",
+        "save_only_model",
+    ],
+)
 def test_trl_keys_longpeft_sets_or_needs_are_refused_when_the_recipe_is_read(key):
     with pytest.raises(RecipeError, match=f"trl.{key} is set by longpeft: "):
         load_recipe("tiny-cpu", [f"trl.{key}=true"])
@@ -187,8 +206,10 @@ def test_push_names_the_base_by_its_hub_id(tiny_base_dirs, tmp_path):
     assert staged.base_model == "owner/tiny-base"
     card = (tmp_path / "upload" / "README.md").read_text()
     assert "base_model: owner/tiny-base" in card and str(base) not in card
-    assert (json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"]
-            == "owner/tiny-base")
+    assert (
+        json.loads((tmp_path / "upload" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == "owner/tiny-base"
+    )
     assert ContextSpec.load(adapter).base_model == str(base)  # the source adapter is untouched
 
 
@@ -213,11 +234,13 @@ def test_launch_checks_read_the_registry(dummy_method):
     for launch in ("ddp", "fsdp2", "zero3"):
         check_launch(recipe, launch)
     unregister("dummy")
+
     def not_called(*args):
         raise AssertionError("the launch checks only read whether a method has weights")
 
-    weights = MethodWeights(parameters=not_called, save=not_called, load=not_called, planned=not_called,
-                            plan_lever="dummy.scale")
+    weights = MethodWeights(
+        parameters=not_called, save=not_called, load=not_called, planned=not_called, plan_lever="dummy.scale"
+    )
     register(dataclasses.replace(DUMMY, weights=weights))
     with pytest.raises(ValueError, match="zero3 with finetune: lora and dummy: .* gathers only the trainable"):
         check_launch(recipe, "zero3")
@@ -225,7 +248,8 @@ def test_launch_checks_read_the_registry(dummy_method):
     unregister("dummy")
     register(dataclasses.replace(DUMMY, conflicts={"sharded_weights": "it counts the processes' steps"}))
     for launch in ("fsdp2", "zero3"):
-        with pytest.raises(ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps; use "
-                                             "--launch ddp"):
+        with pytest.raises(
+            ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps; use --launch ddp"
+        ):
             check_launch(recipe, launch)
     check_launch(recipe, "ddp")

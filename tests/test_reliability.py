@@ -31,9 +31,19 @@ from run_helpers import assert_resumed_as_uninterrupted, undo_after_checkpoint
 def _recipe(base, data, out, *extra):
     return load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256", f"output_dir={out}",
-         "train.max_steps=2", "train.save_steps=1", "train.global_batch_size=1", "train.per_device_batch_size=1",
-         "lora.r=2", "lora.embeddings=none", *extra],
+        [
+            f"model.name_or_path={base}",
+            f"data.source={data}",
+            "data.max_length=256",
+            f"output_dir={out}",
+            "train.max_steps=2",
+            "train.save_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "lora.embeddings=none",
+            *extra,
+        ],
     )
 
 
@@ -83,8 +93,12 @@ def finished_run(tiny_base_dirs, tmp_path_factory):
 def test_merge_refuses_an_output_that_would_overwrite_something(finished_run, tiny_base_dirs, target, tmp_path):
     _, _, result = finished_run
     before = {p: p.stat().st_mtime_ns for p in tiny_base_dirs("llama").iterdir()}
-    out = {"adapter": result.adapter_dir, "base": tiny_base_dirs("llama"), "nonempty": tmp_path,
-           "file": tmp_path / "f"}[target]
+    out = {
+        "adapter": result.adapter_dir,
+        "base": tiny_base_dirs("llama"),
+        "nonempty": tmp_path,
+        "file": tmp_path / "f",
+    }[target]
     (tmp_path / "something").write_text("x")
     (tmp_path / "f").write_text("x")
     with pytest.raises((FileExistsError, NotADirectoryError), match="--out"):
@@ -127,8 +141,10 @@ def test_resume_skips_a_torn_checkpoint_and_damaged_metrics(finished_run, tmp_pa
     assert resumed.metrics["steps"] == 2
     assert _same(_adapter_tensors(copy / "adapter"), _adapter_tensors(result.adapter_dir))  # same as uninterrupted
     lines = (copy / "metrics.jsonl").read_text().splitlines()
-    assert (all(json.loads(line) for line in lines)
-            and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [1, 2])
+    assert all(json.loads(line) for line in lines) and [r["step"] for r in map(json.loads, lines) if "loss" in r] == [
+        1,
+        2,
+    ]
 
 
 def _cut_short(write, name: str, step: int = 2):
@@ -166,15 +182,18 @@ def _killed_while_rotating(rmtree):
 SAVE_MOMENTS = {
     "adapter weights": ("peft.peft_model.safe_save_file", lambda f: _cut_short(f, "adapter_model.safetensors")),
     "optimizer": ("torch.save", lambda f: _cut_short(f, "optimizer.pt")),
-    "trainer state": ("transformers.trainer_callback.TrainerState.save_to_json",
-                      lambda f: _cut_short(f, "trainer_state.json")),
-    "every file written, not yet renamed": ("longpeft.recipes.checkpoint_trainer.publish_checkpoint",
-                                            _killed_before_the_rename),
+    "trainer state": (
+        "transformers.trainer_callback.TrainerState.save_to_json",
+        lambda f: _cut_short(f, "trainer_state.json"),
+    ),
+    "every file written, not yet renamed": (
+        "longpeft.recipes.checkpoint_trainer.publish_checkpoint",
+        _killed_before_the_rename,
+    ),
 }
 
 
-def test_a_checkpoint_save_cut_short_at_any_moment_leaves_nothing_a_resume_takes(finished_run, tmp_path,
-                                                                                  monkeypatch):
+def test_a_checkpoint_save_cut_short_at_any_moment_leaves_nothing_a_resume_takes(finished_run, tmp_path, monkeypatch):
     """A kill inside each write of a checkpoint's save (the file half written) or just before it takes its name
     leaves no folder under that name; each rerun resumes from the checkpoint before and is cut short at the next
     moment. A kill while the save rotates an older checkpoint away leaves the new one, complete. The last rerun ends
@@ -279,16 +298,25 @@ def test_a_resume_without_a_readable_recipe_record_is_refused(finished_run, tmp_
     else:
         record.write_text("{not json" if damage == "garbage" else "[1, 2]")
     changed = _recipe(_base_of(result), data, copy, "rope.rope_theta=50000")
-    with pytest.raises(ConfigError, match=r"recipe.training.json is missing or unreadable, so a changed recipe "
-                                          r"cannot be detected; resume with --allow-recipe-change"):
+    with pytest.raises(
+        ConfigError,
+        match=r"recipe.training.json is missing or unreadable, so a changed recipe "
+        r"cannot be detected; resume with --allow-recipe-change",
+    ):
         run(changed, resume=True)
     assert run(changed, resume=True, allow_recipe_change=True).metrics["steps"] == 2
     assert json.loads(record.read_text())["rope.rope_theta"] == 50000  # written anew: the next resume compares
     run(changed, resume=True)
 
 
-@pytest.mark.parametrize("change, key", [("train.weight_decay=0.1", "train.weight_decay"),
-                                         ("train.optim=adafactor", "train.optim"), ("lora.r=4", "lora.r")])
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        ("train.weight_decay=0.1", "train.weight_decay"),
+        ("train.optim=adafactor", "train.optim"),
+        ("lora.r=4", "lora.r"),
+    ],
+)
 def test_a_resume_refuses_changes_it_cannot_take_up(finished_run, tmp_path, change, key):
     root, data, result = finished_run
     copy = tmp_path / "run"
@@ -304,13 +332,15 @@ def test_a_finished_run_of_fractional_epochs_is_not_trained_again(tiny_base_dirs
     from conftest import write_chat_jsonl
 
     data = write_chat_jsonl(tmp_path / "train.jsonl", n=8)
-    recipe = _recipe(tiny_base_dirs("llama"), data, tmp_path / "run", "train.max_steps=-1",
-                     "train.num_train_epochs=0.5")
+    recipe = _recipe(
+        tiny_base_dirs("llama"), data, tmp_path / "run", "train.max_steps=-1", "train.num_train_epochs=0.5"
+    )
     first = run(recipe)
     weights = _adapter_tensors(first.adapter_dir)
     again = run(recipe, resume=True)
-    assert (again.metrics["steps"] == first.metrics["steps"] == 4
-            and _same(_adapter_tensors(again.adapter_dir), weights))
+    assert again.metrics["steps"] == first.metrics["steps"] == 4 and _same(
+        _adapter_tensors(again.adapter_dir), weights
+    )
     assert not (tmp_path / "run" / "checkpoints" / "checkpoint-5").exists()
 
 
@@ -362,14 +392,22 @@ def _raising(error: BaseException):
     return command
 
 
-@pytest.mark.parametrize("error", [
-    ConfigError("train.bogus: unknown key"), DataError("data.jsonl row 3: no assistant turn"),
-    ModelSourceError("base model /no/base: no such folder"), OutputFolderError("--out runs/x is not empty"),
-    OSError(errno.ENOSPC, "No space left on device"), PermissionError("runs/x is not writable"),
-    ImportError("flash_attn is not installed"), json.JSONDecodeError("Expecting value", "{", 1),
-    yaml.YAMLError("mapping values are not allowed here"), HFValidationError("Repo id must be in the form 'a/b'"),
-    SafetensorError("Error while deserializing header: header too large"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConfigError("train.bogus: unknown key"),
+        DataError("data.jsonl row 3: no assistant turn"),
+        ModelSourceError("base model /no/base: no such folder"),
+        OutputFolderError("--out runs/x is not empty"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        PermissionError("runs/x is not writable"),
+        ImportError("flash_attn is not installed"),
+        json.JSONDecodeError("Expecting value", "{", 1),
+        yaml.YAMLError("mapping values are not allowed here"),
+        HFValidationError("Repo id must be in the form 'a/b'"),
+        SafetensorError("Error while deserializing header: header too large"),
+    ],
+)
 def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypatch, capsys):
     """The one boundary of every command: longpeft's errors and the libraries' bad-input errors print one line and
     exit 2; --debug (or LONGPEFT_DEBUG) lets them through with their traceback."""
@@ -389,9 +427,15 @@ def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypat
         main(["plan", "tiny-cpu"])
 
 
-@pytest.mark.parametrize("error", [KeyError("num_attention_heads"), TypeError("unsupported operand"),
-                                   AttributeError("'NoneType' object has no attribute 'config'"),
-                                   ValueError("too many values to unpack")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        KeyError("num_attention_heads"),
+        TypeError("unsupported operand"),
+        AttributeError("'NoneType' object has no attribute 'config'"),
+        ValueError("too many values to unpack"),
+    ],
+)
 def test_a_bug_keeps_its_traceback(error, monkeypatch, capsys):
     """A KeyError (or any error longpeft did not raise as a user error) is a bug: it is not dressed as bad input."""
     import longpeft.cli
@@ -407,14 +451,20 @@ def test_the_console_prints_a_bugs_traceback(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, longpeft.cli as cli\n"
-            "def broken(args): return {}['num_attention_heads']\n"
-            "cli.cmd_plan = broken\n"
-            "sys.exit(cli.main(sys.argv[1:]))\n")
+    code = (
+        "import sys, longpeft.cli as cli\n"
+        "def broken(args): return {}['num_attention_heads']\n"
+        "cli.cmd_plan = broken\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
     bug = subprocess.run([sys.executable, "-c", code, "plan", "tiny-cpu"], capture_output=True, text=True, timeout=120)
     assert bug.returncode == 1 and "Traceback" in bug.stderr and "KeyError: 'num_attention_heads'" in bug.stderr
-    bad = subprocess.run([sys.executable, "-m", "longpeft.cli", "plan", "tiny-cpu", "--set", "train.bogus=1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "longpeft.cli", "plan", "tiny-cpu", "--set", "train.bogus=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "train.bogus: unknown key" in bad.stderr
 
 
@@ -431,11 +481,18 @@ def test_a_hub_that_never_answers_is_a_bounded_wait_naming_the_endpoint(tmp_path
 
     code = "from longpeft.cli import main; import sys; sys.exit(main(sys.argv[1:]))\n"
     with silent_hub() as endpoint:
-        for argv in (["eval", "passkey", "--model", "owner/name", "--out", str(tmp_path / "e")],
-                     ["merge", "owner/adapter", "--out", str(tmp_path / "m")]):
+        for argv in (
+            ["eval", "passkey", "--model", "owner/name", "--out", str(tmp_path / "e")],
+            ["merge", "owner/adapter", "--out", str(tmp_path / "m")],
+        ):
             # an unbounded wait would hang until this timeout (TimeoutExpired); a loaded machine may take a minute
-            proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=180,
-                                  env=hub_env(endpoint, timeout=2))
+            proc = subprocess.run(
+                [sys.executable, "-c", code, *argv],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env=hub_env(endpoint, timeout=2),
+            )
             assert proc.returncode == 2 and endpoint in proc.stderr and "did not answer" in proc.stderr
             assert "Traceback" not in proc.stderr
 
@@ -477,10 +534,36 @@ def test_a_synth_run_that_builds_nothing_exits_non_zero(tmp_path, capsys, monkey
     source.mkdir()
     (source / "book.txt").write_text(generate_document(seed=1, n_sentences=60).text.replace(". ", ". [[bad]] "))
     with StubServer() as server:
-        code = main(["synth", "--out", str(tmp_path / "out"), "--answerer", "llm", "--source", str(source),
-                     "--tasks", "single_detail", "--contexts", "1", "--min-tokens", "300", "--max-tokens", "2000",
-                     "--chunk-tokens", "128", "--llm-base-url", server.base_url, "--llm-model", "stub",
-                     "--api-key-env", "LONGPEFT_TEST_KEY", "--no-progress", "--set", "llm.backoff_initial=0.01"])
+        code = main(
+            [
+                "synth",
+                "--out",
+                str(tmp_path / "out"),
+                "--answerer",
+                "llm",
+                "--source",
+                str(source),
+                "--tasks",
+                "single_detail",
+                "--contexts",
+                "1",
+                "--min-tokens",
+                "300",
+                "--max-tokens",
+                "2000",
+                "--chunk-tokens",
+                "128",
+                "--llm-base-url",
+                server.base_url,
+                "--llm-model",
+                "stub",
+                "--api-key-env",
+                "LONGPEFT_TEST_KEY",
+                "--no-progress",
+                "--set",
+                "llm.backoff_initial=0.01",
+            ]
+        )
     assert code == 3 and "no conversation was built" in capsys.readouterr().err
 
 
@@ -519,16 +602,20 @@ def test_more_bad_inputs_are_one_clear_message(tmp_path, capsys):
     from longpeft.recipes import schema
 
     recipe = tmp_path / "dup.yaml"
-    recipe.write_text(Path(schema.__file__).with_name("tiny-cpu.yaml").read_text()
-                      + "train:\n  learning_rate: 1.0e-3\n")
+    recipe.write_text(
+        Path(schema.__file__).with_name("tiny-cpu.yaml").read_text() + "train:\n  learning_rate: 1.0e-3\n"
+    )
     run = tmp_path / "run"
     (run / "adapter").mkdir(parents=True)
     (run / "adapter" / "longpeft.json").write_text("{}")
-    for argv, message in ((["plan", str(recipe)], "key 'train' appears twice"),
-                          (["merge", str(run), "--out", str(tmp_path / "m")],
-                           f"give the folder it wrote, {run / 'adapter'}"),
-                          (["convert-beacon", str(tmp_path / "nowhere"), "--base", str(tmp_path), "--out",
-                            str(tmp_path / "c")], "nowhere: no such folder")):
+    for argv, message in (
+        (["plan", str(recipe)], "key 'train' appears twice"),
+        (["merge", str(run), "--out", str(tmp_path / "m")], f"give the folder it wrote, {run / 'adapter'}"),
+        (
+            ["convert-beacon", str(tmp_path / "nowhere"), "--base", str(tmp_path), "--out", str(tmp_path / "c")],
+            "nowhere: no such folder",
+        ),
+    ):
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
@@ -546,7 +633,13 @@ def test_a_checkpoint_of_other_shapes_is_named_not_a_traceback(finished_run, tmp
     copy = tmp_path / "run"
     shutil.copytree(result.output_dir, copy)
     monkeypatch.setattr(checkpoints, "FIXED_FOR_THE_RUN", {})
-    with pytest.raises(DataError, match=r"checkpoint-2: its weights have other shapes than this recipe's model "
-                                        r"\(size mismatch for .*lora"):
-        run(_recipe(_base_of(result), data, copy, "lora.r=4", "train.max_steps=4"), resume=True,
-            allow_recipe_change=True)
+    with pytest.raises(
+        DataError,
+        match=r"checkpoint-2: its weights have other shapes than this recipe's model "
+        r"\(size mismatch for .*lora",
+    ):
+        run(
+            _recipe(_base_of(result), data, copy, "lora.r=4", "train.max_steps=4"),
+            resume=True,
+            allow_recipe_change=True,
+        )

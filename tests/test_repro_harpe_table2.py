@@ -22,7 +22,7 @@ def test_local_maxima_against_a_loop():
 def test_envelope_peaks_walk_the_upper_envelope():
     # A ripple under a slow hump: local maxima every 10 samples; the envelope's tallest point is at 300.
     x = torch.arange(1000, dtype=torch.float64)
-    values = torch.cos(2 * torch.pi * x / 10) + 5 * torch.exp(-((x - 300) / 200) ** 2)
+    values = torch.cos(2 * torch.pi * x / 10) + 5 * torch.exp(-(((x - 300) / 200) ** 2))
     # Right of 300 the envelope falls, so each span's highest sample is the next crest, 10 samples on: the walk
     # matches every crest and keeps those more than `gap` = 50 past the last kept one.
     assert repro.envelope_peaks(values, count=4, gap=50, span=500) == [300, 360, 420, 480]

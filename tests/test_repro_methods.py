@@ -21,17 +21,20 @@ def _planned_tokens(recipe) -> float:
     longer than the window) times the mean tokens a document gives the window."""
     retrieval, window = recipe.data.retrieval, recipe.data.max_length
     if recipe.method == "pose" and recipe.pose.content_skip != "none":
-        return (retrieval.n_documents
-                * sum(min(n, window) for n in range(retrieval.min_tokens, retrieval.max_tokens + 1))
-                / (retrieval.max_tokens + 1 - retrieval.min_tokens))
+        return (
+            retrieval.n_documents
+            * sum(min(n, window) for n in range(retrieval.min_tokens, retrieval.max_tokens + 1))
+            / (retrieval.max_tokens + 1 - retrieval.min_tokens)
+        )
     assert retrieval.max_tokens < window
     return retrieval.n_documents * (retrieval.min_tokens + retrieval.max_tokens) / 2
 
 
 @pytest.mark.parametrize("target", [4, 8])
 def test_every_variant_validates_with_an_equal_budget(target, tmp_path):
-    recipes = {v.name: repro.variant_recipe(v, target, 0, 160_000, tmp_path / v.name)
-               for v in repro.VARIANTS if v.trained}
+    recipes = {
+        v.name: repro.variant_recipe(v, target, 0, 160_000, tmp_path / v.name) for v in repro.VARIANTS if v.trained
+    }
     budget = 160_000 * target
     for name, recipe in recipes.items():
         assert _planned_tokens(recipe) == pytest.approx(budget, rel=0.01), name

@@ -134,11 +134,21 @@ def test_resolve_keeps_type_and_rejects_unknown():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["rope.rope_type=llama3", "rope.factor=8", "rope.low_freq_factor=1", "rope.high_freq_factor=4",
-          "rope.attention_factor=2"], r"rope.attention_factor is not read by rope_type llama3"),
+        (
+            [
+                "rope.rope_type=llama3",
+                "rope.factor=8",
+                "rope.low_freq_factor=1",
+                "rope.high_freq_factor=4",
+                "rope.attention_factor=2",
+            ],
+            r"rope.attention_factor is not read by rope_type llama3",
+        ),
         (["rope.factor=2"], r"rope.factor is not read by rope_type default"),
-        (["rope.rope_type=dynamic", "rope.factor=4"],
-         r"rope_type dynamic rescales only beyond max_position_embeddings"),
+        (
+            ["rope.rope_type=dynamic", "rope.factor=4"],
+            r"rope_type dynamic rescales only beyond max_position_embeddings",
+        ),
     ],
 )
 def test_recipes_refuse_rope_settings_transformers_would_ignore(overrides, message):

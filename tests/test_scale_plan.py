@@ -18,8 +18,9 @@ from longpeft.tiny import tiny_model
 
 
 def _recipe(*extra):
-    return load_recipe("tiny-cpu", ["data.max_length=128", "train.per_device_batch_size=2", "model.dtype=float32",
-                                    "lora.r=4", *extra])
+    return load_recipe(
+        "tiny-cpu", ["data.max_length=128", "train.per_device_batch_size=2", "model.dtype=float32", "lora.r=4", *extra]
+    )
 
 
 def _shape(layers=2) -> ModelShape:
@@ -37,9 +38,10 @@ def test_parameter_bytes_match_the_model():
 
 def test_adapter_and_optimizer_bytes_match_one_adamw_step():
     """LoRA + trainable embedding: weights, gradients and AdamW moments (fp32, 16 bytes/param)."""
-    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4,
-                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                           modules_to_save=["embed_tokens"]))
+    model = get_peft_model(
+        tiny_model("llama"),
+        LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=["embed_tokens"]),
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable)
     model(torch.randint(0, 512, (1, 16)), labels=torch.randint(0, 512, (1, 16))).loss.backward()
@@ -59,8 +61,12 @@ def _rank_bytes(launcher: list[str], worker: str, mode: str, tmp_path) -> list[d
     from pathlib import Path
 
     tiny_model("llama").save_pretrained(tmp_path / "base")
-    proc = subprocess.run([*launcher, str(Path(__file__).with_name(worker)), mode, str(tmp_path / "base")],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*launcher, str(Path(__file__).with_name(worker)), mode, str(tmp_path / "base")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert sorted(rank["rank"] for rank in ranks) == [0, 1]
@@ -76,23 +82,35 @@ def _fsdp2_rank_bytes(mode: str, tmp_path) -> list[dict[str, int]]:
 
 
 # two processes per variant: make test-slow runs them (marker launch_matrix: the lora ones; slow: the others)
-@pytest.mark.parametrize("mode", [pytest.param("full", marks=pytest.mark.slow),
-                                  pytest.param("lora", marks=pytest.mark.launch_matrix),
-                                  pytest.param("qlora", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("full", marks=pytest.mark.slow),
+        pytest.param("lora", marks=pytest.mark.launch_matrix),
+        pytest.param("qlora", marks=pytest.mark.slow),
+    ],
+)
 def test_fsdp2_shards_match_what_each_process_holds(mode, tmp_path):
     """--launch fsdp2 divides weights, gradients and AdamW state by the GPUs: the planner's sharded terms against
     the bytes each of 2 processes really holds under torch's fully_shard (gloo, CPU), within 10%; a 4-bit base's
     packed weights are sharded, its quantization constants (bitsandbytes' quant state, on the module) stay whole."""
-    extra = (["finetune=lora", "model.load_in_4bit=true", "model.dtype=bfloat16"] if mode == "qlora"
-             else [f"finetune={mode}"])
+    extra = (
+        ["finetune=lora", "model.load_in_4bit=true", "model.dtype=bfloat16"]
+        if mode == "qlora"
+        else [f"finetune={mode}"]
+    )
     terms = estimate(_recipe(*extra), gpus=2, shape=_shape(), launch="fsdp2").terms
     assert "DDP gradient buckets" not in terms and terms["gathered layers and LM head"] > 0
     if mode == "full":
-        pairs = [(terms["base weights"], "trained_weights"),
-                 (terms["optimizer state and gradients"], ("gradients", "moments"))]
+        pairs = [
+            (terms["base weights"], "trained_weights"),
+            (terms["optimizer state and gradients"], ("gradients", "moments")),
+        ]
     else:
-        pairs = [(terms["base weights"], ("frozen_weights", "quant_constants")),
-                 (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "moments"))]
+        pairs = [
+            (terms["base weights"], ("frozen_weights", "quant_constants")),
+            (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "moments")),
+        ]
     for rank in _fsdp2_rank_bytes(mode, tmp_path):
         for planned, keys in pairs:
             measured = sum(rank[key] for key in ((keys,) if isinstance(keys, str) else keys))
@@ -107,16 +125,30 @@ def _zero3_rank_bytes(mode: str, precision: str, tmp_path) -> list[dict[str, int
 
     from longpeft.launch import config_file
 
-    launcher = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(config_file("zero3")),
-                "--num_processes", "2", "--mixed_precision", precision, "--main_process_port", "29557"]
+    launcher = [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--config_file",
+        str(config_file("zero3")),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        precision,
+        "--main_process_port",
+        "29557",
+    ]
     return _rank_bytes(launcher, "zero3_bytes_worker.py", mode, tmp_path)
 
 
-@pytest.mark.parametrize(("mode", "precision"),
-                         [pytest.param("lora", "bf16", marks=pytest.mark.launch_matrix),
-                          pytest.param("full", "bf16", marks=pytest.mark.slow),
-                          pytest.param("lora", "no", marks=pytest.mark.launch_matrix),
-                          pytest.param("qlora", "bf16", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    ("mode", "precision"),
+    [
+        pytest.param("lora", "bf16", marks=pytest.mark.launch_matrix),
+        pytest.param("full", "bf16", marks=pytest.mark.slow),
+        pytest.param("lora", "no", marks=pytest.mark.launch_matrix),
+        pytest.param("qlora", "bf16", marks=pytest.mark.slow),
+    ],
+)
 def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_path):
     """--launch zero3: the planner's terms against the partitions each of 2 processes holds under DeepSpeed ZeRO-3
     (CPU, gloo), within 10%: a float32 LoRA weight under bf16 costs 18 bytes (weight 4, bf16 gradient 2, float32
@@ -127,11 +159,15 @@ def test_zero3_partitions_match_what_each_process_holds(mode, precision, tmp_pat
     extra = ["finetune=lora", "model.load_in_4bit=true"] if mode == "qlora" else [f"finetune={mode}"]
     terms = estimate(_recipe(*extra, f"model.dtype={dtype}"), gpus=2, shape=_shape(), launch="zero3").terms
     if mode == "full":
-        pairs = [(terms["base weights"], ("trained_weights",)),
-                 (terms["optimizer state and gradients"], ("gradients", "master", "moments"))]
+        pairs = [
+            (terms["base weights"], ("trained_weights",)),
+            (terms["optimizer state and gradients"], ("gradients", "master", "moments")),
+        ]
     else:
-        pairs = [(terms["base weights"], ("frozen_weights", "quant_constants")),
-                 (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "master", "moments"))]
+        pairs = [
+            (terms["base weights"], ("frozen_weights", "quant_constants")),
+            (terms["LoRA"] + terms["trainable embedding"], ("trained_weights", "gradients", "master", "moments")),
+        ]
     for rank in _zero3_rank_bytes(mode, precision, tmp_path):
         for planned, keys in pairs:
             measured = sum(rank[key] for key in keys)
@@ -153,16 +189,18 @@ def test_sharded_and_sequence_parallel_launches_change_the_right_terms(capsys):
     # DeepSpeed: bf16 weights and gradients, float32 master and moments (2 + 2 + 4 + 8); FSDP2: float32 weights,
     # gradients and moments (4 + 4 + 8): the same 16 bytes per parameter, split otherwise; plus DeepSpeed's bucket
     assert zero3.terms["base weights"] * 2 == fsdp2.terms["base weights"]
-    assert sum(zero3.terms[term] for term in state) == pytest.approx(sum(fsdp2.terms[term] for term in state),
-                                                                     rel=1e-6)
+    assert sum(zero3.terms[term] for term in state) == pytest.approx(
+        sum(fsdp2.terms[term] for term in state), rel=1e-6
+    )
     assert zero3.terms["DeepSpeed reduce bucket"] == 10**9 and "DeepSpeed reduce bucket" not in fsdp2.terms
     for term in ("checkpointed layer inputs", "one layer's recompute"):
         assert fsdp2.terms[term] == ddp.terms[term] == zero3.terms[term] == ulysses.terms[term] * 8
     assert fsdp2.hours == ddp.hours == ulysses.hours  # communication is not modelled
     # the HARPE recipe does not fit replicated; the lever says how to plan the run README gives, which fits
     assert not ddp.fits and any("plan it with --launch fsdp2 --gpus 8" in lever for lever in ddp.levers())
-    assert estimate(load_recipe("llama2-7b-harpe-128k", ["train.activation_offloading=true"]), gpus=8,
-                    launch="fsdp2").fits
+    assert estimate(
+        load_recipe("llama2-7b-harpe-128k", ["train.activation_offloading=true"]), gpus=8, launch="fsdp2"
+    ).fits
     with pytest.raises(ValueError, match="--launch ulysses with model.load_in_4bit"):
         estimate(load_recipe("llama3-8b-instruct-80k-qlora"), gpus=8, launch="ulysses")
     assert main(["plan", "llama2-7b-harpe-128k", "--launch", "fsdp2"]) == 2
@@ -194,8 +232,9 @@ def test_checkpointed_layer_inputs_match_what_autograd_saves():
     assert abs((plan4 - plan2) - measured) / measured < 0.10
 
 
-@pytest.mark.parametrize("finetune,checkpointing",
-                         [("lora", "true"), ("lora", "false"), ("full", "true"), ("full", "false")])
+@pytest.mark.parametrize(
+    "finetune,checkpointing", [("lora", "true"), ("lora", "false"), ("full", "true"), ("full", "false")]
+)
 def test_flops_per_token_match_a_counted_training_step(tmp_path, finetune, checkpointing):
     """One real training step (TRL's fused loss, eager attention so that every matmul is an aten op) under torch's
     FLOP counter, which misses the fused loss's in-place accumulations (addmm_): they are counted here."""
@@ -203,18 +242,26 @@ def test_flops_per_token_match_a_counted_training_step(tmp_path, finetune, check
 
     from longpeft.recipes.runner import prepare
 
-    recipe = _recipe(f"finetune={finetune}", f"train.gradient_checkpointing={checkpointing}",
-                     "model.attn_implementation=eager", "data.max_length=512", "data.demo.context_tokens=300",
-                     "train.per_device_batch_size=1", "train.global_batch_size=1", "train.max_steps=1",
-                     f"output_dir={tmp_path}")
+    recipe = _recipe(
+        f"finetune={finetune}",
+        f"train.gradient_checkpointing={checkpointing}",
+        "model.attn_implementation=eager",
+        "data.max_length=512",
+        "data.demo.context_tokens=300",
+        "train.per_device_batch_size=1",
+        "train.global_batch_size=1",
+        "train.max_steps=1",
+        f"output_dir={tmp_path}",
+    )
     trainer = prepare(recipe).trainer
     tokens = next(iter(trainer.get_train_dataloader()))["input_ids"].numel()
     accumulate = {torch.ops.aten.addmm_: lambda acc, a, b, *args, out_shape=None, **kwargs: 2 * a[0] * a[1] * b[1]}
     with FlopCounterMode(display=False, custom_mapping=accumulate) as counter:
         trainer.train()
     measured = counter.get_total_flops() / tokens
-    planned = estimate(recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_length": tokens})}),
-                       gpus=1).flops_per_token
+    planned = estimate(
+        recipe.model_copy(update={"data": recipe.data.model_copy(update={"max_length": tokens})}), gpus=1
+    ).flops_per_token
     assert abs(planned - measured) / measured < 0.10, (planned, measured)
 
 
@@ -227,17 +274,20 @@ def test_4bit_weight_bytes_match_bitsandbytes():
         packed, state = bnbf.quantize_4bit(weight, quant_type="nf4", compress_statistics=double)
         stored = [packed, state.absmax] + ([state.state2.absmax, state.offset] if double else [])
         measured = sum(t.numel() * t.element_size() for t in stored) / weight.numel()
-        recipe = _recipe("model.load_in_4bit=true", "model.dtype=bfloat16",
-                         f"model.bnb_4bit_use_double_quant={double}")
+        recipe = _recipe(
+            "model.load_in_4bit=true", "model.dtype=bfloat16", f"model.bnb_4bit_use_double_quant={double}"
+        )
         shape = _shape()
-        planned = ((estimate(recipe, gpus=1, shape=shape).terms["base weights"] - shape.other_params * 2)
-                   / shape.linear_params)
+        planned = (
+            estimate(recipe, gpus=1, shape=shape).terms["base weights"] - shape.other_params * 2
+        ) / shape.linear_params
         assert abs(planned - measured) / measured < 0.01, (double, planned, measured)
 
 
 def test_tokens_follow_max_steps_then_fractional_epochs(tmp_path, chat_jsonl):
-    by_steps = estimate(_recipe(f"data.source={chat_jsonl}", "train.max_steps=10", "train.global_batch_size=4"),
-                        gpus=1)
+    by_steps = estimate(
+        _recipe(f"data.source={chat_jsonl}", "train.max_steps=10", "train.global_batch_size=4"), gpus=1
+    )
     assert by_steps.tokens == 10 * 4 * 128  # not the file's rows
     by_epochs = estimate(_recipe(f"data.source={chat_jsonl}", "train.num_train_epochs=2.5"), gpus=1)
     assert by_epochs.tokens == round(8 * 2.5) * 128  # 8 rows, 2.5 epochs (was truncated to 2)
@@ -258,8 +308,11 @@ def test_trained_weights_in_bfloat16_halve_their_terms_except_under_deepspeed():
     tight = estimate(_recipe(*bf16), gpus=2, launch="zero3", gpu_memory_gib=0.5)
     lever = next(text for text in tight.levers() if text.startswith("trainable embedding"))
     assert "trainable_dtype" not in lever
-    assert "trainable_dtype" in next(text for text in estimate(_recipe(*bf16), gpus=2, gpu_memory_gib=0.001).levers()
-                                     if text.startswith("trainable embedding"))
+    assert "trainable_dtype" in next(
+        text
+        for text in estimate(_recipe(*bf16), gpus=2, gpu_memory_gib=0.001).levers()
+        if text.startswith("trainable embedding")
+    )
 
 
 def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
@@ -269,8 +322,9 @@ def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     assert 1 < plan.hours < 12
     tight = estimate(recipe, gpus=8, gpu_memory_gib=40, samples=3500)
     assert not tight.fits and "offload_checkpoints" in tight.levers()[0]
-    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80",
-                 "--samples", "3500"]) == 0
+    assert (
+        main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "8", "--gpu-memory", "80", "--samples", "3500"]) == 0
+    )
     out = capsys.readouterr().out
     assert "checkpointed layer inputs" in out and "fits in 80 GiB" in out
 
@@ -291,43 +345,79 @@ def test_launch_configs_and_refusals(capsys):
     with pytest.raises(ValueError, match="unproven"):
         check_launch(qlora, "ulysses")
     with pytest.raises(ValueError, match="flash-attn"):
-        check_context_parallel(load_recipe("llama3-8b-instruct-80k-qlora",
-                                           ["model.attn_implementation=flash_attention_2"]))
+        check_context_parallel(
+            load_recipe("llama3-8b-instruct-80k-qlora", ["model.attn_implementation=flash_attention_2"])
+        )
     with pytest.raises(ValueError, match="4-bit base"):
         check_context_parallel(qlora)
     beacon = load_recipe("beacon-llama3-8b-instruct")
     for launch in ("fsdp2", "zero3"):  # window by window: the processes' collectives would not match
-        with pytest.raises(ValueError, match=f"--launch {launch} with beacon: Activation Beacon runs the decoder once "
-                                             "per window.*; use --launch ddp"):
+        with pytest.raises(
+            ValueError,
+            match=f"--launch {launch} with beacon: Activation Beacon runs the decoder once "
+            "per window.*; use --launch ddp",
+        ):
             check_launch(beacon, launch)
     check_launch(beacon, "ddp")
     with pytest.raises(ValueError, match="zero3 with beacon: Activation Beacon runs the decoder once per window"):
         check_launch(load_recipe("beacon-llama3-8b-instruct", ["finetune=lora"]), "zero3")
     bf16_base = ["model.load_in_4bit=false"]
-    for overrides, reason in ((["method=pose", "pose.target_length=81920"], "pose: PoSE trains on sequences"),
-                              (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"],
-                               "data.utk"),
-                              ([], None)):
+    for overrides, reason in (
+        (["method=pose", "pose.target_length=81920"], "pose: PoSE trains on sequences"),
+        (["data.utk.probability=0.5", "data.format=text", "train.assistant_only_loss=false"], "data.utk"),
+        ([], None),
+    ):
         recipe = load_recipe("llama3-8b-instruct-80k-qlora", bf16_base + overrides)
         if reason:
             with pytest.raises(ValueError, match=f"--launch ulysses with {reason}"):
                 check_launch(recipe, "ulysses")
         else:
             check_launch(recipe, "ulysses")
-    with pytest.raises(ValueError, match="--launch ulysses with beacon: Activation Beacon condenses each sequence "
-                                         "window by window.*; use --launch ddp"):
+    with pytest.raises(
+        ValueError,
+        match="--launch ulysses with beacon: Activation Beacon condenses each sequence "
+        "window by window.*; use --launch ddp",
+    ):
         check_launch(beacon, "ulysses")
-    with pytest.raises(ValueError, match=r"context parallelism \(accelerate cp_size > 1\) with beacon: Activation "
-                                         "Beacon condenses"):
+    with pytest.raises(
+        ValueError,
+        match=r"context parallelism \(accelerate cp_size > 1\) with beacon: Activation "
+        "Beacon condenses",
+    ):
         check_context_parallel(beacon)
-    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "fsdp2", "--gpus", "8", "--print-command",
-                 "--set", "train.max_steps=10"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "llama3-8b-instruct-80k-qlora",
+                "--launch",
+                "fsdp2",
+                "--gpus",
+                "8",
+                "--print-command",
+                "--set",
+                "train.max_steps=10",
+            ]
+        )
+        == 0
+    )
     command = shlex.split(capsys.readouterr().out)
     assert command[:3] == ["accelerate", "launch", "--config_file"] and command[3].endswith("fsdp2.yaml")
-    assert command[4:] == ["--num_processes", "8", "--mixed_precision", "bf16", "-m", "longpeft.cli", "train",
-                           "llama3-8b-instruct-80k-qlora", "--set", "train.max_steps=10"]
-    assert main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "ulysses", "--gpus", "8",
-                 "--print-command"]) == 2
+    assert command[4:] == [
+        "--num_processes",
+        "8",
+        "--mixed_precision",
+        "bf16",
+        "-m",
+        "longpeft.cli",
+        "train",
+        "llama3-8b-instruct-80k-qlora",
+        "--set",
+        "train.max_steps=10",
+    ]
+    assert (
+        main(["train", "llama3-8b-instruct-80k-qlora", "--launch", "ulysses", "--gpus", "8", "--print-command"]) == 2
+    )
 
 
 def test_launch_commands_carry_the_recipe_precision_and_ulysses_sizes(capsys):
@@ -378,23 +468,29 @@ def test_parallelism_from_a_users_own_accelerate_config_is_checked():
 
     def accelerator(parallelism=None, distributed_type="MULTI_GPU", zero_stage=None):
         deepspeed = SimpleNamespace(zero_stage=zero_stage) if zero_stage else None
-        return SimpleNamespace(parallelism_config=parallelism, distributed_type=f"DistributedType.{distributed_type}",
-                               state=SimpleNamespace(deepspeed_plugin=deepspeed))
+        return SimpleNamespace(
+            parallelism_config=parallelism,
+            distributed_type=f"DistributedType.{distributed_type}",
+            state=SimpleNamespace(deepspeed_plugin=deepspeed),
+        )
 
     qlora = load_recipe("llama3-8b-instruct-80k-qlora")
     with pytest.raises(ValueError, match="context parallelism .* 4-bit base"):
         check_parallelism(qlora, accelerator(SimpleNamespace(cp_enabled=True, sp_enabled=False)))
     with pytest.raises(ValueError, match="context parallelism .* flash-attn"):
-        check_parallelism(load_recipe("llama3-8b-instruct-80k-qlora", ["model.attn_implementation=flash_attention_2"]),
-                          accelerator(SimpleNamespace(cp_enabled=True, sp_enabled=False)))
+        check_parallelism(
+            load_recipe("llama3-8b-instruct-80k-qlora", ["model.attn_implementation=flash_attention_2"]),
+            accelerator(SimpleNamespace(cp_enabled=True, sp_enabled=False)),
+        )
     with pytest.raises(ValueError, match="ulysses with model.load_in_4bit"):
         check_parallelism(qlora, accelerator(SimpleNamespace(cp_enabled=False, sp_enabled=True)))
     check_parallelism(qlora, accelerator())
     # weight sharding from a user's own config: Activation Beacon runs window by window (see check_sharded)
     beacon = load_recipe("beacon-llama3-8b-instruct")
-    for sharded, message in ((accelerator(distributed_type="FSDP"), "FSDP with beacon"),
-                             (accelerator(distributed_type="DEEPSPEED", zero_stage=3),
-                              "DeepSpeed ZeRO-3 with beacon")):
+    for sharded, message in (
+        (accelerator(distributed_type="FSDP"), "FSDP with beacon"),
+        (accelerator(distributed_type="DEEPSPEED", zero_stage=3), "DeepSpeed ZeRO-3 with beacon"),
+    ):
         with pytest.raises(ValueError, match=f"{message}: Activation Beacon runs the decoder once per window"):
             check_parallelism(beacon, sharded)
     check_parallelism(beacon, accelerator(distributed_type="DEEPSPEED", zero_stage=2))  # the authors' ZeRO-2
@@ -403,10 +499,12 @@ def test_parallelism_from_a_users_own_accelerate_config_is_checked():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_launch_flags_are_not_silently_ignored(capsys):
-    for argv, message in ((["--gpus", "8"], "--gpus goes with --launch"),
-                          (["--print-command"], "--print-command goes with --launch"),
-                          (["--launch", "ddp", "--print-command"], "give --gpus N >= 1"),
-                          (["--launch", "ddp", "--gpus", "0", "--print-command"], "give --gpus N >= 1")):
+    for argv, message in (
+        (["--gpus", "8"], "--gpus goes with --launch"),
+        (["--print-command"], "--print-command goes with --launch"),
+        (["--launch", "ddp", "--print-command"], "give --gpus N >= 1"),
+        (["--launch", "ddp", "--gpus", "0", "--print-command"], "give --gpus N >= 1"),
+    ):
         assert main(["train", "tiny-cpu", *argv]) == 2, argv
         assert message in capsys.readouterr().err, argv
 
@@ -432,7 +530,9 @@ def test_plan_works_for_every_bundled_recipe(capsys):
                 capsys.readouterr()
                 continue
             assert main(["plan", name, "--gpus", "8", "--gpu-memory", "80", "--launch", launch, *flags]) == 0, (
-                name, launch)
+                name,
+                launch,
+            )
             out = capsys.readouterr().out
             assert "peak" in out and re.search(r"= \d+\.\d (s|min|h)$", out, flags=re.M), (name, launch)
             plan = estimate(recipe, gpus=8, launch=launch)
@@ -450,12 +550,15 @@ def test_plan_works_for_every_bundled_recipe(capsys):
                         assert any("--launch fsdp2" in lever for lever in levers), name
 
 
-@pytest.mark.parametrize("settings", [
-    {},  # the paper's: full copies of q, k, v
-    {"params": ["q", "k", "v", "o"]},
-    {"params": ["k", "v"], "projection": "lora", "lora_rank": 4},
-    {"params": ["q", "k", "v", "o"], "projection": "lora", "lora_rank": 3},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # the paper's: full copies of q, k, v
+        {"params": ["q", "k", "v", "o"]},
+        {"params": ["k", "v"], "projection": "lora", "lora_rank": 4},
+        {"params": ["q", "k", "v", "o"], "projection": "lora", "lora_rank": 3},
+    ],
+)
 def test_planned_beacon_parameters_are_those_of_a_built_model(settings):
     """The planner's beacon counts equal the parameters apply_beacon really adds (trainable and frozen)."""
     from longpeft.adapters.beacon import (
@@ -477,8 +580,10 @@ def test_planned_beacon_parameters_are_those_of_a_built_model(settings):
 def test_beacon_weights_count_in_every_mode_that_trains_them():
     """Activation Beacon's projections train under finetune: lora and full too, as float32 with AdamW; the last
     layer's beacon q is held but frozen (4 bytes per parameter)."""
-    plans = {mode: estimate(load_recipe("beacon-llama3-8b-instruct", [f"finetune={mode}"]), gpu="h100")
-             for mode in ("method", "lora", "full")}
+    plans = {
+        mode: estimate(load_recipe("beacon-llama3-8b-instruct", [f"finetune={mode}"]), gpu="h100")
+        for mode in ("method", "lora", "full")
+    }
     shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
     q, k, v = (i * o for i, o in (shape.projection_shape(f"{n}_proj") for n in "qkv"))
     trainable = shape.layers * (q + k + v) - q + shape.hidden  # full copies of q, k, v + one row; last q frozen
@@ -488,8 +593,10 @@ def test_beacon_weights_count_in_every_mode_that_trains_them():
     full = shape.linear_params + shape.other_params
     assert plans["full"].assumptions["trainable_params"] == full + trainable
     tight = estimate(load_recipe("beacon-llama3-8b-instruct"), gpu="h100", gpu_memory_gib=24)
-    assert ("beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)"
-            in tight.levers())
+    assert (
+        "beacon weights: beacon.projection: lora (a low-rank delta instead of a full copy of each projection)"
+        in tight.levers()
+    )
 
 
 def test_plan_with_activation_offloading_keeps_seven_layer_inputs_and_stops_suggesting_offloading():
@@ -509,8 +616,15 @@ def test_plan_with_activation_offloading_keeps_seven_layer_inputs_and_stops_sugg
 def test_planned_samples_count_the_data_rows_up_to_max_samples(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join('{"text": "a b c"}\n' for _ in range(5)) + "\n")
-    cases = {("demo", None): 64, ("demo", 10): 10, (str(rows), None): 5, (str(rows), 3): 3, (str(rows), 9): 5,
-             ("owner/hub-dataset", None): 1000, ("owner/hub-dataset", 7): 7}
+    cases = {
+        ("demo", None): 64,
+        ("demo", 10): 10,
+        (str(rows), None): 5,
+        (str(rows), 3): 3,
+        (str(rows), 9): 5,
+        ("owner/hub-dataset", None): 1000,
+        ("owner/hub-dataset", 7): 7,
+    }
     for (source, cap), samples in cases.items():
         overrides = [f"data.source={source}", *([f"data.max_samples={cap}"] if cap else [])]
         assert estimate(load_recipe("tiny-cpu", overrides), gpus=1).assumptions["samples"] == samples, (source, cap)
@@ -548,8 +662,10 @@ def test_plan_checks_the_recipe_against_a_base_config_on_this_machine(tiny_base_
 
 MEASURED = Path(__file__).resolve().parents[1] / "docs" / "measurements" / "h100-2026-11-24"
 # each report's `scripts/gpu_check.py` flags beyond --tokens and --attentions (docs/measurements/README.md)
-MEASURED_OVERRIDES = {"bf16_32768.json": ["model.load_in_4bit=false"],
-                      "qlora_offload_131072.json": ["train.activation_offloading=true"]}
+MEASURED_OVERRIDES = {
+    "bf16_32768.json": ["model.load_in_4bit=false"],
+    "qlora_offload_131072.json": ["train.activation_offloading=true"],
+}
 
 
 @pytest.mark.parametrize("report_file", sorted(p.name for p in MEASURED.glob("*.json")))
@@ -566,8 +682,16 @@ def test_planner_against_the_runs_measured_on_an_h100(report_file):
     assert report["device"].startswith("NVIDIA H100") and report["ok"]
     shape = shape_of("meta-llama/Meta-Llama-3-8B-Instruct")
     for attention, run in report["runs"].items():
-        recipe = gpu_check.recipe_for(Path("base"), Path("train.jsonl"), Path("out"), attention, report["tokens"],
-                                      report["steps"], False, MEASURED_OVERRIDES.get(report_file, []))
+        recipe = gpu_check.recipe_for(
+            Path("base"),
+            Path("train.jsonl"),
+            Path("out"),
+            attention,
+            report["tokens"],
+            report["steps"],
+            False,
+            MEASURED_OVERRIDES.get(report_file, []),
+        )
         plan = estimate(recipe, gpus=1, gpu_memory_gib=79.2, gpu="h100", samples=report["steps"], shape=shape)
         peak_error = plan.peak_bytes / 2**30 / run["peak_reserved_gib"] - 1
         step_error = plan.hours * 3600 / report["steps"] / statistics.median(run["step_seconds"][1:]) - 1
@@ -578,22 +702,26 @@ def test_time_splits_matmuls_and_attention_at_their_own_utilisations():
     """Attention runs at its kernel's measured utilisation on an H100, the matmuls at theirs; unmeasured GPUs and
     --mfu use one number for both."""
     recipe = load_recipe("llama3-8b-instruct-80k-qlora", ["train.max_steps=10", "train.global_batch_size=8"])
-    flash = load_recipe("llama3-8b-instruct-80k-qlora", ["train.max_steps=10", "train.global_batch_size=8",
-                                                          "model.attn_implementation=flash_attention_2"])
+    flash = load_recipe(
+        "llama3-8b-instruct-80k-qlora",
+        ["train.max_steps=10", "train.global_batch_size=8", "model.attn_implementation=flash_attention_2"],
+    )
     plans = {kernel: estimate(r, gpus=8) for kernel, r in (("sdpa", recipe), ("flash_attention_2", flash))}
     for kernel, attention_utilisation in (("sdpa", 0.51), ("flash_attention_2", 0.31)):
         plan = plans[kernel]
         assert plan.tokens == 10 * 8 * 81920 and 0 < plan.attention_flops_per_token < plan.flops_per_token
         matmuls = plan.flops_per_token - plan.attention_flops_per_token
-        seconds = (plan.tokens * (matmuls / 0.48 + plan.attention_flops_per_token / attention_utilisation)
-                   / (8 * 989e12))
+        seconds = (
+            plan.tokens * (matmuls / 0.48 + plan.attention_flops_per_token / attention_utilisation) / (8 * 989e12)
+        )
         assert plan.hours * 3600 == pytest.approx(seconds, rel=1e-9)
     assert plans["flash_attention_2"].hours > plans["sdpa"].hours
     for gpu, mfu, peak in (("a100", None, 312e12), ("h100", 0.4, 989e12)):
         plan = estimate(recipe, gpus=8, gpu=gpu, mfu=mfu)
         utilisation = mfu or 0.35  # a 4-bit base on a GPU without measurements
-        assert plan.hours * 3600 == pytest.approx(plan.tokens * plan.flops_per_token / (8 * peak * utilisation),
-                                                  rel=1e-9)
+        assert plan.hours * 3600 == pytest.approx(
+            plan.tokens * plan.flops_per_token / (8 * peak * utilisation), rel=1e-9
+        )
         assert estimate(flash, gpus=8, gpu=gpu, mfu=mfu).hours == pytest.approx(plan.hours)
     assert "(attention, sdpa) of 989 TFLOP/s (measured on an H100)" in plans["sdpa"].table()
     assert "(assumed: not measured on a100)" in estimate(recipe, gpus=8, gpu="a100").table()

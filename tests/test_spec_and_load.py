@@ -38,8 +38,11 @@ def make_adapter(base_dir, out_dir, rope_theta=2e6, max_positions=1024, seed=1):
     apply_spec(model, spec)
     torch.manual_seed(seed)
     config = LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-        modules_to_save=["embed_tokens"], init_lora_weights=False,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+        modules_to_save=["embed_tokens"],
+        init_lora_weights=False,
     )
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
@@ -54,15 +57,22 @@ IDS = torch.arange(5, 200)[None]
 
 
 def test_spec_roundtrip_and_unknown_field(tmp_path):
-    spec = ContextSpec.from_base(tiny_config("llama"), "rope",
-                                 methods={"rope": {"rope_type": "default", "rope_theta": 5.0e5}})
+    spec = ContextSpec.from_base(
+        tiny_config("llama"), "rope", methods={"rope": {"rope_type": "default", "rope_theta": 5.0e5}}
+    )
     spec.save(tmp_path)
     assert ContextSpec.load(tmp_path) == spec
     data = json.loads((tmp_path / "longpeft.json").read_text())
     assert sorted(data) == sorted(ContextSpec.model_fields) and data["format_version"] == 3
-    assert data["base_shape"] == {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                  "vocab_size": 512}
+    assert data["base_shape"] == {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 512,
+    }
     (tmp_path / "longpeft.json").write_text(json.dumps({**data, "surprise": 1}))
     with pytest.raises(DataError, match="surprise: unknown key"):
         ContextSpec.load(tmp_path)
@@ -82,18 +92,31 @@ def test_a_format_3_file_round_trips_byte_for_byte(tmp_path):
     spec = ContextSpec.from_dict(json.loads(FORMAT_3.read_text()))
     assert spec.save(tmp_path).read_bytes() == FORMAT_3.read_bytes()
     assert spec == ContextSpec.from_base(
-        tiny_config("llama"), "harpe", base_model="org/base", trained_length=1024, target_length=2048,
-        methods={"rope": {"rope_type": "default", "rope_theta": 2.0e6, "max_position_embeddings": 2048},
-                 "harpe": {"bases": [1.0e4, 5.0e5]}, "string": {"shift": 600, "local_window": 128}},
-        recipe_hash="ab" * 32, weights="lora", library_version="0.1.0")
+        tiny_config("llama"),
+        "harpe",
+        base_model="org/base",
+        trained_length=1024,
+        target_length=2048,
+        methods={
+            "rope": {"rope_type": "default", "rope_theta": 2.0e6, "max_position_embeddings": 2048},
+            "harpe": {"bases": [1.0e4, 5.0e5]},
+            "string": {"shift": 600, "local_window": 128},
+        },
+        recipe_hash="ab" * 32,
+        weights="lora",
+        library_version="0.1.0",
+    )
     assert spec.head_bases == [1.0e4, 5.0e5] and spec.max_position_embeddings == 2048
 
 
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"format_version": None}, "is in format 1, written by a development version of longpeft before its first "
-                                   "release; this version reads format 3 only: re-create the adapter"),
+        (
+            {"format_version": None},
+            "is in format 1, written by a development version of longpeft before its first "
+            "release; this version reads format 3 only: re-create the adapter",
+        ),
         ({"format_version": 2}, "is in format 2, .* re-create the adapter"),
         ({"format_version": 4}, "has format_version 4, newer than the 3 this longpeft reads; upgrade longpeft"),
         ({"format_version": "3"}, "format_version must be the integer 3, got '3'"),
@@ -205,8 +228,9 @@ def test_load_reads_the_bases_config_with_cache_dir(tiny_base_dirs, tmp_path, mo
     (tmp_path / "cache" / "models--someorg--tiny-base" / "refs" / "main").write_text("a" * 40)
     make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     monkeypatch.setattr(files, "hub_preflight", lambda *args, **kwargs: None)
-    model = longpeft.load("someorg/tiny-base", tmp_path / "adapter", cache_dir=str(tmp_path / "cache"),
-                          local_files_only=True)
+    model = longpeft.load(
+        "someorg/tiny-base", tmp_path / "adapter", cache_dir=str(tmp_path / "cache"), local_files_only=True
+    )
     assert model.longpeft_spec.rope_parameters["rope_theta"] == 2e6
 
 
@@ -290,8 +314,11 @@ def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "longpeft.json", "README.md"} <= set(names)
     card = (tmp_path / "upload" / "README.md").read_text()
     metadata = card.split("---")[1]
-    assert ("base_model: owner/base" in metadata and "library_name: peft" in metadata
-            and "rope_theta: 2000000.0" in metadata)
+    assert (
+        "base_model: owner/base" in metadata
+        and "library_name: peft" in metadata
+        and "rope_theta: 2000000.0" in metadata
+    )
     assert 'longpeft.load("owner/base", "someone/tiny-80k")' in card
     assert "| passkey | adapter | 512 | 0.750 |" in card
     with pytest.raises(FileExistsError, match="not empty"):
@@ -306,10 +333,19 @@ def full_run(tmp_path_factory):
     from longpeft.recipes.schema import load_recipe
 
     out = tmp_path_factory.mktemp("full-run")
-    recipe = load_recipe("tiny-harpe-cpu", [
-        "finetune=full", f"output_dir={out}", "train.max_steps=1", "train.global_batch_size=1",
-        "train.per_device_batch_size=1", "data.max_length=256", "data.demo.n_conversations=4",
-        "data.demo.context_tokens=100"])
+    recipe = load_recipe(
+        "tiny-harpe-cpu",
+        [
+            "finetune=full",
+            f"output_dir={out}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "data.max_length=256",
+            "data.demo.n_conversations=4",
+            "data.demo.context_tokens=100",
+        ],
+    )
     return run(recipe).output_dir
 
 
@@ -323,11 +359,22 @@ def test_push_dry_run_of_a_full_fine_tune_run_stages_the_model(full_run, tmp_pat
     """Pushing a finetune: full run folder used to fail (it looked for adapter/ only), and its model/ folder was
     staged as an adapter (a peft card telling users to call longpeft.load, which refuses whole models)."""
     (full_run / "eval_results.json").write_text(json.dumps({"rows": [{"task": "passkey", "score": 0.5}]}))
-    staged = Path(hub.push(full_run, "someone/tiny-full", dtype="float32", base_id="someone/tiny-base",
-                           dry_run=tmp_path / "upload"))
+    staged = Path(
+        hub.push(
+            full_run, "someone/tiny-full", dtype="float32", base_id="someone/tiny-base", dry_run=tmp_path / "upload"
+        )
+    )
     names = {p.name for p in staged.iterdir()}
-    assert {"config.json", "model.safetensors", "modeling_harpe.py", "tokenizer.json", "generation_config.json",
-            "longpeft.json", "README.md", "eval_results.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_harpe.py",
+        "tokenizer.json",
+        "generation_config.json",
+        "longpeft.json",
+        "README.md",
+        "eval_results.json",
+    } <= names
     assert "adapter_config.json" not in names
     config = json.loads((staged / "config.json").read_text())
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_harpe.HarpeLlamaForCausalLM"
@@ -371,16 +418,25 @@ def test_push_of_a_merged_model_gets_a_merged_card(full_run, tiny_base_dirs, tmp
     hub.export(tmp_path / "adapter", tmp_path / "export", dtype="bfloat16")
     assert ContextSpec.load(tmp_path / "export").weights == "merged"
     for merged in (False, True):
-        staged = Path(hub.push(tmp_path / "export", "someone/tiny-merged", merged=merged, base_id="someone/base",
-                               dry_run=tmp_path / f"upload-{merged}"))
+        staged = Path(
+            hub.push(
+                tmp_path / "export",
+                "someone/tiny-merged",
+                merged=merged,
+                base_id="someone/base",
+                dry_run=tmp_path / f"upload-{merged}",
+            )
+        )
         card = (staged / "README.md").read_text()
         metadata = card.split("---")[1]
         assert "# someone/base extended with longpeft" in card and "fully fine-tuned" not in card
-        assert ("full-finetune" not in metadata and "- lora" not in metadata
-                and "library_name: transformers" in metadata)
+        assert (
+            "full-finetune" not in metadata and "- lora" not in metadata and "library_name: transformers" in metadata
+        )
         assert ContextSpec.load(staged).weights == "merged"
-    staged = Path(hub.push(full_run / "model", "someone/full", base_id="someone/base",
-                           dry_run=tmp_path / "upload-full"))
+    staged = Path(
+        hub.push(full_run / "model", "someone/full", base_id="someone/base", dry_run=tmp_path / "upload-full")
+    )
     assert ContextSpec.load(staged).weights == "full" and "- full-finetune" in (staged / "README.md").read_text()
     unrecorded = tmp_path / "unrecorded"
     shutil.copytree(full_run / "model", unrecorded)
@@ -428,8 +484,9 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
     hub.push(tmp_path / "adapter", "someone/tiny-80k", base_id="someone/base")
     assert (repo / "adapter_config.json").is_file()
     assert visibility == {"someone/tiny-80k": False}
-    hub.push(tmp_path / "adapter", "someone/tiny-80k", merged=True, dtype="float32", base_id="someone/base",
-             private=True)
+    hub.push(
+        tmp_path / "adapter", "someone/tiny-80k", merged=True, dtype="float32", base_id="someone/base", private=True
+    )
     assert not (repo / "adapter_config.json").exists() and (repo / ".gitattributes").is_file()
     assert visibility == {"someone/tiny-80k": True}  # --private on an existing public repository makes it private
     model = AutoModelForCausalLM.from_pretrained(repo).eval()
@@ -447,8 +504,24 @@ def test_merge_and_push_merged_with_a_moved_base(tiny_base_dirs, tmp_path):
     spec.save(tmp_path / "adapter")
     with pytest.raises(FileNotFoundError, match="no such folder.*--base"):
         hub.merge(tmp_path / "adapter", tmp_path / "merged")
-    assert main(["push", str(tmp_path / "adapter"), "--repo", "someone/x", "--merged", "--base", str(base_dir),
-                 "--base-id", "someone/base", "--dry-run", str(tmp_path / "upload")]) == 0
+    assert (
+        main(
+            [
+                "push",
+                str(tmp_path / "adapter"),
+                "--repo",
+                "someone/x",
+                "--merged",
+                "--base",
+                str(base_dir),
+                "--base-id",
+                "someone/base",
+                "--dry-run",
+                str(tmp_path / "upload"),
+            ]
+        )
+        == 0
+    )
     assert ContextSpec.load(tmp_path / "upload").weights == "merged"
 
 
@@ -490,19 +563,37 @@ def test_a_recipe_string_section_is_off_while_training_and_on_in_the_model_it_wr
         def on_step_begin(self, args, state, control, model=None, **kwargs):
             seen.append(string_settings(model))
 
-    recipe = load_recipe("tiny-cpu", [
-        "finetune=full", f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=1",
-        "train.per_device_batch_size=1", "data.max_length=512", "data.demo.n_conversations=2",
-        "data.demo.context_tokens=100", "string.shift=64", "string.local_window=8"])
+    recipe = load_recipe(
+        "tiny-cpu",
+        [
+            "finetune=full",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "data.max_length=512",
+            "data.demo.n_conversations=2",
+            "data.demo.context_tokens=100",
+            "string.shift=64",
+            "string.local_window=8",
+        ],
+    )
     model_dir = run(recipe, callbacks=[RecordString()]).adapter_dir
     assert seen == [None]
-    staged = Path(hub.push(model_dir, "someone/tiny-full", base_id="someone/tiny-base", dtype="float32",
-                           dry_run=tmp_path / "upload"))
+    staged = Path(
+        hub.push(
+            model_dir, "someone/tiny-full", base_id="someone/tiny-base", dtype="float32", dry_run=tmp_path / "upload"
+        )
+    )
     for folder in (model_dir, staged):
         assert (folder / "modeling_string.py").is_file()
         loaded = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
-        assert string_settings(loaded) == {"shift": 64, "local_window": 8, "trained_length": 512,
-                                           "cos_sin_scale": None}
+        assert string_settings(loaded) == {
+            "shift": 64,
+            "local_window": 8,
+            "trained_length": 512,
+            "cos_sin_scale": None,
+        }
     assert "trust_remote_code=True" in (staged / "README.md").read_text()
     # longpeft's switches act on the exported file's STRING too (replace, then off: the stock attention again)
     ids = torch.arange(5, 205)[None]
@@ -580,19 +671,39 @@ def test_merge_keeps_string_in_a_modeling_file_and_leaves_it_out_when_told(tiny_
     assert saved["auto_map"]["AutoModelForCausalLM"] == "modeling_string.StringLlamaForCausalLM"
     assert saved["rope_parameters"]["rope_theta"] == 2e6  # what the adapter changed besides STRING stays too
     assert imported_modules(merged / "modeling_string.py") <= {
-        "__future__", "collections", "dataclasses", "flash_attn", "logging", "math", "sys", "typing", "torch",
-        "transformers"}  # flash_attn: imported lazily, on the flash path only
+        "__future__",
+        "collections",
+        "dataclasses",
+        "flash_attn",
+        "logging",
+        "math",
+        "sys",
+        "typing",
+        "torch",
+        "transformers",
+    }  # flash_attn: imported lazily, on the flash path only
     torch.save(ids, tmp_path / "ids.pt")
-    run = run_without_longpeft(_STRING_WITHOUT_LONGPEFT,
-                               [str(merged), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path)
+    run = run_without_longpeft(
+        _STRING_WITHOUT_LONGPEFT, [str(merged), str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], tmp_path
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "LOADED StringLlamaForCausalLM 16" in run.stdout
     out = torch.load(tmp_path / "out.pt")
     torch.testing.assert_close(out["logits"], with_string, atol=1e-4, rtol=0)
     assert torch.equal(out["generated"], tokens)
     torch.testing.assert_close(out["plain"], without_string, atol=1e-4, rtol=0)
-    evaluate = ["eval", "passkey", "--model", str(merged), "--lengths", "160", "--samples", "1",
-                "--out", str(tmp_path / "ev")]
+    evaluate = [
+        "eval",
+        "passkey",
+        "--model",
+        str(merged),
+        "--lengths",
+        "160",
+        "--samples",
+        "1",
+        "--out",
+        str(tmp_path / "ev"),
+    ]
     assert main(evaluate) == 2  # its modeling file does not run unasked
     assert "ships its own modeling code" in capsys.readouterr().err
     assert main([*evaluate, "--trust-remote-code"]) == 0
@@ -606,8 +717,11 @@ def test_merge_keeps_string_in_a_modeling_file_and_leaves_it_out_when_told(tiny_
         assert (plain(ids).logits - without_string).abs().max() < 1e-4
     with pytest.raises(ValueError, match="--without harpe: the adapter has no such method"):
         hub.merge(tmp_path / "adapter", tmp_path / "other", without=("harpe",))
-    with pytest.raises(ValueError, match="--without rope: the adapter was trained with it.*only inference-time "
-                                         r"methods \(string\)"):
+    with pytest.raises(
+        ValueError,
+        match="--without rope: the adapter was trained with it.*only inference-time "
+        r"methods \(string\)",
+    ):
         hub.merge(tmp_path / "adapter", tmp_path / "other", without=("rope",))
     assert not (tmp_path / "other").exists()
 
@@ -635,8 +749,12 @@ def test_merge_refuses_a_base_saved_quantized(tiny_base_dirs, tmp_path):
     base = tmp_path / "base-4bit"
     shutil.copytree(tiny_base_dirs("llama"), base)
     config = json.loads((base / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True,
-                                     "bnb_4bit_quant_type": "nf4", "bnb_4bit_compute_dtype": "float32"}
+    config["quantization_config"] = {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_compute_dtype": "float32",
+    }
     (base / "config.json").write_text(json.dumps(config))
     make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     with pytest.raises(ValueError, match="is saved quantized .*bitsandbytes.*full-precision base"):
@@ -649,15 +767,19 @@ def test_a_bad_method_section_names_it(tiny_base_dirs, tmp_path):
     spec = ContextSpec.load(tmp_path / "adapter")
     spec.methods["rope"]["new_key"] = 1
     spec.save(tmp_path / "adapter")
-    with pytest.raises(ValueError,
-                       match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"):
+    with pytest.raises(
+        ValueError, match=r"longpeft.json methods.rope: new_key: Extra inputs are not permitted .*newer"
+    ):
         longpeft.load(None, tmp_path / "adapter")
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 2e6},
-    {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 2e6},
+        {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256},
+    ],
+)
 def test_saved_models_carry_the_rope_keys_transformers_4_reads(tmp_path, rope):
     """transformers 5 saves only rope_parameters: transformers 4.39 built the merged demo model with base 10,000
     instead of 2e6 (logits off by up to 19.9 over 800 tokens; equal once these keys are written). transformers 5
@@ -716,8 +838,9 @@ def test_a_hub_base_is_loaded_at_the_commit_the_adapter_was_trained_on(tiny_base
     model = load(None, tmp_path / "adapter", cache_dir=cache).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(IDS).logits, trained(IDS).logits, atol=1e-5, rtol=0)
-    assert load_tokenizer(tmp_path / "adapter", cache_dir=cache).encode("hello") == \
-        AutoTokenizer.from_pretrained(base_dir).encode("hello")
+    assert load_tokenizer(tmp_path / "adapter", cache_dir=cache).encode("hello") == AutoTokenizer.from_pretrained(
+        base_dir
+    ).encode("hello")
     # a revision given explicitly wins
     newest = load(None, tmp_path / "adapter", cache_dir=cache, revision="main").eval()
     with torch.no_grad():

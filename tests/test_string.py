@@ -217,8 +217,9 @@ def test_generate_runs_and_stops_on_eos():
     assert torch.equal(gen, seq)
 
 
-def reference_flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                    return_attn_probs=False):
+def reference_flash(
+    q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), return_attn_probs=False
+):
     """flash_attn_func semantics in plain torch: [B, T, H, D] layout, bottom-right causal, window, LSE."""
     n_q, n_k = q.shape[1], k.shape[1]
     groups = q.shape[2] // k.shape[2]
@@ -274,12 +275,11 @@ def test_peft_wrapped_model_and_settings_roundtrip():
         disable_string(model)
     peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
     settings = enable_string(peft_model, shift=SHIFT, local_window=WINDOW)
-    assert settings == string_settings(peft_model) == {
-        "shift": SHIFT,
-        "local_window": WINDOW,
-        "trained_length": 256,
-        "cos_sin_scale": None,
-    }
+    assert (
+        settings
+        == string_settings(peft_model)
+        == {"shift": SHIFT, "local_window": WINDOW, "trained_length": 256, "cos_sin_scale": None}
+    )
     disable_string(peft_model)
     enable_string(peft_model, **settings)
     with torch.no_grad():
@@ -343,13 +343,18 @@ def test_methods_string_cannot_run_with_are_refused_in_recipes_and_on_models():
     model = tiny_model("llama", attn_implementation="sdpa")
     settings = BeaconConfig(window=16, ratios=[4]).settings()
     apply_beacon(model, settings)
-    with pytest.raises(ValueError, match="this model has beacon on, and string cannot be combined with it: Activation "
-                                         "Beacon keeps positions .*; remove beacon from the model first"):
+    with pytest.raises(
+        ValueError,
+        match="this model has beacon on, and string cannot be combined with it: Activation "
+        "Beacon keeps positions .*; remove beacon from the model first",
+    ):
         enable_string(model, shift=40, local_window=8)
     remove_beacon(model)
     enable_string(model, shift=40, local_window=8)
-    with pytest.raises(ValueError, match="this model has string on, and beacon cannot be combined with it: .*reads "
-                                         "distances off those"):
+    with pytest.raises(
+        ValueError,
+        match="this model has string on, and beacon cannot be combined with it: .*reads distances off those",
+    ):
         apply_beacon(model, settings)
     assert not hasattr(model.config, "beacon")  # refused before changing anything
     disable_string(model)
@@ -359,8 +364,9 @@ def test_methods_string_cannot_run_with_are_refused_in_recipes_and_on_models():
     from longpeft.adapters.harpe import apply_head_bases, remove_head_bases
 
     apply_head_bases(model, [1e4, 1e5])
-    with pytest.raises(ValueError, match="this model has harpe on, and string cannot be combined with it: STRING "
-                                         "needs one RoPE base"):
+    with pytest.raises(
+        ValueError, match="this model has harpe on, and string cannot be combined with it: STRING needs one RoPE base"
+    ):
         enable_string(model, shift=40, local_window=8)
     remove_head_bases(model)
     model.config.head_rope_bases = [1e4, 1e5]  # how a merged HARPE model, built by its own modeling file, shows them

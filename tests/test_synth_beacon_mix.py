@@ -26,8 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 KEY_ENV = "LONGPEFT_TEST_LLM_KEY"
 OUT = "runs/synth/beacon-llama3"
 LOW, HIGH = 150, 400  # the test's stand-in for the authors' 7,200 and 20,000 tokens
-SHRINK = [f"mix.{source}_{bound}_tokens={value}" for source in ("plain", "instruction", "summary")
-          for bound, value in (("min", LOW), ("max", HIGH))]
+SHRINK = [
+    f"mix.{source}_{bound}_tokens={value}"
+    for source in ("plain", "instruction", "summary")
+    for bound, value in (("min", LOW), ("max", HIGH))
+]
 AUTHORS = {"single_detail": 16, "plain_text": 5, "instruction": 5, "summary": 2}  # training.md's counts / 1000
 
 
@@ -58,22 +61,39 @@ def write_sources(root: Path, tok) -> dict[str, list]:
         (root / "books" / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60).text)
     plain = [words(n, 100 + i) for i, n in enumerate([40, 40, 80, 200, 250, 600, 700, 800, 900])]
     (root / "redpajama.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in plain))
-    alpaca = [{"instruction": f"Answer question {i} about the text.", "input": words(n, 200 + i),
-               "output": f"Answer {i}."} for i, n in enumerate([10, 40, 180, 200, 220, 240, 260, 300, 700, 800])]
+    alpaca = [
+        {"instruction": f"Answer question {i} about the text.", "input": words(n, 200 + i), "output": f"Answer {i}."}
+        for i, n in enumerate([10, 40, 180, 200, 220, 240, 260, 300, 700, 800])
+    ]
     (root / "LongAlpaca-12k.json").write_text(json.dumps(alpaca))  # a JSON list, as the Hub file is
-    booksum = [{"chapter": words(n, 300 + i), "summary_text": f"Chapter {i} in short.", "book_id": i}
-               for i, n in enumerate([10, 180, 220, 260, 800])]
+    booksum = [
+        {"chapter": words(n, 300 + i), "summary_text": f"Chapter {i} in short.", "book_id": i}
+        for i, n in enumerate([10, 180, 220, 260, 800])
+    ]
     (root / "booksum.jsonl").write_text("".join(json.dumps(r) + "\n" for r in booksum))
     candidates = {
-        "plain_text": [[{"role": "user", "content": DEFAULT_PLAIN_PROMPT}, {"role": "assistant", "content": t}]
-                       for t in plain],
-        "instruction": [[{"role": "user", "content": f"{r['instruction']}\n\n{r['input']}"},
-                         {"role": "assistant", "content": r["output"]}] for r in alpaca],
-        "summary": [[{"role": "user", "content": DEFAULT_SUMMARY_PROMPT.replace("{text}", r["chapter"])},
-                     {"role": "assistant", "content": r["summary_text"]}] for r in booksum],
+        "plain_text": [
+            [{"role": "user", "content": DEFAULT_PLAIN_PROMPT}, {"role": "assistant", "content": t}] for t in plain
+        ],
+        "instruction": [
+            [
+                {"role": "user", "content": f"{r['instruction']}\n\n{r['input']}"},
+                {"role": "assistant", "content": r["output"]},
+            ]
+            for r in alpaca
+        ],
+        "summary": [
+            [
+                {"role": "user", "content": DEFAULT_SUMMARY_PROMPT.replace("{text}", r["chapter"])},
+                {"role": "assistant", "content": r["summary_text"]},
+            ]
+            for r in booksum
+        ],
     }
-    return {task: [(messages, conversation_tokens(tok, messages)) for messages in conversations]
-            for task, conversations in candidates.items()}
+    return {
+        task: [(messages, conversation_tokens(tok, messages)) for messages in conversations]
+        for task, conversations in candidates.items()
+    }
 
 
 def docs_command() -> list[str]:
@@ -91,18 +111,47 @@ def test_beacon_config_builds_the_authors_mix_and_the_recipe_reads_it(tmp_path, 
         assert min(n for _, n in rows) < LOW and max(n for _, n in rows) > HIGH, task
     argv = docs_command()
     assert argv[argv.index("--out") + 1] == OUT  # the docs' command writes where the recipe reads
-    sources = {"--source": ["books"], "--plain-text": ["redpajama.jsonl"], "--instructions": ["LongAlpaca-12k.json"],
-               "--summaries": ["booksum.jsonl"]}
+    sources = {
+        "--source": ["books"],
+        "--plain-text": ["redpajama.jsonl"],
+        "--instructions": ["LongAlpaca-12k.json"],
+        "--summaries": ["booksum.jsonl"],
+    }
     parsed = build_parser().parse_args(argv)
     assert parsed.config == "beacon-llama3" and set(sources) <= {a for a in argv if a.startswith("--")}
     with StubServer() as server:
-        code = main(["synth", "--config", "beacon-llama3", "--out", OUT,
-                     *[word for flag, paths in sources.items() for word in (flag, *paths)],
-                     "--tokenizer", "tiny", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
-                     "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV,
-                     "--no-progress", "--set", "llm.backoff_initial=0.01", "--set", "single_detail.contexts=16",
-                     "--set", "single_detail.chunks_per_context=1",
-                     *[word for setting in SHRINK for word in ("--set", setting)]])
+        code = main(
+            [
+                "synth",
+                "--config",
+                "beacon-llama3",
+                "--out",
+                OUT,
+                *[word for flag, paths in sources.items() for word in (flag, *paths)],
+                "--tokenizer",
+                "tiny",
+                "--min-tokens",
+                "300",
+                "--max-tokens",
+                "2000",
+                "--chunk-tokens",
+                "128",
+                "--llm-base-url",
+                server.base_url,
+                "--llm-model",
+                "stub",
+                "--api-key-env",
+                KEY_ENV,
+                "--no-progress",
+                "--set",
+                "llm.backoff_initial=0.01",
+                "--set",
+                "single_detail.contexts=16",
+                "--set",
+                "single_detail.chunks_per_context=1",
+                *[word for setting in SHRINK for word in ("--set", setting)],
+            ]
+        )
     assert code == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in (tmp_path / OUT / "train.jsonl").read_text().splitlines()]
     assert Counter(row["task"] for row in rows) == AUTHORS
@@ -145,31 +194,59 @@ def test_bundled_config_holds_the_authors_numbers():
     data["mix"].update(plain_text="p.jsonl", instructions="i.json", summaries="s.jsonl")
     config = validate(SynthConfig, data, "beacon-llama3")
     mix = config.mix
-    assert (config.single_detail.contexts, config.multi_detail.contexts, config.heterogeneous.contexts,
-            config.biography.contexts) == (16000, 0, 0, 0)
+    assert (
+        config.single_detail.contexts,
+        config.multi_detail.contexts,
+        config.heterogeneous.contexts,
+        config.biography.contexts,
+    ) == (16000, 0, 0, 0)
     assert config.length.min_tokens == 7200 and config.length.max_tokens <= 20000
     for source in ("plain", "instruction", "summary"):
         assert (getattr(mix, f"{source}_min_tokens"), getattr(mix, f"{source}_max_tokens")) == (7200, 20000)
     assert mix.plain_truncate
     total = 16000 / (1 - mix.plain_ratio - mix.instruction_ratio - mix.summary_ratio)
     assert [round(total * ratio) for ratio in (mix.plain_ratio, mix.instruction_ratio, mix.summary_ratio)] == [
-        5000, 5000, 2000]
+        5000,
+        5000,
+        2000,
+    ]
 
 
 def test_missing_or_malformed_sources_fail_before_any_request(tmp_path, tok, capsys):
     write_sources(tmp_path, tok)
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"chapter": "x", "summary_text": "y"}) + "\n"
-                                        + json.dumps({"chapter": "only a text"}) + "\n")
-    base = ["synth", "--config", "beacon-llama3", "--out", str(tmp_path / "out"), "--tokenizer", "tiny",
-            "--source", str(tmp_path / "books"), "--plain-text", str(tmp_path / "redpajama.jsonl"),
-            "--instructions", str(tmp_path / "LongAlpaca-12k.json"), "--llm-base-url", "http://127.0.0.1:9/v1",
-            "--api-key-env", KEY_ENV, "--no-progress"]
+    (tmp_path / "bad.jsonl").write_text(
+        json.dumps({"chapter": "x", "summary_text": "y"}) + "\n" + json.dumps({"chapter": "only a text"}) + "\n"
+    )
+    base = [
+        "synth",
+        "--config",
+        "beacon-llama3",
+        "--out",
+        str(tmp_path / "out"),
+        "--tokenizer",
+        "tiny",
+        "--source",
+        str(tmp_path / "books"),
+        "--plain-text",
+        str(tmp_path / "redpajama.jsonl"),
+        "--instructions",
+        str(tmp_path / "LongAlpaca-12k.json"),
+        "--llm-base-url",
+        "http://127.0.0.1:9/v1",
+        "--api-key-env",
+        KEY_ENV,
+        "--no-progress",
+    ]
     for extra, message in [
         ([], "summary_ratio > 0 needs mix.summaries (a file or folder; --summaries PATH)"),
-        (["--summaries", str(tmp_path / "booksum.json")],
-         f"mix.summaries (--summaries) {tmp_path / 'booksum.json'} does not exist"),
-        (["--summaries", str(tmp_path / "bad.jsonl")],
-         f"{tmp_path / 'bad.jsonl'}:2: a summarisation record needs string fields 'chapter' and 'summary_text'"),
+        (
+            ["--summaries", str(tmp_path / "booksum.json")],
+            f"mix.summaries (--summaries) {tmp_path / 'booksum.json'} does not exist",
+        ),
+        (
+            ["--summaries", str(tmp_path / "bad.jsonl")],
+            f"{tmp_path / 'bad.jsonl'}:2: a summarisation record needs string fields 'chapter' and 'summary_text'",
+        ),
     ]:
         assert main([*base, *extra]) == 2  # the endpoint (nothing listens there) is never reached
         assert message in capsys.readouterr().err
@@ -199,5 +276,6 @@ def test_contexts_flag_keeps_the_tasks_the_config_turned_off():
     files = ["--source", "books/", "--plain-text", "p.jsonl", "--instructions", "i.json", "--summaries", "s.jsonl"]
     args = build_parser().parse_args(["synth", "--config", "beacon-llama3", "--out", "o", "--contexts", "3", *files])
     config = resolve_config(args)
-    assert [getattr(config, task).contexts for task in ("single_detail", "multi_detail", "heterogeneous",
-                                                        "biography")] == [3, 0, 0, 0]
+    assert [
+        getattr(config, task).contexts for task in ("single_detail", "multi_detail", "heterogeneous", "biography")
+    ] == [3, 0, 0, 0]

@@ -86,8 +86,12 @@ def named_professions(text):
 
 def test_every_task_is_built_within_the_token_range(built, tok):
     builder, rows, _ = built
-    assert Counter(r["task"] for r in rows) == {"single_detail": 3, "multi_detail": 3, "biography": 3,
-                                                "heterogeneous": 3}
+    assert Counter(r["task"] for r in rows) == {
+        "single_detail": 3,
+        "multi_detail": 3,
+        "biography": 3,
+        "heterogeneous": 3,
+    }
     for row in rows:
         measured = len(tok.apply_chat_template(row["messages"], tokenize=True, return_dict=True)["input_ids"])
         assert measured == row["num_tokens"]
@@ -161,8 +165,9 @@ def test_every_multi_detail_question_kind_on_a_long_document():
     passage = Passage(doc, 0, len(doc.text))
     pairs = ProceduralAnswerer().answer(QAJob("multi_detail", [passage], n=16, seed=0))
     facts = {f.fact_id: f for f in doc.facts}
-    kinds = Counter(check_multi_detail(p.question, p.answer, [facts[i] for i in p.evidence], passage.facts())
-                    for p in pairs)
+    kinds = Counter(
+        check_multi_detail(p.question, p.answer, [facts[i] for i in p.evidence], passage.facts()) for p in pairs
+    )
     assert set(kinds) == {"sum", "count", "birth", "event"} and len(pairs) == 16
 
 
@@ -175,11 +180,14 @@ def test_profession_questions_ask_about_named_people_and_the_text_agrees():
         a, b = (generate_document(seed=2 * seed + i, n_sentences=200, topic="harbor") for i in (0, 1))
         docs = [_DocFacts(1, Passage(a, 0, len(a.text))), _DocFacts(2, Passage(b, 0, len(b.text)))]
         pair = _shared_professions(docs, random.Random(seed))
-        assert pair.question == "Which professions are held both by someone named in Document 1 and by someone " \
-                                "named in Document 2?"
+        assert (
+            pair.question == "Which professions are held both by someone named in Document 1 and by someone "
+            "named in Document 2?"
+        )
         shared = sorted(named_professions(a.text) & named_professions(b.text))
-        assert pair.answer == (", ".join(shared) + "." if shared
-                               else "None: no profession is held by people named in both.")
+        assert pair.answer == (
+            ", ".join(shared) + "." if shared else "None: no profession is held by people named in both."
+        )
         mentioned = [p for p in professions if all(re.search(rf"\b{p}\b", d.text) for d in (a, b))]
         loose_mentions_differ += mentioned != shared
 
@@ -189,8 +197,11 @@ def test_profession_questions_ask_about_named_people_and_the_text_agrees():
         pair = _count_profession(by_kind, random.Random(seed))
         if pair is None:
             continue
-        match = re.fullmatch(r"How many people named in the text worked as an? (.+)\? Name them in order of "
-                             r"appearance\.", pair.question)
+        match = re.fullmatch(
+            r"How many people named in the text worked as an? (.+)\? Name them in order of "
+            r"appearance\.",
+            pair.question,
+        )
         assert match, pair.question
         people = [name for name, p in named_workers(a.text) if p == match.group(1)]
         assert pair.answer == f"{len(people)}: {', '.join(people)}."
@@ -208,16 +219,19 @@ def test_heterogeneous_contexts_hold_one_cluster_and_compare_documents(built):
         for question, answer in turns(row):
             if "founded earliest" in question:
                 earliest = min(docs, key=lambda d: d.profile["founded"])
-                assert answer == f"{earliest.profile['town']}, described in Document {docs.index(earliest) + 1}, " \
-                                 f"founded in {earliest.profile['founded']}."
+                assert (
+                    answer == f"{earliest.profile['town']}, described in Document {docs.index(earliest) + 1}, "
+                    f"founded in {earliest.profile['founded']}."
+                )
             elif "most inhabitants" in question:
                 biggest = max(docs, key=lambda d: d.profile["population"])
                 assert answer.startswith(f"{biggest.profile['town']}, described in Document {docs.index(biggest) + 1}")
             elif "Which professions are held both" in question:
                 a, b = (int(n) for n in re.findall(r"Document (\d+)", question))
                 shared = sorted(named_professions(docs[a - 1].text) & named_professions(docs[b - 1].text))
-                assert answer == (", ".join(shared) + "." if shared
-                                  else "None: no profession is held by people named in both.")
+                assert answer == (
+                    ", ".join(shared) + "." if shared else "None: no profession is held by people named in both."
+                )
             elif "and by how many" in question:
                 a, b = (docs[int(n) - 1].profile["population"] for n in re.findall(r"Document (\d+)", question))
                 assert answer.endswith(f"by {abs(a - b)} inhabitants.")
@@ -240,11 +254,17 @@ def test_biographies_state_exactly_the_characters_facts(built):
 
 
 def test_clustering_groups_documents_by_topic(tok):
-    docs = [generate_document(seed=s, n_sentences=80, topic=t, doc_id=f"{t}-{s}")
-            for t in ("harbor", "railway", "orchard") for s in range(4)]
+    docs = [
+        generate_document(seed=s, n_sentences=80, topic=t, doc_id=f"{t}-{s}")
+        for t in ("harbor", "railway", "orchard")
+        for s in range(4)
+    ]
     clusters = cluster_documents(docs, 3, seed=0)
-    assert sorted(sorted(docs[i].topic for i in c) for c in clusters) == [["harbor"] * 4, ["orchard"] * 4,
-                                                                          ["railway"] * 4]
+    assert sorted(sorted(docs[i].topic for i in c) for c in clusters) == [
+        ["harbor"] * 4,
+        ["orchard"] * 4,
+        ["railway"] * 4,
+    ]
 
 
 def test_procedural_corpus_is_deterministic_and_its_facts_are_where_recorded():
@@ -252,7 +272,7 @@ def test_procedural_corpus_is_deterministic_and_its_facts_are_where_recorded():
     assert a.text == b.text and a.facts == b.facts
     assert generate_document(seed=8, n_sentences=300).text != a.text
     for fact in a.facts:
-        assert a.text[fact.start:fact.end] == fact.sentence and fact.value in fact.sentence
+        assert a.text[fact.start : fact.end] == fact.sentence and fact.value in fact.sentence
     keyed = Counter(f.question for f in a.facts)
     assert max(keyed.values()) == 1  # each question has one answer in the document
     assert corpus_texts(3, seed=1) == corpus_texts(3, seed=1)
@@ -273,14 +293,17 @@ def test_llm_answerer_builds_conversations_through_the_stub(tok, tmp_path, monke
     from stub_server import StubServer
 
     monkeypatch.setenv("STUB_KEY", "x")
-    docs = procedural_long_documents(LongContextBuilder(tok, ProceduralAnswerer(), LENGTH).counter, "biography", 2,
-                                     LENGTH, 1)
+    docs = procedural_long_documents(
+        LongContextBuilder(tok, ProceduralAnswerer(), LENGTH).counter, "biography", 2, LENGTH, 1
+    )
     with StubServer() as server:
         config = LLMConfig(base_url=server.base_url, model="stub", api_key_env="STUB_KEY")
         client = LLMClient(config, tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
         builder = LongContextBuilder(tok, LLMAnswerer(client), LENGTH, seed=0)
-        rows = builder.build(builder.plan_single_detail(docs, 2, chunks_per_context=2, questions_per_chunk=2)
-                             + builder.plan_biography(docs, 2, characters=2))
+        rows = builder.build(
+            builder.plan_single_detail(docs, 2, chunks_per_context=2, questions_per_chunk=2)
+            + builder.plan_biography(docs, 2, characters=2)
+        )
     assert Counter(r["task"] for r in rows) == {"single_detail": 2, "biography": 2}
     for row in rows:
         assert LENGTH.min_tokens <= row["num_tokens"] <= LENGTH.max_tokens
@@ -308,8 +331,14 @@ def test_mixing_by_ratio_with_length_filters(built, tok, tmp_path):
     records = [{"instruction": f"Say {i}.", "input": "", "output": f"{i}"} for i in range(5)]
     records += [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}] * 5
     instructions.write_text("".join(json.dumps(r) + "\n" for r in records))
-    config = MixConfig(plain_text=str(plain), plain_ratio=0.25, plain_min_tokens=200,
-                       instructions=str(instructions), instruction_ratio=0.25, instruction_max_tokens=100)
+    config = MixConfig(
+        plain_text=str(plain),
+        plain_ratio=0.25,
+        plain_min_tokens=200,
+        instructions=str(instructions),
+        instruction_ratio=0.25,
+        instruction_max_tokens=100,
+    )
     mixed, stats = mix(synthetic, builder.counter, config, seed=0)
     counts = Counter(r["task"] for r in mixed)
     assert counts["plain_text"] == 3 and counts["instruction"] == 3  # 6 synthetic = 50% of 12
@@ -322,12 +351,29 @@ def test_mixing_by_ratio_with_length_filters(built, tok, tmp_path):
 
 def test_cli_writes_jsonl_dataset_stats_and_histogram(tmp_path, capsys):
     out = tmp_path / "synth"
-    args = ["--out", str(out), "--contexts", "1", "--min-tokens", "800", "--max-tokens", "1200",
-            "--chunk-tokens", "128", "--no-progress", "--seed", "3"]
+    args = [
+        "--out",
+        str(out),
+        "--contexts",
+        "1",
+        "--min-tokens",
+        "800",
+        "--max-tokens",
+        "1200",
+        "--chunk-tokens",
+        "128",
+        "--no-progress",
+        "--seed",
+        "3",
+    ]
     assert main(["synth", *args]) == 0
     rows = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
-    assert Counter(r["task"] for r in rows) == {"single_detail": 1, "multi_detail": 1, "heterogeneous": 1,
-                                                "biography": 1}
+    assert Counter(r["task"] for r in rows) == {
+        "single_detail": 1,
+        "multi_detail": 1,
+        "heterogeneous": 1,
+        "biography": 1,
+    }
     dataset = load_from_disk(str(out / "dataset"))
     assert dataset.column_names == ["id", "task", "messages", "num_tokens", "sources", "meta"]
     assert dataset["messages"][0] == rows[0]["messages"]
@@ -355,8 +401,10 @@ def test_cli_names_an_unsupported_source_file_and_a_bad_jsonl_line(tmp_path, cap
     notes, bad = tmp_path / "notes.md", tmp_path / "bad.jsonl"
     notes.write_text("# notes\n")
     bad.write_text('{"text": "a"}\n{"text": "b",}\n')
-    for source, message in [(notes, f"source file {notes}: unsupported type '.md'; use .txt (one document per file) "
-                                    "or .jsonl"), (bad, f"{bad}:2: not valid JSON (")]:
+    for source, message in [
+        (notes, f"source file {notes}: unsupported type '.md'; use .txt (one document per file) or .jsonl"),
+        (bad, f"{bad}:2: not valid JSON ("),
+    ]:
         assert main(["synth", "--out", str(tmp_path / "o"), "--answerer", "llm", "--source", str(source)]) == 2
         assert message in capsys.readouterr().err
 
@@ -372,7 +420,8 @@ def test_retrieval_texts_hold_no_bos_and_tokenize_to_the_drawn_length(tok):
     bos_tok = copy.deepcopy(tok)
     bos = bos_tok.bos_token_id
     bos_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{bos_tok.bos_token} $A", special_tokens=[(bos_tok.bos_token, bos)])
+        single=f"{bos_tok.bos_token} $A", special_tokens=[(bos_tok.bos_token, bos)]
+    )
     texts = build_retrieval_dataset(bos_tok, n_documents=9, min_tokens=300, max_tokens=300, seed=0)["text"]
     for text in texts:
         ids = bos_tok(text)["input_ids"]  # as recipes/data.py tokenizes plain text
@@ -389,8 +438,11 @@ def test_demo_dataset_is_exact_retrieval_and_deterministic(tok):
         context = row["messages"][0]["content"]
         assert 300 <= row["num_tokens"] <= 300 + 48 * 4 + 64
         for question, answer in turns(row):
-            subject = re.search(r"(?:What number is the (.+) marked with|How many inhabitants does (\w+) have|"
-                                r"In which year was (\w+) founded)\?", question)
+            subject = re.search(
+                r"(?:What number is the (.+) marked with|How many inhabitants does (\w+) have|"
+                r"In which year was (\w+) founded)\?",
+                question,
+            )
             assert subject, question
             if subject.group(1):
                 assert f"The {subject.group(1)} is marked with the number {answer}." in context

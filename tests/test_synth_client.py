@@ -26,11 +26,23 @@ def parse_qa(text: str) -> dict:
 
 
 def make_client(server: StubServer, tmp_path: Path, retry_rejected: bool = False, **overrides) -> LLMClient:
-    settings = dict(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, backoff_initial=0.01,
-                    backoff_max=0.05, max_concurrency=4, timeout=5.0)
+    settings = dict(
+        base_url=server.base_url,
+        model="stub",
+        api_key_env=KEY_ENV,
+        backoff_initial=0.01,
+        backoff_max=0.05,
+        max_concurrency=4,
+        timeout=5.0,
+    )
     settings.update(overrides)
-    return LLMClient(LLMConfig(**settings), tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False,
-                     retry_rejected=retry_rejected)
+    return LLMClient(
+        LLMConfig(**settings),
+        tmp_path / "cache",
+        tmp_path / "rejects.jsonl",
+        show_progress=False,
+        retry_rejected=retry_rejected,
+    )
 
 
 def request(text: str, task: str = "t") -> LLMRequest:
@@ -76,8 +88,9 @@ def test_a_200_that_is_not_a_completion_is_retried_then_rejected(tmp_path):
     """A gateway's HTML page with HTTP 200 (openai hands it back as a str) fails that request only."""
     with StubServer() as server:
         client = make_client(server, tmp_path, max_retries=2)
-        once, always, fine = client.run([request("once [[html*1]]"), request("always [[html]]"), request("fine")],
-                                        parse=parse_qa)
+        once, always, fine = client.run(
+            [request("once [[html*1]]"), request("always [[html]]"), request("fine")], parse=parse_qa
+        )
     assert once.ok and fine.ok and not always.ok
     assert client.usage_report()["total"]["retries"] == 1 + 2
     [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
@@ -188,8 +201,9 @@ def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
         retry = make_client(server, tmp_path, retry_rejected=True)
         [retried] = retry.run([request("b")], parse=parse_qa, check=check)
         assert retried.ok and retried.attempts == 4 and server.calls == 2 + 3 + 1
-        [relaxed] = make_client(server, tmp_path, retry_rejected=True).run([request("b")], parse=parse_qa,
-                                                                          check=lambda req, value: value)
+        [relaxed] = make_client(server, tmp_path, retry_rejected=True).run(
+            [request("b")], parse=parse_qa, check=lambda req, value: value
+        )
         assert relaxed.ok and relaxed.attempts == 1 and server.calls == 6  # a relaxed check costs no call
 
 
@@ -197,13 +211,16 @@ def test_transient_failures_are_not_marked_rejected(tmp_path):
     """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
     with StubServer() as server:
         down, refused = make_client(server, tmp_path, max_retries=1).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa)
+            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
+        )
         assert not down.ok and not refused.ok
-        again = make_client(server, tmp_path).run([request("down [[503*2]]"), request("refused [[400*1]]")],
-                                                  parse=parse_qa)
+        again = make_client(server, tmp_path).run(
+            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
+        )
         assert again[0].ok and not again[1].ok
         assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
-            again[1].error)
+            again[1].error
+        )
     reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
     assert sorted(reasons) == ["gave_up", "http_refused"]
 
@@ -220,7 +237,8 @@ def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
     with StubServer(latency=0.05) as server:
         child = subprocess.Popen(
             [sys.executable, "-c", script, server.base_url, str(tmp_path / "cache"), str(tmp_path / "rejects.jsonl")],
-            env={**os.environ}, stderr=subprocess.PIPE,
+            env={**os.environ},
+            stderr=subprocess.PIPE,
         )
         deadline = time.time() + 60
         while server.calls < 6 and time.time() < deadline and child.poll() is None:
@@ -278,13 +296,36 @@ def test_api_key_appears_in_no_written_file(tmp_path):
         (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[bad]] ") if i else text)
     out = tmp_path / "out"
     with StubServer() as server:
-        code = main([
-            "synth", "--out", str(out), "--answerer", "llm", "--source", str(source),
-            "--tasks", "single_detail,multi_detail",
-            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
-            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
-            "--set", "llm.backoff_initial=0.01",
-        ])
+        code = main(
+            [
+                "synth",
+                "--out",
+                str(out),
+                "--answerer",
+                "llm",
+                "--source",
+                str(source),
+                "--tasks",
+                "single_detail,multi_detail",
+                "--contexts",
+                "2",
+                "--min-tokens",
+                "300",
+                "--max-tokens",
+                "2000",
+                "--chunk-tokens",
+                "128",
+                "--llm-base-url",
+                server.base_url,
+                "--llm-model",
+                "stub",
+                "--api-key-env",
+                KEY_ENV,
+                "--no-progress",
+                "--set",
+                "llm.backoff_initial=0.01",
+            ]
+        )
     assert code == 0
     assert any(h == f"Bearer {SECRET}" for h in server.auth_headers)  # the key was really used
     written = [p for p in out.rglob("*") if p.is_file()]
@@ -309,8 +350,10 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
     out = tmp_path / "out"
     assert main(["synth", "--config", "llama3-8k", "--out", str(out)]) == 2
-    assert ("synth config 'llama3-8k' is neither a file nor a bundled synth config (beacon-llama3, llama3-80k)"
-            in capsys.readouterr().err)
+    assert (
+        "synth config 'llama3-8k' is neither a file nor a bundled synth config (beacon-llama3, llama3-80k)"
+        in capsys.readouterr().err
+    )
     assert main(["synth", "--config", "llama3-80k", "--out", str(out), "--source", str(tmp_path)]) == 2
     assert "needs mix.plain_text (a file or folder; --plain-text PATH)" in capsys.readouterr().err
     source = tmp_path / "books"
@@ -318,18 +361,49 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
     for i in range(2):
         (source / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60).text)
     plain, instructions = tmp_path / "plain.jsonl", tmp_path / "instructions.jsonl"
-    plain.write_text("".join(json.dumps({"text": generate_document(seed=10 + i, n_sentences=16).text}) + "\n"
-                             for i in range(10)))
-    instructions.write_text("".join(json.dumps({"instruction": f"Say {i}.", "input": "", "output": str(i)}) + "\n"
-                                    for i in range(20)))
+    plain.write_text(
+        "".join(json.dumps({"text": generate_document(seed=10 + i, n_sentences=16).text}) + "\n" for i in range(10))
+    )
+    instructions.write_text(
+        "".join(json.dumps({"instruction": f"Say {i}.", "input": "", "output": str(i)}) + "\n" for i in range(20))
+    )
     with StubServer() as server:
-        code = main([
-            "synth", "--config", "llama3-80k", "--out", str(out), "--source", str(source), "--plain-text", str(plain),
-            "--instructions", str(instructions), "--tokenizer", "tiny", "--tasks", "single_detail,multi_detail",
-            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
-            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
-            "--set", "llm.backoff_initial=0.01",
-        ])
+        code = main(
+            [
+                "synth",
+                "--config",
+                "llama3-80k",
+                "--out",
+                str(out),
+                "--source",
+                str(source),
+                "--plain-text",
+                str(plain),
+                "--instructions",
+                str(instructions),
+                "--tokenizer",
+                "tiny",
+                "--tasks",
+                "single_detail,multi_detail",
+                "--contexts",
+                "2",
+                "--min-tokens",
+                "300",
+                "--max-tokens",
+                "2000",
+                "--chunk-tokens",
+                "128",
+                "--llm-base-url",
+                server.base_url,
+                "--llm-model",
+                "stub",
+                "--api-key-env",
+                KEY_ENV,
+                "--no-progress",
+                "--set",
+                "llm.backoff_initial=0.01",
+            ]
+        )
     assert code == 0, capsys.readouterr().err
     counts = json.loads((out / "stats.json").read_text())["counts"]
     # 4 x 5/3.5, 4 x 12/3.5
@@ -368,12 +442,13 @@ def test_parsers_validate_against_the_schema_and_name_the_path():
     bad = {
         '{"qa_pairs": [{"question": 5}]}': r"\$\.qa_pairs\[0\]\.question: expected a string, got int 5",
         '{"qa_pairs": [{"question": "Who?"}]}': r"\$\.qa_pairs\[0\]: lacks field\(s\) \['answer'\]",
-        '{"qa_pairs": [{"question": "Who?", "answer": "A."}, {"question": " ", "answer": "B."}]}':
-            r"\$\.qa_pairs\[1\]\.question: empty string",
+        '{"qa_pairs": [{"question": "Who?", "answer": "A."}, {"question": " ", "answer": "B."}]}': (
+            r"\$\.qa_pairs\[1\]\.question: empty string"
+        ),
         '{"qa_pairs": []}': r"\$\.qa_pairs: 0 item\(s\), at least 1 needed",
         '{"qa_pairs": {"question": "Who?"}}': r"\$\.qa_pairs: expected an array, got dict",
         '{"answers": []}': r"\$: lacks field\(s\) \['qa_pairs'\]",
-        '[1, 2]': r"expected a JSON object",
+        "[1, 2]": r"expected a JSON object",
     }
     for text, message in bad.items():
         with pytest.raises(MalformedOutput, match=message):
@@ -381,8 +456,9 @@ def test_parsers_validate_against_the_schema_and_name_the_path():
     with pytest.raises(MalformedOutput, match=r"\$\.biographies\[0\]\.name: expected a string, got NoneType"):
         parse_biographies('{"biographies": [{"name": null, "biography": "x"}]}')
     # extra keys are ignored, strings are stripped, a code fence is removed
-    pairs = parse_qa_pairs('```json\n{"qa_pairs": [{"question": " Who built it? ", "answer": "Mara.", "why": 1}],'
-                           ' "note": "x"}\n```')
+    pairs = parse_qa_pairs(
+        '```json\n{"qa_pairs": [{"question": " Who built it? ", "answer": "Mara.", "why": 1}], "note": "x"}\n```'
+    )
     assert [(p.question, p.answer) for p in pairs] == [("Who built it?", "Mara.")]
     [bio] = parse_biographies('{"biographies": [{"name": "Mara Quill", "biography": "An engineer."}]}')
     assert (bio.question, bio.answer) == ("Write a short biography of Mara Quill.", "An engineer.")
@@ -395,8 +471,11 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
     from longpeft.synth_data.qa import TASK_SCHEMAS
 
     def shape(schema):  # the schema with minItems/minLength dropped, written independently of the module
-        return {k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
-                for k, v in schema.items() if k not in ("minItems", "minLength")}
+        return {
+            k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
+            for k, v in schema.items()
+            if k not in ("minItems", "minLength")
+        }
 
     for schema in (QA_PAIRS, BIOGRAPHIES):
         sent = schema.response_format()
@@ -436,8 +515,10 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
     request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
     from longpeft.synth_data.qa import parse_qa_pairs
 
-    requests = [qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")
-                for i in range(6)]
+    requests = [
+        qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")
+        for i in range(6)
+    ]
     with StubServer(structured="refuse", latency=0.02) as server:
         client = make_client(server, tmp_path, max_concurrency=3)
         results = client.run(requests, parse=parse_qa_pairs)
@@ -480,8 +561,9 @@ def test_a_400_that_is_not_about_structured_output_is_no_fallback(tmp_path, caps
     assert err.count("injected HTTP 400") == 3 and "further refusals are counted" in err
     assert client.usage_report()["total"]["rejected_reasons"] == {"http_refused": 5}
     rejects = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert len(rejects) == 5 and all(r["reason"] == "http_refused" and "injected HTTP 400" in r["error"]
-                                     for r in rejects)
+    assert len(rejects) == 5 and all(
+        r["reason"] == "http_refused" and "injected HTTP 400" in r["error"] for r in rejects
+    )
 
     class Error:
         def __init__(self, status, body):
@@ -511,19 +593,29 @@ def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
         retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
         assert retry.run([request])[0].ok and server.calls == 1
         assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed
-        words = LLMClient(LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
-                          tmp_path / "c2", tmp_path / "r2.jsonl", show_progress=False,
-                          count_tokens=lambda t: len(t.split()))
+        words = LLMClient(
+            LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
+            tmp_path / "c2",
+            tmp_path / "r2.jsonl",
+            show_progress=False,
+            count_tokens=lambda t: len(t.split()),
+        )
         [result] = words.run([LLMRequest("t", [{"role": "user", "content": "w " * 12}])])  # 12 + 8 tokens
         assert "prompt_too_long" in result.error and "counted with the training tokenizer" in result.error
 
 
-@pytest.mark.parametrize(("models_info", "props", "source"), [
-    ({"max_model_len": 60}, None, "/v1/models max_model_len"),  # vLLM, SGLang
-    ({"meta": {"n_ctx_train": 100000}}, {"default_generation_settings": {"n_ctx": 60}, "total_slots": 1},
-     "/props default_generation_settings.n_ctx"),  # llama.cpp
-    ({}, {"n_ctx": 60}, "/props n_ctx"),  # older llama.cpp
-])
+@pytest.mark.parametrize(
+    ("models_info", "props", "source"),
+    [
+        ({"max_model_len": 60}, None, "/v1/models max_model_len"),  # vLLM, SGLang
+        (
+            {"meta": {"n_ctx_train": 100000}},
+            {"default_generation_settings": {"n_ctx": 60}, "total_slots": 1},
+            "/props default_generation_settings.n_ctx",
+        ),  # llama.cpp
+        ({}, {"n_ctx": 60}, "/props n_ctx"),  # older llama.cpp
+    ],
+)
 def test_context_learned_from_the_server(tmp_path, capsys, models_info, props, source):
     long = LLMRequest("t", [{"role": "user", "content": "y" * 400}])  # 80 + 8 tokens by the estimate
     with StubServer(models_info=models_info, props=props) as server:
@@ -556,8 +648,19 @@ def test_endpoint_lookups_are_tolerant():
 def check(server: StubServer, capsys, *extra: str) -> tuple[int, str]:
     from longpeft.cli import main
 
-    code = main(["synth", "--check-endpoint", "--llm-base-url", server.base_url, "--llm-model", "stub",
-                 "--api-key-env", KEY_ENV, *extra])
+    code = main(
+        [
+            "synth",
+            "--check-endpoint",
+            "--llm-base-url",
+            server.base_url,
+            "--llm-model",
+            "stub",
+            "--api-key-env",
+            KEY_ENV,
+            *extra,
+        ]
+    )
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -618,12 +721,34 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
         (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[400*99]] ") if i else text)
     out = tmp_path / "out"
     with StubServer(structured="refuse") as server:
-        code = main([
-            "synth", "--out", str(out), "--answerer", "llm", "--source", str(source),
-            "--tasks", "single_detail,biography",
-            "--contexts", "2", "--min-tokens", "300", "--max-tokens", "2000", "--chunk-tokens", "128",
-            "--llm-base-url", server.base_url, "--llm-model", "stub", "--api-key-env", KEY_ENV, "--no-progress",
-        ])
+        code = main(
+            [
+                "synth",
+                "--out",
+                str(out),
+                "--answerer",
+                "llm",
+                "--source",
+                str(source),
+                "--tasks",
+                "single_detail,biography",
+                "--contexts",
+                "2",
+                "--min-tokens",
+                "300",
+                "--max-tokens",
+                "2000",
+                "--chunk-tokens",
+                "128",
+                "--llm-base-url",
+                server.base_url,
+                "--llm-model",
+                "stub",
+                "--api-key-env",
+                KEY_ENV,
+                "--no-progress",
+            ]
+        )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert captured.err.count("refused structured output") == 1

@@ -47,20 +47,29 @@ BOOK = Document(doc_id="varn", title="The Lighthouse Keepers of Varn", text=TEXT
 
 # What a GPT-4-class model writes about TEXT: paraphrases, one-word factual answers, counts in words.
 GOOD_SINGLE = [
-    ("In which year was the lighthouse of Varn built, and by whom?",
-     "It was built in 1843 by the engineer Tomas Hale."),
-    ("What did Ilse Marten do before she became the keeper of the Varn lighthouse?",
-     "She was a sailmaker from Brenn."),
-    ("Where did the stone for the repairs of the harbour wall come from?",
-     "It came by cart from the quarry at Oldmoor, paid for by the village council."),
+    (
+        "In which year was the lighthouse of Varn built, and by whom?",
+        "It was built in 1843 by the engineer Tomas Hale.",
+    ),
+    (
+        "What did Ilse Marten do before she became the keeper of the Varn lighthouse?",
+        "She was a sailmaker from Brenn.",
+    ),
+    (
+        "Where did the stone for the repairs of the harbour wall come from?",
+        "It came by cart from the quarry at Oldmoor, paid for by the village council.",
+    ),
     ("When was the Varn lighthouse electrified?", "1921."),
     ("Whom did Pieter Marten marry?", "Anna Voss."),
     ("How many volunteers helped Pieter Marten repair the harbour wall?", "Forty."),
     ("How long did Ilse Marten keep the light of Varn?", "For thirty-one years."),
 ]
 GOOD_MULTI = [
-    ("How many years passed between the building of the Varn lighthouse and the storm that destroyed half of the "
-     "harbour wall?", "31 years: the lighthouse was built in 1843 and the storm struck in 1874."),
+    (
+        "How many years passed between the building of the Varn lighthouse and the storm that destroyed half of the "
+        "harbour wall?",
+        "31 years: the lighthouse was built in 1843 and the storm struck in 1874.",
+    ),
     ("Who kept the Varn lighthouse, in order?", "First Ilse Marten, then her son Pieter Marten."),
     ("Which of the people named in the text was born in Oldmoor?", "None."),
 ]
@@ -87,11 +96,17 @@ BAD_SINGLE = [
     ("...", "...", "placeholder"),
     ("<question>", "<answer>", "placeholder"),
     ("When was the Varn lighthouse built?", "Answer", "placeholder"),
-    ("Which detail is stated in this excerpt? Write 3 question-answer pairs, each about one specific detail.",
-     "1843.", "prompt_echo"),
+    (
+        "Which detail is stated in this excerpt? Write 3 question-answer pairs, each about one specific detail.",
+        "1843.",
+        "prompt_echo",
+    ),
     ('{"question": "When was it built?", "answer": "1843"}', "1843.", "prompt_echo"),
-    ("What colour was the lamp of the Varn lighthouse?", "The text does not mention the colour of the lamp.",
-     "refusal"),
+    (
+        "What colour was the lamp of the Varn lighthouse?",
+        "The text does not mention the colour of the lamp.",
+        "refusal",
+    ),
     ("Who paid for the stone?", "As an AI language model, I cannot know who paid for it.", "refusal"),
     ("Sure, here are three questions about the text:", "1. When was the lighthouse built?", "refusal"),
     ("What was the colour of the lamp?", "There is no mention of the lamp's colour in the text.", "refusal"),
@@ -127,8 +142,9 @@ def test_good_gpt4_class_rows_are_kept():
     assert gates.report() == {"enabled": True, "checked": 13, "kept": 13, "rejected": {}, "rejected_per_task": {}}
 
 
-@pytest.mark.parametrize("question,answer,reason", BAD_SINGLE, ids=[f"{r}-{i}" for i, (_, _, r) in
-                                                                     enumerate(BAD_SINGLE)])
+@pytest.mark.parametrize(
+    "question,answer,reason", BAD_SINGLE, ids=[f"{r}-{i}" for i, (_, _, r) in enumerate(BAD_SINGLE)]
+)
 def test_each_bad_row_is_rejected_with_its_reason(question, answer, reason):
     """Next to the good rows (kept, and unchanged by the bad one), the bad row alone is rejected, for its reason."""
     gates, verdict = judge("single_detail", [*GOOD_SINGLE[:2], (question, answer)])
@@ -160,8 +176,10 @@ def test_numbers_are_normalised_and_exempt_only_where_answers_compute():
 
 def test_biography_of_someone_else_is_rejected():
     names = ["Ilse Marten", "Pieter Marten", "Anna Voss", "Rolf Danner"]
-    about_pieter = ("Anna Voss was the village schoolteacher. Pieter Marten led forty volunteers in the repair of the "
-                    "harbour wall. Pieter Marten later became the second keeper. Pieter married Anna.")
+    about_pieter = (
+        "Anna Voss was the village schoolteacher. Pieter Marten led forty volunteers in the repair of the "
+        "harbour wall. Pieter Marten later became the second keeper. Pieter married Anna."
+    )
     bios = [
         GOOD_BIOGRAPHIES["Ilse Marten"],
         GOOD_BIOGRAPHIES["Pieter Marten"],
@@ -176,29 +194,45 @@ def test_biography_of_someone_else_is_rejected():
     assert anna.reason == "wrong_subject" and "mostly about 'Pieter Marten'" in anna.detail
     assert rolf.reason == "wrong_subject" and "does not occur in the book" in rolf.detail
     # the issue's case: a "biography" that is another person's name
-    _, verdict = judge("biography", [("Write a short biography of Ilse Marten.", "Pieter Marten")],
-                       subjects=["Ilse Marten"])
+    _, verdict = judge(
+        "biography", [("Write a short biography of Ilse Marten.", "Pieter Marten")], subjects=["Ilse Marten"]
+    )
     assert verdict.rejected[0][1].reason == "too_short"
-    _, verdict = judge("biography", [("Write a short biography of Anna Voss.", GOOD_BIOGRAPHIES["Ilse Marten"])],
-                       subjects=["Anna Voss"])
+    _, verdict = judge(
+        "biography",
+        [("Write a short biography of Anna Voss.", GOOD_BIOGRAPHIES["Ilse Marten"])],
+        subjects=["Anna Voss"],
+    )
     assert verdict.rejected[0][1].detail == "the biography never names 'Anna Voss'"
 
 
 def test_near_duplicate_questions_within_a_context():
     assert jaccard("When was the Varn lighthouse electrified?", "When was the lighthouse of Varn electrified?") > 0.8
-    pairs = [("When was the Varn lighthouse electrified?", "1921."),
-             ("When was the lighthouse of Varn electrified?", "In 1921."),
-             ("Where was Ilse Marten from?", "Brenn."), ("When was Ilse Marten from?", "Brenn.")]
+    pairs = [
+        ("When was the Varn lighthouse electrified?", "1921."),
+        ("When was the lighthouse of Varn electrified?", "In 1921."),
+        ("Where was Ilse Marten from?", "Brenn."),
+        ("When was Ilse Marten from?", "Brenn."),
+    ]
     _, verdict = judge("single_detail", pairs)
     assert [p.question for p, _ in verdict.rejected] == [pairs[1][0]]
     assert verdict.rejected[0][1].reason == "near_duplicate"
     gates = QualityGates()
-    repeats = gates.check_repeats("single_detail", [QAPair(pairs[1][0], "1921."), QAPair(pairs[2][0], "Brenn.")],
-                                  [pairs[0][0]])
+    repeats = gates.check_repeats(
+        "single_detail", [QAPair(pairs[1][0], "1921."), QAPair(pairs[2][0], "Brenn.")], [pairs[0][0]]
+    )
     assert [p.question for p in repeats.kept] == [pairs[2][0]]
     # questions naming different numbers are different questions
-    assert judge("heterogeneous", [("Which is larger, Document 1 or Document 2?", "Document 1."),
-                                   ("Which is larger, Document 1 or Document 3?", "Document 3.")])[1].rejected == []
+    assert (
+        judge(
+            "heterogeneous",
+            [
+                ("Which is larger, Document 1 or Document 2?", "Document 1."),
+                ("Which is larger, Document 1 or Document 3?", "Document 3."),
+            ],
+        )[1].rejected
+        == []
+    )
 
 
 def test_gates_can_be_switched_off():
@@ -258,17 +292,45 @@ def test_stub_answers_pass_and_junk_answers_fail_each_gate(procedural_items):
                 assert verdict.rejected == [], verdict.rejected
                 continue
             reasons = Counter(r.reason for _, r in verdict.rejected)
-            expected = ({"too_short", "wrong_subject"} if key == "biographies" else
-                        {"placeholder", "prompt_echo", "refusal", "too_short", "ungrounded", "near_duplicate"})
+            expected = (
+                {"too_short", "wrong_subject"}
+                if key == "biographies"
+                else {"placeholder", "prompt_echo", "refusal", "too_short", "ungrounded", "near_duplicate"}
+            )
             assert set(reasons) == expected, verdict.rejected
             assert len(verdict.kept) == len(json.loads(default_reply(body))[key])
 
 
 def synth_argv(out: Path, source: Path, server: StubServer, *extra: str) -> list[str]:
-    return ["synth", "--out", str(out), "--answerer", "llm", "--source", str(source),
-            "--tasks", "single_detail,multi_detail,biography", "--contexts", "2", "--min-tokens", "300",
-            "--max-tokens", "2000", "--chunk-tokens", "128", "--llm-base-url", server.base_url, "--llm-model", "stub",
-            "--api-key-env", "LONGPEFT_TEST_LLM_KEY", "--no-progress", "--set", "llm.backoff_initial=0.01", *extra]
+    return [
+        "synth",
+        "--out",
+        str(out),
+        "--answerer",
+        "llm",
+        "--source",
+        str(source),
+        "--tasks",
+        "single_detail,multi_detail,biography",
+        "--contexts",
+        "2",
+        "--min-tokens",
+        "300",
+        "--max-tokens",
+        "2000",
+        "--chunk-tokens",
+        "128",
+        "--llm-base-url",
+        server.base_url,
+        "--llm-model",
+        "stub",
+        "--api-key-env",
+        "LONGPEFT_TEST_LLM_KEY",
+        "--no-progress",
+        "--set",
+        "llm.backoff_initial=0.01",
+        *extra,
+    ]
 
 
 def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp_path, monkeypatch, capsys):
@@ -284,8 +346,9 @@ def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp
     books = [generate_document(seed=i, n_sentences=60, kind="story") for i in range(2)]
     for i, book in enumerate(books):
         (source / f"book_{i}.txt").write_text(book.text)
-    placeholders = json.dumps({"qa_pairs": [{"question": "...", "answer": "..."}],
-                               "biographies": [{"name": "...", "biography": "..."}]})
+    placeholders = json.dumps(
+        {"qa_pairs": [{"question": "...", "answer": "..."}], "biographies": [{"name": "...", "biography": "..."}]}
+    )
     names_of_book_1 = {c.name for c in books[1].characters} - {c.name for c in books[0].characters}
     assert names_of_book_1
 
@@ -349,8 +412,9 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     for i in range(2):
         text = generate_document(seed=i, n_sentences=60, kind="story").text
         (source / f"book_{i}.txt").write_text(text.replace(". ", ". [[400*99]] ") if i else text)
-    placeholders = json.dumps({"qa_pairs": [{"question": "...", "answer": "..."}],
-                               "biographies": [{"name": "...", "biography": "..."}]})
+    placeholders = json.dumps(
+        {"qa_pairs": [{"question": "...", "answer": "..."}], "biographies": [{"name": "...", "biography": "..."}]}
+    )
 
     def weak_model(body):
         return placeholders if "biograph" in body["messages"][-1]["content"].lower() else junk_reply(body)
@@ -395,7 +459,8 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     assert "quality" not in {r["reason"] for r in after_retry if r["kind"] == "request"}  # answered: it left
     assert sum(retry_stats["counts"].values()) > sum(stats["counts"].values())
     assert {json.dumps(json.loads(row)["messages"]) for row in first_rows} <= {
-        json.dumps(json.loads(row)["messages"]) for row in (out / "train.jsonl").read_text().splitlines()}
+        json.dumps(json.loads(row)["messages"]) for row in (out / "train.jsonl").read_text().splitlines()
+    }
 
 
 def test_grounded_stub_answers_pass_the_gates_with_structured_output(tmp_path, monkeypatch, capsys):
@@ -411,8 +476,18 @@ def test_grounded_stub_answers_pass_the_gates_with_structured_output(tmp_path, m
     runs = {}
     for mode in ("accept", "ignore"):
         with StubServer(structured=mode) as server:
-            assert main(synth_argv(tmp_path / mode, source, server, "--set", f"llm.structured="
-                                   f"{'json_schema' if mode == 'accept' else 'off'}")) == 0
+            assert (
+                main(
+                    synth_argv(
+                        tmp_path / mode,
+                        source,
+                        server,
+                        "--set",
+                        f"llm.structured={'json_schema' if mode == 'accept' else 'off'}",
+                    )
+                )
+                == 0
+            )
             sent = [f is not None for f in server.response_formats]
             assert sent and all(sent) == (mode == "accept") and any(sent) == (mode == "accept")
         stats = json.loads((tmp_path / mode / "stats.json").read_text())

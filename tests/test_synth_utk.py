@@ -31,19 +31,20 @@ def untie(input_ids: list[int] | np.ndarray, tokens: UtkTokens) -> list[list[int
             continue
         head = heads.get(ids[i - 1], 0) if i > 0 else 0
         close = ids.index(tokens.label_close, i)
-        label = tuple(ids[i + 1:close])
+        label = tuple(ids[i + 1 : close])
         end = close + 1
         while end < len(ids) and ids[end] not in tails and ids[end] != tokens.trace_open:
             end += 1
         ends_in_tail = end < len(ids) and ids[end] in tails
         if ends_in_tail and tails[ids[end]] != head:
-            raise ValueError(f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk "
-                             f"{tails[ids[end]]}")
-        chunks[label] = (head, ids[close + 1:end], ends_in_tail)
+            raise ValueError(
+                f"chunk {label} starts as chunk {head} but ends with the tail knot of chunk {tails[ids[end]]}"
+            )
+        chunks[label] = (head, ids[close + 1 : end], ends_in_tail)
         if end < len(ids) and ids[end] == tokens.trace_open:
             finish = ids.index(tokens.trace_close, end)
             labels, current = [], []
-            for token in ids[end + 1:finish]:
+            for token in ids[end + 1 : finish]:
                 if token == tokens.trace_sep:
                     labels.append(tuple(current))
                     current = []
@@ -121,10 +122,10 @@ def chunks_in_trace_order(input_ids, tokens):
     where, flags, i = {}, [], 0
     for i, token in enumerate(ids):
         if token == tokens.label_open:
-            where[tuple(ids[i + 1:ids.index(tokens.label_close, i)])] = i
+            where[tuple(ids[i + 1 : ids.index(tokens.label_close, i)])] = i
     for i, token in enumerate(ids):
         if token == tokens.trace_open:
-            inner = ids[i + 1:ids.index(tokens.trace_close, i)]
+            inner = ids[i + 1 : ids.index(tokens.trace_close, i)]
             labels, current = [], []
             for t in inner + [tokens.trace_sep]:
                 if t == tokens.trace_sep:
@@ -231,9 +232,12 @@ def test_pack_for_utk_refuses_too_short_labels_and_cuts_long_documents():
     assert chunk_labels_needed([64, 100], max_chunks=1, min_split_tokens=64) == 0  # {1: ...} never splits
     documents = Dataset.from_dict({"input_ids": [[50 + i] * 64 for i in range(10)]})  # one sequence, 30 chunks
     utk = UtkSection(chunk_counts={2: 0.5, 3: 0.5}, min_split_tokens=64, label_length=1)
-    with pytest.raises(ValueError, match=r"data.utk.label_length=1 spells 26\*\*1 = 26 distinct chunk labels, but a "
-                                         r"packed sequence of up to data.max_length=1024 tokens can need 30 .* at "
-                                         r"least 2"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.utk.label_length=1 spells 26\*\*1 = 26 distinct chunk labels, but a "
+        r"packed sequence of up to data.max_length=1024 tokens can need 30 .* at "
+        r"least 2",
+    ):
         pack_for_utk(documents, 1024, utk, n_letters=26)
     packed = pack_for_utk(documents, 1024, utk.model_copy(update={"label_length": 2}), n_letters=26)
     assert packed["doc_lengths"] == [[64] * 10]
@@ -259,10 +263,20 @@ def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus_texts(n=12, seed=3, n_sentences=16)))
     recipe = load_recipe(
         "tiny-cpu",
-        [f"model.name_or_path={tiny_base_dirs('llama')}", f"data.source={data}", "data.format=text",
-         "data.max_length=256", "data.truncate=true", "data.utk.probability=1.0", "data.utk.min_split_tokens=16",
-         f"output_dir={tmp_path / 'run'}", "train.max_steps=1", "train.global_batch_size=2",
-         "train.per_device_batch_size=2", "lora.r=2"],
+        [
+            f"model.name_or_path={tiny_base_dirs('llama')}",
+            f"data.source={data}",
+            "data.format=text",
+            "data.max_length=256",
+            "data.truncate=true",
+            "data.utk.probability=1.0",
+            "data.utk.min_split_tokens=16",
+            f"output_dir={tmp_path / 'run'}",
+            "train.max_steps=1",
+            "train.global_batch_size=2",
+            "train.per_device_batch_size=2",
+            "lora.r=2",
+        ],
     )
     prepared = prepare(recipe)
     assert isinstance(prepared.trainer.data_collator, UtkCollator)
@@ -283,7 +297,10 @@ def test_data_utk_in_a_recipe_packs_augments_and_trains(tiny_base_dirs, tmp_path
     with data.open("a") as handle:
         handle.write(json.dumps({"text": "A short document that fits whole. It has two sentences."}) + "\n")
     assert {k: prepare(keep_whole).data_stats[k] for k in ("kept", "dropped", "packed_sequences")} == {
-        "kept": 1, "dropped": 12, "packed_sequences": 1}
+        "kept": 1,
+        "dropped": 12,
+        "packed_sequences": 1,
+    }
 
     result = run(recipe.model_copy(update={"output_dir": str(tmp_path / "run2")}))
     assert ContextSpec.load(result.adapter_dir).vocab_size == len(tokenizer)
@@ -299,5 +316,6 @@ def test_data_utk_refuses_conversations_and_untrained_embeddings():
     with pytest.raises(RecipeError, match="data.utk augments plain text"):
         load_recipe("tiny-cpu", ["data.utk.probability=0.5"])
     with pytest.raises(RecipeError, match="lora.embeddings: full"):
-        load_recipe("tiny-cpu", ["data.format=text", "data.source=x.jsonl", "data.utk.probability=0.5",
-                                 "lora.embeddings=none"])
+        load_recipe(
+            "tiny-cpu", ["data.format=text", "data.source=x.jsonl", "data.utk.probability=0.5", "lora.embeddings=none"]
+        )

@@ -42,10 +42,23 @@ class TrainedLogits(TrainerCallback):
 
 
 def tied_recipe(base, data, out, *extra):
-    return load_recipe("tiny-cpu", [
-        f"model.name_or_path={base}", f"data.source={data}", "data.max_length=256", f"output_dir={out}",
-        "train.max_steps=2", "train.save_steps=1", "train.global_batch_size=1", "train.per_device_batch_size=1",
-        "lora.r=2", "train.learning_rate=0.05", "lora.embeddings=full", *extra])
+    return load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base}",
+            f"data.source={data}",
+            "data.max_length=256",
+            f"output_dir={out}",
+            "train.max_steps=2",
+            "train.save_steps=1",
+            "train.global_batch_size=1",
+            "train.per_device_batch_size=1",
+            "lora.r=2",
+            "train.learning_rate=0.05",
+            "lora.embeddings=full",
+            *extra,
+        ],
+    )
 
 
 def embedding_bytes(model_dir) -> int:
@@ -62,8 +75,9 @@ def assert_holds_the_embedding_once(folder, base) -> None:
     with safe_open(str(path), framework="pt") as handle:
         assert json.loads(handle.metadata()[TIED_METADATA]) == {HEAD: EMBEDDING}
     tensor_bytes = sum(entry["data_offsets"][1] - entry["data_offsets"][0] for entry in header.values())
-    lora_bytes = sum(DTYPE_BYTES[e["dtype"]] * e["shape"][0] * e["shape"][1]
-                     for name, e in header.items() if "lora_" in name)
+    lora_bytes = sum(
+        DTYPE_BYTES[e["dtype"]] * e["shape"][0] * e["shape"][1] for name, e in header.items() if "lora_" in name
+    )
     assert tensor_bytes == embedding_bytes(base) + lora_bytes
     assert path.stat().st_size < 1.2 * tensor_bytes  # the header adds little; before, twice the embedding
 
@@ -88,8 +102,9 @@ def test_a_tied_embedding_is_saved_once_and_read_back_tied(tiny_base_dirs, chat_
     merged = tmp_path / "merged"
     hub.merge(result.adapter_dir, merged)
     assert json.loads((merged / "config.json").read_text())["tie_word_embeddings"] is True
-    assert [k for k in safetensors_header(merged / "model.safetensors") if "embed_tokens" in k or "lm_head" in k] \
-        == ["model.embed_tokens.weight"]
+    assert [k for k in safetensors_header(merged / "model.safetensors") if "embed_tokens" in k or "lm_head" in k] == [
+        "model.embed_tokens.weight"
+    ]
     plain = AutoModelForCausalLM.from_pretrained(merged).eval()  # plain transformers: no longpeft, no peft
     with torch.no_grad():
         torch.testing.assert_close(plain(IDS).logits, trained.logits, atol=1e-5, rtol=0)
@@ -97,8 +112,12 @@ def test_a_tied_embedding_is_saved_once_and_read_back_tied(tiny_base_dirs, chat_
     killed = tmp_path / "killed"  # a kill after checkpoint 1: the resume reads its once-written embedding
     undo_after_checkpoint(result.output_dir, killed, 1, 2)
     resumed = run(tied_recipe(base, chat_jsonl, killed), resume=True)
-    assert_same_weights(result.adapter_dir / "adapter_model.safetensors",
-                        resumed.adapter_dir / "adapter_model.safetensors", atol=1e-6, rtol=0)
+    assert_same_weights(
+        result.adapter_dir / "adapter_model.safetensors",
+        resumed.adapter_dir / "adapter_model.safetensors",
+        atol=1e-6,
+        rtol=0,
+    )
 
     started = prepare(tied_recipe(base, chat_jsonl, tmp_path / "stage2", f"model.init_from={result.adapter_dir}"))
     model = started.trainer.model
@@ -114,8 +133,10 @@ def test_an_adapter_of_both_names_as_peft_writes_it_still_loads(tiny_base_dirs, 
     from longpeft.adapter_weights import tied_copies
     from longpeft.tiny import tiny_model
 
-    model = get_peft_model(tiny_model("llama-tied", vocab_size=400), LoraConfig(
-        r=2, target_modules=["q_proj"], modules_to_save=["model.embed_tokens"], ensure_weight_tying=True))
+    model = get_peft_model(
+        tiny_model("llama-tied", vocab_size=400),
+        LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.embed_tokens"], ensure_weight_tying=True),
+    )
     assert tied_copies(model) == {HEAD: EMBEDDING}
     with torch.no_grad():
         model.get_base_model().get_input_embeddings().weight.add_(1.0)
@@ -134,8 +155,11 @@ def test_a_damaged_record_of_tied_names_is_named(tmp_path, record):
     from longpeft.adapter_weights import adapter_weights
     from longpeft.errors import DataError
 
-    save_file({EMBEDDING: torch.zeros(4, 2)}, str(tmp_path / "adapter_model.safetensors"),
-              metadata={"format": "pt", TIED_METADATA: record})
+    save_file(
+        {EMBEDDING: torch.zeros(4, 2)},
+        str(tmp_path / "adapter_model.safetensors"),
+        metadata={"format": "pt", TIED_METADATA: record},
+    )
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
     with pytest.raises(DataError, match=r"adapter_model.safetensors: .*re-create it"):
         adapter_weights(tmp_path)

@@ -34,8 +34,17 @@ def test_shipped_toy_base_retrieves_inside_its_window(toy):
     window = model.config.max_position_embeddings
     assert window == 256 and model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     for task in ("passkey", "niah_single"):
-        result = evaluate(task, model, tokenizer, lengths=[window], depths=(0.0, 0.5, 1.0), n_samples=2, seed=99,
-                          chat=False, batch_size=6)
+        result = evaluate(
+            task,
+            model,
+            tokenizer,
+            lengths=[window],
+            depths=(0.0, 0.5, 1.0),
+            n_samples=2,
+            seed=99,
+            chat=False,
+            batch_size=6,
+        )
         assert result["score"] >= 0.8, (task, result["score"])
 
 
@@ -43,8 +52,17 @@ def test_shipped_toy_base_fails_beyond_its_window(toy):
     model, tokenizer = toy
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the beyond-positions warning is the point here
-        result = evaluate("passkey", model, tokenizer, lengths=[1024], depths=(0.0, 0.5, 1.0), n_samples=2, seed=99,
-                          chat=False, batch_size=6)
+        result = evaluate(
+            "passkey",
+            model,
+            tokenizer,
+            lengths=[1024],
+            depths=(0.0, 0.5, 1.0),
+            n_samples=2,
+            seed=99,
+            chat=False,
+            batch_size=6,
+        )
     assert result["score"] <= 0.2
 
 
@@ -140,8 +158,9 @@ def test_demo_evals_write_every_setting(tmp_path, tokenizer):
     adapter_dir = tmp_path / "adapter"
     get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter_dir)
     tokenizer.save_pretrained(adapter_dir)
-    ContextSpec.from_base(model.config, "rope", base_model=str(tmp_path / "base"),
-                          trained_length=256).save(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(tmp_path / "base"), trained_length=256).save(
+        adapter_dir
+    )
     window = run_demo_evals(tmp_path, adapter_dir, n_samples=1, lengths=(256,))
     assert window == 256
     rows = collect_rows(tmp_path / "eval")

@@ -37,8 +37,17 @@ class StandInFastLanguageModel:
     calls: list[dict] = []
 
     @classmethod
-    def from_pretrained(cls, model_name, max_seq_length=None, dtype=None, load_in_4bit=True, config=None,
-                        use_gradient_checkpointing="unsloth", random_state=3407, **kwargs):
+    def from_pretrained(
+        cls,
+        model_name,
+        max_seq_length=None,
+        dtype=None,
+        load_in_4bit=True,
+        config=None,
+        use_gradient_checkpointing="unsloth",
+        random_state=3407,
+        **kwargs,
+    ):
         cls.calls.append({"config": config, "max_seq_length": max_seq_length, "load_in_4bit": load_in_4bit, **kwargs})
         model = AutoModelForCausalLM.from_pretrained(model_name, config=config, dtype=dtype)
         positions = config.max_position_embeddings
@@ -52,24 +61,43 @@ class StandInFastLanguageModel:
         return model, AutoTokenizer.from_pretrained(model_name)
 
     @staticmethod
-    def get_peft_model(model, r, lora_alpha, lora_dropout, target_modules, modules_to_save,
-                       use_gradient_checkpointing, random_state):
+    def get_peft_model(
+        model, r, lora_alpha, lora_dropout, target_modules, modules_to_save, use_gradient_checkpointing, random_state
+    ):
         from peft import LoraConfig, get_peft_model
 
         if use_gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             model.enable_input_require_grads()
-        config = LoraConfig(r=r, lora_alpha=lora_alpha, lora_dropout=lora_dropout, target_modules=target_modules,
-                            modules_to_save=modules_to_save, task_type="CAUSAL_LM")
+        config = LoraConfig(
+            r=r,
+            lora_alpha=lora_alpha,
+            lora_dropout=lora_dropout,
+            target_modules=target_modules,
+            modules_to_save=modules_to_save,
+            task_type="CAUSAL_LM",
+        )
         return get_peft_model(model, config)
 
 
 def unsloth_recipe(base_dir, data_path, out_dir, *extra):
-    return load_recipe("tiny-cpu", [
-        f"model.name_or_path={base_dir}", f"data.source={data_path}", "data.max_length=512",
-        "rope.max_position_embeddings=1024", f"output_dir={out_dir}", "lora.r=4", "train.max_steps=2",
-        "train.save_steps=2", "train.per_device_batch_size=1", "train.global_batch_size=1", "train.backend=unsloth",
-        *extra])
+    return load_recipe(
+        "tiny-cpu",
+        [
+            f"model.name_or_path={base_dir}",
+            f"data.source={data_path}",
+            "data.max_length=512",
+            "rope.max_position_embeddings=1024",
+            f"output_dir={out_dir}",
+            "lora.r=4",
+            "train.max_steps=2",
+            "train.save_steps=2",
+            "train.per_device_batch_size=1",
+            "train.global_batch_size=1",
+            "train.backend=unsloth",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture
@@ -91,16 +119,20 @@ def test_missing_unsloth_is_one_line_naming_the_key_and_the_install(tmp_path, ca
 
 def test_no_cuda_is_refused_even_with_unsloth_installed(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "unsloth" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "unsloth" else real(name, *a)
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match="train.backend: unsloth needs a CUDA GPU"):
         unsloth_backend.fast_language_model()
 
 
 def test_unsupported_settings_are_refused_naming_the_backend():
-    with pytest.raises(RecipeError, match=r"train.backend: unsloth does not support harpe \(unsloth replaces the "
-                                          "attention forward that rotates with HARPE's per-head bases"):
+    with pytest.raises(
+        RecipeError,
+        match=r"train.backend: unsloth does not support harpe \(unsloth replaces the "
+        "attention forward that rotates with HARPE's per-head bases",
+    ):
         load_recipe("tiny-harpe-cpu", ["train.backend=unsloth"])
     with pytest.raises(RecipeError, match="train.activation_offloading"):
         load_recipe("tiny-cpu", ["train.backend=unsloth", "train.activation_offloading=true"])
@@ -109,7 +141,8 @@ def test_unsupported_settings_are_refused_naming_the_backend():
 
 
 def test_unsloth_backend_gets_the_rope_through_the_config_and_writes_the_default_adapter_folder(
-        stand_in, tiny_base_dirs, chat_jsonl, tmp_path):
+    stand_in, tiny_base_dirs, chat_jsonl, tmp_path
+):
     import longpeft
 
     base = tiny_base_dirs("llama")  # trained positions 256, base 1e4
@@ -124,21 +157,28 @@ def test_unsloth_backend_gets_the_rope_through_the_config_and_writes_the_default
 
     default = run(unsloth_recipe(base, chat_jsonl, tmp_path / "default", "train.backend=transformers"))
     files = {p.name for p in result.adapter_dir.iterdir()}
-    assert (files == {p.name for p in default.adapter_dir.iterdir()}
-            and {"adapter_model.safetensors", "longpeft.json"} <= files)
-    spec, default_spec = (json.loads((d / "longpeft.json").read_text())
-                          for d in (result.adapter_dir, default.adapter_dir))
+    assert (
+        files == {p.name for p in default.adapter_dir.iterdir()}
+        and {"adapter_model.safetensors", "longpeft.json"} <= files
+    )
+    spec, default_spec = (
+        json.loads((d / "longpeft.json").read_text()) for d in (result.adapter_dir, default.adapter_dir)
+    )
     assert spec["methods"] == default_spec["methods"] and spec["methods"]["rope"]["rope_theta"] == 1e6
     loaded = longpeft.load(None, result.adapter_dir)
     check_rotary_frequencies(loaded, loaded.config)
     assert loaded.config.rope_parameters["rope_theta"] == 1e6
 
 
-def test_stacked_linear_scaling_is_refused_before_training(stand_in, monkeypatch, tiny_base_dirs, chat_jsonl,
-                                                            tmp_path):
+def test_stacked_linear_scaling_is_refused_before_training(
+    stand_in, monkeypatch, tiny_base_dirs, chat_jsonl, tmp_path
+):
     monkeypatch.setattr(stand_in, "reads_checkpoint_config", True)  # 512 > the checkpoint's 256 positions: x2
-    with pytest.raises(RotaryMismatch, match=r"train.backend: unsloth changed the RoPE after FastLanguageModel"
-                                             r".from_pretrained .*positions scaled by 2\b"):
+    with pytest.raises(
+        RotaryMismatch,
+        match=r"train.backend: unsloth changed the RoPE after FastLanguageModel"
+        r".from_pretrained .*positions scaled by 2\b",
+    ):
         run(unsloth_recipe(tiny_base_dirs("llama"), chat_jsonl, tmp_path / "run"))
     assert not (tmp_path / "run" / "adapter").exists() and not (tmp_path / "run" / "checkpoints").exists()
 
@@ -146,8 +186,9 @@ def test_stacked_linear_scaling_is_refused_before_training(stand_in, monkeypatch
 def test_rotary_check_compares_effective_frequencies_and_attention_scaling():
     model = tiny_model("llama")
     check_rotary_frequencies(model, model.config)
-    set_rope_parameters(model, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                "original_max_position_embeddings": 256})
+    set_rope_parameters(
+        model, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 256}
+    )
     check_rotary_frequencies(model, model.config)  # transformers' own yarn: frequencies and attention scaling agree
     model.model.rotary_emb.attention_scaling = 1.0
     with pytest.raises(RotaryMismatch, match="attention scaling"):

@@ -43,12 +43,19 @@ def main(mode: str, base: str) -> None:
     if mode == "qlora":  # as the runner's quantization_config: NF4, double quantization, storage in the compute dtype
         from transformers import BitsAndBytesConfig
 
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage=compute)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute,
+            bnb_4bit_quant_storage=compute,
+        )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=compute, quantization_config=quantization)
     if mode in ("lora", "qlora"):
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                                 modules_to_save=["embed_tokens"]))
+        model = get_peft_model(
+            model,
+            LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=["embed_tokens"]),
+        )
     # trained weights in float32 (the runner's default lora.trainable_dtype), the forward in the compute dtype
     keep_trained_weights_in(model, torch.float32, compute)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -62,18 +69,24 @@ def main(mode: str, base: str) -> None:
     tokens = torch.randint(0, 512, (1, 16), generator=generator)
     accelerator.backward(engine(input_ids=tokens, labels=tokens).loss)
     optimizer.step()
-    line = json.dumps({
-        "rank": torch.distributed.get_rank(),
-        "frozen_weights": sum(nbytes(p.ds_tensor) for p in frozen),
-        "quant_constants": sum(nbytes(t) for p in frozen if getattr(p, "quant_state", None) is not None
-                               for t in quant_tensors(p.quant_state)),
-        "trained_weights": sum(nbytes(p.ds_tensor) for p in trained),
-        "trained_dtype": str(trained[0].ds_tensor.dtype),
-        "gradients": nbytes(zero.grad_partitions_flat_buffer),
-        "master": sum(nbytes(t) for t in zero.fp32_partitioned_groups_flat),
-        "moments": sum(nbytes(t) for state in zero.optimizer.state.values() for t in state.values() if t.dim()),
-        "reduce_bucket": sum(nbytes(bucket.buffer) for bucket in zero.ipg_buckets.values()),
-    })
+    line = json.dumps(
+        {
+            "rank": torch.distributed.get_rank(),
+            "frozen_weights": sum(nbytes(p.ds_tensor) for p in frozen),
+            "quant_constants": sum(
+                nbytes(t)
+                for p in frozen
+                if getattr(p, "quant_state", None) is not None
+                for t in quant_tensors(p.quant_state)
+            ),
+            "trained_weights": sum(nbytes(p.ds_tensor) for p in trained),
+            "trained_dtype": str(trained[0].ds_tensor.dtype),
+            "gradients": nbytes(zero.grad_partitions_flat_buffer),
+            "master": sum(nbytes(t) for t in zero.fp32_partitioned_groups_flat),
+            "moments": sum(nbytes(t) for state in zero.optimizer.state.values() for t in state.values() if t.dim()),
+            "reduce_bucket": sum(nbytes(bucket.buffer) for bucket in zero.ipg_buckets.values()),
+        }
+    )
     os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: the ranks share the pipe
     from longpeft.cli import exit_without_teardown
 

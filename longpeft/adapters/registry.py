@@ -207,11 +207,15 @@ def register(method: Method) -> Method:
     hooks = {"apply": method.apply, "remove": method.remove, "is_applied": method.is_applied}
     if len({hook is None for hook in hooks.values()}) > 1:
         missing = [name for name, hook in hooks.items() if hook is None]
-        raise ValueError(f"method {method.name}: give apply, remove and is_applied together (missing {missing}), or "
-                         "none of them for a method that changes only the training inputs")
+        raise ValueError(
+            f"method {method.name}: give apply, remove and is_applied together (missing {missing}), or "
+            "none of them for a method that changes only the training inputs"
+        )
     if method.apply is None and method.model_span is not None:
-        raise ValueError(f"method {method.name}: model_span reads a model the method is applied to; give apply, "
-                         "remove and is_applied")
+        raise ValueError(
+            f"method {method.name}: model_span reads a model the method is applied to; give apply, "
+            "remove and is_applied"
+        )
     empty = [other for other, why in method.conflicts.items() if not why]
     if empty:
         raise ValueError(f"method {method.name}: conflicts {empty} need a reason (what breaks)")
@@ -287,7 +291,7 @@ def find_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -
         raise ValueError(f"unknown run features {unknown}; known: {', '.join([*RUN_FEATURES, COLLATOR])}")
     found = []
     for i, name in enumerate(names):
-        for other in names[i + 1:]:
+        for other in names[i + 1 :]:
             why = pair_conflict(name, other)
             if why:  # the method that declares it first
                 first, second = (name, other) if other in get_method(name).conflicts else (other, name)
@@ -326,8 +330,10 @@ def check_applicable(model: Any, name: str) -> None:
             continue
         why = pair_conflict(name, other.name)
         if why:
-            raise MethodConflict(f"this model has {other.name} on, and {name} cannot be combined with it: {why}; "
-                                 f"remove {other.name} from the model first")
+            raise MethodConflict(
+                f"this model has {other.name} on, and {name} cannot be combined with it: {why}; "
+                f"remove {other.name} from the model first"
+            )
 
 
 # ---- what an input costs a model with methods on ----------------------------------------------------------------
@@ -351,8 +357,11 @@ class ModelSpan:
 def model_span(model: Any, length: int) -> ModelSpan:
     """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
     methods' ``model_span`` hooks)."""
-    spans = {m.name: m.model_span(model, length) for m in METHODS.values()
-             if m.model_span is not None and m.is_applied(model)}
+    spans = {
+        m.name: m.model_span(model, length)
+        for m in METHODS.values()
+        if m.model_span is not None and m.is_applied(model)
+    }
     return ModelSpan(
         positions=min((p for p, _ in spans.values()), default=length),
         keys=min((k for _, k in spans.values()), default=length),
@@ -372,10 +381,12 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
     try:
         return config_class.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}"
-                             for error in exc.errors())
-        raise DataError(f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by "
-                        "hand?)") from None
+        problems = "; ".join(
+            f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors()
+        )
+        raise DataError(
+            f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)"
+        ) from None
 
 
 def gathered_tensors(

@@ -44,8 +44,9 @@ def standalone_source(docstring: str, modules: Sequence[ModuleType], helpers: Se
     return "".join(parts)
 
 
-def saved_config(save_dir: str | Path, classes_by_model_type: dict[str, tuple[str, str, str]], what: str) -> tuple[
-        Path, dict[str, Any], str]:
+def saved_config(
+    save_dir: str | Path, classes_by_model_type: dict[str, tuple[str, str, str]], what: str
+) -> tuple[Path, dict[str, Any], str]:
     """``(config path, config.json content, base model_type)`` of a ``save_pretrained`` folder.
 
     An already exported folder (``model_type`` = the method's own) gives its base model_type back.
@@ -60,14 +61,21 @@ def saved_config(save_dir: str | Path, classes_by_model_type: dict[str, tuple[st
     exported = {classes[0]: base for base, classes in classes_by_model_type.items()}
     model_type = exported.get(config.get("model_type"), config.get("model_type"))
     if model_type not in classes_by_model_type:
-        raise ConfigError(f"{config_path}: model_type {model_type!r} has no {what} export; "
-                          f"supported: {sorted(classes_by_model_type)}")
+        raise ConfigError(
+            f"{config_path}: model_type {model_type!r} has no {what} export; "
+            f"supported: {sorted(classes_by_model_type)}"
+        )
     return config_path, config, model_type
 
 
 def point_config_at_remote_code(
-    config_path: Path, config: dict[str, Any], model_type: str, classes_by_model_type: dict[str, tuple[str, str, str]],
-    modeling_filename: str, source: str, settings: dict[str, Any],
+    config_path: Path,
+    config: dict[str, Any],
+    model_type: str,
+    classes_by_model_type: dict[str, tuple[str, str, str]],
+    modeling_filename: str,
+    source: str,
+    settings: dict[str, Any],
 ) -> None:
     """Write ``source`` as ``modeling_filename`` beside config.json and point config.json at its classes.
 

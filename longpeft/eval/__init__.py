@@ -11,12 +11,23 @@ from typing import Any
 
 # Public name -> submodule, imported on first use (the CLI imports this package without torch).
 _EXPORTS = {
-    "InsufficientMemoryError": "memory", "check_memory": "memory", "estimate_forward_bytes": "memory",
-    "perplexity_of_file": "perplexity", "sliding_window_perplexity": "perplexity",
-    "exact_match": "scoring", "recall": "scoring", "score": "scoring",
-    "EVAL_TASKS": "names", "evaluate": "tasks", "niah_grid": "tasks", "passkey_accuracy": "tasks",
-    "run_probe_task": "tasks", "write_outputs": "tasks",
-    "extended_length": "harness", "harness_lm": "harness", "run_harness": "harness",
+    "InsufficientMemoryError": "memory",
+    "check_memory": "memory",
+    "estimate_forward_bytes": "memory",
+    "perplexity_of_file": "perplexity",
+    "sliding_window_perplexity": "perplexity",
+    "exact_match": "scoring",
+    "recall": "scoring",
+    "score": "scoring",
+    "EVAL_TASKS": "names",
+    "evaluate": "tasks",
+    "niah_grid": "tasks",
+    "passkey_accuracy": "tasks",
+    "run_probe_task": "tasks",
+    "write_outputs": "tasks",
+    "extended_length": "harness",
+    "harness_lm": "harness",
+    "run_harness": "harness",
 }
 
 

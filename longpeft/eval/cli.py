@@ -41,9 +41,11 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         except ValueError as error:
             if "trust_remote_code" not in str(error) or args.trust_remote_code:
                 raise
-            raise ConfigError(f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, "
-                              "Activation Beacon or STRING model); pass --trust-remote-code if you trust that "
-                              "folder") from None
+            raise ConfigError(
+                f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, "
+                "Activation Beacon or STRING model); pass --trust-remote-code if you trust that "
+                "folder"
+            ) from None
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
 
@@ -58,10 +60,15 @@ def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str 
     if not (folder.is_dir() and (folder / SPEC_FILENAME).is_file() and not (folder / "config.json").is_file()):
         return model, adapter
     if adapter:
-        raise ConfigError(f"--model {model} is a longpeft adapter folder (longpeft.json, no config.json) and "
-                          "--adapter is given too: pass the base model as --model and the adapter as --adapter")
-    print(f"longpeft eval: --model {model} is an adapter folder: evaluating it on the base its longpeft.json names, "
-          "through longpeft.load (as --adapter)", file=sys.stderr)
+        raise ConfigError(
+            f"--model {model} is a longpeft adapter folder (longpeft.json, no config.json) and "
+            "--adapter is given too: pass the base model as --model and the adapter as --adapter"
+        )
+    print(
+        f"longpeft eval: --model {model} is an adapter folder: evaluating it on the base its longpeft.json names, "
+        "through longpeft.load (as --adapter)",
+        file=sys.stderr,
+    )
     return None, model
 
 
@@ -88,8 +95,11 @@ def _limit(text: str) -> int | float:
 
 _limit.__name__ = "number"  # argparse says "invalid number value: 'x'"
 
-STRING_FLAGS = {"string_shift": "--string-shift", "string_window": "--string-window",
-                "string_trained_length": "--string-trained-length"}
+STRING_FLAGS = {
+    "string_shift": "--string-shift",
+    "string_window": "--string-window",
+    "string_trained_length": "--string-trained-length",
+}
 
 
 def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
@@ -130,7 +140,8 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
         trained, source = default_trained_length(args)
     shift = args.string_shift or trained // 3
     what_shift = (
-        f"--string-shift {shift}" if args.string_shift
+        f"--string-shift {shift}"
+        if args.string_shift
         else f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
     )
     window = DEFAULT_LOCAL_WINDOW if args.string_window is None else args.string_window
@@ -139,8 +150,11 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
             f"--string-window {window}{'' if args.string_window else ' (default)'} must be <= {what_shift}; "
             "pass a smaller --string-window or a larger --string-shift"
         )
-    longest, what_longest = ((args.window, "perplexity window (--window)") if args.task == "perplexity"
-                             else (max(args.lengths), "longest prompt (--lengths)"))
+    longest, what_longest = (
+        (args.window, "perplexity window (--window)")
+        if args.task == "perplexity"
+        else (max(args.lengths), "longest prompt (--lengths)")
+    )
     if shift >= longest:
         raise ConfigError(
             f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
@@ -151,15 +165,29 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
 
 # Flags of one kind of task: {dest: (flag, default)}. Their parser default is None, so a flag given to a task it
 # does not apply to is refused instead of ignored; check_task_flags fills the defaults of the others.
-PROBE_FLAGS = {"lengths": ("--lengths", [1024, 2048, 4096]), "depths": ("--depths", None),
-               "samples": ("--samples", 10), "batch_size": ("--batch-size", 4), "seed": ("--seed", 0),
-               "max_new_tokens": ("--max-new-tokens", None), "chat": ("--chat", False),
-               "save_prompts": ("--save-prompts", False)}
+PROBE_FLAGS = {
+    "lengths": ("--lengths", [1024, 2048, 4096]),
+    "depths": ("--depths", None),
+    "samples": ("--samples", 10),
+    "batch_size": ("--batch-size", 4),
+    "seed": ("--seed", 0),
+    "max_new_tokens": ("--max-new-tokens", None),
+    "chat": ("--chat", False),
+    "save_prompts": ("--save-prompts", False),
+}
 PERPLEXITY_FLAGS = {"text": ("--text", None), "window": ("--window", 4096), "stride": ("--stride", None)}
-HARNESS_FLAGS = {"tasks": ("--tasks", None), "include_path": ("--include-path", None), "limit": ("--limit", None),
-                 "max_length": ("--max-length", None), "num_fewshot": ("--num-fewshot", None),
-                 "metadata": ("--metadata", None), "log_samples": ("--log-samples", False),
-                 "batch_size": ("--batch-size", 1), "chat": ("--chat", False), "seed": ("--seed", 0)}
+HARNESS_FLAGS = {
+    "tasks": ("--tasks", None),
+    "include_path": ("--include-path", None),
+    "limit": ("--limit", None),
+    "max_length": ("--max-length", None),
+    "num_fewshot": ("--num-fewshot", None),
+    "metadata": ("--metadata", None),
+    "log_samples": ("--log-samples", False),
+    "batch_size": ("--batch-size", 1),
+    "chat": ("--chat", False),
+    "seed": ("--seed", 0),
+}
 FLAGS_OF_TASK = {"perplexity": PERPLEXITY_FLAGS, "harness": HARNESS_FLAGS}  # any other task: PROBE_FLAGS
 
 
@@ -168,16 +196,22 @@ def check_task_flags(args: argparse.Namespace) -> None:
     from ..synth_data.probes import DEPTH_TASKS
 
     own = FLAGS_OF_TASK.get(args.task, PROBE_FLAGS)
-    foreign = {dest: flag for group in (PROBE_FLAGS, PERPLEXITY_FLAGS, HARNESS_FLAGS) if group is not own
-               for dest, (flag, _) in group.items() if dest not in own}
+    foreign = {
+        dest: flag
+        for group in (PROBE_FLAGS, PERPLEXITY_FLAGS, HARNESS_FLAGS)
+        if group is not own
+        for dest, (flag, _) in group.items()
+        if dest not in own
+    }
     given = [flag for dest, flag in foreign.items() if getattr(args, dest) not in (None, False)]
     if own is PROBE_FLAGS and args.depths is not None and args.task not in (*DEPTH_TASKS, "niah", "ruler"):
         given.append("--depths")
     if given:
         own_flags = ", ".join(flag for flag, _ in own.values())
         why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own_flags}"
-        raise ConfigError(f"{', '.join(given)}: not used by eval {args.task} ({why}); remove "
-                          f"{'it' if len(given) == 1 else 'them'}")
+        raise ConfigError(
+            f"{', '.join(given)}: not used by eval {args.task} ({why}); remove {'it' if len(given) == 1 else 'them'}"
+        )
     for dest, (_, default) in own.items():
         if getattr(args, dest) is None:
             setattr(args, dest, default)
@@ -196,14 +230,17 @@ def run_harness_eval(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     if out.is_dir():
-        raise OutputFolderError(f"--out {out} is a folder; eval harness writes one JSON file: give its name, e.g. "
-                                f"{out / 'harness.json'}")
+        raise OutputFolderError(
+            f"--out {out} is a folder; eval harness writes one JSON file: give its name, e.g. {out / 'harness.json'}"
+        )
     check_writable_folder(out.parent, "--out")
     try:
         metadata = json.loads(args.metadata) if args.metadata else {}
     except json.JSONDecodeError as error:
-        raise ConfigError(f"--metadata is not JSON ({error.msg}): give an object, e.g. "
-                          """'{"max_seq_lengths": [8192, 16384]}'""") from None
+        raise ConfigError(
+            f"--metadata is not JSON ({error.msg}): give an object, e.g. "
+            """'{"max_seq_lengths": [8192, 16384]}'"""
+        ) from None
     if not isinstance(metadata, dict):
         raise ConfigError("--metadata must be a JSON object, e.g. '{\"max_seq_lengths\": [8192, 16384]}'")
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
@@ -211,9 +248,20 @@ def run_harness_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args)
     max_length = args.max_length or extended_length(local_adapter_dir(args.adapter) if args.adapter else args.model)
     metadata.setdefault("tokenizer", tokenizer.name_or_path)  # tasks that build their own prompts (RULER) size them
-    results = run_harness(model, tokenizer, tasks, max_length=max_length, include_path=args.include_path,
-                          limit=args.limit, batch_size=args.batch_size, num_fewshot=args.num_fewshot, chat=args.chat,
-                          metadata=metadata, log_samples=args.log_samples, seed=args.seed)
+    results = run_harness(
+        model,
+        tokenizer,
+        tasks,
+        max_length=max_length,
+        include_path=args.include_path,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        num_fewshot=args.num_fewshot,
+        chat=args.chat,
+        metadata=metadata,
+        log_samples=args.log_samples,
+        seed=args.seed,
+    )
     print(results_table(results))
     length = results["longpeft"]["max_length"] or "from the model config"
     print(f"max_length {length}; wrote {write_results(results, out)}")
@@ -233,8 +281,14 @@ def run_eval(args: argparse.Namespace) -> int:
     model, tokenizer = load_model_and_tokenizer(args)
     options: dict[str, Any] = {}
     if args.task not in ("perplexity",):
-        options.update(n_samples=args.samples, seed=args.seed, batch_size=args.batch_size, chat=args.chat,
-                       max_new_tokens=args.max_new_tokens, save_prompts=args.save_prompts)
+        options.update(
+            n_samples=args.samples,
+            seed=args.seed,
+            batch_size=args.batch_size,
+            chat=args.chat,
+            max_new_tokens=args.max_new_tokens,
+            save_prompts=args.save_prompts,
+        )
         if args.depths:
             options["depths"] = args.depths
     from .tasks import evaluate
@@ -261,7 +315,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "eval",
         help="score a model on passkey / NIAH / RULER-lite / topic retrieval / perplexity (JSON + PNG), or on "
-             "lm-evaluation-harness tasks (harness)",
+        "lm-evaluation-harness tasks (harness)",
         description=(
             "Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
             "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. "
@@ -269,56 +323,94 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and writes lm-eval's results to --out FILE."
         ),
     )
-    parser.add_argument("task", choices=(*EVAL_TASKS, "harness"),
-                        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single, 'harness' = "
-                             "lm-evaluation-harness tasks)")
-    parser.add_argument("--model", required=True, help="base or merged model: Hub id, local folder, or "
-                        "longpeft:toy-base (the packaged demo base)")
+    parser.add_argument(
+        "task",
+        choices=(*EVAL_TASKS, "harness"),
+        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single, 'harness' = "
+        "lm-evaluation-harness tasks)",
+    )
+    parser.add_argument(
+        "--model",
+        required=True,
+        help="base or merged model: Hub id, local folder, or longpeft:toy-base (the packaged demo base)",
+    )
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
     parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")
     parser.add_argument("--string-shift", type=_at_least(1), help="STRING shift S (default trained length // 3)")
     parser.add_argument("--string-window", type=_at_least(1), help="STRING local window W (default 128)")
     parser.add_argument(
-        "--string-trained-length", type=_at_least(2),
+        "--string-trained-length",
+        type=_at_least(2),
         help="trained length L for STRING's default S (default: the adapter's trained length, else "
-             "max_position_embeddings)",
+        "max_position_embeddings)",
     )
-    parser.add_argument("--lengths", type=_at_least(1), nargs="+",
-                        help="prompt lengths in tokens (default 1024 2048 4096)")
+    parser.add_argument(
+        "--lengths", type=_at_least(1), nargs="+", help="prompt lengths in tokens (default 1024 2048 4096)"
+    )
     parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
     parser.add_argument("--samples", type=_at_least(1), help="probes per (length, depth) cell (default 10)")
-    parser.add_argument("--batch-size", type=_at_least(1), help="prompts per forward, all of one length (default 4; "
-                        "harness: requests per forward, default 1)")
-    parser.add_argument("--seed", type=int, help="seed of the probes' random content (default 0; harness: lm-eval's "
-                        "seeds)")
-    parser.add_argument("--max-new-tokens", type=_at_least(1),
-                        help="continuation budget (default per task, +32 with --chat)")
-    parser.add_argument("--chat", action="store_true", default=None, help="wrap prompts in the tokenizer's chat "
-                        "template (the answer may appear anywhere in the reply)")
-    parser.add_argument("--save-prompts", action="store_true", default=None,
-                        help="keep every prompt's text in <task>.json (large)")
+    parser.add_argument(
+        "--batch-size",
+        type=_at_least(1),
+        help="prompts per forward, all of one length (default 4; harness: requests per forward, default 1)",
+    )
+    parser.add_argument(
+        "--seed", type=int, help="seed of the probes' random content (default 0; harness: lm-eval's seeds)"
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=_at_least(1), help="continuation budget (default per task, +32 with --chat)"
+    )
+    parser.add_argument(
+        "--chat",
+        action="store_true",
+        default=None,
+        help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)",
+    )
+    parser.add_argument(
+        "--save-prompts", action="store_true", default=None, help="keep every prompt's text in <task>.json (large)"
+    )
     parser.add_argument("--text", help="perplexity: UTF-8 text file")
     parser.add_argument("--window", type=_at_least(2), help="perplexity: tokens per window (default 4096)")
     parser.add_argument("--stride", type=_at_least(1), help="perplexity: step between windows (default window // 2)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="torch dtype to load in (default auto: the checkpoint's)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="torch dtype to load in (default auto: the checkpoint's)",
+    )
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
     parser.add_argument("--device", help="device_map for loading, e.g. cpu, cuda, auto")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships "
-                             "(auto_map); only for folders you trust")
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships "
+        "(auto_map); only for folders you trust",
+    )
     harness = parser.add_argument_group("harness (lm-evaluation-harness; also --batch-size, --chat, --seed)")
-    harness.add_argument("--tasks", help="lm-eval tasks, groups or tags, comma-separated (e.g. ruler, "
-                         "longbench, or tasks of --include-path)")
+    harness.add_argument(
+        "--tasks",
+        help="lm-eval tasks, groups or tags, comma-separated (e.g. ruler, longbench, or tasks of --include-path)",
+    )
     harness.add_argument("--include-path", help="folder of your own lm-eval task YAML files")
     harness.add_argument("--limit", type=_limit, help="at most N documents per task (a number < 1: that fraction)")
-    harness.add_argument("--max-length", type=_at_least(1), help="tokens a request may hold (default: the extended "
-                         "length in longpeft.json, else the model config's)")
-    harness.add_argument("--num-fewshot", type=_at_least(0), help="few-shot examples per prompt (default: each "
-                         "task's)")
-    harness.add_argument("--metadata", help="JSON object passed to the tasks, e.g. "
-                         """'{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is the model's)""")
-    harness.add_argument("--log-samples", action="store_true", default=None,
-                         help="keep every request and the model's answers in the JSON (large)")
+    harness.add_argument(
+        "--max-length",
+        type=_at_least(1),
+        help="tokens a request may hold (default: the extended length in longpeft.json, else the model config's)",
+    )
+    harness.add_argument(
+        "--num-fewshot", type=_at_least(0), help="few-shot examples per prompt (default: each task's)"
+    )
+    harness.add_argument(
+        "--metadata",
+        help="JSON object passed to the tasks, e.g. "
+        """'{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is the model's)""",
+    )
+    harness.add_argument(
+        "--log-samples",
+        action="store_true",
+        default=None,
+        help="keep every request and the model's answers in the JSON (large)",
+    )
     parser.add_argument("--out", required=True, help="output folder for JSON and PNGs (harness: the JSON file)")
     parser.set_defaults(func=run_eval)

@@ -33,8 +33,9 @@ def demo_string_settings(trained_length: int) -> dict[str, int]:
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 
 
-def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8, seed: int = 0,
-                   lengths: tuple[int, ...] | None = None) -> int:
+def run_demo_evals(
+    out: str | Path, adapter_dir: str | Path, n_samples: int = 8, seed: int = 0, lengths: tuple[int, ...] | None = None
+) -> int:
     """Evaluate the adapter's base and base + adapter, each with and without STRING, into
     ``out/eval/<setting>/``; returns the base's trained window W.
 
@@ -55,15 +56,27 @@ def run_demo_evals(out: str | Path, adapter_dir: str | Path, n_samples: int = 8,
     base = AutoModelForCausalLM.from_pretrained(base_location).eval()
     window = base.config.max_position_embeddings
     tokenizer = load_tokenizer(adapter_dir, base_location)
-    models = {"base": (base, window),
-              "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window)}
+    models = {
+        "base": (base, window),
+        "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window),
+    }
     for setting in SETTINGS:
         model, trained_length = models[setting.split(" + ")[0]]
         string = demo_string_settings(trained_length) if "STRING" in setting else None
         for task in DEMO_TASKS:
-            evaluate(task, model, tokenizer, lengths=lengths or tuple(m * window for m in WINDOW_MULTIPLES),
-                     depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12, string=string,
-                     out_dir=out / "eval" / setting_folder(setting))
+            evaluate(
+                task,
+                model,
+                tokenizer,
+                lengths=lengths or tuple(m * window for m in WINDOW_MULTIPLES),
+                depths=DEPTHS,
+                n_samples=n_samples,
+                seed=seed,
+                chat=False,
+                batch_size=12,
+                string=string,
+                out_dir=out / "eval" / setting_folder(setting),
+            )
     return window
 
 
@@ -78,8 +91,9 @@ def collect_rows(eval_dir: str | Path) -> list[dict[str, Any]]:
         for task in DEMO_TASKS:
             path = Path(eval_dir) / setting_folder(setting) / f"{task}.json"
             if not path.is_file():
-                raise DataNotFoundError(f"{path}: no eval result for {setting} / {task}; run the demo's evaluation "
-                                        "first")
+                raise DataNotFoundError(
+                    f"{path}: no eval result for {setting} / {task}; run the demo's evaluation first"
+                )
             result = json.loads(path.read_text())
             for length, score in result["by_length"].items():
                 rows.append({"task": task, "setting": setting, "length": int(length), "score": float(score)})

@@ -48,15 +48,32 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 # ship 1.05), banned n-grams or words, a minimum length or beams would change what a probe's answer is scored on
 # (a repetition penalty pushes the model away from the needle's own digits in the prompt).
 GREEDY = dict(
-    do_sample=False, num_beams=1, temperature=None, top_p=None, top_k=None, penalty_alpha=None, dola_layers=None,
-    repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0, bad_words_ids=None,
-    suppress_tokens=None, begin_suppress_tokens=None, sequence_bias=None, forced_bos_token_id=None,
-    forced_eos_token_id=None, exponential_decay_length_penalty=None,
+    do_sample=False,
+    num_beams=1,
+    temperature=None,
+    top_p=None,
+    top_k=None,
+    penalty_alpha=None,
+    dola_layers=None,
+    repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    min_new_tokens=0,
+    bad_words_ids=None,
+    suppress_tokens=None,
+    begin_suppress_tokens=None,
+    sequence_bias=None,
+    forced_bos_token_id=None,
+    forced_eos_token_id=None,
+    exponential_decay_length_penalty=None,
 )
 
 
 def generate_batch(
-    model: Any, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_ids: Sequence[int],
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
     pad_id: int,
 ) -> list[str]:
     """Greedy continuations (:data:`GREEDY`) of one left-padded batch of token-id prompts, each cut at the first

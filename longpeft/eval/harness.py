@@ -28,8 +28,10 @@ def import_lm_eval() -> Any:
         import lm_eval.models.huggingface  # noqa: F401  (HFLM; fails on a partial install)
         import lm_eval.tasks  # noqa: F401
     except ImportError as error:
-        raise ConfigError(f"longpeft eval harness needs lm-evaluation-harness ({error.name or 'lm_eval'} is not "
-                          f"importable): {INSTALL_HINT}") from None
+        raise ConfigError(
+            f"longpeft eval harness needs lm-evaluation-harness ({error.name or 'lm_eval'} is not "
+            f"importable): {INSTALL_HINT}"
+        ) from None
     return lm_eval
 
 
@@ -52,9 +54,11 @@ def check_batch_size(model: Any, batch_size: int) -> None:
     from ..adapters.beacon import is_beacon_applied
 
     if batch_size > 1 and is_beacon_applied(model):
-        raise ConfigError(f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and an "
-                          "Activation Beacon model reads a padded request differently from the request alone (its "
-                          "windows start at the same index in every row); use --batch-size 1")
+        raise ConfigError(
+            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and an "
+            "Activation Beacon model reads a padded request differently from the request alone (its "
+            "windows start at the same index in every row); use --batch-size 1"
+        )
 
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
@@ -125,13 +129,23 @@ def run_harness(
     unknown = [task for task in tasks if task not in manager.all_tasks and not Path(task).is_file()]
     if unknown:
         where = f" nor under --include-path {include_path}" if include_path else ""
-        raise ConfigError(f"--tasks {', '.join(unknown)}: not a task, group or tag of lm-eval{where} (list them with "
-                          "`lm-eval ls tasks`)")
+        raise ConfigError(
+            f"--tasks {', '.join(unknown)}: not a task, group or tag of lm-eval{where} (list them with "
+            "`lm-eval ls tasks`)"
+        )
     results = lm_eval.simple_evaluate(
         model=harness_lm(model, tokenizer, max_length=max_length, batch_size=batch_size),
-        tasks=list(tasks), task_manager=manager, limit=limit, num_fewshot=num_fewshot, apply_chat_template=chat,
-        log_samples=log_samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-        fewshot_random_seed=seed, bootstrap_iters=0,
+        tasks=list(tasks),
+        task_manager=manager,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        apply_chat_template=chat,
+        log_samples=log_samples,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        bootstrap_iters=0,
     )
     results["longpeft"] = {"max_length": max_length, "tasks": list(tasks), "limit": limit}
     return results

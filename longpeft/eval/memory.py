@@ -23,7 +23,11 @@ def _dtype_bytes(model: Any) -> int:
 
 
 def estimate_forward_bytes(
-    config: Any, batch_size: int, seq_len: int, dtype_bytes: int = 2, attn_implementation: str = "sdpa",
+    config: Any,
+    batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    attn_implementation: str = "sdpa",
     logits_tokens: int = 1,
 ) -> int:
     """Bytes a no-grad forward of ``batch_size`` x ``seq_len`` tokens needs beyond the weights.

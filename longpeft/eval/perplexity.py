@@ -67,8 +67,9 @@ def sliding_window_perplexity(
     check_memory(model, 1, min(window, n_tokens), logits_tokens=min(LOGIT_CHUNK, window))
     backbone, head = backbone_of(model), causal_lm_of(model).get_output_embeddings()
     if head is None:
-        raise ConfigError(f"{type(causal_lm_of(model)).__name__} has no output embedding (lm_head); is it a causal "
-                          "LM?")
+        raise ConfigError(
+            f"{type(causal_lm_of(model)).__name__} has no output embedding (lm_head); is it a causal LM?"
+        )
     device = getattr(model, "device", torch.device("cpu"))
     total_nll, n_scored, scored_until = 0.0, 0, 0
     n_windows = -(-max(n_tokens - window, 0) // stride) + 1

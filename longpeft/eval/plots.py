@@ -12,7 +12,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def depth_length_heatmap(
-    scores: dict[tuple[int, float], float], path: str | Path, title: str, lengths: Sequence[int],
+    scores: dict[tuple[int, float], float],
+    path: str | Path,
+    title: str,
+    lengths: Sequence[int],
     depths: Sequence[float],
 ) -> Path:
     """The papers' needle-in-a-haystack picture: depth (rows, 0% at the top) x length (columns).

@@ -50,8 +50,9 @@ def exact_match(prediction: str, answer: str) -> float:
 def _appears(text: str, answer: str) -> bool:
     """Whether ``answer`` is in the normalized ``text`` as whole words (nothing glued on, see :func:`_glued`)."""
     target = normalize(answer)
-    return bool(target) and any(not _glued(text[: m.start()], target, text[m.end() :])
-                                for m in re.finditer(re.escape(target), text))
+    return bool(target) and any(
+        not _glued(text[: m.start()], target, text[m.end() :]) for m in re.finditer(re.escape(target), text)
+    )
 
 
 def contains(prediction: str, answer: str) -> float:

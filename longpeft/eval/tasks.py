@@ -31,8 +31,14 @@ from .plots import depth_length_heatmap, score_by_length
 from .positions import warn_beyond_positions
 from .scoring import score
 
-RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
-               "common_words")
+RULER_TASKS = (
+    "niah_single",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "variable_tracking",
+    "common_words",
+)
 # Continuation budget per task (tokens): enough for the answer(s) with some slack.
 MAX_NEW_TOKENS = {
     "passkey": 12,
@@ -202,8 +208,9 @@ def run_probe_task(
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
     if grid is None:
-        grid = build_probe_grid(task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat,
-                                **probe_options)
+        grid = build_probe_grid(
+            task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options
+        )
     probes, lengths, new_tokens = grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
     predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, task)
@@ -222,8 +229,9 @@ def run_probe_task(
         )
         if save_prompts:
             samples[-1]["prompt"] = tokenizer.decode(probe.input_ids)
-    cell_keys = sorted({(s["length"], s["depth"]) for s in samples},
-                       key=lambda c: (c[0], -1 if c[1] is None else c[1]))
+    cell_keys = sorted(
+        {(s["length"], s["depth"]) for s in samples}, key=lambda c: (c[0], -1 if c[1] is None else c[1])
+    )
     cells = [
         {
             "length": length,
@@ -266,8 +274,9 @@ def _write_outputs(result: dict[str, Any], out_dir: Path, name: str | None) -> d
     suffix = " + STRING" if result.get("string") else ""
     if result.get("depths"):
         scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
-        png = depth_length_heatmap(scores, out_dir / f"{name}_heatmap.png", f"{result['task']}{suffix}",
-                                   result["lengths"], result["depths"])
+        png = depth_length_heatmap(
+            scores, out_dir / f"{name}_heatmap.png", f"{result['task']}{suffix}", result["lengths"], result["depths"]
+        )
         files["heatmap"] = str(png)
     elif "by_length" in result:
         scores = {int(k): v for k, v in result["by_length"].items()}
@@ -357,8 +366,9 @@ def passkey_accuracy(
     **options: Any,
 ) -> dict[str, Any]:
     """Passkey retrieval accuracy per context length (``result["by_length"]``) and overall (``["score"]``)."""
-    return evaluate("passkey", model, tokenizer, lengths=context_lengths, n_samples=n_samples, seed=seed,
-                    depths=depths, **options)
+    return evaluate(
+        "passkey", model, tokenizer, lengths=context_lengths, n_samples=n_samples, seed=seed, depths=depths, **options
+    )
 
 
 def niah_grid(
@@ -372,5 +382,14 @@ def niah_grid(
     **options: Any,
 ) -> dict[str, Any]:
     """Single-needle NIAH over a depth x length grid (``result["cells"]``; heatmap PNG in ``out_dir``)."""
-    return evaluate("niah_single", model, tokenizer, lengths=lengths, depths=depths, n_samples=n_samples, seed=seed,
-                    out_dir=out_dir, **options)
+    return evaluate(
+        "niah_single",
+        model,
+        tokenizer,
+        lengths=lengths,
+        depths=depths,
+        n_samples=n_samples,
+        seed=seed,
+        out_dir=out_dir,
+        **options,
+    )

@@ -60,8 +60,10 @@ def check_launch(recipe: Any, launch: str) -> None:
                 "frozen (they would be lost); use --launch fsdp2 or ddp, or finetune: method"
             )
     if launch in DEEPSPEED_LAUNCHES and recipe.train.backend == "unsloth":
-        raise ConfigError(f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
-                          "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp")
+        raise ConfigError(
+            f"--launch {launch} with train.backend: unsloth: unsloth runs its own attention and "
+            "checkpointing kernels, which DeepSpeed does not shard; use --launch ddp"
+        )
 
 
 def check_sharded(recipe: Any, how: str) -> None:
@@ -81,18 +83,23 @@ def check_sequence_parallel(recipe: Any) -> None:
             "(trl#4314, accelerate#3874); use --launch ddp with train.activation_offloading, or a bf16 base"
         )
     if recipe.model.attn_implementation == "eager":
-        raise ConfigError("--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full "
-                          "score matrix)")
+        raise ConfigError(
+            "--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score matrix)"
+        )
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"split_sequences": "--launch ulysses"})
     if recipe.data.utk is not None:
-        raise ConfigError("--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence "
-                          "shard would restart its positions at 0; use --launch ddp or fsdp2 with "
-                          "train.activation_offloading")
+        raise ConfigError(
+            "--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence "
+            "shard would restart its positions at 0; use --launch ddp or fsdp2 with "
+            "train.activation_offloading"
+        )
     if recipe.train.backend == "unsloth":
-        raise ConfigError("--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
-                          "Ulysses shards; use --launch ddp")
+        raise ConfigError(
+            "--launch ulysses with train.backend: unsloth: unsloth's attention kernels are not the ones "
+            "Ulysses shards; use --launch ddp"
+        )
 
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
@@ -100,14 +107,20 @@ def check_context_parallel(recipe: Any, packing: bool = False) -> None:
     known to fail, and with the methods that cannot run on sequence shards (their registry ``conflicts`` name
     ``split_sequences``). ``packing``: the run packs several documents into a sequence (``data.utk``)."""
     if recipe.model.attn_implementation == "flash_attention_2":
-        raise ConfigError("context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
-                          "flash-attn); use --launch ulysses")
+        raise ConfigError(
+            "context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
+            "flash-attn); use --launch ulysses"
+        )
     if packing:
-        raise ConfigError("context parallelism (accelerate cp_size > 1) does not support packed sequences (data.utk "
-                          "packs documents); drop data.utk or use --launch ddp")
+        raise ConfigError(
+            "context parallelism (accelerate cp_size > 1) does not support packed sequences (data.utk "
+            "packs documents); drop data.utk or use --launch ddp"
+        )
     if recipe.model.load_in_4bit:
-        raise ConfigError("context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
-                          "--launch ddp or a bf16 base")
+        raise ConfigError(
+            "context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
+            "--launch ddp or a bf16 base"
+        )
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"split_sequences": "context parallelism (accelerate cp_size > 1)"})
@@ -127,17 +140,27 @@ def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> 
     ``heads / processes`` attention heads, so the group must divide the query heads, and divide or be a multiple of
     the KV heads (DeepSpeed then replicates them); DeepSpeed refuses anything else when the model is built."""
     if heads % processes:
-        raise ConfigError(f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
-                          f"model's {heads} attention heads, and {processes} does not divide {heads}; use a number of "
-                          "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3")
+        raise ConfigError(
+            f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
+            f"model's {heads} attention heads, and {processes} does not divide {heads}; use a number of "
+            "GPUs in all (nodes x --gpus) that divides it, or --launch fsdp2 or zero3"
+        )
     if kv_heads % processes and processes % kv_heads:
-        raise ConfigError(f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
-                          "multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a "
-                          "number of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3")
+        raise ConfigError(
+            f"--launch ulysses over {processes} processes: the model's {kv_heads} KV heads must be a "
+            "multiple or a divisor of the processes (DeepSpeed splits or replicates them); use a "
+            "number of GPUs in all (nodes x --gpus) that is, or --launch fsdp2 or zero3"
+        )
 
 
-def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overrides: list[str] | None = None,
-                   nodes: Nodes | None = None) -> list[str]:
+def launch_command(
+    recipe: Any,
+    recipe_name: str,
+    launch: str,
+    gpus: int,
+    overrides: list[str] | None = None,
+    nodes: Nodes | None = None,
+) -> list[str]:
     """``accelerate launch --config_file <launch>.yaml --num_processes P --mixed_precision M [this node's place]
     [Ulysses' sizes] -m longpeft.cli train RECIPE [--set ...]``, P = ``gpus`` per node x ``nodes.count``. With
     ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel.
@@ -147,11 +170,24 @@ def launch_command(recipe: Any, recipe_name: str, launch: str, gpus: int, overri
     nodes = nodes or Nodes()
     processes = gpus * nodes.count
     precision = mixed_precision(recipe, on_gpu=True)
-    command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", str(processes),
-               "--mixed_precision", precision, *nodes.accelerate_arguments(launch)]
+    command = [
+        "accelerate",
+        "launch",
+        "--config_file",
+        str(config_file(launch)),
+        "--num_processes",
+        str(processes),
+        "--mixed_precision",
+        precision,
+        *nodes.accelerate_arguments(launch),
+    ]
     if launch == "ulysses":
-        command += ["--parallelism_config_sp_size", str(processes),
-                    "--parallelism_config_sp_attn_implementation", recipe.model.attn_implementation]
+        command += [
+            "--parallelism_config_sp_size",
+            str(processes),
+            "--parallelism_config_sp_attn_implementation",
+            recipe.model.attn_implementation,
+        ]
     command += ["-m", "longpeft.cli", "train", recipe_name]
     for override in overrides or []:
         command += ["--set", override]

@@ -36,11 +36,15 @@ class Nodes:
         if self.count < 1:
             raise ConfigError(f"--nodes must be >= 1, got {self.count}")
         if not 0 <= self.rank < self.count:
-            raise ConfigError(f"--node-rank {self.rank} is out of range for --nodes {self.count}: give 0 to "
-                              f"{self.count - 1} (0 is the node at --main-address), a different one on every node")
+            raise ConfigError(
+                f"--node-rank {self.rank} is out of range for --nodes {self.count}: give 0 to "
+                f"{self.count - 1} (0 is the node at --main-address), a different one on every node"
+            )
         if self.count > 1 and self.host is None:
-            raise ConfigError(f"--nodes {self.count}: give --main-address HOST:PORT, the address of the node of "
-                              "--node-rank 0 that every node can reach (the same on every node)")
+            raise ConfigError(
+                f"--nodes {self.count}: give --main-address HOST:PORT, the address of the node of "
+                "--node-rank 0 that every node can reach (the same on every node)"
+            )
         if not 1 <= self.port <= 65535:
             raise ConfigError(f"--main-address: port {self.port} is out of range (1 to 65535)")
 
@@ -49,8 +53,16 @@ class Nodes:
         --main_process_port`` (and DeepSpeed's torchrun launcher) past one node; one node's given address only."""
         if self.count == 1:
             return [] if self.host is None else ["--main_process_ip", self.host, "--main_process_port", str(self.port)]
-        arguments = ["--num_machines", str(self.count), "--machine_rank", str(self.rank),
-                     "--main_process_ip", self.host, "--main_process_port", str(self.port)]
+        arguments = [
+            "--num_machines",
+            str(self.count),
+            "--machine_rank",
+            str(self.rank),
+            "--main_process_ip",
+            self.host,
+            "--main_process_port",
+            str(self.port),
+        ]
         if launch in DEEPSPEED_LAUNCHES:
             arguments += ["--deepspeed_multinode_launcher", "standard"]
         return arguments
@@ -64,8 +76,10 @@ def parse_main_address(text: str) -> tuple[str, int]:
     """
     match = re.fullmatch(r"\[(?P<ipv6>[^]]+)\]:(?P<port>\d+)|(?P<host>[A-Za-z0-9._-]+):(?P<port2>\d+)", text)
     if match is None:
-        raise ConfigError(f"--main-address {text!r}: give HOST:PORT, the node of rank 0 and a free port on it, e.g. "
-                          "10.0.0.1:29500 or node001:29500 ([fd00::1]:29500 for IPv6)")
+        raise ConfigError(
+            f"--main-address {text!r}: give HOST:PORT, the node of rank 0 and a free port on it, e.g. "
+            "10.0.0.1:29500 or node001:29500 ([fd00::1]:29500 for IPv6)"
+        )
     host = match["host"] or match["ipv6"]
     if match["ipv6"]:
         try:
@@ -85,8 +99,11 @@ def slurm_script(command: list[str], job_name: str, nodes: int, gpus_per_node: i
     host of ``$SLURM_JOB_NODELIST`` (``scontrol show hostnames``) at ``$MAIN_PORT`` (default 29500; set it when
     submitting to change it)."""
     words = [shlex.quote(word) for word in command]
-    for flag, variable in (("--machine_rank", "SLURM_NODEID"), ("--main_process_ip", "MAIN_HOST"),
-                           ("--main_process_port", "MAIN_PORT")):
+    for flag, variable in (
+        ("--machine_rank", "SLURM_NODEID"),
+        ("--main_process_ip", "MAIN_HOST"),
+        ("--main_process_port", "MAIN_PORT"),
+    ):
         if flag in command:  # one node has no machine rank
             words[command.index(flag) + 1] = f'"${variable}"'
         elif flag != "--machine_rank" or nodes > 1:

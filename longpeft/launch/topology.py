@@ -32,10 +32,12 @@ def gradient_accumulation(recipe: Any, data_parallel: int) -> int:
     ``train`` (every launch) and ``plan`` (every ``--gpus``) refuse the same recipes through it."""
     per_step = recipe.train.per_device_batch_size * data_parallel
     if recipe.train.global_batch_size % per_step:
-        raise ConfigError(f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-                          f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
-                          f"data-parallel processes: --set train.global_batch_size to a multiple of {per_step}, or "
-                          "train on fewer GPUs")
+        raise ConfigError(
+            f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
+            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
+            f"data-parallel processes: --set train.global_batch_size to a multiple of {per_step}, or "
+            "train on fewer GPUs"
+        )
     return recipe.train.global_batch_size // per_step
 
 
@@ -50,8 +52,11 @@ def check_distributed_type(distributed_type: Any) -> None:
     under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
     ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
     """
-    asked = [name for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
-             if os.environ.get(variable, "false").lower() == "true"]
+    asked = [
+        name
+        for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+        if os.environ.get(variable, "false").lower() == "true"
+    ]
     got = str(distributed_type).rsplit(".", 1)[-1]
     if asked and got != asked[0]:
         raise ConfigError(

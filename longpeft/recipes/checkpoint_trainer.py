@@ -51,8 +51,12 @@ def checkpoint_trainer(trainer_class: type) -> type:
             self.accelerator.wait_for_everyone()  # every process has written its part
             if self.args.should_save:
                 publish_checkpoint(checkpoints, name)
-                rotate_checkpoints(str(checkpoints), save_total_limit=self.args.save_total_limit,
-                                   best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
+                rotate_checkpoints(
+                    str(checkpoints),
+                    save_total_limit=self.args.save_total_limit,
+                    best_model_checkpoint=self.state.best_model_checkpoint,
+                    use_mtime=False,
+                )
 
         def _save(self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None) -> None:
             super()._save(output_dir, state_dict)
@@ -68,9 +72,11 @@ def checkpoint_trainer(trainer_class: type) -> type:
             target = model if model is not None else self.model
             missing = missing_adapter_weights(target, load_weights_into(target, folder))
             if missing:
-                raise DataError(f"{folder}: its adapter lacks {len(missing)} weights of this run's (e.g. "
-                                f"{missing[0]}); delete that checkpoint folder to resume from the one before, or "
-                                "start again into a new output_dir")
+                raise DataError(
+                    f"{folder}: its adapter lacks {len(missing)} weights of this run's (e.g. "
+                    f"{missing[0]}); delete that checkpoint folder to resume from the one before, or "
+                    "start again into a new output_dir"
+                )
 
     CheckpointTrainer.__name__ = CheckpointTrainer.__qualname__ = f"Checkpoint{trainer_class.__name__}"
     return CheckpointTrainer

@@ -30,8 +30,15 @@ _WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_mo
 _OPTIMIZER_PATTERNS = ("optimizer.pt", "optimizer*.bin", "optimizer_*", "global_step*")
 TRAINING_RECIPE_FILENAME = "recipe.training.json"
 # Recipe keys that do not change what is trained (they may differ between a kill and --resume).
-_NOT_TRAINING = {"name", "description", "output_dir", "train.save_steps", "train.save_total_limit",
-                 "train.logging_steps", "train.report_to"}
+_NOT_TRAINING = {
+    "name",
+    "description",
+    "output_dir",
+    "train.save_steps",
+    "train.save_total_limit",
+    "train.logging_steps",
+    "train.report_to",
+}
 # Training keys a resumed run cannot take up (--allow-recipe-change refuses them), with the reason: the checkpoint's
 # optimizer state is restored as it was, and its weights have the shapes these keys gave them.
 FIXED_FOR_THE_RUN = {
@@ -62,8 +69,9 @@ def _written(folder: Path, patterns: tuple[str, ...]) -> bool:
         for path in folder.glob(pattern):
             if path.is_file():
                 return True
-            if path.is_dir() and ((path / ".metadata").is_file()
-                                  or path.name.startswith("global_step") and any(path.iterdir())):
+            if path.is_dir() and (
+                (path / ".metadata").is_file() or path.name.startswith("global_step") and any(path.iterdir())
+            ):
                 return True
     return False
 
@@ -141,13 +149,15 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 def training_recipe(recipe_dump: dict[str, Any]) -> dict[str, Any]:
     """The recipe's keys that decide what is trained, flattened to dotted names."""
-    return {k: v for k, v in _flatten(json.loads(json.dumps(recipe_dump, default=str))).items()
-            if k not in _NOT_TRAINING}
+    return {
+        k: v for k, v in _flatten(json.loads(json.dumps(recipe_dump, default=str))).items() if k not in _NOT_TRAINING
+    }
 
 
 def save_training_recipe(output_dir: Path, recipe_dump: dict[str, Any]) -> None:
-    write_text_atomically(Path(output_dir) / TRAINING_RECIPE_FILENAME,
-                          json.dumps(training_recipe(recipe_dump), indent=2) + "\n")
+    write_text_atomically(
+        Path(output_dir) / TRAINING_RECIPE_FILENAME, json.dumps(training_recipe(recipe_dump), indent=2) + "\n"
+    )
 
 
 def changed_keys(output_dir: Path, recipe: Any) -> list[str] | None:
@@ -164,8 +174,9 @@ def changed_keys(output_dir: Path, recipe: Any) -> list[str] | None:
         return None
     now = training_recipe(recipe.model_dump())
     not_default = set(training_recipe(recipe.model_dump(exclude_defaults=True)))
-    return sorted(k for k in set(before) | set(now)
-                  if before.get(k) != now.get(k) and (k in before or k in not_default))
+    return sorted(
+        k for k in set(before) | set(now) if before.get(k) != now.get(k) and (k in before or k in not_default)
+    )
 
 
 def check_recipe_change(output_dir: Path, recipe: Any, allow: bool) -> list[str]:
@@ -177,14 +188,18 @@ def check_recipe_change(output_dir: Path, recipe: Any, allow: bool) -> list[str]
     record = output_dir / TRAINING_RECIPE_FILENAME
     if changed is None:
         if not allow:
-            raise ConfigError(f"--resume: {record} is missing or unreadable, so a changed recipe cannot be detected; "
-                              "resume with --allow-recipe-change if this recipe is the one the run started with (the "
-                              "record is then written anew), or train into another output_dir")
+            raise ConfigError(
+                f"--resume: {record} is missing or unreadable, so a changed recipe cannot be detected; "
+                "resume with --allow-recipe-change if this recipe is the one the run started with (the "
+                "record is then written anew), or train into another output_dir"
+            )
         return ["(all: no record)"]
     fixed = [f"{key} ({FIXED_FOR_THE_RUN[key]})" for key in changed if key in FIXED_FOR_THE_RUN]
     if fixed:
-        raise ConfigError(f"--resume: {'; '.join(fixed)}: a resumed run cannot take this change up; restore it, or "
-                          "train into another output_dir")
+        raise ConfigError(
+            f"--resume: {'; '.join(fixed)}: a resumed run cannot take this change up; restore it, or "
+            "train into another output_dir"
+        )
     if changed and not allow:
         raise ConfigError(
             f"--resume: the recipe changed since {output_dir} was started ({', '.join(changed)}); resuming "

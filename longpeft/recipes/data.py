@@ -94,8 +94,10 @@ def check_data_source(data: DataSection) -> None:
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
     if is_local(data.source):
-        raise DataNotFoundError(f"data.source {data.source} does not exist; generate it with `longpeft synth` or "
-                                "point the recipe at your data (a Hub dataset is named owner/name)")
+        raise DataNotFoundError(
+            f"data.source {data.source} does not exist; generate it with `longpeft synth` or "
+            "point the recipe at your data (a Hub dataset is named owner/name)"
+        )
     hub_preflight(data.source, "data.source", repo_type="dataset")
 
 
@@ -153,8 +155,9 @@ def check_conversation(messages: Any, where: str) -> None:
         raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
     for turn in messages:
         if not isinstance(turn, dict) or turn.get("role") not in ROLES or not isinstance(turn.get("content"), str):
-            raise DataError(f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and "
-                            "content")
+            raise DataError(
+                f"{where}: bad turn {str(turn)[:80]!r}; each turn needs role in {sorted(ROLES)} and content"
+            )
     if not any(turn["role"] == "assistant" for turn in messages):
         raise DataError(f"{where}: no assistant turn, so nothing would be trained")
 
@@ -177,8 +180,11 @@ def assistant_spans(
         if turn["role"] != "assistant":
             continue
         through = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
-        prompt = (tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i
-                  else _text_before_content(tokenizer, turn))
+        prompt = (
+            tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+            if i
+            else _text_before_content(tokenizer, turn)
+        )
         if not (full.startswith(through) and through.startswith(prompt)):
             raise ConfigError(
                 "the tokenizer's chat template renders a conversation's first turns differently from the whole "
@@ -197,8 +203,10 @@ def _text_before_content(tokenizer: PreTrainedTokenizerBase, turn: dict[str, Any
     the role header), found by rendering the turn with a marker as its content."""
     rendered = tokenizer.apply_chat_template([{**turn, "content": _CONTENT_MARK}], tokenize=False)
     if _CONTENT_MARK not in rendered:
-        raise ConfigError("the tokenizer's chat template does not render a turn's content as given, so assistant "
-                          "turns cannot be located; set train.assistant_only_loss: false (loss on every token)")
+        raise ConfigError(
+            "the tokenizer's chat template does not render a turn's content as given, so assistant "
+            "turns cannot be located; set train.assistant_only_loss: false (loss on every token)"
+        )
     return rendered[: rendered.index(_CONTENT_MARK)]
 
 
@@ -207,8 +215,10 @@ def tokenize_conversation(
 ) -> dict[str, list[int]]:
     """``input_ids`` of a rendered conversation and, with ``assistant_only``, ``assistant_masks``
     (1 on every token that starts inside an assistant turn)."""
-    text, spans = assistant_spans(tokenizer, messages) if assistant_only else (
-        tokenizer.apply_chat_template(messages, tokenize=False), []
+    text, spans = (
+        assistant_spans(tokenizer, messages)
+        if assistant_only
+        else (tokenizer.apply_chat_template(messages, tokenize=False), [])
     )
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=assistant_only)
     row = {"input_ids": encoded["input_ids"]}
@@ -233,8 +243,9 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
     from datasets.fingerprint import Hasher
 
     if not tokenizer.is_fast:
-        raise ConfigError("longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with "
-                          "use_fast=True")
+        raise ConfigError(
+            "longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True"
+        )
     fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
     if "messages" in dataset.column_names:
         return dataset.map(
@@ -257,7 +268,11 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
 
 
 def filter_by_length(
-    dataset: Dataset, max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0,
+    dataset: Dataset,
+    max_length: int,
+    truncate: bool,
+    limit: str | None = None,
+    min_length: int = 0,
     window: int | None = None,
 ) -> tuple[Dataset, dict[str, int]]:
     """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation), and those shorter
@@ -265,13 +280,18 @@ def filter_by_length(
 
     Returns the dataset and the counts of :func:`select_by_length`.
     """
-    keep, stats = select_by_length([len(ids) for ids in dataset["input_ids"]], max_length, truncate, limit,
-                                   min_length, window)
+    keep, stats = select_by_length(
+        [len(ids) for ids in dataset["input_ids"]], max_length, truncate, limit, min_length, window
+    )
     return dataset.select(keep), stats
 
 
 def select_by_length(
-    lengths: list[int], max_length: int, truncate: bool, limit: str | None = None, min_length: int = 0,
+    lengths: list[int],
+    max_length: int,
+    truncate: bool,
+    limit: str | None = None,
+    min_length: int = 0,
     window: int | None = None,
 ) -> tuple[list[int], dict[str, int]]:
     """The indices of the samples (of these token ``lengths``) that training keeps: none longer than ``max_length``
@@ -288,14 +308,20 @@ def select_by_length(
     """
     long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
-    stats = {"kept": len(keep), "dropped": len(long_enough) - len(keep),
-             "dropped_short": len(lengths) - len(long_enough), "truncated": sum(lengths[i] > max_length for i in keep),
-             "longest": max(lengths, default=0)}
+    stats = {
+        "kept": len(keep),
+        "dropped": len(long_enough) - len(keep),
+        "dropped_short": len(lengths) - len(long_enough),
+        "truncated": sum(lengths[i] > max_length for i in keep),
+        "longest": max(lengths, default=0),
+    }
     if window is not None:
         stats["longer_than_window"] = sum(lengths[i] > window for i in keep)
     if not long_enough:
-        raise DataError(f"every sample is shorter than data.min_length={min_length} tokens (longest "
-                        f"{stats['longest']}); lower data.min_length or use longer data")
+        raise DataError(
+            f"every sample is shorter than data.min_length={min_length} tokens (longest "
+            f"{stats['longest']}); lower data.min_length or use longer data"
+        )
     if not keep:
         raise DataError(
             f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
@@ -334,8 +360,10 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
     room = utk_document_room(max_length, utk)
     documents = [ids[:room] for ids in dataset["input_ids"]]
     groups = utk_groups([len(ids) for ids in documents], max_length, utk)
-    needed = max((chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens)
-                  for g in groups), default=0)
+    needed = max(
+        (chunk_labels_needed([len(documents[i]) for i in g], max_chunks, utk.min_split_tokens) for g in groups),
+        default=0,
+    )
     if needed > n_letters**label_length:
         enough = next(n for n in itertools.count(1) if n_letters**n >= needed)
         raise ConfigError(
@@ -345,10 +373,12 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
             f"to {max_chunks} chunks each); set data.utk.label_length to at least {enough} (or raise "
             "data.utk.min_split_tokens)"
         )
-    return Dataset.from_dict({
-        "input_ids": [[t for i in group for t in documents[i]] for group in groups],
-        "doc_lengths": [[len(documents[i]) for i in group] for group in groups],
-    })
+    return Dataset.from_dict(
+        {
+            "input_ids": [[t for i in group for t in documents[i]] for group in groups],
+            "doc_lengths": [[len(documents[i]) for i in group] for group in groups],
+        }
+    )
 
 
 def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) -> list[list[int]]:
@@ -374,6 +404,8 @@ def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
     collator draws the window from longer samples (:meth:`Recipe.long_samples`): it would change nothing."""
     samples, window = recipe.long_samples(), recipe.data.max_length
     if samples is not None and not data_stats["longer_than_window"]:
-        raise DataError(f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
-                         f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
-                         f"{samples.off}")
+        raise DataError(
+            f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
+            f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
+            f"{samples.off}"
+        )

@@ -36,13 +36,16 @@ WEIGHTED_KINDS = ("lora", "method")  # what a folder must hold to start a run fr
 def adapter_folder(location: str) -> Path:
     """The adapter folder ``model.init_from`` names: the folder itself, a run folder's ``adapter/``, or a Hub repo
     (downloaded once)."""
-    folder = local_adapter_dir(location, "model.init_from",
-                               "; train that stage first, or name its run's adapter/ folder")
+    folder = local_adapter_dir(
+        location, "model.init_from", "; train that stage first, or name its run's adapter/ folder"
+    )
     if not (folder / SPEC_FILENAME).is_file() and (folder / "adapter" / SPEC_FILENAME).is_file():
         folder = folder / "adapter"
     if not (folder / SPEC_FILENAME).is_file():
-        raise ModelSourceError(f"model.init_from: {folder} has no {SPEC_FILENAME}; point it at the adapter/ folder "
-                               "of a finished longpeft run (train that stage first)")
+        raise ModelSourceError(
+            f"model.init_from: {folder} has no {SPEC_FILENAME}; point it at the adapter/ folder "
+            "of a finished longpeft run (train that stage first)"
+        )
     return folder
 
 
@@ -59,8 +62,11 @@ def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dic
         if before is None or now is None:
             differences[name] = {"applied": [before is not None, now is not None]}
             continue
-        changed = {key: [before.get(key), now.get(key)] for key in sorted(set(before) | set(now))
-                   if before.get(key) != now.get(key)}
+        changed = {
+            key: [before.get(key), now.get(key)]
+            for key in sorted(set(before) | set(now))
+            if before.get(key) != now.get(key)
+        }
         if changed:
             differences[name] = changed
     return differences
@@ -94,8 +100,10 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
     kind = folder_weights(folder, earlier)
     where = f"model.init_from ({folder})"
     if kind not in WEIGHTED_KINDS:
-        raise ConfigError(f"{where} holds a whole model ({kind}), not an adapter: set model.name_or_path to it and "
-                          "drop model.init_from")
+        raise ConfigError(
+            f"{where} holds a whole model ({kind}), not an adapter: set model.name_or_path to it and "
+            "drop model.init_from"
+        )
     earlier.check_base(base_config)
     theirs, ours = _weighted_methods(earlier), _weighted_methods(spec)
     if theirs != ours:
@@ -106,8 +114,10 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
             + "; start from a run of the same method"
         )
     if kind == "lora" and recipe.finetune != "lora":
-        raise ConfigError(f"{where} trained LoRA weights, which finetune: {recipe.finetune} would drop; set "
-                          "finetune: lora (with the earlier run's lora section)")
+        raise ConfigError(
+            f"{where} trained LoRA weights, which finetune: {recipe.finetune} would drop; set "
+            "finetune: lora (with the earlier run's lora section)"
+        )
     return InitAdapter(folder, kind, method_differences(earlier, spec))
 
 
@@ -133,20 +143,27 @@ def _load_lora(model: Any, folder: Path) -> None:
         result = load_weights_into(model, folder)  # a tied embedding the file keeps once is tied again
     except RuntimeError as error:  # size mismatch
         reason = str(error).splitlines()[-1].strip()
-        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "
-                          f"lora.embeddings must match the earlier run's): {reason}") from None
+        raise ConfigError(
+            f"{where}: its LoRA weights do not fit this run's (lora.r, lora.target_modules, "
+            f"lora.embeddings must match the earlier run's): {reason}"
+        ) from None
     trained = [name for name, p in model.named_parameters() if p.requires_grad]
     missing = [name for name in result.missing_keys if name in trained]
     if result.unexpected_keys or missing:
-        raise ConfigError(f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings "
-                          f"must match the earlier run's): missing {missing[:4]}, unexpected "
-                          f"{result.unexpected_keys[:4]}")
+        raise ConfigError(
+            f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings "
+            f"must match the earlier run's): missing {missing[:4]}, unexpected "
+            f"{result.unexpected_keys[:4]}"
+        )
 
 
 def report_differences(folder: Path, differences: dict[str, dict[str, list[Any]]]) -> None:
     """Say on stderr which method settings this stage changes from the one it starts from."""
     if not differences:
         return
-    changes = "; ".join(f"{name}.{key}: {before!r} -> {now!r}" for name, keys in differences.items()
-                        for key, (before, now) in keys.items())
+    changes = "; ".join(
+        f"{name}.{key}: {before!r} -> {now!r}"
+        for name, keys in differences.items()
+        for key, (before, now) in keys.items()
+    )
     print(f"longpeft: starting from {folder}, with these method settings changed: {changes}", file=sys.stderr)

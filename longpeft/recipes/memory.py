@@ -56,19 +56,24 @@ def checkpoint_settings(
         name = torch.cuda.get_device_name().lower()
         gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
     shape = shape_from_config(model_config.to_dict())
-    return resolve_checkpointing(recipe, shape, processes, device_memory_gib(), gpu,
-                                 planned_launch(distributed_type, processes))
+    return resolve_checkpointing(
+        recipe, shape, processes, device_memory_gib(), gpu, planned_launch(distributed_type, processes)
+    )
 
 
 def check_memory_options(recipe: Recipe, sharded: bool) -> None:
     """Refuse the memory options this run cannot carry out, naming the key and why."""
     if recipe.train.mlp_tile_tokens and sharded:
-        raise ConfigError("train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP "
-                          "reads its layer's weights outside the sharded module's gather; use --launch ddp or remove "
-                          "train.mlp_tile_tokens")
+        raise ConfigError(
+            "train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP "
+            "reads its layer's weights outside the sharded module's gather; use --launch ddp or remove "
+            "train.mlp_tile_tokens"
+        )
     if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
-        raise ConfigError("train.keep_attention keeps the output of an attention kernel, and eager attention is no "
-                          "single kernel; use model.attn_implementation: sdpa (or flash_attention_2)")
+        raise ConfigError(
+            "train.keep_attention keeps the output of an attention kernel, and eager attention is no "
+            "single kernel; use model.attn_implementation: sdpa (or flash_attention_2)"
+        )
     if recipe.train.use_liger_kernel:
         check_liger(recipe)
 
@@ -80,11 +85,14 @@ def check_liger(recipe: Recipe) -> None:
 
     check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
     if not torch.cuda.is_available():
-        raise ConfigError("train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
-                          "has none; set train.use_liger_kernel: false here")
+        raise ConfigError(
+            "train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
+            "has none; set train.use_liger_kernel: false here"
+        )
     if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError("train.use_liger_kernel: the liger-kernel package is not installed (pip install "
-                          "liger-kernel)")
+        raise ConfigError(
+            "train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)"
+        )
 
 
 class TrainingMemory(TrainerCallback):

@@ -35,9 +35,11 @@ def restore_method_weights(model: Any, spec: ContextSpec, checkpoint: Path) -> N
     try:
         load_method_weights(model, spec, checkpoint)
     except FileNotFoundError as exc:
-        raise DataError(f"{checkpoint} lacks the method weights of this run (written by another longpeft version, "
-                        f"or the recipe's methods changed): delete that folder to resume from the checkpoint "
-                        f"before it, or start again ({exc})") from exc
+        raise DataError(
+            f"{checkpoint} lacks the method weights of this run (written by another longpeft version, "
+            f"or the recipe's methods changed): delete that folder to resume from the checkpoint "
+            f"before it, or start again ({exc})"
+        ) from exc
 
 
 def method_checkpoint_trainer(trainer_class: type, spec: ContextSpec, finetune: str) -> type:

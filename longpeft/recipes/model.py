@@ -13,14 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapter_weights import leave_out_tied_copies
-from ..adapters import (
-    METHODS,
-    ResolveContext,
-    apply_spec,
-    export_methods,
-    save_method_weights,
-    spec_methods,
-)
+from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights, spec_methods
 from ..config import torch_dtype
 from ..errors import ConfigError
 from ..files import check_model_source, written_atomically
@@ -48,7 +41,7 @@ def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
         return folder
     if folder.exists():  # an earlier write was cut short (a kill, a full disk): never use it
         shutil.rmtree(folder)
-    arch = name[len(TINY_PREFIX):]
+    arch = name[len(TINY_PREFIX) :]
     tokenizer = demo_tokenizer()
     model = tiny_model(arch, seed=seed, vocab_size=len(tokenizer))
     model.config.name_or_path = name
@@ -152,8 +145,11 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
         problems.append(
             f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
             f"{spec.max_position_embeddings}; "
-            + (f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions" if bounded
-               else "raise rope.max_position_embeddings")
+            + (
+                f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions"
+                if bounded
+                else "raise rope.max_position_embeddings"
+            )
         )
     if problems:
         raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
@@ -169,7 +165,7 @@ def check_against_local_base(recipe: Recipe) -> str | None:
     if name.startswith(TINY_PREFIX):
         from ..tiny import tiny_config
 
-        config, source = tiny_config(name[len(TINY_PREFIX):]), name
+        config, source = tiny_config(name[len(TINY_PREFIX) :]), name
     else:
         config_file = local_config_file(name)
         if config_file is None:
@@ -184,8 +180,11 @@ def check_against_local_base(recipe: Recipe) -> str | None:
 def positions_spanned(spec: ContextSpec, length: int) -> int:
     """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
     unless a method keeps positions bounded, as Activation Beacon does)."""
-    spans = [method.training.span(config, length, spec.max_position_embeddings)
-             for method, config in spec_methods(spec) if method.training.span is not None]
+    spans = [
+        method.training.span(config, length, spec.max_position_embeddings)
+        for method, config in spec_methods(spec)
+        if method.training.span is not None
+    ]
     return min(spans, default=length)
 
 
@@ -384,8 +383,13 @@ def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
 
 
 def save_adapter(
-    model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, adapter_dir: Path,
-    state_dict: dict[str, Any] | None = None, finetune: str = "lora", dtype: torch.dtype = torch.float32,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: ContextSpec,
+    adapter_dir: Path,
+    state_dict: dict[str, Any] | None = None,
+    finetune: str = "lora",
+    dtype: torch.dtype = torch.float32,
 ) -> None:
     """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
 
@@ -410,9 +414,16 @@ def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _save_adapter_files(model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, folder: Path,
-                        adapter_dir: Path, state_dict: dict[str, Any] | None, finetune: str,
-                        dtype: torch.dtype) -> None:
+def _save_adapter_files(
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: ContextSpec,
+    folder: Path,
+    adapter_dir: Path,
+    state_dict: dict[str, Any] | None,
+    finetune: str,
+    dtype: torch.dtype,
+) -> None:
     """:func:`save_adapter`'s files, written into ``folder`` (its card names ``adapter_dir``)."""
     if finetune == "full":
         model.config.use_cache = True  # training turned it off; the saved model is for generation

@@ -59,13 +59,17 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
         location = model_location(name)
         local = is_local(location)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(location, revision=recipe.model.revision,
-                                                      trust_remote_code=recipe.model.trust_remote_code,
-                                                      local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(
+                location,
+                revision=recipe.model.revision,
+                trust_remote_code=recipe.model.trust_remote_code,
+                local_files_only=True,
+            )
         except (OSError, ValueError) as error:
             if local:
-                return None, (f"the tokenizer of {name} does not load from its folder "
-                              f"({str(error).splitlines()[0][:160]})")
+                return None, (
+                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})"
+                )
             return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
     if recipe.data.utk is not None:
         from ..synth_data.utk import add_utk_tokens
@@ -87,8 +91,9 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
     source = recipe.data.source
     generated = source in GENERATED_SOURCES
     if not generated and not Path(source).exists():
-        return SampleLengths.not_known(f"data.source {source} is not on this machine, and the planner downloads no "
-                                       "data set")
+        return SampleLengths.not_known(
+            f"data.source {source} is not on this machine, and the planner downloads no data set"
+        )
     tokenizer, why = local_tokenizer(recipe)
     if tokenizer is None and generated:
         return SampleLengths.not_known(f"data.source {source} is generated with the tokenizer, and {why}")
@@ -101,8 +106,9 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
         counted_with = f"the tokenizer of {recipe.model.name_or_path} ({how})"
     else:
         lengths = estimated_lengths(dataset, progress)
-        counted_with = (f"an estimate of {CHARS_PER_TOKEN:g} characters per token, {why}"
-                        + ("; the chat template's own tokens not counted" if recipe.data.format == "messages" else ""))
+        counted_with = f"an estimate of {CHARS_PER_TOKEN:g} characters per token, {why}" + (
+            "; the chat template's own tokens not counted" if recipe.data.format == "messages" else ""
+        )
     kept, filtered = trained_lengths(recipe, lengths, scored)
     return SampleLengths(lengths=tuple(kept), source=_described(source), counted_with=counted_with, filtered=filtered)
 
@@ -120,8 +126,9 @@ def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | No
         if scored is not None:
             masks = table["assistant_masks"].combine_chunks()
             offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
-            scored += [bool(values[start:min(end, start + limit)].any())
-                       for start, end in zip(offsets[:-1], offsets[1:])]
+            scored += [
+                bool(values[start : min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])
+            ]
     return lengths, scored
 
 
@@ -139,8 +146,9 @@ def estimated_lengths(dataset: Any, progress: bool = True) -> list[int]:
     return lengths
 
 
-def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | None = None
-                    ) -> tuple[list[int], dict[str, int]]:
+def trained_lengths(
+    recipe: Recipe, lengths: list[int], scored: list[bool] | None = None
+) -> tuple[list[int], dict[str, int]]:
     """The tokens training sees of samples of these ``lengths``, by the runner's rules (:func:`runner.prepare`):
     the samples outside ``data.min_length`` .. the length limit dropped (with ``data.truncate`` the long ones kept,
     and those whose cut leaves no scored token dropped: ``scored``, from :func:`token_counts`), each kept sample at
@@ -153,8 +161,14 @@ def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | Non
     if utk is None:
         longest, limit = longest_sample(recipe)
         skips_content = longest > max_length
-        keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length,
-                                       window=max_length if skips_content else None)
+        keep, stats = select_by_length(
+            lengths,
+            longest,
+            data.truncate,
+            limit,
+            min_length=data.min_length,
+            window=max_length if skips_content else None,
+        )
         if skips_content:
             check_content_to_skip(recipe, stats)
         if scored is not None:
@@ -162,13 +176,16 @@ def trained_lengths(recipe: Recipe, lengths: list[int], scored: list[bool] | Non
             stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left
             stats.update(kept=len(keep), truncated=sum(lengths[i] > max_length for i in keep))
             if not keep:
-                raise DataError(f"recipe {recipe.name}: no training sample has a scored token within {limit} "
-                                "tokens (the cut removed every assistant turn); raise that limit or use shorter "
-                                "samples")
+                raise DataError(
+                    f"recipe {recipe.name}: no training sample has a scored token within {limit} "
+                    "tokens (the cut removed every assistant turn); raise that limit or use shorter "
+                    "samples"
+                )
         return [min(lengths[i], max_length) for i in keep], stats
     room = utk_document_room(max_length, utk)
-    keep, stats = select_by_length(lengths, room, data.truncate, utk_limit(max_length, room),
-                                   min_length=data.min_length)
+    keep, stats = select_by_length(
+        lengths, room, data.truncate, utk_limit(max_length, room), min_length=data.min_length
+    )
     documents = [min(lengths[i], room) for i in keep]
     groups = utk_groups(documents, max_length, utk)
     stats["packed_sequences"] = len(groups)

@@ -43,13 +43,7 @@ from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from . import unsloth_backend
 from .checkpoint_trainer import checkpoint_trainer
-from .checkpoints import (
-    check_recipe_change,
-    checkpoint_step,
-    latest_checkpoint,
-    save_training_recipe,
-    trim_metrics,
-)
+from .checkpoints import check_recipe_change, checkpoint_step, latest_checkpoint, save_training_recipe, trim_metrics
 from .data import (
     check_content_to_skip,
     check_data_source,
@@ -137,8 +131,15 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
     with args.main_process_first(local=True, desc="data"):
         dataset, data_stats = build_dataset(recipe, tokenizer)
-    trainer = build_trainer(recipe, model, tokenizer, spec, dataset, args, [
-        MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *(callbacks or [])])
+    trainer = build_trainer(
+        recipe,
+        model,
+        tokenizer,
+        spec,
+        dataset,
+        args,
+        [MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *(callbacks or [])],
+    )
     if start is not None:
         load_init_weights(trainer.model, start.folder, start.kind, spec)
         report_differences(start.folder, start.differences)
@@ -151,7 +152,8 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
         "world_size": world_size(),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "effective_global_batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps
+        "effective_global_batch_size": args.per_device_train_batch_size
+        * args.gradient_accumulation_steps
         * data_parallel_size(),
         "backend": recipe.train.backend,
         "lora": adapter_settings(trainer.model),
@@ -202,24 +204,37 @@ def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[A
     if utk is None:
         longest, limit = longest_sample(recipe)
         skips_content = longest > max_length
-        dataset, data_stats = filter_by_length(dataset, longest, recipe.data.truncate, limit,
-                                               min_length=recipe.data.min_length,
-                                               window=max_length if skips_content else None)
+        dataset, data_stats = filter_by_length(
+            dataset,
+            longest,
+            recipe.data.truncate,
+            limit,
+            min_length=recipe.data.min_length,
+            window=max_length if skips_content else None,
+        )
         if skips_content:
             check_content_to_skip(recipe, data_stats)
         return dataset, data_stats
     # documents are counted, kept or dropped (data.truncate) as they are, before packing
     room = utk_document_room(max_length, utk)
-    dataset, data_stats = filter_by_length(dataset, room, recipe.data.truncate, utk_limit(max_length, room),
-                                           min_length=recipe.data.min_length)
+    dataset, data_stats = filter_by_length(
+        dataset, room, recipe.data.truncate, utk_limit(max_length, room), min_length=recipe.data.min_length
+    )
     letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
     dataset = pack_for_utk(dataset, max_length, utk, len(letters))
     data_stats["packed_sequences"] = len(dataset)
     return dataset, data_stats
 
 
-def build_trainer(recipe: Recipe, model: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, dataset: Any,
-                  args: Any, callbacks: list[TrainerCallback]) -> Any:
+def build_trainer(
+    recipe: Recipe,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: ContextSpec,
+    dataset: Any,
+    args: Any,
+    callbacks: list[TrainerCallback],
+) -> Any:
     """TRL's SFTTrainer over the model (LoRA added by peft from the recipe's config), the dataset and the
     recipe's collator, with the trained weights' dtype, the method weights trainable and each method's label rule;
     refuses a distributed setup the recipe cannot run under."""
@@ -233,14 +248,21 @@ def build_trainer(recipe: Recipe, model: Any, tokenizer: PreTrainedTokenizerBase
         trainer_class = method_checkpoint_trainer(trainer_class, spec, recipe.finetune)
     if recipe.train.group_by_length:
         trainer_class = length_grouped_trainer(trainer_class)
-    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            peft_config=peft_config, data_collator=data_collator(recipe, spec, tokenizer),
-                            callbacks=callbacks)
+    trainer = trainer_class(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        data_collator=data_collator(recipe, spec, tokenizer),
+        callbacks=callbacks,
+    )
     expose_token_indices_head_bias(trainer.model)
     if recipe.train.backend == "transformers" and recipe.finetune in ("lora", "full"):
         trained_dtype = recipe.lora.trainable_dtype if recipe.finetune == "lora" else None
-        keep_trained_weights_in(trainer.model, torch_dtype(trained_dtype or "float32"),
-                                torch_dtype(recipe.model.dtype))
+        keep_trained_weights_in(
+            trainer.model, torch_dtype(trained_dtype or "float32"), torch_dtype(recipe.model.dtype)
+        )
     for parameter in method_parameters(recipe, trainer.model).values():
         parameter.requires_grad_(True)  # peft froze everything but LoRA; the method's weights train too
     with_method_labels(trainer, spec)
@@ -258,8 +280,9 @@ def build_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Any:
     if recipe.train.backend == "transformers" and shapes_memory(recipe):
         checkpointing = checkpoint_settings(recipe, model_config, world_size(), distributed_type)
         if is_main_process():
-            print(f"longpeft: checkpointing: {checkpointing.describe(model_config.num_hidden_layers)}",
-                  file=sys.stderr)
+            print(
+                f"longpeft: checkpointing: {checkpointing.describe(model_config.num_hidden_layers)}", file=sys.stderr
+            )
     trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
     return checkpointing
 
@@ -285,8 +308,9 @@ def run(
     for message in skipped:
         print(f"longpeft: {message}", file=sys.stderr)
     if resume and checkpoint is None:
-        raise ModelSourceError(f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without "
-                               "--resume")
+        raise ModelSourceError(
+            f"--resume: no complete checkpoint in {output_dir / 'checkpoints'}; start without --resume"
+        )
     if not resume and checkpoint is not None:
         raise OutputFolderError(
             f"{output_dir} already has checkpoints ({checkpoint.name}); pass --resume to continue that run, "
@@ -308,16 +332,24 @@ def run(
     prepared = prepare(recipe, [StopOnNonFinite(), *taken_up, *(callbacks or [])])
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
-        write_text_atomically(output_dir / "recipe.resolved.json",
-                              json.dumps(prepared.resolved, indent=2, default=str) + "\n")
+        write_text_atomically(
+            output_dir / "recipe.resolved.json", json.dumps(prepared.resolved, indent=2, default=str) + "\n"
+        )
     with writing_to(output_dir / "checkpoints"):
         train_metrics = train_or_take_last(trainer, checkpoint if resume else None)
 
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     state_dict = gathered_state_dict(trainer)  # every process takes part when the model is sharded
     if trainer.is_world_process_zero():
-        save_adapter(trainer.model, prepared.tokenizer, prepared.spec, adapter_dir, state_dict, recipe.finetune,
-                     torch_dtype(recipe.model.dtype))
+        save_adapter(
+            trainer.model,
+            prepared.tokenizer,
+            prepared.spec,
+            adapter_dir,
+            state_dict,
+            recipe.finetune,
+            torch_dtype(recipe.model.dtype),
+        )
         metrics = summarize(output_dir, train_metrics, prepared)
     else:
         metrics = dict(train_metrics)

@@ -45,8 +45,10 @@ def row_lengths(dataset: Any) -> list[int]:
     import pyarrow.compute as pc
 
     if "input_ids" not in getattr(dataset, "column_names", ()):
-        raise DataError("train.group_by_length needs the tokenized training rows (an input_ids column); this "
-                        f"dataset has {getattr(dataset, 'column_names', None)}: set train.group_by_length: false")
+        raise DataError(
+            "train.group_by_length needs the tokenized training rows (an input_ids column); this "
+            f"dataset has {getattr(dataset, 'column_names', None)}: set train.group_by_length: false"
+        )
     return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
 
 

@@ -109,8 +109,13 @@ class UtkSection(Section):
     @field_validator("chunk_counts")
     @classmethod
     def _counts(cls, value: dict[int, float]) -> dict[int, float]:
-        if (not value or min(value) < 1 or max(value) > 8 or any(w < 0 for w in value.values())
-                or not sum(value.values())):
+        if (
+            not value
+            or min(value) < 1
+            or max(value) > 8
+            or any(w < 0 for w in value.values())
+            or not sum(value.values())
+        ):
             raise ValueError("chunk_counts maps chunk counts 1..8 to non-negative weights with a positive sum")
         return value
 
@@ -210,12 +215,15 @@ class TrainSection(Section):
         "recompute (longpeft/scale/checkpointing.py); only those, unlike activation_offloading",
     )
     mlp_tile_tokens: int | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="run each decoder layer's MLP this many tokens at a time in training (its intermediate "
         "activations then exist for one tile at a time: longpeft/scale/tiling.py); null: untiled",
     )
     memory_budget_gib: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False,
+        default=None,
+        gt=0,
+        allow_inf_nan=False,
         description="GiB of each GPU the auto choices may plan for (default: 95 % of the GPU's memory)",
     )
     use_liger_kernel: bool = Field(
@@ -233,8 +241,12 @@ class TrainSection(Section):
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = Field(default=42, ge=0, lt=2**32,
-                      description="seeds torch, numpy and the training order (numpy takes 0 to 2**32 - 1)")
+    seed: int = Field(
+        default=42,
+        ge=0,
+        lt=2**32,
+        description="seeds torch, numpy and the training order (numpy takes 0 to 2**32 - 1)",
+    )
     assistant_only_loss: bool | None = Field(
         default=None, description="loss on assistant turns only; default: on for messages data, off for text"
     )
@@ -274,36 +286,61 @@ class TrainSection(Section):
         checkpointing = ("checkpoint_layers", "keep_attention", "offload_checkpoints")
         changed = [key for key in checkpointing if getattr(self, key) != TrainSection.model_fields[key].default]
         if changed and not self.gradient_checkpointing:
-            raise ValueError(f"train.{changed[0]} shapes activation checkpointing, which "
-                             "train.gradient_checkpointing: false turns off; set it to true")
+            raise ValueError(
+                f"train.{changed[0]} shapes activation checkpointing, which "
+                "train.gradient_checkpointing: false turns off; set it to true"
+            )
         if self.offload_checkpoints and self.activation_offloading:
-            raise ValueError("train.offload_checkpoints and train.activation_offloading both move checkpointed inputs "
-                             "to CPU memory; use one (offload_checkpoints moves only the layer inputs, ahead of time)")
+            raise ValueError(
+                "train.offload_checkpoints and train.activation_offloading both move checkpointed inputs "
+                "to CPU memory; use one (offload_checkpoints moves only the layer inputs, ahead of time)"
+            )
         if self.activation_offloading and (self.keep_attention != "none" or self.checkpoint_layers != "all"):
-            raise ValueError("train.activation_offloading offloads every saved activation, kept attention outputs "
-                             "and unchecked layers too; use train.offload_checkpoints with train.checkpoint_layers / "
-                             "train.keep_attention")
+            raise ValueError(
+                "train.activation_offloading offloads every saved activation, kept attention outputs "
+                "and unchecked layers too; use train.offload_checkpoints with train.checkpoint_layers / "
+                "train.keep_attention"
+            )
         return self
 
 
 # SFTConfig arguments longpeft sets itself (trainer.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
-    **{key: f"use {setting}" for key, setting in {
-        "output_dir": "output_dir", "learning_rate": "train.learning_rate",
-        "lr_scheduler_type": "train.lr_scheduler_type", "warmup_steps": "train.warmup_steps",
-        "weight_decay": "train.weight_decay", "adam_beta1": "train.adam_beta1", "adam_beta2": "train.adam_beta2",
-        "optim": "train.optim", "per_device_train_batch_size": "train.per_device_batch_size",
-        "gradient_accumulation_steps": "train.global_batch_size", "num_train_epochs": "train.num_train_epochs",
-        "max_steps": "train.max_steps", "gradient_checkpointing": "train.gradient_checkpointing",
-        "activation_checkpointing": "train.gradient_checkpointing", "save_steps": "train.save_steps",
-        "save_total_limit": "train.save_total_limit", "logging_steps": "train.logging_steps",
-        "max_grad_norm": "train.max_grad_norm", "seed": "train.seed", "data_seed": "train.seed",
-        "max_length": "data.max_length", "assistant_only_loss": "train.assistant_only_loss",
-        "report_to": "train.report_to", "activation_offloading": "train.activation_offloading",
-        "use_liger_kernel": "train.use_liger_kernel",
-        "gradient_checkpointing_kwargs": "train.checkpoint_layers, train.keep_attention and train.offload_checkpoints",
-        "bf16": "model.dtype", "fp16": "model.dtype",
-    }.items()},
+    **{
+        key: f"use {setting}"
+        for key, setting in {
+            "output_dir": "output_dir",
+            "learning_rate": "train.learning_rate",
+            "lr_scheduler_type": "train.lr_scheduler_type",
+            "warmup_steps": "train.warmup_steps",
+            "weight_decay": "train.weight_decay",
+            "adam_beta1": "train.adam_beta1",
+            "adam_beta2": "train.adam_beta2",
+            "optim": "train.optim",
+            "per_device_train_batch_size": "train.per_device_batch_size",
+            "gradient_accumulation_steps": "train.global_batch_size",
+            "num_train_epochs": "train.num_train_epochs",
+            "max_steps": "train.max_steps",
+            "gradient_checkpointing": "train.gradient_checkpointing",
+            "activation_checkpointing": "train.gradient_checkpointing",
+            "save_steps": "train.save_steps",
+            "save_total_limit": "train.save_total_limit",
+            "logging_steps": "train.logging_steps",
+            "max_grad_norm": "train.max_grad_norm",
+            "seed": "train.seed",
+            "data_seed": "train.seed",
+            "max_length": "data.max_length",
+            "assistant_only_loss": "train.assistant_only_loss",
+            "report_to": "train.report_to",
+            "activation_offloading": "train.activation_offloading",
+            "use_liger_kernel": "train.use_liger_kernel",
+            "gradient_checkpointing_kwargs": (
+                "train.checkpoint_layers, train.keep_attention and train.offload_checkpoints"
+            ),
+            "bf16": "model.dtype",
+            "fp16": "model.dtype",
+        }.items()
+    },
     "use_cpu": "it follows the machine (CPU when there is no CUDA)",
     "save_strategy": "checkpoints are written every train.save_steps steps",
     "packing": "TRL packing is not supported (data.utk packs its own sequences)",
@@ -339,8 +376,10 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
     """
     from ..adapters import find_conflicts
 
-    problems = [f"{conflict.second} ({conflict.why})"
-                for conflict in find_conflicts(recipe.method_configs(), {"unsloth": "train.backend: unsloth"})]
+    problems = [
+        f"{conflict.second} ({conflict.why})"
+        for conflict in find_conflicts(recipe.method_configs(), {"unsloth": "train.backend: unsloth"})
+    ]
     if recipe.finetune != "lora":
         problems.append(f"finetune: {recipe.finetune} (LoRA/QLoRA only)")
     if recipe.lora.embeddings == "token_indices":
@@ -349,16 +388,25 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
         problems.append("data.utk (it adds tokens and its own collator)")
     if recipe.train.activation_offloading:
         problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
-    memory = [key for key in ("checkpoint_layers", "keep_attention", "offload_checkpoints", "mlp_tile_tokens",
-                              "use_liger_kernel")
-              if getattr(recipe.train, key) != TrainSection.model_fields[key].default]
+    memory = [
+        key
+        for key in (
+            "checkpoint_layers",
+            "keep_attention",
+            "offload_checkpoints",
+            "mlp_tile_tokens",
+            "use_liger_kernel",
+        )
+        if getattr(recipe.train, key) != TrainSection.model_fields[key].default
+    ]
     if memory:
         problems.append(f"train.{memory[0]} (unsloth checkpoints its own way and picks its own kernels)")
     if recipe.lora.trainable_dtype is not None:
         problems.append("lora.trainable_dtype (unsloth keeps trained weights in the model's dtype)")
     if problems:
-        raise ValueError("train.backend: unsloth does not support " + "; ".join(problems)
-                         + "; use train.backend: transformers")
+        raise ValueError(
+            "train.backend: unsloth does not support " + "; ".join(problems) + "; use train.backend: transformers"
+        )
 
 
 class RecipeBase(Section):
@@ -397,8 +445,9 @@ class RecipeBase(Section):
             except ValidationError:
                 raise ValueError(f"method: {self.method} needs a {self.method} section") from None
         if self.data.format == "text" and self.train.assistant_only_loss:
-            raise ValueError("train.assistant_only_loss needs data.format: messages (plain text has no assistant "
-                             "turns)")
+            raise ValueError(
+                "train.assistant_only_loss needs data.format: messages (plain text has no assistant turns)"
+            )
         if self.train.assistant_only_loss is None:  # the effective value, in plan's output and the run's record
             self.train.assistant_only_loss = self.data.format == "messages"
         if self.data.format == "text" and self.data.source == "demo":
@@ -411,8 +460,10 @@ class RecipeBase(Section):
         check_conflicts(configs, {COLLATOR: "data.utk"} if self.data.utk is not None else {})
         samples = self.long_samples()
         if samples is not None and self.data.format != "text":
-            raise ValueError(f"{samples.setting} skips stretches of text, which would cut a conversation's context "
-                             f"from its answers; use it with data.format: text, or {samples.off}")
+            raise ValueError(
+                f"{samples.setting} skips stretches of text, which would cut a conversation's context "
+                f"from its answers; use it with data.format: text, or {samples.off}"
+            )
         if self.data.utk is not None and self.finetune == "lora" and self.lora.embeddings == "none":
             raise ValueError(
                 "data.utk adds special tokens whose embedding rows must train; set lora.embeddings: full (or "
@@ -421,11 +472,15 @@ class RecipeBase(Section):
         if self.data.utk is not None and self.finetune == "method":
             raise ValueError("data.utk adds special tokens whose embedding rows must train; use finetune: lora")
         if self.finetune in ("full", "method") and self.model.load_in_4bit:
-            raise ValueError(f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
-                             "refuses a quantized model without LoRA); use finetune: lora (QLoRA)")
+            raise ValueError(
+                f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
+                "refuses a quantized model without LoRA); use finetune: lora (QLoRA)"
+            )
         if self.finetune == "method" and all(METHODS[name].weights is None for name in configs):
-            raise ValueError("finetune: method trains the methods' own weights, and this recipe's "
-                             f"{' + '.join(configs)} has none; use finetune: lora or full")
+            raise ValueError(
+                "finetune: method trains the methods' own weights, and this recipe's "
+                f"{' + '.join(configs)} has none; use finetune: lora or full"
+            )
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
         check_trl_keys(self.trl)
@@ -435,8 +490,10 @@ class RecipeBase(Section):
         """The method sections present in the recipe, in registry order, and the implied methods' (RoPE) always."""
         from ..adapters import METHODS
 
-        configs = {name: getattr(self, name, None) or (method.config() if method.implied else None)
-                   for name, method in METHODS.items()}
+        configs = {
+            name: getattr(self, name, None) or (method.config() if method.implied else None)
+            for name, method in METHODS.items()
+        }
         return {name: config for name, config in configs.items() if config is not None}
 
     def long_samples(self) -> LongSamples | None:

@@ -13,10 +13,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import (
-    PreTrainedTokenizerBase,
-    TrainerCallback,
-)
+from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
 from ..errors import ConfigError, DataError, LongpeftError
@@ -55,8 +52,10 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     t = recipe.train
     use_cuda = torch.cuda.is_available()
     if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
-        raise ConfigError("train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, "
-                          "and this machine has no CUDA GPU; set train.activation_offloading: false here")
+        raise ConfigError(
+            "train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, "
+            "and this machine has no CUDA GPU; set train.activation_offloading: false here"
+        )
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(
@@ -76,8 +75,14 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
         activation_offloading=t.activation_offloading,
         # Liger's layer kernels only: the loss stays TRL's fused LM head (Liger's fused loss would replace it)
-        **({"use_liger_kernel": True, "liger_kernel_config": {"fused_linear_cross_entropy": False,
-                                                              "cross_entropy": False}} if t.use_liger_kernel else {}),
+        **(
+            {
+                "use_liger_kernel": True,
+                "liger_kernel_config": {"fused_linear_cross_entropy": False, "cross_entropy": False},
+            }
+            if t.use_liger_kernel
+            else {}
+        ),
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
@@ -96,8 +101,11 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         dataloader_num_workers=0,
         disable_tqdm=False,
         # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
-        **({"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
-           if recipe.data.utk else {}),
+        **(
+            {"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
+            if recipe.data.utk
+            else {}
+        ),
         # Ulysses shards every batch into sp equal slices of the sequence
         **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )
@@ -123,8 +131,9 @@ def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokeni
             label_length=utk.label_length,
         )
         return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
-    context = CollatorContext(pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length,
-                              seed=recipe.train.seed)
+    context = CollatorContext(
+        pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length, seed=recipe.train.seed
+    )
     for method, config in spec_methods(spec):
         if method.training.collator is not None:
             return method.training.collator(config, context)
@@ -172,8 +181,11 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
     when none is left to train on."""
     collator, dataset = trainer.data_collator, trainer.train_dataset
     if isinstance(collator, MethodTrainingLabels) and collator.changes_labels(recipe.data.max_length):
-        scored = [i for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
-                  if (collator([dataset[i]])["labels"][:, 1:] != -100).any()]
+        scored = [
+            i
+            for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
+            if (collator([dataset[i]])["labels"][:, 1:] != -100).any()
+        ]
         if len(scored) < len(dataset):
             trainer.train_dataset = dataset = dataset.select(scored)
     left = len(dataset)
@@ -227,8 +239,12 @@ class KeepRotaryFrequencies(TrainerCallback):
     def __init__(self, model: torch.nn.Module) -> None:
         from ..rope import rotary_modules
 
-        self.saved = [(module, name, getattr(module, name).detach().clone()) for _, _, module in rotary_modules(model)
-                      for name in self.NAMES if isinstance(getattr(module, name, None), torch.Tensor)]
+        self.saved = [
+            (module, name, getattr(module, name).detach().clone())
+            for _, _, module in rotary_modules(model)
+            for name in self.NAMES
+            if isinstance(getattr(module, name, None), torch.Tensor)
+        ]
 
     def on_train_begin(self, args, state, control, **kwargs):
         cast = {}
@@ -238,8 +254,11 @@ class KeepRotaryFrequencies(TrainerCallback):
                 cast[current.dtype] = cast.get(current.dtype, 0) + 1
                 setattr(module, name, value.to(current.device))
         if cast:
-            warnings.warn(f"the model's wrapper cast {sum(cast.values())} rotary frequency buffers to "
-                          f"{', '.join(map(str, cast))}; longpeft put their float32 values back", stacklevel=1)
+            warnings.warn(
+                f"the model's wrapper cast {sum(cast.values())} rotary frequency buffers to "
+                f"{', '.join(map(str, cast))}; longpeft put their float32 values back",
+                stacklevel=1,
+            )
 
 
 class CheckpointLoaded(Exception):
@@ -320,12 +339,16 @@ def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
     except pickle.UnpicklingError:
         if checkpoint is None:
             raise
-        raise DataError(f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
-                        "loading does not run); delete that checkpoint folder to resume from the one before, or "
-                        "start again into a new output_dir") from None
+        raise DataError(
+            f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
+            "loading does not run); delete that checkpoint folder to resume from the one before, or "
+            "start again into a new output_dir"
+        ) from None
     except RuntimeError as error:  # torch's load_state_dict: the recipe builds other shapes than the run's
         if checkpoint is None or "size mismatch" not in str(error):
             raise
         first = next(line.strip() for line in str(error).splitlines() if "size mismatch" in line)
-        raise DataError(f"{checkpoint}: its weights have other shapes than this recipe's model ({first}); resume "
-                        "with the recipe the run started with, or train into a new output_dir") from None
+        raise DataError(
+            f"{checkpoint}: its weights have other shapes than this recipe's model ({first}); resume "
+            "with the recipe the run started with, or train into a new output_dir"
+        ) from None

@@ -38,8 +38,12 @@ from ..errors import ConfigError
 # cuDNN) and the flash-attn package's ops (matched by name, as they register under their own namespace).
 ATTENTION_OPS = tuple(
     packet.default
-    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
     if (packet := getattr(torch.ops.aten, name, None)) is not None
 )
 
@@ -71,8 +75,10 @@ class CheckpointSettings:
 
     def __post_init__(self) -> None:
         if self.checkpointed < 0 or not 0 <= self.keep_attention <= self.checkpointed:
-            raise ConfigError(f"checkpointing: need 0 <= keep_attention ({self.keep_attention}) <= checkpointed "
-                              f"layers ({self.checkpointed})")
+            raise ConfigError(
+                f"checkpointing: need 0 <= keep_attention ({self.keep_attention}) <= checkpointed "
+                f"layers ({self.checkpointed})"
+            )
 
     def describe(self, layers: int) -> str:
         """One line for the run's log, e.g. ``32 of 32 layers checkpointed, attention kept in 24, inputs
@@ -123,8 +129,12 @@ class InputOffloader:
         output = output[0] if isinstance(output, (tuple, list)) else output
         grad_fn = getattr(output, "grad_fn", None)
         storage = tensor.untyped_storage()
-        if grad_fn is None or not tensor.is_contiguous() or tensor.storage_offset() != 0 or \
-                storage.nbytes() != tensor.numel() * tensor.element_size():
+        if (
+            grad_fn is None
+            or not tensor.is_contiguous()
+            or tensor.storage_offset() != 0
+            or storage.nbytes() != tensor.numel() * tensor.element_size()
+        ):
             return
         if tensor.device.type == "cuda":
             out_stream, _ = self._streams_of(tensor.device)
@@ -235,18 +245,21 @@ def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> Input
     """
     layers = decoder_layers(model)
     if not layers:
-        raise ConfigError(f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
-                          "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need "
-                          "them")
+        raise ConfigError(
+            f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
+            "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need "
+            "them"
+        )
     if settings.checkpointed > len(layers):
-        raise ConfigError(f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder "
-                          "layers")
+        raise ConfigError(
+            f"train.checkpoint_layers={settings.checkpointed}: the model has {len(layers)} decoder layers"
+        )
     offloader = InputOffloader() if settings.offload and settings.checkpointed else None
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = index < settings.checkpointed
         if layer.gradient_checkpointing:
             last = index == settings.checkpointed - 1  # its input is the first the backward needs: kept
-            layer._gradient_checkpointing_func = LayerCheckpoint(index < settings.keep_attention,
-                                                                 None if last else offloader)
+            layer._gradient_checkpointing_func = LayerCheckpoint(
+                index < settings.keep_attention, None if last else offloader
+            )
     return offloader
-

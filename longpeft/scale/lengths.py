@@ -39,27 +39,35 @@ class SampleLengths:
 
     def describe(self) -> str:
         """Where the lengths come from, for the planner's time line."""
-        cuts = [f"{self.filtered[key]:,} {what}" for key, what in (
-            ("dropped", "dropped as too long"), ("dropped_short", "dropped as too short"),
-            ("truncated", "cut to the length limit"),
-            ("dropped_without_scored_tokens", "dropped with no scored token left after the cut"))
-            if self.filtered.get(key)]
+        cuts = [
+            f"{self.filtered[key]:,} {what}"
+            for key, what in (
+                ("dropped", "dropped as too long"),
+                ("dropped_short", "dropped as too short"),
+                ("truncated", "cut to the length limit"),
+                ("dropped_without_scored_tokens", "dropped with no scored token left after the cut"),
+            )
+            if self.filtered.get(key)
+        ]
         packed = self.filtered.get("packed_sequences")
         if packed is not None:
             cuts.append(f"documents packed into {packed:,} UtK sequences, UtK's own insertions not counted")
-        return (f"counted in {self.source} with {self.counted_with}; "
-                + (", ".join(cuts) if cuts else "the recipe's length filters dropped none"))
+        return f"counted in {self.source} with {self.counted_with}; " + (
+            ", ".join(cuts) if cuts else "the recipe's length filters dropped none"
+        )
 
 
-def length_histogram(lengths: Sequence[int], max_length: int, sample_flops: Callable[[int], float],
-                     buckets: int = HISTOGRAM_BUCKETS) -> list[dict[str, Any]]:
+def length_histogram(
+    lengths: Sequence[int], max_length: int, sample_flops: Callable[[int], float], buckets: int = HISTOGRAM_BUCKETS
+) -> list[dict[str, Any]]:
     """Samples, tokens and FLOPs per length bucket: ``(max_length / 2, max_length]``, the half below it, ..., and
     ``[1, max_length / 2**(buckets - 1)]`` (longer samples fall in the top bucket). ``sample_flops(n)``: the FLOPs
     of one sample of ``n`` tokens. Rows ``{"low", "high", "samples", "tokens", "flops"}``, longest first; empty
     buckets are kept so the shape shows."""
     edges = [max_length // 2**k for k in range(buckets)] + [0]
-    rows = [{"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0}
-            for k in range(buckets)]
+    rows = [
+        {"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0} for k in range(buckets)
+    ]
     for n in lengths:
         k = next((k for k in range(buckets - 1, -1, -1) if n <= edges[k]), 0)
         rows[k]["samples"] += 1
@@ -74,8 +82,11 @@ def format_histogram(rows: list[dict[str, Any]]) -> list[str]:
     tokens = sum(row["tokens"] for row in rows) or 1
     flops = sum(row["flops"] for row in rows) or 1.0
     lines = [f"{'sample length (tokens)':<24} {'samples':>9} {'tokens':>8} {'FLOPs':>8}"]
-    lines += [f"{row['low']:>10,} - {row['high']:>10,} {row['samples']:>10,} {row['tokens'] / tokens:>8.1%} "
-              f"{row['flops'] / flops:>8.1%}" for row in rows]
+    lines += [
+        f"{row['low']:>10,} - {row['high']:>10,} {row['samples']:>10,} {row['tokens'] / tokens:>8.1%} "
+        f"{row['flops'] / flops:>8.1%}"
+        for row in rows
+    ]
     return lines
 
 
@@ -109,7 +120,7 @@ def group_by_length(permutation: Any, lengths: Sequence[int], step_samples: int)
         raise ValueError(f"step_samples must be >= 1, not {step_samples}")
     sizes = np.asarray(lengths, dtype=np.int64)
     block = max(1, min(len(permutation) // (4 * step_samples), GROUPED_STEPS)) * step_samples
-    blocks = [permutation[i:i + block] for i in range(0, len(permutation), block)]
+    blocks = [permutation[i : i + block] for i in range(0, len(permutation), block)]
     blocks = [rows[np.argsort(-sizes[rows], kind="stable")] for rows in blocks]
     if blocks:
         longest = int(np.argmax([sizes[rows[0]] for rows in blocks]))
@@ -133,8 +144,16 @@ def _rounds(rows: int, per_device_batch: int, data_parallel: int) -> int:
     return _ceil(_ceil(rows, per_device_batch), data_parallel)
 
 
-def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any], steps: int, per_device_batch: int,
-                    data_parallel: int, accumulation: int, seed: int = 0, grouped: bool = False) -> float:
+def ordered_seconds(
+    lengths: Sequence[int],
+    sample_seconds: Callable[[Any], Any],
+    steps: int,
+    per_device_batch: int,
+    data_parallel: int,
+    accumulation: int,
+    seed: int = 0,
+    grouped: bool = False,
+) -> float:
     """Seconds of ``steps`` optimizer steps of data-parallel training over the samples of ``lengths``, taken as the
     Trainer and accelerate take them. Each epoch draws every sample once, in a fresh (seeded) random order, or with
     ``grouped`` in :func:`length_grouped_order`'s order for that epoch, and cuts that order into micro-batches of
@@ -152,8 +171,11 @@ def ordered_seconds(lengths: Sequence[int], sample_seconds: Callable[[Any], Any]
     rng = np.random.default_rng(seed)
     pool = np.asarray(lengths, dtype=np.int64)
     rows, step_samples = len(pool), per_device_batch * data_parallel * accumulation
-    filled = _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch \
-        if data_parallel > 1 else rows
+    filled = (
+        _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch
+        if data_parallel > 1
+        else rows
+    )
     batch = np.arange(filled) // per_device_batch  # each drawn sample's micro-batch
     micro = np.arange(_ceil(filled, per_device_batch))
     per_epoch = epoch_steps(rows, per_device_batch, data_parallel, accumulation)

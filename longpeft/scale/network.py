@@ -52,9 +52,17 @@ def inter_node_traffic(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT
     sent = (reductions + 1) * (processes - 1) / processes * gradient
     seconds = sent / (gbps * 1e9 / 8)
     steps = plan.assumptions["optimizer_steps"]
-    return {"nodes": nodes, "gpus_per_node": processes // nodes, "gbps": gbps, "gradient_bytes": gradient,
-            "reductions_per_step": reductions, "bytes_per_step": sent, "seconds_per_step": seconds,
-            "optimizer_steps": steps, "hours": seconds * steps / 3600}
+    return {
+        "nodes": nodes,
+        "gpus_per_node": processes // nodes,
+        "gbps": gbps,
+        "gradient_bytes": gradient,
+        "reductions_per_step": reductions,
+        "bytes_per_step": sent,
+        "seconds_per_step": seconds,
+        "optimizer_steps": steps,
+        "hours": seconds * steps / 3600,
+    }
 
 
 def add_inter_node(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT_INTER_NODE_GBPS) -> Any:
@@ -70,8 +78,10 @@ def inter_node_lines(traffic: dict[str, Any] | None, compute_hours: float) -> li
     share = traffic["hours"] / compute_hours if compute_hours else math.inf
     reductions = traffic["reductions_per_step"]
     times = "" if reductions == 1 else f", reduced at each of {reductions} micro-batches"
-    return [f"inter-node: {traffic['nodes']} nodes x {traffic['gpus_per_node']} GPUs, gradient all-reduce of "
-            f"{traffic['gradient_bytes'] / 1e9:.2f} GB{times}: {traffic['bytes_per_step'] / 1e9:.2f} GB sent per GPU "
-            f"per optimizer step, {traffic['seconds_per_step']:.3g} s at {traffic['gbps']:g} Gb/s per GPU, "
-            f"{format_duration(traffic['hours'] * 3600)} over {traffic['optimizer_steps']:,} steps ({share:.1%} of "
-            "the compute time, added to it where it does not overlap the backward)"]
+    return [
+        f"inter-node: {traffic['nodes']} nodes x {traffic['gpus_per_node']} GPUs, gradient all-reduce of "
+        f"{traffic['gradient_bytes'] / 1e9:.2f} GB{times}: {traffic['bytes_per_step'] / 1e9:.2f} GB sent per GPU "
+        f"per optimizer step, {traffic['seconds_per_step']:.3g} s at {traffic['gbps']:g} Gb/s per GPU, "
+        f"{format_duration(traffic['hours'] * 3600)} over {traffic['optimizer_steps']:,} steps ({share:.1%} of "
+        "the compute time, added to it where it does not overlap the backward)"
+    ]

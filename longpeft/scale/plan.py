@@ -79,20 +79,28 @@ KNOWN_SHAPES = {
     ),
 }
 # Instruct/chat releases have their base's shape.
-KNOWN_SHAPES.update({
-    "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
-    "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
-    "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
-    "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
-})
+KNOWN_SHAPES.update(
+    {
+        "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
+        "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
+        "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
+        "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
+    }
+)
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO-3 allocates one contiguous gradient bucket of it per GPU
 # (longpeft's launch configs leave it at the default; accelerate writes no "auto" for the Trainer to fill).
 DEEPSPEED_REDUCE_BUCKET = 500_000_000
 # The terms that grow with the tokens (what sequence parallelism splits; 10 % of them count as fragmentation).
-ACTIVATION_TERMS = ("checkpointed layer inputs", "kept attention outputs", "layers not checkpointed",
-                    "one layer's recompute", "all layers' activations",
-                    "eager attention scores", "loss tiles")
+ACTIVATION_TERMS = (
+    "checkpointed layer inputs",
+    "kept attention outputs",
+    "layers not checkpointed",
+    "one layer's recompute",
+    "all layers' activations",
+    "eager attention scores",
+    "loss tiles",
+)
 
 
 @dataclass(frozen=True)
@@ -218,32 +226,47 @@ class Plan:
         if self.sharded:
             shard = f"more GPUs (--launch {launch} divides it by their number)"
         elif self.assumptions.get("can_shard", True):
-            shard = ("--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it "
-                     f"with --launch fsdp2 --gpus {self.gpus})")
+            shard = (
+                "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it "
+                f"with --launch fsdp2 --gpus {self.gpus})"
+            )
         if launch == "ulysses":
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
         elif self.assumptions.get("can_split_sequences", True):
             sequence = "sequence parallelism across GPUs (--launch ulysses)"
         checkpointing = self.assumptions.get("checkpointing", {})
-        offload = None if self.assumptions.get("activation_offloading") or checkpointing.get("offload") else \
-            "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of their layer)"
-        qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)" if finetune in ("full", "method") else (
-            None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
+        offload = (
+            None
+            if self.assumptions.get("activation_offloading") or checkpointing.get("offload")
+            else "train.offload_checkpoints: true "
+            "(the layer inputs wait in CPU memory, fetched back ahead of their layer)"
+        )
+        qlora = (
+            "finetune: lora with model.load_in_4bit: true (QLoRA)"
+            if finetune in ("full", "method")
+            else (None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
+        )
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
-            "one layer's recompute": _either("train.mlp_tile_tokens: 4096 (the MLP's intermediates one tile at a "
-                                             "time)", "a shorter data.max_length", sequence),
+            "one layer's recompute": _either(
+                "train.mlp_tile_tokens: 4096 (the MLP's intermediates one tile at a time)",
+                "a shorter data.max_length",
+                sequence,
+            ),
             "kept attention outputs": "train.keep_attention: auto (keeps what fits) or fewer layers",
             "layers not checkpointed": "train.checkpoint_layers: auto (checkpoints what memory forces) or all",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit "
-                                   "optimizer (train.optim: adamw_bnb_8bit)"
-                                   + ("" if launch in DEEPSPEED_LAUNCHES else
-                                      ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates "
-                                      "below bf16 precision)"),
+            "optimizer (train.optim: adamw_bnb_8bit)"
+            + (
+                ""
+                if launch in DEEPSPEED_LAUNCHES
+                else ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)"
+            ),
             "base weights": _either(shard, qlora),
             "optimizer state and gradients": _either(shard, "finetune: lora"),
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
-            if finetune == "lora" else shard,
+            if finetune == "lora"
+            else shard,
             "gathered layers and LM head": "nothing to gain: the shards are gathered one layer at a time",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
@@ -263,20 +286,27 @@ class Plan:
         lines += [f"{term:<{width}} {value / GiB:>12.2f}" for term, value in self.terms.items()]
         verdict = "fits" if self.fits else "does NOT fit"
         launch = self.assumptions["launch"]
-        lines += [f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
-                  f"{f', --launch {launch}' if launch else ''})",
-                  f"checkpointing: {self.assumptions['checkpointing_summary']}"
-                  + (f" ({self.assumptions['pinned_host_bytes'] / GiB:.1f} GiB of pinned host memory per GPU)"
-                     if self.assumptions.get("pinned_host_bytes") else "")]
+        lines += [
+            f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
+            f"{f', --launch {launch}' if launch else ''})",
+            f"checkpointing: {self.assumptions['checkpointing_summary']}"
+            + (
+                f" ({self.assumptions['pinned_host_bytes'] / GiB:.1f} GiB of pinned host memory per GPU)"
+                if self.assumptions.get("pinned_host_bytes")
+                else ""
+            ),
+        ]
         lines += format_histogram(self.length_histogram) if self.length_histogram else []
-        lines += [f"time: {self.assumptions['time_basis']} = {self.tokens:,} tokens x "
-                  f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
-                  f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
-                  f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
-                  f"{self.assumptions['utilisation']['attention']:.0%} (attention, "
-                  f"{self.assumptions['attention']}) of "
-                  f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
-                  + self._time_ending()]
+        lines += [
+            f"time: {self.assumptions['time_basis']} = {self.tokens:,} tokens x "
+            f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
+            f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
+            f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
+            f"{self.assumptions['utilisation']['attention']:.0%} (attention, "
+            f"{self.assumptions['attention']}) of "
+            f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
+            + self._time_ending()
+        ]
         lines += inter_node_lines(self.assumptions.get("inter_node"), self.hours)
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
@@ -291,8 +321,10 @@ class Plan:
         if a.get("unequal_load_not_counted"):
             ending += "; every GPU equally loaded"
         if a.get("hours_in_order") is not None:
-            ending += (f" (in the order the recipe trains them, {a['order']}, {a['order_waits']}: "
-                       f"{format_duration(a['hours_in_order'] * 3600)})")
+            ending += (
+                f" (in the order the recipe trains them, {a['order']}, {a['order_waits']}: "
+                f"{format_duration(a['hours_in_order'] * 3600)})"
+            )
         return f"{ending} = {format_duration(self.hours * 3600)}"
 
 
@@ -377,8 +409,9 @@ def estimate(
         trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
         if deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
             trained_bytes = dtype_bytes
-        lora_params = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n))
-                                         for n in recipe.lora.target_modules)
+        lora_params = shape.layers * sum(
+            recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules
+        )
         terms["LoRA"] = lora_params * with_state(trained_bytes)
         trainable = trainable_matmul = lora_params
         if recipe.lora.embeddings == "full":
@@ -409,8 +442,16 @@ def estimate(
             method_levers[f"{name} weights"] = method.weights.plan_lever
     checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, launch)
     offloaded = recipe.train.activation_offloading and checkpointing.checkpointed > 0
-    terms.update(activation_terms(shape, checkpointing, activation_tokens, dtype_bytes, recipe.train.mlp_tile_tokens,
-                                  trl_offloading=offloaded))
+    terms.update(
+        activation_terms(
+            shape,
+            checkpointing,
+            activation_tokens,
+            dtype_bytes,
+            recipe.train.mlp_tile_tokens,
+            trl_offloading=offloaded,
+        )
+    )
     if recipe.model.attn_implementation == "eager":  # scores and probabilities; every layer's without checkpointing
         layers_kept = 1 + shape.layers - checkpointing.checkpointed if checkpointing.checkpointed else shape.layers
         terms["eager attention scores"] = layers_kept * batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
@@ -420,16 +461,23 @@ def estimate(
             if term not in ACTIVATION_TERMS:
                 kept = whole.get(term, 0)
                 terms[term] = kept + -(-(terms[term] - kept) // shards)
-        layer_bytes = (shape.linear_params // shape.layers * linear_bytes
-                       + (lora_params + method_params) // shape.layers * dtype_bytes)
+        layer_bytes = (
+            shape.linear_params // shape.layers * linear_bytes
+            + (lora_params + method_params) // shape.layers * dtype_bytes
+        )
         # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
         head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" and not deepspeed else dtype_bytes)
         trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
-            method_params // shape.layers)
-        trained_embedding = (shape.vocab * shape.hidden
-                             if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0)
-        unsharded_gradients = max(trained_layer * dtype_bytes, trained_embedding * dtype_bytes,
-                                  head_bytes if recipe.finetune == "full" else 0)
+            method_params // shape.layers
+        )
+        trained_embedding = (
+            shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
+        )
+        unsharded_gradients = max(
+            trained_layer * dtype_bytes,
+            trained_embedding * dtype_bytes,
+            head_bytes if recipe.finetune == "full" else 0,
+        )
         terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
         if deepspeed:  # one contiguous gradient bucket, in the compute dtype
             terms["DeepSpeed reduce bucket"] = DEEPSPEED_REDUCE_BUCKET * dtype_bytes
@@ -454,37 +502,60 @@ def estimate(
     rows_from = "--samples" if samples is not None else None
     if samples is None:
         samples, rows_from = (len(lengths), "") if lengths else _samples(recipe)
-    trained_samples = (recipe.train.max_steps * recipe.train.global_batch_size if recipe.train.max_steps > 0
-                       else round(samples * recipe.train.num_train_epochs))
+    trained_samples = (
+        recipe.train.max_steps * recipe.train.global_batch_size
+        if recipe.train.max_steps > 0
+        else round(samples * recipe.train.num_train_epochs)
+    )
     data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
     # the Trainer's optimizer steps: each epoch's last one may take fewer samples
-    optimizer_steps = recipe.train.max_steps if recipe.train.max_steps > 0 else math.ceil(
-        recipe.train.num_train_epochs * epoch_steps(samples, batch, data_parallel, accumulation))
+    optimizer_steps = (
+        recipe.train.max_steps
+        if recipe.train.max_steps > 0
+        else math.ceil(recipe.train.num_train_epochs * epoch_steps(samples, batch, data_parallel, accumulation))
+    )
     # the Trainer cycles through the data: every sample as often, a partial pass at the samples' mean
     counted = len(lengths) or 1
-    total, total_square = (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample,
-                                                                                       tokens_per_sample**2)
+    total, total_square = (
+        (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample, tokens_per_sample**2)
+    )
     attention_per_square = attention_per_position * causal_share  # a sample of n tokens: n**2 times this
     planned_tokens = trained_samples * total / counted
     attention_total = attention_per_square * (trained_samples * total_square / counted)
     attention_flops = attention_total / planned_tokens
     flops_per_token = matmul_flops + attention_flops
     tokens = round(planned_tokens)
-    histogram = length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops
-                                 + attention_per_square * n * n) if lengths else []
+    histogram = (
+        length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
+        if lengths
+        else []
+    )
     utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
-    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"]
-               + attention_total / utilisation["attention"]) / (gpus * peak)
+    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
+        gpus * peak
+    )
     in_order = None
     if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
 
         def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
-            return (n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n
-                    / utilisation["attention"]) / (sequence_shards * peak)
+            return (
+                n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
+            ) / (sequence_shards * peak)
 
-        in_order = ordered_seconds(lengths, sample_seconds, optimizer_steps, batch, data_parallel, accumulation,
-                                   seed=recipe.train.seed, grouped=recipe.train.group_by_length) / 3600
+        in_order = (
+            ordered_seconds(
+                lengths,
+                sample_seconds,
+                optimizer_steps,
+                batch,
+                data_parallel,
+                accumulation,
+                seed=recipe.train.seed,
+                grouped=recipe.train.group_by_length,
+            )
+            / 3600
+        )
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -495,30 +566,50 @@ def estimate(
         hours=seconds / 3600,
         method_levers=method_levers,
         length_histogram=histogram,
-        assumptions={"gpu": gpu, "peak_tflops": GPU_PEAK_TFLOPS[gpu], "utilisation": utilisation,
-                     "attention": recipe.model.attn_implementation, "samples": samples,
-                     "tokens_per_sample": tokens_per_sample, "per_device_batch": batch, "trainable_params": trainable,
-                     "trained_samples": trained_samples, "optimizer_steps": optimizer_steps,
-                     "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
-                     **_time_caveats(batch, data_parallel, lengths, recipe.train.group_by_length),
-                     "hours_in_order": in_order,
-                     "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} "
-                                        f"({with_state(trained_bytes)} bytes/param with AdamW)",
-                     "finetune": recipe.finetune,
-                     "load_in_4bit": recipe.model.load_in_4bit, "activation_offloading": offloaded,
-                     "checkpointing": asdict(checkpointing),
-                     # train.offload_checkpoints: every checkpointed input but the last waits in pinned host memory
-                     "pinned_host_bytes": max(checkpointing.checkpointed - 1, 0) * activation_tokens * shape.hidden
-                     * dtype_bytes if checkpointing.offload else 0,
-                     "checkpointing_summary": checkpointing.describe(shape.layers),
-                     "launch": launch, "sequence_parallel": sequence_shards,
-                     "can_shard": _allowed(check_sharded, recipe, "sharding"),
-                     "can_split_sequences": _allowed(check_sequence_parallel, recipe)},
+        assumptions={
+            "gpu": gpu,
+            "peak_tflops": GPU_PEAK_TFLOPS[gpu],
+            "utilisation": utilisation,
+            "attention": recipe.model.attn_implementation,
+            "samples": samples,
+            "tokens_per_sample": tokens_per_sample,
+            "per_device_batch": batch,
+            "trainable_params": trainable,
+            "trained_samples": trained_samples,
+            "optimizer_steps": optimizer_steps,
+            "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
+            **_time_caveats(batch, data_parallel, lengths, recipe.train.group_by_length),
+            "hours_in_order": in_order,
+            "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} "
+            f"({with_state(trained_bytes)} bytes/param with AdamW)",
+            "finetune": recipe.finetune,
+            "load_in_4bit": recipe.model.load_in_4bit,
+            "activation_offloading": offloaded,
+            "checkpointing": asdict(checkpointing),
+            # train.offload_checkpoints: every checkpointed input but the last waits in pinned host memory
+            "pinned_host_bytes": max(checkpointing.checkpointed - 1, 0)
+            * activation_tokens
+            * shape.hidden
+            * dtype_bytes
+            if checkpointing.offload
+            else 0,
+            "checkpointing_summary": checkpointing.describe(shape.layers),
+            "launch": launch,
+            "sequence_parallel": sequence_shards,
+            "can_shard": _allowed(check_sharded, recipe, "sharding"),
+            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
+        },
     )
 
 
-def activation_terms(shape: ModelShape, checkpointing: CheckpointSettings, tokens: int, dtype_bytes: int,
-                     mlp_tile_tokens: int | None = None, trl_offloading: bool = False) -> dict[str, int]:
+def activation_terms(
+    shape: ModelShape,
+    checkpointing: CheckpointSettings,
+    tokens: int,
+    dtype_bytes: int,
+    mlp_tile_tokens: int | None = None,
+    trl_offloading: bool = False,
+) -> dict[str, int]:
     """The memory terms of the decoder layers' activations, in bytes, for ``tokens`` tokens on one GPU.
 
     One layer's activations per token: the attention projections (q, k, v, the attention output, o's input:
@@ -551,8 +642,13 @@ def activation_terms(shape: ModelShape, checkpointing: CheckpointSettings, token
     return terms
 
 
-def recompute_flops(shape: ModelShape, checkpointing: CheckpointSettings, layer_matmul_params: int, tokens: int,
-                    mlp_tile_tokens: int | None = None) -> float:
+def recompute_flops(
+    shape: ModelShape,
+    checkpointing: CheckpointSettings,
+    layer_matmul_params: int,
+    tokens: int,
+    mlp_tile_tokens: int | None = None,
+) -> float:
     """Matmul FLOPs per token that checkpointing adds: the checkpointed layers' forward again (``2`` per matmul
     parameter of those layers). A tiled MLP in a layer that is not checkpointed runs its forward again in its
     backward; in a checkpointed one the recompute stops before the tiles (:mod:`.tiling`), so nothing is added."""
@@ -562,8 +658,14 @@ def recompute_flops(shape: ModelShape, checkpointing: CheckpointSettings, layer_
     return flops
 
 
-def resolve_checkpointing(recipe: Any, shape: ModelShape, gpus: int = 1, gpu_memory_gib: float = 80.0,
-                          gpu: str = "h100", launch: str | None = None) -> CheckpointSettings:
+def resolve_checkpointing(
+    recipe: Any,
+    shape: ModelShape,
+    gpus: int = 1,
+    gpu_memory_gib: float = 80.0,
+    gpu: str = "h100",
+    launch: str | None = None,
+) -> CheckpointSettings:
     """The recipe's ``train.checkpoint_layers`` / ``keep_attention`` / ``offload_checkpoints`` on a model of
     ``shape``, with ``auto`` chosen by :func:`choose_checkpointing` within ``train.memory_budget_gib`` (default:
     95 % of ``gpu_memory_gib``)."""
@@ -590,8 +692,13 @@ def resolve_checkpointing(recipe: Any, shape: ModelShape, gpus: int = 1, gpu_mem
     return choose_checkpointing(plan_of, settings, budget, vary_layers, vary_attention)
 
 
-def choose_checkpointing(plan_of: Callable[[CheckpointSettings], Plan], start: CheckpointSettings, budget_bytes: float,
-                         vary_layers: bool, vary_attention: bool) -> CheckpointSettings:
+def choose_checkpointing(
+    plan_of: Callable[[CheckpointSettings], Plan],
+    start: CheckpointSettings,
+    budget_bytes: float,
+    vary_layers: bool,
+    vary_attention: bool,
+) -> CheckpointSettings:
     """Keep what memory allows, starting from ``start``: one step at a time, take the change that saves the most
     time per byte of peak memory among keeping one more layer's attention outputs (``vary_attention``) and
     checkpointing one layer fewer (``vary_layers``), while the planned peak (``plan_of(settings).peak_bytes``)
@@ -622,9 +729,16 @@ def choose_checkpointing(plan_of: Callable[[CheckpointSettings], Plan], start: C
         _, current, plan = best
 
 
-def longest_fitting(recipe: Any, gpus: int = 1, gpu_memory_gib: float = 80.0, gpu: str = "h100",
-                    shape: ModelShape | None = None, launch: str | None = None, step: int = 1024,
-                    limit: int = 1 << 24) -> tuple[int, Plan]:
+def longest_fitting(
+    recipe: Any,
+    gpus: int = 1,
+    gpu_memory_gib: float = 80.0,
+    gpu: str = "h100",
+    shape: ModelShape | None = None,
+    launch: str | None = None,
+    step: int = 1024,
+    limit: int = 1 << 24,
+) -> tuple[int, Plan]:
     """The longest sample (a multiple of ``step`` tokens, up to ``limit``) whose planned peak fits in
     ``gpu_memory_gib``, with the recipe's settings (``auto`` choices re-made at each length), and its plan; ``(0,
     plan at step tokens)`` when not even ``step`` tokens fit."""
@@ -632,8 +746,9 @@ def longest_fitting(recipe: Any, gpus: int = 1, gpu_memory_gib: float = 80.0, gp
 
     def plan_at(tokens: int) -> Plan:
         data = recipe.data.model_copy(update={"max_length": tokens})
-        return estimate(recipe.model_copy(update={"data": data}), gpus, gpu_memory_gib, gpu, samples=1, shape=shape,
-                        launch=launch)
+        return estimate(
+            recipe.model_copy(update={"data": data}), gpus, gpu_memory_gib, gpu, samples=1, shape=shape, launch=launch
+        )
 
     low, high = 0, limit // step  # in steps: low fits (or is 0), high + 1 does not
     while low < high:
@@ -652,8 +767,11 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
     measured = MEASURED_UTILISATION[gpu]
     matmuls = measured["matmuls"][four_bit]
-    return {"matmuls": matmuls, "attention": measured["attention"].get(attention, matmuls),
-            "source": "measured on an H100"}
+    return {
+        "matmuls": matmuls,
+        "attention": measured["attention"].get(attention, matmuls),
+        "source": "measured on an H100",
+    }
 
 
 def _samples(recipe: Any) -> tuple[int, str]:
@@ -680,8 +798,9 @@ def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: S
         how = f"train.max_steps={recipe.train.max_steps} x global batch {recipe.train.global_batch_size}"
     else:
         epochs = recipe.train.num_train_epochs
-        how = (f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows"
-               + (f" ({rows_from})" if rows_from else ""))
+        how = f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows" + (
+            f" ({rows_from})" if rows_from else ""
+        )
     if lengths is not None and lengths.lengths:
         counted = len(lengths.lengths)
         if rows != counted:
@@ -692,8 +811,7 @@ def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: S
             cycling = ""
         return f"{trained:,} samples ({how}) at their own lengths ({lengths.describe()}{cycling})"
     why = lengths.unknown if lengths is not None else "no sample lengths given"
-    return (f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; "
-            f"{why})")
+    return f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; {why})"
 
 
 def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...], grouped: bool) -> dict[str, Any]:
@@ -707,7 +825,11 @@ def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...], grou
         waits.append("each step waits for its slowest GPU")
     if padding:
         waits.append("each batch is padded to its longest sample")
-    return {"padding_not_counted": padding, "unequal_load_not_counted": unequal_load,
-            "order": "grouped by length (train.group_by_length)" if grouped else
-                     "random (the Trainer's default; train.group_by_length: true groups them)",
-            "order_waits": " and ".join(waits)}
+    return {
+        "padding_not_counted": padding,
+        "unequal_load_not_counted": unequal_load,
+        "order": "grouped by length (train.group_by_length)"
+        if grouped
+        else "random (the Trainer's default; train.group_by_length: true groups them)",
+        "order_waits": " and ".join(waits),
+    }

@@ -51,7 +51,7 @@ class _TiledMLP(torch.autograd.Function):
         device = x.device.type
         ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
         with torch.no_grad():
-            tiles = [forward(x[:, start:start + tile_tokens]) for start in range(0, x.shape[1], tile_tokens)]
+            tiles = [forward(x[:, start : start + tile_tokens]) for start in range(0, x.shape[1], tile_tokens)]
         return torch.cat(tiles, dim=1)
 
     @staticmethod
@@ -65,8 +65,7 @@ class _TiledMLP(torch.autograd.Function):
             with torch.enable_grad(), torch.autocast(device, dtype=autocast_dtype, enabled=autocast_enabled):
                 tile = x[:, start:stop].detach().requires_grad_(True)
                 output = ctx.forward(tile)
-            grads = torch.autograd.grad(output, [tile, *ctx.parameters], grad_output[:, start:stop],
-                                        allow_unused=True)
+            grads = torch.autograd.grad(output, [tile, *ctx.parameters], grad_output[:, start:stop], allow_unused=True)
             grad_x[:, start:stop] = grads[0]
             for index, grad in enumerate(grads[1:]):
                 if grad is not None:
@@ -94,8 +93,9 @@ class TiledMLPForward:
 def _mlp_of(layer: nn.Module) -> nn.Module:
     mlp = getattr(layer, "mlp", None)
     if not isinstance(mlp, nn.Module):
-        raise ConfigError(f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to "
-                          "tile")
+        raise ConfigError(
+            f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile"
+        )
     return mlp
 
 
@@ -125,5 +125,7 @@ def remove_tiled_mlp(model: nn.Module) -> None:
 
 def is_tiled(model: nn.Module) -> bool:
     """Whether :func:`apply_tiled_mlp` is active on ``model``."""
-    return any(isinstance(getattr(getattr(layer, "mlp", None), "forward", None), TiledMLPForward)
-               for layer in decoder_layers(model))
+    return any(
+        isinstance(getattr(getattr(layer, "mlp", None), "forward", None), TiledMLPForward)
+        for layer in decoder_layers(model)
+    )

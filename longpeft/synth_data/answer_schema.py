@@ -52,8 +52,10 @@ class OutputSchema:
 
     def response_format(self) -> dict[str, Any]:
         """The ``response_format`` request field asking for this schema (strict structured output)."""
-        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.wire_schema(),
-                                                       "strict": True}}
+        return {
+            "type": "json_schema",
+            "json_schema": {"name": self.name, "schema": self.wire_schema(), "strict": True},
+        }
 
     def validate(self, value: Any) -> None:
         """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks
@@ -88,8 +90,9 @@ def _without(schema: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any
 def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
     kind = schema["type"]
     if not isinstance(value, _PY_TYPES[kind]):
-        raise MalformedOutput(f"{path}: expected {'an' if kind[0] in 'ao' else 'a'} {kind}, got "
-                              f"{type(value).__name__} {_short(value)}")
+        raise MalformedOutput(
+            f"{path}: expected {'an' if kind[0] in 'ao' else 'a'} {kind}, got {type(value).__name__} {_short(value)}"
+        )
     if kind == "object":
         for key, sub in schema.get("properties", {}).items():
             if key in value:
@@ -103,8 +106,9 @@ def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
         for index, item in enumerate(value):
             _validate(item, schema["items"], f"{path}[{index}]")
     elif len(value.strip()) < schema.get("minLength", 0):
-        raise MalformedOutput(f"{path}: empty string" if not value.strip() else
-                              f"{path}: shorter than {schema['minLength']} characters")
+        raise MalformedOutput(
+            f"{path}: empty string" if not value.strip() else f"{path}: shorter than {schema['minLength']} characters"
+        )
 
 
 def _short(value: Any) -> str:
@@ -116,14 +120,16 @@ NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
 
 
 def _list_of(name: str, item_fields: dict[str, dict[str, Any]]) -> OutputSchema:
-    item = {"type": "object", "properties": item_fields, "required": list(item_fields),
-            "additionalProperties": False}
-    return OutputSchema(name, {
-        "type": "object",
-        "properties": {name: {"type": "array", "items": item, "minItems": 1}},
-        "required": [name],
-        "additionalProperties": False,
-    })
+    item = {"type": "object", "properties": item_fields, "required": list(item_fields), "additionalProperties": False}
+    return OutputSchema(
+        name,
+        {
+            "type": "object",
+            "properties": {name: {"type": "array", "items": item, "minItems": 1}},
+            "required": [name],
+            "additionalProperties": False,
+        },
+    )
 
 
 QA_PAIRS = _list_of("qa_pairs", {"question": NON_EMPTY_TEXT, "answer": NON_EMPTY_TEXT})

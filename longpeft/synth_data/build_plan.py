@@ -67,9 +67,12 @@ class BuildPlan:
     def input_tokens(self) -> int:
         return sum(task.input_tokens for task in self.tasks.values())
 
-    def time_limits(self, output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
-                    tokens_per_minute: float | None = None, requests_per_minute: float | None = None
-                    ) -> dict[str, float]:
+    def time_limits(
+        self,
+        output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
+        tokens_per_minute: float | None = None,
+        requests_per_minute: float | None = None,
+    ) -> dict[str, float]:
         """Seconds each limit allows the uncached requests to take, by limit: ``concurrency`` (always),
         ``tokens per minute`` and ``requests per minute`` (when given). The build takes about the largest."""
         unsent_input = sum(task.input_tokens - task.cached_input_tokens for task in self.tasks.values())
@@ -82,46 +85,69 @@ class BuildPlan:
             limits["requests per minute"] = 60 * self.to_send / requests_per_minute
         return limits
 
-    def report(self, output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
-               tokens_per_minute: float | None = None, requests_per_minute: float | None = None) -> str:
+    def report(
+        self,
+        output_tokens_per_second: float = OUTPUT_TOKENS_PER_SECOND,
+        tokens_per_minute: float | None = None,
+        requests_per_minute: float | None = None,
+    ) -> str:
         """The plan as text: requests and tokens per task, then the time under each limit and the estimate."""
         out = self.output_tokens_per_request
-        lines = [f"longpeft synth --plan: {self.conversations:,} contexts planned, {self.requests:,} requests to "
-                 f"{self.model}; nothing was sent",
-                 f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}"]
+        lines = [
+            f"longpeft synth --plan: {self.conversations:,} contexts planned, {self.requests:,} requests to "
+            f"{self.model}; nothing was sent",
+            f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}",
+        ]
         for name, task in self.tasks.items():
-            lines.append(f"{name:<15} {task.requests:>9,} {task.input_tokens:>14,} {task.requests * out:>14,} "
-                         f"{task.cached:>9,}")
-        lines.append(f"{'total':<15} {self.requests:>9,} {self.input_tokens:>14,} {self.requests * out:>14,} "
-                     f"{self.requests - self.to_send:>9,}")
-        lines.append(f"input tokens: the messages' contents counted with {self.counted_with} (the endpoint's "
-                     f"tokenizer counts differently); output tokens: {out:,} per request ({self.output_tokens_from}); "
-                     f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
-                     "attempts, and failed calls are retried: not counted)")
+            lines.append(
+                f"{name:<15} {task.requests:>9,} {task.input_tokens:>14,} {task.requests * out:>14,} {task.cached:>9,}"
+            )
+        lines.append(
+            f"{'total':<15} {self.requests:>9,} {self.input_tokens:>14,} {self.requests * out:>14,} "
+            f"{self.requests - self.to_send:>9,}"
+        )
+        lines.append(
+            f"input tokens: the messages' contents counted with {self.counted_with} (the endpoint's "
+            f"tokenizer counts differently); output tokens: {out:,} per request ({self.output_tokens_from}); "
+            f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
+            "attempts, and failed calls are retried: not counted)"
+        )
         for task, reasons in self.skipped.items():
-            lines.append(f"skipped while planning ({task}): "
-                         + ", ".join(f"{n} {reason}" for reason, n in reasons.items()))
+            lines.append(
+                f"skipped while planning ({task}): " + ", ".join(f"{n} {reason}" for reason, n in reasons.items())
+            )
         limits = self.time_limits(output_tokens_per_second, tokens_per_minute, requests_per_minute)
-        given = {"concurrency": f"{self.concurrency} requests in flight, each decoding {output_tokens_per_second:g} "
-                                "output tokens/s" + ("" if output_tokens_per_second != OUTPUT_TOKENS_PER_SECOND else
-                                                     " (assumed; --output-tokens-per-second)"),
-                 "tokens per minute": f"{tokens_per_minute:,.0f} tokens/min (input and output)" if tokens_per_minute
-                 else "", "requests per minute": f"{requests_per_minute:,.0f} requests/min" if requests_per_minute
-                 else ""}
+        given = {
+            "concurrency": f"{self.concurrency} requests in flight, each decoding {output_tokens_per_second:g} "
+            "output tokens/s"
+            + (
+                ""
+                if output_tokens_per_second != OUTPUT_TOKENS_PER_SECOND
+                else " (assumed; --output-tokens-per-second)"
+            ),
+            "tokens per minute": f"{tokens_per_minute:,.0f} tokens/min (input and output)"
+            if tokens_per_minute
+            else "",
+            "requests per minute": f"{requests_per_minute:,.0f} requests/min" if requests_per_minute else "",
+        }
         slowest = max(limits, key=limits.get)
         for limit, seconds in limits.items():
             mark = "   <- the limit" if limit == slowest else ""
             lines.append(f"time at {given[limit]}: {format_duration(seconds)}{mark}")
         if len(limits) == 1:
-            lines.append("no rate limit given: --tokens-per-minute and --requests-per-minute (your endpoint's "
-                         "limits) bound the time too")
-        lines.append(f"estimate: {format_duration(limits[slowest])} for the {self.to_send:,} requests not in the "
-                     "cache")
+            lines.append(
+                "no rate limit given: --tokens-per-minute and --requests-per-minute (your endpoint's "
+                "limits) bound the time too"
+            )
+        lines.append(
+            f"estimate: {format_duration(limits[slowest])} for the {self.to_send:,} requests not in the cache"
+        )
         return "\n".join(lines)
 
 
-def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
-               output_tokens: int | None = None) -> BuildPlan:
+def plan_build(
+    config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, output_tokens: int | None = None
+) -> BuildPlan:
     """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir`` without calling the LLM
     and without writing anything: see the module docstring.
 
@@ -136,15 +162,25 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
     from .qa import ProceduralAnswerer, job_request
 
     if config.answerer != "llm":
-        raise ConfigError("longpeft synth --plan: this config's answerer is procedural, which calls no LLM (exact QA "
-                          "offline); set answerer: llm (--answerer llm) to plan an LLM build")
+        raise ConfigError(
+            "longpeft synth --plan: this config's answerer is procedural, which calls no LLM (exact QA "
+            "offline); set answerer: llm (--answerer llm) to plan an LLM build"
+        )
     if output_tokens is None and config.llm.max_tokens is None:
-        raise ConfigError("longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
-                          "--output-tokens N (the completion tokens you expect per request)")
+        raise ConfigError(
+            "longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
+            "--output-tokens N (the completion tokens you expect per request)"
+        )
     files = load_documents(config.source.paths) if config.source.kind == "files" else None
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
-    builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), config.length, config.context_template, config.seed,
-                                 show_progress=config.progress)  # the answerer is never asked: planning only
+    builder = LongContextBuilder(
+        tokenizer,
+        ProceduralAnswerer(),
+        config.length,
+        config.context_template,
+        config.seed,
+        show_progress=config.progress,
+    )  # the answerer is never asked: planning only
     plans = plan_contexts(config, builder, files)
     cache = ResponseCache(Path(out_dir) / CACHE_DIR)
     llm, sampling = config.llm, sampling_params(config.llm)
@@ -161,10 +197,15 @@ def plan_build(config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase |
             task.cached += 1
             task.cached_input_tokens += tokens
     return BuildPlan(
-        tasks=tasks, conversations=len(plans),
+        tasks=tasks,
+        conversations=len(plans),
         output_tokens_per_request=output_tokens if output_tokens is not None else llm.max_tokens,
-        output_tokens_from="--output-tokens" if output_tokens is not None else
-        "llm.max_tokens, an upper bound; --output-tokens N for your expectation",
-        counted_with=f"the tokenizer {config.tokenizer}", model=llm.model, concurrency=llm.max_concurrency,
-        max_parse_attempts=llm.max_parse_attempts, skipped=builder.report.to_dict()["skipped"],
+        output_tokens_from="--output-tokens"
+        if output_tokens is not None
+        else "llm.max_tokens, an upper bound; --output-tokens N for your expectation",
+        counted_with=f"the tokenizer {config.tokenizer}",
+        model=llm.model,
+        concurrency=llm.max_concurrency,
+        max_parse_attempts=llm.max_parse_attempts,
+        skipped=builder.report.to_dict()["skipped"],
     )

@@ -249,8 +249,14 @@ class LongContextBuilder:
                 while start < end and document.text[start].isspace():
                     start += 1
                 spans.append([start, end])
-                jobs.append(QAJob("single_detail", [Passage(document, start, end)], questions_per_chunk,
-                                  seed=rng.randrange(2**31)))
+                jobs.append(
+                    QAJob(
+                        "single_detail",
+                        [Passage(document, start, end)],
+                        questions_per_chunk,
+                        seed=rng.randrange(2**31),
+                    )
+                )
             plans.append(ContextPlan("single_detail", [context], jobs, context.text, {"chunks": spans}))
         self.report.requested["single_detail"] += contexts
         return plans
@@ -258,8 +264,12 @@ class LongContextBuilder:
     def plan_multi_detail(self, documents: Sequence[Document], contexts: int, questions: int = 5) -> list[ContextPlan]:
         """Questions that aggregate details from several places of one long document."""
         plans = [
-            ContextPlan("multi_detail", [context], [QAJob("multi_detail", [context], questions, rng.randrange(2**31))],
-                        context.text)
+            ContextPlan(
+                "multi_detail",
+                [context],
+                [QAJob("multi_detail", [context], questions, rng.randrange(2**31))],
+                context.text,
+            )
             for _, context, _, rng in self._long_contexts("multi_detail", documents, contexts)
         ]
         self.report.requested["multi_detail"] += contexts
@@ -268,8 +278,9 @@ class LongContextBuilder:
     def plan_biography(self, documents: Sequence[Document], contexts: int, characters: int = 3) -> list[ContextPlan]:
         """One "write a biography of X" turn per main character of each book."""
         plans = [
-            ContextPlan("biography", [context], [QAJob("biography", [context], characters, rng.randrange(2**31))],
-                        context.text)
+            ContextPlan(
+                "biography", [context], [QAJob("biography", [context], characters, rng.randrange(2**31))], context.text
+            )
             for _, context, _, rng in self._long_contexts("biography", documents, contexts)
         ]
         self.report.requested["biography"] += contexts
@@ -415,7 +426,12 @@ def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int 
 
 
 def procedural_long_documents(
-    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, progress: bool = False,
+    counter: TokenCounter,
+    task: str,
+    count: int,
+    length: LengthConfig,
+    seed: int,
+    progress: bool = False,
     **options: Any,
 ) -> list[Document]:
     """``count`` procedural documents long enough for any context length of ``length``.
@@ -426,14 +442,19 @@ def procedural_long_documents(
         options = {"kind": "story", "n_characters": 5, **options}
     rng = random.Random(f"{seed}/{task}/documents")
     return [
-        procedural_document(counter, length.max_tokens + 64, seed=rng.randrange(2**31),
-                            doc_id=f"{task}-doc-{i}", **options)
+        procedural_document(
+            counter, length.max_tokens + 64, seed=rng.randrange(2**31), doc_id=f"{task}-doc-{i}", **options
+        )
         for i in tqdm(range(count), desc=f"{task} documents", unit="doc", disable=not progress)
     ]
 
 
 def procedural_cluster_pool(
-    counter: TokenCounter, contexts: int, docs_per_context: int, length: LengthConfig, seed: int,
+    counter: TokenCounter,
+    contexts: int,
+    docs_per_context: int,
+    length: LengthConfig,
+    seed: int,
     progress: bool = False,
 ) -> list[Document]:
     """Shorter procedural documents on a few topics, enough to pack ``contexts`` heterogeneous contexts."""
@@ -446,8 +467,16 @@ def procedural_cluster_pool(
     for c in tqdm(range(contexts), desc="heterogeneous documents", unit="context", disable=not progress):
         topic = topics[c % len(topics)]
         for d in range(docs_per_context + 1):
-            pool.append(procedural_document(counter, doc_tokens, seed=rng.randrange(2**31), topic=topic,
-                                            doc_id=f"heterogeneous-doc-{c}-{d}", n_characters=1))
+            pool.append(
+                procedural_document(
+                    counter,
+                    doc_tokens,
+                    seed=rng.randrange(2**31),
+                    topic=topic,
+                    doc_id=f"heterogeneous-doc-{c}-{d}",
+                    n_characters=1,
+                )
+            )
     return pool
 
 

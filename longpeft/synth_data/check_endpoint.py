@@ -21,8 +21,10 @@ from .llm_output import MalformedOutput
 from .llm_request import LLMConfig, LLMRunAborted
 from .qa import Passage, QAJob, job_request, parse_qa_pairs
 
-CHECK_TEXT = ("The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
-              "until 1903, when it was converted to electricity.")
+CHECK_TEXT = (
+    "The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
+    "until 1903, when it was converted to electricity."
+)
 CHECK_MAX_TOKENS = 256  # a one-question answer fits; a slow endpoint shows in the latency, not in a long answer
 
 
@@ -59,32 +61,54 @@ class EndpointCheck:
     def report(self) -> str:
         config, info = self.config, self.info
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
-        lines = [f"endpoint    {config.base_url}",
-                 f"model       {config.model} (answered as {self.answered_model!r}{listed})",
-                 f"latency     {self.latency_s:.2f} s for a one-question request ({self.completion_tokens} completion "
-                 "tokens)"]
+        lines = [
+            f"endpoint    {config.base_url}",
+            f"model       {config.model} (answered as {self.answered_model!r}{listed})",
+            f"latency     {self.latency_s:.2f} s for a one-question request ({self.completion_tokens} completion "
+            "tokens)",
+        ]
         if self.structured_refusal is None:
             structured = f"yes: {self.structured_sent} accepted"
         else:
-            then = {"auto": "llm.structured=auto falls back to the prompt's JSON contract",
-                    "off": "llm.structured=off does not ask for it"}.get(
-                config.structured, f"llm.structured={config.structured} would stop the run: set auto or off")
+            then = {
+                "auto": "llm.structured=auto falls back to the prompt's JSON contract",
+                "off": "llm.structured=off does not ask for it",
+            }.get(config.structured, f"llm.structured={config.structured} would stop the run: set auto or off")
             structured = f"no: {self.structured_sent} refused ({self.structured_refusal}); {then}"
         lines.append(f"structured  {structured}")
-        lines.append("answer      " + ("passes the builders' parser" if self.parse_error is None else
-                                       f"fails the builders' parser: {self.parse_error}"))
+        lines.append(
+            "answer      "
+            + (
+                "passes the builders' parser"
+                if self.parse_error is None
+                else f"fails the builders' parser: {self.parse_error}"
+            )
+        )
         if info.context_tokens is not None:
-            lines.append(f"context     {info.context_tokens} tokens ({info.context_source})"
-                         + (f"; llm.context_tokens={config.context_tokens} is used instead"
-                            if config.context_tokens is not None else ""))
+            lines.append(
+                f"context     {info.context_tokens} tokens ({info.context_source})"
+                + (
+                    f"; llm.context_tokens={config.context_tokens} is used instead"
+                    if config.context_tokens is not None
+                    else ""
+                )
+            )
         else:
-            lines.append("context     not reported" + ("" if config.context_tokens is not None else
-                                                       ": set llm.context_tokens to refuse longer prompts before "
-                                                       "sending"))
+            lines.append(
+                "context     not reported"
+                + (
+                    ""
+                    if config.context_tokens is not None
+                    else ": set llm.context_tokens to refuse longer prompts before sending"
+                )
+            )
         if info.slots is not None:
-            advice = (f"; llm.max_concurrency is {config.max_concurrency}: set it to {info.slots}, or raise "
-                      "llm.timeout (it counts the time a request waits in the server's queue)"
-                      if info.slots < config.max_concurrency else "")
+            advice = (
+                f"; llm.max_concurrency is {config.max_concurrency}: set it to {info.slots}, or raise "
+                "llm.timeout (it counts the time a request waits in the server's queue)"
+                if info.slots < config.max_concurrency
+                else ""
+            )
             lines.append(f"slots       {info.slots} request(s) decoded at once (/props total_slots){advice}")
         lines.append("result      " + ("usable as configured" if self.usable else "NOT usable as configured"))
         return "\n".join(lines)
@@ -97,12 +121,15 @@ def check_endpoint(config: LLMConfig) -> EndpointCheck:
 
     api_key = os.environ.get(config.api_key_env)
     if not api_key:
-        raise LLMRunAborted(f"environment variable {config.api_key_env} is not set; export your API key there "
-                            "(any non-empty value for a local server without authentication)")
+        raise LLMRunAborted(
+            f"environment variable {config.api_key_env} is not set; export your API key there "
+            "(any non-empty value for a local server without authentication)"
+        )
     info = discover(config.base_url, config.model, api_key, min(config.timeout, 10.0))
     client = openai.OpenAI(api_key=api_key, base_url=config.base_url, max_retries=0, timeout=config.timeout)
-    request = job_request(QAJob("single_detail", [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0,
-                                                          len(CHECK_TEXT))], 1))
+    request = job_request(
+        QAJob("single_detail", [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
+    )
     kind = "json_object" if config.structured == "json_object" else "json_schema"
     response_format = {"type": "json_object"} if kind == "json_object" else QA_PAIRS.response_format()
     refusal = None
@@ -110,30 +137,43 @@ def check_endpoint(config: LLMConfig) -> EndpointCheck:
         try:
             start = time.monotonic()
             response = client.chat.completions.create(
-                model=config.model, messages=request.messages, temperature=config.temperature,
-                max_tokens=CHECK_MAX_TOKENS, response_format=response_format)
+                model=config.model,
+                messages=request.messages,
+                temperature=config.temperature,
+                max_tokens=CHECK_MAX_TOKENS,
+                response_format=response_format,
+            )
         except openai.APIStatusError as error:
             if not refuses_structured_output(error):
                 raise
             refusal = f"HTTP {error.status_code}: {server_reason(error)}"
             start = time.monotonic()
             response = client.chat.completions.create(
-                model=config.model, messages=request.messages, temperature=config.temperature,
-                max_tokens=CHECK_MAX_TOKENS)
+                model=config.model,
+                messages=request.messages,
+                temperature=config.temperature,
+                max_tokens=CHECK_MAX_TOKENS,
+            )
         latency = time.monotonic() - start
     except (openai.APITimeoutError, openai.APIConnectionError) as error:
-        raise LLMRunAborted(f"cannot reach {config.base_url} ({type(error).__name__}: {error}); check llm.base_url "
-                            f"and that the server runs (llm.timeout is {config.timeout:g} s)") from None
+        raise LLMRunAborted(
+            f"cannot reach {config.base_url} ({type(error).__name__}: {error}); check llm.base_url "
+            f"and that the server runs (llm.timeout is {config.timeout:g} s)"
+        ) from None
     except openai.APIStatusError as error:
-        raise LLMRunAborted(f"{config.base_url} refused the check request (HTTP {error.status_code}: "
-                            f"{server_reason(error)}); check {config.api_key_env}, llm.model {config.model!r} and "
-                            "llm.base_url") from None
+        raise LLMRunAborted(
+            f"{config.base_url} refused the check request (HTTP {error.status_code}: "
+            f"{server_reason(error)}); check {config.api_key_env}, llm.model {config.model!r} and "
+            "llm.base_url"
+        ) from None
     finally:
         client.close()
     choices = getattr(response, "choices", None)
     if not isinstance(choices, list) or not choices:
-        raise LLMRunAborted(f"{config.base_url} answered with something that is not a chat completion: "
-                            f"{str(response)[:200]!r}; check llm.base_url (it ends in /v1)")
+        raise LLMRunAborted(
+            f"{config.base_url} answered with something that is not a chat completion: "
+            f"{str(response)[:200]!r}; check llm.base_url (it ends in /v1)"
+        )
     text = choices[0].message.content or ""
     try:
         parse_qa_pairs(text)
@@ -141,6 +181,13 @@ def check_endpoint(config: LLMConfig) -> EndpointCheck:
     except MalformedOutput as error:
         parse_error = f"{error} (answer: {text[:120]!r})"
     usage = getattr(response, "usage", None)
-    return EndpointCheck(config=config, answered_model=str(getattr(response, "model", "") or "?"),
-                         latency_s=latency, completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
-                         structured_sent=kind, structured_refusal=refusal, parse_error=parse_error, info=info)
+    return EndpointCheck(
+        config=config,
+        answered_model=str(getattr(response, "model", "") or "?"),
+        latency_s=latency,
+        completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
+        structured_sent=kind,
+        structured_refusal=refusal,
+        parse_error=parse_error,
+        info=info,
+    )

@@ -44,57 +44,102 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `synth` options on ``parser`` (a sub-parser of the `longpeft` command)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
-    parser.add_argument("--config", help="YAML or JSON file with SynthConfig fields (see "
-                        "longpeft.synth_data.SynthConfig), or a bundled config: "
-                        f"{', '.join(bundled_names(BUNDLED))}")
-    parser.add_argument("--out", help="output folder (train.jsonl, dataset/, stats.json, length_hist.png); required "
-                        "except with --check-endpoint")
+    parser.add_argument(
+        "--config",
+        help="YAML or JSON file with SynthConfig fields (see "
+        "longpeft.synth_data.SynthConfig), or a bundled config: "
+        f"{', '.join(bundled_names(BUNDLED))}",
+    )
+    parser.add_argument(
+        "--out",
+        help="output folder (train.jsonl, dataset/, stats.json, length_hist.png); required "
+        "except with --check-endpoint",
+    )
     parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
     parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
-    parser.add_argument("--source", nargs="+", metavar="PATH",
-                        help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones")
-    parser.add_argument("--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are "
-                        "off")
-    parser.add_argument("--contexts", type=int, help="conversations per task (the tasks of --tasks, else those the "
-                        "config leaves on)")
+    parser.add_argument(
+        "--source",
+        nargs="+",
+        metavar="PATH",
+        help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones",
+    )
+    parser.add_argument(
+        "--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are off"
+    )
+    parser.add_argument(
+        "--contexts", type=int, help="conversations per task (the tasks of --tasks, else those the config leaves on)"
+    )
     parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
     parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
-    parser.add_argument("--chunk-tokens", type=int,
-                        help="largest chunk a single-detail question is about (default 4096)")
+    parser.add_argument(
+        "--chunk-tokens", type=int, help="largest chunk a single-detail question is about (default 4096)"
+    )
     parser.add_argument("--questions-per-chunk", type=int, help="single-detail questions per chunk (default 3)")
     parser.add_argument("--seed", type=int)
     llm = parser.add_argument_group("LLM (with --answerer llm; the key is read from the environment only)")
     llm.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (default https://api.openai.com/v1)")
     llm.add_argument("--llm-model", help="model name (default gpt-4o)")
     llm.add_argument("--api-key-env", help="environment variable holding the key (default OPENAI_API_KEY)")
-    llm.add_argument("--concurrency", type=int, help="requests in flight (default 8; 1 for a one-slot server such as "
-                     "llama.cpp's default)")
-    llm.add_argument("--check-endpoint", action="store_true",
-                     help="send one small request to the endpoint and print the model, latency, whether structured "
-                     "output works and the context length; exit 0 when usable as configured, 1 when not")
-    llm.add_argument("--retry-rejected", action="store_true",
-                     help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
-                     "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many")
+    llm.add_argument(
+        "--concurrency",
+        type=int,
+        help="requests in flight (default 8; 1 for a one-slot server such as llama.cpp's default)",
+    )
+    llm.add_argument(
+        "--check-endpoint",
+        action="store_true",
+        help="send one small request to the endpoint and print the model, latency, whether structured "
+        "output works and the context length; exit 0 when usable as configured, 1 when not",
+    )
+    llm.add_argument(
+        "--retry-rejected",
+        action="store_true",
+        help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
+        "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many",
+    )
     extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
     extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
     extra.add_argument("--plain-ratio", type=float)
-    extra.add_argument("--instructions", help="instruction data: .jsonl/.json with 'messages', 'conversations' or "
-                       "instruction/input/output")
+    extra.add_argument(
+        "--instructions",
+        help="instruction data: .jsonl/.json with 'messages', 'conversations' or instruction/input/output",
+    )
     extra.add_argument("--instruction-ratio", type=float)
-    extra.add_argument("--summaries", help="summarisation data: .jsonl/.json with a text and its summary (BookSum's "
-                       "'chapter' and 'summary_text'; see mix.summary_text_field)")
+    extra.add_argument(
+        "--summaries",
+        help="summarisation data: .jsonl/.json with a text and its summary (BookSum's "
+        "'chapter' and 'summary_text'; see mix.summary_text_field)",
+    )
     extra.add_argument("--summary-ratio", type=float)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     plan = parser.add_argument_group("--plan: the LLM build's requests, tokens and time, before any call")
-    plan.add_argument("--plan", action="store_true", help="count the requests and their tokens, estimate the time, "
-                      "call nothing and write nothing (see longpeft/synth_data/build_plan.py)")
-    plan.add_argument("--output-tokens", type=int, metavar="N",
-                      help="completion tokens you expect per request (default: llm.max_tokens, an upper bound)")
-    plan.add_argument("--output-tokens-per-second", type=float, metavar="R",
-                      help="decoding speed of one request (default 50, assumed)")
+    plan.add_argument(
+        "--plan",
+        action="store_true",
+        help="count the requests and their tokens, estimate the time, "
+        "call nothing and write nothing (see longpeft/synth_data/build_plan.py)",
+    )
+    plan.add_argument(
+        "--output-tokens",
+        type=int,
+        metavar="N",
+        help="completion tokens you expect per request (default: llm.max_tokens, an upper bound)",
+    )
+    plan.add_argument(
+        "--output-tokens-per-second",
+        type=float,
+        metavar="R",
+        help="decoding speed of one request (default 50, assumed)",
+    )
     plan.add_argument("--tokens-per-minute", type=float, metavar="TPM", help="your endpoint's token rate limit")
     plan.add_argument("--requests-per-minute", type=float, metavar="RPM", help="your endpoint's request rate limit")
 
@@ -118,14 +163,23 @@ def resolve_config(args: argparse.Namespace):
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a mapping of config fields")
     flags = {
-        "tokenizer": args.tokenizer, "answerer": args.answerer, "seed": args.seed,
-        "length.min_tokens": args.min_tokens, "length.max_tokens": args.max_tokens,
-        "length.chunk_tokens": args.chunk_tokens, "single_detail.questions_per_chunk": args.questions_per_chunk,
-        "llm.base_url": args.llm_base_url, "llm.model": args.llm_model, "llm.api_key_env": args.api_key_env,
+        "tokenizer": args.tokenizer,
+        "answerer": args.answerer,
+        "seed": args.seed,
+        "length.min_tokens": args.min_tokens,
+        "length.max_tokens": args.max_tokens,
+        "length.chunk_tokens": args.chunk_tokens,
+        "single_detail.questions_per_chunk": args.questions_per_chunk,
+        "llm.base_url": args.llm_base_url,
+        "llm.model": args.llm_model,
+        "llm.api_key_env": args.api_key_env,
         "llm.max_concurrency": args.concurrency,
-        "mix.plain_text": args.plain_text, "mix.plain_ratio": args.plain_ratio,
-        "mix.instructions": args.instructions, "mix.instruction_ratio": args.instruction_ratio,
-        "mix.summaries": args.summaries, "mix.summary_ratio": args.summary_ratio,
+        "mix.plain_text": args.plain_text,
+        "mix.plain_ratio": args.plain_ratio,
+        "mix.instructions": args.instructions,
+        "mix.instruction_ratio": args.instruction_ratio,
+        "mix.summaries": args.summaries,
+        "mix.summary_ratio": args.summary_ratio,
     }
     for key, value in flags.items():
         if value is not None:
@@ -187,13 +241,18 @@ def cmd_synth(args: argparse.Namespace) -> int:
         print(f"  skipped: {json.dumps(skipped)}")
     if "llm_usage" in stats:
         total = stats["llm_usage"]["total"]
-        print(f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
-              f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)")
+        print(
+            f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
+            f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)"
+        )
     for line in rejection_summary(stats):
         print(f"  {line}")
     if not len(dataset):
-        print(f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
-              "check the endpoint, the sources and the length range", file=sys.stderr)
+        print(
+            f"longpeft synth: error: no conversation was built (see {args.out}/rejects.jsonl and the counts above); "
+            "check the endpoint, the sources and the length range",
+            file=sys.stderr,
+        )
         return 3
     return 0
 
@@ -207,6 +266,9 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
     plan = plan_build(config, args.out, output_tokens=args.output_tokens)
-    print(plan.report(args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute,
-                      args.requests_per_minute))
+    print(
+        plan.report(
+            args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute, args.requests_per_minute
+        )
+    )
     return 0

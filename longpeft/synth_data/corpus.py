@@ -25,46 +25,95 @@ TOPICS: dict[str, dict[str, list[str]]] = {
         "sights": ["gulls circled over the water", "the tide pulled at the moorings", "salt dried on the decks"],
     },
     "mountain": {
-        "places": ["pass", "quarry", "ridge", "mine entrance", "mountain hut", "ice field", "stone bridge",
-                   "cable station"],
+        "places": [
+            "pass",
+            "quarry",
+            "ridge",
+            "mine entrance",
+            "mountain hut",
+            "ice field",
+            "stone bridge",
+            "cable station",
+        ],
         "objects": ["pickaxe", "helmet", "sled", "ladder", "drill", "cable", "boot", "crampon"],
         "professions": ["miner", "guide", "stonecutter", "surveyor", "cable operator"],
         "structures": ["tunnel", "shelter", "avalanche fence", "ore mill", "water channel", "rope bridge"],
         "sights": ["snow lay on the high slopes", "rocks rattled down the scree", "the air was thin and cold"],
     },
     "orchard": {
-        "places": ["orchard", "cider press", "barn", "grove", "apple store", "packing shed", "beehive field",
-                   "farm gate"],
+        "places": [
+            "orchard",
+            "cider press",
+            "barn",
+            "grove",
+            "apple store",
+            "packing shed",
+            "beehive field",
+            "farm gate",
+        ],
         "objects": ["basket", "ladder", "crate", "pruning knife", "barrel", "cart", "sieve", "hoe"],
         "professions": ["farmer", "beekeeper", "cider maker", "gardener", "fruit picker"],
         "structures": ["irrigation pond", "drying kiln", "granary", "greenhouse", "windmill", "seed store"],
         "sights": ["blossom covered the rows of trees", "bees hummed over the clover", "ripe fruit bent the branches"],
     },
     "observatory": {
-        "places": ["observatory", "dome", "star chart room", "telescope deck", "clock room", "archive", "lecture hall",
-                   "courtyard"],
+        "places": [
+            "observatory",
+            "dome",
+            "star chart room",
+            "telescope deck",
+            "clock room",
+            "archive",
+            "lecture hall",
+            "courtyard",
+        ],
         "objects": ["telescope", "lens", "star chart", "sextant", "notebook", "chronometer", "mirror", "globe"],
         "professions": ["astronomer", "clockmaker", "lens grinder", "archivist", "instrument maker"],
         "structures": ["meridian hall", "radio mast", "library wing", "weather station", "guest house", "map room"],
         "sights": ["the night sky was clear", "a comet crossed the northern sky", "the dome turned slowly"],
     },
     "railway": {
-        "places": ["station", "signal box", "engine shed", "platform", "goods yard", "ticket hall", "water tower",
-                   "junction"],
+        "places": [
+            "station",
+            "signal box",
+            "engine shed",
+            "platform",
+            "goods yard",
+            "ticket hall",
+            "water tower",
+            "junction",
+        ],
         "objects": ["whistle", "timetable", "lamp", "ticket punch", "coal shovel", "brake lever", "flag", "wheel"],
         "professions": ["engine driver", "signal keeper", "porter", "ticket clerk", "track inspector"],
         "structures": ["viaduct", "turntable", "footbridge", "waiting room", "coal depot", "branch line"],
         "sights": ["steam drifted over the platform", "the rails hummed before a train", "smoke rose from the shed"],
     },
     "library": {
-        "places": ["library", "reading room", "print shop", "bindery", "map hall", "book market", "scriptorium",
-                   "garden court"],
+        "places": [
+            "library",
+            "reading room",
+            "print shop",
+            "bindery",
+            "map hall",
+            "book market",
+            "scriptorium",
+            "garden court",
+        ],
         "objects": ["ledger", "quill", "printing plate", "catalogue", "bookplate", "ink pot", "folio", "reading lamp"],
         "professions": ["librarian", "printer", "bookbinder", "translator", "copyist"],
-        "structures": ["east gallery", "rare book vault", "paper mill", "reading tower", "type foundry",
-                       "book bridge"],
-        "sights": ["dust floated in the light of the windows", "pages rustled in the quiet",
-                   "ink dried on fresh sheets"],
+        "structures": [
+            "east gallery",
+            "rare book vault",
+            "paper mill",
+            "reading tower",
+            "type foundry",
+            "book bridge",
+        ],
+        "sights": [
+            "dust floated in the light of the windows",
+            "pages rustled in the quiet",
+            "ink dried on fresh sheets",
+        ],
     },
 }
 
@@ -85,9 +134,29 @@ LAST_NAMES = (
     "Ashby Brandt Castell Dorn Ebner Falk Grell Hale Ivers Janek Kell Lorne Marsh Nagel Orme Pike Quist Rook "
     "Sand Thorn Ulm Vance Wolde Yates Zorn Abel Birk Crane Drost Esk Fenn Gast Holm Jarl Kade Lund Moss Noll"
 ).split()
-TOWN_PARTS = (["Ash", "Brook", "Cold", "Deep", "Elm", "Fair", "Gold", "High", "Iron", "Lark", "Mill", "North",
-               "Oak", "Red", "Stone", "Thorn", "West", "Wind"],
-              ["ford", "haven", "wick", "dale", "mere", "stead", "bury", "field", "port", "holm", "ton", "gate"])
+TOWN_PARTS = (
+    [
+        "Ash",
+        "Brook",
+        "Cold",
+        "Deep",
+        "Elm",
+        "Fair",
+        "Gold",
+        "High",
+        "Iron",
+        "Lark",
+        "Mill",
+        "North",
+        "Oak",
+        "Red",
+        "Stone",
+        "Thorn",
+        "West",
+        "Wind",
+    ],
+    ["ford", "haven", "wick", "dale", "mere", "stead", "bury", "field", "port", "holm", "ton", "gate"],
+)
 ADJECTIVES = "red blue green silver golden black white copper amber grey bronze violet".split()
 ANIMALS = "dog cat horse goat parrot owl rabbit tortoise".split()
 PET_NAMES = "Biscuit Pepper Juniper Clover Pebble Thistle Marlow Sprocket Nutmeg Willow Cinder Mosby".split()
@@ -184,8 +253,9 @@ class _Writer:
         for kind, subject, value, question, detail in facts:
             assert value in text, (value, text)
             fact_id = f"{self.doc_id}:{len(self.facts)}"
-            self.facts.append(Fact(fact_id, kind, subject, value, question, text, start, self.length,
-                                   tuple(sorted(detail.items()))))
+            self.facts.append(
+                Fact(fact_id, kind, subject, value, question, text, start, self.length, tuple(sorted(detail.items())))
+            )
 
     def end_paragraph(self) -> None:
         if self.in_paragraph:
@@ -280,14 +350,19 @@ def generate_document(
     for _ in range(n_characters):
         name = names.take()
         animal = rng.choice(ANIMALS)
-        characters.append(Character(name, {
-            "birth_year": str(rng.randint(1700, 1990)),
-            "birthplace": town_name(rng),
-            "profession": rng.choice(professions),
-            "sibling": names.take(),
-            "pet": rng.choice(PET_NAMES),
-            "pet_animal": animal,
-        }))
+        characters.append(
+            Character(
+                name,
+                {
+                    "birth_year": str(rng.randint(1700, 1990)),
+                    "birthplace": town_name(rng),
+                    "profession": rng.choice(professions),
+                    "sibling": names.take(),
+                    "pet": rng.choice(PET_NAMES),
+                    "pet_animal": animal,
+                },
+            )
+        )
 
     # Character facts go to random sentence slots, each at a distinct slot, spread over the text.
     slots: dict[int, tuple[Character, str]] = {}
@@ -305,8 +380,9 @@ def generate_document(
         if index in slots:
             _character_sentence(writer, *slots[index])
         elif fact_kinds and rng.random() < fact_rate:
-            _fact_sentence(writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names,
-                           used_codes, used_structures)
+            _fact_sentence(
+                writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used_codes, used_structures
+            )
         else:
             writer.sentence(_filler(rng, kind, town, vocab, characters))
         paragraph_left -= 1
@@ -320,22 +396,36 @@ def generate_document(
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:
     name, a = character.name, character.attributes
     if attribute == "birth":
-        writer.sentence(f"{name} was born in {a['birthplace']} in {a['birth_year']}.", [
-            ("birth_year", name, a["birth_year"], f"In which year was {name} born?", {}),
-            ("birthplace", name, a["birthplace"], f"Where was {name} born?", {}),
-        ])
+        writer.sentence(
+            f"{name} was born in {a['birthplace']} in {a['birth_year']}.",
+            [
+                ("birth_year", name, a["birth_year"], f"In which year was {name} born?", {}),
+                ("birthplace", name, a["birthplace"], f"Where was {name} born?", {}),
+            ],
+        )
     elif attribute == "profession":
-        writer.sentence(f"{name} made a living as {article(a['profession'])}.", [
-            ("profession", name, a["profession"], f"What was {name}'s profession?", {"main": "yes"}),
-        ])
+        writer.sentence(
+            f"{name} made a living as {article(a['profession'])}.",
+            [("profession", name, a["profession"], f"What was {name}'s profession?", {"main": "yes"})],
+        )
     elif attribute == "sibling":
-        writer.sentence(f"{name} had a sibling named {a['sibling']}.", [
-            ("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?", {}),
-        ])
+        writer.sentence(
+            f"{name} had a sibling named {a['sibling']}.",
+            [("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?", {})],
+        )
     else:
-        writer.sentence(f"{name} kept {article(a['pet_animal'])} called {a['pet']}.", [
-            ("pet", name, a["pet"], f"What was the name of {name}'s {a['pet_animal']}?", {"animal": a["pet_animal"]}),
-        ])
+        writer.sentence(
+            f"{name} kept {article(a['pet_animal'])} called {a['pet']}.",
+            [
+                (
+                    "pet",
+                    name,
+                    a["pet"],
+                    f"What was the name of {name}'s {a['pet_animal']}?",
+                    {"animal": a["pet_animal"]},
+                )
+            ],
+        )
 
 
 def _fact_sentence(
@@ -360,19 +450,22 @@ def _fact_sentence(
         adjective, obj, place = key
         number = str(rng.randint(1000, 99999))
         subject = f"{adjective} {obj} at the {place}"
-        writer.sentence(f"The {subject} is marked with the number {number}.", [
-            ("code", subject, number, f"What number is the {subject} marked with?", {}),
-        ])
+        writer.sentence(
+            f"The {subject} is marked with the number {number}.",
+            [("code", subject, number, f"What number is the {subject} marked with?", {})],
+        )
     elif kind == "profession":
         name, profession = names.take(), rng.choice(professions)
-        writer.sentence(f"{name} worked as {article(profession)}.", [
-            ("profession", name, profession, f"What was {name}'s profession?", {}),
-        ])
+        writer.sentence(
+            f"{name} worked as {article(profession)}.",
+            [("profession", name, profession, f"What was {name}'s profession?", {})],
+        )
     elif kind == "street":
         name, street = names.take(), rng.choice(STREETS)
-        writer.sentence(f"{name} lived on {street} Street.", [
-            ("street", name, f"{street} Street", f"On which street did {name} live?", {}),
-        ])
+        writer.sentence(
+            f"{name} lived on {street} Street.",
+            [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
+        )
     else:
         for _ in range(20):
             structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
@@ -383,9 +476,10 @@ def _fact_sentence(
             return
         used_structures.add(structure)
         verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
-        writer.sentence(f"In {year}, the council {verb} the {structure}.", [
-            ("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb}),
-        ])
+        writer.sentence(
+            f"In {year}, the council {verb} the {structure}.",
+            [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
+        )
 
 
 def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]], characters: list[Character]) -> str:
@@ -418,8 +512,10 @@ def corpus_texts(n: int = 40, seed: int = 0, n_sentences: int = 120) -> list[str
     texts = []
     for index in range(n):
         document = generate_document(
-            seed=rng.randrange(2**31), n_sentences=n_sentences,
-            topic=sorted(TOPICS)[index % len(TOPICS)], kind=("story", "report")[index % 2],
+            seed=rng.randrange(2**31),
+            n_sentences=n_sentences,
+            topic=sorted(TOPICS)[index % len(TOPICS)],
+            kind=("story", "report")[index % 2],
         )
         qa = "\n".join(f"{fact.question} {fact.value}." for fact in document.facts)
         texts.append(f"{document.text}\n{qa}\n")

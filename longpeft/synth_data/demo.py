@@ -23,17 +23,29 @@ def demo_conversations(
 ) -> list[dict[str, Any]]:
     """Rows of :func:`build_demo_dataset` (``messages``, ``task``, ``num_tokens``, ``sources``, ``meta``, ``id``)."""
     reserve = 48 * questions_per_conversation + 64
-    length = LengthConfig(min_tokens=context_tokens, max_tokens=context_tokens + reserve,
-                          chunk_tokens=context_tokens + reserve, qa_reserve_tokens=reserve)
+    length = LengthConfig(
+        min_tokens=context_tokens,
+        max_tokens=context_tokens + reserve,
+        chunk_tokens=context_tokens + reserve,
+        qa_reserve_tokens=reserve,
+    )
     builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), length, seed=seed)
     rng = random.Random(f"{seed}/demo")
     documents = [
-        procedural_document(builder.counter, length.max_tokens + 64, seed=rng.randrange(2**31), doc_id=f"demo-{i}",
-                            fact_kinds=("code",), fact_rate=0.25, n_characters=0)
+        procedural_document(
+            builder.counter,
+            length.max_tokens + 64,
+            seed=rng.randrange(2**31),
+            doc_id=f"demo-{i}",
+            fact_kinds=("code",),
+            fact_rate=0.25,
+            n_characters=0,
+        )
         for i in range(n_conversations)
     ]
-    plans = builder.plan_single_detail(documents, n_conversations, chunks_per_context=1,
-                                       questions_per_chunk=questions_per_conversation)
+    plans = builder.plan_single_detail(
+        documents, n_conversations, chunks_per_context=1, questions_per_chunk=questions_per_conversation
+    )
     return builder.build(plans)
 
 
@@ -52,5 +64,6 @@ def build_demo_dataset(
     Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
     tokenizer's chat template. Deterministic given ``seed``.
     """
-    return Dataset.from_list(demo_conversations(tokenizer, n_conversations, context_tokens, seed,
-                                                questions_per_conversation))
+    return Dataset.from_list(
+        demo_conversations(tokenizer, n_conversations, context_tokens, seed, questions_per_conversation)
+    )

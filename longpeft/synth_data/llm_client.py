@@ -73,10 +73,30 @@ from .llm_request import (
 
 # The client and its constants, and the names of the modules above that users import from here.
 __all__ = [
-    "CHARS_PER_TOKEN_ESTIMATE", "MESSAGE_OVERHEAD_TOKENS", "REJECT_REASONS", "RETRYABLE_STATUS", "SHOWN_REFUSALS",
-    "STRUCTURED_REFUSAL", "LLMClient", "LLMConfig", "LLMRequest", "LLMResult", "LLMRunAborted", "MalformedOutput",
-    "RejectedOutput", "RejectsLog", "ResponseCache", "ResponseSchema", "TaskUsage", "outcome_key", "parse_json_object",
-    "refuses_structured_output", "request_key", "sampling_params", "server_reason", "strip_code_fence",
+    "CHARS_PER_TOKEN_ESTIMATE",
+    "MESSAGE_OVERHEAD_TOKENS",
+    "REJECT_REASONS",
+    "RETRYABLE_STATUS",
+    "SHOWN_REFUSALS",
+    "STRUCTURED_REFUSAL",
+    "LLMClient",
+    "LLMConfig",
+    "LLMRequest",
+    "LLMResult",
+    "LLMRunAborted",
+    "MalformedOutput",
+    "RejectedOutput",
+    "RejectsLog",
+    "ResponseCache",
+    "ResponseSchema",
+    "TaskUsage",
+    "outcome_key",
+    "parse_json_object",
+    "refuses_structured_output",
+    "request_key",
+    "sampling_params",
+    "server_reason",
+    "strip_code_fence",
     "structured_params",
 ]
 
@@ -232,7 +252,8 @@ class LLMClient:
         texts = [str(m.get("content", "")) for m in request.messages]
         if self.count_tokens is None:
             return sum(len(t) for t in texts) // CHARS_PER_TOKEN_ESTIMATE + overhead, (
-                f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters per token")
+                f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters per token"
+            )
         return sum(self.count_tokens(t) for t in texts) + overhead, "counted with the training tokenizer"
 
     # ---- internals --------------------------------------------------------------------------
@@ -244,17 +265,22 @@ class LLMClient:
         """Learn the endpoint's context and slots (:mod:`.endpoint`); say what was learned in one line."""
         from .endpoint import discover
 
-        self.endpoint = await asyncio.to_thread(discover, self.config.base_url, self.config.model, api_key,
-                                                min(self.config.timeout, 10.0))
+        self.endpoint = await asyncio.to_thread(
+            discover, self.config.base_url, self.config.model, api_key, min(self.config.timeout, 10.0)
+        )
         info = self.endpoint
         if info.context_tokens is not None:
-            self._say(f"{self.config.base_url}: context of {info.context_tokens} tokens ({info.context_source}); "
-                      "longer prompts are refused before sending")
+            self._say(
+                f"{self.config.base_url}: context of {info.context_tokens} tokens ({info.context_source}); "
+                "longer prompts are refused before sending"
+            )
         if info.slots is not None and info.slots < self.config.max_concurrency:
-            self._say(f"{self.config.base_url}: the server decodes {info.slots} request(s) at once (/props "
-                      f"total_slots) and llm.max_concurrency is {self.config.max_concurrency}: the others wait in "
-                      f"its queue, inside llm.timeout ({self.config.timeout:g} s); set llm.max_concurrency "
-                      f"{info.slots} or raise llm.timeout")
+            self._say(
+                f"{self.config.base_url}: the server decodes {info.slots} request(s) at once (/props "
+                f"total_slots) and llm.max_concurrency is {self.config.max_concurrency}: the others wait in "
+                f"its queue, inside llm.timeout ({self.config.timeout:g} s); set llm.max_concurrency "
+                f"{info.slots} or raise llm.timeout"
+            )
 
     def _structured_refusal(self, error: Any) -> None:
         """The endpoint refused ``response_format``: with ``auto``, fall back to the prompt-only contract (once,
@@ -267,8 +293,10 @@ class LLMClient:
             )
         if self.structured_refused is None:
             self.structured_refused = reason
-            self._say(f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
-                      "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
+            self._say(
+                f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
+                "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run"
+            )
 
     def _refusal(self, request: LLMRequest, error: Any) -> str:
         """Count an HTTP 4xx refusal (reason ``http_refused``) and print the server's reason for the first
@@ -323,8 +351,10 @@ class LLMClient:
             tokens, counted = self.prompt_tokens(request)  # tokens <= bytes: a shorter prompt surely fits, uncounted
             if tokens >= limit[0]:
                 state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
-                reason = (f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
-                          f"{limit[0]} ({limit[1]}); not sent")
+                reason = (
+                    f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
+                    f"{limit[0]} ({limit[1]}); not sent"
+                )
                 return self._reject(request, first_key, usage, reason, outputs, 0, 0, "prompt_too_long", state)
         for attempt in range(end):
             entry = None
@@ -350,8 +380,17 @@ class LLMClient:
                         continue
                     state["end"] = attempt + 1
                     reason = self._refusal(request, error)
-                    return self._reject(request, key, usage, f"{type(error).__name__}: {reason}", outputs,
-                                        attempt + 1, api_calls, "http_refused", state)
+                    return self._reject(
+                        request,
+                        key,
+                        usage,
+                        f"{type(error).__name__}: {reason}",
+                        outputs,
+                        attempt + 1,
+                        api_calls,
+                        "http_refused",
+                        state,
+                    )
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
@@ -396,9 +435,17 @@ class LLMClient:
         usage.rejected += 1
         usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
         self.rejects.add(
-            {"key": key, "kind": "request", "task": request.task, "meta": request.meta, "reason": code,
-             "error": reason, "attempts": attempts, "outputs": outputs,
-             **({"mark": state["mark_key"]} if state is not None else {})}
+            {
+                "key": key,
+                "kind": "request",
+                "task": request.task,
+                "meta": request.meta,
+                "reason": code,
+                "error": reason,
+                "attempts": attempts,
+                "outputs": outputs,
+                **({"mark": state["mark_key"]} if state is not None else {}),
+            }
         )
         if state is not None:
             self.cache.mark(state["mark_key"], request.task, "rejected", state["end"], reason=code, error=reason)
@@ -408,12 +455,7 @@ class LLMClient:
         return structured_params(self.config, request, refused=self.structured_refused is not None)
 
     async def _send(
-        self,
-        client: Any,
-        semaphore: asyncio.Semaphore,
-        request: LLMRequest,
-        sent: dict[str, Any],
-        usage: TaskUsage,
+        self, client: Any, semaphore: asyncio.Semaphore, request: LLMRequest, sent: dict[str, Any], usage: TaskUsage
     ) -> dict[str, Any] | None:
         """:func:`.llm_http.chat_completion`, except that until the endpoint has answered one request carrying
         ``response_format``, such requests go one at a time: a server that refuses structured output refuses one

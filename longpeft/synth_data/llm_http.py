@@ -95,8 +95,7 @@ async def chat_completion(
         except (openai.APITimeoutError, openai.APIConnectionError) as error:
             failure = RetryableError(f"{type(error).__name__}: {error}")
         except (ValueError, openai.APIResponseValidationError) as error:  # a 200 whose body is not a completion
-            failure = RetryableError(f"the response body is not a chat completion ({type(error).__name__}: "
-                                     f"{error})")
+            failure = RetryableError(f"the response body is not a chat completion ({type(error).__name__}: {error})")
         except openai.APIStatusError as error:
             if error.status_code not in RETRYABLE_STATUS and error.status_code < 500:
                 raise

@@ -23,31 +23,37 @@ class LLMConfig(StrictModel):
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
     max_retries: int = Field(
-        3, ge=0,
+        3,
+        ge=0,
         description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies",
     )
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
     timeout: float = Field(
-        120.0, gt=0, description="seconds before one HTTP request times out, counting the time it waits in the "
+        120.0,
+        gt=0,
+        description="seconds before one HTTP request times out, counting the time it waits in the "
         "server's queue: a server with one slot (llama.cpp's default) answers one request at a time, so use "
         "max_concurrency 1 there, or a timeout of max_concurrency x the time of one answer (with the retries, a "
-        "stalled endpoint costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)"
+        "stalled endpoint costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)",
     )
     max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
     temperature: float = Field(0.7, ge=0, description="sampling temperature")
     max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
     structured: Literal["auto", "json_schema", "json_object", "off"] = Field(
-        "auto", description="structured output through response_format: 'json_schema' sends each answer's JSON "
+        "auto",
+        description="structured output through response_format: 'json_schema' sends each answer's JSON "
         "schema, 'json_object' asks for any JSON object, 'off' sends neither (the prompt states the JSON contract "
         "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and, the first "
         "time the endpoint refuses it, falls back to 'off' for the rest of the run; 'json_schema' and "
-        "'json_object' stop the run when refused"
+        "'json_object' stop the run when refused",
     )
     context_tokens: int | None = Field(
-        None, ge=1, description="tokens one request may hold at the endpoint; a longer prompt is refused before "
+        None,
+        ge=1,
+        description="tokens one request may hold at the endpoint; a longer prompt is refused before "
         "sending (a reject with reason prompt_too_long). Unset: the value the server reports at the start "
-        "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check"
+        "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check",
     )
 
     @field_validator("structured", mode="before")

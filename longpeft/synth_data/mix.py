@@ -38,19 +38,24 @@ class MixConfig(StrictModel):
     plain_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is plain text")
     plain_min_tokens: int = Field(0, ge=0)
     plain_max_tokens: int | None = Field(None, ge=1)
-    plain_truncate: bool = Field(False, description="cut a plain text longer than plain_max_tokens to fit (as "
-                                 "language-modelling data is cut) instead of leaving it out")
+    plain_truncate: bool = Field(
+        False,
+        description="cut a plain text longer than plain_max_tokens to fit (as "
+        "language-modelling data is cut) instead of leaving it out",
+    )
     plain_prompt: str = Field(DEFAULT_PLAIN_PROMPT, description="user turn before a plain text")
     instructions: str | None = Field(
-        None, description=".jsonl or .json records with 'messages' or 'conversations' (role/content turns) or "
-        "'instruction'/'input'/'output' (Alpaca, LongAlpaca), or a folder of them"
+        None,
+        description=".jsonl or .json records with 'messages' or 'conversations' (role/content turns) or "
+        "'instruction'/'input'/'output' (Alpaca, LongAlpaca), or a folder of them",
     )
     instruction_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is instructions")
     instruction_min_tokens: int = Field(0, ge=0)
     instruction_max_tokens: int | None = Field(None, ge=1)
     summaries: str | None = Field(
-        None, description=".jsonl or .json records holding a text and its summary (summary_text_field, summary_field; "
-        "BookSum's 'chapter' and 'summary_text') or a ready conversation ('messages' or 'conversations'), or a folder"
+        None,
+        description=".jsonl or .json records holding a text and its summary (summary_text_field, summary_field; "
+        "BookSum's 'chapter' and 'summary_text') or a ready conversation ('messages' or 'conversations'), or a folder",
     )
     summary_ratio: float = Field(0.0, ge=0, lt=1, description="fraction of the final dataset that is summaries")
     summary_min_tokens: int = Field(0, ge=0)
@@ -62,8 +67,9 @@ class MixConfig(StrictModel):
     @model_validator(mode="after")
     def _consistent(self) -> MixConfig:
         if self.plain_ratio + self.instruction_ratio + self.summary_ratio >= 1:
-            raise ValueError("plain_ratio + instruction_ratio + summary_ratio must stay below 1 (the rest is "
-                             "synthetic data)")
+            raise ValueError(
+                "plain_ratio + instruction_ratio + summary_ratio must stay below 1 (the rest is synthetic data)"
+            )
         if self.plain_ratio > 0 and not self.plain_text:
             raise ValueError("plain_ratio > 0 needs mix.plain_text (a file or folder; --plain-text PATH)")
         if self.instruction_ratio > 0 and not self.instructions:
@@ -79,8 +85,11 @@ class MixConfig(StrictModel):
     def share(self, task: str) -> tuple[float, int, int | None]:
         """``(ratio, min_tokens, max_tokens)`` of the source whose rows are ``task`` (one of :data:`MIX_TASKS`)."""
         prefix = {"plain_text": "plain", "instruction": "instruction", "summary": "summary"}[task]
-        return (getattr(self, f"{prefix}_ratio"), getattr(self, f"{prefix}_min_tokens"),
-                getattr(self, f"{prefix}_max_tokens"))
+        return (
+            getattr(self, f"{prefix}_ratio"),
+            getattr(self, f"{prefix}_min_tokens"),
+            getattr(self, f"{prefix}_max_tokens"),
+        )
 
 
 def source_files(path: str | Path, kinds: dict[str, str], name: str = "source path") -> list[Path]:
@@ -157,8 +166,9 @@ def _turns(turns: Any, where: str) -> list[dict[str, str]] | None:
     """``turns`` as role/content messages, or None when it is not a list of such turns."""
     if not isinstance(turns, list) or not turns:
         return None
-    if not all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
-               for t in turns):
+    if not all(
+        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
+    ):
         raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
     return [{"role": t["role"], "content": t["content"]} for t in turns]
 
@@ -171,8 +181,11 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
             turns = _turns(record.get(key), where)
             if turns is not None:
                 return turns
-    if (isinstance(record, dict) and isinstance(record.get("instruction"), str)
-            and isinstance(record.get("output"), str)):
+    if (
+        isinstance(record, dict)
+        and isinstance(record.get("instruction"), str)
+        and isinstance(record.get("output"), str)
+    ):
         prompt = record["instruction"]
         if record.get("input"):
             prompt = f"{prompt}\n\n{record['input']}"
@@ -189,23 +202,36 @@ def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
     ]
 
 
-def load_summaries(path: str | Path, prompt: str = DEFAULT_SUMMARY_PROMPT, text_field: str = "chapter",
-                   summary_field: str = "summary_text") -> list[list[dict[str, str]]]:
+def load_summaries(
+    path: str | Path,
+    prompt: str = DEFAULT_SUMMARY_PROMPT,
+    text_field: str = "chapter",
+    summary_field: str = "summary_text",
+) -> list[list[dict[str, str]]]:
     """Summarisation conversations from .jsonl and .json files: a record with string fields ``text_field`` and
     ``summary_field`` becomes ``prompt`` (with its text) answered by its summary; a record holding a conversation
     (``messages`` or ``conversations``) is taken as it is."""
     conversations = []
     for file in source_files(path, RECORD_FILES, "mix.summaries (--summaries)"):
         for where, record in file_records(file):
-            if isinstance(record, dict) and isinstance(record.get(text_field), str) \
-                    and isinstance(record.get(summary_field), str):
-                conversations.append([{"role": "user", "content": prompt.replace("{text}", record[text_field])},
-                                      {"role": "assistant", "content": record[summary_field]}])
+            if (
+                isinstance(record, dict)
+                and isinstance(record.get(text_field), str)
+                and isinstance(record.get(summary_field), str)
+            ):
+                conversations.append(
+                    [
+                        {"role": "user", "content": prompt.replace("{text}", record[text_field])},
+                        {"role": "assistant", "content": record[summary_field]},
+                    ]
+                )
             elif isinstance(record, dict) and ("messages" in record or "conversations" in record):
                 conversations.append(to_messages(record, where))
             else:
-                raise DataError(f"{where}: a summarisation record needs string fields {text_field!r} and "
-                                f"{summary_field!r} (mix.summary_text_field, mix.summary_field) or 'messages'")
+                raise DataError(
+                    f"{where}: a summarisation record needs string fields {text_field!r} and "
+                    f"{summary_field!r} (mix.summary_text_field, mix.summary_field) or 'messages'"
+                )
     return conversations
 
 
@@ -215,18 +241,21 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]
     sources = {}
     if config.plain_ratio:
         prompt = {"role": "user", "content": config.plain_prompt}
-        sources["plain_text"] = [[prompt, {"role": "assistant", "content": text}]
-                                 for text in load_plain_texts(config.plain_text)]
+        sources["plain_text"] = [
+            [prompt, {"role": "assistant", "content": text}] for text in load_plain_texts(config.plain_text)
+        ]
     if config.instruction_ratio:
         sources["instruction"] = load_instructions(config.instructions)
     if config.summary_ratio:
-        sources["summary"] = load_summaries(config.summaries, config.summary_prompt, config.summary_text_field,
-                                            config.summary_field)
+        sources["summary"] = load_summaries(
+            config.summaries, config.summary_prompt, config.summary_text_field, config.summary_field
+        )
     return sources
 
 
-def cut_to_fit(messages: list[dict[str, str]], tokens: int, max_tokens: int, counter: TokenCounter
-               ) -> tuple[list[dict[str, str]], int] | None:
+def cut_to_fit(
+    messages: list[dict[str, str]], tokens: int, max_tokens: int, counter: TokenCounter
+) -> tuple[list[dict[str, str]], int] | None:
     """``messages`` (``tokens`` tokens long) with the last turn's content cut at a token boundary, so that the
     conversation holds at most ``max_tokens`` tokens, and its new length; None when even an empty last turn is longer.
     The cut drops the excess tokens, then a few more where re-tokenising the prefix merges tokens differently."""
@@ -269,8 +298,16 @@ def _take(
         if tokens < min_tokens or (max_tokens is not None and tokens > max_tokens):
             rejected += 1
             continue
-        rows.append({"id": f"{task}-{index:06d}", "task": task, "messages": messages, "num_tokens": tokens,
-                     "sources": [f"{task}:{index}"], "meta": "{}"})
+        rows.append(
+            {
+                "id": f"{task}-{index:06d}",
+                "task": task,
+                "messages": messages,
+                "num_tokens": tokens,
+                "sources": [f"{task}:{index}"],
+                "meta": "{}",
+            }
+        )
     stats = {"wanted": wanted, "taken": len(rows), "available": len(candidates), "filtered_out": rejected}
     if truncate:
         stats["truncated"] = truncated
@@ -303,8 +340,16 @@ def mix(
         if not ratio:
             continue
         wanted = round(len(synthetic) * ratio / synthetic_share)
-        taken, stats[task] = _take(sources[task], wanted, counter, min_tokens, max_tokens, task, rng,
-                                   truncate=task == "plain_text" and config.plain_truncate)
+        taken, stats[task] = _take(
+            sources[task],
+            wanted,
+            counter,
+            min_tokens,
+            max_tokens,
+            task,
+            rng,
+            truncate=task == "plain_text" and config.plain_truncate,
+        )
         rows += taken
     rng.shuffle(rows)
     return rows, stats

@@ -66,7 +66,8 @@ class HeterogeneousTask(StrictModel):
     questions: int = Field(5, ge=1)
     docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
     n_clusters: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="k-means clusters (default: the generated topics, or ~1.25 contexts' worth of your files each)",
     )
 
@@ -85,10 +86,12 @@ class SynthConfig(StrictModel):
     """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)."""
 
     seed: int = 0
-    tokenizer: str = Field("tiny",
-                           description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one")
-    answerer: Literal["procedural", "llm"] = Field("procedural",
-                                                   description="exact offline QA, or an OpenAI-compatible LLM")
+    tokenizer: str = Field(
+        "tiny", description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one"
+    )
+    answerer: Literal["procedural", "llm"] = Field(
+        "procedural", description="exact offline QA, or an OpenAI-compatible LLM"
+    )
     source: SourceConfig = Field(default_factory=SourceConfig)
     length: LengthConfig = Field(default_factory=LengthConfig)
     single_detail: SingleDetailTask = Field(default_factory=SingleDetailTask)
@@ -97,8 +100,10 @@ class SynthConfig(StrictModel):
     biography: BiographyTask = Field(default_factory=BiographyTask)
     mix: MixConfig = Field(default_factory=MixConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
-    quality: QualityConfig = Field(default_factory=QualityConfig,
-                                   description="quality gates on LLM-written items (longpeft/synth_data/quality.py)")
+    quality: QualityConfig = Field(
+        default_factory=QualityConfig,
+        description="quality gates on LLM-written items (longpeft/synth_data/quality.py)",
+    )
     context_template: str = DEFAULT_CONTEXT_TEMPLATE
     progress: bool = True
 
@@ -139,8 +144,13 @@ def load_documents(paths: list[str]) -> list[Document]:
         for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
                 raise DataError(f"{file}:{number}: document records need a string field 'text'")
-            documents.append(Document(doc_id=str(record.get("id", f"{file}:{number}")),
-                                      title=str(record.get("title", "")), text=record["text"]))
+            documents.append(
+                Document(
+                    doc_id=str(record.get("id", f"{file}:{number}")),
+                    title=str(record.get("title", "")),
+                    text=record["text"],
+                )
+            )
     if not documents:
         raise DataError(f"no documents found in {paths}")
     return documents
@@ -156,13 +166,21 @@ def make_answerer(
     if config.answerer == "procedural":
         return ProceduralAnswerer(), None
     count = TokenCounter(tokenizer).count if tokenizer is not None else None
-    client = LLMClient(config.llm, out_dir / CACHE_DIR, out_dir / REJECTS_FILE, show_progress=config.progress,
-                       count_tokens=count, retry_rejected=retry_rejected)
+    client = LLMClient(
+        config.llm,
+        out_dir / CACHE_DIR,
+        out_dir / REJECTS_FILE,
+        show_progress=config.progress,
+        count_tokens=count,
+        retry_rejected=retry_rejected,
+    )
     return LLMAnswerer(client, QualityGates(config.quality)), client
 
 
 def synthesize(
-    config: SynthConfig, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None,
+    config: SynthConfig,
+    out_dir: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None = None,
     retry_rejected: bool = False,
 ) -> tuple[Dataset, dict[str, Any]]:
     """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats).
@@ -176,8 +194,9 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
-    builder = LongContextBuilder(tokenizer, answerer, config.length, config.context_template, config.seed,
-                                 show_progress=config.progress)
+    builder = LongContextBuilder(
+        tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
+    )
     plans = plan_contexts(config, builder, files)
     rows = builder.build(plans)
     rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, mix_sources)
@@ -203,8 +222,9 @@ def plan_contexts(config: SynthConfig, builder: LongContextBuilder, files: list[
     plans = []
     sd, md, het, bio = config.single_detail, config.multi_detail, config.heterogeneous, config.biography
     if sd.contexts:
-        plans += builder.plan_single_detail(long_documents("single_detail", sd.contexts), sd.contexts,
-                                            sd.chunks_per_context, sd.questions_per_chunk)
+        plans += builder.plan_single_detail(
+            long_documents("single_detail", sd.contexts), sd.contexts, sd.chunks_per_context, sd.questions_per_chunk
+        )
     if md.contexts:
         plans += builder.plan_multi_detail(long_documents("multi_detail", md.contexts), md.contexts, md.questions)
     if bio.contexts:

@@ -35,21 +35,61 @@ PASSKEY_FILLER = [
 ]
 # Short whole sentences that make up the last few tokens of a haystack exactly (see ProbeBuilder.haystack).
 PAD_FILLER = ["Yes.", "Go on.", "So it goes.", *PASSKEY_FILLER]
-_SUBJECTS = ["river", "old mill", "council", "market", "north road", "harbor", "village school", "orchard", "bridge",
-             "library"]
-_VERBS = ["was repaired", "opened early", "stayed quiet", "was painted", "grew busy", "was measured", "was cleaned",
-          "closed late"]
-_TIMES = ["in spring", "after the storm", "every morning", "last year", "before the festival", "at dusk", "in winter",
-          "on market day"]
-_DETAILS = ["and people talked about it for days", "while the bells rang", "as the carts went by", "and nobody minded",
-            "under a grey sky", "with little fuss", "as it had for years", "and the work went on"]
-_KEY_WORDS = ("amber basalt cedar dune ember fjord glacier harbor iris juniper kelp lagoon meadow nectar orchid "
-              "pebble quartz raven saffron tundra umber violet willow yarrow zephyr").split()
-_TOPIC_WORDS = ("astronomy beekeeping calligraphy dinosaurs economics falconry geology hiking impressionism jazz "
-                "knitting lighthouses mushrooms navigation origami pottery quilting robotics sailing tea "
-                "volcanoes whales xylophones yoga zoology").split()
-_SYLLABLES = ("ba be bi bo bu da de di do du ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re ri ro "
-              "ru sa se si so su ta te ti to tu va ve vi vo vu").split()
+_SUBJECTS = [
+    "river",
+    "old mill",
+    "council",
+    "market",
+    "north road",
+    "harbor",
+    "village school",
+    "orchard",
+    "bridge",
+    "library",
+]
+_VERBS = [
+    "was repaired",
+    "opened early",
+    "stayed quiet",
+    "was painted",
+    "grew busy",
+    "was measured",
+    "was cleaned",
+    "closed late",
+]
+_TIMES = [
+    "in spring",
+    "after the storm",
+    "every morning",
+    "last year",
+    "before the festival",
+    "at dusk",
+    "in winter",
+    "on market day",
+]
+_DETAILS = [
+    "and people talked about it for days",
+    "while the bells rang",
+    "as the carts went by",
+    "and nobody minded",
+    "under a grey sky",
+    "with little fuss",
+    "as it had for years",
+    "and the work went on",
+]
+_KEY_WORDS = (
+    "amber basalt cedar dune ember fjord glacier harbor iris juniper kelp lagoon meadow nectar orchid "
+    "pebble quartz raven saffron tundra umber violet willow yarrow zephyr"
+).split()
+_TOPIC_WORDS = (
+    "astronomy beekeeping calligraphy dinosaurs economics falconry geology hiking impressionism jazz "
+    "knitting lighthouses mushrooms navigation origami pottery quilting robotics sailing tea "
+    "volcanoes whales xylophones yoga zoology"
+).split()
+_SYLLABLES = (
+    "ba be bi bo bu da de di do du ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re ri ro "
+    "ru sa se si so su ta te ti to tu va ve vi vo vu"
+).split()
 
 PROBE_TASKS = (
     "passkey",
@@ -115,8 +155,10 @@ class ProbeBuilder:
         self._encoded: dict[str, list[int]] = {}
         if chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise ConfigError("chat prompts (--chat, chat=True) need a tokenizer with a chat_template; leave chat "
-                                  "off for base models")
+                raise ConfigError(
+                    "chat prompts (--chat, chat=True) need a tokenizer with a chat_template; leave chat "
+                    "off for base models"
+                )
             marker = "\u2063PROBE\u2063"
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
@@ -192,19 +234,17 @@ class ProbeBuilder:
         pool = [self.encode(" " + s) for s in PAD_FILLER]
         fewest: list[list[int] | None] = [[]] + [None] * n_tokens  # fewest[t]: pool indices summing to t
         for t in range(1, n_tokens + 1):
-            sums = [fewest[t - len(p)] + [k] for k, p in enumerate(pool)
-                    if 0 < len(p) <= t and fewest[t - len(p)] is not None]
+            sums = [
+                fewest[t - len(p)] + [k]
+                for k, p in enumerate(pool)
+                if 0 < len(p) <= t and fewest[t - len(p)] is not None
+            ]
             fewest[t] = min(sums, key=len, default=None)
         found = fewest[n_tokens]
         return None if found is None else [pool[k] for k in found]
 
     def assemble(
-        self,
-        length: int,
-        instruction: str,
-        inserts: Sequence[tuple[float, str]],
-        question: str,
-        kind: str = "essay",
+        self, length: int, instruction: str, inserts: Sequence[tuple[float, str]], question: str, kind: str = "essay"
     ) -> tuple[list[int], list[int]]:
         """Prompt of exactly ``length`` tokens: [head] instruction, haystack with inserts, question [tail].
 
@@ -268,8 +308,9 @@ class ProbeBuilder:
             "Find it and memorize it. I will quiz you about it."
         )
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
-        ids, pos = self.assemble(length, instruction, [(depth, needle)], "What is the pass key? The pass key is",
-                                 "passkey")
+        ids, pos = self.assemble(
+            length, instruction, [(depth, needle)], "What is the pass key? The pass key is", "passkey"
+        )
         return Probe("passkey", ids, [key], self.single_answer_metric, length, depth, pos, {"needle_position": pos[0]})
 
     def niah(
@@ -302,12 +343,11 @@ class ProbeBuilder:
             metric = self.single_answer_metric
         else:
             what = ", ".join(asked)
-            question = (
-                f"What are all the special magic numbers for {what}? The special magic numbers for {what} are:"
-            )
+            question = f"What are all the special magic numbers for {what}? The special magic numbers for {what} are:"
             metric = "recall"
-        instruction = ("Some special magic numbers are hidden in the following text. Memorize them. I will quiz you "
-                       "about them.")
+        instruction = (
+            "Some special magic numbers are hidden in the following text. Memorize them. I will quiz you about them."
+        )
         ids, pos = self.assemble(length, instruction, list(zip(spread, needles)), question)
         answers = [v for k in asked for v in values[k]]
         return Probe(task, ids, answers, metric, length, depth, pos, {"keys": keys, "asked": asked})
@@ -410,8 +450,9 @@ class ProbeBuilder:
         ]
         question = "What is the first topic we discussed? Only give the topic name. The first topic we discussed is"
         ids, pos = self.assemble(length, instruction, inserts, question)
-        return Probe("topic_retrieval", ids, [topics[0]], self.single_answer_metric, length, None, pos,
-                     {"topics": topics})
+        return Probe(
+            "topic_retrieval", ids, [topics[0]], self.single_answer_metric, length, None, pos, {"topics": topics}
+        )
 
     def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
         """One probe of ``task`` (see ``PROBE_TASKS``); ``depth`` is used by the needle tasks only."""
@@ -464,10 +505,15 @@ def make_probes(
     if n_samples < 1:
         raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
     if task in DEPTH_TASKS:
-        grid_depths: list[float | None] = (sorted({float(d) for d in depths}) if depths is not None
-                                           else [0.0, 0.25, 0.5, 0.75, 1.0])
+        grid_depths: list[float | None] = (
+            sorted({float(d) for d in depths}) if depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
+        )
     else:
         grid_depths = [None]
     builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
-    return [builder.make(task, int(length), depth, **options)
-            for length in lengths for depth in grid_depths for _ in range(n_samples)]
+    return [
+        builder.make(task, int(length), depth, **options)
+        for length in lengths
+        for depth in grid_depths
+        for _ in range(n_samples)
+    ]

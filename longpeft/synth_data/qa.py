@@ -37,7 +37,7 @@ class Passage:
 
     @property
     def text(self) -> str:
-        return self.doc.text[self.start:self.end]
+        return self.doc.text[self.start : self.end]
 
     def facts(self) -> list[Fact]:
         """Facts of the document whose sentence lies entirely inside the passage."""
@@ -148,8 +148,9 @@ class ProceduralAnswerer:
             if len(own) < 3:
                 continue
             sentences = list(dict.fromkeys(f.sentence for f in own))  # in order of appearance
-            pairs.append(QAPair(f"Write a short biography of {character.name}.", " ".join(sentences),
-                                [f.fact_id for f in own]))
+            pairs.append(
+                QAPair(f"Write a short biography of {character.name}.", " ".join(sentences), [f.fact_id for f in own])
+            )
         rng.shuffle(pairs)
         return pairs[: job.n]
 
@@ -282,8 +283,10 @@ def _shared_professions(docs: list[_DocFacts], rng: random.Random) -> QAPair | N
     evidence = [f.fact_id for p in shared for f in pa[p] + pb[p]]
     answer = ", ".join(shared) + "." if shared else "None: no profession is held by people named in both."
     # "named": filler prose mentions unnamed workers too ("spoke with a sailor"), which the facts do not record
-    question = (f"Which professions are held both by someone named in Document {a.number} "
-                f"and by someone named in Document {b.number}?")
+    question = (
+        f"Which professions are held both by someone named in Document {a.number} "
+        f"and by someone named in Document {b.number}?"
+    )
     return QAPair(question, answer, evidence)
 
 
@@ -317,8 +320,9 @@ def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
 
 # ---- GPT-4-style generation through an OpenAI-compatible endpoint ----------------------------------
 
-SYSTEM_PROMPT = ("You write high-quality training data for long-context reading comprehension. You reply with JSON "
-                 "only.")
+SYSTEM_PROMPT = (
+    "You write high-quality training data for long-context reading comprehension. You reply with JSON only."
+)
 
 # Doubled braces: the prompts go through str.format.
 QA_FORMAT = 'Reply with JSON only, in this form: {{"qa_pairs": [{{"question": "...", "answer": "..."}}]}}'
@@ -394,12 +398,18 @@ def parse_qa_pairs(text: str) -> list[QAPair]:
 def parse_biographies(text: str) -> list[QAPair]:
     """``{"biographies": [{"name", "biography"}]}`` (:data:`.answer_schema.BIOGRAPHIES`) -> one "write a
     biography" turn per character."""
-    return [QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
-            for item in parse_answer(text, BIOGRAPHIES)]
+    return [
+        QAPair(f"Write a short biography of {item['name'].strip()}.", item["biography"].strip())
+        for item in parse_answer(text, BIOGRAPHIES)
+    ]
 
 
-TASK_SCHEMAS = {"single_detail": QA_PAIRS, "multi_detail": QA_PAIRS, "heterogeneous": QA_PAIRS,
-                "biography": BIOGRAPHIES}
+TASK_SCHEMAS = {
+    "single_detail": QA_PAIRS,
+    "multi_detail": QA_PAIRS,
+    "heterogeneous": QA_PAIRS,
+    "biography": BIOGRAPHIES,
+}
 """The output schema of each task's answer (sent as ``response_format``, checked by its parser)."""
 
 
@@ -410,8 +420,11 @@ def job_request(job: QAJob, index: int = 0) -> LLMRequest:
         task=job.task,
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
         schema=TASK_SCHEMAS[job.task],
-        meta={"job": index, "sources": [p.doc.doc_id for p in job.passages],
-              "spans": [[p.start, p.end] for p in job.passages]},
+        meta={
+            "job": index,
+            "sources": [p.doc.doc_id for p in job.passages],
+            "spans": [[p.start, p.end] for p in job.passages],
+        },
     )
 
 
@@ -480,8 +493,9 @@ class LLMAnswerer:
 
         return check
 
-    def _drop_repeats_across_chunks(self, jobs: Sequence[QAJob], results: list[list[QAPair] | None],
-                                    requests: dict[int, LLMRequest]) -> None:
+    def _drop_repeats_across_chunks(
+        self, jobs: Sequence[QAJob], results: list[list[QAPair] | None], requests: dict[int, LLMRequest]
+    ) -> None:
         """Near-duplicate questions across the jobs of one context: the single-detail chunks of one document
         (each document gives one context per task)."""
         kept: dict[str, list[str]] = {}
@@ -497,7 +511,14 @@ class LLMAnswerer:
 
     def _log(self, request: LLMRequest, pair: QAPair, rejection: Rejection) -> None:
         """One line of the rejects file per rejected item (written once, also over reruns)."""
-        record = {"kind": "item", "task": request.task, "meta": request.meta, "reason": rejection.reason,
-                  "detail": rejection.detail, "question": pair.question, "answer": pair.answer}
+        record = {
+            "kind": "item",
+            "task": request.task,
+            "meta": request.meta,
+            "reason": rejection.reason,
+            "detail": rejection.detail,
+            "question": pair.question,
+            "answer": pair.answer,
+        }
         blob = json.dumps(record, sort_keys=True, ensure_ascii=False)
         self.client.rejects.add({"key": hashlib.sha256(blob.encode("utf-8")).hexdigest(), **record})

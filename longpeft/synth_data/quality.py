@@ -39,8 +39,9 @@ from pydantic import Field
 from ..config import StrictModel
 
 REASONS = ("placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded", "near_duplicate")
-GateName = Literal["placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded",
-                   "near_duplicate"]
+GateName = Literal[
+    "placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded", "near_duplicate"
+]
 AGGREGATING_TASKS = ("multi_detail", "heterogeneous")  # answers may hold computed numbers (counts, sums, gaps)
 
 
@@ -49,18 +50,23 @@ class QualityConfig(StrictModel):
     GPT-4-class answers, including one-word factual answers (a year, a name) that occur in the text."""
 
     enabled: bool = Field(True, description="run the gates on every LLM-written item (false: keep everything parsed)")
-    disable: list[GateName] = Field(default_factory=list,
-                                    description=f"gates to switch off, by reason code ({', '.join(REASONS)})")
+    disable: list[GateName] = Field(
+        default_factory=list, description=f"gates to switch off, by reason code ({', '.join(REASONS)})"
+    )
     echo_words: int = Field(6, ge=3, description="consecutive instruction words that make a prompt echo")
     min_question_words: int = Field(3, ge=0, description="real words a question needs ('Who founded Brenn?' has 3)")
     min_answer_words: int = Field(1, ge=0, description="real words an answer needs (1: a year or a name is fine)")
     min_biography_words: int = Field(12, ge=0, description="real words a biography needs")
     min_grounded_fraction: float = Field(
-        0.5, ge=0, le=1,
+        0.5,
+        ge=0,
+        le=1,
         description="share of an answer's content words that must occur in the text it was asked about",
     )
     max_question_similarity: float = Field(
-        0.8, gt=0, le=1,
+        0.8,
+        gt=0,
+        le=1,
         description="Jaccard similarity of normalised word sets at which a question repeats an earlier one",
     )
 
@@ -90,7 +96,8 @@ class Verdict:
 
 # ---- normalisation --------------------------------------------------------------------------------
 
-STOP_WORDS = frozenset("""
+STOP_WORDS = frozenset(
+    """
 a about above after again against all also am an and any are as at be because been before being below between
 both but by can could did do does doing done down during each either else ever every few for from further had has
 have having he her here hers herself him himself his how however i if in into is it its itself just least less
@@ -104,13 +111,38 @@ according answer answered mentioned named called described text document documen
 first second third last earlier later earliest latest before after total sum number numbers times count both
 together respectively compared whereas different difference differences similar similarity similarities common
 also named namely including include includes included
-""".split())
+""".split()
+)
 
 NUMBER_WORDS = {
-    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6", "seven": "7",
-    "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12", "thirteen": "13", "fourteen": "14",
-    "fifteen": "15", "sixteen": "16", "seventeen": "17", "eighteen": "18", "nineteen": "19", "twenty": "20",
-    "thirty": "30", "forty": "40", "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
+    "eleven": "11",
+    "twelve": "12",
+    "thirteen": "13",
+    "fourteen": "14",
+    "fifteen": "15",
+    "sixteen": "16",
+    "seventeen": "17",
+    "eighteen": "18",
+    "nineteen": "19",
+    "twenty": "20",
+    "thirty": "30",
+    "forty": "40",
+    "fifty": "50",
+    "sixty": "60",
+    "seventy": "70",
+    "eighty": "80",
+    "ninety": "90",
     "hundred": "100",
 }
 
@@ -164,32 +196,59 @@ def numbers(text: str) -> set[str]:
 
 # ---- the gates ------------------------------------------------------------------------------------
 
-_PLACEHOLDER_WORDS = frozenset({
-    "question", "answer", "string", "text", "name", "biography", "placeholder", "example", "todo", "tbd", "tba",
-    "n/a", "na", "xxx", "your question", "your answer", "your question here", "your answer here", "question here",
-    "answer here", "insert question", "insert answer", "lorem ipsum", "null", "undefined",
-})  # not "none": "None." answers "which ... both?" correctly
+_PLACEHOLDER_WORDS = frozenset(
+    {
+        "question",
+        "answer",
+        "string",
+        "text",
+        "name",
+        "biography",
+        "placeholder",
+        "example",
+        "todo",
+        "tbd",
+        "tba",
+        "n/a",
+        "na",
+        "xxx",
+        "your question",
+        "your answer",
+        "your question here",
+        "your answer here",
+        "question here",
+        "answer here",
+        "insert question",
+        "insert answer",
+        "lorem ipsum",
+        "null",
+        "undefined",
+    }
+)  # not "none": "None." answers "which ... both?" correctly
 _PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
 _BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
 _JSON_FORMAT = re.compile(r"\"\s*(?:qa_pairs|question|answer|biographies|biography|name)\s*\"\s*:")
-_REFUSALS = [re.compile(pattern, re.IGNORECASE) for pattern in (
-    r"\bas an ai\b",
-    r"\b(?:large )?language model\b",
-    r"\bi(?:'m| am) (?:sorry|unable|not able)\b",
-    r"\bi (?:cannot|can't|can ?not|won't|am unable to)\b",
-    r"\bi apologi[sz]e\b",
-    r"^\s*(?:sure|certainly|of course|okay|ok|absolutely)\b[^.!?\n]{0,40}\bhere (?:is|are)\b",
-    r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
-    r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
-    r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
-    r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
-    r"in the "
-    r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
-    r"\bnot enough information\b",
-    r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
-    r"context|story)",
-    r"\bno information (?:is |was )?(?:given|provided|available)\b",
-)]
+_REFUSALS = [
+    re.compile(pattern, re.IGNORECASE)
+    for pattern in (
+        r"\bas an ai\b",
+        r"\b(?:large )?language model\b",
+        r"\bi(?:'m| am) (?:sorry|unable|not able)\b",
+        r"\bi (?:cannot|can't|can ?not|won't|am unable to)\b",
+        r"\bi apologi[sz]e\b",
+        r"^\s*(?:sure|certainly|of course|okay|ok|absolutely)\b[^.!?\n]{0,40}\bhere (?:is|are)\b",
+        r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
+        r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
+        r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
+        r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
+        r"in the "
+        r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
+        r"\bnot enough information\b",
+        r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
+        r"context|story)",
+        r"\bno information (?:is |was )?(?:given|provided|available)\b",
+    )
+]
 
 
 def placeholder(text: str) -> str | None:
@@ -209,8 +268,8 @@ def placeholder(text: str) -> str | None:
 def echo_grams(instructions: str, evidence: str, n: int) -> set[tuple[str, ...]]:
     """Word n-grams of the prompt's instructions that do not occur in the evidence text."""
     inst, ev = words(instructions), words(evidence)
-    grams = {tuple(inst[i:i + n]) for i in range(len(inst) - n + 1)}
-    return grams - {tuple(ev[i:i + n]) for i in range(len(ev) - n + 1)}
+    grams = {tuple(inst[i : i + n]) for i in range(len(inst) - n + 1)}
+    return grams - {tuple(ev[i : i + n]) for i in range(len(ev) - n + 1)}
 
 
 def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
@@ -219,8 +278,8 @@ def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
         return "contains the prompt's JSON format"
     found = words(text)
     for i in range(len(found) - n + 1):
-        if tuple(found[i:i + n]) in grams:
-            return f"copies the prompt's instructions: {' '.join(found[i:i + n])!r}"
+        if tuple(found[i : i + n]) in grams:
+            return f"copies the prompt's instructions: {' '.join(found[i : i + n])!r}"
     return None
 
 
@@ -233,8 +292,9 @@ def refusal(text: str) -> str | None:
     return None
 
 
-def ungrounded(answer: str, evidence_stems: set[str], min_fraction: float, drop_numbers: bool,
-               question: str = "") -> str | None:
+def ungrounded(
+    answer: str, evidence_stems: set[str], min_fraction: float, drop_numbers: bool, question: str = ""
+) -> str | None:
     """Why ``answer`` is not grounded (the missing content words), or None; the words of ``question`` are not
     counted (an answer restates its question)."""
     asked = {stem(w) for w in words(question)}
@@ -248,8 +308,10 @@ def ungrounded(answer: str, evidence_stems: set[str], min_fraction: float, drop_
     original = {stem(w): w for w in words(answer)}
     shown = ", ".join(repr(original.get(s, s)) for s in missing[:12]) + (" ..." if len(missing) > 12 else "")
     need = f"need {min_fraction:.0%}" + (", and every number" if not drop_numbers else "")
-    return (f"{len(missing)} of {len(stems)} content words not in the text asked about ({present:.0%} present, "
-            f"{need}): {shown}")
+    return (
+        f"{len(missing)} of {len(stems)} content words not in the text asked about ({present:.0%} present, "
+        f"{need}): {shown}"
+    )
 
 
 def _name_tokens(name: str, others: Iterable[str]) -> list[str]:
@@ -343,8 +405,13 @@ class QualityGates:
         for the same context from other answers (the chunks of one document)."""
         return self._judge(task, items, earlier_questions, lambda index, item: None)
 
-    def _judge(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str],
-               failure: Callable[[int, Item], Rejection | None]) -> Verdict:
+    def _judge(
+        self,
+        task: str,
+        items: Sequence[Item],
+        earlier_questions: Sequence[str],
+        failure: Callable[[int, Item], Rejection | None],
+    ) -> Verdict:
         """Keep or reject each item: its first ``failure``, else ``near_duplicate`` against the questions kept so
         far (``earlier_questions``, then this call's); rejections are counted."""
         verdict, kept_questions = Verdict(), list(earlier_questions)
@@ -364,8 +431,14 @@ class QualityGates:
         self.rejected.setdefault(task, Counter())[reason] += 1
 
     def _first_failure(
-        self, task: str, item: Item, name: str | None, others: Sequence[str], evidence_words: set[str],
-        evidence_stems: set[str], grams: set[tuple[str, ...]],
+        self,
+        task: str,
+        item: Item,
+        name: str | None,
+        others: Sequence[str],
+        evidence_words: set[str],
+        evidence_stems: set[str],
+        grams: set[tuple[str, ...]],
     ) -> Rejection | None:
         cfg = self.config
         fields = (("question", item.question), ("biography" if name is not None else "answer", item.answer))
@@ -382,20 +455,26 @@ class QualityGates:
                 if why:
                     return Rejection(gate, f"{label}: {why}")
         if self.on("too_short"):
-            minimum = {"question": cfg.min_question_words, "answer": cfg.min_answer_words,
-                       "biography": cfg.min_biography_words}
+            minimum = {
+                "question": cfg.min_question_words,
+                "answer": cfg.min_answer_words,
+                "biography": cfg.min_biography_words,
+            }
             for label, text in fields:
                 count = len(words(text))
                 if count < minimum[label]:
-                    return Rejection("too_short", f"{label} has {count} real word(s) ({text.strip()[:60]!r}), "
-                                                  f"minimum {minimum[label]}")
+                    return Rejection(
+                        "too_short",
+                        f"{label} has {count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}",
+                    )
         if name is not None and self.on("wrong_subject"):
             why = wrong_subject(name, item.answer, others, evidence_words)
             if why:
                 return Rejection("wrong_subject", why)
         if self.on("ungrounded"):
-            why = ungrounded(item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS,
-                             item.question)
+            why = ungrounded(
+                item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS, item.question
+            )
             if why:
                 return Rejection("ungrounded", why)
         return None
@@ -420,6 +499,7 @@ class QualityGates:
             "checked": checked,
             "kept": checked - sum(total.values()),
             "rejected": {reason: total[reason] for reason in REASONS if total[reason]},
-            "rejected_per_task": {task: {r: counts[r] for r in REASONS if counts[r]}
-                                  for task, counts in sorted(self.rejected.items())},
+            "rejected_per_task": {
+                task: {r: counts[r] for r in REASONS if counts[r]} for task, counts in sorted(self.rejected.items())
+            },
         }

@@ -60,23 +60,32 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
     by_reason = total.get("rejected_reasons", {})
     if by_reason:
         counts = ", ".join(f"{reason} {by_reason[reason]}" for reason in REJECT_REASONS if by_reason.get(reason))
-        lines.append(f"requests rejected: {counts} (rejects.jsonl"
-                     + ("; HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "")
-                     + ("; prompt_too_long: not sent, longer than the endpoint's context"
-                        if by_reason.get("prompt_too_long") else "") + ")")
+        lines.append(
+            f"requests rejected: {counts} (rejects.jsonl"
+            + ("; HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "")
+            + (
+                "; prompt_too_long: not sent, longer than the endpoint's context"
+                if by_reason.get("prompt_too_long")
+                else ""
+            )
+            + ")"
+        )
     quality = stats.get("quality")
     if quality and quality.get("checked"):
         reasons = ", ".join(f"{reason} {count}" for reason, count in quality["rejected"].items()) or "none"
-        lines.append(f"quality gates: {quality['kept']} of {quality['checked']} items kept; rejected: {reasons} "
-                     "(rejects.jsonl)")
+        lines.append(
+            f"quality gates: {quality['kept']} of {quality['checked']} items kept; rejected: {reasons} (rejects.jsonl)"
+        )
         for task, counts in quality["rejected_per_task"].items():
             lines.append(f"  {task:<14} " + ", ".join(f"{reason} {count}" for reason, count in counts.items()))
     elif quality and not quality.get("enabled", True):
         lines.append("quality gates: off (quality.enabled: false)")
     skipped = total.get("skipped_rejected", 0)
     if skipped:
-        lines.append(f"{skipped} request(s) rejected in an earlier run were not asked again (reasons in "
-                     "rejects.jsonl); --retry-rejected asks them again")
+        lines.append(
+            f"{skipped} request(s) rejected in an earlier run were not asked again (reasons in "
+            "rejects.jsonl); --retry-rejected asks them again"
+        )
     return lines
 
 

@@ -108,7 +108,11 @@ class RetrievalDocuments:
 
 
 def build_retrieval_dataset(
-    tokenizer: Any, n_documents: int = 256, min_tokens: int = 512, max_tokens: int = 1024, seed: int = 0,
+    tokenizer: Any,
+    n_documents: int = 256,
+    min_tokens: int = 512,
+    max_tokens: int = 1024,
+    seed: int = 0,
     mix: dict[str, float] | None = None,
 ) -> Any:
     """A ``datasets.Dataset`` with one ``text`` column of retrieval documents whose lengths are drawn

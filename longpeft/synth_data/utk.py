@@ -96,8 +96,9 @@ def add_utk_tokens(
         if len(encoded) == 1:
             letters.append(encoded[0])
     if len(letters) < 2:
-        raise ConfigError(f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another "
-                          "alphabet")
+        raise ConfigError(
+            f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet"
+        )
     return UtkTokens(
         head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
         tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
@@ -197,8 +198,9 @@ class UtkAugmenter:
         pieces: list[list[tuple[np.ndarray, np.ndarray, int]]] = []
         pieces_per_doc: list[int] = []
         used_labels: set[tuple[int, ...]] = set()
-        draws = self.counts[np.minimum(np.searchsorted(self._cumulative, rng.random(len(docs)), side="right"),
-                                       len(self.counts) - 1)]
+        draws = self.counts[
+            np.minimum(np.searchsorted(self._cumulative, rng.random(len(docs)), side="right"), len(self.counts) - 1)
+        ]
         for index, doc in enumerate(docs):
             h = min(int(draws[index]), len(doc)) if len(doc) >= self.min_split_tokens else 1
             if h == 1:
@@ -212,7 +214,7 @@ class UtkAugmenter:
                 if j > 0:
                     segments.append(self._marker([self.tokens.head_knots[j]]))
                 segments.append(self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close]))
-                content = doc[bounds[j]:bounds[j + 1]]
+                content = doc[bounds[j] : bounds[j + 1]]
                 segments.append((content, content, int(starts[index]) + bounds[j]))
                 if j < h - 1:
                     segments.append(self._marker([self.tokens.tail_knots[j]]))
@@ -226,10 +228,12 @@ class UtkAugmenter:
         labels = np.concatenate([s[1] for s in segments])
         origin = None
         if return_origin:
-            origin = np.concatenate([
-                np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
-                for s in segments
-            ])
+            origin = np.concatenate(
+                [
+                    np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
+                    for s in segments
+                ]
+            )
         return UtkSample(input_ids, labels, origin, augmented=True)
 
     # ---- helpers ------------------------------------------------------------------------------
@@ -254,8 +258,9 @@ class UtkAugmenter:
                 if len(labels) == h:
                     return labels
         # Random draws keep colliding only when nearly every label is taken: pick among the free ones.
-        free = [label for label in itertools.product(self._letters.tolist(), repeat=self.label_length)
-                if label not in used]
+        free = [
+            label for label in itertools.product(self._letters.tolist(), repeat=self.label_length) if label not in used
+        ]
         if len(free) < h - len(labels):
             raise ConfigError(
                 f"this sequence needs more than the {len(self._letters)}**{self.label_length} distinct chunk labels; "
@@ -293,7 +298,7 @@ class UtkAugmenter:
         start = 0
         for count in pieces_per_doc:
             # The document's pieces (flat indices start..start+count) take its slots in sorted order.
-            order[np.sort(slots[start:start + count])] = np.arange(start, start + count)
+            order[np.sort(slots[start : start + count])] = np.arange(start, start + count)
             start += count
         return order
 
@@ -374,5 +379,8 @@ class UtkCollator:
         mask = np.zeros((len(rows), width), dtype=np.int64)
         for b, (ids, row_labels) in enumerate(rows):
             input_ids[b, : len(ids)], labels[b, : len(ids)], mask[b, : len(ids)] = ids, row_labels, 1
-        return {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                "attention_mask": torch.from_numpy(mask)}
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "labels": torch.from_numpy(labels),
+            "attention_mask": torch.from_numpy(mask),
+        }

@@ -74,8 +74,10 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     """
     other = sorted(set(changes) - set(INFERENCE_SETTINGS))
     if other:
-        raise ConfigError(f"{other} are not inference settings ({', '.join(INFERENCE_SETTINGS)}); apply the beacons "
-                          "again (apply_beacon) to change the others")
+        raise ConfigError(
+            f"{other} are not inference settings ({', '.join(INFERENCE_SETTINGS)}); apply the beacons "
+            "again (apply_beacon) to change the others"
+        )
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon")
     backbone = backbone_of(model)
@@ -150,7 +152,7 @@ METHOD = Method(
     model_span=model_span,
     conflicts={
         "harpe": "Activation Beacon re-rotates memory keys with the model's one rotary module, and HARPE gives each "
-                 "head its own RoPE base",
+        "head its own RoPE base",
         "sharded_weights": (
             "Activation Beacon runs the decoder once per window, and samples of different lengths give the processes "
             "different numbers of windows, while FSDP2 and ZeRO-3 gather every layer's weights collectively on each "
@@ -159,10 +161,10 @@ METHOD = Method(
             "beacon weights train"
         ),
         "split_sequences": "Activation Beacon condenses each sequence window by window, which cannot run on sequence "
-                           "shards",
+        "shards",
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention and decoder-layer forwards that Activation Beacon patches, which "
-                   "would silently not apply",
+        "would silently not apply",
     },
 )
 

@@ -116,8 +116,9 @@ def _cat(first: torch.Tensor | None, second: torch.Tensor, dim: int = -2) -> tor
     return second if first is None else torch.cat([first, second], dim=dim)
 
 
-def committed_slots(layout: WindowLayout, window_slots: int, window_index: int, sink: int,
-                    rule: str = "longpeft") -> torch.Tensor:
+def committed_slots(
+    layout: WindowLayout, window_slots: int, window_index: int, sink: int, rule: str = "longpeft"
+) -> torch.Tensor:
     """``[n]`` long: the slots of a full window (its first ``window_slots``) that join the memory, in memory order:
     at ratio 0 all of them, else the window's beacons; window 0 puts its sink first. The sink is the first ``sink``
     raw tokens (``rule`` longpeft; none again at ratio 0, where they are in memory anyway) or, as the authors' code
@@ -150,8 +151,13 @@ class BeaconLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, beacon_step: BeaconStep | None = None,
-        pre_rope_keys: torch.Tensor | None = None, **kwargs,
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        *args,
+        beacon_step: BeaconStep | None = None,
+        pre_rope_keys: torch.Tensor | None = None,
+        **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the step's K/V into window slots ``[start, end)``; return memory[:M] + window[:end].
 
@@ -179,8 +185,9 @@ class BeaconLayer(CacheLayerMixin):
             torch.cat([self.memory_values[:, :, :m], self.window_values], dim=-2),
         )
 
-    def _update_group(self, key_states: torch.Tensor, value_states: torch.Tensor, pre_rope_keys: torch.Tensor,
-                      step: BeaconStep) -> tuple[torch.Tensor, torch.Tensor]:
+    def _update_group(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, pre_rope_keys: torch.Tensor, step: BeaconStep
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A :class:`WindowGroup` step: ``[batch * P, kv_heads, L, head_dim]`` in; the memory becomes memory[:M]
         plus the group's entries, the window the group's last one; returns, per row, the memory, the group's
         entries and the row's own window (``[batch * P, kv_heads, M + G + L, head_dim]``)."""
@@ -188,8 +195,9 @@ class BeaconLayer(CacheLayerMixin):
         windows = group.windows
         rows, heads, length, dim = key_states.shape
         batch = rows // windows
-        keys, values, pre = (t.view(batch, windows, heads, length, dim) for t in (key_states, value_states,
-                                                                                 pre_rope_keys))
+        keys, values, pre = (
+            t.view(batch, windows, heads, length, dim) for t in (key_states, value_states, pre_rope_keys)
+        )
         index = (group.entry_window * length + group.entry_slot).to(keys.device)  # [G] into the group's P * L slots
 
         def entries(t: torch.Tensor, which: torch.Tensor) -> torch.Tensor:  # [batch, heads, n, dim]
@@ -198,8 +206,10 @@ class BeaconLayer(CacheLayerMixin):
         entry_keys = entries(keys, index)
         if bool(group.entry_rotate.any()):
             moved = group.entry_rotate.nonzero().flatten().to(keys.device)
-            fresh = group.rotate(entries(pre, index.index_select(0, moved)),
-                                 group.entry_positions.to(keys.device).index_select(0, moved))
+            fresh = group.rotate(
+                entries(pre, index.index_select(0, moved)),
+                group.entry_positions.to(keys.device).index_select(0, moved),
+            )
             entry_keys = entry_keys.index_copy(2, moved, fresh.to(entry_keys.dtype))
         m = step.memory_length
         before = (lambda t: None) if m == 0 else (lambda t: t[:, :, :m])
@@ -215,8 +225,13 @@ class BeaconLayer(CacheLayerMixin):
 
         return per_row(self.memory_keys, keys), per_row(self.memory_values, values)
 
-    def commit(self, slots: torch.Tensor, rotate_slots: torch.Tensor, positions: torch.Tensor,
-               rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    def commit(
+        self,
+        slots: torch.Tensor,
+        rotate_slots: torch.Tensor,
+        positions: torch.Tensor,
+        rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> None:
         """Append window slots to memory and drop the window.
 
         Args:
@@ -230,8 +245,10 @@ class BeaconLayer(CacheLayerMixin):
         keys = self.window_keys.index_select(2, slots)
         if bool(rotate_slots.any()):
             which = rotate_slots.nonzero().flatten().to(keys.device)
-            fresh = rotate(self.window_pre_rope_keys.index_select(2, slots.index_select(0, which)),
-                           positions.to(keys.device).index_select(0, which))
+            fresh = rotate(
+                self.window_pre_rope_keys.index_select(2, slots.index_select(0, which)),
+                positions.to(keys.device).index_select(0, which),
+            )
             keys = keys.index_copy(2, which, fresh.to(keys.dtype))
         self.memory_keys = _cat(self.memory_keys, keys)
         self.memory_values = _cat(self.memory_values, self.window_values.index_select(2, slots))
@@ -278,8 +295,9 @@ class BeaconCache(Cache):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("Activation Beacon's memory cannot be cropped (assisted decoding is not supported)")
 
-    def commit(self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int,
-               rule: str = "longpeft") -> None:
+    def commit(
+        self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int, rule: str = "longpeft"
+    ) -> None:
         """Close the current (full) window: its beacons (or, at ratio 0, its raw tokens) join the memory, its raw
         K/V are dropped. The first window also leaves its sink, first in memory: its first ``sink`` raw tokens
         (``rule`` longpeft, not again at ratio 0), or, as the authors' code does (``rule`` authors), its first

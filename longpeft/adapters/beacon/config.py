@@ -49,14 +49,18 @@ def _check_authors_rule(rule: str, attn: str, pos: str) -> None:
     if rule != "authors":
         return
     if attn == "segmentation":
-        raise ValueError("layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
-                         "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
-                         "read, as the paper says)")
+        raise ValueError(
+            "layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
+            "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
+            "read, as the paper says)"
+        )
     if (attn, pos) == ("step-expansion", "interleave"):
-        raise ValueError("layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
-                         "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
-                         "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
-                         "paper says)")
+        raise ValueError(
+            "layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
+            "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
+            "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
+            "paper says)"
+        )
 
 
 def _check_kept_spans(config: BeaconConfig) -> None:
@@ -130,8 +134,9 @@ class BeaconConfig(StrictModel):
     @classmethod
     def _mix(cls, value: str) -> str:
         if not _MIX.match(value):
-            raise ValueError(f"{value!r} is not step-random, instance-random, sequence or adapt-N (N: tokens still to "
-                             "come)")
+            raise ValueError(
+                f"{value!r} is not step-random, instance-random, sequence or adapt-N (N: tokens still to come)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -144,26 +149,31 @@ class BeaconConfig(StrictModel):
         if self.sink >= self.window:
             raise ValueError(f"sink ({self.sink}) must be smaller than window ({self.window})")
         if self.attn == "segmentation" and self.pos == "interleave":
-            raise ValueError("attn: segmentation with pos: interleave is not implemented (nor in the authors' code); "
-                             "use pos: append")
+            raise ValueError(
+                "attn: segmentation with pos: interleave is not implemented (nor in the authors' code); "
+                "use pos: append"
+            )
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
         _check_authors_rule(self.layout_rule, self.attn, self.pos)
         _check_kept_spans(self)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
-            raise ValueError("lora_rank and lora_alpha are settings of projection: lora; remove them or set "
-                             "projection: lora")
+            raise ValueError(
+                "lora_rank and lora_alpha are settings of projection: lora; remove them or set projection: lora"
+            )
         return self
 
     def resolved(self) -> BeaconConfig:
         """This config with every implied value written out (what ``longpeft.json`` records)."""
         lora = self.projection == "lora"
         rank = self.lora_rank or (DEFAULT_LORA_RANK if lora else None)
-        return self.model_copy(update={
-            "inference_ratios": list(self.inference_ratios if self.inference_ratios is not None else self.ratios),
-            "attend_prev": resolve_attend_prev(self.attn, self.pos, self.attend_prev),
-            "lora_rank": rank,
-            "lora_alpha": (self.lora_alpha or float(rank)) if lora else None,
-        })
+        return self.model_copy(
+            update={
+                "inference_ratios": list(self.inference_ratios if self.inference_ratios is not None else self.ratios),
+                "attend_prev": resolve_attend_prev(self.attn, self.pos, self.attend_prev),
+                "lora_rank": rank,
+                "lora_alpha": (self.lora_alpha or float(rank)) if lora else None,
+            }
+        )
 
     def settings(self) -> BeaconSettings:
         """The runtime settings (:class:`~.layout.BeaconSettings`, of the modeling code)."""
@@ -187,8 +197,11 @@ def describe(config: BeaconConfig) -> list[str]:
         f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
         f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
         f"at inference the ratio adapts to the input ({config.inference_ratio_mix})"
-        + (", counted as in the authors' code, whose sink layout it keeps too." if config.layout_rule == "authors"
-           else "."),
+        + (
+            ", counted as in the authors' code, whose sink layout it keeps too."
+            if config.layout_rule == "authors"
+            else "."
+        )
     ]
 
 

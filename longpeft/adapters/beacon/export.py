@@ -30,14 +30,28 @@ from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_beacon.py"
 RUNTIME_MODULES = (layout, cache, parallel, modules, scheduler, patch, modeling)
-INLINED_HELPERS = (rotate_half, apply_rotary, is_attention_module, attention_modules, causal_lm_of, backbone_of,
-                   cache_keyword, pop_cache, kernel_interface, attention_kernel, define_export_classes)
+INLINED_HELPERS = (
+    rotate_half,
+    apply_rotary,
+    is_attention_module,
+    attention_modules,
+    causal_lm_of,
+    backbone_of,
+    cache_keyword,
+    pop_cache,
+    kernel_interface,
+    attention_kernel,
+    define_export_classes,
+)
 
 
 def standalone_modeling_source() -> str:
     """The text of ``modeling_beacon.py``: the beacon runtime and model classes, no longpeft import."""
-    return standalone_source("Activation Beacon, written by longpeft for an exported model (needs only torch and "
-                             "transformers).", RUNTIME_MODULES, INLINED_HELPERS)
+    return standalone_source(
+        "Activation Beacon, written by longpeft for an exported model (needs only torch and transformers).",
+        RUNTIME_MODULES,
+        INLINED_HELPERS,
+    )
 
 
 def write_remote_code(save_dir: str | Path, settings: BeaconSettings) -> None:
@@ -54,5 +68,12 @@ def write_remote_code(save_dir: str | Path, settings: BeaconSettings) -> None:
         settings: the model's beacon settings.
     """
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "Activation Beacon")
-    point_config_at_remote_code(config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME,
-                                standalone_modeling_source(), {"beacon": settings.as_dict()})
+    point_config_at_remote_code(
+        config_path,
+        config,
+        model_type,
+        EXPORT_CLASSES_BY_MODEL_TYPE,
+        MODELING_FILENAME,
+        standalone_modeling_source(),
+        {"beacon": settings.as_dict()},
+    )

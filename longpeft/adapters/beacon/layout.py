@@ -220,12 +220,20 @@ def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None
     if not present:
         return None
     batch = present[0].shape[0]
-    return torch.cat([keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool)
-                      for keep, length in parts], dim=1)
+    return torch.cat(
+        [keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool) for keep, length in parts],
+        dim=1,
+    )
 
 
-def window_keep(layout: WindowLayout, keep: torch.Tensor | None, start: int, end: int,
-                keep_raw: torch.Tensor | None, raw_rows: torch.Tensor) -> torch.Tensor | None:
+def window_keep(
+    layout: WindowLayout,
+    keep: torch.Tensor | None,
+    start: int,
+    end: int,
+    keep_raw: torch.Tensor | None,
+    raw_rows: torch.Tensor,
+) -> torch.Tensor | None:
     """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
     join the first ``start`` (whose keep is ``keep [batch, start]`` or None).
 
@@ -245,14 +253,16 @@ def window_keep(layout: WindowLayout, keep: torch.Tensor | None, start: int, end
     return keep
 
 
-def key_keep(memory_length: int, end: int, memory_keep: torch.Tensor | None,
-             window_keep: torch.Tensor | None) -> torch.Tensor | None:
+def key_keep(
+    memory_length: int, end: int, memory_keep: torch.Tensor | None, window_keep: torch.Tensor | None
+) -> torch.Tensor | None:
     """``[batch, M + end]`` bool, False at memory entries and window slots that are padding (None: no padding)."""
     return padding_keep((memory_keep, memory_length), (window_keep, end))
 
 
-def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: int,
-                    keys: torch.Tensor | None) -> torch.Tensor:
+def step_visibility(
+    layout: WindowLayout, memory_length: int, start: int, end: int, keys: torch.Tensor | None
+) -> torch.Tensor:
     """Which keys the slots ``[start, end)`` of a window attend to.
 
     Args:
@@ -265,8 +275,9 @@ def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: i
         ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
         sees itself, so no row is empty (a padding query gets a finite, ignored output).
     """
-    rows = torch.cat([torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]],
-                     dim=1)
+    rows = torch.cat(
+        [torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1
+    )
     rows[torch.arange(end - start), memory_length + torch.arange(start, end)] = True
     if keys is None:
         return rows[None, None]
@@ -275,8 +286,9 @@ def step_visibility(layout: WindowLayout, memory_length: int, start: int, end: i
     return visible[:, None]
 
 
-def attention_mask_for(visible: torch.Tensor, keys: torch.Tensor | None, implementation: str, dtype: torch.dtype,
-                       device) -> torch.Tensor | None:
+def attention_mask_for(
+    visible: torch.Tensor, keys: torch.Tensor | None, implementation: str, dtype: torch.dtype, device
+) -> torch.Tensor | None:
     """The mask an attention kernel takes for a step.
 
     eager: additive float ``[b, 1, q, k]`` (0 or the dtype's minimum) from ``visible``; sdpa and others:
@@ -305,9 +317,17 @@ def mix_parameter(mix: str) -> int:
 DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconSettings' (and the recipes') window layout
 
 
-def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rule: str = "longpeft",
-            keep: tuple[int, int | None] = (0, None), scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
-            keys: bool = False) -> int:
+def span_at(
+    window: int,
+    sink: int,
+    ratio: int,
+    length: int,
+    training: bool,
+    rule: str = "longpeft",
+    keep: tuple[int, int | None] = (0, None),
+    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
+    keys: bool = False,
+) -> int:
     """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: the largest position id the
     beacon forward gives them, plus one. Over the windows, the memory before a window (sink and the beacons of
     every earlier window) plus the positions the window's slots take (:meth:`WindowLayout.reach` of the window's
@@ -328,16 +348,18 @@ def span_at(window: int, sink: int, ratio: int, length: int, training: bool, rul
     condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
     if not ratio or condensed <= start:  # every window raw
         return length + (sink if rule == "authors" and length > window else 0)
-    span = start + _windows_span(window, sink, ratio, condensed - start, training and condensed == length, scheme,
-                                 keys)
+    span = start + _windows_span(
+        window, sink, ratio, condensed - start, training and condensed == length, scheme, keys
+    )
     if condensed < length:  # raw windows from keep_end on follow the memory of the condensed ones
         memory = start + sink + (end - start) // window * (window // ratio)
         span = max(span, memory + length - end)
     return span
 
 
-def _windows_span(window: int, sink: int, ratio: int, length: int, training: bool, scheme: tuple[str, str, bool],
-                  keys: bool) -> int:
+def _windows_span(
+    window: int, sink: int, ratio: int, length: int, training: bool, scheme: tuple[str, str, bool], keys: bool
+) -> int:
     """:func:`span_at` of ``length > 0`` tokens that all run in windows condensed at ``ratio > 0``."""
     windows = math.ceil(length / window)
     span = 0
@@ -349,9 +371,17 @@ def _windows_span(window: int, sink: int, ratio: int, length: int, training: boo
     return span
 
 
-def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_positions: int, length: int,
-                   training: bool, keep: tuple[int, int | None] = (0, None), rule: str = "longpeft",
-                   scheme: tuple[str, str, bool] = DEFAULT_SCHEME) -> tuple[int, ...]:
+def fitting_ratios(
+    ratios: tuple[int, ...],
+    window: int,
+    sink: int,
+    max_positions: int,
+    length: int,
+    training: bool,
+    keep: tuple[int, int | None] = (0, None),
+    rule: str = "longpeft",
+    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
+) -> tuple[int, ...]:
     """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (:func:`span_at`; the largest ratio
     when none does).
 
@@ -364,8 +394,9 @@ def fitting_ratios(ratios: tuple[int, ...], window: int, sink: int, max_position
     authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2: position 10,753 of 8,192), which inference,
     adapting its ratio to fit, never meets.
     """
-    fitting = tuple(r for r in ratios
-                    if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions)
+    fitting = tuple(
+        r for r in ratios if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions
+    )
     condensed = [r for r in fitting if r]
     if 0 in fitting and condensed and length + sink + window // min(condensed) > max_positions:
         fitting = tuple(condensed)
@@ -386,8 +417,16 @@ def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: in
 
 
 def choose_ratio(
-    ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, chosen: int | None,
-    sink: int = 0, training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None),
+    ratios: tuple[int, ...],
+    mix: str,
+    window: int,
+    max_positions: int,
+    length: int,
+    chosen: int | None,
+    sink: int = 0,
+    training: bool = False,
+    rule: str = "longpeft",
+    keep: tuple[int, int | None] = (0, None),
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
@@ -412,9 +451,18 @@ def choose_ratio(
     return candidates[int(torch.randint(len(candidates), ()).item())]
 
 
-def span_ratio(ratios: tuple[int, ...], mix: str, window: int, max_positions: int, length: int, sink: int = 0,
-               training: bool = False, rule: str = "longpeft", keep: tuple[int, int | None] = (0, None),
-               scheme: tuple[str, str, bool] = DEFAULT_SCHEME) -> int:
+def span_ratio(
+    ratios: tuple[int, ...],
+    mix: str,
+    window: int,
+    max_positions: int,
+    length: int,
+    sink: int = 0,
+    training: bool = False,
+    rule: str = "longpeft",
+    keep: tuple[int, int | None] = (0, None),
+    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
+) -> int:
     """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
     (:func:`fitting_ratios`; the largest ratio when none does).
 
@@ -452,14 +500,19 @@ def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int
     return min(reaching, key=lambda ratio: reach[ratio])
 
 
-def window_span(settings: BeaconSettings, length: int, max_positions: int, training: bool = False,
-                keys: bool = False) -> int:
+def window_span(
+    settings: BeaconSettings, length: int, max_positions: int, training: bool = False, keys: bool = False
+) -> int:
     """Positions an input of ``length`` tokens occupies at most (:func:`span_at`; with ``keys``, the keys one query
     reads at most), at the ratio :func:`span_ratio` bounds them by: the inference ratios and mix, or with
     ``training`` the training ones."""
-    ratios, mix = ((settings.ratios, settings.ratio_mix) if training
-                   else (settings.inference_ratios, settings.inference_ratio_mix))
+    ratios, mix = (
+        (settings.ratios, settings.ratio_mix)
+        if training
+        else (settings.inference_ratios, settings.inference_ratio_mix)
+    )
     rule, keep, scheme = settings.layout_rule, (settings.keep_start, settings.keep_end), settings.scheme
-    ratio = span_ratio(ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep,
-                       scheme)
+    ratio = span_ratio(
+        ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep, scheme
+    )
     return span_at(settings.window, settings.sink, ratio, length, training, rule, keep, scheme, keys)

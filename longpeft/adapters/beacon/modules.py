@@ -115,7 +115,8 @@ def beacon_attention_forward(
         extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
 
-    attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask,
-                                                 **kwargs)
+    attn_output, attn_weights = attention_kernel(
+        self, query_states, key_states, value_states, attention_mask, **kwargs
+    )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return project(self, "o", attn_output, rows), attn_weights

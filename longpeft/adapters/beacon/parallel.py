@@ -31,8 +31,9 @@ from .layout import WindowLayout, padding_keep, step_visibility, window_keep
 # longpeft-inline-end
 
 
-def plan_group(first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int,
-               remaining: int, most: int) -> tuple[int, WindowLayout | None]:
+def plan_group(
+    first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int, remaining: int, most: int
+) -> tuple[int, WindowLayout | None]:
     """How many windows run in the group that begins with ``first`` (a window starting at raw token ``start``).
 
     Args:
@@ -78,9 +79,16 @@ class GroupInputs(NamedTuple):
     entry_keep: torch.Tensor | None
 
 
-def group_inputs(layout: WindowLayout, windows: int, state: SequenceState, sink: int, rule: str, batch: int,
-                 keep_raw: torch.Tensor | None,
-                 rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> GroupInputs:
+def group_inputs(
+    layout: WindowLayout,
+    windows: int,
+    state: SequenceState,
+    sink: int,
+    rule: str,
+    batch: int,
+    keep_raw: torch.Tensor | None,
+    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> GroupInputs:
     """Positions, masks and step of ``windows`` full windows of ``layout`` that begin after ``state``.
 
     Args:
@@ -104,19 +112,24 @@ def group_inputs(layout: WindowLayout, windows: int, state: SequenceState, sink:
     computed_at = torch.cat([start + layout.offsets[entries] for start, entries in zip(starts, kept)])
     group = WindowGroup(windows, entry_window, entry_slot, entry_positions, computed_at != entry_positions, rotate)
 
-    window_keeps = [None if keep_raw is None else
-                    window_keep(layout, None, 0, slots, keep_raw[:, p * layout.window : (p + 1) * layout.window],
-                                raw_rows)
-                    for p in range(windows)]
-    entry_keep = padding_keep(*[(None if keep is None else keep[:, entries], entries.numel())
-                                for keep, entries in zip(window_keeps, kept)])
+    window_keeps = [
+        None
+        if keep_raw is None
+        else window_keep(layout, None, 0, slots, keep_raw[:, p * layout.window : (p + 1) * layout.window], raw_rows)
+        for p in range(windows)
+    ]
+    entry_keep = padding_keep(
+        *[(None if keep is None else keep[:, entries], entries.numel()) for keep, entries in zip(window_keeps, kept)]
+    )
     read = entry_window[None, :] < torch.arange(windows)[:, None]  # [P, G]: row p reads windows before it
     memory_keep = torch.ones(batch, memory, dtype=torch.bool) if state.memory_keep is None else state.memory_keep
     entries = read[None] if entry_keep is None else read[None] & entry_keep[:, None]  # [B or 1, P, G]
-    own = torch.stack([torch.ones(batch, slots, dtype=torch.bool) if keep is None else keep
-                       for keep in window_keeps], dim=1)  # [B, P, L]
-    keys = torch.cat([memory_keep[:, None].expand(batch, windows, memory), entries.expand(batch, windows, -1), own],
-                     dim=2).reshape(batch * windows, -1)
+    own = torch.stack(
+        [torch.ones(batch, slots, dtype=torch.bool) if keep is None else keep for keep in window_keeps], dim=1
+    )  # [B, P, L]
+    keys = torch.cat(
+        [memory_keep[:, None].expand(batch, windows, memory), entries.expand(batch, windows, -1), own], dim=2
+    ).reshape(batch * windows, -1)
     visible = step_visibility(layout, starts[-1], 0, slots, keys)
     positions = (torch.tensor(starts)[:, None] + layout.offsets[None]).repeat(batch, 1)
     beacon_rows = layout.is_beacon.nonzero().flatten()

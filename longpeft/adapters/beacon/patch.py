@@ -75,8 +75,10 @@ def _special_token_id(config, name: str) -> int:
     if isinstance(value, (list, tuple)):
         value = value[0] if value else None
     if value is None:
-        raise ValueError(f"beacon embed_init: {name} needs config.{name}_token_id, which this model does not set; "
-                         f"use the other embed_init or set config.{name}_token_id")
+        raise ValueError(
+            f"beacon embed_init: {name} needs config.{name}_token_id, which this model does not set; "
+            f"use the other embed_init or set config.{name}_token_id"
+        )
     return int(value)
 
 
@@ -113,8 +115,10 @@ def install_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise
     attentions = attention_modules(backbone)
     implementation = causal_lm.config._attn_implementation or "eager"
     if "flash" in implementation and settings.attn != "full-coverage":
-        raise ValueError(f"beacon attn {settings.attn} needs an explicit mask, which {implementation} cannot take; "
-                         "load the model with attn_implementation='sdpa' (or use attn full-coverage)")
+        raise ValueError(
+            f"beacon attn {settings.attn} needs an explicit mask, which {implementation} cannot take; "
+            "load the model with attn_implementation='sdpa' (or use attn full-coverage)"
+        )
     if not attentions:
         raise ValueError(f"found no attention module with q/k/v/o projections in {type(causal_lm).__name__}")
     init_token = _special_token_id(causal_lm.config, settings.embed_init) if initialise else None

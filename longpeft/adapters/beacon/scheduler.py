@@ -66,8 +66,9 @@ def _rows_with_padding(state) -> torch.Tensor | None:
     return torch.cat(parts, dim=1).any(dim=1) if parts else None
 
 
-def _check_no_padding_before_tokens(keep_new: torch.Tensor | None, state, settings: BeaconSettings,
-                                    training: bool) -> None:
+def _check_no_padding_before_tokens(
+    keep_new: torch.Tensor | None, state, settings: BeaconSettings, training: bool
+) -> None:
     """Refuse a batch in which a row's token follows padding (``keep_new [batch, n]``: the new tokens' padding mask;
     the cache's state: what came before), unless no beacon can be inserted (every ratio in use is 0).
 
@@ -124,8 +125,7 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
             )
 
 
-def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int,
-               complete: bool):
+def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int, complete: bool):
     """The layout of the window that begins at raw token ``start`` (its ratio drawn now; call once per window,
     in order).
 
@@ -147,12 +147,32 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     max_positions, keep = backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
     if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
-            state.ratio_cycle = fitting_ratios(ratios, window, settings.sink, max_positions, length, training=complete,
-                                               keep=keep, rule=settings.layout_rule, scheme=settings.scheme)
+            state.ratio_cycle = fitting_ratios(
+                ratios,
+                window,
+                settings.sink,
+                max_positions,
+                length,
+                training=complete,
+                keep=keep,
+                rule=settings.layout_rule,
+                scheme=settings.scheme,
+            )
         ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
     else:
-        ratio = choose_ratio(ratios, mix, window, max_positions, length, state.chosen_ratio, settings.sink,
-                             training=complete, rule=settings.layout_rule, keep=keep, scheme=settings.scheme)
+        ratio = choose_ratio(
+            ratios,
+            mix,
+            window,
+            max_positions,
+            length,
+            state.chosen_ratio,
+            settings.sink,
+            training=complete,
+            rule=settings.layout_rule,
+            keep=keep,
+            scheme=settings.scheme,
+        )
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
@@ -170,9 +190,19 @@ def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSe
         )
 
 
-def _run_step(backbone: torch.nn.Module, cache: BeaconCache, layout, take: int, raw_embeds: torch.Tensor,
-              keep_raw: torch.Tensor | None, beacon_row: torch.Tensor, implementation: str, cache_name: str,
-              kwargs: dict, keep_last: int | None) -> torch.Tensor:
+def _run_step(
+    backbone: torch.nn.Module,
+    cache: BeaconCache,
+    layout,
+    take: int,
+    raw_embeds: torch.Tensor,
+    keep_raw: torch.Tensor | None,
+    beacon_row: torch.Tensor,
+    implementation: str,
+    cache_name: str,
+    kwargs: dict,
+    keep_last: int | None,
+) -> torch.Tensor:
     """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``) of the open window, with the beacons
     they bring; returns the raw tokens' hidden states (the last ``keep_last`` only, when given)."""
     state, device = cache.state, raw_embeds.device
@@ -186,19 +216,40 @@ def _run_step(backbone: torch.nn.Module, cache: BeaconCache, layout, take: int, 
     visible = step_visibility(layout, state.memory_length, start, end, keys)
     mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, device)
     positions = (state.memory_length + layout.offsets[start:end])[None].to(device)
-    step = BeaconStep(state.window_index, state.memory_length, start, end,
-                      beacon_rows if beacon_rows.numel() else None)
-    hidden = type(backbone).forward(backbone, inputs_embeds=step_embeds, attention_mask=mask, position_ids=positions,
-                                    use_cache=True, beacon_step=step, **{cache_name: cache}, **kwargs)
+    step = BeaconStep(
+        state.window_index, state.memory_length, start, end, beacon_rows if beacon_rows.numel() else None
+    )
+    hidden = type(backbone).forward(
+        backbone,
+        inputs_embeds=step_embeds,
+        attention_mask=mask,
+        position_ids=positions,
+        use_cache=True,
+        beacon_step=step,
+        **{cache_name: cache},
+        **kwargs,
+    )
     state.window_raw += take
     state.window_slots = end
     state.raw_seen += take
     return hidden.last_hidden_state.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:])
 
 
-def _run_group(backbone: torch.nn.Module, cache: BeaconCache, layout, windows: int, raw_embeds: torch.Tensor,
-               keep_raw: torch.Tensor | None, beacon_row: torch.Tensor, rotate, sink: int, rule: str,
-               implementation: str, cache_name: str, kwargs: dict) -> torch.Tensor:
+def _run_group(
+    backbone: torch.nn.Module,
+    cache: BeaconCache,
+    layout,
+    windows: int,
+    raw_embeds: torch.Tensor,
+    keep_raw: torch.Tensor | None,
+    beacon_row: torch.Tensor,
+    rotate,
+    sink: int,
+    rule: str,
+    implementation: str,
+    cache_name: str,
+    kwargs: dict,
+) -> torch.Tensor:
     """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
     (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
     batch, _, hidden_size = raw_embeds.shape
@@ -208,9 +259,20 @@ def _run_group(backbone: torch.nn.Module, cache: BeaconCache, layout, windows: i
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
     step_embeds = beacon_row.expand(batch * windows, slots, -1).clone().index_copy(1, raw_rows, rows)
     mask = attention_mask_for(inputs.visible, inputs.keys, implementation, raw_embeds.dtype, device)
-    hidden = type(backbone).forward(backbone, inputs_embeds=step_embeds, attention_mask=mask,
-                                    position_ids=inputs.positions.to(device), use_cache=True, beacon_step=inputs.step,
-                                    **{cache_name: cache}, **kwargs).last_hidden_state
+    hidden = (
+        type(backbone)
+        .forward(
+            backbone,
+            inputs_embeds=step_embeds,
+            attention_mask=mask,
+            position_ids=inputs.positions.to(device),
+            use_cache=True,
+            beacon_step=inputs.step,
+            **{cache_name: cache},
+            **kwargs,
+        )
+        .last_hidden_state
+    )
     close_group(cache.state, layout, inputs)
     return hidden.index_select(1, raw_rows).reshape(batch, windows * layout.window, hidden_size)
 
@@ -246,15 +308,25 @@ def beacon_backbone_forward(
     keep_last = kwargs.pop("beacon_keep_last", None)
     given, cache_name = pop_cache(kwargs), cache_keyword()
     if not self.beacons_enabled:
-        return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             inputs_embeds=inputs_embeds, use_cache=use_cache, **{cache_name: given}, **kwargs)
+        return stock_forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **{cache_name: given},
+            **kwargs,
+        )
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     for name in ("output_hidden_states", "output_attentions"):
         if kwargs.get(name, getattr(self.config, name, False)):
-            raise ValueError(f"{name}=True is not supported with Activation Beacon (the decoder stack runs window by "
-                             "window, over beacons and memory); leave it off, or switch beacons off "
-                             "(beacons_disabled) to get the stock model's")
+            raise ValueError(
+                f"{name}=True is not supported with Activation Beacon (the decoder stack runs window by "
+                "window, over beacons and memory); leave it off, or switch beacons off "
+                "(beacons_disabled) to get the stock model's"
+            )
     settings: BeaconSettings = self.beacon_settings
     _check_cache(given)
     complete = self.training and given is None
@@ -281,21 +353,55 @@ def beacon_backbone_forward(
         if state.layout is None:
             state.layout = pending or _layout_at(self, state, settings, state.raw_seen, total, complete)
             windows, pending = plan_group(
-                state.layout, lambda start: _layout_at(self, state, settings, start, total, complete),
-                state.raw_seen, settings.window, n_new - done, parallel)
+                state.layout,
+                lambda start: _layout_at(self, state, settings, start, total, complete),
+                state.raw_seen,
+                settings.window,
+                n_new - done,
+                parallel,
+            )
         layout = state.layout
         take = windows * layout.window if windows > 1 else min(n_new - done, layout.window - state.window_raw)
         # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
-        raw_embeds = (inputs_embeds[:, done : done + take] if inputs_embeds is not None
-                      else self.embed_tokens(input_ids[:, done : done + take]))
+        raw_embeds = (
+            inputs_embeds[:, done : done + take]
+            if inputs_embeds is not None
+            else self.embed_tokens(input_ids[:, done : done + take])
+        )
         keep_raw = None if keep_new is None else keep_new[:, done : done + take]
         if windows > 1:
-            hidden = _run_group(self, cache, layout, windows, raw_embeds, keep_raw, beacon_row, rotate, settings.sink,
-                                settings.layout_rule, implementation, cache_name, kwargs)
+            hidden = _run_group(
+                self,
+                cache,
+                layout,
+                windows,
+                raw_embeds,
+                keep_raw,
+                beacon_row,
+                rotate,
+                settings.sink,
+                settings.layout_rule,
+                implementation,
+                cache_name,
+                kwargs,
+            )
             outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         else:
-            outputs.append(_run_step(self, cache, layout, take, raw_embeds, keep_raw, beacon_row, implementation,
-                                     cache_name, kwargs, keep_last))
+            outputs.append(
+                _run_step(
+                    self,
+                    cache,
+                    layout,
+                    take,
+                    raw_embeds,
+                    keep_raw,
+                    beacon_row,
+                    implementation,
+                    cache_name,
+                    kwargs,
+                    keep_last,
+                )
+            )
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
         done += take
@@ -305,15 +411,17 @@ def beacon_backbone_forward(
 SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
 
-def beacon_prepare_cache_for_generation(self, generation_config, model_kwargs: dict, generation_mode, batch_size: int,
-                                        max_cache_length: int) -> None:
+def beacon_prepare_cache_for_generation(
+    self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
+) -> None:
     """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
     caller's, which it continues), and a clear error for other caches and for decoding methods that would
     reorder or crop the memory. With beacons switched off the stock set-up runs (the model is the stock model
     then). ``generate`` passes ``logits_to_keep=1``, so a prefill keeps one hidden state per row."""
     if not getattr(self, self.base_model_prefix).beacons_enabled:
-        return type(self)._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
-                                                        batch_size, max_cache_length)
+        return type(self)._prepare_cache_for_generation(
+            self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+        )
     if generation_mode not in SUPPORTED_GENERATION:
         raise ValueError(
             f"Activation Beacon supports greedy and sampling generation, not {generation_mode.value} (its memory "

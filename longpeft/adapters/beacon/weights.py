@@ -45,8 +45,12 @@ def authors_tensor_shape(name: str, config: Any) -> tuple[int, ...]:
     if name.endswith("beacon_embed_tokens.weight"):
         return (1, hidden)
     projection = name.split(".")[-2][len("beacon_")]  # q, k, v or o
-    out_size, in_size = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden),
-                         "v": (kv_heads * head_dim, hidden), "o": (hidden, heads * head_dim)}[projection]
+    out_size, in_size = {
+        "q": (heads * head_dim, hidden),
+        "k": (kv_heads * head_dim, hidden),
+        "v": (kv_heads * head_dim, hidden),
+        "o": (hidden, heads * head_dim),
+    }[projection]
     return (out_size,) if name.endswith(".bias") else (out_size, in_size)
 
 
@@ -84,23 +88,28 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
     """
     path = Path(folder) / WEIGHTS_FILENAME
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: the adapter's longpeft.json names Activation Beacon but its "
-                                "beacon weights are missing")
+        raise FileNotFoundError(
+            f"{path} not found: the adapter's longpeft.json names Activation Beacon but its beacon weights are missing"
+        )
     own = {_prefix(model) + name: p for name, p in beacon_parameters(model).items()}
     safetensors_header(path)  # a truncated or foreign file is named before safetensors reads it
     with safe_open(str(path), framework="pt") as f:
         stored = set(f.keys())
         missing, unexpected = sorted(set(own) - stored), sorted(stored - set(own))
         if missing or unexpected:
-            raise DataError(f"{path} does not fit the model's beacon weights: missing {missing[:4]}"
-                            f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
-                            f"{'...' if len(unexpected) > 4 else ''} (projection kind or params differ?)")
+            raise DataError(
+                f"{path} does not fit the model's beacon weights: missing {missing[:4]}"
+                f"{'...' if len(missing) > 4 else ''}, unexpected {unexpected[:4]}"
+                f"{'...' if len(unexpected) > 4 else ''} (projection kind or params differ?)"
+            )
         with torch.no_grad():
             for name, parameter in own.items():
                 tensor = f.get_tensor(name)
                 if tensor.shape != parameter.shape:
-                    raise DataError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects "
-                                    f"{tuple(parameter.shape)}; load it on the base model it was trained on")
+                    raise DataError(
+                        f"{path}: {name} has shape {tuple(tensor.shape)}, the model expects "
+                        f"{tuple(parameter.shape)}; load it on the base model it was trained on"
+                    )
                 parameter.copy_(tensor.to(parameter.dtype))
 
 
@@ -124,19 +133,23 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         raise DataError("config.json has no beacon_window: not an Activation Beacon checkpoint")
     scaling = config.get("rope_scaling")
     if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
-        raise DataError(f"rope_scaling {scaling} in config.json: the authors' adapt-N counts "
-                        f"max_position_embeddings x {scaling.get('factor')} positions there, which longpeft does not "
-                        "reproduce; no released Activation Beacon model scales its RoPE")
+        raise DataError(
+            f"rope_scaling {scaling} in config.json: the authors' adapt-N counts "
+            f"max_position_embeddings x {scaling.get('factor')} positions there, which longpeft does not "
+            "reproduce; no released Activation Beacon model scales its RoPE"
+        )
     window = int(config["beacon_window"])
     stride = int(config.get("beacon_stride", window))
     if stride != window:
-        raise DataError(f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports "
-                        "stride == window")
+        raise DataError(
+            f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window"
+        )
     ratios = [int(r) for r in config.get("beacon_ratio", [2, 4, 8])]
     mix = str(config.get("beacon_ratio_mix", "step-random"))
     if not (mix in _MIXES or re.fullmatch(r"adapt-\d+", mix)):
-        warnings.warn(f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random",
-                      stacklevel=2)
+        warnings.warn(
+            f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random", stacklevel=2
+        )
         mix = "step-random"
     return BeaconConfig(
         window=window,

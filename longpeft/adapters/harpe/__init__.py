@@ -72,7 +72,7 @@ METHOD = Method(
     conflicts={
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that rotates with HARPE's per-head bases, which would "
-                   "silently not apply",
+        "silently not apply",
     },
 )
 

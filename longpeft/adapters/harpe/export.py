@@ -22,8 +22,9 @@ MODELING_FILENAME = "modeling_harpe.py"
 
 def standalone_modeling_source() -> str:
     """modeling_harpe.py: :mod:`.modeling` with its longpeft imports replaced by the source of what they import."""
-    return standalone_source("Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling],
-                             modeling.INLINED_ON_EXPORT)
+    return standalone_source(
+        "Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling], modeling.INLINED_ON_EXPORT
+    )
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
@@ -48,5 +49,12 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     stored = config.get("head_rope_bases")
     if stored is not None and [float(b) for b in stored] != bases:
         raise DataError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
-    point_config_at_remote_code(config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME,
-                                standalone_modeling_source(), {"head_rope_bases": bases})
+    point_config_at_remote_code(
+        config_path,
+        config,
+        model_type,
+        EXPORT_CLASSES_BY_MODEL_TYPE,
+        MODELING_FILENAME,
+        standalone_modeling_source(),
+        {"head_rope_bases": bases},
+    )

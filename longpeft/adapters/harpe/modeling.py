@@ -34,8 +34,19 @@ from ...family import attention_kernel, define_export_classes, is_attention_modu
 from ...rope import apply_rotary, cos_sin, inv_freq, per_head_inv_freq, rotate_half, rotate_per_head
 
 # longpeft-inline-end
-INLINED_ON_EXPORT = (inv_freq, per_head_inv_freq, rotate_half, apply_rotary, rotate_per_head, cos_sin,
-                     is_attention_module, kernel_interface, attention_kernel, pop_cache, define_export_classes)
+INLINED_ON_EXPORT = (
+    inv_freq,
+    per_head_inv_freq,
+    rotate_half,
+    apply_rotary,
+    rotate_per_head,
+    cos_sin,
+    is_attention_module,
+    kernel_interface,
+    attention_kernel,
+    pop_cache,
+    define_export_classes,
+)
 
 
 class HeadRotaryEmbedding(nn.Module):
@@ -124,8 +135,9 @@ def head_rope_attention_forward(
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-    attn_output, attn_weights = attention_kernel(self, query_states, key_states, value_states, attention_mask,
-                                                 **kwargs)
+    attn_output, attn_weights = attention_kernel(
+        self, query_states, key_states, value_states, attention_mask, **kwargs
+    )
     attn_output = attn_output.reshape(*input_shape, -1).contiguous()
     return self.o_proj(attn_output), attn_weights
 

@@ -109,7 +109,8 @@ def remove_head_bases(model: nn.Module) -> None:
     for module in model.modules():
         if is_attention_module(module) and "forward" in module.__dict__:
             del module.forward
-    for config in {id(c): c for c in (_config_of(model), *(m.config for m in model.modules()
-                                                             if is_attention_module(m)))}.values():
+    for config in {
+        id(c): c for c in (_config_of(model), *(m.config for m in model.modules() if is_attention_module(m)))
+    }.values():
         if hasattr(config, "head_rope_bases"):
             del config.head_rope_bases

@@ -219,8 +219,11 @@ def select_bases(
     if selection == "uniform":
         return uniform_bases(b_min, b_max, n, descending=descending)
     if selection == "peak_valley":
-        missing = [name for name, v in (("stride", stride), ("head_dim", head_dim), ("target_length", target_length))
-                   if v is None]
+        missing = [
+            name
+            for name, v in (("stride", stride), ("head_dim", head_dim), ("target_length", target_length))
+            if v is None
+        ]
         if missing:
             raise ValueError(f"selection 'peak_valley' needs {missing}")
         bases = peak_valley_bases(b_min, b_max, n, stride, head_dim, target_length)

@@ -19,9 +19,14 @@ from .modeling import IGNORE_INDEX, PoseCollator, pose_position_ids, pose_sample
 
 def pose_collator(config: PoseConfig, context: CollatorContext) -> PoseCollator:
     """The method's ``collator``: :class:`PoseCollator` of a resolved section in the run's window."""
-    return PoseCollator(target_length=config.target_length, pad_token_id=context.pad_token_id,
-                        n_chunks=config.n_chunks, max_length=context.max_length, seed=context.seed,
-                        content_skip=config.content_skip)
+    return PoseCollator(
+        target_length=config.target_length,
+        pad_token_id=context.pad_token_id,
+        n_chunks=config.n_chunks,
+        max_length=context.max_length,
+        seed=context.seed,
+        content_skip=config.content_skip,
+    )
 
 
 METHOD = Method(
@@ -32,10 +37,10 @@ METHOD = Method(
     training=MethodTraining(collator=pose_collator, long_samples=long_samples, span=training_span),
     conflicts={
         "beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's position "
-                  "ids would be ignored",
+        "ids would be ignored",
         "split_sequences": "PoSE trains on sequences of the base's window, which need no sequence parallelism",
         "unsloth": "unsloth runs its own attention and RoPE kernels, which are not checked with PoSE's skip-wise "
-                   "position ids",
+        "position ids",
     },
 )
 

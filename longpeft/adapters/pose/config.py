@@ -50,8 +50,12 @@ def long_samples(config: PoseConfig, target_length: int | None) -> LongSamples |
     target = config.target_length or target_length
     if config.content_skip == "none" or not target:
         return None
-    return LongSamples(tokens=target, limit=f"pose.target_length={target} (PoSE's content skip)",
-                       setting=f"pose.content_skip: {config.content_skip}", off="pose.content_skip: none")
+    return LongSamples(
+        tokens=target,
+        limit=f"pose.target_length={target} (PoSE's content skip)",
+        setting=f"pose.content_skip: {config.content_skip}",
+        off="pose.content_skip: none",
+    )
 
 
 CONTENT_SKIP_WORDS = {
@@ -65,6 +69,5 @@ def describe(config: PoseConfig) -> list[str]:
     """Model-card sentence: the chunks, the simulated length and what the chunks held."""
     return [
         f"Trained with PoSE: {config.n_chunks} chunks with skip-wise position ids simulating "
-        f"{config.target_length} tokens"
-        + CONTENT_SKIP_WORDS[config.content_skip] + "."
+        f"{config.target_length} tokens" + CONTENT_SKIP_WORDS[config.content_skip] + "."
     ]

@@ -54,8 +54,11 @@ def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.
         raise ValueError("length must be at least 1")
     if not 1 <= n_chunks <= length:
         raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = (np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False)) if n_chunks > 1
-            else np.zeros(0, int))
+    cuts = (
+        np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
+        if n_chunks > 1
+        else np.zeros(0, int)
+    )
     bounds = np.concatenate([[0], cuts, [length]])
     return np.repeat(np.arange(n_chunks), np.diff(bounds))
 
@@ -178,8 +181,14 @@ class PoseCollator:
             input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         rng = np.random.default_rng(zlib.crc32(input_ids.tobytes(), self.seed))
         window = self.max_length or len(input_ids)
-        index, positions = pose_sample(len(input_ids), window, self.target_length,
-                                       min(self.n_chunks, window, len(input_ids)), self.content_skip, rng)
+        index, positions = pose_sample(
+            len(input_ids),
+            window,
+            self.target_length,
+            min(self.n_chunks, window, len(input_ids)),
+            self.content_skip,
+            rng,
+        )
         labels = labels[index]
         labels[1:][np.diff(index) > 1] = IGNORE_INDEX  # its predecessor in the window did not precede it
         return input_ids[index], labels, positions

@@ -36,12 +36,16 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     params = resolve_rope_parameters(context.base_config, requested)
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
-        raise ConfigError(f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would "
-                          "ignore it); remove it, or choose a rope_type that reads it")
+        raise ConfigError(
+            f"rope.{unused[0]} is not read by rope_type {params['rope_type']} (transformers would "
+            "ignore it); remove it, or choose a rope_type that reads it"
+        )
     if params["rope_type"] == "dynamic" and context.trained_length:
-        raise ConfigError("rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
-                          "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "
-                          "rope_theta (dynamic stays available without training: expand_rope_base)")
+        raise ConfigError(
+            "rope_type dynamic rescales only beyond max_position_embeddings, which is at least the "
+            "training length, so training would see plain RoPE; use linear, yarn, llama3 or a larger "
+            "rope_theta (dynamic stays available without training: expand_rope_base)"
+        )
     unknown = sorted(set(params) - set(RopeConfig.model_fields))
     if unknown:
         raise ConfigError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
@@ -63,7 +67,8 @@ def check_rope_theta(theta: float, base_theta: float) -> None:
             f"rope.rope_theta={theta:g} is below the base model's own RoPE base {base_theta:g}: a smaller base "
             "shortens every rotary wavelength, so the model tells fewer positions apart instead of more; give a base "
             f"above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to keep the "
-            "model's own")
+            "model's own"
+        )
 
 
 METHOD = Method(

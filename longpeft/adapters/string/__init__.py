@@ -118,7 +118,7 @@ METHOD = Method(
     conflicts={
         "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
         "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon "
-                  "keys whose positions are not their cache indices (STRING reads distances off those)",
+        "keys whose positions are not their cache indices (STRING reads distances off those)",
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that STRING patches, which would silently not apply",
     },

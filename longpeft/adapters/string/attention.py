@@ -85,8 +85,10 @@ class StringSettings:
     def describe(self) -> str:
         """One line for the attention module's repr, e.g. ``STRING(shift=341, local_window=128, ...)``."""
         scale = f", cos_sin_scale={self.cos_sin_scale}" if self.cos_sin_scale is not None else ""
-        return (f"STRING(shift={self.shift}, local_window={self.local_window}, "
-                f"trained_length={self.trained_length}{scale})")
+        return (
+            f"STRING(shift={self.shift}, local_window={self.local_window}, "
+            f"trained_length={self.trained_length}{scale})"
+        )
 
 
 class _StringConfigView:
@@ -440,13 +442,21 @@ def string_attention_flash(
         try:  # (in a try: transformers then does not require flash-attn to load an exported modeling file)
             from flash_attn import flash_attn_func as flash_fn
         except ImportError as error:
-            raise ImportError("STRING's flash path needs flash-attn; pip install flash-attn, or load the model with "
-                              "attn_implementation='sdpa'") from error
+            raise ImportError(
+                "STRING's flash path needs flash-attn; pip install flash-attn, or load the model with "
+                "attn_implementation='sdpa'"
+            ) from error
     n_queries, n_keys = query.shape[2], key.shape[2]
     offset = n_keys - n_queries
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout [batch, seq, heads, dim]
     near_out, near_lse, _ = flash_fn(
-        q, k, v, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=(shift - 1, 0),
+        q,
+        k,
+        v,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=(shift - 1, 0),
         return_attn_probs=True,
     )
     n_plain = min(max(shift - offset, 0), n_queries)
@@ -524,7 +534,14 @@ def string_attention_forward(
     base_fn = kernel_interface(module, implementation)
     if key.shape[2] - 1 < settings.shift:  # nothing is far enough to shift
         return base_fn(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
             **kwargs,
         )
     if sliding_window is not None and key.shape[2] > sliding_window:
@@ -534,8 +551,9 @@ def string_attention_forward(
         )
     args = (settings.shift, settings.local_window, view.inv_freq(), scaling)
     if implementation == "eager":
-        return string_attention_eager(query, key, value, attention_mask, *args, dropout=dropout,
-                                      training=module.training)
+        return string_attention_eager(
+            query, key, value, attention_mask, *args, dropout=dropout, training=module.training
+        )
     if implementation.startswith("flash_attention"):
         if attention_mask is None and _flash_available(query):
             return string_attention_flash(query, key, value, *args, dropout=dropout), None

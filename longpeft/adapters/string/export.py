@@ -27,14 +27,27 @@ from .attention import StringSettings
 from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_string.py"
-INLINED_HELPERS = (rotate_half, apply_rotary, rotary_modules, is_attention_module, attention_modules, causal_lm_of,
-                   pop_cache, kernel_interface, define_export_classes)
+INLINED_HELPERS = (
+    rotate_half,
+    apply_rotary,
+    rotary_modules,
+    is_attention_module,
+    attention_modules,
+    causal_lm_of,
+    pop_cache,
+    kernel_interface,
+    define_export_classes,
+)
 
 
 def standalone_modeling_source() -> str:
     """The text of ``modeling_string.py``: STRING attention and the model classes, no longpeft import."""
-    return standalone_source("STRING (shifted positions at inference), written by longpeft for an exported model "
-                             "(needs only torch and transformers).", (attention, modeling), INLINED_HELPERS)
+    return standalone_source(
+        "STRING (shifted positions at inference), written by longpeft for an exported model "
+        "(needs only torch and transformers).",
+        (attention, modeling),
+        INLINED_HELPERS,
+    )
 
 
 def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
@@ -50,5 +63,12 @@ def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
         settings: the STRING settings to switch on at load.
     """
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "STRING")
-    point_config_at_remote_code(config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME,
-                                standalone_modeling_source(), {"string": settings.as_dict()})
+    point_config_at_remote_code(
+        config_path,
+        config,
+        model_type,
+        EXPORT_CLASSES_BY_MODEL_TYPE,
+        MODELING_FILENAME,
+        standalone_modeling_source(),
+        {"string": settings.as_dict()},
+    )
