@@ -43,8 +43,9 @@ lint: $(STAMP)
 
 # The tests `make test` leaves out for their time (markers `slow` and `launch_matrix`): run them when you change
 # what they cover (the launch matrix: anything in recipes/, launch/ or scale/ that multi-process runs go through).
+# It also runs the property tests (marker `property`, Hypothesis) again, with ten times the examples of make test.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n auto --dist worksteal -m "slow or launch_matrix" tests
+	HYPOTHESIS_PROFILE=slow $(PY) -m pytest -q -n auto --dist worksteal -m "slow or launch_matrix or property" tests
 
 # The recipe, load and merge tests (marker `compat`) on the older stack of requirements-compat.txt, less the slow
 # ones and the multi-process launch matrix (markers `slow`, `launch_matrix`), as make test.

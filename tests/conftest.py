@@ -11,8 +11,20 @@ if "PYTEST_XDIST_WORKER" in os.environ:  # `make test` runs one worker per core:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from longpeft.tiny import sample_text, tiny_model, train_tokenizer
+
+# Property tests (Hypothesis): `make test` runs the "ci" profile (few examples, no deadline: a loaded 2-core machine
+# is slow), `make test-slow` the "slow" one (HYPOTHESIS_PROFILE=slow). Examples are drawn afresh on every run
+# (derandomize off) and a failure prints the example that reproduces it.
+settings.register_profile(
+    "ci", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.register_profile(
+    "slow", max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")
