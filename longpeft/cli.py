@@ -190,24 +190,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.recipe:
         raise ConfigError("longpeft plan: give a recipe (or --list)")
-    overrides = list(args.overrides)
-    if args.stand_in:
-        # an earlier stage's adapter (model.init_from) was trained on the real base: the stand-in starts fresh
-        overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo", "model.init_from=null"]
+    from .recipes.validate import validate_recipe, with_stand_in
+
+    overrides = with_stand_in(args.overrides, args.stand_in) if args.stand_in else list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
-    if not args.build:  # --build checks the recipe against the base it loads
-        from .recipes.model import check_against_local_base
-
-        source = check_against_local_base(recipe)
-        print(
-            f"longpeft plan: recipe checked against the base's config ({source})"
-            if source
-            else f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was "
-            "not checked against it (plan --build downloads it and checks)",
-            file=sys.stderr,
-        )
+    print(f"longpeft plan: {validate_recipe(recipe).summary()}", file=sys.stderr)  # train's checks, before weights
     if args.launch and args.gpus is None:
         raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:

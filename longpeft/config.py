@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The most positions (tokens) a length setting may name: past 2**28 a float32 cos/sin table of one 128-wide head
+# (512 bytes a position) alone takes 128 GiB, more than a GPU's memory, before any weight or activation.
+MAX_POSITIONS = 2**28
+
+
+def _within_rope_tables(value: int) -> int:
+    if value > MAX_POSITIONS:
+        raise ValueError(
+            f"{value:,} positions is past what any GPU can hold: at most {MAX_POSITIONS:,} (2**28; a RoPE cos/sin "
+            "table of that many positions alone fills a GPU)"
+        )
+    return value
+
+
+# A length in tokens (positions): > 0 and at most MAX_POSITIONS.
+Positions = Annotated[int, Field(gt=0), AfterValidator(_within_rope_tables)]
 
 
 class StrictModel(BaseModel):

@@ -11,7 +11,8 @@ through, checked against SFTConfig's fields.
 
 from __future__ import annotations
 
-import dataclasses
+import ast
+import importlib.util
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from ..config import (
+    MAX_POSITIONS,
     ConfigError,
+    Positions,
     StrictModel,
     apply_overrides,
     bundled_names,
@@ -32,6 +35,30 @@ if TYPE_CHECKING:
     from ..adapters import LongSamples
 
 Section = StrictModel
+
+
+@lru_cache(maxsize=1)
+def transformers_optimizer_names() -> tuple[str, ...]:
+    """The optimizer names transformers' Trainer accepts (its ``OptimizerNames``), read from the installed
+    transformers' source: importing ``transformers.training_args`` imports torch, and a recipe validates without
+    it."""
+    spec = importlib.util.find_spec("transformers")  # locates the package without importing it
+    source = Path(spec.submodule_search_locations[0]) / "training_args.py" if spec else None
+    if source is not None and source.is_file():
+        for node in ast.parse(source.read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name == "OptimizerNames":
+                names = tuple(
+                    statement.value.value
+                    for statement in node.body
+                    if isinstance(statement, ast.Assign)
+                    and isinstance(statement.value, ast.Constant)
+                    and isinstance(statement.value.value, str)
+                )
+                if names:
+                    return names
+    from transformers.training_args import OptimizerNames  # a layout this reader does not know: ask the class
+
+    return tuple(name.value for name in OptimizerNames)
 
 
 class ModelSection(Section):
@@ -125,9 +152,9 @@ class RetrievalSection(Section):
     needle-in-a-haystack probes and recurring word spans (``longpeft.synth_data.retrieval_docs``),
     ``n_documents`` of ``min_tokens`` to ``max_tokens`` tokens, mixed by ``mix`` (kind -> weight)."""
 
-    n_documents: int = Field(default=256, gt=0)
-    min_tokens: int = Field(default=512, gt=0)
-    max_tokens: int = Field(default=1024, gt=0)
+    n_documents: int = Field(default=256, gt=0, le=1_000_000)
+    min_tokens: Positions = 512
+    max_tokens: Positions = 1024
     seed: int = 0
     mix: dict[Literal["passkey", "niah", "induction"], float] | None = None
 
@@ -138,6 +165,17 @@ class RetrievalSection(Section):
         if self.mix is not None and (any(w < 0 for w in self.mix.values()) or not sum(self.mix.values())):
             raise ValueError("mix maps kinds to non-negative weights with a positive sum")
         return self
+
+
+class DemoSection(Section):
+    """The procedural demo set (``data.source: demo``): ``n_conversations`` conversations, each one
+    ~``context_tokens``-token context with ``questions_per_conversation`` questions; a setting left out takes
+    ``longpeft.synth_data.demo.build_demo_dataset``'s default."""
+
+    n_conversations: int | None = Field(default=None, gt=0, le=1_000_000)
+    context_tokens: Positions | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    questions_per_conversation: int | None = Field(default=None, gt=0, le=1000)
 
 
 class DataSection(Section):
@@ -156,13 +194,13 @@ class DataSection(Section):
     format: Literal["messages", "text"] = "messages"
     messages_field: str = "messages"
     text_field: str = "text"
-    max_length: int = Field(gt=0)
-    min_length: int = Field(default=0, ge=0, description="drop samples shorter than this many tokens")
+    max_length: Positions
+    min_length: int = Field(
+        default=0, ge=0, le=MAX_POSITIONS, description="drop samples shorter than this many tokens"
+    )
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
-    demo: dict[str, Any] = Field(
-        default_factory=dict, description="options of the procedural demo set (n_conversations, context_tokens, seed)"
-    )
+    demo: DemoSection = Field(default_factory=lambda: DemoSection(), description="the procedural demo set's options")
     retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
 
@@ -217,6 +255,7 @@ class TrainSection(Section):
     mlp_tile_tokens: int | None = Field(
         default=None,
         gt=0,
+        le=MAX_POSITIONS,
         description="run each decoder layer's MLP this many tokens at a time in training (its intermediate "
         "activations then exist for one tile at a time: longpeft/scale/tiling.py); null: untiled",
     )
@@ -274,9 +313,7 @@ class TrainSection(Section):
     @field_validator("optim")
     @classmethod
     def _known_optimizer(cls, value: str) -> str:
-        from transformers.training_args import OptimizerNames
-
-        names = [name.value for name in OptimizerNames]
+        names = transformers_optimizer_names()
         if value not in names:
             raise ValueError(f"{value!r} is not a transformers optimizer; use one of {', '.join(names)}")
         return value
@@ -353,20 +390,6 @@ TRL_KEYS_OWNED_BY_RECIPE = {
 }
 
 
-def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an SFTConfig argument or is set by another section."""
-    if not trl:
-        return
-    from trl import SFTConfig
-
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    for key in trl:
-        if key in TRL_KEYS_OWNED_BY_RECIPE:
-            raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
-        if key not in fields:
-            raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
-
-
 def check_unsloth_recipe(recipe: RecipeBase) -> None:
     """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
 
@@ -429,7 +452,7 @@ class RecipeBase(Section):
     data: DataSection
     train: TrainSection
     trl: dict[str, Any] = Field(default_factory=dict, description="other trl.SFTConfig arguments, passed through")
-    target_length: int | None = Field(default=None, gt=0, description="length the adapter should work at")
+    target_length: Positions | None = Field(default=None, description="length the adapter should work at")
     output_dir: str = "runs/{name}"
 
     @model_validator(mode="after")
@@ -483,7 +506,6 @@ class RecipeBase(Section):
             )
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
-        check_trl_keys(self.trl)
         return self
 
     def method_configs(self) -> dict[str, StrictModel]:

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
-from ..errors import ConfigError, DataError, LongpeftError
+from ..errors import DataError, LongpeftError
 from ..launch.topology import data_parallel_size, gradient_accumulation
 from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
@@ -51,11 +51,6 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
     t = recipe.train
     use_cuda = torch.cuda.is_available()
-    if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
-        raise ConfigError(
-            "train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, "
-            "and this machine has no CUDA GPU; set train.activation_offloading: false here"
-        )
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(

@@ -165,3 +165,13 @@ def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
         embed_init=config.get("beacon_embed_init", "eos"),
         layout_rule="authors",
     ).resolved()
+
+
+def save_weights(model: nn.Module, folder: Path, config: BeaconConfig, state_dict=None) -> None:
+    """The method's ``weights.save``: ``beacon_adapter.safetensors`` in ``folder``."""
+    save_beacon_weights(model, folder, state_dict)
+
+
+def load_weights(model: nn.Module, folder: Path, config: BeaconConfig) -> None:
+    """The method's ``weights.load``: ``beacon_adapter.safetensors`` of ``folder`` onto ``model``."""
+    load_beacon_weights(model, folder)

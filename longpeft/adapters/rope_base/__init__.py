@@ -15,11 +15,12 @@ A merged or fully fine-tuned model's config.json also gets the keys transformers
 from __future__ import annotations
 
 from ...errors import ConfigError
-from ...rope import rope_parameters_of, unused_rope_keys
-from ..registry import Method, ResolveContext
-from .config import RopeConfig, RopeType
+from ...rope_parameters import rope_parameters_of, unused_rope_keys
+from ..registry import Method, ResolveContext, imported_on_call, torch_names
+from .config import RopeConfig, RopeType, resolve_rope_parameters
 from .export import export_rope, write_legacy_rope_keys
-from .modeling import apply_rope_config, expand_rope_base, has_rope_change, resolve_rope_parameters, restore_rope
+
+__getattr__ = torch_names(__name__, dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling"))
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
@@ -75,9 +76,9 @@ METHOD = Method(
     name="rope",
     config=RopeConfig,
     resolve=resolve,
-    apply=apply_rope_config,
-    remove=restore_rope,
-    is_applied=has_rope_change,
+    apply=imported_on_call(f"{__name__}.modeling", "apply_rope_config"),
+    remove=imported_on_call(f"{__name__}.modeling", "restore_rope"),
+    is_applied=imported_on_call(f"{__name__}.modeling", "has_rope_change"),
     export=export_rope,
     implied=True,  # the card writes the RoPE change itself (hub.model_card_text)
 )
