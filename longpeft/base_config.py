@@ -95,17 +95,18 @@ class BaseFacts:
         found = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel") or auto_map.get("AutoConfig")
         return str(found[0] if isinstance(found, list) else found) if found else None
 
-    def check_remote_code(self, trusted: bool, setting: str) -> None:
-        """Refuse a base that ships its own modeling code when ``setting`` (the key or flag that allows it) does not.
+    def check_remote_code(self, trusted: bool, setting: str | None) -> None:
+        """Refuse a base that ships its own modeling code unless ``trusted``; ``setting`` names the key or flag that
+        allows it (None where nothing does: the code is never run there).
 
         Raises:
-            ConfigError: naming the base, its code and the setting.
+            ConfigError: naming the base, its code and what to do.
         """
         if self.remote_code and not trusted:
+            allow = f"set {setting} if you trust that code, or" if setting else "longpeft runs no such code here:"
             raise ConfigError(
                 f"{self.name} ships its own modeling code ({self.remote_code} in its config.json's auto_map), which "
-                f"runs only when allowed: set {setting} if you trust that code, or use a base transformers supports "
-                "itself"
+                f"transformers runs only when allowed; {allow} use a base transformers supports itself"
             )
 
     def module_kinds(self) -> dict[str, str]:
@@ -137,6 +138,16 @@ def read_base(name: str, revision: str | None = None, what: str = "model.name_or
             raise ModelSourceError(f"{what} {name}: the folder has no config.json; point it at a model's folder")
         return _folder_facts(name, folder, str(folder / "config.json"))
     return _hub_facts(name, revision, what)
+
+
+def check_base_code(name: str, revision: str | None, trusted: bool, setting: str | None) -> None:
+    """:meth:`BaseFacts.check_remote_code` of the base ``name`` before transformers reads it (which would raise its
+    own error); a base whose config is not readable here is left to transformers."""
+    try:
+        facts = read_base(name, revision, "base model")
+    except BaseNotHere:
+        return
+    facts.check_remote_code(trusted, setting)
 
 
 def _tiny_facts(name: str) -> BaseFacts:

@@ -626,12 +626,16 @@ def _raised_in(exc: BaseException, packages: tuple[str, ...]) -> bool:
     return any(package in parts for package in packages)
 
 
+UNEXPECTED_EXIT = 1  # an error nobody anticipated (a bug), after its traceback; bad input exits 2
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one ``longpeft`` command; returns its exit status.
 
     The one error boundary of every command: an expected error (:func:`error_message`) prints
     ``longpeft COMMAND: error: MESSAGE`` on one line and returns 2, an interrupt returns 130; any other exception
-    (a bug) propagates with its traceback. ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets expected errors propagate too.
+    (a bug) prints its traceback, then one line saying so and how to report it, and returns 1. ``--debug`` (or
+    ``LONGPEFT_DEBUG=1``) lets every error propagate with its traceback.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -644,7 +648,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = error_message(exc)
         if message is None:
-            raise
+            import traceback
+
+            traceback.print_exc()
+            print(
+                f"longpeft {args.command}: unexpected error ({type(exc).__name__}), a bug in longpeft or a library it "
+                "calls rather than a problem with your input: run with --debug and report the traceback",
+                file=sys.stderr,
+            )
+            return UNEXPECTED_EXIT
         print(f"longpeft {args.command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
+from .base_config import check_base_code
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
@@ -135,6 +136,8 @@ def load(
         check_model_source(name, "base model", "; pass the base model (longpeft.load(base, adapter))")
         from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
         from_pretrained_kwargs = pin_base_revision(spec, name, from_pretrained_kwargs)
+        trusted, revision = from_pretrained_kwargs["trust_remote_code"], from_pretrained_kwargs.get("revision")
+        check_base_code(name, revision, trusted, "trust_remote_code=True")
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
         model = AutoModelForCausalLM.from_pretrained(name, **with_adapter_lookup_kwargs(from_pretrained_kwargs))
