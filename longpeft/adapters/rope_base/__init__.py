@@ -40,8 +40,8 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     if missing:
         raise ConfigError(
             f"rope.rope_type {params['rope_type']} reads {', '.join(f'rope.{key}' for key in missing)}, which the "
-            f"recipe and the base model leave unset; set {'them' if len(missing) > 1 else 'it'} (rope.factor: the length "
-            "multiple, e.g. 4)"
+            f"recipe and the base model leave unset; set {'them' if len(missing) > 1 else 'it'} (rope.factor: the "
+            "length multiple, e.g. 4)"
         )
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
