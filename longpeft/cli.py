@@ -196,7 +196,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
-    print(f"longpeft plan: {validate_recipe(recipe).summary()}", file=sys.stderr)  # train's checks, before weights
+    validation = validate_recipe(recipe, stand_in=bool(args.stand_in))  # train's checks, before any weight loads
+    print(f"longpeft plan: {validation.summary()}", file=sys.stderr)
     if args.launch and args.gpus is None:
         raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:
@@ -242,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from .recipes.runner import prepare
 
-    prepared = prepare(recipe)
+    prepared = prepare(recipe, validation=validation)
     print(json.dumps(prepared.resolved, indent=2, default=str))
     return 0
 

@@ -9,8 +9,9 @@ this module is cheap: no torch, no transformers.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import yaml
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -58,14 +59,38 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def format_validation_error(source: str, exc: ValidationError) -> str:
-    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``."""
+def format_validation_error(source: str, exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``.
+
+    A section's own check that names one of its keys first (``ratios must list ...`` in ``beacon``) is written with
+    that key's dotted path (``beacon.ratios must list ...``) when ``model``, the validated class, is given.
+    """
     lines = []
     for error in exc.errors():
         key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-        lines.append(f"  {key}: {message}")
+        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+        field = _leading_field(model, error["loc"], message) if error["type"] == "value_error" else None
+        lines.append(f"  {key}.{message}" if field else f"  {key}: {message}")
     return f"{source}: invalid settings\n" + "\n".join(lines)
+
+
+def _leading_field(model: type[BaseModel] | None, loc: tuple[Any, ...], message: str) -> str | None:
+    """The field of the section at ``loc`` (in ``model``) that ``message`` starts with, or None."""
+    section = model
+    for part in loc:
+        field = section.model_fields.get(part) if section is not None and isinstance(part, str) else None
+        section = next(iter(_models_of(field.annotation)), None) if field is not None else None
+    first = re.match(r"[A-Za-z_]\w*", message)
+    if section is None or not loc or first is None or message[first.end() : first.end() + 1] == ".":
+        return None
+    return first.group() if first.group() in section.model_fields else None
+
+
+def _models_of(annotation: Any) -> list[type[BaseModel]]:
+    """The settings classes an annotation holds (itself, or inside ``X | None``, ``Annotated[...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in get_args(annotation) for model in _models_of(argument)]
 
 
 def validate(model: type[StrictModel], data: Any, source: str) -> Any:
@@ -75,7 +100,7 @@ def validate(model: type[StrictModel], data: Any, source: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None
+        raise ConfigError(format_validation_error(source, exc, model)) from None
 
 
 def parse_value(raw: str, where: str) -> Any:

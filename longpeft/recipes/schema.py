@@ -390,6 +390,14 @@ TRL_KEYS_OWNED_BY_RECIPE = {
 }
 
 
+def check_trl_keys_owned(trl: dict[str, Any]) -> None:
+    """Fail naming ``trl.<key>`` when another section sets it (:data:`TRL_KEYS_OWNED_BY_RECIPE`); that every other
+    key is an SFTConfig argument is checked with the recipe's base (``validate.check_trl_keys``: it imports trl)."""
+    for key in trl:
+        if key in TRL_KEYS_OWNED_BY_RECIPE:
+            raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
+
+
 def check_unsloth_recipe(recipe: RecipeBase) -> None:
     """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
 
@@ -506,6 +514,7 @@ class RecipeBase(Section):
             )
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
+        check_trl_keys_owned(self.trl)
         return self
 
     def method_configs(self) -> dict[str, StrictModel]:
@@ -558,10 +567,12 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
     """Validate a recipe dict; raises RecipeError naming every bad key."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    model = recipe_model()
     try:
-        return recipe_model().model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(source, exc).replace("invalid settings", "invalid recipe")) from None
+        message = format_validation_error(source, exc, model)
+        raise RecipeError(message.replace("invalid settings", "invalid recipe", 1)) from None
 
 
 def recipe_path(path_or_name: str | Path) -> Path:

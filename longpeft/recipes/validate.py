@@ -22,7 +22,7 @@ from ..adapters import METHODS, ResolveContext, check_conflicts, spec_methods
 from ..base_config import TINY_PREFIX, BaseFacts, BaseNotHere, read_base
 from ..errors import ConfigError
 from ..spec import ContextSpec, recipe_hash
-from .schema import TRL_KEYS_OWNED_BY_RECIPE, Recipe
+from .schema import Recipe
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,11 @@ class Validation:
         )
 
 
-def validate_recipe(recipe: Recipe) -> Validation:
+def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     """Every check of ``recipe`` that needs no weights (see the module docstring), against its base's config when
     that can be read here (a ``tiny:`` model, a local folder, the Hugging Face cache, or the Hub, bounded).
+    ``stand_in``: the base is a tiny stand-in for the recipe's real one (``plan --stand-in``), whose token ids
+    (``model.eos_token_ids``) are the real base's.
 
     Raises:
         ConfigError (and the other :class:`~longpeft.errors.LongpeftError` kinds): the first problem, naming the
@@ -69,7 +71,7 @@ def validate_recipe(recipe: Recipe) -> Validation:
     base.check_remote_code(recipe.model.trust_remote_code, "model.trust_remote_code: true")
     check_chat_template(recipe, base)
     spec = build_spec(recipe, base.config, recipe.model.name_or_path)
-    check_against_base(recipe, spec)
+    check_against_base(recipe, spec, stand_in)
     check_layer_counts(recipe, base.config.num_hidden_layers)
     check_target_modules(recipe, base)
     return Validation(recipe, base, None, spec)
@@ -111,15 +113,14 @@ def machine_problems(recipe: Recipe) -> list[str]:
 
 
 def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an SFTConfig argument or is set by another section."""
+    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig (the keys other sections set were
+    refused when the recipe was read: ``schema.check_trl_keys_owned``)."""
     if not trl:
         return
     from trl import SFTConfig  # its arguments are known only from the class (a recipe without trl: skips it)
 
     fields = {f.name for f in dataclasses.fields(SFTConfig)}
     for key in trl:
-        if key in TRL_KEYS_OWNED_BY_RECIPE:
-            raise ConfigError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
         if key not in fields:
             raise ConfigError(f"trl.{key}: not an argument of trl.SFTConfig")
 
@@ -185,12 +186,12 @@ def spec_base_reference(recipe: Recipe, base_id: str) -> str:
     return base_id
 
 
-def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
-    """Settings that only make sense for this base model: token ids inside its vocabulary, the positions a sample
-    spans inside the adapted model's."""
+def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:
+    """Settings that only make sense for this base model: token ids inside its vocabulary (the eos ids of a
+    ``stand_in`` base are the real one's), the positions a sample spans inside the adapted model's."""
     vocab = spec.base_shape.vocab_size
     problems = []
-    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab]
+    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
     if bad_eos:
         problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
     bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
@@ -270,15 +271,9 @@ def check_target_modules(recipe: Recipe, base: BaseFacts) -> None:
 
 def with_stand_in(overrides: list[str], arch: str) -> list[str]:
     """``overrides`` plus those that put a tiny random model of ``arch`` and the offline demo set in place of the
-    recipe's base and data (``plan --stand-in``): an earlier stage's adapter (``model.init_from``) was trained on the
-    real base, and the real base's token ids (``model.eos_token_ids``) are not the stand-in's."""
-    return [
-        *overrides,
-        f"model.name_or_path={TINY_PREFIX}{arch}",
-        "data.source=demo",
-        "model.init_from=null",
-        "model.eos_token_ids=null",
-    ]
+    recipe's base and data (``plan --stand-in``; validate with ``stand_in=True``): an earlier stage's adapter
+    (``model.init_from``) was trained on the real base, so the stand-in starts fresh."""
+    return [*overrides, f"model.name_or_path={TINY_PREFIX}{arch}", "data.source=demo", "model.init_from=null"]
 
 
 __all__ = ["Validation", "build_spec", "check_against_base", "check_here", "validate_recipe"]
