@@ -16,7 +16,7 @@ from typing import Any
 from .builtin_models import model_location
 from .errors import ConfigError, HubTimeoutError, ModelSourceError
 from .family import adaptable_kind, module_kinds
-from .files import hub_preflight, is_local
+from .files import asking_the_hub, hub_preflight, is_local
 from .reading import read_json_object
 from .rope_parameters import rope_parameters_from_json
 
@@ -202,12 +202,16 @@ def _download_config_files(name: str, revision: str | None) -> Path:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
-    config_path = Path(hf_hub_download(name, "config.json", revision=revision))
-    for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+    with asking_the_hub(name, "base model"):
         try:
-            hf_hub_download(name, optional, revision=revision)
+            config_path = Path(hf_hub_download(name, "config.json", revision=revision))
         except EntryNotFoundError:
-            pass
+            raise ModelSourceError(f"base model {name}: the Hub repo has no config.json; is it a model?") from None
+        for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+            try:
+                hf_hub_download(name, optional, revision=revision)
+            except EntryNotFoundError:
+                pass
     return config_path.parent
 
 

@@ -510,10 +510,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# they parse a server's answers
-LIBRARY_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "httpx2", "httpcore2", "requests", "urllib3")
-
-
 def error_message(exc: BaseException) -> str | None:
     """The one line the command line prints for an expected error, or None for a bug (which keeps its traceback).
 
@@ -533,7 +529,7 @@ def error_message(exc: BaseException) -> str | None:
     from safetensors import SafetensorError
 
     from .errors import HubTimeoutError, LongpeftError
-    from .files import write_failure
+    from .files import HUB_CLIENT_PACKAGES, raised_in, write_failure
     from .reading import REFUSED_FOR_SAFETY
 
     text = " ".join(str(exc).split())
@@ -544,7 +540,7 @@ def error_message(exc: BaseException) -> str | None:
     if silent_hub is not None:
         return str(silent_hub)
     if isinstance(exc, (KeyError, TypeError, AttributeError)):
-        if _raised_in(exc, LIBRARY_PACKAGES):
+        if raised_in(exc, HUB_CLIENT_PACKAGES):
             what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
             return (
                 f"a server gave an answer of an unexpected shape ({what}); check HF_ENDPOINT (a Hub mirror or "
@@ -610,21 +606,6 @@ def _is_network_error(exc: BaseException) -> bool:
     except ImportError:
         pass
     return isinstance(exc, tuple(kinds))
-
-
-def _raised_in(exc: BaseException, packages: tuple[str, ...]) -> bool:
-    """Whether the innermost frame of ``exc``'s traceback is in one of ``packages`` (installed libraries)."""
-    import os.path
-
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    if not frames:
-        return False
-    parts = os.path.normpath(frames[-1]).split(os.sep)
-    return any(package in parts for package in packages)
 
 
 UNEXPECTED_EXIT = 1  # an error nobody anticipated (a bug), after its traceback; bad input exits 2
