@@ -86,18 +86,16 @@ def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_parameters_from_json(config: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``rope_parameters`` transformers v5 gives a flat config read from ``config``, a ``config.json`` dict:
-    its ``rope_scaling`` (the v4 key) or ``rope_parameters``, with ``rope_type`` (from the v4 ``type``, default
-    ``default``), ``rope_theta`` and ``partial_rotary_factor`` from the top level where the dict lacks them, and a
-    scaling type's ``original_max_position_embeddings`` from ``max_position_embeddings``; None for a config with no
-    RoPE setting at all (transformers' ``standardize_rope_params``)."""
+def rope_parameters_from_json(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``rope_parameters`` transformers v5 gives a flat config of the Llama family read from ``config``, a
+    ``config.json`` dict: its ``rope_scaling`` (the v4 key) or ``rope_parameters``, with ``rope_type`` (from the v4
+    ``type``, default ``default``), ``rope_theta`` (default :data:`DEFAULT_ROPE_THETA`) and ``partial_rotary_factor``
+    from the top level where the dict lacks them, and a scaling type's ``original_max_position_embeddings`` from
+    ``max_position_embeddings`` (transformers' ``convert_rope_params_to_dict`` and ``standardize_rope_params``)."""
     params = copy.deepcopy(config.get("rope_scaling") or config.get("rope_parameters") or {})
     if not isinstance(params, dict):
         raise ConfigError(f"rope_parameters {params!r} is not a mapping of RoPE settings")
     theta = config.get("rope_theta")
-    if not params and theta is None:
-        return None
     params.setdefault("rope_theta", theta if theta is not None else DEFAULT_ROPE_THETA)
     if config.get("partial_rotary_factor") is not None:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])

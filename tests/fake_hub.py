@@ -149,7 +149,7 @@ class FakeHub:
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         return self
 

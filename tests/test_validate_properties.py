@@ -191,3 +191,40 @@ def test_train_runs_the_validation_plan_runs_before_anything_else(monkeypatch, t
     monkeypatch.setattr(runner, "check_here", stop)
     assert outcome(["train", "tiny-cpu", "--set", f"output_dir={tmp_path / 'run'}"])[0] == "validated"
     assert [recipe.name for recipe in seen] == ["tiny-cpu"] and not (tmp_path / "run").exists()
+
+
+# ---- the Hub's answers of any shape ---------------------------------------------------------------------------
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+FILE_NAMES = st.sampled_from(["longpeft.json", "config.json", "adapter_config.json", "adapter_model.safetensors"])
+# A revision's info as the Hub answers it (id, sha, the listing of its files), each part of any shape, or any JSON.
+HUB_ANSWERS = st.one_of(
+    JSON,
+    st.fixed_dictionaries(
+        {"id": st.just("someone/a") | JSON, "sha": st.just("0" * 40) | JSON},
+        optional={"siblings": st.lists(st.fixed_dictionaries({"rfilename": FILE_NAMES | JSON}), max_size=3) | JSON},
+    ),
+)
+
+
+@given(answer=HUB_ANSWERS, command=st.sampled_from(["merge", "plan"]))
+def test_hub_answers_of_any_shape_end_in_one_line_naming_the_repo(answer, command):
+    """A Hub (tests/fake_hub.py) that answers the repo's revision and listings with generated JSON: merging the repo
+    as an adapter, or planning a recipe with it as the base, ends in exit 2 and one line naming the repo."""
+    from fake_hub import FakeHub, pointed_at
+
+    with FakeHub("answer", answer=answer) as hub, pointed_at(hub.endpoint), tempfile.TemporaryDirectory() as folder:
+        argv = (
+            ["merge", "someone/a", "--out", f"{folder}/out"]
+            if command == "merge"
+            else ["plan", "tiny-cpu", "--set", "model.name_or_path=someone/a", "--set", f"output_dir={folder}/run"]
+        )
+        status, err = outcome(argv)
+    assert status == 2, err
+    lines = err.splitlines()
+    assert len(lines) == 2 and lines[1] == "(run with --debug for the traceback)", err
+    assert lines[0].startswith(f"longpeft {command}: error: ") and "someone/a" in lines[0], err
