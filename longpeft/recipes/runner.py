@@ -118,10 +118,13 @@ def prepare(
 ) -> Prepared:
     """Build the model, the data and the trainer of a recipe, in that order, without training (``longpeft plan
     --build`` prints the result's ``resolved`` settings). The recipe is validated first (``validation``, the
-    result of :func:`~.validate.validate_recipe` when the caller ran it), then this machine (:func:`check_here`)
-    and every source the recipe names (:func:`check_sources`)."""
-    check_here(validation or validate_recipe(recipe))
+    result of :func:`~.validate.validate_recipe` when the caller ran it), then this machine (:func:`check_here`),
+    every source the recipe names (:func:`check_sources`) and the stage it starts from (``model.init_from``)."""
+    validation = validation or validate_recipe(recipe)
+    check_here(validation)
     check_sources(recipe)
+    # the stage it starts from, checked against the recipe and its base's config before any weight loads
+    start = check_init_adapter(recipe, validation.spec, validation.base.config) if recipe.model.init_from else None
     fast = None
     if recipe.train.backend == "unsloth":
         fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
@@ -133,7 +136,6 @@ def prepare(
     args = sft_config(recipe, output_dir)
     plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
     model, tokenizer, spec = build_model(recipe, base_id, args, fast)
-    start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
     with args.main_process_first(local=True, desc="data"):
         dataset, data_stats = build_dataset(recipe, tokenizer)
     trainer = build_trainer(
