@@ -19,6 +19,7 @@ from .family import adaptable_kind, module_kinds
 from .files import asking_the_hub, hub_preflight, is_local
 from .reading import read_json_object
 from .rope_parameters import rope_parameters_from_json
+from .transformers_source import model_types
 
 TINY_PREFIX = "tiny:"
 # The keys of config.json a causal LM must have for longpeft to plan and check it.
@@ -88,26 +89,40 @@ class BaseFacts:
 
     @property
     def remote_code(self) -> str | None:
-        """The class in the base's own modeling code that transformers would run (``auto_map``), or None."""
+        """The class of the base's own modeling code (its config.json's ``auto_map``), or None. transformers runs it
+        only when trusted, and otherwise builds the base with its own class of the ``model_type`` when it has one."""
         auto_map = getattr(self.config, "auto_map", None)
         if not isinstance(auto_map, dict):
             return None
         found = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel") or auto_map.get("AutoConfig")
         return str(found[0] if isinstance(found, list) else found) if found else None
 
+    def runs_own_code(self, trusted: bool) -> bool:
+        """Whether transformers would build this base with the code it ships (``trusted``, or no class of its own)."""
+        return self.remote_code is not None and (trusted or self.config.model_type not in model_types())
+
     def check_remote_code(self, trusted: bool, setting: str | None) -> None:
-        """Refuse a base that ships its own modeling code unless ``trusted``; ``setting`` names the key or flag that
-        allows it (None where nothing does: the code is never run there).
+        """Refuse a base transformers can only build with the code it ships (a ``model_type`` transformers has no
+        class for) unless ``trusted``; ``setting`` names the key or flag that allows it (None where nothing does: the
+        code is never run there). A ``model_type`` transformers does not know and no code is refused too.
 
         Raises:
             ConfigError: naming the base, its code and what to do.
         """
-        if self.remote_code and not trusted:
-            allow = f"set {setting} if you trust that code, or" if setting else "longpeft runs no such code here:"
+        model_type = self.config.model_type
+        if model_type in model_types() or trusted and self.remote_code:
+            return
+        if self.remote_code is None:
             raise ConfigError(
-                f"{self.name} ships its own modeling code ({self.remote_code} in its config.json's auto_map), which "
-                f"transformers runs only when allowed; {allow} use a base transformers supports itself"
+                f"{self.name}: transformers does not know its model_type {model_type!r} and the base ships no code "
+                "for it; upgrade transformers, or use another base"
             )
+        allow = f"set {setting} if you trust that code, or" if setting else "longpeft runs no such code here:"
+        raise ConfigError(
+            f"{self.name} ships its own modeling code ({self.remote_code} in its config.json's auto_map) for its "
+            f"model_type {model_type!r}, which transformers has no class of; it runs only when allowed: {allow} use "
+            "a base transformers supports itself"
+        )
 
     def module_kinds(self) -> dict[str, str]:
         """``{module name: kind}`` of the causal LM this config builds (``Linear``, ``Embedding`` or another class

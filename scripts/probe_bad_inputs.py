@@ -872,13 +872,14 @@ def hub_cases(root: Path) -> list[tuple[str, list[str], Callable | None, None, s
 
 
 def remote_code_base(root: Path, adapter: Path) -> Path:
-    """A copy of the tiny base whose config.json names modeling code of its own (``auto_map``)."""
+    """A copy of the tiny base whose config.json names a model type transformers has no class for, and modeling code
+    of its own for it (``auto_map``)."""
     folder = root / "bases" / "remote-code"
     if not folder.exists():
         shutil.copytree(adapter.parent / "base", folder)
         config = json.loads((folder / "config.json").read_text())
         auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
-        write(folder / "config.json", json.dumps({**config, "auto_map": auto_map}))
+        write(folder / "config.json", json.dumps({**config, "auto_map": auto_map, "model_type": "custom_lm"}))
     return folder
 
 
@@ -932,7 +933,8 @@ def validation_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Ca
     ]
     for command in ("plan", "train"):
         for recipe, sets, names in checked:
-            argv = [command, recipe, "--set", f"output_dir={root / 'never'}", *(a for x in sets for a in ("--set", x))]
+            never = root / f"never-{len(out)}"  # its own: a run that trained would make the next ones refuse
+            argv = [command, recipe, "--set", f"output_dir={never}", *(a for x in sets for a in ("--set", x))]
             out.append((f"{command} {recipe} --set {' '.join(sets)}"[:60], argv, None, None, names))
     out.append(
         (

@@ -56,6 +56,7 @@ FORBIDDEN = {
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     # torch-free RoPE parameter dicts, beside the config layer: the method sections and the base's config read them
     "rope_parameters": {"*"},
+    "transformers_source": {"*"},  # transformers' model types and optimizer names, read from its source
     # a base's config read without weights or torch: below the recipes' validation, loading and merging
     "base_config": {
         "rope",
@@ -199,6 +200,7 @@ def test_the_file_rules_need_no_torch(name):
 # record, the base's config, the validation).
 TORCH_ON_USE = [
     "reading",
+    "transformers_source",
     "base_config",
     "tiny",
     "recipes/schema",

@@ -76,13 +76,17 @@ def test_a_base_without_a_chat_template_is_refused_for_conversations(tiny_base_d
     assert "data.source: demo is conversations" in capsys.readouterr().err  # plain text needs no template
 
 
-def test_a_base_that_ships_its_own_code_is_one_line_in_train_and_merge(tiny_base_dirs, tmp_path, capsys):
-    """Refused before transformers reads it (whose ValueError was a traceback), naming the code and the setting."""
+def test_a_base_that_needs_its_own_code_is_one_line_in_train_and_merge(tiny_base_dirs, tmp_path, capsys):
+    """A model_type transformers has no class for, with the code in the repo: refused before transformers reads it
+    (whose ValueError was a traceback), naming the code and the setting. The same code beside a model_type
+    transformers knows is not run (transformers builds its own class), and the base is accepted."""
     from longpeft.spec import ContextSpec
     from longpeft.tiny import tiny_config
 
     auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
-    base = tiny_base_folder(tiny_base_dirs, tmp_path, auto_map=auto_map)
+    known = tiny_base_folder(tiny_base_dirs, tmp_path / "known", auto_map=auto_map)
+    assert main(["plan", "tiny-cpu", "--set", f"model.name_or_path={known}"]) == 0
+    base = tiny_base_folder(tiny_base_dirs, tmp_path, auto_map=auto_map, model_type="custom_lm")
     line = same_refusal("tiny-cpu", [f"model.name_or_path={base}"], tmp_path, capsys)
     assert "ships its own modeling code (modeling_custom.CustomForCausalLM" in line
     assert "set model.trust_remote_code: true if you trust that code" in line
@@ -251,12 +255,14 @@ def test_validating_a_recipe_imports_no_torch():
     assert done.stdout.splitlines()[-1] == "[0, 0, 0] []", done.stderr[-2000:]
 
 
-def test_the_recipe_reads_transformers_optimizer_names_without_importing_it():
+def test_transformers_facts_are_read_from_its_source_as_its_objects_hold_them():
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.training_args import OptimizerNames
 
-    from longpeft.recipes.schema import transformers_optimizer_names
+    from longpeft.transformers_source import model_types, optimizer_names
 
-    assert transformers_optimizer_names() == tuple(name.value for name in OptimizerNames)
+    assert optimizer_names() == tuple(name.value for name in OptimizerNames)
+    assert model_types() == set(CONFIG_MAPPING_NAMES)
 
 
 def test_the_tiny_bases_vocabulary_is_read_without_transformers():

@@ -11,8 +11,6 @@ through, checked against SFTConfig's fields.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,35 +28,12 @@ from ..config import (
     format_validation_error,
     read_yaml,
 )
+from ..transformers_source import optimizer_names
 
 if TYPE_CHECKING:
     from ..adapters import LongSamples
 
 Section = StrictModel
-
-
-@lru_cache(maxsize=1)
-def transformers_optimizer_names() -> tuple[str, ...]:
-    """The optimizer names transformers' Trainer accepts (its ``OptimizerNames``), read from the installed
-    transformers' source: importing ``transformers.training_args`` imports torch, and a recipe validates without
-    it."""
-    spec = importlib.util.find_spec("transformers")  # locates the package without importing it
-    source = Path(spec.submodule_search_locations[0]) / "training_args.py" if spec else None
-    if source is not None and source.is_file():
-        for node in ast.parse(source.read_text()).body:
-            if isinstance(node, ast.ClassDef) and node.name == "OptimizerNames":
-                names = tuple(
-                    statement.value.value
-                    for statement in node.body
-                    if isinstance(statement, ast.Assign)
-                    and isinstance(statement.value, ast.Constant)
-                    and isinstance(statement.value.value, str)
-                )
-                if names:
-                    return names
-    from transformers.training_args import OptimizerNames  # a layout this reader does not know: ask the class
-
-    return tuple(name.value for name in OptimizerNames)
 
 
 class ModelSection(Section):
@@ -313,7 +288,7 @@ class TrainSection(Section):
     @field_validator("optim")
     @classmethod
     def _known_optimizer(cls, value: str) -> str:
-        names = transformers_optimizer_names()
+        names = optimizer_names()
         if value not in names:
             raise ValueError(f"{value!r} is not a transformers optimizer; use one of {', '.join(names)}")
         return value

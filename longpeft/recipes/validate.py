@@ -240,10 +240,11 @@ def check_target_modules(recipe: Recipe, base: BaseFacts) -> None:
     """Each of ``lora.target_modules`` names at least one layer LoRA can adapt, matched as peft matches it (the
     module's name, or its end after a dot), and none is the embedding ``lora.embeddings`` already trains.
 
-    A base that ships its own modeling code is not built here (that would run its code): its modules are not
-    checked before it loads.
+    A base built with the modeling code it ships (``model.trust_remote_code``) is not built here (that would run its
+    code): its modules are not checked before it loads.
     """
-    if recipe.finetune != "lora" or recipe.train.backend != "transformers" or base.remote_code:
+    own_code = base.runs_own_code(recipe.model.trust_remote_code)
+    if recipe.finetune != "lora" or recipe.train.backend != "transformers" or own_code:
         return
     kinds = base.module_kinds()
     saved = [name for name, kind in kinds.items() if kind == "Embedding"] if recipe.lora.embeddings == "full" else []
