@@ -23,7 +23,14 @@ from .transformers_source import model_types
 
 TINY_PREFIX = "tiny:"
 # The keys of config.json a causal LM must have for longpeft to plan and check it.
-REQUIRED_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+REQUIRED_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's template
 
@@ -46,7 +53,8 @@ class BaseConfig:
                 "folder's config.json)?"
             )
         values = dict(data)
-        values.setdefault("num_key_value_heads", values["num_attention_heads"])
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
         if values.get("head_dim") is None:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         values["rope_parameters"] = rope_parameters_from_json(values)

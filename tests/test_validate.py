@@ -175,7 +175,8 @@ def test_an_architecture_outside_the_family_has_its_modules_checked(capsys):
     from longpeft.base_config import BaseConfig, BaseFacts
 
     gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 100, "n_positions": 128}
-    config = BaseConfig({**gpt2, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}, "gpt2")
+    shape = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128}
+    config = BaseConfig({**gpt2, **shape}, "gpt2")
     kinds = BaseFacts("gpt2", "gpt2", config, None, False).module_kinds()
     assert kinds["transformer.h.0.attn.c_attn"] == "Conv1D" and "q_proj" not in " ".join(kinds)
 

@@ -1,7 +1,8 @@
 """One validation of a recipe before any weight loads: what ``longpeft plan`` checks is what ``longpeft train`` checks.
 
-:func:`validate_recipe` runs every check a recipe can fail against itself and its base model's config (read without
-weights or torch: :mod:`longpeft.base_config`): the schema's (:func:`~.schema.load_recipe`), the ``trl:`` keys, the
+:func:`validate_recipe` runs, on a recipe the schema accepted (:func:`~.schema.load_recipe`), every check it can
+fail against itself and its base model's config (read without weights or torch: :mod:`longpeft.base_config`): the
+``trl:`` keys, the
 methods' sections resolved against the base (RoPE type, HARPE bases, Activation Beacon's layout, ...), token ids
 against the vocabulary, the positions a sample spans against the adapted model's, the checkpointed layers against
 the decoder's, LoRA's target modules against the architecture's modules, the chat template conversations need, and
@@ -15,11 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..adapters import METHODS, ResolveContext, check_conflicts, spec_methods
 from ..base_config import TINY_PREFIX, BaseFacts, BaseNotHere, read_base
+from ..builtin_models import BUILTIN_MODELS
 from ..errors import ConfigError
 from ..spec import ContextSpec, recipe_hash
 from .schema import Recipe
@@ -86,14 +90,14 @@ def check_here(validation: Validation) -> None:
     """
     if validation.base_missing is not None:
         raise BaseNotHere(validation.base_missing)
-    for problem in machine_problems(validation.recipe):
-        raise ConfigError(problem)
+    problems = machine_problems(validation.recipe)
+    if problems:
+        raise ConfigError(problems[0])
 
 
 def machine_problems(recipe: Recipe) -> list[str]:
-    """The recipe's settings this machine cannot run, each as one sentence naming the key and what to do (``plan``
-    lists them; ``train`` refuses the first)."""
-    import torch  # only a run, or plan's note, asks what this machine has
+    """The recipe's settings this machine cannot run, each as one sentence naming the key and what to do."""
+    import torch  # only a run asks what this machine has (plan checks the recipe for any machine)
 
     problems = []
     cuda = torch.cuda.is_available()
@@ -172,11 +176,6 @@ def spec_base_reference(recipe: Recipe, base_id: str) -> str:
     """How the spec names its base: a base generated inside the run folder (``tiny:``) is named relative to the
     adapter folder, so the run folder can be moved; a built-in model by its name (``longpeft:toy-base``, wherever
     longpeft is installed); anything else as given."""
-    import os
-    from pathlib import Path
-
-    from ..builtin_models import BUILTIN_MODELS
-
     if recipe.model.name_or_path in BUILTIN_MODELS:
         return recipe.model.name_or_path
     output_dir = recipe.resolved_output_dir().resolve()
