@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
-from ..errors import DataError, LongpeftError
+from ..errors import ConfigError, DataError, LongpeftError
 from ..launch.topology import data_parallel_size, gradient_accumulation
 from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
@@ -40,7 +40,17 @@ def sft_config(recipe: Recipe, output_dir: Path):
     recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``)."""
     from trl import SFTConfig
 
-    return SFTConfig(**{**recipe.trl, **sft_arguments(recipe, output_dir)})  # only pad_to_multiple_of is in both
+    arguments = sft_arguments(recipe, output_dir)
+    try:
+        return SFTConfig(**{**recipe.trl, **arguments})  # only pad_to_multiple_of is in both
+    except (ValueError, TypeError) as error:  # a trl: value SFTConfig refuses (its own keys pass on this machine)
+        if not recipe.trl:
+            raise
+        keys = ", ".join(f"trl.{key}" for key in recipe.trl)
+        reason = " ".join(str(error).split())[:300]
+        raise ConfigError(
+            f"{keys}: trl.SFTConfig refuses the recipe's trl section ({reason}); fix or remove it"
+        ) from error
 
 
 def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
