@@ -26,9 +26,10 @@ def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .recipes.schema import load_recipe
+    from .recipes.validate import validate_recipe
 
-    if args.launch:
-        return launch_training(args, load_recipe(args.recipe, args.overrides))
+    if args.launch:  # plan's checks before any process starts (each launched process runs them again)
+        return launch_training(args, validate_recipe(load_recipe(args.recipe, args.overrides)).recipe)
     launch_flags = {
         "--gpus": args.gpus is not None,
         "--print-command": args.print_command,
