@@ -32,6 +32,7 @@ __getattr__ = torch_names(
         **dict.fromkeys(("BeaconSettings", "WindowLayout", "window_layout"), "layout"),
         **dict.fromkeys(
             (
+                "backbone_of",
                 "beacon_parameters",
                 "beacons_disabled",
                 "install_beacon",
