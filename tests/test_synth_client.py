@@ -131,9 +131,10 @@ def test_malformed_output_is_retried_then_rejected(tmp_path):
     assert not missing.ok and missing.attempts == 3  # valid JSON without a required field: rejected too
     rejects = {r["meta"]["name"]: r for r in map(json.loads, (tmp_path / "rejects.jsonl").read_text().splitlines())}
     assert set(rejects) == {"always [[bad]]", "fields"}
-    assert [o["attempt"] for o in rejects["always [[bad]]"]["outputs"]] == [0, 1, 2]
-    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["outputs"])
-    assert all("no_such_field" in o["error"] for o in rejects["fields"]["outputs"])
+    assert [o["attempt"] for o in rejects["always [[bad]]"]["attempts"]] == [0, 1, 2]
+    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all(o["reason"] == "malformed" and o["text"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all("no_such_field" in o["error"] for o in rejects["fields"]["attempts"])
     assert client.usage_report()["tasks"]["t"]["malformed"] == 1 + 3 + 3
 
 
@@ -208,7 +209,8 @@ def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
 
 
 def test_transient_failures_are_not_marked_rejected(tmp_path):
-    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    """A request given up after retries (a server down) is asked again by a plain rerun, and once answered it leaves
+    the rejects file; a 4xx refusal is not asked again and stays."""
     with StubServer() as server:
         down, refused = make_client(server, tmp_path, max_retries=1).run(
             [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
@@ -221,8 +223,10 @@ def test_transient_failures_are_not_marked_rejected(tmp_path):
         assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
             again[1].error
         )
-    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert sorted(reasons) == ["gave_up", "http_refused"]
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["reason"], r["marked"], [a["reason"] for a in r["attempts"]]) for r in records] == [
+        ("http_refused", True, ["http_refused"])
+    ]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
@@ -412,8 +416,8 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
 
 def test_a_failed_retry_round_is_recorded_again(tmp_path):
-    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
-    record (the first is kept), and a plain rerun skips it again."""
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, one rejects record
+    that replaces the first and lists all 6 attempts, and a plain rerun skips it again and keeps that record."""
     with StubServer() as server:
         make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
@@ -421,7 +425,8 @@ def test_a_failed_retry_round_is_recorded_again(tmp_path):
         [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         assert not skipped.ok and server.calls == 6
     records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"
+    assert [[a["attempt"] for a in r["attempts"]] for r in records] == [[0, 1, 2, 3, 4, 5]]
+    assert records[0]["error"] == "malformed output in all 6 attempts"
 
 
 # ---- structured output: one schema for the request and the parser ---------------------------------------------
@@ -589,7 +594,7 @@ def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
         [skipped] = make_client(server, tmp_path, context_tokens=109).run([request])  # marked: not asked again
         assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
         [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
+        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == []
         retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
         assert retry.run([request])[0].ok and server.calls == 1
         assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed
@@ -757,7 +762,10 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     assert stats["counts"] == {"single_detail": 1, "biography": 1}
     total = stats["llm_usage"]["total"]
     assert total["rejected"] == 3 and total["rejected_reasons"] == {"http_refused": 3}  # 2 chunks and 1 book
-    assert "requests rejected: http_refused 3 (rejects.jsonl; HTTP 4xx reasons: the first are above)" in captured.out
+    assert "rejects.jsonl: 3 request(s) rejected: http_refused 3 (HTTP 4xx reasons: the first are above)" in (
+        captured.out
+    )
+    assert stats["rejects"]["requests"] == {"http_refused": 3}
     assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
 
 

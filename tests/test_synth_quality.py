@@ -139,7 +139,14 @@ def test_good_gpt4_class_rows_are_kept():
     bios = [(f"Write a short biography of {name}.", text) for name, text in GOOD_BIOGRAPHIES.items()]
     _, verdict = judge("biography", bios, gates, subjects=names)
     assert verdict.rejected == []
-    assert gates.report() == {"enabled": True, "checked": 13, "kept": 13, "rejected": {}, "rejected_per_task": {}}
+    assert gates.report() == {
+        "enabled": True,
+        "checked": 13,
+        "kept": 13,
+        "unused": 0,
+        "rejected": {},
+        "rejected_per_task": {},
+    }
 
 
 @pytest.mark.parametrize(
@@ -386,7 +393,7 @@ def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp
     assert stats["llm_usage"]["total"]["rejected"] == len(requests)
     after_retry = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert not [r for r in after_retry if r["kind"] == "request"]  # answered now: no longer listed as rejected
-    skipped = re.search(r"(\d+) request\(s\) rejected in an earlier run were not asked again", rerun_console)
+    skipped = re.search(r"(\d+) of them rejected in an earlier run and not asked again", rerun_console)
     assert skipped and int(skipped.group(1)) == len(requests) and "--retry-rejected" in rerun_console
     # the retry builds the contexts of book_1 too; the first run's rows stay, none twice
     rows = (out / "train.jsonl").read_text().splitlines()
@@ -444,14 +451,15 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     assert first.err.count("injected HTTP 400") == 3 and "further refusals are counted" in first.err
     total = stats["llm_usage"]["total"]
     assert total["rejected_reasons"] == expected and total["rejected"] == sum(expected.values())
-    assert "requests rejected: quality 1, http_refused 3, prompt_too_long 1 (rejects.jsonl" in first.out
+    assert "rejects.jsonl: 5 request(s) rejected: quality 1, http_refused 3, prompt_too_long 1 (" in first.out
     assert set(stats["quality"]["rejected"]) == set(REASONS) - {"wrong_subject"}  # no biography got through
     first_requests = [r for r in records if r["kind"] == "request"]
     assert Counter(r["reason"] for r in first_requests) == expected
     assert not any("response_format" in r.get("error", "") for r in records)  # the fallback is no rejection
     assert rerun_stats["llm_usage"]["total"]["skipped_rejected"] == sum(expected.values())
     assert rerun_stats["llm_usage"]["total"]["rejected"] == 0 and "injected HTTP 400" not in rerun.err
-    assert "5 request(s) rejected in an earlier run were not asked again" in rerun.out
+    assert "5 of them rejected in an earlier run and not asked again" in rerun.out
+    assert rerun_stats["rejects"]["requests"] == stats["rejects"]["requests"] == expected  # the file still lists them
     retried = retry_stats["llm_usage"]["total"]
     # the prompt too long was about book_1 too: sent now, the server refuses it like the other three
     assert retried["skipped_rejected"] == 0 and retried["rejected_reasons"] == {"http_refused": 4}

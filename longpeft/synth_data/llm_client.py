@@ -11,8 +11,11 @@ What it adds on top of the ``openai`` package:
   run) are never served as another's. Caches written before the base URL joined the key are not reused;
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file; a
-  ``check`` function (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`);
+  and after ``max_parse_attempts`` the request and every attempt (its reason and raw answer) go to the rejects
+  JSONL file; a ``check`` function (the quality gates) may reject a parsed answer the same way
+  (:class:`RejectedOutput`), or keep part of it (:class:`Checked`: the parts dropped go to the rejects file); an
+  answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
+  :class:`TruncatedOutput` attempt, asked again;
 - structured output (``structured``): each request asks for its output schema through ``response_format``;
   with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
   to the prompt-only JSON contract for the rest of its life, with one line on the console (a fallback, not a
@@ -24,8 +27,11 @@ What it adds on top of the ``openai`` package:
   4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
   does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
   ``retry_rejected``, which asks it again with new attempt numbers (the earlier answers are replayed from the
-  cache first, so relaxed gates cost nothing). A request given up after transient failures (timeouts, 429,
-  5xx; reason ``gave_up``) is not marked: a rerun asks it again;
+  cache first, so relaxed gates cost nothing; an earlier attempt no longer in the cache is not asked again). A
+  request given up after transient failures (timeouts, 429, 5xx; reason ``gave_up``) is not marked: a rerun asks
+  it again. The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
+- a cache file that is not an entry longpeft wrote (not JSON, cut short, another shape) reads as absent: its request
+  is asked again, and the run says how many such files it met in one line;
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -44,6 +50,7 @@ import asyncio
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +65,7 @@ from .llm_http import (
     refuses_structured_output,
     server_reason,
 )
-from .llm_output import MalformedOutput, RejectedOutput, parse_json_object, strip_code_fence
+from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput, parse_json_object, strip_code_fence
 from .llm_rejects import REJECT_REASONS, RejectsLog
 from .llm_request import (
     LLMConfig,
@@ -74,6 +81,7 @@ from .llm_request import (
 # The client and its constants, and the names of the modules above that users import from here.
 __all__ = [
     "CHARS_PER_TOKEN_ESTIMATE",
+    "Checked",
     "MESSAGE_OVERHEAD_TOKENS",
     "REJECT_REASONS",
     "RETRYABLE_STATUS",
@@ -90,6 +98,7 @@ __all__ = [
     "ResponseCache",
     "ResponseSchema",
     "TaskUsage",
+    "TruncatedOutput",
     "outcome_key",
     "parse_json_object",
     "refuses_structured_output",
@@ -140,6 +149,8 @@ class LLMClient:
         self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
+        self._foreign_said = 0  # foreign cache files already reported on the console
+        self._foreign_lines = self.rejects.foreign  # rejects-file lines that are not records, reported once
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -223,6 +234,7 @@ class LLMClient:
         finally:
             bar.close()
             await client.close()
+            self._say_foreign()
 
     def usage_report(self) -> dict[str, Any]:
         """Per-task token accounting plus totals, as a JSON-ready dict."""
@@ -236,7 +248,27 @@ class LLMClient:
                         merged[reason] = merged.get(reason, 0) + count
                 else:
                     total[key] = total.get(key, 0) + value
-        return {"model": self.config.model, "base_url": self.config.base_url, "tasks": tasks, "total": total}
+        return {
+            "model": self.config.model,
+            "base_url": self.config.base_url,
+            "tasks": tasks,
+            "total": total,
+            "foreign_cache_files": self.cache.foreign,
+        }
+
+    def request_id(self, request: LLMRequest) -> str:
+        """The request's identity across runs and structured-output modes: the key of its outcome mark
+        (:func:`.llm_cache.outcome_key`), which is also its group in the rejects file."""
+        return outcome_key(
+            request_key(self.config.base_url, self.config.model, request, sampling_params(self.config), 0)
+        )
+
+    def drop_items(self, request: LLMRequest, step: str, attempt: int, dropped: list[dict[str, Any]]) -> None:
+        """Record in the rejects file the items a caller dropped from the answer of ``request`` (its ``attempt``) in a
+        later ``step`` of its own (say, repeats across the answers of one context); the list replaces what that step
+        dropped from this request before (an empty list: nothing any more)."""
+        group = f"{self.request_id(request)}/{step}"
+        self.rejects.replace(group, [self._item_record(request, group, attempt, item) for item in dropped])
 
     def context_limit(self) -> tuple[int, str] | None:
         """``(tokens, where from)`` of the endpoint's context, or ``None`` when neither set nor reported."""
@@ -260,6 +292,23 @@ class LLMClient:
 
     def _say(self, line: str) -> None:
         tqdm.write(line, file=sys.stderr)
+
+    def _say_foreign(self) -> None:
+        """One line for the cache files met since the last such line that were not entries longpeft wrote, and one
+        (the first time) for the lines of the rejects file that were not its records."""
+        if self._foreign_lines:
+            self._say(
+                f"{self.rejects.path}: {self._foreign_lines} line(s) were not records longpeft writes (cut short, "
+                "edited, or another program's): left out of the list"
+            )
+            self._foreign_lines = 0
+        new = self.cache.foreign - self._foreign_said
+        if new:
+            self._foreign_said = self.cache.foreign
+            self._say(
+                f"{self.cache.root}: {new} file(s) were not cache entries longpeft writes (not JSON, cut short, or "
+                "another shape): read as absent, their requests asked again and the files replaced"
+            )
 
     async def _ask_endpoint(self, api_key: str) -> None:
         """Learn the endpoint's context and slots (:mod:`.endpoint`); say what was learned in one line."""
@@ -326,20 +375,25 @@ class LLMClient:
 
         usage = self.usage.setdefault(request.task, TaskUsage())
         sampling = sampling_params(self.config)
-        outputs: list[dict[str, Any]] = []
+        outputs: list[dict[str, Any]] = []  # every attempt's outcome: attempt, reason, error (and the answer's text)
+        dropped: list[dict[str, Any]] = []  # the item records of what ``check`` dropped, every attempt's
         api_calls = 0
         # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
         # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
         # answers themselves are keyed on what is sent, sampling and response_format).
         first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
         mark_key = outcome_key(first_key)
-        mark = self.cache.get(mark_key)
+        mark = self.cache.outcome(mark_key)
         end = self.config.max_parse_attempts
-        if mark is not None and mark.get("outcome") == "rejected":
+        replayed = 0  # attempts of an earlier round: replayed from the cache, never sent again
+        if mark is not None and mark["outcome"] == "rejected":
             if not self.retry_rejected:
                 usage.skipped_rejected += 1
                 why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
+                rebuilt = self._request_record(request, mark_key, first_key, mark["reason"], mark["error"], [], True)
+                self.rejects.keep(mark_key, rebuilt)
                 return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+            replayed = mark["end"]
             end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
         elif mark is not None:  # answered by an attempt of a retry round
             end = max(end, mark["end"])
@@ -355,17 +409,21 @@ class LLMClient:
                     f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
                     f"{limit[0]} ({limit[1]}); not sent"
                 )
-                return self._reject(request, first_key, usage, reason, outputs, 0, 0, "prompt_too_long", state)
+                return self._reject(
+                    request, first_key, usage, reason, outputs, dropped, 0, 0, "prompt_too_long", state, mark_key
+                )
         for attempt in range(end):
             entry = None
             while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
                 sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
                 key = request_key(self.config.base_url, self.config.model, request, sent, attempt)
-                entry = self.cache.get(key)
+                entry = self.cache.answer(key)
                 if entry is not None:
                     usage.cache_hits += 1
                     usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
                     usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                    break
+                if attempt < replayed:  # an earlier round's answer no longer in the cache: not paid for again
                     break
                 try:
                     entry = await self._send(client, semaphore, request, sent, usage)
@@ -373,50 +431,118 @@ class LLMClient:
                         continue
                 except RetryableError as error:
                     reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls, "gave_up")
+                    outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
+                    return self._reject(
+                        request,
+                        key,
+                        usage,
+                        reason,
+                        outputs,
+                        dropped,
+                        attempt + 1,
+                        api_calls,
+                        "gave_up",
+                        None,
+                        mark_key,
+                    )
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
                     if "response_format" in sent and refuses_structured_output(error):
                         self._structured_refusal(error)  # raises unless llm.structured is auto; not a rejection
                         continue
                     state["end"] = attempt + 1
-                    reason = self._refusal(request, error)
+                    reason = f"{type(error).__name__}: {self._refusal(request, error)}"
+                    outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
                     return self._reject(
                         request,
                         key,
                         usage,
-                        f"{type(error).__name__}: {reason}",
+                        reason,
                         outputs,
+                        dropped,
                         attempt + 1,
                         api_calls,
                         "http_refused",
                         state,
+                        mark_key,
                     )
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
+            if entry is None:
+                continue
             text = entry["text"]
             try:
                 if not text.strip():
                     raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
+                if entry.get("finish_reason") == "length":
+                    raise TruncatedOutput(
+                        f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
+                        f"{entry['usage']['completion_tokens']} completion tokens"
+                    )
                 value = parse(text) if parse is not None else text
                 if check is not None:
                     value = check(request, value)
+                    if isinstance(value, Checked):
+                        dropped += [self._item_record(request, mark_key, attempt, item) for item in value.dropped]
+                        value = value.value
             except MalformedOutput as error:
-                last_code = "quality" if isinstance(error, RejectedOutput) else "malformed"
-                if last_code == "quality":
+                last_code = error.code
+                if isinstance(error, RejectedOutput):
                     usage.quality_rejected += 1
+                    dropped += [self._item_record(request, mark_key, attempt, item) for item in error.dropped]
+                elif isinstance(error, TruncatedOutput):
+                    usage.truncated += 1
                 else:
                     usage.malformed += 1
-                outputs.append({"attempt": attempt, "text": text, "error": str(error)})
+                outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
                 continue
             if mark is not None:  # a retry round answered: later reruns replay up to this attempt
                 self.cache.mark(mark_key, request.task, "answered", attempt + 1)
-                if mark.get("outcome") == "rejected":
-                    self.rejects.answered(mark_key)
+            self.rejects.replace(mark_key, dropped)
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        what = "output failing the quality gates" if last_code == "quality" else "malformed output"
-        reason = f"{what} in all {end} attempts"  # more than max_parse_attempts in a --retry-rejected round
-        return self._reject(request, key, usage, reason, outputs, end, api_calls, last_code, state)
+        tried = Counter(output["reason"] for output in outputs)  # the attempts judged (an uncached replay is not)
+        if len(tried) == 1:
+            what = {"quality": "output failing the quality gates", "truncated": "output cut off at llm.max_tokens"}
+            reason = f"{what.get(last_code, 'malformed output')} in all {len(outputs)} attempts"
+        else:
+            counts = ", ".join(f"{code} {n}" for code, n in tried.items())
+            reason = f"no usable output in {len(outputs)} attempts ({counts})"
+        return self._reject(request, key, usage, reason, outputs, dropped, end, api_calls, last_code, state, mark_key)
+
+    def _item_record(self, request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
+        """A rejects-file record of one part of an answer that a ``check`` function dropped (:mod:`.llm_rejects`)."""
+        return {
+            "kind": "item",
+            "request": group,
+            "task": request.task,
+            "meta": request.meta,
+            "attempt": attempt,
+            **item,
+        }
+
+    def _request_record(
+        self,
+        request: LLMRequest,
+        mark_key: str,
+        key: str,
+        code: str,
+        reason: str,
+        outputs: list[dict[str, Any]],
+        marked: bool,
+    ) -> dict[str, Any]:
+        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with ``outputs``: every
+        attempt's reason, error and answer (:mod:`.llm_rejects`)."""
+        return {
+            "kind": "request",
+            "request": mark_key,
+            "key": key,
+            "task": request.task,
+            "meta": request.meta,
+            "reason": code,
+            "error": reason,
+            "marked": marked,
+            "attempts": outputs,
+        }
 
     def _reject(
         self,
@@ -425,28 +551,19 @@ class LLMClient:
         usage: TaskUsage,
         reason: str,
         outputs: list[dict[str, Any]],
+        dropped: list[dict[str, Any]],
         attempts: int,
         api_calls: int,
         code: str,
-        state: dict[str, Any] | None = None,
+        state: dict[str, Any] | None,
+        mark_key: str,
     ) -> LLMResult:
         """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
         rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
         usage.rejected += 1
         usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
-        self.rejects.add(
-            {
-                "key": key,
-                "kind": "request",
-                "task": request.task,
-                "meta": request.meta,
-                "reason": code,
-                "error": reason,
-                "attempts": attempts,
-                "outputs": outputs,
-                **({"mark": state["mark_key"]} if state is not None else {}),
-            }
-        )
+        record = self._request_record(request, mark_key, key, code, reason, outputs, state is not None)
+        self.rejects.replace(mark_key, [record, *dropped])
         if state is not None:
             self.cache.mark(state["mark_key"], request.task, "rejected", state["end"], reason=code, error=reason)
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)

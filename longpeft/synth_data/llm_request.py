@@ -121,6 +121,7 @@ class TaskUsage:
     retries: int = 0
     malformed: int = 0
     quality_rejected: int = 0  # attempts whose every item failed the quality gates
+    truncated: int = 0  # attempts cut off at max_tokens (finish_reason length), never parsed
     rejected: int = 0
     rejected_reasons: dict[str, int] = field(default_factory=dict)  # ``rejected`` per reason (REJECT_REASONS)
     skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)

@@ -6,13 +6,15 @@ A run writes to its output folder:
   ``sources``, ``meta``), the file recipes train on;
 - ``dataset/``: the same rows as a saved ``datasets.Dataset``;
 - ``stats.json``: counts per task, token-length summaries, skipped contexts and why, mixing counts,
-  LLM token usage per task, and with the LLM answerer ``quality``: items rejected by the quality gates
-  (:mod:`.quality`) per reason and task;
+  LLM token usage per task, and with the LLM answerer ``quality``: items the quality gates (:mod:`.quality`) judged
+  in this run and rejected per reason and task, and ``rejects``: what ``rejects.jsonl`` lists
+  (:meth:`.llm_rejects.RejectsLog.counts`, computed from the same records);
 - ``length_hist.png``: token-length histogram per task;
 - ``config.json``: the resolved config (it never holds the API key);
 - with the LLM answerer: ``llm_cache/`` (answers by request hash; rerunning the same command
-  resumes without repeating answered calls) and ``rejects.jsonl`` (requests that failed for good, and items
-  the quality gates dropped, each with its reason code and detail).
+  resumes without repeating answered calls) and ``rejects.jsonl`` (what is still rejected: requests that failed
+  for good with every attempt's reason, and items the quality gates dropped, each with its reason code and detail;
+  :mod:`.llm_rejects`).
 """
 
 from __future__ import annotations
@@ -202,7 +204,9 @@ def synthesize(
     rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
+        client.rejects.finish()  # the file is now this build's state: the summary reports it
         extra["llm_usage"] = client.usage_report()
+        extra["rejects"] = client.rejects.counts()
     if isinstance(answerer, LLMAnswerer):
         extra["quality"] = answerer.gates.report()
     dataset = write_dataset(rows, out, extra)

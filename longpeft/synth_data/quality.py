@@ -353,13 +353,15 @@ class QualityGates:
     """Applies the gates of a :class:`QualityConfig` and counts rejections by task and reason.
 
     Attributes:
-        checked: items seen per task; ``rejected``: rejections per task and reason.
+        checked: items seen per task; ``rejected``: rejections per task and reason; ``unused``: items that passed
+        beyond the number a job asked for, per task (the model wrote more; the first ones are used).
     """
 
     def __init__(self, config: QualityConfig | None = None):
         self.config = config or QualityConfig()
         self.checked: Counter[str] = Counter()
         self.rejected: dict[str, Counter[str]] = {}
+        self.unused: Counter[str] = Counter()
 
     def on(self, gate: str) -> bool:
         return self.config.enabled and gate not in self.config.disable
@@ -430,6 +432,11 @@ class QualityGates:
     def count(self, task: str, reason: str) -> None:
         self.rejected.setdefault(task, Counter())[reason] += 1
 
+    def surplus(self, task: str, count: int) -> None:
+        """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
+        if count > 0:
+            self.unused[task] += count
+
     def _first_failure(
         self,
         task: str,
@@ -489,7 +496,8 @@ class QualityGates:
         return None
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready counts: items checked and kept, rejections by reason overall and per task."""
+        """JSON-ready counts: items checked and kept (``unused`` of them beyond the number asked), rejections by reason
+        overall and per task."""
         total: Counter[str] = Counter()
         for counts in self.rejected.values():
             total.update(counts)
@@ -498,6 +506,7 @@ class QualityGates:
             "enabled": self.config.enabled,
             "checked": checked,
             "kept": checked - sum(total.values()),
+            "unused": sum(self.unused.values()),
             "rejected": {reason: total[reason] for reason in REASONS if total[reason]},
             "rejected_per_task": {
                 task: {r: counts[r] for r in REASONS if counts[r]} for task, counts in sorted(self.rejected.items())
