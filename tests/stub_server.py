@@ -17,11 +17,16 @@ Directives (comma-separated inside one ``[[...]]``):
 
 Structured output (``structured=``): ``"ignore"`` (default) answers as if ``response_format`` were
 absent; ``"accept"`` checks it (a ``json_schema`` needs ``name``, ``schema`` and ``strict``; HTTP 400
-otherwise) and answers only the fields the schema requires (the same grounded items, so they pass the
-quality gates as in the other modes); ``"refuse"`` answers HTTP 400 to any request
-carrying it, as a server without structured output does. ``GET /v1/models`` lists the model (with the
-``models_info`` fields, e.g. vLLM's ``max_model_len``) and ``GET /props`` answers ``props`` (llama.cpp's
-``n_ctx``, ``total_slots``), or 404 when it is ``None``.
+otherwise) and answers only the fields the schema requires, each list cut to the schema's ``maxItems`` (the
+same grounded items, so they pass the quality gates as in the other modes); ``"no_bounds"`` does the same but
+answers HTTP 400 to a schema holding ``minItems`` or ``maxItems``, as a strict-subset server does; ``"refuse"``
+answers HTTP 400 to any request carrying it, as a server without structured output does.
+
+Truncation: the answer is cut to 4 characters per token of the request's ``max_tokens``, with ``finish_reason``
+``length``, as a server stops at the limit; a ``reply`` function may also return ``(text, finish_reason)``.
+
+``GET /v1/models`` lists the model (with the ``models_info`` fields, e.g. vLLM's ``max_model_len``) and
+``GET /props`` answers ``props`` (llama.cpp's ``n_ctx``, ``total_slots``), or 404 when it is ``None``.
 
 Usage::
 
@@ -43,6 +48,19 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 _DIRECTIVE = re.compile(r"\[\[(.*?)\]\]")
+CHARS_PER_TOKEN = 4  # the stub's token count: characters / 4
+
+
+def _enforced(value: Any, schema: dict[str, Any]) -> Any:
+    """``value`` as a server enforcing ``schema`` would have written it: only the required fields of an object, a
+    list cut to ``maxItems``."""
+    if schema.get("type") == "object" and isinstance(value, dict):
+        properties = schema.get("properties", {})
+        return {k: _enforced(v, properties.get(k, {})) for k, v in value.items() if k in schema.get("required", [])}
+    if schema.get("type") == "array" and isinstance(value, list):
+        items = [_enforced(v, schema.get("items", {})) for v in value]
+        return items[: schema["maxItems"]] if "maxItems" in schema else items
+    return value
 
 
 _TAGGED = re.compile(r"<(excerpt|document|book|document \d+)>\n(.*?)\n</\1>", re.DOTALL)
@@ -90,8 +108,9 @@ def default_reply(body: dict[str, Any]) -> str:
 
 def junk_reply(body: dict[str, Any]) -> str:
     """:func:`default_reply`'s grounded items plus one bad item per quality gate (placeholder, prompt echo,
-    refusal, too short, ungrounded, near-duplicate; for biographies: too short, a name not in the book, a
-    biography of someone else): what a weak model writes. ``python tests/stub_server.py --junk`` serves it."""
+    refusal, too short, ungrounded, near-duplicate, unfinished, a statement for a question, a tautology, a
+    restatement of the question; for biographies: too short, a name not in the book, a biography of someone else):
+    what a weak model writes. ``python tests/stub_server.py --junk`` serves it."""
     good = json.loads(default_reply(body))
     pairs, bios = good["qa_pairs"], good["biographies"]
     first = pairs[0]
@@ -111,6 +130,10 @@ def junk_reply(body: dict[str, Any]) -> str:
             "answer": "A purple dragon guarded the glass mountain beside a silver lake.",
         },
         {"question": first["question"].replace("Which sentence", "Which sentence exactly"), "answer": first["answer"]},
+        {"question": first["question"], "answer": first["answer"].rstrip(".!?") + ", and the"},
+        {"question": "The keeper of the lighthouse wrote every storm in a ledger.", "answer": first["answer"]},
+        {"question": "What is the blue ledger of the keeper?", "answer": "The blue ledger is the blue ledger."},
+        {"question": "When was the harbour wall repaired?", "answer": "The harbour wall was repaired."},
     ]
     if bios:
         name, text = bios[0]["name"], bios[0]["biography"]
@@ -145,7 +168,7 @@ class StubServer:
         models_info: dict[str, Any] | None = None,
         props: dict[str, Any] | None = None,
     ):
-        assert structured in ("ignore", "accept", "refuse"), structured
+        assert structured in ("ignore", "accept", "no_bounds", "refuse"), structured
         self.latency = latency
         self.reply = reply
         self.structured = structured
@@ -240,6 +263,9 @@ class StubServer:
             return None
         if self.structured == "refuse":
             return f"response_format of type {response_format.get('type')!r} is not supported by this server"
+        bounds = [word for word in ("minItems", "maxItems") if f'"{word}"' in json.dumps(response_format)]
+        if self.structured == "no_bounds" and bounds:
+            return f"Invalid schema for response_format: {bounds[0]!r} is not permitted"
         if response_format.get("type") == "json_object":
             return None
         spec = response_format.get("json_schema")
@@ -296,17 +322,24 @@ class StubServer:
         if html:
             return 200, "<html><body>Please sign in</body></html>"
         content = "this is {not json" if bad else self.reply(body)
-        if not bad and self.structured == "accept" and (response_format or {}).get("type") == "json_schema":
-            required = response_format["json_schema"]["schema"].get("required", [])
-            content = json.dumps({k: v for k, v in json.loads(content).items() if k in required})
+        finish_reason = "stop"
+        if isinstance(content, tuple):
+            content, finish_reason = content
+        if not bad and self.structured != "ignore" and (response_format or {}).get("type") == "json_schema":
+            content = json.dumps(_enforced(json.loads(content), response_format["json_schema"]["schema"]))
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, int) and len(content) > CHARS_PER_TOKEN * max_tokens:
+            content, finish_reason = content[: CHARS_PER_TOKEN * max_tokens], "length"
         prompt_tokens = max(1, len(prompt) // 4)
-        completion_tokens = max(1, len(content) // 4)
+        completion_tokens = max(1, len(content) // CHARS_PER_TOKEN)
         return 200, {
             "id": f"chatcmpl-{prompt_hash[:12]}-{call_index}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model", "stub"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
+            ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -326,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
     parser.add_argument(
         "--structured",
-        choices=["ignore", "accept", "refuse"],
+        choices=["ignore", "accept", "no_bounds", "refuse"],
         default="ignore",
         help="what it does with response_format (see the module docstring)",
     )

@@ -479,7 +479,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         return {
             k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
             for k, v in schema.items()
-            if k not in ("minItems", "minLength")
+            if k not in ("minItems", "maxItems", "minLength")
         }
 
     for schema in (QA_PAIRS, BIOGRAPHIES):
@@ -489,7 +489,12 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         assert sent["json_schema"]["schema"] == shape(schema.schema)
         item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
         assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
-    assert qa_request("Some text.").schema is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    assert TASK_SCHEMAS["single_detail"] is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    # a job's schema is its task's, bounded to the items it asks for: sent with the bounds first, without on refusal
+    sent = qa_request("Some text.").schema.response_format(bounds=True)["json_schema"]["schema"]
+    assert sent["properties"]["qa_pairs"]["maxItems"] == 2 and sent["properties"]["qa_pairs"]["minItems"] == 1
+    assert shape(sent) == shape(QA_PAIRS.schema)
+    assert qa_request("Some text.").schema.response_format() == QA_PAIRS.response_format()
     from longpeft.synth_data.answer_schema import OutputSchema
 
     with pytest.raises(ValueError, match=r"\$\.a: schema uses \['pattern'\], outside the supported subset"):
@@ -516,8 +521,9 @@ def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
 
 
 def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
-    """A server without structured output answers 400 to response_format: the client says so once, asks every
-    request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
+    """A server without structured output answers 400 to response_format: the client drops the schema's item bounds
+    first, then the schema, each said once, asks every request again without it, and never sends it again in this
+    run; a rerun finds those answers in the cache."""
     from longpeft.synth_data.qa import parse_qa_pairs
 
     requests = [
@@ -529,19 +535,20 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
         results = client.run(requests, parse=parse_qa_pairs)
         assert all(r.ok for r in results) and all(len(r.value) == 3 for r in results)  # the stub writes 3
         refused = server.statuses[400]
-        assert refused == 1  # one structured request goes first; the others wait for its answer
+        assert refused == 2  # one structured request goes first (with bounds, then without); the others wait
         assert sum(f is not None for f in server.response_formats) == refused
         assert server.statuses[200] == 6
         client.run([qa_request("One more text.")], parse=parse_qa_pairs)
         assert server.response_formats[-1] is None and server.statuses[400] == refused
         err = capsys.readouterr().err
         assert err.count("refused structured output") == 1 and "not supported by this server" in err
+        assert err.count("refused the schema with its item bounds") == 1
         usage = client.usage_report()["total"]
         assert usage["rejected"] == 0 and usage["rejected_reasons"] == {}  # a fallback is no rejection
         rerun = make_client(server, tmp_path)
         assert all(r.ok for r in rerun.run(requests, parse=parse_qa_pairs))
         assert rerun.usage_report()["total"]["cache_hits"] == 6
-        assert server.statuses[200] == 7  # the rerun's one refused structured request, then cache hits only
+        assert server.statuses[200] == 7 and server.statuses[400] == 4  # the rerun's two refusals, then cache hits
 
 
 @pytest.mark.parametrize("mode", ["json_schema", "json_object"])
@@ -766,7 +773,7 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
         captured.out
     )
     assert stats["rejects"]["requests"] == {"http_refused": 3}
-    assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
+    assert sum(f is not None for f in server.response_formats) == 2  # one structured request, refused twice
 
 
 def test_a_bare_off_in_yaml_is_the_structured_mode_off():

@@ -192,8 +192,9 @@ def plan_build(
         tokens = sum(builder.counter.count(message["content"]) for message in request.messages)
         task.requests += 1
         task.input_tokens += tokens
-        sent = ({**sampling, **structured_params(llm, request, refused)} for refused in (False, True))  # auto: both
-        if any(cache.get(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
+        variants = ((False, True), (False, False), (True, True))  # the schema with bounds, without, none (auto)
+        sent = ({**sampling, **structured_params(llm, request, *variant)} for variant in variants)
+        if any(cache.answer(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
             task.cached += 1
             task.cached_input_tokens += tokens
     return BuildPlan(

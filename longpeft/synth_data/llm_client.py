@@ -16,10 +16,11 @@ What it adds on top of the ``openai`` package:
   (:class:`RejectedOutput`), or keep part of it (:class:`Checked`: the parts dropped go to the rejects file); an
   answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
   :class:`TruncatedOutput` attempt, asked again;
-- structured output (``structured``): each request asks for its output schema through ``response_format``;
-  with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
-  to the prompt-only JSON contract for the rest of its life, with one line on the console (a fallback, not a
-  rejection: the request is asked again at once without ``response_format``);
+- structured output (``structured``): each request asks for its output schema through ``response_format``, with
+  the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them; after
+  that, with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
+  to the prompt-only JSON contract for the rest of its life; each step said in one line on the console (a
+  fallback, not a rejection: the request is asked again at once without what was refused);
 - requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
   :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
   (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending;
@@ -47,6 +48,7 @@ and ``check`` raise, the JSON reader), :mod:`.llm_http` (one call with its retri
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import threading
@@ -56,6 +58,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .answer_schema import ITEM_BOUNDS
 from .llm_cache import ResponseCache, outcome_key, request_key
 from .llm_http import (
     RETRYABLE_STATUS,
@@ -146,6 +149,7 @@ class LLMClient:
         self.usage: dict[str, TaskUsage] = {}
         self.structured_refused: str | None = None  # the server's reason, once it refused structured output
         self.structured_accepted = False  # the endpoint answered a request carrying response_format
+        self.bounds_refused: str | None = None  # the server's reason, once it refused the schema's item bounds
         self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
@@ -331,10 +335,18 @@ class LLMClient:
                 f"{info.slots} or raise llm.timeout"
             )
 
-    def _structured_refusal(self, error: Any) -> None:
-        """The endpoint refused ``response_format``: with ``auto``, fall back to the prompt-only contract (once,
-        said once); with ``json_schema`` / ``json_object``, stop the run naming the setting."""
+    def _structured_refusal(self, error: Any, response_format: dict[str, Any]) -> None:
+        """The endpoint refused ``response_format``: when it held the schema's item bounds, ask without them from
+        now on (once, said once); else with ``auto``, fall back to the prompt-only contract (once, said once); with
+        ``json_schema`` / ``json_object``, stop the run naming the setting."""
         reason = server_reason(error)
+        if self.bounds_refused is None and any(f'"{word}"' in json.dumps(response_format) for word in ITEM_BOUNDS):
+            self.bounds_refused = reason
+            self._say(
+                f"{self.config.base_url} refused the schema with its item bounds (HTTP {error.status_code}: "
+                f"{reason}); sending the schema without {'/'.join(ITEM_BOUNDS)} for the rest of the run"
+            )
+            return
         if self.config.structured != "auto":
             raise LLMRunAborted(
                 f"{self.config.base_url} refused structured output (llm.structured={self.config.structured}; HTTP "
@@ -447,7 +459,7 @@ class LLMClient:
                     )
                 except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
                     if "response_format" in sent and refuses_structured_output(error):
-                        self._structured_refusal(error)  # raises unless llm.structured is auto; not a rejection
+                        self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
                         continue
                     state["end"] = attempt + 1
                     reason = f"{type(error).__name__}: {self._refusal(request, error)}"
@@ -569,7 +581,9 @@ class LLMClient:
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
-        return structured_params(self.config, request, refused=self.structured_refused is not None)
+        return structured_params(
+            self.config, request, refused=self.structured_refused is not None, bounds=self.bounds_refused is None
+        )
 
     async def _send(
         self, client: Any, semaphore: asyncio.Semaphore, request: LLMRequest, sent: dict[str, Any], usage: TaskUsage
@@ -582,8 +596,8 @@ class LLMClient:
             assert self._first_structured is not None
             async with self._first_structured:
                 if not self.structured_accepted:
-                    if "response_format" not in self._structured(request):
-                        return None
+                    if self._structured(request).get("response_format") != sent["response_format"]:
+                        return None  # refused (or its bounds refused) while this request waited
                     entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
                     self.structured_accepted = True
                     return entry

@@ -66,8 +66,8 @@ class LLMConfig(StrictModel):
 class ResponseSchema(Protocol):
     """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
 
-    def response_format(self) -> dict[str, Any]:
-        """The ``response_format`` request field asking for the schema."""
+    def response_format(self, bounds: bool = False) -> dict[str, Any]:
+        """The ``response_format`` request field asking for the schema (with its item bounds when ``bounds``)."""
         ...
 
 
@@ -135,11 +135,14 @@ def sampling_params(config: LLMConfig) -> dict[str, Any]:
     return sampling
 
 
-def structured_params(config: LLMConfig, request: LLMRequest, refused: bool = False) -> dict[str, Any]:
+def structured_params(
+    config: LLMConfig, request: LLMRequest, refused: bool = False, bounds: bool = True
+) -> dict[str, Any]:
     """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
-    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it); part of the cache key."""
+    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it), its schema with the item bounds unless the
+    endpoint refused those (``bounds`` false); part of the cache key."""
     if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
         return {}
     if config.structured == "json_object":
         return {"response_format": {"type": "json_object"}}
-    return {"response_format": request.schema.response_format()}
+    return {"response_format": request.schema.response_format(bounds=bounds)}

@@ -413,11 +413,11 @@ TASK_SCHEMAS = {
 
 def job_request(job: QAJob, index: int = 0) -> LLMRequest:
     """The chat request :class:`LLMAnswerer` sends for ``job`` (the ``index``-th of its batch, for the rejects
-    file)."""
+    file); its schema holds at most ``job.n`` items."""
     return LLMRequest(
         task=job.task,
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
-        schema=TASK_SCHEMAS[job.task],
+        schema=TASK_SCHEMAS[job.task].bounded(job.n),
         meta={
             "job": index,
             "sources": [p.doc.doc_id for p in job.passages],
