@@ -1,7 +1,9 @@
 """``longpeft synth --plan``: the LLM requests a data build will send, their tokens and time, before any call.
 
-The plan runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`) and builds
-every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead of sending:
+The plan reads and checks every input file as the run does (:func:`~.pipeline.read_inputs`: the same refusals, with
+the same messages), runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`)
+and builds every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead
+of sending:
 
 - requests: one per QA job (first attempts: a malformed answer is asked again, up to ``llm.max_parse_attempts``
   times, and transient failures are retried: neither is counted); those whose answer is already in
@@ -158,7 +160,7 @@ def plan_build(
     from .builders import LongContextBuilder
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
-    from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
+    from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
     from .qa import ProceduralAnswerer, job_request
 
     if config.answerer != "llm":
@@ -171,7 +173,7 @@ def plan_build(
             "longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
             "--output-tokens N (the completion tokens you expect per request)"
         )
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None
+    files = read_inputs(config).documents  # every input file checked as the run checks it
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     builder = LongContextBuilder(
         tokenizer,

@@ -20,6 +20,7 @@ A run writes to its output folder:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,6 +159,24 @@ def load_documents(paths: list[str]) -> list[Document]:
     return documents
 
 
+@dataclass
+class SynthInputs:
+    """Every input file of a run, read and checked: your ``documents`` (``None`` for procedural ones) and the
+    candidate conversations of each mixed-in source (:func:`.mix.load_mix_sources`)."""
+
+    documents: list[Document] | None
+    mix_sources: dict[str, list[list[dict[str, str]]]]
+
+
+def read_inputs(config: SynthConfig) -> SynthInputs:
+    """Read and check every input file ``config`` names (``source.paths``, ``mix.plain_text``, ``mix.instructions``,
+    ``mix.summaries``), before any long work: a missing file, one of another type, a bad record or a source without
+    any fails here naming the file (and line), the key and its flag. The run and ``synth --plan`` both start here,
+    so the plan refuses what the run would."""
+    documents = load_documents(config.source.paths) if config.source.kind == "files" else None
+    return SynthInputs(documents, load_mix_sources(config.mix))
+
+
 def make_answerer(
     config: SynthConfig, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None, retry_rejected: bool = False
 ) -> tuple[QAGenerator, LLMClient | None]:
@@ -189,8 +208,7 @@ def synthesize(
 
     ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
     they are skipped and counted as ``skipped_rejected`` in the usage report)."""
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
-    mix_sources = load_mix_sources(config.mix)  # and so do the mixed-in ones, before the long build
+    inputs = read_inputs(config)  # bad input files fail first
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)  # and a bad tokenizer too
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,9 +217,9 @@ def synthesize(
     builder = LongContextBuilder(
         tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
     )
-    plans = plan_contexts(config, builder, files)
+    plans = plan_contexts(config, builder, inputs.documents)
     rows = builder.build(plans)
-    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, mix_sources)
+    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, inputs.mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
         client.rejects.finish()  # the file is now this build's state: the summary reports it
