@@ -152,7 +152,9 @@ class StubServer:
 
     Args:
         latency: seconds every request takes before its answer.
-        reply: body -> assistant text for answered calls (default :func:`default_reply`).
+        reply: body -> assistant text for answered calls (default :func:`default_reply`), or ``(text,
+            finish_reason)``.
+        status: body -> the HTTP status to answer with (200: answer; default: always 200, directives aside).
 
     Attributes:
         calls: total requests received; ``statuses`` counts them by HTTP status;
@@ -167,6 +169,7 @@ class StubServer:
         structured: str = "ignore",
         models_info: dict[str, Any] | None = None,
         props: dict[str, Any] | None = None,
+        status: Callable[[dict[str, Any]], int] | None = None,
     ):
         assert structured in ("ignore", "accept", "no_bounds", "refuse"), structured
         self.latency = latency
@@ -174,6 +177,7 @@ class StubServer:
         self.structured = structured
         self.models_info = models_info or {}
         self.props = props
+        self.status = status
         self.response_formats: list[Any] = []  # the response_format of every chat request (None: absent)
         self.gets: list[str] = []  # paths of the GET requests
         self.lock = threading.Lock()
@@ -295,7 +299,7 @@ class StubServer:
             call_index = self.prompt_calls[prompt_hash]
             self.auth_headers.append(authorization)
         delay = self.latency
-        status = 200
+        status = self.status(body) if self.status is not None else 200
         bad = html = False
         headers: dict[str, str] = {}
         for directive in directives:

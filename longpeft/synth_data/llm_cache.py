@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +31,7 @@ from ..files import write_text_atomically
 from .llm_rejects import REJECT_REASONS
 from .llm_request import LLMRequest
 
+_NOT_JSON = object()
 MAX_MARKED_ATTEMPTS = 10_000
 """The largest ``end`` an outcome mark may hold: each ``retry_rejected`` round adds ``llm.max_parse_attempts``, so a
 larger number was not written by longpeft (and replaying it would take hours of lookups)."""
@@ -106,22 +108,16 @@ class ResponseCache:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
 
-    def _read(self, key: str) -> Any:
-        """The JSON value filed under ``key``; ``None`` when there is no file. A file that is not UTF-8 JSON (cut
-        short, another program's) counts as foreign and reads as ``None``."""
+    def _entry(self, key: str, valid: Callable[[Any, str], bool]) -> dict[str, Any] | None:
+        """The entry filed under ``key`` when ``valid``; ``None`` when there is no file, or (counted in
+        :attr:`foreign`) when it is not UTF-8 JSON (cut short, another program's) or not ``valid``."""
         try:
-            return json.loads(self._path(key).read_bytes().decode("utf-8"))
+            value = json.loads(self._path(key).read_bytes().decode("utf-8"))
         except FileNotFoundError:
             return None
         except (ValueError, IsADirectoryError):  # JSONDecodeError, UnicodeDecodeError; a folder in its place
-            self.foreign += 1
-            return None
-
-    def _entry(self, key: str, valid: Any) -> dict[str, Any] | None:
-        value = self._read(key)
-        if value is None:
-            return None
-        if not valid(value, key):
+            value = _NOT_JSON
+        if value is _NOT_JSON or not valid(value, key):
             self.foreign += 1
             return None
         return value

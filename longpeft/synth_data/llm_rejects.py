@@ -118,11 +118,11 @@ class RejectsLog:
 
     def finish(self) -> int:
         """End of a build: drop the groups of requests not settled since the log opened (and foreign lines); the
-        file is then the build's state. Returns the number of groups dropped."""
+        file is then the build's state (an empty file: nothing rejected). Returns the number of groups dropped."""
         stale = [request for request in self.groups if request not in self.touched]
         for request in stale:
             del self.groups[request]
-        if stale or self.foreign:
+        if stale or self.foreign or not self.path.is_file():
             self._rewrite()
         return len(stale)
 
