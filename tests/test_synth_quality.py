@@ -456,6 +456,7 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
     assert not any("response_format" in r.get("error", "") for r in records)  # the fallback is no rejection
     assert rerun_stats["llm_usage"]["total"]["skipped_rejected"] == sum(expected.values())
     assert rerun_stats["llm_usage"]["total"]["rejected"] == 0 and "injected HTTP 400" not in rerun.err
+    assert "rejects.jsonl: 5 request(s) rejected: quality 1, http_refused 3, prompt_too_long 1" in rerun.out
     assert "5 of them rejected in an earlier run and not asked again" in rerun.out
     assert rerun_stats["rejects"]["requests"] == stats["rejects"]["requests"] == expected  # the file still lists them
     retried = retry_stats["llm_usage"]["total"]
@@ -503,3 +504,38 @@ def test_grounded_stub_answers_pass_the_gates_with_structured_output(tmp_path, m
     quality, rejected, rows = runs["accept"]
     assert runs["accept"] == runs["ignore"] and rejected == 0 and len(rows) == 3  # one row per task
     assert quality["kept"] >= quality["checked"] - 1  # the stub's quoted questions may repeat one another
+
+
+def test_cache_entries_of_another_shape_are_asked_again_with_one_line(tmp_path, monkeypatch, capsys):
+    """The cache entries a user or another program may leave (`"text": 12345`, `[1, 2]`, `{}`, `"usage": "lots"`, a
+    cut file): the rerun asks those requests again, says how many files it met in one line, and builds the same
+    rows; no traceback."""
+    from longpeft.cli import main
+    from longpeft.synth_data.corpus import generate_document
+
+    monkeypatch.setenv("LONGPEFT_TEST_LLM_KEY", "sk-test")
+    source = tmp_path / "books"
+    source.mkdir()
+    for i in range(2):
+        (source / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60, kind="story").text)
+    out = tmp_path / "out"
+    with StubServer() as server:
+        assert main(synth_argv(out, source, server)) == 0
+        rows = (out / "train.jsonl").read_text()
+        answers = sorted(p for p in (out / "llm_cache").glob("*/*.json") if '"text"' in p.read_text())
+        assert len(answers) >= 5
+        entries = [json.loads(p.read_text()) for p in answers]
+        answers[0].write_text(json.dumps({**entries[0], "text": 12345}))
+        answers[1].write_text("[1, 2]")
+        answers[2].write_text("{}")
+        answers[3].write_text(json.dumps({**entries[3], "usage": "lots"}))
+        answers[4].write_text(answers[4].read_text()[:20])
+        capsys.readouterr()
+        calls = server.calls
+        assert main(synth_argv(out, source, server)) == 0
+        assert server.calls == calls + 5
+    console = capsys.readouterr().out
+    assert console.count("were not cache entries longpeft writes") == 1
+    assert "llm_cache: 5 file(s) were not cache entries longpeft writes" in console
+    assert (out / "train.jsonl").read_text() == rows
+    assert all(json.loads(p.read_text())["text"].startswith("{") for p in answers)  # replaced by the new answers

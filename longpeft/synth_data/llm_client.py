@@ -32,7 +32,8 @@ What it adds on top of the ``openai`` package:
   request given up after transient failures (timeouts, 429, 5xx; reason ``gave_up``) is not marked: a rerun asks
   it again. The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
 - a cache file that is not an entry longpeft wrote (not JSON, cut short, another shape) reads as absent: its request
-  is asked again, and the run says how many such files it met in one line;
+  is asked again, and the usage report counts such files (``foreign_cache_files``; the synth summary says it in one
+  line), as it counts the lines of the rejects file that are not its records (``foreign_rejects_lines``);
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -153,8 +154,6 @@ class LLMClient:
         self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
-        self._foreign_said = 0  # foreign cache files already reported on the console
-        self._foreign_lines = self.rejects.foreign  # rejects-file lines that are not records, reported once
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -238,7 +237,6 @@ class LLMClient:
         finally:
             bar.close()
             await client.close()
-            self._say_foreign()
 
     def usage_report(self) -> dict[str, Any]:
         """Per-task token accounting plus totals, as a JSON-ready dict."""
@@ -258,6 +256,7 @@ class LLMClient:
             "tasks": tasks,
             "total": total,
             "foreign_cache_files": self.cache.foreign,
+            "foreign_rejects_lines": self.rejects.unread,
         }
 
     def request_id(self, request: LLMRequest) -> str:
@@ -296,23 +295,6 @@ class LLMClient:
 
     def _say(self, line: str) -> None:
         tqdm.write(line, file=sys.stderr)
-
-    def _say_foreign(self) -> None:
-        """One line for the cache files met since the last such line that were not entries longpeft wrote, and one
-        (the first time) for the lines of the rejects file that were not its records."""
-        if self._foreign_lines:
-            self._say(
-                f"{self.rejects.path}: {self._foreign_lines} line(s) were not records longpeft writes (cut short, "
-                "edited, or another program's): left out of the list"
-            )
-            self._foreign_lines = 0
-        new = self.cache.foreign - self._foreign_said
-        if new:
-            self._foreign_said = self.cache.foreign
-            self._say(
-                f"{self.cache.root}: {new} file(s) were not cache entries longpeft writes (not JSON, cut short, or "
-                "another shape): read as absent, their requests asked again and the files replaced"
-            )
 
     async def _ask_endpoint(self, api_key: str) -> None:
         """Learn the endpoint's context and slots (:mod:`.endpoint`); say what was learned in one line."""

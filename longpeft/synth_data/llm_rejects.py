@@ -67,7 +67,8 @@ class RejectsLog:
     Attributes:
         groups: records by request, in file order.
         touched: requests settled since the log opened; ``carried``: those kept from an earlier run.
-        foreign: lines of the file that are not records (left out at the next rewrite).
+        foreign: lines of the file that are not records (left out at the next rewrite); ``unread``: how many there
+        were when the log opened.
     """
 
     def __init__(self, path: str | os.PathLike[str]):
@@ -88,6 +89,7 @@ class RejectsLog:
                     self.groups.setdefault(record["request"], []).append(record)
                 else:
                     self.foreign += 1
+        self.unread = self.foreign
 
     def replace(self, request: str, records: list[dict[str, Any]]) -> None:
         """Make ``records`` (each with ``"request": request``) the group of ``request``; an empty list removes it."""

@@ -56,6 +56,17 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
     reason, those an earlier run rejected that were not asked again, items dropped per reason), then the quality
     gates' judgements of this run per reason (and task). Empty for a run without the LLM answerer."""
     lines = []
+    usage = stats.get("llm_usage", {})
+    if usage.get("foreign_cache_files"):
+        lines.append(
+            f"llm_cache: {usage['foreign_cache_files']} file(s) were not cache entries longpeft writes (not JSON, cut "
+            "short, or another shape): read as absent, their requests asked again and the files replaced"
+        )
+    if usage.get("foreign_rejects_lines"):
+        lines.append(
+            f"rejects.jsonl: {usage['foreign_rejects_lines']} line(s) were not records longpeft writes (cut short, "
+            "edited, or another program's): left out of it"
+        )
     rejects = stats.get("rejects", {})
     by_reason = rejects.get("requests", {})
     if by_reason:
