@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from longpeft.synth_data.corpus import Document  # noqa: E402
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig  # noqa: E402
 from longpeft.synth_data.qa import LLMAnswerer, Passage, QAJob  # noqa: E402
+from longpeft.synth_data.quality import REASONS, QualityConfig, QualityGates  # noqa: E402
 
 from stub_server import StubServer  # noqa: E402  (tests/stub_server.py)
 
@@ -40,7 +41,9 @@ LABELLED = ROOT / "tests" / "data" / "synth_gates_labelled.json"
 KEY_ENV = "LONGPEFT_BENCH_SYNTH_GATES_KEY"
 
 
-def judge_output(server: StubServer, output: dict[str, Any], contexts: dict[str, str], folder: Path) -> list[str]:
+def judge_output(
+    server: StubServer, output: dict[str, Any], contexts: dict[str, str], folder: Path, gates: QualityConfig
+) -> list[str]:
     """The fate of each item of ``output`` through the run's path: ``kept``, or the reason it was rejected."""
     items = output["items"]
     text = contexts[output["context"]]
@@ -50,7 +53,7 @@ def judge_output(server: StubServer, output: dict[str, Any], contexts: dict[str,
     server.reply = lambda body: (json.dumps(answer), output["finish_reason"])
     config = LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, max_parse_attempts=1)
     client = LLMClient(config, folder / "cache", folder / "rejects.jsonl", show_progress=False)
-    [kept] = LLMAnswerer(client).generate([job])
+    [kept] = LLMAnswerer(client, QualityGates(gates)).generate([job])
     fates = {(p.question, p.answer): "kept" for p in kept or []}
     for record in client.rejects.records():
         if record["kind"] == "item":
@@ -82,21 +85,35 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=str(LABELLED), help="the labelled set (JSON)")
     parser.add_argument("--show", action="store_true", help="also list every item the gates got wrong")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--disable",
+        nargs="+",
+        default=[],
+        choices=REASONS,
+        metavar="GATE",
+        help="gates to switch off (quality.disable)",
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    gates = QualityConfig(disable=args.disable)
     data = json.loads(Path(args.data).read_text(encoding="utf-8"))
     os.environ.setdefault(KEY_ENV, "local")
     rows = []
     with StubServer() as server, tempfile.TemporaryDirectory() as tmp:
         for number, output in enumerate(data["outputs"]):
-            fates = judge_output(server, output, data["contexts"], Path(tmp) / str(number))
+            fates = judge_output(server, output, data["contexts"], Path(tmp) / str(number), gates)
             for item, fate in zip(output["items"], fates):
                 rows.append({**item, "fate": fate, **{k: output[k] for k in ("id", "model", "split", "task")}})
 
-    print(f"Quality gates on {len(rows)} labelled items ({Path(args.data).name})\n")
+    off = f"; off: {', '.join(args.disable)}" if args.disable else ""
+    print(f"Quality gates on {len(rows)} labelled items ({Path(args.data).name}{off})\n")
     print(f"{'items':<22} {'n':>4} {'bad':>4} {'rejected':>9} {'precision':>10} {'recall':>7} {'good kept':>10}")
     groups = {"all": rows}
     for key in ("split", "model"):
@@ -133,7 +150,7 @@ def main() -> None:
         for r in rows:
             if (r["fate"] == "kept") == (r["label"] == "bad"):
                 print(f"  [{r['label']} {r['kind']}, {r['fate']}] Q {r['question']!r} A {r['answer']!r}")
-    result = {"bench": "synth_gates", **summary["all"]}
+    result = {"bench": "synth_gates", "disabled": args.disable, **summary["all"]}
     for split in sorted({r["split"] for r in rows}):
         result[split] = summary[f"split {split}"]
     print(json.dumps(result))
