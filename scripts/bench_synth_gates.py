@@ -1,7 +1,7 @@
 """Precision and recall of the synth quality gates on a labelled set of model outputs.
 
 Each output of the labelled set (tests/data/synth_gates_labelled.json: QA items written in the style of a weak local
-model and of a GPT-4-class one, and the two rows a llama.cpp server kept, each item labelled good or bad) is served,
+model and of a GPT-4-class one, and two rows a llama.cpp server wrote, each item labelled good or bad) is served,
 with its finish_reason, by the local stub server and goes through the run's own path: the LLM answerer's request,
 the client (an answer cut off at max_tokens is a truncated attempt), the parser and the quality gates with their
 default thresholds, one attempt per output. An item is rejected when it is not among the items the answerer kept;

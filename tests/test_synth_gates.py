@@ -73,7 +73,7 @@ def test_the_rows_a_llama_cpp_server_kept_are_rejected_with_their_reasons():
 
 
 def test_short_correct_answers_and_questions_phrased_as_requests_pass():
-    """GPT-4-class items the new gates must not reject: one-word and one-number answers, requests instead of
+    """GPT-4-class items the gates must not reject: one-word and one-number answers, requests instead of
     questions (after an opening clause too), a choice among the question's options, yes and no, negations."""
     assert (
         verdicts(
