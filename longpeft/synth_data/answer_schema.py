@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .llm_output import MalformedOutput
+from .llm_request import ITEM_BOUNDS  # sent where the endpoint accepts them (response_format(bounds=True))
 
 # Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
 PARSER_ONLY_KEYWORDS = ("minLength",)
-ITEM_BOUNDS = ("minItems", "maxItems")  # sent where the endpoint accepts them (response_format(bounds=True))
 _KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS, *ITEM_BOUNDS}
 _PY_TYPES = {"object": dict, "array": list, "string": str}
 

@@ -59,7 +59,6 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .answer_schema import ITEM_BOUNDS
 from .llm_cache import ResponseCache, outcome_key, request_key
 from .llm_http import (
     RETRYABLE_STATUS,
@@ -72,6 +71,7 @@ from .llm_http import (
 from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput, parse_json_object, strip_code_fence
 from .llm_rejects import REJECT_REASONS, RejectsLog
 from .llm_request import (
+    ITEM_BOUNDS,
     LLMConfig,
     LLMRequest,
     LLMResult,

@@ -63,6 +63,11 @@ class LLMConfig(StrictModel):
         return "off" if value is False else value
 
 
+ITEM_BOUNDS = ("minItems", "maxItems")
+"""The JSON-schema keywords that bound a list's length: sent with an answer's schema until the endpoint refuses a
+schema holding them (:meth:`ResponseSchema.response_format`, ``bounds``)."""
+
+
 class ResponseSchema(Protocol):
     """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
 
