@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from ..errors import ConfigError
-from ..synth_data.probes import ProbeBuilder
+from ..synth_data.probes import Probe, ProbeBuilder
 from .cli import run_harness_eval
 from .flags import HARNESS_FLAGS, NEEDLE_FLAGS, PERPLEXITY_FLAGS, PROBE_FLAGS
 from .registry import EvalTask, ProbeTask, register
 
-RULER_TASKS = (
-    "niah_single",
-    "niah_multikey",
-    "niah_multivalue",
-    "niah_multiquery",
-    "variable_tracking",
-    "common_words",
-)
 
-
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class SuiteTask(EvalTask):
     """Probe tasks (``parts``) run on one grid, each written as it finishes, and their mean score."""
 
@@ -35,7 +27,7 @@ class SuiteTask(EvalTask):
         return run_suite(self.name, self.parts, model, tokenizer, save, **options)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class PerplexityTask(EvalTask):
     """Sliding-window perplexity of a text file (:func:`longpeft.eval.perplexity.sliding_window_perplexity`)."""
 
@@ -47,94 +39,29 @@ class PerplexityTask(EvalTask):
         return {"task": self.name, **perplexity_of_file(model, tokenizer, text, **options)}
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class HarnessTask(EvalTask):
-    """lm-evaluation-harness tasks on the model: a command of its own (it writes lm-eval's results to one file)."""
+    """lm-evaluation-harness tasks on the model: a command of its own, which writes lm-eval's results to one file."""
 
     def command(self, args: argparse.Namespace) -> int:
         return run_harness_eval(args)
 
 
-def niah(**counts: int) -> Any:
-    """:meth:`ProbeBuilder.niah` with other needle counts by default."""
+def niah(**counts: int) -> Callable[..., Probe]:
+    """:meth:`ProbeBuilder.niah` with other needle counts (``n_keys``, ``n_values``, ``n_queries``) by default."""
     return partial(ProbeBuilder.niah, **counts)
 
 
-register(
-    ProbeTask(
-        name="passkey",
-        help="a pass key in filler text",
-        flags=NEEDLE_FLAGS,
-        build=ProbeBuilder.passkey,
-        max_new_tokens=12,
-    )
-)
-register(
-    ProbeTask(
-        name="niah_single",
-        aliases=("niah",),
-        help="one needle (alias niah)",
-        flags=NEEDLE_FLAGS,
-        build=ProbeBuilder.niah,
-        max_new_tokens=16,
-    )
-)
-register(
-    ProbeTask(
-        name="niah_multikey",
-        help="one needle among 4 keys",
-        flags=NEEDLE_FLAGS,
-        build=niah(n_keys=4),
-        max_new_tokens=16,
-    )
-)
-register(
-    ProbeTask(
-        name="niah_multivalue",
-        help="4 values of one key",
-        flags=NEEDLE_FLAGS,
-        build=niah(n_values=4),
-        max_new_tokens=64,
-    )
-)
-register(
-    ProbeTask(
-        name="niah_multiquery",
-        help="2 of 4 keys asked",
-        flags=NEEDLE_FLAGS,
-        build=niah(n_keys=4, n_queries=2),
-        max_new_tokens=48,
-    )
-)
-register(
-    ProbeTask(
-        name="variable_tracking",
-        help="the variables a chain of assignments gives one value",
-        flags=PROBE_FLAGS,
-        build=ProbeBuilder.variable_tracking,
-        max_new_tokens=40,
-    )
-)
-register(
-    ProbeTask(
-        name="common_words",
-        help="the 10 most frequent words of a list",
-        flags=PROBE_FLAGS,
-        build=ProbeBuilder.common_words,
-        max_new_tokens=96,
-    )
-)
-register(
-    ProbeTask(
-        name="topic_retrieval",
-        help="the first of several conversation topics",
-        flags=PROBE_FLAGS,
-        build=ProbeBuilder.topic_retrieval,
-        max_new_tokens=16,
-    )
-)
-register(
-    SuiteTask(name="ruler", help="the six RULER-lite tasks and their mean", flags=NEEDLE_FLAGS, parts=RULER_TASKS)
-)
-register(PerplexityTask(name="perplexity", help="sliding-window perplexity of --text", flags=PERPLEXITY_FLAGS))
-register(HarnessTask(name="harness", help="lm-evaluation-harness tasks (--tasks)", flags=HARNESS_FLAGS))
+# ProbeTask(name, help, flags, probe builder, decode budget in tokens)
+register(ProbeTask("passkey", "a pass key in filler text", NEEDLE_FLAGS, ProbeBuilder.passkey, 12))
+register(ProbeTask("niah_single", "one needle", NEEDLE_FLAGS, ProbeBuilder.niah, 16, aliases=("niah",)))
+register(ProbeTask("niah_multikey", "one of 4 keys asked", NEEDLE_FLAGS, niah(n_keys=4), 16))
+register(ProbeTask("niah_multivalue", "the 4 values of one key", NEEDLE_FLAGS, niah(n_values=4), 64))
+register(ProbeTask("niah_multiquery", "2 of 4 keys asked", NEEDLE_FLAGS, niah(n_keys=4, n_queries=2), 48))
+register(ProbeTask("variable_tracking", "a chain of assignments", PROBE_FLAGS, ProbeBuilder.variable_tracking, 40))
+register(ProbeTask("common_words", "the 10 most common words of a list", PROBE_FLAGS, ProbeBuilder.common_words, 96))
+register(ProbeTask("topic_retrieval", "the first of 5 topics", PROBE_FLAGS, ProbeBuilder.topic_retrieval, 16))
+RULER = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking", "common_words")
+register(SuiteTask("ruler", "the six RULER-lite tasks and their mean", NEEDLE_FLAGS, parts=RULER))
+register(PerplexityTask("perplexity", "sliding-window perplexity of --text", PERPLEXITY_FLAGS))
+register(HarnessTask("harness", "lm-evaluation-harness tasks (--tasks)", HARNESS_FLAGS))

@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
@@ -25,7 +25,7 @@ from .flags import DEPTHS, Flag
 from .scoring import score
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class EvalTask:
     """One ``longpeft eval`` task.
 
@@ -40,7 +40,7 @@ class EvalTask:
     name: str
     help: str
     flags: tuple[Flag, ...]
-    aliases: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = field(default=(), kw_only=True)
 
     def run(
         self, model: Any, tokenizer: Any, save: Callable[[dict[str, Any]], None], **options: Any
@@ -63,7 +63,7 @@ def score_probe(prediction: str, probe: Probe) -> float:
     return score(prediction, probe.answers, probe.metric)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class ProbeTask(EvalTask):
     """A task scored on a grid of probes: prompts of exact token lengths with known answers, decoded greedily, each
     continuation scored in [0, 1]. The probe loop (:func:`longpeft.eval.tasks.run_probe_task`) runs it.
@@ -101,7 +101,10 @@ def register(task: EvalTask) -> EvalTask:
     for name in (task.name, *task.aliases):
         if name in ALIASES or (name in TASKS and TASKS[name] is not task):
             raise ValueError(f"an eval task named {name!r} is already registered")
-    declared = {flag.flag: (other.name, flag) for other in TASKS.values() for flag in other.flags}
+    declared: dict[str, tuple[str, Flag]] = {}
+    for other in TASKS.values():
+        for flag in other.flags:
+            declared.setdefault(flag.flag, (other.name, flag))
     for flag in task.flags:
         other, known = declared.get(flag.flag, (None, flag))
         if dataclasses.replace(known, default=None) != dataclasses.replace(flag, default=None):
