@@ -26,8 +26,7 @@ from longpeft.eval import TASKS, evaluate, registered
 from longpeft.eval.cli import check_task_flags
 from longpeft.eval.cli import register as register_eval
 from longpeft.eval.flags import PROBE_FLAGS, Flag
-from longpeft.eval.probe_sets import make_probes
-from longpeft.eval.registry import ALIASES, EvalTask, ProbeTask, register, unregister
+from longpeft.eval.registry import ALIASES, EvalTask, ProbeTask, make_probes, register, unregister
 from longpeft.synth_data.probes import Probe, ProbeBuilder
 from longpeft.tiny import sample_text, tiny_model
 
@@ -195,7 +194,7 @@ def test_register_refuses_a_taken_name_a_flag_declared_differently_and_no_budget
     with pytest.raises(ValueError, match="'niah' is already registered"):
         register(ProbeTask("niah", "x", PROBE_FLAGS, code_word, 8))
     lengths = Flag("--lengths", "other help", None, {"type": int})
-    with pytest.raises(ValueError, match="--lengths is declared differently by eval task passkey"):
+    with pytest.raises(ValueError, match="--lengths is declared differently by another task"):
         register(ProbeTask("other", "x", (lengths,), code_word, 8))
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         register(ProbeTask("other", "x", PROBE_FLAGS, code_word, 0))

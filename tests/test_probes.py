@@ -6,8 +6,7 @@ import re
 
 import pytest
 
-from longpeft.eval.probe_sets import ProbeBuilder, make_probes
-from longpeft.eval.registry import DEPTH_TASKS, PROBE_TASKS
+from longpeft.eval.registry import DEPTH_TASKS, PROBE_TASKS, ProbeBuilder, make_probes
 from longpeft.tiny import train_tokenizer
 
 

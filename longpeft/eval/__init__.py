@@ -40,29 +40,5 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
 
 
-__all__ = [
-    "EVAL_TASKS",
-    "TASKS",
-    "EvalTask",
-    "ProbeTask",
-    "InsufficientMemoryError",
-    "check_memory",
-    "estimate_forward_bytes",
-    "evaluate",
-    "exact_match",
-    "extended_length",
-    "get_task",
-    "harness_lm",
-    "niah_grid",
-    "passkey_accuracy",
-    "perplexity_of_file",
-    "recall",
-    "register",
-    "registered",
-    "run_harness",
-    "run_probe_task",
-    "score",
-    "sliding_window_perplexity",
-    "unregister",
-    "write_outputs",
-]
+__all__ = ["EVAL_TASKS", "TASKS", "EvalTask", "ProbeTask", "get_task", "register", "registered", "unregister"]
+__all__ += list(_EXPORTS)

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..files import check_writable_folder
-from .flags import STRING_FLAGS, Flag
-from .registry import ALIASES, TASKS, EvalTask, get_task
+from .flags import STRING_FLAGS
+from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -148,15 +148,6 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
             setattr(args, flag.dest, flag.default)
         if flag.needs and not getattr(args, flag.dest):
             raise ConfigError(f"longpeft eval {task.name} needs {flag.flag} {flag.needs}")
-
-
-def task_flags() -> dict[str, Flag]:
-    """Every registered task's flags, by flag, in registration order (the first declaration of each)."""
-    flags: dict[str, Flag] = {}
-    for task in TASKS.values():
-        for flag in task.flags:
-            flags.setdefault(flag.flag, flag)
-    return flags
 
 
 def run_harness_eval(args: argparse.Namespace) -> int:

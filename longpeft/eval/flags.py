@@ -70,12 +70,12 @@ def count_or_fraction(text: str) -> int | float:
 
 
 count_or_fraction.__name__ = "number"  # argparse says "invalid number value: 'x'"
-SWITCH = {"action": "store_true"}
+SWITCH, POSITIVE = {"action": "store_true"}, {"type": at_least(1)}
 
 STRING_FLAGS = (
     Flag("--string", "switch STRING on (S = trained length / 3, W = 128)", False, SWITCH, keyword=None),
-    Flag("--string-shift", "STRING shift S (default trained length // 3)", None, {"type": at_least(1)}, keyword=None),
-    Flag("--string-window", "STRING local window W (default 128)", None, {"type": at_least(1)}, keyword=None),
+    Flag("--string-shift", "STRING shift S (default trained length // 3)", None, POSITIVE, keyword=None),
+    Flag("--string-window", "STRING local window W (default 128)", None, POSITIVE, keyword=None),
     Flag(
         "--string-trained-length",
         "trained length L for STRING's default S (default: the adapter's trained length, else "
@@ -89,7 +89,7 @@ LENGTHS = Flag(
     "--lengths",
     "prompt lengths in tokens (default 1024 2048 4096)",
     (1024, 2048, 4096),
-    {"type": at_least(1), "nargs": "+"},
+    {**POSITIVE, "nargs": "+"},
     longest="longest prompt",
 )
 DEPTHS = Flag(
@@ -103,7 +103,7 @@ BATCH_SIZE = Flag(
     "--batch-size",
     "prompts per forward, all of one length (default 4; harness: requests per forward, default 1)",
     4,
-    {"type": at_least(1)},
+    POSITIVE,
 )
 SEED = Flag("--seed", "seed of the probes' random content (default 0; harness: lm-eval's seeds)", 0, {"type": int})
 CHAT = Flag(
@@ -116,15 +116,15 @@ CHAT = Flag(
 PROBE_FLAGS = (
     *STRING_FLAGS,
     LENGTHS,
-    Flag("--samples", "probes per (length, depth) cell (default 10)", 10, {"type": at_least(1)}, keyword="n_samples"),
+    Flag("--samples", "probes per (length, depth) cell (default 10)", 10, POSITIVE, keyword="n_samples"),
     BATCH_SIZE,
     SEED,
-    Flag("--max-new-tokens", "continuation budget (default per task, +32 with --chat)", None, {"type": at_least(1)}),
+    Flag("--max-new-tokens", "continuation budget (default per task, +32 with --chat)", None, POSITIVE),
     CHAT,
     Flag("--save-prompts", "keep every prompt's text in <task>.json (large)", False, SWITCH),
 )
 # The probe grid of tasks whose needles sit at a depth.
-NEEDLE_FLAGS = (*PROBE_FLAGS[: len(STRING_FLAGS) + 1], DEPTHS, *PROBE_FLAGS[len(STRING_FLAGS) + 1 :])
+NEEDLE_FLAGS = (*STRING_FLAGS, LENGTHS, DEPTHS, *PROBE_FLAGS[len(STRING_FLAGS) + 1 :])
 PERPLEXITY_FLAGS = (
     *STRING_FLAGS,
     Flag("--text", "perplexity: UTF-8 text file", needs="FILE (the UTF-8 text to score)"),
@@ -135,7 +135,7 @@ PERPLEXITY_FLAGS = (
         {"type": at_least(2)},
         longest="perplexity window",
     ),
-    Flag("--stride", "perplexity: step between windows (default window // 2)", None, {"type": at_least(1)}),
+    Flag("--stride", "perplexity: step between windows (default window // 2)", None, POSITIVE),
 )
 HARNESS_FLAGS = (
     Flag(
@@ -149,13 +149,13 @@ HARNESS_FLAGS = (
         "--max-length",
         "tokens a request may hold (default: the extended length in longpeft.json, else the model config's)",
         None,
-        {"type": at_least(1)},
+        POSITIVE,
     ),
     Flag("--num-fewshot", "few-shot examples per prompt (default: each task's)", None, {"type": at_least(0)}),
     Flag(
         "--metadata",
-        "JSON object passed to the tasks, e.g. "
-        """'{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is the model's)""",
+        """JSON object passed to the tasks, e.g. '{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is """
+        "the model's)",
     ),
     Flag("--log-samples", "keep every request and the model's answers in the JSON (large)", False, SWITCH),
     dataclasses.replace(BATCH_SIZE, default=1),

@@ -28,8 +28,7 @@ from .generation import eos_token_ids, generate_batch, pad_token_id
 from .memory import check_memory
 from .plots import depth_length_heatmap, score_by_length
 from .positions import warn_beyond_positions
-from .probe_sets import make_probes
-from .registry import ProbeTask, get_task, probe_task
+from .registry import ProbeTask, get_task, make_probes
 
 # Extra budget for chat replies, which often restate the question before the answer.
 CHAT_EXTRA_NEW_TOKENS = 32
@@ -146,7 +145,7 @@ def build_probe_grid(
     **probe_options: Any,
 ) -> ProbeGrid:
     """The :class:`ProbeGrid` of ``task`` (options as :func:`run_probe_task`); fails before any generation."""
-    record = probe_task(task)
+    record = get_task(task, ProbeTask)
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ConfigError(f"lengths must be positive token counts, got {lengths}")
@@ -188,7 +187,7 @@ def run_probe_task(
         ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
-    record = probe_task(task)
+    record = get_task(task, ProbeTask)
     if grid is None:
         warn_beyond_positions(model, lengths)
         grid = build_probe_grid(
