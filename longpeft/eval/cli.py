@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..files import check_writable_folder
+from ..builtin_models import model_location
+from ..errors import ConfigError, OutputFolderError
+from ..files import check_model_source, check_writable_folder, local_adapter_dir
 from .flags import STRING_FLAGS
 from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
@@ -18,8 +19,6 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (base, base + longpeft adapter via ``longpeft.load``, or merged) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..files import check_model_source
 
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
@@ -76,7 +75,6 @@ def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
     """STRING's default trained length L, and where it comes from: the adapter's ``trained_length``
     (longpeft.json), else the (adapted) model's ``max_position_embeddings``."""
     if args.adapter:
-        from ..files import local_adapter_dir
         from ..spec import ContextSpec
 
         spec = ContextSpec.load(local_adapter_dir(args.adapter))
@@ -84,8 +82,6 @@ def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
             return spec.trained_length, "the adapter's longpeft.json"
         return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
-
-    from ..files import check_model_source
 
     check_model_source(args.model, "--model")
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
@@ -153,8 +149,6 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
 def run_harness_eval(args: argparse.Namespace) -> int:
     """``eval harness``: lm-eval tasks on the model (base + adapter through ``longpeft.load``), with the adapter's
     extended context as HFLM's max_length; prints lm-eval's table and writes its results to ``--out FILE``."""
-    from ..errors import OutputFolderError
-    from ..files import local_adapter_dir
     from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
 
     out = Path(args.out)
@@ -200,8 +194,6 @@ def run_harness_eval(args: argparse.Namespace) -> int:
 def run_eval(args: argparse.Namespace) -> int:
     task = get_task(args.task)
     check_task_flags(args, task)
-    from ..builtin_models import model_location
-
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
     args.model, args.adapter = model_and_adapter(args.model, args.adapter)
     status = task.command(args)

@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..adapters.string import disable_string, enable_string, string_settings
 from ..errors import ConfigError
 from ..files import write_text_atomically, writing_to
 from ..synth_data.probes import Probe
@@ -44,8 +45,6 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
     if not string:
         yield None
         return
-    from ..adapters.string import disable_string, enable_string, string_settings
-
     before = string_settings(model)
     settings = enable_string(model, **({} if string is True else dict(string)))
     try:
@@ -316,8 +315,6 @@ def evaluate(
     record = get_task(task)
     options = {flag.option: flag.default for flag in record.flags if flag.option} | options
     with string_enabled(model, string) as requested:
-        from ..adapters.string import string_settings
-
         # what runs: also the STRING an adapter's longpeft.json or a merged model switched on
         string_used = string_settings(model) if isinstance(model, nn.Module) else requested
 
