@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -31,7 +32,9 @@ class SuiteTask(EvalTask):
 class PerplexityTask(EvalTask):
     """Sliding-window perplexity of a text file (:func:`longpeft.eval.perplexity.sliding_window_perplexity`)."""
 
-    def run(self, model: Any, tokenizer: Any, save: Any, text: Any = None, **options: Any) -> dict[str, Any]:
+    def run(
+        self, model: Any, tokenizer: Any, save: Any, text: str | Path | None = None, **options: Any
+    ) -> dict[str, Any]:
         if text is None:
             raise ConfigError("the perplexity task needs a text file (text=... / --text FILE)")
         from .perplexity import perplexity_of_file  # torch: as SuiteTask.run

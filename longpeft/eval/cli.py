@@ -267,7 +267,7 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
     for flag in task_flags().values():
         others = [name for name in TASKS if name not in takers[flag.flag]]
         title = ", ".join(takers[flag.flag])
-        if len(others) < len(takers[flag.flag]):
+        if len(others) <= 2:
             title = f"every task but {', '.join(others)}" if others else "every task"
         group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(f"flags of {title}"))
         group.add_argument(flag.flag, help=flag.help, default=None, **flag.argparse)

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from ..errors import ConfigError
 from ..synth_data import probes
@@ -39,7 +39,7 @@ class EvalTask:
     help: str
     flags: tuple[Flag, ...]
     aliases: tuple[str, ...] = field(default=(), kw_only=True)
-    kind = "eval task"
+    kind: ClassVar[str] = "eval task"  # what get_task calls it in its errors
 
     def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
         """Its result on ``model`` (:func:`~longpeft.eval.evaluate` adds the STRING settings and writes it; a
@@ -75,7 +75,7 @@ class ProbeTask(EvalTask):
     build: Callable[..., Probe]
     max_new_tokens: int
     score: Callable[[str, Probe], float] = score_probe
-    kind = "probe task"
+    kind: ClassVar[str] = "probe task"
 
     @property
     def depths(self) -> bool:
