@@ -253,8 +253,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from .recipes.runner import prepare
 
-    resolved = prepare(recipe).resolved
-    print(json.dumps({**resolved, "recipe": {**resolved["recipe"], "output_dir": output_dir}}, indent=2, default=str))
+    prepared = prepare(recipe)
+    shown = {**prepared.resolved, "recipe": {**prepared.resolved["recipe"], "output_dir": output_dir}}
+    print(json.dumps(shown, indent=2, default=str))
     return 0
 
 
