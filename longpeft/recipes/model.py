@@ -155,25 +155,34 @@ def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
         raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
 
 
-def check_against_local_base(recipe: Recipe) -> str | None:
-    """:func:`check_against_base` without loading or downloading anything (``longpeft plan``): against a ``tiny:``
-    model's config or the base's config.json on this machine (a local folder, or a Hub model in the cache).
-    Returns where the config came from, or None when there is none here (nothing checked)."""
+def local_base_config(recipe: Recipe) -> tuple[Any, str] | None:
+    """The base's config and where it came from, without loading or downloading anything: a ``tiny:`` model's
+    config or the base's config.json on this machine (a local folder, or a Hub model in the cache); None when there
+    is none here."""
     from ..scale.plan import local_config_file
 
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
         from ..tiny import tiny_config
 
-        config, source = tiny_config(name[len(TINY_PREFIX) :]), name
-    else:
-        config_file = local_config_file(name)
-        if config_file is None:
-            return None
-        from transformers import AutoConfig
+        return tiny_config(name[len(TINY_PREFIX) :]), name
+    config_file = local_config_file(name)
+    if config_file is None:
+        return None
+    from transformers import AutoConfig
 
-        config, source = AutoConfig.from_pretrained(config_file.parent), str(config_file)
-    check_against_base(recipe, build_spec(recipe, config, name))
+    return AutoConfig.from_pretrained(config_file.parent), str(config_file)
+
+
+def check_against_local_base(recipe: Recipe) -> str | None:
+    """:func:`check_against_base` without loading or downloading anything (``longpeft plan``), against
+    :func:`local_base_config`. Returns where the config came from, or None when there is none here (nothing
+    checked)."""
+    local = local_base_config(recipe)
+    if local is None:
+        return None
+    config, source = local
+    check_against_base(recipe, build_spec(recipe, config, recipe.model.name_or_path))
     return source
 
 
