@@ -389,7 +389,8 @@ class LLMClient:
                 return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
             replayed = mark["end"]
             end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
-        elif mark is not None:  # answered by an attempt of a retry round
+        elif mark is not None:  # answered by attempt end - 1 of a retry round: the ones before it are replays
+            replayed = mark["end"] - 1
             end = max(end, mark["end"])
         state = {"mark_key": mark_key, "end": end}
         key = ""

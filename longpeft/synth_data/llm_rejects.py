@@ -77,9 +77,13 @@ class RejectsLog:
         self.touched: set[str] = set()
         self.carried: set[str] = set()
         self.foreign = 0
+        self._tidy = True  # the file is only whole record lines (else the next write rewrites it)
         if self.path.is_file():
-            for line in self.path.read_bytes().splitlines():
+            content = self.path.read_bytes()
+            self._tidy = not content or content.endswith(b"\n")
+            for line in content.splitlines():
                 if not line.strip():
+                    self._tidy = False
                     continue
                 try:
                     record = json.loads(line.decode("utf-8"))
@@ -102,7 +106,7 @@ class RejectsLog:
             self.groups[request] = records
         else:
             del self.groups[request]
-        if old or self.foreign:
+        if old or self.foreign or not self._tidy:
             self._rewrite()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -110,13 +114,14 @@ class RejectsLog:
                 handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
     def keep(self, request: str, fallback: dict[str, Any]) -> None:
-        """A request rejected in an earlier run and not asked again: its group stays; without one (lost with an
-        older or edited file) ``fallback``, its request record rebuilt from the cache's mark, takes its place."""
+        """A request rejected in an earlier run and not asked again: its group stays; without its request record
+        (lost with an older or edited file) ``fallback``, that record rebuilt from the cache's mark, joins it."""
         self.carried.add(request)
-        if request in self.groups:
+        group = self.groups.get(request, [])
+        if any(record["kind"] == "request" for record in group):
             self.touched.add(request)
         else:
-            self.replace(request, [fallback])
+            self.replace(request, [fallback, *group])
 
     def finish(self) -> int:
         """End of a build: drop the groups of requests not settled since the log opened (and foreign lines); the
@@ -124,7 +129,7 @@ class RejectsLog:
         stale = [request for request in self.groups if request not in self.touched]
         for request in stale:
             del self.groups[request]
-        if stale or self.foreign or not self.path.is_file():
+        if stale or self.foreign or not self._tidy or not self.path.is_file():
             self._rewrite()
         return len(stale)
 
@@ -141,7 +146,7 @@ class RejectsLog:
         text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records())
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(self.path, text)
-        self.foreign = 0
+        self.foreign, self._tidy = 0, True
 
 
 def rejects_counts(records: list[dict[str, Any]], carried: set[str] = frozenset()) -> dict[str, Any]:
