@@ -186,6 +186,7 @@ class StubServer:
         self.tokenize_calls: list[str] = []  # paths of the tokenizer requests (/tokenize, /apply-template)
         self._stopped = threading.Event()
         self.response_formats: list[Any] = []  # the response_format of every chat request (None: absent)
+        self.chat_bodies: list[dict[str, Any]] = []  # every chat request's JSON body, as received
         self.gets: list[str] = []  # paths of the GET requests
         self.lock = threading.Lock()
         self.calls = 0
@@ -319,6 +320,7 @@ class StubServer:
         response_format = body.get("response_format")
         with self.lock:
             self.response_formats.append(response_format)
+            self.chat_bodies.append(body)
         refused = self._structured_error(response_format)
         if refused is not None:
             with self.lock:

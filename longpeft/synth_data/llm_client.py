@@ -148,6 +148,7 @@ class LLMClient:
         self._first_structured: asyncio.Lock | None = None  # one structured request at a time until it is known
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.gave_up = 0  # requests given up after transient failures (the first SHOWN_REFUSALS said with the cause)
+        self._stop: str | None = None  # why the run stops (structured output refused or ignored): no more sends
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
 
     # ---- public API -------------------------------------------------------------------------
@@ -294,10 +295,11 @@ class LLMClient:
         said once); with ``json_schema`` / ``json_object``, stop the run naming the setting."""
         reason = server_reason(error)
         if self.config.structured != "auto":
-            raise LLMRunAborted(
+            self._stop = (
                 f"{self.config.base_url} refused structured output (llm.structured={self.config.structured}; HTTP "
                 f"{error.status_code}: {reason}); set llm.structured to auto (falls back to the prompt) or off"
             )
+            raise LLMRunAborted(self._stop)
         if self.structured_refused is None:
             self.structured_refused = reason
             self._say(
@@ -324,10 +326,11 @@ class LLMClient:
             f"{self.structured_watch.evidence()})"
         )
         if self.config.structured != "auto":
-            raise LLMRunAborted(
+            self._stop = (
                 f"{seen}; llm.structured={self.config.structured} needs a server that enforces it: set "
                 "llm.structured to auto (falls back to the prompt) or off"
             )
+            raise LLMRunAborted(self._stop)
         self.structured_refused = f"ignored: {self.structured_watch.evidence()}"
         self._say(f"{seen}; llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
 
@@ -533,6 +536,8 @@ class LLMClient:
         if "response_format" in sent and self.structured_watch.verdict is None:
             assert self._first_structured is not None
             async with self._first_structured:
+                if self._stop is not None:  # another request stopped the run while this one waited
+                    raise LLMRunAborted(self._stop)
                 if self.structured_watch.verdict is None:
                     if "response_format" not in self._structured(request):
                         return None

@@ -14,10 +14,11 @@ the endpoint's context) and ``synth --plan`` count with.
 
 2. ``llm.tokenizer``, the endpoint model's tokenizer (a local folder or a Hub id): its chat template applied with
    the generation prompt, or each message's content alone when it has none;
-3. an estimate of one token per word (a run of non-whitespace) of the contents. Tokenizers that split text at
-   whitespace before merging (the GPT-2 and tiktoken family, SentencePiece) never put two words in one token, so
-   the estimate counts no more than the server does (English prose takes about 1.3 tokens per word): only a prompt
-   surely too long is refused, and a longer one the server refuses with its own reason.
+3. an estimate of one token per word of the contents, a word being a run of characters between ASCII spaces,
+   tabs and line breaks. Tokenizers that split text at whitespace before merging (the GPT-2 and tiktoken family,
+   SentencePiece) never put two words in one token, so the estimate counts no more than the server does (English
+   prose takes about 1.3 tokens per word): only a prompt surely too long is refused, and a longer one the server
+   refuses with its own reason.
 
 Never the training tokenizer: the endpoint serves another model, and a small training vocabulary counts many more
 tokens than a large model's.
@@ -25,6 +26,7 @@ tokens than a large model's.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +38,7 @@ from .llm_request import LLMConfig
 Messages = Sequence[dict[str, Any]]
 
 ESTIMATED = "estimated at one token per word, an under-count"
+_WORD = re.compile(r"[^ \t\n\r\f\v]+")
 SAMPLE = [{"role": "user", "content": "How many tokens does this short sentence hold?"}]  # the probe of /tokenize
 
 
@@ -65,8 +68,8 @@ class PromptCounter:
 
 
 def estimate_tokens(messages: Messages) -> int:
-    """One token per word (run of non-whitespace) of the messages' contents: see the module docstring."""
-    return sum(len(str(message.get("content", "")).split()) for message in messages)
+    """One token per word of the messages' contents (see the module docstring)."""
+    return sum(len(_WORD.findall(str(message.get("content", "")))) for message in messages)
 
 
 ESTIMATE = PromptCounter(f"{ESTIMATED} (no /tokenize on the server, llm.tokenizer unset)", estimate_tokens)
