@@ -254,8 +254,9 @@ def test_explicit_structured_modes_stop_when_the_schema_is_ignored(tmp_path, mod
 
 
 def test_the_verdict_needs_answers_that_prove_something():
-    """Bare JSON of the sent shape means followed; a fence, prose or another shape does not; an answer cut at
-    max_tokens or empty proves nothing and is not counted."""
+    """Bare JSON of the sent shape means followed; a fence, prose or another shape does not; an empty answer, or one
+    cut at max_tokens that starts as a JSON object, proves nothing and is not counted; a cut one that starts
+    otherwise shows the field was not enforced."""
     from longpeft.synth_data.answer_schema import QA_PAIRS
     from longpeft.synth_data.structured_output import StructuredWatch, follows_response_format
 
@@ -267,9 +268,9 @@ def test_the_verdict_needs_answers_that_prove_something():
     assert follows_response_format({"type": "json_object"}, '{"any": 1}')
     assert not follows_response_format({"type": "json_object"}, "[1]")
     watch = StructuredWatch()
-    assert watch.observe(schema, '{"qa_pairs": [{"question": "cut', "length") is None
+    assert watch.observe(schema, ' {"qa_pairs": [{"question": "cut', "length") is None
     assert watch.observe(schema, "   ", "stop") is None and watch.unfollowed == []
-    assert watch.observe(schema, "OK", "stop") is None and watch.observe(schema, "Fine", None) == "ignored"
+    assert watch.observe(schema, "```json\n{", "length") is None and watch.observe(schema, "Fine", None) == "ignored"
     assert watch.observe(schema, pairs, "stop") is None  # settled, said once
     followed = StructuredWatch()
     assert followed.observe(schema, "OK", "stop") is None and followed.observe(schema, pairs, "stop") == "followed"

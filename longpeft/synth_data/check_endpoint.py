@@ -47,7 +47,7 @@ from .llm_http import (
 from .llm_output import MalformedOutput
 from .llm_request import LLMConfig, LLMRunAborted, sampling_params, structured_params
 from .qa import Passage, QAJob, job_request, parse_qa_pairs
-from .structured_output import follows_response_format
+from .structured_output import judge_answer
 
 CHECK_TEXT = (
     "The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
@@ -84,7 +84,8 @@ class EndpointCheck:
         enforced: whether the probe's answer was JSON of the asked shape: ``True`` enforced, ``False`` ignored,
             ``None`` not probed or not telling (cut at :data:`PROBE_MAX_TOKENS`, empty, or refused).
         probe_answer: a quote of the probe's answer (or of its HTTP error), ``None`` when not probed.
-        answer_follows: whether the QA answer is bare JSON of the schema sent; ``None`` when none was sent.
+        answer_follows: whether the QA answer is bare JSON of the schema sent; ``None`` when none was sent or the
+            answer proves nothing (:func:`.structured_output.judge_answer`).
         parse_error: why the QA answer fails the builders' parser, else ``None``.
         info: what the server reports about itself.
         deadline_s: the check's deadline in seconds.
@@ -278,7 +279,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
     follows = None
     if response_format is not None and refusal is None:
-        follows = follows_response_format(response_format, answer.text)
+        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     return EndpointCheck(
         config=config,
         answer=answer,
@@ -383,9 +384,7 @@ def _probe(
         probe = read_completion(answer.raw)
     except NotACompletion as error:
         return None, str(error)
-    quote = body_excerpt(probe.text, 60)
-    if probe.finish_reason == "length":
-        return None, f"{quote}, cut at {PROBE_MAX_TOKENS} tokens"
     if not probe.text.strip():
         return None, "an empty answer"
-    return follows_response_format(response_format, probe.text), quote
+    cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
+    return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut

@@ -4,8 +4,9 @@ A server can refuse ``response_format`` (HTTP 400/422: :func:`.llm_http.refuses_
 request and drop the field without a word: ``transformers serve`` logs "Ignoring unsupported fields in the request:
 {'response_format'}" and answers HTTP 200 with whatever the model writes. Only the answers tell the second case
 apart. A server that enforces the field decodes under it, so its answer is bare JSON of the asked shape: no Markdown
-fence, no prose around it (:func:`follows_response_format`). An answer cut at ``max_tokens`` (``finish_reason``
-``"length"``) or empty proves nothing either way and is not counted.
+fence, no prose around it (:func:`follows_response_format`). An empty answer proves nothing, and neither does one
+cut at ``max_tokens`` (``finish_reason`` ``"length"``) that starts as a JSON object; a cut one that starts otherwise
+proves the field was not enforced (:func:`judge_answer`).
 
 :class:`StructuredWatch` keeps the verdict over a run: the first answer of that shape means the endpoint follows
 the field; :data:`IGNORED_AFTER` answers not of that shape before any that is mean it ignores the field. Nothing
@@ -47,6 +48,16 @@ def follows_response_format(response_format: dict[str, Any], text: str) -> bool:
     return True
 
 
+def judge_answer(response_format: dict[str, Any], text: str, finish_reason: str | None) -> bool | None:
+    """Whether an answer to a request carrying ``response_format`` shows the field followed (``True``) or not
+    (``False``); ``None`` when it proves nothing (see the module docstring)."""
+    if not text.strip():
+        return None
+    if finish_reason == "length":
+        return None if text.lstrip().startswith("{") else False
+    return follows_response_format(response_format, text)
+
+
 @dataclass
 class StructuredWatch:
     """The verdict on one endpoint's handling of ``response_format``, from the answers to requests carrying it.
@@ -63,9 +74,10 @@ class StructuredWatch:
     def observe(self, response_format: dict[str, Any], text: str, finish_reason: str | None) -> Verdict | None:
         """Count one answer (its ``text`` and ``finish_reason``) to a request carrying ``response_format``; returns
         the verdict when this answer settles it, else ``None`` (also once it is settled: it is said once)."""
-        if self.verdict is not None or finish_reason == "length" or not text.strip():
+        followed = None if self.verdict is not None else judge_answer(response_format, text, finish_reason)
+        if followed is None:
             return None
-        if follows_response_format(response_format, text):
+        if followed:
             self.verdict = "followed"
             return self.verdict
         self.unfollowed.append(body_excerpt(text, 60))
