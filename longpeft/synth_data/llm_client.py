@@ -533,6 +533,8 @@ class LLMClient:
         (:meth:`_observe`): a server that refuses structured output refuses one request, and one that ignores it
         answers :data:`.structured_output.IGNORED_AFTER`, not every request of the first wave. ``None``: structured
         output was switched off while this request waited (ask without it)."""
+        if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
+            raise LLMRunAborted(self._stop)
         if "response_format" in sent and self.structured_watch.verdict is None:
             assert self._first_structured is not None
             async with self._first_structured:

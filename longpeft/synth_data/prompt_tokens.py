@@ -72,24 +72,21 @@ def estimate_tokens(messages: Messages) -> int:
     return sum(len(_WORD.findall(str(message.get("content", "")))) for message in messages)
 
 
-ESTIMATE = PromptCounter(f"{ESTIMATED} (no /tokenize on the server, llm.tokenizer unset)", estimate_tokens)
-
-
 def prompt_counter(config: LLMConfig, api_key: str | None, timeout: float = 10.0) -> PromptCounter:
     """The counter for ``config``'s endpoint (module docstring): asks the server's tokenizer routes once with a
     sample (each HTTP request ``timeout`` seconds at most), then loads ``config.tokenizer`` if set; a missing
     tokenizer folder or Hub repo raises naming ``llm.tokenizer``."""
-    server = server_counter(config.base_url, config.model, api_key, timeout)
+    server, why_not = server_counter(config.base_url, config.model, api_key, timeout)
     if server is not None:
         return server
     if config.tokenizer:
         return local_counter(config.tokenizer)
-    return ESTIMATE
+    return PromptCounter(f"{ESTIMATED} ({why_not}; llm.tokenizer unset)", estimate_tokens)
 
 
-def server_counter(base_url: str, model: str, api_key: str | None, timeout: float) -> PromptCounter | None:
-    """A counter on the server's tokenizer routes (vLLM's, else llama.cpp's), or ``None`` when it has none; a
-    server that does not answer at all is not asked twice."""
+def server_counter(base_url: str, model: str, api_key: str | None, timeout: float) -> tuple[PromptCounter | None, str]:
+    """``(a counter on the server's tokenizer routes (vLLM's, else llama.cpp's), "")``, or ``(None, why not)``
+    when it has none; a server that does not answer at all is not asked twice."""
     root = server_root(base_url)
 
     def post(route: str, payload: dict[str, Any], field: str, kind: type) -> Any:
@@ -130,11 +127,11 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
     for how, count in routes:
         try:
             if count(SAMPLE) > 0:
-                return PromptCounter(f"counted by the server's tokenizer ({how})", count)
+                return PromptCounter(f"counted by the server's tokenizer ({how})", count), ""
         except TokenizeError as error:
-            if isinstance(error.__cause__, NoHttpAnswer):
-                return None  # nothing answers there: the other routes would wait as long
-    return None
+            if isinstance(error.__cause__, NoHttpAnswer):  # nothing answers there: the other routes would wait too
+                return None, f"the server's /tokenize did not answer: {error}"
+    return None, "the server offers no /tokenize"
 
 
 def local_counter(name: str) -> PromptCounter:
