@@ -239,7 +239,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     lookup = min(LOOKUP_TIMEOUT, deadline.left() / 3)  # two lookups leave a third of the deadline to the requests
     say(
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
-        f"{lookup:g} s each at most; the whole check {deadline.seconds:g} s at most)"
+        f"{lookup:.3g} s each at most; the whole check {deadline.seconds:g} s at most)"
     )
     info = discover(config.base_url, config.model, api_key, lookup)
     request = job_request(

@@ -15,7 +15,7 @@ Examples::
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
 
-    # a local server (vLLM, SGLang, llama.cpp): one small request first; model, latency, structured output, context
+    # a local server (vLLM, SGLang, llama.cpp): its first request and a probe, within 30 s: is response_format enforced
     export OPENAI_API_KEY=local
     longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
 
