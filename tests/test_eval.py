@@ -278,7 +278,7 @@ def test_chat_replies_in_their_own_words_score(tokenizer):
 
 
 def test_samples_keep_the_needle_position_and_optionally_the_prompt(tokenizer, tmp_path):
-    from longpeft.synth_data.probes import make_probes
+    from longpeft.eval.registry import make_probes
 
     grid = dict(lengths=[300, 400], depths=[0.0, 1.0], n_samples=1, seed=4)
     result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, **grid)
