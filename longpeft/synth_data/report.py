@@ -59,7 +59,11 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
     total = stats.get("llm_usage", {}).get("total", {})
     by_reason = total.get("rejected_reasons", {})
     if by_reason:
-        counts = ", ".join(f"{reason} {by_reason[reason]}" for reason in REJECT_REASONS if by_reason.get(reason))
+        causes = total.get("gave_up_causes") or {}
+        why = {"gave_up": " (" + ", ".join(f"{cause}: {n}" for cause, n in causes.items()) + ")"} if causes else {}
+        counts = ", ".join(
+            f"{reason} {by_reason[reason]}{why.get(reason, '')}" for reason in REJECT_REASONS if by_reason.get(reason)
+        )
         lines.append(
             f"requests rejected: {counts} (rejects.jsonl"
             + ("; HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "")
