@@ -73,7 +73,20 @@ LLM_CLIENT_PARTS = {
     "llm_cache": {"llm_request", "llm_rejects"},
     "llm_rejects": set(),
     "llm_http": {"llm_request"},
-    "llm_client": {"llm_output", "llm_request", "llm_cache", "llm_rejects", "llm_http", "endpoint"},
+    "http_json": {"llm_http"},
+    "endpoint": {"http_json"},
+    "structured_output": {"answer_schema", "llm_output", "llm_http"},
+    "prompt_tokens": {"endpoint", "http_json", "llm_request"},
+    "llm_client": {
+        "llm_output",
+        "llm_request",
+        "llm_cache",
+        "llm_rejects",
+        "llm_http",
+        "endpoint",
+        "prompt_tokens",
+        "structured_output",
+    },
 }
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
 

@@ -244,7 +244,7 @@ def test_answers_cut_off_at_max_tokens_are_never_kept(tmp_path):
         calls["n"] += 1
         return (good_answer(), "length" if calls["n"] == 1 else "stop")
 
-    with StubServer(reply=lambda body: good_answer()) as server:
+    with StubServer(reply=lambda body: good_answer(), cut_at_max_tokens=True) as server:
         client = client_for(server, tmp_path / "a", max_tokens=20)
         assert LLMAnswerer(client).generate([job_about("river")]) == [None]
         [record] = client.rejects.records()

@@ -424,7 +424,7 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
         return placeholders if "biograph" in body["messages"][-1]["content"].lower() else junk_reply(body)
 
     out = tmp_path / "out"
-    short = ("--set", "llm.context_tokens=1000")  # the longest prompt (a multi_detail one) has ~1470 tokens
+    short = ("--set", "llm.context_tokens=400")  # the longest prompt (a multi_detail one) has 437 words, others < 300
     expected = {"quality": 1, "http_refused": 3, "prompt_too_long": 1}
     with StubServer(structured="refuse", reply=weak_model) as server:
         assert main(synth_argv(out, source, server, *short)) == 0

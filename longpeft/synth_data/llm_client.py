@@ -17,13 +17,18 @@ What it adds on top of the ``openai`` package:
   answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
   :class:`TruncatedOutput` attempt, asked again;
 - structured output (``structured``): each request asks for its output schema through ``response_format``, with
-  the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them; after
-  that, with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
-  to the prompt-only JSON contract for the rest of its life; each step said in one line on the console (a
-  fallback, not a rejection: the request is asked again at once without what was refused);
+  the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them (said in
+  one line; the request is asked again at once without them); with ``auto``, the first refusal by the endpoint
+  (see :func:`refuses_structured_output`) switches the client to the prompt-only JSON contract for the rest of its
+  life, with one line on the console (a fallback, not a rejection: the request is asked again at once without
+  ``response_format``), and so does an endpoint seen to ignore the field (its first answers are not bare JSON of
+  the asked shape: :mod:`.structured_output`; those answers are judged by the parser as any other);
 - requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
   :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
-  (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending;
+  (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending, its
+  tokens counted by the server's tokenizer when it offers one (:mod:`.prompt_tokens`);
+- requests given up after transient failures say why on the console (the first :data:`SHOWN_REFUSALS`, then one
+  line per batch counting them by cause);
 - a request rejected for good (:data:`REJECT_REASONS`: malformed or gated output in every attempt, an HTTP
   4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
   does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
@@ -81,12 +86,12 @@ from .llm_request import (
     sampling_params,
     structured_params,
 )
+from .prompt_tokens import PromptCounter, prompt_counter
+from .structured_output import StructuredWatch
 
 # The client and its constants, and the names of the modules above that users import from here.
 __all__ = [
-    "CHARS_PER_TOKEN_ESTIMATE",
     "Checked",
-    "MESSAGE_OVERHEAD_TOKENS",
     "REJECT_REASONS",
     "RETRYABLE_STATUS",
     "SHOWN_REFUSALS",
@@ -98,6 +103,7 @@ __all__ = [
     "LLMRunAborted",
     "MalformedOutput",
     "RejectedOutput",
+    "PromptCounter",
     "RejectsLog",
     "ResponseCache",
     "ResponseSchema",
@@ -113,9 +119,11 @@ __all__ = [
     "structured_params",
 ]
 
-SHOWN_REFUSALS = 3  # HTTP 4xx refusals whose server reason is printed; the rest are counted
-CHARS_PER_TOKEN_ESTIMATE = 5  # without a tokenizer: fewer tokens than GPT-4/Llama-3 vocabularies give (~4 chars)
-MESSAGE_OVERHEAD_TOKENS = 8  # chat-template tokens around one message (role header, end of turn), an upper bound
+SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
+# A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
+# covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
+TEMPLATE_TOKENS_ALLOWANCE = 64
+TEMPLATE_TOKENS_PER_MESSAGE = 16
 
 
 class LLMClient:
@@ -126,9 +134,9 @@ class LLMClient:
         cache_dir: folder of the response cache (created on demand).
         rejects_path: JSONL file receiving requests that failed for good.
         show_progress: draw a tqdm bar per batch.
-        count_tokens: text -> tokens, for the prompt-length check against the endpoint's context (the builder's
-            training tokenizer); without it a prompt is estimated at :data:`CHARS_PER_TOKEN_ESTIMATE` characters
-            per token, fewer tokens than usual vocabularies give, so only surely-too-long prompts are refused.
+        prompt_counter: what counts a prompt's tokens for the check against the endpoint's context; by default
+            :func:`.prompt_tokens.prompt_counter` picks it at the first run that knows the context (the server's
+            ``/tokenize``, else ``llm.tokenizer``, else an estimate that errs short) and says which in one line.
         retry_rejected: ask again the requests an earlier run rejected (by default they are skipped).
     """
 
@@ -138,7 +146,7 @@ class LLMClient:
         cache_dir: str | os.PathLike[str],
         rejects_path: str | os.PathLike[str],
         show_progress: bool = True,
-        count_tokens: Callable[[str], int] | None = None,
+        prompt_counter: PromptCounter | None = None,
         retry_rejected: bool = False,
     ):
         self.config = config
@@ -146,13 +154,15 @@ class LLMClient:
         self.cache = ResponseCache(cache_dir)
         self.rejects = RejectsLog(rejects_path)
         self.show_progress = show_progress
-        self.count_tokens = count_tokens
+        self.prompt_counter = prompt_counter
         self.usage: dict[str, TaskUsage] = {}
-        self.structured_refused: str | None = None  # the server's reason, once it refused structured output
-        self.structured_accepted = False  # the endpoint answered a request carrying response_format
+        self.structured_refused: str | None = None  # why structured output is off: refused, or seen ignored
+        self.structured_watch = StructuredWatch()  # whether the endpoint follows response_format, from its answers
         self.bounds_refused: str | None = None  # the server's reason, once it refused the schema's item bounds
-        self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
+        self._first_structured: asyncio.Lock | None = None  # one structured request at a time until it is known
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
+        self.gave_up = 0  # requests given up after transient failures (the first SHOWN_REFUSALS said with the cause)
+        self._stop: str | None = None  # why the run stops (structured output refused or ignored): no more sends
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
 
     # ---- public API -------------------------------------------------------------------------
@@ -214,7 +224,13 @@ class LLMClient:
         )
         if self.endpoint is None and self.config.context_tokens is None:
             await self._ask_endpoint(api_key)
+        if self.prompt_counter is None and self.context_limit() is not None:
+            self.prompt_counter = await asyncio.to_thread(
+                prompt_counter, self.config, api_key, min(self.config.timeout, 10.0)
+            )
+            self._say(f"{self.config.base_url}: prompt tokens are {self.prompt_counter.how}")
         del api_key
+        gave_up_before = self._gave_up_causes()
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._first_structured = asyncio.Lock()  # bound to this run's event loop
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
@@ -228,7 +244,7 @@ class LLMClient:
 
             tasks = [asyncio.ensure_future(one(request)) for request in requests]
             try:
-                return list(await asyncio.gather(*tasks))
+                results = list(await asyncio.gather(*tasks))
             except BaseException:
                 for task in tasks:
                     task.cancel()
@@ -237,6 +253,8 @@ class LLMClient:
         finally:
             bar.close()
             await client.close()
+        self._say_gave_up(desc, gave_up_before)
+        return results
 
     def usage_report(self) -> dict[str, Any]:
         """Per-task token accounting plus totals, as a JSON-ready dict."""
@@ -281,16 +299,6 @@ class LLMClient:
             return self.endpoint.context_tokens, f"reported by the endpoint's {self.endpoint.context_source}"
         return None
 
-    def prompt_tokens(self, request: LLMRequest) -> tuple[int, str]:
-        """``(tokens, how counted)`` of the request's messages, with :data:`MESSAGE_OVERHEAD_TOKENS` per message."""
-        overhead = MESSAGE_OVERHEAD_TOKENS * len(request.messages)
-        texts = [str(m.get("content", "")) for m in request.messages]
-        if self.count_tokens is None:
-            return sum(len(t) for t in texts) // CHARS_PER_TOKEN_ESTIMATE + overhead, (
-                f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters per token"
-            )
-        return sum(self.count_tokens(t) for t in texts) + overhead, "counted with the training tokenizer"
-
     # ---- internals --------------------------------------------------------------------------
 
     def _say(self, line: str) -> None:
@@ -330,15 +338,76 @@ class LLMClient:
             )
             return
         if self.config.structured != "auto":
-            raise LLMRunAborted(
+            self._stop = (
                 f"{self.config.base_url} refused structured output (llm.structured={self.config.structured}; HTTP "
                 f"{error.status_code}: {reason}); set llm.structured to auto (falls back to the prompt) or off"
             )
+            raise LLMRunAborted(self._stop)
         if self.structured_refused is None:
             self.structured_refused = reason
             self._say(
                 f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
                 "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run"
+            )
+
+    def _observe(self, sent: dict[str, Any], entry: dict[str, Any]) -> None:
+        """Judge one answer to a request carrying ``response_format`` (:class:`.structured_output.StructuredWatch`):
+        an endpoint seen to ignore the field is answered as one that refused it (:meth:`_structured_ignored`)."""
+        text = entry.get("text")
+        verdict = self.structured_watch.observe(
+            sent["response_format"], text if isinstance(text, str) else "", entry.get("finish_reason")
+        )
+        if verdict == "ignored":
+            self._structured_ignored(sent["response_format"].get("type", "response_format"))
+
+    def _structured_ignored(self, kind: str) -> None:
+        """The endpoint answers HTTP 200 without following ``response_format``: with ``auto``, fall back to the
+        prompt-only contract (said in one line); with ``json_schema`` / ``json_object``, stop the run naming the
+        setting."""
+        seen = (
+            f"{self.config.base_url} ignores response_format ({kind} sent, HTTP 200: "
+            f"{self.structured_watch.evidence()})"
+        )
+        if self.config.structured != "auto":
+            self._stop = (
+                f"{seen}; llm.structured={self.config.structured} needs a server that enforces it: set "
+                "llm.structured to auto (falls back to the prompt) or off"
+            )
+            raise LLMRunAborted(self._stop)
+        self.structured_refused = f"ignored: {self.structured_watch.evidence()}"
+        self._say(f"{seen}; llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
+
+    def _give_up(self, request: LLMRequest, error: RetryableError) -> str:
+        """Count a request given up after transient failures by its cause; print the reason for the first
+        :data:`SHOWN_REFUSALS` (:meth:`_say_gave_up` counts the others at the end of the batch)."""
+        usage = self.usage[request.task]
+        usage.gave_up_causes[error.cause] = usage.gave_up_causes.get(error.cause, 0) + 1
+        self.gave_up += 1
+        reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
+        if self.gave_up <= SHOWN_REFUSALS:
+            more = "; further give-ups are counted at the end of the batch" if self.gave_up == SHOWN_REFUSALS else ""
+            self._say(
+                f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} "
+                f"retries ({error}){more}"
+            )
+        return reason
+
+    def _gave_up_causes(self) -> dict[str, int]:
+        causes: dict[str, int] = {}
+        for usage in self.usage.values():
+            for cause, count in usage.gave_up_causes.items():
+                causes[cause] = causes.get(cause, 0) + count
+        return causes
+
+    def _say_gave_up(self, desc: str, before: dict[str, int]) -> None:
+        """One line for the requests of a batch given up after transient failures, counted by cause."""
+        now = self._gave_up_causes()
+        new = {cause: count - before.get(cause, 0) for cause, count in now.items() if count > before.get(cause, 0)}
+        if new:
+            causes = ", ".join(f"{cause}: {count}" for cause, count in sorted(new.items(), key=lambda kv: -kv[1]))
+            self._say(
+                f"{self.config.base_url}: gave up on {sum(new.values())} {desc} request(s) after "
+                f"{self.config.max_retries} retries ({causes}); not marked rejected: a plain rerun asks them again"
             )
 
     def _refusal(self, request: LLMRequest, error: Any) -> str:
@@ -396,8 +465,8 @@ class LLMClient:
         key = ""
         last_code = "malformed"
         limit = self.context_limit()
-        if limit is not None and _utf8_bytes(request) + MESSAGE_OVERHEAD_TOKENS * len(request.messages) >= limit[0]:
-            tokens, counted = self.prompt_tokens(request)  # tokens <= bytes: a shorter prompt surely fits, uncounted
+        if limit is not None and self.prompt_counter is not None and _may_exceed(request, limit[0]):
+            tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
             if tokens >= limit[0]:
                 state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
                 reason = (
@@ -417,6 +486,8 @@ class LLMClient:
                     usage.cache_hits += 1
                     usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
                     usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                    if "response_format" in sent and self.structured_watch.verdict is None:
+                        self._observe(sent, entry)  # a rerun learns from the answers it replays
                     break
                 if attempt < replayed:  # an earlier round's answer no longer in the cache: not paid for again
                     break
@@ -425,7 +496,7 @@ class LLMClient:
                     if entry is None:  # the endpoint refused structured output while this request waited
                         continue
                 except RetryableError as error:
-                    reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
+                    reason = self._give_up(request, error)
                     outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
                     return self._reject(
                         request,
@@ -571,21 +642,31 @@ class LLMClient:
     async def _send(
         self, client: Any, semaphore: asyncio.Semaphore, request: LLMRequest, sent: dict[str, Any], usage: TaskUsage
     ) -> dict[str, Any] | None:
-        """:func:`.llm_http.chat_completion`, except that until the endpoint has answered one request carrying
-        ``response_format``, such requests go one at a time: a server that refuses structured output refuses one
-        request, not every request of the first wave. ``None``: it was refused while this request waited (ask
-        without it)."""
-        if "response_format" in sent and not self.structured_accepted:
+        """:func:`.llm_http.chat_completion`, except that until the endpoint is known to follow ``response_format``
+        (an answer of the asked shape), requests carrying it go one at a time and their answers are judged
+        (:meth:`_observe`): a server that refuses structured output refuses one request, and one that ignores it
+        answers :data:`.structured_output.IGNORED_AFTER`, not every request of the first wave. ``None``: structured
+        output was switched off while this request waited (ask without it)."""
+        if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
+            raise LLMRunAborted(self._stop)
+        if "response_format" in sent and self.structured_watch.verdict is None:
             assert self._first_structured is not None
             async with self._first_structured:
-                if not self.structured_accepted:
+                if self._stop is not None:  # another request stopped the run while this one waited
+                    raise LLMRunAborted(self._stop)
+                if self.structured_watch.verdict is None:
                     if self._structured(request).get("response_format") != sent["response_format"]:
-                        return None  # refused (or its bounds refused) while this request waited
+                        return None  # refused (its item bounds, or all of it) while this request waited
                     entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
-                    self.structured_accepted = True
+                    self._observe(sent, entry)
                     return entry
+            if self._structured(request).get("response_format") != sent["response_format"]:
+                return None
         return await chat_completion(self.config, client, semaphore, request, sent, usage)
 
 
-def _utf8_bytes(request: LLMRequest) -> int:
-    return sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
+def _may_exceed(request: LLMRequest, context: int) -> bool:
+    """Whether the prompt may hold ``context`` tokens or more: its UTF-8 bytes (a token covers one byte or more of
+    text) plus the chat template's allowance (:data:`TEMPLATE_TOKENS_ALLOWANCE`); a shorter one is sent uncounted."""
+    size = sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
+    return size + TEMPLATE_TOKENS_ALLOWANCE + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) >= context

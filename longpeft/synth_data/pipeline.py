@@ -36,7 +36,6 @@ from .builders import (
     ContextPlan,
     LengthConfig,
     LongContextBuilder,
-    TokenCounter,
     procedural_cluster_pool,
     procedural_long_documents,
 )
@@ -178,21 +177,20 @@ def read_inputs(config: SynthConfig) -> SynthInputs:
 
 
 def make_answerer(
-    config: SynthConfig, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None, retry_rejected: bool = False
+    config: SynthConfig, out_dir: Path, retry_rejected: bool = False
 ) -> tuple[QAGenerator, LLMClient | None]:
     """The procedural answerer, or the LLM answerer (with the quality gates of ``config.quality``) and its client.
 
-    The client counts prompt tokens with ``tokenizer`` (the training tokenizer) when it checks prompts against the
-    endpoint's context, and asks again the requests an earlier run rejected when ``retry_rejected``."""
+    The client counts prompt tokens as the endpoint does (:mod:`.prompt_tokens`; never with the training tokenizer)
+    when it checks prompts against the endpoint's context, and asks again the requests an earlier run rejected when
+    ``retry_rejected``."""
     if config.answerer == "procedural":
         return ProceduralAnswerer(), None
-    count = TokenCounter(tokenizer).count if tokenizer is not None else None
     client = LLMClient(
         config.llm,
         out_dir / CACHE_DIR,
         out_dir / REJECTS_FILE,
         show_progress=config.progress,
-        count_tokens=count,
         retry_rejected=retry_rejected,
     )
     return LLMAnswerer(client, QualityGates(config.quality)), client
@@ -213,7 +211,7 @@ def synthesize(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
+    answerer, client = make_answerer(config, out, retry_rejected)
     builder = LongContextBuilder(
         tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
     )

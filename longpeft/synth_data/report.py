@@ -70,6 +70,8 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
     rejects = stats.get("rejects", {})
     by_reason = rejects.get("requests", {})
     if by_reason:
+        causes = usage.get("total", {}).get("gave_up_causes") or {}  # gave_up is never carried: this run's
+        why = {"gave_up": " (" + ", ".join(f"{cause}: {n}" for cause, n in causes.items()) + ")"} if causes else {}
         notes = [
             "HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "",
             "prompt_too_long: not sent, longer than the endpoint's context"
@@ -79,7 +81,8 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
         ]
         notes = [note for note in notes if note]
         lines.append(
-            f"rejects.jsonl: {sum(by_reason.values())} request(s) rejected: {_counts(by_reason)}"
+            f"rejects.jsonl: {sum(by_reason.values())} request(s) rejected: "
+            + ", ".join(f"{reason} {n}{why.get(reason, '')}" for reason, n in by_reason.items())
             + (f" ({'; '.join(notes)})" if notes else "")
         )
         lines.append(f"  their attempts: {_counts(rejects.get('attempts', {}))}")
