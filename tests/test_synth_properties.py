@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from longpeft.synth_data.corpus import Document
-from longpeft.synth_data.llm_cache import is_answer, is_outcome, outcome_key, request_key
+from longpeft.synth_data.llm_cache import ResponseCache, is_answer, is_outcome, outcome_key, request_key
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, parse_json_object
 from longpeft.synth_data.llm_rejects import rejects_counts
 from longpeft.synth_data.llm_request import sampling_params
@@ -133,6 +133,8 @@ def test_a_cache_file_of_any_content_is_asked_again_or_skipped_with_a_count(serv
         [result] = client.run([REQUEST])
         report = client.usage_report()
         usage = report["total"]
+        after = ResponseCache(Path(tmp) / "cache")  # what a later run finds: the file replaced, if it was foreign
+        assert (after.answer(key) if where == "answer" else after.outcome(key)) is not None
     asked = server.calls - calls
     if where == "mark" and ours and value["outcome"] == "rejected":
         assert not result.ok and asked == 0 and usage["skipped_rejected"] == 1  # skipped, and counted

@@ -98,12 +98,14 @@ class ResponseCache:
     ``root/<key[:2]>/<key>.json``, written atomically.
 
     Attributes:
-        foreign: files read that were not an entry of the expected shape (read as absent), since the cache opened.
+        foreign: files read that were not an entry of the expected shape (read as absent), since the cache opened;
+        ``foreign_keys``: their keys (a writer replaces them: :meth:`put`).
     """
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
         self.foreign = 0
+        self.foreign_keys: set[str] = set()
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.json"
@@ -119,6 +121,7 @@ class ResponseCache:
             value = _NOT_JSON
         if value is _NOT_JSON or not valid(value, key):
             self.foreign += 1
+            self.foreign_keys.add(key)
             return None
         return value
 
@@ -132,6 +135,7 @@ class ResponseCache:
         return self._entry(key, is_outcome)
 
     def put(self, key: str, entry: dict[str, Any]) -> None:
+        self.foreign_keys.discard(key)
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomically(path, json.dumps(entry, ensure_ascii=False))

@@ -562,8 +562,8 @@ class LLMClient:
                     usage.malformed += 1
                 outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
                 continue
-            if mark is not None:  # a retry round answered: later reruns replay up to this attempt
-                self.cache.mark(mark_key, request.task, "answered", attempt + 1)
+            if mark is not None or mark_key in self.cache.foreign_keys:  # a retry round answered (or a foreign mark):
+                self.cache.mark(mark_key, request.task, "answered", attempt + 1)  # later reruns replay up to here
             self.rejects.replace(mark_key, dropped)
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
         tried = Counter(output["reason"] for output in outputs)  # the attempts judged (an uncached replay is not)
