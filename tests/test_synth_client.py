@@ -209,23 +209,24 @@ def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
 
 
 def test_transient_failures_are_not_marked_rejected(tmp_path):
-    """A request given up after retries (a server down) is asked again by a plain rerun, and once answered it leaves
-    the rejects file; a 4xx refusal is not asked again and stays."""
+    """A request given up after retries (a server down) is asked again by a plain rerun: once answered it leaves the
+    rejects file, and once rejected as malformed its record says so, with no trace of gave_up; a 4xx refusal is not
+    asked again and stays."""
+    requests = [request("down [[503*2]]"), request("refused [[400*1]]"), request("then bad [[503*2,bad]]")]
     with StubServer() as server:
-        down, refused = make_client(server, tmp_path, max_retries=1).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert not down.ok and not refused.ok
-        again = make_client(server, tmp_path).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert again[0].ok and not again[1].ok
+        down, refused, bad = make_client(server, tmp_path, max_retries=1).run(requests, parse=parse_qa)
+        assert not down.ok and not refused.ok and not bad.ok
+        first = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert sorted(first) == ["gave_up", "gave_up", "http_refused"]
+        again = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert again[0].ok and not again[1].ok and not again[2].ok
         assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
             again[1].error
         )
     records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert [(r["reason"], r["marked"], [a["reason"] for a in r["attempts"]]) for r in records] == [
-        ("http_refused", True, ["http_refused"])
+    assert sorted((r["reason"], r["marked"], [a["reason"] for a in r["attempts"]]) for r in records) == [
+        ("http_refused", True, ["http_refused"]),
+        ("malformed", True, ["malformed"] * 3),
     ]
 
 
