@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import pytest
@@ -149,6 +150,23 @@ def test_max_length_is_the_extended_length_from_longpeft_json(tokenizer, base_an
     model = longpeft.load(str(base_dir), adapter_dir)
     assert harness_lm(model, tokenizer, max_length=extended_length(adapter_dir)).max_length == EXTENDED
     assert tiny_model("llama", vocab_size=len(tokenizer)).config.max_position_embeddings == 256
+
+
+def test_lm_evals_notice_for_a_built_model_does_not_reach_the_user(tokenizer, base_and_adapter, caplog):
+    """HFLM logs "`pretrained` model kwarg is not of type `str` ... do not launch via accelerate" for every built
+    model: longpeft hands it one by design, so that record is dropped; the logger's other records pass."""
+    from lm_eval.models import huggingface
+
+    import longpeft
+
+    base_dir, adapter_dir = base_and_adapter
+    filters = list(huggingface.eval_logger.filters)
+    with caplog.at_level(logging.WARNING):
+        harness_lm(longpeft.load(str(base_dir), adapter_dir), tokenizer)
+        huggingface.eval_logger.warning("another lm-eval warning")
+    messages = [record.getMessage() for record in caplog.records]
+    assert "another lm-eval warning" in messages and not [m for m in messages if "not of type `str`" in m]
+    assert huggingface.eval_logger.filters == filters
 
 
 def test_extended_length_is_the_target_length_when_longer(tokenizer, tmp_path):
