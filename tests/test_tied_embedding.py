@@ -1,8 +1,8 @@
 """A trained embedding tied to the output head (``tie_word_embeddings``, ``lora.embeddings: full``): the run's
 adapter is in peft's own format (plain ``PeftModel.from_pretrained`` loads it), each checkpoint keeps the matrix once,
-and every reader gives the model that trained: plain peft, ``longpeft.load`` (eval, export) and lm-eval's ``HFLM`` over
-it (which calls ``tie_weights``), merge, a resume from a checkpoint, ``model.init_from``, and a push of an adapter
-written in the compact form."""
+and every reader gives the model that trained: plain peft, ``longpeft.load`` (eval, export) and its ``tie_weights()``
+(which lm-eval's ``HFLM`` calls: tests/test_eval_harness.py), merge, a resume from a checkpoint, ``model.init_from``,
+and a push of an adapter written in the compact form."""
 
 from __future__ import annotations
 
@@ -104,9 +104,7 @@ def test_a_tied_embedding_is_saved_in_peft_format_and_read_back_tied(tiny_base_d
     from peft import PeftModel
 
     from longpeft.adapters import apply_spec
-    from longpeft.eval.harness import harness_lm
     from longpeft.spec import ContextSpec
-    from longpeft.tiny import demo_tokenizer
 
     base = tiny_base_dirs("llama-tied")
     trained = TrainedLogits()
@@ -131,8 +129,8 @@ def test_a_tied_embedding_is_saved_in_peft_format_and_read_back_tied(tiny_base_d
     assert not torch.equal(inner.get_input_embeddings().weight, stock.get_input_embeddings().weight)  # it trained
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, trained.logits, atol=1e-5, rtol=0)
-    lm = harness_lm(loaded, demo_tokenizer())  # lm-eval's HFLM calls tie_weights() on the model it is given
-    assert lm.model is loaded and inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
+    loaded.tie_weights()  # as lm-eval's HFLM does with the model it is given (tests/test_eval_harness.py runs it)
+    assert inner.get_output_embeddings().weight is inner.get_input_embeddings().weight
     with torch.no_grad():
         torch.testing.assert_close(loaded(IDS).logits, trained.logits, atol=1e-5, rtol=0)
 
