@@ -37,7 +37,7 @@ FORBIDDEN = {
         "tiny",
         "family",
     },
-    # peft glue for adapter weight files (a tied embedding written once): below loading and recipes, which use it
+    # peft glue for adapter weight files (peft's format; a tied embedding once in checkpoints): below loading, recipes
     "adapter_weights": {
         "rope",
         "spec",
