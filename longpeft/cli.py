@@ -482,7 +482,8 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument(
         "--base-id",
         help="the base model's Hub id, written into the card and longpeft.json "
-        "(default: the base recorded in longpeft.json; push warns when that is a local path)",
+        "(default: the Hub id recorded in longpeft.json; a local base is named nowhere in the upload, with a "
+        "warning)",
     )
     push.add_argument(
         "--base", help="the base model to merge into with --merged (default: the one named in longpeft.json)"

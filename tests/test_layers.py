@@ -37,7 +37,7 @@ FORBIDDEN = {
         "tiny",
         "family",
     },
-    # peft glue for adapter weight files (a tied embedding written once): below loading and recipes, which use it
+    # peft glue for adapter weight files (peft's format; a tied embedding once in checkpoints): below loading, recipes
     "adapter_weights": {
         "rope",
         "spec",
@@ -53,6 +53,8 @@ FORBIDDEN = {
         "synth_data",
         "tiny",
     },
+    # transformers' tie_weights through peft's wrappers: peft glue as the weight files' is (they install it)
+    "peft_ties": {"*"},
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
     "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},

@@ -71,41 +71,48 @@ def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str 
     return None, model
 
 
-def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
-    """STRING's default trained length L, and where it comes from: the adapter's ``trained_length``
-    (longpeft.json), else the (adapted) model's ``max_position_embeddings``."""
-    if args.adapter:
-        from ..spec import ContextSpec
+def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
+    """What STRING's default trained length L is taken from (:func:`~longpeft.adapters.string.string_defaults`),
+    read before the model loads: the ``trained_length`` recorded in the longpeft.json of the adapter, or of the
+    ``--model`` folder (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
+    and where the default L comes from, in words."""
+    from ..spec import SPEC_FILENAME, ContextSpec
 
-        spec = ContextSpec.load(local_adapter_dir(args.adapter))
+    if args.adapter:
+        folder, what = local_adapter_dir(args.adapter), "the adapter's longpeft.json"
+    else:
+        folder, what = Path(args.model), "the model's longpeft.json"
+    if (folder / SPEC_FILENAME).is_file():
+        spec = ContextSpec.load(folder)
         if spec.trained_length:
-            return spec.trained_length, "the adapter's longpeft.json"
-        return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
+            return spec.trained_length, spec.max_position_embeddings, what
+        return None, spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
 
     check_model_source(args.model, "--model")
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    return config.max_position_embeddings, "the model's max_position_embeddings"
+    return None, config.max_position_embeddings, "the model's max_position_embeddings"
 
 
 def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[str, int] | None:
     """``enable_string`` settings from the flags, checked before the model loads; errors name the flags.
 
-    S defaults to L // 3 with L from ``--string-trained-length``, else :func:`default_trained_length`; it must be
-    shorter than the longest input of ``task`` (its flag with ``longest``).
+    S defaults to L // 3 with L from ``--string-trained-length``, else the trained length the adapter's or the
+    model's longpeft.json records, else max_position_embeddings (:func:`recorded_lengths`); it must be shorter than
+    the longest input of ``task`` (its flag with ``longest``).
     """
     if not args.string:
         given = [flag.flag for flag in STRING_FLAGS[1:] if getattr(args, flag.dest) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} needs --string (STRING is off without it)")
         return None
-    from ..adapters.string import DEFAULT_LOCAL_WINDOW
+    from ..adapters.string import DEFAULT_LOCAL_WINDOW, string_defaults
 
     if args.string_trained_length is not None:
-        trained, source = args.string_trained_length, "--string-trained-length"
+        recorded, positions, source = None, args.string_trained_length, "--string-trained-length"
     else:
-        trained, source = default_trained_length(args)
-    shift = args.string_shift or trained // 3
+        recorded, positions, source = recorded_lengths(args)
+    shift, trained = string_defaults(args.string_shift, args.string_trained_length, recorded, positions)
     what_shift = (
         f"--string-shift {shift}"
         if args.string_shift

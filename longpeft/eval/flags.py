@@ -78,8 +78,8 @@ STRING_FLAGS = (
     Flag("--string-window", "STRING local window W (default 128)", None, POSITIVE, keyword=None),
     Flag(
         "--string-trained-length",
-        "trained length L for STRING's default S (default: the adapter's trained length, else "
-        "max_position_embeddings)",
+        "trained length L for STRING's default S (default: the trained length in the longpeft.json of the "
+        "adapter or of the --model folder, the same for a merged model; else max_position_embeddings)",
         None,
         {"type": at_least(2)},
         keyword=None,

@@ -40,7 +40,8 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
     """Run a block with STRING on (``True``: defaults; a dict: ``enable_string`` settings), then
     restore whatever STRING state the model had. ``None``/``False`` leaves the model as it is.
 
-    With ``True`` on a model loaded by ``longpeft.load``, L is the adapter's trained length (so S = L // 3).
+    With ``True``, L is the trained length the model's longpeft.json records (an adapter loaded by ``longpeft.load``
+    or a merged model loaded from its folder), so S = L // 3 (``enable_string``'s defaults).
     """
     if not string:
         yield None

@@ -5,19 +5,18 @@ embeddings, trained weights' dtype).
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapter_weights import leave_out_tied_copies
+from ..adapter_weights import tied_copies, tied_copies_bytes, write_tied_copies
 from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights, spec_methods
 from ..config import torch_dtype
 from ..errors import ConfigError
 from ..files import check_model_source, written_atomically
-from ..spec import ContextSpec, recipe_hash
+from ..spec import ContextSpec, base_reference, recipe_hash
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
 
@@ -207,18 +206,14 @@ def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
 
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
-    """How the spec names its base: a base generated inside the run folder (``tiny:``) is named
-    relative to the adapter folder, so the run folder can be moved; a built-in model by its name
-    (``longpeft:toy-base``, wherever longpeft is installed); anything else as given."""
+    """How the spec names its base (:func:`~longpeft.spec.base_reference`): a built-in model by its name
+    (``longpeft:toy-base``, wherever longpeft is installed); a local folder (a ``tiny:`` base generated inside the
+    run folder, ``../base``) relative to the adapter folder, so that the two can move together; a Hub id as given."""
     from ..builtin_models import BUILTIN_MODELS
 
     if recipe.model.name_or_path in BUILTIN_MODELS:
         return recipe.model.name_or_path
-    output_dir = recipe.resolved_output_dir().resolve()
-    base_path = Path(base_id).resolve()
-    if base_path.is_relative_to(output_dir):
-        return os.path.relpath(base_path, output_dir / "adapter")
-    return base_id
+    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
 
 
 def attention_implementation(requested: str) -> str:
@@ -400,7 +395,13 @@ def save_adapter(
     finetune: str = "lora",
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
+    """Adapter weights (or the full model), method weights, tokenizer, generation config, longpeft.json and the
+    model card.
+
+    LoRA weights are in peft's own format (a trained embedding tied to the head under both its names), and both
+    longpeft.json and adapter_config.json name the base as :func:`spec_base_reference` does (no path of this
+    machine). When the spec changes what plain ``PeftModel.from_pretrained`` cannot know (the RoPE parameters, a
+    method applied at load), a warning says what it would leave out.
 
     ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
     adapter's part of it. A fully fine-tuned model is saved in ``dtype`` (the recipe's ``model.dtype``; it trained
@@ -415,12 +416,23 @@ def save_adapter(
     adapter_dir = Path(adapter_dir).absolute()
     with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as partial:
         _save_adapter_files(model, tokenizer, spec, partial, adapter_dir, state_dict, finetune, dtype)
+    from ..hub import plain_peft_misses
+
+    missed = plain_peft_misses(spec) if finetune == "lora" else []
+    if missed:
+        warnings.warn(
+            f"{adapter_dir} is in peft's own format, but plain PeftModel.from_pretrained on the stock base leaves "
+            f"out what its longpeft.json holds: {'; '.join(missed)}; load it with longpeft.load (its model card "
+            "says so too)",
+            stacklevel=2,
+        )
 
 
 def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
-    """About what the saved weights take: the trainable parameters (or the gathered ``state_dict``)."""
+    """About what the saved weights take: the trainable parameters (or the gathered ``state_dict``), and a tied
+    embedding's second name in peft's format."""
     tensors = state_dict.values() if state_dict else (p for p in model.parameters() if p.requires_grad)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + tied_copies_bytes(model)
 
 
 def _save_adapter_files(
@@ -444,7 +456,7 @@ def _save_adapter_files(
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if finetune != "method":
         model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
-        leave_out_tied_copies(model, folder)  # a tied embedding is written once
+        write_tied_copies(folder, tied_copies(model))  # peft's own format: a tied embedding under every name
     save_method_weights(model, spec, folder, state_dict)
     if finetune == "full":
         export_methods(model, spec, folder)
@@ -454,6 +466,7 @@ def _save_adapter_files(
         generation_config.save_pretrained(folder)
     spec = spec.model_copy(update={"weights": finetune})
     spec.save(folder)
-    from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
+    from ..hub import name_base_in_adapter_config, write_model_card
 
-    write_model_card(folder, spec, repo_id=str(adapter_dir))
+    name_base_in_adapter_config(folder, spec.base_model)  # as longpeft.json does: no path of this machine
+    write_model_card(folder, spec, folder_name=adapter_dir.name)  # replaces peft's placeholder README.md
