@@ -21,8 +21,15 @@ absent, with a model that follows the prompt's JSON contract to the letter; ``"d
 so it is not the bare JSON an enforcing server returns (the parser still reads it); ``"accept"`` enforces
 it (a ``json_schema`` needs ``name``, ``schema`` and ``strict``; HTTP 400 otherwise): the answer is an
 instance of the schema, built from the reply's fields where they fit (the same grounded items, so they
-pass the quality gates as in the other modes), a JSON object for ``json_object``; ``"refuse"`` answers
-HTTP 400 to any request carrying it, as a server without structured output does.
+pass the quality gates as in the other modes), each list cut to the schema's ``maxItems``, a JSON object for
+``json_object``; ``"no_bounds"`` does the same but answers HTTP 400 to a schema holding ``minItems`` or
+``maxItems``, as a server accepting only the strict subset does; ``"refuse"`` answers HTTP 400 to any request
+carrying it, as a server without structured output does.
+
+Truncation: with ``cut_at_max_tokens=True``, an answer longer than the request's ``max_tokens`` (in
+:func:`stub_tokens`) is cut there, with ``finish_reason`` ``length``, as a server stops at the limit; a ``reply``
+function may also return ``(text, finish_reason)``, and ``status`` (body -> HTTP status) answers a status of the
+test's choosing.
 
 Other routes: ``GET /v1/models`` lists the model (with the ``models_info`` fields, e.g. vLLM's
 ``max_model_len``) and ``GET /props`` answers ``props`` (llama.cpp's ``n_ctx``, ``total_slots``), or 404
@@ -56,7 +63,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 _DIRECTIVE = re.compile(r"\[\[(.*?)\]\]")
-_STUB_TOKEN = re.compile(r"<\|im_(?:start|end)\|>|\w+|[^\w\s]")
+_STUB_TOKEN = re.compile(r"<\|im_(?:start|end)\|>|\w+|[^\w\s]|[\x1c-\x1f]")  # \s takes in \x1c-\x1f: not spaces
 
 
 def stub_template(messages: list[dict[str, Any]]) -> str:
@@ -66,8 +73,15 @@ def stub_template(messages: list[dict[str, Any]]) -> str:
 
 
 def stub_tokens(text: str) -> list[int]:
-    """The stub model's tokenizer: a word, a punctuation mark or a ChatML marker is one token (ids: a hash)."""
+    """The stub model's tokenizer: a word, a punctuation mark, a control character or a ChatML marker is one token
+    (ids: a hash)."""
     return [int(hashlib.sha256(t.encode("utf-8")).hexdigest()[:6], 16) for t in _STUB_TOKEN.findall(text)]
+
+
+def cut_at(text: str, max_tokens: int) -> str | None:
+    """``text`` cut after its ``max_tokens``-th token (:func:`stub_tokens`), or None when it is not longer."""
+    ends = [match.end() for match in _STUB_TOKEN.finditer(text)]
+    return text[: ends[max_tokens - 1] if max_tokens else 0] if len(ends) > max_tokens else None
 
 
 _TAGGED = re.compile(r"<(excerpt|document|book|document \d+)>\n(.*?)\n</\1>", re.DOTALL)
@@ -115,8 +129,9 @@ def default_reply(body: dict[str, Any]) -> str:
 
 def junk_reply(body: dict[str, Any]) -> str:
     """:func:`default_reply`'s grounded items plus one bad item per quality gate (placeholder, prompt echo,
-    refusal, too short, ungrounded, near-duplicate; for biographies: too short, a name not in the book, a
-    biography of someone else): what a weak model writes. ``python tests/stub_server.py --junk`` serves it."""
+    refusal, too short, ungrounded, near-duplicate, unfinished, a statement for a question, a tautology, a
+    restatement of the question; for biographies: too short, a name not in the book, a biography of someone else):
+    what a weak model writes. ``python tests/stub_server.py --junk`` serves it."""
     good = json.loads(default_reply(body))
     pairs, bios = good["qa_pairs"], good["biographies"]
     first = pairs[0]
@@ -136,6 +151,10 @@ def junk_reply(body: dict[str, Any]) -> str:
             "answer": "A purple dragon guarded the glass mountain beside a silver lake.",
         },
         {"question": first["question"].replace("Which sentence", "Which sentence exactly"), "answer": first["answer"]},
+        {"question": first["question"], "answer": first["answer"].rstrip(".!?") + ", and the"},
+        {"question": "The keeper of the lighthouse wrote every storm in a ledger.", "answer": first["answer"]},
+        {"question": "What is the blue ledger of the keeper?", "answer": "The blue ledger is the blue ledger."},
+        {"question": "When was the harbour wall repaired?", "answer": "The harbour wall was repaired."},
     ]
     if bios:
         name, text = bios[0]["name"], bios[0]["biography"]
@@ -154,7 +173,10 @@ class StubServer:
 
     Args:
         latency: seconds every request takes before its answer.
-        reply: body -> assistant text for answered calls (default :func:`default_reply`).
+        reply: body -> assistant text for answered calls (default :func:`default_reply`), or ``(text,
+            finish_reason)``.
+        status: body -> the HTTP status to answer with (200: answer; default: always 200, directives aside).
+        cut_at_max_tokens: cut every answer at the request's ``max_tokens`` (finish_reason ``length``).
 
     Attributes:
         calls: total requests received; ``statuses`` counts them by HTTP status;
@@ -172,8 +194,10 @@ class StubServer:
         tokenize: str | None = None,
         raw_reply: Callable[[dict[str, Any]], bytes] | None = None,
         stall: bool = False,
+        status: Callable[[dict[str, Any]], int] | None = None,
+        cut_at_max_tokens: bool = False,
     ):
-        assert structured in ("ignore", "drop", "accept", "refuse"), structured
+        assert structured in ("ignore", "drop", "accept", "no_bounds", "refuse"), structured
         assert tokenize in (None, "llama.cpp", "vllm"), tokenize
         self.latency = latency
         self.reply = reply
@@ -183,6 +207,8 @@ class StubServer:
         self.tokenize = tokenize
         self.raw_reply = raw_reply
         self.stall = stall
+        self.status = status
+        self.cut_at_max_tokens = cut_at_max_tokens
         self.tokenize_calls: list[str] = []  # paths of the tokenizer requests (/tokenize, /apply-template)
         self._stopped = threading.Event()
         self.response_formats: list[Any] = []  # the response_format of every chat request (None: absent)
@@ -307,6 +333,9 @@ class StubServer:
             return None
         if self.structured == "refuse":
             return f"response_format of type {response_format.get('type')!r} is not supported by this server"
+        bounds = [word for word in ("minItems", "maxItems") if f'"{word}"' in json.dumps(response_format)]
+        if self.structured == "no_bounds" and bounds:
+            return f"Invalid schema for response_format: {bounds[0]!r} is not permitted"
         if response_format.get("type") == "json_object":
             return None
         spec = response_format.get("json_schema")
@@ -337,7 +366,7 @@ class StubServer:
             call_index = self.prompt_calls[prompt_hash]
             self.auth_headers.append(authorization)
         delay = self.latency
-        status = 200
+        status = self.status(body) if self.status is not None else 200
         bad = html = False
         headers: dict[str, str] = {}
         for directive in directives:
@@ -366,10 +395,17 @@ class StubServer:
         if self.raw_reply is not None:
             return 200, self.raw_reply(body)
         content = "this is {not json" if bad else self.reply(body)
-        if not bad and self.structured == "accept" and response_format is not None:
+        finish_reason = "stop"
+        if isinstance(content, tuple):
+            content, finish_reason = content
+        if not bad and self.structured in ("accept", "no_bounds") and response_format is not None:
             content = json.dumps(_enforced(response_format, content))
         elif not bad and self.structured == "drop":
             content = f"```json\n{content}\n```"
+        max_tokens = body.get("max_tokens")
+        cut = cut_at(content, max_tokens) if self.cut_at_max_tokens and isinstance(max_tokens, int) else None
+        if cut is not None:
+            content, finish_reason = cut, "length"
         prompt_tokens = len(stub_tokens(stub_template(messages)))
         completion_tokens = max(1, len(stub_tokens(content)))
         return 200, {
@@ -377,7 +413,9 @@ class StubServer:
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model", "stub"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": finish_reason}
+            ],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
@@ -399,7 +437,7 @@ def _enforced(response_format: dict[str, Any], content: str) -> Any:
 
 
 def _instance(schema: dict[str, Any], hint: Any) -> Any:
-    """An instance of ``schema`` (object, array, string), from ``hint`` where its type fits."""
+    """An instance of ``schema`` (object, array of at most ``maxItems``, string), from ``hint`` where its type fits."""
     kind = schema.get("type")
     if kind == "object":
         hint = hint if isinstance(hint, dict) else {}
@@ -407,7 +445,7 @@ def _instance(schema: dict[str, Any], hint: Any) -> Any:
         return {key: _instance(properties.get(key, {"type": "string"}), hint.get(key)) for key in schema["required"]}
     if kind == "array":
         items = hint if isinstance(hint, list) else [None]
-        return [_instance(schema["items"], item) for item in items]
+        return [_instance(schema["items"], item) for item in items][: schema.get("maxItems")]
     return hint if isinstance(hint, str) and hint.strip() else "OK"
 
 
@@ -456,7 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency", type=float, default=0.0, help="seconds per request")
     parser.add_argument(
         "--structured",
-        choices=["ignore", "drop", "accept", "refuse"],
+        choices=["ignore", "drop", "accept", "no_bounds", "refuse"],
         default="ignore",
         help="what it does with response_format (see the module docstring)",
     )

@@ -72,7 +72,7 @@ BESIDE = {"files": {"hub_wait"}}  # layer -> the "*" layers beside it that it ma
 LLM_CLIENT_PARTS = {
     "llm_output": set(),
     "llm_request": set(),
-    "llm_cache": {"llm_request"},
+    "llm_cache": {"llm_request", "llm_rejects"},
     "llm_rejects": set(),
     "llm_http": {"llm_request"},
     "http_json": {"llm_http"},

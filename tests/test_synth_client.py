@@ -131,9 +131,10 @@ def test_malformed_output_is_retried_then_rejected(tmp_path):
     assert not missing.ok and missing.attempts == 3  # valid JSON without a required field: rejected too
     rejects = {r["meta"]["name"]: r for r in map(json.loads, (tmp_path / "rejects.jsonl").read_text().splitlines())}
     assert set(rejects) == {"always [[bad]]", "fields"}
-    assert [o["attempt"] for o in rejects["always [[bad]]"]["outputs"]] == [0, 1, 2]
-    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["outputs"])
-    assert all("no_such_field" in o["error"] for o in rejects["fields"]["outputs"])
+    assert [o["attempt"] for o in rejects["always [[bad]]"]["attempts"]] == [0, 1, 2]
+    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all(o["reason"] == "malformed" and o["text"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all("no_such_field" in o["error"] for o in rejects["fields"]["attempts"])
     assert client.usage_report()["tasks"]["t"]["malformed"] == 1 + 3 + 3
 
 
@@ -208,21 +209,25 @@ def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
 
 
 def test_transient_failures_are_not_marked_rejected(tmp_path):
-    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    """A request given up after retries (a server down) is asked again by a plain rerun: once answered it leaves the
+    rejects file, and once rejected as malformed its record says so, with no trace of gave_up; a 4xx refusal is not
+    asked again and stays."""
+    requests = [request("down [[503*2]]"), request("refused [[400*1]]"), request("then bad [[503*2,bad]]")]
     with StubServer() as server:
-        down, refused = make_client(server, tmp_path, max_retries=1).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert not down.ok and not refused.ok
-        again = make_client(server, tmp_path).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert again[0].ok and not again[1].ok
+        down, refused, bad = make_client(server, tmp_path, max_retries=1).run(requests, parse=parse_qa)
+        assert not down.ok and not refused.ok and not bad.ok
+        first = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert sorted(first) == ["gave_up", "gave_up", "http_refused"]
+        again = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert again[0].ok and not again[1].ok and not again[2].ok
         assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
             again[1].error
         )
-    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert sorted(reasons) == ["gave_up", "http_refused"]
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["reason"], r["marked"], [a["reason"] for a in r["attempts"]]) for r in records) == [
+        ("http_refused", True, ["http_refused"]),
+        ("malformed", True, ["malformed"] * 3),
+    ]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
@@ -412,8 +417,8 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
 
 def test_a_failed_retry_round_is_recorded_again(tmp_path):
-    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
-    record (the first is kept), and a plain rerun skips it again."""
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, one rejects record
+    that replaces the first and lists all 6 attempts, and a plain rerun skips it again and keeps that record."""
     with StubServer() as server:
         make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
@@ -421,7 +426,8 @@ def test_a_failed_retry_round_is_recorded_again(tmp_path):
         [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         assert not skipped.ok and server.calls == 6
     records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"
+    assert [[a["attempt"] for a in r["attempts"]] for r in records] == [[0, 1, 2, 3, 4, 5]]
+    assert records[0]["error"] == "malformed output in all 6 attempts"
 
 
 # ---- structured output: one schema for the request and the parser ---------------------------------------------
@@ -474,7 +480,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         return {
             k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
             for k, v in schema.items()
-            if k not in ("minItems", "minLength")
+            if k not in ("minItems", "maxItems", "minLength")
         }
 
     for schema in (QA_PAIRS, BIOGRAPHIES):
@@ -484,7 +490,12 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         assert sent["json_schema"]["schema"] == shape(schema.schema)
         item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
         assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
-    assert qa_request("Some text.").schema is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    assert TASK_SCHEMAS["single_detail"] is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    # a job's schema is its task's, bounded to the items it asks for: sent with the bounds first, without on refusal
+    sent = qa_request("Some text.").schema.response_format(bounds=True)["json_schema"]["schema"]
+    assert sent["properties"]["qa_pairs"]["maxItems"] == 2 and sent["properties"]["qa_pairs"]["minItems"] == 1
+    assert shape(sent) == shape(QA_PAIRS.schema)
+    assert qa_request("Some text.").schema.response_format() == QA_PAIRS.response_format()
     from longpeft.synth_data.answer_schema import OutputSchema
 
     with pytest.raises(ValueError, match=r"\$\.a: schema uses \['pattern'\], outside the supported subset"):
@@ -511,8 +522,9 @@ def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
 
 
 def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
-    """A server without structured output answers 400 to response_format: the client says so once, asks every
-    request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
+    """A server without structured output answers 400 to response_format: the client drops the schema's item bounds
+    first, then the schema, each said once, asks every request again without it, and never sends it again in this
+    run; a rerun finds those answers in the cache."""
     from longpeft.synth_data.qa import parse_qa_pairs
 
     requests = [
@@ -524,19 +536,20 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
         results = client.run(requests, parse=parse_qa_pairs)
         assert all(r.ok for r in results) and all(len(r.value) == 3 for r in results)  # the stub writes 3
         refused = server.statuses[400]
-        assert refused == 1  # one structured request goes first; the others wait for its answer
+        assert refused == 2  # one structured request goes first (with bounds, then without); the others wait
         assert sum(f is not None for f in server.response_formats) == refused
         assert server.statuses[200] == 6
         client.run([qa_request("One more text.")], parse=parse_qa_pairs)
         assert server.response_formats[-1] is None and server.statuses[400] == refused
         err = capsys.readouterr().err
         assert err.count("refused structured output") == 1 and "not supported by this server" in err
+        assert err.count("refused the schema with its item bounds") == 1
         usage = client.usage_report()["total"]
         assert usage["rejected"] == 0 and usage["rejected_reasons"] == {}  # a fallback is no rejection
         rerun = make_client(server, tmp_path)
         assert all(r.ok for r in rerun.run(requests, parse=parse_qa_pairs))
         assert rerun.usage_report()["total"]["cache_hits"] == 6
-        assert server.statuses[200] == 7  # the rerun's one refused structured request, then cache hits only
+        assert server.statuses[200] == 7 and server.statuses[400] == 4  # the rerun's two refusals, then cache hits
 
 
 @pytest.mark.parametrize("mode", ["json_schema", "json_object"])
@@ -624,8 +637,11 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     assert stats["counts"] == {"single_detail": 1, "biography": 1}
     total = stats["llm_usage"]["total"]
     assert total["rejected"] == 3 and total["rejected_reasons"] == {"http_refused": 3}  # 2 chunks and 1 book
-    assert "requests rejected: http_refused 3 (rejects.jsonl; HTTP 4xx reasons: the first are above)" in captured.out
-    assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
+    assert "rejects.jsonl: 3 request(s) rejected: http_refused 3 (HTTP 4xx reasons: the first are above)" in (
+        captured.out
+    )
+    assert stats["rejects"]["requests"] == {"http_refused": 3}
+    assert sum(f is not None for f in server.response_formats) == 2  # one structured request, refused twice
 
 
 def test_a_bare_off_in_yaml_is_the_structured_mode_off():

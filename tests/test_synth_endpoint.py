@@ -5,6 +5,7 @@ counted as the server counts them, the cause of every give-up, and property test
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,8 @@ def check(base_url: str, capsys, *extra: str) -> tuple[int, str, str]:
 @pytest.mark.parametrize("mode", ["auto", "json_schema", "json_object", "off"])
 def test_the_check_sends_what_the_run_sends(tmp_path, capsys, mode):
     """For every llm.structured, the check's first request carries what the run's requests carry (response_format,
-    sampling); only the messages and max_tokens differ. Under off no response_format is sent at all, and no probe."""
+    sampling); only the messages, max_tokens and the number of items the schema allows differ. Under off no
+    response_format is sent at all, and no probe."""
     with StubServer(structured="accept") as server:
         make_client(server.base_url, tmp_path, structured=mode, temperature=0.3).run(
             [qa_request(TEXTS[0])], parse=parse_qa_pairs
@@ -85,8 +87,9 @@ def test_the_check_sends_what_the_run_sends(tmp_path, capsys, mode):
     assert code == 0, out
     run_body, check_body = server.chat_bodies[0], server.chat_bodies[1]
 
-    def params(body):
-        return {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
+    def params(body):  # all but the messages, max_tokens and the schema's maxItems (the number of questions asked)
+        kept = {k: v for k, v in body.items() if k not in ("messages", "max_tokens")}
+        return json.loads(re.sub(r', "maxItems": \d+', "", json.dumps(kept)))
 
     assert params(check_body) == params(run_body)
     assert ("response_format" in check_body) == (mode != "off")
@@ -141,8 +144,11 @@ def test_the_check_with_a_refusing_server_and_an_unparseable_answer(capsys):
         code, out, err = check(server.base_url, capsys)
         assert code == 0 and "structured  no: json_schema refused (HTTP 400: response_format" in out
         assert "llm.structured=auto falls back" in out and "context     not reported" in out
+        assert "the QA request again with the schema without its item bounds" in err
         assert "the QA request again without response_format" in err
-        assert server.response_formats[1] is None and len(server.chat_bodies) == 2  # no probe after a refusal
+        unbounded = json.dumps(server.response_formats[1])
+        assert "maxItems" in json.dumps(server.response_formats[0]) and "Items" not in unbounded
+        assert server.response_formats[2] is None and len(server.chat_bodies) == 3  # no probe after a refusal
         code, out, _ = check(server.base_url, capsys, "--set", "llm.structured=json_object")
         assert code == 1 and "would stop the run" in out and "NOT usable" in out
     with StubServer(reply=lambda body: "I cannot help with that.") as server:
@@ -336,7 +342,7 @@ def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
         [skipped] = make_client(server.base_url, tmp_path, context_tokens=101).run([request])  # marked
         assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
         [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
+        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == []
         retry = make_client(server.base_url, tmp_path, retry_rejected=True, context_tokens=101)
         assert retry.run([request])[0].ok and server.calls == 1
         assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed
@@ -466,7 +472,7 @@ def test_the_synth_summary_gives_the_cause_of_its_give_ups(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 3
     gave_up = json.loads((tmp_path / "out" / "stats.json").read_text())["llm_usage"]["total"]["rejected"]
-    assert f"requests rejected: gave_up {gave_up} (no answer within llm.timeout (0.3 s): {gave_up})" in captured.out
+    assert f"request(s) rejected: gave_up {gave_up} (no answer within llm.timeout (0.3 s): {gave_up})" in captured.out
 
 
 # ---- property tests: answers of any shape --------------------------------------------------------------------------

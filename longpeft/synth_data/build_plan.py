@@ -1,7 +1,9 @@
 """``longpeft synth --plan``: the LLM requests a data build will send, their tokens and time, before any call.
 
-The plan runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`) and builds
-every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead of sending:
+The plan reads and checks every input file as the run does (:func:`~.pipeline.read_inputs`: the same refusals, with
+the same messages), runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`)
+and builds every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead
+of sending:
 
 - requests: one per QA job (first attempts: a malformed answer is asked again, up to ``llm.max_parse_attempts``
   times, and transient failures are retried: neither is counted); those whose answer is already in
@@ -162,7 +164,7 @@ def plan_build(
     from .builders import LongContextBuilder
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
-    from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
+    from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
     from .prompt_tokens import prompt_counter
     from .qa import ProceduralAnswerer, job_request
 
@@ -176,7 +178,7 @@ def plan_build(
             "longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
             "--output-tokens N (the completion tokens you expect per request)"
         )
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None
+    files = read_inputs(config).documents  # every input file checked as the run checks it
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     builder = LongContextBuilder(
         tokenizer,
@@ -201,8 +203,9 @@ def plan_build(
             counted_with = f"{counter.how}; some {how}"
         task.requests += 1
         task.input_tokens += tokens
-        sent = ({**sampling, **structured_params(llm, request, refused)} for refused in (False, True))  # auto: both
-        if any(cache.get(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
+        variants = ((False, True), (False, False), (True, True))  # the schema with bounds, without, none (auto)
+        sent = ({**sampling, **structured_params(llm, request, *variant)} for variant in variants)
+        if any(cache.answer(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
             task.cached += 1
             task.cached_input_tokens += tokens
     return BuildPlan(

@@ -15,8 +15,9 @@ stderr says what the check waits for before each wait:
    taking it: one plain word is asked for, under the same kind of ``response_format`` (a one-field schema, or
    ``json_object``). A server that enforces the field answers JSON anyway; one that drops it (``transformers
    serve`` logs "Ignoring unsupported fields in the request", HTTP 200) answers the word;
-4. a server that refuses ``response_format`` (HTTP 400/422 naming it) is asked the QA request again without it, as
-   ``llm.structured=auto`` does.
+4. a server that refuses ``response_format`` (HTTP 400/422 naming it) is asked the QA request again with the schema
+   without its item bounds (``minItems``, ``maxItems``), as the run does, and when it refuses that too, without
+   ``response_format``, as ``llm.structured=auto`` does.
 
 No answer within the deadline, bytes that are not HTTP, a body that is not a chat completion or a refused request
 stop the check with one line naming the server, what was awaited and a quote of what came back
@@ -81,6 +82,8 @@ class EndpointCheck:
         structured_sent: the ``response_format`` type the run sends first (``json_schema``, ``json_object``), or
             ``None`` under ``llm.structured=off``.
         structured_refusal: the server's reason when it refused ``response_format``, else ``None``.
+        bounds_refusal: the server's reason when it refused the schema with its item bounds (the run then sends the
+            schema without them, as the check did), else ``None``.
         enforced: whether the probe's answer was JSON of the asked shape: ``True`` enforced, ``False`` ignored,
             ``None`` not probed or not telling (cut at :data:`PROBE_MAX_TOKENS`, empty, or refused).
         probe_answer: a quote of the probe's answer (or of its HTTP error), ``None`` when not probed.
@@ -102,6 +105,7 @@ class EndpointCheck:
     parse_error: str | None
     info: EndpointInfo
     deadline_s: float
+    bounds_refusal: str | None = None
 
     @property
     def usable(self) -> bool:
@@ -173,6 +177,8 @@ class EndpointCheck:
             )
             return f"no: {kind} refused ({self.structured_refusal}); {then}"
         probe = "a one-field schema" if kind == "json_schema" else "json_object"
+        if self.bounds_refusal is not None:
+            probe += f"; the schema's item bounds were refused ({self.bounds_refusal}): the run sends it without them"
         if self.enforced is True:
             return (
                 f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
@@ -248,6 +254,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
     structured = structured_params(config, request)
     response_format = structured.get("response_format")
+    bounds_refusal = None
     kind = response_format["type"] if response_format else None
     sent = f"with response_format {kind}" if kind else "without response_format"
     answer, latency, refusal = _ask(
@@ -259,6 +266,19 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         {**sampling, **structured},
         f"the run's first request (a one-question QA request {sent})",
     )
+    if refusal is not None and structured_params(config, request, bounds=False) != structured:
+        bounds_refusal = refusal  # the run's next step: the schema without its item bounds
+        structured = structured_params(config, request, bounds=False)
+        response_format = structured["response_format"]
+        answer, latency, refusal = _ask(
+            config,
+            api_key,
+            deadline,
+            say,
+            request.messages,
+            {**sampling, **structured},
+            "the QA request again with the schema without its item bounds (as the run does)",
+        )
     if refusal is not None:
         answer, latency, _ = _ask(
             config,
@@ -292,6 +312,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         parse_error=parse_error,
         info=info,
         deadline_s=deadline.seconds,
+        bounds_refusal=bounds_refusal,
     )
 
 

@@ -252,7 +252,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(
             f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
-            f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)"
+            f"completion tokens, {total['cache_hits']} cached"
         )
     for line in rejection_summary(stats):
         print(f"  {line}")

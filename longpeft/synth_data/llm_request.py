@@ -76,11 +76,16 @@ class LLMConfig(StrictModel):
         return "off" if value is False else value
 
 
+ITEM_BOUNDS = ("minItems", "maxItems")
+"""The JSON-schema keywords that bound a list's length: sent with an answer's schema until the endpoint refuses a
+schema holding them (:meth:`ResponseSchema.response_format`, ``bounds``)."""
+
+
 class ResponseSchema(Protocol):
     """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
 
-    def response_format(self) -> dict[str, Any]:
-        """The ``response_format`` request field asking for the schema."""
+    def response_format(self, bounds: bool = False) -> dict[str, Any]:
+        """The ``response_format`` request field asking for the schema (with its item bounds when ``bounds``)."""
         ...
 
 
@@ -134,6 +139,7 @@ class TaskUsage:
     retries: int = 0
     malformed: int = 0
     quality_rejected: int = 0  # attempts whose every item failed the quality gates
+    truncated: int = 0  # attempts cut off at max_tokens (finish_reason length), never parsed
     rejected: int = 0
     rejected_reasons: dict[str, int] = field(default_factory=dict)  # ``rejected`` per reason (REJECT_REASONS)
     skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)
@@ -148,11 +154,14 @@ def sampling_params(config: LLMConfig) -> dict[str, Any]:
     return sampling
 
 
-def structured_params(config: LLMConfig, request: LLMRequest, refused: bool = False) -> dict[str, Any]:
+def structured_params(
+    config: LLMConfig, request: LLMRequest, refused: bool = False, bounds: bool = True
+) -> dict[str, Any]:
     """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
-    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it); part of the cache key."""
+    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it), its schema with the item bounds unless the
+    endpoint refused those (``bounds`` false); part of the cache key."""
     if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
         return {}
     if config.structured == "json_object":
         return {"response_format": {"type": "json_object"}}
-    return {"response_format": request.schema.response_format()}
+    return {"response_format": request.schema.response_format(bounds=bounds)}

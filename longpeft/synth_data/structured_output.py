@@ -30,8 +30,8 @@ Verdict = Literal["followed", "ignored"]
 
 def follows_response_format(response_format: dict[str, Any], text: str) -> bool:
     """Whether ``text`` is what a server enforcing ``response_format`` returns: one bare JSON object that, for a
-    ``json_schema``, conforms to the schema sent (types, required fields, items; the sent schema carries no length
-    bounds, so an empty list or string conforms)."""
+    ``json_schema``, conforms to the schema sent (types, required fields, items, ``minItems``; the sent schema
+    carries no string lengths, so an empty string conforms, and ``maxItems`` is not checked)."""
     try:
         value = json.loads(text)
     except ValueError:
