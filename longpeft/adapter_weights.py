@@ -1,16 +1,20 @@
-"""A LoRA adapter's weights file in which peft ties one trained matrix to another: written once, tied again on load.
+"""A LoRA adapter's weights file on a base whose output head shares the input embedding's weight: peft's own format
+for every folder users get, a compact one inside checkpoints.
 
-On a base whose output head shares the input embedding's weight (``tie_word_embeddings``), ``lora.embeddings: full``
-trains one matrix: peft (``ensure_weight_tying``) wraps the embedding and the head in ``modules_to_save`` and gives
-the head's trained copy the embedding's parameter. peft's ``save_pretrained`` still writes that matrix under both
-names (``...lm_head.weight`` and ``...embed_tokens.weight``, identical: twice the size), and its loaders need both.
+On such a base (``tie_word_embeddings``), ``lora.embeddings: full`` trains one matrix: peft (``ensure_weight_tying``)
+wraps the embedding and the head in ``modules_to_save`` and gives the head's trained copy the embedding's parameter.
+peft's ``save_pretrained`` writes that matrix under both names (``...lm_head.weight`` and ``...embed_tokens.weight``,
+identical), and peft's loaders (``PeftModel.from_pretrained``, ``set_peft_model_state_dict``) need both. That is the
+format of the run's ``adapter/`` and of everything ``push`` uploads (:func:`write_tied_copies` restores the copies of
+a compact file), so plain peft loads them.
 
-longpeft writes it once: :func:`leave_out_tied_copies` rewrites the file peft wrote without the copies and records in
-its metadata (``longpeft.tied``: ``{copy: the name it is tied to}``) what each left-out name holds.
-:func:`adapter_weights` reads a file back with every copy restored, for ``set_peft_model_state_dict`` (where peft
-ties the two again, as it did when it built the model: the copy and its matrix are one parameter);
-:func:`load_adapter` is ``PeftModel.from_pretrained`` that also reads such a file. Every longpeft reader (load,
-merge, export, eval, ``model.init_from``, resume from a checkpoint) goes through them.
+Checkpoints keep the matrix once (they are written every ``save_steps`` and read back only by longpeft):
+:func:`leave_out_tied_copies` rewrites the file peft wrote without the copies and records in its metadata
+(``longpeft.tied``: ``{copy: the name it is tied to}``) what each left-out name holds. :func:`adapter_weights` reads
+either format back with every copy in place, for ``set_peft_model_state_dict`` (where peft ties the two again, as it
+did when it built the model: the copy and its matrix are one parameter); :func:`load_adapter` is
+``PeftModel.from_pretrained`` that also reads a compact file. Every longpeft reader (load, merge, export, eval,
+``model.init_from``, resume from a checkpoint) goes through them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, DataError
+from .peft_ties import tie_through_peft_wrappers
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 TIED_METADATA = "longpeft.tied"
@@ -30,18 +35,28 @@ def tied_copies(model: Any) -> dict[str, str]:
     """``{name of a copy: name of the matrix it is tied to}`` among the weights peft saves for ``model`` (a
     PeftModel): each ``modules_to_save`` weight of its active adapter that is the parameter of an earlier one (on a
     tied base: the head's copy of the trained input embedding). Empty when nothing is tied (or no peft)."""
+    return {copy: source for copy, source, _ in _tied_parameters(model)}
+
+
+def tied_copies_bytes(model: Any) -> int:
+    """Bytes the copies of :func:`tied_copies` add to peft's own format of ``model``'s adapter file."""
+    return sum(parameter.numel() * parameter.element_size() for _, _, parameter in _tied_parameters(model))
+
+
+def _tied_parameters(model: Any) -> list[tuple[str, str, Any]]:
+    """``(copy, the name it is tied to, the parameter)`` of each copy of :func:`tied_copies`."""
     from peft.utils.other import ModulesToSaveWrapper
 
     adapter = getattr(model, "active_adapter", "default")
     first: dict[int, str] = {}  # id(parameter) -> its first name
-    copies: dict[str, str] = {}
+    copies = []
     for name, module in model.named_modules():
         if not isinstance(module, ModulesToSaveWrapper) or adapter not in module.modules_to_save:
             continue
         for key, parameter in module.modules_to_save[adapter].named_parameters():
             saved_name = f"{name}.{key}"  # as peft names it in the file (the adapter name left out)
             if id(parameter) in first:
-                copies[saved_name] = first[id(parameter)]
+                copies.append((saved_name, first[id(parameter)], parameter))
             else:
                 first[id(parameter)] = saved_name
     return copies
@@ -73,6 +88,45 @@ def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
     finally:
         partial.unlink(missing_ok=True)
     return left_out
+
+
+def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, str]:
+    """Rewrite ``folder/adapter_model.safetensors`` in peft's own format: every name of ``copies`` (``{copy: the name
+    it is tied to}``, e.g. :func:`tied_copies` of the model that wrote it, or :func:`tied_names` of a compact file)
+    that the file lacks is written as the tensor it is tied to, and the compact form's record is dropped. Returns the
+    copies written (nothing when the file already holds them all, or the folder holds no such file). The new file
+    replaces the old one once complete.
+
+    Raises:
+        DataError: a name a copy is tied to is not in the file.
+    """
+    path = Path(folder) / WEIGHTS_NAME
+    if not copies or not path.is_file():
+        return {}
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+        names = set(handle.keys())
+        added = {copy: source for copy, source in copies.items() if copy not in names}
+        if not added and TIED_METADATA not in metadata:
+            return {}
+        lost = sorted(source for source in added.values() if source not in names)
+        if lost:
+            raise DataError(
+                f"{path}: a tied copy's matrix {lost[0]} is not in the file (a damaged file); re-create it "
+                "(or copy / download the folder again)"
+            )
+        tensors = {name: handle.get_tensor(name) for name in names}
+    tensors.update({copy: tensors[source].clone() for copy, source in added.items()})  # safetensors refuses shared
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        save_file(tensors, str(partial), metadata={k: v for k, v in metadata.items() if k != TIED_METADATA})
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return added
 
 
 def tied_names(folder: str | Path) -> dict[str, str]:
@@ -147,7 +201,9 @@ def missing_adapter_weights(model: Any, result: Any) -> list[str]:
 def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> Any:
     """``PeftModel.from_pretrained(model, folder, is_trainable=is_trainable)``, which also reads an adapter file
     that left tied copies out (peft's own loader needs every name): the PeftModel is built from the folder's
-    ``adapter_config.json`` (peft ties the copies again) and the weights are loaded into it.
+    ``adapter_config.json`` (peft ties the copies again) and the weights are loaded into it. The model's
+    ``tie_weights`` then ties what peft wrapped version by version
+    (:func:`~longpeft.peft_ties.tie_through_peft_wrappers`: lm-eval's ``HFLM`` calls it).
 
     Raises:
         ConfigError: such an adapter on a base that ``device_map`` offloaded to CPU or disk in part.
@@ -156,7 +212,7 @@ def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> 
     from peft import PeftConfig, PeftModel, get_peft_model
 
     if not tied_names(folder):
-        return PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable)
+        return tie_through_peft_wrappers(PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable))
     if any(parameter.device.type == "meta" for parameter in model.parameters()):
         raise ConfigError(
             f"{folder}: this adapter keeps its tied embedding once, which longpeft loads onto a base "
@@ -175,4 +231,4 @@ def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> 
         )
     if not is_trainable:
         peft_model.eval()
-    return peft_model
+    return tie_through_peft_wrappers(peft_model)

@@ -214,16 +214,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from .scale.network import DEFAULT_INTER_NODE_GBPS, add_inter_node
 
         if args.longest:
-            from .scale.plan import longest_fitting
+            from .recipes.longest import longest_sample
 
-            tokens, plan = longest_fitting(
+            longest = longest_sample(
                 recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch
             )
-            print(
-                f"longest sample that fits: {tokens:,} tokens per GPU sample (multiples of 1,024; "
-                f"{args.gpu_memory:g} GiB per GPU); the plan at that length:"
-            )
-            print("\n".join(line for line in plan.table().splitlines() if not line.startswith(("time:", "lever:"))))
+            print("\n".join([*longest.lines(), f"the plan at {max(longest.tokens, longest.step):,} tokens:"]))
+            table = longest.plan.table().splitlines()
+            print("\n".join(line for line in table if not line.startswith(("time:", "lever:"))))
             return 0
         plan = estimate(
             recipe,
@@ -239,13 +237,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
             add_inter_node(plan, recipe, args.nodes, args.inter_node_gbps or DEFAULT_INTER_NODE_GBPS)
         print(plan.table())
         return 0
+    # where train writes: output_dir with {name} filled in, as an absolute path
+    output_dir = str(recipe.resolved_output_dir().resolve())
     if not args.build:
-        print(json.dumps({"recipe": recipe.model_dump()}, indent=2, default=str))
+        print(json.dumps({"recipe": {**recipe.model_dump(), "output_dir": output_dir}}, indent=2, default=str))
         return 0
     from .recipes.runner import prepare
 
     prepared = prepare(recipe, validation=validation)
-    print(json.dumps(prepared.resolved, indent=2, default=str))
+    shown = {**prepared.resolved, "recipe": {**prepared.resolved["recipe"], "output_dir": output_dir}}
+    print(json.dumps(shown, indent=2, default=str))
     return 0
 
 
@@ -472,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument(
         "--base-id",
         help="the base model's Hub id, written into the card and longpeft.json "
-        "(default: the base recorded in longpeft.json; push warns when that is a local path)",
+        "(default: the Hub id recorded in longpeft.json; a local base is named nowhere in the upload, with a "
+        "warning)",
     )
     push.add_argument(
         "--base", help="the base model to merge into with --merged (default: the one named in longpeft.json)"

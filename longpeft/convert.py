@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import save_file
 
 from .adapters.beacon import WEIGHTS_FILENAME
-from .adapters.beacon.weights import AUTHORS_TENSOR, authors_tensor_shape, config_from_authors
-from .errors import ConfigError, DataError, ModelSourceError
+from .adapters.beacon.authors_config import check_built_on, config_from_authors
+from .adapters.beacon.weights import AUTHORS_TENSOR, authors_tensor_shape
+from .errors import DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, written_atomically
 from .reading import read_json_object, read_safetensors
 from .spec import ContextSpec
@@ -95,22 +96,10 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     check_model_source(source, "the authors' model")
     check_model_source(base, "--base")
     folder, checkpoint_config, files = _checkpoint_files(source)
-    try:
-        beacon = config_from_authors(checkpoint_config)
-    except (ValueError, TypeError) as error:  # pydantic's ValidationError and int() of a bad value are ValueErrors
-        problem = " ".join(str(error).split())[:300]
-        raise DataError(
-            f"{folder / 'config.json'}: its beacon settings cannot be used ({problem}); give an "
-            "Activation Beacon model's folder with its config.json as released"
-        ) from None
+    config_file = str(folder / "config.json")
+    beacon = config_from_authors(checkpoint_config, config_file)
     base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
-    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
-        if checkpoint_config.get(key) != getattr(base_config, key, None):
-            raise ConfigError(
-                f"{source} is not built on {base}: {key} is {checkpoint_config.get(key)} there and "
-                f"{getattr(base_config, key, None)} in the base; give the matching stock base with "
-                "--base"
-            )
+    check_built_on(checkpoint_config, base_config, beacon, str(source), str(base), config_file)
     tensors: dict[str, torch.Tensor] = {}
     for path in files:
         read = {k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()}
@@ -123,7 +112,17 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     } | {"model.beacon_embed_tokens.weight"}
     missing = sorted(expected - set(tensors))
     if missing:
-        raise DataError(f"{source} lacks beacon tensors {missing[:4]} (beacon_param says {beacon.params})")
+        raise DataError(
+            f"{source} lacks beacon tensors {missing[:4]} (beacon_param in {config_file} says {beacon.params})"
+        )
+    projections = {name.split(".")[-2][len("beacon_")] for name in tensors if name.endswith("_proj.weight")}
+    unlisted = sorted(projections - set(beacon.params))  # the layer count is the base's (check_built_on)
+    if unlisted:
+        raise DataError(
+            f"{config_file}: beacon_param is {beacon.params}, and {source} holds beacon weights of the "
+            f"{'/'.join(unlisted)} projections too; edit beacon_param there to list every projection it has beacon "
+            "weights for"
+        )
     spec = ContextSpec.from_base(
         base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()}, weights="method"
     )

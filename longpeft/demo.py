@@ -49,7 +49,7 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
 
     merged = merge(result.adapter_dir, out / "merged")
     for folder in (result.adapter_dir, out / "merged"):  # now with the eval table
-        write_model_card(folder, ContextSpec.load(folder), repo_id=str(folder))
+        write_model_card(folder, ContextSpec.load(folder))
 
     summary = {
         "output_dir": str(out),

@@ -23,13 +23,14 @@ import yaml
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .adapter_weights import tied_names, write_tied_copies
 from .adapters import export_methods, spec_methods
 from .base_config import check_base_code
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
 from .reading import read_safetensors
-from .spec import SPEC_FILENAME, ContextSpec, run_outputs
+from .spec import SPEC_FILENAME, ContextSpec, base_reference, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
 
@@ -60,8 +61,8 @@ def merge(
     Args:
         without: inference-time methods (``inference_only``: STRING) to leave out of the merged model, so that it
             loads without their modeling file; methods the adapter was trained with are refused.
-        base_id: the base's Hub id, recorded in longpeft.json and the card instead of a local path (which the
-            card then leaves out: :func:`shareable_base`).
+        base_id: the base's Hub id, recorded in longpeft.json and the card instead of a local folder (which
+            longpeft.json names relative to ``out_dir`` and the card leaves out: :func:`shareable_base`).
 
     Returns:
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
@@ -112,7 +113,7 @@ def merge(
         update={
             "methods": {name: section for name, section in spec.methods.items() if name not in without},
             "weights": "merged",
-            **({"base_model": base_id} if base_id else {}),
+            "base_model": base_id or recorded_base(spec, adapter_dir, out_dir),
         }
     )
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
@@ -126,7 +127,7 @@ def merge(
         kept.save(partial)
         _copy_eval_results(adapter_dir, partial)
         if card:
-            write_model_card(partial, kept, repo_id=str(out_dir))
+            write_model_card(partial, kept, folder_name=out_dir.name)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
@@ -140,7 +141,18 @@ def export(
     base_id: str | None = None,
 ) -> dict[str, Any]:
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
-    the base by ``base_id`` when given)."""
+    the base by ``base_id`` when given; without it, a base the adapter names by a local folder is warned about, as
+    ``push`` does: the card cannot name it)."""
+    from .files import local_adapter_dir
+
+    if not base_id:
+        adapter_dir = local_adapter_dir(adapter_dir)
+        warn_unnamed_base(
+            ContextSpec.load(adapter_dir),
+            adapter_dir,
+            "the exported card leaves it out (longpeft.json names it relative to the export folder)",
+            "export(..., base_id=...)",
+        )
     return merge(
         adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
     )
@@ -228,13 +240,72 @@ def shareable_base(base_model: str | None) -> bool:
     return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
 
 
-def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id: str) -> str:
+def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | None:
+    """How ``folder``, written from the adapter in ``adapter_dir`` (merge, export), names the adapter's base in its
+    longpeft.json: a Hub id or a built-in model's name as the adapter does, a local folder by its path relative to
+    ``folder`` (:func:`~longpeft.spec.base_reference`); None when the adapter names none."""
+    from .loading import resolve_base
+
+    if not spec.base_model or shareable_base(spec.base_model):
+        return spec.base_model
+    return base_reference(resolve_base(spec, adapter_dir, None), folder)
+
+
+def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_call: str) -> None:
+    """Warn, before a folder meant for others is written from ``source``, that its base has no Hub id to name it by
+    (longpeft.json names a local folder, or none): ``consequence`` says what the written folder does about it."""
+    if shareable_base(spec.base_model):
+        return
+    named = f"by a local path ({spec.base_model!r})" if spec.base_model else "by no name"
+    warnings.warn(
+        f"{source / SPEC_FILENAME} names its base model {named}: {consequence}, as users would not have that "
+        f"folder; pass the base's Hub id with --base-id owner/name ({python_call})",
+        stacklevel=3,
+    )
+
+
+def plain_peft_misses(spec: ContextSpec) -> list[str]:
+    """What plain ``PeftModel.from_pretrained`` on the stock base leaves out of an adapter with this spec (it reads
+    adapter_config.json and the weights, not longpeft.json): the RoPE change, the positions, and every method
+    applied at load besides them; empty when the adapted model is the stock base plus the weights."""
+    missed = []
+    before, after = spec.original_rope_parameters, spec.rope_parameters
+    if before != after:
+        changed = sorted(key for key in {*before, *after} if before.get(key) != after.get(key))
+        missed.append(
+            "the RoPE parameters ("
+            + ", ".join(f"{key} {before.get(key)} -> {after.get(key)}" for key in changed)
+            + ")"
+        )
+    if spec.max_position_embeddings != spec.original_max_position_embeddings:
+        missed.append(
+            f"max_position_embeddings {spec.original_max_position_embeddings} -> {spec.max_position_embeddings}"
+        )
+    missed += [method.name for method, _ in spec_methods(spec) if method.apply is not None and not method.implied]
+    return missed
+
+
+def load_location(repo_id: str | None, folder_name: str) -> tuple[str, str]:
+    """Where a card tells users to load its folder from, and what the snippet's comment says of it: the Hub repo id
+    when the folder is uploaded there, else a path the user replaces (``path/to/<the folder's name>``), marked as
+    such; never a path of the machine that wrote it."""
+    if repo_id:
+        return repo_id, ""
+    placeholder = f"path/to/{folder_name}"
+    return placeholder, f"{placeholder}: where this folder is"
+
+
+def model_card_text(
+    spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id: str | None = None, folder_name: str = "model"
+) -> str:
     """README.md of what ``spec.weights`` says the folder holds (a LoRA adapter when unknown): YAML metadata, then
     what changed and how to load it.
 
-    ``repo_id``: the Hub id (or local folder) the card tells users to load from. A merged or fully fine-tuned
-    model loads with transformers alone; an adapter (LoRA, or only a method's own weights) with
-    ``longpeft.load``. Every method of the spec contributes its metadata section and its sentences (``describe``).
+    ``repo_id``: the Hub id the card tells users to load from; without it (a folder on this machine, named
+    ``folder_name``) a marked placeholder path (:func:`load_location`). A merged or fully fine-tuned model loads
+    with transformers alone; an adapter (LoRA, or only a method's own weights) with ``longpeft.load``, on the base
+    longpeft.json names when that is a Hub id, else on the local folder it names or on a base the user gives. Every
+    method of the spec contributes its metadata section and its sentences (``describe``).
     """
     methods = spec_methods(spec)
     weights = spec.weights or "lora"
@@ -302,20 +373,26 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
     for method, config in methods:
         if method.describe is not None:
             lines += method.describe(config)
+    location, where = load_location(repo_id, folder_name)
     lines += ["", "## Load", "", "```python"]
     if standalone:
         trust = ", trust_remote_code=True" if remote else ""  # the tokenizer reads the same auto_map: no prompt
         lines += [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
-            f'model = AutoModelForCausalLM.from_pretrained("{repo_id}"{trust})',
-            f'tokenizer = AutoTokenizer.from_pretrained("{repo_id}"{trust})',
+            f'model = AutoModelForCausalLM.from_pretrained("{location}"{trust})' + (f"  # {where}" if where else ""),
+            f'tokenizer = AutoTokenizer.from_pretrained("{location}"{trust})',
         ]
     else:
+        if shareable_base(spec.base_model):
+            base, notes = f'"{spec.base_model}"', []
+        elif spec.base_model:  # a local folder, named relative to this one
+            base, notes = "None", [f"None: the base longpeft.json names ({spec.base_model} from this folder)"]
+        else:
+            base, notes = '"BASE_MODEL"', ["BASE_MODEL: the Hub id or folder of the base model this was trained on"]
+        notes += [where] if where else []
         lines += [
             "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
-            f'model = longpeft.load("{spec.base_model}", "{repo_id}")'
-            if shareable_base(spec.base_model)
-            else f'model = longpeft.load(None, "{repo_id}")  # None: the base longpeft.json names',
+            f'model = longpeft.load({base}, "{location}")' + (f"  # {'; '.join(notes)}" if notes else ""),
         ]
     lines += ["```", ""]
     if standalone and remote:
@@ -324,10 +401,18 @@ def model_card_text(spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id:
             "and transformers); without it loading fails rather than giving a model without the method.",
             "",
         ]
-    if weights == "lora":
+    missed = plain_peft_misses(spec) if weights == "lora" else []
+    if missed:
         lines += [
-            "Loading this adapter with plain `PeftModel.from_pretrained` on a stock base model silently keeps the "
-            "base's RoPE parameters and gives a broken model: use `longpeft.load`.",
+            "The adapter is in peft's own format, but plain `PeftModel.from_pretrained` on the stock base reads "
+            f"only its weights, not `longpeft.json`, and leaves out: {'; '.join(missed)}. It then silently gives a "
+            "model other than the one trained: use `longpeft.load`.",
+            "",
+        ]
+    elif weights == "lora":
+        lines += [
+            "The adapter is in peft's own format, and changes nothing besides its weights: plain "
+            "`PeftModel.from_pretrained` on the stock base gives the same model as `longpeft.load`.",
             "",
         ]
     elif weights == "method":
@@ -353,13 +438,20 @@ def base_display_name(base_model: str | None) -> str:
     return Path(base_model).name if is_local(base_model) else base_model
 
 
-def write_model_card(folder: str | Path, spec: ContextSpec, repo_id: str) -> Path:
+def write_model_card(
+    folder: str | Path, spec: ContextSpec, repo_id: str | None = None, folder_name: str | None = None
+) -> Path:
     """Write README.md (the model card) of what ``folder`` holds (:func:`folder_weights`) into it, with its eval
-    table when one is there."""
+    table when one is there. ``repo_id``: the Hub id it is uploaded to; else the card names the folder by a
+    placeholder path ending in ``folder_name`` (default: ``folder``'s name; give it when ``folder`` is written under
+    another name and renamed)."""
     folder = Path(folder)
     path = folder / "README.md"
     card = model_card_text(
-        spec.model_copy(update={"weights": folder_weights(folder, spec)}), load_eval_rows(folder), repo_id
+        spec.model_copy(update={"weights": folder_weights(folder, spec)}),
+        load_eval_rows(folder),
+        repo_id,
+        folder_name or folder.name,
     )
     path.write_text(card)
     return path
@@ -433,6 +525,10 @@ def stage_upload(
     """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id`` (all or nothing: written beside it
     and moved there at the end).
 
+    An adapter is uploaded in peft's own format (a tied embedding under both its names, as plain
+    ``PeftModel.from_pretrained`` needs it), whatever wrote it. The base is named by ``base_id``, else by the Hub id
+    or built-in name longpeft.json gives; a local base folder is named nowhere (with a warning).
+
     Args:
         source: an adapter folder (with longpeft.json), a whole model folder (a merged or exported model, or the
             model/ folder of a ``finetune: full`` run: config.json, weights and longpeft.json), or a run folder
@@ -448,14 +544,9 @@ def stage_upload(
         check_repo_id(base_id, "--base-id")
     source, dest = upload_source(Path(source)), Path(dest).resolve()
     spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
-    base_id = base_id or spec.base_model
-    if not base_id or is_local(base_id):
-        warnings.warn(
-            f"{source / SPEC_FILENAME} names its base model by a local path ({spec.base_model!r}): the card and "
-            "longpeft.json would point users at a folder they do not have; pass the base's Hub id with --base-id "
-            "owner/name (push(..., base_id=...))",
-            stacklevel=2,
-        )
+    if not base_id:
+        warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
+        base_id = spec.base_model if shareable_base(spec.base_model) else None
     check_output_folder(dest, protected={"the folder to upload": source}, flag="--dry-run")
     weights = folder_weights(source, spec)
     with written_atomically(dest) as partial:
@@ -467,6 +558,7 @@ def stage_upload(
         else:
             check_adapter_files(source)
             _copy_files(source, partial)
+            write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
         _copy_eval_results(source, partial)
         _record(partial, weights, base_id)
         write_model_card(partial, ContextSpec.load(partial), repo_id=repo_id)
@@ -515,16 +607,23 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
 
 
 def _record(folder: Path, weights: str, base_id: str | None) -> None:
-    """Record in a staged folder's longpeft.json what its weights are, and name the base by its Hub id there (and
-    in an adapter's adapter_config.json)."""
+    """Record in a staged folder's longpeft.json what its weights are, and name the base by its Hub id there and in
+    an adapter's adapter_config.json (None: by no name, never by a path of this machine)."""
     spec = ContextSpec.load(folder)
     spec.weights = weights
-    spec.base_model = base_id or spec.base_model
+    spec.base_model = base_id
     spec.save(folder)
+    name_base_in_adapter_config(folder, base_id)
+
+
+def name_base_in_adapter_config(folder: Path, base_model: str | None) -> None:
+    """Set ``base_model_name_or_path`` of ``folder``'s adapter_config.json (peft writes the path the base was loaded
+    from) to how longpeft.json names the base; nothing when the folder has no such file (an adapter without LoRA:
+    beacon weights only)."""
     config_path = folder / "adapter_config.json"
-    if base_id and config_path.is_file():  # an adapter without LoRA (beacon weights only) has none
+    if config_path.is_file():
         config = json.loads(config_path.read_text())
-        config["base_model_name_or_path"] = base_id
+        config["base_model_name_or_path"] = base_model
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -87,7 +88,8 @@ class ContextSpec(StrictModel):
             ``rope_parameters`` and ``max_position_embeddings``.
         methods: one section per applied method (registry name -> its config as a dict), e.g.
             ``{"rope": {"rope_type": "default", "rope_theta": 2e8, "max_position_embeddings": 81920}}``.
-        base_model: Hub id or path of the base model the adapter was trained on.
+        base_model: the base model the adapter was trained on: a Hub id, a built-in model's name, or a local folder
+            by its path relative to the folder holding this file (:func:`base_reference`).
         base_revision: revision (commit) of the base model, when known.
         vocab_size: vocabulary size of the adapted model (differs from the base when tokens were added).
         trained_length / target_length: training sequence length and the length it should work at.
@@ -273,6 +275,18 @@ class ContextSpec(StrictModel):
                 + "; ".join(problems)
                 + ". Load the base model the adapter was trained on."
             )
+
+
+def base_reference(name: str, folder: str | Path) -> str:
+    """How the ``longpeft.json`` (and ``adapter_config.json``) of ``folder`` names the base model ``name``: a local
+    folder by its path relative to ``folder`` (``../base``, always starting with ``.``: the two can move together,
+    and the file holds no path of this machine), a Hub id or a built-in model's name as given."""
+    from .builtin_models import BUILTIN_MODELS
+
+    if name in BUILTIN_MODELS or not Path(name).exists():
+        return name
+    relative = os.path.relpath(Path(name).resolve(), Path(folder).resolve())
+    return relative if relative.startswith(".") else f"./{relative}"
 
 
 def _same_model(a: str, b: str) -> bool:

@@ -36,7 +36,9 @@ paper), ``step-expansion`` with ``interleave`` (their mask hides window slots 0 
 ours follows the paper, and ``layout_rule: authors`` refuses it), random ratio mixes (their draws come from their
 own generator) and bf16 (a 1e-5 bound is a float32 one). Also shown, not a parity row: decoding after a prompt
 shorter than the window with a sink, where the authors' decoding differs from their own prefill (their sink is
-re-taken from each decoding step and read twice); ours decodes as their prefill reads.
+re-taken from each decoding step and read twice); ours decodes as their prefill reads. Without a sink, decoding after
+a prompt shorter than the window is compared with their decoding: with appended beacons and adapt-N their ratio is
+chosen when decoding fills the window.
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ TOLERANCE = 1e-5  # every-token logits, all settings
 LENGTHS = [WINDOW // 2, WINDOW, 2 * WINDOW + 5, 5 * WINDOW]
 ADAPT_LENGTHS = [2 * WINDOW + 5, 64, 65, 128, 129]  # adapt-16 on 48 positions: ratio 2 up to 64 tokens, 4 up to 128
 NEW_TOKENS = 2 * WINDOW  # greedy decoding after the 2W + 5 prompt: crosses two window boundaries
+# adapt-70 on 48 positions: ratio 2 reaches (48 - 16) x 2 + 16 = 80 tokens, so a prompt of W / 2 = 8 counted with 70
+# more (78) takes 2, the full window counted with 70 more (86) takes 4
+SHORT_PROMPT_ADAPT = 70
 COMMON = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -97,6 +102,16 @@ SETTINGS = [
         "sink": 1,
         "params": QKV,
         "lengths": ADAPT_LENGTHS,
+    },
+    {  # appended beacons after a prompt of W / 2: their ratio is chosen when decoding fills the window
+        "attn": "full-coverage",
+        "pos": "append",
+        "ratios": [2, 4, 8],
+        "mix": f"adapt-{SHORT_PROMPT_ADAPT}",
+        "positions": 48,
+        "sink": 0,
+        "params": QKV,
+        "short_decoding": True,
     },
     {
         "family": "qwen2",
@@ -292,7 +307,8 @@ def authors_side(src: Path, out: Path, setting: dict) -> None:
     reads = [authors_read(model, ids) for ids in sequences(lengths_of(setting))]
     decoding = authors_decode(model, sequences(LENGTHS)[2], NEW_TOKENS)
     short = None
-    if setting["sink"]:  # decoding from a prompt shorter than the window, then their prefill of what it decoded
+    if setting["sink"] or setting.get("short_decoding"):  # decoding from a prompt shorter than the window, then
+        # their prefill of what it decoded
         short = authors_decode(model, sequences(LENGTHS)[0], NEW_TOKENS)
         short["prefill_logits"] = authors_read(model, short["tokens"])["logits"]
     model.train()  # one training step's loss and beacon gradients (through the memory of earlier windows)
@@ -426,6 +442,8 @@ def short_prompt_decoding(model, theirs: dict) -> dict:
         "length": f"{prompt} + {len(tokens) - prompt} decoded",
         "authors_decode_vs_their_prefill": float((torch.tensor(theirs["logits"]) - prefill).abs().max()),
         "ours_vs_their_prefill": float((torch.stack(ours) - prefill).abs().max()),
+        "ours_vs_their_decoding": float((torch.stack(ours) - torch.tensor(theirs["logits"])).abs().max()),
+        "ratio_ours": cache.state.chosen_ratio,
     }
 
 
@@ -585,7 +603,13 @@ def print_setting(setting: dict, result: dict) -> None:
             f"max |diff| {row['grad_max_abs_diff']:.1e} (largest {row['grad_max_abs']:.1e}); their gradient of "
             f"the weights we freeze {row['frozen_weights_their_grad_max_abs']:.1e}"
         )
-    if "short_decoding" in result:
+    if "short_decoding" in result and not setting["sink"]:
+        short = result["short_decoding"]
+        print(
+            f"|   decoding {short['length']} (a prompt shorter than the window): ours vs their decoding "
+            f"{short['ours_vs_their_decoding']:.1e} (our ratio {short['ratio_ours']})"
+        )
+    elif "short_decoding" in result:
         short = result["short_decoding"]
         print(
             f"|   not parity: decoding {short['length']} (a sink, a prompt shorter than the window): their decoding "
@@ -622,7 +646,14 @@ def main() -> int:
     summary = {
         "logits_max_abs_diff": max(row["logits_max_abs_diff"] for row in rows),
         "loss_max_abs_diff": max(row["loss_abs_diff"] for row in rows),
-        "decoding_logits_max_abs_diff": max(entry["decoding"]["logits_max_abs_diff"] for entry in report),
+        "decoding_logits_max_abs_diff": max(
+            [entry["decoding"]["logits_max_abs_diff"] for entry in report]
+            + [
+                entry["short_decoding"]["ours_vs_their_decoding"]
+                for entry in report
+                if "short_decoding" in entry and not entry["sink"]
+            ]
+        ),
         "decoding_same_tokens": all(entry["decoding"]["same_tokens"] for entry in report),
         "training_loss_max_abs_diff": max(row["loss_abs_diff"] for row in training),
         "training_grad_max_abs_diff": max(row["grad_max_abs_diff"] for row in training),

@@ -293,7 +293,7 @@ def test_the_authors_tensor_shapes_follow_grouped_query_attention():
     ],
 )
 def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training, inference):
-    from longpeft.adapters.beacon.weights import config_from_authors
+    from longpeft.adapters.beacon.authors_config import config_from_authors
 
     config = config_from_authors({"beacon_window": 16, "beacon_ratio": [2, 4, 8], "beacon_ratio_mix": their_mix})
     assert (config.ratio_mix, config.inference_ratio_mix, config.inference_ratios) == (training, inference, [2, 4, 8])
@@ -311,7 +311,7 @@ def test_converter_keeps_the_authors_adapt_mix_for_inference(their_mix, training
     ],
 )
 def test_the_converter_refuses_what_the_authors_rule_cannot_reproduce(their_config, message):
-    from longpeft.adapters.beacon.weights import config_from_authors
+    from longpeft.adapters.beacon.authors_config import config_from_authors
 
     with pytest.raises(ValueError, match=message):
         config_from_authors({"beacon_window": 16, "beacon_ratio": [2], **their_config})

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from longpeft.adapters.beacon import BeaconConfig, apply_beacon
+from longpeft.adapters.beacon import BeaconCache, BeaconConfig, apply_beacon
 from longpeft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -236,3 +236,57 @@ def test_a_right_padded_batch_gives_each_row_the_reference_of_its_tokens_alone(p
         full = reference_logits(model, ids[1], attn, pos, ratio)
     torch.testing.assert_close(actual[0, :-pad], short, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(actual[1], full, atol=2e-5, rtol=1e-5)
+
+
+ADAPT = 498  # the tiny base's 256 positions, window 8: the authors' ratio 2 reaches (256 - 8) x 2 + 8 = 504 tokens
+
+
+def authors_tokens_known_at_choice(pos: str, chunks: tuple[int, ...]) -> int:
+    """Tokens the authors' code has seen when it chooses the first window's ratio, for an input fed to it in forwards
+    of ``chunks`` tokens: interleaved beacons, in the first forward (their window loop sets the ratio as a window
+    starts); appended ones, in the forward whose tokens fill the first window (they set it only for a full window),
+    or never when none does."""
+    seen = 0
+    for chunk in chunks:
+        seen += chunk
+        if pos == "interleave" or seen >= WINDOW:
+            return seen
+    return seen
+
+
+@pytest.mark.parametrize("chunks", [(5,) + (1,) * 8, (5, 6, 1, 1), (8,) + (1,) * 5, (13,)])
+@pytest.mark.parametrize(
+    "attn,pos", [("full-coverage", "append"), ("step-expansion", "append"), ("full-coverage", "interleave")]
+)
+def test_the_authors_rule_chooses_the_adaptive_ratio_when_their_code_does(chunks, attn, pos):
+    """adapt-498 on 256 positions picks 2 for up to 6 tokens and 4 from 7 tokens on (the authors' count: the
+    reference ``test_beacon_layout.authors_choice``). With appended beacons and a prompt shorter than the window (5
+    tokens, then decoding), their code chooses when the window fills, at 8 tokens, so 4; with interleaved ones, at
+    the prompt, so 2. Every token's logits, fed in ``chunks``, equal the dense reference at that ratio, which the
+    other ratio would move."""
+    from test_beacon_layout import authors_choice
+
+    model = tiny_model("llama", attn_implementation="eager", attention_bias=True)
+    settings = BeaconConfig(
+        window=WINDOW,
+        ratios=[2, 4],
+        inference_ratio_mix=f"adapt-{ADAPT}",
+        attn=attn,
+        pos=pos,
+        sink=SINK,
+        params=["q", "k", "v", "o"],
+        layout_rule="authors",
+    )
+    apply_beacon(model, settings.settings())
+    perturb_beacon_weights(model, torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 512, (sum(chunks),), generator=torch.Generator().manual_seed(len(chunks)))
+    expected = authors_choice((2, 4), WINDOW, 256, authors_tokens_known_at_choice(pos, chunks) + ADAPT)
+    cache, logits, done = BeaconCache(), [], 0
+    with torch.no_grad():
+        for chunk in chunks:
+            logits.append(model(ids[None, done : done + chunk], past_key_values=cache).logits[0])
+            done += chunk
+        reference = {ratio: reference_logits(model, ids, attn, pos, ratio, rule="authors") for ratio in (2, 4)}
+    assert cache.state.chosen_ratio == expected
+    torch.testing.assert_close(torch.cat(logits), reference[expected], atol=2e-5, rtol=1e-5)
+    assert float((reference[2] - reference[4]).abs().max()) > 1e-3

@@ -361,9 +361,10 @@ def test_liger_is_refused_with_the_reason(recipe, overrides, message):
         check_here(validate_recipe(load_recipe(recipe, ["train.use_liger_kernel=true", *overrides])))
 
 
-def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path):
+def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path, capsys):
     """The runner end to end on CPU: one checkpointed layer of two that keeps its attention, offloaded inputs and a
-    tiled MLP give the losses of the plain run, and the resolved recipe records what each layer kept."""
+    tiled MLP give the losses of the plain run, and the resolved recipe records what each layer kept. Each lever
+    says on stderr what it did, and on CPU the offloading says that it saves nothing; the plain run says nothing."""
     from longpeft.recipes.runner import run
 
     def losses(name, overrides):
@@ -374,6 +375,7 @@ def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path):
         return [json.loads(row)["loss"] for row in rows if "loss" in json.loads(row)], resolved["checkpointing"]
 
     plain, none = losses("plain", [])
+    plain_log = capsys.readouterr().err
     levers, recorded = losses(
         "levers",
         [
@@ -383,8 +385,52 @@ def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path):
             "train.mlp_tile_tokens=64",
         ],
     )
+    log = capsys.readouterr().err
     assert none is None and recorded == {"checkpointed": 1, "keep_attention": 1, "offload": True}
     assert levers == pytest.approx(plain, rel=1e-5)
+    assert (
+        "longpeft: checkpointing: 1 of 2 layers checkpointed, attention kept in 1, inputs copied to a second CPU "
+        "buffer and back (no GPU in this run: the offloading runs its steps but saves no memory)"
+    ) in log
+    assert "longpeft: MLP tiled: the MLP of 2 decoder layers runs 64 tokens at a time in training" in log
+    assert "checkpointing:" not in plain_log and "MLP tiled" not in plain_log
+
+
+@pytest.mark.parametrize(
+    ("settings", "tile", "lines"),
+    [
+        (None, 32, ["longpeft: MLP tiled: the MLP of 4 decoder layers runs 32 tokens at a time in training"]),
+        (CheckpointSettings(1), None, ["longpeft: checkpointing: 1 of 4 layers checkpointed, attention kept in 0"]),
+        (
+            CheckpointSettings(2, offload=True),
+            4096,
+            ["longpeft: checkpointing: 2 of 4 layers checkpointed", "longpeft: MLP tiled: the MLP of 4 decoder"],
+        ),
+    ],
+)
+def test_each_lever_alone_says_what_it_did(lora_model, capsys, settings, tile, lines):
+    """What the runner installs when training begins (``TrainingMemory``) says so on the main process only."""
+    from types import SimpleNamespace
+
+    from longpeft.recipes.memory import TrainingMemory
+
+    args = SimpleNamespace(device=torch.device("cpu"))
+    for main_process in (True, False):
+        memory = TrainingMemory(settings, tile)
+        state = SimpleNamespace(is_world_process_zero=main_process)
+        memory.on_train_begin(args, state, None, model=copy.deepcopy(lora_model))
+        log = capsys.readouterr().err.splitlines()
+        assert len(log) == (len(lines) if main_process else 0)
+        assert all(line.startswith(start) for line, start in zip(log, lines, strict=False))
+
+
+def test_offloading_says_on_a_gpu_where_the_inputs_go_and_on_cpu_that_it_saves_nothing():
+    settings = CheckpointSettings(4, keep_attention=2, offload=True)
+    assert settings.describe(4).endswith("inputs offloaded to CPU memory")
+    assert settings.describe(4, on_gpu=False).endswith(
+        "(no GPU in this run: the offloading runs its steps but saves no memory)"
+    )
+    assert CheckpointSettings(4).describe(4, on_gpu=False) == "4 of 4 layers checkpointed, attention kept in 0"
 
 
 def test_planner_against_the_kept_attention_run_measured_on_an_h100():

@@ -278,7 +278,7 @@ def test_chat_replies_in_their_own_words_score(tokenizer):
 
 
 def test_samples_keep_the_needle_position_and_optionally_the_prompt(tokenizer, tmp_path):
-    from longpeft.synth_data.probes import make_probes
+    from longpeft.eval.registry import make_probes
 
     grid = dict(lengths=[300, 400], depths=[0.0, 1.0], n_samples=1, seed=4)
     result = evaluate("passkey", CopyingModel(tokenizer), tokenizer, **grid)
@@ -380,6 +380,33 @@ def test_cli_string_shift_defaults_to_the_adapters_trained_length(saved_base_and
     saved = json.loads((tmp_path / "passkey.json").read_text())
     assert saved["string"]["trained_length"] == 120 and saved["string"]["shift"] == 40  # not 256 // 3
     assert "What is the pass key?" in saved["samples"][0]["prompt"]
+
+
+def test_string_defaults_to_the_same_trained_length_for_an_adapter_and_its_merged_model(
+    saved_base_and_adapter, tmp_path
+):
+    """The merged model's folder carries the adapter's longpeft.json (trained at 120 tokens; 256 positions): STRING's
+    default L and S are read from it, from the CLI and from Python, as they are for base + adapter."""
+    from transformers import AutoModelForCausalLM
+
+    import longpeft
+    from longpeft import hub
+    from longpeft.adapters.string import enable_string
+
+    base_dir, adapter_dir = saved_base_and_adapter
+    hub.merge(adapter_dir, tmp_path / "merged", verify=False)
+    common = ["passkey", "--string", "--string-window", "16", "--lengths", "256", "--depths", "0.5", "--samples", "1"]
+    run_cli(*common, "--model", str(base_dir), "--adapter", str(adapter_dir), "--out", str(tmp_path / "adapter"))
+    run_cli(*common, "--model", str(tmp_path / "merged"), "--out", str(tmp_path / "merged-eval"))
+    settings = [
+        json.loads((tmp_path / name / "passkey.json").read_text())["string"] for name in ("adapter", "merged-eval")
+    ]
+    assert settings[0] == settings[1] and (settings[0]["trained_length"], settings[0]["shift"]) == (120, 40)
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    on_adapter = enable_string(longpeft.load(str(base_dir), adapter_dir), local_window=16)
+    assert enable_string(merged, local_window=16) == on_adapter and on_adapter["shift"] == 40
+    assert enable_string(tiny_model("llama"), local_window=16)["shift"] == 256 // 3  # no longpeft.json: the positions
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 import pytest
@@ -141,6 +142,37 @@ def test_harness_on_longpeft_load_equals_a_direct_computation_and_keeps_the_adap
     assert (torch.tensor(got) - torch.tensor(on_base)).abs().max() > 1e-3
 
 
+def test_harness_on_a_tied_base_with_a_trained_embedding(tokenizer, task_dir, tmp_path, single_thread):
+    """``eval harness`` on a tied base whose adapter trains the embedding (``lora.embeddings: full`` on SmolLM2 or
+    Llama-3.2): HFLM's ``tie_weights()`` keeps the adapter's model, whose accuracy the CLI reports."""
+    from peft import LoraConfig, get_peft_model
+
+    import longpeft
+    from longpeft.spec import ContextSpec
+
+    base_dir, adapter_dir = tmp_path / "base", tmp_path / "adapter"
+    model = tiny_model("llama-tied", vocab_size=len(tokenizer))
+    model.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    peft_model = get_peft_model(
+        model,
+        LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.embed_tokens"], ensure_weight_tying=True),
+    )
+    with torch.no_grad():
+        peft_model.get_base_model().get_input_embeddings().weight.mul_(3.0)  # a trained embedding, also the head
+    peft_model.save_pretrained(adapter_dir)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base_dir)).save(adapter_dir)
+    folder, rows = task_dir
+    out = tmp_path / "harness.json"
+    flags = ["--tasks", TASK, "--include-path", str(folder), "--log-samples", "--out", str(out)]
+    assert run_cli("harness", "--model", str(base_dir), "--adapter", str(adapter_dir), *flags) == 0
+    reference = direct_loglikelihoods(longpeft.load(str(base_dir), adapter_dir).eval(), tokenizer, rows)
+    got = harness_loglikelihoods(json.loads(out.read_text()))
+    assert (torch.tensor(got) - torch.tensor(reference)).abs().max() < 1e-4
+    stock = direct_loglikelihoods(tiny_model("llama-tied", vocab_size=len(tokenizer)).eval(), tokenizer, rows)
+    assert (torch.tensor(got) - torch.tensor(stock)).abs().max() > 1e-2  # the trained embedding is in effect
+
+
 def test_max_length_is_the_extended_length_from_longpeft_json(tokenizer, base_and_adapter):
     import longpeft
 
@@ -149,6 +181,23 @@ def test_max_length_is_the_extended_length_from_longpeft_json(tokenizer, base_an
     model = longpeft.load(str(base_dir), adapter_dir)
     assert harness_lm(model, tokenizer, max_length=extended_length(adapter_dir)).max_length == EXTENDED
     assert tiny_model("llama", vocab_size=len(tokenizer)).config.max_position_embeddings == 256
+
+
+def test_lm_evals_notice_for_a_built_model_does_not_reach_the_user(tokenizer, base_and_adapter, caplog):
+    """HFLM logs "`pretrained` model kwarg is not of type `str` ... do not launch via accelerate" for every built
+    model: longpeft hands it one by design, so that record is dropped; the logger's other records pass."""
+    from lm_eval.models import huggingface
+
+    import longpeft
+
+    base_dir, adapter_dir = base_and_adapter
+    filters = list(huggingface.eval_logger.filters)
+    with caplog.at_level(logging.WARNING):
+        harness_lm(longpeft.load(str(base_dir), adapter_dir), tokenizer)
+        huggingface.eval_logger.warning("another lm-eval warning")
+    messages = [record.getMessage() for record in caplog.records]
+    assert "another lm-eval warning" in messages and not [m for m in messages if "not of type `str`" in m]
+    assert huggingface.eval_logger.filters == filters
 
 
 def test_extended_length_is_the_target_length_when_longer(tokenizer, tmp_path):

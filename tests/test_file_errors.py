@@ -252,7 +252,7 @@ def test_init_from_an_adapter_without_weights_names_the_file(adapter):
 
 
 def _base_of(result) -> str:
-    return json.loads((result.adapter_dir / "longpeft.json").read_text())["base_model"]
+    return json.loads((result.output_dir / "recipe.resolved.json").read_text())["base_model"]
 
 
 def test_resume_from_a_checkpoint_with_a_pickle_payload_names_it(trained, tmp_path, capsys):

@@ -37,7 +37,7 @@ FORBIDDEN = {
         "tiny",
         "family",
     },
-    # peft glue for adapter weight files (a tied embedding written once): below loading and recipes, which use it
+    # peft glue for adapter weight files (peft's format; a tied embedding once in checkpoints): below loading, recipes
     "adapter_weights": {
         "rope",
         "spec",
@@ -53,6 +53,8 @@ FORBIDDEN = {
         "synth_data",
         "tiny",
     },
+    # transformers' tie_weights through peft's wrappers: peft glue as the weight files' is (they install it)
+    "peft_ties": {"*"},
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
     # torch-free RoPE parameter dicts, beside the config layer: the method sections and the base's config read them
     "rope_parameters": {"*"},
@@ -88,10 +90,23 @@ BESIDE = {"files": {"hub_wait"}}  # layer -> the "*" layers beside it that it ma
 LLM_CLIENT_PARTS = {
     "llm_output": set(),
     "llm_request": set(),
-    "llm_cache": {"llm_request"},
+    "llm_cache": {"llm_request", "llm_rejects"},
     "llm_rejects": set(),
     "llm_http": {"llm_request"},
-    "llm_client": {"llm_output", "llm_request", "llm_cache", "llm_rejects", "llm_http", "endpoint"},
+    "http_json": {"llm_http"},
+    "endpoint": {"http_json"},
+    "structured_output": {"answer_schema", "llm_output", "llm_http"},
+    "prompt_tokens": {"endpoint", "http_json", "llm_request"},
+    "llm_client": {
+        "llm_output",
+        "llm_request",
+        "llm_cache",
+        "llm_rejects",
+        "llm_http",
+        "endpoint",
+        "prompt_tokens",
+        "structured_output",
+    },
 }
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
 

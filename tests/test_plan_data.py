@@ -266,13 +266,14 @@ def _llm_config(base_url: str, **extra):
 
 
 def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, monkeypatch, capsys):
-    """The plan's requests and input tokens against what a stub endpoint really receives during the build; a second
-    plan finds them all in the cache; --plan sends nothing."""
+    """The plan's requests and input tokens against what a stub endpoint really receives during the build, counted by
+    the server's own tokenizer (llama.cpp's /apply-template and /tokenize), not the training one; a second plan finds
+    them all in the cache; --plan requests no completion."""
     from longpeft.synth_data.build_plan import plan_build
     from longpeft.synth_data.pipeline import synthesize
     from longpeft.tiny import demo_tokenizer
 
-    from stub_server import StubServer, default_reply
+    from stub_server import StubServer, default_reply, stub_template, stub_tokens
 
     monkeypatch.setenv("STUB_KEY", "x")
     received = []
@@ -282,10 +283,11 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
         return default_reply(body)
 
     tokenizer = demo_tokenizer()
-    with StubServer(reply=recording) as server:
+    with StubServer(reply=recording, tokenize="llama.cpp") as server:
         config = _llm_config(server.base_url)
         plan = plan_build(config, tmp_path / "out", tokenizer=tokenizer)
-        assert server.calls == 0 and not (tmp_path / "out").exists()  # nothing sent, nothing written
+        assert server.calls == 0 and not (tmp_path / "out").exists()  # no completion asked, nothing written
+        assert "/tokenize" in server.tokenize_calls
         synthesize(config, tmp_path / "out", tokenizer=tokenizer)
         assert (
             main(
@@ -326,7 +328,7 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
             == 0
         )
         assert server.calls == len(received)  # the CLI's plan sent nothing either
-    counted = sum(len(tokenizer(m["content"], add_special_tokens=False)["input_ids"]) for ms in received for m in ms)
+    counted = sum(len(stub_tokens(stub_template(messages))) for messages in received)
     assert plan.requests == len(received) == 2 * 2 + 1 + 1 + 1 and plan.input_tokens == counted
     assert {task: t.requests for task, t in plan.tasks.items()} == {
         "single_detail": 4,
@@ -338,7 +340,8 @@ def test_synth_plan_counts_the_requests_and_tokens_the_build_sends(tmp_path, mon
     total = next(line for line in report.splitlines() if line.startswith("total"))
     assert total.split() == ["total", "7", f"{counted:,}", f"{7 * 300:,}", "7"]  # all 7 in the cache by then
     assert (
-        "7 requests to stub; nothing was sent" in report
+        "7 requests to stub; no completion was requested" in report
+        and "input tokens: counted by the server's tokenizer (llama.cpp POST /apply-template and /tokenize)" in report
         and "estimate: 0.0 s for the 0 requests not in the cache" in report
     )
     again = plan_build(config, tmp_path / "out", tokenizer=tokenizer)  # answered: a resumed run sends none

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from longpeft.synth_data.probes import DEPTH_TASKS, PROBE_TASKS, ProbeBuilder, make_probes
+from longpeft.eval.registry import DEPTH_TASKS, PROBE_TASKS, ProbeBuilder, make_probes
 from longpeft.tiny import train_tokenizer
 
 

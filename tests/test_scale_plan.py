@@ -728,3 +728,74 @@ def test_time_splits_matmuls_and_attention_at_their_own_utilisations():
         assert estimate(flash, gpus=8, gpu=gpu, mfu=mfu).hours == pytest.approx(plan.hours)
     assert "(attention, sdpa) of 989 TFLOP/s (measured on an H100)" in plans["sdpa"].table()
     assert "(assumed: not measured on a100)" in estimate(recipe, gpus=8, gpu="a100").table()
+
+
+def longest_line(out: str, pattern: str) -> int:
+    """The number the line of ``plan --longest`` matching ``pattern`` (one group) gives."""
+    return int(re.search(pattern, out, flags=re.M)[1].replace(",", ""))
+
+
+@pytest.mark.parametrize("recipe", ["tiny-cpu", "tiny-beacon-cpu"])
+def test_plan_longest_is_bounded_by_the_positions_where_plan_refuses_a_longer_max_length(recipe, capsys):
+    """RoPE base expansion to 1,024 positions, and Activation Beacon on the tiny base's 256 (its windows keep more
+    tokens inside them): far more fits in 80 GiB, and ``plan --longest`` says the positions bound it, at exactly the
+    length past which ``plan`` (as ``train``) refuses data.max_length."""
+    assert main(["plan", recipe, "--gpus", "1", "--longest"]) == 0
+    out = capsys.readouterr().out
+    longest = longest_line(out, r"^longest sample: ([\d,]+) tokens per GPU sample, bounded by positions$")
+    assert longest < longest_line(out, r"^  memory: up to ([\d,]+) tokens fit in 80 GiB per GPU")
+    assert longest == longest_line(out, r"^  positions: up to ([\d,]+) tokens stay inside the adapted model's")
+    assert "recipe: data.max_length=1,024, for target_length 1,024; it fits" in out
+    assert f"the plan at {longest:,} tokens:" in out
+    if recipe == "tiny-cpu":
+        assert longest == load_recipe(recipe).rope.max_position_embeddings == 1024
+    assert main(["plan", recipe, "--set", f"data.max_length={longest}"]) == 0
+    assert main(["plan", recipe, "--set", f"data.max_length={longest + 1}"]) == 2
+    assert "beyond the adapted model's" in capsys.readouterr().err
+
+
+def test_plan_longest_is_bounded_by_memory_where_the_next_step_does_not_fit(capsys):
+    positions = ["--set", "rope.max_position_embeddings=1048576"]
+    assert main(["plan", "tiny-cpu", "--gpus", "1", "--longest", "--gpu-memory", "8", *positions]) == 0
+    out = capsys.readouterr().out
+    longest = longest_line(out, r"^longest sample: ([\d,]+) tokens per GPU sample, bounded by memory$")
+    assert 0 < longest == longest_line(out, r"^  memory: up to ([\d,]+) tokens fit in 8 GiB per GPU")
+    assert "positions: up to 1,048,576 tokens stay inside the adapted model's 1,048,576 positions" in out
+    for length, verdict in ((longest, "(fits in 8 GiB"), (longest + 1024, "(does NOT fit in 8 GiB")):
+        assert (
+            main(
+                [
+                    "plan",
+                    "tiny-cpu",
+                    "--gpus",
+                    "1",
+                    "--gpu-memory",
+                    "8",
+                    *positions,
+                    "--set",
+                    f"data.max_length={length}",
+                ]
+            )
+            == 0
+        )
+        assert verdict in capsys.readouterr().out
+
+
+def test_plan_longest_says_when_it_could_not_check_the_positions(tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "1", "--longest"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(
+        r"^longest sample: [\d,]+ tokens per GPU sample, bounded by memory \(positions not checked\)$", out, flags=re.M
+    )
+    assert "positions: not checked (meta-llama/Meta-Llama-3-8B-Instruct's config.json is not on this machine" in out
+
+
+def test_plan_prints_where_train_writes(tmp_path, monkeypatch, capsys):
+    """``output_dir: runs/{name}`` is printed as the folder train writes: the name filled in, an absolute path."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "tiny-cpu"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out)["recipe"]["output_dir"] == str(tmp_path / "runs" / "tiny-cpu") and "{name}" not in out

@@ -306,7 +306,8 @@ def test_export_and_push_dry_run_write_cards(tiny_base_dirs, tmp_path):
         hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload-local")
     card = (tmp_path / "upload-local" / "README.md").read_text()
     assert base_path not in card and "base_model:" not in card.split("---")[1]
-    assert 'longpeft.load(None, "someone/tiny-80k")' in card
+    assert 'longpeft.load("BASE_MODEL", "someone/tiny-80k")  # BASE_MODEL: the Hub id or folder' in card
+    assert json.loads((tmp_path / "upload-local" / "longpeft.json").read_text())["base_model"] is None
 
     staged = hub.push(tmp_path / "adapter", "someone/tiny-80k", dry_run=tmp_path / "upload", base_id="owner/base")
     names = sorted(p.name for p in (tmp_path / "upload").iterdir())

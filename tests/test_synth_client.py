@@ -131,9 +131,10 @@ def test_malformed_output_is_retried_then_rejected(tmp_path):
     assert not missing.ok and missing.attempts == 3  # valid JSON without a required field: rejected too
     rejects = {r["meta"]["name"]: r for r in map(json.loads, (tmp_path / "rejects.jsonl").read_text().splitlines())}
     assert set(rejects) == {"always [[bad]]", "fields"}
-    assert [o["attempt"] for o in rejects["always [[bad]]"]["outputs"]] == [0, 1, 2]
-    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["outputs"])
-    assert all("no_such_field" in o["error"] for o in rejects["fields"]["outputs"])
+    assert [o["attempt"] for o in rejects["always [[bad]]"]["attempts"]] == [0, 1, 2]
+    assert all("not valid JSON" in o["error"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all(o["reason"] == "malformed" and o["text"] for o in rejects["always [[bad]]"]["attempts"])
+    assert all("no_such_field" in o["error"] for o in rejects["fields"]["attempts"])
     assert client.usage_report()["tasks"]["t"]["malformed"] == 1 + 3 + 3
 
 
@@ -208,21 +209,25 @@ def test_a_check_rejection_is_asked_again_and_recorded_as_quality(tmp_path):
 
 
 def test_transient_failures_are_not_marked_rejected(tmp_path):
-    """A request given up after retries (a server down) is asked again by a plain rerun; a 4xx refusal is not."""
+    """A request given up after retries (a server down) is asked again by a plain rerun: once answered it leaves the
+    rejects file, and once rejected as malformed its record says so, with no trace of gave_up; a 4xx refusal is not
+    asked again and stays."""
+    requests = [request("down [[503*2]]"), request("refused [[400*1]]"), request("then bad [[503*2,bad]]")]
     with StubServer() as server:
-        down, refused = make_client(server, tmp_path, max_retries=1).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert not down.ok and not refused.ok
-        again = make_client(server, tmp_path).run(
-            [request("down [[503*2]]"), request("refused [[400*1]]")], parse=parse_qa
-        )
-        assert again[0].ok and not again[1].ok
+        down, refused, bad = make_client(server, tmp_path, max_retries=1).run(requests, parse=parse_qa)
+        assert not down.ok and not refused.ok and not bad.ok
+        first = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+        assert sorted(first) == ["gave_up", "gave_up", "http_refused"]
+        again = make_client(server, tmp_path).run(requests, parse=parse_qa)
+        assert again[0].ok and not again[1].ok and not again[2].ok
         assert "rejected in an earlier run (http_refused: BadRequestError: HTTP 400: injected HTTP 400)" in (
             again[1].error
         )
-    reasons = [json.loads(line)["reason"] for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert sorted(reasons) == ["gave_up", "http_refused"]
+    records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert sorted((r["reason"], r["marked"], [a["reason"] for a in r["attempts"]]) for r in records) == [
+        ("http_refused", True, ["http_refused"]),
+        ("malformed", True, ["malformed"] * 3),
+    ]
 
 
 def test_killed_run_resumes_without_repeating_answered_calls(tmp_path):
@@ -412,8 +417,8 @@ def test_bundled_llama3_80k_config_mixes_as_the_paper(tmp_path, capsys):
 
 
 def test_a_failed_retry_round_is_recorded_again(tmp_path):
-    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, a second rejects
-    record (the first is kept), and a plain rerun skips it again."""
+    """--retry-rejected on a request still answered badly: 3 new attempts after the 3 replayed, one rejects record
+    that replaces the first and lists all 6 attempts, and a plain rerun skips it again and keeps that record."""
     with StubServer() as server:
         make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         [again] = make_client(server, tmp_path, retry_rejected=True).run([request("always [[bad]]")], parse=parse_qa)
@@ -421,7 +426,8 @@ def test_a_failed_retry_round_is_recorded_again(tmp_path):
         [skipped] = make_client(server, tmp_path).run([request("always [[bad]]")], parse=parse_qa)
         assert not skipped.ok and server.calls == 6
     records = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-    assert [r["attempts"] for r in records] == [3, 6] and records[1]["error"] == "malformed output in all 6 attempts"
+    assert [[a["attempt"] for a in r["attempts"]] for r in records] == [[0, 1, 2, 3, 4, 5]]
+    assert records[0]["error"] == "malformed output in all 6 attempts"
 
 
 # ---- structured output: one schema for the request and the parser ---------------------------------------------
@@ -474,7 +480,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         return {
             k: ({n: shape(s) for n, s in v.items()} if k == "properties" else shape(v) if k == "items" else v)
             for k, v in schema.items()
-            if k not in ("minItems", "minLength")
+            if k not in ("minItems", "maxItems", "minLength")
         }
 
     for schema in (QA_PAIRS, BIOGRAPHIES):
@@ -484,7 +490,12 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         assert sent["json_schema"]["schema"] == shape(schema.schema)
         item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
         assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
-    assert qa_request("Some text.").schema is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    assert TASK_SCHEMAS["single_detail"] is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    # a job's schema is its task's, bounded to the items it asks for: sent with the bounds first, without on refusal
+    sent = qa_request("Some text.").schema.response_format(bounds=True)["json_schema"]["schema"]
+    assert sent["properties"]["qa_pairs"]["maxItems"] == 2 and sent["properties"]["qa_pairs"]["minItems"] == 1
+    assert shape(sent) == shape(QA_PAIRS.schema)
+    assert qa_request("Some text.").schema.response_format() == QA_PAIRS.response_format()
     from longpeft.synth_data.answer_schema import OutputSchema
 
     with pytest.raises(ValueError, match=r"\$\.a: schema uses \['pattern'\], outside the supported subset"):
@@ -511,8 +522,9 @@ def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
 
 
 def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
-    """A server without structured output answers 400 to response_format: the client says so once, asks every
-    request again without it, and never sends it again in this run; a rerun finds those answers in the cache."""
+    """A server without structured output answers 400 to response_format: the client drops the schema's item bounds
+    first, then the schema, each said once, asks every request again without it, and never sends it again in this
+    run; a rerun finds those answers in the cache."""
     from longpeft.synth_data.qa import parse_qa_pairs
 
     requests = [
@@ -524,19 +536,20 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
         results = client.run(requests, parse=parse_qa_pairs)
         assert all(r.ok for r in results) and all(len(r.value) == 3 for r in results)  # the stub writes 3
         refused = server.statuses[400]
-        assert refused == 1  # one structured request goes first; the others wait for its answer
+        assert refused == 2  # one structured request goes first (with bounds, then without); the others wait
         assert sum(f is not None for f in server.response_formats) == refused
         assert server.statuses[200] == 6
         client.run([qa_request("One more text.")], parse=parse_qa_pairs)
         assert server.response_formats[-1] is None and server.statuses[400] == refused
         err = capsys.readouterr().err
         assert err.count("refused structured output") == 1 and "not supported by this server" in err
+        assert err.count("refused the schema with its item bounds") == 1
         usage = client.usage_report()["total"]
         assert usage["rejected"] == 0 and usage["rejected_reasons"] == {}  # a fallback is no rejection
         rerun = make_client(server, tmp_path)
         assert all(r.ok for r in rerun.run(requests, parse=parse_qa_pairs))
         assert rerun.usage_report()["total"]["cache_hits"] == 6
-        assert server.statuses[200] == 7  # the rerun's one refused structured request, then cache hits only
+        assert server.statuses[200] == 7 and server.statuses[400] == 4  # the rerun's two refusals, then cache hits
 
 
 @pytest.mark.parametrize("mode", ["json_schema", "json_object"])
@@ -573,139 +586,6 @@ def test_a_400_that_is_not_about_structured_output_is_no_fallback(tmp_path, caps
     assert refuses_structured_output(Error(400, {"message": "JSON schema conversion failed"}))
     assert not refuses_structured_output(Error(400, {"message": "the request exceeds the available context size"}))
     assert not refuses_structured_output(Error(500, {"message": "response_format crashed"}))
-
-
-# ---- local servers: context, slots, the endpoint check --------------------------------------------------------
-
-
-def test_prompt_longer_than_the_context_is_refused_before_sending(tmp_path):
-    """llm.context_tokens: without a tokenizer a prompt is estimated at 5 characters per token plus 8 per message;
-    the limit is inclusive (no room left for the answer). With a tokenizer its count is used."""
-    text = "x" * 500
-    request = LLMRequest("t", [{"role": "user", "content": text}])  # 100 + 8 tokens by the estimate
-    with StubServer() as server:
-        refused = make_client(server, tmp_path, context_tokens=108).run([request])
-        assert server.calls == 0 and not refused[0].ok and "prompt_too_long" in refused[0].error
-        [skipped] = make_client(server, tmp_path, context_tokens=109).run([request])  # marked: not asked again
-        assert not skipped.ok and "prompt_too_long" in skipped.error and "--retry-rejected" in skipped.error
-        [reject] = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
-        assert reject["reason"] == "prompt_too_long" and reject["attempts"] == 0
-        retry = make_client(server, tmp_path, retry_rejected=True, context_tokens=109)
-        assert retry.run([request])[0].ok and server.calls == 1
-        assert (tmp_path / "rejects.jsonl").read_text() == ""  # answered: no longer listed
-        words = LLMClient(
-            LLMConfig(base_url=server.base_url, model="stub", api_key_env=KEY_ENV, context_tokens=20),
-            tmp_path / "c2",
-            tmp_path / "r2.jsonl",
-            show_progress=False,
-            count_tokens=lambda t: len(t.split()),
-        )
-        [result] = words.run([LLMRequest("t", [{"role": "user", "content": "w " * 12}])])  # 12 + 8 tokens
-        assert "prompt_too_long" in result.error and "counted with the training tokenizer" in result.error
-
-
-@pytest.mark.parametrize(
-    ("models_info", "props", "source"),
-    [
-        ({"max_model_len": 60}, None, "/v1/models max_model_len"),  # vLLM, SGLang
-        (
-            {"meta": {"n_ctx_train": 100000}},
-            {"default_generation_settings": {"n_ctx": 60}, "total_slots": 1},
-            "/props default_generation_settings.n_ctx",
-        ),  # llama.cpp
-        ({}, {"n_ctx": 60}, "/props n_ctx"),  # older llama.cpp
-    ],
-)
-def test_context_learned_from_the_server(tmp_path, capsys, models_info, props, source):
-    long = LLMRequest("t", [{"role": "user", "content": "y" * 400}])  # 80 + 8 tokens by the estimate
-    with StubServer(models_info=models_info, props=props) as server:
-        client = make_client(server, tmp_path)
-        bad, good = client.run([long, request("short")])
-        assert not bad.ok and good.ok and server.calls == 1
-    assert f"the endpoint's context is 60 (reported by the endpoint's {source})" in bad.error
-    err = capsys.readouterr().err
-    assert "context of 60 tokens" in err
-    assert ("decodes 1 request(s) at once" in err) == bool(props and props.get("total_slots"))
-
-
-def test_endpoint_lookups_are_tolerant():
-    from longpeft.synth_data.endpoint import EndpointInfo, read_models, read_props, server_root
-
-    assert server_root("http://h:8080/v1/") == "http://h:8080" and server_root("http://h/api") == "http://h/api"
-    for body in (None, "text", {"data": "x"}, {"data": [1, {"id": "m", "max_model_len": "big"}]}):
-        info = EndpointInfo()
-        read_models(body, "m", info)
-        read_props(body, info)
-        assert info.context_tokens is None and info.slots is None
-    info = EndpointInfo()
-    read_models({"data": [{"id": "a", "max_model_len": 1}, {"id": "m", "context_length": 4096}]}, "m", info)
-    assert (info.models, info.context_tokens, info.context_source) == (["a", "m"], 4096, "/v1/models context_length")
-    other = EndpointInfo()
-    read_models({"data": [{"id": "a", "max_model_len": 1}, {"id": "b", "max_model_len": 2}]}, "m", other)
-    assert other.context_tokens is None  # several models, none of them ours: nothing to say
-
-
-def check(server: StubServer, capsys, *extra: str) -> tuple[int, str]:
-    from longpeft.cli import main
-
-    code = main(
-        [
-            "synth",
-            "--check-endpoint",
-            "--llm-base-url",
-            server.base_url,
-            "--llm-model",
-            "stub",
-            "--api-key-env",
-            KEY_ENV,
-            *extra,
-        ]
-    )
-    out = capsys.readouterr()
-    return code, out.out + out.err
-
-
-def test_check_endpoint(capsys):
-    props = {"default_generation_settings": {"n_ctx": 8192}, "total_slots": 1}
-    with StubServer(structured="accept", props=props) as server:
-        code, out = check(server, capsys)
-        assert server.response_formats[0]["json_schema"]["name"] == "qa_pairs"
-    assert code == 0, out
-    assert "answered as 'stub'; the server lists stub" in out and "latency" in out
-    assert "structured  yes: json_schema accepted" in out and "passes the builders' parser" in out
-    assert "context     8192 tokens (/props default_generation_settings.n_ctx)" in out
-    assert "set it to 1" in out and "usable as configured" in out
-    with StubServer(structured="refuse") as server:
-        code, out = check(server, capsys)
-        assert code == 0 and "no: json_schema refused (HTTP 400: response_format" in out
-        assert "llm.structured=auto falls back" in out and "context     not reported" in out
-        code, out = check(server, capsys, "--set", "llm.structured=json_schema")
-        assert code == 1 and "would stop the run" in out and "NOT usable" in out
-        assert server.calls == 4
-    with StubServer(reply=lambda body: "I cannot help with that.") as server:
-        code, out = check(server, capsys)
-        assert code == 1 and "fails the builders' parser: not valid JSON" in out
-
-
-def test_check_endpoint_errors_name_the_fix(capsys, monkeypatch):
-    class Refusing(StubServer):
-        def _answer(self, body, authorization):
-            return 400, {"error": {"message": "model 'stub' is not loaded"}}
-
-    with Refusing() as server:
-        code, out = check(server, capsys)
-    assert code == 2 and "refused the check request (HTTP 400: model 'stub' is not loaded)" in out
-    with StubServer() as server:
-        base_url = server.base_url
-    code, out = check(type("Gone", (), {"base_url": base_url})(), capsys, "--set", "llm.timeout=2")
-    assert code == 2 and "cannot reach" in out
-    monkeypatch.delenv(KEY_ENV)
-    code, out = check(type("Any", (), {"base_url": base_url})(), capsys)
-    assert code == 2 and KEY_ENV in out
-    from longpeft.cli import main
-
-    assert main(["synth", "--contexts", "1"]) == 2  # without --check-endpoint, --out is required
-    assert "--out: give the output folder" in capsys.readouterr().err
 
 
 def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
@@ -757,8 +637,11 @@ def test_synth_against_a_server_without_structured_output(tmp_path, capsys):
     assert stats["counts"] == {"single_detail": 1, "biography": 1}
     total = stats["llm_usage"]["total"]
     assert total["rejected"] == 3 and total["rejected_reasons"] == {"http_refused": 3}  # 2 chunks and 1 book
-    assert "requests rejected: http_refused 3 (rejects.jsonl; HTTP 4xx reasons: the first are above)" in captured.out
-    assert sum(f is not None for f in server.response_formats) == 1  # one structured request, refused
+    assert "rejects.jsonl: 3 request(s) rejected: http_refused 3 (HTTP 4xx reasons: the first are above)" in (
+        captured.out
+    )
+    assert stats["rejects"]["requests"] == {"http_refused": 3}
+    assert sum(f is not None for f in server.response_formats) == 2  # one structured request, refused twice
 
 
 def test_a_bare_off_in_yaml_is_the_structured_mode_off():

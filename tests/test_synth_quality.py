@@ -139,7 +139,14 @@ def test_good_gpt4_class_rows_are_kept():
     bios = [(f"Write a short biography of {name}.", text) for name, text in GOOD_BIOGRAPHIES.items()]
     _, verdict = judge("biography", bios, gates, subjects=names)
     assert verdict.rejected == []
-    assert gates.report() == {"enabled": True, "checked": 13, "kept": 13, "rejected": {}, "rejected_per_task": {}}
+    assert gates.report() == {
+        "enabled": True,
+        "checked": 13,
+        "kept": 13,
+        "unused": 0,
+        "rejected": {},
+        "rejected_per_task": {},
+    }
 
 
 @pytest.mark.parametrize(
@@ -240,7 +247,8 @@ def test_gates_can_be_switched_off():
     _, verdict = judge("single_detail", bad, QualityGates(QualityConfig(enabled=False)))
     assert len(verdict.kept) == len(bad)
     _, verdict = judge("single_detail", bad, QualityGates(QualityConfig(disable=["ungrounded", "refusal"])))
-    assert {r.reason for _, r in verdict.rejected} == {"placeholder", "prompt_echo", "too_short"}
+    # "Sure, here are three questions about the text:" ends on a colon: unfinished, once refusal is off
+    assert {r.reason for _, r in verdict.rejected} == {"placeholder", "prompt_echo", "too_short", "unfinished"}
     with pytest.raises(ValueError, match="disable"):
         QualityConfig(disable=["grounding"])
 
@@ -292,11 +300,7 @@ def test_stub_answers_pass_and_junk_answers_fail_each_gate(procedural_items):
                 assert verdict.rejected == [], verdict.rejected
                 continue
             reasons = Counter(r.reason for _, r in verdict.rejected)
-            expected = (
-                {"too_short", "wrong_subject"}
-                if key == "biographies"
-                else {"placeholder", "prompt_echo", "refusal", "too_short", "ungrounded", "near_duplicate"}
-            )
+            expected = {"too_short", "wrong_subject"} if key == "biographies" else set(REASONS) - {"wrong_subject"}
             assert set(reasons) == expected, verdict.rejected
             assert len(verdict.kept) == len(json.loads(default_reply(body))[key])
 
@@ -386,7 +390,7 @@ def test_synth_run_counts_rejections_by_reason_and_retry_rejected_asks_again(tmp
     assert stats["llm_usage"]["total"]["rejected"] == len(requests)
     after_retry = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert not [r for r in after_retry if r["kind"] == "request"]  # answered now: no longer listed as rejected
-    skipped = re.search(r"(\d+) request\(s\) rejected in an earlier run were not asked again", rerun_console)
+    skipped = re.search(r"(\d+) of them rejected in an earlier run and not asked again", rerun_console)
     assert skipped and int(skipped.group(1)) == len(requests) and "--retry-rejected" in rerun_console
     # the retry builds the contexts of book_1 too; the first run's rows stay, none twice
     rows = (out / "train.jsonl").read_text().splitlines()
@@ -420,7 +424,7 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
         return placeholders if "biograph" in body["messages"][-1]["content"].lower() else junk_reply(body)
 
     out = tmp_path / "out"
-    short = ("--set", "llm.context_tokens=1000")  # the longest prompt (a multi_detail one) has ~1470 tokens
+    short = ("--set", "llm.context_tokens=400")  # the longest prompt (a multi_detail one) has 437 words, others < 300
     expected = {"quality": 1, "http_refused": 3, "prompt_too_long": 1}
     with StubServer(structured="refuse", reply=weak_model) as server:
         assert main(synth_argv(out, source, server, *short)) == 0
@@ -432,26 +436,29 @@ def test_synth_with_structured_fallback_junk_refusals_and_a_short_context(tmp_pa
         assert main(synth_argv(out, source, server, *short)) == 0  # a plain rerun
         rerun = capsys.readouterr()
         rerun_stats = json.loads((out / "stats.json").read_text())
-        assert server.calls == calls + 1 and server.statuses[400] == refused + 1  # only the structured probe
+        # only the structured probe, refused with the item bounds, then without
+        assert server.calls == calls + 2 and server.statuses[400] == refused + 2
         assert (out / "train.jsonl").read_text().splitlines() == first_rows
         server.reply = default_reply  # the causes fixed: a better model, a larger context
         assert main(synth_argv(out, source, server, "--retry-rejected")) == 0
         retry = capsys.readouterr()
         retry_stats = json.loads((out / "stats.json").read_text())
-        assert server.calls > calls + 1
+        assert server.calls > calls + 2
     for run in (first, rerun, retry):
         assert run.err.count("refused structured output") == 1
     assert first.err.count("injected HTTP 400") == 3 and "further refusals are counted" in first.err
     total = stats["llm_usage"]["total"]
     assert total["rejected_reasons"] == expected and total["rejected"] == sum(expected.values())
-    assert "requests rejected: quality 1, http_refused 3, prompt_too_long 1 (rejects.jsonl" in first.out
+    assert "rejects.jsonl: 5 request(s) rejected: quality 1, http_refused 3, prompt_too_long 1 (" in first.out
     assert set(stats["quality"]["rejected"]) == set(REASONS) - {"wrong_subject"}  # no biography got through
     first_requests = [r for r in records if r["kind"] == "request"]
     assert Counter(r["reason"] for r in first_requests) == expected
     assert not any("response_format" in r.get("error", "") for r in records)  # the fallback is no rejection
     assert rerun_stats["llm_usage"]["total"]["skipped_rejected"] == sum(expected.values())
     assert rerun_stats["llm_usage"]["total"]["rejected"] == 0 and "injected HTTP 400" not in rerun.err
-    assert "5 request(s) rejected in an earlier run were not asked again" in rerun.out
+    assert "rejects.jsonl: 5 request(s) rejected: quality 1, http_refused 3, prompt_too_long 1" in rerun.out
+    assert "5 of them rejected in an earlier run and not asked again" in rerun.out
+    assert rerun_stats["rejects"]["requests"] == stats["rejects"]["requests"] == expected  # the file still lists them
     retried = retry_stats["llm_usage"]["total"]
     # the prompt too long was about book_1 too: sent now, the server refuses it like the other three
     assert retried["skipped_rejected"] == 0 and retried["rejected_reasons"] == {"http_refused": 4}
@@ -497,3 +504,38 @@ def test_grounded_stub_answers_pass_the_gates_with_structured_output(tmp_path, m
     quality, rejected, rows = runs["accept"]
     assert runs["accept"] == runs["ignore"] and rejected == 0 and len(rows) == 3  # one row per task
     assert quality["kept"] >= quality["checked"] - 1  # the stub's quoted questions may repeat one another
+
+
+def test_cache_entries_of_another_shape_are_asked_again_with_one_line(tmp_path, monkeypatch, capsys):
+    """The cache entries a user or another program may leave (`"text": 12345`, `[1, 2]`, `{}`, `"usage": "lots"`, a
+    cut file): the rerun asks those requests again, says how many files it met in one line, and builds the same
+    rows; no traceback."""
+    from longpeft.cli import main
+    from longpeft.synth_data.corpus import generate_document
+
+    monkeypatch.setenv("LONGPEFT_TEST_LLM_KEY", "sk-test")
+    source = tmp_path / "books"
+    source.mkdir()
+    for i in range(2):
+        (source / f"book_{i}.txt").write_text(generate_document(seed=i, n_sentences=60, kind="story").text)
+    out = tmp_path / "out"
+    with StubServer() as server:
+        assert main(synth_argv(out, source, server)) == 0
+        rows = (out / "train.jsonl").read_text()
+        answers = sorted(p for p in (out / "llm_cache").glob("*/*.json") if '"text"' in p.read_text())
+        assert len(answers) >= 5
+        entries = [json.loads(p.read_text()) for p in answers]
+        answers[0].write_text(json.dumps({**entries[0], "text": 12345}))
+        answers[1].write_text("[1, 2]")
+        answers[2].write_text("{}")
+        answers[3].write_text(json.dumps({**entries[3], "usage": "lots"}))
+        answers[4].write_text(answers[4].read_text()[:20])
+        capsys.readouterr()
+        calls = server.calls
+        assert main(synth_argv(out, source, server)) == 0
+        assert server.calls == calls + 5
+    console = capsys.readouterr().out
+    assert console.count("were not cache entries longpeft writes") == 1
+    assert "llm_cache: 5 file(s) were not cache entries longpeft writes" in console
+    assert (out / "train.jsonl").read_text() == rows
+    assert all(json.loads(p.read_text())["text"].startswith("{") for p in answers)  # replaced by the new answers

@@ -2,12 +2,16 @@
 (multi-key/value/query NIAH, variable tracking, common-word extraction), topic retrieval and
 sliding-window perplexity, on any causal LM + tokenizer (base, base + adapter, merged), with or
 without STRING; and any lm-evaluation-harness task through :mod:`.harness` (the ``eval`` extra).
+Every task is a record of the registry (:mod:`.registry`); the built-in ones are registered by :mod:`.builtin`.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from . import builtin  # noqa: F401  (registers the built-in tasks)
+from .registry import EVAL_TASKS, TASKS, EvalTask, ProbeTask, get_task, register, registered, unregister
 
 # Public name -> submodule, imported on first use (the CLI imports this package without torch).
 _EXPORTS = {
@@ -19,7 +23,6 @@ _EXPORTS = {
     "exact_match": "scoring",
     "recall": "scoring",
     "score": "scoring",
-    "EVAL_TASKS": "names",
     "evaluate": "tasks",
     "niah_grid": "tasks",
     "passkey_accuracy": "tasks",
@@ -37,22 +40,5 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
 
 
-__all__ = [
-    "EVAL_TASKS",
-    "InsufficientMemoryError",
-    "check_memory",
-    "estimate_forward_bytes",
-    "evaluate",
-    "exact_match",
-    "extended_length",
-    "harness_lm",
-    "niah_grid",
-    "passkey_accuracy",
-    "perplexity_of_file",
-    "recall",
-    "run_harness",
-    "run_probe_task",
-    "score",
-    "sliding_window_perplexity",
-    "write_outputs",
-]
+__all__ = ["EVAL_TASKS", "TASKS", "EvalTask", "ProbeTask", "get_task", "register", "registered", "unregister"]
+__all__ += list(_EXPORTS)

@@ -5,21 +5,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from ..files import check_writable_folder
-from .names import EVAL_TASKS
+from ..builtin_models import model_location
+from ..errors import ConfigError, OutputFolderError
+from ..files import check_model_source, check_writable_folder, local_adapter_dir
+from .flags import STRING_FLAGS
+from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (base, base + longpeft adapter via ``longpeft.load``, or merged) and its tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..files import check_model_source
 
     kwargs: dict[str, Any] = {
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
@@ -72,73 +71,48 @@ def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str 
     return None, model
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum`` (argparse names the flag in its error)."""
+def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
+    """What STRING's default trained length L is taken from (:func:`~longpeft.adapters.string.string_defaults`),
+    read before the model loads: the ``trained_length`` recorded in the longpeft.json of the adapter, or of the
+    ``--model`` folder (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
+    and where the default L comes from, in words."""
+    from ..spec import SPEC_FILENAME, ContextSpec
 
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    parse.__name__ = "int"  # argparse says "invalid int value: 'x'" for non-numbers
-    return parse
-
-
-def _limit(text: str) -> int | float:
-    """An argparse type for --limit: a count (an integer >= 1) or a fraction in (0, 1)."""
-    value = float(text)
-    if not (0 < value < 1 or (value >= 1 and value.is_integer())):
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or a fraction in (0, 1), got {text}")
-    return int(value) if value >= 1 else value
-
-
-_limit.__name__ = "number"  # argparse says "invalid number value: 'x'"
-
-STRING_FLAGS = {
-    "string_shift": "--string-shift",
-    "string_window": "--string-window",
-    "string_trained_length": "--string-trained-length",
-}
-
-
-def default_trained_length(args: argparse.Namespace) -> tuple[int, str]:
-    """STRING's default trained length L, and where it comes from: the adapter's ``trained_length``
-    (longpeft.json), else the (adapted) model's ``max_position_embeddings``."""
     if args.adapter:
-        from ..files import local_adapter_dir
-        from ..spec import ContextSpec
-
-        spec = ContextSpec.load(local_adapter_dir(args.adapter))
+        folder, what = local_adapter_dir(args.adapter), "the adapter's longpeft.json"
+    else:
+        folder, what = Path(args.model), "the model's longpeft.json"
+    if (folder / SPEC_FILENAME).is_file():
+        spec = ContextSpec.load(folder)
         if spec.trained_length:
-            return spec.trained_length, "the adapter's longpeft.json"
-        return spec.max_position_embeddings, "the adapted model's max_position_embeddings"
+            return spec.trained_length, spec.max_position_embeddings, what
+        return None, spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
-
-    from ..files import check_model_source
 
     check_model_source(args.model, "--model")
     config = AutoConfig.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
-    return config.max_position_embeddings, "the model's max_position_embeddings"
+    return None, config.max_position_embeddings, "the model's max_position_embeddings"
 
 
-def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None:
+def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[str, int] | None:
     """``enable_string`` settings from the flags, checked before the model loads; errors name the flags.
 
-    S defaults to L // 3 with L from ``--string-trained-length``, else :func:`default_trained_length`.
+    S defaults to L // 3 with L from ``--string-trained-length``, else the trained length the adapter's or the
+    model's longpeft.json records, else max_position_embeddings (:func:`recorded_lengths`); it must be shorter than
+    the longest input of ``task`` (its flag with ``longest``).
     """
     if not args.string:
-        given = [flag for name, flag in STRING_FLAGS.items() if getattr(args, name) is not None]
+        given = [flag.flag for flag in STRING_FLAGS[1:] if getattr(args, flag.dest) is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} needs --string (STRING is off without it)")
         return None
-    from ..adapters.string import DEFAULT_LOCAL_WINDOW
+    from ..adapters.string import DEFAULT_LOCAL_WINDOW, string_defaults
 
     if args.string_trained_length is not None:
-        trained, source = args.string_trained_length, "--string-trained-length"
+        recorded, positions, source = None, args.string_trained_length, "--string-trained-length"
     else:
-        trained, source = default_trained_length(args)
-    shift = args.string_shift or trained // 3
+        recorded, positions, source = recorded_lengths(args)
+    shift, trained = string_defaults(args.string_shift, args.string_trained_length, recorded, positions)
     what_shift = (
         f"--string-shift {shift}"
         if args.string_shift
@@ -150,82 +124,38 @@ def string_settings_from_args(args: argparse.Namespace) -> dict[str, int] | None
             f"--string-window {window}{'' if args.string_window else ' (default)'} must be <= {what_shift}; "
             "pass a smaller --string-window or a larger --string-shift"
         )
-    longest, what_longest = (
-        (args.window, "perplexity window (--window)")
-        if args.task == "perplexity"
-        else (max(args.lengths), "longest prompt (--lengths)")
-    )
-    if shift >= longest:
-        raise ConfigError(
-            f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
-            f"{what_longest} has {longest} tokens; pass a smaller --string-shift or longer prompts"
-        )
+    for flag in (flag for flag in task.flags if flag.longest):
+        longest = max(getattr(args, flag.dest), default=0) if flag.argparse.get("nargs") else getattr(args, flag.dest)
+        if shift >= longest:
+            raise ConfigError(
+                f"{what_shift} leaves STRING nothing to do: it changes only keys at distance >= the shift, and the "
+                f"{flag.longest} ({flag.flag}) has {longest} tokens; pass a smaller --string-shift or longer prompts"
+            )
     return {"shift": shift, "local_window": window, "trained_length": trained}
 
 
-# Flags of one kind of task: {dest: (flag, default)}. Their parser default is None, so a flag given to a task it
-# does not apply to is refused instead of ignored; check_task_flags fills the defaults of the others.
-PROBE_FLAGS = {
-    "lengths": ("--lengths", [1024, 2048, 4096]),
-    "depths": ("--depths", None),
-    "samples": ("--samples", 10),
-    "batch_size": ("--batch-size", 4),
-    "seed": ("--seed", 0),
-    "max_new_tokens": ("--max-new-tokens", None),
-    "chat": ("--chat", False),
-    "save_prompts": ("--save-prompts", False),
-}
-PERPLEXITY_FLAGS = {"text": ("--text", None), "window": ("--window", 4096), "stride": ("--stride", None)}
-HARNESS_FLAGS = {
-    "tasks": ("--tasks", None),
-    "include_path": ("--include-path", None),
-    "limit": ("--limit", None),
-    "max_length": ("--max-length", None),
-    "num_fewshot": ("--num-fewshot", None),
-    "metadata": ("--metadata", None),
-    "log_samples": ("--log-samples", False),
-    "batch_size": ("--batch-size", 1),
-    "chat": ("--chat", False),
-    "seed": ("--seed", 0),
-}
-FLAGS_OF_TASK = {"perplexity": PERPLEXITY_FLAGS, "harness": HARNESS_FLAGS}  # any other task: PROBE_FLAGS
-
-
-def check_task_flags(args: argparse.Namespace) -> None:
-    """Refuse the flags ``args.task`` does not use (naming them), then fill in the defaults of those it does."""
-    from ..synth_data.probes import DEPTH_TASKS
-
-    own = FLAGS_OF_TASK.get(args.task, PROBE_FLAGS)
-    foreign = {
-        dest: flag
-        for group in (PROBE_FLAGS, PERPLEXITY_FLAGS, HARNESS_FLAGS)
-        if group is not own
-        for dest, (flag, _) in group.items()
-        if dest not in own
-    }
-    given = [flag for dest, flag in foreign.items() if getattr(args, dest) not in (None, False)]
-    if own is PROBE_FLAGS and args.depths is not None and args.task not in (*DEPTH_TASKS, "niah", "ruler"):
-        given.append("--depths")
+def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
+    """Refuse the flags of other tasks that ``task`` does not take (naming them), fill in the defaults of its own,
+    and refuse a missing flag it cannot run without."""
+    own = {flag.dest for flag in task.flags}
+    given = [flag for flag in task_flags().values() if flag.dest not in own and getattr(args, flag.dest) is not None]
     if given:
-        own_flags = ", ".join(flag for flag, _ in own.values())
-        why = "its prompts have no needle depth" if given == ["--depths"] else f"its own flags are {own_flags}"
+        why = given[0].unused if len(given) == 1 and given[0].unused else None
+        why = why or f"its own flags are {', '.join(flag.flag for flag in task.flags)}"
         raise ConfigError(
-            f"{', '.join(given)}: not used by eval {args.task} ({why}); remove {'it' if len(given) == 1 else 'them'}"
+            f"{', '.join(flag.flag for flag in given)}: not used by eval {args.task} ({why}); remove "
+            f"{'it' if len(given) == 1 else 'them'}"
         )
-    for dest, (_, default) in own.items():
-        if getattr(args, dest) is None:
-            setattr(args, dest, default)
-    if args.task == "perplexity" and not args.text:
-        raise ConfigError("longpeft eval perplexity needs --text FILE (the UTF-8 text to score)")
-    if args.task == "harness" and not args.tasks:
-        raise ConfigError("longpeft eval harness needs --tasks T1,T2 (lm-eval task or group names, e.g. ruler)")
+    for flag in task.flags:
+        if getattr(args, flag.dest) is None:
+            setattr(args, flag.dest, flag.default)
+        if flag.needs and not getattr(args, flag.dest):
+            raise ConfigError(f"longpeft eval {task.name} needs {flag.flag} {flag.needs}")
 
 
 def run_harness_eval(args: argparse.Namespace) -> int:
     """``eval harness``: lm-eval tasks on the model (base + adapter through ``longpeft.load``), with the adapter's
     extended context as HFLM's max_length; prints lm-eval's table and writes its results to ``--out FILE``."""
-    from ..errors import OutputFolderError
-    from ..files import local_adapter_dir
     from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
 
     out = Path(args.out)
@@ -269,42 +199,20 @@ def run_harness_eval(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    check_task_flags(args)
-    from ..builtin_models import model_location
-
+    task = get_task(args.task)
+    check_task_flags(args, task)
     args.model = model_location(args.model)  # a built-in name (longpeft:toy-base) -> its packaged folder
     args.model, args.adapter = model_and_adapter(args.model, args.adapter)
-    if args.task == "harness":
-        return run_harness_eval(args)
-    string = string_settings_from_args(args)
+    status = task.command(args)
+    if status is not None:
+        return status
+    string = string_settings_from_args(args, task)
     check_writable_folder(Path(args.out), "--out")  # before the model loads and the grid runs
     model, tokenizer = load_model_and_tokenizer(args)
-    options: dict[str, Any] = {}
-    if args.task not in ("perplexity",):
-        options.update(
-            n_samples=args.samples,
-            seed=args.seed,
-            batch_size=args.batch_size,
-            chat=args.chat,
-            max_new_tokens=args.max_new_tokens,
-            save_prompts=args.save_prompts,
-        )
-        if args.depths:
-            options["depths"] = args.depths
+    options = {flag.option: getattr(args, flag.dest) for flag in task.flags if flag.option}
     from .tasks import evaluate
 
-    result = evaluate(
-        args.task,
-        model,
-        tokenizer,
-        lengths=args.lengths,
-        string=string,
-        out_dir=args.out,
-        text=args.text,
-        window=args.window,
-        stride=args.stride,
-        **options,
-    )
+    result = evaluate(task.name, model, tokenizer, string=string, out_dir=args.out, **options)
     summary = {k: v for k, v in result.items() if k not in ("samples", "cells", "tasks")}
     print(json.dumps(summary, indent=2))
     return 0
@@ -323,11 +231,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and writes lm-eval's results to --out FILE."
         ),
     )
+    aliases = {name: [alias for alias, of in ALIASES.items() if of == name] for name in TASKS}
     parser.add_argument(
         "task",
-        choices=(*EVAL_TASKS, "harness"),
-        help="what to run ('ruler' = the six RULER-lite tasks, 'niah' = niah_single, 'harness' = "
-        "lm-evaluation-harness tasks)",
+        choices=(*TASKS, *ALIASES),
+        help="what to run: "
+        + "; ".join(f"{t.name} ({t.help}{''.join(f', alias {a}' for a in aliases[t.name])})" for t in TASKS.values()),
     )
     parser.add_argument(
         "--model",
@@ -335,43 +244,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="base or merged model: Hub id, local folder, or longpeft:toy-base (the packaged demo base)",
     )
     parser.add_argument("--adapter", help="longpeft adapter folder or Hub id (loaded with longpeft.load)")
-    parser.add_argument("--string", action="store_true", help="switch STRING on (S = trained length / 3, W = 128)")
-    parser.add_argument("--string-shift", type=_at_least(1), help="STRING shift S (default trained length // 3)")
-    parser.add_argument("--string-window", type=_at_least(1), help="STRING local window W (default 128)")
-    parser.add_argument(
-        "--string-trained-length",
-        type=_at_least(2),
-        help="trained length L for STRING's default S (default: the adapter's trained length, else "
-        "max_position_embeddings)",
-    )
-    parser.add_argument(
-        "--lengths", type=_at_least(1), nargs="+", help="prompt lengths in tokens (default 1024 2048 4096)"
-    )
-    parser.add_argument("--depths", type=float, nargs="+", help="needle depths in [0, 1] (default 0 .25 .5 .75 1)")
-    parser.add_argument("--samples", type=_at_least(1), help="probes per (length, depth) cell (default 10)")
-    parser.add_argument(
-        "--batch-size",
-        type=_at_least(1),
-        help="prompts per forward, all of one length (default 4; harness: requests per forward, default 1)",
-    )
-    parser.add_argument(
-        "--seed", type=int, help="seed of the probes' random content (default 0; harness: lm-eval's seeds)"
-    )
-    parser.add_argument(
-        "--max-new-tokens", type=_at_least(1), help="continuation budget (default per task, +32 with --chat)"
-    )
-    parser.add_argument(
-        "--chat",
-        action="store_true",
-        default=None,
-        help="wrap prompts in the tokenizer's chat template (the answer may appear anywhere in the reply)",
-    )
-    parser.add_argument(
-        "--save-prompts", action="store_true", default=None, help="keep every prompt's text in <task>.json (large)"
-    )
-    parser.add_argument("--text", help="perplexity: UTF-8 text file")
-    parser.add_argument("--window", type=_at_least(2), help="perplexity: tokens per window (default 4096)")
-    parser.add_argument("--stride", type=_at_least(1), help="perplexity: step between windows (default window // 2)")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -386,31 +258,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="run the modeling file a merged HARPE, Activation Beacon or STRING model ships "
         "(auto_map); only for folders you trust",
     )
-    harness = parser.add_argument_group("harness (lm-evaluation-harness; also --batch-size, --chat, --seed)")
-    harness.add_argument(
-        "--tasks",
-        help="lm-eval tasks, groups or tags, comma-separated (e.g. ruler, longbench, or tasks of --include-path)",
-    )
-    harness.add_argument("--include-path", help="folder of your own lm-eval task YAML files")
-    harness.add_argument("--limit", type=_limit, help="at most N documents per task (a number < 1: that fraction)")
-    harness.add_argument(
-        "--max-length",
-        type=_at_least(1),
-        help="tokens a request may hold (default: the extended length in longpeft.json, else the model config's)",
-    )
-    harness.add_argument(
-        "--num-fewshot", type=_at_least(0), help="few-shot examples per prompt (default: each task's)"
-    )
-    harness.add_argument(
-        "--metadata",
-        help="JSON object passed to the tasks, e.g. "
-        """'{"max_seq_lengths": [8192, 16384]}' for ruler (its tokenizer is the model's)""",
-    )
-    harness.add_argument(
-        "--log-samples",
-        action="store_true",
-        default=None,
-        help="keep every request and the model's answers in the JSON (large)",
-    )
+    add_task_flags(parser)
     parser.add_argument("--out", required=True, help="output folder for JSON and PNGs (harness: the JSON file)")
     parser.set_defaults(func=run_eval)
+
+
+def add_task_flags(parser: argparse.ArgumentParser) -> None:
+    """Every registered task's flags (parser default None: see :mod:`.flags`), in groups named by the tasks that
+    take them."""
+    takers: dict[str, list[str]] = {}
+    for task in TASKS.values():
+        for flag in task.flags:
+            takers.setdefault(flag.flag, []).append(task.name)
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for flag in task_flags().values():
+        others = [name for name in TASKS if name not in takers[flag.flag]]
+        title = ", ".join(takers[flag.flag])
+        if len(others) <= 2:
+            title = f"every task but {', '.join(others)}" if others else "every task"
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(f"flags of {title}"))
+        group.add_argument(flag.flag, help=flag.help, default=None, **flag.argparse)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..adapters.string import DEFAULT_LOCAL_WINDOW
+from ..adapters.string import DEFAULT_LOCAL_WINDOW, string_defaults
 from ..errors import DataNotFoundError
 from .tasks import evaluate
 
@@ -28,8 +28,9 @@ def setting_folder(setting: str) -> str:
 
 
 def demo_string_settings(trained_length: int) -> dict[str, int]:
-    """STRING for a small model: S = L / 3 and W = min(128, S / 4) (the paper's W = 128 needs L >= 2K)."""
-    shift = trained_length // 3
+    """STRING for a small model: STRING's default S (L / 3) and W = min(128, S / 4) (the paper's W = 128 needs
+    L >= 2K)."""
+    shift, trained_length = string_defaults(None, trained_length, None, trained_length)
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 
 

@@ -12,6 +12,7 @@ lm-eval is imported only when a function here runs; without it the error names t
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,21 @@ def check_batch_size(model: Any, batch_size: int) -> None:
         )
 
 
+# What lm-eval's HFLM logs whenever it is given a built model rather than a name: advice for lm-eval's own launcher
+# (accelerate, parallelize=True), which a model handed over here never goes through.
+MODEL_OBJECT_NOTICE = "`pretrained` model kwarg is not of type `str`"
+
+
+class WithoutModelObjectNotice(logging.Filter):
+    """Drops lm-eval's :data:`MODEL_OBJECT_NOTICE` record; lets every other record through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(MODEL_OBJECT_NOTICE)
+
+
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
-    """lm-eval's ``HFLM`` over an already built ``model`` (e.g. ``longpeft.load(...)``) and its ``tokenizer``.
+    """lm-eval's ``HFLM`` over an already built ``model`` (e.g. ``longpeft.load(...)``) and its ``tokenizer``, without
+    the notice HFLM logs for every built model (:data:`MODEL_OBJECT_NOTICE`).
 
     Args:
         max_length: tokens a request may hold (longer contexts are cut from the left); None: HFLM reads the model's
@@ -70,9 +84,14 @@ def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_
         batch_size: requests per forward.
     """
     import_lm_eval()
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models import huggingface
 
-    return HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
+    notice = WithoutModelObjectNotice()
+    huggingface.eval_logger.addFilter(notice)
+    try:
+        return huggingface.HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
+    finally:
+        huggingface.eval_logger.removeFilter(notice)
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Path | None, metadata: dict[str, Any] | None) -> Any:

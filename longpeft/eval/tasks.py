@@ -12,44 +12,25 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..adapters.string import disable_string, enable_string, string_settings
 from ..errors import ConfigError
 from ..files import write_text_atomically, writing_to
-from ..synth_data.probes import PROBE_TASKS, Probe, make_probes
+from ..synth_data.probes import Probe
 from ..units import format_duration
+from .flags import LENGTHS
 from .generation import eos_token_ids, generate_batch, pad_token_id
 from .memory import check_memory
-from .names import EVAL_TASKS
-from .perplexity import perplexity_of_file
 from .plots import depth_length_heatmap, score_by_length
 from .positions import warn_beyond_positions
-from .scoring import score
+from .registry import ProbeTask, get_task, make_probes
 
-RULER_TASKS = (
-    "niah_single",
-    "niah_multikey",
-    "niah_multivalue",
-    "niah_multiquery",
-    "variable_tracking",
-    "common_words",
-)
-# Continuation budget per task (tokens): enough for the answer(s) with some slack.
-MAX_NEW_TOKENS = {
-    "passkey": 12,
-    "niah_single": 16,
-    "niah_multikey": 16,
-    "niah_multivalue": 64,
-    "niah_multiquery": 48,
-    "variable_tracking": 40,
-    "common_words": 96,
-    "topic_retrieval": 16,
-}
 # Extra budget for chat replies, which often restate the question before the answer.
 CHAT_EXTRA_NEW_TOKENS = 32
 
@@ -59,13 +40,12 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
     """Run a block with STRING on (``True``: defaults; a dict: ``enable_string`` settings), then
     restore whatever STRING state the model had. ``None``/``False`` leaves the model as it is.
 
-    With ``True`` on a model loaded by ``longpeft.load``, L is the adapter's trained length (so S = L // 3).
+    With ``True``, L is the trained length the model's longpeft.json records (an adapter loaded by ``longpeft.load``
+    or a merged model loaded from its folder), so S = L // 3 (``enable_string``'s defaults).
     """
     if not string:
         yield None
         return
-    from ..adapters.string import disable_string, enable_string, string_settings
-
     before = string_settings(model)
     settings = enable_string(model, **({} if string is True else dict(string)))
     try:
@@ -165,23 +145,22 @@ def build_probe_grid(
     **probe_options: Any,
 ) -> ProbeGrid:
     """The :class:`ProbeGrid` of ``task`` (options as :func:`run_probe_task`); fails before any generation."""
-    if task not in PROBE_TASKS:
-        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
+    record = get_task(task, ProbeTask)
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ConfigError(f"lengths must be positive token counts, got {lengths}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
-    new_tokens = max_new_tokens or MAX_NEW_TOKENS[task] + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
+    new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
     probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
-    return ProbeGrid(task, probes, lengths, new_tokens)
+    return ProbeGrid(record.name, probes, lengths, new_tokens)
 
 
 def run_probe_task(
     task: str,
     model: Any,
     tokenizer: Any,
-    lengths: Sequence[int],
+    lengths: Sequence[int] = LENGTHS.default,
     depths: Sequence[float] | None = None,
     n_samples: int = 10,
     seed: int = 0,
@@ -192,14 +171,15 @@ def run_probe_task(
     grid: ProbeGrid | None = None,
     **probe_options: Any,
 ) -> dict[str, Any]:
-    """Build the probe grid of ``task``, generate, and score every sample.
+    """Build the probe grid of the probe task ``task``, generate, and score every sample with the task's scorer.
 
     Args:
         max_new_tokens: continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``).
         chat: wrap prompts in the tokenizer's chat template (replies scored with "contains").
         save_prompts: keep each prompt's text (special tokens included) in its sample (large:
             about 4 characters per token).
-        grid: the grid, when already built by :func:`build_probe_grid` with these options.
+        grid: the grid, when already built by :func:`build_probe_grid` with these options (and its lengths
+            checked against the model's positions: without it, they are checked here).
 
     Returns:
         ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths"}`` where
@@ -207,13 +187,15 @@ def run_probe_task(
         ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
+    record = get_task(task, ProbeTask)
     if grid is None:
+        warn_beyond_positions(model, lengths)
         grid = build_probe_grid(
             task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options
         )
     probes, lengths, new_tokens = grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
-    predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, task)
+    predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, record.name)
     samples = []
     for probe, prediction in zip(probes, predictions):
         samples.append(
@@ -224,39 +206,60 @@ def run_probe_task(
                 "metadata": probe.metadata,
                 "answers": probe.answers,
                 "prediction": prediction,
-                "score": score(prediction, probe.answers, probe.metric),
+                "score": record.score(prediction, probe),
             }
         )
         if save_prompts:
             samples[-1]["prompt"] = tokenizer.decode(probe.input_ids)
-    cell_keys = sorted(
-        {(s["length"], s["depth"]) for s in samples}, key=lambda c: (c[0], -1 if c[1] is None else c[1])
-    )
-    cells = [
-        {
-            "length": length,
-            "depth": depth,
-            "score": statistics.fmean(s["score"] for s in samples if (s["length"], s["depth"]) == (length, depth)),
-            "n": sum(1 for s in samples if (s["length"], s["depth"]) == (length, depth)),
-        }
-        for length, depth in cell_keys
-    ]
-    by_length = {
-        str(length): statistics.fmean(s["score"] for s in samples if s["length"] == length) for length in lengths
-    }
     used_depths = sorted({s["depth"] for s in samples if s["depth"] is not None})
     return {
-        "task": task,
+        "task": record.name,
         "metric": probes[0].metric,
         "score": statistics.fmean(s["score"] for s in samples),
-        "by_length": by_length,
-        "cells": cells,
+        "by_length": {str(n): statistics.fmean(s["score"] for s in samples if s["length"] == n) for n in lengths},
+        "cells": score_cells(samples),
         "lengths": lengths,
         "depths": used_depths or None,
         "n_samples": n_samples,
         "seed": seed,
         "chat": chat,
         "samples": samples,
+    }
+
+
+def score_cells(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``{"length", "depth", "score", "n"}`` of each (length, depth) cell of ``samples`` (mean score, count), by
+    length, then depth (none first)."""
+    cells: dict[tuple[int, float | None], list[float]] = {}
+    for s in samples:
+        cells.setdefault((s["length"], s["depth"]), []).append(s["score"])
+    order = sorted(cells, key=lambda c: (c[0], -1 if c[1] is None else c[1]))
+    return [{"length": n, "depth": d, "score": statistics.fmean(cells[n, d]), "n": len(cells[n, d])} for n, d in order]
+
+
+def run_suite(
+    name: str, parts: Sequence[str], model: Any, tokenizer: Any, save: Callable[[dict[str, Any]], None], **options: Any
+) -> dict[str, Any]:
+    """The probe tasks ``parts`` on one grid: every part's grid built first (a length too short for one fails
+    before any generation), then each run and saved as it finishes; the mean of their scores, overall and by
+    length. ``options`` as :func:`run_probe_task`."""
+    lengths = options.pop("lengths")
+    warn_beyond_positions(model, lengths)
+    grid_options = {k: v for k, v in options.items() if k not in ("batch_size", "save_prompts")}
+    grids = {part: build_probe_grid(part, tokenizer, lengths, **grid_options) for part in parts}
+    results = {}
+    for part in parts:
+        results[part] = run_probe_task(part, model, tokenizer, lengths, grid=grids[part], **options)
+        save(results[part])
+    lengths_done = results[parts[0]]["lengths"]
+    return {
+        "task": name,
+        "score": statistics.fmean(p["score"] for p in results.values()),
+        "by_length": {
+            str(n): statistics.fmean(p["by_length"][str(n)] for p in results.values()) for n in lengths_done
+        },
+        "lengths": lengths_done,
+        "tasks": {t: {k: v for k, v in p.items() if k != "samples"} for t, p in results.items()},
     }
 
 
@@ -290,66 +293,40 @@ def evaluate(
     task: str,
     model: Any,
     tokenizer: Any,
-    lengths: Sequence[int] = (1024, 2048, 4096),
     string: bool | dict[str, Any] | None = None,
     out_dir: str | Path | None = None,
-    text: str | Path | None = None,
-    window: int = 4096,
-    stride: int | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on one task; optionally with STRING on, and writing JSON + PNG.
+    """Evaluate ``model`` on one registered task (:data:`longpeft.eval.registry.TASKS`); optionally with STRING
+    on, and writing JSON + PNG.
 
     Args:
-        task: a probe task (``passkey``, ``niah_single`` (alias ``niah``), ``niah_multikey``,
-            ``niah_multivalue``, ``niah_multiquery``, ``variable_tracking``, ``common_words``,
-            ``topic_retrieval``), ``ruler`` (the six RULER-lite tasks and their mean) or
-            ``perplexity`` (sliding window over the file ``text``).
+        task: a task or alias: ``passkey``, ``niah_single`` (``niah``), ``niah_multikey``, ``niah_multivalue``,
+            ``niah_multiquery``, ``variable_tracking``, ``common_words``, ``topic_retrieval``, ``ruler`` (the six
+            RULER-lite tasks and their mean), ``perplexity`` (``text``, ``window``, ``stride``), or a plug-in's.
         model, tokenizer: a transformers causal LM (PEFT-wrapped or merged) and its tokenizer.
-        lengths: prompt lengths in tokens (probe tasks).
         string: ``True`` for STRING with its defaults, or a dict of ``enable_string`` settings.
         out_dir: where to write ``<task>.json`` and PNGs.
-        text, window, stride: perplexity inputs.
-        options: ``depths``, ``n_samples``, ``seed``, ``batch_size``, ``max_new_tokens``, ``chat``,
-            ``save_prompts`` and task options (see :func:`run_probe_task`).
+        options: the task's options, each defaulting as its flag does: for probe tasks ``lengths`` (1024, 2048,
+            4096), ``depths``, ``n_samples``, ``seed``, ``batch_size``, ``max_new_tokens``, ``chat``,
+            ``save_prompts``, and the probe builder's own (see :func:`run_probe_task`).
 
     Warns once when the prompts (or perplexity windows) are longer than the model's positions.
     """
-    task = "niah_single" if task == "niah" else task
-    if task not in EVAL_TASKS:
-        raise ConfigError(f"unknown eval task {task!r}; choose one of {EVAL_TASKS}")
+    record = get_task(task)
+    options = {flag.option: flag.default for flag in record.flags if flag.option} | options
     with string_enabled(model, string) as requested:
-        from ..adapters.string import string_settings
-
         # what runs: also the STRING an adapter's longpeft.json or a merged model switched on
         string_used = string_settings(model) if isinstance(model, nn.Module) else requested
-        if task == "perplexity":
-            if text is None:
-                raise ConfigError("the perplexity task needs a text file (text=... / --text FILE)")
-            result = {"task": task, **perplexity_of_file(model, tokenizer, text, window=window, stride=stride)}
-        elif task == "ruler":
-            warn_beyond_positions(model, lengths)
-            grid_options = {k: v for k, v in options.items() if k not in ("batch_size", "save_prompts")}
-            grids = {t: build_probe_grid(t, tokenizer, lengths, **grid_options) for t in RULER_TASKS}  # all, first
-            parts = {}
-            for t in RULER_TASKS:
-                parts[t] = run_probe_task(t, model, tokenizer, lengths, grid=grids[t], **options)
-                if out_dir is not None:  # each task's results land as soon as it is done
-                    write_outputs({**parts[t], "string": string_used}, out_dir)
-            lengths_done = parts[RULER_TASKS[0]]["lengths"]
-            result = {
-                "task": "ruler",
-                "score": statistics.fmean(p["score"] for p in parts.values()),
-                "by_length": {
-                    str(length): statistics.fmean(p["by_length"][str(length)] for p in parts.values())
-                    for length in lengths_done
-                },
-                "lengths": lengths_done,
-                "tasks": {t: {k: v for k, v in p.items() if k != "samples"} for t, p in parts.items()},
-            }
+
+        def save(part: dict[str, Any]) -> None:
+            if out_dir is not None:
+                write_outputs({**part, "string": string_used}, out_dir)
+
+        if isinstance(record, ProbeTask):
+            result = run_probe_task(record.name, model, tokenizer, **options)
         else:
-            warn_beyond_positions(model, lengths)
-            result = run_probe_task(task, model, tokenizer, lengths, **options)
+            result = record.run(model, tokenizer, save, **options)
     result["string"] = string_used
     if out_dir is not None:
         write_outputs(result, out_dir)

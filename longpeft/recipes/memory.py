@@ -9,13 +9,14 @@ Liger's kernels, which they build on.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from ..launch import sequence_parallel_size
-from ..scale.checkpointing import CheckpointSettings, apply_checkpointing
+from ..scale.checkpointing import CheckpointSettings, apply_checkpointing, decoder_layers
 from ..scale.plan import GPU_PEAK_TFLOPS, GiB, resolve_checkpointing, shape_from_config
 from ..scale.tiling import apply_tiled_mlp
 from .schema import Recipe
@@ -60,15 +61,27 @@ def checkpoint_settings(
 
 
 class TrainingMemory(TrainerCallback):
-    """Installs the run's checkpointing and tiled MLP when training begins; ``offloader`` then holds the counters
-    of the offloaded layer inputs (None without offloading)."""
+    """Installs the run's checkpointing and tiled MLP when training begins, and says on stderr (main process) what
+    each did: ``longpeft: checkpointing: ...`` (:meth:`CheckpointSettings.describe`, on this run's device) and
+    ``longpeft: MLP tiled: ...``. ``offloader`` then holds the counters of the offloaded layer inputs (None without
+    offloading)."""
 
     def __init__(self, settings: CheckpointSettings | None, mlp_tile_tokens: int | None) -> None:
         self.settings, self.mlp_tile_tokens = settings, mlp_tile_tokens
         self.offloader = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        lines = []
         if self.settings is not None:
             self.offloader = apply_checkpointing(model, self.settings)
+            layers = len(decoder_layers(model))
+            lines.append(f"checkpointing: {self.settings.describe(layers, on_gpu=args.device.type == 'cuda')}")
         if self.mlp_tile_tokens:
-            apply_tiled_mlp(model, self.mlp_tile_tokens)
+            tiled = apply_tiled_mlp(model, self.mlp_tile_tokens)
+            lines.append(
+                f"MLP tiled: the MLP of {tiled} decoder layers runs {self.mlp_tile_tokens:,} tokens at a time in "
+                "training (inputs longer than that), keeping one tile's intermediate activations"
+            )
+        if state.is_world_process_zero:
+            for line in lines:
+                print(f"longpeft: {line}", file=sys.stderr)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..adapter_weights import leave_out_tied_copies
+from ..adapter_weights import tied_copies, tied_copies_bytes, write_tied_copies
 from ..adapters import METHODS, apply_spec, export_methods, save_method_weights
 from ..base_config import TINY_PREFIX
 from ..config import torch_dtype
@@ -291,7 +291,13 @@ def save_adapter(
     finetune: str = "lora",
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Adapter weights (or the full model), method weights, tokenizer, generation config and longpeft.json.
+    """Adapter weights (or the full model), method weights, tokenizer, generation config, longpeft.json and the
+    model card.
+
+    LoRA weights are in peft's own format (a trained embedding tied to the head under both its names), and both
+    longpeft.json and adapter_config.json name the base as :func:`~.validate.spec_base_reference` does (no path of this
+    machine). When the spec changes what plain ``PeftModel.from_pretrained`` cannot know (the RoPE parameters, a
+    method applied at load), a warning says what it would leave out.
 
     ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
     adapter's part of it. A fully fine-tuned model is saved in ``dtype`` (the recipe's ``model.dtype``; it trained
@@ -306,12 +312,23 @@ def save_adapter(
     adapter_dir = Path(adapter_dir).absolute()
     with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as partial:
         _save_adapter_files(model, tokenizer, spec, partial, adapter_dir, state_dict, finetune, dtype)
+    from ..hub import plain_peft_misses
+
+    missed = plain_peft_misses(spec) if finetune == "lora" else []
+    if missed:
+        warnings.warn(
+            f"{adapter_dir} is in peft's own format, but plain PeftModel.from_pretrained on the stock base leaves "
+            f"out what its longpeft.json holds: {'; '.join(missed)}; load it with longpeft.load (its model card "
+            "says so too)",
+            stacklevel=2,
+        )
 
 
 def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
-    """About what the saved weights take: the trainable parameters (or the gathered ``state_dict``)."""
+    """About what the saved weights take: the trainable parameters (or the gathered ``state_dict``), and a tied
+    embedding's second name in peft's format."""
     tensors = state_dict.values() if state_dict else (p for p in model.parameters() if p.requires_grad)
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors) + tied_copies_bytes(model)
 
 
 def _save_adapter_files(
@@ -335,7 +352,7 @@ def _save_adapter_files(
             state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     if finetune != "method":
         model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
-        leave_out_tied_copies(model, folder)  # a tied embedding is written once
+        write_tied_copies(folder, tied_copies(model))  # peft's own format: a tied embedding under every name
     save_method_weights(model, spec, folder, state_dict)
     if finetune == "full":
         export_methods(model, spec, folder)
@@ -345,6 +362,7 @@ def _save_adapter_files(
         generation_config.save_pretrained(folder)
     spec = spec.model_copy(update={"weights": finetune})
     spec.save(folder)
-    from ..hub import write_model_card  # longpeft's card replaces peft's placeholder README.md
+    from ..hub import name_base_in_adapter_config, write_model_card
 
-    write_model_card(folder, spec, repo_id=str(adapter_dir))
+    name_base_in_adapter_config(folder, spec.base_model)  # as longpeft.json does: no path of this machine
+    write_model_card(folder, spec, folder_name=adapter_dir.name)  # replaces peft's placeholder README.md

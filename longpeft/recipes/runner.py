@@ -285,10 +285,6 @@ def build_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Any:
     checkpointing = None
     if recipe.train.backend == "transformers" and shapes_memory(recipe):
         checkpointing = checkpoint_settings(recipe, model_config, world_size(), distributed_type)
-        if is_main_process():
-            print(
-                f"longpeft: checkpointing: {checkpointing.describe(model_config.num_hidden_layers)}", file=sys.stderr
-            )
     trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
     return checkpointing
 

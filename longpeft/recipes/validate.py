@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..adapters import METHODS, ResolveContext, check_conflicts, spec_methods
 from ..base_config import TINY_PREFIX, BaseFacts, BaseNotHere, read_base
 from ..builtin_models import BUILTIN_MODELS
 from ..errors import ConfigError
-from ..spec import ContextSpec, recipe_hash
+from ..spec import ContextSpec, base_reference, recipe_hash
 from .schema import Recipe
 
 
@@ -173,16 +171,12 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
 
 
 def spec_base_reference(recipe: Recipe, base_id: str) -> str:
-    """How the spec names its base: a base generated inside the run folder (``tiny:``) is named relative to the
-    adapter folder, so the run folder can be moved; a built-in model by its name (``longpeft:toy-base``, wherever
-    longpeft is installed); anything else as given."""
+    """How the spec names its base (:func:`~longpeft.spec.base_reference`): a built-in model by its name
+    (``longpeft:toy-base``, wherever longpeft is installed); a local folder (a ``tiny:`` base generated inside the
+    run folder, ``../base``) relative to the adapter folder, so that the two can move together; a Hub id as given."""
     if recipe.model.name_or_path in BUILTIN_MODELS:
         return recipe.model.name_or_path
-    output_dir = recipe.resolved_output_dir().resolve()
-    base_path = Path(base_id).resolve()
-    if base_path.is_relative_to(output_dir):
-        return os.path.relpath(base_path, output_dir / "adapter")
-    return base_id
+    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
 
 
 def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:

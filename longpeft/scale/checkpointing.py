@@ -80,14 +80,20 @@ class CheckpointSettings:
                 f"layers ({self.checkpointed})"
             )
 
-    def describe(self, layers: int) -> str:
-        """One line for the run's log, e.g. ``32 of 32 layers checkpointed, attention kept in 24, inputs
-        offloaded to CPU memory``."""
+    def describe(self, layers: int, on_gpu: bool = True) -> str:
+        """One line for the run's log or plan, e.g. ``32 of 32 layers checkpointed, attention kept in 24, inputs
+        offloaded to CPU memory``; ``on_gpu`` False (a run on CPU): the offloaded inputs are copied within CPU
+        memory, which saves nothing, and the line says so."""
         text = f"{self.checkpointed} of {layers} layers checkpointed"
         if self.checkpointed:
             text += f", attention kept in {self.keep_attention}"
-            if self.offload:
+            if self.offload and on_gpu:
                 text += ", inputs offloaded to CPU memory"
+            elif self.offload:
+                text += (
+                    ", inputs copied to a second CPU buffer and back (no GPU in this run: the offloading runs its "
+                    "steps but saves no memory)"
+                )
         return text
 
 

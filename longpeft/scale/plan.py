@@ -725,6 +725,23 @@ def choose_checkpointing(
         _, current, plan = best
 
 
+def plan_at_length(
+    recipe: Any,
+    tokens: int,
+    gpus: int = 1,
+    gpu_memory_gib: float = 80.0,
+    gpu: str = "h100",
+    shape: ModelShape | None = None,
+    launch: str | None = None,
+) -> Plan:
+    """The plan of one step on samples of ``tokens`` tokens (``data.max_length``), with the recipe's other
+    settings."""
+    data = recipe.data.model_copy(update={"max_length": tokens})
+    return estimate(
+        recipe.model_copy(update={"data": data}), gpus, gpu_memory_gib, gpu, samples=1, shape=shape, launch=launch
+    )
+
+
 def longest_fitting(
     recipe: Any,
     gpus: int = 1,
@@ -737,14 +754,12 @@ def longest_fitting(
 ) -> tuple[int, Plan]:
     """The longest sample (a multiple of ``step`` tokens, up to ``limit``) whose planned peak fits in
     ``gpu_memory_gib``, with the recipe's settings (``auto`` choices re-made at each length), and its plan; ``(0,
-    plan at step tokens)`` when not even ``step`` tokens fit."""
+    plan at step tokens)`` when not even ``step`` tokens fit. Memory only: the positions of the model and the
+    recipe's lengths bound a sample too (``longpeft.recipes.longest``)."""
     shape = shape or shape_of(recipe.model.name_or_path)
 
     def plan_at(tokens: int) -> Plan:
-        data = recipe.data.model_copy(update={"max_length": tokens})
-        return estimate(
-            recipe.model_copy(update={"data": data}), gpus, gpu_memory_gib, gpu, samples=1, shape=shape, launch=launch
-        )
+        return plan_at_length(recipe, tokens, gpus, gpu_memory_gib, gpu, shape, launch)
 
     low, high = 0, limit // step  # in steps: low fits (or is 0), high + 1 does not
     while low < high:

@@ -99,8 +99,9 @@ def _mlp_of(layer: nn.Module) -> nn.Module:
     return mlp
 
 
-def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
-    """Tile every decoder layer's MLP of ``model`` along the sequence, ``tile_tokens`` tokens at a time, in place."""
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
+    """Tile every decoder layer's MLP of ``model`` along the sequence, ``tile_tokens`` tokens at a time, in place;
+    returns the number of MLPs tiled."""
     if tile_tokens < 1:
         raise ConfigError(f"train.mlp_tile_tokens must be >= 1, got {tile_tokens}")
     layers = decoder_layers(model)
@@ -109,6 +110,7 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
     for layer in layers:
         mlp = _mlp_of(layer)
         mlp.forward = TiledMLPForward(mlp, tile_tokens)
+    return len(layers)
 
 
 def remove_tiled_mlp(model: nn.Module) -> None:

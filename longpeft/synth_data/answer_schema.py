@@ -6,16 +6,21 @@ The same :class:`OutputSchema` is sent to the endpoint as ``response_format`` (s
 cannot drift apart.
 
 Schemas use a small subset of JSON Schema: ``type`` (object, array, string), ``properties``,
-``required``, ``additionalProperties: false``, ``items``, ``minItems`` and ``minLength``. Two rules of
-the checker differ from a plain JSON-Schema validator, on purpose:
+``required``, ``additionalProperties: false``, ``items``, ``minItems``, ``maxItems`` and ``minLength``. Three
+rules of the checker differ from a plain JSON-Schema validator, on purpose:
 
 - ``minLength`` counts the string with surrounding whitespace stripped (``"  "`` is empty);
 - ``additionalProperties: false`` is sent (OpenAI's strict mode requires it) but extra keys in an
-  answer are ignored, not refused: a prompt-only answer that adds a field still carries what was asked.
+  answer are ignored, not refused: a prompt-only answer that adds a field still carries what was asked;
+- ``maxItems`` is not checked: a prompt-only answer with more items than asked is judged whole, and the builders
+  use the first ones that pass the quality gates.
 
-The endpoint gets the schema without ``minItems`` and ``minLength``: the common subset that strict
-structured output accepts everywhere (OpenAI, vLLM, SGLang, llama.cpp's server) has no length
-constraints; the parser enforces them.
+The endpoint never gets ``minLength``, and gets the item bounds (``minItems``, ``maxItems``: :data:`ITEM_BOUNDS`)
+only when asked (``response_format(bounds=True)``, which the client sends first): a server that enforces the schema
+(llama.cpp's grammar, vLLM's guided decoding) then stops a list at ``maxItems`` instead of adding items until the
+answer is cut off at ``max_tokens``. The common subset that strict structured output accepts everywhere (OpenAI's
+strict mode among others) has no length constraints: a server that refuses the bounds gets the schema without them
+(:class:`.llm_client.LLMClient` falls back, once per run).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .llm_output import MalformedOutput
+from .llm_request import ITEM_BOUNDS  # sent where the endpoint accepts them (response_format(bounds=True))
 
 # Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
-PARSER_ONLY_KEYWORDS = ("minItems", "minLength")
-_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS}
+PARSER_ONLY_KEYWORDS = ("minLength",)
+_KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS, *ITEM_BOUNDS}
 _PY_TYPES = {"object": dict, "array": list, "string": str}
 
 
@@ -46,16 +52,23 @@ class OutputSchema:
     def __post_init__(self) -> None:
         _check_subset(self.schema, "$")
 
-    def wire_schema(self) -> dict[str, Any]:
-        """The schema sent to the endpoint: :attr:`schema` without :data:`PARSER_ONLY_KEYWORDS`."""
-        return _without(self.schema, PARSER_ONLY_KEYWORDS)
+    def wire_schema(self, bounds: bool = False) -> dict[str, Any]:
+        """The schema sent to the endpoint: :attr:`schema` without :data:`PARSER_ONLY_KEYWORDS`, and without
+        :data:`ITEM_BOUNDS` unless ``bounds``."""
+        return _without(self.schema, PARSER_ONLY_KEYWORDS + (() if bounds else ITEM_BOUNDS))
 
-    def response_format(self) -> dict[str, Any]:
-        """The ``response_format`` request field asking for this schema (strict structured output)."""
+    def response_format(self, bounds: bool = False) -> dict[str, Any]:
+        """The ``response_format`` request field asking for this schema (strict structured output), with the
+        item bounds when ``bounds``."""
         return {
             "type": "json_schema",
-            "json_schema": {"name": self.name, "schema": self.wire_schema(), "strict": True},
+            "json_schema": {"name": self.name, "schema": self.wire_schema(bounds), "strict": True},
         }
+
+    def bounded(self, max_items: int) -> OutputSchema:
+        """This schema with its list (the one property, :attr:`name`) holding at most ``max_items`` items."""
+        listed = {**self.schema["properties"][self.name], "maxItems": max_items}
+        return OutputSchema(self.name, {**self.schema, "properties": {**self.schema["properties"], self.name: listed}})
 
     def validate(self, value: Any) -> None:
         """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks

@@ -1,13 +1,17 @@
 """``longpeft synth --plan``: the LLM requests a data build will send, their tokens and time, before any call.
 
-The plan runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`) and builds
-every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead of sending:
+The plan reads and checks every input file as the run does (:func:`~.pipeline.read_inputs`: the same refusals, with
+the same messages), runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`)
+and builds every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead
+of sending:
 
 - requests: one per QA job (first attempts: a malformed answer is asked again, up to ``llm.max_parse_attempts``
   times, and transient failures are retried: neither is counted); those whose answer is already in
   ``<out>/llm_cache`` (a resumed run) cost nothing and are counted apart;
-- input tokens: the messages' contents, counted with the training tokenizer (``tokenizer:``): the endpoint's own
-  tokenizer counts somewhat differently, and its chat format adds a few tokens per message;
+- input tokens: each request's messages counted as the endpoint counts them (:mod:`.prompt_tokens`): by the
+  server's own tokenizer when it offers one (vLLM's and llama.cpp's ``/tokenize``: the plan asks them, but requests
+  no completion), else with ``llm.tokenizer``, else estimated at one token per word (an under-count); never with the
+  training tokenizer;
 - output tokens: ``llm.max_tokens`` per request (an upper bound: the answers are usually far shorter), or the
   expectation given with ``--output-tokens``;
 - time: the slowest of three limits: ``llm.max_concurrency`` requests in flight (in waves of that many), each
@@ -19,9 +23,11 @@ every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_reques
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError
@@ -48,7 +54,7 @@ class BuildPlan:
     conversations: int  # contexts planned: at most one conversation each
     output_tokens_per_request: int
     output_tokens_from: str  # where output_tokens_per_request comes from
-    counted_with: str  # the tokenizer that counted the input tokens
+    counted_with: str  # what counted the input tokens (PromptCounter.how)
     model: str
     concurrency: int
     max_parse_attempts: int
@@ -95,7 +101,7 @@ class BuildPlan:
         out = self.output_tokens_per_request
         lines = [
             f"longpeft synth --plan: {self.conversations:,} contexts planned, {self.requests:,} requests to "
-            f"{self.model}; nothing was sent",
+            f"{self.model}; no completion was requested",
             f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}",
         ]
         for name, task in self.tasks.items():
@@ -107,8 +113,7 @@ class BuildPlan:
             f"{self.requests - self.to_send:>9,}"
         )
         lines.append(
-            f"input tokens: the messages' contents counted with {self.counted_with} (the endpoint's "
-            f"tokenizer counts differently); output tokens: {out:,} per request ({self.output_tokens_from}); "
+            f"input tokens: {self.counted_with}; output tokens: {out:,} per request ({self.output_tokens_from}); "
             f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
             "attempts, and failed calls are retried: not counted)"
         )
@@ -148,17 +153,19 @@ class BuildPlan:
 def plan_build(
     config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, output_tokens: int | None = None
 ) -> BuildPlan:
-    """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir`` without calling the LLM
-    and without writing anything: see the module docstring.
+    """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir`` without requesting a
+    completion and without writing anything: see the module docstring.
 
     Args:
-        tokenizer: the training tokenizer (default: ``config.tokenizer``, loaded as the build loads it).
+        tokenizer: the training tokenizer, which lays out the contexts (default: ``config.tokenizer``, loaded as the
+            build loads it); it does not count the prompts.
         output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
     """
     from .builders import LongContextBuilder
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
-    from .pipeline import CACHE_DIR, load_documents, load_tokenizer, plan_contexts
+    from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
+    from .prompt_tokens import prompt_counter
     from .qa import ProceduralAnswerer, job_request
 
     if config.answerer != "llm":
@@ -171,7 +178,7 @@ def plan_build(
             "longpeft synth --plan: llm.max_tokens is not set, so a request's output is unbounded; give "
             "--output-tokens N (the completion tokens you expect per request)"
         )
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None
+    files = read_inputs(config).documents  # every input file checked as the run checks it
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     builder = LongContextBuilder(
         tokenizer,
@@ -184,16 +191,21 @@ def plan_build(
     plans = plan_contexts(config, builder, files)
     cache = ResponseCache(Path(out_dir) / CACHE_DIR)
     llm, sampling = config.llm, sampling_params(config.llm)
+    counter = prompt_counter(llm, os.environ.get(llm.api_key_env), min(llm.timeout, 10.0))
     tasks: dict[str, TaskRequests] = {}
     jobs = [job for plan in plans for job in plan.jobs]
-    for index, job in enumerate(jobs):
+    counted_with = counter.how
+    for index, job in enumerate(tqdm(jobs, desc="counting prompt tokens", unit="req", disable=not config.progress)):
         request = job_request(job, index)
         task = tasks.setdefault(job.task, TaskRequests())
-        tokens = sum(builder.counter.count(message["content"]) for message in request.messages)
+        tokens, how = counter.count(request.messages)
+        if how != counter.how:  # the server's tokenizer failed on this prompt: the estimate stands in
+            counted_with = f"{counter.how}; some {how}"
         task.requests += 1
         task.input_tokens += tokens
-        sent = ({**sampling, **structured_params(llm, request, refused)} for refused in (False, True))  # auto: both
-        if any(cache.get(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
+        variants = ((False, True), (False, False), (True, True))  # the schema with bounds, without, none (auto)
+        sent = ({**sampling, **structured_params(llm, request, *variant)} for variant in variants)
+        if any(cache.answer(request_key(llm.base_url, llm.model, request, params, 0)) is not None for params in sent):
             task.cached += 1
             task.cached_input_tokens += tokens
     return BuildPlan(
@@ -203,7 +215,7 @@ def plan_build(
         output_tokens_from="--output-tokens"
         if output_tokens is not None
         else "llm.max_tokens, an upper bound; --output-tokens N for your expectation",
-        counted_with=f"the tokenizer {config.tokenizer}",
+        counted_with=counted_with,
         model=llm.model,
         concurrency=llm.max_concurrency,
         max_parse_attempts=llm.max_parse_attempts,

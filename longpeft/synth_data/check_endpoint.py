@@ -1,89 +1,135 @@
-"""`longpeft synth --check-endpoint`: one small request to the configured endpoint, before a long run.
+"""`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
+report of what they showed, nothing more.
 
-It reports the model that answered, the latency of a one-question request, whether structured
-output works (the request asks for the QA schema the builders use, :data:`.answer_schema.QA_PAIRS`,
-as ``llm.structured`` would send it: ``json_object`` when so configured, else ``json_schema``; on a
-refusal it asks again without it), whether the answer passes the builders' parser, and the context
-length and slots when the server reports them (:mod:`.endpoint`). Nothing is cached or written.
+All of it runs within one deadline (``llm.check_timeout``, ``--check-timeout``; 30 s by default), and a line on
+stderr says what the check waits for before each wait:
+
+1. what the server says about itself (:mod:`.endpoint`: models, context, slots), each lookup 5 s at most (a third
+   of the deadline when that is shorter);
+2. the request the run sends first, as the run sends it: a builder's QA request over a short text, with the run's
+   sampling settings and the ``response_format`` that ``llm.structured`` sends (none under ``off``); only
+   ``max_tokens`` is smaller (:data:`CHECK_MAX_TOKENS`). Its answer is judged as the run judges it: whether it is
+   bare JSON of the schema sent (:func:`.structured_output.follows_response_format`, what a server enforcing the
+   schema returns) and whether the builders' parser takes it;
+3. when that request carried ``response_format``, a probe of whether the server enforces it rather than merely
+   taking it: one plain word is asked for, under the same kind of ``response_format`` (a one-field schema, or
+   ``json_object``). A server that enforces the field answers JSON anyway; one that drops it (``transformers
+   serve`` logs "Ignoring unsupported fields in the request", HTTP 200) answers the word;
+4. a server that refuses ``response_format`` (HTTP 400/422 naming it) is asked the QA request again with the schema
+   without its item bounds (``minItems``, ``maxItems``), as the run does, and when it refuses that too, without
+   ``response_format``, as ``llm.structured=auto`` does.
+
+No answer within the deadline, bytes that are not HTTP, a body that is not a chat completion or a refused request
+stop the check with one line naming the server, what was awaited and a quote of what came back
+(:class:`~.llm_request.LLMRunAborted`). Nothing is cached or written.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from .answer_schema import QA_PAIRS
+from .answer_schema import OutputSchema
 from .corpus import Document
 from .endpoint import EndpointInfo, discover
-from .llm_http import refuses_structured_output, server_reason
+from .http_json import HttpAnswer, NoHttpAnswer, http_json
+from .llm_http import (
+    Completion,
+    NotACompletion,
+    body_excerpt,
+    read_completion,
+    refuses_structured_output,
+    server_reason,
+)
 from .llm_output import MalformedOutput
-from .llm_request import LLMConfig, LLMRunAborted
+from .llm_request import LLMConfig, LLMRunAborted, sampling_params, structured_params
 from .qa import Passage, QAJob, job_request, parse_qa_pairs
+from .structured_output import judge_answer
 
 CHECK_TEXT = (
     "The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
     "until 1903, when it was converted to electricity."
 )
 CHECK_MAX_TOKENS = 256  # a one-question answer fits; a slow endpoint shows in the latency, not in a long answer
+LOOKUP_TIMEOUT = 5.0  # seconds for each of the server's self-description lookups, within the deadline
+PROBE_MESSAGES = [
+    {"role": "user", "content": "Reply with the single word OK as plain text: no JSON, no quotes, nothing else."}
+]
+PROBE_SCHEMA = OutputSchema(
+    "probe",
+    {
+        "type": "object",
+        "properties": {"word": {"type": "string"}},
+        "required": ["word"],
+        "additionalProperties": False,
+    },
+)
+PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
 
 
 @dataclass
 class EndpointCheck:
-    """What the check found.
+    """What the check saw.
 
     Attributes:
-        answered_model: the model name in the answer (servers often report their own).
-        latency_s: seconds of the answered request (structured, or plain after a refusal).
-        completion_tokens: tokens of that answer, as the server counted them.
-        structured_sent: the ``response_format`` type tried (``json_schema`` or ``json_object``).
-        structured_refusal: the server's reason when it refused structured output, else ``None``.
-        parse_error: why the answer fails the builders' parser, else ``None``.
-        info: context length and slots, as the server reports them.
+        config: the settings checked.
+        answer: the answer to the QA request (after a refusal of ``response_format``: to the request without it).
+        latency_s: seconds of that answered request.
+        structured_sent: the ``response_format`` type the run sends first (``json_schema``, ``json_object``), or
+            ``None`` under ``llm.structured=off``.
+        structured_refusal: the server's reason when it refused ``response_format``, else ``None``.
+        bounds_refusal: the server's reason when it refused the schema with its item bounds (the run then sends the
+            schema without them, as the check did), else ``None``.
+        enforced: whether the probe's answer was JSON of the asked shape: ``True`` enforced, ``False`` ignored,
+            ``None`` not probed or not telling (cut at :data:`PROBE_MAX_TOKENS`, empty, or refused).
+        probe_answer: a quote of the probe's answer (or of its HTTP error), ``None`` when not probed.
+        answer_follows: whether the QA answer is bare JSON of the schema sent; ``None`` when none was sent or the
+            answer proves nothing (:func:`.structured_output.judge_answer`).
+        parse_error: why the QA answer fails the builders' parser, else ``None``.
+        info: what the server reports about itself.
+        deadline_s: the check's deadline in seconds.
     """
 
     config: LLMConfig
-    answered_model: str
+    answer: Completion
     latency_s: float
-    completion_tokens: int
-    structured_sent: str
+    structured_sent: str | None
     structured_refusal: str | None
+    enforced: bool | None
+    probe_answer: str | None
+    answer_follows: bool | None
     parse_error: str | None
     info: EndpointInfo
+    deadline_s: float
+    bounds_refusal: str | None = None
 
     @property
     def usable(self) -> bool:
-        """The run would work as configured: an answer that parses, and no refused structured output that
-        ``llm.structured`` would not fall back from."""
-        stops = self.structured_refusal is not None and self.config.structured in ("json_schema", "json_object")
+        """The run would work as configured: an answer that parses, and no refused or ignored structured output
+        that ``llm.structured`` (``json_schema``, ``json_object``) would not fall back from."""
+        explicit = self.config.structured in ("json_schema", "json_object")
+        stops = explicit and (self.structured_refusal is not None or self.enforced is False)
         return self.parse_error is None and not stops
 
     def report(self) -> str:
-        config, info = self.config, self.info
+        config, info, answer = self.config, self.info, self.answer
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
+        sent = f"response_format {self.structured_sent}" if self.structured_sent else "no response_format"
+        run_max = f"llm.max_tokens {config.max_tokens}" if config.max_tokens is not None else "no max_tokens"
         lines = [
-            f"endpoint    {config.base_url}",
-            f"model       {config.model} (answered as {self.answered_model!r}{listed})",
-            f"latency     {self.latency_s:.2f} s for a one-question request ({self.completion_tokens} completion "
+            f"endpoint    {config.base_url} (checked within {self.deadline_s:g} s: --check-timeout)",
+            f"model       {config.model} (answered as {answer.model or '?'!r}{listed})",
+            f"latency     {self.latency_s:.2f} s for a one-question request ({answer.completion_tokens} completion "
             "tokens)",
+            f"request     as the run sends it under llm.structured={config.structured}: {sent}, temperature "
+            f"{config.temperature:g}; max_tokens {self._max_tokens()} here ({run_max} in the run)",
+            f"structured  {self._structured_line()}",
+            f"answer      {self._answer_line()}",
         ]
-        if self.structured_refusal is None:
-            structured = f"yes: {self.structured_sent} accepted"
-        else:
-            then = {
-                "auto": "llm.structured=auto falls back to the prompt's JSON contract",
-                "off": "llm.structured=off does not ask for it",
-            }.get(config.structured, f"llm.structured={config.structured} would stop the run: set auto or off")
-            structured = f"no: {self.structured_sent} refused ({self.structured_refusal}); {then}"
-        lines.append(f"structured  {structured}")
-        lines.append(
-            "answer      "
-            + (
-                "passes the builders' parser"
-                if self.parse_error is None
-                else f"fails the builders' parser: {self.parse_error}"
-            )
-        )
         if info.context_tokens is not None:
             lines.append(
                 f"context     {info.context_tokens} tokens ({info.context_source})"
@@ -113,81 +159,253 @@ class EndpointCheck:
         lines.append("result      " + ("usable as configured" if self.usable else "NOT usable as configured"))
         return "\n".join(lines)
 
+    def _max_tokens(self) -> int:
+        return min(self.config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)
 
-def check_endpoint(config: LLMConfig) -> EndpointCheck:
-    """Run the check against ``config``'s endpoint; an unreachable endpoint, a bad key or model, or a refused
-    request raise :class:`~.llm_request.LLMRunAborted` naming what to fix."""
-    import openai
+    def _structured_line(self) -> str:
+        kind, mode = self.structured_sent, self.config.structured
+        if kind is None:
+            return (
+                "not asked: llm.structured=off sends no response_format (the prompt states the JSON contract and the "
+                "parser checks the schema)"
+            )
+        if self.structured_refusal is not None:
+            then = (
+                "llm.structured=auto falls back to the prompt's JSON contract"
+                if mode == "auto"
+                else f"llm.structured={mode} would stop the run: set auto or off"
+            )
+            return f"no: {kind} refused ({self.structured_refusal}); {then}"
+        probe = "a one-field schema" if kind == "json_schema" else "json_object"
+        if self.bounds_refusal is not None:
+            probe += f"; the schema's item bounds were refused ({self.bounds_refusal}): the run sends it without them"
+        if self.enforced is True:
+            return (
+                f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
+            )
+        if self.enforced is False:
+            then = (
+                "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON "
+                "contract only"
+                if mode == "auto"
+                else f"llm.structured={mode} would stop the run: set auto or off"
+            )
+            return (
+                f"no: {kind} ignored (HTTP 200, but asked for a plain word under {probe}, the server answered "
+                f"{self.probe_answer}, not JSON of that shape); {then}"
+            )
+        return (
+            f"unknown: {kind} taken (HTTP 200), but the probe's answer proves nothing ({self.probe_answer}); the run "
+            "judges the answers themselves"
+        )
 
+    def _answer_line(self) -> str:
+        cut = (
+            f" (cut at {self._max_tokens()} tokens: finish_reason length)"
+            if self.answer.finish_reason == "length"
+            else ""
+        )
+        if self.parse_error is not None:
+            return f"fails the builders' parser: {self.parse_error}{cut}"
+        if self.answer_follows is False:
+            return (
+                "passes the builders' parser, but is not bare JSON of the schema sent (a server enforcing it returns "
+                f"nothing else): {body_excerpt(self.answer.text, 60)}{cut}"
+            )
+        return "passes the builders' parser" + (" and is bare JSON of the schema sent" if self.answer_follows else "")
+
+
+class _Deadline:
+    """Seconds left of the check's deadline."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(self.end - time.monotonic(), 0.0)
+
+
+def _say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stderr) -> EndpointCheck:
+    """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for;
+    a missing key, an endpoint that does not answer in time or answers something else than a chat completion, and a
+    refused request raise :class:`~.llm_request.LLMRunAborted` naming the server, a quote of its answer and the
+    fix."""
     api_key = os.environ.get(config.api_key_env)
     if not api_key:
         raise LLMRunAborted(
             f"environment variable {config.api_key_env} is not set; export your API key there "
             "(any non-empty value for a local server without authentication)"
         )
-    info = discover(config.base_url, config.model, api_key, min(config.timeout, 10.0))
-    client = openai.OpenAI(api_key=api_key, base_url=config.base_url, max_retries=0, timeout=config.timeout)
+    deadline = _Deadline(config.check_timeout)
+    lookup = min(LOOKUP_TIMEOUT, deadline.left() / 3)  # two lookups leave a third of the deadline to the requests
+    say(
+        f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
+        f"{lookup:.3g} s each at most; the whole check {deadline.seconds:g} s at most)"
+    )
+    info = discover(config.base_url, config.model, api_key, lookup)
     request = job_request(
         QAJob("single_detail", [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
-    kind = "json_object" if config.structured == "json_object" else "json_schema"
-    response_format = {"type": "json_object"} if kind == "json_object" else QA_PAIRS.response_format()
-    refusal = None
-    try:
-        try:
-            start = time.monotonic()
-            response = client.chat.completions.create(
-                model=config.model,
-                messages=request.messages,
-                temperature=config.temperature,
-                max_tokens=CHECK_MAX_TOKENS,
-                response_format=response_format,
-            )
-        except openai.APIStatusError as error:
-            if not refuses_structured_output(error):
-                raise
-            refusal = f"HTTP {error.status_code}: {server_reason(error)}"
-            start = time.monotonic()
-            response = client.chat.completions.create(
-                model=config.model,
-                messages=request.messages,
-                temperature=config.temperature,
-                max_tokens=CHECK_MAX_TOKENS,
-            )
-        latency = time.monotonic() - start
-    except (openai.APITimeoutError, openai.APIConnectionError) as error:
-        raise LLMRunAborted(
-            f"cannot reach {config.base_url} ({type(error).__name__}: {error}); check llm.base_url "
-            f"and that the server runs (llm.timeout is {config.timeout:g} s)"
-        ) from None
-    except openai.APIStatusError as error:
-        raise LLMRunAborted(
-            f"{config.base_url} refused the check request (HTTP {error.status_code}: "
-            f"{server_reason(error)}); check {config.api_key_env}, llm.model {config.model!r} and "
-            "llm.base_url"
-        ) from None
-    finally:
-        client.close()
-    choices = getattr(response, "choices", None)
-    if not isinstance(choices, list) or not choices:
-        raise LLMRunAborted(
-            f"{config.base_url} answered with something that is not a chat completion: "
-            f"{str(response)[:200]!r}; check llm.base_url (it ends in /v1)"
+    sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
+    structured = structured_params(config, request)
+    response_format = structured.get("response_format")
+    bounds_refusal = None
+    kind = response_format["type"] if response_format else None
+    sent = f"with response_format {kind}" if kind else "without response_format"
+    answer, latency, refusal = _ask(
+        config,
+        api_key,
+        deadline,
+        say,
+        request.messages,
+        {**sampling, **structured},
+        f"the run's first request (a one-question QA request {sent})",
+    )
+    if refusal is not None and structured_params(config, request, bounds=False) != structured:
+        bounds_refusal = refusal  # the run's next step: the schema without its item bounds
+        structured = structured_params(config, request, bounds=False)
+        response_format = structured["response_format"]
+        answer, latency, refusal = _ask(
+            config,
+            api_key,
+            deadline,
+            say,
+            request.messages,
+            {**sampling, **structured},
+            "the QA request again with the schema without its item bounds (as the run does)",
         )
-    text = choices[0].message.content or ""
+    if refusal is not None:
+        answer, latency, _ = _ask(
+            config,
+            api_key,
+            deadline,
+            say,
+            request.messages,
+            sampling,
+            "the QA request again without response_format (as llm.structured=auto does)",
+        )
+    enforced = probe_answer = None
+    if response_format is not None and refusal is None:
+        enforced, probe_answer = _probe(config, api_key, deadline, say, kind)
     try:
-        parse_qa_pairs(text)
+        parse_qa_pairs(answer.text)
         parse_error = None
     except MalformedOutput as error:
-        parse_error = f"{error} (answer: {text[:120]!r})"
-    usage = getattr(response, "usage", None)
+        parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
+    follows = None
+    if response_format is not None and refusal is None:
+        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     return EndpointCheck(
         config=config,
-        answered_model=str(getattr(response, "model", "") or "?"),
+        answer=answer,
         latency_s=latency,
-        completion_tokens=int(getattr(usage, "completion_tokens", 0) or 0),
         structured_sent=kind,
         structured_refusal=refusal,
+        enforced=enforced,
+        probe_answer=probe_answer,
+        answer_follows=follows,
         parse_error=parse_error,
         info=info,
+        deadline_s=deadline.seconds,
+        bounds_refusal=bounds_refusal,
     )
+
+
+def _post(
+    config: LLMConfig,
+    api_key: str,
+    deadline: _Deadline,
+    say: Callable[[str], None],
+    messages: list[dict[str, str]],
+    params: dict[str, Any],
+    what: str,
+) -> tuple[HttpAnswer, float]:
+    """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
+    url = config.base_url.rstrip("/") + "/chat/completions"
+    left = deadline.left()
+    if left <= 0:
+        raise LLMRunAborted(
+            f"{config.base_url}: the check's deadline ({deadline.seconds:g} s) passed before {what}; give it more "
+            "time with --check-timeout"
+        )
+    say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
+    start = time.monotonic()
+    try:
+        answer = http_json(url, {"model": config.model, "messages": messages, **params}, api_key, left)
+    except NoHttpAnswer as error:
+        if error.kind == "timeout":
+            raise LLMRunAborted(
+                f"{config.base_url} did not answer {what} within the check's deadline ({deadline.seconds:g} s): "
+                "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
+                "more time with --check-timeout"
+            ) from None
+        if error.kind == "unreachable":
+            raise LLMRunAborted(
+                f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
+            ) from None
+        raise LLMRunAborted(
+            f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
+            "OpenAI-compatible server, ending in /v1)"
+        ) from None
+    return answer, time.monotonic() - start
+
+
+def _ask(
+    config: LLMConfig,
+    api_key: str,
+    deadline: _Deadline,
+    say: Callable[[str], None],
+    messages: list[dict[str, str]],
+    params: dict[str, Any],
+    what: str,
+) -> tuple[Completion, float, str | None]:
+    """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
+    ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
+    answer, latency = _post(config, api_key, deadline, say, messages, params, what)
+    if answer.status_code != 200:
+        if "response_format" in params and refuses_structured_output(answer):
+            return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
+        raise LLMRunAborted(
+            f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
+            f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
+        )
+    try:
+        return read_completion(answer.raw), latency, None
+    except NotACompletion as error:
+        raise LLMRunAborted(
+            f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
+            "llm.base_url (it ends in /v1)"
+        ) from None
+
+
+def _probe(
+    config: LLMConfig, api_key: str, deadline: _Deadline, say: Callable[[str], None], kind: str
+) -> tuple[bool | None, str]:
+    """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote of
+    the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
+    response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
+    params = {"temperature": config.temperature, "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
+    answer, _ = _post(
+        config,
+        api_key,
+        deadline,
+        say,
+        PROBE_MESSAGES,
+        params,
+        f"the structured-output probe (a plain word asked for, under {kind})",
+    )
+    if answer.status_code != 200:
+        return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
+    try:
+        probe = read_completion(answer.raw)
+    except NotACompletion as error:
+        return None, str(error)
+    if not probe.text.strip():
+        return None, "an empty answer"
+    cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
+    return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut

@@ -15,7 +15,7 @@ Examples::
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16 --plan --tokens-per-minute 2000000
 
-    # a local server (vLLM, SGLang, llama.cpp): one small request first; model, latency, structured output, context
+    # a local server (vLLM, SGLang, llama.cpp): its first request and a probe, within 30 s: is response_format enforced
     export OPENAI_API_KEY=local
     longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
 
@@ -88,8 +88,16 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     llm.add_argument(
         "--check-endpoint",
         action="store_true",
-        help="send one small request to the endpoint and print the model, latency, whether structured "
-        "output works and the context length; exit 0 when usable as configured, 1 when not",
+        help="send the run's first request to the endpoint, as the run sends it, and a probe of structured output; "
+        "print the model, latency, whether response_format is enforced, ignored or refused, whether the answer "
+        "parses, the context length; exit 0 when usable as configured, 1 when not, 2 when the endpoint does not "
+        "answer in time or answers something else",
+    )
+    llm.add_argument(
+        "--check-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="deadline of the whole --check-endpoint (default 30; llm.check_timeout)",
     )
     llm.add_argument(
         "--retry-rejected",
@@ -174,6 +182,7 @@ def resolve_config(args: argparse.Namespace):
         "llm.model": args.llm_model,
         "llm.api_key_env": args.api_key_env,
         "llm.max_concurrency": args.concurrency,
+        "llm.check_timeout": args.check_timeout,
         "mix.plain_text": args.plain_text,
         "mix.plain_ratio": args.plain_ratio,
         "mix.instructions": args.instructions,
@@ -243,7 +252,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         total = stats["llm_usage"]["total"]
         print(
             f"  LLM: {total['api_calls']} calls, {total['prompt_tokens']} prompt + {total['completion_tokens']} "
-            f"completion tokens, {total['cache_hits']} cached, {total['rejected']} rejected (rejects.jsonl)"
+            f"completion tokens, {total['cache_hits']} cached"
         )
     for line in rejection_summary(stats):
         print(f"  {line}")

@@ -10,17 +10,16 @@ lookup is tolerant: an unreachable route, a non-JSON body or a missing field mea
   the number of slots (requests decoded at once) as ``total_slots``. ``/v1/models`` also carries
   ``meta.n_ctx_train``, the model's training context, which is not what the server accepts: not used.
 
-Stdlib only (``urllib``): the lookups run before the chat client starts and must not depend on its
-HTTP library.
+Stdlib only (``urllib``, through :mod:`.http_json`): the lookups run before the chat client starts and must not
+depend on its HTTP library.
 """
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+
+from .http_json import NoHttpAnswer, http_json
 
 MODEL_CONTEXT_FIELDS = ("max_model_len", "context_length", "max_context_length", "context_window")
 
@@ -50,11 +49,10 @@ def server_root(base_url: str) -> str:
 
 def get_json(url: str, api_key: str | None, timeout: float) -> Any:
     """The decoded JSON body of ``GET url``, or ``None`` when anything goes wrong (status, network, body)."""
-    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (the configured endpoint)
-            return json.loads(response.read().decode("utf-8"))
-    except (urllib.error.URLError, OSError, ValueError):
+        answer = http_json(url, None, api_key, timeout)
+        return answer.json() if answer.status_code == 200 else None
+    except (NoHttpAnswer, ValueError):
         return None
 
 

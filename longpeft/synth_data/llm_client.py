@@ -11,21 +11,34 @@ What it adds on top of the ``openai`` package:
   run) are never served as another's. Caches written before the base URL joined the key are not reused;
 - bounded retries on malformed output: the caller's ``parse`` function raises
   :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every raw answer go to the rejects JSONL file; a
-  ``check`` function (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`);
-- structured output (``structured``): each request asks for its output schema through ``response_format``;
-  with ``auto``, the first refusal by the endpoint (see :func:`refuses_structured_output`) switches the client
-  to the prompt-only JSON contract for the rest of its life, with one line on the console (a fallback, not a
-  rejection: the request is asked again at once without ``response_format``);
+  and after ``max_parse_attempts`` the request and every attempt (its reason and raw answer) go to the rejects
+  JSONL file; a ``check`` function (the quality gates) may reject a parsed answer the same way
+  (:class:`RejectedOutput`), or keep part of it (:class:`Checked`: the parts dropped go to the rejects file); an
+  answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
+  :class:`TruncatedOutput` attempt, asked again;
+- structured output (``structured``): each request asks for its output schema through ``response_format``, with
+  the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them (said in
+  one line; the request is asked again at once without them); with ``auto``, the first refusal by the endpoint
+  (see :func:`refuses_structured_output`) switches the client to the prompt-only JSON contract for the rest of its
+  life, with one line on the console (a fallback, not a rejection: the request is asked again at once without
+  ``response_format``), and so does an endpoint seen to ignore the field (its first answers are not bare JSON of
+  the asked shape: :mod:`.structured_output`; those answers are judged by the parser as any other);
 - requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
   :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
-  (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending;
+  (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending, its
+  tokens counted by the server's tokenizer when it offers one (:mod:`.prompt_tokens`);
+- requests given up after transient failures say why on the console (the first :data:`SHOWN_REFUSALS`, then one
+  line per batch counting them by cause);
 - a request rejected for good (:data:`REJECT_REASONS`: malformed or gated output in every attempt, an HTTP
   4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
   does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
   ``retry_rejected``, which asks it again with new attempt numbers (the earlier answers are replayed from the
-  cache first, so relaxed gates cost nothing). A request given up after transient failures (timeouts, 429,
-  5xx; reason ``gave_up``) is not marked: a rerun asks it again;
+  cache first, so relaxed gates cost nothing; an earlier attempt no longer in the cache is not asked again). A
+  request given up after transient failures (timeouts, 429, 5xx; reason ``gave_up``) is not marked: a rerun asks
+  it again. The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
+- a cache file that is not an entry longpeft wrote (not JSON, cut short, another shape) reads as absent: its request
+  is asked again, and the usage report counts such files (``foreign_cache_files``; the synth summary says it in one
+  line), as it counts the lines of the rejects file that are not its records (``foreign_rejects_lines``);
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
@@ -41,9 +54,11 @@ and ``check`` raise, the JSON reader), :mod:`.llm_http` (one call with its retri
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,9 +73,10 @@ from .llm_http import (
     refuses_structured_output,
     server_reason,
 )
-from .llm_output import MalformedOutput, RejectedOutput, parse_json_object, strip_code_fence
+from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput, parse_json_object, strip_code_fence
 from .llm_rejects import REJECT_REASONS, RejectsLog
 from .llm_request import (
+    ITEM_BOUNDS,
     LLMConfig,
     LLMRequest,
     LLMResult,
@@ -70,11 +86,12 @@ from .llm_request import (
     sampling_params,
     structured_params,
 )
+from .prompt_tokens import PromptCounter, prompt_counter
+from .structured_output import StructuredWatch
 
 # The client and its constants, and the names of the modules above that users import from here.
 __all__ = [
-    "CHARS_PER_TOKEN_ESTIMATE",
-    "MESSAGE_OVERHEAD_TOKENS",
+    "Checked",
     "REJECT_REASONS",
     "RETRYABLE_STATUS",
     "SHOWN_REFUSALS",
@@ -86,10 +103,12 @@ __all__ = [
     "LLMRunAborted",
     "MalformedOutput",
     "RejectedOutput",
+    "PromptCounter",
     "RejectsLog",
     "ResponseCache",
     "ResponseSchema",
     "TaskUsage",
+    "TruncatedOutput",
     "outcome_key",
     "parse_json_object",
     "refuses_structured_output",
@@ -100,9 +119,11 @@ __all__ = [
     "structured_params",
 ]
 
-SHOWN_REFUSALS = 3  # HTTP 4xx refusals whose server reason is printed; the rest are counted
-CHARS_PER_TOKEN_ESTIMATE = 5  # without a tokenizer: fewer tokens than GPT-4/Llama-3 vocabularies give (~4 chars)
-MESSAGE_OVERHEAD_TOKENS = 8  # chat-template tokens around one message (role header, end of turn), an upper bound
+SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
+# A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
+# covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
+TEMPLATE_TOKENS_ALLOWANCE = 64
+TEMPLATE_TOKENS_PER_MESSAGE = 16
 
 
 class LLMClient:
@@ -113,9 +134,9 @@ class LLMClient:
         cache_dir: folder of the response cache (created on demand).
         rejects_path: JSONL file receiving requests that failed for good.
         show_progress: draw a tqdm bar per batch.
-        count_tokens: text -> tokens, for the prompt-length check against the endpoint's context (the builder's
-            training tokenizer); without it a prompt is estimated at :data:`CHARS_PER_TOKEN_ESTIMATE` characters
-            per token, fewer tokens than usual vocabularies give, so only surely-too-long prompts are refused.
+        prompt_counter: what counts a prompt's tokens for the check against the endpoint's context; by default
+            :func:`.prompt_tokens.prompt_counter` picks it at the first run that knows the context (the server's
+            ``/tokenize``, else ``llm.tokenizer``, else an estimate that errs short) and says which in one line.
         retry_rejected: ask again the requests an earlier run rejected (by default they are skipped).
     """
 
@@ -125,7 +146,7 @@ class LLMClient:
         cache_dir: str | os.PathLike[str],
         rejects_path: str | os.PathLike[str],
         show_progress: bool = True,
-        count_tokens: Callable[[str], int] | None = None,
+        prompt_counter: PromptCounter | None = None,
         retry_rejected: bool = False,
     ):
         self.config = config
@@ -133,12 +154,15 @@ class LLMClient:
         self.cache = ResponseCache(cache_dir)
         self.rejects = RejectsLog(rejects_path)
         self.show_progress = show_progress
-        self.count_tokens = count_tokens
+        self.prompt_counter = prompt_counter
         self.usage: dict[str, TaskUsage] = {}
-        self.structured_refused: str | None = None  # the server's reason, once it refused structured output
-        self.structured_accepted = False  # the endpoint answered a request carrying response_format
-        self._first_structured: asyncio.Lock | None = None  # one structured request at a time until then
+        self.structured_refused: str | None = None  # why structured output is off: refused, or seen ignored
+        self.structured_watch = StructuredWatch()  # whether the endpoint follows response_format, from its answers
+        self.bounds_refused: str | None = None  # the server's reason, once it refused the schema's item bounds
+        self._first_structured: asyncio.Lock | None = None  # one structured request at a time until it is known
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
+        self.gave_up = 0  # requests given up after transient failures (the first SHOWN_REFUSALS said with the cause)
+        self._stop: str | None = None  # why the run stops (structured output refused or ignored): no more sends
         self.endpoint: Any = None  # an .endpoint.EndpointInfo, asked once at the first run (context_tokens unset)
 
     # ---- public API -------------------------------------------------------------------------
@@ -200,7 +224,13 @@ class LLMClient:
         )
         if self.endpoint is None and self.config.context_tokens is None:
             await self._ask_endpoint(api_key)
+        if self.prompt_counter is None and self.context_limit() is not None:
+            self.prompt_counter = await asyncio.to_thread(
+                prompt_counter, self.config, api_key, min(self.config.timeout, 10.0)
+            )
+            self._say(f"{self.config.base_url}: prompt tokens are {self.prompt_counter.how}")
         del api_key
+        gave_up_before = self._gave_up_causes()
         semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._first_structured = asyncio.Lock()  # bound to this run's event loop
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
@@ -214,7 +244,7 @@ class LLMClient:
 
             tasks = [asyncio.ensure_future(one(request)) for request in requests]
             try:
-                return list(await asyncio.gather(*tasks))
+                results = list(await asyncio.gather(*tasks))
             except BaseException:
                 for task in tasks:
                     task.cancel()
@@ -223,6 +253,8 @@ class LLMClient:
         finally:
             bar.close()
             await client.close()
+        self._say_gave_up(desc, gave_up_before)
+        return results
 
     def usage_report(self) -> dict[str, Any]:
         """Per-task token accounting plus totals, as a JSON-ready dict."""
@@ -236,7 +268,28 @@ class LLMClient:
                         merged[reason] = merged.get(reason, 0) + count
                 else:
                     total[key] = total.get(key, 0) + value
-        return {"model": self.config.model, "base_url": self.config.base_url, "tasks": tasks, "total": total}
+        return {
+            "model": self.config.model,
+            "base_url": self.config.base_url,
+            "tasks": tasks,
+            "total": total,
+            "foreign_cache_files": self.cache.foreign,
+            "foreign_rejects_lines": self.rejects.unread,
+        }
+
+    def request_id(self, request: LLMRequest) -> str:
+        """The request's identity across runs and structured-output modes: the key of its outcome mark
+        (:func:`.llm_cache.outcome_key`), which is also its group in the rejects file."""
+        return outcome_key(
+            request_key(self.config.base_url, self.config.model, request, sampling_params(self.config), 0)
+        )
+
+    def drop_items(self, request: LLMRequest, step: str, attempt: int, dropped: list[dict[str, Any]]) -> None:
+        """Record in the rejects file the items a caller dropped from the answer of ``request`` (its ``attempt``) in a
+        later ``step`` of its own (say, repeats across the answers of one context); the list replaces what that step
+        dropped from this request before (an empty list: nothing any more)."""
+        group = f"{self.request_id(request)}/{step}"
+        self.rejects.replace(group, [self._item_record(request, group, attempt, item) for item in dropped])
 
     def context_limit(self) -> tuple[int, str] | None:
         """``(tokens, where from)`` of the endpoint's context, or ``None`` when neither set nor reported."""
@@ -245,16 +298,6 @@ class LLMClient:
         if self.endpoint is not None and self.endpoint.context_tokens is not None:
             return self.endpoint.context_tokens, f"reported by the endpoint's {self.endpoint.context_source}"
         return None
-
-    def prompt_tokens(self, request: LLMRequest) -> tuple[int, str]:
-        """``(tokens, how counted)`` of the request's messages, with :data:`MESSAGE_OVERHEAD_TOKENS` per message."""
-        overhead = MESSAGE_OVERHEAD_TOKENS * len(request.messages)
-        texts = [str(m.get("content", "")) for m in request.messages]
-        if self.count_tokens is None:
-            return sum(len(t) for t in texts) // CHARS_PER_TOKEN_ESTIMATE + overhead, (
-                f"estimated at {CHARS_PER_TOKEN_ESTIMATE} characters per token"
-            )
-        return sum(self.count_tokens(t) for t in texts) + overhead, "counted with the training tokenizer"
 
     # ---- internals --------------------------------------------------------------------------
 
@@ -282,20 +325,89 @@ class LLMClient:
                 f"{info.slots} or raise llm.timeout"
             )
 
-    def _structured_refusal(self, error: Any) -> None:
-        """The endpoint refused ``response_format``: with ``auto``, fall back to the prompt-only contract (once,
-        said once); with ``json_schema`` / ``json_object``, stop the run naming the setting."""
+    def _structured_refusal(self, error: Any, response_format: dict[str, Any]) -> None:
+        """The endpoint refused ``response_format``: when it held the schema's item bounds, ask without them from
+        now on (once, said once); else with ``auto``, fall back to the prompt-only contract (once, said once); with
+        ``json_schema`` / ``json_object``, stop the run naming the setting."""
         reason = server_reason(error)
+        if self.bounds_refused is None and any(f'"{word}"' in json.dumps(response_format) for word in ITEM_BOUNDS):
+            self.bounds_refused = reason
+            self._say(
+                f"{self.config.base_url} refused the schema with its item bounds (HTTP {error.status_code}: "
+                f"{reason}); sending the schema without {'/'.join(ITEM_BOUNDS)} for the rest of the run"
+            )
+            return
         if self.config.structured != "auto":
-            raise LLMRunAborted(
+            self._stop = (
                 f"{self.config.base_url} refused structured output (llm.structured={self.config.structured}; HTTP "
                 f"{error.status_code}: {reason}); set llm.structured to auto (falls back to the prompt) or off"
             )
+            raise LLMRunAborted(self._stop)
         if self.structured_refused is None:
             self.structured_refused = reason
             self._say(
                 f"{self.config.base_url} refused structured output (HTTP {error.status_code}: {reason}); "
                 "llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run"
+            )
+
+    def _observe(self, sent: dict[str, Any], entry: dict[str, Any]) -> None:
+        """Judge one answer to a request carrying ``response_format`` (:class:`.structured_output.StructuredWatch`):
+        an endpoint seen to ignore the field is answered as one that refused it (:meth:`_structured_ignored`)."""
+        text = entry.get("text")
+        verdict = self.structured_watch.observe(
+            sent["response_format"], text if isinstance(text, str) else "", entry.get("finish_reason")
+        )
+        if verdict == "ignored":
+            self._structured_ignored(sent["response_format"].get("type", "response_format"))
+
+    def _structured_ignored(self, kind: str) -> None:
+        """The endpoint answers HTTP 200 without following ``response_format``: with ``auto``, fall back to the
+        prompt-only contract (said in one line); with ``json_schema`` / ``json_object``, stop the run naming the
+        setting."""
+        seen = (
+            f"{self.config.base_url} ignores response_format ({kind} sent, HTTP 200: "
+            f"{self.structured_watch.evidence()})"
+        )
+        if self.config.structured != "auto":
+            self._stop = (
+                f"{seen}; llm.structured={self.config.structured} needs a server that enforces it: set "
+                "llm.structured to auto (falls back to the prompt) or off"
+            )
+            raise LLMRunAborted(self._stop)
+        self.structured_refused = f"ignored: {self.structured_watch.evidence()}"
+        self._say(f"{seen}; llm.structured=auto: asking with the prompt's JSON contract only for the rest of the run")
+
+    def _give_up(self, request: LLMRequest, error: RetryableError) -> str:
+        """Count a request given up after transient failures by its cause; print the reason for the first
+        :data:`SHOWN_REFUSALS` (:meth:`_say_gave_up` counts the others at the end of the batch)."""
+        usage = self.usage[request.task]
+        usage.gave_up_causes[error.cause] = usage.gave_up_causes.get(error.cause, 0) + 1
+        self.gave_up += 1
+        reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
+        if self.gave_up <= SHOWN_REFUSALS:
+            more = "; further give-ups are counted at the end of the batch" if self.gave_up == SHOWN_REFUSALS else ""
+            self._say(
+                f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} "
+                f"retries ({error}){more}"
+            )
+        return reason
+
+    def _gave_up_causes(self) -> dict[str, int]:
+        causes: dict[str, int] = {}
+        for usage in self.usage.values():
+            for cause, count in usage.gave_up_causes.items():
+                causes[cause] = causes.get(cause, 0) + count
+        return causes
+
+    def _say_gave_up(self, desc: str, before: dict[str, int]) -> None:
+        """One line for the requests of a batch given up after transient failures, counted by cause."""
+        now = self._gave_up_causes()
+        new = {cause: count - before.get(cause, 0) for cause, count in now.items() if count > before.get(cause, 0)}
+        if new:
+            causes = ", ".join(f"{cause}: {count}" for cause, count in sorted(new.items(), key=lambda kv: -kv[1]))
+            self._say(
+                f"{self.config.base_url}: gave up on {sum(new.values())} {desc} request(s) after "
+                f"{self.config.max_retries} retries ({causes}); not marked rejected: a plain rerun asks them again"
             )
 
     def _refusal(self, request: LLMRequest, error: Any) -> str:
@@ -326,97 +438,177 @@ class LLMClient:
 
         usage = self.usage.setdefault(request.task, TaskUsage())
         sampling = sampling_params(self.config)
-        outputs: list[dict[str, Any]] = []
+        outputs: list[dict[str, Any]] = []  # every attempt's outcome: attempt, reason, error (and the answer's text)
+        dropped: list[dict[str, Any]] = []  # the item records of what ``check`` dropped, every attempt's
         api_calls = 0
         # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
         # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
         # answers themselves are keyed on what is sent, sampling and response_format).
         first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
         mark_key = outcome_key(first_key)
-        mark = self.cache.get(mark_key)
+        mark = self.cache.outcome(mark_key)
         end = self.config.max_parse_attempts
-        if mark is not None and mark.get("outcome") == "rejected":
+        replayed = 0  # attempts of an earlier round: replayed from the cache, never sent again
+        if mark is not None and mark["outcome"] == "rejected":
             if not self.retry_rejected:
                 usage.skipped_rejected += 1
                 why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
+                rebuilt = self._request_record(request, mark_key, first_key, mark["reason"], mark["error"], [], True)
+                self.rejects.keep(mark_key, rebuilt)
                 return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+            replayed = mark["end"]
             end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
-        elif mark is not None:  # answered by an attempt of a retry round
+        elif mark is not None:  # answered by attempt end - 1 of a retry round: the ones before it are replays
+            replayed = mark["end"] - 1
             end = max(end, mark["end"])
         state = {"mark_key": mark_key, "end": end}
         key = ""
         last_code = "malformed"
         limit = self.context_limit()
-        if limit is not None and _utf8_bytes(request) + MESSAGE_OVERHEAD_TOKENS * len(request.messages) >= limit[0]:
-            tokens, counted = self.prompt_tokens(request)  # tokens <= bytes: a shorter prompt surely fits, uncounted
+        if limit is not None and self.prompt_counter is not None and _may_exceed(request, limit[0]):
+            tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
             if tokens >= limit[0]:
                 state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
                 reason = (
                     f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
                     f"{limit[0]} ({limit[1]}); not sent"
                 )
-                return self._reject(request, first_key, usage, reason, outputs, 0, 0, "prompt_too_long", state)
+                return self._reject(
+                    request, first_key, usage, reason, outputs, dropped, 0, 0, "prompt_too_long", state, mark_key
+                )
         for attempt in range(end):
             entry = None
             while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
                 sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
                 key = request_key(self.config.base_url, self.config.model, request, sent, attempt)
-                entry = self.cache.get(key)
+                entry = self.cache.answer(key)
                 if entry is not None:
                     usage.cache_hits += 1
                     usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
                     usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                    if "response_format" in sent and self.structured_watch.verdict is None:
+                        self._observe(sent, entry)  # a rerun learns from the answers it replays
+                    break
+                if attempt < replayed:  # an earlier round's answer no longer in the cache: not paid for again
                     break
                 try:
                     entry = await self._send(client, semaphore, request, sent, usage)
                     if entry is None:  # the endpoint refused structured output while this request waited
                         continue
                 except RetryableError as error:
-                    reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-                    return self._reject(request, key, usage, reason, outputs, attempt + 1, api_calls, "gave_up")
-                except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
-                    if "response_format" in sent and refuses_structured_output(error):
-                        self._structured_refusal(error)  # raises unless llm.structured is auto; not a rejection
-                        continue
-                    state["end"] = attempt + 1
-                    reason = self._refusal(request, error)
+                    reason = self._give_up(request, error)
+                    outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
                     return self._reject(
                         request,
                         key,
                         usage,
-                        f"{type(error).__name__}: {reason}",
+                        reason,
                         outputs,
+                        dropped,
+                        attempt + 1,
+                        api_calls,
+                        "gave_up",
+                        None,
+                        mark_key,
+                    )
+                except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
+                    if "response_format" in sent and refuses_structured_output(error):
+                        self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
+                        continue
+                    state["end"] = attempt + 1
+                    reason = f"{type(error).__name__}: {self._refusal(request, error)}"
+                    outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
+                    return self._reject(
+                        request,
+                        key,
+                        usage,
+                        reason,
+                        outputs,
+                        dropped,
                         attempt + 1,
                         api_calls,
                         "http_refused",
                         state,
+                        mark_key,
                     )
                 api_calls += 1
                 if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
                     self.cache.put(key, {"key": key, "task": request.task, **entry})
+            if entry is None:
+                continue
             text = entry["text"]
             try:
                 if not text.strip():
                     raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
+                if entry.get("finish_reason") == "length":
+                    raise TruncatedOutput(
+                        f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
+                        f"{entry['usage']['completion_tokens']} completion tokens"
+                    )
                 value = parse(text) if parse is not None else text
                 if check is not None:
                     value = check(request, value)
+                    if isinstance(value, Checked):
+                        dropped += [self._item_record(request, mark_key, attempt, item) for item in value.dropped]
+                        value = value.value
             except MalformedOutput as error:
-                last_code = "quality" if isinstance(error, RejectedOutput) else "malformed"
-                if last_code == "quality":
+                last_code = error.code
+                if isinstance(error, RejectedOutput):
                     usage.quality_rejected += 1
+                    dropped += [self._item_record(request, mark_key, attempt, item) for item in error.dropped]
+                elif isinstance(error, TruncatedOutput):
+                    usage.truncated += 1
                 else:
                     usage.malformed += 1
-                outputs.append({"attempt": attempt, "text": text, "error": str(error)})
+                outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
                 continue
-            if mark is not None:  # a retry round answered: later reruns replay up to this attempt
-                self.cache.mark(mark_key, request.task, "answered", attempt + 1)
-                if mark.get("outcome") == "rejected":
-                    self.rejects.answered(mark_key)
+            if mark is not None or mark_key in self.cache.foreign_keys:  # a retry round answered (or a foreign mark):
+                self.cache.mark(mark_key, request.task, "answered", attempt + 1)  # later reruns replay up to here
+            self.rejects.replace(mark_key, dropped)
             return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        what = "output failing the quality gates" if last_code == "quality" else "malformed output"
-        reason = f"{what} in all {end} attempts"  # more than max_parse_attempts in a --retry-rejected round
-        return self._reject(request, key, usage, reason, outputs, end, api_calls, last_code, state)
+        tried = Counter(output["reason"] for output in outputs)  # the attempts judged (an uncached replay is not)
+        if len(tried) == 1:
+            what = {"quality": "output failing the quality gates", "truncated": "output cut off at llm.max_tokens"}
+            reason = f"{what.get(last_code, 'malformed output')} in all {len(outputs)} attempts"
+        else:
+            counts = ", ".join(f"{code} {n}" for code, n in tried.items())
+            reason = f"no usable output in {len(outputs)} attempts ({counts})"
+        return self._reject(request, key, usage, reason, outputs, dropped, end, api_calls, last_code, state, mark_key)
+
+    def _item_record(self, request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
+        """A rejects-file record of one part of an answer that a ``check`` function dropped (:mod:`.llm_rejects`)."""
+        return {
+            "kind": "item",
+            "request": group,
+            "task": request.task,
+            "meta": request.meta,
+            "attempt": attempt,
+            **item,
+        }
+
+    def _request_record(
+        self,
+        request: LLMRequest,
+        mark_key: str,
+        key: str,
+        code: str,
+        reason: str,
+        outputs: list[dict[str, Any]],
+        marked: bool,
+    ) -> dict[str, Any]:
+        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with ``outputs``: every
+        attempt's reason, error and answer (:mod:`.llm_rejects`)."""
+        return {
+            "kind": "request",
+            "request": mark_key,
+            "key": key,
+            "task": request.task,
+            "meta": request.meta,
+            "reason": code,
+            "error": reason,
+            "marked": marked,
+            "attempts": outputs,
+        }
 
     def _reject(
         self,
@@ -425,53 +617,56 @@ class LLMClient:
         usage: TaskUsage,
         reason: str,
         outputs: list[dict[str, Any]],
+        dropped: list[dict[str, Any]],
         attempts: int,
         api_calls: int,
         code: str,
-        state: dict[str, Any] | None = None,
+        state: dict[str, Any] | None,
+        mark_key: str,
     ) -> LLMResult:
         """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
         rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
         usage.rejected += 1
         usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
-        self.rejects.add(
-            {
-                "key": key,
-                "kind": "request",
-                "task": request.task,
-                "meta": request.meta,
-                "reason": code,
-                "error": reason,
-                "attempts": attempts,
-                "outputs": outputs,
-                **({"mark": state["mark_key"]} if state is not None else {}),
-            }
-        )
+        record = self._request_record(request, mark_key, key, code, reason, outputs, state is not None)
+        self.rejects.replace(mark_key, [record, *dropped])
         if state is not None:
             self.cache.mark(state["mark_key"], request.task, "rejected", state["end"], reason=code, error=reason)
         return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
-        return structured_params(self.config, request, refused=self.structured_refused is not None)
+        return structured_params(
+            self.config, request, refused=self.structured_refused is not None, bounds=self.bounds_refused is None
+        )
 
     async def _send(
         self, client: Any, semaphore: asyncio.Semaphore, request: LLMRequest, sent: dict[str, Any], usage: TaskUsage
     ) -> dict[str, Any] | None:
-        """:func:`.llm_http.chat_completion`, except that until the endpoint has answered one request carrying
-        ``response_format``, such requests go one at a time: a server that refuses structured output refuses one
-        request, not every request of the first wave. ``None``: it was refused while this request waited (ask
-        without it)."""
-        if "response_format" in sent and not self.structured_accepted:
+        """:func:`.llm_http.chat_completion`, except that until the endpoint is known to follow ``response_format``
+        (an answer of the asked shape), requests carrying it go one at a time and their answers are judged
+        (:meth:`_observe`): a server that refuses structured output refuses one request, and one that ignores it
+        answers :data:`.structured_output.IGNORED_AFTER`, not every request of the first wave. ``None``: structured
+        output was switched off while this request waited (ask without it)."""
+        if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
+            raise LLMRunAborted(self._stop)
+        if "response_format" in sent and self.structured_watch.verdict is None:
             assert self._first_structured is not None
             async with self._first_structured:
-                if not self.structured_accepted:
-                    if "response_format" not in self._structured(request):
-                        return None
+                if self._stop is not None:  # another request stopped the run while this one waited
+                    raise LLMRunAborted(self._stop)
+                if self.structured_watch.verdict is None:
+                    if self._structured(request).get("response_format") != sent["response_format"]:
+                        return None  # refused (its item bounds, or all of it) while this request waited
                     entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
-                    self.structured_accepted = True
+                    self._observe(sent, entry)
                     return entry
+            if self._structured(request).get("response_format") != sent["response_format"]:
+                return None
         return await chat_completion(self.config, client, semaphore, request, sent, usage)
 
 
-def _utf8_bytes(request: LLMRequest) -> int:
-    return sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
+def _may_exceed(request: LLMRequest, context: int) -> bool:
+    """Whether the prompt may hold ``context`` tokens or more: its UTF-8 bytes (a token covers one byte or more of
+    text) plus the chat template's allowance (:data:`TEMPLATE_TOKENS_ALLOWANCE`); a shorter one is sent uncounted."""
+    size = sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
+    return size + TEMPLATE_TOKENS_ALLOWANCE + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) >= context

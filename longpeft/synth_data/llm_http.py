@@ -1,13 +1,15 @@
-"""One chat-completion call over HTTP, as the client makes it: the retries and backoff of one attempt, and what
-the server's errors say.
+"""One chat-completion call over HTTP, as the client makes it: the retries and backoff of one attempt, what the
+server's errors say, and what its answer holds.
 
 :func:`chat_completion` sends one request through an ``openai.AsyncOpenAI`` client (built without retries of its
 own) and retries transient failures (:data:`RETRYABLE_STATUS`, every 5xx, timeouts, connection errors, a 200 whose
 body is not a chat completion) with exponential backoff, or the wait the server asks (``retry-after-ms``,
-``Retry-After``), capped at ``backoff_max``. Out of retries it raises :class:`RetryableError`; a bad key, model or
-URL raises :class:`.llm_request.LLMRunAborted`; any other refusal (HTTP 4xx) reaches the caller as the
-``openai.APIStatusError`` it is, whose server reason :func:`server_reason` reads and whose refusal of structured
-output :func:`refuses_structured_output` recognizes. Nothing here caches or writes a file.
+``Retry-After``), capped at ``backoff_max``. Out of retries it raises :class:`RetryableError`, whose ``cause`` names
+the failure in a few words; a bad key, model or URL raises :class:`.llm_request.LLMRunAborted`; any other refusal
+(HTTP 4xx) reaches the caller as the ``openai.APIStatusError`` it is, whose server reason :func:`server_reason` reads
+and whose refusal of structured output :func:`refuses_structured_output` recognizes. The body of an answer is read
+by :func:`read_completion` from its raw bytes, so that a body of any shape is a :class:`NotACompletion` quoting it,
+never an error of the reader. Nothing here caches or writes a file.
 """
 
 from __future__ import annotations
@@ -17,18 +19,94 @@ import json
 import random
 import re
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from .llm_request import LLMConfig, LLMRequest, LLMRunAborted, TaskUsage
 
 
 class RetryableError(Exception):
-    """A transient failure (see :func:`chat_completion`) that outlasted the retries; ``retry_after``: the seconds
-    the server asked to wait, if it did."""
+    """A transient failure (see :func:`chat_completion`) that outlasted the retries.
 
-    def __init__(self, message: str, retry_after: float | None = None):
+    Attributes:
+        cause: the failure in a few words, the same for failures of one kind (``"no answer within llm.timeout
+            (120 s)"``, ``"HTTP 503"``, ``"connection failed"``, ``"a 200 that is not a chat completion"``): what the
+            console counts give-ups by.
+        retry_after: the seconds the server asked to wait, if it did.
+    """
+
+    def __init__(self, message: str, cause: str, retry_after: float | None = None):
         super().__init__(message)
+        self.cause = cause
         self.retry_after = retry_after
+
+
+class NotACompletion(ValueError):
+    """An HTTP 200 whose body is not a chat completion (not JSON, no ``choices`` list, no message text); the message
+    says what is missing and quotes the body."""
+
+
+@dataclass
+class Completion:
+    """What one chat-completion body holds (:func:`read_completion`).
+
+    Attributes:
+        text: the first choice's message text (``""`` when the server sent none).
+        finish_reason: why generation stopped (``"stop"``, ``"length"``, ...), ``None`` when not said.
+        prompt_tokens, completion_tokens: the server's counts (0 when absent or not counts).
+        model: the model name the server answered with (``""`` when absent).
+    """
+
+    text: str
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    model: str
+
+
+def body_excerpt(body: bytes | str, limit: int = 160) -> str:
+    """The start of an HTTP body as a quoted one-line string (bytes decoded as UTF-8, invalid bytes replaced), with
+    ``...`` when cut: what messages quote of an answer."""
+    text = body.decode("utf-8", errors="replace") if isinstance(body, bytes) else body
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def read_completion(body: bytes) -> Completion:
+    """The :class:`Completion` in a chat-completion body (JSON, UTF-8); :class:`NotACompletion` for a body of any
+    other shape. The message text may be a string, ``null``, or a list of ``{"type": "text", "text": ...}`` parts."""
+    try:
+        value = json.loads(body.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError and JSONDecodeError alike
+        raise NotACompletion(f"the body is not JSON: {body_excerpt(body)}") from None
+    choices = value.get("choices") if isinstance(value, dict) else None
+    if not isinstance(choices, list):
+        raise NotACompletion(f"the body has no 'choices' list: {body_excerpt(body)}")
+    text, finish_reason = "", None
+    if choices:
+        message = choices[0].get("message") if isinstance(choices[0], dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and all(
+            isinstance(part, dict) and isinstance(part.get("text"), str) for part in content
+        ):
+            content = "".join(part["text"] for part in content)
+        if not isinstance(message, dict) or not isinstance(content, (str, type(None))):
+            raise NotACompletion(f"choices[0] holds no message text: {body_excerpt(body)}")
+        text = content or ""
+        reason = choices[0].get("finish_reason")
+        finish_reason = reason if isinstance(reason, str) else None
+    usage = value.get("usage") if isinstance(value.get("usage"), dict) else {}
+    model = value.get("model")
+    return Completion(
+        text=text,
+        finish_reason=finish_reason,
+        prompt_tokens=_count(usage.get("prompt_tokens")),
+        completion_tokens=_count(usage.get("completion_tokens")),
+        model=model if isinstance(model, str) else "",
+    )
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
@@ -82,36 +160,35 @@ async def chat_completion(
     for retry in range(config.max_retries + 1):
         try:
             async with semaphore:
-                response = await client.chat.completions.create(
+                raw = await client.chat.completions.with_raw_response.create(
                     model=config.model, messages=request.messages, **sampling, **request.params
                 )
-            if not isinstance(getattr(response, "choices", None), list):  # openai returns a non-JSON body as str
-                raise ValueError(f"got {str(response)[:200]!r}")
+            answer = read_completion(raw.content)
         except (openai.AuthenticationError, openai.PermissionDeniedError, openai.NotFoundError) as error:
             raise LLMRunAborted(
                 f"{config.base_url} refused the request ({type(error).__name__}, HTTP {error.status_code}); "
                 f"check {config.api_key_env}, the model name {config.model!r} and the base URL"
             ) from None
-        except (openai.APITimeoutError, openai.APIConnectionError) as error:
-            failure = RetryableError(f"{type(error).__name__}: {error}")
-        except (ValueError, openai.APIResponseValidationError) as error:  # a 200 whose body is not a completion
-            failure = RetryableError(f"the response body is not a chat completion ({type(error).__name__}: {error})")
+        except openai.APITimeoutError:
+            cause = f"no answer within llm.timeout ({config.timeout:g} s)"
+            failure = RetryableError(cause, cause)
+        except openai.APIConnectionError as error:
+            failure = RetryableError(f"connection failed ({error.__cause__ or error})", "connection failed")
+        except NotACompletion as error:
+            failure = RetryableError(f"HTTP 200 but not a chat completion: {error}", "a 200 that is not a completion")
         except openai.APIStatusError as error:
             if error.status_code not in RETRYABLE_STATUS and error.status_code < 500:
                 raise
-            failure = RetryableError(f"HTTP {error.status_code}", _retry_after(error))
+            reason = f"HTTP {error.status_code}"
+            failure = RetryableError(f"{reason}: {server_reason(error)}", reason, _retry_after(error))
         else:
-            text = response.choices[0].message.content if response.choices else None
-            counts = response.usage
-            prompt_tokens = int(getattr(counts, "prompt_tokens", 0) or 0)
-            completion_tokens = int(getattr(counts, "completion_tokens", 0) or 0)
             usage.api_calls += 1
-            usage.prompt_tokens += prompt_tokens
-            usage.completion_tokens += completion_tokens
+            usage.prompt_tokens += answer.prompt_tokens
+            usage.completion_tokens += answer.completion_tokens
             return {
-                "text": text or "",
-                "finish_reason": response.choices[0].finish_reason if response.choices else None,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens},
+                "text": answer.text,
+                "finish_reason": answer.finish_reason,
+                "usage": {"prompt_tokens": answer.prompt_tokens, "completion_tokens": answer.completion_tokens},
                 "created": time.time(),
             }
         if retry == config.max_retries:

@@ -1,23 +1,53 @@
-"""The model's text as the client's callers see it: what a ``parse`` or ``check`` function raises when an answer
-is unusable (:class:`MalformedOutput`, :class:`RejectedOutput`: the client asks again as a new attempt, and rejects
-the request after ``max_parse_attempts``), and the JSON reader most parse functions start from
-(:func:`parse_json_object`). Nothing here sends a request or touches a file."""
+"""The model's text as the client's callers see it: what makes an answer unusable (:class:`MalformedOutput` from a
+``parse`` function, :class:`RejectedOutput` from a ``check`` function, :class:`TruncatedOutput` from the client for
+an answer the server cut off: the client asks again as a new attempt, and rejects the request after
+``max_parse_attempts``), what a ``check`` function returns when it keeps part of an answer (:class:`Checked`), and
+the JSON reader most parse functions start from (:func:`parse_json_object`). Nothing here sends a request or touches
+a file."""
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 
 class MalformedOutput(ValueError):
-    """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields)."""
+    """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields). ``code``: the
+    attempt's reason in the rejects file (:data:`.llm_rejects.REJECT_REASONS`)."""
+
+    code = "malformed"
+
+
+class TruncatedOutput(MalformedOutput):
+    """An answer the server stopped at ``llm.max_tokens`` (``finish_reason`` ``length``): never parsed, never kept,
+    whatever it holds (its last item is cut off, and a JSON grammar may have closed it early); asked again."""
+
+    code = "truncated"
 
 
 class RejectedOutput(MalformedOutput):
     """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the
-    quality gates): the request is asked again as a new attempt, like malformed output."""
+    quality gates): the request is asked again as a new attempt, like malformed output. ``dropped``: a record of
+    each item that failed (as :attr:`Checked.dropped`)."""
+
+    code = "quality"
+
+    def __init__(self, message: str, dropped: Iterable[dict[str, Any]] = ()):
+        super().__init__(message)
+        self.dropped = list(dropped)
+
+
+@dataclass
+class Checked:
+    """What a ``check`` function returns when it keeps part of an answer: the ``value`` kept, and one JSON-ready
+    record per part it dropped (``reason``, ``detail`` and the part itself), which the client writes to the rejects
+    file with the request and the attempt. A ``check`` function may also return the value alone (nothing dropped)."""
+
+    value: Any
+    dropped: list[dict[str, Any]] = field(default_factory=list)
 
 
 def strip_code_fence(text: str) -> str:

@@ -44,9 +44,10 @@ class LLMConfig(StrictModel):
         "auto",
         description="structured output through response_format: 'json_schema' sends each answer's JSON "
         "schema, 'json_object' asks for any JSON object, 'off' sends neither (the prompt states the JSON contract "
-        "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and, the first "
-        "time the endpoint refuses it, falls back to 'off' for the rest of the run; 'json_schema' and "
-        "'json_object' stop the run when refused",
+        "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and falls back to "
+        "'off' for the rest of the run the first time the endpoint refuses it (HTTP 400/422) or is seen to ignore "
+        "it (its first answers to requests carrying it are not bare JSON of that shape); 'json_schema' and "
+        "'json_object' stop the run in both cases",
     )
     context_tokens: int | None = Field(
         None,
@@ -54,6 +55,18 @@ class LLMConfig(StrictModel):
         description="tokens one request may hold at the endpoint; a longer prompt is refused before "
         "sending (a reject with reason prompt_too_long). Unset: the value the server reports at the start "
         "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check",
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the endpoint model's tokenizer (a local folder or a Hub id), to count prompt tokens for the "
+        "context check and synth --plan when the server has no POST /tokenize of its own (vLLM's and llama.cpp's "
+        "are used first); unset: an estimate of one token per word, which errs short. Never the training tokenizer",
+    )
+    check_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds synth --check-endpoint waits for the endpoint, for the whole check (its requests and "
+        "lookups together); --check-timeout",
     )
 
     @field_validator("structured", mode="before")
@@ -63,11 +76,16 @@ class LLMConfig(StrictModel):
         return "off" if value is False else value
 
 
+ITEM_BOUNDS = ("minItems", "maxItems")
+"""The JSON-schema keywords that bound a list's length: sent with an answer's schema until the endpoint refuses a
+schema holding them (:meth:`ResponseSchema.response_format`, ``bounds``)."""
+
+
 class ResponseSchema(Protocol):
     """What the client needs of an answer's schema (:class:`.answer_schema.OutputSchema`)."""
 
-    def response_format(self) -> dict[str, Any]:
-        """The ``response_format`` request field asking for the schema."""
+    def response_format(self, bounds: bool = False) -> dict[str, Any]:
+        """The ``response_format`` request field asking for the schema (with its item bounds when ``bounds``)."""
         ...
 
 
@@ -121,9 +139,11 @@ class TaskUsage:
     retries: int = 0
     malformed: int = 0
     quality_rejected: int = 0  # attempts whose every item failed the quality gates
+    truncated: int = 0  # attempts cut off at max_tokens (finish_reason length), never parsed
     rejected: int = 0
     rejected_reasons: dict[str, int] = field(default_factory=dict)  # ``rejected`` per reason (REJECT_REASONS)
     skipped_rejected: int = 0  # requests rejected in an earlier run, not asked again (no --retry-rejected)
+    gave_up_causes: dict[str, int] = field(default_factory=dict)  # ``gave_up`` rejections per cause (RetryableError)
 
 
 def sampling_params(config: LLMConfig) -> dict[str, Any]:
@@ -134,11 +154,14 @@ def sampling_params(config: LLMConfig) -> dict[str, Any]:
     return sampling
 
 
-def structured_params(config: LLMConfig, request: LLMRequest, refused: bool = False) -> dict[str, Any]:
+def structured_params(
+    config: LLMConfig, request: LLMRequest, refused: bool = False, bounds: bool = True
+) -> dict[str, Any]:
     """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
-    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it); part of the cache key."""
+    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it), its schema with the item bounds unless the
+    endpoint refused those (``bounds`` false); part of the cache key."""
     if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
         return {}
     if config.structured == "json_object":
         return {"response_format": {"type": "json_object"}}
-    return {"response_format": request.schema.response_format()}
+    return {"response_format": request.schema.response_format(bounds=bounds)}

@@ -28,6 +28,7 @@ DEFAULT_PLAIN_PROMPT = "Write a passage of text."
 DEFAULT_SUMMARY_PROMPT = "Summarize the following text.\n\n{text}"
 RECORD_FILES = {".jsonl": "one JSON record per line", ".json": "a JSON list of records, or one record per line"}
 MIX_TASKS = ("plain_text", "instruction", "summary")  # the task name of each source's rows, in mixing order
+SOURCE_TASKS = {"plain_text": "plain_text", "instructions": "instruction", "summaries": "summary"}  # key -> task
 
 
 class MixConfig(StrictModel):
@@ -76,6 +77,17 @@ class MixConfig(StrictModel):
             raise ValueError("instruction_ratio > 0 needs mix.instructions (a file or folder; --instructions PATH)")
         if self.summary_ratio > 0 and not self.summaries:
             raise ValueError("summary_ratio > 0 needs mix.summaries (a file or folder; --summaries PATH)")
+        for key, flag in (
+            ("plain_text", "--plain-ratio"),
+            ("instructions", "--instruction-ratio"),
+            ("summaries", "--summary-ratio"),
+        ):
+            ratio = self.share(SOURCE_TASKS[key])[0]
+            if getattr(self, key) and not ratio:
+                raise ValueError(
+                    f"mix.{key} is set but its ratio is 0, so the file would not be read: give its share of the final "
+                    f"dataset ({flag}), or leave mix.{key} out"
+                )
         if self.plain_truncate and self.plain_max_tokens is None:
             raise ValueError("plain_truncate needs plain_max_tokens (the length a plain text is cut to)")
         if "{text}" not in self.summary_prompt:
@@ -111,9 +123,14 @@ def source_files(path: str | Path, kinds: dict[str, str], name: str = "source pa
 
 
 def jsonl_records(path: Path):
-    """``(line number, record)`` of a JSON-lines file, blank lines skipped; a bad line fails as ``path:line``."""
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
+    """``(line number, record)`` of a JSON-lines file, blank lines skipped; a bad line (not UTF-8, not JSON) fails as
+    ``path:line``."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path}:{number}: not UTF-8 text ({error.reason} at byte {error.start})") from None
             if line.strip():
                 try:
                     yield number, json.loads(line)
@@ -236,8 +253,9 @@ def load_summaries(
 
 
 def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]:
-    """The candidate conversations of every source with a ratio above 0, by task (:data:`MIX_TASKS`). A missing file
-    or a bad record fails here, naming the file (and line), so a run can check its sources before the long build."""
+    """The candidate conversations of every source with a ratio above 0, by task (:data:`MIX_TASKS`). A missing file,
+    a bad record or a source without any record fails here, naming the file (and line), so a run can check its
+    sources before the long build."""
     sources = {}
     if config.plain_ratio:
         prompt = {"role": "user", "content": config.plain_prompt}
@@ -250,6 +268,10 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]
         sources["summary"] = load_summaries(
             config.summaries, config.summary_prompt, config.summary_text_field, config.summary_field
         )
+    for key, task in SOURCE_TASKS.items():
+        if task in sources and not sources[task]:
+            flag = "--" + key.replace("_", "-")
+            raise DataError(f"mix.{key} ({flag}) {getattr(config, key)} holds no record: nothing to mix in")
     return sources
 
 

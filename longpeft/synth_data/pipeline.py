@@ -6,18 +6,21 @@ A run writes to its output folder:
   ``sources``, ``meta``), the file recipes train on;
 - ``dataset/``: the same rows as a saved ``datasets.Dataset``;
 - ``stats.json``: counts per task, token-length summaries, skipped contexts and why, mixing counts,
-  LLM token usage per task, and with the LLM answerer ``quality``: items rejected by the quality gates
-  (:mod:`.quality`) per reason and task;
+  LLM token usage per task, and with the LLM answerer ``quality``: items the quality gates (:mod:`.quality`) judged
+  in this run and rejected per reason and task, and ``rejects``: what ``rejects.jsonl`` lists
+  (:meth:`.llm_rejects.RejectsLog.counts`, computed from the same records);
 - ``length_hist.png``: token-length histogram per task;
 - ``config.json``: the resolved config (it never holds the API key);
 - with the LLM answerer: ``llm_cache/`` (answers by request hash; rerunning the same command
-  resumes without repeating answered calls) and ``rejects.jsonl`` (requests that failed for good, and items
-  the quality gates dropped, each with its reason code and detail).
+  resumes without repeating answered calls) and ``rejects.jsonl`` (what is still rejected: requests that failed
+  for good with every attempt's reason, and items the quality gates dropped, each with its reason code and detail;
+  :mod:`.llm_rejects`).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,7 +36,6 @@ from .builders import (
     ContextPlan,
     LengthConfig,
     LongContextBuilder,
-    TokenCounter,
     procedural_cluster_pool,
     procedural_long_documents,
 )
@@ -156,22 +158,39 @@ def load_documents(paths: list[str]) -> list[Document]:
     return documents
 
 
+@dataclass
+class SynthInputs:
+    """Every input file of a run, read and checked: your ``documents`` (``None`` for procedural ones) and the
+    candidate conversations of each mixed-in source (:func:`.mix.load_mix_sources`)."""
+
+    documents: list[Document] | None
+    mix_sources: dict[str, list[list[dict[str, str]]]]
+
+
+def read_inputs(config: SynthConfig) -> SynthInputs:
+    """Read and check every input file ``config`` names (``source.paths``, ``mix.plain_text``, ``mix.instructions``,
+    ``mix.summaries``), before any long work: a missing file, one of another type, a bad record or a source without
+    any fails here naming the file (and line), the key and its flag. The run and ``synth --plan`` both start here,
+    so the plan refuses what the run would."""
+    documents = load_documents(config.source.paths) if config.source.kind == "files" else None
+    return SynthInputs(documents, load_mix_sources(config.mix))
+
+
 def make_answerer(
-    config: SynthConfig, out_dir: Path, tokenizer: PreTrainedTokenizerBase | None = None, retry_rejected: bool = False
+    config: SynthConfig, out_dir: Path, retry_rejected: bool = False
 ) -> tuple[QAGenerator, LLMClient | None]:
     """The procedural answerer, or the LLM answerer (with the quality gates of ``config.quality``) and its client.
 
-    The client counts prompt tokens with ``tokenizer`` (the training tokenizer) when it checks prompts against the
-    endpoint's context, and asks again the requests an earlier run rejected when ``retry_rejected``."""
+    The client counts prompt tokens as the endpoint does (:mod:`.prompt_tokens`; never with the training tokenizer)
+    when it checks prompts against the endpoint's context, and asks again the requests an earlier run rejected when
+    ``retry_rejected``."""
     if config.answerer == "procedural":
         return ProceduralAnswerer(), None
-    count = TokenCounter(tokenizer).count if tokenizer is not None else None
     client = LLMClient(
         config.llm,
         out_dir / CACHE_DIR,
         out_dir / REJECTS_FILE,
         show_progress=config.progress,
-        count_tokens=count,
         retry_rejected=retry_rejected,
     )
     return LLMAnswerer(client, QualityGates(config.quality)), client
@@ -187,22 +206,23 @@ def synthesize(
 
     ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
     they are skipped and counted as ``skipped_rejected`` in the usage report)."""
-    files = load_documents(config.source.paths) if config.source.kind == "files" else None  # bad sources fail first
-    mix_sources = load_mix_sources(config.mix)  # and so do the mixed-in ones, before the long build
+    inputs = read_inputs(config)  # bad input files fail first
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)  # and a bad tokenizer too
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    answerer, client = make_answerer(config, out, tokenizer, retry_rejected)
+    answerer, client = make_answerer(config, out, retry_rejected)
     builder = LongContextBuilder(
         tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
     )
-    plans = plan_contexts(config, builder, files)
+    plans = plan_contexts(config, builder, inputs.documents)
     rows = builder.build(plans)
-    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, mix_sources)
+    rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, inputs.mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
+        client.rejects.finish()  # the file is now this build's state: the summary reports it
         extra["llm_usage"] = client.usage_report()
+        extra["rejects"] = client.rejects.counts()
     if isinstance(answerer, LLMAnswerer):
         extra["quality"] = answerer.gates.report()
     dataset = write_dataset(rows, out, extra)

@@ -8,7 +8,8 @@ tokenized piece by piece and a haystack of whole filler sentences fills the rest
 (0 = start of the haystack, 1 = end). The prompt ends where the answer should begin ("... The pass
 key is"), so a base model continues with the answer (scored "exact": it must come first); a chat
 model replies in its own words after the template's generation prompt (scored "contains": the
-answer must appear as whole words). Everything is deterministic given the seed.
+answer must appear as whole words). Everything is deterministic given the seed. The probe tasks of
+``longpeft eval`` (their names, decode budgets and grids) are registered in :mod:`longpeft.eval.builtin`.
 """
 
 from __future__ import annotations
@@ -91,26 +92,13 @@ _SYLLABLES = (
     "ru sa se si so su ta te ti to tu va ve vi vo vu"
 ).split()
 
-PROBE_TASKS = (
-    "passkey",
-    "niah_single",
-    "niah_multikey",
-    "niah_multivalue",
-    "niah_multiquery",
-    "variable_tracking",
-    "common_words",
-    "topic_retrieval",
-)
-# Tasks whose needles are placed at a depth (the others ignore ``depth``).
-DEPTH_TASKS = ("passkey", "niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery")
-
 
 @dataclass
 class Probe:
     """One evaluation prompt.
 
     Attributes:
-        task: one of ``PROBE_TASKS``.
+        task: the eval task it belongs to (``passkey``, ``niah_multikey``, ...).
         input_ids: the prompt, exactly ``length`` token ids (special tokens included).
         answers: what the continuation must contain (one string, or several for recall tasks).
         metric: ``"exact"`` (the continuation starts with the single answer; plain prompts),
@@ -314,14 +302,7 @@ class ProbeBuilder:
         return Probe("passkey", ids, [key], self.single_answer_metric, length, depth, pos, {"needle_position": pos[0]})
 
     def niah(
-        self,
-        length: int,
-        depth: float,
-        n_keys: int = 1,
-        n_values: int = 1,
-        n_queries: int = 1,
-        digits: int = 7,
-        task: str = "niah_single",
+        self, length: int, depth: float, n_keys: int = 1, n_values: int = 1, n_queries: int = 1, digits: int = 7
     ) -> Probe:
         """RULER-style needles "The special magic number for <key> is: <value>."
 
@@ -350,7 +331,7 @@ class ProbeBuilder:
         )
         ids, pos = self.assemble(length, instruction, list(zip(spread, needles)), question)
         answers = [v for k in asked for v in values[k]]
-        return Probe(task, ids, answers, metric, length, depth, pos, {"keys": keys, "asked": asked})
+        return Probe("niah_single", ids, answers, metric, length, depth, pos, {"keys": keys, "asked": asked})
 
     def variable_tracking(self, length: int, n_chains: int = 1, n_hops: int = 4, digits: int = 5) -> Probe:
         """RULER variable tracking: ``VAR A = 12345``, ``VAR B = VAR A``, ...; name all variables holding the value."""
@@ -453,67 +434,3 @@ class ProbeBuilder:
         return Probe(
             "topic_retrieval", ids, [topics[0]], self.single_answer_metric, length, None, pos, {"topics": topics}
         )
-
-    def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
-        """One probe of ``task`` (see ``PROBE_TASKS``); ``depth`` is used by the needle tasks only."""
-        depth = 0.5 if depth is None else float(depth)
-        if not 0.0 <= depth <= 1.0:
-            raise ConfigError(f"depth must be in [0, 1], got {depth}")
-        if task == "passkey":
-            return self.passkey(length, depth, **options)
-        if task == "niah_single":
-            return self.niah(length, depth, **options)
-        if task == "niah_multikey":
-            return self.niah(length, depth, **{"n_keys": 4, **options}, task=task)
-        if task == "niah_multivalue":
-            return self.niah(length, depth, **{"n_values": 4, **options}, task=task)
-        if task == "niah_multiquery":
-            return self.niah(length, depth, **{"n_keys": 4, "n_queries": 2, **options}, task=task)
-        if task == "variable_tracking":
-            return self.variable_tracking(length, **options)
-        if task == "common_words":
-            return self.common_words(length, **options)
-        if task == "topic_retrieval":
-            return self.topic_retrieval(length, **options)
-        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
-
-
-def make_probes(
-    task: str,
-    tokenizer: PreTrainedTokenizerBase,
-    lengths: Sequence[int],
-    depths: Sequence[float] | None = None,
-    n_samples: int = 10,
-    seed: int = 0,
-    chat: bool = False,
-    **options: Any,
-) -> list[Probe]:
-    """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for ``DEPTH_TASKS``).
-
-    Args:
-        task: one of ``PROBE_TASKS``.
-        lengths: prompt lengths in tokens.
-        depths: needle depths in [0, 1] (default 0, 0.25, 0.5, 0.75, 1 for needle tasks; repeats count once,
-            as repeated lengths do).
-        n_samples: probes per cell.
-        seed: everything is deterministic given it.
-        chat: wrap prompts in the tokenizer's chat template.
-        options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
-    """
-    if task not in PROBE_TASKS:
-        raise ConfigError(f"unknown probe task {task!r}; choose one of {PROBE_TASKS}")
-    if n_samples < 1:
-        raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
-    if task in DEPTH_TASKS:
-        grid_depths: list[float | None] = (
-            sorted({float(d) for d in depths}) if depths is not None else [0.0, 0.25, 0.5, 0.75, 1.0]
-        )
-    else:
-        grid_depths = [None]
-    builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
-    return [
-        builder.make(task, int(length), depth, **options)
-        for length in lengths
-        for depth in grid_depths
-        for _ in range(n_samples)
-    ]

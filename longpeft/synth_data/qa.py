@@ -8,8 +8,6 @@ answers the same jobs exactly from the facts recorded in procedural documents, w
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -20,8 +18,8 @@ from ..errors import DataError
 from .answer_schema import BIOGRAPHIES, QA_PAIRS, OutputSchema
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
 from .llm_client import LLMClient
-from .llm_output import RejectedOutput, parse_json_object
-from .llm_request import LLMRequest
+from .llm_output import Checked, RejectedOutput, parse_json_object
+from .llm_request import LLMRequest, LLMResult
 from .quality import QualityGates, Rejection
 
 SYNTH_TASKS = ("single_detail", "multi_detail", "heterogeneous", "biography")
@@ -415,11 +413,11 @@ TASK_SCHEMAS = {
 
 def job_request(job: QAJob, index: int = 0) -> LLMRequest:
     """The chat request :class:`LLMAnswerer` sends for ``job`` (the ``index``-th of its batch, for the rejects
-    file)."""
+    file); its schema holds at most ``job.n`` items."""
     return LLMRequest(
         task=job.task,
         messages=[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": job_prompt(job)}],
-        schema=TASK_SCHEMAS[job.task],
+        schema=TASK_SCHEMAS[job.task].bounded(job.n),
         meta={
             "job": index,
             "sources": [p.doc.doc_id for p in job.passages],
@@ -455,8 +453,9 @@ class LLMAnswerer:
     Every parsed item goes through the quality gates (``gates``, default :class:`~.quality.QualityGates` with
     default thresholds): a rejected item is dropped, counted and written to the rejects file; an answer whose
     items are all rejected is asked again as a new attempt, like malformed output (a fresh sample usually
-    passes, and otherwise the whole conversation of that context would be lost). Questions repeating an
-    earlier one of the same context (the chunks of one single-detail document) are dropped too.
+    passes, and otherwise the whole conversation of that context would be lost). Of the items kept, the first
+    ``job.n`` are used (more are counted as surplus). Questions repeating an earlier one of the same context (the
+    chunks of one single-detail document) are dropped too.
     """
 
     def __init__(self, client: LLMClient, gates: QualityGates | None = None):
@@ -465,60 +464,52 @@ class LLMAnswerer:
 
     def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]:
         results: list[list[QAPair] | None] = [None] * len(jobs)
-        requests: dict[int, LLMRequest] = {}
+        answered: dict[int, LLMResult] = {}
         for task in SYNTH_TASKS:
             indices = [i for i, job in enumerate(jobs) if job.task == task]
             if not indices:
                 continue
             batch = [job_request(jobs[i], i) for i in indices]
-            requests.update(zip(indices, batch))
             parse = parse_biographies if task == "biography" else parse_qa_pairs
-            answered = self.client.run(batch, parse=parse, desc=f"{task} (LLM)", check=self._checker(jobs))
-            for i, result in zip(indices, answered):
-                results[i] = result.value[: jobs[i].n] if result.ok else None
-        self._drop_repeats_across_chunks(jobs, results, requests)
+            results_of_task = self.client.run(batch, parse=parse, desc=f"{task} (LLM)", check=self._checker(jobs))
+            for i, result in zip(indices, results_of_task):
+                answered[i] = result
+                results[i] = result.value if result.ok else None
+        self._drop_repeats_across_chunks(jobs, results, answered)
         return results
 
-    def _checker(self, jobs: Sequence[QAJob]) -> Callable[[LLMRequest, list[QAPair]], list[QAPair]]:
-        def check(request: LLMRequest, pairs: list[QAPair]) -> list[QAPair]:
+    def _checker(self, jobs: Sequence[QAJob]) -> Callable[[LLMRequest, list[QAPair]], Checked]:
+        def check(request: LLMRequest, pairs: list[QAPair]) -> Checked:
             job = jobs[request.meta["job"]]
             subjects = [biography_subject(p.question) for p in pairs] if job.task == "biography" else None
             verdict = self.gates.check(job.task, pairs, job_evidence(job), job_instructions(job), subjects)
-            for pair, rejection in verdict.rejected:
-                self._log(request, pair, rejection)
+            dropped = [item_record(pair, rejection) for pair, rejection in verdict.rejected]
             if not verdict.kept:
                 reasons = ", ".join(sorted({r.reason for _, r in verdict.rejected}))
-                raise RejectedOutput(f"every item failed the quality gates ({reasons})")
-            return verdict.kept
+                raise RejectedOutput(f"every item failed the quality gates ({reasons})", dropped)
+            self.gates.surplus(job.task, len(verdict.kept) - job.n)
+            return Checked(verdict.kept[: job.n], dropped)
 
         return check
 
     def _drop_repeats_across_chunks(
-        self, jobs: Sequence[QAJob], results: list[list[QAPair] | None], requests: dict[int, LLMRequest]
+        self, jobs: Sequence[QAJob], results: list[list[QAPair] | None], answered: dict[int, LLMResult]
     ) -> None:
         """Near-duplicate questions across the jobs of one context: the single-detail chunks of one document
-        (each document gives one context per task)."""
+        (each document gives one context per task). What is dropped goes to the rejects file with its request."""
         kept: dict[str, list[str]] = {}
         for i, job in enumerate(jobs):
             if job.task != "single_detail" or not results[i]:
                 continue
             earlier = kept.setdefault(job.passages[0].doc.doc_id, [])
             verdict = self.gates.check_repeats(job.task, results[i], earlier)
-            for pair, rejection in verdict.rejected:
-                self._log(requests[i], pair, rejection)
+            result = answered[i]
+            dropped = [item_record(pair, rejection) for pair, rejection in verdict.rejected]
+            self.client.drop_items(result.request, "repeats", result.attempts - 1, dropped)
             results[i] = verdict.kept
             earlier.extend(p.question for p in verdict.kept)
 
-    def _log(self, request: LLMRequest, pair: QAPair, rejection: Rejection) -> None:
-        """One line of the rejects file per rejected item (written once, also over reruns)."""
-        record = {
-            "kind": "item",
-            "task": request.task,
-            "meta": request.meta,
-            "reason": rejection.reason,
-            "detail": rejection.detail,
-            "question": pair.question,
-            "answer": pair.answer,
-        }
-        blob = json.dumps(record, sort_keys=True, ensure_ascii=False)
-        self.client.rejects.add({"key": hashlib.sha256(blob.encode("utf-8")).hexdigest(), **record})
+
+def item_record(pair: QAPair, rejection: Rejection) -> dict[str, str]:
+    """The rejects-file fields of a QA pair (or biography turn) the quality gates dropped."""
+    return {"reason": rejection.reason, "detail": rejection.detail, "question": pair.question, "answer": pair.answer}

@@ -9,6 +9,17 @@ short reason code and a detail message; the first gate that fails gives the reas
 - ``refusal``: a refusal or meta-answer ("I cannot", "As an AI", "the text does not mention", "Sure, here are");
 - ``too_short``: fewer real words (words with a letter or digit) than ``min_question_words`` /
   ``min_answer_words`` / ``min_biography_words``;
+- ``unfinished``: a text that stops mid-sentence: on an article, a conjunction, ``of``, ``than`` or a possessive
+  ("This License is a kind of"), on a comma, colon or dash, or with a bracket or double quote left open;
+- ``not_a_question``: a question that is a statement: it neither ends with ``?`` nor starts (after an opening
+  clause, for a request) with a question word ("What", "In which") or a request ("Name ...", "List ...");
+- ``tautology``: a text that equates a thing with itself ("copyleft is a copyleft", "the blue ledger is the blue
+  ledger", "a lake that is a lake"), compares it with itself ("between copyleft and copyleft"), repeats one phrase
+  in a loop ("in 1903, in 1903, in 1903"), or whose content words are mostly one word said four times or more;
+- ``restates_question``: an answer that adds nothing to its question: every content word of it is in the question,
+  and it repeats at least ``restatement_coverage`` of the question's content words ("When was the dam finished?" /
+  "The dam was finished."); a yes or no, a negation, and the choice of one option the question names ("Ilse Marten"
+  to "Who was the first keeper, Ilse Marten or Pieter Marten?") add something;
 - ``wrong_subject``: a biography that never names the requested person, whose name is not in the book, or
   that names another requested person more often than its own subject;
 - ``ungrounded``: less than ``min_grounded_fraction`` of the answer's content words (stop words removed;
@@ -23,7 +34,8 @@ short reason code and a detail message; the first gate that fails gives the reas
   numbers, "Document 1 or Document 3" against "Document 2 or Document 3", are different questions).
 
 The gates are plain text checks, torch-free and deterministic; :class:`QualityGates` counts every rejection
-by task and reason for the run's stats.
+by task and reason for the run's stats. An answer the server cut off (``finish_reason`` ``length``) never reaches
+them: the client drops it whole as a ``truncated`` attempt (:class:`.llm_output.TruncatedOutput`).
 """
 
 from __future__ import annotations
@@ -38,9 +50,31 @@ from pydantic import Field
 
 from ..config import StrictModel
 
-REASONS = ("placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded", "near_duplicate")
+REASONS = (
+    "placeholder",
+    "prompt_echo",
+    "refusal",
+    "too_short",
+    "unfinished",
+    "not_a_question",
+    "tautology",
+    "restates_question",
+    "wrong_subject",
+    "ungrounded",
+    "near_duplicate",
+)
 GateName = Literal[
-    "placeholder", "prompt_echo", "refusal", "too_short", "wrong_subject", "ungrounded", "near_duplicate"
+    "placeholder",
+    "prompt_echo",
+    "refusal",
+    "too_short",
+    "unfinished",
+    "not_a_question",
+    "tautology",
+    "restates_question",
+    "wrong_subject",
+    "ungrounded",
+    "near_duplicate",
 ]
 AGGREGATING_TASKS = ("multi_detail", "heterogeneous")  # answers may hold computed numbers (counts, sums, gaps)
 
@@ -57,6 +91,13 @@ class QualityConfig(StrictModel):
     min_question_words: int = Field(3, ge=0, description="real words a question needs ('Who founded Brenn?' has 3)")
     min_answer_words: int = Field(1, ge=0, description="real words an answer needs (1: a year or a name is fine)")
     min_biography_words: int = Field(12, ge=0, description="real words a biography needs")
+    restatement_coverage: float = Field(
+        0.75,
+        gt=0,
+        le=1,
+        description="share of its question's content words an answer adding none of its own must repeat to be a "
+        "restatement (lower: fewer answers that pick one option of the question are kept)",
+    )
     min_grounded_fraction: float = Field(
         0.5,
         ge=0,
@@ -292,6 +333,143 @@ def refusal(text: str) -> str | None:
     return None
 
 
+_DANGLING = frozenset(
+    "a an the and or but nor of than its their whose my our your because although whereas including".split()
+)  # words a sentence does not end on ("his", "her", "in", "for" may: "the book was his", "what it was made for")
+_OPEN_END = re.compile(r"[,;:(\[{\-–—/&]$")
+_PAIRS = (("(", ")"), ("[", "]"), ("{", "}"), ("“", "”"))
+
+
+def unfinished(text: str) -> str | None:
+    """Why ``text`` stops mid-sentence (a dangling last word, an open clause or bracket), or None."""
+    stripped = text.strip()
+    found = words(stripped)
+    if not found:
+        return None
+    if _OPEN_END.search(stripped):
+        return f"ends on {stripped[-1]!r}: {_tail(stripped)!r}"
+    if found[-1] in _DANGLING and stripped[-1].isalpha():
+        return f"stops on {found[-1]!r}: {_tail(stripped)!r}"
+    for opening, closing in _PAIRS:
+        if stripped.count(opening) > stripped.count(closing):
+            return f"leaves {opening!r} open: {_tail(stripped)!r}"
+    if stripped.count('"') % 2:
+        return f"leaves a '\"' open: {_tail(stripped)!r}"
+    return None
+
+
+def _tail(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else "..." + text[-width:]
+
+
+QUESTION_WORDS = frozenset(
+    "who whom whose what which when where why how is are was were do does did can could should would will shall has "
+    "have had may might must".split()
+)
+REQUESTS = frozenset(
+    """name list describe explain give identify state summarize summarise compare contrast outline tell write find
+    count determine calculate compute provide specify rank order sort arrange put trace discuss define enumerate
+    indicate show quote cite estimate mention recount characterize characterise classify match select choose pick
+    complete translate rewrite paraphrase""".split()
+)  # the verbs of a question phrased as a request ("Name the river that ...", "List the three ...")
+_LEADING = frozenset({"please", "briefly", "now", "then", "also", "so", "and"})
+_PREPOSITIONS = frozenset("in on at to for from by of with about into under during after before since".split())
+
+
+def not_a_question(question: str) -> str | None:
+    """Why ``question`` is a statement rather than a question or request, or None. A question ends with ``?``, or
+    starts with a question word (after a preposition: "In which year ..."), or is a request ("Name ...", "Based on
+    Document 2, list ...": a request may follow an opening clause)."""
+    stripped = question.strip().rstrip("\"'”’)]*»").rstrip()
+    if stripped.endswith("?") or not words(stripped):
+        return None
+    for index, clause in enumerate(re.split(r"[,;:]|\.\s", stripped)):
+        found = words(clause)
+        while found and found[0] in _LEADING:
+            found = found[1:]
+        if not found:
+            continue
+        if found[0] in REQUESTS:
+            return None
+        if index == 0 and (
+            found[0] in QUESTION_WORDS or (found[0] in _PREPOSITIONS and len(found) > 1 and found[1] in QUESTION_WORDS)
+        ):
+            return None
+    return f"a statement, not a question or a request: {_tail(stripped, 60)!r}"
+
+
+_LINKS = frozenset({"and", "or", "nor", "versus", "vs"})
+_COPULAS = frozenset({"is", "are", "was", "were", "means", "equals", "remains", "remained", "becomes", "became"})
+_RELATIVES = frozenset({"that", "which", "who"})
+_SKIPPED = frozenset({"not", "also", "still", "just", "a", "an", "the", "simply", "really", "always", "only"})
+_IDIOMS = frozenset(
+    "more less again over on round through by around further better worse faster higher slower lower".split()
+)  # "more and more", "over and over": a word said twice on purpose
+
+
+def tautology(text: str) -> str | None:
+    """Why ``text`` is a tautology or a loop (see the module docstring), or None."""
+    found = words(text)
+    content = [w for w in found if w not in STOP_WORDS]
+    for i, word in enumerate(found):
+        if word in _LINKS:
+            for length in range(4, 0, -1):
+                left, right = found[max(0, i - length) : i], found[i + 1 : i + 1 + length]
+                if len(left) == length and left == right and _has_content(left):
+                    if length == 1 and left[0] in _IDIOMS:
+                        break
+                    phrase = " ".join(left)
+                    return f"compares {phrase!r} with itself ({phrase!r} {word} {phrase!r})"
+        if word in _COPULAS or (word in _RELATIVES and i + 1 < len(found) and found[i + 1] in _COPULAS):
+            start = i + 1 if word in _COPULAS else i + 2
+            while start < len(found) and found[start] in _SKIPPED:
+                start += 1
+            for length in range(4, 0, -1):
+                left, right = found[max(0, i - length) : i], found[start : start + length]
+                if len(left) == length and left == right and _has_content(left):
+                    phrase = " ".join(left)
+                    return f"says that {phrase!r} is {phrase!r}"
+    for length in range(1, 5):  # a phrase said three times in a row: a loop
+        for i in range(len(found) - 3 * length + 1):
+            gram = found[i : i + length]
+            if gram == found[i + length : i + 2 * length] == found[i + 2 * length : i + 3 * length] and _has_content(
+                gram
+            ):
+                return f"repeats {' '.join(gram)!r} in a loop"
+    if content:
+        word, count = Counter(content).most_common(1)[0]
+        if count >= 4 and count * 2 >= len(content):
+            return f"{count} of its {len(content)} content words are {word!r}"
+    return None
+
+
+def _has_content(found: Sequence[str]) -> bool:
+    return any(w not in STOP_WORDS for w in found)
+
+
+_FILLER = frozenset(
+    stem(w) for w in "something anything thing things certain various specific particular kind sort type way".split()
+)  # words that add nothing to a restated question ("In 1874 something happened.")
+_POLARITY = frozenset("yes no not never neither nor none nobody nothing true false correct incorrect".split())
+
+
+def restates_question(question: str, answer: str, coverage: float) -> str | None:
+    """Why ``answer`` only restates ``question`` (see the module docstring), or None."""
+    answer_words = words(answer)
+    if any(w in _POLARITY or w.endswith("n't") for w in answer_words if w not in words(question)):
+        return None
+    asked = content_stems(question)
+    said = [s for s in content_stems(answer) if s not in _FILLER]
+    if not asked or not said or any(s not in asked for s in said):
+        return None
+    share = len(said) / len(asked)
+    if share + 1e-9 < coverage:
+        return None
+    original = {stem(w): w for w in answer_words}
+    shown = ", ".join(repr(original.get(s, s)) for s in said[:8])
+    return f"adds nothing to its question: all its content words ({shown}) are the question's ({share:.0%} of them)"
+
+
 def ungrounded(
     answer: str, evidence_stems: set[str], min_fraction: float, drop_numbers: bool, question: str = ""
 ) -> str | None:
@@ -353,13 +531,15 @@ class QualityGates:
     """Applies the gates of a :class:`QualityConfig` and counts rejections by task and reason.
 
     Attributes:
-        checked: items seen per task; ``rejected``: rejections per task and reason.
+        checked: items seen per task; ``rejected``: rejections per task and reason; ``unused``: items that passed
+        beyond the number a job asked for, per task (the model wrote more; the first ones are used).
     """
 
     def __init__(self, config: QualityConfig | None = None):
         self.config = config or QualityConfig()
         self.checked: Counter[str] = Counter()
         self.rejected: dict[str, Counter[str]] = {}
+        self.unused: Counter[str] = Counter()
 
     def on(self, gate: str) -> bool:
         return self.config.enabled and gate not in self.config.disable
@@ -430,6 +610,11 @@ class QualityGates:
     def count(self, task: str, reason: str) -> None:
         self.rejected.setdefault(task, Counter())[reason] += 1
 
+    def surplus(self, task: str, count: int) -> None:
+        """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
+        if count > 0:
+            self.unused[task] += count
+
     def _first_failure(
         self,
         task: str,
@@ -442,41 +627,60 @@ class QualityGates:
     ) -> Rejection | None:
         cfg = self.config
         fields = (("question", item.question), ("biography" if name is not None else "answer", item.answer))
-        checks = [
-            ("placeholder", lambda text: placeholder(text)),
-            ("prompt_echo", lambda text: prompt_echo(text, grams, cfg.echo_words) if grams else None),
-            ("refusal", refusal),
+        minimum = {
+            "question": cfg.min_question_words,
+            "answer": cfg.min_answer_words,
+            "biography": cfg.min_biography_words,
+        }
+
+        def each_field(test: Callable[[str, str], str | None]) -> Callable[[], str | None]:
+            def run() -> str | None:
+                for label, text in fields:
+                    why = test(label, text)
+                    if why:
+                        return f"{label}: {why}"
+                return None
+
+            return run
+
+        def too_short(label: str, text: str) -> str | None:
+            count = len(words(text))
+            if count >= minimum[label]:
+                return None
+            return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}"
+
+        qa = name is None  # a QA pair (a biography's question is longpeft's own)
+        steps: list[tuple[str, Callable[[], str | None]]] = [
+            ("placeholder", each_field(lambda label, text: placeholder(text))),
+            (
+                "prompt_echo",
+                each_field(lambda label, text: prompt_echo(text, grams, cfg.echo_words) if grams else None),
+            ),
+            ("refusal", each_field(lambda label, text: refusal(text))),
+            ("too_short", each_field(too_short)),
+            ("unfinished", each_field(lambda label, text: unfinished(text))),
+            (
+                "not_a_question",
+                each_field(lambda label, text: not_a_question(text) if qa and label == "question" else None),
+            ),
+            ("tautology", each_field(lambda label, text: tautology(text))),
+            (
+                "restates_question",
+                lambda: restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None,
+            ),
+            ("wrong_subject", lambda: None if qa else wrong_subject(name, item.answer, others, evidence_words)),
+            (
+                "ungrounded",
+                lambda: ungrounded(
+                    item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS, item.question
+                ),
+            ),
         ]
-        for gate, test in checks:
-            if not self.on(gate):
-                continue
-            for label, text in fields:
-                why = test(text)
+        for gate, step in steps:
+            if self.on(gate):
+                why = step()
                 if why:
-                    return Rejection(gate, f"{label}: {why}")
-        if self.on("too_short"):
-            minimum = {
-                "question": cfg.min_question_words,
-                "answer": cfg.min_answer_words,
-                "biography": cfg.min_biography_words,
-            }
-            for label, text in fields:
-                count = len(words(text))
-                if count < minimum[label]:
-                    return Rejection(
-                        "too_short",
-                        f"{label} has {count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}",
-                    )
-        if name is not None and self.on("wrong_subject"):
-            why = wrong_subject(name, item.answer, others, evidence_words)
-            if why:
-                return Rejection("wrong_subject", why)
-        if self.on("ungrounded"):
-            why = ungrounded(
-                item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS, item.question
-            )
-            if why:
-                return Rejection("ungrounded", why)
+                    return Rejection(gate, why)
         return None
 
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
@@ -489,7 +693,8 @@ class QualityGates:
         return None
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready counts: items checked and kept, rejections by reason overall and per task."""
+        """JSON-ready counts: items checked and kept (``unused`` of them beyond the number asked), rejections by reason
+        overall and per task."""
         total: Counter[str] = Counter()
         for counts in self.rejected.values():
             total.update(counts)
@@ -498,6 +703,7 @@ class QualityGates:
             "enabled": self.config.enabled,
             "checked": checked,
             "kept": checked - sum(total.values()),
+            "unused": sum(self.unused.values()),
             "rejected": {reason: total[reason] for reason in REASONS if total[reason]},
             "rejected_per_task": {
                 task: {r: counts[r] for r in REASONS if counts[r]} for task, counts in sorted(self.rejected.items())

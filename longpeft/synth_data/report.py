@@ -12,7 +12,6 @@ from datasets import Dataset
 
 from ..files import write_text_atomically, writing_to
 from .builders import task_counts
-from .llm_rejects import REJECT_REASONS
 
 TRAIN_FILE = "train.jsonl"
 DATASET_DIR = "dataset"
@@ -52,41 +51,65 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def rejection_summary(stats: dict[str, Any]) -> list[str]:
-    """Console lines on what an LLM run rejected: requests rejected for good per reason
-    (:data:`.llm_rejects.REJECT_REASONS`), items dropped by the quality gates per reason (and task), and requests an
-    earlier run rejected that were not asked again. Empty for a run without the LLM answerer."""
+    """Console lines on what an LLM run rejected: what ``rejects.jsonl`` lists (``stats["rejects"]``, counted from
+    its records: requests rejected for good per reason (:data:`.llm_rejects.REJECT_REASONS`) and their attempts per
+    reason, those an earlier run rejected that were not asked again, items dropped per reason), then the quality
+    gates' judgements of this run per reason (and task). Empty for a run without the LLM answerer."""
     lines = []
-    total = stats.get("llm_usage", {}).get("total", {})
-    by_reason = total.get("rejected_reasons", {})
-    if by_reason:
-        counts = ", ".join(f"{reason} {by_reason[reason]}" for reason in REJECT_REASONS if by_reason.get(reason))
+    usage = stats.get("llm_usage", {})
+    if usage.get("foreign_cache_files"):
         lines.append(
-            f"requests rejected: {counts} (rejects.jsonl"
-            + ("; HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "")
-            + (
-                "; prompt_too_long: not sent, longer than the endpoint's context"
-                if by_reason.get("prompt_too_long")
-                else ""
-            )
-            + ")"
+            f"llm_cache: {usage['foreign_cache_files']} file(s) were not cache entries longpeft writes (not JSON, cut "
+            "short, or another shape): read as absent, their requests asked again and the files replaced"
         )
+    if usage.get("foreign_rejects_lines"):
+        lines.append(
+            f"rejects.jsonl: {usage['foreign_rejects_lines']} line(s) were not records longpeft writes (cut short, "
+            "edited, or another program's): left out of it"
+        )
+    rejects = stats.get("rejects", {})
+    by_reason = rejects.get("requests", {})
+    if by_reason:
+        causes = usage.get("total", {}).get("gave_up_causes") or {}  # gave_up is never carried: this run's
+        why = {"gave_up": " (" + ", ".join(f"{cause}: {n}" for cause, n in causes.items()) + ")"} if causes else {}
+        notes = [
+            "HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "",
+            "prompt_too_long: not sent, longer than the endpoint's context"
+            if by_reason.get("prompt_too_long")
+            else "",
+            "truncated: cut off at llm.max_tokens" if by_reason.get("truncated") else "",
+        ]
+        notes = [note for note in notes if note]
+        lines.append(
+            f"rejects.jsonl: {sum(by_reason.values())} request(s) rejected: "
+            + ", ".join(f"{reason} {n}{why.get(reason, '')}" for reason, n in by_reason.items())
+            + (f" ({'; '.join(notes)})" if notes else "")
+        )
+        lines.append(f"  their attempts: {_counts(rejects.get('attempts', {}))}")
+        if rejects.get("earlier"):
+            lines.append(
+                f"  {rejects['earlier']} of them rejected in an earlier run and not asked again; "
+                "--retry-rejected asks them again"
+            )
+    if rejects.get("items"):
+        items = rejects["items"]
+        lines.append(f"rejects.jsonl: {sum(items.values())} item(s) dropped by the quality gates: {_counts(items)}")
     quality = stats.get("quality")
     if quality and quality.get("checked"):
-        reasons = ", ".join(f"{reason} {count}" for reason, count in quality["rejected"].items()) or "none"
+        unused = f" ({quality['unused']} unused: beyond the number asked)" if quality.get("unused") else ""
         lines.append(
-            f"quality gates: {quality['kept']} of {quality['checked']} items kept; rejected: {reasons} (rejects.jsonl)"
+            f"quality gates: {quality['kept']} of {quality['checked']} items judged in this run kept{unused}; "
+            f"rejected: {_counts(quality['rejected']) or 'none'}"
         )
         for task, counts in quality["rejected_per_task"].items():
-            lines.append(f"  {task:<14} " + ", ".join(f"{reason} {count}" for reason, count in counts.items()))
+            lines.append(f"  {task:<14} {_counts(counts)}")
     elif quality and not quality.get("enabled", True):
         lines.append("quality gates: off (quality.enabled: false)")
-    skipped = total.get("skipped_rejected", 0)
-    if skipped:
-        lines.append(
-            f"{skipped} request(s) rejected in an earlier run were not asked again (reasons in "
-            "rejects.jsonl); --retry-rejected asks them again"
-        )
     return lines
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{reason} {count}" for reason, count in counts.items())
 
 
 def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins: int = 30) -> None:

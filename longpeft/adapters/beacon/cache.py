@@ -95,6 +95,8 @@ class SequenceState:
         chosen_ratio: the ratio chosen once per sequence (instance-random, adapt-N).
         ratio_cycle: the ratios the ``sequence`` mix cycles through, one per window (fixed at the first window).
         zero_ratio_used: a window of this sequence took ratio 0 (the authors' training rule allows one).
+        ratio_deferred: the current window's layout holds no beacons yet, its ratio to be chosen when it fills
+            (appended beacons under the authors' rule: ``scheduler._layout_at``).
         memory_keep / window_keep: ``[batch, M]`` / ``[batch, window_slots]`` bool, False at padding
             (None while there is no padding).
     """
@@ -108,6 +110,7 @@ class SequenceState:
     chosen_ratio: int | None = None
     ratio_cycle: tuple[int, ...] | None = None
     zero_ratio_used: bool = False
+    ratio_deferred: bool = False
     memory_keep: torch.Tensor | None = None
     window_keep: torch.Tensor | None = None
 

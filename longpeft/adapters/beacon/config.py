@@ -90,12 +90,13 @@ class BeaconConfig(StrictModel):
     positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
     eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio that keeps the input plus
     1024 new tokens inside the base's positions, see ``layout.span_ratio``). ``zero_ratio_rule``: which training
-    windows may take ratio 0 when ``ratios`` lists it (``authors``: at most one window per input, and only one that
-    a full window follows; ``any``: every window, as any other ratio; see ``layout.training_ratios``). ``attn``:
-    which raw tokens a beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``); ``pos``: beacons
-    ``interleave``d (one after every ratio raw tokens) or ``append``ed after the window. ``params``: projections
-    with beacon weights. ``sink``: first-window raw tokens kept in memory for good. ``attend_prev``:
-    beacons see their window's earlier beacons (implied by the scheme when left unset).
+    windows may take ratio 0 when ``ratios`` lists it (``authors``: a window that no earlier ratio-0 window precedes
+    and a full window follows, so at most one per input under ``step-random``, while the mixes that draw once repeat
+    the first window's draw or cycle; ``any``: every window, as any other ratio; see ``layout.training_ratios``).
+    ``attn``: which raw tokens a beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``);
+    ``pos``: beacons ``interleave``d (one after every ratio raw tokens) or ``append``ed after the window.
+    ``params``: projections with beacon weights. ``sink``: first-window raw tokens kept in memory for good.
+    ``attend_prev``: beacons see their window's earlier beacons (implied by the scheme when left unset).
     ``embed_init``: the beacon embedding starts as the eos or bos row. ``projection``: ``full``
     (the paper: a trainable copy of each projection) or ``lora`` (the projection plus a
     zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``). ``layout_rule``: whose

@@ -408,8 +408,10 @@ def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: in
 
     Ratio 0 (the window's raw K/V become memory) is left out when an earlier window of the input took it, or when no
     full window follows this one (the window starts at raw token ``start`` of a ``length``-token input: ratio 0 needs
-    ``start + 2 window <= length``), so an input keeps at most one raw window and beacons after it. A single listed
-    ratio is always allowed, as in the authors' code (``Memory.set_compression_ratio``).
+    ``start + 2 window <= length``), so a mix that draws at every window (``step-random``) keeps at most one raw
+    window per input and beacons after it; the mixes that draw once (``instance-random``, ``adapt-N``, the
+    ``sequence`` cycle) apply it to the first window's draw only, and repeat that. A single listed ratio is always
+    allowed, as in the authors' code (``Memory.set_compression_ratio``).
     """
     if len(ratios) == 1 or 0 not in ratios or not (zero_used or start + 2 * window > length):
         return ratios

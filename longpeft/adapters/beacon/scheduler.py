@@ -132,11 +132,21 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows
     from that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in):
     the window that reaches its end (``length`` tokens) gets no beacons.
+
+    Appended beacons under ``layout_rule: authors``: the authors' code chooses a window's ratio when the window is
+    full, counting the tokens known then (a prompt shorter than the window: the window, once decoding fills it).
+    A window that this forward does not fill is laid out without beacons (appended beacons join a window only
+    with its last raw token, so its raw slots are laid out alike at every ratio), and ``state.ratio_deferred``
+    asks :func:`beacon_backbone_forward` to choose its ratio in the forward that fills it.
     """
     window, attn, pos, attend_prev = settings.window, settings.attn, settings.pos, settings.attend_prev
+    state.ratio_deferred = False
     if settings.keep_start and start == 0:
         return window_layout(settings.keep_start, 0, attn, pos, attend_prev)
     if settings.keep_end is not None and start >= settings.keep_end:
+        return window_layout(window, 0, attn, pos, attend_prev)
+    if settings.layout_rule == "authors" and pos == "append" and not complete and start + window > length:
+        state.ratio_deferred = True
         return window_layout(window, 0, attn, pos, attend_prev)
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
@@ -362,6 +372,10 @@ def beacon_backbone_forward(
             )
         layout = state.layout
         take = windows * layout.window if windows > 1 else min(n_new - done, layout.window - state.window_raw)
+        if state.ratio_deferred and state.window_raw + take == layout.window:  # the authors' ratio, chosen now
+            layout = state.layout = _layout_at(
+                self, state, settings, state.raw_seen - state.window_raw, total, complete
+            )
         # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
         raw_embeds = (
             inputs_embeds[:, done : done + take]

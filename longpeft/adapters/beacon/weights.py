@@ -7,14 +7,13 @@ the causal LM's state dict has them: ``model.layers.{i}.self_attn.beacon_{q,k,v,
 ``model.beacon_embed_tokens.weight``.
 
 The authors release full models (base weights + beacon weights + remote code, transformers 4.39):
-:data:`AUTHORS_TENSOR` matches their beacon tensors and :func:`config_from_authors` reads their beacon settings;
+:data:`AUTHORS_TENSOR` matches their beacon tensors and :mod:`.authors_config` reads their beacon settings;
 ``longpeft.convert`` writes our adapter from them for the matching stock base, so no remote code runs.
 """
 
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,60 +110,6 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
                         f"{tuple(parameter.shape)}; load it on the base model it was trained on"
                     )
                 parameter.copy_(tensor.to(parameter.dtype))
-
-
-# ------------------------------------------------------------------------------------------------
-# The authors' checkpoints
-# ------------------------------------------------------------------------------------------------
-
-_MIXES = ("step-random", "instance-random", "sequence")
-
-
-def config_from_authors(config: dict[str, Any]) -> BeaconConfig:
-    """Our ``beacon`` section from the ``beacon_*`` fields of an authors' config.json, with ``layout_rule:
-    authors`` (their adapt-N count and sink layout), so that the converted model reads as their code does.
-
-    Raises:
-        ValueError: the checkpoint is not a beacon model, uses a stride other than its window, scales its RoPE
-            (their adapt-N then counts positions times the scaling factor), or a scheme whose outputs the authors'
-            rule cannot reproduce (``BeaconConfig``'s check).
-    """
-    if "beacon_window" not in config:
-        raise DataError("config.json has no beacon_window: not an Activation Beacon checkpoint")
-    scaling = config.get("rope_scaling")
-    if isinstance(scaling, dict) and scaling.get("factor") not in (None, 1, 1.0):
-        raise DataError(
-            f"rope_scaling {scaling} in config.json: the authors' adapt-N counts "
-            f"max_position_embeddings x {scaling.get('factor')} positions there, which longpeft does not "
-            "reproduce; no released Activation Beacon model scales its RoPE"
-        )
-    window = int(config["beacon_window"])
-    stride = int(config.get("beacon_stride", window))
-    if stride != window:
-        raise DataError(
-            f"beacon_stride {stride} differs from beacon_window {window}; longpeft supports stride == window"
-        )
-    ratios = [int(r) for r in config.get("beacon_ratio", [2, 4, 8])]
-    mix = str(config.get("beacon_ratio_mix", "step-random"))
-    if not (mix in _MIXES or re.fullmatch(r"adapt-\d+", mix)):
-        warnings.warn(
-            f"beacon_ratio_mix {mix!r} has no longpeft equivalent; training would use step-random", stacklevel=2
-        )
-        mix = "step-random"
-    return BeaconConfig(
-        window=window,
-        ratios=ratios,
-        ratio_mix=mix,
-        # their code reads one mix in both modes; a random one becomes adapt-1024 at inference
-        inference_ratio_mix=mix if mix.startswith("adapt-") or mix == "sequence" else "adapt-1024",
-        attn=config.get("beacon_attn", "full-coverage"),
-        pos=config.get("beacon_pos", "interleave"),
-        params=list(config.get("beacon_param", ["q", "k", "v"])),
-        sink=int(config.get("beacon_sink_size", 0)),
-        attend_prev=config.get("beacon_attend_prev"),
-        embed_init=config.get("beacon_embed_init", "eos"),
-        layout_rule="authors",
-    ).resolved()
 
 
 def save_weights(model: nn.Module, folder: Path, config: BeaconConfig, state_dict=None) -> None:

@@ -16,7 +16,7 @@ modeling file :mod:`.export` writes beside it (``trust_remote_code=True``).
 from __future__ import annotations
 
 from ..registry import Method, imported_on_call, torch_names
-from .config import DEFAULT_LOCAL_WINDOW, StringConfig, describe, resolve
+from .config import DEFAULT_LOCAL_WINDOW, StringConfig, describe, resolve, string_defaults
 
 __getattr__ = torch_names(
     __name__,
@@ -36,7 +36,7 @@ __getattr__ = torch_names(
             ),
             "attention",
         ),
-        **dict.fromkeys(("enable_string", "is_string_on"), "patch"),
+        **dict.fromkeys(("enable_string", "is_string_on", "recorded_trained_length"), "patch"),
         "write_remote_code": "export",
     },
 )
@@ -75,11 +75,13 @@ __all__ = [
     "enable_string",
     "install_string",
     "is_string_on",
+    "recorded_trained_length",
     "rotate_keys_forward",
     "string_attention_eager",
     "string_attention_flash",
     "string_attention_forward",
     "string_attention_sdpa",
+    "string_defaults",
     "string_settings",
     "write_remote_code",
 ]

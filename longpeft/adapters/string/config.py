@@ -13,8 +13,8 @@ DEFAULT_LOCAL_WINDOW = 128  # W: far keys score as at distance d - shift + W
 class StringConfig(StrictModel):
     """STRING settings: keys at distance ``d >= shift`` score as at ``d - shift + local_window``.
 
-    ``shift`` defaults to ``trained_length // 3``; ``trained_length`` defaults to the adapter's
-    training length (when resolved by a recipe) or the model's ``max_position_embeddings``.
+    ``shift`` defaults to ``trained_length // 3``; ``trained_length`` defaults to the length the model was trained at
+    (the recipe's, recorded in longpeft.json) or the model's ``max_position_embeddings`` (:func:`string_defaults`).
     """
 
     shift: int | None = Field(default=None, ge=1, le=MAX_POSITIONS)
@@ -29,10 +29,24 @@ class StringConfig(StrictModel):
         return self
 
 
+def string_defaults(
+    shift: int | None, trained_length: int | None, recorded_length: int | None, max_position_embeddings: int
+) -> tuple[int, int]:
+    """``(shift, trained_length)`` of STRING with its defaults filled, the one place they are computed (a recipe's
+    section, ``enable_string``, ``longpeft eval --string``): L is ``trained_length`` when given, else
+    ``recorded_length`` (the length the model was trained at: the ``trained_length`` of its longpeft.json, which an
+    adapter and its merged model carry alike), else ``max_position_embeddings``; S is ``shift`` when given, else
+    L // 3."""
+    trained = trained_length if trained_length is not None else recorded_length or max_position_embeddings
+    return (shift if shift is not None else trained // 3), trained
+
+
 def resolve(config: StringConfig, context: ResolveContext) -> StringConfig:
     """Fill the trained length (the recipe's training length) and the default shift L // 3."""
-    trained = config.trained_length or context.trained_length or context.base_config.max_position_embeddings
-    return config.model_copy(update={"trained_length": trained, "shift": config.shift or trained // 3})
+    shift, trained = string_defaults(
+        config.shift, config.trained_length, context.trained_length, context.base_config.max_position_embeddings
+    )
+    return config.model_copy(update={"trained_length": trained, "shift": shift})
 
 
 def describe(config: StringConfig) -> list[str]:

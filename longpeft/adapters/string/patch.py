@@ -3,14 +3,16 @@ costs a model with it (the torch side of the ``string`` method)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from ...family import causal_lm_of, check_supported
+from ...spec import SPEC_FILENAME, ContextSpec
 from ..registry import check_applicable
 from .attention import StringSettings, install_string, string_settings
-from .config import DEFAULT_LOCAL_WINDOW, StringConfig
+from .config import DEFAULT_LOCAL_WINDOW, StringConfig, string_defaults
 
 
 def enable_string(
@@ -28,9 +30,9 @@ def enable_string(
         shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
             Default ``trained_length // 3``.
         local_window: W (default 128); must be ``<= shift``.
-        trained_length: L, the length the model was trained at; default: the adapter's ``trained_length`` on a
-            model loaded by ``longpeft.load`` (as ``longpeft eval --string`` takes it), else
-            ``config.max_position_embeddings``.
+        trained_length: L, the length the model was trained at; default: the ``trained_length`` its longpeft.json
+            records (:func:`recorded_trained_length`: an adapter loaded by ``longpeft.load``, or a merged model
+            loaded from its folder), else ``config.max_position_embeddings`` (:func:`~.config.string_defaults`).
         cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
             multiplies every attention logit by its square. Off (None) by default.
 
@@ -44,15 +46,24 @@ def enable_string(
     if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
         check_supported(config, "STRING")
     check_applicable(model, "string")
-    if trained_length is None:
-        spec = getattr(model, "longpeft_spec", None)  # set by longpeft.load: what the adapter was trained at
-        trained_length = spec.trained_length if spec is not None and spec.trained_length else None
-    trained_length = int(trained_length if trained_length is not None else config.max_position_embeddings)
-    shift = int(shift if shift is not None else trained_length // 3)
+    recorded = recorded_trained_length(model) if trained_length is None else None
+    shift, trained_length = string_defaults(shift, trained_length, recorded, config.max_position_embeddings)
     scale = None if cos_sin_scale is None else float(cos_sin_scale)
-    settings = StringSettings(shift, int(local_window), trained_length, scale)
+    settings = StringSettings(int(shift), int(local_window), int(trained_length), scale)
     install_string(model, settings)
     return settings.as_dict()
+
+
+def recorded_trained_length(model: nn.Module) -> int | None:
+    """The ``trained_length`` of ``model``'s longpeft.json: the spec ``longpeft.load`` applied
+    (``model.longpeft_spec``), else the file in the folder the model was loaded from (a merged model's folder
+    carries its adapter's); None when there is neither, or it records none."""
+    spec = getattr(model, "longpeft_spec", None)
+    if spec is None:
+        source = getattr(causal_lm_of(model).config, "name_or_path", None)
+        if source and (Path(source) / SPEC_FILENAME).is_file():
+            spec = ContextSpec.load(Path(source))
+    return spec.trained_length if spec is not None else None
 
 
 def apply_string_config(model: nn.Module, config: StringConfig) -> None:

@@ -1,0 +1,237 @@
+"""The authors' ``config.json``: their ``beacon_*`` keys read into a :class:`~.config.BeaconConfig`, and their RoPE
+settings compared with the stock base's.
+
+Each key is checked on its own, and a refusal names the file, the key, the value it holds and what it must hold
+(:data:`AUTHORS_KEYS`), so the message says which key to edit; combinations that the authors' rule cannot reproduce
+name the keys that make them. A converted adapter runs on the stock base, so every RoPE setting the checkpoint states
+(its ``rope_theta`` and ``rope_scaling``, or transformers 5's ``rope_parameters``) must be the base's, and its
+``max_position_embeddings`` too where the ratio choice counts it (more than one ratio listed).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ...errors import ConfigError, DataError
+from .config import BeaconConfig
+
+# What each key of the authors' config must hold; the defaults are those of their training arguments (src/args.py)
+AUTHORS_KEYS = {
+    "beacon_window": "a whole number of tokens >= 1, at most the base's positions",
+    "beacon_stride": "the same number as beacon_window (longpeft supports stride == window)",
+    "beacon_ratio": "a non-empty list of whole numbers, each 0 or a divisor of beacon_window",
+    "beacon_ratio_mix": "one of step-random, instance-random, sequence or adapt-N (N a whole number of tokens)",
+    "beacon_attn": "one of full-coverage, step-expansion",
+    "beacon_pos": "one of interleave, append",
+    "beacon_param": "a non-empty list of q, k, v, o, each at most once",
+    "beacon_sink_size": "a whole number >= 0, below beacon_window",
+    "beacon_attend_prev": "true or false",
+}
+_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")
+# rope_theta of the authors' transformers 4.39 config classes (Llama, Mistral, Qwen2) when config.json omits it
+AUTHORS_DEFAULT_ROPE_THETA = 10000.0
+
+
+def _refuse(source: str, key: str, value: Any, why: str = "") -> DataError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return DataError(
+        f"{source}: {key} is {shown}{why}; it must be {AUTHORS_KEYS[key]}: edit {key} there (the authors' "
+        "released config.json has it right)"
+    )
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _read_window(config: dict[str, Any], source: str) -> int:
+    window = config["beacon_window"]
+    if not _whole(window) or window < 1:
+        raise _refuse(source, "beacon_window", window)
+    stride = config.get("beacon_stride", window)
+    if stride != window or not _whole(stride):
+        raise _refuse(source, "beacon_stride", stride)
+    return window
+
+
+def _read_ratios(config: dict[str, Any], window: int, source: str) -> list[int]:
+    ratios = config.get("beacon_ratio", [2, 4, 8])
+    if not isinstance(ratios, list) or not ratios or not all(_whole(r) and r >= 0 for r in ratios):
+        raise _refuse(source, "beacon_ratio", ratios)
+    bad = [r for r in ratios if r and (r > window or window % r)]
+    if bad:
+        raise _refuse(source, "beacon_ratio", ratios, f" ({bad[0]} does not divide beacon_window {window})")
+    return ratios
+
+
+def _read_choice(config: dict[str, Any], key: str, default: str, choices: tuple[str, ...], source: str) -> str:
+    value = config.get(key, default)
+    if value not in choices:
+        raise _refuse(source, key, value)
+    return value
+
+
+def _read_layout(config: dict[str, Any], window: int, source: str) -> tuple[str, str, bool | None, int]:
+    """``(attn, pos, attend_prev, sink)``; refuses layouts the authors' rule cannot reproduce, naming their keys."""
+    attn = config.get("beacon_attn", "full-coverage")
+    if attn == "segmentation":
+        raise _refuse(
+            source,
+            "beacon_attn",
+            attn,
+            " (the authors' code fails placing its beacons there: a TypeError, so no model of theirs runs it)",
+        )
+    attn = _read_choice(config, "beacon_attn", "full-coverage", ("full-coverage", "step-expansion"), source)
+    pos = _read_choice(config, "beacon_pos", "interleave", ("interleave", "append"), source)
+    if (attn, pos) == ("step-expansion", "interleave"):
+        raise DataError(
+            f"{source}: beacon_attn step-expansion with beacon_pos interleave: the authors' mask there hides window "
+            "slots 0 and 1 instead of the beacons (a bug in their indexing), which longpeft does not reproduce; "
+            "the released models use beacon_attn full-coverage"
+        )
+    attend_prev = config.get("beacon_attend_prev", True)
+    if not isinstance(attend_prev, bool):
+        raise _refuse(source, "beacon_attend_prev", attend_prev)
+    sink = config.get("beacon_sink_size", 0)
+    if not _whole(sink) or not 0 <= sink < window:
+        raise _refuse(source, "beacon_sink_size", sink)
+    # full-coverage's mask is plain causal: their code reads beacon_attend_prev only with the other schemes
+    return attn, pos, None if attn == "full-coverage" else attend_prev, sink
+
+
+def _read_params(config: dict[str, Any], source: str) -> list[str]:
+    params = config.get("beacon_param", ["q", "k", "v"])
+    if (
+        not isinstance(params, list)
+        or not params
+        or not all(p in ("q", "k", "v", "o") for p in params)
+        or len(set(params)) != len(params)
+    ):
+        raise _refuse(source, "beacon_param", params)
+    return params
+
+
+def rope_settings(config: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The RoPE settings a config.json states, as transformers 5 names them (``rope_type``, ``rope_theta``,
+    ``factor``, ...), and for each the key that holds it in the file (``rope_scaling.type``, ``rope_theta``,
+    ``rope_parameters.factor``, ...). transformers 4's ``rope_theta`` and ``rope_scaling`` or transformers 5's
+    ``rope_parameters``; no ``rope_theta`` stated: the authors' config classes' default (10000)."""
+    if "rope_parameters" in config:
+        stated, prefix = config["rope_parameters"], "rope_parameters."
+        if not isinstance(stated, dict):
+            raise DataError(f"{source}: rope_parameters is {stated!r}; it must be an object: edit rope_parameters")
+        settings, keys = dict(stated), {name: prefix + name for name in stated}
+    else:
+        scaling = config.get("rope_scaling")
+        if scaling is not None and not isinstance(scaling, dict):
+            raise DataError(f"{source}: rope_scaling is {scaling!r}; it must be null or an object: edit rope_scaling")
+        settings, keys = {}, {}
+        for name, value in (scaling or {}).items():
+            setting = "rope_type" if name == "type" else name
+            settings[setting], keys[setting] = value, f"rope_scaling.{name}"
+        if "rope_theta" in config:
+            settings["rope_theta"] = config["rope_theta"]
+        keys.setdefault("rope_type", "rope_scaling.type")
+        prefix = "rope_scaling."
+    settings.pop("type", None)
+    settings.setdefault("rope_type", "default")
+    settings.setdefault("rope_theta", AUTHORS_DEFAULT_ROPE_THETA)
+    keys.setdefault("rope_theta", "rope_parameters.rope_theta" if prefix == "rope_parameters." else "rope_theta")
+    return settings, keys
+
+
+def _same(first: Any, second: Any) -> bool:
+    numbers = (int, float)
+    if isinstance(first, numbers) and isinstance(second, numbers) and not isinstance(first, bool):
+        return not isinstance(second, bool) and math.isclose(first, second, rel_tol=1e-9, abs_tol=0.0)
+    return first == second
+
+
+def check_built_on(
+    config: dict[str, Any], base_config: Any, beacon: BeaconConfig, source: str, base: str, file: str
+) -> None:
+    """Refuse, naming the key in ``file`` (the checkpoint's config.json), a checkpoint that is not built on the stock
+    base ``base`` (``base_config``, a transformers config): its shape, any RoPE setting (:func:`rope_settings`
+    against the base's ``rope_parameters``), and ``max_position_embeddings`` when the converted ``beacon`` lists more
+    than one ratio (their ratio choice counts it) or a window longer than the base's positions."""
+    for key in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not _same(config.get(key), getattr(base_config, key, None)):
+            raise ConfigError(
+                f"{source} is not built on {base}: {key} is {config.get(key)!r} in {file} and "
+                f"{getattr(base_config, key, None)!r} in the base; give the matching stock base with --base"
+            )
+    theirs, keys = rope_settings(config, file)
+    ours = dict(getattr(base_config, "rope_parameters", None) or {})
+    ours.pop("type", None)
+    ours.setdefault("rope_type", "default")
+    for setting in sorted(set(theirs) | set(ours), key=lambda name: (name != "rope_type", name != "rope_theta", name)):
+        if not _same(theirs.get(setting), ours.get(setting)):
+            key = keys.get(setting, f"rope_parameters.{setting}" if "rope_parameters" in config else setting)
+            raise ConfigError(
+                f"{file}: {key} is {theirs.get(setting)!r} there and {ours.get(setting)!r} in the base {base}: the "
+                "beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not "
+                f"use; give the stock base it was built on (--base), or set {key} in {file} to the base's if that "
+                "is the base it was built on"
+            )
+    positions = getattr(base_config, "max_position_embeddings", None)
+    stated = config.get("max_position_embeddings", positions)
+    several = len(set(beacon.ratios)) > 1 or len(set(beacon.inference_ratios or beacon.ratios)) > 1
+    if several and not _same(stated, positions):
+        raise ConfigError(
+            f"{file}: max_position_embeddings is {stated!r} there and {positions!r} in the base {base}: the "
+            f"authors' ratio choice among {sorted(set(beacon.ratios))} counts it, and the converted adapter would "
+            f"count the base's; give the stock base it was built on (--base), or set max_position_embeddings in "
+            f"{file} to the base's if that is the base it was built on"
+        )
+    if positions is not None and beacon.window > positions:
+        raise _refuse(file, "beacon_window", beacon.window, f" (the base {base} has {positions} positions)")
+
+
+def config_from_authors(config: dict[str, Any], source: str = "config.json") -> BeaconConfig:
+    """Our ``beacon`` section from the ``beacon_*`` keys of an authors' config.json (``source`` names it in errors),
+    with ``layout_rule: authors`` (their adapt-N count and sink layout), so that the converted model reads as their
+    code does.
+
+    Their ``beacon_embed_init`` is read as their code reads it (``bos``, else ``eos``; it only chose the beacon
+    embedding's first value, which the checkpoint holds), and ``beacon_parallel_window`` (how many windows a forward
+    runs, not what they compute) is not read: longpeft's is ``beacon.parallel_windows``.
+
+    Raises:
+        DataError: naming the key: the checkpoint is not a beacon model, a key holds what their code cannot use
+            (:data:`AUTHORS_KEYS`), the stride is not the window, the layout is one the authors' rule cannot
+            reproduce, or the checkpoint scales its RoPE (their adapt-N then counts positions times the factor).
+    """
+    if "beacon_window" not in config:
+        raise DataError(f"{source} has no beacon_window: not an Activation Beacon checkpoint")
+    window = _read_window(config, source)
+    ratios = _read_ratios(config, window, source)
+    mix = config.get("beacon_ratio_mix", "step-random")
+    if not isinstance(mix, str) or not _MIX.match(mix):
+        raise _refuse(source, "beacon_ratio_mix", mix)
+    attn, pos, attend_prev, sink = _read_layout(config, window, source)
+    params = _read_params(config, source)
+    rope, keys = rope_settings(config, source)
+    factor = rope.get("factor")
+    if factor is not None and not _same(factor, 1):
+        raise DataError(
+            f"{source}: {keys['factor']} is {factor!r}: the authors' adapt-N counts max_position_embeddings x "
+            f"{factor} positions there, which longpeft does not reproduce; no released Activation Beacon model "
+            f"scales its RoPE (remove the scaling from {source} if the model was trained without it)"
+        )
+    return BeaconConfig(
+        window=window,
+        ratios=ratios,
+        ratio_mix=mix,
+        # their code reads one mix in both modes; a random one becomes adapt-1024 at inference
+        inference_ratio_mix=mix if mix.startswith("adapt-") or mix == "sequence" else "adapt-1024",
+        attn=attn,
+        pos=pos,
+        params=params,
+        sink=sink,
+        attend_prev=attend_prev,
+        embed_init="bos" if config.get("beacon_embed_init") == "bos" else "eos",
+        layout_rule="authors",
+    ).resolved()

@@ -1,0 +1,215 @@
+"""The eval-task registry: the one table that ``longpeft eval``, :func:`longpeft.eval.evaluate` and the task contract
+test (tests/test_eval_tasks.py) read. Torch-free: the CLI builds its parser from it.
+
+A task is one record: its name, help line and flags (:mod:`.flags`, each with its default). A :class:`ProbeTask`
+adds its probe builder, decode budget and scorer, and runs on the probe loop of :mod:`.tasks` (build the grid,
+decode greedily, score each continuation); any other task brings its own ``run`` or ``command``. Adding a task is
+one :func:`register` line (the built-in ones: :mod:`.builtin`); nothing else names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from ..errors import ConfigError
+from ..synth_data import probes
+from ..synth_data.probes import Probe
+from .flags import DEPTHS, Flag
+from .scoring import score
+
+
+@dataclass(frozen=True)
+class EvalTask:
+    """One ``longpeft eval`` task.
+
+    Attributes:
+        name: ``longpeft eval NAME``, the ``"task"`` of its results and the name of its files.
+        help: one line for ``longpeft eval --help``.
+        flags: the flags it takes besides ``--model``, ``--adapter``, ``--out`` and the loading ones; any other
+            task's flag given to it is refused by name.
+        aliases: other names it answers to.
+    """
+
+    name: str
+    help: str
+    flags: tuple[Flag, ...]
+    aliases: tuple[str, ...] = field(default=(), kw_only=True)
+    kind: ClassVar[str] = "eval task"  # what get_task calls it in its errors
+
+    def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
+        """Its result on ``model`` (:func:`~longpeft.eval.evaluate` adds the STRING settings and writes it; a
+        :class:`ProbeTask` runs on the probe loop instead). ``options`` are keyed by its flags' keywords;
+        ``save(part)`` writes a finished part's result at once (a suite's tasks) when there is an output folder."""
+        raise ConfigError(f"eval {self.name} runs from the command line only: longpeft eval {self.name} ...")
+
+    def command(self, args: argparse.Namespace) -> int | None:
+        """Its own command (load, run, write; the exit status), or None for ``longpeft eval``'s: load the model,
+        :func:`~longpeft.eval.evaluate`, write ``<name>.json`` and its plot, print the summary."""
+        return None
+
+
+def score_probe(prediction: str, probe: Probe) -> float:
+    """The probe's own metric (exact, contains or recall: :func:`longpeft.eval.scoring.score`)."""
+    return score(prediction, probe.answers, probe.metric)
+
+
+@dataclass(frozen=True)
+class ProbeTask(EvalTask):
+    """A task scored on a grid of probes: prompts of exact token lengths with known answers, decoded greedily, each
+    continuation scored in [0, 1] (:func:`longpeft.eval.tasks.run_probe_task`).
+
+    Attributes:
+        build: ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` for a task without
+            ``--depths``): one prompt of exactly ``length`` tokens from ``builder``, a
+            :class:`longpeft.synth_data.probes.ProbeBuilder`; ``options`` are the task's own (its flags beyond the
+            grid's, or ``evaluate``'s extra keywords).
+        max_new_tokens: the decode budget per prompt: enough for the answer(s) with some slack.
+        score: ``score(prediction, probe) -> float`` in [0, 1].
+    """
+
+    build: Callable[..., Probe]
+    max_new_tokens: int
+    score: Callable[[str, Probe], float] = score_probe
+    kind: ClassVar[str] = "probe task"
+
+    @property
+    def depths(self) -> bool:
+        """Its needles sit at a depth: its grid spans ``--depths``."""
+        return DEPTHS in self.flags
+
+
+TASKS: dict[str, EvalTask] = {}
+ALIASES: dict[str, str] = {}
+Task = TypeVar("Task", bound=EvalTask)
+
+
+def task_flags() -> dict[str, Flag]:
+    """Every registered task's flags by flag, in registration order (the first declaration of each)."""
+    flags: dict[str, Flag] = {}
+    for task in TASKS.values():
+        for flag in task.flags:
+            flags.setdefault(flag.flag, flag)
+    return flags
+
+
+def register(task: EvalTask) -> EvalTask:
+    """Add ``task`` to the registry (``longpeft eval`` lists tasks in registration order); returns it.
+
+    Raises:
+        ValueError: its name or an alias is taken, it declares a flag another task declares differently (reuse
+            the declaration of :mod:`.flags`), or a probe task has no decode budget.
+    """
+    for name in (task.name, *task.aliases):
+        if name in ALIASES or (name in TASKS and TASKS[name] is not task):
+            raise ValueError(f"an eval task named {name!r} is already registered")
+    declared = task_flags()
+    for flag in task.flags:
+        if dataclasses.replace(declared.get(flag.flag, flag), default=None) != dataclasses.replace(flag, default=None):
+            raise ValueError(
+                f"eval task {task.name}: {flag.flag} is declared differently by another task; reuse its "
+                "declaration (longpeft.eval.flags), with another default if needed"
+            )
+    if isinstance(task, ProbeTask) and task.max_new_tokens < 1:
+        raise ValueError(f"eval task {task.name}: max_new_tokens must be >= 1, got {task.max_new_tokens}")
+    TASKS[task.name] = task
+    ALIASES.update(dict.fromkeys(task.aliases, task.name))
+    return task
+
+
+def unregister(name: str) -> None:
+    """Remove a task and its aliases from the registry (tests, plug-ins)."""
+    task = TASKS.pop(name, None)
+    for alias in task.aliases if task else ():
+        ALIASES.pop(alias, None)
+
+
+@contextmanager
+def registered(task: EvalTask) -> Iterator[EvalTask]:
+    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
+    register(task)
+    try:
+        yield task
+    finally:
+        unregister(task.name)
+
+
+def get_task(name: str, kind: type[Task] = EvalTask) -> Task:
+    """The registered task of ``kind`` called ``name`` (or an alias), with an error listing the known ones."""
+    task = TASKS.get(ALIASES.get(name, name))
+    if not isinstance(task, kind):
+        raise ConfigError(f"unknown {kind.kind} {name!r}; choose one of {TaskNames(kind)}")
+    return task
+
+
+class TaskNames(Sequence[str]):
+    """The names of the registered tasks of ``kind`` (with ``--depths`` only, when ``depths``), read at each use."""
+
+    def __init__(self, kind: type[EvalTask], depths: bool = False) -> None:
+        self.kind, self.depths = kind, depths
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for n, t in TASKS.items() if isinstance(t, self.kind) and (not self.depths or t.depths))
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.names()[index]
+
+    def __len__(self) -> int:
+        return len(self.names())
+
+    def __repr__(self) -> str:
+        return repr(self.names())
+
+
+EVAL_TASKS, PROBE_TASKS, DEPTH_TASKS = TaskNames(EvalTask), TaskNames(ProbeTask), TaskNames(ProbeTask, depths=True)
+
+
+class ProbeBuilder(probes.ProbeBuilder):
+    """:class:`longpeft.synth_data.probes.ProbeBuilder` that also makes the probes of the registered probe tasks."""
+
+    def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
+        """One probe of the probe task ``task``; ``depth`` in [0, 1] (default 0.5) places the needles of a task
+        with ``--depths``, the others take none."""
+        record = get_task(task, ProbeTask)
+        if not record.depths:
+            return dataclasses.replace(record.build(self, length, **options), task=record.name)
+        depth = 0.5 if depth is None else float(depth)
+        if not 0.0 <= depth <= 1.0:
+            raise ConfigError(f"depth must be in [0, 1], got {depth}")
+        return dataclasses.replace(record.build(self, length, depth, **options), task=record.name)
+
+
+def make_probes(
+    task: str,
+    tokenizer: Any,
+    lengths: Sequence[int],
+    depths: Sequence[float] | None = None,
+    n_samples: int = 10,
+    seed: int = 0,
+    chat: bool = False,
+    **options: Any,
+) -> list[Probe]:
+    """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for tasks with ``--depths``).
+
+    Args:
+        task: a registered probe task.
+        tokenizer: a transformers tokenizer.
+        lengths: prompt lengths in tokens.
+        depths: needle depths in [0, 1] (default 0, .25, .5, .75, 1; repeats count once, as repeated lengths do).
+        n_samples: probes per cell.
+        seed: everything is deterministic given it.
+        chat: wrap prompts in the tokenizer's chat template.
+        options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
+    """
+    record = get_task(task, ProbeTask)
+    if n_samples < 1:
+        raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
+    grid_depths: Sequence[float | None] = [None]
+    if record.depths:
+        grid_depths = sorted({float(d) for d in depths}) if depths is not None else (0.0, 0.25, 0.5, 0.75, 1.0)
+    builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
+    return [builder.make(task, int(n), d, **options) for n in lengths for d in grid_depths for _ in range(n_samples)]

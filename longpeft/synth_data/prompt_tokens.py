@@ -1,0 +1,164 @@
+"""How many tokens a chat request's prompt holds at the endpoint: what the LLM client's prompt-length gate (against
+the endpoint's context) and ``synth --plan`` count with.
+
+:func:`prompt_counter` takes, for one endpoint, the first of these that works:
+
+1. the server's own tokenizer, asked over HTTP at the server root (beside ``/v1``):
+
+   - vLLM: ``POST /tokenize`` with ``{"model", "messages"}`` applies the model's chat template (with the generation
+     prompt) and answers ``{"count", "tokens", "max_model_len"}``: the prompt as the chat route sees it;
+   - llama.cpp's server: ``POST /apply-template`` with ``{"messages"}`` answers ``{"prompt"}`` (the chat template
+     applied), and ``POST /tokenize`` with ``{"content"}`` answers ``{"tokens": [...]}`` (special-token text parsed,
+     none added); a build without ``/apply-template`` has each message's content tokenized alone (the template's
+     few tokens are left out: an under-count);
+
+2. ``llm.tokenizer``, the endpoint model's tokenizer (a local folder or a Hub id): its chat template applied with
+   the generation prompt, or each message's content alone when it has none;
+3. an estimate of one token per word of the contents, a word being a run of characters between ASCII spaces,
+   tabs and line breaks. Tokenizers that split text at whitespace before merging (the GPT-2 and tiktoken family,
+   SentencePiece) never put two words in one token, so the estimate counts no more than the server does (English
+   prose takes about 1.3 tokens per word): only a prompt surely too long is refused, and a longer one the server
+   refuses with its own reason.
+
+Never the training tokenizer: the endpoint serves another model, and a small training vocabulary counts many more
+tokens than a large model's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .endpoint import server_root
+from .http_json import NoHttpAnswer, http_json
+from .llm_request import LLMConfig
+
+Messages = Sequence[dict[str, Any]]
+
+ESTIMATED = "estimated at one token per word, an under-count"
+_WORD = re.compile(r"[^ \t\n\r\f\v]+")
+SAMPLE = [{"role": "user", "content": "How many tokens does this short sentence hold?"}]  # the probe of /tokenize
+
+
+class TokenizeError(Exception):
+    """A tokenizer route failed or answered another shape; the message names the URL and quotes the answer."""
+
+
+@dataclass
+class PromptCounter:
+    """Counts the tokens of a request's messages (``list[{"role", "content"}]``).
+
+    Attributes:
+        how: what counts them, as console lines and reject reasons say it (``"counted by the server's tokenizer
+            (vLLM POST /tokenize, chat template applied)"``).
+        count_messages: messages -> tokens; raises :class:`TokenizeError` when it cannot count.
+    """
+
+    how: str
+    count_messages: Callable[[Messages], int]
+
+    def count(self, messages: Messages) -> tuple[int, str]:
+        """``(tokens, how counted)``; when :attr:`count_messages` fails, the estimate and why it was used."""
+        try:
+            return self.count_messages(messages), self.how
+        except TokenizeError as error:
+            return estimate_tokens(messages), f"{ESTIMATED}, as the tokenizer failed ({error})"
+
+
+def estimate_tokens(messages: Messages) -> int:
+    """One token per word of the messages' contents (see the module docstring)."""
+    return sum(len(_WORD.findall(str(message.get("content", "")))) for message in messages)
+
+
+def prompt_counter(config: LLMConfig, api_key: str | None, timeout: float = 10.0) -> PromptCounter:
+    """The counter for ``config``'s endpoint (module docstring): asks the server's tokenizer routes once with a
+    sample (each HTTP request ``timeout`` seconds at most), then loads ``config.tokenizer`` if set; a missing
+    tokenizer folder or Hub repo raises naming ``llm.tokenizer``."""
+    server, why_not = server_counter(config.base_url, config.model, api_key, timeout)
+    if server is not None:
+        return server
+    if config.tokenizer:
+        return local_counter(config.tokenizer)
+    return PromptCounter(f"{ESTIMATED} ({why_not}; llm.tokenizer unset)", estimate_tokens)
+
+
+def server_counter(base_url: str, model: str, api_key: str | None, timeout: float) -> tuple[PromptCounter | None, str]:
+    """``(a counter on the server's tokenizer routes (vLLM's, else llama.cpp's), "")``, or ``(None, why not)``
+    when it has none; a server that does not answer at all is not asked twice."""
+    root = server_root(base_url)
+
+    def post(route: str, payload: dict[str, Any], field: str, kind: type) -> Any:
+        url = root + route
+        try:
+            answer = http_json(url, payload, api_key, timeout)
+        except NoHttpAnswer as error:
+            raise TokenizeError(f"{url}: {error}") from error
+        try:
+            value = answer.json().get(field) if answer.status_code == 200 else None
+        except (ValueError, AttributeError):
+            value = None
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise TokenizeError(f"{url}: HTTP {answer.status_code} {answer.excerpt(120)}, no {field!r} of the shape")
+        return value
+
+    def vllm(messages: Messages) -> int:
+        return post("/tokenize", {"model": model, "messages": list(messages)}, "count", int)
+
+    def llama_cpp(messages: Messages) -> int:
+        prompt = post("/apply-template", {"messages": list(messages)}, "prompt", str)
+        return len(post("/tokenize", {"content": prompt}, "tokens", list))
+
+    def llama_cpp_contents(messages: Messages) -> int:
+        return sum(
+            len(post("/tokenize", {"content": str(message.get("content", ""))}, "tokens", list))
+            for message in messages
+        )
+
+    routes = (
+        ("vLLM POST /tokenize, chat template applied", vllm),
+        ("llama.cpp POST /apply-template and /tokenize", llama_cpp),
+        (
+            "llama.cpp POST /tokenize of each message's content; the chat template's tokens not counted",
+            llama_cpp_contents,
+        ),
+    )
+    for how, count in routes:
+        try:
+            if count(SAMPLE) > 0:
+                return PromptCounter(f"counted by the server's tokenizer ({how})", count), ""
+        except TokenizeError as error:
+            if isinstance(error.__cause__, NoHttpAnswer):  # nothing answers there: the other routes would wait too
+                return None, f"the server's /tokenize did not answer: {error}"
+    return None, "the server offers no /tokenize"
+
+
+def local_counter(name: str) -> PromptCounter:
+    """A counter on the tokenizer ``name`` (``llm.tokenizer``: a folder or a Hub id), loaded now."""
+    from transformers import AutoTokenizer
+
+    from ..files import check_model_source
+
+    check_model_source(
+        name, "llm.tokenizer", "; give the endpoint model's tokenizer (a folder or a Hub id), or unset it"
+    )
+    tokenizer = AutoTokenizer.from_pretrained(name)
+
+    def ids(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    if getattr(tokenizer, "chat_template", None):
+
+        def templated(messages: Messages) -> int:
+            try:
+                text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception as error:  # the template is the model's code (Jinja): e.g. a role it does not take
+                raise TokenizeError(f"llm.tokenizer {name}'s chat template: {type(error).__name__}: {error}") from None
+            return ids(text)
+
+        return PromptCounter(f"counted with llm.tokenizer {name} (its chat template applied)", templated)
+    return PromptCounter(
+        f"counted with llm.tokenizer {name} (each message's content; it has no chat template)",
+        lambda messages: sum(ids(str(message.get("content", ""))) for message in messages),
+    )
