@@ -785,12 +785,16 @@ def test_plan_longest_says_when_it_could_not_check_the_positions(tmp_path, monke
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "1", "--longest"]) == 0
     out = capsys.readouterr().out
     assert re.search(
         r"^longest sample: [\d,]+ tokens per GPU sample, bounded by memory \(positions not checked\)$", out, flags=re.M
     )
-    assert "positions: not checked (meta-llama/Meta-Llama-3-8B-Instruct's config.json is not on this machine" in out
+    assert (
+        "positions: not checked (model.name_or_path meta-llama/Meta-Llama-3-8B-Instruct: its config.json is not in "
+        "the Hugging Face cache and HF_HUB_OFFLINE is set)"
+    ) in out
 
 
 def test_plan_prints_where_train_writes(tmp_path, monkeypatch, capsys):
