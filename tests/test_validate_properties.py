@@ -133,13 +133,13 @@ def outcome(argv: list[str]) -> tuple[int | str, str]:
 
 
 def names_the_key(key: str, message: str) -> bool:
-    """Whether ``message`` names ``key``: the key itself, or the part of it the schema stops at (``train.bogus``
-    for ``train.bogus.inner``, ``lora.r`` for ``lora.r.inner``), or its section as a whole (``beacon and harpe
-    cannot be combined``: the section the key added)."""
+    """Whether ``message`` names ``key``: the key itself, the part of it the schema stops at (``train.bogus`` for
+    ``train.bogus.inner``), or a key of its section that the refusal is about (``pose.target_length must be longer
+    than ...`` when ``pose.content_skip`` brought a ``pose`` section in; ``beacon and harpe cannot be combined``)."""
     parts = key.split(".")
     if any(".".join(parts[:end]) in message for end in range(len(parts), 1, -1)) or key in message:
         return True
-    return re.search(rf"\b{re.escape(parts[0])}\b(?!\.)", message) is not None
+    return re.search(rf"\b{re.escape(parts[0])}\b", message) is not None
 
 
 @given(recipe=st.sampled_from(sorted(RECIPES)), changes=st.lists(overrides(), min_size=1, max_size=3))
