@@ -67,12 +67,12 @@ def check_head_bases(config: Any, bases: Sequence[float]) -> list[float]:
     expected = num_kv_heads(config)
     if len(bases) != expected:
         raise ConfigError(
-            f"head bases: got {len(bases)} bases but the model has {expected} key/value heads "
+            f"harpe.bases: got {len(bases)} bases but the model has {expected} key/value heads "
             f"(num_key_value_heads); give one base per KV head, the query heads of a group share it"
         )
     bad = [b for b in bases if not math.isfinite(b) or b <= 1]
     if bad:
-        raise ConfigError(f"head bases must be finite and > 1, got {bad}")
+        raise ConfigError(f"harpe.bases must be finite and > 1, got {bad}")
     if head_dim_of(config) % 2:
         raise ConfigError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
     return bases
