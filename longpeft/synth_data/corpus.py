@@ -299,7 +299,7 @@ def generate_document(
     n_characters: int = 4,
     doc_id: str | None = None,
 ) -> Document:
-    """Generate one document.
+    """Generate one document: the town's profile, then ``n_sentences`` of body (:class:`_Body`).
 
     Args:
         seed: everything (topic, names, facts, wording) follows from it.
@@ -315,6 +315,24 @@ def generate_document(
     rng = random.Random(seed)
     kind = kind or rng.choice(["story", "report"])
     topic = topic or rng.choice(sorted(TOPICS))
+    _check_document_options(kind, topic, n_sentences, n_characters, fact_kinds)
+    doc_id = doc_id or f"doc-{seed}"
+    town = town_name(rng)
+    title = f"The Chronicle of {town}" if kind == "story" else f"Annual Report of {town}"
+    professions = TOPICS[topic]["professions"] + GENERAL_PROFESSIONS
+    names = _NamePool(rng)
+    writer = _Writer(doc_id, title)
+    profile = _write_profile(writer, rng, town, topic)
+    characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
+    body = _Body(rng, kind, town, TOPICS[topic], professions, names, characters)
+    body.write(writer, n_sentences, fact_kinds, fact_rate)
+    return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
+
+
+def _check_document_options(
+    kind: str, topic: str, n_sentences: int, n_characters: int, fact_kinds: Sequence[str]
+) -> None:
+    """Refuse a kind, topic or fact kind that does not exist, or too few sentences for the main characters."""
     if kind not in ("story", "report"):
         raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
     if topic not in TOPICS:
@@ -324,17 +342,13 @@ def generate_document(
     unknown = set(fact_kinds) - set(FACT_KINDS)
     if unknown:
         raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")
-    doc_id = doc_id or f"doc-{seed}"
-    vocab = TOPICS[topic]
-    town = town_name(rng)
-    title = f"The Chronicle of {town}" if kind == "story" else f"Annual Report of {town}"
-    professions = vocab["professions"] + GENERAL_PROFESSIONS
-    names = _NamePool(rng)
-    writer = _Writer(doc_id, title)
 
+
+def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -> dict[str, Any]:
+    """The opening paragraph: the town's founding year and population (two facts) and its topic; returns the
+    document's ``profile``."""
     founded = rng.randint(1200, 1890)
     population = rng.randint(800, 60000)
-    profile = {"town": town, "founded": founded, "population": population, "topic": topic}
     writer.sentence(
         f"{town} was founded in {founded}.",
         [("founded", town, str(founded), f"In which year was {town} founded?", {})],
@@ -345,52 +359,115 @@ def generate_document(
     )
     writer.sentence(f"It is {TOPIC_DESCRIPTIONS[topic]}.")
     writer.end_paragraph()
+    return {"town": town, "founded": founded, "population": population, "topic": topic}
 
-    characters = []
-    for _ in range(n_characters):
-        name = names.take()
-        animal = rng.choice(ANIMALS)
-        characters.append(
-            Character(
-                name,
-                {
-                    "birth_year": str(rng.randint(1700, 1990)),
-                    "birthplace": town_name(rng),
-                    "profession": rng.choice(professions),
-                    "sibling": names.take(),
-                    "pet": rng.choice(PET_NAMES),
-                    "pet_animal": animal,
-                },
+
+def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
+    """A main character with a name and sibling from ``names``, a birth year and place, a profession and a pet."""
+    name = names.take()
+    animal = rng.choice(ANIMALS)
+    attributes = {
+        "birth_year": str(rng.randint(1700, 1990)),
+        "birthplace": town_name(rng),
+        "profession": rng.choice(professions),
+        "sibling": names.take(),
+        "pet": rng.choice(PET_NAMES),
+        "pet_animal": animal,
+    }
+    return Character(name, attributes)
+
+
+@dataclass
+class _Body:
+    """The sentences after the profile: the main characters' facts at distinct random slots, scattered facts at
+    ``fact_rate``, filler prose between them, in paragraphs of 4 to 8 sentences."""
+
+    rng: random.Random
+    kind: str
+    town: str
+    vocab: dict[str, list[str]]
+    professions: list[str]
+    names: _NamePool
+    characters: list[Character]
+    used_codes: set[tuple[str, str, str]] = field(default_factory=set)
+    used_structures: set[str] = field(default_factory=set)
+
+    def character_slots(self, n_sentences: int) -> dict[int, tuple[Character, str]]:
+        """Sentence index -> (character, attribute): one distinct slot per character and attribute."""
+        slots: dict[int, tuple[Character, str]] = {}
+        for character in self.characters:
+            for attribute in ("birth", "profession", "sibling", "pet"):
+                slot = self.rng.randrange(n_sentences)
+                while slot in slots:
+                    slot = self.rng.randrange(n_sentences)
+                slots[slot] = (character, attribute)
+        return slots
+
+    def write(self, writer: _Writer, n_sentences: int, fact_kinds: Sequence[str], fact_rate: float) -> None:
+        """``n_sentences`` sentences: a main character's fact at its slot, else a scattered fact of one of
+        ``fact_kinds`` at ``fact_rate``, else filler."""
+        rng = self.rng
+        slots = self.character_slots(n_sentences)
+        paragraph_left = rng.randint(4, 8)
+        for index in range(n_sentences):
+            if index in slots:
+                _character_sentence(writer, *slots[index])
+            elif fact_kinds and rng.random() < fact_rate:
+                self.scattered_fact(writer, rng.choice(list(fact_kinds)))
+            else:
+                writer.sentence(_filler(rng, self.kind, self.town, self.vocab, self.characters))
+            paragraph_left -= 1
+            if paragraph_left == 0:
+                writer.end_paragraph()
+                paragraph_left = rng.randint(4, 8)
+        writer.end_paragraph()
+
+    def scattered_fact(self, writer: _Writer, kind: str) -> None:
+        """A sentence stating one fact of ``kind`` (:data:`FACT_KINDS`) about a new name, object or structure;
+        filler when 20 draws found no code or structure the document has not used."""
+        rng, vocab = self.rng, self.vocab
+        if kind == "code":
+            for _ in range(20):
+                key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
+                if key not in self.used_codes:
+                    break
+            else:
+                writer.sentence(_filler(rng, "report", "the town", vocab, []))
+                return
+            self.used_codes.add(key)
+            adjective, obj, place = key
+            number = str(rng.randint(1000, 99999))
+            subject = f"{adjective} {obj} at the {place}"
+            writer.sentence(
+                f"The {subject} is marked with the number {number}.",
+                [("code", subject, number, f"What number is the {subject} marked with?", {})],
             )
-        )
-
-    # Character facts go to random sentence slots, each at a distinct slot, spread over the text.
-    slots: dict[int, tuple[Character, str]] = {}
-    for character in characters:
-        for attribute in ("birth", "profession", "sibling", "pet"):
-            slot = rng.randrange(n_sentences)
-            while slot in slots:
-                slot = rng.randrange(n_sentences)
-            slots[slot] = (character, attribute)
-
-    used_codes: set[tuple[str, str, str]] = set()
-    used_structures: set[str] = set()
-    paragraph_left = rng.randint(4, 8)
-    for index in range(n_sentences):
-        if index in slots:
-            _character_sentence(writer, *slots[index])
-        elif fact_kinds and rng.random() < fact_rate:
-            _fact_sentence(
-                writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used_codes, used_structures
+        elif kind == "profession":
+            name, profession = self.names.take(), rng.choice(self.professions)
+            writer.sentence(
+                f"{name} worked as {article(profession)}.",
+                [("profession", name, profession, f"What was {name}'s profession?", {})],
+            )
+        elif kind == "street":
+            name, street = self.names.take(), rng.choice(STREETS)
+            writer.sentence(
+                f"{name} lived on {street} Street.",
+                [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
             )
         else:
-            writer.sentence(_filler(rng, kind, town, vocab, characters))
-        paragraph_left -= 1
-        if paragraph_left == 0:
-            writer.end_paragraph()
-            paragraph_left = rng.randint(4, 8)
-    writer.end_paragraph()
-    return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
+            for _ in range(20):
+                structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
+                if structure not in self.used_structures:
+                    break
+            else:
+                writer.sentence(_filler(rng, "report", "the town", vocab, []))
+                return
+            self.used_structures.add(structure)
+            verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
+            writer.sentence(
+                f"In {year}, the council {verb} the {structure}.",
+                [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
+            )
 
 
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:
@@ -425,60 +502,6 @@ def _character_sentence(writer: _Writer, character: Character, attribute: str) -
                     {"animal": a["pet_animal"]},
                 )
             ],
-        )
-
-
-def _fact_sentence(
-    writer: _Writer,
-    rng: random.Random,
-    kind: str,
-    vocab: dict[str, list[str]],
-    professions: list[str],
-    names: _NamePool,
-    used_codes: set[tuple[str, str, str]],
-    used_structures: set[str],
-) -> None:
-    if kind == "code":
-        for _ in range(20):
-            key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
-            if key not in used_codes:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_codes.add(key)
-        adjective, obj, place = key
-        number = str(rng.randint(1000, 99999))
-        subject = f"{adjective} {obj} at the {place}"
-        writer.sentence(
-            f"The {subject} is marked with the number {number}.",
-            [("code", subject, number, f"What number is the {subject} marked with?", {})],
-        )
-    elif kind == "profession":
-        name, profession = names.take(), rng.choice(professions)
-        writer.sentence(
-            f"{name} worked as {article(profession)}.",
-            [("profession", name, profession, f"What was {name}'s profession?", {})],
-        )
-    elif kind == "street":
-        name, street = names.take(), rng.choice(STREETS)
-        writer.sentence(
-            f"{name} lived on {street} Street.",
-            [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
-        )
-    else:
-        for _ in range(20):
-            structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
-            if structure not in used_structures:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_structures.add(structure)
-        verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
-        writer.sentence(
-            f"In {year}, the council {verb} the {structure}.",
-            [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
         )
 
 
