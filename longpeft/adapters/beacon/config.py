@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ...config import StrictModel
+from ...family import IGNORE_INDEX
 from ..registry import ResolveContext
 
 if TYPE_CHECKING:
@@ -231,5 +232,5 @@ def training_labels(config: BeaconConfig, labels: torch.Tensor) -> torch.Tensor:
     if (config.attn, config.pos) == ("full-coverage", "interleave"):
         return labels
     labels = labels.clone()
-    labels[:, : config.window + 1] = -100
+    labels[:, : config.window + 1] = IGNORE_INDEX
     return labels

@@ -41,7 +41,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100
+from ...family import IGNORE_INDEX
 
 
 def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
