@@ -115,7 +115,7 @@ def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -
     folder without trust_remote_code then fails instead of silently building the stock model) and
     ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``; the mixin's ``__init__`` adds the method.
     The classes are built on first access (a module ``__getattr__``, which is how transformers' ``auto_map`` and
-    ``modeling.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
+    ``remote_classes.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
     architecture's transformers modules; an architecture's config and model classes are built together.
 
     Returns:
