@@ -60,33 +60,28 @@ TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their 
 # train.offload_checkpoints: the last checkpointed layer's input (kept) and the one fetched ahead stay on the GPU
 OFFLOADED_INPUTS_ON_GPU = 2
 BUDGET_SHARE = 0.95  # of the GPU's memory, what the auto checkpointing choices plan for by default
-# Shapes of common bases, so that planning needs no download.
-KNOWN_SHAPES = {
-    "meta-llama/Meta-Llama-3-8B-Instruct": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
-    ),
-    "meta-llama/Meta-Llama-3-8B": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
-    ),
-    "meta-llama/Llama-2-7b-hf": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
-    ),
-    "mistralai/Mistral-7B-v0.1": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False
-    ),
-    "Qwen/Qwen2-7B": dict(
-        hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
-    ),
-}
-# Instruct/chat releases have their base's shape.
-KNOWN_SHAPES.update(
-    {
-        "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
-        "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
-        "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
-        "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
-    }
+# Shapes of common bases, so that planning needs no download; instruct/chat releases have their base's shape.
+_LLAMA3_8B = dict(
+    hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
 )
+_LLAMA2_7B = dict(
+    hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
+)
+_MISTRAL_7B = {**_LLAMA3_8B, "vocab": 32000}
+_QWEN2_7B = dict(
+    hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
+)
+KNOWN_SHAPES = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": _LLAMA3_8B,
+    "meta-llama/Meta-Llama-3-8B": _LLAMA3_8B,
+    "meta-llama/Llama-2-7b-hf": _LLAMA2_7B,
+    "mistralai/Mistral-7B-v0.1": _MISTRAL_7B,
+    "Qwen/Qwen2-7B": _QWEN2_7B,
+    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA3_8B,
+    "meta-llama/Llama-2-7b-chat-hf": _LLAMA2_7B,
+    "mistralai/Mistral-7B-Instruct-v0.2": _MISTRAL_7B,
+    "Qwen/Qwen2-7B-Instruct": _QWEN2_7B,
+}
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO-3 allocates one contiguous gradient bucket of it per GPU
 # (longpeft's launch configs leave it at the default; accelerate writes no "auto" for the Trainer to fill).
@@ -351,6 +346,8 @@ class RunLayout:
     launch: str | None  # as ``longpeft train --launch``; None on one GPU
     shards: int  # GPUs that split weights, gradients and AdamW state
     sequence_shards: int  # GPUs that split each sequence
+    data_parallel: int  # GPUs that train samples of their own
+    deepspeed: bool  # a DeepSpeed launch
     accumulation: int  # gradient accumulation steps
     dtype_bytes: int  # per value in the compute dtype
     batch: int  # samples per GPU and step
@@ -371,21 +368,14 @@ class RunLayout:
             launch=launch,
             shards=gpus if launch in SHARDED_LAUNCHES else 1,
             sequence_shards=sequence_shards,
+            data_parallel=gpus // sequence_shards,
+            deepspeed=launch in DEEPSPEED_LAUNCHES,
             accumulation=gradient_accumulation(recipe, gpus // sequence_shards),  # train refuses what does not divide
             dtype_bytes=4 if recipe.model.dtype == "float32" else 2,
             batch=batch,
             tokens_per_sample=tokens,
             activation_tokens=-(-batch * tokens // sequence_shards),
         )
-
-    @property
-    def data_parallel(self) -> int:
-        """GPUs that train samples of their own."""
-        return self.gpus // self.sequence_shards
-
-    @property
-    def deepspeed(self) -> bool:
-        return self.launch in DEEPSPEED_LAUNCHES
 
     def with_state(self, weight_bytes: int) -> int:
         """Bytes per trained parameter: its weight, gradient and AdamW's two moments, all in the weight's dtype;

@@ -299,7 +299,8 @@ def generate_document(
     n_characters: int = 4,
     doc_id: str | None = None,
 ) -> Document:
-    """Generate one document: the town's profile, then ``n_sentences`` of body (:class:`_Body`).
+    """Generate one document: the town's profile, then ``n_sentences`` sentences of main characters' facts at
+    their slots, scattered facts and filler, in paragraphs of 4 to 8 sentences.
 
     Args:
         seed: everything (topic, names, facts, wording) follows from it.
@@ -317,15 +318,33 @@ def generate_document(
     topic = topic or rng.choice(sorted(TOPICS))
     _check_document_options(kind, topic, n_sentences, n_characters, fact_kinds)
     doc_id = doc_id or f"doc-{seed}"
+    vocab = TOPICS[topic]
     town = town_name(rng)
     title = f"The Chronicle of {town}" if kind == "story" else f"Annual Report of {town}"
-    professions = TOPICS[topic]["professions"] + GENERAL_PROFESSIONS
+    professions = vocab["professions"] + GENERAL_PROFESSIONS
     names = _NamePool(rng)
     writer = _Writer(doc_id, title)
     profile = _write_profile(writer, rng, town, topic)
     characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
-    body = _Body(rng, kind, town, TOPICS[topic], professions, names, characters)
-    body.write(writer, n_sentences, fact_kinds, fact_rate)
+    slots = _character_slots(rng, characters, n_sentences)
+
+    used_codes: set[tuple[str, str, str]] = set()
+    used_structures: set[str] = set()
+    paragraph_left = rng.randint(4, 8)
+    for index in range(n_sentences):
+        if index in slots:
+            _character_sentence(writer, *slots[index])
+        elif fact_kinds and rng.random() < fact_rate:
+            _fact_sentence(
+                writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used_codes, used_structures
+            )
+        else:
+            writer.sentence(_filler(rng, kind, town, vocab, characters))
+        paragraph_left -= 1
+        if paragraph_left == 0:
+            writer.end_paragraph()
+            paragraph_left = rng.randint(4, 8)
+    writer.end_paragraph()
     return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
 
 
@@ -363,7 +382,7 @@ def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -
 
 
 def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
-    """A main character with a name and sibling from ``names``, a birth year and place, a profession and a pet."""
+    """A main character: a name and a sibling from ``names``, a birth year and place, a profession and a pet."""
     name = names.take()
     animal = rng.choice(ANIMALS)
     attributes = {
@@ -377,97 +396,19 @@ def _main_character(rng: random.Random, names: _NamePool, professions: list[str]
     return Character(name, attributes)
 
 
-@dataclass
-class _Body:
-    """The sentences after the profile: the main characters' facts at distinct random slots, scattered facts at
-    ``fact_rate``, filler prose between them, in paragraphs of 4 to 8 sentences."""
-
-    rng: random.Random
-    kind: str
-    town: str
-    vocab: dict[str, list[str]]
-    professions: list[str]
-    names: _NamePool
-    characters: list[Character]
-    used_codes: set[tuple[str, str, str]] = field(default_factory=set)
-    used_structures: set[str] = field(default_factory=set)
-
-    def character_slots(self, n_sentences: int) -> dict[int, tuple[Character, str]]:
-        """Sentence index -> (character, attribute): one distinct slot per character and attribute."""
-        slots: dict[int, tuple[Character, str]] = {}
-        for character in self.characters:
-            for attribute in ("birth", "profession", "sibling", "pet"):
-                slot = self.rng.randrange(n_sentences)
-                while slot in slots:
-                    slot = self.rng.randrange(n_sentences)
-                slots[slot] = (character, attribute)
-        return slots
-
-    def write(self, writer: _Writer, n_sentences: int, fact_kinds: Sequence[str], fact_rate: float) -> None:
-        """``n_sentences`` sentences: a main character's fact at its slot, else a scattered fact of one of
-        ``fact_kinds`` at ``fact_rate``, else filler."""
-        rng = self.rng
-        slots = self.character_slots(n_sentences)
-        paragraph_left = rng.randint(4, 8)
-        for index in range(n_sentences):
-            if index in slots:
-                _character_sentence(writer, *slots[index])
-            elif fact_kinds and rng.random() < fact_rate:
-                self.scattered_fact(writer, rng.choice(list(fact_kinds)))
-            else:
-                writer.sentence(_filler(rng, self.kind, self.town, self.vocab, self.characters))
-            paragraph_left -= 1
-            if paragraph_left == 0:
-                writer.end_paragraph()
-                paragraph_left = rng.randint(4, 8)
-        writer.end_paragraph()
-
-    def scattered_fact(self, writer: _Writer, kind: str) -> None:
-        """A sentence stating one fact of ``kind`` (:data:`FACT_KINDS`) about a new name, object or structure;
-        filler when 20 draws found no code or structure the document has not used."""
-        rng, vocab = self.rng, self.vocab
-        if kind == "code":
-            for _ in range(20):
-                key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
-                if key not in self.used_codes:
-                    break
-            else:
-                writer.sentence(_filler(rng, "report", "the town", vocab, []))
-                return
-            self.used_codes.add(key)
-            adjective, obj, place = key
-            number = str(rng.randint(1000, 99999))
-            subject = f"{adjective} {obj} at the {place}"
-            writer.sentence(
-                f"The {subject} is marked with the number {number}.",
-                [("code", subject, number, f"What number is the {subject} marked with?", {})],
-            )
-        elif kind == "profession":
-            name, profession = self.names.take(), rng.choice(self.professions)
-            writer.sentence(
-                f"{name} worked as {article(profession)}.",
-                [("profession", name, profession, f"What was {name}'s profession?", {})],
-            )
-        elif kind == "street":
-            name, street = self.names.take(), rng.choice(STREETS)
-            writer.sentence(
-                f"{name} lived on {street} Street.",
-                [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
-            )
-        else:
-            for _ in range(20):
-                structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
-                if structure not in self.used_structures:
-                    break
-            else:
-                writer.sentence(_filler(rng, "report", "the town", vocab, []))
-                return
-            self.used_structures.add(structure)
-            verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
-            writer.sentence(
-                f"In {year}, the council {verb} the {structure}.",
-                [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
-            )
+def _character_slots(
+    rng: random.Random, characters: list[Character], n_sentences: int
+) -> dict[int, tuple[Character, str]]:
+    """Sentence index -> (character, attribute): each character's facts at random distinct sentences, spread over
+    the text."""
+    slots: dict[int, tuple[Character, str]] = {}
+    for character in characters:
+        for attribute in ("birth", "profession", "sibling", "pet"):
+            slot = rng.randrange(n_sentences)
+            while slot in slots:
+                slot = rng.randrange(n_sentences)
+            slots[slot] = (character, attribute)
+    return slots
 
 
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:
@@ -502,6 +443,60 @@ def _character_sentence(writer: _Writer, character: Character, attribute: str) -
                     {"animal": a["pet_animal"]},
                 )
             ],
+        )
+
+
+def _fact_sentence(
+    writer: _Writer,
+    rng: random.Random,
+    kind: str,
+    vocab: dict[str, list[str]],
+    professions: list[str],
+    names: _NamePool,
+    used_codes: set[tuple[str, str, str]],
+    used_structures: set[str],
+) -> None:
+    if kind == "code":
+        for _ in range(20):
+            key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
+            if key not in used_codes:
+                break
+        else:
+            writer.sentence(_filler(rng, "report", "the town", vocab, []))
+            return
+        used_codes.add(key)
+        adjective, obj, place = key
+        number = str(rng.randint(1000, 99999))
+        subject = f"{adjective} {obj} at the {place}"
+        writer.sentence(
+            f"The {subject} is marked with the number {number}.",
+            [("code", subject, number, f"What number is the {subject} marked with?", {})],
+        )
+    elif kind == "profession":
+        name, profession = names.take(), rng.choice(professions)
+        writer.sentence(
+            f"{name} worked as {article(profession)}.",
+            [("profession", name, profession, f"What was {name}'s profession?", {})],
+        )
+    elif kind == "street":
+        name, street = names.take(), rng.choice(STREETS)
+        writer.sentence(
+            f"{name} lived on {street} Street.",
+            [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
+        )
+    else:
+        for _ in range(20):
+            structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
+            if structure not in used_structures:
+                break
+        else:
+            writer.sentence(_filler(rng, "report", "the town", vocab, []))
+            return
+        used_structures.add(structure)
+        verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
+        writer.sentence(
+            f"In {year}, the council {verb} the {structure}.",
+            [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
         )
 
 
