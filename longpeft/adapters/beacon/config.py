@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
     from .layout import BeaconSettings
 
-_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")
+RATIO_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")  # ratio_mix's values
 DEFAULT_LORA_RANK = 32
 
 
@@ -139,7 +139,7 @@ class BeaconConfig(StrictModel):
     @field_validator("ratio_mix", "inference_ratio_mix")
     @classmethod
     def _mix(cls, value: str) -> str:
-        if not _MIX.match(value):
+        if not RATIO_MIX.match(value):
             raise ValueError(
                 f"{value!r} is not step-random, instance-random, sequence or adapt-N (N: tokens still to come)"
             )

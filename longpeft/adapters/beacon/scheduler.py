@@ -140,15 +140,15 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     with its last raw token, so its raw slots are laid out alike at every ratio), and ``state.ratio_deferred``
     asks :func:`beacon_backbone_forward` to choose its ratio in the forward that fills it.
     """
-    window, attn, pos, attend_prev = settings.window, settings.attn, settings.pos, settings.attend_prev
+    window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
     state.ratio_deferred = False
     if settings.keep_start and start == 0:
-        return window_layout(settings.keep_start, 0, attn, pos, attend_prev)
+        return window_layout(settings.keep_start, 0, *scheme)
     if settings.keep_end is not None and start >= settings.keep_end:
-        return window_layout(window, 0, attn, pos, attend_prev)
-    if settings.layout_rule == "authors" and pos == "append" and not complete and start + window > length:
+        return window_layout(window, 0, *scheme)
+    if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
         state.ratio_deferred = True
-        return window_layout(window, 0, attn, pos, attend_prev)
+        return window_layout(window, 0, *scheme)
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
         if settings.zero_ratio_rule == "authors":
@@ -159,37 +159,20 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
             state.ratio_cycle = fitting_ratios(
-                ratios,
-                window,
-                settings.sink,
-                max_positions,
-                length,
-                training=complete,
-                keep=keep,
-                rule=settings.layout_rule,
-                scheme=settings.scheme,
+                ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
             )
         ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
     else:
+        chosen = state.chosen_ratio
         ratio = choose_ratio(
-            ratios,
-            mix,
-            window,
-            max_positions,
-            length,
-            state.chosen_ratio,
-            settings.sink,
-            training=complete,
-            rule=settings.layout_rule,
-            keep=keep,
-            scheme=settings.scheme,
+            ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
         )
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
     if complete and start + window >= length:
         ratio = 0  # no beacons in the window that ends a training input
-    return window_layout(window, ratio, attn, pos, attend_prev)
+    return window_layout(window, ratio, *scheme)
 
 
 def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
