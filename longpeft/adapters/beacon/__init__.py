@@ -12,7 +12,7 @@ unedited: no resized vocabulary, no modeling file (except in an exported merged 
 - :mod:`.modules`: beacon projections and the attention forward that uses them;
 - :mod:`.scheduler`: the window loop (training, prefill, decoding through ``generate``);
 - :mod:`.patch`: ``install_beacon`` / ``remove_beacon`` (:func:`apply_beacon` checks, then installs);
-- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
+- :mod:`.remote_classes`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
 - :mod:`.weights`: ``beacon_adapter.safetensors`` and the converter from the authors' checkpoints;
 - :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """
