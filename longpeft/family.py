@@ -1,5 +1,5 @@
 """Model-family facts in one place: which architectures longpeft supports, how to find their
-attention modules, how many key/value heads they have.
+attention modules, how many key/value heads they have, which label their loss leaves out.
 
 Imports nothing heavy, so that modeling files exported beside merged models can inline it.
 """
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # transformers model types whose attention longpeft's per-module patches (HARPE, STRING, beacon) know.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The label the causal LMs' loss (torch's cross-entropy ``ignore_index``) leaves out: prompts, padding, markers.
+IGNORE_INDEX = -100
 
 
 def num_kv_heads(config: Any) -> int:
@@ -150,7 +152,7 @@ def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -
     folder without trust_remote_code then fails instead of silently building the stock model) and
     ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``; the mixin's ``__init__`` adds the method.
     The classes are built on first access (a module ``__getattr__``, which is how transformers' ``auto_map`` and
-    ``modeling.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
+    ``remote_classes.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
     architecture's transformers modules; an architecture's config and model classes are built together.
 
     Returns:

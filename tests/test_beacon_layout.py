@@ -359,3 +359,18 @@ def test_the_authors_rule_picks_a_smaller_ratio_just_below_each_boundary_on_llam
         28673: (8, 8),
     }
     assert all(authors_choice((2, 4, 8), 1024, 8192, length + 1024) == ours for length, (ours, _) in picks.items())
+
+
+def test_the_runtime_settings_are_the_config_fields_and_a_partial_config_beacon_is_refused():
+    """Each setting is declared once, in BeaconConfig; the modeling code's BeaconSettings holds the same fields, and
+    a ``config.beacon`` lacking one is refused by name instead of taking a default from elsewhere."""
+    import dataclasses
+
+    from longpeft.adapters.beacon import BeaconSettings
+
+    assert [f.name for f in dataclasses.fields(BeaconSettings)] == list(BeaconConfig.model_fields)
+    written = BeaconConfig(window=8, ratios=[2]).settings().as_dict()
+    assert BeaconSettings.from_dict(written).as_dict() == written
+    del written["sink"]
+    with pytest.raises(ValueError, match=r"lacks \['sink'\]"):
+        BeaconSettings.from_dict(written)

@@ -1,7 +1,7 @@
-"""The package's layers: no import cycle, and no layer imports one above it (DESIGN.md: rope/files <- adapters <-
-recipes <- cli). Imports are read from the source, those inside functions included, so a lazy import that would
-close a cycle counts too. Below them all, ``longpeft.errors`` (the exception classes) imports nothing, and every
-layer may import it: the torch-free file rules raise its errors too."""
+"""The package's layers: no import cycle, and no layer imports one above it (CONTRIBUTING.md, "Where things
+live": rope/files <- adapters <- recipes <- cli). Imports are read from the source, those inside functions included,
+so a lazy import that would close a cycle counts too. Below them all, ``longpeft.errors`` (the exception classes)
+imports nothing, and every layer may import it: the torch-free file rules raise its errors too."""
 
 from __future__ import annotations
 

@@ -81,8 +81,11 @@ def method_folder(method: Method) -> tuple[str, Path]:
 def check_folder(method: Method) -> None:
     package, folder = method_folder(method)
     assert method.config.__module__ == f"{package}.config", "the config class lives in the method's config.py"
-    assert {"__init__.py", "config.py", "modeling.py"} <= {path.name for path in folder.iterdir()}
+    modules = {path.name for path in folder.glob("*.py")}
+    assert {"__init__.py", "config.py"} <= modules
+    assert modules - {"__init__.py", "config.py", "export.py", "remote_classes.py"}, "its torch code has a module"
     assert (folder / "export.py").is_file() == (method.export is not None), "export.py where (only where) it exports"
+    assert "remote_classes.py" not in modules or method.remote_code, "remote_classes.py only for a modeling file"
     assert importlib.import_module(package).METHOD is method, "__init__.py's METHOD is the registered method"
 
 

@@ -318,7 +318,7 @@ def test_trained_weights_in_bfloat16_halve_their_terms_except_under_deepspeed():
 def test_80k_recipe_fits_on_80_gib_and_names_levers_when_it_does_not(capsys):
     recipe = load_recipe("llama3-8b-instruct-80k-qlora")
     plan = estimate(recipe, gpus=8, gpu_memory_gib=80, samples=3500)
-    assert plan.fits and 45 < plan.peak_bytes / 2**30 < 62  # DESIGN.md: ~50-54 GiB plus runtime overhead
+    assert plan.fits and 45 < plan.peak_bytes / 2**30 < 62  # docs/measurements: 55.7 GiB reserved, 58.0 planned
     assert 1 < plan.hours < 12
     tight = estimate(recipe, gpus=8, gpu_memory_gib=40, samples=3500)
     assert not tight.fits and "offload_checkpoints" in tight.levers()[0]

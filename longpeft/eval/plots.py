@@ -1,14 +1,11 @@
-"""PNG plots of evaluation results (matplotlib, Agg backend: no display needed)."""
+"""PNG plots of evaluation results (matplotlib's Figure API: no pyplot state, no backend or display needed)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure
 
 
 def depth_length_heatmap(
@@ -24,7 +21,8 @@ def depth_length_heatmap(
         scores: ``(length, depth) -> score in [0, 1]``.
     """
     grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
     ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
@@ -38,14 +36,14 @@ def depth_length_heatmap(
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
 
 def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> Path:
     """Line plot of a task's score against context length."""
     lengths = sorted(scores)
-    fig, ax = plt.subplots(figsize=(5, 3))
+    fig = Figure(figsize=(5, 3))
+    ax = fig.subplots()
     ax.plot(lengths, [scores[length] for length in lengths], marker="o")
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("context length (tokens)")
@@ -55,5 +53,4 @@ def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> P
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -39,7 +39,7 @@ def mixed_precision(recipe: Any, on_gpu: bool) -> str:
 
 
 def check_launch(recipe: Any, launch: str) -> None:
-    """Refuse launch/recipe combinations that are known not to work (see DESIGN.md, Scale).
+    """Refuse launch/recipe combinations that are known not to work (docs/scale.md, "One node").
 
     Raises:
         ValueError: naming the combination, why it fails, and what to use instead.

@@ -1,18 +1,16 @@
-"""Loss-curve PNG (matplotlib, headless)."""
+"""Loss-curve PNG (matplotlib's Figure API: no pyplot state, no backend or display needed)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 
 def plot_loss(points: list[tuple[int, float]], path: Path, title: str) -> Path:
     """Plot ``(step, loss)`` points to a PNG; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
     if points:
         steps, losses = zip(*points)
         ax.plot(steps, losses, marker="o", markersize=2, linewidth=1.2)
@@ -22,5 +20,4 @@ def plot_loss(points: list[tuple[int, float]], path: Path, title: str) -> Path:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
     return path

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
 from ..errors import ConfigError, DataError, LongpeftError
+from ..family import IGNORE_INDEX
 from ..launch.topology import data_parallel_size, gradient_accumulation
 from ..reading import REFUSED_FOR_SAFETY
 from ..spec import ContextSpec
@@ -189,7 +190,7 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
         scored = [
             i
             for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
-            if (collator([dataset[i]])["labels"][:, 1:] != -100).any()
+            if (collator([dataset[i]])["labels"][:, 1:] != IGNORE_INDEX).any()
         ]
         if len(scored) < len(dataset):
             trainer.train_dataset = dataset = dataset.select(scored)

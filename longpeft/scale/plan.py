@@ -5,7 +5,7 @@ Memory terms, in bytes per GPU (``--launch ddp``, the default on several GPUs: a
 - base weights: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantization constants, everything else
   in the compute dtype; or the whole model in the compute dtype;
 - LoRA, a trainable embedding, a method's own weights (its ``weights.planned`` hook), or a full fine-tune's
-  weights: each trained parameter with its gradient and AdamW's two moments (:func:`estimate`'s ``with_state``);
+  weights: each trained parameter with its gradient and AdamW's two moments (:meth:`RunLayout.with_state`);
 - activations (:func:`activation_terms`): checkpointed layer inputs, kept attention outputs, layers not
   checkpointed, one layer's recompute (a tiled MLP holds one tile), or every layer's activations without
   checkpointing; eager attention's score matrices; the fused loss's tiles and the final hidden states;
@@ -60,33 +60,28 @@ TRL_OFFLOAD_STASH = 5  # offloaded activations TRL keeps on the GPU until their 
 # train.offload_checkpoints: the last checkpointed layer's input (kept) and the one fetched ahead stay on the GPU
 OFFLOADED_INPUTS_ON_GPU = 2
 BUDGET_SHARE = 0.95  # of the GPU's memory, what the auto checkpointing choices plan for by default
-# Shapes of common bases, so that planning needs no download.
-KNOWN_SHAPES = {
-    "meta-llama/Meta-Llama-3-8B-Instruct": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
-    ),
-    "meta-llama/Meta-Llama-3-8B": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
-    ),
-    "meta-llama/Llama-2-7b-hf": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
-    ),
-    "mistralai/Mistral-7B-v0.1": dict(
-        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=32000, tied=False
-    ),
-    "Qwen/Qwen2-7B": dict(
-        hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
-    ),
-}
-# Instruct/chat releases have their base's shape.
-KNOWN_SHAPES.update(
-    {
-        "meta-llama/Llama-3.1-8B-Instruct": KNOWN_SHAPES["meta-llama/Meta-Llama-3-8B-Instruct"],
-        "meta-llama/Llama-2-7b-chat-hf": KNOWN_SHAPES["meta-llama/Llama-2-7b-hf"],
-        "mistralai/Mistral-7B-Instruct-v0.2": KNOWN_SHAPES["mistralai/Mistral-7B-v0.1"],
-        "Qwen/Qwen2-7B-Instruct": KNOWN_SHAPES["Qwen/Qwen2-7B"],
-    }
+# Shapes of common bases, so that planning needs no download; instruct/chat releases have their base's shape.
+_LLAMA3_8B = dict(
+    hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
 )
+_LLAMA2_7B = dict(
+    hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
+)
+_MISTRAL_7B = {**_LLAMA3_8B, "vocab": 32000}
+_QWEN2_7B = dict(
+    hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
+)
+KNOWN_SHAPES = {
+    "meta-llama/Meta-Llama-3-8B-Instruct": _LLAMA3_8B,
+    "meta-llama/Meta-Llama-3-8B": _LLAMA3_8B,
+    "meta-llama/Llama-2-7b-hf": _LLAMA2_7B,
+    "mistralai/Mistral-7B-v0.1": _MISTRAL_7B,
+    "Qwen/Qwen2-7B": _QWEN2_7B,
+    "meta-llama/Llama-3.1-8B-Instruct": _LLAMA3_8B,
+    "meta-llama/Llama-2-7b-chat-hf": _LLAMA2_7B,
+    "mistralai/Mistral-7B-Instruct-v0.2": _MISTRAL_7B,
+    "Qwen/Qwen2-7B-Instruct": _QWEN2_7B,
+}
 TILE_TOKENS, TILE_VOCAB = 4096, 32768
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO-3 allocates one contiguous gradient bucket of it per GPU
 # (longpeft's launch configs leave it at the default; accelerate writes no "auto" for the Trainer to fill).
@@ -343,6 +338,287 @@ def _allowed(check: Any, *args: Any) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class RunLayout:
+    """How a launch lays a recipe's run out on the GPUs: what the terms read besides the model's shape."""
+
+    gpus: int
+    launch: str | None  # as ``longpeft train --launch``; None on one GPU
+    shards: int  # GPUs that split weights, gradients and AdamW state
+    sequence_shards: int  # GPUs that split each sequence
+    data_parallel: int  # GPUs that train samples of their own
+    deepspeed: bool  # a DeepSpeed launch
+    accumulation: int  # gradient accumulation steps
+    dtype_bytes: int  # per value in the compute dtype
+    batch: int  # samples per GPU and step
+    tokens_per_sample: int  # data.max_length: what the memory terms plan for
+    activation_tokens: int  # tokens whose activations one GPU holds (its share of them under ulysses)
+
+    @classmethod
+    def of(cls, recipe: Any, gpus: int, launch: str | None) -> RunLayout:
+        """``launch`` defaults to ``ddp`` on several GPUs; what ``train --launch`` refuses (or a global batch the
+        GPUs do not divide) is refused here."""
+        launch = launch or ("ddp" if gpus > 1 else None)
+        if launch:
+            check_launch(recipe, launch)
+        sequence_shards = gpus if launch == "ulysses" else 1
+        batch, tokens = recipe.train.per_device_batch_size, recipe.data.max_length
+        return cls(
+            gpus=gpus,
+            launch=launch,
+            shards=gpus if launch in SHARDED_LAUNCHES else 1,
+            sequence_shards=sequence_shards,
+            data_parallel=gpus // sequence_shards,
+            deepspeed=launch in DEEPSPEED_LAUNCHES,
+            accumulation=gradient_accumulation(recipe, gpus // sequence_shards),  # train refuses what does not divide
+            dtype_bytes=4 if recipe.model.dtype == "float32" else 2,
+            batch=batch,
+            tokens_per_sample=tokens,
+            activation_tokens=-(-batch * tokens // sequence_shards),
+        )
+
+    def with_state(self, weight_bytes: int) -> int:
+        """Bytes per trained parameter: its weight, gradient and AdamW's two moments, all in the weight's dtype;
+        under DeepSpeed the gradient in the compute dtype, and a float32 master copy and float32 moments whatever
+        the weight's dtype (measured: tests/zero3_bytes_worker.py)."""
+        return weight_bytes + self.dtype_bytes + 4 + 8 if self.deepspeed else 4 * weight_bytes
+
+
+@dataclass
+class TrainedWeights:
+    """What trains, counted on one replica for the terms after the weights and for the time."""
+
+    params: int = 0  # every trained parameter
+    matmul_params: int = 0  # those in matmuls (their gradients cost FLOPs)
+    lora_params: int = 0
+    method_params: int = 0  # the methods' own weights, trained and frozen
+    weight_bytes: int = 4  # per trained weight as stored: float32 unless lora.trainable_dtype says otherwise
+    levers: dict[str, str] = field(default_factory=dict)  # the methods' levers, by term
+
+
+def quantization_constants(recipe: Any) -> float:
+    """Bytes per 4-bit weight of its quantization constants: one absmax per 64 weights, in fp32, or with double
+    quantization 8-bit plus one fp32 per 256 of those. They are no parameters (bitsandbytes' quant state), so FSDP2
+    and ZeRO-3 shard only the packed weights."""
+    return 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
+
+
+def linear_weight_bytes(recipe: Any, dtype_bytes: int) -> float:
+    """Bytes per parameter of the decoder layers' linear projections as stored: half a byte plus the quantization
+    constants in 4 bits, else the compute dtype's."""
+    return 0.5 + quantization_constants(recipe) if recipe.model.load_in_4bit else dtype_bytes
+
+
+def lora_terms(recipe: Any, shape: ModelShape, run: RunLayout, trained: TrainedWeights) -> dict[str, int]:
+    """The LoRA matrices of ``lora.target_modules`` and a trainable embedding (every row, or ``token_indices``'),
+    each with its AdamW state; counts them into ``trained``."""
+    trained.weight_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
+    if run.deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
+        trained.weight_bytes = run.dtype_bytes
+    per_param = run.with_state(trained.weight_bytes)
+    trained.lora_params = shape.layers * sum(
+        recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules
+    )
+    trained.params = trained.matmul_params = trained.lora_params
+    terms = {"LoRA": trained.lora_params * per_param}
+    rows = {"full": shape.vocab, "token_indices": len(recipe.lora.trainable_token_indices or [])}
+    if recipe.lora.embeddings in rows:
+        terms["trainable embedding"] = rows[recipe.lora.embeddings] * shape.hidden * per_param
+        trained.params += rows[recipe.lora.embeddings] * shape.hidden
+    return terms
+
+
+def full_finetune_terms(shape: ModelShape, run: RunLayout, trained: TrainedWeights) -> dict[str, int]:
+    """A full fine-tune's weights (float32; under DeepSpeed zero.Init builds them in the compute dtype, beside a
+    float32 master copy), replacing the base's, and their gradients and AdamW moments; counts them into
+    ``trained``."""
+    full = shape.linear_params + shape.other_params
+    weight_bytes = run.dtype_bytes if run.deepspeed else 4
+    trained.params = full
+    trained.matmul_params = shape.linear_params + shape.vocab * shape.hidden
+    return {
+        "base weights": full * weight_bytes,
+        "optimizer state and gradients": full * (run.with_state(weight_bytes) - weight_bytes),
+    }
+
+
+def method_weight_terms(recipe: Any, shape: ModelShape, trained: TrainedWeights) -> dict[str, int]:
+    """Each method's own weights (its ``weights.planned`` hook), which train in every mode: float32, with AdamW
+    state on the trainable ones; counts them into ``trained``, with the method's lever."""
+    terms = {}
+    for name, config in recipe.method_configs().items():
+        weights = get_method(name).weights
+        if weights is not None:
+            method_trainable, method_frozen = weights.planned(config, shape)
+            terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4
+            trained.method_params += method_trainable + method_frozen
+            trained.params += method_trainable
+            trained.matmul_params += method_trainable
+            trained.levers[f"{name} weights"] = weights.plan_lever
+    return terms
+
+
+def activation_memory_terms(
+    recipe: Any, shape: ModelShape, run: RunLayout, checkpointing: CheckpointSettings
+) -> dict[str, int]:
+    """What grows with the tokens: the decoder layers' activations (:func:`activation_terms`), eager attention's
+    scores and probabilities (one layer's, the recomputed one, and those of the layers not checkpointed; every
+    layer's without checkpointing), and the fused loss's tiles with the final hidden states."""
+    offloaded = recipe.train.activation_offloading and checkpointing.checkpointed > 0
+    terms = activation_terms(
+        shape, checkpointing, run.activation_tokens, run.dtype_bytes, recipe.train.mlp_tile_tokens, offloaded
+    )
+    if recipe.model.attn_implementation == "eager":
+        layers_kept = 1 + shape.layers - checkpointing.checkpointed if checkpointing.checkpointed else shape.layers
+        terms["eager attention scores"] = (
+            layers_kept * run.batch * shape.heads * run.tokens_per_sample**2 * run.dtype_bytes * 2
+        )
+    terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * run.activation_tokens * shape.hidden * run.dtype_bytes
+    return terms
+
+
+def sharded_terms(
+    recipe: Any, shape: ModelShape, run: RunLayout, trained: TrainedWeights, terms: dict[str, int]
+) -> dict[str, int]:
+    """``terms`` under a sharded launch: every term but the activations divided by the GPUs (a 4-bit base's
+    quantization constants stay whole), then what is gathered whole while in use: two decoder layers, the LM head
+    (TRL's fused loss gathers it itself, as stored: float32 when it trains) and the largest unsharded gradient; under
+    DeepSpeed its contiguous reduce bucket, in the compute dtype."""
+    whole = int(shape.linear_params * quantization_constants(recipe)) if recipe.model.load_in_4bit else 0
+    sharded = {}
+    for term, value in terms.items():
+        kept = whole if term == "base weights" else 0
+        sharded[term] = value if term in ACTIVATION_TERMS else kept + -(-(value - kept) // run.shards)
+    dtype_bytes, full = run.dtype_bytes, recipe.finetune == "full"
+    layer_bytes = (
+        shape.linear_params // shape.layers * linear_weight_bytes(recipe, dtype_bytes)
+        + (trained.lora_params + trained.method_params) // shape.layers * dtype_bytes
+    )
+    head_bytes = shape.vocab * shape.hidden * (4 if full and not run.deepspeed else dtype_bytes)
+    trained_layer = (shape.linear_params if full else trained.lora_params) // shape.layers + (
+        trained.method_params // shape.layers
+    )
+    trained_embedding = shape.vocab * shape.hidden if full or recipe.lora.embeddings == "full" else 0
+    unsharded_gradients = max(trained_layer * dtype_bytes, trained_embedding * dtype_bytes, head_bytes if full else 0)
+    sharded["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
+    if run.deepspeed:
+        sharded["DeepSpeed reduce bucket"] = DEEPSPEED_REDUCE_BUCKET * dtype_bytes
+    return sharded
+
+
+def matmul_flops_per_token(
+    recipe: Any, shape: ModelShape, checkpointing: CheckpointSettings, trained: TrainedWeights
+) -> float:
+    """Matmul FLOPs per trained token: the forward (2 per parameter of the decoder layers and the LM head; the
+    input embedding is a lookup), the checkpointed layers' recompute (:func:`recompute_flops`), the fused loss's
+    recompute of the logits, the backward to the activations (twice the forward) and the trained weights'
+    gradients."""
+    layers = shape.linear_params + trained.lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
+    head = shape.vocab * shape.hidden
+    recompute = recompute_flops(shape, checkpointing, layers, recipe.data.max_length, recipe.train.mlp_tile_tokens)
+    return 2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trained.matmul_params
+
+
+def attention_flops_per_square(recipe: Any, shape: ModelShape, checkpointing: CheckpointSettings) -> float:
+    """Attention FLOPs of a sample of ``n`` tokens over ``n**2``: per token and position it attends to, QK^T and AV
+    forward, backward twice, and the recompute in the checkpointed layers that keep no attention output; eager
+    attention computes the whole score matrix, SDPA's and flash-attn's kernels skip the causal mask's upper half."""
+    passes = 3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers
+    per_position = 4 * shape.layers * shape.heads * shape.head_dim * passes
+    return per_position * (1.0 if recipe.model.attn_implementation == "eager" else 0.5)
+
+
+@dataclass(frozen=True)
+class TrainingSchedule:
+    """What the run trains: the data's rows and where their count comes from, the samples trained and the
+    Trainer's optimizer steps (each epoch's last may take fewer samples), and the counted samples' lengths."""
+
+    samples: int
+    rows_from: str | None
+    trained_samples: int
+    optimizer_steps: int
+    lengths: tuple[int, ...]  # () when not counted
+
+    @classmethod
+    def of(
+        cls, recipe: Any, run: RunLayout, samples: int | None, sample_lengths: SampleLengths | None
+    ) -> TrainingSchedule:
+        """``samples`` rows, by default as many as were counted, else :func:`_samples`; every row as often over
+        ``train.num_train_epochs``, or ``train.max_steps`` global batches."""
+        lengths = sample_lengths.lengths if sample_lengths is not None else ()
+        rows_from = "--samples" if samples is not None else None
+        if samples is None:
+            samples, rows_from = (len(lengths), "") if lengths else _samples(recipe)
+        train = recipe.train
+        if train.max_steps > 0:
+            return cls(samples, rows_from, train.max_steps * train.global_batch_size, train.max_steps, lengths)
+        per_epoch = epoch_steps(samples, run.batch, run.data_parallel, run.accumulation)
+        steps = math.ceil(train.num_train_epochs * per_epoch)
+        return cls(samples, rows_from, round(samples * train.num_train_epochs), steps, lengths)
+
+
+@dataclass(frozen=True)
+class PlannedTime:
+    """The time: tokens, FLOPs per token (attention's share apart), seconds, and the seconds in the order the
+    recipe trains when the samples' lengths differ and a step holds several (else None)."""
+
+    tokens: int
+    flops_per_token: float
+    attention_flops_per_token: float
+    seconds: float
+    seconds_in_order: float | None
+    histogram: list[dict[str, Any]]
+
+
+def planned_time(
+    recipe: Any,
+    run: RunLayout,
+    schedule: TrainingSchedule,
+    matmul_flops: float,
+    attention_per_square: float,
+    utilisation: dict[str, Any],
+    peak: float,
+) -> PlannedTime:
+    """The FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial
+    pass at their mean; else ``data.max_length`` each) over the GPUs' ``peak`` FLOP/s times ``utilisation``."""
+    lengths, tokens_per_sample = schedule.lengths, run.tokens_per_sample
+    counted = len(lengths) or 1
+    total, total_square = (
+        (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample, tokens_per_sample**2)
+    )
+    planned_tokens = schedule.trained_samples * total / counted
+    attention_total = attention_per_square * (schedule.trained_samples * total_square / counted)
+    attention_flops = attention_total / planned_tokens
+    histogram = (
+        length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
+        if lengths
+        else []
+    )
+    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
+        run.gpus * peak
+    )
+    in_order = None
+    if len(set(lengths)) > 1 and (run.data_parallel > 1 or run.batch > 1):
+
+        def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
+            return (
+                n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
+            ) / (run.sequence_shards * peak)
+
+        in_order = ordered_seconds(
+            lengths,
+            sample_seconds,
+            schedule.optimizer_steps,
+            run.batch,
+            run.data_parallel,
+            run.accumulation,
+            seed=recipe.train.seed,
+            grouped=recipe.train.group_by_length,
+        )
+    flops_per_token = matmul_flops + attention_flops
+    return PlannedTime(round(planned_tokens), flops_per_token, attention_flops, seconds, in_order, histogram)
+
+
 def estimate(
     recipe: Any,
     gpus: int = 8,
@@ -355,7 +631,8 @@ def estimate(
     checkpointing: CheckpointSettings | None = None,
     sample_lengths: SampleLengths | None = None,
 ) -> Plan:
-    """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
+    """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs: the memory
+    terms in the order of the module's list, each from its function, then the time.
 
     Args:
         samples: rows of the training data (default: as many as ``sample_lengths`` has, else a local JSONL
@@ -371,235 +648,90 @@ def estimate(
     """
     if gpu not in GPU_PEAK_TFLOPS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
-    launch = launch or ("ddp" if gpus > 1 else None)
-    if launch:
-        check_launch(recipe, launch)
-    shards = gpus if launch in SHARDED_LAUNCHES else 1  # GPUs that split weights, gradients and AdamW state
-    sequence_shards = gpus if launch == "ulysses" else 1  # GPUs that split each sequence
-    accumulation = gradient_accumulation(recipe, gpus // sequence_shards)  # train refuses what does not divide
+    run = RunLayout.of(recipe, gpus, launch)
     shape = shape or shape_of(recipe.model.name_or_path)
-    dtype_bytes = 4 if recipe.model.dtype == "float32" else 2
-    tokens_per_sample = recipe.data.max_length
-    batch = recipe.train.per_device_batch_size
-    activation_tokens = -(-batch * tokens_per_sample // sequence_shards)
-
-    terms: dict[str, int] = {}
-    whole: dict[str, int] = {}  # bytes of a term that sharding leaves whole on every GPU
-    linear_bytes = dtype_bytes  # per parameter of the decoder layers' linear projections, as stored
-    if recipe.model.load_in_4bit:
-        # one absmax per 64 weights: fp32, or with double quantization 8-bit plus one fp32 per 256 of those;
-        # they are no parameters (bitsandbytes' quant state), so FSDP2 and ZeRO-3 shard only the packed weights
-        constants = 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
-        linear_bytes = 0.5 + constants
-        terms["base weights"] = int(shape.linear_params * linear_bytes + shape.other_params * dtype_bytes)
-        whole["base weights"] = int(shape.linear_params * constants)
-    else:  # a full fine-tune's trained weights: below
-        terms["base weights"] = (shape.linear_params + shape.other_params) * dtype_bytes
-    trainable = trainable_matmul = lora_params = 0
-    trained_bytes = 4  # per trained weight as stored: float32
-    deepspeed = launch in DEEPSPEED_LAUNCHES
-
-    def with_state(weight_bytes: int) -> int:
-        """Bytes per trained parameter: its weight, gradient and AdamW's two moments, all in the weight's dtype;
-        under DeepSpeed the gradient in the compute dtype, and a float32 master copy and float32 moments whatever the
-        weight's dtype (measured: tests/zero3_bytes_worker.py)."""
-        return weight_bytes + dtype_bytes + 4 + 8 if deepspeed else 4 * weight_bytes
-
-    if recipe.finetune == "lora":
-        trained_bytes = 2 if recipe.lora.trainable_dtype == "bfloat16" else 4
-        if deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
-            trained_bytes = dtype_bytes
-        lora_params = shape.layers * sum(
-            recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules
-        )
-        terms["LoRA"] = lora_params * with_state(trained_bytes)
-        trainable = trainable_matmul = lora_params
-        if recipe.lora.embeddings == "full":
-            terms["trainable embedding"] = shape.vocab * shape.hidden * with_state(trained_bytes)
-            trainable += shape.vocab * shape.hidden
-        elif recipe.lora.embeddings == "token_indices":
-            rows = len(recipe.lora.trainable_token_indices or [])
-            terms["trainable embedding"] = rows * shape.hidden * with_state(trained_bytes)
-            trainable += rows * shape.hidden
-    elif recipe.finetune == "full":  # gradients and AdamW moments beside the weights
-        full = shape.linear_params + shape.other_params
-        # float32 weights; under DeepSpeed zero.Init builds them in the compute dtype (beside a float32 master copy)
-        weight_bytes = dtype_bytes if deepspeed else 4
-        terms["base weights"] = full * weight_bytes
-        terms["optimizer state and gradients"] = full * (with_state(weight_bytes) - weight_bytes)
-        trainable = full
-        trainable_matmul = shape.linear_params + shape.vocab * shape.hidden
-    method_levers = {}
-    method_params = 0  # a method's own weights, trained and frozen
-    for name, config in recipe.method_configs().items():  # a method's own weights (beacon) train in every mode
-        method = get_method(name)
-        if method.weights is not None:
-            method_trainable, method_frozen = method.weights.planned(config, shape)
-            terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4  # float32; AdamW on the trainable
-            method_params += method_trainable + method_frozen
-            trainable += method_trainable
-            trainable_matmul += method_trainable
-            method_levers[f"{name} weights"] = method.weights.plan_lever
-    checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, launch)
-    offloaded = recipe.train.activation_offloading and checkpointing.checkpointed > 0
-    terms.update(
-        activation_terms(
-            shape,
-            checkpointing,
-            activation_tokens,
-            dtype_bytes,
-            recipe.train.mlp_tile_tokens,
-            trl_offloading=offloaded,
-        )
+    base_bytes = (
+        shape.linear_params * linear_weight_bytes(recipe, run.dtype_bytes) + shape.other_params * run.dtype_bytes
     )
-    if recipe.model.attn_implementation == "eager":  # scores and probabilities; every layer's without checkpointing
-        layers_kept = 1 + shape.layers - checkpointing.checkpointed if checkpointing.checkpointed else shape.layers
-        terms["eager attention scores"] = layers_kept * batch * shape.heads * tokens_per_sample**2 * dtype_bytes * 2
-    terms["loss tiles"] = 3 * TILE_TOKENS * TILE_VOCAB * 4 + 2 * activation_tokens * shape.hidden * dtype_bytes
-    if shards > 1:  # weights, gradients and AdamW state are split; the units in use are gathered whole
-        for term in list(terms):
-            if term not in ACTIVATION_TERMS:
-                kept = whole.get(term, 0)
-                terms[term] = kept + -(-(terms[term] - kept) // shards)
-        layer_bytes = (
-            shape.linear_params // shape.layers * linear_bytes
-            + (lora_params + method_params) // shape.layers * dtype_bytes
-        )
-        # TRL's fused loss gathers the LM head itself (DTensor.full_tensor), as stored: float32 when it trains
-        head_bytes = shape.vocab * shape.hidden * (4 if recipe.finetune == "full" and not deepspeed else dtype_bytes)
-        trained_layer = (shape.linear_params if recipe.finetune == "full" else lora_params) // shape.layers + (
-            method_params // shape.layers
-        )
-        trained_embedding = (
-            shape.vocab * shape.hidden if recipe.finetune == "full" or recipe.lora.embeddings == "full" else 0
-        )
-        unsharded_gradients = max(
-            trained_layer * dtype_bytes,
-            trained_embedding * dtype_bytes,
-            head_bytes if recipe.finetune == "full" else 0,
-        )
-        terms["gathered layers and LM head"] = int(2 * layer_bytes + head_bytes + unsharded_gradients)
-        if deepspeed:  # one contiguous gradient bucket, in the compute dtype
-            terms["DeepSpeed reduce bucket"] = DEEPSPEED_REDUCE_BUCKET * dtype_bytes
+    terms, trained = {"base weights": int(base_bytes)}, TrainedWeights()
+    if recipe.finetune == "lora":
+        terms.update(lora_terms(recipe, shape, run, trained))
+    elif recipe.finetune == "full":
+        terms.update(full_finetune_terms(shape, run, trained))
+    terms.update(method_weight_terms(recipe, shape, trained))
+    checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, run.launch)
+    terms.update(activation_memory_terms(recipe, shape, run, checkpointing))
+    if run.shards > 1:
+        terms = sharded_terms(recipe, shape, run, trained, terms)
     elif gpus > 1:
-        terms["DDP gradient buckets"] = trainable * trained_bytes
+        terms["DDP gradient buckets"] = trained.params * trained.weight_bytes
     activations = sum(terms.get(term, 0) for term in ACTIVATION_TERMS)
     terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10 + ALLOCATOR_RESERVE
 
-    layers = shape.linear_params + lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
-    head = shape.vocab * shape.hidden  # the LM head's matmul (the input embedding is a lookup: no FLOPs)
-    # eager attention computes the whole score matrix; SDPA and flash-attn kernels skip the causal mask's upper half
-    causal_share = 1.0 if recipe.model.attn_implementation == "eager" else 0.5
-    recompute = recompute_flops(shape, checkpointing, layers, tokens_per_sample, recipe.train.mlp_tile_tokens)
-    # per token and per position it attends to: QK^T and AV, forward, backward twice, and the recompute in the
-    # checkpointed layers that keep no attention outputs
-    attention_passes = 3 + (checkpointing.checkpointed - checkpointing.keep_attention) / shape.layers
-    attention_per_position = 4 * shape.layers * shape.heads * shape.head_dim * attention_passes
-    # forward, recompute, the fused loss recomputing the logits, backward to the activations, trained weights'
-    # gradients
-    matmul_flops = 2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trainable_matmul
-    lengths = sample_lengths.lengths if sample_lengths is not None else ()
-    rows_from = "--samples" if samples is not None else None
-    if samples is None:
-        samples, rows_from = (len(lengths), "") if lengths else _samples(recipe)
-    trained_samples = (
-        recipe.train.max_steps * recipe.train.global_batch_size
-        if recipe.train.max_steps > 0
-        else round(samples * recipe.train.num_train_epochs)
-    )
-    data_parallel = gpus // sequence_shards  # GPUs that train samples of their own
-    # the Trainer's optimizer steps: each epoch's last one may take fewer samples
-    optimizer_steps = (
-        recipe.train.max_steps
-        if recipe.train.max_steps > 0
-        else math.ceil(recipe.train.num_train_epochs * epoch_steps(samples, batch, data_parallel, accumulation))
-    )
-    # the Trainer cycles through the data: every sample as often, a partial pass at the samples' mean
-    counted = len(lengths) or 1
-    total, total_square = (
-        (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample, tokens_per_sample**2)
-    )
-    attention_per_square = attention_per_position * causal_share  # a sample of n tokens: n**2 times this
-    planned_tokens = trained_samples * total / counted
-    attention_total = attention_per_square * (trained_samples * total_square / counted)
-    attention_flops = attention_total / planned_tokens
-    flops_per_token = matmul_flops + attention_flops
-    tokens = round(planned_tokens)
-    histogram = (
-        length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
-        if lengths
-        else []
-    )
+    schedule = TrainingSchedule.of(recipe, run, samples, sample_lengths)
     utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
+    matmul_flops = matmul_flops_per_token(recipe, shape, checkpointing, trained)
+    attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
-    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
-        gpus * peak
-    )
-    in_order = None
-    if len(set(lengths)) > 1 and (data_parallel > 1 or batch > 1):
-
-        def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
-            return (
-                n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
-            ) / (sequence_shards * peak)
-
-        in_order = (
-            ordered_seconds(
-                lengths,
-                sample_seconds,
-                optimizer_steps,
-                batch,
-                data_parallel,
-                accumulation,
-                seed=recipe.train.seed,
-                grouped=recipe.train.group_by_length,
-            )
-            / 3600
-        )
+    time = planned_time(recipe, run, schedule, matmul_flops, attention_per_square, utilisation, peak)
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
         terms=terms,
-        tokens=tokens,
-        flops_per_token=flops_per_token,
-        attention_flops_per_token=attention_flops,
-        hours=seconds / 3600,
-        method_levers=method_levers,
-        length_histogram=histogram,
+        tokens=time.tokens,
+        flops_per_token=time.flops_per_token,
+        attention_flops_per_token=time.attention_flops_per_token,
+        hours=time.seconds / 3600,
+        method_levers=trained.levers,
+        length_histogram=time.histogram,
         assumptions={
             "gpu": gpu,
             "peak_tflops": GPU_PEAK_TFLOPS[gpu],
             "utilisation": utilisation,
             "attention": recipe.model.attn_implementation,
-            "samples": samples,
-            "tokens_per_sample": tokens_per_sample,
-            "per_device_batch": batch,
-            "trainable_params": trainable,
-            "trained_samples": trained_samples,
-            "optimizer_steps": optimizer_steps,
-            "time_basis": _time_basis(recipe, trained_samples, samples, rows_from, sample_lengths),
-            **_time_caveats(batch, data_parallel, lengths, recipe.train.group_by_length),
-            "hours_in_order": in_order,
-            "trainable_dtype": f"{'float32' if trained_bytes == 4 else 'bfloat16'} "
-            f"({with_state(trained_bytes)} bytes/param with AdamW)",
-            "finetune": recipe.finetune,
-            "load_in_4bit": recipe.model.load_in_4bit,
-            "activation_offloading": offloaded,
-            "checkpointing": asdict(checkpointing),
-            # train.offload_checkpoints: every checkpointed input but the last waits in pinned host memory
-            "pinned_host_bytes": max(checkpointing.checkpointed - 1, 0)
-            * activation_tokens
-            * shape.hidden
-            * dtype_bytes
-            if checkpointing.offload
-            else 0,
-            "checkpointing_summary": checkpointing.describe(shape.layers),
-            "launch": launch,
-            "sequence_parallel": sequence_shards,
-            "can_shard": _allowed(check_sharded, recipe, "sharding"),
-            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
+            **_assumptions(recipe, shape, run, trained, checkpointing, schedule, sample_lengths, time),
         },
     )
+
+
+def _assumptions(
+    recipe: Any,
+    shape: ModelShape,
+    run: RunLayout,
+    trained: TrainedWeights,
+    checkpointing: CheckpointSettings,
+    schedule: TrainingSchedule,
+    lengths: SampleLengths | None,
+    time: PlannedTime,
+) -> dict[str, Any]:
+    """What the plan assumed of the data, the trained weights, the time and the memory, and which levers the recipe
+    can use (``can_shard``, ``can_split_sequences``)."""
+    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
+    return {
+        "samples": schedule.samples,
+        "tokens_per_sample": run.tokens_per_sample,
+        "per_device_batch": run.batch,
+        "trainable_params": trained.params,
+        "trained_samples": schedule.trained_samples,
+        "optimizer_steps": schedule.optimizer_steps,
+        "time_basis": _time_basis(recipe, schedule.trained_samples, schedule.samples, schedule.rows_from, lengths),
+        **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
+        "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
+        "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
+        f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
+        "finetune": recipe.finetune,
+        "load_in_4bit": recipe.model.load_in_4bit,
+        "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
+        "checkpointing": asdict(checkpointing),
+        "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
+        if checkpointing.offload
+        else 0,
+        "checkpointing_summary": checkpointing.describe(shape.layers),
+        "launch": run.launch,
+        "sequence_parallel": run.sequence_shards,
+        "can_shard": _allowed(check_sharded, recipe, "sharding"),
+        "can_split_sequences": _allowed(check_sequence_parallel, recipe),
+    }
 
 
 def activation_terms(

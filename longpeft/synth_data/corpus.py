@@ -299,7 +299,8 @@ def generate_document(
     n_characters: int = 4,
     doc_id: str | None = None,
 ) -> Document:
-    """Generate one document.
+    """Generate one document: the town's profile, then ``n_sentences`` sentences of main characters' facts at
+    their slots, scattered facts and filler, in paragraphs of 4 to 8 sentences.
 
     Args:
         seed: everything (topic, names, facts, wording) follows from it.
@@ -315,15 +316,7 @@ def generate_document(
     rng = random.Random(seed)
     kind = kind or rng.choice(["story", "report"])
     topic = topic or rng.choice(sorted(TOPICS))
-    if kind not in ("story", "report"):
-        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
-    if topic not in TOPICS:
-        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
-    if n_sentences < 4 * n_characters:
-        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
-    unknown = set(fact_kinds) - set(FACT_KINDS)
-    if unknown:
-        raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")
+    _check_document_options(kind, topic, n_sentences, n_characters, fact_kinds)
     doc_id = doc_id or f"doc-{seed}"
     vocab = TOPICS[topic]
     town = town_name(rng)
@@ -331,47 +324,9 @@ def generate_document(
     professions = vocab["professions"] + GENERAL_PROFESSIONS
     names = _NamePool(rng)
     writer = _Writer(doc_id, title)
-
-    founded = rng.randint(1200, 1890)
-    population = rng.randint(800, 60000)
-    profile = {"town": town, "founded": founded, "population": population, "topic": topic}
-    writer.sentence(
-        f"{town} was founded in {founded}.",
-        [("founded", town, str(founded), f"In which year was {town} founded?", {})],
-    )
-    writer.sentence(
-        f"Today {town} has {population} inhabitants.",
-        [("population", town, str(population), f"How many inhabitants does {town} have?", {})],
-    )
-    writer.sentence(f"It is {TOPIC_DESCRIPTIONS[topic]}.")
-    writer.end_paragraph()
-
-    characters = []
-    for _ in range(n_characters):
-        name = names.take()
-        animal = rng.choice(ANIMALS)
-        characters.append(
-            Character(
-                name,
-                {
-                    "birth_year": str(rng.randint(1700, 1990)),
-                    "birthplace": town_name(rng),
-                    "profession": rng.choice(professions),
-                    "sibling": names.take(),
-                    "pet": rng.choice(PET_NAMES),
-                    "pet_animal": animal,
-                },
-            )
-        )
-
-    # Character facts go to random sentence slots, each at a distinct slot, spread over the text.
-    slots: dict[int, tuple[Character, str]] = {}
-    for character in characters:
-        for attribute in ("birth", "profession", "sibling", "pet"):
-            slot = rng.randrange(n_sentences)
-            while slot in slots:
-                slot = rng.randrange(n_sentences)
-            slots[slot] = (character, attribute)
+    profile = _write_profile(writer, rng, town, topic)
+    characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
+    slots = _character_slots(rng, characters, n_sentences)
 
     used_codes: set[tuple[str, str, str]] = set()
     used_structures: set[str] = set()
@@ -391,6 +346,69 @@ def generate_document(
             paragraph_left = rng.randint(4, 8)
     writer.end_paragraph()
     return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
+
+
+def _check_document_options(
+    kind: str, topic: str, n_sentences: int, n_characters: int, fact_kinds: Sequence[str]
+) -> None:
+    """Refuse a kind, topic or fact kind that does not exist, or too few sentences for the main characters."""
+    if kind not in ("story", "report"):
+        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
+    if topic not in TOPICS:
+        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
+    if n_sentences < 4 * n_characters:
+        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
+    unknown = set(fact_kinds) - set(FACT_KINDS)
+    if unknown:
+        raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")
+
+
+def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -> dict[str, Any]:
+    """The opening paragraph: the town's founding year and population (two facts) and its topic; returns the
+    document's ``profile``."""
+    founded = rng.randint(1200, 1890)
+    population = rng.randint(800, 60000)
+    writer.sentence(
+        f"{town} was founded in {founded}.",
+        [("founded", town, str(founded), f"In which year was {town} founded?", {})],
+    )
+    writer.sentence(
+        f"Today {town} has {population} inhabitants.",
+        [("population", town, str(population), f"How many inhabitants does {town} have?", {})],
+    )
+    writer.sentence(f"It is {TOPIC_DESCRIPTIONS[topic]}.")
+    writer.end_paragraph()
+    return {"town": town, "founded": founded, "population": population, "topic": topic}
+
+
+def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
+    """A main character: a name and a sibling from ``names``, a birth year and place, a profession and a pet."""
+    name = names.take()
+    animal = rng.choice(ANIMALS)
+    attributes = {
+        "birth_year": str(rng.randint(1700, 1990)),
+        "birthplace": town_name(rng),
+        "profession": rng.choice(professions),
+        "sibling": names.take(),
+        "pet": rng.choice(PET_NAMES),
+        "pet_animal": animal,
+    }
+    return Character(name, attributes)
+
+
+def _character_slots(
+    rng: random.Random, characters: list[Character], n_sentences: int
+) -> dict[int, tuple[Character, str]]:
+    """Sentence index -> (character, attribute): each character's facts at random distinct sentences, spread over
+    the text."""
+    slots: dict[int, tuple[Character, str]] = {}
+    for character in characters:
+        for attribute in ("birth", "profession", "sibling", "pet"):
+            slot = rng.randrange(n_sentences)
+            while slot in slots:
+                slot = rng.randrange(n_sentences)
+            slots[slot] = (character, attribute)
+    return slots
 
 
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:

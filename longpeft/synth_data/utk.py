@@ -31,8 +31,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError
-
-IGNORE_INDEX = -100
+from ..family import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

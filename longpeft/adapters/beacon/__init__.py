@@ -13,7 +13,7 @@ unedited: no resized vocabulary, no modeling file (except in an exported merged 
 - :mod:`.scheduler`: the window loop (training, prefill, decoding through ``generate``);
 - :mod:`.patch`: ``install_beacon`` / ``remove_beacon`` (in the exported modeling file too);
 - :mod:`.apply`: :func:`apply_beacon` (checks, then installs), the settings only inference reads;
-- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
+- :mod:`.remote_classes`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
 - :mod:`.weights`: ``beacon_adapter.safetensors`` and the converter from the authors' checkpoints;
 - :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """

@@ -11,11 +11,10 @@ name the keys that make them. A converted adapter runs on the stock base, so eve
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 from ...errors import ConfigError, DataError
-from .config import BeaconConfig
+from .config import RATIO_MIX, BeaconConfig
 
 # What each key of the authors' config must hold; the defaults are those of their training arguments (src/args.py)
 AUTHORS_KEYS = {
@@ -29,7 +28,6 @@ AUTHORS_KEYS = {
     "beacon_sink_size": "a whole number >= 0, below beacon_window",
     "beacon_attend_prev": "true or false",
 }
-_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")
 # rope_theta of the authors' transformers 4.39 config classes (Llama, Mistral, Qwen2) when config.json omits it
 AUTHORS_DEFAULT_ROPE_THETA = 10000.0
 
@@ -209,7 +207,7 @@ def config_from_authors(config: dict[str, Any], source: str = "config.json") -> 
     window = _read_window(config, source)
     ratios = _read_ratios(config, window, source)
     mix = config.get("beacon_ratio_mix", "step-random")
-    if not isinstance(mix, str) or not _MIX.match(mix):
+    if not isinstance(mix, str) or not RATIO_MIX.match(mix):
         raise _refuse(source, "beacon_ratio_mix", mix)
     attn, pos, attend_prev, sink = _read_layout(config, window, source)
     params = _read_params(config, source)

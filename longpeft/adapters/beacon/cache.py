@@ -258,13 +258,11 @@ class BeaconLayer(CacheLayerMixin):
         self.window_keys = self.window_values = self.window_pre_rope_keys = None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        memory = 0 if self.memory_keys is None else self.memory_keys.shape[-2]
-        window = 0 if self.window_keys is None else self.window_keys.shape[-2]
-        return memory + window + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_seq_length(self) -> int:
-        memory = 0 if self.memory_keys is None else self.memory_keys.shape[-2]
-        return memory + (0 if self.window_keys is None else self.window_keys.shape[-2])
+        """Entries held: the memory's and the open window's."""
+        return sum(0 if keys is None else keys.shape[-2] for keys in (self.memory_keys, self.window_keys))
 
     def get_max_length(self) -> int:
         return -1

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ...config import StrictModel
 from ...errors import ConfigError
+from ...family import IGNORE_INDEX
 from ..registry import ResolveContext
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
 
     from .layout import BeaconSettings
 
-_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")
+RATIO_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")  # ratio_mix's values
 DEFAULT_LORA_RANK = 32
 
 
@@ -101,15 +102,19 @@ class BeaconConfig(StrictModel):
     (the paper: a trainable copy of each projection) or ``lora`` (the projection plus a
     zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``). ``layout_rule``: whose
     rules choose the adapt-N ratio and lay out the sink in memory: ``longpeft`` (the default: adapt-N counts every
-    position the input uses, the sink is raw tokens stored once) or ``authors`` (what ``convert-beacon`` records,
-    so that a released model reads as in the authors' code: their adapt-N count, their sink layout; see
-    ``layout.BeaconSettings`` and docs/beacon.md).
+    position the input uses, ``layout.span_ratio``; the sink is raw tokens stored once) or ``authors`` (what
+    ``convert-beacon`` records, so that a released model reads as in the authors' code: their adapt-N count,
+    ``layout.authors_adapt_ratio``; their sink, the first ``sink`` slots of the first window, beacons included,
+    stored again before that window's raw tokens at ratio 0; docs/beacon.md).
 
     Inference settings: ``parallel_windows``: a prefill runs up to this many full windows in one forward of the
     decoder stack, with the logits of running them one after another (see :mod:`.parallel`; 1: one at a time).
     ``keep_start`` / ``keep_end`` (the authors' Qwen2 ``beacon_skip_first`` / ``beacon_skip_last``): the first
     ``keep_start`` tokens run alone and stay in memory uncondensed, windows counting from the token after them;
     tokens from index ``keep_end`` on (counted from the first token) stay uncondensed.
+
+    Each setting is declared here only: the modeling code runs with :meth:`settings`, these with every implied
+    value written out (``layout.BeaconSettings``: the same fields).
     """
 
     window: int = Field(default=1024, ge=1)
@@ -135,7 +140,7 @@ class BeaconConfig(StrictModel):
     @field_validator("ratio_mix", "inference_ratio_mix")
     @classmethod
     def _mix(cls, value: str) -> str:
-        if not _MIX.match(value):
+        if not RATIO_MIX.match(value):
             raise ValueError(
                 f"{value!r} is not step-random, instance-random, sequence or adapt-N (N: tokens still to come)"
             )
@@ -235,5 +240,5 @@ def training_labels(config: BeaconConfig, labels: torch.Tensor) -> torch.Tensor:
     if (config.attn, config.pos) == ("full-coverage", "interleave"):
         return labels
     labels = labels.clone()
-    labels[:, : config.window + 1] = -100
+    labels[:, : config.window + 1] = IGNORE_INDEX
     return labels

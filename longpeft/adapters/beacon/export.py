@@ -3,8 +3,8 @@
 The saved folder holds the stock weights plus the beacon weights (under the authors' names) and a
 ``beacon`` entry in config.json. ``write_remote_code`` writes ``modeling_beacon.py`` beside them: the
 beacon runtime (:mod:`.layout`, :mod:`.cache`, :mod:`.parallel`, :mod:`.modules`, :mod:`.scheduler`,
-:mod:`.patch`) and the causal LM classes of :mod:`.modeling`, with the few longpeft helpers they use inlined, so it
-imports only torch and transformers. ``auto_map`` points at those classes.
+:mod:`.patch`) and the causal LM classes of :mod:`.remote_classes`, with the few longpeft helpers they use inlined,
+so it imports only torch and transformers. ``auto_map`` points at those classes.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from ...family import (
 )
 from ...rope import apply_rotary, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
-from . import cache, layout, modeling, modules, parallel, patch, scheduler
+from . import cache, layout, modules, parallel, patch, remote_classes, scheduler
 from .config import BeaconConfig
 from .layout import BeaconSettings
-from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
+from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_beacon.py"
-RUNTIME_MODULES = (layout, cache, parallel, modules, scheduler, patch, modeling)
+RUNTIME_MODULES = (layout, cache, parallel, modules, scheduler, patch, remote_classes)
 INLINED_HELPERS = (
     rotate_half,
     apply_rotary,

@@ -44,60 +44,35 @@ import math
 import torch
 
 SCHEMES = ("full-coverage", "step-expansion", "segmentation")
-LAYOUT_RULES = ("longpeft", "authors")
 POSITION_MODES = ("interleave", "append")
-PROJECTIONS = ("q", "k", "v", "o")
 
 
 @dataclasses.dataclass(frozen=True)
 class BeaconSettings:
-    """Resolved Activation Beacon settings used at run time (``config.beacon`` of a model).
+    """The Activation Beacon settings a model runs with (``config.beacon``): longpeft's ``BeaconConfig``
+    (``longpeft/adapters/beacon/config.py``, where each setting is declared, checked and described) with every
+    implied value written out, lists as tuples (``BeaconConfig.settings()``). With ``projection: full``,
+    ``lora_rank`` and ``lora_alpha`` hold the defaults of ``lora``, unused."""
 
-    Attributes:
-        window: raw tokens per window ``W``.
-        ratios / ratio_mix: condensing ratios (``0`` = keep the raw K/V) and how a training forward
-            picks one per window: ``step-random``, ``instance-random``, ``sequence`` or ``adapt-N``.
-        zero_ratio_rule: which training windows may take ratio 0: ``authors`` (:func:`training_ratios`) or ``any``.
-        inference_ratios / inference_ratio_mix: the same for forwards in eval mode (generation).
-        attn: ``full-coverage``, ``step-expansion`` or ``segmentation``.
-        pos: ``interleave`` or ``append``.
-        params: which projections have beacon weights (subset of q, k, v, o).
-        sink: raw tokens of the first window kept in memory for good.
-        attend_prev: beacons see the earlier beacons of their window.
-        embed_init: the beacon embedding starts as the ``eos`` or ``bos`` row.
-        projection: ``full`` (a copy of the projection) or ``lora`` (the projection plus a low-rank delta).
-        lora_rank / lora_alpha: rank and scale (``alpha / rank``) of the ``lora`` delta.
-        layout_rule: whose rules choose the adapt-N ratio and lay out the sink in memory: ``longpeft`` (the
-            positions really used, :func:`span_ratio`; the sink is raw tokens, stored once) or ``authors`` (their
-            code: :func:`authors_adapt_ratio`; the sink is the first ``sink`` slots of the first window, beacons
-            included, and with ratio 0 it is stored again before that window's raw tokens).
-        parallel_windows: in eval mode, up to this many consecutive full windows of one layout run in one forward
-            of the decoder stack (each still reads exactly the memory it reads sequentially); 1: one at a time.
-        keep_start: the first ``keep_start`` raw tokens form a chunk of their own (plain causal attention, no
-            beacons) that stays in memory for good; windows count from the token after it.
-        keep_end: raw tokens from this index on are never condensed (windows starting there keep their raw K/V,
-            ratio 0); None: every window is condensed.
-    """
-
-    window: int = 1024
-    ratios: tuple[int, ...] = (2, 4, 8)
-    ratio_mix: str = "step-random"
-    zero_ratio_rule: str = "authors"
-    inference_ratios: tuple[int, ...] = (2, 4, 8)
-    inference_ratio_mix: str = "adapt-1024"
-    attn: str = "full-coverage"
-    pos: str = "interleave"
-    params: tuple[str, ...] = ("q", "k", "v")
-    sink: int = 0
-    attend_prev: bool = True
-    embed_init: str = "eos"
-    projection: str = "full"
-    lora_rank: int = 32
-    lora_alpha: float = 32.0
-    layout_rule: str = "longpeft"
-    parallel_windows: int = 4
-    keep_start: int = 0
-    keep_end: int | None = None
+    window: int
+    ratios: tuple[int, ...]
+    ratio_mix: str
+    zero_ratio_rule: str
+    inference_ratios: tuple[int, ...]
+    inference_ratio_mix: str
+    attn: str
+    pos: str
+    params: tuple[str, ...]
+    sink: int
+    attend_prev: bool
+    embed_init: str
+    projection: str
+    lora_rank: int
+    lora_alpha: float
+    layout_rule: str
+    parallel_windows: int
+    keep_start: int
+    keep_end: int | None
 
     @property
     def scheme(self) -> tuple[str, str, bool]:
@@ -107,11 +82,14 @@ class BeaconSettings:
 
     @classmethod
     def from_dict(cls, data: dict) -> BeaconSettings:
-        """Settings from ``config.beacon`` (lists become tuples; unknown keys are an error)."""
+        """Settings from ``config.beacon`` (lists become tuples; an unknown or a missing key is an error)."""
         fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - fields)
-        if unknown:
-            raise ValueError(f"config.beacon has unknown keys {unknown}; known: {sorted(fields)}")
+        unknown, missing = sorted(set(data) - fields), sorted(fields - set(data))
+        if unknown or missing:
+            raise ValueError(
+                f"config.beacon has unknown keys {unknown} and lacks {missing}; it holds every setting, as "
+                "BeaconConfig(...).settings().as_dict() writes them"
+            )
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
 
     def as_dict(self) -> dict:
@@ -314,7 +292,7 @@ def mix_parameter(mix: str) -> int:
     return int(mix.split("-", 1)[1])
 
 
-DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconSettings' (and the recipes') window layout
+DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconConfig's default window layout
 
 
 def span_at(

@@ -26,6 +26,7 @@ This module imports only torch and transformers: it is part of the exported mode
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -139,15 +140,15 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     with its last raw token, so its raw slots are laid out alike at every ratio), and ``state.ratio_deferred``
     asks :func:`beacon_backbone_forward` to choose its ratio in the forward that fills it.
     """
-    window, attn, pos, attend_prev = settings.window, settings.attn, settings.pos, settings.attend_prev
+    window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
     state.ratio_deferred = False
     if settings.keep_start and start == 0:
-        return window_layout(settings.keep_start, 0, attn, pos, attend_prev)
+        return window_layout(settings.keep_start, 0, *scheme)
     if settings.keep_end is not None and start >= settings.keep_end:
-        return window_layout(window, 0, attn, pos, attend_prev)
-    if settings.layout_rule == "authors" and pos == "append" and not complete and start + window > length:
+        return window_layout(window, 0, *scheme)
+    if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
         state.ratio_deferred = True
-        return window_layout(window, 0, attn, pos, attend_prev)
+        return window_layout(window, 0, *scheme)
     if backbone.training:
         ratios, mix = settings.ratios, settings.ratio_mix
         if settings.zero_ratio_rule == "authors":
@@ -158,37 +159,20 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
             state.ratio_cycle = fitting_ratios(
-                ratios,
-                window,
-                settings.sink,
-                max_positions,
-                length,
-                training=complete,
-                keep=keep,
-                rule=settings.layout_rule,
-                scheme=settings.scheme,
+                ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
             )
         ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
     else:
+        chosen = state.chosen_ratio
         ratio = choose_ratio(
-            ratios,
-            mix,
-            window,
-            max_positions,
-            length,
-            state.chosen_ratio,
-            settings.sink,
-            training=complete,
-            rule=settings.layout_rule,
-            keep=keep,
-            scheme=settings.scheme,
+            ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
         )
     if mix.startswith("adapt-") or mix == "instance-random":
         state.chosen_ratio = ratio
     state.zero_ratio_used |= ratio == 0
     if complete and start + window >= length:
         ratio = 0  # no beacons in the window that ends a training input
-    return window_layout(window, ratio, attn, pos, attend_prev)
+    return window_layout(window, ratio, *scheme)
 
 
 def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
@@ -200,91 +184,165 @@ def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSe
         )
 
 
+@dataclasses.dataclass
+class _BeaconRun:
+    """One call of :func:`beacon_backbone_forward`: what its windows and groups read."""
+
+    backbone: torch.nn.Module  # the decoder stack
+    settings: BeaconSettings
+    cache: BeaconCache
+    complete: bool  # a training forward over a whole input (no cache passed in)
+    total: int  # raw tokens the cache has read once this call ends
+    rotate: Any  # ``rotate(pre_rope_keys [b, h, n, d], positions [n])``, as the model's rotary module rotates
+    beacon_row: torch.Tensor  # ``[hidden]``: the beacon embedding, in the inputs' dtype
+    implementation: str  # the attention kernel
+    cache_name: str  # the decoder stack's keyword for the cache
+    kwargs: dict  # the caller's other keyword arguments, for the decoder stack
+
+    @classmethod
+    def start(
+        cls,
+        backbone: torch.nn.Module,
+        given: BeaconCache | None,
+        n_new: int,
+        inputs_embeds: torch.Tensor | None,
+        cache_name: str,
+        kwargs: dict,
+    ) -> _BeaconRun:
+        """A call over ``n_new`` new raw tokens continuing the cache ``given`` (None: a new one), after refusing
+        another kind of cache and, in training, reentrant checkpointing and the inference-only kept spans."""
+        settings: BeaconSettings = backbone.beacon_settings
+        _check_cache(given)
+        cache = BeaconCache() if given is None else given
+        if backbone.training:
+            _check_checkpointing(backbone)
+            _refuse_kept_spans_in_training(backbone, settings)
+        dtype = inputs_embeds.dtype if inputs_embeds is not None else backbone.embed_tokens.weight.dtype
+        return cls(
+            backbone=backbone,
+            settings=settings,
+            cache=cache,
+            complete=backbone.training and given is None,
+            total=cache.state.raw_seen + n_new,
+            rotate=_rotate_with(backbone.rotary_emb),
+            beacon_row=backbone.beacon_embed_tokens.weight[0].to(dtype),
+            implementation=backbone.config._attn_implementation or "eager",
+            cache_name=cache_name,
+            kwargs=kwargs,
+        )
+
+    def layout_at(self, start: int):
+        """The layout of the window that begins at raw token ``start`` (:func:`_layout_at`)."""
+        return _layout_at(self.backbone, self.cache.state, self.settings, start, self.total, self.complete)
+
+    def decoder_stack(
+        self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, step: BeaconStep
+    ) -> torch.Tensor:
+        """The stock decoder stack over ``embeds [rows, slots, hidden]`` with an explicit mask and positions
+        ``[rows or 1, slots]``, reading and writing the beacon cache: its last hidden states, shaped as ``embeds``."""
+        return (
+            type(self.backbone)
+            .forward(
+                self.backbone,
+                inputs_embeds=embeds,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=True,
+                beacon_step=step,
+                **{self.cache_name: self.cache},
+                **self.kwargs,
+            )
+            .last_hidden_state
+        )
+
+    def slot_embeddings(self, raw_embeds: torch.Tensor, raw_rows: torch.Tensor, slots: int) -> torch.Tensor:
+        """``[rows, slots, hidden]``: the beacon embedding in every slot but the raw ones, ``raw_rows [n]``, which
+        take ``raw_embeds [rows, n, hidden]``."""
+        return self.beacon_row.expand(raw_embeds.shape[0], slots, -1).clone().index_copy(1, raw_rows, raw_embeds)
+
+
 def _run_step(
-    backbone: torch.nn.Module,
-    cache: BeaconCache,
-    layout,
-    take: int,
-    raw_embeds: torch.Tensor,
-    keep_raw: torch.Tensor | None,
-    beacon_row: torch.Tensor,
-    implementation: str,
-    cache_name: str,
-    kwargs: dict,
-    keep_last: int | None,
+    run: _BeaconRun, layout, take: int, raw_embeds: torch.Tensor, keep_raw: torch.Tensor | None, keep_last: int | None
 ) -> torch.Tensor:
-    """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``) of the open window, with the beacons
-    they bring; returns the raw tokens' hidden states (the last ``keep_last`` only, when given)."""
-    state, device = cache.state, raw_embeds.device
+    """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``, padding mask ``keep_raw [batch, take]``
+    or None) of the open window, with the beacons they bring; returns the raw tokens' hidden states
+    ``[batch, take (or keep_last), hidden]``."""
+    state, device = run.cache.state, raw_embeds.device
     start, end = state.window_slots, layout.slots_for(state.window_raw + take)
     is_beacon = layout.is_beacon[start:end]
     raw_rows = (~is_beacon).nonzero().flatten().to(device)
     beacon_rows = is_beacon.nonzero().flatten().to(device)
-    step_embeds = beacon_row.expand(raw_embeds.shape[0], end - start, -1).clone().index_copy(1, raw_rows, raw_embeds)
     state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw, raw_rows)
     keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
     visible = step_visibility(layout, state.memory_length, start, end, keys)
-    mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, device)
+    mask = attention_mask_for(visible, keys, run.implementation, raw_embeds.dtype, device)
     positions = (state.memory_length + layout.offsets[start:end])[None].to(device)
     step = BeaconStep(
         state.window_index, state.memory_length, start, end, beacon_rows if beacon_rows.numel() else None
     )
-    hidden = type(backbone).forward(
-        backbone,
-        inputs_embeds=step_embeds,
-        attention_mask=mask,
-        position_ids=positions,
-        use_cache=True,
-        beacon_step=step,
-        **{cache_name: cache},
-        **kwargs,
-    )
+    hidden = run.decoder_stack(run.slot_embeddings(raw_embeds, raw_rows, end - start), mask, positions, step)
     state.window_raw += take
     state.window_slots = end
     state.raw_seen += take
-    return hidden.last_hidden_state.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:])
+    return hidden.index_select(1, raw_rows if keep_last is None else raw_rows[-keep_last:])
 
 
 def _run_group(
-    backbone: torch.nn.Module,
-    cache: BeaconCache,
-    layout,
-    windows: int,
-    raw_embeds: torch.Tensor,
-    keep_raw: torch.Tensor | None,
-    beacon_row: torch.Tensor,
-    rotate,
-    sink: int,
-    rule: str,
-    implementation: str,
-    cache_name: str,
-    kwargs: dict,
+    run: _BeaconRun, layout, windows: int, raw_embeds: torch.Tensor, keep_raw: torch.Tensor | None
 ) -> torch.Tensor:
     """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
     (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
     batch, _, hidden_size = raw_embeds.shape
-    device, slots = raw_embeds.device, len(layout.is_beacon)
-    inputs = group_inputs(layout, windows, cache.state, sink, rule, batch, keep_raw, rotate)
+    device, settings = raw_embeds.device, run.settings
+    inputs = group_inputs(
+        layout, windows, run.cache.state, settings.sink, settings.layout_rule, batch, keep_raw, run.rotate
+    )
     raw_rows = (~layout.is_beacon).nonzero().flatten().to(device)
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
-    step_embeds = beacon_row.expand(batch * windows, slots, -1).clone().index_copy(1, raw_rows, rows)
-    mask = attention_mask_for(inputs.visible, inputs.keys, implementation, raw_embeds.dtype, device)
-    hidden = (
-        type(backbone)
-        .forward(
-            backbone,
-            inputs_embeds=step_embeds,
-            attention_mask=mask,
-            position_ids=inputs.positions.to(device),
-            use_cache=True,
-            beacon_step=inputs.step,
-            **{cache_name: cache},
-            **kwargs,
-        )
-        .last_hidden_state
-    )
-    close_group(cache.state, layout, inputs)
+    mask = attention_mask_for(inputs.visible, inputs.keys, run.implementation, raw_embeds.dtype, device)
+    embeds = run.slot_embeddings(rows, raw_rows, len(layout.is_beacon))
+    hidden = run.decoder_stack(embeds, mask, inputs.positions.to(device), inputs.step)
+    close_group(run.cache.state, layout, inputs)
     return hidden.index_select(1, raw_rows).reshape(batch, windows * layout.window, hidden_size)
+
+
+def _next_part(run: _BeaconRun, remaining: int, pending):
+    """What the next step of the window loop runs, with ``remaining`` new raw tokens to go: commits the open window
+    when it is full, lays out the next one (a prefill groups up to ``parallel_windows`` full windows of one layout,
+    :func:`.parallel.plan_group`; ``pending``: the layout already chosen for the window after the last group), and
+    chooses a deferred ratio (:func:`_layout_at`) when this step fills its window.
+
+    Returns:
+        ``(layout, windows, take, pending)``: the open window's layout, the windows of the group (1: a step of one
+        window), the raw tokens the step takes, and the layout chosen for the window after the group (or None).
+    """
+    state, settings = run.cache.state, run.settings
+    if state.layout is not None and state.window_raw == state.layout.window:
+        run.cache.commit(run.rotate, settings.sink, settings.layout_rule)
+    windows = 1
+    if state.layout is None:
+        state.layout = pending or run.layout_at(state.raw_seen)
+        most = 1 if run.backbone.training else settings.parallel_windows
+        windows, pending = plan_group(state.layout, run.layout_at, state.raw_seen, settings.window, remaining, most)
+    layout = state.layout
+    take = windows * layout.window if windows > 1 else min(remaining, layout.window - state.window_raw)
+    if state.ratio_deferred and state.window_raw + take == layout.window:  # the authors' ratio, chosen now
+        layout = state.layout = run.layout_at(state.raw_seen - state.window_raw)
+    return layout, windows, take, pending
+
+
+def _refuse_unsupported_call(backbone: torch.nn.Module, input_ids, inputs_embeds, kwargs: dict) -> None:
+    """Refuse both or neither of ``input_ids`` and ``inputs_embeds``, and hidden states or attention weights asked
+    for (in ``kwargs`` or the config): a window's cover its beacons and memory, not the input's tokens."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("give exactly one of input_ids or inputs_embeds")
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name, getattr(backbone.config, name, False)):
+            raise ValueError(
+                f"{name}=True is not supported with Activation Beacon (the decoder stack runs window by "
+                "window, over beacons and memory); leave it off, or switch beacons off "
+                "(beacons_disabled) to get the stock model's"
+            )
 
 
 def beacon_backbone_forward(
@@ -314,11 +372,10 @@ def beacon_backbone_forward(
         ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache (as ``cache``, or
         ``past_key_values`` before transformers 5.24).
     """
-    stock_forward = type(self).forward
     keep_last = kwargs.pop("beacon_keep_last", None)
     given, cache_name = pop_cache(kwargs), cache_keyword()
     if not self.beacons_enabled:
-        return stock_forward(
+        return type(self).forward(
             self,
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -328,54 +385,14 @@ def beacon_backbone_forward(
             **{cache_name: given},
             **kwargs,
         )
-    if (input_ids is None) == (inputs_embeds is None):
-        raise ValueError("give exactly one of input_ids or inputs_embeds")
-    for name in ("output_hidden_states", "output_attentions"):
-        if kwargs.get(name, getattr(self.config, name, False)):
-            raise ValueError(
-                f"{name}=True is not supported with Activation Beacon (the decoder stack runs window by "
-                "window, over beacons and memory); leave it off, or switch beacons off "
-                "(beacons_disabled) to get the stock model's"
-            )
-    settings: BeaconSettings = self.beacon_settings
-    _check_cache(given)
-    complete = self.training and given is None
-    cache = BeaconCache() if given is None else given
-    if self.training:
-        _check_checkpointing(self)
-        _refuse_kept_spans_in_training(self, settings)
-    batch, n_new = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
-    weight = self.embed_tokens.weight
+    _refuse_unsupported_call(self, input_ids, inputs_embeds, kwargs)
+    n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+    run = _BeaconRun.start(self, given, n_new, inputs_embeds, cache_name, kwargs)
     keep_new = _keep_mask(attention_mask, n_new)
-    state = cache.state
-    _check_no_padding_before_tokens(keep_new, state, settings, self.training)
-    total = state.raw_seen + n_new
-    rotate = _rotate_with(self.rotary_emb)
-    dtype = inputs_embeds.dtype if inputs_embeds is not None else weight.dtype
-    beacon_row = self.beacon_embed_tokens.weight[0].to(dtype)
-    implementation = self.config._attn_implementation or "eager"
-    parallel = 1 if self.training else settings.parallel_windows
+    _check_no_padding_before_tokens(keep_new, run.cache.state, run.settings, self.training)
     outputs, done, pending = [], 0, None
     while done < n_new:
-        if state.layout is not None and state.window_raw == state.layout.window:
-            cache.commit(rotate, settings.sink, settings.layout_rule)
-        windows = 1
-        if state.layout is None:
-            state.layout = pending or _layout_at(self, state, settings, state.raw_seen, total, complete)
-            windows, pending = plan_group(
-                state.layout,
-                lambda start: _layout_at(self, state, settings, start, total, complete),
-                state.raw_seen,
-                settings.window,
-                n_new - done,
-                parallel,
-            )
-        layout = state.layout
-        take = windows * layout.window if windows > 1 else min(n_new - done, layout.window - state.window_raw)
-        if state.ratio_deferred and state.window_raw + take == layout.window:  # the authors' ratio, chosen now
-            layout = state.layout = _layout_at(
-                self, state, settings, state.raw_seen - state.window_raw, total, complete
-            )
+        layout, windows, take, pending = _next_part(run, n_new - done, pending)
         # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
         raw_embeds = (
             inputs_embeds[:, done : done + take]
@@ -384,42 +401,14 @@ def beacon_backbone_forward(
         )
         keep_raw = None if keep_new is None else keep_new[:, done : done + take]
         if windows > 1:
-            hidden = _run_group(
-                self,
-                cache,
-                layout,
-                windows,
-                raw_embeds,
-                keep_raw,
-                beacon_row,
-                rotate,
-                settings.sink,
-                settings.layout_rule,
-                implementation,
-                cache_name,
-                kwargs,
-            )
+            hidden = _run_group(run, layout, windows, raw_embeds, keep_raw)
             outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         else:
-            outputs.append(
-                _run_step(
-                    self,
-                    cache,
-                    layout,
-                    take,
-                    raw_embeds,
-                    keep_raw,
-                    beacon_row,
-                    implementation,
-                    cache_name,
-                    kwargs,
-                    keep_last,
-                )
-            )
+            outputs.append(_run_step(run, layout, take, raw_embeds, keep_raw, keep_last))
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
         done += take
-    return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: cache})
+    return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: run.cache})
 
 
 SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)

@@ -12,12 +12,12 @@ positions, so the method has no ``apply``/``remove``.
 
 from __future__ import annotations
 
+from ...family import IGNORE_INDEX
 from ..registry import Method, MethodTraining, imported_on_call, torch_names
 from .config import PoseConfig, describe, long_samples, resolve, training_span
 
 __getattr__ = torch_names(
-    __name__,
-    dict.fromkeys(("IGNORE_INDEX", "PoseCollator", "pose_collator", "pose_position_ids", "pose_sample"), "modeling"),
+    __name__, dict.fromkeys(("PoseCollator", "pose_collator", "pose_position_ids", "pose_sample"), "modeling")
 )
 
 METHOD = Method(

@@ -25,7 +25,7 @@ With a content skip, samples up to ``L_t`` tokens reach the collator (plain text
 first token after a skipped stretch is not scored: its predecessor in the window is not what
 preceded it in the text.
 
-Pitfalls this module handles (see DESIGN.md): transformers reads a jump in ``position_ids`` as the
+Pitfalls this module handles: transformers reads a jump in ``position_ids`` as the
 start of a new packed sequence when no ``attention_mask`` is passed, which would cut attention
 between chunks, so :class:`PoseCollator` always returns an explicit all-ones ``attention_mask``
 (right padding: causal attention never lets real tokens see the padding); and TRL's collator drops
@@ -41,10 +41,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from ...family import IGNORE_INDEX
 from ..registry import CollatorContext
 from .config import PoseConfig
-
-IGNORE_INDEX = -100
 
 
 def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:

@@ -213,6 +213,27 @@ def rotate_keys_forward(key: torch.Tensor, steps: int, inv_freq: torch.Tensor) -
     return apply_rotary(key, angles.cos().to(key.dtype), angles.sin().to(key.dtype))
 
 
+def _plain_rows(shift: int, n_queries: int, n_keys: int) -> tuple[int, int]:
+    """``(offset, n_plain)``: the cache index of query row 0 (the queries are the last ``n_queries`` of ``n_keys``),
+    and how many leading query rows have no key ``shift`` or more positions away (plain attention)."""
+    offset = n_keys - n_queries
+    return offset, min(max(shift - offset, 0), n_queries)
+
+
+def _causal(first: int, end: int, n_keys: int, device: torch.device) -> torch.Tensor:
+    """``[end - first, n_keys]`` bool: the query rows at cache indices ``first .. end-1`` may read the keys at or
+    before them."""
+    rows = torch.arange(first, end, device=device)[:, None]
+    return rows >= torch.arange(n_keys, device=device)[None, :]
+
+
+def _far(first: int, end: int, keys_from: int, keys_to: int, shift: int, device: torch.device) -> torch.Tensor:
+    """``[end - first, keys_to - keys_from]`` bool: the key at cache index ``keys_from + k`` is ``shift`` or more
+    positions before the query row at ``first + q`` (read shifted, not plain)."""
+    rows = torch.arange(first, end, device=device)[:, None]
+    return rows - torch.arange(keys_from, keys_to, device=device)[None, :] >= shift
+
+
 def _restrict(base: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """Combine the model's mask segment (bool, additive float or None) with STRING's ``allowed`` ``[q, k]``."""
     if base is None:
@@ -265,6 +286,54 @@ def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
     return flat[: math.prod(shape)].view(*shape)
 
 
+def _plain_sdpa(
+    sdpa: Callable[..., torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    offset: int,
+    n_plain: int,
+) -> torch.Tensor:
+    """Plain attention of the first ``n_plain`` query rows (those with no key ``S`` or more positions away) over
+    the keys up to the last of them; shapes as :func:`string_attention_sdpa`. Returns ``[batch, heads, n_plain,
+    head_dim]``."""
+    k_end = offset + n_plain
+    if attention_mask is None and offset == 0:
+        return sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], is_causal=True)
+    if attention_mask is None:
+        mask = _causal(offset, k_end, k_end, query.device)
+    else:
+        mask = _unblock_empty_rows(attention_mask[..., :n_plain, :k_end])
+    return sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask)
+
+
+def _block_mask(
+    attention_mask: torch.Tensor | None, buffer: torch.Tensor | None, offset: int, first: int, end: int, shift: int
+) -> torch.Tensor | None:
+    """The mask of the query block at cache indices ``first .. end-1`` over its keys (the shifted copies of keys
+    ``0 .. end-S-1``, then the plain copies of keys ``first-S+1 .. end-1``): each row reads one copy of each key.
+
+    Without the model's mask, causal: None for one query (decoding reads every key once), else written into the
+    reusable ``buffer`` (:func:`_fill_causal_string_mask`); with it (``[batch or 1, 1, T, L]``, ``offset`` the cache
+    index of its row 0), that mask restricted to the copy each row may read.
+    """
+    n_shifted, near_lo = end - shift, first - shift + 1
+    if attention_mask is None and end - first == 1:
+        return None
+    if attention_mask is None:
+        mask = _view(buffer, end - first, n_shifted + end - near_lo)
+        _fill_causal_string_mask(mask, first, end, shift)
+        return mask
+    device = attention_mask.device
+    allowed = torch.cat(
+        (_far(first, end, 0, n_shifted, shift, device), ~_far(first, end, near_lo, end, shift, device)), dim=1
+    )
+    base = attention_mask[..., first - offset : end - offset, :]
+    base = torch.cat((base[..., :n_shifted], base[..., near_lo:end]), dim=-1)
+    return _unblock_empty_rows(_restrict(base, allowed))
+
+
 def string_attention_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -301,25 +370,14 @@ def string_attention_sdpa(
     """
     batch, heads, n_queries, head_dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
-    offset = n_keys - n_queries  # cache index of query row 0
-    device = query.device
+    offset, n_plain = _plain_rows(shift, n_queries, n_keys)
     out = query.new_empty(batch, n_queries, heads, head_dim)
 
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, **kw)
 
-    # Rows whose keys are all nearer than S: plain attention.
-    n_plain = min(max(shift - offset, 0), n_queries)
     if n_plain:
-        k_end = offset + n_plain
-        if attention_mask is None and offset == 0:
-            plain = sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], is_causal=True)
-        else:
-            rows = torch.arange(offset, k_end, device=device)[:, None]
-            causal = rows >= torch.arange(k_end, device=device)[None, :]
-            mask = causal if attention_mask is None else _unblock_empty_rows(attention_mask[..., :n_plain, :k_end])
-            plain = sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask)
-        out[:, :n_plain] = plain.transpose(1, 2)
+        out[:, :n_plain] = _plain_sdpa(sdpa, query, key, value, attention_mask, offset, n_plain).transpose(1, 2)
     if n_plain == n_queries:
         return out
 
@@ -344,19 +402,7 @@ def string_attention_sdpa(
         shifted_done = n_shifted
         keys[:, :, n_shifted:width] = key[:, :, near_lo:end]
         values[:, :, n_shifted:width] = value[:, :, near_lo:end]
-        if attention_mask is None and stop - start == 1:
-            mask = None  # one query (decoding): it reads every key exactly once
-        elif attention_mask is None:
-            mask = _view(mask_buffer, stop - start, width)
-            _fill_causal_string_mask(mask, first, end, shift)
-        else:
-            rows = torch.arange(first, end, device=device)[:, None]
-            dist_shifted = rows - torch.arange(n_shifted, device=device)[None, :]
-            dist_near = rows - torch.arange(near_lo, end, device=device)[None, :]
-            allowed = torch.cat((dist_shifted >= shift, dist_near < shift), dim=1)
-            base = attention_mask[..., start:stop, :]
-            base = torch.cat((base[..., :n_shifted], base[..., near_lo:end]), dim=-1)
-            mask = _unblock_empty_rows(_restrict(base, allowed))
+        mask = _block_mask(attention_mask, mask_buffer, offset, first, end, shift)
         block_out = sdpa(query[:, :, start:stop], keys[:, :, :width], values[:, :, :width], attn_mask=mask)
         out[:, start:stop] = block_out.transpose(1, 2)
     return out
@@ -385,24 +431,21 @@ def string_attention_eager(
         ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``.
     """
     n_queries, n_keys = query.shape[2], key.shape[2]
-    offset = n_keys - n_queries
+    offset, n_plain = _plain_rows(shift, n_queries, n_keys)
     groups = query.shape[1] // key.shape[1]
     key_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
     value_rep = value.repeat_interleave(groups, dim=1) if groups > 1 else value
     scores = torch.matmul(query, key_rep.transpose(2, 3)) * scaling
-    n_plain = min(max(shift - offset, 0), n_queries)
     if n_plain < n_queries:
         shifted_key = rotate_keys_forward(key_rep[:, :, : n_keys - shift], shift - local_window, inv_freq)
         for start in range(n_plain, n_queries, block):
             stop = min(start + block, n_queries)
             n_shifted = offset + stop - shift
             shifted = torch.matmul(query[:, :, start:stop], shifted_key[:, :, :n_shifted].transpose(2, 3)) * scaling
-            rows = torch.arange(offset + start, offset + stop, device=query.device)[:, None]
-            far = rows - torch.arange(n_shifted, device=query.device)[None, :] >= shift
+            far = _far(offset + start, offset + stop, 0, n_shifted, shift, query.device)
             scores[:, :, start:stop, :n_shifted] = torch.where(far, shifted, scores[:, :, start:stop, :n_shifted])
     if attention_mask is None:
-        rows = torch.arange(offset, n_keys, device=query.device)[:, None]
-        attention_mask = rows >= torch.arange(n_keys, device=query.device)[None, :]
+        attention_mask = _causal(offset, n_keys, n_keys, query.device)
     if attention_mask.dtype == torch.bool:
         scores.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)
     else:
@@ -447,7 +490,7 @@ def string_attention_flash(
                 "attn_implementation='sdpa'"
             ) from error
     n_queries, n_keys = query.shape[2], key.shape[2]
-    offset = n_keys - n_queries
+    _, n_plain = _plain_rows(shift, n_queries, n_keys)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout [batch, seq, heads, dim]
     near_out, near_lse, _ = flash_fn(
         q,
@@ -459,7 +502,6 @@ def string_attention_flash(
         window_size=(shift - 1, 0),
         return_attn_probs=True,
     )
-    n_plain = min(max(shift - offset, 0), n_queries)
     if n_plain == n_queries:
         return near_out
     shifted_key = rotate_keys_forward(key[:, :, : n_keys - shift], shift - local_window, inv_freq).transpose(1, 2)
@@ -502,9 +544,7 @@ def _flash_available(query: torch.Tensor) -> bool:
 def _padding_mask_to_4d(mask_2d: torch.Tensor, n_queries: int) -> torch.Tensor:
     """``[batch, L]`` padding mask (1 = token) -> ``[batch, 1, T, L]`` bool causal+padding mask."""
     n_keys = mask_2d.shape[-1]
-    rows = torch.arange(n_keys - n_queries, n_keys, device=mask_2d.device)[:, None]
-    causal = rows >= torch.arange(n_keys, device=mask_2d.device)[None, :]
-    return mask_2d.bool()[:, None, None, :] & causal
+    return mask_2d.bool()[:, None, None, :] & _causal(n_keys - n_queries, n_keys, n_keys, mask_2d.device)
 
 
 def string_attention_forward(

@@ -2,7 +2,7 @@
 
 STRING changes no weight: it lives in the attention function. ``write_remote_code`` writes
 ``modeling_string.py`` beside the weights (the attention of :mod:`.attention` and the classes of
-:mod:`.modeling`, with the few longpeft helpers they use inlined, so it imports only torch and
+:mod:`.remote_classes`, with the few longpeft helpers they use inlined, so it imports only torch and
 transformers), the settings as ``string`` in config.json, and points ``auto_map`` at those classes.
 The config gets its own model_type (``string_llama``, ...), so loading without ``trust_remote_code``
 fails instead of building the model without STRING.
@@ -23,10 +23,10 @@ from ...family import (
 )
 from ...rope import apply_rotary, rotary_modules, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
-from . import attention, modeling
+from . import attention, remote_classes
 from .attention import StringSettings
 from .config import StringConfig
-from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
+from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_string.py"
 INLINED_HELPERS = (
@@ -47,7 +47,7 @@ def standalone_modeling_source() -> str:
     return standalone_source(
         "STRING (shifted positions at inference), written by longpeft for an exported model "
         "(needs only torch and transformers).",
-        (attention, modeling),
+        (attention, remote_classes),
         INLINED_HELPERS,
     )
 
