@@ -26,9 +26,10 @@ def _recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .recipes.schema import load_recipe
+    from .recipes.validate import validate_recipe
 
-    if args.launch:
-        return launch_training(args, load_recipe(args.recipe, args.overrides))
+    if args.launch:  # plan's checks before any process starts (each launched process runs them again)
+        return launch_training(args, validate_recipe(load_recipe(args.recipe, args.overrides)).recipe)
     launch_flags = {
         "--gpus": args.gpus is not None,
         "--print-command": args.print_command,
@@ -190,24 +191,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     if not args.recipe:
         raise ConfigError("longpeft plan: give a recipe (or --list)")
-    overrides = list(args.overrides)
-    if args.stand_in:
-        # an earlier stage's adapter (model.init_from) was trained on the real base: the stand-in starts fresh
-        overrides += [f"model.name_or_path=tiny:{args.stand_in}", "data.source=demo", "model.init_from=null"]
+    from .recipes.validate import validate_recipe, with_stand_in
+
+    overrides = with_stand_in(args.overrides, args.stand_in) if args.stand_in else list(args.overrides)
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     recipe = load_recipe(args.recipe, overrides)
-    if not args.build:  # --build checks the recipe against the base it loads
-        from .recipes.model import check_against_local_base
-
-        source = check_against_local_base(recipe)
-        print(
-            f"longpeft plan: recipe checked against the base's config ({source})"
-            if source
-            else f"longpeft plan: {recipe.model.name_or_path}'s config.json is not on this machine, so the recipe was "
-            "not checked against it (plan --build downloads it and checks)",
-            file=sys.stderr,
-        )
+    validation = validate_recipe(recipe, stand_in=bool(args.stand_in))  # train's checks, before any weight loads
+    print(f"longpeft plan: {validation.summary()}", file=sys.stderr)
     if args.launch and args.gpus is None:
         raise ConfigError(f"longpeft plan --launch {args.launch}: give --gpus N (the estimate is per GPU)")
     if args.nodes > 1 and args.gpus is None:
@@ -253,7 +244,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return 0
     from .recipes.runner import prepare
 
-    prepared = prepare(recipe)
+    prepared = prepare(recipe, validation=validation)
     shown = {**prepared.resolved, "recipe": {**prepared.resolved["recipe"], "output_dir": output_dir}}
     print(json.dumps(shown, indent=2, default=str))
     return 0
@@ -522,10 +513,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# they parse a server's answers
-LIBRARY_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "httpx2", "httpcore2", "requests", "urllib3")
-
-
 def error_message(exc: BaseException) -> str | None:
     """The one line the command line prints for an expected error, or None for a bug (which keeps its traceback).
 
@@ -545,7 +532,7 @@ def error_message(exc: BaseException) -> str | None:
     from safetensors import SafetensorError
 
     from .errors import HubTimeoutError, LongpeftError
-    from .files import write_failure
+    from .files import HUB_CLIENT_PACKAGES, raised_in, write_failure
     from .reading import REFUSED_FOR_SAFETY
 
     text = " ".join(str(exc).split())
@@ -556,7 +543,7 @@ def error_message(exc: BaseException) -> str | None:
     if silent_hub is not None:
         return str(silent_hub)
     if isinstance(exc, (KeyError, TypeError, AttributeError)):
-        if _raised_in(exc, LIBRARY_PACKAGES):
+        if raised_in(exc, HUB_CLIENT_PACKAGES):
             what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
             return (
                 f"a server gave an answer of an unexpected shape ({what}); check HF_ENDPOINT (a Hub mirror or "
@@ -624,19 +611,7 @@ def _is_network_error(exc: BaseException) -> bool:
     return isinstance(exc, tuple(kinds))
 
 
-def _raised_in(exc: BaseException, packages: tuple[str, ...]) -> bool:
-    """Whether the innermost frame of ``exc``'s traceback is in one of ``packages`` (installed libraries)."""
-    import os.path
-
-    frames = []
-    tb = exc.__traceback__
-    while tb is not None:
-        frames.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    if not frames:
-        return False
-    parts = os.path.normpath(frames[-1]).split(os.sep)
-    return any(package in parts for package in packages)
+UNEXPECTED_EXIT = 1  # an error nobody anticipated (a bug), after its traceback; bad input exits 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -644,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
 
     The one error boundary of every command: an expected error (:func:`error_message`) prints
     ``longpeft COMMAND: error: MESSAGE`` on one line and returns 2, an interrupt returns 130; any other exception
-    (a bug) propagates with its traceback. ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets expected errors propagate too.
+    (a bug) prints its traceback, then one line saying so and how to report it, and returns 1. ``--debug`` (or
+    ``LONGPEFT_DEBUG=1``) lets every error propagate with its traceback.
     """
     args = build_parser().parse_args(argv)
     try:
@@ -657,7 +633,15 @@ def main(argv: list[str] | None = None) -> int:
             raise
         message = error_message(exc)
         if message is None:
-            raise
+            import traceback
+
+            traceback.print_exc()
+            print(
+                f"longpeft {args.command}: unexpected error ({type(exc).__name__}), a bug in longpeft or a library it "
+                "calls rather than a problem with your input: run with --debug and report the traceback",
+                file=sys.stderr,
+            )
+            return UNEXPECTED_EXIT
         print(f"longpeft {args.command}: error: {message}\n(run with --debug for the traceback)", file=sys.stderr)
         return 2
 

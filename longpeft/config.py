@@ -9,15 +9,32 @@ this module is cheap: no torch, no transformers.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# The most positions (tokens) a length setting may name: past 2**28 a float32 cos/sin table of one 128-wide head
+# (512 bytes a position) alone takes 128 GiB, more than a GPU's memory, before any weight or activation.
+MAX_POSITIONS = 2**28
+
+
+def _within_rope_tables(value: int) -> int:
+    if value > MAX_POSITIONS:
+        raise ValueError(
+            f"{value:,} positions is past what any GPU can hold: at most {MAX_POSITIONS:,} (2**28; a RoPE cos/sin "
+            "table of that many positions alone fills a GPU)"
+        )
+    return value
+
+
+# A length in tokens (positions): > 0 and at most MAX_POSITIONS.
+Positions = Annotated[int, Field(gt=0), AfterValidator(_within_rope_tables)]
 
 
 class StrictModel(BaseModel):
@@ -42,14 +59,38 @@ def torch_dtype(name: str):
     return getattr(torch, name)
 
 
-def format_validation_error(source: str, exc: ValidationError) -> str:
-    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``."""
+def format_validation_error(source: str, exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``.
+
+    A section's own check that names one of its keys first (``ratios must list ...`` in ``beacon``) is written with
+    that key's dotted path (``beacon.ratios must list ...``) when ``model``, the validated class, is given.
+    """
     lines = []
     for error in exc.errors():
         key = ".".join(str(p) for p in error["loc"]) or "(top level)"
-        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
-        lines.append(f"  {key}: {message}")
+        message = "unknown key" if error["type"] == "extra_forbidden" else error["msg"].removeprefix("Value error, ")
+        field = _leading_field(model, error["loc"], message) if error["type"] == "value_error" else None
+        lines.append(f"  {key}.{message}" if field else f"  {key}: {message}")
     return f"{source}: invalid settings\n" + "\n".join(lines)
+
+
+def _leading_field(model: type[BaseModel] | None, loc: tuple[Any, ...], message: str) -> str | None:
+    """The field of the section at ``loc`` (in ``model``) that ``message`` starts with, or None."""
+    section = model
+    for part in loc:
+        field = section.model_fields.get(part) if section is not None and isinstance(part, str) else None
+        section = next(iter(_models_of(field.annotation)), None) if field is not None else None
+    first = re.match(r"[A-Za-z_]\w*", message)
+    if section is None or not loc or first is None or message[first.end() : first.end() + 1] == ".":
+        return None
+    return first.group() if first.group() in section.model_fields else None
+
+
+def _models_of(annotation: Any) -> list[type[BaseModel]]:
+    """The settings classes an annotation holds (itself, or inside ``X | None``, ``Annotated[...]``)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [model for argument in get_args(annotation) for model in _models_of(argument)]
 
 
 def validate(model: type[StrictModel], data: Any, source: str) -> Any:
@@ -59,7 +100,7 @@ def validate(model: type[StrictModel], data: Any, source: str) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(source, exc)) from None
+        raise ConfigError(format_validation_error(source, exc, model)) from None
 
 
 def parse_value(raw: str, where: str) -> Any:

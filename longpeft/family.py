@@ -24,6 +24,43 @@ def num_kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def head_dim_of(config: Any) -> int:
+    """Size of one attention head (``config.head_dim`` or ``hidden_size / num_attention_heads``)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+# The modules peft's LoRA adapts, by class name (the others are containers, norms, activations, ...).
+ADAPTABLE_KINDS = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d", "MultiheadAttention")
+
+
+def module_kinds(config: Any) -> dict[str, str] | None:
+    """``{module name: kind}`` of the causal LM a Llama-family config builds (``model.named_modules()``'s names but
+    the root's), from the config alone: ``Linear`` and ``Embedding`` for the layers LoRA adapts, ``other`` for the
+    rest; None for an architecture outside :data:`SUPPORTED_MODEL_TYPES` (build it on the meta device instead)."""
+    if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return None
+    kinds = {"model": "other", "model.embed_tokens": "Embedding", "model.layers": "other", "model.norm": "other"}
+    kinds |= {"model.rotary_emb": "other", "lm_head": "Linear"}
+    attention_norms = ("q_norm", "k_norm") if config.model_type == "qwen3" else ()
+    for index in range(config.num_hidden_layers):
+        layer = f"model.layers.{index}"
+        kinds |= dict.fromkeys((layer, f"{layer}.self_attn", f"{layer}.mlp", f"{layer}.mlp.act_fn"), "other")
+        kinds |= dict.fromkeys((f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm"), "other")
+        kinds |= {f"{layer}.self_attn.{name}": "Linear" for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+        kinds |= {f"{layer}.self_attn.{name}": "other" for name in attention_norms}
+        kinds |= {f"{layer}.mlp.{name}": "Linear" for name in ("gate_proj", "up_proj", "down_proj")}
+    return kinds
+
+
+def adaptable_kind(module: nn.Module) -> str:
+    """A built module's kind for :func:`module_kinds`: ``Linear`` or ``Embedding`` (their subclasses too), another
+    class LoRA adapts by its name (:data:`ADAPTABLE_KINDS`), else ``other``."""
+    for base in type(module).__mro__:
+        if base.__name__ in ADAPTABLE_KINDS and base.__module__.startswith(("torch.", "transformers.")):
+            return base.__name__
+    return "other"
+
+
 def is_attention_module(module: nn.Module) -> bool:
     """Whether ``module`` is a Llama-family self-attention (q/k/v/o projections, a layer index)."""
     return all(hasattr(module, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "layer_idx", "head_dim"))

@@ -126,13 +126,61 @@ def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
 
 def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = "") -> Path:
     """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached); ``what`` and
-    ``hint`` name it and say what to do in the error for a missing folder (:func:`check_model_source`)."""
+    ``hint`` name it and say what to do in the error for a missing folder (:func:`check_model_source`).
+
+    Raises:
+        ModelSourceError: a Hub repo whose answer lists no file, or that the Hub client cannot read
+            (:func:`asking_the_hub`), naming the repo.
+    """
     check_model_source(adapter, what, hint)
     if is_local(adapter):
         return Path(adapter)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
-    return Path(snapshot_download(str(adapter)))
+    with asking_the_hub(str(adapter), what):
+        folder = Path(snapshot_download(str(adapter)))
+    if not folder.is_dir() or not any(folder.iterdir()):
+        raise ModelSourceError(
+            f"{what} {adapter}: the Hub at {constants.ENDPOINT} lists no file in it (an empty repo, or a mirror that "
+            "lists none); check the repo id and HF_ENDPOINT, or give a local folder"
+        )
+    return folder
+
+
+# The libraries that ask the Hub and read its answers: an error raised inside them reading an answer is the answer's.
+HUB_CLIENT_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "httpx2", "httpcore2", "requests", "urllib3")
+
+
+@contextlib.contextmanager
+def asking_the_hub(repo: str, what: str) -> Iterator[None]:
+    """Hub requests about ``repo`` (named by ``what``, e.g. ``adapter``) in the block: an answer of another shape
+    than the Hub's, which the Hub client fails to read (its ``KeyError``, ``TypeError``, ``AttributeError``,
+    ``ValueError`` or ``AssertionError``), ends in one :class:`ModelSourceError` naming the repo and the endpoint."""
+    try:
+        yield
+    except (KeyError, TypeError, AttributeError, ValueError, AssertionError) as error:
+        if isinstance(error, LongpeftError) or not raised_in(error, HUB_CLIENT_PACKAGES, innermost=False):
+            raise
+        from huggingface_hub import constants
+
+        detail = f"{type(error).__name__}: {' '.join(str(error).split())[:200]}"
+        raise ModelSourceError(
+            f"{what} {repo}: the Hub at {constants.ENDPOINT} answered in a shape its client cannot read ({detail}); "
+            "check HF_ENDPOINT (a Hub mirror or proxy?), or give a local folder"
+        ) from error
+
+
+def raised_in(error: BaseException, packages: tuple[str, ...], innermost: bool = True) -> bool:
+    """Whether ``error`` was raised in one of ``packages`` (installed libraries): its traceback's innermost frame,
+    or with ``innermost=False`` any of its frames."""
+    frames = []
+    trace = error.__traceback__
+    while trace is not None:
+        frames.append(trace.tb_frame.f_code.co_filename)
+        trace = trace.tb_next
+    if innermost:
+        frames = frames[-1:]
+    return any(package in os.path.normpath(frame).split(os.sep) for frame in frames for package in packages)
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:

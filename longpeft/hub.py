@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from .adapter_weights import tied_names, write_tied_copies
 from .adapters import export_methods, spec_methods
+from .base_config import check_base_code
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
@@ -93,6 +94,7 @@ def merge(
             f"it out; only inference-time methods ({', '.join(optional)}) can be"
         )
     revision = pin_base_revision(spec, base_name, {}).get("revision")
+    check_base_code(base_name, revision, trusted=False, setting=None)
     quantization = getattr(AutoConfig.from_pretrained(base_name, revision=revision), "quantization_config", None)
     if quantization:
         raise ConfigError(

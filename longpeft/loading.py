@@ -10,10 +10,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
+from .base_config import check_base_code
 from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
 from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
-from .files import check_model_source, is_local, is_whole_model, local_adapter_dir
+from .files import check_model_source, is_local, is_whole_model, local_adapter_dir, raised_in
 from .reading import check_lora_adapter
 from .spec import ContextSpec
 
@@ -119,7 +120,7 @@ def load(
         SpecMismatchError: the adapter does not fit the base (checked on the config, before any
             weights are loaded when ``base`` is a path).
     """
-    adapter_dir = local_adapter_dir(adapter_dir)
+    given, adapter_dir = adapter_dir, local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none
         raise ConfigError(
@@ -135,6 +136,8 @@ def load(
         check_model_source(name, "base model", "; pass the base model (longpeft.load(base, adapter))")
         from_pretrained_kwargs.setdefault("trust_remote_code", False)  # never prompt, never run remote code unasked
         from_pretrained_kwargs = pin_base_revision(spec, name, from_pretrained_kwargs)
+        trusted, revision = from_pretrained_kwargs["trust_remote_code"], from_pretrained_kwargs.get("revision")
+        check_base_code(name, revision, trusted, "trust_remote_code=True")
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
         model = AutoModelForCausalLM.from_pretrained(name, **with_adapter_lookup_kwargs(from_pretrained_kwargs))
@@ -145,7 +148,16 @@ def load(
         model.generation_config = GenerationConfig.from_pretrained(adapter_dir)
     if (adapter_dir / "adapter_config.json").is_file():
         check_lora_adapter(adapter_dir)  # a missing or broken file is named here, never looked for on the Hub
-        model = load_adapter(model, adapter_dir, is_trainable=is_trainable)
+        try:
+            model = load_adapter(model, adapter_dir, is_trainable=is_trainable)
+        except KeyError as error:  # peft looked a weight its config describes up in the file: the file's fault
+            if not raised_in(error, ("peft",), innermost=False):
+                raise
+            raise DataError(
+                f"adapter {given}: adapter_model.safetensors lacks {error.args[0] if error.args else 'a weight'}, "
+                "which its adapter_config.json describes (a damaged or edited file: a tied embedding's record "
+                "longpeft.tied removed?); re-create the adapter, or copy / download the folder again"
+            ) from error
     elif not any(method.weights is not None for method, _ in spec_methods(spec)):
         raise ModelSourceError(
             f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "

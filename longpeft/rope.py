@@ -20,48 +20,8 @@ import torch
 from torch import nn
 
 from .errors import ConfigError, LongpeftError
-
-# rope_type -> keys that transformers requires besides "rope_type" and "rope_theta".
-ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
-# Keys each rope type reads besides its required ones (transformers ignores, with a log line, any other key).
-ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": (),
-    "dynamic": (),
-    "yarn": (
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
-    ),
-    "llama3": (),
-}
-
-
-def unused_rope_keys(rope_type: str, keys: Any) -> list[str]:
-    """The ``keys`` a ``rope_type`` does not read (transformers would ignore them)."""
-    used = {
-        "rope_type",
-        "rope_theta",
-        "partial_rotary_factor",
-        *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
-        *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ()),
-    }
-    return sorted(set(keys) - used)
-
-
-def head_dim_of(config: Any) -> int:
-    """Size of one attention head (``config.head_dim`` or ``hidden_size / num_attention_heads``)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+from .family import head_dim_of
+from .rope_parameters import rope_parameters_of, validate_rope_parameters
 
 
 def inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:
@@ -152,37 +112,6 @@ def cos_sin(
 # --------------------------------------------------------------------------------------------
 # Changing the RoPE parameters of a built model (transformers v5).
 # --------------------------------------------------------------------------------------------
-
-
-def rope_parameters_of(config: Any) -> dict[str, Any]:
-    """A copy of the config's complete ``rope_parameters`` dict (``rope_type`` and ``rope_theta`` at least)."""
-    params = getattr(config, "rope_parameters", None)
-    if not isinstance(params, dict) or "rope_theta" not in params:
-        raise ConfigError(
-            f"{type(config).__name__} has no usable rope_parameters ({params!r}); longpeft supports "
-            "RoPE models whose transformers v5 config carries rope_parameters with a rope_theta"
-        )
-    if "rope_type" not in params:
-        params = {**params, "rope_type": "default"}
-    return copy.deepcopy(dict(params))
-
-
-def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
-    """Check a rope_parameters dict for the rope types longpeft supports; returns it unchanged."""
-    rope_type = params.get("rope_type", "default")
-    if rope_type not in ROPE_TYPE_REQUIRED_KEYS:
-        raise ConfigError(
-            f"rope_parameters.rope_type={rope_type!r} is not supported; choose one of "
-            f"{sorted(ROPE_TYPE_REQUIRED_KEYS)}"
-        )
-    if "rope_theta" not in params:
-        raise ConfigError("rope_parameters needs rope_theta (the RoPE base)")
-    if float(params["rope_theta"]) <= 1:
-        raise ConfigError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
-    missing = [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]
-    if missing:
-        raise ConfigError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
-    return params
 
 
 def rotary_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -18,9 +18,9 @@ from pydantic import ConfigDict, Field, ValidationError
 
 from .config import StrictModel, format_validation_error
 from .errors import ConfigError, DataError, ModelSourceError
-from .family import num_kv_heads
+from .family import head_dim_of, num_kv_heads
 from .reading import read_json
-from .rope import head_dim_of, rope_parameters_of
+from .rope_parameters import rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 3

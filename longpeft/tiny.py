@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from typing import Any
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:  # a tiny base's settings and vocabulary are read torch-free (recipe validation): see tiny_settings
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
@@ -74,6 +76,21 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
         texts: training text; defaults to :func:`sample_text`.
         vocab_size: target vocabulary size including the special tokens and the 256 byte symbols.
     """
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=_train_backend(texts, vocab_size),
+        bos_token="<s>",
+        eos_token="<|end|>",
+        pad_token="<pad>",
+        unk_token=None,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _train_backend(texts: Iterable[str] | None, vocab_size: int) -> Tokenizer:
+    """The byte-level BPE of :func:`train_tokenizer`, trained by the tokenizers library alone."""
     texts = list(texts) if texts is not None else sample_text()
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -87,23 +104,30 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
         show_progress=False,
     )
     backend.train_from_iterator(texts, trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", unk_token=None
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return backend
+
+
+def _demo_texts() -> list[str]:
+    from .synth_data.corpus import corpus_texts
+
+    return corpus_texts(n=40, seed=0) + sample_text()
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
     """The tokenizer of ``tiny:`` models, the demo and ``longpeft synth --tokenizer tiny``: trained in
     memory on the procedural corpus (its words are single tokens) and :func:`sample_text`."""
-    from .synth_data.corpus import corpus_texts
-
-    return train_tokenizer(corpus_texts(n=40, seed=0) + sample_text())
+    return train_tokenizer(_demo_texts())
 
 
-def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
-    """A transformers config for a tiny model of the given architecture (see TINY_ARCHITECTURES).
+@lru_cache(maxsize=1)
+def demo_vocab_size() -> int:
+    """``len(demo_tokenizer())``, the vocabulary of ``tiny:`` models, computed without transformers."""
+    return _train_backend(_demo_texts(), 512).get_vocab_size(with_added_tokens=True)
+
+
+def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
+    """The ``config.json`` content of a tiny model of the given architecture (see TINY_ARCHITECTURES): its
+    ``model_type`` and settings, with the attention kernel as ``attn_implementation`` (no torch).
 
     Defaults: hidden 64, 2 layers, head_dim 16, RoPE base 10000, 256 trained positions, fp32.
     """
@@ -125,7 +149,15 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
     )
     settings.update(arch_overrides)
     settings.update(overrides)
-    attn_implementation = settings.pop("attn_implementation")
+    return {"model_type": model_type, **settings}
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
+    """A transformers config for a tiny model of the given architecture (:func:`tiny_settings`)."""
+    from transformers import AutoConfig
+
+    settings = tiny_settings(arch, vocab_size, **overrides)
+    model_type, attn_implementation = settings.pop("model_type"), settings.pop("attn_implementation")
     config = AutoConfig.for_model(model_type, **settings)
     config._attn_implementation = attn_implementation
     return config
@@ -133,6 +165,9 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
 
 def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 512, **overrides: Any) -> PreTrainedModel:
     """A randomly initialised (seeded) tiny causal LM in fp32 eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     config = tiny_config(arch, vocab_size=vocab_size, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)

@@ -871,6 +871,101 @@ def hub_cases(root: Path) -> list[tuple[str, list[str], Callable | None, None, s
     return out
 
 
+def remote_code_base(root: Path, adapter: Path) -> Path:
+    """A copy of the tiny base whose config.json names a model type transformers has no class for, and modeling code
+    of its own for it (``auto_map``)."""
+    folder = root / "bases" / "remote-code"
+    if not folder.exists():
+        shutil.copytree(adapter.parent / "base", folder)
+        config = json.loads((folder / "config.json").read_text())
+        auto_map = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+        write(folder / "config.json", json.dumps({**config, "auto_map": auto_map, "model_type": "custom_lm"}))
+    return folder
+
+
+def tied_adapter_without_record(root: Path) -> tuple[Path, Path]:
+    """(base, adapter): a LoRA adapter with a trained embedding on a tied tiny base, written as longpeft writes it
+    (the tied head left out), then its record of the tied names (``longpeft.tied``) removed."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    from longpeft.adapter_weights import leave_out_tied_copies
+    from longpeft.spec import ContextSpec
+    from longpeft.tiny import tiny_model
+
+    base, adapter = root / "bases" / "tied", root / "adapters" / "tied-no-record"
+    tiny_model("llama-tied", vocab_size=400).save_pretrained(base)
+    lora = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["model.embed_tokens"], ensure_weight_tying=True)
+    model = get_peft_model(tiny_model("llama-tied", vocab_size=400), lora)
+    model.save_pretrained(adapter)
+    leave_out_tied_copies(model, adapter)
+    ContextSpec.from_base(model.config, "rope", base_model=str(base)).save(adapter)
+    weights = adapter / "adapter_model.safetensors"
+    save_file(load_file(weights), str(weights), metadata={"format": "pt"})
+    return base, adapter
+
+
+def validation_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callable | None, None, str]]:
+    """What train refuses after reading the recipe against its base, in plan and train alike (the one validation
+    before any weight loads), library errors of the user's input, and Hub answers of another shape: (name, argv, a
+    Hub or none, no output to check, what the message must name)."""
+    out = []
+    checked = [
+        ("tiny-cpu", ["train.keep_attention=99"], "train.keep_attention"),
+        ("tiny-cpu", ["train.checkpoint_layers=99"], "train.checkpoint_layers"),
+        ("tiny-cpu", ["lora.target_modules=[nope]"], "lora.target_modules"),
+        ("tiny-cpu", ["lora.target_modules=[mlp]"], "lora.target_modules"),
+        ("tiny-cpu", ["rope.rope_type=linear"], "rope.factor"),
+        ("tiny-cpu", ["rope.max_position_embeddings=1000000000000"], "rope.max_position_embeddings"),
+        ("tiny-cpu", ["data.max_length=1000000000"], "data.max_length"),
+        ("tiny-cpu", ["model.eos_token_ids=[99999]"], "model.eos_token_ids"),
+        ("tiny-cpu", ["data.demo.n_conversation=3"], "data.demo.n_conversation"),
+        ("tiny-beacon-cpu", ["beacon.keep_start=64", "beacon.sink=0"], "beacon.keep_start"),
+        ("tiny-harpe-cpu", ["train.use_liger_kernel=true"], "train.use_liger_kernel"),
+    ]
+    no_template = root / "bases" / "no-chat-template"
+    shutil.copytree(adapter.parent / "base", no_template)
+    (no_template / "chat_template.jinja").unlink()
+    remote = remote_code_base(root, adapter)
+    checked += [
+        ("tiny-cpu", [f"model.name_or_path={no_template}"], "chat template"),
+        ("tiny-cpu", [f"model.name_or_path={remote}"], "model.trust_remote_code"),
+    ]
+    for command in ("plan", "train"):
+        for recipe, sets, names in checked:
+            never = root / f"never-{len(out)}"  # its own: a run that trained would make the next ones refuse
+            argv = [command, recipe, "--set", f"output_dir={never}", *(a for x in sets for a in ("--set", x))]
+            out.append((f"{command} {recipe} --set {' '.join(sets)}"[:60], argv, None, None, names))
+    out.append(
+        (
+            "merge onto a base with its own code",
+            ["merge", str(adapter), "--base", str(remote), "--out", str(root / "m1")],
+        )
+        + (None, None, "ships its own modeling code")
+    )
+    base, tied = tied_adapter_without_record(root)
+    out.append(
+        ("merge: tied adapter, record removed", ["merge", str(tied), "--out", str(root / "m2")], None, None, str(tied))
+    )
+    for name, mode, kwargs in (
+        ("empty file listing", "files", {"files": {}}),
+        ("revision without a sha", "answer", {"answer": {"id": 3, "sha": None, "siblings": {}}}),
+    ):
+        hub = lambda mode=mode, kwargs=kwargs: _hub_of(mode, kwargs)  # noqa: E731
+        out.append(
+            (f"merge someone/a: Hub {name}", ["merge", "someone/a", "--out", str(root / "m3")], hub, None, "someone/a")
+        )
+        plan = ["plan", "tiny-cpu", "--set", "model.name_or_path=someone/a"]
+        out.append((f"plan, base someone/a: Hub {name}", plan, hub, None, "someone/a"))
+    return out
+
+
+@contextlib.contextmanager
+def _hub_of(mode: str, kwargs: dict) -> Iterator[None]:
+    with FakeHub(mode, **kwargs) as hub, pointed_at(hub.endpoint):
+        yield
+
+
 def classify(
     argv: list[str], fault: Callable | None = None, leftover: Path | None = None, names: str | None = None
 ) -> tuple[str, int | None, str]:
@@ -922,6 +1017,7 @@ def run_all(show: Callable[[str], None] = lambda line: None) -> tuple[dict[str, 
                 + broken_file_cases(root, adapter)
                 + fault_cases(root, adapter)
                 + hub_cases(root)
+                + validation_cases(root, adapter)
             )
             counts = {"cases": len(all_cases), "clear": 0, "unnamed": 0, "exit 0": 0, "hung": 0, "other": 0}
             failures = []

@@ -11,6 +11,8 @@
     slow download that never stalls);
   - ``"answer"``: the repo's other API requests (the revision's info, the file listing) are answered with ``answer``
     (JSON of the wrong shape), files are 404.
+  - ``"files"``: a repo holding ``files`` (``{name: bytes}``), served as the Hub serves them (listed in its info,
+    downloaded whole); any other file is the Hub's 404 of a missing entry.
 
   In ``stall_body`` and ``trickle`` a listing is answered (empty). API paths about no repo (huggingface_hub's list
   of agent harnesses, ...) are 404.
@@ -27,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import socket
@@ -60,8 +63,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.hub.requests.append(f"{self.command} {path}")
         mode, api, file = self.hub.mode, _REPO_API.match(path), _FILE.match(path)
         tail = (api.group(3) or "") if api else ""
-        if api and (not tail or tail.startswith("/revision/") and mode != "answer"):
-            self._json({"id": api.group(2), "sha": SHA, "siblings": [{"rfilename": "config.json"}]})
+        if mode == "files" and file:
+            name = file.group(3)
+            self._file(self.hub.files[name], whole=True) if name in self.hub.files else self._missing_entry()
+        elif api and (not tail or tail.startswith("/revision/") and mode != "answer"):
+            listed = sorted(self.hub.files) if mode == "files" else ["config.json"]
+            self._json({"id": api.group(2), "sha": SHA, "siblings": [{"rfilename": name} for name in listed]})
         elif not api and not file:
             self._empty(404)  # no repo's: the agent harnesses, ...
         elif mode == "answer":
@@ -73,12 +80,13 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._file(b"" if mode == "stall_body" else FakeHub.TRICKLED)
 
-    def _file(self, body: bytes) -> None:
-        """Headers of a file of ``body`` (an empty body: one that never comes), then its bytes one at a time."""
+    def _file(self, body: bytes, whole: bool = False) -> None:
+        """Headers of a file of ``body`` (an empty body: one that never comes), then its bytes one at a time (all at
+        once when ``whole``)."""
         self.send_response(200)
         for name, value in (
             ("Content-Length", str(len(body) or FILE_SIZE)),
-            ("ETag", f'"{"1" * 40}"'),
+            ("ETag", f'"{hashlib.sha1(body).hexdigest() if whole else "1" * 40}"'),  # a blob's name in the cache
             ("X-Repo-Commit", SHA),
             ("Content-Type", "application/octet-stream"),
         ):
@@ -86,6 +94,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.flush()
         if self.command != "GET":
+            return
+        if whole:
+            self.wfile.write(body)
             return
         if not body:
             self.hub.released.wait()  # the body never comes
@@ -105,6 +116,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command == "GET":
             self.wfile.write(data)
 
+    def _missing_entry(self) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", "EntryNotFound")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def _empty(self, status: int) -> None:
         self.send_response(status)
         self.send_header("Content-Length", "0")
@@ -121,10 +138,10 @@ class FakeHub:
     TRICKLED = b'{"model_type": "llama"}'  # what "trickle" sends, a byte at a time
     TRICKLE_GAP = 0.15  # seconds between two bytes (23 bytes: longer than the tests' 2 s wait)
 
-    def __init__(self, mode: str = "stall", answer: object = None) -> None:
-        if mode not in ("stall", "stall_body", "trickle", "answer"):
+    def __init__(self, mode: str = "stall", answer: object = None, files: dict[str, bytes] | None = None) -> None:
+        if mode not in ("stall", "stall_body", "trickle", "answer", "files"):
             raise ValueError(f"mode {mode!r}")
-        self.mode, self.answer = mode, answer
+        self.mode, self.answer, self.files = mode, answer, dict(files or {})
         self.requests: list[str] = []
         self.released = threading.Event()  # set on exit: held requests end, so the server can close
 
@@ -132,7 +149,7 @@ class FakeHub:
         handler = type("Handler", (_Handler,), {"hub": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         return self
 

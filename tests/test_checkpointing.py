@@ -336,10 +336,13 @@ def test_bad_memory_settings_are_refused_naming_the_key(overrides, message):
         load_recipe("tiny-cpu", overrides)
 
 
-def test_layers_beyond_the_model_are_refused():
-    recipe = load_recipe("tiny-cpu", ["train.checkpoint_layers=9"])
-    with pytest.raises(ValueError, match="train.checkpoint_layers=9: the model has 2 decoder layers"):
-        resolve_checkpointing(recipe, shape_of("tiny:llama"))
+@pytest.mark.parametrize("key", ["checkpoint_layers", "keep_attention"])
+def test_layers_beyond_the_model_are_refused(key):
+    from longpeft.recipes.validate import validate_recipe
+
+    recipe = load_recipe("tiny-cpu", [f"train.{key}=9"])
+    with pytest.raises(ValueError, match=f"train.{key}=9: the model has 2 decoder layers"):
+        validate_recipe(recipe)
 
 
 @pytest.mark.parametrize(
@@ -350,12 +353,12 @@ def test_layers_beyond_the_model_are_refused():
     ],
 )
 def test_liger_is_refused_with_the_reason(recipe, overrides, message):
-    from longpeft.recipes.memory import check_liger
+    from longpeft.recipes.validate import check_here, validate_recipe
 
     if torch.cuda.is_available() and "CUDA" in message:
         pytest.skip("checks the refusal on a machine without CUDA")
     with pytest.raises(ValueError, match=message):
-        check_liger(load_recipe(recipe, ["train.use_liger_kernel=true", *overrides]))
+        check_here(validate_recipe(load_recipe(recipe, ["train.use_liger_kernel=true", *overrides])))
 
 
 def test_a_run_with_every_lever_trains_as_plain_checkpointing(tmp_path, capsys):

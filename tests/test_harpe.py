@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from longpeft.adapters.harpe import apply_head_bases, has_head_bases, remove_head_bases, uniform_bases
-from longpeft.rope import head_dim_of
+from longpeft.family import head_dim_of
 from longpeft.tiny import tiny_model
 
 ARCHS = ["llama", "llama-mha", "mistral", "qwen2", "qwen3"]

@@ -157,8 +157,8 @@ def test_write_remote_code_errors(tmp_path):
 
 
 def test_harpe_recipes_have_the_paper_settings_and_give_head_bases():
-    from longpeft.recipes.model import build_spec
     from longpeft.recipes.schema import load_recipe
+    from longpeft.recipes.validate import build_spec
     from longpeft.tiny import tiny_config
 
     paper = load_recipe("llama2-7b-harpe-128k")

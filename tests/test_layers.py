@@ -56,6 +56,24 @@ FORBIDDEN = {
     # transformers' tie_weights through peft's wrappers: peft glue as the weight files' is (they install it)
     "peft_ties": {"*"},
     "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
+    # torch-free RoPE parameter dicts, beside the config layer: the method sections and the base's config read them
+    "rope_parameters": {"*"},
+    "transformers_source": {"*"},  # transformers' model types and optimizer names, read from its source
+    # a base's config read without weights or torch: below the recipes' validation, loading and merging
+    "base_config": {
+        "rope",
+        "spec",
+        "adapters",
+        "recipes",
+        "cli",
+        "hub",
+        "loading",
+        "convert",
+        "eval",
+        "scale",
+        "launch",
+        "synth_data",
+    },
     "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
     "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},
     "eval": {"recipes", "cli"},
@@ -187,14 +205,31 @@ def test_the_llm_client_parts_import_only_those_below_them(part):
     assert used <= LLM_CLIENT_PARTS[part], f"{name} imports {sorted(used - LLM_CLIENT_PARTS[part])}"
 
 
-@pytest.mark.parametrize("name", ["longpeft.files", "longpeft.hub_wait"])
+@pytest.mark.parametrize("name", ["longpeft.files", "longpeft.hub_wait", "longpeft.rope_parameters"])
 def test_the_file_rules_need_no_torch(name):
     assert not imports(name)[1] & set(HEAVY)
 
 
-def test_the_reader_imports_no_torch_at_import_time():
-    """``longpeft.reading`` imports torch and safetensors inside the readers that need them only."""
-    tree = ast.parse((PACKAGE / "reading.py").read_text())
+# Modules whose import needs no torch, which they import inside the functions that need it (CONTRIBUTING.md, rules):
+# the reader of files, and what validating a recipe imports (the schema, the registry and every method package's
+# record, the base's config, the validation).
+TORCH_ON_USE = [
+    "reading",
+    "transformers_source",
+    "base_config",
+    "tiny",
+    "recipes/schema",
+    "recipes/validate",
+    "adapters/__init__",
+    "adapters/registry",
+    *(f"adapters/{method}/__init__" for method in ("rope_base", "harpe", "pose", "string", "beacon")),
+]
+
+
+@pytest.mark.parametrize("module", TORCH_ON_USE)
+def test_the_reader_imports_no_torch_at_import_time(module):
+    """These modules import torch (and the libraries on it) inside the functions that need it only."""
+    tree = ast.parse((PACKAGE / f"{module}.py").read_text())
     top = {alias.name.split(".")[0] for node in tree.body if isinstance(node, ast.Import) for alias in node.names}
     top |= {node.module.split(".")[0] for node in tree.body if isinstance(node, ast.ImportFrom) and node.module}
     assert not top & set(HEAVY)

@@ -127,7 +127,7 @@ def test_a_rope_base_below_a_real_bases_is_refused_before_anything_loads():
     """The 80K recipe's base (Llama-3-8B-Instruct, config values) turns with 500000."""
     from transformers import LlamaConfig
 
-    from longpeft.recipes.model import build_spec
+    from longpeft.recipes.validate import build_spec
 
     config = LlamaConfig(
         vocab_size=128256,

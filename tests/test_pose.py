@@ -259,8 +259,8 @@ def test_method_pose_in_a_recipe_trains_with_skip_wise_positions(tiny_base_dirs,
 def test_pose_positions_must_fit_the_model_and_reach_past_the_window(tiny_base_dirs, overrides, message):
     """PoSE trains positions up to its target: a model left at fewer positions (its spec said 512 for a model
     trained to 2047) or a target no longer than the window (every skip 0: plain training) is refused."""
-    from longpeft.recipes.model import build_spec, check_against_base
     from longpeft.recipes.schema import load_recipe
+    from longpeft.recipes.validate import build_spec, check_against_base
     from longpeft.tiny import tiny_config
 
     recipe = load_recipe(

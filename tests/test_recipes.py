@@ -760,7 +760,8 @@ def test_bundled_recipes_pass_the_checks_against_their_base(name, tmp_path):
     recipe's own base: the CPU recipes' tiny and toy bases, the 8B recipes' bases by their real config values."""
     from transformers import AutoConfig, LlamaConfig
 
-    from longpeft.recipes.model import base_location, build_spec, check_against_base
+    from longpeft.recipes.model import base_location
+    from longpeft.recipes.validate import build_spec, check_against_base
 
     # HARPE's peak-valley search at 128K (34 s on CPU) is tested in test_harpe_selection; the positions are not its.
     faster = ["harpe.selection=uniform"] if name == "llama2-7b-harpe-128k" else []

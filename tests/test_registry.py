@@ -13,6 +13,7 @@ import longpeft
 from longpeft import hub
 from longpeft.adapters import METHODS, Method, apply_spec, register, unregister
 from longpeft.config import StrictModel
+from longpeft.errors import ConfigError
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import RecipeError, load_recipe
 from longpeft.spec import ContextSpec
@@ -123,9 +124,11 @@ def test_non_finite_settings_are_refused():
 
 
 def test_trl_section_is_validated():
+    from longpeft.recipes.validate import validate_recipe
+
     assert load_recipe("tiny-cpu", ["trl.logging_first_step=true"]).trl == {"logging_first_step": True}
-    with pytest.raises(RecipeError, match="trl.not_an_argument: not an argument of trl.SFTConfig"):
-        load_recipe("tiny-cpu", ["trl.not_an_argument=1"])
+    with pytest.raises(ConfigError, match="trl.not_an_argument: not an argument of trl.SFTConfig"):
+        validate_recipe(load_recipe("tiny-cpu", ["trl.not_an_argument=1"]))
     with pytest.raises(RecipeError, match="trl.learning_rate is set by longpeft: use train.learning_rate"):
         load_recipe("tiny-cpu", ["trl.learning_rate=1e-4"])
 

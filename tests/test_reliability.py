@@ -437,13 +437,15 @@ def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypat
     ],
 )
 def test_a_bug_keeps_its_traceback(error, monkeypatch, capsys):
-    """A KeyError (or any error longpeft did not raise as a user error) is a bug: it is not dressed as bad input."""
+    """A KeyError (or any error longpeft did not raise as a user error) is a bug: it is not dressed as bad input,
+    its traceback is printed, and a last line says so and how to report it (exit 1)."""
     import longpeft.cli
 
     monkeypatch.setattr(longpeft.cli, "cmd_plan", _raising(error))
-    with pytest.raises(type(error)):
-        main(["plan", "tiny-cpu"])
-    assert "error:" not in capsys.readouterr().err
+    assert main(["plan", "tiny-cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "error:" not in err and f"{type(error).__name__}: {error}" in err
+    assert err.splitlines()[-1].endswith("run with --debug and report the traceback")
 
 
 def test_the_console_prints_a_bugs_traceback(tmp_path):

@@ -631,8 +631,8 @@ def test_planned_samples_count_the_data_rows_up_to_max_samples(tmp_path):
 
 
 def test_plan_checks_the_recipe_against_a_base_config_on_this_machine(tiny_base_dirs, tmp_path, monkeypatch, capsys):
-    """`longpeft plan` (no --build, nothing downloaded) runs the checks `train` runs against the base's config when
-    it is here: a tiny: model, a local folder, a Hub model in the cache; otherwise it says it could not."""
+    """`longpeft plan` (no --build, no weights) runs the checks `train` runs against the base's config when it is
+    here: a tiny: model, a local folder, a Hub model in the cache; offline and not cached, it says it could not."""
     import shutil
 
     from huggingface_hub import constants
@@ -647,8 +647,11 @@ def test_plan_checks_the_recipe_against_a_base_config_on_this_machine(tiny_base_
 
     hub = ["--set", "model.name_or_path=owner/cached-model", "--set", "model.eos_token_ids=[999999]"]
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    assert main(["plan", "tiny-cpu", *hub]) == 0  # not in the cache: planned, and said so
-    assert "owner/cached-model's config.json is not on this machine" in capsys.readouterr().err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["plan", "tiny-cpu", *hub]) == 0  # not in the cache, and the Hub offline: planned, and said so
+    assert "owner/cached-model: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set" in (
+        capsys.readouterr().err
+    )
     snapshot = tmp_path / "hub" / "models--owner--cached-model" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     shutil.copy(base / "config.json", snapshot / "config.json")
@@ -782,12 +785,16 @@ def test_plan_longest_says_when_it_could_not_check_the_positions(tmp_path, monke
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert main(["plan", "llama3-8b-instruct-80k-qlora", "--gpus", "1", "--longest"]) == 0
     out = capsys.readouterr().out
     assert re.search(
         r"^longest sample: [\d,]+ tokens per GPU sample, bounded by memory \(positions not checked\)$", out, flags=re.M
     )
-    assert "positions: not checked (meta-llama/Meta-Llama-3-8B-Instruct's config.json is not on this machine" in out
+    assert (
+        "positions: not checked (model.name_or_path meta-llama/Meta-Llama-3-8B-Instruct: its config.json is not in "
+        "the Hugging Face cache and HF_HUB_OFFLINE is set)"
+    ) in out
 
 
 def test_plan_prints_where_train_writes(tmp_path, monkeypatch, capsys):

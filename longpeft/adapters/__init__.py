@@ -10,9 +10,7 @@ A new method is a folder beside these (see :mod:`.registry` for its files) and o
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..errors import DataError
 from ..spec import ContextSpec
@@ -39,7 +37,10 @@ from .registry import (
     registered,
     unregister,
 )
-from .rope_base import expand_rope_base
+
+if TYPE_CHECKING:  # registering the methods and reading their sections need no torch (see .registry)
+    import torch
+    from torch import nn
 
 register(rope_base.METHOD)
 register(harpe.METHOD)
@@ -123,7 +124,6 @@ __all__ = [
     "check_applicable",
     "check_conflicts",
     "config_of",
-    "expand_rope_base",
     "export_methods",
     "find_conflicts",
     "gathered_tensors",

@@ -9,6 +9,10 @@ Every context-extension method has one shape (peft's tuners are the model) and o
 - ``export.py``, where the method exports: the files a merged model needs;
 - ``__init__.py``: ``METHOD``, the :class:`Method` naming its hooks (named functions), and the public names.
 
+A method package's ``__init__.py`` imports no torch: registering the methods and validating a recipe (its sections,
+their ``resolve``) need none. Its hooks into torch code are :func:`imported_on_call`, and its public torch names load
+on first use (:func:`torch_names`).
+
 Adding a method is that folder and one :func:`register` line in ``longpeft/adapters/__init__.py``; every other
 module reads what it needs from the :class:`Method` fields, and never names a method. What a method cannot run
 with (another method, or a way of training: weight sharding, split sequences, Liger's kernels, unsloth, a second
@@ -18,6 +22,7 @@ data collator) is declared in its ``conflicts`` and refused by :func:`check_conf
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -32,6 +37,31 @@ from ..errors import ConfigError, DataError
 if TYPE_CHECKING:  # the registry itself needs no torch: method configs import it
     import torch
     from torch import nn
+
+
+def imported_on_call(module: str, name: str) -> Callable[..., Any]:
+    """The function ``module.name`` as a method hook, imported when the hook is first called: a method's torch code
+    (``modeling.py``, ``patch.py``, ...) is named in its :class:`Method` without being imported, so registering it
+    imports no torch. The hook keeps the function's name and module (tracebacks, the contract test)."""
+
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args, **kwargs)
+
+    hook.__name__ = hook.__qualname__ = name
+    hook.__module__ = module
+    return hook
+
+
+def torch_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
+    """The module ``__getattr__`` (PEP 562) of a method package whose public torch names (``names``: name -> the
+    package's submodule that defines it) are imported on first use, so that importing the package needs no torch."""
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.{names[name]}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import LongpeftError
-from ..rope import head_dim_of
+from ..family import head_dim_of
 
 
 class InsufficientMemoryError(LongpeftError, MemoryError):

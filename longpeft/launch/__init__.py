@@ -67,11 +67,17 @@ def check_launch(recipe: Any, launch: str) -> None:
 
 
 def check_sharded(recipe: Any, how: str) -> None:
-    """Refuse a method that cannot train with the model's weights sharded across processes (its registry
-    ``conflicts`` name ``sharded_weights``); ``how`` names the sharding for the message (``--launch fsdp2``, ...)."""
+    """Refuse what cannot train with the model's weights sharded across processes: a method whose registry
+    ``conflicts`` name ``sharded_weights``, and the tiled MLP; ``how`` names the sharding for the message
+    (``--launch fsdp2``, ...)."""
     from ..adapters import check_conflicts
 
     check_conflicts(recipe.method_configs(), {"sharded_weights": how})
+    if recipe.train.mlp_tile_tokens:
+        raise ConfigError(
+            f"train.mlp_tile_tokens with {how}: the tiled MLP reads its layer's weights outside the sharded "
+            "module's gather; use --launch ddp or remove train.mlp_tile_tokens"
+        )
 
 
 def check_sequence_parallel(recipe: Any) -> None:

@@ -27,7 +27,7 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     if data.source == "demo":
         from ..synth_data import build_demo_dataset
 
-        dataset = build_demo_dataset(tokenizer, **data.demo)
+        dataset = build_demo_dataset(tokenizer, **data.demo.model_dump(exclude_none=True))
     elif data.source == "retrieval":
         from ..synth_data.retrieval_docs import build_retrieval_dataset
 

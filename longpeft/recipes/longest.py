@@ -1,7 +1,7 @@
 """The longest sample a recipe can train (``longpeft plan --longest``), and what bounds it.
 
 Two things bound it: memory (the planner's peak per GPU, :func:`longpeft.scale.plan.longest_fitting`) and positions
-(the adapted model's: a longer ``data.max_length`` is refused by ``train``, :func:`.model.check_against_base`); the
+(the adapted model's: a longer ``data.max_length`` is refused by ``train``, :func:`.validate.check_against_base`); the
 shorter wins. The recipe's own lengths (``data.max_length``, ``target_length``) are said beside them, with whether
 they fit.
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..base_config import BaseNotHere, read_base
 from ..scale.plan import Plan, longest_fitting, plan_at_length, shape_of
-from .model import build_spec, local_base_config, positions_spanned
 from .schema import Recipe
+from .validate import build_spec, positions_spanned
 
 LIMIT = 1 << 24  # tokens: the longest sample searched
 
@@ -84,17 +85,13 @@ class LongestSample:
 
 def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int | None, str]:
     """``(longest, max_positions, source)``: the longest ``data.max_length`` (up to ``limit``) whose input stays
-    inside the adapted model's positions (:func:`.model.positions_spanned`), those positions, and where the base's
+    inside the adapted model's positions (:func:`.validate.positions_spanned`), those positions, and where the base's
     config came from; ``(None, None, why)`` without the base's config on this machine."""
-    local = local_base_config(recipe)
-    if local is None:
-        return (
-            None,
-            None,
-            f"{recipe.model.name_or_path}'s config.json is not on this machine; plan --build downloads it",
-        )
-    config, source = local
-    spec = build_spec(recipe, config, recipe.model.name_or_path)
+    try:
+        base = read_base(recipe.model.name_or_path, recipe.model.revision)
+    except BaseNotHere as missing:
+        return None, None, str(missing)
+    spec, source = build_spec(recipe, base.config, recipe.model.name_or_path), base.source
     max_positions = spec.max_position_embeddings
 
     def fits(length: int) -> bool:

@@ -9,14 +9,12 @@ Liger's kernels, which they build on.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ..errors import ConfigError
 from ..launch import sequence_parallel_size
 from ..scale.checkpointing import CheckpointSettings, apply_checkpointing, decoder_layers
 from ..scale.plan import GPU_PEAK_TFLOPS, GiB, resolve_checkpointing, shape_from_config
@@ -60,40 +58,6 @@ def checkpoint_settings(
     return resolve_checkpointing(
         recipe, shape, processes, device_memory_gib(), gpu, planned_launch(distributed_type, processes)
     )
-
-
-def check_memory_options(recipe: Recipe, sharded: bool) -> None:
-    """Refuse the memory options this run cannot carry out, naming the key and why."""
-    if recipe.train.mlp_tile_tokens and sharded:
-        raise ConfigError(
-            "train.mlp_tile_tokens under a sharded launch (FSDP2, DeepSpeed ZeRO-3): the tiled MLP "
-            "reads its layer's weights outside the sharded module's gather; use --launch ddp or remove "
-            "train.mlp_tile_tokens"
-        )
-    if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
-        raise ConfigError(
-            "train.keep_attention keeps the output of an attention kernel, and eager attention is no "
-            "single kernel; use model.attn_implementation: sdpa (or flash_attention_2)"
-        )
-    if recipe.train.use_liger_kernel:
-        check_liger(recipe)
-
-
-def check_liger(recipe: Recipe) -> None:
-    """Liger's kernels need CUDA and the liger-kernel package, and replace the RoPE of methods that rotate their own
-    queries and keys (their registry ``conflicts`` name ``liger_kernels``)."""
-    from ..adapters import check_conflicts
-
-    check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine "
-            "has none; set train.use_liger_kernel: false here"
-        )
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise ConfigError(
-            "train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)"
-        )
 
 
 class TrainingMemory(TrainerCallback):

@@ -12,18 +12,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..adapter_weights import tied_copies, tied_copies_bytes, write_tied_copies
-from ..adapters import METHODS, ResolveContext, apply_spec, export_methods, save_method_weights, spec_methods
+from ..adapters import METHODS, apply_spec, export_methods, save_method_weights
+from ..base_config import TINY_PREFIX
 from ..config import torch_dtype
 from ..errors import ConfigError
 from ..files import check_model_source, written_atomically
-from ..spec import ContextSpec, base_reference, recipe_hash
+from ..spec import ContextSpec
 from ..synth_data.utk import add_utk_tokens
 from .schema import Recipe
+from .validate import build_spec
 
 if TYPE_CHECKING:  # transformers' classes are imported where they are used: `longpeft plan` needs none of them
     from transformers import BitsAndBytesConfig, PreTrainedModel, PreTrainedTokenizerBase
-
-TINY_PREFIX = "tiny:"
 
 
 def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
@@ -104,98 +104,6 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
     )
 
 
-def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
-    """The ContextSpec this recipe gives the base model: every method section resolved against the
-    base (complete RoPE parameters, HARPE bases, STRING's default shift, ...), and the lengths."""
-    trained_length = recipe.data.max_length
-    target_length = recipe.target_length or trained_length
-    resolved: dict[str, Any] = {}
-    for name, config in recipe.method_configs().items():
-        context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
-        resolved[name] = METHODS[name].resolve(config, context)
-    return ContextSpec.from_base(
-        base_config,
-        recipe.method,
-        base_model=spec_base_reference(recipe, base_id),
-        methods={name: config.model_dump() for name, config in resolved.items()},
-        trained_length=trained_length,
-        target_length=target_length,
-        recipe_hash=recipe_hash(recipe.model_dump()),
-    )
-
-
-def check_against_base(recipe: Recipe, spec: ContextSpec) -> None:
-    """Settings that only make sense for this base model, checked before anything is loaded or trained."""
-    vocab = spec.base_shape.vocab_size
-    problems = []
-    # A tiny: model stands in for the recipe's real one (plan --stand-in): its token ids are the real model's.
-    stand_in = recipe.model.name_or_path.startswith(TINY_PREFIX)
-    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
-    if bad_eos:
-        problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
-    bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
-    if bad_rows:
-        problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
-    span = positions_spanned(spec, recipe.data.max_length)
-    if span > spec.max_position_embeddings:
-        bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
-        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.training.span is not None)
-        how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
-        problems.append(
-            f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
-            f"{spec.max_position_embeddings}; "
-            + (
-                f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions"
-                if bounded
-                else "raise rope.max_position_embeddings"
-            )
-        )
-    if problems:
-        raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
-
-
-def local_base_config(recipe: Recipe) -> tuple[Any, str] | None:
-    """The base's config and where it came from, without loading or downloading anything: a ``tiny:`` model's
-    config or the base's config.json on this machine (a local folder, or a Hub model in the cache); None when there
-    is none here."""
-    from ..scale.plan import local_config_file
-
-    name = recipe.model.name_or_path
-    if name.startswith(TINY_PREFIX):
-        from ..tiny import tiny_config
-
-        return tiny_config(name[len(TINY_PREFIX) :]), name
-    config_file = local_config_file(name)
-    if config_file is None:
-        return None
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(config_file.parent), str(config_file)
-
-
-def check_against_local_base(recipe: Recipe) -> str | None:
-    """:func:`check_against_base` without loading or downloading anything (``longpeft plan``), against
-    :func:`local_base_config`. Returns where the config came from, or None when there is none here (nothing
-    checked)."""
-    local = local_base_config(recipe)
-    if local is None:
-        return None
-    config, source = local
-    check_against_base(recipe, build_spec(recipe, config, recipe.model.name_or_path))
-    return source
-
-
-def positions_spanned(spec: ContextSpec, length: int) -> int:
-    """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``,
-    unless a method keeps positions bounded, as Activation Beacon does)."""
-    spans = [
-        method.training.span(config, length, spec.max_position_embeddings)
-        for method, config in spec_methods(spec)
-        if method.training.span is not None
-    ]
-    return min(spans, default=length)
-
-
 def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
     """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
     parameters: dict[str, Any] = {}
@@ -203,17 +111,6 @@ def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
         if METHODS[name].weights is not None:
             parameters.update(METHODS[name].weights.parameters(model))
     return parameters
-
-
-def spec_base_reference(recipe: Recipe, base_id: str) -> str:
-    """How the spec names its base (:func:`~longpeft.spec.base_reference`): a built-in model by its name
-    (``longpeft:toy-base``, wherever longpeft is installed); a local folder (a ``tiny:`` base generated inside the
-    run folder, ``../base``) relative to the adapter folder, so that the two can move together; a Hub id as given."""
-    from ..builtin_models import BUILTIN_MODELS
-
-    if recipe.model.name_or_path in BUILTIN_MODELS:
-        return recipe.model.name_or_path
-    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
 
 
 def attention_implementation(requested: str) -> str:
@@ -246,8 +143,7 @@ def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBas
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     config = AutoConfig.from_pretrained(base_id, **common)
-    spec = build_spec(recipe, config, base_id)
-    check_against_base(recipe, spec)
+    spec = build_spec(recipe, config, base_id)  # the recipe was validated against this config (validate.py)
     if recipe.data.utk is not None:  # UtK's knot, label and trace tokens join the vocabulary
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
         spec.vocab_size = max(len(tokenizer), config.vocab_size)
@@ -399,7 +295,7 @@ def save_adapter(
     model card.
 
     LoRA weights are in peft's own format (a trained embedding tied to the head under both its names), and both
-    longpeft.json and adapter_config.json name the base as :func:`spec_base_reference` does (no path of this
+    longpeft.json and adapter_config.json name the base as :func:`~.validate.spec_base_reference` does (no path of this
     machine). When the spec changes what plain ``PeftModel.from_pretrained`` cannot know (the RoPE parameters, a
     method applied at load), a warning says what it would leave out.
 

@@ -56,7 +56,7 @@ from .data import (
     utk_limit,
 )
 from .init_from import adapter_folder, check_init_adapter, load_init_weights, report_differences
-from .memory import TrainingMemory, check_memory_options, checkpoint_settings, shapes_memory
+from .memory import TrainingMemory, checkpoint_settings, shapes_memory
 from .method_trainer import method_checkpoint_trainer
 from .model import (
     adapter_settings,
@@ -87,6 +87,7 @@ from .trainer import (
     train_or_take_last,
     with_method_labels,
 )
+from .validate import Validation, check_here, validate_recipe
 
 
 @dataclass
@@ -112,11 +113,18 @@ class Prepared:
 
 
 @without_checkpointing_notice()  # peft and TRL read a property transformers deprecates
-def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> Prepared:
+def prepare(
+    recipe: Recipe, callbacks: list[TrainerCallback] | None = None, validation: Validation | None = None
+) -> Prepared:
     """Build the model, the data and the trainer of a recipe, in that order, without training (``longpeft plan
-    --build`` prints the result's ``resolved`` settings); every source the recipe names is checked first
-    (:func:`check_sources`)."""
+    --build`` prints the result's ``resolved`` settings). The recipe is validated first (``validation``, the
+    result of :func:`~.validate.validate_recipe` when the caller ran it), then this machine (:func:`check_here`),
+    every source the recipe names (:func:`check_sources`) and the stage it starts from (``model.init_from``)."""
+    validation = validation or validate_recipe(recipe)
+    check_here(validation)
     check_sources(recipe)
+    # the stage it starts from, checked against the recipe and its base's config before any weight loads
+    start = check_init_adapter(recipe, validation.spec, validation.base.config) if recipe.model.init_from else None
     fast = None
     if recipe.train.backend == "unsloth":
         fast = unsloth_backend.fast_language_model()  # before TRL is imported: unsloth patches its trainers
@@ -128,7 +136,6 @@ def prepare(recipe: Recipe, callbacks: list[TrainerCallback] | None = None) -> P
     args = sft_config(recipe, output_dir)
     plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
     model, tokenizer, spec = build_model(recipe, base_id, args, fast)
-    start = check_init_adapter(recipe, spec, model.config) if recipe.model.init_from else None
     with args.main_process_first(local=True, desc="data"):
         dataset, data_stats = build_dataset(recipe, tokenizer)
     trainer = build_trainer(
@@ -275,7 +282,6 @@ def build_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Any:
     """What each layer keeps (:mod:`.memory`), installed when training begins; returns the checkpointing settings
     (None when transformers' own checkpointing runs as is)."""
     distributed_type = str(trainer.accelerator.distributed_type)
-    check_memory_options(recipe, sharded="FSDP" in distributed_type or "DEEPSPEED" in distributed_type)
     checkpointing = None
     if recipe.train.backend == "transformers" and shapes_memory(recipe):
         checkpointing = checkpoint_settings(recipe, model_config, world_size(), distributed_type)
@@ -298,6 +304,8 @@ def run(
         allow_recipe_change: resume even though training keys of the recipe changed since the run
             started (otherwise refused, naming the keys); the run then goes on with, and records, this recipe.
     """
+    validation = validate_recipe(recipe)  # before anything is written or loaded: what plan checks
+    check_here(validation)
     output_dir = recipe.resolved_output_dir()
     skipped: list[str] = []
     checkpoint = latest_checkpoint(output_dir, skipped)
@@ -325,7 +333,7 @@ def run(
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
             save_training_recipe(output_dir, recipe.model_dump())
     taken_up = [ApplyOptimizerSettings(recipe.train)] if changed else []  # the checkpoint restores the old ones
-    prepared = prepare(recipe, [StopOnNonFinite(), *taken_up, *(callbacks or [])])
+    prepared = prepare(recipe, [StopOnNonFinite(), *taken_up, *(callbacks or [])], validation)
     trainer = prepared.trainer
     if trainer.is_world_process_zero():
         write_text_atomically(

@@ -11,7 +11,6 @@ through, checked against SFTConfig's fields.
 
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -19,7 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
 from ..config import (
+    MAX_POSITIONS,
     ConfigError,
+    Positions,
     StrictModel,
     apply_overrides,
     bundled_names,
@@ -27,6 +28,7 @@ from ..config import (
     format_validation_error,
     read_yaml,
 )
+from ..transformers_source import optimizer_names
 
 if TYPE_CHECKING:
     from ..adapters import LongSamples
@@ -125,9 +127,9 @@ class RetrievalSection(Section):
     needle-in-a-haystack probes and recurring word spans (``longpeft.synth_data.retrieval_docs``),
     ``n_documents`` of ``min_tokens`` to ``max_tokens`` tokens, mixed by ``mix`` (kind -> weight)."""
 
-    n_documents: int = Field(default=256, gt=0)
-    min_tokens: int = Field(default=512, gt=0)
-    max_tokens: int = Field(default=1024, gt=0)
+    n_documents: int = Field(default=256, gt=0, le=1_000_000)
+    min_tokens: Positions = 512
+    max_tokens: Positions = 1024
     seed: int = 0
     mix: dict[Literal["passkey", "niah", "induction"], float] | None = None
 
@@ -138,6 +140,17 @@ class RetrievalSection(Section):
         if self.mix is not None and (any(w < 0 for w in self.mix.values()) or not sum(self.mix.values())):
             raise ValueError("mix maps kinds to non-negative weights with a positive sum")
         return self
+
+
+class DemoSection(Section):
+    """The procedural demo set (``data.source: demo``): ``n_conversations`` conversations, each one
+    ~``context_tokens``-token context with ``questions_per_conversation`` questions; a setting left out takes
+    ``longpeft.synth_data.demo.build_demo_dataset``'s default."""
+
+    n_conversations: int | None = Field(default=None, gt=0, le=1_000_000)
+    context_tokens: Positions | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**32)
+    questions_per_conversation: int | None = Field(default=None, gt=0, le=1000)
 
 
 class DataSection(Section):
@@ -156,13 +169,13 @@ class DataSection(Section):
     format: Literal["messages", "text"] = "messages"
     messages_field: str = "messages"
     text_field: str = "text"
-    max_length: int = Field(gt=0)
-    min_length: int = Field(default=0, ge=0, description="drop samples shorter than this many tokens")
+    max_length: Positions
+    min_length: int = Field(
+        default=0, ge=0, le=MAX_POSITIONS, description="drop samples shorter than this many tokens"
+    )
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
-    demo: dict[str, Any] = Field(
-        default_factory=dict, description="options of the procedural demo set (n_conversations, context_tokens, seed)"
-    )
+    demo: DemoSection = Field(default_factory=lambda: DemoSection(), description="the procedural demo set's options")
     retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
 
@@ -217,6 +230,7 @@ class TrainSection(Section):
     mlp_tile_tokens: int | None = Field(
         default=None,
         gt=0,
+        le=MAX_POSITIONS,
         description="run each decoder layer's MLP this many tokens at a time in training (its intermediate "
         "activations then exist for one tile at a time: longpeft/scale/tiling.py); null: untiled",
     )
@@ -274,9 +288,7 @@ class TrainSection(Section):
     @field_validator("optim")
     @classmethod
     def _known_optimizer(cls, value: str) -> str:
-        from transformers.training_args import OptimizerNames
-
-        names = [name.value for name in OptimizerNames]
+        names = optimizer_names()
         if value not in names:
             raise ValueError(f"{value!r} is not a transformers optimizer; use one of {', '.join(names)}")
         return value
@@ -353,18 +365,12 @@ TRL_KEYS_OWNED_BY_RECIPE = {
 }
 
 
-def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an SFTConfig argument or is set by another section."""
-    if not trl:
-        return
-    from trl import SFTConfig
-
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+def check_trl_keys_owned(trl: dict[str, Any]) -> None:
+    """Fail naming ``trl.<key>`` when another section sets it (:data:`TRL_KEYS_OWNED_BY_RECIPE`); that every other
+    key is an SFTConfig argument is checked with the recipe's base (``validate.check_trl_keys``: it imports trl)."""
     for key in trl:
         if key in TRL_KEYS_OWNED_BY_RECIPE:
             raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
-        if key not in fields:
-            raise ValueError(f"trl.{key}: not an argument of trl.SFTConfig")
 
 
 def check_unsloth_recipe(recipe: RecipeBase) -> None:
@@ -429,7 +435,7 @@ class RecipeBase(Section):
     data: DataSection
     train: TrainSection
     trl: dict[str, Any] = Field(default_factory=dict, description="other trl.SFTConfig arguments, passed through")
-    target_length: int | None = Field(default=None, gt=0, description="length the adapter should work at")
+    target_length: Positions | None = Field(default=None, description="length the adapter should work at")
     output_dir: str = "runs/{name}"
 
     @model_validator(mode="after")
@@ -483,7 +489,7 @@ class RecipeBase(Section):
             )
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
-        check_trl_keys(self.trl)
+        check_trl_keys_owned(self.trl)
         return self
 
     def method_configs(self) -> dict[str, StrictModel]:
@@ -536,10 +542,12 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
     """Validate a recipe dict; raises RecipeError naming every bad key."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
+    model = recipe_model()
     try:
-        return recipe_model().model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
-        raise RecipeError(format_validation_error(source, exc).replace("invalid settings", "invalid recipe")) from None
+        message = format_validation_error(source, exc, model)
+        raise RecipeError(message.replace("invalid settings", "invalid recipe", 1)) from None
 
 
 def recipe_path(path_or_name: str | Path) -> Path:

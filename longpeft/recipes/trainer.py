@@ -41,7 +41,17 @@ def sft_config(recipe: Recipe, output_dir: Path):
     recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``)."""
     from trl import SFTConfig
 
-    return SFTConfig(**{**recipe.trl, **sft_arguments(recipe, output_dir)})  # only pad_to_multiple_of is in both
+    arguments = sft_arguments(recipe, output_dir)
+    try:
+        return SFTConfig(**{**recipe.trl, **arguments})  # only pad_to_multiple_of is in both
+    except (ValueError, TypeError) as error:  # a trl: value SFTConfig refuses (its own keys pass on this machine)
+        if not recipe.trl:
+            raise
+        keys = ", ".join(f"trl.{key}" for key in recipe.trl)
+        reason = " ".join(str(error).split())[:300]
+        raise ConfigError(
+            f"{keys}: trl.SFTConfig refuses the recipe's trl section ({reason}); fix or remove it"
+        ) from error
 
 
 def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
@@ -52,11 +62,6 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
     t = recipe.train
     use_cuda = torch.cuda.is_available()
-    if t.activation_offloading and not use_cuda:  # TRL's offloader asks for an accelerator and fails obscurely
-        raise ConfigError(
-            "train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, "
-            "and this machine has no CUDA GPU; set train.activation_offloading: false here"
-        )
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(

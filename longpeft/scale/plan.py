@@ -804,11 +804,7 @@ def resolve_checkpointing(
     train = recipe.train
     if not train.gradient_checkpointing:
         return CheckpointSettings(0)
-    layers = shape.layers
-    for key in ("checkpoint_layers", "keep_attention"):
-        value = getattr(train, key)
-        if isinstance(value, int) and value > layers:
-            raise ConfigError(f"train.{key}={value}: the model has {layers} decoder layers")
+    layers = shape.layers  # the recipe's counts were checked against them (recipes.validate.check_layer_counts)
     checkpointed = train.checkpoint_layers if isinstance(train.checkpoint_layers, int) else layers
     keep = train.keep_attention
     kept = {"none": 0, "auto": 0, "all": checkpointed}[keep] if isinstance(keep, str) else min(keep, checkpointed)
@@ -933,7 +929,7 @@ def _samples(recipe: Any) -> tuple[int, str]:
     elif recipe.data.source == "demo":
         from ..synth_data.demo import DEMO_CONVERSATIONS
 
-        rows, rows_from = int(recipe.data.demo.get("n_conversations", DEMO_CONVERSATIONS)), "the demo set's size"
+        rows, rows_from = recipe.data.demo.n_conversations or DEMO_CONVERSATIONS, "the demo set's size"
     else:
         return (cap, "data.max_samples") if cap else (1000, "assumed: pass --samples N")
     return (min(rows, cap), f"{rows_from}, at most data.max_samples") if cap else (rows, rows_from)

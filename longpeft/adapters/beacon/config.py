@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator, model_validator
 
 from ...config import StrictModel
+from ...errors import ConfigError
 from ...family import IGNORE_INDEX
 from ..registry import ResolveContext
 
@@ -192,7 +193,14 @@ class BeaconConfig(StrictModel):
 
 
 def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
-    """Write out the implied settings (inference ratios, attend_prev, LoRA rank and alpha)."""
+    """Write out the implied settings (inference ratios, attend_prev, LoRA rank and alpha); a training run
+    (``context.trained_length``) refuses ``keep_start`` / ``keep_end``, which only inference reads."""
+    if context.trained_length and (config.keep_start or config.keep_end is not None):
+        raise ConfigError(
+            "beacon.keep_start / beacon.keep_end are inference settings (the authors' options to leave the start or "
+            "the end of a prompt uncondensed), and training condenses every window; remove them from the recipe "
+            "and set them on the trained model (longpeft.adapters.beacon.set_inference_settings)"
+        )
     return config.resolved()
 
 

@@ -16,17 +16,23 @@ trains at the target length in one stage. A merged model is exported for plain t
 
 from __future__ import annotations
 
-from pathlib import Path
+from ...family import head_dim_of, num_kv_heads
+from ..registry import Method, ResolveContext, imported_on_call, torch_names
+from .config import HarpeConfig, check_head_bases, describe
 
-from torch import nn
-
-from ...family import num_kv_heads
-from ...rope import head_dim_of
-from ..registry import Method, ResolveContext
-from .config import HarpeConfig, describe
-from .export import write_remote_code
-from .patch import apply_head_bases, check_head_bases, has_head_bases, is_harpe_on, remove_head_bases
-from .selection import peak_valley_bases, select_bases, uniform_bases
+__getattr__ = torch_names(
+    __name__,
+    {
+        "apply_head_bases": "patch",
+        "has_head_bases": "patch",
+        "is_harpe_on": "patch",
+        "remove_head_bases": "patch",
+        "peak_valley_bases": "selection",
+        "select_bases": "selection",
+        "uniform_bases": "selection",
+        "write_remote_code": "export",
+    },
+)
 
 
 def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
@@ -34,6 +40,8 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
     base = context.base_config
     if config.bases is not None:
         return config.model_copy(update={"bases": check_head_bases(base, config.bases)})
+    from .selection import select_bases  # the peak-valley search computes RoPE waveforms in torch
+
     bases = select_bases(
         config.selection,
         config.b_min,
@@ -47,27 +55,17 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
     return config.model_copy(update={"bases": bases})
 
 
-def apply_harpe_config(model: nn.Module, config: HarpeConfig) -> None:
-    """The method's ``apply``: the section's bases on ``model``."""
-    apply_head_bases(model, config.chosen_bases())
-
-
-def export_harpe(model: nn.Module, folder: Path, config: HarpeConfig) -> None:
-    """The method's ``export``: ``modeling_harpe.py`` and ``auto_map`` in the saved ``folder``."""
-    write_remote_code(folder, config.chosen_bases())
-
-
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoPE base per head)"
 
 METHOD = Method(
     name="harpe",
     config=HarpeConfig,
     resolve=resolve,
-    apply=apply_harpe_config,
-    remove=remove_head_bases,
-    is_applied=is_harpe_on,
+    apply=imported_on_call(f"{__name__}.patch", "apply_harpe_config"),
+    remove=imported_on_call(f"{__name__}.patch", "remove_head_bases"),
+    is_applied=imported_on_call(f"{__name__}.patch", "is_harpe_on"),
     describe=describe,
-    export=export_harpe,
+    export=imported_on_call(f"{__name__}.export", "export_harpe"),
     remote_code=True,
     conflicts={
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from ...config import StrictModel
+from ...errors import ConfigError
+from ...family import check_supported, head_dim_of, num_kv_heads
 
 
 class HarpeConfig(StrictModel):
@@ -50,3 +54,25 @@ class HarpeConfig(StrictModel):
 def describe(config: HarpeConfig) -> list[str]:
     """Model-card sentence: the selection and the bases."""
     return [f"Per-KV-head RoPE bases (HARPE, {config.selection}): {config.bases}."]
+
+
+def check_head_bases(config: Any, bases: Sequence[float]) -> list[float]:
+    """Validate one base per KV head for ``config``; returns them as floats.
+
+    Raises:
+        ValueError: wrong count, non-finite or <= 1 bases, or an unsupported architecture.
+    """
+    check_supported(config, "HARPE per-head RoPE")
+    bases = [float(b) for b in bases]
+    expected = num_kv_heads(config)
+    if len(bases) != expected:
+        raise ConfigError(
+            f"harpe.bases: got {len(bases)} bases but the model has {expected} key/value heads "
+            f"(num_key_value_heads); give one base per KV head, the query heads of a group share it"
+        )
+    bad = [b for b in bases if not math.isfinite(b) or b <= 1]
+    if bad:
+        raise ConfigError(f"harpe.bases must be finite and > 1, got {bad}")
+    if head_dim_of(config) % 2:
+        raise ConfigError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
+    return bases

@@ -6,16 +6,16 @@ exported models, so the library and an exported model run the same code.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 
 from torch import nn
 
-from ...errors import ConfigError
-from ...family import attention_modules, check_supported, is_attention_module, num_kv_heads
-from ...rope import head_dim_of, rope_parameters_of, rotary_modules
+from ...family import attention_modules, is_attention_module
+from ...rope import rotary_modules
+from ...rope_parameters import rope_parameters_of
 from ..registry import check_applicable
+from .config import HarpeConfig, check_head_bases
 from .modeling import HeadRotaryEmbedding, patch_head_rope
 
 
@@ -24,28 +24,6 @@ def _config_of(model: nn.Module):
     if config is None:
         raise ValueError(f"{type(model).__name__} has no .config; pass a transformers causal LM (or its PEFT wrapper)")
     return config
-
-
-def check_head_bases(config, bases: Sequence[float]) -> list[float]:
-    """Validate one base per KV head for ``config``; returns them as floats.
-
-    Raises:
-        ValueError: wrong count, non-finite or <= 1 bases, or an unsupported architecture.
-    """
-    check_supported(config, "HARPE per-head RoPE")
-    bases = [float(b) for b in bases]
-    expected = num_kv_heads(config)
-    if len(bases) != expected:
-        raise ConfigError(
-            f"head bases: got {len(bases)} bases but the model has {expected} key/value heads "
-            f"(num_key_value_heads); give one base per KV head, the query heads of a group share it"
-        )
-    bad = [b for b in bases if not math.isfinite(b) or b <= 1]
-    if bad:
-        raise ConfigError(f"head bases must be finite and > 1, got {bad}")
-    if head_dim_of(config) % 2:
-        raise ConfigError(f"RoPE needs an even head_dim, the model has {head_dim_of(config)}")
-    return bases
 
 
 def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
@@ -79,6 +57,11 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
     if not has_head_bases(model) and not rotary_modules(model):
         raise ValueError(f"found no rotary embedding module in {type(model).__name__}; is it a RoPE model?")
     patch_head_rope(model, bases)
+
+
+def apply_harpe_config(model: nn.Module, config: HarpeConfig) -> None:
+    """The method's ``apply``: the section's bases on ``model``."""
+    apply_head_bases(model, config.chosen_bases())
 
 
 def has_head_bases(model: nn.Module) -> bool:

@@ -12,29 +12,24 @@ positions, so the method has no ``apply``/``remove``.
 
 from __future__ import annotations
 
-from ..registry import CollatorContext, Method, MethodTraining
+from ...family import IGNORE_INDEX
+from ..registry import Method, MethodTraining, imported_on_call, torch_names
 from .config import PoseConfig, describe, long_samples, resolve, training_span
-from .modeling import IGNORE_INDEX, PoseCollator, pose_position_ids, pose_sample
 
-
-def pose_collator(config: PoseConfig, context: CollatorContext) -> PoseCollator:
-    """The method's ``collator``: :class:`PoseCollator` of a resolved section in the run's window."""
-    return PoseCollator(
-        target_length=config.target_length,
-        pad_token_id=context.pad_token_id,
-        n_chunks=config.n_chunks,
-        max_length=context.max_length,
-        seed=context.seed,
-        content_skip=config.content_skip,
-    )
-
+__getattr__ = torch_names(
+    __name__, dict.fromkeys(("PoseCollator", "pose_collator", "pose_position_ids", "pose_sample"), "modeling")
+)
 
 METHOD = Method(
     name="pose",
     config=PoseConfig,
     resolve=resolve,
     describe=describe,
-    training=MethodTraining(collator=pose_collator, long_samples=long_samples, span=training_span),
+    training=MethodTraining(
+        collator=imported_on_call(f"{__name__}.modeling", "pose_collator"),
+        long_samples=long_samples,
+        span=training_span,
+    ),
     conflicts={
         "beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's position "
         "ids would be ignored",

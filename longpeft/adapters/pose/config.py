@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from ...config import StrictModel
+from ...config import Positions, StrictModel
 from ...errors import ConfigError
 from ..registry import LongSamples, ResolveContext
 
@@ -20,7 +20,7 @@ class PoseConfig(StrictModel):
     """
 
     n_chunks: int = Field(default=2, ge=1)
-    target_length: int | None = Field(default=None, gt=0, description="default: the recipe's target_length")
+    target_length: Positions | None = Field(default=None, description="default: the recipe's target_length")
     content_skip: Literal["none", "uniform", "aligned"] = Field(
         default="none",
         description="what the chunks hold: the sample's first tokens (none), spans drawn from a text up to "

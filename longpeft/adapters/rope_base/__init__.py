@@ -15,17 +15,19 @@ A merged or fully fine-tuned model's config.json also gets the keys transformers
 from __future__ import annotations
 
 from ...errors import ConfigError
-from ...rope import rope_parameters_of, unused_rope_keys
-from ..registry import Method, ResolveContext
-from .config import RopeConfig, RopeType
+from ...rope_parameters import ROPE_TYPE_REQUIRED_KEYS, rope_parameters_of, unused_rope_keys
+from ..registry import Method, ResolveContext, imported_on_call, torch_names
+from .config import RopeConfig, RopeType, resolve_rope_parameters
 from .export import export_rope, write_legacy_rope_keys
-from .modeling import apply_rope_config, expand_rope_base, has_rope_change, resolve_rope_parameters, restore_rope
+
+__getattr__ = torch_names(__name__, dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling"))
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     """The complete rope_parameters and max length this section gives the base model.
 
-    Refuses keys the resulting rope type does not read (transformers would ignore them), ``dynamic`` for a
+    Refuses a rope type without the keys it reads (transformers would fail on the first forward), keys the resulting
+    rope type does not read (transformers would ignore them), ``dynamic`` for a
     training run: dynamic NTK rescales only beyond ``max_position_embeddings``, which a recipe sets to at least its
     training length, so the run would train plain RoPE; and a ``rope_theta`` below the base model's own
     (:func:`check_rope_theta`).
@@ -34,6 +36,13 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     if "rope_theta" in requested:
         check_rope_theta(requested["rope_theta"], float(rope_parameters_of(context.base_config)["rope_theta"]))
     params = resolve_rope_parameters(context.base_config, requested)
+    missing = [key for key in ROPE_TYPE_REQUIRED_KEYS[params["rope_type"]] if key not in params]
+    if missing:
+        raise ConfigError(
+            f"rope.rope_type {params['rope_type']} reads {', '.join(f'rope.{key}' for key in missing)}, which the "
+            f"recipe and the base model leave unset; set {'them' if len(missing) > 1 else 'it'} (rope.factor: the "
+            "length multiple, e.g. 4)"
+        )
     unused = unused_rope_keys(params["rope_type"], requested)
     if unused:
         raise ConfigError(
@@ -75,9 +84,9 @@ METHOD = Method(
     name="rope",
     config=RopeConfig,
     resolve=resolve,
-    apply=apply_rope_config,
-    remove=restore_rope,
-    is_applied=has_rope_change,
+    apply=imported_on_call(f"{__name__}.modeling", "apply_rope_config"),
+    remove=imported_on_call(f"{__name__}.modeling", "restore_rope"),
+    is_applied=imported_on_call(f"{__name__}.modeling", "has_rope_change"),
     export=export_rope,
     implied=True,  # the card writes the RoPE change itself (hub.model_card_text)
 )

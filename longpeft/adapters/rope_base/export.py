@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from .config import RopeConfig
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 def write_legacy_rope_keys(folder: Path, config: RopeConfig) -> None:

@@ -8,27 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...rope import rope_parameters_of, set_rope_parameters
-from .config import RopeConfig
-
-
-def resolve_rope_parameters(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
-    """Complete rope_parameters from a partial request on top of a base config.
-
-    ``{"rope_theta": 2e8}`` keeps the base's rope_type; giving ``rope_type`` replaces the whole dict
-    (keys of the old type do not leak into the new one), keeping rope_theta unless given.
-    For yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length.
-    """
-    base = rope_parameters_of(config)
-    if "rope_type" in rope and rope["rope_type"] != base.get("rope_type", "default"):
-        params = {"rope_type": rope["rope_type"], "rope_theta": base["rope_theta"]}
-    else:
-        params = dict(base)
-    params.update({k: v for k, v in rope.items() if v is not None})
-    if params["rope_type"] in ("yarn", "llama3") and "original_max_position_embeddings" not in params:
-        params["original_max_position_embeddings"] = config.max_position_embeddings
-    params["rope_theta"] = float(params["rope_theta"])
-    return params
+from ...rope import set_rope_parameters
+from ...rope_parameters import rope_parameters_of
+from .config import RopeConfig, resolve_rope_parameters
 
 
 def expand_rope_base(

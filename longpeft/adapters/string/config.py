@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from ...config import StrictModel
+from ...config import MAX_POSITIONS, StrictModel
 from ..registry import ResolveContext
 
 DEFAULT_LOCAL_WINDOW = 128  # W: far keys score as at distance d - shift + W
@@ -17,9 +17,9 @@ class StringConfig(StrictModel):
     (the recipe's, recorded in longpeft.json) or the model's ``max_position_embeddings`` (:func:`string_defaults`).
     """
 
-    shift: int | None = Field(default=None, ge=1)
-    local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0)
-    trained_length: int | None = Field(default=None, ge=2)
+    shift: int | None = Field(default=None, ge=1, le=MAX_POSITIONS)
+    local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0, le=MAX_POSITIONS)
+    trained_length: int | None = Field(default=None, ge=2, le=MAX_POSITIONS)
     cos_sin_scale: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")

@@ -1,0 +1,79 @@
+"""Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
+:func:`~.patch.install_beacon`), the section's ``apply`` hook, the settings only inference reads, and what an input
+costs a model with beacons (the torch side of the ``beacon`` method that the exported modeling file does not carry).
+"""
+
+from __future__ import annotations
+
+import pydantic
+from torch import nn
+
+from ...errors import ConfigError
+from ...family import causal_lm_of
+from ..registry import check_applicable
+from . import INFERENCE_SETTINGS
+from .config import BeaconConfig
+from .layout import BeaconSettings, window_span
+from .patch import backbone_of, install_beacon, is_beacon_applied
+
+
+def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
+
+    Args:
+        model: the model; applying again replaces the settings and the beacon weights.
+        settings: :class:`BeaconSettings` or its dict (``config.beacon``).
+        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
+            the beacon embedding. Off when the weights are loaded right after (an exported model).
+
+    Raises:
+        MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).
+    """
+    check_applicable(model, "beacon")
+    install_beacon(model, settings, initialise)
+
+
+def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
+    """Change the settings of a model with beacons that only inference reads (:data:`INFERENCE_SETTINGS`: the
+    inference ratios and mix, ``parallel_windows``, ``keep_start``, ``keep_end``), keeping its beacon weights;
+    returns the new settings. A request already under way keeps its cache, which the new settings may not fit:
+    start new requests after the change.
+
+    Raises:
+        ConfigError: a setting that is not an inference setting, or a value :class:`BeaconConfig` refuses.
+        ValueError: the model has no beacons.
+    """
+    other = sorted(set(changes) - set(INFERENCE_SETTINGS))
+    if other:
+        raise ConfigError(
+            f"{other} are not inference settings ({', '.join(INFERENCE_SETTINGS)}); apply the beacons "
+            "again (apply_beacon) to change the others"
+        )
+    if not is_beacon_applied(model):
+        raise ValueError(f"{type(model).__name__} has no Activation Beacon")
+    backbone = backbone_of(model)
+    current = backbone.beacon_settings.as_dict()
+    if current["projection"] == "full":  # BeaconSettings fills in a rank that projection: full does not take
+        current["lora_rank"] = current["lora_alpha"] = None
+    try:
+        settings = BeaconConfig(**{**current, **changes}).settings()
+    except pydantic.ValidationError as error:
+        reasons = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
+        raise ConfigError(f"beacon inference settings {changes}: {reasons}") from error
+    backbone.beacon_settings = settings
+    causal_lm_of(model).config.beacon = settings.as_dict()
+    return settings
+
+
+def apply_beacon_config(model: nn.Module, config: BeaconConfig) -> None:
+    """The method's ``apply``: :func:`apply_beacon` with the section's settings."""
+    apply_beacon(model, config.settings())
+
+
+def model_span(model: nn.Module, length: int) -> tuple[int, int]:
+    """(positions, keys) of an input of ``length`` tokens on a model with beacons: the memory plus one window at the
+    ratio it adapts to (a query reads the memory and its window, nothing older); the keys outnumber the positions
+    where beacons take the positions of raw tokens (step-expansion, segmentation: ``layout.span_at``)."""
+    backbone = backbone_of(model)
+    settings, max_positions = backbone.beacon_settings, backbone.config.max_position_embeddings
+    return window_span(settings, length, max_positions), window_span(settings, length, max_positions, keys=True)

@@ -1,0 +1,83 @@
+"""STRING on a built model: switching it on with a section's settings, telling whether it is on, and what an input
+costs a model with it (the torch side of the ``string`` method)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ...family import causal_lm_of, check_supported
+from ...spec import SPEC_FILENAME, ContextSpec
+from ..registry import check_applicable
+from .attention import StringSettings, install_string, string_settings
+from .config import DEFAULT_LOCAL_WINDOW, StringConfig, string_defaults
+
+
+def enable_string(
+    model: nn.Module,
+    shift: int | None = None,
+    local_window: int = DEFAULT_LOCAL_WINDOW,
+    trained_length: int | None = None,
+    cos_sin_scale: float | None = None,
+) -> dict[str, Any]:
+    """Switch STRING on, in place (calling it again replaces the settings).
+
+    Args:
+        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with
+            eager, SDPA or flash-attention attention.
+        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
+            Default ``trained_length // 3``.
+        local_window: W (default 128); must be ``<= shift``.
+        trained_length: L, the length the model was trained at; default: the ``trained_length`` its longpeft.json
+            records (:func:`recorded_trained_length`: an adapter loaded by ``longpeft.load``, or a merged model
+            loaded from its folder), else ``config.max_position_embeddings`` (:func:`~.config.string_defaults`).
+        cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
+            multiplies every attention logit by its square. Off (None) by default.
+
+    Returns:
+        The active settings as a dict (also given by :func:`string_settings`).
+
+    Raises:
+        MethodConflict: a method STRING cannot run with is on (its registry ``conflicts``).
+    """
+    config = causal_lm_of(model).config
+    if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
+        check_supported(config, "STRING")
+    check_applicable(model, "string")
+    recorded = recorded_trained_length(model) if trained_length is None else None
+    shift, trained_length = string_defaults(shift, trained_length, recorded, config.max_position_embeddings)
+    scale = None if cos_sin_scale is None else float(cos_sin_scale)
+    settings = StringSettings(int(shift), int(local_window), int(trained_length), scale)
+    install_string(model, settings)
+    return settings.as_dict()
+
+
+def recorded_trained_length(model: nn.Module) -> int | None:
+    """The ``trained_length`` of ``model``'s longpeft.json: the spec ``longpeft.load`` applied
+    (``model.longpeft_spec``), else the file in the folder the model was loaded from (a merged model's folder
+    carries its adapter's); None when there is neither, or it records none."""
+    spec = getattr(model, "longpeft_spec", None)
+    if spec is None:
+        source = getattr(causal_lm_of(model).config, "name_or_path", None)
+        if source and (Path(source) / SPEC_FILENAME).is_file():
+            spec = ContextSpec.load(Path(source))
+    return spec.trained_length if spec is not None else None
+
+
+def apply_string_config(model: nn.Module, config: StringConfig) -> None:
+    """The method's ``apply``: :func:`enable_string` with the section's settings."""
+    enable_string(model, **config.model_dump())
+
+
+def is_string_on(model: nn.Module) -> bool:
+    """Whether STRING is on ``model``."""
+    return string_settings(model) is not None
+
+
+def model_span(model: nn.Module, length: int) -> tuple[int, int]:
+    """(positions, keys) of an input of ``length`` tokens with STRING on: the largest scored distance + 1
+    (far keys score as at ``d - shift + local_window``); every key is still read."""
+    settings = string_settings(model)
+    return max(min(length, settings["shift"]), length - settings["shift"] + settings["local_window"]), length

@@ -1,0 +1,261 @@
+"""A base model as longpeft sees it before any weight loads, torch-free: its ``config.json`` read as transformers v5
+reads it, its chat template, whether it ships its own modeling code, and the names of its modules.
+
+Read from a ``tiny:`` model's settings, a local (or built-in) folder, the Hugging Face cache, or the Hub, from which
+only ``config.json`` and the tokenizer's config are downloaded, each wait bounded by ``LONGPEFT_HUB_TIMEOUT``
+(:func:`longpeft.files.hub_preflight`). The recipe validation (:mod:`longpeft.recipes.validate`) and the loading of
+an adapter onto its base (:func:`longpeft.loading.load`) read their base here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .builtin_models import model_location
+from .errors import ConfigError, HubTimeoutError, ModelSourceError
+from .family import adaptable_kind, module_kinds
+from .files import asking_the_hub, hub_preflight, is_local
+from .reading import read_json_object
+from .rope_parameters import rope_parameters_from_json
+from .transformers_source import model_types
+
+TINY_PREFIX = "tiny:"
+# The keys of config.json a causal LM must have for longpeft to plan and check it.
+REQUIRED_KEYS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "max_position_embeddings",
+)
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's template
+
+
+class BaseNotHere(ModelSourceError):
+    """The base's config cannot be read on this machine now (a local folder that is not here, a Hub model with the
+    Hub offline or silent): what needs it cannot run here, what only checks a recipe says it did not check it."""
+
+
+class BaseConfig:
+    """A ``config.json`` with attribute access, as transformers v5 gives it: ``rope_parameters`` complete
+    (:func:`~longpeft.rope_parameters.rope_parameters_from_json`), ``num_key_value_heads`` and ``head_dim`` filled
+    as the Llama family fills them, every other key as written. ``source`` names the file."""
+
+    def __init__(self, data: dict[str, Any], source: str) -> None:
+        missing = [key for key in REQUIRED_KEYS if not _usable(key, data.get(key))]
+        if missing:
+            raise ModelSourceError(
+                f"{source}: config.json has no usable {', '.join(missing)}; is it a causal LM's config (a model "
+                "folder's config.json)?"
+            )
+        values = dict(data)
+        if values.get("num_key_value_heads") is None:
+            values["num_key_value_heads"] = values["num_attention_heads"]
+        if values.get("head_dim") is None:
+            values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
+        values["rope_parameters"] = rope_parameters_from_json(values)
+        self._values, self.source = values, source
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("_values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(f"{self.__dict__.get('source', 'config.json')} has no {name!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _usable(key: str, value: Any) -> bool:
+    if key == "model_type":
+        return isinstance(value, str) and bool(value)
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class BaseFacts:
+    """What longpeft knows of a base before loading it.
+
+    Attributes:
+        name: the base as given (``model.name_or_path``, a ``--base``).
+        source: where its config.json was read (a path, or ``tiny:ARCH``).
+        config: that config (:class:`BaseConfig`).
+        chat_template: its tokenizer's chat template; None when it has none, or when its tokenizer files were not
+            found (``tokenizer_found`` False).
+        tokenizer_found: whether the tokenizer's config was read.
+    """
+
+    name: str
+    source: str
+    config: BaseConfig
+    chat_template: str | None
+    tokenizer_found: bool
+
+    @property
+    def remote_code(self) -> str | None:
+        """The class of the base's own modeling code (its config.json's ``auto_map``), or None. transformers runs it
+        only when trusted, and otherwise builds the base with its own class of the ``model_type`` when it has one."""
+        auto_map = getattr(self.config, "auto_map", None)
+        if not isinstance(auto_map, dict):
+            return None
+        found = auto_map.get("AutoModelForCausalLM") or auto_map.get("AutoModel") or auto_map.get("AutoConfig")
+        return str(found[0] if isinstance(found, list) else found) if found else None
+
+    def runs_own_code(self, trusted: bool) -> bool:
+        """Whether transformers would build this base with the code it ships (``trusted``, or no class of its own)."""
+        return self.remote_code is not None and (trusted or self.config.model_type not in model_types())
+
+    def check_remote_code(self, trusted: bool, setting: str | None) -> None:
+        """Refuse a base transformers can only build with the code it ships (a ``model_type`` transformers has no
+        class for) unless ``trusted``; ``setting`` names the key or flag that allows it (None where nothing does: the
+        code is never run there). A ``model_type`` transformers does not know and no code is refused too.
+
+        Raises:
+            ConfigError: naming the base, its code and what to do.
+        """
+        model_type = self.config.model_type
+        if model_type in model_types() or trusted and self.remote_code:
+            return
+        if self.remote_code is None:
+            raise ConfigError(
+                f"{self.name}: transformers does not know its model_type {model_type!r} and the base ships no code "
+                "for it; upgrade transformers, or use another base"
+            )
+        allow = f"set {setting} if you trust that code, or" if setting else "longpeft runs no such code here:"
+        raise ConfigError(
+            f"{self.name} ships its own modeling code ({self.remote_code} in its config.json's auto_map) for its "
+            f"model_type {model_type!r}, which transformers has no class of; it runs only when allowed: {allow} use "
+            "a base transformers supports itself"
+        )
+
+    def module_kinds(self) -> dict[str, str]:
+        """``{module name: kind}`` of the causal LM this config builds (``Linear``, ``Embedding`` or another class
+        name; names as ``model.named_modules()`` gives them): for the Llama family from its config alone, for other
+        architectures by building the model on the ``meta`` device (no weights, but torch and transformers)."""
+        kinds = module_kinds(self.config)
+        return kinds if kinds is not None else _meta_module_kinds(self.config.to_dict(), self.name)
+
+
+def read_base(name: str, revision: str | None = None, what: str = "model.name_or_path") -> BaseFacts:
+    """The :class:`BaseFacts` of the base ``name`` (a ``tiny:ARCH`` model, a built-in name, a local folder or a Hub
+    id) at ``revision``, without its weights; ``what`` names the setting in messages.
+
+    Raises:
+        BaseNotHere: a local folder that does not exist, or a Hub model not in the cache while the Hub is offline
+            (``HF_HUB_OFFLINE``), silent or unreachable.
+        ModelSourceError: a folder without config.json, a config.json that is no causal LM's, a Hub repo that does
+            not exist.
+    """
+    if name.startswith(TINY_PREFIX):
+        return _tiny_facts(name)
+    location = model_location(name)
+    if is_local(location):
+        folder = Path(location)
+        if not folder.is_dir():
+            raise BaseNotHere(f"{what} {name}: no such folder on this machine (and not a Hub repo id owner/name)")
+        if not (folder / "config.json").is_file():
+            raise ModelSourceError(f"{what} {name}: the folder has no config.json; point it at a model's folder")
+        return _folder_facts(name, folder, str(folder / "config.json"))
+    return _hub_facts(name, revision, what)
+
+
+def check_base_code(name: str, revision: str | None, trusted: bool, setting: str | None) -> None:
+    """:meth:`BaseFacts.check_remote_code` of the base ``name`` before transformers reads it (which would raise its
+    own error); a base whose config is not readable here is left to transformers."""
+    try:
+        facts = read_base(name, revision, "base model")
+    except BaseNotHere:
+        return
+    facts.check_remote_code(trusted, setting)
+
+
+def _tiny_facts(name: str) -> BaseFacts:
+    from .tiny import CHAT_TEMPLATE, demo_vocab_size, tiny_settings
+
+    settings = tiny_settings(name[len(TINY_PREFIX) :], vocab_size=demo_vocab_size())
+    return BaseFacts(name, name, BaseConfig(settings, name), CHAT_TEMPLATE, tokenizer_found=True)
+
+
+def _folder_facts(name: str, folder: Path, source: str) -> BaseFacts:
+    """A base whose files are in ``folder`` (a model folder, or a Hub snapshot in the cache)."""
+    config = BaseConfig(read_json_object(folder / "config.json", "the base's config"), source)
+    tokenizer_file = folder / TOKENIZER_CONFIG
+    template_file = folder / CHAT_TEMPLATE_FILE
+    tokenizer = read_json_object(tokenizer_file, "the base's tokenizer config") if tokenizer_file.is_file() else {}
+    template = template_file.read_text() if template_file.is_file() else _template_of(tokenizer)
+    found = tokenizer_file.is_file() or template_file.is_file()
+    return BaseFacts(name, source, config, template or None, tokenizer_found=found)
+
+
+def _template_of(tokenizer_config: dict[str, Any]) -> str | None:
+    """The default chat template of a tokenizer_config.json: a string, or the one named ``default`` of a list."""
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
+    """A Hub base: from the cache when its config.json is there, else its config files downloaded (bounded)."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    if isinstance(cached, str):
+        return _folder_facts(name, Path(cached).parent, cached)
+    if constants.HF_HUB_OFFLINE:
+        raise BaseNotHere(f"{what} {name}: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
+    try:
+        hub_preflight(name, what)
+        folder = _download_config_files(name, revision)
+    except (HubTimeoutError, OSError) as error:
+        if isinstance(error, ModelSourceError):
+            raise
+        raise BaseNotHere(f"{what} {name}: its config.json could not be fetched ({error})") from None
+    return _folder_facts(name, folder, str(folder / "config.json"))
+
+
+def _download_config_files(name: str, revision: str | None) -> Path:
+    """The snapshot folder holding ``name``'s config.json and, where the repo has them, its tokenizer config and
+    chat template (nothing else is downloaded)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    with asking_the_hub(name, "base model"):
+        try:
+            config_path = Path(hf_hub_download(name, "config.json", revision=revision))
+        except EntryNotFoundError:
+            raise ModelSourceError(f"base model {name}: the Hub repo has no config.json; is it a model?") from None
+        for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
+            try:
+                hf_hub_download(name, optional, revision=revision)
+            except EntryNotFoundError:
+                pass
+    return config_path.parent
+
+
+def _meta_module_kinds(config: dict[str, Any], name: str) -> dict[str, str]:
+    """:meth:`BaseFacts.module_kinds` of an architecture outside the Llama family: the model built on the ``meta``
+    device from its config (no memory, no weights), as transformers builds it."""
+    import warnings
+
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = {key: value for key, value in config.items() if key not in ("auto_map", "architectures")}
+    model_type = settings.pop("model_type")
+    try:
+        built = AutoConfig.for_model(model_type, **settings)
+    except (ValueError, KeyError) as error:
+        raise ConfigError(
+            f"{name}: transformers does not know model_type {model_type!r} ({str(error).splitlines()[0][:120]}); "
+            "upgrade transformers or use another base"
+        ) from None
+    with init_empty_weights(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(built)
+    return {module_name: adaptable_kind(module) for module_name, module in model.named_modules() if module_name}

@@ -1,0 +1,273 @@
+"""One validation of a recipe before any weight loads: what ``longpeft plan`` checks is what ``longpeft train`` checks.
+
+:func:`validate_recipe` runs, on a recipe the schema accepted (:func:`~.schema.load_recipe`), every check it can
+fail against itself and its base model's config (read without weights or torch: :mod:`longpeft.base_config`): the
+``trl:`` keys, the
+methods' sections resolved against the base (RoPE type, HARPE bases, Activation Beacon's layout, ...), token ids
+against the vocabulary, the positions a sample spans against the adapted model's, the checkpointed layers against
+the decoder's, LoRA's target modules against the architecture's modules, the chat template conversations need, and
+modeling code the base ships. ``plan`` prints its verdict; ``train`` runs it first and stops at the same refusal.
+
+What only this machine can tell (the base and the data are here, CUDA and the packages a setting needs) is
+:func:`check_here`: ``train`` runs it after the validation, ``plan`` names what it could not check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+from ..adapters import METHODS, ResolveContext, check_conflicts, spec_methods
+from ..base_config import TINY_PREFIX, BaseFacts, BaseNotHere, read_base
+from ..builtin_models import BUILTIN_MODELS
+from ..errors import ConfigError
+from ..spec import ContextSpec, base_reference, recipe_hash
+from .schema import Recipe
+
+
+@dataclass(frozen=True)
+class Validation:
+    """A recipe that passed :func:`validate_recipe`.
+
+    Attributes:
+        recipe: the recipe.
+        base: its base model's config and tokenizer facts, or None when they are not on this machine now.
+        base_missing: why the base could not be read (None when it was): the recipe was then checked alone.
+        spec: the ContextSpec the recipe gives its base (None without the base).
+    """
+
+    recipe: Recipe
+    base: BaseFacts | None
+    base_missing: str | None
+    spec: ContextSpec | None
+
+    def summary(self) -> str:
+        """One line: what the recipe was checked against (``plan`` prints it)."""
+        if self.base is not None:
+            return f"recipe checked against the base's config ({self.base.source})"
+        return (
+            f"the recipe was checked without its base's config, which train needs here: {self.base_missing} "
+            "(plan --build loads the base and checks)"
+        )
+
+
+def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
+    """Every check of ``recipe`` that needs no weights (see the module docstring), against its base's config when
+    that can be read here (a ``tiny:`` model, a local folder, the Hugging Face cache, or the Hub, bounded).
+    ``stand_in``: the base is a tiny stand-in for the recipe's real one (``plan --stand-in``), whose token ids
+    (``model.eos_token_ids``) are the real base's.
+
+    Raises:
+        ConfigError (and the other :class:`~longpeft.errors.LongpeftError` kinds): the first problem, naming the
+            key and what to do; a base that does not exist (a Hub repo that is not there, a folder without
+            config.json) is :class:`~longpeft.errors.ModelSourceError`.
+    """
+    check_trl_keys(recipe.trl)
+    check_memory_settings(recipe)
+    try:
+        base = read_base(recipe.model.name_or_path, recipe.model.revision)
+    except BaseNotHere as missing:
+        return Validation(recipe, None, str(missing), None)
+    base.check_remote_code(recipe.model.trust_remote_code, "model.trust_remote_code: true")
+    check_chat_template(recipe, base)
+    spec = build_spec(recipe, base.config, recipe.model.name_or_path)
+    check_against_base(recipe, spec, stand_in)
+    check_layer_counts(recipe, base.config.num_hidden_layers)
+    check_target_modules(recipe, base)
+    return Validation(recipe, base, None, spec)
+
+
+def check_here(validation: Validation) -> None:
+    """What a run needs of this machine before it builds anything: the base's config read (``validation``), and
+    CUDA and the packages the recipe's settings need.
+
+    Raises:
+        BaseNotHere: the base's config was not readable here. ConfigError: a setting this machine cannot run.
+    """
+    if validation.base_missing is not None:
+        raise BaseNotHere(validation.base_missing)
+    problems = machine_problems(validation.recipe)
+    if problems:
+        raise ConfigError(problems[0])
+
+
+def machine_problems(recipe: Recipe) -> list[str]:
+    """The recipe's settings this machine cannot run, each as one sentence naming the key and what to do."""
+    import torch  # only a run asks what this machine has (plan checks the recipe for any machine)
+
+    problems = []
+    cuda = torch.cuda.is_available()
+    if recipe.train.activation_offloading and not cuda:  # TRL's offloader asks for an accelerator, obscurely
+        problems.append(
+            "train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and this "
+            "machine has no CUDA GPU; set train.activation_offloading: false here"
+        )
+    if recipe.train.use_liger_kernel and not cuda:
+        problems.append(
+            "train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine has none; "
+            "set train.use_liger_kernel: false here"
+        )
+    if recipe.train.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        problems.append("train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)")
+    return problems
+
+
+def check_trl_keys(trl: dict[str, Any]) -> None:
+    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig (the keys other sections set were
+    refused when the recipe was read: ``schema.check_trl_keys_owned``)."""
+    if not trl:
+        return
+    from trl import SFTConfig  # its arguments are known only from the class (a recipe without trl: skips it)
+
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}
+    for key in trl:
+        if key not in fields:
+            raise ConfigError(f"trl.{key}: not an argument of trl.SFTConfig")
+
+
+def check_memory_settings(recipe: Recipe) -> None:
+    """The memory levers a recipe's attention and methods can carry out (``train.keep_attention``, Liger's
+    kernels)."""
+    if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
+        raise ConfigError(
+            "train.keep_attention keeps the output of an attention kernel, and eager attention is no single "
+            "kernel; use model.attn_implementation: sdpa (or flash_attention_2)"
+        )
+    if recipe.train.use_liger_kernel:  # Liger's RoPE kernel would not reach a method that rotates its own queries
+        check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
+
+
+def check_chat_template(recipe: Recipe, base: BaseFacts) -> None:
+    """Conversations (``data.format: messages``) are rendered with the base tokenizer's chat template."""
+    if recipe.data.format == "messages" and base.tokenizer_found and not base.chat_template:
+        raise ConfigError(
+            f"data.format: messages renders conversations with the tokenizer's chat template, and "
+            f"{recipe.model.name_or_path}'s tokenizer has none; use a chat (instruct) base, give its tokenizer a "
+            "chat_template, or train on plain text (data.format: text)"
+        )
+
+
+def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
+    """The ContextSpec this recipe gives the base model: every method section resolved against the base (complete
+    RoPE parameters, HARPE bases, STRING's default shift, ...), and the lengths. ``base_config`` is transformers'
+    config or a :class:`~longpeft.base_config.BaseConfig`."""
+    trained_length = recipe.data.max_length
+    target_length = recipe.target_length or trained_length
+    resolved: dict[str, Any] = {}
+    for name, config in recipe.method_configs().items():
+        context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
+        resolved[name] = METHODS[name].resolve(config, context)
+    return ContextSpec.from_base(
+        base_config,
+        recipe.method,
+        base_model=spec_base_reference(recipe, base_id),
+        methods={name: config.model_dump() for name, config in resolved.items()},
+        trained_length=trained_length,
+        target_length=target_length,
+        recipe_hash=recipe_hash(recipe.model_dump()),
+    )
+
+
+def spec_base_reference(recipe: Recipe, base_id: str) -> str:
+    """How the spec names its base (:func:`~longpeft.spec.base_reference`): a built-in model by its name
+    (``longpeft:toy-base``, wherever longpeft is installed); a local folder (a ``tiny:`` base generated inside the
+    run folder, ``../base``) relative to the adapter folder, so that the two can move together; a Hub id as given."""
+    if recipe.model.name_or_path in BUILTIN_MODELS:
+        return recipe.model.name_or_path
+    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
+
+
+def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:
+    """Settings that only make sense for this base model: token ids inside its vocabulary (the eos ids of a
+    ``stand_in`` base are the real one's), the positions a sample spans inside the adapted model's."""
+    vocab = spec.base_shape.vocab_size
+    problems = []
+    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
+    if bad_eos:
+        problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
+    bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
+    if bad_rows:
+        problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
+    span = positions_spanned(spec, recipe.data.max_length)
+    if span > spec.max_position_embeddings:
+        bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
+        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.training.span is not None)
+        how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
+        problems.append(
+            f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
+            f"{spec.max_position_embeddings}; "
+            + (
+                f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions"
+                if bounded
+                else "raise rope.max_position_embeddings"
+            )
+        )
+    if problems:
+        raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
+
+
+def positions_spanned(spec: ContextSpec, length: int) -> int:
+    """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``, unless a method
+    keeps positions bounded, as Activation Beacon does)."""
+    spans = [
+        method.training.span(config, length, spec.max_position_embeddings)
+        for method, config in spec_methods(spec)
+        if method.training.span is not None
+    ]
+    return min(spans, default=length)
+
+
+def check_layer_counts(recipe: Recipe, layers: int) -> None:
+    """``train.checkpoint_layers`` and ``train.keep_attention`` count decoder layers the base has."""
+    for key in ("checkpoint_layers", "keep_attention"):
+        value = getattr(recipe.train, key)
+        if isinstance(value, int) and value > layers:
+            raise ConfigError(
+                f"train.{key}={value}: the model has {layers} decoder layers; give 0 to {layers}, all or auto"
+            )
+
+
+def check_target_modules(recipe: Recipe, base: BaseFacts) -> None:
+    """Each of ``lora.target_modules`` names at least one layer LoRA can adapt, matched as peft matches it (the
+    module's name, or its end after a dot), and none is the embedding ``lora.embeddings`` already trains.
+
+    A base built with the modeling code it ships (``model.trust_remote_code``) is not built here (that would run its
+    code): its modules are not checked before it loads.
+    """
+    own_code = base.runs_own_code(recipe.model.trust_remote_code)
+    if recipe.finetune != "lora" or recipe.train.backend != "transformers" or own_code:
+        return
+    kinds = base.module_kinds()
+    saved = [name for name, kind in kinds.items() if kind == "Embedding"] if recipe.lora.embeddings == "full" else []
+    layers = sorted({name.rpartition(".")[2] for name, kind in kinds.items() if kind != "other"})
+    for target in recipe.lora.target_modules:
+        matched = {name: kind for name, kind in kinds.items() if name == target or name.endswith(f".{target}")}
+        where = f"lora.target_modules: {target!r}"
+        if not matched:
+            raise ConfigError(
+                f"{where} names no module of {recipe.model.name_or_path}; its layers LoRA can adapt: "
+                f"{', '.join(layers)}"
+            )
+        adaptable = [name for name, kind in matched.items() if kind != "other"]
+        if not adaptable:
+            raise ConfigError(
+                f"{where} names modules LoRA cannot adapt ({next(iter(matched))}: not a linear or embedding layer); "
+                f"name layers such as {', '.join(layers)}"
+            )
+        if all(name in saved for name in adaptable):
+            raise ConfigError(
+                f"{where} is the input embedding, which lora.embeddings: full trains whole already; remove it from "
+                "lora.target_modules (or set lora.embeddings: none to train a LoRA on it)"
+            )
+
+
+def with_stand_in(overrides: list[str], arch: str) -> list[str]:
+    """``overrides`` plus those that put a tiny random model of ``arch`` and the offline demo set in place of the
+    recipe's base and data (``plan --stand-in``; validate with ``stand_in=True``): an earlier stage's adapter
+    (``model.init_from``) was trained on the real base, so the stand-in starts fresh."""
+    return [*overrides, f"model.name_or_path={TINY_PREFIX}{arch}", "data.source=demo", "model.init_from=null"]
+
+
+__all__ = ["Validation", "build_spec", "check_against_base", "check_here", "validate_recipe"]
