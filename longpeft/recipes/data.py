@@ -1,5 +1,5 @@
 """Training data for recipes: conversations (``messages``) or plain text, from files, the Hub, or the
-demo generator."""
+demo generator, tokenized and kept, cut or dropped by the recipe's length rules (:func:`build_dataset`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..files import hub_preflight, is_local
+from ..synth_data.utk import add_utk_tokens, utk_overhead
 from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
@@ -332,8 +333,6 @@ def select_by_length(
 
 def utk_document_room(max_length: int, utk: UtkSection) -> int:
     """The longest document a UtK sequence of ``max_length`` tokens holds with its insertions."""
-    from ..synth_data.utk import utk_overhead
-
     room = max_length - utk_overhead(1, max(utk.chunk_counts), utk.label_length)
     if room < 2:
         raise ConfigError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
@@ -409,3 +408,39 @@ def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
             f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
             f"{samples.off}"
         )
+
+
+def assistant_only_loss(recipe: Recipe) -> bool:
+    """Loss on assistant turns only: the recipe's setting, on by default for conversations."""
+    return recipe.data.format == "messages" and recipe.train.assistant_only_loss is not False
+
+
+def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, dict[str, int]]:
+    """The tokenized training rows after the recipe's length rules, and their counts (``data_stats``): each sample
+    kept, cut or dropped against ``data.max_length`` (PoSE's content skip: its simulated length); with UtK, the
+    documents packed into sequences of ``data.max_length``."""
+    dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
+    utk, max_length = recipe.data.utk, recipe.data.max_length
+    if utk is None:
+        longest, limit = longest_sample(recipe)
+        skips_content = longest > max_length
+        dataset, data_stats = filter_by_length(
+            dataset,
+            longest,
+            recipe.data.truncate,
+            limit,
+            min_length=recipe.data.min_length,
+            window=max_length if skips_content else None,
+        )
+        if skips_content:
+            check_content_to_skip(recipe, data_stats)
+        return dataset, data_stats
+    # documents are counted, kept or dropped (data.truncate) as they are, before packing
+    room = utk_document_room(max_length, utk)
+    dataset, data_stats = filter_by_length(
+        dataset, room, recipe.data.truncate, utk_limit(max_length, room), min_length=recipe.data.min_length
+    )
+    letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
+    dataset = pack_for_utk(dataset, max_length, utk, len(letters))
+    data_stats["packed_sequences"] = len(dataset)
+    return dataset, data_stats
