@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
@@ -214,8 +215,6 @@ class LengthGroupedSampler(torch.utils.data.Sampler[int]):
 def row_lengths(dataset: Any) -> list[int]:
     """Tokens of each row of a tokenized Hugging Face ``dataset`` (its ``input_ids`` column), counted by Arrow
     without reading the tokens into Python."""
-    import pyarrow.compute as pc
-
     if "input_ids" not in getattr(dataset, "column_names", ()):
         raise DataError(
             "train.group_by_length needs the tokenized training rows (an input_ids column); this "
