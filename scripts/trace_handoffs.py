@@ -20,11 +20,13 @@ output folder); the count does not depend on the number of steps, which ``--set 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import sys
 import sysconfig
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "longpeft"
 ORCHESTRATORS = ("longpeft/cli.py", "longpeft/cli/", "longpeft/recipes/runner.py")
-STDLIB = str(Path(sysconfig.get_paths()["stdlib"]).resolve())
+PATHS = sysconfig.get_paths()
+STDLIB = str(Path(PATHS["stdlib"]).resolve())
+INSTALLED = tuple({str(Path(PATHS[key]).resolve()) for key in ("purelib", "platlib")})  # may lie under STDLIB
 GENERATOR_FLAGS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
@@ -64,7 +68,7 @@ class HandoffTrace:
         if callee is None:
             return
         caller = frame.f_back
-        while caller is not None and caller.f_code.co_filename.startswith(STDLIB):
+        while caller is not None and is_stdlib(caller.f_code.co_filename):
             caller = caller.f_back
         if caller is None or caller.f_code.co_name == "<module>":
             return
@@ -88,17 +92,22 @@ class HandoffTrace:
         return found
 
 
-def trace(command: list[str], orchestrators: tuple[str, ...]) -> tuple[HandoffTrace, int]:
-    """Run ``longpeft COMMAND`` in this process under the trace; returns the trace and the command's exit status."""
-    from longpeft.cli import main
+@functools.cache
+def is_stdlib(filename: str) -> bool:
+    """Whether ``filename`` is a module of the standard library (not an installed package)."""
+    path = str(Path(filename).resolve())
+    return path.startswith(STDLIB) and not path.startswith(INSTALLED)
 
+
+def trace(run: Callable[[], Any], orchestrators: tuple[str, ...]) -> tuple[HandoffTrace, Any]:
+    """Call ``run()`` in this process under the trace; returns the trace and what ``run`` returned."""
     handoffs = HandoffTrace(orchestrators)
     sys.setprofile(handoffs.profile)
     try:
-        status = main(command)
+        result = run()
     finally:
         sys.setprofile(None)
-    return handoffs, status
+    return handoffs, result
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,7 +127,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    handoffs, status = trace(args.command, tuple(args.orchestrator or ORCHESTRATORS))
+    from longpeft.cli import main as longpeft_main
+
+    handoffs, status = trace(lambda: longpeft_main(args.command), tuple(args.orchestrator or ORCHESTRATORS))
     returns = set(handoffs.returns())
     for index, (caller, callee, function) in enumerate(handoffs.sequence):
         mark = "  (return)" if index in returns else ""

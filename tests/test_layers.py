@@ -110,20 +110,19 @@ LLM_CLIENT_PARTS = {
 }
 # The recipe runner's parts (CONTRIBUTING.md, "Where things live") -> the modules of recipes/ each may import. The
 # steps, in the order data flows: validate, resume, base, data, peft_setup, trainer (with recipe_trainer, the Trainer
-# class, and callbacks), saving. A step never imports a later one, and none imports the runner, which joins them.
+# class), saving. A step never imports a later one, and none imports the runner, which joins them.
 RECIPE_PARTS = {
     "schema": set(),
     "validate": {"schema"},
     "checkpoints": set(),
-    "callbacks": set(),
-    "resume": {"schema", "checkpoints", "callbacks"},
+    "resume": {"schema", "checkpoints"},
     "base": {"schema", "validate"},
     "unsloth_backend": {"schema", "base", "peft_setup"},
     "data": {"schema"},
     "init_from": {"schema"},
     "peft_setup": {"schema"},
     "recipe_trainer": {"checkpoints"},
-    "trainer": {"schema", "data", "init_from", "peft_setup", "recipe_trainer", "callbacks"},
+    "trainer": {"schema", "data", "init_from", "peft_setup", "recipe_trainer"},
     "memory": {"schema"},
     "plots": set(),
     "saving": {"schema", "checkpoints", "plots"},

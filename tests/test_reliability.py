@@ -20,10 +20,10 @@ from longpeft import hub
 from longpeft.cli import main
 from longpeft.demo import DEMO_MARKER, prepare_demo_folder
 from longpeft.errors import ConfigError, DataError, LongpeftError, ModelSourceError, OutputFolderError
-from longpeft.recipes.callbacks import StopOnNonFinite, TrainingDiverged
 from longpeft.recipes.checkpoints import STAGING
 from longpeft.recipes.runner import run
 from longpeft.recipes.schema import load_recipe
+from longpeft.recipes.trainer import StopOnNonFinite, TrainingDiverged
 
 from run_helpers import assert_resumed_as_uninterrupted, undo_after_checkpoint
 

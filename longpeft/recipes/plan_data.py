@@ -29,15 +29,13 @@ from ..scale.lengths import SampleLengths
 from .data import (
     GENERATED_SOURCES,
     assistant_only_loss,
-    check_content_to_skip,
     load_training_data,
     longest_sample,
-    select_by_length,
+    select_for_training,
     synth_output_file,
     tokenize_dataset,
     utk_document_room,
     utk_groups,
-    utk_limit,
 )
 from .schema import Recipe
 
@@ -156,35 +154,20 @@ def trained_lengths(
     most ``data.max_length`` tokens (TRL cuts it, or PoSE's collator draws a window of that many); with
     ``data.utk``, documents cut to the room UtK leaves and packed into sequences, whose lengths these are (UtK's
     insertions, added on the fly, not counted). Returns them and the filter's counts."""
-    utk, max_length, data = recipe.data.utk, recipe.data.max_length, recipe.data
+    keep, stats = select_for_training(recipe, lengths)
+    utk, max_length = recipe.data.utk, recipe.data.max_length
     if utk is None:
-        longest, limit = longest_sample(recipe)
-        skips_content = longest > max_length
-        keep, stats = select_by_length(
-            lengths,
-            longest,
-            data.truncate,
-            limit,
-            min_length=data.min_length,
-            window=max_length if skips_content else None,
-        )
-        if skips_content:
-            check_content_to_skip(recipe, stats)
         if scored is not None:
             left = [i for i in keep if scored[i]]
             stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left
             stats.update(kept=len(keep), truncated=sum(lengths[i] > max_length for i in keep))
             if not keep:
                 raise DataError(
-                    f"recipe {recipe.name}: no training sample has a scored token within {limit} "
-                    "tokens (the cut removed every assistant turn); raise that limit or use shorter "
-                    "samples"
+                    f"recipe {recipe.name}: no training sample has a scored token within {longest_sample(recipe)[1]} "
+                    "tokens (the cut removed every assistant turn); raise that limit or use shorter samples"
                 )
         return [min(lengths[i], max_length) for i in keep], stats
     room = utk_document_room(max_length, utk)
-    keep, stats = select_by_length(
-        lengths, room, data.truncate, utk_limit(max_length, room), min_length=data.min_length
-    )
     documents = [min(lengths[i], room) for i in keep]
     groups = utk_groups(documents, max_length, utk)
     stats["packed_sequences"] = len(groups)

@@ -67,8 +67,8 @@ class RecipeTrainer:
     """The hooks of the module docstring, before the backend's trainer class in the MRO (:func:`recipe_trainer_class`).
 
     Args (besides the trainer class's own):
-        method_spec: the ContextSpec whose methods' own weights checkpoints keep (None: no such weights, or a full
-            fine-tune, whose checkpoints hold the whole model).
+        method_spec: the ContextSpec whose methods' own weights checkpoints keep, for ``finetune`` ``lora`` or
+            ``method`` (None: no such weights, or a full fine-tune, whose checkpoints hold the whole model).
         finetune: the recipe's ``finetune`` (``lora``, ``method`` or ``full``).
         group_by_length: train in :class:`LengthGroupedSampler`'s order.
     """
@@ -81,8 +81,6 @@ class RecipeTrainer:
         group_by_length: bool = False,
         **kwargs: Any,
     ) -> None:
-        if method_spec is not None and finetune not in ("lora", "method"):
-            raise ValueError(f"method checkpoints are for finetune lora or method, not {finetune!r}")
         self.method_spec, self.finetune, self.group_by_length = method_spec, finetune, group_by_length
         self._writing_to: Path | None = None  # while a checkpoint is saved: the folder it is written in
         super().__init__(*args, **kwargs)

@@ -1,6 +1,6 @@
 """Where a run starts and how it trains: a new run, or one resumed from its latest complete checkpoint (after a
-kill), or a finished one whose last checkpoint is only loaded. The run folder's files that make a kill lose
-nothing are :mod:`.checkpoints`'s.
+kill; a changed recipe's optimizer settings taken up), or a finished one whose last checkpoint is only loaded. The
+run folder's files that make a kill lose nothing are :mod:`.checkpoints`'s.
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from transformers import TrainerCallback
+
 from ..errors import DataError, ModelSourceError, OutputFolderError
 from ..files import writing_to
 from ..launch.topology import is_main_process
 from ..reading import REFUSED_FOR_SAFETY
-from .callbacks import CheckpointLoaded, StopBeforeTraining
 from .checkpoints import (
     check_recipe_change,
     checkpoint_step,
@@ -74,6 +75,43 @@ def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunSta
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
             save_training_recipe(output_dir, recipe.model_dump())
     return RunStart(output_dir, checkpoint, changed)
+
+
+class ApplyOptimizerSettings(TrainerCallback):
+    """A resumed run with a changed recipe (--allow-recipe-change) takes up its learning rate and Adam betas: the
+    checkpoint's optimizer and scheduler state, loaded before training begins, restore the ones the run started
+    with. The schedule's shape (warmup, decay, steps) follows the new recipe already; its base rate is set here, and
+    the first resumed step runs at the new schedule's rate for its step (with more ``train.max_steps``, the old
+    schedule's last rate, often 0, would otherwise be used once). ``train``: the recipe's train section."""
+
+    def __init__(self, train: Any):
+        self.train = train
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
+        groups = optimizer.param_groups
+        for index, group in enumerate(groups):
+            group["initial_lr"] = self.train.learning_rate
+            if "betas" in group:
+                group["betas"] = (self.train.adam_beta1, self.train.adam_beta2)
+            if scheduler is not None:
+                scheduler.base_lrs[index] = self.train.learning_rate
+                group["lr"] = self.train.learning_rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
+        if scheduler is not None:  # what the Trainer logs as this step's learning rate
+            scheduler._last_lr = [group["lr"] for group in groups]
+
+
+class CheckpointLoaded(Exception):
+    """Raised by :class:`StopBeforeTraining` once the Trainer has loaded the checkpoint it resumes from."""
+
+
+class StopBeforeTraining(TrainerCallback):
+    """Ends ``trainer.train(resume_from_checkpoint=...)`` when training begins: by then the Trainer has wrapped the
+    model (DeepSpeed's engine, FSDP) and loaded the checkpoint's weights and state into it, and no step has run.
+    The runner uses it to save a finished run whose adapter a kill lost."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        raise CheckpointLoaded
 
 
 def planned_steps(trainer: Any) -> int:

@@ -31,15 +31,14 @@ from ..launch.topology import data_parallel_size, world_size
 from ..spec import ContextSpec
 from . import unsloth_backend
 from .base import base_location, check_base_source, load_base, load_model, quantization_config
-from .callbacks import ApplyOptimizerSettings, StopOnNonFinite
 from .data import build_dataset, check_data_source
 from .init_from import check_init_adapter
 from .memory import install_memory
 from .peft_setup import adapter_settings
-from .resume import start_run, train_or_take_last
-from .saving import save_trained, summarize
+from .resume import ApplyOptimizerSettings, start_run, train_or_take_last
+from .saving import save_run
 from .schema import Recipe
-from .trainer import build_trainer, check_samples_left, sft_config
+from .trainer import StopOnNonFinite, build_trainer, check_samples_left, sft_config
 from .validate import Validation, check_here, validate_recipe
 
 
@@ -79,18 +78,16 @@ def prepare(
 
 
 def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: list[TrainerCallback]) -> Prepared:
-    """:func:`prepare`'s steps after the checks of the recipe and this machine, in the order data flows. First every
-    model, adapter and data set the recipe names (``model.name_or_path``, ``model.init_from``, ``data.source``),
-    before anything is built: a local path must exist and is named as missing otherwise (never tried as a Hub id),
-    a Hub id must answer within ``LONGPEFT_HUB_TIMEOUT``, and the downloads that follow are bounded by it too
-    (:func:`longpeft.files.check_model_source`); the stage the run starts from (``model.init_from``) is checked
-    against the recipe and its base's config. Then the base (:mod:`.base`), the data (:mod:`.data`), the trainer
-    over them (:mod:`.trainer`, which sets up what trains: :mod:`.peft_setup`) and the run's memory
-    (:mod:`.memory`)."""
+    """:func:`prepare`'s steps after the checks of the recipe and this machine, in the order data flows: every model,
+    adapter and data set the recipe names, before anything is built (a local path must exist, a Hub id must answer
+    within ``LONGPEFT_HUB_TIMEOUT``, which bounds the downloads that follow too), the stage it starts from
+    (``model.init_from``) checked against the recipe; then the base, the data, the trainer and the run's memory."""
     check_base_source(recipe)
     start = check_init_adapter(recipe, validation.spec, validation.base.config) if recipe.model.init_from else None
     check_data_source(recipe.data)
-    loader = base_loader(recipe)
+    loader = load_base
+    if recipe.train.backend == "unsloth":  # FastLanguageModel imported now, before TRL: unsloth patches its trainers
+        loader = functools.partial(unsloth_backend.load_model, fast=unsloth_backend.fast_language_model())
     output_dir.mkdir(parents=True, exist_ok=True)
     base_id = base_location(recipe, output_dir)  # a tiny: base is built before DeepSpeed's config exists
     args = sft_config(recipe, output_dir)
@@ -121,14 +118,6 @@ def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: l
     return Prepared(recipe, output_dir, trainer, tokenizer, spec, data_stats, resolved)
 
 
-def base_loader(recipe: Recipe) -> Any:
-    """What loads the base for ``train.backend``: :func:`~.base.load_base`, or unsloth's loader, which adds LoRA too
-    (its FastLanguageModel imported now, before TRL: unsloth patches TRL's trainers)."""
-    if recipe.train.backend == "unsloth":
-        return functools.partial(unsloth_backend.load_model, fast=unsloth_backend.fast_language_model())
-    return load_base
-
-
 @without_checkpointing_notice()
 def run(
     recipe: Recipe,
@@ -155,17 +144,8 @@ def run(
             output_dir / "recipe.resolved.json", json.dumps(prepared.resolved, indent=2, default=str) + "\n"
         )
     train_metrics = train_or_take_last(trainer, start.checkpoint)
-    adapter_dir = save_trained(trainer, prepared.tokenizer, prepared.spec, recipe, output_dir)
-    metrics = dict(train_metrics)
-    if trainer.is_world_process_zero():
-        metrics = summarize(
-            output_dir,
-            recipe,
-            trainer.state.global_step,
-            train_metrics,
-            prepared.data_stats,
-            prepared.spec,
-            prepared.resolved["trainable_parameters"],
-        )
+    adapter_dir, metrics = save_run(
+        trainer, prepared.tokenizer, prepared.spec, recipe, output_dir, train_metrics, prepared.resolved
+    )
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)

@@ -25,32 +25,28 @@ from .plots import plot_loss
 from .schema import Recipe
 
 
-def save_trained(
-    trainer: Any, tokenizer: PreTrainedTokenizerBase, spec: ContextSpec, recipe: Recipe, output_dir: Path
-) -> Path:
-    """The trained weights of ``trainer.model`` into ``output_dir/adapter`` (``model`` with ``finetune: full``), by
-    :func:`save_adapter` on the main process; every process takes part in gathering a sharded model first. Returns
-    the folder."""
+def save_run(
+    trainer: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: ContextSpec,
+    recipe: Recipe,
+    output_dir: Path,
+    train_metrics: dict[str, Any],
+    resolved: dict[str, Any],
+) -> tuple[Path, dict[str, Any]]:
+    """The trained weights of ``trainer.model`` into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
+    :func:`save_adapter` on the main process (every process takes part in gathering a sharded model first), then
+    ``metrics.json`` and ``loss.png`` from ``metrics.jsonl`` (its lines after the last step dropped), the Trainer's
+    ``train_metrics`` and the run's ``resolved`` settings (data counts, trainable parameters). Returns the folder
+    and the summary (``train_metrics`` on the other processes)."""
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     state_dict = gathered_state_dict(trainer)
-    if trainer.is_world_process_zero():
-        save_adapter(
-            trainer.model, tokenizer, spec, adapter_dir, state_dict, recipe.finetune, torch_dtype(recipe.model.dtype)
-        )
-    return adapter_dir
-
-
-def summarize(
-    output_dir: Path,
-    recipe: Recipe,
-    steps: int,
-    train_metrics: dict[str, Any],
-    data_stats: dict[str, int],
-    spec: ContextSpec,
-    trainable_parameters: int,
-) -> dict[str, Any]:
-    """Write ``metrics.json`` and ``loss.png`` from ``metrics.jsonl`` (its lines after ``steps`` dropped) and the
-    run's ``train_metrics`` (the Trainer's), data counts and parameters; returns the summary."""
+    if not trainer.is_world_process_zero():
+        return adapter_dir, dict(train_metrics)
+    save_adapter(
+        trainer.model, tokenizer, spec, adapter_dir, state_dict, recipe.finetune, torch_dtype(recipe.model.dtype)
+    )
+    steps = trainer.state.global_step
     trim_metrics(output_dir / "metrics.jsonl", steps)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -60,15 +56,15 @@ def summarize(
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-        "data": data_stats,
+        "data": resolved["data"],
         "rope_parameters": spec.rope_parameters,
         "max_position_embeddings": spec.max_position_embeddings,
-        "trainable_parameters": trainable_parameters,
+        "trainable_parameters": resolved["trainable_parameters"],
     }
     write_text_atomically(output_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
     with writing_to(output_dir):
         plot_loss(losses, output_dir / "loss.png", title=f"{recipe.name}: training loss")
-    return summary
+    return adapter_dir, summary
 
 
 def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:

@@ -1,13 +1,15 @@
 """The trainer of a recipe, wired from what the steps before built: TRL's SFTConfig from the recipe's settings, the
-data collator (UtK's, a method's, or TRL's), each method's training-label rule, the callbacks, and the trainer
-class with longpeft's checkpoints (:mod:`.recipe_trainer`) over the model whose trained weights
-:mod:`.peft_setup` sets up.
+data collator (UtK's, a method's, or TRL's), each method's training-label rule, the callbacks every run has
+(metrics, rotary frequencies, stopping), and the trainer class with longpeft's checkpoints (:mod:`.recipe_trainer`)
+over the model whose trained weights :mod:`.peft_setup` sets up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +19,13 @@ from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
 from ..compat import ensure_trl_loss_kernel, plain_cpu_device
-from ..errors import ConfigError, DataError
+from ..errors import ConfigError, DataError, LongpeftError
 from ..family import IGNORE_INDEX
 from ..launch import mixed_precision, sequence_parallel_size
 from ..launch.topology import check_distributed_type, check_parallelism, data_parallel_size, gradient_accumulation
+from ..rope import rotary_modules
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
-from .callbacks import KeepRotaryFrequencies, MetricsLogger
 from .data import longest_sample
 from .init_from import InitAdapter, load_init_weights, report_differences
 from .peft_setup import peft_config, set_trained_weights
@@ -208,10 +210,68 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
         )
 
 
-def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool:
-    """Whether Trainer checkpoints would miss (or needlessly hold) some weights: a LoRA or ``finetune: method``
-    run with methods that have weights of their own (see :mod:`.recipe_trainer`)."""
-    return recipe.finetune != "full" and any(method.weights is not None for method, _ in spec_methods(spec))
+class MetricsLogger(TrainerCallback):
+    """Appends every Trainer log (loss, lr, grad norm, ...) to ``metrics.jsonl``, one line per step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
+
+
+class KeepRotaryFrequencies(TrainerCallback):
+    """Gives every rotary module its float32 frequencies back when training begins.
+
+    DeepSpeed releases with DeepSpeed#5812 cast the whole module to bf16 when they wrap it, buffers included, which
+    rounds ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
+    turns by hundreds of radians. (0.19.8, the one longpeft pins, casts parameters only: a bf16 ZeRO-3 run on CPU
+    leaves the buffers float32.) The float32 values are kept from ``prepare`` and put back (with a warning) at
+    ``on_train_begin``, after the Trainer has wrapped the model, whatever wrapper cast them.
+    """
+
+    NAMES = ("inv_freq", "original_inv_freq")
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved = [
+            (module, name, getattr(module, name).detach().clone())
+            for _, _, module in rotary_modules(model)
+            for name in self.NAMES
+            if isinstance(getattr(module, name, None), torch.Tensor)
+        ]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        cast = {}
+        for module, name, value in self.saved:
+            current = getattr(module, name)
+            if current.dtype != value.dtype:
+                cast[current.dtype] = cast.get(current.dtype, 0) + 1
+                setattr(module, name, value.to(current.device))
+        if cast:
+            warnings.warn(
+                f"the model's wrapper cast {sum(cast.values())} rotary frequency buffers to "
+                f"{', '.join(map(str, cast))}; longpeft put their float32 values back",
+                stacklevel=1,
+            )
+
+
+class TrainingDiverged(LongpeftError, ValueError):
+    """The loss or the gradient norm became NaN or infinite; the run stopped (the message says what to change)."""
+
+
+class StopOnNonFinite(TrainerCallback):
+    """Stops a run whose logged loss or gradient norm is not finite (a NaN adapter is never saved)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        for key in ("loss", "grad_norm"):
+            value = (logs or {}).get(key)
+            if isinstance(value, (int, float)) and not math.isfinite(value):
+                raise TrainingDiverged(
+                    f"training diverged at step {state.global_step}: {key} = {value}; lower train.learning_rate "
+                    "(or check the data), then start again (the last checkpoint before it is kept)"
+                )
 
 
 def build_trainer(
@@ -231,6 +291,7 @@ def build_trainer(
     ``output_dir/metrics.jsonl``, the rotary frequencies stay float32, then come ``callbacks``. Refuses a
     distributed setup the recipe cannot run under, then copies in the weights of the stage the run starts from
     (``start``: ``model.init_from``)."""
+    own_weights = any(method.weights is not None for method, _ in spec_methods(spec))  # kept by its checkpoints
     trainer = recipe_trainer_class()(
         model=model,
         args=args,
@@ -239,7 +300,7 @@ def build_trainer(
         peft_config=peft_config(recipe, model),
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *callbacks],
-        method_spec=spec if keeps_weights_outside_checkpoints(recipe, spec) else None,
+        method_spec=spec if own_weights and recipe.finetune != "full" else None,  # a full model's hold them
         finetune=recipe.finetune,
         group_by_length=recipe.train.group_by_length,
     )
