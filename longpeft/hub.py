@@ -281,7 +281,7 @@ def plain_peft_misses(spec: ContextSpec) -> list[str]:
         missed.append(
             f"max_position_embeddings {spec.original_max_position_embeddings} -> {spec.max_position_embeddings}"
         )
-    missed += [method.name for method, _ in spec_methods(spec) if method.apply is not None and not method.implied]
+    missed += [method.name for method, _ in spec_methods(spec) if method.changes_model and not method.implied]
     return missed
 
 
@@ -371,8 +371,7 @@ def model_card_text(
     if spec.rope_parameters != spec.original_rope_parameters:
         lines.append(f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.")
     for method, config in methods:
-        if method.describe is not None:
-            lines += method.describe(config)
+        lines += method.describe(config)
     location, where = load_location(repo_id, folder_name)
     lines += ["", "## Load", "", "```python"]
     if standalone:
