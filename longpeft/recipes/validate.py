@@ -212,7 +212,9 @@ def positions_spanned(spec: ContextSpec, length: int) -> int:
     """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``, unless a method
     keeps positions bounded, as Activation Beacon does)."""
     spans = [
-        method.training_span(config, length, spec.max_position_embeddings) for method, config in spec_methods(spec)
+        method.training_span(config, length, spec.max_position_embeddings)
+        for method, config in spec_methods(spec)
+        if method.overrides("training_span")
     ]
     return min(spans, default=length)
 
