@@ -358,8 +358,9 @@ def model_card_text(
             "",
         ]
     lines += what_changed(spec)
-    lines += ["", "## Load", "", "```python", *load_snippet(spec, weights, repo_id, folder_name), "```", ""]
-    lines += loading_notes(spec, weights)
+    remote = any(method.remote_code for method, _ in spec_methods(spec))  # a method ships a modeling file
+    lines += ["", "## Load", "", "```python", *load_snippet(spec, weights, remote, repo_id, folder_name), "```", ""]
+    lines += loading_notes(spec, weights, remote)
     if eval_rows:
         lines += ["## Evaluation", "", "| task | setting | length | score |", "|---|---|---|---|"]
         lines += [
@@ -399,14 +400,8 @@ def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
 def what_changed(spec: ContextSpec) -> list[str]:
     """A card's sentences on the change: the positions (and the lengths trained at and aimed for), the RoPE
     parameters, then every method's own (``describe``)."""
-    lengths = [
-        text
-        for text, known in (
-            (f"trained at {spec.trained_length} tokens", spec.trained_length),
-            (f"target {spec.target_length}", spec.target_length),
-        )
-        if known
-    ]
+    lengths = [f"trained at {spec.trained_length} tokens"] if spec.trained_length else []
+    lengths += [f"target {spec.target_length}"] if spec.target_length else []
     said = f" ({', '.join(lengths)})." if lengths else "."
     if spec.max_position_embeddings != spec.original_max_position_embeddings:
         lines = [
@@ -425,13 +420,12 @@ def what_changed(spec: ContextSpec) -> list[str]:
     return lines
 
 
-def load_snippet(spec: ContextSpec, weights: str, repo_id: str | None, folder_name: str) -> list[str]:
+def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | None, folder_name: str) -> list[str]:
     """A card's Python lines that load the folder: with transformers for a merged or full model
     (``trust_remote_code`` when a method ships a modeling file), else with ``longpeft.load`` on the base."""
     location, where = load_location(repo_id, folder_name)
     if weights in ("full", "merged"):
-        # the tokenizer reads the same auto_map: no prompt
-        trust = ", trust_remote_code=True" if needs_remote_code(spec) else ""
+        trust = ", trust_remote_code=True" if remote else ""  # the tokenizer reads the same auto_map: no prompt
         return [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'model = AutoModelForCausalLM.from_pretrained("{location}"{trust})' + (f"  # {where}" if where else ""),
@@ -450,16 +444,11 @@ def load_snippet(spec: ContextSpec, weights: str, repo_id: str | None, folder_na
     ]
 
 
-def needs_remote_code(spec: ContextSpec) -> bool:
-    """Whether a method of ``spec`` ships a modeling file with an exported model (its ``remote_code``)."""
-    return any(method.remote_code for method, _ in spec_methods(spec))
-
-
-def loading_notes(spec: ContextSpec, weights: str) -> list[str]:
+def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
     """A card's paragraph after the snippet: what ``trust_remote_code`` runs (a merged or full model with a modeling
     file), what plain peft leaves out of a LoRA adapter, or that a method-only adapter needs longpeft."""
     if weights in ("full", "merged"):
-        if not needs_remote_code(spec):
+        if not remote:
             return []
         return [
             "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "

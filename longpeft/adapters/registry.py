@@ -1,23 +1,15 @@
 """The method registry: the one table that recipes, launches, ``longpeft.load``, merge/export and model cards read.
 
-Every context-extension method has one shape (peft's tuners are the model) and one folder under
-``longpeft/adapters/<name>/`` with the same files:
-
-- ``config.py``: its config, a :class:`~longpeft.config.StrictModel` that is both its recipe section and its
-  ``longpeft.json`` section (``methods.<name>``), and pure settings logic; no torch;
-- ``modeling.py``: the torch code (what changes on a model, or in its training inputs);
-- ``export.py``, where the method exports: the files a merged model needs;
-- ``__init__.py``: its :class:`Method` subclass, overriding only the hooks the method needs, its instance ``METHOD``,
-  and the public names.
-
-A method package's ``__init__.py`` imports no torch: registering the methods and validating a recipe (its sections,
-their ``resolve``) need none. Its hooks import their torch code when they first run (:func:`imported_on_call`, or an
-import inside the hook), and its public torch names load on first use (:func:`torch_names`).
+Every context-extension method has one folder under ``longpeft/adapters/<name>/`` (peft's tuners are the model):
+``config.py``, its config (its recipe section and its ``longpeft.json`` section) and pure settings logic, no torch;
+``modeling.py`` (or modules named by what they hold), its torch code; ``export.py`` where it exports; and
+``__init__.py``, its :class:`Method` subclass, overriding only the hooks the method needs, with ``METHOD``, its
+instance. That ``__init__.py`` imports no torch: its hooks import their torch code when they first run
+(:func:`imported_on_call`, or an import inside the hook), its public torch names on first use (:func:`torch_names`).
 
 Adding a method is that folder and one :func:`register` line in ``longpeft/adapters/__init__.py``; every other
 module calls the :class:`Method` hooks, whose defaults do nothing, and never names a method. What a method cannot run
-with (another method, or a way of training: weight sharding, split sequences, Liger's kernels, unsloth, a second
-data collator) is declared in its ``conflicts`` and refused by :func:`check_conflicts` (recipes, launches) and
+with is declared in its ``conflicts`` and refused by :func:`check_conflicts` (recipes, launches) and
 :func:`check_applicable` (switching a method on over another).
 """
 
@@ -56,7 +48,8 @@ def imported_on_call(module: str, name: str) -> staticmethod:
 
 def torch_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
     """The module ``__getattr__`` (PEP 562) of a method package whose public torch names (``names``: name -> the
-    package's submodule that defines it) are imported on first use, so that importing the package needs no torch."""
+    package's submodule that defines it) are imported on first use, so that importing the package needs no torch.
+    A package lists them once, in its ``TORCH_NAMES``, which its ``__all__`` includes."""
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
         if name in names:
@@ -187,8 +180,8 @@ class Method:
 
     def model_span(self, model: Any, length: int) -> tuple[int, int]:
         """``(positions, keys)`` on a model the method is applied to: the positions an input of ``length`` tokens
-        occupies and the keys one query reads at most (default: ``length`` both; STRING bounds the positions,
-        Activation Beacon both)."""
+        occupies and the keys one query reads at most, for a method that bounds them (STRING the positions,
+        Activation Beacon both); a model's are the least its applied methods give (:func:`model_span`)."""
         return length, length
 
     def export(self, model: Any, folder: Path, config: Any) -> None:
@@ -229,8 +222,9 @@ class Method:
         return None
 
     def training_span(self, config: Any, length: int, max_positions: int) -> int:
-        """The positions a training input of ``length`` tokens occupies (Activation Beacon keeps it inside the
-        base's range, PoSE's position ids reach its target length)."""
+        """The positions a training input of ``length`` tokens occupies, for a method that sets them (Activation Beacon
+        keeps them inside the base's range, PoSE's position ids reach its target length); a recipe's are the least
+        its methods set (``length`` when none does)."""
         return length
 
     def training_labels(self, config: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -30,28 +30,16 @@ if TYPE_CHECKING:  # registering the method imports no torch
     import torch
     from torch import nn
 
-__getattr__ = torch_names(
-    __name__,
-    {
-        **dict.fromkeys(("BeaconCache", "BeaconStep"), "cache"),
-        **dict.fromkeys(("BeaconSettings", "WindowLayout", "window_layout"), "layout"),
-        **dict.fromkeys(
-            (
-                "backbone_of",
-                "beacon_parameters",
-                "beacons_disabled",
-                "install_beacon",
-                "is_beacon_applied",
-                "remove_beacon",
-                "trainable_beacon_parameters",
-            ),
-            "patch",
-        ),
-        **dict.fromkeys(("apply_beacon", "set_inference_settings"), "apply"),
-        **dict.fromkeys(("WEIGHTS_FILENAME", "load_beacon_weights", "save_beacon_weights"), "weights"),
-        "write_remote_code": "export",
-    },
-)
+TORCH_NAMES = {
+    **dict.fromkeys(("BeaconCache", "BeaconStep"), "cache"),
+    **dict.fromkeys(("BeaconSettings", "WindowLayout", "window_layout"), "layout"),
+    **dict.fromkeys(("backbone_of", "beacon_parameters", "beacons_disabled", "install_beacon"), "patch"),
+    **dict.fromkeys(("is_beacon_applied", "remove_beacon", "trainable_beacon_parameters"), "patch"),
+    **dict.fromkeys(("apply_beacon", "set_inference_settings"), "apply"),
+    **dict.fromkeys(("WEIGHTS_FILENAME", "load_beacon_weights", "save_beacon_weights"), "weights"),
+    "write_remote_code": "export",
+}
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory)"
 
@@ -128,25 +116,4 @@ class Beacon(Method):
 
 METHOD = Beacon()
 
-__all__ = [
-    "METHOD",
-    "WEIGHTS_FILENAME",
-    "BeaconCache",
-    "BeaconConfig",
-    "BeaconSettings",
-    "BeaconStep",
-    "INFERENCE_SETTINGS",
-    "WindowLayout",
-    "apply_beacon",
-    "beacon_parameters",
-    "beacons_disabled",
-    "install_beacon",
-    "is_beacon_applied",
-    "load_beacon_weights",
-    "remove_beacon",
-    "save_beacon_weights",
-    "set_inference_settings",
-    "trainable_beacon_parameters",
-    "window_layout",
-    "write_remote_code",
-]
+__all__ = ["INFERENCE_SETTINGS", "METHOD", "BeaconConfig", *TORCH_NAMES]

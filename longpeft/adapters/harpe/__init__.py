@@ -26,19 +26,12 @@ from .config import HarpeConfig, check_head_bases, describe
 if TYPE_CHECKING:  # registering the method imports no torch
     from torch import nn
 
-__getattr__ = torch_names(
-    __name__,
-    {
-        "apply_head_bases": "patch",
-        "has_head_bases": "patch",
-        "is_harpe_on": "patch",
-        "remove_head_bases": "patch",
-        "peak_valley_bases": "selection",
-        "select_bases": "selection",
-        "uniform_bases": "selection",
-        "write_remote_code": "export",
-    },
-)
+TORCH_NAMES = {
+    **dict.fromkeys(("apply_head_bases", "has_head_bases", "is_harpe_on", "remove_head_bases"), "patch"),
+    **dict.fromkeys(("peak_valley_bases", "select_bases", "uniform_bases"), "selection"),
+    "write_remote_code": "export",
+}
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
@@ -95,16 +88,4 @@ class Harpe(Method):
 
 METHOD = Harpe()
 
-__all__ = [
-    "METHOD",
-    "HarpeConfig",
-    "apply_head_bases",
-    "check_head_bases",
-    "has_head_bases",
-    "is_harpe_on",
-    "peak_valley_bases",
-    "remove_head_bases",
-    "select_bases",
-    "uniform_bases",
-    "write_remote_code",
-]
+__all__ = ["METHOD", "HarpeConfig", "check_head_bases", *TORCH_NAMES]

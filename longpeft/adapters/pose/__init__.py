@@ -21,7 +21,8 @@ from .config import PoseConfig, describe, long_samples, resolve, training_span
 if TYPE_CHECKING:
     from .modeling import PoseCollator
 
-__getattr__ = torch_names(__name__, dict.fromkeys(("PoseCollator", "pose_position_ids", "pose_sample"), "modeling"))
+TORCH_NAMES = dict.fromkeys(("PoseCollator", "pose_position_ids", "pose_sample"), "modeling")
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 class Pose(Method):
@@ -59,4 +60,4 @@ class Pose(Method):
 
 METHOD = Pose()
 
-__all__ = ["IGNORE_INDEX", "METHOD", "PoseCollator", "PoseConfig", "pose_position_ids", "pose_sample"]
+__all__ = ["IGNORE_INDEX", "METHOD", "PoseConfig", *TORCH_NAMES]

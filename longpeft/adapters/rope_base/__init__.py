@@ -26,7 +26,8 @@ from .export import write_legacy_rope_keys
 if TYPE_CHECKING:  # registering the method imports no torch
     from torch import nn
 
-__getattr__ = torch_names(__name__, dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling"))
+TORCH_NAMES = dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling")
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
@@ -110,13 +111,4 @@ class Rope(Method):
 
 METHOD = Rope()
 
-__all__ = [
-    "METHOD",
-    "RopeConfig",
-    "RopeType",
-    "expand_rope_base",
-    "has_rope_change",
-    "resolve_rope_parameters",
-    "restore_rope",
-    "write_legacy_rope_keys",
-]
+__all__ = ["METHOD", "RopeConfig", "RopeType", "resolve_rope_parameters", "write_legacy_rope_keys", *TORCH_NAMES]

@@ -24,28 +24,14 @@ from .config import DEFAULT_LOCAL_WINDOW, StringConfig, describe, resolve, strin
 if TYPE_CHECKING:  # registering the method imports no torch
     from torch import nn
 
-__getattr__ = torch_names(
-    __name__,
-    {
-        **dict.fromkeys(
-            (
-                "STRING_ATTENTION",
-                "StringSettings",
-                "disable_string",
-                "install_string",
-                "rotate_keys_forward",
-                "string_attention_eager",
-                "string_attention_flash",
-                "string_attention_forward",
-                "string_attention_sdpa",
-                "string_settings",
-            ),
-            "attention",
-        ),
-        **dict.fromkeys(("enable_string", "is_string_on", "recorded_trained_length"), "patch"),
-        "write_remote_code": "export",
-    },
-)
+TORCH_NAMES = {
+    **dict.fromkeys(("STRING_ATTENTION", "StringSettings", "disable_string", "install_string"), "attention"),
+    **dict.fromkeys(("rotate_keys_forward", "string_attention_eager", "string_attention_flash"), "attention"),
+    **dict.fromkeys(("string_attention_forward", "string_attention_sdpa", "string_settings"), "attention"),
+    **dict.fromkeys(("enable_string", "is_string_on", "recorded_trained_length"), "patch"),
+    "write_remote_code": "export",
+}
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (shifted positions for far keys)"
@@ -87,23 +73,4 @@ class String(Method):
 
 METHOD = String()
 
-__all__ = [
-    "DEFAULT_LOCAL_WINDOW",
-    "METHOD",
-    "STRING_ATTENTION",
-    "StringConfig",
-    "StringSettings",
-    "disable_string",
-    "enable_string",
-    "install_string",
-    "is_string_on",
-    "recorded_trained_length",
-    "rotate_keys_forward",
-    "string_attention_eager",
-    "string_attention_flash",
-    "string_attention_forward",
-    "string_attention_sdpa",
-    "string_defaults",
-    "string_settings",
-    "write_remote_code",
-]
+__all__ = ["DEFAULT_LOCAL_WINDOW", "METHOD", "StringConfig", "string_defaults", *TORCH_NAMES]
