@@ -47,7 +47,8 @@ from .llm_http import (
 )
 from .llm_output import MalformedOutput
 from .llm_request import LLMConfig, LLMRunAborted, sampling_params, structured_params
-from .qa import Passage, QAJob, job_request, parse_qa_pairs
+from .qa import Passage, QAJob, job_request
+from .registry import get_task
 from .structured_output import judge_answer
 
 CHECK_TEXT = (
@@ -293,7 +294,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     if response_format is not None and refusal is None:
         enforced, probe_answer = _probe(config, api_key, deadline, say, kind)
     try:
-        parse_qa_pairs(answer.text)
+        get_task(request.task).parse(answer.text)
         parse_error = None
     except MalformedOutput as error:
         parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"

@@ -43,8 +43,12 @@ def demo_conversations(
         )
         for i in range(n_conversations)
     ]
-    plans = builder.plan_single_detail(
-        documents, n_conversations, chunks_per_context=1, questions_per_chunk=questions_per_conversation
+    plans = builder.plan(
+        "single_detail",
+        documents,
+        contexts=n_conversations,
+        chunks_per_context=1,
+        questions_per_chunk=questions_per_conversation,
     )
     return builder.build(plans)
 

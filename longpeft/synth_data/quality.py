@@ -27,8 +27,8 @@ short reason code and a detail message; the first gate that fails gives the reas
   the question was asked about (the chunk, the document, or the numbered documents); words the answer
   repeats from its question are left out of the count ("Greta Nagel was born in Paris" to "Where was Greta
   Nagel born?" is judged by "Paris" alone). A number must occur in the text whatever the fraction (a wrong
-  year is a wrong answer), except in the aggregating tasks (``multi_detail``, ``heterogeneous``), whose
-  counts, sums and gaps are computed: there numbers are not counted;
+  year is a wrong answer), except in the tasks whose answers compute counts, sums and gaps (their record's
+  ``computed_numbers``: ``multi_detail``, ``heterogeneous``): there numbers are not counted;
 - ``near_duplicate``: a question whose normalised word set has a Jaccard similarity of at least
   ``max_question_similarity`` with an earlier kept question of the same context (questions naming different
   numbers, "Document 1 or Document 3" against "Document 2 or Document 3", are different questions).
@@ -44,25 +44,13 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 from pydantic import Field
 
 from ..config import StrictModel
+from .registry import get_task
 
-REASONS = (
-    "placeholder",
-    "prompt_echo",
-    "refusal",
-    "too_short",
-    "unfinished",
-    "not_a_question",
-    "tautology",
-    "restates_question",
-    "wrong_subject",
-    "ungrounded",
-    "near_duplicate",
-)
 GateName = Literal[
     "placeholder",
     "prompt_echo",
@@ -76,7 +64,7 @@ GateName = Literal[
     "ungrounded",
     "near_duplicate",
 ]
-AGGREGATING_TASKS = ("multi_detail", "heterogeneous")  # answers may hold computed numbers (counts, sums, gaps)
+REASONS: tuple[str, ...] = get_args(GateName)  # the gates' reason codes, in the order the gates run
 
 
 class QualityConfig(StrictModel):
@@ -556,7 +544,7 @@ class QualityGates:
         """Judge the items of one answer.
 
         Args:
-            task: the builder task (``single_detail``, ``multi_detail``, ``heterogeneous``, ``biography``).
+            task: the name of a registered synth task (:mod:`.registry`).
             items: QA pairs or biography turns, in the model's order.
             evidence: the text the items were asked about (the chunk, the document, the numbered documents).
             instructions: the prompt without the evidence (for ``prompt_echo``).
@@ -650,6 +638,7 @@ class QualityGates:
             return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}"
 
         qa = name is None  # a QA pair (a biography's question is longpeft's own)
+        numbers_computed = get_task(task).computed_numbers
         steps: list[tuple[str, Callable[[], str | None]]] = [
             ("placeholder", each_field(lambda label, text: placeholder(text))),
             (
@@ -672,7 +661,7 @@ class QualityGates:
             (
                 "ungrounded",
                 lambda: ungrounded(
-                    item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS, item.question
+                    item.answer, evidence_stems, cfg.min_grounded_fraction, numbers_computed, item.question
                 ),
             ),
         ]
