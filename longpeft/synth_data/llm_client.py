@@ -60,6 +60,7 @@ import sys
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -124,6 +125,39 @@ SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; 
 # covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
 TEMPLATE_TOKENS_ALLOWANCE = 64
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+
+
+@dataclass
+class _Round:
+    """One request's attempts in a run, as :meth:`LLMClient._complete` makes them.
+
+    Attributes:
+        first_key: the cache key of its first attempt without response_format (:func:`.llm_cache.request_key`);
+            ``mark_key`` the key of its outcome mark; ``mark`` the mark an earlier run left.
+        end: attempts up to here (exclusive); ``replayed``: attempts of an earlier round, replayed from the cache and
+            never sent again.
+        key: the cache key of the latest attempt as sent; ``api_calls``: the calls paid for.
+        outputs: every judged attempt's outcome (attempt, reason, error, the answer's text); ``dropped``: the item
+            records of what the checks dropped; ``last_code``: the reason of the latest attempt refused.
+    """
+
+    request: LLMRequest
+    usage: TaskUsage
+    sampling: dict[str, Any]
+    first_key: str
+    mark: dict[str, Any] | None
+    end: int
+    replayed: int = 0
+    key: str = ""
+    api_calls: int = 0
+    last_code: str = "malformed"
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    mark_key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mark_key = outcome_key(self.first_key)
+        self.key = self.key or self.first_key
 
 
 class LLMClient:
@@ -436,144 +470,159 @@ class LLMClient:
     ) -> LLMResult:
         import openai
 
-        usage = self.usage.setdefault(request.task, TaskUsage())
-        sampling = sampling_params(self.config)
-        outputs: list[dict[str, Any]] = []  # every attempt's outcome: attempt, reason, error (and the answer's text)
-        dropped: list[dict[str, Any]] = []  # the item records of what ``check`` dropped, every attempt's
-        api_calls = 0
+        run = self._round(request)
+        if run.mark is not None and run.mark["outcome"] == "rejected" and not self.retry_rejected:
+            return self._skip(run)
+        too_long = await self._too_long(request)
+        if too_long is not None:  # no attempt of this round was made
+            return self._reject(run, too_long, "prompt_too_long", 0, end=run.end - self.config.max_parse_attempts)
+        for attempt in range(run.end):
+            try:
+                entry = await self._fetch(client, semaphore, run, attempt)
+            except RetryableError as error:
+                reason = self._give_up(request, error)
+                run.outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
+                return self._reject(run, reason, "gave_up", attempt + 1)
+            except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
+                reason = f"{type(error).__name__}: {self._refusal(request, error)}"
+                run.outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
+                return self._reject(run, reason, "http_refused", attempt + 1, end=attempt + 1)
+            if entry is None:  # an earlier round's answer no longer in the cache: not paid for again
+                continue
+            try:
+                value = self._judge(run, attempt, entry, parse, check)
+            except MalformedOutput as error:
+                self._failed_attempt(run, attempt, error, entry["text"])
+                continue
+            if run.mark is not None or run.mark_key in self.cache.foreign_keys:  # a retry round answered (or a
+                self.cache.mark(run.mark_key, request.task, "answered", attempt + 1)  # foreign mark): replay to here
+            self.rejects.replace(run.mark_key, run.dropped)
+            return LLMResult(
+                request, True, value=value, text=entry["text"], attempts=attempt + 1, api_calls=run.api_calls
+            )
+        tried = Counter(output["reason"] for output in run.outputs)  # the attempts judged (an uncached replay is not)
+        if len(tried) == 1:
+            what = {"quality": "output failing the quality gates", "truncated": "output cut off at llm.max_tokens"}
+            reason = f"{what.get(run.last_code, 'malformed output')} in all {len(run.outputs)} attempts"
+        else:
+            counts = ", ".join(f"{code} {n}" for code, n in tried.items())
+            reason = f"no usable output in {len(run.outputs)} attempts ({counts})"
+        return self._reject(run, reason, run.last_code, run.end, end=run.end)
+
+    def _round(self, request: LLMRequest) -> _Round:
+        """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
+        its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
+        answered, the attempts before the answer are replays."""
         # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
         # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
         # answers themselves are keyed on what is sent, sampling and response_format).
+        sampling = sampling_params(self.config)
         first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
-        mark_key = outcome_key(first_key)
-        mark = self.cache.outcome(mark_key)
-        end = self.config.max_parse_attempts
-        replayed = 0  # attempts of an earlier round: replayed from the cache, never sent again
+        mark = self.cache.outcome(outcome_key(first_key))
+        usage = self.usage.setdefault(request.task, TaskUsage())
+        run = _Round(request, usage, sampling, first_key, mark, self.config.max_parse_attempts)
         if mark is not None and mark["outcome"] == "rejected":
-            if not self.retry_rejected:
-                usage.skipped_rejected += 1
-                why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
-                rebuilt = self._request_record(request, mark_key, first_key, mark["reason"], mark["error"], [], True)
-                self.rejects.keep(mark_key, rebuilt)
-                return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
-            replayed = mark["end"]
-            end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
-        elif mark is not None:  # answered by attempt end - 1 of a retry round: the ones before it are replays
-            replayed = mark["end"] - 1
-            end = max(end, mark["end"])
-        state = {"mark_key": mark_key, "end": end}
-        key = ""
-        last_code = "malformed"
+            run.replayed, run.end = mark["end"], mark["end"] + self.config.max_parse_attempts
+        elif mark is not None:  # answered by attempt end - 1 of a retry round
+            run.replayed, run.end = mark["end"] - 1, max(run.end, mark["end"])
+        return run
+
+    def _skip(self, run: _Round) -> LLMResult:
+        """A request an earlier run rejected, not asked again: counted, and kept in the rejects file."""
+        run.usage.skipped_rejected += 1
+        mark = run.mark
+        why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
+        rebuilt = self._request_record(run, mark["reason"], mark["error"], True)
+        self.rejects.keep(run.mark_key, rebuilt)
+        return LLMResult(run.request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+
+    async def _too_long(self, request: LLMRequest) -> str | None:
+        """Why the prompt is not sent (it holds the endpoint's context or more, counted by the prompt counter), or
+        None."""
         limit = self.context_limit()
-        if limit is not None and self.prompt_counter is not None and _may_exceed(request, limit[0]):
-            tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
-            if tokens >= limit[0]:
-                state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
-                reason = (
-                    f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
-                    f"{limit[0]} ({limit[1]}); not sent"
-                )
-                return self._reject(
-                    request, first_key, usage, reason, outputs, dropped, 0, 0, "prompt_too_long", state, mark_key
-                )
-        for attempt in range(end):
-            entry = None
-            while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
-                sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
-                key = request_key(self.config.base_url, self.config.model, request, sent, attempt)
-                entry = self.cache.answer(key)
-                if entry is not None:
-                    usage.cache_hits += 1
-                    usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
-                    usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
-                    if "response_format" in sent and self.structured_watch.verdict is None:
-                        self._observe(sent, entry)  # a rerun learns from the answers it replays
-                    break
-                if attempt < replayed:  # an earlier round's answer no longer in the cache: not paid for again
-                    break
-                try:
-                    entry = await self._send(client, semaphore, request, sent, usage)
-                    if entry is None:  # the endpoint refused structured output while this request waited
-                        continue
-                except RetryableError as error:
-                    reason = self._give_up(request, error)
-                    outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
-                    return self._reject(
-                        request,
-                        key,
-                        usage,
-                        reason,
-                        outputs,
-                        dropped,
-                        attempt + 1,
-                        api_calls,
-                        "gave_up",
-                        None,
-                        mark_key,
-                    )
-                except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
-                    if "response_format" in sent and refuses_structured_output(error):
-                        self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
-                        continue
-                    state["end"] = attempt + 1
-                    reason = f"{type(error).__name__}: {self._refusal(request, error)}"
-                    outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
-                    return self._reject(
-                        request,
-                        key,
-                        usage,
-                        reason,
-                        outputs,
-                        dropped,
-                        attempt + 1,
-                        api_calls,
-                        "http_refused",
-                        state,
-                        mark_key,
-                    )
-                api_calls += 1
-                if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
-                    self.cache.put(key, {"key": key, "task": request.task, **entry})
-            if entry is None:
-                continue
-            text = entry["text"]
+        if limit is None or self.prompt_counter is None or not _may_exceed(request, limit[0]):
+            return None
+        tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
+        if tokens < limit[0]:
+            return None
+        return (
+            f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
+            f"{limit[0]} ({limit[1]}); not sent"
+        )
+
+    async def _fetch(
+        self, client: Any, semaphore: asyncio.Semaphore, run: _Round, attempt: int
+    ) -> dict[str, Any] | None:
+        """The answer to ``attempt``: from the cache, else sent (and cached); None for an attempt of an earlier
+        round no longer in the cache. A refusal of structured output sends it again without; other failures raise
+        (:class:`RetryableError` after the retries, ``openai.APIStatusError`` for a refused request)."""
+        import openai
+
+        usage = run.usage
+        while True:  # a second pass only when the endpoint refused structured output (llm.structured)
+            sent = {**run.sampling, **self._structured(run.request)}  # what is sent is what the key holds
+            run.key = request_key(self.config.base_url, self.config.model, run.request, sent, attempt)
+            entry = self.cache.answer(run.key)
+            if entry is not None:
+                usage.cache_hits += 1
+                usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
+                usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                if "response_format" in sent and self.structured_watch.verdict is None:
+                    self._observe(sent, entry)  # a rerun learns from the answers it replays
+                return entry
+            if attempt < run.replayed:
+                return None
             try:
-                if not text.strip():
-                    raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
-                if entry.get("finish_reason") == "length":
-                    raise TruncatedOutput(
-                        f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
-                        f"{entry['usage']['completion_tokens']} completion tokens"
-                    )
-                value = parse(text) if parse is not None else text
-                if check is not None:
-                    value = check(request, value)
-                    if isinstance(value, Checked):
-                        dropped += [self._item_record(request, mark_key, attempt, item) for item in value.dropped]
-                        value = value.value
-            except MalformedOutput as error:
-                last_code = error.code
-                if isinstance(error, RejectedOutput):
-                    usage.quality_rejected += 1
-                    dropped += [self._item_record(request, mark_key, attempt, item) for item in error.dropped]
-                elif isinstance(error, TruncatedOutput):
-                    usage.truncated += 1
-                else:
-                    usage.malformed += 1
-                outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
+                entry = await self._send(client, semaphore, run.request, sent, usage)
+            except openai.APIStatusError as error:
+                if "response_format" in sent and refuses_structured_output(error):
+                    self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
+                    continue
+                raise
+            if entry is None:  # the endpoint refused structured output while this request waited
                 continue
-            if mark is not None or mark_key in self.cache.foreign_keys:  # a retry round answered (or a foreign mark):
-                self.cache.mark(mark_key, request.task, "answered", attempt + 1)  # later reruns replay up to here
-            self.rejects.replace(mark_key, dropped)
-            return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        tried = Counter(output["reason"] for output in outputs)  # the attempts judged (an uncached replay is not)
-        if len(tried) == 1:
-            what = {"quality": "output failing the quality gates", "truncated": "output cut off at llm.max_tokens"}
-            reason = f"{what.get(last_code, 'malformed output')} in all {len(outputs)} attempts"
+            run.api_calls += 1
+            if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
+                self.cache.put(run.key, {"key": run.key, "task": run.request.task, **entry})
+            return entry
+
+    def _judge(
+        self,
+        run: _Round,
+        attempt: int,
+        entry: dict[str, Any],
+        parse: Callable[[str], Any] | None,
+        check: Callable[[LLMRequest, Any], Any] | None,
+    ) -> Any:
+        """The value of an answer: parsed and checked; raises :class:`MalformedOutput` (or its kinds) for an empty,
+        cut off, malformed or gated one. Items ``check`` drops join ``run.dropped``."""
+        text = entry["text"]
+        if not text.strip():
+            raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
+        if entry.get("finish_reason") == "length":
+            raise TruncatedOutput(
+                f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
+                f"{entry['usage']['completion_tokens']} completion tokens"
+            )
+        value = parse(text) if parse is not None else text
+        if check is not None:
+            value = check(run.request, value)
+            if isinstance(value, Checked):
+                run.dropped += [self._item_record(run.request, run.mark_key, attempt, item) for item in value.dropped]
+                value = value.value
+        return value
+
+    def _failed_attempt(self, run: _Round, attempt: int, error: MalformedOutput, text: str) -> None:
+        """Count an answer :meth:`_judge` refused, by its kind, and record it for the rejects file."""
+        run.last_code = error.code
+        if isinstance(error, RejectedOutput):
+            run.usage.quality_rejected += 1
+            run.dropped += [self._item_record(run.request, run.mark_key, attempt, item) for item in error.dropped]
+        elif isinstance(error, TruncatedOutput):
+            run.usage.truncated += 1
         else:
-            counts = ", ".join(f"{code} {n}" for code, n in tried.items())
-            reason = f"no usable output in {len(outputs)} attempts ({counts})"
-        return self._reject(request, key, usage, reason, outputs, dropped, end, api_calls, last_code, state, mark_key)
+            run.usage.malformed += 1
+        run.outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
 
     def _item_record(self, request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
         """A rejects-file record of one part of an answer that a ``check`` function dropped (:mod:`.llm_rejects`)."""
@@ -586,53 +635,31 @@ class LLMClient:
             **item,
         }
 
-    def _request_record(
-        self,
-        request: LLMRequest,
-        mark_key: str,
-        key: str,
-        code: str,
-        reason: str,
-        outputs: list[dict[str, Any]],
-        marked: bool,
-    ) -> dict[str, Any]:
-        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with ``outputs``: every
-        attempt's reason, error and answer (:mod:`.llm_rejects`)."""
+    def _request_record(self, run: _Round, code: str, reason: str, marked: bool) -> dict[str, Any]:
+        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with every attempt's
+        reason, error and answer (:mod:`.llm_rejects`)."""
         return {
             "kind": "request",
-            "request": mark_key,
-            "key": key,
-            "task": request.task,
-            "meta": request.meta,
+            "request": run.mark_key,
+            "key": run.key,
+            "task": run.request.task,
+            "meta": run.request.meta,
             "reason": code,
             "error": reason,
             "marked": marked,
-            "attempts": outputs,
+            "attempts": run.outputs,
         }
 
-    def _reject(
-        self,
-        request: LLMRequest,
-        key: str,
-        usage: TaskUsage,
-        reason: str,
-        outputs: list[dict[str, Any]],
-        dropped: list[dict[str, Any]],
-        attempts: int,
-        api_calls: int,
-        code: str,
-        state: dict[str, Any] | None,
-        mark_key: str,
-    ) -> LLMResult:
-        """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
-        rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
-        usage.rejected += 1
-        usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
-        record = self._request_record(request, mark_key, key, code, reason, outputs, state is not None)
-        self.rejects.replace(mark_key, [record, *dropped])
-        if state is not None:
-            self.cache.mark(state["mark_key"], request.task, "rejected", state["end"], reason=code, error=reason)
-        return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
+    def _reject(self, run: _Round, reason: str, code: str, attempts: int, end: int | None = None) -> LLMResult:
+        """Record a request that failed for good; with ``end`` (the attempts made, over every round) its outcome
+        mark says so, and a rerun skips it unless ``retry_rejected`` (transient failures give none: a rerun asks
+        again)."""
+        run.usage.rejected += 1
+        run.usage.rejected_reasons[code] = run.usage.rejected_reasons.get(code, 0) + 1
+        self.rejects.replace(run.mark_key, [self._request_record(run, code, reason, end is not None), *run.dropped])
+        if end is not None:
+            self.cache.mark(run.mark_key, run.request.task, "rejected", end, reason=code, error=reason)
+        return LLMResult(run.request, False, error=reason, attempts=attempts, api_calls=run.api_calls)
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
         return structured_params(
