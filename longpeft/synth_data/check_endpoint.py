@@ -70,6 +70,7 @@ PROBE_SCHEMA = OutputSchema(
     },
 )
 PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
+CHECK_TASK = "single_detail"  # the task of the QA request checked: one question over CHECK_TEXT
 
 
 @dataclass
@@ -216,15 +217,93 @@ class EndpointCheck:
         return "passes the builders' parser" + (" and is bare JSON of the schema sent" if self.answer_follows else "")
 
 
-class _Deadline:
-    """Seconds left of the check's deadline."""
+class _Session:
+    """The check's requests to one endpoint: each within what is left of one deadline, announced by ``say``."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
+    def __init__(self, config: LLMConfig, api_key: str, say: Callable[[str], None]):
+        self.config, self.api_key, self.say = config, api_key, say
+        self.seconds = config.check_timeout
+        self.end = time.monotonic() + self.seconds
 
     def left(self) -> float:
+        """Seconds left of the deadline."""
         return max(self.end - time.monotonic(), 0.0)
+
+    def post(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> tuple[HttpAnswer, float]:
+        """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
+        config = self.config
+        url = config.base_url.rstrip("/") + "/chat/completions"
+        left = self.left()
+        if left <= 0:
+            raise LLMRunAborted(
+                f"{config.base_url}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more "
+                "time with --check-timeout"
+            )
+        self.say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
+        start = time.monotonic()
+        try:
+            answer = http_json(url, {"model": config.model, "messages": messages, **params}, self.api_key, left)
+        except NoHttpAnswer as error:
+            if error.kind == "timeout":
+                raise LLMRunAborted(
+                    f"{config.base_url} did not answer {what} within the check's deadline ({self.seconds:g} s): "
+                    "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
+                    "more time with --check-timeout"
+                ) from None
+            if error.kind == "unreachable":
+                raise LLMRunAborted(
+                    f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
+                ) from None
+            raise LLMRunAborted(
+                f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
+                "OpenAI-compatible server, ending in /v1)"
+            ) from None
+        return answer, time.monotonic() - start
+
+    def ask(
+        self, messages: list[dict[str, str]], params: dict[str, Any], what: str
+    ) -> tuple[Completion, float, str | None]:
+        """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
+        ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
+        config = self.config
+        answer, latency = self.post(messages, params, what)
+        if answer.status_code != 200:
+            if "response_format" in params and refuses_structured_output(answer):
+                return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
+            raise LLMRunAborted(
+                f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
+                f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
+            )
+        try:
+            return read_completion(answer.raw), latency, None
+        except NotACompletion as error:
+            raise LLMRunAborted(
+                f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
+                "llm.base_url (it ends in /v1)"
+            ) from None
+
+    def probe(self, kind: str) -> tuple[bool | None, str]:
+        """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote
+        of the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
+        response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
+        params = {
+            "temperature": self.config.temperature,
+            "max_tokens": PROBE_MAX_TOKENS,
+            "response_format": response_format,
+        }
+        answer, _ = self.post(
+            PROBE_MESSAGES, params, f"the structured-output probe (a plain word asked for, under {kind})"
+        )
+        if answer.status_code != 200:
+            return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
+        try:
+            probe = read_completion(answer.raw)
+        except NotACompletion as error:
+            return None, str(error)
+        if not probe.text.strip():
+            return None, "an empty answer"
+        cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
+        return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut
 
 
 def _say_on_stderr(line: str) -> None:
@@ -242,65 +321,39 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
             f"environment variable {config.api_key_env} is not set; export your API key there "
             "(any non-empty value for a local server without authentication)"
         )
-    deadline = _Deadline(config.check_timeout)
-    lookup = min(LOOKUP_TIMEOUT, deadline.left() / 3)  # two lookups leave a third of the deadline to the requests
+    session = _Session(config, api_key, say)
+    lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
     say(
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
-        f"{lookup:.3g} s each at most; the whole check {deadline.seconds:g} s at most)"
+        f"{lookup:.3g} s each at most; the whole check {session.seconds:g} s at most)"
     )
     info = discover(config.base_url, config.model, api_key, lookup)
     request = job_request(
-        QAJob("single_detail", [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
+        QAJob(CHECK_TASK, [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
     sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
-    structured = structured_params(config, request)
-    response_format = structured.get("response_format")
-    bounds_refusal = None
-    kind = response_format["type"] if response_format else None
+    structured, bounds_refusal = structured_params(config, request), None
+    kind = structured["response_format"]["type"] if structured else None
     sent = f"with response_format {kind}" if kind else "without response_format"
-    answer, latency, refusal = _ask(
-        config,
-        api_key,
-        deadline,
-        say,
-        request.messages,
-        {**sampling, **structured},
-        f"the run's first request (a one-question QA request {sent})",
-    )
+    what = f"the run's first request (a one-question QA request {sent})"
+    answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
     if refusal is not None and structured_params(config, request, bounds=False) != structured:
         bounds_refusal = refusal  # the run's next step: the schema without its item bounds
         structured = structured_params(config, request, bounds=False)
-        response_format = structured["response_format"]
-        answer, latency, refusal = _ask(
-            config,
-            api_key,
-            deadline,
-            say,
-            request.messages,
-            {**sampling, **structured},
-            "the QA request again with the schema without its item bounds (as the run does)",
-        )
+        what = "the QA request again with the schema without its item bounds (as the run does)"
+        answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
     if refusal is not None:
-        answer, latency, _ = _ask(
-            config,
-            api_key,
-            deadline,
-            say,
-            request.messages,
-            sampling,
-            "the QA request again without response_format (as llm.structured=auto does)",
-        )
-    enforced = probe_answer = None
+        what = "the QA request again without response_format (as llm.structured=auto does)"
+        answer, latency, _ = session.ask(request.messages, sampling, what)
+    response_format = structured.get("response_format")
+    enforced = probe_answer = follows = parse_error = None
     if response_format is not None and refusal is None:
-        enforced, probe_answer = _probe(config, api_key, deadline, say, kind)
+        enforced, probe_answer = session.probe(kind)
+        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     try:
         get_task(request.task).parse(answer.text)
-        parse_error = None
     except MalformedOutput as error:
         parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
-    follows = None
-    if response_format is not None and refusal is None:
-        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     return EndpointCheck(
         config=config,
         answer=answer,
@@ -312,101 +365,6 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         answer_follows=follows,
         parse_error=parse_error,
         info=info,
-        deadline_s=deadline.seconds,
+        deadline_s=session.seconds,
         bounds_refusal=bounds_refusal,
     )
-
-
-def _post(
-    config: LLMConfig,
-    api_key: str,
-    deadline: _Deadline,
-    say: Callable[[str], None],
-    messages: list[dict[str, str]],
-    params: dict[str, Any],
-    what: str,
-) -> tuple[HttpAnswer, float]:
-    """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
-    url = config.base_url.rstrip("/") + "/chat/completions"
-    left = deadline.left()
-    if left <= 0:
-        raise LLMRunAborted(
-            f"{config.base_url}: the check's deadline ({deadline.seconds:g} s) passed before {what}; give it more "
-            "time with --check-timeout"
-        )
-    say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
-    start = time.monotonic()
-    try:
-        answer = http_json(url, {"model": config.model, "messages": messages, **params}, api_key, left)
-    except NoHttpAnswer as error:
-        if error.kind == "timeout":
-            raise LLMRunAborted(
-                f"{config.base_url} did not answer {what} within the check's deadline ({deadline.seconds:g} s): "
-                "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
-                "more time with --check-timeout"
-            ) from None
-        if error.kind == "unreachable":
-            raise LLMRunAborted(
-                f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
-            ) from None
-        raise LLMRunAborted(
-            f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
-            "OpenAI-compatible server, ending in /v1)"
-        ) from None
-    return answer, time.monotonic() - start
-
-
-def _ask(
-    config: LLMConfig,
-    api_key: str,
-    deadline: _Deadline,
-    say: Callable[[str], None],
-    messages: list[dict[str, str]],
-    params: dict[str, Any],
-    what: str,
-) -> tuple[Completion, float, str | None]:
-    """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
-    ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
-    answer, latency = _post(config, api_key, deadline, say, messages, params, what)
-    if answer.status_code != 200:
-        if "response_format" in params and refuses_structured_output(answer):
-            return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
-        raise LLMRunAborted(
-            f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
-            f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
-        )
-    try:
-        return read_completion(answer.raw), latency, None
-    except NotACompletion as error:
-        raise LLMRunAborted(
-            f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
-            "llm.base_url (it ends in /v1)"
-        ) from None
-
-
-def _probe(
-    config: LLMConfig, api_key: str, deadline: _Deadline, say: Callable[[str], None], kind: str
-) -> tuple[bool | None, str]:
-    """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote of
-    the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
-    response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
-    params = {"temperature": config.temperature, "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
-    answer, _ = _post(
-        config,
-        api_key,
-        deadline,
-        say,
-        PROBE_MESSAGES,
-        params,
-        f"the structured-output probe (a plain word asked for, under {kind})",
-    )
-    if answer.status_code != 200:
-        return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
-    try:
-        probe = read_completion(answer.raw)
-    except NotACompletion as error:
-        return None, str(error)
-    if not probe.text.strip():
-        return None, "an empty answer"
-    cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
-    return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut
