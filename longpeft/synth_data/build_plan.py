@@ -161,7 +161,6 @@ def plan_build(
             build loads it); it does not count the prompts.
         output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
     """
-    from .builders import LongContextBuilder
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
@@ -180,15 +179,7 @@ def plan_build(
         )
     files = read_inputs(config).documents  # every input file checked as the run checks it
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
-    builder = LongContextBuilder(
-        tokenizer,
-        ProceduralAnswerer(),
-        config.length,
-        config.context_template,
-        config.seed,
-        show_progress=config.progress,
-    )  # the answerer is never asked: planning only
-    plans = plan_contexts(config, builder, files)
+    builder, plans = plan_contexts(config, tokenizer, ProceduralAnswerer(), files)  # planning only: never asked
     cache = ResponseCache(Path(out_dir) / CACHE_DIR)
     llm, sampling = config.llm, sampling_params(config.llm)
     counter = prompt_counter(llm, os.environ.get(llm.api_key_env), min(llm.timeout, 10.0))

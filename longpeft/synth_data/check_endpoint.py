@@ -26,7 +26,6 @@ stop the check with one line naming the server, what was awaited and a quote of 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -46,7 +45,7 @@ from .llm_http import (
     server_reason,
 )
 from .llm_output import MalformedOutput
-from .llm_request import LLMConfig, LLMRunAborted, sampling_params, structured_params
+from .llm_request import LLMConfig, LLMRunAborted, read_api_key, sampling_params, structured_params
 from .qa import Passage, QAJob, job_request
 from .registry import get_task
 from .structured_output import judge_answer
@@ -132,24 +131,13 @@ class EndpointCheck:
             f"structured  {self._structured_line()}",
             f"answer      {self._answer_line()}",
         ]
+        own = config.context_tokens is not None  # llm.context_tokens set: the server's figure is not used
         if info.context_tokens is not None:
-            lines.append(
-                f"context     {info.context_tokens} tokens ({info.context_source})"
-                + (
-                    f"; llm.context_tokens={config.context_tokens} is used instead"
-                    if config.context_tokens is not None
-                    else ""
-                )
-            )
+            used = f"; llm.context_tokens={config.context_tokens} is used instead" if own else ""
+            lines.append(f"context     {info.context_tokens} tokens ({info.context_source}){used}")
         else:
-            lines.append(
-                "context     not reported"
-                + (
-                    ""
-                    if config.context_tokens is not None
-                    else ": set llm.context_tokens to refuse longer prompts before sending"
-                )
-            )
+            advice = "" if own else ": set llm.context_tokens to refuse longer prompts before sending"
+            lines.append(f"context     not reported{advice}")
         if info.slots is not None:
             advice = (
                 f"; llm.max_concurrency is {config.max_concurrency}: set it to {info.slots}, or raise "
@@ -315,12 +303,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     a missing key, an endpoint that does not answer in time or answers something else than a chat completion, and a
     refused request raise :class:`~.llm_request.LLMRunAborted` naming the server, a quote of its answer and the
     fix."""
-    api_key = os.environ.get(config.api_key_env)
-    if not api_key:
-        raise LLMRunAborted(
-            f"environment variable {config.api_key_env} is not set; export your API key there "
-            "(any non-empty value for a local server without authentication)"
-        )
+    api_key = read_api_key(config)
     session = _Session(config, api_key, say)
     lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
     say(

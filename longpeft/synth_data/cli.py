@@ -234,8 +234,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise ConfigError("--out: give the output folder (required except with --check-endpoint)")
     if args.plan:
         return print_build_plan(config, args)
-    rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
-    given = [flag for flag in rates if getattr(args, flag[2:].replace("-", "_")) is not None]
+    given = [flag.flag for flag in PLAN_FLAGS[1:] if getattr(args, flag.dest) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
@@ -269,10 +268,10 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
     """``synth --plan``: print what the build would ask of the LLM (:mod:`.build_plan`)."""
     from .build_plan import OUTPUT_TOKENS_PER_SECOND, plan_build
 
-    for flag in ("output_tokens", "output_tokens_per_second", "tokens_per_minute", "requests_per_minute"):
-        value = getattr(args, flag)
+    for flag in PLAN_FLAGS[1:]:  # the expectations and rates
+        value = getattr(args, flag.dest)
         if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+            raise ConfigError(f"{flag.flag} must be positive, got {value:g}")
     plan = plan_build(config, args.out, output_tokens=args.output_tokens)
     print(
         plan.report(

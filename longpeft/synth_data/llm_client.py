@@ -4,18 +4,17 @@ What it adds on top of the ``openai`` package:
 
 - a concurrency limit (``max_concurrency`` requests in flight);
 - retries with exponential backoff (and ``retry-after-ms`` / ``Retry-After``) on 408, 409, 429, 5xx,
-  timeouts, connection errors and 200 responses whose body is not a chat completion;
-- a disk cache keyed by a hash of the endpoint and the request's content (base URL, model, messages,
-  parameters, attempt number): every answer is written the moment it arrives, so a killed run resumes
-  without repeating a call that was answered and cached, and answers of one endpoint (a stub for a dry
-  run) are never served as another's. Caches written before the base URL joined the key are not reused;
-- bounded retries on malformed output: the caller's ``parse`` function raises
-  :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every attempt (its reason and raw answer) go to the rejects
-  JSONL file; a ``check`` function (the quality gates) may reject a parsed answer the same way
-  (:class:`RejectedOutput`), or keep part of it (:class:`Checked`: the parts dropped go to the rejects file); an
-  answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
-  :class:`TruncatedOutput` attempt, asked again;
+  timeouts, connection errors and 200 responses whose body is not a chat completion (:mod:`.llm_http`);
+- a disk cache of every answer, written the moment it arrives and keyed by the endpoint and the request's content
+  (:mod:`.llm_cache`): a killed run resumes without repeating a call that was answered, and answers of one endpoint
+  (a stub for a dry run) are never served as another's; a cache file longpeft did not write reads as absent, and the
+  usage report counts such files (``foreign_cache_files``), as it counts the lines of the rejects file that are not
+  its records (``foreign_rejects_lines``);
+- bounded retries on malformed output: the caller's ``parse`` function raises :class:`MalformedOutput` (bad JSON, a
+  missing field) and the request is sent again as a new attempt, up to ``max_parse_attempts``; a ``check`` function
+  (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`), or keep part of it
+  (:class:`Checked`: the parts dropped go to the rejects file); an answer the server cut off at ``max_tokens``
+  (``finish_reason`` ``length``) is never parsed: it is a :class:`TruncatedOutput` attempt, asked again;
 - structured output (``structured``): each request asks for its output schema through ``response_format``, with
   the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them (said in
   one line; the request is asked again at once without them); with ``auto``, the first refusal by the endpoint
@@ -23,32 +22,25 @@ What it adds on top of the ``openai`` package:
   life, with one line on the console (a fallback, not a rejection: the request is asked again at once without
   ``response_format``), and so does an endpoint seen to ignore the field (its first answers are not bare JSON of
   the asked shape: :mod:`.structured_output`; those answers are judged by the parser as any other);
-- requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
-  :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
+- requests refused by the endpoint (HTTP 4xx) and requests given up after transient failures say why on the console
+  (the first :data:`SHOWN_REFUSALS`, then counted), and a prompt longer than the endpoint's context
   (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending, its
   tokens counted by the server's tokenizer when it offers one (:mod:`.prompt_tokens`);
-- requests given up after transient failures say why on the console (the first :data:`SHOWN_REFUSALS`, then one
-  line per batch counting them by cause);
-- a request rejected for good (:data:`REJECT_REASONS`: malformed or gated output in every attempt, an HTTP
-  4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
-  does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
-  ``retry_rejected``, which asks it again with new attempt numbers (the earlier answers are replayed from the
-  cache first, so relaxed gates cost nothing; an earlier attempt no longer in the cache is not asked again). A
-  request given up after transient failures (timeouts, 429, 5xx; reason ``gave_up``) is not marked: a rerun asks
-  it again. The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
-- a cache file that is not an entry longpeft wrote (not JSON, cut short, another shape) reads as absent: its request
-  is asked again, and the usage report counts such files (``foreign_cache_files``; the synth summary says it in one
-  line), as it counts the lines of the rejects file that are not its records (``foreign_rejects_lines``);
+- a request rejected for good (malformed or gated output in every attempt, an HTTP 4xx refusal, a prompt longer
+  than the endpoint's context; :data:`.llm_rejects.REJECT_REASONS`) is marked in the cache: a rerun counts it as
+  ``skipped_rejected`` and does not ask it again unless ``retry_rejected``, which replays its cached answers and
+  then sends new attempts. One given up after transient failures (``gave_up``) is not marked: a rerun asks it again.
+  The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
 The API key is read from the environment variable named by ``api_key_env`` when the client starts a
 run; it is never stored in the config, the cache, the rejects file, the usage report or any log.
 
-This module holds the client and its request path; its parts live beside it, and their public names are importable
-from here too: :mod:`.llm_request` (settings, request, result, usage counters), :mod:`.llm_output` (what ``parse``
-and ``check`` raise, the JSON reader), :mod:`.llm_http` (one call with its retries, the server's errors),
-:mod:`.llm_cache` (answers and outcome marks on disk), :mod:`.llm_rejects` (the rejects file).
+This module holds the client and its request path; its parts live beside it: :mod:`.llm_request` (settings, request,
+result, usage counters), :mod:`.llm_output` (what ``parse`` and ``check`` raise, the JSON reader), :mod:`.llm_http`
+(one call with its retries, the server's errors), :mod:`.llm_cache` (answers and outcome marks on disk),
+:mod:`.llm_rejects` (the rejects file).
 """
 
 from __future__ import annotations
@@ -66,59 +58,22 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .llm_cache import ResponseCache, outcome_key, request_key
-from .llm_http import (
-    RETRYABLE_STATUS,
-    STRUCTURED_REFUSAL,
-    RetryableError,
-    chat_completion,
-    refuses_structured_output,
-    server_reason,
-)
-from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput, parse_json_object, strip_code_fence
-from .llm_rejects import REJECT_REASONS, RejectsLog
+from .llm_http import RetryableError, chat_completion, refuses_structured_output, server_reason
+from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput
+from .llm_rejects import RejectsLog
 from .llm_request import (
     ITEM_BOUNDS,
     LLMConfig,
     LLMRequest,
     LLMResult,
     LLMRunAborted,
-    ResponseSchema,
     TaskUsage,
+    read_api_key,
     sampling_params,
     structured_params,
 )
 from .prompt_tokens import PromptCounter, prompt_counter
 from .structured_output import StructuredWatch
-
-# The client and its constants, and the names of the modules above that users import from here.
-__all__ = [
-    "Checked",
-    "REJECT_REASONS",
-    "RETRYABLE_STATUS",
-    "SHOWN_REFUSALS",
-    "STRUCTURED_REFUSAL",
-    "LLMClient",
-    "LLMConfig",
-    "LLMRequest",
-    "LLMResult",
-    "LLMRunAborted",
-    "MalformedOutput",
-    "RejectedOutput",
-    "PromptCounter",
-    "RejectsLog",
-    "ResponseCache",
-    "ResponseSchema",
-    "TaskUsage",
-    "TruncatedOutput",
-    "outcome_key",
-    "parse_json_object",
-    "refuses_structured_output",
-    "request_key",
-    "sampling_params",
-    "server_reason",
-    "strip_code_fence",
-    "structured_params",
-]
 
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
 # A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
@@ -247,12 +202,7 @@ class LLMClient:
 
         if not requests:
             return []
-        api_key = os.environ.get(self.config.api_key_env)
-        if not api_key:
-            raise LLMRunAborted(
-                f"environment variable {self.config.api_key_env} is not set; export your API key there "
-                "(any non-empty value for a local server without authentication)"
-            )
+        api_key = read_api_key(self.config)
         client = openai.AsyncOpenAI(
             api_key=api_key, base_url=self.config.base_url, max_retries=0, timeout=self.config.timeout
         )
@@ -296,10 +246,8 @@ class LLMClient:
         total: dict[str, Any] = {}
         for usage in tasks.values():
             for key, value in usage.items():
-                if isinstance(value, dict):  # rejected_reasons: summed per reason
-                    merged = total.setdefault(key, {})
-                    for reason, count in value.items():
-                        merged[reason] = merged.get(reason, 0) + count
+                if isinstance(value, dict):  # counts by reason or cause: summed per reason or cause
+                    total[key] = dict(Counter(total.get(key)) + Counter(value))
                 else:
                     total[key] = total.get(key, 0) + value
         return {

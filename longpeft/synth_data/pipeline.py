@@ -34,10 +34,11 @@ from ..errors import ConfigError, DataError
 from ..files import write_text_atomically
 from .builders import DEFAULT_CONTEXT_TEMPLATE, ContextPlan, LengthConfig, LongContextBuilder
 from .corpus import Document
+from .jobs import QAGenerator
 from .llm_client import LLMClient
 from .llm_request import LLMConfig
-from .mix import MixConfig, jsonl_records, load_mix_sources, mix, read_text_file, source_files
-from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
+from .mix import MixConfig, load_mix_sources, mix, text_records
+from .qa import LLMAnswerer, ProceduralAnswerer
 from .quality import QualityConfig, QualityGates
 from .registry import TASKS, TaskConfig
 from .report import write_dataset
@@ -137,20 +138,12 @@ def load_documents(paths: list[str]) -> list[Document]:
     ``title``/``id``); folders are searched for both, a named file of another type is refused."""
     kinds = {".txt": "one document per file", ".jsonl": "one JSON record with a 'text' field per line"}
     documents = []
-    for file in (file for raw in paths for file in source_files(raw, kinds)):
-        if file.suffix == ".txt":
-            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=read_text_file(file)))
-            continue
-        for number, record in jsonl_records(file):
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{file}:{number}: document records need a string field 'text'")
-            documents.append(
-                Document(
-                    doc_id=str(record.get("id", f"{file}:{number}")),
-                    title=str(record.get("title", "")),
-                    text=record["text"],
-                )
-            )
+    for file, number, record in (row for raw in paths for row in text_records(raw, kinds, "source path", "document")):
+        if number is None:  # a .txt file, titled by its name
+            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=record["text"]))
+        else:
+            doc_id, title = str(record.get("id", f"{file}:{number}")), str(record.get("title", ""))
+            documents.append(Document(doc_id=doc_id, title=title, text=record["text"]))
     if not documents:
         raise DataError(f"no documents found in {paths}")
     return documents
@@ -210,10 +203,7 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     answerer, client = make_answerer(config, out, retry_rejected)
-    builder = LongContextBuilder(
-        tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
-    )
-    plans = plan_contexts(config, builder, inputs.documents)
+    builder, plans = plan_contexts(config, tokenizer, answerer, inputs.documents)
     rows = builder.build(plans)
     rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, inputs.mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
@@ -227,12 +217,18 @@ def synthesize(
     return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
 
 
-def plan_contexts(config: Any, builder: LongContextBuilder, files: list[Document] | None) -> list[ContextPlan]:
-    """Every conversation's context and QA jobs, task by task in the registry's order (no QA is generated yet): from
-    your documents (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
+def plan_contexts(
+    config: SynthConfig, tokenizer: PreTrainedTokenizerBase, answerer: QAGenerator, files: list[Document] | None
+) -> tuple[LongContextBuilder, list[ContextPlan]]:
+    """The run's builder (``config``'s lengths, context template and seed, with ``answerer``) and every
+    conversation's context and QA jobs, task by task in the registry's order (no QA is generated yet): from your
+    documents (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
+    builder = LongContextBuilder(
+        tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
+    )
     plans = []
     for name in TASKS:
         settings = getattr(config, name)
         if settings.contexts:
             plans += builder.plan(name, files, **dict(settings))
-    return plans
+    return builder, plans

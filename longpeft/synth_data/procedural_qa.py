@@ -89,14 +89,21 @@ def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAP
     )
 
 
-def _earlier_birth(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
-    births = by_kind.get("birth_year", [])
-    if len(births) < 2:
+def _two_in_order(facts: list[Fact], rng: random.Random) -> tuple[Fact, Fact, Fact, Fact] | None:
+    """Two facts of different (year) values drawn from ``facts``: as drawn, then in the order of their values."""
+    if len(facts) < 2:
         return None
-    a, b = rng.sample(births, 2)
+    a, b = rng.sample(facts, 2)
     if a.value == b.value:
         return None
-    first, second = (a, b) if int(a.value) < int(b.value) else (b, a)
+    return (a, b, a, b) if int(a.value) < int(b.value) else (a, b, b, a)
+
+
+def _earlier_birth(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
+    drawn = _two_in_order(by_kind.get("birth_year", []), rng)
+    if drawn is None:
+        return None
+    a, b, first, second = drawn
     return QAPair(
         f"Who was born earlier, {a.subject} or {b.subject}?",
         f"{first.subject}, born in {first.value}; {second.subject} was born in {second.value}.",
@@ -117,13 +124,10 @@ def _code_sum(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | No
 
 
 def _event_order(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
-    events = by_kind.get("event", [])
-    if len(events) < 2:
+    drawn = _two_in_order(by_kind.get("event", []), rng)
+    if drawn is None:
         return None
-    a, b = rng.sample(events, 2)
-    if a.value == b.value:
-        return None
-    first, second = (a, b) if int(a.value) < int(b.value) else (b, a)
+    a, b, first, second = drawn
     return QAPair(
         f"Which came first: the council {a.get('verb')} the {a.subject}, or it {b.get('verb')} the {b.subject}?",
         f"The council {first.get('verb')} the {first.subject} first, in {first.value}; "

@@ -13,28 +13,13 @@ import random
 from collections.abc import Callable, Sequence
 
 from ..errors import DataError
-from .jobs import Passage, QAGenerator, QAJob, QAPair
+from .jobs import Passage as Passage  # the job types are importable from here, beside their answerers
+from .jobs import QAJob, QAPair
 from .llm_client import LLMClient
 from .llm_output import Checked, RejectedOutput
 from .llm_request import LLMRequest, LLMResult
 from .quality import QualityGates, Rejection
 from .registry import get_task
-
-# The job types are importable from here too, with the generators that answer them.
-__all__ = [
-    "SYSTEM_PROMPT",
-    "LLMAnswerer",
-    "Passage",
-    "ProceduralAnswerer",
-    "QAGenerator",
-    "QAJob",
-    "QAPair",
-    "item_record",
-    "job_evidence",
-    "job_instructions",
-    "job_prompt",
-    "job_request",
-]
 
 SYSTEM_PROMPT = (
     "You write high-quality training data for long-context reading comprehension. You reply with JSON only."
