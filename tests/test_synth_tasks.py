@@ -294,9 +294,9 @@ PLUG_IN = SynthTask(
     QuotesConfig,
     whole_contexts("quotes"),
     QUOTES_PROMPT,
-    QUOTES,
-    parse_quotes,
     quote_facts,
+    schema=QUOTES,
+    parse=parse_quotes,
     flags=(Flag("--quotes", "quotes per context", "quotes", {"type": int}),),
 )
 
@@ -353,9 +353,7 @@ def test_a_plug_in_task_is_one_register_line(tmp_path, capsys):
 
 def test_register_refuses_what_would_break_the_config_or_the_cli():
     def task(name: str = "other", config: type = QuotesConfig, *flags: Flag) -> SynthTask:
-        return SynthTask(
-            name, config, whole_contexts("quotes"), "{text}", QUOTES, parse_quotes, quote_facts, flags=flags
-        )
+        return SynthTask(name, config, whole_contexts("quotes"), "{text}", quote_facts, flags=flags)
 
     with pytest.raises(ValueError, match="'multi_detail' is already registered"):
         register(task("multi_detail"))

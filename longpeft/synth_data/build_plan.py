@@ -122,18 +122,14 @@ class BuildPlan:
                 f"skipped while planning ({task}): " + ", ".join(f"{n} {reason}" for reason, n in reasons.items())
             )
         limits = self.time_limits(output_tokens_per_second, tokens_per_minute, requests_per_minute)
-        given = {
+        assumed = (
+            " (assumed; --output-tokens-per-second)" if output_tokens_per_second == OUTPUT_TOKENS_PER_SECOND else ""
+        )
+        given = {  # of the limits given
             "concurrency": f"{self.concurrency} requests in flight, each decoding {output_tokens_per_second:g} "
-            "output tokens/s"
-            + (
-                ""
-                if output_tokens_per_second != OUTPUT_TOKENS_PER_SECOND
-                else " (assumed; --output-tokens-per-second)"
-            ),
-            "tokens per minute": f"{tokens_per_minute:,.0f} tokens/min (input and output)"
-            if tokens_per_minute
-            else "",
-            "requests per minute": f"{requests_per_minute:,.0f} requests/min" if requests_per_minute else "",
+            f"output tokens/s{assumed}",
+            "tokens per minute": f"{tokens_per_minute or 0:,.0f} tokens/min (input and output)",
+            "requests per minute": f"{requests_per_minute or 0:,.0f} requests/min",
         }
         slowest = max(limits, key=limits.get)
         for limit, seconds in limits.items():

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from . import procedural_qa
-from .answer_schema import BIOGRAPHIES, QA_PAIRS
+from .answer_schema import BIOGRAPHIES
 from .builders import (
     ContextPlan,
     LongContextBuilder,
@@ -98,11 +98,6 @@ BIOGRAPHY_PROMPT = (
 def tagged_documents(passages: Sequence[Passage]) -> str:
     """The documents of a heterogeneous job as its prompt shows them: each between numbered tags."""
     return "\n\n".join(f"<document {i + 1}>\n{titled_text(p)}\n</document {i + 1}>" for i, p in enumerate(passages))
-
-
-def parse_qa_pairs(text: str) -> list[QAPair]:
-    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
-    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in QA_PAIRS.parse(text)]
 
 
 def parse_biographies(text: str) -> list[QAPair]:
@@ -225,7 +220,7 @@ def _pack(queue: list[int], sizes: Sequence[int], target: int, low: int, high: i
     return picked
 
 
-# ---- the records: SynthTask(name, config, planner, prompt, schema, parser, exact answers, ...) --------------------
+# ---- the records: SynthTask(name, config, planner, prompt, exact answers, ...) --------------------------------
 
 QUESTIONS_PER_CHUNK = Flag(
     "--questions-per-chunk", "single-detail questions per chunk (default 3)", "questions_per_chunk", {"type": int}
@@ -236,8 +231,6 @@ register(
         SingleDetailConfig,
         plan_single_detail,
         SINGLE_DETAIL_PROMPT,
-        QA_PAIRS,
-        parse_qa_pairs,
         procedural_qa.single_detail,
         flags=(QUESTIONS_PER_CHUNK,),
     )
@@ -248,8 +241,6 @@ register(
         MultiDetailConfig,
         whole_contexts("questions"),
         MULTI_DETAIL_PROMPT,
-        QA_PAIRS,
-        parse_qa_pairs,
         procedural_qa.multi_detail,
         computed_numbers=True,
     )
@@ -260,9 +251,9 @@ register(
         BiographyConfig,
         whole_contexts("characters"),
         BIOGRAPHY_PROMPT,
-        BIOGRAPHIES,
-        parse_biographies,
         procedural_qa.biography,
+        schema=BIOGRAPHIES,
+        parse=parse_biographies,
         subject=biography_subject,
         documents={"kind": "story", "n_characters": 5},  # chronicles with several main characters
     )
@@ -273,8 +264,6 @@ register(
         HeterogeneousConfig,
         plan_heterogeneous,
         HETEROGENEOUS_PROMPT,
-        QA_PAIRS,
-        parse_qa_pairs,
         procedural_qa.heterogeneous,
         layout=tagged_documents,
         evidence=numbered_documents,

@@ -154,17 +154,14 @@ class EndpointCheck:
 
     def _structured_line(self) -> str:
         kind, mode = self.structured_sent, self.config.structured
+        stops = f"llm.structured={mode} would stop the run: set auto or off"
         if kind is None:
             return (
                 "not asked: llm.structured=off sends no response_format (the prompt states the JSON contract and the "
                 "parser checks the schema)"
             )
         if self.structured_refusal is not None:
-            then = (
-                "llm.structured=auto falls back to the prompt's JSON contract"
-                if mode == "auto"
-                else f"llm.structured={mode} would stop the run: set auto or off"
-            )
+            then = "llm.structured=auto falls back to the prompt's JSON contract" if mode == "auto" else stops
             return f"no: {kind} refused ({self.structured_refusal}); {then}"
         probe = "a one-field schema" if kind == "json_schema" else "json_object"
         if self.bounds_refusal is not None:
@@ -174,12 +171,10 @@ class EndpointCheck:
                 f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
             )
         if self.enforced is False:
-            then = (
-                "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON "
-                "contract only"
-                if mode == "auto"
-                else f"llm.structured={mode} would stop the run: set auto or off"
+            auto = (
+                "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON contract"
             )
+            then = f"{auto} only" if mode == "auto" else stops
             return (
                 f"no: {kind} ignored (HTTP 200, but asked for a plain word under {probe}, the server answered "
                 f"{self.probe_answer}, not JSON of that shape); {then}"

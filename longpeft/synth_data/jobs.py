@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .answer_schema import QA_PAIRS
 from .corpus import Document, Fact
 
 
@@ -63,6 +64,11 @@ class QAGenerator(Protocol):
     """Answers a batch of jobs; ``None`` marks a job that produced nothing usable (recorded elsewhere)."""
 
     def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]: ...
+
+
+def parse_qa_pairs(text: str) -> list[QAPair]:
+    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
+    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in QA_PAIRS.parse(text)]
 
 
 def titled_text(passage: Passage) -> str:

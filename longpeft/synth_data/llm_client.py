@@ -374,17 +374,12 @@ class LLMClient:
             )
         return reason
 
-    def _gave_up_causes(self) -> dict[str, int]:
-        causes: dict[str, int] = {}
-        for usage in self.usage.values():
-            for cause, count in usage.gave_up_causes.items():
-                causes[cause] = causes.get(cause, 0) + count
-        return causes
+    def _gave_up_causes(self) -> Counter[str]:
+        return sum((Counter(usage.gave_up_causes) for usage in self.usage.values()), Counter())
 
-    def _say_gave_up(self, desc: str, before: dict[str, int]) -> None:
+    def _say_gave_up(self, desc: str, before: Counter[str]) -> None:
         """One line for the requests of a batch given up after transient failures, counted by cause."""
-        now = self._gave_up_causes()
-        new = {cause: count - before.get(cause, 0) for cause, count in now.items() if count > before.get(cause, 0)}
+        new = self._gave_up_causes() - before
         if new:
             causes = ", ".join(f"{cause}: {count}" for cause, count in sorted(new.items(), key=lambda kv: -kv[1]))
             self._say(

@@ -20,8 +20,8 @@ from pydantic import Field
 
 from ..config import StrictModel
 from ..errors import ConfigError
-from .answer_schema import OutputSchema
-from .jobs import Passage, QAJob, QAPair, first_passage, titled_passages
+from .answer_schema import QA_PAIRS, OutputSchema
+from .jobs import Passage, QAJob, QAPair, first_passage, parse_qa_pairs, titled_passages
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,12 @@ class SynthTask:
             become the turns of one conversation, after the context. Runs and ``synth --plan`` plan with it.
         prompt: the user prompt of a job, a ``str.format`` template: ``{text}`` (the job's passages laid out by
             ``layout``), ``{n}`` (the items asked) and ``{k}`` (the passages); it states the JSON of an answer.
-        schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items.
-        parse: ``parse(text) -> list[QAPair]``: the items of an answer; raises
-            :class:`.llm_output.MalformedOutput` for an answer that breaks ``schema``.
         answer: ``answer(job, rng) -> list[QAPair]``: exact items from the facts recorded in procedural documents
             (:class:`.qa.ProceduralAnswerer`, no LLM).
+        schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items (default: QA pairs,
+            :data:`.answer_schema.QA_PAIRS`).
+        parse: ``parse(text) -> list[QAPair]``: the items of an answer (default :func:`.jobs.parse_qa_pairs`); raises
+            :class:`.llm_output.MalformedOutput` for an answer that breaks ``schema``.
         layout: the job's passages as its prompt shows them (default: the first passage's text).
         evidence: the text of a job its answers must be grounded in, for the quality gates (default: the
             passages' titled texts).
@@ -87,9 +88,9 @@ class SynthTask:
     config: type[TaskConfig]
     plan: Callable[..., list[Any]]
     prompt: str
-    schema: OutputSchema
-    parse: Callable[[str], list[QAPair]]
     answer: Callable[[QAJob, random.Random], list[QAPair]]
+    schema: OutputSchema = field(default=QA_PAIRS, kw_only=True)
+    parse: Callable[[str], list[QAPair]] = field(default=parse_qa_pairs, kw_only=True)
     layout: Callable[[Sequence[Passage]], str] = field(default=first_passage, kw_only=True)
     evidence: Callable[[Sequence[Passage]], str] = field(default=titled_passages, kw_only=True)
     subject: Callable[[str], str] | None = field(default=None, kw_only=True)
