@@ -444,8 +444,8 @@ def qa_request(text: str, task: str = "single_detail"):
 
 def test_parsers_validate_against_the_schema_and_name_the_path():
     from longpeft.synth_data.builtin import parse_biographies
-    from longpeft.synth_data.jobs import parse_qa_pairs
     from longpeft.synth_data.llm_client import MalformedOutput
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     bad = {
         '{"qa_pairs": [{"question": 5}]}': r"\$\.qa_pairs\[0\]\.question: expected a string, got int 5",
@@ -507,7 +507,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
 def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
     """auto against a server that enforces response_format: every request carries the schema; the same requests
     with llm.structured=off are other cache entries (asked again), and auto again is served from the cache."""
-    from longpeft.synth_data.jobs import parse_qa_pairs
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     requests = [qa_request(f"Text number {i}.") for i in range(3)]
     with StubServer(structured="accept") as server:
@@ -527,7 +527,7 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
     """A server without structured output answers 400 to response_format: the client drops the schema's item bounds
     first, then the schema, each said once, asks every request again without it, and never sends it again in this
     run; a rerun finds those answers in the cache."""
-    from longpeft.synth_data.jobs import parse_qa_pairs
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     requests = [
         qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")

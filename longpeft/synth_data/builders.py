@@ -2,9 +2,9 @@
 themselves, and how each plans its contexts, are records of :mod:`.registry`; the built-in ones: :mod:`.builtin`).
 
 A :class:`LongContextBuilder` plans contexts and their QA jobs (:meth:`~LongContextBuilder.plan`, through the task's
-planner), asks a :class:`~.jobs.QAGenerator` for the QA, and assembles conversations in ``messages`` format: the long
-context sits in the first user turn, followed by the first question; every further QA pair about the same context is
-one more user/assistant turn of the same conversation.
+planner), asks a :class:`~.registry.QAGenerator` for the QA, and assembles conversations in ``messages`` format: the
+long context sits in the first user turn, followed by the first question; every further QA pair about the same
+context is one more user/assistant turn of the same conversation.
 
 Lengths are measured with the training tokenizer and its chat template: every conversation a builder
 returns has between ``min_tokens`` and ``max_tokens`` tokens.
@@ -27,8 +27,7 @@ from tqdm.auto import tqdm
 from ..config import StrictModel
 from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
-from .jobs import Passage, QAGenerator, QAJob, QAPair
-from .registry import TASKS, get_task
+from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
 from .tokens import require_tokens
 
 if TYPE_CHECKING:
@@ -215,17 +214,16 @@ class LongContextBuilder:
         """A context length in tokens, drawn in :meth:`LengthConfig.context_budget`."""
         return rng.randint(*self.length.context_budget())
 
-    def long_documents(self, task: str, count: int, documents: Sequence[Document] | None) -> Sequence[Document]:
-        """``documents``, or else ``count`` procedural documents for ``task`` (:func:`procedural_long_documents`)."""
-        if documents is not None:
-            return documents
-        return procedural_long_documents(self.counter, task, count, self.length, self.seed, self.show_progress)
-
     def long_contexts(
-        self, task: str, documents: Sequence[Document], count: int
+        self, task: str, documents: Sequence[Document] | None, count: int
     ) -> Iterator[tuple[Document, Passage, list[tuple[int, int]], random.Random]]:
-        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count``
-        documents, taken in a random order; each document gives one context at most."""
+        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents,
+        taken in a random order, each giving one context at most: of ``documents``, or of ``count`` procedural ones
+        generated for ``task`` when they are None (:func:`procedural_long_documents`)."""
+        if documents is None:
+            documents = procedural_long_documents(
+                self.counter, task, count, self.length, self.seed, self.show_progress
+            )
         rng = self.rng(task)
         order = list(range(len(documents)))
         rng.shuffle(order)
@@ -309,7 +307,6 @@ def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:
     def plan(
         builder: LongContextBuilder, name: str, settings: Any, documents: Sequence[Document] | None
     ) -> list[ContextPlan]:
-        documents = builder.long_documents(name, settings.contexts, documents)
         return [
             ContextPlan(
                 name, [context], [QAJob(name, [context], getattr(settings, count), rng.randrange(2**31))], context.text

@@ -29,8 +29,7 @@ from .builders import (
     whole_contexts,
 )
 from .corpus import Document
-from .jobs import Passage, QAJob, QAPair, numbered_documents, titled_text
-from .registry import Flag, SynthTask, TaskConfig, register
+from .registry import Flag, Passage, QAJob, QAPair, SynthTask, TaskConfig, numbered_documents, register, titled_text
 
 # ---- config sections -------------------------------------------------------------------------------------------
 
@@ -126,7 +125,6 @@ def plan_single_detail(
 ) -> list[ContextPlan]:
     """QA about ``chunks_per_context`` chunks (<= ``length.chunk_tokens``) spread over each context, one job each."""
     plans = []
-    documents = builder.long_documents(name, settings.contexts, documents)
     for document, context, offsets, rng in builder.long_contexts(name, documents, settings.contexts):
         region = len(offsets) // settings.chunks_per_context
         if region < 1:

@@ -34,13 +34,12 @@ from ..errors import ConfigError, DataError
 from ..files import write_text_atomically
 from .builders import DEFAULT_CONTEXT_TEMPLATE, ContextPlan, LengthConfig, LongContextBuilder
 from .corpus import Document
-from .jobs import QAGenerator
 from .llm_client import LLMClient
 from .llm_request import LLMConfig
 from .mix import MixConfig, load_mix_sources, mix, text_records
 from .qa import LLMAnswerer, ProceduralAnswerer
 from .quality import QualityConfig, QualityGates
-from .registry import TASKS, TaskConfig
+from .registry import TASKS, QAGenerator, TaskConfig
 from .report import write_dataset
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ from functools import partial
 from typing import TypeVar
 
 from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
-from .jobs import Passage, QAJob, QAPair
+from .registry import Passage, QAJob, QAPair
 
 Source = TypeVar("Source")
 

@@ -1,7 +1,7 @@
 """Question-answer generation for the long-context builders: one interface, two implementations, over the registered
 synth tasks (:mod:`.registry`).
 
-:class:`LLMAnswerer` turns jobs (:class:`.jobs.QAJob`) into requests to an OpenAI-compatible model (GPT-4-style
+:class:`LLMAnswerer` turns jobs (:class:`.registry.QAJob`) into requests to an OpenAI-compatible model (GPT-4-style
 generation, as in the 80K recipe) with each task's prompt, schema and parser, and judges the items by the quality
 gates; :class:`ProceduralAnswerer` answers the same jobs exactly from the facts recorded in procedural documents,
 with no LLM (each task's ``answer``).
@@ -13,13 +13,12 @@ import random
 from collections.abc import Callable, Sequence
 
 from ..errors import DataError
-from .jobs import Passage as Passage  # the job types are importable from here, beside their answerers
-from .jobs import QAJob, QAPair
 from .llm_client import LLMClient
 from .llm_output import Checked, RejectedOutput
 from .llm_request import LLMRequest, LLMResult
 from .quality import QualityGates, Rejection
-from .registry import get_task
+from .registry import Passage as Passage  # the job types are importable from here, beside their answerers
+from .registry import QAJob, QAPair, get_task
 
 SYSTEM_PROMPT = (
     "You write high-quality training data for long-context reading comprehension. You reply with JSON only."

@@ -1,10 +1,13 @@
 """The synth-task registry: the one table that ``longpeft synth`` (its flags, its config, its run), ``synth --plan``,
-the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read.
+the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read, and the jobs a task
+plans and the items it answers.
 
 A task is one record: its name, its config section and planner (the contexts of its conversations and the QA jobs
 about them), its prompt, output schema and parser (what the LLM is asked and what is taken from its answer), its
 exact answers from procedural facts (the offline answerer), what the quality gates need to know of its items, and
 its own flags. Adding a task is one :func:`register` line (the built-in ones: :mod:`.builtin`); nothing else names it.
+A :class:`QAJob` of a task says what to ask about (a chunk, a whole long context, the texts of one cluster, a book)
+and how many items to write; a :class:`QAGenerator` (:mod:`.qa`) turns jobs into lists of :class:`QAPair`.
 """
 
 from __future__ import annotations
@@ -14,14 +17,91 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import Field
 
 from ..config import StrictModel
 from ..errors import ConfigError
 from .answer_schema import QA_PAIRS, OutputSchema
-from .jobs import Passage, QAJob, QAPair, first_passage, parse_qa_pairs, titled_passages
+from .corpus import Document, Fact
+
+
+@dataclass(frozen=True)
+class Passage:
+    """The character span ``[start, end)`` of a document."""
+
+    doc: Document
+    start: int
+    end: int
+
+    @property
+    def text(self) -> str:
+        return self.doc.text[self.start : self.end]
+
+    def facts(self) -> list[Fact]:
+        """Facts of the document whose sentence lies entirely inside the passage."""
+        return [f for f in self.doc.facts if f.start >= self.start and f.end <= self.end]
+
+
+@dataclass
+class QAJob:
+    """One generation job.
+
+    Attributes:
+        task: the name of a registered synth task (:mod:`.registry`).
+        passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
+            biography) or the documents of one context (heterogeneous, numbered from 1 in order).
+        n: questions to write (biographies for ``biography``).
+        seed: seeds the procedural answerer's choices.
+    """
+
+    task: str
+    passages: list[Passage]
+    n: int
+    seed: int = 0
+
+
+@dataclass
+class QAPair:
+    """A question and its answer; ``evidence`` lists the fact ids behind a procedural answer."""
+
+    question: str
+    answer: str
+    evidence: list[str] = field(default_factory=list)
+
+
+class QAGenerator(Protocol):
+    """Answers a batch of jobs; ``None`` marks a job that produced nothing usable (recorded elsewhere)."""
+
+    def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]: ...
+
+
+def parse_qa_pairs(text: str) -> list[QAPair]:
+    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
+    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in QA_PAIRS.parse(text)]
+
+
+def titled_text(passage: Passage) -> str:
+    """The passage's text, headed by its document's title unless the text already starts with it."""
+    text = passage.text.strip()
+    title = passage.doc.title.strip()
+    return text if not title or text.startswith(title) else f"{title}\n{text}"
+
+
+def titled_passages(passages: Sequence[Passage]) -> str:
+    """The passages' titled texts (:func:`titled_text`), one after the other."""
+    return "\n\n".join(titled_text(p) for p in passages)
+
+
+def numbered_documents(passages: Sequence[Passage]) -> str:
+    """The documents of a heterogeneous context, numbered from 1 (the layout of the training context)."""
+    return "\n\n".join(f"Document {i + 1}:\n{titled_text(p)}" for i, p in enumerate(passages))
+
+
+def first_passage(passages: Sequence[Passage]) -> str:
+    """The text of the first passage, stripped: what the prompt of a one-passage job shows."""
+    return passages[0].text.strip()
 
 
 @dataclass(frozen=True)
@@ -70,7 +150,7 @@ class SynthTask:
             (:class:`.qa.ProceduralAnswerer`, no LLM).
         schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items (default: QA pairs,
             :data:`.answer_schema.QA_PAIRS`).
-        parse: ``parse(text) -> list[QAPair]``: the items of an answer (default :func:`.jobs.parse_qa_pairs`); raises
+        parse: ``parse(text) -> list[QAPair]``: the items of an answer (default :func:`parse_qa_pairs`); raises
             :class:`.llm_output.MalformedOutput` for an answer that breaks ``schema``.
         layout: the job's passages as its prompt shows them (default: the first passage's text).
         evidence: the text of a job its answers must be grounded in, for the quality gates (default: the
