@@ -49,9 +49,9 @@ import asyncio
 import json
 import os
 import sys
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,21 +174,8 @@ class LLMClient:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(coroutine)
-        # Called from inside an event loop (a notebook): run the batch on a private loop in a thread.
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = asyncio.run(coroutine)
-            except BaseException as error:  # re-raised in the caller's thread
-                box["error"] = error
-
-        thread = threading.Thread(target=target)
-        thread.start()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        with ThreadPoolExecutor(max_workers=1) as pool:  # inside an event loop (a notebook): a private loop, a thread
+            return pool.submit(asyncio.run, coroutine).result()  # its error is raised here
 
     async def arun(
         self,

@@ -98,11 +98,8 @@ def _config_model(sections: tuple[tuple[str, type[TaskConfig]], ...]) -> type[St
     tasks = create_model(
         "SynthTasks", __base__=StrictModel, **{name: (model, Field(default_factory=model)) for name, model in sections}
     )
-    return create_model("SynthConfig", __base__=(_AfterTasks, tasks, _BeforeTasks), __doc__=SYNTH_CONFIG_DOC)
-
-
-SYNTH_CONFIG_DOC = """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags): the
-run's settings, and one section per registered synth task, named after it (its record's ``config``)."""
+    doc = "Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)"
+    return create_model("SynthConfig", __base__=(_AfterTasks, tasks, _BeforeTasks), __doc__=doc)
 
 
 def synth_config_model() -> type[StrictModel]:

@@ -27,13 +27,7 @@ from .tokens import require_tokens
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PASSKEY_FILLER = [
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-]
+PASSKEY_FILLER = "The grass is green.|The sky is blue.|The sun is yellow.|Here we go.|There and back again.".split("|")
 # Short whole sentences that make up the last few tokens of a haystack exactly (see ProbeBuilder.haystack).
 PAD_FILLER = ["Yes.", "Go on.", "So it goes.", *PASSKEY_FILLER]
 _SUBJECTS = "river|old mill|council|market|north road|harbor|village school|orchard|bridge|library".split("|")

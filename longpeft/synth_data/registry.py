@@ -139,11 +139,10 @@ class SynthTask:
     Attributes:
         name: ``--tasks NAME``, its config section, and the ``task`` of its rows, requests, rejects and stats.
         config: its config section, a :class:`TaskConfig`.
-        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts and
-            the QA jobs about each (:class:`.builders.ContextPlan`), with ``builder`` (a
-            :class:`.builders.LongContextBuilder`) from your ``documents``, or from procedural documents it generates
-            when they are None; ``settings`` is its config section. Every job of a context is answered and its items
-            become the turns of one conversation, after the context. Runs and ``synth --plan`` plan with it.
+        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts (its
+            config section's) and the QA jobs about each, from ``documents``, or when None from procedural ones made
+            with ``builder`` (:class:`.builders.LongContextBuilder`); the items of a context's jobs become the turns
+            of its conversation. Runs and ``synth --plan`` plan with it.
         prompt: the user prompt of a job, a ``str.format`` template: ``{text}`` (the job's passages laid out by
             ``layout``), ``{n}`` (the items asked) and ``{k}`` (the passages); it states the JSON of an answer.
         answer: ``answer(job, rng) -> list[QAPair]``: exact items from the facts recorded in procedural documents
