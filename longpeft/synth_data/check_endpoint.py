@@ -185,11 +185,8 @@ class EndpointCheck:
         )
 
     def _answer_line(self) -> str:
-        cut = (
-            f" (cut at {self._max_tokens()} tokens: finish_reason length)"
-            if self.answer.finish_reason == "length"
-            else ""
-        )
+        cut_off = self.answer.finish_reason == "length"
+        cut = f" (cut at {self._max_tokens()} tokens: finish_reason length)" if cut_off else ""
         if self.parse_error is not None:
             return f"fails the builders' parser: {self.parse_error}{cut}"
         if self.answer_follows is False:

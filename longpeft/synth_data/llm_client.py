@@ -352,14 +352,9 @@ class LLMClient:
         usage = self.usage[request.task]
         usage.gave_up_causes[error.cause] = usage.gave_up_causes.get(error.cause, 0) + 1
         self.gave_up += 1
-        reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-        if self.gave_up <= SHOWN_REFUSALS:
-            more = "; further give-ups are counted at the end of the batch" if self.gave_up == SHOWN_REFUSALS else ""
-            self._say(
-                f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} "
-                f"retries ({error}){more}"
-            )
-        return reason
+        line = f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} retries"
+        self._say_first(self.gave_up, f"{line} ({error})", "further give-ups are counted at the end of the batch")
+        return f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
 
     def _gave_up_causes(self) -> Counter[str]:
         return sum((Counter(usage.gave_up_causes) for usage in self.usage.values()), Counter())
@@ -379,10 +374,15 @@ class LLMClient:
         :data:`SHOWN_REFUSALS`."""
         self.refusals += 1
         reason = f"HTTP {error.status_code}: {server_reason(error)}"
-        if self.refusals <= SHOWN_REFUSALS:
-            more = "; further refusals are counted in the summary" if self.refusals == SHOWN_REFUSALS else ""
-            self._say(f"{self.config.base_url} refused a {request.task} request ({reason}){more}")
+        line = f"{self.config.base_url} refused a {request.task} request ({reason})"
+        self._say_first(self.refusals, line, "further refusals are counted in the summary")
         return reason
+
+    def _say_first(self, count: int, line: str, further: str) -> None:
+        """Say ``line``, the ``count``-th of its kind, when it is one of the first :data:`SHOWN_REFUSALS` (the last
+        of them adds ``further``)."""
+        if count <= SHOWN_REFUSALS:
+            self._say(line + (f"; {further}" if count == SHOWN_REFUSALS else ""))
 
     def _postfix(self) -> dict[str, int]:
         calls = sum(u.api_calls for u in self.usage.values())
@@ -402,7 +402,10 @@ class LLMClient:
 
         run = self._round(request)
         if run.mark is not None and run.mark["outcome"] == "rejected" and not self.retry_rejected:
-            return self._skip(run)
+            run.usage.skipped_rejected += 1  # rejected in an earlier run, not asked again: kept in the rejects file
+            self.rejects.keep(run.mark_key, self._request_record(run, run.mark["reason"], run.mark["error"], True))
+            why = f"rejected in an earlier run ({run.mark['reason']}: {run.mark['error']})"
+            return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
         too_long = await self._too_long(request)
         if too_long is not None:  # no attempt of this round was made
             return self._reject(run, too_long, "prompt_too_long", 0, end=run.end - self.config.max_parse_attempts)
@@ -456,15 +459,6 @@ class LLMClient:
         elif mark is not None:  # answered by attempt end - 1 of a retry round
             run.replayed, run.end = mark["end"] - 1, max(run.end, mark["end"])
         return run
-
-    def _skip(self, run: _Round) -> LLMResult:
-        """A request an earlier run rejected, not asked again: counted, and kept in the rejects file."""
-        run.usage.skipped_rejected += 1
-        mark = run.mark
-        why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
-        rebuilt = self._request_record(run, mark["reason"], mark["error"], True)
-        self.rejects.keep(run.mark_key, rebuilt)
-        return LLMResult(run.request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
 
     async def _too_long(self, request: LLMRequest) -> str | None:
         """Why the prompt is not sent (it holds the endpoint's context or more, counted by the prompt counter), or
