@@ -31,8 +31,6 @@ from .builders import (
 from .corpus import Document
 from .registry import Flag, Passage, QAJob, QAPair, SynthTask, TaskConfig, numbered_documents, register, titled_text
 
-# ---- config sections -------------------------------------------------------------------------------------------
-
 
 class SingleDetailConfig(TaskConfig):
     contexts: int = Field(4, ge=0, description="conversations to build")
@@ -57,8 +55,6 @@ class HeterogeneousConfig(TaskConfig):
 class BiographyConfig(TaskConfig):
     characters: int = Field(3, ge=1, description="biographies (main characters) per book")
 
-
-# ---- prompts and parsers ---------------------------------------------------------------------------------------
 
 # Doubled braces: the prompts go through str.format.
 QA_FORMAT = 'Reply with JSON only, in this form: {{"qa_pairs": [{{"question": "...", "answer": "..."}}]}}'

@@ -273,9 +273,6 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
         if value is not None and value <= 0:
             raise ConfigError(f"{flag.flag} must be positive, got {value:g}")
     plan = plan_build(config, args.out, output_tokens=args.output_tokens)
-    print(
-        plan.report(
-            args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute, args.requests_per_minute
-        )
-    )
+    speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
+    print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
     return 0

@@ -84,7 +84,8 @@ TEMPLATE_TOKENS_PER_MESSAGE = 16
 
 @dataclass
 class _Round:
-    """One request's attempts in a run, as :meth:`LLMClient._complete` makes them.
+    """One request's attempts in a run, as :meth:`LLMClient._complete` makes them and judges them (``parse`` and
+    ``check``: :meth:`LLMClient.run`).
 
     Attributes:
         first_key: the cache key of its first attempt without response_format (:func:`.llm_cache.request_key`);
@@ -98,10 +99,11 @@ class _Round:
 
     request: LLMRequest
     usage: TaskUsage
-    sampling: dict[str, Any]
     first_key: str
     mark: dict[str, Any] | None
     end: int
+    parse: Callable[[str], Any] | None = None
+    check: Callable[[LLMRequest, Any], Any] | None = None
     replayed: int = 0
     key: str = ""
     api_calls: int = 0
@@ -400,7 +402,7 @@ class LLMClient:
     ) -> LLMResult:
         import openai
 
-        run = self._round(request)
+        run = self._round(request, parse, check)
         if run.mark is not None and run.mark["outcome"] == "rejected" and not self.retry_rejected:
             run.usage.skipped_rejected += 1  # rejected in an earlier run, not asked again: kept in the rejects file
             self.rejects.keep(run.mark_key, self._request_record(run, run.mark["reason"], run.mark["error"], True))
@@ -423,7 +425,7 @@ class LLMClient:
             if entry is None:  # an earlier round's answer no longer in the cache: not paid for again
                 continue
             try:
-                value = self._judge(run, attempt, entry, parse, check)
+                value = self._judge(run, attempt, entry)
             except MalformedOutput as error:
                 self._failed_attempt(run, attempt, error, entry["text"])
                 continue
@@ -442,18 +444,19 @@ class LLMClient:
             reason = f"no usable output in {len(run.outputs)} attempts ({counts})"
         return self._reject(run, reason, run.last_code, run.end, end=run.end)
 
-    def _round(self, request: LLMRequest) -> _Round:
+    def _round(
+        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
+    ) -> _Round:
         """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
         its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
         answered, the attempts before the answer are replays."""
         # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
         # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
         # answers themselves are keyed on what is sent, sampling and response_format).
-        sampling = sampling_params(self.config)
-        first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
+        first_key = request_key(self.config.base_url, self.config.model, request, sampling_params(self.config), 0)
         mark = self.cache.outcome(outcome_key(first_key))
         usage = self.usage.setdefault(request.task, TaskUsage())
-        run = _Round(request, usage, sampling, first_key, mark, self.config.max_parse_attempts)
+        run = _Round(request, usage, first_key, mark, self.config.max_parse_attempts, parse, check)
         if mark is not None and mark["outcome"] == "rejected":
             run.replayed, run.end = mark["end"], mark["end"] + self.config.max_parse_attempts
         elif mark is not None:  # answered by attempt end - 1 of a retry round
@@ -484,7 +487,7 @@ class LLMClient:
 
         usage = run.usage
         while True:  # a second pass only when the endpoint refused structured output (llm.structured)
-            sent = {**run.sampling, **self._structured(run.request)}  # what is sent is what the key holds
+            sent = {**sampling_params(self.config), **self._structured(run.request)}  # what the key holds is sent
             run.key = request_key(self.config.base_url, self.config.model, run.request, sent, attempt)
             entry = self.cache.answer(run.key)
             if entry is not None:
@@ -510,14 +513,7 @@ class LLMClient:
                 self.cache.put(run.key, {"key": run.key, "task": run.request.task, **entry})
             return entry
 
-    def _judge(
-        self,
-        run: _Round,
-        attempt: int,
-        entry: dict[str, Any],
-        parse: Callable[[str], Any] | None,
-        check: Callable[[LLMRequest, Any], Any] | None,
-    ) -> Any:
+    def _judge(self, run: _Round, attempt: int, entry: dict[str, Any]) -> Any:
         """The value of an answer: parsed and checked; raises :class:`MalformedOutput` (or its kinds) for an empty,
         cut off, malformed or gated one. Items ``check`` drops join ``run.dropped``."""
         text = entry["text"]
@@ -528,9 +524,9 @@ class LLMClient:
                 f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
                 f"{entry['usage']['completion_tokens']} completion tokens"
             )
-        value = parse(text) if parse is not None else text
-        if check is not None:
-            value = check(run.request, value)
+        value = run.parse(text) if run.parse is not None else text
+        if run.check is not None:
+            value = run.check(run.request, value)
             if isinstance(value, Checked):
                 run.dropped += [self._item_record(run.request, run.mark_key, attempt, item) for item in value.dropped]
                 value = value.value
