@@ -26,7 +26,7 @@ import importlib
 from typing import Any
 
 from . import builtin  # noqa: F401  (registers the built-in tasks)
-from .registry import TASKS, SynthTask, get_task, register, registered, unregister
+from .registry import TASKS, SynthTask, TaskConfig, get_task, register, registered, unregister
 
 # Public name -> submodule. Imported on first use, so that e.g. the LLM client or the corpus can be
 # used without loading transformers/datasets/scikit-learn.
@@ -61,7 +61,7 @@ _EXPORTS = {
     "add_utk_tokens": "utk",
 }
 
-__all__ = ["TASKS", "SynthTask", "get_task", "register", "registered", "unregister"]
+__all__ = ["TASKS", "SynthTask", "TaskConfig", "get_task", "register", "registered", "unregister"]
 __all__ += list(_EXPORTS)
 
 
