@@ -5,8 +5,8 @@
 - its schema is JSON Schema in the strict-mode subset (objects closed, every property required), and its parser
   takes an answer of that shape and refuses others;
 - the quality gates judge its items: an answer of placeholders is rejected, the same answer kept with the gates off;
-- ``synth --plan`` counts the requests its run sends to the stub server (tests/stub_server.py), and the procedural
-  answerer builds its conversations offline;
+- ``synth --plan`` counts the requests its run sends to the stub server (tests/stub_server.py) and their tokens as the
+  server counts them, and the procedural answerer builds its conversations offline;
 - the built-in tasks' requests keep their cache keys, and no module but the registrations names a task in a
   condition.
 
@@ -50,7 +50,7 @@ from longpeft.synth_data.quality import QualityConfig, QualityGates
 from longpeft.synth_data.registry import TASKS, Flag, SynthTask, TaskConfig, get_task, register, registered
 from longpeft.tiny import demo_tokenizer
 
-from stub_server import StubServer  # tests/stub_server.py
+from stub_server import StubServer, stub_template, stub_tokens  # tests/stub_server.py
 
 PACKAGE = Path(__file__).resolve().parents[1] / "longpeft"
 LENGTH = {"min_tokens": 1024, "max_tokens": 1536, "chunk_tokens": 256}
@@ -162,13 +162,15 @@ def llm_config(base_url: str, name: str, answerer: str = "llm"):
 
 
 @pytest.mark.parametrize("name", list(TASKS))
-def test_synth_plan_counts_the_requests_its_run_sends(name, tok, tmp_path):
-    with StubServer() as server:
+def test_synth_plan_counts_the_requests_and_tokens_its_run_sends(name, tok, tmp_path):
+    with StubServer(tokenize="llama.cpp") as server:  # the plan counts with the server's own tokenizer
         config = llm_config(server.base_url, name)
         plan = plan_build(config, tmp_path / "out", tokenizer=tok)
         assert server.calls == 0 and list(plan.tasks) == [name] and plan.requests >= 1
         _, stats = synthesize(config, tmp_path / "out", tokenizer=tok)
         assert server.calls == len(server.chat_bodies) == plan.requests and stats["counts"] == {name: 1}
+        sent = sum(len(stub_tokens(stub_template(body["messages"]))) for body in server.chat_bodies)
+        assert plan.tasks[name].input_tokens == sent
         assert plan_build(config, tmp_path / "out", tokenizer=tok).to_send == 0  # the cache answers them all
 
 
