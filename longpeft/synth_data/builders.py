@@ -165,7 +165,8 @@ class BuildReport:
 
 
 class LongContextBuilder:
-    """Plans contexts, asks a :class:`~.qa.QAGenerator` for QA, and assembles conversations.
+    """Plans contexts (each task by its planner), asks a :class:`~.registry.QAGenerator` for QA, and assembles
+    conversations.
 
     Args:
         tokenizer: the training tokenizer (fast); lengths are measured with its chat template.

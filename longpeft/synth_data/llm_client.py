@@ -450,9 +450,7 @@ class LLMClient:
         """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
         its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
         answered, the attempts before the answer are replays."""
-        # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
-        # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
-        # answers themselves are keyed on what is sent, sampling and response_format).
+        # The mark is keyed without response_format: the same whether structured output is sent or was refused.
         first_key = request_key(self.config.base_url, self.config.model, request, sampling_params(self.config), 0)
         mark = self.cache.outcome(outcome_key(first_key))
         usage = self.usage.setdefault(request.task, TaskUsage())

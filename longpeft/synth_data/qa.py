@@ -63,8 +63,7 @@ def job_request(job: QAJob, index: int = 0) -> LLMRequest:
 
 
 def job_evidence(job: QAJob) -> str:
-    """The text a job's answers must be grounded in (its task's ``evidence``: its chunk or document, or the numbered
-    documents)."""
+    """The text a job's answers must be grounded in: its task's ``evidence`` (a chunk, a document, documents)."""
     return get_task(job.task).evidence(job.passages)
 
 
@@ -121,9 +120,8 @@ class LLMAnswerer:
     def _drop_repeats_across_jobs(
         self, jobs: Sequence[QAJob], results: list[list[QAPair] | None], answered: dict[int, LLMResult]
     ) -> None:
-        """Near-duplicate questions across the jobs of one context, the jobs of a task about one document (each
-        document gives one context per task: the single-detail chunks of one document). What is dropped goes to the
-        rejects file with its request."""
+        """Near-duplicate questions across the jobs of one context: a task's jobs about one document (which gives one
+        context per task: the single-detail chunks). What is dropped goes to the rejects file with its request."""
         kept: dict[tuple[str, str], list[str]] = {}
         for i, job in enumerate(jobs):
             if not results[i]:

@@ -1,6 +1,6 @@
 """The synth-task registry: the one table that ``longpeft synth`` (its flags, its config, its run), ``synth --plan``,
-the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read, and the jobs a task
-plans and the items it answers.
+the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read; and the types of what
+a task plans and answers.
 
 A task is one record: its name, its config section and planner (the contexts of its conversations and the QA jobs
 about them), its prompt, output schema and parser (what the LLM is asked and what is taken from its answer), its
@@ -49,7 +49,7 @@ class QAJob:
     """One generation job.
 
     Attributes:
-        task: the name of a registered synth task (:mod:`.registry`).
+        task: the name of a registered synth task (:data:`TASKS`).
         passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
             biography) or the documents of one context (heterogeneous, numbered from 1 in order).
         n: questions to write (biographies for ``biography``).
