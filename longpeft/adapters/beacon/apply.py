@@ -1,6 +1,6 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the section's ``apply`` hook, the settings only inference reads, and what an input
-costs a model with beacons (the torch side of the ``beacon`` method that the exported modeling file does not carry).
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons
+(the torch side of the ``beacon`` method that the exported modeling file does not carry).
 """
 
 from __future__ import annotations
