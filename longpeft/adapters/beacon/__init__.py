@@ -27,7 +27,6 @@ from ..registry import Method, imported_on_call, torch_names
 from .config import INFERENCE_SETTINGS, BeaconConfig, describe, planned_parameters, resolve, training_labels
 
 if TYPE_CHECKING:  # registering the method imports no torch
-    import torch
     from torch import nn
 
 TORCH_NAMES = {
@@ -95,9 +94,7 @@ class Beacon(Method):
 
         write_remote_code(folder, config.settings())
 
-    def save_weights(
-        self, model: nn.Module, folder: Path, config: BeaconConfig, state_dict: dict[str, torch.Tensor] | None
-    ) -> None:
+    def save_weights(self, model: nn.Module, folder: Path, config: BeaconConfig, state_dict: dict | None) -> None:
         from .weights import save_beacon_weights
 
         save_beacon_weights(model, folder, state_dict)
