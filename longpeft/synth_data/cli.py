@@ -281,3 +281,12 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``synth`` subcommand."""
+    synth = subparsers.add_parser(
+        "synth", help="build synthetic long-context training data (LLM or offline procedural)"
+    )
+    add_synth_arguments(synth)
+    synth.set_defaults(func=cmd_synth)
