@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..config import DTYPE_NAMES
+
 COMMANDS = {  # name -> default --dtype, help
     "merge": ("float32", "merge an adapter into its base (plain from_pretrained loads the result)"),
     "export": ("bfloat16", "merge, cast and write a shareable safetensors folder with its model card"),
@@ -19,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         command.add_argument("adapter", help="adapter folder (with longpeft.json) or Hub id")
         command.add_argument("--out", required=True, help="output folder")
         command.add_argument("--base", help="base model (default: the one named in longpeft.json)")
-        command.add_argument("--dtype", default=default_dtype, choices=["float32", "bfloat16", "float16"])
+        command.add_argument("--dtype", default=default_dtype, choices=DTYPE_NAMES)
         command.add_argument("--no-verify", action="store_true", help="skip the logits check against base + adapter")
         command.add_argument(
             "--without",

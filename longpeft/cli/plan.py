@@ -54,9 +54,8 @@ def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
     scale.add_argument(
         "--mfu",
         type=number(float, 0, 1, inclusive=False),
-        help="one FLOPs utilisation, in (0, 1], "
-        "for the matmuls and attention alike (default: measured on h100/h200, by attention kernel; "
-        "other GPUs 0.35 for 4-bit bases, 0.45 otherwise)",
+        help="one FLOPs utilisation, in (0, 1], for the matmuls and attention alike (default: measured on "
+        "h100/h200, by attention kernel; other GPUs 0.35 for 4-bit bases, 0.45 otherwise)",
     )
     scale.add_argument(
         "--nodes",
@@ -75,10 +74,9 @@ def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
     scale.add_argument(
         "--samples",
         type=number(int, 1),
-        help="rows of the training data (default: the rows of a "
-        "local data.source after the recipe's length filters, the demo set's size, else 1000); their "
-        "lengths follow the local data's, else data.max_length each; train.max_steps, when set, "
-        "decides instead",
+        help="rows of the training data (default: the rows of a local data.source after the recipe's length "
+        "filters, the demo set's size, else 1000); their lengths follow the local data's, else data.max_length "
+        "each; train.max_steps, when set, decides instead",
     )
     scale.add_argument(
         "--longest",

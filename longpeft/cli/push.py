@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..config import DTYPE_NAMES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``push`` subcommand."""
@@ -25,22 +27,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     push.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=["float32", "bfloat16", "float16"],
+        choices=DTYPE_NAMES,
         help="dtype of an uploaded model (--merged, or a fully fine-tuned one; default bfloat16); an "
         "adapter is uploaded as saved",
     )
     push.add_argument(
         "--private",
         action="store_true",
-        help="make the repository private (an existing public one "
-        "too); without it a new repository gets the account's default visibility and an existing one "
-        "keeps its own",
+        help="make the repository private (an existing public one too); without it a new repository gets the "
+        "account's default visibility and an existing one keeps its own",
     )
     push.add_argument(
         "--base-id",
-        help="the base model's Hub id, written into the card and longpeft.json "
-        "(default: the Hub id recorded in longpeft.json; a local base is named nowhere in the upload, with a "
-        "warning)",
+        help="the base model's Hub id, written into the card and longpeft.json (default: the Hub id recorded in "
+        "longpeft.json; a local base is named nowhere in the upload, with a warning)",
     )
     push.add_argument(
         "--base", help="the base model to merge into with --merged (default: the one named in longpeft.json)"

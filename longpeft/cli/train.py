@@ -54,8 +54,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    if args.launch:  # plan's checks before any process starts (each launched process runs them again)
-        return _launch(args, validate_recipe(load_recipe(args.recipe, args.overrides)).recipe)
+    if args.launch:
+        from ..scale import shape_of  # the planner imports torch: only a launch reads the model's heads
+
+        # plan's checks before any process starts (each launched process runs them again)
+        recipe = validate_recipe(load_recipe(args.recipe, args.overrides)).recipe
+        return launch_training(
+            recipe,
+            args.recipe,
+            args.launch,
+            shape_of,
+            gpus=args.gpus,
+            overrides=args.overrides,
+            train_flags=["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change,
+            nodes=args.nodes,
+            node_rank=args.node_rank,
+            main_address=args.main_address,
+            print_command=args.print_command,
+            print_slurm=args.print_slurm,
+        )
     launch_flags = {
         "--gpus": args.gpus is not None,
         "--print-command": args.print_command,
@@ -79,23 +96,3 @@ def cmd_train(args: argparse.Namespace) -> int:
     if deepspeed_on_cpu():
         exit_without_teardown()
     return 0
-
-
-def _launch(args: argparse.Namespace, recipe) -> int:
-    """``train --launch``: :func:`~longpeft.launch.start.launch_training` with train's flags."""
-    from ..scale import shape_of  # the planner imports torch: only a launch reads the model's heads
-
-    return launch_training(
-        recipe,
-        args.recipe,
-        args.launch,
-        shape_of,
-        gpus=args.gpus,
-        overrides=args.overrides,
-        train_flags=["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change,
-        nodes=args.nodes,
-        node_rank=args.node_rank,
-        main_address=args.main_address,
-        print_command=args.print_command,
-        print_slurm=args.print_slurm,
-    )
