@@ -238,6 +238,16 @@ def test_a_tied_adapter_without_its_record_of_tied_names_is_one_line(tmp_path, c
     assert line.startswith(f"adapter {adapter}: adapter_model.safetensors lacks ") and "lm_head" in line
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_train_and_plan_take_the_recipe_and_its_overrides_alike(command, capsys):
+    """The recipe and ``--set`` are declared once (``longpeft/cli/arguments.py``): both commands show its help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--set KEY=VALUE override a recipe key, e.g. --set train.max_steps=10 (repeatable)" in shown
+    assert "recipe recipe YAML path or bundled recipe name" in shown
+
+
 def test_validating_a_recipe_imports_no_torch():
     """load_recipe of every bundled recipe, plan (no --gpus) of the recipes whose methods validate without torch,
     and ``longpeft --help``, in a fresh process: neither torch nor transformers is imported (CONTRIBUTING.md,
