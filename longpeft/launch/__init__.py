@@ -4,6 +4,7 @@ several (:mod:`.nodes`).
 ``launch_command(recipe, name, launch, gpus, nodes=...)`` builds the ``accelerate launch`` command of a recipe;
 ``check_launch`` refuses combinations known not to work, saying why and what to use instead;
 ``check_sequence_parallel_group`` refuses a Ulysses group that cannot split the model's attention heads.
+:mod:`.start` starts ``longpeft train --launch`` with them; :mod:`.teardown` ends a launched DeepSpeed CPU process.
 """
 
 from __future__ import annotations

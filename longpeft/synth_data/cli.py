@@ -276,3 +276,12 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
     speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
     print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
     return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``synth`` subcommand."""
+    synth = subparsers.add_parser(
+        "synth", help="build synthetic long-context training data (LLM or offline procedural)"
+    )
+    add_synth_arguments(synth)
+    synth.set_defaults(func=cmd_synth)
