@@ -53,7 +53,7 @@ def check_launch(recipe: Any, launch: str) -> None:
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
         from ..adapters import METHODS
 
-        weighted = [name for name in recipe.method_configs() if METHODS[name].weights is not None]
+        weighted = [name for name in recipe.method_configs() if METHODS[name].keeps_weights]
         if weighted:
             raise ConfigError(
                 f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "

@@ -1,6 +1,6 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the section's ``apply`` hook, the settings only inference reads, and what an input
-costs a model with beacons (the torch side of the ``beacon`` method that the exported modeling file does not carry).
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons
+(the torch side of the ``beacon`` method that the exported modeling file does not carry).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...family import causal_lm_of
 from ..registry import check_applicable
-from . import INFERENCE_SETTINGS
-from .config import BeaconConfig
+from .config import INFERENCE_SETTINGS, BeaconConfig
 from .layout import BeaconSettings, window_span
 from .patch import backbone_of, install_beacon, is_beacon_applied
 
@@ -82,11 +81,6 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     backbone.beacon_settings = settings
     causal_lm_of(model).config.beacon = settings.as_dict()
     return settings
-
-
-def apply_beacon_config(model: nn.Module, config: BeaconConfig) -> None:
-    """The method's ``apply``: :func:`apply_beacon` with the section's settings."""
-    apply_beacon(model, config.settings())
 
 
 def model_span(model: nn.Module, length: int) -> tuple[int, int]:
