@@ -68,16 +68,38 @@ def merge(
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
         the methods left out removed from both) on a fixed probe (None when ``verify`` is off).
     """
-    from transformers import AutoConfig, GenerationConfig
-
-    from .adapters import METHODS
     from .files import local_adapter_dir
-    from .loading import load, load_tokenizer, pin_base_revision, resolve_base
+    from .loading import load
 
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
+    check_merge(spec, adapter_dir, out_dir, base, without)
+    model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
+    merged, diff = merged_model(model, without, verify)
+    kept = spec.model_copy(
+        update={
+            "methods": {name: section for name, section in spec.methods.items() if name not in without},
+            "weights": "merged",
+            "base_model": base_id or recorded_base(spec, adapter_dir, out_dir),
+        }
+    )
+    write_merged(merged, kept, adapter_dir, out_dir, base, card)
+    return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
+
+
+def check_merge(
+    spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, without: tuple[str, ...]
+) -> None:
+    """Refuse a merge before any weight loads: an output folder that would overwrite the adapter or the base, a base
+    that is missing, runs code of its own or is saved quantized, and methods ``without`` names that the adapter lacks
+    or was trained with."""
+    from transformers import AutoConfig
+
+    from .adapters import METHODS
+    from .loading import pin_base_revision, resolve_base
+
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
@@ -101,7 +123,14 @@ def merge(
             f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
             "a merge needs the full-precision base; pass it with --base"
         )
-    model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
+
+
+def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[Any, float | None]:
+    """``model`` (base + adapter, as ``longpeft.load`` gives it) with the methods ``without`` names removed and LoRA
+    merged into its weights, and the largest logit difference the merge made on :func:`probe_ids` (None unless
+    ``verify``)."""
+    from .adapters import METHODS
+
     for name in without:
         METHODS[name].remove(model)
     ids = probe_ids(model.config.vocab_size)
@@ -109,26 +138,31 @@ def merge(
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    kept = spec.model_copy(
-        update={
-            "methods": {name: section for name, section in spec.methods.items() if name not in without},
-            "weights": "merged",
-            "base_model": base_id or recorded_base(spec, adapter_dir, out_dir),
-        }
-    )
+    return merged, diff
+
+
+def write_merged(
+    merged: Any, spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, card: bool
+) -> None:
+    """Save ``merged`` to ``out_dir`` as one folder written beside it and renamed at the end: its weights, every
+    method's export files, the adapter's tokenizer and generation config, ``spec`` (longpeft.json), the eval results
+    and, with ``card``, the model card."""
+    from transformers import GenerationConfig
+
+    from .loading import load_tokenizer
+
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
         merged.config.name_or_path = str(out_dir)
         merged.save_pretrained(partial)
-        export_methods(merged, kept, partial)
+        export_methods(merged, spec, partial)
         load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
         if (adapter_dir / "generation_config.json").is_file():
             GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
-        kept.save(partial)
+        spec.save(partial)
         _copy_eval_results(adapter_dir, partial)
         if card:
-            write_model_card(partial, kept, folder_name=out_dir.name)
-    return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
+            write_model_card(partial, spec, folder_name=out_dir.name)
 
 
 def export(
@@ -281,7 +315,7 @@ def plain_peft_misses(spec: ContextSpec) -> list[str]:
         missed.append(
             f"max_position_embeddings {spec.original_max_position_embeddings} -> {spec.max_position_embeddings}"
         )
-    missed += [method.name for method, _ in spec_methods(spec) if method.apply is not None and not method.implied]
+    missed += [method.name for method, _ in spec_methods(spec) if method.changes_model and not method.implied]
     return missed
 
 
@@ -307,15 +341,43 @@ def model_card_text(
     longpeft.json names when that is a Hub id, else on the local folder it names or on a base the user gives. Every
     method of the spec contributes its metadata section and its sentences (``describe``).
     """
-    methods = spec_methods(spec)
-    weights = spec.weights or "lora"
+    weights, name = spec.weights or "lora", base_display_name(spec.base_model)
     full = weights == "full"
-    standalone = weights in ("full", "merged")
+    lines = [
+        "---",
+        yaml.safe_dump(card_metadata(spec, weights), sort_keys=False).strip(),
+        "---",
+        "",
+        f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})",
+        "",
+    ]
+    if full:
+        lines += [
+            f"A full fine-tune (longpeft `finetune: full`): every weight of {name} was trained, so this is the whole "
+            "model, not an adapter; it loads with transformers alone, without longpeft or the base model.",
+            "",
+        ]
+    lines += what_changed(spec)
+    remote = any(method.remote_code for method, _ in spec_methods(spec))  # a method ships a modeling file
+    lines += ["", "## Load", "", "```python", *load_snippet(spec, weights, remote, repo_id, folder_name), "```", ""]
+    lines += loading_notes(spec, weights, remote)
+    if eval_rows:
+        lines += ["## Evaluation", "", "| task | setting | length | score |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['task']} | {r.get('setting', '')} | {r.get('length', '')} | {r['score']:.3f} |" for r in eval_rows
+        ]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
+    """A card's YAML metadata: the base (when shareable), the library that loads ``weights``, the tags (the recipe's
+    method, then every other method it applied but the implied ones), and longpeft's record of the change."""
+    methods = spec_methods(spec)
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
-    metadata = {
+    return {
         **({"base_model": spec.base_model} if shareable_base(spec.base_model) else {}),
         **({"library_name": library} if library else {}),
-        # the recipe's method, then every other method it applied (those every model has, RoPE, go without saying)
         "tags": [
             "longpeft",
             "long-context",
@@ -333,102 +395,88 @@ def model_card_text(
             "methods": {m.name: config.model_dump(exclude_none=True) for m, config in methods},
         },
     }
-    name = base_display_name(spec.base_model)
-    remote = any(m.remote_code for m, _ in methods)
-    lines = [
-        "---",
-        yaml.safe_dump(metadata, sort_keys=False).strip(),
-        "---",
-        "",
-        f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})",
-        "",
-    ]
-    if full:
-        lines += [
-            f"A full fine-tune (longpeft `finetune: full`): every weight of {name} was trained, so this is the whole "
-            "model, not an adapter; it loads with transformers alone, without longpeft or the base model.",
-            "",
-        ]
-    lengths = [
-        text
-        for text, known in (
-            (f"trained at {spec.trained_length} tokens", spec.trained_length),
-            (f"target {spec.target_length}", spec.target_length),
-        )
-        if known
-    ]
+
+
+def what_changed(spec: ContextSpec) -> list[str]:
+    """A card's sentences on the change: the positions (and the lengths trained at and aimed for), the RoPE
+    parameters, then every method's own (``describe``)."""
+    lengths = [f"trained at {spec.trained_length} tokens"] if spec.trained_length else []
+    lengths += [f"target {spec.target_length}"] if spec.target_length else []
     said = f" ({', '.join(lengths)})." if lengths else "."
     if spec.max_position_embeddings != spec.original_max_position_embeddings:
-        lines.append(
+        lines = [
             f"Context extended from {spec.original_max_position_embeddings} to "
             f"{spec.max_position_embeddings} positions{said}"
-        )
+        ]
     else:  # a method that reads past the window without new positions (beacon, STRING)
-        lines.append(
+        lines = [
             f"Positions unchanged at {spec.max_position_embeddings}{said[:-1]}; the methods below extend "
             "what the model reads."
-        )
+        ]
     if spec.rope_parameters != spec.original_rope_parameters:
         lines.append(f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.")
-    for method, config in methods:
-        if method.describe is not None:
-            lines += method.describe(config)
+    for method, config in spec_methods(spec):
+        lines += method.describe(config)
+    return lines
+
+
+def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | None, folder_name: str) -> list[str]:
+    """A card's Python lines that load the folder: with transformers for a merged or full model
+    (``trust_remote_code`` when a method ships a modeling file), else with ``longpeft.load`` on the base."""
     location, where = load_location(repo_id, folder_name)
-    lines += ["", "## Load", "", "```python"]
-    if standalone:
+    if weights in ("full", "merged"):
         trust = ", trust_remote_code=True" if remote else ""  # the tokenizer reads the same auto_map: no prompt
-        lines += [
+        return [
             "from transformers import AutoModelForCausalLM, AutoTokenizer",
             f'model = AutoModelForCausalLM.from_pretrained("{location}"{trust})' + (f"  # {where}" if where else ""),
             f'tokenizer = AutoTokenizer.from_pretrained("{location}"{trust})',
         ]
+    if shareable_base(spec.base_model):
+        base, notes = f'"{spec.base_model}"', []
+    elif spec.base_model:  # a local folder, named relative to this one
+        base, notes = "None", [f"None: the base longpeft.json names ({spec.base_model} from this folder)"]
     else:
-        if shareable_base(spec.base_model):
-            base, notes = f'"{spec.base_model}"', []
-        elif spec.base_model:  # a local folder, named relative to this one
-            base, notes = "None", [f"None: the base longpeft.json names ({spec.base_model} from this folder)"]
-        else:
-            base, notes = '"BASE_MODEL"', ["BASE_MODEL: the Hub id or folder of the base model this was trained on"]
-        notes += [where] if where else []
-        lines += [
-            "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
-            f'model = longpeft.load({base}, "{location}")' + (f"  # {'; '.join(notes)}" if notes else ""),
-        ]
-    lines += ["```", ""]
-    if standalone and remote:
-        lines += [
+        base, notes = '"BASE_MODEL"', ["BASE_MODEL: the Hub id or folder of the base model this was trained on"]
+    notes += [where] if where else []
+    return [
+        "import longpeft  # applies longpeft.json (RoPE base, ...) before the adapter's weights",
+        f'model = longpeft.load({base}, "{location}")' + (f"  # {'; '.join(notes)}" if notes else ""),
+    ]
+
+
+def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
+    """A card's paragraph after the snippet: what ``trust_remote_code`` runs (a merged or full model with a modeling
+    file), what plain peft leaves out of a LoRA adapter, or that a method-only adapter needs longpeft."""
+    if weights in ("full", "merged"):
+        if not remote:
+            return []
+        return [
             "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "
             "and transformers); without it loading fails rather than giving a model without the method.",
             "",
         ]
     missed = plain_peft_misses(spec) if weights == "lora" else []
     if missed:
-        lines += [
+        return [
             "The adapter is in peft's own format, but plain `PeftModel.from_pretrained` on the stock base reads "
             f"only its weights, not `longpeft.json`, and leaves out: {'; '.join(missed)}. It then silently gives a "
             "model other than the one trained: use `longpeft.load`.",
             "",
         ]
-    elif weights == "lora":
-        lines += [
+    if weights == "lora":
+        return [
             "The adapter is in peft's own format, and changes nothing besides its weights: plain "
             "`PeftModel.from_pretrained` on the stock base gives the same model as `longpeft.load`.",
             "",
         ]
-    elif weights == "method":
-        lines += [
+    if weights == "method":
+        return [
             f"This adapter has no LoRA weights (the base model's weights are unchanged), only {spec.method}'s own "
             "weights: `longpeft.load` adds them to the base and applies `longpeft.json`; neither peft nor plain "
             "transformers loads it.",
             "",
         ]
-    if eval_rows:
-        lines += ["## Evaluation", "", "| task | setting | length | score |", "|---|---|---|---|"]
-        lines += [
-            f"| {r['task']} | {r.get('setting', '')} | {r.get('length', '')} | {r['score']:.3f} |" for r in eval_rows
-        ]
-        lines.append("")
-    return "\n".join(lines)
+    return []
 
 
 def base_display_name(base_model: str | None) -> str:

@@ -158,7 +158,7 @@ def load(
                 "which its adapter_config.json describes (a damaged or edited file: a tied embedding's record "
                 "longpeft.tied removed?); re-create the adapter, or copy / download the folder again"
             ) from error
-    elif not any(method.weights is not None for method, _ in spec_methods(spec)):
+    elif not any(method.keeps_weights for method, _ in spec_methods(spec)):
         raise ModelSourceError(
             f"{adapter_dir} has no adapter_config.json (and its methods keep no weights of their "
             "own): not an adapter folder"

@@ -468,7 +468,7 @@ def training_parity(model, out: Path, setting: dict, expected: list[dict]) -> li
     for ids, theirs in zip(sequences(lengths_of(setting))[-2:], expected, strict=True):
         model.zero_grad(set_to_none=True)
         input_ids = torch.tensor([ids])
-        labels = METHOD.training.labels(config, input_ids)  # what the runner's collator does to every batch
+        labels = METHOD.training_labels(config, input_ids)  # what the runner's collator does to every batch
         loss = model(input_ids=input_ids, labels=labels).loss
         loss.backward()
         their_grads = load_file(str(out / f"grads-{len(ids)}.safetensors"))

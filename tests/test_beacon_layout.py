@@ -374,3 +374,23 @@ def test_the_runtime_settings_are_the_config_fields_and_a_partial_config_beacon_
     del written["sink"]
     with pytest.raises(ValueError, match=r"lacks \['sink'\]"):
         BeaconSettings.from_dict(written)
+
+
+def test_apply_beacon_takes_some_settings_with_the_configs_defaults_and_names_a_bad_one():
+    """``apply_beacon`` on a dict: every setting as ``config.beacon`` holds them, or some of them with BeaconConfig's
+    defaults for the rest; an unknown key or a refused value is one ConfigError naming it."""
+    from longpeft.adapters.beacon import apply_beacon
+    from longpeft.adapters.beacon.patch import backbone_of
+    from longpeft.errors import ConfigError
+    from longpeft.tiny import tiny_model
+
+    model = tiny_model("llama", seed=0, vocab_size=64)
+    apply_beacon(model, {"window": 8, "ratios": [2]})
+    assert backbone_of(model).beacon_settings == BeaconConfig(window=8, ratios=[2]).settings()
+    full = BeaconConfig(window=8, ratios=[4], projection="full").settings()
+    apply_beacon(model, full.as_dict())
+    assert backbone_of(model).beacon_settings == full
+    with pytest.raises(ConfigError, match="ratio: Extra inputs"):
+        apply_beacon(model, {"window": 8, "ratio": [2]})
+    with pytest.raises(ConfigError, match="window"):
+        apply_beacon(model, {"window": -1, "ratios": [2]})

@@ -111,7 +111,7 @@ def test_training_labels_leave_the_first_window_out_as_the_authors_do(attn, pos,
         for t in range(11):
             if unscored and t <= 4:
                 expected[row, t] = -100
-    assert torch.equal(METHOD.training.labels(config, labels), expected)
+    assert torch.equal(METHOD.training_labels(config, labels), expected)
     assert labels[0, 1] == 1  # the caller's batch is not changed in place
 
 

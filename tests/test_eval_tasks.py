@@ -5,7 +5,7 @@
   answers every probe right scores 1 and one that answers a known fraction scores that fraction, counted here from
   the answers, not by the task's scorer); it decodes and scores on a tiny model through ``evaluate``;
 - every other task runs its :data:`CASES` case on a tiny model (or is a command of its own);
-- no module of ``longpeft/eval`` or ``longpeft/cli.py`` but the registrations names a task in a condition.
+- no module of ``longpeft/eval`` or ``longpeft/cli/`` but the registrations names a task in a condition.
 
 A task registered later (a plug-in) is one ``register`` line: :func:`test_a_plug_in_task_is_one_register_line`
 defines one here, with a flag of its own, and runs ``longpeft eval`` on it end to end.
@@ -210,10 +210,10 @@ def test_a_task_without_a_run_of_its_own_says_so(model, tokenizer):
 
 def test_no_module_but_the_registrations_names_a_task_in_a_condition():
     """``longpeft eval`` and ``evaluate`` ask the registry: outside ``longpeft/eval/builtin.py`` no module of
-    ``longpeft/eval`` (nor ``longpeft/cli.py``) compares with or tests membership in a task's name."""
+    ``longpeft/eval`` (nor ``longpeft/cli/``) compares with or tests membership in a task's name."""
     names = set(TASKS) | set(ALIASES)
     problems = []
-    for path in [*sorted((PACKAGE / "eval").glob("*.py")), PACKAGE / "cli.py"]:
+    for path in [*sorted((PACKAGE / "eval").glob("*.py")), *sorted((PACKAGE / "cli").glob("*.py"))]:
         if path.name == "builtin.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):

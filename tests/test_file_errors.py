@@ -528,14 +528,14 @@ def _library_errors():
 
 @pytest.mark.parametrize("library", sorted(_library_errors()))
 def test_each_librarys_error_is_one_line_and_debug_shows_its_traceback(library, monkeypatch, capsys):
-    import longpeft.cli
+    import longpeft.cli.plan
 
     error, expected = _library_errors()[library]
 
     def command(args):
         raise error
 
-    monkeypatch.setattr(longpeft.cli, "cmd_plan", command)
+    monkeypatch.setattr(longpeft.cli.plan, "cmd_plan", command)
     line = _one_line(["plan", "tiny-cpu"], capsys)
     assert line.startswith("longpeft plan: error: ") and expected in line
     with pytest.raises(type(error)):
@@ -554,12 +554,12 @@ def test_each_librarys_error_is_one_line_and_debug_shows_its_traceback(library, 
 def test_a_bug_in_our_code_keeps_its_traceback_and_a_key_never_prints_alone(error, monkeypatch, capsys):
     """An error nobody anticipated prints its traceback, then one line saying it is a bug and how to report it, and
     exits 1 (bad input exits 2); --debug lets it propagate."""
-    import longpeft.cli
+    import longpeft.cli.plan
 
     def command(args):
         raise error
 
-    monkeypatch.setattr(longpeft.cli, "cmd_plan", command)
+    monkeypatch.setattr(longpeft.cli.plan, "cmd_plan", command)
     assert error_message(error) is None
     assert main(["plan", "tiny-cpu"]) == 1
     err = capsys.readouterr().err

@@ -226,6 +226,20 @@ def test_the_llm_client_parts_import_only_those_below_them(part):
     assert used <= LLM_CLIENT_PARTS[part], f"{name} imports {sorted(used - LLM_CLIENT_PARTS[part])}"
 
 
+CLI_SHARED = {"longpeft.cli.arguments"}  # the arguments several commands take, declared once
+COMMAND_MODULES = sorted(
+    name for name in MODULES if layer(name) == "cli" and name not in {"longpeft.cli", "longpeft.cli.__main__"}
+)
+
+
+@pytest.mark.parametrize("name", COMMAND_MODULES)
+def test_a_command_module_imports_no_other_command(name):
+    """Each command is one module holding its parser and its handler: it may share ``cli/arguments.py``, and
+    imports no other command's module nor the package that assembles them."""
+    others = sorted(target for target in GRAPH[name] if layer(target) == "cli" and target not in CLI_SHARED)
+    assert others == [], f"{name} imports {others}"
+
+
 @pytest.mark.parametrize("name", ["longpeft.files", "longpeft.hub_wait", "longpeft.rope_parameters"])
 def test_the_file_rules_need_no_torch(name):
     assert not imports(name)[1] & set(HEAVY)
@@ -244,6 +258,9 @@ TORCH_ON_USE = [
     "adapters/__init__",
     "adapters/registry",
     *(f"adapters/{method}/__init__" for method in ("rope_base", "harpe", "pose", "string", "beacon")),
+    # what `longpeft --help` and plan import: the command modules and the launch modules they use
+    *(f"cli/{path.stem}" for path in sorted((PACKAGE / "cli").glob("*.py"))),
+    *(f"launch/{path.stem}" for path in sorted((PACKAGE / "launch").glob("*.py"))),
 ]
 
 

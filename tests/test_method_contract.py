@@ -1,7 +1,8 @@
 """The method contract (``longpeft/adapters/registry.py``), checked on every registered method in peft's TEST_CASES
 style: each method gives one set of settings in :data:`CASES`, and the same checks run on all of them.
 
-- its folder has the contract's files, its config module needs no torch, its hooks are named functions;
+- its folder has the contract's files, its config module needs no torch, every hook it overrides is a named function
+  of its folder with the base hook's arguments;
 - ``apply`` changes the logits and ``remove`` restores them exactly, with ``is_applied`` following both;
 - its config round-trips through ``longpeft.json`` and, applied from there, gives the same model;
 - its own weights (``weights``) save and load back exactly;
@@ -16,9 +17,9 @@ condition outside the method folders.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import importlib
 import importlib.util
+import inspect
 import sys
 import textwrap
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from longpeft.adapters import METHODS, Method, MethodTraining, ResolveContext, apply_spec, config_of, registered
+from longpeft.adapters import METHODS, Method, ResolveContext, apply_spec, config_of, registered
 from longpeft.adapters.registry import COLLATOR, RUN_FEATURES, MethodConflict, find_conflicts, register
 from longpeft.spec import ContextSpec
 from longpeft.tiny import tiny_config, tiny_model
@@ -84,29 +85,42 @@ def check_folder(method: Method) -> None:
     modules = {path.name for path in folder.glob("*.py")}
     assert {"__init__.py", "config.py"} <= modules
     assert modules - {"__init__.py", "config.py", "export.py", "remote_classes.py"}, "its torch code has a module"
-    assert (folder / "export.py").is_file() == (method.export is not None), "export.py where (only where) it exports"
+    assert (folder / "export.py").is_file() == method.overrides("export"), "export.py where (only where) it exports"
     assert "remote_classes.py" not in modules or method.remote_code, "remote_classes.py only for a modeling file"
     assert importlib.import_module(package).METHOD is method, "__init__.py's METHOD is the registered method"
 
 
-def hooks_of(method: Method) -> dict[str, object]:
-    """Every function a method names: its own fields', its weights' and its training's."""
-    hooks = {}
-    for owner, prefix in ((method, ""), (method.weights, "weights."), (method.training, "training.")):
-        for field in dataclasses.fields(owner) if owner is not None else ():
-            value = getattr(owner, field.name)
-            if callable(value) and not isinstance(value, type):
-                hooks[prefix + field.name] = value
-    return hooks
+# The hooks of the contract: the base's methods (``overrides`` and the properties are what callers ask of them).
+HOOKS = [name for name, value in vars(Method).items() if inspect.isfunction(value) and name[0] != "_"]
+HOOKS.remove("overrides")
+TRAINING_HOOKS = ("collator", "long_samples", "training_span", "training_labels")
 
 
-def check_named_hooks(method: Method) -> None:
+def hook_function(method: Method, hook: str) -> tuple[object, list[str]]:
+    """The function a method's class gives for ``hook``, and its arguments after ``self``: a method's, or a static
+    method's (for one bound by ``imported_on_call``, the function it imports when called)."""
+    value = inspect.getattr_static(type(method), hook)
+    if not isinstance(value, staticmethod):
+        return value, list(inspect.signature(value).parameters)[1:]
+    function = value.__func__
+    if list(inspect.signature(function).parameters) == ["args", "kwargs"]:  # imported_on_call's hook
+        function = getattr(importlib.import_module(function.__module__), function.__name__)
+    return function, list(inspect.signature(function).parameters)
+
+
+def check_hooks(method: Method) -> None:
+    """Every hook the method overrides is a named function of its folder taking the base hook's arguments."""
     package, _ = method_folder(method)
-    for name, hook in hooks_of(method).items():
-        assert hook.__name__ != "<lambda>", f"{method.name}.{name} is a lambda: tracebacks would say <lambda>"
-        assert hook.__module__.startswith(package) or hook.__module__ == "longpeft.adapters.registry", (
-            f"{method.name}.{name} is {hook.__module__}.{hook.__name__}, outside the method's folder"
+    for hook in HOOKS:
+        if not method.overrides(hook):
+            continue
+        function, arguments = hook_function(method, hook)
+        assert function.__name__ != "<lambda>", f"{method.name}.{hook} is a lambda: tracebacks would say <lambda>"
+        assert function.__module__.startswith(package), (
+            f"{method.name}.{hook} is {function.__module__}.{function.__name__}, outside the method's folder"
         )
+        expected = list(inspect.signature(getattr(Method, hook)).parameters)[1:]
+        assert arguments == expected, f"{method.name}.{hook} takes {arguments}; the contract's hook takes {expected}"
 
 
 def executed_statements(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -191,7 +205,7 @@ def check_spec_round_trip(method: Method, config, folder: Path) -> None:
     ContextSpec.from_base(tiny_config("llama"), method.name, methods={method.name: config.model_dump()}).save(folder)
     loaded = ContextSpec.load(folder)
     assert config_of(method.name, loaded.methods[method.name]) == config
-    if method.apply is not None:  # the recorded section is all the method needs
+    if method.changes_model:  # the recorded section is all the method needs
         direct, from_spec = base_model(), base_model()
         method.apply(direct, config)
         apply_spec(from_spec, loaded)
@@ -207,7 +221,7 @@ BUILT_IN = list(METHODS)
 def test_the_method_folder_config_and_hooks_keep_the_contract(name):
     method = METHODS[name]
     check_folder(method)
-    check_named_hooks(method)
+    check_hooks(method)
     check_config_needs_no_torch(method)
     unknown = set(method.conflicts) - set(METHODS) - set(RUN_FEATURES)
     assert not unknown, f"{name}.conflicts names {unknown}: neither a registered method nor a run feature"
@@ -216,8 +230,10 @@ def test_the_method_folder_config_and_hooks_keep_the_contract(name):
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_apply_changes_the_logits_and_remove_restores_them_exactly(name):
     method = METHODS[name]
-    if method.apply is None:
-        assert method.training != MethodTraining(), f"{name} changes no model, so it must change the training inputs"
+    if not method.changes_model:
+        assert any(map(method.overrides, TRAINING_HOOKS)), (
+            f"{name} changes no model, so it must change the training inputs"
+        )
         pytest.skip(f"{name} changes only the training inputs (no apply/remove)")
     check_apply_and_remove(method, case_config(method))
 
@@ -225,7 +241,7 @@ def test_apply_changes_the_logits_and_remove_restores_them_exactly(name):
 @pytest.mark.parametrize("name", BUILT_IN)
 def test_is_applied_follows_apply_and_remove(name):
     method = METHODS[name]
-    if method.apply is None:
+    if not method.changes_model:
         pytest.skip(f"{name} changes only the training inputs (no apply/remove)")
     model, config = base_model(), case_config(method)
     assert not method.is_applied(model)
@@ -243,7 +259,7 @@ def test_the_config_round_trips_through_longpeft_json(name, tmp_path):
     check_spec_round_trip(method, case_config(method), tmp_path)
 
 
-@pytest.mark.parametrize("name", [name for name, method in METHODS.items() if method.weights is not None])
+@pytest.mark.parametrize("name", [name for name, method in METHODS.items() if method.keeps_weights])
 def test_method_weights_save_and_load_back_exactly(name, tmp_path):
     method = METHODS[name]
     config = case_config(method)
@@ -251,14 +267,14 @@ def test_method_weights_save_and_load_back_exactly(name, tmp_path):
     method.apply(trained, config)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():  # as after training: away from their initial values
-        for parameter in method.weights.parameters(trained).values():
+        for parameter in method.weight_parameters(trained).values():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    method.weights.save(trained, tmp_path, config, None)
+    method.save_weights(trained, tmp_path, config, None)
     fresh = base_model()
     method.apply(fresh, config)
     assert not torch.equal(logits(fresh), logits(trained))
-    method.weights.load(fresh, tmp_path, config)
-    saved, loaded = method.weights.parameters(trained), method.weights.parameters(fresh)
+    method.load_weights(fresh, tmp_path, config)
+    saved, loaded = method.weight_parameters(trained), method.weight_parameters(fresh)
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     assert torch.equal(logits(fresh), logits(trained))
 
@@ -283,7 +299,7 @@ def test_every_export_loads_in_a_fresh_process_without_longpeft(tmp_path):
     """A model with the method on, saved and exported as ``hub.merge`` does, loads with transformers alone
     (``trust_remote_code`` where the method ships a modeling file, and only then) and gives the same logits. One
     fresh process loads every method's export (each start costs seconds)."""
-    exporting = [method for method in METHODS.values() if method.export is not None]
+    exporting = [method for method in METHODS.values() if method.overrides("export")]
     assert exporting
     expected, arguments = {}, [str(tmp_path / "ids.pt")]
     torch.save(IDS, tmp_path / "ids.pt")
@@ -325,13 +341,27 @@ def test_conflicts_are_refused_naming_both_sides_and_the_fix():
         find_conflicts(["rope"], {"fsdp": "--launch fsdp2"})
 
 
-def test_register_refuses_half_a_model_hook_set_and_a_conflict_without_reason():
-    config = METHODS["pose"].config
+def test_register_refuses_half_a_hook_set_and_a_conflict_without_reason():
+    class Half(Method):
+        name, config = "half", METHODS["pose"].config
+        apply, is_applied = staticmethod(print), staticmethod(callable)
+
+    class HalfWeights(Method):
+        name, config, plan_lever = "half_weights", METHODS["pose"].config, "half_weights.size"
+        save_weights = staticmethod(print)
+
+    class Unreasoned(Method):
+        name, config, conflicts = "unreasoned", METHODS["pose"].config, {"rope": ""}
+
     with pytest.raises(ValueError, match=r"give apply, remove and is_applied together \(missing \['remove'"):
-        register(Method(name="half", config=config, apply=print, is_applied=callable))
+        register(Half())
+    with pytest.raises(ValueError, match=r"give weight_parameters, .* together \(missing \['weight_parameters'"):
+        register(HalfWeights())
     with pytest.raises(ValueError, match=r"conflicts \['rope'\] need a reason"):
-        register(Method(name="unreasoned", config=config, conflicts={"rope": ""}))
-    assert "half" not in METHODS and "unreasoned" not in METHODS
+        register(Unreasoned())
+    with pytest.raises(ValueError, match="a Method subclass sets name"):
+        register(Method())
+    assert not {"half", "half_weights", "unreasoned"} & set(METHODS)
 
 
 # ---- a new method: one folder and one register line ---------------------------------------------------------------
@@ -408,26 +438,27 @@ PLUGIN = {
 
         from __future__ import annotations
 
-        from longpeft.adapters import CollatorContext, Method, MethodTraining
+        from longpeft.adapters import CollatorContext, Method
 
         from .config import DummyConfig, describe
         from .modeling import DummyCollator, apply_dummy, is_dummy_on, remove_dummy
 
 
-        def dummy_collator(config: DummyConfig, context: CollatorContext) -> DummyCollator:
-            return DummyCollator(context.pad_token_id, context.max_length)
+        class Dummy(Method):
+            name = "dummy"
+            config = DummyConfig
+            conflicts = {"beacon": "the dummy scales the norm whose output Activation Beacon's windows condense"}
+
+            apply = staticmethod(apply_dummy)
+            remove = staticmethod(remove_dummy)
+            is_applied = staticmethod(is_dummy_on)
+            describe = staticmethod(describe)
+
+            def collator(self, config: DummyConfig, context: CollatorContext) -> DummyCollator:
+                return DummyCollator(context.pad_token_id, context.max_length)
 
 
-        METHOD = Method(
-            name="dummy",
-            config=DummyConfig,
-            apply=apply_dummy,
-            remove=remove_dummy,
-            is_applied=is_dummy_on,
-            describe=describe,
-            training=MethodTraining(collator=dummy_collator),
-            conflicts={"beacon": "the dummy scales the norm whose output Activation Beacon's windows condense"},
-        )
+        METHOD = Dummy()
         ''',
 }
 
@@ -453,7 +484,7 @@ def test_a_new_method_is_one_folder_and_one_register_line(plugin, tiny_base_dirs
 
     with registered(plugin.METHOD) as method:
         check_folder(method)
-        check_named_hooks(method)
+        check_hooks(method)
         check_config_needs_no_torch(method)
         config = method.config()
         check_apply_and_remove(method, config)
@@ -575,7 +606,7 @@ def test_no_module_outside_a_method_folder_names_a_method_in_a_condition():
                 used.add((relative, function))
             else:
                 problems.append(f"{relative}:{line} ({function}): {code}")
-    assert problems == [], "ask the registry (a Method field) instead:\n" + "\n".join(problems)
+    assert problems == [], "ask the registry (a Method hook or attribute) instead:\n" + "\n".join(problems)
     assert used, "the scan found none of the reasoned exceptions: is it reading the package?"
 
 

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from longpeft.cli import accelerate_executable, main
+from longpeft.cli import main
 from longpeft.errors import ConfigError
+from longpeft.launch.start import accelerate_executable
 from longpeft.launch.topology import gradient_accumulation
 from longpeft.recipes.schema import load_recipe
 from longpeft.units import format_duration

@@ -27,31 +27,33 @@ class DummyConfig(StrictModel):
     note: str | None = None
 
 
-def _apply(model, config: DummyConfig) -> None:
-    norm = model.get_base_model().model.norm if hasattr(model, "get_base_model") else model.model.norm
-    with torch.no_grad():
-        norm.weight.mul_(config.scale)
-    model.config.dummy_scale = config.scale
+class Dummy(Method):
+    name = "dummy"
+    config = DummyConfig
+
+    def apply(self, model, config: DummyConfig) -> None:
+        norm = model.get_base_model().model.norm if hasattr(model, "get_base_model") else model.model.norm
+        with torch.no_grad():
+            norm.weight.mul_(config.scale)
+        model.config.dummy_scale = config.scale
+
+    def remove(self, model) -> None:
+        pass
+
+    def is_applied(self, model) -> bool:
+        return hasattr(model.config, "dummy_scale")
+
+    def resolve(self, config: DummyConfig, context) -> DummyConfig:
+        return config.model_copy(update={"note": f"resolved at {context.trained_length}"})
+
+    def export(self, model, folder, config: DummyConfig) -> None:
+        (folder / "dummy.json").write_text(json.dumps(config.model_dump()))
+
+    def describe(self, config: DummyConfig) -> list[str]:
+        return [f"Dummy plug-in method with scale {config.scale}."]
 
 
-def _resolve(config: DummyConfig, context) -> DummyConfig:
-    return config.model_copy(update={"note": f"resolved at {context.trained_length}"})
-
-
-def _export(model, folder, config: DummyConfig) -> None:
-    (folder / "dummy.json").write_text(json.dumps(config.model_dump()))
-
-
-DUMMY = Method(
-    name="dummy",
-    config=DummyConfig,
-    apply=_apply,
-    remove=lambda model: None,
-    is_applied=lambda model: hasattr(model.config, "dummy_scale"),
-    resolve=_resolve,
-    export=_export,
-    describe=lambda config: [f"Dummy plug-in method with scale {config.scale}."],
-)
+DUMMY = Dummy()
 
 
 @pytest.fixture
@@ -113,7 +115,7 @@ def test_registry_order_and_shape():
     assert list(METHODS)[:4] == ["rope", "harpe", "pose", "string"]
     for method in METHODS.values():  # apply/remove on a model, or none (PoSE changes only the training inputs)
         assert issubclass(method.config, StrictModel) and callable(method.resolve)
-        assert all(callable(hook) for hook in (method.apply, method.remove, method.is_applied)) or method.apply is None
+        assert all(method.overrides(hook) == method.changes_model for hook in ("apply", "remove", "is_applied"))
 
 
 def test_non_finite_settings_are_refused():
@@ -228,9 +230,6 @@ def test_launch_checks_read_the_registry(dummy_method):
     """A plug-in's weights outside LoRA (its weights hooks) are refused with LoRA under ZeRO-3 (its checkpoints gather
     only the trainable weights); a plug-in's sharded_weights conflict is refused under every sharded launch, with its
     reason."""
-    import dataclasses
-
-    from longpeft.adapters import MethodWeights
     from longpeft.launch import check_launch
 
     recipe = load_recipe("tiny-cpu", ["dummy.scale=2.0"])
@@ -241,15 +240,19 @@ def test_launch_checks_read_the_registry(dummy_method):
     def not_called(*args):
         raise AssertionError("the launch checks only read whether a method has weights")
 
-    weights = MethodWeights(
-        parameters=not_called, save=not_called, load=not_called, planned=not_called, plan_lever="dummy.scale"
-    )
-    register(dataclasses.replace(DUMMY, weights=weights))
+    class Weighted(Dummy):
+        plan_lever = "dummy.scale"
+        weight_parameters = save_weights = load_weights = planned_weights = staticmethod(not_called)
+
+    class Conflicting(Dummy):
+        conflicts = {"sharded_weights": "it counts the processes' steps"}
+
+    register(Weighted())
     with pytest.raises(ValueError, match="zero3 with finetune: lora and dummy: .* gathers only the trainable"):
         check_launch(recipe, "zero3")
     check_launch(recipe, "fsdp2")
     unregister("dummy")
-    register(dataclasses.replace(DUMMY, conflicts={"sharded_weights": "it counts the processes' steps"}))
+    register(Conflicting())
     for launch in ("fsdp2", "zero3"):
         with pytest.raises(
             ValueError, match=f"--launch {launch} with dummy: it counts the processes' steps; use --launch ddp"

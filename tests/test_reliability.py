@@ -411,9 +411,9 @@ def _raising(error: BaseException):
 def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypatch, capsys):
     """The one boundary of every command: longpeft's errors and the libraries' bad-input errors print one line and
     exit 2; --debug (or LONGPEFT_DEBUG) lets them through with their traceback."""
-    import longpeft.cli
+    import longpeft.cli.plan
 
-    monkeypatch.setattr(longpeft.cli, "cmd_plan", _raising(error))
+    monkeypatch.setattr(longpeft.cli.plan, "cmd_plan", _raising(error))
     assert main(["plan", "tiny-cpu"]) == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and lines[1] == "(run with --debug for the traceback)"
@@ -439,9 +439,9 @@ def test_a_user_error_is_one_line_and_debug_shows_its_traceback(error, monkeypat
 def test_a_bug_keeps_its_traceback(error, monkeypatch, capsys):
     """A KeyError (or any error longpeft did not raise as a user error) is a bug: it is not dressed as bad input,
     its traceback is printed, and a last line says so and how to report it (exit 1)."""
-    import longpeft.cli
+    import longpeft.cli.plan
 
-    monkeypatch.setattr(longpeft.cli, "cmd_plan", _raising(error))
+    monkeypatch.setattr(longpeft.cli.plan, "cmd_plan", _raising(error))
     assert main(["plan", "tiny-cpu"]) == 1
     err = capsys.readouterr().err
     assert "error:" not in err and f"{type(error).__name__}: {error}" in err
@@ -454,9 +454,9 @@ def test_the_console_prints_a_bugs_traceback(tmp_path):
     import sys
 
     code = (
-        "import sys, longpeft.cli as cli\n"
+        "import sys, longpeft.cli as cli, longpeft.cli.plan\n"
         "def broken(args): return {}['num_attention_heads']\n"
-        "cli.cmd_plan = broken\n"
+        "cli.plan.cmd_plan = broken\n"
         "sys.exit(cli.main(sys.argv[1:]))\n"
     )
     bug = subprocess.run([sys.executable, "-c", code, "plan", "tiny-cpu"], capture_output=True, text=True, timeout=120)

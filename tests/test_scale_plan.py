@@ -574,7 +574,7 @@ def test_planned_beacon_parameters_are_those_of_a_built_model(settings):
     apply_beacon(model, config.settings())
     every = sum(p.numel() for p in beacon_parameters(model).values())
     trainable = sum(p.numel() for p in trainable_beacon_parameters(model).values())
-    assert METHOD.weights.planned(config, _shape(model.config.num_hidden_layers)) == (trainable, every - trainable)
+    assert METHOD.planned_weights(config, _shape(model.config.num_hidden_layers)) == (trainable, every - trainable)
 
 
 def test_beacon_weights_count_in_every_mode_that_trains_them():

@@ -22,15 +22,8 @@ from longpeft.synth_data.builders import (
 from longpeft.synth_data.corpus import GENERAL_PROFESSIONS, TOPIC_DESCRIPTIONS, TOPICS, corpus_texts, generate_document
 from longpeft.synth_data.demo import build_demo_dataset
 from longpeft.synth_data.mix import MixConfig, mix
-from longpeft.synth_data.qa import (
-    LLMAnswerer,
-    Passage,
-    ProceduralAnswerer,
-    QAJob,
-    _count_profession,
-    _DocFacts,
-    _shared_professions,
-)
+from longpeft.synth_data.procedural_qa import _count_profession, _DocFacts, _shared_professions
+from longpeft.synth_data.qa import LLMAnswerer, Passage, ProceduralAnswerer, QAJob
 from longpeft.tiny import demo_tokenizer
 
 LENGTH = LengthConfig(min_tokens=1500, max_tokens=2000, chunk_tokens=256, qa_reserve_tokens=300)
@@ -53,10 +46,10 @@ def built(tok):
     }
     pool = procedural_cluster_pool(counter, contexts=3, docs_per_context=4, length=LENGTH, seed=0)
     plans = (
-        builder.plan_single_detail(docs["single_detail"], 3, chunks_per_context=2, questions_per_chunk=3)
-        + builder.plan_multi_detail(docs["multi_detail"], 3, questions=4)
-        + builder.plan_biography(docs["biography"], 3, characters=3)
-        + builder.plan_heterogeneous(pool, 3, questions=4)
+        builder.plan("single_detail", docs["single_detail"], contexts=3, chunks_per_context=2, questions_per_chunk=3)
+        + builder.plan("multi_detail", docs["multi_detail"], contexts=3, questions=4)
+        + builder.plan("biography", docs["biography"], contexts=3, characters=3)
+        + builder.plan("heterogeneous", pool, contexts=3, questions=4)
     )
     rows = builder.build(plans)
     documents = {d.doc_id: d for group in [*docs.values(), pool] for d in group}
@@ -301,8 +294,8 @@ def test_llm_answerer_builds_conversations_through_the_stub(tok, tmp_path, monke
         client = LLMClient(config, tmp_path / "cache", tmp_path / "rejects.jsonl", show_progress=False)
         builder = LongContextBuilder(tok, LLMAnswerer(client), LENGTH, seed=0)
         rows = builder.build(
-            builder.plan_single_detail(docs, 2, chunks_per_context=2, questions_per_chunk=2)
-            + builder.plan_biography(docs, 2, characters=2)
+            builder.plan("single_detail", docs, contexts=2, chunks_per_context=2, questions_per_chunk=2)
+            + builder.plan("biography", docs, contexts=2, characters=2)
         )
     assert Counter(r["task"] for r in rows) == {"single_detail": 2, "biography": 2}
     for row in rows:

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted, parse_json_object
+from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted
+from longpeft.synth_data.llm_output import parse_json_object
 
 from stub_server import StubServer  # tests/stub_server.py
 
@@ -442,8 +443,9 @@ def qa_request(text: str, task: str = "single_detail"):
 
 
 def test_parsers_validate_against_the_schema_and_name_the_path():
+    from longpeft.synth_data.builtin import parse_biographies
     from longpeft.synth_data.llm_client import MalformedOutput
-    from longpeft.synth_data.qa import parse_biographies, parse_qa_pairs
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     bad = {
         '{"qa_pairs": [{"question": 5}]}': r"\$\.qa_pairs\[0\]\.question: expected a string, got int 5",
@@ -474,7 +476,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
     """What goes out as response_format is the parser's schema without its length constraints: the same fields,
     types and required keys, and strict mode's additionalProperties: false on every object."""
     from longpeft.synth_data.answer_schema import BIOGRAPHIES, QA_PAIRS
-    from longpeft.synth_data.qa import TASK_SCHEMAS
+    from longpeft.synth_data.registry import TASKS
 
     def shape(schema):  # the schema with minItems/minLength dropped, written independently of the module
         return {
@@ -490,7 +492,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
         assert sent["json_schema"]["schema"] == shape(schema.schema)
         item = sent["json_schema"]["schema"]["properties"][schema.name]["items"]
         assert item["additionalProperties"] is False and set(item["required"]) == set(item["properties"])
-    assert TASK_SCHEMAS["single_detail"] is QA_PAIRS and TASK_SCHEMAS["biography"] is BIOGRAPHIES
+    assert TASKS["single_detail"].schema is QA_PAIRS and TASKS["biography"].schema is BIOGRAPHIES
     # a job's schema is its task's, bounded to the items it asks for: sent with the bounds first, without on refusal
     sent = qa_request("Some text.").schema.response_format(bounds=True)["json_schema"]["schema"]
     assert sent["properties"]["qa_pairs"]["maxItems"] == 2 and sent["properties"]["qa_pairs"]["minItems"] == 1
@@ -505,7 +507,7 @@ def test_the_schema_sent_is_the_one_the_parser_checks():
 def test_structured_auto_sends_the_schema_and_the_cache_key_holds_it(tmp_path):
     """auto against a server that enforces response_format: every request carries the schema; the same requests
     with llm.structured=off are other cache entries (asked again), and auto again is served from the cache."""
-    from longpeft.synth_data.qa import parse_qa_pairs
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     requests = [qa_request(f"Text number {i}.") for i in range(3)]
     with StubServer(structured="accept") as server:
@@ -525,7 +527,7 @@ def test_structured_auto_falls_back_once_when_refused(tmp_path, capsys):
     """A server without structured output answers 400 to response_format: the client drops the schema's item bounds
     first, then the schema, each said once, asks every request again without it, and never sends it again in this
     run; a rerun finds those answers in the cache."""
-    from longpeft.synth_data.qa import parse_qa_pairs
+    from longpeft.synth_data.registry import parse_qa_pairs
 
     requests = [
         qa_request(f"Text number {i} begins here. Its second sentence has words. A third sentence ends it.")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from longpeft.errors import ModelSourceError
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted
-from longpeft.synth_data.qa import parse_qa_pairs
+from longpeft.synth_data.registry import parse_qa_pairs
 
 from stub_server import RawSocketServer, StubServer, stub_template, stub_tokens  # tests/stub_server.py
 

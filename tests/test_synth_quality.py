@@ -15,13 +15,13 @@ from longpeft.synth_data.builders import (
     procedural_cluster_pool,
     procedural_long_documents,
 )
+from longpeft.synth_data.builtin import biography_subject
 from longpeft.synth_data.corpus import Document
 from longpeft.synth_data.qa import (
     Passage,
     ProceduralAnswerer,
     QAJob,
     QAPair,
-    biography_subject,
     job_evidence,
     job_instructions,
     job_request,
@@ -260,10 +260,20 @@ def procedural_items():
     builder = LongContextBuilder(demo_tokenizer(), ProceduralAnswerer(), length, seed=0)
     counter = builder.counter
     plans = (
-        builder.plan_single_detail(procedural_long_documents(counter, "single_detail", 3, length, 0), 3, 2, 3)
-        + builder.plan_multi_detail(procedural_long_documents(counter, "multi_detail", 3, length, 0), 3, 6)
-        + builder.plan_biography(procedural_long_documents(counter, "biography", 3, length, 0), 3, 4)
-        + builder.plan_heterogeneous(procedural_cluster_pool(counter, 3, 4, length, 0), 3, 6)
+        builder.plan(
+            "single_detail",
+            procedural_long_documents(counter, "single_detail", 3, length, 0),
+            contexts=3,
+            chunks_per_context=2,
+            questions_per_chunk=3,
+        )
+        + builder.plan(
+            "multi_detail", procedural_long_documents(counter, "multi_detail", 3, length, 0), contexts=3, questions=6
+        )
+        + builder.plan(
+            "biography", procedural_long_documents(counter, "biography", 3, length, 0), contexts=3, characters=4
+        )
+        + builder.plan("heterogeneous", procedural_cluster_pool(counter, 3, 4, length, 0), contexts=3, questions=6)
     )
     return [(j, ProceduralAnswerer().answer(j)) for plan in plans for j in plan.jobs]
 

@@ -238,9 +238,20 @@ def test_a_tied_adapter_without_its_record_of_tied_names_is_one_line(tmp_path, c
     assert line.startswith(f"adapter {adapter}: adapter_model.safetensors lacks ") and "lm_head" in line
 
 
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_train_and_plan_take_the_recipe_and_its_overrides_alike(command, capsys):
+    """The recipe and ``--set`` are declared once (``longpeft/cli/arguments.py``): both commands show its help."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "--set KEY=VALUE override a recipe key, e.g. --set train.max_steps=10 (repeatable)" in shown
+    assert "recipe recipe YAML path or bundled recipe name" in shown
+
+
 def test_validating_a_recipe_imports_no_torch():
-    """load_recipe of every bundled recipe, and plan (no --gpus) of the recipes whose methods validate without
-    torch, in a fresh process: neither torch nor transformers is imported (CONTRIBUTING.md, rules)."""
+    """load_recipe of every bundled recipe, plan (no --gpus) of the recipes whose methods validate without torch,
+    and ``longpeft --help``, in a fresh process: neither torch nor transformers is imported (CONTRIBUTING.md,
+    rules)."""
     code = (
         "import sys, io, contextlib\n"
         "from longpeft.recipes.schema import bundled_recipes, load_recipe\n"
@@ -249,11 +260,13 @@ def test_validating_a_recipe_imports_no_torch():
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    names = ('toy-extend-cpu', 'tiny-cpu', 'llama3-8b-instruct-80k-qlora')\n"
         "    codes = [main(['plan', name]) for name in names]\n"
+        "    try: main(['--help'])\n"
+        "    except SystemExit as exit: codes.append(exit.code)\n"
         "print(codes, sorted(m for m in ('torch', 'transformers', 'trl', 'peft') if m in sys.modules))\n"
     )
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
-    assert done.stdout.splitlines()[-1] == "[0, 0, 0] []", done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == "[0, 0, 0, 0] []", done.stderr[-2000:]
 
 
 def test_transformers_facts_are_read_from_its_source_as_its_objects_hold_them():

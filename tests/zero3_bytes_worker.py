@@ -88,7 +88,7 @@ def main(mode: str, base: str) -> None:
         }
     )
     os.write(sys.stdout.fileno(), (line + "\n").encode())  # one write: the ranks share the pipe
-    from longpeft.cli import exit_without_teardown
+    from longpeft.launch.teardown import exit_without_teardown
 
     exit_without_teardown()  # DeepSpeed's CPU processes abort at teardown now and then, after the bytes were written
 

@@ -22,10 +22,9 @@ from .registry import (
     LongSamples,
     Method,
     MethodConflict,
-    MethodTraining,
-    MethodWeights,
     ModelSpan,
     ResolveContext,
+    applied_methods,
     check_applicable,
     check_conflicts,
     config_of,
@@ -78,15 +77,14 @@ def apply_spec(model: nn.Module, spec: ContextSpec, training: bool = False) -> N
     methods = spec_methods(spec)
     check_conflicts(method.name for method, _ in methods)
     for method, config in methods:
-        if method.apply is not None and not (training and method.inference_only):
+        if not (training and method.inference_only):
             method.apply(model, config)
 
 
 def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
     """Load the weights that methods keep outside peft's adapter file (e.g. beacon projections)."""
     for method, config in spec_methods(spec):
-        if method.weights is not None:
-            method.weights.load(model, Path(folder), config)
+        method.load_weights(model, Path(folder), config)
 
 
 def save_method_weights(
@@ -98,15 +96,13 @@ def save_method_weights(
     as ``model.state_dict()``; the methods take their tensors from it instead of from their sharded parameters.
     """
     for method, config in spec_methods(spec):
-        if method.weights is not None:
-            method.weights.save(model, Path(folder), config, state_dict)
+        method.save_weights(model, Path(folder), config, state_dict)
 
 
 def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> None:
     """Run every method's export hook on a merged or fully fine-tuned model saved in ``folder``."""
     for method, config in spec_methods(spec):
-        if method.export is not None:
-            method.export(model, Path(folder), config)
+        method.export(model, Path(folder), config)
 
 
 __all__ = [
@@ -116,10 +112,9 @@ __all__ = [
     "LongSamples",
     "Method",
     "MethodConflict",
-    "MethodTraining",
-    "MethodWeights",
     "ModelSpan",
     "ResolveContext",
+    "applied_methods",
     "apply_spec",
     "check_applicable",
     "check_conflicts",

@@ -1,22 +1,15 @@
 """The method registry: the one table that recipes, launches, ``longpeft.load``, merge/export and model cards read.
 
-Every context-extension method has one shape (peft's tuners are the model) and one folder under
-``longpeft/adapters/<name>/`` with the same files:
-
-- ``config.py``: its config, a :class:`~longpeft.config.StrictModel` that is both its recipe section and its
-  ``longpeft.json`` section (``methods.<name>``), and pure settings logic; no torch;
-- ``modeling.py``: the torch code (what changes on a model, or in its training inputs);
-- ``export.py``, where the method exports: the files a merged model needs;
-- ``__init__.py``: ``METHOD``, the :class:`Method` naming its hooks (named functions), and the public names.
-
-A method package's ``__init__.py`` imports no torch: registering the methods and validating a recipe (its sections,
-their ``resolve``) need none. Its hooks into torch code are :func:`imported_on_call`, and its public torch names load
-on first use (:func:`torch_names`).
+Every context-extension method has one folder under ``longpeft/adapters/<name>/`` (peft's tuners are the model):
+``config.py``, its config (its recipe section and its ``longpeft.json`` section) and pure settings logic, no torch;
+``modeling.py`` (or modules named by what they hold), its torch code; ``export.py`` where it exports; and
+``__init__.py``, its :class:`Method` subclass, overriding only the hooks the method needs, with ``METHOD``, its
+instance. That ``__init__.py`` imports no torch: its hooks import their torch code when they first run
+(:func:`imported_on_call`, or an import inside the hook), its public torch names on first use (:func:`torch_names`).
 
 Adding a method is that folder and one :func:`register` line in ``longpeft/adapters/__init__.py``; every other
-module reads what it needs from the :class:`Method` fields, and never names a method. What a method cannot run
-with (another method, or a way of training: weight sharding, split sequences, Liger's kernels, unsloth, a second
-data collator) is declared in its ``conflicts`` and refused by :func:`check_conflicts` (recipes, launches) and
+module calls the :class:`Method` hooks, whose defaults do nothing, and never names a method. What a method cannot run
+with is declared in its ``conflicts`` and refused by :func:`check_conflicts` (recipes, launches) and
 :func:`check_applicable` (switching a method on over another).
 """
 
@@ -25,9 +18,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ValidationError
 
@@ -39,22 +33,23 @@ if TYPE_CHECKING:  # the registry itself needs no torch: method configs import i
     from torch import nn
 
 
-def imported_on_call(module: str, name: str) -> Callable[..., Any]:
-    """The function ``module.name`` as a method hook, imported when the hook is first called: a method's torch code
-    (``modeling.py``, ``patch.py``, ...) is named in its :class:`Method` without being imported, so registering it
-    imports no torch. The hook keeps the function's name and module (tracebacks, the contract test)."""
+def imported_on_call(module: str, name: str) -> staticmethod:
+    """The function ``module.name`` as a hook of a :class:`Method` subclass, imported when the hook is first called:
+    a method's torch code (``patch.py``, ...) is named in its class without being imported, so registering it imports
+    no torch. The hook keeps the function's name and module (tracebacks, the contract test)."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
     hook.__name__ = hook.__qualname__ = name
     hook.__module__ = module
-    return hook
+    return staticmethod(hook)
 
 
 def torch_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
     """The module ``__getattr__`` (PEP 562) of a method package whose public torch names (``names``: name -> the
-    package's submodule that defines it) are imported on first use, so that importing the package needs no torch."""
+    package's submodule that defines it) are imported on first use, so that importing the package needs no torch.
+    A package lists them once, in its ``TORCH_NAMES``, which its ``__all__`` includes."""
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
         if name in names:
@@ -79,34 +74,6 @@ class ResolveContext:
     trained_length: int | None
     target_length: int | None
     configs: dict[str, StrictModel]
-
-
-def keep_config(config: StrictModel, context: ResolveContext) -> StrictModel:
-    """The ``resolve`` of a method with nothing to derive: its config as given."""
-    return config
-
-
-@dataclass(frozen=True)
-class MethodWeights:
-    """Weights a method keeps outside peft's adapter file (Activation Beacon's projections and embedding): they train
-    while the base stays frozen, beside LoRA if any, and are written beside the adapter.
-
-    Attributes:
-        parameters: ``parameters(model) -> {name: Parameter}``, the trainable ones on a model the method is applied to.
-        save: ``save(model, folder, config, state_dict)``; ``state_dict`` is None, or the gathered weights of a model
-            sharded across processes (read them with :func:`gathered_tensors`).
-        load: ``load(model, folder, config)`` onto a model the method is applied to.
-        planned: ``planned(config, shape) -> (trainable, frozen)``, the parameter counts of these float32 weights on a
-            base of ``shape`` (a :class:`longpeft.scale.plan.ModelShape`), for ``longpeft plan``: trainable ones cost
-            weight, gradient and AdamW state, frozen ones their weight.
-        plan_lever: what to change in the method's section when these weights are a large memory term.
-    """
-
-    parameters: Callable[[Any], dict[str, Any]]
-    save: Callable[[Any, Path, Any, dict[str, Any] | None], None]
-    load: Callable[[Any, Path, Any], None]
-    planned: Callable[[Any, Any], tuple[int, int]]
-    plan_lever: str
 
 
 @dataclass(frozen=True)
@@ -142,29 +109,6 @@ class LongSamples:
     off: str
 
 
-@dataclass(frozen=True)
-class MethodTraining:
-    """What a method changes in a training run besides the model (each hook optional).
-
-    Attributes:
-        collator: ``collator(config, context: CollatorContext) -> collator``, the data collator the run trains with
-            (a method with one cannot run with another collator: ``data.utk``'s, another method's).
-        long_samples: ``long_samples(config, target_length) -> LongSamples | None`` (``target_length``: the recipe's,
-            or None), when the collator takes samples longer than the training window.
-        span: ``span(config, length, max_positions) -> int``, the positions a training input of ``length`` tokens
-            occupies (default: ``length``); Activation Beacon keeps it inside the base's range, PoSE's position ids
-            reach its target length.
-        labels: ``labels(config, labels) -> labels`` on a training batch's ``labels [batch, seq]`` (unshifted,
-            -100 = not scored): those the method leaves out of the training loss set to -100 (Activation Beacon, as
-            its authors: the first window, unless full-coverage + interleave).
-    """
-
-    collator: Callable[[Any, CollatorContext], Any] | None = None
-    long_samples: Callable[[Any, int | None], LongSamples | None] | None = None
-    span: Callable[[Any, int, int], int] | None = None
-    labels: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
-
-
 # The ways of training a method may be unable to run under, each with what to do instead. A method's ``conflicts``
 # names them (besides other methods); a check passes the ones a run uses, with the setting that asks for each.
 RUN_FEATURES = {
@@ -177,25 +121,19 @@ RUN_FEATURES = {
 COLLATOR = "collator"
 
 
-@dataclass(frozen=True)
 class Method:
-    """One context-extension method.
+    """One context-extension method. Its folder's ``__init__.py`` subclasses this, sets ``name`` and ``config``, and
+    overrides only the hooks the method needs; the others do nothing (no change to a model, no weights of its own,
+    no exported files, no card sentence, the training inputs as they are). The registry holds one instance of each.
 
-    Attributes:
+    A hook is a method, or a function of the method's folder bound as one: ``staticmethod(f)`` for pure settings
+    logic (``config.py``), :func:`imported_on_call` for torch code. It takes the base hook's arguments, in order;
+    ``config`` is always the method's resolved section (an instance of ``config``).
+
+    Class attributes:
         name: its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...).
         config: the pydantic config class (in the method's ``config.py``).
-        resolve: ``resolve(config, context) -> config`` fills derived fields when an adapter is created.
-        apply / remove / is_applied: ``apply(model, config)`` gives a built model the method, in place;
-            ``remove(model)`` undoes it exactly; ``is_applied(model)`` tells whether it is on. All three, or none for
-            a method that changes only the training inputs (PoSE).
-        describe: ``describe(config) -> list[str]`` model-card sentences.
-        export: ``export(model, folder, config)`` after a merged or full model was saved to ``folder``.
-        remote_code: an exported model needs ``trust_remote_code=True`` (a modeling file ships with it).
-        weights: the weights it keeps outside peft's adapter file (:class:`MethodWeights`), or None.
-        training: what it changes in a training run besides the model (:class:`MethodTraining`; none by default).
-        model_span: ``model_span(model, length) -> (positions, keys)`` on a model the method is applied to: the
-            positions an input of ``length`` tokens occupies and the keys one query reads at most (default:
-            ``length`` both). STRING bounds the positions; Activation Beacon both.
+        remote_code: its ``export`` writes a modeling file (an exported model needs ``trust_remote_code=True``).
         inference_only: the method changes no weight and training does not use it (STRING): recipes record it for
             ``longpeft.load``, and a merge may leave it out when asked (``--without``).
         implied: every model has it (RoPE parameters): recipes and ``longpeft.json`` always carry its section (its
@@ -203,24 +141,121 @@ class Method:
         conflicts: ``{other: why}``, what the method cannot run with: another method's name (a recipe naming both is
             refused, and so is switching one on over the other) or a key of :data:`RUN_FEATURES`. ``why`` says
             what breaks; the message adds both sides and the fix.
+        plan_lever: with weights of its own, what to change in its section when they are a large memory term.
+        padded_batches: why, with the method on, a request padded to a batch's length reads differently from the
+            request alone ('': it does not); batched evaluations of such a model take one request at a time.
     """
 
-    name: str
-    config: type[StrictModel]
-    resolve: Callable[[Any, ResolveContext], Any] = keep_config
-    apply: Callable[[Any, Any], None] | None = None
-    remove: Callable[[Any], None] | None = None
-    is_applied: Callable[[Any], bool] | None = None
-    describe: Callable[[Any], list[str]] | None = None
-    export: Callable[[Any, Path, Any], None] | None = None
-    remote_code: bool = False
-    weights: MethodWeights | None = None
-    training: MethodTraining = field(default_factory=MethodTraining)
-    model_span: Callable[[Any, int], tuple[int, int]] | None = None
-    inference_only: bool = False
-    implied: bool = False
-    conflicts: Mapping[str, str] = field(default_factory=dict)
+    name: ClassVar[str]
+    config: ClassVar[type[StrictModel]]
+    remote_code: ClassVar[bool] = False
+    inference_only: ClassVar[bool] = False
+    implied: ClassVar[bool] = False
+    conflicts: ClassVar[Mapping[str, str]] = MappingProxyType({})
+    plan_lever: ClassVar[str] = ""
+    padded_batches: ClassVar[str] = ""
 
+    # ---- its settings
+
+    def resolve(self, config: Any, context: ResolveContext) -> Any:
+        """The config with its derived fields filled, when an adapter is created (default: as given)."""
+        return config
+
+    def describe(self, config: Any) -> list[str]:
+        """Model-card sentences (default: none)."""
+        return []
+
+    # ---- on a built model: apply, remove and is_applied together, or none (a method that changes only the
+    # training inputs, as PoSE)
+
+    def apply(self, model: Any, config: Any) -> None:
+        """Give a built model the method, in place (applying again replaces the settings)."""
+
+    def remove(self, model: Any) -> None:
+        """Undo :meth:`apply` exactly."""
+
+    def is_applied(self, model: Any) -> bool:
+        """Whether the method is on ``model``."""
+        return False
+
+    def model_span(self, model: Any, length: int) -> tuple[int, int]:
+        """``(positions, keys)`` on a model the method is applied to: the positions an input of ``length`` tokens
+        occupies and the keys one query reads at most, for a method that bounds them (STRING the positions,
+        Activation Beacon both); a model's are the least its applied methods give (:func:`model_span`)."""
+        return length, length
+
+    def export(self, model: Any, folder: Path, config: Any) -> None:
+        """Write what a merged or full model saved to ``folder`` needs besides its weights (``remote_code``: a
+        modeling file)."""
+
+    # ---- weights it keeps outside peft's adapter file (Activation Beacon's projections and embedding): they train
+    # while the base stays frozen, beside LoRA if any, and are written beside the adapter. All four, with
+    # ``plan_lever``, or none.
+
+    def weight_parameters(self, model: Any) -> dict[str, Any]:
+        """``{name: Parameter}``, the trainable ones on a model the method is applied to."""
+        return {}
+
+    def save_weights(self, model: Any, folder: Path, config: Any, state_dict: dict[str, Any] | None) -> None:
+        """Write them into ``folder``; ``state_dict`` is None, or the gathered weights of a model sharded across
+        processes (read them with :func:`gathered_tensors`)."""
+
+    def load_weights(self, model: Any, folder: Path, config: Any) -> None:
+        """Load them from ``folder`` onto a model the method is applied to."""
+
+    def planned_weights(self, config: Any, shape: Any) -> tuple[int, int]:
+        """``(trainable, frozen)`` parameter counts of these float32 weights on a base of ``shape`` (a
+        :class:`longpeft.scale.plan.ModelShape`), for ``longpeft plan``: trainable ones cost weight, gradient and
+        AdamW state, frozen ones their weight."""
+        return 0, 0
+
+    # ---- what it changes in a training run besides the model
+
+    def collator(self, config: Any, context: CollatorContext) -> Any:
+        """The data collator the run trains with, or None (TRL's); a method with one cannot run with another
+        collator (``data.utk``'s, another method's)."""
+        return None
+
+    def long_samples(self, config: Any, target_length: int | None) -> LongSamples | None:
+        """The samples longer than the training window its collator takes (``target_length``: the recipe's, or
+        None), or None."""
+        return None
+
+    def training_span(self, config: Any, length: int, max_positions: int) -> int:
+        """The positions a training input of ``length`` tokens occupies, for a method that sets them (Activation Beacon
+        keeps them inside the base's range, PoSE's position ids reach its target length); a recipe's are the least
+        its methods set (``length`` when none does)."""
+        return length
+
+    def training_labels(self, config: Any, labels: torch.Tensor) -> torch.Tensor:
+        """A training batch's ``labels [batch, seq]`` (unshifted, -100 = not scored) with those the method leaves out
+        of the loss set to -100, as a new tensor (Activation Beacon, as its authors: the first window, unless
+        full-coverage + interleave)."""
+        return labels
+
+    # ---- what the registry and the call sites ask of the hooks
+
+    def overrides(self, hook: str) -> bool:
+        """Whether this method's class gives ``hook`` (a hook name) instead of the base's default."""
+        return getattr(type(self), hook) is not getattr(Method, hook)
+
+    @property
+    def changes_model(self) -> bool:
+        """Whether it changes a built model (``apply``), not only the training inputs."""
+        return self.overrides("apply")
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether it keeps weights of its own outside peft's adapter file."""
+        return self.overrides("save_weights")
+
+    def __repr__(self) -> str:
+        return f"<method {getattr(self, 'name', '?')}: {type(self).__module__}.{type(self).__qualname__}>"
+
+
+# Hooks a method gives together, or none of: a model change, its own weights.
+MODEL_HOOKS = ("apply", "remove", "is_applied")
+WEIGHT_HOOKS = ("weight_parameters", "save_weights", "load_weights", "planned_weights")
 
 METHODS: dict[str, Method] = {}
 
@@ -229,27 +264,30 @@ def register(method: Method) -> Method:
     """Add ``method`` to the registry (methods apply in registration order); returns it.
 
     Raises:
-        ValueError: another method has its name, it gives only some of ``apply``/``remove``/``is_applied`` (or
-            none, with a model_span), or a ``conflicts`` entry has no reason.
+        ValueError: it lacks a ``name`` or ``config``, another method has its name, it gives only some of
+            :data:`MODEL_HOOKS` or :data:`WEIGHT_HOOKS` (or weights without ``plan_lever``, a ``model_span`` without
+            a model change), or a ``conflicts`` entry has no reason.
     """
-    if method.name in METHODS and METHODS[method.name] is not method:
-        raise ValueError(f"a method named {method.name!r} is already registered")
-    hooks = {"apply": method.apply, "remove": method.remove, "is_applied": method.is_applied}
-    if len({hook is None for hook in hooks.values()}) > 1:
-        missing = [name for name, hook in hooks.items() if hook is None]
-        raise ValueError(
-            f"method {method.name}: give apply, remove and is_applied together (missing {missing}), or "
-            "none of them for a method that changes only the training inputs"
-        )
-    if method.apply is None and method.model_span is not None:
-        raise ValueError(
-            f"method {method.name}: model_span reads a model the method is applied to; give apply, "
-            "remove and is_applied"
-        )
+    name = getattr(method, "name", None)
+    if not isinstance(name, str) or not isinstance(getattr(method, "config", None), type):
+        raise ValueError(f"{method!r}: a Method subclass sets name (its section) and config (the section's class)")
+    if name in METHODS and METHODS[name] is not method:
+        raise ValueError(f"a method named {name!r} is already registered")
+    for group in (MODEL_HOOKS, WEIGHT_HOOKS):
+        missing = [hook for hook in group if not method.overrides(hook)]
+        if 0 < len(missing) < len(group):
+            raise ValueError(
+                f"method {name}: give {', '.join(group[:-1])} and {group[-1]} together (missing {missing}), or none "
+                "of them"
+            )
+    if method.keeps_weights and not method.plan_lever:
+        raise ValueError(f"method {name}: weights of its own need a plan_lever (what to change when they are large)")
+    if method.overrides("model_span") and not method.changes_model:
+        raise ValueError(f"method {name}: model_span reads a model the method is applied to; give {MODEL_HOOKS}")
     empty = [other for other, why in method.conflicts.items() if not why]
     if empty:
-        raise ValueError(f"method {method.name}: conflicts {empty} need a reason (what breaks)")
-    METHODS[method.name] = method
+        raise ValueError(f"method {name}: conflicts {empty} need a reason (what breaks)")
+    METHODS[name] = method
     return method
 
 
@@ -273,6 +311,11 @@ def get_method(name: str) -> Method:
     if name not in METHODS:
         raise KeyError(f"unknown longpeft method {name!r}; known methods: {', '.join(METHODS)}")
     return METHODS[name]
+
+
+def applied_methods(model: Any) -> list[Method]:
+    """The registered methods on ``model`` (their ``is_applied``), in registry order."""
+    return [method for method in METHODS.values() if method.is_applied(model)]
 
 
 # ---- conflicts: declared in the registry, checked here only ------------------------------------------------------
@@ -330,7 +373,7 @@ def find_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -
         for feature, setting in run.items():
             if feature in method.conflicts:
                 found.append(Conflict(setting, name, method.conflicts[feature], RUN_FEATURES[feature], feature))
-    collators = [name for name in names if get_method(name).training.collator is not None]
+    collators = [name for name in names if get_method(name).overrides("collator")]
     if COLLATOR in run:
         collators.insert(0, run[COLLATOR])
     for first, second in zip(collators, collators[1:]):
@@ -355,10 +398,8 @@ def check_applicable(model: Any, name: str) -> None:
     Raises:
         MethodConflict: naming the method that is on, why, and what to do.
     """
-    for other in METHODS.values():
-        if other.name == name or other.is_applied is None or not other.is_applied(model):
-            continue
-        why = pair_conflict(name, other.name)
+    for other in applied_methods(model):
+        why = other.name != name and pair_conflict(name, other.name)
         if why:
             raise MethodConflict(
                 f"this model has {other.name} on, and {name} cannot be combined with it: {why}; "
@@ -387,11 +428,7 @@ class ModelSpan:
 def model_span(model: Any, length: int) -> ModelSpan:
     """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
     methods' ``model_span`` hooks)."""
-    spans = {
-        m.name: m.model_span(model, length)
-        for m in METHODS.values()
-        if m.model_span is not None and m.is_applied(model)
-    }
+    spans = {m.name: m.model_span(model, length) for m in applied_methods(model) if m.overrides("model_span")}
     return ModelSpan(
         positions=min((p for p, _ in spans.values()), default=length),
         keys=min((k for _, k in spans.values()), default=length),

@@ -49,16 +49,18 @@ def extended_length(model_or_adapter: str | Path | None) -> int | None:
 
 
 def check_batch_size(model: Any, batch_size: int) -> None:
-    """Refuse ``batch_size > 1`` on an Activation Beacon model: lm-eval pads a batch's requests to one length
-    (generation requests on the left, which beacon refuses; scored ones on the right, where beacon would choose its
-    ratio for the padded length), so a request would not be scored as it is alone."""
-    from ..adapters.beacon import is_beacon_applied
+    """Refuse ``batch_size > 1`` on a model with a method on that reads a padded request differently from the request
+    alone (its ``padded_batches``: Activation Beacon): lm-eval pads a batch's requests to one length, so a request
+    would not be scored as it is alone."""
+    from ..adapters import applied_methods
 
-    if batch_size > 1 and is_beacon_applied(model):
+    if batch_size <= 1:
+        return
+    why = [method.padded_batches for method in applied_methods(model) if method.padded_batches]
+    if why:
         raise ConfigError(
-            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and an "
-            "Activation Beacon model reads a padded request differently from the request alone (its "
-            "windows start at the same index in every row); use --batch-size 1"
+            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and {why[0]}; use "
+            "--batch-size 1"
         )
 
 
@@ -136,7 +138,7 @@ def run_harness(
 
     Raises:
         ConfigError: lm-eval is missing, ``tasks`` is empty or names a task lm-eval does not know, or
-            ``batch_size > 1`` on an Activation Beacon model (:func:`check_batch_size`).
+            ``batch_size > 1`` on a model that reads padded requests differently (:func:`check_batch_size`).
     """
     check_batch_size(model, batch_size)
     lm_eval = import_lm_eval()

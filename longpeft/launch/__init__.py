@@ -4,6 +4,7 @@ several (:mod:`.nodes`).
 ``launch_command(recipe, name, launch, gpus, nodes=...)`` builds the ``accelerate launch`` command of a recipe;
 ``check_launch`` refuses combinations known not to work, saying why and what to use instead;
 ``check_sequence_parallel_group`` refuses a Ulysses group that cannot split the model's attention heads.
+:mod:`.start` starts ``longpeft train --launch`` with them; :mod:`.teardown` ends a launched DeepSpeed CPU process.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def check_launch(recipe: Any, launch: str) -> None:
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
         from ..adapters import METHODS
 
-        weighted = [name for name in recipe.method_configs() if METHODS[name].weights is not None]
+        weighted = [name for name in recipe.method_configs() if METHODS[name].keeps_weights]
         if weighted:
             raise ConfigError(
                 f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "

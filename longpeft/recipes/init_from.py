@@ -50,7 +50,7 @@ def adapter_folder(location: str) -> Path:
 
 
 def _weighted_methods(spec: ContextSpec) -> set[str]:
-    return {method.name for method, _ in spec_methods(spec) if method.weights is not None}
+    return {method.name for method, _ in spec_methods(spec) if method.keeps_weights}
 
 
 def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dict[str, list[Any]]]:

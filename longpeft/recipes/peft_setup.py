@@ -126,8 +126,7 @@ def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
     """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
     parameters: dict[str, Any] = {}
     for name in recipe.method_configs():
-        if METHODS[name].weights is not None:
-            parameters.update(METHODS[name].weights.parameters(model))
+        parameters.update(METHODS[name].weight_parameters(model))
     return parameters
 
 

@@ -482,7 +482,7 @@ class RecipeBase(Section):
                 f"finetune: {self.finetune} cannot train over a 4-bit model (transformers' Trainer "
                 "refuses a quantized model without LoRA); use finetune: lora (QLoRA)"
             )
-        if self.finetune == "method" and all(METHODS[name].weights is None for name in configs):
+        if self.finetune == "method" and not any(METHODS[name].keeps_weights for name in configs):
             raise ValueError(
                 "finetune: method trains the methods' own weights, and this recipe's "
                 f"{' + '.join(configs)} has none; use finetune: lora or full"
@@ -504,12 +504,11 @@ class RecipeBase(Section):
 
     def long_samples(self) -> LongSamples | None:
         """The samples longer than ``data.max_length`` that a method's collator takes (PoSE's content skip), or
-        None: its ``training.long_samples`` hook."""
+        None: its ``long_samples`` hook."""
         from ..adapters import METHODS
 
         for name, config in self.method_configs().items():
-            hook = METHODS[name].training.long_samples
-            samples = hook(config, self.target_length) if hook is not None else None
+            samples = METHODS[name].long_samples(config, self.target_length)
             if samples is not None:
                 return samples
         return None

@@ -126,7 +126,7 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
     """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; else the collator of the
-    method that brings one (its ``training.collator``: PoSE's skip-wise position ids); else None (TRL's). The
+    method that brings one (its ``collator``: PoSE's skip-wise position ids); else None (TRL's). The
     recipe's validation refuses two of them (``registry.find_conflicts``)."""
     utk = recipe.data.utk
     if utk is not None:
@@ -142,14 +142,12 @@ def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokeni
     context = CollatorContext(
         pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length, seed=recipe.train.seed
     )
-    for method, config in spec_methods(spec):
-        if method.training.collator is not None:
-            return method.training.collator(config, context)
-    return None
+    collators = (method.collator(config, context) for method, config in spec_methods(spec))
+    return next((collator for collator in collators if collator is not None), None)
 
 
 class MethodTrainingLabels:
-    """A data collator's batches with each method's ``training.labels`` rule applied to their labels (Activation
+    """A data collator's batches with each method's ``training_labels`` rule applied to their labels (Activation
     Beacon leaves the first window out of the training loss with some layouts, as its authors do)."""
 
     def __init__(self, collator: Any, rules: list[tuple[Any, Any]]) -> None:
@@ -164,7 +162,7 @@ class MethodTrainingLabels:
     def apply(self, labels: torch.Tensor) -> torch.Tensor:
         """``labels [batch, seq]`` after every rule."""
         for method, config in self.rules:
-            labels = method.training.labels(config, labels)
+            labels = method.training_labels(config, labels)
         return labels
 
     def changes_labels(self, length: int) -> bool:
@@ -176,14 +174,14 @@ class MethodTrainingLabels:
 
 def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
     """Wrap ``trainer.data_collator`` (the recipe's, or the one TRL built) in :class:`MethodTrainingLabels` when a
-    method of ``spec`` has a ``training.labels`` rule."""
-    rules = [(method, config) for method, config in spec_methods(spec) if method.training.labels is not None]
+    method of ``spec`` has a ``training_labels`` rule."""
+    rules = [(method, config) for method, config in spec_methods(spec) if method.overrides("training_labels")]
     if rules:
         trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
 
 
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
-    """Drop the samples a method's ``training.labels`` rule leaves without a scored target (Activation Beacon's
+    """Drop the samples a method's ``training_labels`` rule leaves without a scored target (Activation Beacon's
     first window can hold a short sample's every answer), count them and those TRL's own preparation dropped (with
     ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
     when none is left to train on."""
@@ -291,7 +289,7 @@ def build_trainer(
     ``output_dir/metrics.jsonl``, the rotary frequencies stay float32, then come ``callbacks``. Refuses a
     distributed setup the recipe cannot run under, then copies in the weights of the stage the run starts from
     (``start``: ``model.init_from``)."""
-    own_weights = any(method.weights is not None for method, _ in spec_methods(spec))  # kept by its checkpoints
+    own_weights = any(method.keeps_weights for method, _ in spec_methods(spec))  # kept by its checkpoints
     trainer = recipe_trainer_class()(
         model=model,
         args=args,

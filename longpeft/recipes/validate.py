@@ -193,7 +193,7 @@ def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
         bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
-        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.training.span is not None)
+        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.overrides("training_span"))
         how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
         problems.append(
             f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
@@ -212,9 +212,9 @@ def positions_spanned(spec: ContextSpec, length: int) -> int:
     """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``, unless a method
     keeps positions bounded, as Activation Beacon does)."""
     spans = [
-        method.training.span(config, length, spec.max_position_embeddings)
+        method.training_span(config, length, spec.max_position_embeddings)
         for method, config in spec_methods(spec)
-        if method.training.span is not None
+        if method.overrides("training_span")
     ]
     return min(spans, default=length)
 

@@ -4,7 +4,7 @@ Memory terms, in bytes per GPU (``--launch ddp``, the default on several GPUs: a
 
 - base weights: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantization constants, everything else
   in the compute dtype; or the whole model in the compute dtype;
-- LoRA, a trainable embedding, a method's own weights (its ``weights.planned`` hook), or a full fine-tune's
+- LoRA, a trainable embedding, a method's own weights (its ``planned_weights`` hook), or a full fine-tune's
   weights: each trained parameter with its gradient and AdamW's two moments (:meth:`RunLayout.with_state`);
 - activations (:func:`activation_terms`): checkpointed layer inputs, kept attention outputs, layers not
   checkpointed, one layer's recompute (a tiled MLP holds one tile), or every layer's activations without
@@ -443,18 +443,18 @@ def full_finetune_terms(shape: ModelShape, run: RunLayout, trained: TrainedWeigh
 
 
 def method_weight_terms(recipe: Any, shape: ModelShape, trained: TrainedWeights) -> dict[str, int]:
-    """Each method's own weights (its ``weights.planned`` hook), which train in every mode: float32, with AdamW
+    """Each method's own weights (its ``planned_weights`` hook), which train in every mode: float32, with AdamW
     state on the trainable ones; counts them into ``trained``, with the method's lever."""
     terms = {}
     for name, config in recipe.method_configs().items():
-        weights = get_method(name).weights
-        if weights is not None:
-            method_trainable, method_frozen = weights.planned(config, shape)
+        method = get_method(name)
+        if method.keeps_weights:
+            method_trainable, method_frozen = method.planned_weights(config, shape)
             terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4
             trained.method_params += method_trainable + method_frozen
             trained.params += method_trainable
             trained.matmul_params += method_trainable
-            trained.levers[f"{name} weights"] = weights.plan_lever
+            trained.levers[f"{name} weights"] = method.plan_lever
     return terms
 
 

@@ -5,8 +5,9 @@
 - :mod:`.llm_client`: cached, retried, concurrent client for OpenAI-compatible endpoints, with its parts
   :mod:`.llm_request` (settings, request, result), :mod:`.llm_output` (parse errors), :mod:`.llm_http` (one
   call and its retries), :mod:`.llm_cache` (the response cache) and :mod:`.llm_rejects` (the rejects file);
-- :mod:`.qa` and :mod:`.builders`: single-detail, multi-detail (homogeneous and heterogeneous) and
-  biography conversations, answered by an LLM or exactly from procedural facts;
+- :mod:`.registry`: the synth tasks, one record each (the built-in ones, :mod:`.builtin`: single-detail,
+  multi-detail (homogeneous and heterogeneous) and biography conversations); :mod:`.builders` plans and assembles
+  their conversations, and :mod:`.qa` answers them by an LLM or exactly from procedural facts;
 - :mod:`.quality`: the quality gates every LLM-written item passes before its row is written;
 - :mod:`.mix`, :mod:`.report`, :mod:`.pipeline`: mixing with plain text and instructions, outputs,
   and the whole `longpeft synth` run;
@@ -23,6 +24,9 @@ from __future__ import annotations
 
 import importlib
 from typing import Any
+
+from . import builtin  # noqa: F401  (registers the built-in tasks)
+from .registry import TASKS, SynthTask, TaskConfig, get_task, register, registered, unregister
 
 # Public name -> submodule. Imported on first use, so that e.g. the LLM client or the corpus can be
 # used without loading transformers/datasets/scikit-learn.
@@ -46,19 +50,19 @@ _EXPORTS = {
     "mix": "mix",
     "SynthConfig": "pipeline",
     "synthesize": "pipeline",
-    "SYNTH_TASKS": "qa",
     "LLMAnswerer": "qa",
     "ProceduralAnswerer": "qa",
     "QualityConfig": "quality",
     "QualityGates": "quality",
-    "QAJob": "qa",
-    "QAPair": "qa",
+    "QAJob": "registry",
+    "QAPair": "registry",
     "UtkAugmenter": "utk",
     "UtkTokens": "utk",
     "add_utk_tokens": "utk",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["TASKS", "SynthTask", "TaskConfig", "get_task", "register", "registered", "unregister"]
+__all__ += list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

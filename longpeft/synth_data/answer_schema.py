@@ -1,9 +1,9 @@
 """The JSON every LLM-built output must be: one JSON-schema definition per output, used twice.
 
 The same :class:`OutputSchema` is sent to the endpoint as ``response_format`` (structured output,
-``llm.structured``) and checked by the parser of the answer (:func:`.qa.parse_qa_pairs`,
-:func:`.qa.parse_biographies`), so what the server is asked to produce and what the parser accepts
-cannot drift apart.
+``llm.structured``) and checked by the parser of the answer (:meth:`OutputSchema.parse`, which the tasks' parsers
+use: :func:`.builtin.parse_qa_pairs`, :func:`.builtin.parse_biographies`), so what the server is asked to produce
+and what the parser accepts cannot drift apart.
 
 Schemas use a small subset of JSON Schema: ``type`` (object, array, string), ``properties``,
 ``required``, ``additionalProperties: false``, ``items``, ``minItems``, ``maxItems`` and ``minLength``. Three
@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .llm_output import MalformedOutput
+from .llm_output import MalformedOutput, parse_json_object
 from .llm_request import ITEM_BOUNDS  # sent where the endpoint accepts them (response_format(bounds=True))
 
 # Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
@@ -69,6 +69,13 @@ class OutputSchema:
         """This schema with its list (the one property, :attr:`name`) holding at most ``max_items`` items."""
         listed = {**self.schema["properties"][self.name], "maxItems": max_items}
         return OutputSchema(self.name, {**self.schema, "properties": {**self.schema["properties"], self.name: listed}})
+
+    def parse(self, text: str) -> list[Any]:
+        """The list under :attr:`name` of the JSON answer ``text``, validated against this schema;
+        :class:`MalformedOutput` names the first path that breaks it."""
+        value = parse_json_object(text)
+        self.validate(value)
+        return value[self.name]
 
     def validate(self, value: Any) -> None:
         """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks

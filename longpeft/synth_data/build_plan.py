@@ -122,18 +122,14 @@ class BuildPlan:
                 f"skipped while planning ({task}): " + ", ".join(f"{n} {reason}" for reason, n in reasons.items())
             )
         limits = self.time_limits(output_tokens_per_second, tokens_per_minute, requests_per_minute)
-        given = {
+        assumed = (
+            " (assumed; --output-tokens-per-second)" if output_tokens_per_second == OUTPUT_TOKENS_PER_SECOND else ""
+        )
+        given = {  # of the limits given
             "concurrency": f"{self.concurrency} requests in flight, each decoding {output_tokens_per_second:g} "
-            "output tokens/s"
-            + (
-                ""
-                if output_tokens_per_second != OUTPUT_TOKENS_PER_SECOND
-                else " (assumed; --output-tokens-per-second)"
-            ),
-            "tokens per minute": f"{tokens_per_minute:,.0f} tokens/min (input and output)"
-            if tokens_per_minute
-            else "",
-            "requests per minute": f"{requests_per_minute:,.0f} requests/min" if requests_per_minute else "",
+            f"output tokens/s{assumed}",
+            "tokens per minute": f"{tokens_per_minute or 0:,.0f} tokens/min (input and output)",
+            "requests per minute": f"{requests_per_minute or 0:,.0f} requests/min",
         }
         slowest = max(limits, key=limits.get)
         for limit, seconds in limits.items():
@@ -161,7 +157,6 @@ def plan_build(
             build loads it); it does not count the prompts.
         output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
     """
-    from .builders import LongContextBuilder
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
@@ -180,15 +175,7 @@ def plan_build(
         )
     files = read_inputs(config).documents  # every input file checked as the run checks it
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
-    builder = LongContextBuilder(
-        tokenizer,
-        ProceduralAnswerer(),
-        config.length,
-        config.context_template,
-        config.seed,
-        show_progress=config.progress,
-    )  # the answerer is never asked: planning only
-    plans = plan_contexts(config, builder, files)
+    builder, plans = plan_contexts(config, tokenizer, ProceduralAnswerer(), files)  # planning only: never asked
     cache = ResponseCache(Path(out_dir) / CACHE_DIR)
     llm, sampling = config.llm, sampling_params(config.llm)
     counter = prompt_counter(llm, os.environ.get(llm.api_key_env), min(llm.timeout, 10.0))

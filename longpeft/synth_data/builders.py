@@ -1,14 +1,10 @@
-"""Long-context conversation builders (the data recipe of "Extending Llama-3's Context Ten-Fold Overnight").
+"""Long-context conversation builders: the machinery every synth task plans and assembles with (the tasks
+themselves, and how each plans its contexts, are records of :mod:`.registry`; the built-in ones: :mod:`.builtin`).
 
-Four tasks, each turning long contexts into multi-turn conversations in ``messages`` format: the long
-context sits in the first user turn, followed by the first question; every further QA pair about the
-same context is one more user/assistant turn of the same conversation.
-
-- ``single_detail``: QA about <= ``chunk_tokens``-token chunks sliced from a long context;
-- ``multi_detail``: questions aggregating several places of one long, coherent document;
-- ``heterogeneous``: texts of one cluster (TF-IDF + k-means over the corpus) packed into one context,
-  questions on their similarities and differences;
-- ``biography``: one biography per main character of a book.
+A :class:`LongContextBuilder` plans contexts and their QA jobs (:meth:`~LongContextBuilder.plan`, through the task's
+planner), asks a :class:`~.registry.QAGenerator` for the QA, and assembles conversations in ``messages`` format: the
+long context sits in the first user turn, followed by the first question; every further QA pair about the same
+context is one more user/assistant turn of the same conversation.
 
 Lengths are measured with the training tokenizer and its chat template: every conversation a builder
 returns has between ``min_tokens`` and ``max_tokens`` tokens.
@@ -21,19 +17,21 @@ import math
 import random
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from ..config import StrictModel
 from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
-from .qa import SYNTH_TASKS, Passage, QAGenerator, QAJob, QAPair, numbered_documents
+from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
 from .tokens import require_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_CONTEXT_TEMPLATE = "Read the following text and answer the questions after it.\n\n{context}\n\n{question}"
 
@@ -122,13 +120,13 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
     return best
 
 
-def _sentence_end_after(text: str, position: int, window: int = 600) -> int:
+def sentence_end_after(text: str, position: int, window: int = 600) -> int:
     """First sentence end at or after ``position`` (within ``window`` chars), else ``position``."""
     match = _SENTENCE_END.search(text, position, min(len(text), position + window))
     return match.end() if match else position
 
 
-def _sentence_end_before(text: str, position: int, floor: int) -> int:
+def sentence_end_before(text: str, position: int, floor: int) -> int:
     """Last sentence end in ``(floor, position]``, else ``position``."""
     last = None
     for match in _SENTENCE_END.finditer(text, floor, position):
@@ -167,7 +165,8 @@ class BuildReport:
 
 
 class LongContextBuilder:
-    """Plans contexts, asks a :class:`~.qa.QAGenerator` for QA, and assembles conversations.
+    """Plans contexts (each task by its planner), asks a :class:`~.registry.QAGenerator` for QA, and assembles
+    conversations.
 
     Args:
         tokenizer: the training tokenizer (fast); lengths are measured with its chat template.
@@ -199,15 +198,34 @@ class LongContextBuilder:
 
     # ---- planning -----------------------------------------------------------------------------
 
-    def _rng(self, task: str, salt: int = 0) -> random.Random:
+    def plan(self, task: str, documents: Sequence[Document] | None = None, **settings: Any) -> list[ContextPlan]:
+        """The contexts and QA jobs of the registered ``task`` (no QA is generated yet), with ``settings``: fields of
+        its config section (``contexts``: conversations to build, and its own); from ``documents``, or from
+        procedural documents generated here when they are None."""
+        record = get_task(task)
+        section = record.config(**settings)
+        self.report.requested[record.name] += section.contexts
+        return record.plan(self, record.name, section, documents)
+
+    def rng(self, task: str, salt: int = 0) -> random.Random:
+        """The random choices of ``task``'s planning (seeded by the builder's seed)."""
         return random.Random(f"{self.seed}/{task}/{salt}")
 
-    def _context_target(self, rng: random.Random) -> int:
+    def context_target(self, rng: random.Random) -> int:
+        """A context length in tokens, drawn in :meth:`LengthConfig.context_budget`."""
         return rng.randint(*self.length.context_budget())
 
-    def _long_contexts(self, task: str, documents: Sequence[Document], count: int):
-        """Yield (document, context passage, token offsets inside it) for up to ``count`` documents."""
-        rng = self._rng(task)
+    def long_contexts(
+        self, task: str, documents: Sequence[Document] | None, count: int
+    ) -> Iterator[tuple[Document, Passage, list[tuple[int, int]], random.Random]]:
+        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents,
+        taken in a random order, each giving one context at most: of ``documents``, or of ``count`` procedural ones
+        generated for ``task`` when they are None (:func:`procedural_long_documents`)."""
+        if documents is None:
+            documents = procedural_long_documents(
+                self.counter, task, count, self.length, self.seed, self.show_progress
+            )
+        rng = self.rng(task)
         order = list(range(len(documents)))
         rng.shuffle(order)
         produced = 0
@@ -216,119 +234,16 @@ class LongContextBuilder:
                 break
             document = documents[index]
             offsets = self.counter.offsets(document.text)
-            target = self._context_target(rng)
+            target = self.context_target(rng)
             if len(offsets) < self.length.min_tokens:
                 self.report.skip(task, "document_too_short")
                 continue
             end = len(document.text)
             if len(offsets) > target:
-                end = _sentence_end_after(document.text, offsets[target - 1][1])
+                end = sentence_end_after(document.text, offsets[target - 1][1])
             inside = [span for span in offsets if span[1] <= end]
             produced += 1
             yield document, Passage(document, 0, end), inside, rng
-
-    def plan_single_detail(
-        self, documents: Sequence[Document], contexts: int, chunks_per_context: int = 2, questions_per_chunk: int = 3
-    ) -> list[ContextPlan]:
-        """QA about ``chunks_per_context`` chunks (<= ``chunk_tokens``) spread over each context."""
-        plans = []
-        for document, context, offsets, rng in self._long_contexts("single_detail", documents, contexts):
-            region = len(offsets) // chunks_per_context
-            if region < 1:
-                self.report.skip("single_detail", "context_shorter_than_chunk_count")
-                continue
-            jobs, spans = [], []
-            for c in range(chunks_per_context):
-                width = min(self.length.chunk_tokens, region)
-                first = c * region + rng.randint(0, region - width)
-                start, end = offsets[first][0], offsets[first + width - 1][1]
-                if first > 0:  # start after a sentence end, end on one: chunks hold whole sentences
-                    snapped = _sentence_end_after(document.text, start)
-                    start = snapped if snapped < end else start
-                end = _sentence_end_before(document.text, end, start)
-                while start < end and document.text[start].isspace():
-                    start += 1
-                spans.append([start, end])
-                jobs.append(
-                    QAJob(
-                        "single_detail",
-                        [Passage(document, start, end)],
-                        questions_per_chunk,
-                        seed=rng.randrange(2**31),
-                    )
-                )
-            plans.append(ContextPlan("single_detail", [context], jobs, context.text, {"chunks": spans}))
-        self.report.requested["single_detail"] += contexts
-        return plans
-
-    def plan_multi_detail(self, documents: Sequence[Document], contexts: int, questions: int = 5) -> list[ContextPlan]:
-        """Questions that aggregate details from several places of one long document."""
-        plans = [
-            ContextPlan(
-                "multi_detail",
-                [context],
-                [QAJob("multi_detail", [context], questions, rng.randrange(2**31))],
-                context.text,
-            )
-            for _, context, _, rng in self._long_contexts("multi_detail", documents, contexts)
-        ]
-        self.report.requested["multi_detail"] += contexts
-        return plans
-
-    def plan_biography(self, documents: Sequence[Document], contexts: int, characters: int = 3) -> list[ContextPlan]:
-        """One "write a biography of X" turn per main character of each book."""
-        plans = [
-            ContextPlan(
-                "biography", [context], [QAJob("biography", [context], characters, rng.randrange(2**31))], context.text
-            )
-            for _, context, _, rng in self._long_contexts("biography", documents, contexts)
-        ]
-        self.report.requested["biography"] += contexts
-        return plans
-
-    def plan_heterogeneous(
-        self, documents: Sequence[Document], contexts: int, questions: int = 5, n_clusters: int | None = None
-    ) -> list[ContextPlan]:
-        """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context.
-
-        ``n_clusters`` defaults to about 1.25 contexts' worth of documents per cluster.
-        """
-        self.report.requested["heterogeneous"] += contexts
-        rng = self._rng("heterogeneous")
-        budget_min, budget_max = self.length.context_budget()
-        sizes = [self.counter.count(d.text) for d in documents]
-        usable = [i for i, n in enumerate(sizes) if n <= budget_max // 2]
-        if len(documents) - len(usable):
-            self.report.skip("heterogeneous", "document_too_long_to_pair", len(documents) - len(usable))
-        if len(usable) < 2:
-            self.report.skip("heterogeneous", "too_few_documents", contexts)
-            return []
-        if n_clusters is None:  # default: clusters of about 1.25 contexts' worth of documents
-            median = sorted(sizes[i] for i in usable)[len(usable) // 2]
-            per_context = max(2.0, (budget_min + budget_max) / 2 / max(median, 1))
-            n_clusters = max(1, round(len(usable) / (1.25 * per_context)))
-        k = n_clusters
-        clusters = cluster_documents([documents[i] for i in usable], min(k, len(usable)), seed=self.seed)
-        plans: list[ContextPlan] = []
-        queues = [[usable[i] for i in cluster] for cluster in clusters]
-        for queue in queues:
-            rng.shuffle(queue)
-        packed_any = True
-        while len(plans) < contexts and packed_any:
-            packed_any = False
-            for queue in queues:
-                if len(plans) == contexts:
-                    break
-                picked = _pack(queue, sizes, self._context_target(rng), budget_min, budget_max)
-                if picked is None:
-                    continue
-                packed_any = True
-                passages = [Passage(documents[i], 0, len(documents[i].text)) for i in picked]
-                job = QAJob("heterogeneous", passages, questions, rng.randrange(2**31))
-                plans.append(ContextPlan("heterogeneous", passages, [job], numbered_documents(passages)))
-        if len(plans) < contexts:
-            self.report.skip("heterogeneous", "clusters_exhausted", contexts - len(plans))
-        return plans
 
     # ---- generation and assembly --------------------------------------------------------------
 
@@ -386,24 +301,21 @@ class LongContextBuilder:
         return messages
 
 
-def _pack(queue: list[int], sizes: Sequence[int], target: int, low: int, high: int) -> list[int] | None:
-    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``.
+def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:
+    """A task's planner (:attr:`.registry.SynthTask.plan`): one context per long document, and one job about all
+    of it asking for ``settings.<count>`` items (``"questions"``: multi-detail QA, ``"characters"``: biographies)."""
 
-    Removes and returns the picked indices when they are at least two and reach ``low`` tokens;
-    otherwise leaves the queue alone and returns None.
-    """
-    picked, total = [], 0
-    for index in queue:
-        if total >= target:
-            break
-        if total + sizes[index] <= high:
-            picked.append(index)
-            total += sizes[index]
-    if total < low or len(picked) < 2:
-        return None
-    for index in picked:
-        queue.remove(index)
-    return picked
+    def plan(
+        builder: LongContextBuilder, name: str, settings: Any, documents: Sequence[Document] | None
+    ) -> list[ContextPlan]:
+        return [
+            ContextPlan(
+                name, [context], [QAJob(name, [context], getattr(settings, count), rng.randrange(2**31))], context.text
+            )
+            for _, context, _, rng in builder.long_contexts(name, documents, settings.contexts)
+        ]
+
+    return plan
 
 
 def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int = 0) -> list[list[int]]:
@@ -434,12 +346,9 @@ def procedural_long_documents(
     progress: bool = False,
     **options: Any,
 ) -> list[Document]:
-    """``count`` procedural documents long enough for any context length of ``length``.
-
-    Biographies use chronicles (``story``) with several main characters.
-    """
-    if task == "biography":
-        options = {"kind": "story", "n_characters": 5, **options}
+    """``count`` procedural documents long enough for any context length of ``length``, of the kind ``task`` asks
+    for (its record's ``documents``: the biographies' are chronicles with several main characters)."""
+    options = {**get_task(task).documents, **options}
     rng = random.Random(f"{seed}/{task}/documents")
     return [
         procedural_document(
@@ -481,8 +390,8 @@ def procedural_cluster_pool(
 
 
 def task_counts(rows: Sequence[dict[str, Any]]) -> dict[str, int]:
-    """Conversations per task, in :data:`~.qa.SYNTH_TASKS` order first."""
+    """Conversations per task, in the registry's order first."""
     counts = Counter(row["task"] for row in rows)
-    ordered = {task: counts[task] for task in SYNTH_TASKS if task in counts}
+    ordered = {task: counts[task] for task in TASKS if task in counts}
     ordered.update({task: n for task, n in counts.items() if task not in ordered})
     return ordered

@@ -26,7 +26,6 @@ stop the check with one line naming the server, what was awaited and a quote of 
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -46,8 +45,9 @@ from .llm_http import (
     server_reason,
 )
 from .llm_output import MalformedOutput
-from .llm_request import LLMConfig, LLMRunAborted, sampling_params, structured_params
-from .qa import Passage, QAJob, job_request, parse_qa_pairs
+from .llm_request import LLMConfig, LLMRunAborted, read_api_key, sampling_params, structured_params
+from .qa import Passage, QAJob, job_request
+from .registry import get_task
 from .structured_output import judge_answer
 
 CHECK_TEXT = (
@@ -69,6 +69,7 @@ PROBE_SCHEMA = OutputSchema(
     },
 )
 PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
+CHECK_TASK = "single_detail"  # the task of the QA request checked: one question over CHECK_TEXT
 
 
 @dataclass
@@ -130,24 +131,13 @@ class EndpointCheck:
             f"structured  {self._structured_line()}",
             f"answer      {self._answer_line()}",
         ]
+        own = config.context_tokens is not None  # llm.context_tokens set: the server's figure is not used
         if info.context_tokens is not None:
-            lines.append(
-                f"context     {info.context_tokens} tokens ({info.context_source})"
-                + (
-                    f"; llm.context_tokens={config.context_tokens} is used instead"
-                    if config.context_tokens is not None
-                    else ""
-                )
-            )
+            used = f"; llm.context_tokens={config.context_tokens} is used instead" if own else ""
+            lines.append(f"context     {info.context_tokens} tokens ({info.context_source}){used}")
         else:
-            lines.append(
-                "context     not reported"
-                + (
-                    ""
-                    if config.context_tokens is not None
-                    else ": set llm.context_tokens to refuse longer prompts before sending"
-                )
-            )
+            advice = "" if own else ": set llm.context_tokens to refuse longer prompts before sending"
+            lines.append(f"context     not reported{advice}")
         if info.slots is not None:
             advice = (
                 f"; llm.max_concurrency is {config.max_concurrency}: set it to {info.slots}, or raise "
@@ -164,17 +154,14 @@ class EndpointCheck:
 
     def _structured_line(self) -> str:
         kind, mode = self.structured_sent, self.config.structured
+        stops = f"llm.structured={mode} would stop the run: set auto or off"
         if kind is None:
             return (
                 "not asked: llm.structured=off sends no response_format (the prompt states the JSON contract and the "
                 "parser checks the schema)"
             )
         if self.structured_refusal is not None:
-            then = (
-                "llm.structured=auto falls back to the prompt's JSON contract"
-                if mode == "auto"
-                else f"llm.structured={mode} would stop the run: set auto or off"
-            )
+            then = "llm.structured=auto falls back to the prompt's JSON contract" if mode == "auto" else stops
             return f"no: {kind} refused ({self.structured_refusal}); {then}"
         probe = "a one-field schema" if kind == "json_schema" else "json_object"
         if self.bounds_refusal is not None:
@@ -184,12 +171,10 @@ class EndpointCheck:
                 f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
             )
         if self.enforced is False:
-            then = (
-                "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON "
-                "contract only"
-                if mode == "auto"
-                else f"llm.structured={mode} would stop the run: set auto or off"
+            auto = (
+                "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON contract"
             )
+            then = f"{auto} only" if mode == "auto" else stops
             return (
                 f"no: {kind} ignored (HTTP 200, but asked for a plain word under {probe}, the server answered "
                 f"{self.probe_answer}, not JSON of that shape); {then}"
@@ -200,11 +185,8 @@ class EndpointCheck:
         )
 
     def _answer_line(self) -> str:
-        cut = (
-            f" (cut at {self._max_tokens()} tokens: finish_reason length)"
-            if self.answer.finish_reason == "length"
-            else ""
-        )
+        cut_off = self.answer.finish_reason == "length"
+        cut = f" (cut at {self._max_tokens()} tokens: finish_reason length)" if cut_off else ""
         if self.parse_error is not None:
             return f"fails the builders' parser: {self.parse_error}{cut}"
         if self.answer_follows is False:
@@ -215,15 +197,93 @@ class EndpointCheck:
         return "passes the builders' parser" + (" and is bare JSON of the schema sent" if self.answer_follows else "")
 
 
-class _Deadline:
-    """Seconds left of the check's deadline."""
+class _Session:
+    """The check's requests to one endpoint: each within what is left of one deadline, announced by ``say``."""
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
+    def __init__(self, config: LLMConfig, api_key: str, say: Callable[[str], None]):
+        self.config, self.api_key, self.say = config, api_key, say
+        self.seconds = config.check_timeout
+        self.end = time.monotonic() + self.seconds
 
     def left(self) -> float:
+        """Seconds left of the deadline."""
         return max(self.end - time.monotonic(), 0.0)
+
+    def post(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> tuple[HttpAnswer, float]:
+        """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
+        config = self.config
+        url = config.base_url.rstrip("/") + "/chat/completions"
+        left = self.left()
+        if left <= 0:
+            raise LLMRunAborted(
+                f"{config.base_url}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more "
+                "time with --check-timeout"
+            )
+        self.say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
+        start = time.monotonic()
+        try:
+            answer = http_json(url, {"model": config.model, "messages": messages, **params}, self.api_key, left)
+        except NoHttpAnswer as error:
+            if error.kind == "timeout":
+                raise LLMRunAborted(
+                    f"{config.base_url} did not answer {what} within the check's deadline ({self.seconds:g} s): "
+                    "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
+                    "more time with --check-timeout"
+                ) from None
+            if error.kind == "unreachable":
+                raise LLMRunAborted(
+                    f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
+                ) from None
+            raise LLMRunAborted(
+                f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
+                "OpenAI-compatible server, ending in /v1)"
+            ) from None
+        return answer, time.monotonic() - start
+
+    def ask(
+        self, messages: list[dict[str, str]], params: dict[str, Any], what: str
+    ) -> tuple[Completion, float, str | None]:
+        """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
+        ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
+        config = self.config
+        answer, latency = self.post(messages, params, what)
+        if answer.status_code != 200:
+            if "response_format" in params and refuses_structured_output(answer):
+                return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
+            raise LLMRunAborted(
+                f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
+                f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
+            )
+        try:
+            return read_completion(answer.raw), latency, None
+        except NotACompletion as error:
+            raise LLMRunAborted(
+                f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
+                "llm.base_url (it ends in /v1)"
+            ) from None
+
+    def probe(self, kind: str) -> tuple[bool | None, str]:
+        """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote
+        of the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
+        response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
+        params = {
+            "temperature": self.config.temperature,
+            "max_tokens": PROBE_MAX_TOKENS,
+            "response_format": response_format,
+        }
+        answer, _ = self.post(
+            PROBE_MESSAGES, params, f"the structured-output probe (a plain word asked for, under {kind})"
+        )
+        if answer.status_code != 200:
+            return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
+        try:
+            probe = read_completion(answer.raw)
+        except NotACompletion as error:
+            return None, str(error)
+        if not probe.text.strip():
+            return None, "an empty answer"
+        cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
+        return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut
 
 
 def _say_on_stderr(line: str) -> None:
@@ -235,71 +295,40 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     a missing key, an endpoint that does not answer in time or answers something else than a chat completion, and a
     refused request raise :class:`~.llm_request.LLMRunAborted` naming the server, a quote of its answer and the
     fix."""
-    api_key = os.environ.get(config.api_key_env)
-    if not api_key:
-        raise LLMRunAborted(
-            f"environment variable {config.api_key_env} is not set; export your API key there "
-            "(any non-empty value for a local server without authentication)"
-        )
-    deadline = _Deadline(config.check_timeout)
-    lookup = min(LOOKUP_TIMEOUT, deadline.left() / 3)  # two lookups leave a third of the deadline to the requests
+    api_key = read_api_key(config)
+    session = _Session(config, api_key, say)
+    lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
     say(
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
-        f"{lookup:.3g} s each at most; the whole check {deadline.seconds:g} s at most)"
+        f"{lookup:.3g} s each at most; the whole check {session.seconds:g} s at most)"
     )
     info = discover(config.base_url, config.model, api_key, lookup)
     request = job_request(
-        QAJob("single_detail", [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
+        QAJob(CHECK_TASK, [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
     sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
-    structured = structured_params(config, request)
-    response_format = structured.get("response_format")
-    bounds_refusal = None
-    kind = response_format["type"] if response_format else None
+    structured, bounds_refusal = structured_params(config, request), None
+    kind = structured["response_format"]["type"] if structured else None
     sent = f"with response_format {kind}" if kind else "without response_format"
-    answer, latency, refusal = _ask(
-        config,
-        api_key,
-        deadline,
-        say,
-        request.messages,
-        {**sampling, **structured},
-        f"the run's first request (a one-question QA request {sent})",
-    )
+    what = f"the run's first request (a one-question QA request {sent})"
+    answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
     if refusal is not None and structured_params(config, request, bounds=False) != structured:
         bounds_refusal = refusal  # the run's next step: the schema without its item bounds
         structured = structured_params(config, request, bounds=False)
-        response_format = structured["response_format"]
-        answer, latency, refusal = _ask(
-            config,
-            api_key,
-            deadline,
-            say,
-            request.messages,
-            {**sampling, **structured},
-            "the QA request again with the schema without its item bounds (as the run does)",
-        )
+        what = "the QA request again with the schema without its item bounds (as the run does)"
+        answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
     if refusal is not None:
-        answer, latency, _ = _ask(
-            config,
-            api_key,
-            deadline,
-            say,
-            request.messages,
-            sampling,
-            "the QA request again without response_format (as llm.structured=auto does)",
-        )
-    enforced = probe_answer = None
+        what = "the QA request again without response_format (as llm.structured=auto does)"
+        answer, latency, _ = session.ask(request.messages, sampling, what)
+    response_format = structured.get("response_format")
+    enforced = probe_answer = follows = parse_error = None
     if response_format is not None and refusal is None:
-        enforced, probe_answer = _probe(config, api_key, deadline, say, kind)
+        enforced, probe_answer = session.probe(kind)
+        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     try:
-        parse_qa_pairs(answer.text)
-        parse_error = None
+        get_task(request.task).parse(answer.text)
     except MalformedOutput as error:
         parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
-    follows = None
-    if response_format is not None and refusal is None:
-        follows = judge_answer(response_format, answer.text, answer.finish_reason)
     return EndpointCheck(
         config=config,
         answer=answer,
@@ -311,101 +340,6 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         answer_follows=follows,
         parse_error=parse_error,
         info=info,
-        deadline_s=deadline.seconds,
+        deadline_s=session.seconds,
         bounds_refusal=bounds_refusal,
     )
-
-
-def _post(
-    config: LLMConfig,
-    api_key: str,
-    deadline: _Deadline,
-    say: Callable[[str], None],
-    messages: list[dict[str, str]],
-    params: dict[str, Any],
-    what: str,
-) -> tuple[HttpAnswer, float]:
-    """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
-    url = config.base_url.rstrip("/") + "/chat/completions"
-    left = deadline.left()
-    if left <= 0:
-        raise LLMRunAborted(
-            f"{config.base_url}: the check's deadline ({deadline.seconds:g} s) passed before {what}; give it more "
-            "time with --check-timeout"
-        )
-    say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
-    start = time.monotonic()
-    try:
-        answer = http_json(url, {"model": config.model, "messages": messages, **params}, api_key, left)
-    except NoHttpAnswer as error:
-        if error.kind == "timeout":
-            raise LLMRunAborted(
-                f"{config.base_url} did not answer {what} within the check's deadline ({deadline.seconds:g} s): "
-                "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
-                "more time with --check-timeout"
-            ) from None
-        if error.kind == "unreachable":
-            raise LLMRunAborted(
-                f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
-            ) from None
-        raise LLMRunAborted(
-            f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
-            "OpenAI-compatible server, ending in /v1)"
-        ) from None
-    return answer, time.monotonic() - start
-
-
-def _ask(
-    config: LLMConfig,
-    api_key: str,
-    deadline: _Deadline,
-    say: Callable[[str], None],
-    messages: list[dict[str, str]],
-    params: dict[str, Any],
-    what: str,
-) -> tuple[Completion, float, str | None]:
-    """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
-    ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
-    answer, latency = _post(config, api_key, deadline, say, messages, params, what)
-    if answer.status_code != 200:
-        if "response_format" in params and refuses_structured_output(answer):
-            return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
-        raise LLMRunAborted(
-            f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
-            f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
-        )
-    try:
-        return read_completion(answer.raw), latency, None
-    except NotACompletion as error:
-        raise LLMRunAborted(
-            f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
-            "llm.base_url (it ends in /v1)"
-        ) from None
-
-
-def _probe(
-    config: LLMConfig, api_key: str, deadline: _Deadline, say: Callable[[str], None], kind: str
-) -> tuple[bool | None, str]:
-    """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote of
-    the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
-    response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
-    params = {"temperature": config.temperature, "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
-    answer, _ = _post(
-        config,
-        api_key,
-        deadline,
-        say,
-        PROBE_MESSAGES,
-        params,
-        f"the structured-output probe (a plain word asked for, under {kind})",
-    )
-    if answer.status_code != 200:
-        return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
-    try:
-        probe = read_completion(answer.raw)
-    except NotACompletion as error:
-        return None, str(error)
-    if not probe.text.strip():
-        return None, "an empty answer"
-    cut = f", cut at {PROBE_MAX_TOKENS} tokens" if probe.finish_reason == "length" else ""
-    return judge_answer(response_format, probe.text, probe.finish_reason), body_excerpt(probe.text, 60) + cut

@@ -37,122 +37,141 @@ from typing import Any
 from ..config import apply_overrides, assign, bundled_names, file_or_bundled, read_yaml, validate
 from ..errors import ConfigError
 from ..files import check_writable_folder
-from .qa import SYNTH_TASKS
+from .registry import TASKS, Flag, task_flags
+
+BUNDLED = Path(__file__).parent / "configs"  # synth configs shipped with longpeft (``--config NAME``)
+
+# The flags, each declared once with the config key it sets (None: the command reads it), in --help order: the
+# command's options (the tasks' own flags, their records' ``flags``, after --chunk-tokens), then one table per group.
+SOURCE_FLAGS = (
+    Flag(
+        "--out",
+        "output folder (train.jsonl, dataset/, stats.json, length_hist.png); required except with --check-endpoint",
+    ),
+    Flag("--tokenizer", "Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)", "tokenizer"),
+    Flag("--answerer", "exact offline QA (default) or an LLM", "answerer", {"choices": ["procedural", "llm"]}),
+    Flag(
+        "--source",
+        "your documents (.txt, .jsonl with 'text', or folders) instead of generated ones",
+        options={"nargs": "+", "metavar": "PATH"},
+    ),
+)
+LENGTH_FLAGS = (
+    Flag(
+        "--contexts",
+        "conversations per task (the tasks of --tasks, else those the config leaves on)",
+        options={"type": int},
+    ),
+    Flag("--min-tokens", "shortest conversation (default 65536)", "length.min_tokens", {"type": int}),
+    Flag("--max-tokens", "longest conversation (default 81920)", "length.max_tokens", {"type": int}),
+    Flag(
+        "--chunk-tokens",
+        "largest chunk a single-detail question is about (default 4096)",
+        "length.chunk_tokens",
+        {"type": int},
+    ),
+)
+SEED = Flag("--seed", None, "seed", {"type": int})
+RUN_FLAGS = (
+    Flag(
+        "--set",
+        "override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)",
+        options={"dest": "overrides", "action": "append", "default": [], "metavar": "KEY=VALUE"},
+    ),
+    Flag("--no-progress", "no progress bars", options={"action": "store_true"}),
+    Flag("--print-config", "print the resolved config and exit", options={"action": "store_true"}),
+)
+LLM_FLAGS = (
+    Flag("--llm-base-url", "OpenAI-compatible endpoint (default https://api.openai.com/v1)", "llm.base_url"),
+    Flag("--llm-model", "model name (default gpt-4o)", "llm.model"),
+    Flag("--api-key-env", "environment variable holding the key (default OPENAI_API_KEY)", "llm.api_key_env"),
+    Flag(
+        "--concurrency",
+        "requests in flight (default 8; 1 for a one-slot server such as llama.cpp's default)",
+        "llm.max_concurrency",
+        {"type": int},
+    ),
+    Flag(
+        "--check-endpoint",
+        "send the run's first request to the endpoint, as the run sends it, and a probe of structured output; "
+        "print the model, latency, whether response_format is enforced, ignored or refused, whether the answer "
+        "parses, the context length; exit 0 when usable as configured, 1 when not, 2 when the endpoint does not "
+        "answer in time or answers something else",
+        options={"action": "store_true"},
+    ),
+    Flag(
+        "--check-timeout",
+        "deadline of the whole --check-endpoint (default 30; llm.check_timeout)",
+        "llm.check_timeout",
+        {"type": float, "metavar": "SECONDS"},
+    ),
+    Flag(
+        "--retry-rejected",
+        "ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
+        "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many",
+        options={"action": "store_true"},
+    ),
+)
+MIX_FLAGS = (
+    Flag("--plain-text", "plain text: .jsonl with 'text', .txt, or a folder", "mix.plain_text"),
+    Flag("--plain-ratio", None, "mix.plain_ratio", {"type": float}),
+    Flag(
+        "--instructions",
+        "instruction data: .jsonl/.json with 'messages', 'conversations' or instruction/input/output",
+        "mix.instructions",
+    ),
+    Flag("--instruction-ratio", None, "mix.instruction_ratio", {"type": float}),
+    Flag(
+        "--summaries",
+        "summarisation data: .jsonl/.json with a text and its summary (BookSum's "
+        "'chapter' and 'summary_text'; see mix.summary_text_field)",
+        "mix.summaries",
+    ),
+    Flag("--summary-ratio", None, "mix.summary_ratio", {"type": float}),
+)
+PLAN_FLAGS = (
+    Flag(
+        "--plan",
+        "count the requests and their tokens, estimate the time, "
+        "call nothing and write nothing (see longpeft/synth_data/build_plan.py)",
+        options={"action": "store_true"},
+    ),
+    Flag(
+        "--output-tokens",
+        "completion tokens you expect per request (default: llm.max_tokens, an upper bound)",
+        options={"type": int, "metavar": "N"},
+    ),
+    Flag(
+        "--output-tokens-per-second",
+        "decoding speed of one request (default 50, assumed)",
+        options={"type": float, "metavar": "R"},
+    ),
+    Flag("--tokens-per-minute", "your endpoint's token rate limit", options={"type": float, "metavar": "TPM"}),
+    Flag("--requests-per-minute", "your endpoint's request rate limit", options={"type": float, "metavar": "RPM"}),
+)
+GROUPS = (  # (argument group, its flags), in --help order; None: the command's options
+    ("LLM (with --answerer llm; the key is read from the environment only)", LLM_FLAGS),
+    ("mixing (ratios are fractions of the final dataset)", MIX_FLAGS),
+    (None, RUN_FLAGS),
+    ("--plan: the LLM build's requests, tokens and time, before any call", PLAN_FLAGS),
+)
 
 
 def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `synth` options on ``parser`` (a sub-parser of the `longpeft` command)."""
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description, _, parser.epilog = (__doc__ or "").partition("\n\n")
-    parser.add_argument(
+    bundled = ", ".join(bundled_names(BUNDLED))
+    config = Flag(
         "--config",
-        help="YAML or JSON file with SynthConfig fields (see "
-        "longpeft.synth_data.SynthConfig), or a bundled config: "
-        f"{', '.join(bundled_names(BUNDLED))}",
+        "YAML or JSON file with SynthConfig fields (see longpeft.synth_data.SynthConfig), or a bundled config: "
+        + bundled,
     )
-    parser.add_argument(
-        "--out",
-        help="output folder (train.jsonl, dataset/, stats.json, length_hist.png); required "
-        "except with --check-endpoint",
-    )
-    parser.add_argument("--tokenizer", help="Hub id or folder of the training tokenizer, or 'tiny' (default: tiny)")
-    parser.add_argument("--answerer", choices=["procedural", "llm"], help="exact offline QA (default) or an LLM")
-    parser.add_argument(
-        "--source",
-        nargs="+",
-        metavar="PATH",
-        help="your documents (.txt, .jsonl with 'text', or folders) instead of generated ones",
-    )
-    parser.add_argument(
-        "--tasks", help=f"comma-separated tasks to build (of {','.join(SYNTH_TASKS)}); the others are off"
-    )
-    parser.add_argument(
-        "--contexts", type=int, help="conversations per task (the tasks of --tasks, else those the config leaves on)"
-    )
-    parser.add_argument("--min-tokens", type=int, help="shortest conversation (default 65536)")
-    parser.add_argument("--max-tokens", type=int, help="longest conversation (default 81920)")
-    parser.add_argument(
-        "--chunk-tokens", type=int, help="largest chunk a single-detail question is about (default 4096)"
-    )
-    parser.add_argument("--questions-per-chunk", type=int, help="single-detail questions per chunk (default 3)")
-    parser.add_argument("--seed", type=int)
-    llm = parser.add_argument_group("LLM (with --answerer llm; the key is read from the environment only)")
-    llm.add_argument("--llm-base-url", help="OpenAI-compatible endpoint (default https://api.openai.com/v1)")
-    llm.add_argument("--llm-model", help="model name (default gpt-4o)")
-    llm.add_argument("--api-key-env", help="environment variable holding the key (default OPENAI_API_KEY)")
-    llm.add_argument(
-        "--concurrency",
-        type=int,
-        help="requests in flight (default 8; 1 for a one-slot server such as llama.cpp's default)",
-    )
-    llm.add_argument(
-        "--check-endpoint",
-        action="store_true",
-        help="send the run's first request to the endpoint, as the run sends it, and a probe of structured output; "
-        "print the model, latency, whether response_format is enforced, ignored or refused, whether the answer "
-        "parses, the context length; exit 0 when usable as configured, 1 when not, 2 when the endpoint does not "
-        "answer in time or answers something else",
-    )
-    llm.add_argument(
-        "--check-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="deadline of the whole --check-endpoint (default 30; llm.check_timeout)",
-    )
-    llm.add_argument(
-        "--retry-rejected",
-        action="store_true",
-        help="ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
-        "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many",
-    )
-    extra = parser.add_argument_group("mixing (ratios are fractions of the final dataset)")
-    extra.add_argument("--plain-text", help="plain text: .jsonl with 'text', .txt, or a folder")
-    extra.add_argument("--plain-ratio", type=float)
-    extra.add_argument(
-        "--instructions",
-        help="instruction data: .jsonl/.json with 'messages', 'conversations' or instruction/input/output",
-    )
-    extra.add_argument("--instruction-ratio", type=float)
-    extra.add_argument(
-        "--summaries",
-        help="summarisation data: .jsonl/.json with a text and its summary (BookSum's "
-        "'chapter' and 'summary_text'; see mix.summary_text_field)",
-    )
-    extra.add_argument("--summary-ratio", type=float)
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    plan = parser.add_argument_group("--plan: the LLM build's requests, tokens and time, before any call")
-    plan.add_argument(
-        "--plan",
-        action="store_true",
-        help="count the requests and their tokens, estimate the time, "
-        "call nothing and write nothing (see longpeft/synth_data/build_plan.py)",
-    )
-    plan.add_argument(
-        "--output-tokens",
-        type=int,
-        metavar="N",
-        help="completion tokens you expect per request (default: llm.max_tokens, an upper bound)",
-    )
-    plan.add_argument(
-        "--output-tokens-per-second",
-        type=float,
-        metavar="R",
-        help="decoding speed of one request (default 50, assumed)",
-    )
-    plan.add_argument("--tokens-per-minute", type=float, metavar="TPM", help="your endpoint's token rate limit")
-    plan.add_argument("--requests-per-minute", type=float, metavar="RPM", help="your endpoint's request rate limit")
-
-
-BUNDLED = Path(__file__).parent / "configs"  # synth configs shipped with longpeft (``--config NAME``)
+    tasks = Flag("--tasks", f"comma-separated tasks to build (of {','.join(TASKS)}); the others are off")
+    for title, flags in ((None, (config, *SOURCE_FLAGS, tasks, *LENGTH_FLAGS, *task_flags(), SEED)), *GROUPS):
+        group = parser if title is None else parser.add_argument_group(title)
+        for flag in flags:
+            group.add_argument(flag.flag, help=flag.help, **flag.options)
 
 
 def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
@@ -161,7 +180,7 @@ def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
 
 def resolve_config(args: argparse.Namespace):
     """The SynthConfig from ``--config`` plus flags (flags win); invalid or unknown keys raise naming the key."""
-    from .pipeline import SynthConfig
+    from .pipeline import synth_config_model
 
     config: dict[str, Any] = {}
     source = "longpeft synth"
@@ -170,39 +189,19 @@ def resolve_config(args: argparse.Namespace):
         config = read_yaml(source) or {}
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a mapping of config fields")
-    flags = {
-        "tokenizer": args.tokenizer,
-        "answerer": args.answerer,
-        "seed": args.seed,
-        "length.min_tokens": args.min_tokens,
-        "length.max_tokens": args.max_tokens,
-        "length.chunk_tokens": args.chunk_tokens,
-        "single_detail.questions_per_chunk": args.questions_per_chunk,
-        "llm.base_url": args.llm_base_url,
-        "llm.model": args.llm_model,
-        "llm.api_key_env": args.api_key_env,
-        "llm.max_concurrency": args.concurrency,
-        "llm.check_timeout": args.check_timeout,
-        "mix.plain_text": args.plain_text,
-        "mix.plain_ratio": args.plain_ratio,
-        "mix.instructions": args.instructions,
-        "mix.instruction_ratio": args.instruction_ratio,
-        "mix.summaries": args.summaries,
-        "mix.summary_ratio": args.summary_ratio,
-    }
-    for key, value in flags.items():
-        if value is not None:
-            _assign(config, key, value)
+    for flag in (*SOURCE_FLAGS, *LENGTH_FLAGS, *task_flags(), SEED, *LLM_FLAGS, *MIX_FLAGS):
+        if flag.key is not None and getattr(args, flag.dest, None) is not None:  # a task registered later: no flag
+            _assign(config, flag.key, getattr(args, flag.dest))
     if args.source:
         _assign(config, "source.kind", "files")
         _assign(config, "source.paths", list(args.source))
-    chosen = [task for task in SYNTH_TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
+    chosen = [task for task in TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(chosen) - set(SYNTH_TASKS))
+        unknown = sorted(set(chosen) - set(TASKS))
         if unknown:
-            raise ConfigError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(SYNTH_TASKS)}")
-        for task in SYNTH_TASKS:
+            raise ConfigError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
+        for task in TASKS:
             if task not in chosen:
                 _assign(config, f"{task}.contexts", 0)
     if args.contexts is not None:
@@ -211,7 +210,7 @@ def resolve_config(args: argparse.Namespace):
     if args.no_progress:
         config["progress"] = False
     apply_overrides(config, args.overrides, source)
-    return validate(SynthConfig, config, source)
+    return validate(synth_config_model(), config, source)
 
 
 def cmd_synth(args: argparse.Namespace) -> int:
@@ -235,8 +234,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         raise ConfigError("--out: give the output folder (required except with --check-endpoint)")
     if args.plan:
         return print_build_plan(config, args)
-    rates = ("--output-tokens", "--output-tokens-per-second", "--tokens-per-minute", "--requests-per-minute")
-    given = [flag for flag in rates if getattr(args, flag[2:].replace("-", "_")) is not None]
+    given = [flag.flag for flag in PLAN_FLAGS[1:] if getattr(args, flag.dest) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
@@ -270,14 +268,20 @@ def print_build_plan(config, args: argparse.Namespace) -> int:
     """``synth --plan``: print what the build would ask of the LLM (:mod:`.build_plan`)."""
     from .build_plan import OUTPUT_TOKENS_PER_SECOND, plan_build
 
-    for flag in ("output_tokens", "output_tokens_per_second", "tokens_per_minute", "requests_per_minute"):
-        value = getattr(args, flag)
+    for flag in PLAN_FLAGS[1:]:  # the expectations and rates
+        value = getattr(args, flag.dest)
         if value is not None and value <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be positive, got {value:g}")
+            raise ConfigError(f"{flag.flag} must be positive, got {value:g}")
     plan = plan_build(config, args.out, output_tokens=args.output_tokens)
-    print(
-        plan.report(
-            args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND, args.tokens_per_minute, args.requests_per_minute
-        )
-    )
+    speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
+    print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
     return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``synth`` subcommand."""
+    synth = subparsers.add_parser(
+        "synth", help="build synthetic long-context training data (LLM or offline procedural)"
+    )
+    add_synth_arguments(synth)
+    synth.set_defaults(func=cmd_synth)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 
 from datasets import Dataset
 from transformers import PreTrainedTokenizerBase
@@ -14,14 +13,21 @@ from .qa import ProceduralAnswerer
 DEMO_CONVERSATIONS = 64  # conversations in the demo set unless data.demo.n_conversations says otherwise
 
 
-def demo_conversations(
+def build_demo_dataset(
     tokenizer: PreTrainedTokenizerBase,
     n_conversations: int = DEMO_CONVERSATIONS,
     context_tokens: int = 600,
     seed: int = 0,
     questions_per_conversation: int = 4,
-) -> list[dict[str, Any]]:
-    """Rows of :func:`build_demo_dataset` (``messages``, ``task``, ``num_tokens``, ``sources``, ``meta``, ``id``)."""
+) -> Dataset:
+    """A small training set for the demo: each conversation is one ~``context_tokens``-token context.
+
+    The context is procedural filler with numbered objects scattered through it ("The grey oar at
+    the pier is marked with the number 38006."); each of the ``questions_per_conversation`` turns
+    asks for one of those numbers, so the answers are pure retrieval from the context and exact.
+    Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
+    tokenizer's chat template. Deterministic given ``seed``.
+    """
     reserve = 48 * questions_per_conversation + 64
     length = LengthConfig(
         min_tokens=context_tokens,
@@ -43,27 +49,9 @@ def demo_conversations(
         )
         for i in range(n_conversations)
     ]
-    plans = builder.plan_single_detail(
-        documents, n_conversations, chunks_per_context=1, questions_per_chunk=questions_per_conversation
-    )
-    return builder.build(plans)
-
-
-def build_demo_dataset(
-    tokenizer: PreTrainedTokenizerBase,
-    n_conversations: int = DEMO_CONVERSATIONS,
-    context_tokens: int = 600,
-    seed: int = 0,
-    questions_per_conversation: int = 4,
-) -> Dataset:
-    """A small training set for the demo: each conversation is one ~``context_tokens``-token context.
-
-    The context is procedural filler with numbered objects scattered through it ("The grey oar at
-    the pier is marked with the number 38006."); each of the ``questions_per_conversation`` turns
-    asks for one of those numbers, so the answers are pure retrieval from the context and exact.
-    Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
-    tokenizer's chat template. Deterministic given ``seed``.
-    """
-    return Dataset.from_list(
-        demo_conversations(tokenizer, n_conversations, context_tokens, seed, questions_per_conversation)
-    )
+    settings = {
+        "contexts": n_conversations,
+        "chunks_per_context": 1,
+        "questions_per_chunk": questions_per_conversation,
+    }
+    return Dataset.from_list(builder.build(builder.plan("single_detail", documents, **settings)))

@@ -4,18 +4,17 @@ What it adds on top of the ``openai`` package:
 
 - a concurrency limit (``max_concurrency`` requests in flight);
 - retries with exponential backoff (and ``retry-after-ms`` / ``Retry-After``) on 408, 409, 429, 5xx,
-  timeouts, connection errors and 200 responses whose body is not a chat completion;
-- a disk cache keyed by a hash of the endpoint and the request's content (base URL, model, messages,
-  parameters, attempt number): every answer is written the moment it arrives, so a killed run resumes
-  without repeating a call that was answered and cached, and answers of one endpoint (a stub for a dry
-  run) are never served as another's. Caches written before the base URL joined the key are not reused;
-- bounded retries on malformed output: the caller's ``parse`` function raises
-  :class:`MalformedOutput` (bad JSON, a missing field), the request is sent again as a new attempt,
-  and after ``max_parse_attempts`` the request and every attempt (its reason and raw answer) go to the rejects
-  JSONL file; a ``check`` function (the quality gates) may reject a parsed answer the same way
-  (:class:`RejectedOutput`), or keep part of it (:class:`Checked`: the parts dropped go to the rejects file); an
-  answer the server cut off at ``max_tokens`` (``finish_reason`` ``length``) is never parsed: it is a
-  :class:`TruncatedOutput` attempt, asked again;
+  timeouts, connection errors and 200 responses whose body is not a chat completion (:mod:`.llm_http`);
+- a disk cache of every answer, written the moment it arrives and keyed by the endpoint and the request's content
+  (:mod:`.llm_cache`): a killed run resumes without repeating a call that was answered, and answers of one endpoint
+  (a stub for a dry run) are never served as another's; a cache file longpeft did not write reads as absent, and the
+  usage report counts such files (``foreign_cache_files``), as it counts the lines of the rejects file that are not
+  its records (``foreign_rejects_lines``);
+- bounded retries on malformed output: the caller's ``parse`` function raises :class:`MalformedOutput` (bad JSON, a
+  missing field) and the request is sent again as a new attempt, up to ``max_parse_attempts``; a ``check`` function
+  (the quality gates) may reject a parsed answer the same way (:class:`RejectedOutput`), or keep part of it
+  (:class:`Checked`: the parts dropped go to the rejects file); an answer the server cut off at ``max_tokens``
+  (``finish_reason`` ``length``) is never parsed: it is a :class:`TruncatedOutput` attempt, asked again;
 - structured output (``structured``): each request asks for its output schema through ``response_format``, with
   the schema's item bounds (``minItems``, ``maxItems``) until the endpoint refuses a schema holding them (said in
   one line; the request is asked again at once without them); with ``auto``, the first refusal by the endpoint
@@ -23,32 +22,25 @@ What it adds on top of the ``openai`` package:
   life, with one line on the console (a fallback, not a rejection: the request is asked again at once without
   ``response_format``), and so does an endpoint seen to ignore the field (its first answers are not bare JSON of
   the asked shape: :mod:`.structured_output`; those answers are judged by the parser as any other);
-- requests refused by the endpoint (HTTP 4xx) show the server's reason on the console (the first
-  :data:`SHOWN_REFUSALS`; all of them in the rejects file), and a prompt longer than the endpoint's context
+- requests refused by the endpoint (HTTP 4xx) and requests given up after transient failures say why on the console
+  (the first :data:`SHOWN_REFUSALS`, then counted), and a prompt longer than the endpoint's context
   (``context_tokens``, or what the server reports at the start: :mod:`.endpoint`) is refused before sending, its
   tokens counted by the server's tokenizer when it offers one (:mod:`.prompt_tokens`);
-- requests given up after transient failures say why on the console (the first :data:`SHOWN_REFUSALS`, then one
-  line per batch counting them by cause);
-- a request rejected for good (:data:`REJECT_REASONS`: malformed or gated output in every attempt, an HTTP
-  4xx refusal, a prompt longer than the endpoint's context) is marked in the cache with its reason: a rerun
-  does not ask it again (it counts it as ``skipped_rejected``) unless the client runs with
-  ``retry_rejected``, which asks it again with new attempt numbers (the earlier answers are replayed from the
-  cache first, so relaxed gates cost nothing; an earlier attempt no longer in the cache is not asked again). A
-  request given up after transient failures (timeouts, 429, 5xx; reason ``gave_up``) is not marked: a rerun asks
-  it again. The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
-- a cache file that is not an entry longpeft wrote (not JSON, cut short, another shape) reads as absent: its request
-  is asked again, and the usage report counts such files (``foreign_cache_files``; the synth summary says it in one
-  line), as it counts the lines of the rejects file that are not its records (``foreign_rejects_lines``);
+- a request rejected for good (malformed or gated output in every attempt, an HTTP 4xx refusal, a prompt longer
+  than the endpoint's context; :data:`.llm_rejects.REJECT_REASONS`) is marked in the cache: a rerun counts it as
+  ``skipped_rejected`` and does not ask it again unless ``retry_rejected``, which replays its cached answers and
+  then sends new attempts. One given up after transient failures (``gave_up``) is not marked: a rerun asks it again.
+  The rejects file lists what is still rejected, one group of records per request (:mod:`.llm_rejects`);
 - token accounting per task (prompt/completion tokens of paid calls, and of answers served from cache);
 - a tqdm progress bar.
 
 The API key is read from the environment variable named by ``api_key_env`` when the client starts a
 run; it is never stored in the config, the cache, the rejects file, the usage report or any log.
 
-This module holds the client and its request path; its parts live beside it, and their public names are importable
-from here too: :mod:`.llm_request` (settings, request, result, usage counters), :mod:`.llm_output` (what ``parse``
-and ``check`` raise, the JSON reader), :mod:`.llm_http` (one call with its retries, the server's errors),
-:mod:`.llm_cache` (answers and outcome marks on disk), :mod:`.llm_rejects` (the rejects file).
+This module holds the client and its request path; its parts live beside it: :mod:`.llm_request` (settings, request,
+result, usage counters), :mod:`.llm_output` (what ``parse`` and ``check`` raise, the JSON reader), :mod:`.llm_http`
+(one call with its retries, the server's errors), :mod:`.llm_cache` (answers and outcome marks on disk),
+:mod:`.llm_rejects` (the rejects file).
 """
 
 from __future__ import annotations
@@ -57,73 +49,72 @@ import asyncio
 import json
 import os
 import sys
-import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from .llm_cache import ResponseCache, outcome_key, request_key
-from .llm_http import (
-    RETRYABLE_STATUS,
-    STRUCTURED_REFUSAL,
-    RetryableError,
-    chat_completion,
-    refuses_structured_output,
-    server_reason,
-)
-from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput, parse_json_object, strip_code_fence
-from .llm_rejects import REJECT_REASONS, RejectsLog
+from .llm_http import RetryableError, chat_completion, refuses_structured_output, server_reason
+from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput
+from .llm_rejects import RejectsLog
 from .llm_request import (
     ITEM_BOUNDS,
     LLMConfig,
     LLMRequest,
     LLMResult,
     LLMRunAborted,
-    ResponseSchema,
     TaskUsage,
+    read_api_key,
     sampling_params,
     structured_params,
 )
 from .prompt_tokens import PromptCounter, prompt_counter
 from .structured_output import StructuredWatch
 
-# The client and its constants, and the names of the modules above that users import from here.
-__all__ = [
-    "Checked",
-    "REJECT_REASONS",
-    "RETRYABLE_STATUS",
-    "SHOWN_REFUSALS",
-    "STRUCTURED_REFUSAL",
-    "LLMClient",
-    "LLMConfig",
-    "LLMRequest",
-    "LLMResult",
-    "LLMRunAborted",
-    "MalformedOutput",
-    "RejectedOutput",
-    "PromptCounter",
-    "RejectsLog",
-    "ResponseCache",
-    "ResponseSchema",
-    "TaskUsage",
-    "TruncatedOutput",
-    "outcome_key",
-    "parse_json_object",
-    "refuses_structured_output",
-    "request_key",
-    "sampling_params",
-    "server_reason",
-    "strip_code_fence",
-    "structured_params",
-]
-
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
 # A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
 # covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
 TEMPLATE_TOKENS_ALLOWANCE = 64
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+
+
+@dataclass
+class _Round:
+    """One request's attempts in a run, as :meth:`LLMClient._complete` makes them and judges them (``parse`` and
+    ``check``: :meth:`LLMClient.run`).
+
+    Attributes:
+        first_key: the cache key of its first attempt without response_format (:func:`.llm_cache.request_key`);
+            ``mark_key`` the key of its outcome mark; ``mark`` the mark an earlier run left.
+        end: attempts up to here (exclusive); ``replayed``: attempts of an earlier round, replayed from the cache and
+            never sent again.
+        key: the cache key of the latest attempt as sent; ``api_calls``: the calls paid for.
+        outputs: every judged attempt's outcome (attempt, reason, error, the answer's text); ``dropped``: the item
+            records of what the checks dropped; ``last_code``: the reason of the latest attempt refused.
+    """
+
+    request: LLMRequest
+    usage: TaskUsage
+    first_key: str
+    mark: dict[str, Any] | None
+    end: int
+    parse: Callable[[str], Any] | None = None
+    check: Callable[[LLMRequest, Any], Any] | None = None
+    replayed: int = 0
+    key: str = ""
+    api_calls: int = 0
+    last_code: str = "malformed"
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+    mark_key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.mark_key = outcome_key(self.first_key)
+        self.key = self.key or self.first_key
 
 
 class LLMClient:
@@ -185,21 +176,8 @@ class LLMClient:
             asyncio.get_running_loop()
         except RuntimeError:
             return asyncio.run(coroutine)
-        # Called from inside an event loop (a notebook): run the batch on a private loop in a thread.
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["value"] = asyncio.run(coroutine)
-            except BaseException as error:  # re-raised in the caller's thread
-                box["error"] = error
-
-        thread = threading.Thread(target=target)
-        thread.start()
-        thread.join()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        with ThreadPoolExecutor(max_workers=1) as pool:  # inside an event loop (a notebook): a private loop, a thread
+            return pool.submit(asyncio.run, coroutine).result()  # its error is raised here
 
     async def arun(
         self,
@@ -213,12 +191,7 @@ class LLMClient:
 
         if not requests:
             return []
-        api_key = os.environ.get(self.config.api_key_env)
-        if not api_key:
-            raise LLMRunAborted(
-                f"environment variable {self.config.api_key_env} is not set; export your API key there "
-                "(any non-empty value for a local server without authentication)"
-            )
+        api_key = read_api_key(self.config)
         client = openai.AsyncOpenAI(
             api_key=api_key, base_url=self.config.base_url, max_retries=0, timeout=self.config.timeout
         )
@@ -262,10 +235,8 @@ class LLMClient:
         total: dict[str, Any] = {}
         for usage in tasks.values():
             for key, value in usage.items():
-                if isinstance(value, dict):  # rejected_reasons: summed per reason
-                    merged = total.setdefault(key, {})
-                    for reason, count in value.items():
-                        merged[reason] = merged.get(reason, 0) + count
+                if isinstance(value, dict):  # counts by reason or cause: summed per reason or cause
+                    total[key] = dict(Counter(total.get(key)) + Counter(value))
                 else:
                     total[key] = total.get(key, 0) + value
         return {
@@ -383,26 +354,16 @@ class LLMClient:
         usage = self.usage[request.task]
         usage.gave_up_causes[error.cause] = usage.gave_up_causes.get(error.cause, 0) + 1
         self.gave_up += 1
-        reason = f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
-        if self.gave_up <= SHOWN_REFUSALS:
-            more = "; further give-ups are counted at the end of the batch" if self.gave_up == SHOWN_REFUSALS else ""
-            self._say(
-                f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} "
-                f"retries ({error}){more}"
-            )
-        return reason
+        line = f"{self.config.base_url}: gave up on a {request.task} request after {self.config.max_retries} retries"
+        self._say_first(self.gave_up, f"{line} ({error})", "further give-ups are counted at the end of the batch")
+        return f"{self.config.base_url}: gave up after {self.config.max_retries} retries: {error}"
 
-    def _gave_up_causes(self) -> dict[str, int]:
-        causes: dict[str, int] = {}
-        for usage in self.usage.values():
-            for cause, count in usage.gave_up_causes.items():
-                causes[cause] = causes.get(cause, 0) + count
-        return causes
+    def _gave_up_causes(self) -> Counter[str]:
+        return sum((Counter(usage.gave_up_causes) for usage in self.usage.values()), Counter())
 
-    def _say_gave_up(self, desc: str, before: dict[str, int]) -> None:
+    def _say_gave_up(self, desc: str, before: Counter[str]) -> None:
         """One line for the requests of a batch given up after transient failures, counted by cause."""
-        now = self._gave_up_causes()
-        new = {cause: count - before.get(cause, 0) for cause, count in now.items() if count > before.get(cause, 0)}
+        new = self._gave_up_causes() - before
         if new:
             causes = ", ".join(f"{cause}: {count}" for cause, count in sorted(new.items(), key=lambda kv: -kv[1]))
             self._say(
@@ -415,10 +376,15 @@ class LLMClient:
         :data:`SHOWN_REFUSALS`."""
         self.refusals += 1
         reason = f"HTTP {error.status_code}: {server_reason(error)}"
-        if self.refusals <= SHOWN_REFUSALS:
-            more = "; further refusals are counted in the summary" if self.refusals == SHOWN_REFUSALS else ""
-            self._say(f"{self.config.base_url} refused a {request.task} request ({reason}){more}")
+        line = f"{self.config.base_url} refused a {request.task} request ({reason})"
+        self._say_first(self.refusals, line, "further refusals are counted in the summary")
         return reason
+
+    def _say_first(self, count: int, line: str, further: str) -> None:
+        """Say ``line``, the ``count``-th of its kind, when it is one of the first :data:`SHOWN_REFUSALS` (the last
+        of them adds ``further``)."""
+        if count <= SHOWN_REFUSALS:
+            self._say(line + (f"; {further}" if count == SHOWN_REFUSALS else ""))
 
     def _postfix(self) -> dict[str, int]:
         calls = sum(u.api_calls for u in self.usage.values())
@@ -436,144 +402,145 @@ class LLMClient:
     ) -> LLMResult:
         import openai
 
-        usage = self.usage.setdefault(request.task, TaskUsage())
-        sampling = sampling_params(self.config)
-        outputs: list[dict[str, Any]] = []  # every attempt's outcome: attempt, reason, error (and the answer's text)
-        dropped: list[dict[str, Any]] = []  # the item records of what ``check`` dropped, every attempt's
-        api_calls = 0
-        # The outcome mark is keyed on the request without response_format (the sampling alone, attempt 0): the
-        # same mark whether structured output is sent, or was refused and the prompt-only contract is used (the
-        # answers themselves are keyed on what is sent, sampling and response_format).
-        first_key = request_key(self.config.base_url, self.config.model, request, sampling, 0)
-        mark_key = outcome_key(first_key)
-        mark = self.cache.outcome(mark_key)
-        end = self.config.max_parse_attempts
-        replayed = 0  # attempts of an earlier round: replayed from the cache, never sent again
-        if mark is not None and mark["outcome"] == "rejected":
-            if not self.retry_rejected:
-                usage.skipped_rejected += 1
-                why = f"rejected in an earlier run ({mark['reason']}: {mark['error']})"
-                rebuilt = self._request_record(request, mark_key, first_key, mark["reason"], mark["error"], [], True)
-                self.rejects.keep(mark_key, rebuilt)
-                return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
-            replayed = mark["end"]
-            end = mark["end"] + self.config.max_parse_attempts  # replay the cached attempts, then new ones
-        elif mark is not None:  # answered by attempt end - 1 of a retry round: the ones before it are replays
-            replayed = mark["end"] - 1
-            end = max(end, mark["end"])
-        state = {"mark_key": mark_key, "end": end}
-        key = ""
-        last_code = "malformed"
-        limit = self.context_limit()
-        if limit is not None and self.prompt_counter is not None and _may_exceed(request, limit[0]):
-            tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
-            if tokens >= limit[0]:
-                state["end"] = end - self.config.max_parse_attempts  # no attempt of this round was made
-                reason = (
-                    f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
-                    f"{limit[0]} ({limit[1]}); not sent"
-                )
-                return self._reject(
-                    request, first_key, usage, reason, outputs, dropped, 0, 0, "prompt_too_long", state, mark_key
-                )
-        for attempt in range(end):
-            entry = None
-            while entry is None:  # a second pass only when the endpoint refused structured output (llm.structured)
-                sent = {**sampling, **self._structured(request)}  # what is sent is what the key holds
-                key = request_key(self.config.base_url, self.config.model, request, sent, attempt)
-                entry = self.cache.answer(key)
-                if entry is not None:
-                    usage.cache_hits += 1
-                    usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
-                    usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
-                    if "response_format" in sent and self.structured_watch.verdict is None:
-                        self._observe(sent, entry)  # a rerun learns from the answers it replays
-                    break
-                if attempt < replayed:  # an earlier round's answer no longer in the cache: not paid for again
-                    break
-                try:
-                    entry = await self._send(client, semaphore, request, sent, usage)
-                    if entry is None:  # the endpoint refused structured output while this request waited
-                        continue
-                except RetryableError as error:
-                    reason = self._give_up(request, error)
-                    outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
-                    return self._reject(
-                        request,
-                        key,
-                        usage,
-                        reason,
-                        outputs,
-                        dropped,
-                        attempt + 1,
-                        api_calls,
-                        "gave_up",
-                        None,
-                        mark_key,
-                    )
-                except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
-                    if "response_format" in sent and refuses_structured_output(error):
-                        self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
-                        continue
-                    state["end"] = attempt + 1
-                    reason = f"{type(error).__name__}: {self._refusal(request, error)}"
-                    outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
-                    return self._reject(
-                        request,
-                        key,
-                        usage,
-                        reason,
-                        outputs,
-                        dropped,
-                        attempt + 1,
-                        api_calls,
-                        "http_refused",
-                        state,
-                        mark_key,
-                    )
-                api_calls += 1
-                if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
-                    self.cache.put(key, {"key": key, "task": request.task, **entry})
-            if entry is None:
-                continue
-            text = entry["text"]
+        run = self._round(request, parse, check)
+        if run.mark is not None and run.mark["outcome"] == "rejected" and not self.retry_rejected:
+            run.usage.skipped_rejected += 1  # rejected in an earlier run, not asked again: kept in the rejects file
+            self.rejects.keep(run.mark_key, self._request_record(run, run.mark["reason"], run.mark["error"], True))
+            why = f"rejected in an earlier run ({run.mark['reason']}: {run.mark['error']})"
+            return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
+        too_long = await self._too_long(request)
+        if too_long is not None:  # no attempt of this round was made
+            return self._reject(run, too_long, "prompt_too_long", 0, end=run.end - self.config.max_parse_attempts)
+        for attempt in range(run.end):
             try:
-                if not text.strip():
-                    raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
-                if entry.get("finish_reason") == "length":
-                    raise TruncatedOutput(
-                        f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
-                        f"{entry['usage']['completion_tokens']} completion tokens"
-                    )
-                value = parse(text) if parse is not None else text
-                if check is not None:
-                    value = check(request, value)
-                    if isinstance(value, Checked):
-                        dropped += [self._item_record(request, mark_key, attempt, item) for item in value.dropped]
-                        value = value.value
-            except MalformedOutput as error:
-                last_code = error.code
-                if isinstance(error, RejectedOutput):
-                    usage.quality_rejected += 1
-                    dropped += [self._item_record(request, mark_key, attempt, item) for item in error.dropped]
-                elif isinstance(error, TruncatedOutput):
-                    usage.truncated += 1
-                else:
-                    usage.malformed += 1
-                outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
+                entry = await self._fetch(client, semaphore, run, attempt)
+            except RetryableError as error:
+                reason = self._give_up(request, error)
+                run.outputs.append({"attempt": attempt, "reason": "gave_up", "error": reason})
+                return self._reject(run, reason, "gave_up", attempt + 1)
+            except openai.APIStatusError as error:  # a request the server refuses (400, 422, ...)
+                reason = f"{type(error).__name__}: {self._refusal(request, error)}"
+                run.outputs.append({"attempt": attempt, "reason": "http_refused", "error": reason})
+                return self._reject(run, reason, "http_refused", attempt + 1, end=attempt + 1)
+            if entry is None:  # an earlier round's answer no longer in the cache: not paid for again
                 continue
-            if mark is not None or mark_key in self.cache.foreign_keys:  # a retry round answered (or a foreign mark):
-                self.cache.mark(mark_key, request.task, "answered", attempt + 1)  # later reruns replay up to here
-            self.rejects.replace(mark_key, dropped)
-            return LLMResult(request, True, value=value, text=text, attempts=attempt + 1, api_calls=api_calls)
-        tried = Counter(output["reason"] for output in outputs)  # the attempts judged (an uncached replay is not)
+            try:
+                value = self._judge(run, attempt, entry)
+            except MalformedOutput as error:
+                self._failed_attempt(run, attempt, error, entry["text"])
+                continue
+            if run.mark is not None or run.mark_key in self.cache.foreign_keys:  # a retry round answered (or a
+                self.cache.mark(run.mark_key, request.task, "answered", attempt + 1)  # foreign mark): replay to here
+            self.rejects.replace(run.mark_key, run.dropped)
+            return LLMResult(
+                request, True, value=value, text=entry["text"], attempts=attempt + 1, api_calls=run.api_calls
+            )
+        tried = Counter(output["reason"] for output in run.outputs)  # the attempts judged (an uncached replay is not)
         if len(tried) == 1:
             what = {"quality": "output failing the quality gates", "truncated": "output cut off at llm.max_tokens"}
-            reason = f"{what.get(last_code, 'malformed output')} in all {len(outputs)} attempts"
+            reason = f"{what.get(run.last_code, 'malformed output')} in all {len(run.outputs)} attempts"
         else:
             counts = ", ".join(f"{code} {n}" for code, n in tried.items())
-            reason = f"no usable output in {len(outputs)} attempts ({counts})"
-        return self._reject(request, key, usage, reason, outputs, dropped, end, api_calls, last_code, state, mark_key)
+            reason = f"no usable output in {len(run.outputs)} attempts ({counts})"
+        return self._reject(run, reason, run.last_code, run.end, end=run.end)
+
+    def _round(
+        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
+    ) -> _Round:
+        """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
+        its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
+        answered, the attempts before the answer are replays."""
+        # The mark is keyed without response_format: the same whether structured output is sent or was refused.
+        first_key = request_key(self.config.base_url, self.config.model, request, sampling_params(self.config), 0)
+        mark = self.cache.outcome(outcome_key(first_key))
+        usage = self.usage.setdefault(request.task, TaskUsage())
+        run = _Round(request, usage, first_key, mark, self.config.max_parse_attempts, parse, check)
+        if mark is not None and mark["outcome"] == "rejected":
+            run.replayed, run.end = mark["end"], mark["end"] + self.config.max_parse_attempts
+        elif mark is not None:  # answered by attempt end - 1 of a retry round
+            run.replayed, run.end = mark["end"] - 1, max(run.end, mark["end"])
+        return run
+
+    async def _too_long(self, request: LLMRequest) -> str | None:
+        """Why the prompt is not sent (it holds the endpoint's context or more, counted by the prompt counter), or
+        None."""
+        limit = self.context_limit()
+        if limit is None or self.prompt_counter is None or not _may_exceed(request, limit[0]):
+            return None
+        tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
+        if tokens < limit[0]:
+            return None
+        return (
+            f"prompt_too_long: the prompt has {tokens} tokens ({counted}), the endpoint's context is "
+            f"{limit[0]} ({limit[1]}); not sent"
+        )
+
+    async def _fetch(
+        self, client: Any, semaphore: asyncio.Semaphore, run: _Round, attempt: int
+    ) -> dict[str, Any] | None:
+        """The answer to ``attempt``: from the cache, else sent (and cached); None for an attempt of an earlier
+        round no longer in the cache. A refusal of structured output sends it again without; other failures raise
+        (:class:`RetryableError` after the retries, ``openai.APIStatusError`` for a refused request)."""
+        import openai
+
+        usage = run.usage
+        while True:  # a second pass only when the endpoint refused structured output (llm.structured)
+            sent = {**sampling_params(self.config), **self._structured(run.request)}  # what the key holds is sent
+            run.key = request_key(self.config.base_url, self.config.model, run.request, sent, attempt)
+            entry = self.cache.answer(run.key)
+            if entry is not None:
+                usage.cache_hits += 1
+                usage.cached_prompt_tokens += entry["usage"]["prompt_tokens"]
+                usage.cached_completion_tokens += entry["usage"]["completion_tokens"]
+                if "response_format" in sent and self.structured_watch.verdict is None:
+                    self._observe(sent, entry)  # a rerun learns from the answers it replays
+                return entry
+            if attempt < run.replayed:
+                return None
+            try:
+                entry = await self._send(client, semaphore, run.request, sent, usage)
+            except openai.APIStatusError as error:
+                if "response_format" in sent and refuses_structured_output(error):
+                    self._structured_refusal(error, sent["response_format"])  # not a rejection; may raise
+                    continue
+                raise
+            if entry is None:  # the endpoint refused structured output while this request waited
+                continue
+            run.api_calls += 1
+            if entry["text"].strip():  # an empty answer (a broken endpoint) is never cached: a rerun asks again
+                self.cache.put(run.key, {"key": run.key, "task": run.request.task, **entry})
+            return entry
+
+    def _judge(self, run: _Round, attempt: int, entry: dict[str, Any]) -> Any:
+        """The value of an answer: parsed and checked; raises :class:`MalformedOutput` (or its kinds) for an empty,
+        cut off, malformed or gated one. Items ``check`` drops join ``run.dropped``."""
+        text = entry["text"]
+        if not text.strip():
+            raise MalformedOutput(f"{self.config.base_url} returned an empty answer")
+        if entry.get("finish_reason") == "length":
+            raise TruncatedOutput(
+                f"cut off at llm.max_tokens ({self.config.max_tokens}; finish_reason length) after "
+                f"{entry['usage']['completion_tokens']} completion tokens"
+            )
+        value = run.parse(text) if run.parse is not None else text
+        if run.check is not None:
+            value = run.check(run.request, value)
+            if isinstance(value, Checked):
+                run.dropped += [self._item_record(run.request, run.mark_key, attempt, item) for item in value.dropped]
+                value = value.value
+        return value
+
+    def _failed_attempt(self, run: _Round, attempt: int, error: MalformedOutput, text: str) -> None:
+        """Count an answer :meth:`_judge` refused, by its kind, and record it for the rejects file."""
+        run.last_code = error.code
+        if isinstance(error, RejectedOutput):
+            run.usage.quality_rejected += 1
+            run.dropped += [self._item_record(run.request, run.mark_key, attempt, item) for item in error.dropped]
+        elif isinstance(error, TruncatedOutput):
+            run.usage.truncated += 1
+        else:
+            run.usage.malformed += 1
+        run.outputs.append({"attempt": attempt, "reason": error.code, "error": str(error), "text": text})
 
     def _item_record(self, request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
         """A rejects-file record of one part of an answer that a ``check`` function dropped (:mod:`.llm_rejects`)."""
@@ -586,53 +553,31 @@ class LLMClient:
             **item,
         }
 
-    def _request_record(
-        self,
-        request: LLMRequest,
-        mark_key: str,
-        key: str,
-        code: str,
-        reason: str,
-        outputs: list[dict[str, Any]],
-        marked: bool,
-    ) -> dict[str, Any]:
-        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with ``outputs``: every
-        attempt's reason, error and answer (:mod:`.llm_rejects`)."""
+    def _request_record(self, run: _Round, code: str, reason: str, marked: bool) -> dict[str, Any]:
+        """The rejects-file record of a request rejected for ``code`` (:data:`REJECT_REASONS`), with every attempt's
+        reason, error and answer (:mod:`.llm_rejects`)."""
         return {
             "kind": "request",
-            "request": mark_key,
-            "key": key,
-            "task": request.task,
-            "meta": request.meta,
+            "request": run.mark_key,
+            "key": run.key,
+            "task": run.request.task,
+            "meta": run.request.meta,
             "reason": code,
             "error": reason,
             "marked": marked,
-            "attempts": outputs,
+            "attempts": run.outputs,
         }
 
-    def _reject(
-        self,
-        request: LLMRequest,
-        key: str,
-        usage: TaskUsage,
-        reason: str,
-        outputs: list[dict[str, Any]],
-        dropped: list[dict[str, Any]],
-        attempts: int,
-        api_calls: int,
-        code: str,
-        state: dict[str, Any] | None,
-        mark_key: str,
-    ) -> LLMResult:
-        """Record a request that failed for good; ``state`` (``mark_key``, ``end``) marks it in the cache so a
-        rerun skips it unless ``retry_rejected`` (transient failures pass no state: a rerun asks again)."""
-        usage.rejected += 1
-        usage.rejected_reasons[code] = usage.rejected_reasons.get(code, 0) + 1
-        record = self._request_record(request, mark_key, key, code, reason, outputs, state is not None)
-        self.rejects.replace(mark_key, [record, *dropped])
-        if state is not None:
-            self.cache.mark(state["mark_key"], request.task, "rejected", state["end"], reason=code, error=reason)
-        return LLMResult(request, False, error=reason, attempts=attempts, api_calls=api_calls)
+    def _reject(self, run: _Round, reason: str, code: str, attempts: int, end: int | None = None) -> LLMResult:
+        """Record a request that failed for good; with ``end`` (the attempts made, over every round) its outcome
+        mark says so, and a rerun skips it unless ``retry_rejected`` (transient failures give none: a rerun asks
+        again)."""
+        run.usage.rejected += 1
+        run.usage.rejected_reasons[code] = run.usage.rejected_reasons.get(code, 0) + 1
+        self.rejects.replace(run.mark_key, [self._request_record(run, code, reason, end is not None), *run.dropped])
+        if end is not None:
+            self.cache.mark(run.mark_key, run.request.task, "rejected", end, reason=code, error=reason)
+        return LLMResult(run.request, False, error=reason, attempts=attempts, api_calls=run.api_calls)
 
     def _structured(self, request: LLMRequest) -> dict[str, Any]:
         return structured_params(

@@ -6,6 +6,7 @@ Nothing here sends a request or touches a file."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -91,6 +92,17 @@ class ResponseSchema(Protocol):
 
 class LLMRunAborted(LongpeftError, RuntimeError):
     """An error no retry can fix (bad key, unknown model or endpoint): the whole run stops."""
+
+
+def read_api_key(config: LLMConfig) -> str:
+    """The API key, from the environment variable ``config.api_key_env``; :class:`LLMRunAborted` when it is unset."""
+    key = os.environ.get(config.api_key_env)
+    if not key:
+        raise LLMRunAborted(
+            f"environment variable {config.api_key_env} is not set; export your API key there "
+            "(any non-empty value for a local server without authentication)"
+        )
+    return key
 
 
 @dataclass

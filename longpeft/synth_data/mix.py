@@ -164,19 +164,28 @@ def read_text_file(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
-def load_plain_texts(path: str | Path) -> list[str]:
-    """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
-    texts = []
-    kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
-    for file in source_files(path, kinds, "mix.plain_text (--plain-text)"):
+def text_records(
+    path: str | Path, kinds: dict[str, str], name: str, what: str
+) -> Iterator[tuple[Path, int | None, dict[str, Any]]]:
+    """``(file, line number, record)`` of every text a source path holds (:func:`source_files`, ``kinds`` .txt and
+    .jsonl): a .txt file is one record ``{"text": its content}`` (no line number), a .jsonl line one record, which must
+    hold a string field ``text`` (else an error naming the file and line, and ``what`` records they are)."""
+    for file in source_files(path, kinds, name):
         if file.suffix == ".txt":
-            texts.append(read_text_file(file))
+            yield file, None, {"text": read_text_file(file)}
             continue
         for number, record in jsonl_records(file):
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{file}:{number}: plain-text records need a string field 'text'")
-            texts.append(record["text"])
-    return texts
+                raise DataError(f"{file}:{number}: {what} records need a string field 'text'")
+            yield file, number, record
+
+
+def load_plain_texts(path: str | Path) -> list[str]:
+    """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
+    kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
+    return [
+        record["text"] for _, _, record in text_records(path, kinds, "mix.plain_text (--plain-text)", "plain-text")
+    ]
 
 
 def _turns(turns: Any, where: str) -> list[dict[str, str]] | None:

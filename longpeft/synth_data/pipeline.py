@@ -19,64 +19,35 @@ A run writes to its output folder:
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from datasets import Dataset
-from pydantic import Field, model_validator
+from pydantic import Field, create_model, model_validator
 from transformers import PreTrainedTokenizerBase
 
 from ..config import StrictModel
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..files import write_text_atomically
-from .builders import (
-    DEFAULT_CONTEXT_TEMPLATE,
-    ContextPlan,
-    LengthConfig,
-    LongContextBuilder,
-    procedural_cluster_pool,
-    procedural_long_documents,
-)
+from .builders import DEFAULT_CONTEXT_TEMPLATE, ContextPlan, LengthConfig, LongContextBuilder
 from .corpus import Document
 from .llm_client import LLMClient
 from .llm_request import LLMConfig
-from .mix import MixConfig, jsonl_records, load_mix_sources, mix, read_text_file, source_files
-from .qa import LLMAnswerer, ProceduralAnswerer, QAGenerator
+from .mix import MixConfig, load_mix_sources, mix, text_records
+from .qa import LLMAnswerer, ProceduralAnswerer
 from .quality import QualityConfig, QualityGates
+from .registry import TASKS, QAGenerator, TaskConfig
 from .report import write_dataset
+
+if TYPE_CHECKING:
+    SynthConfig = StrictModel  # at run time the model of synth_config_model(), served by __getattr__ below
 
 CACHE_DIR = "llm_cache"
 REJECTS_FILE = "rejects.jsonl"
 CONFIG_FILE = "config.json"
-
-
-class SingleDetailTask(StrictModel):
-    contexts: int = Field(4, ge=0, description="conversations to build")
-    chunks_per_context: int = Field(2, ge=1, description="chunks (<= length.chunk_tokens) asked about per context")
-    questions_per_chunk: int = Field(3, ge=1)
-
-
-class MultiDetailTask(StrictModel):
-    contexts: int = Field(2, ge=0)
-    questions: int = Field(5, ge=1)
-
-
-class HeterogeneousTask(StrictModel):
-    contexts: int = Field(2, ge=0)
-    questions: int = Field(5, ge=1)
-    docs_per_context: int = Field(4, ge=2, description="procedural source: documents packed per context")
-    n_clusters: int | None = Field(
-        None,
-        ge=1,
-        description="k-means clusters (default: the generated topics, or ~1.25 contexts' worth of your files each)",
-    )
-
-
-class BiographyTask(StrictModel):
-    contexts: int = Field(2, ge=0)
-    characters: int = Field(3, ge=1, description="biographies (main characters) per book")
 
 
 class SourceConfig(StrictModel):
@@ -84,8 +55,8 @@ class SourceConfig(StrictModel):
     paths: list[str] = Field(default_factory=list, description=".txt (one document each) / .jsonl ('text', 'title')")
 
 
-class SynthConfig(StrictModel):
-    """Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)."""
+class _BeforeTasks(StrictModel):
+    """The fields of :data:`SynthConfig` before the task sections (``config.json`` keeps this order)."""
 
     seed: int = 0
     tokenizer: str = Field(
@@ -96,10 +67,19 @@ class SynthConfig(StrictModel):
     )
     source: SourceConfig = Field(default_factory=SourceConfig)
     length: LengthConfig = Field(default_factory=LengthConfig)
-    single_detail: SingleDetailTask = Field(default_factory=SingleDetailTask)
-    multi_detail: MultiDetailTask = Field(default_factory=MultiDetailTask)
-    heterogeneous: HeterogeneousTask = Field(default_factory=HeterogeneousTask)
-    biography: BiographyTask = Field(default_factory=BiographyTask)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> _BeforeTasks:
+        if self.source.kind == "files" and not self.source.paths:
+            raise ValueError("source.kind 'files' needs source.paths (your documents; --source PATH ...)")
+        if self.source.kind == "files" and self.answerer == "procedural":
+            raise ValueError("the procedural answerer needs procedural documents; use answerer: llm with your files")
+        return self
+
+
+class _AfterTasks(StrictModel):
+    """The fields of :data:`SynthConfig` after the task sections."""
+
     mix: MixConfig = Field(default_factory=MixConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
     quality: QualityConfig = Field(
@@ -109,13 +89,28 @@ class SynthConfig(StrictModel):
     context_template: str = DEFAULT_CONTEXT_TEMPLATE
     progress: bool = True
 
-    @model_validator(mode="after")
-    def _consistent(self) -> SynthConfig:
-        if self.source.kind == "files" and not self.source.paths:
-            raise ValueError("source.kind 'files' needs source.paths (your documents; --source PATH ...)")
-        if self.source.kind == "files" and self.answerer == "procedural":
-            raise ValueError("the procedural answerer needs procedural documents; use answerer: llm with your files")
-        return self
+
+@functools.cache
+def _config_model(sections: tuple[tuple[str, type[TaskConfig]], ...]) -> type[StrictModel]:
+    taken = sorted(name for name, _ in sections if name in {*_BeforeTasks.model_fields, *_AfterTasks.model_fields})
+    if taken:
+        raise ConfigError(f"synth task(s) {taken} bear the name of a synth config field; rename the task")
+    tasks = create_model(
+        "SynthTasks", __base__=StrictModel, **{name: (model, Field(default_factory=model)) for name, model in sections}
+    )
+    doc = "Everything a `longpeft synth` run needs (YAML/JSON file, overridden by command-line flags)"
+    return create_model("SynthConfig", __base__=(_AfterTasks, tasks, _BeforeTasks), __doc__=doc)
+
+
+def synth_config_model() -> type[StrictModel]:
+    """:data:`SynthConfig`: the config model of the tasks registered now (one model per set of tasks)."""
+    return _config_model(tuple((task.name, task.config) for task in TASKS.values()))
+
+
+def __getattr__(name: str) -> Any:
+    if name == "SynthConfig":  # read at each use: a task registered later has its section
+        return synth_config_model()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
@@ -139,20 +134,12 @@ def load_documents(paths: list[str]) -> list[Document]:
     ``title``/``id``); folders are searched for both, a named file of another type is refused."""
     kinds = {".txt": "one document per file", ".jsonl": "one JSON record with a 'text' field per line"}
     documents = []
-    for file in (file for raw in paths for file in source_files(raw, kinds)):
-        if file.suffix == ".txt":
-            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=read_text_file(file)))
-            continue
-        for number, record in jsonl_records(file):
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DataError(f"{file}:{number}: document records need a string field 'text'")
-            documents.append(
-                Document(
-                    doc_id=str(record.get("id", f"{file}:{number}")),
-                    title=str(record.get("title", "")),
-                    text=record["text"],
-                )
-            )
+    for file, number, record in (row for raw in paths for row in text_records(raw, kinds, "source path", "document")):
+        if number is None:  # a .txt file, titled by its name
+            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=record["text"]))
+        else:
+            doc_id, title = str(record.get("id", f"{file}:{number}")), str(record.get("title", ""))
+            documents.append(Document(doc_id=doc_id, title=title, text=record["text"]))
     if not documents:
         raise DataError(f"no documents found in {paths}")
     return documents
@@ -212,10 +199,7 @@ def synthesize(
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
     answerer, client = make_answerer(config, out, retry_rejected)
-    builder = LongContextBuilder(
-        tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
-    )
-    plans = plan_contexts(config, builder, inputs.documents)
+    builder, plans = plan_contexts(config, tokenizer, answerer, inputs.documents)
     rows = builder.build(plans)
     rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, inputs.mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
@@ -229,32 +213,18 @@ def synthesize(
     return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
 
 
-def plan_contexts(config: SynthConfig, builder: LongContextBuilder, files: list[Document] | None) -> list[ContextPlan]:
-    """Every conversation's context and QA jobs, task by task (no QA is generated yet): from your documents
-    (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
-    counter, length, seed = builder.counter, config.length, config.seed
-
-    def long_documents(task: str, count: int) -> list[Document]:
-        if files is not None:
-            return files
-        return procedural_long_documents(counter, task, count, length, seed, progress=config.progress)
-
+def plan_contexts(
+    config: SynthConfig, tokenizer: PreTrainedTokenizerBase, answerer: QAGenerator, files: list[Document] | None
+) -> tuple[LongContextBuilder, list[ContextPlan]]:
+    """The run's builder (``config``'s lengths, context template and seed, with ``answerer``) and every
+    conversation's context and QA jobs, task by task in the registry's order (no QA is generated yet): from your
+    documents (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
+    builder = LongContextBuilder(
+        tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
+    )
     plans = []
-    sd, md, het, bio = config.single_detail, config.multi_detail, config.heterogeneous, config.biography
-    if sd.contexts:
-        plans += builder.plan_single_detail(
-            long_documents("single_detail", sd.contexts), sd.contexts, sd.chunks_per_context, sd.questions_per_chunk
-        )
-    if md.contexts:
-        plans += builder.plan_multi_detail(long_documents("multi_detail", md.contexts), md.contexts, md.questions)
-    if bio.contexts:
-        plans += builder.plan_biography(long_documents("biography", bio.contexts), bio.contexts, bio.characters)
-    if het.contexts:
-        n_clusters = het.n_clusters
-        if files is not None:
-            pool = files
-        else:  # the generated pool covers one topic per context (up to the number of topics)
-            pool = procedural_cluster_pool(counter, het.contexts, het.docs_per_context, length, seed, config.progress)
-            n_clusters = n_clusters or len({d.topic for d in pool})
-        plans += builder.plan_heterogeneous(pool, het.contexts, het.questions, n_clusters)
-    return plans
+    for name in TASKS:
+        settings = getattr(config, name)
+        if settings.contexts:
+            plans += builder.plan(name, files, **dict(settings))
+    return builder, plans

@@ -27,57 +27,18 @@ from .tokens import require_tokens
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PASSKEY_FILLER = [
-    "The grass is green.",
-    "The sky is blue.",
-    "The sun is yellow.",
-    "Here we go.",
-    "There and back again.",
-]
+PASSKEY_FILLER = "The grass is green.|The sky is blue.|The sun is yellow.|Here we go.|There and back again.".split("|")
 # Short whole sentences that make up the last few tokens of a haystack exactly (see ProbeBuilder.haystack).
 PAD_FILLER = ["Yes.", "Go on.", "So it goes.", *PASSKEY_FILLER]
-_SUBJECTS = [
-    "river",
-    "old mill",
-    "council",
-    "market",
-    "north road",
-    "harbor",
-    "village school",
-    "orchard",
-    "bridge",
-    "library",
-]
-_VERBS = [
-    "was repaired",
-    "opened early",
-    "stayed quiet",
-    "was painted",
-    "grew busy",
-    "was measured",
-    "was cleaned",
-    "closed late",
-]
-_TIMES = [
-    "in spring",
-    "after the storm",
-    "every morning",
-    "last year",
-    "before the festival",
-    "at dusk",
-    "in winter",
-    "on market day",
-]
-_DETAILS = [
-    "and people talked about it for days",
-    "while the bells rang",
-    "as the carts went by",
-    "and nobody minded",
-    "under a grey sky",
-    "with little fuss",
-    "as it had for years",
-    "and the work went on",
-]
+_SUBJECTS = "river|old mill|council|market|north road|harbor|village school|orchard|bridge|library".split("|")
+_VERBS = "was repaired|opened early|stayed quiet|was painted|grew busy|was measured|was cleaned|closed late".split("|")
+_TIMES = (
+    "in spring|after the storm|every morning|last year|before the festival|at dusk|in winter|on market day"
+).split("|")
+_DETAILS = (
+    "and people talked about it for days|while the bells rang|as the carts went by|and nobody minded|"
+    "under a grey sky|with little fuss|as it had for years|and the work went on"
+).split("|")
 _KEY_WORDS = (
     "amber basalt cedar dune ember fjord glacier harbor iris juniper kelp lagoon meadow nectar orchid "
     "pebble quartz raven saffron tundra umber violet willow yarrow zephyr"

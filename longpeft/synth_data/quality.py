@@ -1,37 +1,12 @@
-"""Quality gates on LLM-written QA pairs and biographies, applied after parsing and before a row is written.
+"""Quality gates on LLM-written items (QA pairs, and biographies with their "write a biography of NAME" question),
+applied after parsing and before a row is written.
 
-Each gate rejects one item (a QA pair, or a biography with its "write a biography of NAME" question) with a
-short reason code and a detail message; the first gate that fails gives the reason:
-
-- ``placeholder``: the text is a placeholder (``...``, ``<question>``, ``answer``, ``lorem ipsum``);
-- ``prompt_echo``: the text copies ``echo_words`` consecutive words of the prompt's instructions (words not in
-  the document itself), or the prompt's JSON format;
-- ``refusal``: a refusal or meta-answer ("I cannot", "As an AI", "the text does not mention", "Sure, here are");
-- ``too_short``: fewer real words (words with a letter or digit) than ``min_question_words`` /
-  ``min_answer_words`` / ``min_biography_words``;
-- ``unfinished``: a text that stops mid-sentence: on an article, a conjunction, ``of``, ``than`` or a possessive
-  ("This License is a kind of"), on a comma, colon or dash, or with a bracket or double quote left open;
-- ``not_a_question``: a question that is a statement: it neither ends with ``?`` nor starts (after an opening
-  clause, for a request) with a question word ("What", "In which") or a request ("Name ...", "List ...");
-- ``tautology``: a text that equates a thing with itself ("copyleft is a copyleft", "the blue ledger is the blue
-  ledger", "a lake that is a lake"), compares it with itself ("between copyleft and copyleft"), repeats one phrase
-  in a loop ("in 1903, in 1903, in 1903"), or whose content words are mostly one word said four times or more;
-- ``restates_question``: an answer that adds nothing to its question: every content word of it is in the question,
-  and it repeats at least ``restatement_coverage`` of the question's content words ("When was the dam finished?" /
-  "The dam was finished."); a yes or no, a negation, and the choice of one option the question names ("Ilse Marten"
-  to "Who was the first keeper, Ilse Marten or Pieter Marten?") add something;
-- ``wrong_subject``: a biography that never names the requested person, whose name is not in the book, or
-  that names another requested person more often than its own subject;
-- ``ungrounded``: less than ``min_grounded_fraction`` of the answer's content words (stop words removed;
-  case, punctuation, thousands separators, number words and simple suffixes normalised) occur in the text
-  the question was asked about (the chunk, the document, or the numbered documents); words the answer
-  repeats from its question are left out of the count ("Greta Nagel was born in Paris" to "Where was Greta
-  Nagel born?" is judged by "Paris" alone). A number must occur in the text whatever the fraction (a wrong
-  year is a wrong answer), except in the aggregating tasks (``multi_detail``, ``heterogeneous``), whose
-  counts, sums and gaps are computed: there numbers are not counted;
-- ``near_duplicate``: a question whose normalised word set has a Jaccard similarity of at least
-  ``max_question_similarity`` with an earlier kept question of the same context (questions naming different
-  numbers, "Document 1 or Document 3" against "Document 2 or Document 3", are different questions).
+Each gate rejects one item with a short reason code (:data:`REASONS`, in the order the gates run: the first that
+fails gives the reason) and a detail message. What each gate rejects, with its threshold and default
+(:class:`QualityConfig`), is tabled in docs/synth.md (Quality gates); each gate is a function below. Two facts of a
+task's record (:mod:`.registry`) choose among them: items about a named subject (``subject``: biographies) are judged
+by ``wrong_subject`` and ``min_biography_words`` instead of ``not_a_question`` and ``restates_question``, and in the
+tasks whose answers compute counts, sums and gaps (``computed_numbers``) ``ungrounded`` does not ask for numbers.
 
 The gates are plain text checks, torch-free and deterministic; :class:`QualityGates` counts every rejection
 by task and reason for the run's stats. An answer the server cut off (``finish_reason`` ``length``) never reaches
@@ -49,34 +24,13 @@ from typing import Any, Literal, Protocol
 from pydantic import Field
 
 from ..config import StrictModel
+from .registry import get_task
 
-REASONS = (
-    "placeholder",
-    "prompt_echo",
-    "refusal",
-    "too_short",
-    "unfinished",
-    "not_a_question",
-    "tautology",
-    "restates_question",
-    "wrong_subject",
-    "ungrounded",
-    "near_duplicate",
+REASONS = tuple(  # the gates' reason codes, in the order the gates run
+    "placeholder prompt_echo refusal too_short unfinished not_a_question tautology restates_question wrong_subject "
+    "ungrounded near_duplicate".split()
 )
-GateName = Literal[
-    "placeholder",
-    "prompt_echo",
-    "refusal",
-    "too_short",
-    "unfinished",
-    "not_a_question",
-    "tautology",
-    "restates_question",
-    "wrong_subject",
-    "ungrounded",
-    "near_duplicate",
-]
-AGGREGATING_TASKS = ("multi_detail", "heterogeneous")  # answers may hold computed numbers (counts, sums, gaps)
+GateName = Literal[REASONS]  # one of REASONS
 
 
 class QualityConfig(StrictModel):
@@ -155,35 +109,14 @@ also named namely including include includes included
 """.split()
 )
 
+_UNITS = (
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
+    "eighteen nineteen twenty"
+).split()
+_TENS = "thirty forty fifty sixty seventy eighty ninety".split()
 NUMBER_WORDS = {
-    "zero": "0",
-    "one": "1",
-    "two": "2",
-    "three": "3",
-    "four": "4",
-    "five": "5",
-    "six": "6",
-    "seven": "7",
-    "eight": "8",
-    "nine": "9",
-    "ten": "10",
-    "eleven": "11",
-    "twelve": "12",
-    "thirteen": "13",
-    "fourteen": "14",
-    "fifteen": "15",
-    "sixteen": "16",
-    "seventeen": "17",
-    "eighteen": "18",
-    "nineteen": "19",
-    "twenty": "20",
-    "thirty": "30",
-    "forty": "40",
-    "fifty": "50",
-    "sixty": "60",
-    "seventy": "70",
-    "eighty": "80",
-    "ninety": "90",
+    **{word: str(n) for n, word in enumerate(_UNITS)},
+    **{word: str(10 * n) for n, word in enumerate(_TENS, 3)},
     "hundred": "100",
 }
 
@@ -238,33 +171,9 @@ def numbers(text: str) -> set[str]:
 # ---- the gates ------------------------------------------------------------------------------------
 
 _PLACEHOLDER_WORDS = frozenset(
-    {
-        "question",
-        "answer",
-        "string",
-        "text",
-        "name",
-        "biography",
-        "placeholder",
-        "example",
-        "todo",
-        "tbd",
-        "tba",
-        "n/a",
-        "na",
-        "xxx",
-        "your question",
-        "your answer",
-        "your question here",
-        "your answer here",
-        "question here",
-        "answer here",
-        "insert question",
-        "insert answer",
-        "lorem ipsum",
-        "null",
-        "undefined",
-    }
+    "question|answer|string|text|name|biography|placeholder|example|todo|tbd|tba|n/a|na|xxx|your question|your answer|"
+    "your question here|your answer here|question here|answer here|insert question|insert answer|lorem ipsum|null|"
+    "undefined".split("|")
 )  # not "none": "None." answers "which ... both?" correctly
 _PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
 _BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
@@ -408,7 +317,9 @@ _IDIOMS = frozenset(
 
 
 def tautology(text: str) -> str | None:
-    """Why ``text`` is a tautology or a loop (see the module docstring), or None."""
+    """Why ``text`` is a tautology or a loop, or None: it equates a thing with itself ("copyleft is a copyleft", "a
+    lake that is a lake"), compares it with itself ("between copyleft and copyleft"), repeats one phrase in a loop
+    ("in 1903, in 1903, in 1903"), or its content words are mostly one word said four times or more."""
     found = words(text)
     content = [w for w in found if w not in STOP_WORDS]
     for i, word in enumerate(found):
@@ -454,7 +365,10 @@ _POLARITY = frozenset("yes no not never neither nor none nobody nothing true fal
 
 
 def restates_question(question: str, answer: str, coverage: float) -> str | None:
-    """Why ``answer`` only restates ``question`` (see the module docstring), or None."""
+    """Why ``answer`` only restates ``question``, or None: every content word of it is in the question, and it repeats
+    at least ``coverage`` of the question's content words ("When was the dam finished?" / "The dam was finished."); a
+    yes or no, a negation, and the choice of one option the question names ("Ilse Marten" to "Who was the first
+    keeper, Ilse Marten or Pieter Marten?") add something."""
     answer_words = words(answer)
     if any(w in _POLARITY or w.endswith("n't") for w in answer_words if w not in words(question)):
         return None
@@ -556,7 +470,7 @@ class QualityGates:
         """Judge the items of one answer.
 
         Args:
-            task: the builder task (``single_detail``, ``multi_detail``, ``heterogeneous``, ``biography``).
+            task: the name of a registered synth task (:mod:`.registry`).
             items: QA pairs or biography turns, in the model's order.
             evidence: the text the items were asked about (the chunk, the document, the numbered documents).
             instructions: the prompt without the evidence (for ``prompt_echo``).
@@ -650,6 +564,7 @@ class QualityGates:
             return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}"
 
         qa = name is None  # a QA pair (a biography's question is longpeft's own)
+        numbers_computed = get_task(task).computed_numbers
         steps: list[tuple[str, Callable[[], str | None]]] = [
             ("placeholder", each_field(lambda label, text: placeholder(text))),
             (
@@ -672,7 +587,7 @@ class QualityGates:
             (
                 "ungrounded",
                 lambda: ungrounded(
-                    item.answer, evidence_stems, cfg.min_grounded_fraction, task in AGGREGATING_TASKS, item.question
+                    item.answer, evidence_stems, cfg.min_grounded_fraction, numbers_computed, item.question
                 ),
             ),
         ]

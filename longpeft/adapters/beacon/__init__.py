@@ -20,65 +20,45 @@ unedited: no resized vocabulary, no modeling file (except in an exported merged 
 
 from __future__ import annotations
 
-from ..registry import Method, MethodTraining, MethodWeights, imported_on_call, torch_names
-from .config import BeaconConfig, describe, planned_parameters, resolve, training_labels
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-INFERENCE_SETTINGS = ("inference_ratios", "inference_ratio_mix", "parallel_windows", "keep_start", "keep_end")
+from ..registry import Method, imported_on_call, torch_names
+from .config import INFERENCE_SETTINGS, BeaconConfig, describe, planned_parameters, resolve, training_labels
 
-__getattr__ = torch_names(
-    __name__,
-    {
-        **dict.fromkeys(("BeaconCache", "BeaconStep"), "cache"),
-        **dict.fromkeys(("BeaconSettings", "WindowLayout", "window_layout"), "layout"),
-        **dict.fromkeys(
-            (
-                "backbone_of",
-                "beacon_parameters",
-                "beacons_disabled",
-                "install_beacon",
-                "is_beacon_applied",
-                "remove_beacon",
-                "trainable_beacon_parameters",
-            ),
-            "patch",
-        ),
-        **dict.fromkeys(("apply_beacon", "set_inference_settings"), "apply"),
-        **dict.fromkeys(("WEIGHTS_FILENAME", "load_beacon_weights", "save_beacon_weights"), "weights"),
-        "write_remote_code": "export",
-    },
-)
+if TYPE_CHECKING:  # registering the method imports no torch
+    from torch import nn
 
-
-def training_span(config: BeaconConfig, length: int, max_positions: int) -> int:
-    """Positions a training input of ``length`` tokens occupies: the memory plus one window at the training ratios
-    (the recipe's check that they fit the base)."""
-    from .layout import window_span  # the window layout module builds its masks in torch
-
-    return window_span(config.settings(), length, max_positions, training=True)
-
+TORCH_NAMES = {
+    **dict.fromkeys(("BeaconCache", "BeaconStep"), "cache"),
+    **dict.fromkeys(("BeaconSettings", "WindowLayout", "window_layout"), "layout"),
+    **dict.fromkeys(("backbone_of", "beacon_parameters", "beacons_disabled", "install_beacon"), "patch"),
+    **dict.fromkeys(("is_beacon_applied", "remove_beacon", "trainable_beacon_parameters"), "patch"),
+    **dict.fromkeys(("apply_beacon", "set_inference_settings"), "apply"),
+    **dict.fromkeys(("WEIGHTS_FILENAME", "load_beacon_weights", "save_beacon_weights"), "weights"),
+    "write_remote_code": "export",
+}
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (beacon keys re-rotated into memory)"
 
-METHOD = Method(
-    name="beacon",
-    config=BeaconConfig,
-    resolve=resolve,
-    apply=imported_on_call(f"{__name__}.apply", "apply_beacon_config"),
-    remove=imported_on_call(f"{__name__}.patch", "remove_beacon"),
-    is_applied=imported_on_call(f"{__name__}.patch", "is_beacon_applied"),
-    describe=describe,
-    export=imported_on_call(f"{__name__}.export", "export_beacon"),
-    remote_code=True,
-    weights=MethodWeights(
-        parameters=imported_on_call(f"{__name__}.patch", "trainable_beacon_parameters"),
-        save=imported_on_call(f"{__name__}.weights", "save_weights"),
-        load=imported_on_call(f"{__name__}.weights", "load_weights"),
-        planned=planned_parameters,
-        plan_lever="beacon.projection: lora (a low-rank delta instead of a full copy of each projection)",
-    ),
-    training=MethodTraining(span=training_span, labels=training_labels),
-    model_span=imported_on_call(f"{__name__}.apply", "model_span"),
-    conflicts={
+
+class Beacon(Method):
+    """Activation Beacon in the registry: its layout on a built model, its own weights (``beacon_adapter.safetensors``
+    beside the adapter), its modeling file on export, and its training window and labels. Each hook imports its
+    torch module when it runs."""
+
+    name = "beacon"
+    config = BeaconConfig
+    remote_code = True
+    plan_lever = "beacon.projection: lora (a low-rank delta instead of a full copy of each projection)"
+    # lm-eval pads a batch's generation requests on the left, which beacon refuses, and its scored ones on the right,
+    # where beacon would choose its ratio for the padded length.
+    padded_batches = (
+        "an Activation Beacon model reads a padded request differently from the request alone (its windows start at "
+        "the same index in every row)"
+    )
+    conflicts = {
         "harpe": "Activation Beacon re-rotates memory keys with the model's one rotary module, and HARPE gives each "
         "head its own RoPE base",
         "sharded_weights": (
@@ -93,28 +73,44 @@ METHOD = Method(
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention and decoder-layer forwards that Activation Beacon patches, which "
         "would silently not apply",
-    },
-)
+    }
 
-__all__ = [
-    "METHOD",
-    "WEIGHTS_FILENAME",
-    "BeaconCache",
-    "BeaconConfig",
-    "BeaconSettings",
-    "BeaconStep",
-    "INFERENCE_SETTINGS",
-    "WindowLayout",
-    "apply_beacon",
-    "beacon_parameters",
-    "beacons_disabled",
-    "install_beacon",
-    "is_beacon_applied",
-    "load_beacon_weights",
-    "remove_beacon",
-    "save_beacon_weights",
-    "set_inference_settings",
-    "trainable_beacon_parameters",
-    "window_layout",
-    "write_remote_code",
-]
+    resolve = staticmethod(resolve)
+    describe = staticmethod(describe)
+    planned_weights = staticmethod(planned_parameters)
+    training_labels = staticmethod(training_labels)
+    remove = imported_on_call(f"{__name__}.patch", "remove_beacon")
+    is_applied = imported_on_call(f"{__name__}.patch", "is_beacon_applied")
+    model_span = imported_on_call(f"{__name__}.apply", "model_span")
+    weight_parameters = imported_on_call(f"{__name__}.patch", "trainable_beacon_parameters")
+
+    def apply(self, model: nn.Module, config: BeaconConfig) -> None:
+        from .apply import apply_beacon
+
+        apply_beacon(model, config.settings())
+
+    def export(self, model: nn.Module, folder: Path, config: BeaconConfig) -> None:
+        from .export import write_remote_code
+
+        write_remote_code(folder, config.settings())
+
+    def save_weights(self, model: nn.Module, folder: Path, config: BeaconConfig, state_dict: dict | None) -> None:
+        from .weights import save_beacon_weights
+
+        save_beacon_weights(model, folder, state_dict)
+
+    def load_weights(self, model: nn.Module, folder: Path, config: BeaconConfig) -> None:
+        from .weights import load_beacon_weights
+
+        load_beacon_weights(model, folder)
+
+    def training_span(self, config: BeaconConfig, length: int, max_positions: int) -> int:
+        """The memory plus one window at the training ratios (the recipe's check that they fit the base)."""
+        from .layout import window_span
+
+        return window_span(config.settings(), length, max_positions, training=True)
+
+
+METHOD = Beacon()
+
+__all__ = ["INFERENCE_SETTINGS", "METHOD", "BeaconConfig", *TORCH_NAMES]

@@ -1,9 +1,11 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the section's ``apply`` hook, the settings only inference reads, and what an input
-costs a model with beacons (the torch side of the ``beacon`` method that the exported modeling file does not carry).
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons
+(the torch side of the ``beacon`` method that the exported modeling file does not carry).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pydantic
 from torch import nn
@@ -11,8 +13,7 @@ from torch import nn
 from ...errors import ConfigError
 from ...family import causal_lm_of
 from ..registry import check_applicable
-from . import INFERENCE_SETTINGS
-from .config import BeaconConfig
+from .config import INFERENCE_SETTINGS, BeaconConfig
 from .layout import BeaconSettings, window_span
 from .patch import backbone_of, install_beacon, is_beacon_applied
 
@@ -22,15 +23,39 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
 
     Args:
         model: the model; applying again replaces the settings and the beacon weights.
-        settings: :class:`BeaconSettings` or its dict (``config.beacon``).
+        settings: :class:`BeaconSettings`, or a dict of some or all of its settings (:func:`settings_from`).
         initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
             the beacon embedding. Off when the weights are loaded right after (an exported model).
 
     Raises:
         MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).
+        ConfigError: a setting of the dict that :class:`BeaconConfig` refuses.
     """
     check_applicable(model, "beacon")
-    install_beacon(model, settings, initialise)
+    install_beacon(model, settings if isinstance(settings, BeaconSettings) else settings_from(settings), initialise)
+
+
+def settings_from(data: dict, what: str | None = None) -> BeaconSettings:
+    """:class:`BeaconSettings` from a dict: every setting, as ``BeaconSettings.as_dict`` (``config.beacon``) writes
+    them, or some of them with :class:`BeaconConfig`'s defaults for the rest (``{"window": 8, "ratios": [2]}``).
+
+    Raises:
+        ConfigError: a key :class:`BeaconConfig` does not have, or a value it refuses, each named, after ``what``
+            (default: the dict).
+    """
+    data = dict(data)
+    if set(data) == {field.name for field in dataclasses.fields(BeaconSettings)} and data["projection"] == "full":
+        data["lora_rank"] = data["lora_alpha"] = None  # as_dict fills in a rank that projection: full does not take
+    try:
+        return BeaconConfig(**data).settings()
+    except pydantic.ValidationError as error:
+        reasons = "; ".join(
+            f"{'.'.join(map(str, problem['loc']))}: {str(problem['msg']).removeprefix('Value error, ')}"
+            if problem["loc"]
+            else str(problem["msg"]).removeprefix("Value error, ")
+            for problem in error.errors()
+        )
+        raise ConfigError(f"{what or f'beacon settings {data}'}: {reasons}") from error
 
 
 def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
@@ -52,22 +77,10 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon")
     backbone = backbone_of(model)
-    current = backbone.beacon_settings.as_dict()
-    if current["projection"] == "full":  # BeaconSettings fills in a rank that projection: full does not take
-        current["lora_rank"] = current["lora_alpha"] = None
-    try:
-        settings = BeaconConfig(**{**current, **changes}).settings()
-    except pydantic.ValidationError as error:
-        reasons = "; ".join(str(problem["msg"]).removeprefix("Value error, ") for problem in error.errors())
-        raise ConfigError(f"beacon inference settings {changes}: {reasons}") from error
+    settings = settings_from({**backbone.beacon_settings.as_dict(), **changes}, f"beacon inference settings {changes}")
     backbone.beacon_settings = settings
     causal_lm_of(model).config.beacon = settings.as_dict()
     return settings
-
-
-def apply_beacon_config(model: nn.Module, config: BeaconConfig) -> None:
-    """The method's ``apply``: :func:`apply_beacon` with the section's settings."""
-    apply_beacon(model, config.settings())
 
 
 def model_span(model: nn.Module, length: int) -> tuple[int, int]:

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 RATIO_MIX = re.compile(r"^(step-random|instance-random|sequence|adapt-\d+)$")  # ratio_mix's values
 DEFAULT_LORA_RANK = 32
+# The settings only inference reads: a model with beacons may change them (``set_inference_settings``).
+INFERENCE_SETTINGS = ("inference_ratios", "inference_ratio_mix", "parallel_windows", "keep_start", "keep_end")
 
 
 def _check_ratios(ratios: list[int], window: int, key: str) -> None:

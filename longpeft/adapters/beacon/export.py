@@ -25,7 +25,6 @@ from ...family import (
 from ...rope import apply_rotary, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import cache, layout, modules, parallel, patch, remote_classes, scheduler
-from .config import BeaconConfig
 from .layout import BeaconSettings
 from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
 
@@ -78,8 +77,3 @@ def write_remote_code(save_dir: str | Path, settings: BeaconSettings) -> None:
         standalone_modeling_source(),
         {"beacon": settings.as_dict()},
     )
-
-
-def export_beacon(model: object, folder: Path, config: BeaconConfig) -> None:
-    """The method's ``export``: ``modeling_beacon.py`` and ``auto_map`` in the saved ``folder``."""
-    write_remote_code(folder, config.settings())

@@ -25,7 +25,6 @@ from torch import nn
 from ...errors import DataError
 from ...reading import safetensors_header
 from ..registry import gathered_tensors
-from .config import BeaconConfig
 from .patch import beacon_parameters, causal_lm_of
 
 WEIGHTS_FILENAME = "beacon_adapter.safetensors"
@@ -110,13 +109,3 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
                         f"{tuple(parameter.shape)}; load it on the base model it was trained on"
                     )
                 parameter.copy_(tensor.to(parameter.dtype))
-
-
-def save_weights(model: nn.Module, folder: Path, config: BeaconConfig, state_dict=None) -> None:
-    """The method's ``weights.save``: ``beacon_adapter.safetensors`` in ``folder``."""
-    save_beacon_weights(model, folder, state_dict)
-
-
-def load_weights(model: nn.Module, folder: Path, config: BeaconConfig) -> None:
-    """The method's ``weights.load``: ``beacon_adapter.safetensors`` of ``folder`` onto ``model``."""
-    load_beacon_weights(model, folder)

@@ -16,23 +16,22 @@ trains at the target length in one stage. A merged model is exported for plain t
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from ...family import head_dim_of, num_kv_heads
 from ..registry import Method, ResolveContext, imported_on_call, torch_names
 from .config import HarpeConfig, check_head_bases, describe
 
-__getattr__ = torch_names(
-    __name__,
-    {
-        "apply_head_bases": "patch",
-        "has_head_bases": "patch",
-        "is_harpe_on": "patch",
-        "remove_head_bases": "patch",
-        "peak_valley_bases": "selection",
-        "select_bases": "selection",
-        "uniform_bases": "selection",
-        "write_remote_code": "export",
-    },
-)
+if TYPE_CHECKING:  # registering the method imports no torch
+    from torch import nn
+
+TORCH_NAMES = {
+    **dict.fromkeys(("apply_head_bases", "has_head_bases", "is_harpe_on", "remove_head_bases"), "patch"),
+    **dict.fromkeys(("peak_valley_bases", "select_bases", "uniform_bases"), "selection"),
+    "write_remote_code": "export",
+}
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
@@ -57,33 +56,36 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
 
 ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoPE base per head)"
 
-METHOD = Method(
-    name="harpe",
-    config=HarpeConfig,
-    resolve=resolve,
-    apply=imported_on_call(f"{__name__}.patch", "apply_harpe_config"),
-    remove=imported_on_call(f"{__name__}.patch", "remove_head_bases"),
-    is_applied=imported_on_call(f"{__name__}.patch", "is_harpe_on"),
-    describe=describe,
-    export=imported_on_call(f"{__name__}.export", "export_harpe"),
-    remote_code=True,
-    conflicts={
+
+class Harpe(Method):
+    """HARPE in the registry: its bases chosen when an adapter is created, set on a built model, and shipped in a
+    modeling file on export."""
+
+    name = "harpe"
+    config = HarpeConfig
+    remote_code = True
+    conflicts = {
         "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that rotates with HARPE's per-head bases, which would "
         "silently not apply",
-    },
-)
+    }
 
-__all__ = [
-    "METHOD",
-    "HarpeConfig",
-    "apply_head_bases",
-    "check_head_bases",
-    "has_head_bases",
-    "is_harpe_on",
-    "peak_valley_bases",
-    "remove_head_bases",
-    "select_bases",
-    "uniform_bases",
-    "write_remote_code",
-]
+    resolve = staticmethod(resolve)
+    describe = staticmethod(describe)
+    remove = imported_on_call(f"{__name__}.patch", "remove_head_bases")
+    is_applied = imported_on_call(f"{__name__}.patch", "is_harpe_on")
+
+    def apply(self, model: nn.Module, config: HarpeConfig) -> None:
+        from .patch import apply_head_bases
+
+        apply_head_bases(model, config.chosen_bases())
+
+    def export(self, model: nn.Module, folder: Path, config: HarpeConfig) -> None:
+        from .export import write_remote_code
+
+        write_remote_code(folder, config.chosen_bases())
+
+
+METHOD = Harpe()
+
+__all__ = ["METHOD", "HarpeConfig", "check_head_bases", *TORCH_NAMES]

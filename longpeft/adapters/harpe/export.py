@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from ...errors import DataError
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import modeling
-from .config import HarpeConfig
 from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_harpe.py"
@@ -60,8 +58,3 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
         standalone_modeling_source(),
         {"head_rope_bases": bases},
     )
-
-
-def export_harpe(model: Any, folder: Path, config: HarpeConfig) -> None:
-    """The method's ``export``: ``modeling_harpe.py`` and ``auto_map`` in the saved ``folder``."""
-    write_remote_code(folder, config.chosen_bases())

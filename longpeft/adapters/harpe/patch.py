@@ -15,7 +15,7 @@ from ...family import attention_modules, is_attention_module
 from ...rope import rotary_modules
 from ...rope_parameters import rope_parameters_of
 from ..registry import check_applicable
-from .config import HarpeConfig, check_head_bases
+from .config import check_head_bases
 from .modeling import HeadRotaryEmbedding, patch_head_rope
 
 
@@ -57,11 +57,6 @@ def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
     if not has_head_bases(model) and not rotary_modules(model):
         raise ValueError(f"found no rotary embedding module in {type(model).__name__}; is it a RoPE model?")
     patch_head_rope(model, bases)
-
-
-def apply_harpe_config(model: nn.Module, config: HarpeConfig) -> None:
-    """The method's ``apply``: the section's bases on ``model``."""
-    apply_head_bases(model, config.chosen_bases())
 
 
 def has_head_bases(model: nn.Module) -> bool:

@@ -12,31 +12,52 @@ positions, so the method has no ``apply``/``remove``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...family import IGNORE_INDEX
-from ..registry import Method, MethodTraining, imported_on_call, torch_names
+from ..registry import CollatorContext, Method, torch_names
 from .config import PoseConfig, describe, long_samples, resolve, training_span
 
-__getattr__ = torch_names(
-    __name__, dict.fromkeys(("PoseCollator", "pose_collator", "pose_position_ids", "pose_sample"), "modeling")
-)
+if TYPE_CHECKING:
+    from .modeling import PoseCollator
 
-METHOD = Method(
-    name="pose",
-    config=PoseConfig,
-    resolve=resolve,
-    describe=describe,
-    training=MethodTraining(
-        collator=imported_on_call(f"{__name__}.modeling", "pose_collator"),
-        long_samples=long_samples,
-        span=training_span,
-    ),
-    conflicts={
+TORCH_NAMES = dict.fromkeys(("PoseCollator", "pose_position_ids", "pose_sample"), "modeling")
+__getattr__ = torch_names(__name__, TORCH_NAMES)
+
+
+class Pose(Method):
+    """PoSE in the registry: its collator (skip-wise position ids), the longer samples a content skip draws from, and
+    the positions its inputs span; no change to a built model."""
+
+    name = "pose"
+    config = PoseConfig
+    conflicts = {
         "beacon": "Activation Beacon sets the positions itself (memory first, then the window), so PoSE's position "
         "ids would be ignored",
         "split_sequences": "PoSE trains on sequences of the base's window, which need no sequence parallelism",
         "unsloth": "unsloth runs its own attention and RoPE kernels, which are not checked with PoSE's skip-wise "
         "position ids",
-    },
-)
+    }
 
-__all__ = ["IGNORE_INDEX", "METHOD", "PoseCollator", "PoseConfig", "pose_collator", "pose_position_ids", "pose_sample"]
+    resolve = staticmethod(resolve)
+    describe = staticmethod(describe)
+    long_samples = staticmethod(long_samples)
+    training_span = staticmethod(training_span)
+
+    def collator(self, config: PoseConfig, context: CollatorContext) -> PoseCollator:
+        """:class:`PoseCollator` of a resolved section in the run's window."""
+        from .modeling import PoseCollator
+
+        return PoseCollator(
+            target_length=config.target_length,
+            pad_token_id=context.pad_token_id,
+            n_chunks=config.n_chunks,
+            max_length=context.max_length,
+            seed=context.seed,
+            content_skip=config.content_skip,
+        )
+
+
+METHOD = Pose()
+
+__all__ = ["IGNORE_INDEX", "METHOD", "PoseConfig", *TORCH_NAMES]

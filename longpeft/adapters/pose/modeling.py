@@ -42,8 +42,6 @@ import numpy as np
 import torch
 
 from ...family import IGNORE_INDEX
-from ..registry import CollatorContext
-from .config import PoseConfig
 
 
 def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
@@ -230,15 +228,3 @@ class PoseCollator:
             "position_ids": torch.from_numpy(batch_positions),
             "attention_mask": torch.ones((len(rows), width), dtype=torch.long),
         }
-
-
-def pose_collator(config: PoseConfig, context: CollatorContext) -> PoseCollator:
-    """The method's ``collator``: :class:`PoseCollator` of a resolved section in the run's window."""
-    return PoseCollator(
-        target_length=config.target_length,
-        pad_token_id=context.pad_token_id,
-        n_chunks=config.n_chunks,
-        max_length=context.max_length,
-        seed=context.seed,
-        content_skip=config.content_skip,
-    )

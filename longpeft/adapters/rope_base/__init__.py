@@ -14,13 +14,20 @@ A merged or fully fine-tuned model's config.json also gets the keys transformers
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from ...errors import ConfigError
 from ...rope_parameters import ROPE_TYPE_REQUIRED_KEYS, rope_parameters_of, unused_rope_keys
 from ..registry import Method, ResolveContext, imported_on_call, torch_names
 from .config import RopeConfig, RopeType, resolve_rope_parameters
-from .export import export_rope, write_legacy_rope_keys
+from .export import write_legacy_rope_keys
 
-__getattr__ = torch_names(__name__, dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling"))
+if TYPE_CHECKING:  # registering the method imports no torch
+    from torch import nn
+
+TORCH_NAMES = dict.fromkeys(("expand_rope_base", "has_rope_change", "restore_rope"), "modeling")
+__getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
@@ -80,24 +87,28 @@ def check_rope_theta(theta: float, base_theta: float) -> None:
         )
 
 
-METHOD = Method(
-    name="rope",
-    config=RopeConfig,
-    resolve=resolve,
-    apply=imported_on_call(f"{__name__}.modeling", "apply_rope_config"),
-    remove=imported_on_call(f"{__name__}.modeling", "restore_rope"),
-    is_applied=imported_on_call(f"{__name__}.modeling", "has_rope_change"),
-    export=export_rope,
-    implied=True,  # the card writes the RoPE change itself (hub.model_card_text)
-)
+class Rope(Method):
+    """RoPE parameters in the registry: resolved against the base, set on a built model, and written into an
+    exported config.json for transformers 4 (:func:`write_legacy_rope_keys`). Every model has it (``implied``); the
+    card writes the RoPE change itself (``hub.model_card_text``)."""
 
-__all__ = [
-    "METHOD",
-    "RopeConfig",
-    "RopeType",
-    "expand_rope_base",
-    "has_rope_change",
-    "resolve_rope_parameters",
-    "restore_rope",
-    "write_legacy_rope_keys",
-]
+    name = "rope"
+    config = RopeConfig
+    implied = True
+
+    resolve = staticmethod(resolve)
+    remove = imported_on_call(f"{__name__}.modeling", "restore_rope")
+    is_applied = imported_on_call(f"{__name__}.modeling", "has_rope_change")
+
+    def apply(self, model: nn.Module, config: RopeConfig) -> None:
+        from .modeling import expand_rope_base
+
+        expand_rope_base(model, config.rope_parameters(), config.max_position_embeddings)
+
+    def export(self, model: nn.Module, folder: Path, config: RopeConfig) -> None:
+        write_legacy_rope_keys(folder, config)
+
+
+METHOD = Rope()
+
+__all__ = ["METHOD", "RopeConfig", "RopeType", "resolve_rope_parameters", "write_legacy_rope_keys", *TORCH_NAMES]

@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .config import RopeConfig
-
-if TYPE_CHECKING:
-    from torch import nn
 
 
 def write_legacy_rope_keys(folder: Path, config: RopeConfig) -> None:
@@ -28,8 +24,3 @@ def write_legacy_rope_keys(folder: Path, config: RopeConfig) -> None:
     data["rope_theta"] = params["rope_theta"]
     data["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def export_rope(model: nn.Module, folder: Path, config: RopeConfig) -> None:
-    """The method's ``export``: :func:`write_legacy_rope_keys` into the saved ``folder``."""
-    write_legacy_rope_keys(folder, config)

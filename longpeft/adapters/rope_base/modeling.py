@@ -10,7 +10,7 @@ from torch import nn
 
 from ...rope import set_rope_parameters
 from ...rope_parameters import rope_parameters_of
-from .config import RopeConfig, resolve_rope_parameters
+from .config import resolve_rope_parameters
 
 
 def expand_rope_base(
@@ -34,11 +34,6 @@ def expand_rope_base(
     new = set_rope_parameters(model, params, max_position_embeddings)
     model._longpeft_original_rope = original
     return new
-
-
-def apply_rope_config(model: nn.Module, config: RopeConfig) -> None:
-    """The method's ``apply``: the section's RoPE parameters and length on ``model``."""
-    expand_rope_base(model, config.rope_parameters(), config.max_position_embeddings)
 
 
 def restore_rope(model: nn.Module) -> None:

@@ -11,7 +11,6 @@ fails instead of building the model without STRING.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ...family import (
     attention_modules,
@@ -25,7 +24,6 @@ from ...rope import apply_rotary, rotary_modules, rotate_half
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import attention, remote_classes
 from .attention import StringSettings
-from .config import StringConfig
 from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_string.py"
@@ -74,8 +72,3 @@ def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
         standalone_modeling_source(),
         {"string": settings.as_dict()},
     )
-
-
-def export_string(model: Any, folder: Path, config: StringConfig) -> None:
-    """The method's ``export``: ``modeling_string.py`` and ``auto_map`` in the saved ``folder``."""
-    write_remote_code(folder, StringSettings(**config.model_dump()))

@@ -12,7 +12,7 @@ from ...family import causal_lm_of, check_supported
 from ...spec import SPEC_FILENAME, ContextSpec
 from ..registry import check_applicable
 from .attention import StringSettings, install_string, string_settings
-from .config import DEFAULT_LOCAL_WINDOW, StringConfig, string_defaults
+from .config import DEFAULT_LOCAL_WINDOW, string_defaults
 
 
 def enable_string(
@@ -64,11 +64,6 @@ def recorded_trained_length(model: nn.Module) -> int | None:
         if source and (Path(source) / SPEC_FILENAME).is_file():
             spec = ContextSpec.load(Path(source))
     return spec.trained_length if spec is not None else None
-
-
-def apply_string_config(model: nn.Module, config: StringConfig) -> None:
-    """The method's ``apply``: :func:`enable_string` with the section's settings."""
-    enable_string(model, **config.model_dump())
 
 
 def is_string_on(model: nn.Module) -> bool:

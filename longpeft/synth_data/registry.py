@@ -1,0 +1,232 @@
+"""The synth-task registry: the one table that ``longpeft synth`` (its flags, its config, its run), ``synth --plan``,
+the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read; and the types of what
+a task plans and answers.
+
+A task is one record: its name, its config section and planner (the contexts of its conversations and the QA jobs
+about them), its prompt, output schema and parser (what the LLM is asked and what is taken from its answer), its
+exact answers from procedural facts (the offline answerer), what the quality gates need to know of its items, and
+its own flags. Adding a task is one :func:`register` line (the built-in ones: :mod:`.builtin`); nothing else names it.
+A :class:`QAJob` of a task says what to ask about (a chunk, a whole long context, the texts of one cluster, a book)
+and how many items to write; a :class:`QAGenerator` (:mod:`.qa`) turns jobs into lists of :class:`QAPair`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import Field
+
+from ..config import StrictModel
+from ..errors import ConfigError
+from .answer_schema import QA_PAIRS, OutputSchema
+from .corpus import Document, Fact
+
+
+@dataclass(frozen=True)
+class Passage:
+    """The character span ``[start, end)`` of a document."""
+
+    doc: Document
+    start: int
+    end: int
+
+    @property
+    def text(self) -> str:
+        return self.doc.text[self.start : self.end]
+
+    def facts(self) -> list[Fact]:
+        """Facts of the document whose sentence lies entirely inside the passage."""
+        return [f for f in self.doc.facts if f.start >= self.start and f.end <= self.end]
+
+
+@dataclass
+class QAJob:
+    """One generation job.
+
+    Attributes:
+        task: the name of a registered synth task (:data:`TASKS`).
+        passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
+            biography) or the documents of one context (heterogeneous, numbered from 1 in order).
+        n: questions to write (biographies for ``biography``).
+        seed: seeds the procedural answerer's choices.
+    """
+
+    task: str
+    passages: list[Passage]
+    n: int
+    seed: int = 0
+
+
+@dataclass
+class QAPair:
+    """A question and its answer; ``evidence`` lists the fact ids behind a procedural answer."""
+
+    question: str
+    answer: str
+    evidence: list[str] = field(default_factory=list)
+
+
+class QAGenerator(Protocol):
+    """Answers a batch of jobs; ``None`` marks a job that produced nothing usable (recorded elsewhere)."""
+
+    def generate(self, jobs: Sequence[QAJob]) -> list[list[QAPair] | None]: ...
+
+
+def parse_qa_pairs(text: str) -> list[QAPair]:
+    """``{"qa_pairs": [{"question", "answer"}]}`` (:data:`.answer_schema.QA_PAIRS`) -> QA pairs, stripped."""
+    return [QAPair(item["question"].strip(), item["answer"].strip()) for item in QA_PAIRS.parse(text)]
+
+
+def titled_text(passage: Passage) -> str:
+    """The passage's text, headed by its document's title unless the text already starts with it."""
+    text = passage.text.strip()
+    title = passage.doc.title.strip()
+    return text if not title or text.startswith(title) else f"{title}\n{text}"
+
+
+def titled_passages(passages: Sequence[Passage]) -> str:
+    """The passages' titled texts (:func:`titled_text`), one after the other."""
+    return "\n\n".join(titled_text(p) for p in passages)
+
+
+def numbered_documents(passages: Sequence[Passage]) -> str:
+    """The documents of a heterogeneous context, numbered from 1 (the layout of the training context)."""
+    return "\n\n".join(f"Document {i + 1}:\n{titled_text(p)}" for i, p in enumerate(passages))
+
+
+def first_passage(passages: Sequence[Passage]) -> str:
+    """The text of the first passage, stripped: what the prompt of a one-passage job shows."""
+    return passages[0].text.strip()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One ``longpeft synth`` flag.
+
+    Attributes:
+        flag: as typed, ``--questions-per-chunk``; its dest is the name without dashes, ``-`` read as ``_``.
+        help: the help line (None: none).
+        key: the config key it sets, dotted (``length.chunk_tokens``; a task's flag: a field of its section,
+            ``questions_per_chunk``), or None for a flag the command reads itself.
+        options: more ``add_argument`` keywords (``type``, ``choices``, ``nargs``, ``action``).
+    """
+
+    flag: str
+    help: str | None
+    key: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
+
+
+class TaskConfig(StrictModel):
+    """A task's section of the synth config (``single_detail:``, ...): ``contexts`` and the task's own settings."""
+
+    contexts: int = Field(2, ge=0, description="conversations to build (0: the task is off)")
+
+
+@dataclass(frozen=True)
+class SynthTask:
+    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes.
+
+    Attributes:
+        name: ``--tasks NAME``, its config section, and the ``task`` of its rows, requests, rejects and stats.
+        config: its config section, a :class:`TaskConfig`.
+        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts (its
+            config section's) and the QA jobs about each, from ``documents``, or when None from procedural ones made
+            with ``builder`` (:class:`.builders.LongContextBuilder`); the items of a context's jobs become the turns
+            of its conversation. Runs and ``synth --plan`` plan with it.
+        prompt: the user prompt of a job, a ``str.format`` template: ``{text}`` (the job's passages laid out by
+            ``layout``), ``{n}`` (the items asked) and ``{k}`` (the passages); it states the JSON of an answer.
+        answer: ``answer(job, rng) -> list[QAPair]``: exact items from the facts recorded in procedural documents
+            (:class:`.qa.ProceduralAnswerer`, no LLM).
+        schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items (default: QA pairs,
+            :data:`.answer_schema.QA_PAIRS`).
+        parse: ``parse(text) -> list[QAPair]``: the items of an answer (default :func:`parse_qa_pairs`); raises
+            :class:`.llm_output.MalformedOutput` for an answer that breaks ``schema``.
+        layout: the job's passages as its prompt shows them (default: the first passage's text).
+        evidence: the text of a job its answers must be grounded in, for the quality gates (default: the
+            passages' titled texts).
+        subject: ``subject(question) -> name`` for items about a named subject (biographies): the gates judge them
+            by ``wrong_subject`` and ``min_biography_words``, not as questions (``not_a_question``,
+            ``restates_question``). None: items are QA pairs.
+        computed_numbers: its answers hold computed numbers (counts, sums, gaps), which the ``ungrounded`` gate
+            does not look for in the text.
+        documents: options of the procedural documents it is built from (:func:`.corpus.generate_document`).
+        flags: its own ``longpeft synth`` flags, each setting a field of its section.
+    """
+
+    name: str
+    config: type[TaskConfig]
+    plan: Callable[..., list[Any]]
+    prompt: str
+    answer: Callable[[QAJob, random.Random], list[QAPair]]
+    schema: OutputSchema = field(default=QA_PAIRS, kw_only=True)
+    parse: Callable[[str], list[QAPair]] = field(default=parse_qa_pairs, kw_only=True)
+    layout: Callable[[Sequence[Passage]], str] = field(default=first_passage, kw_only=True)
+    evidence: Callable[[Sequence[Passage]], str] = field(default=titled_passages, kw_only=True)
+    subject: Callable[[str], str] | None = field(default=None, kw_only=True)
+    computed_numbers: bool = field(default=False, kw_only=True)
+    documents: Mapping[str, Any] = field(default_factory=dict, kw_only=True)
+    flags: tuple[Flag, ...] = field(default=(), kw_only=True)
+
+
+TASKS: dict[str, SynthTask] = {}
+
+
+def register(task: SynthTask) -> SynthTask:
+    """Add ``task`` to the registry (runs plan, ask and count tasks in registration order); returns it.
+
+    Raises:
+        ValueError: its name is taken or cannot name a config section, its config is not a :class:`TaskConfig`, or
+            a flag of it is another task's or sets no field of its config.
+    """
+    if task.name in TASKS and TASKS[task.name] is not task:
+        raise ValueError(f"a synth task named {task.name!r} is already registered")
+    if not task.name.isidentifier():
+        raise ValueError(f"synth task {task.name!r}: the name must be an identifier (it names a config section)")
+    if not (isinstance(task.config, type) and issubclass(task.config, TaskConfig)):
+        raise ValueError(f"synth task {task.name}: config must be a subclass of TaskConfig, got {task.config!r}")
+    taken = {flag.flag for other in TASKS.values() if other is not task for flag in other.flags}
+    for flag in task.flags:
+        if flag.flag in taken:
+            raise ValueError(f"synth task {task.name}: {flag.flag} is another task's flag")
+        if flag.key not in task.config.model_fields:
+            raise ValueError(f"synth task {task.name}: {flag.flag} sets {flag.key!r}, not a field of its config")
+    TASKS[task.name] = task
+    return task
+
+
+def unregister(name: str) -> None:
+    """Remove a task from the registry (tests, plug-ins)."""
+    TASKS.pop(name, None)
+
+
+@contextmanager
+def registered(task: SynthTask) -> Iterator[SynthTask]:
+    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
+    register(task)
+    try:
+        yield task
+    finally:
+        unregister(task.name)
+
+
+def get_task(name: str) -> SynthTask:
+    """The registered task called ``name``, with an error listing the known ones."""
+    task = TASKS.get(name)
+    if task is None:
+        raise ConfigError(f"unknown synth task {name!r}; choose one of {', '.join(TASKS)}")
+    return task
+
+
+def task_flags() -> list[Flag]:
+    """Every registered task's flags, keyed in the whole config (``single_detail.questions_per_chunk``)."""
+    return [dataclasses.replace(flag, key=f"{task.name}.{flag.key}") for task in TASKS.values() for flag in task.flags]
