@@ -60,7 +60,7 @@ def main(mode: str, base: str | None = None) -> None:
             LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], modules_to_save=["embed_tokens"]),
         )
     if mode == "qlora":  # trained weights in float32, as the runner keeps them (peft copied the embedding in bf16)
-        from longpeft.recipes.model import keep_trained_weights_in
+        from longpeft.recipes.peft_setup import keep_trained_weights_in
 
         keep_trained_weights_in(model, torch.float32, torch.bfloat16)
     layers = model.model.layers if mode == "full" else model.get_base_model().model.layers

@@ -12,8 +12,8 @@ from transformers import TrainerCallback
 
 import longpeft
 from longpeft.adapters.beacon import WEIGHTS_FILENAME, beacon_parameters, trainable_beacon_parameters
-from longpeft.recipes.model import save_adapter
 from longpeft.recipes.runner import prepare, run
+from longpeft.recipes.saving import save_adapter
 from longpeft.recipes.schema import RecipeError, load_recipe
 
 # compat: also run by `make test-compat` (transformers 5.17, trl 1.15, datasets 4)

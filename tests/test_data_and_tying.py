@@ -18,7 +18,7 @@ import longpeft
 from longpeft import hub
 from longpeft.adapters import apply_spec
 from longpeft.recipes.data import tokenize_conversation
-from longpeft.recipes.model import lora_config
+from longpeft.recipes.peft_setup import lora_config
 from longpeft.recipes.runner import prepare, run
 from longpeft.recipes.schema import load_recipe
 from longpeft.tiny import sample_text, tiny_model, train_tokenizer

@@ -10,7 +10,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from longpeft.recipes import runner
-from longpeft.recipes.sampling import LengthGroupedSampler, row_lengths
+from longpeft.recipes.recipe_trainer import LengthGroupedSampler, row_lengths
 from longpeft.recipes.schema import load_recipe
 from longpeft.scale import estimate
 from longpeft.scale.lengths import SampleLengths, group_by_length, length_grouped_order, ordered_seconds
@@ -83,7 +83,7 @@ def _accelerate_seconds(lengths, seconds, steps, batch, gpus, accumulation, seed
     from accelerate.data_loader import BatchSamplerShard
     from torch.utils.data import BatchSampler
 
-    from longpeft.recipes.sampling import LengthGroupedSampler
+    from longpeft.recipes.recipe_trainer import LengthGroupedSampler
     from longpeft.scale.lengths import epoch_steps
 
     sampler = LengthGroupedSampler(lengths, batch * gpus * accumulation, seed)

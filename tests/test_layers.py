@@ -108,6 +108,27 @@ LLM_CLIENT_PARTS = {
         "structured_output",
     },
 }
+# The recipe runner's parts (CONTRIBUTING.md, "Where things live") -> the modules of recipes/ each may import. The
+# steps, in the order data flows: validate, resume, base, data, peft_setup, trainer (with recipe_trainer, the Trainer
+# class), saving. A step never imports a later one, and none imports the runner, which joins them.
+RECIPE_PARTS = {
+    "schema": set(),
+    "validate": {"schema"},
+    "checkpoints": set(),
+    "resume": {"schema", "checkpoints"},
+    "base": {"schema", "validate"},
+    "unsloth_backend": {"schema", "base", "peft_setup"},
+    "data": {"schema"},
+    "init_from": {"schema"},
+    "peft_setup": {"schema"},
+    "recipe_trainer": {"checkpoints"},
+    "trainer": {"schema", "data", "init_from", "peft_setup", "recipe_trainer"},
+    "memory": {"schema"},
+    "plots": set(),
+    "saving": {"schema", "checkpoints", "plots"},
+    "longest": {"schema", "validate"},  # the planner's longest-context search, beside the steps
+    "plan_data": {"schema", "data"},  # the planner's sample lengths, by the data step's rules
+}
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
 
 
@@ -258,8 +279,21 @@ def test_the_errors_import_nothing():
 
 
 def test_the_graph_reads_lazy_imports():
-    """The reader sees imports inside functions (the runner's lazy import of the model card writer)."""
-    assert "longpeft.hub" in GRAPH["longpeft.recipes.model"]
-    assert {"longpeft.recipes.model", "longpeft.recipes.trainer", "longpeft.recipes.data"} <= GRAPH[
+    """The reader sees imports inside functions (the stage check's lazy import of the Hub's weight reader)."""
+    assert "longpeft.hub" in GRAPH["longpeft.recipes.init_from"]
+    assert {"longpeft.recipes.base", "longpeft.recipes.trainer", "longpeft.recipes.data"} <= GRAPH[
         "longpeft.recipes.runner"
     ]
+
+
+@pytest.mark.parametrize("name", sorted(name for name in MODULES if name.startswith("longpeft.recipes.")))
+def test_each_recipe_step_imports_only_the_steps_before_it(name):
+    """A module of recipes/ imports only those of recipes/ that ``RECIPE_PARTS`` gives it; the runner alone joins
+    the steps (and a new module gets its place in the table)."""
+    part = name.rpartition(".")[2]
+    used = {target.rpartition(".")[2] for target in GRAPH[name] if target.startswith("longpeft.recipes.")}
+    if part == "runner":
+        assert used <= set(RECIPE_PARTS)
+        return
+    assert part in RECIPE_PARTS, f"{name} is not in RECIPE_PARTS: give it its place in the runner's steps"
+    assert used <= RECIPE_PARTS[part], f"{name} imports {sorted(used - RECIPE_PARTS[part])}"

@@ -760,7 +760,7 @@ def test_bundled_recipes_pass_the_checks_against_their_base(name, tmp_path):
     recipe's own base: the CPU recipes' tiny and toy bases, the 8B recipes' bases by their real config values."""
     from transformers import AutoConfig, LlamaConfig
 
-    from longpeft.recipes.model import base_location
+    from longpeft.recipes.base import base_location
     from longpeft.recipes.validate import build_spec, check_against_base
 
     # HARPE's peak-valley search at 128K (34 s on CPU) is tested in test_harpe_selection; the positions are not its.
@@ -833,8 +833,8 @@ def test_a_bf16_full_fine_tune_trains_float32_weights_and_saves_bf16(tmp_path):
     model is bf16 again (the recipe's dtype)."""
     from safetensors import safe_open
 
-    from longpeft.recipes.model import save_adapter
     from longpeft.recipes.runner import prepare
+    from longpeft.recipes.saving import save_adapter
 
     recipe = load_recipe(
         "tiny-harpe-cpu",

@@ -187,7 +187,7 @@ SAVE_MOMENTS = {
         lambda f: _cut_short(f, "trainer_state.json"),
     ),
     "every file written, not yet renamed": (
-        "longpeft.recipes.checkpoint_trainer.publish_checkpoint",
+        "longpeft.recipes.recipe_trainer.publish_checkpoint",
         _killed_before_the_rename,
     ),
 }
@@ -515,7 +515,7 @@ def test_a_tokenizer_that_encodes_nothing_is_refused():
 def test_a_partial_tiny_base_is_rebuilt_not_trusted(tmp_path):
     from transformers import AutoTokenizer
 
-    from longpeft.recipes.model import materialize_tiny_base
+    from longpeft.recipes.base import materialize_tiny_base
 
     folder = tmp_path / "base"
     folder.mkdir()

@@ -34,7 +34,7 @@ def main(mode: str, base: str) -> None:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    from longpeft.recipes.model import keep_trained_weights_in
+    from longpeft.recipes.peft_setup import keep_trained_weights_in
 
     accelerator = Accelerator()
     assert is_deepspeed_zero3_enabled()  # so from_pretrained builds the base partitioned, inside zero.Init

@@ -3,7 +3,7 @@ started with, and metrics lines that survive a torn write.
 
 A checkpoint is written into ``checkpoints/.saving/checkpoint-<step>`` and takes its name
 ``checkpoints/checkpoint-<step>`` by a rename once every process has written its part
-(:func:`publish_checkpoint`, run by the Trainer of :mod:`.checkpoint_trainer`): a kill while one is being written
+(:func:`publish_checkpoint`, run by the Trainer of :mod:`.recipe_trainer`): a kill while one is being written
 leaves nothing under that name. A folder under it is also checked before a resume takes it: complete when its
 ``trainer_state.json`` parses and its weights and optimizer state are there (an older run's folder cut short, or
 one a rotation was deleting, is skipped, saying so). Stray folders that are not ``checkpoint-<int>`` are ignored.

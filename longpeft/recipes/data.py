@@ -1,5 +1,5 @@
 """Training data for recipes: conversations (``messages``) or plain text, from files, the Hub, or the
-demo generator."""
+demo generator, tokenized and kept, cut or dropped by the recipe's length rules (:func:`build_dataset`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..files import hub_preflight, is_local
+from ..synth_data.utk import add_utk_tokens, chunk_labels_needed, pack_documents, utk_overhead
 from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
@@ -267,25 +268,6 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
     return ids if eos_id is None or ids[-1:] == [eos_id] else [*ids, eos_id]
 
 
-def filter_by_length(
-    dataset: Dataset,
-    max_length: int,
-    truncate: bool,
-    limit: str | None = None,
-    min_length: int = 0,
-    window: int | None = None,
-) -> tuple[Dataset, dict[str, int]]:
-    """Drop tokenized samples longer than ``max_length`` tokens (or keep them for truncation), and those shorter
-    than ``min_length``: :func:`select_by_length` on the rows' ``input_ids``.
-
-    Returns the dataset and the counts of :func:`select_by_length`.
-    """
-    keep, stats = select_by_length(
-        [len(ids) for ids in dataset["input_ids"]], max_length, truncate, limit, min_length, window
-    )
-    return dataset.select(keep), stats
-
-
 def select_by_length(
     lengths: list[int],
     max_length: int,
@@ -332,8 +314,6 @@ def select_by_length(
 
 def utk_document_room(max_length: int, utk: UtkSection) -> int:
     """The longest document a UtK sequence of ``max_length`` tokens holds with its insertions."""
-    from ..synth_data.utk import utk_overhead
-
     room = max_length - utk_overhead(1, max(utk.chunk_counts), utk.label_length)
     if room < 2:
         raise ConfigError(f"data.max_length={max_length} leaves no room for a document after UtK's insertions")
@@ -354,8 +334,6 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
     the single-token letters of :func:`~longpeft.synth_data.utk.add_utk_tokens`) cannot label every
     chunk of the fullest sequence, rather than failing in the collator mid-training.
     """
-    from ..synth_data.utk import chunk_labels_needed
-
     max_chunks, label_length = max(utk.chunk_counts), utk.label_length
     room = utk_document_room(max_length, utk)
     documents = [ids[:room] for ids in dataset["input_ids"]]
@@ -384,8 +362,6 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
 def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) -> list[list[int]]:
     """The documents (indices) each UtK sequence packs, from the documents' token counts, each already cut to
     :func:`utk_document_room`: consecutive documents while they and UtK's insertions fit ``max_length``."""
-    from ..synth_data.utk import pack_documents
-
     return pack_documents([range(n) for n in document_lengths], max_length, max(utk.chunk_counts), utk.label_length)
 
 
@@ -400,7 +376,7 @@ def longest_sample(recipe: Recipe) -> tuple[int, str]:
 
 
 def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
-    """Fail when no sample is longer than the window (``data_stats`` of :func:`filter_by_length`) while a method's
+    """Fail when no sample is longer than the window (``data_stats`` of :func:`select_by_length`) while a method's
     collator draws the window from longer samples (:meth:`Recipe.long_samples`): it would change nothing."""
     samples, window = recipe.long_samples(), recipe.data.max_length
     if samples is not None and not data_stats["longer_than_window"]:
@@ -409,3 +385,39 @@ def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
             f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
             f"{samples.off}"
         )
+
+
+def assistant_only_loss(recipe: Recipe) -> bool:
+    """Loss on assistant turns only: the recipe's setting, on by default for conversations."""
+    return recipe.data.format == "messages" and recipe.train.assistant_only_loss is not False
+
+
+def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, dict[str, int]]:
+    """The tokenized training rows after the recipe's length rules (:func:`select_for_training`), and their counts
+    (``data_stats``); with UtK, the documents kept packed into sequences of ``data.max_length``."""
+    dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
+    keep, data_stats = select_for_training(recipe, [len(ids) for ids in dataset["input_ids"]])
+    dataset, utk = dataset.select(keep), recipe.data.utk
+    if utk is not None:
+        letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
+        dataset = pack_for_utk(dataset, recipe.data.max_length, utk, len(letters))
+        data_stats["packed_sequences"] = len(dataset)
+    return dataset, data_stats
+
+
+def select_for_training(recipe: Recipe, lengths: list[int]) -> tuple[list[int], dict[str, int]]:
+    """The samples (of these token ``lengths``) the recipe trains on, and the counts of :func:`select_by_length`:
+    each sample kept, cut or dropped against ``data.max_length`` (PoSE's content skip: its simulated length, and
+    some sample must be longer than the window); with UtK, each document as it is, before packing, against the room
+    UtK's insertions leave."""
+    data, max_length = recipe.data, recipe.data.max_length
+    if data.utk is not None:
+        room = utk_document_room(max_length, data.utk)
+        return select_by_length(lengths, room, data.truncate, utk_limit(max_length, room), min_length=data.min_length)
+    longest, limit = longest_sample(recipe)
+    skips_content = longest > max_length
+    window = max_length if skips_content else None
+    keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length, window=window)
+    if skips_content:
+        check_content_to_skip(recipe, stats)
+    return keep, stats

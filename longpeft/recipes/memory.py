@@ -16,6 +16,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..launch import sequence_parallel_size
+from ..launch.topology import world_size
 from ..scale.checkpointing import CheckpointSettings, apply_checkpointing, decoder_layers
 from ..scale.plan import GPU_PEAK_TFLOPS, GiB, resolve_checkpointing, shape_from_config
 from ..scale.tiling import apply_tiled_mlp
@@ -58,6 +59,18 @@ def checkpoint_settings(
     return resolve_checkpointing(
         recipe, shape, processes, device_memory_gib(), gpu, planned_launch(distributed_type, processes)
     )
+
+
+def install_memory(recipe: Recipe, trainer: Any, model_config: Any) -> CheckpointSettings | None:
+    """Add :class:`TrainingMemory` to ``trainer``; returns the checkpointing settings it installs when training
+    begins (None when transformers' own checkpointing runs as is)."""
+    checkpointing = None
+    if recipe.train.backend == "transformers" and shapes_memory(recipe):
+        checkpointing = checkpoint_settings(
+            recipe, model_config, world_size(), str(trainer.accelerator.distributed_type)
+        )
+    trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
+    return checkpointing
 
 
 class TrainingMemory(TrainerCallback):

@@ -1,6 +1,6 @@
 """The training samples' token counts for the planner (``longpeft plan --gpus N``), by the runner's own rules.
 
-The runner (:func:`longpeft.recipes.runner.prepare`) loads the data, renders and tokenizes every row with the base's
+The runner (:func:`.data.build_dataset`) loads the data, renders and tokenizes every row with the base's
 tokenizer and chat template, drops (or, with ``data.truncate``, cuts) the samples outside ``data.min_length`` ..
 the length limit, and with ``data.utk`` packs documents into sequences. :func:`count_sample_lengths` does the same
 with the same functions, so that the planner's time sums each sample at the length training will see, without
@@ -23,16 +23,19 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from ..base_config import TINY_PREFIX
 from ..errors import DataError
 from ..scale.lengths import SampleLengths
 from .data import (
     GENERATED_SOURCES,
+    assistant_only_loss,
     load_training_data,
-    select_by_length,
+    longest_sample,
+    select_for_training,
+    synth_output_file,
     tokenize_dataset,
     utk_document_room,
     utk_groups,
-    utk_limit,
 )
 from .schema import Recipe
 
@@ -48,7 +51,6 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
 
     from ..builtin_models import model_location
     from ..files import is_local
-    from .model import TINY_PREFIX
 
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
@@ -85,9 +87,6 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
     Raises what the runner raises for the same data: no row left after the filters, malformed rows, PoSE's content
     skip with no sample longer than ``data.max_length``.
     """
-    from .data import longest_sample
-    from .trainer import assistant_only_loss
-
     source = recipe.data.source
     generated = source in GENERATED_SOURCES
     if not generated and not Path(source).exists():
@@ -149,43 +148,26 @@ def estimated_lengths(dataset: Any, progress: bool = True) -> list[int]:
 def trained_lengths(
     recipe: Recipe, lengths: list[int], scored: list[bool] | None = None
 ) -> tuple[list[int], dict[str, int]]:
-    """The tokens training sees of samples of these ``lengths``, by the runner's rules (:func:`runner.prepare`):
+    """The tokens training sees of samples of these ``lengths``, by the runner's rules (:func:`~.data.build_dataset`):
     the samples outside ``data.min_length`` .. the length limit dropped (with ``data.truncate`` the long ones kept,
     and those whose cut leaves no scored token dropped: ``scored``, from :func:`token_counts`), each kept sample at
     most ``data.max_length`` tokens (TRL cuts it, or PoSE's collator draws a window of that many); with
     ``data.utk``, documents cut to the room UtK leaves and packed into sequences, whose lengths these are (UtK's
     insertions, added on the fly, not counted). Returns them and the filter's counts."""
-    from .data import check_content_to_skip, longest_sample
-
-    utk, max_length, data = recipe.data.utk, recipe.data.max_length, recipe.data
+    keep, stats = select_for_training(recipe, lengths)
+    utk, max_length = recipe.data.utk, recipe.data.max_length
     if utk is None:
-        longest, limit = longest_sample(recipe)
-        skips_content = longest > max_length
-        keep, stats = select_by_length(
-            lengths,
-            longest,
-            data.truncate,
-            limit,
-            min_length=data.min_length,
-            window=max_length if skips_content else None,
-        )
-        if skips_content:
-            check_content_to_skip(recipe, stats)
         if scored is not None:
             left = [i for i in keep if scored[i]]
             stats["dropped_without_scored_tokens"], keep = len(keep) - len(left), left
             stats.update(kept=len(keep), truncated=sum(lengths[i] > max_length for i in keep))
             if not keep:
                 raise DataError(
-                    f"recipe {recipe.name}: no training sample has a scored token within {limit} "
-                    "tokens (the cut removed every assistant turn); raise that limit or use shorter "
-                    "samples"
+                    f"recipe {recipe.name}: no training sample has a scored token within {longest_sample(recipe)[1]} "
+                    "tokens (the cut removed every assistant turn); raise that limit or use shorter samples"
                 )
         return [min(lengths[i], max_length) for i in keep], stats
     room = utk_document_room(max_length, utk)
-    keep, stats = select_by_length(
-        lengths, room, data.truncate, utk_limit(max_length, room), min_length=data.min_length
-    )
     documents = [min(lengths[i], room) for i in keep]
     groups = utk_groups(documents, max_length, utk)
     stats["packed_sequences"] = len(groups)
@@ -194,8 +176,6 @@ def trained_lengths(
 
 def _described(source: str) -> str:
     """The data source as the time line names it."""
-    from .data import synth_output_file
-
     if source in GENERATED_SOURCES:
         return f"the {source} set"
     return str(synth_output_file(source) or source)

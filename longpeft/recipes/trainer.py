@@ -1,12 +1,14 @@
-"""TRL's trainer for a recipe: the SFTConfig arguments longpeft sets, the data collators (UtK's, a method's, TRL's),
-each method's training-label rule, and the callbacks a run needs (metrics, rotary frequencies, stopping).
+"""The trainer of a recipe, wired from what the steps before built: TRL's SFTConfig from the recipe's settings, the
+data collator (UtK's, a method's, or TRL's), each method's training-label rule, the callbacks every run has
+(metrics, rotary frequencies, stopping), and the trainer class with longpeft's checkpoints (:mod:`.recipe_trainer`)
+over the model whose trained weights :mod:`.peft_setup` sets up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -16,34 +18,39 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase, TrainerCallback
 
 from ..adapters import CollatorContext, spec_methods
+from ..compat import ensure_trl_loss_kernel, plain_cpu_device
 from ..errors import ConfigError, DataError, LongpeftError
 from ..family import IGNORE_INDEX
-from ..launch.topology import data_parallel_size, gradient_accumulation
-from ..reading import REFUSED_FOR_SAFETY
+from ..launch import mixed_precision, sequence_parallel_size
+from ..launch.topology import check_distributed_type, check_parallelism, data_parallel_size, gradient_accumulation
+from ..rope import rotary_modules
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
-from .checkpoints import is_finished
 from .data import longest_sample
+from .init_from import InitAdapter, load_init_weights, report_differences
+from .peft_setup import peft_config, set_trained_weights
+from .recipe_trainer import recipe_trainer_class
 from .schema import Recipe
 
 
 def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:
     """Activation checkpointing under its current name (transformers >= 5.23: ``activation_checkpointing``,
     earlier: ``gradient_checkpointing``), so no deprecation warning is printed on either."""
-    import dataclasses
-
     fields = {f.name for f in dataclasses.fields(config_class)}
     return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
     """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (whose keys the
-    recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``)."""
-    from trl import SFTConfig
+    recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``). Creating it sets up
+    the processes (and DeepSpeed's config, which the base loads under). On the older stack, TRL gets its loss
+    kernel and a multi-process CPU run the plain ``cpu`` device (:mod:`longpeft.compat`)."""
+    from trl import SFTConfig  # here, not at import: unsloth must patch TRL first (train.backend: unsloth)
 
+    ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
     arguments = sft_arguments(recipe, output_dir)
     try:
-        return SFTConfig(**{**recipe.trl, **arguments})  # only pad_to_multiple_of is in both
+        args = SFTConfig(**{**recipe.trl, **arguments})  # only pad_to_multiple_of is in both
     except (ValueError, TypeError) as error:  # a trl: value SFTConfig refuses (its own keys pass on this machine)
         if not recipe.trl:
             raise
@@ -52,13 +59,13 @@ def sft_config(recipe: Recipe, output_dir: Path):
         raise ConfigError(
             f"{keys}: trl.SFTConfig refuses the recipe's trl section ({reason}); fix or remove it"
         ) from error
+    plain_cpu_device(args)  # transformers < 5.23 cannot resume a multi-process CPU run on "cpu:N"
+    return args
 
 
 def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     """The SFTConfig arguments longpeft sets from the recipe (each one a key of ``TRL_KEYS_OWNED_BY_RECIPE``)."""
     from trl import SFTConfig
-
-    from ..launch import mixed_precision, sequence_parallel_size
 
     t = recipe.train
     use_cuda = torch.cuda.is_available()
@@ -115,11 +122,6 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         # Ulysses shards every batch into sp equal slices of the sequence
         **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )
-
-
-def assistant_only_loss(recipe: Recipe) -> bool:
-    """Loss on assistant turns only: the recipe's setting, on by default for conversations."""
-    return recipe.data.format == "messages" and recipe.train.assistant_only_loss is not False
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
@@ -218,16 +220,6 @@ class MetricsLogger(TrainerCallback):
                 f.write(json.dumps({"step": state.global_step, "epoch": state.epoch, **logs}) + "\n")
 
 
-def keeps_weights_outside_checkpoints(recipe: Recipe, spec: ContextSpec) -> bool:
-    """Whether Trainer checkpoints would miss (or needlessly hold) some weights: a LoRA or ``finetune: method``
-    run with methods that have weights of their own (see :mod:`.method_trainer`)."""
-    return recipe.finetune != "full" and any(method.keeps_weights for method, _ in spec_methods(spec))
-
-
-class TrainingDiverged(LongpeftError, ValueError):
-    """The loss or the gradient norm became NaN or infinite; the run stopped (the message says what to change)."""
-
-
 class KeepRotaryFrequencies(TrainerCallback):
     """Gives every rotary module its float32 frequencies back when training begins.
 
@@ -241,8 +233,6 @@ class KeepRotaryFrequencies(TrainerCallback):
     NAMES = ("inv_freq", "original_inv_freq")
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from ..rope import rotary_modules
-
         self.saved = [
             (module, name, getattr(module, name).detach().clone())
             for _, _, module in rotary_modules(model)
@@ -265,41 +255,8 @@ class KeepRotaryFrequencies(TrainerCallback):
             )
 
 
-class CheckpointLoaded(Exception):
-    """Raised by :class:`StopBeforeTraining` once the Trainer has loaded the checkpoint it resumes from."""
-
-
-class StopBeforeTraining(TrainerCallback):
-    """Ends ``trainer.train(resume_from_checkpoint=...)`` when training begins: by then the Trainer has wrapped the
-    model (DeepSpeed's engine, FSDP) and loaded the checkpoint's weights and state into it, and no step has run.
-    The runner uses it to save a finished run whose adapter a kill lost."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        raise CheckpointLoaded
-
-
-class ApplyOptimizerSettings(TrainerCallback):
-    """A resumed run with a changed recipe (--allow-recipe-change) takes up its learning rate and Adam betas: the
-    checkpoint's optimizer and scheduler state, loaded before training begins, restore the ones the run started
-    with. The schedule's shape (warmup, decay, steps) follows the new recipe already; its base rate is set here, and
-    the first resumed step runs at the new schedule's rate for its step (with more ``train.max_steps``, the old
-    schedule's last rate, often 0, would otherwise be used once). ``train``: the recipe's train section."""
-
-    def __init__(self, train: Any):
-        self.train = train
-
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
-        groups = optimizer.param_groups
-        for index, group in enumerate(groups):
-            group["initial_lr"] = self.train.learning_rate
-            if "betas" in group:
-                group["betas"] = (self.train.adam_beta1, self.train.adam_beta2)
-            if scheduler is not None:
-                scheduler.base_lrs[index] = self.train.learning_rate
-                group["lr"] = self.train.learning_rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
-        if scheduler is not None:  # what the Trainer logs as this step's learning rate
-            scheduler._last_lr = [group["lr"] for group in groups]
+class TrainingDiverged(LongpeftError, ValueError):
+    """The loss or the gradient norm became NaN or infinite; the run stopped (the message says what to change)."""
 
 
 class StopOnNonFinite(TrainerCallback):
@@ -315,44 +272,41 @@ class StopOnNonFinite(TrainerCallback):
                 )
 
 
-def planned_steps(trainer: Any) -> int:
-    """The optimizer steps the run trains in all: ``train.max_steps``, else the epochs over the data loader
-    (``ceil(num_train_epochs x updates per epoch)``, computed by transformers itself)."""
-    return trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
-
-
-def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
-    """Train (from ``checkpoint`` when resuming) and return the Trainer's metrics; a checkpoint of the run's last
-    step is only loaded (killed after it, or finished: its weights are taken, no step runs; the Trainer loads it
-    itself, a sharded one into the wrapped model, and :class:`StopBeforeTraining` stops it before its first step).
-    A checkpoint file that weights-only loading refuses (a pickle payload), or weights of other shapes than the
-    recipe's model, end in a DataError naming the checkpoint.
-    """
-    import pickle
-
-    try:
-        if checkpoint is not None and is_finished(checkpoint, planned_steps(trainer)):
-            print(f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr)
-            trainer.add_callback(StopBeforeTraining())
-            try:
-                trainer.train(resume_from_checkpoint=str(checkpoint))
-            except CheckpointLoaded:
-                pass
-            return {}
-        return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
-    except pickle.UnpicklingError:
-        if checkpoint is None:
-            raise
-        raise DataError(
-            f"{checkpoint}: a file there is {REFUSED_FOR_SAFETY} (Python objects that weights-only "
-            "loading does not run); delete that checkpoint folder to resume from the one before, or "
-            "start again into a new output_dir"
-        ) from None
-    except RuntimeError as error:  # torch's load_state_dict: the recipe builds other shapes than the run's
-        if checkpoint is None or "size mismatch" not in str(error):
-            raise
-        first = next(line.strip() for line in str(error).splitlines() if "size mismatch" in line)
-        raise DataError(
-            f"{checkpoint}: its weights have other shapes than this recipe's model ({first}); resume "
-            "with the recipe the run started with, or train into a new output_dir"
-        ) from None
+def build_trainer(
+    recipe: Recipe,
+    model: Any,
+    tokenizer: PreTrainedTokenizerBase,
+    spec: ContextSpec,
+    dataset: Any,
+    args: Any,
+    output_dir: Path,
+    callbacks: list[TrainerCallback],
+    start: InitAdapter | None = None,
+) -> Any:
+    """TRL's SFTTrainer with :mod:`.recipe_trainer`'s hooks over the model (LoRA added by peft from
+    :func:`~.peft_setup.peft_config`), the dataset and the recipe's collator, with the trained weights set up
+    (:func:`~.peft_setup.set_trained_weights`) and each method's label rule; the steps' metrics go to
+    ``output_dir/metrics.jsonl``, the rotary frequencies stay float32, then come ``callbacks``. Refuses a
+    distributed setup the recipe cannot run under, then copies in the weights of the stage the run starts from
+    (``start``: ``model.init_from``)."""
+    own_weights = any(method.keeps_weights for method, _ in spec_methods(spec))  # kept by its checkpoints
+    trainer = recipe_trainer_class()(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config(recipe, model),
+        data_collator=data_collator(recipe, spec, tokenizer),
+        callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *callbacks],
+        method_spec=spec if own_weights and recipe.finetune != "full" else None,  # a full model's hold them
+        finetune=recipe.finetune,
+        group_by_length=recipe.train.group_by_length,
+    )
+    set_trained_weights(recipe, trainer.model)
+    with_method_labels(trainer, spec)
+    check_distributed_type(trainer.accelerator.distributed_type)
+    check_parallelism(recipe, trainer.accelerator)
+    if start is not None:
+        load_init_weights(trainer.model, start.folder, start.kind, spec)
+        report_differences(start.folder, start.differences)
+    return trainer

@@ -15,7 +15,7 @@ loading checks every rotary module's frequencies against what transformers compu
 training. The trainer, the adapter folder and ``longpeft.json`` are the default backend's.
 
 unsloth patches TRL's trainers when it is imported, so :func:`fast_language_model` runs before TRL is imported
-(``prepare`` calls it first). transformers and peft are already imported by then (longpeft's method registry
+(the runner calls it first). transformers and peft are already imported by then (longpeft's method registry
 and runner use them), which unsloth warns about; its model patches are applied by ``from_pretrained`` all the same.
 """
 
@@ -31,6 +31,8 @@ from ..config import torch_dtype
 from ..errors import ConfigError
 from ..rope import RotaryMismatch, check_rotary_frequencies
 from ..spec import ContextSpec
+from .base import configure_base, finish_base, quantization_config
+from .peft_setup import input_embedding_path
 from .schema import Recipe
 
 INSTALL = "pip install -r requirements-gpu-unsloth.txt"
@@ -71,8 +73,6 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
     Raises:
         RotaryMismatch: unsloth changed the RoPE the recipe asked for (e.g. stacked its linear scaling).
     """
-    from .model import configure_base, finish_base, input_embedding_path, quantization_config
-
     m, lora, train = recipe.model, recipe.lora, recipe.train
     tokenizer, config, spec = configure_base(recipe, base_id)
     reference = copy.deepcopy(config)  # what the rotary must give, whatever unsloth does to the config it gets
