@@ -70,8 +70,8 @@ def test_assistant_masks_from_a_template_without_generation_markers(name):
 
 @pytest.mark.parametrize("name", [*sorted(TEMPLATES), "chatml+default-system"])
 def test_a_conversation_that_opens_with_the_assistant_scores_only_its_turns(name):
-    """The first turn's prompt used to be taken as empty, so BOS, the role header and a template's default system
-    prompt were scored with the answer."""
+    """The first turn's prompt is what comes before the assistant's turn (BOS, the role header, a template's
+    default system prompt), never taken as empty, which would score it with the answer."""
     tokenizer = marker_free_tokenizer(name.split("+")[0])
     if name.endswith("default-system"):  # Qwen2.5's: a system turn is added when the conversation has none
         tokenizer.chat_template = (

@@ -153,7 +153,7 @@ def test_resolve_keeps_type_and_rejects_unknown():
 )
 def test_recipes_refuse_rope_settings_transformers_would_ignore(overrides, message):
     """transformers logs and ignores keys a rope type does not read, and dynamic NTK never rescales inside the
-    positions a recipe trains: both used to train plain RoPE without a word."""
+    positions a recipe trains: either would train plain RoPE without a word, so the recipe refuses them."""
     from longpeft.recipes.schema import load_recipe
     from longpeft.recipes.validate import build_spec
     from longpeft.tiny import tiny_config

@@ -357,8 +357,8 @@ def _logits(folder: Path) -> torch.Tensor:
 
 
 def test_push_dry_run_of_a_full_fine_tune_run_stages_the_model(full_run, tmp_path):
-    """Pushing a finetune: full run folder used to fail (it looked for adapter/ only), and its model/ folder was
-    staged as an adapter (a peft card telling users to call longpeft.load, which refuses whole models)."""
+    """Pushing a finetune: full run folder stages its model/ folder as a whole model (not adapter/, which it lacks),
+    never as an adapter: a peft card would tell users to call longpeft.load, which refuses whole models."""
     (full_run / "eval_results.json").write_text(json.dumps({"rows": [{"task": "passkey", "score": 0.5}]}))
     staged = Path(
         hub.push(
@@ -496,8 +496,8 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
 
 
 def test_merge_and_push_merged_with_a_moved_base(tiny_base_dirs, tmp_path):
-    """A base that is no longer where longpeft.json says: merge failed late in AutoConfig, push could not take
-    the base."""
+    """A base that is not where longpeft.json says: merge names the missing folder and --base at once (not late in
+    AutoConfig), and merge and push take the base --base gives."""
     base_dir = tiny_base_dirs("llama")
     make_adapter(base_dir, tmp_path / "adapter")
     spec = ContextSpec.load(tmp_path / "adapter")
@@ -549,9 +549,9 @@ def test_push_refuses_an_ambiguous_run_folder(full_run, tmp_path):
 
 
 def test_a_recipe_string_section_is_off_while_training_and_on_in_the_model_it_writes(tmp_path):
-    """STRING is an inference-time method: a recipe's string section trains without it (it used to be on in
-    training, remapping the far distances the run was meant to learn), and the whole model the run writes loads
-    with it on through modeling_string.py; pushing that model keeps it."""
+    """STRING is an inference-time method: a recipe's string section trains without it (on in training, it would
+    remap the far distances the run is meant to learn), and the whole model the run writes loads with it on
+    through modeling_string.py; pushing that model keeps it."""
     from transformers import TrainerCallback
 
     from longpeft.adapters.string import disable_string, enable_string, string_settings
@@ -610,7 +610,7 @@ def test_a_recipe_string_section_is_off_while_training_and_on_in_the_model_it_wr
 
 def test_load_refuses_a_whole_fine_tuned_model_instead_of_dropping_its_weights(tiny_base_dirs, tmp_path):
     """A finetune: full folder (config.json + weights + longpeft.json) is not an adapter. With a method that keeps
-    weights of its own (Activation Beacon), loading it used to give the base plus those weights, silently."""
+    weights of its own (Activation Beacon), loading it as one would give the base plus those weights, silently."""
     base_dir = tiny_base_dirs("llama")
     trained, spec = make_adapter(base_dir, tmp_path / "adapter")
     full = tmp_path / "model"
