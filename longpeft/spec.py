@@ -136,11 +136,6 @@ class ContextSpec(StrictModel):
         """The adapted model's ``max_position_embeddings``."""
         return (self.methods.get("rope") or {}).get("max_position_embeddings") or self.original_max_position_embeddings
 
-    @property
-    def head_bases(self) -> list[float] | None:
-        """HARPE's per-KV-head bases, if the adapter has them."""
-        return (self.methods.get("harpe") or {}).get("bases")
-
     # ---- construction ----------------------------------------------------------------------
 
     @classmethod

@@ -169,5 +169,6 @@ def test_harpe_recipes_have_the_paper_settings_and_give_head_bases():
 
     tiny = load_recipe("tiny-harpe-cpu")
     spec = build_spec(tiny, tiny_config("llama"), "tiny:llama")
-    assert spec.method == "harpe" and len(spec.head_bases) == 2 and spec.head_bases[0] == 1e4
-    assert spec.head_bases == peak_valley_bases(1e4, 1e6, 2, 1e4, 16, 1024, show_progress=False)
+    bases = spec.methods["harpe"]["bases"]
+    assert spec.method == "harpe" and len(bases) == 2 and bases[0] == 1e4
+    assert bases == peak_valley_bases(1e4, 1e6, 2, 1e4, 16, 1024, show_progress=False)

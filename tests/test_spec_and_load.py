@@ -106,7 +106,7 @@ def test_a_format_3_file_round_trips_byte_for_byte(tmp_path):
         weights="lora",
         library_version="0.1.0",
     )
-    assert spec.head_bases == [1.0e4, 5.0e5] and spec.max_position_embeddings == 2048
+    assert spec.methods["harpe"]["bases"] == [1.0e4, 5.0e5] and spec.max_position_embeddings == 2048
 
 
 @pytest.mark.parametrize(
