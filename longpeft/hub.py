@@ -20,15 +20,29 @@ from typing import Any
 
 import torch
 import yaml
+from huggingface_hub import HfApi
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoConfig, GenerationConfig
 
 from .adapter_weights import tied_names, write_tied_copies
-from .adapters import export_methods, spec_methods
+from .adapters import METHODS, export_methods, spec_methods
 from .base_config import check_base_code
+from .builtin_models import BUILTIN_MODELS
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
-from .files import check_model_source, check_output_folder, is_local, is_whole_model, written_atomically
+from .files import (
+    check_model_source,
+    check_output_folder,
+    hub_preflight,
+    is_local,
+    is_whole_model,
+    local_adapter_dir,
+    written_atomically,
+)
+from .loading import load, load_tokenizer, pin_base_revision, resolve_base
 from .reading import read_safetensors
 from .spec import SPEC_FILENAME, ContextSpec, base_reference, run_outputs
 
@@ -68,9 +82,6 @@ def merge(
         ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
         the methods left out removed from both) on a fixed probe (None when ``verify`` is off).
     """
-    from .files import local_adapter_dir
-    from .loading import load
-
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
@@ -95,11 +106,6 @@ def check_merge(
     """Refuse a merge before any weight loads: an output folder that would overwrite the adapter or the base, a base
     that is missing, runs code of its own or is saved quantized, and methods ``without`` names that the adapter lacks
     or was trained with."""
-    from transformers import AutoConfig
-
-    from .adapters import METHODS
-    from .loading import pin_base_revision, resolve_base
-
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
@@ -129,8 +135,6 @@ def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[An
     """``model`` (base + adapter, as ``longpeft.load`` gives it) with the methods ``without`` names removed and LoRA
     merged into its weights, and the largest logit difference the merge made on :func:`probe_ids` (None unless
     ``verify``)."""
-    from .adapters import METHODS
-
     for name in without:
         METHODS[name].remove(model)
     ids = probe_ids(model.config.vocab_size)
@@ -147,10 +151,6 @@ def write_merged(
     """Save ``merged`` to ``out_dir`` as one folder written beside it and renamed at the end: its weights, every
     method's export files, the adapter's tokenizer and generation config, ``spec`` (longpeft.json), the eval results
     and, with ``card``, the model card."""
-    from transformers import GenerationConfig
-
-    from .loading import load_tokenizer
-
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
         merged.config.name_or_path = str(out_dir)
@@ -177,8 +177,6 @@ def export(
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
     the base by ``base_id`` when given; without it, a base the adapter names by a local folder is warned about, as
     ``push`` does: the card cannot name it)."""
-    from .files import local_adapter_dir
-
     if not base_id:
         adapter_dir = local_adapter_dir(adapter_dir)
         warn_unnamed_base(
@@ -199,8 +197,6 @@ def serving_note(folder: str | Path) -> str:
     """What a merged or exported ``folder`` needs to be served, in one paragraph: plain (the stock architecture;
     the RoPE base and context length are in config.json, where serving engines and llama.cpp's GGUF converter read
     them), or ``trust_remote_code`` (a method's modeling file: transformers only, no GGUF conversion)."""
-    from .adapters import METHODS
-
     folder = Path(folder)
     spec = ContextSpec.load(folder)
     remote = [name for name in spec.methods if name in METHODS and METHODS[name].remote_code]
@@ -254,9 +250,6 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
 def check_repo_id(value: str, flag: str) -> str:
     """``value`` if it is a valid Hub repo id (``owner/name``: letters, digits, ``-_.``; no newline or space), else
     a ConfigError naming ``flag``: what goes into a card's YAML and longpeft.json must be an id."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
     try:
         validate_repo_id(value)
     except HFValidationError as error:
@@ -269,8 +262,6 @@ def check_repo_id(value: str, flag: str) -> str:
 def shareable_base(base_model: str | None) -> bool:
     """Whether a card may name ``base_model``: a Hub id or a model packaged with longpeft, not a local path (which
     would point others at a folder they do not have)."""
-    from .builtin_models import BUILTIN_MODELS
-
     return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
 
 
@@ -278,8 +269,6 @@ def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | N
     """How ``folder``, written from the adapter in ``adapter_dir`` (merge, export), names the adapter's base in its
     longpeft.json: a Hub id or a built-in model's name as the adapter does, a local folder by its path relative to
     ``folder`` (:func:`~longpeft.spec.base_reference`); None when the adapter names none."""
-    from .loading import resolve_base
-
     if not spec.base_model or shareable_base(spec.base_model):
         return spec.base_model
     return base_reference(resolve_base(spec, adapter_dir, None), folder)
@@ -697,9 +686,6 @@ def push(
     """
     if dry_run is not None:
         return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base))
-    from huggingface_hub import HfApi
-
-    from .files import hub_preflight
 
     try:
         hub_preflight(repo_id, "push to")

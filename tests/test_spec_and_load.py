@@ -454,10 +454,6 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
     upload_folder honours delete_patterns as the Hub does."""
     import fnmatch
 
-    import huggingface_hub
-
-    from longpeft import files
-
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / ".gitattributes").write_text("*.safetensors filter=lfs\n")
@@ -479,8 +475,8 @@ def test_push_makes_the_repo_equal_the_staged_folder(tiny_base_dirs, tmp_path, m
                 shutil.copy(path, repo / path.name)
             return "commit"
 
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    monkeypatch.setattr(files, "hub_preflight", lambda *args, **kwargs: None)
+    monkeypatch.setattr(hub, "HfApi", FakeApi)
+    monkeypatch.setattr(hub, "hub_preflight", lambda *args, **kwargs: None)
     trained, _ = make_adapter(tiny_base_dirs("llama"), tmp_path / "adapter")
     hub.push(tmp_path / "adapter", "someone/tiny-80k", base_id="someone/base")
     assert (repo / "adapter_config.json").is_file()
