@@ -24,6 +24,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from peft import PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.utils import load_peft_weights
+from peft.utils.other import ModulesToSaveWrapper
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
 from .errors import ConfigError, DataError
 from .peft_ties import tie_through_peft_wrappers
 
@@ -45,8 +51,6 @@ def tied_copies_bytes(model: Any) -> int:
 
 def _tied_parameters(model: Any) -> list[tuple[str, str, Any]]:
     """``(copy, the name it is tied to, the parameter)`` of each copy of :func:`tied_copies`."""
-    from peft.utils.other import ModulesToSaveWrapper
-
     adapter = getattr(model, "active_adapter", "default")
     first: dict[int, str] = {}  # id(parameter) -> its first name
     copies = []
@@ -71,8 +75,6 @@ def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
     copies = tied_copies(model)
     if not copies or not path.is_file():
         return {}
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
@@ -103,8 +105,6 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
     path = Path(folder) / WEIGHTS_NAME
     if not copies or not path.is_file():
         return {}
-    from safetensors import safe_open
-    from safetensors.torch import save_file
 
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
@@ -139,7 +139,6 @@ def tied_names(folder: str | Path) -> dict[str, str]:
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():
         return {}
-    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="pt") as handle:
@@ -170,8 +169,6 @@ def adapter_weights(folder: str | Path) -> dict[str, Any]:
     Raises:
         DataError: a name the file ties a copy to is not in the file.
     """
-    from peft.utils import load_peft_weights
-
     weights = load_peft_weights(str(folder), device="cpu")
     for copy, source in tied_names(folder).items():
         if source not in weights:
@@ -187,8 +184,6 @@ def load_weights_into(model: Any, folder: str | Path) -> Any:
     """Load ``folder``'s adapter weights (:func:`adapter_weights`) into ``model``, a PeftModel built with the
     adapter's config; returns peft's load result (``missing_keys``: every weight of the model the file lacked, the
     base's included; ``unexpected_keys``)."""
-    from peft import set_peft_model_state_dict
-
     return set_peft_model_state_dict(model, adapter_weights(folder))
 
 
@@ -209,8 +204,6 @@ def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> 
         ConfigError: such an adapter on a base that ``device_map`` offloaded to CPU or disk in part.
         DataError: the file lacks weights of the adapter its config describes.
     """
-    from peft import PeftConfig, PeftModel, get_peft_model
-
     if not tied_names(folder):
         return tie_through_peft_wrappers(PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable))
     if any(parameter.device.type == "meta" for parameter in model.parameters()):

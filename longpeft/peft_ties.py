@@ -26,6 +26,8 @@ from __future__ import annotations
 import types
 from typing import Any
 
+from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
 from torch import nn
 
 ORIGINAL = ""  # the version key of a wrapper's original (base) module
@@ -35,9 +37,6 @@ def module_versions(module: nn.Module) -> dict[str, nn.Module]:
     """``{version: the module holding that version's weights}`` of a module peft may have wrapped: ``""`` (the
     original module), then each adapter's trained copy of a ``modules_to_save`` wrapper. Trainable tokens and LoRA
     layers have the original only (their trained part is a delta; peft ties a tied pair's deltas itself)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-    from peft.utils.other import AuxiliaryTrainingWrapper, ModulesToSaveWrapper
-
     if isinstance(module, ModulesToSaveWrapper):
         return {ORIGINAL: module.original_module, **dict(module.modules_to_save.items())}
     if isinstance(module, AuxiliaryTrainingWrapper):
