@@ -156,6 +156,22 @@ def test_the_check_with_a_refusing_server_and_an_unparseable_answer(capsys):
         assert code == 1 and "fails the builders' parser" in out
 
 
+def test_an_answer_cut_at_the_checks_own_budget_is_not_judged(capsys):
+    """The check asks for fewer tokens than the run: an answer it cuts there is not a parser failure of the run's
+    answers (exit 0, said as such); cut at the run's own llm.max_tokens it is one (exit 1)."""
+    long_answer = json.dumps({"qa_pairs": [{"question": "What is said?", "answer": "words " * 400}]})
+    with StubServer(reply=lambda body: long_answer, cut_at_max_tokens=True) as server:
+        code, out, _ = check(server.base_url, capsys)
+        assert code == 0, out
+        assert (
+            "answer      not judged: cut at 256 tokens, the check's own budget (llm.max_tokens 4096 in the run)" in out
+        )
+        assert "result      usable as configured as far as seen (the answer was cut short)" in out
+        code, out, _ = check(server.base_url, capsys, "--set", "llm.max_tokens=200")
+        assert code == 1 and "fails the builders' parser" in out and "(cut at 200 tokens: finish_reason length)" in out
+        assert "NOT usable as configured" in out
+
+
 # ---- the endpoint check: bounded, naming the server and quoting its answer ------------------------------------
 
 

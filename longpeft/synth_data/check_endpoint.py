@@ -114,7 +114,14 @@ class EndpointCheck:
         that ``llm.structured`` (``json_schema``, ``json_object``) would not fall back from."""
         explicit = self.config.structured in ("json_schema", "json_object")
         stops = explicit and (self.structured_refusal is not None or self.enforced is False)
-        return self.parse_error is None and not stops
+        return (self.parse_error is None or self.cut_short) and not stops
+
+    @property
+    def cut_short(self) -> bool:
+        """The answer stopped at the check's own ``max_tokens``, below the run's: what the parser says of it tells
+        nothing of the run's whole answers."""
+        run_max = self.config.max_tokens
+        return self.answer.finish_reason == "length" and (run_max is None or run_max > self._max_tokens())
 
     def report(self) -> str:
         config, info, answer = self.config, self.info, self.answer
@@ -146,7 +153,8 @@ class EndpointCheck:
                 else ""
             )
             lines.append(f"slots       {info.slots} request(s) decoded at once (/props total_slots){advice}")
-        lines.append("result      " + ("usable as configured" if self.usable else "NOT usable as configured"))
+        seen = " as far as seen (the answer was cut short)" if self.usable and self.parse_error is not None else ""
+        lines.append("result      " + (f"usable as configured{seen}" if self.usable else "NOT usable as configured"))
         return "\n".join(lines)
 
     def _max_tokens(self) -> int:
@@ -187,6 +195,12 @@ class EndpointCheck:
     def _answer_line(self) -> str:
         cut_off = self.answer.finish_reason == "length"
         cut = f" (cut at {self._max_tokens()} tokens: finish_reason length)" if cut_off else ""
+        if self.parse_error is not None and self.cut_short:
+            run_max = f"llm.max_tokens {self.config.max_tokens}" if self.config.max_tokens else "no max_tokens"
+            return (
+                f"not judged: cut at {self._max_tokens()} tokens, the check's own budget ({run_max} in the run), "
+                f"so the parser saw part of it ({self.parse_error}); the run judges its whole answers"
+            )
         if self.parse_error is not None:
             return f"fails the builders' parser: {self.parse_error}{cut}"
         if self.answer_follows is False:
