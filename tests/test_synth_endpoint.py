@@ -450,6 +450,15 @@ def test_the_estimate_never_counts_more_than_a_tokenizer(tokenizer, texts):
     assert estimate <= sum(len(stub_tokens(t)) for t in texts)
 
 
+@pytest.mark.parametrize(("text", "words"), [("\x85", 0), ("a \x1c\x1d b", 2), ("\u200b", 0), ("a\x85b", 1)])
+def test_the_estimate_counts_words_with_a_visible_character(text, words):
+    """A run of control or format characters alone (which a tokenizer's normalizer may drop) is no word; the
+    in-memory tokenizer counts no token for NEL alone (found by the slow property profile)."""
+    from longpeft.synth_data.prompt_tokens import estimate_tokens
+
+    assert estimate_tokens([{"role": "user", "content": text}]) == words
+
+
 # ---- give-ups say why ----------------------------------------------------------------------------------------------
 
 

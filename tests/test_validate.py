@@ -51,6 +51,8 @@ def same_refusal(recipe: str, sets: list[str], tmp_path: Path, capsys) -> str:
         ("tiny-cpu", ["data.demo.n_conversation=3"], "data.demo.n_conversation: unknown key"),
         ("tiny-beacon-cpu", ["beacon.keep_start=64", "beacon.sink=0"], "beacon.keep_start / beacon.keep_end are"),
         ("tiny-beacon-cpu", ["beacon.ratios=[]"], "beacon.ratios must list at least one ratio"),
+        # ratio 0 condenses nothing: the method that bounds the positions is named with its fix
+        ("tiny-beacon-cpu", ["beacon.ratios=[0]"], "(beacon as set spans one position per token), beyond the"),
         ("tiny-harpe-cpu", ["train.use_liger_kernel=true"], "train.use_liger_kernel with harpe"),
     ],
 )

@@ -8,10 +8,16 @@ from pathlib import Path
 from typing import Any
 
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
+from datasets.fingerprint import Hasher
 from transformers import PreTrainedTokenizerBase
 
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..files import hub_preflight, is_local
+from ..synth_data import build_demo_dataset
+from ..synth_data.mix import read_text_file
+from ..synth_data.report import STATS_FILE, TRAIN_FILE
+from ..synth_data.retrieval_docs import build_retrieval_dataset
 from ..synth_data.utk import add_utk_tokens, chunk_labels_needed, pack_documents, utk_overhead
 from .schema import DataSection, Recipe, UtkSection
 
@@ -26,12 +32,8 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     per file; ``format: text``), a Hub dataset id, ``demo`` or ``retrieval``.
     """
     if data.source == "demo":
-        from ..synth_data import build_demo_dataset
-
         dataset = build_demo_dataset(tokenizer, **data.demo.model_dump(exclude_none=True))
     elif data.source == "retrieval":
-        from ..synth_data.retrieval_docs import build_retrieval_dataset
-
         options = data.retrieval.model_dump() if data.retrieval is not None else {}
         dataset = build_retrieval_dataset(tokenizer, **options)
     else:
@@ -75,8 +77,6 @@ def _check_rows(values: list[Any], column: str, source: str, first: int) -> None
 def synth_output_file(source: str) -> Path | None:
     """The training file of a ``longpeft synth`` output folder (its ``train.jsonl``, beside the run's
     ``stats.json`` and ``config.json``, which are no training rows); None for any other source."""
-    from ..synth_data.report import STATS_FILE, TRAIN_FILE
-
     folder = Path(source)
     if folder.is_dir() and (folder / TRAIN_FILE).is_file() and (folder / STATS_FILE).is_file():
         return folder / TRAIN_FILE
@@ -136,12 +136,10 @@ def _load_source(data: DataSection) -> Dataset:
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
             raise ConfigError(f"data.source {path}: .txt files are plain text; set data.format: text")
-        from ..synth_data.mix import read_text_file
 
         return Dataset.from_dict({data.text_field: [read_text_file(p) for p in files]})  # the files checked above
     if any(p.suffix == ".txt" for p in files):
         raise DataError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
-    from datasets.exceptions import DatasetGenerationError
 
     try:
         return load_dataset("json", data_files=[str(p) for p in files], split="train")
@@ -241,8 +239,6 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
     this module's code: datasets' own fingerprint names longpeft's functions without their code, so a longpeft
     upgrade that changes the masking would otherwise reuse the old masks.
     """
-    from datasets.fingerprint import Hasher
-
     if not tokenizer.is_fast:
         raise ConfigError(
             "longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True"

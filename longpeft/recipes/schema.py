@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, create_model, field_validator, model_validator
 
+from ..adapters import METHODS, LongSamples, check_conflicts, find_conflicts
+from ..adapters.registry import COLLATOR
 from ..config import (
     MAX_POSITIONS,
     ConfigError,
@@ -29,9 +31,6 @@ from ..config import (
     read_yaml,
 )
 from ..transformers_source import optimizer_names
-
-if TYPE_CHECKING:
-    from ..adapters import LongSamples
 
 Section = StrictModel
 
@@ -380,8 +379,6 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
     would silently not apply (their registry ``conflicts`` name ``unsloth``); it trains LoRA adapters, and its
     checkpointing already offloads to CPU memory.
     """
-    from ..adapters import find_conflicts
-
     problems = [
         f"{conflict.second} ({conflict.why})"
         for conflict in find_conflicts(recipe.method_configs(), {"unsloth": "train.backend: unsloth"})
@@ -440,8 +437,6 @@ class RecipeBase(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RecipeBase:
-        from ..adapters import METHODS, check_conflicts
-        from ..adapters.registry import COLLATOR
 
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not a registered method ({', '.join(METHODS)})")
@@ -494,8 +489,6 @@ class RecipeBase(Section):
 
     def method_configs(self) -> dict[str, StrictModel]:
         """The method sections present in the recipe, in registry order, and the implied methods' (RoPE) always."""
-        from ..adapters import METHODS
-
         configs = {
             name: getattr(self, name, None) or (method.config() if method.implied else None)
             for name, method in METHODS.items()
@@ -505,8 +498,6 @@ class RecipeBase(Section):
     def long_samples(self) -> LongSamples | None:
         """The samples longer than ``data.max_length`` that a method's collator takes (PoSE's content skip), or
         None: its ``long_samples`` hook."""
-        from ..adapters import METHODS
-
         for name, config in self.method_configs().items():
             samples = METHODS[name].long_samples(config, self.target_length)
             if samples is not None:
@@ -522,8 +513,6 @@ Recipe = RecipeBase
 
 def recipe_model() -> type[RecipeBase]:
     """The recipe model with one optional section per registered method."""
-    from ..adapters import METHODS
-
     return _recipe_model(tuple((name, method.config) for name, method in METHODS.items()))
 
 

@@ -194,15 +194,19 @@ def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False
     if span > spec.max_position_embeddings:
         bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
         spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.overrides("training_span"))
-        how = "" if span == recipe.data.max_length else f" {'even ' if bounded else ''}with {spanning}"
+        if span != recipe.data.max_length:
+            how = f" {'even ' if bounded else ''}with {spanning}"
+        else:  # a method that may bound the positions keeps every one as set (beacon.ratios [0])
+            how = f" ({spanning} as set spans one position per token)" if spanning else ""
+        if bounded:
+            fix = f"lower data.max_length, or change the {spanning} section so it keeps fewer positions"
+        elif how.startswith(" ("):
+            fix = f"raise rope.max_position_embeddings, or change the {spanning} section so it keeps fewer positions"
+        else:
+            fix = "raise rope.max_position_embeddings"
         problems.append(
             f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
-            f"{spec.max_position_embeddings}; "
-            + (
-                f"lower data.max_length, or change the {recipe.method} section so it keeps fewer positions"
-                if bounded
-                else "raise rope.max_position_embeddings"
-            )
+            f"{spec.max_position_embeddings}; {fix}"
         )
     if problems:
         raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))

@@ -15,10 +15,11 @@ the endpoint's context) and ``synth --plan`` count with.
 2. ``llm.tokenizer``, the endpoint model's tokenizer (a local folder or a Hub id): its chat template applied with
    the generation prompt, or each message's content alone when it has none;
 3. an estimate of one token per word of the contents, a word being a run of characters between ASCII spaces,
-   tabs and line breaks. Tokenizers that split text at whitespace before merging (the GPT-2 and tiktoken family,
-   SentencePiece) never put two words in one token, so the estimate counts no more than the server does (English
-   prose takes about 1.3 tokens per word): only a prompt surely too long is refused, and a longer one the server
-   refuses with its own reason.
+   tabs and line breaks that holds a visible character (a run of control characters alone, which a tokenizer's
+   normalizer may drop, counts nothing). Tokenizers that split text at whitespace before merging (the GPT-2 and
+   tiktoken family, SentencePiece) never put two words in one token, so the estimate counts no more than the
+   server does (English prose takes about 1.3 tokens per word): only a prompt surely too long is refused, and a
+   longer one the server refuses with its own reason.
 
 Never the training tokenizer: the endpoint serves another model, and a small training vocabulary counts many more
 tokens than a large model's.
@@ -27,6 +28,7 @@ tokens than a large model's.
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,7 +71,15 @@ class PromptCounter:
 
 def estimate_tokens(messages: Messages) -> int:
     """One token per word of the messages' contents (see the module docstring)."""
-    return sum(len(_WORD.findall(str(message.get("content", "")))) for message in messages)
+    return sum(
+        sum(1 for word in _WORD.findall(str(message.get("content", ""))) if _visible(word)) for message in messages
+    )
+
+
+def _visible(word: str) -> bool:
+    """Whether ``word`` holds a character a tokenizer keeps: not only control, format or unassigned characters
+    (Unicode categories C*), which normalizers may drop."""
+    return any(not unicodedata.category(character).startswith("C") for character in word)
 
 
 def prompt_counter(config: LLMConfig, api_key: str | None, timeout: float = 10.0) -> PromptCounter:
