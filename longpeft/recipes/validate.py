@@ -192,24 +192,29 @@ def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False
         problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
-        bounded = span < recipe.data.max_length  # a method (Activation Beacon) keeps fewer positions than tokens
-        spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.overrides("training_span"))
-        if span != recipe.data.max_length:
-            how = f" {'even ' if bounded else ''}with {spanning}"
-        else:  # a method that may bound the positions keeps every one as set (beacon.ratios [0])
-            how = f" ({spanning} as set spans one position per token)" if spanning else ""
-        if bounded:
-            fix = f"lower data.max_length, or change the {spanning} section so it keeps fewer positions"
-        elif how.startswith(" ("):
-            fix = f"raise rope.max_position_embeddings, or change the {spanning} section so it keeps fewer positions"
-        else:
-            fix = "raise rope.max_position_embeddings"
-        problems.append(
-            f"data.max_length={recipe.data.max_length} spans {span} positions{how}, beyond the adapted model's "
-            f"{spec.max_position_embeddings}; {fix}"
-        )
+        problems.append(span_problem(spec, recipe.data.max_length, span))
     if problems:
         raise ConfigError(f"recipe {recipe.name}: " + "; ".join(problems))
+
+
+def span_problem(spec: ContextSpec, length: int, span: int) -> str:
+    """Why training inputs of ``length`` tokens, spanning ``span`` positions once the spec's methods apply, do not fit
+    the adapted model's positions, naming the method that sets the span and the fix."""
+    spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.overrides("training_span"))
+    raise_positions = "raise rope.max_position_embeddings"
+    keep_fewer = f"change the {spanning} section so it keeps fewer positions"
+    if span < length:  # a method (Activation Beacon) keeps fewer positions than tokens, still too many
+        how, fix = f" even with {spanning}", f"lower data.max_length, or {keep_fewer}"
+    elif span > length:  # a method (PoSE) trains positions beyond the tokens
+        how, fix = f" with {spanning}", raise_positions
+    elif spanning:  # a method that may bound the positions keeps every one as set (beacon.ratios [0])
+        how, fix = f" ({spanning} as set spans one position per token)", f"{raise_positions}, or {keep_fewer}"
+    else:
+        how, fix = "", raise_positions
+    return (
+        f"data.max_length={length} spans {span} positions{how}, beyond the adapted model's "
+        f"{spec.max_position_embeddings}; {fix}"
+    )
 
 
 def positions_spanned(spec: ContextSpec, length: int) -> int:
