@@ -86,6 +86,13 @@ def merge(
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
+    if card and not base_id:  # export: the card cannot name a base that is a local folder
+        warn_unnamed_base(
+            spec,
+            adapter_dir,
+            "the exported card leaves it out (longpeft.json names it relative to the export folder)",
+            "export(..., base_id=...)",
+        )
     check_merge(spec, adapter_dir, out_dir, base, without)
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     merged, diff = merged_model(model, without, verify)
@@ -177,14 +184,6 @@ def export(
     """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
     the base by ``base_id`` when given; without it, a base the adapter names by a local folder is warned about, as
     ``push`` does: the card cannot name it)."""
-    if not base_id:
-        adapter_dir = local_adapter_dir(adapter_dir)
-        warn_unnamed_base(
-            ContextSpec.load(adapter_dir),
-            adapter_dir,
-            "the exported card leaves it out (longpeft.json names it relative to the export folder)",
-            "export(..., base_id=...)",
-        )
     return merge(
         adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
     )

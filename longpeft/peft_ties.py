@@ -54,7 +54,7 @@ def owner(model: nn.Module, parameter_name: str) -> tuple[nn.Module, str]:
 
 def is_peft_wrapped(module: nn.Module) -> bool:
     """Whether ``module`` is one of peft's wrappers (its weights live in the versions of :func:`module_versions`)."""
-    return module_versions(module) != {ORIGINAL: module}
+    return isinstance(module, (AuxiliaryTrainingWrapper, BaseTunerLayer))  # ModulesToSaveWrapper included
 
 
 def tie_versions(model: nn.Module, target: str, source: str) -> None:

@@ -103,16 +103,6 @@ SETTINGS = [
         "params": QKV,
         "lengths": ADAPT_LENGTHS,
     },
-    {  # appended beacons after a prompt of W / 2: their ratio is chosen when decoding fills the window
-        "attn": "full-coverage",
-        "pos": "append",
-        "ratios": [2, 4, 8],
-        "mix": f"adapt-{SHORT_PROMPT_ADAPT}",
-        "positions": 48,
-        "sink": 0,
-        "params": QKV,
-        "short_decoding": True,
-    },
     {
         "family": "qwen2",
         "attn": "full-coverage",
@@ -141,6 +131,16 @@ SETTINGS = [
         "params": QKV,
         "implementation": "sdpa",
         "checkpointing": True,
+    },
+    {  # appended beacons after a prompt of W / 2: their ratio is chosen when decoding fills the window
+        "attn": "full-coverage",
+        "pos": "append",
+        "ratios": [2, 4, 8],
+        "mix": f"adapt-{SHORT_PROMPT_ADAPT}",
+        "positions": 48,
+        "sink": 0,
+        "params": QKV,
+        "short_decoding": True,
     },
 ]
 

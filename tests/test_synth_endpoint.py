@@ -298,6 +298,27 @@ def test_the_verdict_needs_answers_that_prove_something():
     assert followed.observe(schema, "OK", "stop") is None and followed.observe(schema, pairs, "stop") == "followed"
 
 
+def test_answers_that_prove_nothing_stop_the_wait_but_not_the_judging(tmp_path, capsys):
+    """An endpoint whose answers are all cut at max_tokens as JSON never settles the verdict: after UNDECIDED_AFTER
+    of them requests stop going one at a time, and a later answer still settles it."""
+    from longpeft.synth_data.answer_schema import QA_PAIRS
+    from longpeft.synth_data.structured_output import UNDECIDED_AFTER, StructuredWatch
+
+    schema = QA_PAIRS.response_format()
+    watch = StructuredWatch()
+    for _ in range(UNDECIDED_AFTER):
+        assert watch.waiting and watch.observe(schema, '{"qa_pairs": [{"question": "cut', "length") is None
+    assert not watch.waiting and watch.verdict is None
+    assert watch.observe(schema, "Fine", "stop") is None and watch.observe(schema, "Sure", "stop") == "ignored"
+
+    cut = json.dumps({"qa_pairs": [{"question": "What is said?", "answer": "words " * 400}]})
+    with StubServer(reply=lambda body: cut, cut_at_max_tokens=True) as server:
+        client = make_client(server.base_url, tmp_path, max_tokens=32)
+        results = client.run([qa_request(text) for text in TEXTS], parse=parse_qa_pairs, desc="cut")
+    assert client.structured_watch.undecided >= UNDECIDED_AFTER and client.structured_watch.verdict is None
+    assert len(results) == len(TEXTS) and not any(result.ok for result in results)  # cut answers do not parse
+
+
 def test_synth_against_a_server_that_drops_response_format(tmp_path, capsys):
     """The whole command against a server like transformers serve: rows are built and the fallback is said once."""
     from longpeft.cli import main
@@ -457,6 +478,31 @@ def test_the_estimate_counts_words_with_a_visible_character(text, words):
     from longpeft.synth_data.prompt_tokens import estimate_tokens
 
     assert estimate_tokens([{"role": "user", "content": text}]) == words
+
+
+def test_a_tokenizer_route_that_failed_is_not_asked_again():
+    """After a failure every count is the estimate, said as such: a silent server costs its timeout once."""
+    from longpeft.synth_data.prompt_tokens import PromptCounter, TokenizeError, estimate_tokens
+
+    calls = []
+
+    def failing(messages):
+        calls.append(messages)
+        raise TokenizeError("POST http://127.0.0.1:9/tokenize: no answer within 10 s")
+
+    counter = PromptCounter("counted by the server's tokenizer", failing)
+    messages = [{"role": "user", "content": "three short words"}]
+    first, second = counter.count(messages), counter.count(messages)
+    assert first == second == (estimate_tokens(messages), counter.how) and len(calls) == 1
+    assert "as the tokenizer failed (POST http://127.0.0.1:9/tokenize: no answer within 10 s)" in counter.how
+
+
+def test_an_http_error_with_an_empty_body_names_the_status_and_the_url():
+    from longpeft.synth_data.http_json import HttpAnswer
+    from longpeft.synth_data.llm_http import server_reason
+
+    reason = server_reason(HttpAnswer("http://127.0.0.1:9/v1/chat/completions", 404, b""))
+    assert reason == "HTTP 404 from http://127.0.0.1:9/v1/chat/completions, empty body"
 
 
 # ---- give-ups say why ----------------------------------------------------------------------------------------------

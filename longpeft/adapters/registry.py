@@ -428,7 +428,8 @@ class ModelSpan:
 def model_span(model: Any, length: int) -> ModelSpan:
     """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
     methods' ``model_span`` hooks)."""
-    spans = {m.name: m.model_span(model, length) for m in applied_methods(model) if m.overrides("model_span")}
+    bounding = [m for m in METHODS.values() if m.overrides("model_span") and m.is_applied(model)]
+    spans = {m.name: m.model_span(model, length) for m in bounding}
     return ModelSpan(
         positions=min((p for p, _ in spans.values()), default=length),
         keys=min((k for _, k in spans.values()), default=length),

@@ -110,16 +110,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.gpus is not None:
         _print_estimate(args, recipe)
         return 0
-    # where train writes: output_dir with {name} filled in, as an absolute path
-    output_dir = str(recipe.resolved_output_dir().resolve())
     if not args.build:
+        # where train writes: output_dir with {name} filled in, as an absolute path (as recipe.resolved.json says)
+        output_dir = str(recipe.resolved_output_dir().resolve())
         print(json.dumps({"recipe": {**recipe.model_dump(), "output_dir": output_dir}}, indent=2, default=str))
         return 0
     from ..recipes.runner import prepare  # builds the model and the trainer: torch
 
-    prepared = prepare(recipe, validation=validation)
-    shown = {**prepared.resolved, "recipe": {**prepared.resolved["recipe"], "output_dir": output_dir}}
-    print(json.dumps(shown, indent=2, default=str))
+    print(json.dumps(prepare(recipe, validation=validation).resolved, indent=2, default=str))
     return 0
 
 
@@ -131,9 +129,9 @@ def _print_estimate(args: argparse.Namespace, recipe) -> None:
     from ..scale.network import DEFAULT_INTER_NODE_GBPS, add_inter_node
 
     if args.longest:
-        from ..recipes.longest import longest_sample
+        from ..recipes.longest import longest_trainable_sample
 
-        longest = longest_sample(
+        longest = longest_trainable_sample(
             recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch
         )
         print("\n".join([*longest.lines(), f"the plan at {max(longest.tokens, longest.step):,} tokens:"]))

@@ -55,15 +55,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.launch:
-        from ..scale import shape_of  # the planner imports torch: only a launch reads the model's heads
+        from ..scale import shape_from_config, shape_of  # the planner imports torch: only a launch reads the heads
 
         # plan's checks before any process starts (each launched process runs them again)
-        recipe = validate_recipe(load_recipe(args.recipe, args.overrides)).recipe
+        validation = validate_recipe(load_recipe(args.recipe, args.overrides))
+        base = validation.base  # the config validation read (its revision, from the Hub), else the local files
+        model_shape = shape_of if base is None else lambda _name: shape_from_config(base.config.to_dict())
         return launch_training(
-            recipe,
+            validation.recipe,
             args.recipe,
             args.launch,
-            shape_of,
+            model_shape,
             gpus=args.gpus,
             overrides=args.overrides,
             train_flags=["--resume"] * args.resume + ["--allow-recipe-change"] * args.allow_recipe_change,

@@ -104,7 +104,7 @@ def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int
     return low, max_positions, source
 
 
-def longest_sample(
+def longest_trainable_sample(
     recipe: Recipe,
     gpus: int = 1,
     gpu_memory_gib: float = 80.0,

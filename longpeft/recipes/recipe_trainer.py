@@ -1,5 +1,6 @@
 """The Trainer every recipe trains with: the backend's trainer class (TRL's SFTTrainer, or unsloth's patch of it)
-with :class:`RecipeTrainer`'s hooks mixed in. Each private Trainer method it overrides calls one named hook:
+with :class:`RecipeTrainer`'s hooks mixed in. Each private Trainer method it overrides delegates to the named
+hooks below:
 
 - **Atomic checkpoints** (``_save_checkpoint``, ``_get_output_dir``). The Trainer's whole save (peft's adapter or
   the model, accelerate's FSDP shards, DeepSpeed's partitions, optimizer, scheduler, RNG states of every process,

@@ -98,7 +98,7 @@ def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: l
     check_samples_left(trainer, data_stats, recipe)
     checkpointing = install_memory(recipe, trainer, model.config)
     resolved = {
-        "recipe": recipe.model_dump(),
+        "recipe": {**recipe.model_dump(), "output_dir": str(output_dir.resolve())},  # {name} filled in, absolute
         "base_model": base_id,
         "context_spec": spec.to_dict(),
         "world_size": world_size(),

@@ -181,13 +181,13 @@ def plan_build(
     counter = prompt_counter(llm, os.environ.get(llm.api_key_env), min(llm.timeout, 10.0))
     tasks: dict[str, TaskRequests] = {}
     jobs = [job for plan in plans for job in plan.jobs]
-    counted_with = counter.how
+    first_how = counted_with = counter.how
     for index, job in enumerate(tqdm(jobs, desc="counting prompt tokens", unit="req", disable=not config.progress)):
         request = job_request(job, index)
         task = tasks.setdefault(job.task, TaskRequests())
         tokens, how = counter.count(request.messages)
-        if how != counter.how:  # the server's tokenizer failed on this prompt: the estimate stands in
-            counted_with = f"{counter.how}; some {how}"
+        if how != first_how and counted_with == first_how:  # the tokenizer failed: the estimate stands in from here
+            counted_with = f"{first_how}; from prompt {index + 1} on {how}"
         task.requests += 1
         task.input_tokens += tokens
         variants = ((False, True), (False, False), (True, True))  # the schema with bounds, without, none (auto)

@@ -37,6 +37,9 @@ class HttpAnswer:
     status_code: int
     raw: bytes
 
+    def __str__(self) -> str:  # what an error message quotes when the body says nothing
+        return f"HTTP {self.status_code} from {self.url}" + ("" if self.raw else ", empty body")
+
     def json(self) -> Any:
         """The body as JSON (UTF-8); ``ValueError`` when it is not."""
         return json.loads(self.raw.decode("utf-8"))

@@ -590,16 +590,17 @@ class LLMClient:
         """:func:`.llm_http.chat_completion`, except that until the endpoint is known to follow ``response_format``
         (an answer of the asked shape), requests carrying it go one at a time and their answers are judged
         (:meth:`_observe`): a server that refuses structured output refuses one request, and one that ignores it
-        answers :data:`.structured_output.IGNORED_AFTER`, not every request of the first wave. ``None``: structured
-        output was switched off while this request waited (ask without it)."""
+        answers :data:`.structured_output.IGNORED_AFTER`, not every request of the first wave. After
+        :data:`.structured_output.UNDECIDED_AFTER` answers that proved nothing, requests go in parallel and are
+        still judged. ``None``: structured output was switched off while this request waited (ask without it)."""
         if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
             raise LLMRunAborted(self._stop)
-        if "response_format" in sent and self.structured_watch.verdict is None:
+        if "response_format" in sent and self.structured_watch.waiting:
             assert self._first_structured is not None
             async with self._first_structured:
                 if self._stop is not None:  # another request stopped the run while this one waited
                     raise LLMRunAborted(self._stop)
-                if self.structured_watch.verdict is None:
+                if self.structured_watch.waiting:
                     if self._structured(request).get("response_format") != sent["response_format"]:
                         return None  # refused (its item bounds, or all of it) while this request waited
                     entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
@@ -607,7 +608,10 @@ class LLMClient:
                     return entry
             if self._structured(request).get("response_format") != sent["response_format"]:
                 return None
-        return await chat_completion(self.config, client, semaphore, request, sent, usage)
+        entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
+        if "response_format" in sent and self.structured_watch.verdict is None:
+            self._observe(sent, entry)  # no longer waiting (answers that proved nothing): still judged
+        return entry
 
 
 def _may_exceed(request: LLMRequest, context: int) -> bool:

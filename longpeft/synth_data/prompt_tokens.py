@@ -62,11 +62,14 @@ class PromptCounter:
     count_messages: Callable[[Messages], int]
 
     def count(self, messages: Messages) -> tuple[int, str]:
-        """``(tokens, how counted)``; when :attr:`count_messages` fails, the estimate and why it was used."""
+        """``(tokens, how counted)``. When :attr:`count_messages` fails, this and every later count is the estimate,
+        and ``how`` says why: a route that failed is not asked again (a silent server would cost its timeout per
+        prompt)."""
         try:
             return self.count_messages(messages), self.how
         except TokenizeError as error:
-            return estimate_tokens(messages), f"{ESTIMATED}, as the tokenizer failed ({error})"
+            self.how, self.count_messages = f"{ESTIMATED}, as the tokenizer failed ({error})", estimate_tokens
+            return estimate_tokens(messages), self.how
 
 
 def estimate_tokens(messages: Messages) -> int:

@@ -9,8 +9,10 @@ cut at ``max_tokens`` (``finish_reason`` ``"length"``) that starts as a JSON obj
 proves the field was not enforced (:func:`judge_answer`).
 
 :class:`StructuredWatch` keeps the verdict over a run: the first answer of that shape means the endpoint follows
-the field; :data:`IGNORED_AFTER` answers not of that shape before any that is mean it ignores the field. Nothing
-here sends a request or touches a file.
+the field; :data:`IGNORED_AFTER` answers not of that shape before any that is mean it ignores the field. After
+:data:`UNDECIDED_AFTER` answers that prove nothing, the run stops waiting for a verdict
+(:attr:`StructuredWatch.waiting`) and goes on judging later answers as they come. Nothing here sends a request or
+touches a file.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .llm_http import body_excerpt
 from .llm_output import MalformedOutput
 
 IGNORED_AFTER = 2  # answers not of the asked shape, before any that is, that show a server ignoring the field
+UNDECIDED_AFTER = 4  # answers that prove nothing (empty, cut as JSON) after which requests stop waiting for a verdict
 
 Verdict = Literal["followed", "ignored"]
 
@@ -66,16 +69,26 @@ class StructuredWatch:
         verdict: ``"followed"`` once an answer had the asked shape, ``"ignored"`` once :data:`IGNORED_AFTER` answers
             did not before any did, else ``None``.
         unfollowed: quoted starts of the answers that did not have the shape (for the message).
+        undecided: answers that proved nothing either way.
     """
 
     verdict: Verdict | None = None
     unfollowed: list[str] = field(default_factory=list)
+    undecided: int = 0
+
+    @property
+    def waiting(self) -> bool:
+        """Whether requests carrying the field should still go one at a time: no verdict yet, and fewer than
+        :data:`UNDECIDED_AFTER` answers that proved nothing (an endpoint whose every answer is cut at
+        ``max_tokens`` would otherwise hold the whole run to one request at a time)."""
+        return self.verdict is None and self.undecided < UNDECIDED_AFTER
 
     def observe(self, response_format: dict[str, Any], text: str, finish_reason: str | None) -> Verdict | None:
         """Count one answer (its ``text`` and ``finish_reason``) to a request carrying ``response_format``; returns
         the verdict when this answer settles it, else ``None`` (also once it is settled: it is said once)."""
         followed = None if self.verdict is not None else judge_answer(response_format, text, finish_reason)
         if followed is None:
+            self.undecided += self.verdict is None
             return None
         if followed:
             self.verdict = "followed"

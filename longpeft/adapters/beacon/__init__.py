@@ -14,7 +14,9 @@ unedited: no resized vocabulary, no modeling file (except in an exported merged 
 - :mod:`.patch`: ``install_beacon`` / ``remove_beacon`` (in the exported modeling file too);
 - :mod:`.apply`: :func:`apply_beacon` (checks, then installs), the settings only inference reads;
 - :mod:`.remote_classes`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
-- :mod:`.weights`: ``beacon_adapter.safetensors`` and the converter from the authors' checkpoints;
+- :mod:`.weights`: ``beacon_adapter.safetensors`` and the authors' tensor names;
+- :mod:`.authors_config`: the authors' ``config.json`` read into a ``BeaconConfig`` and checked against the base
+  (``longpeft convert-beacon``, :mod:`longpeft.convert`);
 - :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
 """
 

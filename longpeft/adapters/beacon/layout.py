@@ -86,8 +86,9 @@ class BeaconSettings:
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown, missing = sorted(set(data) - fields), sorted(fields - set(data))
         if unknown or missing:
+            faults = [f"has unknown keys {unknown}" if unknown else "", f"lacks {missing}" if missing else ""]
             raise ValueError(
-                f"config.beacon has unknown keys {unknown} and lacks {missing}; it holds every setting, as "
+                f"config.beacon {' and '.join(f for f in faults if f)}; it holds every setting, as "
                 "BeaconConfig(...).settings().as_dict() writes them"
             )
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
