@@ -1,15 +1,12 @@
-"""Probe (evaluation) sets with exact token lengths: passkey, needle-in-a-haystack (single, multi
-key / value / query), variable tracking, common-word extraction and topic retrieval.
+"""Probe (evaluation) prompts of exact token lengths: passkey, needle-in-a-haystack (single, multi key / value /
+query), variable tracking, common-word extraction and topic retrieval.
 
-Every probe is assembled in token space for a given tokenizer, so ``len(probe.input_ids)`` equals
-the requested length exactly: the fixed text (instruction, needles, question, chat template) is
-tokenized piece by piece and a haystack of whole filler sentences fills the rest exactly (see
-:meth:`ProbeBuilder.haystack`). Needles go in at sentence boundaries nearest the requested depth
-(0 = start of the haystack, 1 = end). The prompt ends where the answer should begin ("... The pass
-key is"), so a base model continues with the answer (scored "exact": it must come first); a chat
-model replies in its own words after the template's generation prompt (scored "contains": the
-answer must appear as whole words). Everything is deterministic given the seed. The probe tasks of
-``longpeft eval`` (their names, decode budgets and grids) are registered in :mod:`longpeft.eval.builtin`.
+Each prompt is assembled in token space, so ``len(probe.input_ids)`` is the requested length exactly: the fixed
+text is tokenized piece by piece and a haystack of whole filler sentences fills the rest. Needles go in at the
+sentence boundary nearest the requested depth (0 = start of the haystack, 1 = end). A plain prompt ends where the
+answer begins ("... The pass key is"; scored "exact"); a chat prompt ends with the template's generation prompt
+(scored "contains"). Everything is deterministic given the seed. The ``longpeft eval`` probe tasks are registered
+in :mod:`longpeft.eval.builtin`.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from __future__ import annotations
 import itertools
 import random
 import string
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,13 +59,11 @@ class Probe:
         task: the eval task it belongs to (``passkey``, ``niah_multikey``, ...).
         input_ids: the prompt, exactly ``length`` token ids (special tokens included).
         answers: what the continuation must contain (one string, or several for recall tasks).
-        metric: ``"exact"`` (the continuation starts with the single answer; plain prompts),
-            ``"contains"`` (the single answer appears in the reply; chat prompts) or ``"recall"``
-            (fraction of ``answers`` found in the continuation).
+        metric: ``"exact"``, ``"contains"`` or ``"recall"`` (:func:`longpeft.eval.scoring.score`).
         length: prompt length in tokens.
         depth: requested needle depth in [0, 1] (None for tasks without one).
-        needle_positions: token offset in ``input_ids`` of each inserted needle / statement, in
-            the order the task made them (empty for tasks without inserts).
+        needle_positions: token offset in ``input_ids`` of each inserted needle / statement, in the order the task
+            made them (empty for tasks without inserts).
         metadata: task details (keys, topics, ...).
     """
 
@@ -97,10 +92,8 @@ class ProbeBuilder:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool = False, seed: int = 0):
         require_tokens(tokenizer)
-        self.tokenizer = tokenizer
-        self.chat = chat
+        self.tokenizer, self.chat, self.rng = tokenizer, chat, random.Random(seed)
         self.single_answer_metric = "contains" if chat else "exact"
-        self.rng = random.Random(seed)
         self._encoded: dict[str, list[int]] = {}
         if chat:
             if not getattr(tokenizer, "chat_template", None):
@@ -112,12 +105,9 @@ class ProbeBuilder:
             text = tokenizer.apply_chat_template(
                 [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
             )
-            head, tail = text.split(marker)
-            self.head = self.encode(head)
-            self.tail = self.encode(tail)
+            self.head, self.tail = (self.encode(part) for part in text.split(marker))
         else:
-            self.head = self.special_prefix()
-            self.tail = []
+            self.head, self.tail = self.special_prefix(), []
 
     def encode(self, text: str) -> list[int]:
         if text not in self._encoded:
@@ -130,8 +120,6 @@ class ProbeBuilder:
         eos = self.tokenizer.eos_token_id
         return [i for i in ids if i != eos]
 
-    # --- haystack -----------------------------------------------------------------------------
-
     def filler_sentence(self, kind: str) -> str:
         if kind == "passkey":
             return self.rng.choice(PASSKEY_FILLER)
@@ -141,24 +129,18 @@ class ProbeBuilder:
         )
 
     def haystack(self, n_tokens: int, kind: str) -> tuple[list[int], list[int]]:
-        """Filler of exactly ``n_tokens`` tokens made of whole sentences, and the token offsets where
-        sentences start (``n_tokens`` last), so no sentence is ever cut (needles and the question
-        always follow a full stop).
+        """Filler of exactly ``n_tokens`` tokens made of whole sentences, and the token offsets where sentences
+        start (``n_tokens`` last): no sentence is cut, so needles and the question always follow a full stop.
 
-        Random sentences of ``kind`` are added while the next one fits; the few tokens left are
-        made up exactly by the fewest short sentences of ``PAD_FILLER`` whose lengths sum to them.
-        When no such sum exists (e.g. 1 token left), random sentences are given back one at a time
-        until one does.
+        Random sentences of ``kind`` are added while the next one fits; the rest is made up by the fewest
+        ``PAD_FILLER`` sentences that sum to it exactly, giving back random sentences until such a sum exists.
 
         Raises:
-            ValueError: ``n_tokens`` is too small to be a sum of whole filler sentences.
+            ConfigError: ``n_tokens`` is too small to be a sum of whole filler sentences.
         """
         sentences: list[list[int]] = []
         total = 0
-        while True:
-            sentence = self.encode(" " + self.filler_sentence(kind))
-            if total + len(sentence) > n_tokens:
-                break
+        while total + len(sentence := self.encode(" " + self.filler_sentence(kind))) <= n_tokens:
             sentences.append(sentence)
             total += len(sentence)
         pad = self.pad_sentences(n_tokens - total)
@@ -171,12 +153,9 @@ class ProbeBuilder:
                 f"{n_tokens} filler tokens cannot be made of whole filler sentences (the shortest has {shortest} "
                 "tokens); use a probe length a few tokens longer"
             )
-        ids: list[int] = []
-        starts: list[int] = []
-        for piece in sentences + pad:
-            starts.append(len(ids))
-            ids.extend(piece)
-        return ids, starts + [n_tokens]
+        pieces = sentences + pad
+        starts = list(itertools.accumulate((len(piece) for piece in pieces), initial=0))
+        return [i for piece in pieces for i in piece], starts
 
     def pad_sentences(self, n_tokens: int) -> list[list[int]] | None:
         """The fewest ``PAD_FILLER`` sentences (token ids) whose lengths sum to exactly ``n_tokens``, or None."""
@@ -192,6 +171,10 @@ class ProbeBuilder:
         found = fewest[n_tokens]
         return None if found is None else [pool[k] for k in found]
 
+    def frame(self, instruction: str, question: str) -> tuple[list[int], list[int]]:
+        """The fixed start (``[head] instruction``) and end (``question [tail]``) of a prompt, as new lists."""
+        return self.head + self.encode(instruction), self.encode(" " + question) + self.tail
+
     def assemble(
         self, length: int, instruction: str, inserts: Sequence[tuple[float, str]], question: str, kind: str = "essay"
     ) -> tuple[list[int], list[int]]:
@@ -204,9 +187,9 @@ class ProbeBuilder:
         Returns:
             ``(input_ids, insert_token_positions)``.
         """
-        fixed = self.head + self.encode(instruction) + self.encode(" " + question) + self.tail
+        ids, end = self.frame(instruction, question)
         insert_ids = [self.encode(" " + text) for _, text in inserts]
-        n_hay = length - len(fixed) - sum(len(i) for i in insert_ids)
+        n_hay = length - len(ids) - len(end) - sum(map(len, insert_ids))
         if n_hay < 0:
             raise ConfigError(
                 f"probe length {length} is shorter than its fixed text ({length - n_hay} tokens: instruction, "
@@ -214,41 +197,33 @@ class ProbeBuilder:
             )
         hay, starts = self.haystack(n_hay, kind)
         boundaries = [min(starts, key=lambda s: abs(s - depth * n_hay)) for depth, _ in inserts]
-        order = sorted(range(len(inserts)), key=lambda k: (boundaries[k], k))
-        body: list[int] = []
-        positions = [0] * len(inserts)
-        cursor = 0
-        prefix_len = len(self.head) + len(self.encode(instruction))
-        for k in order:
-            body.extend(hay[cursor : boundaries[k]])
+        positions, cursor = [0] * len(inserts), 0
+        for k in sorted(range(len(inserts)), key=lambda k: (boundaries[k], k)):
+            ids += hay[cursor : boundaries[k]]
             cursor = boundaries[k]
-            positions[k] = prefix_len + len(body)
-            body.extend(insert_ids[k])
-        body.extend(hay[cursor:])
-        ids = self.head + self.encode(instruction) + body + self.encode(" " + question) + self.tail
+            positions[k] = len(ids)
+            ids += insert_ids[k]
+        ids += hay[cursor:] + end
         assert len(ids) == length, (len(ids), length)
         return ids, positions
-
-    # --- random values --------------------------------------------------------------------------
 
     def number(self, digits: int) -> str:
         return str(self.rng.randrange(10 ** (digits - 1), 10**digits)) if digits > 1 else str(self.rng.randrange(10))
 
+    @staticmethod
+    def unique(used: set[str], draw: Callable[[], str]) -> str:
+        """The first ``draw()`` not in ``used``, added to it."""
+        value = draw()
+        while value in used:
+            value = draw()
+        used.add(value)
+        return value
+
     def key_phrase(self, used: set[str]) -> str:
-        while True:
-            phrase = "-".join(self.rng.sample(_KEY_WORDS, 2))
-            if phrase not in used:
-                used.add(phrase)
-                return phrase
+        return self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2)))
 
     def pseudo_word(self, used: set[str], syllables: int = 3) -> str:
-        while True:
-            word = "".join(self.rng.choice(_SYLLABLES) for _ in range(syllables))
-            if word not in used:
-                used.add(word)
-                return word
-
-    # --- tasks ----------------------------------------------------------------------------------
+        return self.unique(used, lambda: "".join(self.rng.choice(_SYLLABLES) for _ in range(syllables)))
 
     def passkey(self, length: int, depth: float, digits: int = 5) -> Probe:
         key = self.number(digits)
@@ -297,14 +272,9 @@ class ProbeBuilder:
     def variable_tracking(self, length: int, n_chains: int = 1, n_hops: int = 4, digits: int = 5) -> Probe:
         """RULER variable tracking: ``VAR A = 12345``, ``VAR B = VAR A``, ...; name all variables holding the value."""
         used: set[str] = set()
-        letters = string.ascii_uppercase
 
         def name() -> str:
-            while True:
-                n = "".join(self.rng.choice(letters) for _ in range(5))
-                if n not in used:
-                    used.add(n)
-                    return n
+            return self.unique(used, lambda: "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5)))
 
         chains = []
         for _ in range(n_chains):
@@ -337,7 +307,7 @@ class ProbeBuilder:
             "words that appear most often in the list are:"
         )
         per_item = len(self.encode(" 100. kabemi"))
-        fixed = len(self.head) + len(self.encode(instruction)) + len(self.encode(" " + question)) + len(self.tail)
+        fixed = sum(map(len, self.frame(instruction, question)))
         n_items = max((length - fixed) // per_item + 2, 1)
         common_freq = max(3 * rare_freq, 3, n_items // (2 * n_common))
         if n_common * common_freq > n_items:
@@ -354,30 +324,25 @@ class ProbeBuilder:
         # More rare words after the shuffled list in case the estimate was short (the cut drops the tail).
         more = (self.pseudo_word(used) for _ in itertools.count())
         items = (f"{i + 1}. {w}" for i, w in enumerate(itertools.chain(words, more)))
-        ids, _ = self.assemble_list(length, instruction, items, question)
+        ids = self.assemble_list(length, instruction, items, question)
         return Probe("common_words", ids, common, "recall", length, None, [], {"common_freq": common_freq})
 
-    def assemble_list(
-        self, length: int, instruction: str, items: Iterable[str], question: str
-    ) -> tuple[list[int], int]:
+    def assemble_list(self, length: int, instruction: str, items: Iterable[str], question: str) -> list[int]:
         """Prompt of exactly ``length`` tokens whose body is ``items`` (cut at the end to fit)."""
-        fixed = self.head + self.encode(instruction)
-        end = self.encode(" " + question) + self.tail
-        n_body = length - len(fixed) - len(end)
+        start, end = self.frame(instruction, question)
+        n_body = length - len(start) - len(end)
         if n_body < 0:
             raise ConfigError(f"probe length {length} is shorter than its fixed text; use a longer length")
         body: list[int] = []
-        n_items = 0
         for item in items:
             if len(body) >= n_body:
                 break
             body.extend(self.encode(" " + item))
-            n_items += 1
         if len(body) < n_body:
             raise ConfigError(f"not enough list items to fill {length} tokens")
-        ids = fixed + body[:n_body] + end
+        ids = start + body[:n_body] + end
         assert len(ids) == length
-        return ids, n_items
+        return ids
 
     def topic_retrieval(self, length: int, n_topics: int = 5) -> Probe:
         """LongChat topic retrieval: several conversations on different topics; name the first one."""
