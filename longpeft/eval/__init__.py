@@ -11,10 +11,11 @@ import importlib
 from typing import Any
 
 from . import builtin  # noqa: F401  (registers the built-in tasks)
-from .registry import EVAL_TASKS, TASKS, EvalTask, ProbeTask, get_task, register, registered, unregister
+from .registry import TASKS, EvalTask, ProbeTask, get_task, register, registered, unregister
 
 # Public name -> submodule, imported on first use (the CLI imports this package without torch).
 _EXPORTS = {
+    "EVAL_TASKS": "registry",  # the task names, read at each access
     "InsufficientMemoryError": "memory",
     "check_memory": "memory",
     "estimate_forward_bytes": "memory",
@@ -40,5 +41,5 @@ def __getattr__(name: str) -> Any:
     return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
 
 
-__all__ = ["EVAL_TASKS", "TASKS", "EvalTask", "ProbeTask", "get_task", "register", "registered", "unregister"]
+__all__ = ["TASKS", "EvalTask", "ProbeTask", "get_task", "register", "registered", "unregister"]
 __all__ += list(_EXPORTS)

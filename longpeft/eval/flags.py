@@ -1,16 +1,14 @@
 """The flags of ``longpeft eval`` tasks: each declared once, with its help, argparse type and default.
 
-A task lists the flags it takes (:attr:`longpeft.eval.registry.EvalTask.flags`); the parser declares every
-registered task's flags with the default None, so a flag given to a task that does not take it is refused by name
-instead of ignored, and the task's own defaults are filled in after parsing.
+The parser declares every registered task's flags with the default None, so a flag given to a task that does not
+take it is refused by name; the task's own defaults are filled in after parsing.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -95,7 +93,7 @@ LENGTHS = Flag(
 DEPTHS = Flag(
     "--depths",
     "needle depths in [0, 1] (default 0 .25 .5 .75 1)",
-    None,
+    (0.0, 0.25, 0.5, 0.75, 1.0),
     {"type": float, "nargs": "+"},
     unused="its prompts have no needle depth",
 )
@@ -112,10 +110,8 @@ CHAT = Flag(
     False,
     SWITCH,
 )
-# The probe grid (lengths, samples per cell, batching, decoding) of tasks whose prompts have no needle depth.
-PROBE_FLAGS = (
-    *STRING_FLAGS,
-    LENGTHS,
+# Samples per cell, batching and decoding of a probe grid.
+GRID_FLAGS = (
     Flag("--samples", "probes per (length, depth) cell (default 10)", 10, POSITIVE, keyword="n_samples"),
     BATCH_SIZE,
     SEED,
@@ -123,8 +119,8 @@ PROBE_FLAGS = (
     CHAT,
     Flag("--save-prompts", "keep every prompt's text in <task>.json (large)", False, SWITCH),
 )
-# The probe grid of tasks whose needles sit at a depth.
-NEEDLE_FLAGS = (*STRING_FLAGS, LENGTHS, DEPTHS, *PROBE_FLAGS[len(STRING_FLAGS) + 1 :])
+PROBE_FLAGS = (*STRING_FLAGS, LENGTHS, *GRID_FLAGS)  # tasks whose prompts have no needle depth
+NEEDLE_FLAGS = (*STRING_FLAGS, LENGTHS, DEPTHS, *GRID_FLAGS)  # tasks whose needles sit at a depth
 PERPLEXITY_FLAGS = (
     *STRING_FLAGS,
     Flag("--text", "perplexity: UTF-8 text file", needs="FILE (the UTF-8 text to score)"),
@@ -158,7 +154,7 @@ HARNESS_FLAGS = (
         "the model's)",
     ),
     Flag("--log-samples", "keep every request and the model's answers in the JSON (large)", False, SWITCH),
-    dataclasses.replace(BATCH_SIZE, default=1),
+    replace(BATCH_SIZE, default=1),
     CHAT,
     SEED,
 )

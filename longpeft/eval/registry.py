@@ -1,10 +1,6 @@
-"""The eval-task registry: the one table that ``longpeft eval``, :func:`longpeft.eval.evaluate` and the task contract
-test (tests/test_eval_tasks.py) read. Torch-free: the CLI builds its parser from it.
-
-A task is one record: its name, help line and flags (:mod:`.flags`, each with its default). A :class:`ProbeTask`
-adds its probe builder, decode budget and scorer, and runs on the probe loop of :mod:`.tasks` (build the grid,
-decode greedily, score each continuation); any other task brings its own ``run`` or ``command``. Adding a task is
-one :func:`register` line (the built-in ones: :mod:`.builtin`); nothing else names it.
+"""The eval-task registry, read by ``longpeft eval``, :func:`longpeft.eval.evaluate` and tests/test_eval_tasks.py.
+Torch-free: the CLI builds its parser from it. A task is one record and one :func:`register` line (the built-in
+ones: :mod:`.builtin`); CONTRIBUTING.md ("One record for every eval task") describes the contract.
 """
 
 from __future__ import annotations
@@ -42,9 +38,9 @@ class EvalTask:
     kind: ClassVar[str] = "eval task"  # what get_task calls it in its errors
 
     def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
-        """Its result on ``model`` (:func:`~longpeft.eval.evaluate` adds the STRING settings and writes it; a
-        :class:`ProbeTask` runs on the probe loop instead). ``options`` are keyed by its flags' keywords;
-        ``save(part)`` writes a finished part's result at once (a suite's tasks) when there is an output folder."""
+        """Its result on ``model`` (:func:`~longpeft.eval.evaluate` adds the STRING settings and writes it).
+        ``options`` are keyed by its flags' keywords; ``save(part)`` writes a finished part's result at once (a
+        suite's tasks) when there is an output folder."""
         raise ConfigError(f"eval {self.name} runs from the command line only: longpeft eval {self.name} ...")
 
     def command(self, args: argparse.Namespace) -> int | None:
@@ -60,14 +56,13 @@ def score_probe(prediction: str, probe: Probe) -> float:
 
 @dataclass(frozen=True)
 class ProbeTask(EvalTask):
-    """A task scored on a grid of probes: prompts of exact token lengths with known answers, decoded greedily, each
-    continuation scored in [0, 1] (:func:`longpeft.eval.tasks.run_probe_task`).
+    """A task scored on a grid of probes (prompts of exact token lengths with known answers), each decoded greedily
+    and scored in [0, 1] by :func:`longpeft.eval.tasks.run_probe_task`.
 
     Attributes:
         build: ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` for a task without
-            ``--depths``): one prompt of exactly ``length`` tokens from ``builder``, a
-            :class:`longpeft.synth_data.probes.ProbeBuilder`; ``options`` are the task's own (its flags beyond the
-            grid's, or ``evaluate``'s extra keywords).
+            ``--depths``): one prompt of exactly ``length`` tokens from a
+            :class:`longpeft.synth_data.probes.ProbeBuilder`; ``options`` are the task's own.
         max_new_tokens: the decode budget per prompt: enough for the answer(s) with some slack.
         score: ``score(prediction, probe) -> float`` in [0, 1].
     """
@@ -81,6 +76,21 @@ class ProbeTask(EvalTask):
     def depths(self) -> bool:
         """Its needles sit at a depth: its grid spans ``--depths``."""
         return DEPTHS in self.flags
+
+    def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
+        from .tasks import run_probe_task  # torch: the CLI reads this module to build its parser
+
+        return run_probe_task(self.name, model, tokenizer, **options)
+
+    def probe(self, builder: probes.ProbeBuilder, length: int, depth: float | None = None, **options: Any) -> Probe:
+        """One probe; ``depth`` in [0, 1] (default 0.5) places the needles of a task with ``--depths``, the others
+        take none."""
+        if not self.depths:
+            return dataclasses.replace(self.build(builder, length, **options), task=self.name)
+        depth = 0.5 if depth is None else float(depth)
+        if not 0.0 <= depth <= 1.0:
+            raise ConfigError(f"depth must be in [0, 1], got {depth}")
+        return dataclasses.replace(self.build(builder, length, depth, **options), task=self.name)
 
 
 TASKS: dict[str, EvalTask] = {}
@@ -138,53 +148,39 @@ def registered(task: EvalTask) -> Iterator[EvalTask]:
         unregister(task.name)
 
 
+def task_names(kind: type[EvalTask] = EvalTask, depths: bool = False) -> tuple[str, ...]:
+    """The names of the registered tasks of ``kind`` (with ``--depths`` only, when ``depths``)."""
+    return tuple(n for n, t in TASKS.items() if isinstance(t, kind) and (not depths or t.depths))
+
+
 def get_task(name: str, kind: type[Task] = EvalTask) -> Task:
     """The registered task of ``kind`` called ``name`` (or an alias), with an error listing the known ones."""
     task = TASKS.get(ALIASES.get(name, name))
     if not isinstance(task, kind):
-        raise ConfigError(f"unknown {kind.kind} {name!r}; choose one of {TaskNames(kind)}")
+        raise ConfigError(f"unknown {kind.kind} {name!r}; choose one of {task_names(kind)}")
     return task
 
 
-class TaskNames(Sequence[str]):
-    """The names of the registered tasks of ``kind`` (with ``--depths`` only, when ``depths``), read at each use."""
-
-    def __init__(self, kind: type[EvalTask], depths: bool = False) -> None:
-        self.kind, self.depths = kind, depths
-
-    def names(self) -> tuple[str, ...]:
-        return tuple(n for n, t in TASKS.items() if isinstance(t, self.kind) and (not self.depths or t.depths))
-
-    def __getitem__(self, index: Any) -> Any:
-        return self.names()[index]
-
-    def __len__(self) -> int:
-        return len(self.names())
-
-    def __repr__(self) -> str:
-        return repr(self.names())
+# EVAL_TASKS, PROBE_TASKS, DEPTH_TASKS: the task names, read from the registry at each access.
+_NAMES = {"EVAL_TASKS": (EvalTask, False), "PROBE_TASKS": (ProbeTask, False), "DEPTH_TASKS": (ProbeTask, True)}
 
 
-EVAL_TASKS, PROBE_TASKS, DEPTH_TASKS = TaskNames(EvalTask), TaskNames(ProbeTask), TaskNames(ProbeTask, depths=True)
+def __getattr__(name: str) -> tuple[str, ...]:
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return task_names(*_NAMES[name])
 
 
 class ProbeBuilder(probes.ProbeBuilder):
     """:class:`longpeft.synth_data.probes.ProbeBuilder` that also makes the probes of the registered probe tasks."""
 
     def make(self, task: str, length: int, depth: float | None = None, **options: Any) -> Probe:
-        """One probe of the probe task ``task``; ``depth`` in [0, 1] (default 0.5) places the needles of a task
-        with ``--depths``, the others take none."""
-        record = get_task(task, ProbeTask)
-        if not record.depths:
-            return dataclasses.replace(record.build(self, length, **options), task=record.name)
-        depth = 0.5 if depth is None else float(depth)
-        if not 0.0 <= depth <= 1.0:
-            raise ConfigError(f"depth must be in [0, 1], got {depth}")
-        return dataclasses.replace(record.build(self, length, depth, **options), task=record.name)
+        """One probe of the probe task ``task`` (:meth:`ProbeTask.probe`)."""
+        return get_task(task, ProbeTask).probe(self, length, depth, **options)
 
 
 def make_probes(
-    task: str,
+    task: str | ProbeTask,
     tokenizer: Any,
     lengths: Sequence[int],
     depths: Sequence[float] | None = None,
@@ -196,20 +192,22 @@ def make_probes(
     """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for tasks with ``--depths``).
 
     Args:
-        task: a registered probe task.
+        task: a registered probe task (its name or its record).
         tokenizer: a transformers tokenizer.
         lengths: prompt lengths in tokens.
-        depths: needle depths in [0, 1] (default 0, .25, .5, .75, 1; repeats count once, as repeated lengths do).
+        depths: needle depths in [0, 1] (default ``--depths``'s; repeats count once, as repeated lengths do).
         n_samples: probes per cell.
         seed: everything is deterministic given it.
         chat: wrap prompts in the tokenizer's chat template.
         options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
     """
-    record = get_task(task, ProbeTask)
+    record = task if isinstance(task, ProbeTask) else get_task(task, ProbeTask)
     if n_samples < 1:
         raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
     grid_depths: Sequence[float | None] = [None]
     if record.depths:
-        grid_depths = sorted({float(d) for d in depths}) if depths is not None else (0.0, 0.25, 0.5, 0.75, 1.0)
+        grid_depths = sorted({float(d) for d in (DEPTHS.default if depths is None else depths)})
     builder = ProbeBuilder(tokenizer, chat=chat, seed=seed)
-    return [builder.make(task, int(n), d, **options) for n in lengths for d in grid_depths for _ in range(n_samples)]
+    return [
+        record.probe(builder, int(n), d, **options) for n in lengths for d in grid_depths for _ in range(n_samples)
+    ]

@@ -37,12 +37,8 @@ CHAT_EXTRA_NEW_TOKENS = 32
 
 @contextlib.contextmanager
 def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator[dict[str, Any] | None]:
-    """Run a block with STRING on (``True``: defaults; a dict: ``enable_string`` settings), then
-    restore whatever STRING state the model had. ``None``/``False`` leaves the model as it is.
-
-    With ``True``, L is the trained length the model's longpeft.json records (an adapter loaded by ``longpeft.load``
-    or a merged model loaded from its folder), so S = L // 3 (``enable_string``'s defaults).
-    """
+    """Run a block with STRING on (``True``: ``enable_string``'s defaults; a dict: its settings), then restore the
+    model's STRING state; yields the settings. ``None``/``False`` leaves the model as it is."""
     if not string:
         yield None
         return
@@ -68,30 +64,22 @@ def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
     return batches
 
 
-def _say(message: str) -> None:
-    """A status line on stderr (stdout is for results), printed without breaking progress bars."""
-    tqdm.write(message, file=sys.stderr)
-
-
 def generate_for_probes(
     model: Any, tokenizer: Any, probes: Sequence[Probe], max_new_tokens: int, batch_size: int, task: str
 ) -> list[str]:
-    """Greedy continuations of ``probes`` (in their order), in :func:`length_batches`.
-
-    A grid of more than one batch announces its cost on stderr first (batches, forward passes,
-    tokens), then, after the first (longest) batch, a rough total time: that batch's time scaled by
-    tokens (prompt + generated), an overestimate for the shorter batches' attention.
-    """
+    """Greedy continuations of ``probes`` (in their order), in :func:`length_batches`. A grid of several batches
+    announces its cost on stderr, then, after the first (longest) batch, a rough total time scaled by tokens."""
     batches = length_batches(probes, batch_size)
     tokens = [sum(probes[k].length + max_new_tokens for k in batch) for batch in batches]
     lengths = sorted({p.length for p in probes})
     if len(batches) > 1:
         span = f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
-        _say(
+        tqdm.write(
             f"{task}: {len(probes)} prompts of {span} tokens in {len(batches)} batches (one length each): at most "
             f"{len(batches) * max_new_tokens} forward passes (a prefill and up to {max_new_tokens - 1} decode steps "
             f"per batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * max_new_tokens:,} "
-            "generated"
+            "generated",
+            file=sys.stderr,
         )
     eos_ids = eos_token_ids(model, tokenizer)
     pad_id = pad_token_id(tokenizer, eos_ids)
@@ -103,10 +91,11 @@ def generate_for_probes(
             predictions[k] = text
         if i == 0 and len(batches) > 1:
             seconds = time.perf_counter() - start
-            _say(
+            tqdm.write(
                 f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took "
                 f"{format_duration(seconds)}; the whole grid should take about "
-                f"{format_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)"
+                f"{format_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)",
+                file=sys.stderr,
             )
     return predictions
 
@@ -122,7 +111,7 @@ class ProbeGrid:
         new_tokens: the continuation budget per prompt.
     """
 
-    task: str
+    task: ProbeTask
     probes: list[Probe]
     lengths: list[int]
     new_tokens: int
@@ -152,8 +141,8 @@ def build_probe_grid(
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
     new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
-    probes = make_probes(task, tokenizer, lengths, depths, n_samples=n_samples, seed=seed, chat=chat, **probe_options)
-    return ProbeGrid(record.name, probes, lengths, new_tokens)
+    probes = make_probes(record, tokenizer, lengths, depths, n_samples, seed, chat, **probe_options)
+    return ProbeGrid(record, probes, lengths, new_tokens)
 
 
 def run_probe_task(
@@ -187,30 +176,27 @@ def run_probe_task(
         ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
         (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
-    record = get_task(task, ProbeTask)
     if grid is None:
         warn_beyond_positions(model, lengths)
         grid = build_probe_grid(
             task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options
         )
-    probes, lengths, new_tokens = grid.probes, grid.lengths, grid.new_tokens
+    record, probes, lengths, new_tokens = grid.task, grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
     predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, record.name)
-    samples = []
-    for probe, prediction in zip(probes, predictions):
-        samples.append(
-            {
-                "length": probe.length,
-                "depth": probe.depth,
-                "needle_positions": probe.needle_positions,
-                "metadata": probe.metadata,
-                "answers": probe.answers,
-                "prediction": prediction,
-                "score": record.score(prediction, probe),
-            }
-        )
-        if save_prompts:
-            samples[-1]["prompt"] = tokenizer.decode(probe.input_ids)
+    samples = [
+        {
+            "length": probe.length,
+            "depth": probe.depth,
+            "needle_positions": probe.needle_positions,
+            "metadata": probe.metadata,
+            "answers": probe.answers,
+            "prediction": prediction,
+            "score": record.score(prediction, probe),
+            **({"prompt": tokenizer.decode(probe.input_ids)} if save_prompts else {}),
+        }
+        for probe, prediction in zip(probes, predictions)
+    ]
     used_depths = sorted({s["depth"] for s in samples if s["depth"] is not None})
     return {
         "task": record.name,
@@ -266,26 +252,20 @@ def run_suite(
 def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None = None) -> dict[str, str]:
     """Write ``<name>.json`` and its PNG (depth x length heatmap, or score by length) into ``out_dir``; a full disk
     or a refused write is an ``OutputWriteError`` naming ``out_dir``."""
+    out, name = Path(out_dir), name or result["task"]
+    title = result["task"] + (" + STRING" if result.get("string") else "")
     with writing_to(out_dir):
-        return _write_outputs(result, Path(out_dir), name)
-
-
-def _write_outputs(result: dict[str, Any], out_dir: Path, name: str | None) -> dict[str, str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = name or result["task"]
-    files = {"json": str(out_dir / f"{name}.json")}
-    suffix = " + STRING" if result.get("string") else ""
-    if result.get("depths"):
-        scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
-        png = depth_length_heatmap(
-            scores, out_dir / f"{name}_heatmap.png", f"{result['task']}{suffix}", result["lengths"], result["depths"]
-        )
-        files["heatmap"] = str(png)
-    elif "by_length" in result:
-        scores = {int(k): v for k, v in result["by_length"].items()}
-        files["plot"] = str(score_by_length(scores, out_dir / f"{name}_by_length.png", f"{result['task']}{suffix}"))
-    result["files"] = files
-    write_text_atomically(files["json"], json.dumps(result, indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        files = {"json": str(out / f"{name}.json")}
+        if result.get("depths"):
+            scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
+            png = depth_length_heatmap(scores, out / f"{name}_heatmap.png", title, result["lengths"], result["depths"])
+            files["heatmap"] = str(png)
+        elif "by_length" in result:
+            scores = {int(k): v for k, v in result["by_length"].items()}
+            files["plot"] = str(score_by_length(scores, out / f"{name}_by_length.png", title))
+        result["files"] = files
+        write_text_atomically(files["json"], json.dumps(result, indent=2) + "\n")
     return files
 
 
@@ -297,19 +277,15 @@ def evaluate(
     out_dir: str | Path | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on one registered task (:data:`longpeft.eval.registry.TASKS`); optionally with STRING
-    on, and writing JSON + PNG.
+    """Evaluate ``model`` on one registered task or alias (:data:`longpeft.eval.registry.TASKS`), optionally with
+    STRING on, and writing JSON + PNG.
 
     Args:
-        task: a task or alias: ``passkey``, ``niah_single`` (``niah``), ``niah_multikey``, ``niah_multivalue``,
-            ``niah_multiquery``, ``variable_tracking``, ``common_words``, ``topic_retrieval``, ``ruler`` (the six
-            RULER-lite tasks and their mean), ``perplexity`` (``text``, ``window``, ``stride``), or a plug-in's.
         model, tokenizer: a transformers causal LM (PEFT-wrapped or merged) and its tokenizer.
         string: ``True`` for STRING with its defaults, or a dict of ``enable_string`` settings.
         out_dir: where to write ``<task>.json`` and PNGs.
-        options: the task's options, each defaulting as its flag does: for probe tasks ``lengths`` (1024, 2048,
-            4096), ``depths``, ``n_samples``, ``seed``, ``batch_size``, ``max_new_tokens``, ``chat``,
-            ``save_prompts``, and the probe builder's own (see :func:`run_probe_task`).
+        options: the task's options (its flags' keywords, each defaulting as its flag does; for a probe task also
+            the probe builder's own: see :func:`run_probe_task`).
 
     Warns once when the prompts (or perplexity windows) are longer than the model's positions.
     """
@@ -323,10 +299,7 @@ def evaluate(
             if out_dir is not None:
                 write_outputs({**part, "string": string_used}, out_dir)
 
-        if isinstance(record, ProbeTask):
-            result = run_probe_task(record.name, model, tokenizer, **options)
-        else:
-            result = record.run(model, tokenizer, save, **options)
+        result = record.run(model, tokenizer, save, **options)
     result["string"] = string_used
     if out_dir is not None:
         write_outputs(result, out_dir)
@@ -359,14 +332,5 @@ def niah_grid(
     **options: Any,
 ) -> dict[str, Any]:
     """Single-needle NIAH over a depth x length grid (``result["cells"]``; heatmap PNG in ``out_dir``)."""
-    return evaluate(
-        "niah_single",
-        model,
-        tokenizer,
-        lengths=lengths,
-        depths=depths,
-        n_samples=n_samples,
-        seed=seed,
-        out_dir=out_dir,
-        **options,
-    )
+    grid = {"lengths": lengths, "depths": depths, "n_samples": n_samples, "seed": seed}
+    return evaluate("niah_single", model, tokenizer, out_dir=out_dir, **grid, **options)
