@@ -11,7 +11,7 @@ from typing import Any
 from ..builtin_models import model_location
 from ..errors import ConfigError, OutputFolderError
 from ..files import check_model_source, check_writable_folder, local_adapter_dir
-from .flags import STRING_FLAGS
+from .flags import HARNESS_FLAGS, STRING_FLAGS
 from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
 
@@ -50,9 +50,8 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str | None]:
-    """``(--model, --adapter)`` to load. A local adapter folder given as ``--model`` (longpeft.json and no
-    config.json: not a loadable model by itself) becomes the adapter, on the base its longpeft.json names, so its
-    RoPE change and methods are applied (``longpeft.load``) instead of silently missing."""
+    """``(--model, --adapter)`` to load: a local adapter folder given as ``--model`` (longpeft.json and no
+    config.json) becomes the adapter, on the base its longpeft.json names (``longpeft.load``)."""
     from ..spec import SPEC_FILENAME
 
     folder = Path(model)
@@ -71,21 +70,23 @@ def model_and_adapter(model: str, adapter: str | None) -> tuple[str | None, str 
     return None, model
 
 
-def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
-    """What STRING's default trained length L is taken from (:func:`~longpeft.adapters.string.string_defaults`),
-    read before the model loads: the ``trained_length`` recorded in the longpeft.json of the adapter, or of the
-    ``--model`` folder (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
-    and where the default L comes from, in words."""
-    from ..spec import SPEC_FILENAME, ContextSpec
+def spec_folder(args: argparse.Namespace) -> Path:
+    """The folder whose longpeft.json describes what runs: the adapter's, else ``--model``'s."""
+    return local_adapter_dir(args.adapter) if args.adapter else Path(args.model)
 
-    if args.adapter:
-        folder, what = local_adapter_dir(args.adapter), "the adapter's longpeft.json"
-    else:
-        folder, what = Path(args.model), "the model's longpeft.json"
-    if (folder / SPEC_FILENAME).is_file():
-        spec = ContextSpec.load(folder)
-        if spec.trained_length:
-            return spec.trained_length, spec.max_position_embeddings, what
+
+def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
+    """Read before the model loads, for STRING's default trained length L
+    (:func:`~longpeft.adapters.string.string_defaults`): the ``trained_length`` recorded in the longpeft.json of the
+    adapter or of the ``--model`` folder (a merged model's carries its adapter's), the (adapted) model's
+    ``max_position_embeddings``, and where the default L comes from, in words."""
+    from .harness import recorded_spec
+
+    spec = recorded_spec(spec_folder(args))
+    if spec is not None and spec.trained_length:
+        owner = "adapter" if args.adapter else "model"
+        return spec.trained_length, spec.max_position_embeddings, f"the {owner}'s longpeft.json"
+    if spec is not None:
         return None, spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
 
@@ -113,11 +114,9 @@ def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[
     else:
         recorded, positions, source = recorded_lengths(args)
     shift, trained = string_defaults(args.string_shift, args.string_trained_length, recorded, positions)
-    what_shift = (
-        f"--string-shift {shift}"
-        if args.string_shift
-        else f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
-    )
+    what_shift = f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
+    if args.string_shift:
+        what_shift = f"--string-shift {shift}"
     window = DEFAULT_LOCAL_WINDOW if args.string_window is None else args.string_window
     if window > shift:
         raise ConfigError(
@@ -164,34 +163,21 @@ def run_harness_eval(args: argparse.Namespace) -> int:
             f"--out {out} is a folder; eval harness writes one JSON file: give its name, e.g. {out / 'harness.json'}"
         )
     check_writable_folder(out.parent, "--out")
+    example = """'{"max_seq_lengths": [8192, 16384]}'"""
     try:
         metadata = json.loads(args.metadata) if args.metadata else {}
     except json.JSONDecodeError as error:
-        raise ConfigError(
-            f"--metadata is not JSON ({error.msg}): give an object, e.g. "
-            """'{"max_seq_lengths": [8192, 16384]}'"""
-        ) from None
+        raise ConfigError(f"--metadata is not JSON ({error.msg}): give an object, e.g. {example}") from None
     if not isinstance(metadata, dict):
-        raise ConfigError("--metadata must be a JSON object, e.g. '{\"max_seq_lengths\": [8192, 16384]}'")
+        raise ConfigError(f"--metadata must be a JSON object, e.g. {example}")
     tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
     import_lm_eval()  # before the model loads
     model, tokenizer = load_model_and_tokenizer(args)
-    max_length = args.max_length or extended_length(local_adapter_dir(args.adapter) if args.adapter else args.model)
+    max_length = args.max_length or extended_length(spec_folder(args))
     metadata.setdefault("tokenizer", tokenizer.name_or_path)  # tasks that build their own prompts (RULER) size them
-    results = run_harness(
-        model,
-        tokenizer,
-        tasks,
-        max_length=max_length,
-        include_path=args.include_path,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        num_fewshot=args.num_fewshot,
-        chat=args.chat,
-        metadata=metadata,
-        log_samples=args.log_samples,
-        seed=args.seed,
-    )
+    read_here = ("tasks", "max_length", "metadata")  # the other flags are run_harness's keywords
+    options = {flag.dest: getattr(args, flag.dest) for flag in HARNESS_FLAGS if flag.dest not in read_here}
+    results = run_harness(model, tokenizer, tasks, max_length=max_length, metadata=metadata, **options)
     print(results_table(results))
     length = results["longpeft"]["max_length"] or "from the model config"
     print(f"max_length {length}; wrote {write_results(results, out)}")
@@ -266,10 +252,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
     """Every registered task's flags (parser default None: see :mod:`.flags`), in groups named by the tasks that
     take them."""
-    takers: dict[str, list[str]] = {}
-    for task in TASKS.values():
-        for flag in task.flags:
-            takers.setdefault(flag.flag, []).append(task.name)
+    takers = {name: [t.name for t in TASKS.values() if name in {f.flag for f in t.flags}] for name in task_flags()}
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in task_flags().values():
         others = [name for name in TASKS if name not in takers[flag.flag]]

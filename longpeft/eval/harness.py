@@ -1,12 +1,6 @@
-"""Standard benchmarks on an extended model, through lm-evaluation-harness (``lm-eval``, optional extra ``eval``).
-
-The bridge wraps the model ``longpeft.load`` returns (the RoPE parameters and every method of the adapter's
-``longpeft.json`` applied, then its weights) in lm-eval's ``HFLM``, so any lm-eval task (its own groups such as
-``ruler`` and ``longbench``, or a task YAML of yours under ``include_path``) scores the extended model, not the
-stock base. ``HFLM`` would otherwise take its context length from the config it is given or default to 2048; here
-it is the extended length recorded in ``longpeft.json`` unless ``max_length`` says otherwise.
-
-lm-eval is imported only when a function here runs; without it the error names the extra to install.
+"""lm-evaluation-harness tasks (``lm-eval``, optional extra ``eval``) on an extended model: lm-eval's ``HFLM`` over
+the model ``longpeft.load`` returns, with the extended length of its ``longpeft.json`` as ``max_length``
+(docs/methods.md). lm-eval is imported only when a function here runs; without it the error names the extra.
 """
 
 from __future__ import annotations
@@ -15,9 +9,12 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+
+if TYPE_CHECKING:
+    from ..spec import ContextSpec
 
 INSTALL_HINT = "pip install 'longpeft[eval]' (or pip install lm-eval==0.4.13)"
 
@@ -36,22 +33,24 @@ def import_lm_eval() -> Any:
     return lm_eval
 
 
+def recorded_spec(folder: str | Path | None) -> ContextSpec | None:
+    """The ``ContextSpec`` of the ``longpeft.json`` in a local adapter or merged-model folder, or None."""
+    from ..spec import SPEC_FILENAME, ContextSpec
+
+    return ContextSpec.load(folder) if folder is not None and (Path(folder) / SPEC_FILENAME).is_file() else None
+
+
 def extended_length(model_or_adapter: str | Path | None) -> int | None:
     """The context length recorded in ``longpeft.json`` of a local adapter or merged-model folder: the adapted model's
     ``max_position_embeddings``, or its ``target_length`` when longer (Activation Beacon and STRING read past their
     positions); None when the folder has no ``longpeft.json`` (a plain model)."""
-    from ..spec import SPEC_FILENAME, ContextSpec
-
-    if model_or_adapter is None or not (Path(model_or_adapter) / SPEC_FILENAME).is_file():
-        return None
-    spec = ContextSpec.load(Path(model_or_adapter))
-    return max(spec.max_position_embeddings, spec.target_length or 0)
+    spec = recorded_spec(model_or_adapter)
+    return None if spec is None else max(spec.max_position_embeddings, spec.target_length or 0)
 
 
 def check_batch_size(model: Any, batch_size: int) -> None:
     """Refuse ``batch_size > 1`` on a model with a method on that reads a padded request differently from the request
-    alone (its ``padded_batches``: Activation Beacon): lm-eval pads a batch's requests to one length, so a request
-    would not be scored as it is alone."""
+    alone (its ``padded_batches``: Activation Beacon): lm-eval pads a batch's requests to one length."""
     from ..adapters import applied_methods
 
     if batch_size <= 1:
@@ -69,11 +68,9 @@ def check_batch_size(model: Any, batch_size: int) -> None:
 MODEL_OBJECT_NOTICE = "`pretrained` model kwarg is not of type `str`"
 
 
-class WithoutModelObjectNotice(logging.Filter):
-    """Drops lm-eval's :data:`MODEL_OBJECT_NOTICE` record; lets every other record through."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(MODEL_OBJECT_NOTICE)
+def without_model_object_notice(record: logging.LogRecord) -> bool:
+    """A logging filter: drops lm-eval's :data:`MODEL_OBJECT_NOTICE` record, lets every other record through."""
+    return not str(record.msg).startswith(MODEL_OBJECT_NOTICE)
 
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
@@ -88,12 +85,11 @@ def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_
     import_lm_eval()
     from lm_eval.models import huggingface
 
-    notice = WithoutModelObjectNotice()
-    huggingface.eval_logger.addFilter(notice)
+    huggingface.eval_logger.addFilter(without_model_object_notice)
     try:
         return huggingface.HFLM(pretrained=model, tokenizer=tokenizer, max_length=max_length, batch_size=batch_size)
     finally:
-        huggingface.eval_logger.removeFilter(notice)
+        huggingface.eval_logger.removeFilter(without_model_object_notice)
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Path | None, metadata: dict[str, Any] | None) -> Any:
@@ -162,11 +158,8 @@ def run_harness(
         num_fewshot=num_fewshot,
         apply_chat_template=chat,
         log_samples=log_samples,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
         bootstrap_iters=0,
+        **dict.fromkeys(("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed"), seed),
     )
     results["longpeft"] = {"max_length": max_length, "tasks": list(tasks), "limit": limit}
     return results
@@ -176,10 +169,7 @@ def results_table(results: dict[str, Any]) -> str:
     """lm-eval's Markdown table of the tasks' metrics, then the groups' (when a group ran)."""
     from lm_eval.utils import make_table
 
-    table = make_table(results)
-    if results.get("groups"):
-        table += "\n" + make_table(results, "groups")
-    return table
+    return make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
 
 
 def write_results(results: dict[str, Any], path: str | Path) -> Path:
