@@ -24,10 +24,8 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
         "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
         "trust_remote_code": args.trust_remote_code,  # never run a repository's code unasked (nor prompt for it)
     }
-    if args.attn_implementation:
-        kwargs["attn_implementation"] = args.attn_implementation
-    if args.device:
-        kwargs["device_map"] = args.device
+    optional = {"attn_implementation": args.attn_implementation, "device_map": args.device}
+    kwargs |= {key: value for key, value in optional.items() if value}
     if args.adapter:
         from ..loading import load, load_tokenizer
 
@@ -41,9 +39,8 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
             if "trust_remote_code" not in str(error) or args.trust_remote_code:
                 raise
             raise ConfigError(
-                f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, "
-                "Activation Beacon or STRING model); pass --trust-remote-code if you trust that "
-                "folder"
+                f"--model {args.model} ships its own modeling code (auto_map: e.g. a merged HARPE, Activation Beacon "
+                "or STRING model); pass --trust-remote-code if you trust that folder"
             ) from None
         tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=args.trust_remote_code)
     return model.eval(), tokenizer
@@ -83,10 +80,10 @@ def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
     from .harness import recorded_spec
 
     spec = recorded_spec(spec_folder(args))
-    if spec is not None and spec.trained_length:
-        owner = "adapter" if args.adapter else "model"
-        return spec.trained_length, spec.max_position_embeddings, f"the {owner}'s longpeft.json"
     if spec is not None:
+        where = f"the {'adapter' if args.adapter else 'model'}'s longpeft.json"
+        if spec.trained_length:
+            return spec.trained_length, spec.max_position_embeddings, where
         return None, spec.max_position_embeddings, "the adapted model's max_position_embeddings"
     from transformers import AutoConfig
 

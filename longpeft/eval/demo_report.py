@@ -1,9 +1,5 @@
-"""The demo's before/after table: passkey and single-needle NIAH at W, 2W and 4W (W = the base's
-trained window) for the base model and base + adapter, each with and without STRING.
-
-:func:`run_demo_evals` writes one folder of eval results per setting (``<task>.json`` + heatmaps, as
-``longpeft eval`` does); :func:`collect_rows` and :func:`before_after_table` build the table from
-those JSON files only, so what `make demo` prints is what its evaluation measured.
+"""The demo's before/after table: passkey and single-needle NIAH at W, 2W and 4W (W = the base's trained window)
+for the base model and base + adapter, each with and without STRING, built from the eval results' JSON files only.
 """
 
 from __future__ import annotations
@@ -37,21 +33,18 @@ def demo_string_settings(trained_length: int) -> dict[str, int]:
 def run_demo_evals(
     out: str | Path, adapter_dir: str | Path, n_samples: int = 8, seed: int = 0, lengths: tuple[int, ...] | None = None
 ) -> int:
-    """Evaluate the adapter's base and base + adapter, each with and without STRING, into
-    ``out/eval/<setting>/``; returns the base's trained window W.
+    """Evaluate the adapter's base and base + adapter, each with and without STRING (L: the base's window, the
+    adapter's trained length), into ``out/eval/<setting>/``; returns the base's trained window W.
 
     Args:
         lengths: prompt lengths; default W, 2W and 4W.
         n_samples: prompts per (length, needle depth) cell; depths 0, 0.5 and 1.
-
-    STRING's L is the base's window for the base, the adapter's trained length for the adapter.
     """
     from transformers import AutoModelForCausalLM
 
     from ..loading import load, load_tokenizer, resolve_base
     from ..spec import ContextSpec
 
-    out = Path(out)
     spec = ContextSpec.load(adapter_dir)
     base_location = resolve_base(spec, adapter_dir, None)
     base = AutoModelForCausalLM.from_pretrained(base_location).eval()
@@ -61,23 +54,14 @@ def run_demo_evals(
         "base": (base, window),
         "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window),
     }
+    lengths = lengths or tuple(m * window for m in WINDOW_MULTIPLES)
+    grid = dict(lengths=lengths, depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12)
     for setting in SETTINGS:
         model, trained_length = models[setting.split(" + ")[0]]
         string = demo_string_settings(trained_length) if "STRING" in setting else None
+        out_dir = Path(out) / "eval" / setting_folder(setting)
         for task in DEMO_TASKS:
-            evaluate(
-                task,
-                model,
-                tokenizer,
-                lengths=lengths or tuple(m * window for m in WINDOW_MULTIPLES),
-                depths=DEPTHS,
-                n_samples=n_samples,
-                seed=seed,
-                chat=False,
-                batch_size=12,
-                string=string,
-                out_dir=out / "eval" / setting_folder(setting),
-            )
+            evaluate(task, model, tokenizer, string=string, out_dir=out_dir, **grid)
     return window
 
 

@@ -14,12 +14,8 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """All end-of-sequence ids: the generation config's (a list for e.g. Llama-3-Instruct), the
     model config's and the tokenizer's, without duplicates."""
     ids: list[int] = []
-    sources = (
-        getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-        getattr(getattr(model, "config", None), "eos_token_id", None),
-        getattr(tokenizer, "eos_token_id", None),
-    )
-    for value in sources:
+    for owner in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(owner, "eos_token_id", None)
         for i in value if isinstance(value, (list, tuple)) else [value]:
             if i is not None and int(i) not in ids:
                 ids.append(int(i))
@@ -47,24 +43,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 # Plain greedy decoding whatever the model's generation_config says: a saved repetition penalty (some instruct models
 # ship 1.05), banned n-grams or words, a minimum length or beams would change what a probe's answer is scored on
 # (a repetition penalty pushes the model away from the needle's own digits in the prompt).
-GREEDY = dict(
-    do_sample=False,
-    num_beams=1,
-    temperature=None,
-    top_p=None,
-    top_k=None,
-    penalty_alpha=None,
-    dola_layers=None,
-    repetition_penalty=1.0,
-    no_repeat_ngram_size=0,
-    min_new_tokens=0,
-    bad_words_ids=None,
-    suppress_tokens=None,
-    begin_suppress_tokens=None,
-    sequence_bias=None,
-    forced_bos_token_id=None,
-    forced_eos_token_id=None,
-    exponential_decay_length_penalty=None,
+GREEDY = dict(do_sample=False, num_beams=1, repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+GREEDY |= dict.fromkeys(  # every other sampling setting or constraint unset
+    "temperature top_p top_k penalty_alpha dola_layers bad_words_ids suppress_tokens begin_suppress_tokens "
+    "sequence_bias forced_bos_token_id forced_eos_token_id exponential_decay_length_penalty".split()
 )
 
 
@@ -89,8 +71,6 @@ def generate_batch(
             eos_token_id=list(eos_ids),
             pad_token_id=pad_id,
         )
-    outputs = []
-    for row in generated[:, input_ids.shape[1] :].tolist():
-        cut = next((k for k, token in enumerate(row) if token in eos_ids), len(row))
-        outputs.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
-    return outputs
+    rows = generated[:, input_ids.shape[1] :].tolist()
+    cuts = [next((k for k, token in enumerate(row) if token in eos_ids), len(row)) for row in rows]
+    return [tokenizer.decode(row[:cut], skip_special_tokens=True) for row, cut in zip(rows, cuts)]

@@ -5,7 +5,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+
+
+def _save(fig: Figure, ax: Axes, title: str, ylabel: str, path: str | Path) -> Path:
+    """Label ``ax`` (x: context length), lay out ``fig`` and write it to ``path``."""
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)
 
 
 def depth_length_heatmap(
@@ -15,28 +26,19 @@ def depth_length_heatmap(
     lengths: Sequence[int],
     depths: Sequence[float],
 ) -> Path:
-    """The papers' needle-in-a-haystack picture: depth (rows, 0% at the top) x length (columns).
-
-    Args:
-        scores: ``(length, depth) -> score in [0, 1]``.
-    """
+    """The papers' needle-in-a-haystack picture of ``scores`` (``(length, depth) -> score in [0, 1]``): depth (rows,
+    0% at the top) x length (columns)."""
     grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
     fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
     ax = fig.subplots()
     image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
     ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth")
     for row, depth_scores in enumerate(grid):
         for col, value in enumerate(depth_scores):
             ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
     fig.colorbar(image, ax=ax, label="score")
-    ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, ax, title, "needle depth", path)
 
 
 def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> Path:
@@ -46,11 +48,5 @@ def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> P
     ax = fig.subplots()
     ax.plot(lengths, [scores[length] for length in lengths], marker="o")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("score")
-    ax.set_title(title)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    return path
+    return _save(fig, ax, title, "score", path)

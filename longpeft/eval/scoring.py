@@ -1,13 +1,7 @@
-"""Scoring of generated continuations: exact match (the answer first), contains (the answer anywhere)
-and recall (the fraction of answers found).
-
-Why two single-answer rules: a plain prompt ends right before the answer ("... The pass key is"), so a
-model that read the needle continues with it; text before it means it answered something else, and
-"exact" keeps that strict. A chat model answers in its own words ("The pass key is 60494."), so its
-reply is scored with "contains". "contains" alone would serve plain prompts less well: it credits a
-continuation that first states a wrong value (or copies a distractor needle) and only later the
-right one. All rules match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong, and so
-are numbers that continue it through a separator (``60494.1``, ``60494,123``, ``60494-7``).
+"""Scoring of generated continuations: exact match (the answer first: plain prompts end where it begins), contains
+(the answer anywhere: chat replies, in the model's own words) and recall (the fraction of answers found). All rules
+match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong, and so are numbers that continue it
+through a separator (``60494.1``, ``60494,123``, ``60494-7``).
 """
 
 from __future__ import annotations
@@ -40,11 +34,8 @@ def exact_match(prediction: str, answer: str) -> float:
     Leading spaces, quotes and colons are skipped, and case is ignored: for the answer ``12345``,
     ``" 12345. Remember"`` scores 1, ``"123456"``, ``"12345.6"`` and ``"The 12345"`` score 0.
     """
-    text = normalize(prediction).lstrip(" \"'`:*")
-    target = normalize(answer)
-    if not target or not text.startswith(target):
-        return 0.0
-    return 0.0 if _glued("", target, text[len(target) :]) else 1.0
+    text, target = normalize(prediction).lstrip(" \"'`:*"), normalize(answer)
+    return float(bool(target) and text.startswith(target) and not _glued("", target, text[len(target) :]))
 
 
 def _appears(text: str, answer: str) -> bool:
