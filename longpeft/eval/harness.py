@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from ..files import write_text_atomically
 
 if TYPE_CHECKING:
     from ..spec import ContextSpec
@@ -26,9 +27,9 @@ def import_lm_eval() -> Any:
         import lm_eval.models.huggingface  # noqa: F401  (HFLM; fails on a partial install)
         import lm_eval.tasks  # noqa: F401
     except ImportError as error:
+        what = error.name or "lm_eval"
         raise ConfigError(
-            f"longpeft eval harness needs lm-evaluation-harness ({error.name or 'lm_eval'} is not "
-            f"importable): {INSTALL_HINT}"
+            f"longpeft eval harness needs lm-evaluation-harness ({what} is not importable): {INSTALL_HINT}"
         ) from None
     return lm_eval
 
@@ -176,7 +177,5 @@ def write_results(results: dict[str, Any], path: str | Path) -> Path:
     """Write ``results`` as JSON to ``path`` (lm-eval's own conversion for values JSON has no type for)."""
     from lm_eval.utils import handle_non_serializable
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
-    return path
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")

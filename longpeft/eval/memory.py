@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -37,47 +38,35 @@ def estimate_forward_bytes(
     SDPA/flash, the fp32 output plus STRING's extra copy of keys and values) and the fp32 logits of
     ``logits_tokens`` positions per sequence.
     """
-    layers = config.num_hidden_layers
-    heads = config.num_attention_heads
+    heads, hidden, head_dim = config.num_attention_heads, config.hidden_size, head_dim_of(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = head_dim_of(config)
-    hidden = config.hidden_size
     intermediate = getattr(config, "intermediate_size", 4 * hidden)
     tokens = batch_size * seq_len
-    kv_cache = 2 * layers * tokens * kv_heads * head_dim * dtype_bytes
+    kv_cache = 2 * config.num_hidden_layers * tokens * kv_heads * head_dim * dtype_bytes
     activations = tokens * (4 * hidden + 3 * intermediate + (heads + 2 * kv_heads) * head_dim) * dtype_bytes
     if attn_implementation == "eager":
         attention = 2 * batch_size * heads * seq_len * seq_len * 4
     else:
         attention = tokens * heads * head_dim * 4 + 2 * tokens * kv_heads * head_dim * dtype_bytes
-    logits = batch_size * logits_tokens * config.vocab_size * 4
-    return kv_cache + activations + attention + logits
+    return kv_cache + activations + attention + batch_size * logits_tokens * config.vocab_size * 4  # fp32 logits
 
 
 def available_bytes(device: torch.device | str) -> int:
     """Free memory on ``device``: CUDA free memory, or the system's MemAvailable for the CPU."""
     device = torch.device(device)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(torch.cuda.mem_get_info(device)[0])
     meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    lines = meminfo.read_text().splitlines() if meminfo.exists() else []
+    available = [int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:")]
+    return available[0] if available else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_memory(model: Any, batch_size: int, seq_len: int, logits_tokens: int = 1, headroom: float = 0.9) -> int:
     """Raise InsufficientMemoryError when a forward of ``batch_size`` x ``seq_len`` will not fit.
 
-    Counts the keys one query reads at most (``Method.model_span``): with Activation Beacon its memory plus
-    one window, whatever ``seq_len``.
-
-    Returns:
-        The estimated bytes.
+    Counts the keys one query reads at most (``Method.model_span``: with Activation Beacon its memory plus one
+    window, whatever ``seq_len``). Returns the estimated bytes.
     """
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_hidden_layers"):

@@ -36,15 +36,13 @@ def sliding_window_perplexity(
     stride: int | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Perplexity with a sliding window: each window of ``window`` tokens scores only the tokens
-    not scored before (the last ``stride`` of it, all of the first window), conditioned on the
-    rest of the window as context (the standard transformers recipe).
+    """Perplexity with a sliding window: each window of ``window`` tokens scores only the tokens not scored before
+    (the last ``stride`` of it, all of the first window), conditioned on the rest of the window.
 
     Args:
         text or input_ids: the text to score (tokenized with the tokenizer's special tokens) or ids.
         window: tokens per forward (context + scored).
-        stride: step between windows (default ``window // 2``); ``stride == window`` gives
-            disjoint windows.
+        stride: step between windows (default ``window // 2``); ``stride == window`` gives disjoint windows.
         max_tokens: score only the first ``max_tokens`` tokens.
 
     Returns:
@@ -56,10 +54,8 @@ def sliding_window_perplexity(
     stride = window // 2 if stride is None else stride
     if window < 2 or not 1 <= stride <= window:
         raise ConfigError(f"need window >= 2 and 1 <= stride <= window, got window={window}, stride={stride}")
-    ids = tokenizer(text)["input_ids"] if text is not None else input_ids
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-    if max_tokens is not None:
-        ids = ids[:max_tokens]
+    ids = torch.as_tensor(tokenizer(text)["input_ids"] if text is not None else input_ids, dtype=torch.long)
+    ids = ids.flatten()[:max_tokens]
     n_tokens = ids.numel()
     if n_tokens < 2:
         raise DataError(f"the text has {n_tokens} token(s); perplexity needs at least 2")
@@ -86,14 +82,8 @@ def sliding_window_perplexity(
         if end == n_tokens:
             break
     nll = total_nll / n_scored
-    return {
-        "perplexity": math.exp(nll),
-        "nll_per_token": nll,
-        "n_scored": n_scored,
-        "n_tokens": n_tokens,
-        "window": min(window, n_tokens),
-        "stride": stride,
-    }
+    counts = {"n_scored": n_scored, "n_tokens": n_tokens, "window": min(window, n_tokens), "stride": stride}
+    return {"perplexity": math.exp(nll), "nll_per_token": nll, **counts}
 
 
 def perplexity_of_file(model: Any, tokenizer: Any, path: str | Path, **options: Any) -> dict[str, Any]:

@@ -1,8 +1,5 @@
-"""Probe tasks on a model + tokenizer: build the probe grid, generate greedily, score, plot.
-
-``evaluate(task, model, tokenizer, **options)`` is the entry point; :func:`passkey_accuracy` and
-:func:`niah_grid` are shortcuts for the two most used grids.
-"""
+"""Evaluation on a model + tokenizer: :func:`evaluate` runs a registered task; probe tasks build their grid,
+generate greedily, score and plot here (:func:`passkey_accuracy` and :func:`niah_grid`: the two most used grids)."""
 
 from __future__ import annotations
 
@@ -24,7 +21,7 @@ from ..errors import ConfigError
 from ..files import write_text_atomically, writing_to
 from ..synth_data.probes import Probe
 from ..units import format_duration
-from .flags import LENGTHS
+from .flags import DEPTHS, LENGTHS
 from .generation import eos_token_ids, generate_batch, pad_token_id
 from .memory import check_memory
 from .plots import depth_length_heatmap, score_by_length
@@ -102,14 +99,8 @@ def generate_for_probes(
 
 @dataclasses.dataclass
 class ProbeGrid:
-    """A task's probes, built before anything generates (cheap: token ids only).
-
-    Attributes:
-        task: the probe task.
-        probes: the grid, ``n_samples`` per (length, depth) cell.
-        lengths: the distinct prompt lengths, ascending.
-        new_tokens: the continuation budget per prompt.
-    """
+    """A probe task's grid (``n_samples`` probes per (length, depth) cell; ``lengths`` distinct, ascending) and its
+    decode budget per prompt, built before anything generates (cheap: token ids only)."""
 
     task: ProbeTask
     probes: list[Probe]
@@ -117,8 +108,7 @@ class ProbeGrid:
     new_tokens: int
 
     def largest_batch(self, batch_size: int) -> int:
-        """Prompts in the longest batch :func:`length_batches` makes (at most ``batch_size``, of the longest
-        length)."""
+        """Prompts in the longest batch :func:`length_batches` makes."""
         return min(batch_size, sum(1 for p in self.probes if p.length == self.lengths[-1]))
 
 
@@ -160,21 +150,20 @@ def run_probe_task(
     grid: ProbeGrid | None = None,
     **probe_options: Any,
 ) -> dict[str, Any]:
-    """Build the probe grid of the probe task ``task``, generate, and score every sample with the task's scorer.
+    """Build the probe grid of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes`), generate, and
+    score every sample with the task's scorer.
 
     Args:
         max_new_tokens: continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``).
         chat: wrap prompts in the tokenizer's chat template (replies scored with "contains").
-        save_prompts: keep each prompt's text (special tokens included) in its sample (large:
-            about 4 characters per token).
-        grid: the grid, when already built by :func:`build_probe_grid` with these options (and its lengths
-            checked against the model's positions: without it, they are checked here).
+        save_prompts: keep each prompt's text in its sample (large: about 4 characters per token).
+        grid: the grid, when already built by :func:`build_probe_grid` with these options and its lengths checked
+            against the model's positions.
 
     Returns:
-        ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths"}`` where
-        ``cells`` holds the mean score of each (length, depth) cell and each sample is
-        ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}``
-        (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
+        ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths", ...}``: ``cells`` as
+        :func:`score_cells`, each sample ``{"length", "depth", "needle_positions", "metadata", "answers",
+        "prediction", "score"}`` (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
     if grid is None:
         warn_beyond_positions(model, lengths)
@@ -226,9 +215,8 @@ def score_cells(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_suite(
     name: str, parts: Sequence[str], model: Any, tokenizer: Any, save: Callable[[dict[str, Any]], None], **options: Any
 ) -> dict[str, Any]:
-    """The probe tasks ``parts`` on one grid: every part's grid built first (a length too short for one fails
-    before any generation), then each run and saved as it finishes; the mean of their scores, overall and by
-    length. ``options`` as :func:`run_probe_task`."""
+    """The probe tasks ``parts`` on one grid (``options`` as :func:`run_probe_task`), all built before any generates,
+    each saved as it finishes; the mean of their scores, overall and by length."""
     lengths = options.pop("lengths")
     warn_beyond_positions(model, lengths)
     grid_options = {k: v for k, v in options.items() if k not in ("batch_size", "save_prompts")}
@@ -277,18 +265,10 @@ def evaluate(
     out_dir: str | Path | None = None,
     **options: Any,
 ) -> dict[str, Any]:
-    """Evaluate ``model`` on one registered task or alias (:data:`longpeft.eval.registry.TASKS`), optionally with
-    STRING on, and writing JSON + PNG.
-
-    Args:
-        model, tokenizer: a transformers causal LM (PEFT-wrapped or merged) and its tokenizer.
-        string: ``True`` for STRING with its defaults, or a dict of ``enable_string`` settings.
-        out_dir: where to write ``<task>.json`` and PNGs.
-        options: the task's options (its flags' keywords, each defaulting as its flag does; for a probe task also
-            the probe builder's own: see :func:`run_probe_task`).
-
-    Warns once when the prompts (or perplexity windows) are longer than the model's positions.
-    """
+    """Evaluate a transformers causal LM (PEFT-wrapped or merged) on one registered task or alias, with STRING on
+    (:func:`string_enabled`) or not, writing ``<task>.json`` and PNGs to ``out_dir`` when given. ``options`` are the
+    task's flags' keywords, each defaulting as its flag does (a probe task also takes its builder's own). Warns once
+    when the prompts (or perplexity windows) are longer than the model's positions."""
     record = get_task(task)
     options = {flag.option: flag.default for flag in record.flags if flag.option} | options
     with string_enabled(model, string) as requested:
@@ -325,7 +305,7 @@ def niah_grid(
     model: Any,
     tokenizer: Any,
     lengths: Sequence[int],
-    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75, 1.0),
+    depths: Sequence[float] = DEPTHS.default,
     n_samples: int = 4,
     seed: int = 0,
     out_dir: str | Path | None = None,
