@@ -1,8 +1,6 @@
-"""Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite
-(multi-key/value/query NIAH, variable tracking, common-word extraction), topic retrieval and
-sliding-window perplexity, on any causal LM + tokenizer (base, base + adapter, merged), with or
-without STRING; and any lm-evaluation-harness task through :mod:`.harness` (the ``eval`` extra).
-Every task is a record of the registry (:mod:`.registry`); the built-in ones are registered by :mod:`.builtin`.
+"""Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite tasks, topic retrieval
+and sliding-window perplexity, on any causal LM + tokenizer, with or without STRING; and any lm-evaluation-harness
+task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.builtin`).
 """
 
 from __future__ import annotations
@@ -15,23 +13,16 @@ from .registry import TASKS, EvalTask, ProbeTask, get_task, register, registered
 
 # Public name -> submodule, imported on first use (the CLI imports this package without torch).
 _EXPORTS = {
-    "EVAL_TASKS": "registry",  # the task names, read at each access
-    "InsufficientMemoryError": "memory",
-    "check_memory": "memory",
-    "estimate_forward_bytes": "memory",
-    "perplexity_of_file": "perplexity",
-    "sliding_window_perplexity": "perplexity",
-    "exact_match": "scoring",
-    "recall": "scoring",
-    "score": "scoring",
-    "evaluate": "tasks",
-    "niah_grid": "tasks",
-    "passkey_accuracy": "tasks",
-    "run_probe_task": "tasks",
-    "write_outputs": "tasks",
-    "extended_length": "harness",
-    "harness_lm": "harness",
-    "run_harness": "harness",
+    name: module
+    for module, names in {
+        "registry": "EVAL_TASKS",  # the task names, read at each access
+        "memory": "InsufficientMemoryError check_memory estimate_forward_bytes",
+        "perplexity": "perplexity_of_file sliding_window_perplexity",
+        "scoring": "exact_match recall score",
+        "tasks": "evaluate niah_grid passkey_accuracy run_probe_task write_outputs",
+        "harness": "extended_length harness_lm run_harness",
+    }.items()
+    for name in names.split()
 }
 
 

@@ -73,10 +73,9 @@ def spec_folder(args: argparse.Namespace) -> Path:
 
 
 def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
-    """Read before the model loads, for STRING's default trained length L
-    (:func:`~longpeft.adapters.string.string_defaults`): the ``trained_length`` recorded in the longpeft.json of the
-    adapter or of the ``--model`` folder (a merged model's carries its adapter's), the (adapted) model's
-    ``max_position_embeddings``, and where the default L comes from, in words."""
+    """For STRING's default trained length L, before the model loads: the ``trained_length`` in the longpeft.json of
+    :func:`spec_folder` (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
+    and where the default L comes from, in words."""
     from .harness import recorded_spec
 
     spec = recorded_spec(spec_folder(args))
@@ -93,12 +92,9 @@ def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
 
 
 def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[str, int] | None:
-    """``enable_string`` settings from the flags, checked before the model loads; errors name the flags.
-
-    S defaults to L // 3 with L from ``--string-trained-length``, else the trained length the adapter's or the
-    model's longpeft.json records, else max_position_embeddings (:func:`recorded_lengths`); it must be shorter than
-    the longest input of ``task`` (its flag with ``longest``).
-    """
+    """``enable_string`` settings from the flags, checked before the model loads; errors name the flags. S defaults
+    to L // 3 (L: ``--string-trained-length``, else :func:`recorded_lengths`) and must be shorter than the longest
+    input of ``task`` (its flags with ``longest``)."""
     if not args.string:
         given = [flag.flag for flag in STRING_FLAGS[1:] if getattr(args, flag.dest) is not None]
         if given:
@@ -131,8 +127,7 @@ def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[
 
 
 def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
-    """Refuse the flags of other tasks that ``task`` does not take (naming them), fill in the defaults of its own,
-    and refuse a missing flag it cannot run without."""
+    """Refuse other tasks' flags by name and a missing flag ``task`` needs; fill in the defaults of its own."""
     own = {flag.dest for flag in task.flags}
     given = [flag for flag in task_flags().values() if flag.dest not in own and getattr(args, flag.dest) is not None]
     if given:
@@ -150,8 +145,8 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
 
 
 def run_harness_eval(args: argparse.Namespace) -> int:
-    """``eval harness``: lm-eval tasks on the model (base + adapter through ``longpeft.load``), with the adapter's
-    extended context as HFLM's max_length; prints lm-eval's table and writes its results to ``--out FILE``."""
+    """``eval harness``: lm-eval tasks on the model, with its extended length as HFLM's max_length; prints lm-eval's
+    table and writes its results to ``--out FILE``."""
     from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
 
     out = Path(args.out)
@@ -247,8 +242,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
-    """Every registered task's flags (parser default None: see :mod:`.flags`), in groups named by the tasks that
-    take them."""
+    """Every registered task's flags (default None: :mod:`.flags`), in groups named by the tasks that take them."""
     takers = {name: [t.name for t in TASKS.values() if name in {f.flag for f in t.flags}] for name in task_flags()}
     groups: dict[str, argparse._ArgumentGroup] = {}
     for flag in task_flags().values():

@@ -21,15 +21,9 @@ from .scoring import score
 
 @dataclass(frozen=True)
 class EvalTask:
-    """One ``longpeft eval`` task.
-
-    Attributes:
-        name: ``longpeft eval NAME``, the ``"task"`` of its results and the name of its files.
-        help: one line for ``longpeft eval --help``.
-        flags: the flags it takes besides ``--model``, ``--adapter``, ``--out`` and the loading ones; any other
-            task's flag given to it is refused by name.
-        aliases: other names it answers to.
-    """
+    """One ``longpeft eval`` task: its ``name`` (also the ``"task"`` of its results and the name of its files), its
+    ``help`` line, the ``flags`` it takes besides the loading ones and ``--out`` (any other task's flag given to it
+    is refused by name), and other names it answers to (``aliases``)."""
 
     name: str
     help: str
@@ -38,14 +32,12 @@ class EvalTask:
     kind: ClassVar[str] = "eval task"  # what get_task calls it in its errors
 
     def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
-        """Its result on ``model`` (:func:`~longpeft.eval.evaluate` adds the STRING settings and writes it).
-        ``options`` are keyed by its flags' keywords; ``save(part)`` writes a finished part's result at once (a
-        suite's tasks) when there is an output folder."""
+        """Its result on ``model``, from ``options`` keyed by its flags' keywords; ``save(part)`` writes a finished
+        part's result at once (a suite's tasks) when there is an output folder."""
         raise ConfigError(f"eval {self.name} runs from the command line only: longpeft eval {self.name} ...")
 
     def command(self, args: argparse.Namespace) -> int | None:
-        """Its own command (load, run, write; the exit status), or None for ``longpeft eval``'s: load the model,
-        :func:`~longpeft.eval.evaluate`, write ``<name>.json`` and its plot, print the summary."""
+        """Its own command's exit status (it loads, runs and writes), or None for ``longpeft eval``'s."""
         return None
 
 
@@ -56,8 +48,7 @@ def score_probe(prediction: str, probe: Probe) -> float:
 
 @dataclass(frozen=True)
 class ProbeTask(EvalTask):
-    """A task scored on a grid of probes (prompts of exact token lengths with known answers), each decoded greedily
-    and scored in [0, 1] by :func:`longpeft.eval.tasks.run_probe_task`.
+    """A task scored on a grid of probes, each decoded greedily (:func:`longpeft.eval.tasks.run_probe_task`).
 
     Attributes:
         build: ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` for a task without
@@ -108,12 +99,9 @@ def task_flags() -> dict[str, Flag]:
 
 
 def register(task: EvalTask) -> EvalTask:
-    """Add ``task`` to the registry (``longpeft eval`` lists tasks in registration order); returns it.
-
-    Raises:
-        ValueError: its name or an alias is taken, it declares a flag another task declares differently (reuse
-            the declaration of :mod:`.flags`), or a probe task has no decode budget.
-    """
+    """Add ``task`` to the registry (``longpeft eval`` lists tasks in registration order); returns it. Raises
+    ValueError when its name or an alias is taken, it declares a flag another task declares differently (but for
+    its default), or a probe task has no decode budget."""
     for name in (task.name, *task.aliases):
         if name in ALIASES or (name in TASKS and TASKS[name] is not task):
             raise ValueError(f"an eval task named {name!r} is already registered")
@@ -189,18 +177,9 @@ def make_probes(
     chat: bool = False,
     **options: Any,
 ) -> list[Probe]:
-    """A grid of probes: ``n_samples`` per (length, depth) cell (depths only for tasks with ``--depths``).
-
-    Args:
-        task: a registered probe task (its name or its record).
-        tokenizer: a transformers tokenizer.
-        lengths: prompt lengths in tokens.
-        depths: needle depths in [0, 1] (default ``--depths``'s; repeats count once, as repeated lengths do).
-        n_samples: probes per cell.
-        seed: everything is deterministic given it.
-        chat: wrap prompts in the tokenizer's chat template.
-        options: task options (e.g. ``digits=5`` for passkey, ``n_keys`` for NIAH).
-    """
+    """``n_samples`` probes of the probe task ``task`` (its name or record) per (length, depth) cell, deterministic
+    given ``seed``. ``depths`` in [0, 1] (default ``--depths``'s; repeats count once) only for a task with
+    ``--depths``; ``chat`` wraps prompts in the chat template; ``options`` are the task's own (``digits=5``)."""
     record = task if isinstance(task, ProbeTask) else get_task(task, ProbeTask)
     if n_samples < 1:
         raise ConfigError(f"n_samples must be >= 1, got {n_samples}")
