@@ -209,12 +209,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and writes lm-eval's results to --out FILE."
         ),
     )
-    aliases = {name: [alias for alias, of in ALIASES.items() if of == name] for name in TASKS}
     parser.add_argument(
         "task",
         choices=(*TASKS, *ALIASES),
         help="what to run: "
-        + "; ".join(f"{t.name} ({t.help}{''.join(f', alias {a}' for a in aliases[t.name])})" for t in TASKS.values()),
+        + "; ".join(f"{t.name} ({t.help}{''.join(f', alias {a}' for a in t.aliases)})" for t in TASKS.values()),
     )
     parser.add_argument(
         "--model",

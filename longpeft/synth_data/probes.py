@@ -1,12 +1,7 @@
-"""Probe (evaluation) prompts of exact token lengths: passkey, needle-in-a-haystack (single, multi key / value /
-query), variable tracking, common-word extraction and topic retrieval.
-
-Each prompt is assembled in token space, so ``len(probe.input_ids)`` is the requested length exactly: the fixed
-text is tokenized piece by piece and a haystack of whole filler sentences fills the rest. Needles go in at the
-sentence boundary nearest the requested depth (0 = start of the haystack, 1 = end). A plain prompt ends where the
-answer begins ("... The pass key is"; scored "exact"); a chat prompt ends with the template's generation prompt
-(scored "contains"). Everything is deterministic given the seed. The ``longpeft eval`` probe tasks are registered
-in :mod:`longpeft.eval.builtin`.
+"""Probe (evaluation) prompts of exact token lengths, assembled in token space: passkey, needle-in-a-haystack (single,
+multi key / value / query), variable tracking, common-word extraction and topic retrieval. A haystack of whole
+filler sentences fills what the fixed text leaves; needles go in at the sentence boundary nearest the requested depth
+(0 = start of the haystack, 1 = end). Deterministic given the seed. The eval tasks: :mod:`longpeft.eval.builtin`.
 """
 
 from __future__ import annotations
@@ -222,6 +217,9 @@ class ProbeBuilder:
     def key_phrase(self, used: set[str]) -> str:
         return self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2)))
 
+    def variable_name(self) -> str:
+        return "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5))
+
     def pseudo_word(self, used: set[str], syllables: int = 3) -> str:
         return self.unique(used, lambda: "".join(self.rng.choice(_SYLLABLES) for _ in range(syllables)))
 
@@ -272,13 +270,9 @@ class ProbeBuilder:
     def variable_tracking(self, length: int, n_chains: int = 1, n_hops: int = 4, digits: int = 5) -> Probe:
         """RULER variable tracking: ``VAR A = 12345``, ``VAR B = VAR A``, ...; name all variables holding the value."""
         used: set[str] = set()
-
-        def name() -> str:
-            return self.unique(used, lambda: "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5)))
-
         chains = []
         for _ in range(n_chains):
-            names = [name() for _ in range(n_hops + 1)]
+            names = [self.unique(used, self.variable_name) for _ in range(n_hops + 1)]
             chains.append((self.number(digits), names))
         inserts = []
         for value, names in chains:
