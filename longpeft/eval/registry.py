@@ -32,8 +32,8 @@ class EvalTask:
     kind: ClassVar[str] = "eval task"  # what get_task calls it in its errors
 
     def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
-        """Its result on ``model``, from ``options`` keyed by its flags' keywords; ``save(part)`` writes a finished
-        part's result at once (a suite's tasks) when there is an output folder."""
+        """Its result on ``model`` (a :class:`ProbeTask` runs on the probe loop instead), from ``options`` keyed by its
+        flags' keywords; ``save(part)`` writes a finished part's result at once when there is an output folder."""
         raise ConfigError(f"eval {self.name} runs from the command line only: longpeft eval {self.name} ...")
 
     def command(self, args: argparse.Namespace) -> int | None:
@@ -67,11 +67,6 @@ class ProbeTask(EvalTask):
     def depths(self) -> bool:
         """Its needles sit at a depth: its grid spans ``--depths``."""
         return DEPTHS in self.flags
-
-    def run(self, model: Any, tokenizer: Any, save: Callable[[dict], None], **options: Any) -> dict[str, Any]:
-        from .tasks import run_probe_task  # torch: the CLI reads this module to build its parser
-
-        return run_probe_task(self.name, model, tokenizer, **options)
 
     def probe(self, builder: probes.ProbeBuilder, length: int, depth: float | None = None, **options: Any) -> Probe:
         """One probe; ``depth`` in [0, 1] (default 0.5) places the needles of a task with ``--depths``, the others

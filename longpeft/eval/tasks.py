@@ -279,7 +279,10 @@ def evaluate(
             if out_dir is not None:
                 write_outputs({**part, "string": string_used}, out_dir)
 
-        result = record.run(model, tokenizer, save, **options)
+        if isinstance(record, ProbeTask):  # the probe loop, here (the registry imports no torch)
+            result = run_probe_task(record.name, model, tokenizer, **options)
+        else:
+            result = record.run(model, tokenizer, save, **options)
     result["string"] = string_used
     if out_dir is not None:
         write_outputs(result, out_dir)
