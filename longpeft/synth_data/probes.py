@@ -217,8 +217,8 @@ class ProbeBuilder:
     def key_phrase(self, used: set[str]) -> str:
         return self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2)))
 
-    def variable_name(self) -> str:
-        return "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5))
+    def variable_name(self, used: set[str]) -> str:
+        return self.unique(used, lambda: "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5)))
 
     def pseudo_word(self, used: set[str], syllables: int = 3) -> str:
         return self.unique(used, lambda: "".join(self.rng.choice(_SYLLABLES) for _ in range(syllables)))
@@ -272,7 +272,7 @@ class ProbeBuilder:
         used: set[str] = set()
         chains = []
         for _ in range(n_chains):
-            names = [self.unique(used, self.variable_name) for _ in range(n_hops + 1)]
+            names = [self.variable_name(used) for _ in range(n_hops + 1)]
             chains.append((self.number(digits), names))
         inserts = []
         for value, names in chains:
