@@ -110,9 +110,10 @@ CHAT = Flag(
     False,
     SWITCH,
 )
+SAMPLES = Flag("--samples", "probes per (length, depth) cell (default 10)", 10, POSITIVE, keyword="n_samples")
 # Samples per cell, batching and decoding of a probe grid.
 GRID_FLAGS = (
-    Flag("--samples", "probes per (length, depth) cell (default 10)", 10, POSITIVE, keyword="n_samples"),
+    SAMPLES,
     BATCH_SIZE,
     SEED,
     Flag("--max-new-tokens", "continuation budget (default per task, +32 with --chat)", None, POSITIVE),
@@ -121,16 +122,17 @@ GRID_FLAGS = (
 )
 PROBE_FLAGS = (*STRING_FLAGS, LENGTHS, *GRID_FLAGS)  # tasks whose prompts have no needle depth
 NEEDLE_FLAGS = (*STRING_FLAGS, LENGTHS, DEPTHS, *GRID_FLAGS)  # tasks whose needles sit at a depth
+WINDOW = Flag(
+    "--window",
+    "perplexity: tokens per window (default 4096)",
+    4096,
+    {"type": at_least(2)},
+    longest="perplexity window",
+)
 PERPLEXITY_FLAGS = (
     *STRING_FLAGS,
     Flag("--text", "perplexity: UTF-8 text file", needs="FILE (the UTF-8 text to score)"),
-    Flag(
-        "--window",
-        "perplexity: tokens per window (default 4096)",
-        4096,
-        {"type": at_least(2)},
-        longest="perplexity window",
-    ),
+    WINDOW,
     Flag("--stride", "perplexity: step between windows (default window // 2)", None, POSITIVE),
 )
 HARNESS_FLAGS = (

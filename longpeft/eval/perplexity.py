@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..family import backbone_of, causal_lm_of
+from .flags import WINDOW
 from .memory import check_memory
 from .positions import warn_beyond_positions
 
@@ -32,7 +33,7 @@ def sliding_window_perplexity(
     tokenizer: Any,
     text: str | None = None,
     input_ids: list[int] | torch.Tensor | None = None,
-    window: int = 4096,
+    window: int = WINDOW.default,
     stride: int | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:

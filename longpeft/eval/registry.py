@@ -15,7 +15,7 @@ from typing import Any, ClassVar, TypeVar
 from ..errors import ConfigError
 from ..synth_data import probes
 from ..synth_data.probes import Probe
-from .flags import DEPTHS, Flag
+from .flags import DEPTHS, SAMPLES, SEED, Flag
 from .scoring import score
 
 
@@ -167,8 +167,8 @@ def make_probes(
     tokenizer: Any,
     lengths: Sequence[int],
     depths: Sequence[float] | None = None,
-    n_samples: int = 10,
-    seed: int = 0,
+    n_samples: int = SAMPLES.default,
+    seed: int = SEED.default,
     chat: bool = False,
     **options: Any,
 ) -> list[Probe]:

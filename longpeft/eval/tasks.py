@@ -21,7 +21,7 @@ from ..errors import ConfigError
 from ..files import write_text_atomically, writing_to
 from ..synth_data.probes import Probe
 from ..units import format_duration
-from .flags import DEPTHS, LENGTHS
+from .flags import BATCH_SIZE, DEPTHS, LENGTHS, SAMPLES, SEED
 from .generation import eos_token_ids, generate_batch, pad_token_id
 from .memory import check_memory
 from .plots import depth_length_heatmap, score_by_length
@@ -117,8 +117,8 @@ def build_probe_grid(
     tokenizer: Any,
     lengths: Sequence[int],
     depths: Sequence[float] | None = None,
-    n_samples: int = 10,
-    seed: int = 0,
+    n_samples: int = SAMPLES.default,
+    seed: int = SEED.default,
     max_new_tokens: int | None = None,
     chat: bool = False,
     **probe_options: Any,
@@ -141,9 +141,9 @@ def run_probe_task(
     tokenizer: Any,
     lengths: Sequence[int] = LENGTHS.default,
     depths: Sequence[float] | None = None,
-    n_samples: int = 10,
-    seed: int = 0,
-    batch_size: int = 4,
+    n_samples: int = SAMPLES.default,
+    seed: int = SEED.default,
+    batch_size: int = BATCH_SIZE.default,
     max_new_tokens: int | None = None,
     chat: bool = False,
     save_prompts: bool = False,
