@@ -34,12 +34,8 @@ def run_demo_evals(
     out: str | Path, adapter_dir: str | Path, n_samples: int = 8, seed: int = 0, lengths: tuple[int, ...] | None = None
 ) -> int:
     """Evaluate the adapter's base and base + adapter, each with and without STRING (L: the base's window, the
-    adapter's trained length), into ``out/eval/<setting>/``; returns the base's trained window W.
-
-    Args:
-        lengths: prompt lengths; default W, 2W and 4W.
-        n_samples: prompts per (length, needle depth) cell; depths 0, 0.5 and 1.
-    """
+    adapter's trained length), into ``out/eval/<setting>/``, with ``n_samples`` prompts per (length, depth) cell at
+    ``lengths`` (default W, 2W and 4W) and depths 0, 0.5 and 1; returns the base's trained window W."""
     from transformers import AutoModelForCausalLM
 
     from ..loading import load, load_tokenizer, resolve_base
@@ -66,11 +62,8 @@ def run_demo_evals(
 
 
 def collect_rows(eval_dir: str | Path) -> list[dict[str, Any]]:
-    """Rows ``{"task", "setting", "length", "score"}`` read from ``eval_dir/<setting>/<task>.json``.
-
-    Raises:
-        FileNotFoundError: a setting's result is missing (the evaluation did not finish).
-    """
+    """Rows ``{"task", "setting", "length", "score"}`` read from ``eval_dir/<setting>/<task>.json``; raises
+    DataNotFoundError when a setting's result is missing (the evaluation did not finish)."""
     rows = []
     for setting in SETTINGS:
         for task in DEMO_TASKS:

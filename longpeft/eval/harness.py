@@ -76,13 +76,8 @@ def without_model_object_notice(record: logging.LogRecord) -> bool:
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
     """lm-eval's ``HFLM`` over an already built ``model`` (e.g. ``longpeft.load(...)``) and its ``tokenizer``, without
-    the notice HFLM logs for every built model (:data:`MODEL_OBJECT_NOTICE`).
-
-    Args:
-        max_length: tokens a request may hold (longer contexts are cut from the left); None: HFLM reads the model's
-            config (``max_position_embeddings``). Give the extended length: :func:`extended_length`.
-        batch_size: requests per forward.
-    """
+    the notice HFLM logs for every built model. ``max_length``: tokens a request may hold (longer contexts are cut from
+    the left; give :func:`extended_length`); None: the model config's ``max_position_embeddings``."""
     import_lm_eval()
     from lm_eval.models import huggingface
 
@@ -124,8 +119,7 @@ def run_harness(
     ``configs``, ...; ``samples`` with each request and the model's answers when ``log_samples``).
 
     Args:
-        tasks: lm-eval task, group or tag names (e.g. ``["ruler"]``), or names of tasks defined under
-            ``include_path``.
+        tasks: lm-eval task, group or tag names (e.g. ``["ruler"]``), or names of tasks under ``include_path``.
         include_path: a folder of task YAML files of your own, searched besides lm-eval's tasks.
         limit: at most this many documents per task (a float < 1: that fraction).
         num_fewshot: few-shot examples per prompt (None: each task's default).
@@ -133,9 +127,8 @@ def run_harness(
         metadata: passed to the tasks (RULER reads ``max_seq_lengths`` and ``tokenizer`` from it).
         seed: lm-eval's Python, NumPy, torch and few-shot seeds.
 
-    Raises:
-        ConfigError: lm-eval is missing, ``tasks`` is empty or names a task lm-eval does not know, or
-            ``batch_size > 1`` on a model that reads padded requests differently (:func:`check_batch_size`).
+    Raises ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or for
+    :func:`check_batch_size`.
     """
     check_batch_size(model, batch_size)
     lm_eval = import_lm_eval()

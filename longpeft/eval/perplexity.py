@@ -46,9 +46,8 @@ def sliding_window_perplexity(
         stride: step between windows (default ``window // 2``); ``stride == window`` gives disjoint windows.
         max_tokens: score only the first ``max_tokens`` tokens.
 
-    Returns:
-        ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``; ``window`` is the longest
-        input a forward got (``min(window, n_tokens)``).
+    Returns ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``; ``window`` is the
+    longest input a forward got (``min(window, n_tokens)``).
     """
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text or input_ids")

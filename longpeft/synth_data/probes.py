@@ -76,14 +76,9 @@ class Probe:
 
 
 class ProbeBuilder:
-    """Builds probes of exact token lengths for one tokenizer.
-
-    Args:
-        tokenizer: a transformers tokenizer.
-        chat: wrap the prompt in the tokenizer's chat template as one user turn followed by the
-            generation prompt (the answer cue then ends the user turn).
-        seed: base seed of the random choices.
-    """
+    """Builds probes of exact token lengths for one transformers tokenizer, deterministic given ``seed``. With
+    ``chat``, a prompt is one user turn of the tokenizer's chat template (the answer cue ends it) followed by the
+    generation prompt."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, chat: bool = False, seed: int = 0):
         require_tokens(tokenizer)
@@ -173,15 +168,9 @@ class ProbeBuilder:
     def assemble(
         self, length: int, instruction: str, inserts: Sequence[tuple[float, str]], question: str, kind: str = "essay"
     ) -> tuple[list[int], list[int]]:
-        """Prompt of exactly ``length`` tokens: [head] instruction, haystack with inserts, question [tail].
-
-        Args:
-            inserts: ``(depth, text)`` pairs, placed at the sentence start nearest ``depth``
-                of the haystack, in order for equal depths.
-
-        Returns:
-            ``(input_ids, insert_token_positions)``.
-        """
+        """``(input_ids, insert_token_positions)`` of a prompt of exactly ``length`` tokens: [head] instruction,
+        haystack, question [tail], with each of ``inserts`` (``(depth, text)``) at the haystack's sentence start
+        nearest its depth (in order for equal depths)."""
         ids, end = self.frame(instruction, question)
         insert_ids = [self.encode(" " + text) for _, text in inserts]
         n_hay = length - len(ids) - len(end) - sum(map(len, insert_ids))
@@ -238,12 +227,8 @@ class ProbeBuilder:
     def niah(
         self, length: int, depth: float, n_keys: int = 1, n_values: int = 1, n_queries: int = 1, digits: int = 7
     ) -> Probe:
-        """RULER-style needles "The special magic number for <key> is: <value>."
-
-        ``n_keys`` needles with distinct keys (distractors beyond the queried ones), ``n_values``
-        values for each key, ``n_queries`` keys asked. Needles spread evenly over
-        ``[depth, 1]`` when there are several (all at ``depth`` for one).
-        """
+        """RULER-style needles "The special magic number for <key> is: <value>.": ``n_keys`` distinct keys
+        (distractors beyond the ``n_queries`` asked), ``n_values`` values each, spread evenly over ``[depth, 1]``."""
         if n_queries > n_keys:
             raise ConfigError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
         used: set[str] = set()
@@ -290,11 +275,8 @@ class ProbeBuilder:
         return Probe("variable_tracking", ids, names, "recall", length, None, pos, {"value": value})
 
     def common_words(self, length: int, n_common: int = 10, rare_freq: int = 1) -> Probe:
-        """RULER common-word extraction: a numbered word list; name the ``n_common`` most frequent words.
-
-        Common words make up about half of the list whatever the length (each appears at least
-        3 times and at least 3x as often as any other word).
-        """
+        """RULER common-word extraction: a numbered word list; name the ``n_common`` most frequent words. They make
+        up about half of the list (each at least 3 times, and 3x as often as any other word)."""
         instruction = "Below is a numbered list of words. In these words, some appear more often than others."
         question = (
             f"Question: What are the {n_common} most common words in the above list? Answer: The top {n_common} "
