@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..builtin_models import model_location
+from ..config import DTYPE_NAMES, torch_dtype
 from ..errors import ConfigError, OutputFolderError
 from ..files import check_model_source, check_writable_folder, local_adapter_dir
 from .flags import HARNESS_FLAGS, STRING_FLAGS
@@ -17,11 +18,10 @@ from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
 def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (base, base + longpeft adapter via ``longpeft.load``, or merged) and its tokenizer."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs: dict[str, Any] = {
-        "dtype": getattr(torch, args.dtype) if args.dtype != "auto" else "auto",
+        "dtype": torch_dtype(args.dtype) if args.dtype != "auto" else "auto",
         "trust_remote_code": args.trust_remote_code,  # never run a repository's code unasked (nor prompt for it)
     }
     optional = {"attn_implementation": args.attn_implementation, "device_map": args.device}
@@ -224,7 +224,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        choices=["auto", *DTYPE_NAMES],
         help="torch dtype to load in (default auto: the checkpoint's)",
     )
     parser.add_argument("--attn-implementation", help="eager, sdpa or flash_attention_2")
