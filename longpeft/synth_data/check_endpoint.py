@@ -1,27 +1,18 @@
 """`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
-report of what they showed, nothing more.
+report of what they showed (docs/synth.md), all within one deadline (``llm.check_timeout``), each wait announced on
+stderr first:
 
-All of it runs within one deadline (``llm.check_timeout``, ``--check-timeout``; 30 s by default), and a line on
-stderr says what the check waits for before each wait:
-
-1. what the server says about itself (:mod:`.endpoint`: models, context, slots), each lookup 5 s at most (a third
-   of the deadline when that is shorter);
-2. the request the run sends first, as the run sends it: a builder's QA request over a short text, with the run's
-   sampling settings and the ``response_format`` that ``llm.structured`` sends (none under ``off``); only
-   ``max_tokens`` is smaller (:data:`CHECK_MAX_TOKENS`). Its answer is judged as the run judges it: whether it is
-   bare JSON of the schema sent (:func:`.structured_output.follows_response_format`, what a server enforcing the
-   schema returns) and whether the builders' parser takes it;
-3. when that request carried ``response_format``, a probe of whether the server enforces it rather than merely
-   taking it: one plain word is asked for, under the same kind of ``response_format`` (a one-field schema, or
-   ``json_object``). A server that enforces the field answers JSON anyway; one that drops it (``transformers
-   serve`` logs "Ignoring unsupported fields in the request", HTTP 200) answers the word;
-4. a server that refuses ``response_format`` (HTTP 400/422 naming it) is asked the QA request again with the schema
-   without its item bounds (``minItems``, ``maxItems``), as the run does, and when it refuses that too, without
-   ``response_format``, as ``llm.structured=auto`` does.
+1. what the server says about itself (:mod:`.endpoint`), each lookup 5 s at most (less when the deadline is short);
+2. the run's first request as the run sends it (a builder's QA request over a short text, ``response_format`` as
+   ``llm.structured`` says), but with a smaller ``max_tokens``; its answer judged as the run judges it;
+3. when it carried ``response_format``, a probe: a plain word asked for under the same kind of ``response_format``.
+   A server that enforces the field answers JSON anyway; one that drops it answers the word;
+4. after a refusal of ``response_format``, the QA request again without the item bounds, then (as ``auto`` does)
+   without ``response_format``.
 
 No answer within the deadline, bytes that are not HTTP, a body that is not a chat completion or a refused request
-stop the check with one line naming the server, what was awaited and a quote of what came back
-(:class:`~.llm_request.LLMRunAborted`). Nothing is cached or written.
+raise :class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of what came back
+and the fix. Nothing is cached or written.
 """
 
 from __future__ import annotations
@@ -74,26 +65,12 @@ CHECK_TASK = "single_detail"  # the task of the QA request checked: one question
 
 @dataclass
 class EndpointCheck:
-    """What the check saw.
-
-    Attributes:
-        config: the settings checked.
-        answer: the answer to the QA request (after a refusal of ``response_format``: to the request without it).
-        latency_s: seconds of that answered request.
-        structured_sent: the ``response_format`` type the run sends first (``json_schema``, ``json_object``), or
-            ``None`` under ``llm.structured=off``.
-        structured_refusal: the server's reason when it refused ``response_format``, else ``None``.
-        bounds_refusal: the server's reason when it refused the schema with its item bounds (the run then sends the
-            schema without them, as the check did), else ``None``.
-        enforced: whether the probe's answer was JSON of the asked shape: ``True`` enforced, ``False`` ignored,
-            ``None`` not probed or not telling (cut at :data:`PROBE_MAX_TOKENS`, empty, or refused).
-        probe_answer: a quote of the probe's answer (or of its HTTP error), ``None`` when not probed.
-        answer_follows: whether the QA answer is bare JSON of the schema sent; ``None`` when none was sent or the
-            answer proves nothing (:func:`.structured_output.judge_answer`).
-        parse_error: why the QA answer fails the builders' parser, else ``None``.
-        info: what the server reports about itself.
-        deadline_s: the check's deadline in seconds.
-    """
+    """What the check saw: the ``answer`` to the QA request (to the last one sent) and its ``latency_s``; the
+    ``response_format`` type the run sends first (``structured_sent``, ``None`` under ``off``); the server's reason
+    when it refused ``response_format`` (``structured_refusal``) or the schema's item bounds (``bounds_refusal``);
+    ``enforced``, the probe's verdict (``None``: not probed or not telling) and ``probe_answer``, a quote of its
+    answer; ``answer_follows``, whether the QA answer is bare JSON of the schema sent (``None``: none sent, or it
+    proves nothing); ``parse_error``, why the builders' parser refuses the answer; the server's own ``info``."""
 
     config: LLMConfig
     answer: Completion
@@ -124,6 +101,7 @@ class EndpointCheck:
         return self.answer.finish_reason == "length" and (run_max is None or run_max > self._max_tokens())
 
     def report(self) -> str:
+        """The check's report, one line per finding."""
         config, info, answer = self.config, self.info, self.answer
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
         sent = f"response_format {self.structured_sent}" if self.structured_sent else "no response_format"
@@ -212,7 +190,7 @@ class EndpointCheck:
 
 
 class _Session:
-    """The check's requests to one endpoint: each within what is left of one deadline, announced by ``say``."""
+    """The check's requests to one endpoint, each within what is left of one deadline and announced by ``say``."""
 
     def __init__(self, config: LLMConfig, api_key: str, say: Callable[[str], None]):
         self.config, self.api_key, self.say = config, api_key, say
@@ -258,7 +236,7 @@ class _Session:
         self, messages: list[dict[str, str]], params: dict[str, Any], what: str
     ) -> tuple[Completion, float, str | None]:
         """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
-        ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
+        ``params``; another failure raises :class:`LLMRunAborted`."""
         config = self.config
         answer, latency = self.post(messages, params, what)
         if answer.status_code != 200:
@@ -277,8 +255,8 @@ class _Session:
             ) from None
 
     def probe(self, kind: str) -> tuple[bool | None, str]:
-        """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote
-        of the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
+        """``(whether the server enforces response_format of kind, a quote of the probe's answer)``, the verdict
+        ``None`` when the answer proves nothing."""
         response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
         params = {
             "temperature": self.config.temperature,
@@ -305,10 +283,7 @@ def _say_on_stderr(line: str) -> None:
 
 
 def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stderr) -> EndpointCheck:
-    """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for;
-    a missing key, an endpoint that does not answer in time or answers something else than a chat completion, and a
-    refused request raise :class:`~.llm_request.LLMRunAborted` naming the server, a quote of its answer and the
-    fix."""
+    """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for."""
     api_key = read_api_key(config)
     session = _Session(config, api_key, say)
     lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
