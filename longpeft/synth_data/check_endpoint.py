@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .answer_schema import OutputSchema
@@ -50,40 +50,33 @@ LOOKUP_TIMEOUT = 5.0  # seconds for each of the server's self-description lookup
 PROBE_MESSAGES = [
     {"role": "user", "content": "Reply with the single word OK as plain text: no JSON, no quotes, nothing else."}
 ]
-PROBE_SCHEMA = OutputSchema(
-    "probe",
-    {
-        "type": "object",
-        "properties": {"word": {"type": "string"}},
-        "required": ["word"],
-        "additionalProperties": False,
-    },
-)
+WORD = {
+    "type": "object",
+    "properties": {"word": {"type": "string"}},
+    "required": ["word"],
+    "additionalProperties": False,
+}
+PROBE_SCHEMA = OutputSchema("probe", WORD)
 PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
 CHECK_TASK = "single_detail"  # the task of the QA request checked: one question over CHECK_TEXT
 
 
 @dataclass
 class EndpointCheck:
-    """What the check saw: the ``answer`` to the QA request (to the last one sent) and its ``latency_s``; the
-    ``response_format`` type the run sends first (``structured_sent``, ``None`` under ``off``); the server's reason
-    when it refused ``response_format`` (``structured_refusal``) or the schema's item bounds (``bounds_refusal``);
-    ``enforced``, the probe's verdict (``None``: not probed or not telling) and ``probe_answer``, a quote of its
-    answer; ``answer_follows``, whether the QA answer is bare JSON of the schema sent (``None``: none sent, or it
-    proves nothing); ``parse_error``, why the builders' parser refuses the answer; the server's own ``info``."""
+    """What the check saw."""
 
     config: LLMConfig
-    answer: Completion
-    latency_s: float
-    structured_sent: str | None
-    structured_refusal: str | None
-    enforced: bool | None
-    probe_answer: str | None
-    answer_follows: bool | None
-    parse_error: str | None
-    info: EndpointInfo
+    info: EndpointInfo  # what the server says about itself
     deadline_s: float
-    bounds_refusal: str | None = None
+    answer: Completion = field(default_factory=lambda: Completion("", None, 0, 0, ""))  # to the last QA request sent
+    latency_s: float = 0.0  # of that request
+    structured_sent: str | None = None  # the response_format type the run sends first; None under off
+    structured_refusal: str | None = None  # the server's reason when it refused response_format
+    bounds_refusal: str | None = None  # the server's reason when it refused the schema's item bounds
+    enforced: bool | None = None  # the probe's verdict; None: not probed, or its answer proves nothing
+    probe_answer: str | None = None  # a quote of the probe's answer (or of its HTTP error)
+    answer_follows: bool | None = None  # the QA answer is bare JSON of the schema sent; None: none sent, or no proof
+    parse_error: str | None = None  # why the builders' parser refuses the QA answer
 
     @property
     def usable(self) -> bool:
@@ -98,21 +91,20 @@ class EndpointCheck:
         """The answer stopped at the check's own ``max_tokens``, below the run's: what the parser says of it tells
         nothing of the run's whole answers."""
         run_max = self.config.max_tokens
-        return self.answer.finish_reason == "length" and (run_max is None or run_max > self._max_tokens())
+        return self.answer.finish_reason == "length" and (run_max is None or run_max > self.max_tokens)
 
     def report(self) -> str:
         """The check's report, one line per finding."""
         config, info, answer = self.config, self.info, self.answer
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
         sent = f"response_format {self.structured_sent}" if self.structured_sent else "no response_format"
-        run_max = f"llm.max_tokens {config.max_tokens}" if config.max_tokens is not None else "no max_tokens"
         lines = [
             f"endpoint    {config.base_url} (checked within {self.deadline_s:g} s: --check-timeout)",
             f"model       {config.model} (answered as {answer.model or '?'!r}{listed})",
             f"latency     {self.latency_s:.2f} s for a one-question request ({answer.completion_tokens} completion "
             "tokens)",
             f"request     as the run sends it under llm.structured={config.structured}: {sent}, temperature "
-            f"{config.temperature:g}; max_tokens {self._max_tokens()} here ({run_max} in the run)",
+            f"{config.temperature:g}; max_tokens {self.max_tokens} here ({self._run_max} in the run)",
             f"structured  {self._structured_line()}",
             f"answer      {self._answer_line()}",
         ]
@@ -135,7 +127,13 @@ class EndpointCheck:
         lines.append("result      " + (f"usable as configured{seen}" if self.usable else "NOT usable as configured"))
         return "\n".join(lines)
 
-    def _max_tokens(self) -> int:
+    @property
+    def _run_max(self) -> str:
+        return f"llm.max_tokens {self.config.max_tokens}" if self.config.max_tokens else "no max_tokens"
+
+    @property
+    def max_tokens(self) -> int:
+        """The QA request's ``max_tokens``: the run's, at most :data:`CHECK_MAX_TOKENS`."""
         return min(self.config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)
 
     def _structured_line(self) -> str:
@@ -172,11 +170,10 @@ class EndpointCheck:
 
     def _answer_line(self) -> str:
         cut_off = self.answer.finish_reason == "length"
-        cut = f" (cut at {self._max_tokens()} tokens: finish_reason length)" if cut_off else ""
+        cut = f" (cut at {self.max_tokens} tokens: finish_reason length)" if cut_off else ""
         if self.parse_error is not None and self.cut_short:
-            run_max = f"llm.max_tokens {self.config.max_tokens}" if self.config.max_tokens else "no max_tokens"
             return (
-                f"not judged: cut at {self._max_tokens()} tokens, the check's own budget ({run_max} in the run), "
+                f"not judged: cut at {self.max_tokens} tokens, the check's own budget ({self._run_max} in the run), "
                 f"so the parser saw part of it ({self.parse_error}); the run judges its whole answers"
             )
         if self.parse_error is not None:
@@ -291,44 +288,34 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
         f"{lookup:.3g} s each at most; the whole check {session.seconds:g} s at most)"
     )
-    info = discover(config.base_url, config.model, api_key, lookup)
+    check = EndpointCheck(config, discover(config.base_url, config.model, api_key, lookup), session.seconds)
     request = job_request(
         QAJob(CHECK_TASK, [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
-    sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
-    structured, bounds_refusal = structured_params(config, request), None
-    kind = structured["response_format"]["type"] if structured else None
+    sampling = {**sampling_params(config), "max_tokens": check.max_tokens}
+
+    def ask(structured: dict[str, Any], what: str) -> str | None:
+        """Send the QA request with ``structured``; the server's reason when it refused that response_format."""
+        check.answer, check.latency_s, refusal = session.ask(request.messages, {**sampling, **structured}, what)
+        return refusal
+
+    structured, unbounded = structured_params(config, request), structured_params(config, request, bounds=False)
+    kind = check.structured_sent = structured["response_format"]["type"] if structured else None
     sent = f"with response_format {kind}" if kind else "without response_format"
-    what = f"the run's first request (a one-question QA request {sent})"
-    answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
-    if refusal is not None and structured_params(config, request, bounds=False) != structured:
-        bounds_refusal = refusal  # the run's next step: the schema without its item bounds
-        structured = structured_params(config, request, bounds=False)
+    check.structured_refusal = ask(structured, f"the run's first request (a one-question QA request {sent})")
+    if check.structured_refusal is not None and unbounded != structured:  # the run's next step: without the bounds
+        check.bounds_refusal, structured = check.structured_refusal, unbounded
         what = "the QA request again with the schema without its item bounds (as the run does)"
-        answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
-    if refusal is not None:
-        what = "the QA request again without response_format (as llm.structured=auto does)"
-        answer, latency, _ = session.ask(request.messages, sampling, what)
-    response_format = structured.get("response_format")
-    enforced = probe_answer = follows = parse_error = None
-    if response_format is not None and refusal is None:
-        enforced, probe_answer = session.probe(kind)
-        follows = judge_answer(response_format, answer.text, answer.finish_reason)
+        check.structured_refusal = ask(structured, what)
+    if check.structured_refusal is not None:
+        ask({}, "the QA request again without response_format (as llm.structured=auto does)")
+    elif structured:
+        check.enforced, check.probe_answer = session.probe(kind)
+        check.answer_follows = judge_answer(
+            structured["response_format"], check.answer.text, check.answer.finish_reason
+        )
     try:
-        get_task(request.task).parse(answer.text)
+        get_task(request.task).parse(check.answer.text)
     except MalformedOutput as error:
-        parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
-    return EndpointCheck(
-        config=config,
-        answer=answer,
-        latency_s=latency,
-        structured_sent=kind,
-        structured_refusal=refusal,
-        enforced=enforced,
-        probe_answer=probe_answer,
-        answer_follows=follows,
-        parse_error=parse_error,
-        info=info,
-        deadline_s=session.seconds,
-        bounds_refusal=bounds_refusal,
-    )
+        check.parse_error = f"{error} (answer: {body_excerpt(check.answer.text, 120)})"
+    return check
