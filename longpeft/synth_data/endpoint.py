@@ -18,14 +18,12 @@ MODEL_CONTEXT_FIELDS = ("max_model_len", "context_length", "max_context_length",
 
 @dataclass
 class EndpointInfo:
-    """What the server reported (``None`` where nothing): the ``models`` ids listed, the ``context_tokens`` one
-    request may hold (prompt and completion) and where from (``context_source``: ``"/v1/models max_model_len"``),
-    the ``slots`` it decodes at once (llama.cpp's ``total_slots``; more wait in its queue)."""
+    """What the server reported; ``None`` where it reported nothing."""
 
-    models: list[str] = field(default_factory=list)
-    context_tokens: int | None = None
-    context_source: str | None = None
-    slots: int | None = None
+    models: list[str] = field(default_factory=list)  # the model ids /v1/models lists
+    context_tokens: int | None = None  # tokens one request may hold, prompt and completion
+    context_source: str | None = None  # where from: "/v1/models max_model_len"
+    slots: int | None = None  # requests decoded at once (llama.cpp's total_slots); more wait in its queue
 
 
 def server_root(base_url: str) -> str:

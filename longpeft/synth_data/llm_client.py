@@ -55,29 +55,22 @@ def _item_record(request: LLMRequest, group: str, attempt: int, item: dict[str, 
 
 @dataclass
 class _Round:
-    """One request's attempts in a run.
-
-    ``first_key`` is the cache key of its attempt 0 without response_format, ``mark_key`` that of its outcome mark and
-    ``mark`` what an earlier run left there. Attempts before ``replayed`` are read from the cache only, never sent;
-    the round ends before attempt ``end``. ``key``: the cache key of the latest attempt as sent. ``outputs``: each
-    judged attempt (attempt, reason, error, the answer's text); ``dropped``: the item records the checks dropped;
-    ``last_code``: the reason of the latest attempt refused.
-    """
+    """One request's attempts in a run."""
 
     request: LLMRequest
     usage: TaskUsage
-    first_key: str
-    mark: dict[str, Any] | None
-    end: int
+    first_key: str  # the cache key of its attempt 0 without response_format
+    mark: dict[str, Any] | None  # the outcome mark an earlier run left
+    end: int  # the round ends before this attempt
     parse: Callable[[str], Any] | None = None
     check: Callable[[LLMRequest, Any], Any] | None = None
-    replayed: int = 0
-    key: str = ""
+    replayed: int = 0  # attempts before this one are read from the cache only, never sent
+    key: str = ""  # the cache key of the latest attempt as sent
     api_calls: int = 0
-    last_code: str = "malformed"
-    outputs: list[dict[str, Any]] = field(default_factory=list)
-    dropped: list[dict[str, Any]] = field(default_factory=list)
-    mark_key: str = field(init=False)
+    last_code: str = "malformed"  # the reason of the latest attempt refused
+    outputs: list[dict[str, Any]] = field(default_factory=list)  # each judged attempt: attempt, reason, error, text
+    dropped: list[dict[str, Any]] = field(default_factory=list)  # the item records the checks dropped
+    mark_key: str = field(init=False)  # the key of its outcome mark
 
     def __post_init__(self) -> None:
         self.mark_key = outcome_key(self.first_key)

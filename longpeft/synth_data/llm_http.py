@@ -33,15 +33,13 @@ class NotACompletion(ValueError):
 
 @dataclass
 class Completion:
-    """What one chat-completion body holds: the first choice's message ``text`` (``""`` when none), its
-    ``finish_reason`` (``None`` when not said), the server's token counts (0 when absent) and ``model`` name (``""``
-    when absent)."""
+    """What one chat-completion body holds (a field the server left out: empty, None or 0)."""
 
-    text: str
-    finish_reason: str | None
+    text: str  # the first choice's message text
+    finish_reason: str | None  # why generation stopped: "stop", "length", ...
     prompt_tokens: int
     completion_tokens: int
-    model: str
+    model: str  # the model name the server answered with
 
 
 def body_excerpt(body: bytes | str, limit: int = 160) -> str:

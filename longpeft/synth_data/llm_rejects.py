@@ -41,20 +41,14 @@ def _is_record(value: Any) -> bool:
 
 class RejectsLog:
     """``rejects.jsonl`` as groups of records, one group per request (see the module docstring), held in memory and
-    written whole by :meth:`flush` when they changed (the client flushes at the end of each batch).
-
-    Attributes:
-        groups: records by request, in file order.
-        touched: requests settled since the log opened; ``carried``: those kept from an earlier run.
-        foreign: lines of the file that were not records when it opened (left out when it is written).
-    """
+    written whole by :meth:`flush` when they changed (the client flushes at the end of each batch)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.groups: dict[str, list[dict[str, Any]]] = {}
-        self.touched: set[str] = set()
-        self.carried: set[str] = set()
-        self.foreign = 0
+        self.groups: dict[str, list[dict[str, Any]]] = {}  # records by request, in file order
+        self.touched: set[str] = set()  # requests settled since the log opened
+        self.carried: set[str] = set()  # requests kept from an earlier run
+        self.foreign = 0  # lines of the file that were not records when it opened (left out when it is written)
         content = self.path.read_bytes() if self.path.is_file() else b""
         self._dirty = bool(content) and not content.endswith(b"\n")  # to write: the file is not whole record lines
         for line in content.splitlines():

@@ -97,22 +97,14 @@ def read_api_key(config: LLMConfig) -> str:
 
 @dataclass
 class LLMRequest:
-    """One chat-completion request.
+    """One chat-completion request; all but ``meta`` is part of its cache key (the schema as the response_format
+    sent)."""
 
-    Attributes:
-        task: accounting bucket (e.g. ``"single_detail"``).
-        messages: chat messages ``[{"role": ..., "content": ...}]``.
-        params: extra request parameters; part of the cache key.
-        meta: free-form identifiers written to the rejects file; not part of the cache key.
-        schema: the JSON schema of the answer (:mod:`.answer_schema`), sent as ``response_format`` as
-            ``LLMConfig.structured`` says; the ``response_format`` actually sent is part of the cache key.
-    """
-
-    task: str
-    messages: list[dict[str, str]]
-    params: dict[str, Any] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    schema: ResponseSchema | None = None
+    task: str  # accounting bucket ("single_detail")
+    messages: list[dict[str, str]]  # [{"role": ..., "content": ...}]
+    params: dict[str, Any] = field(default_factory=dict)  # extra request parameters
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form identifiers written to the rejects file
+    schema: ResponseSchema | None = None  # the answer's JSON schema, sent as llm.structured says (.answer_schema)
 
 
 @dataclass

@@ -31,12 +31,10 @@ class TokenizeError(Exception):
 
 @dataclass
 class PromptCounter:
-    """Counts the tokens of a request's messages (``list[{"role", "content"}]``): ``how`` says what counts them, as
-    console lines and reject reasons say it; ``count_messages`` (messages -> tokens) raises :class:`TokenizeError`
-    when it cannot count."""
+    """Counts the tokens of a request's messages (``list[{"role", "content"}]``)."""
 
-    how: str
-    count_messages: Callable[[Messages], int]
+    how: str  # what counts them, as console lines and reject reasons say it
+    count_messages: Callable[[Messages], int]  # raises TokenizeError when it cannot count
 
     def count(self, messages: Messages) -> tuple[int, str]:
         """``(tokens, how counted)``. Once :attr:`count_messages` fails, this and every later count is the estimate,

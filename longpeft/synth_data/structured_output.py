@@ -51,13 +51,11 @@ def judge_answer(response_format: dict[str, Any], text: str, finish_reason: str 
 
 @dataclass
 class StructuredWatch:
-    """The verdict on one endpoint's handling of ``response_format``: ``"followed"`` once an answer had the asked
-    shape, ``"ignored"`` once :data:`IGNORED_AFTER` answers did not before any did, else ``None``. ``unfollowed``:
-    quoted starts of the answers without the shape; ``undecided``: answers that proved nothing."""
+    """The verdict on one endpoint's handling of ``response_format``, from the answers to requests carrying it."""
 
-    verdict: Verdict | None = None
-    unfollowed: list[str] = field(default_factory=list)
-    undecided: int = 0
+    verdict: Verdict | None = None  # followed: an answer had the asked shape; ignored: IGNORED_AFTER did not before
+    unfollowed: list[str] = field(default_factory=list)  # quoted starts of the answers without the shape
+    undecided: int = 0  # answers that proved nothing
 
     @property
     def waiting(self) -> bool:
