@@ -128,6 +128,8 @@ class LLMClient:
         self.structured_watch = StructuredWatch()  # whether the endpoint follows response_format, from its answers
         self.bounds_refused: str | None = None  # the server's reason, once it refused the schema's item bounds
         self._first_structured: asyncio.Lock | None = None  # one structured request at a time until it is known
+        self._openai: Any = None  # this run's openai.AsyncOpenAI
+        self._in_flight: asyncio.Semaphore | None = None  # this run's requests in flight
         self.refusals = 0  # requests refused with HTTP 4xx (their reasons: the first SHOWN_REFUSALS on the console)
         self.gave_up = 0  # requests given up after transient failures (the first SHOWN_REFUSALS said with the cause)
         self._stop: str | None = None  # why the run stops (structured output refused or ignored): no more sends
@@ -167,9 +169,10 @@ class LLMClient:
         if not requests:
             return []
         api_key = read_api_key(self.config)
-        client = openai.AsyncOpenAI(
+        client = self._openai = openai.AsyncOpenAI(
             api_key=api_key, base_url=self.config.base_url, max_retries=0, timeout=self.config.timeout
         )
+        self._in_flight = asyncio.Semaphore(self.config.max_concurrency)
         if self.endpoint is None and self.config.context_tokens is None:
             await self._ask_endpoint(api_key)
         if self.prompt_counter is None and self.context_limit() is not None:
@@ -177,12 +180,11 @@ class LLMClient:
             self._say(f"{self.config.base_url}: prompt tokens are {self.prompt_counter.how}")
         del api_key
         gave_up_before = self._gave_up_causes()
-        semaphore = asyncio.Semaphore(self.config.max_concurrency)
         self._first_structured = asyncio.Lock()  # bound to this run's event loop
         bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not self.show_progress)
 
         async def one(request: LLMRequest) -> LLMResult:
-            result = await self._complete(client, semaphore, request, parse, check)
+            result = await self._complete(request, parse, check)
             bar.update(1)
             bar.set_postfix(self._postfix(), refresh=False)
             return result
@@ -337,12 +339,7 @@ class LLMClient:
         return {"calls": calls, "cached": hits, "tokens": tokens}
 
     async def _complete(
-        self,
-        client: Any,
-        semaphore: asyncio.Semaphore,
-        request: LLMRequest,
-        parse: Callable[[str], Any] | None,
-        check: Callable[[LLMRequest, Any], Any] | None = None,
+        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
     ) -> LLMResult:
         import openai
 
@@ -357,7 +354,7 @@ class LLMClient:
             return self._reject(run, too_long, "prompt_too_long", 0, end=run.end - self.config.max_parse_attempts)
         for attempt in range(run.end):
             try:
-                entry = await self._fetch(client, semaphore, run, attempt)
+                entry = await self._fetch(run, attempt)
             except RetryableError as error:  # counted by cause; the first few said with the cause
                 run.usage.gave_up_causes[error.cause] = run.usage.gave_up_causes.get(error.cause, 0) + 1
                 self.gave_up += 1
@@ -427,9 +424,7 @@ class LLMClient:
             f"{limit[0]} ({limit[1]}); not sent"
         )
 
-    async def _fetch(
-        self, client: Any, semaphore: asyncio.Semaphore, run: _Round, attempt: int
-    ) -> dict[str, Any] | None:
+    async def _fetch(self, run: _Round, attempt: int) -> dict[str, Any] | None:
         """The answer to ``attempt``: from the cache, else sent (and cached); None for an attempt of an earlier
         round no longer in the cache. A refusal of structured output sends it again without; other failures raise
         (:class:`RetryableError` after the retries, ``openai.APIStatusError`` for a refused request)."""
@@ -449,7 +444,7 @@ class LLMClient:
             if attempt < run.replayed:
                 return None
             try:
-                entry = await self._send(client, semaphore, run.request, sent, usage)
+                entry = await self._send(run, sent)
             except openai.APIStatusError as error:
                 if "response_format" in sent and refuses_structured_output(error):
                     self._structured_refusal(error, run.request, sent["response_format"])  # may raise
@@ -508,9 +503,7 @@ class LLMClient:
             self.config, request, refused=self.structured_refused is not None, bounds=self.bounds_refused is None
         )
 
-    async def _send(
-        self, client: Any, semaphore: asyncio.Semaphore, request: LLMRequest, sent: dict[str, Any], usage: TaskUsage
-    ) -> dict[str, Any] | None:
+    async def _send(self, run: _Round, sent: dict[str, Any]) -> dict[str, Any] | None:
         """:func:`.llm_http.chat_completion`; until the endpoint's handling of ``response_format`` is known
         (:attr:`.structured_output.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
         refusing it refuses one request and one ignoring it answers a few. Every answer to such a request is judged
@@ -518,15 +511,17 @@ class LLMClient:
         if "response_format" in sent and self.structured_watch.waiting:
             assert self._first_structured is not None
             async with self._first_structured:
-                if self._stop is None and self.structured_watch.waiting and not self._changed(request, sent):
-                    entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
+                if self._stop is None and self.structured_watch.waiting and not self._changed(run.request, sent):
+                    entry = await chat_completion(
+                        self.config, self._openai, self._in_flight, run.request, sent, run.usage
+                    )
                     self._observe(sent, entry)
                     return entry
         if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
             raise LLMRunAborted(self._stop)
-        if self._changed(request, sent):
+        if self._changed(run.request, sent):
             return None
-        entry = await chat_completion(self.config, client, semaphore, request, sent, usage)
+        entry = await chat_completion(self.config, self._openai, self._in_flight, run.request, sent, run.usage)
         self._observe(sent, entry)
         return entry
 
