@@ -16,6 +16,7 @@ from typing import Any
 
 from .endpoint import server_root
 from .http_json import NoHttpAnswer, http_json
+from .llm_http import body_excerpt
 from .llm_request import LLMConfig
 
 Messages = Sequence[dict[str, Any]]
@@ -81,7 +82,8 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
         except (ValueError, AttributeError):
             value = None
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise TokenizeError(f"{url}: HTTP {answer.status_code} {answer.excerpt(120)}, no {field!r} of the shape")
+            excerpt = body_excerpt(answer.raw, 120)
+            raise TokenizeError(f"{url}: HTTP {answer.status_code} {excerpt}, no {field!r} of the shape")
         return value
 
     def vllm(messages: Messages) -> int:
@@ -91,7 +93,7 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
         prompt = post("/apply-template", {"messages": list(messages)}, "prompt", str)
         return len(post("/tokenize", {"content": prompt}, "tokens", list))
 
-    def llama_cpp_contents(messages: Messages) -> int:
+    def llama_cpp_each(messages: Messages) -> int:
         return sum(
             len(post("/tokenize", {"content": str(message.get("content", ""))}, "tokens", list))
             for message in messages
@@ -100,10 +102,7 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
     routes = (
         ("vLLM POST /tokenize, chat template applied", vllm),
         ("llama.cpp POST /apply-template and /tokenize", llama_cpp),
-        (
-            "llama.cpp POST /tokenize of each message's content; the chat template's tokens not counted",
-            llama_cpp_contents,
-        ),
+        ("llama.cpp POST /tokenize of each message's content, not the chat template's tokens", llama_cpp_each),
     )
     for how, count in routes:
         try:
