@@ -32,18 +32,11 @@ class OutputSchema:
     def __post_init__(self) -> None:
         _check_subset(self.schema, "$")
 
-    def wire_schema(self, bounds: bool = False) -> dict[str, Any]:
-        """The schema sent to the endpoint: :attr:`schema` without :data:`PARSER_ONLY_KEYWORDS`, and without
-        :data:`ITEM_BOUNDS` unless ``bounds``."""
-        return _without(self.schema, PARSER_ONLY_KEYWORDS + (() if bounds else ITEM_BOUNDS))
-
     def response_format(self, bounds: bool = False) -> dict[str, Any]:
-        """The ``response_format`` request field asking for this schema (strict structured output), with the
-        item bounds when ``bounds``."""
-        return {
-            "type": "json_schema",
-            "json_schema": {"name": self.name, "schema": self.wire_schema(bounds), "strict": True},
-        }
+        """The ``response_format`` request field asking for this schema (strict structured output): without
+        :data:`PARSER_ONLY_KEYWORDS`, and without :data:`ITEM_BOUNDS` unless ``bounds``."""
+        schema = _without(self.schema, PARSER_ONLY_KEYWORDS + (() if bounds else ITEM_BOUNDS))
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": schema, "strict": True}}
 
     def bounded(self, max_items: int) -> OutputSchema:
         """This schema with its list (the one property, :attr:`name`) holding at most ``max_items`` items."""
@@ -115,16 +108,14 @@ def _short(value: Any) -> str:
 NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
 
 
+def object_schema(fields: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The schema of an object with exactly ``fields`` (name -> schema), all required."""
+    return {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
+
+
 def _list_of(name: str, item_fields: dict[str, dict[str, Any]]) -> OutputSchema:
-    item = {"type": "object", "properties": item_fields, "required": list(item_fields), "additionalProperties": False}
     return OutputSchema(
-        name,
-        {
-            "type": "object",
-            "properties": {name: {"type": "array", "items": item, "minItems": 1}},
-            "required": [name],
-            "additionalProperties": False,
-        },
+        name, object_schema({name: {"type": "array", "items": object_schema(item_fields), "minItems": 1}})
     )
 
 

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .answer_schema import OutputSchema
+from .answer_schema import OutputSchema, object_schema
 from .corpus import Document
 from .endpoint import EndpointInfo, discover
 from .http_json import HttpAnswer, NoHttpAnswer, http_json
@@ -50,13 +50,7 @@ LOOKUP_TIMEOUT = 5.0  # seconds for each of the server's self-description lookup
 PROBE_MESSAGES = [
     {"role": "user", "content": "Reply with the single word OK as plain text: no JSON, no quotes, nothing else."}
 ]
-WORD = {
-    "type": "object",
-    "properties": {"word": {"type": "string"}},
-    "required": ["word"],
-    "additionalProperties": False,
-}
-PROBE_SCHEMA = OutputSchema("probe", WORD)
+PROBE_SCHEMA = OutputSchema("probe", object_schema({"word": {"type": "string"}}))
 PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
 CHECK_TASK = "single_detail"  # the task of the QA request checked: one question over CHECK_TEXT
 
