@@ -136,12 +136,8 @@ def plan_build(
 ) -> BuildPlan:
     """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir``, requesting no
     completion and writing nothing; a procedural answerer, or no bound on the output tokens, raises ConfigError.
-
-    Args:
-        tokenizer: the training tokenizer, which lays out the contexts (default: ``config.tokenizer``, loaded as the
-            build loads it); it does not count the prompts.
-        output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
-    """
+    ``tokenizer`` (default: ``config.tokenizer``) lays out the contexts, never counts the prompts; ``output_tokens``
+    are the completion tokens expected per request (default ``config.llm.max_tokens``, an upper bound)."""
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs

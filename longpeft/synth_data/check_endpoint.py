@@ -144,19 +144,15 @@ class EndpointCheck:
         probe = "a one-field schema" if kind == "json_schema" else "json_object"
         if self.bounds_refusal is not None:
             probe += f"; the schema's item bounds were refused ({self.bounds_refusal}): the run sends it without them"
+        asked = f"asked for a plain word under {probe}, the server answered {self.probe_answer}"
         if self.enforced is True:
-            return (
-                f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
-            )
+            return f"yes: {kind} enforced ({asked})"
         if self.enforced is False:
             auto = (
                 "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON contract"
             )
             then = f"{auto} only" if mode == "auto" else stops
-            return (
-                f"no: {kind} ignored (HTTP 200, but asked for a plain word under {probe}, the server answered "
-                f"{self.probe_answer}, not JSON of that shape); {then}"
-            )
+            return f"no: {kind} ignored (HTTP 200, but {asked}, not JSON of that shape); {then}"
         return (
             f"unknown: {kind} taken (HTTP 200), but the probe's answer proves nothing ({self.probe_answer}); the run "
             "judges the answers themselves"

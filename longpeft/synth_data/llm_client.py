@@ -96,17 +96,10 @@ class _Round:
 
 
 class LLMClient:
-    """Runs batches of :class:`LLMRequest` against an OpenAI-compatible endpoint.
-
-    Args:
-        config: endpoint and retry settings.
-        cache_dir: folder of the response cache (created on demand).
-        rejects_path: JSONL file receiving requests that failed for good.
-        show_progress: draw a tqdm bar per batch.
-        prompt_counter: what counts a prompt's tokens against the endpoint's context; by default
-            :func:`.prompt_tokens.prompt_counter` picks one at the first run that knows the context, said in one line.
-        retry_rejected: ask again the requests an earlier run rejected (by default they are skipped).
-    """
+    """Runs batches of :class:`LLMRequest` against the endpoint of ``config``, with its response cache in
+    ``cache_dir`` (created on demand) and its rejects file at ``rejects_path``; ``show_progress`` draws a tqdm bar per
+    batch. ``prompt_counter`` counts a prompt's tokens against the endpoint's context (default: the one
+    :func:`.prompt_tokens.prompt_counter` picks). ``retry_rejected`` asks again what an earlier run rejected."""
 
     def __init__(
         self,
@@ -142,12 +135,9 @@ class LLMClient:
         desc: str = "LLM requests",
         check: Callable[[LLMRequest, Any], Any] | None = None,
     ) -> list[LLMResult]:
-        """Send every request (concurrently, cached, retried); results come back in request order.
-
-        ``parse(text)`` turns the model's text into a value or raises :class:`MalformedOutput`; without it the text
-        itself is the value. ``check(request, value)`` then returns the value to keep (or a :class:`Checked`), or
-        raises :class:`RejectedOutput` (a new attempt follows).
-        """
+        """Send every request (concurrently, cached, retried); results come back in request order. ``parse(text)``
+        turns the model's text into a value (default: the text) or raises :class:`MalformedOutput`; ``check(request,
+        value)`` then returns the value to keep (or a :class:`Checked`) or raises :class:`RejectedOutput`."""
         coroutine = self.arun(requests, parse, desc, check)
         try:
             asyncio.get_running_loop()
