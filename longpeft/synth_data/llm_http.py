@@ -91,9 +91,9 @@ def is_count(value: Any) -> bool:
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
 
 
-# Words of a 400/422 body that refuses structured output (OpenAI: "Invalid parameter: 'response_format' of type
-# 'json_schema' is not supported with this model"; vLLM/FastAPI validation: loc ["body", "response_format"];
-# llama.cpp: "JSON schema conversion failed"; TGI: "grammar is not supported"; vLLM: "guided decoding").
+# Words of a 400/422 body that refuses structured output (OpenAI's "'response_format' of type 'json_schema' is not
+# supported", FastAPI's loc ["body", "response_format"], llama.cpp's "JSON schema conversion failed", TGI's "grammar
+# is not supported", vLLM's "guided decoding")
 STRUCTURED_REFUSAL = re.compile(r"response_format|json_schema|schema|grammar|structured output|guided", re.I)
 
 
@@ -186,12 +186,10 @@ async def chat_completion(
 def _retry_after(error: Any) -> float | None:
     """Seconds the server asks to wait: its ``retry-after-ms`` header, else ``Retry-After`` in seconds
     (the HTTP-date form is ignored: the backoff applies)."""
-    response = getattr(error, "response", None)
-    if response is None:
-        return None
+    headers = getattr(getattr(error, "response", None), "headers", {})
     for header, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         try:
-            return float(response.headers[header]) / scale
+            return float(headers[header]) / scale
         except (KeyError, ValueError):
             continue
     return None

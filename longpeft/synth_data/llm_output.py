@@ -45,16 +45,15 @@ class Checked:
     dropped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def strip_code_fence(text: str) -> str:
-    """Remove a surrounding Markdown code fence (```json ... ```) if the model added one."""
-    match = re.fullmatch(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", text, flags=re.DOTALL)
-    return match.group(1) if match else text
+CODE_FENCE = re.compile(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", flags=re.DOTALL)  # ```json ... ``` around an answer
 
 
 def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]:
-    """Parse ``text`` as one JSON object that has every key in ``required``; else :class:`MalformedOutput`."""
+    """Parse ``text`` (in a Markdown code fence or not) as one JSON object that has every key in ``required``; else
+    :class:`MalformedOutput`."""
+    fenced = CODE_FENCE.fullmatch(text)
     try:
-        value = json.loads(strip_code_fence(text))
+        value = json.loads(fenced.group(1) if fenced else text)
     except json.JSONDecodeError as error:
         raise MalformedOutput(f"not valid JSON: {error}") from None
     if not isinstance(value, dict):

@@ -20,11 +20,9 @@ from typing import Any
 
 from ..files import write_text_atomically
 
+# Why a request was rejected for good (docs/synth.md): its last attempt's output, the endpoint's HTTP 4xx, a prompt
+# longer than the endpoint's context, transient failures after the retries. All but gave_up are marked in the cache.
 REJECT_REASONS = ("malformed", "truncated", "quality", "http_refused", "prompt_too_long", "gave_up")
-"""Why a request was rejected for good (``reason`` in the rejects file, ``rejected_reasons`` in the usage): its last
-attempt's output was ``malformed``, ``truncated`` at ``llm.max_tokens`` or failed the ``quality`` gates; the endpoint
-refused it with HTTP 4xx (``http_refused``); its prompt is longer than the endpoint's context (``prompt_too_long``,
-never sent); or it failed transiently after the retries (``gave_up``). All but ``gave_up`` are marked in the cache."""
 
 KINDS = ("request", "item")
 

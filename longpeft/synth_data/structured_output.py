@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from .answer_schema import OutputSchema
 from .llm_http import body_excerpt
-from .llm_output import MalformedOutput
 
 IGNORED_AFTER = 2  # answers not of the asked shape, before any that is, that show a server ignoring the field
 UNDECIDED_AFTER = 4  # answers that prove nothing (empty, cut as JSON) after which requests stop waiting for a verdict
@@ -23,20 +22,14 @@ Verdict = Literal["followed", "ignored"]
 def follows_response_format(response_format: dict[str, Any], text: str) -> bool:
     """Whether ``text`` is what a server enforcing ``response_format`` returns: one bare JSON object that, for a
     ``json_schema``, conforms to the schema sent (as :meth:`.answer_schema.OutputSchema.validate` checks it)."""
+    spec = response_format.get("json_schema")
     try:
         value = json.loads(text)
-    except ValueError:
+        if isinstance(value, dict) and response_format.get("type") == "json_schema" and isinstance(spec, dict):
+            OutputSchema(str(spec.get("name", "schema")), spec["schema"]).validate(value)
+    except (ValueError, KeyError, TypeError):  # not JSON; the schema broken (MalformedOutput), or not a schema
         return False
-    if not isinstance(value, dict):
-        return False
-    spec = response_format.get("json_schema")
-    if response_format.get("type") != "json_schema" or not isinstance(spec, dict):
-        return True
-    try:
-        OutputSchema(str(spec.get("name", "schema")), spec["schema"]).validate(value)
-    except (MalformedOutput, ValueError, KeyError, TypeError):
-        return False
-    return True
+    return isinstance(value, dict)
 
 
 def judge_answer(response_format: dict[str, Any], text: str, finish_reason: str | None) -> bool | None:
@@ -66,18 +59,17 @@ class StructuredWatch:
     def observe(self, response_format: dict[str, Any], text: str, finish_reason: str | None) -> Verdict | None:
         """Count one answer to a request carrying ``response_format``; the verdict when this answer settles it, else
         ``None``."""
-        followed = None if self.verdict is not None else judge_answer(response_format, text, finish_reason)
-        if followed is None:
-            self.undecided += self.verdict is None
+        if self.verdict is not None:
             return None
-        if followed:
+        followed = judge_answer(response_format, text, finish_reason)
+        if followed is None:
+            self.undecided += 1
+        elif followed:
             self.verdict = "followed"
-            return self.verdict
-        self.unfollowed.append(body_excerpt(text, 60))
-        if len(self.unfollowed) >= IGNORED_AFTER:
-            self.verdict = "ignored"
-            return self.verdict
-        return None
+        else:
+            self.unfollowed.append(body_excerpt(text, 60))
+            self.verdict = "ignored" if len(self.unfollowed) >= IGNORED_AFTER else None
+        return self.verdict
 
     def evidence(self) -> str:
         """The answers behind an ``"ignored"`` verdict, quoted, for one line of the console."""
