@@ -190,33 +190,28 @@ class _Session:
 
     def post(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> tuple[HttpAnswer, float]:
         """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
-        config = self.config
-        url = config.base_url.rstrip("/") + "/chat/completions"
+        config, base = self.config, self.config.base_url
+        url = base.rstrip("/") + "/chat/completions"
         left = self.left()
         if left <= 0:
             raise LLMRunAborted(
-                f"{config.base_url}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more "
-                "time with --check-timeout"
+                f"{base}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more time with "
+                "--check-timeout"
             )
         self.say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
         start = time.monotonic()
         try:
             answer = http_json(url, {"model": config.model, "messages": messages, **params}, self.api_key, left)
         except NoHttpAnswer as error:
-            if error.kind == "timeout":
-                raise LLMRunAborted(
-                    f"{config.base_url} did not answer {what} within the check's deadline ({self.seconds:g} s): "
-                    "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
-                    "more time with --check-timeout"
-                ) from None
-            if error.kind == "unreachable":
-                raise LLMRunAborted(
-                    f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
-                ) from None
-            raise LLMRunAborted(
-                f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
-                "OpenAI-compatible server, ending in /v1)"
-            ) from None
+            message = {
+                "timeout": f"{base} did not answer {what} within the check's deadline ({self.seconds:g} s): a server "
+                "still loading its model, stalled, or busy with other requests; see its log, or give it more time "
+                "with --check-timeout",
+                "unreachable": f"cannot reach {base} ({error}); check llm.base_url and that the server runs",
+                "not_http": f"{base} answered {what} with {error}; check llm.base_url (the address of an "
+                "OpenAI-compatible server, ending in /v1)",
+            }
+            raise LLMRunAborted(message[error.kind]) from None
         return answer, time.monotonic() - start
 
     def ask(
