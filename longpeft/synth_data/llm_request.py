@@ -27,31 +27,26 @@ class LLMConfig(StrictModel):
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
     timeout: float = Field(
-        120.0,
-        gt=0,
-        description="seconds before one HTTP request times out, its wait in the server's queue included (a one-slot "
-        "server: max_concurrency 1, or a timeout of max_concurrency x one answer's time)",
+        120.0, gt=0, description="seconds before one HTTP request times out, its wait in the server's queue included"
     )
     max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
     temperature: float = Field(0.7, ge=0, description="sampling temperature")
     max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
     structured: Literal["auto", "json_schema", "json_object", "off"] = Field(
         "auto",
-        description="response_format sent: the answer's JSON schema, any JSON object, or none ('off'); 'auto' sends "
-        "the schema and falls back to 'off' for the rest of the run once the endpoint refuses or ignores it, where "
-        "'json_schema' and 'json_object' stop the run (docs/synth.md)",
+        description="response_format sent: the answer's JSON schema, any JSON object, or none; 'auto' falls back to "
+        "'off' once the endpoint refuses or ignores the schema, where the others stop the run (docs/synth.md)",
     )
     context_tokens: int | None = Field(
         None,
         ge=1,
-        description="tokens one request may hold at the endpoint; a longer prompt is rejected before sending "
-        "(prompt_too_long). Unset: what the server reports at the start (vLLM/SGLang max_model_len, llama.cpp "
-        "n_ctx), else no check",
+        description="tokens one request may hold at the endpoint (a longer prompt is rejected before sending); "
+        "unset: what the server reports at the start, else no check",
     )
     tokenizer: str | None = Field(
         None,
-        description="the endpoint model's tokenizer (a folder or a Hub id), to count prompt tokens when the server "
-        "has no POST /tokenize; unset: an estimate of one token per word, which errs short. Never the training one",
+        description="the endpoint model's tokenizer (folder or Hub id), to count prompts when the server has no "
+        "/tokenize; unset: an estimate of one token per word, which errs short. Never the training tokenizer",
     )
     check_timeout: float = Field(
         30.0, gt=0, description="seconds the whole synth --check-endpoint waits for the endpoint; --check-timeout"
