@@ -1,18 +1,13 @@
 """`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
 report of what they showed (docs/synth.md), all within one deadline (``llm.check_timeout``), each wait announced on
-stderr first:
+stderr: the server's facts (:mod:`.endpoint`); the run's first request as the run sends it, with a smaller
+``max_tokens``, its answer judged as the run judges it; when it carried ``response_format``, a probe asking for a
+plain word under the same kind of ``response_format`` (a server enforcing the field answers JSON anyway); after a
+refusal of ``response_format``, the request again without the item bounds, then without ``response_format``.
 
-1. what the server says about itself (:mod:`.endpoint`), each lookup 5 s at most (less when the deadline is short);
-2. the run's first request as the run sends it (a builder's QA request over a short text, ``response_format`` as
-   ``llm.structured`` says), but with a smaller ``max_tokens``; its answer judged as the run judges it;
-3. when it carried ``response_format``, a probe: a plain word asked for under the same kind of ``response_format``.
-   A server that enforces the field answers JSON anyway; one that drops it answers the word;
-4. after a refusal of ``response_format``, the QA request again without the item bounds, then (as ``auto`` does)
-   without ``response_format``.
-
-No answer within the deadline, bytes that are not HTTP, a body that is not a chat completion or a refused request
-raise :class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of what came back
-and the fix. Nothing is cached or written.
+A failure (no answer in time, not HTTP, not a chat completion, a refusal) raises
+:class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of the answer and the
+fix. Nothing is cached or written.
 """
 
 from __future__ import annotations

@@ -402,9 +402,13 @@ class LLMClient:
         return run
 
     async def _too_long(self, request: LLMRequest) -> str | None:
-        """Why the prompt is not sent (it holds the endpoint's context or more), or None."""
+        """Why the prompt is not sent (it holds the endpoint's context or more), or None. A prompt whose UTF-8 bytes
+        plus the chat template's allowance are fewer is sent uncounted: a token covers one byte of text or more."""
         limit = self.context_limit()
-        if limit is None or self.prompt_counter is None or not _may_exceed(request, limit[0]):
+        if limit is None or self.prompt_counter is None:
+            return None
+        size = sum(len(str(message.get("content", "")).encode("utf-8")) for message in request.messages)
+        if size + TEMPLATE_TOKENS_ALLOWANCE + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) < limit[0]:
             return None
         tokens, counted = await asyncio.to_thread(self.prompt_counter.count, request.messages)
         if tokens < limit[0]:
@@ -519,10 +523,3 @@ class LLMClient:
         """Whether ``request`` would now carry another ``response_format`` than ``sent`` (refused meanwhile: its
         item bounds, or all of it)."""
         return self._structured(request).get("response_format") != sent.get("response_format")
-
-
-def _may_exceed(request: LLMRequest, context: int) -> bool:
-    """Whether the prompt may hold ``context`` tokens or more: its UTF-8 bytes (a token covers one byte or more of
-    text) plus the chat template's allowance (:data:`TEMPLATE_TOKENS_ALLOWANCE`); a shorter one is sent uncounted."""
-    size = sum(len(str(m.get("content", "")).encode("utf-8")) for m in request.messages)
-    return size + TEMPLATE_TOKENS_ALLOWANCE + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) >= context

@@ -77,10 +77,8 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
             answer = http_json(url, payload, api_key, timeout)
         except NoHttpAnswer as error:
             raise TokenizeError(f"{url}: {error}") from error
-        try:
-            value = answer.json().get(field) if answer.status_code == 200 else None
-        except (ValueError, AttributeError):
-            value = None
+        body = answer.body if answer.status_code == 200 else None  # decoded JSON, else text
+        value = body.get(field) if isinstance(body, dict) else None
         if not isinstance(value, kind) or isinstance(value, bool):
             excerpt = body_excerpt(answer.raw, 120)
             raise TokenizeError(f"{url}: HTTP {answer.status_code} {excerpt}, no {field!r} of the shape")
