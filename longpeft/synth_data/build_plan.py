@@ -96,12 +96,10 @@ class BuildPlan:
             f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}",
             *(row(name, task.requests, task.input_tokens, task.cached) for name, task in self.tasks.items()),
             row("total", self.requests, self.input_tokens, self.requests - self.to_send),
-        ]
-        lines.append(
             f"input tokens: {self.counted_with}; output tokens: {out:,} per request ({self.output_tokens_from}); "
             f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
-            "attempts, and failed calls are retried: not counted)"
-        )
+            "attempts, and failed calls are retried: not counted)",
+        ]
         for task, reasons in self.skipped.items():
             lines.append(
                 f"skipped while planning ({task}): " + ", ".join(f"{n} {reason}" for reason, n in reasons.items())

@@ -5,8 +5,7 @@ Examples::
     # offline, exact QA over generated documents (no LLM, no network)
     longpeft synth --out runs/synth/demo --tokenizer tiny --contexts 4 --min-tokens 4096 --max-tokens 6144
 
-    # the 80K recipe's data (bundled config llama3-80k): GPT-4-class QA over your books, mixed with plain text
-    # and instructions as in the paper
+    # the 80K recipe's data (bundled config llama3-80k): GPT-4-class QA over your books, plain text, instructions
     export OPENAI_API_KEY=...
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16
@@ -19,11 +18,10 @@ Examples::
     export OPENAI_API_KEY=local
     longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
 
-Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
-calls; requests rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's
-context) are not asked again unless ``--retry-rejected``. Every LLM-written item passes the quality gates
-(``quality:`` in the config; longpeft/synth_data/quality.py). Flags override the config file;
-``--set key.sub=value`` reaches any config field.
+Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered calls; requests
+rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's context) are not asked
+again unless ``--retry-rejected``. Every LLM-written item passes the quality gates (``quality:`` in the config;
+longpeft/synth_data/quality.py). Flags override the config file; ``--set key.sub=value`` reaches any config field.
 """
 
 from __future__ import annotations
