@@ -66,10 +66,8 @@ def http_json(url: str, payload: Any = None, api_key: str | None = None, timeout
         except (OSError, http.client.HTTPException):
             raw = b""
         return HttpAnswer(url, error.code, raw)
-    except TimeoutError as error:
-        raise NoHttpAnswer(f"no answer within {timeout:g} s", "timeout") from error
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
+    except (TimeoutError, urllib.error.URLError) as error:
+        if isinstance(getattr(error, "reason", error), TimeoutError):  # bare, or wrapped by urllib
             raise NoHttpAnswer(f"no answer within {timeout:g} s", "timeout") from error
         raise NoHttpAnswer(f"cannot connect ({error.reason})", "unreachable") from error
     except http.client.RemoteDisconnected as error:
