@@ -3,9 +3,9 @@
 It lists what is still rejected, once: its records are grouped by request (``request``: the request's outcome key,
 :func:`.llm_cache.outcome_key`), and each time a request is settled again its group is replaced. Two kinds of record:
 
-- ``"kind": "request"``, a request without a usable answer: ``key`` (the cache key of its last attempt), ``task``,
-  ``meta``, ``reason`` in :data:`REJECT_REASONS`, ``error``, ``marked`` (a rerun skips it unless
-  ``retry_rejected``) and ``attempts``: each attempt's ``reason``, ``error`` and raw ``text`` when it had an answer;
+- ``"kind": "request"``, a request without a usable answer: ``key`` (the cache key of its last attempt; of its first
+  for a prompt never sent), ``task``, ``meta``, ``reason`` in :data:`REJECT_REASONS`, ``error``, ``marked`` (a rerun
+  skips it unless ``retry_rejected``) and ``attempts``: each attempt's ``reason``, ``error`` and raw ``text``;
 - ``"kind": "item"``, a part of an answer that a ``check`` function dropped: ``attempt``, ``reason``, ``detail`` and
   the item's fields, whether the request was answered by a later attempt or rejected.
 """
