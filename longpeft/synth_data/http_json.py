@@ -47,6 +47,9 @@ class HttpAnswer:
         except ValueError:
             return self.raw.decode("utf-8", errors="replace")
 
+    def excerpt(self, limit: int = 160) -> str:
+        return body_excerpt(self.raw, limit)
+
 
 def http_json(url: str, payload: Any = None, api_key: str | None = None, timeout: float = 10.0) -> HttpAnswer:
     """``GET url`` (``payload`` ``None``) or ``POST url`` with ``payload`` as JSON, the key as a bearer token; see

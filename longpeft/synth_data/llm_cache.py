@@ -21,9 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..files import write_text_atomically
-from .llm_http import is_count
 from .llm_rejects import REJECT_REASONS
-from .llm_request import LLMRequest
+from .llm_request import LLMRequest, is_count
 
 MAX_MARKED_ATTEMPTS = 10_000  # the largest ``end`` of a mark longpeft writes (each retry round adds a few)
 

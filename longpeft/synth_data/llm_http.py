@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .llm_request import LLMConfig, LLMRequest, LLMRunAborted, TaskUsage
+from .llm_request import LLMConfig, LLMRequest, LLMRunAborted, TaskUsage, is_count
 
 
 class RetryableError(Exception):
@@ -81,11 +81,6 @@ def read_completion(body: bytes) -> Completion:
         completion_tokens=usage["completion_tokens"] if is_count(usage.get("completion_tokens")) else 0,
         model=model if isinstance(model, str) else "",
     )
-
-
-def is_count(value: Any) -> bool:
-    """Whether ``value`` is a JSON count: a non-negative integer, not a boolean."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)

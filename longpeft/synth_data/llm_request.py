@@ -135,6 +135,11 @@ class TaskUsage:
     gave_up_causes: dict[str, int] = field(default_factory=dict)  # ``gave_up`` rejections per cause (RetryableError)
 
 
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is a JSON count: a non-negative integer, not a boolean."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def sampling_params(config: LLMConfig) -> dict[str, Any]:
     """The sampling parameters every request carries (part of its cache key)."""
     sampling: dict[str, Any] = {"temperature": config.temperature}
