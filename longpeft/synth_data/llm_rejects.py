@@ -24,13 +24,11 @@ from ..files import write_text_atomically
 # longer than the endpoint's context, transient failures after the retries. All but gave_up are marked in the cache.
 REJECT_REASONS = ("malformed", "truncated", "quality", "http_refused", "prompt_too_long", "gave_up")
 
-KINDS = ("request", "item")
-
 
 def _is_record(value: Any) -> bool:
     return (
         isinstance(value, dict)
-        and value.get("kind") in KINDS
+        and value.get("kind") in ("request", "item")
         and isinstance(value.get("request"), str)
         and isinstance(value.get("reason"), str)
         and (value["kind"] == "item" or isinstance(value.get("attempts"), list))
