@@ -1,26 +1,11 @@
-"""The JSON every LLM-built output must be: one JSON-schema definition per output, used twice.
+"""The JSON every LLM-built output must be: one schema per output (:class:`OutputSchema`), sent to the endpoint as
+``response_format`` and checked by the tasks' parsers (:meth:`OutputSchema.parse`), so the two cannot drift apart.
 
-The same :class:`OutputSchema` is sent to the endpoint as ``response_format`` (structured output,
-``llm.structured``) and checked by the parser of the answer (:meth:`OutputSchema.parse`, which the tasks' parsers
-use: :func:`.builtin.parse_qa_pairs`, :func:`.builtin.parse_biographies`), so what the server is asked to produce
-and what the parser accepts cannot drift apart.
-
-Schemas use a small subset of JSON Schema: ``type`` (object, array, string), ``properties``,
-``required``, ``additionalProperties: false``, ``items``, ``minItems``, ``maxItems`` and ``minLength``. Three
-rules of the checker differ from a plain JSON-Schema validator, on purpose:
-
-- ``minLength`` counts the string with surrounding whitespace stripped (``"  "`` is empty);
-- ``additionalProperties: false`` is sent (OpenAI's strict mode requires it) but extra keys in an
-  answer are ignored, not refused: a prompt-only answer that adds a field still carries what was asked;
-- ``maxItems`` is not checked: a prompt-only answer with more items than asked is judged whole, and the builders
-  use the first ones that pass the quality gates.
-
-The endpoint never gets ``minLength``, and gets the item bounds (``minItems``, ``maxItems``: :data:`ITEM_BOUNDS`)
-only when asked (``response_format(bounds=True)``, which the client sends first): a server that enforces the schema
-(llama.cpp's grammar, vLLM's guided decoding) then stops a list at ``maxItems`` instead of adding items until the
-answer is cut off at ``max_tokens``. The common subset that strict structured output accepts everywhere (OpenAI's
-strict mode among others) has no length constraints: a server that refuses the bounds gets the schema without them
-(:class:`.llm_client.LLMClient` falls back, once per run).
+Schemas use a subset of JSON Schema: ``type`` (object, array, string), ``properties``, ``required``,
+``additionalProperties: false``, ``items``, ``minItems``, ``maxItems`` and ``minLength``. Unlike a plain validator,
+the checker strips whitespace before ``minLength``, ignores extra keys and does not check ``maxItems`` (the builders
+use the first items that pass the gates). The endpoint never gets ``minLength``, and gets the item bounds
+(:data:`ITEM_BOUNDS`) only with ``bounds=True``, until it refuses them (docs/synth.md).
 """
 
 from __future__ import annotations
@@ -31,20 +16,15 @@ from typing import Any
 from .llm_output import MalformedOutput, parse_json_object
 from .llm_request import ITEM_BOUNDS  # sent where the endpoint accepts them (response_format(bounds=True))
 
-# Checked by the parser, never sent: not every strict-mode endpoint accepts length constraints.
-PARSER_ONLY_KEYWORDS = ("minLength",)
+PARSER_ONLY_KEYWORDS = ("minLength",)  # checked by the parser, never sent
 _KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS, *ITEM_BOUNDS}
 _PY_TYPES = {"object": dict, "array": list, "string": str}
 
 
 @dataclass(frozen=True)
 class OutputSchema:
-    """A named JSON schema for one builder output.
-
-    Attributes:
-        name: the ``json_schema.name`` sent to the endpoint (letters, digits, ``_`` and ``-``).
-        schema: the JSON schema (the subset described in the module docstring).
-    """
+    """A named JSON schema for one builder output: ``name`` is the ``json_schema.name`` sent (letters, digits, ``_``
+    and ``-``), ``schema`` the JSON schema (the subset of the module docstring; ValueError outside it)."""
 
     name: str
     schema: dict[str, Any]
@@ -52,18 +32,11 @@ class OutputSchema:
     def __post_init__(self) -> None:
         _check_subset(self.schema, "$")
 
-    def wire_schema(self, bounds: bool = False) -> dict[str, Any]:
-        """The schema sent to the endpoint: :attr:`schema` without :data:`PARSER_ONLY_KEYWORDS`, and without
-        :data:`ITEM_BOUNDS` unless ``bounds``."""
-        return _without(self.schema, PARSER_ONLY_KEYWORDS + (() if bounds else ITEM_BOUNDS))
-
     def response_format(self, bounds: bool = False) -> dict[str, Any]:
-        """The ``response_format`` request field asking for this schema (strict structured output), with the
-        item bounds when ``bounds``."""
-        return {
-            "type": "json_schema",
-            "json_schema": {"name": self.name, "schema": self.wire_schema(bounds), "strict": True},
-        }
+        """The ``response_format`` request field asking for this schema (strict structured output): without
+        :data:`PARSER_ONLY_KEYWORDS`, and without :data:`ITEM_BOUNDS` unless ``bounds``."""
+        schema = _without(self.schema, PARSER_ONLY_KEYWORDS + (() if bounds else ITEM_BOUNDS))
+        return {"type": "json_schema", "json_schema": {"name": self.name, "schema": schema, "strict": True}}
 
     def bounded(self, max_items: int) -> OutputSchema:
         """This schema with its list (the one property, :attr:`name`) holding at most ``max_items`` items."""
@@ -78,8 +51,8 @@ class OutputSchema:
         return value[self.name]
 
     def validate(self, value: Any) -> None:
-        """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks
-        the schema; return ``None`` when ``value`` conforms."""
+        """Raise :class:`MalformedOutput` naming the first path (``$.qa_pairs[0].question``) that breaks the
+        schema."""
         _validate(value, self.schema, "$")
 
 
@@ -95,15 +68,11 @@ def _check_subset(schema: dict[str, Any], path: str) -> None:
 
 
 def _without(schema: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any]:
-    copy: dict[str, Any] = {}
-    for key, value in schema.items():
-        if key in keywords:
-            continue
-        if key == "properties":
-            value = {name: _without(sub, keywords) for name, sub in value.items()}
-        elif key == "items":
-            value = _without(value, keywords)
-        copy[key] = value
+    copy = {key: value for key, value in schema.items() if key not in keywords}
+    if "properties" in copy:
+        copy["properties"] = {name: _without(sub, keywords) for name, sub in copy["properties"].items()}
+    if "items" in copy:
+        copy["items"] = _without(copy["items"], keywords)
     return copy
 
 
@@ -139,16 +108,14 @@ def _short(value: Any) -> str:
 NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
 
 
+def object_schema(fields: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The schema of an object with exactly ``fields`` (name -> schema), all required."""
+    return {"type": "object", "properties": fields, "required": list(fields), "additionalProperties": False}
+
+
 def _list_of(name: str, item_fields: dict[str, dict[str, Any]]) -> OutputSchema:
-    item = {"type": "object", "properties": item_fields, "required": list(item_fields), "additionalProperties": False}
     return OutputSchema(
-        name,
-        {
-            "type": "object",
-            "properties": {name: {"type": "array", "items": item, "minItems": 1}},
-            "required": [name],
-            "additionalProperties": False,
-        },
+        name, object_schema({name: {"type": "array", "items": object_schema(item_fields), "minItems": 1}})
     )
 
 

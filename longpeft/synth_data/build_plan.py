@@ -1,23 +1,10 @@
 """``longpeft synth --plan``: the LLM requests a data build will send, their tokens and time, before any call.
 
-The plan reads and checks every input file as the run does (:func:`~.pipeline.read_inputs`: the same refusals, with
-the same messages), runs the build's own planning (documents, contexts, QA jobs: :func:`~.pipeline.plan_contexts`)
-and builds every request exactly as :class:`~.qa.LLMAnswerer` would (:func:`~.qa.job_request`), then counts instead
-of sending:
-
-- requests: one per QA job (first attempts: a malformed answer is asked again, up to ``llm.max_parse_attempts``
-  times, and transient failures are retried: neither is counted); those whose answer is already in
-  ``<out>/llm_cache`` (a resumed run) cost nothing and are counted apart;
-- input tokens: each request's messages counted as the endpoint counts them (:mod:`.prompt_tokens`): by the
-  server's own tokenizer when it offers one (vLLM's and llama.cpp's ``/tokenize``: the plan asks them, but requests
-  no completion), else with ``llm.tokenizer``, else estimated at one token per word (an under-count); never with the
-  training tokenizer;
-- output tokens: ``llm.max_tokens`` per request (an upper bound: the answers are usually far shorter), or the
-  expectation given with ``--output-tokens``;
-- time: the slowest of three limits: ``llm.max_concurrency`` requests in flight (in waves of that many), each
-  decoding its output at ``--output-tokens-per-second`` (assumed :data:`OUTPUT_TOKENS_PER_SECOND` by default; the
-  prompt's own processing not counted); the endpoint's tokens per minute (``--tokens-per-minute``) and requests per
-  minute (``--requests-per-minute``), when given.
+The plan reads and checks the inputs and plans the contexts as the run does (:mod:`.pipeline`), builds every request
+as :class:`~.qa.LLMAnswerer` would, and counts instead of sending: first attempts only (one per QA job; those the
+cache already answers apart), input tokens as the endpoint counts them (:mod:`.prompt_tokens`), output tokens at
+``llm.max_tokens`` (an upper bound) or ``--output-tokens``, and the time as the slowest of three limits: the requests
+in flight decoding at ``--output-tokens-per-second``, and the endpoint's tokens and requests per minute when given.
 """
 
 from __future__ import annotations
@@ -99,24 +86,20 @@ class BuildPlan:
     ) -> str:
         """The plan as text: requests and tokens per task, then the time under each limit and the estimate."""
         out = self.output_tokens_per_request
+
+        def row(name: str, requests: int, input_tokens: int, cached: int) -> str:
+            return f"{name:<15} {requests:>9,} {input_tokens:>14,} {requests * out:>14,} {cached:>9,}"
+
         lines = [
             f"longpeft synth --plan: {self.conversations:,} contexts planned, {self.requests:,} requests to "
             f"{self.model}; no completion was requested",
             f"{'task':<15} {'requests':>9} {'input tokens':>14} {'output tokens':>14} {'in cache':>9}",
-        ]
-        for name, task in self.tasks.items():
-            lines.append(
-                f"{name:<15} {task.requests:>9,} {task.input_tokens:>14,} {task.requests * out:>14,} {task.cached:>9,}"
-            )
-        lines.append(
-            f"{'total':<15} {self.requests:>9,} {self.input_tokens:>14,} {self.requests * out:>14,} "
-            f"{self.requests - self.to_send:>9,}"
-        )
-        lines.append(
+            *(row(name, task.requests, task.input_tokens, task.cached) for name, task in self.tasks.items()),
+            row("total", self.requests, self.input_tokens, self.requests - self.to_send),
             f"input tokens: {self.counted_with}; output tokens: {out:,} per request ({self.output_tokens_from}); "
             f"first attempts only (a malformed answer is asked again, up to {self.max_parse_attempts} "
-            "attempts, and failed calls are retried: not counted)"
-        )
+            "attempts, and failed calls are retried: not counted)",
+        ]
         for task, reasons in self.skipped.items():
             lines.append(
                 f"skipped while planning ({task}): " + ", ".join(f"{n} {reason}" for reason, n in reasons.items())
@@ -149,14 +132,10 @@ class BuildPlan:
 def plan_build(
     config, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, output_tokens: int | None = None
 ) -> BuildPlan:
-    """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir`` without requesting a
-    completion and without writing anything: see the module docstring.
-
-    Args:
-        tokenizer: the training tokenizer, which lays out the contexts (default: ``config.tokenizer``, loaded as the
-            build loads it); it does not count the prompts.
-        output_tokens: expected completion tokens per request (default ``config.llm.max_tokens``, an upper bound).
-    """
+    """Plan the build of ``config`` (a SynthConfig with ``answerer: llm``) into ``out_dir``, requesting no
+    completion and writing nothing; a procedural answerer, or no bound on the output tokens, raises ConfigError.
+    ``tokenizer`` (default: ``config.tokenizer``) lays out the contexts, never counts the prompts; ``output_tokens``
+    are the completion tokens expected per request (default ``config.llm.max_tokens``, an upper bound)."""
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
@@ -178,7 +157,7 @@ def plan_build(
     builder, plans = plan_contexts(config, tokenizer, ProceduralAnswerer(), files)  # planning only: never asked
     cache = ResponseCache(Path(out_dir) / CACHE_DIR)
     llm, sampling = config.llm, sampling_params(config.llm)
-    counter = prompt_counter(llm, os.environ.get(llm.api_key_env), min(llm.timeout, 10.0))
+    counter = prompt_counter(llm, os.environ.get(llm.api_key_env))
     tasks: dict[str, TaskRequests] = {}
     jobs = [job for plan in plans for job in plan.jobs]
     first_how = counted_with = counter.how

@@ -1,27 +1,13 @@
 """`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
-report of what they showed, nothing more.
+report of what they showed (docs/synth.md), all within one deadline (``llm.check_timeout``), each wait announced on
+stderr: the server's facts (:mod:`.endpoint`); the run's first request as the run sends it, with a smaller
+``max_tokens``, its answer judged as the run judges it; when it carried ``response_format``, a probe asking for a
+plain word under the same kind of ``response_format`` (a server enforcing the field answers JSON anyway); after a
+refusal of ``response_format``, the request again without the item bounds, then without ``response_format``.
 
-All of it runs within one deadline (``llm.check_timeout``, ``--check-timeout``; 30 s by default), and a line on
-stderr says what the check waits for before each wait:
-
-1. what the server says about itself (:mod:`.endpoint`: models, context, slots), each lookup 5 s at most (a third
-   of the deadline when that is shorter);
-2. the request the run sends first, as the run sends it: a builder's QA request over a short text, with the run's
-   sampling settings and the ``response_format`` that ``llm.structured`` sends (none under ``off``); only
-   ``max_tokens`` is smaller (:data:`CHECK_MAX_TOKENS`). Its answer is judged as the run judges it: whether it is
-   bare JSON of the schema sent (:func:`.structured_output.follows_response_format`, what a server enforcing the
-   schema returns) and whether the builders' parser takes it;
-3. when that request carried ``response_format``, a probe of whether the server enforces it rather than merely
-   taking it: one plain word is asked for, under the same kind of ``response_format`` (a one-field schema, or
-   ``json_object``). A server that enforces the field answers JSON anyway; one that drops it (``transformers
-   serve`` logs "Ignoring unsupported fields in the request", HTTP 200) answers the word;
-4. a server that refuses ``response_format`` (HTTP 400/422 naming it) is asked the QA request again with the schema
-   without its item bounds (``minItems``, ``maxItems``), as the run does, and when it refuses that too, without
-   ``response_format``, as ``llm.structured=auto`` does.
-
-No answer within the deadline, bytes that are not HTTP, a body that is not a chat completion or a refused request
-stop the check with one line naming the server, what was awaited and a quote of what came back
-(:class:`~.llm_request.LLMRunAborted`). Nothing is cached or written.
+A failure (no answer in time, not HTTP, not a chat completion, a refusal) raises
+:class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of the answer and the
+fix. Nothing is cached or written.
 """
 
 from __future__ import annotations
@@ -29,10 +15,10 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from .answer_schema import OutputSchema
+from .answer_schema import OutputSchema, object_schema
 from .corpus import Document
 from .endpoint import EndpointInfo, discover
 from .http_json import HttpAnswer, NoHttpAnswer, http_json
@@ -59,54 +45,27 @@ LOOKUP_TIMEOUT = 5.0  # seconds for each of the server's self-description lookup
 PROBE_MESSAGES = [
     {"role": "user", "content": "Reply with the single word OK as plain text: no JSON, no quotes, nothing else."}
 ]
-PROBE_SCHEMA = OutputSchema(
-    "probe",
-    {
-        "type": "object",
-        "properties": {"word": {"type": "string"}},
-        "required": ["word"],
-        "additionalProperties": False,
-    },
-)
+PROBE_SCHEMA = OutputSchema("probe", object_schema({"word": {"type": "string"}}))
 PROBE_MAX_TOKENS = 64  # {"word": "OK"} takes a handful of tokens
 CHECK_TASK = "single_detail"  # the task of the QA request checked: one question over CHECK_TEXT
 
 
 @dataclass
 class EndpointCheck:
-    """What the check saw.
-
-    Attributes:
-        config: the settings checked.
-        answer: the answer to the QA request (after a refusal of ``response_format``: to the request without it).
-        latency_s: seconds of that answered request.
-        structured_sent: the ``response_format`` type the run sends first (``json_schema``, ``json_object``), or
-            ``None`` under ``llm.structured=off``.
-        structured_refusal: the server's reason when it refused ``response_format``, else ``None``.
-        bounds_refusal: the server's reason when it refused the schema with its item bounds (the run then sends the
-            schema without them, as the check did), else ``None``.
-        enforced: whether the probe's answer was JSON of the asked shape: ``True`` enforced, ``False`` ignored,
-            ``None`` not probed or not telling (cut at :data:`PROBE_MAX_TOKENS`, empty, or refused).
-        probe_answer: a quote of the probe's answer (or of its HTTP error), ``None`` when not probed.
-        answer_follows: whether the QA answer is bare JSON of the schema sent; ``None`` when none was sent or the
-            answer proves nothing (:func:`.structured_output.judge_answer`).
-        parse_error: why the QA answer fails the builders' parser, else ``None``.
-        info: what the server reports about itself.
-        deadline_s: the check's deadline in seconds.
-    """
+    """What the check saw."""
 
     config: LLMConfig
-    answer: Completion
-    latency_s: float
-    structured_sent: str | None
-    structured_refusal: str | None
-    enforced: bool | None
-    probe_answer: str | None
-    answer_follows: bool | None
-    parse_error: str | None
-    info: EndpointInfo
+    info: EndpointInfo  # what the server says about itself
     deadline_s: float
-    bounds_refusal: str | None = None
+    answer: Completion = field(default_factory=lambda: Completion("", None, 0, 0, ""))  # to the last QA request sent
+    latency_s: float = 0.0  # of that request
+    structured_sent: str | None = None  # the response_format type the run sends first; None under off
+    structured_refusal: str | None = None  # the server's reason when it refused response_format
+    bounds_refusal: str | None = None  # the server's reason when it refused the schema's item bounds
+    enforced: bool | None = None  # the probe's verdict; None: not probed, or its answer proves nothing
+    probe_answer: str | None = None  # a quote of the probe's answer (or of its HTTP error)
+    answer_follows: bool | None = None  # the QA answer is bare JSON of the schema sent; None: none sent, or no proof
+    parse_error: str | None = None  # why the builders' parser refuses the QA answer
 
     @property
     def usable(self) -> bool:
@@ -121,20 +80,20 @@ class EndpointCheck:
         """The answer stopped at the check's own ``max_tokens``, below the run's: what the parser says of it tells
         nothing of the run's whole answers."""
         run_max = self.config.max_tokens
-        return self.answer.finish_reason == "length" and (run_max is None or run_max > self._max_tokens())
+        return self.answer.finish_reason == "length" and (run_max is None or run_max > self.max_tokens)
 
     def report(self) -> str:
+        """The check's report, one line per finding."""
         config, info, answer = self.config, self.info, self.answer
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
         sent = f"response_format {self.structured_sent}" if self.structured_sent else "no response_format"
-        run_max = f"llm.max_tokens {config.max_tokens}" if config.max_tokens is not None else "no max_tokens"
         lines = [
             f"endpoint    {config.base_url} (checked within {self.deadline_s:g} s: --check-timeout)",
             f"model       {config.model} (answered as {answer.model or '?'!r}{listed})",
             f"latency     {self.latency_s:.2f} s for a one-question request ({answer.completion_tokens} completion "
             "tokens)",
             f"request     as the run sends it under llm.structured={config.structured}: {sent}, temperature "
-            f"{config.temperature:g}; max_tokens {self._max_tokens()} here ({run_max} in the run)",
+            f"{config.temperature:g}; max_tokens {self.max_tokens} here ({self._run_max} in the run)",
             f"structured  {self._structured_line()}",
             f"answer      {self._answer_line()}",
         ]
@@ -157,7 +116,13 @@ class EndpointCheck:
         lines.append("result      " + (f"usable as configured{seen}" if self.usable else "NOT usable as configured"))
         return "\n".join(lines)
 
-    def _max_tokens(self) -> int:
+    @property
+    def _run_max(self) -> str:
+        return f"llm.max_tokens {self.config.max_tokens}" if self.config.max_tokens else "no max_tokens"
+
+    @property
+    def max_tokens(self) -> int:
+        """The QA request's ``max_tokens``: the run's, at most :data:`CHECK_MAX_TOKENS`."""
         return min(self.config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)
 
     def _structured_line(self) -> str:
@@ -174,19 +139,15 @@ class EndpointCheck:
         probe = "a one-field schema" if kind == "json_schema" else "json_object"
         if self.bounds_refusal is not None:
             probe += f"; the schema's item bounds were refused ({self.bounds_refusal}): the run sends it without them"
+        asked = f"asked for a plain word under {probe}, the server answered {self.probe_answer}"
         if self.enforced is True:
-            return (
-                f"yes: {kind} enforced (asked for a plain word under {probe}, the server answered {self.probe_answer})"
-            )
+            return f"yes: {kind} enforced ({asked})"
         if self.enforced is False:
             auto = (
                 "llm.structured=auto notices it from the run's first answers and asks with the prompt's JSON contract"
             )
             then = f"{auto} only" if mode == "auto" else stops
-            return (
-                f"no: {kind} ignored (HTTP 200, but asked for a plain word under {probe}, the server answered "
-                f"{self.probe_answer}, not JSON of that shape); {then}"
-            )
+            return f"no: {kind} ignored (HTTP 200, but {asked}, not JSON of that shape); {then}"
         return (
             f"unknown: {kind} taken (HTTP 200), but the probe's answer proves nothing ({self.probe_answer}); the run "
             "judges the answers themselves"
@@ -194,11 +155,10 @@ class EndpointCheck:
 
     def _answer_line(self) -> str:
         cut_off = self.answer.finish_reason == "length"
-        cut = f" (cut at {self._max_tokens()} tokens: finish_reason length)" if cut_off else ""
+        cut = f" (cut at {self.max_tokens} tokens: finish_reason length)" if cut_off else ""
         if self.parse_error is not None and self.cut_short:
-            run_max = f"llm.max_tokens {self.config.max_tokens}" if self.config.max_tokens else "no max_tokens"
             return (
-                f"not judged: cut at {self._max_tokens()} tokens, the check's own budget ({run_max} in the run), "
+                f"not judged: cut at {self.max_tokens} tokens, the check's own budget ({self._run_max} in the run), "
                 f"so the parser saw part of it ({self.parse_error}); the run judges its whole answers"
             )
         if self.parse_error is not None:
@@ -212,7 +172,7 @@ class EndpointCheck:
 
 
 class _Session:
-    """The check's requests to one endpoint: each within what is left of one deadline, announced by ``say``."""
+    """The check's requests to one endpoint, each within what is left of one deadline and announced by ``say``."""
 
     def __init__(self, config: LLMConfig, api_key: str, say: Callable[[str], None]):
         self.config, self.api_key, self.say = config, api_key, say
@@ -225,40 +185,35 @@ class _Session:
 
     def post(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> tuple[HttpAnswer, float]:
         """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
-        config = self.config
-        url = config.base_url.rstrip("/") + "/chat/completions"
+        config, base = self.config, self.config.base_url
+        url = base.rstrip("/") + "/chat/completions"
         left = self.left()
         if left <= 0:
             raise LLMRunAborted(
-                f"{config.base_url}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more "
-                "time with --check-timeout"
+                f"{base}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more time with "
+                "--check-timeout"
             )
         self.say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
         start = time.monotonic()
         try:
             answer = http_json(url, {"model": config.model, "messages": messages, **params}, self.api_key, left)
         except NoHttpAnswer as error:
-            if error.kind == "timeout":
-                raise LLMRunAborted(
-                    f"{config.base_url} did not answer {what} within the check's deadline ({self.seconds:g} s): "
-                    "a server still loading its model, stalled, or busy with other requests; see its log, or give it "
-                    "more time with --check-timeout"
-                ) from None
-            if error.kind == "unreachable":
-                raise LLMRunAborted(
-                    f"cannot reach {config.base_url} ({error}); check llm.base_url and that the server runs"
-                ) from None
-            raise LLMRunAborted(
-                f"{config.base_url} answered {what} with {error}; check llm.base_url (the address of an "
-                "OpenAI-compatible server, ending in /v1)"
-            ) from None
+            message = {
+                "timeout": f"{base} did not answer {what} within the check's deadline ({self.seconds:g} s): a server "
+                "still loading its model, stalled, or busy with other requests; see its log, or give it more time "
+                "with --check-timeout",
+                "unreachable": f"cannot reach {base} ({error}); check llm.base_url and that the server runs",
+                "not_http": f"{base} answered {what} with {error}; check llm.base_url (the address of an "
+                "OpenAI-compatible server, ending in /v1)",
+            }
+            raise LLMRunAborted(message[error.kind]) from None
         return answer, time.monotonic() - start
 
     def ask(
         self, messages: list[dict[str, str]], params: dict[str, Any], what: str
     ) -> tuple[Completion, float, str | None]:
         """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
-        ``params``; any other failure raises :class:`LLMRunAborted` naming the server and quoting its answer."""
+        ``params``; another failure raises :class:`LLMRunAborted`."""
         config = self.config
         answer, latency = self.post(messages, params, what)
         if answer.status_code != 200:
@@ -277,8 +232,8 @@ class _Session:
             ) from None
 
     def probe(self, kind: str) -> tuple[bool | None, str]:
-        """Whether the server enforces ``response_format`` of ``kind`` (see the module docstring): ``(verdict, a quote
-        of the probe's answer)``, the verdict ``None`` when the answer proves nothing."""
+        """``(whether the server enforces response_format of kind, a quote of the probe's answer)``, the verdict
+        ``None`` when the answer proves nothing."""
         response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
         params = {
             "temperature": self.config.temperature,
@@ -305,10 +260,7 @@ def _say_on_stderr(line: str) -> None:
 
 
 def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stderr) -> EndpointCheck:
-    """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for;
-    a missing key, an endpoint that does not answer in time or answers something else than a chat completion, and a
-    refused request raise :class:`~.llm_request.LLMRunAborted` naming the server, a quote of its answer and the
-    fix."""
+    """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for."""
     api_key = read_api_key(config)
     session = _Session(config, api_key, say)
     lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
@@ -316,44 +268,34 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
         f"{lookup:.3g} s each at most; the whole check {session.seconds:g} s at most)"
     )
-    info = discover(config.base_url, config.model, api_key, lookup)
+    check = EndpointCheck(config, discover(config.base_url, config.model, api_key, lookup), session.seconds)
     request = job_request(
         QAJob(CHECK_TASK, [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
-    sampling = {**sampling_params(config), "max_tokens": min(config.max_tokens or CHECK_MAX_TOKENS, CHECK_MAX_TOKENS)}
-    structured, bounds_refusal = structured_params(config, request), None
-    kind = structured["response_format"]["type"] if structured else None
+    sampling = {**sampling_params(config), "max_tokens": check.max_tokens}
+
+    def ask(structured: dict[str, Any], what: str) -> str | None:
+        """Send the QA request with ``structured``; the server's reason when it refused that response_format."""
+        check.answer, check.latency_s, refusal = session.ask(request.messages, {**sampling, **structured}, what)
+        return refusal
+
+    structured, unbounded = structured_params(config, request), structured_params(config, request, bounds=False)
+    kind = check.structured_sent = structured["response_format"]["type"] if structured else None
     sent = f"with response_format {kind}" if kind else "without response_format"
-    what = f"the run's first request (a one-question QA request {sent})"
-    answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
-    if refusal is not None and structured_params(config, request, bounds=False) != structured:
-        bounds_refusal = refusal  # the run's next step: the schema without its item bounds
-        structured = structured_params(config, request, bounds=False)
+    check.structured_refusal = ask(structured, f"the run's first request (a one-question QA request {sent})")
+    if check.structured_refusal is not None and unbounded != structured:  # the run's next step: without the bounds
+        check.bounds_refusal, structured = check.structured_refusal, unbounded
         what = "the QA request again with the schema without its item bounds (as the run does)"
-        answer, latency, refusal = session.ask(request.messages, {**sampling, **structured}, what)
-    if refusal is not None:
-        what = "the QA request again without response_format (as llm.structured=auto does)"
-        answer, latency, _ = session.ask(request.messages, sampling, what)
-    response_format = structured.get("response_format")
-    enforced = probe_answer = follows = parse_error = None
-    if response_format is not None and refusal is None:
-        enforced, probe_answer = session.probe(kind)
-        follows = judge_answer(response_format, answer.text, answer.finish_reason)
+        check.structured_refusal = ask(structured, what)
+    if check.structured_refusal is not None:
+        ask({}, "the QA request again without response_format (as llm.structured=auto does)")
+    elif structured:
+        check.enforced, check.probe_answer = session.probe(kind)
+        check.answer_follows = judge_answer(
+            structured["response_format"], check.answer.text, check.answer.finish_reason
+        )
     try:
-        get_task(request.task).parse(answer.text)
+        get_task(request.task).parse(check.answer.text)
     except MalformedOutput as error:
-        parse_error = f"{error} (answer: {body_excerpt(answer.text, 120)})"
-    return EndpointCheck(
-        config=config,
-        answer=answer,
-        latency_s=latency,
-        structured_sent=kind,
-        structured_refusal=refusal,
-        enforced=enforced,
-        probe_answer=probe_answer,
-        answer_follows=follows,
-        parse_error=parse_error,
-        info=info,
-        deadline_s=session.seconds,
-        bounds_refusal=bounds_refusal,
-    )
+        check.parse_error = f"{error} (answer: {body_excerpt(check.answer.text, 120)})"
+    return check

@@ -5,8 +5,7 @@ Examples::
     # offline, exact QA over generated documents (no LLM, no network)
     longpeft synth --out runs/synth/demo --tokenizer tiny --contexts 4 --min-tokens 4096 --max-tokens 6144
 
-    # the 80K recipe's data (bundled config llama3-80k): GPT-4-class QA over your books, mixed with plain text
-    # and instructions as in the paper
+    # the 80K recipe's data (bundled config llama3-80k): GPT-4-class QA over your books, plain text, instructions
     export OPENAI_API_KEY=...
     longpeft synth --config llama3-80k --source books/ --plain-text redpajama.jsonl \\
         --instructions longalpaca.jsonl --out runs/synth/llama3-80k --concurrency 16
@@ -19,11 +18,10 @@ Examples::
     export OPENAI_API_KEY=local
     longpeft synth --check-endpoint --llm-base-url http://127.0.0.1:8080/v1 --llm-model local --concurrency 1
 
-Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered
-calls; requests rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's
-context) are not asked again unless ``--retry-rejected``. Every LLM-written item passes the quality gates
-(``quality:`` in the config; longpeft/synth_data/quality.py). Flags override the config file;
-``--set key.sub=value`` reaches any config field.
+Rerunning the same command after a kill resumes from ``<out>/llm_cache`` without repeating answered calls; requests
+rejected for good (malformed or gated output, an HTTP 4xx, a prompt longer than the endpoint's context) are not asked
+again unless ``--retry-rejected``. Every LLM-written item passes the quality gates (``quality:`` in the config;
+longpeft/synth_data/quality.py). Flags override the config file; ``--set key.sub=value`` reaches any config field.
 """
 
 from __future__ import annotations
@@ -43,6 +41,7 @@ BUNDLED = Path(__file__).parent / "configs"  # synth configs shipped with longpe
 
 # The flags, each declared once with the config key it sets (None: the command reads it), in --help order: the
 # command's options (the tasks' own flags, their records' ``flags``, after --chunk-tokens), then one table per group.
+INT, FLAG = {"type": int}, {"action": "store_true"}
 SOURCE_FLAGS = (
     Flag(
         "--out",
@@ -57,47 +56,35 @@ SOURCE_FLAGS = (
     ),
 )
 LENGTH_FLAGS = (
+    Flag("--contexts", "conversations per task (of --tasks, else the config's tasks)", options=INT),
+    Flag("--min-tokens", "shortest conversation (default 65536)", "length.min_tokens", INT),
+    Flag("--max-tokens", "longest conversation (default 81920)", "length.max_tokens", INT),
     Flag(
-        "--contexts",
-        "conversations per task (the tasks of --tasks, else those the config leaves on)",
-        options={"type": int},
-    ),
-    Flag("--min-tokens", "shortest conversation (default 65536)", "length.min_tokens", {"type": int}),
-    Flag("--max-tokens", "longest conversation (default 81920)", "length.max_tokens", {"type": int}),
-    Flag(
-        "--chunk-tokens",
-        "largest chunk a single-detail question is about (default 4096)",
-        "length.chunk_tokens",
-        {"type": int},
+        "--chunk-tokens", "largest chunk a single-detail question is about (default 4096)", "length.chunk_tokens", INT
     ),
 )
-SEED = Flag("--seed", None, "seed", {"type": int})
+SEED = Flag("--seed", None, "seed", INT)
 RUN_FLAGS = (
     Flag(
         "--set",
         "override any config field, e.g. --set heterogeneous.docs_per_context=6 (repeatable)",
         options={"dest": "overrides", "action": "append", "default": [], "metavar": "KEY=VALUE"},
     ),
-    Flag("--no-progress", "no progress bars", options={"action": "store_true"}),
-    Flag("--print-config", "print the resolved config and exit", options={"action": "store_true"}),
+    Flag("--no-progress", "no progress bars", options=FLAG),
+    Flag("--print-config", "print the resolved config and exit", options=FLAG),
 )
 LLM_FLAGS = (
     Flag("--llm-base-url", "OpenAI-compatible endpoint (default https://api.openai.com/v1)", "llm.base_url"),
     Flag("--llm-model", "model name (default gpt-4o)", "llm.model"),
     Flag("--api-key-env", "environment variable holding the key (default OPENAI_API_KEY)", "llm.api_key_env"),
-    Flag(
-        "--concurrency",
-        "requests in flight (default 8; 1 for a one-slot server such as llama.cpp's default)",
-        "llm.max_concurrency",
-        {"type": int},
-    ),
+    Flag("--concurrency", "requests in flight (default 8; 1 for a one-slot server)", "llm.max_concurrency", INT),
     Flag(
         "--check-endpoint",
         "send the run's first request to the endpoint, as the run sends it, and a probe of structured output; "
         "print the model, latency, whether response_format is enforced, ignored or refused, whether the answer "
         "parses, the context length; exit 0 when usable as configured, 1 when not, 2 when the endpoint does not "
         "answer in time or answers something else",
-        options={"action": "store_true"},
+        options=FLAG,
     ),
     Flag(
         "--check-timeout",
@@ -109,7 +96,7 @@ LLM_FLAGS = (
         "--retry-rejected",
         "ask again the requests an earlier run into --out rejected (malformed or gated output, HTTP "
         "4xx, a prompt too long for the endpoint); by default a rerun skips them and says how many",
-        options={"action": "store_true"},
+        options=FLAG,
     ),
 )
 MIX_FLAGS = (
@@ -134,7 +121,7 @@ PLAN_FLAGS = (
         "--plan",
         "count the requests and their tokens, estimate the time, "
         "call nothing and write nothing (see longpeft/synth_data/build_plan.py)",
-        options={"action": "store_true"},
+        options=FLAG,
     ),
     Flag(
         "--output-tokens",
@@ -174,10 +161,6 @@ def add_synth_arguments(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag.flag, help=flag.help, **flag.options)
 
 
-def _assign(config: dict[str, Any], dotted: str, value: Any) -> None:
-    assign(config, dotted, value, "longpeft synth")
-
-
 def resolve_config(args: argparse.Namespace):
     """The SynthConfig from ``--config`` plus flags (flags win); invalid or unknown keys raise naming the key."""
     from .pipeline import synth_config_model
@@ -189,24 +172,23 @@ def resolve_config(args: argparse.Namespace):
         config = read_yaml(source) or {}
         if not isinstance(config, dict):
             raise ConfigError(f"{source}: expected a mapping of config fields")
-    for flag in (*SOURCE_FLAGS, *LENGTH_FLAGS, *task_flags(), SEED, *LLM_FLAGS, *MIX_FLAGS):
-        if flag.key is not None and getattr(args, flag.dest, None) is not None:  # a task registered later: no flag
-            _assign(config, flag.key, getattr(args, flag.dest))
+    flags = (*SOURCE_FLAGS, *LENGTH_FLAGS, *task_flags(), SEED, *LLM_FLAGS, *MIX_FLAGS)
+    # None: a flag not given (or one of a task registered after the parser was built), not assigned
+    given = {flag.key: getattr(args, flag.dest, None) for flag in flags if flag.key is not None}
     if args.source:
-        _assign(config, "source.kind", "files")
-        _assign(config, "source.paths", list(args.source))
+        given.update({"source.kind": "files", "source.paths": list(args.source)})
     chosen = [task for task in TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
         unknown = sorted(set(chosen) - set(TASKS))
         if unknown:
             raise ConfigError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
-        for task in TASKS:
-            if task not in chosen:
-                _assign(config, f"{task}.contexts", 0)
+        given.update({f"{task}.contexts": 0 for task in TASKS if task not in chosen})
     if args.contexts is not None:
-        for task in chosen:
-            _assign(config, f"{task}.contexts", args.contexts)
+        given.update({f"{task}.contexts": args.contexts for task in chosen})
+    for key, value in given.items():
+        if value is not None:
+            assign(config, key, value, "longpeft synth")
     if args.no_progress:
         config["progress"] = False
     apply_overrides(config, args.overrides, source)

@@ -1,17 +1,9 @@
-"""What an OpenAI-compatible server says about itself: context length and parallel slots.
-
-Servers report these in different places, and most report nothing (OpenAI's API does not); every
-lookup is tolerant: an unreachable route, a non-JSON body or a missing field means "not reported".
-
-- vLLM and SGLang: ``GET /v1/models`` lists each model with ``max_model_len``; other servers use
-  ``context_length``, ``max_context_length`` or ``context_window`` there;
-- llama.cpp's server (``llama-server``): ``GET /props`` (at the server root, beside ``/v1``) gives the
-  context of one slot as ``default_generation_settings.n_ctx`` (older builds: top-level ``n_ctx``) and
-  the number of slots (requests decoded at once) as ``total_slots``. ``/v1/models`` also carries
-  ``meta.n_ctx_train``, the model's training context, which is not what the server accepts: not used.
-
-Stdlib only (``urllib``, through :mod:`.http_json`): the lookups run before the chat client starts and must not
-depend on its HTTP library.
+"""What an OpenAI-compatible server says about itself: context length and parallel slots, where servers report
+them (most report nothing). vLLM and SGLang list ``max_model_len`` per model in ``GET /v1/models`` (others
+``context_length``, ``max_context_length`` or ``context_window``); llama.cpp's server gives a slot's context
+(``default_generation_settings.n_ctx``, older builds ``n_ctx``) and ``total_slots`` in ``GET /props`` at the server
+root; its ``meta.n_ctx_train`` is the training context, not what it accepts. Every lookup is tolerant: a failure
+means "not reported".
 """
 
 from __future__ import annotations
@@ -26,19 +18,12 @@ MODEL_CONTEXT_FIELDS = ("max_model_len", "context_length", "max_context_length",
 
 @dataclass
 class EndpointInfo:
-    """What the server reported; ``None`` where it reported nothing.
+    """What the server reported; ``None`` where it reported nothing."""
 
-    Attributes:
-        models: model ids listed by ``/v1/models``.
-        context_tokens: tokens one request may hold (prompt and completion), as the server reports it.
-        context_source: where ``context_tokens`` came from, e.g. ``"/v1/models max_model_len"``.
-        slots: requests the server decodes at once (llama.cpp's ``total_slots``); more wait in its queue.
-    """
-
-    models: list[str] = field(default_factory=list)
-    context_tokens: int | None = None
-    context_source: str | None = None
-    slots: int | None = None
+    models: list[str] = field(default_factory=list)  # the model ids /v1/models lists
+    context_tokens: int | None = None  # tokens one request may hold, prompt and completion
+    context_source: str | None = None  # where from: "/v1/models max_model_len"
+    slots: int | None = None  # requests decoded at once (llama.cpp's total_slots); more wait in its queue
 
 
 def server_root(base_url: str) -> str:

@@ -1,10 +1,6 @@
-"""JSON over HTTP with the standard library, for the requests made outside the chat client: what a server says
-about itself (``/v1/models``, ``/props``), its tokenizer (``/tokenize``, ``/apply-template``) and the endpoint check.
-
-:func:`http_json` returns every HTTP answer, whatever its status, as an :class:`HttpAnswer` holding the raw body;
-anything that is not an HTTP answer (nothing listening, no answer within the timeout, bytes that are not HTTP)
-raises :class:`NoHttpAnswer` saying which, in words a console line can quote. The ``timeout`` bounds each blocking
-step (connecting, each read), as ``urllib`` does.
+"""JSON over HTTP with the standard library, for the requests made outside the chat client (the server's facts,
+its tokenizer, the endpoint check). :func:`http_json` returns every HTTP answer, whatever its status; anything else
+raises :class:`NoHttpAnswer`. The ``timeout`` bounds each blocking step (connecting, each read), as ``urllib`` does.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ class NoHttpAnswer(Exception):
 
 @dataclass
 class HttpAnswer:
-    """One HTTP answer: ``status_code`` and the ``raw`` body; :attr:`body` is what :func:`.llm_http.server_reason`
-    and :func:`.llm_http.refuses_structured_output` read (the decoded JSON, else the text)."""
+    """One HTTP answer: ``status_code`` and the ``raw`` body; :attr:`body` (the decoded JSON, else the text) is what
+    :func:`.llm_http.server_reason` reads."""
 
     url: str
     status_code: int
@@ -73,10 +69,8 @@ def http_json(url: str, payload: Any = None, api_key: str | None = None, timeout
         except (OSError, http.client.HTTPException):
             raw = b""
         return HttpAnswer(url, error.code, raw)
-    except TimeoutError as error:
-        raise NoHttpAnswer(f"no answer within {timeout:g} s", "timeout") from error
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
+    except (TimeoutError, urllib.error.URLError) as error:
+        if isinstance(getattr(error, "reason", error), TimeoutError):  # bare, or wrapped by urllib
             raise NoHttpAnswer(f"no answer within {timeout:g} s", "timeout") from error
         raise NoHttpAnswer(f"cannot connect ({error.reason})", "unreachable") from error
     except http.client.RemoteDisconnected as error:

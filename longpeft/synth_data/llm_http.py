@@ -1,16 +1,6 @@
-"""One chat-completion call over HTTP, as the client makes it: the retries and backoff of one attempt, what the
-server's errors say, and what its answer holds.
-
-:func:`chat_completion` sends one request through an ``openai.AsyncOpenAI`` client (built without retries of its
-own) and retries transient failures (:data:`RETRYABLE_STATUS`, every 5xx, timeouts, connection errors, a 200 whose
-body is not a chat completion) with exponential backoff, or the wait the server asks (``retry-after-ms``,
-``Retry-After``), capped at ``backoff_max``. Out of retries it raises :class:`RetryableError`, whose ``cause`` names
-the failure in a few words; a bad key, model or URL raises :class:`.llm_request.LLMRunAborted`; any other refusal
-(HTTP 4xx) reaches the caller as the ``openai.APIStatusError`` it is, whose server reason :func:`server_reason` reads
-and whose refusal of structured output :func:`refuses_structured_output` recognizes. The body of an answer is read
-by :func:`read_completion` from its raw bytes, so that a body of any shape is a :class:`NotACompletion` quoting it,
-never an error of the reader. Nothing here caches or writes a file.
-"""
+"""One chat-completion call over HTTP with its retries (:func:`chat_completion`), what the server's errors say
+(:func:`server_reason`, :func:`refuses_structured_output`) and what its answer holds (:func:`read_completion`).
+Nothing here caches or writes a file."""
 
 from __future__ import annotations
 
@@ -22,18 +12,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .llm_request import LLMConfig, LLMRequest, LLMRunAborted, TaskUsage
+from .llm_request import LLMConfig, LLMRequest, LLMRunAborted, TaskUsage, is_count
 
 
 class RetryableError(Exception):
-    """A transient failure (see :func:`chat_completion`) that outlasted the retries.
-
-    Attributes:
-        cause: the failure in a few words, the same for failures of one kind (``"no answer within llm.timeout
-            (120 s)"``, ``"HTTP 503"``, ``"connection failed"``, ``"a 200 that is not a chat completion"``): what the
-            console counts give-ups by.
-        retry_after: the seconds the server asked to wait, if it did.
-    """
+    """A transient failure (see :func:`chat_completion`) that outlasted the retries. ``cause``: the failure in a few
+    words, the same for failures of one kind (``"HTTP 503"``, ``"connection failed"``), which give-ups are counted
+    by; ``retry_after``: the seconds the server asked to wait, if it did."""
 
     def __init__(self, message: str, cause: str, retry_after: float | None = None):
         super().__init__(message)
@@ -48,20 +33,13 @@ class NotACompletion(ValueError):
 
 @dataclass
 class Completion:
-    """What one chat-completion body holds (:func:`read_completion`).
+    """What one chat-completion body holds (a field the server left out: empty, None or 0)."""
 
-    Attributes:
-        text: the first choice's message text (``""`` when the server sent none).
-        finish_reason: why generation stopped (``"stop"``, ``"length"``, ...), ``None`` when not said.
-        prompt_tokens, completion_tokens: the server's counts (0 when absent or not counts).
-        model: the model name the server answered with (``""`` when absent).
-    """
-
-    text: str
-    finish_reason: str | None
+    text: str  # the first choice's message text
+    finish_reason: str | None  # why generation stopped: "stop", "length", ...
     prompt_tokens: int
     completion_tokens: int
-    model: str
+    model: str  # the model name the server answered with
 
 
 def body_excerpt(body: bytes | str, limit: int = 160) -> str:
@@ -99,22 +77,18 @@ def read_completion(body: bytes) -> Completion:
     return Completion(
         text=text,
         finish_reason=finish_reason,
-        prompt_tokens=_count(usage.get("prompt_tokens")),
-        completion_tokens=_count(usage.get("completion_tokens")),
+        prompt_tokens=usage["prompt_tokens"] if is_count(usage.get("prompt_tokens")) else 0,
+        completion_tokens=usage["completion_tokens"] if is_count(usage.get("completion_tokens")) else 0,
         model=model if isinstance(model, str) else "",
     )
-
-
-def _count(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
 
 
-# Words of a 400/422 body that refuses structured output (OpenAI: "Invalid parameter: 'response_format' of type
-# 'json_schema' is not supported with this model"; vLLM/FastAPI validation: loc ["body", "response_format"];
-# llama.cpp: "JSON schema conversion failed"; TGI: "grammar is not supported"; vLLM: "guided decoding").
+# Words of a 400/422 body that refuses structured output (OpenAI's "'response_format' of type 'json_schema' is not
+# supported", FastAPI's loc ["body", "response_format"], llama.cpp's "JSON schema conversion failed", TGI's "grammar
+# is not supported", vLLM's "guided decoding")
 STRUCTURED_REFUSAL = re.compile(r"response_format|json_schema|schema|grammar|structured output|guided", re.I)
 
 
@@ -133,9 +107,9 @@ def server_reason(error: Any) -> str:
 
 
 def refuses_structured_output(error: Any) -> bool:
-    """Whether an HTTP error answers a request carrying ``response_format`` by refusing structured output: status
-    400 or 422 whose body names the feature (:data:`STRUCTURED_REFUSAL`). Other 400s (a prompt beyond the
-    context, a bad parameter) are about the request itself: falling back would hide them and double the cost."""
+    """Whether an HTTP error refuses the structured output a request asked for: status 400 or 422 whose body names
+    the feature (:data:`STRUCTURED_REFUSAL`). Other 400s are about the request itself (a long prompt, a bad
+    parameter)."""
     if getattr(error, "status_code", None) not in (400, 422):
         return False
     body = getattr(error, "body", None)
@@ -150,10 +124,14 @@ async def chat_completion(
     sampling: dict[str, Any],
     usage: TaskUsage,
 ) -> dict[str, Any]:
-    """One answered call of ``request`` with ``sampling`` (the parameters sent, ``response_format`` included)
-    through the ``openai.AsyncOpenAI`` ``client``, holding the ``semaphore`` (the requests in flight) while it waits,
-    retrying transient failures and counting the call, its tokens and its retries in ``usage``; returns the cache
-    entry body (``text``, ``finish_reason``, ``usage``, ``created``)."""
+    """One answered call of ``request`` with the parameters ``sampling`` through the ``openai.AsyncOpenAI``
+    ``client`` (built without retries), holding ``semaphore`` while it waits; returns the cache entry body
+    (``text``, ``finish_reason``, ``usage``, ``created``) and counts the call, its tokens and retries in ``usage``.
+
+    Transient failures (:data:`RETRYABLE_STATUS`, 5xx, timeouts, connection errors, a 200 that is not a chat
+    completion) are retried with exponential backoff or the wait the server asks, capped at ``backoff_max``; out of
+    retries they raise :class:`RetryableError`. A bad key, model or URL raises :class:`.llm_request.LLMRunAborted`;
+    another 4xx raises the ``openai.APIStatusError`` it is."""
     import openai
 
     delay = config.backoff_initial
@@ -203,12 +181,10 @@ async def chat_completion(
 def _retry_after(error: Any) -> float | None:
     """Seconds the server asks to wait: its ``retry-after-ms`` header, else ``Retry-After`` in seconds
     (the HTTP-date form is ignored: the backoff applies)."""
-    response = getattr(error, "response", None)
-    if response is None:
-        return None
+    headers = getattr(getattr(error, "response", None), "headers", {})
     for header, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         try:
-            return float(response.headers[header]) / scale
+            return float(headers[header]) / scale
         except (KeyError, ValueError):
             continue
     return None

@@ -1,9 +1,6 @@
-"""The model's text as the client's callers see it: what makes an answer unusable (:class:`MalformedOutput` from a
-``parse`` function, :class:`RejectedOutput` from a ``check`` function, :class:`TruncatedOutput` from the client for
-an answer the server cut off: the client asks again as a new attempt, and rejects the request after
-``max_parse_attempts``), what a ``check`` function returns when it keeps part of an answer (:class:`Checked`), and
-the JSON reader most parse functions start from (:func:`parse_json_object`). Nothing here sends a request or touches
-a file."""
+"""What makes an answer unusable (each a new attempt, up to ``max_parse_attempts``): :class:`MalformedOutput` from a
+``parse`` function, :class:`RejectedOutput` from a ``check`` function, :class:`TruncatedOutput` from the client; what
+a ``check`` function returns when it keeps part of an answer (:class:`Checked`); the JSON reader of the parsers."""
 
 from __future__ import annotations
 
@@ -22,16 +19,14 @@ class MalformedOutput(ValueError):
 
 
 class TruncatedOutput(MalformedOutput):
-    """An answer the server stopped at ``llm.max_tokens`` (``finish_reason`` ``length``): never parsed, never kept,
-    whatever it holds (its last item is cut off, and a JSON grammar may have closed it early); asked again."""
+    """An answer the server stopped at ``llm.max_tokens`` (``finish_reason`` ``length``): never parsed or kept."""
 
     code = "truncated"
 
 
 class RejectedOutput(MalformedOutput):
-    """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the
-    quality gates): the request is asked again as a new attempt, like malformed output. ``dropped``: a record of
-    each item that failed (as :attr:`Checked.dropped`)."""
+    """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the quality
+    gates). ``dropped``: a record of each item that failed (as :attr:`Checked.dropped`)."""
 
     code = "quality"
 
@@ -42,24 +37,23 @@ class RejectedOutput(MalformedOutput):
 
 @dataclass
 class Checked:
-    """What a ``check`` function returns when it keeps part of an answer: the ``value`` kept, and one JSON-ready
-    record per part it dropped (``reason``, ``detail`` and the part itself), which the client writes to the rejects
-    file with the request and the attempt. A ``check`` function may also return the value alone (nothing dropped)."""
+    """What a ``check`` function returns when it keeps part of an answer (it may also return the value alone): the
+    ``value`` kept, and one JSON-ready record per part dropped (``reason``, ``detail``, the part's fields), which the
+    client writes to the rejects file."""
 
     value: Any
     dropped: list[dict[str, Any]] = field(default_factory=list)
 
 
-def strip_code_fence(text: str) -> str:
-    """Remove a surrounding Markdown code fence (```json ... ```) if the model added one."""
-    match = re.fullmatch(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", text, flags=re.DOTALL)
-    return match.group(1) if match else text
+CODE_FENCE = re.compile(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", flags=re.DOTALL)  # ```json ... ``` around an answer
 
 
 def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]:
-    """Parse ``text`` as one JSON object that has every key in ``required``; else :class:`MalformedOutput`."""
+    """Parse ``text`` (in a Markdown code fence or not) as one JSON object that has every key in ``required``; else
+    :class:`MalformedOutput`."""
+    fenced = CODE_FENCE.fullmatch(text)
     try:
-        value = json.loads(strip_code_fence(text))
+        value = json.loads(fenced.group(1) if fenced else text)
     except json.JSONDecodeError as error:
         raise MalformedOutput(f"not valid JSON: {error}") from None
     if not isinstance(value, dict):

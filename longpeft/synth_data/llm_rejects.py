@@ -1,24 +1,13 @@
-"""The rejects file (``rejects.jsonl``): what a synthetic-data run could not use, and why.
+"""The rejects file (``rejects.jsonl``): what a synthetic-data run could not use, and why (docs/synth.md).
 
-The file lists what is still rejected, once: its records are grouped by the request they belong to (``request``:
-the request's outcome key, :func:`.llm_cache.outcome_key`, which names its outcome mark in the cache), and each time
-a request is settled again (answered, rejected, or skipped as rejected in an earlier run) its group is replaced by
-what this settling found. Two kinds of records:
+It lists what is still rejected, once: its records are grouped by request (``request``: the request's outcome key,
+:func:`.llm_cache.outcome_key`), and each time a request is settled again its group is replaced. Two kinds of record:
 
-- ``"kind": "request"``: a request that got no usable answer (written by :class:`.llm_client.LLMClient`): ``key``
-  (the cache key of its last attempt; of its first for a prompt never sent), ``task``, ``meta``, ``reason`` in
-  :data:`REJECT_REASONS` (the last attempt's), ``error``, ``marked`` (a rerun skips it unless ``retry_rejected``)
-  and ``attempts``: every attempt, replayed ones included, with its own ``reason``, ``error`` and the raw ``text``
-  when there was an answer;
-- ``"kind": "item"``: a part of an answer that a ``check`` function dropped (an item failing the quality gates,
-  :mod:`.quality`): ``attempt``, ``reason``, ``detail`` and the item's fields. Items of every attempt are listed,
-  whether the request was answered by a later attempt or rejected.
-
-A request answered now leaves no request record; a request asked again replaces its old records; a request an earlier
-run rejected and this run skipped keeps them (:meth:`RejectsLog.keep`). :meth:`RejectsLog.finish`, at the end of a
-build, drops the groups of requests the build no longer holds, so the file is that build's state, and
-:meth:`RejectsLog.counts` is what its summary reports. Lines that are not records of this shape (cut short by a
-kill, edited, another program's) are counted in :attr:`RejectsLog.foreign` and left out when the file is rewritten.
+- ``"kind": "request"``, a request without a usable answer: ``key`` (the cache key of its last attempt; of its first
+  for a prompt never sent), ``task``, ``meta``, ``reason`` in :data:`REJECT_REASONS`, ``error``, ``marked`` (a rerun
+  skips it unless ``retry_rejected``) and ``attempts``: each attempt's ``reason``, ``error`` and raw ``text``;
+- ``"kind": "item"``, a part of an answer that a ``check`` function dropped: ``attempt``, ``reason``, ``detail`` and
+  the item's fields, whether the request was answered by a later attempt or rejected.
 """
 
 from __future__ import annotations
@@ -31,87 +20,57 @@ from typing import Any
 
 from ..files import write_text_atomically
 
+# Why a request was rejected for good (docs/synth.md): its last attempt's output, the endpoint's HTTP 4xx, a prompt
+# longer than the endpoint's context, transient failures after the retries. All but gave_up are marked in the cache.
 REJECT_REASONS = ("malformed", "truncated", "quality", "http_refused", "prompt_too_long", "gave_up")
-"""Why a request was rejected for good (``reason`` in the rejects file, ``rejected_reasons`` in the usage):
-``malformed`` output, output cut off at ``llm.max_tokens`` (``truncated``, finish_reason ``length``) or output failing
-the ``quality`` gates, in the last of its attempts (each attempt's own reason is in the record); ``http_refused`` by
-the endpoint with HTTP 4xx (the error holds the server's reason), a prompt longer than the endpoint's context
-(``prompt_too_long``, never sent), ``gave_up`` after transient failures. All but ``gave_up`` are marked in the
-cache (a rerun skips them unless ``retry_rejected``). A refusal of structured output that makes ``auto`` fall
-back to the prompt is not a rejection."""
-
-KINDS = ("request", "item")
 
 
 def _is_record(value: Any) -> bool:
     return (
         isinstance(value, dict)
-        and value.get("kind") in KINDS
+        and value.get("kind") in ("request", "item")
         and isinstance(value.get("request"), str)
         and isinstance(value.get("reason"), str)
         and (value["kind"] == "item" or isinstance(value.get("attempts"), list))
     )
 
 
-def _plain(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``records`` as JSON reads them back (tuples become lists), so a group found again compares equal."""
-    return json.loads(json.dumps(records, ensure_ascii=False))
-
-
 class RejectsLog:
-    """``rejects.jsonl`` as groups of records, one group per request (see the module docstring).
-
-    Writes are immediate: a new group is appended, a changed one rewrites the file atomically, an unchanged one
-    writes nothing (a rerun from the cache rewrites nothing).
-
-    Attributes:
-        groups: records by request, in file order.
-        touched: requests settled since the log opened; ``carried``: those kept from an earlier run.
-        foreign: lines of the file that are not records (left out at the next rewrite); ``unread``: how many there
-        were when the log opened.
-    """
+    """``rejects.jsonl`` as groups of records, one group per request (see the module docstring), held in memory and
+    written whole by :meth:`flush` when they changed (the client flushes at the end of each batch)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
-        self.groups: dict[str, list[dict[str, Any]]] = {}
-        self.touched: set[str] = set()
-        self.carried: set[str] = set()
-        self.foreign = 0
-        self._tidy = True  # the file is only whole record lines (else the next write rewrites it)
-        if self.path.is_file():
-            content = self.path.read_bytes()
-            self._tidy = not content or content.endswith(b"\n")
-            for line in content.splitlines():
-                if not line.strip():
-                    self._tidy = False
-                    continue
-                try:
-                    record = json.loads(line.decode("utf-8"))
-                except ValueError:  # not UTF-8, not JSON (a line cut short by a kill)
-                    record = None
-                if _is_record(record):
-                    self.groups.setdefault(record["request"], []).append(record)
-                else:
-                    self.foreign += 1
-        self.unread = self.foreign
+        self.groups: dict[str, list[dict[str, Any]]] = {}  # records by request, in file order
+        self.touched: set[str] = set()  # requests settled since the log opened
+        self.carried: set[str] = set()  # requests kept from an earlier run
+        self.foreign = 0  # lines of the file that were not records when it opened (left out when it is written)
+        content = self.path.read_bytes() if self.path.is_file() else b""
+        self._dirty = bool(content) and not content.endswith(b"\n")  # to write: the file is not whole record lines
+        for line in content.splitlines():
+            if not line.strip():  # not a record, not counted
+                self._dirty = True
+                continue
+            try:
+                record = json.loads(line.decode("utf-8"))
+            except ValueError:  # not UTF-8, not JSON (a line cut short by a kill)
+                record = None
+            if _is_record(record):
+                self.groups.setdefault(record["request"], []).append(record)
+            else:
+                self.foreign += 1
+                self._dirty = True
 
     def replace(self, request: str, records: list[dict[str, Any]]) -> None:
         """Make ``records`` (each with ``"request": request``) the group of ``request``; an empty list removes it."""
         self.touched.add(request)
-        records = _plain(records)
-        old = self.groups.get(request, [])
-        if old == records:
-            return
-        if records:
-            self.groups[request] = records
-        else:
-            del self.groups[request]
-        if old or self.foreign or not self._tidy:
-            self._rewrite()
-        else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as handle:
-                handle.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        records = json.loads(json.dumps(records, ensure_ascii=False))  # as read back (tuples as lists), to compare
+        if self.groups.get(request, []) != records:
+            self._dirty = True
+            if records:
+                self.groups[request] = records
+            else:
+                del self.groups[request]
 
     def keep(self, request: str, fallback: dict[str, Any]) -> None:
         """A request rejected in an earlier run and not asked again: its group stays; without its request record
@@ -123,14 +82,21 @@ class RejectsLog:
         else:
             self.replace(request, [fallback, *group])
 
+    def flush(self) -> None:
+        """Write the file (atomically) when the groups changed, or it held lines that are not records."""
+        if self._dirty:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records()))
+            self._dirty = False
+
     def finish(self) -> int:
-        """End of a build: drop the groups of requests not settled since the log opened (and foreign lines); the
-        file is then the build's state (an empty file: nothing rejected). Returns the number of groups dropped."""
+        """End of a build: drop the groups of requests not settled since the log opened, and write the file, which is
+        then the build's state (an empty file: nothing rejected). Returns the number of groups dropped."""
         stale = [request for request in self.groups if request not in self.touched]
         for request in stale:
             del self.groups[request]
-        if stale or self.foreign or not self._tidy or not self.path.is_file():
-            self._rewrite()
+        self._dirty = self._dirty or bool(stale) or not self.path.is_file()
+        self.flush()
         return len(stale)
 
     def records(self) -> list[dict[str, Any]]:
@@ -141,12 +107,6 @@ class RejectsLog:
         their ``attempts`` per reason, ``items`` dropped per reason, and how many rejected requests were kept from an
         earlier run (``earlier``: not asked again)."""
         return rejects_counts(self.records(), self.carried)
-
-    def _rewrite(self) -> None:
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records())
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomically(self.path, text)
-        self.foreign, self._tidy = 0, True
 
 
 def rejects_counts(records: list[dict[str, Any]], carried: set[str] = frozenset()) -> dict[str, Any]:

@@ -1,8 +1,6 @@
-"""What one request to an OpenAI-compatible endpoint is made of: the client's settings (:class:`LLMConfig`), one
-request (:class:`LLMRequest`) and its outcome (:class:`LLMResult`), the parameters every request carries under the
-settings (:func:`sampling_params`, :func:`structured_params`: both part of the request's cache key), the token
-accounting of one task (:class:`TaskUsage`), and the error that stops a whole run (:class:`LLMRunAborted`).
-Nothing here sends a request or touches a file."""
+"""The client's settings (:class:`LLMConfig`), one request (:class:`LLMRequest`), its outcome (:class:`LLMResult`),
+the parameters every request carries (part of its cache key), one task's token accounting (:class:`TaskUsage`), and
+the error that stops a whole run (:class:`LLMRunAborted`). Nothing here sends a request or touches a file."""
 
 from __future__ import annotations
 
@@ -24,51 +22,40 @@ class LLMConfig(StrictModel):
     api_key_env: str = Field("OPENAI_API_KEY", description="environment variable holding the API key")
     max_concurrency: int = Field(8, ge=1, description="requests in flight at once")
     max_retries: int = Field(
-        3,
-        ge=0,
-        description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors and non-completion bodies",
+        3, ge=0, description="retries of one attempt on 408/409/429/5xx, timeouts, connection errors, non-completions"
     )
     backoff_initial: float = Field(1.0, ge=0, description="first backoff in seconds; doubles per retry")
     backoff_max: float = Field(60.0, ge=0, description="cap on one backoff (and on Retry-After) in seconds")
     timeout: float = Field(
-        120.0,
-        gt=0,
-        description="seconds before one HTTP request times out, counting the time it waits in the "
-        "server's queue: a server with one slot (llama.cpp's default) answers one request at a time, so use "
-        "max_concurrency 1 there, or a timeout of max_concurrency x the time of one answer (with the retries, a "
-        "stalled endpoint costs at most timeout x (max_retries + 1) plus backoff per request: 8-9 minutes by default)",
+        120.0, gt=0, description="seconds before one HTTP request times out, its wait in the server's queue included"
     )
     max_parse_attempts: int = Field(3, ge=1, description="attempts per request when the output is malformed")
     temperature: float = Field(0.7, ge=0, description="sampling temperature")
     max_tokens: int | None = Field(4096, ge=1, description="completion token limit per request")
     structured: Literal["auto", "json_schema", "json_object", "off"] = Field(
         "auto",
-        description="structured output through response_format: 'json_schema' sends each answer's JSON "
-        "schema, 'json_object' asks for any JSON object, 'off' sends neither (the prompt states the JSON contract "
-        "in every mode, and the parser checks the schema in every mode); 'auto' sends the schema and falls back to "
-        "'off' for the rest of the run the first time the endpoint refuses it (HTTP 400/422) or is seen to ignore "
-        "it (its first answers to requests carrying it are not bare JSON of that shape); 'json_schema' and "
-        "'json_object' stop the run in both cases",
+        description="response_format sent: the answer's JSON schema, any JSON object, or none; 'auto' falls back to "
+        "'off' once the endpoint refuses or ignores the schema, where the others stop the run (docs/synth.md)",
     )
     context_tokens: int | None = Field(
         None,
         ge=1,
-        description="tokens one request may hold at the endpoint; a longer prompt is refused before "
-        "sending (a reject with reason prompt_too_long). Unset: the value the server reports at the start "
-        "(vLLM/SGLang /v1/models max_model_len, llama.cpp /props n_ctx), else no check",
+        description="tokens one request may hold at the endpoint (a longer prompt is rejected before sending); "
+        "unset: what the server reports at the start, else no check",
     )
     tokenizer: str | None = Field(
         None,
-        description="the endpoint model's tokenizer (a local folder or a Hub id), to count prompt tokens for the "
-        "context check and synth --plan when the server has no POST /tokenize of its own (vLLM's and llama.cpp's "
-        "are used first); unset: an estimate of one token per word, which errs short. Never the training tokenizer",
+        description="the endpoint model's tokenizer (folder or Hub id), to count prompts when the server has no "
+        "/tokenize; unset: an estimate of one token per word, which errs short. Never the training tokenizer",
     )
     check_timeout: float = Field(
-        30.0,
-        gt=0,
-        description="seconds synth --check-endpoint waits for the endpoint, for the whole check (its requests and "
-        "lookups together); --check-timeout",
+        30.0, gt=0, description="seconds the whole synth --check-endpoint waits for the endpoint; --check-timeout"
     )
+
+    @property
+    def lookup_timeout(self) -> float:
+        """Seconds for each lookup outside the chat route (the server's facts, its tokenizer): at most 10."""
+        return min(self.timeout, 10.0)
 
     @field_validator("structured", mode="before")
     @classmethod
@@ -77,9 +64,7 @@ class LLMConfig(StrictModel):
         return "off" if value is False else value
 
 
-ITEM_BOUNDS = ("minItems", "maxItems")
-"""The JSON-schema keywords that bound a list's length: sent with an answer's schema until the endpoint refuses a
-schema holding them (:meth:`ResponseSchema.response_format`, ``bounds``)."""
+ITEM_BOUNDS = ("minItems", "maxItems")  # bound a list's length: sent until the endpoint refuses a schema with them
 
 
 class ResponseSchema(Protocol):
@@ -107,22 +92,14 @@ def read_api_key(config: LLMConfig) -> str:
 
 @dataclass
 class LLMRequest:
-    """One chat-completion request.
+    """One chat-completion request; all but ``meta`` is part of its cache key (the schema as the response_format
+    sent)."""
 
-    Attributes:
-        task: accounting bucket (e.g. ``"single_detail"``).
-        messages: chat messages ``[{"role": ..., "content": ...}]``.
-        params: extra request parameters; part of the cache key.
-        meta: free-form identifiers written to the rejects file; not part of the cache key.
-        schema: the JSON schema of the answer (:mod:`.answer_schema`), sent as ``response_format`` as
-            ``LLMConfig.structured`` says; the ``response_format`` actually sent is part of the cache key.
-    """
-
-    task: str
-    messages: list[dict[str, str]]
-    params: dict[str, Any] = field(default_factory=dict)
-    meta: dict[str, Any] = field(default_factory=dict)
-    schema: ResponseSchema | None = None
+    task: str  # accounting bucket ("single_detail")
+    messages: list[dict[str, str]]  # [{"role": ..., "content": ...}]
+    params: dict[str, Any] = field(default_factory=dict)  # extra request parameters
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form identifiers written to the rejects file
+    schema: ResponseSchema | None = None  # the answer's JSON schema, sent as llm.structured says (.answer_schema)
 
 
 @dataclass
@@ -158,6 +135,11 @@ class TaskUsage:
     gave_up_causes: dict[str, int] = field(default_factory=dict)  # ``gave_up`` rejections per cause (RetryableError)
 
 
+def is_count(value: Any) -> bool:
+    """Whether ``value`` is a JSON count: a non-negative integer, not a boolean."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def sampling_params(config: LLMConfig) -> dict[str, Any]:
     """The sampling parameters every request carries (part of its cache key)."""
     sampling: dict[str, Any] = {"temperature": config.temperature}
@@ -169,9 +151,9 @@ def sampling_params(config: LLMConfig) -> dict[str, Any]:
 def structured_params(
     config: LLMConfig, request: LLMRequest, refused: bool = False, bounds: bool = True
 ) -> dict[str, Any]:
-    """The ``response_format`` parameter ``request`` carries under ``config.structured`` (empty when none is sent:
-    ``off``, no schema, or ``auto`` after the endpoint ``refused`` it), its schema with the item bounds unless the
-    endpoint refused those (``bounds`` false); part of the cache key."""
+    """The ``response_format`` parameter ``request`` carries under ``config.structured``: none under ``off``, without
+    a schema, or under ``auto`` once the endpoint ``refused`` it; the schema's item bounds unless ``bounds`` is
+    false. Part of the cache key."""
     if request.schema is None or config.structured == "off" or (config.structured == "auto" and refused):
         return {}
     if config.structured == "json_object":

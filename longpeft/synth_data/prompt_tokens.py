@@ -1,28 +1,9 @@
-"""How many tokens a chat request's prompt holds at the endpoint: what the LLM client's prompt-length gate (against
-the endpoint's context) and ``synth --plan`` count with.
-
-:func:`prompt_counter` takes, for one endpoint, the first of these that works:
-
-1. the server's own tokenizer, asked over HTTP at the server root (beside ``/v1``):
-
-   - vLLM: ``POST /tokenize`` with ``{"model", "messages"}`` applies the model's chat template (with the generation
-     prompt) and answers ``{"count", "tokens", "max_model_len"}``: the prompt as the chat route sees it;
-   - llama.cpp's server: ``POST /apply-template`` with ``{"messages"}`` answers ``{"prompt"}`` (the chat template
-     applied), and ``POST /tokenize`` with ``{"content"}`` answers ``{"tokens": [...]}`` (special-token text parsed,
-     none added); a build without ``/apply-template`` has each message's content tokenized alone (the template's
-     few tokens are left out: an under-count);
-
-2. ``llm.tokenizer``, the endpoint model's tokenizer (a local folder or a Hub id): its chat template applied with
-   the generation prompt, or each message's content alone when it has none;
-3. an estimate of one token per word of the contents, a word being a run of characters between ASCII spaces,
-   tabs and line breaks that holds a visible character (a run of control characters alone, which a tokenizer's
-   normalizer may drop, counts nothing). Tokenizers that split text at whitespace before merging (the GPT-2 and
-   tiktoken family, SentencePiece) never put two words in one token, so the estimate counts no more than the
-   server does (English prose takes about 1.3 tokens per word): only a prompt surely too long is refused, and a
-   longer one the server refuses with its own reason.
-
-Never the training tokenizer: the endpoint serves another model, and a small training vocabulary counts many more
-tokens than a large model's.
+"""How many tokens a chat request's prompt holds at the endpoint, for the client's check against the endpoint's
+context and for ``synth --plan``. :func:`prompt_counter` takes the first that works (docs/synth.md): the server's
+own tokenizer (vLLM's ``POST /tokenize`` with the messages; llama.cpp's ``POST /apply-template`` then ``/tokenize``,
+or each message's content alone without ``/apply-template``), ``llm.tokenizer`` with its chat template, or an
+estimate of one token per word, which counts no more than the server does (tokenizers that split text at whitespace
+never put two words in one token). Never the training tokenizer: the endpoint serves another model.
 """
 
 from __future__ import annotations
@@ -50,21 +31,14 @@ class TokenizeError(Exception):
 
 @dataclass
 class PromptCounter:
-    """Counts the tokens of a request's messages (``list[{"role", "content"}]``).
+    """Counts the tokens of a request's messages (``list[{"role", "content"}]``)."""
 
-    Attributes:
-        how: what counts them, as console lines and reject reasons say it (``"counted by the server's tokenizer
-            (vLLM POST /tokenize, chat template applied)"``).
-        count_messages: messages -> tokens; raises :class:`TokenizeError` when it cannot count.
-    """
-
-    how: str
-    count_messages: Callable[[Messages], int]
+    how: str  # what counts them, as console lines and reject reasons say it
+    count_messages: Callable[[Messages], int]  # raises TokenizeError when it cannot count
 
     def count(self, messages: Messages) -> tuple[int, str]:
-        """``(tokens, how counted)``. When :attr:`count_messages` fails, this and every later count is the estimate,
-        and ``how`` says why: a route that failed is not asked again (a silent server would cost its timeout per
-        prompt)."""
+        """``(tokens, how counted)``. Once :attr:`count_messages` fails, this and every later count is the estimate,
+        and ``how`` says why (a silent server would cost its timeout per prompt)."""
         try:
             return self.count_messages(messages), self.how
         except TokenizeError as error:
@@ -73,23 +47,17 @@ class PromptCounter:
 
 
 def estimate_tokens(messages: Messages) -> int:
-    """One token per word of the messages' contents (see the module docstring)."""
-    return sum(
-        sum(1 for word in _WORD.findall(str(message.get("content", ""))) if _visible(word)) for message in messages
-    )
+    """One token per word of the messages' contents: a run of characters between ASCII whitespace that holds a
+    character a tokenizer keeps (not only Unicode categories C*, which normalizers may drop)."""
+    words = (word for message in messages for word in _WORD.findall(str(message.get("content", ""))))
+    return sum(any(not unicodedata.category(character).startswith("C") for character in word) for word in words)
 
 
-def _visible(word: str) -> bool:
-    """Whether ``word`` holds a character a tokenizer keeps: not only control, format or unassigned characters
-    (Unicode categories C*), which normalizers may drop."""
-    return any(not unicodedata.category(character).startswith("C") for character in word)
-
-
-def prompt_counter(config: LLMConfig, api_key: str | None, timeout: float = 10.0) -> PromptCounter:
+def prompt_counter(config: LLMConfig, api_key: str | None) -> PromptCounter:
     """The counter for ``config``'s endpoint (module docstring): asks the server's tokenizer routes once with a
-    sample (each HTTP request ``timeout`` seconds at most), then loads ``config.tokenizer`` if set; a missing
+    sample (each request ``config.lookup_timeout`` at most), then loads ``config.tokenizer`` if set; a missing
     tokenizer folder or Hub repo raises naming ``llm.tokenizer``."""
-    server, why_not = server_counter(config.base_url, config.model, api_key, timeout)
+    server, why_not = server_counter(config.base_url, config.model, api_key, config.lookup_timeout)
     if server is not None:
         return server
     if config.tokenizer:
@@ -108,10 +76,8 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
             answer = http_json(url, payload, api_key, timeout)
         except NoHttpAnswer as error:
             raise TokenizeError(f"{url}: {error}") from error
-        try:
-            value = answer.json().get(field) if answer.status_code == 200 else None
-        except (ValueError, AttributeError):
-            value = None
+        body = answer.body if answer.status_code == 200 else None  # decoded JSON, else text
+        value = body.get(field) if isinstance(body, dict) else None
         if not isinstance(value, kind) or isinstance(value, bool):
             raise TokenizeError(f"{url}: HTTP {answer.status_code} {answer.excerpt(120)}, no {field!r} of the shape")
         return value
@@ -123,7 +89,7 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
         prompt = post("/apply-template", {"messages": list(messages)}, "prompt", str)
         return len(post("/tokenize", {"content": prompt}, "tokens", list))
 
-    def llama_cpp_contents(messages: Messages) -> int:
+    def llama_cpp_each(messages: Messages) -> int:
         return sum(
             len(post("/tokenize", {"content": str(message.get("content", ""))}, "tokens", list))
             for message in messages
@@ -132,10 +98,7 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
     routes = (
         ("vLLM POST /tokenize, chat template applied", vllm),
         ("llama.cpp POST /apply-template and /tokenize", llama_cpp),
-        (
-            "llama.cpp POST /tokenize of each message's content; the chat template's tokens not counted",
-            llama_cpp_contents,
-        ),
+        ("llama.cpp POST /tokenize of each message's content, not the chat template's tokens", llama_cpp_each),
     )
     for how, count in routes:
         try:

@@ -33,11 +33,16 @@ def length_summary(lengths: Sequence[int]) -> dict[str, float]:
     }
 
 
-def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Counts per task, token-length summaries overall and per task, QA turns per task."""
+def _by_task(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     by_task: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_task.setdefault(row["task"], []).append(row)
+    return by_task
+
+
+def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts per task, token-length summaries overall and per task, QA turns per task."""
+    by_task = _by_task(rows)
     return {
         "conversations": len(rows),
         "counts": task_counts(rows),
@@ -50,11 +55,17 @@ def dataset_stats(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+REASON_NOTES = {  # what the summary adds when requests were rejected for these reasons
+    "http_refused": "HTTP 4xx reasons: the first are above",
+    "prompt_too_long": "prompt_too_long: not sent, longer than the endpoint's context",
+    "truncated": "truncated: cut off at llm.max_tokens",
+}
+
+
 def rejection_summary(stats: dict[str, Any]) -> list[str]:
-    """Console lines on what an LLM run rejected: what ``rejects.jsonl`` lists (``stats["rejects"]``, counted from
-    its records: requests rejected for good per reason (:data:`.llm_rejects.REJECT_REASONS`) and their attempts per
-    reason, those an earlier run rejected that were not asked again, items dropped per reason), then the quality
-    gates' judgements of this run per reason (and task). Empty for a run without the LLM answerer."""
+    """Console lines on what an LLM run rejected: what ``rejects.jsonl`` lists (``stats["rejects"]``:
+    :meth:`.llm_rejects.RejectsLog.counts`), then the quality gates' judgements of this run per reason and task.
+    Empty for a run without the LLM answerer."""
     lines = []
     usage = stats.get("llm_usage", {})
     if usage.get("foreign_cache_files"):
@@ -72,14 +83,7 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
     if by_reason:
         causes = usage.get("total", {}).get("gave_up_causes") or {}  # gave_up is never carried: this run's
         why = {"gave_up": " (" + ", ".join(f"{cause}: {n}" for cause, n in causes.items()) + ")"} if causes else {}
-        notes = [
-            "HTTP 4xx reasons: the first are above" if by_reason.get("http_refused") else "",
-            "prompt_too_long: not sent, longer than the endpoint's context"
-            if by_reason.get("prompt_too_long")
-            else "",
-            "truncated: cut off at llm.max_tokens" if by_reason.get("truncated") else "",
-        ]
-        notes = [note for note in notes if note]
+        notes = [note for reason, note in REASON_NOTES.items() if by_reason.get(reason)]
         lines.append(
             f"rejects.jsonl: {sum(by_reason.values())} request(s) rejected: "
             + ", ".join(f"{reason} {n}{why.get(reason, '')}" for reason, n in by_reason.items())
@@ -117,9 +121,7 @@ def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins
     state, no backend or display needed)."""
     from matplotlib.figure import Figure  # here: the report's other readers draw nothing (0.7 s of import)
 
-    groups: dict[str, list[int]] = {}
-    for row in rows:
-        groups.setdefault(row["task"], []).append(row["num_tokens"])
+    groups = {task: [row["num_tokens"] for row in group] for task, group in _by_task(rows).items()}
     figure = Figure(figsize=(8, 4.5))
     axis = figure.subplots()
     if groups:
@@ -135,13 +137,9 @@ def plot_length_histogram(rows: Sequence[dict[str, Any]], path: str | Path, bins
 def write_dataset(
     rows: Sequence[dict[str, Any]], out_dir: str | Path, extra_stats: dict[str, Any] | None = None
 ) -> Dataset:
-    """Write ``train.jsonl``, ``dataset/`` (``Dataset.save_to_disk``), ``stats.json`` and ``length_hist.png``.
-
-    ``train.jsonl`` and ``stats.json`` are written through temporary names (a full disk never leaves a truncated
-    one); a full disk or a refused write is an ``OutputWriteError`` naming ``out_dir``.
-
-    Returns the Dataset (columns ``id``, ``task``, ``messages``, ``num_tokens``, ``sources``, ``meta``).
-    """
+    """Write ``train.jsonl``, ``dataset/`` (``Dataset.save_to_disk``), ``stats.json`` and ``length_hist.png``;
+    returns the Dataset (columns ``id``, ``task``, ``messages``, ``num_tokens``, ``sources``, ``meta``). The JSON files
+    are written atomically; a full disk or a refused write is an ``OutputWriteError`` naming ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     columns = ("id", "task", "messages", "num_tokens", "sources", "meta")
