@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from ..files import write_text_atomically
 
 # Why a request was rejected for good (docs/synth.md): its last attempt's output, the endpoint's HTTP 4xx, a prompt
 # longer than the endpoint's context, transient failures after the retries. All but gave_up are marked in the cache.
+FLUSH_EVERY_S = 10.0  # the longest a changed rejects file waits to be written during a batch
 REJECT_REASONS = ("malformed", "truncated", "quality", "http_refused", "prompt_too_long", "gave_up")
 
 
@@ -37,13 +39,15 @@ def _is_record(value: Any) -> bool:
 
 class RejectsLog:
     """``rejects.jsonl`` as groups of records, one group per request (see the module docstring), held in memory and
-    written whole by :meth:`flush` when they changed (the client flushes at the end of each batch)."""
+    written whole by :meth:`flush` when they changed: at the end of each batch, and at most :data:`FLUSH_EVERY_S`
+    after a change (a killed run loses at most that much of its records; the cache's marks lose nothing)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self.groups: dict[str, list[dict[str, Any]]] = {}  # records by request, in file order
         self.touched: set[str] = set()  # requests settled since the log opened
         self.carried: set[str] = set()  # requests kept from an earlier run
+        self._flushed_at = time.monotonic()
         self.foreign = 0  # lines of the file that were not records when it opened (left out when it is written)
         content = self.path.read_bytes() if self.path.is_file() else b""
         self._dirty = bool(content) and not content.endswith(b"\n")  # to write: the file is not whole record lines
@@ -71,6 +75,8 @@ class RejectsLog:
                 self.groups[request] = records
             else:
                 del self.groups[request]
+            if time.monotonic() - self._flushed_at > FLUSH_EVERY_S:
+                self.flush()
 
     def keep(self, request: str, fallback: dict[str, Any]) -> None:
         """A request rejected in an earlier run and not asked again: its group stays; without its request record
@@ -88,6 +94,7 @@ class RejectsLog:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.records()))
             self._dirty = False
+        self._flushed_at = time.monotonic()
 
     def finish(self) -> int:
         """End of a build: drop the groups of requests not settled since the log opened, and write the file, which is
