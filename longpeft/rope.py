@@ -150,14 +150,15 @@ def set_rope_parameters(
     if not rotaries:
         raise ConfigError(f"{type(model).__name__} has no rotary embedding module; is it a RoPE model?")
     configs = {id(m.config): m.config for _, _, m in rotaries}
+    top_config = getattr(model, "config", None)  # transformers reads it too (e.g. when saving): keep it consistent
+    if top_config is not None:
+        configs.setdefault(id(top_config), top_config)
     for config in configs.values():
         config.rope_parameters = copy.deepcopy(params)
         if max_position_embeddings is not None:
             config.max_position_embeddings = int(max_position_embeddings)
-    new_inv_freq = None
     for parent, name, old in rotaries:
-        device = old.inv_freq.device
-        new = type(old)(config=old.config).to(device)
+        new = type(old)(config=old.config).to(old.inv_freq.device)
         setattr(parent, name, new)
         expected_type = params.get("rope_type", "default")
         if new.rope_type != expected_type:
@@ -168,14 +169,7 @@ def set_rope_parameters(
             expected = inv_freq(float(params["rope_theta"]), new.inv_freq.numel() * 2)
             if not torch.allclose(new.inv_freq.float().cpu(), expected, rtol=1e-6, atol=0):
                 raise RuntimeError("rotary inv_freq did not change to the requested rope_theta")
-        new_inv_freq = new.inv_freq
-    # transformers reads the top-level config too (e.g. when saving); keep it consistent.
-    top_config = getattr(model, "config", None)
-    if top_config is not None and id(top_config) not in configs:
-        top_config.rope_parameters = copy.deepcopy(params)
-        if max_position_embeddings is not None:
-            top_config.max_position_embeddings = int(max_position_embeddings)
-    return new_inv_freq
+    return new.inv_freq  # the last rotary module's (there is at least one)
 
 
 # --------------------------------------------------------------------------------------------
