@@ -10,7 +10,6 @@ copy in place; every longpeft reader goes through them (docs/recipes.md, "Why lo
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import ConfigError, DataError
-from .files import writing_to
+from .files import replaced_atomically
 from .peft_ties import tie_through_peft_wrappers
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -71,7 +70,8 @@ def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
         if not left_out:
             return {}
         kept = {name: handle.get_tensor(name) for name in names - set(left_out)}
-    replace_weights_file(path, kept, {**metadata, TIED_METADATA: json.dumps(left_out, sort_keys=True)})
+    with replaced_atomically(path) as partial:
+        save_file(kept, str(partial), metadata={**metadata, TIED_METADATA: json.dumps(left_out, sort_keys=True)})
     return left_out
 
 
@@ -97,20 +97,9 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
             )
         tensors = {name: handle.get_tensor(name) for name in names}
     tensors.update({copy: tensors[source].clone() for copy, source in added.items()})  # safetensors refuses shared
-    replace_weights_file(path, tensors, {k: v for k, v in metadata.items() if k != TIED_METADATA})
+    with replaced_atomically(path) as partial:  # a failure keeps the old file
+        save_file(tensors, str(partial), metadata={k: v for k, v in metadata.items() if k != TIED_METADATA})
     return added
-
-
-def replace_weights_file(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` with ``metadata`` to ``path`` through a temporary name beside it, renamed into place
-    (:func:`~longpeft.files.writing_to`): a failure keeps the old file."""
-    partial = path.with_name(f".{path.name}.partial")
-    with writing_to(path.parent):
-        try:
-            save_file(tensors, str(partial), metadata=metadata)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
 
 
 def tied_names(folder: str | Path) -> dict[str, str]:

@@ -255,19 +255,25 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         ) from error
 
 
-def write_text_atomically(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary name of this process and thread beside it, renamed
-    into place: a failure leaves the old file (or none), concurrent writers each rename a whole file; a full disk
-    or a refused write is an OutputWriteError."""
-    path = Path(path)
+@contextlib.contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A temporary name of this process and thread beside ``path`` to write to, renamed to ``path`` when the block
+    succeeds: a failure leaves the old file (or none), concurrent writers each rename a whole file; a full disk or a
+    refused write is an OutputWriteError."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     with writing_to(path.parent):
         try:
-            temporary.write_text(text, encoding="utf-8")
+            yield temporary
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
-    return path
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` (:func:`replaced_atomically`); returns the path."""
+    with replaced_atomically(Path(path)) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 @contextlib.contextmanager
