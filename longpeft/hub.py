@@ -85,13 +85,9 @@ def merge(
     check_merge(spec, adapter_dir, out_dir, base, without)
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     merged, diff = merged_model(model, without, verify)
-    kept = spec.model_copy(
-        update={
-            "methods": {name: section for name, section in spec.methods.items() if name not in without},
-            "weights": "merged",
-            "base_model": base_id or recorded_base(spec, adapter_dir, out_dir),
-        }
-    )
+    methods = {name: section for name, section in spec.methods.items() if name not in without}
+    base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
+    kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
     write_merged(merged, kept, adapter_dir, out_dir, base, card)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
@@ -598,16 +594,15 @@ def push(
     """Upload :func:`stage_upload`'s folder to ``repo_id``, whose files become exactly that folder's; returns the
     commit URL. With ``dry_run`` the folder is written there, nothing is uploaded, and its path is returned. The
     token comes from the environment or ``huggingface-cli login``."""
+    options = {"merged": merged, "dtype": dtype, "base_id": base_id, "base": base}
     if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base))
+        return str(stage_upload(source, dry_run, repo_id, **options))
     try:
         hub_preflight(repo_id, "push to")
     except FileNotFoundError:
         pass  # a new repository: create_repo makes it
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(
-            source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base
-        )
+        folder = stage_upload(source, Path(staging) / "upload", repo_id, **options)
         api = HfApi()
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
         if private:  # create_repo leaves an existing repository's visibility as it was
