@@ -1,12 +1,7 @@
-"""File-safety rules every command follows, torch-free: where a model comes from, where results may go, and how
-they are written.
-
-- A model source is a local folder that must exist, or a Hub repo that must answer within a bounded wait
-  (:func:`check_model_source`); from then on every Hub download is bounded too (:mod:`longpeft.hub_wait`).
-- An output folder must be new or empty, writable, and none of the inputs (:func:`check_output_folder`); results are
-  written beside it and renamed into place (:func:`written_atomically`, :func:`write_text_atomically`).
-- A write that fails for want of space or permission, in any library, is one :class:`OutputWriteError`
-  (:func:`writing_to`).
+"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub
+(:func:`check_model_source`); an output folder must be new or empty, writable and no input
+(:func:`check_output_folder`); results are renamed into place once complete (:func:`written_atomically`); a write that
+fails for want of space or permission, in any library, is one :class:`OutputWriteError` (:func:`writing_to`).
 """
 
 from __future__ import annotations
@@ -52,15 +47,10 @@ _NO_ANSWER = TimeoutError()
 
 
 def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_type: str = "model") -> None:
-    """Ask the Hub about ``repo_id`` (of ``repo_type``) once, waiting at most ``timeout`` (default
-    :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`.hub_wait.bound_hub_requests`).
-    Skipped with ``HF_HUB_OFFLINE=1``. ``what`` names the repo's role in messages.
-
-    Raises:
-        HubTimeoutError: no answer in time (naming the endpoint).
-        ModelSourceError: no such repository (or it is private).
-        OSError: another failure.
-    """
+    """Ask the Hub about ``repo_id`` (of ``repo_type``; ``what`` names its role) once, waiting at most ``timeout``
+    (default :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`.hub_wait.bound_hub_requests`).
+    Skipped with ``HF_HUB_OFFLINE=1``. Raises HubTimeoutError (no answer in time), ModelSourceError (no such or a
+    private repository) or OSError (another failure)."""
     from huggingface_hub import constants
 
     timeout = timeout or hub_timeout()
@@ -157,12 +147,8 @@ def raised_in(error: BaseException, packages: tuple[str, ...], innermost: bool =
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Fail now, not after hours of work, when results could not be written to ``folder`` (named by ``flag``).
-
-    Raises:
-        OutputFolderError: ``folder`` is a file.
-        PermissionError: the nearest existing folder on its path is not writable.
-    """
+    """Refuse now a ``folder`` (named by ``flag``) that is a file (OutputFolderError) or whose nearest existing
+    folder is not writable (PermissionError)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputFolderError(f"{flag} {folder} is a file; choose a folder")
@@ -187,8 +173,7 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
 
 _NO_SPACE = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 _NO_PERMISSION = ("permission denied", "os error 13", "read-only file system", "os error 30")
-# torch.save's writer on a full disk: "[enforce fail at inline_container.cc:...] . unexpected pos ..." or
-# "PytorchStreamWriter failed writing file ...: file write failed"
+# torch.save's writer on a full disk
 _TORCH_WRITE = ("enforce fail at inline_container", "pytorchstreamwriter failed writing", "file write failed")
 
 

@@ -63,18 +63,10 @@ def merge(
     card: bool = False,
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model: weights,
-    tokenizer, generation config, ``longpeft.json`` and, with ``card``, the model card. Written atomically.
-
-    Args:
-        without: inference-time methods (STRING) to leave out; methods the adapter was trained with are refused.
-        base_id: the base's Hub id for longpeft.json and the card (else a local base is named relative to
-            ``out_dir`` in longpeft.json and left out of the card).
-
-    Returns:
-        ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the largest logit difference between the merged model
-        and base + adapter on :func:`probe_ids` (None unless ``verify``).
-    """
+    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically
+    (:func:`write_merged`), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
+    longpeft.json and the card (else a local base is named relative to ``out_dir`` and left out of the card).
+    Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the logit difference is None unless ``verify``)."""
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
@@ -220,15 +212,14 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def check_repo_id(value: str, flag: str) -> str:
-    """``value`` if it is a valid Hub repo id (``owner/name``), else a ConfigError naming ``flag``."""
+def check_repo_id(value: str, flag: str) -> None:
+    """Raise a ConfigError naming ``flag`` unless ``value`` is a valid Hub repo id (``owner/name``)."""
     try:
         validate_repo_id(value)
     except HFValidationError as error:
         raise ConfigError(
             f"{flag} {value!r} is not a Hub repo id ({str(error).splitlines()[0]}); give owner/name"
         ) from None
-    return value
 
 
 def shareable_base(base_model: str | None) -> bool:
@@ -431,11 +422,7 @@ def write_model_card(
 
 def folder_weights(folder: Path, spec: ContextSpec) -> str:
     """What a longpeft folder's weights are: ``spec.weights`` when recorded, else LoRA (adapter_config.json) or a
-    method's own weights only.
-
-    Raises:
-        DataError: a whole model whose longpeft.json does not say whether it is fully fine-tuned or merged.
-    """
+    method's own; a DataError for a whole model whose longpeft.json does not say which."""
     if spec.weights:
         return spec.weights
     if (folder / "adapter_config.json").is_file():
@@ -486,17 +473,10 @@ def stage_upload(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> Path:
-    """Write atomically into ``dest`` the folder ``push`` uploads to ``repo_id``; returns ``dest``.
-
-    An adapter goes in peft's own format (a tied embedding under both names). The base is named by ``base_id``,
-    else by the Hub id or built-in name of longpeft.json; a local base folder is named nowhere (with a warning).
-
-    Args:
-        source: an adapter folder, a whole model folder (merged, exported, or ``finetune: full``'s model/), or a
-            run folder holding ``adapter/`` or ``model/``.
-        merged: upload the adapter merged in ``dtype``. A whole model is uploaded as it is, in ``dtype``.
-        base: the base model to merge into, when not where longpeft.json says.
-    """
+    """Write atomically into ``dest`` the folder ``push`` uploads to ``repo_id``, from ``source`` (an adapter, a whole
+    model, or a run folder holding one): an adapter in peft's own format, or with ``merged`` merged into ``base``
+    (default: longpeft.json's) in ``dtype``, a whole model cast to ``dtype``. The base is named by ``base_id``, else
+    by longpeft.json's Hub id or built-in name, never by a local folder (warned about). Returns ``dest``."""
     check_repo_id(repo_id, "--repo")
     if base_id:
         check_repo_id(base_id, "--base-id")
@@ -545,11 +525,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
 
 def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     """Copy a whole model to ``dest`` with its floating-point weights cast to ``dtype`` file by file (no model built,
-    no remote code run); config.json records ``dtype``, ``auto_map`` and modeling files stay.
-
-    Raises:
-        ModelSourceError: no ``*.safetensors`` weights beside config.json.
-    """
+    no code run); a ModelSourceError when it has no ``*.safetensors`` weights."""
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
         raise ModelSourceError(

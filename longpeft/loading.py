@@ -83,22 +83,12 @@ def load(
     strict_base_id: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> PeftModel | PreTrainedModel:
-    """Load a longpeft adapter: apply its ContextSpec to the base model, then its weights.
-
-    Args:
-        base: a built model, a Hub id or local path, or None for the spec's base_model.
-        adapter_dir: folder (or Hub repo id) with ``longpeft.json`` and the adapter's weights.
-        strict_base_id: also fail when the base's id is not the one the adapter was trained on.
-        **from_pretrained_kwargs: for ``AutoModelForCausalLM.from_pretrained``; without ``revision``, the spec's Hub
-            base loads at the commit trained on.
-
-    Returns:
-        The PeftModel (the model itself for an adapter without LoRA weights), with the applied ContextSpec as
-        ``model.longpeft_spec``.
-
-    Raises:
-        SpecMismatchError: the adapter does not fit the base (checked on its config before any weight loads).
-    """
+    """Load the adapter in ``adapter_dir`` (a folder or Hub repo id with ``longpeft.json``) onto ``base`` (a built
+    model, a Hub id or path, or None for the spec's): its ContextSpec first, then its weights. ``strict_base_id``
+    also refuses another base id; ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (without
+    ``revision``, the spec's Hub base loads at the commit trained on). Returns the PeftModel (the model itself
+    without LoRA weights) with the spec as ``model.longpeft_spec``; a SpecMismatchError, before any weight loads,
+    when the adapter does not fit the base."""
     given, adapter_dir = adapter_dir, local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none

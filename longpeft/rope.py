@@ -4,10 +4,8 @@ Conventions (those of transformers' Llama family): a head vector of size ``head_
 in two halves; frequency ``j`` (``0 <= j < head_dim / 2``) rotates the pair ``(x[j], x[j + head_dim/2])``
 by ``position * inv_freq[j]`` radians.
 
-This module also holds the one correct way to change the RoPE parameters of an already-built
-transformers v5 model: write a complete ``rope_parameters`` dict into the config, rebuild the
-rotary module(s) from it, and check that the frequencies really changed (assigning
-``config.rope_theta`` is silently ignored in v5).
+It also holds the one correct way to change the RoPE parameters of a built transformers v5 model
+(:func:`set_rope_parameters`; assigning ``config.rope_theta`` is silently ignored in v5).
 """
 
 from __future__ import annotations

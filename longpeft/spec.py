@@ -70,24 +70,11 @@ def run_outputs(folder: str | Path) -> list[Path]:
 
 
 class ContextSpec(StrictModel):
-    """Non-weight changes of a context-extension adapter (``longpeft.json``, format 3). Fields are checked on
-    construction and assignment (strictly typed); an unknown key is refused by name.
-
-    Attributes:
-        method: the recipe's registered method name, for cards and tags.
-        architecture: the base's class name, e.g. ``LlamaForCausalLM``.
-        base_shape: the base's shape before the adapter (:class:`BaseShape`).
-        original_rope_parameters / original_max_position_embeddings: the base's own.
-        methods: one section per applied method, registry name -> its config as a dict.
-        base_model: a Hub id, a built-in model's name, or a local folder relative to this file's
-            (:func:`base_reference`).
-        base_revision: the base's commit, when known.
-        vocab_size: the adapted model's vocabulary (more than the base's when tokens were added).
-        trained_length / target_length: the training sequence length and the length it should work at.
-        recipe_hash: sha256 of the resolved recipe; library_version: the longpeft that wrote it.
-        weights: what the folder's weights are (:data:`WeightsKind`); None for a spec saved from Python without it
-            (:func:`longpeft.hub.folder_weights` reads it off the files).
-    """
+    """Non-weight changes of a context-extension adapter (``longpeft.json``, format 3), strictly typed and checked
+    on construction and assignment. ``method`` is the recipe's; ``methods`` holds one section per applied method;
+    ``base_model`` is a Hub id, a built-in name, or a local folder relative to this file's (:func:`base_reference`);
+    ``vocab_size`` is the adapted model's; ``weights`` is None for a spec saved from Python without it
+    (:func:`longpeft.hub.folder_weights` reads it off the files)."""
 
     model_config = ConfigDict(strict=True)
 
