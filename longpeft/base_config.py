@@ -34,8 +34,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a token
 
 
 class BaseNotHere(ModelSourceError):
-    """The base's config cannot be read on this machine now (a local folder that is not here, a Hub model with the
-    Hub offline or silent)."""
+    """The base's config cannot be read here now (a missing local folder, a Hub model with the Hub offline)."""
 
 
 class BaseConfig:
@@ -146,8 +145,7 @@ def read_base(name: str, revision: str | None = None, what: str = "model.name_or
 
 
 def check_base_code(name: str, revision: str | None, trusted: bool, setting: str | None) -> None:
-    """:meth:`BaseFacts.check_remote_code` of the base ``name``; a base whose config is not readable here is left to
-    transformers."""
+    """:meth:`BaseFacts.check_remote_code` of the base ``name``, if its config is readable here."""
     try:
         facts = read_base(name, revision, "base model")
     except BaseNotHere:

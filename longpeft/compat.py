@@ -29,8 +29,7 @@ TOKEN_CHUNK_SIZE = 4096
 
 
 def ensure_trl_loss_kernel() -> bool:
-    """Give trl < 1.16, whose SFT loss kernel is None without Triton, :class:`TorchChunkedLogProb`; returns whether
-    it was needed."""
+    """Give trl < 1.16 without Triton (no loss kernel) :class:`TorchChunkedLogProb`; returns whether it did."""
     import trl.trainer.utils as trl_utils
 
     if not hasattr(trl_utils, "_ChunkedLogProbFunction") or trl_utils._ChunkedLogProbFunction is not None:

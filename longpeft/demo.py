@@ -20,8 +20,7 @@ DEMO_RECIPE = "toy-extend-cpu"
 
 
 def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dict:
-    """Run the demo into ``out`` (:func:`prepare_demo_folder`; an interrupted demo resumes); returns the summary
-    printed at the end."""
+    """Run the demo into ``out`` (an interrupted demo resumes); returns the summary printed at the end."""
     from .eval.demo_report import before_after_table, collect_rows, run_demo_evals
 
     out = Path(out)

@@ -50,8 +50,7 @@ def module_kinds(config: Any) -> dict[str, str] | None:
 
 
 def adaptable_kind(module: nn.Module) -> str:
-    """A built module's kind for :func:`module_kinds`: the name of its class or base class in
-    :data:`ADAPTABLE_KINDS`, else ``other``."""
+    """A module's kind for :func:`module_kinds`: its (base) class name in :data:`ADAPTABLE_KINDS`, else ``other``."""
     for base in type(module).__mro__:
         if base.__name__ in ADAPTABLE_KINDS and base.__module__.startswith(("torch.", "transformers.")):
             return base.__name__

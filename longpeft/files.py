@@ -90,8 +90,7 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_ty
 
 
 def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
-    """Refuse (ModelSourceError) a local model folder that does not exist (``hint`` appended) or a Hub id that does
-    not answer (:func:`hub_preflight`)."""
+    """Refuse a missing local folder (ModelSourceError + ``hint``) or Hub repo (:func:`hub_preflight`)."""
     if not is_local(name):
         hub_preflight(str(name), what)
     elif not Path(name).is_dir():

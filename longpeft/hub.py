@@ -236,8 +236,7 @@ def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | N
 
 
 def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_call: str) -> None:
-    """Warn that a folder for others, written from ``source``, has no Hub id for its base; ``consequence`` says
-    what the written folder does about it."""
+    """Warn that a folder written from ``source`` for others has no Hub id for its base (``consequence``: so what)."""
     if shareable_base(spec.base_model):
         return
     named = f"by a local path ({spec.base_model!r})" if spec.base_model else "by no name"
@@ -345,8 +344,7 @@ def what_changed(spec: ContextSpec) -> list[str]:
 
 
 def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | None, folder_name: str) -> list[str]:
-    """A card's Python lines that load the folder: transformers for a merged or full model, else ``longpeft.load``
-    on the base."""
+    """A card's Python lines that load the folder: transformers for a whole model, else ``longpeft.load``."""
     location = repo_id or f"path/to/{folder_name}"  # never a path of this machine
     where = "" if repo_id else f"{location}: where this folder is"
     if weights in ("full", "merged"):

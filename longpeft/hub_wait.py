@@ -21,8 +21,7 @@ DEFAULT_HUB_TIMEOUT = 30.0  # seconds
 
 
 def hub_timeout() -> float:
-    """Seconds longpeft waits on a Hub that sends nothing: ``LONGPEFT_HUB_TIMEOUT`` (default 30); a ConfigError
-    when it is not a positive finite number."""
+    """``LONGPEFT_HUB_TIMEOUT``: seconds (default 30) to wait on a silent Hub; a ConfigError unless a number > 0."""
     text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
     if not text:
         return DEFAULT_HUB_TIMEOUT

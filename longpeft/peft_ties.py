@@ -78,8 +78,7 @@ def tie_weights(self: Any, missing_keys: set[str] | None = None, recompute_mappi
 
 
 def tie_through_peft_wrappers(model: Any) -> Any:
-    """Give ``model``'s base model (a PeftModel's, or ``model`` itself) this module's :func:`tie_weights`; returns
-    ``model``."""
+    """Give ``model``'s base model (a PeftModel's, or itself) this module's :func:`tie_weights`; returns ``model``."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     if hasattr(base, "get_expanded_tied_weights_keys") and "tie_weights" not in vars(base):
         base.tie_weights = types.MethodType(tie_weights, base)

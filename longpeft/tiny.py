@@ -105,8 +105,7 @@ def _demo_texts() -> list[str]:
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
-    """The tokenizer of ``tiny:`` models, the demo and ``longpeft synth --tokenizer tiny``, trained on the procedural
-    corpus and :func:`sample_text`."""
+    """The tokenizer of ``tiny:`` models and the demo, trained on the procedural corpus and :func:`sample_text`."""
     return train_tokenizer(_demo_texts())
 
 
