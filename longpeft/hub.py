@@ -48,11 +48,6 @@ SERVING_DOCS = "docs/recipes.md#serving-engines"
 LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-def probe_ids(vocab_size: int, length: int = 32) -> torch.Tensor:
-    """Fixed token ids ``[1, length]`` used to compare logits before and after a merge."""
-    return torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-
-
 def merge(
     adapter_dir: str | Path,
     out_dir: str | Path,
@@ -116,10 +111,10 @@ def check_merge(
 
 def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[Any, float | None]:
     """``model`` (``longpeft.load``'s) without the methods ``without`` names and with LoRA merged, and the largest
-    logit difference the merge made on :func:`probe_ids` (None unless ``verify``)."""
+    logit difference the merge made on 32 fixed token ids (None unless ``verify``)."""
     for name in without:
         METHODS[name].remove(model)
-    ids = probe_ids(model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()

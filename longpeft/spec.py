@@ -42,9 +42,7 @@ class BaseShape(StrictModel):
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
-    vocab_size: int = Field(
-        gt=0, le=_MAX_VOCAB, description="before tokens were added (after: ContextSpec.vocab_size)"
-    )
+    vocab_size: int = Field(gt=0, le=_MAX_VOCAB)  # before tokens were added (after: ContextSpec.vocab_size)
 
     @classmethod
     def of(cls, config: Any) -> BaseShape:
