@@ -89,19 +89,11 @@ class TorchChunkedLogProb:
         outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
     ):
         del chunk_size  # trl's vocabulary tile; here each token chunk takes the whole vocabulary
-        pieces = [
-            checkpoint(
-                _token_chunk,
-                hidden[start : start + TOKEN_CHUNK_SIZE],
-                weight,
-                bias,
-                targets[start : start + TOKEN_CHUNK_SIZE],
-                1 / temperature,
-                final_logit_softcapping,
-                logit_scale,
-                tuple(outputs),
-                use_reentrant=False,
+        options = (1 / temperature, final_logit_softcapping, logit_scale, tuple(outputs))
+        pieces = []
+        for start in range(0, max(hidden.shape[0], 1), TOKEN_CHUNK_SIZE):  # one (empty) chunk when no label counts
+            rows = slice(start, start + TOKEN_CHUNK_SIZE)
+            pieces.append(
+                checkpoint(_token_chunk, hidden[rows], weight, bias, targets[rows], *options, use_reentrant=False)
             )
-            for start in range(0, max(hidden.shape[0], 1), TOKEN_CHUNK_SIZE)  # one (empty) chunk when no label counts
-        ]
         return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces))
