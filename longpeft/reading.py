@@ -207,16 +207,11 @@ def check_lora_adapter(folder: str | Path, what: str = "adapter") -> Path:
     config = read_json_object(require_file(folder, "adapter_config.json", what), "adapter config")
     weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
     if weights is None:
-        require_file(
-            folder,
-            ADAPTER_WEIGHTS[0],
-            what,
-            "; the adapter's weights were not saved or were deleted: copy the whole folder again, or train again",
-        )
+        hint = "; the adapter's weights were not saved or were deleted: copy the whole folder again, or train again"
+        require_file(folder, ADAPTER_WEIGHTS[0], what, hint)
     if weights.suffix == ".bin":
         read_torch_file(weights)
         return weights
     header = safetensors_header(weights)
-    rank = config.get("r")
-    check_shapes(weights, header, lora_rank_shapes(header, config), f"adapter_config.json (r={rank})")
+    check_shapes(weights, header, lora_rank_shapes(header, config), f"adapter_config.json (r={config.get('r')})")
     return weights
