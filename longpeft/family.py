@@ -145,12 +145,9 @@ def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -
         base model_type -> (exported model_type, config class name, causal-LM class name), for ``auto_map``.
     """
     stems = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    title = prefix.capitalize()
     table = {
-        model_type: (
-            f"{prefix}_{model_type}",
-            f"{prefix.capitalize()}{stem}Config",
-            f"{prefix.capitalize()}{stem}ForCausalLM",
-        )
+        model_type: (f"{prefix}_{model_type}", f"{title}{stem}Config", f"{title}{stem}ForCausalLM")
         for model_type, stem in stems.items()
     }
     model_type_of = {name: model_type for model_type, names in table.items() for name in names[1:]}

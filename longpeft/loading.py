@@ -64,12 +64,8 @@ def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[s
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
     the Hub repository the spec names and no revision was given."""
-    if (
-        spec.base_revision
-        and "revision" not in from_pretrained_kwargs
-        and not is_local(name)
-        and name == spec.base_model
-    ):
+    hub_base = name == spec.base_model and not is_local(name)
+    if spec.base_revision and hub_base and "revision" not in from_pretrained_kwargs:
         return {**from_pretrained_kwargs, "revision": spec.base_revision}
     return from_pretrained_kwargs
 

@@ -202,12 +202,8 @@ class ContextSpec(StrictModel):
                 continue
             if actual[key] != expected:
                 problems.append(f"{key}: adapter expects {expected}, base has {actual[key]}")
-        if (
-            strict_base_id
-            and base_model
-            and self.base_model
-            and not _same_model(base_model, recorded or self.base_model)
-        ):
+        expected_base = recorded or self.base_model
+        if strict_base_id and base_model and self.base_model and not _same_model(base_model, expected_base):
             problems.append(f"base model id: adapter was trained on {self.base_model!r}, got {base_model!r}")
         if problems:
             raise SpecMismatchError(
