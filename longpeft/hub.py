@@ -492,7 +492,8 @@ def stage_upload(
             write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
         _copy_eval_results(source, partial)
         staged = ContextSpec.load(partial)
-        staged.weights, staged.base_model = weights, base_id  # the base by its Hub id, never by a local path
+        staged.weights = weights
+        staged.base_model = base_id  # by its Hub id, never by a path of this machine
         staged.save(partial)
         name_base_in_adapter_config(partial, base_id)
         write_model_card(partial, staged, repo_id=repo_id)
