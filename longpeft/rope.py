@@ -237,8 +237,7 @@ def check_rotary_frequencies(model: nn.Module, config: Any, rtol: float = 1e-5) 
                 f"median ratio {ratio:.4g}, i.e. positions scaled by {1 / ratio:.4g})"
             )
         module_scaling = getattr(module, "attention_scaling", 1.0)
-        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > rtol * max(
-            1.0, scaling
-        ):
+        tolerance = rtol * max(1.0, scaling)
+        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > tolerance:
             raise RotaryMismatch(f"{name or 'model'}: attention scaling {module_scaling}, {wanted} gives {scaling}")
     return expected
