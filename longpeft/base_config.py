@@ -34,7 +34,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a token
 
 
 class BaseNotHere(ModelSourceError):
-    """The base's config cannot be read here now (a missing local folder, a Hub model with the Hub offline)."""
+    """The base's config is not readable here now: a missing local folder, or the Hub offline or silent."""
 
 
 class BaseConfig:
