@@ -1,9 +1,7 @@
 """longpeft: parameter-efficient context extension for Hugging Face causal LMs.
 
-``longpeft.load(base, adapter_dir)`` loads an adapter onto a base model (its ``longpeft.json``
-first, then the weights; see :func:`longpeft.loading.load`). Importing the package is cheap: torch
-and transformers load when ``load``, ``ContextSpec`` or ``SpecMismatchError`` is first used. Every error
-longpeft raises for input it cannot use is a ``LongpeftError`` (the kinds: :mod:`longpeft.errors`).
+``longpeft.load(base, adapter_dir)`` loads an adapter onto a base (:func:`longpeft.loading.load`). Importing the
+package is cheap: torch and transformers load when a public name is first used.
 """
 
 from __future__ import annotations
@@ -14,11 +12,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-# bitsandbytes' CPU backend, on CPUs with AVX512-BF16, tries to fetch an optional faster 4-bit matmul from the
-# Hub through the `kernels` package at import, and logs a warning on every import when it cannot (package
-# absent, or no network), then uses its own CPU kernel: the one longpeft's 4-bit CPU paths are tested with.
-# That one notice reads like a failure in every CPU command's output, so it is dropped; the logger's other
-# records pass.
+# bitsandbytes' CPU backend (AVX512-BF16 CPUs) warns on every import that it cannot fetch an optional 4-bit kernel
+# from the Hub, then uses its own (the one longpeft is tested with): that one record is dropped.
 BNB_OPTIONAL_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
 
 
@@ -28,10 +23,8 @@ def _not_bnb_optional_kernel_notice(record: logging.LogRecord) -> bool:
 
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_optional_kernel_notice)
 
-# DeepSpeed, imported by accelerate on the first save_pretrained of a process when it is installed, probes for an
-# accelerator and on a machine without one warns "Setting accelerator to CPU. If you have GPU or other accelerator,
-# we were unable to detect it." on stdout (breaking a command's JSON output). Where torch sees no CUDA device
-# either, CPU is what the run uses knowingly, so that record is dropped; with a CUDA device the warning passes.
+# DeepSpeed (imported by accelerate on a first save_pretrained) warns on stdout, breaking a command's JSON output, that
+# it set the accelerator to CPU: that record is dropped where torch sees no CUDA device either.
 DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU"
 
 

@@ -1,26 +1,15 @@
-"""A LoRA adapter's weights file on a base whose output head shares the input embedding's weight: peft's own format
-for every folder users get, a compact one inside checkpoints.
+"""A LoRA adapter's weights file on a base whose output head shares the input embedding's weight
+(``tie_word_embeddings``), where ``lora.embeddings: full`` trains one matrix that peft saves under both names.
 
-On such a base (``tie_word_embeddings``), ``lora.embeddings: full`` trains one matrix: peft (``ensure_weight_tying``)
-wraps the embedding and the head in ``modules_to_save`` and gives the head's trained copy the embedding's parameter.
-peft's ``save_pretrained`` writes that matrix under both names (``...lm_head.weight`` and ``...embed_tokens.weight``,
-identical), and peft's loaders (``PeftModel.from_pretrained``, ``set_peft_model_state_dict``) need both. That is the
-format of the run's ``adapter/`` and of everything ``push`` uploads (:func:`write_tied_copies` restores the copies of
-a compact file), so plain peft loads them.
-
-Checkpoints keep the matrix once (they are written every ``save_steps`` and read back only by longpeft):
-:func:`leave_out_tied_copies` rewrites the file peft wrote without the copies and records in its metadata
-(``longpeft.tied``: ``{copy: the name it is tied to}``) what each left-out name holds. :func:`adapter_weights` reads
-either format back with every copy in place, for ``set_peft_model_state_dict`` (where peft ties the two again, as it
-did when it built the model: the copy and its matrix are one parameter); :func:`load_adapter` is
-``PeftModel.from_pretrained`` that also reads a compact file. Every longpeft reader (load, merge, export, eval,
-``model.init_from``, resume from a checkpoint) goes through them.
+Every folder users get is in peft's own format (both names). Checkpoints keep the matrix once:
+:func:`leave_out_tied_copies` drops the copies and records them in the file's metadata (``longpeft.tied``:
+``{copy: the name it is tied to}``). :func:`adapter_weights` and :func:`load_adapter` read either format, with every
+copy in place; every longpeft reader goes through them (docs/recipes.md, "Why longpeft.json").
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .errors import ConfigError, DataError
-from .files import writing_to
+from .files import replaced_atomically
 from .peft_ties import tie_through_peft_wrappers
 
 WEIGHTS_NAME = "adapter_model.safetensors"
@@ -39,9 +28,8 @@ TIED_METADATA = "longpeft.tied"
 
 
 def tied_copies(model: Any) -> dict[str, str]:
-    """``{name of a copy: name of the matrix it is tied to}`` among the weights peft saves for ``model`` (a
-    PeftModel): each ``modules_to_save`` weight of its active adapter that is the parameter of an earlier one (on a
-    tied base: the head's copy of the trained input embedding). Empty when nothing is tied (or no peft)."""
+    """``{copy: the name it is tied to}`` among the weights peft saves for the PeftModel ``model``: each
+    ``modules_to_save`` weight of its active adapter that is the parameter of an earlier one (empty when none is)."""
     return {copy: source for copy, source, _ in _tied_parameters(model)}
 
 
@@ -69,9 +57,7 @@ def _tied_parameters(model: Any) -> list[tuple[str, str, Any]]:
 
 def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
     """Rewrite ``folder/adapter_model.safetensors``, as peft wrote it for ``model``, without the copies of
-    :func:`tied_copies`, recording in its metadata what each one is tied to; returns what was left out (nothing when
-    no copy is tied, or the folder holds no such file: a sharded checkpoint). The new file replaces the old one
-    once complete."""
+    :func:`tied_copies`, recorded in its metadata; returns what was left out (nothing without a copy or a file)."""
     path = Path(folder) / WEIGHTS_NAME
     copies = tied_copies(model)
     if not copies or not path.is_file():
@@ -84,20 +70,15 @@ def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
         if not left_out:
             return {}
         kept = {name: handle.get_tensor(name) for name in names - set(left_out)}
-    replace_weights_file(path, kept, {**metadata, TIED_METADATA: json.dumps(left_out, sort_keys=True)})
+    with replaced_atomically(path) as partial:
+        save_file(kept, str(partial), metadata={**metadata, TIED_METADATA: json.dumps(left_out, sort_keys=True)})
     return left_out
 
 
 def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, str]:
-    """Rewrite ``folder/adapter_model.safetensors`` in peft's own format: every name of ``copies`` (``{copy: the name
-    it is tied to}``, e.g. :func:`tied_copies` of the model that wrote it, or :func:`tied_names` of a compact file)
-    that the file lacks is written as the tensor it is tied to, and the compact form's record is dropped. Returns the
-    copies written (nothing when the file already holds them all, or the folder holds no such file). The new file
-    replaces the old one once complete.
-
-    Raises:
-        DataError: a name a copy is tied to is not in the file.
-    """
+    """Rewrite ``folder/adapter_model.safetensors`` in peft's own format: each copy of ``copies`` (``{copy: the name
+    it is tied to}``) the file lacks is written as that tensor, and the compact record dropped. Returns the copies
+    written. A DataError when a name a copy is tied to is not in the file."""
     path = Path(folder) / WEIGHTS_NAME
     if not copies or not path.is_file():
         return {}
@@ -116,29 +97,14 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
             )
         tensors = {name: handle.get_tensor(name) for name in names}
     tensors.update({copy: tensors[source].clone() for copy, source in added.items()})  # safetensors refuses shared
-    replace_weights_file(path, tensors, {k: v for k, v in metadata.items() if k != TIED_METADATA})
+    with replaced_atomically(path) as partial:  # a failure keeps the old file
+        save_file(tensors, str(partial), metadata={k: v for k, v in metadata.items() if k != TIED_METADATA})
     return added
 
 
-def replace_weights_file(path: Path, tensors: dict[str, Any], metadata: dict[str, str]) -> None:
-    """Write ``tensors`` with ``metadata`` to ``path`` through a temporary name beside it, renamed into place once
-    complete: a failure keeps the old file; a full disk or a refused write is an OutputWriteError naming its folder."""
-    partial = path.with_name(f".{path.name}.partial")
-    with writing_to(path.parent):
-        try:
-            save_file(tensors, str(partial), metadata=metadata)
-            os.replace(partial, path)
-        finally:
-            partial.unlink(missing_ok=True)
-
-
 def tied_names(folder: str | Path) -> dict[str, str]:
-    """``{copy: the name it is tied to}`` that ``folder``'s adapter file left out (empty for a file holding every
-    weight, as peft writes them, or a folder without ``adapter_model.safetensors``).
-
-    Raises:
-        DataError: the file's record of them is not a JSON object of names.
-    """
+    """``{copy: the name it is tied to}`` that ``folder``'s adapter file left out (empty for peft's format or no
+    file); a DataError when the file or its record cannot be read."""
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():
         return {}
@@ -166,12 +132,8 @@ def tied_names(folder: str | Path) -> dict[str, str]:
 
 
 def adapter_weights(folder: str | Path) -> dict[str, Any]:
-    """The adapter weights of ``folder`` as peft reads them (``load_peft_weights``, on the CPU), every tied copy the
-    file left out restored as the tensor it is tied to.
-
-    Raises:
-        DataError: a name the file ties a copy to is not in the file.
-    """
+    """The adapter weights of ``folder`` as peft reads them (on the CPU), with every tied copy the file left out;
+    a DataError when a name the file ties a copy to is not in it."""
     weights = load_peft_weights(str(folder), device="cpu")
     for copy, source in tied_names(folder).items():
         if source not in weights:
@@ -184,9 +146,8 @@ def adapter_weights(folder: str | Path) -> dict[str, Any]:
 
 
 def load_weights_into(model: Any, folder: str | Path) -> Any:
-    """Load ``folder``'s adapter weights (:func:`adapter_weights`) into ``model``, a PeftModel built with the
-    adapter's config; returns peft's load result (``missing_keys``: every weight of the model the file lacked, the
-    base's included; ``unexpected_keys``)."""
+    """Load :func:`adapter_weights` into the PeftModel ``model``; returns peft's load result (``missing_keys``
+    includes the base's weights; ``unexpected_keys``)."""
     return set_peft_model_state_dict(model, adapter_weights(folder))
 
 
@@ -197,14 +158,11 @@ def missing_adapter_weights(model: Any, result: Any) -> list[str]:
 
 
 def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> Any:
-    """``PeftModel.from_pretrained(model, folder, is_trainable=is_trainable)``, which also reads an adapter file
-    that left tied copies out (peft's own loader needs every name): the PeftModel is built from the folder's
-    ``adapter_config.json`` (peft ties the copies again) and the weights are loaded into it. The model's
-    ``tie_weights`` then ties what peft wrapped version by version
-    (:func:`~longpeft.peft_ties.tie_through_peft_wrappers`: lm-eval's ``HFLM`` calls it).
+    """``PeftModel.from_pretrained(model, folder, is_trainable=is_trainable)`` that also reads a file without its
+    tied copies, with :func:`~longpeft.peft_ties.tie_through_peft_wrappers`'s ``tie_weights``.
 
     Raises:
-        ConfigError: such an adapter on a base that ``device_map`` offloaded to CPU or disk in part.
+        ConfigError: a compact file on a base that ``device_map`` offloaded in part.
         DataError: the file lacks weights of the adapter its config describes.
     """
     if not tied_names(folder):

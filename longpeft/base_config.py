@@ -1,14 +1,12 @@
-"""A base model as longpeft sees it before any weight loads, torch-free: its ``config.json`` read as transformers v5
-reads it, its chat template, whether it ships its own modeling code, and the names of its modules.
-
-Read from a ``tiny:`` model's settings, a local (or built-in) folder, the Hugging Face cache, or the Hub, from which
-only ``config.json`` and the tokenizer's config are downloaded, each wait bounded by ``LONGPEFT_HUB_TIMEOUT``
-(:func:`longpeft.files.hub_preflight`). The recipe validation (:mod:`longpeft.recipes.validate`) and the loading of
-an adapter onto its base (:func:`longpeft.loading.load`) read their base here.
+"""A base model as longpeft sees it before any weight loads, torch-free: its ``config.json`` as transformers v5 reads
+it, its chat template, whether it ships modeling code, its module names. Read from a ``tiny:`` model, a local or
+built-in folder, the Hugging Face cache, or the Hub (``config.json`` and the tokenizer's config only, bounded).
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,14 +34,13 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a token
 
 
 class BaseNotHere(ModelSourceError):
-    """The base's config cannot be read on this machine now (a local folder that is not here, a Hub model with the
-    Hub offline or silent): what needs it cannot run here, what only checks a recipe says it did not check it."""
+    """The base's config is not readable here now: a missing local folder, or the Hub offline or silent."""
 
 
 class BaseConfig:
-    """A ``config.json`` with attribute access, as transformers v5 gives it: ``rope_parameters`` complete
-    (:func:`~longpeft.rope_parameters.rope_parameters_from_json`), ``num_key_value_heads`` and ``head_dim`` filled
-    as the Llama family fills them, every other key as written. ``source`` names the file."""
+    """A ``config.json`` (named by ``source``) with attribute access as transformers v5 gives it: complete
+    ``rope_parameters``, ``num_key_value_heads`` and ``head_dim`` filled as the Llama family does, the rest as
+    written. A ModelSourceError when a :data:`REQUIRED_KEYS` value is missing or unusable."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
         missing = [key for key in REQUIRED_KEYS if not _usable(key, data.get(key))]
@@ -78,16 +75,9 @@ def _usable(key: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class BaseFacts:
-    """What longpeft knows of a base before loading it.
-
-    Attributes:
-        name: the base as given (``model.name_or_path``, a ``--base``).
-        source: where its config.json was read (a path, or ``tiny:ARCH``).
-        config: that config (:class:`BaseConfig`).
-        chat_template: its tokenizer's chat template; None when it has none, or when its tokenizer files were not
-            found (``tokenizer_found`` False).
-        tokenizer_found: whether the tokenizer's config was read.
-    """
+    """What longpeft knows of a base before loading it: its ``name`` as given, the ``source`` its config was read
+    from (a path, or ``tiny:ARCH``), that ``config``, its tokenizer's ``chat_template`` (None when it has none or its
+    tokenizer files were not found) and whether they were (``tokenizer_found``)."""
 
     name: str
     source: str
@@ -97,8 +87,7 @@ class BaseFacts:
 
     @property
     def remote_code(self) -> str | None:
-        """The class of the base's own modeling code (its config.json's ``auto_map``), or None. transformers runs it
-        only when trusted, and otherwise builds the base with its own class of the ``model_type`` when it has one."""
+        """The class of the base's own modeling code (its config.json's ``auto_map``), or None."""
         auto_map = getattr(self.config, "auto_map", None)
         if not isinstance(auto_map, dict):
             return None
@@ -110,13 +99,8 @@ class BaseFacts:
         return self.remote_code is not None and (trusted or self.config.model_type not in model_types())
 
     def check_remote_code(self, trusted: bool, setting: str | None) -> None:
-        """Refuse a base transformers can only build with the code it ships (a ``model_type`` transformers has no
-        class for) unless ``trusted``; ``setting`` names the key or flag that allows it (None where nothing does: the
-        code is never run there). A ``model_type`` transformers does not know and no code is refused too.
-
-        Raises:
-            ConfigError: naming the base, its code and what to do.
-        """
+        """Raise a ConfigError for a ``model_type`` transformers has no class for, unless the base ships code for it
+        and is ``trusted``; ``setting`` names the key or flag that allows it (None where nothing does)."""
         model_type = self.config.model_type
         if model_type in model_types() or trusted and self.remote_code:
             return
@@ -133,22 +117,19 @@ class BaseFacts:
         )
 
     def module_kinds(self) -> dict[str, str]:
-        """``{module name: kind}`` of the causal LM this config builds (``Linear``, ``Embedding`` or another class
-        name; names as ``model.named_modules()`` gives them): for the Llama family from its config alone, for other
-        architectures by building the model on the ``meta`` device (no weights, but torch and transformers)."""
+        """``{module name: kind}`` of the causal LM this config builds (:func:`~longpeft.family.module_kinds`); for
+        architectures outside the Llama family the model is built on the ``meta`` device (torch and transformers)."""
         kinds = module_kinds(self.config)
-        return kinds if kinds is not None else _meta_module_kinds(self.config.to_dict(), self.name)
+        return kinds if kinds is not None else _meta_module_kinds(self.config.to_dict())
 
 
 def read_base(name: str, revision: str | None = None, what: str = "model.name_or_path") -> BaseFacts:
-    """The :class:`BaseFacts` of the base ``name`` (a ``tiny:ARCH`` model, a built-in name, a local folder or a Hub
-    id) at ``revision``, without its weights; ``what`` names the setting in messages.
+    """The :class:`BaseFacts` of the base ``name`` (``tiny:ARCH``, a built-in name, a local folder or a Hub id) at
+    ``revision``; ``what`` names the setting in messages.
 
     Raises:
-        BaseNotHere: a local folder that does not exist, or a Hub model not in the cache while the Hub is offline
-            (``HF_HUB_OFFLINE``), silent or unreachable.
-        ModelSourceError: a folder without config.json, a config.json that is no causal LM's, a Hub repo that does
-            not exist.
+        BaseNotHere: a missing local folder, or a Hub model not in the cache while the Hub is offline or silent.
+        ModelSourceError: a folder without config.json, a config.json no causal LM's, a Hub repo that does not exist.
     """
     if name.startswith(TINY_PREFIX):
         return _tiny_facts(name)
@@ -164,8 +145,7 @@ def read_base(name: str, revision: str | None = None, what: str = "model.name_or
 
 
 def check_base_code(name: str, revision: str | None, trusted: bool, setting: str | None) -> None:
-    """:meth:`BaseFacts.check_remote_code` of the base ``name`` before transformers reads it (which would raise its
-    own error); a base whose config is not readable here is left to transformers."""
+    """:meth:`BaseFacts.check_remote_code` of the base ``name``, if its config is readable here."""
     try:
         facts = read_base(name, revision, "base model")
     except BaseNotHere:
@@ -181,7 +161,6 @@ def _tiny_facts(name: str) -> BaseFacts:
 
 
 def _folder_facts(name: str, folder: Path, source: str) -> BaseFacts:
-    """A base whose files are in ``folder`` (a model folder, or a Hub snapshot in the cache)."""
     config = BaseConfig(read_json_object(folder / "config.json", "the base's config"), source)
     tokenizer_file = folder / TOKENIZER_CONFIG
     template_file = folder / CHAT_TEMPLATE_FILE
@@ -220,8 +199,7 @@ def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
 
 
 def _download_config_files(name: str, revision: str | None) -> Path:
-    """The snapshot folder holding ``name``'s config.json and, where the repo has them, its tokenizer config and
-    chat template (nothing else is downloaded)."""
+    """The snapshot folder of ``name``'s config.json, tokenizer config and chat template (where the repo has them)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
@@ -231,30 +209,18 @@ def _download_config_files(name: str, revision: str | None) -> Path:
         except EntryNotFoundError:
             raise ModelSourceError(f"base model {name}: the Hub repo has no config.json; is it a model?") from None
         for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
-            try:
+            with contextlib.suppress(EntryNotFoundError):
                 hf_hub_download(name, optional, revision=revision)
-            except EntryNotFoundError:
-                pass
     return config_path.parent
 
 
-def _meta_module_kinds(config: dict[str, Any], name: str) -> dict[str, str]:
-    """:meth:`BaseFacts.module_kinds` of an architecture outside the Llama family: the model built on the ``meta``
-    device from its config (no memory, no weights), as transformers builds it."""
-    import warnings
-
+def _meta_module_kinds(config: dict[str, Any]) -> dict[str, str]:
+    """:meth:`BaseFacts.module_kinds` of the model ``config`` builds, built on the ``meta`` device (no weights)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = {key: value for key, value in config.items() if key not in ("auto_map", "architectures")}
-    model_type = settings.pop("model_type")
-    try:
-        built = AutoConfig.for_model(model_type, **settings)
-    except (ValueError, KeyError) as error:
-        raise ConfigError(
-            f"{name}: transformers does not know model_type {model_type!r} ({str(error).splitlines()[0][:120]}); "
-            "upgrade transformers or use another base"
-        ) from None
+    built = AutoConfig.for_model(settings.pop("model_type"), **settings)  # a type validate found transformers knows
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(built)

@@ -1,19 +1,5 @@
-"""What longpeft does differently on the older stack that unsloth and the GPU image need (transformers 5.17,
-trl 1.15, datasets 4; ``requirements-compat.txt``, tested by ``make test-compat``). Each piece is guarded by
-the version or the missing feature, and does nothing on the pinned stack.
-
-- trl < 1.16 computes the SFT loss only through a Triton kernel: ``trl.kernels`` imports ``triton`` at import
-  time, so where Triton is missing (CPU builds of torch) ``trl.trainer.utils._ChunkedLogProbFunction`` is None
-  and every training step fails with ``'NoneType' object has no attribute 'apply'``. trl 1.16 added a torch
-  fallback. :func:`ensure_trl_loss_kernel` installs :class:`TorchChunkedLogProb` (same interface, plain torch)
-  in that one case. GPU machines have Triton and keep trl's kernel.
-- transformers 5.17 resumes a multi-process run by loading the optimizer state with
-  ``map_location=args.device``, which under DDP on CPU is the indexed ``cpu:N`` that ``torch.load`` cannot
-  restore to ("don't know how to restore data location ... tagged with cpu:0"); 5.23 maps it to ``cpu``.
-  :func:`plain_cpu_device` gives such a run's arguments the plain ``cpu`` device (the same device).
-- The other way round, transformers >= 5.23 deprecates ``is_gradient_checkpointing``, which peft and TRL (not
-  longpeft) still read when they wrap or train a model: :func:`without_checkpointing_notice` hides that
-  FutureWarning around longpeft's own calls into them (load, merge, export, plan --build, train).
+"""What longpeft does differently on the older stack of ``requirements-compat.txt`` (docs/scale.md), each piece
+guarded by version or by the missing feature, and on the newest (:func:`without_checkpointing_notice`).
 """
 
 from __future__ import annotations
@@ -31,8 +17,8 @@ CHECKPOINTING_NOTICE = "`is_gradient_checkpointing` is deprecated"
 
 @contextmanager
 def without_checkpointing_notice() -> Iterator[None]:
-    """Run a block without transformers' FutureWarning about ``is_gradient_checkpointing``, which peft and TRL
-    read (other warnings are untouched)."""
+    """Run a block without transformers' (>= 5.23) FutureWarning about ``is_gradient_checkpointing``, which peft and
+    TRL read (other warnings are untouched)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=CHECKPOINTING_NOTICE, category=FutureWarning)
         yield
@@ -43,7 +29,7 @@ TOKEN_CHUNK_SIZE = 4096
 
 
 def ensure_trl_loss_kernel() -> bool:
-    """Give trl < 1.16 a loss kernel where it has none (no Triton); returns whether it was needed."""
+    """Give trl < 1.16 without Triton (no loss kernel) :class:`TorchChunkedLogProb`; returns whether it did."""
     import trl.trainer.utils as trl_utils
 
     if not hasattr(trl_utils, "_ChunkedLogProbFunction") or trl_utils._ChunkedLogProbFunction is not None:
@@ -54,7 +40,7 @@ def ensure_trl_loss_kernel() -> bool:
 
 def plain_cpu_device(args) -> bool:
     """On transformers < 5.23, make a multi-process CPU run's ``args.device`` the plain ``cpu`` instead of
-    ``cpu:<rank>``, so that ``--resume`` can load the optimizer state; returns whether it changed anything."""
+    ``cpu:<rank>`` (which ``torch.load`` cannot restore the optimizer state to); returns whether it changed it."""
     import transformers
 
     if Version(transformers.__version__) >= Version("5.23") or args.world_size < 2:
@@ -86,10 +72,9 @@ def _token_chunk(hidden, weight, bias, targets, inv_temperature, softcap, logit_
 
 
 class TorchChunkedLogProb:
-    """``trl.kernels.ChunkedLogProbFunction`` in plain torch: per-token log-probabilities of ``targets`` (and
-    entropy, sum of squared probabilities, mean logit, top-1 flags) through the LM head, ``TOKEN_CHUNK_SIZE``
-    tokens at a time with each chunk's logits recomputed in backward, so at most one chunk's
-    ``[tokens, vocab]`` logits exist at once. Same arguments and outputs as trl's ``apply``."""
+    """``trl.kernels.ChunkedLogProbFunction`` in plain torch (same arguments and outputs as its ``apply``):
+    per-token log-probabilities of ``targets`` and the requested ``outputs`` through the LM head,
+    :data:`TOKEN_CHUNK_SIZE` tokens at a time, each chunk's ``[tokens, vocab]`` logits recomputed in backward."""
 
     @staticmethod
     def apply(
@@ -104,19 +89,11 @@ class TorchChunkedLogProb:
         outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
     ):
         del chunk_size  # trl's vocabulary tile; here each token chunk takes the whole vocabulary
-        pieces = [
-            checkpoint(
-                _token_chunk,
-                hidden[start : start + TOKEN_CHUNK_SIZE],
-                weight,
-                bias,
-                targets[start : start + TOKEN_CHUNK_SIZE],
-                1 / temperature,
-                final_logit_softcapping,
-                logit_scale,
-                tuple(outputs),
-                use_reentrant=False,
+        options = (1 / temperature, final_logit_softcapping, logit_scale, tuple(outputs))
+        pieces = []
+        for start in range(0, max(hidden.shape[0], 1), TOKEN_CHUNK_SIZE):  # one (empty) chunk when no label counts
+            rows = slice(start, start + TOKEN_CHUNK_SIZE)
+            pieces.append(
+                checkpoint(_token_chunk, hidden[rows], weight, bias, targets[rows], *options, use_reentrant=False)
             )
-            for start in range(0, max(hidden.shape[0], 1), TOKEN_CHUNK_SIZE)  # one (empty) chunk when no label counts
-        ]
         return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*pieces))

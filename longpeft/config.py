@@ -1,9 +1,5 @@
-"""The one config layer: a strict pydantic base, ``--set`` overrides, error messages, dtype names.
-
-Every settings object in longpeft (recipe sections, method configs, synth configs, the LLM client,
-``longpeft.json``'s ContextSpec) derives from :class:`StrictModel`, so an unknown or misspelt key is an
-error that names its dotted path; a bad config raises :class:`~longpeft.errors.ConfigError`. Importing
-this module is cheap: no torch, no transformers.
+"""The one config layer, torch-free: :class:`StrictModel` (the base of every settings object: an unknown key is an
+error naming its dotted path), ``--set`` overrides, YAML reading, error messages, dtype names.
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from .errors import ConfigError
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# The most positions (tokens) a length setting may name: past 2**28 a float32 cos/sin table of one 128-wide head
-# (512 bytes a position) alone takes 128 GiB, more than a GPU's memory, before any weight or activation.
+# The most positions a length setting may name: past 2**28 a float32 cos/sin table of one 128-wide head alone takes
+# 128 GiB.
 MAX_POSITIONS = 2**28
 
 
@@ -60,11 +56,8 @@ def torch_dtype(name: str):
 
 
 def format_validation_error(source: str, exc: ValidationError, model: type[BaseModel] | None = None) -> str:
-    """One line per bad key: ``source: invalid settings`` then ``  dotted.key: message``.
-
-    A section's own check that names one of its keys first (``ratios must list ...`` in ``beacon``) is written with
-    that key's dotted path (``beacon.ratios must list ...``) when ``model``, the validated class, is given.
-    """
+    """``source: invalid settings`` then one line per bad key, ``  dotted.key: message``; with ``model`` (the validated
+    class), a section's check whose message starts with one of its keys reads ``  beacon.ratios must list ...``."""
     lines = []
     for error in exc.errors():
         key = ".".join(str(p) for p in error["loc"]) or "(top level)"
@@ -135,8 +128,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: s
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml's safe loader, refusing a key given twice in one mapping (yaml keeps the last one silently: a second
-    ``train:`` section would replace the first)."""
+    """yaml's safe loader, refusing a key given twice in one mapping (yaml would keep the last one silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen = set()
@@ -159,11 +151,8 @@ def bundled_names(folder: Path) -> list[str]:
 
 
 def file_or_bundled(path_or_name: str | Path, folder: Path, what: str) -> Path:
-    """The file given, or the bundled ``folder/NAME.yaml`` of that name.
-
-    Raises:
-        ConfigError: naming what was asked for (``what``: ``recipe``, ``synth config``) and the bundled names.
-    """
+    """The file given, or the bundled ``folder/NAME.yaml`` of that name; else a ConfigError naming ``what``
+    (``recipe``, ``synth config``) and the bundled names."""
     path = Path(path_or_name)
     if path.is_file():
         return path

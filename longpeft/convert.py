@@ -1,7 +1,5 @@
-"""Converters from other formats into longpeft adapters: Activation Beacon's released models.
-
-Like merge and export (``longpeft.hub``), a conversion checks its sources and its output folder before any
-download, and writes its folder atomically (:func:`longpeft.files.written_atomically`).
+"""Converters from other formats into longpeft adapters: Activation Beacon's released models. As merge does, a
+conversion checks its sources and output folder before any download and writes atomically.
 """
 
 from __future__ import annotations
@@ -10,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import hf_hub_download, snapshot_download
 from safetensors.torch import save_file
 
 from .adapters.beacon import WEIGHTS_FILENAME
@@ -22,26 +21,17 @@ from .spec import ContextSpec
 
 
 def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Path]]:
-    """(folder, config.json, the safetensors files that hold beacon tensors) of a local folder or Hub repo."""
-    folder = Path(source)
-    if not folder.is_dir():
-        from huggingface_hub import hf_hub_download, snapshot_download
-
-        folder = Path(snapshot_download(str(source), allow_patterns=["config.json", "*.safetensors.index.json"]))
-        index = next(iter(folder.glob("*.safetensors.index.json")), None)
-        names = (
-            sorted({f for k, f in _weight_map(index).items() if AUTHORS_TENSOR.match(k)})
-            if index
-            else ["model.safetensors"]
-        )
-        files = [Path(hf_hub_download(str(source), name)) for name in names]
+    """(folder, config.json, the safetensors files that hold beacon tensors) of a local folder or Hub repo (whose
+    config and index are downloaded, then the files the index names, or ``model.safetensors``)."""
+    local = Path(source).is_dir()
+    patterns = ["config.json", "*.safetensors.index.json"]
+    folder = Path(source if local else snapshot_download(str(source), allow_patterns=patterns))
+    index = next(iter(folder.glob("*.safetensors.index.json")), None)
+    if index is not None:
+        names = sorted({f for k, f in _weight_map(index).items() if AUTHORS_TENSOR.match(k)})
     else:
-        index = next(iter(folder.glob("*.safetensors.index.json")), None)
-        if index is not None:
-            weight_map = _weight_map(index)
-            files = [folder / f for f in sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})]
-        else:
-            files = sorted(folder.glob("*.safetensors"))
+        names = [path.name for path in sorted(folder.glob("*.safetensors"))] if local else ["model.safetensors"]
+    files = [folder / name if local else Path(hf_hub_download(str(source), name)) for name in names]
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelSourceError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
@@ -57,9 +47,8 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 
 def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_config: Any, base: str | Path) -> None:
-    """Refuse, naming ``path`` and the tensor, an authors' beacon tensor whose shape is not the one the base's
-    projections give it (:func:`authors_tensor_shape`) or that holds NaN or infinity: such an adapter would fail
-    only at load, or load and score 0."""
+    """Raise a DataError naming ``path`` and the tensor for an authors' beacon tensor whose shape is not the one the
+    base gives it (:func:`authors_tensor_shape`) or that holds NaN or infinity."""
     for name, tensor in tensors.items():
         expected = authors_tensor_shape(name, base_config)
         if tuple(tensor.shape) != expected:
@@ -75,20 +64,10 @@ def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_conf
 
 
 def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
-    """Write a longpeft beacon adapter from an authors' released Activation Beacon model.
-
-    Reads the checkpoint's ``beacon_*`` settings and its beacon tensors only (no remote code runs),
-    and writes ``out_dir/longpeft.json`` (for ``base``) and ``out_dir/beacon_adapter.safetensors``.
-    Then ``longpeft.load(base, out_dir)`` gives the stock base with the authors' beacons.
-
-    Args:
-        source: local folder or Hub id of the authors' model (e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``).
-        out_dir: new adapter folder.
-        base: the stock model the checkpoint was built on (Hub id or folder), e.g. ``Qwen/Qwen2-7B-Instruct``.
-
-    Returns:
-        ``{"out_dir", "tensors", "beacon"}``.
-    """
+    """Write into ``out_dir`` a longpeft beacon adapter (``longpeft.json``, ``beacon_adapter.safetensors``) for
+    ``longpeft.load(base, out_dir)`` from an authors' released Activation Beacon model ``source`` (a folder or Hub
+    id, e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``) built on ``base``, reading its ``beacon_*`` settings and
+    beacon tensors only (no remote code runs). Returns ``{"out_dir", "tensors", "beacon"}``."""
     from transformers import AutoConfig
 
     out_dir = Path(out_dir)

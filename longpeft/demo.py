@@ -1,13 +1,6 @@
-"""`make demo`: the whole longpeft path on CPU, no download, on a base that really fails beyond its window.
-
-Starts from the packaged toy base (``longpeft:toy-base``: W = 256 tokens; passkey and NIAH 1.0 inside
-W, 0.0 at 2W and 4W, see ``longpeft/toy_base/README.md``), trains the ``toy-extend-cpu`` recipe (RoPE
-base 1e4 -> 2e6 + LoRA at 4W = 1024 tokens on retrieval documents), scores passkey and NIAH at W, 2W
-and 4W for the base and base + adapter, each with and without STRING, prints the before/after table
-built from those eval results, merges the adapter and writes model cards. Output folder::
-
-    adapter/ (+ longpeft.json, README.md)   merged/ (plain from_pretrained)   metrics.json   loss.png
-    eval/<setting>/ (passkey.json, niah_single.json, heatmaps)   eval_results.json   before_after.md
+"""`make demo`: the whole longpeft path on CPU, no download, on the packaged toy base (``longpeft:toy-base``, window
+W = 256, ``longpeft/toy_base/README.md``): train ``toy-extend-cpu`` at 4W, score passkey and NIAH at W, 2W and 4W
+before and after (each with and without STRING), print the table, merge, write model cards.
 """
 
 from __future__ import annotations
@@ -27,11 +20,7 @@ DEMO_RECIPE = "toy-extend-cpu"
 
 
 def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dict:
-    """Run the demo into ``out``; returns the summary printed at the end.
-
-    A finished demo folder is replaced (only what the demo wrote is deleted); an interrupted one
-    (checkpoints, no adapter) is resumed. A non-empty folder the demo did not make is refused.
-    """
+    """Run the demo into ``out`` (an interrupted demo resumes); returns the summary printed at the end."""
     from .eval.demo_report import before_after_table, collect_rows, run_demo_evals
 
     out = Path(out)
@@ -84,12 +73,8 @@ DEMO_OUTPUTS = (
 
 
 def prepare_demo_folder(out: Path) -> None:
-    """Make ``out`` ready for a demo run without deleting anything the demo did not write.
-
-    Raises:
-        FileExistsError: ``out`` is a non-empty folder without the demo's marker file.
-        NotADirectoryError: ``out`` is a file.
-    """
+    """Make ``out`` ready for a demo run, deleting a finished demo's outputs only; an OutputFolderError when ``out``
+    is a file or a non-empty folder without the demo's marker file."""
     if out.exists() and not out.is_dir():
         raise OutputFolderError(f"--out {out} is a file; choose a folder for the demo")
     if out.is_dir() and any(out.iterdir()) and not (out / DEMO_MARKER).is_file():

@@ -1,32 +1,10 @@
 """The errors longpeft raises for input it cannot use: one base, six kinds.
 
-Every expected failure caused by what the user gave (a file, a folder, a key, a flag) is a :class:`LongpeftError`;
-its message names the file, field or flag and says what to do. The command line prints it as one line and exits
-with status 2 (``--debug`` shows the traceback); any other exception is a bug and keeps its traceback
-(:func:`longpeft.cli.main`).
-
-Each kind also derives from the built-in exception it stands for, so ``except ValueError`` or
-``except FileNotFoundError`` around a longpeft call keeps working:
-
-================================  ======================  ===================================================
-class                             also a                  raised for
-================================  ======================  ===================================================
-:class:`ConfigError`              ``ValueError``          a recipe or synth config key, a ``--set`` override,
-                                                          a command-line flag, a setting the base cannot take
-:class:`DataError`                ``ValueError``          training data, documents, ``longpeft.json`` or
-                                                          other files whose content cannot be used
-:class:`DataNotFoundError`        ``FileNotFoundError``   a data file or folder that is not there
-:class:`ModelSourceError`         ``FileNotFoundError``   a model, adapter or checkpoint that is not where it
-                                                          was said to be (no such folder, not on the Hub, not
-                                                          a folder longpeft wrote)
-:class:`OutputFolderError`        ``FileExistsError``     an output folder that would overwrite something
-:class:`OutputWriteError`         ``OSError``             results that could not be written: a full disk, an
-                                                          unwritable folder (from any library's writer)
-:class:`HubTimeoutError`          ``TimeoutError``        a Hub endpoint (``HF_ENDPOINT``) that sent nothing
-                                                          for ``LONGPEFT_HUB_TIMEOUT`` seconds
-================================  ======================  ===================================================
-
-This module is the floor of the package: it imports nothing (``files``, the torch-free file rules, raises these).
+Every expected failure caused by what the user gave (a file, a folder, a key, a flag) is a :class:`LongpeftError`
+whose message names it and says what to do; the command line prints it as one line and exits with status 2
+(``--debug`` shows the traceback), while any other exception is a bug and keeps its traceback. Each kind also
+derives from the built-in exception it stands for, so ``except ValueError`` or ``except FileNotFoundError`` around
+a longpeft call keeps working. This module imports nothing: every layer of the package may raise these.
 """
 
 from __future__ import annotations

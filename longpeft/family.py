@@ -1,7 +1,5 @@
-"""Model-family facts in one place: which architectures longpeft supports, how to find their
-attention modules, how many key/value heads they have, which label their loss leaves out.
-
-Imports nothing heavy, so that modeling files exported beside merged models can inline it.
+"""Model-family facts in one place: supported architectures, their attention modules, key/value heads, the label
+their loss leaves out. Imports nothing heavy, so that exported modeling files can inline it.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ ADAPTABLE_KINDS = ("Linear", "Embedding", "Conv1D", "Conv1d", "Conv2d", "Conv3d"
 
 
 def module_kinds(config: Any) -> dict[str, str] | None:
-    """``{module name: kind}`` of the causal LM a Llama-family config builds (``model.named_modules()``'s names but
-    the root's), from the config alone: ``Linear`` and ``Embedding`` for the layers LoRA adapts, ``other`` for the
-    rest; None for an architecture outside :data:`SUPPORTED_MODEL_TYPES` (build it on the meta device instead)."""
+    """``{module name: kind}`` (``Linear``, ``Embedding`` or ``other``; ``named_modules()``'s names but the root's) of
+    the causal LM a Llama-family config builds, from the config alone; None outside :data:`SUPPORTED_MODEL_TYPES`."""
     if getattr(config, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return None
     kinds = {"model": "other", "model.embed_tokens": "Embedding", "model.layers": "other", "model.norm": "other"}
@@ -53,8 +50,7 @@ def module_kinds(config: Any) -> dict[str, str] | None:
 
 
 def adaptable_kind(module: nn.Module) -> str:
-    """A built module's kind for :func:`module_kinds`: ``Linear`` or ``Embedding`` (their subclasses too), another
-    class LoRA adapts by its name (:data:`ADAPTABLE_KINDS`), else ``other``."""
+    """A module's kind for :func:`module_kinds`: its (base) class name in :data:`ADAPTABLE_KINDS`, else ``other``."""
     for base in type(module).__mro__:
         if base.__name__ in ADAPTABLE_KINDS and base.__module__.startswith(("torch.", "transformers.")):
             return base.__name__
@@ -86,7 +82,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def check_supported(config: Any, what: str) -> None:
-    """Raise ValueError naming ``what`` when the config's model type is not one longpeft patches."""
+    """Raise a ConfigError naming ``what`` when the config's model type is not one longpeft patches."""
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -95,17 +91,16 @@ def check_supported(config: Any, what: str) -> None:
 
 
 def cache_keyword() -> str:
-    """The name transformers gives the KV cache in model forwards, their outputs and ``generate``'s model
-    kwargs: ``"cache"`` from transformers 5.24, which renamed ``past_key_values`` (still accepted, with a
-    deprecation warning, until 5.40), and ``"past_key_values"`` before."""
+    """The name transformers gives the KV cache in model forwards, outputs and ``generate``'s model kwargs:
+    ``"cache"`` from transformers 5.24, ``"past_key_values"`` before."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     return "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def pop_cache(kwargs: dict[str, Any]) -> Any:
-    """Take the KV cache out of a forward's keyword arguments under either name (``cache`` or the older
-    ``past_key_values``, see :func:`cache_keyword`) and return it; None when neither is given."""
+    """Take the KV cache out of a forward's keyword arguments under either name of :func:`cache_keyword` and return
+    it (None when neither is given; a ValueError when both are)."""
     cache, legacy = kwargs.pop("cache", None), kwargs.pop("past_key_values", None)
     if cache is not None and legacy is not None:
         raise ValueError("give the KV cache once, as cache= (or past_key_values= before transformers 5.24), not both")
@@ -124,12 +119,8 @@ def kernel_interface(module: nn.Module, implementation: str | None) -> Any:
 
 
 def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwargs):
-    """Run the attention kernel the model is configured for (eager, SDPA, flash-attn, ...) as the
-    Llama/Mistral/Qwen2/Qwen3 attention forwards do; returns ``(output [batch, seq, heads, head_dim], weights)``.
-
-    Used by longpeft's replacement attention forwards (HARPE, Activation Beacon), which differ from the
-    stock ones only before the kernel (rotation, projections).
-    """
+    """Run the attention kernel the model is configured for (eager, SDPA, flash-attn, ...) as the supported
+    attention forwards do; returns ``(output [batch, seq, heads, head_dim], weights)``."""
     interface = kernel_interface(module, module.config._attn_implementation)
     return interface(
         module,
@@ -146,25 +137,17 @@ def attention_kernel(module: nn.Module, query, key, value, attention_mask, **kwa
 
 
 def define_export_classes(namespace: dict[str, Any], prefix: str, mixin: type) -> dict[str, tuple[str, str, str]]:
-    """Declare the classes of an exported model in a modeling file's ``namespace`` (its ``globals()``).
-
-    For each supported architecture: ``{Prefix}LlamaConfig`` (model_type ``{prefix}_llama``: loading the
-    folder without trust_remote_code then fails instead of silently building the stock model) and
-    ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``; the mixin's ``__init__`` adds the method.
-    The classes are built on first access (a module ``__getattr__``, which is how transformers' ``auto_map`` and
-    ``remote_classes.BeaconLlamaForCausalLM`` reach them), so importing a modeling file does not import every
-    architecture's transformers modules; an architecture's config and model classes are built together.
+    """Declare, in a modeling file's ``namespace`` (its ``globals()``), per supported architecture
+    ``{Prefix}LlamaConfig`` (model_type ``{prefix}_llama``, so that loading without trust_remote_code fails) and
+    ``{Prefix}LlamaForCausalLM(mixin, LlamaForCausalLM)``, built together on first access (a module ``__getattr__``).
 
     Returns:
         base model_type -> (exported model_type, config class name, causal-LM class name), for ``auto_map``.
     """
     stems = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    title = prefix.capitalize()
     table = {
-        model_type: (
-            f"{prefix}_{model_type}",
-            f"{prefix.capitalize()}{stem}Config",
-            f"{prefix.capitalize()}{stem}ForCausalLM",
-        )
+        model_type: (f"{prefix}_{model_type}", f"{title}{stem}Config", f"{title}{stem}ForCausalLM")
         for model_type, stem in stems.items()
     }
     model_type_of = {name: model_type for model_type, names in table.items() for name in names[1:]}

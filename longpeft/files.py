@@ -1,16 +1,7 @@
-"""File-safety rules every command follows, torch-free: where a model comes from, where results may go, and how
-they are written.
-
-- A model source is a local folder that must exist, or a Hub repo id that must answer (with a bounded wait) before
-  anything long starts (:func:`check_model_source`); a local path is never retried as a Hub id. From that check on,
-  every Hub download of the process is bounded as well: a Hub that sends nothing for ``LONGPEFT_HUB_TIMEOUT`` seconds
-  ends it in one :class:`~longpeft.errors.HubTimeoutError` (:mod:`longpeft.hub_wait`).
-- An output folder must be new or empty, writable, and none of the inputs (:func:`check_output_folder`); results
-  are written beside it and renamed into place (:func:`written_atomically`, :func:`write_text_atomically`), so a
-  failure never leaves a folder that a rerun would take for complete.
-- A write that fails for want of space or permission, whichever library wrote (``OSError``, safetensors'
-  ``SafetensorError``, ``torch.save``'s ``RuntimeError``), ends in one :class:`OutputWriteError` naming the folder
-  and the bytes needed where known (:func:`writing_to`).
+"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub
+(:func:`check_model_source`); an output folder must be new or empty, writable and no input
+(:func:`check_output_folder`); results are renamed into place once complete (:func:`written_atomically`); a write that
+fails for want of space or permission, in any library, is one :class:`OutputWriteError` (:func:`writing_to`).
 """
 
 from __future__ import annotations
@@ -20,6 +11,7 @@ import errno
 import os
 import shutil
 import threading
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,8 +20,8 @@ from .hub_wait import HUB_TIMEOUT_VARIABLE, ask_again, bound_hub_requests, hub_t
 
 
 def is_local(name: str | Path) -> bool:
-    """Whether ``name`` is meant as a local path: it exists, starts like a path (``.``, ``/``, ``~``), does not look
-    like ``owner/name``, or its first folder exists here (``runs/missing``: a path that is partly there)."""
+    """Whether ``name`` is meant as a local path: it exists, starts like one (``.``, ``/``, ``~``), is not shaped
+    ``owner/name``, or its first folder exists here (``runs/missing``)."""
     text = str(name)
     if Path(text).exists() or text.count("/") != 1 or text.startswith((".", "/", "~")) or "\\" in text:
         return True
@@ -37,12 +29,8 @@ def is_local(name: str | Path) -> bool:
 
 
 def require_file(folder: str | Path, name: str, what: str, hint: str = "") -> Path:
-    """``folder / name``, which must be a file: a local folder lacking it is named as such, never retried as a Hub
-    id. ``what`` names the folder (``adapter``), ``hint`` says what to do (appended).
-
-    Raises:
-        ModelSourceError: ``name`` is missing in ``folder``.
-    """
+    """``folder / name``, which must be a file, else a ModelSourceError naming ``what`` (``adapter``) and the folder,
+    with ``hint`` (what to do) appended."""
     path = Path(folder) / name
     if not path.is_file():
         todo = hint or "; the folder is incomplete: copy or download it again"
@@ -51,8 +39,7 @@ def require_file(folder: str | Path, name: str, what: str, hint: str = "") -> Pa
 
 
 def is_whole_model(folder: Path) -> bool:
-    """Whether a longpeft folder holds a whole fine-tuned model (``finetune: full`` wrote config.json and the
-    weights) rather than an adapter."""
+    """Whether a longpeft folder holds a whole model (config.json, no adapter_config.json) rather than an adapter."""
     return (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file()
 
 
@@ -60,17 +47,10 @@ _NO_ANSWER = TimeoutError()
 
 
 def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_type: str = "model") -> None:
-    """Ask the Hub about ``repo_id`` (a ``repo_type`` repo: model, dataset) once, with a bounded wait, before anything
-    long starts; from then on every Hub download of the process is bounded too (:func:`.hub_wait.bound_hub_requests`).
-
-    An endpoint that accepts connections but never answers would otherwise block forever. Skipped
-    with ``HF_HUB_OFFLINE=1`` (the local cache is used then). ``timeout`` defaults to :func:`hub_timeout`.
-
-    Raises:
-        HubTimeoutError: no answer within ``timeout`` seconds (the message names the endpoint).
-        ModelSourceError: the Hub answered that there is no such repository (or it is private).
-        OSError: the Hub answered with another failure.
-    """
+    """Ask the Hub about ``repo_id`` (of ``repo_type``; ``what`` names its role) once, waiting at most ``timeout``
+    (default :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`.hub_wait.bound_hub_requests`).
+    Skipped with ``HF_HUB_OFFLINE=1``. Raises HubTimeoutError (no answer in time), ModelSourceError (no such or a
+    private repository) or OSError (another failure)."""
     from huggingface_hub import constants
 
     timeout = timeout or hub_timeout()
@@ -110,28 +90,16 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_ty
 
 
 def check_model_source(name: str | Path, what: str, hint: str = "") -> None:
-    """A local model folder must exist; a Hub id must answer (bounded wait) before anything long starts.
-
-    ``hint``: what to do instead, appended to the error for a missing folder.
-
-    Raises:
-        ModelSourceError: no such local folder, or no such Hub repo (see :func:`hub_preflight` for the others).
-    """
-    if is_local(name):
-        if not Path(name).is_dir():
-            raise ModelSourceError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
-    else:
+    """Refuse a missing local folder (ModelSourceError + ``hint``) or Hub repo (:func:`hub_preflight`)."""
+    if not is_local(name):
         hub_preflight(str(name), what)
+    elif not Path(name).is_dir():
+        raise ModelSourceError(f"{what} {name}: no such folder (and not a Hub repo id owner/name){hint}")
 
 
 def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = "") -> Path:
-    """A local folder for an adapter given as a folder or a Hub repo id (downloaded once, cached); ``what`` and
-    ``hint`` name it and say what to do in the error for a missing folder (:func:`check_model_source`).
-
-    Raises:
-        ModelSourceError: a Hub repo whose answer lists no file, or that the Hub client cannot read
-            (:func:`asking_the_hub`), naming the repo.
-    """
+    """A local folder for an adapter given as a folder or a Hub repo id (downloaded, cached), checked by
+    :func:`check_model_source` (``what``, ``hint``); a ModelSourceError for a Hub repo listing no file."""
     check_model_source(adapter, what, hint)
     if is_local(adapter):
         return Path(adapter)
@@ -147,15 +115,14 @@ def local_adapter_dir(adapter: str | Path, what: str = "adapter", hint: str = ""
     return folder
 
 
-# The libraries that ask the Hub and read its answers: an error raised inside them reading an answer is the answer's.
+# The libraries that ask the Hub and read its answers.
 HUB_CLIENT_PACKAGES = ("huggingface_hub", "httpx", "httpcore", "httpx2", "httpcore2", "requests", "urllib3")
 
 
 @contextlib.contextmanager
 def asking_the_hub(repo: str, what: str) -> Iterator[None]:
-    """Hub requests about ``repo`` (named by ``what``, e.g. ``adapter``) in the block: an answer of another shape
-    than the Hub's, which the Hub client fails to read (its ``KeyError``, ``TypeError``, ``AttributeError``,
-    ``ValueError`` or ``AssertionError``), ends in one :class:`ModelSourceError` naming the repo and the endpoint."""
+    """Turn a Hub answer about ``repo`` (``what``: ``adapter``) that the Hub client fails to read (its ``KeyError``,
+    ``TypeError``, ``AttributeError``, ``ValueError``, ``AssertionError``) into one ModelSourceError."""
     try:
         yield
     except (KeyError, TypeError, AttributeError, ValueError, AssertionError) as error:
@@ -171,27 +138,16 @@ def asking_the_hub(repo: str, what: str) -> Iterator[None]:
 
 
 def raised_in(error: BaseException, packages: tuple[str, ...], innermost: bool = True) -> bool:
-    """Whether ``error`` was raised in one of ``packages`` (installed libraries): its traceback's innermost frame,
-    or with ``innermost=False`` any of its frames."""
-    frames = []
-    trace = error.__traceback__
-    while trace is not None:
-        frames.append(trace.tb_frame.f_code.co_filename)
-        trace = trace.tb_next
+    """Whether ``error`` was raised in one of ``packages``: its innermost frame, or with ``innermost=False`` any."""
+    frames = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(error.__traceback__)]
     if innermost:
         frames = frames[-1:]
     return any(package in os.path.normpath(frame).split(os.sep) for frame in frames for package in packages)
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Fail now, not after hours of work, when results could not be written to ``folder`` (named by ``flag``).
-
-    Raises:
-        OutputFolderError: ``folder`` is a file.
-        PermissionError: the nearest existing folder on its path is not writable.
-    """
-    import os
-
+    """Refuse now a ``folder`` (named by ``flag``) that is a file (OutputFolderError) or whose nearest existing
+    folder is not writable (PermissionError)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputFolderError(f"{flag} {folder} is a file; choose a folder")
@@ -201,14 +157,8 @@ def check_writable_folder(folder: str | Path, flag: str) -> None:
 
 
 def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "--out") -> None:
-    """Refuse, before any work, an output folder that would overwrite something: a file, a folder
-    that is not empty, one of the ``protected`` folders (the adapter, the base), or an unwritable place.
-    ``flag`` names the option that gave the folder.
-
-    Raises:
-        OutputFolderError: naming the flag, the folder and what it would overwrite.
-        PermissionError: the folder could not be written.
-    """
+    """Refuse, before any work, an output folder (given by ``flag``) that is a file, not empty, one of the
+    ``protected`` folders (``{what: folder}``) or unwritable: OutputFolderError, or PermissionError."""
     target = out_dir.resolve()
     for what, folder in protected.items():
         if folder.exists() and target == folder.resolve():
@@ -222,14 +172,13 @@ def check_output_folder(out_dir: Path, protected: dict[str, Path], flag: str = "
 
 _NO_SPACE = ("no space left on device", "os error 28", "disk quota exceeded", "os error 122")
 _NO_PERMISSION = ("permission denied", "os error 13", "read-only file system", "os error 30")
-# torch.save's writer on a full disk: "[enforce fail at inline_container.cc:...] . unexpected pos ..." or
-# "PytorchStreamWriter failed writing file ...: file write failed"
+# torch.save's writer on a full disk
 _TORCH_WRITE = ("enforce fail at inline_container", "pytorchstreamwriter failed writing", "file write failed")
 
 
 def write_failure(error: BaseException) -> str | None:
-    """What stopped a write, in words (``no space left on device``, ``permission denied``), when ``error`` (or an
-    error it was raised from) is a full disk or a refused write from any library; None for anything else."""
+    """What stopped a write, in words (``no space left on device``, ``permission denied``), when ``error`` or one it
+    was raised from is a full disk or a refused write; None for anything else."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -251,8 +200,7 @@ def write_failure(error: BaseException) -> str | None:
 
 
 def _elsewhere(error: BaseException, folder: Path) -> bool:
-    """Whether ``error`` names a file outside ``folder``'s parent (an input that could not be read, not the
-    output)."""
+    """Whether ``error`` names a file outside ``folder``'s parent (an input, not the output)."""
     filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
     if not isinstance(filename, (str, Path)):
         return False
@@ -266,11 +214,8 @@ def _size(count: int) -> str:
 @contextlib.contextmanager
 def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[None]:
     """Turn a write in the block that fails for want of space or permission (:func:`write_failure`) into one
-    :class:`OutputWriteError` naming ``folder``, the bytes needed (``needed_bytes``, where known) and those free.
-
-    Raises:
-        OutputWriteError: the block's write failed that way; other errors pass unchanged.
-    """
+    OutputWriteError naming ``folder``, the bytes needed (``needed_bytes``, where known) and those free; other
+    errors pass unchanged."""
     try:
         yield
     except LongpeftError:
@@ -281,14 +226,12 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         refused = problem is not None and problem.startswith(("permission", "read-only"))
         if problem is None or refused and _elsewhere(error, folder):  # an input that could not be read
             raise
-        sizes = []
-        if needed_bytes:
-            sizes.append(f"it needs about {_size(needed_bytes)}")
+        sizes = [f"it needs about {_size(needed_bytes)}"] if needed_bytes else []
         existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
-        if existing is not None and problem.startswith(("no space", "the file")):
+        if existing is not None and not refused:
             with contextlib.suppress(OSError):
                 sizes.append(f"{_size(shutil.disk_usage(existing).free)} free")
-        todo = "free space there" if not problem.startswith(("permission", "read-only")) else "make it writable"
+        todo = "make it writable" if refused else "free space there"
         amounts = f" ({', '.join(sizes)})" if sizes else ""
         raise OutputWriteError(
             f"could not write to {folder}: {problem}{amounts}; {todo} or choose another "
@@ -296,31 +239,32 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         ) from error
 
 
-def write_text_atomically(path: str | Path, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through a temporary name beside it, renamed into place: a failure leaves
-    the old file (or none), never a truncated one; a full disk or a refused write is an :class:`OutputWriteError`.
-    The temporary name is the writer's own (process and thread), so concurrent writers of one path each rename a
-    whole file: the last rename wins."""
-    path = Path(path)
+@contextlib.contextmanager
+def replaced_atomically(path: Path) -> Iterator[Path]:
+    """A temporary name of this process and thread beside ``path`` to write to, renamed to ``path`` when the block
+    succeeds: a failure leaves the old file (or none), concurrent writers each rename a whole file; a full disk or a
+    refused write is an OutputWriteError."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     with writing_to(path.parent):
         try:
-            temporary.write_text(text, encoding="utf-8")
+            yield temporary
             os.replace(temporary, path)
         finally:
             temporary.unlink(missing_ok=True)
-    return path
+
+
+def write_text_atomically(path: str | Path, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` (:func:`replaced_atomically`); returns the path."""
+    with replaced_atomically(Path(path)) as temporary:
+        temporary.write_text(text, encoding="utf-8")
+    return Path(path)
 
 
 @contextlib.contextmanager
 def written_atomically(out_dir: Path, needed_bytes: int | None = None, replace: bool = False) -> Iterator[Path]:
     """A folder beside ``out_dir`` (``.NAME.partial``) to write into; its files become ``out_dir``'s only when the
-    block succeeds, so a failure leaves no half-written ``out_dir``. ``out_dir`` must be new or empty
-    (:func:`check_output_folder`) and absolute (``.`` has no name to write beside), unless ``replace``: then a
-    folder already there is swapped for the new one once that is complete (a rerun's output replaces the last).
-    A full disk or a refused write is an :class:`OutputWriteError` naming ``out_dir`` (``needed_bytes``: what the
-    folder needs, where known).
-    """
+    block succeeds. ``out_dir`` must be absolute and new or empty, unless ``replace``: then a folder already there
+    is swapped for the complete new one. Failed writes are as in :func:`writing_to` (``needed_bytes``)."""
     partial = out_dir.with_name(f".{out_dir.name}.partial")
     old = out_dir.with_name(f".{out_dir.name}.old")
     with writing_to(out_dir, needed_bytes):

@@ -1,12 +1,9 @@
-"""Merge, export and share adapters without losing what they changed besides weights.
+"""Merge, export and share adapters with everything they change besides weights.
 
-- ``merge``: base + adapter -> one model folder that loads with plain
-  ``AutoModelForCausalLM.from_pretrained`` (the new RoPE parameters live in config.json; HARPE's per-head
-  bases, Activation Beacon and STRING ship a small modeling file and ``auto_map``, loaded with
-  ``trust_remote_code=True``).
-- ``export``: a merged model in a chosen dtype (safetensors) with its model card.
-- ``push``: an adapter (default), an exported model, or a whole fine-tuned model (``finetune: full``)
-  to the Hub; ``dry_run`` writes exactly the folder that would be uploaded.
+- ``merge``: base + adapter -> one model folder for plain ``AutoModelForCausalLM.from_pretrained`` (RoPE in
+  config.json; HARPE, Activation Beacon and STRING ship a modeling file and ``auto_map``: ``trust_remote_code``).
+- ``export``: a merged model in a chosen dtype with its model card.
+- ``push``: an adapter, an exported model or a fully fine-tuned model to the Hub; ``dry_run`` writes the folder only.
 """
 
 from __future__ import annotations
@@ -47,12 +44,8 @@ from .reading import read_safetensors
 from .spec import SPEC_FILENAME, ContextSpec, base_reference, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
-
-
-def probe_ids(vocab_size: int, length: int = 32) -> torch.Tensor:
-    """Fixed token ids ``[1, length]`` used to compare logits before and after a merge."""
-    generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, vocab_size, (1, length), generator=generator)
+SERVING_DOCS = "docs/recipes.md#serving-engines"
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def merge(
@@ -65,44 +58,23 @@ def merge(
     card: bool = False,
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge an adapter into its base and save a standalone model (with its model card when ``card``).
-
-    The base is loaded unquantized in ``dtype`` (a QLoRA adapter merges into the full-precision
-    base; a base saved quantized is refused), the ContextSpec is applied, LoRA is merged, and the result
-    is saved with tokenizer, generation config (all eos ids) and ``longpeft.json`` (provenance). The folder
-    is written beside ``out_dir`` and renamed to it at the end, so a failure leaves no half-written ``out_dir``.
-
-    Args:
-        without: inference-time methods (``inference_only``: STRING) to leave out of the merged model, so that it
-            loads without their modeling file; methods the adapter was trained with are refused.
-        base_id: the base's Hub id, recorded in longpeft.json and the card instead of a local folder (which
-            longpeft.json names relative to ``out_dir`` and the card leaves out: :func:`shareable_base`).
-
-    Returns:
-        ``{"out_dir", "max_abs_logit_diff", "left_out"}``: the merged model's logits against base + adapter (with
-        the methods left out removed from both) on a fixed probe (None when ``verify`` is off).
-    """
+    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically
+    (:func:`write_merged`), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
+    longpeft.json and the card (else a local base is named relative to ``out_dir`` and left out of the card).
+    Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the logit difference is None unless ``verify``)."""
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
     spec = ContextSpec.load(adapter_dir)
-    if card and not base_id:  # export: the card cannot name a base that is a local folder
-        warn_unnamed_base(
-            spec,
-            adapter_dir,
-            "the exported card leaves it out (longpeft.json names it relative to the export folder)",
-            "export(..., base_id=...)",
-        )
+    if card and not base_id:
+        consequence = "the exported card leaves it out (longpeft.json names it relative to the export folder)"
+        warn_unnamed_base(spec, adapter_dir, consequence, "export(..., base_id=...)")
     check_merge(spec, adapter_dir, out_dir, base, without)
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
     merged, diff = merged_model(model, without, verify)
-    kept = spec.model_copy(
-        update={
-            "methods": {name: section for name, section in spec.methods.items() if name not in without},
-            "weights": "merged",
-            "base_model": base_id or recorded_base(spec, adapter_dir, out_dir),
-        }
-    )
+    methods = {name: section for name, section in spec.methods.items() if name not in without}
+    base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
+    kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
     write_merged(merged, kept, adapter_dir, out_dir, base, card)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
@@ -110,9 +82,8 @@ def merge(
 def check_merge(
     spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, without: tuple[str, ...]
 ) -> None:
-    """Refuse a merge before any weight loads: an output folder that would overwrite the adapter or the base, a base
-    that is missing, runs code of its own or is saved quantized, and methods ``without`` names that the adapter lacks
-    or was trained with."""
+    """Refuse a merge before any weight loads: an output folder over the adapter or the base; a base that is
+    missing, runs its own code or is saved quantized; ``without`` naming a method the adapter lacks or trained."""
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
@@ -139,12 +110,11 @@ def check_merge(
 
 
 def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[Any, float | None]:
-    """``model`` (base + adapter, as ``longpeft.load`` gives it) with the methods ``without`` names removed and LoRA
-    merged into its weights, and the largest logit difference the merge made on :func:`probe_ids` (None unless
-    ``verify``)."""
+    """``model`` (``longpeft.load``'s) without the methods ``without`` names and with LoRA merged, and the largest
+    logit difference the merge made on 32 fixed token ids (None unless ``verify``)."""
     for name in without:
         METHODS[name].remove(model)
-    ids = probe_ids(model.config.vocab_size)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits.float() if verify else None
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
@@ -155,9 +125,8 @@ def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[An
 def write_merged(
     merged: Any, spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, card: bool
 ) -> None:
-    """Save ``merged`` to ``out_dir`` as one folder written beside it and renamed at the end: its weights, every
-    method's export files, the adapter's tokenizer and generation config, ``spec`` (longpeft.json), the eval results
-    and, with ``card``, the model card."""
+    """Save ``merged`` atomically to ``out_dir``: weights, the methods' export files, the adapter's tokenizer and
+    generation config, ``spec``, the eval results and, with ``card``, the model card."""
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
         merged.config.name_or_path = str(out_dir)
@@ -181,21 +150,15 @@ def export(
     without: tuple[str, ...] = (),
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge in ``dtype`` and write a shareable folder: safetensors weights, config, tokenizer, model card (naming
-    the base by ``base_id`` when given; without it, a base the adapter names by a local folder is warned about, as
-    ``push`` does: the card cannot name it)."""
+    """:func:`merge` in ``dtype`` with a model card (a local base without ``base_id`` is warned about)."""
     return merge(
         adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
     )
 
 
-SERVING_DOCS = "docs/recipes.md#serving-engines"
-
-
 def serving_note(folder: str | Path) -> str:
-    """What a merged or exported ``folder`` needs to be served, in one paragraph: plain (the stock architecture;
-    the RoPE base and context length are in config.json, where serving engines and llama.cpp's GGUF converter read
-    them), or ``trust_remote_code`` (a method's modeling file: transformers only, no GGUF conversion)."""
+    """One paragraph on what a merged or exported ``folder`` needs to be served: nothing (RoPE and context length
+    in config.json, read by serving engines and GGUF conversion), or ``trust_remote_code`` (transformers only)."""
     folder = Path(folder)
     spec = ContextSpec.load(folder)
     remote = [name for name in spec.methods if name in METHODS and METHODS[name].remote_code]
@@ -236,9 +199,7 @@ def _copy_eval_results(source: Path, dest: Path) -> None:
 def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     """Rows of ``eval_results.json`` (``{"rows": [{"task", "setting", "length", "score"}, ...]}``), if present."""
     path = folder / EVAL_RESULTS_FILENAME
-    if not path.is_file():
-        return []
-    rows = json.loads(path.read_text()).get("rows", [])
+    rows = json.loads(path.read_text()).get("rows", []) if path.is_file() else []
     for row in rows:
         missing = {"task", "score"} - set(row)
         if missing:
@@ -246,36 +207,31 @@ def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def check_repo_id(value: str, flag: str) -> str:
-    """``value`` if it is a valid Hub repo id (``owner/name``: letters, digits, ``-_.``; no newline or space), else
-    a ConfigError naming ``flag``: what goes into a card's YAML and longpeft.json must be an id."""
+def check_repo_id(value: str, flag: str) -> None:
+    """Raise a ConfigError naming ``flag`` unless ``value`` is a valid Hub repo id (``owner/name``)."""
     try:
         validate_repo_id(value)
     except HFValidationError as error:
         raise ConfigError(
             f"{flag} {value!r} is not a Hub repo id ({str(error).splitlines()[0]}); give owner/name"
         ) from None
-    return value
 
 
 def shareable_base(base_model: str | None) -> bool:
-    """Whether a card may name ``base_model``: a Hub id or a model packaged with longpeft, not a local path (which
-    would point others at a folder they do not have)."""
+    """Whether a card may name ``base_model``: a Hub id or a built-in model, not a local path."""
     return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
 
 
 def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | None:
-    """How ``folder``, written from the adapter in ``adapter_dir`` (merge, export), names the adapter's base in its
-    longpeft.json: a Hub id or a built-in model's name as the adapter does, a local folder by its path relative to
-    ``folder`` (:func:`~longpeft.spec.base_reference`); None when the adapter names none."""
+    """How ``folder``'s longpeft.json, written from the adapter in ``adapter_dir``, names the base: as the adapter
+    does, or a local folder relative to ``folder`` (:func:`~longpeft.spec.base_reference`); None if unnamed."""
     if not spec.base_model or shareable_base(spec.base_model):
         return spec.base_model
     return base_reference(resolve_base(spec, adapter_dir, None), folder)
 
 
 def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_call: str) -> None:
-    """Warn, before a folder meant for others is written from ``source``, that its base has no Hub id to name it by
-    (longpeft.json names a local folder, or none): ``consequence`` says what the written folder does about it."""
+    """Warn that a folder written from ``source`` for others has no Hub id for its base (``consequence``: so what)."""
     if shareable_base(spec.base_model):
         return
     named = f"by a local path ({spec.base_model!r})" if spec.base_model else "by no name"
@@ -287,18 +243,14 @@ def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_
 
 
 def plain_peft_misses(spec: ContextSpec) -> list[str]:
-    """What plain ``PeftModel.from_pretrained`` on the stock base leaves out of an adapter with this spec (it reads
-    adapter_config.json and the weights, not longpeft.json): the RoPE change, the positions, and every method
-    applied at load besides them; empty when the adapted model is the stock base plus the weights."""
+    """What plain ``PeftModel.from_pretrained`` on the stock base leaves out of an adapter with this spec: the RoPE
+    change, the positions and every other method applied at load; empty when the weights are all it changes."""
     missed = []
     before, after = spec.original_rope_parameters, spec.rope_parameters
     if before != after:
         changed = sorted(key for key in {*before, *after} if before.get(key) != after.get(key))
-        missed.append(
-            "the RoPE parameters ("
-            + ", ".join(f"{key} {before.get(key)} -> {after.get(key)}" for key in changed)
-            + ")"
-        )
+        changes = ", ".join(f"{key} {before.get(key)} -> {after.get(key)}" for key in changed)
+        missed.append(f"the RoPE parameters ({changes})")
     if spec.max_position_embeddings != spec.original_max_position_embeddings:
         missed.append(
             f"max_position_embeddings {spec.original_max_position_embeddings} -> {spec.max_position_embeddings}"
@@ -307,28 +259,11 @@ def plain_peft_misses(spec: ContextSpec) -> list[str]:
     return missed
 
 
-def load_location(repo_id: str | None, folder_name: str) -> tuple[str, str]:
-    """Where a card tells users to load its folder from, and what the snippet's comment says of it: the Hub repo id
-    when the folder is uploaded there, else a path the user replaces (``path/to/<the folder's name>``), marked as
-    such; never a path of the machine that wrote it."""
-    if repo_id:
-        return repo_id, ""
-    placeholder = f"path/to/{folder_name}"
-    return placeholder, f"{placeholder}: where this folder is"
-
-
 def model_card_text(
     spec: ContextSpec, eval_rows: list[dict[str, Any]], repo_id: str | None = None, folder_name: str = "model"
 ) -> str:
-    """README.md of what ``spec.weights`` says the folder holds (a LoRA adapter when unknown): YAML metadata, then
-    what changed and how to load it.
-
-    ``repo_id``: the Hub id the card tells users to load from; without it (a folder on this machine, named
-    ``folder_name``) a marked placeholder path (:func:`load_location`). A merged or fully fine-tuned model loads
-    with transformers alone; an adapter (LoRA, or only a method's own weights) with ``longpeft.load``, on the base
-    longpeft.json names when that is a Hub id, else on the local folder it names or on a base the user gives. Every
-    method of the spec contributes its metadata section and its sentences (``describe``).
-    """
+    """README.md of what ``spec.weights`` says the folder holds (LoRA when unknown): YAML metadata, what changed,
+    how to load it (from ``repo_id``, else from a marked placeholder ``path/to/<folder_name>``), the eval table."""
     weights, name = spec.weights or "lora", base_display_name(spec.base_model)
     full = weights == "full"
     lines = [
@@ -359,8 +294,8 @@ def model_card_text(
 
 
 def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
-    """A card's YAML metadata: the base (when shareable), the library that loads ``weights``, the tags (the recipe's
-    method, then every other method it applied but the implied ones), and longpeft's record of the change."""
+    """A card's YAML metadata: the shareable base, the library that loads ``weights``, the tags (the methods but
+    the implied ones) and longpeft's record of the change."""
     methods = spec_methods(spec)
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
     return {
@@ -386,21 +321,16 @@ def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
 
 
 def what_changed(spec: ContextSpec) -> list[str]:
-    """A card's sentences on the change: the positions (and the lengths trained at and aimed for), the RoPE
-    parameters, then every method's own (``describe``)."""
+    """A card's sentences on the change: positions and lengths, RoPE parameters, each method's ``describe``."""
     lengths = [f"trained at {spec.trained_length} tokens"] if spec.trained_length else []
     lengths += [f"target {spec.target_length}"] if spec.target_length else []
-    said = f" ({', '.join(lengths)})." if lengths else "."
-    if spec.max_position_embeddings != spec.original_max_position_embeddings:
-        lines = [
-            f"Context extended from {spec.original_max_position_embeddings} to "
-            f"{spec.max_position_embeddings} positions{said}"
-        ]
-    else:  # a method that reads past the window without new positions (beacon, STRING)
-        lines = [
-            f"Positions unchanged at {spec.max_position_embeddings}{said[:-1]}; the methods below extend "
-            "what the model reads."
-        ]
+    said = f" ({', '.join(lengths)})" if lengths else ""
+    before, after = spec.original_max_position_embeddings, spec.max_position_embeddings
+    lines = [
+        f"Context extended from {before} to {after} positions{said}."
+        if before != after  # else a method that reads past the window without new positions (beacon, STRING)
+        else f"Positions unchanged at {after}{said}; the methods below extend what the model reads."
+    ]
     if spec.rope_parameters != spec.original_rope_parameters:
         lines.append(f"RoPE: {spec.original_rope_parameters} -> {spec.rope_parameters}.")
     for method, config in spec_methods(spec):
@@ -409,9 +339,9 @@ def what_changed(spec: ContextSpec) -> list[str]:
 
 
 def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | None, folder_name: str) -> list[str]:
-    """A card's Python lines that load the folder: with transformers for a merged or full model
-    (``trust_remote_code`` when a method ships a modeling file), else with ``longpeft.load`` on the base."""
-    location, where = load_location(repo_id, folder_name)
+    """A card's Python lines that load the folder: transformers for a whole model, else ``longpeft.load``."""
+    location = repo_id or f"path/to/{folder_name}"  # never a path of this machine
+    where = "" if repo_id else f"{location}: where this folder is"
     if weights in ("full", "merged"):
         trust = ", trust_remote_code=True" if remote else ""  # the tokenizer reads the same auto_map: no prompt
         return [
@@ -433,38 +363,35 @@ def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | N
 
 
 def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
-    """A card's paragraph after the snippet: what ``trust_remote_code`` runs (a merged or full model with a modeling
-    file), what plain peft leaves out of a LoRA adapter, or that a method-only adapter needs longpeft."""
+    """A card's paragraph after the snippet: what ``trust_remote_code`` runs, what plain peft leaves out of a LoRA
+    adapter (or that it leaves nothing out), or that a method-only adapter needs longpeft."""
     if weights in ("full", "merged"):
-        if not remote:
-            return []
-        return [
+        note = (
             "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "
-            "and transformers); without it loading fails rather than giving a model without the method.",
-            "",
-        ]
-    missed = plain_peft_misses(spec) if weights == "lora" else []
-    if missed:
-        return [
+            "and transformers); without it loading fails rather than giving a model without the method."
+            if remote
+            else None
+        )
+    elif weights == "lora" and (missed := plain_peft_misses(spec)):
+        note = (
             "The adapter is in peft's own format, but plain `PeftModel.from_pretrained` on the stock base reads "
             f"only its weights, not `longpeft.json`, and leaves out: {'; '.join(missed)}. It then silently gives a "
-            "model other than the one trained: use `longpeft.load`.",
-            "",
-        ]
-    if weights == "lora":
-        return [
+            "model other than the one trained: use `longpeft.load`."
+        )
+    elif weights == "lora":
+        note = (
             "The adapter is in peft's own format, and changes nothing besides its weights: plain "
-            "`PeftModel.from_pretrained` on the stock base gives the same model as `longpeft.load`.",
-            "",
-        ]
-    if weights == "method":
-        return [
+            "`PeftModel.from_pretrained` on the stock base gives the same model as `longpeft.load`."
+        )
+    elif weights == "method":
+        note = (
             f"This adapter has no LoRA weights (the base model's weights are unchanged), only {spec.method}'s own "
             "weights: `longpeft.load` adds them to the base and applies `longpeft.json`; neither peft nor plain "
-            "transformers loads it.",
-            "",
-        ]
-    return []
+            "transformers loads it."
+        )
+    else:
+        note = None
+    return [note, ""] if note else []
 
 
 def base_display_name(base_model: str | None) -> str:
@@ -477,31 +404,18 @@ def base_display_name(base_model: str | None) -> str:
 def write_model_card(
     folder: str | Path, spec: ContextSpec, repo_id: str | None = None, folder_name: str | None = None
 ) -> Path:
-    """Write README.md (the model card) of what ``folder`` holds (:func:`folder_weights`) into it, with its eval
-    table when one is there. ``repo_id``: the Hub id it is uploaded to; else the card names the folder by a
-    placeholder path ending in ``folder_name`` (default: ``folder``'s name; give it when ``folder`` is written under
-    another name and renamed)."""
+    """Write ``folder``'s README.md (:func:`model_card_text` of :func:`folder_weights`, with its eval rows) and
+    return its path. ``folder_name`` (default ``folder``'s name) is the placeholder's when there is no ``repo_id``."""
     folder = Path(folder)
+    spec = spec.model_copy(update={"weights": folder_weights(folder, spec)})
     path = folder / "README.md"
-    card = model_card_text(
-        spec.model_copy(update={"weights": folder_weights(folder, spec)}),
-        load_eval_rows(folder),
-        repo_id,
-        folder_name or folder.name,
-    )
-    path.write_text(card)
+    path.write_text(model_card_text(spec, load_eval_rows(folder), repo_id, folder_name or folder.name))
     return path
 
 
 def folder_weights(folder: Path, spec: ContextSpec) -> str:
-    """What a longpeft folder's weights are (``ContextSpec.weights``): as recorded (every longpeft command that
-    writes a folder records it), else, for a spec saved from Python without it, from the files: LoRA
-    (adapter_config.json) or a method's own weights only.
-
-    Raises:
-        DataError: a whole model (config.json and weights) whose longpeft.json does not say whether it is fully
-            fine-tuned or merged.
-    """
+    """What a longpeft folder's weights are: ``spec.weights`` when recorded, else LoRA (adapter_config.json) or a
+    method's own; a DataError for a whole model whose longpeft.json does not say which."""
     if spec.weights:
         return spec.weights
     if (folder / "adapter_config.json").is_file():
@@ -518,16 +432,10 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
 # Push
 # ---------------------------------------------------------------------------------------------
 
-LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
-
 
 def check_adapter_files(folder: Path) -> None:
-    """An adapter folder holds longpeft.json and weights: LoRA's two files, or only a method's own weights file
-    (an Activation Beacon adapter trained with ``finetune: method``), or both.
-
-    Raises:
-        FileNotFoundError: naming what is missing.
-    """
+    """Refuse (ModelSourceError naming what is missing) an adapter folder without longpeft.json and weights:
+    LoRA's two files, or a method's own ``*.safetensors``, or both."""
     lora = [name for name in LORA_FILES if (folder / name).is_file()]
     missing = [name for name in LORA_FILES if name not in lora] if lora else []
     if not (folder / SPEC_FILENAME).is_file():
@@ -558,23 +466,10 @@ def stage_upload(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> Path:
-    """Write into ``dest`` exactly the folder ``push`` uploads to ``repo_id`` (all or nothing: written beside it
-    and moved there at the end).
-
-    An adapter is uploaded in peft's own format (a tied embedding under both its names, as plain
-    ``PeftModel.from_pretrained`` needs it), whatever wrote it. The base is named by ``base_id``, else by the Hub id
-    or built-in name longpeft.json gives; a local base folder is named nowhere (with a warning).
-
-    Args:
-        source: an adapter folder (with longpeft.json), a whole model folder (a merged or exported model, or the
-            model/ folder of a ``finetune: full`` run: config.json, weights and longpeft.json), or a run folder
-            containing ``adapter/`` or ``model/``.
-        merged: upload the merged model (merged in ``dtype``) instead of the adapter. A whole model is
-            uploaded as it is, in ``dtype``, with or without ``merged``.
-        base_id: the base model's Hub id, recorded in the uploaded card, ``longpeft.json`` and
-            ``adapter_config.json``; needed when the folder names its base by a local path.
-        base: the base model to merge into (``merged``), when not where longpeft.json says.
-    """
+    """Write atomically into ``dest`` the folder ``push`` uploads to ``repo_id``, from ``source`` (an adapter, a whole
+    model, or a run folder holding one): an adapter in peft's own format, or with ``merged`` merged into ``base``
+    (default: longpeft.json's) in ``dtype``, a whole model cast to ``dtype``. The base is named by ``base_id``, else
+    by longpeft.json's Hub id or built-in name, never by a local folder (warned about). Returns ``dest``."""
     check_repo_id(repo_id, "--repo")
     if base_id:
         check_repo_id(base_id, "--base-id")
@@ -596,8 +491,12 @@ def stage_upload(
             _copy_files(source, partial)
             write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
         _copy_eval_results(source, partial)
-        _record(partial, weights, base_id)
-        write_model_card(partial, ContextSpec.load(partial), repo_id=repo_id)
+        staged = ContextSpec.load(partial)
+        staged.weights = weights
+        staged.base_model = base_id  # by its Hub id, never by a path of this machine
+        staged.save(partial)
+        name_base_in_adapter_config(partial, base_id)
+        write_model_card(partial, staged, repo_id=repo_id)
     return dest
 
 
@@ -609,14 +508,18 @@ def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
             shutil.copy(item, dest / item.name)
 
 
-def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
-    """Copy a whole fine-tuned model (``finetune: full``) to ``dest`` with its floating-point weights cast to
-    ``dtype``: safetensors, config.json (``dtype``; ``auto_map`` and a method's modeling file stay), tokenizer,
-    generation config, longpeft.json. Tensors are cast file by file; no model is built, no remote code runs.
+def _update_json(path: Path, changes: dict[str, Any]) -> None:
+    """Set ``changes`` in the JSON object of ``path``."""
+    _write_json(path, {**json.loads(path.read_text()), **changes})
 
-    Raises:
-        FileNotFoundError: no ``*.safetensors`` weights beside config.json.
-    """
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
+    """Copy a whole model to ``dest`` with its floating-point weights cast to ``dtype`` file by file (no model built,
+    no code run); a ModelSourceError when it has no ``*.safetensors`` weights."""
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
         raise ModelSourceError(
@@ -632,35 +535,20 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
             metadata = f.metadata()
         save_file(tensors, dest / path.name, metadata=metadata)
         sizes[path.name] = sum(t.numel() * t.element_size() for t in tensors.values())
-    config = json.loads((dest / "config.json").read_text())
-    config["dtype"] = dtype
-    config["use_cache"] = True  # a model saved by an older longpeft's training run has it off
-    (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # use_cache: a model saved by an older longpeft's training run has it off
+    _update_json(dest / "config.json", {"dtype": dtype, "use_cache": True})
     for index_path in dest.glob("*.safetensors.index.json"):  # sharded weights: the index records their size
         index = json.loads(index_path.read_text())
         index.setdefault("metadata", {})["total_size"] = sum(sizes[name] for name in set(index["weight_map"].values()))
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _record(folder: Path, weights: str, base_id: str | None) -> None:
-    """Record in a staged folder's longpeft.json what its weights are, and name the base by its Hub id there and in
-    an adapter's adapter_config.json (None: by no name, never by a path of this machine)."""
-    spec = ContextSpec.load(folder)
-    spec.weights = weights
-    spec.base_model = base_id
-    spec.save(folder)
-    name_base_in_adapter_config(folder, base_id)
+        _write_json(index_path, index)
 
 
 def name_base_in_adapter_config(folder: Path, base_model: str | None) -> None:
-    """Set ``base_model_name_or_path`` of ``folder``'s adapter_config.json (peft writes the path the base was loaded
-    from) to how longpeft.json names the base; nothing when the folder has no such file (an adapter without LoRA:
-    beacon weights only)."""
+    """Set ``base_model_name_or_path`` of ``folder``'s adapter_config.json, if any, to how longpeft.json names the
+    base (peft writes the path the base was loaded from)."""
     config_path = folder / "adapter_config.json"
     if config_path.is_file():
-        config = json.loads(config_path.read_text())
-        config["base_model_name_or_path"] = base_model
-        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _update_json(config_path, {"base_model_name_or_path": base_model})
 
 
 def push(
@@ -673,33 +561,23 @@ def push(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> str:
-    """Upload an adapter (or the merged model), or a whole fine-tuned model, with its model card to ``repo_id``
-    (what is uploaded: :func:`stage_upload`).
-
-    With ``dry_run`` the folder is written there and nothing is uploaded. Otherwise the repository's files become
-    exactly the staged folder's (files of an earlier push that this one lacks are deleted). The token comes from the
-    environment / huggingface-cli login, never from arguments written to disk.
-
-    Returns:
-        The staged folder (dry run) or the commit URL.
-    """
+    """Upload :func:`stage_upload`'s folder to ``repo_id``, whose files become exactly that folder's; returns the
+    commit URL. With ``dry_run`` the folder is written there, nothing is uploaded, and its path is returned. The
+    token comes from the environment or ``huggingface-cli login``."""
+    options = {"merged": merged, "dtype": dtype, "base_id": base_id, "base": base}
     if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base))
-
+        return str(stage_upload(source, dry_run, repo_id, **options))
     try:
         hub_preflight(repo_id, "push to")
     except FileNotFoundError:
         pass  # a new repository: create_repo makes it
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(
-            source, Path(staging) / "upload", repo_id, merged=merged, dtype=dtype, base_id=base_id, base=base
-        )
+        folder = stage_upload(source, Path(staging) / "upload", repo_id, **options)
         api = HfApi()
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
         if private:  # create_repo leaves an existing repository's visibility as it was
             api.update_repo_settings(repo_id, private=True)
-        # delete_patterns: no file of an earlier push stays (a stale adapter_config.json would make the repo an
-        # adapter again); the Hub keeps .gitattributes
+        # delete_patterns: no file of an earlier push stays (a stale adapter_config.json would make it an adapter)
         info = api.upload_folder(
             repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model", delete_patterns=["*"]
         )

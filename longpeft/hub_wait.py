@@ -1,7 +1,5 @@
-"""Bounded Hub downloads, torch-free: once :func:`longpeft.files.hub_preflight` has found the Hub answering, every
-download request huggingface_hub sends in the process (for transformers, peft and datasets too) waits at most
-``LONGPEFT_HUB_TIMEOUT`` seconds (:func:`hub_timeout`) of the Hub's silence, then ends in one
-:class:`~longpeft.errors.HubTimeoutError` naming the repo, the file, the endpoint and what to do.
+"""Bounded Hub downloads, torch-free: after :func:`longpeft.files.hub_preflight`, every download request of the
+process waits at most ``LONGPEFT_HUB_TIMEOUT`` seconds of the Hub's silence, then ends in one HubTimeoutError.
 """
 
 from __future__ import annotations
@@ -23,11 +21,7 @@ DEFAULT_HUB_TIMEOUT = 30.0  # seconds
 
 
 def hub_timeout() -> float:
-    """Seconds longpeft waits on a Hub that sends nothing: ``LONGPEFT_HUB_TIMEOUT``, default 30.
-
-    Raises:
-        ConfigError: the variable is not a positive finite number.
-    """
+    """``LONGPEFT_HUB_TIMEOUT``: seconds (default 30) to wait on a silent Hub; a ConfigError unless a number > 0."""
     text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
     if not text:
         return DEFAULT_HUB_TIMEOUT
@@ -44,8 +38,7 @@ def hub_timeout() -> float:
 
 
 class _HubWait:
-    """How long the Hub has sent nothing while Hub requests waited on it: the clock :func:`bound_hub_requests`
-    keeps for the whole process (requests of every thread count; any answer or byte resets it)."""
+    """How long the Hub has sent nothing while requests (of any thread) waited on it; any answer or byte resets it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -53,6 +46,7 @@ class _HubWait:
         self.gave_up: str | None = None  # the message once the wait ran out: later requests are refused at once
 
     def ask_again(self) -> None:
+        """Forget an earlier silence (a new pre-check): requests are sent again."""
         with self.lock:
             self.silent_since, self.gave_up = None, None
 
@@ -64,21 +58,16 @@ class _HubWait:
         """Seconds a request for ``url`` may wait now; refuses it when the wait has run out."""
         limit = hub_timeout()
         with self.lock:
-            if (
-                self.gave_up is None
-                and self.silent_since is not None
-                and time.monotonic() - self.silent_since >= limit
-            ):
+            waited = 0.0 if self.silent_since is None else time.monotonic() - self.silent_since
+            if self.gave_up is None and waited >= limit:
                 self.gave_up = _silent_hub_message(url, limit)
             if self.gave_up is not None:
                 raise HubTimeoutError(self.gave_up)
-            waited = 0.0 if self.silent_since is None else time.monotonic() - self.silent_since
         return max(limit - waited, 0.05)
 
     def timed_out(self, url: Any, waiting_since: float, error: BaseException) -> None:
-        """A request for ``url`` that waited from ``waiting_since`` got nothing: once the Hub has been silent for the
-        whole wait, :class:`HubTimeoutError`; before, the library's own error goes on (its retries run in the
-        remaining time)."""
+        """A request for ``url`` waiting since ``waiting_since`` got nothing: a HubTimeoutError once the Hub has been
+        silent for the whole wait; before, the library's own error goes on (its retries run in the time left)."""
         limit = hub_timeout()
         with self.lock:
             if self.silent_since is None or waiting_since < self.silent_since:
@@ -90,11 +79,7 @@ class _HubWait:
 
 
 _HUB_WAIT = _HubWait()
-
-
-def ask_again() -> None:
-    """Forget an earlier silence (a new pre-check): requests are sent again."""
-    _HUB_WAIT.ask_again()
+ask_again = _HUB_WAIT.ask_again
 
 
 XET_TIMEOUTS = ("HF_XET_CLIENT_CONNECT_TIMEOUT", "HF_XET_CLIENT_READ_TIMEOUT")  # hf_xet's own knobs
@@ -103,8 +88,7 @@ _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+?)(/tree/.*|/revi
 
 
 def _silent_hub_message(url: Any, limit: float) -> str:
-    """One line for a Hub at ``url`` silent for ``limit`` seconds: the repo, the file where known, the endpoint, what
-    to do."""
+    """One line for a Hub at ``url`` silent for ``limit`` seconds: the repo, the file, the endpoint, what to do."""
     from urllib.parse import unquote, urlsplit
 
     parts = urlsplit(str(url))
@@ -126,17 +110,10 @@ def _silent_hub_message(url: Any, limit: float) -> str:
 
 
 def bound_hub_requests() -> None:
-    """Bound every later download request (GET, HEAD) huggingface_hub sends in this process, for transformers, peft
-    and datasets too, by :func:`hub_timeout`: a request waits at most the time left, and once the Hub has sent nothing
-    (no answer, no byte of a download) for that long the request ends in a :class:`HubTimeoutError`, and so does every
-    later one until the next :func:`hub_preflight` finds the Hub answering. The libraries' own retries (of a file's
-    metadata for 60 s, 6 times; of a download, 6 times; listings without any timeout) run within that time. Uploads
-    (push) are left alone: the Hub may take long to answer a commit.
-
-    Installed once, around the client factory in use (``huggingface_hub.set_client_factory``). Files the Hub keeps in
-    Xet storage are fetched by hf_xet's own client, outside huggingface_hub's: its connect and read timeouts
-    (``HF_XET_CLIENT_CONNECT_TIMEOUT``, ``HF_XET_CLIENT_READ_TIMEOUT``: 60 s and 300 s) get the same value unless set,
-    so a stalled Xet download ends after hf_xet's own retries (5) of that wait.
+    """Bound every later GET and HEAD request huggingface_hub sends in this process (uploads are left alone) by
+    :func:`hub_timeout` of the Hub's silence; then it and every later one end in a HubTimeoutError until the next
+    :func:`ask_again`. Installed once, around the client factory in use; hf_xet's own client gets the same connect
+    and read timeouts (:data:`XET_TIMEOUTS`) unless set.
     """
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils import _http
@@ -184,8 +161,8 @@ def _bounded_client(make_client: Callable[[], Any]) -> Any:
 
 
 def _watched_body(library: Any, stream: Any, url: Any, requested: float) -> Any:
-    """``stream``, the body of a download asked for at ``requested`` (``time.monotonic()``), whose bytes reset the
-    :class:`_HubWait` clock and whose read timeouts count as the Hub's silence since the last byte."""
+    """``stream``, a download's body asked for at ``requested`` (``time.monotonic()``), whose bytes reset the
+    :class:`_HubWait` clock and whose read timeouts count as silence since the last byte."""
 
     class Watched(library.SyncByteStream):
         def __iter__(self) -> Iterator[bytes]:

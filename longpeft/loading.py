@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
 from .base_config import check_base_code
-from .builtin_models import BUILTIN_MODELS, TOY_BASE, model_location  # noqa: F401 (re-exported)
+from .builtin_models import model_location
 from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir, raised_in
@@ -20,9 +20,8 @@ from .spec import ContextSpec
 
 
 def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | None) -> str:
-    """The base model to load: the one given, else the spec's ``base_model`` (a built-in name, a Hub id
-    or a path; a relative path is looked up from the adapter folder first, then from the working
-    directory)."""
+    """The base model to load: ``base``, else the spec's ``base_model`` (a built-in name, a Hub id, or a path looked
+    up from the adapter folder first, then from the working directory)."""
     if base is not None:
         return model_location(base)
     if not spec.base_model:
@@ -34,9 +33,8 @@ def resolve_base(spec: ContextSpec, adapter_dir: str | Path, base: str | Path | 
 
 
 def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs: Any) -> Any:
-    """An adapter's tokenizer: from its folder (or Hub repo) when it ships one (with any tokens the recipe added),
-    else from its base model (``base``, default the spec's), at the revision the adapter was trained on.
-    ``kwargs`` go to ``AutoTokenizer.from_pretrained``."""
+    """An adapter's tokenizer: from its folder (or Hub repo) when it ships one, else from its base model (``base``,
+    default the spec's) at the revision trained on. ``kwargs`` go to ``AutoTokenizer.from_pretrained``."""
     from transformers import AutoTokenizer
 
     adapter_dir = local_adapter_dir(adapter)
@@ -48,45 +46,26 @@ def load_tokenizer(adapter: str | Path, base: str | Path | None = None, **kwargs
     return AutoTokenizer.from_pretrained(name, **pin_base_revision(spec, name, kwargs))
 
 
-# from_pretrained arguments that also decide where the base's config is read from
-CONFIG_KWARGS = (
-    "revision",
-    "trust_remote_code",
-    "token",
-    "cache_dir",
-    "local_files_only",
-    "subfolder",
-    "proxies",
-    "force_download",
-)
-# What from_pretrained's look-up of an adapter_config.json in the base repo must honour too: transformers passes it the
-# token and revision only (5.17 to 5.23), so under local_files_only=True it still asked the Hub for that file (about
-# 20 s of retries on a machine without internet) and looked outside cache_dir.
+# What from_pretrained's look-up of an adapter_config.json in the base repo must honour too (transformers 5.17 to
+# 5.23 passes it the token and revision only: under local_files_only=True it still asked the Hub).
 ADAPTER_LOOKUP_KWARGS = ("cache_dir", "local_files_only", "subfolder", "proxies", "force_download")
+# from_pretrained arguments that also decide where the base's config is read from
+CONFIG_KWARGS = ("revision", "trust_remote_code", "token", *ADAPTER_LOOKUP_KWARGS)
 
 
 def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` whose ``adapter_kwargs`` (the base repo's adapter look-up) also get the caller's
-    :data:`ADAPTER_LOOKUP_KWARGS`; what the caller set in ``adapter_kwargs`` wins."""
+    """``from_pretrained_kwargs`` whose ``adapter_kwargs`` also get the caller's :data:`ADAPTER_LOOKUP_KWARGS` (what
+    the caller set in ``adapter_kwargs`` wins)."""
     lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
-    if not lookup:
-        return from_pretrained_kwargs
-    return {
-        **from_pretrained_kwargs,
-        "adapter_kwargs": {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})},
-    }
+    adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
+    return {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs} if lookup else from_pretrained_kwargs
 
 
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
-    the Hub repository the spec names and no revision was given (as peft's ``revision`` does): a base repository
-    updated after training is not silently used instead."""
-    if (
-        spec.base_revision
-        and "revision" not in from_pretrained_kwargs
-        and not is_local(name)
-        and name == spec.base_model
-    ):
+    the Hub repository the spec names and no revision was given."""
+    hub_base = name == spec.base_model and not is_local(name)
+    if spec.base_revision and hub_base and "revision" not in from_pretrained_kwargs:
         return {**from_pretrained_kwargs, "revision": spec.base_revision}
     return from_pretrained_kwargs
 
@@ -100,26 +79,12 @@ def load(
     strict_base_id: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> PeftModel | PreTrainedModel:
-    """Load a longpeft adapter: apply its ContextSpec to the base model, then its weights.
-
-    Args:
-        base: a built model, a Hub id or local path, or None to use the spec's base_model.
-        adapter_dir: folder (or Hub repo id) with ``adapter_config.json``, the adapter weights and
-            ``longpeft.json``.
-        is_trainable: load the adapter for further training.
-        strict_base_id: also fail when the base's id differs from the one the adapter was trained on.
-        **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` (dtype,
-            device_map, quantization_config, attn_implementation, revision, ...). Without ``revision``, the
-            spec's Hub base is loaded at the commit the adapter was trained on (``base_revision``).
-
-    Returns:
-        The PeftModel (the model itself for an adapter without LoRA weights, e.g. Activation Beacon
-        trained with ``finetune: method``), with the applied ContextSpec as ``model.longpeft_spec``.
-
-    Raises:
-        SpecMismatchError: the adapter does not fit the base (checked on the config, before any
-            weights are loaded when ``base`` is a path).
-    """
+    """Load the adapter in ``adapter_dir`` (a folder or Hub repo id with ``longpeft.json``) onto ``base`` (a built
+    model, a Hub id or path, or None for the spec's): its ContextSpec first, then its weights. ``strict_base_id``
+    also refuses another base id; ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (without
+    ``revision``, the spec's Hub base loads at the commit trained on). Returns the PeftModel (the model itself
+    without LoRA weights) with the spec as ``model.longpeft_spec``; a SpecMismatchError, before any weight loads,
+    when the adapter does not fit the base."""
     given, adapter_dir = adapter_dir, local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none

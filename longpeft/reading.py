@@ -1,24 +1,12 @@
-"""One way to read the files longpeft takes in: weights, checkpoints and JSON, each failure one named error.
-
-Every reader raises a :class:`~longpeft.errors.DataError` (the content cannot be used) or a
-:class:`~longpeft.errors.ModelSourceError` (a file is missing in a local folder) whose message names the file and
-says what to do, instead of the library's own exception:
-
-- safetensors: the header is parsed here before any tensor is read (a truncated, garbage or foreign file is named
-  as such), every tensor's dtype, shape and byte range is checked against the file, and shapes against what the
-  caller expects (the adapter's config, the base) where it knows them (:func:`safetensors_header`,
-  :func:`read_safetensors`);
-- torch files (``.bin``, ``.pt``): loaded with ``weights_only=True``; a pickle payload is refused as "not a plain
-  tensor file: refused for safety" (:func:`read_torch_file`);
-- JSON: a syntax error names ``file:line:column`` (:func:`read_json`); YAML configs are read by
-  :func:`longpeft.config.read_yaml` (``file:line``).
-
-The module imports no torch or safetensors at import time (they are imported by the readers that need them).
+"""One way to read the files longpeft takes in (weights, checkpoints, JSON): each failure is a DataError (unusable
+content) or a ModelSourceError (a missing file) naming the file and what to do. Safetensors headers are checked
+before any tensor is read; torch files load weights-only. torch and safetensors are imported only when needed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections.abc import Callable
@@ -30,23 +18,10 @@ from .files import require_file
 
 # bytes per element of each safetensors dtype (the format's own names)
 DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E5M2": 1,
-    "F8_E4M3": 1,
-    "F8_E8M0": 1,
-    "I16": 2,
-    "U16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "I32": 4,
-    "U32": 4,
-    "F32": 4,
-    "I64": 8,
-    "U64": 8,
-    "F64": 8,
-    "C64": 8,
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0"), 1),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 2),
+    **dict.fromkeys(("I32", "U32", "F32"), 4),
+    **dict.fromkeys(("I64", "U64", "F64", "C64"), 8),
 }
 MAX_HEADER_BYTES = 100_000_000  # as safetensors itself: a larger header is a foreign or broken file
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
@@ -58,12 +33,8 @@ def _fix(path: Path) -> str:
 
 
 def read_json(path: str | Path, what: str = "") -> Any:
-    """The JSON content of ``path`` (``what`` names it in messages, e.g. ``adapter config``).
-
-    Raises:
-        ModelSourceError: no such file.
-        DataError: not UTF-8 or not JSON (naming ``file:line:column``).
-    """
+    """The JSON content of ``path`` (``what`` names it in messages, e.g. ``adapter config``): a ModelSourceError
+    when missing, a DataError when not UTF-8 or not JSON (naming ``file:line:column``)."""
     path = Path(path)
     label = f"{what} {path}" if what else str(path)
     try:
@@ -90,14 +61,9 @@ def read_json_object(path: str | Path, what: str = "") -> dict[str, Any]:
 
 
 def safetensors_header(path: str | Path) -> dict[str, dict[str, Any]]:
-    """``{tensor name: {"dtype", "shape", "data_offsets"}}`` of a safetensors file, checked without torch: the
-    header is JSON of the format's layout, each dtype is known, and each tensor's bytes lie inside the file and
-    match its shape (a truncated file fails here, not halfway through a load).
-
-    Raises:
-        ModelSourceError: no such file.
-        DataError: anything else wrong, naming the file and what to do.
-    """
+    """``{tensor name: {"dtype", "shape", "data_offsets"}}`` of a safetensors file, checked without torch: a known
+    dtype per tensor, and its bytes inside the file and matching its shape. A ModelSourceError when missing, else a
+    DataError for anything wrong."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -142,9 +108,7 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(n, int) for n in offsets)):
         return f"has bad data_offsets {offsets!r}"
     start, end = offsets
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     if not 0 <= start <= end <= data_bytes:
         return f"lies past the end of the file (bytes {start}-{end} of {data_bytes})"
     if end - start != count * DTYPE_BYTES[dtype]:
@@ -155,12 +119,8 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
 def check_shapes(
     path: str | Path, header: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], source: str
 ) -> None:
-    """Each tensor of ``header`` named in ``expected`` has that shape (``source`` says where the expected shapes
-    come from, e.g. ``adapter_config.json r=8``).
-
-    Raises:
-        DataError: the first tensor whose shape differs, naming the file, both shapes and ``source``.
-    """
+    """Raise a DataError for the first tensor of ``header`` whose shape differs from ``expected``'s (``source`` says
+    where those come from, e.g. ``adapter_config.json r=8``)."""
     for name, shape in expected.items():
         if name in header and tuple(header[name]["shape"]) != tuple(shape):
             raise DataError(
@@ -192,12 +152,8 @@ def read_safetensors(
 
 
 def read_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
-    """A torch file (``.bin``, ``.pt``) loaded with ``weights_only=True``.
-
-    Raises:
-        ModelSourceError: no such file.
-        DataError: a pickle payload torch refuses (":data:`REFUSED_FOR_SAFETY`"), or not a torch file at all.
-    """
+    """A torch file (``.bin``, ``.pt``) loaded with ``weights_only=True``: a ModelSourceError when missing, a
+    DataError for a refused pickle payload (:data:`REFUSED_FOR_SAFETY`) or a file that is not torch's."""
     import pickle
 
     import torch
@@ -229,7 +185,7 @@ def _lora_rank(name: str, config: dict[str, Any]) -> int | None:
 
 def lora_rank_shapes(header: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape each LoRA tensor of ``header`` must have for the ranks of ``config`` (adapter_config.json):
-    ``lora_A`` is ``[r, in]``, ``lora_B`` ``[out, r]`` (the other side taken from the file itself)."""
+    ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``, the other side as in the file."""
     expected = {}
     for name, entry in header.items():
         shape = entry["shape"]
@@ -244,28 +200,18 @@ def lora_rank_shapes(header: dict[str, dict[str, Any]], config: dict[str, Any]) 
 
 
 def check_lora_adapter(folder: str | Path, what: str = "adapter") -> Path:
-    """Check an adapter folder before peft reads it: ``adapter_config.json`` is a JSON object, the weights file is
-    there (a local folder is never retried as a Hub id), and a safetensors file's header and LoRA ranks agree with
-    the config (a ``.bin`` file is loaded weights-only). Returns the weights file.
-
-    Raises:
-        ModelSourceError: the config or the weights file is missing in ``folder``.
-        DataError: either cannot be used.
-    """
+    """Check an adapter folder before peft reads it and return its weights file: ``adapter_config.json`` is a JSON
+    object, the weights are there, a safetensors header and its LoRA ranks agree with the config (a ``.bin`` loads
+    weights-only). A ModelSourceError for a missing file, a DataError for an unusable one."""
     folder = Path(folder)
     config = read_json_object(require_file(folder, "adapter_config.json", what), "adapter config")
     weights = next((folder / name for name in ADAPTER_WEIGHTS if (folder / name).is_file()), None)
     if weights is None:
-        require_file(
-            folder,
-            ADAPTER_WEIGHTS[0],
-            what,
-            "; the adapter's weights were not saved or were deleted: copy the whole folder again, or train again",
-        )
+        hint = "; the adapter's weights were not saved or were deleted: copy the whole folder again, or train again"
+        require_file(folder, ADAPTER_WEIGHTS[0], what, hint)
     if weights.suffix == ".bin":
         read_torch_file(weights)
         return weights
     header = safetensors_header(weights)
-    rank = config.get("r")
-    check_shapes(weights, header, lora_rank_shapes(header, config), f"adapter_config.json (r={rank})")
+    check_shapes(weights, header, lora_rank_shapes(header, config), f"adapter_config.json (r={config.get('r')})")
     return weights

@@ -4,10 +4,8 @@ Conventions (those of transformers' Llama family): a head vector of size ``head_
 in two halves; frequency ``j`` (``0 <= j < head_dim / 2``) rotates the pair ``(x[j], x[j + head_dim/2])``
 by ``position * inv_freq[j]`` radians.
 
-This module also holds the one correct way to change the RoPE parameters of an already-built
-transformers v5 model: write a complete ``rope_parameters`` dict into the config, rebuild the
-rotary module(s) from it, and check that the frequencies really changed (assigning
-``config.rope_theta`` is silently ignored in v5).
+It also holds the one correct way to change the RoPE parameters of a built transformers v5 model
+(:func:`set_rope_parameters`; assigning ``config.rope_theta`` is silently ignored in v5).
 """
 
 from __future__ import annotations
@@ -150,14 +148,15 @@ def set_rope_parameters(
     if not rotaries:
         raise ConfigError(f"{type(model).__name__} has no rotary embedding module; is it a RoPE model?")
     configs = {id(m.config): m.config for _, _, m in rotaries}
+    top_config = getattr(model, "config", None)  # transformers reads it too (e.g. when saving): keep it consistent
+    if top_config is not None:
+        configs.setdefault(id(top_config), top_config)
     for config in configs.values():
         config.rope_parameters = copy.deepcopy(params)
         if max_position_embeddings is not None:
             config.max_position_embeddings = int(max_position_embeddings)
-    new_inv_freq = None
     for parent, name, old in rotaries:
-        device = old.inv_freq.device
-        new = type(old)(config=old.config).to(device)
+        new = type(old)(config=old.config).to(old.inv_freq.device)
         setattr(parent, name, new)
         expected_type = params.get("rope_type", "default")
         if new.rope_type != expected_type:
@@ -168,14 +167,7 @@ def set_rope_parameters(
             expected = inv_freq(float(params["rope_theta"]), new.inv_freq.numel() * 2)
             if not torch.allclose(new.inv_freq.float().cpu(), expected, rtol=1e-6, atol=0):
                 raise RuntimeError("rotary inv_freq did not change to the requested rope_theta")
-        new_inv_freq = new.inv_freq
-    # transformers reads the top-level config too (e.g. when saving); keep it consistent.
-    top_config = getattr(model, "config", None)
-    if top_config is not None and id(top_config) not in configs:
-        top_config.rope_parameters = copy.deepcopy(params)
-        if max_position_embeddings is not None:
-            top_config.max_position_embeddings = int(max_position_embeddings)
-    return new_inv_freq
+    return new.inv_freq  # the last rotary module's (there is at least one)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,8 +237,7 @@ def check_rotary_frequencies(model: nn.Module, config: Any, rtol: float = 1e-5) 
                 f"median ratio {ratio:.4g}, i.e. positions scaled by {1 / ratio:.4g})"
             )
         module_scaling = getattr(module, "attention_scaling", 1.0)
-        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > rtol * max(
-            1.0, scaling
-        ):
+        tolerance = rtol * max(1.0, scaling)
+        if isinstance(module_scaling, (int, float)) and abs(float(module_scaling) - scaling) > tolerance:
             raise RotaryMismatch(f"{name or 'model'}: attention scaling {module_scaling}, {wanted} gives {scaling}")
     return expected

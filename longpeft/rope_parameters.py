@@ -1,9 +1,5 @@
-"""RoPE parameter dicts, torch-free: the keys each rope type reads, a config's complete ``rope_parameters``, and
-the same dict read off a ``config.json`` as transformers v5 reads it.
-
-transformers v5 keeps every RoPE setting in one ``rope_parameters`` dict (``rope_type``, ``rope_theta`` and the
-type's own keys). Recipes are validated against a base's config without importing torch, so this logic lives apart
-from the rotary math of :mod:`longpeft.rope`.
+"""RoPE parameter dicts, torch-free (recipes are validated without torch): the keys each rope type reads, a config's
+complete ``rope_parameters``, and the same dict read off a ``config.json`` as transformers v5 reads it.
 """
 
 from __future__ import annotations
@@ -21,11 +17,8 @@ ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
-# Keys each rope type reads besides its required ones (transformers ignores, with a log line, any other key).
+# Keys a rope type reads besides its required ones (transformers ignores, with a log line, any other key).
 ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
-    "default": (),
-    "linear": (),
-    "dynamic": (),
     "yarn": (
         "original_max_position_embeddings",
         "attention_factor",
@@ -34,8 +27,7 @@ ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
         "mscale",
         "mscale_all_dim",
         "truncate",
-    ),
-    "llama3": (),
+    )
 }
 # transformers' RoPE base of the Llama family (LlamaConfig.default_theta) when a config.json names none.
 DEFAULT_ROPE_THETA = 10_000.0
@@ -87,11 +79,9 @@ def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def rope_parameters_from_json(config: dict[str, Any]) -> dict[str, Any]:
-    """The ``rope_parameters`` transformers v5 gives a flat config of the Llama family read from ``config``, a
-    ``config.json`` dict: its ``rope_scaling`` (the v4 key) or ``rope_parameters``, with ``rope_type`` (from the v4
-    ``type``, default ``default``), ``rope_theta`` (default :data:`DEFAULT_ROPE_THETA`) and ``partial_rotary_factor``
-    from the top level where the dict lacks them, and a scaling type's ``original_max_position_embeddings`` from
-    ``max_position_embeddings`` (transformers' ``convert_rope_params_to_dict`` and ``standardize_rope_params``)."""
+    """The ``rope_parameters`` transformers v5 gives a Llama-family ``config.json`` dict: its ``rope_scaling`` (v4) or
+    ``rope_parameters``, completed from the top level (``rope_type`` from v4's ``type`` or ``default``, ``rope_theta``
+    or :data:`DEFAULT_ROPE_THETA`, ``partial_rotary_factor``, a scaling type's original length)."""
     params = copy.deepcopy(config.get("rope_scaling") or config.get("rope_parameters") or {})
     if not isinstance(params, dict):
         raise ConfigError(f"rope_parameters {params!r} is not a mapping of RoPE settings")

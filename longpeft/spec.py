@@ -1,9 +1,5 @@
-"""ContextSpec: what a context-extension adapter changes besides its weights.
-
-A PEFT adapter stores LoRA weights only; context extension also changes the RoPE parameters,
-per-head bases (HARPE), STRING settings, trained and target lengths. longpeft writes them to
-``longpeft.json`` beside ``adapter_config.json`` and applies them before the weights on load, so an
-adapter never meets a base model configured differently from the one it was trained on.
+"""ContextSpec (``longpeft.json``): what a context-extension adapter changes besides its weights (RoPE parameters,
+each method's settings, lengths), applied on load before the weights so the base is configured as in training.
 """
 
 from __future__ import annotations
@@ -12,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
@@ -24,10 +20,8 @@ from .rope_parameters import rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 3
-# What a folder's weights are (ContextSpec.weights): a LoRA adapter (maybe with a method's weights), a method's own
-# weights only (finetune: method), a whole fully fine-tuned model, or a whole merged model.
+# What a folder's weights are: LoRA (maybe with a method's), a method's own only, a whole full fine-tune or merge.
 WeightsKind = Literal["lora", "method", "full", "merged"]
-WEIGHTS_KINDS = get_args(WeightsKind)
 _MAX_VOCAB = 10_000_000
 _MAX_LENGTH = 1 << 31
 
@@ -48,9 +42,7 @@ class BaseShape(StrictModel):
     num_attention_heads: int = Field(gt=0)
     num_key_value_heads: int = Field(gt=0)
     head_dim: int = Field(gt=0)
-    vocab_size: int = Field(
-        gt=0, le=_MAX_VOCAB, description="before tokens were added (after: ContextSpec.vocab_size)"
-    )
+    vocab_size: int = Field(gt=0, le=_MAX_VOCAB)  # before tokens were added (after: ContextSpec.vocab_size)
 
     @classmethod
     def of(cls, config: Any) -> BaseShape:
@@ -71,37 +63,16 @@ class SpecMismatchError(ConfigError):
 
 
 def run_outputs(folder: str | Path) -> list[Path]:
-    """What a training run folder holds: its ``adapter/`` and/or ``model/`` (``finetune: full``) folder, each with a
-    ``longpeft.json`` (empty for any other folder)."""
+    """The ``adapter/`` and ``model/`` folders with a ``longpeft.json`` that a training run folder holds."""
     return [Path(folder) / name for name in ("adapter", "model") if (Path(folder) / name / SPEC_FILENAME).is_file()]
 
 
 class ContextSpec(StrictModel):
-    """Non-weight changes of a context-extension adapter (persisted as ``longpeft.json``, format 3).
-
-    Attributes:
-        method: the recipe's method (a registered method name, e.g. ``rope``, ``harpe``), for cards and tags.
-        architecture: the base model's class name, e.g. ``LlamaForCausalLM``.
-        base_shape: model_type, hidden size, layers, heads, KV heads, head dim and vocab size of the base
-            model before the adapter (vocab size after resizing is in ``vocab_size``).
-        original_rope_parameters / original_max_position_embeddings: the base's complete
-            ``rope_parameters`` and ``max_position_embeddings``.
-        methods: one section per applied method (registry name -> its config as a dict), e.g.
-            ``{"rope": {"rope_type": "default", "rope_theta": 2e8, "max_position_embeddings": 81920}}``.
-        base_model: the base model the adapter was trained on: a Hub id, a built-in model's name, or a local folder
-            by its path relative to the folder holding this file (:func:`base_reference`).
-        base_revision: revision (commit) of the base model, when known.
-        vocab_size: vocabulary size of the adapted model (differs from the base when tokens were added).
-        trained_length / target_length: training sequence length and the length it should work at.
-        recipe_hash: sha256 of the resolved recipe that trained the adapter.
-        library_version: longpeft version that wrote the spec.
-        weights: what the folder's weights are, one of ``WEIGHTS_KINDS``; every longpeft command that writes a
-            folder records it (None for a spec built in Python and saved without it:
-            :func:`longpeft.hub.folder_weights` then reads it off the folder's files).
-
-    Every field is checked on construction and on assignment (types are strict: ``"3"`` is not a number); an
-    unknown key is refused by name.
-    """
+    """Non-weight changes of a context-extension adapter (``longpeft.json``, format 3), strictly typed and checked
+    on construction and assignment. ``method`` is the recipe's; ``methods`` holds one section per applied method;
+    ``base_model`` is a Hub id, a built-in name, or a local folder relative to this file's (:func:`base_reference`);
+    ``vocab_size`` is the adapted model's; ``weights`` is None for a spec saved from Python without it
+    (:func:`longpeft.hub.folder_weights` reads it off the files)."""
 
     model_config = ConfigDict(strict=True)
 
@@ -121,8 +92,6 @@ class ContextSpec(StrictModel):
     weights: WeightsKind | None = None
     format_version: Literal[SPEC_FORMAT_VERSION] = SPEC_FORMAT_VERSION
 
-    # ---- what the methods changed, read back ------------------------------------------------
-
     @property
     def rope_parameters(self) -> dict[str, Any]:
         """The adapted model's complete rope_parameters (the base's when the spec changes none)."""
@@ -136,19 +105,11 @@ class ContextSpec(StrictModel):
         """The adapted model's ``max_position_embeddings``."""
         return (self.methods.get("rope") or {}).get("max_position_embeddings") or self.original_max_position_embeddings
 
-    # ---- construction ----------------------------------------------------------------------
-
     @classmethod
     def from_base(cls, config: Any, method: str, base_model: str | None = None, **changes: Any) -> ContextSpec:
-        """A spec that starts from a base model's config and records ``changes`` on top of it.
-
-        Args:
-            config: the base model's config, before any change.
-            method: the recipe's method name.
-            base_model: Hub id or path of the base (defaults to ``config.name_or_path``).
-            **changes: any ContextSpec field, e.g. ``trained_length=...``; ``methods={name: section}`` adds to
-                (or replaces) the ``rope`` section that records the base's own RoPE.
-        """
+        """A spec of the base ``config`` (before any change) for ``method``, with ``changes`` (any field) on top;
+        ``methods={name: section}`` adds to (or replaces) the ``rope`` section of the base's own RoPE.
+        ``base_model`` defaults to ``config.name_or_path``."""
         from . import __version__
 
         original = rope_parameters_of(config)
@@ -156,7 +117,7 @@ class ContextSpec(StrictModel):
             "rope": {**original, "max_position_embeddings": config.max_position_embeddings},
             **changes.pop("methods", {}),
         }
-        fields: dict[str, Any] = dict(
+        fields = dict(
             method=method,
             architecture=_architecture(config),
             base_shape=BaseShape.of(config),
@@ -168,20 +129,15 @@ class ContextSpec(StrictModel):
             vocab_size=config.vocab_size,
             library_version=__version__,
         )
-        fields.update(changes)
-        return cls(**fields)
-
-    # ---- persistence -----------------------------------------------------------------------
+        return cls(**(fields | changes))
 
     def to_dict(self) -> dict[str, Any]:
         """The content of ``longpeft.json``."""
         return self.model_dump()
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path.
-
-        Raises ConfigError for a non-finite number (JSON has no Infinity/NaN).
-        """
+        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path. Raises ConfigError
+        for a non-finite number (JSON has no Infinity/NaN)."""
         path = Path(directory) / SPEC_FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -193,11 +149,11 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def load(cls, directory: str | Path) -> ContextSpec:
-        """Read ``longpeft.json`` from an adapter directory, with errors that name the file.
+        """Read ``longpeft.json`` from an adapter directory.
 
         Raises:
-            ModelSourceError: the folder has no ``longpeft.json`` (a training run folder: naming the folders it holds).
-            DataError: the file is not a format-3 ``longpeft.json`` (see :meth:`from_dict`).
+            ModelSourceError: there is none (for a training run folder, naming the folders it holds).
+            DataError: not a format-3 ``longpeft.json`` (:meth:`from_dict`).
         """
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file() and (outputs := run_outputs(directory)):
@@ -213,12 +169,8 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:
-        """A spec from the content of a ``longpeft.json`` (format 3).
-
-        Raises:
-            DataError: naming ``source`` and what is wrong: not a JSON object, another format (an earlier one:
-                re-create the adapter with this version; a later one: upgrade longpeft), or each bad key.
-        """
+        """A spec from the content of a ``longpeft.json``; a DataError naming ``source`` for anything but a JSON object
+        of format 3 (saying what to do about another format) with valid keys."""
         if not isinstance(data, dict):
             raise DataError(f"{source} must hold a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
@@ -234,19 +186,12 @@ class ContextSpec(StrictModel):
                 )
             ) from None
 
-    # ---- checks ----------------------------------------------------------------------------
-
     def check_base(
         self, config: Any, base_model: str | None = None, strict_base_id: bool = False, recorded: str | None = None
     ) -> None:
-        """Fail with :class:`SpecMismatchError` when ``config`` is not the base this spec was made for.
-
-        Compares architecture (when both sides know it), model type, hidden size, layers, heads, KV heads,
-        head dim and vocab size. The base id is
-        compared when both are known and ``strict_base_id`` is set (a local copy of the same model
-        has another path, so by default a differing id is not an error); ``recorded`` is where the spec's
-        ``base_model`` resolves to (a path relative to the adapter, a built-in model's folder), compared by location.
-        """
+        """Raise :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (when both know it)
+        or :class:`BaseShape`, or, with ``strict_base_id``, when ``base_model`` is not the spec's base (or
+        ``recorded``, where that resolves to) by id or location."""
         problems = []
         architecture = _architecture(config)
         if architecture and self.architecture and architecture != self.architecture:
@@ -257,25 +202,19 @@ class ContextSpec(StrictModel):
                 continue
             if actual[key] != expected:
                 problems.append(f"{key}: adapter expects {expected}, base has {actual[key]}")
-        if (
-            strict_base_id
-            and base_model
-            and self.base_model
-            and not _same_model(base_model, recorded or self.base_model)
-        ):
+        expected_base = recorded or self.base_model
+        if strict_base_id and base_model and self.base_model and not _same_model(base_model, expected_base):
             problems.append(f"base model id: adapter was trained on {self.base_model!r}, got {base_model!r}")
         if problems:
             raise SpecMismatchError(
-                "this adapter does not fit the base model: "
-                + "; ".join(problems)
-                + ". Load the base model the adapter was trained on."
+                f"this adapter does not fit the base model: {'; '.join(problems)}. Load the base model the adapter "
+                "was trained on."
             )
 
 
 def base_reference(name: str, folder: str | Path) -> str:
-    """How the ``longpeft.json`` (and ``adapter_config.json``) of ``folder`` names the base model ``name``: a local
-    folder by its path relative to ``folder`` (``../base``, always starting with ``.``: the two can move together,
-    and the file holds no path of this machine), a Hub id or a built-in model's name as given."""
+    """How ``folder``'s longpeft.json names the base ``name``: a local folder by its path relative to ``folder``
+    (always starting with ``.``), a Hub id or a built-in model's name as given."""
     from .builtin_models import BUILTIN_MODELS
 
     if name in BUILTIN_MODELS or not Path(name).exists():

@@ -1,10 +1,6 @@
-"""Tiny models and an in-memory tokenizer: no downloads.
-
-Used by the tests, `make demo` and the benchmarks. The tokenizer is a byte-level BPE trained in
-memory (it can encode any text), with single-digit pre-tokenisation (passkeys and numbers become
-one token per digit) and a chat template that marks assistant turns with ``{% generation %}``
-so TRL's assistant-only loss works. Turns end with ``<|end|>``, the eos token; ``</s>`` is a second
-eos id, as Llama-3-Instruct has two.
+"""Tiny models and an in-memory tokenizer, no downloads (tests, `make demo`, benchmarks): a byte-level BPE with one
+token per digit and a chat template whose ``{% generation %}`` marks assistant turns (TRL's assistant-only loss);
+turns end with ``<|end|>``, the eos token, and ``</s>`` is a second eos id.
 """
 
 from __future__ import annotations
@@ -35,9 +31,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
-# Architectures the tests cover: name -> (model_type, overrides). All use grouped-query
-# attention except "llama-mha"; "qwen2" has q/k/v biases; "qwen3" has q/k norms; "llama-tied" ties its output head to
-# the input embedding (tie_word_embeddings, as small chat models do).
+# Architectures the tests cover: name -> (model_type, overrides): grouped-query attention but "llama-mha"; "qwen2" has
+# q/k/v biases, "qwen3" q/k norms; "llama-tied" ties its output head to the input embedding.
 TINY_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2}),
     "llama-mha": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4}),
@@ -70,12 +65,8 @@ def sample_text(n_sentences: int = 400, seed: int = 0) -> list[str]:
 
 
 def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer in memory and wrap it for transformers.
-
-    Args:
-        texts: training text; defaults to :func:`sample_text`.
-        vocab_size: target vocabulary size including the special tokens and the 256 byte symbols.
-    """
+    """A byte-level BPE tokenizer for transformers trained in memory on ``texts`` (default :func:`sample_text`), of
+    ``vocab_size`` tokens including the special tokens and the 256 byte symbols."""
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast(
@@ -114,8 +105,7 @@ def _demo_texts() -> list[str]:
 
 
 def demo_tokenizer() -> PreTrainedTokenizerFast:
-    """The tokenizer of ``tiny:`` models, the demo and ``longpeft synth --tokenizer tiny``: trained in
-    memory on the procedural corpus (its words are single tokens) and :func:`sample_text`."""
+    """The tokenizer of ``tiny:`` models and the demo, trained on the procedural corpus and :func:`sample_text`."""
     return train_tokenizer(_demo_texts())
 
 
@@ -126,11 +116,8 @@ def demo_vocab_size() -> int:
 
 
 def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) -> dict[str, Any]:
-    """The ``config.json`` content of a tiny model of the given architecture (see TINY_ARCHITECTURES): its
-    ``model_type`` and settings, with the attention kernel as ``attn_implementation`` (no torch).
-
-    Defaults: hidden 64, 2 layers, head_dim 16, RoPE base 10000, 256 trained positions, fp32.
-    """
+    """The ``config.json`` content of a tiny model of ``arch`` (:data:`TINY_ARCHITECTURES`) with ``overrides``, the
+    attention kernel as ``attn_implementation`` (no torch). Hidden 64, 2 layers, RoPE base 10000, 256 positions."""
     if arch not in TINY_ARCHITECTURES:
         raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
     model_type, arch_overrides = TINY_ARCHITECTURES[arch]
@@ -147,9 +134,7 @@ def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) 
         eos_token_id=[6, 2],
         attn_implementation="eager",
     )
-    settings.update(arch_overrides)
-    settings.update(overrides)
-    return {"model_type": model_type, **settings}
+    return {"model_type": model_type, **settings, **arch_overrides, **overrides}
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
@@ -157,8 +142,8 @@ def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
     from transformers import AutoConfig
 
     settings = tiny_settings(arch, vocab_size, **overrides)
-    model_type, attn_implementation = settings.pop("model_type"), settings.pop("attn_implementation")
-    config = AutoConfig.for_model(model_type, **settings)
+    attn_implementation = settings.pop("attn_implementation")
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
     config._attn_implementation = attn_implementation
     return config
 

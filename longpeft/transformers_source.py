@@ -1,8 +1,5 @@
-"""Facts of the installed transformers read from its source files, without importing it: importing its
-configuration or training modules imports torch, and a recipe is validated without torch.
-
-Each reader falls back to importing the object when the source has a layout it does not know (the tests compare
-both on every stack: ``tests/test_validate.py``).
+"""Facts of the installed transformers read from its source files, without importing it (which imports torch); each
+reader falls back to importing the object when the source has a layout it does not know.
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ def optimizer_names() -> tuple[str, ...]:
 
 @lru_cache(maxsize=1)
 def model_types() -> frozenset[str]:
-    """Every ``model_type`` transformers has a config class for (the keys of ``CONFIG_MAPPING_NAMES``, which its
-    auto classes read), as literal pairs and dicts in ``models/auto/auto_mappings.py`` and
-    ``models/auto/configuration_auto.py``."""
+    """Every ``model_type`` transformers has a config class for (the keys of ``CONFIG_MAPPING_NAMES``), read from
+    ``models/auto/auto_mappings.py`` and ``models/auto/configuration_auto.py``."""
     found: set[str] = set()
     for relative in ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py"):
         tree = _source(relative)
