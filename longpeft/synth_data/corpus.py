@@ -1,12 +1,9 @@
 """Offline procedural corpus: long generated documents whose facts are recorded as they are written.
 
-Each procedural :class:`Document` is a chronicle ("story") or an annual report ("report") about a
-made-up town whose life revolves around a topic (a harbor, an observatory, ...). Fact sentences are
-scattered through filler prose, and every fact keeps its question, exact answer and character span,
-so the QA builders can ask about any slice of the document with answers that are right by
-construction. Documents of one topic share vocabulary, so text clustering groups them.
-
-Everything is deterministic given the seed.
+A procedural :class:`Document` is a chronicle ("story") or an annual report ("report") about a made-up town living
+from one topic (a harbor, an observatory, ...). Fact sentences are scattered through filler prose, and every fact
+keeps its question, exact answer and character span, so QA about any slice is right by construction. Documents of
+one topic share vocabulary, so text clustering groups them. Everything is deterministic given the seed.
 """
 
 from __future__ import annotations
@@ -16,106 +13,54 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TOPICS: dict[str, dict[str, list[str]]] = {
+_VOCABULARY = {  # topic -> word list -> its comma-separated items
     "harbor": {
-        "places": ["harbor", "pier", "lighthouse", "dock", "boathouse", "fish market", "sea wall", "ferry landing"],
-        "objects": ["anchor", "net", "rope", "lantern", "compass", "oar", "buoy", "sail"],
-        "professions": ["sailor", "fisher", "boatbuilder", "harbor pilot", "net maker"],
-        "structures": ["breakwater", "slipway", "customs house", "signal tower", "ice house", "rope walk"],
-        "sights": ["gulls circled over the water", "the tide pulled at the moorings", "salt dried on the decks"],
+        "places": "harbor, pier, lighthouse, dock, boathouse, fish market, sea wall, ferry landing",
+        "objects": "anchor, net, rope, lantern, compass, oar, buoy, sail",
+        "professions": "sailor, fisher, boatbuilder, harbor pilot, net maker",
+        "structures": "breakwater, slipway, customs house, signal tower, ice house, rope walk",
+        "sights": "gulls circled over the water, the tide pulled at the moorings, salt dried on the decks",
     },
     "mountain": {
-        "places": [
-            "pass",
-            "quarry",
-            "ridge",
-            "mine entrance",
-            "mountain hut",
-            "ice field",
-            "stone bridge",
-            "cable station",
-        ],
-        "objects": ["pickaxe", "helmet", "sled", "ladder", "drill", "cable", "boot", "crampon"],
-        "professions": ["miner", "guide", "stonecutter", "surveyor", "cable operator"],
-        "structures": ["tunnel", "shelter", "avalanche fence", "ore mill", "water channel", "rope bridge"],
-        "sights": ["snow lay on the high slopes", "rocks rattled down the scree", "the air was thin and cold"],
+        "places": "pass, quarry, ridge, mine entrance, mountain hut, ice field, stone bridge, cable station",
+        "objects": "pickaxe, helmet, sled, ladder, drill, cable, boot, crampon",
+        "professions": "miner, guide, stonecutter, surveyor, cable operator",
+        "structures": "tunnel, shelter, avalanche fence, ore mill, water channel, rope bridge",
+        "sights": "snow lay on the high slopes, rocks rattled down the scree, the air was thin and cold",
     },
     "orchard": {
-        "places": [
-            "orchard",
-            "cider press",
-            "barn",
-            "grove",
-            "apple store",
-            "packing shed",
-            "beehive field",
-            "farm gate",
-        ],
-        "objects": ["basket", "ladder", "crate", "pruning knife", "barrel", "cart", "sieve", "hoe"],
-        "professions": ["farmer", "beekeeper", "cider maker", "gardener", "fruit picker"],
-        "structures": ["irrigation pond", "drying kiln", "granary", "greenhouse", "windmill", "seed store"],
-        "sights": ["blossom covered the rows of trees", "bees hummed over the clover", "ripe fruit bent the branches"],
+        "places": "orchard, cider press, barn, grove, apple store, packing shed, beehive field, farm gate",
+        "objects": "basket, ladder, crate, pruning knife, barrel, cart, sieve, hoe",
+        "professions": "farmer, beekeeper, cider maker, gardener, fruit picker",
+        "structures": "irrigation pond, drying kiln, granary, greenhouse, windmill, seed store",
+        "sights": "blossom covered the rows of trees, bees hummed over the clover, ripe fruit bent the branches",
     },
     "observatory": {
-        "places": [
-            "observatory",
-            "dome",
-            "star chart room",
-            "telescope deck",
-            "clock room",
-            "archive",
-            "lecture hall",
-            "courtyard",
-        ],
-        "objects": ["telescope", "lens", "star chart", "sextant", "notebook", "chronometer", "mirror", "globe"],
-        "professions": ["astronomer", "clockmaker", "lens grinder", "archivist", "instrument maker"],
-        "structures": ["meridian hall", "radio mast", "library wing", "weather station", "guest house", "map room"],
-        "sights": ["the night sky was clear", "a comet crossed the northern sky", "the dome turned slowly"],
+        "places": "observatory, dome, star chart room, telescope deck, clock room, archive, lecture hall, courtyard",
+        "objects": "telescope, lens, star chart, sextant, notebook, chronometer, mirror, globe",
+        "professions": "astronomer, clockmaker, lens grinder, archivist, instrument maker",
+        "structures": "meridian hall, radio mast, library wing, weather station, guest house, map room",
+        "sights": "the night sky was clear, a comet crossed the northern sky, the dome turned slowly",
     },
     "railway": {
-        "places": [
-            "station",
-            "signal box",
-            "engine shed",
-            "platform",
-            "goods yard",
-            "ticket hall",
-            "water tower",
-            "junction",
-        ],
-        "objects": ["whistle", "timetable", "lamp", "ticket punch", "coal shovel", "brake lever", "flag", "wheel"],
-        "professions": ["engine driver", "signal keeper", "porter", "ticket clerk", "track inspector"],
-        "structures": ["viaduct", "turntable", "footbridge", "waiting room", "coal depot", "branch line"],
-        "sights": ["steam drifted over the platform", "the rails hummed before a train", "smoke rose from the shed"],
+        "places": "station, signal box, engine shed, platform, goods yard, ticket hall, water tower, junction",
+        "objects": "whistle, timetable, lamp, ticket punch, coal shovel, brake lever, flag, wheel",
+        "professions": "engine driver, signal keeper, porter, ticket clerk, track inspector",
+        "structures": "viaduct, turntable, footbridge, waiting room, coal depot, branch line",
+        "sights": "steam drifted over the platform, the rails hummed before a train, smoke rose from the shed",
     },
     "library": {
-        "places": [
-            "library",
-            "reading room",
-            "print shop",
-            "bindery",
-            "map hall",
-            "book market",
-            "scriptorium",
-            "garden court",
-        ],
-        "objects": ["ledger", "quill", "printing plate", "catalogue", "bookplate", "ink pot", "folio", "reading lamp"],
-        "professions": ["librarian", "printer", "bookbinder", "translator", "copyist"],
-        "structures": [
-            "east gallery",
-            "rare book vault",
-            "paper mill",
-            "reading tower",
-            "type foundry",
-            "book bridge",
-        ],
-        "sights": [
-            "dust floated in the light of the windows",
-            "pages rustled in the quiet",
-            "ink dried on fresh sheets",
-        ],
+        "places": "library, reading room, print shop, bindery, map hall, book market, scriptorium, garden court",
+        "objects": "ledger, quill, printing plate, catalogue, bookplate, ink pot, folio, reading lamp",
+        "professions": "librarian, printer, bookbinder, translator, copyist",
+        "structures": "east gallery, rare book vault, paper mill, reading tower, type foundry, book bridge",
+        "sights": "dust floated in the light of the windows, pages rustled in the quiet, ink dried on fresh sheets",
     },
 }
+TOPICS: dict[str, dict[str, list[str]]] = {
+    topic: {key: items.split(", ") for key, items in lists.items()} for topic, lists in _VOCABULARY.items()
+}
+
 
 TOPIC_DESCRIPTIONS = {
     "harbor": "a town living from its harbor and the sea",
@@ -135,27 +80,8 @@ LAST_NAMES = (
     "Sand Thorn Ulm Vance Wolde Yates Zorn Abel Birk Crane Drost Esk Fenn Gast Holm Jarl Kade Lund Moss Noll"
 ).split()
 TOWN_PARTS = (
-    [
-        "Ash",
-        "Brook",
-        "Cold",
-        "Deep",
-        "Elm",
-        "Fair",
-        "Gold",
-        "High",
-        "Iron",
-        "Lark",
-        "Mill",
-        "North",
-        "Oak",
-        "Red",
-        "Stone",
-        "Thorn",
-        "West",
-        "Wind",
-    ],
-    ["ford", "haven", "wick", "dale", "mere", "stead", "bury", "field", "port", "holm", "ton", "gate"],
+    "Ash Brook Cold Deep Elm Fair Gold High Iron Lark Mill North Oak Red Stone Thorn West Wind".split(),
+    "ford haven wick dale mere stead bury field port holm ton gate".split(),
 )
 ADJECTIVES = "red blue green silver golden black white copper amber grey bronze violet".split()
 ANIMALS = "dog cat horse goat parrot owl rabbit tortoise".split()
@@ -328,16 +254,13 @@ def generate_document(
     characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
     slots = _character_slots(rng, characters, n_sentences)
 
-    used_codes: set[tuple[str, str, str]] = set()
-    used_structures: set[str] = set()
+    used: set[tuple[str, ...]] = set()
     paragraph_left = rng.randint(4, 8)
     for index in range(n_sentences):
         if index in slots:
             _character_sentence(writer, *slots[index])
         elif fact_kinds and rng.random() < fact_rate:
-            _fact_sentence(
-                writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used_codes, used_structures
-            )
+            _fact_sentence(writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used)
         else:
             writer.sentence(_filler(rng, kind, town, vocab, characters))
         paragraph_left -= 1
@@ -432,18 +355,22 @@ def _character_sentence(writer: _Writer, character: Character, attribute: str) -
             [("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?", {})],
         )
     else:
+        animal, question = a["pet_animal"], f"What was the name of {name}'s {a['pet_animal']}?"
         writer.sentence(
-            f"{name} kept {article(a['pet_animal'])} called {a['pet']}.",
-            [
-                (
-                    "pet",
-                    name,
-                    a["pet"],
-                    f"What was the name of {name}'s {a['pet_animal']}?",
-                    {"animal": a["pet_animal"]},
-                )
-            ],
+            f"{name} kept {article(animal)} called {a['pet']}.",
+            [("pet", name, a["pet"], question, {"animal": animal})],
         )
+
+
+def _fresh(rng: random.Random, used: set[tuple[str, ...]], *choices: Sequence[str]) -> tuple[str, ...] | None:
+    """One item of each of ``choices``, drawn again while the draw is in ``used`` (then added to it); None when 20
+    draws were all used."""
+    for _ in range(20):
+        drawn = tuple(rng.choice(items) for items in choices)
+        if drawn not in used:
+            used.add(drawn)
+            return drawn
+    return None
 
 
 def _fact_sentence(
@@ -453,26 +380,11 @@ def _fact_sentence(
     vocab: dict[str, list[str]],
     professions: list[str],
     names: _NamePool,
-    used_codes: set[tuple[str, str, str]],
-    used_structures: set[str],
+    used: set[tuple[str, ...]],
 ) -> None:
-    if kind == "code":
-        for _ in range(20):
-            key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
-            if key not in used_codes:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_codes.add(key)
-        adjective, obj, place = key
-        number = str(rng.randint(1000, 99999))
-        subject = f"{adjective} {obj} at the {place}"
-        writer.sentence(
-            f"The {subject} is marked with the number {number}.",
-            [("code", subject, number, f"What number is the {subject} marked with?", {})],
-        )
-    elif kind == "profession":
+    """A scattered fact of ``kind`` (``used``: the objects and structures already written about); filler when 20
+    draws find only used ones."""
+    if kind == "profession":
         name, profession = names.take(), rng.choice(professions)
         writer.sentence(
             f"{name} worked as {article(profession)}.",
@@ -484,20 +396,20 @@ def _fact_sentence(
             f"{name} lived on {street} Street.",
             [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
         )
-    else:
-        for _ in range(20):
-            structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
-            if structure not in used_structures:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_structures.add(structure)
-        verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
+    elif kind == "code" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["objects"], vocab["places"])):
+        subject, number = "{} {} at the {}".format(*drawn), str(rng.randint(1000, 99999))
+        writer.sentence(
+            f"The {subject} is marked with the number {number}.",
+            [("code", subject, number, f"What number is the {subject} marked with?", {})],
+        )
+    elif kind == "event" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["structures"])):
+        structure, verb, year = " ".join(drawn), rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
         writer.sentence(
             f"In {year}, the council {verb} the {structure}.",
             [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
         )
+    else:
+        writer.sentence(_filler(rng, "report", "the town", vocab, []))
 
 
 def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]], characters: list[Character]) -> str:

@@ -267,6 +267,12 @@ def unfinished(text: str) -> str | None:
     return None
 
 
+def too_short(text: str, minimum: int) -> str | None:
+    """Why ``text`` has fewer than ``minimum`` real words, or None."""
+    count = len(words(text))
+    return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum}" if count < minimum else None
+
+
 def _tail(text: str, width: int = 40) -> str:
     return text if len(text) <= width else "..." + text[-width:]
 
@@ -442,12 +448,8 @@ def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_wor
 
 
 class QualityGates:
-    """Applies the gates of a :class:`QualityConfig` and counts rejections by task and reason.
-
-    Attributes:
-        checked: items seen per task; ``rejected``: rejections per task and reason; ``unused``: items that passed
-        beyond the number a job asked for, per task (the model wrote more; the first ones are used).
-    """
+    """Applies the gates of a :class:`QualityConfig` and counts, per task, the items ``checked``, the ``rejected``
+    ones per reason, and the ``unused`` ones (passed, beyond the number a job asked for: the first ones are used)."""
 
     def __init__(self, config: QualityConfig | None = None):
         self.config = config or QualityConfig()
@@ -465,138 +467,82 @@ class QualityGates:
         evidence: str,
         instructions: str = "",
         subjects: Sequence[str] | None = None,
-        earlier_questions: Sequence[str] = (),
     ) -> Verdict:
-        """Judge the items of one answer.
-
-        Args:
-            task: the name of a registered synth task (:mod:`.registry`).
-            items: QA pairs or biography turns, in the model's order.
-            evidence: the text the items were asked about (the chunk, the document, the numbered documents).
-            instructions: the prompt without the evidence (for ``prompt_echo``).
-            subjects: for biographies, the requested name of each item (same order).
-            earlier_questions: questions already kept for the same context (for ``near_duplicate``).
-        """
-        verdict = Verdict()
+        """Judge the items of one answer of ``task`` (a registered synth task), in the model's order: QA pairs or
+        biography turns, asked about ``evidence`` (the chunk, the document, the numbered documents) by a prompt whose
+        ``instructions`` (the prompt without the evidence) they must not copy; ``subjects``: for biographies, the
+        requested name of each item. Each item gets the first gate it fails, in the order of :data:`REASONS`."""
         if not self.config.enabled:
-            verdict.kept = list(items)
-            return verdict
-        cfg = self.config
+            return Verdict(kept=list(items))
+        self.checked[task] += len(items)
+        cfg, computed_numbers = self.config, get_task(task).computed_numbers
+        qa = subjects is None  # QA pairs, else biographies (whose question is longpeft's own)
         evidence_words = set(name_words(evidence))
         evidence_stems = {stem(w) for w in evidence_words}
         grams = echo_grams(instructions, evidence, cfg.echo_words) if instructions else set()
+        minimum = dict(question=cfg.min_question_words, answer=cfg.min_answer_words, biography=cfg.min_biography_words)
+        per_field: dict[str, Callable[[str, str], str | None]] = {  # gate -> why(label, text), for each field
+            "placeholder": lambda label, text: placeholder(text),
+            "prompt_echo": lambda label, text: prompt_echo(text, grams, cfg.echo_words) if grams else None,
+            "refusal": lambda label, text: refusal(text),
+            "too_short": lambda label, text: too_short(text, minimum[label]),
+            "unfinished": lambda label, text: unfinished(text),
+            "not_a_question": lambda label, text: not_a_question(text) if label == "question" and qa else None,
+            "tautology": lambda label, text: tautology(text),
+        }
+        per_item: dict[str, Callable[[Item, str], str | None]] = {  # gate -> why(item, its subject)
+            "restates_question": lambda item, name: (
+                restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None
+            ),
+            "wrong_subject": lambda item, name: (
+                None if qa else wrong_subject(name, item.answer, [s for s in subjects if s != name], evidence_words)
+            ),
+            "ungrounded": lambda item, name: ungrounded(
+                item.answer, evidence_stems, cfg.min_grounded_fraction, computed_numbers, item.question
+            ),
+        }
 
-        def failure(index: int, item: Item) -> Rejection | None:
-            self.checked[task] += 1
-            name = subjects[index] if subjects is not None else None
-            others = [s for s in (subjects or []) if s != name]
-            return self._first_failure(task, item, name, others, evidence_words, evidence_stems, grams)
+        def first_failure(item: Item, name: str | None) -> Rejection | None:
+            fields = {"question": item.question, "answer" if qa else "biography": item.answer}
+            for gate in filter(self.on, REASONS[:-1]):
+                if gate in per_field:
+                    whys = ((label, per_field[gate](label, text)) for label, text in fields.items())
+                    why = next((f"{label}: {found}" for label, found in whys if found), None)
+                else:
+                    why = per_item[gate](item, name)
+                if why:
+                    return Rejection(gate, why)
+            return None
 
-        return self._judge(task, items, earlier_questions, failure)
+        failures = [first_failure(item, None if qa else subjects[index]) for index, item in enumerate(items)]
+        return self._judge(task, items, [], failures)
 
     def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
         """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
         for the same context from other answers (the chunks of one document)."""
-        return self._judge(task, items, earlier_questions, lambda index, item: None)
+        return self._judge(task, items, earlier_questions, [None] * len(items))
 
     def _judge(
-        self,
-        task: str,
-        items: Sequence[Item],
-        earlier_questions: Sequence[str],
-        failure: Callable[[int, Item], Rejection | None],
+        self, task: str, items: Sequence[Item], earlier_questions: Sequence[str], failures: Sequence[Rejection | None]
     ) -> Verdict:
-        """Keep or reject each item: its first ``failure``, else ``near_duplicate`` against the questions kept so
-        far (``earlier_questions``, then this call's); rejections are counted."""
+        """Keep or reject each item: its failure, else ``near_duplicate`` against the questions kept so far
+        (``earlier_questions``, then this call's); rejections are counted."""
         verdict, kept_questions = Verdict(), list(earlier_questions)
-        for index, item in enumerate(items):
-            rejection = failure(index, item)
+        for item, rejection in zip(items, failures):
             if rejection is None and self.on("near_duplicate"):
                 rejection = self._duplicate(item.question, kept_questions)
             if rejection is None:
                 verdict.kept.append(item)
                 kept_questions.append(item.question)
             else:
-                self.count(task, rejection.reason)
+                self.rejected.setdefault(task, Counter())[rejection.reason] += 1
                 verdict.rejected.append((item, rejection))
         return verdict
-
-    def count(self, task: str, reason: str) -> None:
-        self.rejected.setdefault(task, Counter())[reason] += 1
 
     def surplus(self, task: str, count: int) -> None:
         """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
         if count > 0:
             self.unused[task] += count
-
-    def _first_failure(
-        self,
-        task: str,
-        item: Item,
-        name: str | None,
-        others: Sequence[str],
-        evidence_words: set[str],
-        evidence_stems: set[str],
-        grams: set[tuple[str, ...]],
-    ) -> Rejection | None:
-        cfg = self.config
-        fields = (("question", item.question), ("biography" if name is not None else "answer", item.answer))
-        minimum = {
-            "question": cfg.min_question_words,
-            "answer": cfg.min_answer_words,
-            "biography": cfg.min_biography_words,
-        }
-
-        def each_field(test: Callable[[str, str], str | None]) -> Callable[[], str | None]:
-            def run() -> str | None:
-                for label, text in fields:
-                    why = test(label, text)
-                    if why:
-                        return f"{label}: {why}"
-                return None
-
-            return run
-
-        def too_short(label: str, text: str) -> str | None:
-            count = len(words(text))
-            if count >= minimum[label]:
-                return None
-            return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}"
-
-        qa = name is None  # a QA pair (a biography's question is longpeft's own)
-        numbers_computed = get_task(task).computed_numbers
-        steps: list[tuple[str, Callable[[], str | None]]] = [
-            ("placeholder", each_field(lambda label, text: placeholder(text))),
-            (
-                "prompt_echo",
-                each_field(lambda label, text: prompt_echo(text, grams, cfg.echo_words) if grams else None),
-            ),
-            ("refusal", each_field(lambda label, text: refusal(text))),
-            ("too_short", each_field(too_short)),
-            ("unfinished", each_field(lambda label, text: unfinished(text))),
-            (
-                "not_a_question",
-                each_field(lambda label, text: not_a_question(text) if qa and label == "question" else None),
-            ),
-            ("tautology", each_field(lambda label, text: tautology(text))),
-            (
-                "restates_question",
-                lambda: restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None,
-            ),
-            ("wrong_subject", lambda: None if qa else wrong_subject(name, item.answer, others, evidence_words)),
-            (
-                "ungrounded",
-                lambda: ungrounded(
-                    item.answer, evidence_stems, cfg.min_grounded_fraction, numbers_computed, item.question
-                ),
-            ),
-        ]
-        for gate, step in steps:
-            if self.on(gate):
-                why = step()
-                if why:
-                    return Rejection(gate, why)
-        return None
 
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
         for earlier in kept:
