@@ -1,16 +1,11 @@
 """Quality gates on LLM-written items (QA pairs, and biographies with their "write a biography of NAME" question),
-applied after parsing and before a row is written.
+applied after parsing and before a row is written: plain text checks, torch-free and deterministic.
 
-Each gate rejects one item with a short reason code (:data:`REASONS`, in the order the gates run: the first that
-fails gives the reason) and a detail message. What each gate rejects, with its threshold and default
-(:class:`QualityConfig`), is tabled in docs/synth.md (Quality gates); each gate is a function below. Two facts of a
-task's record (:mod:`.registry`) choose among them: items about a named subject (``subject``: biographies) are judged
-by ``wrong_subject`` and ``min_biography_words`` instead of ``not_a_question`` and ``restates_question``, and in the
-tasks whose answers compute counts, sums and gaps (``computed_numbers``) ``ungrounded`` does not ask for numbers.
-
-The gates are plain text checks, torch-free and deterministic; :class:`QualityGates` counts every rejection
-by task and reason for the run's stats. An answer the server cut off (``finish_reason`` ``length``) never reaches
-them: the client drops it whole as a ``truncated`` attempt (:class:`.llm_output.TruncatedOutput`).
+Each gate is a function below; the first that fails rejects the item with its reason code (:data:`REASONS`) and a
+detail message. docs/synth.md (Quality gates) tables what each rejects and its threshold (:class:`QualityConfig`).
+Items about a named subject (a task's ``subject``: biographies) are judged by ``wrong_subject`` and
+``min_biography_words`` instead of ``not_a_question`` and ``restates_question``; in the tasks with
+``computed_numbers``, ``ungrounded`` does not ask for numbers.
 """
 
 from __future__ import annotations
@@ -191,8 +186,7 @@ _REFUSALS = [
         r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
         r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
         r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
-        r"in the "
-        r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
+        r"in the (?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
         r"\bnot enough information\b",
         r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
         r"context|story)",

@@ -1,29 +1,21 @@
-"""Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids.
+"""Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids, on the fly and seeded.
 
-For one training sequence made of several documents, with probability ``p``:
-
-1. each document of at least ``min_split_tokens`` tokens is split at random points into ``h`` chunks,
-   ``h`` drawn from ``chunk_counts`` (2-3 work best in the paper; ``h = 1`` leaves it whole);
-2. each chunk of a split document gets a random chunk label ``<label> A B C D </label>`` (letters as
-   ordinary tokens), chunk ``j > 1`` starts with the head knot ``<head_j>`` and chunk ``j < h`` ends
-   with the tail knot ``<tail_j>`` (``<tail_j>`` and ``<head_{j+1}>`` mark the same cut);
-3. all chunks of all documents are shuffled; with ``preserve_order`` each document keeps its own
-   chunk order (the paper's better variant);
-4. after a document's last chunk comes the backtrace target: its chunk labels in order,
-   ``<trace> label_1 <sep> label_2 ... </trace>``.
-
-Layout of chunk ``j`` of ``h``:
+With probability ``p``, each document of a sequence with at least ``min_split_tokens`` tokens is cut at random
+points into ``h`` chunks (``h`` drawn from ``chunk_counts``; 1 leaves it whole). Each chunk gets a random label of
+letters; ``<tail_j>`` ends chunk ``j`` and ``<head_{j+1}>`` starts the next (the same cut). All chunks are shuffled
+(with ``preserve_order``, each document's keep their order), and a document's last chunk ends with its backtrace,
+its labels in order. Chunk ``j`` of ``h``:
 ``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
 
-Labels are -100 on knots, on the chunk labels where they appear as input (with their delimiters) and
-on the trace sentinels; the backtrace label ids themselves are trained, as is every original token.
-Attention stays fully causal across documents (no per-document mask): the model must search the
-sequence for the matching knot. Everything runs on numpy token ids, on the fly, seeded.
+Labels are -100 on knots, on the chunk labels as input (with their delimiters) and on the trace sentinels; the
+backtrace's label ids and every original token are trained. Attention stays causal across documents (no mask per
+document): the model must search the sequence for the matching knot.
 """
 
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,11 +81,8 @@ def add_utk_tokens(
     flat = strings["head_knots"] + strings["tail_knots"] + [v for k, v in strings.items() if isinstance(v, str)]
     tokenizer.add_tokens(flat, special_tokens=True)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in flat}
-    letters = []
-    for letter in dict.fromkeys(alphabet):
-        encoded = tokenizer.encode(letter, add_special_tokens=False)
-        if len(encoded) == 1:
-            letters.append(encoded[0])
+    encoded = [tokenizer.encode(letter, add_special_tokens=False) for letter in dict.fromkeys(alphabet)]
+    letters = [e[0] for e in encoded if len(e) == 1]
     if len(letters) < 2:
         raise ConfigError(
             f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet"
@@ -101,12 +90,8 @@ def add_utk_tokens(
     return UtkTokens(
         head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
         tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
-        label_open=ids[strings["label_open"]],
-        label_close=ids[strings["label_close"]],
-        trace_open=ids[strings["trace_open"]],
-        trace_sep=ids[strings["trace_sep"]],
-        trace_close=ids[strings["trace_close"]],
         letters=tuple(letters),
+        **{key: ids[value] for key, value in strings.items() if isinstance(value, str)},
     )
 
 
@@ -176,7 +161,6 @@ class UtkAugmenter:
         self.rng = np.random.default_rng(seed)
         self._special = np.asarray(tokens.special_ids, dtype=np.int64)
         self._letters = np.asarray(tokens.letters, dtype=np.int64)
-        self._ignore: dict[int, np.ndarray] = {}
 
     def __call__(
         self, documents: Sequence[Sequence[int] | np.ndarray], seed: int | None = None, return_origin: bool = False
@@ -200,27 +184,20 @@ class UtkAugmenter:
         draws = self.counts[
             np.minimum(np.searchsorted(self._cumulative, rng.random(len(docs)), side="right"), len(self.counts) - 1)
         ]
-        for index, doc in enumerate(docs):
-            h = min(int(draws[index]), len(doc)) if len(doc) >= self.min_split_tokens else 1
+        for doc, start, drawn in zip(docs, starts.tolist(), draws.tolist()):
+            h = min(drawn, len(doc)) if len(doc) >= self.min_split_tokens else 1
+            pieces_per_doc.append(h)
             if h == 1:
-                pieces.append([(doc, doc, int(starts[index]))])
-                pieces_per_doc.append(1)
+                pieces.append([(doc, doc, start)])
                 continue
             bounds = [0, *self._cuts(rng, len(doc), h), len(doc)]
             labels = self._new_labels(rng, h, used_labels)
             for j in range(h):
-                segments = []
-                if j > 0:
-                    segments.append(self._marker([self.tokens.head_knots[j]]))
-                segments.append(self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close]))
+                head = [self._marker([self.tokens.head_knots[j]])] if j else []
+                label = self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close])
                 content = doc[bounds[j] : bounds[j + 1]]
-                segments.append((content, content, int(starts[index]) + bounds[j]))
-                if j < h - 1:
-                    segments.append(self._marker([self.tokens.tail_knots[j]]))
-                else:
-                    segments += self._backtrace(labels)
-                pieces.append(segments)
-            pieces_per_doc.append(h)
+                tail = [self._marker([self.tokens.tail_knots[j]])] if j < h - 1 else self._backtrace(labels)
+                pieces.append([*head, label, (content, content, start + bounds[j]), *tail])
 
         segments = [segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]]
         input_ids = np.concatenate([s[0] for s in segments])
@@ -270,11 +247,10 @@ class UtkAugmenter:
             labels.append(list(free[index]))
         return labels
 
-    def _marker(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    @staticmethod
+    def _marker(ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
         """Inserted tokens that are never trained as targets."""
-        if len(ids) not in self._ignore:
-            self._ignore[len(ids)] = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
-        return np.asarray(ids, dtype=np.int64), self._ignore[len(ids)], -1
+        return np.asarray(ids, dtype=np.int64), np.full(len(ids), IGNORE_INDEX, dtype=np.int64), -1
 
     def _backtrace(self, labels: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """``<trace> L1 <sep> L2 ... </trace>``: the label ids are trained, the sentinels are not."""
@@ -356,11 +332,6 @@ class UtkCollator:
         self.max_length = max_length
         self.seed = seed
 
-    def _seed(self, ids: np.ndarray) -> int:
-        import zlib
-
-        return zlib.crc32(ids.tobytes(), self.seed)
-
     def __call__(self, features: Sequence[Mapping]) -> dict:
         import torch
 
@@ -370,7 +341,8 @@ class UtkCollator:
             bounds = np.cumsum([0, *feature["doc_lengths"]])
             if bounds[-1] != len(ids):
                 raise ValueError(f"doc_lengths sum to {bounds[-1]} but the sequence has {len(ids)} tokens")
-            sample = self.augmenter([ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seed=self._seed(ids))
+            seed = zlib.crc32(ids.tobytes(), self.seed)
+            sample = self.augmenter([ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seed=seed)
             rows.append((sample.input_ids[: self.max_length], sample.labels[: self.max_length]))
         width = max(len(r[0]) for r in rows)
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
