@@ -1,13 +1,9 @@
-"""Long-context conversation builders: the machinery every synth task plans and assembles with (the tasks
-themselves, and how each plans its contexts, are records of :mod:`.registry`; the built-in ones: :mod:`.builtin`).
+"""Long-context conversation builders: the machinery every synth task (:mod:`.registry`) plans and assembles with.
 
-A :class:`LongContextBuilder` plans contexts and their QA jobs (:meth:`~LongContextBuilder.plan`, through the task's
-planner), asks a :class:`~.registry.QAGenerator` for the QA, and assembles conversations in ``messages`` format: the
-long context sits in the first user turn, followed by the first question; every further QA pair about the same
-context is one more user/assistant turn of the same conversation.
-
-Lengths are measured with the training tokenizer and its chat template: every conversation a builder
-returns has between ``min_tokens`` and ``max_tokens`` tokens.
+A :class:`LongContextBuilder` plans contexts and their QA jobs through the task's planner, asks a
+:class:`~.registry.QAGenerator` for the QA, and assembles ``messages``: the context and the first question in the
+first user turn, each further QA pair one more turn. Every conversation it returns has ``min_tokens`` to
+``max_tokens`` tokens, measured with the training tokenizer and its chat template.
 """
 
 from __future__ import annotations
@@ -128,10 +124,8 @@ def sentence_end_after(text: str, position: int, window: int = 600) -> int:
 
 def sentence_end_before(text: str, position: int, floor: int) -> int:
     """Last sentence end in ``(floor, position]``, else ``position``."""
-    last = None
-    for match in _SENTENCE_END.finditer(text, floor, position):
-        last = match.end()
-    return last if last is not None and last > floor else position
+    ends = [match.end() for match in _SENTENCE_END.finditer(text, floor, position)]
+    return ends[-1] if ends and ends[-1] > floor else position
 
 
 @dataclass
@@ -273,11 +267,8 @@ class LongContextBuilder:
             pairs = pairs[:-1]
             messages = self._messages(plan.context_text, pairs)
             tokens = self.counter.conversation(messages)
-        if tokens > self.length.max_tokens:
-            self.report.skip(plan.task, "too_long")
-            return None
-        if tokens < self.length.min_tokens:
-            self.report.skip(plan.task, "too_short")
+        if not self.length.min_tokens <= tokens <= self.length.max_tokens:
+            self.report.skip(plan.task, "too_long" if tokens > self.length.max_tokens else "too_short")
             return None
         meta = {
             **plan.meta,

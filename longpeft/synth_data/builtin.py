@@ -1,13 +1,7 @@
-"""The built-in synth tasks, one :func:`~.registry.register` line each (``longpeft.synth_data`` imports this module):
-the data recipe of "Extending Llama-3's Context Ten-Fold Overnight". Each turns long contexts into multi-turn
-conversations: the context sits in the first user turn with the first question, and every further QA pair about the
-same context is one more turn.
-
-- ``single_detail``: QA about <= ``length.chunk_tokens``-token chunks sliced from a long context;
-- ``multi_detail``: questions aggregating several places of one long, coherent document;
-- ``biography``: one biography per main character of a book;
-- ``heterogeneous``: texts of one cluster (TF-IDF + k-means over the corpus) packed into one context, questions on
-  their similarities and differences.
+"""The built-in synth tasks, one :func:`~.registry.register` line each: the data recipe of "Extending Llama-3's
+Context Ten-Fold Overnight". ``single_detail`` asks about chunks (<= ``length.chunk_tokens``) of a long context,
+``multi_detail`` aggregates several places of one long document, ``biography`` writes one per main character of a
+book, and ``heterogeneous`` compares the texts of one cluster (TF-IDF + k-means) packed into one context.
 """
 
 from __future__ import annotations
