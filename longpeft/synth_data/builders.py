@@ -8,6 +8,7 @@ first user turn, each further QA pair one more turn. Every conversation it retur
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -64,7 +65,6 @@ class TokenCounter:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
         self.tokenizer = tokenizer
-        self._tokens_per_sentence: float | None = None
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -81,12 +81,10 @@ class TokenCounter:
             return len(encoded["input_ids"])
         return sum(self.count(m["content"]) for m in messages) + 4 * len(messages)
 
+    @functools.cached_property
     def tokens_per_sentence(self) -> float:
         """Average tokens per procedural sentence (estimated once from a sample document)."""
-        if self._tokens_per_sentence is None:
-            sample = generate_document(seed=12345, n_sentences=300)
-            self._tokens_per_sentence = self.count(sample.text) / 300
-        return self._tokens_per_sentence
+        return self.count(generate_document(seed=12345, n_sentences=300).text) / 300
 
 
 def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **options: Any) -> Document:
@@ -96,7 +94,7 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
     length fits (a few regenerations at most).
     """
     floor = max(4, 4 * options.get("n_characters", 4))  # generate_document needs 4 per character
-    n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence()))
+    n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence))
     best: Document | None = None
     best_tokens = 0
     for _ in range(8):
@@ -159,17 +157,10 @@ class BuildReport:
 
 
 class LongContextBuilder:
-    """Plans contexts (each task by its planner), asks a :class:`~.registry.QAGenerator` for QA, and assembles
-    conversations.
-
-    Args:
-        tokenizer: the training tokenizer (fast); lengths are measured with its chat template.
-        answerer: :class:`~.qa.ProceduralAnswerer` (exact, offline) or :class:`~.qa.LLMAnswerer`.
-        length: the token budget.
-        context_template: first user turn, with ``{context}`` and ``{question}``.
-        seed: seeds every random choice (context lengths, chunk positions, packing).
-        show_progress: progress bar while assembling and measuring conversations.
-    """
+    """Plans contexts (each task by its planner), asks ``answerer`` (:class:`~.qa.ProceduralAnswerer` or
+    :class:`~.qa.LLMAnswerer`) for QA, and assembles conversations within ``length``, measured with ``tokenizer``
+    (fast) and its chat template. ``context_template``: the first user turn, with ``{context}`` and ``{question}``;
+    ``seed`` seeds every random choice (context lengths, chunk positions, packing)."""
 
     def __init__(
         self,
@@ -190,8 +181,6 @@ class LongContextBuilder:
         self.show_progress = show_progress
         self.report = BuildReport()
 
-    # ---- planning -----------------------------------------------------------------------------
-
     def plan(self, task: str, documents: Sequence[Document] | None = None, **settings: Any) -> list[ContextPlan]:
         """The contexts and QA jobs of the registered ``task`` (no QA is generated yet), with ``settings``: fields of
         its config section (``contexts``: conversations to build, and its own); from ``documents``, or from
@@ -201,13 +190,9 @@ class LongContextBuilder:
         self.report.requested[record.name] += section.contexts
         return record.plan(self, record.name, section, documents)
 
-    def rng(self, task: str, salt: int = 0) -> random.Random:
+    def rng(self, task: str) -> random.Random:
         """The random choices of ``task``'s planning (seeded by the builder's seed)."""
-        return random.Random(f"{self.seed}/{task}/{salt}")
-
-    def context_target(self, rng: random.Random) -> int:
-        """A context length in tokens, drawn in :meth:`LengthConfig.context_budget`."""
-        return rng.randint(*self.length.context_budget())
+        return random.Random(f"{self.seed}/{task}/0")
 
     def long_contexts(
         self, task: str, documents: Sequence[Document] | None, count: int
@@ -228,7 +213,7 @@ class LongContextBuilder:
                 break
             document = documents[index]
             offsets = self.counter.offsets(document.text)
-            target = self.context_target(rng)
+            target = rng.randint(*self.length.context_budget())
             if len(offsets) < self.length.min_tokens:
                 self.report.skip(task, "document_too_short")
                 continue
@@ -238,8 +223,6 @@ class LongContextBuilder:
             inside = [span for span in offsets if span[1] <= end]
             produced += 1
             yield document, Passage(document, 0, end), inside, rng
-
-    # ---- generation and assembly --------------------------------------------------------------
 
     def build(self, plans: Sequence[ContextPlan]) -> list[dict[str, Any]]:
         """Generate QA for every plan in one batch, then assemble and length-check the conversations."""
@@ -325,22 +308,12 @@ def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int 
     return [c for c in clusters if c]
 
 
-# ---- procedural sources ---------------------------------------------------------------------------
-
-
 def procedural_long_documents(
-    counter: TokenCounter,
-    task: str,
-    count: int,
-    length: LengthConfig,
-    seed: int,
-    progress: bool = False,
-    **options: Any,
+    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, progress: bool = False
 ) -> list[Document]:
     """``count`` procedural documents long enough for any context length of ``length``, of the kind ``task`` asks
     for (its record's ``documents``: the biographies' are chronicles with several main characters)."""
-    options = {**get_task(task).documents, **options}
-    rng = random.Random(f"{seed}/{task}/documents")
+    options, rng = get_task(task).documents, random.Random(f"{seed}/{task}/documents")
     return [
         procedural_document(
             counter, length.max_tokens + 64, seed=rng.randrange(2**31), doc_id=f"{task}-doc-{i}", **options
@@ -362,21 +335,11 @@ def procedural_cluster_pool(
     budget_min, budget_max = length.context_budget()
     # aim the sum of docs_per_context documents (each up to 5% over its minimum) at the budget's middle
     doc_tokens = max(64, int((budget_min + budget_max) / 2 / docs_per_context / 1.025))
-    topics = sorted(TOPICS)
-    pool = []
+    topics, pool = sorted(TOPICS), []
     for c in tqdm(range(contexts), desc="heterogeneous documents", unit="context", disable=not progress):
-        topic = topics[c % len(topics)]
         for d in range(docs_per_context + 1):
-            pool.append(
-                procedural_document(
-                    counter,
-                    doc_tokens,
-                    seed=rng.randrange(2**31),
-                    topic=topic,
-                    doc_id=f"heterogeneous-doc-{c}-{d}",
-                    n_characters=1,
-                )
-            )
+            options = {"topic": topics[c % len(topics)], "doc_id": f"heterogeneous-doc-{c}-{d}", "n_characters": 1}
+            pool.append(procedural_document(counter, doc_tokens, seed=rng.randrange(2**31), **options))
     return pool
 
 

@@ -176,7 +176,7 @@ def plan_heterogeneous(
         for queue in queues:
             if len(plans) == contexts:
                 break
-            picked = _pack(queue, sizes, builder.context_target(rng), budget_min, budget_max)
+            picked = _pack(queue, sizes, rng.randint(budget_min, budget_max), budget_min, budget_max)
             if picked is None:
                 continue
             packed_any = True
