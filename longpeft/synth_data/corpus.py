@@ -1,9 +1,7 @@
-"""Offline procedural corpus: long generated documents whose facts are recorded as they are written.
-
-A procedural :class:`Document` is a chronicle ("story") or an annual report ("report") about a made-up town living
-from one topic (a harbor, an observatory, ...). Fact sentences are scattered through filler prose, and every fact
-keeps its question, exact answer and character span, so QA about any slice is right by construction. Documents of
-one topic share vocabulary, so text clustering groups them. Everything is deterministic given the seed.
+"""Offline procedural corpus: chronicles ("story") and annual reports ("report") of made-up towns living from one
+topic (a harbor, an observatory, ...), deterministic given the seed. Fact sentences are scattered through filler, each
+fact recorded with its question, exact answer and character span, so QA about any slice is right by construction.
+Documents of one topic share vocabulary, so text clustering groups them.
 """
 
 from __future__ import annotations
@@ -97,19 +95,11 @@ FACT_KINDS = ("code", "profession", "street", "event")
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact written into a document.
-
-    Attributes:
-        fact_id: unique id ``"<doc_id>:<n>"``.
-        kind: ``code``, ``profession``, ``street``, ``event``, ``founded``, ``population``, or a main
-            character's ``birth_year``, ``birthplace``, ``profession``, ``sibling`` or ``pet``.
-        subject: who or what the fact is about (a person, ``"the blue lantern at the pier"``, ...).
-        value: the exact answer as written in the text.
-        question: a question whose only correct answer is ``value``.
-        sentence: the sentence that states the fact.
-        start, end: character span of ``sentence`` in the document text.
-        detail: extra structured fields (the verb of an event, the animal of a pet, ...).
-    """
+    """One fact written into a document: ``fact_id`` ``"<doc_id>:<n>"``; its ``kind`` (``code``, ``profession``,
+    ``street``, ``event``, ``founded``, ``population``, or a main character's ``birth_year``, ``birthplace``,
+    ``profession``, ``sibling`` or ``pet``); its ``subject`` (a person, ``"blue lantern at the pier"``, ...); its
+    ``value``, the exact answer as written, to ``question``; the ``sentence`` stating it, at ``start:end`` of the
+    text; ``detail``: more fields (the verb of an event, the animal of a pet, ...)."""
 
     fact_id: str
     kind: str
@@ -135,18 +125,10 @@ class Character:
 
 @dataclass
 class Document:
-    """A source document; procedural ones carry their ground truth.
-
-    Attributes:
-        doc_id: identifier (also the prefix of its fact ids).
-        title: the document's title (the first line of procedural texts).
-        text: the document.
-        kind: ``"story"`` or ``"report"`` (procedural), ``"text"`` (read from a file).
-        topic: key of :data:`TOPICS` (procedural only).
-        facts: every fact, in order of appearance (empty for files).
-        characters: the main characters (each has one fact per attribute and many mentions).
-        profile: town-level facts ``town``, ``founded``, ``population``, ``topic``.
-    """
+    """A source document: ``doc_id`` (the prefix of its fact ids), ``title`` (the first line of procedural texts),
+    ``text`` and ``kind`` (``"story"`` or ``"report"``; ``"text"`` for a file). A procedural one carries its ground
+    truth: its ``topic`` (a key of :data:`TOPICS`), every fact in order of appearance, its main characters (one
+    fact per attribute, many mentions) and its ``profile`` (``town``, ``founded``, ``population``, ``topic``)."""
 
     doc_id: str
     title: str
@@ -225,20 +207,11 @@ def generate_document(
     n_characters: int = 4,
     doc_id: str | None = None,
 ) -> Document:
-    """Generate one document: the town's profile, then ``n_sentences`` sentences of main characters' facts at
-    their slots, scattered facts and filler, in paragraphs of 4 to 8 sentences.
-
-    Args:
-        seed: everything (topic, names, facts, wording) follows from it.
-        n_sentences: length in sentences (one sentence is ~10 words).
-        kind: ``"story"`` or ``"report"`` (random when None).
-        topic: a key of :data:`TOPICS` (random when None).
-        fact_kinds: kinds of scattered facts to write, from :data:`FACT_KINDS`.
-        fact_rate: fraction of sentences that state a scattered fact.
-        n_characters: main characters; each gets a fact per attribute (birth year, birthplace, profession,
-            sibling, pet), spread over the document (0 for none).
-        doc_id: identifier (default ``"doc-<seed>"``).
-    """
+    """One document, all of it following from ``seed``: the town's profile, then ``n_sentences`` sentences (~10
+    words each) in paragraphs of 4 to 8: the facts of ``n_characters`` main characters (birth year and place,
+    profession, sibling, pet) spread over it, scattered facts of ``fact_kinds`` (:data:`FACT_KINDS`) in
+    ``fact_rate`` of the sentences, and filler. ``kind`` (``"story"`` or ``"report"``) and ``topic`` are random when
+    None; ``doc_id`` defaults to ``"doc-<seed>"``."""
     rng = random.Random(seed)
     kind = kind or rng.choice(["story", "report"])
     topic = topic or rng.choice(sorted(TOPICS))
@@ -289,8 +262,7 @@ def _check_document_options(
 def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -> dict[str, Any]:
     """The opening paragraph: the town's founding year and population (two facts) and its topic; returns the
     document's ``profile``."""
-    founded = rng.randint(1200, 1890)
-    population = rng.randint(800, 60000)
+    founded, population = rng.randint(1200, 1890), rng.randint(800, 60000)
     writer.sentence(
         f"{town} was founded in {founded}.",
         [("founded", town, str(founded), f"In which year was {town} founded?", {})],
@@ -306,8 +278,7 @@ def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -
 
 def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
     """A main character: a name and a sibling from ``names``, a birth year and place, a profession and a pet."""
-    name = names.take()
-    animal = rng.choice(ANIMALS)
+    name, animal = names.take(), rng.choice(ANIMALS)
     attributes = {
         "birth_year": str(rng.randint(1700, 1990)),
         "birthplace": town_name(rng),
@@ -434,19 +405,12 @@ def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]
 
 
 def corpus_texts(n: int = 40, seed: int = 0, n_sentences: int = 120) -> list[str]:
-    """``n`` procedural texts (documents followed by their questions and answers) to train a tokenizer on.
-
-    Covers every topic, both kinds, and the question wording the QA builders use.
-    """
-    rng = random.Random(seed)
-    texts = []
+    """``n`` procedural texts to train a tokenizer on, covering every topic and both kinds: documents followed by
+    their questions and answers (the QA builders' wording)."""
+    rng, topics, texts = random.Random(seed), sorted(TOPICS), []
     for index in range(n):
-        document = generate_document(
-            seed=rng.randrange(2**31),
-            n_sentences=n_sentences,
-            topic=sorted(TOPICS)[index % len(TOPICS)],
-            kind=("story", "report")[index % 2],
-        )
+        kind, topic = ("story", "report")[index % 2], topics[index % len(topics)]
+        document = generate_document(seed=rng.randrange(2**31), n_sentences=n_sentences, topic=topic, kind=kind)
         qa = "\n".join(f"{fact.question} {fact.value}." for fact in document.facts)
         texts.append(f"{document.text}\n{qa}\n")
     return texts

@@ -323,34 +323,33 @@ def tautology(text: str) -> str | None:
     found = words(text)
     content = [w for w in found if w not in STOP_WORDS]
     for i, word in enumerate(found):
-        if word in _LINKS:
-            for length in range(4, 0, -1):
-                left, right = found[max(0, i - length) : i], found[i + 1 : i + 1 + length]
-                if len(left) == length and left == right and _has_content(left):
-                    if length == 1 and left[0] in _IDIOMS:
-                        break
-                    phrase = " ".join(left)
-                    return f"compares {phrase!r} with itself ({phrase!r} {word} {phrase!r})"
+        if word in _LINKS and (phrase := _said_again(found, i, i + 1)) and phrase not in _IDIOMS:
+            return f"compares {phrase!r} with itself ({phrase!r} {word} {phrase!r})"
         if word in _COPULAS or (word in _RELATIVES and i + 1 < len(found) and found[i + 1] in _COPULAS):
             start = i + 1 if word in _COPULAS else i + 2
             while start < len(found) and found[start] in _SKIPPED:
                 start += 1
-            for length in range(4, 0, -1):
-                left, right = found[max(0, i - length) : i], found[start : start + length]
-                if len(left) == length and left == right and _has_content(left):
-                    phrase = " ".join(left)
-                    return f"says that {phrase!r} is {phrase!r}"
+            if phrase := _said_again(found, i, start):
+                return f"says that {phrase!r} is {phrase!r}"
     for length in range(1, 5):  # a phrase said three times in a row: a loop
         for i in range(len(found) - 3 * length + 1):
             gram = found[i : i + length]
-            if gram == found[i + length : i + 2 * length] == found[i + 2 * length : i + 3 * length] and _has_content(
-                gram
-            ):
+            if gram * 3 == found[i : i + 3 * length] and _has_content(gram):
                 return f"repeats {' '.join(gram)!r} in a loop"
     if content:
         word, count = Counter(content).most_common(1)[0]
         if count >= 4 and count * 2 >= len(content):
             return f"{count} of its {len(content)} content words are {word!r}"
+    return None
+
+
+def _said_again(found: list[str], end: int, start: int) -> str | None:
+    """The longest phrase (4 words at most, one of them a content word) that ends before ``found[end]`` and is said
+    again from ``found[start]``, or None."""
+    for length in range(4, 0, -1):
+        phrase = found[max(0, end - length) : end]
+        if len(phrase) == length and phrase == found[start : start + length] and _has_content(phrase):
+            return " ".join(phrase)
     return None
 
 

@@ -28,11 +28,8 @@ from ..family import IGNORE_INDEX
 
 @dataclass(frozen=True)
 class UtkTokens:
-    """Ids of the UtK special tokens and of the letters chunk labels are spelled with.
-
-    ``head_knots[j]`` / ``tail_knots[j]`` are the knots of chunk ``j`` (0-based); ``head_knots[0]``
-    and ``tail_knots[-1]`` are unused (-1).
-    """
+    """Ids of the UtK special tokens and of the letters chunk labels are spelled with. ``head_knots[j]`` /
+    ``tail_knots[j]`` are the knots of chunk ``j`` (0-based); ``head_knots[0]`` and ``tail_knots[-1]`` are -1."""
 
     head_knots: tuple[int, ...]
     tail_knots: tuple[int, ...]
@@ -69,12 +66,9 @@ def utk_token_strings(max_chunks: int) -> dict[str, list[str] | str]:
 def add_utk_tokens(
     tokenizer: PreTrainedTokenizerBase, max_chunks: int = 3, alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 ) -> UtkTokens:
-    """Add the knot, label and trace special tokens to ``tokenizer`` (idempotent) and return their ids.
-
-    The model's embeddings must then be resized to ``len(tokenizer)``
-    (``model.resize_token_embeddings(len(tokenizer))``) and trained (e.g. ``trainable_token_indices``).
-    Chunk labels are spelled with the letters of ``alphabet`` that the tokenizer encodes as one token.
-    """
+    """Add the knot, label and trace special tokens to ``tokenizer`` (idempotent) and return their ids; chunk
+    labels are spelled with the letters of ``alphabet`` it encodes as one token. The model's embeddings must then be
+    resized to ``len(tokenizer)`` and trained (e.g. ``trainable_token_indices``)."""
     if max_chunks < 2:
         raise ConfigError(f"max_chunks must be at least 2, got {max_chunks}")
     strings = utk_token_strings(max_chunks)
@@ -97,15 +91,9 @@ def add_utk_tokens(
 
 @dataclass
 class UtkSample:
-    """Output of :class:`UtkAugmenter`.
-
-    Attributes:
-        input_ids: int64 array, the augmented sequence.
-        labels: int64 array, same length; -100 where no loss is taken.
-        origin: with ``return_origin``, int64 array giving for each position the index of the original
-            token in the concatenated input documents, or -1 for inserted tokens.
-        augmented: whether UtK was applied (probability ``p``).
-    """
+    """Output of :class:`UtkAugmenter`: the sequence's ``input_ids`` and ``labels`` (int64, -100 where no loss is
+    taken), whether it was ``augmented``, and with ``return_origin`` the ``origin`` of each position (int64: the index
+    of the original token in the concatenated documents, -1 for inserted tokens)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
@@ -114,18 +102,15 @@ class UtkSample:
 
 
 class UtkAugmenter:
-    """Applies UtK to sequences of documents given as token ids.
+    """Applies UtK to sequences of documents given as token ids, with ``tokens`` of :func:`add_utk_tokens`.
 
     Args:
-        tokens: from :func:`add_utk_tokens`.
         probability: chance that a sequence is augmented (the paper: 0.3 low, 0.8 high).
-        chunk_counts: distribution of chunks per long-enough document, ``{h: weight}``; ``h = 1`` keeps
-            a document whole. Every ``h`` must be <= ``tokens.max_chunks``.
-        min_split_tokens: documents shorter than this are never split.
-        preserve_order: keep each document's chunks in their original order when shuffling.
-        label_length: letters per chunk label.
-        seed: seeds the augmenter's generator; calls consume it in order. Pass ``seed=`` to a call
-            to make that call independent of the others (e.g. the dataset index).
+        chunk_counts: ``{h: weight}`` of chunks per long-enough document (``h = 1`` keeps it whole; every ``h`` at
+            most ``tokens.max_chunks``).
+        min_split_tokens, label_length: the shortest document split; letters per chunk label.
+        preserve_order: each document's chunks keep their order when shuffled.
+        seed: seeds the generator calls consume in order; a call's own ``seed=`` makes it independent of the others.
     """
 
     def __init__(
@@ -199,20 +184,13 @@ class UtkAugmenter:
                 tail = [self._marker([self.tokens.tail_knots[j]])] if j < h - 1 else self._backtrace(labels)
                 pieces.append([*head, label, (content, content, start + bounds[j]), *tail])
 
-        segments = [segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]]
-        input_ids = np.concatenate([s[0] for s in segments])
-        labels = np.concatenate([s[1] for s in segments])
+        ids, labels, firsts = zip(*(segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]))
         origin = None
         if return_origin:
             origin = np.concatenate(
-                [
-                    np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
-                    for s in segments
-                ]
+                [np.arange(o, o + len(part)) if o >= 0 else np.full(len(part), -1) for part, o in zip(ids, firsts)]
             )
-        return UtkSample(input_ids, labels, origin, augmented=True)
-
-    # ---- helpers ------------------------------------------------------------------------------
+        return UtkSample(np.concatenate(ids), np.concatenate(labels), origin, augmented=True)
 
     @staticmethod
     def _cuts(rng: np.random.Generator, length: int, h: int) -> list[int]:
@@ -296,12 +274,9 @@ def chunk_labels_needed(doc_lengths: Sequence[int], max_chunks: int, min_split_t
 def pack_documents(
     documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int
 ) -> list[list[int]]:
-    """Group consecutive documents (token id lists) so each group plus UtK's insertions fits ``max_length``.
-
-    Returns lists of document indices. Documents are not cut: one too long to fit even alone gets a
-    group of its own that exceeds ``max_length`` (cut documents to ``max_length - utk_overhead(1, ...)``
-    tokens first, as ``longpeft.recipes.data.pack_for_utk`` does).
-    """
+    """Indices of consecutive documents (token id lists) grouped so that each group plus UtK's insertions fits
+    ``max_length``. A document too long even alone gets a group of its own (cut documents to ``max_length -
+    utk_overhead(1, ...)`` tokens first, as ``longpeft.recipes.data.pack_for_utk`` does)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -318,13 +293,9 @@ def pack_documents(
 
 
 class UtkCollator:
-    """Applies UtK to packed sequences on the fly and pads a batch for causal-LM training.
-
-    Each feature has ``input_ids`` (its documents concatenated) and ``doc_lengths``. The augmentation
-    of a sequence is seeded by the collator's seed and the sequence's content, so a resumed run sees
-    the same augmentation. Returns ``input_ids``, ``labels`` (-100 on UtK markers and padding) and
-    ``attention_mask``, right-padded.
-    """
+    """Applies UtK to packed sequences (features: ``input_ids``, its documents concatenated, and ``doc_lengths``),
+    seeded by the collator's seed and the sequence's content (a resumed run sees the same augmentation), and
+    right-pads the batch: ``input_ids``, ``labels`` (-100 on UtK markers and padding) and ``attention_mask``."""
 
     def __init__(self, augmenter: UtkAugmenter, pad_token_id: int, max_length: int, seed: int = 0):
         self.augmenter = augmenter
