@@ -114,6 +114,11 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
     return best
 
 
+def exchange(user: str, assistant: str) -> list[dict[str, str]]:
+    """A user turn and the assistant's answer, in ``messages`` format."""
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
 def sentence_end_after(text: str, position: int, window: int = 600) -> int:
     """First sentence end at or after ``position`` (within ``window`` chars), else ``position``."""
     match = _SENTENCE_END.search(text, position, min(len(text), position + window))
@@ -269,10 +274,7 @@ class LongContextBuilder:
 
     def _messages(self, context: str, pairs: Sequence[QAPair]) -> list[dict[str, str]]:
         first = self.context_template.format(context=context.strip(), question=pairs[0].question)
-        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": pairs[0].answer}]
-        for pair in pairs[1:]:
-            messages += [{"role": "user", "content": pair.question}, {"role": "assistant", "content": pair.answer}]
-        return messages
+        return [turn for i, p in enumerate(pairs) for turn in exchange(p.question if i else first, p.answer)]
 
 
 def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 
 from ..config import StrictModel
 from ..errors import DataError, DataNotFoundError
-from .builders import TokenCounter
+from .builders import TokenCounter, exchange
 
 DEFAULT_PLAIN_PROMPT = "Write a passage of text."
 DEFAULT_SUMMARY_PROMPT = "Summarize the following text.\n\n{text}"
@@ -198,7 +198,7 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
                 return turns
         if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
             prompt = f"{record['instruction']}\n\n{record['input']}" if record.get("input") else record["instruction"]
-            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+            return exchange(prompt, record["output"])
     raise DataError(f"{where}: an instruction record needs 'messages', 'conversations', or 'instruction' and 'output'")
 
 
@@ -223,18 +223,10 @@ def load_summaries(
     conversations = []
     for file in source_files(path, RECORD_FILES, "mix.summaries (--summaries)"):
         for where, record in file_records(file):
-            if (
-                isinstance(record, dict)
-                and isinstance(record.get(text_field), str)
-                and isinstance(record.get(summary_field), str)
-            ):
-                conversations.append(
-                    [
-                        {"role": "user", "content": prompt.replace("{text}", record[text_field])},
-                        {"role": "assistant", "content": record[summary_field]},
-                    ]
-                )
-            elif isinstance(record, dict) and ("messages" in record or "conversations" in record):
+            is_dict = isinstance(record, dict)
+            if is_dict and isinstance(record.get(text_field), str) and isinstance(record.get(summary_field), str):
+                conversations.append(exchange(prompt.replace("{text}", record[text_field]), record[summary_field]))
+            elif is_dict and ("messages" in record or "conversations" in record):
                 conversations.append(to_messages(record, where))
             else:
                 raise DataError(
@@ -252,8 +244,7 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]
     if config.plain_ratio:
         kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
         records = text_records(config.plain_text, kinds, "mix.plain_text (--plain-text)", "plain-text")
-        prompt = {"role": "user", "content": config.plain_prompt}
-        sources["plain_text"] = [[prompt, {"role": "assistant", "content": record["text"]}] for *_, record in records]
+        sources["plain_text"] = [exchange(config.plain_prompt, record["text"]) for *_, record in records]
     if config.instruction_ratio:
         sources["instruction"] = load_instructions(config.instructions)
     if config.summary_ratio:

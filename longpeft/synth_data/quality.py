@@ -14,12 +14,12 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import Field
 
 from ..config import StrictModel
-from .registry import get_task
+from .registry import QAPair, get_task
 
 REASONS = tuple(  # the gates' reason codes, in the order the gates run
     "placeholder prompt_echo refusal too_short unfinished not_a_question tautology restates_question wrong_subject "
@@ -61,13 +61,6 @@ class QualityConfig(StrictModel):
     )
 
 
-class Item(Protocol):
-    """What the gates read: a question and its answer (a QA pair, or a biography turn)."""
-
-    question: str
-    answer: str
-
-
 @dataclass(frozen=True)
 class Rejection:
     """Why one item was dropped: ``reason`` is one of :data:`REASONS`; ``detail`` is for people."""
@@ -78,13 +71,11 @@ class Rejection:
 
 @dataclass
 class Verdict:
-    """The items kept (in order) and the rejected ones with their reasons."""
+    """The items (QA pairs, or biography turns) kept, in order, and the rejected ones with their reasons."""
 
-    kept: list[Any] = field(default_factory=list)
-    rejected: list[tuple[Any, Rejection]] = field(default_factory=list)
+    kept: list[QAPair] = field(default_factory=list)
+    rejected: list[tuple[QAPair, Rejection]] = field(default_factory=list)
 
-
-# ---- normalisation --------------------------------------------------------------------------------
 
 STOP_WORDS = frozenset(
     """
@@ -108,11 +99,9 @@ _UNITS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
     "eighteen nineteen twenty"
 ).split()
-_TENS = "thirty forty fifty sixty seventy eighty ninety".split()
-NUMBER_WORDS = {
-    **{word: str(n) for n, word in enumerate(_UNITS)},
-    **{word: str(10 * n) for n, word in enumerate(_TENS, 3)},
-    "hundred": "100",
+NUMBER_WORDS = {word: str(n) for n, word in enumerate(_UNITS)} | {"hundred": "100"}
+NUMBER_WORDS |= {
+    word: str(10 * n) for n, word in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)
 }
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
@@ -141,15 +130,8 @@ def stem(word: str) -> str:
 
 def content_stems(text: str, drop_numbers: bool = False) -> list[str]:
     """Stems of ``text``'s content words (stop words removed), in order, without repeats."""
-    stems = []
-    for word in words(text):
-        if word in STOP_WORDS:
-            continue
-        token = stem(word)
-        if drop_numbers and token.isdigit():
-            continue
-        stems.append(token)
-    return list(dict.fromkeys(stems))
+    stems = (stem(word) for word in words(text) if word not in STOP_WORDS)
+    return list(dict.fromkeys(s for s in stems if not (drop_numbers and s.isdigit())))
 
 
 def jaccard(a: str, b: str) -> float:
@@ -162,8 +144,6 @@ def numbers(text: str) -> set[str]:
     """The numbers of ``text`` (digits and number words, normalised)."""
     return {token for token in map(stem, words(text)) if token.isdigit()}
 
-
-# ---- the gates ------------------------------------------------------------------------------------
 
 _PLACEHOLDER_WORDS = frozenset(
     "question|answer|string|text|name|biography|placeholder|example|todo|tbd|tba|n/a|na|xxx|your question|your answer|"
@@ -456,7 +436,7 @@ class QualityGates:
     def check(
         self,
         task: str,
-        items: Sequence[Item],
+        items: Sequence[QAPair],
         evidence: str,
         instructions: str = "",
         subjects: Sequence[str] | None = None,
@@ -483,7 +463,7 @@ class QualityGates:
             "not_a_question": lambda label, text: not_a_question(text) if label == "question" and qa else None,
             "tautology": lambda label, text: tautology(text),
         }
-        per_item: dict[str, Callable[[Item, str], str | None]] = {  # gate -> why(item, its subject)
+        per_item: dict[str, Callable[[QAPair, str], str | None]] = {  # gate -> why(item, its subject)
             "restates_question": lambda item, name: (
                 restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None
             ),
@@ -495,7 +475,7 @@ class QualityGates:
             ),
         }
 
-        def first_failure(item: Item, name: str | None) -> Rejection | None:
+        def first_failure(item: QAPair, name: str | None) -> Rejection | None:
             fields = {"question": item.question, "answer" if qa else "biography": item.answer}
             for gate in filter(self.on, REASONS[:-1]):
                 if gate in per_field:
@@ -510,13 +490,17 @@ class QualityGates:
         failures = [first_failure(item, None if qa else subjects[index]) for index, item in enumerate(items)]
         return self._judge(task, items, [], failures)
 
-    def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
+    def check_repeats(self, task: str, items: Sequence[QAPair], earlier_questions: Sequence[str]) -> Verdict:
         """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
         for the same context from other answers (the chunks of one document)."""
         return self._judge(task, items, earlier_questions, [None] * len(items))
 
     def _judge(
-        self, task: str, items: Sequence[Item], earlier_questions: Sequence[str], failures: Sequence[Rejection | None]
+        self,
+        task: str,
+        items: Sequence[QAPair],
+        earlier_questions: Sequence[str],
+        failures: Sequence[Rejection | None],
     ) -> Verdict:
         """Keep or reject each item: its failure, else ``near_duplicate`` against the questions kept so far
         (``earlier_questions``, then this call's); rejections are counted."""

@@ -115,27 +115,22 @@ class TaskConfig(StrictModel):
 
 @dataclass(frozen=True)
 class SynthTask:
-    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes.
+    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes (what each field
+    does: CONTRIBUTING.md, One record for every synth task).
 
     Attributes:
         name: ``--tasks NAME``, its config section, and the ``task`` of its rows, requests, rejects and stats.
-        config: its config section, a :class:`TaskConfig`.
         plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts and
-            the QA jobs about each (their items become its turns), from ``documents`` or, when None, procedural ones
-            made with ``builder`` (:class:`.builders.LongContextBuilder`).
-        prompt: a job's user prompt, a ``str.format`` template of ``{text}`` (its passages laid out by ``layout``),
-            ``{n}`` (the items asked) and ``{k}`` (the passages); it states the JSON of an answer.
+            the QA jobs about each, from ``documents`` or, when None, procedural ones made with ``builder``.
+        prompt: a ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` (the items
+            asked) and ``{k}`` (the passages).
         answer: ``answer(job, rng) -> list[QAPair]``: exact items from procedural facts (no LLM).
-        schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items.
         parse: ``parse(text) -> list[QAPair]``; raises :class:`.llm_output.MalformedOutput` for an answer that
-            breaks ``schema``.
-        layout, evidence: the job's passages as its prompt shows them, and as the text its answers must be
-            grounded in (the quality gates).
+            breaks ``schema`` (sent as ``response_format`` with at most ``n`` items).
+        evidence: the text a job's answers must be grounded in (the quality gates).
         subject: ``subject(question) -> name`` for items about a named subject (biographies; None: QA pairs).
-        computed_numbers: its answers hold computed numbers (counts, sums, gaps) the ``ungrounded`` gate does not
-            look for in the text.
+        computed_numbers: its answers hold computed numbers the ``ungrounded`` gate does not look for.
         documents: options of its procedural documents (:func:`.corpus.generate_document`).
-        flags: its own ``longpeft synth`` flags, each setting a field of its section.
     """
 
     name: str
