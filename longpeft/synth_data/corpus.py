@@ -150,7 +150,8 @@ class _Writer:
         self.facts: list[Fact] = []
         self.in_paragraph = 0
 
-    def sentence(self, text: str, facts: Sequence[tuple[str, str, str, str, dict[str, str]]] = ()) -> None:
+    def sentence(self, text: str, *facts: tuple[str, str, str, str], **detail: str) -> None:
+        """Write ``text``, which states each of ``facts`` (kind, subject, value, question), with ``detail``."""
         if self.in_paragraph:
             self.parts.append(" ")
             self.length += 1
@@ -158,7 +159,7 @@ class _Writer:
         self.parts.append(text)
         self.length += len(text)
         self.in_paragraph += 1
-        for kind, subject, value, question, detail in facts:
+        for kind, subject, value, question in facts:
             assert value in text, (value, text)
             fact_id = f"{self.doc_id}:{len(self.facts)}"
             self.facts.append(
@@ -264,12 +265,11 @@ def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -
     document's ``profile``."""
     founded, population = rng.randint(1200, 1890), rng.randint(800, 60000)
     writer.sentence(
-        f"{town} was founded in {founded}.",
-        [("founded", town, str(founded), f"In which year was {town} founded?", {})],
+        f"{town} was founded in {founded}.", ("founded", town, str(founded), f"In which year was {town} founded?")
     )
     writer.sentence(
         f"Today {town} has {population} inhabitants.",
-        [("population", town, str(population), f"How many inhabitants does {town} have?", {})],
+        ("population", town, str(population), f"How many inhabitants does {town} have?"),
     )
     writer.sentence(f"It is {TOPIC_DESCRIPTIONS[topic]}.")
     writer.end_paragraph()
@@ -310,26 +310,24 @@ def _character_sentence(writer: _Writer, character: Character, attribute: str) -
     if attribute == "birth":
         writer.sentence(
             f"{name} was born in {a['birthplace']} in {a['birth_year']}.",
-            [
-                ("birth_year", name, a["birth_year"], f"In which year was {name} born?", {}),
-                ("birthplace", name, a["birthplace"], f"Where was {name} born?", {}),
-            ],
+            ("birth_year", name, a["birth_year"], f"In which year was {name} born?"),
+            ("birthplace", name, a["birthplace"], f"Where was {name} born?"),
         )
     elif attribute == "profession":
         writer.sentence(
             f"{name} made a living as {article(a['profession'])}.",
-            [("profession", name, a["profession"], f"What was {name}'s profession?", {"main": "yes"})],
+            ("profession", name, a["profession"], f"What was {name}'s profession?"),
+            main="yes",
         )
     elif attribute == "sibling":
         writer.sentence(
             f"{name} had a sibling named {a['sibling']}.",
-            [("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?", {})],
+            ("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?"),
         )
     else:
         animal, question = a["pet_animal"], f"What was the name of {name}'s {a['pet_animal']}?"
         writer.sentence(
-            f"{name} kept {article(animal)} called {a['pet']}.",
-            [("pet", name, a["pet"], question, {"animal": animal})],
+            f"{name} kept {article(animal)} called {a['pet']}.", ("pet", name, a["pet"], question), animal=animal
         )
 
 
@@ -359,25 +357,26 @@ def _fact_sentence(
         name, profession = names.take(), rng.choice(professions)
         writer.sentence(
             f"{name} worked as {article(profession)}.",
-            [("profession", name, profession, f"What was {name}'s profession?", {})],
+            ("profession", name, profession, f"What was {name}'s profession?"),
         )
     elif kind == "street":
         name, street = names.take(), rng.choice(STREETS)
         writer.sentence(
             f"{name} lived on {street} Street.",
-            [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
+            ("street", name, f"{street} Street", f"On which street did {name} live?"),
         )
     elif kind == "code" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["objects"], vocab["places"])):
         subject, number = "{} {} at the {}".format(*drawn), str(rng.randint(1000, 99999))
         writer.sentence(
             f"The {subject} is marked with the number {number}.",
-            [("code", subject, number, f"What number is the {subject} marked with?", {})],
+            ("code", subject, number, f"What number is the {subject} marked with?"),
         )
     elif kind == "event" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["structures"])):
         structure, verb, year = " ".join(drawn), rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
         writer.sentence(
             f"In {year}, the council {verb} the {structure}.",
-            [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
+            ("event", structure, year, f"In which year did the council {verb} the {structure}?"),
+            verb=verb,
         )
     else:
         writer.sentence(_filler(rng, "report", "the town", vocab, []))

@@ -88,12 +88,7 @@ class MixConfig(StrictModel):
 
     def share(self, task: str) -> tuple[float, int, int | None]:
         """``(ratio, min_tokens, max_tokens)`` of the source whose rows are ``task`` (a key of :data:`SOURCES`)."""
-        prefix = SOURCES[task][1]
-        return (
-            getattr(self, f"{prefix}_ratio"),
-            getattr(self, f"{prefix}_min_tokens"),
-            getattr(self, f"{prefix}_max_tokens"),
-        )
+        return tuple(getattr(self, f"{SOURCES[task][1]}_{name}") for name in ("ratio", "min_tokens", "max_tokens"))
 
 
 def source_flag(key: str) -> str:

@@ -496,15 +496,11 @@ class QualityGates:
         return self._judge(task, items, earlier_questions, [None] * len(items))
 
     def _judge(
-        self,
-        task: str,
-        items: Sequence[QAPair],
-        earlier_questions: Sequence[str],
-        failures: Sequence[Rejection | None],
+        self, task: str, items: Sequence[QAPair], earlier: Sequence[str], failures: Sequence[Rejection | None]
     ) -> Verdict:
         """Keep or reject each item: its failure, else ``near_duplicate`` against the questions kept so far
-        (``earlier_questions``, then this call's); rejections are counted."""
-        verdict, kept_questions = Verdict(), list(earlier_questions)
+        (``earlier``, then this call's); rejections are counted."""
+        verdict, kept_questions = Verdict(), list(earlier)
         for item, rejection in zip(items, failures):
             if rejection is None and self.on("near_duplicate"):
                 rejection = self._duplicate(item.question, kept_questions)
@@ -522,20 +518,16 @@ class QualityGates:
             self.unused[task] += count
 
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
-        for earlier in kept:
-            if numbers(question) != numbers(earlier):
-                continue
+        for earlier in kept:  # questions naming different numbers differ
             similarity = jaccard(question, earlier)
-            if similarity >= self.config.max_question_similarity:
+            if similarity >= self.config.max_question_similarity and numbers(question) == numbers(earlier):
                 return Rejection("near_duplicate", f"repeats {earlier[:80]!r} (similarity {similarity:.2f})")
         return None
 
     def report(self) -> dict[str, Any]:
         """JSON-ready counts: items checked and kept (``unused`` of them beyond the number asked), rejections by reason
         overall and per task."""
-        total: Counter[str] = Counter()
-        for counts in self.rejected.values():
-            total.update(counts)
+        total: Counter[str] = sum(self.rejected.values(), Counter())
         checked = sum(self.checked.values())
         return {
             "enabled": self.config.enabled,
