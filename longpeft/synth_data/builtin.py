@@ -189,11 +189,8 @@ def plan_heterogeneous(
 
 
 def _pack(queue: list[int], sizes: Sequence[int], target: int, low: int, high: int) -> list[int] | None:
-    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``.
-
-    Removes and returns the picked indices when they are at least two and reach ``low`` tokens;
-    otherwise leaves the queue alone and returns None.
-    """
+    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``: the picked indices (then
+    removed from ``queue``) when they are at least two and reach ``low`` tokens, else None."""
     picked, total = [], 0
     for index in queue:
         if total >= target:
