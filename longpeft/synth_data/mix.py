@@ -40,9 +40,7 @@ class MixConfig(StrictModel):
     plain_min_tokens: int = Field(0, ge=0)
     plain_max_tokens: int | None = Field(None, ge=1)
     plain_truncate: bool = Field(
-        False,
-        description="cut a plain text longer than plain_max_tokens to fit (as "
-        "language-modelling data is cut) instead of leaving it out",
+        False, description="cut a plain text longer than plain_max_tokens to fit instead of leaving it out"
     )
     plain_prompt: str = Field(DEFAULT_PLAIN_PROMPT, description="user turn before a plain text")
     instructions: str | None = Field(

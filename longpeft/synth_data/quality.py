@@ -48,16 +48,13 @@ class QualityConfig(StrictModel):
         "restatement (lower: fewer answers that pick one option of the question are kept)",
     )
     min_grounded_fraction: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="share of an answer's content words that must occur in the text it was asked about",
+        0.5, ge=0, le=1, description="share of an answer's content words that must occur in the text asked about"
     )
     max_question_similarity: float = Field(
         0.8,
         gt=0,
         le=1,
-        description="Jaccard similarity of normalised word sets at which a question repeats an earlier one",
+        description="Jaccard similarity of normalised words at which a question repeats an earlier one",
     )
 
 
