@@ -150,6 +150,7 @@ _PLACEHOLDER_WORDS = frozenset(
 _PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
 _BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
 _JSON_FORMAT = re.compile(r"\"\s*(?:qa_pairs|question|answer|biographies|biography|name)\s*\"\s*:")
+_SOURCE = r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)"  # "the provided text"
 _REFUSALS = [
     re.compile(pattern, re.IGNORECASE)
     for pattern in (
@@ -160,13 +161,12 @@ _REFUSALS = [
         r"\bi apologi[sz]e\b",
         r"^\s*(?:sure|certainly|of course|okay|ok|absolutely)\b[^.!?\n]{0,40}\bhere (?:is|are)\b",
         r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
-        r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
-        r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
+        rf"\b(?:the|this|that) {_SOURCE} (?:does not|doesn't|did not|didn't|do not) "
+        r"(?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
         r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
-        r"in the (?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
+        rf"in the {_SOURCE}",
         r"\bnot enough information\b",
-        r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
-        r"context|story)",
+        rf"\bno mention of\b[^.]{{0,80}}\b(?:in|within) the {_SOURCE}",
         r"\bno information (?:is |was )?(?:given|provided|available)\b",
     )
 ]
@@ -206,11 +206,8 @@ def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
 
 def refusal(text: str) -> str | None:
     """The refusal or meta-answer phrase in ``text``, or None."""
-    for pattern in _REFUSALS:
-        match = pattern.search(text)
-        if match:
-            return f"refusal or meta-answer: {match.group(0).strip()!r}"
-    return None
+    match = next((found for found in (pattern.search(text) for pattern in _REFUSALS) if found), None)
+    return f"refusal or meta-answer: {match.group(0).strip()!r}" if match else None
 
 
 _DANGLING = frozenset(
