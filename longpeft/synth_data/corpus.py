@@ -216,7 +216,14 @@ def generate_document(
     rng = random.Random(seed)
     kind = kind or rng.choice(["story", "report"])
     topic = topic or rng.choice(sorted(TOPICS))
-    _check_document_options(kind, topic, n_sentences, n_characters, fact_kinds)
+    if kind not in ("story", "report"):
+        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
+    if topic not in TOPICS:
+        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
+    if n_sentences < 4 * n_characters:
+        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
+    if unknown := sorted(set(fact_kinds) - set(FACT_KINDS)):
+        raise ValueError(f"unknown fact kinds {unknown}; choose from {FACT_KINDS}")
     doc_id = doc_id or f"doc-{seed}"
     vocab = TOPICS[topic]
     town = town_name(rng)
@@ -226,7 +233,13 @@ def generate_document(
     writer = _Writer(doc_id, title)
     profile = _write_profile(writer, rng, town, topic)
     characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
-    slots = _character_slots(rng, characters, n_sentences)
+    slots: dict[int, tuple[Character, str]] = {}  # sentence -> each character's facts, at distinct sentences
+    for character in characters:
+        for attribute in ("birth", "profession", "sibling", "pet"):
+            slot = rng.randrange(n_sentences)
+            while slot in slots:
+                slot = rng.randrange(n_sentences)
+            slots[slot] = (character, attribute)
 
     used: set[tuple[str, ...]] = set()
     paragraph_left = rng.randint(4, 8)
@@ -243,21 +256,6 @@ def generate_document(
             paragraph_left = rng.randint(4, 8)
     writer.end_paragraph()
     return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
-
-
-def _check_document_options(
-    kind: str, topic: str, n_sentences: int, n_characters: int, fact_kinds: Sequence[str]
-) -> None:
-    """Refuse a kind, topic or fact kind that does not exist, or too few sentences for the main characters."""
-    if kind not in ("story", "report"):
-        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
-    if topic not in TOPICS:
-        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
-    if n_sentences < 4 * n_characters:
-        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
-    unknown = set(fact_kinds) - set(FACT_KINDS)
-    if unknown:
-        raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")
 
 
 def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -> dict[str, Any]:
@@ -288,21 +286,6 @@ def _main_character(rng: random.Random, names: _NamePool, professions: list[str]
         "pet_animal": animal,
     }
     return Character(name, attributes)
-
-
-def _character_slots(
-    rng: random.Random, characters: list[Character], n_sentences: int
-) -> dict[int, tuple[Character, str]]:
-    """Sentence index -> (character, attribute): each character's facts at random distinct sentences, spread over
-    the text."""
-    slots: dict[int, tuple[Character, str]] = {}
-    for character in characters:
-        for attribute in ("birth", "profession", "sibling", "pet"):
-            slot = rng.randrange(n_sentences)
-            while slot in slots:
-                slot = rng.randrange(n_sentences)
-            slots[slot] = (character, attribute)
-    return slots
 
 
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:
