@@ -1,16 +1,6 @@
-"""Synthetic long-context training data.
-
-- :mod:`.corpus`: offline procedural documents with recorded facts;
-- :mod:`.registry`: the synth tasks, one record each (the built-in ones: :mod:`.builtin`); :mod:`.builders` plans and
-  assembles their conversations, and :mod:`.qa` answers them by an LLM (:mod:`.llm_client` and its ``llm_*`` parts:
-  cached, retried, concurrent) or exactly from procedural facts;
-- :mod:`.quality`: the gates every LLM-written item passes; :mod:`.mix`, :mod:`.report`, :mod:`.pipeline`: mixing
-  with plain text and instructions, outputs, and the whole `longpeft synth` run;
-- :mod:`.demo`, :mod:`.retrieval_docs`, :mod:`.probes`: the demo's training set, retrieval documents for
-  ``data.source: retrieval``, exact-length evaluation probes;
-- :mod:`.utk` (Untie the Knots): a data-side long-context training trick on token ids.
-
-This package never imports ``longpeft.adapters``.
+"""Synthetic long-context training data: the procedural corpus, the synth tasks (:mod:`.registry`) with their
+builders, answerers and quality gates, mixing and the whole `longpeft synth` run (:mod:`.pipeline`), the demo's and
+the retrieval training sets, evaluation probes, and UtK. This package never imports ``longpeft.adapters``.
 """
 
 from __future__ import annotations

@@ -88,11 +88,8 @@ class TokenCounter:
 
 
 def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **options: Any) -> Document:
-    """A procedural document of ``min_tokens`` to ~1.05 x ``min_tokens`` tokens.
-
-    ``options`` go to :func:`~.corpus.generate_document`; the sentence count is adjusted until the
-    length fits (a few regenerations at most).
-    """
+    """A procedural document of ``min_tokens`` to ~1.05 x ``min_tokens`` tokens (``options``: of
+    :func:`~.corpus.generate_document`), its sentence count adjusted in a few regenerations."""
     floor = max(4, 4 * options.get("n_characters", 4))  # generate_document needs 4 per character
     n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence))
     best: Document | None = None
@@ -295,10 +292,7 @@ def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:
 
 
 def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int = 0) -> list[list[int]]:
-    """Group documents by content: TF-IDF vectors clustered with k-means (scikit-learn).
-
-    Returns the member indices of each non-empty cluster.
-    """
+    """The member indices of each non-empty cluster of documents: TF-IDF vectors clustered with k-means."""
     from sklearn.cluster import KMeans
     from sklearn.feature_extraction.text import TfidfVectorizer
 

@@ -323,12 +323,8 @@ def mix(
     sources: dict[str, list[list[dict[str, str]]]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Add plain text, instructions and summaries to ``synthetic`` rows by ratio; returns shuffled rows and counts.
-
-    With ``S`` synthetic rows and ratios ``p`` (plain), ``i`` (instructions) and ``s`` (summaries) the target of a
-    source of ratio ``x`` is ``round(S * x / (1 - p - i - s))`` rows; a source with too few rows passing its length
-    filter gives all it has (``taken < wanted``). ``sources``: the candidates :func:`load_mix_sources` loaded (read
-    from the config's files when None).
-    """
+    A source of ratio ``x`` targets ``round(S * x / (1 - sum of the ratios))`` rows (``S`` synthetic rows) and gives
+    all it has when fewer pass its length filter; ``sources``: of :func:`load_mix_sources` (None: read them here)."""
     rng = random.Random(f"{seed}/mix")
     rows = list(synthetic)
     stats: dict[str, Any] = {}

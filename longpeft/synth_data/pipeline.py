@@ -148,10 +148,8 @@ def synthesize(
     tokenizer: PreTrainedTokenizerBase | None = None,
     retry_rejected: bool = False,
 ) -> tuple[Dataset, dict[str, Any]]:
-    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats).
-
-    ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
-    they are skipped and counted as ``skipped_rejected`` in the usage report)."""
+    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats);
+    ``retry_rejected`` asks again the requests an earlier run into ``out_dir`` rejected (else skipped and counted)."""
     inputs = read_inputs(config)  # bad input files fail first
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)  # and a bad tokenizer too
     out = Path(out_dir)

@@ -70,13 +70,9 @@ def job_instructions(job: QAJob) -> str:
 
 
 class LLMAnswerer:
-    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`.
-
-    Every parsed item goes through the quality ``gates`` (default thresholds by default): a rejected item is dropped,
-    counted and written to the rejects file; an answer whose items are all rejected is asked again as a new attempt,
-    like malformed output. Of the items kept, the first ``job.n`` are used (more are counted as surplus). Questions
-    repeating an earlier one of the same context (the chunks of one single-detail document) are dropped too.
-    """
+    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`. The quality
+    ``gates`` drop items (to the rejects file); an answer whose items all fail is asked again, like malformed output.
+    Of the items kept, the first ``job.n`` are used; questions repeating one of the same context are dropped too."""
 
     def __init__(self, client: LLMClient, gates: QualityGates | None = None):
         self.client = client
