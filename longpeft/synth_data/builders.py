@@ -151,11 +151,8 @@ class BuildReport:
         self.skipped.setdefault(task, Counter())[reason] += n
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "requested": dict(self.requested),
-            "built": dict(self.built),
-            "skipped": {task: dict(reasons) for task, reasons in self.skipped.items()},
-        }
+        skipped = {task: dict(reasons) for task, reasons in self.skipped.items()}
+        return {"requested": dict(self.requested), "built": dict(self.built), "skipped": skipped}
 
 
 class LongContextBuilder:
@@ -255,12 +252,8 @@ class LongContextBuilder:
         if not self.length.min_tokens <= tokens <= self.length.max_tokens:
             self.report.skip(plan.task, "too_long" if tokens > self.length.max_tokens else "too_short")
             return None
-        meta = {
-            **plan.meta,
-            "context_chars": len(plan.context_text),
-            "evidence": [pair.evidence for pair in pairs],
-            "failed_jobs": sum(qa is None for qa in qa_lists),
-        }
+        meta = {**plan.meta, "context_chars": len(plan.context_text), "evidence": [pair.evidence for pair in pairs]}
+        meta["failed_jobs"] = sum(qa is None for qa in qa_lists)
         return {
             "task": plan.task,
             "messages": messages,

@@ -36,9 +36,5 @@ def build_demo_dataset(
         procedural_document(builder.counter, longest + 64, seed=rng.randrange(2**31), doc_id=f"demo-{i}", **options)
         for i in range(n_conversations)
     ]
-    settings = {
-        "contexts": n_conversations,
-        "chunks_per_context": 1,
-        "questions_per_chunk": questions_per_conversation,
-    }
+    settings = dict(contexts=n_conversations, chunks_per_context=1, questions_per_chunk=questions_per_conversation)
     return Dataset.from_list(builder.build(builder.plan("single_detail", documents, **settings)))

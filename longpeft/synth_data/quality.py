@@ -96,10 +96,9 @@ _UNITS = (
     "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen "
     "eighteen nineteen twenty"
 ).split()
-NUMBER_WORDS = {word: str(n) for n, word in enumerate(_UNITS)} | {"hundred": "100"}
-NUMBER_WORDS |= {
-    word: str(10 * n) for n, word in enumerate("thirty forty fifty sixty seventy eighty ninety".split(), 3)
-}
+_TENS = "thirty forty fifty sixty seventy eighty ninety".split()
+NUMBER_WORDS = {word: str(n) for n, word in enumerate(_UNITS)} | {word: str(10 * n) for n, word in enumerate(_TENS, 3)}
+NUMBER_WORDS["hundred"] = "100"
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _THOUSANDS = re.compile(r"(?<=\d)[,_ ](?=\d{3}\b)")

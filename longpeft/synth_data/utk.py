@@ -321,8 +321,5 @@ class UtkCollator:
         mask = np.zeros((len(rows), width), dtype=np.int64)
         for b, (ids, row_labels) in enumerate(rows):
             input_ids[b, : len(ids)], labels[b, : len(ids)], mask[b, : len(ids)] = ids, row_labels, 1
-        return {
-            "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(labels),
-            "attention_mask": torch.from_numpy(mask),
-        }
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+        return {key: torch.from_numpy(array) for key, array in batch.items()}
