@@ -1,9 +1,6 @@
-"""Long-context conversation builders: the machinery every synth task (:mod:`.registry`) plans and assembles with.
-
-A :class:`LongContextBuilder` plans contexts and their QA jobs through the task's planner, asks a
-:class:`~.registry.QAGenerator` for the QA, and assembles ``messages``: the context and the first question in the
-first user turn, each further QA pair one more turn. Every conversation it returns has ``min_tokens`` to
-``max_tokens`` tokens, measured with the training tokenizer and its chat template.
+"""Long-context conversation builders, with which every synth task (:mod:`.registry`) plans and assembles: the
+context and the first question in the first user turn, each further QA pair one more turn, every conversation of
+``min_tokens`` to ``max_tokens`` tokens (measured with the training tokenizer and its chat template).
 """
 
 from __future__ import annotations

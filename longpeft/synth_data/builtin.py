@@ -141,11 +141,8 @@ def plan_single_detail(
 def plan_heterogeneous(
     builder: LongContextBuilder, name: str, settings: HeterogeneousConfig, documents: Sequence[Document] | None
 ) -> list[ContextPlan]:
-    """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context.
-
-    Without ``documents``, a generated pool covers one topic per context (up to the number of topics), and the
-    clusters default to its topics; with them, to about 1.25 contexts' worth of documents per cluster.
-    """
+    """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context; the clusters
+    default to the topics of a generated pool (one per context), or to about 1.25 contexts' worth of your files."""
     contexts, n_clusters = settings.contexts, settings.n_clusters
     if documents is None:
         documents = procedural_cluster_pool(

@@ -1,9 +1,7 @@
 """Mixing the synthetic conversations with plain text (against forgetting), instructions and summaries, each by
-its ratio of the final dataset, after a length filter measured with the training tokenizer and chat template.
-
-A plain text becomes a two-turn conversation (a fixed request, then the text as the assistant turn), so that
-assistant-only loss trains on the text itself; a summarisation record becomes a request to summarise its text,
-answered by its summary.
+its ratio of the final dataset, after a length filter measured with the training tokenizer and chat template. A plain
+text is the assistant turn after a fixed request (assistant-only loss trains on it); a summary answers a request to
+summarise its text.
 """
 
 from __future__ import annotations

@@ -134,10 +134,9 @@ class SynthInputs:
 
 
 def read_inputs(config: SynthConfig) -> SynthInputs:
-    """Read and check every input file ``config`` names (``source.paths``, ``mix.plain_text``, ``mix.instructions``,
-    ``mix.summaries``), before any long work: a missing file, one of another type, a bad record or a source without
-    any fails here naming the file (and line), the key and its flag. The run and ``synth --plan`` both start here,
-    so the plan refuses what the run would."""
+    """Read and check every input file ``config`` names before any long work, failing on a missing file, one of
+    another type, a bad record or a source without any, naming the file (and line), the key and its flag (the run
+    and ``synth --plan`` both start here)."""
     documents = load_documents(config.source.paths) if config.source.kind == "files" else None
     return SynthInputs(documents, load_mix_sources(config.mix))
 

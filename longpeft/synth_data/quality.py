@@ -1,11 +1,7 @@
 """Quality gates on LLM-written items (QA pairs, and biographies with their "write a biography of NAME" question),
-applied after parsing and before a row is written: plain text checks, torch-free and deterministic.
-
-Each gate is a function below; the first that fails rejects the item with its reason code (:data:`REASONS`) and a
-detail message. docs/synth.md (Quality gates) tables what each rejects and its threshold (:class:`QualityConfig`).
-Items about a named subject (a task's ``subject``: biographies) are judged by ``wrong_subject`` and
-``min_biography_words`` instead of ``not_a_question`` and ``restates_question``; in the tasks with
-``computed_numbers``, ``ungrounded`` does not ask for numbers.
+applied after parsing and before a row is written: deterministic text checks, one function each, tabled with their
+thresholds (:class:`QualityConfig`) in docs/synth.md. The first that fails rejects the item with its reason code
+(:data:`REASONS`) and a detail message.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids, on the fly and seeded.
 
-With probability ``p``, each document of a sequence with at least ``min_split_tokens`` tokens is cut at random
-points into ``h`` chunks (``h`` drawn from ``chunk_counts``; 1 leaves it whole). Each chunk gets a random label of
-letters; ``<tail_j>`` ends chunk ``j`` and ``<head_{j+1}>`` starts the next (the same cut). All chunks are shuffled
-(with ``preserve_order``, each document's keep their order), and a document's last chunk ends with its backtrace,
-its labels in order. Chunk ``j`` of ``h``:
-``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
-
-Labels are -100 on knots, on the chunk labels as input (with their delimiters) and on the trace sentinels; the
-backtrace's label ids and every original token are trained. Attention stays causal across documents (no mask per
-document): the model must search the sequence for the matching knot.
+With probability ``p``, the documents of a sequence are cut into random chunks, each labelled with random letters
+and knotted to the next (``<tail_j>`` and ``<head_{j+1}>`` mark one cut), and shuffled; a document's last chunk ends
+with its labels in order (the backtrace). Chunk ``j`` of ``h``:
+``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``. Labels are -100 on the knots,
+on the chunk labels as input and on the trace sentinels. Attention stays causal across documents: the model must
+search the sequence for the matching knot.
 """
 
 from __future__ import annotations
@@ -102,16 +98,11 @@ class UtkSample:
 
 
 class UtkAugmenter:
-    """Applies UtK to sequences of documents given as token ids, with ``tokens`` of :func:`add_utk_tokens`.
-
-    Args:
-        probability: chance that a sequence is augmented (the paper: 0.3 low, 0.8 high).
-        chunk_counts: ``{h: weight}`` of chunks per long-enough document (``h = 1`` keeps it whole; every ``h`` at
-            most ``tokens.max_chunks``).
-        min_split_tokens, label_length: the shortest document split; letters per chunk label.
-        preserve_order: each document's chunks keep their order when shuffled.
-        seed: seeds the generator calls consume in order; a call's own ``seed=`` makes it independent of the others.
-    """
+    """Applies UtK, with ``tokens`` of :func:`add_utk_tokens`, to sequences of documents given as token ids: with
+    ``probability`` (the paper: 0.3 low, 0.8 high), documents of ``min_split_tokens`` or more are cut into ``h`` chunks
+    drawn from ``chunk_counts`` (``{h: weight}``, ``h`` <= ``tokens.max_chunks``; 1 keeps it whole), labelled with
+    ``label_length`` letters; with ``preserve_order`` each document's chunks keep their order when shuffled. ``seed``
+    seeds the generator calls consume in order; a call's own ``seed=`` makes it independent of the others."""
 
     def __init__(
         self,
