@@ -283,16 +283,16 @@ def pack_documents(
     return groups
 
 
+@dataclass
 class UtkCollator:
     """Applies UtK to packed sequences (features: ``input_ids``, its documents concatenated, and ``doc_lengths``),
     seeded by the collator's seed and the sequence's content (a resumed run sees the same augmentation), and
     right-pads the batch: ``input_ids``, ``labels`` (-100 on UtK markers and padding) and ``attention_mask``."""
 
-    def __init__(self, augmenter: UtkAugmenter, pad_token_id: int, max_length: int, seed: int = 0):
-        self.augmenter = augmenter
-        self.pad_token_id = pad_token_id
-        self.max_length = max_length
-        self.seed = seed
+    augmenter: UtkAugmenter
+    pad_token_id: int
+    max_length: int
+    seed: int = 0
 
     def __call__(self, features: Sequence[Mapping]) -> dict:
         import torch
