@@ -50,7 +50,7 @@ class QualityConfig(StrictModel):
         0.8,
         gt=0,
         le=1,
-        description="Jaccard similarity of normalised words at which a question repeats an earlier one",
+        description="Jaccard similarity of normalised word sets at which a question repeats an earlier one",
     )
 
 
