@@ -62,8 +62,7 @@ class _AfterTasks(StrictModel):
     mix: MixConfig = Field(default_factory=MixConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
     quality: QualityConfig = Field(
-        default_factory=QualityConfig,
-        description="quality gates on LLM-written items (longpeft/synth_data/quality.py)",
+        default_factory=QualityConfig, description="quality gates on LLM-written items (docs/synth.md)"
     )
     context_template: str = DEFAULT_CONTEXT_TEMPLATE
     progress: bool = True

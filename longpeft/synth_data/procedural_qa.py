@@ -222,8 +222,7 @@ def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
     fa, fb = a.fact("population"), b.fact("population")
     if fa is None or fb is None or fa.value == fb.value:
         return None
-    big, small = (a, b) if int(fa.value) > int(fb.value) else (b, a)
-    gap = abs(int(fa.value) - int(fb.value))
+    big, gap = a if int(fa.value) > int(fb.value) else b, abs(int(fa.value) - int(fb.value))
     return QAPair(
         f"Which has more inhabitants, the town of Document {a.number} or the town of Document {b.number}, and by "
         "how many?",
