@@ -386,10 +386,6 @@ def name_words(text: str) -> list[str]:
     return [re.sub(r"['’]s$", "", word) for word in words(text)]
 
 
-def _mentions(tokens: Sequence[str], counts: Counter[str]) -> int:
-    return max((counts[t] for t in tokens), default=0)
-
-
 def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_words: set[str]) -> str | None:
     """Why the biography is not about ``name`` (absent from it or from the book, or another requested
     name is mentioned more often), or None."""
@@ -397,13 +393,13 @@ def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_wor
     if not tokens:
         return f"the requested name {name!r} has no letters"
     counts = Counter(name_words(biography))
-    own = _mentions(tokens, counts)
+    own = max(counts[t] for t in tokens)
     if not own:
         return f"the biography never names {name!r}"
     if not any(t in evidence_words for t in tokens):
         return f"{name!r} does not occur in the book"
     for other in others:
-        theirs = _mentions(_name_tokens(other, [name, *[o for o in others if o != other]]), counts)
+        theirs = max((counts[t] for t in _name_tokens(other, [name, *[o for o in others if o != other]])), default=0)
         if theirs > own:
             return f"mostly about {other!r} ({theirs} mentions) rather than {name!r} ({own})"
     return None

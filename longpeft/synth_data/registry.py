@@ -187,10 +187,9 @@ def registered(task: SynthTask) -> Iterator[SynthTask]:
 
 def get_task(name: str) -> SynthTask:
     """The registered task called ``name``, with an error listing the known ones."""
-    task = TASKS.get(name)
-    if task is None:
+    if name not in TASKS:
         raise ConfigError(f"unknown synth task {name!r}; choose one of {', '.join(TASKS)}")
-    return task
+    return TASKS[name]
 
 
 def task_flags() -> list[Flag]:
