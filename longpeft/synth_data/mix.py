@@ -137,8 +137,7 @@ def file_records(path: Path) -> Iterator[tuple[str, Any]]:
                 records = json.loads(read_text_file(path))
             except json.JSONDecodeError as error:
                 raise DataError(f"{path}: not valid JSON ({error})") from None
-            for index, record in enumerate(records):
-                yield f"{path}[{index}]", record
+            yield from ((f"{path}[{index}]", record) for index, record in enumerate(records))
             return
     for number, record in jsonl_records(path):
         yield f"{path}:{number}", record

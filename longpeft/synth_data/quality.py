@@ -193,10 +193,8 @@ def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
     if _JSON_FORMAT.search(text):
         return "contains the prompt's JSON format"
     found = words(text)
-    for i in range(len(found) - n + 1):
-        if tuple(found[i : i + n]) in grams:
-            return f"copies the prompt's instructions: {' '.join(found[i : i + n])!r}"
-    return None
+    echo = next((found[i : i + n] for i in range(len(found) - n + 1) if tuple(found[i : i + n]) in grams), None)
+    return f"copies the prompt's instructions: {' '.join(echo)!r}" if echo else None
 
 
 def refusal(text: str) -> str | None:
