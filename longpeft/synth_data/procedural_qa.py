@@ -57,16 +57,14 @@ def _distinct(
     n: int, rng: random.Random, makers: Sequence[Callable[[Source, random.Random], QAPair | None]], source: Source
 ) -> list[QAPair]:
     """Up to ``n`` pairs of makers drawn at random (``n * 8`` draws at most), no question twice."""
-    pairs: list[QAPair] = []
-    seen: set[str] = set()
+    pairs: dict[str, QAPair] = {}  # by question
     for _ in range(n * 8):
         if len(pairs) == n:
             break
         pair = rng.choice(makers)(source, rng)
-        if pair is not None and pair.question not in seen:
-            seen.add(pair.question)
-            pairs.append(pair)
-    return pairs
+        if pair is not None:
+            pairs.setdefault(pair.question, pair)
+    return list(pairs.values())
 
 
 def _grouped(facts: Iterable[Fact], field: str) -> dict[str, list[Fact]]:
