@@ -234,12 +234,10 @@ class UtkAugmenter:
 
     def _shuffle(self, pieces_per_doc: list[int], rng: np.random.Generator) -> np.ndarray:
         """Order of all pieces; with ``preserve_order`` each document's pieces keep their relative order."""
-        total = sum(pieces_per_doc)
+        slots = rng.permutation(sum(pieces_per_doc))
         if not self.preserve_order:
-            return rng.permutation(total)
-        slots = rng.permutation(total)
-        order = np.empty(total, dtype=np.int64)
-        start = 0
+            return slots
+        order, start = np.empty_like(slots), 0
         for count in pieces_per_doc:
             # The document's pieces (flat indices start..start+count) take its slots in sorted order.
             order[np.sort(slots[start : start + count])] = np.arange(start, start + count)
