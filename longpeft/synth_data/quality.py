@@ -6,6 +6,7 @@ thresholds (:class:`QualityConfig`) in docs/synth.md. The first that fails rejec
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -260,16 +261,9 @@ def not_a_question(question: str) -> str | None:
     if stripped.endswith("?") or not words(stripped):
         return None
     for index, clause in enumerate(re.split(r"[,;:]|\.\s", stripped)):
-        found = words(clause)
-        while found and found[0] in _LEADING:
-            found = found[1:]
-        if not found:
-            continue
-        if found[0] in REQUESTS:
-            return None
-        if index == 0 and (
-            found[0] in QUESTION_WORDS or (found[0] in _PREPOSITIONS and len(found) > 1 and found[1] in QUESTION_WORDS)
-        ):
+        first, second, *_ = [*itertools.dropwhile(_LEADING.__contains__, words(clause)), "", ""]  # "": no word
+        asks = first in QUESTION_WORDS or (first in _PREPOSITIONS and second in QUESTION_WORDS)
+        if first in REQUESTS or (index == 0 and asks):
             return None
     return f"a statement, not a question or a request: {_tail(stripped, 60)!r}"
 
