@@ -1,17 +1,11 @@
-"""Long-context conversation builders: the machinery every synth task plans and assembles with (the tasks
-themselves, and how each plans its contexts, are records of :mod:`.registry`; the built-in ones: :mod:`.builtin`).
-
-A :class:`LongContextBuilder` plans contexts and their QA jobs (:meth:`~LongContextBuilder.plan`, through the task's
-planner), asks a :class:`~.registry.QAGenerator` for the QA, and assembles conversations in ``messages`` format: the
-long context sits in the first user turn, followed by the first question; every further QA pair about the same
-context is one more user/assistant turn of the same conversation.
-
-Lengths are measured with the training tokenizer and its chat template: every conversation a builder
-returns has between ``min_tokens`` and ``max_tokens`` tokens.
+"""Long-context conversation builders, with which every synth task (:mod:`.registry`) plans and assembles: the
+context and the first question in the first user turn, each further QA pair one more turn, every conversation of
+``min_tokens`` to ``max_tokens`` tokens (measured with the training tokenizer and its chat template).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import random
@@ -68,7 +62,6 @@ class TokenCounter:
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("the builders need a fast tokenizer (character offsets); load it with use_fast=True")
         self.tokenizer = tokenizer
-        self._tokens_per_sentence: float | None = None
 
     def count(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -85,22 +78,17 @@ class TokenCounter:
             return len(encoded["input_ids"])
         return sum(self.count(m["content"]) for m in messages) + 4 * len(messages)
 
+    @functools.cached_property
     def tokens_per_sentence(self) -> float:
         """Average tokens per procedural sentence (estimated once from a sample document)."""
-        if self._tokens_per_sentence is None:
-            sample = generate_document(seed=12345, n_sentences=300)
-            self._tokens_per_sentence = self.count(sample.text) / 300
-        return self._tokens_per_sentence
+        return self.count(generate_document(seed=12345, n_sentences=300).text) / 300
 
 
 def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **options: Any) -> Document:
-    """A procedural document of ``min_tokens`` to ~1.05 x ``min_tokens`` tokens.
-
-    ``options`` go to :func:`~.corpus.generate_document`; the sentence count is adjusted until the
-    length fits (a few regenerations at most).
-    """
+    """A procedural document of ``min_tokens`` to ~1.05 x ``min_tokens`` tokens (``options``: of
+    :func:`~.corpus.generate_document`), its sentence count adjusted in a few regenerations."""
     floor = max(4, 4 * options.get("n_characters", 4))  # generate_document needs 4 per character
-    n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence()))
+    n_sentences = max(floor, math.ceil(min_tokens / counter.tokens_per_sentence))
     best: Document | None = None
     best_tokens = 0
     for _ in range(8):
@@ -120,6 +108,11 @@ def procedural_document(counter: TokenCounter, min_tokens: int, seed: int, **opt
     return best
 
 
+def exchange(user: str, assistant: str) -> list[dict[str, str]]:
+    """A user turn and the assistant's answer, in ``messages`` format."""
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+
+
 def sentence_end_after(text: str, position: int, window: int = 600) -> int:
     """First sentence end at or after ``position`` (within ``window`` chars), else ``position``."""
     match = _SENTENCE_END.search(text, position, min(len(text), position + window))
@@ -128,10 +121,8 @@ def sentence_end_after(text: str, position: int, window: int = 600) -> int:
 
 def sentence_end_before(text: str, position: int, floor: int) -> int:
     """Last sentence end in ``(floor, position]``, else ``position``."""
-    last = None
-    for match in _SENTENCE_END.finditer(text, floor, position):
-        last = match.end()
-    return last if last is not None and last > floor else position
+    ends = [match.end() for match in _SENTENCE_END.finditer(text, floor, position)]
+    return ends[-1] if ends and ends[-1] > floor else position
 
 
 @dataclass
@@ -157,25 +148,15 @@ class BuildReport:
         self.skipped.setdefault(task, Counter())[reason] += n
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "requested": dict(self.requested),
-            "built": dict(self.built),
-            "skipped": {task: dict(reasons) for task, reasons in self.skipped.items()},
-        }
+        skipped = {task: dict(reasons) for task, reasons in self.skipped.items()}
+        return {"requested": dict(self.requested), "built": dict(self.built), "skipped": skipped}
 
 
 class LongContextBuilder:
-    """Plans contexts (each task by its planner), asks a :class:`~.registry.QAGenerator` for QA, and assembles
-    conversations.
-
-    Args:
-        tokenizer: the training tokenizer (fast); lengths are measured with its chat template.
-        answerer: :class:`~.qa.ProceduralAnswerer` (exact, offline) or :class:`~.qa.LLMAnswerer`.
-        length: the token budget.
-        context_template: first user turn, with ``{context}`` and ``{question}``.
-        seed: seeds every random choice (context lengths, chunk positions, packing).
-        show_progress: progress bar while assembling and measuring conversations.
-    """
+    """Plans contexts (each task by its planner), asks ``answerer`` (:class:`~.qa.ProceduralAnswerer` or
+    :class:`~.qa.LLMAnswerer`) for QA, and assembles conversations within ``length``, measured with ``tokenizer``
+    (fast) and its chat template. ``context_template``: the first user turn, with ``{context}`` and ``{question}``;
+    ``seed`` seeds every random choice (context lengths, chunk positions, packing)."""
 
     def __init__(
         self,
@@ -196,8 +177,6 @@ class LongContextBuilder:
         self.show_progress = show_progress
         self.report = BuildReport()
 
-    # ---- planning -----------------------------------------------------------------------------
-
     def plan(self, task: str, documents: Sequence[Document] | None = None, **settings: Any) -> list[ContextPlan]:
         """The contexts and QA jobs of the registered ``task`` (no QA is generated yet), with ``settings``: fields of
         its config section (``contexts``: conversations to build, and its own); from ``documents``, or from
@@ -207,13 +186,9 @@ class LongContextBuilder:
         self.report.requested[record.name] += section.contexts
         return record.plan(self, record.name, section, documents)
 
-    def rng(self, task: str, salt: int = 0) -> random.Random:
+    def rng(self, task: str) -> random.Random:
         """The random choices of ``task``'s planning (seeded by the builder's seed)."""
-        return random.Random(f"{self.seed}/{task}/{salt}")
-
-    def context_target(self, rng: random.Random) -> int:
-        """A context length in tokens, drawn in :meth:`LengthConfig.context_budget`."""
-        return rng.randint(*self.length.context_budget())
+        return random.Random(f"{self.seed}/{task}/0")
 
     def long_contexts(
         self, task: str, documents: Sequence[Document] | None, count: int
@@ -234,7 +209,7 @@ class LongContextBuilder:
                 break
             document = documents[index]
             offsets = self.counter.offsets(document.text)
-            target = self.context_target(rng)
+            target = rng.randint(*self.length.context_budget())
             if len(offsets) < self.length.min_tokens:
                 self.report.skip(task, "document_too_short")
                 continue
@@ -244,8 +219,6 @@ class LongContextBuilder:
             inside = [span for span in offsets if span[1] <= end]
             produced += 1
             yield document, Passage(document, 0, end), inside, rng
-
-    # ---- generation and assembly --------------------------------------------------------------
 
     def build(self, plans: Sequence[ContextPlan]) -> list[dict[str, Any]]:
         """Generate QA for every plan in one batch, then assemble and length-check the conversations."""
@@ -273,18 +246,11 @@ class LongContextBuilder:
             pairs = pairs[:-1]
             messages = self._messages(plan.context_text, pairs)
             tokens = self.counter.conversation(messages)
-        if tokens > self.length.max_tokens:
-            self.report.skip(plan.task, "too_long")
+        if not self.length.min_tokens <= tokens <= self.length.max_tokens:
+            self.report.skip(plan.task, "too_long" if tokens > self.length.max_tokens else "too_short")
             return None
-        if tokens < self.length.min_tokens:
-            self.report.skip(plan.task, "too_short")
-            return None
-        meta = {
-            **plan.meta,
-            "context_chars": len(plan.context_text),
-            "evidence": [pair.evidence for pair in pairs],
-            "failed_jobs": sum(qa is None for qa in qa_lists),
-        }
+        meta = {**plan.meta, "context_chars": len(plan.context_text), "evidence": [pair.evidence for pair in pairs]}
+        meta["failed_jobs"] = sum(qa is None for qa in qa_lists)
         return {
             "task": plan.task,
             "messages": messages,
@@ -295,10 +261,7 @@ class LongContextBuilder:
 
     def _messages(self, context: str, pairs: Sequence[QAPair]) -> list[dict[str, str]]:
         first = self.context_template.format(context=context.strip(), question=pairs[0].question)
-        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": pairs[0].answer}]
-        for pair in pairs[1:]:
-            messages += [{"role": "user", "content": pair.question}, {"role": "assistant", "content": pair.answer}]
-        return messages
+        return [turn for i, p in enumerate(pairs) for turn in exchange(p.question if i else first, p.answer)]
 
 
 def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:
@@ -319,10 +282,7 @@ def whole_contexts(count: str) -> Callable[..., list[ContextPlan]]:
 
 
 def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int = 0) -> list[list[int]]:
-    """Group documents by content: TF-IDF vectors clustered with k-means (scikit-learn).
-
-    Returns the member indices of each non-empty cluster.
-    """
+    """The member indices of each non-empty cluster of documents: TF-IDF vectors clustered with k-means."""
     from sklearn.cluster import KMeans
     from sklearn.feature_extraction.text import TfidfVectorizer
 
@@ -334,22 +294,12 @@ def cluster_documents(documents: Sequence[Document], n_clusters: int, seed: int 
     return [c for c in clusters if c]
 
 
-# ---- procedural sources ---------------------------------------------------------------------------
-
-
 def procedural_long_documents(
-    counter: TokenCounter,
-    task: str,
-    count: int,
-    length: LengthConfig,
-    seed: int,
-    progress: bool = False,
-    **options: Any,
+    counter: TokenCounter, task: str, count: int, length: LengthConfig, seed: int, progress: bool = False
 ) -> list[Document]:
     """``count`` procedural documents long enough for any context length of ``length``, of the kind ``task`` asks
     for (its record's ``documents``: the biographies' are chronicles with several main characters)."""
-    options = {**get_task(task).documents, **options}
-    rng = random.Random(f"{seed}/{task}/documents")
+    options, rng = get_task(task).documents, random.Random(f"{seed}/{task}/documents")
     return [
         procedural_document(
             counter, length.max_tokens + 64, seed=rng.randrange(2**31), doc_id=f"{task}-doc-{i}", **options
@@ -371,21 +321,11 @@ def procedural_cluster_pool(
     budget_min, budget_max = length.context_budget()
     # aim the sum of docs_per_context documents (each up to 5% over its minimum) at the budget's middle
     doc_tokens = max(64, int((budget_min + budget_max) / 2 / docs_per_context / 1.025))
-    topics = sorted(TOPICS)
-    pool = []
+    topics, pool = sorted(TOPICS), []
     for c in tqdm(range(contexts), desc="heterogeneous documents", unit="context", disable=not progress):
-        topic = topics[c % len(topics)]
         for d in range(docs_per_context + 1):
-            pool.append(
-                procedural_document(
-                    counter,
-                    doc_tokens,
-                    seed=rng.randrange(2**31),
-                    topic=topic,
-                    doc_id=f"heterogeneous-doc-{c}-{d}",
-                    n_characters=1,
-                )
-            )
+            options = {"topic": topics[c % len(topics)], "doc_id": f"heterogeneous-doc-{c}-{d}", "n_characters": 1}
+            pool.append(procedural_document(counter, doc_tokens, seed=rng.randrange(2**31), **options))
     return pool
 
 

@@ -1,13 +1,7 @@
-"""The built-in synth tasks, one :func:`~.registry.register` line each (``longpeft.synth_data`` imports this module):
-the data recipe of "Extending Llama-3's Context Ten-Fold Overnight". Each turns long contexts into multi-turn
-conversations: the context sits in the first user turn with the first question, and every further QA pair about the
-same context is one more turn.
-
-- ``single_detail``: QA about <= ``length.chunk_tokens``-token chunks sliced from a long context;
-- ``multi_detail``: questions aggregating several places of one long, coherent document;
-- ``biography``: one biography per main character of a book;
-- ``heterogeneous``: texts of one cluster (TF-IDF + k-means over the corpus) packed into one context, questions on
-  their similarities and differences.
+"""The built-in synth tasks, one :func:`~.registry.register` line each: the data recipe of "Extending Llama-3's
+Context Ten-Fold Overnight". ``single_detail`` asks about chunks (<= ``length.chunk_tokens``) of a long context,
+``multi_detail`` aggregates several places of one long document, ``biography`` writes one per main character of a
+book, and ``heterogeneous`` compares the texts of one cluster (TF-IDF + k-means) packed into one context.
 """
 
 from __future__ import annotations
@@ -147,11 +141,8 @@ def plan_single_detail(
 def plan_heterogeneous(
     builder: LongContextBuilder, name: str, settings: HeterogeneousConfig, documents: Sequence[Document] | None
 ) -> list[ContextPlan]:
-    """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context.
-
-    Without ``documents``, a generated pool covers one topic per context (up to the number of topics), and the
-    clusters default to its topics; with them, to about 1.25 contexts' worth of documents per cluster.
-    """
+    """Cluster the documents (TF-IDF + k-means) and pack texts of one cluster into each context; the clusters
+    default to the topics of a generated pool (one per context), or to about 1.25 contexts' worth of your files."""
     contexts, n_clusters = settings.contexts, settings.n_clusters
     if documents is None:
         documents = procedural_cluster_pool(
@@ -182,7 +173,7 @@ def plan_heterogeneous(
         for queue in queues:
             if len(plans) == contexts:
                 break
-            picked = _pack(queue, sizes, builder.context_target(rng), budget_min, budget_max)
+            picked = _pack(queue, sizes, rng.randint(budget_min, budget_max), budget_min, budget_max)
             if picked is None:
                 continue
             packed_any = True
@@ -195,11 +186,8 @@ def plan_heterogeneous(
 
 
 def _pack(queue: list[int], sizes: Sequence[int], target: int, low: int, high: int) -> list[int] | None:
-    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``.
-
-    Removes and returns the picked indices when they are at least two and reach ``low`` tokens;
-    otherwise leaves the queue alone and returns None.
-    """
+    """Take documents from ``queue`` towards ``target`` tokens, never passing ``high``: the picked indices (then
+    removed from ``queue``) when they are at least two and reach ``low`` tokens, else None."""
     picked, total = [], 0
     for index in queue:
         if total >= target:

@@ -1,12 +1,7 @@
-"""Offline procedural corpus: long generated documents whose facts are recorded as they are written.
-
-Each procedural :class:`Document` is a chronicle ("story") or an annual report ("report") about a
-made-up town whose life revolves around a topic (a harbor, an observatory, ...). Fact sentences are
-scattered through filler prose, and every fact keeps its question, exact answer and character span,
-so the QA builders can ask about any slice of the document with answers that are right by
-construction. Documents of one topic share vocabulary, so text clustering groups them.
-
-Everything is deterministic given the seed.
+"""Offline procedural corpus: chronicles ("story") and annual reports ("report") of made-up towns living from one
+topic (a harbor, an observatory, ...), deterministic given the seed. Fact sentences are scattered through filler, each
+fact recorded with its question, exact answer and character span, so QA about any slice is right by construction.
+Documents of one topic share vocabulary, so text clustering groups them.
 """
 
 from __future__ import annotations
@@ -16,106 +11,54 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-TOPICS: dict[str, dict[str, list[str]]] = {
+_VOCABULARY = {  # topic -> word list -> its comma-separated items
     "harbor": {
-        "places": ["harbor", "pier", "lighthouse", "dock", "boathouse", "fish market", "sea wall", "ferry landing"],
-        "objects": ["anchor", "net", "rope", "lantern", "compass", "oar", "buoy", "sail"],
-        "professions": ["sailor", "fisher", "boatbuilder", "harbor pilot", "net maker"],
-        "structures": ["breakwater", "slipway", "customs house", "signal tower", "ice house", "rope walk"],
-        "sights": ["gulls circled over the water", "the tide pulled at the moorings", "salt dried on the decks"],
+        "places": "harbor, pier, lighthouse, dock, boathouse, fish market, sea wall, ferry landing",
+        "objects": "anchor, net, rope, lantern, compass, oar, buoy, sail",
+        "professions": "sailor, fisher, boatbuilder, harbor pilot, net maker",
+        "structures": "breakwater, slipway, customs house, signal tower, ice house, rope walk",
+        "sights": "gulls circled over the water, the tide pulled at the moorings, salt dried on the decks",
     },
     "mountain": {
-        "places": [
-            "pass",
-            "quarry",
-            "ridge",
-            "mine entrance",
-            "mountain hut",
-            "ice field",
-            "stone bridge",
-            "cable station",
-        ],
-        "objects": ["pickaxe", "helmet", "sled", "ladder", "drill", "cable", "boot", "crampon"],
-        "professions": ["miner", "guide", "stonecutter", "surveyor", "cable operator"],
-        "structures": ["tunnel", "shelter", "avalanche fence", "ore mill", "water channel", "rope bridge"],
-        "sights": ["snow lay on the high slopes", "rocks rattled down the scree", "the air was thin and cold"],
+        "places": "pass, quarry, ridge, mine entrance, mountain hut, ice field, stone bridge, cable station",
+        "objects": "pickaxe, helmet, sled, ladder, drill, cable, boot, crampon",
+        "professions": "miner, guide, stonecutter, surveyor, cable operator",
+        "structures": "tunnel, shelter, avalanche fence, ore mill, water channel, rope bridge",
+        "sights": "snow lay on the high slopes, rocks rattled down the scree, the air was thin and cold",
     },
     "orchard": {
-        "places": [
-            "orchard",
-            "cider press",
-            "barn",
-            "grove",
-            "apple store",
-            "packing shed",
-            "beehive field",
-            "farm gate",
-        ],
-        "objects": ["basket", "ladder", "crate", "pruning knife", "barrel", "cart", "sieve", "hoe"],
-        "professions": ["farmer", "beekeeper", "cider maker", "gardener", "fruit picker"],
-        "structures": ["irrigation pond", "drying kiln", "granary", "greenhouse", "windmill", "seed store"],
-        "sights": ["blossom covered the rows of trees", "bees hummed over the clover", "ripe fruit bent the branches"],
+        "places": "orchard, cider press, barn, grove, apple store, packing shed, beehive field, farm gate",
+        "objects": "basket, ladder, crate, pruning knife, barrel, cart, sieve, hoe",
+        "professions": "farmer, beekeeper, cider maker, gardener, fruit picker",
+        "structures": "irrigation pond, drying kiln, granary, greenhouse, windmill, seed store",
+        "sights": "blossom covered the rows of trees, bees hummed over the clover, ripe fruit bent the branches",
     },
     "observatory": {
-        "places": [
-            "observatory",
-            "dome",
-            "star chart room",
-            "telescope deck",
-            "clock room",
-            "archive",
-            "lecture hall",
-            "courtyard",
-        ],
-        "objects": ["telescope", "lens", "star chart", "sextant", "notebook", "chronometer", "mirror", "globe"],
-        "professions": ["astronomer", "clockmaker", "lens grinder", "archivist", "instrument maker"],
-        "structures": ["meridian hall", "radio mast", "library wing", "weather station", "guest house", "map room"],
-        "sights": ["the night sky was clear", "a comet crossed the northern sky", "the dome turned slowly"],
+        "places": "observatory, dome, star chart room, telescope deck, clock room, archive, lecture hall, courtyard",
+        "objects": "telescope, lens, star chart, sextant, notebook, chronometer, mirror, globe",
+        "professions": "astronomer, clockmaker, lens grinder, archivist, instrument maker",
+        "structures": "meridian hall, radio mast, library wing, weather station, guest house, map room",
+        "sights": "the night sky was clear, a comet crossed the northern sky, the dome turned slowly",
     },
     "railway": {
-        "places": [
-            "station",
-            "signal box",
-            "engine shed",
-            "platform",
-            "goods yard",
-            "ticket hall",
-            "water tower",
-            "junction",
-        ],
-        "objects": ["whistle", "timetable", "lamp", "ticket punch", "coal shovel", "brake lever", "flag", "wheel"],
-        "professions": ["engine driver", "signal keeper", "porter", "ticket clerk", "track inspector"],
-        "structures": ["viaduct", "turntable", "footbridge", "waiting room", "coal depot", "branch line"],
-        "sights": ["steam drifted over the platform", "the rails hummed before a train", "smoke rose from the shed"],
+        "places": "station, signal box, engine shed, platform, goods yard, ticket hall, water tower, junction",
+        "objects": "whistle, timetable, lamp, ticket punch, coal shovel, brake lever, flag, wheel",
+        "professions": "engine driver, signal keeper, porter, ticket clerk, track inspector",
+        "structures": "viaduct, turntable, footbridge, waiting room, coal depot, branch line",
+        "sights": "steam drifted over the platform, the rails hummed before a train, smoke rose from the shed",
     },
     "library": {
-        "places": [
-            "library",
-            "reading room",
-            "print shop",
-            "bindery",
-            "map hall",
-            "book market",
-            "scriptorium",
-            "garden court",
-        ],
-        "objects": ["ledger", "quill", "printing plate", "catalogue", "bookplate", "ink pot", "folio", "reading lamp"],
-        "professions": ["librarian", "printer", "bookbinder", "translator", "copyist"],
-        "structures": [
-            "east gallery",
-            "rare book vault",
-            "paper mill",
-            "reading tower",
-            "type foundry",
-            "book bridge",
-        ],
-        "sights": [
-            "dust floated in the light of the windows",
-            "pages rustled in the quiet",
-            "ink dried on fresh sheets",
-        ],
+        "places": "library, reading room, print shop, bindery, map hall, book market, scriptorium, garden court",
+        "objects": "ledger, quill, printing plate, catalogue, bookplate, ink pot, folio, reading lamp",
+        "professions": "librarian, printer, bookbinder, translator, copyist",
+        "structures": "east gallery, rare book vault, paper mill, reading tower, type foundry, book bridge",
+        "sights": "dust floated in the light of the windows, pages rustled in the quiet, ink dried on fresh sheets",
     },
 }
+TOPICS: dict[str, dict[str, list[str]]] = {
+    topic: {key: items.split(", ") for key, items in lists.items()} for topic, lists in _VOCABULARY.items()
+}
+
 
 TOPIC_DESCRIPTIONS = {
     "harbor": "a town living from its harbor and the sea",
@@ -135,27 +78,8 @@ LAST_NAMES = (
     "Sand Thorn Ulm Vance Wolde Yates Zorn Abel Birk Crane Drost Esk Fenn Gast Holm Jarl Kade Lund Moss Noll"
 ).split()
 TOWN_PARTS = (
-    [
-        "Ash",
-        "Brook",
-        "Cold",
-        "Deep",
-        "Elm",
-        "Fair",
-        "Gold",
-        "High",
-        "Iron",
-        "Lark",
-        "Mill",
-        "North",
-        "Oak",
-        "Red",
-        "Stone",
-        "Thorn",
-        "West",
-        "Wind",
-    ],
-    ["ford", "haven", "wick", "dale", "mere", "stead", "bury", "field", "port", "holm", "ton", "gate"],
+    "Ash Brook Cold Deep Elm Fair Gold High Iron Lark Mill North Oak Red Stone Thorn West Wind".split(),
+    "ford haven wick dale mere stead bury field port holm ton gate".split(),
 )
 ADJECTIVES = "red blue green silver golden black white copper amber grey bronze violet".split()
 ANIMALS = "dog cat horse goat parrot owl rabbit tortoise".split()
@@ -171,19 +95,11 @@ FACT_KINDS = ("code", "profession", "street", "event")
 
 @dataclass(frozen=True)
 class Fact:
-    """One fact written into a document.
-
-    Attributes:
-        fact_id: unique id ``"<doc_id>:<n>"``.
-        kind: ``code``, ``profession``, ``street``, ``event``, ``founded``, ``population``, or a main
-            character's ``birth_year``, ``birthplace``, ``profession``, ``sibling`` or ``pet``.
-        subject: who or what the fact is about (a person, ``"the blue lantern at the pier"``, ...).
-        value: the exact answer as written in the text.
-        question: a question whose only correct answer is ``value``.
-        sentence: the sentence that states the fact.
-        start, end: character span of ``sentence`` in the document text.
-        detail: extra structured fields (the verb of an event, the animal of a pet, ...).
-    """
+    """One fact written into a document: ``fact_id`` ``"<doc_id>:<n>"``; its ``kind`` (``code``, ``profession``,
+    ``street``, ``event``, ``founded``, ``population``, or a main character's ``birth_year``, ``birthplace``,
+    ``profession``, ``sibling`` or ``pet``); its ``subject`` (a person, ``"blue lantern at the pier"``, ...); its
+    ``value``, the exact answer as written, to ``question``; the ``sentence`` stating it, at ``start:end`` of the
+    text; ``detail``: more fields (the verb of an event, the animal of a pet, ...)."""
 
     fact_id: str
     kind: str
@@ -209,18 +125,10 @@ class Character:
 
 @dataclass
 class Document:
-    """A source document; procedural ones carry their ground truth.
-
-    Attributes:
-        doc_id: identifier (also the prefix of its fact ids).
-        title: the document's title (the first line of procedural texts).
-        text: the document.
-        kind: ``"story"`` or ``"report"`` (procedural), ``"text"`` (read from a file).
-        topic: key of :data:`TOPICS` (procedural only).
-        facts: every fact, in order of appearance (empty for files).
-        characters: the main characters (each has one fact per attribute and many mentions).
-        profile: town-level facts ``town``, ``founded``, ``population``, ``topic``.
-    """
+    """A source document: ``doc_id`` (the prefix of its fact ids), ``title`` (the first line of procedural texts),
+    ``text`` and ``kind`` (``"story"`` or ``"report"``; ``"text"`` for a file). A procedural one carries its ground
+    truth: its ``topic`` (a key of :data:`TOPICS`), every fact in order of appearance, its main characters (one
+    fact per attribute, many mentions) and its ``profile`` (``town``, ``founded``, ``population``, ``topic``)."""
 
     doc_id: str
     title: str
@@ -242,7 +150,8 @@ class _Writer:
         self.facts: list[Fact] = []
         self.in_paragraph = 0
 
-    def sentence(self, text: str, facts: Sequence[tuple[str, str, str, str, dict[str, str]]] = ()) -> None:
+    def sentence(self, text: str, *facts: tuple[str, str, str, str], **detail: str) -> None:
+        """Write ``text``, which states each of ``facts`` (kind, subject, value, question), with ``detail``."""
         if self.in_paragraph:
             self.parts.append(" ")
             self.length += 1
@@ -250,7 +159,7 @@ class _Writer:
         self.parts.append(text)
         self.length += len(text)
         self.in_paragraph += 1
-        for kind, subject, value, question, detail in facts:
+        for kind, subject, value, question in facts:
             assert value in text, (value, text)
             fact_id = f"{self.doc_id}:{len(self.facts)}"
             self.facts.append(
@@ -299,24 +208,22 @@ def generate_document(
     n_characters: int = 4,
     doc_id: str | None = None,
 ) -> Document:
-    """Generate one document: the town's profile, then ``n_sentences`` sentences of main characters' facts at
-    their slots, scattered facts and filler, in paragraphs of 4 to 8 sentences.
-
-    Args:
-        seed: everything (topic, names, facts, wording) follows from it.
-        n_sentences: length in sentences (one sentence is ~10 words).
-        kind: ``"story"`` or ``"report"`` (random when None).
-        topic: a key of :data:`TOPICS` (random when None).
-        fact_kinds: kinds of scattered facts to write, from :data:`FACT_KINDS`.
-        fact_rate: fraction of sentences that state a scattered fact.
-        n_characters: main characters; each gets a fact per attribute (birth year, birthplace, profession,
-            sibling, pet), spread over the document (0 for none).
-        doc_id: identifier (default ``"doc-<seed>"``).
-    """
+    """One document, all of it following from ``seed``: the town's profile, then ``n_sentences`` sentences (~10
+    words each) in paragraphs of 4 to 8: the facts of ``n_characters`` main characters (birth year and place,
+    profession, sibling, pet) spread over it, scattered facts of ``fact_kinds`` (:data:`FACT_KINDS`) in
+    ``fact_rate`` of the sentences, and filler. ``kind`` (``"story"`` or ``"report"``) and ``topic`` are random when
+    None; ``doc_id`` defaults to ``"doc-<seed>"``."""
     rng = random.Random(seed)
     kind = kind or rng.choice(["story", "report"])
     topic = topic or rng.choice(sorted(TOPICS))
-    _check_document_options(kind, topic, n_sentences, n_characters, fact_kinds)
+    if kind not in ("story", "report"):
+        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
+    if topic not in TOPICS:
+        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
+    if n_sentences < 4 * n_characters:
+        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
+    if unknown := sorted(set(fact_kinds) - set(FACT_KINDS)):
+        raise ValueError(f"unknown fact kinds {unknown}; choose from {FACT_KINDS}")
     doc_id = doc_id or f"doc-{seed}"
     vocab = TOPICS[topic]
     town = town_name(rng)
@@ -326,18 +233,21 @@ def generate_document(
     writer = _Writer(doc_id, title)
     profile = _write_profile(writer, rng, town, topic)
     characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
-    slots = _character_slots(rng, characters, n_sentences)
+    slots: dict[int, tuple[Character, str]] = {}  # sentence -> each character's facts, at distinct sentences
+    for character in characters:
+        for attribute in ("birth", "profession", "sibling", "pet"):
+            slot = rng.randrange(n_sentences)
+            while slot in slots:
+                slot = rng.randrange(n_sentences)
+            slots[slot] = (character, attribute)
 
-    used_codes: set[tuple[str, str, str]] = set()
-    used_structures: set[str] = set()
+    used: set[tuple[str, ...]] = set()
     paragraph_left = rng.randint(4, 8)
     for index in range(n_sentences):
         if index in slots:
             _character_sentence(writer, *slots[index])
         elif fact_kinds and rng.random() < fact_rate:
-            _fact_sentence(
-                writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used_codes, used_structures
-            )
+            _fact_sentence(writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used)
         else:
             writer.sentence(_filler(rng, kind, town, vocab, characters))
         paragraph_left -= 1
@@ -348,33 +258,16 @@ def generate_document(
     return Document(doc_id, title, writer.text(), kind, topic, writer.facts, characters, profile)
 
 
-def _check_document_options(
-    kind: str, topic: str, n_sentences: int, n_characters: int, fact_kinds: Sequence[str]
-) -> None:
-    """Refuse a kind, topic or fact kind that does not exist, or too few sentences for the main characters."""
-    if kind not in ("story", "report"):
-        raise ValueError(f"kind must be 'story' or 'report', got {kind!r}")
-    if topic not in TOPICS:
-        raise ValueError(f"unknown topic {topic!r}; choose one of {sorted(TOPICS)}")
-    if n_sentences < 4 * n_characters:
-        raise ValueError(f"n_sentences ({n_sentences}) must be at least 4 per main character ({4 * n_characters})")
-    unknown = set(fact_kinds) - set(FACT_KINDS)
-    if unknown:
-        raise ValueError(f"unknown fact kinds {sorted(unknown)}; choose from {FACT_KINDS}")
-
-
 def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -> dict[str, Any]:
     """The opening paragraph: the town's founding year and population (two facts) and its topic; returns the
     document's ``profile``."""
-    founded = rng.randint(1200, 1890)
-    population = rng.randint(800, 60000)
+    founded, population = rng.randint(1200, 1890), rng.randint(800, 60000)
     writer.sentence(
-        f"{town} was founded in {founded}.",
-        [("founded", town, str(founded), f"In which year was {town} founded?", {})],
+        f"{town} was founded in {founded}.", ("founded", town, str(founded), f"In which year was {town} founded?")
     )
     writer.sentence(
         f"Today {town} has {population} inhabitants.",
-        [("population", town, str(population), f"How many inhabitants does {town} have?", {})],
+        ("population", town, str(population), f"How many inhabitants does {town} have?"),
     )
     writer.sentence(f"It is {TOPIC_DESCRIPTIONS[topic]}.")
     writer.end_paragraph()
@@ -383,8 +276,7 @@ def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -
 
 def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
     """A main character: a name and a sibling from ``names``, a birth year and place, a profession and a pet."""
-    name = names.take()
-    animal = rng.choice(ANIMALS)
+    name, animal = names.take(), rng.choice(ANIMALS)
     attributes = {
         "birth_year": str(rng.randint(1700, 1990)),
         "birthplace": town_name(rng),
@@ -396,54 +288,41 @@ def _main_character(rng: random.Random, names: _NamePool, professions: list[str]
     return Character(name, attributes)
 
 
-def _character_slots(
-    rng: random.Random, characters: list[Character], n_sentences: int
-) -> dict[int, tuple[Character, str]]:
-    """Sentence index -> (character, attribute): each character's facts at random distinct sentences, spread over
-    the text."""
-    slots: dict[int, tuple[Character, str]] = {}
-    for character in characters:
-        for attribute in ("birth", "profession", "sibling", "pet"):
-            slot = rng.randrange(n_sentences)
-            while slot in slots:
-                slot = rng.randrange(n_sentences)
-            slots[slot] = (character, attribute)
-    return slots
-
-
 def _character_sentence(writer: _Writer, character: Character, attribute: str) -> None:
     name, a = character.name, character.attributes
     if attribute == "birth":
         writer.sentence(
             f"{name} was born in {a['birthplace']} in {a['birth_year']}.",
-            [
-                ("birth_year", name, a["birth_year"], f"In which year was {name} born?", {}),
-                ("birthplace", name, a["birthplace"], f"Where was {name} born?", {}),
-            ],
+            ("birth_year", name, a["birth_year"], f"In which year was {name} born?"),
+            ("birthplace", name, a["birthplace"], f"Where was {name} born?"),
         )
     elif attribute == "profession":
         writer.sentence(
             f"{name} made a living as {article(a['profession'])}.",
-            [("profession", name, a["profession"], f"What was {name}'s profession?", {"main": "yes"})],
+            ("profession", name, a["profession"], f"What was {name}'s profession?"),
+            main="yes",
         )
     elif attribute == "sibling":
         writer.sentence(
             f"{name} had a sibling named {a['sibling']}.",
-            [("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?", {})],
+            ("sibling", name, a["sibling"], f"What was the name of {name}'s sibling?"),
         )
     else:
+        animal, question = a["pet_animal"], f"What was the name of {name}'s {a['pet_animal']}?"
         writer.sentence(
-            f"{name} kept {article(a['pet_animal'])} called {a['pet']}.",
-            [
-                (
-                    "pet",
-                    name,
-                    a["pet"],
-                    f"What was the name of {name}'s {a['pet_animal']}?",
-                    {"animal": a["pet_animal"]},
-                )
-            ],
+            f"{name} kept {article(animal)} called {a['pet']}.", ("pet", name, a["pet"], question), animal=animal
         )
+
+
+def _fresh(rng: random.Random, used: set[tuple[str, ...]], *choices: Sequence[str]) -> tuple[str, ...] | None:
+    """One item of each of ``choices``, drawn again while the draw is in ``used`` (then added to it); None when 20
+    draws were all used."""
+    for _ in range(20):
+        drawn = tuple(rng.choice(items) for items in choices)
+        if drawn not in used:
+            used.add(drawn)
+            return drawn
+    return None
 
 
 def _fact_sentence(
@@ -453,51 +332,37 @@ def _fact_sentence(
     vocab: dict[str, list[str]],
     professions: list[str],
     names: _NamePool,
-    used_codes: set[tuple[str, str, str]],
-    used_structures: set[str],
+    used: set[tuple[str, ...]],
 ) -> None:
-    if kind == "code":
-        for _ in range(20):
-            key = (rng.choice(ADJECTIVES), rng.choice(vocab["objects"]), rng.choice(vocab["places"]))
-            if key not in used_codes:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_codes.add(key)
-        adjective, obj, place = key
-        number = str(rng.randint(1000, 99999))
-        subject = f"{adjective} {obj} at the {place}"
-        writer.sentence(
-            f"The {subject} is marked with the number {number}.",
-            [("code", subject, number, f"What number is the {subject} marked with?", {})],
-        )
-    elif kind == "profession":
+    """A scattered fact of ``kind`` (``used``: the objects and structures already written about); filler when 20
+    draws find only used ones."""
+    if kind == "profession":
         name, profession = names.take(), rng.choice(professions)
         writer.sentence(
             f"{name} worked as {article(profession)}.",
-            [("profession", name, profession, f"What was {name}'s profession?", {})],
+            ("profession", name, profession, f"What was {name}'s profession?"),
         )
     elif kind == "street":
         name, street = names.take(), rng.choice(STREETS)
         writer.sentence(
             f"{name} lived on {street} Street.",
-            [("street", name, f"{street} Street", f"On which street did {name} live?", {})],
+            ("street", name, f"{street} Street", f"On which street did {name} live?"),
         )
-    else:
-        for _ in range(20):
-            structure = f"{rng.choice(ADJECTIVES)} {rng.choice(vocab['structures'])}"
-            if structure not in used_structures:
-                break
-        else:
-            writer.sentence(_filler(rng, "report", "the town", vocab, []))
-            return
-        used_structures.add(structure)
-        verb, year = rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
+    elif kind == "code" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["objects"], vocab["places"])):
+        subject, number = "{} {} at the {}".format(*drawn), str(rng.randint(1000, 99999))
+        writer.sentence(
+            f"The {subject} is marked with the number {number}.",
+            ("code", subject, number, f"What number is the {subject} marked with?"),
+        )
+    elif kind == "event" and (drawn := _fresh(rng, used, ADJECTIVES, vocab["structures"])):
+        structure, verb, year = " ".join(drawn), rng.choice(EVENT_VERBS), str(rng.randint(1700, 1990))
         writer.sentence(
             f"In {year}, the council {verb} the {structure}.",
-            [("event", structure, year, f"In which year did the council {verb} the {structure}?", {"verb": verb})],
+            ("event", structure, year, f"In which year did the council {verb} the {structure}?"),
+            verb=verb,
         )
+    else:
+        writer.sentence(_filler(rng, "report", "the town", vocab, []))
 
 
 def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]], characters: list[Character]) -> str:
@@ -522,19 +387,12 @@ def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]
 
 
 def corpus_texts(n: int = 40, seed: int = 0, n_sentences: int = 120) -> list[str]:
-    """``n`` procedural texts (documents followed by their questions and answers) to train a tokenizer on.
-
-    Covers every topic, both kinds, and the question wording the QA builders use.
-    """
-    rng = random.Random(seed)
-    texts = []
+    """``n`` procedural texts to train a tokenizer on, covering every topic and both kinds: documents followed by
+    their questions and answers (the QA builders' wording)."""
+    rng, topics, texts = random.Random(seed), sorted(TOPICS), []
     for index in range(n):
-        document = generate_document(
-            seed=rng.randrange(2**31),
-            n_sentences=n_sentences,
-            topic=sorted(TOPICS)[index % len(TOPICS)],
-            kind=("story", "report")[index % 2],
-        )
+        kind, topic = ("story", "report")[index % 2], topics[index % len(topics)]
+        document = generate_document(seed=rng.randrange(2**31), n_sentences=n_sentences, topic=topic, kind=kind)
         qa = "\n".join(f"{fact.question} {fact.value}." for fact in document.facts)
         texts.append(f"{document.text}\n{qa}\n")
     return texts

@@ -20,38 +20,21 @@ def build_demo_dataset(
     seed: int = 0,
     questions_per_conversation: int = 4,
 ) -> Dataset:
-    """A small training set for the demo: each conversation is one ~``context_tokens``-token context.
-
-    The context is procedural filler with numbered objects scattered through it ("The grey oar at
-    the pier is marked with the number 38006."); each of the ``questions_per_conversation`` turns
-    asks for one of those numbers, so the answers are pure retrieval from the context and exact.
-    Conversations have ``context_tokens`` to ``context_tokens + 48 * questions + 64`` tokens with the
-    tokenizer's chat template. Deterministic given ``seed``.
-    """
+    """The demo's training set, deterministic given ``seed``: conversations of ``context_tokens`` to
+    ``context_tokens + 48 * questions_per_conversation + 64`` tokens (chat template included), each a procedural
+    context with numbered objects scattered through it ("The grey oar at the pier is marked with the number 38006.")
+    and ``questions_per_conversation`` turns asking for those numbers: exact, pure retrieval."""
     reserve = 48 * questions_per_conversation + 64
+    longest = context_tokens + reserve
     length = LengthConfig(
-        min_tokens=context_tokens,
-        max_tokens=context_tokens + reserve,
-        chunk_tokens=context_tokens + reserve,
-        qa_reserve_tokens=reserve,
+        min_tokens=context_tokens, max_tokens=longest, chunk_tokens=longest, qa_reserve_tokens=reserve
     )
     builder = LongContextBuilder(tokenizer, ProceduralAnswerer(), length, seed=seed)
     rng = random.Random(f"{seed}/demo")
+    options = {"fact_kinds": ("code",), "fact_rate": 0.25, "n_characters": 0}  # numbered objects only
     documents = [
-        procedural_document(
-            builder.counter,
-            length.max_tokens + 64,
-            seed=rng.randrange(2**31),
-            doc_id=f"demo-{i}",
-            fact_kinds=("code",),
-            fact_rate=0.25,
-            n_characters=0,
-        )
+        procedural_document(builder.counter, longest + 64, seed=rng.randrange(2**31), doc_id=f"demo-{i}", **options)
         for i in range(n_conversations)
     ]
-    settings = {
-        "contexts": n_conversations,
-        "chunks_per_context": 1,
-        "questions_per_chunk": questions_per_conversation,
-    }
+    settings = dict(contexts=n_conversations, chunks_per_context=1, questions_per_chunk=questions_per_conversation)
     return Dataset.from_list(builder.build(builder.plan("single_detail", documents, **settings)))

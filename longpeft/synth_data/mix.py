@@ -1,13 +1,7 @@
-"""Mixing the synthetic long-context conversations with plain text, instruction and summarisation data.
-
-The 80K recipe adds plain pretraining text (RedPajama) against forgetting and instruction data
-(LongAlpaca) to its ~3.5K synthetic conversations; Activation Beacon's fine-tuning adds summaries
-(BookSum) too. Each source is added by ratio of the final dataset, after a length filter measured
-with the training tokenizer and chat template.
-
-Plain text becomes a two-turn conversation (a fixed request, then the text as the assistant turn),
-so that assistant-only loss trains on the text itself; a summarisation record becomes a request to
-summarise its text, answered by its summary.
+"""Mixing the synthetic conversations with plain text (against forgetting), instructions and summaries, each by
+its ratio of the final dataset, after a length filter measured with the training tokenizer and chat template. A plain
+text is the assistant turn after a fixed request (assistant-only loss trains on it); a summary answers a request to
+summarise its text.
 """
 
 from __future__ import annotations
@@ -22,13 +16,17 @@ from pydantic import Field, model_validator
 
 from ..config import StrictModel
 from ..errors import DataError, DataNotFoundError
-from .builders import TokenCounter
+from .builders import TokenCounter, exchange
 
 DEFAULT_PLAIN_PROMPT = "Write a passage of text."
 DEFAULT_SUMMARY_PROMPT = "Summarize the following text.\n\n{text}"
 RECORD_FILES = {".jsonl": "one JSON record per line", ".json": "a JSON list of records, or one record per line"}
-MIX_TASKS = ("plain_text", "instruction", "summary")  # the task name of each source's rows, in mixing order
-SOURCE_TASKS = {"plain_text": "plain_text", "instructions": "instruction", "summaries": "summary"}  # key -> task
+# The task of each source's rows (in mixing order) -> its path's config key, and the prefix of its other fields.
+SOURCES = {
+    "plain_text": ("plain_text", "plain"),
+    "instruction": ("instructions", "instruction"),
+    "summary": ("summaries", "summary"),
+}
 
 
 class MixConfig(StrictModel):
@@ -40,9 +38,7 @@ class MixConfig(StrictModel):
     plain_min_tokens: int = Field(0, ge=0)
     plain_max_tokens: int | None = Field(None, ge=1)
     plain_truncate: bool = Field(
-        False,
-        description="cut a plain text longer than plain_max_tokens to fit (as "
-        "language-modelling data is cut) instead of leaving it out",
+        False, description="cut a plain text longer than plain_max_tokens to fit instead of leaving it out"
     )
     plain_prompt: str = Field(DEFAULT_PLAIN_PROMPT, description="user turn before a plain text")
     instructions: str | None = Field(
@@ -71,22 +67,14 @@ class MixConfig(StrictModel):
             raise ValueError(
                 "plain_ratio + instruction_ratio + summary_ratio must stay below 1 (the rest is synthetic data)"
             )
-        if self.plain_ratio > 0 and not self.plain_text:
-            raise ValueError("plain_ratio > 0 needs mix.plain_text (a file or folder; --plain-text PATH)")
-        if self.instruction_ratio > 0 and not self.instructions:
-            raise ValueError("instruction_ratio > 0 needs mix.instructions (a file or folder; --instructions PATH)")
-        if self.summary_ratio > 0 and not self.summaries:
-            raise ValueError("summary_ratio > 0 needs mix.summaries (a file or folder; --summaries PATH)")
-        for key, flag in (
-            ("plain_text", "--plain-ratio"),
-            ("instructions", "--instruction-ratio"),
-            ("summaries", "--summary-ratio"),
-        ):
-            ratio = self.share(SOURCE_TASKS[key])[0]
-            if getattr(self, key) and not ratio:
+        for task, (key, prefix) in SOURCES.items():
+            ratio, path = self.share(task)[0], getattr(self, key)
+            if ratio > 0 and not path:
+                raise ValueError(f"{prefix}_ratio > 0 needs mix.{key} (a file or folder; {source_flag(key)} PATH)")
+            if path and not ratio:
                 raise ValueError(
                     f"mix.{key} is set but its ratio is 0, so the file would not be read: give its share of the final "
-                    f"dataset ({flag}), or leave mix.{key} out"
+                    f"dataset (--{prefix}-ratio), or leave mix.{key} out"
                 )
         if self.plain_truncate and self.plain_max_tokens is None:
             raise ValueError("plain_truncate needs plain_max_tokens (the length a plain text is cut to)")
@@ -95,13 +83,13 @@ class MixConfig(StrictModel):
         return self
 
     def share(self, task: str) -> tuple[float, int, int | None]:
-        """``(ratio, min_tokens, max_tokens)`` of the source whose rows are ``task`` (one of :data:`MIX_TASKS`)."""
-        prefix = {"plain_text": "plain", "instruction": "instruction", "summary": "summary"}[task]
-        return (
-            getattr(self, f"{prefix}_ratio"),
-            getattr(self, f"{prefix}_min_tokens"),
-            getattr(self, f"{prefix}_max_tokens"),
-        )
+        """``(ratio, min_tokens, max_tokens)`` of the source whose rows are ``task`` (a key of :data:`SOURCES`)."""
+        return tuple(getattr(self, f"{SOURCES[task][1]}_{name}") for name in ("ratio", "min_tokens", "max_tokens"))
+
+
+def source_flag(key: str) -> str:
+    """The flag of a source's path: ``--plain-text`` for ``mix.plain_text``."""
+    return "--" + key.replace("_", "-")
 
 
 def source_files(path: str | Path, kinds: dict[str, str], name: str = "source path") -> list[Path]:
@@ -122,7 +110,7 @@ def source_files(path: str | Path, kinds: dict[str, str], name: str = "source pa
     return [path]
 
 
-def jsonl_records(path: Path):
+def jsonl_records(path: Path) -> Iterator[tuple[int, Any]]:
     """``(line number, record)`` of a JSON-lines file, blank lines skipped; a bad line (not UTF-8, not JSON) fails as
     ``path:line``."""
     with path.open("rb") as handle:
@@ -149,8 +137,7 @@ def file_records(path: Path) -> Iterator[tuple[str, Any]]:
                 records = json.loads(read_text_file(path))
             except json.JSONDecodeError as error:
                 raise DataError(f"{path}: not valid JSON ({error})") from None
-            for index, record in enumerate(records):
-                yield f"{path}[{index}]", record
+            yield from ((f"{path}[{index}]", record) for index, record in enumerate(records))
             return
     for number, record in jsonl_records(path):
         yield f"{path}:{number}", record
@@ -180,14 +167,6 @@ def text_records(
             yield file, number, record
 
 
-def load_plain_texts(path: str | Path) -> list[str]:
-    """Texts from .txt files (one text per file) and .jsonl files (field ``text``)."""
-    kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
-    return [
-        record["text"] for _, _, record in text_records(path, kinds, "mix.plain_text (--plain-text)", "plain-text")
-    ]
-
-
 def _turns(turns: Any, where: str) -> list[dict[str, str]] | None:
     """``turns`` as role/content messages, or None when it is not a list of such turns."""
     if not isinstance(turns, list) or not turns:
@@ -207,15 +186,9 @@ def to_messages(record: Any, where: str) -> list[dict[str, str]]:
             turns = _turns(record.get(key), where)
             if turns is not None:
                 return turns
-    if (
-        isinstance(record, dict)
-        and isinstance(record.get("instruction"), str)
-        and isinstance(record.get("output"), str)
-    ):
-        prompt = record["instruction"]
-        if record.get("input"):
-            prompt = f"{prompt}\n\n{record['input']}"
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": record["output"]}]
+        if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
+            prompt = f"{record['instruction']}\n\n{record['input']}" if record.get("input") else record["instruction"]
+            return exchange(prompt, record["output"])
     raise DataError(f"{where}: an instruction record needs 'messages', 'conversations', or 'instruction' and 'output'")
 
 
@@ -240,18 +213,10 @@ def load_summaries(
     conversations = []
     for file in source_files(path, RECORD_FILES, "mix.summaries (--summaries)"):
         for where, record in file_records(file):
-            if (
-                isinstance(record, dict)
-                and isinstance(record.get(text_field), str)
-                and isinstance(record.get(summary_field), str)
-            ):
-                conversations.append(
-                    [
-                        {"role": "user", "content": prompt.replace("{text}", record[text_field])},
-                        {"role": "assistant", "content": record[summary_field]},
-                    ]
-                )
-            elif isinstance(record, dict) and ("messages" in record or "conversations" in record):
+            is_dict = isinstance(record, dict)
+            if is_dict and isinstance(record.get(text_field), str) and isinstance(record.get(summary_field), str):
+                conversations.append(exchange(prompt.replace("{text}", record[text_field]), record[summary_field]))
+            elif is_dict and ("messages" in record or "conversations" in record):
                 conversations.append(to_messages(record, where))
             else:
                 raise DataError(
@@ -262,25 +227,26 @@ def load_summaries(
 
 
 def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]:
-    """The candidate conversations of every source with a ratio above 0, by task (:data:`MIX_TASKS`). A missing file,
+    """The candidate conversations of every source with a ratio above 0, by task (:data:`SOURCES`). A missing file,
     a bad record or a source without any record fails here, naming the file (and line), so a run can check its
     sources before the long build."""
     sources = {}
     if config.plain_ratio:
-        prompt = {"role": "user", "content": config.plain_prompt}
-        sources["plain_text"] = [
-            [prompt, {"role": "assistant", "content": text}] for text in load_plain_texts(config.plain_text)
-        ]
+        kinds = {".txt": "one text per file", ".jsonl": "a string field 'text' per line"}
+        records = text_records(config.plain_text, kinds, "mix.plain_text (--plain-text)", "plain-text")
+        sources["plain_text"] = [exchange(config.plain_prompt, record["text"]) for *_, record in records]
     if config.instruction_ratio:
         sources["instruction"] = load_instructions(config.instructions)
     if config.summary_ratio:
         sources["summary"] = load_summaries(
             config.summaries, config.summary_prompt, config.summary_text_field, config.summary_field
         )
-    for key, task in SOURCE_TASKS.items():
-        if task in sources and not sources[task]:
-            flag = "--" + key.replace("_", "-")
-            raise DataError(f"mix.{key} ({flag}) {getattr(config, key)} holds no record: nothing to mix in")
+    for task, conversations in sources.items():
+        key = SOURCES[task][0]
+        if not conversations:
+            raise DataError(
+                f"mix.{key} ({source_flag(key)}) {getattr(config, key)} holds no record: nothing to mix in"
+            )
     return sources
 
 
@@ -306,14 +272,15 @@ def _take(
     candidates: list[list[dict[str, str]]],
     wanted: int,
     counter: TokenCounter,
-    min_tokens: int,
-    max_tokens: int | None,
     task: str,
     rng: random.Random,
-    truncate: bool = False,
+    config: MixConfig,
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Up to ``wanted`` rows drawn at random from ``candidates`` that pass the length filter (with ``truncate``, a
-    candidate over ``max_tokens`` is cut to fit, :func:`cut_to_fit`, and counted in ``truncated``)."""
+    """Up to ``wanted`` rows of ``task`` drawn at random from ``candidates`` that pass its length filter (with
+    ``plain_truncate``, a plain text over ``plain_max_tokens`` is cut to fit, :func:`cut_to_fit`, and counted in
+    ``truncated``)."""
+    _, min_tokens, max_tokens = config.share(task)
+    truncate = task == "plain_text" and config.plain_truncate
     order = list(range(len(candidates)))
     rng.shuffle(order)
     rows, rejected, truncated = [], 0, 0
@@ -353,12 +320,8 @@ def mix(
     sources: dict[str, list[list[dict[str, str]]]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Add plain text, instructions and summaries to ``synthetic`` rows by ratio; returns shuffled rows and counts.
-
-    With ``S`` synthetic rows and ratios ``p`` (plain), ``i`` (instructions) and ``s`` (summaries) the target of a
-    source of ratio ``x`` is ``round(S * x / (1 - p - i - s))`` rows; a source with too few rows passing its length
-    filter gives all it has (``taken < wanted``). ``sources``: the candidates :func:`load_mix_sources` loaded (read
-    from the config's files when None).
-    """
+    A source of ratio ``x`` targets ``round(S * x / (1 - sum of the ratios))`` rows (``S`` synthetic rows) and gives
+    all it has when fewer pass its length filter; ``sources``: of :func:`load_mix_sources` (None: read them here)."""
     rng = random.Random(f"{seed}/mix")
     rows = list(synthetic)
     stats: dict[str, Any] = {}
@@ -366,21 +329,11 @@ def mix(
     if synthetic_share < 1 and not rows:
         raise DataError("mixing ratios are relative to the synthetic conversations, and none were built")
     sources = load_mix_sources(config) if sources is None else sources
-    for task in MIX_TASKS:
-        ratio, min_tokens, max_tokens = config.share(task)
-        if not ratio:
-            continue
-        wanted = round(len(synthetic) * ratio / synthetic_share)
-        taken, stats[task] = _take(
-            sources[task],
-            wanted,
-            counter,
-            min_tokens,
-            max_tokens,
-            task,
-            rng,
-            truncate=task == "plain_text" and config.plain_truncate,
-        )
-        rows += taken
+    for task in SOURCES:
+        ratio = config.share(task)[0]
+        if ratio:
+            wanted = round(len(synthetic) * ratio / synthetic_share)
+            taken, stats[task] = _take(sources[task], wanted, counter, task, rng, config)
+            rows += taken
     rng.shuffle(rows)
     return rows, stats

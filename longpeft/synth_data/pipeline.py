@@ -1,21 +1,4 @@
-"""The whole `longpeft synth` run: config, sources, builders, mixing, outputs.
-
-A run writes to its output folder:
-
-- ``train.jsonl``: one conversation per line (``id``, ``task``, ``messages``, ``num_tokens``,
-  ``sources``, ``meta``), the file recipes train on;
-- ``dataset/``: the same rows as a saved ``datasets.Dataset``;
-- ``stats.json``: counts per task, token-length summaries, skipped contexts and why, mixing counts,
-  LLM token usage per task, and with the LLM answerer ``quality``: items the quality gates (:mod:`.quality`) judged
-  in this run and rejected per reason and task, and ``rejects``: what ``rejects.jsonl`` lists
-  (:meth:`.llm_rejects.RejectsLog.counts`, computed from the same records);
-- ``length_hist.png``: token-length histogram per task;
-- ``config.json``: the resolved config (it never holds the API key);
-- with the LLM answerer: ``llm_cache/`` (answers by request hash; rerunning the same command
-  resumes without repeating answered calls) and ``rejects.jsonl`` (what is still rejected: requests that failed
-  for good with every attempt's reason, and items the quality gates dropped, each with its reason code and detail;
-  :mod:`.llm_rejects`).
-"""
+"""The whole `longpeft synth` run: config, sources, builders, mixing, outputs (the files it writes: docs/synth.md)."""
 
 from __future__ import annotations
 
@@ -59,12 +42,8 @@ class _BeforeTasks(StrictModel):
     """The fields of :data:`SynthConfig` before the task sections (``config.json`` keeps this order)."""
 
     seed: int = 0
-    tokenizer: str = Field(
-        "tiny", description="Hub id or folder of the training tokenizer; 'tiny' for the in-memory one"
-    )
-    answerer: Literal["procedural", "llm"] = Field(
-        "procedural", description="exact offline QA, or an OpenAI-compatible LLM"
-    )
+    tokenizer: str = Field("tiny", description="Hub id or folder of the training tokenizer, or 'tiny' (in memory)")
+    answerer: Literal["procedural", "llm"] = Field("procedural", description="exact offline QA, or an LLM")
     source: SourceConfig = Field(default_factory=SourceConfig)
     length: LengthConfig = Field(default_factory=LengthConfig)
 
@@ -83,8 +62,7 @@ class _AfterTasks(StrictModel):
     mix: MixConfig = Field(default_factory=MixConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
     quality: QualityConfig = Field(
-        default_factory=QualityConfig,
-        description="quality gates on LLM-written items (longpeft/synth_data/quality.py)",
+        default_factory=QualityConfig, description="quality gates on LLM-written items (docs/synth.md)"
     )
     context_template: str = DEFAULT_CONTEXT_TEMPLATE
     progress: bool = True
@@ -136,10 +114,10 @@ def load_documents(paths: list[str]) -> list[Document]:
     documents = []
     for file, number, record in (row for raw in paths for row in text_records(raw, kinds, "source path", "document")):
         if number is None:  # a .txt file, titled by its name
-            documents.append(Document(doc_id=str(file), title=file.stem.replace("_", " "), text=record["text"]))
+            doc_id, title = str(file), file.stem.replace("_", " ")
         else:
             doc_id, title = str(record.get("id", f"{file}:{number}")), str(record.get("title", ""))
-            documents.append(Document(doc_id=doc_id, title=title, text=record["text"]))
+        documents.append(Document(doc_id=doc_id, title=title, text=record["text"]))
     if not documents:
         raise DataError(f"no documents found in {paths}")
     return documents
@@ -155,32 +133,11 @@ class SynthInputs:
 
 
 def read_inputs(config: SynthConfig) -> SynthInputs:
-    """Read and check every input file ``config`` names (``source.paths``, ``mix.plain_text``, ``mix.instructions``,
-    ``mix.summaries``), before any long work: a missing file, one of another type, a bad record or a source without
-    any fails here naming the file (and line), the key and its flag. The run and ``synth --plan`` both start here,
-    so the plan refuses what the run would."""
+    """Read and check every input file ``config`` names before any long work, failing on a missing file, one of
+    another type, a bad record or a source without any, naming the file (and line), the key and its flag (the run
+    and ``synth --plan`` both start here)."""
     documents = load_documents(config.source.paths) if config.source.kind == "files" else None
     return SynthInputs(documents, load_mix_sources(config.mix))
-
-
-def make_answerer(
-    config: SynthConfig, out_dir: Path, retry_rejected: bool = False
-) -> tuple[QAGenerator, LLMClient | None]:
-    """The procedural answerer, or the LLM answerer (with the quality gates of ``config.quality``) and its client.
-
-    The client counts prompt tokens as the endpoint does (:mod:`.prompt_tokens`; never with the training tokenizer)
-    when it checks prompts against the endpoint's context, and asks again the requests an earlier run rejected when
-    ``retry_rejected``."""
-    if config.answerer == "procedural":
-        return ProceduralAnswerer(), None
-    client = LLMClient(
-        config.llm,
-        out_dir / CACHE_DIR,
-        out_dir / REJECTS_FILE,
-        show_progress=config.progress,
-        retry_rejected=retry_rejected,
-    )
-    return LLMAnswerer(client, QualityGates(config.quality)), client
 
 
 def synthesize(
@@ -189,26 +146,27 @@ def synthesize(
     tokenizer: PreTrainedTokenizerBase | None = None,
     retry_rejected: bool = False,
 ) -> tuple[Dataset, dict[str, Any]]:
-    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats).
-
-    ``retry_rejected`` asks the LLM again for the requests an earlier run into ``out_dir`` rejected (by default
-    they are skipped and counted as ``skipped_rejected`` in the usage report)."""
+    """Run the builders and mixing described by ``config``, write the outputs, return (dataset, stats);
+    ``retry_rejected`` asks again the requests an earlier run into ``out_dir`` rejected (else skipped and counted)."""
     inputs = read_inputs(config)  # bad input files fail first
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)  # and a bad tokenizer too
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomically(out / CONFIG_FILE, config.model_dump_json(indent=2) + "\n")
-    answerer, client = make_answerer(config, out, retry_rejected)
+    answerer: QAGenerator = ProceduralAnswerer()
+    client, gates = None, QualityGates(config.quality)
+    if config.answerer == "llm":
+        client = LLMClient(
+            config.llm, out / CACHE_DIR, out / REJECTS_FILE, config.progress, retry_rejected=retry_rejected
+        )
+        answerer = LLMAnswerer(client, gates)
     builder, plans = plan_contexts(config, tokenizer, answerer, inputs.documents)
     rows = builder.build(plans)
     rows, mix_stats = mix(rows, builder.counter, config.mix, config.seed, inputs.mix_sources)
     extra: dict[str, Any] = {"build": builder.report.to_dict(), "mix": mix_stats}
     if client is not None:
         client.rejects.finish()  # the file is now this build's state: the summary reports it
-        extra["llm_usage"] = client.usage_report()
-        extra["rejects"] = client.rejects.counts()
-    if isinstance(answerer, LLMAnswerer):
-        extra["quality"] = answerer.gates.report()
+        extra.update(llm_usage=client.usage_report(), rejects=client.rejects.counts(), quality=gates.report())
     dataset = write_dataset(rows, out, extra)
     return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
 

@@ -4,12 +4,12 @@ each function is a task's ``answer(job, rng)`` (:class:`.qa.ProceduralAnswerer` 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import TypeVar
 
-from .corpus import TOPIC_DESCRIPTIONS, Document, Fact, article
+from .corpus import TOPIC_DESCRIPTIONS, Fact, article
 from .registry import Passage, QAJob, QAPair
 
 Source = TypeVar("Source")
@@ -25,9 +25,7 @@ def single_detail(job: QAJob, rng: random.Random) -> list[QAPair]:
 
 def multi_detail(job: QAJob, rng: random.Random) -> list[QAPair]:
     """Questions aggregating facts of several places: counts, comparisons, sums, orders."""
-    by_kind: dict[str, list[Fact]] = {}
-    for fact in job.passages[0].facts():
-        by_kind.setdefault(fact.kind, []).append(fact)
+    by_kind = _grouped(job.passages[0].facts(), "kind")
     return _distinct(job.n, rng, [_count_profession, _earlier_birth, _code_sum, _event_order], by_kind)
 
 
@@ -59,23 +57,27 @@ def _distinct(
     n: int, rng: random.Random, makers: Sequence[Callable[[Source, random.Random], QAPair | None]], source: Source
 ) -> list[QAPair]:
     """Up to ``n`` pairs of makers drawn at random (``n * 8`` draws at most), no question twice."""
-    pairs: list[QAPair] = []
-    seen: set[str] = set()
+    pairs: dict[str, QAPair] = {}  # by question
     for _ in range(n * 8):
         if len(pairs) == n:
             break
         pair = rng.choice(makers)(source, rng)
-        if pair is not None and pair.question not in seen:
-            seen.add(pair.question)
-            pairs.append(pair)
-    return pairs
+        if pair is not None:
+            pairs.setdefault(pair.question, pair)
+    return list(pairs.values())
+
+
+def _grouped(facts: Iterable[Fact], field: str) -> dict[str, list[Fact]]:
+    """``facts`` by their ``field`` (``kind``, ``value``), each group in order."""
+    groups: dict[str, list[Fact]] = {}
+    for fact in facts:
+        groups.setdefault(getattr(fact, field), []).append(fact)
+    return groups
 
 
 def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
     # Asks about people *named* in the text: filler prose also mentions unnamed workers ("spoke with a sailor").
-    groups: dict[str, list[Fact]] = {}
-    for fact in by_kind.get("profession", []):
-        groups.setdefault(fact.value, []).append(fact)
+    groups = _grouped(by_kind.get("profession", []), "value")
     candidates = [p for p, fs in groups.items() if len(fs) >= 2]
     if not candidates:
         return None
@@ -143,19 +145,11 @@ class _DocFacts:
     number: int
     passage: Passage
 
-    @property
-    def doc(self) -> Document:
-        return self.passage.doc
-
     def fact(self, kind: str) -> Fact | None:
         return next((f for f in self.passage.facts() if f.kind == kind), None)
 
     def professions(self) -> dict[str, list[Fact]]:
-        found: dict[str, list[Fact]] = {}
-        for fact in self.passage.facts():
-            if fact.kind == "profession":
-                found.setdefault(fact.value, []).append(fact)
-        return found
+        return _grouped((f for f in self.passage.facts() if f.kind == "profession"), "value")
 
 
 def _extreme_town(
@@ -209,11 +203,11 @@ def _shared_professions(docs: list[_DocFacts], rng: random.Random) -> QAPair | N
 
 
 def _same_kind(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
-    topics = sorted({d.doc.topic for d in docs if d.doc.topic})
+    topics = sorted({d.passage.doc.topic for d in docs if d.passage.doc.topic})
     if not topics:
         return None
     topic = rng.choice(topics)
-    numbers = [d.number for d in docs if d.doc.topic == topic]
+    numbers = [d.number for d in docs if d.passage.doc.topic == topic]
     listed = ", ".join(str(n) for n in numbers[:-1]) + (" and " if len(numbers) > 1 else "") + str(numbers[-1])
     noun = "Documents" if len(numbers) > 1 else "Only Document"
     return QAPair(f"Which of the documents describe {TOPIC_DESCRIPTIONS[topic]}?", f"{noun} {listed}.")
@@ -226,8 +220,7 @@ def _population_gap(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
     fa, fb = a.fact("population"), b.fact("population")
     if fa is None or fb is None or fa.value == fb.value:
         return None
-    big, small = (a, b) if int(fa.value) > int(fb.value) else (b, a)
-    gap = abs(int(fa.value) - int(fb.value))
+    big, gap = a if int(fa.value) > int(fb.value) else b, abs(int(fa.value) - int(fb.value))
     return QAPair(
         f"Which has more inhabitants, the town of Document {a.number} or the town of Document {b.number}, and by "
         "how many?",

@@ -1,22 +1,19 @@
-"""Question-answer generation for the long-context builders: one interface, two implementations, over the registered
-synth tasks (:mod:`.registry`).
-
-:class:`LLMAnswerer` turns jobs (:class:`.registry.QAJob`) into requests to an OpenAI-compatible model (GPT-4-style
-generation, as in the 80K recipe) with each task's prompt, schema and parser, and judges the items by the quality
-gates; :class:`ProceduralAnswerer` answers the same jobs exactly from the facts recorded in procedural documents,
-with no LLM (each task's ``answer``).
+"""Question-answer generation for the registered synth tasks (:mod:`.registry`): :class:`LLMAnswerer` asks an
+OpenAI-compatible model with each task's prompt, schema and parser and judges the items by the quality gates;
+:class:`ProceduralAnswerer` answers the same jobs exactly from the facts of procedural documents, with no LLM.
 """
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ..errors import DataError
 from .llm_client import LLMClient
 from .llm_output import Checked, RejectedOutput
 from .llm_request import LLMRequest, LLMResult
-from .quality import QualityGates, Rejection
+from .quality import QualityGates, Verdict
 from .registry import Passage as Passage  # the job types are importable from here, beside their answerers
 from .registry import QAJob, QAPair, get_task
 
@@ -41,10 +38,10 @@ class ProceduralAnswerer:
         return get_task(job.task).answer(job, random.Random(job.seed))
 
 
-def job_prompt(job: QAJob) -> str:
-    """The user prompt of one job: its task's prompt over the job's passages."""
+def job_prompt(job: QAJob, text: str | None = None) -> str:
+    """The user prompt of one job: its task's prompt over the job's passages (over ``text`` when given)."""
     task = get_task(job.task)
-    return task.prompt.format(text=task.layout(job.passages), n=job.n, k=len(job.passages))
+    return task.prompt.format(text=task.layout(job.passages) if text is None else text, n=job.n, k=len(job.passages))
 
 
 def job_request(job: QAJob, index: int = 0) -> LLMRequest:
@@ -69,19 +66,13 @@ def job_evidence(job: QAJob) -> str:
 
 def job_instructions(job: QAJob) -> str:
     """The prompt of ``job`` without its text: what an answer must not copy."""
-    return SYSTEM_PROMPT + "\n" + get_task(job.task).prompt.format(text="", n=job.n, k=len(job.passages))
+    return SYSTEM_PROMPT + "\n" + job_prompt(job, text="")
 
 
 class LLMAnswerer:
-    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`.
-
-    Every parsed item goes through the quality gates (``gates``, default :class:`~.quality.QualityGates` with
-    default thresholds): a rejected item is dropped, counted and written to the rejects file; an answer whose
-    items are all rejected is asked again as a new attempt, like malformed output (a fresh sample usually
-    passes, and otherwise the whole conversation of that context would be lost). Of the items kept, the first
-    ``job.n`` are used (more are counted as surplus). Questions repeating an earlier one of the same context (the
-    chunks of one single-detail document) are dropped too.
-    """
+    """Generates QA for every job with one concurrent, cached batch per task through :class:`LLMClient`. The quality
+    ``gates`` drop items (to the rejects file); an answer whose items all fail is asked again, like malformed output.
+    Of the items kept, the first ``job.n`` are used; questions repeating one of the same context are dropped too."""
 
     def __init__(self, client: LLMClient, gates: QualityGates | None = None):
         self.client = client
@@ -93,29 +84,27 @@ class LLMAnswerer:
         by_task: dict[str, list[int]] = {}  # one batch per task, in the order the jobs come
         for i, job in enumerate(jobs):
             by_task.setdefault(job.task, []).append(i)
+        check = functools.partial(self._check, jobs)
         for name, indices in by_task.items():
             batch = [job_request(jobs[i], i) for i in indices]
-            check = self._checker(jobs)
             for i, result in zip(indices, self.client.run(batch, get_task(name).parse, f"{name} (LLM)", check)):
                 answered[i] = result
                 results[i] = result.value if result.ok else None
         self._drop_repeats_across_jobs(jobs, results, answered)
         return results
 
-    def _checker(self, jobs: Sequence[QAJob]) -> Callable[[LLMRequest, list[QAPair]], Checked]:
-        def check(request: LLMRequest, pairs: list[QAPair]) -> Checked:
-            job = jobs[request.meta["job"]]
-            subject = get_task(job.task).subject
-            subjects = [subject(p.question) for p in pairs] if subject is not None else None
-            verdict = self.gates.check(job.task, pairs, job_evidence(job), job_instructions(job), subjects)
-            dropped = [item_record(pair, rejection) for pair, rejection in verdict.rejected]
-            if not verdict.kept:
-                reasons = ", ".join(sorted({r.reason for _, r in verdict.rejected}))
-                raise RejectedOutput(f"every item failed the quality gates ({reasons})", dropped)
-            self.gates.surplus(job.task, len(verdict.kept) - job.n)
-            return Checked(verdict.kept[: job.n], dropped)
-
-        return check
+    def _check(self, jobs: Sequence[QAJob], request: LLMRequest, pairs: list[QAPair]) -> Checked:
+        """The items of an answer to ``request`` (a request of ``jobs``) the quality gates keep, and those dropped."""
+        job = jobs[request.meta["job"]]
+        subject = get_task(job.task).subject
+        subjects = [subject(p.question) for p in pairs] if subject is not None else None
+        verdict = self.gates.check(job.task, pairs, job_evidence(job), job_instructions(job), subjects)
+        dropped = rejected_items(verdict)
+        if not verdict.kept:
+            reasons = ", ".join(sorted({r.reason for _, r in verdict.rejected}))
+            raise RejectedOutput(f"every item failed the quality gates ({reasons})", dropped)
+        self.gates.surplus(job.task, len(verdict.kept) - job.n)
+        return Checked(verdict.kept[: job.n], dropped)
 
     def _drop_repeats_across_jobs(
         self, jobs: Sequence[QAJob], results: list[list[QAPair] | None], answered: dict[int, LLMResult]
@@ -129,12 +118,14 @@ class LLMAnswerer:
             earlier = kept.setdefault((job.task, job.passages[0].doc.doc_id), [])
             verdict = self.gates.check_repeats(job.task, results[i], earlier)
             result = answered[i]
-            dropped = [item_record(pair, rejection) for pair, rejection in verdict.rejected]
-            self.client.drop_items(result.request, "repeats", result.attempts - 1, dropped)
+            self.client.drop_items(result.request, "repeats", result.attempts - 1, rejected_items(verdict))
             results[i] = verdict.kept
             earlier.extend(p.question for p in verdict.kept)
 
 
-def item_record(pair: QAPair, rejection: Rejection) -> dict[str, str]:
-    """The rejects-file fields of a QA pair (or biography turn) the quality gates dropped."""
-    return {"reason": rejection.reason, "detail": rejection.detail, "question": pair.question, "answer": pair.answer}
+def rejected_items(verdict: Verdict) -> list[dict[str, str]]:
+    """The rejects-file fields of each QA pair (or biography turn) the quality gates dropped."""
+    return [
+        {"reason": rejection.reason, "detail": rejection.detail, "question": pair.question, "answer": pair.answer}
+        for pair, rejection in verdict.rejected
+    ]

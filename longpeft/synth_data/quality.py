@@ -1,30 +1,22 @@
 """Quality gates on LLM-written items (QA pairs, and biographies with their "write a biography of NAME" question),
-applied after parsing and before a row is written.
-
-Each gate rejects one item with a short reason code (:data:`REASONS`, in the order the gates run: the first that
-fails gives the reason) and a detail message. What each gate rejects, with its threshold and default
-(:class:`QualityConfig`), is tabled in docs/synth.md (Quality gates); each gate is a function below. Two facts of a
-task's record (:mod:`.registry`) choose among them: items about a named subject (``subject``: biographies) are judged
-by ``wrong_subject`` and ``min_biography_words`` instead of ``not_a_question`` and ``restates_question``, and in the
-tasks whose answers compute counts, sums and gaps (``computed_numbers``) ``ungrounded`` does not ask for numbers.
-
-The gates are plain text checks, torch-free and deterministic; :class:`QualityGates` counts every rejection
-by task and reason for the run's stats. An answer the server cut off (``finish_reason`` ``length``) never reaches
-them: the client drops it whole as a ``truncated`` attempt (:class:`.llm_output.TruncatedOutput`).
+applied after parsing and before a row is written: deterministic text checks, one function each, tabled with their
+thresholds (:class:`QualityConfig`) in docs/synth.md. The first that fails rejects the item with its reason code
+(:data:`REASONS`) and a detail message.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from pydantic import Field
 
 from ..config import StrictModel
-from .registry import get_task
+from .registry import QAPair, get_task
 
 REASONS = tuple(  # the gates' reason codes, in the order the gates run
     "placeholder prompt_echo refusal too_short unfinished not_a_question tautology restates_question wrong_subject "
@@ -53,10 +45,7 @@ class QualityConfig(StrictModel):
         "restatement (lower: fewer answers that pick one option of the question are kept)",
     )
     min_grounded_fraction: float = Field(
-        0.5,
-        ge=0,
-        le=1,
-        description="share of an answer's content words that must occur in the text it was asked about",
+        0.5, ge=0, le=1, description="share of an answer's content words that must occur in the text asked about"
     )
     max_question_similarity: float = Field(
         0.8,
@@ -64,13 +53,6 @@ class QualityConfig(StrictModel):
         le=1,
         description="Jaccard similarity of normalised word sets at which a question repeats an earlier one",
     )
-
-
-class Item(Protocol):
-    """What the gates read: a question and its answer (a QA pair, or a biography turn)."""
-
-    question: str
-    answer: str
 
 
 @dataclass(frozen=True)
@@ -83,13 +65,11 @@ class Rejection:
 
 @dataclass
 class Verdict:
-    """The items kept (in order) and the rejected ones with their reasons."""
+    """The items (QA pairs, or biography turns) kept, in order, and the rejected ones with their reasons."""
 
-    kept: list[Any] = field(default_factory=list)
-    rejected: list[tuple[Any, Rejection]] = field(default_factory=list)
+    kept: list[QAPair] = field(default_factory=list)
+    rejected: list[tuple[QAPair, Rejection]] = field(default_factory=list)
 
-
-# ---- normalisation --------------------------------------------------------------------------------
 
 STOP_WORDS = frozenset(
     """
@@ -114,11 +94,8 @@ _UNITS = (
     "eighteen nineteen twenty"
 ).split()
 _TENS = "thirty forty fifty sixty seventy eighty ninety".split()
-NUMBER_WORDS = {
-    **{word: str(n) for n, word in enumerate(_UNITS)},
-    **{word: str(10 * n) for n, word in enumerate(_TENS, 3)},
-    "hundred": "100",
-}
+NUMBER_WORDS = {word: str(n) for n, word in enumerate(_UNITS)} | {word: str(10 * n) for n, word in enumerate(_TENS, 3)}
+NUMBER_WORDS["hundred"] = "100"
 
 _WORD = re.compile(r"[^\W_]+(?:['’][^\W_]+)*")
 _THOUSANDS = re.compile(r"(?<=\d)[,_ ](?=\d{3}\b)")
@@ -146,15 +123,8 @@ def stem(word: str) -> str:
 
 def content_stems(text: str, drop_numbers: bool = False) -> list[str]:
     """Stems of ``text``'s content words (stop words removed), in order, without repeats."""
-    stems = []
-    for word in words(text):
-        if word in STOP_WORDS:
-            continue
-        token = stem(word)
-        if drop_numbers and token.isdigit():
-            continue
-        stems.append(token)
-    return list(dict.fromkeys(stems))
+    stems = (stem(word) for word in words(text) if word not in STOP_WORDS)
+    return list(dict.fromkeys(s for s in stems if not (drop_numbers and s.isdigit())))
 
 
 def jaccard(a: str, b: str) -> float:
@@ -168,8 +138,6 @@ def numbers(text: str) -> set[str]:
     return {token for token in map(stem, words(text)) if token.isdigit()}
 
 
-# ---- the gates ------------------------------------------------------------------------------------
-
 _PLACEHOLDER_WORDS = frozenset(
     "question|answer|string|text|name|biography|placeholder|example|todo|tbd|tba|n/a|na|xxx|your question|your answer|"
     "your question here|your answer here|question here|answer here|insert question|insert answer|lorem ipsum|null|"
@@ -178,6 +146,7 @@ _PLACEHOLDER_WORDS = frozenset(
 _PUNCTUATION_ONLY = re.compile(r"[\s.…_\-–—?!*#/\\|,:;'\"`~]*")
 _BRACKETED = re.compile(r"\s*[<\[{]\s*[A-Za-z _\-]{1,40}\s*[>\]}]\s*")
 _JSON_FORMAT = re.compile(r"\"\s*(?:qa_pairs|question|answer|biographies|biography|name)\s*\"\s*:")
+_SOURCE = r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)"  # "the provided text"
 _REFUSALS = [
     re.compile(pattern, re.IGNORECASE)
     for pattern in (
@@ -188,14 +157,12 @@ _REFUSALS = [
         r"\bi apologi[sz]e\b",
         r"^\s*(?:sure|certainly|of course|okay|ok|absolutely)\b[^.!?\n]{0,40}\bhere (?:is|are)\b",
         r"^\s*here (?:is|are) (?:the |some |a few |\d+ )?(?:question|answer|biograph|pair)",
-        r"\b(?:the|this|that) (?:given |provided )?(?:text|passage|excerpt|document|book|context|story) (?:does not|"
-        r"doesn't|did not|didn't|do not) (?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
+        rf"\b(?:the|this|that) {_SOURCE} (?:does not|doesn't|did not|didn't|do not) "
+        r"(?:mention|say|state|specify|provide|contain|include|tell|give|describe)",
         r"\b(?:is|are|was|were) not (?:explicitly )?(?:mentioned|stated|specified|provided|given|described|included) "
-        r"in the "
-        r"(?:given |provided )?(?:text|passage|excerpt|document|book|context|story)",
+        rf"in the {_SOURCE}",
         r"\bnot enough information\b",
-        r"\bno mention of\b[^.]{0,80}\b(?:in|within) the (?:given |provided )?(?:text|passage|excerpt|document|book|"
-        r"context|story)",
+        rf"\bno mention of\b[^.]{{0,80}}\b(?:in|within) the {_SOURCE}",
         r"\bno information (?:is |was )?(?:given|provided|available)\b",
     )
 ]
@@ -227,19 +194,14 @@ def prompt_echo(text: str, grams: set[tuple[str, ...]], n: int) -> str | None:
     if _JSON_FORMAT.search(text):
         return "contains the prompt's JSON format"
     found = words(text)
-    for i in range(len(found) - n + 1):
-        if tuple(found[i : i + n]) in grams:
-            return f"copies the prompt's instructions: {' '.join(found[i : i + n])!r}"
-    return None
+    echo = next((found[i : i + n] for i in range(len(found) - n + 1) if tuple(found[i : i + n]) in grams), None)
+    return f"copies the prompt's instructions: {' '.join(echo)!r}" if echo else None
 
 
 def refusal(text: str) -> str | None:
     """The refusal or meta-answer phrase in ``text``, or None."""
-    for pattern in _REFUSALS:
-        match = pattern.search(text)
-        if match:
-            return f"refusal or meta-answer: {match.group(0).strip()!r}"
-    return None
+    match = next((found for found in (pattern.search(text) for pattern in _REFUSALS) if found), None)
+    return f"refusal or meta-answer: {match.group(0).strip()!r}" if match else None
 
 
 _DANGLING = frozenset(
@@ -265,6 +227,12 @@ def unfinished(text: str) -> str | None:
     if stripped.count('"') % 2:
         return f"leaves a '\"' open: {_tail(stripped)!r}"
     return None
+
+
+def too_short(text: str, minimum: int) -> str | None:
+    """Why ``text`` has fewer than ``minimum`` real words, or None."""
+    count = len(words(text))
+    return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum}" if count < minimum else None
 
 
 def _tail(text: str, width: int = 40) -> str:
@@ -293,16 +261,9 @@ def not_a_question(question: str) -> str | None:
     if stripped.endswith("?") or not words(stripped):
         return None
     for index, clause in enumerate(re.split(r"[,;:]|\.\s", stripped)):
-        found = words(clause)
-        while found and found[0] in _LEADING:
-            found = found[1:]
-        if not found:
-            continue
-        if found[0] in REQUESTS:
-            return None
-        if index == 0 and (
-            found[0] in QUESTION_WORDS or (found[0] in _PREPOSITIONS and len(found) > 1 and found[1] in QUESTION_WORDS)
-        ):
+        first, second, *_ = [*itertools.dropwhile(_LEADING.__contains__, words(clause)), "", ""]  # "": no word
+        asks = first in QUESTION_WORDS or (first in _PREPOSITIONS and second in QUESTION_WORDS)
+        if first in REQUESTS or (index == 0 and asks):
             return None
     return f"a statement, not a question or a request: {_tail(stripped, 60)!r}"
 
@@ -323,34 +284,33 @@ def tautology(text: str) -> str | None:
     found = words(text)
     content = [w for w in found if w not in STOP_WORDS]
     for i, word in enumerate(found):
-        if word in _LINKS:
-            for length in range(4, 0, -1):
-                left, right = found[max(0, i - length) : i], found[i + 1 : i + 1 + length]
-                if len(left) == length and left == right and _has_content(left):
-                    if length == 1 and left[0] in _IDIOMS:
-                        break
-                    phrase = " ".join(left)
-                    return f"compares {phrase!r} with itself ({phrase!r} {word} {phrase!r})"
+        if word in _LINKS and (phrase := _said_again(found, i, i + 1)) and phrase not in _IDIOMS:
+            return f"compares {phrase!r} with itself ({phrase!r} {word} {phrase!r})"
         if word in _COPULAS or (word in _RELATIVES and i + 1 < len(found) and found[i + 1] in _COPULAS):
             start = i + 1 if word in _COPULAS else i + 2
             while start < len(found) and found[start] in _SKIPPED:
                 start += 1
-            for length in range(4, 0, -1):
-                left, right = found[max(0, i - length) : i], found[start : start + length]
-                if len(left) == length and left == right and _has_content(left):
-                    phrase = " ".join(left)
-                    return f"says that {phrase!r} is {phrase!r}"
+            if phrase := _said_again(found, i, start):
+                return f"says that {phrase!r} is {phrase!r}"
     for length in range(1, 5):  # a phrase said three times in a row: a loop
         for i in range(len(found) - 3 * length + 1):
             gram = found[i : i + length]
-            if gram == found[i + length : i + 2 * length] == found[i + 2 * length : i + 3 * length] and _has_content(
-                gram
-            ):
+            if gram * 3 == found[i : i + 3 * length] and _has_content(gram):
                 return f"repeats {' '.join(gram)!r} in a loop"
     if content:
         word, count = Counter(content).most_common(1)[0]
         if count >= 4 and count * 2 >= len(content):
             return f"{count} of its {len(content)} content words are {word!r}"
+    return None
+
+
+def _said_again(found: list[str], end: int, start: int) -> str | None:
+    """The longest phrase (4 words at most, one of them a content word) that ends before ``found[end]`` and is said
+    again from ``found[start]``, or None."""
+    for length in range(4, 0, -1):
+        phrase = found[max(0, end - length) : end]
+        if len(phrase) == length and phrase == found[start : start + length] and _has_content(phrase):
+            return " ".join(phrase)
     return None
 
 
@@ -418,10 +378,6 @@ def name_words(text: str) -> list[str]:
     return [re.sub(r"['’]s$", "", word) for word in words(text)]
 
 
-def _mentions(tokens: Sequence[str], counts: Counter[str]) -> int:
-    return max((counts[t] for t in tokens), default=0)
-
-
 def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_words: set[str]) -> str | None:
     """Why the biography is not about ``name`` (absent from it or from the book, or another requested
     name is mentioned more often), or None."""
@@ -429,25 +385,21 @@ def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_wor
     if not tokens:
         return f"the requested name {name!r} has no letters"
     counts = Counter(name_words(biography))
-    own = _mentions(tokens, counts)
+    own = max(counts[t] for t in tokens)
     if not own:
         return f"the biography never names {name!r}"
     if not any(t in evidence_words for t in tokens):
         return f"{name!r} does not occur in the book"
     for other in others:
-        theirs = _mentions(_name_tokens(other, [name, *[o for o in others if o != other]]), counts)
+        theirs = max((counts[t] for t in _name_tokens(other, [name, *[o for o in others if o != other]])), default=0)
         if theirs > own:
             return f"mostly about {other!r} ({theirs} mentions) rather than {name!r} ({own})"
     return None
 
 
 class QualityGates:
-    """Applies the gates of a :class:`QualityConfig` and counts rejections by task and reason.
-
-    Attributes:
-        checked: items seen per task; ``rejected``: rejections per task and reason; ``unused``: items that passed
-        beyond the number a job asked for, per task (the model wrote more; the first ones are used).
-    """
+    """Applies the gates of a :class:`QualityConfig` and counts, per task, the items ``checked``, the ``rejected``
+    ones per reason, and the ``unused`` ones (passed, beyond the number a job asked for: the first ones are used)."""
 
     def __init__(self, config: QualityConfig | None = None):
         self.config = config or QualityConfig()
@@ -461,158 +413,98 @@ class QualityGates:
     def check(
         self,
         task: str,
-        items: Sequence[Item],
+        items: Sequence[QAPair],
         evidence: str,
         instructions: str = "",
         subjects: Sequence[str] | None = None,
-        earlier_questions: Sequence[str] = (),
     ) -> Verdict:
-        """Judge the items of one answer.
-
-        Args:
-            task: the name of a registered synth task (:mod:`.registry`).
-            items: QA pairs or biography turns, in the model's order.
-            evidence: the text the items were asked about (the chunk, the document, the numbered documents).
-            instructions: the prompt without the evidence (for ``prompt_echo``).
-            subjects: for biographies, the requested name of each item (same order).
-            earlier_questions: questions already kept for the same context (for ``near_duplicate``).
-        """
-        verdict = Verdict()
+        """Judge the items of one answer of ``task`` (a registered synth task), in the model's order: QA pairs or
+        biography turns, asked about ``evidence`` (the chunk, the document, the numbered documents) by a prompt whose
+        ``instructions`` (the prompt without the evidence) they must not copy; ``subjects``: for biographies, the
+        requested name of each item. Each item gets the first gate it fails, in the order of :data:`REASONS`."""
         if not self.config.enabled:
-            verdict.kept = list(items)
-            return verdict
-        cfg = self.config
+            return Verdict(kept=list(items))
+        self.checked[task] += len(items)
+        cfg, computed_numbers = self.config, get_task(task).computed_numbers
+        qa = subjects is None  # QA pairs, else biographies (whose question is longpeft's own)
         evidence_words = set(name_words(evidence))
         evidence_stems = {stem(w) for w in evidence_words}
         grams = echo_grams(instructions, evidence, cfg.echo_words) if instructions else set()
+        minimum = dict(question=cfg.min_question_words, answer=cfg.min_answer_words, biography=cfg.min_biography_words)
+        per_field: dict[str, Callable[[str, str], str | None]] = {  # gate -> why(label, text), for each field
+            "placeholder": lambda label, text: placeholder(text),
+            "prompt_echo": lambda label, text: prompt_echo(text, grams, cfg.echo_words) if grams else None,
+            "refusal": lambda label, text: refusal(text),
+            "too_short": lambda label, text: too_short(text, minimum[label]),
+            "unfinished": lambda label, text: unfinished(text),
+            "not_a_question": lambda label, text: not_a_question(text) if label == "question" and qa else None,
+            "tautology": lambda label, text: tautology(text),
+        }
+        per_item: dict[str, Callable[[QAPair, str], str | None]] = {  # gate -> why(item, its subject)
+            "restates_question": lambda item, name: (
+                restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None
+            ),
+            "wrong_subject": lambda item, name: (
+                None if qa else wrong_subject(name, item.answer, [s for s in subjects if s != name], evidence_words)
+            ),
+            "ungrounded": lambda item, name: ungrounded(
+                item.answer, evidence_stems, cfg.min_grounded_fraction, computed_numbers, item.question
+            ),
+        }
 
-        def failure(index: int, item: Item) -> Rejection | None:
-            self.checked[task] += 1
-            name = subjects[index] if subjects is not None else None
-            others = [s for s in (subjects or []) if s != name]
-            return self._first_failure(task, item, name, others, evidence_words, evidence_stems, grams)
+        def first_failure(item: QAPair, name: str | None) -> Rejection | None:
+            fields = {"question": item.question, "answer" if qa else "biography": item.answer}
+            for gate in filter(self.on, REASONS[:-1]):
+                if gate in per_field:
+                    whys = ((label, per_field[gate](label, text)) for label, text in fields.items())
+                    why = next((f"{label}: {found}" for label, found in whys if found), None)
+                else:
+                    why = per_item[gate](item, name)
+                if why:
+                    return Rejection(gate, why)
+            return None
 
-        return self._judge(task, items, earlier_questions, failure)
+        failures = [first_failure(item, None if qa else subjects[index]) for index, item in enumerate(items)]
+        return self._judge(task, items, [], failures)
 
-    def check_repeats(self, task: str, items: Sequence[Item], earlier_questions: Sequence[str]) -> Verdict:
+    def check_repeats(self, task: str, items: Sequence[QAPair], earlier_questions: Sequence[str]) -> Verdict:
         """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
         for the same context from other answers (the chunks of one document)."""
-        return self._judge(task, items, earlier_questions, lambda index, item: None)
+        return self._judge(task, items, earlier_questions, [None] * len(items))
 
     def _judge(
-        self,
-        task: str,
-        items: Sequence[Item],
-        earlier_questions: Sequence[str],
-        failure: Callable[[int, Item], Rejection | None],
+        self, task: str, items: Sequence[QAPair], earlier: Sequence[str], failures: Sequence[Rejection | None]
     ) -> Verdict:
-        """Keep or reject each item: its first ``failure``, else ``near_duplicate`` against the questions kept so
-        far (``earlier_questions``, then this call's); rejections are counted."""
-        verdict, kept_questions = Verdict(), list(earlier_questions)
-        for index, item in enumerate(items):
-            rejection = failure(index, item)
+        """Keep or reject each item: its failure, else ``near_duplicate`` against the questions kept so far
+        (``earlier``, then this call's); rejections are counted."""
+        verdict, kept_questions = Verdict(), list(earlier)
+        for item, rejection in zip(items, failures):
             if rejection is None and self.on("near_duplicate"):
                 rejection = self._duplicate(item.question, kept_questions)
             if rejection is None:
                 verdict.kept.append(item)
                 kept_questions.append(item.question)
             else:
-                self.count(task, rejection.reason)
+                self.rejected.setdefault(task, Counter())[rejection.reason] += 1
                 verdict.rejected.append((item, rejection))
         return verdict
-
-    def count(self, task: str, reason: str) -> None:
-        self.rejected.setdefault(task, Counter())[reason] += 1
 
     def surplus(self, task: str, count: int) -> None:
         """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
         if count > 0:
             self.unused[task] += count
 
-    def _first_failure(
-        self,
-        task: str,
-        item: Item,
-        name: str | None,
-        others: Sequence[str],
-        evidence_words: set[str],
-        evidence_stems: set[str],
-        grams: set[tuple[str, ...]],
-    ) -> Rejection | None:
-        cfg = self.config
-        fields = (("question", item.question), ("biography" if name is not None else "answer", item.answer))
-        minimum = {
-            "question": cfg.min_question_words,
-            "answer": cfg.min_answer_words,
-            "biography": cfg.min_biography_words,
-        }
-
-        def each_field(test: Callable[[str, str], str | None]) -> Callable[[], str | None]:
-            def run() -> str | None:
-                for label, text in fields:
-                    why = test(label, text)
-                    if why:
-                        return f"{label}: {why}"
-                return None
-
-            return run
-
-        def too_short(label: str, text: str) -> str | None:
-            count = len(words(text))
-            if count >= minimum[label]:
-                return None
-            return f"{count} real word(s) ({text.strip()[:60]!r}), minimum {minimum[label]}"
-
-        qa = name is None  # a QA pair (a biography's question is longpeft's own)
-        numbers_computed = get_task(task).computed_numbers
-        steps: list[tuple[str, Callable[[], str | None]]] = [
-            ("placeholder", each_field(lambda label, text: placeholder(text))),
-            (
-                "prompt_echo",
-                each_field(lambda label, text: prompt_echo(text, grams, cfg.echo_words) if grams else None),
-            ),
-            ("refusal", each_field(lambda label, text: refusal(text))),
-            ("too_short", each_field(too_short)),
-            ("unfinished", each_field(lambda label, text: unfinished(text))),
-            (
-                "not_a_question",
-                each_field(lambda label, text: not_a_question(text) if qa and label == "question" else None),
-            ),
-            ("tautology", each_field(lambda label, text: tautology(text))),
-            (
-                "restates_question",
-                lambda: restates_question(item.question, item.answer, cfg.restatement_coverage) if qa else None,
-            ),
-            ("wrong_subject", lambda: None if qa else wrong_subject(name, item.answer, others, evidence_words)),
-            (
-                "ungrounded",
-                lambda: ungrounded(
-                    item.answer, evidence_stems, cfg.min_grounded_fraction, numbers_computed, item.question
-                ),
-            ),
-        ]
-        for gate, step in steps:
-            if self.on(gate):
-                why = step()
-                if why:
-                    return Rejection(gate, why)
-        return None
-
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
-        for earlier in kept:
-            if numbers(question) != numbers(earlier):
-                continue
+        for earlier in kept:  # questions naming different numbers differ
             similarity = jaccard(question, earlier)
-            if similarity >= self.config.max_question_similarity:
+            if similarity >= self.config.max_question_similarity and numbers(question) == numbers(earlier):
                 return Rejection("near_duplicate", f"repeats {earlier[:80]!r} (similarity {similarity:.2f})")
         return None
 
     def report(self) -> dict[str, Any]:
         """JSON-ready counts: items checked and kept (``unused`` of them beyond the number asked), rejections by reason
         overall and per task."""
-        total: Counter[str] = Counter()
-        for counts in self.rejected.values():
-            total.update(counts)
+        total: Counter[str] = sum(self.rejected.values(), Counter())
         checked = sum(self.checked.values())
         return {
             "enabled": self.config.enabled,

@@ -1,13 +1,6 @@
-"""The synth-task registry: the one table that ``longpeft synth`` (its flags, its config, its run), ``synth --plan``,
-the answerers, the quality gates and the task contract test (tests/test_synth_tasks.py) read; and the types of what
-a task plans and answers.
-
-A task is one record: its name, its config section and planner (the contexts of its conversations and the QA jobs
-about them), its prompt, output schema and parser (what the LLM is asked and what is taken from its answer), its
-exact answers from procedural facts (the offline answerer), what the quality gates need to know of its items, and
-its own flags. Adding a task is one :func:`register` line (the built-in ones: :mod:`.builtin`); nothing else names it.
-A :class:`QAJob` of a task says what to ask about (a chunk, a whole long context, the texts of one cluster, a book)
-and how many items to write; a :class:`QAGenerator` (:mod:`.qa`) turns jobs into lists of :class:`QAPair`.
+"""The synth-task registry (one :class:`SynthTask` record per task, added by one :func:`register` line; the built-in
+ones: :mod:`.builtin`), read by ``longpeft synth``, ``synth --plan``, the answerers and the quality gates; and the
+types of what a task plans (:class:`QAJob`) and answers (:class:`QAPair`, from a :class:`QAGenerator`, :mod:`.qa`).
 """
 
 from __future__ import annotations
@@ -46,15 +39,9 @@ class Passage:
 
 @dataclass
 class QAJob:
-    """One generation job.
-
-    Attributes:
-        task: the name of a registered synth task (:data:`TASKS`).
-        passages: what to ask about: one chunk (single_detail), one whole context (multi_detail,
-            biography) or the documents of one context (heterogeneous, numbered from 1 in order).
-        n: questions to write (biographies for ``biography``).
-        seed: seeds the procedural answerer's choices.
-    """
+    """One generation job of ``task`` (a registered synth task): ``n`` items (questions, or biographies) about its
+    ``passages`` (a chunk, a whole context, or the documents of one context, numbered from 1 in order); ``seed``
+    seeds the procedural answerer's choices."""
 
     task: str
     passages: list[Passage]
@@ -106,15 +93,9 @@ def first_passage(passages: Sequence[Passage]) -> str:
 
 @dataclass(frozen=True)
 class Flag:
-    """One ``longpeft synth`` flag.
-
-    Attributes:
-        flag: as typed, ``--questions-per-chunk``; its dest is the name without dashes, ``-`` read as ``_``.
-        help: the help line (None: none).
-        key: the config key it sets, dotted (``length.chunk_tokens``; a task's flag: a field of its section,
-            ``questions_per_chunk``), or None for a flag the command reads itself.
-        options: more ``add_argument`` keywords (``type``, ``choices``, ``nargs``, ``action``).
-    """
+    """One ``longpeft synth`` flag: ``flag`` as typed (its dest: without dashes, ``-`` read as ``_``), its ``help``
+    line (None: none), the dotted config ``key`` it sets (a task's flag: a field of its section), or None for a flag
+    the command reads itself, and more ``add_argument`` keywords (``options``: ``type``, ``choices``, ``action``)."""
 
     flag: str
     help: str | None
@@ -134,33 +115,22 @@ class TaskConfig(StrictModel):
 
 @dataclass(frozen=True)
 class SynthTask:
-    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes.
+    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes (what each field
+    does: CONTRIBUTING.md, One record for every synth task).
 
     Attributes:
         name: ``--tasks NAME``, its config section, and the ``task`` of its rows, requests, rejects and stats.
-        config: its config section, a :class:`TaskConfig`.
-        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts (its
-            config section's) and the QA jobs about each, from ``documents``, or when None from procedural ones made
-            with ``builder`` (:class:`.builders.LongContextBuilder`); the items of a context's jobs become the turns
-            of its conversation. Runs and ``synth --plan`` plan with it.
-        prompt: the user prompt of a job, a ``str.format`` template: ``{text}`` (the job's passages laid out by
-            ``layout``), ``{n}`` (the items asked) and ``{k}`` (the passages); it states the JSON of an answer.
-        answer: ``answer(job, rng) -> list[QAPair]``: exact items from the facts recorded in procedural documents
-            (:class:`.qa.ProceduralAnswerer`, no LLM).
-        schema: the JSON of an answer, sent as ``response_format`` with at most ``n`` items (default: QA pairs,
-            :data:`.answer_schema.QA_PAIRS`).
-        parse: ``parse(text) -> list[QAPair]``: the items of an answer (default :func:`parse_qa_pairs`); raises
-            :class:`.llm_output.MalformedOutput` for an answer that breaks ``schema``.
-        layout: the job's passages as its prompt shows them (default: the first passage's text).
-        evidence: the text of a job its answers must be grounded in, for the quality gates (default: the
-            passages' titled texts).
-        subject: ``subject(question) -> name`` for items about a named subject (biographies): the gates judge them
-            by ``wrong_subject`` and ``min_biography_words``, not as questions (``not_a_question``,
-            ``restates_question``). None: items are QA pairs.
-        computed_numbers: its answers hold computed numbers (counts, sums, gaps), which the ``ungrounded`` gate
-            does not look for in the text.
-        documents: options of the procedural documents it is built from (:func:`.corpus.generate_document`).
-        flags: its own ``longpeft synth`` flags, each setting a field of its section.
+        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts and
+            the QA jobs about each, from ``documents`` or, when None, procedural ones made with ``builder``.
+        prompt: a ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` (the items
+            asked) and ``{k}`` (the passages).
+        answer: ``answer(job, rng) -> list[QAPair]``: exact items from procedural facts (no LLM).
+        parse: ``parse(text) -> list[QAPair]``; raises :class:`.llm_output.MalformedOutput` for an answer that
+            breaks ``schema`` (sent as ``response_format`` with at most ``n`` items).
+        evidence: the text a job's answers must be grounded in (the quality gates).
+        subject: ``subject(question) -> name`` for items about a named subject (biographies; None: QA pairs).
+        computed_numbers: its answers hold computed numbers the ``ungrounded`` gate does not look for.
+        documents: options of its procedural documents (:func:`.corpus.generate_document`).
     """
 
     name: str
@@ -182,12 +152,8 @@ TASKS: dict[str, SynthTask] = {}
 
 
 def register(task: SynthTask) -> SynthTask:
-    """Add ``task`` to the registry (runs plan, ask and count tasks in registration order); returns it.
-
-    Raises:
-        ValueError: its name is taken or cannot name a config section, its config is not a :class:`TaskConfig`, or
-            a flag of it is another task's or sets no field of its config.
-    """
+    """Add ``task`` to the registry (runs take tasks in registration order) and return it; ValueError when its name
+    is taken or no identifier, its config is no :class:`TaskConfig`, or a flag is another task's or sets no field."""
     if task.name in TASKS and TASKS[task.name] is not task:
         raise ValueError(f"a synth task named {task.name!r} is already registered")
     if not task.name.isidentifier():
@@ -221,10 +187,9 @@ def registered(task: SynthTask) -> Iterator[SynthTask]:
 
 def get_task(name: str) -> SynthTask:
     """The registered task called ``name``, with an error listing the known ones."""
-    task = TASKS.get(name)
-    if task is None:
+    if name not in TASKS:
         raise ConfigError(f"unknown synth task {name!r}; choose one of {', '.join(TASKS)}")
-    return task
+    return TASKS[name]
 
 
 def task_flags() -> list[Flag]:

@@ -1,17 +1,8 @@
-"""Retrieval documents: plain-text training sequences in which the next tokens can only be predicted by
-looking them up earlier in the same sequence (content-based lookup at varying distances).
-
-Three kinds, mixed by weight:
-
-- ``passkey``: a passkey probe (:meth:`ProbeBuilder.passkey`, needle at a random depth) with its answer
-  written out after the question, so the key must be copied from the needle;
-- ``niah``: a needle-in-a-haystack probe with 1-4 needles (the others are distractors), answered;
-- ``induction``: random word spans, some of which recur later at random distances (every token of a
-  recurring span after its first is predictable only by copying).
-
-This is the pretraining data of the toy base (``scripts/pretrain_toy_base.py``) and the training data
-of the demo's context extension (``data.source: retrieval``). Documents are built in token space for
-one tokenizer, so their lengths are exact; deterministic given the seed.
+"""Retrieval documents: plain-text sequences whose next tokens can only be predicted by looking them up earlier in
+the same sequence, at varying distances. Three kinds, mixed by weight: ``passkey`` and ``niah`` (1-4 needles, the
+others distractors) probes with their answer written out after the question, and ``induction``: random word spans,
+some recurring later. The toy base's pretraining data and the demo's (``data.source: retrieval``); built in token
+space for one tokenizer (exact lengths), deterministic given the seed.
 """
 
 from __future__ import annotations
@@ -34,13 +25,8 @@ _SPAN_WORDS = (
 
 
 class RetrievalDocuments:
-    """Builds retrieval documents of a requested token length for one tokenizer.
-
-    Args:
-        tokenizer: a transformers tokenizer (the probes' token-space assembly needs it).
-        seed: every document is deterministic given it and the call order.
-        mix: kind -> weight (see :data:`KINDS`); default :data:`DEFAULT_MIX`.
-    """
+    """Builds retrieval documents of a requested token length for one ``tokenizer``, deterministic given ``seed`` and
+    the call order; ``mix``: kind (:data:`KINDS`) -> weight, default :data:`DEFAULT_MIX`."""
 
     def __init__(self, tokenizer: Any, seed: int = 0, mix: dict[str, float] | None = None):
         mix = dict(DEFAULT_MIX if mix is None else mix)
@@ -55,11 +41,8 @@ class RetrievalDocuments:
         self.span_tokens = [self.probes.encode(" " + w) for w in _SPAN_WORDS]
 
     def document(self, n_tokens: int, kind: str | None = None) -> list[int]:
-        """One document of exactly ``n_tokens`` token ids.
-
-        ``kind=None`` draws one from the mix; a drawn probe kind whose fixed text (instruction,
-        needles, question) does not fit ``n_tokens`` gives an ``induction`` document instead.
-        """
+        """One document of exactly ``n_tokens`` token ids; ``kind=None`` draws one from the mix (a drawn probe kind
+        whose instruction, needles and question do not fit ``n_tokens`` gives an ``induction`` document instead)."""
         drawn = kind is None
         kind = kind or self.rng.choices(self.kinds, self.weights)[0]
         if kind == "induction":
@@ -76,17 +59,15 @@ class RetrievalDocuments:
     def answered_probe(self, n_tokens: int, kind: str) -> list[int]:
         """A ``passkey`` or ``niah`` probe followed by its answer and a full stop, ``n_tokens`` ids in all."""
         depth = self.rng.random()
+        if kind not in ("passkey", "niah"):
+            raise ConfigError(f"unknown retrieval document kind {kind!r}; choose one of {KINDS}")
+        digits = self.rng.randint(3 if kind == "passkey" else 4, 7)
+        answer_len = len(self.probes.encode(" " + "1" * digits + "."))
         if kind == "passkey":
-            digits = self.rng.randint(3, 7)
-            answer_len = len(self.probes.encode(" " + "1" * digits + "."))
             probe = self.probes.passkey(n_tokens - answer_len, depth, digits=digits)
-        elif kind == "niah":
-            digits = self.rng.randint(4, 7)
-            answer_len = len(self.probes.encode(" " + "1" * digits + "."))
+        else:
             n_keys = self.rng.randint(1, max(1, min(4, (n_tokens - 100) // 20)))
             probe = self.probes.niah(n_tokens - answer_len, depth, n_keys=n_keys, digits=digits)
-        else:
-            raise ConfigError(f"unknown retrieval document kind {kind!r}; choose one of {KINDS}")
         return probe.input_ids + self.probes.encode(" " + probe.answers[0] + ".")
 
     def induction(self, n_tokens: int) -> list[int]:
@@ -115,13 +96,9 @@ def build_retrieval_dataset(
     seed: int = 0,
     mix: dict[str, float] | None = None,
 ) -> Any:
-    """A ``datasets.Dataset`` with one ``text`` column of retrieval documents whose lengths are drawn
-    uniformly in ``[min_tokens, max_tokens]`` tokens (plain text: ``data.format: text``).
-
-    Lengths count the special prefix (e.g. BOS) that tokenizing the text for training adds back, so
-    the texts themselves hold no special tokens: probes are built with that prefix and lose it here,
-    induction documents (built without it) lose their last tokens instead.
-    """
+    """A ``datasets.Dataset`` with one ``text`` column of retrieval documents whose lengths are drawn uniformly in
+    ``[min_tokens, max_tokens]`` tokens, counting the special prefix (e.g. BOS) that tokenizing the text for training
+    adds back: probes are built with it and lose it here, induction documents lose their last tokens instead."""
     from datasets import Dataset
 
     if not 0 < min_tokens <= max_tokens:

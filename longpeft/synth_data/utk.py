@@ -1,29 +1,17 @@
-"""Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids.
+"""Untie the Knots (UtK): chunk, knot, shuffle and backtrace augmentation on token ids, on the fly and seeded.
 
-For one training sequence made of several documents, with probability ``p``:
-
-1. each document of at least ``min_split_tokens`` tokens is split at random points into ``h`` chunks,
-   ``h`` drawn from ``chunk_counts`` (2-3 work best in the paper; ``h = 1`` leaves it whole);
-2. each chunk of a split document gets a random chunk label ``<label> A B C D </label>`` (letters as
-   ordinary tokens), chunk ``j > 1`` starts with the head knot ``<head_j>`` and chunk ``j < h`` ends
-   with the tail knot ``<tail_j>`` (``<tail_j>`` and ``<head_{j+1}>`` mark the same cut);
-3. all chunks of all documents are shuffled; with ``preserve_order`` each document keeps its own
-   chunk order (the paper's better variant);
-4. after a document's last chunk comes the backtrace target: its chunk labels in order,
-   ``<trace> label_1 <sep> label_2 ... </trace>``.
-
-Layout of chunk ``j`` of ``h``:
-``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``.
-
-Labels are -100 on knots, on the chunk labels where they appear as input (with their delimiters) and
-on the trace sentinels; the backtrace label ids themselves are trained, as is every original token.
-Attention stays fully causal across documents (no per-document mask): the model must search the
-sequence for the matching knot. Everything runs on numpy token ids, on the fly, seeded.
+With probability ``p``, the documents of a sequence are cut into random chunks, each labelled with random letters
+and knotted to the next (``<tail_j>`` and ``<head_{j+1}>`` mark one cut), and shuffled; a document's last chunk ends
+with its labels in order (the backtrace). Chunk ``j`` of ``h``:
+``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``. Labels are -100 on the knots,
+on the chunk labels as input and on the trace sentinels. Attention stays causal across documents: the model must
+search the sequence for the matching knot.
 """
 
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -36,11 +24,8 @@ from ..family import IGNORE_INDEX
 
 @dataclass(frozen=True)
 class UtkTokens:
-    """Ids of the UtK special tokens and of the letters chunk labels are spelled with.
-
-    ``head_knots[j]`` / ``tail_knots[j]`` are the knots of chunk ``j`` (0-based); ``head_knots[0]``
-    and ``tail_knots[-1]`` are unused (-1).
-    """
+    """Ids of the UtK special tokens and of the letters chunk labels are spelled with. ``head_knots[j]`` /
+    ``tail_knots[j]`` are the knots of chunk ``j`` (0-based); ``head_knots[0]`` and ``tail_knots[-1]`` are -1."""
 
     head_knots: tuple[int, ...]
     tail_knots: tuple[int, ...]
@@ -77,23 +62,17 @@ def utk_token_strings(max_chunks: int) -> dict[str, list[str] | str]:
 def add_utk_tokens(
     tokenizer: PreTrainedTokenizerBase, max_chunks: int = 3, alphabet: str = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 ) -> UtkTokens:
-    """Add the knot, label and trace special tokens to ``tokenizer`` (idempotent) and return their ids.
-
-    The model's embeddings must then be resized to ``len(tokenizer)``
-    (``model.resize_token_embeddings(len(tokenizer))``) and trained (e.g. ``trainable_token_indices``).
-    Chunk labels are spelled with the letters of ``alphabet`` that the tokenizer encodes as one token.
-    """
+    """Add the knot, label and trace special tokens to ``tokenizer`` (idempotent) and return their ids; chunk
+    labels are spelled with the letters of ``alphabet`` it encodes as one token. The model's embeddings must then be
+    resized to ``len(tokenizer)`` and trained (e.g. ``trainable_token_indices``)."""
     if max_chunks < 2:
         raise ConfigError(f"max_chunks must be at least 2, got {max_chunks}")
     strings = utk_token_strings(max_chunks)
     flat = strings["head_knots"] + strings["tail_knots"] + [v for k, v in strings.items() if isinstance(v, str)]
     tokenizer.add_tokens(flat, special_tokens=True)
     ids = {s: tokenizer.convert_tokens_to_ids(s) for s in flat}
-    letters = []
-    for letter in dict.fromkeys(alphabet):
-        encoded = tokenizer.encode(letter, add_special_tokens=False)
-        if len(encoded) == 1:
-            letters.append(encoded[0])
+    encoded = [tokenizer.encode(letter, add_special_tokens=False) for letter in dict.fromkeys(alphabet)]
+    letters = [e[0] for e in encoded if len(e) == 1]
     if len(letters) < 2:
         raise ConfigError(
             f"fewer than two letters of {alphabet!r} are single tokens for this tokenizer; pass another alphabet"
@@ -101,26 +80,16 @@ def add_utk_tokens(
     return UtkTokens(
         head_knots=(-1, *(ids[s] for s in strings["head_knots"])),
         tail_knots=(*(ids[s] for s in strings["tail_knots"]), -1),
-        label_open=ids[strings["label_open"]],
-        label_close=ids[strings["label_close"]],
-        trace_open=ids[strings["trace_open"]],
-        trace_sep=ids[strings["trace_sep"]],
-        trace_close=ids[strings["trace_close"]],
         letters=tuple(letters),
+        **{key: ids[value] for key, value in strings.items() if isinstance(value, str)},
     )
 
 
 @dataclass
 class UtkSample:
-    """Output of :class:`UtkAugmenter`.
-
-    Attributes:
-        input_ids: int64 array, the augmented sequence.
-        labels: int64 array, same length; -100 where no loss is taken.
-        origin: with ``return_origin``, int64 array giving for each position the index of the original
-            token in the concatenated input documents, or -1 for inserted tokens.
-        augmented: whether UtK was applied (probability ``p``).
-    """
+    """Output of :class:`UtkAugmenter`: the sequence's ``input_ids`` and ``labels`` (int64, -100 where no loss is
+    taken), whether it was ``augmented``, and with ``return_origin`` the ``origin`` of each position (int64: the index
+    of the original token in the concatenated documents, -1 for inserted tokens)."""
 
     input_ids: np.ndarray
     labels: np.ndarray
@@ -129,19 +98,11 @@ class UtkSample:
 
 
 class UtkAugmenter:
-    """Applies UtK to sequences of documents given as token ids.
-
-    Args:
-        tokens: from :func:`add_utk_tokens`.
-        probability: chance that a sequence is augmented (the paper: 0.3 low, 0.8 high).
-        chunk_counts: distribution of chunks per long-enough document, ``{h: weight}``; ``h = 1`` keeps
-            a document whole. Every ``h`` must be <= ``tokens.max_chunks``.
-        min_split_tokens: documents shorter than this are never split.
-        preserve_order: keep each document's chunks in their original order when shuffling.
-        label_length: letters per chunk label.
-        seed: seeds the augmenter's generator; calls consume it in order. Pass ``seed=`` to a call
-            to make that call independent of the others (e.g. the dataset index).
-    """
+    """Applies UtK, with ``tokens`` of :func:`add_utk_tokens`, to sequences of documents given as token ids: with
+    ``probability`` (the paper: 0.3 low, 0.8 high), documents of ``min_split_tokens`` or more are cut into ``h`` chunks
+    drawn from ``chunk_counts`` (``{h: weight}``, ``h`` <= ``tokens.max_chunks``; 1 keeps it whole), labelled with
+    ``label_length`` letters; with ``preserve_order`` each document's chunks keep their order when shuffled. ``seed``
+    seeds the generator calls consume in order; a call's own ``seed=`` makes it independent of the others."""
 
     def __init__(
         self,
@@ -176,7 +137,6 @@ class UtkAugmenter:
         self.rng = np.random.default_rng(seed)
         self._special = np.asarray(tokens.special_ids, dtype=np.int64)
         self._letters = np.asarray(tokens.letters, dtype=np.int64)
-        self._ignore: dict[int, np.ndarray] = {}
 
     def __call__(
         self, documents: Sequence[Sequence[int] | np.ndarray], seed: int | None = None, return_origin: bool = False
@@ -200,42 +160,28 @@ class UtkAugmenter:
         draws = self.counts[
             np.minimum(np.searchsorted(self._cumulative, rng.random(len(docs)), side="right"), len(self.counts) - 1)
         ]
-        for index, doc in enumerate(docs):
-            h = min(int(draws[index]), len(doc)) if len(doc) >= self.min_split_tokens else 1
+        for doc, start, drawn in zip(docs, starts.tolist(), draws.tolist()):
+            h = min(drawn, len(doc)) if len(doc) >= self.min_split_tokens else 1
+            pieces_per_doc.append(h)
             if h == 1:
-                pieces.append([(doc, doc, int(starts[index]))])
-                pieces_per_doc.append(1)
+                pieces.append([(doc, doc, start)])
                 continue
             bounds = [0, *self._cuts(rng, len(doc), h), len(doc)]
             labels = self._new_labels(rng, h, used_labels)
             for j in range(h):
-                segments = []
-                if j > 0:
-                    segments.append(self._marker([self.tokens.head_knots[j]]))
-                segments.append(self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close]))
+                head = [self._marker([self.tokens.head_knots[j]])] if j else []
+                label = self._marker([self.tokens.label_open, *labels[j], self.tokens.label_close])
                 content = doc[bounds[j] : bounds[j + 1]]
-                segments.append((content, content, int(starts[index]) + bounds[j]))
-                if j < h - 1:
-                    segments.append(self._marker([self.tokens.tail_knots[j]]))
-                else:
-                    segments += self._backtrace(labels)
-                pieces.append(segments)
-            pieces_per_doc.append(h)
+                tail = [self._marker([self.tokens.tail_knots[j]])] if j < h - 1 else self._backtrace(labels)
+                pieces.append([*head, label, (content, content, start + bounds[j]), *tail])
 
-        segments = [segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]]
-        input_ids = np.concatenate([s[0] for s in segments])
-        labels = np.concatenate([s[1] for s in segments])
+        ids, labels, firsts = zip(*(segment for i in self._shuffle(pieces_per_doc, rng) for segment in pieces[i]))
         origin = None
         if return_origin:
             origin = np.concatenate(
-                [
-                    np.arange(s[2], s[2] + len(s[0])) if s[2] >= 0 else np.full(len(s[0]), -1, dtype=np.int64)
-                    for s in segments
-                ]
+                [np.arange(o, o + len(part)) if o >= 0 else np.full(len(part), -1) for part, o in zip(ids, firsts)]
             )
-        return UtkSample(input_ids, labels, origin, augmented=True)
-
-    # ---- helpers ------------------------------------------------------------------------------
+        return UtkSample(np.concatenate(ids), np.concatenate(labels), origin, augmented=True)
 
     @staticmethod
     def _cuts(rng: np.random.Generator, length: int, h: int) -> list[int]:
@@ -270,11 +216,10 @@ class UtkAugmenter:
             labels.append(list(free[index]))
         return labels
 
-    def _marker(self, ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    @staticmethod
+    def _marker(ids: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
         """Inserted tokens that are never trained as targets."""
-        if len(ids) not in self._ignore:
-            self._ignore[len(ids)] = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
-        return np.asarray(ids, dtype=np.int64), self._ignore[len(ids)], -1
+        return np.asarray(ids, dtype=np.int64), np.full(len(ids), IGNORE_INDEX, dtype=np.int64), -1
 
     def _backtrace(self, labels: list[list[int]]) -> list[tuple[np.ndarray, np.ndarray, int]]:
         """``<trace> L1 <sep> L2 ... </trace>``: the label ids are trained, the sentinels are not."""
@@ -289,12 +234,10 @@ class UtkAugmenter:
 
     def _shuffle(self, pieces_per_doc: list[int], rng: np.random.Generator) -> np.ndarray:
         """Order of all pieces; with ``preserve_order`` each document's pieces keep their relative order."""
-        total = sum(pieces_per_doc)
+        slots = rng.permutation(sum(pieces_per_doc))
         if not self.preserve_order:
-            return rng.permutation(total)
-        slots = rng.permutation(total)
-        order = np.empty(total, dtype=np.int64)
-        start = 0
+            return slots
+        order, start = np.empty_like(slots), 0
         for count in pieces_per_doc:
             # The document's pieces (flat indices start..start+count) take its slots in sorted order.
             order[np.sort(slots[start : start + count])] = np.arange(start, start + count)
@@ -320,12 +263,9 @@ def chunk_labels_needed(doc_lengths: Sequence[int], max_chunks: int, min_split_t
 def pack_documents(
     documents: Sequence[Sequence[int]], max_length: int, max_chunks: int, label_length: int
 ) -> list[list[int]]:
-    """Group consecutive documents (token id lists) so each group plus UtK's insertions fits ``max_length``.
-
-    Returns lists of document indices. Documents are not cut: one too long to fit even alone gets a
-    group of its own that exceeds ``max_length`` (cut documents to ``max_length - utk_overhead(1, ...)``
-    tokens first, as ``longpeft.recipes.data.pack_for_utk`` does).
-    """
+    """Indices of consecutive documents (token id lists) grouped so that each group plus UtK's insertions fits
+    ``max_length``. A document too long even alone gets a group of its own (cut documents to ``max_length -
+    utk_overhead(1, ...)`` tokens first, as ``longpeft.recipes.data.pack_for_utk`` does)."""
     groups: list[list[int]] = []
     current: list[int] = []
     used = 0
@@ -341,25 +281,16 @@ def pack_documents(
     return groups
 
 
+@dataclass
 class UtkCollator:
-    """Applies UtK to packed sequences on the fly and pads a batch for causal-LM training.
+    """Applies UtK to packed sequences (features: ``input_ids``, its documents concatenated, and ``doc_lengths``),
+    seeded by the collator's seed and the sequence's content (a resumed run sees the same augmentation), and
+    right-pads the batch: ``input_ids``, ``labels`` (-100 on UtK markers and padding) and ``attention_mask``."""
 
-    Each feature has ``input_ids`` (its documents concatenated) and ``doc_lengths``. The augmentation
-    of a sequence is seeded by the collator's seed and the sequence's content, so a resumed run sees
-    the same augmentation. Returns ``input_ids``, ``labels`` (-100 on UtK markers and padding) and
-    ``attention_mask``, right-padded.
-    """
-
-    def __init__(self, augmenter: UtkAugmenter, pad_token_id: int, max_length: int, seed: int = 0):
-        self.augmenter = augmenter
-        self.pad_token_id = pad_token_id
-        self.max_length = max_length
-        self.seed = seed
-
-    def _seed(self, ids: np.ndarray) -> int:
-        import zlib
-
-        return zlib.crc32(ids.tobytes(), self.seed)
+    augmenter: UtkAugmenter
+    pad_token_id: int
+    max_length: int
+    seed: int = 0
 
     def __call__(self, features: Sequence[Mapping]) -> dict:
         import torch
@@ -370,7 +301,8 @@ class UtkCollator:
             bounds = np.cumsum([0, *feature["doc_lengths"]])
             if bounds[-1] != len(ids):
                 raise ValueError(f"doc_lengths sum to {bounds[-1]} but the sequence has {len(ids)} tokens")
-            sample = self.augmenter([ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seed=self._seed(ids))
+            seed = zlib.crc32(ids.tobytes(), self.seed)
+            sample = self.augmenter([ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])], seed=seed)
             rows.append((sample.input_ids[: self.max_length], sample.labels[: self.max_length]))
         width = max(len(r[0]) for r in rows)
         input_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
@@ -378,8 +310,5 @@ class UtkCollator:
         mask = np.zeros((len(rows), width), dtype=np.int64)
         for b, (ids, row_labels) in enumerate(rows):
             input_ids[b, : len(ids)], labels[b, : len(ids)], mask[b, : len(ids)] = ids, row_labels, 1
-        return {
-            "input_ids": torch.from_numpy(input_ids),
-            "labels": torch.from_numpy(labels),
-            "attention_mask": torch.from_numpy(mask),
-        }
+        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": mask}
+        return {key: torch.from_numpy(array) for key, array in batch.items()}
