@@ -1,16 +1,8 @@
 """STRING (An et al., 2024): training-free shifted query positions for far keys at inference.
 
-``enable_string(model)`` / ``disable_string(model)`` switch it on a built model; the active settings
-show in ``print(model)`` on every attention module. The ``string`` section of a recipe or of
-``longpeft.json`` (:class:`StringConfig`) switches it on when an adapter is loaded. The attention
-math and its exactness argument are in :mod:`.attention`; a merged model keeps STRING through the
-modeling file :mod:`.export` writes beside it (``trust_remote_code=True``).
-
-- :mod:`.config`: :class:`StringConfig`;
-- :mod:`.attention`: the attention of eager, SDPA and flash-attn with shifted far keys;
-- :mod:`.patch`: :func:`enable_string` with a section's settings, and what an input costs a model with STRING on;
-- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_string.py``);
-- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
+``enable_string(model)`` / ``disable_string(model)`` switch it on a built model (the settings show in
+``print(model)``); a ``string`` section (:class:`StringConfig`) switches it on when an adapter is loaded. The
+attention is :mod:`.attention`; :mod:`.export` ships it beside a merged model (``trust_remote_code=True``).
 """
 
 from __future__ import annotations
@@ -38,8 +30,7 @@ ROTATES_ITSELF = "its attention forward rotates queries and keys itself (shifted
 
 
 class String(Method):
-    """STRING in the registry: switched on a built model at inference only, bounding the positions an input spans,
-    and shipped in a modeling file on export."""
+    """STRING in the registry: on a built model at inference only, bounding the positions an input spans."""
 
     name = "string"
     config = StringConfig

@@ -1,11 +1,6 @@
-"""Export a merged model that uses STRING so plain transformers loads it with STRING on (trust_remote_code).
-
-STRING changes no weight: it lives in the attention function. ``write_remote_code`` writes
-``modeling_string.py`` beside the weights (the attention of :mod:`.attention` and the classes of
-:mod:`.remote_classes`, with the few longpeft helpers they use inlined, so it imports only torch and
-transformers), the settings as ``string`` in config.json, and points ``auto_map`` at those classes.
-The config gets its own model_type (``string_llama``, ...), so loading without ``trust_remote_code``
-fails instead of building the model without STRING.
+"""Export a merged model that uses STRING so plain transformers loads it with STRING on (``trust_remote_code``):
+``modeling_string.py`` (:mod:`.attention` and :mod:`.remote_classes`, the longpeft helpers they use inlined) beside
+the weights, and the settings as config.json's ``string``.
 """
 
 from __future__ import annotations
@@ -51,17 +46,10 @@ def standalone_modeling_source() -> str:
 
 
 def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
-    """Make a ``save_pretrained`` folder of a merged model load with STRING on in plain transformers.
-
-    Writes ``modeling_string.py`` and sets, in config.json, ``string`` (the settings),
-    ``model_type = "string_<type>"``, ``architectures`` and ``auto_map``. Then
-    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)`` builds the model with STRING
-    on (the file's ``disable_string(model)`` switches it off).
-
-    Args:
-        save_dir: folder written by ``model.save_pretrained`` (must hold config.json).
-        settings: the STRING settings to switch on at load.
-    """
+    """Make the ``save_pretrained`` folder ``save_dir`` of a merged model load with STRING on (``settings``) through
+    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)``; config.json gets ``string``,
+    ``model_type = "string_<type>"``, ``architectures`` and ``auto_map``. The file's ``disable_string(model)`` switches
+    STRING off."""
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "STRING")
     point_config_at_remote_code(
         config_path,

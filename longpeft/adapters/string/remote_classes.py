@@ -1,9 +1,5 @@
-"""Causal LM classes of an exported STRING model (the end of ``modeling_string.py``).
-
-A merged model that used STRING is the stock model with its weights and RoPE parameters; its
-config.json carries the STRING settings as ``string`` and points ``auto_map`` at these classes
-(``StringLlamaForCausalLM``, ... with model_type ``string_llama``, ...). Each builds its stock
-architecture, then switches STRING on (it has no weights of its own).
+"""Causal LM classes of an exported STRING model (the end of ``modeling_string.py``): the stock architecture
+(``StringLlamaForCausalLM``, ..., model_type ``string_llama``, ...) with STRING switched on from ``config.string``.
 """
 
 from __future__ import annotations
