@@ -1,17 +1,7 @@
-"""HARPE: one RoPE base per attention head ("Breaking the Stage Barrier", Lian et al.).
-
-Each key/value head rotates with its own RoPE base; with grouped-query attention the query heads
-of a group use their KV head's base. Used as the initialisation of a LoRA (or full) run: the bases
-are chosen when the adapter is created (:class:`HarpeConfig` resolved by ``select_bases``), applied
-to the model (``apply_head_bases``), recorded in the adapter's ``longpeft.json``, and the model
-trains at the target length in one stage. A merged model is exported for plain transformers with
-``write_remote_code``.
-
-- :mod:`.config`: :class:`HarpeConfig`;
-- :mod:`.selection`: the uniform and peak-valley choices of bases;
-- :mod:`.modeling`: the per-head rotary module and attention forward (also the exported ``modeling_harpe.py``);
-- :mod:`.patch`: ``apply_head_bases`` / ``remove_head_bases`` on a built model;
-- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
+"""HARPE: one RoPE base per key/value head ("Breaking the Stage Barrier", Lian et al.), the query heads of a group
+using their KV head's. The bases are chosen when the adapter is created (:class:`HarpeConfig`, :func:`resolve`),
+applied to the model (``apply_head_bases``) and recorded in ``longpeft.json``; the model trains at the target length
+in one stage, and a merged model ships a modeling file (``write_remote_code``).
 """
 
 from __future__ import annotations
@@ -58,8 +48,7 @@ ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoP
 
 
 class Harpe(Method):
-    """HARPE in the registry: its bases chosen when an adapter is created, set on a built model, and shipped in a
-    modeling file on export."""
+    """HARPE in the registry: bases chosen when an adapter is created, set on a built model, shipped on export."""
 
     name = "harpe"
     config = HarpeConfig

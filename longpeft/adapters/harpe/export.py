@@ -1,10 +1,5 @@
-"""Export a merged HARPE model so plain transformers loads it (trust_remote_code), without longpeft.
-
-``write_remote_code`` writes :mod:`.modeling` (with longpeft's RoPE helpers inlined, so it imports only torch
-and transformers) into the saved folder as ``modeling_harpe.py`` and points config.json's ``auto_map`` at the HARPE
-config and model classes of the model's architecture. The exported config gets its own model_type
-(``harpe_llama``, ...): transformers would otherwise load the folder without trust_remote_code as
-the stock architecture, silently ignoring the per-head bases; with its own model_type that fails with an error.
+"""Export a merged HARPE model so plain transformers loads it (``trust_remote_code``) without longpeft: its own
+model_type (``harpe_llama``, ...), so loading it without ``trust_remote_code`` fails instead of ignoring the bases.
 """
 
 from __future__ import annotations
@@ -28,18 +23,13 @@ def standalone_modeling_source() -> str:
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
-    """Make a ``save_pretrained`` folder of a merged HARPE model loadable with plain transformers.
+    """Make the ``save_pretrained`` folder ``save_dir`` of a merged HARPE model load with its per-KV-head ``bases``
+    through ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)``: ``modeling_harpe.py`` beside
+    the weights; ``head_rope_bases``, ``model_type = "harpe_<type>"``, ``architectures`` and ``auto_map`` in
+    config.json.
 
-    Writes ``modeling_harpe.py`` beside the weights and sets, in config.json, ``head_rope_bases``,
-    ``model_type = "harpe_<type>"``, ``architectures`` and ``auto_map`` (``AutoConfig`` and
-    ``AutoModelForCausalLM`` -> the HARPE classes of ``modeling_harpe.py``). Then
-    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)`` builds the model
-    with the same per-head RoPE, in a process where longpeft is not installed; without
-    ``trust_remote_code`` loading fails instead of giving a model with one base.
-
-    Args:
-        save_dir: folder written by ``model.save_pretrained`` (must hold config.json).
-        bases: the model's per-KV-head bases (checked against config.json's head count).
+    Raises:
+        DataError: the bases do not match config.json's KV heads, or the head_rope_bases it records.
     """
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "HARPE")
     kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
