@@ -1,41 +1,27 @@
-"""PoSE's training inputs: skip-wise position ids, the window a sample trains with, and the collator.
+"""PoSE's training inputs: skip-wise position ids, the window a sample trains with, and the collator (the trained
+model runs with plain positions).
 
-PoSE changes only the position ids seen in training (through :class:`PoseCollator`); the trained
-model runs with plain positions, so it changes nothing on a model.
+A window of ``L_c`` tokens is cut at random into ``N`` chunks (default 2), contiguous positions inside each; chunk
+``i`` is shifted by a skip ``u_i`` drawn uniformly from ``{u_(i-1), ..., L_t - L_c}`` (``u_0 = 0``), so skips never
+decrease, chunks never overlap and the largest position is at most ``L_t - 1``. (The authors' code caps the first
+chunk at half the window; here the cut is uniform.)
 
-A sample of ``L_c`` tokens (the training window) is split at random into ``N`` chunks (default 2).
-Position ids are contiguous inside each chunk; chunk ``i`` is shifted by a skip ``u_i``, drawn
-uniformly from ``{u_(i-1), ..., L_t - L_c}`` with ``u_0 = 0``, so skips never decrease, chunks never
-overlap, and the largest position is at most ``L_t - 1``. Over many samples the relative distances
-cover ``1 .. L_t - 1``. The authors' code also caps the first chunk at half the window; here the
-cut is uniform over the window.
+Chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a sample ``x`` of ``L_x`` tokens (``st_i``, ``l_i``: its
+start and length in the window; the paper's Eq. 5), by ``content_skip``: ``none`` (``v_i = 0``: the first ``L_c``
+tokens, the only choice for conversations), ``uniform`` (``v_i`` drawn from ``{v_(i-1), ..., L_x - L_c}``, the
+paper's main setting) or ``aligned`` (``v_i = u_i``: position ids are real positions, skips at most
+``min(L_x, L_t) - L_c``). The first token after a skipped stretch of text is not scored.
 
-What the chunks contain (``content_skip``; the paper's Eq. 5 and Table 4, which finds the three within
-0.08 perplexity of each other at 16K): chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a
-sample ``x`` of ``L_x`` tokens (``st_i``, ``l_i``: the chunk's start and length in the window).
-
-- ``none`` (default): ``v_i = 0``, the sample's first ``L_c`` tokens, contiguous. The only choice for
-  conversations, whose answers need their context.
-- ``uniform``: ``v_i`` drawn uniformly from ``{v_(i-1), ..., L_x - L_c}`` (the paper's main setting and
-  the authors' code): the window's chunks come from anywhere in a longer text.
-- ``aligned``: ``v_i = u_i``: every token's position id is its real position in the text, so skips
-  reach at most ``min(L_x, L_t) - L_c`` (texts of ``L_t`` tokens cover every distance).
-
-With a content skip, samples up to ``L_t`` tokens reach the collator (plain text only), and the
-first token after a skipped stretch is not scored: its predecessor in the window is not what
-preceded it in the text.
-
-Pitfalls this module handles: transformers reads a jump in ``position_ids`` as the
-start of a new packed sequence when no ``attention_mask`` is passed, which would cut attention
-between chunks, so :class:`PoseCollator` always returns an explicit all-ones ``attention_mask``
-(right padding: causal attention never lets real tokens see the padding); and TRL's collator drops
-a ``position_ids`` column, so PoSE needs this collator of its own.
+:class:`PoseCollator` always returns an explicit all-ones ``attention_mask`` (right padding): without one,
+transformers reads a jump in ``position_ids`` as a new packed sequence and cuts attention between chunks. TRL's
+collator drops ``position_ids``, hence a collator of PoSE's own.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -74,17 +60,9 @@ def _skips(n_chunks: int, max_skip: int, rng: np.random.Generator) -> np.ndarray
 def pose_position_ids(
     length: int, target_length: int, n_chunks: int = 2, rng: np.random.Generator | int | None = None
 ) -> np.ndarray:
-    """PoSE position ids for one sample of ``length`` tokens simulating ``target_length``.
-
-    Args:
-        length: tokens in the sample (``L_c``, at most the training window).
-        target_length: the context length to simulate (``L_t >= L_c``).
-        n_chunks: chunks ``N`` (at most ``length``); 1 gives plain positions ``0 .. length - 1``.
-        rng: a numpy Generator or a seed.
-
-    Returns:
-        int64 array of shape ``(length,)``, non-decreasing jumps between chunks, max ``<= L_t - 1``.
-    """
+    """PoSE position ids, int64 ``(length,)`` with non-decreasing jumps between chunks and max ``<= L_t - 1``, for a
+    sample of ``length`` tokens (``L_c``) simulating ``target_length`` (``L_t >= L_c``) with ``n_chunks`` chunks (at
+    most ``length``; 1: plain positions); ``rng``: a numpy Generator or a seed."""
     if target_length < length:
         raise ValueError(f"target_length ({target_length}) must be >= the sample length ({length})")
     rng = _generator(rng)
@@ -100,20 +78,12 @@ def pose_sample(
     content_skip: str = "none",
     rng: np.random.Generator | int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Which tokens of a sample train, and at which positions (the paper's Eq. 5 with ``content_skip``).
+    """Which tokens of a sample of ``source_length`` (``L_x``) tokens train, and at which positions: ``(token_index,
+    position_ids)``, int64 ``(L_c,)`` with ``L_c = min(window, L_x)``, both increasing, by 1 inside a chunk.
 
-    Args:
-        source_length: tokens in the sample (``L_x``).
-        window: the training window; ``L_c = min(window, L_x)`` tokens train.
-        target_length: the simulated context length ``L_t`` (at least ``L_c``).
-        n_chunks: chunks ``N`` (at most ``L_c``).
-        content_skip: ``none`` (``v_i = 0``), ``uniform`` (``v_i`` drawn from ``{v_(i-1), ..., L_x - L_c}``) or
-            ``aligned`` (``v_i = u_i``, skips up to ``min(L_x, L_t) - L_c``); see the module docstring.
-        rng: a numpy Generator or a seed. ``none`` draws what :func:`pose_position_ids` draws.
-
-    Returns:
-        ``(token_index, position_ids)``, int64 arrays of shape ``(L_c,)``: the sample's tokens
-        ``x[token_index]`` train at ``position_ids``; both increase, by 1 inside a chunk.
+    ``target_length``: ``L_t``, at least ``L_c``; ``n_chunks``: at most ``L_c``; ``content_skip``: ``none``,
+    ``uniform`` or ``aligned`` (the module docstring); ``rng``: a numpy Generator or a seed (``none`` draws what
+    :func:`pose_position_ids` draws).
     """
     length = min(window, source_length)
     if content_skip == "none":
@@ -132,13 +102,13 @@ def pose_sample(
     raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
 
 
+@dataclass
 class PoseCollator:
-    """Pads a batch and attaches PoSE ``position_ids`` and an explicit all-ones ``attention_mask``.
+    """Pads a batch (right) and attaches PoSE ``position_ids`` and an explicit all-ones ``attention_mask``.
 
-    Each feature needs ``input_ids``; labels come from ``labels``, else from TRL's
-    ``assistant_masks`` / ``completion_mask`` (1 = trained), else from ``input_ids``. A feature that
-    already has ``position_ids`` keeps them (and is only truncated to the window). Batches are right-padded;
-    padding gets label -100 and repeats the sample's last position.
+    Each feature needs ``input_ids``; labels come from ``labels``, else TRL's ``assistant_masks`` /
+    ``completion_mask`` (1 = trained), else ``input_ids``. A feature with ``position_ids`` keeps them (truncated to
+    the window). Padding gets label -100 and repeats the sample's last position.
 
     Args:
         target_length: the simulated context length ``L_t``.
@@ -153,27 +123,20 @@ class PoseCollator:
             fill the window. The first token after a skipped stretch of text gets label -100.
     """
 
-    def __init__(
-        self,
-        target_length: int,
-        pad_token_id: int,
-        n_chunks: int = 2,
-        max_length: int | None = None,
-        seed: int = 0,
-        content_skip: Literal["none", "uniform", "aligned"] = "none",
-    ):
-        if max_length is not None and max_length > target_length:
-            raise ValueError(f"max_length ({max_length}) must not exceed target_length ({target_length})")
-        if content_skip not in ("none", "uniform", "aligned"):
-            raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
-        if content_skip != "none" and max_length is None:
-            raise ValueError(f"content_skip={content_skip!r} draws a window from each sample: set max_length")
-        self.target_length = target_length
-        self.pad_token_id = pad_token_id
-        self.n_chunks = n_chunks
-        self.max_length = max_length
-        self.seed = seed
-        self.content_skip = content_skip
+    target_length: int
+    pad_token_id: int
+    n_chunks: int = 2
+    max_length: int | None = None
+    seed: int = 0
+    content_skip: Literal["none", "uniform", "aligned"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length > self.target_length:
+            raise ValueError(f"max_length ({self.max_length}) must not exceed target_length ({self.target_length})")
+        if self.content_skip not in ("none", "uniform", "aligned"):
+            raise ValueError(f"content_skip must be none, uniform or aligned, got {self.content_skip!r}")
+        if self.content_skip != "none" and self.max_length is None:
+            raise ValueError(f"content_skip={self.content_skip!r} draws a window from each sample: set max_length")
 
     def _draw(self, input_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The window's ``(input_ids, labels, position_ids)`` drawn from one sample, each ``(L_c,)``."""
@@ -181,14 +144,8 @@ class PoseCollator:
             input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         rng = np.random.default_rng(zlib.crc32(input_ids.tobytes(), self.seed))
         window = self.max_length or len(input_ids)
-        index, positions = pose_sample(
-            len(input_ids),
-            window,
-            self.target_length,
-            min(self.n_chunks, window, len(input_ids)),
-            self.content_skip,
-            rng,
-        )
+        n_chunks = min(self.n_chunks, window, len(input_ids))
+        index, positions = pose_sample(len(input_ids), window, self.target_length, n_chunks, self.content_skip, rng)
         labels = labels[index]
         labels[1:][np.diff(index) > 1] = IGNORE_INDEX  # its predecessor in the window did not precede it
         return input_ids[index], labels, positions
