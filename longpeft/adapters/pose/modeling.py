@@ -30,21 +30,13 @@ import torch
 from ...family import IGNORE_INDEX
 
 
-def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
-    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-
-
 def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.ndarray:
     """``(length,)`` chunk index of each token: ``n_chunks`` non-empty chunks cut uniformly at random."""
     if length < 1:
         raise ValueError("length must be at least 1")
     if not 1 <= n_chunks <= length:
         raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = (
-        np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
-        if n_chunks > 1
-        else np.zeros(0, int)
-    )
+    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
     bounds = np.concatenate([[0], cuts, [length]])
     return np.repeat(np.arange(n_chunks), np.diff(bounds))
 
@@ -65,7 +57,7 @@ def pose_position_ids(
     most ``length``; 1: plain positions); ``rng``: a numpy Generator or a seed."""
     if target_length < length:
         raise ValueError(f"target_length ({target_length}) must be >= the sample length ({length})")
-    rng = _generator(rng)
+    rng = np.random.default_rng(rng)  # a Generator is returned as it is
     chunk = _chunk_of_token(length, n_chunks, rng)
     return np.arange(length, dtype=np.int64) + _skips(n_chunks, target_length - length, rng)[chunk]
 
@@ -90,7 +82,7 @@ def pose_sample(
         return np.arange(length, dtype=np.int64), pose_position_ids(length, target_length, n_chunks, rng)
     if target_length < length:
         raise ValueError(f"target_length ({target_length}) must be >= the window ({length})")
-    rng = _generator(rng)
+    rng = np.random.default_rng(rng)
     chunk = _chunk_of_token(length, n_chunks, rng)
     steps = np.arange(length, dtype=np.int64)
     if content_skip == "aligned":
@@ -155,8 +147,7 @@ class PoseCollator:
             return np.asarray(feature["labels"], dtype=np.int64)
         for key in ("assistant_masks", "completion_mask"):
             if feature.get(key) is not None:
-                mask = np.asarray(feature[key], dtype=bool)
-                return np.where(mask, input_ids, IGNORE_INDEX)
+                return np.where(np.asarray(feature[key], dtype=bool), input_ids, IGNORE_INDEX)
         return input_ids.copy()
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -169,19 +160,18 @@ class PoseCollator:
                 continue
             keep = slice(self.max_length)
             rows.append((input_ids[keep], labels[keep], np.asarray(feature["position_ids"], dtype=np.int64)[keep]))
-        width = max(len(r[0]) for r in rows)
-        batch_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        batch_labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
-        batch_positions = np.zeros((len(rows), width), dtype=np.int64)
-        for b, (ids, labels, positions) in enumerate(rows):
-            n = len(ids)
-            batch_ids[b, :n], batch_labels[b, :n], batch_positions[b, :n] = ids, labels, positions
-            # padding repeats the last position: positions past target_length - 1 would change what a rope type
-            # that reads the batch's largest position (dynamic) computes for the real tokens
-            batch_positions[b, n:] = positions[-1]
+        width = max(len(ids) for ids, _, _ in rows)
+
+        def padded(column: int, **fill: Any) -> torch.Tensor:  # each row right-padded to the batch's width
+            return torch.from_numpy(
+                np.stack([np.pad(row[column], (0, width - len(row[column])), **fill) for row in rows])
+            )
+
+        # Padding repeats the last position: positions past target_length - 1 would change what a rope type that
+        # reads the batch's largest position (dynamic) computes for the real tokens.
         return {
-            "input_ids": torch.from_numpy(batch_ids),
-            "labels": torch.from_numpy(batch_labels),
-            "position_ids": torch.from_numpy(batch_positions),
+            "input_ids": padded(0, constant_values=self.pad_token_id),
+            "labels": padded(1, constant_values=IGNORE_INDEX),
+            "position_ids": padded(2, mode="edge"),
             "attention_mask": torch.ones((len(rows), width), dtype=torch.long),
         }
