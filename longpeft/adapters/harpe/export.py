@@ -7,19 +7,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from ... import family, rope
 from ...errors import DataError
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import modeling
 from .modeling import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_harpe.py"
-
-
-def standalone_modeling_source() -> str:
-    """modeling_harpe.py: :mod:`.modeling` with its longpeft imports replaced by the source of what they import."""
-    return standalone_source(
-        "Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling], modeling.INLINED_ON_EXPORT
-    )
+# What the modeling file inlines (the marked imports of modeling.py, and what they call).
+INLINED_HELPERS = (rope.inv_freq, rope.per_head_inv_freq, rope.rotate_half, rope.apply_rotary, rope.rotate_per_head)
+INLINED_HELPERS += (rope.cos_sin, family.is_attention_module, family.kernel_interface, family.attention_kernel)
+INLINED_HELPERS += (family.pop_cache, family.define_export_classes)
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
@@ -39,12 +37,10 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     stored = config.get("head_rope_bases")
     if stored is not None and [float(b) for b in stored] != bases:
         raise DataError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
+    source = standalone_source(
+        "Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling], INLINED_HELPERS
+    )
+    entries = {"head_rope_bases": bases}
     point_config_at_remote_code(
-        config_path,
-        config,
-        model_type,
-        EXPORT_CLASSES_BY_MODEL_TYPE,
-        MODELING_FILENAME,
-        standalone_modeling_source(),
-        {"head_rope_bases": bases},
+        config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME, source, entries
     )

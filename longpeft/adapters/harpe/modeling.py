@@ -19,23 +19,10 @@ import torch
 from torch import nn
 
 # longpeft-inline-begin
-from ...family import attention_kernel, define_export_classes, is_attention_module, kernel_interface, pop_cache
-from ...rope import apply_rotary, cos_sin, inv_freq, per_head_inv_freq, rotate_half, rotate_per_head
+from ...family import attention_kernel, define_export_classes, is_attention_module, pop_cache
+from ...rope import cos_sin, per_head_inv_freq, rotate_per_head
 
 # longpeft-inline-end
-INLINED_ON_EXPORT = (
-    inv_freq,
-    per_head_inv_freq,
-    rotate_half,
-    apply_rotary,
-    rotate_per_head,
-    cos_sin,
-    is_attention_module,
-    kernel_interface,
-    attention_kernel,
-    pop_cache,
-    define_export_classes,
-)
 
 
 class HeadRotaryEmbedding(nn.Module):

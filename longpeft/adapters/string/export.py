@@ -7,42 +7,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...family import (
-    attention_modules,
-    causal_lm_of,
-    define_export_classes,
-    is_attention_module,
-    kernel_interface,
-    pop_cache,
-)
-from ...rope import apply_rotary, rotary_modules, rotate_half
+from ... import family, rope
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
 from . import attention, remote_classes
 from .attention import StringSettings
 from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
 
 MODELING_FILENAME = "modeling_string.py"
-INLINED_HELPERS = (
-    rotate_half,
-    apply_rotary,
-    rotary_modules,
-    is_attention_module,
-    attention_modules,
-    causal_lm_of,
-    pop_cache,
-    kernel_interface,
-    define_export_classes,
-)
-
-
-def standalone_modeling_source() -> str:
-    """The text of ``modeling_string.py``: STRING attention and the model classes, no longpeft import."""
-    return standalone_source(
-        "STRING (shifted positions at inference), written by longpeft for an exported model "
-        "(needs only torch and transformers).",
-        (attention, remote_classes),
-        INLINED_HELPERS,
-    )
+# What the modeling file inlines (the marked imports of attention.py and remote_classes.py, and what they call).
+INLINED_HELPERS = (rope.rotate_half, rope.apply_rotary, rope.rotary_modules, family.is_attention_module)
+INLINED_HELPERS += (family.attention_modules, family.causal_lm_of, family.pop_cache, family.kernel_interface)
+INLINED_HELPERS += (family.define_export_classes,)
 
 
 def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
@@ -51,12 +26,12 @@ def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
     ``model_type = "string_<type>"``, ``architectures`` and ``auto_map``. The file's ``disable_string(model)`` switches
     STRING off."""
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "STRING")
+    docstring = (
+        "STRING (shifted positions at inference), written by longpeft for an exported model "
+        "(needs only torch and transformers)."
+    )
+    source = standalone_source(docstring, (attention, remote_classes), INLINED_HELPERS)
+    entries = {"string": settings.as_dict()}
     point_config_at_remote_code(
-        config_path,
-        config,
-        model_type,
-        EXPORT_CLASSES_BY_MODEL_TYPE,
-        MODELING_FILENAME,
-        standalone_modeling_source(),
-        {"string": settings.as_dict()},
+        config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME, source, entries
     )
