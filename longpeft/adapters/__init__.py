@@ -93,29 +93,8 @@ def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> N
         method.export(model, Path(folder), config)
 
 
-__all__ = [
-    "METHODS",
-    "RUN_FEATURES",
-    "CollatorContext",
-    "LongSamples",
-    "Method",
-    "MethodConflict",
-    "ModelSpan",
-    "ResolveContext",
-    "applied_methods",
-    "apply_spec",
-    "check_applicable",
-    "check_conflicts",
-    "config_of",
-    "export_methods",
-    "find_conflicts",
-    "gathered_tensors",
-    "get_method",
-    "load_method_weights",
-    "model_span",
-    "register",
-    "registered",
-    "save_method_weights",
-    "spec_methods",
-    "unregister",
-]
+__all__ = ["apply_spec", "export_methods", "load_method_weights", "save_method_weights", "spec_methods"]
+# the registry's
+__all__ += ["METHODS", "RUN_FEATURES", "CollatorContext", "LongSamples", "Method", "MethodConflict", "ModelSpan"]
+__all__ += ["ResolveContext", "applied_methods", "check_applicable", "check_conflicts", "config_of", "find_conflicts"]
+__all__ += ["gathered_tensors", "get_method", "model_span", "register", "registered", "unregister"]
