@@ -194,42 +194,33 @@ def _unblock_empty_rows(mask: torch.Tensor) -> torch.Tensor:
     return mask | ~mask.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else mask
 
 
-def _fill_causal_string_mask(mask: torch.Tensor, first: int, end: int, shift: int) -> None:
-    """Write into ``mask`` ``[end - first, (end - S) + (end - first + S - 1)]`` the additive (0 / -inf) mask of the
-    query rows ``first .. end-1`` over the shifted copies of keys ``0 .. end-S-1``, then the plain copies of keys
-    ``first-S+1 .. end-1`` (model mask causal): row ``i`` reads shifted key ``j`` when ``i - j >= S`` and plain key
-    ``j`` when ``0 <= i - j < S``. Only three bands, each at most ``end - first`` columns wide, are blocked."""
-    n_shifted, near_lo = end - shift, first - shift + 1
-    mask.zero_()
-    rows = torch.arange(first, end, device=mask.device)[:, None]
-
-    def block_band(columns_from: int, keys: torch.Tensor, blocked: torch.Tensor) -> None:
-        mask[:, columns_from : columns_from + keys.numel()].masked_fill_(blocked, float("-inf"))
-
-    far_keys = torch.arange(near_lo, n_shifted, device=mask.device)  # shifted copies some rows must skip
-    block_band(near_lo, far_keys, far_keys[None, :] > rows - shift)
-    block_band(n_shifted, far_keys, far_keys[None, :] <= rows - shift)  # their plain copies, too far for the others
-    future_keys = torch.arange(first + 1, end, device=mask.device)  # causal part
-    block_band(n_shifted + first + 1 - near_lo, future_keys, future_keys[None, :] > rows)
-
-
 def _block_mask(
     attention_mask: torch.Tensor | None, buffer: torch.Tensor | None, offset: int, first: int, end: int, shift: int
 ) -> torch.Tensor | None:
     """The mask of the query block at cache indices ``first .. end-1`` over its keys (the shifted copies of keys
-    ``0 .. end-S-1``, then the plain copies of keys ``first-S+1 .. end-1``): each row reads one copy of each key.
+    ``0 .. end-S-1``, then the plain copies of keys ``first-S+1 .. end-1``): row ``i`` reads shifted key ``j`` when
+    ``i - j >= S`` and plain key ``j`` when ``0 <= i - j < S``.
 
-    Without the model's mask, causal: None for one query (decoding reads every key once), else written into the
-    reusable flat ``buffer``; with it (``[batch or 1, 1, T, L]``, ``offset`` the cache index of its row 0), that mask
-    restricted to the copy each row may read.
+    Without the model's mask, causal: None for one query (decoding reads every key once), else additive (0 / -inf),
+    written into the reusable flat ``buffer``; with it (``[batch or 1, 1, T, L]``, ``offset`` the cache index of its
+    row 0), that mask restricted to the copy each row may read.
     """
     n_shifted, near_lo = end - shift, first - shift + 1
     if attention_mask is None and end - first == 1:
         return None
-    if attention_mask is None:
+    if attention_mask is None:  # only three bands, each at most end - first columns wide, are blocked
         width = n_shifted + end - near_lo
-        mask = buffer[: (end - first) * width].view(end - first, width)
-        _fill_causal_string_mask(mask, first, end, shift)
+        mask = buffer[: (end - first) * width].view(end - first, width).zero_()
+        rows = torch.arange(first, end, device=mask.device)[:, None]
+
+        def block_band(columns_from: int, keys: torch.Tensor, blocked: torch.Tensor) -> None:
+            mask[:, columns_from : columns_from + keys.numel()].masked_fill_(blocked, float("-inf"))
+
+        far_keys = torch.arange(near_lo, n_shifted, device=mask.device)  # shifted copies some rows must skip
+        block_band(near_lo, far_keys, far_keys[None, :] > rows - shift)
+        block_band(n_shifted, far_keys, far_keys[None, :] <= rows - shift)  # their plain copies, too far for others
+        future_keys = torch.arange(first + 1, end, device=mask.device)  # causal part
+        block_band(n_shifted + first + 1 - near_lo, future_keys, future_keys[None, :] > rows)
         return mask
     device = attention_mask.device
     allowed = torch.cat(
