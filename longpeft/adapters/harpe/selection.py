@@ -105,21 +105,11 @@ def peak_valley_bases(
     window_fraction: float = DEFAULT_WINDOW_FRACTION,
     show_progress: bool = True,
 ) -> list[float]:
-    """HARPE's peak-valley search (the paper's Algorithm 1, as the module docstring defines it).
-
-    Args:
-        b_min, b_max: range of bases; ``b_min`` is always chosen.
-        n: number of bases (one per KV head).
-        stride: step of the candidate grid, in base units (e.g. 30_000).
-        head_dim: attention head size (sets the rotary frequencies).
-        target_length: longest distance (tokens) the model must handle; sets the distance range and
-            the peak/valley window.
-        window_fraction: peak/valley window half-width as a fraction of ``target_length``.
-        show_progress: tqdm bar over the candidates' waveforms.
-
-    Returns:
-        ``n`` bases in ascending order (head ``g`` gets the g-th smallest, as in the paper's Table 2).
-    """
+    """HARPE's peak-valley search (the paper's Algorithm 1, as the module docstring defines it): ``n`` bases, one per
+    KV head, from ``[b_min, b_max]`` on a grid of ``stride`` base units (``b_min`` always chosen), for heads of
+    ``head_dim`` and distances up to ``target_length`` tokens, with a peak/valley window half-width of
+    ``window_fraction * target_length`` (``show_progress``: a tqdm bar over the waveforms). Returns them ascending
+    (head ``g`` gets the g-th smallest, as in the paper's Table 2)."""
     _check_range(b_min, b_max, n)
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
@@ -135,9 +125,8 @@ def peak_valley_bases(
             f"fewer than the {n - 1} bases to add; lower the stride or widen the range"
         )
     all_bases = [float(b_min), *candidates]
-    extrema = []
-    for base in tqdm(all_bases, desc="HARPE waveforms", unit="base", disable=not show_progress):
-        extrema.append(peaks_and_valleys(waveform([base], head_dim, target_length)[0], radius))
+    waveforms = tqdm(all_bases, desc="HARPE waveforms", unit="base", disable=not show_progress)
+    extrema = [peaks_and_valleys(waveform([base], head_dim, target_length)[0], radius) for base in waveforms]
     chosen_peaks, chosen_valleys = extrema[0]
     if chosen_peaks.numel() == 0 or chosen_valleys.numel() == 0:
         raise ConfigError(
@@ -146,21 +135,17 @@ def peak_valley_bases(
         )
     chosen = [0]
     while len(chosen) < n:
-        best_index, best_score = None, math.inf
-        for index in range(1, len(all_bases)):
-            if index in chosen:
-                continue
-            peaks, valleys = extrema[index]
-            if peaks.numel() == 0 and valleys.numel() == 0:
-                continue  # a waveform without features cannot complement anything
-            score = _nearest_distance_sum(peaks, chosen_valleys) + _nearest_distance_sum(valleys, chosen_peaks)
-            if score < best_score:
-                best_index, best_score = index, score
-        if best_index is None:
+        scores = {  # a waveform without features cannot complement anything
+            index: _nearest_distance_sum(peaks, chosen_valleys) + _nearest_distance_sum(valleys, chosen_peaks)
+            for index, (peaks, valleys) in enumerate(extrema)
+            if index not in chosen and (peaks.numel() or valleys.numel())
+        }
+        if not scores:
             raise ConfigError(
                 f"only {len(chosen)} of the candidate waveforms have peaks or valleys within {target_length} tokens; "
                 "raise target_length, lower window_fraction or widen the base range"
             )
+        best_index = min(scores, key=scores.get)  # ties: the smaller base
         chosen.append(best_index)
         chosen_peaks = torch.cat((chosen_peaks, extrema[best_index][0]))
         chosen_valleys = torch.cat((chosen_valleys, extrema[best_index][1]))
