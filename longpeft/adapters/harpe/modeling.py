@@ -79,7 +79,6 @@ def head_rope_attention_forward(
         )
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-
     query_states = self.q_proj(hidden_states).view(hidden_shape)
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotation
@@ -87,16 +86,12 @@ def head_rope_attention_forward(
     query_states = rotate_per_head(query_states.transpose(1, 2), cos, sin)
     key_states = rotate_per_head(key_states.transpose(1, 2), cos, sin)
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-
     cache = pop_cache(kwargs)
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
 
-    attn_output, attn_weights = attention_kernel(
-        self, query_states, key_states, value_states, attention_mask, **kwargs
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    output, weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
+    return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
 def patch_head_rope(model: nn.Module, bases: Sequence[float]) -> None:
@@ -109,8 +104,7 @@ def patch_head_rope(model: nn.Module, bases: Sequence[float]) -> None:
             if isinstance(child, HeadRotaryEmbedding):
                 setattr(parent, name, HeadRotaryEmbedding(bases, child.head_dim, child.replaced))
             elif hasattr(child, "inv_freq") and hasattr(child, "rope_type"):
-                head_dim = child.inv_freq.numel() * 2
-                setattr(parent, name, HeadRotaryEmbedding(bases, head_dim, replaced=child))
+                setattr(parent, name, HeadRotaryEmbedding(bases, child.inv_freq.numel() * 2, replaced=child))
     for module in model.modules():
         if is_attention_module(module):
             module.forward = MethodType(head_rope_attention_forward, module)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ...family import attention_modules, is_attention_module
+from ...family import attention_modules
 from ...rope import rotary_modules
 from ...rope_parameters import rope_parameters_of
 from ..registry import check_applicable
@@ -67,11 +67,9 @@ def remove_head_bases(model: nn.Module) -> None:
                 if child.replaced is None:
                     raise ValueError("this per-head rotary module was built without the original one; cannot restore")
                 setattr(parent, name, child.replaced)
-    for module in model.modules():
-        if is_attention_module(module) and "forward" in module.__dict__:
-            del module.forward
-    for config in {
-        id(c): c for c in (_config_of(model), *(m.config for m in model.modules() if is_attention_module(m)))
-    }.values():
-        if hasattr(config, "head_rope_bases"):
+    attentions = attention_modules(model)
+    for module in attentions:
+        module.__dict__.pop("forward", None)  # the class's forward again
+    for config in (_config_of(model), *(module.config for module in attentions)):
+        if hasattr(config, "head_rope_bases"):  # (a config shared by several modules: once)
             del config.head_rope_bases

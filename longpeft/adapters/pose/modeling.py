@@ -102,24 +102,18 @@ class PoseCollator:
     ``completion_mask`` (1 = trained), else ``input_ids``. A feature with ``position_ids`` keeps them (truncated to
     the window). Padding gets label -100 and repeats the sample's last position.
 
-    Args:
-        target_length: the simulated context length ``L_t``.
-        pad_token_id: id used for padding.
-        n_chunks: PoSE chunks per sample.
-        max_length: training window ``L_c``: longer samples are truncated to it, or with a content skip give
-            ``L_c`` of their tokens (None: no truncation, no content skip).
-        seed: with each sample's tokens, seeds that sample's draw (as UtK's collator does), so a resumed run, or
-            another process, draws what an uninterrupted one would; a sample seen again in a later epoch gets the
-            same positions.
-        content_skip: ``none``, ``uniform`` or ``aligned`` (:func:`pose_sample`): which of a longer sample's tokens
-            fill the window. The first token after a skipped stretch of text gets label -100.
+    ``seed`` seeds each sample's draw together with its tokens (as UtK's collator does): a resumed run, or another
+    process, draws what an uninterrupted one would, and a sample seen again gets the same positions.
     """
 
-    target_length: int
+    target_length: int  # the simulated context length L_t
     pad_token_id: int
-    n_chunks: int = 2
+    n_chunks: int = 2  # PoSE chunks per sample
+    # the training window L_c: longer samples are truncated to it, or give L_c of their tokens with a content skip
+    # (None: no truncation, no content skip)
     max_length: int | None = None
     seed: int = 0
+    # which of a longer sample's tokens fill the window (:func:`pose_sample`)
     content_skip: Literal["none", "uniform", "aligned"] = "none"
 
     def __post_init__(self) -> None:
