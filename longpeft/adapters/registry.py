@@ -1,9 +1,8 @@
 """The method registry: the one table that recipes, launches, ``longpeft.load``, merge/export and model cards read.
 
-A method is a folder ``longpeft/adapters/<name>/`` whose ``__init__.py`` (no torch) holds a :class:`Method` subclass
-and ``METHOD``, registered by one :func:`register` line in ``longpeft/adapters/__init__.py`` (the folder's shape:
-CONTRIBUTING.md, "One shape for every method"). Other modules call the hooks and never name a method; what a method
-cannot run with is its ``conflicts``, refused by :func:`check_conflicts` and :func:`check_applicable`.
+A method is a folder ``longpeft/adapters/<name>/`` (CONTRIBUTING.md, "One shape for every method") and one
+:func:`register` line in ``longpeft/adapters/__init__.py``; other modules call its :class:`Method` hooks and never
+name it.
 """
 
 from __future__ import annotations
@@ -101,19 +100,15 @@ class Method:
 
     name: ClassVar[str]  # its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...)
     config: ClassVar[type[StrictModel]]  # the pydantic config class (in the method's ``config.py``)
-    # ``export`` writes a modeling file (an exported model needs ``trust_remote_code=True``)
-    remote_code: ClassVar[bool] = False
-    # changes no weight and training does not use it (STRING): recorded for ``longpeft.load``, left out of a merge
-    # when asked (``--without``)
+    remote_code: ClassVar[bool] = False  # ``export`` writes a modeling file (``trust_remote_code=True``)
+    # changes no weight, unused in training (STRING): recorded for ``longpeft.load``, a merge may leave it out
     inference_only: ClassVar[bool] = False
     # every model has it (RoPE): recipes and ``longpeft.json`` always carry its section, model cards do not tag it
     implied: ClassVar[bool] = False
     # ``{other: why}``: a method's name or a :data:`RUN_FEATURES` key it cannot run with; ``why`` says what breaks
     conflicts: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    # with weights of its own: what to change in its section when they are a large memory term
-    plan_lever: ClassVar[str] = ""
-    # why a request padded to a batch's length reads differently from the request alone ('': it does not); batched
-    # evaluations then take one request at a time
+    plan_lever: ClassVar[str] = ""  # with weights of its own: what to change when they are a large memory term
+    # why a request padded to a batch's length reads differently from the request alone ('': it does not)
     padded_batches: ClassVar[str] = ""
 
     # ---- its settings
@@ -139,8 +134,8 @@ class Method:
         return False
 
     def model_span(self, model: Any, length: int) -> tuple[int, int]:
-        """``(positions, keys)`` on a model the method is applied to: the positions an input of ``length`` tokens
-        occupies and the keys one query reads at most, for a method that bounds them (:func:`model_span`)."""
+        """``(positions, keys)``: the positions an input of ``length`` tokens occupies on a model the method is
+        applied to, and the keys one query reads at most (:func:`model_span`)."""
         return length, length
 
     def export(self, model: Any, folder: Path, config: Any) -> None:
@@ -173,8 +168,7 @@ class Method:
         return None
 
     def long_samples(self, config: Any, target_length: int | None) -> LongSamples | None:
-        """The samples longer than the training window its collator takes (``target_length``: the recipe's, or
-        None), or None."""
+        """The samples longer than the training window its collator takes (``target_length``: the recipe's)."""
         return None
 
     def training_span(self, config: Any, length: int, max_positions: int) -> int:
@@ -215,13 +209,8 @@ METHODS: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
-    """Add ``method`` to the registry (methods apply in registration order); returns it.
-
-    Raises:
-        ValueError: it lacks a ``name`` or ``config``, another method has its name, it gives only some of
-            :data:`MODEL_HOOKS` or :data:`WEIGHT_HOOKS` (or weights without ``plan_lever``, a ``model_span`` without
-            a model change), or a ``conflicts`` entry has no reason.
-    """
+    """Add ``method`` to the registry (methods apply in registration order) and return it; ValueError when it breaks
+    the contract (no ``name`` or ``config``, a taken name, a partial hook group, no ``plan_lever`` or reasons)."""
     name = getattr(method, "name", None)
     if not isinstance(name, str) or not isinstance(getattr(method, "config", None), type):
         raise ValueError(f"{method!r}: a Method subclass sets name (its section) and config (the section's class)")
@@ -331,8 +320,7 @@ def find_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -
 
 
 def check_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -> None:
-    """Refuse the first combination :func:`find_conflicts` finds, raising :class:`MethodConflict` (both sides, why,
-    and what to do)."""
+    """Refuse the first combination :func:`find_conflicts` finds (:class:`MethodConflict`)."""
     found = find_conflicts(names, run)
     if found:
         raise MethodConflict(str(found[0]))

@@ -28,11 +28,17 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     Raises ConfigError for a rope type without the keys it reads (transformers would fail on the first forward), keys
     the rope type does not read (transformers would ignore them), ``dynamic`` in a training run (it rescales only
     beyond ``max_position_embeddings``, at least the training length: the run would train plain RoPE), and a
-    ``rope_theta`` below the base model's own (:func:`check_rope_theta`).
+    ``rope_theta`` below the base model's own (a smaller base shortens every rotary wavelength; equal keeps it).
     """
     requested = config.rope_parameters()
-    if "rope_theta" in requested:
-        check_rope_theta(requested["rope_theta"], float(rope_parameters_of(context.base_config)["rope_theta"]))
+    base_theta = float(rope_parameters_of(context.base_config)["rope_theta"])
+    if requested.get("rope_theta", base_theta) < base_theta:
+        raise ConfigError(
+            f"rope.rope_theta={requested['rope_theta']:g} is below the base model's own RoPE base {base_theta:g}: a "
+            "smaller base shortens every rotary wavelength, so the model tells fewer positions apart instead of more; "
+            f"give a base above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to "
+            "keep the model's own"
+        )
     params = resolve_rope_parameters(context.base_config, requested)
     missing = [key for key in ROPE_TYPE_REQUIRED_KEYS[params["rope_type"]] if key not in params]
     if missing:
@@ -58,18 +64,6 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
         raise ConfigError(f"the base model's rope_parameters have keys longpeft does not know: {unknown}")
     max_positions = config.max_position_embeddings or context.base_config.max_position_embeddings
     return RopeConfig(**params, max_position_embeddings=max_positions)
-
-
-def check_rope_theta(theta: float, base_theta: float) -> None:
-    """Refuse (ConfigError) a recipe's ``rope.rope_theta`` below the base model's own ``base_theta``: a smaller base
-    shortens every rotary wavelength, so the model tells fewer positions apart. Equal keeps the model's own base."""
-    if theta < base_theta:
-        raise ConfigError(
-            f"rope.rope_theta={theta:g} is below the base model's own RoPE base {base_theta:g}: a smaller base "
-            "shortens every rotary wavelength, so the model tells fewer positions apart instead of more; give a base "
-            f"above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to keep the "
-            "model's own"
-        )
 
 
 class Rope(Method):

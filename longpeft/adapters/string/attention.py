@@ -245,21 +245,13 @@ def string_attention_sdpa(
     dropout: float = 0.0,
     block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """STRING attention on torch's scaled_dot_product_attention (exact).
+    """STRING attention on torch's scaled_dot_product_attention (exact), ``[batch, T, heads, head_dim]``.
 
-    Query rows with no key ``S`` or more positions away run as plain causal attention; the others in blocks of
-    ``block`` rows over the keys :func:`_block_mask` describes. Block keys, values and masks live in buffers reused
-    across blocks, so the extra memory is about one copy of the keys and values.
-
-    Args:
-        query: ``[batch, heads, T, head_dim]``, RoPE'd at the T newest positions.
-        key, value: ``[batch, kv_heads, L, head_dim]`` (L >= T; the queries are the last T keys).
-        attention_mask: None (causal), or ``[batch or 1, 1, T, L]`` bool (True = may attend) or additive float, as
-            transformers builds them for SDPA/eager.
-        shift, local_window: S and W; inv_freq: ``[head_dim // 2]``; scaling: softmax scale.
-
-    Returns:
-        ``[batch, T, heads, head_dim]``.
+    ``query`` ``[batch, heads, T, head_dim]`` is RoPE'd at the T newest positions, ``key`` and ``value`` are
+    ``[batch, kv_heads, L, head_dim]``; ``attention_mask`` is None (causal) or ``[batch or 1, 1, T, L]``, bool (True:
+    may attend) or additive, as transformers builds them; ``inv_freq``: ``[head_dim // 2]``. Rows with no far key run
+    as plain attention, the others in blocks of ``block`` rows (:func:`_block_mask`) whose keys, values and masks
+    live in buffers reused across blocks (about one copy of the keys and values more).
     """
     batch, heads, n_queries, head_dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
@@ -321,12 +313,8 @@ def string_attention_eager(
     training: bool = False,
     block: int = QUERY_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """STRING with explicit attention weights (the eager path; shapes as :func:`string_attention_sdpa`): the plain
-    scores of all pairs, with those of keys at distance ``>= S`` replaced by their shifted scores, then one softmax.
-
-    Returns:
-        ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``.
-    """
+    """STRING with explicit attention weights, ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``
+    (arguments as :func:`string_attention_sdpa`): the scores of keys at distance ``>= S`` shifted, one softmax."""
     n_queries, n_keys = query.shape[2], key.shape[2]
     offset, n_plain = _plain_rows(shift, n_queries, n_keys)
     groups = query.shape[1] // key.shape[1]
