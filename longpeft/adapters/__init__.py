@@ -44,11 +44,8 @@ register(beacon.METHOD)
 
 
 def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
-    """``(method, config)`` for every method recorded in ``spec``, in registry order.
-
-    Raises:
-        DataError: the spec names a method this longpeft does not know (a newer version's, or an unimported plug-in's).
-    """
+    """``(method, config)`` for every method recorded in ``spec``, in registry order; DataError for a method this
+    longpeft does not know (a newer version's, or an unimported plug-in's)."""
     unknown = sorted(set(spec.methods) - set(METHODS))
     if unknown:
         raise DataError(
@@ -60,10 +57,7 @@ def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
 
 def apply_spec(model: nn.Module, spec: ContextSpec, training: bool = False) -> None:
     """Give ``model`` every non-weight change recorded in ``spec``, in place; ``training`` leaves out the
-    ``inference_only`` methods (STRING), which ``longpeft.load`` switches on with the adapter.
-
-    Raises SpecMismatchError (``spec.check_base``) or MethodConflict before changing anything.
-    """
+    ``inference_only`` methods (STRING). Raises SpecMismatchError or MethodConflict before changing anything."""
     spec.check_base(model.config)
     methods = spec_methods(spec)
     check_conflicts(method.name for method, _ in methods)

@@ -291,12 +291,9 @@ def pair_conflict(name: str, other: str) -> str | None:
 
 
 def find_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -> list[Conflict]:
-    """Every refused combination among the methods ``names`` (a recipe's sections) and the ways a run trains.
-
-    ``run``: ``{feature: the setting that asks for it}``, features being :data:`RUN_FEATURES` keys (e.g.
-    ``{"sharded_weights": "--launch fsdp2"}``) or :data:`COLLATOR` for a data collator of the run's own
-    (``{"collator": "data.utk"}``), which clashes with every method that brings one.
-    """
+    """Every refused combination among the methods ``names`` and the ways a run trains, ``run``: ``{feature: the
+    setting asking for it}`` with :data:`RUN_FEATURES` keys (``{"sharded_weights": "--launch fsdp2"}``) or
+    :data:`COLLATOR` for the run's own data collator (``{"collator": "data.utk"}``)."""
     names, run = list(names), dict(run or {})
     unknown = sorted(set(run) - set(RUN_FEATURES) - {COLLATOR})
     if unknown:
@@ -363,11 +360,8 @@ def model_span(model: Any, length: int) -> ModelSpan:
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
-    """A method's config from a dict (``longpeft.json`` section) or as given.
-
-    Raises:
-        DataError: the section does not validate, naming ``methods.<name>`` and each bad field.
-    """
+    """A method's config from a dict (``longpeft.json`` section) or as given; DataError naming
+    ``methods.<name>`` and each bad field when it does not validate."""
     config_class = get_method(name).config
     if isinstance(data, config_class):
         return data
@@ -385,12 +379,8 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
 def gathered_tensors(
     model: nn.Module, parameters: dict[str, nn.Parameter], state_dict: dict[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` for ``parameters`` (``{name: parameter of model}``): their own data, or with a
-    gathered ``state_dict`` (keyed as ``model.state_dict()``) the tensors it holds for them.
-
-    Raises:
-        ValueError: a parameter has no whole tensor to save (sharded and absent from ``state_dict``).
-    """
+    """``{name: tensor}`` for ``parameters`` (``{name: parameter of model}``): their own data, or the tensors a
+    gathered ``state_dict`` (keyed as ``model.state_dict()``) holds for them; ValueError for a sharded one it lacks."""
     from torch.distributed.tensor import DTensor
 
     qualified = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}

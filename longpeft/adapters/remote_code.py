@@ -1,8 +1,6 @@
-"""The modeling file an export ships (HARPE, STRING, Activation Beacon), for plain transformers to load the saved
-folder with ``trust_remote_code=True`` where longpeft is not installed.
-
-A method's modeling modules import longpeft only between ``# longpeft-inline-begin`` and ``# longpeft-inline-end``
-markers; :func:`standalone_source` joins them into one file with those imports replaced by the helpers' source.
+"""The modeling file an export ships (HARPE, STRING, Activation Beacon) for ``trust_remote_code=True`` without
+longpeft: modules whose longpeft imports sit between ``# longpeft-inline-begin`` and ``# longpeft-inline-end``,
+joined into one file with those imports replaced by the helpers' source.
 """
 
 from __future__ import annotations
@@ -38,12 +36,8 @@ def standalone_source(docstring: str, modules: Sequence[ModuleType], helpers: Se
 def saved_config(
     save_dir: str | Path, classes_by_model_type: dict[str, tuple[str, str, str]], what: str
 ) -> tuple[Path, dict[str, Any], str]:
-    """``(config path, config.json content, base model_type)`` of a ``save_pretrained`` folder (an already exported
-    folder gives its base model_type back).
-
-    Raises:
-        FileNotFoundError: no config.json; ConfigError: a model_type the export does not know.
-    """
+    """``(config path, config.json content, base model_type)`` of a ``save_pretrained`` folder, exported or not;
+    FileNotFoundError without config.json, ConfigError for a model_type the export does not know."""
     config_path = Path(save_dir) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: call model.save_pretrained({str(save_dir)!r}) first")
@@ -67,15 +61,10 @@ def point_config_at_remote_code(
     source: str,
     settings: dict[str, Any],
 ) -> None:
-    """Write ``source`` (:func:`standalone_source`) as ``modeling_filename`` beside config.json, and set in
-    config.json the ``settings`` its classes read, the method's own ``model_type`` (loading without
-    ``trust_remote_code`` then fails instead of silently building the stock model), ``architectures`` and
-    ``auto_map``.
-
-    Args:
-        config_path, config, model_type: from :func:`saved_config`.
-        classes_by_model_type: base model_type -> (exported model_type, config class, causal-LM class).
-    """
+    """Write ``source`` as ``modeling_filename`` beside ``config_path`` (those three from :func:`saved_config`) and set
+    in config.json the ``settings`` its classes read, ``architectures``, ``auto_map`` and the method's own
+    ``model_type`` (loading without ``trust_remote_code`` then fails instead of silently building the stock model);
+    ``classes_by_model_type``: base model_type -> (exported model_type, config class, causal-LM class)."""
     (config_path.parent / modeling_filename).write_text(source)
     exported_type, config_class, model_class = classes_by_model_type[model_type]
     module = Path(modeling_filename).stem

@@ -1,7 +1,5 @@
-"""Per-head RoPE (HARPE) for the Llama, Mistral, Qwen2 and Qwen3 models of transformers.
-
-longpeft patches models with this file and ships it beside an exported HARPE model (its longpeft imports, between
-the ``longpeft-inline`` markers, replaced by their source), so both run the same code.
+"""Per-head RoPE (HARPE) for the Llama, Mistral, Qwen2 and Qwen3 models of transformers; longpeft patches models
+with this file and ships it beside an exported HARPE model.
 
 KV head ``g`` rotates its keys, and the queries of its group, with RoPE of base ``config.head_rope_bases[g]``
 (frequency ``j``: ``b_g ** (-2j / head_dim)``): a query and the key it scores must rotate alike for the score to
@@ -60,17 +58,9 @@ def head_rope_attention_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention forward of Llama/Mistral/Qwen2/Qwen3 (bound to each attention module), rotating with the
-    per-head ``position_embeddings`` ``(cos, sin)`` of :class:`HeadRotaryEmbedding`; Qwen3's q/k norms run before.
-
-    Args:
-        hidden_states: ``[batch, seq, hidden]``.
-        attention_mask, kwargs: as the model's attention receives them (the KV cache as ``cache`` or
-            ``past_key_values``).
-
-    Returns:
-        ``(output [batch, seq, hidden], attention weights or None)``.
-    """
+    """The attention forward of Llama/Mistral/Qwen2/Qwen3 (bound to each attention module) rotating with the
+    per-head ``position_embeddings`` of :class:`HeadRotaryEmbedding` (Qwen3's q/k norms before): ``hidden_states``
+    ``[batch, seq, hidden]`` -> ``(output [batch, seq, hidden], attention weights or None)``."""
     cos, sin = position_embeddings
     if cos.dim() != 4:
         raise RuntimeError(

@@ -37,11 +37,8 @@ def _check_range(b_min: float, b_max: float, n: int) -> None:
 
 
 def uniform_bases(b_min: float, b_max: float, n: int, descending: bool = False) -> list[float]:
-    """``n`` bases evenly spaced over ``[b_min, b_max]`` (the paper's Eq. 9).
-
-    ``b_h = b_min + h * (b_max - b_min) / (n - 1)`` for ``h = 0 .. n-1`` (``[b_min]`` when ``n == 1``),
-    in ascending head order, or descending when ``descending``.
-    """
+    """``n`` bases evenly spaced over ``[b_min, b_max]`` (Eq. 9: ``b_h = b_min + h * (b_max - b_min) / (n - 1)``;
+    ``[b_min]`` when ``n == 1``), in ascending head order, or descending when ``descending``."""
     _check_range(b_min, b_max, n)
     if n == 1:
         return [float(b_min)]
@@ -162,13 +159,8 @@ def select_bases(
     target_length: int | None = None,
     descending: bool = False,
 ) -> list[float]:
-    """One RoPE base per KV head by the named selection.
-
-    Args:
-        selection: ``"uniform"`` (Eq. 9; ``stride``, ``head_dim``, ``target_length`` unused) or
-            ``"peak_valley"`` (needs ``stride``, ``head_dim`` and ``target_length``).
-        descending: assign the bases to heads from the largest down (both selections).
-    """
+    """One RoPE base per KV head by ``selection``: ``"uniform"`` (Eq. 9) or ``"peak_valley"`` (which needs
+    ``stride``, ``head_dim`` and ``target_length``); ``descending`` gives the heads the bases from the largest down."""
     if selection == "uniform":
         return uniform_bases(b_min, b_max, n, descending=descending)
     if selection == "peak_valley":

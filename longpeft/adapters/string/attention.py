@@ -3,11 +3,7 @@
 Query ``i`` scores key ``j`` at distance ``d = i - j`` as RoPE does at ``d`` when ``d < S`` and at ``d - S + W`` when
 ``d >= S`` (paper Eq. 4; ``S``: the shift, ``W``: the local window). Only queries shift; the KV cache keeps its
 positions. RoPE rotations compose, so a key rotated ``S - W`` steps forward scores as at ``d - S + W``: STRING is
-exactly one softmax over ``[K ; K rotated by S - W]`` (``V`` duplicated), where each key is read once, plain or
-shifted. The SDPA and eager paths go by query blocks, each over only the keys it may read (a band of ``block`` keys
-in both copies); the flash-attn path is two kernel calls (a sliding window over distances ``0 .. S-1``, a causal call
-on the shifted keys) merged by log-sum-exp.
-
+exactly one softmax over ``[K ; K rotated by S - W]`` (``V`` duplicated), each key read once, plain or shifted.
 Unlike the authors' prefill, the key at distance exactly ``S`` is scored once (shifted). Their ~1.07 factor on
 cos/sin is ``cos_sin_scale`` (off by default): every attention logit times ``cos_sin_scale ** 2``.
 
@@ -197,14 +193,10 @@ def _unblock_empty_rows(mask: torch.Tensor) -> torch.Tensor:
 def _block_mask(
     attention_mask: torch.Tensor | None, buffer: torch.Tensor | None, offset: int, first: int, end: int, shift: int
 ) -> torch.Tensor | None:
-    """The mask of the query block at cache indices ``first .. end-1`` over its keys (the shifted copies of keys
-    ``0 .. end-S-1``, then the plain copies of keys ``first-S+1 .. end-1``): row ``i`` reads shifted key ``j`` when
-    ``i - j >= S`` and plain key ``j`` when ``0 <= i - j < S``.
-
-    Without the model's mask, causal: None for one query (decoding reads every key once), else additive (0 / -inf),
-    written into the reusable flat ``buffer``; with it (``[batch or 1, 1, T, L]``, ``offset`` the cache index of its
-    row 0), that mask restricted to the copy each row may read.
-    """
+    """The mask of the query rows ``first .. end-1`` (cache indices) over the shifted copies of keys ``0 .. end-S-1``
+    and the plain copies of keys ``first-S+1 .. end-1``: row ``i`` reads shifted key ``j`` when ``i - j >= S``, plain
+    key ``j`` when ``0 <= i - j < S``. Without ``attention_mask``: None for one query, else additive, written into the
+    flat ``buffer``; with it (``offset``: the cache index of its row 0), that mask restricted to those copies."""
     n_shifted, near_lo = end - shift, first - shift + 1
     if attention_mask is None and end - first == 1:
         return None
@@ -352,13 +344,9 @@ def string_attention_flash(
     dropout: float = 0.0,
     flash_fn: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
-    """STRING with two flash-attention calls merged by log-sum-exp (unpadded batches; shapes as
-    :func:`string_attention_sdpa`): every query over the keys at distances ``0 .. S-1`` (causal sliding window
-    ``(S-1, 0)``), and the queries with ``i >= S`` over the shifted keys ``j <= i - S`` (causal, bottom-right aligned
-    as flash-attn >= 2.1 does when query and key lengths differ).
-
-    ``flash_fn``: ``flash_attn.flash_attn_func`` (imported when None), or a reference of the same signature (tests).
-    """
+    """STRING on unpadded batches (shapes as :func:`string_attention_sdpa`), two calls of ``flash_fn`` (flash-attn's
+    ``flash_attn_func`` when None) merged by log-sum-exp: every query over distances ``0 .. S-1`` (sliding window),
+    the queries ``i >= S`` over the shifted keys ``j <= i - S`` (causal, bottom-right aligned as flash-attn >= 2.1)."""
     if flash_fn is None:
         try:  # (in a try: transformers then does not require flash-attn to load an exported modeling file)
             from flash_attn import flash_attn_func as flash_fn

@@ -21,23 +21,13 @@ def enable_string(
     trained_length: int | None = None,
     cos_sin_scale: float | None = None,
 ) -> dict[str, Any]:
-    """Switch STRING on, in place (calling it again replaces the settings).
+    """Switch STRING on ``model`` (a Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with eager, SDPA or
+    flash-attention attention), in place, replacing earlier settings; returns them as :func:`string_settings` does.
 
-    Args:
-        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with eager, SDPA or
-            flash-attention attention.
-        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``. Default ``trained_length // 3``.
-        local_window: W; must be ``<= shift``.
-        trained_length: L, the length the model was trained at; default: :func:`recorded_trained_length`, else
-            ``config.max_position_embeddings``.
-        cos_sin_scale: a factor on the cos/sin of queries and keys (the authors' ~1.07), so every attention logit
-            times its square; None: off.
-
-    Returns:
-        The active settings as a dict (as :func:`string_settings`).
-
-    Raises:
-        MethodConflict: a method STRING cannot run with is on (its registry ``conflicts``).
+    Keys at distance ``d >= shift`` (default ``trained_length // 3``) score as at ``d - shift + local_window``
+    (``local_window <= shift``). ``trained_length`` (L) defaults to :func:`recorded_trained_length`, else
+    ``max_position_embeddings``. ``cos_sin_scale`` (the authors' ~1.07; None: off) multiplies the cos/sin of queries
+    and keys, so every attention logit by its square. MethodConflict when a method STRING cannot run with is on.
     """
     config = causal_lm_of(model).config
     if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
