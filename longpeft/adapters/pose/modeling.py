@@ -55,11 +55,7 @@ def pose_position_ids(
     """PoSE position ids, int64 ``(length,)`` with non-decreasing jumps between chunks and max ``<= L_t - 1``, for a
     sample of ``length`` tokens (``L_c``) simulating ``target_length`` (``L_t >= L_c``) with ``n_chunks`` chunks (at
     most ``length``; 1: plain positions); ``rng``: a numpy Generator or a seed."""
-    if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the sample length ({length})")
-    rng = np.random.default_rng(rng)  # a Generator is returned as it is
-    chunk = _chunk_of_token(length, n_chunks, rng)
-    return np.arange(length, dtype=np.int64) + _skips(n_chunks, target_length - length, rng)[chunk]
+    return pose_sample(length, length, target_length, n_chunks, "none", rng)[1]
 
 
 def pose_sample(
@@ -74,24 +70,23 @@ def pose_sample(
     position_ids)``, int64 ``(L_c,)`` with ``L_c = min(window, L_x)``, both increasing, by 1 inside a chunk.
 
     ``target_length``: ``L_t``, at least ``L_c``; ``n_chunks``: at most ``L_c``; ``content_skip``: ``none``,
-    ``uniform`` or ``aligned`` (the module docstring); ``rng``: a numpy Generator or a seed (``none`` draws what
-    :func:`pose_position_ids` draws).
+    ``uniform`` or ``aligned`` (the module docstring); ``rng``: a numpy Generator or a seed.
     """
     length = min(window, source_length)
-    if content_skip == "none":
-        return np.arange(length, dtype=np.int64), pose_position_ids(length, target_length, n_chunks, rng)
     if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the window ({length})")
-    rng = np.random.default_rng(rng)
+        raise ValueError(f"target_length ({target_length}) must be >= the trained length ({length})")
+    if content_skip not in ("none", "uniform", "aligned"):
+        raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
+    rng = np.random.default_rng(rng)  # a Generator is returned as it is
     chunk = _chunk_of_token(length, n_chunks, rng)
     steps = np.arange(length, dtype=np.int64)
-    if content_skip == "aligned":
+    if content_skip == "aligned":  # the tokens at their position ids
         index = steps + _skips(n_chunks, min(source_length, target_length) - length, rng)[chunk]
         return index, index.copy()
+    positions = steps + _skips(n_chunks, target_length - length, rng)[chunk]
     if content_skip == "uniform":
-        positions = steps + _skips(n_chunks, target_length - length, rng)[chunk]
-        return steps + _skips(n_chunks, source_length - length, rng)[chunk], positions
-    raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
+        steps = steps + _skips(n_chunks, source_length - length, rng)[chunk]
+    return steps, positions
 
 
 @dataclass
