@@ -31,20 +31,11 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
         return config.model_copy(update={"bases": check_head_bases(base, config.bases)})
     from .selection import select_bases  # the peak-valley search computes RoPE waveforms in torch
 
+    settings = config.model_dump(exclude={"bases"})  # selection, b_min, b_max, stride, descending
     bases = select_bases(
-        config.selection,
-        config.b_min,
-        config.b_max,
-        n=num_kv_heads(base),
-        stride=config.stride,
-        head_dim=head_dim_of(base),
-        target_length=context.target_length,
-        descending=config.descending,
+        **settings, n=num_kv_heads(base), head_dim=head_dim_of(base), target_length=context.target_length
     )
     return config.model_copy(update={"bases": bases})
-
-
-ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoPE base per head)"
 
 
 class Harpe(Method):
@@ -54,7 +45,8 @@ class Harpe(Method):
     config = HarpeConfig
     remote_code = True
     conflicts = {
-        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "liger_kernels": "its attention forward rotates queries and keys itself (one RoPE base per head), where "
+        "Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that rotates with HARPE's per-head bases, which would "
         "silently not apply",
     }

@@ -26,9 +26,6 @@ TORCH_NAMES = {
 __getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
-ROTATES_ITSELF = "its attention forward rotates queries and keys itself (shifted positions for far keys)"
-
-
 class String(Method):
     """STRING in the registry: on a built model at inference only, bounding the positions an input spans."""
 
@@ -40,7 +37,8 @@ class String(Method):
         "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
         "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon "
         "keys whose positions are not their cache indices (STRING reads distances off those)",
-        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "liger_kernels": "its attention forward rotates queries and keys itself (shifted positions for far keys), "
+        "where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that STRING patches, which would silently not apply",
     }
 
