@@ -1,20 +1,14 @@
-"""PoSE's training inputs: skip-wise position ids, the window a sample trains with, and the collator (the trained
-model runs with plain positions).
+"""PoSE's training inputs: skip-wise position ids, the window a sample trains with, and the collator.
 
-A window of ``L_c`` tokens is cut at random into ``N`` chunks (default 2), contiguous positions inside each; chunk
-``i`` is shifted by a skip ``u_i`` drawn uniformly from ``{u_(i-1), ..., L_t - L_c}`` (``u_0 = 0``), so skips never
-decrease, chunks never overlap and the largest position is at most ``L_t - 1``. (The authors' code caps the first
-chunk at half the window; here the cut is uniform.)
+A window of ``L_c`` tokens is cut at random into ``N`` chunks, contiguous positions inside each; chunk ``i`` is
+shifted by a skip ``u_i`` drawn uniformly from ``{u_(i-1), ..., L_t - L_c}`` (``u_0 = 0``): skips never decrease and
+the largest position is at most ``L_t - 1`` (the authors' code caps the first chunk at half the window; here the cut
+is uniform). Chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a sample ``x`` of ``L_x`` tokens (``st_i``,
+``l_i``: its start and length in the window; Eq. 5): ``v_i = 0`` (``content_skip`` ``none``), ``v_i`` drawn from
+``{v_(i-1), ..., L_x - L_c}`` (``uniform``) or ``v_i = u_i`` (``aligned``, skips at most ``min(L_x, L_t) - L_c``).
 
-Chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a sample ``x`` of ``L_x`` tokens (``st_i``, ``l_i``: its
-start and length in the window; the paper's Eq. 5), by ``content_skip``: ``none`` (``v_i = 0``: the first ``L_c``
-tokens, the only choice for conversations), ``uniform`` (``v_i`` drawn from ``{v_(i-1), ..., L_x - L_c}``, the
-paper's main setting) or ``aligned`` (``v_i = u_i``: position ids are real positions, skips at most
-``min(L_x, L_t) - L_c``). The first token after a skipped stretch of text is not scored.
-
-:class:`PoseCollator` always returns an explicit all-ones ``attention_mask`` (right padding): without one,
-transformers reads a jump in ``position_ids`` as a new packed sequence and cuts attention between chunks. TRL's
-collator drops ``position_ids``, hence a collator of PoSE's own.
+:class:`PoseCollator` always returns an all-ones ``attention_mask`` (right padding): without one, transformers reads
+a jump in ``position_ids`` as a new packed sequence. TRL's collator drops ``position_ids``, hence PoSE's own.
 """
 
 from __future__ import annotations
