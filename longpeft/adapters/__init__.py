@@ -1,6 +1,5 @@
 """Context-extension methods, one folder each, in one registry (:mod:`.registry`), and what runs them all on a
-model: :func:`apply_spec` gives a built model every non-weight change of a ``longpeft.json``, in registry order.
-"""
+model: :func:`apply_spec` gives a built model every non-weight change of a ``longpeft.json``, in registry order."""
 
 from __future__ import annotations
 

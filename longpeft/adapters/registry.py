@@ -70,8 +70,7 @@ class CollatorContext:
 
 @dataclass(frozen=True)
 class LongSamples:
-    """Samples longer than the training window that a method's collator takes, drawing the window from each (plain
-    text only: a conversation would lose the context its answers need)."""
+    """Samples longer than the training window a method's collator takes, drawing the window from each (plain text)."""
 
     tokens: int  # the most tokens a sample keeps on its way to the collator
     limit: str  # the setting that bounds ``tokens``, as ``key=value (why)``, for messages
@@ -139,8 +138,7 @@ class Method:
         return length, length
 
     def export(self, model: Any, folder: Path, config: Any) -> None:
-        """Write what a merged or full model saved to ``folder`` needs besides its weights (``remote_code``: a
-        modeling file)."""
+        """Write what a merged or full model saved to ``folder`` needs besides its weights (a modeling file, ...)."""
 
     # ---- weights it keeps outside peft's adapter file, trained beside LoRA while the base stays frozen (Activation
     # Beacon's): all four, with ``plan_lever``, or none
@@ -157,8 +155,7 @@ class Method:
         """Load them from ``folder`` onto a model the method is applied to."""
 
     def planned_weights(self, config: Any, shape: Any) -> tuple[int, int]:
-        """``(trainable, frozen)`` parameter counts of these float32 weights on a base of ``shape`` (a
-        :class:`longpeft.scale.plan.ModelShape`), for ``longpeft plan``."""
+        """``(trainable, frozen)`` float32 parameter counts of them on a base of ``shape`` (``plan.ModelShape``)."""
         return 0, 0
 
     # ---- what it changes in a training run besides the model
@@ -172,8 +169,7 @@ class Method:
         return None
 
     def training_span(self, config: Any, length: int, max_positions: int) -> int:
-        """The positions a training input of ``length`` tokens occupies, for a method that sets them; a recipe's are
-        the least its methods set (``length`` when none does)."""
+        """The positions a training input of ``length`` tokens occupies (a recipe's: the least its methods set)."""
         return length
 
     def training_labels(self, config: Any, labels: torch.Tensor) -> torch.Tensor:
@@ -271,7 +267,7 @@ class MethodConflict(ConfigError):
 @dataclass(frozen=True)
 class Conflict:
     """One refused combination: ``first`` and ``second`` (methods, or a setting and a method), why, and the fix;
-    ``feature``: the :data:`RUN_FEATURES` key the method cannot run under, or None for a pair of methods."""
+    ``feature``: the :data:`RUN_FEATURES` key it is about, or None for two methods."""
 
     first: str
     second: str

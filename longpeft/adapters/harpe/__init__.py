@@ -1,8 +1,6 @@
 """HARPE: one RoPE base per key/value head ("Breaking the Stage Barrier", Lian et al.), the query heads of a group
-using their KV head's. The bases are chosen when the adapter is created (:class:`HarpeConfig`, :func:`resolve`),
-applied to the model (``apply_head_bases``) and recorded in ``longpeft.json``; the model trains at the target length
-in one stage, and a merged model ships a modeling file (``write_remote_code``).
-"""
+using their KV head's. The bases are chosen when the adapter is created (:func:`resolve`), applied to the model
+(``apply_head_bases``) and recorded in ``longpeft.json``; the model trains at the target length in one stage."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Export a merged HARPE model so plain transformers loads it (``trust_remote_code``) without longpeft: its own
-model_type (``harpe_llama``, ...), so loading it without ``trust_remote_code`` fails instead of ignoring the bases.
-"""
+model_type (``harpe_llama``, ...), so loading it without ``trust_remote_code`` fails instead of ignoring the bases."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""PoSE (positional skip-wise training): position ids that make a short window look like a long one.
-
-The ``pose`` section is :class:`PoseConfig` (:mod:`.config`, with what it implies for a run); PoSE changes only the
-position ids seen in training, through its collator (:mod:`.modeling`), so the method has no ``apply``/``remove``.
-"""
+"""PoSE (positional skip-wise training): position ids that make a short window look like a long one. It changes
+only the position ids seen in training, through its collator (:mod:`.modeling`): no ``apply``/``remove``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """STRING (An et al., 2024): training-free shifted query positions for far keys at inference.
 
-``enable_string(model)`` / ``disable_string(model)`` switch it on a built model (the settings show in
-``print(model)``); a ``string`` section (:class:`StringConfig`) switches it on when an adapter is loaded. The
-attention is :mod:`.attention`; :mod:`.export` ships it beside a merged model (``trust_remote_code=True``).
-"""
+``enable_string(model)`` / ``disable_string(model)`` switch it on a built model (its settings show in
+``print(model)``); a ``string`` section (:class:`StringConfig`) switches it on when an adapter is loaded."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Export a merged model that uses STRING so plain transformers loads it with STRING on (``trust_remote_code``):
-``modeling_string.py`` (:mod:`.attention` and :mod:`.remote_classes`, the longpeft helpers they use inlined) beside
-the weights, and the settings as config.json's ``string``.
-"""
+``modeling_string.py`` beside the weights, the settings as config.json's ``string``."""
 
 from __future__ import annotations
 

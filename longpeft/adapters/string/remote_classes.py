@@ -1,6 +1,5 @@
 """Causal LM classes of an exported STRING model (the end of ``modeling_string.py``): the stock architecture
-(``StringLlamaForCausalLM``, ..., model_type ``string_llama``, ...) with STRING switched on from ``config.string``.
-"""
+(``StringLlamaForCausalLM``, ..., model_type ``string_llama``, ...) with STRING switched on from ``config.string``."""
 
 from __future__ import annotations
 
