@@ -2,8 +2,7 @@
 
 A method is a folder ``longpeft/adapters/<name>/`` (CONTRIBUTING.md, "One shape for every method") and one
 :func:`register` line in ``longpeft/adapters/__init__.py``; other modules call its :class:`Method` hooks and never
-name it.
-"""
+name it."""
 
 from __future__ import annotations
 
@@ -320,8 +319,7 @@ def check_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) 
 
 
 def check_applicable(model: Any, name: str) -> None:
-    """Refuse switching method ``name`` on over a method it cannot run with (their declared conflict), raising
-    :class:`MethodConflict` naming the method that is on, why, and what to do."""
+    """Refuse (:class:`MethodConflict`) switching method ``name`` on over a method it cannot run with."""
     for other in applied_methods(model):
         why = other.name != name and pair_conflict(name, other.name)
         if why:
@@ -344,8 +342,7 @@ class ModelSpan:
 
 
 def model_span(model: Any, length: int) -> ModelSpan:
-    """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
-    methods' ``model_span`` hooks)."""
+    """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (its applied methods' least bounds)."""
     bounding = [m for m in METHODS.values() if m.overrides("model_span") and m.is_applied(model)]
     spans = {m.name: m.model_span(model, length) for m in bounding}
     return ModelSpan(
@@ -356,8 +353,7 @@ def model_span(model: Any, length: int) -> ModelSpan:
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
-    """A method's config from a dict (``longpeft.json`` section) or as given; DataError naming
-    ``methods.<name>`` and each bad field when it does not validate."""
+    """A method's config from a ``longpeft.json`` section, or as given; DataError naming each bad field."""
     config_class = get_method(name).config
     if isinstance(data, config_class):
         return data

@@ -1,7 +1,6 @@
 """The modeling file an export ships (HARPE, STRING, Activation Beacon) for ``trust_remote_code=True`` without
 longpeft: modules whose longpeft imports sit between ``# longpeft-inline-begin`` and ``# longpeft-inline-end``,
-joined into one file with those imports replaced by the helpers' source.
-"""
+joined into one file with those imports replaced by the helpers' source."""
 
 from __future__ import annotations
 

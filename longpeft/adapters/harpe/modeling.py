@@ -2,11 +2,9 @@
 with this file and ships it beside an exported HARPE model.
 
 KV head ``g`` rotates its keys, and the queries of its group, with RoPE of base ``config.head_rope_bases[g]``
-(frequency ``j``: ``b_g ** (-2j / head_dim)``): a query and the key it scores must rotate alike for the score to
-depend on the relative position only. The model's rotary module becomes a :class:`HeadRotaryEmbedding` (cos/sin
-with a KV-head axis) and every attention forward :func:`head_rope_attention_forward`; projections, Qwen3's q/k norms,
-the KV cache and the attention kernel are the model's own.
-"""
+(frequency ``j``: ``b_g ** (-2j / head_dim)``). The model's rotary module becomes a :class:`HeadRotaryEmbedding`
+(cos/sin with a KV-head axis) and every attention forward :func:`head_rope_attention_forward`; projections, Qwen3's
+q/k norms, the KV cache and the attention kernel are the model's own."""
 
 from __future__ import annotations
 

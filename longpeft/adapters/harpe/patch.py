@@ -51,14 +51,12 @@ def has_head_bases(model: nn.Module) -> bool:
 
 
 def is_harpe_on(model: nn.Module) -> bool:
-    """Whether ``model`` rotates with one base per head: patched by :func:`apply_head_bases`, or an exported HARPE
-    model (``config.head_rope_bases``)."""
+    """Whether ``model`` rotates with one base per head (:func:`apply_head_bases`, or an exported HARPE model)."""
     return has_head_bases(model) or bool(getattr(_config_of(model), "head_rope_bases", None))
 
 
 def remove_head_bases(model: nn.Module) -> None:
-    """Undo :func:`apply_head_bases`: restore the original rotary modules and attention forwards; ValueError when
-    the model has no per-head RoPE."""
+    """Undo :func:`apply_head_bases` exactly; ValueError when the model has no per-head RoPE."""
     if not has_head_bases(model):
         raise ValueError(f"{type(model).__name__} has no HARPE per-head RoPE to remove")
     for parent in list(model.modules()):

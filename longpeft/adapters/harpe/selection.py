@@ -56,8 +56,7 @@ def candidate_grid(b_min: float, b_max: float, stride: float) -> list[float]:
 
 
 def waveform(bases: list[float], head_dim: int, target_length: int) -> torch.Tensor:
-    """``f_b(m) = sum_j cos(m * theta_j)`` for each base and ``m = 0 .. target_length - 1``: float64 ``[len(bases),
-    target_length]``."""
+    """``f_b(m)`` for each base and ``m = 0 .. target_length - 1``: float64 ``[len(bases), target_length]``."""
     theta = per_head_inv_freq(bases, head_dim).double()  # [N, D/2], the model's float32 frequencies
     distances = torch.arange(target_length, dtype=torch.float64)
     return torch.stack([torch.cos(distances[:, None] * row[None, :]).sum(dim=1) for row in theta])

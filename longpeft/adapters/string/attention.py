@@ -70,9 +70,8 @@ class StringSettings:
 
 
 class _StringConfigView:
-    """An attention module's config while STRING is on: reads and writes go to the model's config, except
-    ``_attn_implementation`` (the STRING function; the real one is ``base_attn_implementation``). The model keeps its
-    config, so masks are built for the real implementation."""
+    """An attention module's config while STRING is on: the model's (which the model keeps, so masks are built for
+    the real implementation), but ``_attn_implementation`` is STRING's (the real one: ``base_attn_implementation``)."""
 
     def __init__(self, config: Any, settings: StringSettings, rotary_owner: nn.Module, rotary_name: str):
         vars(self).update(_base=config, string_settings=settings, _rotary_owner=rotary_owner, _rotary_name=rotary_name)
@@ -310,8 +309,7 @@ def string_attention_eager(
     n_queries, n_keys = query.shape[2], key.shape[2]
     offset, n_plain = _plain_rows(shift, n_queries, n_keys)
     groups = query.shape[1] // key.shape[1]
-    key_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    value_rep = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    key_rep, value_rep = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (key, value))
     scores = torch.matmul(query, key_rep.transpose(2, 3)) * scaling
     if n_plain < n_queries:
         shifted_key = rotate_keys_forward(key_rep[:, :, : n_keys - shift], shift - local_window, inv_freq)

@@ -42,9 +42,8 @@ def enable_string(
 
 
 def recorded_trained_length(model: nn.Module) -> int | None:
-    """The ``trained_length`` of ``model``'s longpeft.json: the spec ``longpeft.load`` applied
-    (``model.longpeft_spec``), else the one in the folder the model was loaded from (a merged model's); None when
-    there is neither, or it records none."""
+    """The ``trained_length`` of the longpeft.json ``longpeft.load`` applied (``model.longpeft_spec``), else of the
+    one in the folder the model was loaded from (a merged model's); None without one, or when it records none."""
     spec = getattr(model, "longpeft_spec", None)
     if spec is None:
         source = getattr(causal_lm_of(model).config, "name_or_path", None)
