@@ -1,4 +1,5 @@
-"""STRING: shifted rotary positions at inference (An et al., 2024), switched on and off on a built model.
+"""STRING: shifted rotary positions at inference (An et al., 2024), switched on and off on a built model; the
+causal LM classes of an exported model at the end (this file is ``modeling_string.py``'s).
 
 Query ``i`` scores key ``j`` at distance ``d = i - j`` as RoPE does at ``d`` when ``d < S`` and at ``d - S + W`` when
 ``d >= S`` (paper Eq. 4; ``S``: the shift, ``W``: the local window). Only queries shift; the KV cache keeps its
@@ -25,7 +26,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 # longpeft-inline-begin
-from ...family import attention_modules, causal_lm_of, kernel_interface, pop_cache
+from ...family import attention_modules, causal_lm_of, define_export_classes, kernel_interface, pop_cache
 from ...rope import apply_rotary, rotary_modules
 
 # longpeft-inline-end
@@ -436,3 +437,21 @@ def string_attention_forward(
     elif implementation != "sdpa":
         raise ValueError(f"STRING supports eager, sdpa and flash_attention_2 attention, not {implementation!r}")
     return string_attention_sdpa(query, key, value, attention_mask, *args, dropout=dropout), None
+
+
+# ---- the causal LM classes of an exported model (``StringLlamaForCausalLM``, ..., model_type ``string_llama``, ...)
+
+
+class _StringCausalLM:
+    """STRING at inference (``config.string``)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        settings = getattr(config, "string", None)
+        if not settings:
+            raise ValueError("config.json has no string settings: this is not a STRING model")
+        install_string(self, StringSettings(**settings))
+
+
+# Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map.
+EXPORT_CLASSES_BY_MODEL_TYPE = define_export_classes(globals(), "string", _StringCausalLM)

@@ -7,12 +7,11 @@ from pathlib import Path
 
 from ... import family, rope
 from ..remote_code import point_config_at_remote_code, saved_config, standalone_source
-from . import attention, remote_classes
-from .attention import StringSettings
-from .remote_classes import EXPORT_CLASSES_BY_MODEL_TYPE
+from . import attention
+from .attention import EXPORT_CLASSES_BY_MODEL_TYPE, StringSettings
 
 MODELING_FILENAME = "modeling_string.py"
-# What the modeling file inlines (the marked imports of attention.py and remote_classes.py, and what they call).
+# What the modeling file inlines (the marked imports of attention.py, and what they call).
 INLINED_HELPERS = (rope.rotate_half, rope.apply_rotary, rope.rotary_modules, family.is_attention_module)
 INLINED_HELPERS += (family.attention_modules, family.causal_lm_of, family.pop_cache, family.kernel_interface)
 INLINED_HELPERS += (family.define_export_classes,)
@@ -28,7 +27,7 @@ def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
         "STRING (shifted positions at inference), written by longpeft for an exported model "
         "(needs only torch and transformers)."
     )
-    source = standalone_source(docstring, (attention, remote_classes), INLINED_HELPERS)
+    source = standalone_source(docstring, [attention], INLINED_HELPERS)
     entries = {"string": settings.as_dict()}
     point_config_at_remote_code(
         config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME, source, entries
