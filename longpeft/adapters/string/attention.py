@@ -15,7 +15,6 @@ padding keeps this true) and one RoPE base for all heads (not HARPE's).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -373,9 +372,13 @@ def string_attention_flash(
     return torch.cat((near_out[:, :n_plain], merged.to(near_out.dtype)), dim=1)
 
 
-@functools.cache
+_WARNED: set[str] = set()
+
+
 def _warn_once(message: str) -> None:
-    logger.warning(message)
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning(message)
 
 
 def _flash_available(query: torch.Tensor) -> bool:
