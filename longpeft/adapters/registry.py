@@ -77,8 +77,7 @@ class LongSamples:
     off: str  # the setting that turns it off, as ``key: value``
 
 
-# The ways of training a method may be unable to run under, each with what to do instead. A method's ``conflicts``
-# names them (besides other methods); a check passes the ones a run uses, with the setting that asks for each.
+# The ways of training a method may be unable to run under (its ``conflicts`` keys), each with what to do instead.
 RUN_FEATURES = {
     "sharded_weights": "use --launch ddp",  # FSDP2, DeepSpeed ZeRO-3: every layer's weights gathered collectively
     "split_sequences": "use --launch ddp",  # Ulysses (--launch ulysses), context parallelism (accelerate cp_size > 1)
@@ -139,8 +138,7 @@ class Method:
     def export(self, model: Any, folder: Path, config: Any) -> None:
         """Write what a merged or full model saved to ``folder`` needs besides its weights (a modeling file, ...)."""
 
-    # ---- weights it keeps outside peft's adapter file, trained beside LoRA while the base stays frozen (Activation
-    # Beacon's): all four, with ``plan_lever``, or none
+    # ---- weights it keeps outside peft's adapter file (Activation Beacon's): all four, with ``plan_lever``, or none
 
     def weight_parameters(self, model: Any) -> dict[str, Any]:
         """``{name: Parameter}``, the trainable ones on a model the method is applied to."""

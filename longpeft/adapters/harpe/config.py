@@ -14,9 +14,8 @@ from ...family import check_supported, head_dim_of, num_kv_heads
 
 
 class HarpeConfig(StrictModel):
-    """The ``harpe`` section: ``selection`` is ``peak_valley`` (the paper's greedy search on a ``stride`` grid) or
-    ``uniform`` (evenly spaced in [b_min, b_max], ascending or ``descending`` over the heads); ``bases`` is filled
-    when the adapter is created (given in a recipe, it skips the selection)."""
+    """The ``harpe`` section: the ``selection`` of bases in [b_min, b_max] (``peak_valley`` on a ``stride`` grid, or
+    ``uniform``), or the ``bases`` themselves (filled when the adapter is created)."""
 
     selection: Literal["peak_valley", "uniform"] = "peak_valley"
     b_min: float | None = Field(default=None, gt=1, lt=1e30)

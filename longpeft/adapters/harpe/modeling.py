@@ -22,9 +22,8 @@ from ...rope import cos_sin, per_head_inv_freq, rotate_per_head
 
 
 class HeadRotaryEmbedding(nn.Module):
-    """Rotary embedding with one RoPE base per KV head (``bases``), for heads of ``head_dim`` (even); ``replaced``:
-    the rotary module it replaces, kept unregistered for restoring. It holds no buffer (frequencies computed on the
-    CPU, cached per device), so a model built on the meta device (``from_pretrained``) gets correct values."""
+    """Rotary embedding with one RoPE base per KV head, keeping the module it ``replaced`` (unregistered). No buffer:
+    frequencies computed on the CPU and cached per device are right on a model built on the meta device too."""
 
     def __init__(self, bases: Sequence[float], head_dim: int, replaced: nn.Module | None = None) -> None:
         super().__init__()
@@ -83,9 +82,8 @@ def head_rope_attention_forward(
 
 
 def patch_head_rope(model: nn.Module, bases: Sequence[float]) -> None:
-    """Give a built model one RoPE base per KV head, in place, unchecked (``apply_head_bases`` checks): every rotary
-    module (or earlier :class:`HeadRotaryEmbedding`) replaced, every attention forward bound to
-    :func:`head_rope_attention_forward`, the bases recorded as ``config.head_rope_bases``."""
+    """Give a built model one RoPE base per KV head, in place, unchecked (``apply_head_bases`` checks); the bases are
+    recorded as ``config.head_rope_bases``."""
     bases = [float(b) for b in bases]
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

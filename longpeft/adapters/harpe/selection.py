@@ -23,7 +23,6 @@ from tqdm.auto import tqdm
 from ...errors import ConfigError
 from ...rope import per_head_inv_freq
 
-SELECTIONS = ("uniform", "peak_valley")
 DEFAULT_WINDOW_FRACTION = 1 / 64
 
 
@@ -169,4 +168,4 @@ def select_bases(
             raise ValueError(f"selection 'peak_valley' needs {missing}")
         bases = peak_valley_bases(b_min, b_max, n, stride, head_dim, target_length)
         return bases[::-1] if descending else bases
-    raise ValueError(f"unknown HARPE base selection {selection!r}; choose one of {SELECTIONS}")
+    raise ValueError(f"unknown HARPE base selection {selection!r}; choose one of ('uniform', 'peak_valley')")

@@ -33,8 +33,7 @@ from ...rope import apply_rotary, rotary_modules
 logger = logging.getLogger(__name__)
 
 STRING_ATTENTION = "longpeft_string"
-# Queries per block in the SDPA/eager paths: the duplicated band is this wide (extra work about
-# 3 * QUERY_BLOCK / seq_len of the attention); smaller blocks mean more kernel calls.
+# Queries per block (SDPA, eager): the band read twice is this wide, about 3 * QUERY_BLOCK / seq_len extra work.
 QUERY_BLOCK = 128
 
 
@@ -342,9 +341,8 @@ def string_attention_flash(
     dropout: float = 0.0,
     flash_fn: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
-    """STRING on unpadded batches (shapes as :func:`string_attention_sdpa`), two calls of ``flash_fn`` (flash-attn's
-    ``flash_attn_func`` when None) merged by log-sum-exp: every query over distances ``0 .. S-1`` (sliding window),
-    the queries ``i >= S`` over the shifted keys ``j <= i - S`` (causal, bottom-right aligned as flash-attn >= 2.1)."""
+    """STRING on unpadded batches (as :func:`string_attention_sdpa`): ``flash_fn`` (flash-attn's when None) over the
+    distances ``0 .. S-1`` and over the shifted keys ``j <= i - S`` (bottom-right causal), merged by log-sum-exp."""
     if flash_fn is None:
         try:  # (in a try: transformers then does not require flash-attn to load an exported modeling file)
             from flash_attn import flash_attn_func as flash_fn
