@@ -343,11 +343,8 @@ def model_span(model: Any, length: int) -> ModelSpan:
     """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (its applied methods' least bounds)."""
     bounding = [m for m in METHODS.values() if m.overrides("model_span") and m.is_applied(model)]
     spans = {m.name: m.model_span(model, length) for m in bounding}
-    return ModelSpan(
-        positions=min((p for p, _ in spans.values()), default=length),
-        keys=min((k for _, k in spans.values()), default=length),
-        methods=tuple(spans),
-    )
+    bounds = list(spans.values()) or [(length, length)]
+    return ModelSpan(min(p for p, _ in bounds), min(k for _, k in bounds), methods=tuple(spans))
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:

@@ -20,9 +20,8 @@ INLINED_HELPERS += (family.pop_cache, family.define_export_classes)
 
 
 def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
-    """Make the ``save_pretrained`` folder ``save_dir`` of a merged HARPE model load with its per-KV-head ``bases``
-    through ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)``; DataError when they do not
-    match config.json's KV heads or the head_rope_bases it records."""
+    """Make the ``save_pretrained`` folder ``save_dir`` of a merged HARPE model load with its per-KV-head ``bases`` in
+    plain transformers; DataError when they do not match config.json's KV heads or the head_rope_bases it records."""
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "HARPE")
     kv_heads = config.get("num_key_value_heads") or config.get("num_attention_heads")
     bases = [float(b) for b in bases]

@@ -55,9 +55,8 @@ def head_rope_attention_forward(
     attention_mask: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The attention forward of Llama/Mistral/Qwen2/Qwen3 (bound to each attention module) rotating with the
-    per-head ``position_embeddings`` of :class:`HeadRotaryEmbedding` (Qwen3's q/k norms before): ``hidden_states``
-    ``[batch, seq, hidden]`` -> ``(output [batch, seq, hidden], attention weights or None)``."""
+    """Llama/Mistral/Qwen2/Qwen3's attention forward with the per-head cos/sin of :class:`HeadRotaryEmbedding`:
+    ``hidden_states [batch, seq, hidden]`` -> ``(output [batch, seq, hidden], attention weights or None)``."""
     cos, sin = position_embeddings
     if cos.dim() != 4:
         raise RuntimeError(

@@ -25,10 +25,9 @@ def _config_of(model: nn.Module):
 
 def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
     """Give every KV head of ``model`` (a Llama, Mistral, Qwen2 or Qwen3 causal LM or its inner model, plain or
-    PEFT-wrapped) its own RoPE base, in place, the query heads of a group using their KV head's; calling it again
-    replaces the bases. ``bases``: ``num_key_value_heads`` of them, stored as ``config.head_rope_bases`` (so
-    ``save_pretrained`` keeps them). They give plain RoPE frequencies: another rope_type's scaling (llama3, yarn, ...)
-    is lost, with a warning."""
+    PEFT-wrapped) one of the ``num_key_value_heads`` ``bases``, in place, replacing earlier ones; they are stored as
+    ``config.head_rope_bases`` (``save_pretrained`` keeps them) and give plain RoPE frequencies (another rope_type's
+    scaling is lost, with a warning)."""
     config = _config_of(model)
     bases = check_head_bases(config, bases)
     check_applicable(model, "harpe")

@@ -100,11 +100,10 @@ def peak_valley_bases(
     window_fraction: float = DEFAULT_WINDOW_FRACTION,
     show_progress: bool = True,
 ) -> list[float]:
-    """HARPE's peak-valley search (the paper's Algorithm 1, as the module docstring defines it): ``n`` bases, one per
-    KV head, from ``[b_min, b_max]`` on a grid of ``stride`` base units (``b_min`` always chosen), for heads of
-    ``head_dim`` and distances up to ``target_length`` tokens, with a peak/valley window half-width of
-    ``window_fraction * target_length`` (``show_progress``: a tqdm bar over the waveforms). Returns them ascending
-    (head ``g`` gets the g-th smallest, as in the paper's Table 2)."""
+    """HARPE's peak-valley search (the paper's Algorithm 1, defined in the module docstring): ``n`` bases, one per KV
+    head, from ``b_min`` (always chosen) and a grid of ``stride`` base units up to ``b_max``, for heads of ``head_dim``
+    and distances up to ``target_length`` tokens (window half-width ``window_fraction * target_length``; a tqdm bar
+    when ``show_progress``), ascending: head ``g`` gets the g-th smallest, as in the paper's Table 2."""
     _check_range(b_min, b_max, n)
     if head_dim < 2 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")

@@ -46,9 +46,8 @@ def _skips(n_chunks: int, max_skip: int, rng: np.random.Generator) -> np.ndarray
 def pose_position_ids(
     length: int, target_length: int, n_chunks: int = 2, rng: np.random.Generator | int | None = None
 ) -> np.ndarray:
-    """PoSE position ids, int64 ``(length,)`` with non-decreasing jumps between chunks and max ``<= L_t - 1``, for a
-    sample of ``length`` tokens (``L_c``) simulating ``target_length`` (``L_t >= L_c``) with ``n_chunks`` chunks (at
-    most ``length``; 1: plain positions); ``rng``: a numpy Generator or a seed."""
+    """PoSE position ids, int64 ``(length,)`` with max ``<= target_length - 1``, of a sample of ``length`` tokens in
+    ``n_chunks`` chunks (1: plain positions); ``rng``: a numpy Generator or a seed."""
     return pose_sample(length, length, target_length, n_chunks, "none", rng)[1]
 
 
@@ -98,8 +97,7 @@ class PoseCollator:
     target_length: int  # the simulated context length L_t
     pad_token_id: int
     n_chunks: int = 2  # PoSE chunks per sample
-    # the training window L_c: longer samples are truncated to it, or give L_c of their tokens with a content skip
-    # (None: no truncation, no content skip)
+    # the training window L_c: longer samples are cut to it, or give L_c tokens by content_skip (None: neither)
     max_length: int | None = None
     seed: int = 0
     # which of a longer sample's tokens fill the window (:func:`pose_sample`)

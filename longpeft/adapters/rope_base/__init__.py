@@ -67,8 +67,7 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
 
 
 class Rope(Method):
-    """RoPE parameters in the registry; every model has them (``implied``), and the model card writes the RoPE change
-    itself (``hub.model_card_text``)."""
+    """RoPE parameters in the registry: every model has them (``implied``); the card writes their change itself."""
 
     name = "rope"
     config = RopeConfig

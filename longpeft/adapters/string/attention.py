@@ -235,14 +235,10 @@ def string_attention_sdpa(
     dropout: float = 0.0,
     block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """STRING attention on torch's scaled_dot_product_attention (exact), ``[batch, T, heads, head_dim]``.
-
-    ``query`` ``[batch, heads, T, head_dim]`` is RoPE'd at the T newest positions, ``key`` and ``value`` are
-    ``[batch, kv_heads, L, head_dim]``; ``attention_mask`` is None (causal) or ``[batch or 1, 1, T, L]``, bool (True:
-    may attend) or additive, as transformers builds them; ``inv_freq``: ``[head_dim // 2]``. Rows with no far key run
-    as plain attention, the others in blocks of ``block`` rows (:func:`_block_mask`) whose keys, values and masks
-    live in buffers reused across blocks (about one copy of the keys and values more).
-    """
+    """STRING attention on torch's SDPA (exact): ``[batch, T, heads, head_dim]`` of ``query`` ``[batch, heads, T,
+    head_dim]`` (RoPE'd at the T newest positions) over ``key``, ``value`` ``[batch, kv_heads, L, head_dim]``, with
+    ``attention_mask`` None (causal) or ``[batch or 1, 1, T, L]``, bool (True: may attend) or additive, and
+    ``inv_freq`` ``[head_dim // 2]``. Query blocks of ``block`` rows reuse one buffer of keys, values and mask."""
     batch, heads, n_queries, head_dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     offset, n_plain = _plain_rows(shift, n_queries, n_keys)

@@ -29,9 +29,8 @@ class StringConfig(StrictModel):
 def string_defaults(
     shift: int | None, trained_length: int | None, recorded_length: int | None, max_position_embeddings: int
 ) -> tuple[int, int]:
-    """``(shift, trained_length)`` of STRING with its defaults filled (for a recipe's section, ``enable_string``,
-    ``longpeft eval --string``): L is ``trained_length``, else ``recorded_length`` (the ``trained_length`` of the
-    model's longpeft.json), else ``max_position_embeddings``; S is ``shift``, else L // 3."""
+    """``(shift, trained_length)`` with STRING's defaults: L is ``trained_length``, else ``recorded_length`` (the
+    model's longpeft.json's), else ``max_position_embeddings``; S is ``shift``, else L // 3."""
     trained = trained_length if trained_length is not None else recorded_length or max_position_embeddings
     return (shift if shift is not None else trained // 3), trained
 
