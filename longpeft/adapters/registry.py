@@ -92,8 +92,7 @@ class Method:
     """One context-extension method: a subclass sets ``name`` and ``config`` and overrides only the hooks the method
     needs; the others do nothing. A hook takes the base hook's arguments, in order (``config``: the method's resolved
     section); it is a method, ``staticmethod(f)`` for a function of ``config.py`` or :func:`imported_on_call` for
-    torch code. The registry holds one instance of each.
-    """
+    torch code. The registry holds one instance of each."""
 
     name: ClassVar[str]  # its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...)
     config: ClassVar[type[StrictModel]]  # the pydantic config class (in the method's ``config.py``)

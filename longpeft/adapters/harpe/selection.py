@@ -10,8 +10,7 @@ leaves open and which is defined here (why: docs/methods.md, HARPE):
 - **Score.** With ``P_b``, ``V_b`` a candidate's peaks and valleys and ``P_s``, ``V_s`` those of the bases chosen so
   far: ``d(b) = sum_{p in P_b} min_{v in V_s} |p - v| + sum_{v in V_b} min_{p in P_s} |v - p|``.
 - **Greedy.** Start from ``{b_min}``; add the not-yet-chosen candidate ``b_min + i * stride``
-  (``i = 1 .. floor((b_max - b_min) / stride)``) with the smallest ``d`` (ties: the smaller) until ``n`` are chosen.
-"""
+  (``i = 1 .. floor((b_max - b_min) / stride)``) with the smallest ``d`` (ties: the smaller) until ``n`` are chosen."""
 
 from __future__ import annotations
 

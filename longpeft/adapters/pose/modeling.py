@@ -8,8 +8,7 @@ is uniform). Chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a sample 
 ``{v_(i-1), ..., L_x - L_c}`` (``uniform``) or ``v_i = u_i`` (``aligned``, skips at most ``min(L_x, L_t) - L_c``).
 
 :class:`PoseCollator` always returns an all-ones ``attention_mask`` (right padding): without one, transformers reads
-a jump in ``position_ids`` as a new packed sequence. TRL's collator drops ``position_ids``, hence PoSE's own.
-"""
+a jump in ``position_ids`` as a new packed sequence. TRL's collator drops ``position_ids``, hence PoSE's own."""
 
 from __future__ import annotations
 
@@ -91,8 +90,7 @@ class PoseCollator:
     the window). Padding gets label -100 and repeats the sample's last position.
 
     ``seed`` seeds each sample's draw together with its tokens (as UtK's collator does): a resumed run, or another
-    process, draws what an uninterrupted one would, and a sample seen again gets the same positions.
-    """
+    process, draws what an uninterrupted one would, and a sample seen again gets the same positions."""
 
     target_length: int  # the simulated context length L_t
     pad_token_id: int

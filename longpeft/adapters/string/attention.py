@@ -9,8 +9,7 @@ Unlike the authors' prefill, the key at distance exactly ``S`` is scored once (s
 cos/sin is ``cos_sin_scale`` (off by default): every attention logit times ``cos_sin_scale ** 2``.
 
 Needs a DynamicCache (distances are cache-index differences: the queries are the last ``T`` of the ``L`` keys; left
-padding keeps this true) and one RoPE base for all heads (not HARPE's).
-"""
+padding keeps this true) and one RoPE base for all heads (not HARPE's)."""
 
 from __future__ import annotations
 

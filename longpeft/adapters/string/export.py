@@ -23,10 +23,7 @@ def write_remote_code(save_dir: str | Path, settings: StringSettings) -> None:
     ``model_type = "string_<type>"``, ``architectures`` and ``auto_map``. The file's ``disable_string(model)`` switches
     STRING off."""
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "STRING")
-    docstring = (
-        "STRING (shifted positions at inference), written by longpeft for an exported model "
-        "(needs only torch and transformers)."
-    )
+    docstring = "STRING for an exported model, written by longpeft (needs only torch and transformers)."
     source = standalone_source(docstring, [attention], INLINED_HELPERS)
     entries = {"string": settings.as_dict()}
     point_config_at_remote_code(
