@@ -97,7 +97,7 @@ class Method:
     name: ClassVar[str]  # its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...)
     config: ClassVar[type[StrictModel]]  # the pydantic config class (in the method's ``config.py``)
     remote_code: ClassVar[bool] = False  # ``export`` writes a modeling file (``trust_remote_code=True``)
-    # changes no weight, unused in training (STRING): recorded for ``longpeft.load``, a merge may leave it out
+    # changes no weight, unused in training (STRING): recorded for ``longpeft.load``; ``merge --without`` leaves it out
     inference_only: ClassVar[bool] = False
     # every model has it (RoPE): recipes and ``longpeft.json`` always carry its section, model cards do not tag it
     implied: ClassVar[bool] = False
