@@ -11,8 +11,7 @@ DEFAULT_LOCAL_WINDOW = 128  # W: far keys score as at distance d - shift + W
 
 
 class StringConfig(StrictModel):
-    """STRING settings: keys at distance ``d >= shift`` score as at ``d - shift + local_window``; the defaults of
-    ``shift`` and ``trained_length`` are :func:`string_defaults`'."""
+    """STRING settings: keys ``d >= shift`` away score as at ``d - shift + local_window`` (:func:`string_defaults`)."""
 
     shift: int | None = Field(default=None, ge=1, le=MAX_POSITIONS)
     local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0, le=MAX_POSITIONS)
