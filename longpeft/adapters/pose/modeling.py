@@ -87,7 +87,7 @@ class PoseCollator:
 
     Each feature needs ``input_ids``; labels come from ``labels``, else TRL's ``assistant_masks`` /
     ``completion_mask`` (1 = trained), else ``input_ids``. A feature with ``position_ids`` keeps them (truncated to
-    the window). Padding gets label -100 and repeats the sample's last position.
+    the window). Label -100 for padding (which repeats the last position) and a token after skipped text.
 
     ``seed`` seeds each sample's draw together with its tokens (as UtK's collator does): a resumed run, or another
     process, draws what an uninterrupted one would, and a sample seen again gets the same positions."""
