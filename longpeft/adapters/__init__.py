@@ -1,11 +1,5 @@
-"""Context-extension methods, one folder each, in one registry (see :mod:`.registry`).
-
-``apply_spec`` gives a built model every non-weight change of a :class:`~longpeft.spec.ContextSpec`
-(``longpeft.json``), method by method in registry order: RoPE parameters, per-head bases (HARPE),
-STRING, Activation Beacon (PoSE changes only the training inputs).
-
-A new method is a folder beside these (see :mod:`.registry` for its files) and one ``register`` line below.
-"""
+"""Context-extension methods, one folder each, in one registry (:mod:`.registry`), and what runs them all on a
+model: :func:`apply_spec` gives a built model every non-weight change of a ``longpeft.json``, in registry order."""
 
 from __future__ import annotations
 
@@ -49,12 +43,8 @@ register(beacon.METHOD)
 
 
 def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
-    """``(method, config)`` for every method recorded in ``spec``, in registry order.
-
-    Raises:
-        ValueError: the spec names a method this longpeft does not know (written by a newer version
-            or a plug-in that is not imported).
-    """
+    """``(method, config)`` for every method recorded in ``spec``, in registry order; DataError for a method this
+    longpeft does not know (a newer version's, or an unimported plug-in's)."""
     unknown = sorted(set(spec.methods) - set(METHODS))
     if unknown:
         raise DataError(
@@ -65,14 +55,8 @@ def spec_methods(spec: ContextSpec) -> list[tuple[Method, object]]:
 
 
 def apply_spec(model: nn.Module, spec: ContextSpec, training: bool = False) -> None:
-    """Give ``model`` every non-weight change recorded in ``spec``, in place.
-
-    ``training``: leave out the inference-time methods (``inference_only``: STRING, which its paper applies to a
-    trained model, never while training); ``longpeft.load`` switches them on with the adapter.
-
-    Raises SpecMismatchError (via ``spec.check_base``), or MethodConflict when the spec names methods that cannot
-    run together, before changing anything.
-    """
+    """Give ``model`` every non-weight change recorded in ``spec``, in place; ``training`` leaves out the
+    ``inference_only`` methods (STRING). Raises SpecMismatchError or MethodConflict before changing anything."""
     spec.check_base(model.config)
     methods = spec_methods(spec)
     check_conflicts(method.name for method, _ in methods)
@@ -90,11 +74,8 @@ def load_method_weights(model: nn.Module, spec: ContextSpec, folder: str | Path)
 def save_method_weights(
     model: nn.Module, spec: ContextSpec, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
 ) -> None:
-    """Save the weights that methods keep outside peft's adapter file into ``folder``.
-
-    ``state_dict``: the gathered weights of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), keyed
-    as ``model.state_dict()``; the methods take their tensors from it instead of from their sharded parameters.
-    """
+    """Save the weights that methods keep outside peft's adapter file into ``folder``; ``state_dict``: the gathered
+    weights of a model sharded across processes (FSDP, ZeRO-3), keyed as ``model.state_dict()``, or None."""
     for method, config in spec_methods(spec):
         method.save_weights(model, Path(folder), config, state_dict)
 
@@ -105,29 +86,8 @@ def export_methods(model: nn.Module, spec: ContextSpec, folder: str | Path) -> N
         method.export(model, Path(folder), config)
 
 
-__all__ = [
-    "METHODS",
-    "RUN_FEATURES",
-    "CollatorContext",
-    "LongSamples",
-    "Method",
-    "MethodConflict",
-    "ModelSpan",
-    "ResolveContext",
-    "applied_methods",
-    "apply_spec",
-    "check_applicable",
-    "check_conflicts",
-    "config_of",
-    "export_methods",
-    "find_conflicts",
-    "gathered_tensors",
-    "get_method",
-    "load_method_weights",
-    "model_span",
-    "register",
-    "registered",
-    "save_method_weights",
-    "spec_methods",
-    "unregister",
-]
+__all__ = ["apply_spec", "export_methods", "load_method_weights", "save_method_weights", "spec_methods"]
+# the registry's
+__all__ += ["METHODS", "RUN_FEATURES", "CollatorContext", "LongSamples", "Method", "MethodConflict", "ModelSpan"]
+__all__ += ["ResolveContext", "applied_methods", "check_applicable", "check_conflicts", "config_of", "find_conflicts"]
+__all__ += ["gathered_tensors", "get_method", "model_span", "register", "registered", "unregister"]

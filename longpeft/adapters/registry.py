@@ -1,17 +1,8 @@
 """The method registry: the one table that recipes, launches, ``longpeft.load``, merge/export and model cards read.
 
-Every context-extension method has one folder under ``longpeft/adapters/<name>/`` (peft's tuners are the model):
-``config.py``, its config (its recipe section and its ``longpeft.json`` section) and pure settings logic, no torch;
-``modeling.py`` (or modules named by what they hold), its torch code; ``export.py`` where it exports; and
-``__init__.py``, its :class:`Method` subclass, overriding only the hooks the method needs, with ``METHOD``, its
-instance. That ``__init__.py`` imports no torch: its hooks import their torch code when they first run
-(:func:`imported_on_call`, or an import inside the hook), its public torch names on first use (:func:`torch_names`).
-
-Adding a method is that folder and one :func:`register` line in ``longpeft/adapters/__init__.py``; every other
-module calls the :class:`Method` hooks, whose defaults do nothing, and never names a method. What a method cannot run
-with is declared in its ``conflicts`` and refused by :func:`check_conflicts` (recipes, launches) and
-:func:`check_applicable` (switching a method on over another).
-"""
+A method is a folder ``longpeft/adapters/<name>/`` (CONTRIBUTING.md, "One shape for every method") and one
+:func:`register` line in ``longpeft/adapters/__init__.py``; other modules call its :class:`Method` hooks and never
+name it."""
 
 from __future__ import annotations
 
@@ -34,9 +25,8 @@ if TYPE_CHECKING:  # the registry itself needs no torch: method configs import i
 
 
 def imported_on_call(module: str, name: str) -> staticmethod:
-    """The function ``module.name`` as a hook of a :class:`Method` subclass, imported when the hook is first called:
-    a method's torch code (``patch.py``, ...) is named in its class without being imported, so registering it imports
-    no torch. The hook keeps the function's name and module (tracebacks, the contract test)."""
+    """The function ``module.name`` as a :class:`Method` hook, imported when first called (registering imports no
+    torch); the hook keeps the function's name and module (tracebacks, the contract test)."""
 
     def hook(*args: Any, **kwargs: Any) -> Any:
         return getattr(importlib.import_module(module), name)(*args, **kwargs)
@@ -47,9 +37,8 @@ def imported_on_call(module: str, name: str) -> staticmethod:
 
 
 def torch_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
-    """The module ``__getattr__`` (PEP 562) of a method package whose public torch names (``names``: name -> the
-    package's submodule that defines it) are imported on first use, so that importing the package needs no torch.
-    A package lists them once, in its ``TORCH_NAMES``, which its ``__all__`` includes."""
+    """The module ``__getattr__`` (PEP 562) of a method package: its public torch names (``names``: name -> the
+    submodule defining it, the package's ``TORCH_NAMES``) are imported on first use."""
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook's name
         if name in names:
@@ -61,56 +50,34 @@ def torch_names(package: str, names: Mapping[str, str]) -> Callable[[str], Any]:
 
 @dataclass(frozen=True)
 class ResolveContext:
-    """What ``resolve`` may read when an adapter is created.
+    """What ``resolve`` may read when an adapter is created."""
 
-    Attributes:
-        base_config: the base model's transformers config, before any change.
-        trained_length: the training sequence length (tokens).
-        target_length: the length the adapter should work at.
-        configs: the other methods' configs of the same recipe (already resolved, in registry order).
-    """
-
-    base_config: Any
-    trained_length: int | None
-    target_length: int | None
-    configs: dict[str, StrictModel]
+    base_config: Any  # the base model's transformers config, before any change
+    trained_length: int | None  # the training sequence length (tokens)
+    target_length: int | None  # the length the adapter should work at
+    configs: dict[str, StrictModel]  # the recipe's other methods' configs, already resolved, in registry order
 
 
 @dataclass(frozen=True)
 class CollatorContext:
-    """What a method's data collator is built from, besides its config.
+    """What a method's data collator is built from, besides its config."""
 
-    Attributes:
-        pad_token_id: the tokenizer's padding id.
-        max_length: the training window (``data.max_length``), tokens.
-        seed: the run's seed (``train.seed``); a collator that draws at random seeds its draws from it.
-    """
-
-    pad_token_id: int
-    max_length: int
-    seed: int
+    pad_token_id: int  # the tokenizer's padding id
+    max_length: int  # the training window (``data.max_length``), tokens
+    seed: int  # the run's seed (``train.seed``), which seeds a collator's random draws
 
 
 @dataclass(frozen=True)
 class LongSamples:
-    """Samples longer than the training window that a method's collator takes, drawing the window from each (so
-    stretches of text are skipped: plain text only, a conversation would lose the context its answers need).
+    """Samples longer than the training window a method's collator takes, drawing the window from each (plain text)."""
 
-    Attributes:
-        tokens: the most tokens a sample keeps on its way to the collator.
-        limit: the setting that bounds ``tokens``, as ``key=value (why)``, for messages.
-        setting: the setting that asks for it, as ``key: value``.
-        off: the setting that turns it off, as ``key: value``.
-    """
-
-    tokens: int
-    limit: str
-    setting: str
-    off: str
+    tokens: int  # the most tokens a sample keeps on its way to the collator
+    limit: str  # the setting that bounds ``tokens``, as ``key=value (why)``, for messages
+    setting: str  # the setting that asks for it, as ``key: value``
+    off: str  # the setting that turns it off, as ``key: value``
 
 
-# The ways of training a method may be unable to run under, each with what to do instead. A method's ``conflicts``
-# names them (besides other methods); a check passes the ones a run uses, with the setting that asks for each.
+# The ways of training a method may be unable to run under (its ``conflicts`` keys), each with what to do instead.
 RUN_FEATURES = {
     "sharded_weights": "use --launch ddp",  # FSDP2, DeepSpeed ZeRO-3: every layer's weights gathered collectively
     "split_sequences": "use --launch ddp",  # Ulysses (--launch ulysses), context parallelism (accelerate cp_size > 1)
@@ -122,37 +89,22 @@ COLLATOR = "collator"
 
 
 class Method:
-    """One context-extension method. Its folder's ``__init__.py`` subclasses this, sets ``name`` and ``config``, and
-    overrides only the hooks the method needs; the others do nothing (no change to a model, no weights of its own,
-    no exported files, no card sentence, the training inputs as they are). The registry holds one instance of each.
+    """One context-extension method: a subclass sets ``name`` and ``config`` and overrides only the hooks the method
+    needs; the others do nothing. A hook takes the base hook's arguments, in order (``config``: the method's resolved
+    section); it is a method, ``staticmethod(f)`` for a function of ``config.py`` or :func:`imported_on_call` for
+    torch code. The registry holds one instance of each."""
 
-    A hook is a method, or a function of the method's folder bound as one: ``staticmethod(f)`` for pure settings
-    logic (``config.py``), :func:`imported_on_call` for torch code. It takes the base hook's arguments, in order;
-    ``config`` is always the method's resolved section (an instance of ``config``).
-
-    Class attributes:
-        name: its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...).
-        config: the pydantic config class (in the method's ``config.py``).
-        remote_code: its ``export`` writes a modeling file (an exported model needs ``trust_remote_code=True``).
-        inference_only: the method changes no weight and training does not use it (STRING): recipes record it for
-            ``longpeft.load``, and a merge may leave it out when asked (``--without``).
-        implied: every model has it (RoPE parameters): recipes and ``longpeft.json`` always carry its section (its
-            defaults when a recipe leaves it out), and model cards do not tag it.
-        conflicts: ``{other: why}``, what the method cannot run with: another method's name (a recipe naming both is
-            refused, and so is switching one on over the other) or a key of :data:`RUN_FEATURES`. ``why`` says
-            what breaks; the message adds both sides and the fix.
-        plan_lever: with weights of its own, what to change in its section when they are a large memory term.
-        padded_batches: why, with the method on, a request padded to a batch's length reads differently from the
-            request alone ('': it does not); batched evaluations of such a model take one request at a time.
-    """
-
-    name: ClassVar[str]
-    config: ClassVar[type[StrictModel]]
-    remote_code: ClassVar[bool] = False
+    name: ClassVar[str]  # its recipe section and ``longpeft.json`` key (``rope``, ``harpe``, ...)
+    config: ClassVar[type[StrictModel]]  # the pydantic config class (in the method's ``config.py``)
+    remote_code: ClassVar[bool] = False  # ``export`` writes a modeling file (``trust_remote_code=True``)
+    # changes no weight, unused in training (STRING): recorded for ``longpeft.load``; ``merge --without`` leaves it out
     inference_only: ClassVar[bool] = False
+    # every model has it (RoPE): recipes and ``longpeft.json`` always carry its section, model cards do not tag it
     implied: ClassVar[bool] = False
+    # ``{other: why}``: a method's name or a :data:`RUN_FEATURES` key it cannot run with; ``why`` says what breaks
     conflicts: ClassVar[Mapping[str, str]] = MappingProxyType({})
-    plan_lever: ClassVar[str] = ""
+    plan_lever: ClassVar[str] = ""  # with weights of its own: what to change when they are a large memory term
+    # why a request padded to a batch's length reads differently from the request alone ('': it does not)
     padded_batches: ClassVar[str] = ""
 
     # ---- its settings
@@ -165,8 +117,7 @@ class Method:
         """Model-card sentences (default: none)."""
         return []
 
-    # ---- on a built model: apply, remove and is_applied together, or none (a method that changes only the
-    # training inputs, as PoSE)
+    # ---- on a built model: apply, remove and is_applied together, or none (PoSE changes only the training inputs)
 
     def apply(self, model: Any, config: Any) -> None:
         """Give a built model the method, in place (applying again replaces the settings)."""
@@ -179,18 +130,14 @@ class Method:
         return False
 
     def model_span(self, model: Any, length: int) -> tuple[int, int]:
-        """``(positions, keys)`` on a model the method is applied to: the positions an input of ``length`` tokens
-        occupies and the keys one query reads at most, for a method that bounds them (STRING the positions,
-        Activation Beacon both); a model's are the least its applied methods give (:func:`model_span`)."""
+        """``(positions, keys)``: the positions an input of ``length`` tokens occupies on a model the method is
+        applied to, and the keys one query reads at most (:func:`model_span`)."""
         return length, length
 
     def export(self, model: Any, folder: Path, config: Any) -> None:
-        """Write what a merged or full model saved to ``folder`` needs besides its weights (``remote_code``: a
-        modeling file)."""
+        """Write what a merged or full model saved to ``folder`` needs besides its weights (a modeling file, ...)."""
 
-    # ---- weights it keeps outside peft's adapter file (Activation Beacon's projections and embedding): they train
-    # while the base stays frozen, beside LoRA if any, and are written beside the adapter. All four, with
-    # ``plan_lever``, or none.
+    # ---- weights it keeps outside peft's adapter file (Activation Beacon's): all four, with ``plan_lever``, or none
 
     def weight_parameters(self, model: Any) -> dict[str, Any]:
         """``{name: Parameter}``, the trainable ones on a model the method is applied to."""
@@ -204,33 +151,26 @@ class Method:
         """Load them from ``folder`` onto a model the method is applied to."""
 
     def planned_weights(self, config: Any, shape: Any) -> tuple[int, int]:
-        """``(trainable, frozen)`` parameter counts of these float32 weights on a base of ``shape`` (a
-        :class:`longpeft.scale.plan.ModelShape`), for ``longpeft plan``: trainable ones cost weight, gradient and
-        AdamW state, frozen ones their weight."""
+        """``(trainable, frozen)`` float32 parameter counts of them on a base of ``shape`` (``plan.ModelShape``)."""
         return 0, 0
 
     # ---- what it changes in a training run besides the model
 
     def collator(self, config: Any, context: CollatorContext) -> Any:
-        """The data collator the run trains with, or None (TRL's); a method with one cannot run with another
-        collator (``data.utk``'s, another method's)."""
+        """The data collator the run trains with, or None (TRL's); it clashes with any other collator."""
         return None
 
     def long_samples(self, config: Any, target_length: int | None) -> LongSamples | None:
-        """The samples longer than the training window its collator takes (``target_length``: the recipe's, or
-        None), or None."""
+        """The samples longer than the training window its collator takes (``target_length``: the recipe's)."""
         return None
 
     def training_span(self, config: Any, length: int, max_positions: int) -> int:
-        """The positions a training input of ``length`` tokens occupies, for a method that sets them (Activation Beacon
-        keeps them inside the base's range, PoSE's position ids reach its target length); a recipe's are the least
-        its methods set (``length`` when none does)."""
+        """The positions a training input of ``length`` tokens occupies (a recipe's: the least its methods set)."""
         return length
 
     def training_labels(self, config: Any, labels: torch.Tensor) -> torch.Tensor:
         """A training batch's ``labels [batch, seq]`` (unshifted, -100 = not scored) with those the method leaves out
-        of the loss set to -100, as a new tensor (Activation Beacon, as its authors: the first window, unless
-        full-coverage + interleave)."""
+        of the loss set to -100, as a new tensor."""
         return labels
 
     # ---- what the registry and the call sites ask of the hooks
@@ -261,13 +201,8 @@ METHODS: dict[str, Method] = {}
 
 
 def register(method: Method) -> Method:
-    """Add ``method`` to the registry (methods apply in registration order); returns it.
-
-    Raises:
-        ValueError: it lacks a ``name`` or ``config``, another method has its name, it gives only some of
-            :data:`MODEL_HOOKS` or :data:`WEIGHT_HOOKS` (or weights without ``plan_lever``, a ``model_span`` without
-            a model change), or a ``conflicts`` entry has no reason.
-    """
+    """Add ``method`` to the registry (methods apply in registration order) and return it; ValueError when it breaks
+    the contract (no ``name`` or ``config``, a taken name, a partial hook group, no ``plan_lever`` or reasons)."""
     name = getattr(method, "name", None)
     if not isinstance(name, str) or not isinstance(getattr(method, "config", None), type):
         raise ValueError(f"{method!r}: a Method subclass sets name (its section) and config (the section's class)")
@@ -327,10 +262,8 @@ class MethodConflict(ConfigError):
 
 @dataclass(frozen=True)
 class Conflict:
-    """One refused combination: ``first`` and ``second`` (methods, or a setting and a method), why, and the fix.
-
-    ``feature``: the run feature (a :data:`RUN_FEATURES` key) the method cannot run under, or None for a pair.
-    """
+    """One refused combination: ``first`` and ``second`` (methods, or a setting and a method), why, and the fix;
+    ``feature``: the :data:`RUN_FEATURES` key it is about, or None for two methods."""
 
     first: str
     second: str
@@ -350,54 +283,40 @@ def pair_conflict(name: str, other: str) -> str | None:
 
 
 def find_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -> list[Conflict]:
-    """Every refused combination among the methods ``names`` and the ways a run trains.
-
-    Args:
-        names: registered method names (a recipe's sections).
-        run: ``{feature: the setting that asks for it}``, e.g. ``{"sharded_weights": "--launch fsdp2"}``; features
-            are :data:`RUN_FEATURES` keys, or :data:`COLLATOR` when the run has a data collator of its own
-            (``{"collator": "data.utk"}``), which clashes with every method that brings one.
-    """
+    """Every refused combination among the methods ``names`` and the ways a run trains, ``run``: ``{feature: the
+    setting asking for it}`` with :data:`RUN_FEATURES` keys (``{"sharded_weights": "--launch fsdp2"}``) or
+    :data:`COLLATOR` for the run's own data collator (``{"collator": "data.utk"}``)."""
     names, run = list(names), dict(run or {})
     unknown = sorted(set(run) - set(RUN_FEATURES) - {COLLATOR})
     if unknown:
         raise ValueError(f"unknown run features {unknown}; known: {', '.join([*RUN_FEATURES, COLLATOR])}")
     found = []
     for i, name in enumerate(names):
+        method = get_method(name)
         for other in names[i + 1 :]:
             why = pair_conflict(name, other)
             if why:  # the method that declares it first
-                first, second = (name, other) if other in get_method(name).conflicts else (other, name)
+                first, second = (name, other) if other in method.conflicts else (other, name)
                 found.append(Conflict(first, second, why, "remove one of the two sections"))
-        method = get_method(name)
         for feature, setting in run.items():
             if feature in method.conflicts:
                 found.append(Conflict(setting, name, method.conflicts[feature], RUN_FEATURES[feature], feature))
-    collators = [name for name in names if get_method(name).overrides("collator")]
-    if COLLATOR in run:
-        collators.insert(0, run[COLLATOR])
+    collators = [run[COLLATOR]] if COLLATOR in run else []
+    collators += [name for name in names if get_method(name).overrides("collator")]
     for first, second in zip(collators, collators[1:]):
         found.append(Conflict(first, second, "each brings its own data collator", "use one of them"))
     return found
 
 
 def check_conflicts(names: Iterable[str], run: Mapping[str, str] | None = None) -> None:
-    """Refuse the first combination :func:`find_conflicts` finds.
-
-    Raises:
-        MethodConflict: naming both sides, why, and what to do.
-    """
+    """Refuse the first combination :func:`find_conflicts` finds (:class:`MethodConflict`)."""
     found = find_conflicts(names, run)
     if found:
         raise MethodConflict(str(found[0]))
 
 
 def check_applicable(model: Any, name: str) -> None:
-    """Refuse switching method ``name`` on over a method it cannot run with (their declared conflict).
-
-    Raises:
-        MethodConflict: naming the method that is on, why, and what to do.
-    """
+    """Refuse (:class:`MethodConflict`) switching method ``name`` on over a method it cannot run with."""
     for other in applied_methods(model):
         why = other.name != name and pair_conflict(name, other.name)
         if why:
@@ -412,37 +331,23 @@ def check_applicable(model: Any, name: str) -> None:
 
 @dataclass(frozen=True)
 class ModelSpan:
-    """What an input of some length costs a built model, once its applied methods are counted.
+    """What an input of some length costs a built model, once its applied methods are counted."""
 
-    Attributes:
-        positions: the positions it occupies (compare with ``max_position_embeddings``).
-        keys: the keys one query reads at most (what attention memory grows with).
-        methods: the applied methods that bound them (empty: both are the input's length).
-    """
-
-    positions: int
-    keys: int
-    methods: tuple[str, ...]
+    positions: int  # the positions it occupies (compare with ``max_position_embeddings``)
+    keys: int  # the keys one query reads at most (what attention memory grows with)
+    methods: tuple[str, ...]  # the applied methods that bound them (empty: both are the input's length)
 
 
 def model_span(model: Any, length: int) -> ModelSpan:
-    """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (the smallest bound of its applied
-    methods' ``model_span`` hooks)."""
+    """The :class:`ModelSpan` of an input of ``length`` tokens on ``model`` (its applied methods' least bounds)."""
     bounding = [m for m in METHODS.values() if m.overrides("model_span") and m.is_applied(model)]
     spans = {m.name: m.model_span(model, length) for m in bounding}
-    return ModelSpan(
-        positions=min((p for p, _ in spans.values()), default=length),
-        keys=min((k for _, k in spans.values()), default=length),
-        methods=tuple(spans),
-    )
+    bounds = list(spans.values()) or [(length, length)]
+    return ModelSpan(min(p for p, _ in bounds), min(k for _, k in bounds), methods=tuple(spans))
 
 
 def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
-    """A method's config from a dict (``longpeft.json`` section) or as given.
-
-    Raises:
-        ValueError: the section does not validate, naming ``methods.<name>`` and each bad field.
-    """
+    """A method's config from a ``longpeft.json`` section, or as given; DataError naming each bad field."""
     config_class = get_method(name).config
     if isinstance(data, config_class):
         return data
@@ -460,20 +365,14 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
 def gathered_tensors(
     model: nn.Module, parameters: dict[str, nn.Parameter], state_dict: dict[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` for ``parameters`` (``{name: parameter of model}``): their own data, or with a
-    gathered ``state_dict`` (keyed as ``model.state_dict()``) the tensors it holds for them.
-
-    Raises:
-        ValueError: a parameter has no whole tensor to save (sharded and absent from ``state_dict``).
-    """
+    """``{name: tensor}`` for ``parameters`` (``{name: parameter of model}``): their own data, or the tensors a
+    gathered ``state_dict`` (keyed as ``model.state_dict()``) holds for them; ValueError for a sharded one it lacks."""
     from torch.distributed.tensor import DTensor
 
     qualified = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
     tensors = {}
     for name, parameter in parameters.items():
-        tensor = parameter.detach()
-        if state_dict and qualified.get(id(parameter)) in state_dict:
-            tensor = state_dict[qualified[id(parameter)]]
+        tensor = (state_dict or {}).get(qualified.get(id(parameter)), parameter.detach())
         if tensor.numel() == 0 or isinstance(tensor, DTensor):
             raise ValueError(
                 f"{name} is sharded across processes and the gathered state dict lacks it (DeepSpeed ZeRO-3 gathers "

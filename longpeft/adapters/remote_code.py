@@ -1,13 +1,6 @@
-"""Shared by the exports that ship a modeling file (HARPE, Activation Beacon): plain transformers loads
-the saved folder with ``trust_remote_code=True``, in a process where longpeft is not installed.
-
-A method's modeling code lives in longpeft modules whose only longpeft imports sit between
-``# longpeft-inline-begin`` and ``# longpeft-inline-end`` markers. :func:`standalone_source` joins
-those modules into one file, drops the marked imports and inlines the helper functions they used.
-:func:`point_config_at_remote_code` writes that file beside the weights and rewrites config.json:
-the method's own ``model_type`` (so loading without ``trust_remote_code`` fails instead of silently
-building the stock model), ``architectures``, ``auto_map`` and the method's settings.
-"""
+"""The modeling file an export ships (HARPE, STRING, Activation Beacon) for ``trust_remote_code=True`` without
+longpeft: modules whose longpeft imports sit between ``# longpeft-inline-begin`` and ``# longpeft-inline-end``,
+joined into one file with those imports replaced by the helpers' source."""
 
 from __future__ import annotations
 
@@ -25,13 +18,8 @@ _FUTURE = "from __future__ import annotations\n"
 
 
 def standalone_source(docstring: str, modules: Sequence[ModuleType], helpers: Sequence[Callable]) -> str:
-    """One Python file: ``docstring``, the ``helpers``' source, then each module without its marked imports.
-
-    Args:
-        docstring: the file's docstring (what it is, that longpeft wrote it).
-        modules: modules in dependency order (a module may use names of the ones before it).
-        helpers: longpeft functions the modules import between the markers (they may use torch only).
-    """
+    """One Python file: ``docstring``, the ``helpers``' source (longpeft functions the modules import between the
+    markers, using torch only), then each of ``modules`` (in dependency order) without its marked imports."""
     parts = [f'"""{docstring}"""\n\n', _FUTURE, "\nimport torch\n\n# Inlined from longpeft.\n\n"]
     parts += [inspect.getsource(helper) + "\n\n" for helper in helpers]
     for module in modules:
@@ -47,13 +35,8 @@ def standalone_source(docstring: str, modules: Sequence[ModuleType], helpers: Se
 def saved_config(
     save_dir: str | Path, classes_by_model_type: dict[str, tuple[str, str, str]], what: str
 ) -> tuple[Path, dict[str, Any], str]:
-    """``(config path, config.json content, base model_type)`` of a ``save_pretrained`` folder.
-
-    An already exported folder (``model_type`` = the method's own) gives its base model_type back.
-
-    Raises:
-        FileNotFoundError: no config.json; ValueError: a model_type the export does not know.
-    """
+    """``(config path, config.json content, base model_type)`` of a ``save_pretrained`` folder, exported or not;
+    FileNotFoundError without config.json, ConfigError for a model_type the export does not know."""
     config_path = Path(save_dir) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} not found: call model.save_pretrained({str(save_dir)!r}) first")
@@ -77,21 +60,14 @@ def point_config_at_remote_code(
     source: str,
     settings: dict[str, Any],
 ) -> None:
-    """Write ``source`` as ``modeling_filename`` beside config.json and point config.json at its classes.
-
-    Args:
-        config_path, config, model_type: from :func:`saved_config`.
-        classes_by_model_type: base model_type -> (exported model_type, config class, causal-LM class).
-        modeling_filename: e.g. ``modeling_harpe.py``.
-        source: the file's content (:func:`standalone_source`).
-        settings: config.json entries the classes read (e.g. ``{"head_rope_bases": [...]}``).
-    """
+    """Write ``source`` as ``modeling_filename`` beside ``config_path`` (those three from :func:`saved_config`) and set
+    in config.json the ``settings`` its classes read, ``architectures``, ``auto_map`` and the method's own
+    ``model_type`` (loading without ``trust_remote_code`` then fails instead of silently building the stock model);
+    ``classes_by_model_type``: base model_type -> (exported model_type, config class, causal-LM class)."""
     (config_path.parent / modeling_filename).write_text(source)
     exported_type, config_class, model_class = classes_by_model_type[model_type]
-    module = modeling_filename[: -len(".py")]
-    config.update(settings)
-    config["model_type"] = exported_type
-    config["architectures"] = [model_class]
+    module = Path(modeling_filename).stem
+    config.update(settings, model_type=exported_type, architectures=[model_class])
     config["auto_map"] = {
         **config.get("auto_map", {}),
         "AutoConfig": f"{module}.{config_class}",

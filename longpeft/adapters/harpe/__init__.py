@@ -1,18 +1,6 @@
-"""HARPE: one RoPE base per attention head ("Breaking the Stage Barrier", Lian et al.).
-
-Each key/value head rotates with its own RoPE base; with grouped-query attention the query heads
-of a group use their KV head's base. Used as the initialisation of a LoRA (or full) run: the bases
-are chosen when the adapter is created (:class:`HarpeConfig` resolved by ``select_bases``), applied
-to the model (``apply_head_bases``), recorded in the adapter's ``longpeft.json``, and the model
-trains at the target length in one stage. A merged model is exported for plain transformers with
-``write_remote_code``.
-
-- :mod:`.config`: :class:`HarpeConfig`;
-- :mod:`.selection`: the uniform and peak-valley choices of bases;
-- :mod:`.modeling`: the per-head rotary module and attention forward (also the exported ``modeling_harpe.py``);
-- :mod:`.patch`: ``apply_head_bases`` / ``remove_head_bases`` on a built model;
-- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
-"""
+"""HARPE: one RoPE base per key/value head ("Breaking the Stage Barrier", Lian et al.), the query heads of a group
+using their KV head's. The bases are chosen when the adapter is created (:func:`resolve`), applied to the model
+(``apply_head_bases``) and recorded in ``longpeft.json``; the model trains at the target length in one stage."""
 
 from __future__ import annotations
 
@@ -41,31 +29,22 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
         return config.model_copy(update={"bases": check_head_bases(base, config.bases)})
     from .selection import select_bases  # the peak-valley search computes RoPE waveforms in torch
 
+    settings = config.model_dump(exclude={"bases"})  # selection, b_min, b_max, stride, descending
     bases = select_bases(
-        config.selection,
-        config.b_min,
-        config.b_max,
-        n=num_kv_heads(base),
-        stride=config.stride,
-        head_dim=head_dim_of(base),
-        target_length=context.target_length,
-        descending=config.descending,
+        **settings, n=num_kv_heads(base), head_dim=head_dim_of(base), target_length=context.target_length
     )
     return config.model_copy(update={"bases": bases})
 
 
-ROTATES_ITSELF = "its attention forward rotates queries and keys itself (one RoPE base per head)"
-
-
 class Harpe(Method):
-    """HARPE in the registry: its bases chosen when an adapter is created, set on a built model, and shipped in a
-    modeling file on export."""
+    """HARPE in the registry: bases chosen when an adapter is created, set on a built model, shipped on export."""
 
     name = "harpe"
     config = HarpeConfig
     remote_code = True
     conflicts = {
-        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "liger_kernels": "its attention forward rotates queries and keys itself (one RoPE base per head), where "
+        "Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that rotates with HARPE's per-head bases, which would "
         "silently not apply",
     }

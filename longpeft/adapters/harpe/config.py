@@ -14,12 +14,8 @@ from ...family import check_supported, head_dim_of, num_kv_heads
 
 
 class HarpeConfig(StrictModel):
-    """The ``harpe`` section: how the per-KV-head bases are chosen, and (once chosen) the bases.
-
-    ``selection``: ``peak_valley`` (the paper's greedy search on a ``stride`` grid) or ``uniform``
-    (evenly spaced in [b_min, b_max], ascending or ``descending`` over the heads). ``bases`` is
-    filled when the adapter is created; giving it in a recipe skips the selection.
-    """
+    """The ``harpe`` section: the ``selection`` of bases in [b_min, b_max] (``peak_valley`` on a ``stride`` grid, or
+    ``uniform``), or the ``bases`` themselves (filled when the adapter is created)."""
 
     selection: Literal["peak_valley", "uniform"] = "peak_valley"
     b_min: float | None = Field(default=None, gt=1, lt=1e30)
@@ -41,11 +37,7 @@ class HarpeConfig(StrictModel):
         return self
 
     def chosen_bases(self) -> list[float]:
-        """The bases, once chosen (:func:`longpeft.adapters.harpe.resolve`).
-
-        Raises:
-            ValueError: the section has no bases yet.
-        """
+        """The bases, once chosen (:func:`longpeft.adapters.harpe.resolve`); ValueError before."""
         if self.bases is None:
             raise ValueError("the harpe section has no bases yet; resolve it against the base model first")
         return self.bases
@@ -57,11 +49,8 @@ def describe(config: HarpeConfig) -> list[str]:
 
 
 def check_head_bases(config: Any, bases: Sequence[float]) -> list[float]:
-    """Validate one base per KV head for ``config``; returns them as floats.
-
-    Raises:
-        ValueError: wrong count, non-finite or <= 1 bases, or an unsupported architecture.
-    """
+    """One base per KV head of ``config``, as floats; ConfigError for a wrong count, non-finite or <= 1 bases, an odd
+    head_dim or an unsupported architecture."""
     check_supported(config, "HARPE per-head RoPE")
     bases = [float(b) for b in bases]
     expected = num_kv_heads(config)

@@ -1,8 +1,5 @@
-"""Switch HARPE's per-head RoPE on and off on a built transformers model (plain or PEFT-wrapped).
-
-The rotation itself lives in :mod:`.modeling`, which is also the modeling file shipped with
-exported models, so the library and an exported model run the same code.
-"""
+"""Switch HARPE's per-head RoPE on and off on a built transformers model (plain or PEFT-wrapped); the rotation is
+:mod:`.modeling`'s, which exported models ship too."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ...family import attention_modules, is_attention_module
+from ...family import attention_modules
 from ...rope import rotary_modules
 from ...rope_parameters import rope_parameters_of
 from ..registry import check_applicable
@@ -27,22 +24,10 @@ def _config_of(model: nn.Module):
 
 
 def apply_head_bases(model: nn.Module, bases: Sequence[float]) -> None:
-    """Give every KV head its own RoPE base (HARPE), in place.
-
-    Query heads use the base of the KV head they read (with grouped-query attention, query head
-    ``h`` reads KV head ``h // (num_attention_heads // num_key_value_heads)``). The model's rotary
-    module is replaced by one that returns cos/sin with a head axis, and every attention module's
-    forward rotates with them; the attention kernel (eager, SDPA, flash-attn) and the KV cache are
-    the model's own. The bases are stored as ``config.head_rope_bases``, so ``save_pretrained``
-    keeps them. Calling it again replaces the bases.
-
-    The per-head frequencies are plain RoPE frequencies of each base: a model whose
-    ``rope_parameters`` use another rope_type (llama3, yarn, ...) loses that scaling, with a warning.
-
-    Args:
-        model: a Llama, Mistral, Qwen2 or Qwen3 causal LM (or its inner model), plain or PEFT-wrapped.
-        bases: ``num_key_value_heads`` RoPE bases.
-    """
+    """Give every KV head of ``model`` (a Llama, Mistral, Qwen2 or Qwen3 causal LM or its inner model, plain or
+    PEFT-wrapped) one of the ``num_key_value_heads`` ``bases``, in place, replacing earlier ones; they are stored as
+    ``config.head_rope_bases`` (``save_pretrained`` keeps them) and give plain RoPE frequencies (another rope_type's
+    scaling is lost, with a warning)."""
     config = _config_of(model)
     bases = check_head_bases(config, bases)
     check_applicable(model, "harpe")
@@ -65,17 +50,12 @@ def has_head_bases(model: nn.Module) -> bool:
 
 
 def is_harpe_on(model: nn.Module) -> bool:
-    """Whether ``model`` rotates with one base per head: patched by :func:`apply_head_bases`, or an exported HARPE
-    model (``config.head_rope_bases``, with its modeling file's own classes)."""
+    """Whether ``model`` rotates with one base per head (:func:`apply_head_bases`, or an exported HARPE model)."""
     return has_head_bases(model) or bool(getattr(_config_of(model), "head_rope_bases", None))
 
 
 def remove_head_bases(model: nn.Module) -> None:
-    """Undo :func:`apply_head_bases`: restore the original rotary modules and attention forwards.
-
-    Raises:
-        ValueError: when the model has no per-head RoPE.
-    """
+    """Undo :func:`apply_head_bases` exactly; ValueError when the model has no per-head RoPE."""
     if not has_head_bases(model):
         raise ValueError(f"{type(model).__name__} has no HARPE per-head RoPE to remove")
     for parent in list(model.modules()):
@@ -84,11 +64,9 @@ def remove_head_bases(model: nn.Module) -> None:
                 if child.replaced is None:
                     raise ValueError("this per-head rotary module was built without the original one; cannot restore")
                 setattr(parent, name, child.replaced)
-    for module in model.modules():
-        if is_attention_module(module) and "forward" in module.__dict__:
-            del module.forward
-    for config in {
-        id(c): c for c in (_config_of(model), *(m.config for m in model.modules() if is_attention_module(m)))
-    }.values():
-        if hasattr(config, "head_rope_bases"):
+    attentions = attention_modules(model)
+    for module in attentions:
+        module.__dict__.pop("forward", None)  # the class's forward again
+    for config in (_config_of(model), *(module.config for module in attentions)):
+        if hasattr(config, "head_rope_bases"):  # (a config shared by several modules: once)
             del config.head_rope_bases

@@ -1,14 +1,5 @@
-"""PoSE (positional skip-wise training): position ids that make a short window look like a long one.
-
-The ``pose`` section of recipes and of ``longpeft.json`` is :class:`PoseConfig`. PoSE changes only the position
-ids seen in training, through its method's ``collator`` (:class:`PoseCollator`); the trained model runs with plain
-positions, so the method has no ``apply``/``remove``.
-
-- :mod:`.config`: :class:`PoseConfig`, and what it implies for a run (the simulated length, the longer samples a
-  content skip draws from);
-- :mod:`.modeling`: the skip-wise position ids, the window each sample trains with (``content_skip``), and the
-  collator, with the pitfalls it handles.
-"""
+"""PoSE (positional skip-wise training): position ids that make a short window look like a long one. It changes
+only the position ids seen in training, through its collator (:mod:`.modeling`): no ``apply``/``remove``."""
 
 from __future__ import annotations
 
@@ -26,8 +17,7 @@ __getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 class Pose(Method):
-    """PoSE in the registry: its collator (skip-wise position ids), the longer samples a content skip draws from, and
-    the positions its inputs span; no change to a built model."""
+    """PoSE in the registry: its collator, the longer samples a content skip draws from, the positions it spans."""
 
     name = "pose"
     config = PoseConfig
@@ -45,16 +35,11 @@ class Pose(Method):
     training_span = staticmethod(training_span)
 
     def collator(self, config: PoseConfig, context: CollatorContext) -> PoseCollator:
-        """:class:`PoseCollator` of a resolved section in the run's window."""
+        """:class:`PoseCollator` of a resolved section (its every field) in the run's window."""
         from .modeling import PoseCollator
 
         return PoseCollator(
-            target_length=config.target_length,
-            pad_token_id=context.pad_token_id,
-            n_chunks=config.n_chunks,
-            max_length=context.max_length,
-            seed=context.seed,
-            content_skip=config.content_skip,
+            **config.model_dump(), pad_token_id=context.pad_token_id, max_length=context.max_length, seed=context.seed
         )
 
 

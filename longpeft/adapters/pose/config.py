@@ -12,12 +12,8 @@ from ..registry import LongSamples, ResolveContext
 
 
 class PoseConfig(StrictModel):
-    """PoSE settings: train in the recipe's window (``data.max_length``) to simulate ``target_length``.
-
-    ``n_chunks``: chunks per sample (the paper's default 2); skips between chunks are drawn uniformly
-    and never decrease (the paper's skip distribution). ``content_skip``: what the chunks hold (see
-    :mod:`.modeling`); other than ``none`` it needs plain-text data (``data.format: text``).
-    """
+    """PoSE settings: train in the recipe's window (``data.max_length``) to simulate ``target_length``, in ``n_chunks``
+    chunks per sample; ``content_skip`` other than ``none`` needs plain text (``data.format: text``)."""
 
     n_chunks: int = Field(default=2, ge=1)
     target_length: Positions | None = Field(default=None, description="default: the recipe's target_length")
@@ -45,8 +41,7 @@ def training_span(config: PoseConfig, length: int, max_positions: int) -> int:
 
 
 def long_samples(config: PoseConfig, target_length: int | None) -> LongSamples | None:
-    """With a content skip, samples up to the simulated length reach the collator, which draws the window from
-    each (None without one, or without a simulated length, which :func:`resolve` refuses)."""
+    """With a content skip, samples up to the simulated length, from which the collator draws the window; else None."""
     target = config.target_length or target_length
     if config.content_skip == "none" or not target:
         return None

@@ -1,41 +1,20 @@
 """PoSE's training inputs: skip-wise position ids, the window a sample trains with, and the collator.
 
-PoSE changes only the position ids seen in training (through :class:`PoseCollator`); the trained
-model runs with plain positions, so it changes nothing on a model.
+A window of ``L_c`` tokens is cut at random into ``N`` chunks, contiguous positions inside each; chunk ``i`` is
+shifted by a skip ``u_i`` drawn uniformly from ``{u_(i-1), ..., L_t - L_c}`` (``u_0 = 0``): skips never decrease and
+the largest position is at most ``L_t - 1`` (the authors' code caps the first chunk at half the window; here the cut
+is uniform). Chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a sample ``x`` of ``L_x`` tokens (``st_i``,
+``l_i``: its start and length in the window; Eq. 5): ``v_i = 0`` (``content_skip`` ``none``), ``v_i`` drawn from
+``{v_(i-1), ..., L_x - L_c}`` (``uniform``) or ``v_i = u_i`` (``aligned``, skips at most ``min(L_x, L_t) - L_c``).
 
-A sample of ``L_c`` tokens (the training window) is split at random into ``N`` chunks (default 2).
-Position ids are contiguous inside each chunk; chunk ``i`` is shifted by a skip ``u_i``, drawn
-uniformly from ``{u_(i-1), ..., L_t - L_c}`` with ``u_0 = 0``, so skips never decrease, chunks never
-overlap, and the largest position is at most ``L_t - 1``. Over many samples the relative distances
-cover ``1 .. L_t - 1``. The authors' code also caps the first chunk at half the window; here the
-cut is uniform over the window.
-
-What the chunks contain (``content_skip``; the paper's Eq. 5 and Table 4, which finds the three within
-0.08 perplexity of each other at 16K): chunk ``i`` holds ``x[v_i + st_i : v_i + st_i + l_i]`` of a
-sample ``x`` of ``L_x`` tokens (``st_i``, ``l_i``: the chunk's start and length in the window).
-
-- ``none`` (default): ``v_i = 0``, the sample's first ``L_c`` tokens, contiguous. The only choice for
-  conversations, whose answers need their context.
-- ``uniform``: ``v_i`` drawn uniformly from ``{v_(i-1), ..., L_x - L_c}`` (the paper's main setting and
-  the authors' code): the window's chunks come from anywhere in a longer text.
-- ``aligned``: ``v_i = u_i``: every token's position id is its real position in the text, so skips
-  reach at most ``min(L_x, L_t) - L_c`` (texts of ``L_t`` tokens cover every distance).
-
-With a content skip, samples up to ``L_t`` tokens reach the collator (plain text only), and the
-first token after a skipped stretch is not scored: its predecessor in the window is not what
-preceded it in the text.
-
-Pitfalls this module handles: transformers reads a jump in ``position_ids`` as the
-start of a new packed sequence when no ``attention_mask`` is passed, which would cut attention
-between chunks, so :class:`PoseCollator` always returns an explicit all-ones ``attention_mask``
-(right padding: causal attention never lets real tokens see the padding); and TRL's collator drops
-a ``position_ids`` column, so PoSE needs this collator of its own.
-"""
+:class:`PoseCollator` always returns an all-ones ``attention_mask`` (right padding): without one, transformers reads
+a jump in ``position_ids`` as a new packed sequence. TRL's collator drops ``position_ids``, hence PoSE's own."""
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -44,21 +23,13 @@ import torch
 from ...family import IGNORE_INDEX
 
 
-def _generator(rng: np.random.Generator | int | None) -> np.random.Generator:
-    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
-
-
 def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.ndarray:
     """``(length,)`` chunk index of each token: ``n_chunks`` non-empty chunks cut uniformly at random."""
     if length < 1:
         raise ValueError("length must be at least 1")
     if not 1 <= n_chunks <= length:
         raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = (
-        np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
-        if n_chunks > 1
-        else np.zeros(0, int)
-    )
+    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
     bounds = np.concatenate([[0], cuts, [length]])
     return np.repeat(np.arange(n_chunks), np.diff(bounds))
 
@@ -74,22 +45,9 @@ def _skips(n_chunks: int, max_skip: int, rng: np.random.Generator) -> np.ndarray
 def pose_position_ids(
     length: int, target_length: int, n_chunks: int = 2, rng: np.random.Generator | int | None = None
 ) -> np.ndarray:
-    """PoSE position ids for one sample of ``length`` tokens simulating ``target_length``.
-
-    Args:
-        length: tokens in the sample (``L_c``, at most the training window).
-        target_length: the context length to simulate (``L_t >= L_c``).
-        n_chunks: chunks ``N`` (at most ``length``); 1 gives plain positions ``0 .. length - 1``.
-        rng: a numpy Generator or a seed.
-
-    Returns:
-        int64 array of shape ``(length,)``, non-decreasing jumps between chunks, max ``<= L_t - 1``.
-    """
-    if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the sample length ({length})")
-    rng = _generator(rng)
-    chunk = _chunk_of_token(length, n_chunks, rng)
-    return np.arange(length, dtype=np.int64) + _skips(n_chunks, target_length - length, rng)[chunk]
+    """PoSE position ids, int64 ``(length,)`` with max ``<= target_length - 1``, of a sample of ``length`` tokens in
+    ``n_chunks`` chunks (1: plain positions); ``rng``: a numpy Generator or a seed."""
+    return pose_sample(length, length, target_length, n_chunks, "none", rng)[1]
 
 
 def pose_sample(
@@ -100,80 +58,56 @@ def pose_sample(
     content_skip: str = "none",
     rng: np.random.Generator | int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Which tokens of a sample train, and at which positions (the paper's Eq. 5 with ``content_skip``).
+    """Which tokens of a sample of ``source_length`` (``L_x``) tokens train, and at which positions: ``(token_index,
+    position_ids)``, int64 ``(L_c,)`` with ``L_c = min(window, L_x)``, both increasing, by 1 inside a chunk.
 
-    Args:
-        source_length: tokens in the sample (``L_x``).
-        window: the training window; ``L_c = min(window, L_x)`` tokens train.
-        target_length: the simulated context length ``L_t`` (at least ``L_c``).
-        n_chunks: chunks ``N`` (at most ``L_c``).
-        content_skip: ``none`` (``v_i = 0``), ``uniform`` (``v_i`` drawn from ``{v_(i-1), ..., L_x - L_c}``) or
-            ``aligned`` (``v_i = u_i``, skips up to ``min(L_x, L_t) - L_c``); see the module docstring.
-        rng: a numpy Generator or a seed. ``none`` draws what :func:`pose_position_ids` draws.
-
-    Returns:
-        ``(token_index, position_ids)``, int64 arrays of shape ``(L_c,)``: the sample's tokens
-        ``x[token_index]`` train at ``position_ids``; both increase, by 1 inside a chunk.
+    ``target_length``: ``L_t``, at least ``L_c``; ``n_chunks``: at most ``L_c``; ``content_skip``: ``none``,
+    ``uniform`` or ``aligned`` (the module docstring); ``rng``: a numpy Generator or a seed.
     """
     length = min(window, source_length)
-    if content_skip == "none":
-        return np.arange(length, dtype=np.int64), pose_position_ids(length, target_length, n_chunks, rng)
     if target_length < length:
-        raise ValueError(f"target_length ({target_length}) must be >= the window ({length})")
-    rng = _generator(rng)
+        raise ValueError(f"target_length ({target_length}) must be >= the trained length ({length})")
+    if content_skip not in ("none", "uniform", "aligned"):
+        raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
+    rng = np.random.default_rng(rng)  # a Generator is returned as it is
     chunk = _chunk_of_token(length, n_chunks, rng)
     steps = np.arange(length, dtype=np.int64)
-    if content_skip == "aligned":
+    if content_skip == "aligned":  # the tokens at their position ids
         index = steps + _skips(n_chunks, min(source_length, target_length) - length, rng)[chunk]
         return index, index.copy()
+    positions = steps + _skips(n_chunks, target_length - length, rng)[chunk]
     if content_skip == "uniform":
-        positions = steps + _skips(n_chunks, target_length - length, rng)[chunk]
-        return steps + _skips(n_chunks, source_length - length, rng)[chunk], positions
-    raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
+        steps = steps + _skips(n_chunks, source_length - length, rng)[chunk]
+    return steps, positions
 
 
+@dataclass
 class PoseCollator:
-    """Pads a batch and attaches PoSE ``position_ids`` and an explicit all-ones ``attention_mask``.
+    """Pads a batch (right) and attaches PoSE ``position_ids`` and an explicit all-ones ``attention_mask``.
 
-    Each feature needs ``input_ids``; labels come from ``labels``, else from TRL's
-    ``assistant_masks`` / ``completion_mask`` (1 = trained), else from ``input_ids``. A feature that
-    already has ``position_ids`` keeps them (and is only truncated to the window). Batches are right-padded;
-    padding gets label -100 and repeats the sample's last position.
+    Each feature needs ``input_ids``; labels come from ``labels``, else TRL's ``assistant_masks`` /
+    ``completion_mask`` (1 = trained), else ``input_ids``. A feature with ``position_ids`` keeps them (truncated to
+    the window). Label -100 for padding (which repeats the last position) and a token after skipped text.
 
-    Args:
-        target_length: the simulated context length ``L_t``.
-        pad_token_id: id used for padding.
-        n_chunks: PoSE chunks per sample.
-        max_length: training window ``L_c``: longer samples are truncated to it, or with a content skip give
-            ``L_c`` of their tokens (None: no truncation, no content skip).
-        seed: with each sample's tokens, seeds that sample's draw (as UtK's collator does), so a resumed run, or
-            another process, draws what an uninterrupted one would; a sample seen again in a later epoch gets the
-            same positions.
-        content_skip: ``none``, ``uniform`` or ``aligned`` (:func:`pose_sample`): which of a longer sample's tokens
-            fill the window. The first token after a skipped stretch of text gets label -100.
-    """
+    ``seed`` seeds each sample's draw together with its tokens (as UtK's collator does): a resumed run, or another
+    process, draws what an uninterrupted one would, and a sample seen again gets the same positions."""
 
-    def __init__(
-        self,
-        target_length: int,
-        pad_token_id: int,
-        n_chunks: int = 2,
-        max_length: int | None = None,
-        seed: int = 0,
-        content_skip: Literal["none", "uniform", "aligned"] = "none",
-    ):
-        if max_length is not None and max_length > target_length:
-            raise ValueError(f"max_length ({max_length}) must not exceed target_length ({target_length})")
-        if content_skip not in ("none", "uniform", "aligned"):
-            raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
-        if content_skip != "none" and max_length is None:
-            raise ValueError(f"content_skip={content_skip!r} draws a window from each sample: set max_length")
-        self.target_length = target_length
-        self.pad_token_id = pad_token_id
-        self.n_chunks = n_chunks
-        self.max_length = max_length
-        self.seed = seed
-        self.content_skip = content_skip
+    target_length: int  # the simulated context length L_t
+    pad_token_id: int
+    n_chunks: int = 2  # PoSE chunks per sample
+    # the training window L_c: longer samples are cut to it, or give L_c tokens by content_skip (None: neither)
+    max_length: int | None = None
+    seed: int = 0
+    # which of a longer sample's tokens fill the window (:func:`pose_sample`)
+    content_skip: Literal["none", "uniform", "aligned"] = "none"
+
+    def __post_init__(self) -> None:
+        if self.max_length is not None and self.max_length > self.target_length:
+            raise ValueError(f"max_length ({self.max_length}) must not exceed target_length ({self.target_length})")
+        if self.content_skip not in ("none", "uniform", "aligned"):
+            raise ValueError(f"content_skip must be none, uniform or aligned, got {self.content_skip!r}")
+        if self.content_skip != "none" and self.max_length is None:
+            raise ValueError(f"content_skip={self.content_skip!r} draws a window from each sample: set max_length")
 
     def _draw(self, input_ids: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The window's ``(input_ids, labels, position_ids)`` drawn from one sample, each ``(L_c,)``."""
@@ -181,14 +115,8 @@ class PoseCollator:
             input_ids, labels = input_ids[: self.max_length], labels[: self.max_length]
         rng = np.random.default_rng(zlib.crc32(input_ids.tobytes(), self.seed))
         window = self.max_length or len(input_ids)
-        index, positions = pose_sample(
-            len(input_ids),
-            window,
-            self.target_length,
-            min(self.n_chunks, window, len(input_ids)),
-            self.content_skip,
-            rng,
-        )
+        n_chunks = min(self.n_chunks, window, len(input_ids))
+        index, positions = pose_sample(len(input_ids), window, self.target_length, n_chunks, self.content_skip, rng)
         labels = labels[index]
         labels[1:][np.diff(index) > 1] = IGNORE_INDEX  # its predecessor in the window did not precede it
         return input_ids[index], labels, positions
@@ -198,8 +126,7 @@ class PoseCollator:
             return np.asarray(feature["labels"], dtype=np.int64)
         for key in ("assistant_masks", "completion_mask"):
             if feature.get(key) is not None:
-                mask = np.asarray(feature[key], dtype=bool)
-                return np.where(mask, input_ids, IGNORE_INDEX)
+                return np.where(np.asarray(feature[key], dtype=bool), input_ids, IGNORE_INDEX)
         return input_ids.copy()
 
     def __call__(self, features: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
@@ -212,19 +139,18 @@ class PoseCollator:
                 continue
             keep = slice(self.max_length)
             rows.append((input_ids[keep], labels[keep], np.asarray(feature["position_ids"], dtype=np.int64)[keep]))
-        width = max(len(r[0]) for r in rows)
-        batch_ids = np.full((len(rows), width), self.pad_token_id, dtype=np.int64)
-        batch_labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
-        batch_positions = np.zeros((len(rows), width), dtype=np.int64)
-        for b, (ids, labels, positions) in enumerate(rows):
-            n = len(ids)
-            batch_ids[b, :n], batch_labels[b, :n], batch_positions[b, :n] = ids, labels, positions
-            # padding repeats the last position: positions past target_length - 1 would change what a rope type
-            # that reads the batch's largest position (dynamic) computes for the real tokens
-            batch_positions[b, n:] = positions[-1]
+        width = max(len(ids) for ids, _, _ in rows)
+
+        def padded(column: int, **fill: Any) -> torch.Tensor:  # each row right-padded to the batch's width
+            return torch.from_numpy(
+                np.stack([np.pad(row[column], (0, width - len(row[column])), **fill) for row in rows])
+            )
+
+        # Padding repeats the last position: positions past target_length - 1 would change what a rope type that
+        # reads the batch's largest position (dynamic) computes for the real tokens.
         return {
-            "input_ids": torch.from_numpy(batch_ids),
-            "labels": torch.from_numpy(batch_labels),
-            "position_ids": torch.from_numpy(batch_positions),
+            "input_ids": padded(0, constant_values=self.pad_token_id),
+            "labels": padded(1, constant_values=IGNORE_INDEX),
+            "position_ids": padded(2, mode="edge"),
             "attention_mask": torch.ones((len(rows), width), dtype=torch.long),
         }

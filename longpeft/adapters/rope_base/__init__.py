@@ -1,15 +1,7 @@
-"""RoPE-base expansion (and transformers' own RoPE scalings) through one entry point.
-
-The "Llama-3 8K -> 80K overnight" recipe raises the RoPE base from 500K to 200M and fine-tunes with
-QLoRA. transformers' own rope types (linear/PI, dynamic NTK, yarn, llama3) are selected the same way,
-through a complete ``rope_parameters`` dict. The ``rope`` section of recipes and of
-``longpeft.json`` is :class:`RopeConfig`; in ``longpeft.json`` it holds the complete resolved dict.
-A merged or fully fine-tuned model's config.json also gets the keys transformers 4 reads
-(:func:`write_legacy_rope_keys`).
-
-- :mod:`.config`: :class:`RopeConfig`;
-- :mod:`.modeling`: :func:`expand_rope_base` and its undo;
-- :mod:`.export`: the legacy config.json keys of an exported model.
+"""RoPE-base expansion (the "Llama-3 8K -> 80K overnight" recipe: base 500K -> 200M, then QLoRA) and transformers'
+own rope types (linear/PI, dynamic NTK, yarn, llama3), through one complete ``rope_parameters`` dict: the ``rope``
+section (:class:`RopeConfig`), set on a model by :func:`expand_rope_base`, written into an exported config.json for
+transformers 4 too (:func:`write_legacy_rope_keys`).
 """
 
 from __future__ import annotations
@@ -33,15 +25,20 @@ __getattr__ = torch_names(__name__, TORCH_NAMES)
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     """The complete rope_parameters and max length this section gives the base model.
 
-    Refuses a rope type without the keys it reads (transformers would fail on the first forward), keys the resulting
-    rope type does not read (transformers would ignore them), ``dynamic`` for a
-    training run: dynamic NTK rescales only beyond ``max_position_embeddings``, which a recipe sets to at least its
-    training length, so the run would train plain RoPE; and a ``rope_theta`` below the base model's own
-    (:func:`check_rope_theta`).
+    Raises ConfigError for a rope type without the keys it reads (transformers would fail on the first forward), keys
+    the rope type does not read (transformers would ignore them), ``dynamic`` in a training run (it rescales only
+    beyond ``max_position_embeddings``, at least the training length: the run would train plain RoPE), and a
+    ``rope_theta`` below the base model's own (a smaller base shortens every rotary wavelength; equal keeps it).
     """
     requested = config.rope_parameters()
-    if "rope_theta" in requested:
-        check_rope_theta(requested["rope_theta"], float(rope_parameters_of(context.base_config)["rope_theta"]))
+    base_theta = float(rope_parameters_of(context.base_config)["rope_theta"])
+    if requested.get("rope_theta", base_theta) < base_theta:
+        raise ConfigError(
+            f"rope.rope_theta={requested['rope_theta']:g} is below the base model's own RoPE base {base_theta:g}: a "
+            "smaller base shortens every rotary wavelength, so the model tells fewer positions apart instead of more; "
+            f"give a base above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to "
+            "keep the model's own"
+        )
     params = resolve_rope_parameters(context.base_config, requested)
     missing = [key for key in ROPE_TYPE_REQUIRED_KEYS[params["rope_type"]] if key not in params]
     if missing:
@@ -69,28 +66,8 @@ def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
     return RopeConfig(**params, max_position_embeddings=max_positions)
 
 
-def check_rope_theta(theta: float, base_theta: float) -> None:
-    """A recipe's ``rope.rope_theta`` extends the context only when it is at least the base model's own base
-    ``base_theta``: the longest rotary wavelength grows with the base, so a smaller one shortens every wavelength and
-    leaves fewer positions the model tells apart (a base near 1 turns every pair at about one radian per position,
-    ~6 positions a turn). Equal keeps the model's own base (a rope_type's scaling may still change).
-
-    Raises:
-        ConfigError: ``theta`` below ``base_theta``, naming the field, both values and what to do.
-    """
-    if theta < base_theta:
-        raise ConfigError(
-            f"rope.rope_theta={theta:g} is below the base model's own RoPE base {base_theta:g}: a smaller base "
-            "shortens every rotary wavelength, so the model tells fewer positions apart instead of more; give a base "
-            f"above {base_theta:g} (the 80K recipe raises 500000 to 2e8), or leave rope.rope_theta out to keep the "
-            "model's own"
-        )
-
-
 class Rope(Method):
-    """RoPE parameters in the registry: resolved against the base, set on a built model, and written into an
-    exported config.json for transformers 4 (:func:`write_legacy_rope_keys`). Every model has it (``implied``); the
-    card writes the RoPE change itself (``hub.model_card_text``)."""
+    """RoPE parameters in the registry: every model has them (``implied``); the card writes their change itself."""
 
     name = "rope"
     config = RopeConfig

@@ -47,6 +47,5 @@ def restore_rope(model: nn.Module) -> None:
 
 
 def has_rope_change(model: nn.Module) -> bool:
-    """Whether :func:`expand_rope_base` changed ``model``'s RoPE parameters (and :func:`restore_rope` did not undo
-    it)."""
+    """Whether :func:`expand_rope_base` changed ``model``'s RoPE parameters, not undone by :func:`restore_rope`."""
     return getattr(model, "_longpeft_original_rope", None) is not None

@@ -1,17 +1,7 @@
 """STRING (An et al., 2024): training-free shifted query positions for far keys at inference.
 
-``enable_string(model)`` / ``disable_string(model)`` switch it on a built model; the active settings
-show in ``print(model)`` on every attention module. The ``string`` section of a recipe or of
-``longpeft.json`` (:class:`StringConfig`) switches it on when an adapter is loaded. The attention
-math and its exactness argument are in :mod:`.attention`; a merged model keeps STRING through the
-modeling file :mod:`.export` writes beside it (``trust_remote_code=True``).
-
-- :mod:`.config`: :class:`StringConfig`;
-- :mod:`.attention`: the attention of eager, SDPA and flash-attn with shifted far keys;
-- :mod:`.patch`: :func:`enable_string` with a section's settings, and what an input costs a model with STRING on;
-- :mod:`.modeling`: the causal LM classes of an exported model (the end of ``modeling_string.py``);
-- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
-"""
+``enable_string(model)`` / ``disable_string(model)`` switch it on a built model (its settings show in
+``print(model)``); a ``string`` section (:class:`StringConfig`) switches it on when an adapter is loaded."""
 
 from __future__ import annotations
 
@@ -34,12 +24,8 @@ TORCH_NAMES = {
 __getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
-ROTATES_ITSELF = "its attention forward rotates queries and keys itself (shifted positions for far keys)"
-
-
 class String(Method):
-    """STRING in the registry: switched on a built model at inference only, bounding the positions an input spans,
-    and shipped in a modeling file on export."""
+    """STRING in the registry: on a built model at inference only, bounding the positions an input spans."""
 
     name = "string"
     config = StringConfig
@@ -49,7 +35,8 @@ class String(Method):
         "harpe": "STRING needs one RoPE base for all heads, and HARPE gives each head its own",
         "beacon": "Activation Beacon keeps positions inside the base's window already, and its cache holds beacon "
         "keys whose positions are not their cache indices (STRING reads distances off those)",
-        "liger_kernels": f"{ROTATES_ITSELF}, where Liger's RoPE kernel does not reach, and the pair is not checked",
+        "liger_kernels": "its attention forward rotates queries and keys itself (shifted positions for far keys), "
+        "where Liger's RoPE kernel does not reach, and the pair is not checked",
         "unsloth": "unsloth replaces the attention forward that STRING patches, which would silently not apply",
     }
 

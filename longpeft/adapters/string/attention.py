@@ -1,40 +1,20 @@
-"""STRING: shifted rotary positions at inference (An et al., 2024, "Why does the effective context
-length of LLMs fall short?"). Training-free; switch it on and off on a built model.
+"""STRING: shifted rotary positions at inference (An et al., 2024), switched on and off on a built model; the
+causal LM classes of an exported model at the end (this file is ``modeling_string.py``'s).
 
-For query ``i`` and key ``j`` at distance ``d = i - j``:
+Query ``i`` scores key ``j`` at distance ``d = i - j`` as RoPE does at ``d`` when ``d < S`` and at ``d - S + W`` when
+``d >= S`` (paper Eq. 4; ``S``: the shift, ``W``: the local window). Only queries shift; the KV cache keeps its
+positions. RoPE rotations compose, so a key rotated ``S - W`` steps forward scores as at ``d - S + W``: STRING is
+exactly one softmax over ``[K ; K rotated by S - W]`` (``V`` duplicated), each key read once, plain or shifted.
+Unlike the authors' prefill, the key at distance exactly ``S`` is scored once (shifted). Their ~1.07 factor on
+cos/sin is ``cos_sin_scale`` (off by default): every attention logit times ``cos_sin_scale ** 2``.
 
-* ``d < S``  -> the usual RoPE score at distance ``d``;
-* ``d >= S`` -> the score RoPE gives at distance ``d - S + W`` (paper Eq. 4),
-
-with ``S`` the shift (default ``L // 3``, ``L`` the trained length) and ``W`` the local window
-(default 128). Only queries are shifted; the KV cache keeps keys at their original positions.
-
-How it is computed. RoPE rotations compose, so a key cached at position ``j`` rotated forward by
-``S - W`` more steps is the key at ``j + S - W``, and the score with the query at ``i`` is RoPE at
-``d - S + W``. Exactly (eager and SDPA) STRING is one softmax over ``[K ; K rotated by S - W]``
-with ``V`` duplicated, where query ``i`` may read the first copy of key ``j`` when ``d < S`` and the
-second copy when ``d >= S`` (each key is read once). To keep time and memory close to plain
-attention, queries are processed in blocks and each block only gets the keys it may read: shifted
-copies of keys ``j < end - S`` and plain copies of keys ``j > start - S``; only a band of
-``block`` keys appears in both. With flash-attn the two parts are two kernel calls (a sliding
-window over distances ``0 .. S-1`` and a causal call on the shifted keys) merged by log-sum-exp.
-
-Not reproduced from the authors' code: their prefill counts the key at distance exactly ``S``
-twice; here it is scored once, shifted. Their ~1.07 factor on cos/sin is available as
-``cos_sin_scale`` (off by default): it multiplies the cos and sin of queries and keys, i.e. every
-attention logit by ``cos_sin_scale ** 2``.
-
-Needs a DynamicCache (what ``generate`` and plain forwards use; static and sliding-window caches
-are refused): the queries are the last ``T`` of the ``L`` keys, so distances are index
-differences (left padding keeps this true). Needs one RoPE base for all heads (not HARPE's
-per-head bases).
-"""
+Needs a DynamicCache (distances are cache-index differences: the queries are the last ``T`` of the ``L`` keys; left
+padding keeps this true) and one RoPE base for all heads (not HARPE's)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -44,7 +24,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 # longpeft-inline-begin
-from ...family import attention_modules, causal_lm_of, kernel_interface, pop_cache
+from ...family import attention_modules, causal_lm_of, define_export_classes, kernel_interface, pop_cache
 from ...rope import apply_rotary, rotary_modules
 
 # longpeft-inline-end
@@ -52,8 +32,7 @@ from ...rope import apply_rotary, rotary_modules
 logger = logging.getLogger(__name__)
 
 STRING_ATTENTION = "longpeft_string"
-# Queries per block in the SDPA/eager paths: the duplicated band is this wide, so the extra work is
-# about 3 * QUERY_BLOCK / seq_len of the attention; smaller blocks mean more kernel calls.
+# Queries per block (SDPA, eager): the band read twice is this wide, about 3 * QUERY_BLOCK / seq_len extra work.
 QUERY_BLOCK = 128
 
 
@@ -84,27 +63,16 @@ class StringSettings:
 
     def describe(self) -> str:
         """One line for the attention module's repr, e.g. ``STRING(shift=341, local_window=128, ...)``."""
-        scale = f", cos_sin_scale={self.cos_sin_scale}" if self.cos_sin_scale is not None else ""
-        return (
-            f"STRING(shift={self.shift}, local_window={self.local_window}, "
-            f"trained_length={self.trained_length}{scale})"
-        )
+        fields = ", ".join(f"{name}={value}" for name, value in self.as_dict().items() if value is not None)
+        return f"STRING({fields})"
 
 
 class _StringConfigView:
-    """Stands in for an attention module's config while STRING is on.
-
-    Every attribute reads and writes through to the model's real config, except
-    ``_attn_implementation``, which names the STRING attention function; the real implementation
-    (eager / sdpa / flash) stays readable as ``base_attn_implementation``. The model itself keeps
-    its config, so masks are still built for the real implementation.
-    """
+    """An attention module's config while STRING is on: the model's (which the model keeps, so masks are built for
+    the real implementation), but ``_attn_implementation`` is STRING's (the real one: ``base_attn_implementation``)."""
 
     def __init__(self, config: Any, settings: StringSettings, rotary_owner: nn.Module, rotary_name: str):
-        object.__setattr__(self, "_base", config)
-        object.__setattr__(self, "string_settings", settings)
-        object.__setattr__(self, "_rotary_owner", rotary_owner)
-        object.__setattr__(self, "_rotary_name", rotary_name)
+        vars(self).update(_base=config, string_settings=settings, _rotary_owner=rotary_owner, _rotary_name=rotary_name)
 
     @property
     def _attn_implementation(self) -> str:
@@ -127,17 +95,12 @@ class _StringConfigView:
         setattr(self._base, name, value)
 
 
-# ----------------------------------------------------------------------------------------------
-# Switching STRING on and off
-# ----------------------------------------------------------------------------------------------
+# ---- switching STRING on and off
 
 
 def install_string(model: nn.Module, settings: StringSettings) -> None:
-    """Switch STRING on with ``settings``, in place, without checking the model (see ``enable_string``).
-
-    Every attention module gets a config view naming the STRING attention function, a hook that
-    refuses caches STRING cannot read distances from, and the settings in its repr.
-    """
+    """Switch STRING on with ``settings``, in place, without checking the model (``enable_string`` checks): every
+    attention module gets a config view, a hook refusing caches STRING cannot read distances from, and a repr."""
     rotaries = rotary_modules(causal_lm_of(model))
     if len(rotaries) != 1:
         raise ValueError(f"STRING expects exactly one rotary embedding module, found {len(rotaries)}")
@@ -157,8 +120,7 @@ def install_string(model: nn.Module, settings: StringSettings) -> None:
 
 
 def _is_string_view(config: Any) -> bool:
-    """Whether an attention module's config is a :class:`_StringConfigView`: longpeft's, or the copy of an exported
-    model's ``modeling_string.py`` (another class of the same shape, so not ``isinstance``)."""
+    """Whether a config is a :class:`_StringConfigView`, longpeft's or an exported ``modeling_string.py``'s copy."""
     return "string_settings" in vars(config) and hasattr(config, "base_attn_implementation")
 
 
@@ -195,19 +157,12 @@ def string_settings(model: nn.Module) -> dict[str, Any] | None:
     return None
 
 
-# ----------------------------------------------------------------------------------------------
-# The attention function registered as "longpeft_string"
-# ----------------------------------------------------------------------------------------------
+# ---- the attention function registered as "longpeft_string"
 
 
 def rotate_keys_forward(key: torch.Tensor, steps: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Rotate RoPE'd keys by ``steps`` more positions: the key at ``j`` becomes the key at ``j + steps``.
-
-    Args:
-        key: ``[batch, kv_heads, keys, head_dim]``, already rotated at its own positions.
-        steps: how many positions to move forward.
-        inv_freq: ``[head_dim // 2]`` rotary inverse frequencies.
-    """
+    """Rotate RoPE'd keys ``[batch, kv_heads, keys, head_dim]`` by ``steps`` more positions (the key at ``j`` becomes
+    the key at ``j + steps``) with the ``[head_dim // 2]`` rotary inverse frequencies ``inv_freq``."""
     angles = steps * inv_freq.to(device=key.device, dtype=torch.float64)
     angles = torch.cat((angles, angles))
     return apply_rotary(key, angles.cos().to(key.dtype), angles.sin().to(key.dtype))
@@ -220,110 +175,41 @@ def _plain_rows(shift: int, n_queries: int, n_keys: int) -> tuple[int, int]:
     return offset, min(max(shift - offset, 0), n_queries)
 
 
-def _causal(first: int, end: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """``[end - first, n_keys]`` bool: the query rows at cache indices ``first .. end-1`` may read the keys at or
-    before them."""
-    rows = torch.arange(first, end, device=device)[:, None]
-    return rows >= torch.arange(n_keys, device=device)[None, :]
-
-
 def _far(first: int, end: int, keys_from: int, keys_to: int, shift: int, device: torch.device) -> torch.Tensor:
     """``[end - first, keys_to - keys_from]`` bool: the key at cache index ``keys_from + k`` is ``shift`` or more
-    positions before the query row at ``first + q`` (read shifted, not plain)."""
+    positions before the query row at ``first + q``: read shifted, not plain (``shift`` 0: the causal mask)."""
     rows = torch.arange(first, end, device=device)[:, None]
     return rows - torch.arange(keys_from, keys_to, device=device)[None, :] >= shift
 
 
-def _restrict(base: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
-    """Combine the model's mask segment (bool, additive float or None) with STRING's ``allowed`` ``[q, k]``."""
-    if base is None:
-        return allowed
-    if base.dtype == torch.bool:
-        return base & allowed
-    return base.masked_fill(~allowed, torch.finfo(base.dtype).min)
-
-
 def _unblock_empty_rows(mask: torch.Tensor) -> torch.Tensor:
-    """Let fully masked rows of a bool mask (padding queries) read every key, so SDPA gives no NaN.
-
-    Those rows are padding: their outputs are never read by real tokens.
-    """
-    if mask.dtype != torch.bool:
-        return mask
-    empty = ~mask.any(dim=-1, keepdim=True)
-    return mask | empty
-
-
-def _fill_causal_string_mask(mask: torch.Tensor, first: int, end: int, shift: int) -> None:
-    """Write the additive mask of one query block of :func:`string_attention_sdpa` (model mask causal).
-
-    Query rows have cache indices ``first .. end-1``; the block's keys are the shifted copies of
-    keys ``0 .. end-S-1`` followed by the plain copies of keys ``first-S+1 .. end-1``. Row ``i``
-    may read shifted key ``j`` when ``i - j >= S`` and plain key ``j`` when ``0 <= i - j < S``.
-    Only three bands, at most ``end - first`` columns wide each, are blocked, so the mask is
-    zeroed and the bands filled in place.
-
-    Args:
-        mask: ``[end - first, (end - S) + (end - first + S - 1)]``, overwritten with 0 / -inf.
-    """
-    n_shifted, near_lo = end - shift, first - shift + 1
-    mask.zero_()
-    rows = torch.arange(first, end, device=mask.device)[:, None]
-
-    def block_band(columns_from: int, keys: torch.Tensor, blocked: torch.Tensor) -> None:
-        mask[:, columns_from : columns_from + keys.numel()].masked_fill_(blocked, float("-inf"))
-
-    far_keys = torch.arange(near_lo, n_shifted, device=mask.device)  # shifted copies some rows must skip
-    block_band(near_lo, far_keys, far_keys[None, :] > rows - shift)
-    near_keys = far_keys  # their plain copies are too far for the other rows
-    block_band(n_shifted, near_keys, near_keys[None, :] <= rows - shift)
-    future_keys = torch.arange(first + 1, end, device=mask.device)  # causal part
-    block_band(n_shifted + first + 1 - near_lo, future_keys, future_keys[None, :] > rows)
-
-
-def _view(flat: torch.Tensor, *shape: int) -> torch.Tensor:
-    """A contiguous ``shape`` view on the start of a flat reusable buffer."""
-    return flat[: math.prod(shape)].view(*shape)
-
-
-def _plain_sdpa(
-    sdpa: Callable[..., torch.Tensor],
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    offset: int,
-    n_plain: int,
-) -> torch.Tensor:
-    """Plain attention of the first ``n_plain`` query rows (those with no key ``S`` or more positions away) over
-    the keys up to the last of them; shapes as :func:`string_attention_sdpa`. Returns ``[batch, heads, n_plain,
-    head_dim]``."""
-    k_end = offset + n_plain
-    if attention_mask is None and offset == 0:
-        return sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], is_causal=True)
-    if attention_mask is None:
-        mask = _causal(offset, k_end, k_end, query.device)
-    else:
-        mask = _unblock_empty_rows(attention_mask[..., :n_plain, :k_end])
-    return sdpa(query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask)
+    """Let fully masked rows of a bool mask (padding queries, never read by real tokens) read every key: no NaN."""
+    return mask | ~mask.any(dim=-1, keepdim=True) if mask.dtype == torch.bool else mask
 
 
 def _block_mask(
     attention_mask: torch.Tensor | None, buffer: torch.Tensor | None, offset: int, first: int, end: int, shift: int
 ) -> torch.Tensor | None:
-    """The mask of the query block at cache indices ``first .. end-1`` over its keys (the shifted copies of keys
-    ``0 .. end-S-1``, then the plain copies of keys ``first-S+1 .. end-1``): each row reads one copy of each key.
-
-    Without the model's mask, causal: None for one query (decoding reads every key once), else written into the
-    reusable ``buffer`` (:func:`_fill_causal_string_mask`); with it (``[batch or 1, 1, T, L]``, ``offset`` the cache
-    index of its row 0), that mask restricted to the copy each row may read.
-    """
+    """The mask of the query rows ``first .. end-1`` (cache indices) over the shifted copies of keys ``0 .. end-S-1``
+    and the plain copies of keys ``first-S+1 .. end-1``: row ``i`` reads shifted key ``j`` when ``i - j >= S``, plain
+    key ``j`` when ``0 <= i - j < S``. Without ``attention_mask``: None for one query, else additive, written into the
+    flat ``buffer``; with it (``offset``: the cache index of its row 0), that mask restricted to those copies."""
     n_shifted, near_lo = end - shift, first - shift + 1
     if attention_mask is None and end - first == 1:
         return None
-    if attention_mask is None:
-        mask = _view(buffer, end - first, n_shifted + end - near_lo)
-        _fill_causal_string_mask(mask, first, end, shift)
+    if attention_mask is None:  # only three bands, each at most end - first columns wide, are blocked
+        width = n_shifted + end - near_lo
+        mask = buffer[: (end - first) * width].view(end - first, width).zero_()
+        rows = torch.arange(first, end, device=mask.device)[:, None]
+
+        def block_band(columns_from: int, keys: torch.Tensor, blocked: torch.Tensor) -> None:
+            mask[:, columns_from : columns_from + keys.numel()].masked_fill_(blocked, float("-inf"))
+
+        far_keys = torch.arange(near_lo, n_shifted, device=mask.device)  # shifted copies some rows must skip
+        block_band(near_lo, far_keys, far_keys[None, :] > rows - shift)
+        block_band(n_shifted, far_keys, far_keys[None, :] <= rows - shift)  # their plain copies, too far for others
+        future_keys = torch.arange(first + 1, end, device=mask.device)  # causal part
+        block_band(n_shifted + first + 1 - near_lo, future_keys, future_keys[None, :] > rows)
         return mask
     device = attention_mask.device
     allowed = torch.cat(
@@ -331,7 +217,9 @@ def _block_mask(
     )
     base = attention_mask[..., first - offset : end - offset, :]
     base = torch.cat((base[..., :n_shifted], base[..., near_lo:end]), dim=-1)
-    return _unblock_empty_rows(_restrict(base, allowed))
+    if base.dtype == torch.bool:
+        return _unblock_empty_rows(base & allowed)
+    return base.masked_fill(~allowed, torch.finfo(base.dtype).min)
 
 
 def string_attention_sdpa(
@@ -346,28 +234,10 @@ def string_attention_sdpa(
     dropout: float = 0.0,
     block: int = QUERY_BLOCK,
 ) -> torch.Tensor:
-    """STRING attention on torch's scaled_dot_product_attention (exact).
-
-    Query rows with no key ``S`` or more positions away run as plain (causal) attention; the
-    others run in blocks of ``block`` rows, each over the shifted copies of keys ``0 .. end-S-1``
-    and the plain copies of keys ``first-S+1 .. end-1`` with a mask that lets each row read
-    exactly one copy of each key. Block keys, values and masks live in buffers reused across
-    blocks (fresh large allocations per block cost more than the copies), so the extra memory is
-    about one copy of the keys and values.
-
-    Args:
-        query: ``[batch, heads, T, head_dim]``, RoPE'd at the T newest positions.
-        key, value: ``[batch, kv_heads, L, head_dim]`` (L >= T; the queries are the last T keys).
-        attention_mask: None (causal), or ``[batch or 1, 1, T, L]`` bool (True = may attend) or
-            additive float, as transformers builds them for SDPA/eager.
-        shift, local_window: S and W.
-        inv_freq: ``[head_dim // 2]``.
-        scaling: softmax scale.
-        block: queries per block.
-
-    Returns:
-        ``[batch, T, heads, head_dim]``.
-    """
+    """STRING attention on torch's SDPA (exact): ``[batch, T, heads, head_dim]`` of ``query`` ``[batch, heads, T,
+    head_dim]`` (RoPE'd at the T newest positions) over ``key``, ``value`` ``[batch, kv_heads, L, head_dim]``, with
+    ``attention_mask`` None (causal) or ``[batch or 1, 1, T, L]``, bool (True: may attend) or additive, and
+    ``inv_freq`` ``[head_dim // 2]``. Query blocks of ``block`` rows reuse one buffer of keys, values and mask."""
     batch, heads, n_queries, head_dim = query.shape
     kv_heads, n_keys = key.shape[1], key.shape[2]
     offset, n_plain = _plain_rows(shift, n_queries, n_keys)
@@ -376,14 +246,21 @@ def string_attention_sdpa(
     def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> torch.Tensor:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scaling, enable_gqa=True, **kw)
 
-    if n_plain:
-        out[:, :n_plain] = _plain_sdpa(sdpa, query, key, value, attention_mask, offset, n_plain).transpose(1, 2)
+    if n_plain:  # over the keys up to the last plain row
+        k_end = offset + n_plain
+        if attention_mask is not None:
+            mask = _unblock_empty_rows(attention_mask[..., :n_plain, :k_end])
+        else:  # causal: None when the queries start at the first key
+            mask = _far(offset, k_end, 0, k_end, 0, query.device) if offset else None
+        plain = sdpa(
+            query[:, :, :n_plain], key[:, :, :k_end], value[:, :, :k_end], attn_mask=mask, is_causal=mask is None
+        )
+        out[:, :n_plain] = plain.transpose(1, 2)
     if n_plain == n_queries:
         return out
 
-    # Block keys: shifted copies of keys [0, n_shifted), then plain copies of keys [near_lo, end).
-    # n_shifted grows by one block each step, so the shifted prefix is only appended to (rotating
-    # just the new keys); the plain part after it is rewritten every block.
+    # Block keys: shifted copies of keys [0, n_shifted), then plain copies of keys [near_lo, end). n_shifted grows by
+    # one block each step, so only the new shifted keys are rotated; the plain part after them is rewritten.
     rows_per_block = min(block, n_queries - n_plain)
     most_keys = (n_keys - shift) + rows_per_block + shift - 1
     keys = key.new_empty(batch, kv_heads, most_keys, head_dim)
@@ -393,7 +270,7 @@ def string_attention_sdpa(
     for start in range(n_plain, n_queries, block):
         stop = min(start + block, n_queries)
         first, end = offset + start, offset + stop  # cache indices of the block's queries: [first, end)
-        n_shifted, near_lo = end - shift, first - shift + 1  # shifted copies [0, n_shifted), plain [near_lo, end)
+        n_shifted, near_lo = end - shift, first - shift + 1
         width = n_shifted + end - near_lo
         keys[:, :, shifted_done:n_shifted] = rotate_keys_forward(
             key[:, :, shifted_done:n_shifted], shift - local_window, inv_freq
@@ -421,20 +298,12 @@ def string_attention_eager(
     training: bool = False,
     block: int = QUERY_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """STRING with explicit attention weights (the eager path; shapes as :func:`string_attention_sdpa`).
-
-    The plain scores of all pairs are computed as eager attention does; for query blocks that
-    have keys at distance ``>= S``, the shifted scores of those keys replace them, then one
-    softmax runs over the row.
-
-    Returns:
-        ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``.
-    """
+    """STRING with explicit attention weights, ``(output [batch, T, heads, head_dim], weights [batch, heads, T, L])``
+    (arguments as :func:`string_attention_sdpa`): the scores of keys at distance ``>= S`` shifted, one softmax."""
     n_queries, n_keys = query.shape[2], key.shape[2]
     offset, n_plain = _plain_rows(shift, n_queries, n_keys)
     groups = query.shape[1] // key.shape[1]
-    key_rep = key.repeat_interleave(groups, dim=1) if groups > 1 else key
-    value_rep = value.repeat_interleave(groups, dim=1) if groups > 1 else value
+    key_rep, value_rep = (x.repeat_interleave(groups, dim=1) if groups > 1 else x for x in (key, value))
     scores = torch.matmul(query, key_rep.transpose(2, 3)) * scaling
     if n_plain < n_queries:
         shifted_key = rotate_keys_forward(key_rep[:, :, : n_keys - shift], shift - local_window, inv_freq)
@@ -445,7 +314,7 @@ def string_attention_eager(
             far = _far(offset + start, offset + stop, 0, n_shifted, shift, query.device)
             scores[:, :, start:stop, :n_shifted] = torch.where(far, shifted, scores[:, :, start:stop, :n_shifted])
     if attention_mask is None:
-        attention_mask = _causal(offset, n_keys, n_keys, query.device)
+        attention_mask = _far(offset, n_keys, 0, n_keys, 0, query.device)
     if attention_mask.dtype == torch.bool:
         scores.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)
     else:
@@ -467,20 +336,8 @@ def string_attention_flash(
     dropout: float = 0.0,
     flash_fn: Callable[..., Any] | None = None,
 ) -> torch.Tensor:
-    """STRING with two flash-attention calls merged by log-sum-exp (unpadded batches).
-
-    Call 1: every query, keys at distances ``0 .. S-1`` (causal sliding window ``(S-1, 0)``).
-    Call 2: queries with ``i >= S`` against the shifted keys ``j <= i - S`` (causal, bottom-right
-    aligned, which flash-attn >= 2.1 uses when query and key lengths differ).
-
-    Args:
-        query: ``[batch, heads, T, head_dim]``; key, value: ``[batch, kv_heads, L, head_dim]``.
-        flash_fn: ``flash_attn.flash_attn_func`` (imported lazily when None); tests pass a
-            reference implementation with the same signature.
-
-    Returns:
-        ``[batch, T, heads, head_dim]``.
-    """
+    """STRING on unpadded batches (as :func:`string_attention_sdpa`): ``flash_fn`` (flash-attn's when None) over the
+    distances ``0 .. S-1`` and over the shifted keys ``j <= i - S`` (bottom-right causal), merged by log-sum-exp."""
     if flash_fn is None:
         try:  # (in a try: transformers then does not require flash-attn to load an exported modeling file)
             from flash_attn import flash_attn_func as flash_fn
@@ -492,27 +349,13 @@ def string_attention_flash(
     n_queries, n_keys = query.shape[2], key.shape[2]
     _, n_plain = _plain_rows(shift, n_queries, n_keys)
     q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # flash layout [batch, seq, heads, dim]
-    near_out, near_lse, _ = flash_fn(
-        q,
-        k,
-        v,
-        dropout_p=dropout,
-        softmax_scale=scaling,
-        causal=True,
-        window_size=(shift - 1, 0),
-        return_attn_probs=True,
-    )
+    options = {"dropout_p": dropout, "softmax_scale": scaling, "causal": True, "return_attn_probs": True}
+    near_out, near_lse, _ = flash_fn(q, k, v, window_size=(shift - 1, 0), **options)
     if n_plain == n_queries:
         return near_out
     shifted_key = rotate_keys_forward(key[:, :, : n_keys - shift], shift - local_window, inv_freq).transpose(1, 2)
     far_out, far_lse, _ = flash_fn(
-        q[:, n_plain:].contiguous(),
-        shifted_key.contiguous(),
-        v[:, : n_keys - shift].contiguous(),
-        dropout_p=dropout,
-        softmax_scale=scaling,
-        causal=True,
-        return_attn_probs=True,
+        q[:, n_plain:].contiguous(), shifted_key.contiguous(), v[:, : n_keys - shift].contiguous(), **options
     )
     near_lse_tail = near_lse[:, :, n_plain:]  # [batch, heads, rows]
     total = torch.logaddexp(near_lse_tail, far_lse)
@@ -541,12 +384,6 @@ def _flash_available(query: torch.Tensor) -> bool:
     return True
 
 
-def _padding_mask_to_4d(mask_2d: torch.Tensor, n_queries: int) -> torch.Tensor:
-    """``[batch, L]`` padding mask (1 = token) -> ``[batch, 1, T, L]`` bool causal+padding mask."""
-    n_keys = mask_2d.shape[-1]
-    return mask_2d.bool()[:, None, None, :] & _causal(n_keys - n_queries, n_keys, n_keys, mask_2d.device)
-
-
 def string_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -558,11 +395,8 @@ def string_attention_forward(
     sliding_window: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers attention function for STRING (registered as ``"longpeft_string"``).
-
-    Dispatches on the model's real attention implementation. When no key is ``S`` or more
-    positions from any query, it calls that implementation unchanged.
-    """
+    """transformers attention function for STRING (registered as ``"longpeft_string"``): dispatches on the model's
+    real attention implementation, which runs unchanged when no key is ``S`` or more positions from any query."""
     view: _StringConfigView = module.config
     if getattr(view, "head_rope_bases", None):
         raise ValueError("per-head RoPE bases (HARPE) were set after STRING was enabled; STRING needs one base")
@@ -571,19 +405,9 @@ def string_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if settings.cos_sin_scale is not None:
         scaling = scaling * settings.cos_sin_scale**2
-    base_fn = kernel_interface(module, implementation)
     if key.shape[2] - 1 < settings.shift:  # nothing is far enough to shift
-        return base_fn(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=sliding_window,
-            **kwargs,
-        )
+        kwargs.update(dropout=dropout, scaling=scaling, sliding_window=sliding_window)
+        return kernel_interface(module, implementation)(module, query, key, value, attention_mask, **kwargs)
     if sliding_window is not None and key.shape[2] > sliding_window:
         raise ValueError(
             f"STRING cannot run on a sliding-window attention layer (window {sliding_window}) with "
@@ -602,7 +426,28 @@ def string_attention_forward(
                 "STRING on a flash-attention model: padded batches run on the exact SDPA path (the "
                 "flash-attn path takes unpadded batches only)"
             )
-            attention_mask = _padding_mask_to_4d(attention_mask, query.shape[2])
+            # the [batch, L] padding mask (1 = token) as a [batch, 1, T, L] bool causal + padding mask
+            n_keys = attention_mask.shape[-1]
+            causal = _far(n_keys - query.shape[2], n_keys, 0, n_keys, 0, attention_mask.device)
+            attention_mask = attention_mask.bool()[:, None, None, :] & causal
     elif implementation != "sdpa":
         raise ValueError(f"STRING supports eager, sdpa and flash_attention_2 attention, not {implementation!r}")
     return string_attention_sdpa(query, key, value, attention_mask, *args, dropout=dropout), None
+
+
+# ---- the causal LM classes of an exported model (``StringLlamaForCausalLM``, ..., model_type ``string_llama``, ...)
+
+
+class _StringCausalLM:
+    """STRING at inference (``config.string``)."""
+
+    def __init__(self, config, *args, **kwargs) -> None:
+        super().__init__(config, *args, **kwargs)
+        settings = getattr(config, "string", None)
+        if not settings:
+            raise ValueError("config.json has no string settings: this is not a STRING model")
+        install_string(self, StringSettings(**settings))
+
+
+# Base model_type -> (exported model_type, config class name, causal-LM class name) for auto_map.
+EXPORT_CLASSES_BY_MODEL_TYPE = define_export_classes(globals(), "string", _StringCausalLM)

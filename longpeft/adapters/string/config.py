@@ -11,11 +11,7 @@ DEFAULT_LOCAL_WINDOW = 128  # W: far keys score as at distance d - shift + W
 
 
 class StringConfig(StrictModel):
-    """STRING settings: keys at distance ``d >= shift`` score as at ``d - shift + local_window``.
-
-    ``shift`` defaults to ``trained_length // 3``; ``trained_length`` defaults to the length the model was trained at
-    (the recipe's, recorded in longpeft.json) or the model's ``max_position_embeddings`` (:func:`string_defaults`).
-    """
+    """STRING settings: keys ``d >= shift`` away score as at ``d - shift + local_window`` (:func:`string_defaults`)."""
 
     shift: int | None = Field(default=None, ge=1, le=MAX_POSITIONS)
     local_window: int = Field(default=DEFAULT_LOCAL_WINDOW, ge=0, le=MAX_POSITIONS)
@@ -32,11 +28,8 @@ class StringConfig(StrictModel):
 def string_defaults(
     shift: int | None, trained_length: int | None, recorded_length: int | None, max_position_embeddings: int
 ) -> tuple[int, int]:
-    """``(shift, trained_length)`` of STRING with its defaults filled, the one place they are computed (a recipe's
-    section, ``enable_string``, ``longpeft eval --string``): L is ``trained_length`` when given, else
-    ``recorded_length`` (the length the model was trained at: the ``trained_length`` of its longpeft.json, which an
-    adapter and its merged model carry alike), else ``max_position_embeddings``; S is ``shift`` when given, else
-    L // 3."""
+    """``(shift, trained_length)`` with STRING's defaults: L is ``trained_length``, else ``recorded_length`` (the
+    model's longpeft.json's), else ``max_position_embeddings``; S is ``shift``, else L // 3."""
     trained = trained_length if trained_length is not None else recorded_length or max_position_embeddings
     return (shift if shift is not None else trained // 3), trained
 

@@ -1,5 +1,4 @@
-"""STRING on a built model: switching it on with a section's settings, telling whether it is on, and what an input
-costs a model with it (the torch side of the ``string`` method)."""
+"""STRING on a built model: switched on with a section's settings, whether it is on, and what an input costs."""
 
 from __future__ import annotations
 
@@ -22,25 +21,13 @@ def enable_string(
     trained_length: int | None = None,
     cos_sin_scale: float | None = None,
 ) -> dict[str, Any]:
-    """Switch STRING on, in place (calling it again replaces the settings).
+    """Switch STRING on ``model`` (a Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with eager, SDPA or
+    flash-attention attention), in place, replacing earlier settings; returns them as :func:`string_settings` does.
 
-    Args:
-        model: a transformers Llama/Mistral/Qwen2/Qwen3 causal LM, plain or PEFT-wrapped, with
-            eager, SDPA or flash-attention attention.
-        shift: S; keys at distance ``>= S`` are scored as at ``d - S + local_window``.
-            Default ``trained_length // 3``.
-        local_window: W (default 128); must be ``<= shift``.
-        trained_length: L, the length the model was trained at; default: the ``trained_length`` its longpeft.json
-            records (:func:`recorded_trained_length`: an adapter loaded by ``longpeft.load``, or a merged model
-            loaded from its folder), else ``config.max_position_embeddings`` (:func:`~.config.string_defaults`).
-        cos_sin_scale: optional factor on the cos/sin of queries and keys (the authors' ~1.07);
-            multiplies every attention logit by its square. Off (None) by default.
-
-    Returns:
-        The active settings as a dict (also given by :func:`string_settings`).
-
-    Raises:
-        MethodConflict: a method STRING cannot run with is on (its registry ``conflicts``).
+    Keys at distance ``d >= shift`` (default ``trained_length // 3``) score as at ``d - shift + local_window``
+    (``local_window <= shift``). ``trained_length`` (L) defaults to :func:`recorded_trained_length`, else
+    ``max_position_embeddings``. ``cos_sin_scale`` (the authors' ~1.07; None: off) multiplies the cos/sin of queries
+    and keys, so every attention logit by its square. MethodConflict when a method STRING cannot run with is on.
     """
     config = causal_lm_of(model).config
     if not isinstance(getattr(config, "string", None), dict):  # an exported STRING model is a supported architecture
@@ -55,9 +42,8 @@ def enable_string(
 
 
 def recorded_trained_length(model: nn.Module) -> int | None:
-    """The ``trained_length`` of ``model``'s longpeft.json: the spec ``longpeft.load`` applied
-    (``model.longpeft_spec``), else the file in the folder the model was loaded from (a merged model's folder
-    carries its adapter's); None when there is neither, or it records none."""
+    """The ``trained_length`` of the longpeft.json ``longpeft.load`` applied (``model.longpeft_spec``), else of the
+    one in the folder the model was loaded from (a merged model's); None without one, or when it records none."""
     spec = getattr(model, "longpeft_spec", None)
     if spec is None:
         source = getattr(causal_lm_of(model).config, "name_or_path", None)
