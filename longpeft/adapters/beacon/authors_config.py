@@ -1,11 +1,6 @@
 """The authors' ``config.json``: their ``beacon_*`` keys read into a :class:`~.config.BeaconConfig`, and their RoPE
-settings compared with the stock base's.
-
-Each key is checked on its own, and a refusal names the file, the key, the value it holds and what it must hold
-(:data:`AUTHORS_KEYS`), so the message says which key to edit; combinations that the authors' rule cannot reproduce
-name the keys that make them. A converted adapter runs on the stock base, so every RoPE setting the checkpoint states
-(its ``rope_theta`` and ``rope_scaling``, or transformers 5's ``rope_parameters``) must be the base's, and its
-``max_position_embeddings`` too where the ratio choice counts it (more than one ratio listed).
+settings compared with the stock base's. A refusal names the file, the key, the value it holds and what it must hold
+(:data:`AUTHORS_KEYS`), or the keys of a combination the authors' rule cannot reproduce.
 """
 
 from __future__ import annotations
@@ -14,6 +9,7 @@ import math
 from typing import Any
 
 from ...errors import ConfigError, DataError
+from ...rope_parameters import rope_parameters_from_json, rope_parameters_of
 from .config import RATIO_MIX, BeaconConfig
 
 # What each key of the authors' config must hold; the defaults are those of their training arguments (src/args.py)
@@ -28,8 +24,6 @@ AUTHORS_KEYS = {
     "beacon_sink_size": "a whole number >= 0, below beacon_window",
     "beacon_attend_prev": "true or false",
 }
-# rope_theta of the authors' transformers 4.39 config classes (Llama, Mistral, Qwen2) when config.json omits it
-AUTHORS_DEFAULT_ROPE_THETA = 10000.0
 
 
 def _refuse(source: str, key: str, value: Any, why: str = "") -> DataError:
@@ -102,43 +96,35 @@ def _read_layout(config: dict[str, Any], window: int, source: str) -> tuple[str,
 
 def _read_params(config: dict[str, Any], source: str) -> list[str]:
     params = config.get("beacon_param", ["q", "k", "v"])
-    if (
-        not isinstance(params, list)
-        or not params
-        or not all(p in ("q", "k", "v", "o") for p in params)
-        or len(set(params)) != len(params)
-    ):
+    listed = isinstance(params, list) and params and all(p in ("q", "k", "v", "o") for p in params)
+    if not listed or len(set(params)) != len(params):
         raise _refuse(source, "beacon_param", params)
     return params
 
 
-def rope_settings(config: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The RoPE settings a config.json states, as transformers 5 names them (``rope_type``, ``rope_theta``,
-    ``factor``, ...), and for each the key that holds it in the file (``rope_scaling.type``, ``rope_theta``,
-    ``rope_parameters.factor``, ...). transformers 4's ``rope_theta`` and ``rope_scaling`` or transformers 5's
-    ``rope_parameters``; no ``rope_theta`` stated: the authors' config classes' default (10000)."""
-    if "rope_parameters" in config:
-        stated, prefix = config["rope_parameters"], "rope_parameters."
-        if not isinstance(stated, dict):
-            raise DataError(f"{source}: rope_parameters is {stated!r}; it must be an object: edit rope_parameters")
-        settings, keys = dict(stated), {name: prefix + name for name in stated}
-    else:
-        scaling = config.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise DataError(f"{source}: rope_scaling is {scaling!r}; it must be null or an object: edit rope_scaling")
-        settings, keys = {}, {}
-        for name, value in (scaling or {}).items():
-            setting = "rope_type" if name == "type" else name
-            settings[setting], keys[setting] = value, f"rope_scaling.{name}"
-        if "rope_theta" in config:
-            settings["rope_theta"] = config["rope_theta"]
-        keys.setdefault("rope_type", "rope_scaling.type")
-        prefix = "rope_scaling."
+def rope_settings(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The RoPE settings a config.json states, as transformers 5 reads them (:func:`rope_parameters_from_json`:
+    ``rope_type``, ``rope_theta``, ``factor``, ...; no ``rope_theta``: 10000, the authors' config classes' too)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        stated = config.get(name)
+        if stated is not None and not isinstance(stated, dict):
+            raise DataError(f"{source}: {name} is {stated!r}; it must be null or an object: edit {name}")
+    settings = rope_parameters_from_json(config)
     settings.pop("type", None)
-    settings.setdefault("rope_type", "default")
-    settings.setdefault("rope_theta", AUTHORS_DEFAULT_ROPE_THETA)
-    keys.setdefault("rope_theta", "rope_parameters.rope_theta" if prefix == "rope_parameters." else "rope_theta")
-    return settings, keys
+    return settings
+
+
+def _rope_key(config: dict[str, Any], setting: str) -> str:
+    """The key of ``config`` that states a RoPE ``setting`` of :func:`rope_settings` (``rope_scaling.type``,
+    ``rope_theta``, ``rope_parameters.factor``, ...)."""
+    scaling = config.get("rope_scaling")
+    if not scaling and "rope_parameters" in config:
+        return f"rope_parameters.{setting}"
+    if setting in ("rope_theta", "partial_rotary_factor"):
+        return setting
+    if setting == "rope_type" and "rope_type" not in (scaling or {}):
+        return "rope_scaling.type"
+    return f"rope_scaling.{setting}"
 
 
 def _same(first: Any, second: Any) -> bool:
@@ -161,13 +147,11 @@ def check_built_on(
                 f"{source} is not built on {base}: {key} is {config.get(key)!r} in {file} and "
                 f"{getattr(base_config, key, None)!r} in the base; give the matching stock base with --base"
             )
-    theirs, keys = rope_settings(config, file)
-    ours = dict(getattr(base_config, "rope_parameters", None) or {})
+    theirs, ours = rope_settings(config, file), rope_parameters_of(base_config)
     ours.pop("type", None)
-    ours.setdefault("rope_type", "default")
     for setting in sorted(set(theirs) | set(ours), key=lambda name: (name != "rope_type", name != "rope_theta", name)):
         if not _same(theirs.get(setting), ours.get(setting)):
-            key = keys.get(setting, f"rope_parameters.{setting}" if "rope_parameters" in config else setting)
+            key = _rope_key(config, setting)
             raise ConfigError(
                 f"{file}: {key} is {theirs.get(setting)!r} there and {ours.get(setting)!r} in the base {base}: the "
                 "beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not "
@@ -211,13 +195,13 @@ def config_from_authors(config: dict[str, Any], source: str = "config.json") -> 
         raise _refuse(source, "beacon_ratio_mix", mix)
     attn, pos, attend_prev, sink = _read_layout(config, window, source)
     params = _read_params(config, source)
-    rope, keys = rope_settings(config, source)
-    factor = rope.get("factor")
+    factor = rope_settings(config, source).get("factor")
     if factor is not None and not _same(factor, 1):
         raise DataError(
-            f"{source}: {keys['factor']} is {factor!r}: the authors' adapt-N counts max_position_embeddings x "
-            f"{factor} positions there, which longpeft does not reproduce; no released Activation Beacon model "
-            f"scales its RoPE (remove the scaling from {source} if the model was trained without it)"
+            f"{source}: {_rope_key(config, 'factor')} is {factor!r}: the authors' adapt-N counts "
+            f"max_position_embeddings x {factor} positions there, which longpeft does not reproduce; no released "
+            f"Activation Beacon model scales its RoPE (remove the scaling from {source} if the model was trained "
+            "without it)"
         )
     return BeaconConfig(
         window=window,
