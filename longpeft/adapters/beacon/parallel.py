@@ -1,31 +1,24 @@
 """Parallel windows: several full windows of a prefill in one forward of the decoder stack, with the logits of
-running them one after another.
+running them one after another (docs/beacon.md says why this is exact).
 
-Why it is exact: window ``p`` reads the memory and its own slots. In layer ``l`` its memory entries from the
-windows before it are the K/V that layer ``l`` computes at their kept slots (beacons; the sink in window 0; every
-slot at ratio 0) from layer ``l``'s input there, re-rotated at their memory positions. A forward that runs the
-windows together layer by layer has that input in hand when layer ``l`` runs, so window ``p`` can read exactly
-those entries in the same layer. Nothing else crosses windows (a window never reads earlier raw slots: they left
-the memory), so each window computes what it computes alone; only float rounding differs (other matmul shapes).
-
-Here the ``P`` windows are ``P`` rows of one batch (:class:`~.cache.WindowGroup`). Row ``p`` reads the memory, the
-group's new entries (those of windows ``0 .. P-2``, in memory order) and its own window; its mask hides the
-entries of windows ``p`` and later. Windows ``0 .. P-2`` are committed by the step, the last one stays open, so
-the cache ends as it ends after ``P`` sequential steps. A group holds full windows of one layout (ratio and size);
-a window of another ratio (a random mix) starts the next group, and a partial last window runs on its own.
+The ``P`` windows are ``P`` rows of one batch (:class:`~.cache.WindowGroup`). Row ``p`` reads the memory, the
+group's new entries (those of windows ``0 .. P-2``, in memory order) and its own window; its mask hides the entries
+of windows ``p`` and later. Windows ``0 .. P-2`` are committed by the step and the last stays open, so the cache ends
+as after ``P`` sequential steps. A group holds full windows of one layout (ratio and size).
 
 This module imports only torch: it is part of the exported modeling file.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 # longpeft-inline-begin
-from .cache import BeaconStep, SequenceState, WindowGroup, committed_slots
+from .cache import BeaconStep, Rotate, SequenceState, WindowGroup, committed_slots
 from .layout import WindowLayout, padding_keep, step_visibility, window_keep
 
 # longpeft-inline-end
@@ -87,7 +80,7 @@ def group_inputs(
     rule: str,
     batch: int,
     keep_raw: torch.Tensor | None,
-    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rotate: Rotate,
 ) -> GroupInputs:
     """Positions, masks and step of ``windows`` full windows of ``layout`` that begin after ``state``.
 
@@ -98,14 +91,12 @@ def group_inputs(
         sink, rule: window 0's sink and whose layout it takes (:func:`~.cache.committed_slots`).
         batch: ``B``.
         keep_raw: ``[B, P * W]`` bool, False at the raw tokens that are padding, or None.
-        rotate: ``rotate(pre_rope_keys, positions)``, the model's rotation.
+        rotate: the model's rotation of pre-RoPE keys.
     """
     slots, memory = len(layout.is_beacon), state.memory_length
     raw_rows = (~layout.is_beacon).nonzero().flatten()
     kept = [committed_slots(layout, slots, state.window_index + p, sink, rule) for p in range(windows - 1)]
-    starts = [memory]  # memory length before each window
-    for entries in kept:
-        starts.append(starts[-1] + entries.numel())
+    starts = list(itertools.accumulate((entries.numel() for entries in kept), initial=memory))  # M before each window
     entry_window = torch.cat([torch.full((entries.numel(),), p) for p, entries in enumerate(kept)])
     entry_slot = torch.cat(kept)
     entry_positions = torch.arange(memory, starts[-1])
