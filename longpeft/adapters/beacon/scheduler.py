@@ -1,25 +1,19 @@
 """The window scheduler: the decoder stack's forward with Activation Beacon.
 
-:func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``). It cuts
-the new raw tokens into windows, inserts the beacon embeddings, and runs the stock decoder stack
-once per window (or per part of a window) with an explicit mask, explicit positions and the
-:class:`~.cache.BeaconCache`. It returns the hidden states of the raw tokens only, so beacons never
-get logits and are never scored. Everything above the stock stack is the model's own: the causal
-LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens in tiles).
+:func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``): it cuts the new raw
+tokens into windows, inserts the beacon embeddings, runs the stock decoder stack once per window (or part of one)
+with an explicit mask, explicit positions and the :class:`~.cache.BeaconCache`, and returns the raw tokens' hidden
+states only (beacons are never scored).
 
-- Training (``self.training``): all windows in one forward; memory tensors stay in the autograd
-  graph, so a loss on a late window trains the beacons of every earlier one. When no cache is
-  passed in (the input is complete), the window that reaches its end gets no beacons (nothing would
-  read them); a forward that continues a cache (``generate`` in training mode) keeps them.
-- Inference: prefill and token-by-token decoding through the same code; a window that fills up is
-  committed when the next raw token arrives, so decoding one token at a time inserts the beacons
-  exactly where one prefill would. A prefill runs up to ``parallel_windows`` full windows per forward
-  (:mod:`.parallel`), with the same results.
+- Training: all windows in one forward, the memory in the autograd graph; with no cache passed in (a whole input),
+  the window that reaches its end gets no beacons (nothing would read them).
+- Inference: prefill and decoding run the same code; a full window is committed when the next raw token arrives, so
+  decoding inserts the beacons where one prefill would. A prefill runs up to ``parallel_windows`` full windows per
+  forward (:mod:`.parallel`).
 
-Rows of a batch share one layout: window borders, beacons and positions by index. So every row's tokens must
-start at index 0: a row whose tokens follow padding (left padding) would have other windows than its prompt alone,
-and is refused (:func:`_check_no_padding_before_tokens`; ratio 0 alone, with no beacons, takes it). Padding after a
-row's tokens (TRL's training batches) is masked, and so is a beacon that sees no raw token of its window but padding.
+Rows of a batch share one layout (window borders, beacons and positions by index): a row whose tokens follow padding
+(left padding) is refused unless every ratio is 0; padding after a row's tokens is masked, and so is a beacon that
+sees only padding.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -61,32 +55,17 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
     return None if bool(keep.all()) else keep.cpu()
 
 
-def _rows_with_padding(state) -> torch.Tensor | None:
-    """``[batch]`` bool: the rows that held padding among what the cache has read (None: none did)."""
-    parts = [~keep for keep in (state.memory_keep, state.window_keep) if keep is not None]
-    return torch.cat(parts, dim=1).any(dim=1) if parts else None
-
-
-def _check_no_padding_before_tokens(
-    keep_new: torch.Tensor | None, state, settings: BeaconSettings, training: bool
-) -> None:
+def _check_no_padding_before_tokens(keep_new: torch.Tensor | None, state, ratios: tuple[int, ...]) -> None:
     """Refuse a batch in which a row's token follows padding (``keep_new [batch, n]``: the new tokens' padding mask;
-    the cache's state: what came before), unless no beacon can be inserted (every ratio in use is 0).
-
-    Windows start at the same index in every row, so such a row's windows, beacons and positions would differ from
-    those of its prompt alone (the stock model gives the same logits either way; beacon's would not)."""
-    padded_before = _rows_with_padding(state)
-    if keep_new is None and padded_before is None:
+    ``state``: the cache's, of what came before), unless every ratio in use is 0 (no beacon is inserted): windows
+    start at the same index in every row, so such a row's windows would differ from those of its prompt alone."""
+    padded = [~keep for keep in (state.memory_keep, state.window_keep) if keep is not None]
+    if not any(ratios) or (keep_new is None and not padded):
         return
-    if not any(settings.ratios if training else settings.inference_ratios):
-        return
-    batch = (keep_new if keep_new is not None else padded_before).shape[0]
-    earlier = padded_before if padded_before is not None else torch.zeros(batch, dtype=torch.bool)
-    if keep_new is None:
-        follows = earlier
-    else:
-        after_padding = earlier[:, None] | (~keep_new).cumsum(dim=1).bool()  # [batch, n]: padding at or before
-        follows = (keep_new & after_padding).any(dim=1)
+    # [batch]: the rows with padding so far, then those with a token after padding
+    follows = torch.cat(padded, dim=1).any(dim=1) if padded else torch.zeros(keep_new.shape[0], dtype=torch.bool)
+    if keep_new is not None:
+        follows = (keep_new & (follows[:, None] | (~keep_new).cumsum(dim=1).bool())).any(dim=1)
     if bool(follows.any()):
         row = int(follows.nonzero()[0])
         raise ValueError(
@@ -127,34 +106,25 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
 
 
 def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int, complete: bool):
-    """The layout of the window that begins at raw token ``start`` (its ratio drawn now; call once per window,
-    in order).
+    """The layout of the window that begins at raw token ``start`` of the ``length`` known (its ratio drawn now: call
+    once per window, in order), or None when its ratio is to be chosen in the forward that fills it.
 
-    ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows
-    from that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in):
-    the window that reaches its end (``length`` tokens) gets no beacons.
-
-    Appended beacons under ``layout_rule: authors``: the authors' code chooses a window's ratio when the window is
-    full, counting the tokens known then (a prompt shorter than the window: the window, once decoding fills it).
-    A window that this forward does not fill is laid out without beacons (appended beacons join a window only
-    with its last raw token, so its raw slots are laid out alike at every ratio), and ``state.ratio_deferred``
-    asks :func:`beacon_backbone_forward` to choose its ratio in the forward that fills it.
+    ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows from
+    that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in): the window
+    that reaches its end gets no beacons. None: appended beacons under ``layout_rule: authors`` in a window that this
+    forward does not fill (the authors' code chooses a window's ratio when it is full, counting the tokens known then;
+    the window's raw slots are laid out alike at every ratio).
     """
     window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
-    state.ratio_deferred = False
     if settings.keep_start and start == 0:
         return window_layout(settings.keep_start, 0, *scheme)
     if settings.keep_end is not None and start >= settings.keep_end:
         return window_layout(window, 0, *scheme)
     if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
-        state.ratio_deferred = True
-        return window_layout(window, 0, *scheme)
-    if backbone.training:
-        ratios, mix = settings.ratios, settings.ratio_mix
-        if settings.zero_ratio_rule == "authors":
-            ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
-    else:
-        ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
+        return None
+    ratios, mix = settings.ratio_choice(backbone.training)
+    if backbone.training and settings.zero_ratio_rule == "authors":
+        ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
     max_positions, keep = backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
     if mix == "sequence":  # the cycle is fixed at the input's first window
         if state.ratio_cycle is None:
@@ -175,15 +145,6 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
     return window_layout(window, ratio, *scheme)
 
 
-def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
-    if backbone.training and (settings.keep_start or settings.keep_end is not None):
-        raise ValueError(
-            "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the start or "
-            "the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and set them on the "
-            "trained model, or switch the model to eval mode"
-        )
-
-
 @dataclasses.dataclass
 class _BeaconRun:
     """One call of :func:`beacon_backbone_forward`: what its windows and groups read."""
@@ -196,8 +157,7 @@ class _BeaconRun:
     rotate: Any  # ``rotate(pre_rope_keys [b, h, n, d], positions [n])``, as the model's rotary module rotates
     beacon_row: torch.Tensor  # ``[hidden]``: the beacon embedding, in the inputs' dtype
     implementation: str  # the attention kernel
-    cache_name: str  # the decoder stack's keyword for the cache
-    kwargs: dict  # the caller's other keyword arguments, for the decoder stack
+    kwargs: dict  # the decoder stack's keyword arguments besides the step's: the cache, and the caller's others
 
     @classmethod
     def start(
@@ -216,7 +176,12 @@ class _BeaconRun:
         cache = BeaconCache() if given is None else given
         if backbone.training:
             _check_checkpointing(backbone)
-            _refuse_kept_spans_in_training(backbone, settings)
+            if settings.keep_start or settings.keep_end is not None:
+                raise ValueError(
+                    "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the "
+                    "start or the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and "
+                    "set them on the trained model, or switch the model to eval mode"
+                )
         dtype = inputs_embeds.dtype if inputs_embeds is not None else backbone.embed_tokens.weight.dtype
         return cls(
             backbone=backbone,
@@ -227,12 +192,11 @@ class _BeaconRun:
             rotate=_rotate_with(backbone.rotary_emb),
             beacon_row=backbone.beacon_embed_tokens.weight[0].to(dtype),
             implementation=backbone.config._attn_implementation or "eager",
-            cache_name=cache_name,
-            kwargs=kwargs,
+            kwargs={**kwargs, cache_name: cache, "use_cache": True},
         )
 
     def layout_at(self, start: int):
-        """The layout of the window that begins at raw token ``start`` (:func:`_layout_at`)."""
+        """The layout of the window that begins at raw token ``start``, or None (:func:`_layout_at`)."""
         return _layout_at(self.backbone, self.cache.state, self.settings, start, self.total, self.complete)
 
     def decoder_stack(
@@ -240,20 +204,15 @@ class _BeaconRun:
     ) -> torch.Tensor:
         """The stock decoder stack over ``embeds [rows, slots, hidden]`` with an explicit mask and positions
         ``[rows or 1, slots]``, reading and writing the beacon cache: its last hidden states, shaped as ``embeds``."""
-        return (
-            type(self.backbone)
-            .forward(
-                self.backbone,
-                inputs_embeds=embeds,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                beacon_step=step,
-                **{self.cache_name: self.cache},
-                **self.kwargs,
-            )
-            .last_hidden_state
+        outputs = type(self.backbone).forward(
+            self.backbone,
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            beacon_step=step,
+            **self.kwargs,
         )
+        return outputs.last_hidden_state
 
     def slot_embeddings(self, raw_embeds: torch.Tensor, raw_rows: torch.Tensor, slots: int) -> torch.Tensor:
         """``[rows, slots, hidden]``: the beacon embedding in every slot but the raw ones, ``raw_rows [n]``, which
@@ -310,7 +269,7 @@ def _next_part(run: _BeaconRun, remaining: int, pending):
     """What the next step of the window loop runs, with ``remaining`` new raw tokens to go: commits the open window
     when it is full, lays out the next one (a prefill groups up to ``parallel_windows`` full windows of one layout,
     :func:`.parallel.plan_group`; ``pending``: the layout already chosen for the window after the last group), and
-    chooses a deferred ratio (:func:`_layout_at`) when this step fills its window.
+    chooses a deferred ratio (:func:`_layout_at` gave None) when this step fills its window.
 
     Returns:
         ``(layout, windows, take, pending)``: the open window's layout, the windows of the group (1: a step of one
@@ -321,13 +280,16 @@ def _next_part(run: _BeaconRun, remaining: int, pending):
         run.cache.commit(run.rotate, settings.sink, settings.layout_rule)
     windows = 1
     if state.layout is None:
-        state.layout = pending or run.layout_at(state.raw_seen)
+        layout = pending or run.layout_at(state.raw_seen)
+        state.ratio_deferred = layout is None  # laid out without beacons until it fills
+        state.layout = layout or window_layout(settings.window, 0, *settings.scheme)
         most = 1 if run.backbone.training else settings.parallel_windows
         windows, pending = plan_group(state.layout, run.layout_at, state.raw_seen, settings.window, remaining, most)
     layout = state.layout
     take = windows * layout.window if windows > 1 else min(remaining, layout.window - state.window_raw)
     if state.ratio_deferred and state.window_raw + take == layout.window:  # the authors' ratio, chosen now
         layout = state.layout = run.layout_at(state.raw_seen - state.window_raw)
+        state.ratio_deferred = False
     return layout, windows, take, pending
 
 
@@ -389,7 +351,7 @@ def beacon_backbone_forward(
     n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     run = _BeaconRun.start(self, given, n_new, inputs_embeds, cache_name, kwargs)
     keep_new = _keep_mask(attention_mask, n_new)
-    _check_no_padding_before_tokens(keep_new, run.cache.state, run.settings, self.training)
+    _check_no_padding_before_tokens(keep_new, run.cache.state, run.settings.ratio_choice(self.training)[0])
     outputs, done, pending = [], 0, None
     while done < n_new:
         layout, windows, take, pending = _next_part(run, n_new - done, pending)
@@ -402,9 +364,9 @@ def beacon_backbone_forward(
         keep_raw = None if keep_new is None else keep_new[:, done : done + take]
         if windows > 1:
             hidden = _run_group(run, layout, windows, raw_embeds, keep_raw)
-            outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         else:
-            outputs.append(_run_step(run, layout, take, raw_embeds, keep_raw, keep_last))
+            hidden = _run_step(run, layout, take, raw_embeds, keep_raw, keep_last)
+        outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
         done += take
