@@ -21,7 +21,6 @@ This module imports only torch and transformers: it is part of the exported mode
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -85,16 +84,6 @@ def _check_cache(cache) -> None:
         )
 
 
-def _rotate_with(rotary: torch.nn.Module) -> Any:
-    """``rotate(pre_rope_keys [b, h, n, d], positions [n])``: keys as the model's rotary module rotates them."""
-
-    def rotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary(keys, positions[None].to(keys.device))
-        return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
-
-    return rotate
-
-
 def _check_checkpointing(backbone: torch.nn.Module) -> None:
     for layer in backbone.layers:
         function = getattr(layer, "_gradient_checkpointing_func", None)
@@ -154,7 +143,6 @@ class _BeaconRun:
     cache: BeaconCache
     complete: bool  # a training forward over a whole input (no cache passed in)
     total: int  # raw tokens the cache has read once this call ends
-    rotate: Any  # ``rotate(pre_rope_keys [b, h, n, d], positions [n])``, as the model's rotary module rotates
     beacon_row: torch.Tensor  # ``[hidden]``: the beacon embedding, in the inputs' dtype
     implementation: str  # the attention kernel
     kwargs: dict  # the decoder stack's keyword arguments besides the step's: the cache, and the caller's others
@@ -189,35 +177,44 @@ class _BeaconRun:
             cache=cache,
             complete=backbone.training and given is None,
             total=cache.state.raw_seen + n_new,
-            rotate=_rotate_with(backbone.rotary_emb),
             beacon_row=backbone.beacon_embed_tokens.weight[0].to(dtype),
             implementation=backbone.config._attn_implementation or "eager",
             kwargs={**kwargs, cache_name: cache, "use_cache": True},
         )
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``keys [b, h, n, d]`` rotated at ``positions [n]`` by the model's rotary module."""
+        cos, sin = self.backbone.rotary_emb(keys, positions[None].to(keys.device))
+        return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def layout_at(self, start: int):
         """The layout of the window that begins at raw token ``start``, or None (:func:`_layout_at`)."""
         return _layout_at(self.backbone, self.cache.state, self.settings, start, self.total, self.complete)
 
     def decoder_stack(
-        self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, step: BeaconStep
+        self,
+        raw_embeds: torch.Tensor,
+        raw_rows: torch.Tensor,
+        step: BeaconStep,
+        visible: torch.Tensor,
+        keys: torch.Tensor | None,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """The stock decoder stack over ``embeds [rows, slots, hidden]`` with an explicit mask and positions
-        ``[rows or 1, slots]``, reading and writing the beacon cache: its last hidden states, shaped as ``embeds``."""
+        """The stock decoder stack over the step's slots, ``raw_embeds [rows, n, hidden]`` at ``raw_rows [n]`` and the
+        beacon embedding in the others, with the mask of ``visible`` and ``keys`` (:func:`.layout.attention_mask_for`)
+        and ``positions [rows or 1, slots]``, reading and writing the beacon cache: the last hidden states of every
+        slot, ``[rows, slots, hidden]``."""
+        embeds = self.beacon_row.expand(raw_embeds.shape[0], step.end - step.start, -1).clone()
+        mask = attention_mask_for(visible, keys, self.implementation, raw_embeds.dtype, raw_embeds.device)
         outputs = type(self.backbone).forward(
             self.backbone,
-            inputs_embeds=embeds,
+            inputs_embeds=embeds.index_copy(1, raw_rows, raw_embeds),
             attention_mask=mask,
-            position_ids=positions,
+            position_ids=positions.to(raw_embeds.device),
             beacon_step=step,
             **self.kwargs,
         )
         return outputs.last_hidden_state
-
-    def slot_embeddings(self, raw_embeds: torch.Tensor, raw_rows: torch.Tensor, slots: int) -> torch.Tensor:
-        """``[rows, slots, hidden]``: the beacon embedding in every slot but the raw ones, ``raw_rows [n]``, which
-        take ``raw_embeds [rows, n, hidden]``."""
-        return self.beacon_row.expand(raw_embeds.shape[0], slots, -1).clone().index_copy(1, raw_rows, raw_embeds)
 
 
 def _run_step(
@@ -234,12 +231,11 @@ def _run_step(
     state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw, raw_rows)
     keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
     visible = step_visibility(layout, state.memory_length, start, end, keys)
-    mask = attention_mask_for(visible, keys, run.implementation, raw_embeds.dtype, device)
-    positions = (state.memory_length + layout.offsets[start:end])[None].to(device)
+    positions = (state.memory_length + layout.offsets[start:end])[None]
     step = BeaconStep(
         state.window_index, state.memory_length, start, end, beacon_rows if beacon_rows.numel() else None
     )
-    hidden = run.decoder_stack(run.slot_embeddings(raw_embeds, raw_rows, end - start), mask, positions, step)
+    hidden = run.decoder_stack(raw_embeds, raw_rows, step, visible, keys, positions)
     state.window_raw += take
     state.window_slots = end
     state.raw_seen += take
@@ -252,15 +248,13 @@ def _run_group(
     """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
     (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
     batch, _, hidden_size = raw_embeds.shape
-    device, settings = raw_embeds.device, run.settings
+    settings = run.settings
     inputs = group_inputs(
         layout, windows, run.cache.state, settings.sink, settings.layout_rule, batch, keep_raw, run.rotate
     )
-    raw_rows = (~layout.is_beacon).nonzero().flatten().to(device)
+    raw_rows = (~layout.is_beacon).nonzero().flatten().to(raw_embeds.device)
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
-    mask = attention_mask_for(inputs.visible, inputs.keys, run.implementation, raw_embeds.dtype, device)
-    embeds = run.slot_embeddings(rows, raw_rows, len(layout.is_beacon))
-    hidden = run.decoder_stack(embeds, mask, inputs.positions.to(device), inputs.step)
+    hidden = run.decoder_stack(rows, raw_rows, inputs.step, inputs.visible, inputs.keys, inputs.positions)
     close_group(run.cache.state, layout, inputs)
     return hidden.index_select(1, raw_rows).reshape(batch, windows * layout.window, hidden_size)
 
@@ -356,12 +350,9 @@ def beacon_backbone_forward(
     while done < n_new:
         layout, windows, take, pending = _next_part(run, n_new - done, pending)
         # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
-        raw_embeds = (
-            inputs_embeds[:, done : done + take]
-            if inputs_embeds is not None
-            else self.embed_tokens(input_ids[:, done : done + take])
-        )
-        keep_raw = None if keep_new is None else keep_new[:, done : done + take]
+        part = slice(done, done + take)
+        raw_embeds = inputs_embeds[:, part] if inputs_embeds is not None else self.embed_tokens(input_ids[:, part])
+        keep_raw = None if keep_new is None else keep_new[:, part]
         if windows > 1:
             hidden = _run_group(run, layout, windows, raw_embeds, keep_raw)
         else:
