@@ -1,18 +1,10 @@
 """Beacon weights and the attention forward that uses them on beacon rows only.
 
-Per attention layer, each projection named in ``params`` gets a beacon twin stored beside it as
-``beacon_{q,k,v,o}_proj`` (the authors' tensor names): a :class:`BeaconLinear` (``full``: an
-independent copy of the projection's weight and bias) or a :class:`BeaconLoraDelta` (``lora``: the
-projection's own output plus a zero-initialised low-rank delta, equal to the copy at step 0). The
-stock projection (``nn.Linear``, bitsandbytes ``Linear4bit`` or a peft LoRA layer) computes every
-row; the beacon rows are then overwritten by the twin applied to those rows only (gather, project,
-scatter), which costs ``1 / (r + 1)`` of a projection instead of a second full one.
-
-The beacon embedding is one row, ``beacon_embed_tokens`` on the decoder stack, kept outside
-``embed_tokens``: the vocabulary is never resized.
-
-Beacon parameters are float32 (like peft's LoRA weights); their inputs are cast to float32 and their
-outputs back to the model's dtype.
+Per attention layer, each projection named in ``params`` gets a beacon twin ``beacon_{q,k,v,o}_proj`` (the authors'
+tensor names): a :class:`BeaconLinear` (``full``: a float32 copy of the projection) or a :class:`BeaconLoraDelta`
+(``lora``: the projection's output plus a zero-initialised low-rank delta). The stock projection computes every row;
+the twin then overwrites the beacon rows, computed on those rows only. Beacon parameters are float32; their inputs
+are cast to float32 and their outputs back to the model's dtype.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -78,11 +70,8 @@ def beacon_attention_forward(
     beacon_step: BeaconStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows.
-
-    Bound to every attention module while beacons are applied. Without a ``beacon_step`` (beacons
-    switched off) it computes what the stock forward computes. Qwen3's per-head q/k norms run before
-    the rotation, as in Qwen3. The pre-RoPE keys go to the beacon cache with the rotated ones.
+    """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows; without a
+    ``beacon_step`` (beacons switched off), the stock forward. The pre-RoPE keys go to the beacon cache too.
 
     Args:
         hidden_states: ``[batch, seq, hidden]``.

@@ -1,14 +1,7 @@
-"""Beacon weights on disk: our adapter file, and how the authors' released checkpoints name theirs.
-
-An adapter keeps the beacon weights in ``beacon_adapter.safetensors`` beside ``longpeft.json`` (and
-``adapter_config.json`` when LoRA also trained). Tensor names are those of the authors' models, as
-the causal LM's state dict has them: ``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``
-(``...beacon_q_proj.lora_A.weight`` / ``lora_B.weight`` with ``projection: lora``) and
-``model.beacon_embed_tokens.weight``.
-
-The authors release full models (base weights + beacon weights + remote code, transformers 4.39):
-:data:`AUTHORS_TENSOR` matches their beacon tensors and :mod:`.authors_config` reads their beacon settings;
-``longpeft.convert`` writes our adapter from them for the matching stock base, so no remote code runs.
+"""Beacon weights on disk: ``beacon_adapter.safetensors`` beside ``longpeft.json``, under the authors' tensor names
+(``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``, ``...beacon_q_proj.lora_A.weight`` /
+``lora_B.weight`` with ``projection: lora``, ``model.beacon_embed_tokens.weight``), and :data:`AUTHORS_TENSOR`, the
+beacon tensors of the authors' released models, which ``longpeft.convert`` reads (no remote code runs).
 """
 
 from __future__ import annotations
