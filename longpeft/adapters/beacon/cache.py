@@ -29,78 +29,47 @@ Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rotate(pre_rope
 
 @dataclasses.dataclass(frozen=True)
 class WindowGroup:
-    """``windows`` consecutive full windows of one layout computed in one step (the step's rows are batch-major:
-    row ``b * windows + p`` is window ``p`` of sequence ``b``).
-
-    Windows ``0 .. windows-2`` are committed by the step: their memory entries (:func:`committed_slots`, ``G`` in all,
-    in memory order) follow the memory, and window ``p`` reads those of the windows before it. The last stays open.
-
-    Attributes:
-        windows: ``P``, windows in the group.
-        entry_window / entry_slot: ``[G]`` long, the group window and the slot each new memory entry comes from.
-        entry_positions: ``[G]`` long, their memory positions.
-        entry_rotate: ``[G]`` bool, which keys are rotated again at their memory position.
-        rotate: the model's rotation of pre-RoPE keys at their memory positions.
-    """
+    """``windows`` (``P``) consecutive full windows of one layout computed in one step, its rows batch-major (row
+    ``b * P + p`` is window ``p`` of sequence ``b``). Windows ``0 .. P-2`` are committed by the step: their ``G``
+    memory entries (:func:`committed_slots`, in memory order) follow the memory, and window ``p`` reads those of the
+    windows before it. The last stays open."""
 
     windows: int
-    entry_window: torch.Tensor
-    entry_slot: torch.Tensor
-    entry_positions: torch.Tensor
-    entry_rotate: torch.Tensor
+    entry_window: torch.Tensor  # [G] long: the group window each new memory entry comes from
+    entry_slot: torch.Tensor  # [G] long: its slot in that window
+    entry_positions: torch.Tensor  # [G] long: its memory position
+    entry_rotate: torch.Tensor  # [G] bool: its key is rotated again at its memory position
     rotate: Rotate
 
 
 @dataclasses.dataclass(frozen=True)
 class BeaconStep:
-    """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``.
-
-    Attributes:
-        window_index: index of the window (memory before it holds ``memory_length`` entries).
-        memory_length: ``M``, memory entries the window reads.
-        start, end: the window's slots fed in this step.
-        beacon_rows: ``[n]`` long indices (into this step's slots) of the beacons, or None.
-        group: the windows computed together when the step holds several full windows (then ``start`` is 0 and
-            ``end`` the slots of one window), or None.
-    """
+    """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``."""
 
     window_index: int
-    memory_length: int
+    memory_length: int  # M, the memory entries the window reads
     start: int
     end: int
-    beacon_rows: torch.Tensor | None
-    group: WindowGroup | None = None
+    beacon_rows: torch.Tensor | None  # [n] long: the beacons' indices into this step's slots, or None
+    group: WindowGroup | None = None  # the windows of a step over several (start 0, end one window's slots)
 
 
 @dataclasses.dataclass
 class SequenceState:
-    """Sequence-level bookkeeping of a :class:`BeaconCache`.
+    """Sequence-level bookkeeping of a :class:`BeaconCache`."""
 
-    Attributes:
-        raw_seen: raw tokens consumed so far (what ``get_seq_length`` reports to ``generate``).
-        window_index, memory_length: the current window's index, and ``M``, the entries in memory.
-        layout: the current window's layout (None before its first token).
-        window_raw, window_slots: raw tokens, and slots (raw and beacon), of the current window fed so far.
-        chosen_ratio: the ratio chosen once per sequence (instance-random, adapt-N).
-        ratio_cycle: the ratios the ``sequence`` mix cycles through, one per window (fixed at the first window).
-        zero_ratio_used: a window of this sequence took ratio 0 (the authors' training rule allows one).
-        ratio_deferred: the current window's layout holds no beacons yet, its ratio to be chosen when it fills
-            (``scheduler.defers_ratio``).
-        memory_keep / window_keep: ``[batch, M]`` / ``[batch, window_slots]`` bool, False at padding (None: none).
-    """
-
-    raw_seen: int = 0
-    window_index: int = 0
-    memory_length: int = 0
-    layout: WindowLayout | None = None
-    window_raw: int = 0
-    window_slots: int = 0
-    chosen_ratio: int | None = None
-    ratio_cycle: tuple[int, ...] | None = None
-    zero_ratio_used: bool = False
-    ratio_deferred: bool = False
-    memory_keep: torch.Tensor | None = None
-    window_keep: torch.Tensor | None = None
+    raw_seen: int = 0  # raw tokens consumed so far (what get_seq_length reports to generate)
+    window_index: int = 0  # the current window's
+    memory_length: int = 0  # M, the entries in memory
+    layout: WindowLayout | None = None  # the current window's (None before its first token)
+    window_raw: int = 0  # raw tokens of the current window fed so far
+    window_slots: int = 0  # its slots (raw and beacon) fed so far
+    chosen_ratio: int | None = None  # the ratio chosen once per sequence (instance-random, adapt-N)
+    ratio_cycle: tuple[int, ...] | None = None  # the sequence mix's ratios, one per window (fixed at the first)
+    zero_ratio_used: bool = False  # a window took ratio 0 (the authors' training rule allows one)
+    ratio_deferred: bool = False  # the current window has no beacons yet, its ratio chosen when it fills
+    memory_keep: torch.Tensor | None = None  # [batch, M] bool, False at padding (None: no padding)
+    window_keep: torch.Tensor | None = None  # [batch, window_slots] bool, likewise
 
 
 def _cat(first: torch.Tensor | None, second: torch.Tensor, length: int | None = None) -> torch.Tensor:

@@ -1,16 +1,10 @@
-"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the
-choice of the condensing ratio.
+"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the choice of the
+condensing ratio.
 
-A window holds ``W`` raw tokens. With ratio ``r > 0`` it also holds ``b = W / r`` beacon tokens:
-
-- ``interleave``: one beacon after every ``r`` raw tokens (``raw raw beacon raw raw beacon ...``);
-- ``append``: all ``b`` beacons after the ``W``-th raw token.
-
-Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)`` it may see: ``lo_j = 0`` for
-``full-coverage`` and ``step-expansion`` (beacon ``j`` sees one more span of ``r`` tokens than beacon
-``j - 1``), ``lo_j = j r`` for ``segmentation``. Everything in the window also sees the whole memory
-(sink, beacons of earlier windows, raw tokens kept by ratio 0), which sits at positions ``0 .. M-1``;
-the window's slots follow at ``M + offset``:
+A window holds ``W`` raw tokens and, at ratio ``r > 0``, ``W / r`` beacons: one after every ``r`` raw tokens
+(``interleave``) or all after the last one (``append``). Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)``:
+``lo_j = 0``, or ``j r`` for ``segmentation``. Everything in the window also sees the memory (sink, earlier windows'
+beacons, raw tokens kept at ratio 0), at positions ``0 .. M-1``; the window's slots follow at ``M + offset``:
 
 ==================  ==================================  ===============================  ==========================
 scheme, mode        raw token i sees (in the window)    beacon j sees                    beacon j's offset
@@ -24,7 +18,7 @@ segmentation,       raw 0..i                            raw jr..(j+1)r-1; beacon
 append                                                  (attend_prev) or itself
 ==================  ==================================  ===============================  ==========================
 
-This module imports only torch: it is part of the modeling file written beside exported models.
+This module imports only torch: it is part of the exported modeling file.
 """
 
 from __future__ import annotations
@@ -93,24 +87,14 @@ class BeaconSettings:
 
 @dataclasses.dataclass(frozen=True)
 class WindowLayout:
-    """The slots of one full window in sequence order (a partial window is a prefix of them).
+    """The ``L`` slots of one full window in sequence order (a partial window is a prefix of them)."""
 
-    Attributes:
-        is_beacon: ``[L]`` bool, whether slot ``s`` is a beacon.
-        trigger: ``[L]`` long: a raw slot's raw index; a beacon's raw index after which it is inserted.
-            The slots of a window holding ``n`` raw tokens are those with ``trigger < n``.
-        offsets: ``[L]`` long, position of each slot minus the memory length ``M``.
-        visible: ``[L, L]`` bool, ``visible[q, k]``: slot ``q`` attends to slot ``k`` of the window.
-        ratio: the condensing ratio (0: no beacons, the raw K/V become memory).
-        window: raw tokens the full window holds.
-    """
-
-    is_beacon: torch.Tensor
-    trigger: torch.Tensor
-    offsets: torch.Tensor
-    visible: torch.Tensor
-    ratio: int
-    window: int
+    is_beacon: torch.Tensor  # [L] bool
+    trigger: torch.Tensor  # [L] long: a raw slot's raw index, a beacon's that it follows; slots of n raw: trigger < n
+    offsets: torch.Tensor  # [L] long: each slot's position minus the memory length M
+    visible: torch.Tensor  # [L, L] bool: visible[q, k], slot q attends to slot k of the window
+    ratio: int  # the condensing ratio (0: no beacons, the raw K/V become memory)
+    window: int  # raw tokens the full window holds
 
     def slots_for(self, n_raw: int) -> int:
         """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""

@@ -53,23 +53,15 @@ def plan_group(
 
 
 class GroupInputs(NamedTuple):
-    """What the decoder stack takes for a group of ``P`` windows of ``L`` slots, ``B`` sequences.
+    """What the decoder stack takes for a group of ``P`` windows of ``L`` slots, ``B`` sequences (``K = M + G + L``
+    keys: the memory, the group's new entries, a window)."""
 
-    Attributes:
-        step: the :class:`~.cache.BeaconStep` (with its :class:`~.cache.WindowGroup`).
-        positions: ``[B * P, L]`` long, each slot's position (window ``p`` starts after the memory it reads).
-        visible: ``[B * P, 1, L, K]`` bool, ``K = M + G + L``: what each slot attends to.
-        keys: ``[B * P, K]`` bool, the keys each row may read (padding and later windows' entries hidden).
-        window_keeps: per window ``[B, L]`` bool (False at padding) or None.
-        entry_keep: ``[B, G]`` bool (False at padding) of the group's new memory entries, or None.
-    """
-
-    step: BeaconStep
-    positions: torch.Tensor
-    visible: torch.Tensor
-    keys: torch.Tensor
-    window_keeps: list[torch.Tensor | None]
-    entry_keep: torch.Tensor | None
+    step: BeaconStep  # with its WindowGroup
+    positions: torch.Tensor  # [B * P, L] long: window p starts after the memory it reads
+    visible: torch.Tensor  # [B * P, 1, L, K] bool: what each slot attends to
+    keys: torch.Tensor  # [B * P, K] bool: the keys each row may read (padding and later windows' entries hidden)
+    window_keeps: list[torch.Tensor | None]  # per window [B, L] bool, False at padding, or None
+    entry_keep: torch.Tensor | None  # [B, G] bool of the group's new memory entries, False at padding, or None
 
 
 def group_inputs(
