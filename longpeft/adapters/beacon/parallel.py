@@ -27,20 +27,11 @@ from .layout import WindowLayout, padding_keep, step_visibility, window_keep
 def plan_group(
     first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int, remaining: int, most: int
 ) -> tuple[int, WindowLayout | None]:
-    """How many windows run in the group that begins with ``first`` (a window starting at raw token ``start``).
-
-    Args:
-        first: the first window's layout.
-        next_layout: ``next_layout(start)``, the layout of the window beginning at raw token ``start`` (it draws
-            that window's ratio, so it is called once per window, in order).
-        window: raw tokens of every later window.
-        remaining: new raw tokens from ``start`` on in this forward (only full windows join a group).
-        most: ``parallel_windows``.
-
-    Returns:
-        ``(windows, pending)``: the group's size (1: run ``first`` alone) and the layout already chosen for the
-        window after the group when it could not join (another ratio or size), else None.
-    """
+    """``(windows, pending)``: how many windows, up to ``most`` (``parallel_windows``; 1: ``first`` alone), run in the
+    group that begins with ``first`` at raw token ``start``, with ``remaining`` new raw tokens from there (only full
+    windows of ``window`` tokens join), and the layout chosen for the window after the group when it could not join
+    (another ratio or size), else None. ``next_layout(start)`` lays out (draws the ratio of) the window beginning at
+    raw token ``start``: it is called once per window, in order."""
     if most < 2 or remaining < first.window:
         return 1, None
     count, used = 1, first.window
@@ -74,17 +65,10 @@ def group_inputs(
     keep_raw: torch.Tensor | None,
     rotate: Rotate,
 ) -> GroupInputs:
-    """Positions, masks and step of ``windows`` full windows of ``layout`` that begin after ``state``.
-
-    Args:
-        layout: the windows' layout.
-        windows: ``P >= 2``.
-        state: the cache's state (at a window border: no open window).
-        sink, rule: window 0's sink and whose layout it takes (:func:`~.cache.committed_slots`).
-        batch: ``B``.
-        keep_raw: ``[B, P * W]`` bool, False at the raw tokens that are padding, or None.
-        rotate: the model's rotation of pre-RoPE keys.
-    """
+    """Positions, masks and step of ``windows`` (``P >= 2``) full windows of ``layout`` that begin after ``state`` (at
+    a window border), for ``batch`` (``B``) sequences whose raw tokens' ``keep_raw [B, P * W]`` is False at padding
+    (None: none). ``sink`` and ``rule`` lay out window 0's sink (:func:`~.cache.committed_slots`); ``rotate`` is the
+    model's rotation of pre-RoPE keys."""
     slots, memory = len(layout.is_beacon), state.memory_length
     raw_rows = (~layout.is_beacon).nonzero().flatten()
     kept = [committed_slots(layout, slots, state.window_index + p, sink, rule) for p in range(windows - 1)]
@@ -122,8 +106,7 @@ def group_inputs(
 
 def close_group(state: SequenceState, layout: WindowLayout, inputs: GroupInputs) -> None:
     """The state after the group's step: windows ``0 .. P-2`` committed, the last one open and full."""
-    group, windows = inputs.step.group, len(inputs.window_keeps)
-    added = group.entry_slot.numel()
+    windows, added = len(inputs.window_keeps), inputs.step.group.entry_slot.numel()
     state.memory_keep = padding_keep((state.memory_keep, state.memory_length), (inputs.entry_keep, added))
     state.memory_length += added
     state.window_index += windows - 1

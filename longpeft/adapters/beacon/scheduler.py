@@ -136,7 +136,7 @@ def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start
 
 @dataclasses.dataclass
 class _BeaconRun:
-    """One call of :func:`beacon_backbone_forward`: what its windows and groups read."""
+    """One call of :func:`beacon_backbone_forward`: what its windows read."""
 
     backbone: torch.nn.Module  # the decoder stack
     settings: BeaconSettings
@@ -220,9 +220,8 @@ class _BeaconRun:
 def _run_step(
     run: _BeaconRun, layout, take: int, raw_embeds: torch.Tensor, keep_raw: torch.Tensor | None, keep_last: int | None
 ) -> torch.Tensor:
-    """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``, padding mask ``keep_raw [batch, take]``
-    or None) of the open window, with the beacons they bring; returns the raw tokens' hidden states
-    ``[batch, take (or keep_last), hidden]``."""
+    """Feed ``take`` more raw tokens of the open window (``raw_embeds [batch, take, hidden]``, padding mask
+    ``keep_raw [batch, take]`` or None) with the beacons they bring: their ``[batch, take (or keep_last), hidden]``."""
     state, device = run.cache.state, raw_embeds.device
     start, end = state.window_slots, layout.slots_for(state.window_raw + take)
     is_beacon = layout.is_beacon[start:end]
@@ -260,14 +259,10 @@ def _run_group(
 
 
 def _next_part(run: _BeaconRun, remaining: int, pending):
-    """What the next step of the window loop runs, with ``remaining`` new raw tokens to go: commits the open window
-    when it is full, lays out the next one (a prefill groups up to ``parallel_windows`` full windows of one layout,
-    :func:`.parallel.plan_group`; ``pending``: the layout already chosen for the window after the last group), and
-    chooses a deferred ratio (:func:`_layout_at` gave None) when this step fills its window.
-
-    Returns:
-        ``(layout, windows, take, pending)``: the open window's layout, the windows of the group (1: a step of one
-        window), the raw tokens the step takes, and the layout chosen for the window after the group (or None).
+    """``(layout, windows, take, pending)`` of the next step of the window loop, with ``remaining`` new raw tokens to
+    go: the open window's layout, the windows of its group (:func:`.parallel.plan_group`; 1: a step of one window),
+    the raw tokens the step takes, and the layout chosen for the window after the group (``pending``: the last one's,
+    or None). Commits the open window when it is full, and chooses a deferred ratio when this step fills its window.
     """
     state, settings = run.cache.state, run.settings
     if state.layout is not None and state.window_raw == state.layout.window:
@@ -289,7 +284,7 @@ def _next_part(run: _BeaconRun, remaining: int, pending):
 
 def _refuse_unsupported_call(backbone: torch.nn.Module, input_ids, inputs_embeds, kwargs: dict) -> None:
     """Refuse both or neither of ``input_ids`` and ``inputs_embeds``, and hidden states or attention weights asked
-    for (in ``kwargs`` or the config): a window's cover its beacons and memory, not the input's tokens."""
+    for (in ``kwargs`` or the config)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     for name in ("output_hidden_states", "output_attentions"):
@@ -315,18 +310,16 @@ def beacon_backbone_forward(
     Args:
         input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
         attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
-        position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
+        position_ids, use_cache: ignored: positions follow the beacon layout, and the memory is always used.
         cache (in kwargs; ``past_key_values`` before transformers 5.24): a :class:`BeaconCache` to continue, or
             None for a new one (any other cache is refused).
-        use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
-        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only, so a long
-            prefill holds no ``[n, hidden]`` output (the causal LM passes its int ``logits_to_keep``).
-        output_hidden_states, output_attentions (in kwargs or the config): refused when true; a window's
-            states and attention weights cover its beacons and memory, not the input's tokens.
+        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only (the causal LM
+            passes its int ``logits_to_keep``).
+        output_hidden_states, output_attentions (in kwargs or the config): refused when true.
 
     Returns:
-        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache (as ``cache``, or
-        ``past_key_values`` before transformers 5.24).
+        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache to continue with (as
+        ``cache``, or ``past_key_values`` before transformers 5.24).
     """
     keep_last = kwargs.pop("beacon_keep_last", None)
     given, cache_name = pop_cache(kwargs), cache_keyword()
@@ -370,10 +363,9 @@ SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 def beacon_prepare_cache_for_generation(
     self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
 ) -> None:
-    """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
-    caller's, which it continues), and a clear error for other caches and for decoding methods that would
-    reorder or crop the memory. With beacons switched off the stock set-up runs (the model is the stock model
-    then). ``generate`` passes ``logits_to_keep=1``, so a prefill keeps one hidden state per row."""
+    """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the caller's, which it
+    continues); other caches, and decoding methods that would reorder or crop the memory, are refused. With beacons
+    switched off, the stock set-up."""
     if not getattr(self, self.base_model_prefix).beacons_enabled:
         return type(self)._prepare_cache_for_generation(
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
