@@ -6,6 +6,7 @@ settings compared with the stock base's. A refusal names the file, the key, the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import ConfigError, DataError
@@ -39,67 +40,13 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _read_window(config: dict[str, Any], source: str) -> int:
-    window = config["beacon_window"]
-    if not _whole(window) or window < 1:
-        raise _refuse(source, "beacon_window", window)
-    stride = config.get("beacon_stride", window)
-    if stride != window or not _whole(stride):
-        raise _refuse(source, "beacon_stride", stride)
-    return window
+def _ratios(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_whole(ratio) and ratio >= 0 for ratio in value)
 
 
-def _read_ratios(config: dict[str, Any], window: int, source: str) -> list[int]:
-    ratios = config.get("beacon_ratio", [2, 4, 8])
-    if not isinstance(ratios, list) or not ratios or not all(_whole(r) and r >= 0 for r in ratios):
-        raise _refuse(source, "beacon_ratio", ratios)
-    bad = [r for r in ratios if r and (r > window or window % r)]
-    if bad:
-        raise _refuse(source, "beacon_ratio", ratios, f" ({bad[0]} does not divide beacon_window {window})")
-    return ratios
-
-
-def _read_choice(config: dict[str, Any], key: str, default: str, choices: tuple[str, ...], source: str) -> str:
-    value = config.get(key, default)
-    if value not in choices:
-        raise _refuse(source, key, value)
-    return value
-
-
-def _read_layout(config: dict[str, Any], window: int, source: str) -> tuple[str, str, bool | None, int]:
-    """``(attn, pos, attend_prev, sink)``; refuses layouts the authors' rule cannot reproduce, naming their keys."""
-    attn = config.get("beacon_attn", "full-coverage")
-    if attn == "segmentation":
-        raise _refuse(
-            source,
-            "beacon_attn",
-            attn,
-            " (the authors' code fails placing its beacons there: a TypeError, so no model of theirs runs it)",
-        )
-    attn = _read_choice(config, "beacon_attn", "full-coverage", ("full-coverage", "step-expansion"), source)
-    pos = _read_choice(config, "beacon_pos", "interleave", ("interleave", "append"), source)
-    if (attn, pos) == ("step-expansion", "interleave"):
-        raise DataError(
-            f"{source}: beacon_attn step-expansion with beacon_pos interleave: the authors' mask there hides window "
-            "slots 0 and 1 instead of the beacons (a bug in their indexing), which longpeft does not reproduce; "
-            "the released models use beacon_attn full-coverage"
-        )
-    attend_prev = config.get("beacon_attend_prev", True)
-    if not isinstance(attend_prev, bool):
-        raise _refuse(source, "beacon_attend_prev", attend_prev)
-    sink = config.get("beacon_sink_size", 0)
-    if not _whole(sink) or not 0 <= sink < window:
-        raise _refuse(source, "beacon_sink_size", sink)
-    # full-coverage's mask is plain causal: their code reads beacon_attend_prev only with the other schemes
-    return attn, pos, None if attn == "full-coverage" else attend_prev, sink
-
-
-def _read_params(config: dict[str, Any], source: str) -> list[str]:
-    params = config.get("beacon_param", ["q", "k", "v"])
-    listed = isinstance(params, list) and params and all(p in ("q", "k", "v", "o") for p in params)
-    if not listed or len(set(params)) != len(params):
-        raise _refuse(source, "beacon_param", params)
-    return params
+def _projections(value: Any) -> bool:
+    listed = isinstance(value, list) and bool(value) and all(p in ("q", "k", "v", "o") for p in value)
+    return listed and len(set(value)) == len(value)
 
 
 def rope_settings(config: dict[str, Any], source: str) -> dict[str, Any]:
@@ -188,13 +135,35 @@ def config_from_authors(config: dict[str, Any], source: str = "config.json") -> 
     """
     if "beacon_window" not in config:
         raise DataError(f"{source} has no beacon_window: not an Activation Beacon checkpoint")
-    window = _read_window(config, source)
-    ratios = _read_ratios(config, window, source)
-    mix = config.get("beacon_ratio_mix", "step-random")
-    if not isinstance(mix, str) or not RATIO_MIX.match(mix):
-        raise _refuse(source, "beacon_ratio_mix", mix)
-    attn, pos, attend_prev, sink = _read_layout(config, window, source)
-    params = _read_params(config, source)
+
+    def read(key: str, default: Any, valid: Callable[[Any], bool], why: str = "") -> Any:
+        value = config.get(key, default)
+        if not valid(value):
+            raise _refuse(source, key, value, why)
+        return value
+
+    window = read("beacon_window", None, lambda value: _whole(value) and value >= 1)
+    read("beacon_stride", window, lambda value: value == window and _whole(value))
+    ratios = read("beacon_ratio", [2, 4, 8], _ratios)
+    bad = [ratio for ratio in ratios if ratio and (ratio > window or window % ratio)]
+    if bad:
+        raise _refuse(source, "beacon_ratio", ratios, f" ({bad[0]} does not divide beacon_window {window})")
+    mix = read(
+        "beacon_ratio_mix", "step-random", lambda value: isinstance(value, str) and bool(RATIO_MIX.match(value))
+    )
+    fails = " (the authors' code fails placing its beacons there: a TypeError, so no model of theirs runs it)"
+    read("beacon_attn", "full-coverage", lambda value: value != "segmentation", fails)
+    attn = read("beacon_attn", "full-coverage", lambda value: value in ("full-coverage", "step-expansion"))
+    pos = read("beacon_pos", "interleave", lambda value: value in ("interleave", "append"))
+    if (attn, pos) == ("step-expansion", "interleave"):
+        raise DataError(
+            f"{source}: beacon_attn step-expansion with beacon_pos interleave: the authors' mask there hides window "
+            "slots 0 and 1 instead of the beacons (a bug in their indexing), which longpeft does not reproduce; "
+            "the released models use beacon_attn full-coverage"
+        )
+    attend_prev = read("beacon_attend_prev", True, lambda value: isinstance(value, bool))
+    sink = read("beacon_sink_size", 0, lambda value: _whole(value) and 0 <= value < window)
+    params = read("beacon_param", ["q", "k", "v"], _projections)
     factor = rope_settings(config, source).get("factor")
     if factor is not None and not _same(factor, 1):
         raise DataError(
@@ -213,7 +182,8 @@ def config_from_authors(config: dict[str, Any], source: str = "config.json") -> 
         pos=pos,
         params=params,
         sink=sink,
-        attend_prev=attend_prev,
+        # full-coverage's mask is plain causal: their code reads beacon_attend_prev only with the other schemes
+        attend_prev=None if attn == "full-coverage" else attend_prev,
         embed_init="bos" if config.get("beacon_embed_init") == "bos" else "eos",
         layout_rule="authors",
     ).resolved()

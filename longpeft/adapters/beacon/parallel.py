@@ -11,7 +11,6 @@ This module imports only torch: it is part of the exported modeling file.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -72,7 +71,9 @@ def group_inputs(
     slots, memory = len(layout.is_beacon), state.memory_length
     raw_rows = (~layout.is_beacon).nonzero().flatten()
     kept = [committed_slots(layout, slots, state.window_index + p, sink, rule) for p in range(windows - 1)]
-    starts = list(itertools.accumulate((entries.numel() for entries in kept), initial=memory))  # M before each window
+    starts = [memory]  # memory length before each window
+    for entries in kept:
+        starts.append(starts[-1] + entries.numel())
     entry_window = torch.cat([torch.full((entries.numel(),), p) for p, entries in enumerate(kept)])
     entry_slot = torch.cat(kept)
     entry_positions = torch.arange(memory, starts[-1])
