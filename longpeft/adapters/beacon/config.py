@@ -47,23 +47,6 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
     return True if attend_prev is None else attend_prev
 
 
-def _check_authors_rule(attn: str, pos: str) -> None:
-    """Refuse, under ``layout_rule: authors``, the schemes whose outputs longpeft does not reproduce."""
-    if attn == "segmentation":
-        raise ValueError(
-            "layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
-            "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
-            "read, as the paper says)"
-        )
-    if (attn, pos) == ("step-expansion", "interleave"):
-        raise ValueError(
-            "layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
-            "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
-            "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
-            "paper says)"
-        )
-
-
 def _check_kept_spans(config: BeaconConfig) -> None:
     """keep_start / keep_end as the authors allow them: no sink beside a kept start (the kept start is the sink),
     and a whole number of windows between the two."""
@@ -150,8 +133,19 @@ class BeaconConfig(StrictModel):
                 "use pos: append"
             )
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
-        if self.layout_rule == "authors":
-            _check_authors_rule(self.attn, self.pos)
+        if self.layout_rule == "authors" and self.attn == "segmentation":
+            raise ValueError(
+                "layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
+                "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
+                "read, as the paper says)"
+            )
+        if self.layout_rule == "authors" and (self.attn, self.pos) == ("step-expansion", "interleave"):
+            raise ValueError(
+                "layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
+                "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
+                "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
+                "paper says)"
+            )
         _check_kept_spans(self)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
             raise ValueError(
