@@ -147,9 +147,7 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
     return WindowLayout(is_beacon, trigger, offsets, visible, ratio, window)
 
 
-# ------------------------------------------------------------------------------------------------
 # Masks of one step
-# ------------------------------------------------------------------------------------------------
 
 
 def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None:
@@ -174,12 +172,8 @@ def window_keep(
     raw_rows: torch.Tensor,
 ) -> torch.Tensor | None:
     """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
-    join the first ``start`` (whose keep is ``keep [batch, start]`` or None).
-
-    A raw slot is padding where ``keep_raw [batch, n_raw]`` (the new raw tokens' mask, None: none is padding;
-    ``raw_rows [n_raw]`` their slots within ``[start, end)``) says so; a beacon, when every raw token of the window
-    it sees is padding (with left padding: the last one it sees is), so neither its window nor the memory reads it.
-    """
+    join the first ``start`` (``keep [batch, start]`` or None). The new raw tokens' ``keep_raw [batch, n_raw]`` (None:
+    no padding) marks their slots ``raw_rows [n_raw]``; a beacon is padding when every raw token it sees is."""
     new = None
     if keep_raw is not None:
         new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
@@ -202,18 +196,9 @@ def key_keep(
 def step_visibility(
     layout: WindowLayout, memory_length: int, start: int, end: int, keys: torch.Tensor | None
 ) -> torch.Tensor:
-    """Which keys the slots ``[start, end)`` of a window attend to.
-
-    Args:
-        layout: the window's layout.
-        memory_length: ``M``, memory entries before the window.
-        start, end: the slots fed in this step.
-        keys: ``[batch, M + end]`` bool, False at padding (:func:`key_keep`), or None.
-
-    Returns:
-        ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
-        sees itself, so no row is empty (a padding query gets a finite, ignored output).
-    """
+    """``[batch or 1, 1, end - start, M + end]`` bool: the keys the slots ``[start, end)`` of a window after
+    ``memory_length`` (``M``) memory entries attend to, padding hidden (``keys [batch, M + end]``, False at padding,
+    or None: :func:`key_keep`). Every slot sees itself, so no row is empty (a padding query gets an ignored output)."""
     rows = torch.cat(
         [torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1
     )
@@ -225,13 +210,9 @@ def step_visibility(
 def attention_mask_for(
     visible: torch.Tensor, keys: torch.Tensor | None, implementation: str, dtype: torch.dtype, device
 ) -> torch.Tensor | None:
-    """The mask an attention kernel takes for a step.
-
-    eager: additive float ``[b, 1, q, k]`` (0 or the dtype's minimum) from ``visible``; sdpa and others:
-    the bool ``visible`` itself; flash_attention_2 (full-coverage only, its mask is causal): None
-    without padding, else the 2-D key mask ``keys [b, k]`` (flash-attn aligns a shorter query block to
-    the end of the keys, which is the causal layout).
-    """
+    """The mask an attention kernel takes for a step: eager, an additive float ``[b, 1, q, k]`` from ``visible``; sdpa
+    and others, the bool ``visible``; flash_attention_2 (full-coverage only: its mask is causal), None without padding,
+    else the 2-D key mask ``keys [b, k]``."""
     if "flash" in implementation:
         return None if keys is None or bool(keys.all()) else keys.to(device=device, dtype=torch.long)
     if implementation == "eager":
@@ -240,9 +221,7 @@ def attention_mask_for(
     return visible.to(device)
 
 
-# ------------------------------------------------------------------------------------------------
 # Ratios
-# ------------------------------------------------------------------------------------------------
 
 DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconConfig's default window layout
 
@@ -258,43 +237,28 @@ def span_at(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
     keys: bool = False,
 ) -> int:
-    """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: the largest position id the
-    beacon forward gives them, plus one. That is, over the windows, the memory before a window (sink and earlier
-    windows' beacons) plus the positions its slots take (:meth:`WindowLayout.reach` of ``scheme``, ``(attn, pos,
-    attend_prev)``; with ``training`` the window that ends the input has no beacons); at ratio 0, ``length`` (plus
-    the sink, stored twice under the authors' ``rule``, once the first window is in memory). O(1).
-
-    ``keep = (keep_start, keep_end)``: the first ``keep_start`` tokens sit in memory before every window, and the
-    tokens from ``keep_end`` on follow the beacons of the windows before them raw.
-
-    ``keys``: the keys one query reads at most instead, the memory plus the slots of its window; more than the
-    positions where beacons take the positions of raw tokens (step-expansion, segmentation).
+    """Positions ``length`` tokens occupy (the largest position id the beacon forward gives them, plus one) when every
+    window is condensed at ``ratio``: over the windows, the memory before one plus the positions its slots take
+    (:meth:`WindowLayout.reach` under ``scheme``, ``(attn, pos, attend_prev)``; with ``training`` the last window has
+    no beacons); at ratio 0, ``length`` (plus the sink, stored twice under the authors' ``rule``). ``keep =
+    (keep_start, keep_end)``: the first ``keep_start`` tokens stay in memory, and those from ``keep_end`` on follow
+    raw. ``keys``: the keys one query reads at most instead (more than the positions where beacons take raw tokens'
+    positions). O(1).
     """
     start, end = keep
     condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
     if not ratio or condensed <= start:  # every window raw
         return length + (sink if rule == "authors" and length > window else 0)
-    span = start + _windows_span(
-        window, sink, ratio, condensed - start, training and condensed == length, scheme, keys
-    )
+    windows, last_raw = math.ceil((condensed - start) / window), training and condensed == length
+    span = 0
+    for index in range(max(0, windows - 2), windows):  # each full window reaches further than the one before
+        raw = min(window, condensed - start - index * window)
+        layout = window_layout(window, 0 if last_raw and index == windows - 1 else ratio, *scheme)
+        memory = start + (sink + index * (window // ratio) if index else 0)
+        span = max(span, memory + (layout.slots_for(raw) if keys else layout.reach(raw)))
     if condensed < length:  # raw windows from keep_end on follow the memory of the condensed ones
         memory = start + sink + (end - start) // window * (window // ratio)
         span = max(span, memory + length - end)
-    return span
-
-
-def _windows_span(
-    window: int, sink: int, ratio: int, length: int, training: bool, scheme: tuple[str, str, bool], keys: bool
-) -> int:
-    """:func:`span_at` of ``length > 0`` tokens that all run in windows condensed at ``ratio > 0``: each full window
-    reaches further than the one before, so only the last full window and the last one can be the furthest."""
-    windows = math.ceil(length / window)
-    span = 0
-    for index in range(max(0, windows - 2), windows):
-        raw = min(window, length - index * window)
-        layout = window_layout(window, 0 if training and index == windows - 1 else ratio, *scheme)
-        memory = sink + index * (window // ratio) if index else 0
-        span = max(span, memory + (layout.slots_for(raw) if keys else layout.reach(raw)))
     return span
 
 
