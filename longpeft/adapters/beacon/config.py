@@ -64,27 +64,19 @@ def _check_kept_spans(config: BeaconConfig) -> None:
 
 
 class BeaconConfig(StrictModel):
-    """Activation Beacon settings (Zhang et al., "Soaring from 4K to 400K"; docs/beacon.md).
+    """Activation Beacon settings (Zhang et al., "Soaring from 4K to 400K"; docs/beacon.md describes each).
 
-    ``window``: raw tokens per window. ``ratios``: condensing ratios a training window may get (window / ratio
-    beacons; 0 keeps the raw K/V), picked by ``ratio_mix``: ``step-random``, ``instance-random``, ``sequence`` (the
-    listed order, one per window, from the first again for each input) or ``adapt-N``; all but adapt-N take only
-    ratios that keep the input inside the base's positions (``layout.fitting_ratios``). ``inference_ratios`` /
-    ``inference_ratio_mix``: the same in eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio
-    that keeps the input plus 1024 new tokens inside the positions, ``layout.span_ratio``). ``zero_ratio_rule``:
-    which training windows may take ratio 0 (``authors``: one that no earlier ratio-0 window precedes and a full
-    window follows; ``any``: every window; ``layout.training_ratios``). ``attn``: which raw tokens a beacon condenses;
-    ``pos``: beacons ``interleave``d (one after every ratio raw tokens) or ``append``ed after the window. ``params``:
-    projections with beacon weights. ``sink``: first-window raw tokens kept in memory for good. ``attend_prev``:
-    beacons see their window's earlier beacons (implied by the scheme when unset). ``embed_init``: the beacon
-    embedding starts as the eos or bos row. ``projection``: ``full`` (a trainable copy of each projection, the paper)
-    or ``lora`` (the projection plus a zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha /
-    lora_rank``). ``layout_rule``: whose rules choose the adapt-N ratio and lay out the sink: ``longpeft`` or
-    ``authors`` (what ``convert-beacon`` records: ``layout.authors_adapt_ratio``, ``cache.committed_slots``).
-
-    Inference only: ``parallel_windows``: full windows a prefill runs in one forward, with the same logits (1: one at
-    a time). ``keep_start`` / ``keep_end``: the first ``keep_start`` tokens run alone and stay in memory uncondensed,
-    windows counting from the token after them; tokens from index ``keep_end`` on stay uncondensed.
+    ``window``: raw tokens per window. ``ratios``: the condensing ratios of training windows (window / ratio beacons;
+    0 keeps the raw K/V), picked by ``ratio_mix`` (``step-random``, ``instance-random``, ``sequence``, ``adapt-N``);
+    ``inference_ratios`` / ``inference_ratio_mix``: the same in eval mode (default: the training ratios,
+    ``adapt-1024``); ``zero_ratio_rule``: which training windows may take ratio 0. ``attn``: which raw tokens a beacon
+    condenses; ``pos``: beacons ``interleave``d or ``append``ed; ``attend_prev``: beacons see their window's earlier
+    beacons (implied by the scheme when unset). ``params``: projections with beacon weights; ``sink``: first-window raw
+    tokens kept in memory for good; ``embed_init``: the row (eos or bos) the beacon embedding starts as;
+    ``projection``: ``full`` copies or ``lora`` deltas (``lora_rank``, scaled by ``lora_alpha / lora_rank``).
+    ``layout_rule``: whose rules choose the adapt-N ratio and lay out the sink (``longpeft`` or ``authors``).
+    Inference only: ``parallel_windows``, the full windows a prefill runs per forward; ``keep_start`` / ``keep_end``:
+    the first tokens, and those from index ``keep_end`` on, stay uncondensed.
 
     Each setting is declared here only; :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``).
     """

@@ -309,16 +309,11 @@ def choose_ratio(
     keep: tuple[int, int | None] = (0, None),
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
-    """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
-    first window: see ``scheduler._layout_at``).
-
-    Args:
-        ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
-        length: tokens of the sequence known so far (adapt-N adds N).
-        chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
-        sink, training, rule, keep, scheme: what the positions of ``length`` tokens depend on besides the ratio
-            (:func:`span_at`); adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
-    """
+    """The ratio of the next window among ``ratios`` under ``mix`` (step-random, instance-random, adapt-N; the
+    ``sequence`` mix cycles through :func:`fitting_ratios` in ``scheduler._layout_at`` instead): ``chosen`` (the
+    sequence's earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw
+    among :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
+    ``scheme``: what their positions depend on besides the ratio (:func:`span_at`)."""
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
