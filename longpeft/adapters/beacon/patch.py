@@ -153,22 +153,19 @@ def remove_beacon(model: nn.Module) -> None:
     for name in _PATCHED_BACKBONE:
         backbone.__dict__.pop(name, None)
     for attention in attention_modules(backbone):
-        for name in ("q", "k", "v", "o"):
-            if hasattr(attention, f"beacon_{name}_proj"):
-                delattr(attention, f"beacon_{name}_proj")
+        for name in [name for name, _ in attention.named_children() if name.startswith("beacon_")]:
+            delattr(attention, name)
         attention.__dict__.pop("forward", None)
     for layer in backbone.layers:
         layer.__dict__.pop("_can_checkpoint_with_cache", None)
     causal_lm.__dict__.pop("_prepare_cache_for_generation", None)
     causal_lm.__dict__.pop("forward", None)
-    if hasattr(causal_lm.config, "beacon"):
-        del causal_lm.config.beacon
+    causal_lm.config.__dict__.pop("beacon", None)
 
 
 def beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The beacon parameters by their name in the decoder stack (``layers.0.self_attn.beacon_q_proj.weight``, ...)."""
-    backbone = backbone_of(model)
-    return {name: p for name, p in backbone.named_parameters() if ".beacon_" in f".{name}"}
+    return {name: p for name, p in backbone_of(model).named_parameters() if ".beacon_" in f".{name}"}
 
 
 def trainable_beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
