@@ -310,9 +310,9 @@ def choose_ratio(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The ratio of the next window among ``ratios`` under ``mix`` (step-random, instance-random, adapt-N; the
-    ``sequence`` mix cycles through :func:`fitting_ratios` in ``scheduler._layout_at`` instead): ``chosen`` (the
-    sequence's earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw
-    among :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
+    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead): ``chosen`` (the sequence's
+    earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw among
+    :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
     ``scheme``: what their positions depend on besides the ratio (:func:`span_at`)."""
     if len(ratios) == 1:
         return ratios[0]

@@ -94,46 +94,6 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
             )
 
 
-def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int, complete: bool):
-    """The layout of the window that begins at raw token ``start`` of the ``length`` known (its ratio drawn now: call
-    once per window, in order), or None when its ratio is to be chosen in the forward that fills it.
-
-    ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows from
-    that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in): the window
-    that reaches its end gets no beacons. None: appended beacons under ``layout_rule: authors`` in a window that this
-    forward does not fill (the authors' code chooses a window's ratio when it is full, counting the tokens known then;
-    the window's raw slots are laid out alike at every ratio).
-    """
-    window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
-    if settings.keep_start and start == 0:
-        return window_layout(settings.keep_start, 0, *scheme)
-    if settings.keep_end is not None and start >= settings.keep_end:
-        return window_layout(window, 0, *scheme)
-    if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
-        return None
-    ratios, mix = settings.ratio_choice(backbone.training)
-    if backbone.training and settings.zero_ratio_rule == "authors":
-        ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
-    max_positions, keep = backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
-    if mix == "sequence":  # the cycle is fixed at the input's first window
-        if state.ratio_cycle is None:
-            state.ratio_cycle = fitting_ratios(
-                ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
-            )
-        ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
-    else:
-        chosen = state.chosen_ratio
-        ratio = choose_ratio(
-            ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
-        )
-    if mix.startswith("adapt-") or mix == "instance-random":
-        state.chosen_ratio = ratio
-    state.zero_ratio_used |= ratio == 0
-    if complete and start + window >= length:
-        ratio = 0  # no beacons in the window that ends a training input
-    return window_layout(window, ratio, *scheme)
-
-
 @dataclasses.dataclass
 class _BeaconRun:
     """One call of :func:`beacon_backbone_forward`: what its windows read."""
@@ -144,7 +104,6 @@ class _BeaconRun:
     complete: bool  # a training forward over a whole input (no cache passed in)
     total: int  # raw tokens the cache has read once this call ends
     beacon_row: torch.Tensor  # ``[hidden]``: the beacon embedding, in the inputs' dtype
-    implementation: str  # the attention kernel
     kwargs: dict  # the decoder stack's keyword arguments besides the step's: the cache, and the caller's others
 
     @classmethod
@@ -178,7 +137,6 @@ class _BeaconRun:
             complete=backbone.training and given is None,
             total=cache.state.raw_seen + n_new,
             beacon_row=backbone.beacon_embed_tokens.weight[0].to(dtype),
-            implementation=backbone.config._attn_implementation or "eager",
             kwargs={**kwargs, cache_name: cache, "use_cache": True},
         )
 
@@ -188,8 +146,42 @@ class _BeaconRun:
         return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def layout_at(self, start: int):
-        """The layout of the window that begins at raw token ``start``, or None (:func:`_layout_at`)."""
-        return _layout_at(self.backbone, self.cache.state, self.settings, start, self.total, self.complete)
+        """The layout of the window that begins at raw token ``start`` (its ratio drawn now: call once per window, in
+        order), or None when its ratio is to be chosen in the forward that fills it: appended beacons under
+        ``layout_rule: authors`` in a window that this call does not fill (the authors' code chooses a window's ratio
+        when it is full, counting the tokens known then; the raw slots are laid out alike at every ratio).
+        ``keep_start``: the first window is the kept start, at ratio 0; ``keep_end``: windows from there on are at
+        ratio 0. A training forward over a whole input (``complete``): the window that reaches its end has no beacons.
+        """
+        settings, state, length, complete = self.settings, self.cache.state, self.total, self.complete
+        window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
+        if settings.keep_start and start == 0:
+            return window_layout(settings.keep_start, 0, *scheme)
+        if settings.keep_end is not None and start >= settings.keep_end:
+            return window_layout(window, 0, *scheme)
+        if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
+            return None
+        ratios, mix = settings.ratio_choice(self.backbone.training)
+        if self.backbone.training and settings.zero_ratio_rule == "authors":
+            ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
+        max_positions, keep = self.backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
+        if mix == "sequence":  # the cycle is fixed at the input's first window
+            if state.ratio_cycle is None:
+                state.ratio_cycle = fitting_ratios(
+                    ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
+                )
+            ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
+        else:
+            chosen = state.chosen_ratio
+            ratio = choose_ratio(
+                ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
+            )
+        if mix.startswith("adapt-") or mix == "instance-random":
+            state.chosen_ratio = ratio
+        state.zero_ratio_used |= ratio == 0
+        if complete and start + window >= length:
+            ratio = 0  # no beacons in the window that ends a training input
+        return window_layout(window, ratio, *scheme)
 
     def decoder_stack(
         self,
@@ -205,7 +197,8 @@ class _BeaconRun:
         and ``positions [rows or 1, slots]``, reading and writing the beacon cache: the last hidden states of every
         slot, ``[rows, slots, hidden]``."""
         embeds = self.beacon_row.expand(raw_embeds.shape[0], step.end - step.start, -1).clone()
-        mask = attention_mask_for(visible, keys, self.implementation, raw_embeds.dtype, raw_embeds.device)
+        implementation = self.backbone.config._attn_implementation or "eager"
+        mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, raw_embeds.device)
         outputs = type(self.backbone).forward(
             self.backbone,
             inputs_embeds=embeds.index_copy(1, raw_rows, raw_embeds),
