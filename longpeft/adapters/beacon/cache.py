@@ -134,13 +134,8 @@ class BeaconLayer(CacheLayerMixin):
         pre_rope_keys: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's K/V into window slots ``[start, end)``; return memory[:M] + window[:end].
-
-        Args:
-            key_states, value_states: ``[batch, kv_heads, end - start, head_dim]`` (keys post-RoPE).
-            beacon_step: which window and slots these are (required).
-            pre_rope_keys: the same keys before RoPE (rotated again when beacons are committed).
-        """
+        """Write the step's K/V (``[batch, kv_heads, end - start, head_dim]``, keys post-RoPE, and ``pre_rope_keys``
+        before it) into the slots ``[start, end)`` of ``beacon_step``'s window; return memory[:M] + window[:end]."""
         if beacon_step is None:
             raise ValueError("a BeaconCache is written by the beacon forward only; call the model, not the layers")
         if not self.is_initialized:
@@ -159,8 +154,7 @@ class BeaconLayer(CacheLayerMixin):
         """A :class:`WindowGroup` step: ``[batch * P, kv_heads, L, head_dim]`` in; the memory becomes memory[:M]
         plus the group's entries, the window the group's last one; returns, per row, the memory, the group's
         entries and the row's own window (``[batch * P, kv_heads, M + G + L, head_dim]``)."""
-        group = step.group
-        windows = group.windows
+        group, windows = step.group, step.group.windows
         rows, heads, length, dim = key_states.shape
         batch = rows // windows
         keys, values, pre = (
@@ -168,17 +162,16 @@ class BeaconLayer(CacheLayerMixin):
         )
         index = (group.entry_window * length + group.entry_slot).to(keys.device)  # [G] into the group's P * L slots
 
-        def entries(t: torch.Tensor, which: torch.Tensor) -> torch.Tensor:  # [batch, heads, n, dim]
-            return t.transpose(1, 2).reshape(batch, heads, windows * length, dim).index_select(2, which)
+        def entries(t: torch.Tensor) -> torch.Tensor:  # [batch, heads, G, dim]: the group's new memory entries
+            return t.transpose(1, 2).reshape(batch, heads, windows * length, dim).index_select(2, index)
 
-        entry_keys = _rotated(
-            entries(keys, index), entries(pre, index), group.entry_rotate, group.entry_positions, group.rotate
-        )
+        entry_keys = _rotated(entries(keys), entries(pre), group.entry_rotate, group.entry_positions, group.rotate)
         self.memory_keys = _cat(self.memory_keys, entry_keys, step.memory_length)
-        self.memory_values = _cat(self.memory_values, entries(values, index), step.memory_length)
+        self.memory_values = _cat(self.memory_values, entries(values), step.memory_length)
         # copies: views would keep every window of the group alive
-        self.window_keys, self.window_values = keys[:, -1].clone(), values[:, -1].clone()
-        self.window_pre_rope_keys = pre[:, -1].clone()
+        self.window_keys, self.window_values, self.window_pre_rope_keys = (
+            t[:, -1].clone() for t in (keys, values, pre)
+        )
 
         def per_row(memory: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
             shared = memory[:, None].expand(batch, windows, heads, memory.shape[2], dim)

@@ -180,15 +180,13 @@ def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
 def describe(config: BeaconConfig) -> list[str]:
     """Model-card sentence: windows, ratios, layout, projections, and the ratio at inference."""
     ratios = ", ".join(map(str, config.ratios))
+    authors = (
+        ", counted as in the authors' code, whose sink layout it keeps too" if config.layout_rule == "authors" else ""
+    )
     return [
         f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
         f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
-        f"at inference the ratio adapts to the input ({config.inference_ratio_mix})"
-        + (
-            ", counted as in the authors' code, whose sink layout it keeps too."
-            if config.layout_rule == "authors"
-            else "."
-        )
+        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}){authors}."
     ]
 
 

@@ -73,16 +73,10 @@ def beacon_attention_forward(
     """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows; without a
     ``beacon_step`` (beacons switched off), the stock forward. The pre-RoPE keys go to the beacon cache too.
 
-    Args:
-        hidden_states: ``[batch, seq, hidden]``.
-        position_embeddings: ``(cos, sin)``, each ``[batch, seq, head_dim]``.
-        attention_mask: what the attention kernel takes (a 4-D mask, a 2-D key mask for flash, or None).
-        beacon_step: the window and slots this forward computes, with the beacon rows.
-        kwargs: the kernel's, and the KV cache as ``cache`` (transformers >= 5.24) or ``past_key_values``:
-            a :class:`~.cache.BeaconCache` (with ``beacon_step``) or any transformers cache.
-
-    Returns:
-        ``(output [batch, seq, hidden], attention weights or None)``.
+    ``hidden_states [batch, seq, hidden]``, ``position_embeddings`` ``(cos, sin)`` each ``[batch, seq, head_dim]``,
+    ``attention_mask`` (what the kernel takes), and in ``kwargs`` the kernel's and the cache (``cache``, or
+    ``past_key_values`` before transformers 5.24: a :class:`~.cache.BeaconCache` with a ``beacon_step``, else any);
+    returns ``(output [batch, seq, hidden], attention weights or None)``.
     """
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -92,20 +86,13 @@ def beacon_attention_forward(
     value_states = project(self, "v", hidden_states, rows).view(hidden_shape).transpose(1, 2)
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotation
         query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-
-    cos, sin = position_embeddings
-    pre_rope_keys = key_states
-    query_states = apply_rotary(query_states, cos.unsqueeze(1), sin.unsqueeze(1))
-    key_states = apply_rotary(key_states, cos.unsqueeze(1), sin.unsqueeze(1))
-
+    query_states, pre_rope_keys = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    cos, sin = (half.unsqueeze(1) for half in position_embeddings)
+    query_states, key_states = apply_rotary(query_states, cos, sin), apply_rotary(pre_rope_keys, cos, sin)
     cache = pop_cache(kwargs)
     if cache is not None:
         extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
 
-    attn_output, attn_weights = attention_kernel(
-        self, query_states, key_states, value_states, attention_mask, **kwargs
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return project(self, "o", attn_output, rows), attn_weights
+    output, weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
+    return project(self, "o", output.reshape(*input_shape, -1).contiguous(), rows), weights
