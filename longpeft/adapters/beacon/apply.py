@@ -16,13 +16,10 @@ from .patch import backbone_of, install_beacon, is_beacon_applied
 
 
 def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
-    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
-
-    Args:
-        model: the model; applying again replaces the settings and the beacon weights.
-        settings: :class:`BeaconSettings`, or a dict of some or all of its settings (:func:`settings_from`).
-        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
-            the beacon embedding. Off when the weights are loaded right after (an exported model).
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place; applying
+    again replaces the settings and the beacon weights. ``settings``: :class:`BeaconSettings`, or a dict of some or
+    all of them (:func:`settings_from`). ``initialise``: copy the stock weights into the beacon weights (``full``) and
+    the eos/bos row into the beacon embedding (off when the weights are loaded right after).
 
     Raises:
         MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).

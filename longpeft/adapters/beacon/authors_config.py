@@ -121,17 +121,13 @@ def check_built_on(
 
 def config_from_authors(config: dict[str, Any], source: str = "config.json") -> BeaconConfig:
     """Our ``beacon`` section from the ``beacon_*`` keys of an authors' config.json (``source`` names it in errors),
-    with ``layout_rule: authors`` (their adapt-N count and sink layout), so that the converted model reads as their
-    code does.
-
-    Their ``beacon_embed_init`` is read as their code reads it (``bos``, else ``eos``; it only chose the beacon
-    embedding's first value, which the checkpoint holds), and ``beacon_parallel_window`` (how many windows a forward
-    runs, not what they compute) is not read: longpeft's is ``beacon.parallel_windows``.
+    with ``layout_rule: authors``, so that the converted model reads as their code does. ``beacon_embed_init`` is
+    read as their code reads it (``bos``, else ``eos``); ``beacon_parallel_window`` (how many windows a forward runs,
+    not what they compute) is not read.
 
     Raises:
-        DataError: naming the key: the checkpoint is not a beacon model, a key holds what their code cannot use
-            (:data:`AUTHORS_KEYS`), the stride is not the window, the layout is one the authors' rule cannot
-            reproduce, or the checkpoint scales its RoPE (their adapt-N then counts positions times the factor).
+        DataError: naming the key: not a beacon checkpoint, a key holding what their code cannot use
+            (:data:`AUTHORS_KEYS`), a layout the authors' rule cannot reproduce, or a scaled RoPE.
     """
     if "beacon_window" not in config:
         raise DataError(f"{source} has no beacon_window: not an Activation Beacon checkpoint")

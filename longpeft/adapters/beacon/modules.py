@@ -1,10 +1,8 @@
 """Beacon weights and the attention forward that uses them on beacon rows only.
 
-Per attention layer, each projection named in ``params`` gets a beacon twin ``beacon_{q,k,v,o}_proj`` (the authors'
-tensor names): a :class:`BeaconLinear` (``full``: a float32 copy of the projection) or a :class:`BeaconLoraDelta`
-(``lora``: the projection's output plus a zero-initialised low-rank delta). The stock projection computes every row;
-the twin then overwrites the beacon rows, computed on those rows only. Beacon parameters are float32; their inputs
-are cast to float32 and their outputs back to the model's dtype.
+Each projection named in ``params`` gets a float32 beacon twin ``beacon_{q,k,v,o}_proj``: a :class:`BeaconLinear`
+(``full``) or a :class:`BeaconLoraDelta` (``lora``). The stock projection computes every row; the twin, applied to
+the beacon rows only, overwrites them (its output cast back to the model's dtype).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """

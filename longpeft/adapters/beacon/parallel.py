@@ -1,10 +1,8 @@
 """Parallel windows: several full windows of a prefill in one forward of the decoder stack, with the logits of
 running them one after another (docs/beacon.md says why this is exact).
 
-The ``P`` windows are ``P`` rows of one batch (:class:`~.cache.WindowGroup`). Row ``p`` reads the memory, the
-group's new entries (those of windows ``0 .. P-2``, in memory order) and its own window; its mask hides the entries
-of windows ``p`` and later. Windows ``0 .. P-2`` are committed by the step and the last stays open, so the cache ends
-as after ``P`` sequential steps. A group holds full windows of one layout (ratio and size).
+The ``P`` windows, of one layout, are ``P`` rows of one batch (:class:`~.cache.WindowGroup`): row ``p`` reads the
+memory, the new entries of windows ``0 .. p-1`` and its own window; the cache ends as after ``P`` sequential steps.
 
 This module imports only torch: it is part of the exported modeling file.
 """

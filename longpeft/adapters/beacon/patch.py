@@ -141,11 +141,7 @@ def is_beacon_applied(model: nn.Module) -> bool:
 
 
 def remove_beacon(model: nn.Module) -> None:
-    """Undo :func:`install_beacon`: the model is the stock one again, parameter for parameter.
-
-    Raises:
-        ValueError: the model has no beacons.
-    """
+    """Undo :func:`install_beacon`: the stock model again, parameter for parameter (ValueError: it has no beacons)."""
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon to remove")
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)

@@ -5,15 +5,9 @@ tokens into windows, inserts the beacon embeddings, runs the stock decoder stack
 with an explicit mask, explicit positions and the :class:`~.cache.BeaconCache`, and returns the raw tokens' hidden
 states only (beacons are never scored).
 
-- Training: all windows in one forward, the memory in the autograd graph; with no cache passed in (a whole input),
-  the window that reaches its end gets no beacons (nothing would read them).
-- Inference: prefill and decoding run the same code; a full window is committed when the next raw token arrives, so
-  decoding inserts the beacons where one prefill would. A prefill runs up to ``parallel_windows`` full windows per
-  forward (:mod:`.parallel`).
-
-Rows of a batch share one layout (window borders, beacons and positions by index): a row whose tokens follow padding
-(left padding) is refused unless every ratio is 0; padding after a row's tokens is masked, and so is a beacon that
-sees only padding.
+Training runs all windows in one forward, the memory in the autograd graph. Inference commits a full window when the
+next raw token arrives, so decoding inserts the beacons where one prefill would. Rows of a batch share one layout, so
+a row whose tokens follow padding is refused unless every ratio is 0; padding after a row's tokens is masked.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """

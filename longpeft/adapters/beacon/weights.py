@@ -59,11 +59,8 @@ def save_beacon_weights(
 
 
 def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
-    """Load ``beacon_adapter.safetensors`` from ``folder`` into a model that has beacons of the same shape.
-
-    Raises:
-        FileNotFoundError: no weights file; ValueError: names or shapes that do not match (listed).
-    """
+    """Load ``beacon_adapter.safetensors`` from ``folder`` into a model that has beacons of the same shape; raises
+    FileNotFoundError (no weights file) or DataError (names or shapes that do not match, listed)."""
     path = Path(folder) / WEIGHTS_FILENAME
     if not path.is_file():
         raise FileNotFoundError(
