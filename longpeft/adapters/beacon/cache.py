@@ -50,7 +50,7 @@ class BeaconStep:
     memory_length: int  # M, the memory entries the window reads
     start: int
     end: int
-    beacon_rows: torch.Tensor | None  # [n] long: the beacons' indices into this step's slots, or None
+    beacon_rows: torch.Tensor  # [n] long: the beacons' indices into this step's slots (n may be 0)
     group: WindowGroup | None = None  # the windows of a step over several (start 0, end one window's slots)
 
 

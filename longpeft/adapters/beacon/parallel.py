@@ -98,8 +98,7 @@ def group_inputs(
     ).reshape(batch * windows, -1)
     visible = step_visibility(layout, starts[-1], 0, slots, keys)
     positions = (torch.tensor(starts)[:, None] + layout.offsets[None]).repeat(batch, 1)
-    beacon_rows = layout.is_beacon.nonzero().flatten()
-    step = BeaconStep(state.window_index, memory, 0, slots, beacon_rows if beacon_rows.numel() else None, group)
+    step = BeaconStep(state.window_index, memory, 0, slots, layout.is_beacon.nonzero().flatten(), group)
     return GroupInputs(step, positions, visible, keys, window_keeps, entry_keep)
 
 

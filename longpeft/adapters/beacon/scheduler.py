@@ -218,9 +218,7 @@ def _run_step(
     keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
     visible = step_visibility(layout, state.memory_length, start, end, keys)
     positions = (state.memory_length + layout.offsets[start:end])[None]
-    step = BeaconStep(
-        state.window_index, state.memory_length, start, end, beacon_rows if beacon_rows.numel() else None
-    )
+    step = BeaconStep(state.window_index, state.memory_length, start, end, beacon_rows)
     hidden = run.decoder_stack(raw_embeds, raw_rows, step, visible, keys, positions)
     state.window_raw += take
     state.window_slots = end
