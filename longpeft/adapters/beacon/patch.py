@@ -26,8 +26,6 @@ from .scheduler import beacon_backbone_forward, beacon_prepare_cache_for_generat
 
 # longpeft-inline-end
 
-_PATCHED_BACKBONE = ("forward", "beacon_settings", "beacons_enabled")
-
 
 def _base_layer(projection: nn.Module) -> nn.Module:
     """The innermost layer of a projection (a peft LoRA layer wraps its ``base_layer``)."""
@@ -146,7 +144,7 @@ def remove_beacon(model: nn.Module) -> None:
         raise ValueError(f"{type(model).__name__} has no Activation Beacon to remove")
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
     del backbone.beacon_embed_tokens
-    for name in _PATCHED_BACKBONE:
+    for name in ("forward", "beacon_settings", "beacons_enabled"):
         backbone.__dict__.pop(name, None)
     for attention in attention_modules(backbone):
         for name in [name for name, _ in attention.named_children() if name.startswith("beacon_")]:

@@ -232,10 +232,8 @@ def _run_group(
     """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
     (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
     batch, _, hidden_size = raw_embeds.shape
-    settings = run.settings
-    inputs = group_inputs(
-        layout, windows, run.cache.state, settings.sink, settings.layout_rule, batch, keep_raw, run.rotate
-    )
+    sink, rule = run.settings.sink, run.settings.layout_rule
+    inputs = group_inputs(layout, windows, run.cache.state, sink, rule, batch, keep_raw, run.rotate)
     raw_rows = (~layout.is_beacon).nonzero().flatten().to(raw_embeds.device)
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
     hidden = run.decoder_stack(rows, raw_rows, inputs.step, inputs.visible, inputs.keys, inputs.positions)
@@ -342,9 +340,6 @@ def beacon_backbone_forward(
     return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: run.cache})
 
 
-SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
-
 def beacon_prepare_cache_for_generation(
     self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
 ) -> None:
@@ -355,7 +350,7 @@ def beacon_prepare_cache_for_generation(
         return type(self)._prepare_cache_for_generation(
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
-    if generation_mode not in SUPPORTED_GENERATION:
+    if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(
             f"Activation Beacon supports greedy and sampling generation, not {generation_mode.value} (its memory "
             "cannot be reordered or rolled back); set num_beams=1 and do not pass an assistant model"
