@@ -1,12 +1,10 @@
 """The beacon memory: a ``transformers.Cache`` that the caller owns and passes, never state on the model.
 
-Per layer it holds the memory (sink, then the K/V that every committed window left, at positions ``0 .. M-1``) and
-the current window's K/V (raw tokens and beacons, at ``M + offset``); :class:`SequenceState` holds what all layers
-share. Writes are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`) overwrites
-its window's slots from its first one and reads only memory[:M], which later commits never change. Commits run
-between windows, outside any checkpointed layer (a :class:`WindowGroup` step commits inside ``update``, as
-memory[:M] plus the group's entries: idempotent too). Keys whose memory position differs from the one they were
-computed at (beacons, sink keys behind a beacon) are rotated again from their pre-RoPE keys when committed.
+Per layer it holds the memory (at positions ``0 .. M-1``) and the current window's K/V (at ``M + offset``). Writes
+are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`) overwrites its window's
+slots from its first one and reads only memory[:M], which later commits (between windows, or memory[:M] plus a
+:class:`WindowGroup`'s entries) never change. Keys committed at another position than they were computed at are
+rotated again from their pre-RoPE keys.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
