@@ -81,6 +81,13 @@ def _same(first: Any, second: Any) -> bool:
     return first == second
 
 
+def _differs(file: str, key: str, theirs: Any, ours: Any, base: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{file}: {key} is {theirs!r} there and {ours!r} in the base {base}: {why}; give the stock base it was built "
+        f"on (--base), or set {key} in {file} to the base's if that is the base it was built on"
+    )
+
+
 def check_built_on(
     config: dict[str, Any], base_config: Any, beacon: BeaconConfig, source: str, base: str, file: str
 ) -> None:
@@ -96,25 +103,17 @@ def check_built_on(
             )
     theirs, ours = rope_settings(config, file), rope_parameters_of(base_config)
     ours.pop("type", None)
+    why = "the beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not use"
     for setting in sorted(set(theirs) | set(ours), key=lambda name: (name != "rope_type", name != "rope_theta", name)):
         if not _same(theirs.get(setting), ours.get(setting)):
-            key = _rope_key(config, setting)
-            raise ConfigError(
-                f"{file}: {key} is {theirs.get(setting)!r} there and {ours.get(setting)!r} in the base {base}: the "
-                "beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not "
-                f"use; give the stock base it was built on (--base), or set {key} in {file} to the base's if that "
-                "is the base it was built on"
-            )
+            raise _differs(file, _rope_key(config, setting), theirs.get(setting), ours.get(setting), base, why)
     positions = getattr(base_config, "max_position_embeddings", None)
     stated = config.get("max_position_embeddings", positions)
     several = len(set(beacon.ratios)) > 1 or len(set(beacon.inference_ratios or beacon.ratios)) > 1
     if several and not _same(stated, positions):
-        raise ConfigError(
-            f"{file}: max_position_embeddings is {stated!r} there and {positions!r} in the base {base}: the "
-            f"authors' ratio choice among {sorted(set(beacon.ratios))} counts it, and the converted adapter would "
-            f"count the base's; give the stock base it was built on (--base), or set max_position_embeddings in "
-            f"{file} to the base's if that is the base it was built on"
-        )
+        ratios = sorted(set(beacon.ratios))
+        why = f"the authors' ratio choice among {ratios} counts it, and the converted adapter would count the base's"
+        raise _differs(file, "max_position_embeddings", stated, positions, base, why)
     if positions is not None and beacon.window > positions:
         raise _refuse(file, "beacon_window", beacon.window, f" (the base {base} has {positions} positions)")
 
