@@ -78,11 +78,9 @@ def group_inputs(
     computed_at = torch.cat([start + layout.offsets[entries] for start, entries in zip(starts, kept)])
     group = WindowGroup(windows, entry_window, entry_slot, entry_positions, computed_at != entry_positions, rotate)
 
+    raw_keeps = [None] * windows if keep_raw is None else keep_raw.split(layout.window, dim=1)  # per window
     window_keeps = [
-        None
-        if keep_raw is None
-        else window_keep(layout, None, 0, slots, keep_raw[:, p * layout.window : (p + 1) * layout.window], raw_rows)
-        for p in range(windows)
+        None if keep is None else window_keep(layout, None, 0, slots, keep, raw_rows) for keep in raw_keeps
     ]
     entry_keep = padding_keep(
         *[(None if keep is None else keep[:, entries], entries.numel()) for keep, entries in zip(window_keeps, kept)]
