@@ -1,23 +1,11 @@
-"""Activation Beacon (Zhang et al., "Soaring from 4K to 400K"), as an adapter on a stock base model.
+"""Activation Beacon (Zhang et al., "Soaring from 4K to 400K"), as an adapter on a stock base model (docs/beacon.md).
 
-Long inputs run in windows of ``W`` raw tokens; each window's beacons condense it, and when it is
-full only their K/V stay in memory, so memory and cost grow with ``length / ratio`` instead of
-``length``. Per layer the beacons have their own q/k/v(/o) projections (a trainable copy, or the
-stock projection plus a low-rank delta) and one embedding row; the base model stays frozen and
-unedited: no resized vocabulary, no modeling file (except in an exported merged model).
-
-- :mod:`.config`: :class:`BeaconConfig`, the section, and its pure settings logic;
-- :mod:`.layout`: runtime settings, window layout, masks, positions, ratio choice (the A.2 table);
-- :mod:`.cache`: :class:`BeaconCache`, the memory the caller owns;
-- :mod:`.modules`: beacon projections and the attention forward that uses them;
-- :mod:`.scheduler`: the window loop (training, prefill, decoding through ``generate``);
-- :mod:`.patch`: ``install_beacon`` / ``remove_beacon`` (in the exported modeling file too);
-- :mod:`.apply`: :func:`apply_beacon` (checks, then installs), the settings only inference reads;
-- :mod:`.remote_classes`: the causal LM classes of an exported model (the end of ``modeling_beacon.py``);
-- :mod:`.weights`: ``beacon_adapter.safetensors`` and the authors' tensor names;
-- :mod:`.authors_config`: the authors' ``config.json`` read into a ``BeaconConfig`` and checked against the base
-  (``longpeft convert-beacon``, :mod:`longpeft.convert`);
-- :mod:`.export`: the modeling file and ``auto_map`` of a merged export.
+Long inputs run in windows of ``W`` raw tokens; beacons condense each window, and once it is full only their K/V stay
+in memory. Per layer the beacons have their own q/k/v(/o) projections and one embedding row; the base stays frozen
+and unedited. Modules: :mod:`.config` (the section, no torch), :mod:`.layout` (window layout, masks, ratio choice),
+:mod:`.cache`, :mod:`.modules` (beacon projections, attention forward), :mod:`.parallel`, :mod:`.scheduler` (the
+window loop), :mod:`.patch` (install/remove), :mod:`.apply`, :mod:`.remote_classes`, :mod:`.export`,
+:mod:`.weights` and :mod:`.authors_config` (the authors' checkpoints, ``longpeft convert-beacon``).
 """
 
 from __future__ import annotations

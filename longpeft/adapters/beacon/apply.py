@@ -1,11 +1,8 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons
-(the torch side of the ``beacon`` method that the exported modeling file does not carry).
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import pydantic
 from torch import nn
@@ -19,13 +16,10 @@ from .patch import backbone_of, install_beacon, is_beacon_applied
 
 
 def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
-    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place.
-
-    Args:
-        model: the model; applying again replaces the settings and the beacon weights.
-        settings: :class:`BeaconSettings`, or a dict of some or all of its settings (:func:`settings_from`).
-        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
-            the beacon embedding. Off when the weights are loaded right after (an exported model).
+    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place; applying
+    again replaces the settings and the beacon weights. ``settings``: :class:`BeaconSettings`, or a dict of some or
+    all of them (:func:`settings_from`). ``initialise``: copy the stock weights into the beacon weights (``full``) and
+    the eos/bos row into the beacon embedding (off when the weights are loaded right after).
 
     Raises:
         MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).
@@ -36,33 +30,27 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
 
 
 def settings_from(data: dict, what: str | None = None) -> BeaconSettings:
-    """:class:`BeaconSettings` from a dict: every setting, as ``BeaconSettings.as_dict`` (``config.beacon``) writes
-    them, or some of them with :class:`BeaconConfig`'s defaults for the rest (``{"window": 8, "ratios": [2]}``).
+    """:class:`BeaconSettings` from a dict of every setting (``BeaconSettings.as_dict``) or of some of them, with
+    :class:`BeaconConfig`'s defaults for the rest (``{"window": 8, "ratios": [2]}``).
 
     Raises:
         ConfigError: a key :class:`BeaconConfig` does not have, or a value it refuses, each named, after ``what``
             (default: the dict).
     """
-    data = dict(data)
-    if set(data) == {field.name for field in dataclasses.fields(BeaconSettings)} and data["projection"] == "full":
-        data["lora_rank"] = data["lora_alpha"] = None  # as_dict fills in a rank that projection: full does not take
     try:
         return BeaconConfig(**data).settings()
     except pydantic.ValidationError as error:
-        reasons = "; ".join(
-            f"{'.'.join(map(str, problem['loc']))}: {str(problem['msg']).removeprefix('Value error, ')}"
-            if problem["loc"]
-            else str(problem["msg"]).removeprefix("Value error, ")
-            for problem in error.errors()
-        )
-        raise ConfigError(f"{what or f'beacon settings {data}'}: {reasons}") from error
+        reasons = []
+        for problem in error.errors():
+            message = str(problem["msg"]).removeprefix("Value error, ")
+            reasons.append(f"{'.'.join(map(str, problem['loc']))}: {message}" if problem["loc"] else message)
+        raise ConfigError(f"{what or f'beacon settings {data}'}: {'; '.join(reasons)}") from error
 
 
 def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
-    """Change the settings of a model with beacons that only inference reads (:data:`INFERENCE_SETTINGS`: the
-    inference ratios and mix, ``parallel_windows``, ``keep_start``, ``keep_end``), keeping its beacon weights;
-    returns the new settings. A request already under way keeps its cache, which the new settings may not fit:
-    start new requests after the change.
+    """Change the settings of a model with beacons that only inference reads (:data:`INFERENCE_SETTINGS`), keeping
+    its beacon weights; returns the new settings. A request already under way keeps its cache, which the new settings
+    may not fit: start new requests after the change.
 
     Raises:
         ConfigError: a setting that is not an inference setting, or a value :class:`BeaconConfig` refuses.
@@ -85,8 +73,7 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
 
 def model_span(model: nn.Module, length: int) -> tuple[int, int]:
     """(positions, keys) of an input of ``length`` tokens on a model with beacons: the memory plus one window at the
-    ratio it adapts to (a query reads the memory and its window, nothing older); the keys outnumber the positions
-    where beacons take the positions of raw tokens (step-expansion, segmentation: ``layout.span_at``)."""
+    ratio it adapts to; the keys outnumber the positions where beacons take the positions of raw tokens."""
     backbone = backbone_of(model)
     settings, max_positions = backbone.beacon_settings, backbone.config.max_position_embeddings
     return window_span(settings, length, max_positions), window_span(settings, length, max_positions, keys=True)

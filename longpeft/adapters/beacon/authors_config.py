@@ -1,19 +1,16 @@
 """The authors' ``config.json``: their ``beacon_*`` keys read into a :class:`~.config.BeaconConfig`, and their RoPE
-settings compared with the stock base's.
-
-Each key is checked on its own, and a refusal names the file, the key, the value it holds and what it must hold
-(:data:`AUTHORS_KEYS`), so the message says which key to edit; combinations that the authors' rule cannot reproduce
-name the keys that make them. A converted adapter runs on the stock base, so every RoPE setting the checkpoint states
-(its ``rope_theta`` and ``rope_scaling``, or transformers 5's ``rope_parameters``) must be the base's, and its
-``max_position_embeddings`` too where the ratio choice counts it (more than one ratio listed).
+settings compared with the stock base's. A refusal names the file, the key, the value it holds and what it must hold
+(:data:`AUTHORS_KEYS`), or the keys of a combination the authors' rule cannot reproduce.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import ConfigError, DataError
+from ...rope_parameters import rope_parameters_from_json, rope_parameters_of
 from .config import RATIO_MIX, BeaconConfig
 
 # What each key of the authors' config must hold; the defaults are those of their training arguments (src/args.py)
@@ -28,8 +25,6 @@ AUTHORS_KEYS = {
     "beacon_sink_size": "a whole number >= 0, below beacon_window",
     "beacon_attend_prev": "true or false",
 }
-# rope_theta of the authors' transformers 4.39 config classes (Llama, Mistral, Qwen2) when config.json omits it
-AUTHORS_DEFAULT_ROPE_THETA = 10000.0
 
 
 def _refuse(source: str, key: str, value: Any, why: str = "") -> DataError:
@@ -45,100 +40,38 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _read_window(config: dict[str, Any], source: str) -> int:
-    window = config["beacon_window"]
-    if not _whole(window) or window < 1:
-        raise _refuse(source, "beacon_window", window)
-    stride = config.get("beacon_stride", window)
-    if stride != window or not _whole(stride):
-        raise _refuse(source, "beacon_stride", stride)
-    return window
+def _ratios(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(_whole(ratio) and ratio >= 0 for ratio in value)
 
 
-def _read_ratios(config: dict[str, Any], window: int, source: str) -> list[int]:
-    ratios = config.get("beacon_ratio", [2, 4, 8])
-    if not isinstance(ratios, list) or not ratios or not all(_whole(r) and r >= 0 for r in ratios):
-        raise _refuse(source, "beacon_ratio", ratios)
-    bad = [r for r in ratios if r and (r > window or window % r)]
-    if bad:
-        raise _refuse(source, "beacon_ratio", ratios, f" ({bad[0]} does not divide beacon_window {window})")
-    return ratios
+def _projections(value: Any) -> bool:
+    listed = isinstance(value, list) and bool(value) and all(p in ("q", "k", "v", "o") for p in value)
+    return listed and len(set(value)) == len(value)
 
 
-def _read_choice(config: dict[str, Any], key: str, default: str, choices: tuple[str, ...], source: str) -> str:
-    value = config.get(key, default)
-    if value not in choices:
-        raise _refuse(source, key, value)
-    return value
-
-
-def _read_layout(config: dict[str, Any], window: int, source: str) -> tuple[str, str, bool | None, int]:
-    """``(attn, pos, attend_prev, sink)``; refuses layouts the authors' rule cannot reproduce, naming their keys."""
-    attn = config.get("beacon_attn", "full-coverage")
-    if attn == "segmentation":
-        raise _refuse(
-            source,
-            "beacon_attn",
-            attn,
-            " (the authors' code fails placing its beacons there: a TypeError, so no model of theirs runs it)",
-        )
-    attn = _read_choice(config, "beacon_attn", "full-coverage", ("full-coverage", "step-expansion"), source)
-    pos = _read_choice(config, "beacon_pos", "interleave", ("interleave", "append"), source)
-    if (attn, pos) == ("step-expansion", "interleave"):
-        raise DataError(
-            f"{source}: beacon_attn step-expansion with beacon_pos interleave: the authors' mask there hides window "
-            "slots 0 and 1 instead of the beacons (a bug in their indexing), which longpeft does not reproduce; "
-            "the released models use beacon_attn full-coverage"
-        )
-    attend_prev = config.get("beacon_attend_prev", True)
-    if not isinstance(attend_prev, bool):
-        raise _refuse(source, "beacon_attend_prev", attend_prev)
-    sink = config.get("beacon_sink_size", 0)
-    if not _whole(sink) or not 0 <= sink < window:
-        raise _refuse(source, "beacon_sink_size", sink)
-    # full-coverage's mask is plain causal: their code reads beacon_attend_prev only with the other schemes
-    return attn, pos, None if attn == "full-coverage" else attend_prev, sink
-
-
-def _read_params(config: dict[str, Any], source: str) -> list[str]:
-    params = config.get("beacon_param", ["q", "k", "v"])
-    if (
-        not isinstance(params, list)
-        or not params
-        or not all(p in ("q", "k", "v", "o") for p in params)
-        or len(set(params)) != len(params)
-    ):
-        raise _refuse(source, "beacon_param", params)
-    return params
-
-
-def rope_settings(config: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """The RoPE settings a config.json states, as transformers 5 names them (``rope_type``, ``rope_theta``,
-    ``factor``, ...), and for each the key that holds it in the file (``rope_scaling.type``, ``rope_theta``,
-    ``rope_parameters.factor``, ...). transformers 4's ``rope_theta`` and ``rope_scaling`` or transformers 5's
-    ``rope_parameters``; no ``rope_theta`` stated: the authors' config classes' default (10000)."""
-    if "rope_parameters" in config:
-        stated, prefix = config["rope_parameters"], "rope_parameters."
-        if not isinstance(stated, dict):
-            raise DataError(f"{source}: rope_parameters is {stated!r}; it must be an object: edit rope_parameters")
-        settings, keys = dict(stated), {name: prefix + name for name in stated}
-    else:
-        scaling = config.get("rope_scaling")
-        if scaling is not None and not isinstance(scaling, dict):
-            raise DataError(f"{source}: rope_scaling is {scaling!r}; it must be null or an object: edit rope_scaling")
-        settings, keys = {}, {}
-        for name, value in (scaling or {}).items():
-            setting = "rope_type" if name == "type" else name
-            settings[setting], keys[setting] = value, f"rope_scaling.{name}"
-        if "rope_theta" in config:
-            settings["rope_theta"] = config["rope_theta"]
-        keys.setdefault("rope_type", "rope_scaling.type")
-        prefix = "rope_scaling."
+def rope_settings(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The RoPE settings a config.json states, as transformers 5 reads them (:func:`rope_parameters_from_json`:
+    ``rope_type``, ``rope_theta``, ``factor``, ...; no ``rope_theta``: 10000, the authors' config classes' too)."""
+    for name in ("rope_scaling", "rope_parameters"):
+        stated = config.get(name)
+        if stated is not None and not isinstance(stated, dict):
+            raise DataError(f"{source}: {name} is {stated!r}; it must be null or an object: edit {name}")
+    settings = rope_parameters_from_json(config)
     settings.pop("type", None)
-    settings.setdefault("rope_type", "default")
-    settings.setdefault("rope_theta", AUTHORS_DEFAULT_ROPE_THETA)
-    keys.setdefault("rope_theta", "rope_parameters.rope_theta" if prefix == "rope_parameters." else "rope_theta")
-    return settings, keys
+    return settings
+
+
+def _rope_key(config: dict[str, Any], setting: str) -> str:
+    """The key of ``config`` that states a RoPE ``setting`` of :func:`rope_settings` (``rope_scaling.type``,
+    ``rope_theta``, ``rope_parameters.factor``, ...)."""
+    scaling = config.get("rope_scaling")
+    if not scaling and "rope_parameters" in config:
+        return f"rope_parameters.{setting}"
+    if setting in ("rope_theta", "partial_rotary_factor"):
+        return setting
+    if setting == "rope_type" and "rope_type" not in (scaling or {}):
+        return "rope_scaling.type"
+    return f"rope_scaling.{setting}"
 
 
 def _same(first: Any, second: Any) -> bool:
@@ -146,6 +79,13 @@ def _same(first: Any, second: Any) -> bool:
     if isinstance(first, numbers) and isinstance(second, numbers) and not isinstance(first, bool):
         return not isinstance(second, bool) and math.isclose(first, second, rel_tol=1e-9, abs_tol=0.0)
     return first == second
+
+
+def _differs(file: str, key: str, theirs: Any, ours: Any, base: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"{file}: {key} is {theirs!r} there and {ours!r} in the base {base}: {why}; give the stock base it was built "
+        f"on (--base), or set {key} in {file} to the base's if that is the base it was built on"
+    )
 
 
 def check_built_on(
@@ -161,63 +101,71 @@ def check_built_on(
                 f"{source} is not built on {base}: {key} is {config.get(key)!r} in {file} and "
                 f"{getattr(base_config, key, None)!r} in the base; give the matching stock base with --base"
             )
-    theirs, keys = rope_settings(config, file)
-    ours = dict(getattr(base_config, "rope_parameters", None) or {})
+    theirs, ours = rope_settings(config, file), rope_parameters_of(base_config)
     ours.pop("type", None)
-    ours.setdefault("rope_type", "default")
+    why = "the beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not use"
     for setting in sorted(set(theirs) | set(ours), key=lambda name: (name != "rope_type", name != "rope_theta", name)):
         if not _same(theirs.get(setting), ours.get(setting)):
-            key = keys.get(setting, f"rope_parameters.{setting}" if "rope_parameters" in config else setting)
-            raise ConfigError(
-                f"{file}: {key} is {theirs.get(setting)!r} there and {ours.get(setting)!r} in the base {base}: the "
-                "beacon weights were trained with the checkpoint's RoPE, which the converted adapter would not "
-                f"use; give the stock base it was built on (--base), or set {key} in {file} to the base's if that "
-                "is the base it was built on"
-            )
+            raise _differs(file, _rope_key(config, setting), theirs.get(setting), ours.get(setting), base, why)
     positions = getattr(base_config, "max_position_embeddings", None)
     stated = config.get("max_position_embeddings", positions)
     several = len(set(beacon.ratios)) > 1 or len(set(beacon.inference_ratios or beacon.ratios)) > 1
     if several and not _same(stated, positions):
-        raise ConfigError(
-            f"{file}: max_position_embeddings is {stated!r} there and {positions!r} in the base {base}: the "
-            f"authors' ratio choice among {sorted(set(beacon.ratios))} counts it, and the converted adapter would "
-            f"count the base's; give the stock base it was built on (--base), or set max_position_embeddings in "
-            f"{file} to the base's if that is the base it was built on"
-        )
+        ratios = sorted(set(beacon.ratios))
+        why = f"the authors' ratio choice among {ratios} counts it, and the converted adapter would count the base's"
+        raise _differs(file, "max_position_embeddings", stated, positions, base, why)
     if positions is not None and beacon.window > positions:
         raise _refuse(file, "beacon_window", beacon.window, f" (the base {base} has {positions} positions)")
 
 
 def config_from_authors(config: dict[str, Any], source: str = "config.json") -> BeaconConfig:
     """Our ``beacon`` section from the ``beacon_*`` keys of an authors' config.json (``source`` names it in errors),
-    with ``layout_rule: authors`` (their adapt-N count and sink layout), so that the converted model reads as their
-    code does.
-
-    Their ``beacon_embed_init`` is read as their code reads it (``bos``, else ``eos``; it only chose the beacon
-    embedding's first value, which the checkpoint holds), and ``beacon_parallel_window`` (how many windows a forward
-    runs, not what they compute) is not read: longpeft's is ``beacon.parallel_windows``.
+    with ``layout_rule: authors``, so that the converted model reads as their code does. ``beacon_embed_init`` is
+    read as their code reads it (``bos``, else ``eos``); ``beacon_parallel_window`` (how many windows a forward runs,
+    not what they compute) is not read.
 
     Raises:
-        DataError: naming the key: the checkpoint is not a beacon model, a key holds what their code cannot use
-            (:data:`AUTHORS_KEYS`), the stride is not the window, the layout is one the authors' rule cannot
-            reproduce, or the checkpoint scales its RoPE (their adapt-N then counts positions times the factor).
+        DataError: naming the key: not a beacon checkpoint, a key holding what their code cannot use
+            (:data:`AUTHORS_KEYS`), a layout the authors' rule cannot reproduce, or a scaled RoPE.
     """
     if "beacon_window" not in config:
         raise DataError(f"{source} has no beacon_window: not an Activation Beacon checkpoint")
-    window = _read_window(config, source)
-    ratios = _read_ratios(config, window, source)
-    mix = config.get("beacon_ratio_mix", "step-random")
-    if not isinstance(mix, str) or not RATIO_MIX.match(mix):
-        raise _refuse(source, "beacon_ratio_mix", mix)
-    attn, pos, attend_prev, sink = _read_layout(config, window, source)
-    params = _read_params(config, source)
-    rope, keys = rope_settings(config, source)
-    factor = rope.get("factor")
+
+    def read(key: str, default: Any, valid: Callable[[Any], bool], why: str = "") -> Any:
+        value = config.get(key, default)
+        if not valid(value):
+            raise _refuse(source, key, value, why)
+        return value
+
+    window = read("beacon_window", None, lambda value: _whole(value) and value >= 1)
+    read("beacon_stride", window, lambda value: value == window and _whole(value))
+    ratios = read("beacon_ratio", [2, 4, 8], _ratios)
+    bad = [ratio for ratio in ratios if ratio and (ratio > window or window % ratio)]
+    if bad:
+        raise _refuse(source, "beacon_ratio", ratios, f" ({bad[0]} does not divide beacon_window {window})")
+    mix = read(
+        "beacon_ratio_mix", "step-random", lambda value: isinstance(value, str) and bool(RATIO_MIX.match(value))
+    )
+    fails = " (the authors' code fails placing its beacons there: a TypeError, so no model of theirs runs it)"
+    read("beacon_attn", "full-coverage", lambda value: value != "segmentation", fails)
+    attn = read("beacon_attn", "full-coverage", lambda value: value in ("full-coverage", "step-expansion"))
+    pos = read("beacon_pos", "interleave", lambda value: value in ("interleave", "append"))
+    if (attn, pos) == ("step-expansion", "interleave"):
+        raise DataError(
+            f"{source}: beacon_attn step-expansion with beacon_pos interleave: the authors' mask there hides window "
+            "slots 0 and 1 instead of the beacons (a bug in their indexing), which longpeft does not reproduce; "
+            "the released models use beacon_attn full-coverage"
+        )
+    attend_prev = read("beacon_attend_prev", True, lambda value: isinstance(value, bool))
+    sink = read("beacon_sink_size", 0, lambda value: _whole(value) and 0 <= value < window)
+    params = read("beacon_param", ["q", "k", "v"], _projections)
+    factor = rope_settings(config, source).get("factor")
     if factor is not None and not _same(factor, 1):
         raise DataError(
-            f"{source}: {keys['factor']} is {factor!r}: the authors' adapt-N counts max_position_embeddings x "
-            f"{factor} positions there, which longpeft does not reproduce; no released Activation Beacon model "
-            f"scales its RoPE (remove the scaling from {source} if the model was trained without it)"
+            f"{source}: {_rope_key(config, 'factor')} is {factor!r}: the authors' adapt-N counts "
+            f"max_position_embeddings x {factor} positions there, which longpeft does not reproduce; no released "
+            f"Activation Beacon model scales its RoPE (remove the scaling from {source} if the model was trained "
+            "without it)"
         )
     return BeaconConfig(
         window=window,
@@ -229,7 +177,8 @@ def config_from_authors(config: dict[str, Any], source: str = "config.json") -> 
         pos=pos,
         params=params,
         sink=sink,
-        attend_prev=attend_prev,
+        # full-coverage's mask is plain causal: their code reads beacon_attend_prev only with the other schemes
+        attend_prev=None if attn == "full-coverage" else attend_prev,
         embed_init="bos" if config.get("beacon_embed_init") == "bos" else "eos",
         layout_rule="authors",
     ).resolved()

@@ -1,21 +1,10 @@
 """The beacon memory: a ``transformers.Cache`` that the caller owns and passes, never state on the model.
 
-Per layer it holds the **memory** (sink, then the K/V that every committed window left behind, at
-positions ``0 .. M-1``) and the **current window**'s K/V (raw tokens and beacons, at positions
-``M + offset``). The sequence-level bookkeeping (which window, its ratio and layout, how many slots
-and raw tokens it holds, which entries are padding) lives in :class:`SequenceState`, shared by all layers.
-
-Writes are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`)
-names its window's memory length and its first slot, ``update`` overwrites the window's slots from
-there on and reads only the first ``M`` memory entries, which later commits never change (memory is
-append-only). Commits run between windows, outside any checkpointed layer. A step of several full windows
-(:class:`WindowGroup`, a prefill's parallel windows) commits all but its last inside ``update``, as
-memory[:M] plus the group's entries: idempotent too.
-
-transformers 5 hands the cache post-RoPE keys. Beacon keys are created at their offsets in the
-window but live in memory at ``M + j`` (and so do sink keys when beacons sit between them), so
-``update`` also receives the pre-RoPE keys and the commit rotates each key whose position changes
-once, with the model's own rotary module, at its memory position.
+Per layer it holds the memory (at positions ``0 .. M-1``) and the current window's K/V (at ``M + offset``). Writes
+are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`) overwrites its window's
+slots from its first one and reads only memory[:M], which later commits (between windows, or memory[:M] plus a
+:class:`WindowGroup`'s entries) never change. Keys committed at another position than they were computed at are
+rotated again from their pre-RoPE keys.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -33,90 +22,71 @@ from .layout import WindowLayout, padding_keep
 
 # longpeft-inline-end
 
+Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rotate(pre_rope_keys [b, h, n, d], positions [n])
+
 
 @dataclasses.dataclass(frozen=True)
 class WindowGroup:
-    """``windows`` consecutive full windows of one layout computed in one step (the step's rows are batch-major:
-    row ``b * windows + p`` is window ``p`` of sequence ``b``).
-
-    Windows ``0 .. windows-2`` of the group are committed by the step: their memory entries (:func:`committed_slots`,
-    ``G`` in all, in memory order) follow the memory, and window ``p`` reads those of the windows before it, so it
-    reads what it would read run alone. The last window stays open.
-
-    Attributes:
-        windows: ``P``, windows in the group.
-        entry_window / entry_slot: ``[G]`` long, the group window and the slot each new memory entry comes from.
-        entry_positions: ``[G]`` long, their memory positions.
-        entry_rotate: ``[G]`` bool, which keys are rotated again at their memory position (it differs from the
-            one they were computed at).
-        rotate: ``rotate(pre_rope_keys [b, h, n, d], positions [n]) -> keys``.
-    """
+    """``windows`` (``P``) consecutive full windows of one layout computed in one step, its rows batch-major (row
+    ``b * P + p`` is window ``p`` of sequence ``b``). Windows ``0 .. P-2`` are committed by the step: their ``G``
+    memory entries (:func:`committed_slots`, in memory order) follow the memory, and window ``p`` reads those of the
+    windows before it. The last stays open."""
 
     windows: int
-    entry_window: torch.Tensor
-    entry_slot: torch.Tensor
-    entry_positions: torch.Tensor
-    entry_rotate: torch.Tensor
-    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    entry_window: torch.Tensor  # [G] long: the group window each new memory entry comes from
+    entry_slot: torch.Tensor  # [G] long: its slot in that window
+    entry_positions: torch.Tensor  # [G] long: its memory position
+    entry_rotate: torch.Tensor  # [G] bool: its key is rotated again at its memory position
+    rotate: Rotate
 
 
 @dataclasses.dataclass(frozen=True)
 class BeaconStep:
-    """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``.
-
-    Attributes:
-        window_index: index of the window (memory before it holds ``memory_length`` entries).
-        memory_length: ``M``, memory entries the window reads.
-        start, end: the window's slots fed in this step.
-        beacon_rows: ``[n]`` long indices (into this step's slots) of the beacons, or None.
-        group: the windows computed together when the step holds several full windows (then ``start`` is 0 and
-            ``end`` the slots of one window), or None.
-    """
+    """One forward of the decoder stack over slots ``[start, end)`` of window ``window_index``."""
 
     window_index: int
-    memory_length: int
+    memory_length: int  # M, the memory entries the window reads
     start: int
     end: int
-    beacon_rows: torch.Tensor | None
-    group: WindowGroup | None = None
+    beacon_rows: torch.Tensor  # [n] long: the beacons' indices into this step's slots (n may be 0)
+    group: WindowGroup | None = None  # the windows of a step over several (start 0, end one window's slots)
 
 
 @dataclasses.dataclass
 class SequenceState:
-    """Sequence-level bookkeeping of a :class:`BeaconCache`.
+    """Sequence-level bookkeeping of a :class:`BeaconCache`."""
 
-    Attributes:
-        raw_seen: raw tokens consumed so far (what ``get_seq_length`` reports to ``generate``).
-        window_index: index of the current window.
-        memory_length: ``M``, entries in memory.
-        layout: the current window's layout (None before its first token).
-        window_raw: raw tokens in the current window.
-        window_slots: slots (raw and beacon) of the current window fed so far.
-        chosen_ratio: the ratio chosen once per sequence (instance-random, adapt-N).
-        ratio_cycle: the ratios the ``sequence`` mix cycles through, one per window (fixed at the first window).
-        zero_ratio_used: a window of this sequence took ratio 0 (the authors' training rule allows one).
-        ratio_deferred: the current window's layout holds no beacons yet, its ratio to be chosen when it fills
-            (appended beacons under the authors' rule: ``scheduler._layout_at``).
-        memory_keep / window_keep: ``[batch, M]`` / ``[batch, window_slots]`` bool, False at padding
-            (None while there is no padding).
-    """
-
-    raw_seen: int = 0
-    window_index: int = 0
-    memory_length: int = 0
-    layout: WindowLayout | None = None
-    window_raw: int = 0
-    window_slots: int = 0
-    chosen_ratio: int | None = None
-    ratio_cycle: tuple[int, ...] | None = None
-    zero_ratio_used: bool = False
-    ratio_deferred: bool = False
-    memory_keep: torch.Tensor | None = None
-    window_keep: torch.Tensor | None = None
+    raw_seen: int = 0  # raw tokens consumed so far (what get_seq_length reports to generate)
+    window_index: int = 0  # the current window's
+    memory_length: int = 0  # M, the entries in memory
+    layout: WindowLayout | None = None  # the current window's (None before its first token)
+    window_raw: int = 0  # raw tokens of the current window fed so far
+    window_slots: int = 0  # its slots (raw and beacon) fed so far
+    chosen_ratio: int | None = None  # the ratio chosen once per sequence (instance-random, adapt-N)
+    ratio_cycle: tuple[int, ...] | None = None  # the sequence mix's ratios, one per window (fixed at the first)
+    zero_ratio_used: bool = False  # a window took ratio 0 (the authors' training rule allows one)
+    ratio_deferred: bool = False  # the current window has no beacons yet, its ratio chosen when it fills
+    memory_keep: torch.Tensor | None = None  # [batch, M] bool, False at padding (None: no padding)
+    window_keep: torch.Tensor | None = None  # [batch, window_slots] bool, likewise
 
 
-def _cat(first: torch.Tensor | None, second: torch.Tensor, dim: int = -2) -> torch.Tensor:
-    return second if first is None else torch.cat([first, second], dim=dim)
+def _cat(first: torch.Tensor | None, second: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """``second`` after the first ``length`` entries (None: all) of ``first`` (None: none), along the length dim."""
+    if first is None or length == 0:
+        return second
+    return torch.cat([first if length is None else first[:, :, :length], second], dim=-2)
+
+
+def _rotated(
+    keys: torch.Tensor, pre_rope_keys: torch.Tensor, moved: torch.Tensor, positions: torch.Tensor, rotate: Rotate
+) -> torch.Tensor:
+    """``keys [b, h, n, d]`` with those where ``moved [n]`` is True rotated again from ``pre_rope_keys [b, h, n, d]``
+    at ``positions [n]``."""
+    if not bool(moved.any()):
+        return keys
+    which = moved.nonzero().flatten().to(keys.device)
+    fresh = rotate(pre_rope_keys.index_select(2, which), positions.to(keys.device).index_select(0, which))
+    return keys.index_copy(2, which, fresh.to(keys.dtype))
 
 
 def committed_slots(
@@ -162,31 +132,19 @@ class BeaconLayer(CacheLayerMixin):
         pre_rope_keys: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the step's K/V into window slots ``[start, end)``; return memory[:M] + window[:end].
-
-        Args:
-            key_states, value_states: ``[batch, kv_heads, end - start, head_dim]`` (keys post-RoPE).
-            beacon_step: which window and slots these are (required).
-            pre_rope_keys: the same keys before RoPE (rotated again when beacons are committed).
-        """
+        """Write the step's K/V (``[batch, kv_heads, end - start, head_dim]``, keys post-RoPE, and ``pre_rope_keys``
+        before it) into the slots ``[start, end)`` of ``beacon_step``'s window; return memory[:M] + window[:end]."""
         if beacon_step is None:
             raise ValueError("a BeaconCache is written by the beacon forward only; call the model, not the layers")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if beacon_step.group is not None:
             return self._update_group(key_states, value_states, pre_rope_keys, beacon_step)
-        start = beacon_step.start
-        keep = (lambda t: None) if start == 0 else (lambda t: t[:, :, :start])
-        self.window_keys = _cat(keep(self.window_keys), key_states)
-        self.window_values = _cat(keep(self.window_values), value_states)
-        self.window_pre_rope_keys = _cat(keep(self.window_pre_rope_keys), pre_rope_keys)
-        m = beacon_step.memory_length
-        if m == 0:
-            return self.window_keys, self.window_values
-        return (
-            torch.cat([self.memory_keys[:, :, :m], self.window_keys], dim=-2),
-            torch.cat([self.memory_values[:, :, :m], self.window_values], dim=-2),
-        )
+        start, m = beacon_step.start, beacon_step.memory_length
+        self.window_keys = _cat(self.window_keys, key_states, start)
+        self.window_values = _cat(self.window_values, value_states, start)
+        self.window_pre_rope_keys = _cat(self.window_pre_rope_keys, pre_rope_keys, start)
+        return _cat(self.memory_keys, self.window_keys, m), _cat(self.memory_values, self.window_values, m)
 
     def _update_group(
         self, key_states: torch.Tensor, value_states: torch.Tensor, pre_rope_keys: torch.Tensor, step: BeaconStep
@@ -194,8 +152,7 @@ class BeaconLayer(CacheLayerMixin):
         """A :class:`WindowGroup` step: ``[batch * P, kv_heads, L, head_dim]`` in; the memory becomes memory[:M]
         plus the group's entries, the window the group's last one; returns, per row, the memory, the group's
         entries and the row's own window (``[batch * P, kv_heads, M + G + L, head_dim]``)."""
-        group = step.group
-        windows = group.windows
+        group, windows = step.group, step.group.windows
         rows, heads, length, dim = key_states.shape
         batch = rows // windows
         keys, values, pre = (
@@ -203,24 +160,16 @@ class BeaconLayer(CacheLayerMixin):
         )
         index = (group.entry_window * length + group.entry_slot).to(keys.device)  # [G] into the group's P * L slots
 
-        def entries(t: torch.Tensor, which: torch.Tensor) -> torch.Tensor:  # [batch, heads, n, dim]
-            return t.transpose(1, 2).reshape(batch, heads, windows * length, dim).index_select(2, which)
+        def entries(t: torch.Tensor) -> torch.Tensor:  # [batch, heads, G, dim]: the group's new memory entries
+            return t.transpose(1, 2).reshape(batch, heads, windows * length, dim).index_select(2, index)
 
-        entry_keys = entries(keys, index)
-        if bool(group.entry_rotate.any()):
-            moved = group.entry_rotate.nonzero().flatten().to(keys.device)
-            fresh = group.rotate(
-                entries(pre, index.index_select(0, moved)),
-                group.entry_positions.to(keys.device).index_select(0, moved),
-            )
-            entry_keys = entry_keys.index_copy(2, moved, fresh.to(entry_keys.dtype))
-        m = step.memory_length
-        before = (lambda t: None) if m == 0 else (lambda t: t[:, :, :m])
-        self.memory_keys = _cat(before(self.memory_keys), entry_keys)
-        self.memory_values = _cat(before(self.memory_values), entries(values, index))
+        entry_keys = _rotated(entries(keys), entries(pre), group.entry_rotate, group.entry_positions, group.rotate)
+        self.memory_keys = _cat(self.memory_keys, entry_keys, step.memory_length)
+        self.memory_values = _cat(self.memory_values, entries(values), step.memory_length)
         # copies: views would keep every window of the group alive
-        self.window_keys, self.window_values = keys[:, -1].clone(), values[:, -1].clone()
-        self.window_pre_rope_keys = pre[:, -1].clone()
+        self.window_keys, self.window_values, self.window_pre_rope_keys = (
+            t[:, -1].clone() for t in (keys, values, pre)
+        )
 
         def per_row(memory: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
             shared = memory[:, None].expand(batch, windows, heads, memory.shape[2], dim)
@@ -228,31 +177,12 @@ class BeaconLayer(CacheLayerMixin):
 
         return per_row(self.memory_keys, keys), per_row(self.memory_values, values)
 
-    def commit(
-        self,
-        slots: torch.Tensor,
-        rotate_slots: torch.Tensor,
-        positions: torch.Tensor,
-        rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
-        """Append window slots to memory and drop the window.
-
-        Args:
-            slots: ``[n]`` window slots that stay, in memory order.
-            rotate_slots: ``[n]`` bool, which of them are re-rotated (their memory position differs from the
-                one they were computed at) rather than kept as they are.
-            positions: ``[n]`` memory positions of the kept slots.
-            rotate: ``rotate(pre_rope_keys [b, h, n, d], positions [n]) -> keys``.
-        """
+    def commit(self, slots: torch.Tensor, rotate_slots: torch.Tensor, positions: torch.Tensor, rotate: Rotate) -> None:
+        """Append the window slots ``slots [n]`` (in memory order) to memory, at ``positions [n]``, and drop the
+        window; the keys where ``rotate_slots [n]`` is True are rotated again there."""
         slots = slots.to(self.window_keys.device)
-        keys = self.window_keys.index_select(2, slots)
-        if bool(rotate_slots.any()):
-            which = rotate_slots.nonzero().flatten().to(keys.device)
-            fresh = rotate(
-                self.window_pre_rope_keys.index_select(2, slots.index_select(0, which)),
-                positions.to(keys.device).index_select(0, which),
-            )
-            keys = keys.index_copy(2, which, fresh.to(keys.dtype))
+        pre_rope_keys = self.window_pre_rope_keys.index_select(2, slots)
+        keys = _rotated(self.window_keys.index_select(2, slots), pre_rope_keys, rotate_slots, positions, rotate)
         self.memory_keys = _cat(self.memory_keys, keys)
         self.memory_values = _cat(self.memory_values, self.window_values.index_select(2, slots))
         self.window_keys = self.window_values = self.window_pre_rope_keys = None
@@ -296,16 +226,9 @@ class BeaconCache(Cache):
     def crop(self, max_length: int) -> None:
         raise NotImplementedError("Activation Beacon's memory cannot be cropped (assisted decoding is not supported)")
 
-    def commit(
-        self, rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sink: int, rule: str = "longpeft"
-    ) -> None:
-        """Close the current (full) window: its beacons (or, at ratio 0, its raw tokens) join the memory, its raw
-        K/V are dropped. The first window also leaves its sink, first in memory: its first ``sink`` raw tokens
-        (``rule`` longpeft, not again at ratio 0), or, as the authors' code does (``rule`` authors), its first
-        ``sink`` slots, the beacons among them included, and again at ratio 0 (their memory holds those entries
-        twice)."""
-        state = self.state
-        layout = state.layout
+    def commit(self, rotate: Rotate, sink: int, rule: str = "longpeft") -> None:
+        """Close the current (full) window: its :func:`committed_slots` join the memory, its other K/V are dropped."""
+        state, layout = self.state, self.state.layout
         kept = committed_slots(layout, state.window_slots, state.window_index, sink, rule)
         positions = state.memory_length + torch.arange(kept.numel())
         rotated = state.memory_length + layout.offsets[kept] != positions  # beacons, and sink keys behind a beacon

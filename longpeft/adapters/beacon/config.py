@@ -35,8 +35,7 @@ def _check_ratios(ratios: list[int], window: int, key: str) -> None:
 
 
 def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
-    """``attend_prev`` implied or allowed by the scheme: full-coverage always sees earlier beacons;
-    step-expansion with interleave never does (raw tokens between them would see them too)."""
+    """``attend_prev`` implied or allowed by the scheme (full-coverage: always; step-expansion + interleave: never)."""
     if attn == "full-coverage":
         if attend_prev is False:
             raise ValueError("attend_prev: false is impossible with attn: full-coverage (its mask is plain causal)")
@@ -46,25 +45,6 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
             raise ValueError("attend_prev: true is not possible with attn: step-expansion and pos: interleave")
         return False
     return True if attend_prev is None else attend_prev
-
-
-def _check_authors_rule(rule: str, attn: str, pos: str) -> None:
-    """Refuse ``layout_rule: authors`` with the schemes whose outputs longpeft does not reproduce from their code."""
-    if rule != "authors":
-        return
-    if attn == "segmentation":
-        raise ValueError(
-            "layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
-            "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
-            "read, as the paper says)"
-        )
-    if (attn, pos) == ("step-expansion", "interleave"):
-        raise ValueError(
-            "layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
-            "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
-            "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
-            "paper says)"
-        )
 
 
 def _check_kept_spans(config: BeaconConfig) -> None:
@@ -84,39 +64,21 @@ def _check_kept_spans(config: BeaconConfig) -> None:
 
 
 class BeaconConfig(StrictModel):
-    """Activation Beacon settings (paper: Zhang et al., "Soaring from 4K to 400K").
+    """Activation Beacon settings (Zhang et al., "Soaring from 4K to 400K"; docs/beacon.md describes each).
 
-    ``window``: raw tokens per window. ``ratios``: condensing ratios a window may get (window / ratio
-    beacons; 0 keeps the raw K/V); ``ratio_mix`` picks one per training window (``step-random``,
-    ``instance-random``, ``sequence``: the ratios in the listed order, one per window, over again from the first
-    ratio for each input, ``adapt-N``; all but adapt-N take only ratios that keep the input inside the base's
-    positions, see ``layout.fitting_ratios``); ``inference_ratios`` / ``inference_ratio_mix`` do the same in
-    eval mode (default: the training ratios, ``adapt-1024``: the smallest ratio that keeps the input plus
-    1024 new tokens inside the base's positions, see ``layout.span_ratio``). ``zero_ratio_rule``: which training
-    windows may take ratio 0 when ``ratios`` lists it (``authors``: a window that no earlier ratio-0 window precedes
-    and a full window follows, so at most one per input under ``step-random``, while the mixes that draw once repeat
-    the first window's draw or cycle; ``any``: every window, as any other ratio; see ``layout.training_ratios``).
-    ``attn``: which raw tokens a beacon condenses (``full-coverage``, ``step-expansion``, ``segmentation``);
-    ``pos``: beacons ``interleave``d (one after every ratio raw tokens) or ``append``ed after the window.
-    ``params``: projections with beacon weights. ``sink``: first-window raw tokens kept in memory for good.
-    ``attend_prev``: beacons see their window's earlier beacons (implied by the scheme when left unset).
-    ``embed_init``: the beacon embedding starts as the eos or bos row. ``projection``: ``full``
-    (the paper: a trainable copy of each projection) or ``lora`` (the projection plus a
-    zero-initialised delta of rank ``lora_rank``, scaled by ``lora_alpha / lora_rank``). ``layout_rule``: whose
-    rules choose the adapt-N ratio and lay out the sink in memory: ``longpeft`` (the default: adapt-N counts every
-    position the input uses, ``layout.span_ratio``; the sink is raw tokens stored once) or ``authors`` (what
-    ``convert-beacon`` records, so that a released model reads as in the authors' code: their adapt-N count,
-    ``layout.authors_adapt_ratio``; their sink, the first ``sink`` slots of the first window, beacons included,
-    stored again before that window's raw tokens at ratio 0; docs/beacon.md).
+    ``window``: raw tokens per window. ``ratios``: the condensing ratios of training windows (window / ratio beacons;
+    0 keeps the raw K/V), picked by ``ratio_mix`` (``step-random``, ``instance-random``, ``sequence``, ``adapt-N``);
+    ``inference_ratios`` / ``inference_ratio_mix``: the same in eval mode (default: the training ratios,
+    ``adapt-1024``); ``zero_ratio_rule``: which training windows may take ratio 0. ``attn``: which raw tokens a beacon
+    condenses; ``pos``: beacons ``interleave``d or ``append``ed; ``attend_prev``: beacons see their window's earlier
+    beacons (implied by the scheme when unset). ``params``: projections with beacon weights; ``sink``: first-window raw
+    tokens kept in memory for good; ``embed_init``: the row (eos or bos) the beacon embedding starts as;
+    ``projection``: ``full`` copies or ``lora`` deltas (``lora_rank``, scaled by ``lora_alpha / lora_rank``).
+    ``layout_rule``: whose rules choose the adapt-N ratio and lay out the sink (``longpeft`` or ``authors``).
+    Inference only: ``parallel_windows``, the full windows a prefill runs per forward; ``keep_start`` / ``keep_end``:
+    the first tokens, and those from index ``keep_end`` on, stay uncondensed.
 
-    Inference settings: ``parallel_windows``: a prefill runs up to this many full windows in one forward of the
-    decoder stack, with the logits of running them one after another (see :mod:`.parallel`; 1: one at a time).
-    ``keep_start`` / ``keep_end`` (the authors' Qwen2 ``beacon_skip_first`` / ``beacon_skip_last``): the first
-    ``keep_start`` tokens run alone and stay in memory uncondensed, windows counting from the token after them;
-    tokens from index ``keep_end`` on (counted from the first token) stay uncondensed.
-
-    Each setting is declared here only: the modeling code runs with :meth:`settings`, these with every implied
-    value written out (``layout.BeaconSettings``: the same fields).
+    Each setting is declared here only; :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``).
     """
 
     window: int = Field(default=1024, ge=1)
@@ -163,7 +125,19 @@ class BeaconConfig(StrictModel):
                 "use pos: append"
             )
         resolve_attend_prev(self.attn, self.pos, self.attend_prev)
-        _check_authors_rule(self.layout_rule, self.attn, self.pos)
+        if self.layout_rule == "authors" and self.attn == "segmentation":
+            raise ValueError(
+                "layout_rule: authors cannot reproduce attn: segmentation: the authors' code fails there (a "
+                "TypeError placing its beacons); use layout_rule: longpeft (beacons after the tokens they "
+                "read, as the paper says)"
+            )
+        if self.layout_rule == "authors" and (self.attn, self.pos) == ("step-expansion", "interleave"):
+            raise ValueError(
+                "layout_rule: authors cannot reproduce attn: step-expansion with pos: interleave: the "
+                "authors' mask there hides window slots 0 and 1 instead of the beacons (a bug in their "
+                "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
+                "paper says)"
+            )
         _check_kept_spans(self)
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
             raise ValueError(
@@ -188,10 +162,7 @@ class BeaconConfig(StrictModel):
         """The runtime settings (:class:`~.layout.BeaconSettings`, of the modeling code)."""
         from .layout import BeaconSettings
 
-        resolved = self.resolved().model_dump()
-        if resolved["projection"] == "full":
-            resolved["lora_rank"], resolved["lora_alpha"] = DEFAULT_LORA_RANK, float(DEFAULT_LORA_RANK)
-        return BeaconSettings.from_dict(resolved)
+        return BeaconSettings.from_dict(self.resolved().model_dump())
 
 
 def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
@@ -209,15 +180,13 @@ def resolve(config: BeaconConfig, context: ResolveContext) -> BeaconConfig:
 def describe(config: BeaconConfig) -> list[str]:
     """Model-card sentence: windows, ratios, layout, projections, and the ratio at inference."""
     ratios = ", ".join(map(str, config.ratios))
+    authors = (
+        ", counted as in the authors' code, whose sink layout it keeps too" if config.layout_rule == "authors" else ""
+    )
     return [
         f"Activation Beacon: windows of {config.window} tokens condensed at ratios {ratios} ({config.attn}, "
         f"{config.pos}, beacon projections {'/'.join(config.params)} as {config.projection}, sink {config.sink}); "
-        f"at inference the ratio adapts to the input ({config.inference_ratio_mix})"
-        + (
-            ", counted as in the authors' code, whose sink layout it keeps too."
-            if config.layout_rule == "authors"
-            else "."
-        )
+        f"at inference the ratio adapts to the input ({config.inference_ratio_mix}){authors}."
     ]
 
 

@@ -1,10 +1,6 @@
-"""Export a merged Activation Beacon model so plain transformers loads it (trust_remote_code), without longpeft.
-
-The saved folder holds the stock weights plus the beacon weights (under the authors' names) and a
-``beacon`` entry in config.json. ``write_remote_code`` writes ``modeling_beacon.py`` beside them: the
-beacon runtime (:mod:`.layout`, :mod:`.cache`, :mod:`.parallel`, :mod:`.modules`, :mod:`.scheduler`,
-:mod:`.patch`) and the causal LM classes of :mod:`.remote_classes`, with the few longpeft helpers they use inlined,
-so it imports only torch and transformers. ``auto_map`` points at those classes.
+"""Export a merged Activation Beacon model so plain transformers loads it (trust_remote_code), without longpeft: the
+saved folder's config.json gets the ``beacon`` settings and an ``auto_map`` at ``modeling_beacon.py``, the beacon
+runtime and the causal LM classes of :mod:`.remote_classes` with the few longpeft helpers they use inlined.
 """
 
 from __future__ import annotations
@@ -55,18 +51,10 @@ def standalone_modeling_source() -> str:
 
 
 def write_remote_code(save_dir: str | Path, settings: BeaconSettings) -> None:
-    """Make a ``save_pretrained`` folder of a merged beacon model loadable with plain transformers.
-
-    Writes ``modeling_beacon.py`` and sets, in config.json, ``beacon`` (the settings),
-    ``model_type = "beacon_<type>"``, ``architectures`` and ``auto_map``. Then
-    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)`` builds the model with its
-    beacons; without ``trust_remote_code`` loading fails instead of giving a model without them.
-
-    Args:
-        save_dir: folder written by ``model.save_pretrained`` of a model with beacons (config.json and
-            the weights, beacon tensors included).
-        settings: the model's beacon settings.
-    """
+    """Make ``save_dir``, written by ``save_pretrained`` of a model with beacons (their tensors included), load with
+    ``AutoModelForCausalLM.from_pretrained(save_dir, trust_remote_code=True)``: writes ``modeling_beacon.py`` and sets,
+    in config.json, ``beacon`` (the ``settings``), ``model_type = "beacon_<type>"``, ``architectures`` and
+    ``auto_map``. Without ``trust_remote_code`` loading fails instead of giving a model without beacons."""
     config_path, config, model_type = saved_config(save_dir, EXPORT_CLASSES_BY_MODEL_TYPE, "Activation Beacon")
     point_config_at_remote_code(
         config_path,

@@ -1,16 +1,10 @@
-"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the
-choice of the condensing ratio.
+"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the choice of the
+condensing ratio.
 
-A window holds ``W`` raw tokens. With ratio ``r > 0`` it also holds ``b = W / r`` beacon tokens:
-
-- ``interleave``: one beacon after every ``r`` raw tokens (``raw raw beacon raw raw beacon ...``);
-- ``append``: all ``b`` beacons after the ``W``-th raw token.
-
-Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)`` it may see: ``lo_j = 0`` for
-``full-coverage`` and ``step-expansion`` (beacon ``j`` sees one more span of ``r`` tokens than beacon
-``j - 1``), ``lo_j = j r`` for ``segmentation``. Everything in the window also sees the whole memory
-(sink, beacons of earlier windows, raw tokens kept by ratio 0), which sits at positions ``0 .. M-1``;
-the window's slots follow at ``M + offset``:
+A window holds ``W`` raw tokens and, at ratio ``r > 0``, ``W / r`` beacons: one after every ``r`` raw tokens
+(``interleave``) or all after the last one (``append``). Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)``:
+``lo_j = 0``, or ``j r`` for ``segmentation``. Everything in the window also sees the memory (sink, earlier windows'
+beacons, raw tokens kept at ratio 0), at positions ``0 .. M-1``; the window's slots follow at ``M + offset``:
 
 ==================  ==================================  ===============================  ==========================
 scheme, mode        raw token i sees (in the window)    beacon j sees                    beacon j's offset
@@ -24,15 +18,7 @@ segmentation,       raw 0..i                            raw jr..(j+1)r-1; beacon
 append                                                  (attend_prev) or itself
 ==================  ==================================  ===============================  ==========================
 
-A beacon sits right after the last raw token it sees (and after the earlier beacons it sees), as the
-paper states. For segmentation the authors' code instead puts every beacon at offset ``r (+ j)``,
-which places beacons ``j >= 1`` before the tokens they read; longpeft follows the paper's rule.
-
-When a window is full its raw K/V are dropped and its beacons' K/V join the memory at positions
-``M .. M + b - 1`` (with ratio 0 the raw K/V themselves join it; the first window also keeps its first
-``sink`` raw tokens). Memory positions never change afterwards.
-
-This module imports only torch: it is part of the modeling file written beside exported models.
+This module imports only torch: it is part of the exported modeling file.
 """
 
 from __future__ import annotations
@@ -49,10 +35,9 @@ POSITION_MODES = ("interleave", "append")
 
 @dataclasses.dataclass(frozen=True)
 class BeaconSettings:
-    """The Activation Beacon settings a model runs with (``config.beacon``): longpeft's ``BeaconConfig``
-    (``longpeft/adapters/beacon/config.py``, where each setting is declared, checked and described) with every
-    implied value written out, lists as tuples (``BeaconConfig.settings()``). With ``projection: full``,
-    ``lora_rank`` and ``lora_alpha`` hold the defaults of ``lora``, unused."""
+    """The settings a model runs with (``config.beacon``): the fields of ``BeaconConfig`` (``config.py``, where each
+    is declared, checked and described) with every implied value written out, lists as tuples
+    (``BeaconConfig.settings()``); ``lora_rank`` and ``lora_alpha`` are None with ``projection: full``."""
 
     window: int
     ratios: tuple[int, ...]
@@ -67,8 +52,8 @@ class BeaconSettings:
     attend_prev: bool
     embed_init: str
     projection: str
-    lora_rank: int
-    lora_alpha: float
+    lora_rank: int | None
+    lora_alpha: float | None
     layout_rule: str
     parallel_windows: int
     keep_start: int
@@ -76,9 +61,12 @@ class BeaconSettings:
 
     @property
     def scheme(self) -> tuple[str, str, bool]:
-        """``(attn, pos, attend_prev)``: what, besides the window and the ratio, lays a window out
-        (:func:`window_layout`), so what the positions an input occupies depend on (:func:`span_at`)."""
+        """``(attn, pos, attend_prev)``: what lays a window out besides its size and ratio (:func:`window_layout`)."""
         return self.attn, self.pos, self.attend_prev
+
+    def ratio_choice(self, training: bool) -> tuple[tuple[int, ...], str]:
+        """``(ratios, mix)`` of training, or of inference."""
+        return (self.ratios, self.ratio_mix) if training else (self.inference_ratios, self.inference_ratio_mix)
 
     @classmethod
     def from_dict(cls, data: dict) -> BeaconSettings:
@@ -99,24 +87,14 @@ class BeaconSettings:
 
 @dataclasses.dataclass(frozen=True)
 class WindowLayout:
-    """The slots of one full window in sequence order (a partial window is a prefix of them).
+    """The ``L`` slots of one full window in sequence order (a partial window is a prefix of them)."""
 
-    Attributes:
-        is_beacon: ``[L]`` bool, whether slot ``s`` is a beacon.
-        trigger: ``[L]`` long: a raw slot's raw index; a beacon's raw index after which it is inserted.
-            The slots of a window holding ``n`` raw tokens are those with ``trigger < n``.
-        offsets: ``[L]`` long, position of each slot minus the memory length ``M``.
-        visible: ``[L, L]`` bool, ``visible[q, k]``: slot ``q`` attends to slot ``k`` of the window.
-        ratio: the condensing ratio (0: no beacons, the raw K/V become memory).
-        window: raw tokens the full window holds.
-    """
-
-    is_beacon: torch.Tensor
-    trigger: torch.Tensor
-    offsets: torch.Tensor
-    visible: torch.Tensor
-    ratio: int
-    window: int
+    is_beacon: torch.Tensor  # [L] bool
+    trigger: torch.Tensor  # [L] long: a raw slot's raw index, a beacon's that it follows; slots of n raw: trigger < n
+    offsets: torch.Tensor  # [L] long: each slot's position minus the memory length M
+    visible: torch.Tensor  # [L, L] bool: visible[q, k], slot q attends to slot k of the window
+    ratio: int  # the condensing ratio (0: no beacons, the raw K/V become memory)
+    window: int  # raw tokens the full window holds
 
     def slots_for(self, n_raw: int) -> int:
         """Number of leading slots that exist once the window holds ``n_raw`` raw tokens."""
@@ -124,9 +102,7 @@ class WindowLayout:
 
     def reach(self, n_raw: int) -> int:
         """Positions past the memory that the slots of a window holding ``n_raw`` raw tokens take: their largest
-        offset plus one (0 for no token). Appended beacons come with the window's last raw token, so a window that
-        is not full reaches ``n_raw``; where beacons share positions with raw tokens (step-expansion, a beacon at
-        its next raw token's) a full window reaches ``window + 1``, fewer than its slots."""
+        offset plus one (0 for no token). Fewer than the slots where beacons share positions with raw tokens."""
         slots = self.slots_for(n_raw)
         return int(self.offsets[:slots].max()) + 1 if slots else 0
 
@@ -145,51 +121,33 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
     if attn == "segmentation" and pos == "interleave" and ratio:
         raise ValueError("beacon attn segmentation with pos interleave is not implemented; use pos: append")
     n_beacons = window // ratio if ratio else 0
-    raw = torch.arange(window)
-    beacon = torch.arange(n_beacons)
-    last_raw_seen = (beacon + 1) * ratio - 1 if ratio else beacon  # raw index each beacon follows
-    if pos == "interleave":
-        # stable sort by trigger: beacon j comes right after raw (j+1)r - 1
-        trigger = torch.cat([raw, last_raw_seen])
-        is_beacon = torch.cat([torch.zeros(window, dtype=torch.bool), torch.ones(n_beacons, dtype=torch.bool)])
-        order = torch.sort(trigger * 2 + is_beacon.long(), stable=True).indices
-        trigger, is_beacon = trigger[order], is_beacon[order]
-    else:
-        trigger = torch.cat([raw, torch.full((n_beacons,), window - 1, dtype=torch.long)])
-        is_beacon = torch.cat([torch.zeros(window, dtype=torch.bool), torch.ones(n_beacons, dtype=torch.bool)])
-    length = window + n_beacons
-    slot = torch.arange(length)
+    interleaved = torch.arange(1, n_beacons + 1) * ratio - 1  # beacon j comes right after raw (j+1)r - 1
+    follows = interleaved if pos == "interleave" else torch.full((n_beacons,), window - 1)  # each beacon's raw index
+    trigger = torch.cat([torch.arange(window), follows])
+    is_beacon = torch.arange(window + n_beacons) >= window
+    order = torch.sort(trigger * 2 + is_beacon.long(), stable=True).indices
+    trigger, is_beacon = trigger[order], is_beacon[order]
     raw_index = torch.where(is_beacon, -1, trigger)  # raw index of raw slots
-    beacon_index = torch.cumsum(is_beacon.long(), 0) - 1  # beacon index of beacon slots
-    beacon_index = torch.where(is_beacon, beacon_index, -1)
+    beacon_index = torch.where(is_beacon, is_beacon.long().cumsum(0) - 1, -1)  # beacon index of beacon slots
 
     if attn == "full-coverage":
-        visible = slot[None, :] <= slot[:, None]
-        offsets = slot.clone()
+        offsets = torch.arange(window + n_beacons)
+        visible = offsets[None, :] <= offsets[:, None]
     else:
-        q_raw, k_raw = ~is_beacon[:, None], ~is_beacon[None, :]
-        q_b, k_b = is_beacon[:, None], is_beacon[None, :]
-        j = beacon_index[:, None]
-        k_raw_index = raw_index[None, :]
-        raw_sees = q_raw & k_raw & (k_raw_index <= raw_index[:, None])
-        hi = (j + 1) * ratio
-        lo = j * ratio if attn == "segmentation" else torch.zeros_like(j)
-        beacon_sees_raw = q_b & k_raw & (k_raw_index >= lo) & (k_raw_index < hi)
-        same = beacon_index[:, None] == beacon_index[None, :]
-        earlier = beacon_index[None, :] <= beacon_index[:, None]
-        beacon_sees_beacon = q_b & k_b & (earlier if attend_prev else same)
-        visible = raw_sees | beacon_sees_raw | beacon_sees_beacon
+        q_beacon, k_beacon = is_beacon[:, None], is_beacon[None, :]
+        j, k_raw_index = beacon_index[:, None], raw_index[None, :]
+        raw_sees = ~q_beacon & ~k_beacon & (k_raw_index <= raw_index[:, None])
+        lo = j * ratio if attn == "segmentation" else 0
+        beacon_sees_raw = q_beacon & ~k_beacon & (k_raw_index >= lo) & (k_raw_index < (j + 1) * ratio)
+        sees_beacon = beacon_index[None, :] <= j if attend_prev else beacon_index[None, :] == j
+        visible = raw_sees | beacon_sees_raw | (q_beacon & k_beacon & sees_beacon)
         last_seen = (beacon_index + 1) * ratio  # offset right after the last raw token a beacon sees
-        if pos == "interleave":
-            offsets = torch.where(is_beacon, last_seen, raw_index)
-        else:
-            offsets = torch.where(is_beacon, last_seen + (beacon_index if attend_prev else 0), raw_index)
+        stacked = pos == "append" and attend_prev  # appended beacons that see each other follow each other
+        offsets = torch.where(is_beacon, last_seen + beacon_index if stacked else last_seen, raw_index)
     return WindowLayout(is_beacon, trigger, offsets, visible, ratio, window)
 
 
-# ------------------------------------------------------------------------------------------------
 # Masks of one step
-# ------------------------------------------------------------------------------------------------
 
 
 def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None:
@@ -214,12 +172,8 @@ def window_keep(
     raw_rows: torch.Tensor,
 ) -> torch.Tensor | None:
     """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
-    join the first ``start`` (whose keep is ``keep [batch, start]`` or None).
-
-    A raw slot is padding where ``keep_raw [batch, n_raw]`` (the new raw tokens' mask, None: none is padding;
-    ``raw_rows [n_raw]`` their slots within ``[start, end)``) says so; a beacon, when every raw token of the window
-    it sees is padding (with left padding: the last one it sees is), so neither its window nor the memory reads it.
-    """
+    join the first ``start`` (``keep [batch, start]`` or None). The new raw tokens' ``keep_raw [batch, n_raw]`` (None:
+    no padding) marks their slots ``raw_rows [n_raw]``; a beacon is padding when every raw token it sees is."""
     new = None
     if keep_raw is not None:
         new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
@@ -242,39 +196,23 @@ def key_keep(
 def step_visibility(
     layout: WindowLayout, memory_length: int, start: int, end: int, keys: torch.Tensor | None
 ) -> torch.Tensor:
-    """Which keys the slots ``[start, end)`` of a window attend to.
-
-    Args:
-        layout: the window's layout.
-        memory_length: ``M``, memory entries before the window.
-        start, end: the slots fed in this step.
-        keys: ``[batch, M + end]`` bool, False at padding (:func:`key_keep`), or None.
-
-    Returns:
-        ``[batch or 1, 1, end - start, M + end]`` bool, True where the query may attend. Every slot
-        sees itself, so no row is empty (a padding query gets a finite, ignored output).
-    """
+    """``[batch or 1, 1, end - start, M + end]`` bool: the keys the slots ``[start, end)`` of a window after
+    ``memory_length`` (``M``) memory entries attend to, padding hidden (``keys [batch, M + end]``, False at padding,
+    or None: :func:`key_keep`). Every slot sees itself, so no row is empty (a padding query gets an ignored output)."""
     rows = torch.cat(
         [torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1
     )
-    rows[torch.arange(end - start), memory_length + torch.arange(start, end)] = True
-    if keys is None:
-        return rows[None, None]
-    visible = rows[None] & keys[:, None, :]
-    visible[:, torch.arange(end - start), memory_length + torch.arange(start, end)] = True
-    return visible[:, None]
+    visible = rows[None, None] if keys is None else (rows[None] & keys[:, None, :])[:, None]
+    visible[..., torch.arange(end - start), memory_length + torch.arange(start, end)] = True
+    return visible
 
 
 def attention_mask_for(
     visible: torch.Tensor, keys: torch.Tensor | None, implementation: str, dtype: torch.dtype, device
 ) -> torch.Tensor | None:
-    """The mask an attention kernel takes for a step.
-
-    eager: additive float ``[b, 1, q, k]`` (0 or the dtype's minimum) from ``visible``; sdpa and others:
-    the bool ``visible`` itself; flash_attention_2 (full-coverage only, its mask is causal): None
-    without padding, else the 2-D key mask ``keys [b, k]`` (flash-attn aligns a shorter query block to
-    the end of the keys, which is the causal layout).
-    """
+    """The mask an attention kernel takes for a step: eager, an additive float ``[b, 1, q, k]`` from ``visible``; sdpa
+    and others, the bool ``visible``; flash_attention_2 (full-coverage only: its mask is causal), None without padding,
+    else the 2-D key mask ``keys [b, k]``."""
     if "flash" in implementation:
         return None if keys is None or bool(keys.all()) else keys.to(device=device, dtype=torch.long)
     if implementation == "eager":
@@ -283,15 +221,7 @@ def attention_mask_for(
     return visible.to(device)
 
 
-# ------------------------------------------------------------------------------------------------
 # Ratios
-# ------------------------------------------------------------------------------------------------
-
-
-def mix_parameter(mix: str) -> int:
-    """N of ``adapt-N`` (tokens still to come after the input)."""
-    return int(mix.split("-", 1)[1])
-
 
 DEFAULT_SCHEME = ("full-coverage", "interleave", True)  # BeaconConfig's default window layout
 
@@ -307,46 +237,28 @@ def span_at(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
     keys: bool = False,
 ) -> int:
-    """Positions ``length`` tokens occupy when every window is condensed at ``ratio``: the largest position id the
-    beacon forward gives them, plus one. Over the windows, the memory before a window (sink and the beacons of
-    every earlier window) plus the positions the window's slots take (:meth:`WindowLayout.reach` of the window's
-    ``scheme``, ``(attn, pos, attend_prev)``: a window that is not full has only the beacons that follow its raw
-    tokens so far, none when they are appended; with ``training``, the window that ends the input has none);
-    ``length`` at ratio 0 (plus the sink once the first window is in memory under the authors' ``rule``, which
-    stores it twice). Each full window reaches further than the one before, so only the last full window and the
-    last one can be the furthest (O(1): the random mixes call this at every window start).
-
-    ``keep = (keep_start, keep_end)`` (:class:`BeaconSettings`): the first ``keep_start`` tokens sit in memory
-    before every window, and the tokens from ``keep_end`` on follow the beacons of the windows before them raw.
-
-    ``keys``: the keys one query reads at most instead, the memory plus the slots of its window
-    (:meth:`WindowLayout.slots_for`); more than the positions where beacons take the positions of raw tokens
-    (step-expansion, segmentation).
+    """Positions ``length`` tokens occupy (the largest position id the beacon forward gives them, plus one) when every
+    window is condensed at ``ratio``: over the windows, the memory before one plus the positions its slots take
+    (:meth:`WindowLayout.reach` under ``scheme``, ``(attn, pos, attend_prev)``; with ``training`` the last window has
+    no beacons); at ratio 0, ``length`` (plus the sink, stored twice under the authors' ``rule``). ``keep =
+    (keep_start, keep_end)``: the first ``keep_start`` tokens stay in memory, and those from ``keep_end`` on follow
+    raw. ``keys``: the keys one query reads at most instead (more than the positions where beacons take raw tokens'
+    positions). O(1).
     """
     start, end = keep
     condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
     if not ratio or condensed <= start:  # every window raw
         return length + (sink if rule == "authors" and length > window else 0)
-    span = start + _windows_span(
-        window, sink, ratio, condensed - start, training and condensed == length, scheme, keys
-    )
+    windows, last_raw = math.ceil((condensed - start) / window), training and condensed == length
+    span = 0
+    for index in range(max(0, windows - 2), windows):  # each full window reaches further than the one before
+        raw = min(window, condensed - start - index * window)
+        layout = window_layout(window, 0 if last_raw and index == windows - 1 else ratio, *scheme)
+        memory = start + (sink + index * (window // ratio) if index else 0)
+        span = max(span, memory + (layout.slots_for(raw) if keys else layout.reach(raw)))
     if condensed < length:  # raw windows from keep_end on follow the memory of the condensed ones
         memory = start + sink + (end - start) // window * (window // ratio)
         span = max(span, memory + length - end)
-    return span
-
-
-def _windows_span(
-    window: int, sink: int, ratio: int, length: int, training: bool, scheme: tuple[str, str, bool], keys: bool
-) -> int:
-    """:func:`span_at` of ``length > 0`` tokens that all run in windows condensed at ``ratio > 0``."""
-    windows = math.ceil(length / window)
-    span = 0
-    for index in range(max(0, windows - 2), windows):
-        raw = min(window, length - index * window)
-        layout = window_layout(window, 0 if training and index == windows - 1 else ratio, *scheme)
-        memory = sink + index * (window // ratio) if index else 0
-        span = max(span, memory + (layout.slots_for(raw) if keys else layout.reach(raw)))
     return span
 
 
@@ -362,16 +274,9 @@ def fitting_ratios(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> tuple[int, ...]:
     """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (:func:`span_at`; the largest ratio
-    when none does).
-
-    The random mixes draw among these: windows condensed at any mix of them stay inside too, since each holds
-    no more beacons than at the smallest. Ratio 0 is the exception: a raw window leaves more in memory than any
-    condensed one, so raw windows before a condensed one can reach further than either ratio alone (window 8,
-    ratios 0 and 2, 17 training tokens: 20 positions, where ratio 0 alone takes 17 and ratio 2 alone 16). A mix
-    with ratio 0 reaches at most ``length + sink + window // r`` (every earlier window raw, the sink once more,
-    the window at the smallest other ratio ``r``); where that passes ``max_positions``, ratio 0 is left out. The
-    authors draw from every ratio (Llama-3-8B, 20K tokens, ratio 2: position 10,753 of 8,192), which inference,
-    adapting its ratio to fit, never meets.
+    when none does): a random mix of them stays inside too. Ratio 0 is left out where a raw window before a
+    condensed one could pass ``max_positions``: a mix with it reaches at most ``length + sink + window // r`` (``r``
+    the smallest other fitting ratio), more than either ratio alone.
     """
     fitting = tuple(
         r for r in ratios if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions
@@ -383,15 +288,9 @@ def fitting_ratios(
 
 
 def training_ratios(ratios: tuple[int, ...], window: int, start: int, length: int, zero_used: bool) -> tuple[int, ...]:
-    """The ``ratios`` a training window may take under the authors' rule for ratio 0 (``zero_ratio_rule: authors``).
-
-    Ratio 0 (the window's raw K/V become memory) is left out when an earlier window of the input took it, or when no
-    full window follows this one (the window starts at raw token ``start`` of a ``length``-token input: ratio 0 needs
-    ``start + 2 window <= length``), so a mix that draws at every window (``step-random``) keeps at most one raw
-    window per input and beacons after it; the mixes that draw once (``instance-random``, ``adapt-N``, the
-    ``sequence`` cycle) apply it to the first window's draw only, and repeat that. A single listed ratio is always
-    allowed, as in the authors' code (``Memory.set_compression_ratio``).
-    """
+    """The ``ratios`` a training window starting at raw token ``start`` of a ``length``-token input may take under
+    ``zero_ratio_rule: authors``: without 0 when an earlier window took it or no full window follows (0 needs
+    ``start + 2 window <= length``). A single listed ratio is always allowed, as in the authors' code."""
     if len(ratios) == 1 or 0 not in ratios or not (zero_used or start + 2 * window > length):
         return ratios
     return tuple(ratio for ratio in ratios if ratio)
@@ -410,18 +309,11 @@ def choose_ratio(
     keep: tuple[int, int | None] = (0, None),
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
-    """The ratio of the next window (the ``sequence`` mix cycles through :func:`fitting_ratios` instead, fixed at the
-    first window: see ``scheduler._start_window``).
-
-    Args:
-        ratios, mix: the candidate ratios and how to mix them (step-random, instance-random, adapt-N).
-        length: tokens of the sequence known so far (adapt-N adds N).
-        chosen: the ratio already chosen for this sequence (instance-random, adapt-N), or None.
-        sink, training, keep, scheme: what the positions of ``length`` tokens depend on besides the ratio
-            (:func:`span_at`); adapt-N takes :func:`span_ratio`, the random mixes draw among :func:`fitting_ratios`.
-        rule: ``layout_rule`` (:class:`BeaconSettings`): ``authors`` counts adapt-N as the authors' code does (and
-            lays out the sink as it does: :func:`span_at` counts it).
-    """
+    """The ratio of the next window among ``ratios`` under ``mix`` (step-random, instance-random, adapt-N; the
+    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead): ``chosen`` (the sequence's
+    earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw among
+    :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
+    ``scheme``: what their positions depend on besides the ratio (:func:`span_at`)."""
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
@@ -445,53 +337,31 @@ def span_ratio(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
-    (:func:`fitting_ratios`; the largest ratio when none does).
-
-    That is adapt-N's choice and, for the random mixes, their worst draw, so it bounds the positions the input
-    can occupy. The authors' adapt-N takes the smallest ``r`` with ``(P - W) r + W >= length + N``, which leaves
-    out the sink and the last window's own ``W / r`` beacons: up to ``sink + W / r`` positions past ``P``
-    (Llama-3-8B, ``W`` 1024, sink 1: 58,368 tokens at ratio 8 reach position 8,320 of 8,192). With ``rule``
-    ``authors`` (a converted released model), adapt-N takes their choice, :func:`authors_adapt_ratio`.
-    """
-    if len(ratios) == 1:
-        return ratios[0]
+    (:func:`fitting_ratios`): adapt-N's choice and the random mixes' worst draw. Under the authors' ``rule``, adapt-N
+    takes :func:`authors_adapt_ratio` instead."""
     if mix.startswith("adapt-"):
-        length += mix_parameter(mix)
+        length += int(mix.split("-", 1)[1])
         if rule == "authors":
             return authors_adapt_ratio(ratios, window, max_positions, length)
     return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
 
 
 def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
-    """adapt-N as the authors' code chooses it, for ``length`` tokens (the input plus N).
-
-    Ratio ``r`` reaches ``(max_positions - window) * r + window`` tokens (ratio 0: ``max_positions``): the memory
-    holds every window but the last condensed ``r`` times, the last one raw; neither the sink nor the last window's
-    own beacons are counted. The ratio whose reach is the shortest among those that reach ``length`` wins (the first
-    listed on a tie), the largest ratio when none does. Against :func:`span_ratio` this takes a smaller ratio just
-    below each of its boundaries: Llama-3-8B, window 1024, sink 1, adapt-1024, ratios 2/4/8: ratio 2 up to 14,336
-    prompt tokens (longpeft: up to 13,311), 4 up to 28,672 (longpeft: up to 27,647).
-    """
-    if len(ratios) == 1:
-        return ratios[0]
+    """adapt-N as the authors' code chooses it, for ``length`` tokens (the input plus N): ratio ``r`` reaches
+    ``(max_positions - window) * r + window`` tokens (ratio 0: ``max_positions``), leaving out the sink and the last
+    window's beacons; the shortest reach among those that reach ``length`` wins (the first listed on a tie), the
+    largest ratio when none does."""
     reach = {ratio: (max_positions - window) * ratio + window if ratio else max_positions for ratio in ratios}
     reaching = [ratio for ratio in ratios if reach[ratio] >= length]
-    if not reaching:
-        return max(ratios)
-    return min(reaching, key=lambda ratio: reach[ratio])
+    return min(reaching, key=lambda ratio: reach[ratio]) if reaching else max(ratios)
 
 
 def window_span(
     settings: BeaconSettings, length: int, max_positions: int, training: bool = False, keys: bool = False
 ) -> int:
     """Positions an input of ``length`` tokens occupies at most (:func:`span_at`; with ``keys``, the keys one query
-    reads at most), at the ratio :func:`span_ratio` bounds them by: the inference ratios and mix, or with
-    ``training`` the training ones."""
-    ratios, mix = (
-        (settings.ratios, settings.ratio_mix)
-        if training
-        else (settings.inference_ratios, settings.inference_ratio_mix)
-    )
+    reads at most), at the ratio :func:`span_ratio` bounds them by (the training or the inference ratios and mix)."""
+    ratios, mix = settings.ratio_choice(training)
     rule, keep, scheme = settings.layout_rule, (settings.keep_start, settings.keep_end), settings.scheme
     ratio = span_ratio(
         ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep, scheme

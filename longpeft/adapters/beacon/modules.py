@@ -1,18 +1,8 @@
 """Beacon weights and the attention forward that uses them on beacon rows only.
 
-Per attention layer, each projection named in ``params`` gets a beacon twin stored beside it as
-``beacon_{q,k,v,o}_proj`` (the authors' tensor names): a :class:`BeaconLinear` (``full``: an
-independent copy of the projection's weight and bias) or a :class:`BeaconLoraDelta` (``lora``: the
-projection's own output plus a zero-initialised low-rank delta, equal to the copy at step 0). The
-stock projection (``nn.Linear``, bitsandbytes ``Linear4bit`` or a peft LoRA layer) computes every
-row; the beacon rows are then overwritten by the twin applied to those rows only (gather, project,
-scatter), which costs ``1 / (r + 1)`` of a projection instead of a second full one.
-
-The beacon embedding is one row, ``beacon_embed_tokens`` on the decoder stack, kept outside
-``embed_tokens``: the vocabulary is never resized.
-
-Beacon parameters are float32 (like peft's LoRA weights); their inputs are cast to float32 and their
-outputs back to the model's dtype.
+Each projection named in ``params`` gets a float32 beacon twin ``beacon_{q,k,v,o}_proj``: a :class:`BeaconLinear`
+(``full``) or a :class:`BeaconLoraDelta` (``lora``). The stock projection computes every row; the twin, applied to
+the beacon rows only, overwrites them (its output cast back to the model's dtype).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -78,22 +68,13 @@ def beacon_attention_forward(
     beacon_step: BeaconStep | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows.
+    """Llama/Mistral/Qwen2/Qwen3 attention with beacon projections on the step's beacon rows; without a
+    ``beacon_step`` (beacons switched off), the stock forward. The pre-RoPE keys go to the beacon cache too.
 
-    Bound to every attention module while beacons are applied. Without a ``beacon_step`` (beacons
-    switched off) it computes what the stock forward computes. Qwen3's per-head q/k norms run before
-    the rotation, as in Qwen3. The pre-RoPE keys go to the beacon cache with the rotated ones.
-
-    Args:
-        hidden_states: ``[batch, seq, hidden]``.
-        position_embeddings: ``(cos, sin)``, each ``[batch, seq, head_dim]``.
-        attention_mask: what the attention kernel takes (a 4-D mask, a 2-D key mask for flash, or None).
-        beacon_step: the window and slots this forward computes, with the beacon rows.
-        kwargs: the kernel's, and the KV cache as ``cache`` (transformers >= 5.24) or ``past_key_values``:
-            a :class:`~.cache.BeaconCache` (with ``beacon_step``) or any transformers cache.
-
-    Returns:
-        ``(output [batch, seq, hidden], attention weights or None)``.
+    ``hidden_states [batch, seq, hidden]``, ``position_embeddings`` ``(cos, sin)`` each ``[batch, seq, head_dim]``,
+    ``attention_mask`` (what the kernel takes), and in ``kwargs`` the kernel's and the cache (``cache``, or
+    ``past_key_values`` before transformers 5.24: a :class:`~.cache.BeaconCache` with a ``beacon_step``, else any);
+    returns ``(output [batch, seq, hidden], attention weights or None)``.
     """
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -103,20 +84,13 @@ def beacon_attention_forward(
     value_states = project(self, "v", hidden_states, rows).view(hidden_shape).transpose(1, 2)
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotation
         query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
-
-    cos, sin = position_embeddings
-    pre_rope_keys = key_states
-    query_states = apply_rotary(query_states, cos.unsqueeze(1), sin.unsqueeze(1))
-    key_states = apply_rotary(key_states, cos.unsqueeze(1), sin.unsqueeze(1))
-
+    query_states, pre_rope_keys = query_states.transpose(1, 2), key_states.transpose(1, 2)
+    cos, sin = (half.unsqueeze(1) for half in position_embeddings)
+    query_states, key_states = apply_rotary(query_states, cos, sin), apply_rotary(pre_rope_keys, cos, sin)
     cache = pop_cache(kwargs)
     if cache is not None:
         extra = {} if beacon_step is None else {"beacon_step": beacon_step, "pre_rope_keys": pre_rope_keys}
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx, **extra)
 
-    attn_output, attn_weights = attention_kernel(
-        self, query_states, key_states, value_states, attention_mask, **kwargs
-    )
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return project(self, "o", attn_output, rows), attn_weights
+    output, weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
+    return project(self, "o", output.reshape(*input_shape, -1).contiguous(), rows), weights

@@ -1,18 +1,8 @@
 """Parallel windows: several full windows of a prefill in one forward of the decoder stack, with the logits of
-running them one after another.
+running them one after another (docs/beacon.md says why this is exact).
 
-Why it is exact: window ``p`` reads the memory and its own slots. In layer ``l`` its memory entries from the
-windows before it are the K/V that layer ``l`` computes at their kept slots (beacons; the sink in window 0; every
-slot at ratio 0) from layer ``l``'s input there, re-rotated at their memory positions. A forward that runs the
-windows together layer by layer has that input in hand when layer ``l`` runs, so window ``p`` can read exactly
-those entries in the same layer. Nothing else crosses windows (a window never reads earlier raw slots: they left
-the memory), so each window computes what it computes alone; only float rounding differs (other matmul shapes).
-
-Here the ``P`` windows are ``P`` rows of one batch (:class:`~.cache.WindowGroup`). Row ``p`` reads the memory, the
-group's new entries (those of windows ``0 .. P-2``, in memory order) and its own window; its mask hides the
-entries of windows ``p`` and later. Windows ``0 .. P-2`` are committed by the step, the last one stays open, so
-the cache ends as it ends after ``P`` sequential steps. A group holds full windows of one layout (ratio and size);
-a window of another ratio (a random mix) starts the next group, and a partial last window runs on its own.
+The ``P`` windows, of one layout, are ``P`` rows of one batch (:class:`~.cache.WindowGroup`): row ``p`` reads the
+memory, the new entries of windows ``0 .. p-1`` and its own window; the cache ends as after ``P`` sequential steps.
 
 This module imports only torch: it is part of the exported modeling file.
 """
@@ -25,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 # longpeft-inline-begin
-from .cache import BeaconStep, SequenceState, WindowGroup, committed_slots
+from .cache import BeaconStep, Rotate, SequenceState, WindowGroup, committed_slots
 from .layout import WindowLayout, padding_keep, step_visibility, window_keep
 
 # longpeft-inline-end
@@ -34,20 +24,11 @@ from .layout import WindowLayout, padding_keep, step_visibility, window_keep
 def plan_group(
     first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int, remaining: int, most: int
 ) -> tuple[int, WindowLayout | None]:
-    """How many windows run in the group that begins with ``first`` (a window starting at raw token ``start``).
-
-    Args:
-        first: the first window's layout.
-        next_layout: ``next_layout(start)``, the layout of the window beginning at raw token ``start`` (it draws
-            that window's ratio, so it is called once per window, in order).
-        window: raw tokens of every later window.
-        remaining: new raw tokens from ``start`` on in this forward (only full windows join a group).
-        most: ``parallel_windows``.
-
-    Returns:
-        ``(windows, pending)``: the group's size (1: run ``first`` alone) and the layout already chosen for the
-        window after the group when it could not join (another ratio or size), else None.
-    """
+    """``(windows, pending)``: how many windows, up to ``most`` (``parallel_windows``; 1: ``first`` alone), run in the
+    group that begins with ``first`` at raw token ``start``, with ``remaining`` new raw tokens from there (only full
+    windows of ``window`` tokens join), and the layout chosen for the window after the group when it could not join
+    (another ratio or size), else None. ``next_layout(start)`` lays out (draws the ratio of) the window beginning at
+    raw token ``start``: it is called once per window, in order."""
     if most < 2 or remaining < first.window:
         return 1, None
     count, used = 1, first.window
@@ -60,23 +41,15 @@ def plan_group(
 
 
 class GroupInputs(NamedTuple):
-    """What the decoder stack takes for a group of ``P`` windows of ``L`` slots, ``B`` sequences.
+    """What the decoder stack takes for a group of ``P`` windows of ``L`` slots, ``B`` sequences (``K = M + G + L``
+    keys: the memory, the group's new entries, a window)."""
 
-    Attributes:
-        step: the :class:`~.cache.BeaconStep` (with its :class:`~.cache.WindowGroup`).
-        positions: ``[B * P, L]`` long, each slot's position (window ``p`` starts after the memory it reads).
-        visible: ``[B * P, 1, L, K]`` bool, ``K = M + G + L``: what each slot attends to.
-        keys: ``[B * P, K]`` bool, the keys each row may read (padding and later windows' entries hidden).
-        window_keeps: per window ``[B, L]`` bool (False at padding) or None.
-        entry_keep: ``[B, G]`` bool (False at padding) of the group's new memory entries, or None.
-    """
-
-    step: BeaconStep
-    positions: torch.Tensor
-    visible: torch.Tensor
-    keys: torch.Tensor
-    window_keeps: list[torch.Tensor | None]
-    entry_keep: torch.Tensor | None
+    step: BeaconStep  # with its WindowGroup
+    positions: torch.Tensor  # [B * P, L] long: window p starts after the memory it reads
+    visible: torch.Tensor  # [B * P, 1, L, K] bool: what each slot attends to
+    keys: torch.Tensor  # [B * P, K] bool: the keys each row may read (padding and later windows' entries hidden)
+    window_keeps: list[torch.Tensor | None]  # per window [B, L] bool, False at padding, or None
+    entry_keep: torch.Tensor | None  # [B, G] bool of the group's new memory entries, False at padding, or None
 
 
 def group_inputs(
@@ -87,19 +60,12 @@ def group_inputs(
     rule: str,
     batch: int,
     keep_raw: torch.Tensor | None,
-    rotate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    rotate: Rotate,
 ) -> GroupInputs:
-    """Positions, masks and step of ``windows`` full windows of ``layout`` that begin after ``state``.
-
-    Args:
-        layout: the windows' layout.
-        windows: ``P >= 2``.
-        state: the cache's state (at a window border: no open window).
-        sink, rule: window 0's sink and whose layout it takes (:func:`~.cache.committed_slots`).
-        batch: ``B``.
-        keep_raw: ``[B, P * W]`` bool, False at the raw tokens that are padding, or None.
-        rotate: ``rotate(pre_rope_keys, positions)``, the model's rotation.
-    """
+    """Positions, masks and step of ``windows`` (``P >= 2``) full windows of ``layout`` that begin after ``state`` (at
+    a window border), for ``batch`` (``B``) sequences whose raw tokens' ``keep_raw [B, P * W]`` is False at padding
+    (None: none). ``sink`` and ``rule`` lay out window 0's sink (:func:`~.cache.committed_slots`); ``rotate`` is the
+    model's rotation of pre-RoPE keys."""
     slots, memory = len(layout.is_beacon), state.memory_length
     raw_rows = (~layout.is_beacon).nonzero().flatten()
     kept = [committed_slots(layout, slots, state.window_index + p, sink, rule) for p in range(windows - 1)]
@@ -112,11 +78,9 @@ def group_inputs(
     computed_at = torch.cat([start + layout.offsets[entries] for start, entries in zip(starts, kept)])
     group = WindowGroup(windows, entry_window, entry_slot, entry_positions, computed_at != entry_positions, rotate)
 
+    raw_keeps = [None] * windows if keep_raw is None else keep_raw.split(layout.window, dim=1)  # per window
     window_keeps = [
-        None
-        if keep_raw is None
-        else window_keep(layout, None, 0, slots, keep_raw[:, p * layout.window : (p + 1) * layout.window], raw_rows)
-        for p in range(windows)
+        None if keep is None else window_keep(layout, None, 0, slots, keep, raw_rows) for keep in raw_keeps
     ]
     entry_keep = padding_keep(
         *[(None if keep is None else keep[:, entries], entries.numel()) for keep, entries in zip(window_keeps, kept)]
@@ -132,15 +96,13 @@ def group_inputs(
     ).reshape(batch * windows, -1)
     visible = step_visibility(layout, starts[-1], 0, slots, keys)
     positions = (torch.tensor(starts)[:, None] + layout.offsets[None]).repeat(batch, 1)
-    beacon_rows = layout.is_beacon.nonzero().flatten()
-    step = BeaconStep(state.window_index, memory, 0, slots, beacon_rows if beacon_rows.numel() else None, group)
+    step = BeaconStep(state.window_index, memory, 0, slots, layout.is_beacon.nonzero().flatten(), group)
     return GroupInputs(step, positions, visible, keys, window_keeps, entry_keep)
 
 
 def close_group(state: SequenceState, layout: WindowLayout, inputs: GroupInputs) -> None:
     """The state after the group's step: windows ``0 .. P-2`` committed, the last one open and full."""
-    group, windows = inputs.step.group, len(inputs.window_keeps)
-    added = group.entry_slot.numel()
+    windows, added = len(inputs.window_keeps), inputs.step.group.entry_slot.numel()
     state.memory_keep = padding_keep((state.memory_keep, state.memory_length), (inputs.entry_keep, added))
     state.memory_length += added
     state.window_index += windows - 1

@@ -1,12 +1,9 @@
 """Put Activation Beacon on a built model and take it off again, leaving the stock model untouched.
 
-``install_beacon`` adds the beacon weights (``beacon_{q,k,v,o}_proj`` beside the projections,
-``beacon_embed_tokens`` on the decoder stack), binds the beacon attention forward to every attention
-module and the window scheduler to the decoder stack, lets the decoder layers keep the cache under
-gradient checkpointing, gives ``generate`` a beacon cache, passes the causal LM's ``logits_to_keep``
-down to the scheduler, and records the settings as ``config.beacon``. ``remove_beacon`` undoes all of
-it. Works on plain and peft-wrapped models, and over a bitsandbytes 4-bit base (the ``full`` copies
-are dequantised).
+``install_beacon`` adds the beacon weights, binds the beacon attention forward to every attention module and the
+window scheduler to the decoder stack, gives ``generate`` a beacon cache and the scheduler the causal LM's
+``logits_to_keep``, and records the settings as ``config.beacon``; ``remove_beacon`` undoes all of it. Works on plain
+and peft-wrapped models, and over a bitsandbytes 4-bit base (the ``full`` copies are dequantised).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -29,8 +26,6 @@ from .scheduler import beacon_backbone_forward, beacon_prepare_cache_for_generat
 
 # longpeft-inline-end
 
-_PATCHED_BACKBONE = ("forward", "beacon_settings", "beacons_enabled")
-
 
 def _base_layer(projection: nn.Module) -> nn.Module:
     """The innermost layer of a projection (a peft LoRA layer wraps its ``base_layer``)."""
@@ -40,9 +35,9 @@ def _base_layer(projection: nn.Module) -> nn.Module:
 
 
 def dense_weight(projection: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight [out, in], bias [out] or None)`` of a projection: the base weight of a peft LoRA layer;
-    for a quantized layer (bitsandbytes 4-bit) the weight it computes with, read off its output on the
-    identity (bitsandbytes may repack a CPU weight after its first forward, so its data is not read directly)."""
+    """``(weight [out, in], bias [out] or None)`` of a projection: the base weight of a peft LoRA layer; of a
+    bitsandbytes 4-bit layer, the weight it computes with, read off its output on the identity (bitsandbytes may
+    repack a CPU weight after its first forward)."""
     projection = _base_layer(projection)
     bias = None if projection.bias is None else projection.bias.detach()
     if not hasattr(projection.weight, "quant_state"):
@@ -83,11 +78,9 @@ def _special_token_id(config, name: str) -> int:
 
 
 def _keep_last_forward(causal_lm: nn.Module) -> MethodType:
-    """The causal LM's stock forward, bound to ``causal_lm``, that tells the decoder stack which hidden states
-    its LM head reads: with an int ``logits_to_keep = k > 0`` only the last ``k`` raw tokens' ``[batch, k, hidden]``
-    (``beacon_keep_last``), so a long prompt scored for its next token (``generate``'s prefill) holds no
-    ``[batch, n, hidden]`` output. It keeps the stock signature, which ``generate`` reads (``logits_to_keep``,
-    ``attention_mask``)."""
+    """The causal LM's stock forward, bound to ``causal_lm``, passing an int ``logits_to_keep = k > 0`` to the decoder
+    stack as ``beacon_keep_last`` (it then returns only the last ``k`` hidden states); it keeps the stock signature,
+    which ``generate`` reads."""
     stock = type(causal_lm).forward
 
     @functools.wraps(stock)
@@ -100,16 +93,9 @@ def _keep_last_forward(causal_lm: nn.Module) -> MethodType:
 
 
 def install_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: bool = True) -> None:
-    """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place (the
-    runtime of ``apply_beacon``, which first refuses the methods beacon cannot run with; an exported model's classes
-    call this directly).
-
-    Args:
-        model: the model; applying again replaces the settings and the beacon weights.
-        settings: :class:`BeaconSettings` or its dict (``config.beacon``).
-        initialise: copy the stock weights into the beacon weights (``full``), the eos/bos row into
-            the beacon embedding. Off when the weights are loaded right after (an exported model).
-    """
+    """Give a causal LM Activation Beacon, in place: ``apply_beacon`` without its check of the methods beacon cannot
+    run with (an exported model's classes call this). ``settings``: :class:`BeaconSettings` or its dict
+    (``config.beacon``); the other arguments are ``apply_beacon``'s."""
     settings = settings if isinstance(settings, BeaconSettings) else BeaconSettings.from_dict(dict(settings))
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
     attentions = attention_modules(backbone)
@@ -153,39 +139,32 @@ def is_beacon_applied(model: nn.Module) -> bool:
 
 
 def remove_beacon(model: nn.Module) -> None:
-    """Undo :func:`install_beacon`: the model is the stock one again, parameter for parameter.
-
-    Raises:
-        ValueError: the model has no beacons.
-    """
+    """Undo :func:`install_beacon`: the stock model again, parameter for parameter (ValueError: it has no beacons)."""
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon to remove")
     causal_lm, backbone = causal_lm_of(model), backbone_of(model)
     del backbone.beacon_embed_tokens
-    for name in _PATCHED_BACKBONE:
+    for name in ("forward", "beacon_settings", "beacons_enabled"):
         backbone.__dict__.pop(name, None)
     for attention in attention_modules(backbone):
-        for name in ("q", "k", "v", "o"):
-            if hasattr(attention, f"beacon_{name}_proj"):
-                delattr(attention, f"beacon_{name}_proj")
+        for name in [name for name, _ in attention.named_children() if name.startswith("beacon_")]:
+            delattr(attention, name)
         attention.__dict__.pop("forward", None)
     for layer in backbone.layers:
         layer.__dict__.pop("_can_checkpoint_with_cache", None)
     causal_lm.__dict__.pop("_prepare_cache_for_generation", None)
     causal_lm.__dict__.pop("forward", None)
-    if hasattr(causal_lm.config, "beacon"):
-        del causal_lm.config.beacon
+    causal_lm.config.__dict__.pop("beacon", None)
 
 
 def beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """The beacon parameters by their name in the decoder stack (``layers.0.self_attn.beacon_q_proj.weight``, ...)."""
-    backbone = backbone_of(model)
-    return {name: p for name, p in backbone.named_parameters() if ".beacon_" in f".{name}"}
+    return {name: p for name, p in backbone_of(model).named_parameters() if ".beacon_" in f".{name}"}
 
 
 def trainable_beacon_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The beacon parameters that can learn: all but the last layer's beacon q and o projections, which
-    only shape the beacons' own outputs of the last layer, which nothing reads (no gradient reaches them)."""
+    """The beacon parameters that can learn: all but the last layer's beacon q and o projections, whose outputs
+    nothing reads."""
     last = len(backbone_of(model).layers) - 1
     unread = (f"layers.{last}.self_attn.beacon_q_proj.", f"layers.{last}.self_attn.beacon_o_proj.")
     return {name: p for name, p in beacon_parameters(model).items() if not name.startswith(unread)}

@@ -1,9 +1,6 @@
-"""Causal LM classes of an exported Activation Beacon model (the end of ``modeling_beacon.py``).
-
-An exported (merged) beacon model is the stock model plus the beacon weights in one safetensors
-folder; its config.json carries the settings as ``beacon`` and points ``auto_map`` at these classes
-(``BeaconLlamaForCausalLM``, ... with model_type ``beacon_llama``, ...). Each builds its stock
-architecture, then applies the beacons (their weights are loaded afterwards).
+"""Causal LM classes of an exported Activation Beacon model (the end of ``modeling_beacon.py``): each builds its
+stock architecture (``BeaconLlamaForCausalLM``, ... with model_type ``beacon_llama``, ...), then applies the beacons
+of ``config.beacon`` (their weights are loaded afterwards).
 """
 
 from __future__ import annotations

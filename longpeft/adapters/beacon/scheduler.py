@@ -1,25 +1,13 @@
 """The window scheduler: the decoder stack's forward with Activation Beacon.
 
-:func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``). It cuts
-the new raw tokens into windows, inserts the beacon embeddings, and runs the stock decoder stack
-once per window (or per part of a window) with an explicit mask, explicit positions and the
-:class:`~.cache.BeaconCache`. It returns the hidden states of the raw tokens only, so beacons never
-get logits and are never scored. Everything above the stock stack is the model's own: the causal
-LM head, ``generate``, and TRL's fused LM head (which scores the labelled tokens in tiles).
+:func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``): it cuts the new raw
+tokens into windows, inserts the beacon embeddings, runs the stock decoder stack once per window (or part of one)
+with an explicit mask, explicit positions and the :class:`~.cache.BeaconCache`, and returns the raw tokens' hidden
+states only (beacons are never scored).
 
-- Training (``self.training``): all windows in one forward; memory tensors stay in the autograd
-  graph, so a loss on a late window trains the beacons of every earlier one. When no cache is
-  passed in (the input is complete), the window that reaches its end gets no beacons (nothing would
-  read them); a forward that continues a cache (``generate`` in training mode) keeps them.
-- Inference: prefill and token-by-token decoding through the same code; a window that fills up is
-  committed when the next raw token arrives, so decoding one token at a time inserts the beacons
-  exactly where one prefill would. A prefill runs up to ``parallel_windows`` full windows per forward
-  (:mod:`.parallel`), with the same results.
-
-Rows of a batch share one layout: window borders, beacons and positions by index. So every row's tokens must
-start at index 0: a row whose tokens follow padding (left padding) would have other windows than its prompt alone,
-and is refused (:func:`_check_no_padding_before_tokens`; ratio 0 alone, with no beacons, takes it). Padding after a
-row's tokens (TRL's training batches) is masked, and so is a beacon that sees no raw token of its window but padding.
+Training runs all windows in one forward, the memory in the autograd graph. Inference commits a full window when the
+next raw token arrives, so decoding inserts the beacons where one prefill would. Rows of a batch share one layout, so
+a row whose tokens follow padding is refused unless every ratio is 0; padding after a row's tokens is masked.
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -27,7 +15,6 @@ This module imports only torch and transformers: it is part of the exported mode
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -61,32 +48,17 @@ def _keep_mask(attention_mask: torch.Tensor | None, n_new: int) -> torch.Tensor 
     return None if bool(keep.all()) else keep.cpu()
 
 
-def _rows_with_padding(state) -> torch.Tensor | None:
-    """``[batch]`` bool: the rows that held padding among what the cache has read (None: none did)."""
-    parts = [~keep for keep in (state.memory_keep, state.window_keep) if keep is not None]
-    return torch.cat(parts, dim=1).any(dim=1) if parts else None
-
-
-def _check_no_padding_before_tokens(
-    keep_new: torch.Tensor | None, state, settings: BeaconSettings, training: bool
-) -> None:
+def _check_no_padding_before_tokens(keep_new: torch.Tensor | None, state, ratios: tuple[int, ...]) -> None:
     """Refuse a batch in which a row's token follows padding (``keep_new [batch, n]``: the new tokens' padding mask;
-    the cache's state: what came before), unless no beacon can be inserted (every ratio in use is 0).
-
-    Windows start at the same index in every row, so such a row's windows, beacons and positions would differ from
-    those of its prompt alone (the stock model gives the same logits either way; beacon's would not)."""
-    padded_before = _rows_with_padding(state)
-    if keep_new is None and padded_before is None:
+    ``state``: the cache's, of what came before), unless every ratio in use is 0 (no beacon is inserted): windows
+    start at the same index in every row, so such a row's windows would differ from those of its prompt alone."""
+    padded = [~keep for keep in (state.memory_keep, state.window_keep) if keep is not None]
+    if not any(ratios) or (keep_new is None and not padded):
         return
-    if not any(settings.ratios if training else settings.inference_ratios):
-        return
-    batch = (keep_new if keep_new is not None else padded_before).shape[0]
-    earlier = padded_before if padded_before is not None else torch.zeros(batch, dtype=torch.bool)
-    if keep_new is None:
-        follows = earlier
-    else:
-        after_padding = earlier[:, None] | (~keep_new).cumsum(dim=1).bool()  # [batch, n]: padding at or before
-        follows = (keep_new & after_padding).any(dim=1)
+    # [batch]: the rows with padding so far, then those with a token after padding
+    follows = torch.cat(padded, dim=1).any(dim=1) if padded else torch.zeros(keep_new.shape[0], dtype=torch.bool)
+    if keep_new is not None:
+        follows = (keep_new & (follows[:, None] | (~keep_new).cumsum(dim=1).bool())).any(dim=1)
     if bool(follows.any()):
         row = int(follows.nonzero()[0])
         raise ValueError(
@@ -106,16 +78,6 @@ def _check_cache(cache) -> None:
         )
 
 
-def _rotate_with(rotary: torch.nn.Module) -> Any:
-    """``rotate(pre_rope_keys [b, h, n, d], positions [n])``: keys as the model's rotary module rotates them."""
-
-    def rotate(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary(keys, positions[None].to(keys.device))
-        return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
-
-    return rotate
-
-
 def _check_checkpointing(backbone: torch.nn.Module) -> None:
     for layer in backbone.layers:
         function = getattr(layer, "_gradient_checkpointing_func", None)
@@ -126,78 +88,17 @@ def _check_checkpointing(backbone: torch.nn.Module) -> None:
             )
 
 
-def _layout_at(backbone: torch.nn.Module, state, settings: BeaconSettings, start: int, length: int, complete: bool):
-    """The layout of the window that begins at raw token ``start`` (its ratio drawn now; call once per window,
-    in order).
-
-    ``keep_start``: the first window is the kept start, ``keep_start`` tokens at ratio 0; ``keep_end``: windows
-    from that token on are at ratio 0. ``complete``: a training forward over a whole input (no cache passed in):
-    the window that reaches its end (``length`` tokens) gets no beacons.
-
-    Appended beacons under ``layout_rule: authors``: the authors' code chooses a window's ratio when the window is
-    full, counting the tokens known then (a prompt shorter than the window: the window, once decoding fills it).
-    A window that this forward does not fill is laid out without beacons (appended beacons join a window only
-    with its last raw token, so its raw slots are laid out alike at every ratio), and ``state.ratio_deferred``
-    asks :func:`beacon_backbone_forward` to choose its ratio in the forward that fills it.
-    """
-    window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
-    state.ratio_deferred = False
-    if settings.keep_start and start == 0:
-        return window_layout(settings.keep_start, 0, *scheme)
-    if settings.keep_end is not None and start >= settings.keep_end:
-        return window_layout(window, 0, *scheme)
-    if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
-        state.ratio_deferred = True
-        return window_layout(window, 0, *scheme)
-    if backbone.training:
-        ratios, mix = settings.ratios, settings.ratio_mix
-        if settings.zero_ratio_rule == "authors":
-            ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
-    else:
-        ratios, mix = settings.inference_ratios, settings.inference_ratio_mix
-    max_positions, keep = backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
-    if mix == "sequence":  # the cycle is fixed at the input's first window
-        if state.ratio_cycle is None:
-            state.ratio_cycle = fitting_ratios(
-                ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
-            )
-        ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
-    else:
-        chosen = state.chosen_ratio
-        ratio = choose_ratio(
-            ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
-        )
-    if mix.startswith("adapt-") or mix == "instance-random":
-        state.chosen_ratio = ratio
-    state.zero_ratio_used |= ratio == 0
-    if complete and start + window >= length:
-        ratio = 0  # no beacons in the window that ends a training input
-    return window_layout(window, ratio, *scheme)
-
-
-def _refuse_kept_spans_in_training(backbone: torch.nn.Module, settings: BeaconSettings) -> None:
-    if backbone.training and (settings.keep_start or settings.keep_end is not None):
-        raise ValueError(
-            "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the start or "
-            "the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and set them on the "
-            "trained model, or switch the model to eval mode"
-        )
-
-
 @dataclasses.dataclass
 class _BeaconRun:
-    """One call of :func:`beacon_backbone_forward`: what its windows and groups read."""
+    """One call of :func:`beacon_backbone_forward`: what its windows read."""
 
     backbone: torch.nn.Module  # the decoder stack
     settings: BeaconSettings
     cache: BeaconCache
     complete: bool  # a training forward over a whole input (no cache passed in)
     total: int  # raw tokens the cache has read once this call ends
-    rotate: Any  # ``rotate(pre_rope_keys [b, h, n, d], positions [n])``, as the model's rotary module rotates
     beacon_row: torch.Tensor  # ``[hidden]``: the beacon embedding, in the inputs' dtype
-    implementation: str  # the attention kernel
-    cache_name: str  # the decoder stack's keyword for the cache
-    kwargs: dict  # the caller's other keyword arguments, for the decoder stack
+    kwargs: dict  # the decoder stack's keyword arguments besides the step's: the cache, and the caller's others
 
     @classmethod
     def start(
@@ -216,7 +117,12 @@ class _BeaconRun:
         cache = BeaconCache() if given is None else given
         if backbone.training:
             _check_checkpointing(backbone)
-            _refuse_kept_spans_in_training(backbone, settings)
+            if settings.keep_start or settings.keep_end is not None:
+                raise ValueError(
+                    "beacon keep_start / keep_end are inference settings (the authors' Qwen2 options to leave the "
+                    "start or the end of a prompt uncondensed); train without them (keep_start 0, keep_end null) and "
+                    "set them on the trained model, or switch the model to eval mode"
+                )
         dtype = inputs_embeds.dtype if inputs_embeds is not None else backbone.embed_tokens.weight.dtype
         return cls(
             backbone=backbone,
@@ -224,49 +130,85 @@ class _BeaconRun:
             cache=cache,
             complete=backbone.training and given is None,
             total=cache.state.raw_seen + n_new,
-            rotate=_rotate_with(backbone.rotary_emb),
             beacon_row=backbone.beacon_embed_tokens.weight[0].to(dtype),
-            implementation=backbone.config._attn_implementation or "eager",
-            cache_name=cache_name,
-            kwargs=kwargs,
+            kwargs={**kwargs, cache_name: cache, "use_cache": True},
         )
+
+    def rotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Pre-RoPE ``keys [b, h, n, d]`` rotated at ``positions [n]`` by the model's rotary module."""
+        cos, sin = self.backbone.rotary_emb(keys, positions[None].to(keys.device))
+        return apply_rotary(keys, cos.unsqueeze(1), sin.unsqueeze(1))
 
     def layout_at(self, start: int):
-        """The layout of the window that begins at raw token ``start`` (:func:`_layout_at`)."""
-        return _layout_at(self.backbone, self.cache.state, self.settings, start, self.total, self.complete)
+        """The layout of the window that begins at raw token ``start`` (its ratio drawn now: call once per window, in
+        order), or None when its ratio is to be chosen in the forward that fills it: appended beacons under
+        ``layout_rule: authors`` in a window that this call does not fill (the authors' code chooses a window's ratio
+        when it is full, counting the tokens known then; the raw slots are laid out alike at every ratio).
+        ``keep_start``: the first window is the kept start, at ratio 0; ``keep_end``: windows from there on are at
+        ratio 0. A training forward over a whole input (``complete``): the window that reaches its end has no beacons.
+        """
+        settings, state, length, complete = self.settings, self.cache.state, self.total, self.complete
+        window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
+        if settings.keep_start and start == 0:
+            return window_layout(settings.keep_start, 0, *scheme)
+        if settings.keep_end is not None and start >= settings.keep_end:
+            return window_layout(window, 0, *scheme)
+        if rule == "authors" and settings.pos == "append" and not complete and start + window > length:
+            return None
+        ratios, mix = settings.ratio_choice(self.backbone.training)
+        if self.backbone.training and settings.zero_ratio_rule == "authors":
+            ratios = training_ratios(ratios, window, start, length, state.zero_ratio_used)
+        max_positions, keep = self.backbone.config.max_position_embeddings, (settings.keep_start, settings.keep_end)
+        if mix == "sequence":  # the cycle is fixed at the input's first window
+            if state.ratio_cycle is None:
+                state.ratio_cycle = fitting_ratios(
+                    ratios, window, settings.sink, max_positions, length, complete, keep, rule, scheme
+                )
+            ratio = state.ratio_cycle[(start - settings.keep_start) // window % len(state.ratio_cycle)]
+        else:
+            chosen = state.chosen_ratio
+            ratio = choose_ratio(
+                ratios, mix, window, max_positions, length, chosen, settings.sink, complete, rule, keep, scheme
+            )
+        if mix.startswith("adapt-") or mix == "instance-random":
+            state.chosen_ratio = ratio
+        state.zero_ratio_used |= ratio == 0
+        if complete and start + window >= length:
+            ratio = 0  # no beacons in the window that ends a training input
+        return window_layout(window, ratio, *scheme)
 
     def decoder_stack(
-        self, embeds: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, step: BeaconStep
+        self,
+        raw_embeds: torch.Tensor,
+        raw_rows: torch.Tensor,
+        step: BeaconStep,
+        visible: torch.Tensor,
+        keys: torch.Tensor | None,
+        positions: torch.Tensor,
     ) -> torch.Tensor:
-        """The stock decoder stack over ``embeds [rows, slots, hidden]`` with an explicit mask and positions
-        ``[rows or 1, slots]``, reading and writing the beacon cache: its last hidden states, shaped as ``embeds``."""
-        return (
-            type(self.backbone)
-            .forward(
-                self.backbone,
-                inputs_embeds=embeds,
-                attention_mask=mask,
-                position_ids=positions,
-                use_cache=True,
-                beacon_step=step,
-                **{self.cache_name: self.cache},
-                **self.kwargs,
-            )
-            .last_hidden_state
+        """The stock decoder stack over the step's slots, ``raw_embeds [rows, n, hidden]`` at ``raw_rows [n]`` and the
+        beacon embedding in the others, with the mask of ``visible`` and ``keys`` (:func:`.layout.attention_mask_for`)
+        and ``positions [rows or 1, slots]``, reading and writing the beacon cache: the last hidden states of every
+        slot, ``[rows, slots, hidden]``."""
+        embeds = self.beacon_row.expand(raw_embeds.shape[0], step.end - step.start, -1).clone()
+        implementation = self.backbone.config._attn_implementation or "eager"
+        mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, raw_embeds.device)
+        outputs = type(self.backbone).forward(
+            self.backbone,
+            inputs_embeds=embeds.index_copy(1, raw_rows, raw_embeds),
+            attention_mask=mask,
+            position_ids=positions.to(raw_embeds.device),
+            beacon_step=step,
+            **self.kwargs,
         )
-
-    def slot_embeddings(self, raw_embeds: torch.Tensor, raw_rows: torch.Tensor, slots: int) -> torch.Tensor:
-        """``[rows, slots, hidden]``: the beacon embedding in every slot but the raw ones, ``raw_rows [n]``, which
-        take ``raw_embeds [rows, n, hidden]``."""
-        return self.beacon_row.expand(raw_embeds.shape[0], slots, -1).clone().index_copy(1, raw_rows, raw_embeds)
+        return outputs.last_hidden_state
 
 
 def _run_step(
     run: _BeaconRun, layout, take: int, raw_embeds: torch.Tensor, keep_raw: torch.Tensor | None, keep_last: int | None
 ) -> torch.Tensor:
-    """Feed ``take`` more raw tokens (``raw_embeds [batch, take, hidden]``, padding mask ``keep_raw [batch, take]``
-    or None) of the open window, with the beacons they bring; returns the raw tokens' hidden states
-    ``[batch, take (or keep_last), hidden]``."""
+    """Feed ``take`` more raw tokens of the open window (``raw_embeds [batch, take, hidden]``, padding mask
+    ``keep_raw [batch, take]`` or None) with the beacons they bring: their ``[batch, take (or keep_last), hidden]``."""
     state, device = run.cache.state, raw_embeds.device
     start, end = state.window_slots, layout.slots_for(state.window_raw + take)
     is_beacon = layout.is_beacon[start:end]
@@ -275,12 +217,9 @@ def _run_step(
     state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw, raw_rows)
     keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
     visible = step_visibility(layout, state.memory_length, start, end, keys)
-    mask = attention_mask_for(visible, keys, run.implementation, raw_embeds.dtype, device)
-    positions = (state.memory_length + layout.offsets[start:end])[None].to(device)
-    step = BeaconStep(
-        state.window_index, state.memory_length, start, end, beacon_rows if beacon_rows.numel() else None
-    )
-    hidden = run.decoder_stack(run.slot_embeddings(raw_embeds, raw_rows, end - start), mask, positions, step)
+    positions = (state.memory_length + layout.offsets[start:end])[None]
+    step = BeaconStep(state.window_index, state.memory_length, start, end, beacon_rows)
+    hidden = run.decoder_stack(raw_embeds, raw_rows, step, visible, keys, positions)
     state.window_raw += take
     state.window_slots = end
     state.raw_seen += take
@@ -293,47 +232,42 @@ def _run_group(
     """Run ``windows`` full windows of ``layout`` (``raw_embeds [batch, windows * W, hidden]``) in one forward
     (:mod:`.parallel`); returns their raw tokens' hidden states ``[batch, windows * W, hidden]``."""
     batch, _, hidden_size = raw_embeds.shape
-    device, settings = raw_embeds.device, run.settings
-    inputs = group_inputs(
-        layout, windows, run.cache.state, settings.sink, settings.layout_rule, batch, keep_raw, run.rotate
-    )
-    raw_rows = (~layout.is_beacon).nonzero().flatten().to(device)
+    sink, rule = run.settings.sink, run.settings.layout_rule
+    inputs = group_inputs(layout, windows, run.cache.state, sink, rule, batch, keep_raw, run.rotate)
+    raw_rows = (~layout.is_beacon).nonzero().flatten().to(raw_embeds.device)
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
-    mask = attention_mask_for(inputs.visible, inputs.keys, run.implementation, raw_embeds.dtype, device)
-    embeds = run.slot_embeddings(rows, raw_rows, len(layout.is_beacon))
-    hidden = run.decoder_stack(embeds, mask, inputs.positions.to(device), inputs.step)
+    hidden = run.decoder_stack(rows, raw_rows, inputs.step, inputs.visible, inputs.keys, inputs.positions)
     close_group(run.cache.state, layout, inputs)
     return hidden.index_select(1, raw_rows).reshape(batch, windows * layout.window, hidden_size)
 
 
 def _next_part(run: _BeaconRun, remaining: int, pending):
-    """What the next step of the window loop runs, with ``remaining`` new raw tokens to go: commits the open window
-    when it is full, lays out the next one (a prefill groups up to ``parallel_windows`` full windows of one layout,
-    :func:`.parallel.plan_group`; ``pending``: the layout already chosen for the window after the last group), and
-    chooses a deferred ratio (:func:`_layout_at`) when this step fills its window.
-
-    Returns:
-        ``(layout, windows, take, pending)``: the open window's layout, the windows of the group (1: a step of one
-        window), the raw tokens the step takes, and the layout chosen for the window after the group (or None).
+    """``(layout, windows, take, pending)`` of the next step of the window loop, with ``remaining`` new raw tokens to
+    go: the open window's layout, the windows of its group (:func:`.parallel.plan_group`; 1: a step of one window),
+    the raw tokens the step takes, and the layout chosen for the window after the group (``pending``: the last one's,
+    or None). Commits the open window when it is full, and chooses a deferred ratio when this step fills its window.
     """
     state, settings = run.cache.state, run.settings
     if state.layout is not None and state.window_raw == state.layout.window:
         run.cache.commit(run.rotate, settings.sink, settings.layout_rule)
     windows = 1
     if state.layout is None:
-        state.layout = pending or run.layout_at(state.raw_seen)
+        layout = pending or run.layout_at(state.raw_seen)
+        state.ratio_deferred = layout is None  # laid out without beacons until it fills
+        state.layout = layout or window_layout(settings.window, 0, *settings.scheme)
         most = 1 if run.backbone.training else settings.parallel_windows
         windows, pending = plan_group(state.layout, run.layout_at, state.raw_seen, settings.window, remaining, most)
     layout = state.layout
     take = windows * layout.window if windows > 1 else min(remaining, layout.window - state.window_raw)
     if state.ratio_deferred and state.window_raw + take == layout.window:  # the authors' ratio, chosen now
         layout = state.layout = run.layout_at(state.raw_seen - state.window_raw)
+        state.ratio_deferred = False
     return layout, windows, take, pending
 
 
 def _refuse_unsupported_call(backbone: torch.nn.Module, input_ids, inputs_embeds, kwargs: dict) -> None:
     """Refuse both or neither of ``input_ids`` and ``inputs_embeds``, and hidden states or attention weights asked
-    for (in ``kwargs`` or the config): a window's cover its beacons and memory, not the input's tokens."""
+    for (in ``kwargs`` or the config)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("give exactly one of input_ids or inputs_embeds")
     for name in ("output_hidden_states", "output_attentions"):
@@ -359,18 +293,16 @@ def beacon_backbone_forward(
     Args:
         input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
         attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
-        position_ids: ignored: positions follow the beacon layout (memory at ``0..M-1``, window after).
+        position_ids, use_cache: ignored: positions follow the beacon layout, and the memory is always used.
         cache (in kwargs; ``past_key_values`` before transformers 5.24): a :class:`BeaconCache` to continue, or
             None for a new one (any other cache is refused).
-        use_cache: ignored: the memory is always used; the returned cache is the one to continue with.
-        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only, so a long
-            prefill holds no ``[n, hidden]`` output (the causal LM passes its int ``logits_to_keep``).
-        output_hidden_states, output_attentions (in kwargs or the config): refused when true; a window's
-            states and attention weights cover its beacons and memory, not the input's tokens.
+        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only (the causal LM
+            passes its int ``logits_to_keep``).
+        output_hidden_states, output_attentions (in kwargs or the config): refused when true.
 
     Returns:
-        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache (as ``cache``, or
-        ``past_key_values`` before transformers 5.24).
+        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache to continue with (as
+        ``cache``, or ``past_key_values`` before transformers 5.24).
     """
     keep_last = kwargs.pop("beacon_keep_last", None)
     given, cache_name = pop_cache(kwargs), cache_keyword()
@@ -389,43 +321,36 @@ def beacon_backbone_forward(
     n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     run = _BeaconRun.start(self, given, n_new, inputs_embeds, cache_name, kwargs)
     keep_new = _keep_mask(attention_mask, n_new)
-    _check_no_padding_before_tokens(keep_new, run.cache.state, run.settings, self.training)
+    _check_no_padding_before_tokens(keep_new, run.cache.state, run.settings.ratio_choice(self.training)[0])
     outputs, done, pending = [], 0, None
     while done < n_new:
         layout, windows, take, pending = _next_part(run, n_new - done, pending)
         # embedded a window (or a group) at a time: a long prompt never holds all its embeddings at once
-        raw_embeds = (
-            inputs_embeds[:, done : done + take]
-            if inputs_embeds is not None
-            else self.embed_tokens(input_ids[:, done : done + take])
-        )
-        keep_raw = None if keep_new is None else keep_new[:, done : done + take]
+        part = slice(done, done + take)
+        raw_embeds = inputs_embeds[:, part] if inputs_embeds is not None else self.embed_tokens(input_ids[:, part])
+        keep_raw = None if keep_new is None else keep_new[:, part]
         if windows > 1:
             hidden = _run_group(run, layout, windows, raw_embeds, keep_raw)
-            outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         else:
-            outputs.append(_run_step(run, layout, take, raw_embeds, keep_raw, keep_last))
+            hidden = _run_step(run, layout, take, raw_embeds, keep_raw, keep_last)
+        outputs.append(hidden if keep_last is None else hidden[:, -keep_last:])
         if keep_last is not None:
             outputs = [torch.cat(outputs, dim=1)[:, -keep_last:]]
         done += take
     return BaseModelOutputWithPast(last_hidden_state=torch.cat(outputs, dim=1), **{cache_name: run.cache})
 
 
-SUPPORTED_GENERATION = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
-
 def beacon_prepare_cache_for_generation(
     self, generation_config, model_kwargs: dict, generation_mode, batch_size: int, max_cache_length: int
 ) -> None:
-    """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the
-    caller's, which it continues), and a clear error for other caches and for decoding methods that would
-    reorder or crop the memory. With beacons switched off the stock set-up runs (the model is the stock model
-    then). ``generate`` passes ``logits_to_keep=1``, so a prefill keeps one hidden state per row."""
+    """``generate``'s cache set-up for a beacon model: a new :class:`BeaconCache` per call (or the caller's, which it
+    continues); other caches, and decoding methods that would reorder or crop the memory, are refused. With beacons
+    switched off, the stock set-up."""
     if not getattr(self, self.base_model_prefix).beacons_enabled:
         return type(self)._prepare_cache_for_generation(
             self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
         )
-    if generation_mode not in SUPPORTED_GENERATION:
+    if generation_mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
         raise ValueError(
             f"Activation Beacon supports greedy and sampling generation, not {generation_mode.value} (its memory "
             "cannot be reordered or rolled back); set num_beams=1 and do not pass an assistant model"

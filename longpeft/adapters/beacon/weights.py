@@ -1,14 +1,7 @@
-"""Beacon weights on disk: our adapter file, and how the authors' released checkpoints name theirs.
-
-An adapter keeps the beacon weights in ``beacon_adapter.safetensors`` beside ``longpeft.json`` (and
-``adapter_config.json`` when LoRA also trained). Tensor names are those of the authors' models, as
-the causal LM's state dict has them: ``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``
-(``...beacon_q_proj.lora_A.weight`` / ``lora_B.weight`` with ``projection: lora``) and
-``model.beacon_embed_tokens.weight``.
-
-The authors release full models (base weights + beacon weights + remote code, transformers 4.39):
-:data:`AUTHORS_TENSOR` matches their beacon tensors and :mod:`.authors_config` reads their beacon settings;
-``longpeft.convert`` writes our adapter from them for the matching stock base, so no remote code runs.
+"""Beacon weights on disk: ``beacon_adapter.safetensors`` beside ``longpeft.json``, under the authors' tensor names
+(``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``, ``...beacon_q_proj.lora_A.weight`` /
+``lora_B.weight`` with ``projection: lora``, ``model.beacon_embed_tokens.weight``), and :data:`AUTHORS_TENSOR`, the
+beacon tensors of the authors' released models, which ``longpeft.convert`` reads (no remote code runs).
 """
 
 from __future__ import annotations
@@ -23,6 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ...errors import DataError
+from ...family import head_dim_of, num_kv_heads
 from ...reading import safetensors_header
 from ..registry import gathered_tensors
 from .patch import beacon_parameters, causal_lm_of
@@ -34,21 +28,14 @@ AUTHORS_TENSOR = re.compile(
 
 
 def authors_tensor_shape(name: str, config: Any) -> tuple[int, ...]:
-    """The shape an authors' beacon tensor ``name`` (matching :data:`AUTHORS_TENSOR`) has on a base of ``config``:
-    the base's own projection's (q: heads x head_dim by hidden; k, v: kv_heads x head_dim by hidden; o: hidden by
-    heads x head_dim; a bias: the output size), and one row of the hidden size for ``beacon_embed_tokens``."""
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    """The shape an authors' beacon tensor ``name`` (matching :data:`AUTHORS_TENSOR`) has on a base of ``config``: the
+    base's own projection's (a bias: its output size), or ``(1, hidden)`` for ``beacon_embed_tokens``."""
+    hidden = config.hidden_size
     if name.endswith("beacon_embed_tokens.weight"):
         return (1, hidden)
     projection = name.split(".")[-2][len("beacon_")]  # q, k, v or o
-    out_size, in_size = {
-        "q": (heads * head_dim, hidden),
-        "k": (kv_heads * head_dim, hidden),
-        "v": (kv_heads * head_dim, hidden),
-        "o": (hidden, heads * head_dim),
-    }[projection]
+    width = (num_kv_heads(config) if projection in ("k", "v") else config.num_attention_heads) * head_dim_of(config)
+    out_size, in_size = (hidden, width) if projection == "o" else (width, hidden)
     return (out_size,) if name.endswith(".bias") else (out_size, in_size)
 
 
@@ -56,22 +43,15 @@ def _prefix(model: nn.Module) -> str:
     return f"{causal_lm_of(model).base_model_prefix}."
 
 
-def beacon_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The beacon weights of ``model`` under the authors' names (``model.layers.0.self_attn.beacon_q_proj.weight``,
-    ...); taken from ``state_dict``, the gathered weights of a sharded model (keyed as ``model.state_dict()``), when
-    given."""
-    prefix = _prefix(model)
-    return {prefix + name: t for name, t in gathered_tensors(model, beacon_parameters(model), state_dict).items()}
-
-
 def save_beacon_weights(
     model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
 ) -> Path:
-    """Write ``beacon_adapter.safetensors`` (float32) into ``folder``, from ``state_dict`` when given
-    (see :func:`beacon_state_dict`); returns its path."""
+    """Write ``beacon_adapter.safetensors`` (float32, under the authors' tensor names) into ``folder``; returns its
+    path. ``state_dict``: the gathered weights of a sharded model (keyed as ``model.state_dict()``), read instead."""
     path = Path(folder) / WEIGHTS_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: t.float().contiguous().cpu() for name, t in beacon_state_dict(model, state_dict).items()}
+    gathered = gathered_tensors(model, beacon_parameters(model), state_dict)
+    tensors = {_prefix(model) + name: t.float().contiguous().cpu() for name, t in gathered.items()}
     if not tensors:
         raise ValueError("the model has no beacon weights to save; apply Activation Beacon first")
     save_file(tensors, str(path), metadata={"format": "pt", "source": "longpeft"})
@@ -79,11 +59,8 @@ def save_beacon_weights(
 
 
 def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
-    """Load ``beacon_adapter.safetensors`` from ``folder`` into a model that has beacons of the same shape.
-
-    Raises:
-        FileNotFoundError: no weights file; ValueError: names or shapes that do not match (listed).
-    """
+    """Load ``beacon_adapter.safetensors`` from ``folder`` into a model that has beacons of the same shape; raises
+    FileNotFoundError (no weights file) or DataError (names or shapes that do not match, listed)."""
     path = Path(folder) / WEIGHTS_FILENAME
     if not path.is_file():
         raise FileNotFoundError(
