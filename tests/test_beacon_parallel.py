@@ -10,6 +10,8 @@ knows no parallel windows: the model, with several windows per forward, must giv
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_beacon_reference import (  # tests/test_beacon_reference.py
@@ -363,6 +365,16 @@ def test_set_inference_settings_changes_only_inference_settings():
     settings = set_inference_settings(model, parallel_windows=2, keep_end=16)
     assert (settings.parallel_windows, settings.keep_end, settings.sink) == (2, 16, 1)
     assert model.config.beacon["parallel_windows"] == 2 and model.model.beacon_settings is settings
+
+
+def test_set_inference_settings_reads_lora_values_under_full_projection():
+    """A config.beacon may record LoRA values under ``projection: full`` (they do not apply there)."""
+    model, _ = beacon_model("full-coverage/interleave")
+    written = dataclasses.replace(model.model.beacon_settings, lora_rank=32, lora_alpha=32.0)
+    assert written.projection == "full"
+    model.model.beacon_settings = written
+    settings = set_inference_settings(model, parallel_windows=2)
+    assert (settings.parallel_windows, settings.lora_rank, settings.lora_alpha) == (2, None, None)
 
 
 # the authors' sink layouts (layout_rule: authors): a sink longer than the ratio holds beacon slots; at ratio 0

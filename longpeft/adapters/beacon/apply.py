@@ -65,7 +65,10 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon")
     backbone = backbone_of(model)
-    settings = settings_from({**backbone.beacon_settings.as_dict(), **changes}, f"beacon inference settings {changes}")
+    current = backbone.beacon_settings.as_dict()
+    if current["projection"] == "full":  # a config.beacon may hold LoRA values under `full`: they do not apply
+        current.update(lora_rank=None, lora_alpha=None)
+    settings = settings_from({**current, **changes}, f"beacon inference settings {changes}")
     backbone.beacon_settings = settings
     causal_lm_of(model).config.beacon = settings.as_dict()
     return settings
