@@ -1,6 +1,5 @@
-"""The processes of a run, as ``accelerate launch`` (or torchrun) set them up: how many, which is the main one, how
-many train samples of their own; and the refusals of a distributed setup a recipe cannot run under.
-"""
+"""The processes of a run as ``accelerate launch`` (or torchrun) set them up, and the refusals of a distributed
+setup a recipe cannot run under."""
 
 from __future__ import annotations
 
@@ -34,9 +33,8 @@ def gradient_accumulation(recipe: Any, data_parallel: int) -> int:
     if recipe.train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
-            f"data-parallel processes: --set train.global_batch_size to a multiple of {per_step}, or "
-            "train on fewer GPUs"
+            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} data-parallel "
+            f"processes: --set train.global_batch_size to a multiple of {per_step}, or train on fewer GPUs"
         )
     return recipe.train.global_batch_size // per_step
 
@@ -46,12 +44,8 @@ def is_main_process() -> bool:
 
 
 def check_distributed_type(distributed_type: Any) -> None:
-    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise.
-
-    accelerate 1.15 turns FSDP on only for GPU-like process groups (``AcceleratorState``: the FSDP branch sits
-    under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
-    ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
-    """
+    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise (accelerate
+    1.15 makes every multi-process CPU run plain DDP, ``MULTI_CPU``, whatever the config says)."""
     asked = [
         name
         for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))

@@ -216,9 +216,8 @@ def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> Input
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
-            f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
-            "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need "
-            "them"
+            f"{type(model).__name__} has no checkpointable decoder layers (transformers' GradientCheckpointingLayer): "
+            "train.checkpoint_layers and train.offload_checkpoints need them"
         )
     if settings.checkpointed > len(layers):
         raise ConfigError(
