@@ -2,8 +2,8 @@
 all-reduce of each optimizer step and its time at a stated inter-node bandwidth.
 
 The P = N x G processes all-reduce the trained weights' gradients in a ring: every GPU sends ``2 (P - 1) / P`` times
-the gradient bytes through its own link, at the full line rate (a lower bound). DeepSpeed reduce-scatters at every
-micro-batch and gathers the updated shards once per step; DDP and FSDP2 synchronise once per optimizer step. Not
+the gradient bytes through its own link, at the full line rate (a lower bound). DDP and FSDP2 synchronise once per
+optimizer step; DeepSpeed reduce-scatters at every micro-batch and gathers the updated shards once per step. Not
 counted: sharded launches' all-gathers of frozen weights and Ulysses' all-to-all. The time stands beside the compute
 time, which overlaps much of it.
 """
@@ -14,20 +14,12 @@ import math
 from typing import Any
 
 from ..errors import ConfigError
-from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES
+from ..launch import DEEPSPEED_LAUNCHES
 from ..launch.topology import gradient_accumulation
 from ..units import format_duration
 
 # Gb/s each GPU has to other nodes: one 400 Gb/s NDR InfiniBand (or 400 GbE) port per GPU, as in DGX H100 nodes.
 DEFAULT_INTER_NODE_GBPS = 400.0
-
-
-def gradient_bytes_per_param(recipe: Any, launch: str | None) -> int:
-    """Bytes of one trained weight's gradient as it is reduced: the compute dtype under a sharded launch (FSDP2's
-    mixed-precision policy, DeepSpeed's gradients), else the trained weights' (``lora.trainable_dtype``, else 4)."""
-    if launch in SHARDED_LAUNCHES:
-        return 4 if recipe.model.dtype == "float32" else 2
-    return 2 if recipe.finetune == "lora" and recipe.lora.trainable_dtype == "bfloat16" else 4
 
 
 def add_inter_node(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT_INTER_NODE_GBPS) -> Any:
@@ -39,7 +31,7 @@ def add_inter_node(plan: Any, recipe: Any, nodes: int, gbps: float = DEFAULT_INT
     if gbps <= 0:
         raise ConfigError(f"--inter-node-gbps must be > 0, got {gbps:g}")
     processes, launch, steps = plan.gpus, plan.assumptions["launch"], plan.assumptions["optimizer_steps"]
-    gradient = plan.assumptions["trainable_params"] * gradient_bytes_per_param(recipe, launch)
+    gradient = plan.assumptions["trainable_params"] * plan.assumptions["gradient_bytes_per_param"]
     data_parallel = processes // plan.assumptions["sequence_parallel"]
     micro_batches = gradient_accumulation(recipe, data_parallel)
     reductions = micro_batches if launch in DEEPSPEED_LAUNCHES else 1  # reduce-scatters; then one all-gather

@@ -655,6 +655,8 @@ def _assumptions(
         "tokens_per_sample": run.tokens_per_sample,
         "per_device_batch": run.batch,
         "trainable_params": trained.params,
+        # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
+        "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
         "trained_samples": schedule.trained_samples,
         "optimizer_steps": schedule.optimizer_steps,
         "time_basis": _time_basis(recipe, schedule, lengths),
