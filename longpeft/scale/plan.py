@@ -480,15 +480,14 @@ def attention_flops_per_square(recipe: Any, shape: ModelShape, checkpointing: Ch
 
 @dataclass(frozen=True)
 class TrainingSchedule:
-    """What the run trains: the data's rows and where their count comes from, the samples trained, the Trainer's
-    optimizer steps (each epoch's last may take fewer samples), and the counted samples' lengths (() when not
-    counted)."""
+    """What the run trains: the data's rows and where their count comes from, the samples trained and the
+    Trainer's optimizer steps (each epoch's last may take fewer samples), and the counted samples' lengths."""
 
     samples: int
     rows_from: str | None
     trained_samples: int
     optimizer_steps: int
-    lengths: tuple[int, ...]
+    lengths: tuple[int, ...]  # () when not counted
 
     @classmethod
     def of(
