@@ -55,9 +55,8 @@ def check_launch(recipe: Any, launch: str) -> None:
 
 
 def check_sharded(recipe: Any, how: str) -> None:
-    """Refuse what cannot train with the model's weights sharded across processes: a method whose registry
-    ``conflicts`` name ``sharded_weights``, and the tiled MLP; ``how`` names the sharding for the message
-    (``--launch fsdp2``, ...)."""
+    """Refuse what cannot train with the weights sharded (``how``: ``--launch fsdp2``, ...): the methods whose
+    registry ``conflicts`` name ``sharded_weights``, and the tiled MLP."""
     check_conflicts(recipe.method_configs(), {"sharded_weights": how})
     if recipe.train.mlp_tile_tokens:
         raise ConfigError(
@@ -67,8 +66,8 @@ def check_sharded(recipe: Any, how: str) -> None:
 
 
 def check_sequence_parallel(recipe: Any) -> None:
-    """Ulysses sequence parallelism (``--launch ulysses``) shards each sequence across GPUs: what cannot be
-    sharded that way is refused (methods: their registry ``conflicts`` name ``split_sequences``)."""
+    """Refuse what cannot run with each sequence split across GPUs (``--launch ulysses``), methods whose registry
+    ``conflicts`` name ``split_sequences`` included."""
     if recipe.model.load_in_4bit:
         raise ConfigError(
             "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
@@ -92,9 +91,8 @@ def check_sequence_parallel(recipe: Any) -> None:
 
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
-    """torch context parallelism (accelerate ``cp_size`` in a user's own accelerate config) is refused where it is
-    known to fail, and with the methods that cannot run on sequence shards (their registry ``conflicts`` name
-    ``split_sequences``). ``packing``: the run packs several documents into a sequence (``data.utk``)."""
+    """Refuse torch context parallelism (``cp_size`` in a user's own accelerate config) where it is known to fail,
+    and with the methods whose ``conflicts`` name ``split_sequences``; ``packing``: documents are packed (UtK)."""
     if recipe.model.attn_implementation == "flash_attention_2":
         raise ConfigError(
             "context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "

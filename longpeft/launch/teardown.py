@@ -19,7 +19,8 @@ def deepspeed_on_cpu() -> bool:
 
 def exit_without_teardown() -> None:
     """End a finished DeepSpeed CPU run with status 0 once every process is done, skipping the interpreter's
-    teardown, where DeepSpeed 0.19.8's CPU processes abort about 1 run in 10 (SIGABRT) after saving everything."""
+    teardown, where DeepSpeed 0.19.8's CPU processes abort about 1 run in 10 after saving everything (SIGABRT,
+    "terminate called without an active exception")."""
     import torch
 
     torch.distributed.barrier()

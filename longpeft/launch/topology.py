@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
+from . import check_context_parallel, check_sequence_parallel, check_sharded, sequence_parallel_size
 
 
 def world_size() -> int:
@@ -17,8 +18,6 @@ def world_size() -> int:
 def data_parallel_size() -> int:
     """Processes that each train on their own samples: all of them, except that sequence parallelism
     (``--launch ulysses``) gives one sample to every group of ``sp_size`` processes."""
-    from . import sequence_parallel_size
-
     sp = sequence_parallel_size()
     if world_size() % sp:
         raise ConfigError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
@@ -63,8 +62,6 @@ def check_distributed_type(distributed_type: Any) -> None:
 def check_parallelism(recipe: Any, accelerator: Any) -> None:
     """Refuse weight sharding (FSDP, DeepSpeed ZeRO-3), sequence or context parallelism that the recipe cannot run
     under (however it was configured: ``--launch`` or a user's own accelerate config)."""
-    from . import check_context_parallel, check_sequence_parallel, check_sharded
-
     distributed_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if distributed_type == "FSDP":
