@@ -616,6 +616,7 @@ def estimate(
     attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     time = planned_time(recipe, run, schedule, matmul_flops, attention_per_square, utilisation, peak)
+    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -631,51 +632,34 @@ def estimate(
             "peak_tflops": GPU_PEAK_TFLOPS[gpu],
             "utilisation": utilisation,
             "attention": recipe.model.attn_implementation,
-            **_assumptions(recipe, shape, run, trained, checkpointing, schedule, sample_lengths, time),
+            "samples": schedule.samples,
+            "tokens_per_sample": run.tokens_per_sample,
+            "per_device_batch": run.batch,
+            "trainable_params": trained.params,
+            # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
+            "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
+            "trained_samples": schedule.trained_samples,
+            "optimizer_steps": schedule.optimizer_steps,
+            "time_basis": _time_basis(recipe, schedule, sample_lengths),
+            **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
+            "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
+            "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
+            f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
+            "finetune": recipe.finetune,
+            "load_in_4bit": recipe.model.load_in_4bit,
+            "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
+            "checkpointing": asdict(checkpointing),
+            "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
+            if checkpointing.offload
+            else 0,
+            "checkpointing_summary": checkpointing.describe(shape.layers),
+            "launch": run.launch,
+            "sequence_parallel": run.sequence_shards,
+            # the levers the recipe can use (train --launch would refuse the others)
+            "can_shard": _allowed(check_sharded, recipe, "sharding"),
+            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
         },
     )
-
-
-def _assumptions(
-    recipe: Any,
-    shape: ModelShape,
-    run: RunLayout,
-    trained: TrainedWeights,
-    checkpointing: CheckpointSettings,
-    schedule: TrainingSchedule,
-    lengths: SampleLengths | None,
-    time: PlannedTime,
-) -> dict[str, Any]:
-    """What the plan assumed of the data, the trained weights, the time and the memory, and which levers the recipe
-    can use (``can_shard``, ``can_split_sequences``)."""
-    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
-    return {
-        "samples": schedule.samples,
-        "tokens_per_sample": run.tokens_per_sample,
-        "per_device_batch": run.batch,
-        "trainable_params": trained.params,
-        # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
-        "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
-        "trained_samples": schedule.trained_samples,
-        "optimizer_steps": schedule.optimizer_steps,
-        "time_basis": _time_basis(recipe, schedule, lengths),
-        **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
-        "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
-        "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
-        f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
-        "finetune": recipe.finetune,
-        "load_in_4bit": recipe.model.load_in_4bit,
-        "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
-        "checkpointing": asdict(checkpointing),
-        "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
-        if checkpointing.offload
-        else 0,
-        "checkpointing_summary": checkpointing.describe(shape.layers),
-        "launch": run.launch,
-        "sequence_parallel": run.sequence_shards,
-        "can_shard": _allowed(check_sharded, recipe, "sharding"),
-        "can_split_sequences": _allowed(check_sequence_parallel, recipe),
-    }
 
 
 def activation_terms(
