@@ -1,9 +1,6 @@
-"""The ``longpeft`` command: train | plan | merge | export | push | convert-beacon | synth | eval | demo.
-
-Each command is one module with its ``register(subparsers)`` (its parser) and its handler; eval's and synth's live
-in their packages (:mod:`longpeft.eval.cli`, :mod:`longpeft.synth_data.cli`). This module assembles the parser and
-holds the one error boundary of every command (:func:`main`, :func:`error_message`).
-"""
+"""The ``longpeft`` command: train | plan | merge | export | push | convert-beacon | synth | eval | demo, each a
+module with its ``register(subparsers)`` and handler (eval's and synth's in their packages); :func:`main` is the one
+error boundary of every command."""
 
 from __future__ import annotations
 
@@ -42,13 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 def error_message(exc: BaseException) -> str | None:
     """The one line the command line prints for an expected error, or None for a bug (which keeps its traceback).
 
-    Expected: longpeft's own :class:`~longpeft.errors.LongpeftError` (bad input, named); a full disk or a refused
-    write from any library (``OSError``, safetensors' ``SafetensorError``, ``torch.save``'s ``RuntimeError``); and
-    what the libraries underneath raise for bad files or a failing environment: a corrupt safetensors file, a file
-    ``torch.load`` refuses (a pickle payload), a Hub or network failure (huggingface_hub, httpx), settings refused by
-    pydantic, text that is not YAML, JSON or UTF-8, any other ``OSError``, a package not installed. A ``KeyError``,
-    ``TypeError`` or ``AttributeError`` is a bug, except when raised inside a Hub or HTTP client reading a server's
-    answer (a wrong-shape answer); any other exception (a bare ``ValueError``, ...) is a bug too.
+    Expected: a :class:`~longpeft.errors.LongpeftError`, a failed write, and what libraries raise for bad files or a
+    failing environment (corrupt safetensors, a pickle ``torch.load`` refuses, the Hub or network, pydantic, YAML,
+    JSON, UTF-8, any other ``OSError``, a missing package). A ``KeyError``, ``TypeError`` or ``AttributeError`` is a
+    bug unless raised inside a Hub or HTTP client reading a server's answer; so is any other exception.
     """
     # the Hub client and safetensors are imported when an error comes: `longpeft --help` and plan do without them
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError
@@ -109,22 +103,23 @@ def _cause_of_kind(exc: BaseException, kind: type[BaseException]) -> BaseExcepti
     return None
 
 
+# The HTTP clients huggingface_hub may use (1: httpx, 2: httpx2; requests) -> their errors, no OSError subclasses.
+NETWORK_ERRORS = {
+    "httpx": ("HTTPError", "InvalidURL"),
+    "httpx2": ("HTTPError", "InvalidURL"),
+    "requests": ("RequestException",),
+}
+
+
 def _is_network_error(exc: BaseException) -> bool:
-    """An HTTP client's error: httpx's or httpx2's (not ``OSError`` subclasses) or requests' (whichever
-    huggingface_hub uses)."""
+    """An error of one of the HTTP clients in ``NETWORK_ERRORS``."""
     kinds: list[type[BaseException]] = []
-    for name in ("httpx", "httpx2"):  # huggingface_hub 1 uses httpx, 2 httpx2
+    for name, classes in NETWORK_ERRORS.items():
         try:
             library = importlib.import_module(name)
         except ImportError:
             continue
-        kinds += [library.HTTPError, library.InvalidURL]
-    try:
-        import requests
-
-        kinds.append(requests.RequestException)
-    except ImportError:
-        pass
+        kinds += [getattr(library, kind) for kind in classes]
     return isinstance(exc, tuple(kinds))
 
 
@@ -132,13 +127,9 @@ UNEXPECTED_EXIT = 1  # an error nobody anticipated (a bug), after its traceback;
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one ``longpeft`` command; returns its exit status.
-
-    The one error boundary of every command: an expected error (:func:`error_message`) prints
-    ``longpeft COMMAND: error: MESSAGE`` on one line and returns 2, an interrupt returns 130; any other exception
-    (a bug) prints its traceback, then one line saying so and how to report it, and returns 1. ``--debug`` (or
-    ``LONGPEFT_DEBUG=1``) lets every error propagate with its traceback.
-    """
+    """Run one ``longpeft`` command; returns its exit status: 2 after ``longpeft COMMAND: error: MESSAGE`` for an
+    expected error (:func:`error_message`), 130 on an interrupt, 1 after the traceback of any other (a bug).
+    ``--debug`` (or ``LONGPEFT_DEBUG=1``) lets every error propagate with its traceback."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 from ..errors import ConfigError
 from ..launch.kinds import LAUNCHES
@@ -27,13 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "offline demo set: builds the trainer with every other setting, no download",
     )
     plan.add_argument("--output-dir", help="override the recipe's output_dir (where --build writes the tiny base)")
-    _add_estimate_arguments(
-        plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
-    )
-    plan.set_defaults(func=cmd_plan)
-
-
-def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
+    scale = plan.add_argument_group("memory and time estimate (no download; see longpeft/scale/plan.py)")
+    positive = number(float, 0, inclusive=False)
     scale.add_argument(
         "--gpus", type=number(int, 1), help="estimate per-GPU peak memory by term and wall time on this many GPUs"
     )
@@ -44,11 +40,7 @@ def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
         "(default ddp: a whole replica per GPU; fsdp2, zero3, ulysses shard it)",
     )
     scale.add_argument(
-        "--gpu-memory",
-        type=number(float, 0, inclusive=False),
-        default=80.0,
-        metavar="GIB",
-        help="memory of one GPU (default 80)",
+        "--gpu-memory", type=positive, default=80.0, metavar="GIB", help="memory of one GPU (default 80)"
     )
     scale.add_argument("--gpu", default="h100", help="GPU kind for the peak FLOP/s: h100, h200, a100, a800, l40s")
     scale.add_argument(
@@ -66,7 +58,7 @@ def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
     )
     scale.add_argument(
         "--inter-node-gbps",
-        type=number(float, 0, inclusive=False),
+        type=positive,
         metavar="GBPS",
         help="with --nodes N > 1: network bandwidth each GPU has to other nodes, in Gb/s (default 400: "
         "one NDR InfiniBand port per GPU)",
@@ -84,6 +76,7 @@ def _add_estimate_arguments(scale: argparse._ArgumentGroup) -> None:
         help="print the longest sample (tokens) whose step fits in "
         "--gpu-memory with the recipe's settings, and the memory terms at that length",
     )
+    plan.set_defaults(func=cmd_plan)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -108,7 +101,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "links, which the plan does not model)"
         )
     if args.gpus is not None:
-        _print_estimate(args, recipe)
+        _print_estimate(args, recipe, validation.base)
         return 0
     if not args.build:
         # where train writes: output_dir with {name} filled in, as an absolute path (as recipe.resolved.json says)
@@ -121,33 +114,26 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_estimate(args: argparse.Namespace, recipe) -> None:
-    """``plan --gpus``: the memory and time estimate's table on nodes x GPUs, or ``--longest``'s sample."""
+def _print_estimate(args: argparse.Namespace, recipe: Any, base: Any) -> None:
+    """``plan --gpus``: the memory and time estimate's table on nodes x GPUs, or ``--longest``'s sample; the model's
+    shape from ``base``, the config validation read, when it could."""
     # the planner, the data's lengths and the longest sample's search import torch: plan without --gpus does not
     from ..recipes.plan_data import count_sample_lengths
-    from ..scale import estimate
+    from ..scale import estimate, shape_from_config
     from ..scale.network import DEFAULT_INTER_NODE_GBPS, add_inter_node
 
+    machine = dict(gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch)
     if args.longest:
         from ..recipes.longest import longest_trainable_sample
 
-        longest = longest_trainable_sample(
-            recipe, gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch
-        )
+        longest = longest_trainable_sample(recipe, **machine)
         print("\n".join([*longest.lines(), f"the plan at {max(longest.tokens, longest.step):,} tokens:"]))
         table = longest.plan.table().splitlines()
         print("\n".join(line for line in table if not line.startswith(("time:", "lever:"))))
         return
-    plan = estimate(
-        recipe,
-        gpus=args.gpus * args.nodes,
-        gpu_memory_gib=args.gpu_memory,
-        gpu=args.gpu,
-        mfu=args.mfu,
-        samples=args.samples,
-        launch=args.launch,
-        sample_lengths=count_sample_lengths(recipe),
-    )
+    shape = None if base is None else shape_from_config(base.config.to_dict())
+    lengths = count_sample_lengths(recipe)
+    plan = estimate(recipe, **machine, mfu=args.mfu, samples=args.samples, shape=shape, sample_lengths=lengths)
     if args.nodes > 1:
         add_inter_node(plan, recipe, args.nodes, args.inter_node_gbps or DEFAULT_INTER_NODE_GBPS)
     print(plan.table())

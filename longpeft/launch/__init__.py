@@ -1,17 +1,13 @@
-"""Launch configurations for multi-GPU training (accelerate config files shipped with longpeft), on one node or
-several (:mod:`.nodes`).
-
-``launch_command(recipe, name, launch, gpus, nodes=...)`` builds the ``accelerate launch`` command of a recipe;
-``check_launch`` refuses combinations known not to work, saying why and what to use instead;
-``check_sequence_parallel_group`` refuses a Ulysses group that cannot split the model's attention heads.
-:mod:`.start` starts ``longpeft train --launch`` with them; :mod:`.teardown` ends a launched DeepSpeed CPU process.
-"""
+"""Multi-GPU launches (accelerate config files shipped beside this module), on one node or several (:mod:`.nodes`):
+the ``accelerate launch`` command of a recipe, and the refusals of combinations known not to work."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from ..adapters import METHODS, check_conflicts
 from ..errors import ConfigError
 from .kinds import DEEPSPEED_LAUNCHES, LAUNCHES, SHARDED_LAUNCHES
 from .nodes import Nodes
@@ -25,13 +21,9 @@ def config_file(launch: str) -> Path:
 
 
 def mixed_precision(recipe: Any, on_gpu: bool) -> str:
-    """``bf16``, ``fp16`` or ``no``: the autocast of a recipe's run, for SFTConfig and for ``accelerate launch``
-    (whose ``--mixed_precision`` the Trainer would otherwise take over the recipe's).
-
-    A half-precision model computes under autocast while its trained weights stay float32 (LoRA: see
-    ``lora.trainable_dtype``; ``finetune: full``: every weight), so that AdamW updates are not rounded away. fp16
-    autocast needs CUDA.
-    """
+    """``bf16``, ``fp16`` (CUDA only) or ``no``: the autocast of a recipe's run, for SFTConfig and for ``accelerate
+    launch`` (whose ``--mixed_precision`` the Trainer would otherwise take over the recipe's). Trained weights stay
+    float32 under it, so that AdamW updates are not rounded away."""
     if recipe.model.dtype == "bfloat16":
         return "bf16"
     if recipe.model.dtype == "float16" and on_gpu:
@@ -40,19 +32,14 @@ def mixed_precision(recipe: Any, on_gpu: bool) -> str:
 
 
 def check_launch(recipe: Any, launch: str) -> None:
-    """Refuse launch/recipe combinations that are known not to work (docs/scale.md, "One node").
-
-    Raises:
-        ValueError: naming the combination, why it fails, and what to use instead.
-    """
+    """Refuse launch/recipe combinations known not to work, with a ConfigError naming the combination, why it
+    fails and what to use instead (docs/scale.md, "One node")."""
     config_file(launch)
     if launch == "ulysses":
         check_sequence_parallel(recipe)
     if launch in SHARDED_LAUNCHES:
         check_sharded(recipe, f"--launch {launch}")
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
-        from ..adapters import METHODS
-
         weighted = [name for name in recipe.method_configs() if METHODS[name].keeps_weights]
         if weighted:
             raise ConfigError(
@@ -68,11 +55,8 @@ def check_launch(recipe: Any, launch: str) -> None:
 
 
 def check_sharded(recipe: Any, how: str) -> None:
-    """Refuse what cannot train with the model's weights sharded across processes: a method whose registry
-    ``conflicts`` name ``sharded_weights``, and the tiled MLP; ``how`` names the sharding for the message
-    (``--launch fsdp2``, ...)."""
-    from ..adapters import check_conflicts
-
+    """Refuse what cannot train with the weights sharded (``how``: ``--launch fsdp2``, ...): the methods whose
+    registry ``conflicts`` name ``sharded_weights``, and the tiled MLP."""
     check_conflicts(recipe.method_configs(), {"sharded_weights": how})
     if recipe.train.mlp_tile_tokens:
         raise ConfigError(
@@ -82,8 +66,8 @@ def check_sharded(recipe: Any, how: str) -> None:
 
 
 def check_sequence_parallel(recipe: Any) -> None:
-    """Ulysses sequence parallelism (``--launch ulysses``) shards each sequence across GPUs: what cannot be
-    sharded that way is refused (methods: their registry ``conflicts`` name ``split_sequences``)."""
+    """Refuse what cannot run with each sequence split across GPUs (``--launch ulysses``), methods whose registry
+    ``conflicts`` name ``split_sequences`` included."""
     if recipe.model.load_in_4bit:
         raise ConfigError(
             "--launch ulysses with model.load_in_4bit: sequence parallelism over a 4-bit base is unproven "
@@ -93,14 +77,11 @@ def check_sequence_parallel(recipe: Any) -> None:
         raise ConfigError(
             "--launch ulysses needs flash_attention_2 or sdpa attention (eager materialises the full score matrix)"
         )
-    from ..adapters import check_conflicts
-
     check_conflicts(recipe.method_configs(), {"split_sequences": "--launch ulysses"})
     if recipe.data.utk is not None:
         raise ConfigError(
-            "--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence "
-            "shard would restart its positions at 0; use --launch ddp or fsdp2 with "
-            "train.activation_offloading"
+            "--launch ulysses with data.utk: UtK's collator gives no position_ids, so each sequence shard would "
+            "restart its positions at 0; use --launch ddp or fsdp2 with train.activation_offloading"
         )
     if recipe.train.backend == "unsloth":
         raise ConfigError(
@@ -110,9 +91,8 @@ def check_sequence_parallel(recipe: Any) -> None:
 
 
 def check_context_parallel(recipe: Any, packing: bool = False) -> None:
-    """torch context parallelism (accelerate ``cp_size`` in a user's own accelerate config) is refused where it is
-    known to fail, and with the methods that cannot run on sequence shards (their registry ``conflicts`` name
-    ``split_sequences``). ``packing``: the run packs several documents into a sequence (``data.utk``)."""
+    """Refuse torch context parallelism (``cp_size`` in a user's own accelerate config) where it is known to fail,
+    and with the methods whose ``conflicts`` name ``split_sequences``; ``packing``: documents are packed (UtK)."""
     if recipe.model.attn_implementation == "flash_attention_2":
         raise ConfigError(
             "context parallelism (accelerate cp_size > 1) needs sdpa attention (it does not work with "
@@ -128,24 +108,19 @@ def check_context_parallel(recipe: Any, packing: bool = False) -> None:
             "context parallelism (accelerate cp_size > 1) with a 4-bit base (QLoRA) is unproven; use "
             "--launch ddp or a bf16 base"
         )
-    from ..adapters import check_conflicts
-
     check_conflicts(recipe.method_configs(), {"split_sequences": "context parallelism (accelerate cp_size > 1)"})
 
 
 def sequence_parallel_size() -> int:
     """GPUs that share one sequence under ``accelerate launch`` with sequence parallelism (1 without)."""
-    import os
-
     if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") != "true":
         return 1
     return int(os.environ.get("PARALLELISM_CONFIG_SP_SIZE", "1"))
 
 
 def check_sequence_parallel_group(processes: int, heads: int, kv_heads: int) -> None:
-    """Ulysses (``--launch ulysses``: every process, on every node, shares each sequence) gives each process
-    ``heads / processes`` attention heads, so the group must divide the query heads, and divide or be a multiple of
-    the KV heads (DeepSpeed then replicates them); DeepSpeed refuses anything else when the model is built."""
+    """Refuse a Ulysses group (every process of every node) that does not divide the query heads, or neither
+    divides nor is a multiple of the KV heads: DeepSpeed would refuse it when the model is built."""
     if heads % processes:
         raise ConfigError(
             f"--launch ulysses over {processes} processes: each process takes heads / processes of the "
@@ -169,31 +144,21 @@ def launch_command(
     nodes: Nodes | None = None,
 ) -> list[str]:
     """``accelerate launch --config_file <launch>.yaml --num_processes P --mixed_precision M [this node's place]
-    [Ulysses' sizes] -m longpeft.cli train RECIPE [--set ...]``, P = ``gpus`` per node x ``nodes.count``. With
-    ``ulysses`` every process of every node shares each sequence (sp_size = P) with the recipe's attention kernel.
-    ``nodes``: this node's place in a job of several (default: one node)."""
+    [Ulysses' sizes] -m longpeft.cli train RECIPE [--set ...]``, P = ``gpus`` per node x ``nodes.count`` (default:
+    one node). With ``ulysses`` all P processes share each sequence, with the recipe's attention kernel."""
     if gpus < 1:
         raise ConfigError(f"--gpus must be >= 1, got {gpus}")
     nodes = nodes or Nodes()
-    processes = gpus * nodes.count
-    precision = mixed_precision(recipe, on_gpu=True)
-    command = [
-        "accelerate",
-        "launch",
-        "--config_file",
-        str(config_file(launch)),
-        "--num_processes",
-        str(processes),
-        "--mixed_precision",
-        precision,
-        *nodes.accelerate_arguments(launch),
-    ]
+    processes = str(gpus * nodes.count)
+    command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", processes]
+    command += ["--mixed_precision", mixed_precision(recipe, on_gpu=True), *nodes.accelerate_arguments(launch)]
     if launch == "ulysses":
+        attention = recipe.model.attn_implementation
         command += [
             "--parallelism_config_sp_size",
-            str(processes),
+            processes,
             "--parallelism_config_sp_attn_implementation",
-            recipe.model.attn_implementation,
+            attention,
         ]
     command += ["-m", "longpeft.cli", "train", recipe_name]
     for override in overrides or []:

@@ -1,11 +1,6 @@
 """Training past one node: where a node stands in the job (``--nodes``, ``--node-rank``, ``--main-address``), the
-``accelerate launch`` arguments that say it, and a SLURM batch script that runs one ``accelerate launch`` per node.
-
-Every node runs the same ``longpeft train ... --launch KIND --gpus G --nodes N --main-address HOST:PORT`` with its
-own ``--node-rank``; accelerate (torchrun's static rendezvous at HOST:PORT, the node of rank 0) then starts G
-processes per node, N x G in all, ranks ``node_rank x G`` to ``node_rank x G + G - 1``. DeepSpeed launches go
-through torchrun too (accelerate's ``--deepspeed_multinode_launcher standard``), not DeepSpeed's own launcher, which
-would log into every node over ssh (pdsh) from a hostfile.
+``accelerate launch`` arguments that say it (torchrun's static rendezvous at the node of rank 0, DeepSpeed's launches
+included, rather than DeepSpeed's own ssh launcher), and a SLURM batch script that runs one launch per node.
 """
 
 from __future__ import annotations
@@ -51,29 +46,18 @@ class Nodes:
     def accelerate_arguments(self, launch: str) -> list[str]:
         """``accelerate launch`` flags of this node's place: ``--num_machines --machine_rank --main_process_ip
         --main_process_port`` (and DeepSpeed's torchrun launcher) past one node; one node's given address only."""
+        address = [] if self.host is None else ["--main_process_ip", self.host, "--main_process_port", str(self.port)]
         if self.count == 1:
-            return [] if self.host is None else ["--main_process_ip", self.host, "--main_process_port", str(self.port)]
-        arguments = [
-            "--num_machines",
-            str(self.count),
-            "--machine_rank",
-            str(self.rank),
-            "--main_process_ip",
-            self.host,
-            "--main_process_port",
-            str(self.port),
-        ]
+            return address
+        arguments = ["--num_machines", str(self.count), "--machine_rank", str(self.rank), *address]
         if launch in DEEPSPEED_LAUNCHES:
             arguments += ["--deepspeed_multinode_launcher", "standard"]
         return arguments
 
 
 def parse_main_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (an IPv6 address in brackets, ``[fd00::1]:29500``) -> ``(host, port)``.
-
-    Raises:
-        ValueError: naming ``--main-address`` and the expected form.
-    """
+    """``HOST:PORT`` (an IPv6 address in brackets, ``[fd00::1]:29500``) -> ``(host, port)``; a ConfigError naming
+    ``--main-address`` and the expected form."""
     match = re.fullmatch(r"\[(?P<ipv6>[^]]+)\]:(?P<port>\d+)|(?P<host>[A-Za-z0-9._-]+):(?P<port2>\d+)", text)
     if match is None:
         raise ConfigError(
@@ -93,11 +77,9 @@ def parse_main_address(text: str) -> tuple[str, int]:
 
 
 def slurm_script(command: list[str], job_name: str, nodes: int, gpus_per_node: int) -> str:
-    """A SLURM batch script that runs ``command`` once per node: an ``accelerate launch`` of
-    :func:`longpeft.launch.launch_command` for ``Nodes(nodes, host=...)`` (any host: it is replaced). ``srun``
-    starts one task per node, each with its machine rank from ``$SLURM_NODEID`` and the main address from the first
-    host of ``$SLURM_JOB_NODELIST`` (``scontrol show hostnames``) at ``$MAIN_PORT`` (default 29500; set it when
-    submitting to change it)."""
+    """A SLURM batch script that runs ``command`` (:func:`longpeft.launch.launch_command` for ``Nodes(nodes,
+    host=...)``, any host) once per node, with its machine rank from ``$SLURM_NODEID`` and the main address from the
+    allocation's first host at ``$MAIN_PORT`` (default 29500)."""
     words = [shlex.quote(word) for word in command]
     for flag, variable in (
         ("--machine_rank", "SLURM_NODEID"),

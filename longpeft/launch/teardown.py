@@ -1,5 +1,4 @@
-"""The end of a launched DeepSpeed process on CPU (gloo), as the tests run them. torch is imported inside the
-functions: the command line imports this module."""
+"""The end of a launched DeepSpeed process on CPU (gloo), as the tests run them (torch imported on use)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,9 @@ def deepspeed_on_cpu() -> bool:
 
 
 def exit_without_teardown() -> None:
-    """End a finished DeepSpeed CPU run with status 0, skipping the interpreter's teardown, where DeepSpeed 0.19.8's
-    CPU processes abort about 1 run in 10 ("terminate called without an active exception", SIGABRT) after the run
-    has saved everything. Every process waits for the others first."""
+    """End a finished DeepSpeed CPU run with status 0 once every process is done, skipping the interpreter's
+    teardown, where DeepSpeed 0.19.8's CPU processes abort about 1 run in 10 after saving everything (SIGABRT,
+    "terminate called without an active exception")."""
     import torch
 
     torch.distributed.barrier()

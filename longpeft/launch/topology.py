@@ -1,6 +1,5 @@
-"""The processes of a run, as ``accelerate launch`` (or torchrun) set them up: how many, which is the main one, how
-many train samples of their own; and the refusals of a distributed setup a recipe cannot run under.
-"""
+"""The processes of a run as ``accelerate launch`` (or torchrun) set them up, and the refusals of a distributed
+setup a recipe cannot run under."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
+from . import check_context_parallel, check_sequence_parallel, check_sharded, sequence_parallel_size
 
 
 def world_size() -> int:
@@ -18,8 +18,6 @@ def world_size() -> int:
 def data_parallel_size() -> int:
     """Processes that each train on their own samples: all of them, except that sequence parallelism
     (``--launch ulysses``) gives one sample to every group of ``sp_size`` processes."""
-    from . import sequence_parallel_size
-
     sp = sequence_parallel_size()
     if world_size() % sp:
         raise ConfigError(f"sequence parallel size {sp} does not divide the {world_size()} processes")
@@ -34,9 +32,8 @@ def gradient_accumulation(recipe: Any, data_parallel: int) -> int:
     if recipe.train.global_batch_size % per_step:
         raise ConfigError(
             f"train.global_batch_size={recipe.train.global_batch_size} is not a multiple of "
-            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} "
-            f"data-parallel processes: --set train.global_batch_size to a multiple of {per_step}, or "
-            "train on fewer GPUs"
+            f"train.per_device_batch_size={recipe.train.per_device_batch_size} x {data_parallel} data-parallel "
+            f"processes: --set train.global_batch_size to a multiple of {per_step}, or train on fewer GPUs"
         )
     return recipe.train.global_batch_size // per_step
 
@@ -46,12 +43,8 @@ def is_main_process() -> bool:
 
 
 def check_distributed_type(distributed_type: Any) -> None:
-    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise.
-
-    accelerate 1.15 turns FSDP on only for GPU-like process groups (``AcceleratorState``: the FSDP branch sits
-    under ``distributed_type in [MULTI_GPU, MULTI_XPU, ...]``) and makes every multi-process CPU run
-    ``MULTI_CPU``, i.e. plain DDP, whatever the config says; training would go on unsharded without a word.
-    """
+    """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise (accelerate
+    1.15 makes every multi-process CPU run plain DDP, ``MULTI_CPU``, whatever the config says)."""
     asked = [
         name
         for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
@@ -69,8 +62,6 @@ def check_distributed_type(distributed_type: Any) -> None:
 def check_parallelism(recipe: Any, accelerator: Any) -> None:
     """Refuse weight sharding (FSDP, DeepSpeed ZeRO-3), sequence or context parallelism that the recipe cannot run
     under (however it was configured: ``--launch`` or a user's own accelerate config)."""
-    from . import check_context_parallel, check_sequence_parallel, check_sharded
-
     distributed_type = str(accelerator.distributed_type).rsplit(".", 1)[-1]
     deepspeed = getattr(accelerator.state, "deepspeed_plugin", None)
     if distributed_type == "FSDP":

@@ -1,31 +1,18 @@
 """Activation checkpointing that keeps what memory allows and offloads what it must.
 
-Under (non-reentrant) activation checkpointing a decoder layer keeps only its input hidden states
-``[batch, seq, hidden]`` from its forward to its backward, and runs its forward again in the backward (the
-recompute). Three levers trade that memory for time; each gives the same losses and gradients as
-checkpointing every layer:
-
-- ``checkpointed``: only the first N decoder layers are checkpointed; the others keep every activation and
-  are not recomputed;
-- ``keep_attention``: the first K checkpointed layers save the attention kernel's outputs in the forward
-  (its output ``[batch, heads, seq, head_dim]``, its log-sum-exp ``[batch, heads, seq]`` in float32 and the
-  kernel's bookkeeping), through torch's selective checkpointing policy, so their recompute skips the
-  attention forward, the longest op of the recompute at long lengths;
-- ``offload``: the checkpointed layers' inputs wait in pinned CPU memory. Each is copied out on a side
-  stream once its layer's forward has run, and its GPU memory freed; it is fetched back on another side stream
-  one layer ahead of its recompute, so the copies overlap the compute; the last checkpointed layer's input,
-  needed first, stays on the GPU. Only the layer inputs move (what torch's checkpoint keeps for its recompute),
-  not every activation as TRL's ``activation_offloading`` does.
-
-:func:`apply_checkpointing` installs them on a transformers model's decoder layers (the
-``GradientCheckpointingLayer`` modules, in forward order) once checkpointing is on (the Trainer turns it on
-when training starts).
+Three levers on a checkpointed decoder layer (which keeps only its input ``[batch, seq, hidden]`` and runs its
+forward again in the backward), each with the same losses and gradients as checkpointing every layer:
+``checkpointed`` (only the first N layers are checkpointed, the others keep every activation), ``keep_attention``
+(the first K checkpointed layers save the attention kernel's outputs through torch's selective checkpointing, so
+their recompute skips the attention forward) and ``offload`` (the checkpointed layers' inputs wait in pinned CPU
+memory, copied on side streams; the last one stays on the GPU). :func:`apply_checkpointing` installs them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -58,11 +45,6 @@ def _keep_attention_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Chec
     return CheckpointPolicy.MUST_SAVE if is_attention_kernel(op) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def keep_attention_contexts() -> tuple[Any, Any]:
-    """The forward and recompute contexts of a checkpoint that saves the attention kernels' outputs."""
-    return create_selective_checkpoint_contexts(_keep_attention_policy)
-
-
 @dataclass(frozen=True)
 class CheckpointSettings:
     """What each decoder layer keeps. ``checkpointed``: how many layers (the first ones) are checkpointed;
@@ -81,9 +63,7 @@ class CheckpointSettings:
             )
 
     def describe(self, layers: int, on_gpu: bool = True) -> str:
-        """One line for the run's log or plan, e.g. ``32 of 32 layers checkpointed, attention kept in 24, inputs
-        offloaded to CPU memory``; ``on_gpu`` False (a run on CPU): the offloaded inputs are copied within CPU
-        memory, which saves nothing, and the line says so."""
+        """One line for the run's log or plan; ``on_gpu`` False: says that offloading saves nothing on CPU."""
         text = f"{self.checkpointed} of {layers} layers checkpointed"
         if self.checkpointed:
             text += f", attention kept in {self.keep_attention}"
@@ -98,9 +78,8 @@ class CheckpointSettings:
 
 
 class _Offloaded:
-    """A layer input whose device memory was freed: ``tensor`` (its storage resized to 0 bytes), the copy of its
-    values in ``host`` (pinned on CUDA), the event that ends that copy, and once a fetch started, the event that
-    ends it."""
+    """A layer input whose storage was freed: ``tensor``, its values in ``host`` (pinned on CUDA), the event that
+    ends that copy, and once a fetch started, the event that ends it."""
 
     def __init__(self, tensor: torch.Tensor, host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
         self.tensor, self.host, self.copied = tensor, host, copied
@@ -112,13 +91,9 @@ class _Offloaded:
 class InputOffloader:
     """Keeps checkpointed layers' inputs in CPU memory between their layer's forward and its backward.
 
-    :meth:`offload` is called once a layer's forward has run: the input's values are copied to host memory (on a
-    side stream) and its device storage is freed, while the tensor itself stays where the checkpoint keeps it. When
-    the backward reaches the layer's output, before the layer's recompute reads the input, the storage is allocated
-    again and the values copied back (:meth:`_fetch`), and the fetch of the input of the layer before it starts on
-    another side stream, so that it is back when that layer's recompute starts. Pinned buffers are reused across
-    steps. Only tensors that own their whole storage are offloaded (never a view sharing memory with another
-    tensor). Without CUDA the copies are plain host copies (the same bookkeeping, for tests).
+    When the backward reaches a layer's output, its input comes back (:meth:`_fetch`) and the fetch of the previous
+    layer's input starts on a side stream. Pinned buffers are reused across steps. Without CUDA the copies are
+    plain host copies (the same bookkeeping, for tests).
     """
 
     def __init__(self) -> None:
@@ -129,9 +104,8 @@ class InputOffloader:
         self.prefetched = 0  # fetches that had started before the backward asked for them
 
     def offload(self, tensor: torch.Tensor, output: Any) -> None:
-        """Free ``tensor``'s device memory until the backward reaches ``output`` (a tensor computed from it, or a
-        tuple whose first element is): then its values are back. Does nothing when there is no backward to wait for
-        or the tensor shares its storage."""
+        """Free ``tensor``'s storage until the backward reaches ``output`` (a tensor computed from it, or a tuple
+        whose first element is). Does nothing without a backward to wait for, or when the tensor shares its storage."""
         output = output[0] if isinstance(output, (tuple, list)) else output
         grad_fn = getattr(output, "grad_fn", None)
         storage = tensor.untyped_storage()
@@ -164,7 +138,7 @@ class InputOffloader:
     def _fetch(self, handle: _Offloaded) -> None:
         if handle.back:
             return
-        position = next((i for i, waiting in enumerate(self._waiting) if waiting is handle), None)
+        position = self._waiting.index(handle) if handle in self._waiting else None
         if position is not None:
             del self._waiting[position]
         if handle.fetched is None:
@@ -181,25 +155,19 @@ class InputOffloader:
             self._start_fetch(self._waiting[position - 1])
 
     def _start_fetch(self, handle: _Offloaded) -> None:
-        """Allocate ``handle``'s storage again and start copying its values back on the side stream.
-
-        The storage is allocated on the compute stream, which reads it, so that once freed after its layer's backward
-        it serves the compute stream's later allocations (the caching allocator keeps a pool per stream, and a block
-        of the side stream's pool never serves another stream). No record_stream is needed: the side stream waits for
-        the compute stream's work so far (earlier users of the block included) before it writes, and the compute
-        stream waits for the fetch's event before it reads.
-        """
+        """Allocate ``handle``'s storage again, on the compute stream that reads it (so that its block returns to
+        that stream's pool), and start copying its values back on the side stream, after the compute stream's work
+        so far; the compute stream waits for the fetch's event (:meth:`_fetch`)."""
         if handle.fetched is not None:
             return
         tensor = handle.tensor
+        tensor.untyped_storage().resize_(handle.nbytes)
         if tensor.device.type != "cuda":
-            tensor.untyped_storage().resize_(handle.nbytes)
             tensor.data.copy_(handle.host)  # through .data: the values come back without a new version
             handle.fetched = True
             return
-        compute, (_, in_stream) = torch.cuda.current_stream(tensor.device), self._streams_of(tensor.device)
-        tensor.untyped_storage().resize_(handle.nbytes)
-        in_stream.wait_stream(compute)
+        in_stream = self._streams_of(tensor.device)[1]
+        in_stream.wait_stream(torch.cuda.current_stream(tensor.device))
         with torch.cuda.stream(in_stream):
             in_stream.wait_event(handle.copied)
             tensor.data.copy_(handle.host, non_blocking=True)
@@ -214,9 +182,7 @@ class InputOffloader:
 
     def _take_buffer(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         free = self._free.get((tensor.shape, tensor.dtype))
-        if free:
-            return free.pop()
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), None
+        return free.pop() if free else (torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), None)
 
 
 class LayerCheckpoint:
@@ -228,8 +194,8 @@ class LayerCheckpoint:
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         options: dict[str, Any] = {"use_reentrant": False}
-        if self.keep_attention:
-            options["context_fn"] = keep_attention_contexts
+        if self.keep_attention:  # a checkpoint that saves the attention kernels' outputs
+            options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_attention_policy)
         output = checkpoint(function, *args, **options, **kwargs)
         if self.offloader is not None and args and isinstance(args[0], torch.Tensor):
             self.offloader.offload(args[0], output)
@@ -245,16 +211,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> InputOffloader | None:
     """Checkpoint the first ``settings.checkpointed`` decoder layers of ``model`` as ``settings`` says and leave
-    the others unchecked, in place; returns the offloader (its counters) when inputs are offloaded.
-
-    Call it after transformers turned checkpointing on (``gradient_checkpointing_enable``), which it overrides.
-    """
+    the others unchecked, in place, after (and overriding) ``gradient_checkpointing_enable``; returns the offloader
+    (its counters) when inputs are offloaded."""
     layers = decoder_layers(model)
     if not layers:
         raise ConfigError(
-            f"{type(model).__name__} has no checkpointable decoder layers (transformers' "
-            "GradientCheckpointingLayer): train.checkpoint_layers and train.offload_checkpoints need "
-            "them"
+            f"{type(model).__name__} has no checkpointable decoder layers (transformers' GradientCheckpointingLayer): "
+            "train.checkpoint_layers and train.offload_checkpoints need them"
         )
     if settings.checkpointed > len(layers):
         raise ConfigError(

@@ -1,8 +1,5 @@
-"""The training samples' own token counts, which the planner's time estimate sums over (``longpeft plan``).
-
-The counting itself needs the recipe's tokenizer, chat template and data rules, so it lives with the recipes
-(:mod:`longpeft.recipes.plan_data`); this module holds what the planner receives and how it summarises it.
-"""
+"""The training samples' own token counts (counted by :mod:`longpeft.recipes.plan_data`), which the planner's time
+estimate sums over, and the order the Trainer takes them in."""
 
 from __future__ import annotations
 
@@ -15,21 +12,13 @@ HISTOGRAM_BUCKETS = 5  # (max/2, max], (max/4, max/2], ..., and everything up to
 
 @dataclass(frozen=True)
 class SampleLengths:
-    """Tokens of every training sample as training sees them: after the recipe's length filters, truncation and
-    packing (one entry per trained row, in no particular order); or, with no ``lengths``, why they are unknown.
-
-    Attributes:
-        lengths: one token count per sample (empty when unknown).
-        source: the data they were counted from (a file, ``demo``, ...).
-        counted_with: how: ``"the tokenizer of <model>"`` or the characters-per-token estimate and why.
-        filtered: what the recipe's filters did, as :func:`longpeft.recipes.data.select_by_length` counts it
-            (``dropped``, ``dropped_short``, ``truncated``; ``packed_sequences`` with UtK).
-        unknown: why there are no lengths (the planner then assumes ``data.max_length`` tokens per sample).
-    """
+    """Tokens of every training sample as training sees them, after the recipe's length filters, truncation and
+    packing (one per trained row, in no particular order); or, with no ``lengths``, why they are ``unknown``."""
 
     lengths: tuple[int, ...] = ()
-    source: str = ""
-    counted_with: str = ""
+    source: str = ""  # the data they were counted from (a file, ``demo``, ...)
+    counted_with: str = ""  # ``"the tokenizer of <model>"``, or the characters-per-token estimate and why
+    # what the recipe's filters did (longpeft.recipes.data.select_by_length): dropped, truncated, packed_sequences...
     filtered: dict[str, int] = field(default_factory=dict)
     unknown: str = ""
 
@@ -60,10 +49,9 @@ class SampleLengths:
 def length_histogram(
     lengths: Sequence[int], max_length: int, sample_flops: Callable[[int], float], buckets: int = HISTOGRAM_BUCKETS
 ) -> list[dict[str, Any]]:
-    """Samples, tokens and FLOPs per length bucket: ``(max_length / 2, max_length]``, the half below it, ..., and
-    ``[1, max_length / 2**(buckets - 1)]`` (longer samples fall in the top bucket). ``sample_flops(n)``: the FLOPs
-    of one sample of ``n`` tokens. Rows ``{"low", "high", "samples", "tokens", "flops"}``, longest first; empty
-    buckets are kept so the shape shows."""
+    """Samples, tokens and FLOPs (``sample_flops(n)`` per sample of ``n`` tokens) per length bucket, longest first:
+    ``(max_length / 2, max_length]`` (and longer), the half below it, ..., ``[1, max_length / 2**(buckets - 1)]``.
+    Rows ``{"low", "high", "samples", "tokens", "flops"}``; empty buckets are kept so the shape shows."""
     edges = [max_length // 2**k for k in range(buckets)] + [0]
     rows = [
         {"low": edges[k + 1] + 1, "high": edges[k], "samples": 0, "tokens": 0, "flops": 0.0} for k in range(buckets)
@@ -81,29 +69,21 @@ def format_histogram(rows: list[dict[str, Any]]) -> list[str]:
     """The histogram as text lines: each bucket's samples and its shares of the tokens and of the FLOPs."""
     tokens = sum(row["tokens"] for row in rows) or 1
     flops = sum(row["flops"] for row in rows) or 1.0
-    lines = [f"{'sample length (tokens)':<24} {'samples':>9} {'tokens':>8} {'FLOPs':>8}"]
-    lines += [
+    return [f"{'sample length (tokens)':<24} {'samples':>9} {'tokens':>8} {'FLOPs':>8}"] + [
         f"{row['low']:>10,} - {row['high']:>10,} {row['samples']:>10,} {row['tokens'] / tokens:>8.1%} "
         f"{row['flops'] / flops:>8.1%}"
         for row in rows
     ]
-    return lines
 
 
 GROUPED_STEPS = 50  # optimizer steps per length-sorted block of :func:`length_grouped_order` (the Trainer's 50)
 
 
 def length_grouped_order(lengths: Sequence[int], step_samples: int, seed: int, epoch: int) -> Any:
-    """The order of one epoch's samples when batches are grouped by length (``train.group_by_length``): a
-    permutation drawn from ``(seed, epoch)`` alone, cut into blocks of ``GROUPED_STEPS`` optimizer steps
-    (``step_samples`` samples each; fewer steps when the data holds less than 4 blocks' worth, as the Trainer's
-    ``group_by_length`` does), each block sorted longest first, and the longest sample of all moved to the very
-    front so that a run that cannot fit it fails at its first step. Consecutive samples are then of similar
-    lengths, so the GPUs of a data-parallel step wait little for each other.
-
-    ``lengths``: tokens of each sample (index = row). Returns a numpy array of row indices, each row once. The
-    same ``(seed, epoch)`` gives the same order in every process and after a resume.
-    """
+    """The order of one epoch's rows (a numpy array of indices into ``lengths``, each once) when batches are
+    grouped by length (``train.group_by_length``): a permutation drawn from ``(seed, epoch)`` alone, so the same in
+    every process and after a resume, grouped by :func:`group_by_length`. The longest sample comes first, so that a
+    run that cannot fit it fails at its first step."""
     import numpy as np
 
     rng = np.random.default_rng([seed, epoch])
@@ -111,9 +91,9 @@ def length_grouped_order(lengths: Sequence[int], step_samples: int, seed: int, e
 
 
 def group_by_length(permutation: Any, lengths: Sequence[int], step_samples: int) -> Any:
-    """:func:`length_grouped_order`'s grouping of a given ``permutation`` (numpy array of row indices): blocks of
-    ``min(rows // (4 * step_samples), GROUPED_STEPS)`` steps (at least one), each sorted by length, longest first
-    (ties keep their order in ``permutation``), then the longest block head swapped with the first block's."""
+    """``permutation`` (numpy array of row indices) cut into blocks of ``min(rows // (4 * step_samples),
+    GROUPED_STEPS)`` optimizer steps (at least one; the Trainer's rule), each sorted longest first (ties keep their
+    order), then the longest block head swapped with the first block's."""
     import numpy as np
 
     if step_samples < 1:
@@ -129,9 +109,9 @@ def group_by_length(permutation: Any, lengths: Sequence[int], step_samples: int)
 
 
 def epoch_steps(rows: int, per_device_batch: int, data_parallel: int, accumulation: int) -> int:
-    """Optimizer steps in one epoch of ``rows`` samples, as the Trainer counts them: the rows cut into
-    micro-batches of ``per_device_batch``, dealt round-robin to ``data_parallel`` GPUs (the last round completed),
-    each GPU's micro-batches in steps of ``accumulation``, the last step taking the rest."""
+    """Optimizer steps in one epoch of ``rows`` samples, as the Trainer counts them: micro-batches of
+    ``per_device_batch`` dealt round-robin to ``data_parallel`` GPUs (the last round completed), each GPU's in steps
+    of ``accumulation``, the last step taking the rest."""
     return max(1, _ceil(_rounds(rows, per_device_batch, data_parallel), accumulation))
 
 
@@ -155,17 +135,12 @@ def ordered_seconds(
     grouped: bool = False,
 ) -> float:
     """Seconds of ``steps`` optimizer steps of data-parallel training over the samples of ``lengths``, taken as the
-    Trainer and accelerate take them. Each epoch draws every sample once, in a fresh (seeded) random order, or with
-    ``grouped`` in :func:`length_grouped_order`'s order for that epoch, and cuts that order into micro-batches of
-    ``per_device_batch``, micro-batch ``j`` going to GPU ``j % data_parallel``. With several GPUs accelerate
-    completes the epoch's last micro-batches with its first samples (``even_batches``: in grouped order the longest
-    ones), so that every GPU gets as many full micro-batches; one GPU trains a short last micro-batch as it is. A
-    step takes ``accumulation`` micro-batches per GPU (the epoch's last step the rest: :func:`epoch_steps` steps
-    an epoch), each padded to its longest sample, and lasts as long as its slowest GPU's micro-batches (the
-    gradients' all-reduce waits for it). ``steps`` past an epoch go on in the next.
-
-    ``sample_seconds(n)``: one GPU's seconds for one sample of ``n`` tokens (an array of lengths in, an array out).
-    """
+    Trainer and accelerate take them: each epoch in a fresh seeded random order (``grouped``: in
+    :func:`length_grouped_order`'s), micro-batch ``j`` of ``per_device_batch`` samples on GPU ``j % data_parallel``;
+    with several GPUs the last round is completed with the epoch's first samples (accelerate's ``even_batches``). A
+    step is ``accumulation`` micro-batches per GPU (:func:`epoch_steps` per epoch), each padded to its longest sample,
+    and lasts as long as its slowest GPU. ``sample_seconds(n)``: one GPU's seconds for one sample of ``n`` tokens
+    (an array of lengths in, an array out)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)

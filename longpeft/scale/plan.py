@@ -1,31 +1,12 @@
 """Per-GPU memory and wall-time estimate of a recipe, term by term (``longpeft plan RECIPE --gpus N``).
 
-Memory terms, in bytes per GPU (``--launch ddp``, the default on several GPUs: a whole replica per GPU):
-
-- base weights: 4-bit NF4 linear layers at 0.5 byte per weight plus their quantization constants, everything else
-  in the compute dtype; or the whole model in the compute dtype;
-- LoRA, a trainable embedding, a method's own weights (its ``planned_weights`` hook), or a full fine-tune's
-  weights: each trained parameter with its gradient and AdamW's two moments (:meth:`RunLayout.with_state`);
-- activations (:func:`activation_terms`): checkpointed layer inputs, kept attention outputs, layers not
-  checkpointed, one layer's recompute (a tiled MLP holds one tile), or every layer's activations without
-  checkpointing; eager attention's score matrices; the fused loss's tiles and the final hidden states;
-- DDP gradient buckets, or under sharded launches the gathered layer, LM head and unsharded gradients (and
-  DeepSpeed's reduce bucket), weights and optimizer state divided by the GPUs; ``ulysses`` divides every activation
-  term by the GPUs too;
-- runtime: the CUDA context (1 GiB), 10 % of the activations and the caching allocator's reserve
-  (``ALLOCATOR_RESERVE``).
-
-Time: the matmul FLOPs per token (forward, the checkpointed layers' recompute, the fused loss's recompute of the
-logits, backward, the trained weights' gradients) times each sample's length, plus attention per sample at its own
-length squared (forward, backward twice, and the recompute of checkpointed layers that keep no attention output),
-divided by the GPUs' peak bf16 FLOP/s times a utilisation for the matmuls and one for the attention kernel. Sample
-lengths come from the data when ``longpeft plan`` can count them (:mod:`longpeft.recipes.plan_data`), else
-``data.max_length`` each; the time line says which, and adds the time in the order the recipe trains them (random,
-or grouped by length with ``train.group_by_length``), each step as long as its slowest GPU
-(:func:`.lengths.ordered_seconds`). Communication between nodes: :mod:`.network`.
-
-The constants measured on an H100 (utilisations by kernel, the allocator's reserve, TRL's offloading stash) and the
-runs they were fitted to are in ``docs/measurements/README.md``; ``docs/scale.md`` explains the terms for users.
+Memory: bytes per GPU of the base weights, what trains (with its gradient and AdamW state), the activations
+(:func:`activation_terms`), DDP's gradient buckets or a sharded launch's gathered layers, and the runtime (CUDA
+context, 10 % of the activations, the allocator's reserve). Time: the matmul FLOPs per token times each sample's
+length, plus attention at its length squared, over the GPUs' peak bf16 FLOP/s times measured utilisations; in the
+recipe's order each step lasts as long as its slowest GPU (:func:`.lengths.ordered_seconds`). Communication between
+nodes: :mod:`.network`. ``docs/scale.md`` explains the terms; ``docs/measurements/README.md`` holds the constants
+measured on an H100 and the runs they were fitted to.
 """
 
 from __future__ import annotations
@@ -64,9 +45,7 @@ BUDGET_SHARE = 0.95  # of the GPU's memory, what the auto checkpointing choices 
 _LLAMA3_8B = dict(
     hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, vocab=128256, tied=False
 )
-_LLAMA2_7B = dict(
-    hidden=4096, layers=32, heads=32, kv_heads=32, head_dim=128, intermediate=11008, vocab=32000, tied=False
-)
+_LLAMA2_7B = {**_LLAMA3_8B, "kv_heads": 32, "intermediate": 11008, "vocab": 32000}
 _MISTRAL_7B = {**_LLAMA3_8B, "vocab": 32000}
 _QWEN2_7B = dict(
     hidden=3584, layers=28, heads=28, kv_heads=4, head_dim=128, intermediate=18944, vocab=152064, tied=False
@@ -204,10 +183,6 @@ class Plan:
         return sum(self.terms.values())
 
     @property
-    def sharded(self) -> bool:
-        return self.assumptions.get("launch") in SHARDED_LAUNCHES
-
-    @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.gpu_memory_gib * GiB
 
@@ -215,32 +190,30 @@ class Plan:
         """What would make the run fit (or faster), largest memory term first."""
         if self.fits:
             return []
-        ranked = sorted(self.terms, key=self.terms.get, reverse=True)
-        finetune, launch = self.assumptions.get("finetune"), self.assumptions.get("launch")
+        assumed, launch = self.assumptions, self.assumptions.get("launch")
         shard = sequence = None  # None: the recipe cannot use that lever (train --launch would refuse it)
-        if self.sharded:
+        if launch in SHARDED_LAUNCHES:
             shard = f"more GPUs (--launch {launch} divides it by their number)"
-        elif self.assumptions.get("can_shard", True):
+        elif assumed.get("can_shard", True):
             shard = (
                 "--launch fsdp2 or zero3 (weights, gradients and AdamW state sharded across the GPUs; plan it "
                 f"with --launch fsdp2 --gpus {self.gpus})"
             )
         if launch == "ulysses":
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
-        elif self.assumptions.get("can_split_sequences", True):
+        elif assumed.get("can_split_sequences", True):
             sequence = "sequence parallelism across GPUs (--launch ulysses)"
-        checkpointing = self.assumptions.get("checkpointing", {})
         offload = (
             None
-            if self.assumptions.get("activation_offloading") or checkpointing.get("offload")
-            else "train.offload_checkpoints: true "
-            "(the layer inputs wait in CPU memory, fetched back ahead of their layer)"
+            if assumed.get("activation_offloading") or assumed.get("checkpointing", {}).get("offload")
+            else "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of their "
+            "layer)"
         )
-        qlora = (
-            "finetune: lora with model.load_in_4bit: true (QLoRA)"
-            if finetune in ("full", "method")
-            else (None if self.assumptions.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)")
-        )
+        if assumed.get("finetune") in ("full", "method"):
+            qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)"
+        else:
+            qlora = None if assumed.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)"
+        bf16_state = ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)"
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
             "one layer's recompute": _either(
@@ -251,82 +224,64 @@ class Plan:
             "kept attention outputs": "train.keep_attention: auto (keeps what fits) or fewer layers",
             "layers not checkpointed": "train.checkpoint_layers: auto (checkpoints what memory forces) or all",
             "trainable embedding": "lora.embeddings: token_indices (train only the rows you need), or an 8-bit "
-            "optimizer (train.optim: adamw_bnb_8bit)"
-            + (
-                ""
-                if launch in DEEPSPEED_LAUNCHES
-                else ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)"
-            ),
+            "optimizer (train.optim: adamw_bnb_8bit)" + ("" if launch in DEEPSPEED_LAUNCHES else bf16_state),
             "base weights": _either(shard, qlora),
             "optimizer state and gradients": _either(shard, "finetune: lora"),
             "DDP gradient buckets": "lora.embeddings: token_indices (the buckets hold the trainable gradients)"
-            if finetune == "lora"
+            if assumed.get("finetune") == "lora"
             else shard,
             "gathered layers and LM head": "nothing to gain: the shards are gathered one layer at a time",
             "LoRA": "a smaller lora.r or fewer target modules",
             "loss tiles": "nothing to gain: the loss is already tiled",
             **self.method_levers,
         }
-        advice = {term: text for term, text in advice.items() if text}
-        return [f"{term}: {advice[term]}" for term in ranked if term in advice][:3]
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data.update(peak_bytes=self.peak_bytes, fits=self.fits, levers=self.levers())
-        return data
+        ranked = sorted(self.terms, key=self.terms.get, reverse=True)
+        return [f"{term}: {advice[term]}" for term in ranked if advice.get(term)][:3]
 
     def table(self) -> str:
-        width = max(map(len, self.terms))
+        assumed, width = self.assumptions, max(map(len, self.terms))
         lines = [f"{'term':<{width}} {'GiB per GPU':>12}"]
         lines += [f"{term:<{width}} {value / GiB:>12.2f}" for term, value in self.terms.items()]
         verdict = "fits" if self.fits else "does NOT fit"
-        launch = self.assumptions["launch"]
+        launch, pinned = assumed["launch"], assumed.get("pinned_host_bytes")
         lines += [
             f"{'peak':<{width}} {self.peak_bytes / GiB:>12.2f}   ({verdict} in {self.gpu_memory_gib:g} GiB"
             f"{f', --launch {launch}' if launch else ''})",
-            f"checkpointing: {self.assumptions['checkpointing_summary']}"
-            + (
-                f" ({self.assumptions['pinned_host_bytes'] / GiB:.1f} GiB of pinned host memory per GPU)"
-                if self.assumptions.get("pinned_host_bytes")
-                else ""
-            ),
+            f"checkpointing: {assumed['checkpointing_summary']}"
+            + (f" ({pinned / GiB:.1f} GiB of pinned host memory per GPU)" if pinned else ""),
         ]
         lines += format_histogram(self.length_histogram) if self.length_histogram else []
+        utilisation = assumed["utilisation"]
         lines += [
-            f"time: {self.assumptions['time_basis']} = {self.tokens:,} tokens x "
-            f"{self.flops_per_token / 1e9:.1f} GFLOP/token "
+            f"time: {assumed['time_basis']} = {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
             f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
-            f"{self.assumptions['utilisation']['matmuls']:.0%} (matmuls) and "
-            f"{self.assumptions['utilisation']['attention']:.0%} (attention, "
-            f"{self.assumptions['attention']}) of "
-            f"{self.assumptions['peak_tflops']:g} TFLOP/s ({self.assumptions['utilisation']['source']})"
+            f"{utilisation['matmuls']:.0%} (matmuls) and {utilisation['attention']:.0%} (attention, "
+            f"{assumed['attention']}) of {assumed['peak_tflops']:g} TFLOP/s ({utilisation['source']})"
             + self._time_ending()
         ]
-        lines += inter_node_lines(self.assumptions.get("inter_node"), self.hours)
+        lines += inter_node_lines(assumed.get("inter_node"), self.hours)
         lines += [f"lever: {lever}" for lever in self.levers()]
         return "\n".join(lines)
 
     def _time_ending(self) -> str:
         """The time line's end: what it leaves out (and the hours in the recipe's order, which count it), then its
         hours."""
-        a = self.assumptions
-        ending = ""
-        if a.get("padding_not_counted"):
+        assumed, ending = self.assumptions, ""
+        if assumed.get("padding_not_counted"):
             ending += "; padding to each batch's longest sample not counted"
-        if a.get("unequal_load_not_counted"):
+        if assumed.get("unequal_load_not_counted"):
             ending += "; every GPU equally loaded"
-        if a.get("hours_in_order") is not None:
+        if assumed.get("hours_in_order") is not None:
             ending += (
-                f" (in the order the recipe trains them, {a['order']}, {a['order_waits']}: "
-                f"{format_duration(a['hours_in_order'] * 3600)})"
+                f" (in the order the recipe trains them, {assumed['order']}, {assumed['order_waits']}: "
+                f"{format_duration(assumed['hours_in_order'] * 3600)})"
             )
         return f"{ending} = {format_duration(self.hours * 3600)}"
 
 
 def _either(*options: str | None) -> str | None:
     """The usable options joined with ", or " (None when there is none)."""
-    usable = [option for option in options if option]
-    return ", or ".join(usable) or None
+    return ", or ".join(option for option in options if option) or None
 
 
 def _allowed(check: Any, *args: Any) -> bool:
@@ -397,15 +352,14 @@ class TrainedWeights:
 
 
 def quantization_constants(recipe: Any) -> float:
-    """Bytes per 4-bit weight of its quantization constants: one absmax per 64 weights, in fp32, or with double
-    quantization 8-bit plus one fp32 per 256 of those. They are no parameters (bitsandbytes' quant state), so FSDP2
-    and ZeRO-3 shard only the packed weights."""
+    """Bytes per 4-bit weight of its quantization constants: one fp32 absmax per 64 weights, or with double
+    quantization 8-bit plus one fp32 per 256 of those. Not parameters, so FSDP2 and ZeRO-3 do not shard them."""
     return 1 / 64 + 4 / (256 * 64) if recipe.model.bnb_4bit_use_double_quant else 4 / 64
 
 
 def linear_weight_bytes(recipe: Any, dtype_bytes: int) -> float:
-    """Bytes per parameter of the decoder layers' linear projections as stored: half a byte plus the quantization
-    constants in 4 bits, else the compute dtype's."""
+    """Bytes per parameter of the decoder layers' linear projections as stored: 4-bit's half a byte plus its
+    quantization constants, else the compute dtype's."""
     return 0.5 + quantization_constants(recipe) if recipe.model.load_in_4bit else dtype_bytes
 
 
@@ -416,11 +370,9 @@ def lora_terms(recipe: Any, shape: ModelShape, run: RunLayout, trained: TrainedW
     if run.deepspeed and recipe.model.load_in_4bit:  # DeepSpeed casts every weight of a model zero.Init did not build
         trained.weight_bytes = run.dtype_bytes
     per_param = run.with_state(trained.weight_bytes)
-    trained.lora_params = shape.layers * sum(
-        recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules
-    )
-    trained.params = trained.matmul_params = trained.lora_params
-    terms = {"LoRA": trained.lora_params * per_param}
+    lora = shape.layers * sum(recipe.lora.r * sum(shape.projection_shape(n)) for n in recipe.lora.target_modules)
+    trained.params = trained.matmul_params = trained.lora_params = lora
+    terms = {"LoRA": lora * per_param}
     rows = {"full": shape.vocab, "token_indices": len(recipe.lora.trainable_token_indices or [])}
     if recipe.lora.embeddings in rows:
         terms["trainable embedding"] = rows[recipe.lora.embeddings] * shape.hidden * per_param
@@ -429,12 +381,10 @@ def lora_terms(recipe: Any, shape: ModelShape, run: RunLayout, trained: TrainedW
 
 
 def full_finetune_terms(shape: ModelShape, run: RunLayout, trained: TrainedWeights) -> dict[str, int]:
-    """A full fine-tune's weights (float32; under DeepSpeed zero.Init builds them in the compute dtype, beside a
-    float32 master copy), replacing the base's, and their gradients and AdamW moments; counts them into
-    ``trained``."""
-    full = shape.linear_params + shape.other_params
+    """A full fine-tune's weights (float32; under DeepSpeed in the compute dtype beside a float32 master copy),
+    replacing the base's, with their gradients and AdamW moments; counts them into ``trained``."""
+    full = trained.params = shape.linear_params + shape.other_params
     weight_bytes = run.dtype_bytes if run.deepspeed else 4
-    trained.params = full
     trained.matmul_params = shape.linear_params + shape.vocab * shape.hidden
     return {
         "base weights": full * weight_bytes,
@@ -449,11 +399,11 @@ def method_weight_terms(recipe: Any, shape: ModelShape, trained: TrainedWeights)
     for name, config in recipe.method_configs().items():
         method = get_method(name)
         if method.keeps_weights:
-            method_trainable, method_frozen = method.planned_weights(config, shape)
-            terms[f"{name} weights"] = method_trainable * 16 + method_frozen * 4
-            trained.method_params += method_trainable + method_frozen
-            trained.params += method_trainable
-            trained.matmul_params += method_trainable
+            trainable, frozen = method.planned_weights(config, shape)
+            terms[f"{name} weights"] = trainable * 16 + frozen * 4
+            trained.method_params += trainable + frozen
+            trained.params += trainable
+            trained.matmul_params += trainable
             trained.levers[f"{name} weights"] = method.plan_lever
     return terms
 
@@ -559,8 +509,8 @@ class TrainingSchedule:
 
 @dataclass(frozen=True)
 class PlannedTime:
-    """The time: tokens, FLOPs per token (attention's share apart), seconds, and the seconds in the order the
-    recipe trains when the samples' lengths differ and a step holds several (else None)."""
+    """The time: tokens, FLOPs per token (attention's share apart), seconds, the seconds in the order the recipe
+    trains when the samples' lengths differ and a step holds several (else None), and the lengths' histogram."""
 
     tokens: int
     flops_per_token: float
@@ -581,30 +531,21 @@ def planned_time(
 ) -> PlannedTime:
     """The FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial
     pass at their mean; else ``data.max_length`` each) over the GPUs' ``peak`` FLOP/s times ``utilisation``."""
-    lengths, tokens_per_sample = schedule.lengths, run.tokens_per_sample
-    counted = len(lengths) or 1
-    total, total_square = (
-        (sum(lengths), sum(n * n for n in lengths)) if lengths else (tokens_per_sample, tokens_per_sample**2)
-    )
-    planned_tokens = schedule.trained_samples * total / counted
-    attention_total = attention_per_square * (schedule.trained_samples * total_square / counted)
+    lengths = schedule.lengths or (run.tokens_per_sample,)
+    planned_tokens = schedule.trained_samples * sum(lengths) / len(lengths)
+    attention_total = attention_per_square * (schedule.trained_samples * sum(n * n for n in lengths) / len(lengths))
     attention_flops = attention_total / planned_tokens
-    histogram = (
-        length_histogram(lengths, tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
-        if lengths
-        else []
-    )
     seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
         run.gpus * peak
     )
+
+    def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
+        return (
+            n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
+        ) / (run.sequence_shards * peak)
+
     in_order = None
     if len(set(lengths)) > 1 and (run.data_parallel > 1 or run.batch > 1):
-
-        def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
-            return (
-                n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
-            ) / (run.sequence_shards * peak)
-
         in_order = ordered_seconds(
             lengths,
             sample_seconds,
@@ -615,6 +556,11 @@ def planned_time(
             seed=recipe.train.seed,
             grouped=recipe.train.group_by_length,
         )
+    histogram = (
+        length_histogram(lengths, run.tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
+        if schedule.lengths
+        else []
+    )
     flops_per_token = matmul_flops + attention_flops
     return PlannedTime(round(planned_tokens), flops_per_token, attention_flops, seconds, in_order, histogram)
 
@@ -631,20 +577,16 @@ def estimate(
     checkpointing: CheckpointSettings | None = None,
     sample_lengths: SampleLengths | None = None,
 ) -> Plan:
-    """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs: the memory
-    terms in the order of the module's list, each from its function, then the time.
+    """Estimate per-GPU peak memory and wall time of ``recipe`` (a validated Recipe) on ``gpus`` GPUs.
 
     Args:
-        samples: rows of the training data (default: as many as ``sample_lengths`` has, else a local JSONL
-            ``data.source``'s rows, the demo set's conversations, else 1000); unused when ``train.max_steps`` is set.
-        sample_lengths: the samples' own token counts (:func:`longpeft.recipes.plan_data.count_sample_lengths`):
-            the time sums each sample's matmuls and attention at its own length; without them every sample is
-            assumed ``data.max_length`` tokens long, and the time line says so. The memory terms plan for
-            ``data.max_length`` either way.
-        launch: how the GPUs share the work, as ``longpeft train --launch`` (``ddp``, ``fsdp2``, ``zero3``,
-            ``ulysses``); default ``ddp`` on several GPUs. A combination ``train --launch`` refuses is refused here.
-        checkpointing: what each layer keeps (default: the recipe's ``train.checkpoint_layers``,
-            ``keep_attention`` and ``offload_checkpoints``, ``auto`` resolved by :func:`choose_checkpointing`).
+        samples: rows of the training data (default: as many as ``sample_lengths`` has, else :func:`_samples`);
+            unused when ``train.max_steps`` is set.
+        sample_lengths: the samples' own token counts (:func:`longpeft.recipes.plan_data.count_sample_lengths`),
+            which the time sums over; without them every sample is ``data.max_length`` tokens long, and the time
+            line says so. The memory terms plan for ``data.max_length`` either way.
+        launch: as ``longpeft train --launch`` (default ``ddp`` on several GPUs); what train refuses is refused.
+        checkpointing: what each layer keeps (default: :func:`resolve_checkpointing` of the recipe's settings).
     """
     if gpu not in GPU_PEAK_TFLOPS:
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
@@ -674,6 +616,7 @@ def estimate(
     attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
     time = planned_time(recipe, run, schedule, matmul_flops, attention_per_square, utilisation, peak)
+    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
@@ -689,49 +632,34 @@ def estimate(
             "peak_tflops": GPU_PEAK_TFLOPS[gpu],
             "utilisation": utilisation,
             "attention": recipe.model.attn_implementation,
-            **_assumptions(recipe, shape, run, trained, checkpointing, schedule, sample_lengths, time),
+            "samples": schedule.samples,
+            "tokens_per_sample": run.tokens_per_sample,
+            "per_device_batch": run.batch,
+            "trainable_params": trained.params,
+            # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
+            "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
+            "trained_samples": schedule.trained_samples,
+            "optimizer_steps": schedule.optimizer_steps,
+            "time_basis": _time_basis(recipe, schedule, sample_lengths),
+            **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
+            "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
+            "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
+            f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
+            "finetune": recipe.finetune,
+            "load_in_4bit": recipe.model.load_in_4bit,
+            "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
+            "checkpointing": asdict(checkpointing),
+            "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
+            if checkpointing.offload
+            else 0,
+            "checkpointing_summary": checkpointing.describe(shape.layers),
+            "launch": run.launch,
+            "sequence_parallel": run.sequence_shards,
+            # the levers the recipe can use (train --launch would refuse the others)
+            "can_shard": _allowed(check_sharded, recipe, "sharding"),
+            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
         },
     )
-
-
-def _assumptions(
-    recipe: Any,
-    shape: ModelShape,
-    run: RunLayout,
-    trained: TrainedWeights,
-    checkpointing: CheckpointSettings,
-    schedule: TrainingSchedule,
-    lengths: SampleLengths | None,
-    time: PlannedTime,
-) -> dict[str, Any]:
-    """What the plan assumed of the data, the trained weights, the time and the memory, and which levers the recipe
-    can use (``can_shard``, ``can_split_sequences``)."""
-    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
-    return {
-        "samples": schedule.samples,
-        "tokens_per_sample": run.tokens_per_sample,
-        "per_device_batch": run.batch,
-        "trainable_params": trained.params,
-        "trained_samples": schedule.trained_samples,
-        "optimizer_steps": schedule.optimizer_steps,
-        "time_basis": _time_basis(recipe, schedule.trained_samples, schedule.samples, schedule.rows_from, lengths),
-        **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
-        "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
-        "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
-        f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
-        "finetune": recipe.finetune,
-        "load_in_4bit": recipe.model.load_in_4bit,
-        "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
-        "checkpointing": asdict(checkpointing),
-        "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
-        if checkpointing.offload
-        else 0,
-        "checkpointing_summary": checkpointing.describe(shape.layers),
-        "launch": run.launch,
-        "sequence_parallel": run.sequence_shards,
-        "can_shard": _allowed(check_sharded, recipe, "sharding"),
-        "can_split_sequences": _allowed(check_sequence_parallel, recipe),
-    }
 
 
 def activation_terms(
@@ -905,10 +833,10 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
     the figures measured on this GPU (eager attention counts as matmuls), else the unmeasured defaults."""
     if mfu is not None:
         return {"matmuls": mfu, "attention": mfu, "source": "--mfu"}
-    if gpu not in MEASURED_UTILISATION:
+    measured = MEASURED_UTILISATION.get(gpu)
+    if measured is None:
         default = UNMEASURED_UTILISATION[four_bit]
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
-    measured = MEASURED_UTILISATION[gpu]
     matmuls = measured["matmuls"][four_bit]
     return {
         "matmuls": matmuls,
@@ -921,8 +849,7 @@ def _samples(recipe: Any) -> tuple[int, str]:
     """Rows of the training data and where that number comes from: a local JSONL file's rows, the demo set's
     ``n_conversations``, else ``data.max_samples`` or an assumed 1000 (pass ``--samples`` for the real count); at
     most ``data.max_samples`` (the runner reads no more)."""
-    path = Path(recipe.data.source)
-    cap = recipe.data.max_samples
+    path, cap = Path(recipe.data.source), recipe.data.max_samples
     if path.is_file() and path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as handle:
             rows, rows_from = sum(1 for line in handle if line.strip()), f"the rows of {path}"
@@ -935,23 +862,21 @@ def _samples(recipe: Any) -> tuple[int, str]:
     return (min(rows, cap), f"{rows_from}, at most data.max_samples") if cap else (rows, rows_from)
 
 
-def _time_basis(recipe: Any, trained: int, rows: int, rows_from: str, lengths: SampleLengths | None) -> str:
+def _time_basis(recipe: Any, schedule: TrainingSchedule, lengths: SampleLengths | None) -> str:
     """What the time is planned from, for its line: how many samples and why, and their lengths' source."""
-    if recipe.train.max_steps > 0:
-        how = f"train.max_steps={recipe.train.max_steps} x global batch {recipe.train.global_batch_size}"
+    trained, rows, train = schedule.trained_samples, schedule.samples, recipe.train
+    if train.max_steps > 0:
+        how = f"train.max_steps={train.max_steps} x global batch {train.global_batch_size}"
     else:
-        epochs = recipe.train.num_train_epochs
-        how = f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows" + (
-            f" ({rows_from})" if rows_from else ""
-        )
+        epochs = train.num_train_epochs
+        how = f"{epochs:g} epoch{'' if epochs == 1 else 's'} of {rows:,} rows"
+        how += f" ({schedule.rows_from})" if schedule.rows_from else ""
     if lengths is not None and lengths.lengths:
-        counted = len(lengths.lengths)
+        counted, cycling = len(lengths.lengths), ""
         if rows != counted:
             cycling = f"; each of the {rows:,} rows planned at the {counted:,} counted samples' average"
         elif trained % counted:
             cycling = "; cycling through them, the partial pass at their average"
-        else:
-            cycling = ""
         return f"{trained:,} samples ({how}) at their own lengths ({lengths.describe()}{cycling})"
     why = lengths.unknown if lengths is not None else "no sample lengths given"
     return f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; {why})"

@@ -1,16 +1,10 @@
-"""The decoder layers' MLP tiled along the sequence.
+"""The decoder layers' MLP tiled along the sequence (``train.mlp_tile_tokens``).
 
-A Llama-style MLP, ``down(act(gate(x)) * up(x))``, treats every token on its own, and its backward keeps
-``[batch, seq, intermediate]`` tensors (gate, up, their product: 3.5x the hidden size each on Llama-3-8B),
-the largest activations of a recomputed layer at long lengths. Tiled, its forward runs ``tile_tokens`` tokens
-at a time without keeping anything but its input ``x [batch, seq, hidden]``, and its backward runs each tile's
-forward again, with gradients, and then that tile's backward: one tile's intermediates exist at a time. The
-results equal the untiled MLP's up to the order of floating-point sums (each parameter gradient is the sum of
-the tiles').
-
-The input is saved before the tiles run, so a checkpointed layer's recompute stops there (torch's early stop:
-the MLP is the last op of the layer to save a tensor) instead of running the MLP a third time. An input that
-needs no gradient (nothing before the MLP trains, and the input does not require grad) runs untiled.
+A Llama-style MLP treats every token on its own, and its backward keeps ``[batch, seq, intermediate]`` tensors, the
+largest activations of a recomputed layer at long lengths. Tiled, its forward keeps only its input
+``x [batch, seq, hidden]``, and its backward runs each tile's forward again and then its backward: one tile's
+intermediates exist at a time. The results equal the untiled MLP's up to the order of floating-point sums. An
+input that needs no gradient runs untiled.
 """
 
 from __future__ import annotations
@@ -25,9 +19,9 @@ from .checkpointing import decoder_layers
 
 
 class _SaveInput(torch.autograd.Function):
-    """The identity, saving its input for the tiled MLP's backward (read there through this node), so that the
-    input is saved before the tiles run: a checkpoint's recompute stops at this save (torch's early stop, as the
-    MLP is the last op of a decoder layer that saves a tensor) and does not run the tiles again."""
+    """The identity, saving its input for the tiled MLP's backward before the tiles run: a checkpoint's recompute
+    stops at this save (torch's early stop: the MLP is the last op of its layer that saves a tensor), so the tiles
+    do not run a third time."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -41,8 +35,7 @@ class _SaveInput(torch.autograd.Function):
 
 class _TiledMLP(torch.autograd.Function):
     """``forward(x)`` over sequence tiles, for ``x`` that :class:`_SaveInput` returned; the trained parameters are
-    inputs so that their gradients flow through autograd once per backward (data-parallel reducers see each
-    parameter ready once)."""
+    inputs so that data-parallel reducers see each one's gradient ready once per backward."""
 
     @staticmethod
     def forward(ctx: Any, forward: Any, tile_tokens: int, x: torch.Tensor, *parameters: torch.Tensor) -> torch.Tensor:
@@ -90,15 +83,6 @@ class TiledMLPForward:
         return _TiledMLP.apply(self.forward, self.tile_tokens, _SaveInput.apply(x), *parameters)
 
 
-def _mlp_of(layer: nn.Module) -> nn.Module:
-    mlp = getattr(layer, "mlp", None)
-    if not isinstance(mlp, nn.Module):
-        raise ConfigError(
-            f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile"
-        )
-    return mlp
-
-
 def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
     """Tile every decoder layer's MLP of ``model`` along the sequence, ``tile_tokens`` tokens at a time, in place;
     returns the number of MLPs tiled."""
@@ -108,7 +92,11 @@ def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> int:
     if not layers:
         raise ConfigError(f"{type(model).__name__} has no decoder layers whose MLP could be tiled")
     for layer in layers:
-        mlp = _mlp_of(layer)
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ConfigError(
+                f"train.mlp_tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile"
+            )
         mlp.forward = TiledMLPForward(mlp, tile_tokens)
     return len(layers)
 
