@@ -551,10 +551,10 @@ EXCEPTIONS = {
     ("longpeft/spec.py", "head_bases"): "a ContextSpec accessor below the registry; longpeft itself no longer reads "
     "it (spec.py is left to the issue29-settings branch)",
     ("longpeft/spec.py", "string"): "as head_bases",
-    ("longpeft/eval/tasks.py", "_write_outputs"): "'string' there is the results' key of the STRING settings an "
+    ("longpeft/eval/tasks.py", "write_outputs"): "'string' there is the results' key of the STRING settings an "
     "evaluation ran with (eval switches STRING on by design), not a "
     "method section",
-    ("longpeft/eval/tasks.py", "evaluate"): "as _write_outputs",
+    ("longpeft/eval/tasks.py", "evaluate"): "as write_outputs",
 }
 
 
