@@ -53,7 +53,7 @@ class ModelSection(StrictModel):
 
 class LoraSection(StrictModel):
     """LoRA settings. ``embeddings``: ``full`` trains the whole input embedding, ``token_indices`` only the rows in
-    ``trainable_token_indices``, ``none`` neither. ``trainable_dtype``: see docs/recipes.md (unsloth ignores it)."""
+    ``trainable_token_indices``, ``none`` neither. ``trainable_dtype``: docs/recipes.md."""
 
     r: int = Field(default=32, gt=0)
     alpha: float = Field(default=16, gt=0)
@@ -273,15 +273,22 @@ def changed_from_default(section: StrictModel, keys: tuple[str, ...]) -> list[st
     return [key for key in keys if getattr(section, key) != type(section).model_fields[key].default]
 
 
+# The train settings SFTConfig takes as they are, under their own names (trainer.sft_arguments).
+TRAIN_KEYS_AS_IS = (
+    "learning_rate lr_scheduler_type warmup_steps weight_decay adam_beta1 adam_beta2 optim num_train_epochs max_steps "
+    "save_steps save_total_limit logging_steps max_grad_norm seed activation_offloading"
+).split()
 # SFTConfig arguments longpeft sets itself (trainer.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
     **{
         key: f"use train.{key}"
         for key in (
-            "learning_rate lr_scheduler_type warmup_steps weight_decay adam_beta1 adam_beta2 optim num_train_epochs "
-            "max_steps gradient_checkpointing save_steps save_total_limit logging_steps max_grad_norm seed "
-            "assistant_only_loss report_to activation_offloading use_liger_kernel"
-        ).split()
+            *TRAIN_KEYS_AS_IS,
+            "gradient_checkpointing",
+            "assistant_only_loss",
+            "report_to",
+            "use_liger_kernel",
+        )
     },
     "output_dir": "use output_dir",
     "per_device_train_batch_size": "use train.per_device_batch_size",

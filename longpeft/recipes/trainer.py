@@ -1,8 +1,5 @@
-"""The trainer of a recipe, wired from what the steps before built: TRL's SFTConfig from the recipe's settings, the
-data collator (UtK's, a method's, or TRL's), each method's training-label rule, the callbacks every run has
-(metrics, rotary frequencies, stopping), and the trainer class with longpeft's checkpoints (:mod:`.recipe_trainer`)
-over the model whose trained weights :mod:`.peft_setup` sets up.
-"""
+"""The trainer of a recipe: TRL's SFTConfig from the recipe, the data collator (UtK's, a method's, or TRL's), each
+method's training-label rule, the callbacks every run has, and :mod:`.recipe_trainer`'s class over the model."""
 
 from __future__ import annotations
 
@@ -28,9 +25,9 @@ from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
 from .init_from import InitAdapter, load_init_weights, report_differences
-from .peft_setup import peft_config, set_trained_weights
+from .peft_setup import lora_config, set_trained_weights
 from .recipe_trainer import recipe_trainer_class
-from .schema import Recipe
+from .schema import TRAIN_KEYS_AS_IS, Recipe
 
 
 def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:
@@ -41,10 +38,8 @@ def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
-    """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (whose keys the
-    recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``). Creating it sets up
-    the processes (and DeepSpeed's config, which the base loads under). On the older stack, TRL gets its loss
-    kernel and a multi-process CPU run the plain ``cpu`` device (:mod:`longpeft.compat`)."""
+    """TRL SFTConfig from :func:`sft_arguments` and the recipe's ``trl:`` section. Creating it sets up the processes
+    (and DeepSpeed's config, which the base loads under)."""
     from trl import SFTConfig  # here, not at import: unsloth must patch TRL first (train.backend: unsloth)
 
     ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
@@ -72,21 +67,12 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     precision = mixed_precision(recipe, use_cuda)
     sp = sequence_parallel_size()
     return dict(
+        **{key: getattr(t, key) for key in TRAIN_KEYS_AS_IS},
         output_dir=str(output_dir / "checkpoints"),
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        optim=t.optim,
         per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=gradient_accumulation(recipe, data_parallel_size()),
-        num_train_epochs=t.num_train_epochs,
-        max_steps=t.max_steps,
         # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
         **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
-        activation_offloading=t.activation_offloading,
         # Liger's layer kernels only: the loss stays TRL's fused LM head (Liger's fused loss would replace it)
         **(
             {
@@ -97,11 +83,6 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
             else {}
         ),
         save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        logging_steps=t.logging_steps,
-        max_grad_norm=t.max_grad_norm,
-        seed=t.seed,
         data_seed=t.seed,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
@@ -125,19 +106,11 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
-    """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; else the collator of the
-    method that brings one (its ``collator``: PoSE's skip-wise position ids); else None (TRL's). The
-    recipe's validation refuses two of them (``registry.find_conflicts``)."""
+    """UtK's collator with ``data.utk``; else the collator of the method that brings one (PoSE's); else None (TRL's).
+    The recipe's validation refuses two of them."""
     utk = recipe.data.utk
     if utk is not None:
-        augmenter = UtkAugmenter(
-            add_utk_tokens(tokenizer, max(utk.chunk_counts)),
-            probability=utk.probability,
-            chunk_counts=utk.chunk_counts,
-            min_split_tokens=utk.min_split_tokens,
-            preserve_order=utk.preserve_order,
-            label_length=utk.label_length,
-        )
+        augmenter = UtkAugmenter(add_utk_tokens(tokenizer, max(utk.chunk_counts)), **utk.model_dump())
         return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
     context = CollatorContext(
         pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length, seed=recipe.train.seed
@@ -151,8 +124,7 @@ class MethodTrainingLabels:
     Beacon leaves the first window out of the training loss with some layouts, as its authors do)."""
 
     def __init__(self, collator: Any, rules: list[tuple[Any, Any]]) -> None:
-        self.collator = collator
-        self.rules = rules  # [(Method, config)]
+        self.collator, self.rules = collator, rules  # rules: [(Method, config)]
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(features)
@@ -166,8 +138,7 @@ class MethodTrainingLabels:
         return labels
 
     def changes_labels(self, length: int) -> bool:
-        """Whether the rules leave out any target of a fully scored ``[1, length]`` batch (beacon's released
-        layout leaves none: then no sample needs checking)."""
+        """Whether the rules leave out any target of a fully scored ``[1, length]`` batch."""
         scored = torch.zeros(1, length, dtype=torch.long)
         return not torch.equal(self.apply(scored), scored)
 
@@ -181,10 +152,8 @@ def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
 
 
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
-    """Drop the samples a method's ``training_labels`` rule leaves without a scored target (Activation Beacon's
-    first window can hold a short sample's every answer), count them and those TRL's own preparation dropped (with
-    ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
-    when none is left to train on."""
+    """Drop the samples a method's ``training_labels`` rule leaves without a scored target, count them and those
+    TRL's preparation dropped into ``data_stats``, and fail with what to do when none is left to train on."""
     collator, dataset = trainer.data_collator, trainer.train_dataset
     if isinstance(collator, MethodTrainingLabels) and collator.changes_labels(recipe.data.max_length):
         scored = [
@@ -221,14 +190,9 @@ class MetricsLogger(TrainerCallback):
 
 
 class KeepRotaryFrequencies(TrainerCallback):
-    """Gives every rotary module its float32 frequencies back when training begins.
-
-    DeepSpeed releases with DeepSpeed#5812 cast the whole module to bf16 when they wrap it, buffers included, which
-    rounds ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
-    turns by hundreds of radians. (0.19.8, the one longpeft pins, casts parameters only: a bf16 ZeRO-3 run on CPU
-    leaves the buffers float32.) The float32 values are kept from ``prepare`` and put back (with a warning) at
-    ``on_train_begin``, after the Trainer has wrapped the model, whatever wrapper cast them.
-    """
+    """Gives every rotary module its float32 frequencies back (with a warning) when training begins, after the
+    Trainer wrapped the model: DeepSpeed releases with DeepSpeed#5812 cast buffers to bf16 too, and a frequency off
+    by 0.2 % turns by hundreds of radians at position 100K."""
 
     NAMES = ("inv_freq", "original_inv_freq")
 
@@ -283,19 +247,19 @@ def build_trainer(
     callbacks: list[TrainerCallback],
     start: InitAdapter | None = None,
 ) -> Any:
-    """TRL's SFTTrainer with :mod:`.recipe_trainer`'s hooks over the model (LoRA added by peft from
-    :func:`~.peft_setup.peft_config`), the dataset and the recipe's collator, with the trained weights set up
-    (:func:`~.peft_setup.set_trained_weights`) and each method's label rule; the steps' metrics go to
-    ``output_dir/metrics.jsonl``, the rotary frequencies stay float32, then come ``callbacks``. Refuses a
-    distributed setup the recipe cannot run under, then copies in the weights of the stage the run starts from
-    (``start``: ``model.init_from``)."""
+    """The recipe's trainer (:func:`~.recipe_trainer.recipe_trainer_class`) over the model with its trained weights
+    set up (:mod:`.peft_setup`), the dataset, the collator and each method's label rule; metrics go to
+    ``output_dir/metrics.jsonl``, then come ``callbacks``. Refuses a distributed setup the recipe cannot run under,
+    then copies in the weights of the stage the run starts from (``start``: ``model.init_from``)."""
     own_weights = any(method.keeps_weights for method, _ in spec_methods(spec))  # kept by its checkpoints
+    if recipe.finetune == "method":
+        model.requires_grad_(False)  # only the methods' own weights train (set_trained_weights)
     trainer = recipe_trainer_class()(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=peft_config(recipe, model),
+        peft_config=lora_config(recipe, model),
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *callbacks],
         method_spec=spec if own_weights and recipe.finetune != "full" else None,  # a full model's hold them
