@@ -30,13 +30,6 @@ from .recipe_trainer import recipe_trainer_class
 from .schema import TRAIN_KEYS_AS_IS, Recipe
 
 
-def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:
-    """Activation checkpointing under its current name (transformers >= 5.23: ``activation_checkpointing``,
-    earlier: ``gradient_checkpointing``), so no deprecation warning is printed on either."""
-    fields = {f.name for f in dataclasses.fields(config_class)}
-    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
-
-
 def sft_config(recipe: Recipe, output_dir: Path):
     """TRL SFTConfig from :func:`sft_arguments` and the recipe's ``trl:`` section. Creating it sets up the processes
     (and DeepSpeed's config, which the base loads under)."""
@@ -62,26 +55,19 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     """The SFTConfig arguments longpeft sets from the recipe (each one a key of ``TRL_KEYS_OWNED_BY_RECIPE``)."""
     from trl import SFTConfig
 
-    t = recipe.train
-    use_cuda = torch.cuda.is_available()
+    t, use_cuda, sp = recipe.train, torch.cuda.is_available(), sequence_parallel_size()
     precision = mixed_precision(recipe, use_cuda)
-    sp = sequence_parallel_size()
-    return dict(
+    # transformers >= 5.23 names it activation_checkpointing and warns on the old name
+    checkpointing = "activation_checkpointing"
+    if checkpointing not in {f.name for f in dataclasses.fields(SFTConfig)}:
+        checkpointing = "gradient_checkpointing"
+    arguments = dict(
         **{key: getattr(t, key) for key in TRAIN_KEYS_AS_IS},
         output_dir=str(output_dir / "checkpoints"),
         per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=gradient_accumulation(recipe, data_parallel_size()),
         # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
-        **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
-        # Liger's layer kernels only: the loss stays TRL's fused LM head (Liger's fused loss would replace it)
-        **(
-            {
-                "use_liger_kernel": True,
-                "liger_kernel_config": {"fused_linear_cross_entropy": False, "cross_entropy": False},
-            }
-            if t.use_liger_kernel
-            else {}
-        ),
+        **{checkpointing: t.gradient_checkpointing and t.backend == "transformers"},
         save_strategy="steps",
         data_seed=t.seed,
         bf16=precision == "bf16",
@@ -94,15 +80,16 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
         disable_tqdm=False,
-        # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
-        **(
-            {"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
-            if recipe.data.utk
-            else {}
-        ),
-        # Ulysses shards every batch into sp equal slices of the sequence
-        **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )
+    if t.use_liger_kernel:  # Liger's layer kernels only: the loss stays TRL's fused LM head
+        arguments.update(
+            use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False, "cross_entropy": False}
+        )
+    if recipe.data.utk:  # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths
+        arguments.update(dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
+    if sp > 1:  # Ulysses shards every batch into sp equal slices of the sequence
+        arguments["pad_to_multiple_of"] = math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)
+    return arguments
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
@@ -141,14 +128,6 @@ class MethodTrainingLabels:
         """Whether the rules leave out any target of a fully scored ``[1, length]`` batch."""
         scored = torch.zeros(1, length, dtype=torch.long)
         return not torch.equal(self.apply(scored), scored)
-
-
-def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
-    """Wrap ``trainer.data_collator`` (the recipe's, or the one TRL built) in :class:`MethodTrainingLabels` when a
-    method of ``spec`` has a ``training_labels`` rule."""
-    rules = [(method, config) for method, config in spec_methods(spec) if method.overrides("training_labels")]
-    if rules:
-        trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
 
 
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
@@ -267,7 +246,9 @@ def build_trainer(
         group_by_length=recipe.train.group_by_length,
     )
     set_trained_weights(recipe, trainer.model)
-    with_method_labels(trainer, spec)
+    rules = [(method, config) for method, config in spec_methods(spec) if method.overrides("training_labels")]
+    if rules:  # around the recipe's collator, or the one TRL built
+        trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
     if start is not None:
