@@ -199,11 +199,10 @@ def tokenize_conversation(
 ) -> dict[str, list[int]]:
     """``input_ids`` of a rendered conversation and, with ``assistant_only``, ``assistant_masks``
     (1 on every token that starts inside an assistant turn)."""
-    text, spans = (
-        assistant_spans(tokenizer, messages)
-        if assistant_only
-        else (tokenizer.apply_chat_template(messages, tokenize=False), [])
-    )
+    if assistant_only:
+        text, spans = assistant_spans(tokenizer, messages)
+    else:
+        text, spans = tokenizer.apply_chat_template(messages, tokenize=False), []
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=assistant_only)
     row = {"input_ids": encoded["input_ids"]}
     if assistant_only:
@@ -225,19 +224,15 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
             "longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True"
         )
     fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
-    if "messages" in dataset.column_names:
-        return dataset.map(
-            lambda row: tokenize_conversation(tokenizer, row["messages"], assistant_only),
-            remove_columns=dataset.column_names,
-            desc="tokenizing conversations",
-            new_fingerprint=fingerprint,
-        )
-    return dataset.map(
-        lambda row: {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)},
-        remove_columns=dataset.column_names,
-        desc="tokenizing text",
-        new_fingerprint=fingerprint,
-    )
+    conversations = "messages" in dataset.column_names
+
+    def tokenize(row: dict[str, Any]) -> dict[str, list[int]]:
+        if conversations:
+            return tokenize_conversation(tokenizer, row["messages"], assistant_only)
+        return {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)}
+
+    desc = f"tokenizing {'conversations' if conversations else 'text'}"
+    return dataset.map(tokenize, remove_columns=dataset.column_names, desc=desc, new_fingerprint=fingerprint)
 
 
 def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
