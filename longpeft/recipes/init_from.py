@@ -45,13 +45,10 @@ def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dic
     for name in sorted(set(earlier.methods) | set(spec.methods)):
         before, now = earlier.methods.get(name), spec.methods.get(name)
         if before is None or now is None:
-            differences[name] = {"applied": [before is not None, now is not None]}
-            continue
-        changed = {
-            key: [before.get(key), now.get(key)]
-            for key in sorted(set(before) | set(now))
-            if before.get(key) != now.get(key)
-        }
+            changed = {"applied": [before is not None, now is not None]}
+        else:
+            keys = sorted(set(before) | set(now))
+            changed = {key: [before.get(key), now.get(key)] for key in keys if before.get(key) != now.get(key)}
         if changed:
             differences[name] = changed
     return differences

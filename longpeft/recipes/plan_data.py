@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from ..base_config import TINY_PREFIX
+from ..builtin_models import model_location
 from ..errors import DataError
+from ..files import is_local
 from ..scale.lengths import SampleLengths
+from ..synth_data.utk import add_utk_tokens
+from ..tiny import demo_tokenizer
 from .data import (
     GENERATED_SOURCES,
     load_training_data,
@@ -35,19 +40,11 @@ CHARS_PER_TOKEN = 4.0
 def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
     """The recipe's tokenizer as the runner sets it up (UtK's tokens added), only from this machine; else None and
     why. Never downloads."""
-    from transformers import AutoTokenizer
-
-    from ..builtin_models import model_location
-    from ..files import is_local
-
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
-        from ..tiny import demo_tokenizer
-
         tokenizer = demo_tokenizer()  # the one materialize_tiny_base saves beside a tiny: model
     else:
         location = model_location(name)
-        local = is_local(location)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 location,
@@ -56,14 +53,13 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
                 local_files_only=True,
             )
         except (OSError, ValueError) as error:
-            if local:
-                return None, (
-                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})"
+            if is_local(location):
+                return (
+                    None,
+                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})",
                 )
             return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
     if recipe.data.utk is not None:
-        from ..synth_data.utk import add_utk_tokens
-
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
     return tokenizer, ""
 
