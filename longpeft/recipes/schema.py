@@ -40,15 +40,10 @@ class ModelSection(StrictModel):
     load_in_4bit: bool = False
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
     bnb_4bit_use_double_quant: bool = True
-    eos_token_ids: list[int] | None = Field(
-        default=None, description="every token id that ends generation (Llama-3-Instruct: 128001 and 128009)"
-    )
+    eos_token_ids: list[int] | None = None  # every token id that ends generation (Llama-3-Instruct: 128001, 128009)
     trust_remote_code: bool = False
-    init_from: str | None = Field(
-        default=None,
-        description="an earlier run's adapter folder (or run folder, or Hub repo) whose trained weights this run "
-        "starts from (training in stages: recipes/init_from.py)",
-    )
+    # an earlier run's adapter folder (or run folder, or Hub repo) whose trained weights this run starts from
+    init_from: str | None = None
 
 
 class LoraSection(StrictModel):
@@ -61,9 +56,7 @@ class LoraSection(StrictModel):
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
     embeddings: Literal["full", "token_indices", "none"] = "full"
     trainable_token_indices: list[int] | None = None
-    trainable_dtype: Literal["float32", "bfloat16"] | None = Field(
-        default=None, description="dtype of the trained weights and their optimizer state (default float32)"
-    )
+    trainable_dtype: Literal["float32", "bfloat16"] | None = None  # of trained weights and AdamW state (float32)
 
     @model_validator(mode="after")
     def _indices_need_mode(self) -> LoraSection:
@@ -90,13 +83,8 @@ class UtkSection(StrictModel):
     @field_validator("chunk_counts")
     @classmethod
     def _counts(cls, value: dict[int, float]) -> dict[int, float]:
-        if (
-            not value
-            or min(value) < 1
-            or max(value) > 8
-            or any(w < 0 for w in value.values())
-            or not sum(value.values())
-        ):
+        weights = value.values()
+        if not value or not 1 <= min(value) <= max(value) <= 8 or min(weights) < 0 or not sum(weights):
             raise ValueError("chunk_counts maps chunk counts 1..8 to non-negative weights with a positive sum")
         return value
 
@@ -141,12 +129,10 @@ class DataSection(StrictModel):
     messages_field: str = "messages"
     text_field: str = "text"
     max_length: Positions
-    min_length: int = Field(
-        default=0, ge=0, le=MAX_POSITIONS, description="drop samples shorter than this many tokens"
-    )
+    min_length: int = Field(default=0, ge=0, le=MAX_POSITIONS)
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
-    demo: DemoSection = Field(default_factory=lambda: DemoSection(), description="the procedural demo set's options")
+    demo: DemoSection = DemoSection()
     retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
 
@@ -168,61 +154,32 @@ class TrainSection(StrictModel):
     weight_decay: float = Field(default=0.0, ge=0)
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
-    optim: str = Field(default="adamw_torch", description="a transformers optimizer name (OptimizerNames)")
+    optim: str = "adamw_torch"  # a transformers optimizer name (OptimizerNames)
     per_device_batch_size: int = Field(default=1, gt=0)
     global_batch_size: int = Field(default=8, gt=0)
     num_train_epochs: float = Field(default=1.0, gt=0)
-    max_steps: int = Field(default=-1, description="> 0 overrides num_train_epochs")
+    max_steps: int = -1  # > 0 overrides num_train_epochs
     gradient_checkpointing: bool = True
-    activation_offloading: bool = Field(
-        default=False, description="move checkpointed activations to CPU memory (TRL): headroom for 128K tokens"
-    )
-    checkpoint_layers: Literal["auto", "all"] | int = Field(
-        default="all",
-        description="decoder layers under activation checkpointing (the first N; the others keep their activations): "
-        "all, N, or auto (as many as memory forces: scale/plan.py choose_checkpointing)",
-    )
-    keep_attention: Literal["auto", "all", "none"] | int = Field(
-        default="none",
-        description="checkpointed layers (the first N) whose recompute skips the attention forward by keeping its "
-        "output and log-sum-exp (a hidden-sized tensor per layer): none, all, N, or auto",
-    )
-    offload_checkpoints: bool = Field(
-        default=False,
-        description="checkpointed layer inputs wait in pinned CPU memory, fetched one layer ahead of their recompute "
-        "(scale/checkpointing.py)",
-    )
-    mlp_tile_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        le=MAX_POSITIONS,
-        description="each decoder MLP runs this many tokens at a time; null: untiled",
-    )
-    memory_budget_gib: float | None = Field(
-        default=None, gt=0, allow_inf_nan=False, description="GiB per GPU the auto choices plan for (default: 95 %)"
-    )
-    use_liger_kernel: bool = Field(
-        default=False, description="Liger's Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA, liger-kernel package)"
-    )
-    group_by_length: bool = Field(
-        default=False,
-        description="batches of similar lengths: each epoch's order from train.seed, in blocks of 50 optimizer steps "
-        "sorted by length",
-    )
+    activation_offloading: bool = False  # checkpointed activations in CPU memory (TRL's offloader)
+    # Decoder layers under activation checkpointing (the first N; the others keep their activations): all, N, or auto
+    # (as many as memory forces: scale/plan.py choose_checkpointing).
+    checkpoint_layers: Literal["auto", "all"] | int = "all"
+    # Checkpointed layers (the first N) whose recompute skips the attention forward by keeping its output and
+    # log-sum-exp (a hidden-sized tensor per layer): none, all, N, or auto.
+    keep_attention: Literal["auto", "all", "none"] | int = "none"
+    offload_checkpoints: bool = False  # checkpointed layer inputs in pinned CPU memory (scale/checkpointing.py)
+    mlp_tile_tokens: int | None = Field(default=None, gt=0, le=MAX_POSITIONS)  # tokens per MLP tile; null: untiled
+    memory_budget_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # for auto; default 95 % of GPU
+    use_liger_kernel: bool = False  # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA, liger-kernel)
+    group_by_length: bool = False  # batches of similar lengths (docs/recipes.md)
     save_steps: int = Field(default=50, gt=0)
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = Field(default=42, ge=0, lt=2**32, description="seeds torch, numpy and the training order")
-    assistant_only_loss: bool | None = Field(
-        default=None, description="loss on assistant turns only; default: on for messages data, off for text"
-    )
+    seed: int = Field(default=42, ge=0, lt=2**32)  # torch, numpy and the training order
+    assistant_only_loss: bool | None = None  # the validation sets it: on for messages data, off for text
     report_to: list[str] = []
-    backend: Literal["transformers", "unsloth"] = Field(
-        default="transformers",
-        description="unsloth: load and add LoRA through unsloth's FastLanguageModel (CUDA, "
-        "requirements-gpu-unsloth.txt)",
-    )
+    backend: Literal["transformers", "unsloth"] = "transformers"  # unsloth: its FastLanguageModel (CUDA only)
 
     @field_validator("max_steps")
     @classmethod
@@ -354,8 +311,8 @@ class RecipeBase(StrictModel):
     lora: LoraSection = LoraSection()
     data: DataSection
     train: TrainSection
-    trl: dict[str, Any] = Field(default_factory=dict, description="other trl.SFTConfig arguments, passed through")
-    target_length: Positions | None = Field(default=None, description="length the adapter should work at")
+    trl: dict[str, Any] = {}  # other trl.SFTConfig arguments, passed through
+    target_length: Positions | None = None  # the length the adapter should work at
     output_dir: str = "runs/{name}"
 
     @model_validator(mode="after")
