@@ -268,7 +268,7 @@ TRL_KEYS_OWNED_BY_RECIPE = {
 }
 
 
-def check_unsloth_recipe(recipe: RecipeBase) -> None:
+def check_unsloth_recipe(recipe: Recipe) -> None:
     """Refuse, naming the key, the settings the unsloth backend would not carry out (it replaces the attention and
     decoder forwards: the methods that patch them name ``unsloth`` in their registry ``conflicts``)."""
     problems = [
@@ -297,7 +297,7 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
         )
 
 
-class RecipeBase(StrictModel):
+class Recipe(StrictModel):
     """A whole recipe file (method sections added by :func:`recipe_model`). ``method``: the registered method it is
     about (its section required unless every setting has a default). ``finetune``: ``lora`` trains an adapter (QLoRA
     with model.load_in_4bit) and the methods' own weights; ``full`` every weight, saving a full model; ``method``
@@ -316,7 +316,7 @@ class RecipeBase(StrictModel):
     output_dir: str = "runs/{name}"
 
     @model_validator(mode="after")
-    def _consistent(self) -> RecipeBase:
+    def _consistent(self) -> Recipe:
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not a registered method ({', '.join(METHODS)})")
         if getattr(self, self.method, None) is None:
@@ -388,25 +388,22 @@ class RecipeBase(StrictModel):
         return Path(self.output_dir.format(name=self.name))
 
 
-Recipe = RecipeBase
-
-
-def recipe_model() -> type[RecipeBase]:
+def recipe_model() -> type[Recipe]:
     """The recipe model with one optional section per registered method."""
     return _recipe_model(tuple((name, method.config) for name, method in METHODS.items()))
 
 
 @lru_cache(maxsize=8)
-def _recipe_model(sections: tuple[tuple[str, type], ...]) -> type[RecipeBase]:
+def _recipe_model(sections: tuple[tuple[str, type], ...]) -> type[Recipe]:
     fields = {name: (config | None, None) for name, config in sections}
-    return create_model("Recipe", __base__=RecipeBase, **fields)
+    return create_model("Recipe", __base__=Recipe, **fields)
 
 
 class RecipeError(ConfigError):
     """A recipe file that cannot be used; the message names the file and the key."""
 
 
-def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate a recipe dict; raises RecipeError naming every bad key."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
@@ -418,7 +415,7 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
         raise RecipeError(message.replace("invalid settings", "invalid recipe", 1)) from None
 
 
-def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> RecipeBase:
+def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``).
 
     Args:
