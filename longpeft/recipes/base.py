@@ -157,12 +157,9 @@ def load_model(
     recipe: Recipe, base_id: str, args: Any, loader: BaseLoader = load_base
 ) -> tuple[Any, PreTrainedTokenizerBase, ContextSpec]:
     """The base with the recipe's methods applied, through ``loader`` (:func:`load_base`, or unsloth's, which adds
-    LoRA too). ``args``: the run's training arguments, which set up the processes.
-
-    Each process loads the base after the local main one (which downloads it once), except when DeepSpeed ZeRO-3's
-    zero.Init partitions the weights as the model is built (unquantized), with all processes taking part; a method
-    that cannot train sharded is refused before then.
-    """
+    LoRA too), after the local main process (which downloads it once); all at once when DeepSpeed ZeRO-3 partitions
+    the weights as the model is built, a method that cannot train sharded refused first. ``args``: the run's
+    training arguments."""
     partitioned = is_deepspeed_zero3_enabled() and not recipe.model.load_in_4bit
     if partitioned:
         check_sharded(recipe, "DeepSpeed ZeRO-3")

@@ -27,11 +27,8 @@ GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the r
 
 
 def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
-    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column; every row is checked.
-
-    ``data.source``: a .jsonl/.json file or a folder of them, .txt files (plain text, one document
-    per file; ``format: text``), a Hub dataset id, ``demo`` or ``retrieval``.
-    """
+    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column, every row checked: from
+    .jsonl/.json files, .txt files (one document each), a Hub dataset, ``demo`` or ``retrieval``."""
     if data.source == "demo":
         dataset = build_demo_dataset(tokenizer, **data.demo.model_dump(exclude_none=True))
     elif data.source == "retrieval":
@@ -75,12 +72,11 @@ def synth_output_file(source: str) -> Path | None:
 
 
 def check_data_source(data: DataSection) -> None:
-    """``data.source`` before anything loads: a generated set, a local file or folder, which must exist (never tried
-    as a Hub id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``.
+    """``data.source`` before anything loads: a generated set, a local path, which must exist (never tried as a Hub
+    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``.
 
     Raises:
-        DataNotFoundError: no such local file or folder.
-        ModelSourceError: no such dataset on the Hub; HubTimeoutError: the Hub did not answer.
+        DataNotFoundError, or ModelSourceError / HubTimeoutError for a Hub dataset.
     """
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
@@ -100,8 +96,7 @@ def _is_empty(path: Path) -> bool:
 
 
 def _load_source(data: DataSection) -> Dataset:
-    """A local file or folder (.jsonl/.json, or .txt for plain text; a ``longpeft synth`` output folder: its
-    train.jsonl), else a Hub dataset id."""
+    """A local file or folder (a ``longpeft synth`` output folder: its train.jsonl), else a Hub dataset id."""
     path = synth_output_file(data.source) or Path(data.source)
     suffixes = (".json", ".jsonl", ".txt")
     if path.is_dir():

@@ -68,8 +68,7 @@ class InitAdapter:
 
 
 def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
-    """The recipe's ``model.init_from``, checked against this run (its ContextSpec ``spec`` and its base model's
-    ``base_config``) before any weight is copied.
+    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``.
 
     Raises:
         FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from.
@@ -106,12 +105,8 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
 
 
 def load_init_weights(model: Any, folder: Path, kind: str, spec: ContextSpec) -> None:
-    """Copy the earlier adapter's trained weights into ``model`` (the trainer's, peft-wrapped when LoRA trains), in
-    place: the methods' own weights, and LoRA's when ``kind`` is ``lora``.
-
-    Raises:
-        ValueError: LoRA weights that do not fit this run's LoRA (names or shapes, listed).
-    """
+    """Copy the earlier adapter's methods' own weights, and LoRA's when ``kind`` is ``lora``, into ``model`` (the
+    trainer's). Raises ValueError: LoRA weights that do not fit this run's (names or shapes, listed)."""
     load_method_weights(model, spec, folder)
     if kind == "lora":
         _load_lora(model, folder)

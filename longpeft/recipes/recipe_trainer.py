@@ -1,18 +1,13 @@
 """The Trainer every recipe trains with: the backend's trainer class (TRL's SFTTrainer, or unsloth's patch of it)
-with :class:`RecipeTrainer`'s hooks mixed in, each private Trainer method it overrides delegating to one of them:
+with :class:`RecipeTrainer`'s hooks; each private Trainer method it overrides calls one of them:
 
-- **Atomic checkpoints** (``_save_checkpoint``, ``_get_output_dir``): the Trainer's whole save goes into
-  ``checkpoints/.saving/checkpoint-<step>``; once every process has written its part, the main process renames it
-  to ``checkpoints/checkpoint-<step>``, then rotates older ones away. A kill never leaves a partial checkpoint under
-  a checkpoint's name. The checkpoints folder must be one filesystem every process writes to.
-- **A tied embedding once** (``_save``, ``_load_from_checkpoint``): each checkpoint's adapter keeps a trained
-  embedding tied to the output head once (:mod:`longpeft.adapter_weights`) and a resume ties it again.
-- **Method weights** (``_save``, ``_load_from_checkpoint``) of a ``lora`` or ``method`` run whose methods have
-  their own (Activation Beacon's), written first, inside the save of the model. With ``finetune: method`` the base
-  is frozen and not saved: a checkpoint holds the method weights, the tokenizer and the training arguments.
-- **Length grouping** (``_get_train_sampler``, ``train.group_by_length``): the order of
-  :func:`longpeft.scale.lengths.length_grouped_order`, the one the planner times, drawn from ``train.seed`` and the
-  epoch alone, so that every process draws it and a resumed run continues it.
+- atomic checkpoints (``_save_checkpoint``, ``_get_output_dir``): written under ``checkpoints/.saving``, renamed once
+  every process wrote its part (one filesystem for all), then older ones rotated away;
+- a tied embedding kept once per checkpoint and tied again on resume (``_save``, ``_load_from_checkpoint``);
+- the methods' own weights (``_save``, ``_load_from_checkpoint``); with ``finetune: method`` a checkpoint holds only
+  them, the tokenizer and the training arguments (the base is frozen);
+- length grouping (``_get_train_sampler``): :func:`longpeft.scale.lengths.length_grouped_order`, drawn from
+  ``train.seed`` and the epoch alone (every process draws it, a resume continues it).
 """
 
 from __future__ import annotations

@@ -37,9 +37,8 @@ class RunStart:
 
 
 def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunStart:
-    """Check the run folder against ``resume`` (a resume needs a complete checkpoint, a new run none) and the recipe
-    against the one the run started with, then ready the folder on the main process: a resumed run's metrics after
-    its checkpoint dropped, a new (or changed) recipe recorded.
+    """Check the run folder against ``resume`` and the recipe against the one the run started with, then ready the
+    folder (main process): a resumed run's later metrics dropped, a new or changed recipe recorded.
 
     Raises:
         ModelSourceError: ``resume`` without a complete checkpoint. OutputFolderError: a new run into a folder with

@@ -75,9 +75,8 @@ def prepare(
 
 
 def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: list[TrainerCallback]) -> Prepared:
-    """:func:`prepare`'s steps after the checks of the recipe and this machine: every model, adapter and data set the
-    recipe names checked before anything is built (a local path must exist, a Hub id must answer within
-    ``LONGPEFT_HUB_TIMEOUT``), ``model.init_from`` against the recipe; then the base, data, trainer and memory."""
+    """:func:`prepare`'s steps after the checks of the recipe and this machine: the sources the recipe names (bounded
+    Hub checks) and ``model.init_from`` checked, then the base, the data, the trainer and the run's memory built."""
     check_base_source(recipe)
     start = check_init_adapter(recipe, validation.spec, validation.base.config) if recipe.model.init_from else None
     check_data_source(recipe.data)

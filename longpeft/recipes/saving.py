@@ -1,7 +1,5 @@
-"""What a finished run saves: the trained weights with what loads them (tokenizer, generation config,
-``longpeft.json``, the model card) into ``adapter/`` (``model/`` with ``finetune: full``), and the run's summary
-(``metrics.json``, ``loss.png``).
-"""
+"""What a finished run saves: the trained weights and what loads them into ``adapter/`` (``model/`` with
+``finetune: full``), and the run's summary (``metrics.json``, ``loss.png``)."""
 
 from __future__ import annotations
 

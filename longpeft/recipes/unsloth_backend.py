@@ -30,8 +30,7 @@ def fast_language_model() -> Any:
     """``unsloth.FastLanguageModel``, imported on first use.
 
     Raises:
-        ImportError: unsloth is not installed (the message names ``train.backend`` and what to do).
-        ConfigError: there is no CUDA GPU (unsloth's kernels are Triton/CUDA only).
+        ImportError: unsloth is not installed. ConfigError: there is no CUDA GPU.
     """
     if importlib.util.find_spec("unsloth") is None:
         raise ImportError(

@@ -41,13 +41,11 @@ class Validation:
 
 
 def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
-    """Every check of ``recipe`` that needs no weights, against its base's config when that can be read here (a
-    ``tiny:`` model, a local folder, the Hugging Face cache, or the Hub, bounded). ``stand_in``: the base is a tiny
-    stand-in for the real one (``plan --stand-in``), whose ``model.eos_token_ids`` are the real base's.
+    """Every check of ``recipe`` that needs no weights, against its base's config when that can be read here
+    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps.
 
     Raises:
-        ConfigError (or another LongpeftError): the first problem, naming the key and what to do;
-            ModelSourceError: a base that does not exist.
+        ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist.
     """
     check_trl_keys(recipe.trl)
     check_memory_settings(recipe)
@@ -65,8 +63,7 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
 
 
 def check_here(validation: Validation) -> None:
-    """What a run needs of this machine before it builds anything: the base's config read (``validation``), and
-    CUDA and the packages the recipe's settings need.
+    """What a run needs of this machine: the base's config read (``validation``), CUDA and packages its settings need.
 
     Raises:
         BaseNotHere: the base's config was not readable here. ConfigError: a setting this machine cannot run.
