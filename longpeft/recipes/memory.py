@@ -36,29 +36,18 @@ def planned_launch(distributed_type: str, processes: int) -> str | None:
     return "fsdp2" if "FSDP" in distributed_type else "ddp"
 
 
-def checkpoint_settings(
-    recipe: Recipe, model_config: Any, processes: int, distributed_type: str
-) -> CheckpointSettings:
-    """The run's checkpointing, ``auto`` resolved by the planner on the model's real shape and this GPU's memory."""
-    gpu = "h100"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
-    shape = shape_from_config(model_config.to_dict())
-    return resolve_checkpointing(
-        recipe, shape, processes, device_memory_gib(), gpu, planned_launch(distributed_type, processes)
-    )
-
-
 def install_memory(recipe: Recipe, trainer: Any, model_config: Any) -> CheckpointSettings | None:
     """Add :class:`TrainingMemory` to ``trainer``; returns the checkpointing settings it installs when training
-    begins (None when transformers' own checkpointing runs as is: the recipe changes nothing the layers keep)."""
+    begins, ``auto`` resolved by the planner on the model's real shape and this GPU's memory (None when
+    transformers' own checkpointing runs as is: the recipe changes nothing the layers keep)."""
     checkpointing, train = None, recipe.train
     shapes_memory = train.checkpoint_layers != "all" or train.keep_attention != "none" or train.offload_checkpoints
     if train.backend == "transformers" and shapes_memory:
-        checkpointing = checkpoint_settings(
-            recipe, model_config, world_size(), str(trainer.accelerator.distributed_type)
-        )
+        name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+        gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
+        processes, shape = world_size(), shape_from_config(model_config.to_dict())
+        launch = planned_launch(str(trainer.accelerator.distributed_type), processes)
+        checkpointing = resolve_checkpointing(recipe, shape, processes, device_memory_gib(), gpu, launch)
     trainer.add_callback(TrainingMemory(checkpointing, train.mlp_tile_tokens))
     return checkpointing
 

@@ -17,15 +17,18 @@ from .schema import Recipe
 
 
 def set_trained_weights(recipe: Recipe, model: Any) -> None:
-    """On the model the trainer wrapped: the head bias TRL's fused loss reads (:func:`expose_token_indices_head_bias`),
-    every trained weight kept in ``lora.trainable_dtype`` (float32 for a full fine-tune; transformers backend only),
-    and the methods' own weights trainable (peft froze everything but LoRA)."""
-    expose_token_indices_head_bias(model)
+    """On the model the trainer wrapped: every trained weight kept in ``lora.trainable_dtype`` (float32 for a full
+    fine-tune; transformers backend only), the methods' own weights trainable (peft froze everything but LoRA), and
+    ``bias = None`` on a head peft wrapped for ``lora.embeddings: token_indices``: TRL's fused loss reads it beside the
+    head's effective ``[vocab, hidden]`` weight, and its forward adds none (:func:`lora_config` refuses a bias)."""
+    if isinstance(model.get_output_embeddings(), TrainableTokensWrapper):
+        model.get_output_embeddings().bias = None
     if recipe.train.backend == "transformers" and recipe.finetune in ("lora", "full"):
         trained_dtype = recipe.lora.trainable_dtype if recipe.finetune == "lora" else None
         keep_trained_weights_in(model, torch_dtype(trained_dtype or "float32"), torch_dtype(recipe.model.dtype))
-    for parameter in method_parameters(recipe, model).values():
-        parameter.requires_grad_(True)
+    for name in recipe.method_configs():
+        for parameter in METHODS[name].weight_parameters(model).values():
+            parameter.requires_grad_(True)
 
 
 def lora_config(recipe: Recipe, model: PreTrainedModel) -> LoraConfig | None:
@@ -67,15 +70,6 @@ def input_embedding_path(model: PreTrainedModel) -> str:
     return next(name for name, module in model.named_modules() if module is embedding)
 
 
-def expose_token_indices_head_bias(model: Any) -> None:
-    """Give the output head peft wraps in a ``TrainableTokensWrapper`` (``lora.embeddings: token_indices`` on a tied
-    base) ``bias = None``, which TRL's fused loss reads beside its effective ``[vocab, hidden]`` ``weight``; its own
-    forward adds no bias either (:func:`lora_config` refuses heads with one). No-op for any other head."""
-    head = model.get_output_embeddings()
-    if isinstance(head, TrainableTokensWrapper):
-        head.bias = None
-
-
 def keep_trained_weights_in(model: Any, dtype: torch.dtype, compute_dtype: torch.dtype) -> None:
     """Keep every trained weight of ``model`` in ``dtype`` (``lora.trainable_dtype``: docs/recipes.md) while the
     forward computes in ``compute_dtype`` (autocast); the input embedding's output is cast to ``compute_dtype``, so
@@ -86,11 +80,6 @@ def keep_trained_weights_in(model: Any, dtype: torch.dtype, compute_dtype: torch
     embeddings = model.get_input_embeddings()
     if dtype != compute_dtype and any(p.requires_grad for p in embeddings.parameters()):
         embeddings.register_forward_hook(lambda module, args, output: output.to(compute_dtype))
-
-
-def method_parameters(recipe: Recipe, model: Any) -> dict[str, Any]:
-    """The own weights (Activation Beacon's) of every method the recipe applies, or none."""
-    return {key: p for name in recipe.method_configs() for key, p in METHODS[name].weight_parameters(model).items()}
 
 
 def adapter_settings(model: Any) -> dict[str, Any] | None:
