@@ -37,7 +37,11 @@ def save_run(
     ``metrics.json`` and ``loss.png`` from ``metrics.jsonl``, the Trainer's ``train_metrics`` and the run's
     ``resolved`` settings. Returns the folder and the summary (``train_metrics`` on the other processes)."""
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
-    state_dict = gathered_state_dict(trainer)
+    state_dict = None  # a sharded model's (FSDP, DeepSpeed ZeRO-3), gathered with every process taking part
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        state_dict = trainer.accelerator.get_state_dict(
+            trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+        )
     if not trainer.is_world_process_zero():
         return adapter_dir, dict(train_metrics)
     save_adapter(
@@ -64,16 +68,6 @@ def save_run(
     return adapter_dir, summary
 
 
-def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
-    """The whole state dict of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), gathered by accelerate
-    with every process taking part (call it on all of them); None when each process holds the whole model."""
-    if trainer.is_fsdp_enabled:
-        return trainer.accelerator.get_state_dict(trainer.model)
-    if trainer.is_deepspeed_enabled:
-        return trainer.accelerator.get_state_dict(trainer.deepspeed)
-    return None
-
-
 def save_adapter(
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -88,7 +82,7 @@ def save_adapter(
 
     LoRA weights are in peft's own format (a tied embedding under both names); longpeft.json and adapter_config.json
     name the base without a path of this machine; a warning says what plain ``PeftModel.from_pretrained`` would
-    leave out. ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`). A full model
+    leave out. ``state_dict``: the gathered weights of a sharded model. A full model
     is saved in ``dtype`` (the recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); with
     ``finetune: method`` only the methods' own weights are written.
 
