@@ -54,7 +54,12 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     except BaseNotHere as missing:
         return Validation(recipe, None, str(missing), None)
     base.check_remote_code(recipe.model.trust_remote_code, "model.trust_remote_code: true")
-    check_chat_template(recipe, base)
+    if recipe.data.format == "messages" and base.tokenizer_found and not base.chat_template:
+        raise ConfigError(
+            f"data.format: messages renders conversations with the tokenizer's chat template, and "
+            f"{recipe.model.name_or_path}'s tokenizer has none; use a chat (instruct) base, give its tokenizer a "
+            "chat_template, or train on plain text (data.format: text)"
+        )
     spec = build_spec(recipe, base.config, recipe.model.name_or_path)
     check_against_base(recipe, spec, stand_in)
     check_layer_counts(recipe, base.config.num_hidden_layers)
@@ -112,42 +117,28 @@ def check_memory_settings(recipe: Recipe) -> None:
         check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
 
 
-def check_chat_template(recipe: Recipe, base: BaseFacts) -> None:
-    """Conversations (``data.format: messages``) are rendered with the base tokenizer's chat template."""
-    if recipe.data.format == "messages" and base.tokenizer_found and not base.chat_template:
-        raise ConfigError(
-            f"data.format: messages renders conversations with the tokenizer's chat template, and "
-            f"{recipe.model.name_or_path}'s tokenizer has none; use a chat (instruct) base, give its tokenizer a "
-            "chat_template, or train on plain text (data.format: text)"
-        )
-
-
 def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
     """The ContextSpec this recipe gives the base: every method section resolved against ``base_config``
-    (transformers' config or a :class:`~longpeft.base_config.BaseConfig`), and the lengths."""
+    (transformers' config or a :class:`~longpeft.base_config.BaseConfig`), and the lengths. It names a built-in
+    base by its name, a local one relative to the adapter folder (so that the two can move together)."""
     trained_length = recipe.data.max_length
     target_length = recipe.target_length or trained_length
     resolved: dict[str, Any] = {}
     for name, config in recipe.method_configs().items():
         context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
         resolved[name] = METHODS[name].resolve(config, context)
+    base_model = recipe.model.name_or_path
+    if base_model not in BUILTIN_MODELS:
+        base_model = base_reference(base_id, recipe.resolved_output_dir() / "adapter")
     return ContextSpec.from_base(
         base_config,
         recipe.method,
-        base_model=spec_base_reference(recipe, base_id),
+        base_model=base_model,
         methods={name: config.model_dump() for name, config in resolved.items()},
         trained_length=trained_length,
         target_length=target_length,
         recipe_hash=recipe_hash(recipe.model_dump()),
     )
-
-
-def spec_base_reference(recipe: Recipe, base_id: str) -> str:
-    """How the spec names its base: a built-in model by its name, a local folder relative to the adapter folder (so
-    that the two can move together), a Hub id as given (:func:`~longpeft.spec.base_reference`)."""
-    if recipe.model.name_or_path in BUILTIN_MODELS:
-        return recipe.model.name_or_path
-    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
 
 
 def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:
