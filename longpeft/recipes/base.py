@@ -97,9 +97,8 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
 
 def attention_implementation(requested: str) -> str:
     """The requested attention kernel, or SDPA (with a warning) when flash-attn cannot run here."""
-    if requested != "flash_attention_2":
-        return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    runs_here = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    if requested != "flash_attention_2" or runs_here:
         return requested
     warnings.warn(
         "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package "

@@ -95,13 +95,11 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
     """UtK's collator with ``data.utk``; else the collator of the method that brings one (PoSE's); else None (TRL's).
     The recipe's validation refuses two of them."""
-    utk = recipe.data.utk
+    utk, pad, max_length, seed = recipe.data.utk, tokenizer.pad_token_id, recipe.data.max_length, recipe.train.seed
     if utk is not None:
         augmenter = UtkAugmenter(add_utk_tokens(tokenizer, max(utk.chunk_counts)), **utk.model_dump())
-        return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
-    context = CollatorContext(
-        pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length, seed=recipe.train.seed
-    )
+        return UtkCollator(augmenter, pad, max_length, seed=seed)
+    context = CollatorContext(pad_token_id=pad, max_length=max_length, seed=seed)
     collators = (method.collator(config, context) for method, config in spec_methods(spec))
     return next((collator for collator in collators if collator is not None), None)
 
