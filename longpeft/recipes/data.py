@@ -244,15 +244,9 @@ def select_by_length(
     window: int | None = None,
 ) -> tuple[list[int], dict[str, int]]:
     """The indices of the samples (of these token ``lengths``) that training keeps: none longer than ``max_length``
-    (unless ``truncate``: training cuts them), none shorter than ``min_length``.
-
-    Args:
-        limit: what ``max_length`` is, for the error, as ``setting=value ...`` (default ``data.max_length=...``).
-        window: also count the kept samples longer than it (``longer_than_window``).
-
-    Returns the kept indices and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}``
-    (``dropped``: too long; ``truncated``: kept samples longer than ``max_length``).
-    """
+    (unless ``truncate``: training cuts them), none shorter than ``min_length``; and the counts ``{"kept", "dropped"
+    (too long), "dropped_short", "truncated" (kept, longer than max_length), "longest"}``, with ``window`` also
+    ``"longer_than_window"``. ``limit``: what ``max_length`` is, for the error (``setting=value ...``)."""
     long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
     stats = {

@@ -3,6 +3,7 @@ recipe's optimizer settings taken up), or a finished one whose last checkpoint i
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 from dataclasses import dataclass
@@ -127,10 +128,8 @@ def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
                     f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr
                 )
                 trainer.add_callback(StopBeforeTraining())
-                try:
+                with contextlib.suppress(CheckpointLoaded):
                     trainer.train(resume_from_checkpoint=str(checkpoint))
-                except CheckpointLoaded:
-                    pass
                 return {}
             return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
         except pickle.UnpicklingError:

@@ -68,11 +68,10 @@ class LoraSection(StrictModel):
 
 
 class UtkSection(StrictModel):
-    """Untie-the-Knots augmentation of plain text (``data.format: text``), on the fly: documents packed into
-    sequences of at most ``data.max_length`` tokens, each augmented with ``probability``: documents of at least
-    ``min_split_tokens`` split into ``h`` chunks (``chunk_counts``: ``{h: weight}``), knotted, shuffled (each
-    document's order kept with ``preserve_order``) and followed by their backtraces. Its special tokens need trained
-    embedding rows. Each chunk of a sequence gets a distinct label of ``label_length`` letters."""
+    """Untie-the-Knots augmentation of plain text, on the fly: packed sequences augmented with ``probability``,
+    documents of ``min_split_tokens`` or more split into ``h`` chunks (``chunk_counts``: ``{h: weight}``), knotted,
+    shuffled (``preserve_order`` keeps each document's order), followed by their backtraces; each chunk of a
+    sequence labelled by ``label_length`` letters."""
 
     probability: float = Field(default=0.8, ge=0, le=1)
     chunk_counts: dict[int, float] = Field(default_factory=lambda: {2: 0.5, 3: 0.5})
@@ -416,12 +415,8 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
 
 
 def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``).
-
-    Args:
-        overrides: ``dotted.key=value`` strings (values parsed as YAML), applied before validation,
-            e.g. ``["train.max_steps=10", "model.load_in_4bit=false"]``.
-    """
+    """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``), with ``overrides``
+    (``dotted.key=value`` strings, values parsed as YAML, e.g. ``train.max_steps=10``) applied before validation."""
     try:
         path = file_or_bundled(path_or_name, Path(__file__).parent, "recipe")
         data = read_yaml(path)
