@@ -236,12 +236,7 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
 
 
 def select_by_length(
-    lengths: list[int],
-    max_length: int,
-    truncate: bool,
-    limit: str | None = None,
-    min_length: int = 0,
-    window: int | None = None,
+    lengths: list[int], max_length: int, truncate: bool, limit: str, min_length: int, window: int | None = None
 ) -> tuple[list[int], dict[str, int]]:
     """The indices of the samples (of these token ``lengths``) that training keeps: none longer than ``max_length``
     (unless ``truncate``: training cuts them), none shorter than ``min_length``; and the counts ``{"kept", "dropped"
@@ -265,8 +260,8 @@ def select_by_length(
         )
     if not keep:
         raise DataError(
-            f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
-            f"{stats['longest']}); raise {(limit or 'data.max_length').split('=')[0]} or set data.truncate: true"
+            f"every sample is longer than {limit} tokens (longest {stats['longest']}); raise {limit.split('=')[0]} or "
+            "set data.truncate: true"
         )
     return keep, stats
 
@@ -349,11 +344,11 @@ def select_for_training(recipe: Recipe, lengths: list[int]) -> tuple[list[int], 
     if data.utk is not None:
         room = utk_document_room(max_length, data.utk)
         limit = f"data.max_length={max_length} minus UtK's insertions ({room})"
-        return select_by_length(lengths, room, data.truncate, limit, min_length=data.min_length)
+        return select_by_length(lengths, room, data.truncate, limit, data.min_length)
     longest, limit = longest_sample(recipe)
     samples = recipe.long_samples() if longest > max_length else None
     window = max_length if samples is not None else None
-    keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length, window=window)
+    keep, stats = select_by_length(lengths, longest, data.truncate, limit, data.min_length, window)
     if samples is not None and not stats["longer_than_window"]:
         raise DataError(
             f"{samples.setting}: no training sample is longer than data.max_length={max_length} tokens, so "

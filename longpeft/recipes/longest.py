@@ -70,8 +70,8 @@ class LongestSample:
         ]
 
 
-def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int | None, str]:
-    """``(longest, max_positions, source)``: the longest ``data.max_length`` (up to ``limit``) whose input stays
+def positions_bound(recipe: Recipe) -> tuple[int | None, int | None, str]:
+    """``(longest, max_positions, source)``: the longest ``data.max_length`` (up to ``LIMIT``) whose input stays
     inside the adapted model's positions (:func:`.validate.positions_spanned`), those positions, and where the base's
     config came from; ``(None, None, why)`` without the base's config on this machine."""
     try:
@@ -80,7 +80,7 @@ def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int
         return None, None, str(missing)
     spec, source = build_spec(recipe, base.config, recipe.model.name_or_path), base.source
     max_positions = spec.max_position_embeddings
-    low, high = 0, limit  # low fits (or is 0), high + 1 does not
+    low, high = 0, LIMIT  # low fits (or is 0), high + 1 does not
     while low < high:
         middle = (low + high + 1) // 2
         low, high = (middle, high) if positions_spanned(spec, middle) <= max_positions else (low, middle - 1)
