@@ -90,7 +90,8 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
             "; the chat template's own tokens not counted" if recipe.data.format == "messages" else ""
         )
     kept, filtered = trained_lengths(recipe, lengths, scored)
-    return SampleLengths(lengths=tuple(kept), source=_described(source), counted_with=counted_with, filtered=filtered)
+    described = f"the {source} set" if generated else str(synth_output_file(source) or source)  # as the time line says
+    return SampleLengths(lengths=tuple(kept), source=described, counted_with=counted_with, filtered=filtered)
 
 
 def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | None]:
@@ -148,10 +149,3 @@ def trained_lengths(
     groups = utk_groups(documents, max_length, utk)
     stats["packed_sequences"] = len(groups)
     return [sum(documents[i] for i in group) for group in groups], stats
-
-
-def _described(source: str) -> str:
-    """The data source as the time line names it."""
-    if source in GENERATED_SOURCES:
-        return f"the {source} set"
-    return str(synth_output_file(source) or source)
