@@ -176,7 +176,7 @@ class TrainSection(StrictModel):
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
     seed: int = Field(default=42, ge=0, lt=2**32)  # torch, numpy and the training order
-    assistant_only_loss: bool | None = None  # the validation sets it: on for messages data, off for text
+    assistant_only_loss: bool | None = None  # None: on for messages data, off for text (set by the validation)
     report_to: list[str] = []
     backend: Literal["transformers", "unsloth"] = "transformers"  # unsloth: its FastLanguageModel (CUDA only)
 
