@@ -133,11 +133,8 @@ def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe)
     TRL's preparation dropped into ``data_stats``, and fail with what to do when none is left to train on."""
     collator, dataset = trainer.data_collator, trainer.train_dataset
     if isinstance(collator, MethodTrainingLabels) and collator.changes_labels(recipe.data.max_length):
-        scored = [
-            i
-            for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
-            if (collator([dataset[i]])["labels"][:, 1:] != IGNORE_INDEX).any()
-        ]
+        rows = tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
+        scored = [i for i in rows if (collator([dataset[i]])["labels"][:, 1:] != IGNORE_INDEX).any()]
         if len(scored) < len(dataset):
             trainer.train_dataset = dataset = dataset.select(scored)
     left = len(dataset)
