@@ -8,11 +8,9 @@ from typing import Any
 
 from .schema import Recipe, RecipeError, bundled_recipes, load_recipe
 
-_RUNNER_EXPORTS = ("RunResult", "prepare", "run")
-
 
 def __getattr__(name: str) -> Any:
-    if name in _RUNNER_EXPORTS:
+    if name in ("RunResult", "prepare", "run"):
         return getattr(importlib.import_module(".runner", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

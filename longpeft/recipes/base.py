@@ -1,7 +1,5 @@
-"""The base model of a recipe, loaded for training: a Hub model, a local folder or a generated ``tiny:`` one, its
-ContextSpec and the methods applied to it, 4-bit quantization, and the backend that loads it (transformers, or
-unsloth's, which adds LoRA too: :mod:`.unsloth_backend`).
-"""
+"""The base model of a recipe, loaded for training (a Hub model, a local folder or a generated ``tiny:`` one) with
+its ContextSpec applied, by transformers or unsloth's backend (:mod:`.unsloth_backend`)."""
 
 from __future__ import annotations
 
@@ -43,16 +41,14 @@ BaseLoader = Callable[[Recipe, str], tuple[Any, PreTrainedTokenizerBase, Context
 
 def check_base_source(recipe: Recipe) -> None:
     """``model.name_or_path`` before anything loads: a local folder must exist, a Hub id must answer within
-    ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.check_model_source`); a ``tiny:`` model is built later
-    (:func:`base_location`)."""
+    ``LONGPEFT_HUB_TIMEOUT``; a ``tiny:`` model is built later."""
     name = recipe.model.name_or_path
     if not name.startswith(TINY_PREFIX):
         check_model_source(model_location(name), "model.name_or_path", "; point it at the base model's folder")
 
 
 def base_location(recipe: Recipe, output_dir: Path) -> str:
-    """Hub id or local folder of the base model (tiny models are written under ``output_dir/base``;
-    built-in models such as ``longpeft:toy-base`` are packaged folders)."""
+    """Hub id or local folder of the base model (a ``tiny:`` model is written to ``output_dir/base``)."""
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
         return str(materialize_tiny_base(name, output_dir / "base", recipe.train.seed))
@@ -60,10 +56,8 @@ def base_location(recipe: Recipe, output_dir: Path) -> str:
 
 
 def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
-    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder`` (once,
-    atomically: written beside it and renamed, so a kill or a full disk never leaves a partial base). Processes
-    of one run may all call it at once: each builds the same base (seeded), the first rename wins, and the others
-    use its folder."""
+    """Write the tiny model ``tiny:<arch>`` and its in-memory-trained tokenizer to ``folder``, once and atomically
+    (written beside it and renamed). Processes of one run may all call it: the first rename wins."""
     if (folder / "config.json").is_file():
         return folder
     if folder.exists():  # an earlier write was cut short (a kill, a full disk): never use it
@@ -87,12 +81,6 @@ def materialize_tiny_base(name: str, folder: Path, seed: int) -> Path:
     return folder
 
 
-def builds_partitioned(recipe: Recipe) -> bool:
-    """Whether loading the base builds it partitioned across processes (DeepSpeed ZeRO-3's ``zero.Init``, which
-    transformers uses for unquantized models under a ZeRO-3 config with ``zero3_init_flag``): a collective step."""
-    return is_deepspeed_zero3_enabled() and not recipe.model.load_in_4bit
-
-
 def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
     """4-bit NF4 (QLoRA) settings; quant storage equals the compute dtype (needed by FSDP2)."""
     if not recipe.model.load_in_4bit:
@@ -109,9 +97,8 @@ def quantization_config(recipe: Recipe) -> BitsAndBytesConfig | None:
 
 def attention_implementation(requested: str) -> str:
     """The requested attention kernel, or SDPA (with a warning) when flash-attn cannot run here."""
-    if requested != "flash_attention_2":
-        return requested
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    runs_here = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    if requested != "flash_attention_2" or runs_here:
         return requested
     warnings.warn(
         "model.attn_implementation=flash_attention_2 needs CUDA and the flash-attn package "
@@ -122,13 +109,9 @@ def attention_implementation(requested: str) -> str:
 
 
 def configure_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedTokenizerBase, Any, ContextSpec]:
-    """Tokenizer, the base config carrying the recipe's new RoPE parameters and length, and the ContextSpec.
-
-    transformers v5 reads ``rope_parameters`` when a model is built, so the config gets the complete dict
-    (and ``max_position_embeddings`` >= the training length) before any model exists.
-    """
-    m = recipe.model
-    common = dict(revision=m.revision, trust_remote_code=m.trust_remote_code)
+    """Tokenizer, the base config carrying the recipe's complete RoPE parameters and positions (transformers reads
+    them when a model is built), and the ContextSpec."""
+    common = dict(revision=recipe.model.revision, trust_remote_code=recipe.model.trust_remote_code)
     tokenizer = AutoTokenizer.from_pretrained(base_id, **common)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -162,7 +145,6 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
         revision=m.revision,
         trust_remote_code=m.trust_remote_code,
     )
-    # Then apply the spec (all but inference-time methods), which re-checks that the rotary frequencies changed.
     apply_spec(model, spec, training=True)
     if spec.vocab_size > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(spec.vocab_size)
@@ -173,14 +155,11 @@ def load_base(recipe: Recipe, base_id: str) -> tuple[PreTrainedModel, PreTrained
 def load_model(
     recipe: Recipe, base_id: str, args: Any, loader: BaseLoader = load_base
 ) -> tuple[Any, PreTrainedTokenizerBase, ContextSpec]:
-    """The base with the recipe's methods applied, through ``loader`` (:func:`load_base`; unsloth's also adds LoRA:
-    :func:`~.unsloth_backend.load_model`). ``args``: the run's training arguments, which set up the processes.
-
-    Each process loads the base after the local main one (which downloads it once), except under DeepSpeed ZeRO-3,
-    whose zero.Init partitions every weight while the model is built, with all processes taking part; a method that
-    cannot train sharded is refused before then (it would read partitioned, empty weights).
-    """
-    partitioned = builds_partitioned(recipe)
+    """The base with the recipe's methods applied, through ``loader`` (:func:`load_base`, or unsloth's, which adds
+    LoRA too), after the local main process (which downloads it once); all at once when DeepSpeed ZeRO-3 partitions
+    the weights as the model is built, a method that cannot train sharded refused first. ``args``: the run's
+    training arguments."""
+    partitioned = is_deepspeed_zero3_enabled() and not recipe.model.load_in_4bit
     if partitioned:
         check_sharded(recipe, "DeepSpeed ZeRO-3")
     with nullcontext() if partitioned else args.main_process_first(local=True, desc="base model"):

@@ -1,12 +1,9 @@
 """Run-folder bookkeeping that makes a kill lose nothing: complete checkpoints, the recipe a run was
 started with, and metrics lines that survive a torn write.
 
-A checkpoint is written into ``checkpoints/.saving/checkpoint-<step>`` and takes its name
-``checkpoints/checkpoint-<step>`` by a rename once every process has written its part
-(:func:`publish_checkpoint`, run by the Trainer of :mod:`.recipe_trainer`): a kill while one is being written
-leaves nothing under that name. A folder under it is also checked before a resume takes it: complete when its
-``trainer_state.json`` parses and its weights and optimizer state are there (an older run's folder cut short, or
-one a rotation was deleting, is skipped, saying so). Stray folders that are not ``checkpoint-<int>`` are ignored.
+A checkpoint is written under ``checkpoints/.saving`` and renamed to ``checkpoints/checkpoint-<step>`` once every
+process has written its part (:func:`publish_checkpoint`). A resume takes a checkpoint folder only when complete: its
+``trainer_state.json`` parses and its weights and optimizer state are there (others are skipped, saying so).
 """
 
 from __future__ import annotations
@@ -79,7 +76,7 @@ def _written(folder: Path, patterns: tuple[str, ...]) -> bool:
 def latest_checkpoint(output_dir: Path, report: list[str] | None = None) -> Path | None:
     """The newest complete checkpoint of a run; incomplete ones are passed over (and named in ``report``)."""
     folders = [p for p in (Path(output_dir) / "checkpoints").glob("checkpoint-*") if _CHECKPOINT.match(p.name)]
-    for folder in sorted(folders, key=lambda p: int(_CHECKPOINT.match(p.name).group(1)), reverse=True):
+    for folder in sorted(folders, key=checkpoint_step, reverse=True):
         if checkpoint_state(folder) is not None:
             return folder
         if report is not None:

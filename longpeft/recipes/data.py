@@ -7,6 +7,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
 from datasets import Dataset, load_dataset
 from datasets.exceptions import DatasetGenerationError
 from datasets.fingerprint import Hasher
@@ -26,11 +27,8 @@ GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the r
 
 
 def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
-    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column; every row is checked.
-
-    ``data.source``: a .jsonl/.json file or a folder of them, .txt files (plain text, one document
-    per file; ``format: text``), a Hub dataset id, ``demo`` or ``retrieval``.
-    """
+    """Load the recipe's data as a Dataset with one ``messages`` (or ``text``) column, every row checked: from
+    .jsonl/.json files, .txt files (one document each), a Hub dataset, ``demo`` or ``retrieval``."""
     if data.source == "demo":
         dataset = build_demo_dataset(tokenizer, **data.demo.model_dump(exclude_none=True))
     elif data.source == "retrieval":
@@ -38,11 +36,8 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
         dataset = build_retrieval_dataset(tokenizer, **options)
     else:
         dataset = _load_source(data)
-    field, column, setting = (
-        (data.messages_field, "messages", "messages_field")
-        if data.format == "messages"
-        else (data.text_field, "text", "text_field")
-    )
+    column, setting = data.format, f"{data.format}_field"  # the column is named as the format
+    field = getattr(data, setting)
     if field not in dataset.column_names:
         raise DataError(
             f"data.source {data.source}: no {field!r} column (columns: {dataset.column_names}); set data.{setting}"
@@ -57,26 +52,19 @@ def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) ->
     index = 0
     try:
         for chunk in dataset.iter(batch_size=256):  # bounded memory: long-context rows are large
-            _check_rows(chunk[column], column, data.source, index)
-            index += len(chunk[column])
+            for value in chunk[column]:  # fail clearly on the first malformed row
+                if column == "messages":
+                    check_conversation(value, f"{data.source} row {index}")
+                elif not isinstance(value, str) or not value:
+                    raise DataError(f"{data.source} row {index}: text must be a non-empty string")
+                index += 1
     except UnicodeDecodeError as error:
         raise DataError(f"data.source {data.source}: not UTF-8 text after row {index} ({error.reason})") from None
     return dataset
 
 
-def _check_rows(values: list[Any], column: str, source: str, first: int) -> None:
-    """Fail clearly on the first malformed row of a chunk (rows ``first ..``)."""
-    for index, value in enumerate(values, start=first):
-        where = f"{source} row {index}"
-        if column == "messages":
-            check_conversation(value, where)
-        elif not isinstance(value, str) or not value:
-            raise DataError(f"{where}: text must be a non-empty string")
-
-
 def synth_output_file(source: str) -> Path | None:
-    """The training file of a ``longpeft synth`` output folder (its ``train.jsonl``, beside the run's
-    ``stats.json`` and ``config.json``, which are no training rows); None for any other source."""
+    """The training file (``train.jsonl``) of a ``longpeft synth`` output folder; None for any other source."""
     folder = Path(source)
     if folder.is_dir() and (folder / TRAIN_FILE).is_file() and (folder / STATS_FILE).is_file():
         return folder / TRAIN_FILE
@@ -84,13 +72,11 @@ def synth_output_file(source: str) -> Path | None:
 
 
 def check_data_source(data: DataSection) -> None:
-    """``data.source`` before anything loads: a generated set, a local file or folder, which must exist (a missing
-    one is named as missing, never tried as a Hub id: :func:`~longpeft.files.is_local`), or a Hub dataset id
-    (``owner/name``), which must answer within ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.hub_preflight`).
+    """``data.source`` before anything loads: a generated set, a local path, which must exist (never tried as a Hub
+    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``.
 
     Raises:
-        DataNotFoundError: no such local file or folder.
-        ModelSourceError: no such dataset on the Hub; HubTimeoutError: the Hub did not answer.
+        DataNotFoundError, or ModelSourceError / HubTimeoutError for a Hub dataset.
     """
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
@@ -110,8 +96,7 @@ def _is_empty(path: Path) -> bool:
 
 
 def _load_source(data: DataSection) -> Dataset:
-    """A local file or folder (.jsonl/.json, or .txt for plain text; a ``longpeft synth`` output folder: its
-    train.jsonl), else a Hub dataset id."""
+    """A local file or folder (a ``longpeft synth`` output folder: its train.jsonl), else a Hub dataset id."""
     path = synth_output_file(data.source) or Path(data.source)
     suffixes = (".json", ".jsonl", ".txt")
     if path.is_dir():
@@ -136,11 +121,9 @@ def _load_source(data: DataSection) -> Dataset:
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
             raise ConfigError(f"data.source {path}: .txt files are plain text; set data.format: text")
-
         return Dataset.from_dict({data.text_field: [read_text_file(p) for p in files]})  # the files checked above
     if any(p.suffix == ".txt" for p in files):
         raise DataError(f"data.source {path} mixes .txt and JSON files; keep one kind per source")
-
     try:
         return load_dataset("json", data_files=[str(p) for p in files], split="train")
     except (DatasetGenerationError, ValueError) as exc:
@@ -166,12 +149,9 @@ def assistant_spans(
 ) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns (end-of-turn token included).
 
-    Works with any chat template, with or without ``{% generation %}`` markers: assistant turn ``i``
-    spans from the end of ``messages[:i]`` rendered with the generation prompt (for a conversation that opens
-    with the assistant, from where its content starts) to the end of
-    ``messages[:i + 1]`` rendered without it (trailing white space excluded, so the end-of-turn token
-    is trained and the template's newline after it is not). Templates whose rendering of a conversation's prefix
-    is not a prefix of its full rendering are refused (the spans would be wrong).
+    Works with any chat template: assistant turn ``i`` spans from the end of ``messages[:i]`` rendered with the
+    generation prompt (for a first turn, from where its content starts) to the end of ``messages[:i + 1]``, trailing
+    white space excluded. Refuses a template whose rendering of a prefix is not a prefix of the whole rendering.
     """
     full = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
@@ -198,8 +178,8 @@ _CONTENT_MARK = "\u2063longpeft-content\u2063"  # text no template adds: where a
 
 
 def _text_before_content(tokenizer: PreTrainedTokenizerBase, turn: dict[str, Any]) -> str:
-    """What the template renders before the content of a conversation's first turn (BOS, a default system prompt,
-    the role header), found by rendering the turn with a marker as its content."""
+    """What the template renders before the content of a conversation's first turn (BOS, a system prompt, the role
+    header)."""
     rendered = tokenizer.apply_chat_template([{**turn, "content": _CONTENT_MARK}], tokenize=False)
     if _CONTENT_MARK not in rendered:
         raise ConfigError(
@@ -214,11 +194,10 @@ def tokenize_conversation(
 ) -> dict[str, list[int]]:
     """``input_ids`` of a rendered conversation and, with ``assistant_only``, ``assistant_masks``
     (1 on every token that starts inside an assistant turn)."""
-    text, spans = (
-        assistant_spans(tokenizer, messages)
-        if assistant_only
-        else (tokenizer.apply_chat_template(messages, tokenize=False), [])
-    )
+    if assistant_only:
+        text, spans = assistant_spans(tokenizer, messages)
+    else:
+        text, spans = tokenizer.apply_chat_template(messages, tokenize=False), []
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=assistant_only)
     row = {"input_ids": encoded["input_ids"]}
     if assistant_only:
@@ -232,31 +211,23 @@ TOKENIZING_CODE = Path(__file__)  # the code that turns rows into input_ids and 
 
 
 def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assistant_only: bool) -> Dataset:
-    """Tokenize the recipe's data once: ``input_ids`` (and ``assistant_masks`` for conversations with
-    assistant-only loss). TRL takes the tokenized rows as they are, and the length filter reads them.
-
-    A dataset read from files is cached by ``datasets`` under a fingerprint of the rows, the tokenizer, the flag and
-    this module's code: datasets' own fingerprint names longpeft's functions without their code, so a longpeft
-    upgrade that changes the masking would otherwise reuse the old masks.
-    """
+    """Tokenize the recipe's data once: ``input_ids`` (and ``assistant_masks`` for conversations with assistant-only
+    loss). Cached by ``datasets`` under a fingerprint of the rows, the tokenizer, the flag and this module's code
+    (datasets' own would not see a change of the masking code)."""
     if not tokenizer.is_fast:
         raise ConfigError(
             "longpeft needs a fast tokenizer (offsets locate the assistant turns); load one with use_fast=True"
         )
     fingerprint = Hasher.hash([dataset._fingerprint, TOKENIZING_CODE.read_bytes(), tokenizer, assistant_only])
-    if "messages" in dataset.column_names:
-        return dataset.map(
-            lambda row: tokenize_conversation(tokenizer, row["messages"], assistant_only),
-            remove_columns=dataset.column_names,
-            desc="tokenizing conversations",
-            new_fingerprint=fingerprint,
-        )
-    return dataset.map(
-        lambda row: {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)},
-        remove_columns=dataset.column_names,
-        desc="tokenizing text",
-        new_fingerprint=fingerprint,
-    )
+    conversations = "messages" in dataset.column_names
+
+    def tokenize(row: dict[str, Any]) -> dict[str, list[int]]:
+        if conversations:
+            return tokenize_conversation(tokenizer, row["messages"], assistant_only)
+        return {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)}
+
+    desc = f"tokenizing {'conversations' if conversations else 'text'}"
+    return dataset.map(tokenize, remove_columns=dataset.column_names, desc=desc, new_fingerprint=fingerprint)
 
 
 def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
@@ -265,25 +236,12 @@ def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
 
 
 def select_by_length(
-    lengths: list[int],
-    max_length: int,
-    truncate: bool,
-    limit: str | None = None,
-    min_length: int = 0,
-    window: int | None = None,
+    lengths: list[int], max_length: int, truncate: bool, limit: str, min_length: int, window: int | None = None
 ) -> tuple[list[int], dict[str, int]]:
     """The indices of the samples (of these token ``lengths``) that training keeps: none longer than ``max_length``
-    (unless ``truncate``: training cuts them), none shorter than ``min_length``.
-
-    Args:
-        limit: what ``max_length`` is, for the error, as ``setting=value ...`` (the error tells to raise that
-            setting; default ``data.max_length=<max_length>``).
-        window: also count the kept samples longer than it (``longer_than_window``; PoSE's content skip draws its
-            training window from them).
-
-    Returns the kept indices and counts ``{"kept", "dropped", "dropped_short", "truncated", "longest"}``
-    (``dropped``: too long; ``truncated``: kept samples longer than ``max_length``, which training cuts).
-    """
+    (unless ``truncate``: training cuts them), none shorter than ``min_length``; and the counts ``{"kept", "dropped"
+    (too long), "dropped_short", "truncated" (kept, longer than max_length), "longest"}``, with ``window`` also
+    ``"longer_than_window"``. ``limit``: what ``max_length`` is, for the error (``setting=value ...``)."""
     long_enough = [i for i, n in enumerate(lengths) if n >= min_length]
     keep = [i for i in long_enough if truncate or lengths[i] <= max_length]
     stats = {
@@ -302,8 +260,8 @@ def select_by_length(
         )
     if not keep:
         raise DataError(
-            f"every sample is longer than {limit or f'data.max_length={max_length}'} tokens (longest "
-            f"{stats['longest']}); raise {(limit or 'data.max_length').split('=')[0]} or set data.truncate: true"
+            f"every sample is longer than {limit} tokens (longest {stats['longest']}); raise {limit.split('=')[0]} or "
+            "set data.truncate: true"
         )
     return keep, stats
 
@@ -316,19 +274,12 @@ def utk_document_room(max_length: int, utk: UtkSection) -> int:
     return room
 
 
-def utk_limit(max_length: int, room: int) -> str:
-    """What limits a UtK document to ``room`` tokens (:func:`utk_document_room`), for the length filter's error."""
-    return f"data.max_length={max_length} minus UtK's insertions ({room})"
-
-
 def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: int) -> Dataset:
-    """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose
-    documents plus UtK's insertions fit ``max_length``. A document longer than :func:`utk_document_room` is cut
-    to it (the runner drops those first unless ``data.truncate``).
+    """Pack tokenized documents into UtK sequences: rows ``{"input_ids", "doc_lengths"}`` whose documents plus UtK's
+    insertions fit ``max_length``; a document longer than :func:`utk_document_room` is cut to it.
 
-    Refuses a ``utk.label_length`` whose ``n_letters ** label_length`` chunk labels (``n_letters``:
-    the single-token letters of :func:`~longpeft.synth_data.utk.add_utk_tokens`) cannot label every
-    chunk of the fullest sequence, rather than failing in the collator mid-training.
+    Refuses a ``utk.label_length`` whose ``n_letters ** label_length`` chunk labels (``n_letters``: UtK's
+    single-token letters) cannot label every chunk of the fullest sequence.
     """
     max_chunks, label_length = max(utk.chunk_counts), utk.label_length
     room = utk_document_room(max_length, utk)
@@ -363,36 +314,19 @@ def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) ->
 
 def longest_sample(recipe: Recipe) -> tuple[int, str]:
     """The most tokens a training sample keeps on its way to the collator, and the setting that says so:
-    ``data.max_length``, or the longer samples a method's collator draws its window from (:meth:`Recipe.long_samples`:
-    PoSE's content skip, up to its simulated length)."""
+    ``data.max_length``, or the longer samples a method's collator draws its window from (``Recipe.long_samples``)."""
     samples = recipe.long_samples()
     if samples is not None:
         return samples.tokens, samples.limit
     return recipe.data.max_length, f"data.max_length={recipe.data.max_length}"
 
 
-def check_content_to_skip(recipe: Recipe, data_stats: dict[str, int]) -> None:
-    """Fail when no sample is longer than the window (``data_stats`` of :func:`select_by_length`) while a method's
-    collator draws the window from longer samples (:meth:`Recipe.long_samples`): it would change nothing."""
-    samples, window = recipe.long_samples(), recipe.data.max_length
-    if samples is not None and not data_stats["longer_than_window"]:
-        raise DataError(
-            f"{samples.setting}: no training sample is longer than data.max_length={window} tokens, so "
-            f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or "
-            f"{samples.off}"
-        )
-
-
-def assistant_only_loss(recipe: Recipe) -> bool:
-    """Loss on assistant turns only: the recipe's setting, on by default for conversations."""
-    return recipe.data.format == "messages" and recipe.train.assistant_only_loss is not False
-
-
 def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Dataset, dict[str, int]]:
     """The tokenized training rows after the recipe's length rules (:func:`select_for_training`), and their counts
     (``data_stats``); with UtK, the documents kept packed into sequences of ``data.max_length``."""
-    dataset = tokenize_dataset(load_training_data(recipe.data, tokenizer), tokenizer, assistant_only_loss(recipe))
-    keep, data_stats = select_for_training(recipe, [len(ids) for ids in dataset["input_ids"]])
+    data = load_training_data(recipe.data, tokenizer)
+    dataset = tokenize_dataset(data, tokenizer, recipe.train.assistant_only_loss)
+    keep, data_stats = select_for_training(recipe, token_lengths(dataset))
     dataset, utk = dataset.select(keep), recipe.data.utk
     if utk is not None:
         letters = add_utk_tokens(tokenizer, max(utk.chunk_counts)).letters  # the tokens are in already
@@ -403,17 +337,26 @@ def build_dataset(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[D
 
 def select_for_training(recipe: Recipe, lengths: list[int]) -> tuple[list[int], dict[str, int]]:
     """The samples (of these token ``lengths``) the recipe trains on, and the counts of :func:`select_by_length`:
-    each sample kept, cut or dropped against ``data.max_length`` (PoSE's content skip: its simulated length, and
-    some sample must be longer than the window); with UtK, each document as it is, before packing, against the room
-    UtK's insertions leave."""
+    each sample kept, cut or dropped against :func:`longest_sample` (with a method that skips content, some sample
+    must be longer than ``data.max_length``); with UtK, each document, before packing, against the room UtK's
+    insertions leave."""
     data, max_length = recipe.data, recipe.data.max_length
     if data.utk is not None:
         room = utk_document_room(max_length, data.utk)
-        return select_by_length(lengths, room, data.truncate, utk_limit(max_length, room), min_length=data.min_length)
+        limit = f"data.max_length={max_length} minus UtK's insertions ({room})"
+        return select_by_length(lengths, room, data.truncate, limit, data.min_length)
     longest, limit = longest_sample(recipe)
-    skips_content = longest > max_length
-    window = max_length if skips_content else None
-    keep, stats = select_by_length(lengths, longest, data.truncate, limit, min_length=data.min_length, window=window)
-    if skips_content:
-        check_content_to_skip(recipe, stats)
+    samples = recipe.long_samples() if longest > max_length else None
+    window = max_length if samples is not None else None
+    keep, stats = select_by_length(lengths, longest, data.truncate, limit, data.min_length, window)
+    if samples is not None and not stats["longer_than_window"]:
+        raise DataError(
+            f"{samples.setting}: no training sample is longer than data.max_length={max_length} tokens, so "
+            f"no content would be skipped; use longer documents (up to {samples.tokens} tokens) or {samples.off}"
+        )
     return keep, stats
+
+
+def token_lengths(dataset: Dataset) -> list[int]:
+    """Tokens of each row of a tokenized dataset, counted by Arrow (no row's ids read into Python)."""
+    return pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()

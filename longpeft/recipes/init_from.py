@@ -1,20 +1,9 @@
 """Start a run from the trained weights of an earlier one (``model.init_from``): training in stages.
 
-Activation Beacon's authors pretrain the beacon weights on plain text (ratios up to 32) and then fine-tune them on
-conversations (ratios up to 8); the second stage starts from the first stage's beacon weights. ``model.init_from``
-names the earlier run's adapter folder (or the run folder holding it, or a Hub repo id); the new run loads its base
-from ``model.name_or_path`` as usual, applies its own methods, then copies the earlier adapter's trained weights in
-before the first step:
-
-- the methods' own weights (beacon projections and embedding), for ``finetune: method`` and ``lora`` alike;
-- the LoRA weights and trained embedding rows, when the earlier run trained LoRA (then this one must train LoRA
-  with the same shapes: ``lora.r``, ``lora.target_modules``, ``lora.embeddings``).
-
-Refused, with the reason: a folder that is not a longpeft adapter, a whole model (make it ``model.name_or_path``
-instead), a base of another shape, methods with weights that one side has and the other lacks (their weights would
-be lost or start from scratch unnoticed), LoRA weights for a run that trains none. Method settings that differ
-between the stages (Activation Beacon's ratios, say) are allowed, printed and recorded in ``recipe.resolved.json``.
-``--resume`` then takes every weight from the checkpoint, as always.
+The run loads its base and applies its methods as usual, then copies in the earlier adapter's methods' own weights
+and, when it trained LoRA, its LoRA weights and trained embedding rows. Refused, with the reason: a folder that is
+not a longpeft adapter, a whole model, a base of another shape, methods with weights on one side only, LoRA weights
+for a run that trains none. Changed method settings are allowed, printed and recorded.
 """
 
 from __future__ import annotations
@@ -49,10 +38,6 @@ def adapter_folder(location: str) -> Path:
     return folder
 
 
-def _weighted_methods(spec: ContextSpec) -> set[str]:
-    return {method.name for method, _ in spec_methods(spec) if method.keeps_weights}
-
-
 def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dict[str, list[Any]]]:
     """``{method: {key: [earlier value, this run's value]}}`` for every method setting that changed between the
     stages (a method one side lacks shows as ``{"applied": [bool, bool]}``)."""
@@ -60,13 +45,10 @@ def method_differences(earlier: ContextSpec, spec: ContextSpec) -> dict[str, dic
     for name in sorted(set(earlier.methods) | set(spec.methods)):
         before, now = earlier.methods.get(name), spec.methods.get(name)
         if before is None or now is None:
-            differences[name] = {"applied": [before is not None, now is not None]}
-            continue
-        changed = {
-            key: [before.get(key), now.get(key)]
-            for key in sorted(set(before) | set(now))
-            if before.get(key) != now.get(key)
-        }
+            changed = {"applied": [before is not None, now is not None]}
+        else:
+            keys = sorted(set(before) | set(now))
+            changed = {key: [before.get(key), now.get(key)] for key in keys if before.get(key) != now.get(key)}
         if changed:
             differences[name] = changed
     return differences
@@ -86,11 +68,10 @@ class InitAdapter:
 
 
 def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
-    """The recipe's ``model.init_from``, checked against this run (its ContextSpec ``spec`` and its base model's
-    ``base_config``) before any weight is copied.
+    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``.
 
     Raises:
-        FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from (see the module).
+        FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from.
         SpecMismatchError: the earlier run's base has another shape.
     """
     from ..hub import folder_weights
@@ -105,7 +86,9 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
             "drop model.init_from"
         )
     earlier.check_base(base_config)
-    theirs, ours = _weighted_methods(earlier), _weighted_methods(spec)
+    theirs, ours = (
+        {method.name for method, _ in spec_methods(stage) if method.keeps_weights} for stage in (earlier, spec)
+    )
     if theirs != ours:
         raise ConfigError(
             f"{where}: its methods with weights ({', '.join(sorted(theirs)) or 'none'}) are not "
@@ -122,12 +105,8 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
 
 
 def load_init_weights(model: Any, folder: Path, kind: str, spec: ContextSpec) -> None:
-    """Copy the earlier adapter's trained weights into ``model`` (the trainer's model: peft-wrapped when LoRA
-    trains), in place: the methods' own weights, and LoRA's when ``kind`` is ``lora``.
-
-    Raises:
-        ValueError: LoRA weights that do not fit this run's LoRA (names or shapes, listed).
-    """
+    """Copy the earlier adapter's methods' own weights, and LoRA's when ``kind`` is ``lora``, into ``model`` (the
+    trainer's). Raises ValueError: LoRA weights that do not fit this run's (names or shapes, listed)."""
     load_method_weights(model, spec, folder)
     if kind == "lora":
         _load_lora(model, folder)

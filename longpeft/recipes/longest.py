@@ -1,10 +1,5 @@
-"""The longest sample a recipe can train (``longpeft plan --longest``), and what bounds it.
-
-Two things bound it: memory (the planner's peak per GPU, :func:`longpeft.scale.plan.longest_fitting`) and positions
-(the adapted model's: a longer ``data.max_length`` is refused by ``train``, :func:`.validate.check_against_base`); the
-shorter wins. The recipe's own lengths (``data.max_length``, ``target_length``) are said beside them, with whether
-they fit.
-"""
+"""The longest sample a recipe can train (``longpeft plan --longest``): the shorter of the memory bound (the
+planner's peak per GPU) and the positions bound (the adapted model's, :func:`.validate.check_against_base`)."""
 
 from __future__ import annotations
 
@@ -20,18 +15,10 @@ LIMIT = 1 << 24  # tokens: the longest sample searched
 
 @dataclass
 class LongestSample:
-    """The longest sample and its bounds, in tokens.
-
-    Attributes:
-        tokens: the longest sample ``train`` takes that fits in memory: the smaller bound (0: not even ``step``).
-        memory: the longest that fits in memory (a multiple of ``step``).
-        positions: the longest whose positions stay inside the adapted model's (None: not known here; ``LIMIT``:
-            none below it).
-        max_positions: the adapted model's ``max_position_embeddings`` (None: not known here).
-        positions_source: where the base's config came from, or why it is not known.
-        max_length / target_length: the recipe's.
-        gpu_memory_gib, step: what the memory bound was searched with.
-        plan: the plan at ``tokens`` (at ``step`` when nothing fits).
+    """The longest sample and its bounds, in tokens: ``tokens`` the smaller bound (0: not even ``step``), ``memory``
+    (a multiple of ``step``), ``positions`` (None: not known here, with ``positions_source`` saying why; ``LIMIT``:
+    none below it) under the adapted model's ``max_positions``; the recipe's ``max_length`` and ``target_length``;
+    the memory search's ``gpu_memory_gib`` and ``step``; the ``plan`` at ``tokens`` (at ``step`` when nothing fits).
     """
 
     tokens: int
@@ -83,8 +70,8 @@ class LongestSample:
         ]
 
 
-def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int | None, str]:
-    """``(longest, max_positions, source)``: the longest ``data.max_length`` (up to ``limit``) whose input stays
+def positions_bound(recipe: Recipe) -> tuple[int | None, int | None, str]:
+    """``(longest, max_positions, source)``: the longest ``data.max_length`` (up to ``LIMIT``) whose input stays
     inside the adapted model's positions (:func:`.validate.positions_spanned`), those positions, and where the base's
     config came from; ``(None, None, why)`` without the base's config on this machine."""
     try:
@@ -93,14 +80,10 @@ def positions_bound(recipe: Recipe, limit: int = LIMIT) -> tuple[int | None, int
         return None, None, str(missing)
     spec, source = build_spec(recipe, base.config, recipe.model.name_or_path), base.source
     max_positions = spec.max_position_embeddings
-
-    def fits(length: int) -> bool:
-        return positions_spanned(spec, length) <= max_positions
-
-    low, high = 0, limit  # low fits (or is 0), high + 1 does not
+    low, high = 0, LIMIT  # low fits (or is 0), high + 1 does not
     while low < high:
         middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
+        low, high = (middle, high) if positions_spanned(spec, middle) <= max_positions else (low, middle - 1)
     return low, max_positions, source
 
 
@@ -114,23 +97,10 @@ def longest_trainable_sample(
 ) -> LongestSample:
     """The longest sample ``recipe`` trains within ``gpu_memory_gib`` per GPU and the adapted model's positions."""
     shape = shape_of(recipe.model.name_or_path)
-    memory, memory_plan = longest_fitting(recipe, gpus, gpu_memory_gib, gpu, shape, launch, step, LIMIT)
+    memory, plan = longest_fitting(recipe, gpus, gpu_memory_gib, gpu, shape, launch, step, LIMIT)
     positions, max_positions, source = positions_bound(recipe)
     tokens = memory if positions is None else min(memory, positions)
-    plan = (
-        memory_plan
-        if tokens in (memory, 0)
-        else plan_at_length(recipe, tokens, gpus, gpu_memory_gib, gpu, shape, launch)
-    )
-    return LongestSample(
-        tokens,
-        memory,
-        positions,
-        max_positions,
-        source,
-        recipe.data.max_length,
-        recipe.target_length,
-        gpu_memory_gib,
-        step,
-        plan,
-    )
+    if tokens not in (memory, 0):
+        plan = plan_at_length(recipe, tokens, gpus, gpu_memory_gib, gpu, shape, launch)
+    recipe_lengths = recipe.data.max_length, recipe.target_length
+    return LongestSample(tokens, memory, positions, max_positions, source, *recipe_lengths, gpu_memory_gib, step, plan)

@@ -1,11 +1,6 @@
-"""A run's activation memory: what each layer keeps, offloaded layer inputs, the tiled MLP, Liger's kernels.
-
-The recipe's ``train.checkpoint_layers``, ``keep_attention`` and ``offload_checkpoints`` become a
-:class:`~longpeft.scale.checkpointing.CheckpointSettings` (``auto`` chosen by the planner for this model, this
-run's launch and this machine's GPU memory), and ``train.mlp_tile_tokens`` tiles the decoder layers' MLP. Both are
-installed by :class:`TrainingMemory` when training begins, after the Trainer turned checkpointing on and applied
-Liger's kernels, which they build on.
-"""
+"""A run's activation memory: the recipe's checkpointing settings (``auto`` chosen by the planner for this model,
+launch and GPU) and tiled MLP, installed by :class:`TrainingMemory` when training begins (after the Trainer turned
+checkpointing on and applied Liger's kernels, which they build on)."""
 
 from __future__ import annotations
 
@@ -21,12 +16,6 @@ from ..scale.checkpointing import CheckpointSettings, apply_checkpointing, decod
 from ..scale.plan import GPU_PEAK_TFLOPS, GiB, resolve_checkpointing, shape_from_config
 from ..scale.tiling import apply_tiled_mlp
 from .schema import Recipe
-
-
-def shapes_memory(recipe: Recipe) -> bool:
-    """Whether the recipe changes what the layers keep (otherwise transformers' own checkpointing runs as is)."""
-    train = recipe.train
-    return train.checkpoint_layers != "all" or train.keep_attention != "none" or train.offload_checkpoints
 
 
 def device_memory_gib() -> float:
@@ -47,37 +36,25 @@ def planned_launch(distributed_type: str, processes: int) -> str | None:
     return "fsdp2" if "FSDP" in distributed_type else "ddp"
 
 
-def checkpoint_settings(
-    recipe: Recipe, model_config: Any, processes: int, distributed_type: str
-) -> CheckpointSettings:
-    """The run's checkpointing, ``auto`` resolved by the planner on the model's real shape and this GPU's memory."""
-    gpu = "h100"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name().lower()
-        gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
-    shape = shape_from_config(model_config.to_dict())
-    return resolve_checkpointing(
-        recipe, shape, processes, device_memory_gib(), gpu, planned_launch(distributed_type, processes)
-    )
-
-
 def install_memory(recipe: Recipe, trainer: Any, model_config: Any) -> CheckpointSettings | None:
     """Add :class:`TrainingMemory` to ``trainer``; returns the checkpointing settings it installs when training
-    begins (None when transformers' own checkpointing runs as is)."""
-    checkpointing = None
-    if recipe.train.backend == "transformers" and shapes_memory(recipe):
-        checkpointing = checkpoint_settings(
-            recipe, model_config, world_size(), str(trainer.accelerator.distributed_type)
-        )
-    trainer.add_callback(TrainingMemory(checkpointing, recipe.train.mlp_tile_tokens))
+    begins, ``auto`` resolved by the planner on the model's real shape and this GPU's memory (None when
+    transformers' own checkpointing runs as is: the recipe changes nothing the layers keep)."""
+    checkpointing, train = None, recipe.train
+    shapes_memory = train.checkpoint_layers != "all" or train.keep_attention != "none" or train.offload_checkpoints
+    if train.backend == "transformers" and shapes_memory:
+        name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+        gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
+        processes, shape = world_size(), shape_from_config(model_config.to_dict())
+        launch = planned_launch(str(trainer.accelerator.distributed_type), processes)
+        checkpointing = resolve_checkpointing(recipe, shape, processes, device_memory_gib(), gpu, launch)
+    trainer.add_callback(TrainingMemory(checkpointing, train.mlp_tile_tokens))
     return checkpointing
 
 
 class TrainingMemory(TrainerCallback):
-    """Installs the run's checkpointing and tiled MLP when training begins, and says on stderr (main process) what
-    each did: ``longpeft: checkpointing: ...`` (:meth:`CheckpointSettings.describe`, on this run's device) and
-    ``longpeft: MLP tiled: ...``. ``offloader`` then holds the counters of the offloaded layer inputs (None without
-    offloading)."""
+    """Installs the run's checkpointing and tiled MLP when training begins, saying on stderr (main process) what each
+    did. ``offloader`` then holds the counters of the offloaded layer inputs (None without offloading)."""
 
     def __init__(self, settings: CheckpointSettings | None, mlp_tile_tokens: int | None) -> None:
         self.settings, self.mlp_tile_tokens = settings, mlp_tile_tokens

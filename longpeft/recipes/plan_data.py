@@ -1,18 +1,7 @@
-"""The training samples' token counts for the planner (``longpeft plan --gpus N``), by the runner's own rules.
-
-The runner (:func:`.data.build_dataset`) loads the data, renders and tokenizes every row with the base's
-tokenizer and chat template, drops (or, with ``data.truncate``, cuts) the samples outside ``data.min_length`` ..
-the length limit, and with ``data.utk`` packs documents into sequences. :func:`count_sample_lengths` does the same
-with the same functions, so that the planner's time sums each sample at the length training will see, without
-loading the model and without downloading anything:
-
-- the tokenizer only when it is on this machine: a ``tiny:`` model's (trained in memory), a built-in or local
-  model folder's, or a Hub model's already in the Hugging Face cache; else the lengths are estimated at
-  :data:`CHARS_PER_TOKEN` characters per token of the rows' text (conversations: their turns' contents, without
-  the chat template's own tokens), and the planner says so;
-- the data only when it is here: a local file or folder (a ``longpeft synth`` output folder reads its
-  train.jsonl), or the built-in ``demo`` and ``retrieval`` sets, which are generated with the tokenizer. A Hub
-  dataset is not downloaded: the planner then assumes ``data.max_length`` tokens per sample and says so.
+"""The training samples' token counts for the planner (``longpeft plan --gpus N``), by the runner's own rules and
+functions (:func:`.data.build_dataset`), without loading the model and without downloading anything: the tokenizer
+only when it is on this machine (else the lengths are estimated at :data:`CHARS_PER_TOKEN` characters per token),
+the data only when it is here or generated (a Hub dataset: the planner assumes ``data.max_length`` tokens per sample).
 """
 
 from __future__ import annotations
@@ -22,44 +11,40 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
 from ..base_config import TINY_PREFIX
+from ..builtin_models import model_location
 from ..errors import DataError
+from ..files import is_local
 from ..scale.lengths import SampleLengths
+from ..synth_data.utk import add_utk_tokens
+from ..tiny import demo_tokenizer
 from .data import (
     GENERATED_SOURCES,
-    assistant_only_loss,
     load_training_data,
     longest_sample,
     select_for_training,
     synth_output_file,
+    token_lengths,
     tokenize_dataset,
     utk_document_room,
     utk_groups,
 )
 from .schema import Recipe
 
-# Characters per token of English text with today's BPE vocabularies (a common rule of thumb; Llama-3's 128K
-# vocabulary gives somewhat more, so the estimate errs long). Used only when the tokenizer is not on this machine.
+# Characters per token of English text with today's BPE vocabularies (a rule of thumb that errs long for Llama-3's).
 CHARS_PER_TOKEN = 4.0
 
 
 def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
     """The recipe's tokenizer as the runner sets it up (UtK's tokens added), only from this machine; else None and
     why. Never downloads."""
-    from transformers import AutoTokenizer
-
-    from ..builtin_models import model_location
-    from ..files import is_local
-
     name = recipe.model.name_or_path
     if name.startswith(TINY_PREFIX):
-        from ..tiny import demo_tokenizer
-
         tokenizer = demo_tokenizer()  # the one materialize_tiny_base saves beside a tiny: model
     else:
         location = model_location(name)
-        local = is_local(location)
         try:
             tokenizer = AutoTokenizer.from_pretrained(
                 location,
@@ -68,25 +53,21 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
                 local_files_only=True,
             )
         except (OSError, ValueError) as error:
-            if local:
-                return None, (
-                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})"
+            if is_local(location):
+                return (
+                    None,
+                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})",
                 )
             return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
     if recipe.data.utk is not None:
-        from ..synth_data.utk import add_utk_tokens
-
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
     return tokenizer, ""
 
 
 def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths:
-    """The tokens of every sample the recipe trains on, after its length filters, truncation and packing (see the
-    module docstring); :meth:`SampleLengths.not_known` with the reason when the data is not on this machine.
-
-    Raises what the runner raises for the same data: no row left after the filters, malformed rows, PoSE's content
-    skip with no sample longer than ``data.max_length``.
-    """
+    """The tokens of every sample the recipe trains on, after its length filters, truncation and packing;
+    :meth:`SampleLengths.not_known` with the reason when the data is not on this machine. Raises what the runner
+    raises for the same data."""
     source = recipe.data.source
     generated = source in GENERATED_SOURCES
     if not generated and not Path(source).exists():
@@ -99,7 +80,7 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
     dataset = load_training_data(recipe.data, tokenizer)
     scored = None
     if tokenizer is not None:
-        tokenized = tokenize_dataset(dataset, tokenizer, assistant_only_loss(recipe))
+        tokenized = tokenize_dataset(dataset, tokenizer, recipe.train.assistant_only_loss)
         lengths, scored = token_counts(tokenized, longest_sample(recipe)[0])
         how = "its chat template" if recipe.data.format == "messages" else "an end-of-text token per text"
         counted_with = f"the tokenizer of {recipe.model.name_or_path} ({how})"
@@ -109,26 +90,24 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
             "; the chat template's own tokens not counted" if recipe.data.format == "messages" else ""
         )
     kept, filtered = trained_lengths(recipe, lengths, scored)
-    return SampleLengths(lengths=tuple(kept), source=_described(source), counted_with=counted_with, filtered=filtered)
+    described = f"the {source} set" if generated else str(synth_output_file(source) or source)  # as the time line says
+    return SampleLengths(lengths=tuple(kept), source=described, counted_with=counted_with, filtered=filtered)
 
 
 def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | None]:
     """Tokens of each row of a tokenized training set (:func:`~.data.tokenize_dataset`), and with assistant masks
     whether a scored token lies within its first ``limit`` tokens (TRL drops a sample its cut leaves without one).
-    Reads the rows' Arrow columns a batch at a time: no row's ids become Python lists."""
-    import pyarrow.compute as pc
-
-    lengths: list[int] = []
-    scored: list[bool] | None = [] if "assistant_masks" in tokenized.column_names else None
-    for table in tokenized.with_format("arrow").iter(batch_size=1024):
-        lengths += pc.list_value_length(table["input_ids"]).to_pylist()
-        if scored is not None:
-            masks = table["assistant_masks"].combine_chunks()
-            offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
-            scored += [
-                bool(values[start : min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])
-            ]
-    return lengths, scored
+    Reads the Arrow columns a batch at a time: no row's ids become Python lists."""
+    if "assistant_masks" not in tokenized.column_names:
+        return token_lengths(tokenized), None
+    scored: list[bool] = []
+    for table in tokenized.select_columns(["assistant_masks"]).with_format("arrow").iter(batch_size=1024):
+        masks = table["assistant_masks"].combine_chunks()
+        offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
+        scored += [
+            bool(values[start : min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])
+        ]
+    return token_lengths(tokenized), scored
 
 
 def estimated_lengths(dataset: Any, progress: bool = True) -> list[int]:
@@ -148,12 +127,10 @@ def estimated_lengths(dataset: Any, progress: bool = True) -> list[int]:
 def trained_lengths(
     recipe: Recipe, lengths: list[int], scored: list[bool] | None = None
 ) -> tuple[list[int], dict[str, int]]:
-    """The tokens training sees of samples of these ``lengths``, by the runner's rules (:func:`~.data.build_dataset`):
-    the samples outside ``data.min_length`` .. the length limit dropped (with ``data.truncate`` the long ones kept,
-    and those whose cut leaves no scored token dropped: ``scored``, from :func:`token_counts`), each kept sample at
-    most ``data.max_length`` tokens (TRL cuts it, or PoSE's collator draws a window of that many); with
-    ``data.utk``, documents cut to the room UtK leaves and packed into sequences, whose lengths these are (UtK's
-    insertions, added on the fly, not counted). Returns them and the filter's counts."""
+    """The tokens training sees of samples of these ``lengths`` by the runner's rules, and the filter's counts: the
+    samples :func:`~.data.select_for_training` keeps, less those whose cut leaves no scored token (``scored``, from
+    :func:`token_counts`), each at most ``data.max_length`` tokens; with ``data.utk``, the packed sequences' lengths
+    (UtK's insertions not counted)."""
     keep, stats = select_for_training(recipe, lengths)
     utk, max_length = recipe.data.utk, recipe.data.max_length
     if utk is None:
@@ -172,10 +149,3 @@ def trained_lengths(
     groups = utk_groups(documents, max_length, utk)
     stats["packed_sequences"] = len(groups)
     return [sum(documents[i] for i in group) for group in groups], stats
-
-
-def _described(source: str) -> str:
-    """The data source as the time line names it."""
-    if source in GENERATED_SOURCES:
-        return f"the {source} set"
-    return str(synth_output_file(source) or source)

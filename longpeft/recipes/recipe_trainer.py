@@ -1,36 +1,13 @@
 """The Trainer every recipe trains with: the backend's trainer class (TRL's SFTTrainer, or unsloth's patch of it)
-with :class:`RecipeTrainer`'s hooks mixed in. Each private Trainer method it overrides delegates to the named
-hooks below:
+with :class:`RecipeTrainer`'s hooks; each private Trainer method it overrides calls one of them:
 
-- **Atomic checkpoints** (``_save_checkpoint``, ``_get_output_dir``). The Trainer's whole save (peft's adapter or
-  the model, accelerate's FSDP shards, DeepSpeed's partitions, optimizer, scheduler, RNG states of every process,
-  ``trainer_state.json``) goes into ``checkpoints/.saving/checkpoint-<step>``; once every process has written its
-  part (a barrier), the main process renames it to ``checkpoints/checkpoint-<step>`` and only then rotates older
-  ones away (``train.save_total_limit``). A kill at any moment of a save leaves nothing under a checkpoint's name,
-  and the run keeps its last complete checkpoint through a rotation. A rename rather than a completion marker: it
-  needs no knowledge of which files each save path writes (sharded saves write theirs from every process), and
-  checkpoint folders stay what transformers and earlier runs know. The checkpoints folder must be one filesystem
-  that every process writes to (as a resume of a sharded run already needs).
-- **A tied embedding once** (``_save``, ``_load_from_checkpoint``). peft writes a trained embedding tied to the
-  output head twice; each checkpoint's adapter file keeps it once
-  (:func:`~longpeft.adapter_weights.leave_out_tied_copies`) and a resume ties it again
-  (:func:`~longpeft.adapter_weights.load_weights_into`). Sharded checkpoints (FSDP, DeepSpeed) keep their own
-  formats.
-- **Method weights** (``_save``, ``_load_from_checkpoint``), for a LoRA or ``finetune: method`` run whose methods
-  have weights of their own (Activation Beacon's; ``method_spec``). With ``finetune: lora`` they are written beside
-  peft's adapter; with ``finetune: method`` the base is frozen, so a checkpoint holds the method weights, the
-  tokenizer and the training arguments only (beacon q/k/v on Llama-3-8B: 805M float32 weights, 3.2 GB, where the
-  Trainer would write the whole model, 19 GB). They are written first, inside the Trainer's save of the model,
-  before the optimizer state and ``trainer_state.json``: a kill while a checkpoint is written leaves one that
-  ``latest_checkpoint`` skips, never a complete-looking one without them. Sharded runs keep saving and restoring the
-  whole model in their own formats; the method files come from the state dict the Trainer gathered.
-- **Length grouping** (``_get_train_sampler``), with ``train.group_by_length``: the Trainer's own grouping
-  (``train_sampling_strategy="group_by_length"``) draws its order from the global torch generator, groups one
-  process's batches only, and without a length column reads every row whole to count it. Here the order is
-  :func:`longpeft.scale.lengths.length_grouped_order` (the one the planner times): blocks of whole optimizer steps
-  (every process's samples of a step together) sorted by length, drawn from ``train.seed`` and the epoch alone, so
-  that every process draws the same order, a resumed run continues the one it was interrupted in, and the planner's
-  hours are for the order training uses.
+- atomic checkpoints (``_save_checkpoint``, ``_get_output_dir``): written under ``checkpoints/.saving``, renamed once
+  every process wrote its part (one filesystem for all), then older ones rotated away;
+- a tied embedding kept once per checkpoint and tied again on resume (``_save``, ``_load_from_checkpoint``);
+- the methods' own weights (``_save``, ``_load_from_checkpoint``); with ``finetune: method`` a checkpoint holds only
+  them, the tokenizer and the training arguments (the base is frozen);
+- length grouping (``_get_train_sampler``): :func:`longpeft.scale.lengths.length_grouped_order`, drawn from
+  ``train.seed`` and the epoch alone (every process draws it, a resume continues it).
 """
 
 from __future__ import annotations
@@ -57,8 +34,7 @@ TRAINING_ARGS_NAME = "training_args.bin"  # as transformers names it
 
 
 def recipe_trainer_class() -> type:
-    """:class:`RecipeTrainer` over TRL's SFTTrainer as TRL exports it now: unsloth's patch of it once unsloth is
-    imported (``train.backend: unsloth`` imports it before TRL)."""
+    """:class:`RecipeTrainer` over TRL's SFTTrainer as exported now (unsloth's patch once unsloth is imported)."""
     from trl import SFTTrainer  # here, not at import: unsloth must patch TRL first
 
     return type(f"Recipe{SFTTrainer.__name__}", (RecipeTrainer, SFTTrainer), {})
@@ -68,8 +44,7 @@ class RecipeTrainer:
     """The hooks of the module docstring, before the backend's trainer class in the MRO (:func:`recipe_trainer_class`).
 
     Args (besides the trainer class's own):
-        method_spec: the ContextSpec whose methods' own weights checkpoints keep, for ``finetune`` ``lora`` or
-            ``method`` (None: no such weights, or a full fine-tune, whose checkpoints hold the whole model).
+        method_spec: the ContextSpec whose methods' own weights checkpoints keep (None: none, or a full fine-tune).
         finetune: the recipe's ``finetune`` (``lora``, ``method`` or ``full``).
         group_by_length: train in :class:`LengthGroupedSampler`'s order.
     """
@@ -123,9 +98,8 @@ class RecipeTrainer:
 
     @contextmanager
     def checkpoint_written_atomically(self, checkpoints: Path) -> Iterator[None]:
-        """The Trainer's checkpoint save, run in the block, goes into :func:`~.checkpoints.staging_folder` of
-        ``checkpoints``; then the checkpoint takes its name and older ones are rotated away (the module docstring).
-        """
+        """The checkpoint saved in the block goes into ``checkpoints``' staging folder, then takes its name and older
+        ones are rotated away."""
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         if self.args.should_save:
             clear_staging(checkpoints)
@@ -146,23 +120,22 @@ class RecipeTrainer:
             )
 
     def save_method_weights(self, folder: Path, state_dict: dict[str, Any] | None) -> None:
-        """The methods' own weights into ``folder`` (main process), from ``state_dict`` when the Trainer gathered one;
-        DeepSpeed passes {} when it could not gather (the model is then saved in its own format)."""
+        """The methods' own weights into ``folder`` (main process), from ``state_dict`` when the Trainer gathered one
+        (DeepSpeed passes {} when it could not)."""
         if self.args.should_save:
             folder.mkdir(parents=True, exist_ok=True)
             save_method_weights(self.model, self.method_spec, folder, state_dict or None)
 
     def save_beside_frozen_base(self, folder: Path) -> None:
-        """What a ``finetune: method`` checkpoint holds besides the method weights: the tokenizer and the training
-        arguments (the frozen base is not saved again)."""
+        """A ``finetune: method`` checkpoint's tokenizer and training arguments (the frozen base is not saved)."""
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(folder)
             torch.save(self.args, os.path.join(folder, TRAINING_ARGS_NAME))
 
     def load_checkpoint_weights(self, folder: Path, model: Any, sharded: bool) -> None:
-        """The checkpoint's weights into ``model`` (the trainer's by default): the Trainer's own loading, or, for an
-        adapter that keeps a tied embedding once, peft's weights tied again (refused when some are missing)."""
+        """The checkpoint's weights into ``model`` (default the trainer's): the Trainer's own loading, or for an
+        adapter that keeps a tied embedding once, tied again (refused when some are missing)."""
         if sharded or not tied_names(folder):
             super()._load_from_checkpoint(str(folder), model)
             return
@@ -194,9 +167,8 @@ class RecipeTrainer:
 
 class LengthGroupedSampler(torch.utils.data.Sampler[int]):
     """Row indices of one epoch in :func:`length_grouped_order`'s order. ``lengths``: tokens of each row;
-    ``step_samples``: samples per optimizer step over all processes (per-device batch x data-parallel processes x
-    gradient accumulation); ``seed``: the run's seed. The Trainer (through accelerate's data loader) calls
-    :meth:`set_epoch` before each epoch, a resumed epoch included."""
+    ``step_samples``: samples per optimizer step over all processes; ``seed``: the run's seed. accelerate's data
+    loader calls :meth:`set_epoch` before each epoch, a resumed one included."""
 
     def __init__(self, lengths: list[int], step_samples: int, seed: int) -> None:
         self.lengths, self.step_samples, self.seed, self.epoch = lengths, step_samples, seed, 0

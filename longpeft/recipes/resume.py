@@ -1,10 +1,9 @@
-"""Where a run starts and how it trains: a new run, or one resumed from its latest complete checkpoint (after a
-kill; a changed recipe's optimizer settings taken up), or a finished one whose last checkpoint is only loaded. The
-run folder's files that make a kill lose nothing are :mod:`.checkpoints`'s.
-"""
+"""Where a run starts and how it trains: a new run, one resumed from its latest complete checkpoint (a changed
+recipe's optimizer settings taken up), or a finished one whose last checkpoint is only loaded."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import sys
 from dataclasses import dataclass
@@ -39,10 +38,8 @@ class RunStart:
 
 
 def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunStart:
-    """Check the run folder against ``resume`` (a resume needs a complete checkpoint, a new run none) and the recipe
-    against the one the run started with (:func:`~.checkpoints.check_recipe_change`), then, on the main process,
-    ready the folder: a resumed run's metrics lines after its checkpoint dropped, a new run's recorded recipe (a
-    changed one's too, which later resumes compare with).
+    """Check the run folder against ``resume`` and the recipe against the one the run started with, then ready the
+    folder (main process): a resumed run's later metrics dropped, a new or changed recipe recorded.
 
     Raises:
         ModelSourceError: ``resume`` without a complete checkpoint. OutputFolderError: a new run into a folder with
@@ -78,25 +75,23 @@ def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunSta
 
 
 class ApplyOptimizerSettings(TrainerCallback):
-    """A resumed run with a changed recipe (--allow-recipe-change) takes up its learning rate and Adam betas: the
-    checkpoint's optimizer and scheduler state, loaded before training begins, restore the ones the run started
-    with. The schedule's shape (warmup, decay, steps) follows the new recipe already; its base rate is set here, and
-    the first resumed step runs at the new schedule's rate for its step (with more ``train.max_steps``, the old
-    schedule's last rate, often 0, would otherwise be used once). ``train``: the recipe's train section."""
+    """A resumed run with a changed recipe (--allow-recipe-change) takes up its learning rate and Adam betas, which
+    the checkpoint's optimizer and scheduler state restored to the old ones; the first resumed step runs at the new
+    schedule's rate for its step. ``train``: the recipe's train section."""
 
     def __init__(self, train: Any):
         self.train = train
 
     def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate wraps it
-        groups = optimizer.param_groups
+        groups, rate = optimizer.param_groups, self.train.learning_rate
         for index, group in enumerate(groups):
-            group["initial_lr"] = self.train.learning_rate
+            group["initial_lr"] = rate
             if "betas" in group:
                 group["betas"] = (self.train.adam_beta1, self.train.adam_beta2)
             if scheduler is not None:
-                scheduler.base_lrs[index] = self.train.learning_rate
-                group["lr"] = self.train.learning_rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
+                scheduler.base_lrs[index] = rate
+                group["lr"] = rate * scheduler.lr_lambdas[index](scheduler.last_epoch)
         if scheduler is not None:  # what the Trainer logs as this step's learning rate
             scheduler._last_lr = [group["lr"] for group in groups]
 
@@ -106,27 +101,25 @@ class CheckpointLoaded(Exception):
 
 
 class StopBeforeTraining(TrainerCallback):
-    """Ends ``trainer.train(resume_from_checkpoint=...)`` when training begins: by then the Trainer has wrapped the
-    model (DeepSpeed's engine, FSDP) and loaded the checkpoint's weights and state into it, and no step has run.
-    The runner uses it to save a finished run whose adapter a kill lost."""
+    """Ends ``trainer.train(resume_from_checkpoint=...)`` when training begins: the Trainer has wrapped the model
+    and loaded the checkpoint into it, and no step has run (to save a finished run whose adapter a kill lost)."""
 
     def on_train_begin(self, args, state, control, **kwargs):
         raise CheckpointLoaded
 
 
 def planned_steps(trainer: Any) -> int:
-    """The optimizer steps the run trains in all: ``train.max_steps``, else the epochs over the data loader
-    (``ceil(num_train_epochs x updates per epoch)``, computed by transformers itself)."""
+    """The optimizer steps the run trains in all, as transformers computes them (``train.max_steps``, or epochs)."""
     return trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
 
 
 def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
     """Train (from ``checkpoint`` when resuming) and return the Trainer's metrics; a checkpoint of the run's last
-    step is only loaded (killed after it, or finished: its weights are taken, no step runs; the Trainer loads it
-    itself, a sharded one into the wrapped model, and :class:`StopBeforeTraining` stops it before its first step).
-    A checkpoint file that weights-only loading refuses (a pickle payload), or weights of other shapes than the
-    recipe's model, end in a DataError naming the checkpoint; a checkpoint that cannot be written (a full disk), in
-    an OutputWriteError naming the checkpoints folder.
+    step is only loaded (:class:`StopBeforeTraining`) and ``{}`` returned.
+
+    Raises:
+        DataError: a checkpoint file weights-only loading refuses, or weights of other shapes than the recipe's.
+        OutputWriteError: a checkpoint that cannot be written (a full disk), naming the checkpoints folder.
     """
     with writing_to(Path(trainer.args.output_dir)):  # the checkpoints folder: a full disk names it
         try:
@@ -135,10 +128,8 @@ def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
                     f"longpeft: {checkpoint.name} is the run's last step; saving it without training", file=sys.stderr
                 )
                 trainer.add_callback(StopBeforeTraining())
-                try:
+                with contextlib.suppress(CheckpointLoaded):
                     trainer.train(resume_from_checkpoint=str(checkpoint))
-                except CheckpointLoaded:
-                    pass
                 return {}
             return trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None).metrics
         except pickle.UnpicklingError:

@@ -3,10 +3,9 @@
 Output folder (``recipe.output_dir``)::
 
     base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
-    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last);
-                          each is written under ``checkpoints/.saving`` and renamed once complete
-    adapter/              LoRA adapter (and the method's own weights, e.g. beacon_adapter.safetensors) +
-                          longpeft.json + tokenizer; only the method's weights with ``finetune: method``
+    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
+    adapter/              LoRA adapter and the methods' own weights (only those with ``finetune: method``),
+                          longpeft.json, tokenizer
     model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
     metrics.jsonl         one JSON object per logging step
     metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
@@ -68,20 +67,16 @@ class Prepared:
 def prepare(
     recipe: Recipe, callbacks: list[TrainerCallback] | None = None, validation: Validation | None = None
 ) -> Prepared:
-    """Build the model, the data and the trainer of a recipe, in that order, without training (``longpeft plan
-    --build`` prints the result's ``resolved`` settings). The recipe is validated first (``validation``, the
-    result of :func:`~.validate.validate_recipe` when the caller ran it), then this machine (:func:`check_here`),
-    then :func:`build` builds it."""
+    """Build the model, the data and the trainer of a recipe without training (``longpeft plan --build``), after
+    :func:`~.validate.validate_recipe` (``validation``, when the caller ran it) and :func:`check_here`."""
     validation = validation or validate_recipe(recipe)
     check_here(validation)
     return build(recipe, validation, recipe.resolved_output_dir(), callbacks or [])
 
 
 def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: list[TrainerCallback]) -> Prepared:
-    """:func:`prepare`'s steps after the checks of the recipe and this machine, in the order data flows: every model,
-    adapter and data set the recipe names, before anything is built (a local path must exist, a Hub id must answer
-    within ``LONGPEFT_HUB_TIMEOUT``, which bounds the downloads that follow too), the stage it starts from
-    (``model.init_from``) checked against the recipe; then the base, the data, the trainer and the run's memory."""
+    """:func:`prepare`'s steps after the checks of the recipe and this machine: the sources the recipe names (bounded
+    Hub checks) and ``model.init_from`` checked, then the base, the data, the trainer and the run's memory built."""
     check_base_source(recipe)
     start = check_init_adapter(recipe, validation.spec, validation.base.config) if recipe.model.init_from else None
     check_data_source(recipe.data)
@@ -128,10 +123,10 @@ def run(
     """Train a recipe end to end and write the output folder described in the module docstring.
 
     Args:
-        resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (after a
-            kill). A run that had already finished is not trained again.
-        allow_recipe_change: resume even though training keys of the recipe changed since the run
-            started (otherwise refused, naming the keys); the run then goes on with, and records, this recipe.
+        resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (a finished run is not
+            trained again).
+        allow_recipe_change: resume even though training keys of the recipe changed since the run started
+            (otherwise refused, naming the keys); the run then goes on with, and records, this recipe.
     """
     validation = validate_recipe(recipe)  # before anything is written or loaded: what plan checks
     check_here(validation)

@@ -1,7 +1,5 @@
-"""What a finished run saves: the trained weights with what loads them (tokenizer, generation config,
-``longpeft.json``, the model card) into ``adapter/`` (``model/`` with ``finetune: full``), and the run's summary
-(``metrics.json``, ``loss.png``).
-"""
+"""What a finished run saves: the trained weights and what loads them into ``adapter/`` (``model/`` with
+``finetune: full``), and the run's summary (``metrics.json``, ``loss.png``)."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from matplotlib.figure import Figure
 from transformers import PreTrainedTokenizerBase
 
 from ..adapter_weights import tied_copies, tied_copies_bytes, write_tied_copies
@@ -21,7 +20,6 @@ from ..files import write_text_atomically, writing_to, written_atomically
 from ..hub import name_base_in_adapter_config, plain_peft_misses, write_model_card
 from ..spec import ContextSpec
 from .checkpoints import trim_metrics
-from .plots import plot_loss
 from .schema import Recipe
 
 
@@ -35,12 +33,15 @@ def save_run(
     resolved: dict[str, Any],
 ) -> tuple[Path, dict[str, Any]]:
     """The trained weights of ``trainer.model`` into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
-    :func:`save_adapter` on the main process (every process takes part in gathering a sharded model first), then
-    ``metrics.json`` and ``loss.png`` from ``metrics.jsonl`` (its lines after the last step dropped), the Trainer's
-    ``train_metrics`` and the run's ``resolved`` settings (data counts, trainable parameters). Returns the folder
-    and the summary (``train_metrics`` on the other processes)."""
+    :func:`save_adapter` on the main process (after every process took part in gathering a sharded model), then
+    ``metrics.json`` and ``loss.png`` from ``metrics.jsonl``, the Trainer's ``train_metrics`` and the run's
+    ``resolved`` settings. Returns the folder and the summary (``train_metrics`` on the other processes)."""
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
-    state_dict = gathered_state_dict(trainer)
+    state_dict = None  # a sharded model's (FSDP, DeepSpeed ZeRO-3), gathered with every process taking part
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        state_dict = trainer.accelerator.get_state_dict(
+            trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+        )
     if not trainer.is_world_process_zero():
         return adapter_dir, dict(train_metrics)
     save_adapter(
@@ -67,16 +68,6 @@ def save_run(
     return adapter_dir, summary
 
 
-def gathered_state_dict(trainer: Any) -> dict[str, Any] | None:
-    """The whole state dict of a model sharded across processes (FSDP, DeepSpeed ZeRO-3), gathered by accelerate
-    with every process taking part (call it on all of them); None when each process holds the whole model."""
-    if trainer.is_fsdp_enabled:
-        return trainer.accelerator.get_state_dict(trainer.model)
-    if trainer.is_deepspeed_enabled:
-        return trainer.accelerator.get_state_dict(trainer.deepspeed)
-    return None
-
-
 def save_adapter(
     model: Any,
     tokenizer: PreTrainedTokenizerBase,
@@ -86,27 +77,41 @@ def save_adapter(
     finetune: str = "lora",
     dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Adapter weights (or the full model), method weights, tokenizer, generation config, longpeft.json and the
-    model card.
+    """Adapter weights (or the full model), method weights, tokenizer, generation config, longpeft.json (its
+    ``weights``: ``finetune``) and the model card, written beside ``adapter_dir`` and swapped in once complete.
 
-    LoRA weights are in peft's own format (a trained embedding tied to the head under both its names), and both
-    longpeft.json and adapter_config.json name the base as :func:`~.validate.spec_base_reference` does (no path of this
-    machine). When the spec changes what plain ``PeftModel.from_pretrained`` cannot know (the RoPE parameters, a
-    method applied at load), a warning says what it would leave out.
+    LoRA weights are in peft's own format (a tied embedding under both names); longpeft.json and adapter_config.json
+    name the base without a path of this machine; a warning says what plain ``PeftModel.from_pretrained`` would
+    leave out. ``state_dict``: the gathered weights of a sharded model. A full model
+    is saved in ``dtype`` (the recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); with
+    ``finetune: method`` only the methods' own weights are written.
 
-    ``state_dict``: the gathered weights of a sharded model (:func:`gathered_state_dict`); peft keeps the
-    adapter's part of it. A fully fine-tuned model is saved in ``dtype`` (the recipe's ``model.dtype``; it trained
-    float32 weights) and also gets what its methods export (e.g. HARPE's modeling
-    file that plain transformers needs to keep its per-head bases, ``trust_remote_code=True``). With
-    ``finetune: method`` only the method's own weights are written (the base did not change). longpeft.json
-    records which (``weights``: the ``finetune`` setting).
-
-    The folder is written beside ``adapter_dir`` and swapped in once complete (a full disk leaves the one before, or
-    none: never a folder that looks complete); a full disk or a refused write is an ``OutputWriteError``.
+    Raises:
+        OutputWriteError: a full disk or a refused write.
     """
     adapter_dir = Path(adapter_dir).absolute()
-    with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as partial:
-        _save_adapter_files(model, tokenizer, spec, partial, adapter_dir, state_dict, finetune, dtype)
+    with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as folder:
+        if finetune == "full":
+            model.config.use_cache = True  # training turned it off; the saved model is for generation
+            # the float32 weights it trained are saved in the model's dtype (buffers such as inv_freq stay as they are)
+            for parameter in model.parameters():
+                if parameter.is_floating_point():
+                    parameter.data = parameter.data.to(dtype)
+            if state_dict is not None:
+                state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        if finetune != "method":
+            model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
+            write_tied_copies(folder, tied_copies(model))  # peft's own format: a tied embedding under every name
+        save_method_weights(model, spec, folder, state_dict)
+        if finetune == "full":
+            export_methods(model, spec, folder)
+        tokenizer.save_pretrained(folder)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder)
+        saved_spec = spec.model_copy(update={"weights": finetune})
+        saved_spec.save(folder)
+        name_base_in_adapter_config(folder, saved_spec.base_model)  # as longpeft.json does: no path of this machine
+        write_model_card(folder, saved_spec, folder_name=adapter_dir.name)  # replaces peft's placeholder README.md
     missed = plain_peft_misses(spec) if finetune == "lora" else []
     if missed:
         warnings.warn(
@@ -124,36 +129,17 @@ def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors) + tied_copies_bytes(model)
 
 
-def _save_adapter_files(
-    model: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    spec: ContextSpec,
-    folder: Path,
-    adapter_dir: Path,
-    state_dict: dict[str, Any] | None,
-    finetune: str,
-    dtype: torch.dtype,
-) -> None:
-    """:func:`save_adapter`'s files, written into ``folder`` (its card names ``adapter_dir``)."""
-    if finetune == "full":
-        model.config.use_cache = True  # training turned it off; the saved model is for generation
-        # the float32 weights it trained are saved in the model's dtype (buffers such as inv_freq stay as they are)
-        for parameter in model.parameters():
-            if parameter.is_floating_point():
-                parameter.data = parameter.data.to(dtype)
-        if state_dict is not None:
-            state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    if finetune != "method":
-        model.save_pretrained(folder, **({"state_dict": state_dict} if state_dict is not None else {}))
-        write_tied_copies(folder, tied_copies(model))  # peft's own format: a tied embedding under every name
-    save_method_weights(model, spec, folder, state_dict)
-    if finetune == "full":
-        export_methods(model, spec, folder)
-    tokenizer.save_pretrained(folder)
-    generation_config = getattr(model, "generation_config", None)
-    if generation_config is not None:
-        generation_config.save_pretrained(folder)
-    spec = spec.model_copy(update={"weights": finetune})
-    spec.save(folder)
-    name_base_in_adapter_config(folder, spec.base_model)  # as longpeft.json does: no path of this machine
-    write_model_card(folder, spec, folder_name=adapter_dir.name)  # replaces peft's placeholder README.md
+def plot_loss(points: list[tuple[int, float]], path: Path, title: str) -> Path:
+    """Plot ``(step, loss)`` points to a PNG (matplotlib's Figure API: no pyplot state); returns its path."""
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.subplots()
+    if points:
+        steps, losses = zip(*points)
+        ax.plot(steps, losses, marker="o", markersize=2, linewidth=1.2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

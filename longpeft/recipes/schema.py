@@ -1,12 +1,8 @@
-"""The recipe schema: a YAML file validated by typed models.
+"""The recipe schema: a YAML file validated by typed models; unknown keys and invalid values fail with the key's
+dotted path (``lora.rank: unknown key``).
 
-Unknown keys and invalid values fail with the dotted path of the key (``lora.rank: unknown key``).
-A recipe is one readable document; the runner (runner.py) turns it into a model, data and trainer.
-
-The method sections (``rope``, ``harpe``, ``string``, ``pose``, ...) are the configs of the
-registered methods (``longpeft.adapters.registry``): the schema is built from the registry, so a
-new method's section needs no edit here. ``trl:`` passes any other ``trl.SFTConfig`` argument
-through, checked against SFTConfig's fields.
+The method sections (``rope``, ``harpe``, ...) are the configs of the registered methods
+(``longpeft.adapters.registry``), added by :func:`recipe_model`. ``trl:`` passes other ``trl.SFTConfig`` arguments.
 """
 
 from __future__ import annotations
@@ -32,15 +28,10 @@ from ..config import (
 )
 from ..transformers_source import optimizer_names
 
-Section = StrictModel
 
-
-class ModelSection(Section):
-    """The base model and how to load it.
-
-    ``name_or_path`` is a Hub id, a local folder, or ``tiny:<arch>`` for a tiny random model built
-    from a config with a tokenizer trained in memory (tests, demo; see longpeft.tiny).
-    """
+class ModelSection(StrictModel):
+    """The base model and how to load it. ``name_or_path``: a Hub id, a local folder, or ``tiny:<arch>`` (a tiny
+    random model with a tokenizer trained in memory: longpeft.tiny)."""
 
     name_or_path: str
     revision: str | None = None
@@ -49,25 +40,15 @@ class ModelSection(Section):
     load_in_4bit: bool = False
     bnb_4bit_quant_type: Literal["nf4", "fp4"] = "nf4"
     bnb_4bit_use_double_quant: bool = True
-    eos_token_ids: list[int] | None = Field(
-        default=None, description="every token id that ends generation (Llama-3-Instruct: 128001 and 128009)"
-    )
+    eos_token_ids: list[int] | None = None  # every token id that ends generation (Llama-3-Instruct: 128001, 128009)
     trust_remote_code: bool = False
-    init_from: str | None = Field(
-        default=None,
-        description="an earlier run's adapter folder (or its run folder, or a Hub repo) whose trained weights this "
-        "run starts from: training in stages, e.g. Activation Beacon's pretraining then fine-tuning "
-        "(recipes/init_from.py)",
-    )
+    # an earlier run's adapter folder (or run folder, or Hub repo) whose trained weights this run starts from
+    init_from: str | None = None
 
 
-class LoraSection(Section):
-    """LoRA settings. ``embeddings``: ``full`` trains the whole input embedding (the paper),
-    ``token_indices`` only the rows in ``trainable_token_indices`` (small adapters), ``none`` neither.
-    ``trainable_dtype``: the dtype the trained weights (LoRA, embedding) and their AdamW state are kept in while the
-    forward computes in the model's dtype; default float32 (16 bytes per trained parameter): a bfloat16 weight loses
-    AdamW updates smaller than about 0.4 % of itself (at lr 5e-5 most embedding updates), so bfloat16 (8 bytes)
-    is a memory lever, not a free one. unsloth keeps its own (the model's dtype)."""
+class LoraSection(StrictModel):
+    """LoRA settings. ``embeddings``: ``full`` trains the whole input embedding, ``token_indices`` only the rows in
+    ``trainable_token_indices``, ``none`` neither. ``trainable_dtype``: docs/recipes.md."""
 
     r: int = Field(default=32, gt=0)
     alpha: float = Field(default=16, gt=0)
@@ -75,9 +56,7 @@ class LoraSection(Section):
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
     embeddings: Literal["full", "token_indices", "none"] = "full"
     trainable_token_indices: list[int] | None = None
-    trainable_dtype: Literal["float32", "bfloat16"] | None = Field(
-        default=None, description="dtype of the trained weights and their optimizer state (default float32)"
-    )
+    trainable_dtype: Literal["float32", "bfloat16"] | None = None  # of trained weights and AdamW state (float32)
 
     @model_validator(mode="after")
     def _indices_need_mode(self) -> LoraSection:
@@ -88,18 +67,11 @@ class LoraSection(Section):
         return self
 
 
-class UtkSection(Section):
-    """Untie-the-Knots augmentation, applied on the fly to plain-text data (``data.format: text``).
-
-    Consecutive documents are packed into sequences of at most ``data.max_length`` tokens (room is
-    kept for the inserted knots, labels and backtraces); each sequence is augmented with
-    ``probability``: documents of at least ``min_split_tokens`` are split into ``h`` chunks
-    (``chunk_counts``: ``{h: weight}``), knotted, shuffled (keeping each document's own order with
-    ``preserve_order``) and followed by their backtraces. The UtK special tokens are added to the
-    tokenizer, so their embedding rows must train (``lora.embeddings: full`` or ``token_indices``).
-    Every chunk of a sequence gets a distinct label of ``label_length`` letters: packing refuses a
-    ``label_length`` too short for the chunks of the fullest sequence.
-    """
+class UtkSection(StrictModel):
+    """Untie-the-Knots augmentation of plain text, on the fly: packed sequences augmented with ``probability``,
+    documents of ``min_split_tokens`` or more split into ``h`` chunks (``chunk_counts``: ``{h: weight}``), knotted,
+    shuffled (``preserve_order`` keeps each document's order), followed by their backtraces; each chunk of a
+    sequence labelled by ``label_length`` letters."""
 
     probability: float = Field(default=0.8, ge=0, le=1)
     chunk_counts: dict[int, float] = Field(default_factory=lambda: {2: 0.5, 3: 0.5})
@@ -110,20 +82,14 @@ class UtkSection(Section):
     @field_validator("chunk_counts")
     @classmethod
     def _counts(cls, value: dict[int, float]) -> dict[int, float]:
-        if (
-            not value
-            or min(value) < 1
-            or max(value) > 8
-            or any(w < 0 for w in value.values())
-            or not sum(value.values())
-        ):
+        weights = value.values()
+        if not value or not 1 <= min(value) <= max(value) <= 8 or min(weights) < 0 or not sum(weights):
             raise ValueError("chunk_counts maps chunk counts 1..8 to non-negative weights with a positive sum")
         return value
 
 
-class RetrievalSection(Section):
-    """The built-in retrieval documents (``data.source: retrieval``, plain text): answered passkey and
-    needle-in-a-haystack probes and recurring word spans (``longpeft.synth_data.retrieval_docs``),
+class RetrievalSection(StrictModel):
+    """The built-in retrieval documents (``data.source: retrieval``: longpeft.synth_data.retrieval_docs),
     ``n_documents`` of ``min_tokens`` to ``max_tokens`` tokens, mixed by ``mix`` (kind -> weight)."""
 
     n_documents: int = Field(default=256, gt=0, le=1_000_000)
@@ -141,10 +107,8 @@ class RetrievalSection(Section):
         return self
 
 
-class DemoSection(Section):
-    """The procedural demo set (``data.source: demo``): ``n_conversations`` conversations, each one
-    ~``context_tokens``-token context with ``questions_per_conversation`` questions; a setting left out takes
-    ``longpeft.synth_data.demo.build_demo_dataset``'s default."""
+class DemoSection(StrictModel):
+    """The procedural demo set (``data.source: demo``); a setting left out takes ``build_demo_dataset``'s default."""
 
     n_conversations: int | None = Field(default=None, gt=0, le=1_000_000)
     context_tokens: Positions | None = None
@@ -152,16 +116,11 @@ class DemoSection(Section):
     questions_per_conversation: int | None = Field(default=None, gt=0, le=1000)
 
 
-class DataSection(Section):
-    """Training data: conversations (``format: messages``, loss on assistant turns) or plain text
-    (``format: text``, loss on every token, e.g. continual pretraining).
-
-    ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, ``demo`` (the offline
-    procedural QA set generated on the fly) or ``retrieval`` (built-in retrieval documents, plain
-    text, options in ``retrieval:``). Samples longer than ``max_length`` tokens are dropped
-    (``truncate: true`` cuts them instead); samples shorter than ``min_length`` tokens are dropped (the
-    Activation Beacon authors fine-tune on samples of 7200 tokens and more, so that every one spans several windows).
-    """
+class DataSection(StrictModel):
+    """Training data: conversations (``format: messages``, loss on assistant turns) or plain text (``format: text``,
+    loss on every token). ``source``: a .jsonl/.json file or folder of them, a Hub dataset id, ``demo`` or
+    ``retrieval``. Samples longer than ``max_length`` tokens are dropped (``truncate: true`` cuts them), and those
+    shorter than ``min_length``."""
 
     source: str
     split: str = "train"
@@ -169,31 +128,24 @@ class DataSection(Section):
     messages_field: str = "messages"
     text_field: str = "text"
     max_length: Positions
-    min_length: int = Field(
-        default=0, ge=0, le=MAX_POSITIONS, description="drop samples shorter than this many tokens"
-    )
+    min_length: int = Field(default=0, ge=0, le=MAX_POSITIONS)
     truncate: bool = False
     max_samples: int | None = Field(default=None, gt=0)
-    demo: DemoSection = Field(default_factory=lambda: DemoSection(), description="the procedural demo set's options")
+    demo: DemoSection = DemoSection()
     retrieval: RetrievalSection | None = None
     utk: UtkSection | None = None
 
     @model_validator(mode="after")
-    def _lengths_ordered(self) -> DataSection:
+    def _consistent(self) -> DataSection:
         if self.min_length > self.max_length:
             raise ValueError(f"data.min_length ({self.min_length}) is above data.max_length ({self.max_length})")
-        return self
-
-    @model_validator(mode="after")
-    def _utk_needs_text(self) -> DataSection:
         if self.utk is not None and self.format != "text":
             raise ValueError("data.utk augments plain text (documents); set data.format: text")
         return self
 
 
-class TrainSection(Section):
-    """Optimisation. ``global_batch_size`` = per-device batch x devices x gradient accumulation;
-    the accumulation is derived at launch from the number of processes."""
+class TrainSection(StrictModel):
+    """Optimisation. ``global_batch_size`` = per-device batch x devices x gradient accumulation (derived at launch)."""
 
     learning_rate: float = Field(gt=0)
     lr_scheduler_type: Literal["linear", "cosine", "constant", "constant_with_warmup"] = "linear"
@@ -201,74 +153,32 @@ class TrainSection(Section):
     weight_decay: float = Field(default=0.0, ge=0)
     adam_beta1: float = Field(default=0.9, ge=0, lt=1)
     adam_beta2: float = Field(default=0.999, ge=0, lt=1)
-    optim: str = Field(default="adamw_torch", description="a transformers optimizer name (OptimizerNames)")
+    optim: str = "adamw_torch"  # a transformers optimizer name (OptimizerNames)
     per_device_batch_size: int = Field(default=1, gt=0)
     global_batch_size: int = Field(default=8, gt=0)
     num_train_epochs: float = Field(default=1.0, gt=0)
-    max_steps: int = Field(default=-1, description="> 0 overrides num_train_epochs")
+    max_steps: int = -1  # > 0 overrides num_train_epochs
     gradient_checkpointing: bool = True
-    activation_offloading: bool = Field(
-        default=False, description="move checkpointed activations to CPU memory (TRL): headroom for 128K tokens"
-    )
-    checkpoint_layers: Literal["auto", "all"] | int = Field(
-        default="all",
-        description="decoder layers under activation checkpointing (the first N; the others keep their activations "
-        "and are not recomputed): all, N, or auto (as many as memory forces, chosen by the planner: "
-        "longpeft/scale/plan.py choose_checkpointing)",
-    )
-    keep_attention: Literal["auto", "all", "none"] | int = Field(
-        default="none",
-        description="checkpointed layers (the first N) that keep their attention kernel's output and log-sum-exp so "
-        "their recompute skips the attention forward (an extra hidden-sized tensor per layer): none, all, N, or auto",
-    )
-    offload_checkpoints: bool = Field(
-        default=False,
-        description="checkpointed layer inputs wait in pinned CPU memory, fetched back one layer ahead of their "
-        "recompute (longpeft/scale/checkpointing.py); only those, unlike activation_offloading",
-    )
-    mlp_tile_tokens: int | None = Field(
-        default=None,
-        gt=0,
-        le=MAX_POSITIONS,
-        description="run each decoder layer's MLP this many tokens at a time in training (its intermediate "
-        "activations then exist for one tile at a time: longpeft/scale/tiling.py); null: untiled",
-    )
-    memory_budget_gib: float | None = Field(
-        default=None,
-        gt=0,
-        allow_inf_nan=False,
-        description="GiB of each GPU the auto choices may plan for (default: 95 % of the GPU's memory)",
-    )
-    use_liger_kernel: bool = Field(
-        default=False,
-        description="Liger's fused Triton kernels for RMSNorm, SwiGLU and RoPE (TRL's use_liger_kernel; CUDA and the "
-        "liger-kernel package)",
-    )
-    group_by_length: bool = Field(
-        default=False,
-        description="train in batches of similar lengths: each epoch's random order is cut into blocks of 50 "
-        "optimizer steps, each sorted by length (as the Trainer's group_by_length), so the GPUs of a step wait little "
-        "for each other; the order follows from train.seed and the epoch alone (a resume continues it)",
-    )
+    activation_offloading: bool = False  # checkpointed activations in CPU memory (TRL's offloader)
+    # Decoder layers under activation checkpointing (the first N; the others keep their activations): all, N, or auto
+    # (as many as memory forces: scale/plan.py choose_checkpointing).
+    checkpoint_layers: Literal["auto", "all"] | int = "all"
+    # Checkpointed layers (the first N) whose recompute skips the attention forward by keeping its output and
+    # log-sum-exp (a hidden-sized tensor per layer): none, all, N, or auto.
+    keep_attention: Literal["auto", "all", "none"] | int = "none"
+    offload_checkpoints: bool = False  # checkpointed layer inputs in pinned CPU memory (scale/checkpointing.py)
+    mlp_tile_tokens: int | None = Field(default=None, gt=0, le=MAX_POSITIONS)  # tokens per MLP tile; null: untiled
+    memory_budget_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # for auto; default 95 % of GPU
+    use_liger_kernel: bool = False  # Liger's Triton kernels for RMSNorm, SwiGLU and RoPE (CUDA, liger-kernel)
+    group_by_length: bool = False  # batches of similar lengths (docs/recipes.md)
     save_steps: int = Field(default=50, gt=0)
     save_total_limit: int | None = Field(default=2, gt=0)
     logging_steps: int = Field(default=1, gt=0)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = Field(
-        default=42,
-        ge=0,
-        lt=2**32,
-        description="seeds torch, numpy and the training order (numpy takes 0 to 2**32 - 1)",
-    )
-    assistant_only_loss: bool | None = Field(
-        default=None, description="loss on assistant turns only; default: on for messages data, off for text"
-    )
+    seed: int = Field(default=42, ge=0, lt=2**32)  # torch, numpy and the training order
+    assistant_only_loss: bool | None = None  # None: on for messages data, off for text (set by the validation)
     report_to: list[str] = []
-    backend: Literal["transformers", "unsloth"] = Field(
-        default="transformers",
-        description="unsloth: load and add LoRA through unsloth's FastLanguageModel (CUDA only, its own "
-        "environment: requirements-gpu-unsloth.txt)",
-    )
+    backend: Literal["transformers", "unsloth"] = "transformers"  # unsloth: its FastLanguageModel (CUDA only)
 
     @field_validator("max_steps")
     @classmethod
@@ -294,8 +204,7 @@ class TrainSection(Section):
 
     @model_validator(mode="after")
     def _checkpointing(self) -> TrainSection:
-        checkpointing = ("checkpoint_layers", "keep_attention", "offload_checkpoints")
-        changed = [key for key in checkpointing if getattr(self, key) != TrainSection.model_fields[key].default]
+        changed = changed_from_default(self, ("checkpoint_layers", "keep_attention", "offload_checkpoints"))
         if changed and not self.gradient_checkpointing:
             raise ValueError(
                 f"train.{changed[0]} shapes activation checkpointing, which "
@@ -315,43 +224,37 @@ class TrainSection(Section):
         return self
 
 
+def changed_from_default(section: StrictModel, keys: tuple[str, ...]) -> list[str]:
+    """Those of ``keys`` that ``section`` sets to other than their default."""
+    return [key for key in keys if getattr(section, key) != type(section).model_fields[key].default]
+
+
+# The train settings SFTConfig takes as they are, under their own names (trainer.sft_arguments).
+TRAIN_KEYS_AS_IS = (
+    "learning_rate lr_scheduler_type warmup_steps weight_decay adam_beta1 adam_beta2 optim num_train_epochs max_steps "
+    "save_steps save_total_limit logging_steps max_grad_norm seed activation_offloading"
+).split()
 # SFTConfig arguments longpeft sets itself (trainer.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
     **{
-        key: f"use {setting}"
-        for key, setting in {
-            "output_dir": "output_dir",
-            "learning_rate": "train.learning_rate",
-            "lr_scheduler_type": "train.lr_scheduler_type",
-            "warmup_steps": "train.warmup_steps",
-            "weight_decay": "train.weight_decay",
-            "adam_beta1": "train.adam_beta1",
-            "adam_beta2": "train.adam_beta2",
-            "optim": "train.optim",
-            "per_device_train_batch_size": "train.per_device_batch_size",
-            "gradient_accumulation_steps": "train.global_batch_size",
-            "num_train_epochs": "train.num_train_epochs",
-            "max_steps": "train.max_steps",
-            "gradient_checkpointing": "train.gradient_checkpointing",
-            "activation_checkpointing": "train.gradient_checkpointing",
-            "save_steps": "train.save_steps",
-            "save_total_limit": "train.save_total_limit",
-            "logging_steps": "train.logging_steps",
-            "max_grad_norm": "train.max_grad_norm",
-            "seed": "train.seed",
-            "data_seed": "train.seed",
-            "max_length": "data.max_length",
-            "assistant_only_loss": "train.assistant_only_loss",
-            "report_to": "train.report_to",
-            "activation_offloading": "train.activation_offloading",
-            "use_liger_kernel": "train.use_liger_kernel",
-            "gradient_checkpointing_kwargs": (
-                "train.checkpoint_layers, train.keep_attention and train.offload_checkpoints"
-            ),
-            "bf16": "model.dtype",
-            "fp16": "model.dtype",
-        }.items()
+        key: f"use train.{key}"
+        for key in (
+            *TRAIN_KEYS_AS_IS,
+            "gradient_checkpointing",
+            "assistant_only_loss",
+            "report_to",
+            "use_liger_kernel",
+        )
     },
+    "output_dir": "use output_dir",
+    "per_device_train_batch_size": "use train.per_device_batch_size",
+    "gradient_accumulation_steps": "use train.global_batch_size",
+    "activation_checkpointing": "use train.gradient_checkpointing",
+    "data_seed": "use train.seed",
+    "max_length": "use data.max_length",
+    "gradient_checkpointing_kwargs": "use train.checkpoint_layers, train.keep_attention and train.offload_checkpoints",
+    "bf16": "use model.dtype",
+    "fp16": "use model.dtype",
     "use_cpu": "it follows the machine (CPU when there is no CUDA)",
     "save_strategy": "checkpoints are written every train.save_steps steps",
     "packing": "TRL packing is not supported (data.utk packs its own sequences)",
@@ -364,21 +267,9 @@ TRL_KEYS_OWNED_BY_RECIPE = {
 }
 
 
-def check_trl_keys_owned(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when another section sets it (:data:`TRL_KEYS_OWNED_BY_RECIPE`); that every other
-    key is an SFTConfig argument is checked with the recipe's base (``validate.check_trl_keys``: it imports trl)."""
-    for key in trl:
-        if key in TRL_KEYS_OWNED_BY_RECIPE:
-            raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
-
-
-def check_unsloth_recipe(recipe: RecipeBase) -> None:
-    """Settings the unsloth backend does not carry out faithfully are refused, naming the key.
-
-    unsloth replaces the attention and decoder-layer forwards, so the methods that patch attention or positions
-    would silently not apply (their registry ``conflicts`` name ``unsloth``); it trains LoRA adapters, and its
-    checkpointing already offloads to CPU memory.
-    """
+def check_unsloth_recipe(recipe: Recipe) -> None:
+    """Refuse, naming the key, the settings the unsloth backend would not carry out (it replaces the attention and
+    decoder forwards: the methods that patch them name ``unsloth`` in their registry ``conflicts``)."""
     problems = [
         f"{conflict.second} ({conflict.why})"
         for conflict in find_conflicts(recipe.method_configs(), {"unsloth": "train.backend: unsloth"})
@@ -391,17 +282,10 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
         problems.append("data.utk (it adds tokens and its own collator)")
     if recipe.train.activation_offloading:
         problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
-    memory = [
-        key
-        for key in (
-            "checkpoint_layers",
-            "keep_attention",
-            "offload_checkpoints",
-            "mlp_tile_tokens",
-            "use_liger_kernel",
-        )
-        if getattr(recipe.train, key) != TrainSection.model_fields[key].default
-    ]
+    memory = changed_from_default(
+        recipe.train,
+        ("checkpoint_layers", "keep_attention", "offload_checkpoints", "mlp_tile_tokens", "use_liger_kernel"),
+    )
     if memory:
         problems.append(f"train.{memory[0]} (unsloth checkpoints its own way and picks its own kernels)")
     if recipe.lora.trainable_dtype is not None:
@@ -412,16 +296,11 @@ def check_unsloth_recipe(recipe: RecipeBase) -> None:
         )
 
 
-class RecipeBase(Section):
-    """A whole recipe file (the method sections are added from the registry, see :func:`recipe_model`).
-
-    ``method``: the registered method the recipe is about (its section is required unless all its
-    settings have defaults). ``finetune``: ``lora`` trains an adapter (QLoRA when
-    model.load_in_4bit), plus the method's own weights if it has any (Activation Beacon); ``full``
-    trains every weight (HARPE's paper setting) and saves a full model with its longpeft.json;
-    ``method`` trains only the method's own weights with the base frozen and no LoRA (Activation
-    Beacon's paper setting) and saves them with longpeft.json.
-    """
+class Recipe(StrictModel):
+    """A whole recipe file (method sections added by :func:`recipe_model`). ``method``: the registered method it is
+    about (its section required unless every setting has a default). ``finetune``: ``lora`` trains an adapter (QLoRA
+    with model.load_in_4bit) and the methods' own weights; ``full`` every weight, saving a full model; ``method``
+    only the methods' own weights, the base frozen and no LoRA."""
 
     name: str
     description: str = ""
@@ -431,13 +310,12 @@ class RecipeBase(Section):
     lora: LoraSection = LoraSection()
     data: DataSection
     train: TrainSection
-    trl: dict[str, Any] = Field(default_factory=dict, description="other trl.SFTConfig arguments, passed through")
-    target_length: Positions | None = Field(default=None, description="length the adapter should work at")
+    trl: dict[str, Any] = {}  # other trl.SFTConfig arguments, passed through
+    target_length: Positions | None = None  # the length the adapter should work at
     output_dir: str = "runs/{name}"
 
     @model_validator(mode="after")
-    def _consistent(self) -> RecipeBase:
-
+    def _consistent(self) -> Recipe:
         if self.method not in METHODS:
             raise ValueError(f"method: {self.method!r} is not a registered method ({', '.join(METHODS)})")
         if getattr(self, self.method, None) is None:
@@ -484,7 +362,9 @@ class RecipeBase(Section):
             )
         if self.train.backend == "unsloth":
             check_unsloth_recipe(self)
-        check_trl_keys_owned(self.trl)
+        for key in self.trl:
+            if key in TRL_KEYS_OWNED_BY_RECIPE:
+                raise ValueError(f"trl.{key} is set by longpeft: {TRL_KEYS_OWNED_BY_RECIPE[key]}")
         return self
 
     def method_configs(self) -> dict[str, StrictModel]:
@@ -496,8 +376,7 @@ class RecipeBase(Section):
         return {name: config for name, config in configs.items() if config is not None}
 
     def long_samples(self) -> LongSamples | None:
-        """The samples longer than ``data.max_length`` that a method's collator takes (PoSE's content skip), or
-        None: its ``long_samples`` hook."""
+        """The samples longer than ``data.max_length`` a method's collator takes (``long_samples`` hook), or None."""
         for name, config in self.method_configs().items():
             samples = METHODS[name].long_samples(config, self.target_length)
             if samples is not None:
@@ -508,25 +387,22 @@ class RecipeBase(Section):
         return Path(self.output_dir.format(name=self.name))
 
 
-Recipe = RecipeBase
-
-
-def recipe_model() -> type[RecipeBase]:
+def recipe_model() -> type[Recipe]:
     """The recipe model with one optional section per registered method."""
     return _recipe_model(tuple((name, method.config) for name, method in METHODS.items()))
 
 
 @lru_cache(maxsize=8)
-def _recipe_model(sections: tuple[tuple[str, type], ...]) -> type[RecipeBase]:
+def _recipe_model(sections: tuple[tuple[str, type], ...]) -> type[Recipe]:
     fields = {name: (config | None, None) for name, config in sections}
-    return create_model("Recipe", __base__=RecipeBase, **fields)
+    return create_model("Recipe", __base__=Recipe, **fields)
 
 
 class RecipeError(ConfigError):
     """A recipe file that cannot be used; the message names the file and the key."""
 
 
-def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
+def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> Recipe:
     """Validate a recipe dict; raises RecipeError naming every bad key."""
     if not isinstance(data, dict):
         raise RecipeError(f"{source}: a recipe must be a YAML mapping, got {type(data).__name__}")
@@ -538,30 +414,14 @@ def parse_recipe(data: dict[str, Any], source: str = "<recipe>") -> RecipeBase:
         raise RecipeError(message.replace("invalid settings", "invalid recipe", 1)) from None
 
 
-def recipe_path(path_or_name: str | Path) -> Path:
-    """A recipe file: the path given, or the bundled recipe of that name."""
+def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``), with ``overrides``
+    (``dotted.key=value`` strings, values parsed as YAML, e.g. ``train.max_steps=10``) applied before validation."""
     try:
-        return file_or_bundled(path_or_name, Path(__file__).parent, "recipe")
-    except ConfigError as exc:
-        raise RecipeError(str(exc)) from None
-
-
-def load_recipe(path_or_name: str | Path, overrides: list[str] | None = None) -> RecipeBase:
-    """Load a recipe from a YAML path or the name of a bundled recipe (e.g. ``tiny-cpu``).
-
-    Args:
-        overrides: ``dotted.key=value`` strings (values parsed as YAML), applied before validation,
-            e.g. ``["train.max_steps=10", "model.load_in_4bit=false"]``.
-    """
-    path = recipe_path(path_or_name)
-    try:
+        path = file_or_bundled(path_or_name, Path(__file__).parent, "recipe")
         data = read_yaml(path)
-    except ConfigError as exc:
-        raise RecipeError(str(exc)) from None
-    if not isinstance(data, dict):
-        raise RecipeError(f"{path}: a recipe must be a YAML mapping, got {type(data).__name__}")
-    try:
-        apply_overrides(data, overrides, str(path))
+        if isinstance(data, dict):  # else parse_recipe refuses it
+            apply_overrides(data, overrides, str(path))
     except ConfigError as exc:
         raise RecipeError(str(exc)) from None
     return parse_recipe(data, str(path))

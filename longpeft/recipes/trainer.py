@@ -1,8 +1,5 @@
-"""The trainer of a recipe, wired from what the steps before built: TRL's SFTConfig from the recipe's settings, the
-data collator (UtK's, a method's, or TRL's), each method's training-label rule, the callbacks every run has
-(metrics, rotary frequencies, stopping), and the trainer class with longpeft's checkpoints (:mod:`.recipe_trainer`)
-over the model whose trained weights :mod:`.peft_setup` sets up.
-"""
+"""The trainer of a recipe: TRL's SFTConfig from the recipe, the data collator (UtK's, a method's, or TRL's), each
+method's training-label rule, the callbacks every run has, and :mod:`.recipe_trainer`'s class over the model."""
 
 from __future__ import annotations
 
@@ -28,23 +25,14 @@ from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
 from .init_from import InitAdapter, load_init_weights, report_differences
-from .peft_setup import peft_config, set_trained_weights
+from .peft_setup import lora_config, set_trained_weights
 from .recipe_trainer import recipe_trainer_class
-from .schema import Recipe
-
-
-def checkpointing_argument(config_class: type, enabled: bool) -> dict[str, bool]:
-    """Activation checkpointing under its current name (transformers >= 5.23: ``activation_checkpointing``,
-    earlier: ``gradient_checkpointing``), so no deprecation warning is printed on either."""
-    fields = {f.name for f in dataclasses.fields(config_class)}
-    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
+from .schema import TRAIN_KEYS_AS_IS, Recipe
 
 
 def sft_config(recipe: Recipe, output_dir: Path):
-    """TRL SFTConfig with every optimisation setting of the recipe, plus its ``trl:`` section (whose keys the
-    recipe's validation keeps apart from :func:`sft_arguments`'s: ``schema.check_trl_keys``). Creating it sets up
-    the processes (and DeepSpeed's config, which the base loads under). On the older stack, TRL gets its loss
-    kernel and a multi-process CPU run the plain ``cpu`` device (:mod:`longpeft.compat`)."""
+    """TRL SFTConfig from :func:`sft_arguments` and the recipe's ``trl:`` section. Creating it sets up the processes
+    (and DeepSpeed's config, which the base loads under)."""
     from trl import SFTConfig  # here, not at import: unsloth must patch TRL first (train.backend: unsloth)
 
     ensure_trl_loss_kernel()  # trl < 1.16 without Triton (CPU) has no loss kernel
@@ -67,41 +55,20 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
     """The SFTConfig arguments longpeft sets from the recipe (each one a key of ``TRL_KEYS_OWNED_BY_RECIPE``)."""
     from trl import SFTConfig
 
-    t = recipe.train
-    use_cuda = torch.cuda.is_available()
+    t, use_cuda, sp = recipe.train, torch.cuda.is_available(), sequence_parallel_size()
     precision = mixed_precision(recipe, use_cuda)
-    sp = sequence_parallel_size()
-    return dict(
+    # transformers >= 5.23 names it activation_checkpointing and warns on the old name
+    checkpointing = "activation_checkpointing"
+    if checkpointing not in {f.name for f in dataclasses.fields(SFTConfig)}:
+        checkpointing = "gradient_checkpointing"
+    arguments = dict(
+        **{key: getattr(t, key) for key in TRAIN_KEYS_AS_IS},
         output_dir=str(output_dir / "checkpoints"),
-        learning_rate=t.learning_rate,
-        lr_scheduler_type=t.lr_scheduler_type,
-        warmup_steps=t.warmup_steps,
-        weight_decay=t.weight_decay,
-        adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2,
-        optim=t.optim,
         per_device_train_batch_size=t.per_device_batch_size,
         gradient_accumulation_steps=gradient_accumulation(recipe, data_parallel_size()),
-        num_train_epochs=t.num_train_epochs,
-        max_steps=t.max_steps,
         # unsloth checkpoints (and offloads) through its own get_peft_model(use_gradient_checkpointing="unsloth").
-        **checkpointing_argument(SFTConfig, t.gradient_checkpointing and t.backend == "transformers"),
-        activation_offloading=t.activation_offloading,
-        # Liger's layer kernels only: the loss stays TRL's fused LM head (Liger's fused loss would replace it)
-        **(
-            {
-                "use_liger_kernel": True,
-                "liger_kernel_config": {"fused_linear_cross_entropy": False, "cross_entropy": False},
-            }
-            if t.use_liger_kernel
-            else {}
-        ),
+        **{checkpointing: t.gradient_checkpointing and t.backend == "transformers"},
         save_strategy="steps",
-        save_steps=t.save_steps,
-        save_total_limit=t.save_total_limit,
-        logging_steps=t.logging_steps,
-        max_grad_norm=t.max_grad_norm,
-        seed=t.seed,
         data_seed=t.seed,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
@@ -113,35 +80,26 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
         report_to=list(t.report_to) or "none",
         dataloader_num_workers=0,
         disable_tqdm=False,
-        # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths.
-        **(
-            {"dataset_kwargs": {"skip_prepare_dataset": True}, "remove_unused_columns": False}
-            if recipe.data.utk
-            else {}
-        ),
-        # Ulysses shards every batch into sp equal slices of the sequence
-        **({"pad_to_multiple_of": math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)} if sp > 1 else {}),
     )
+    if t.use_liger_kernel:  # Liger's layer kernels only: the loss stays TRL's fused LM head
+        arguments.update(
+            use_liger_kernel=True, liger_kernel_config={"fused_linear_cross_entropy": False, "cross_entropy": False}
+        )
+    if recipe.data.utk:  # UtK sequences are packed and augmented by longpeft's collator, which reads doc_lengths
+        arguments.update(dataset_kwargs={"skip_prepare_dataset": True}, remove_unused_columns=False)
+    if sp > 1:  # Ulysses shards every batch into sp equal slices of the sequence
+        arguments["pad_to_multiple_of"] = math.lcm(sp, recipe.trl.get("pad_to_multiple_of") or 1)
+    return arguments
 
 
 def data_collator(recipe: Recipe, spec: ContextSpec, tokenizer: PreTrainedTokenizerBase):
-    """UtK's collator (on-the-fly augmentation of packed documents) with ``data.utk``; else the collator of the
-    method that brings one (its ``collator``: PoSE's skip-wise position ids); else None (TRL's). The
-    recipe's validation refuses two of them (``registry.find_conflicts``)."""
-    utk = recipe.data.utk
+    """UtK's collator with ``data.utk``; else the collator of the method that brings one (PoSE's); else None (TRL's).
+    The recipe's validation refuses two of them."""
+    utk, pad, max_length, seed = recipe.data.utk, tokenizer.pad_token_id, recipe.data.max_length, recipe.train.seed
     if utk is not None:
-        augmenter = UtkAugmenter(
-            add_utk_tokens(tokenizer, max(utk.chunk_counts)),
-            probability=utk.probability,
-            chunk_counts=utk.chunk_counts,
-            min_split_tokens=utk.min_split_tokens,
-            preserve_order=utk.preserve_order,
-            label_length=utk.label_length,
-        )
-        return UtkCollator(augmenter, tokenizer.pad_token_id, recipe.data.max_length, seed=recipe.train.seed)
-    context = CollatorContext(
-        pad_token_id=tokenizer.pad_token_id, max_length=recipe.data.max_length, seed=recipe.train.seed
-    )
+        augmenter = UtkAugmenter(add_utk_tokens(tokenizer, max(utk.chunk_counts)), **utk.model_dump())
+        return UtkCollator(augmenter, pad, max_length, seed=seed)
+    context = CollatorContext(pad_token_id=pad, max_length=max_length, seed=seed)
     collators = (method.collator(config, context) for method, config in spec_methods(spec))
     return next((collator for collator in collators if collator is not None), None)
 
@@ -151,8 +109,7 @@ class MethodTrainingLabels:
     Beacon leaves the first window out of the training loss with some layouts, as its authors do)."""
 
     def __init__(self, collator: Any, rules: list[tuple[Any, Any]]) -> None:
-        self.collator = collator
-        self.rules = rules  # [(Method, config)]
+        self.collator, self.rules = collator, rules  # rules: [(Method, config)]
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.collator(features)
@@ -166,32 +123,18 @@ class MethodTrainingLabels:
         return labels
 
     def changes_labels(self, length: int) -> bool:
-        """Whether the rules leave out any target of a fully scored ``[1, length]`` batch (beacon's released
-        layout leaves none: then no sample needs checking)."""
+        """Whether the rules leave out any target of a fully scored ``[1, length]`` batch."""
         scored = torch.zeros(1, length, dtype=torch.long)
         return not torch.equal(self.apply(scored), scored)
 
 
-def with_method_labels(trainer: Any, spec: ContextSpec) -> None:
-    """Wrap ``trainer.data_collator`` (the recipe's, or the one TRL built) in :class:`MethodTrainingLabels` when a
-    method of ``spec`` has a ``training_labels`` rule."""
-    rules = [(method, config) for method, config in spec_methods(spec) if method.overrides("training_labels")]
-    if rules:
-        trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
-
-
 def check_samples_left(trainer: Any, data_stats: dict[str, int], recipe: Recipe) -> None:
-    """Drop the samples a method's ``training_labels`` rule leaves without a scored target (Activation Beacon's
-    first window can hold a short sample's every answer), count them and those TRL's own preparation dropped (with
-    ``data.truncate``, samples whose every scored token was cut off) into ``data_stats``, and fail with what to do
-    when none is left to train on."""
+    """Drop the samples a method's ``training_labels`` rule leaves without a scored target, count them and those
+    TRL's preparation dropped into ``data_stats``, and fail with what to do when none is left to train on."""
     collator, dataset = trainer.data_collator, trainer.train_dataset
     if isinstance(collator, MethodTrainingLabels) and collator.changes_labels(recipe.data.max_length):
-        scored = [
-            i
-            for i in tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
-            if (collator([dataset[i]])["labels"][:, 1:] != IGNORE_INDEX).any()
-        ]
+        rows = tqdm(range(len(dataset)), desc="samples with scored targets", leave=False)
+        scored = [i for i in rows if (collator([dataset[i]])["labels"][:, 1:] != IGNORE_INDEX).any()]
         if len(scored) < len(dataset):
             trainer.train_dataset = dataset = dataset.select(scored)
     left = len(dataset)
@@ -221,14 +164,9 @@ class MetricsLogger(TrainerCallback):
 
 
 class KeepRotaryFrequencies(TrainerCallback):
-    """Gives every rotary module its float32 frequencies back when training begins.
-
-    DeepSpeed releases with DeepSpeed#5812 cast the whole module to bf16 when they wrap it, buffers included, which
-    rounds ``inv_freq`` (and ``original_inv_freq``) to 8 bits of mantissa: at position 100K a frequency off by 0.2 %
-    turns by hundreds of radians. (0.19.8, the one longpeft pins, casts parameters only: a bf16 ZeRO-3 run on CPU
-    leaves the buffers float32.) The float32 values are kept from ``prepare`` and put back (with a warning) at
-    ``on_train_begin``, after the Trainer has wrapped the model, whatever wrapper cast them.
-    """
+    """Gives every rotary module its float32 frequencies back (with a warning) when training begins, after the
+    Trainer wrapped the model: DeepSpeed releases with DeepSpeed#5812 cast buffers to bf16 too, and a frequency off
+    by 0.2 % turns by hundreds of radians at position 100K."""
 
     NAMES = ("inv_freq", "original_inv_freq")
 
@@ -283,19 +221,19 @@ def build_trainer(
     callbacks: list[TrainerCallback],
     start: InitAdapter | None = None,
 ) -> Any:
-    """TRL's SFTTrainer with :mod:`.recipe_trainer`'s hooks over the model (LoRA added by peft from
-    :func:`~.peft_setup.peft_config`), the dataset and the recipe's collator, with the trained weights set up
-    (:func:`~.peft_setup.set_trained_weights`) and each method's label rule; the steps' metrics go to
-    ``output_dir/metrics.jsonl``, the rotary frequencies stay float32, then come ``callbacks``. Refuses a
-    distributed setup the recipe cannot run under, then copies in the weights of the stage the run starts from
-    (``start``: ``model.init_from``)."""
+    """The recipe's trainer (:func:`~.recipe_trainer.recipe_trainer_class`) over the model with its trained weights
+    set up (:mod:`.peft_setup`), the dataset, the collator and each method's label rule; metrics go to
+    ``output_dir/metrics.jsonl``, then come ``callbacks``. Refuses a distributed setup the recipe cannot run under,
+    then copies in the weights of the stage the run starts from (``start``: ``model.init_from``)."""
     own_weights = any(method.keeps_weights for method, _ in spec_methods(spec))  # kept by its checkpoints
+    if recipe.finetune == "method":
+        model.requires_grad_(False)  # only the methods' own weights train (set_trained_weights)
     trainer = recipe_trainer_class()(
         model=model,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
-        peft_config=peft_config(recipe, model),
+        peft_config=lora_config(recipe, model),
         data_collator=data_collator(recipe, spec, tokenizer),
         callbacks=[MetricsLogger(output_dir / "metrics.jsonl"), KeepRotaryFrequencies(model), *callbacks],
         method_spec=spec if own_weights and recipe.finetune != "full" else None,  # a full model's hold them
@@ -303,7 +241,9 @@ def build_trainer(
         group_by_length=recipe.train.group_by_length,
     )
     set_trained_weights(recipe, trainer.model)
-    with_method_labels(trainer, spec)
+    rules = [(method, config) for method, config in spec_methods(spec) if method.overrides("training_labels")]
+    if rules:  # around the recipe's collator, or the one TRL built
+        trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
     if start is not None:

@@ -1,22 +1,10 @@
-"""``train.backend: unsloth``: load the base and add LoRA through unsloth's FastLanguageModel (CUDA only).
+"""``train.backend: unsloth``: load the base and add LoRA through unsloth's FastLanguageModel (CUDA only; its own
+environment, ``requirements-gpu-unsloth.txt``, so it is imported lazily).
 
-unsloth brings fused kernels (RMSNorm, SwiGLU, RoPE, LoRA) and its offloaded gradient checkpointing
-(checkpointed layer inputs in pinned CPU memory), the biggest memory lever at 80K-128K tokens. It is
-optional and lives in its own environment (``requirements-gpu-unsloth.txt``: unsloth 2026.10.9 caps
-transformers <= 5.17, trl <= 1.15, datasets < 5), so it is imported here, lazily, and only when a recipe
-asks for it.
-
-unsloth has no ``rope_theta`` argument, and when ``max_seq_length`` exceeds the config's
-``max_position_embeddings`` it adds its own linear ("kaiokendev") scaling on top of whatever RoPE the
-config has. So longpeft passes the config that already carries the recipe's complete ``rope_parameters``
-and ``max_position_embeddings >= data.max_length`` (the one the default backend builds from), and after
-loading checks every rotary module's frequencies against what transformers computes for those parameters
-(:func:`longpeft.rope.check_rotary_frequencies`); a model whose RoPE unsloth changed is refused before any
-training. The trainer, the adapter folder and ``longpeft.json`` are the default backend's.
-
-unsloth patches TRL's trainers when it is imported, so :func:`fast_language_model` runs before TRL is imported
-(the runner calls it first). transformers and peft are already imported by then (longpeft's method registry
-and runner use them), which unsloth warns about; its model patches are applied by ``from_pretrained`` all the same.
+unsloth has no ``rope_theta`` argument and stacks its own linear scaling when ``max_seq_length`` exceeds the
+config's ``max_position_embeddings``: it gets the config that already carries the recipe's ``rope_parameters`` and
+positions, and every rotary module's frequencies are checked after loading (a changed RoPE is refused). It patches
+TRL's trainers when imported, so :func:`fast_language_model` runs before TRL is imported.
 """
 
 from __future__ import annotations
@@ -42,8 +30,7 @@ def fast_language_model() -> Any:
     """``unsloth.FastLanguageModel``, imported on first use.
 
     Raises:
-        ImportError: unsloth is not installed (the message names ``train.backend`` and what to do).
-        ConfigError: there is no CUDA GPU (unsloth's kernels are Triton/CUDA only).
+        ImportError: unsloth is not installed. ConfigError: there is no CUDA GPU.
     """
     if importlib.util.find_spec("unsloth") is None:
         raise ImportError(
@@ -60,23 +47,20 @@ def fast_language_model() -> Any:
 
 
 def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, ContextSpec]:
-    """Base model through ``FastLanguageModel.from_pretrained`` with the recipe's RoPE, then LoRA through
-    ``FastLanguageModel.get_peft_model``; the rotary frequencies are checked after each.
-
-    Args:
-        fast: the FastLanguageModel class (:func:`fast_language_model`).
-
-    Returns:
-        ``(peft model, tokenizer, spec)``; the tokenizer is longpeft's (the default backend's), so the
-        chat template and the assistant masks are the same.
+    """Base model through ``fast.from_pretrained`` (``fast``: :func:`fast_language_model`) with the recipe's RoPE,
+    then LoRA through ``fast.get_peft_model``; the rotary frequencies are checked after each. Returns ``(peft model,
+    tokenizer, spec)``, the tokenizer the default backend's.
 
     Raises:
-        RotaryMismatch: unsloth changed the RoPE the recipe asked for (e.g. stacked its linear scaling).
+        RotaryMismatch: unsloth changed the RoPE the recipe asked for.
     """
     m, lora, train = recipe.model, recipe.lora, recipe.train
     tokenizer, config, spec = configure_base(recipe, base_id)
     reference = copy.deepcopy(config)  # what the rotary must give, whatever unsloth does to the config it gets
     quantization = quantization_config(recipe)
+    common = dict(
+        use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False, random_state=train.seed
+    )
     model, _ = fast.from_pretrained(
         model_name=base_id,
         config=config,
@@ -89,8 +73,7 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
         # the recipe's base as it is: with load_in_4bit unsloth would otherwise swap in its own pre-quantized mirror
         # (another repository, without the revision and with that checkpoint's baked-in quantization settings)
         use_exact_model_name=True,
-        use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
-        random_state=train.seed,
+        **common,
     )
     check_rope(model, reference, "after FastLanguageModel.from_pretrained")
     finish_base(recipe, model)
@@ -101,8 +84,7 @@ def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, Conte
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         modules_to_save=[input_embedding_path(model)] if lora.embeddings == "full" else None,
-        use_gradient_checkpointing="unsloth" if train.gradient_checkpointing else False,
-        random_state=train.seed,
+        **common,
     )
     check_rope(model, reference, "after FastLanguageModel.get_peft_model")
     return model, tokenizer, spec

@@ -1,15 +1,8 @@
-"""One validation of a recipe before any weight loads: what ``longpeft plan`` checks is what ``longpeft train`` checks.
+"""One validation of a recipe before any weight loads, the same for ``longpeft plan`` and ``longpeft train``.
 
-:func:`validate_recipe` runs, on a recipe the schema accepted (:func:`~.schema.load_recipe`), every check it can
-fail against itself and its base model's config (read without weights or torch: :mod:`longpeft.base_config`): the
-``trl:`` keys, the
-methods' sections resolved against the base (RoPE type, HARPE bases, Activation Beacon's layout, ...), token ids
-against the vocabulary, the positions a sample spans against the adapted model's, the checkpointed layers against
-the decoder's, LoRA's target modules against the architecture's modules, the chat template conversations need, and
-modeling code the base ships. ``plan`` prints its verdict; ``train`` runs it first and stops at the same refusal.
-
-What only this machine can tell (the base and the data are here, CUDA and the packages a setting needs) is
-:func:`check_here`: ``train`` runs it after the validation, ``plan`` names what it could not check.
+:func:`validate_recipe` checks a recipe the schema accepted against itself and its base model's config (read without
+weights or torch: :mod:`longpeft.base_config`). :func:`check_here` checks what only this machine can tell (the base's
+config read here, CUDA, the packages a setting needs): ``train`` runs it after the validation.
 """
 
 from __future__ import annotations
@@ -29,14 +22,8 @@ from .schema import Recipe
 
 @dataclass(frozen=True)
 class Validation:
-    """A recipe that passed :func:`validate_recipe`.
-
-    Attributes:
-        recipe: the recipe.
-        base: its base model's config and tokenizer facts, or None when they are not on this machine now.
-        base_missing: why the base could not be read (None when it was): the recipe was then checked alone.
-        spec: the ContextSpec the recipe gives its base (None without the base).
-    """
+    """A recipe that passed :func:`validate_recipe`: its ``base`` facts and the ContextSpec ``spec`` it gives the
+    base, or both None and ``base_missing`` saying why the base could not be read here (the recipe checked alone)."""
 
     recipe: Recipe
     base: BaseFacts | None
@@ -54,15 +41,11 @@ class Validation:
 
 
 def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
-    """Every check of ``recipe`` that needs no weights (see the module docstring), against its base's config when
-    that can be read here (a ``tiny:`` model, a local folder, the Hugging Face cache, or the Hub, bounded).
-    ``stand_in``: the base is a tiny stand-in for the recipe's real one (``plan --stand-in``), whose token ids
-    (``model.eos_token_ids``) are the real base's.
+    """Every check of ``recipe`` that needs no weights, against its base's config when that can be read here
+    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps.
 
     Raises:
-        ConfigError (and the other :class:`~longpeft.errors.LongpeftError` kinds): the first problem, naming the
-            key and what to do; a base that does not exist (a Hub repo that is not there, a folder without
-            config.json) is :class:`~longpeft.errors.ModelSourceError`.
+        ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist.
     """
     check_trl_keys(recipe.trl)
     check_memory_settings(recipe)
@@ -71,7 +54,12 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     except BaseNotHere as missing:
         return Validation(recipe, None, str(missing), None)
     base.check_remote_code(recipe.model.trust_remote_code, "model.trust_remote_code: true")
-    check_chat_template(recipe, base)
+    if recipe.data.format == "messages" and base.tokenizer_found and not base.chat_template:
+        raise ConfigError(
+            f"data.format: messages renders conversations with the tokenizer's chat template, and "
+            f"{recipe.model.name_or_path}'s tokenizer has none; use a chat (instruct) base, give its tokenizer a "
+            "chat_template, or train on plain text (data.format: text)"
+        )
     spec = build_spec(recipe, base.config, recipe.model.name_or_path)
     check_against_base(recipe, spec, stand_in)
     check_layer_counts(recipe, base.config.num_hidden_layers)
@@ -80,43 +68,34 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
 
 
 def check_here(validation: Validation) -> None:
-    """What a run needs of this machine before it builds anything: the base's config read (``validation``), and
-    CUDA and the packages the recipe's settings need.
+    """What a run needs of this machine: the base's config read (``validation``), CUDA and packages its settings need.
 
     Raises:
         BaseNotHere: the base's config was not readable here. ConfigError: a setting this machine cannot run.
     """
     if validation.base_missing is not None:
         raise BaseNotHere(validation.base_missing)
-    problems = machine_problems(validation.recipe)
-    if problems:
-        raise ConfigError(problems[0])
-
-
-def machine_problems(recipe: Recipe) -> list[str]:
-    """The recipe's settings this machine cannot run, each as one sentence naming the key and what to do."""
     import torch  # only a run asks what this machine has (plan checks the recipe for any machine)
 
-    problems = []
-    cuda = torch.cuda.is_available()
-    if recipe.train.activation_offloading and not cuda:  # TRL's offloader asks for an accelerator, obscurely
-        problems.append(
+    train, cuda = validation.recipe.train, torch.cuda.is_available()
+    if train.activation_offloading and not cuda:  # TRL's offloader asks for an accelerator, obscurely
+        raise ConfigError(
             "train.activation_offloading moves checkpointed activations from a CUDA GPU to CPU memory, and this "
             "machine has no CUDA GPU; set train.activation_offloading: false here"
         )
-    if recipe.train.use_liger_kernel and not cuda:
-        problems.append(
+    if train.use_liger_kernel and not cuda:
+        raise ConfigError(
             "train.use_liger_kernel: Liger's kernels are Triton kernels for CUDA GPUs and this machine has none; "
             "set train.use_liger_kernel: false here"
         )
-    if recipe.train.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
-        problems.append("train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)")
-    return problems
+    if train.use_liger_kernel and importlib.util.find_spec("liger_kernel") is None:
+        raise ConfigError(
+            "train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)"
+        )
 
 
 def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig (the keys other sections set were
-    refused when the recipe was read: ``schema.check_trl_keys_owned``)."""
+    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig."""
     if not trl:
         return
     from trl import SFTConfig  # its arguments are known only from the class (a recipe without trl: skips it)
@@ -128,8 +107,7 @@ def check_trl_keys(trl: dict[str, Any]) -> None:
 
 
 def check_memory_settings(recipe: Recipe) -> None:
-    """The memory levers a recipe's attention and methods can carry out (``train.keep_attention``, Liger's
-    kernels)."""
+    """``train.keep_attention`` and Liger's kernels need an attention and methods that carry them out."""
     if recipe.train.keep_attention != "none" and recipe.model.attn_implementation == "eager":
         raise ConfigError(
             "train.keep_attention keeps the output of an attention kernel, and eager attention is no single "
@@ -139,30 +117,23 @@ def check_memory_settings(recipe: Recipe) -> None:
         check_conflicts(recipe.method_configs(), {"liger_kernels": "train.use_liger_kernel"})
 
 
-def check_chat_template(recipe: Recipe, base: BaseFacts) -> None:
-    """Conversations (``data.format: messages``) are rendered with the base tokenizer's chat template."""
-    if recipe.data.format == "messages" and base.tokenizer_found and not base.chat_template:
-        raise ConfigError(
-            f"data.format: messages renders conversations with the tokenizer's chat template, and "
-            f"{recipe.model.name_or_path}'s tokenizer has none; use a chat (instruct) base, give its tokenizer a "
-            "chat_template, or train on plain text (data.format: text)"
-        )
-
-
 def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
-    """The ContextSpec this recipe gives the base model: every method section resolved against the base (complete
-    RoPE parameters, HARPE bases, STRING's default shift, ...), and the lengths. ``base_config`` is transformers'
-    config or a :class:`~longpeft.base_config.BaseConfig`."""
+    """The ContextSpec this recipe gives the base: every method section resolved against ``base_config``
+    (transformers' config or a :class:`~longpeft.base_config.BaseConfig`), and the lengths. It names a built-in
+    base by its name, a local one relative to the adapter folder (so that the two can move together)."""
     trained_length = recipe.data.max_length
     target_length = recipe.target_length or trained_length
     resolved: dict[str, Any] = {}
     for name, config in recipe.method_configs().items():
         context = ResolveContext(base_config, trained_length, target_length, dict(resolved))
         resolved[name] = METHODS[name].resolve(config, context)
+    base_model = recipe.model.name_or_path
+    if base_model not in BUILTIN_MODELS:
+        base_model = base_reference(base_id, recipe.resolved_output_dir() / "adapter")
     return ContextSpec.from_base(
         base_config,
         recipe.method,
-        base_model=spec_base_reference(recipe, base_id),
+        base_model=base_model,
         methods={name: config.model_dump() for name, config in resolved.items()},
         trained_length=trained_length,
         target_length=target_length,
@@ -170,18 +141,9 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
     )
 
 
-def spec_base_reference(recipe: Recipe, base_id: str) -> str:
-    """How the spec names its base (:func:`~longpeft.spec.base_reference`): a built-in model by its name
-    (``longpeft:toy-base``, wherever longpeft is installed); a local folder (a ``tiny:`` base generated inside the
-    run folder, ``../base``) relative to the adapter folder, so that the two can move together; a Hub id as given."""
-    if recipe.model.name_or_path in BUILTIN_MODELS:
-        return recipe.model.name_or_path
-    return base_reference(base_id, recipe.resolved_output_dir() / "adapter")
-
-
 def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:
-    """Settings that only make sense for this base model: token ids inside its vocabulary (the eos ids of a
-    ``stand_in`` base are the real one's), the positions a sample spans inside the adapted model's."""
+    """Token ids inside the base's vocabulary (not the eos ids of a ``stand_in`` base), and the positions a sample
+    spans inside the adapted model's."""
     vocab = spec.base_shape.vocab_size
     problems = []
     bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
@@ -198,8 +160,8 @@ def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False
 
 
 def span_problem(spec: ContextSpec, length: int, span: int) -> str:
-    """Why training inputs of ``length`` tokens, spanning ``span`` positions once the spec's methods apply, do not fit
-    the adapted model's positions, naming the method that sets the span and the fix."""
+    """Why inputs of ``length`` tokens, spanning ``span`` positions, do not fit the adapted model's positions, naming
+    the method that sets the span and the fix."""
     spanning = " and ".join(method.name for method, _ in spec_methods(spec) if method.overrides("training_span"))
     raise_positions = "raise rope.max_position_embeddings"
     keep_fewer = f"change the {spanning} section so it keeps fewer positions"
@@ -218,8 +180,7 @@ def span_problem(spec: ContextSpec, length: int, span: int) -> str:
 
 
 def positions_spanned(spec: ContextSpec, length: int) -> int:
-    """Positions an input of ``length`` tokens occupies once the spec's methods apply (``length``, unless a method
-    keeps positions bounded, as Activation Beacon does)."""
+    """Positions an input of ``length`` tokens spans once the spec's methods apply (fewer with Activation Beacon)."""
     spans = [
         method.training_span(config, length, spec.max_position_embeddings)
         for method, config in spec_methods(spec)
@@ -239,12 +200,9 @@ def check_layer_counts(recipe: Recipe, layers: int) -> None:
 
 
 def check_target_modules(recipe: Recipe, base: BaseFacts) -> None:
-    """Each of ``lora.target_modules`` names at least one layer LoRA can adapt, matched as peft matches it (the
-    module's name, or its end after a dot), and none is the embedding ``lora.embeddings`` already trains.
-
-    A base built with the modeling code it ships (``model.trust_remote_code``) is not built here (that would run its
-    code): its modules are not checked before it loads.
-    """
+    """Each of ``lora.target_modules`` names at least one layer LoRA can adapt (matched as peft does: the name, or
+    its end after a dot), none the embedding ``lora.embeddings`` trains already. Not checked for a base that runs
+    its own modeling code (building it would run that code)."""
     own_code = base.runs_own_code(recipe.model.trust_remote_code)
     if recipe.finetune != "lora" or recipe.train.backend != "transformers" or own_code:
         return
@@ -273,9 +231,8 @@ def check_target_modules(recipe: Recipe, base: BaseFacts) -> None:
 
 
 def with_stand_in(overrides: list[str], arch: str) -> list[str]:
-    """``overrides`` plus those that put a tiny random model of ``arch`` and the offline demo set in place of the
-    recipe's base and data (``plan --stand-in``; validate with ``stand_in=True``): an earlier stage's adapter
-    (``model.init_from``) was trained on the real base, so the stand-in starts fresh."""
+    """``overrides`` plus those that put a tiny random model of ``arch`` and the demo set in place of the recipe's
+    base and data (``plan --stand-in``; validate with ``stand_in=True``), without ``model.init_from``."""
     return [*overrides, f"model.name_or_path={TINY_PREFIX}{arch}", "data.source=demo", "model.init_from=null"]
 
 
