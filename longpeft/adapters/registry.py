@@ -211,10 +211,8 @@ def register(method: Method) -> Method:
     for group in (MODEL_HOOKS, WEIGHT_HOOKS):
         missing = [hook for hook in group if not method.overrides(hook)]
         if 0 < len(missing) < len(group):
-            raise ValueError(
-                f"method {name}: give {', '.join(group[:-1])} and {group[-1]} together (missing {missing}), or none "
-                "of them"
-            )
+            together = f"{', '.join(group[:-1])} and {group[-1]} together"
+            raise ValueError(f"method {name}: give {together} (missing {missing}), or none of them")
     if method.keeps_weights and not method.plan_lever:
         raise ValueError(f"method {name}: weights of its own need a plan_lever (what to change when they are large)")
     if method.overrides("model_span") and not method.changes_model:
@@ -354,12 +352,10 @@ def config_of(name: str, data: dict[str, Any] | StrictModel) -> StrictModel:
     try:
         return config_class.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors()
-        )
-        raise DataError(
-            f"longpeft.json methods.{name}: {problems} (written by a newer longpeft, or edited by hand?)"
-        ) from None
+        problems = [f"{'.'.join(map(str, error['loc'])) or '(section)'}: {error['msg']}" for error in exc.errors()]
+    raise DataError(
+        f"longpeft.json methods.{name}: {'; '.join(problems)} (written by a newer longpeft, or edited by hand?)"
+    )
 
 
 def gathered_tensors(

@@ -69,13 +69,11 @@ def head_rope_attention_forward(
     key_states = self.k_proj(hidden_states).view(hidden_shape)
     if hasattr(self, "q_norm"):  # Qwen3 normalises each head before the rotation
         query_states, key_states = self.q_norm(query_states), self.k_norm(key_states)
-    query_states = rotate_per_head(query_states.transpose(1, 2), cos, sin)
-    key_states = rotate_per_head(key_states.transpose(1, 2), cos, sin)
+    query_states, key_states = (rotate_per_head(x.transpose(1, 2), cos, sin) for x in (query_states, key_states))
     value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cache = pop_cache(kwargs)
     if cache is not None:
         key_states, value_states = cache.update(key_states, value_states, self.layer_idx)
-
     output, weights = attention_kernel(self, query_states, key_states, value_states, attention_mask, **kwargs)
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 

@@ -23,17 +23,6 @@ import torch
 from ...family import IGNORE_INDEX
 
 
-def _chunk_of_token(length: int, n_chunks: int, rng: np.random.Generator) -> np.ndarray:
-    """``(length,)`` chunk index of each token: ``n_chunks`` non-empty chunks cut uniformly at random."""
-    if length < 1:
-        raise ValueError("length must be at least 1")
-    if not 1 <= n_chunks <= length:
-        raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
-    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
-    bounds = np.concatenate([[0], cuts, [length]])
-    return np.repeat(np.arange(n_chunks), np.diff(bounds))
-
-
 def _skips(n_chunks: int, max_skip: int, rng: np.random.Generator) -> np.ndarray:
     """``(n_chunks,)`` skips: ``s_0 = 0``, then each drawn uniformly from ``{s_(i-1), ..., max_skip}``."""
     skips = np.zeros(n_chunks, dtype=np.int64)
@@ -67,10 +56,16 @@ def pose_sample(
     length = min(window, source_length)
     if target_length < length:
         raise ValueError(f"target_length ({target_length}) must be >= the trained length ({length})")
+    if length < 1:
+        raise ValueError("length must be at least 1")
+    if not 1 <= n_chunks <= length:
+        raise ValueError(f"n_chunks must be in 1..{length}, got {n_chunks}")
     if content_skip not in ("none", "uniform", "aligned"):
         raise ValueError(f"content_skip must be none, uniform or aligned, got {content_skip!r}")
     rng = np.random.default_rng(rng)  # a Generator is returned as it is
-    chunk = _chunk_of_token(length, n_chunks, rng)
+    # each token's chunk: n_chunks non-empty chunks cut uniformly at random
+    cuts = np.sort(rng.choice(np.arange(1, length), size=n_chunks - 1, replace=False))
+    chunk = np.repeat(np.arange(n_chunks), np.diff(np.concatenate([[0], cuts, [length]])))
     steps = np.arange(length, dtype=np.int64)
     if content_skip == "aligned":  # the tokens at their position ids
         index = steps + _skips(n_chunks, min(source_length, target_length) - length, rng)[chunk]

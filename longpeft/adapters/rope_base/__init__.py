@@ -1,8 +1,7 @@
 """RoPE-base expansion (the "Llama-3 8K -> 80K overnight" recipe: base 500K -> 200M, then QLoRA) and transformers'
 own rope types (linear/PI, dynamic NTK, yarn, llama3), through one complete ``rope_parameters`` dict: the ``rope``
 section (:class:`RopeConfig`), set on a model by :func:`expand_rope_base`, written into an exported config.json for
-transformers 4 too (:func:`write_legacy_rope_keys`).
-"""
+transformers 4 too (:func:`write_legacy_rope_keys`)."""
 
 from __future__ import annotations
 
@@ -23,13 +22,9 @@ __getattr__ = torch_names(__name__, TORCH_NAMES)
 
 
 def resolve(config: RopeConfig, context: ResolveContext) -> RopeConfig:
-    """The complete rope_parameters and max length this section gives the base model.
-
-    Raises ConfigError for a rope type without the keys it reads (transformers would fail on the first forward), keys
-    the rope type does not read (transformers would ignore them), ``dynamic`` in a training run (it rescales only
-    beyond ``max_position_embeddings``, at least the training length: the run would train plain RoPE), and a
-    ``rope_theta`` below the base model's own (a smaller base shortens every rotary wavelength; equal keeps it).
-    """
+    """The complete rope_parameters and max length this section gives the base model; ConfigError for a rope type
+    without the keys it reads, keys the rope type does not read, ``dynamic`` in a training run, a ``rope_theta`` below
+    the base model's own, and base rope_parameters keys longpeft does not know (the messages say why)."""
     requested = config.rope_parameters()
     base_theta = float(rope_parameters_of(context.base_config)["rope_theta"])
     if requested.get("rope_theta", base_theta) < base_theta:

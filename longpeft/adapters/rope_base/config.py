@@ -13,12 +13,8 @@ RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3"]
 
 
 class RopeConfig(StrictModel):
-    """New RoPE parameters (merged onto the base's) and the new context length.
-
-    The fields are transformers' ``rope_parameters`` keys of the supported rope types; omitted keys
-    keep the base's values (a new ``rope_type`` replaces the whole dict). After resolution every key
-    of the complete dict is set.
-    """
+    """New RoPE parameters (transformers' ``rope_parameters`` keys, merged onto the base's: omitted keys keep its
+    values, a new ``rope_type`` replaces the whole dict) and the new context length; resolved, every key is set."""
 
     rope_type: RopeType | None = None
     rope_theta: float | None = Field(default=None, gt=1, lt=1e30)
@@ -41,12 +37,9 @@ class RopeConfig(StrictModel):
 
 
 def resolve_rope_parameters(config: Any, rope: dict[str, Any]) -> dict[str, Any]:
-    """Complete rope_parameters from a partial request on top of a base config.
-
-    ``{"rope_theta": 2e8}`` keeps the base's rope_type; giving ``rope_type`` replaces the whole dict
-    (keys of the old type do not leak into the new one), keeping rope_theta unless given.
-    For yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length.
-    """
+    """Complete rope_parameters from a partial request ``rope`` on top of a base ``config``: ``{"rope_theta": 2e8}``
+    keeps the base's rope_type; a new ``rope_type`` replaces the whole dict (keeping rope_theta unless given); for
+    yarn/llama3 ``original_max_position_embeddings`` defaults to the base's max length."""
     base = rope_parameters_of(config)
     if "rope_type" in rope and rope["rope_type"] != base.get("rope_type", "default"):
         params = {"rope_type": rope["rope_type"], "rope_theta": base["rope_theta"]}

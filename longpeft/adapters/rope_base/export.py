@@ -1,5 +1,4 @@
-"""Export of a merged or fully fine-tuned model with new RoPE parameters: config.json as transformers 4 reads it
-too."""
+"""Export of a merged or fully fine-tuned model with new RoPE parameters: config.json as transformers 4 reads it."""
 
 from __future__ import annotations
 
@@ -11,12 +10,9 @@ from .config import RopeConfig
 
 def write_legacy_rope_keys(folder: Path, config: RopeConfig) -> None:
     """Also write a saved model's RoPE parameters as transformers 4 reads them: top-level ``rope_theta``, and
-    ``rope_scaling`` for a scaled rope type (null for the default one).
-
-    transformers 5 saves only ``rope_parameters``; a reader of the old keys (transformers < 5, serving stacks
-    pinned to it) then builds the model with the architecture's default base (10,000 for Llama), silently.
-    transformers 5 reads the file as before: ``rope_scaling`` holds the same parameters, ``rope_theta`` fills it.
-    """
+    ``rope_scaling`` for a scaled rope type (null for the default one). transformers 5 saves only ``rope_parameters``,
+    and a reader of the old keys (serving stacks pinned to transformers < 5) would silently build the architecture's
+    default base (10,000 for Llama); transformers 5 reads the file as before."""
     path = folder / "config.json"
     data = json.loads(path.read_text())
     params = config.rope_parameters()

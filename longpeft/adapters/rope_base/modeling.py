@@ -16,20 +16,12 @@ from .config import resolve_rope_parameters
 def expand_rope_base(
     model: nn.Module, rope_parameters: dict[str, Any], max_position_embeddings: int | None = None
 ) -> torch.Tensor:
-    """Set new RoPE parameters on a built model and verify the rotary frequencies changed.
-
-    Args:
-        model: transformers causal LM (PEFT-wrapped works too).
-        rope_parameters: complete or partial rope_parameters (see :func:`resolve_rope_parameters`).
-        max_position_embeddings: the new context length recorded in the config.
-
-    Returns:
-        The rotary module's new ``inv_freq`` (``[head_dim // 2]``).
-    """
+    """Set ``rope_parameters`` (complete or partial: :func:`resolve_rope_parameters`) and the new context length
+    ``max_position_embeddings`` on a built causal LM (plain or PEFT-wrapped), checking that the rotary frequencies
+    changed; returns the rotary module's new ``inv_freq`` ``[head_dim // 2]``."""
     params = resolve_rope_parameters(model.config, rope_parameters)
     original = getattr(model, "_longpeft_original_rope", None)
-    if original is None:
-        # Remembered once, so that remove() restores the model as it was before the first change.
+    if original is None:  # remembered once: remove() restores the model as it was before the first change
         original = (rope_parameters_of(model.config), model.config.max_position_embeddings)
     new = set_rope_parameters(model, params, max_position_embeddings)
     model._longpeft_original_rope = original

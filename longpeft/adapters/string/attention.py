@@ -365,23 +365,7 @@ def string_attention_flash(
     return torch.cat((near_out[:, :n_plain], merged.to(near_out.dtype)), dim=1)
 
 
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
-
-
-def _flash_available(query: torch.Tensor) -> bool:
-    if query.device.type != "cuda":
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+_WARNED: set[str] = set()  # "padded" once the padded-batch warning was given
 
 
 def string_attention_forward(
@@ -419,13 +403,18 @@ def string_attention_forward(
             query, key, value, attention_mask, *args, dropout=dropout, training=module.training
         )
     if implementation.startswith("flash_attention"):
-        if attention_mask is None and _flash_available(query):
-            return string_attention_flash(query, key, value, *args, dropout=dropout), None
+        if attention_mask is None and query.device.type == "cuda":
+            try:  # without flash-attn: the SDPA path
+                return string_attention_flash(query, key, value, *args, dropout=dropout), None
+            except ImportError:
+                pass
         if attention_mask is not None:
-            _warn_once(
-                "STRING on a flash-attention model: padded batches run on the exact SDPA path (the "
-                "flash-attn path takes unpadded batches only)"
-            )
+            if not _WARNED:
+                _WARNED.add("padded")
+                logger.warning(
+                    "STRING on a flash-attention model: padded batches run on the exact SDPA path (the flash-attn "
+                    "path takes unpadded batches only)"
+                )
             # the [batch, L] padding mask (1 = token) as a [batch, 1, T, L] bool causal + padding mask
             n_keys = attention_mask.shape[-1]
             causal = _far(n_keys - query.shape[2], n_keys, 0, n_keys, 0, attention_mask.device)
