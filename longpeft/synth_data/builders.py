@@ -22,7 +22,7 @@ from ..config import StrictModel
 from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
 from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
-from .tokens import require_tokens
+from .probes import require_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

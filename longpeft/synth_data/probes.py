@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .tokens import require_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -44,6 +43,14 @@ _SYLLABLES = (
     "ba be bi bo bu da de di do du ka ke ki ko ku la le li lo lu ma me mi mo mu na ne ni no nu ra re ri ro "
     "ru sa se si so su ta te ti to tu va ve vi vo vu"
 ).split()
+
+
+def require_tokens(tokenizer: Any) -> None:
+    """Fail clearly when ``tokenizer`` turns ordinary text into no ids (length-targeted builders would otherwise loop
+    or divide by zero)."""
+    if not tokenizer.encode("The pass key is 12345. The grass is green.", add_special_tokens=False):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(f"the tokenizer {name} encodes text to no token ids; use the model's own tokenizer")
 
 
 @dataclass
