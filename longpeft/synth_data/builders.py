@@ -21,8 +21,8 @@ from tqdm.auto import tqdm
 from ..config import StrictModel
 from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
-from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
 from .probes import require_tokens
+from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
