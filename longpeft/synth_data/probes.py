@@ -55,19 +55,10 @@ def require_tokens(tokenizer: Any) -> None:
 
 @dataclass
 class Probe:
-    """One evaluation prompt.
-
-    Attributes:
-        task: the eval task it belongs to (``passkey``, ``niah_multikey``, ...).
-        input_ids: the prompt, exactly ``length`` token ids (special tokens included).
-        answers: what the continuation must contain (one string, or several for recall tasks).
-        metric: ``"exact"``, ``"contains"`` or ``"recall"`` (:func:`longpeft.eval.scoring.score`).
-        length: prompt length in tokens.
-        depth: requested needle depth in [0, 1] (None for tasks without one).
-        needle_positions: token offset in ``input_ids`` of each inserted needle / statement, in the order the task
-            made them (empty for tasks without inserts).
-        metadata: task details (keys, topics, ...).
-    """
+    """One evaluation prompt of its eval ``task``: ``input_ids``, exactly ``length`` token ids (special tokens
+    included); ``answers`` the continuation must contain, scored by ``metric`` (``"exact"``, ``"contains"`` or
+    ``"recall"``: :func:`longpeft.eval.scoring.score`); ``depth``: the requested needle depth in [0, 1] (None: no
+    needle); ``needle_positions``: the token offset of each insert, in the order made; ``metadata``: keys, topics."""
 
     task: str
     input_ids: list[int]
@@ -126,15 +117,9 @@ class ProbeBuilder:
         )
 
     def haystack(self, n_tokens: int, kind: str) -> tuple[list[int], list[int]]:
-        """Filler of exactly ``n_tokens`` tokens made of whole sentences, and the token offsets where sentences
-        start (``n_tokens`` last): no sentence is cut, so needles and the question always follow a full stop.
-
-        Random sentences of ``kind`` are added while the next one fits; the rest is made up by the fewest
-        ``PAD_FILLER`` sentences that sum to it exactly, giving back random sentences until such a sum exists.
-
-        Raises:
-            ConfigError: ``n_tokens`` is too small to be a sum of whole filler sentences.
-        """
+        """Filler of exactly ``n_tokens`` tokens made of whole sentences (random ones of ``kind``, then the fewest
+        ``PAD_FILLER`` ones that fill the rest), and the token offsets where sentences start (``n_tokens`` last);
+        ConfigError when ``n_tokens`` is no sum of whole filler sentences."""
         sentences: list[list[int]] = []
         total = 0
         while total + len(sentence := self.encode(" " + self.filler_sentence(kind))) <= n_tokens:
