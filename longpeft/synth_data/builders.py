@@ -1,7 +1,6 @@
-"""Long-context conversation builders, with which every synth task (:mod:`.registry`) plans and assembles: the
-context and the first question in the first user turn, each further QA pair one more turn, every conversation of
-``min_tokens`` to ``max_tokens`` tokens (measured with the training tokenizer and its chat template).
-"""
+"""Long-context conversation builders for every synth task (:mod:`.registry`): the context and the first question in
+the first user turn, each further QA pair one more turn, of ``min_tokens`` to ``max_tokens`` tokens (chat template
+included)."""
 
 from __future__ import annotations
 

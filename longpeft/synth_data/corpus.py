@@ -1,8 +1,7 @@
 """Offline procedural corpus: chronicles ("story") and annual reports ("report") of made-up towns living from one
 topic (a harbor, an observatory, ...), deterministic given the seed. Fact sentences are scattered through filler, each
 fact recorded with its question, exact answer and character span, so QA about any slice is right by construction.
-Documents of one topic share vocabulary, so text clustering groups them.
-"""
+Documents of one topic share vocabulary, so text clustering groups them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Mixing the synthetic conversations with plain text (against forgetting), instructions and summaries, each by
-its ratio of the final dataset, after a length filter measured with the training tokenizer and chat template. A plain
-text is the assistant turn after a fixed request (assistant-only loss trains on it); a summary answers a request to
-summarise its text.
-"""
+"""Mixing the synthetic conversations with plain text (the assistant turn after a fixed request), instructions and
+summaries (the answer to a request to summarise their text), each by its ratio of the final dataset, after a length
+filter."""
 
 from __future__ import annotations
 
@@ -168,25 +166,18 @@ def text_records(
             yield file, number, record
 
 
-def _turns(turns: Any, where: str) -> Conversation | None:
-    """``turns`` as role/content messages, or None when it is not a list of such turns."""
-    if not isinstance(turns, list) or not turns:
-        return None
-    if not all(
-        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
-    ):
-        raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
-    return [{"role": t["role"], "content": t["content"]} for t in turns]
-
-
 def to_messages(record: Any, where: str) -> Conversation:
     """A conversation from ``messages`` or ``conversations`` (role/content turns; the authors of Activation Beacon
     write their files so) or Alpaca-style ``instruction``/``input``/``output`` fields."""
     if isinstance(record, dict):
-        for key in ("messages", "conversations"):
-            turns = _turns(record.get(key), where)
-            if turns is not None:
-                return turns
+        for turns in (record.get("messages"), record.get("conversations")):
+            if not isinstance(turns, list) or not turns:
+                continue
+            if not all(
+                isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("role", "content")) for t in turns
+            ):
+                raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
+            return [{"role": t["role"], "content": t["content"]} for t in turns]
         if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
             prompt = f"{record['instruction']}\n\n{record['input']}" if record.get("input") else record["instruction"]
             return exchange(prompt, record["output"])

@@ -1,7 +1,6 @@
 """Question-answer generation for the registered synth tasks (:mod:`.registry`): :class:`LLMAnswerer` asks an
 OpenAI-compatible model with each task's prompt, schema and parser and judges the items by the quality gates;
-:class:`ProceduralAnswerer` answers the same jobs exactly from the facts of procedural documents, with no LLM.
-"""
+:class:`ProceduralAnswerer` answers the same jobs exactly from the facts of procedural documents, with no LLM."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Quality gates on LLM-written items (QA pairs, biographies): deterministic text checks, one function each (table:
-docs/synth.md). The first that fails rejects the item with its reason code (:data:`REASONS`) and a detail message.
-"""
+docs/synth.md). The first that fails rejects the item with its reason code (:data:`REASONS`) and a detail message."""
 
 from __future__ import annotations
 
