@@ -106,9 +106,6 @@ def biography_subject(question: str) -> str:
     return match.group(1).strip() if match else question
 
 
-# ---- planners --------------------------------------------------------------------------------------------------
-
-
 def plan_single_detail(
     builder: LongContextBuilder, name: str, settings: SingleDetailConfig, documents: Sequence[Document] | None
 ) -> list[ContextPlan]:

@@ -194,9 +194,6 @@ class ProbeBuilder:
         used.add(value)
         return value
 
-    def key_phrase(self, used: set[str]) -> str:
-        return self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2)))
-
     def variable_name(self, used: set[str]) -> str:
         return self.unique(used, lambda: "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5)))
 
@@ -223,7 +220,7 @@ class ProbeBuilder:
         if n_queries > n_keys:
             raise ConfigError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
         used: set[str] = set()
-        keys = [self.key_phrase(used) for _ in range(n_keys)]
+        keys = [self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2))) for _ in range(n_keys)]
         values = {k: [self.number(digits) for _ in range(n_values)] for k in keys}
         needles = [f"The special magic number for {k} is: {v}." for k in keys for v in values[k]]
         self.rng.shuffle(needles)
