@@ -152,10 +152,9 @@ class BuildReport:
 
 
 class LongContextBuilder:
-    """Plans contexts (each task by its planner), asks ``answerer`` (:class:`~.qa.ProceduralAnswerer` or
-    :class:`~.qa.LLMAnswerer`) for QA, and assembles conversations within ``length``, measured with ``tokenizer``
-    (fast) and its chat template. ``context_template``: the first user turn, with ``{context}`` and ``{question}``;
-    ``seed`` seeds every random choice (context lengths, chunk positions, packing)."""
+    """Plans contexts (each task by its planner), asks ``answerer`` for QA, and assembles conversations within
+    ``length``, measured with ``tokenizer`` (fast) and its chat template. ``context_template``: the first user turn,
+    with ``{context}`` and ``{question}``; ``seed`` seeds every random choice."""
 
     def __init__(
         self,

@@ -474,11 +474,6 @@ class QualityGates:
                 verdict.rejected.append((item, rejection))
         return verdict
 
-    def surplus(self, task: str, count: int) -> None:
-        """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
-        if count > 0:
-            self.unused[task] += count
-
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
         for earlier in kept:  # questions naming different numbers differ
             similarity = jaccard(question, earlier)
