@@ -191,9 +191,8 @@ class LongContextBuilder:
     def long_contexts(
         self, task: str, documents: Sequence[Document] | None, count: int
     ) -> Iterator[tuple[Document, Passage, list[tuple[int, int]], random.Random]]:
-        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents,
-        taken in a random order, each giving one context at most: of ``documents``, or of ``count`` procedural ones
-        generated for ``task`` when they are None (:func:`procedural_long_documents`)."""
+        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents
+        in a random order, one context each, of ``documents`` or, when None, of ``count`` procedural ones."""
         if documents is None:
             documents = procedural_long_documents(
                 self.counter, task, count, self.length, self.seed, self.show_progress
