@@ -1,7 +1,6 @@
 """Synthetic long-context training data: the procedural corpus, the synth tasks (:mod:`.registry`) with their
 builders, answerers and quality gates, mixing and the whole `longpeft synth` run (:mod:`.pipeline`), the demo's and
-the retrieval training sets, evaluation probes, and UtK. This package never imports ``longpeft.adapters``.
-"""
+the retrieval training sets, evaluation probes, and UtK. This package never imports ``longpeft.adapters``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Long-context conversation builders, with which every synth task (:mod:`.registry`) plans and assembles: the
-context and the first question in the first user turn, each further QA pair one more turn, every conversation of
-``min_tokens`` to ``max_tokens`` tokens (measured with the training tokenizer and its chat template).
-"""
+"""Long-context conversation builders for every synth task (:mod:`.registry`): the context and the first question in
+the first user turn, each further QA pair one more turn, of ``min_tokens`` to ``max_tokens`` tokens (chat template
+included)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ from tqdm.auto import tqdm
 from ..config import StrictModel
 from ..errors import ConfigError
 from .corpus import TOPICS, Document, generate_document
+from .probes import require_tokens
 from .registry import TASKS, Passage, QAGenerator, QAJob, QAPair, get_task
-from .tokens import require_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -153,10 +152,9 @@ class BuildReport:
 
 
 class LongContextBuilder:
-    """Plans contexts (each task by its planner), asks ``answerer`` (:class:`~.qa.ProceduralAnswerer` or
-    :class:`~.qa.LLMAnswerer`) for QA, and assembles conversations within ``length``, measured with ``tokenizer``
-    (fast) and its chat template. ``context_template``: the first user turn, with ``{context}`` and ``{question}``;
-    ``seed`` seeds every random choice (context lengths, chunk positions, packing)."""
+    """Plans contexts (each task by its planner), asks ``answerer`` for QA, and assembles conversations within
+    ``length``, measured with ``tokenizer`` (fast) and its chat template. ``context_template``: the first user turn,
+    with ``{context}`` and ``{question}``; ``seed`` seeds every random choice."""
 
     def __init__(
         self,
@@ -193,9 +191,8 @@ class LongContextBuilder:
     def long_contexts(
         self, task: str, documents: Sequence[Document] | None, count: int
     ) -> Iterator[tuple[Document, Passage, list[tuple[int, int]], random.Random]]:
-        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents,
-        taken in a random order, each giving one context at most: of ``documents``, or of ``count`` procedural ones
-        generated for ``task`` when they are None (:func:`procedural_long_documents`)."""
+        """Yield (document, context passage, token offsets inside it, the task's rng) for up to ``count`` documents
+        in a random order, one context each, of ``documents`` or, when None, of ``count`` procedural ones."""
         if documents is None:
             documents = procedural_long_documents(
                 self.counter, task, count, self.length, self.seed, self.show_progress

@@ -1,8 +1,7 @@
 """The built-in synth tasks, one :func:`~.registry.register` line each: the data recipe of "Extending Llama-3's
 Context Ten-Fold Overnight". ``single_detail`` asks about chunks (<= ``length.chunk_tokens``) of a long context,
 ``multi_detail`` aggregates several places of one long document, ``biography`` writes one per main character of a
-book, and ``heterogeneous`` compares the texts of one cluster (TF-IDF + k-means) packed into one context.
-"""
+book, and ``heterogeneous`` compares the texts of one cluster (TF-IDF + k-means) packed into one context."""
 
 from __future__ import annotations
 
@@ -105,9 +104,6 @@ def biography_subject(question: str) -> str:
     """The name in a "Write a short biography of NAME." turn (the whole question if it is not one)."""
     match = _BIOGRAPHY_TURN.match(question.strip())
     return match.group(1).strip() if match else question
-
-
-# ---- planners --------------------------------------------------------------------------------------------------
 
 
 def plan_single_detail(

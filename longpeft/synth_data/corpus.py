@@ -1,8 +1,7 @@
 """Offline procedural corpus: chronicles ("story") and annual reports ("report") of made-up towns living from one
 topic (a harbor, an observatory, ...), deterministic given the seed. Fact sentences are scattered through filler, each
 fact recorded with its question, exact answer and character span, so QA about any slice is right by construction.
-Documents of one topic share vocabulary, so text clustering groups them.
-"""
+Documents of one topic share vocabulary, so text clustering groups them."""
 
 from __future__ import annotations
 
@@ -55,7 +54,8 @@ _VOCABULARY = {  # topic -> word list -> its comma-separated items
         "sights": "dust floated in the light of the windows, pages rustled in the quiet, ink dried on fresh sheets",
     },
 }
-TOPICS: dict[str, dict[str, list[str]]] = {
+Vocabulary = dict[str, list[str]]  # one topic's word lists
+TOPICS: dict[str, Vocabulary] = {
     topic: {key: items.split(", ") for key, items in lists.items()} for topic, lists in _VOCABULARY.items()
 }
 
@@ -176,17 +176,11 @@ class _Writer:
         return "".join(self.parts).rstrip() + "\n"
 
 
-class _NamePool:
-    """Unique person names within one document."""
-
-    def __init__(self, rng: random.Random):
-        self.names = [f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES]
-        rng.shuffle(self.names)
-
-    def take(self) -> str:
-        if not self.names:
-            raise RuntimeError("document too long for the name pool; lower the fact rate")
-        return self.names.pop()
+def _take_name(names: list[str]) -> str:
+    """The next of a document's unique person names (every name, shuffled once per document)."""
+    if not names:
+        raise RuntimeError("document too long for the name pool; lower the fact rate")
+    return names.pop()
 
 
 def article(word: str) -> str:
@@ -229,7 +223,8 @@ def generate_document(
     town = town_name(rng)
     title = f"The Chronicle of {town}" if kind == "story" else f"Annual Report of {town}"
     professions = vocab["professions"] + GENERAL_PROFESSIONS
-    names = _NamePool(rng)
+    names = [f"{first} {last}" for first in FIRST_NAMES for last in LAST_NAMES]
+    rng.shuffle(names)
     writer = _Writer(doc_id, title)
     profile = _write_profile(writer, rng, town, topic)
     characters = [_main_character(rng, names, professions) for _ in range(n_characters)]
@@ -247,7 +242,7 @@ def generate_document(
         if index in slots:
             _character_sentence(writer, *slots[index])
         elif fact_kinds and rng.random() < fact_rate:
-            _fact_sentence(writer, rng, rng.choice(list(fact_kinds)), vocab, professions, names, used)
+            _fact_sentence(writer, rng, rng.choice(list(fact_kinds)), vocab, names, used)
         else:
             writer.sentence(_filler(rng, kind, town, vocab, characters))
         paragraph_left -= 1
@@ -274,14 +269,14 @@ def _write_profile(writer: _Writer, rng: random.Random, town: str, topic: str) -
     return {"town": town, "founded": founded, "population": population, "topic": topic}
 
 
-def _main_character(rng: random.Random, names: _NamePool, professions: list[str]) -> Character:
+def _main_character(rng: random.Random, names: list[str], professions: list[str]) -> Character:
     """A main character: a name and a sibling from ``names``, a birth year and place, a profession and a pet."""
-    name, animal = names.take(), rng.choice(ANIMALS)
+    name, animal = _take_name(names), rng.choice(ANIMALS)
     attributes = {
         "birth_year": str(rng.randint(1700, 1990)),
         "birthplace": town_name(rng),
         "profession": rng.choice(professions),
-        "sibling": names.take(),
+        "sibling": _take_name(names),
         "pet": rng.choice(PET_NAMES),
         "pet_animal": animal,
     }
@@ -326,24 +321,18 @@ def _fresh(rng: random.Random, used: set[tuple[str, ...]], *choices: Sequence[st
 
 
 def _fact_sentence(
-    writer: _Writer,
-    rng: random.Random,
-    kind: str,
-    vocab: dict[str, list[str]],
-    professions: list[str],
-    names: _NamePool,
-    used: set[tuple[str, ...]],
+    writer: _Writer, rng: random.Random, kind: str, vocab: Vocabulary, names: list[str], used: set[tuple[str, ...]]
 ) -> None:
     """A scattered fact of ``kind`` (``used``: the objects and structures already written about); filler when 20
     draws find only used ones."""
     if kind == "profession":
-        name, profession = names.take(), rng.choice(professions)
+        name, profession = _take_name(names), rng.choice(vocab["professions"] + GENERAL_PROFESSIONS)
         writer.sentence(
             f"{name} worked as {article(profession)}.",
             ("profession", name, profession, f"What was {name}'s profession?"),
         )
     elif kind == "street":
-        name, street = names.take(), rng.choice(STREETS)
+        name, street = _take_name(names), rng.choice(STREETS)
         writer.sentence(
             f"{name} lived on {street} Street.",
             ("street", name, f"{street} Street", f"On which street did {name} live?"),
@@ -365,7 +354,7 @@ def _fact_sentence(
         writer.sentence(_filler(rng, "report", "the town", vocab, []))
 
 
-def _filler(rng: random.Random, kind: str, town: str, vocab: dict[str, list[str]], characters: list[Character]) -> str:
+def _filler(rng: random.Random, kind: str, town: str, vocab: Vocabulary, characters: list[Character]) -> str:
     place, other = rng.sample(vocab["places"], 2)
     obj = rng.choice(vocab["objects"])
     options = [

@@ -1,8 +1,6 @@
-"""Mixing the synthetic conversations with plain text (against forgetting), instructions and summaries, each by
-its ratio of the final dataset, after a length filter measured with the training tokenizer and chat template. A plain
-text is the assistant turn after a fixed request (assistant-only loss trains on it); a summary answers a request to
-summarise its text.
-"""
+"""Mixing the synthetic conversations with plain text (the assistant turn after a fixed request), instructions and
+summaries (the answer to a request to summarise their text), each by its ratio of the final dataset, after a length
+filter."""
 
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ from .builders import TokenCounter, exchange
 DEFAULT_PLAIN_PROMPT = "Write a passage of text."
 DEFAULT_SUMMARY_PROMPT = "Summarize the following text.\n\n{text}"
 RECORD_FILES = {".jsonl": "one JSON record per line", ".json": "a JSON list of records, or one record per line"}
+Conversation = list[dict[str, str]]  # role/content turns
 # The task of each source's rows (in mixing order) -> its path's config key, and the prefix of its other fields.
 SOURCES = {
     "plain_text": ("plain_text", "plain"),
@@ -167,32 +166,25 @@ def text_records(
             yield file, number, record
 
 
-def _turns(turns: Any, where: str) -> list[dict[str, str]] | None:
-    """``turns`` as role/content messages, or None when it is not a list of such turns."""
-    if not isinstance(turns, list) or not turns:
-        return None
-    if not all(
-        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
-    ):
-        raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
-    return [{"role": t["role"], "content": t["content"]} for t in turns]
-
-
-def to_messages(record: Any, where: str) -> list[dict[str, str]]:
+def to_messages(record: Any, where: str) -> Conversation:
     """A conversation from ``messages`` or ``conversations`` (role/content turns; the authors of Activation Beacon
     write their files so) or Alpaca-style ``instruction``/``input``/``output`` fields."""
     if isinstance(record, dict):
-        for key in ("messages", "conversations"):
-            turns = _turns(record.get(key), where)
-            if turns is not None:
-                return turns
+        for turns in (record.get("messages"), record.get("conversations")):
+            if not isinstance(turns, list) or not turns:
+                continue
+            if not all(
+                isinstance(t, dict) and all(isinstance(t.get(k), str) for k in ("role", "content")) for t in turns
+            ):
+                raise DataError(f"{where}: every turn needs string fields 'role' and 'content'")
+            return [{"role": t["role"], "content": t["content"]} for t in turns]
         if isinstance(record.get("instruction"), str) and isinstance(record.get("output"), str):
             prompt = f"{record['instruction']}\n\n{record['input']}" if record.get("input") else record["instruction"]
             return exchange(prompt, record["output"])
     raise DataError(f"{where}: an instruction record needs 'messages', 'conversations', or 'instruction' and 'output'")
 
 
-def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
+def load_instructions(path: str | Path) -> list[Conversation]:
     """Conversations from .jsonl and .json files (see :func:`to_messages`)."""
     return [
         to_messages(record, where)
@@ -201,21 +193,17 @@ def load_instructions(path: str | Path) -> list[list[dict[str, str]]]:
     ]
 
 
-def load_summaries(
-    path: str | Path,
-    prompt: str = DEFAULT_SUMMARY_PROMPT,
-    text_field: str = "chapter",
-    summary_field: str = "summary_text",
-) -> list[list[dict[str, str]]]:
-    """Summarisation conversations from .jsonl and .json files: a record with string fields ``text_field`` and
-    ``summary_field`` becomes ``prompt`` (with its text) answered by its summary; a record holding a conversation
-    (``messages`` or ``conversations``) is taken as it is."""
-    conversations = []
-    for file in source_files(path, RECORD_FILES, "mix.summaries (--summaries)"):
+def load_summaries(config: MixConfig) -> list[Conversation]:
+    """Summarisation conversations from the .jsonl and .json files of ``mix.summaries``: a record with string fields
+    ``summary_text_field`` and ``summary_field`` becomes ``summary_prompt`` (with its text) answered by its summary; a
+    record holding a conversation (``messages`` or ``conversations``) is taken as it is."""
+    text_field, summary_field, conversations = config.summary_text_field, config.summary_field, []
+    for file in source_files(config.summaries, RECORD_FILES, "mix.summaries (--summaries)"):
         for where, record in file_records(file):
             is_dict = isinstance(record, dict)
             if is_dict and isinstance(record.get(text_field), str) and isinstance(record.get(summary_field), str):
-                conversations.append(exchange(prompt.replace("{text}", record[text_field]), record[summary_field]))
+                prompt = config.summary_prompt.replace("{text}", record[text_field])
+                conversations.append(exchange(prompt, record[summary_field]))
             elif is_dict and ("messages" in record or "conversations" in record):
                 conversations.append(to_messages(record, where))
             else:
@@ -226,7 +214,7 @@ def load_summaries(
     return conversations
 
 
-def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]:
+def load_mix_sources(config: MixConfig) -> dict[str, list[Conversation]]:
     """The candidate conversations of every source with a ratio above 0, by task (:data:`SOURCES`). A missing file,
     a bad record or a source without any record fails here, naming the file (and line), so a run can check its
     sources before the long build."""
@@ -238,9 +226,7 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]
     if config.instruction_ratio:
         sources["instruction"] = load_instructions(config.instructions)
     if config.summary_ratio:
-        sources["summary"] = load_summaries(
-            config.summaries, config.summary_prompt, config.summary_text_field, config.summary_field
-        )
+        sources["summary"] = load_summaries(config)
     for task, conversations in sources.items():
         key = SOURCES[task][0]
         if not conversations:
@@ -251,8 +237,8 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[list[dict[str, str]]]]
 
 
 def cut_to_fit(
-    messages: list[dict[str, str]], tokens: int, max_tokens: int, counter: TokenCounter
-) -> tuple[list[dict[str, str]], int] | None:
+    messages: Conversation, tokens: int, max_tokens: int, counter: TokenCounter
+) -> tuple[Conversation, int] | None:
     """``messages`` (``tokens`` tokens long) with the last turn's content cut at a token boundary, so that the
     conversation holds at most ``max_tokens`` tokens, and its new length; None when even an empty last turn is longer.
     The cut drops the excess tokens, then a few more where re-tokenising the prefix merges tokens differently."""
@@ -268,56 +254,12 @@ def cut_to_fit(
     return None
 
 
-def _take(
-    candidates: list[list[dict[str, str]]],
-    wanted: int,
-    counter: TokenCounter,
-    task: str,
-    rng: random.Random,
-    config: MixConfig,
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """Up to ``wanted`` rows of ``task`` drawn at random from ``candidates`` that pass its length filter (with
-    ``plain_truncate``, a plain text over ``plain_max_tokens`` is cut to fit, :func:`cut_to_fit`, and counted in
-    ``truncated``)."""
-    _, min_tokens, max_tokens = config.share(task)
-    truncate = task == "plain_text" and config.plain_truncate
-    order = list(range(len(candidates)))
-    rng.shuffle(order)
-    rows, rejected, truncated = [], 0, 0
-    for index in order:
-        if len(rows) == wanted:
-            break
-        messages = candidates[index]
-        tokens = counter.conversation(messages)
-        if truncate and max_tokens is not None and tokens > max_tokens:
-            fitted = cut_to_fit(messages, tokens, max_tokens, counter)
-            if fitted is not None:
-                (messages, tokens), truncated = fitted, truncated + 1
-        if tokens < min_tokens or (max_tokens is not None and tokens > max_tokens):
-            rejected += 1
-            continue
-        rows.append(
-            {
-                "id": f"{task}-{index:06d}",
-                "task": task,
-                "messages": messages,
-                "num_tokens": tokens,
-                "sources": [f"{task}:{index}"],
-                "meta": "{}",
-            }
-        )
-    stats = {"wanted": wanted, "taken": len(rows), "available": len(candidates), "filtered_out": rejected}
-    if truncate:
-        stats["truncated"] = truncated
-    return rows, stats
-
-
 def mix(
     synthetic: Sequence[dict[str, Any]],
     counter: TokenCounter,
     config: MixConfig,
     seed: int = 0,
-    sources: dict[str, list[list[dict[str, str]]]] | None = None,
+    sources: dict[str, list[Conversation]] | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Add plain text, instructions and summaries to ``synthetic`` rows by ratio; returns shuffled rows and counts.
     A source of ratio ``x`` targets ``round(S * x / (1 - sum of the ratios))`` rows (``S`` synthetic rows) and gives
@@ -329,11 +271,37 @@ def mix(
     if synthetic_share < 1 and not rows:
         raise DataError("mixing ratios are relative to the synthetic conversations, and none were built")
     sources = load_mix_sources(config) if sources is None else sources
+
+    def take(task: str, candidates: list[Conversation], wanted: int) -> dict[str, int]:
+        """Add up to ``wanted`` rows of ``task`` drawn at random from ``candidates`` that pass its length filter (with
+        ``plain_truncate``, a plain text over ``plain_max_tokens`` is cut to fit, :func:`cut_to_fit`, and counted in
+        ``truncated``); returns its counts."""
+        _, min_tokens, max_tokens = config.share(task)
+        truncate = task == "plain_text" and config.plain_truncate
+        order = list(range(len(candidates)))
+        rng.shuffle(order)
+        taken, rejected, truncated = 0, 0, 0
+        for index in order:
+            if taken == wanted:
+                break
+            messages = candidates[index]
+            tokens = counter.conversation(messages)
+            if truncate and max_tokens is not None and tokens > max_tokens:
+                fitted = cut_to_fit(messages, tokens, max_tokens, counter)
+                if fitted is not None:
+                    (messages, tokens), truncated = fitted, truncated + 1
+            if tokens < min_tokens or (max_tokens is not None and tokens > max_tokens):
+                rejected += 1
+                continue
+            taken += 1
+            row = {"id": f"{task}-{index:06d}", "task": task, "messages": messages, "num_tokens": tokens}
+            rows.append({**row, "sources": [f"{task}:{index}"], "meta": "{}"})
+        counts = {"wanted": wanted, "taken": taken, "available": len(candidates), "filtered_out": rejected}
+        return {**counts, "truncated": truncated} if truncate else counts
+
     for task in SOURCES:
         ratio = config.share(task)[0]
         if ratio:
-            wanted = round(len(synthetic) * ratio / synthetic_share)
-            taken, stats[task] = _take(sources[task], wanted, counter, task, rng, config)
-            rows += taken
+            stats[task] = take(task, sources[task], round(len(synthetic) * ratio / synthetic_share))
     rng.shuffle(rows)
     return rows, stats

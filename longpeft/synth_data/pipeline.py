@@ -92,9 +92,8 @@ def __getattr__(name: str) -> Any:
 
 
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """The training tokenizer (``tokenizer``, ``--tokenizer``): a local folder, which must exist, or a Hub id, which
-    must answer within ``LONGPEFT_HUB_TIMEOUT`` (:func:`~longpeft.files.check_model_source`); ``"tiny"`` is longpeft's
-    in-memory tokenizer trained on the procedural corpus."""
+    """The training tokenizer (``--tokenizer``): a local folder, a Hub id that answers within ``LONGPEFT_HUB_TIMEOUT``
+    (:func:`~longpeft.files.check_model_source`), or ``"tiny"``, longpeft's in-memory tokenizer."""
     if name == "tiny":
         from ..tiny import demo_tokenizer
 
@@ -133,9 +132,8 @@ class SynthInputs:
 
 
 def read_inputs(config: SynthConfig) -> SynthInputs:
-    """Read and check every input file ``config`` names before any long work, failing on a missing file, one of
-    another type, a bad record or a source without any, naming the file (and line), the key and its flag (the run
-    and ``synth --plan`` both start here)."""
+    """Read and check every input file ``config`` names before any long work (the run and ``synth --plan``), naming
+    the file (and line), the key and its flag in an error."""
     documents = load_documents(config.source.paths) if config.source.kind == "files" else None
     return SynthInputs(documents, load_mix_sources(config.mix))
 
@@ -174,9 +172,8 @@ def synthesize(
 def plan_contexts(
     config: SynthConfig, tokenizer: PreTrainedTokenizerBase, answerer: QAGenerator, files: list[Document] | None
 ) -> tuple[LongContextBuilder, list[ContextPlan]]:
-    """The run's builder (``config``'s lengths, context template and seed, with ``answerer``) and every
-    conversation's context and QA jobs, task by task in the registry's order (no QA is generated yet): from your
-    documents (``files``, :func:`load_documents`) or, without them, from procedural documents generated here."""
+    """The run's builder (with ``answerer``) and every conversation's context and QA jobs, task by task in the
+    registry's order (no QA is generated yet), from ``files`` or, when None, from procedural documents."""
     builder = LongContextBuilder(
         tokenizer, answerer, config.length, config.context_template, config.seed, show_progress=config.progress
     )

@@ -1,8 +1,7 @@
 """Probe (evaluation) prompts of exact token lengths, assembled in token space: passkey, needle-in-a-haystack (single,
 multi key / value / query), variable tracking, common-word extraction and topic retrieval. A haystack of whole
 filler sentences fills what the fixed text leaves; needles go in at the sentence boundary nearest the requested depth
-(0 = start of the haystack, 1 = end). Deterministic given the seed. The eval tasks: :mod:`longpeft.eval.builtin`.
-"""
+(0 = start of the haystack, 1 = end). Deterministic given the seed. The eval tasks: :mod:`longpeft.eval.builtin`."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from .tokens import require_tokens
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -46,21 +44,20 @@ _SYLLABLES = (
 ).split()
 
 
+def require_tokens(tokenizer: Any) -> None:
+    """Fail clearly when ``tokenizer`` turns ordinary text into no ids (length-targeted builders would otherwise loop
+    or divide by zero)."""
+    if not tokenizer.encode("The pass key is 12345. The grass is green.", add_special_tokens=False):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ConfigError(f"the tokenizer {name} encodes text to no token ids; use the model's own tokenizer")
+
+
 @dataclass
 class Probe:
-    """One evaluation prompt.
-
-    Attributes:
-        task: the eval task it belongs to (``passkey``, ``niah_multikey``, ...).
-        input_ids: the prompt, exactly ``length`` token ids (special tokens included).
-        answers: what the continuation must contain (one string, or several for recall tasks).
-        metric: ``"exact"``, ``"contains"`` or ``"recall"`` (:func:`longpeft.eval.scoring.score`).
-        length: prompt length in tokens.
-        depth: requested needle depth in [0, 1] (None for tasks without one).
-        needle_positions: token offset in ``input_ids`` of each inserted needle / statement, in the order the task
-            made them (empty for tasks without inserts).
-        metadata: task details (keys, topics, ...).
-    """
+    """One evaluation prompt of its eval ``task``: ``input_ids``, exactly ``length`` token ids (special tokens
+    included); ``answers`` the continuation must contain, scored by ``metric`` (``"exact"``, ``"contains"`` or
+    ``"recall"``: :func:`longpeft.eval.scoring.score`); ``depth``: the requested needle depth in [0, 1] (None: no
+    needle); ``needle_positions``: the token offset of each insert, in the order made; ``metadata``: keys, topics."""
 
     task: str
     input_ids: list[int]
@@ -119,15 +116,9 @@ class ProbeBuilder:
         )
 
     def haystack(self, n_tokens: int, kind: str) -> tuple[list[int], list[int]]:
-        """Filler of exactly ``n_tokens`` tokens made of whole sentences, and the token offsets where sentences
-        start (``n_tokens`` last): no sentence is cut, so needles and the question always follow a full stop.
-
-        Random sentences of ``kind`` are added while the next one fits; the rest is made up by the fewest
-        ``PAD_FILLER`` sentences that sum to it exactly, giving back random sentences until such a sum exists.
-
-        Raises:
-            ConfigError: ``n_tokens`` is too small to be a sum of whole filler sentences.
-        """
+        """Filler of exactly ``n_tokens`` tokens made of whole sentences (random ones of ``kind``, then the fewest
+        ``PAD_FILLER`` ones that fill the rest), and the token offsets where sentences start (``n_tokens`` last);
+        ConfigError when ``n_tokens`` is no sum of whole filler sentences."""
         sentences: list[list[int]] = []
         total = 0
         while total + len(sentence := self.encode(" " + self.filler_sentence(kind))) <= n_tokens:
@@ -203,9 +194,6 @@ class ProbeBuilder:
         used.add(value)
         return value
 
-    def key_phrase(self, used: set[str]) -> str:
-        return self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2)))
-
     def variable_name(self, used: set[str]) -> str:
         return self.unique(used, lambda: "".join(self.rng.choice(string.ascii_uppercase) for _ in range(5)))
 
@@ -232,7 +220,7 @@ class ProbeBuilder:
         if n_queries > n_keys:
             raise ConfigError(f"n_queries ({n_queries}) cannot exceed n_keys ({n_keys})")
         used: set[str] = set()
-        keys = [self.key_phrase(used) for _ in range(n_keys)]
+        keys = [self.unique(used, lambda: "-".join(self.rng.sample(_KEY_WORDS, 2))) for _ in range(n_keys)]
         values = {k: [self.number(digits) for _ in range(n_values)] for k in keys}
         needles = [f"The special magic number for {k} is: {v}." for k in keys for v in values[k]]
         self.rng.shuffle(needles)

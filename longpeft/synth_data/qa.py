@@ -1,7 +1,6 @@
 """Question-answer generation for the registered synth tasks (:mod:`.registry`): :class:`LLMAnswerer` asks an
 OpenAI-compatible model with each task's prompt, schema and parser and judges the items by the quality gates;
-:class:`ProceduralAnswerer` answers the same jobs exactly from the facts of procedural documents, with no LLM.
-"""
+:class:`ProceduralAnswerer` answers the same jobs exactly from the facts of procedural documents, with no LLM."""
 
 from __future__ import annotations
 
@@ -103,7 +102,7 @@ class LLMAnswerer:
         if not verdict.kept:
             reasons = ", ".join(sorted({r.reason for _, r in verdict.rejected}))
             raise RejectedOutput(f"every item failed the quality gates ({reasons})", dropped)
-        self.gates.surplus(job.task, len(verdict.kept) - job.n)
+        self.gates.unused[job.task] += max(0, len(verdict.kept) - job.n)  # passed, beyond what the job asked
         return Checked(verdict.kept[: job.n], dropped)
 
     def _drop_repeats_across_jobs(

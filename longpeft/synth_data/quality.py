@@ -1,8 +1,5 @@
-"""Quality gates on LLM-written items (QA pairs, and biographies with their "write a biography of NAME" question),
-applied after parsing and before a row is written: deterministic text checks, one function each, tabled with their
-thresholds (:class:`QualityConfig`) in docs/synth.md. The first that fails rejects the item with its reason code
-(:data:`REASONS`) and a detail message.
-"""
+"""Quality gates on LLM-written items (QA pairs, biographies): deterministic text checks, one function each (table:
+docs/synth.md). The first that fails rejects the item with its reason code (:data:`REASONS`) and a detail message."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ GateName = Literal[REASONS]  # one of REASONS
 
 
 class QualityConfig(StrictModel):
-    """Thresholds of the quality gates (``quality:`` in the synth config). The defaults keep well-formed
-    GPT-4-class answers, including one-word factual answers (a year, a name) that occur in the text."""
+    """Thresholds of the quality gates (``quality:`` in the synth config)."""
 
     enabled: bool = Field(True, description="run the gates on every LLM-written item (false: keep everything parsed)")
     disable: list[GateName] = Field(
@@ -102,14 +98,12 @@ _THOUSANDS = re.compile(r"(?<=\d)[,_ ](?=\d{3}\b)")
 
 
 def words(text: str) -> list[str]:
-    """Real words of ``text``, lower-cased: runs of letters/digits (inner apostrophes kept), thousands
-    separators dropped ("5,326" -> "5326")."""
+    """Real words of ``text``, lower-cased, inner apostrophes kept, thousands separators dropped (5,326 -> 5326)."""
     return _WORD.findall(_THOUSANDS.sub("", text.lower()))
 
 
 def stem(word: str) -> str:
-    """A crude suffix stripper, applied alike to answer and evidence: possessive, plural, -ed, -ing, -ly,
-    then a final e ("lived", "lives", "living" -> "liv"); number words become digits."""
+    """A crude suffix stripper ("lived", "lives", "living" -> "liv"); number words become digits."""
     word = NUMBER_WORDS.get(word, word)
     if word.isdigit():
         return word
@@ -254,9 +248,8 @@ _PREPOSITIONS = frozenset("in on at to for from by of with about into under duri
 
 
 def not_a_question(question: str) -> str | None:
-    """Why ``question`` is a statement rather than a question or request, or None. A question ends with ``?``, or
-    starts with a question word (after a preposition: "In which year ..."), or is a request ("Name ...", "Based on
-    Document 2, list ...": a request may follow an opening clause)."""
+    """Why ``question`` is a statement rather than a question (``?``, a question word, "In which ...") or a request
+    ("Name ...", "Based on Document 2, list ..."), or None."""
     stripped = question.strip().rstrip("\"'”’)]*»").rstrip()
     if stripped.endswith("?") or not words(stripped):
         return None
@@ -278,9 +271,8 @@ _IDIOMS = frozenset(
 
 
 def tautology(text: str) -> str | None:
-    """Why ``text`` is a tautology or a loop, or None: it equates a thing with itself ("copyleft is a copyleft", "a
-    lake that is a lake"), compares it with itself ("between copyleft and copyleft"), repeats one phrase in a loop
-    ("in 1903, in 1903, in 1903"), or its content words are mostly one word said four times or more."""
+    """Why ``text`` is a tautology or a loop, or None: "a lake that is a lake", "between X and X", "in 1903, in 1903,
+    in 1903", or content words mostly one word said four times or more."""
     found = words(text)
     content = [w for w in found if w not in STOP_WORDS]
     for i, word in enumerate(found):
@@ -305,8 +297,8 @@ def tautology(text: str) -> str | None:
 
 
 def _said_again(found: list[str], end: int, start: int) -> str | None:
-    """The longest phrase (4 words at most, one of them a content word) that ends before ``found[end]`` and is said
-    again from ``found[start]``, or None."""
+    """The longest phrase (<= 4 words, a content word among them) ending before ``found[end]`` and said again from
+    ``found[start]``, or None."""
     for length in range(4, 0, -1):
         phrase = found[max(0, end - length) : end]
         if len(phrase) == length and phrase == found[start : start + length] and _has_content(phrase):
@@ -325,10 +317,8 @@ _POLARITY = frozenset("yes no not never neither nor none nobody nothing true fal
 
 
 def restates_question(question: str, answer: str, coverage: float) -> str | None:
-    """Why ``answer`` only restates ``question``, or None: every content word of it is in the question, and it repeats
-    at least ``coverage`` of the question's content words ("When was the dam finished?" / "The dam was finished."); a
-    yes or no, a negation, and the choice of one option the question names ("Ilse Marten" to "Who was the first
-    keeper, Ilse Marten or Pieter Marten?") add something."""
+    """Why ``answer`` only restates ``question`` (all its content words are the question's, and at least ``coverage``
+    of them), or None; a yes or no, a negation, or one option the question names adds something."""
     answer_words = words(answer)
     if any(w in _POLARITY or w.endswith("n't") for w in answer_words if w not in words(question)):
         return None
@@ -347,8 +337,7 @@ def restates_question(question: str, answer: str, coverage: float) -> str | None
 def ungrounded(
     answer: str, evidence_stems: set[str], min_fraction: float, drop_numbers: bool, question: str = ""
 ) -> str | None:
-    """Why ``answer`` is not grounded (the missing content words), or None; the words of ``question`` are not
-    counted (an answer restates its question)."""
+    """Why ``answer`` is not grounded (the missing content words), or None; ``question``'s words are not counted."""
     asked = {stem(w) for w in words(question)}
     stems = [s for s in content_stems(answer, drop_numbers) if s not in asked]
     if not stems:
@@ -379,8 +368,7 @@ def name_words(text: str) -> list[str]:
 
 
 def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_words: set[str]) -> str | None:
-    """Why the biography is not about ``name`` (absent from it or from the book, or another requested
-    name is mentioned more often), or None."""
+    """Why the biography is not about ``name`` (absent from it or the book, or another name more frequent), or None."""
     tokens = _name_tokens(name, others)
     if not tokens:
         return f"the requested name {name!r} has no letters"
@@ -399,7 +387,7 @@ def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_wor
 
 class QualityGates:
     """Applies the gates of a :class:`QualityConfig` and counts, per task, the items ``checked``, the ``rejected``
-    ones per reason, and the ``unused`` ones (passed, beyond the number a job asked for: the first ones are used)."""
+    ones per reason, and the ``unused`` ones (passed, beyond the number a job asked for)."""
 
     def __init__(self, config: QualityConfig | None = None):
         self.config = config or QualityConfig()
@@ -418,10 +406,9 @@ class QualityGates:
         instructions: str = "",
         subjects: Sequence[str] | None = None,
     ) -> Verdict:
-        """Judge the items of one answer of ``task`` (a registered synth task), in the model's order: QA pairs or
-        biography turns, asked about ``evidence`` (the chunk, the document, the numbered documents) by a prompt whose
-        ``instructions`` (the prompt without the evidence) they must not copy; ``subjects``: for biographies, the
-        requested name of each item. Each item gets the first gate it fails, in the order of :data:`REASONS`."""
+        """Judge the items of one answer of ``task``, asked about ``evidence`` by a prompt whose ``instructions`` (the
+        prompt without the evidence) they must not copy; ``subjects``: for biographies, each item's requested name.
+        Each item gets the first gate it fails, in the order of :data:`REASONS`."""
         if not self.config.enabled:
             return Verdict(kept=list(items))
         self.checked[task] += len(items)
@@ -468,15 +455,13 @@ class QualityGates:
         return self._judge(task, items, [], failures)
 
     def check_repeats(self, task: str, items: Sequence[QAPair], earlier_questions: Sequence[str]) -> Verdict:
-        """The ``near_duplicate`` gate alone, for items already judged by :meth:`check`, against questions kept
-        for the same context from other answers (the chunks of one document)."""
+        """The ``near_duplicate`` gate alone, against questions kept for the same context from other answers."""
         return self._judge(task, items, earlier_questions, [None] * len(items))
 
     def _judge(
         self, task: str, items: Sequence[QAPair], earlier: Sequence[str], failures: Sequence[Rejection | None]
     ) -> Verdict:
-        """Keep or reject each item: its failure, else ``near_duplicate`` against the questions kept so far
-        (``earlier``, then this call's); rejections are counted."""
+        """Keep or reject each item: its failure, else ``near_duplicate`` against ``earlier`` and the kept ones."""
         verdict, kept_questions = Verdict(), list(earlier)
         for item, rejection in zip(items, failures):
             if rejection is None and self.on("near_duplicate"):
@@ -489,11 +474,6 @@ class QualityGates:
                 verdict.rejected.append((item, rejection))
         return verdict
 
-    def surplus(self, task: str, count: int) -> None:
-        """Count ``count`` items of ``task`` that passed but go unused (beyond what the job asked for)."""
-        if count > 0:
-            self.unused[task] += count
-
     def _duplicate(self, question: str, kept: Sequence[str]) -> Rejection | None:
         for earlier in kept:  # questions naming different numbers differ
             similarity = jaccard(question, earlier)
@@ -502,8 +482,7 @@ class QualityGates:
         return None
 
     def report(self) -> dict[str, Any]:
-        """JSON-ready counts: items checked and kept (``unused`` of them beyond the number asked), rejections by reason
-        overall and per task."""
+        """JSON-ready counts: items checked, kept and unused, rejections by reason overall and per task."""
         total: Counter[str] = sum(self.rejected.values(), Counter())
         checked = sum(self.checked.values())
         return {

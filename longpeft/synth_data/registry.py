@@ -1,7 +1,5 @@
-"""The synth-task registry (one :class:`SynthTask` record per task, added by one :func:`register` line; the built-in
-ones: :mod:`.builtin`), read by ``longpeft synth``, ``synth --plan``, the answerers and the quality gates; and the
-types of what a task plans (:class:`QAJob`) and answers (:class:`QAPair`, from a :class:`QAGenerator`, :mod:`.qa`).
-"""
+"""The synth-task registry (one :class:`SynthTask` per task; the built-in ones: :mod:`.builtin`), and the types of
+what a task plans (:class:`QAJob`) and answers (:class:`QAPair`, from a :class:`QAGenerator`, :mod:`.qa`)."""
 
 from __future__ import annotations
 
@@ -115,23 +113,14 @@ class TaskConfig(StrictModel):
 
 @dataclass(frozen=True)
 class SynthTask:
-    """One ``longpeft synth`` task: a kind of long-context conversation whose QA an LLM writes (what each field
-    does: CONTRIBUTING.md, One record for every synth task).
-
-    Attributes:
-        name: ``--tasks NAME``, its config section, and the ``task`` of its rows, requests, rejects and stats.
-        plan: ``plan(builder, name, settings, documents) -> list[ContextPlan]``: ``settings.contexts`` contexts and
-            the QA jobs about each, from ``documents`` or, when None, procedural ones made with ``builder``.
-        prompt: a ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` (the items
-            asked) and ``{k}`` (the passages).
-        answer: ``answer(job, rng) -> list[QAPair]``: exact items from procedural facts (no LLM).
-        parse: ``parse(text) -> list[QAPair]``; raises :class:`.llm_output.MalformedOutput` for an answer that
-            breaks ``schema`` (sent as ``response_format`` with at most ``n`` items).
-        evidence: the text a job's answers must be grounded in (the quality gates).
-        subject: ``subject(question) -> name`` for items about a named subject (biographies; None: QA pairs).
-        computed_numbers: its answers hold computed numbers the ``ungrounded`` gate does not look for.
-        documents: options of its procedural documents (:func:`.corpus.generate_document`).
-    """
+    """One ``longpeft synth`` task (its fields: CONTRIBUTING.md, One record for every synth task). ``name``: the
+    ``--tasks`` choice, config section and ``task`` of its rows; ``plan(builder, name, settings, documents) ->
+    list[ContextPlan]`` (procedural documents made with ``builder`` when ``documents`` is None); ``prompt``: a
+    ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` and ``{k}``; ``answer(job,
+    rng)``: exact items from procedural facts; ``parse(text)`` raises :class:`.llm_output.MalformedOutput` for an
+    answer that breaks ``schema``; ``evidence``: the text the answers must be grounded in; ``subject(question) ->
+    name`` for items about a named subject; ``computed_numbers``: answers hold numbers the ``ungrounded`` gate does
+    not look for; ``documents``: options of :func:`.corpus.generate_document`."""
 
     name: str
     config: type[TaskConfig]

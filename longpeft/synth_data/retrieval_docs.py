@@ -1,9 +1,6 @@
-"""Retrieval documents: plain-text sequences whose next tokens can only be predicted by looking them up earlier in
-the same sequence, at varying distances. Three kinds, mixed by weight: ``passkey`` and ``niah`` (1-4 needles, the
-others distractors) probes with their answer written out after the question, and ``induction``: random word spans,
-some recurring later. The toy base's pretraining data and the demo's (``data.source: retrieval``); built in token
-space for one tokenizer (exact lengths), deterministic given the seed.
-"""
+"""Retrieval documents (the toy base's pretraining data, ``data.source: retrieval``): token sequences whose next
+tokens can only be predicted by looking them up earlier, of exact lengths, deterministic given the seed. Three kinds,
+mixed by weight: ``passkey`` and ``niah`` probes followed by their answer, and ``induction`` (recurring word spans)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ and knotted to the next (``<tail_j>`` and ``<head_{j+1}>`` mark one cut), and sh
 with its labels in order (the backtrace). Chunk ``j`` of ``h``:
 ``[<head_j>] <label> L.. </label> tokens.. [<tail_j>] [<trace> L.. <sep> L.. </trace>]``. Labels are -100 on the knots,
 on the chunk labels as input and on the trace sentinels. Attention stays causal across documents: the model must
-search the sequence for the matching knot.
-"""
+search the sequence for the matching knot."""
 
 from __future__ import annotations
 
