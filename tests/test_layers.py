@@ -124,8 +124,7 @@ RECIPE_PARTS = {
     "recipe_trainer": {"checkpoints"},
     "trainer": {"schema", "data", "init_from", "peft_setup", "recipe_trainer"},
     "memory": {"schema"},
-    "plots": set(),
-    "saving": {"schema", "checkpoints", "plots"},
+    "saving": {"schema", "checkpoints"},
     "longest": {"schema", "validate"},  # the planner's longest-context search, beside the steps
     "plan_data": {"schema", "data"},  # the planner's sample lengths, by the data step's rules
 }
