@@ -18,10 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .answer_schema import OutputSchema, object_schema
+from .answer_schema import MalformedOutput, OutputSchema, judge_answer, object_schema
 from .corpus import Document
-from .endpoint import EndpointInfo, discover
-from .http_json import HttpAnswer, NoHttpAnswer, http_json
+from .endpoint import EndpointInfo, HttpAnswer, NoHttpAnswer, discover, http_json
 from .llm_http import (
     Completion,
     NotACompletion,
@@ -30,11 +29,9 @@ from .llm_http import (
     refuses_structured_output,
     server_reason,
 )
-from .llm_output import MalformedOutput
 from .llm_request import LLMConfig, LLMRunAborted, read_api_key, sampling_params, structured_params
 from .qa import Passage, QAJob, job_request
 from .registry import get_task
-from .structured_output import judge_answer
 
 CHECK_TEXT = (
     "The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "

@@ -1,17 +1,84 @@
-"""What an OpenAI-compatible server says about itself: context length and parallel slots, where servers report
-them (most report nothing). vLLM and SGLang list ``max_model_len`` per model in ``GET /v1/models`` (others
-``context_length``, ``max_context_length`` or ``context_window``); llama.cpp's server gives a slot's context
-(``default_generation_settings.n_ctx``, older builds ``n_ctx``) and ``total_slots`` in ``GET /props`` at the server
-root; its ``meta.n_ctx_train`` is the training context, not what it accepts. Every lookup is tolerant: a failure
-means "not reported".
+"""The server's routes outside the chat client, over HTTP with the standard library: :func:`http_json` returns
+every HTTP answer, whatever its status, and raises :class:`NoHttpAnswer` for anything else (its ``timeout`` bounds
+each blocking step, as ``urllib`` does). :func:`discover` reads what the server says about itself: context length and
+parallel slots, where servers report them (most report nothing). vLLM and SGLang list ``max_model_len`` per model in
+``GET /v1/models`` (others ``context_length``, ``max_context_length`` or ``context_window``); llama.cpp's server
+gives a slot's context (``default_generation_settings.n_ctx``, older builds ``n_ctx``) and ``total_slots`` in
+``GET /props`` at the server root; its ``meta.n_ctx_train`` is the training context, not what it accepts. Every
+lookup is tolerant: a failure means "not reported".
 """
 
 from __future__ import annotations
 
+import http.client
+import json
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from .http_json import NoHttpAnswer, http_json
+from .llm_http import body_excerpt
+
+
+class NoHttpAnswer(Exception):
+    """No HTTP answer came back. ``kind``: ``"timeout"`` (connected or not, nothing within the timeout),
+    ``"unreachable"`` (refused, unknown host, reset) or ``"not_http"`` (bytes that are not an HTTP answer)."""
+
+    def __init__(self, message: str, kind: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class HttpAnswer:
+    """One HTTP answer: ``status_code`` and the ``raw`` body; :attr:`body` (the decoded JSON, else the text) is what
+    :func:`.llm_http.server_reason` reads."""
+
+    url: str
+    status_code: int
+    raw: bytes
+
+    def __str__(self) -> str:  # what an error message quotes when the body says nothing
+        return f"HTTP {self.status_code} from {self.url}" + ("" if self.raw else ", empty body")
+
+    @property
+    def body(self) -> Any:
+        try:
+            return json.loads(self.raw.decode("utf-8"))
+        except ValueError:
+            return self.raw.decode("utf-8", errors="replace")
+
+
+def http_json(url: str, payload: Any = None, api_key: str | None = None, timeout: float = 10.0) -> HttpAnswer:
+    """``GET url`` (``payload`` ``None``) or ``POST url`` with ``payload`` as JSON, the key as a bearer token."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    data = None
+    if payload is not None:
+        data = json.dumps(payload).encode("utf-8")
+        headers["Content-Type"] = "application/json"
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if data is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (the configured endpoint)
+            return HttpAnswer(url, response.status, response.read())
+    except urllib.error.HTTPError as error:
+        try:
+            raw = error.read()
+        except (OSError, http.client.HTTPException):
+            raw = b""
+        return HttpAnswer(url, error.code, raw)
+    except (TimeoutError, urllib.error.URLError) as error:
+        if isinstance(getattr(error, "reason", error), TimeoutError):  # bare, or wrapped by urllib
+            raise NoHttpAnswer(f"no answer within {timeout:g} s", "timeout") from error
+        raise NoHttpAnswer(f"cannot connect ({error.reason})", "unreachable") from error
+    except http.client.RemoteDisconnected as error:
+        raise NoHttpAnswer("the server closed the connection without answering", "unreachable") from error
+    except http.client.HTTPException as error:
+        raise NoHttpAnswer(
+            f"an answer that is not HTTP ({type(error).__name__}: {body_excerpt(str(error), 120)})", "not_http"
+        ) from error
+    except OSError as error:
+        raise NoHttpAnswer(f"the connection failed ({type(error).__name__}: {error})", "unreachable") from error
+
 
 MODEL_CONTEXT_FIELDS = ("max_model_len", "context_length", "max_context_length", "context_window")
 
@@ -33,12 +100,12 @@ def server_root(base_url: str) -> str:
 
 
 def get_json(url: str, api_key: str | None, timeout: float) -> Any:
-    """The decoded JSON body of ``GET url``, or ``None`` when anything goes wrong (status, network, body)."""
+    """The decoded body of ``GET url`` (the JSON, else the text), or ``None`` for another status or no answer."""
     try:
         answer = http_json(url, None, api_key, timeout)
-        return answer.json() if answer.status_code == 200 else None
-    except (NoHttpAnswer, ValueError):
+    except NoHttpAnswer:
         return None
+    return answer.body if answer.status_code == 200 else None
 
 
 def _positive_int(value: Any) -> int | None:

@@ -3,8 +3,8 @@
 On top of the ``openai`` package it adds: a concurrency limit; retries with backoff (:mod:`.llm_http`); a disk cache
 of every answer, keyed by the endpoint and the request (:mod:`.llm_cache`), so that a killed run resumes without
 paying twice; new attempts, up to ``max_parse_attempts``, for an answer that ``parse`` or ``check`` refuses or that
-the server cut off (:mod:`.llm_output`); structured output with its fallbacks (``llm.structured``,
-:mod:`.structured_output`); prompts longer than the endpoint's context refused before sending (:mod:`.endpoint`,
+the server cut off (:mod:`.answer_schema`); structured output with its fallbacks (``llm.structured``,
+:mod:`.answer_schema`); prompts longer than the endpoint's context refused before sending (:mod:`.endpoint`,
 :mod:`.prompt_tokens`); requests rejected for good marked in the cache (a rerun skips them unless
 ``retry_rejected``) and listed in the rejects file (:mod:`.llm_rejects`); token accounting per task
 (:class:`.llm_request.TaskUsage`). The API key is read from the environment when a run starts, and written nowhere.
@@ -23,9 +23,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .answer_schema import Checked, MalformedOutput, RejectedOutput, StructuredWatch, TruncatedOutput
 from .llm_cache import ResponseCache, outcome_key, request_key
 from .llm_http import RetryableError, chat_completion, refuses_structured_output, server_reason
-from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput
 from .llm_rejects import RejectsLog
 from .llm_request import (
     ITEM_BOUNDS,
@@ -39,7 +39,6 @@ from .llm_request import (
     structured_params,
 )
 from .prompt_tokens import PromptCounter, prompt_counter
-from .structured_output import StructuredWatch
 
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
 # A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
@@ -277,7 +276,7 @@ class LLMClient:
         )
 
     def _observe(self, sent: dict[str, Any], entry: dict[str, Any]) -> None:
-        """Judge an answer to a request carrying ``response_format`` (:class:`.structured_output.StructuredWatch`);
+        """Judge an answer to a request carrying ``response_format`` (:class:`.answer_schema.StructuredWatch`);
         an endpoint seen to ignore the field is answered as one that refused it."""
         if "response_format" not in sent:
             return
@@ -499,7 +498,7 @@ class LLMClient:
 
     async def _send(self, run: _Round, sent: dict[str, Any]) -> dict[str, Any] | None:
         """:func:`.llm_http.chat_completion`; until the endpoint's handling of ``response_format`` is known
-        (:attr:`.structured_output.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
+        (:attr:`.answer_schema.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
         refusing it refuses one request and one ignoring it answers a few. Every answer to such a request is judged
         (:meth:`_observe`). ``None``: structured output changed while this request waited (ask again)."""
         if "response_format" in sent and self.structured_watch.waiting:

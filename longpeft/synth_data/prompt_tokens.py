@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import server_root
-from .http_json import NoHttpAnswer, http_json
+from .endpoint import NoHttpAnswer, http_json, server_root
+from .llm_http import body_excerpt
 from .llm_request import LLMConfig
 
 Messages = Sequence[dict[str, Any]]
@@ -79,7 +79,9 @@ def server_counter(base_url: str, model: str, api_key: str | None, timeout: floa
         body = answer.body if answer.status_code == 200 else None  # decoded JSON, else text
         value = body.get(field) if isinstance(body, dict) else None
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise TokenizeError(f"{url}: HTTP {answer.status_code} {answer.excerpt(120)}, no {field!r} of the shape")
+            raise TokenizeError(
+                f"{url}: HTTP {answer.status_code} {body_excerpt(answer.raw, 120)}, no {field!r} of the shape"
+            )
         return value
 
     def vllm(messages: Messages) -> int:

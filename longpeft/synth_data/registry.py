@@ -125,7 +125,7 @@ class SynthTask:
         prompt: a ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` (the items
             asked) and ``{k}`` (the passages).
         answer: ``answer(job, rng) -> list[QAPair]``: exact items from procedural facts (no LLM).
-        parse: ``parse(text) -> list[QAPair]``; raises :class:`.llm_output.MalformedOutput` for an answer that
+        parse: ``parse(text) -> list[QAPair]``; raises :class:`.answer_schema.MalformedOutput` for an answer that
             breaks ``schema`` (sent as ``response_format`` with at most ``n`` items).
         evidence: the text a job's answers must be grounded in (the quality gates).
         subject: ``subject(question) -> name`` for items about a named subject (biographies; None: QA pairs).
