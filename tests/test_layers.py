@@ -93,17 +93,8 @@ LLM_CLIENT_PARTS = {
     "llm_rejects": set(),
     "llm_http": {"llm_request"},
     "answer_schema": {"llm_http", "llm_request"},
-    "endpoint": {"llm_http"},
-    "prompt_tokens": {"endpoint", "llm_http", "llm_request"},
-    "llm_client": {
-        "answer_schema",
-        "llm_request",
-        "llm_cache",
-        "llm_rejects",
-        "llm_http",
-        "endpoint",
-        "prompt_tokens",
-    },
+    "endpoint": {"llm_http", "llm_request"},
+    "llm_client": {"answer_schema", "llm_request", "llm_cache", "llm_rejects", "llm_http", "endpoint"},
 }
 # The recipe runner's parts (CONTRIBUTING.md, "Where things live") -> the modules of recipes/ each may import. The
 # steps, in the order data flows: validate, resume, base, data, peft_setup, trainer (with recipe_trainer, the Trainer

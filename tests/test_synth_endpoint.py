@@ -461,7 +461,7 @@ def test_llm_tokenizer_counts_with_its_chat_template(tmp_path):
 def test_the_estimate_never_counts_more_than_a_tokenizer(tokenizer, texts):
     """For any text, one token per word is at most what a byte-level BPE (the in-memory tokenizer) and the stub
     server's tokenizer count."""
-    from longpeft.synth_data.prompt_tokens import estimate_tokens
+    from longpeft.synth_data.endpoint import estimate_tokens
 
     messages = [{"role": "user", "content": text} for text in texts]
     estimate = estimate_tokens(messages)
@@ -473,14 +473,14 @@ def test_the_estimate_never_counts_more_than_a_tokenizer(tokenizer, texts):
 def test_the_estimate_counts_words_with_a_visible_character(text, words):
     """A run of control or format characters alone (which a tokenizer's normalizer may drop) is no word; the
     in-memory tokenizer counts no token for NEL alone (found by the slow property profile)."""
-    from longpeft.synth_data.prompt_tokens import estimate_tokens
+    from longpeft.synth_data.endpoint import estimate_tokens
 
     assert estimate_tokens([{"role": "user", "content": text}]) == words
 
 
 def test_a_tokenizer_route_that_failed_is_not_asked_again():
     """After a failure every count is the estimate, said as such: a silent server costs its timeout once."""
-    from longpeft.synth_data.prompt_tokens import PromptCounter, TokenizeError, estimate_tokens
+    from longpeft.synth_data.endpoint import PromptCounter, TokenizeError, estimate_tokens
 
     calls = []
 

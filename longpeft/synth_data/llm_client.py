@@ -3,11 +3,11 @@
 On top of the ``openai`` package it adds: a concurrency limit; retries with backoff (:mod:`.llm_http`); a disk cache
 of every answer, keyed by the endpoint and the request (:mod:`.llm_cache`), so that a killed run resumes without
 paying twice; new attempts, up to ``max_parse_attempts``, for an answer that ``parse`` or ``check`` refuses or that
-the server cut off (:mod:`.answer_schema`); structured output with its fallbacks (``llm.structured``,
-:mod:`.answer_schema`); prompts longer than the endpoint's context refused before sending (:mod:`.endpoint`,
-:mod:`.prompt_tokens`); requests rejected for good marked in the cache (a rerun skips them unless
-``retry_rejected``) and listed in the rejects file (:mod:`.llm_rejects`); token accounting per task
-(:class:`.llm_request.TaskUsage`). The API key is read from the environment when a run starts, and written nowhere.
+the server cut off; structured output with its fallbacks (``llm.structured``, :mod:`.answer_schema`); prompts longer
+than the endpoint's context refused before sending (:mod:`.endpoint`); requests rejected for good marked in the cache
+(a rerun skips them unless ``retry_rejected``) and listed in the rejects file (:mod:`.llm_rejects`); token accounting
+per task (:class:`.llm_request.TaskUsage`). The API key is read from the environment when a run starts, and written
+nowhere.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .answer_schema import Checked, MalformedOutput, RejectedOutput, StructuredWatch, TruncatedOutput
+from .endpoint import PromptCounter, prompt_counter
 from .llm_cache import ResponseCache, outcome_key, request_key
 from .llm_http import RetryableError, chat_completion, refuses_structured_output, server_reason
 from .llm_rejects import RejectsLog
@@ -38,7 +39,6 @@ from .llm_request import (
     sampling_params,
     structured_params,
 )
-from .prompt_tokens import PromptCounter, prompt_counter
 
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
 # A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
@@ -98,7 +98,7 @@ class LLMClient:
     """Runs batches of :class:`LLMRequest` against the endpoint of ``config``, with its response cache in
     ``cache_dir`` (created on demand) and its rejects file at ``rejects_path``; ``show_progress`` draws a tqdm bar per
     batch. ``prompt_counter`` counts a prompt's tokens against the endpoint's context (default: the one
-    :func:`.prompt_tokens.prompt_counter` picks). ``retry_rejected`` asks again what an earlier run rejected."""
+    :func:`.endpoint.prompt_counter` picks). ``retry_rejected`` asks again what an earlier run rejected."""
 
     def __init__(
         self,
