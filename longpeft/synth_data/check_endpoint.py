@@ -1,11 +1,7 @@
-"""`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
-report of what they showed (docs/synth.md), all within one deadline (``llm.check_timeout``), each wait announced on
-stderr: the server's facts (:mod:`.endpoint`); the run's first request as the run sends it, with a smaller
-``max_tokens``, its answer judged as the run judges it; when it carried ``response_format``, a probe asking for a
-plain word under the same kind of ``response_format`` (a server enforcing the field answers JSON anyway); after a
-refusal of ``response_format``, the request again without the item bounds, then without ``response_format``.
-
-A failure (no answer in time, not HTTP, not a chat completion, a refusal) raises
+"""`longpeft synth --check-endpoint` (docs/synth.md): the server's facts, the run's first request as the run sends
+it (a smaller ``max_tokens``), its answer judged as the run judges it, a probe asking for a plain word under the same
+kind of ``response_format`` and, after a refusal of ``response_format``, the request again without the item bounds,
+then without it; all within ``llm.check_timeout``, each wait announced on stderr. A failure raises
 :class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of the answer and the
 fix. Nothing is cached or written.
 """

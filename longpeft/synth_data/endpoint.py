@@ -1,20 +1,9 @@
-"""The server's routes outside the chat client, over HTTP with the standard library: :func:`http_json` returns
-every HTTP answer, whatever its status, and raises :class:`NoHttpAnswer` for anything else (its ``timeout`` bounds
-each blocking step, as ``urllib`` does).
-
-:func:`discover` reads what the server says about itself: context length and parallel slots, where servers report
-them (most report nothing). vLLM and SGLang list ``max_model_len`` per model in ``GET /v1/models`` (others
-``context_length``, ``max_context_length`` or ``context_window``); llama.cpp's server gives a slot's context
-(``default_generation_settings.n_ctx``, older builds ``n_ctx``) and ``total_slots`` in ``GET /props`` at the server
-root; its ``meta.n_ctx_train`` is the training context, not what it accepts. Every lookup is tolerant: a failure
-means "not reported".
-
-:func:`prompt_counter` counts the tokens of a chat request's prompt at the endpoint (for the client's check against
-its context and for ``synth --plan``) with the first that works (docs/synth.md): the server's own tokenizer (vLLM's
-``POST /tokenize`` with the messages; llama.cpp's ``POST /apply-template`` then ``/tokenize``, or each message's
-content alone without ``/apply-template``), ``llm.tokenizer`` with its chat template, or an estimate of one token per
-word, which counts no more than the server does (tokenizers that split text at whitespace never put two words in one
-token). Never the training tokenizer: the endpoint serves another model.
+"""The server's routes outside the chat client (docs/synth.md), over HTTP with the standard library:
+:func:`http_json` (every HTTP answer, whatever its status; :class:`NoHttpAnswer` for anything else; its ``timeout``
+bounds each blocking step), :func:`discover` (the context and slots the server reports in ``GET /v1/models`` and
+llama.cpp's ``GET /props``; a failure means "not reported") and :func:`prompt_counter` (a prompt's tokens at the
+endpoint: the server's tokenizer routes, else ``llm.tokenizer``, else an estimate of one token per word that errs
+short; never the training tokenizer, as the endpoint serves another model).
 """
 
 from __future__ import annotations

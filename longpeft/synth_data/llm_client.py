@@ -45,6 +45,8 @@ SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; 
 # covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
 TEMPLATE_TOKENS_ALLOWANCE = 64
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+Parse = Callable[[str], Any]  # the model's text -> a value, or MalformedOutput
+Check = Callable[[LLMRequest, Any], Any]  # (request, value) -> the value kept (or Checked), or RejectedOutput
 
 
 def _item_record(request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
@@ -61,8 +63,8 @@ class _Round:
     first_key: str  # the cache key of its attempt 0 without response_format
     mark: dict[str, Any] | None  # the outcome mark an earlier run left
     end: int  # the round ends before this attempt
-    parse: Callable[[str], Any] | None = None
-    check: Callable[[LLMRequest, Any], Any] | None = None
+    parse: Parse | None = None
+    check: Check | None = None
     replayed: int = 0  # attempts before this one are read from the cache only, never sent
     key: str = ""  # the cache key of the latest attempt as sent
     api_calls: int = 0
@@ -130,9 +132,9 @@ class LLMClient:
     def run(
         self,
         requests: Sequence[LLMRequest],
-        parse: Callable[[str], Any] | None = None,
+        parse: Parse | None = None,
         desc: str = "LLM requests",
-        check: Callable[[LLMRequest, Any], Any] | None = None,
+        check: Check | None = None,
     ) -> list[LLMResult]:
         """Send every request (concurrently, cached, retried); results come back in request order. ``parse(text)``
         turns the model's text into a value (default: the text) or raises :class:`MalformedOutput`; ``check(request,
@@ -148,9 +150,9 @@ class LLMClient:
     async def arun(
         self,
         requests: Sequence[LLMRequest],
-        parse: Callable[[str], Any] | None = None,
+        parse: Parse | None = None,
         desc: str = "LLM requests",
-        check: Callable[[LLMRequest, Any], Any] | None = None,
+        check: Check | None = None,
     ) -> list[LLMResult]:
         """Async form of :meth:`run`."""
         import openai
@@ -327,9 +329,7 @@ class LLMClient:
         tokens = sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
         return {"calls": calls, "cached": hits, "tokens": tokens}
 
-    async def _complete(
-        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
-    ) -> LLMResult:
+    async def _complete(self, request: LLMRequest, parse: Parse | None, check: Check | None) -> LLMResult:
         import openai
 
         run, base = self._round(request, parse, check), self.config.base_url
@@ -383,9 +383,7 @@ class LLMClient:
             reason = f"no usable output in {len(run.outputs)} attempts ({counts})"
         return self._reject(run, reason, run.last_code, run.end, end=run.end)
 
-    def _round(
-        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
-    ) -> _Round:
+    def _round(self, request: LLMRequest, parse: Parse | None, check: Check | None) -> _Round:
         """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
         its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
         answered, the attempts before the answer are replays."""

@@ -73,14 +73,9 @@ def read_completion(body: bytes) -> Completion:
         reason = choices[0].get("finish_reason")
         finish_reason = reason if isinstance(reason, str) else None
     usage = value.get("usage") if isinstance(value.get("usage"), dict) else {}
+    tokens = [usage[name] if is_count(usage.get(name)) else 0 for name in ("prompt_tokens", "completion_tokens")]
     model = value.get("model")
-    return Completion(
-        text=text,
-        finish_reason=finish_reason,
-        prompt_tokens=usage["prompt_tokens"] if is_count(usage.get("prompt_tokens")) else 0,
-        completion_tokens=usage["completion_tokens"] if is_count(usage.get("completion_tokens")) else 0,
-        model=model if isinstance(model, str) else "",
-    )
+    return Completion(text, finish_reason, *tokens, model if isinstance(model, str) else "")
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
