@@ -142,9 +142,9 @@ def _without(schema: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any
 def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
     kind = schema["type"]
     if not isinstance(value, _PY_TYPES[kind]):
-        raise MalformedOutput(
-            f"{path}: expected {'an' if kind[0] in 'ao' else 'a'} {kind}, got {type(value).__name__} {_short(value)}"
-        )
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        article = "an" if kind[0] in "ao" else "a"
+        raise MalformedOutput(f"{path}: expected {article} {kind}, got {type(value).__name__} {shown}")
     if kind == "object":
         for key, sub in schema.get("properties", {}).items():
             if key in value:
@@ -161,11 +161,6 @@ def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
         raise MalformedOutput(
             f"{path}: empty string" if not value.strip() else f"{path}: shorter than {schema['minLength']} characters"
         )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 NON_EMPTY_TEXT = {"type": "string", "minLength": 1}

@@ -177,7 +177,10 @@ class LLMClient:
         async def one(request: LLMRequest) -> LLMResult:
             result = await self._complete(request, parse, check)
             bar.update(1)
-            bar.set_postfix(self._postfix(), refresh=False)
+            usages = self.usage.values()
+            tokens = sum(u.prompt_tokens + u.completion_tokens for u in usages)
+            calls, hits = sum(u.api_calls for u in usages), sum(u.cache_hits for u in usages)
+            bar.set_postfix({"calls": calls, "cached": hits, "tokens": tokens}, refresh=False)
             return result
 
         tasks = [asyncio.ensure_future(one(request)) for request in requests]
@@ -322,12 +325,6 @@ class LLMClient:
         of them adds ``further``)."""
         if count <= SHOWN_REFUSALS:
             self._say(line + (f"; {further}" if count == SHOWN_REFUSALS else ""))
-
-    def _postfix(self) -> dict[str, int]:
-        calls = sum(u.api_calls for u in self.usage.values())
-        hits = sum(u.cache_hits for u in self.usage.values())
-        tokens = sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
-        return {"calls": calls, "cached": hits, "tokens": tokens}
 
     async def _complete(self, request: LLMRequest, parse: Parse | None, check: Check | None) -> LLMResult:
         import openai

@@ -96,12 +96,12 @@ class RejectsLog:
     def finish(self) -> int:
         """End of a build: drop the groups of requests not settled since the log opened, and write the file, which is
         then the build's state (an empty file: nothing rejected). Returns the number of groups dropped."""
-        stale = [request for request in self.groups if request not in self.touched]
-        for request in stale:
-            del self.groups[request]
+        before = len(self.groups)
+        self.groups = {request: group for request, group in self.groups.items() if request in self.touched}
+        stale = before - len(self.groups)
         self._dirty = self._dirty or bool(stale) or not self.path.is_file()
         self.flush()
-        return len(stale)
+        return stale
 
     def records(self) -> list[dict[str, Any]]:
         return [record for group in self.groups.values() for record in group]
