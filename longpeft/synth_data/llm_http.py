@@ -120,13 +120,12 @@ async def chat_completion(
     usage: TaskUsage,
 ) -> dict[str, Any]:
     """One answered call of ``request`` with the parameters ``sampling`` through the ``openai.AsyncOpenAI``
-    ``client`` (built without retries), holding ``semaphore`` while it waits; returns the cache entry body
-    (``text``, ``finish_reason``, ``usage``, ``created``) and counts the call, its tokens and retries in ``usage``.
-
-    Transient failures (:data:`RETRYABLE_STATUS`, 5xx, timeouts, connection errors, a 200 that is not a chat
-    completion) are retried with exponential backoff or the wait the server asks, capped at ``backoff_max``; out of
-    retries they raise :class:`RetryableError`. A bad key, model or URL raises :class:`.llm_request.LLMRunAborted`;
-    another 4xx raises the ``openai.APIStatusError`` it is."""
+    ``client`` (built without retries), holding ``semaphore`` while it waits; counts the call, its tokens and retries
+    in ``usage`` and returns the cache entry body (``text``, ``finish_reason``, ``usage``, ``created``). Transient
+    failures (:data:`RETRYABLE_STATUS`, 5xx, timeouts, connection errors, a 200 that is not a chat completion) are
+    retried with exponential backoff or the wait the server asks, capped at ``backoff_max``, then raise
+    :class:`RetryableError`. A bad key, model or URL raises :class:`.llm_request.LLMRunAborted`; another 4xx raises
+    the ``openai.APIStatusError`` it is."""
     import openai
 
     delay = config.backoff_initial
