@@ -225,11 +225,7 @@ class EndpointCheck:
         """``(whether the server enforces response_format of kind, a quote of the probe's answer)``, the verdict
         ``None`` when the answer proves nothing."""
         response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
-        params = {
-            "temperature": self.config.temperature,
-            "max_tokens": PROBE_MAX_TOKENS,
-            "response_format": response_format,
-        }
+        params = {**sampling_params(self.config), "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
         answer, _ = self.post(
             PROBE_MESSAGES, params, f"the structured-output probe (a plain word asked for, under {kind})"
         )

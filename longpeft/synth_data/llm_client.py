@@ -496,22 +496,20 @@ class LLMClient:
         (:attr:`.answer_schema.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
         refusing it refuses one request and one ignoring it answers a few. Every answer to such a request is judged
         (:meth:`_observe`). ``None``: structured output changed while this request waited (ask again)."""
+
+        async def send() -> dict[str, Any]:
+            entry = await chat_completion(self.config, self._openai, self._in_flight, run.request, sent, run.usage)
+            self._observe(sent, entry)
+            return entry
+
         if "response_format" in sent and self.structured_watch.waiting:
             assert self._first_structured is not None
             async with self._first_structured:
                 if self._stop is None and self.structured_watch.waiting and not self._changed(run.request, sent):
-                    entry = await chat_completion(
-                        self.config, self._openai, self._in_flight, run.request, sent, run.usage
-                    )
-                    self._observe(sent, entry)
-                    return entry
+                    return await send()
         if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
             raise LLMRunAborted(self._stop)
-        if self._changed(run.request, sent):
-            return None
-        entry = await chat_completion(self.config, self._openai, self._in_flight, run.request, sent, run.usage)
-        self._observe(sent, entry)
-        return entry
+        return None if self._changed(run.request, sent) else await send()
 
     def _changed(self, request: LLMRequest, sent: dict[str, Any]) -> bool:
         """Whether ``request`` would now carry another ``response_format`` than ``sent`` (refused meanwhile: its
