@@ -88,25 +88,13 @@ BESIDE = {"files": {"hub_wait"}}  # layer -> the "*" layers beside it that it ma
 # The LLM client's parts in synth_data -> the modules of synth_data each may import: the cache, the rejects file and
 # the HTTP call know nothing of each other nor of the client that joins them.
 LLM_CLIENT_PARTS = {
-    "llm_output": set(),
     "llm_request": set(),
     "llm_cache": {"llm_request", "llm_rejects"},
     "llm_rejects": set(),
     "llm_http": {"llm_request"},
-    "http_json": {"llm_http"},
-    "endpoint": {"http_json"},
-    "structured_output": {"answer_schema", "llm_output", "llm_http"},
-    "prompt_tokens": {"endpoint", "http_json", "llm_request"},
-    "llm_client": {
-        "llm_output",
-        "llm_request",
-        "llm_cache",
-        "llm_rejects",
-        "llm_http",
-        "endpoint",
-        "prompt_tokens",
-        "structured_output",
-    },
+    "answer_schema": {"llm_http", "llm_request"},
+    "endpoint": {"llm_http", "llm_request"},
+    "llm_client": {"answer_schema", "llm_request", "llm_cache", "llm_rejects", "llm_http", "endpoint"},
 }
 # The recipe runner's parts (CONTRIBUTING.md, "Where things live") -> the modules of recipes/ each may import. The
 # steps, in the order data flows: validate, resume, base, data, peft_setup, trainer (with recipe_trainer, the Trainer

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from longpeft.synth_data.answer_schema import parse_json_object
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest, LLMRunAborted
-from longpeft.synth_data.llm_output import parse_json_object
 
 from stub_server import StubServer  # tests/stub_server.py
 

@@ -279,8 +279,7 @@ def test_the_verdict_needs_answers_that_prove_something():
     """Bare JSON of the sent shape means followed; a fence, prose or another shape does not; an empty answer, or one
     cut at max_tokens that starts as a JSON object, proves nothing and is not counted; a cut one that starts
     otherwise shows the field was not enforced."""
-    from longpeft.synth_data.answer_schema import QA_PAIRS
-    from longpeft.synth_data.structured_output import StructuredWatch, follows_response_format
+    from longpeft.synth_data.answer_schema import QA_PAIRS, StructuredWatch, follows_response_format
 
     schema = QA_PAIRS.response_format()
     pairs = json.dumps({"qa_pairs": [{"question": "Q?", "answer": "A."}]})
@@ -301,8 +300,7 @@ def test_the_verdict_needs_answers_that_prove_something():
 def test_answers_that_prove_nothing_stop_the_wait_but_not_the_judging(tmp_path, capsys):
     """An endpoint whose answers are all cut at max_tokens as JSON never settles the verdict: after UNDECIDED_AFTER
     of them requests stop going one at a time, and a later answer still settles it."""
-    from longpeft.synth_data.answer_schema import QA_PAIRS
-    from longpeft.synth_data.structured_output import UNDECIDED_AFTER, StructuredWatch
+    from longpeft.synth_data.answer_schema import QA_PAIRS, UNDECIDED_AFTER, StructuredWatch
 
     schema = QA_PAIRS.response_format()
     watch = StructuredWatch()
@@ -463,7 +461,7 @@ def test_llm_tokenizer_counts_with_its_chat_template(tmp_path):
 def test_the_estimate_never_counts_more_than_a_tokenizer(tokenizer, texts):
     """For any text, one token per word is at most what a byte-level BPE (the in-memory tokenizer) and the stub
     server's tokenizer count."""
-    from longpeft.synth_data.prompt_tokens import estimate_tokens
+    from longpeft.synth_data.endpoint import estimate_tokens
 
     messages = [{"role": "user", "content": text} for text in texts]
     estimate = estimate_tokens(messages)
@@ -475,14 +473,14 @@ def test_the_estimate_never_counts_more_than_a_tokenizer(tokenizer, texts):
 def test_the_estimate_counts_words_with_a_visible_character(text, words):
     """A run of control or format characters alone (which a tokenizer's normalizer may drop) is no word; the
     in-memory tokenizer counts no token for NEL alone (found by the slow property profile)."""
-    from longpeft.synth_data.prompt_tokens import estimate_tokens
+    from longpeft.synth_data.endpoint import estimate_tokens
 
     assert estimate_tokens([{"role": "user", "content": text}]) == words
 
 
 def test_a_tokenizer_route_that_failed_is_not_asked_again():
     """After a failure every count is the estimate, said as such: a silent server costs its timeout once."""
-    from longpeft.synth_data.prompt_tokens import PromptCounter, TokenizeError, estimate_tokens
+    from longpeft.synth_data.endpoint import PromptCounter, TokenizeError, estimate_tokens
 
     calls = []
 
@@ -498,7 +496,7 @@ def test_a_tokenizer_route_that_failed_is_not_asked_again():
 
 
 def test_an_http_error_with_an_empty_body_names_the_status_and_the_url():
-    from longpeft.synth_data.http_json import HttpAnswer
+    from longpeft.synth_data.endpoint import HttpAnswer
     from longpeft.synth_data.llm_http import server_reason
 
     reason = server_reason(HttpAnswer("http://127.0.0.1:9/v1/chat/completions", 404, b""))

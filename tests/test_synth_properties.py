@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from longpeft.synth_data.answer_schema import parse_json_object
 from longpeft.synth_data.corpus import Document
 from longpeft.synth_data.llm_cache import ResponseCache, is_answer, is_outcome, outcome_key, request_key
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig, LLMRequest
-from longpeft.synth_data.llm_output import parse_json_object
 from longpeft.synth_data.llm_rejects import rejects_counts
 from longpeft.synth_data.llm_request import sampling_params
 from longpeft.synth_data.qa import LLMAnswerer, Passage, QAJob, job_prompt, job_request

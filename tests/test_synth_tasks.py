@@ -27,13 +27,12 @@ from pydantic import Field
 
 from longpeft.cli import main
 from longpeft.errors import ConfigError
-from longpeft.synth_data.answer_schema import OutputSchema
+from longpeft.synth_data.answer_schema import MalformedOutput, OutputSchema
 from longpeft.synth_data.build_plan import plan_build
 from longpeft.synth_data.builders import LengthConfig, LongContextBuilder, whole_contexts
 from longpeft.synth_data.corpus import Document
 from longpeft.synth_data.llm_cache import request_key
 from longpeft.synth_data.llm_client import LLMClient, LLMConfig
-from longpeft.synth_data.llm_output import MalformedOutput
 from longpeft.synth_data.llm_request import sampling_params, structured_params
 from longpeft.synth_data.pipeline import synth_config_model, synthesize
 from longpeft.synth_data.qa import (

@@ -18,7 +18,7 @@ _SUBMODULES = {
     "demo": "build_demo_dataset",
     "llm_client": "LLMClient",
     "llm_request": "LLMConfig LLMRequest LLMResult",
-    "llm_output": "MalformedOutput",
+    "answer_schema": "MalformedOutput",
     "mix": "MixConfig mix",
     "pipeline": "SynthConfig synthesize",
     "qa": "LLMAnswerer ProceduralAnswerer",

@@ -1,5 +1,11 @@
-"""The JSON every LLM-built output must be: one schema per output (:class:`OutputSchema`), sent to the endpoint as
+"""What an LLM's answer must be. One JSON schema per output (:class:`OutputSchema`), sent to the endpoint as
 ``response_format`` and checked by the tasks' parsers (:meth:`OutputSchema.parse`), so the two cannot drift apart.
+What makes an answer unusable (each a new attempt, up to ``max_parse_attempts``): :class:`MalformedOutput` from a
+``parse`` function, :class:`RejectedOutput` from a ``check`` function, :class:`TruncatedOutput` from the client; a
+``check`` function that keeps part of an answer returns :class:`Checked`. Whether an endpoint follows
+``response_format``, judged from its answers (:class:`StructuredWatch`): a server may refuse the field (HTTP 400/422)
+or drop it without a word (``transformers serve`` answers HTTP 200 with whatever the model writes). Nothing here
+sends a request or touches a file.
 
 Schemas use a subset of JSON Schema: ``type`` (object, array, string), ``properties``, ``required``,
 ``additionalProperties: false``, ``items``, ``minItems``, ``maxItems`` and ``minLength``. Unlike a plain validator,
@@ -10,11 +16,68 @@ use the first items that pass the gates). The endpoint never gets ``minLength``,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from .llm_output import MalformedOutput, parse_json_object
+from .llm_http import body_excerpt
 from .llm_request import ITEM_BOUNDS  # sent where the endpoint accepts them (response_format(bounds=True))
+
+
+class MalformedOutput(ValueError):
+    """Raised by a ``parse`` function when the model's text is unusable (bad JSON, missing fields). ``code``: the
+    attempt's reason in the rejects file (:data:`.llm_rejects.REJECT_REASONS`)."""
+
+    code = "malformed"
+
+
+class TruncatedOutput(MalformedOutput):
+    """An answer the server stopped at ``llm.max_tokens`` (``finish_reason`` ``length``): never parsed or kept."""
+
+    code = "truncated"
+
+
+class RejectedOutput(MalformedOutput):
+    """Raised by a ``check`` function when a well-formed answer holds nothing usable (every item failed the quality
+    gates). ``dropped``: a record of each item that failed (as :attr:`Checked.dropped`)."""
+
+    code = "quality"
+
+    def __init__(self, message: str, dropped: Iterable[dict[str, Any]] = ()):
+        super().__init__(message)
+        self.dropped = list(dropped)
+
+
+@dataclass
+class Checked:
+    """What a ``check`` function returns when it keeps part of an answer (it may also return the value alone): the
+    ``value`` kept, and one JSON-ready record per part dropped (``reason``, ``detail``, the part's fields), which the
+    client writes to the rejects file."""
+
+    value: Any
+    dropped: list[dict[str, Any]] = field(default_factory=list)
+
+
+CODE_FENCE = re.compile(r"\s*```[\w-]*\s*\n?(.*?)\n?```\s*", flags=re.DOTALL)  # ```json ... ``` around an answer
+
+
+def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]:
+    """Parse ``text`` (in a Markdown code fence or not) as one JSON object that has every key in ``required``; else
+    :class:`MalformedOutput`."""
+    fenced = CODE_FENCE.fullmatch(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except json.JSONDecodeError as error:
+        raise MalformedOutput(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise MalformedOutput(f"expected a JSON object, got {type(value).__name__}")
+    missing = [key for key in required if key not in value]
+    if missing:
+        raise MalformedOutput(f"JSON object lacks field(s) {missing}")
+    return value
+
 
 PARSER_ONLY_KEYWORDS = ("minLength",)  # checked by the parser, never sent
 _KEYWORDS = {"type", "properties", "required", "additionalProperties", "items", *PARSER_ONLY_KEYWORDS, *ITEM_BOUNDS}
@@ -79,9 +142,9 @@ def _without(schema: dict[str, Any], keywords: tuple[str, ...]) -> dict[str, Any
 def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
     kind = schema["type"]
     if not isinstance(value, _PY_TYPES[kind]):
-        raise MalformedOutput(
-            f"{path}: expected {'an' if kind[0] in 'ao' else 'a'} {kind}, got {type(value).__name__} {_short(value)}"
-        )
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        article = "an" if kind[0] in "ao" else "a"
+        raise MalformedOutput(f"{path}: expected {article} {kind}, got {type(value).__name__} {shown}")
     if kind == "object":
         for key, sub in schema.get("properties", {}).items():
             if key in value:
@@ -98,11 +161,6 @@ def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
         raise MalformedOutput(
             f"{path}: empty string" if not value.strip() else f"{path}: shorter than {schema['minLength']} characters"
         )
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 NON_EMPTY_TEXT = {"type": "string", "minLength": 1}
@@ -124,3 +182,66 @@ QA_PAIRS = _list_of("qa_pairs", {"question": NON_EMPTY_TEXT, "answer": NON_EMPTY
 
 BIOGRAPHIES = _list_of("biographies", {"name": NON_EMPTY_TEXT, "biography": NON_EMPTY_TEXT})
 """``{"biographies": [{"name", "biography"}, ...]}``: the biography task."""
+
+
+IGNORED_AFTER = 2  # answers not of the asked shape, before any that is, that show a server ignoring the field
+UNDECIDED_AFTER = 4  # answers that prove nothing (empty, cut as JSON) after which requests stop waiting for a verdict
+
+Verdict = Literal["followed", "ignored"]
+
+
+def follows_response_format(response_format: dict[str, Any], text: str) -> bool:
+    """Whether ``text`` is what a server enforcing ``response_format`` returns: one bare JSON object that, for a
+    ``json_schema``, conforms to the schema sent (as :meth:`.answer_schema.OutputSchema.validate` checks it)."""
+    spec = response_format.get("json_schema")
+    try:
+        value = json.loads(text)
+        if isinstance(value, dict) and response_format.get("type") == "json_schema" and isinstance(spec, dict):
+            OutputSchema(str(spec.get("name", "schema")), spec["schema"]).validate(value)
+    except (ValueError, KeyError, TypeError):  # not JSON; the schema broken (MalformedOutput), or not a schema
+        return False
+    return isinstance(value, dict)
+
+
+def judge_answer(response_format: dict[str, Any], text: str, finish_reason: str | None) -> bool | None:
+    """Whether an answer to a request carrying ``response_format`` shows the field followed (``True``) or not
+    (``False``); ``None`` when it proves nothing: empty, or cut at ``max_tokens`` as it starts a JSON object."""
+    if not text.strip():
+        return None
+    if finish_reason == "length":
+        return None if text.lstrip().startswith("{") else False
+    return follows_response_format(response_format, text)
+
+
+@dataclass
+class StructuredWatch:
+    """The verdict on one endpoint's handling of ``response_format``, from the answers to requests carrying it."""
+
+    verdict: Verdict | None = None  # followed: an answer had the asked shape; ignored: IGNORED_AFTER did not before
+    unfollowed: list[str] = field(default_factory=list)  # quoted starts of the answers without the shape
+    undecided: int = 0  # answers that proved nothing
+
+    @property
+    def waiting(self) -> bool:
+        """Whether requests carrying the field should still go one at a time: no verdict yet, and fewer than
+        :data:`UNDECIDED_AFTER` answers that proved nothing."""
+        return self.verdict is None and self.undecided < UNDECIDED_AFTER
+
+    def observe(self, response_format: dict[str, Any], text: str, finish_reason: str | None) -> Verdict | None:
+        """Count one answer to a request carrying ``response_format``; the verdict when this answer settles it, else
+        ``None``."""
+        if self.verdict is not None:
+            return None
+        followed = judge_answer(response_format, text, finish_reason)
+        if followed is None:
+            self.undecided += 1
+        elif followed:
+            self.verdict = "followed"
+        else:
+            self.unfollowed.append(body_excerpt(text, 60))
+            self.verdict = "ignored" if len(self.unfollowed) >= IGNORED_AFTER else None
+        return self.verdict
+
+    def evidence(self) -> str:
+        """The answers behind an ``"ignored"`` verdict, quoted, for one line of the console."""
+        return f"its first {len(self.unfollowed)} answers are not bare JSON of that shape ({self.unfollowed[0]})"

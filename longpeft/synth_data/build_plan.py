@@ -2,7 +2,7 @@
 
 The plan reads and checks the inputs and plans the contexts as the run does (:mod:`.pipeline`), builds every request
 as :class:`~.qa.LLMAnswerer` would, and counts instead of sending: first attempts only (one per QA job; those the
-cache already answers apart), input tokens as the endpoint counts them (:mod:`.prompt_tokens`), output tokens at
+cache already answers apart), input tokens as the endpoint counts them (:mod:`.endpoint`), output tokens at
 ``llm.max_tokens`` (an upper bound) or ``--output-tokens``, and the time as the slowest of three limits: the requests
 in flight decoding at ``--output-tokens-per-second``, and the endpoint's tokens and requests per minute when given.
 """
@@ -136,10 +136,10 @@ def plan_build(
     completion and writing nothing; a procedural answerer, or no bound on the output tokens, raises ConfigError.
     ``tokenizer`` (default: ``config.tokenizer``) lays out the contexts, never counts the prompts; ``output_tokens``
     are the completion tokens expected per request (default ``config.llm.max_tokens``, an upper bound)."""
+    from .endpoint import prompt_counter
     from .llm_cache import ResponseCache, request_key
     from .llm_request import sampling_params, structured_params
     from .pipeline import CACHE_DIR, load_tokenizer, plan_contexts, read_inputs
-    from .prompt_tokens import prompt_counter
     from .qa import ProceduralAnswerer, job_request
 
     if config.answerer != "llm":

@@ -1,11 +1,7 @@
-"""`longpeft synth --check-endpoint`: a few small requests to the configured endpoint before a long run, and a
-report of what they showed (docs/synth.md), all within one deadline (``llm.check_timeout``), each wait announced on
-stderr: the server's facts (:mod:`.endpoint`); the run's first request as the run sends it, with a smaller
-``max_tokens``, its answer judged as the run judges it; when it carried ``response_format``, a probe asking for a
-plain word under the same kind of ``response_format`` (a server enforcing the field answers JSON anyway); after a
-refusal of ``response_format``, the request again without the item bounds, then without ``response_format``.
-
-A failure (no answer in time, not HTTP, not a chat completion, a refusal) raises
+"""`longpeft synth --check-endpoint` (docs/synth.md): the server's facts, the run's first request as the run sends
+it (a smaller ``max_tokens``), its answer judged as the run judges it, a probe asking for a plain word under the same
+kind of ``response_format`` and, after a refusal of ``response_format``, the request again without the item bounds,
+then without it; all within ``llm.check_timeout``, each wait announced on stderr. A failure raises
 :class:`~.llm_request.LLMRunAborted`: one line naming the server, what was awaited, a quote of the answer and the
 fix. Nothing is cached or written.
 """
@@ -18,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .answer_schema import OutputSchema, object_schema
+from .answer_schema import MalformedOutput, OutputSchema, judge_answer, object_schema
 from .corpus import Document
-from .endpoint import EndpointInfo, discover
-from .http_json import HttpAnswer, NoHttpAnswer, http_json
+from .endpoint import EndpointInfo, HttpAnswer, NoHttpAnswer, discover, http_json
 from .llm_http import (
     Completion,
     NotACompletion,
@@ -30,11 +25,9 @@ from .llm_http import (
     refuses_structured_output,
     server_reason,
 )
-from .llm_output import MalformedOutput
 from .llm_request import LLMConfig, LLMRunAborted, read_api_key, sampling_params, structured_params
 from .qa import Passage, QAJob, job_request
 from .registry import get_task
-from .structured_output import judge_answer
 
 CHECK_TEXT = (
     "The lighthouse of Port Elwen was built in 1871 by the engineer Mara Quill. Its lamp burned whale oil "
@@ -52,11 +45,14 @@ CHECK_TASK = "single_detail"  # the task of the QA request checked: one question
 
 @dataclass
 class EndpointCheck:
-    """What the check saw."""
+    """What the check saw, and its requests to one endpoint, each within what is left of the deadline
+    (``llm.check_timeout``) and announced by ``say``."""
 
     config: LLMConfig
-    info: EndpointInfo  # what the server says about itself
-    deadline_s: float
+    api_key: str = field(repr=False)
+    say: Callable[[str], None] = field(repr=False)
+    end: float = field(init=False)  # time.monotonic() of the deadline
+    info: EndpointInfo = field(default_factory=EndpointInfo)  # what the server says about itself
     answer: Completion = field(default_factory=lambda: Completion("", None, 0, 0, ""))  # to the last QA request sent
     latency_s: float = 0.0  # of that request
     structured_sent: str | None = None  # the response_format type the run sends first; None under off
@@ -66,6 +62,9 @@ class EndpointCheck:
     probe_answer: str | None = None  # a quote of the probe's answer (or of its HTTP error)
     answer_follows: bool | None = None  # the QA answer is bare JSON of the schema sent; None: none sent, or no proof
     parse_error: str | None = None  # why the builders' parser refuses the QA answer
+
+    def __post_init__(self) -> None:
+        self.end = time.monotonic() + self.config.check_timeout
 
     @property
     def usable(self) -> bool:
@@ -88,7 +87,7 @@ class EndpointCheck:
         listed = f"; the server lists {', '.join(info.models)}" if info.models else ""
         sent = f"response_format {self.structured_sent}" if self.structured_sent else "no response_format"
         lines = [
-            f"endpoint    {config.base_url} (checked within {self.deadline_s:g} s: --check-timeout)",
+            f"endpoint    {config.base_url} (checked within {config.check_timeout:g} s: --check-timeout)",
             f"model       {config.model} (answered as {answer.model or '?'!r}{listed})",
             f"latency     {self.latency_s:.2f} s for a one-question request ({answer.completion_tokens} completion "
             "tokens)",
@@ -170,27 +169,18 @@ class EndpointCheck:
             )
         return "passes the builders' parser" + (" and is bare JSON of the schema sent" if self.answer_follows else "")
 
-
-class _Session:
-    """The check's requests to one endpoint, each within what is left of one deadline and announced by ``say``."""
-
-    def __init__(self, config: LLMConfig, api_key: str, say: Callable[[str], None]):
-        self.config, self.api_key, self.say = config, api_key, say
-        self.seconds = config.check_timeout
-        self.end = time.monotonic() + self.seconds
-
     def left(self) -> float:
         """Seconds left of the deadline."""
         return max(self.end - time.monotonic(), 0.0)
 
     def post(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> tuple[HttpAnswer, float]:
         """POST one chat request within the deadline; the HTTP answer, whatever its status, and its seconds."""
-        config, base = self.config, self.config.base_url
+        config, base, seconds = self.config, self.config.base_url, self.config.check_timeout
         url = base.rstrip("/") + "/chat/completions"
         left = self.left()
         if left <= 0:
             raise LLMRunAborted(
-                f"{base}: the check's deadline ({self.seconds:g} s) passed before {what}; give it more time with "
+                f"{base}: the check's deadline ({seconds:g} s) passed before {what}; give it more time with "
                 "--check-timeout"
             )
         self.say(f"check: POST {url}: {what}; waiting {left:.0f} s at most")
@@ -199,7 +189,7 @@ class _Session:
             answer = http_json(url, {"model": config.model, "messages": messages, **params}, self.api_key, left)
         except NoHttpAnswer as error:
             message = {
-                "timeout": f"{base} did not answer {what} within the check's deadline ({self.seconds:g} s): a server "
+                "timeout": f"{base} did not answer {what} within the check's deadline ({seconds:g} s): a server "
                 "still loading its model, stalled, or busy with other requests; see its log, or give it more time "
                 "with --check-timeout",
                 "unreachable": f"cannot reach {base} ({error}); check llm.base_url and that the server runs",
@@ -209,22 +199,22 @@ class _Session:
             raise LLMRunAborted(message[error.kind]) from None
         return answer, time.monotonic() - start
 
-    def ask(
-        self, messages: list[dict[str, str]], params: dict[str, Any], what: str
-    ) -> tuple[Completion, float, str | None]:
-        """``(answer, seconds, None)``, or ``(…, …, the server's reason)`` when it refused the ``response_format`` in
-        ``params``; another failure raises :class:`LLMRunAborted`."""
+    def ask(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> str | None:
+        """Send a QA request: its answer and seconds become :attr:`answer` and :attr:`latency_s`. Returns the
+        server's reason when it refused the ``response_format`` in ``params``, else ``None``; another failure raises
+        :class:`LLMRunAborted`."""
         config = self.config
-        answer, latency = self.post(messages, params, what)
+        answer, self.latency_s = self.post(messages, params, what)
+        self.answer = Completion("", None, 0, 0, "")
         if answer.status_code != 200:
             if "response_format" in params and refuses_structured_output(answer):
-                return Completion("", None, 0, 0, ""), latency, f"HTTP {answer.status_code}: {server_reason(answer)}"
+                return f"HTTP {answer.status_code}: {server_reason(answer)}"
             raise LLMRunAborted(
                 f"{config.base_url} refused {what} (HTTP {answer.status_code}: {server_reason(answer)}); check "
                 f"{config.api_key_env}, llm.model {config.model!r} and llm.base_url"
             )
         try:
-            return read_completion(answer.raw), latency, None
+            self.answer = read_completion(answer.raw)
         except NotACompletion as error:
             raise LLMRunAborted(
                 f"{config.base_url} answered {what} with HTTP 200 but not a chat completion ({error}); check "
@@ -235,11 +225,7 @@ class _Session:
         """``(whether the server enforces response_format of kind, a quote of the probe's answer)``, the verdict
         ``None`` when the answer proves nothing."""
         response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
-        params = {
-            "temperature": self.config.temperature,
-            "max_tokens": PROBE_MAX_TOKENS,
-            "response_format": response_format,
-        }
+        params = {**sampling_params(self.config), "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
         answer, _ = self.post(
             PROBE_MESSAGES, params, f"the structured-output probe (a plain word asked for, under {kind})"
         )
@@ -261,23 +247,20 @@ def _say_on_stderr(line: str) -> None:
 
 def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stderr) -> EndpointCheck:
     """Run the check against ``config``'s endpoint (see the module docstring), telling ``say`` what it waits for."""
-    api_key = read_api_key(config)
-    session = _Session(config, api_key, say)
-    lookup = min(LOOKUP_TIMEOUT, session.left() / 3)  # two lookups leave a third of the deadline to the requests
+    check = EndpointCheck(config, read_api_key(config), say)
+    lookup = min(LOOKUP_TIMEOUT, check.left() / 3)  # two lookups leave a third of the deadline to the requests
     say(
         f"check: GET {config.base_url.rstrip('/')}/models and /props (what the server says about itself; "
-        f"{lookup:.3g} s each at most; the whole check {session.seconds:g} s at most)"
+        f"{lookup:.3g} s each at most; the whole check {config.check_timeout:g} s at most)"
     )
-    check = EndpointCheck(config, discover(config.base_url, config.model, api_key, lookup), session.seconds)
+    check.info = discover(config.base_url, config.model, check.api_key, lookup)
     request = job_request(
         QAJob(CHECK_TASK, [Passage(Document("check", "Port Elwen", CHECK_TEXT), 0, len(CHECK_TEXT))], 1)
     )
     sampling = {**sampling_params(config), "max_tokens": check.max_tokens}
 
-    def ask(structured: dict[str, Any], what: str) -> str | None:
-        """Send the QA request with ``structured``; the server's reason when it refused that response_format."""
-        check.answer, check.latency_s, refusal = session.ask(request.messages, {**sampling, **structured}, what)
-        return refusal
+    def ask(structured: dict[str, Any], what: str) -> str | None:  # the server's reason when it refused structured
+        return check.ask(request.messages, {**sampling, **structured}, what)
 
     structured, unbounded = structured_params(config, request), structured_params(config, request, bounds=False)
     kind = check.structured_sent = structured["response_format"]["type"] if structured else None
@@ -290,7 +273,7 @@ def check_endpoint(config: LLMConfig, say: Callable[[str], None] = _say_on_stder
     if check.structured_refusal is not None:
         ask({}, "the QA request again without response_format (as llm.structured=auto does)")
     elif structured:
-        check.enforced, check.probe_answer = session.probe(kind)
+        check.enforced, check.probe_answer = check.probe(kind)
         check.answer_follows = judge_answer(
             structured["response_format"], check.answer.text, check.answer.finish_reason
         )

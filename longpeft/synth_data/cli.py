@@ -214,8 +214,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
         return 0 if result.usable else 1
     if not args.out:
         raise ConfigError("--out: give the output folder (required except with --check-endpoint)")
-    if args.plan:
-        return print_build_plan(config, args)
+    if args.plan:  # what the build would ask of the LLM (.build_plan)
+        from .build_plan import OUTPUT_TOKENS_PER_SECOND, plan_build
+
+        for flag in PLAN_FLAGS[1:]:  # the expectations and rates
+            value = getattr(args, flag.dest)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{flag.flag} must be positive, got {value:g}")
+        plan = plan_build(config, args.out, output_tokens=args.output_tokens)
+        speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
+        print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
+        return 0
     given = [flag.flag for flag in PLAN_FLAGS[1:] if getattr(args, flag.dest) is not None]
     if given:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
@@ -243,20 +252,6 @@ def cmd_synth(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 3
-    return 0
-
-
-def print_build_plan(config, args: argparse.Namespace) -> int:
-    """``synth --plan``: print what the build would ask of the LLM (:mod:`.build_plan`)."""
-    from .build_plan import OUTPUT_TOKENS_PER_SECOND, plan_build
-
-    for flag in PLAN_FLAGS[1:]:  # the expectations and rates
-        value = getattr(args, flag.dest)
-        if value is not None and value <= 0:
-            raise ConfigError(f"{flag.flag} must be positive, got {value:g}")
-    plan = plan_build(config, args.out, output_tokens=args.output_tokens)
-    speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
-    print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
     return 0
 
 

@@ -1,14 +1,12 @@
-"""The response cache of :class:`.llm_client.LLMClient`: what a killed or rerun ``longpeft synth`` replays instead of
-paying for a call again. One JSON file per entry under ``root/<key[:2]>/<key>.json``, written atomically:
-
-- an answer, under :func:`request_key` of what was sent: ``{"key", "task", "text", "finish_reason", "usage":
-  {"prompt_tokens", "completion_tokens"}, "created"}``; an empty answer is never cached;
-- an outcome mark, under :func:`outcome_key`: ``{"key", "task", "outcome", "end"}``, ``outcome`` being ``answered``
-  (by attempt ``end - 1`` of a ``retry_rejected`` round) or ``rejected`` (after attempts ``0 .. end - 1``, with its
-  ``reason`` in :data:`.llm_rejects.REJECT_REASONS` and its ``error`` text).
-
-A file of any other shape (not JSON, cut short, another program's) reads as absent and is counted
-(:attr:`ResponseCache.foreign`): its request is asked again and the file replaced.
+"""The response cache of :class:`.llm_client.LLMClient`, what a killed or rerun ``longpeft synth`` replays instead of
+paying for a call again: one JSON file per entry under ``root/<key[:2]>/<key>.json``, written atomically. An answer,
+under :func:`request_key` of what was sent: ``{"key", "task", "text", "finish_reason", "usage": {"prompt_tokens",
+"completion_tokens"}, "created"}`` (an empty answer is never cached). An outcome mark, under :func:`outcome_key`:
+``{"key", "task", "outcome", "end"}``, ``outcome`` being ``answered`` (by attempt ``end - 1`` of a
+``retry_rejected`` round) or ``rejected`` (after attempts ``0 .. end - 1``, with its ``reason`` in
+:data:`.llm_rejects.REJECT_REASONS` and its ``error`` text). A file of any other shape (not JSON, cut short, another
+program's) reads as absent and is counted (:attr:`ResponseCache.foreign`): its request is asked again and the file
+replaced.
 """
 
 from __future__ import annotations

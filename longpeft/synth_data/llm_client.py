@@ -3,11 +3,11 @@
 On top of the ``openai`` package it adds: a concurrency limit; retries with backoff (:mod:`.llm_http`); a disk cache
 of every answer, keyed by the endpoint and the request (:mod:`.llm_cache`), so that a killed run resumes without
 paying twice; new attempts, up to ``max_parse_attempts``, for an answer that ``parse`` or ``check`` refuses or that
-the server cut off (:mod:`.llm_output`); structured output with its fallbacks (``llm.structured``,
-:mod:`.structured_output`); prompts longer than the endpoint's context refused before sending (:mod:`.endpoint`,
-:mod:`.prompt_tokens`); requests rejected for good marked in the cache (a rerun skips them unless
-``retry_rejected``) and listed in the rejects file (:mod:`.llm_rejects`); token accounting per task
-(:class:`.llm_request.TaskUsage`). The API key is read from the environment when a run starts, and written nowhere.
+the server cut off; structured output with its fallbacks (``llm.structured``, :mod:`.answer_schema`); prompts longer
+than the endpoint's context refused before sending (:mod:`.endpoint`); requests rejected for good marked in the cache
+(a rerun skips them unless ``retry_rejected``) and listed in the rejects file (:mod:`.llm_rejects`); token accounting
+per task (:class:`.llm_request.TaskUsage`). The API key is read from the environment when a run starts, and written
+nowhere.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from .answer_schema import Checked, MalformedOutput, RejectedOutput, StructuredWatch, TruncatedOutput
+from .endpoint import PromptCounter, prompt_counter
 from .llm_cache import ResponseCache, outcome_key, request_key
 from .llm_http import RetryableError, chat_completion, refuses_structured_output, server_reason
-from .llm_output import Checked, MalformedOutput, RejectedOutput, TruncatedOutput
 from .llm_rejects import RejectsLog
 from .llm_request import (
     ITEM_BOUNDS,
@@ -38,14 +39,14 @@ from .llm_request import (
     sampling_params,
     structured_params,
 )
-from .prompt_tokens import PromptCounter, prompt_counter
-from .structured_output import StructuredWatch
 
 SHOWN_REFUSALS = 3  # HTTP 4xx refusals (and give-ups) whose reason is printed; the rest are counted
 # A prompt of fewer UTF-8 bytes than the context less this allowance for its chat template is sent uncounted: a token
 # covers at least one byte of text, and templates add a few tokens per message plus a preamble (Llama 3.1's date).
 TEMPLATE_TOKENS_ALLOWANCE = 64
 TEMPLATE_TOKENS_PER_MESSAGE = 16
+Parse = Callable[[str], Any]  # the model's text -> a value, or MalformedOutput
+Check = Callable[[LLMRequest, Any], Any]  # (request, value) -> the value kept (or Checked), or RejectedOutput
 
 
 def _item_record(request: LLMRequest, group: str, attempt: int, item: dict[str, Any]) -> dict[str, Any]:
@@ -62,8 +63,8 @@ class _Round:
     first_key: str  # the cache key of its attempt 0 without response_format
     mark: dict[str, Any] | None  # the outcome mark an earlier run left
     end: int  # the round ends before this attempt
-    parse: Callable[[str], Any] | None = None
-    check: Callable[[LLMRequest, Any], Any] | None = None
+    parse: Parse | None = None
+    check: Check | None = None
     replayed: int = 0  # attempts before this one are read from the cache only, never sent
     key: str = ""  # the cache key of the latest attempt as sent
     api_calls: int = 0
@@ -99,7 +100,7 @@ class LLMClient:
     """Runs batches of :class:`LLMRequest` against the endpoint of ``config``, with its response cache in
     ``cache_dir`` (created on demand) and its rejects file at ``rejects_path``; ``show_progress`` draws a tqdm bar per
     batch. ``prompt_counter`` counts a prompt's tokens against the endpoint's context (default: the one
-    :func:`.prompt_tokens.prompt_counter` picks). ``retry_rejected`` asks again what an earlier run rejected."""
+    :func:`.endpoint.prompt_counter` picks). ``retry_rejected`` asks again what an earlier run rejected."""
 
     def __init__(
         self,
@@ -131,9 +132,9 @@ class LLMClient:
     def run(
         self,
         requests: Sequence[LLMRequest],
-        parse: Callable[[str], Any] | None = None,
+        parse: Parse | None = None,
         desc: str = "LLM requests",
-        check: Callable[[LLMRequest, Any], Any] | None = None,
+        check: Check | None = None,
     ) -> list[LLMResult]:
         """Send every request (concurrently, cached, retried); results come back in request order. ``parse(text)``
         turns the model's text into a value (default: the text) or raises :class:`MalformedOutput`; ``check(request,
@@ -149,9 +150,9 @@ class LLMClient:
     async def arun(
         self,
         requests: Sequence[LLMRequest],
-        parse: Callable[[str], Any] | None = None,
+        parse: Parse | None = None,
         desc: str = "LLM requests",
-        check: Callable[[LLMRequest, Any], Any] | None = None,
+        check: Check | None = None,
     ) -> list[LLMResult]:
         """Async form of :meth:`run`."""
         import openai
@@ -176,7 +177,10 @@ class LLMClient:
         async def one(request: LLMRequest) -> LLMResult:
             result = await self._complete(request, parse, check)
             bar.update(1)
-            bar.set_postfix(self._postfix(), refresh=False)
+            usages = self.usage.values()
+            tokens = sum(u.prompt_tokens + u.completion_tokens for u in usages)
+            calls, hits = sum(u.api_calls for u in usages), sum(u.cache_hits for u in usages)
+            bar.set_postfix({"calls": calls, "cached": hits, "tokens": tokens}, refresh=False)
             return result
 
         tasks = [asyncio.ensure_future(one(request)) for request in requests]
@@ -277,7 +281,7 @@ class LLMClient:
         )
 
     def _observe(self, sent: dict[str, Any], entry: dict[str, Any]) -> None:
-        """Judge an answer to a request carrying ``response_format`` (:class:`.structured_output.StructuredWatch`);
+        """Judge an answer to a request carrying ``response_format`` (:class:`.answer_schema.StructuredWatch`);
         an endpoint seen to ignore the field is answered as one that refused it."""
         if "response_format" not in sent:
             return
@@ -322,15 +326,7 @@ class LLMClient:
         if count <= SHOWN_REFUSALS:
             self._say(line + (f"; {further}" if count == SHOWN_REFUSALS else ""))
 
-    def _postfix(self) -> dict[str, int]:
-        calls = sum(u.api_calls for u in self.usage.values())
-        hits = sum(u.cache_hits for u in self.usage.values())
-        tokens = sum(u.prompt_tokens + u.completion_tokens for u in self.usage.values())
-        return {"calls": calls, "cached": hits, "tokens": tokens}
-
-    async def _complete(
-        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
-    ) -> LLMResult:
+    async def _complete(self, request: LLMRequest, parse: Parse | None, check: Check | None) -> LLMResult:
         import openai
 
         run, base = self._round(request, parse, check), self.config.base_url
@@ -384,9 +380,7 @@ class LLMClient:
             reason = f"no usable output in {len(run.outputs)} attempts ({counts})"
         return self._reject(run, reason, run.last_code, run.end, end=run.end)
 
-    def _round(
-        self, request: LLMRequest, parse: Callable[[str], Any] | None, check: Callable[[LLMRequest, Any], Any] | None
-    ) -> _Round:
+    def _round(self, request: LLMRequest, parse: Parse | None, check: Check | None) -> _Round:
         """The attempts of ``request`` in this run, from the outcome mark an earlier run left: after a rejection,
         its attempts are replayed from the cache and ``llm.max_parse_attempts`` new ones follow; after a retry round
         answered, the attempts before the answer are replays."""
@@ -499,25 +493,23 @@ class LLMClient:
 
     async def _send(self, run: _Round, sent: dict[str, Any]) -> dict[str, Any] | None:
         """:func:`.llm_http.chat_completion`; until the endpoint's handling of ``response_format`` is known
-        (:attr:`.structured_output.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
+        (:attr:`.answer_schema.StructuredWatch.waiting`), requests carrying it go one at a time, so that a server
         refusing it refuses one request and one ignoring it answers a few. Every answer to such a request is judged
         (:meth:`_observe`). ``None``: structured output changed while this request waited (ask again)."""
+
+        async def send() -> dict[str, Any]:
+            entry = await chat_completion(self.config, self._openai, self._in_flight, run.request, sent, run.usage)
+            self._observe(sent, entry)
+            return entry
+
         if "response_format" in sent and self.structured_watch.waiting:
             assert self._first_structured is not None
             async with self._first_structured:
                 if self._stop is None and self.structured_watch.waiting and not self._changed(run.request, sent):
-                    entry = await chat_completion(
-                        self.config, self._openai, self._in_flight, run.request, sent, run.usage
-                    )
-                    self._observe(sent, entry)
-                    return entry
+                    return await send()
         if self._stop is not None:  # another request stopped the run (its tasks are being cancelled)
             raise LLMRunAborted(self._stop)
-        if self._changed(run.request, sent):
-            return None
-        entry = await chat_completion(self.config, self._openai, self._in_flight, run.request, sent, run.usage)
-        self._observe(sent, entry)
-        return entry
+        return None if self._changed(run.request, sent) else await send()
 
     def _changed(self, request: LLMRequest, sent: dict[str, Any]) -> bool:
         """Whether ``request`` would now carry another ``response_format`` than ``sent`` (refused meanwhile: its

@@ -73,14 +73,9 @@ def read_completion(body: bytes) -> Completion:
         reason = choices[0].get("finish_reason")
         finish_reason = reason if isinstance(reason, str) else None
     usage = value.get("usage") if isinstance(value.get("usage"), dict) else {}
+    tokens = [usage[name] if is_count(usage.get(name)) else 0 for name in ("prompt_tokens", "completion_tokens")]
     model = value.get("model")
-    return Completion(
-        text=text,
-        finish_reason=finish_reason,
-        prompt_tokens=usage["prompt_tokens"] if is_count(usage.get("prompt_tokens")) else 0,
-        completion_tokens=usage["completion_tokens"] if is_count(usage.get("completion_tokens")) else 0,
-        model=model if isinstance(model, str) else "",
-    )
+    return Completion(text, finish_reason, *tokens, model if isinstance(model, str) else "")
 
 
 RETRYABLE_STATUS = (408, 409, 429)  # and every 5xx (the statuses the openai client itself retries)
@@ -125,13 +120,12 @@ async def chat_completion(
     usage: TaskUsage,
 ) -> dict[str, Any]:
     """One answered call of ``request`` with the parameters ``sampling`` through the ``openai.AsyncOpenAI``
-    ``client`` (built without retries), holding ``semaphore`` while it waits; returns the cache entry body
-    (``text``, ``finish_reason``, ``usage``, ``created``) and counts the call, its tokens and retries in ``usage``.
-
-    Transient failures (:data:`RETRYABLE_STATUS`, 5xx, timeouts, connection errors, a 200 that is not a chat
-    completion) are retried with exponential backoff or the wait the server asks, capped at ``backoff_max``; out of
-    retries they raise :class:`RetryableError`. A bad key, model or URL raises :class:`.llm_request.LLMRunAborted`;
-    another 4xx raises the ``openai.APIStatusError`` it is."""
+    ``client`` (built without retries), holding ``semaphore`` while it waits; counts the call, its tokens and retries
+    in ``usage`` and returns the cache entry body (``text``, ``finish_reason``, ``usage``, ``created``). Transient
+    failures (:data:`RETRYABLE_STATUS`, 5xx, timeouts, connection errors, a 200 that is not a chat completion) are
+    retried with exponential backoff or the wait the server asks, capped at ``backoff_max``, then raise
+    :class:`RetryableError`. A bad key, model or URL raises :class:`.llm_request.LLMRunAborted`; another 4xx raises
+    the ``openai.APIStatusError`` it is."""
     import openai
 
     delay = config.backoff_initial

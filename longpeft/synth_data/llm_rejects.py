@@ -1,13 +1,10 @@
-"""The rejects file (``rejects.jsonl``): what a synthetic-data run could not use, and why (docs/synth.md).
-
-It lists what is still rejected, once: its records are grouped by request (``request``: the request's outcome key,
-:func:`.llm_cache.outcome_key`), and each time a request is settled again its group is replaced. Two kinds of record:
-
-- ``"kind": "request"``, a request without a usable answer: ``key`` (the cache key of its last attempt; of its first
-  for a prompt never sent), ``task``, ``meta``, ``reason`` in :data:`REJECT_REASONS`, ``error``, ``marked`` (a rerun
-  skips it unless ``retry_rejected``) and ``attempts``: each attempt's ``reason``, ``error`` and raw ``text``;
-- ``"kind": "item"``, a part of an answer that a ``check`` function dropped: ``attempt``, ``reason``, ``detail`` and
-  the item's fields, whether the request was answered by a later attempt or rejected.
+"""The rejects file (``rejects.jsonl``, docs/synth.md): what a run could not use, and why, still rejected, once. Its
+records are grouped by request (``request``: the outcome key, :func:`.llm_cache.outcome_key`), and a group is
+replaced each time its request is settled again. A ``"kind": "request"`` record (no usable answer) holds ``key`` (the
+cache key of its last attempt; of its first for a prompt never sent), ``task``, ``meta``, ``reason``
+(:data:`REJECT_REASONS`), ``error``, ``marked`` (a rerun skips it unless ``retry_rejected``) and ``attempts`` (each
+one's ``reason``, ``error`` and raw ``text``); a ``"kind": "item"`` record (a part of an answer a ``check`` dropped)
+holds ``attempt``, ``reason``, ``detail`` and the item's fields.
 """
 
 from __future__ import annotations
@@ -99,12 +96,12 @@ class RejectsLog:
     def finish(self) -> int:
         """End of a build: drop the groups of requests not settled since the log opened, and write the file, which is
         then the build's state (an empty file: nothing rejected). Returns the number of groups dropped."""
-        stale = [request for request in self.groups if request not in self.touched]
-        for request in stale:
-            del self.groups[request]
+        before = len(self.groups)
+        self.groups = {request: group for request, group in self.groups.items() if request in self.touched}
+        stale = before - len(self.groups)
         self._dirty = self._dirty or bool(stale) or not self.path.is_file()
         self.flush()
-        return len(stale)
+        return stale
 
     def records(self) -> list[dict[str, Any]]:
         return [record for group in self.groups.values() for record in group]

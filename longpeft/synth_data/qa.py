@@ -9,8 +9,8 @@ import random
 from collections.abc import Sequence
 
 from ..errors import DataError
+from .answer_schema import Checked, RejectedOutput
 from .llm_client import LLMClient
-from .llm_output import Checked, RejectedOutput
 from .llm_request import LLMRequest, LLMResult
 from .quality import QualityGates, Verdict
 from .registry import Passage as Passage  # the job types are importable from here, beside their answerers

@@ -117,7 +117,7 @@ class SynthTask:
     ``--tasks`` choice, config section and ``task`` of its rows; ``plan(builder, name, settings, documents) ->
     list[ContextPlan]`` (procedural documents made with ``builder`` when ``documents`` is None); ``prompt``: a
     ``str.format`` template of ``{text}`` (the passages laid out by ``layout``), ``{n}`` and ``{k}``; ``answer(job,
-    rng)``: exact items from procedural facts; ``parse(text)`` raises :class:`.llm_output.MalformedOutput` for an
+    rng)``: exact items from procedural facts; ``parse(text)`` raises :class:`.answer_schema.MalformedOutput` for an
     answer that breaks ``schema``; ``evidence``: the text the answers must be grounded in; ``subject(question) ->
     name`` for items about a named subject; ``computed_numbers``: answers hold numbers the ``ungrounded`` gate does
     not look for; ``documents``: options of :func:`.corpus.generate_document`."""
