@@ -1,8 +1,11 @@
-"""Memory estimate for evaluation forwards: fail early, with the estimated need, when inputs cannot fit."""
+"""Checks before evaluation forwards: the memory estimate (fail early, with the estimated need, when inputs cannot
+fit) and the warning for inputs longer than the positions a model was trained on."""
 
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,3 +88,24 @@ def check_memory(model: Any, batch_size: int, seq_len: int, logits_tokens: int =
             "or the longest length, or use sdpa/flash attention instead of eager"
         )
     return need
+
+
+def warn_beyond_positions(model: Any, lengths: Sequence[int]) -> None:
+    """Warn (one warning for all ``lengths``) when inputs (prompts, perplexity windows) span more positions than
+    the model's ``max_position_embeddings``, counted with the applied methods that bound them (STRING: its largest
+    scored distance + 1; Activation Beacon: its memory plus one window; see ``Method.model_span``)."""
+    max_positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not max_positions:
+        return
+    from ..adapters import model_span
+
+    spans = {n: model_span(model, n) for n in lengths}
+    over = [n for n in lengths if spans[n].positions > max_positions]
+    if over:
+        methods = " and ".join(spans[over[0]].methods)
+        warnings.warn(
+            f"inputs of {', '.join(map(str, over))} tokens are longer than the model's max_position_embeddings="
+            f"{max_positions}{f' even with {methods} on' if methods else ''}: positions beyond it were never trained, "
+            "so expect low scores there unless the model was extended for them",
+            stacklevel=2,
+        )

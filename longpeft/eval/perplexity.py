@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..family import backbone_of, causal_lm_of
 from .flags import WINDOW
-from .memory import check_memory
-from .positions import warn_beyond_positions
+from .memory import check_memory, warn_beyond_positions
 
 LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp32 logits at a time
 

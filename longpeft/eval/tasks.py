@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -23,9 +25,7 @@ from ..synth_data.probes import Probe
 from ..units import format_duration
 from .flags import BATCH_SIZE, DEPTHS, LENGTHS, SAMPLES, SEED
 from .generation import eos_token_ids, generate_batch, pad_token_id
-from .memory import check_memory
-from .plots import depth_length_heatmap, score_by_length
-from .positions import warn_beyond_positions
+from .memory import check_memory, warn_beyond_positions
 from .registry import ProbeTask, get_task, make_probes
 
 # Extra budget for chat replies, which often restate the question before the answer.
@@ -99,13 +99,16 @@ def generate_for_probes(
 
 @dataclasses.dataclass
 class ProbeGrid:
-    """A probe task's grid (``n_samples`` probes per (length, depth) cell; ``lengths`` distinct, ascending) and its
-    decode budget per prompt, built before anything generates (cheap: token ids only)."""
+    """A probe task's grid (``n_samples`` probes per (length, depth) cell; ``lengths`` distinct, ascending), its
+    decode budget per prompt and how its probes were made, built before anything generates (cheap: token ids only)."""
 
     task: ProbeTask
     probes: list[Probe]
     lengths: list[int]
     new_tokens: int
+    n_samples: int
+    seed: int
+    chat: bool
 
     def largest_batch(self, batch_size: int) -> int:
         """Prompts in the longest batch :func:`length_batches` makes."""
@@ -123,7 +126,9 @@ def build_probe_grid(
     chat: bool = False,
     **probe_options: Any,
 ) -> ProbeGrid:
-    """The :class:`ProbeGrid` of ``task`` (options as :func:`run_probe_task`); fails before any generation."""
+    """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes`); fails before
+    any generation. ``max_new_tokens``: the continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS``
+    with ``chat``); ``chat`` wraps prompts in the tokenizer's chat template (replies scored with "contains")."""
     record = get_task(task, ProbeTask)
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
@@ -132,7 +137,7 @@ def build_probe_grid(
         raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
     new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
     probes = make_probes(record, tokenizer, lengths, depths, n_samples, seed, chat, **probe_options)
-    return ProbeGrid(record, probes, lengths, new_tokens)
+    return ProbeGrid(record, probes, lengths, new_tokens, n_samples, seed, chat)
 
 
 def run_probe_task(
@@ -140,36 +145,23 @@ def run_probe_task(
     model: Any,
     tokenizer: Any,
     lengths: Sequence[int] = LENGTHS.default,
-    depths: Sequence[float] | None = None,
-    n_samples: int = SAMPLES.default,
-    seed: int = SEED.default,
     batch_size: int = BATCH_SIZE.default,
-    max_new_tokens: int | None = None,
-    chat: bool = False,
     save_prompts: bool = False,
     grid: ProbeGrid | None = None,
-    **probe_options: Any,
+    **grid_options: Any,
 ) -> dict[str, Any]:
-    """Build the probe grid of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes`), generate, and
-    score every sample with the task's scorer.
+    """Build the probe grid of the probe task ``task`` (:func:`build_probe_grid` with ``grid_options``: depths,
+    n_samples, seed, max_new_tokens, chat and the task's own), generate, and score every sample with the task's
+    scorer. ``save_prompts`` keeps each prompt's text in its sample (large: about 4 characters per token); ``grid``
+    is the grid when already built, its lengths checked against the model's positions.
 
-    Args:
-        max_new_tokens: continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``).
-        chat: wrap prompts in the tokenizer's chat template (replies scored with "contains").
-        save_prompts: keep each prompt's text in its sample (large: about 4 characters per token).
-        grid: the grid, when already built by :func:`build_probe_grid` with these options and its lengths checked
-            against the model's positions.
-
-    Returns:
-        ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths", ...}``: ``cells`` as
-        :func:`score_cells`, each sample ``{"length", "depth", "needle_positions", "metadata", "answers",
-        "prediction", "score"}`` (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
+    Returns ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths", ...}``: ``cells`` as
+    :func:`score_cells`, each sample ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction",
+    "score"}`` (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
     """
     if grid is None:
         warn_beyond_positions(model, lengths)
-        grid = build_probe_grid(
-            task, tokenizer, lengths, depths, n_samples, seed, max_new_tokens, chat, **probe_options
-        )
+        grid = build_probe_grid(task, tokenizer, lengths, **grid_options)
     record, probes, lengths, new_tokens = grid.task, grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
     predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, record.name)
@@ -195,9 +187,9 @@ def run_probe_task(
         "cells": score_cells(samples),
         "lengths": lengths,
         "depths": used_depths or None,
-        "n_samples": n_samples,
-        "seed": seed,
-        "chat": chat,
+        "n_samples": grid.n_samples,
+        "seed": grid.seed,
+        "chat": grid.chat,
         "samples": samples,
     }
 
@@ -217,13 +209,12 @@ def run_suite(
 ) -> dict[str, Any]:
     """The probe tasks ``parts`` on one grid (``options`` as :func:`run_probe_task`), all built before any generates,
     each saved as it finishes; the mean of their scores, overall and by length."""
-    lengths = options.pop("lengths")
+    lengths, batch_size, save_prompts = (options.pop(key) for key in ("lengths", "batch_size", "save_prompts"))
     warn_beyond_positions(model, lengths)
-    grid_options = {k: v for k, v in options.items() if k not in ("batch_size", "save_prompts")}
-    grids = {part: build_probe_grid(part, tokenizer, lengths, **grid_options) for part in parts}
+    grids = {part: build_probe_grid(part, tokenizer, lengths, **options) for part in parts}
     results = {}
     for part in parts:
-        results[part] = run_probe_task(part, model, tokenizer, lengths, grid=grids[part], **options)
+        results[part] = run_probe_task(part, model, tokenizer, lengths, batch_size, save_prompts, grids[part])
         save(results[part])
     lengths_done = results[parts[0]]["lengths"]
     return {
@@ -235,6 +226,50 @@ def run_suite(
         "lengths": lengths_done,
         "tasks": {t: {k: v for k, v in p.items() if k != "samples"} for t, p in results.items()},
     }
+
+
+def _save_plot(fig: Figure, ax: Axes, title: str, ylabel: str, path: str | Path) -> Path:
+    """Label ``ax`` (x: context length), lay out ``fig`` and write it to ``path`` as a PNG (matplotlib's Figure API:
+    no pyplot state, no backend or display needed)."""
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return Path(path)
+
+
+def depth_length_heatmap(
+    scores: dict[tuple[int, float], float],
+    path: str | Path,
+    title: str,
+    lengths: Sequence[int],
+    depths: Sequence[float],
+) -> Path:
+    """The papers' needle-in-a-haystack picture of ``scores`` (``(length, depth) -> score in [0, 1]``): depth (rows,
+    0% at the top) x length (columns)."""
+    grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
+    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    ax = fig.subplots()
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+    for row, depth_scores in enumerate(grid):
+        for col, value in enumerate(depth_scores):
+            ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(image, ax=ax, label="score")
+    return _save_plot(fig, ax, title, "needle depth", path)
+
+
+def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> Path:
+    """Line plot of a task's score against context length."""
+    lengths = sorted(scores)
+    fig = Figure(figsize=(5, 3))
+    ax = fig.subplots()
+    ax.plot(lengths, [scores[length] for length in lengths], marker="o")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    return _save_plot(fig, ax, title, "score", path)
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None = None) -> dict[str, str]:
