@@ -1,6 +1,6 @@
 """Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite tasks, topic retrieval
 and sliding-window perplexity, on any causal LM + tokenizer, with or without STRING; and any lm-evaluation-harness
-task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.builtin`).
+task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.cli`).
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import builtin  # noqa: F401  (registers the built-in tasks)
+from . import cli  # noqa: F401  (registers the built-in tasks)
 from .registry import TASKS, EvalTask, ProbeTask, get_task, register, registered, unregister
 
 # Public name -> submodule, imported on first use (the CLI imports this package without torch).
@@ -16,7 +16,7 @@ _EXPORTS = {
     name: module
     for module, names in {
         "registry": "EVAL_TASKS",  # the task names, read at each access
-        "memory": "InsufficientMemoryError check_memory estimate_forward_bytes",
+        "generation": "InsufficientMemoryError check_memory estimate_forward_bytes",
         "perplexity": "perplexity_of_file sliding_window_perplexity",
         "scoring": "exact_match recall score",
         "tasks": "evaluate niah_grid passkey_accuracy run_probe_task write_outputs",

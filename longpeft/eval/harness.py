@@ -49,21 +49,6 @@ def extended_length(model_or_adapter: str | Path | None) -> int | None:
     return None if spec is None else max(spec.max_position_embeddings, spec.target_length or 0)
 
 
-def check_batch_size(model: Any, batch_size: int) -> None:
-    """Refuse ``batch_size > 1`` on a model with a method on that reads a padded request differently from the request
-    alone (its ``padded_batches``: Activation Beacon): lm-eval pads a batch's requests to one length."""
-    from ..adapters import applied_methods
-
-    if batch_size <= 1:
-        return
-    why = [method.padded_batches for method in applied_methods(model) if method.padded_batches]
-    if why:
-        raise ConfigError(
-            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and {why[0]}; use "
-            "--batch-size 1"
-        )
-
-
 # What lm-eval's HFLM logs whenever it is given a built model rather than a name: advice for lm-eval's own launcher
 # (accelerate, parallelize=True), which a model handed over here never goes through.
 MODEL_OBJECT_NOTICE = "`pretrained` model kwarg is not of type `str`"
@@ -89,8 +74,8 @@ def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Path | None, metadata: dict[str, Any] | None) -> Any:
-    """lm-eval's ``TaskManager``: over ``include_path`` alone when it defines every one of ``tasks`` (indexing
-    lm-eval's own ~15,000 task files takes 10-30 s), else over lm-eval's tasks and ``include_path``."""
+    """lm-eval's ``TaskManager``: over ``include_path`` alone when it defines all ``tasks`` (indexing lm-eval's own
+    ~15,000 task files takes 10-30 s), else over lm-eval's tasks and ``include_path``."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -115,22 +100,25 @@ def run_harness(
     log_samples: bool = False,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Run lm-eval tasks on ``model`` with :func:`harness_lm`; returns lm-eval's result dict (``results``, ``groups``,
-    ``configs``, ...; ``samples`` with each request and the model's answers when ``log_samples``).
+    """Run lm-eval ``tasks`` (task, group or tag names, e.g. ``["ruler"]``, or of tasks in the YAML files under
+    ``include_path``, searched besides lm-eval's) on ``model`` with :func:`harness_lm`; returns lm-eval's result dict
+    (``results``, ``groups``, ``configs``, ...; ``samples`` with each request and the model's answers when
+    ``log_samples``). ``limit``: documents per task (a float < 1: that fraction); ``num_fewshot``: None for each
+    task's; ``chat``: lm-eval's ``apply_chat_template``; ``metadata``: passed to the tasks (RULER reads
+    ``max_seq_lengths`` and ``tokenizer``); ``seed``: lm-eval's Python, NumPy, torch and few-shot seeds.
 
-    Args:
-        tasks: lm-eval task, group or tag names (e.g. ``["ruler"]``), or names of tasks under ``include_path``.
-        include_path: a folder of task YAML files of your own, searched besides lm-eval's tasks.
-        limit: at most this many documents per task (a float < 1: that fraction).
-        num_fewshot: few-shot examples per prompt (None: each task's default).
-        chat: wrap prompts in the tokenizer's chat template (lm-eval's ``apply_chat_template``).
-        metadata: passed to the tasks (RULER reads ``max_seq_lengths`` and ``tokenizer`` from it).
-        seed: lm-eval's Python, NumPy, torch and few-shot seeds.
-
-    Raises ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or for
-    :func:`check_batch_size`.
+    Raises ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or ``batch_size > 1`` on a
+    model with a method on that reads a padded request differently from the request alone (Activation Beacon).
     """
-    check_batch_size(model, batch_size)
+    from ..adapters import applied_methods
+
+    methods = applied_methods(model) if batch_size > 1 else []  # lm-eval pads a batch's requests to one length
+    why = [method.padded_batches for method in methods if method.padded_batches]
+    if why:
+        raise ConfigError(
+            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and {why[0]}; use "
+            "--batch-size 1"
+        )
     lm_eval = import_lm_eval()
     if not tasks:
         raise ConfigError("--tasks: give at least one lm-eval task or group, e.g. --tasks ruler")

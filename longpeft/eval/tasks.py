@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from torch import nn
 from tqdm.auto import tqdm
@@ -24,8 +23,7 @@ from ..files import write_text_atomically, writing_to
 from ..synth_data.probes import Probe
 from ..units import format_duration
 from .flags import BATCH_SIZE, DEPTHS, LENGTHS, SAMPLES, SEED
-from .generation import eos_token_ids, generate_batch, pad_token_id
-from .memory import check_memory, warn_beyond_positions
+from .generation import check_memory, eos_token_ids, generate_batch, pad_token_id, warn_beyond_positions
 from .registry import ProbeTask, get_task, make_probes
 
 # Extra budget for chat replies, which often restate the question before the answer.
@@ -228,48 +226,37 @@ def run_suite(
     }
 
 
-def _save_plot(fig: Figure, ax: Axes, title: str, ylabel: str, path: str | Path) -> Path:
-    """Label ``ax`` (x: context length), lay out ``fig`` and write it to ``path`` as a PNG (matplotlib's Figure API:
-    no pyplot state, no backend or display needed)."""
+def plot_result(result: dict[str, Any], path: Path, title: str) -> Path:
+    """Write a PNG of a task's ``result`` to ``path`` (matplotlib's Figure API: no pyplot state, no backend or display
+    needed): with depths, the papers' needle-in-a-haystack picture, depth (rows, 0% at the top) x length (columns);
+    else its score against context length (``result["by_length"]``)."""
+    depths = result.get("depths")
+    if depths:
+        lengths = result["lengths"]
+        scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
+        grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
+        fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+        ax = fig.subplots()
+        image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+        ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+        for row, depth_scores in enumerate(grid):
+            for col, value in enumerate(depth_scores):
+                ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
+        fig.colorbar(image, ax=ax, label="score")
+    else:
+        by_length = {int(n): score for n, score in result["by_length"].items()}
+        fig = Figure(figsize=(5, 3))
+        ax = fig.subplots()
+        ax.plot(sorted(by_length), [by_length[n] for n in sorted(by_length)], marker="o")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel("needle depth" if depths else "score")
     ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    return Path(path)
-
-
-def depth_length_heatmap(
-    scores: dict[tuple[int, float], float],
-    path: str | Path,
-    title: str,
-    lengths: Sequence[int],
-    depths: Sequence[float],
-) -> Path:
-    """The papers' needle-in-a-haystack picture of ``scores`` (``(length, depth) -> score in [0, 1]``): depth (rows,
-    0% at the top) x length (columns)."""
-    grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
-    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
-    ax = fig.subplots()
-    image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-    ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
-    ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
-    for row, depth_scores in enumerate(grid):
-        for col, value in enumerate(depth_scores):
-            ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8)
-    fig.colorbar(image, ax=ax, label="score")
-    return _save_plot(fig, ax, title, "needle depth", path)
-
-
-def score_by_length(scores: dict[int, float], path: str | Path, title: str) -> Path:
-    """Line plot of a task's score against context length."""
-    lengths = sorted(scores)
-    fig = Figure(figsize=(5, 3))
-    ax = fig.subplots()
-    ax.plot(lengths, [scores[length] for length in lengths], marker="o")
-    ax.set_ylim(-0.02, 1.02)
-    ax.grid(alpha=0.3)
-    return _save_plot(fig, ax, title, "score", path)
+    return path
 
 
 def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None = None) -> dict[str, str]:
@@ -281,12 +268,9 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None 
         out.mkdir(parents=True, exist_ok=True)
         files = {"json": str(out / f"{name}.json")}
         if result.get("depths"):
-            scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
-            png = depth_length_heatmap(scores, out / f"{name}_heatmap.png", title, result["lengths"], result["depths"])
-            files["heatmap"] = str(png)
+            files["heatmap"] = str(plot_result(result, out / f"{name}_heatmap.png", title))
         elif "by_length" in result:
-            scores = {int(k): v for k, v in result["by_length"].items()}
-            files["plot"] = str(score_by_length(scores, out / f"{name}_by_length.png", title))
+            files["plot"] = str(plot_result(result, out / f"{name}_by_length.png", title))
         result["files"] = files
         write_text_atomically(files["json"], json.dumps(result, indent=2) + "\n")
     return files
@@ -324,31 +308,15 @@ def evaluate(
     return result
 
 
-def passkey_accuracy(
-    model: Any,
-    tokenizer: Any,
-    context_lengths: Sequence[int],
-    n_samples: int = 10,
-    seed: int = 0,
-    depths: Sequence[float] = (0.0, 0.5, 1.0),
-    **options: Any,
-) -> dict[str, Any]:
-    """Passkey retrieval accuracy per context length (``result["by_length"]``) and overall (``["score"]``)."""
-    return evaluate(
-        "passkey", model, tokenizer, lengths=context_lengths, n_samples=n_samples, seed=seed, depths=depths, **options
-    )
+def passkey_accuracy(model: Any, tokenizer: Any, context_lengths: Sequence[int], **options: Any) -> dict[str, Any]:
+    """Passkey retrieval accuracy per context length (``result["by_length"]``) and overall (``["score"]``);
+    ``options`` as :func:`evaluate`'s, with ``n_samples=10``, ``seed=0`` and ``depths=(0.0, 0.5, 1.0)`` by default."""
+    options = {"n_samples": 10, "seed": 0, "depths": (0.0, 0.5, 1.0)} | options
+    return evaluate("passkey", model, tokenizer, lengths=context_lengths, **options)
 
 
-def niah_grid(
-    model: Any,
-    tokenizer: Any,
-    lengths: Sequence[int],
-    depths: Sequence[float] = DEPTHS.default,
-    n_samples: int = 4,
-    seed: int = 0,
-    out_dir: str | Path | None = None,
-    **options: Any,
-) -> dict[str, Any]:
-    """Single-needle NIAH over a depth x length grid (``result["cells"]``; heatmap PNG in ``out_dir``)."""
-    grid = {"lengths": lengths, "depths": depths, "n_samples": n_samples, "seed": seed}
-    return evaluate("niah_single", model, tokenizer, out_dir=out_dir, **grid, **options)
+def niah_grid(model: Any, tokenizer: Any, lengths: Sequence[int], **options: Any) -> dict[str, Any]:
+    """Single-needle NIAH over a depth x length grid (``result["cells"]``; heatmap PNG in ``options["out_dir"]``);
+    ``options`` as :func:`evaluate`'s, with ``depths`` 0 .25 .5 .75 1, ``n_samples=4`` and ``seed=0`` by default."""
+    options = {"depths": DEPTHS.default, "n_samples": 4, "seed": 0} | options
+    return evaluate("niah_single", model, tokenizer, lengths=lengths, **options)

@@ -1,7 +1,7 @@
 """Probe (evaluation) prompts of exact token lengths, assembled in token space: passkey, needle-in-a-haystack (single,
 multi key / value / query), variable tracking, common-word extraction and topic retrieval. A haystack of whole
 filler sentences fills what the fixed text leaves; needles go in at the sentence boundary nearest the requested depth
-(0 = start of the haystack, 1 = end). Deterministic given the seed. The eval tasks: :mod:`longpeft.eval.builtin`.
+(0 = start of the haystack, 1 = end). Deterministic given the seed. The eval tasks: :mod:`longpeft.eval.cli`.
 """
 
 from __future__ import annotations
