@@ -1,7 +1,6 @@
 """Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite tasks, topic retrieval
 and sliding-window perplexity, on any causal LM + tokenizer, with or without STRING; and any lm-evaluation-harness
-task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.cli`).
-"""
+task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.cli`)."""
 
 from __future__ import annotations
 

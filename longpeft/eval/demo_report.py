@@ -1,6 +1,5 @@
 """The demo's before/after table: passkey and single-needle NIAH at W, 2W and 4W (W = the base's trained window)
-for the base model and base + adapter, each with and without STRING, built from the eval results' JSON files only.
-"""
+for the base model and base + adapter, each with and without STRING, built from the eval results' JSON files only."""
 
 from __future__ import annotations
 

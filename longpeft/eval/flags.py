@@ -1,8 +1,6 @@
-"""The flags of ``longpeft eval`` tasks: each declared once, with its help, argparse type and default.
-
-The parser declares every registered task's flags with the default None, so a flag given to a task that does not
-take it is refused by name; the task's own defaults are filled in after parsing.
-"""
+"""The flags of ``longpeft eval`` tasks: each declared once, with its help, argparse type and default. The parser
+declares every registered task's flags with the default None, so a flag given to a task that does not take it is
+refused by name; the task's own defaults are filled in after parsing."""
 
 from __future__ import annotations
 

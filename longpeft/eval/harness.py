@@ -1,7 +1,6 @@
 """lm-evaluation-harness tasks (``lm-eval``, optional extra ``eval``) on an extended model: lm-eval's ``HFLM`` over
 the model ``longpeft.load`` returns, with the extended length of its ``longpeft.json`` as ``max_length``
-(docs/methods.md). lm-eval is imported only when a function here runs; without it the error names the extra.
-"""
+(docs/methods.md). lm-eval is imported only when a function here runs; without it the error names the extra."""
 
 from __future__ import annotations
 

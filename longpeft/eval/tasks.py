@@ -47,54 +47,6 @@ def string_enabled(model: Any, string: bool | dict[str, Any] | None) -> Iterator
             enable_string(model, **before)
 
 
-def length_batches(probes: Sequence[Probe], batch_size: int) -> list[list[int]]:
-    """Indices of ``probes`` in batches of at most ``batch_size`` that never mix prompt lengths (no
-    prompt pays for a longer one's padding), longest first (a memory problem shows up at once)."""
-    if batch_size < 1:
-        raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
-    batches = []
-    for length in sorted({p.length for p in probes}, reverse=True):
-        same = [k for k, p in enumerate(probes) if p.length == length]
-        batches += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
-    return batches
-
-
-def generate_for_probes(
-    model: Any, tokenizer: Any, probes: Sequence[Probe], max_new_tokens: int, batch_size: int, task: str
-) -> list[str]:
-    """Greedy continuations of ``probes`` (in their order), in :func:`length_batches`. A grid of several batches
-    announces its cost on stderr, then, after the first (longest) batch, a rough total time scaled by tokens."""
-    batches = length_batches(probes, batch_size)
-    tokens = [sum(probes[k].length + max_new_tokens for k in batch) for batch in batches]
-    lengths = sorted({p.length for p in probes})
-    if len(batches) > 1:
-        span = f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
-        tqdm.write(
-            f"{task}: {len(probes)} prompts of {span} tokens in {len(batches)} batches (one length each): at most "
-            f"{len(batches) * max_new_tokens} forward passes (a prefill and up to {max_new_tokens - 1} decode steps "
-            f"per batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * max_new_tokens:,} "
-            "generated",
-            file=sys.stderr,
-        )
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad_id = pad_token_id(tokenizer, eos_ids)
-    predictions = [""] * len(probes)
-    for i, batch in enumerate(tqdm(batches, desc=task, unit="batch", leave=False)):
-        start = time.perf_counter()
-        texts = generate_batch(model, tokenizer, [probes[k].input_ids for k in batch], max_new_tokens, eos_ids, pad_id)
-        for k, text in zip(batch, texts):
-            predictions[k] = text
-        if i == 0 and len(batches) > 1:
-            seconds = time.perf_counter() - start
-            tqdm.write(
-                f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took "
-                f"{format_duration(seconds)}; the whole grid should take about "
-                f"{format_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)",
-                file=sys.stderr,
-            )
-    return predictions
-
-
 @dataclasses.dataclass
 class ProbeGrid:
     """A probe task's grid (``n_samples`` probes per (length, depth) cell; ``lengths`` distinct, ascending), its
@@ -108,9 +60,54 @@ class ProbeGrid:
     seed: int
     chat: bool
 
+    def batches(self, batch_size: int) -> list[list[int]]:
+        """Indices of the probes in batches of at most ``batch_size`` that never mix prompt lengths (no prompt pays
+        for a longer one's padding), longest first (a memory problem shows up at once)."""
+        if batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {batch_size}")
+        batches = []
+        for length in sorted({p.length for p in self.probes}, reverse=True):
+            same = [k for k, p in enumerate(self.probes) if p.length == length]
+            batches += [same[i : i + batch_size] for i in range(0, len(same), batch_size)]
+        return batches
+
     def largest_batch(self, batch_size: int) -> int:
-        """Prompts in the longest batch :func:`length_batches` makes."""
+        """Prompts in the longest of :meth:`batches`."""
         return min(batch_size, sum(1 for p in self.probes if p.length == self.lengths[-1]))
+
+    def generate(self, model: Any, tokenizer: Any, batch_size: int) -> list[str]:
+        """Greedy continuations of the probes (in their order), in :meth:`batches`. A grid of several batches
+        announces its cost on stderr, then, after the first (longest) batch, a rough total time scaled by tokens."""
+        probes, new_tokens, task = self.probes, self.new_tokens, self.task.name
+        batches = self.batches(batch_size)
+        tokens = [sum(probes[k].length + new_tokens for k in batch) for batch in batches]
+        lengths = sorted({p.length for p in probes})
+        if len(batches) > 1:
+            span = f"{lengths[0]}-{lengths[-1]}" if len(lengths) > 1 else str(lengths[0])
+            tqdm.write(
+                f"{task}: {len(probes)} prompts of {span} tokens in {len(batches)} batches (one length each): at most "
+                f"{len(batches) * new_tokens} forward passes (a prefill and up to {new_tokens - 1} decode steps per "
+                f"batch), {sum(p.length for p in probes):,} prompt tokens + up to {len(probes) * new_tokens:,} "
+                "generated",
+                file=sys.stderr,
+            )
+        eos_ids = eos_token_ids(model, tokenizer)
+        pad_id = pad_token_id(tokenizer, eos_ids)
+        predictions = [""] * len(probes)
+        for i, batch in enumerate(tqdm(batches, desc=task, unit="batch", leave=False)):
+            start = time.perf_counter()
+            prompts = [probes[k].input_ids for k in batch]
+            for k, text in zip(batch, generate_batch(model, tokenizer, prompts, new_tokens, eos_ids, pad_id)):
+                predictions[k] = text
+            if i == 0 and len(batches) > 1:
+                seconds = time.perf_counter() - start
+                tqdm.write(
+                    f"{task}: the first batch ({len(batch)} x {probes[batch[0]].length} tokens) took "
+                    f"{format_duration(seconds)}; the whole grid should take about "
+                    f"{format_duration(seconds * sum(tokens) / tokens[0])} (rough: scaled by tokens)",
+                    file=sys.stderr,
+                )
+        return predictions
 
 
 def build_probe_grid(
@@ -162,7 +159,7 @@ def run_probe_task(
         grid = build_probe_grid(task, tokenizer, lengths, **grid_options)
     record, probes, lengths, new_tokens = grid.task, grid.probes, grid.lengths, grid.new_tokens
     check_memory(model, grid.largest_batch(batch_size), lengths[-1] + new_tokens)  # before the longest batch runs
-    predictions = generate_for_probes(model, tokenizer, probes, new_tokens, batch_size, record.name)
+    predictions = grid.generate(model, tokenizer, batch_size)
     samples = [
         {
             "length": probe.length,
