@@ -15,7 +15,7 @@ from typing import Any
 from ..builtin_models import model_location
 from ..config import DTYPE_NAMES, torch_dtype
 from ..errors import ConfigError, OutputFolderError
-from ..files import check_model_source, check_writable_folder, local_adapter_dir
+from ..files import check_model_source, check_writable_folder, local_adapter_dir, write_text_atomically
 from ..synth_data.probes import Probe, ProbeBuilder
 from . import registry
 from .flags import HARNESS_FLAGS, NEEDLE_FLAGS, PERPLEXITY_FLAGS, PROBE_FLAGS, STRING_FLAGS
@@ -260,7 +260,7 @@ class HarnessTask(EvalTask):
     def command(self, args: argparse.Namespace) -> int:
         """``eval harness``: lm-eval tasks on the model, with its extended length as HFLM's max_length; prints
         lm-eval's table and writes its results to ``--out FILE``."""
-        from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
+        from .harness import extended_length, import_lm_eval, run_harness
 
         out = Path(args.out)
         if out.is_dir():
@@ -284,9 +284,12 @@ class HarnessTask(EvalTask):
         read_here = ("tasks", "max_length", "metadata")  # the other flags are run_harness's keywords
         options = {flag.dest: getattr(args, flag.dest) for flag in HARNESS_FLAGS if flag.dest not in read_here}
         results = run_harness(model, tokenizer, tasks, max_length=max_length, metadata=metadata, **options)
-        print(results_table(results))
-        length = results["longpeft"]["max_length"] or "from the model config"
-        print(f"max_length {length}; wrote {write_results(results, out)}")
+        from lm_eval.utils import handle_non_serializable, make_table  # lm-eval's table; JSON for its values' types
+
+        print(make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else ""))
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(out, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")
+        print(f"max_length {results['longpeft']['max_length'] or 'from the model config'}; wrote {out}")
         return 0
 
 

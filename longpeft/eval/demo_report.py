@@ -23,8 +23,7 @@ def setting_folder(setting: str) -> str:
 
 
 def demo_string_settings(trained_length: int) -> dict[str, int]:
-    """STRING for a small model: STRING's default S (L / 3) and W = min(128, S / 4) (the paper's W = 128 needs
-    L >= 2K)."""
+    """STRING for a small model: the default S (L / 3) and W = min(128, S / 4) (the paper's W = 128 needs L >= 2K)."""
     shift, trained_length = string_defaults(None, trained_length, None, trained_length)
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 

@@ -4,14 +4,12 @@ the model ``longpeft.load`` returns, with the extended length of its ``longpeft.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..files import write_text_atomically
 
 if TYPE_CHECKING:
     from ..spec import ContextSpec
@@ -48,14 +46,11 @@ def extended_length(model_or_adapter: str | Path | None) -> int | None:
     return None if spec is None else max(spec.max_position_embeddings, spec.target_length or 0)
 
 
-# What lm-eval's HFLM logs whenever it is given a built model rather than a name: advice for lm-eval's own launcher
-# (accelerate, parallelize=True), which a model handed over here never goes through.
-MODEL_OBJECT_NOTICE = "`pretrained` model kwarg is not of type `str`"
-
-
 def without_model_object_notice(record: logging.LogRecord) -> bool:
-    """A logging filter: drops lm-eval's :data:`MODEL_OBJECT_NOTICE` record, lets every other record through."""
-    return not str(record.msg).startswith(MODEL_OBJECT_NOTICE)
+    """A logging filter: drops the notice lm-eval's HFLM logs whenever it is given a built model rather than a name
+    (advice for lm-eval's own launcher, accelerate or parallelize=True, which a model handed over here never goes
+    through), lets every other record through."""
+    return not str(record.msg).startswith("`pretrained` model kwarg is not of type `str`")
 
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
@@ -104,11 +99,9 @@ def run_harness(
     (``results``, ``groups``, ``configs``, ...; ``samples`` with each request and the model's answers when
     ``log_samples``). ``limit``: documents per task (a float < 1: that fraction); ``num_fewshot``: None for each
     task's; ``chat``: lm-eval's ``apply_chat_template``; ``metadata``: passed to the tasks (RULER reads
-    ``max_seq_lengths`` and ``tokenizer``); ``seed``: lm-eval's Python, NumPy, torch and few-shot seeds.
-
-    Raises ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or ``batch_size > 1`` on a
-    model with a method on that reads a padded request differently from the request alone (Activation Beacon).
-    """
+    ``max_seq_lengths`` and ``tokenizer``); ``seed``: lm-eval's Python, NumPy, torch and few-shot seeds. Raises
+    ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or ``batch_size > 1`` on a model
+    with a method on that reads a padded request differently from the request alone (Activation Beacon)."""
     from ..adapters import applied_methods
 
     methods = applied_methods(model) if batch_size > 1 else []  # lm-eval pads a batch's requests to one length
@@ -144,18 +137,3 @@ def run_harness(
     )
     results["longpeft"] = {"max_length": max_length, "tasks": list(tasks), "limit": limit}
     return results
-
-
-def results_table(results: dict[str, Any]) -> str:
-    """lm-eval's Markdown table of the tasks' metrics, then the groups' (when a group ran)."""
-    from lm_eval.utils import make_table
-
-    return make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
-
-
-def write_results(results: dict[str, Any], path: str | Path) -> Path:
-    """Write ``results`` as JSON to ``path`` (lm-eval's own conversion for values JSON has no type for)."""
-    from lm_eval.utils import handle_non_serializable
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")

@@ -40,10 +40,8 @@ def sliding_window_perplexity(
     not scored before (the last ``stride`` of it, all of the first window), conditioned on the rest of the window.
     Give ``text`` (tokenized with the tokenizer's special tokens) or ``input_ids``; ``stride``: default
     ``window // 2``, ``window`` for disjoint windows; ``max_tokens``: score only the first ``max_tokens`` tokens.
-
     Returns ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``; ``window`` is the
-    longest input a forward got (``min(window, n_tokens)``).
-    """
+    longest input a forward got (``min(window, n_tokens)``)."""
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text or input_ids")
     stride = window // 2 if stride is None else stride

@@ -64,8 +64,7 @@ class ProbeTask(EvalTask):
         return DEPTHS in self.flags
 
     def probe(self, builder: probes.ProbeBuilder, length: int, depth: float | None = None, **options: Any) -> Probe:
-        """One probe; ``depth`` in [0, 1] (default 0.5) places the needles of a task with ``--depths``, the others
-        take none."""
+        """One probe; ``depth`` in [0, 1] (default 0.5) places a ``--depths`` task's needles, the others take none."""
         if not self.depths:
             return dataclasses.replace(self.build(builder, length, **options), task=self.name)
         depth = 0.5 if depth is None else float(depth)

@@ -148,12 +148,10 @@ def run_probe_task(
     """Build the probe grid of the probe task ``task`` (:func:`build_probe_grid` with ``grid_options``: depths,
     n_samples, seed, max_new_tokens, chat and the task's own), generate, and score every sample with the task's
     scorer. ``save_prompts`` keeps each prompt's text in its sample (large: about 4 characters per token); ``grid``
-    is the grid when already built, its lengths checked against the model's positions.
-
-    Returns ``{"task", "metric", "score", "by_length", "cells", "samples", "lengths", "depths", ...}``: ``cells`` as
-    :func:`score_cells`, each sample ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction",
-    "score"}`` (+ ``"prompt"``); ``needle_positions`` are token offsets in the prompt.
-    """
+    is the grid when already built, its lengths checked against the model's positions. Returns ``{"task", "metric",
+    "score", "by_length", "cells", "samples", "lengths", "depths", ...}``: ``cells`` as :func:`score_cells`, each
+    sample ``{"length", "depth", "needle_positions", "metadata", "answers", "prediction", "score"}`` (+ ``"prompt"``);
+    ``needle_positions`` are token offsets in the prompt."""
     if grid is None:
         warn_beyond_positions(model, lengths)
         grid = build_probe_grid(task, tokenizer, lengths, **grid_options)
@@ -190,8 +188,7 @@ def run_probe_task(
 
 
 def score_cells(samples: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``{"length", "depth", "score", "n"}`` of each (length, depth) cell of ``samples`` (mean score, count), by
-    length, then depth (none first)."""
+    """``{"length", "depth", "score", "n"}`` (mean score, count) per (length, depth) cell, by length, depth."""
     cells: dict[tuple[int, float | None], list[float]] = {}
     for s in samples:
         cells.setdefault((s["length"], s["depth"]), []).append(s["score"])
