@@ -176,12 +176,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="score a model on passkey / NIAH / RULER-lite / topic retrieval / perplexity (JSON + PNG), or on "
         "lm-evaluation-harness tasks (harness)",
-        description=(
-            "Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
-            "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. "
-            "'harness' runs lm-evaluation-harness tasks (--tasks; pip install 'longpeft[eval]') on the same model "
-            "and writes lm-eval's results to --out FILE."
-        ),
+        description="Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
+        "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. 'harness' "
+        "runs lm-evaluation-harness tasks (--tasks; pip install 'longpeft[eval]') on the same model and writes "
+        "lm-eval's results to --out FILE.",
     )
     parser.add_argument(
         "task",

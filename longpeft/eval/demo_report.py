@@ -44,10 +44,8 @@ def run_demo_evals(
     base = AutoModelForCausalLM.from_pretrained(base_location).eval()
     window = base.config.max_position_embeddings
     tokenizer = load_tokenizer(adapter_dir, base_location)
-    models = {
-        "base": (base, window),
-        "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window),
-    }
+    adapter = load(base_location, adapter_dir).eval()
+    models = {"base": (base, window), "adapter": (adapter, spec.trained_length or window)}
     lengths = lengths or tuple(m * window for m in WINDOW_MULTIPLES)
     grid = dict(lengths=lengths, depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12)
     for setting in SETTINGS:

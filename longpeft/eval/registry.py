@@ -48,10 +48,9 @@ def score_probe(prediction: str, probe: Probe) -> float:
 @dataclass(frozen=True)
 class ProbeTask(EvalTask):
     """A task scored on a grid of probes, each decoded greedily (:func:`longpeft.eval.tasks.run_probe_task`).
-    ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` without ``--depths``) makes one prompt of
-    exactly ``length`` tokens from a :class:`longpeft.synth_data.probes.ProbeBuilder` (``options``: the task's own);
-    ``max_new_tokens``: the decode budget per prompt (the answers and some slack); ``score(prediction, probe)``: in
-    [0, 1]."""
+    ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` without ``--depths``): one prompt of exactly
+    ``length`` tokens from a :class:`longpeft.synth_data.probes.ProbeBuilder`, ``options`` the task's own;
+    ``max_new_tokens``: the decode budget per prompt (answers + slack); ``score(prediction, probe)``: in [0, 1]."""
 
     build: Callable[..., Probe]
     max_new_tokens: int
