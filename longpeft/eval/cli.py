@@ -81,7 +81,9 @@ def spec_folder(args: argparse.Namespace) -> Path:
 def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
     """For STRING's default trained length L, before the model loads: the ``trained_length`` in the longpeft.json of
     :func:`spec_folder` (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
-    and where the default L comes from, in words."""
+    and where the default L comes from, in words; ``--string-trained-length`` when given."""
+    if args.string_trained_length is not None:
+        return None, args.string_trained_length, "--string-trained-length"
     from .harness import recorded_spec
 
     spec = recorded_spec(spec_folder(args))
@@ -108,10 +110,7 @@ def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[
         return None
     from ..adapters.string import DEFAULT_LOCAL_WINDOW, string_defaults
 
-    if args.string_trained_length is not None:
-        recorded, positions, source = None, args.string_trained_length, "--string-trained-length"
-    else:
-        recorded, positions, source = recorded_lengths(args)
+    recorded, positions, source = recorded_lengths(args)
     shift, trained = string_defaults(args.string_shift, args.string_trained_length, recorded, positions)
     what_shift = f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
     if args.string_shift:
