@@ -136,8 +136,7 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
     own = {flag.dest for flag in task.flags}
     given = [flag for flag in task_flags().values() if flag.dest not in own and getattr(args, flag.dest) is not None]
     if given:
-        why = given[0].unused if len(given) == 1 and given[0].unused else None
-        why = why or f"its own flags are {', '.join(flag.flag for flag in task.flags)}"
+        why = (len(given) == 1 and given[0].unused) or f"its own flags are {', '.join(f.flag for f in task.flags)}"
         raise ConfigError(
             f"{', '.join(flag.flag for flag in given)}: not used by eval {args.task} ({why}); remove "
             f"{'it' if len(given) == 1 else 'them'}"

@@ -261,10 +261,9 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path, name: str | None 
     with writing_to(out_dir):
         out.mkdir(parents=True, exist_ok=True)
         files = {"json": str(out / f"{name}.json")}
-        if result.get("depths"):
-            files["heatmap"] = str(plot_result(result, out / f"{name}_heatmap.png", title))
-        elif "by_length" in result:
-            files["plot"] = str(plot_result(result, out / f"{name}_by_length.png", title))
+        if result.get("depths") or "by_length" in result:  # a heatmap with depths, else score by length
+            kind, suffix = ("heatmap", "heatmap") if result.get("depths") else ("plot", "by_length")
+            files[kind] = str(plot_result(result, out / f"{name}_{suffix}.png", title))
         result["files"] = files
         write_text_atomically(files["json"], json.dumps(result, indent=2) + "\n")
     return files
