@@ -1,7 +1,6 @@
 """Long-context evaluation: passkey, needle-in-a-haystack grids with heatmaps, RULER-lite tasks, topic retrieval
 and sliding-window perplexity, on any causal LM + tokenizer, with or without STRING; and any lm-evaluation-harness
-task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.builtin`).
-"""
+task through :mod:`.harness`. Every task is a record of the registry (:mod:`.registry`; built-in: :mod:`.builtin`)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ _EXPORTS = {
     name: module
     for module, names in {
         "registry": "EVAL_TASKS",  # the task names, read at each access
-        "memory": "InsufficientMemoryError check_memory estimate_forward_bytes",
+        "generation": "InsufficientMemoryError check_memory estimate_forward_bytes",
         "perplexity": "perplexity_of_file sliding_window_perplexity",
         "scoring": "exact_match recall score",
         "tasks": "evaluate niah_grid passkey_accuracy run_probe_task write_outputs",

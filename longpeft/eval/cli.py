@@ -10,9 +10,9 @@ from typing import Any
 
 from ..builtin_models import model_location
 from ..config import DTYPE_NAMES, torch_dtype
-from ..errors import ConfigError, OutputFolderError
+from ..errors import ConfigError
 from ..files import check_model_source, check_writable_folder, local_adapter_dir
-from .flags import HARNESS_FLAGS, STRING_FLAGS
+from .flags import STRING_FLAGS
 from .registry import ALIASES, TASKS, EvalTask, get_task, task_flags
 
 
@@ -75,7 +75,9 @@ def spec_folder(args: argparse.Namespace) -> Path:
 def recorded_lengths(args: argparse.Namespace) -> tuple[int | None, int, str]:
     """For STRING's default trained length L, before the model loads: the ``trained_length`` in the longpeft.json of
     :func:`spec_folder` (a merged model's carries its adapter's), the (adapted) model's ``max_position_embeddings``,
-    and where the default L comes from, in words."""
+    and where the default L comes from, in words; ``--string-trained-length`` when given."""
+    if args.string_trained_length is not None:
+        return None, args.string_trained_length, "--string-trained-length"
     from .harness import recorded_spec
 
     spec = recorded_spec(spec_folder(args))
@@ -102,10 +104,7 @@ def string_settings_from_args(args: argparse.Namespace, task: EvalTask) -> dict[
         return None
     from ..adapters.string import DEFAULT_LOCAL_WINDOW, string_defaults
 
-    if args.string_trained_length is not None:
-        recorded, positions, source = None, args.string_trained_length, "--string-trained-length"
-    else:
-        recorded, positions, source = recorded_lengths(args)
+    recorded, positions, source = recorded_lengths(args)
     shift, trained = string_defaults(args.string_shift, args.string_trained_length, recorded, positions)
     what_shift = f"the STRING shift {shift} = trained length {trained} // 3 (from {source})"
     if args.string_shift:
@@ -131,8 +130,7 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
     own = {flag.dest for flag in task.flags}
     given = [flag for flag in task_flags().values() if flag.dest not in own and getattr(args, flag.dest) is not None]
     if given:
-        why = given[0].unused if len(given) == 1 and given[0].unused else None
-        why = why or f"its own flags are {', '.join(flag.flag for flag in task.flags)}"
+        why = (len(given) == 1 and given[0].unused) or f"its own flags are {', '.join(f.flag for f in task.flags)}"
         raise ConfigError(
             f"{', '.join(flag.flag for flag in given)}: not used by eval {args.task} ({why}); remove "
             f"{'it' if len(given) == 1 else 'them'}"
@@ -142,38 +140,6 @@ def check_task_flags(args: argparse.Namespace, task: EvalTask) -> None:
             setattr(args, flag.dest, flag.default)
         if flag.needs and not getattr(args, flag.dest):
             raise ConfigError(f"longpeft eval {task.name} needs {flag.flag} {flag.needs}")
-
-
-def run_harness_eval(args: argparse.Namespace) -> int:
-    """``eval harness``: lm-eval tasks on the model, with its extended length as HFLM's max_length; prints lm-eval's
-    table and writes its results to ``--out FILE``."""
-    from .harness import extended_length, import_lm_eval, results_table, run_harness, write_results
-
-    out = Path(args.out)
-    if out.is_dir():
-        raise OutputFolderError(
-            f"--out {out} is a folder; eval harness writes one JSON file: give its name, e.g. {out / 'harness.json'}"
-        )
-    check_writable_folder(out.parent, "--out")
-    example = """'{"max_seq_lengths": [8192, 16384]}'"""
-    try:
-        metadata = json.loads(args.metadata) if args.metadata else {}
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"--metadata is not JSON ({error.msg}): give an object, e.g. {example}") from None
-    if not isinstance(metadata, dict):
-        raise ConfigError(f"--metadata must be a JSON object, e.g. {example}")
-    tasks = [task.strip() for task in args.tasks.split(",") if task.strip()]
-    import_lm_eval()  # before the model loads
-    model, tokenizer = load_model_and_tokenizer(args)
-    max_length = args.max_length or extended_length(spec_folder(args))
-    metadata.setdefault("tokenizer", tokenizer.name_or_path)  # tasks that build their own prompts (RULER) size them
-    read_here = ("tasks", "max_length", "metadata")  # the other flags are run_harness's keywords
-    options = {flag.dest: getattr(args, flag.dest) for flag in HARNESS_FLAGS if flag.dest not in read_here}
-    results = run_harness(model, tokenizer, tasks, max_length=max_length, metadata=metadata, **options)
-    print(results_table(results))
-    length = results["longpeft"]["max_length"] or "from the model config"
-    print(f"max_length {length}; wrote {write_results(results, out)}")
-    return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -202,12 +168,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="score a model on passkey / NIAH / RULER-lite / topic retrieval / perplexity (JSON + PNG), or on "
         "lm-evaluation-harness tasks (harness)",
-        description=(
-            "Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
-            "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. "
-            "'harness' runs lm-evaluation-harness tasks (--tasks; pip install 'longpeft[eval]') on the same model "
-            "and writes lm-eval's results to --out FILE."
-        ),
+        description="Evaluate a causal LM (base, base + longpeft adapter, or merged) on long-context probes with "
+        "batched greedy generation, optionally with STRING. Writes <task>.json and heatmaps/plots to --out. 'harness' "
+        "runs lm-evaluation-harness tasks (--tasks; pip install 'longpeft[eval]') on the same model and writes "
+        "lm-eval's results to --out FILE.",
     )
     parser.add_argument(
         "task",

@@ -1,6 +1,5 @@
 """The demo's before/after table: passkey and single-needle NIAH at W, 2W and 4W (W = the base's trained window)
-for the base model and base + adapter, each with and without STRING, built from the eval results' JSON files only.
-"""
+for the base model and base + adapter, each with and without STRING, built from the eval results' JSON files only."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ def setting_folder(setting: str) -> str:
 
 
 def demo_string_settings(trained_length: int) -> dict[str, int]:
-    """STRING for a small model: STRING's default S (L / 3) and W = min(128, S / 4) (the paper's W = 128 needs
-    L >= 2K)."""
+    """STRING for a small model: the default S (L / 3) and W = min(128, S / 4) (the paper's W = 128 needs L >= 2K)."""
     shift, trained_length = string_defaults(None, trained_length, None, trained_length)
     return {"shift": shift, "local_window": min(DEFAULT_LOCAL_WINDOW, shift // 4), "trained_length": trained_length}
 
@@ -46,10 +44,8 @@ def run_demo_evals(
     base = AutoModelForCausalLM.from_pretrained(base_location).eval()
     window = base.config.max_position_embeddings
     tokenizer = load_tokenizer(adapter_dir, base_location)
-    models = {
-        "base": (base, window),
-        "adapter": (load(base_location, adapter_dir).eval(), spec.trained_length or window),
-    }
+    adapter = load(base_location, adapter_dir).eval()
+    models = {"base": (base, window), "adapter": (adapter, spec.trained_length or window)}
     lengths = lengths or tuple(m * window for m in WINDOW_MULTIPLES)
     grid = dict(lengths=lengths, depths=DEPTHS, n_samples=n_samples, seed=seed, chat=False, batch_size=12)
     for setting in SETTINGS:

@@ -1,8 +1,6 @@
-"""The flags of ``longpeft eval`` tasks: each declared once, with its help, argparse type and default.
-
-The parser declares every registered task's flags with the default None, so a flag given to a task that does not
-take it is refused by name; the task's own defaults are filled in after parsing.
-"""
+"""The flags of ``longpeft eval`` tasks: each declared once, with its help, argparse type and default. The parser
+declares every registered task's flags with the default None, so a flag given to a task that does not take it is
+refused by name; the task's own defaults are filled in after parsing."""
 
 from __future__ import annotations
 
@@ -14,27 +12,16 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Flag:
-    """One flag of ``longpeft eval``.
+    """One flag of ``longpeft eval``; its dest is the flag without dashes, ``-`` read as ``_``."""
 
-    Attributes:
-        flag: as typed, ``--lengths``; its dest is the name without dashes, ``-`` read as ``_``.
-        help: the help line.
-        default: the value a task that takes the flag gets when it is not given.
-        argparse: more ``add_argument`` keywords (``type``, ``nargs``, ``action``).
-        keyword: the option of the task's run it sets (default: its dest); None for a flag the command reads itself.
-        needs: for a flag the task cannot run without, what to give (``FILE (the UTF-8 text to score)``).
-        unused: why a task without this flag has no use for it, when it is given alone (the refusal's reason).
-        longest: what the flag's largest value bounds (``longest prompt``), for the STRING shift check.
-    """
-
-    flag: str
+    flag: str  # as typed: --lengths
     help: str
-    default: Any = None
-    argparse: Mapping[str, Any] = field(default_factory=dict)
-    keyword: str | None = ""
-    needs: str = ""
-    unused: str = ""
-    longest: str = ""
+    default: Any = None  # the value a task that takes the flag gets when it is not given
+    argparse: Mapping[str, Any] = field(default_factory=dict)  # more add_argument keywords (type, nargs, action)
+    keyword: str | None = ""  # the option of the task's run it sets ("": its dest); None: the command reads it
+    needs: str = ""  # for a flag the task cannot run without, what to give: FILE (the UTF-8 text to score)
+    unused: str = ""  # why a task without this flag has no use for it, when it is given alone (the refusal's reason)
+    longest: str = ""  # what the flag's largest value bounds (longest prompt), for the STRING shift check
 
     @property
     def dest(self) -> str:

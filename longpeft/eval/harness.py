@@ -1,18 +1,15 @@
 """lm-evaluation-harness tasks (``lm-eval``, optional extra ``eval``) on an extended model: lm-eval's ``HFLM`` over
 the model ``longpeft.load`` returns, with the extended length of its ``longpeft.json`` as ``max_length``
-(docs/methods.md). lm-eval is imported only when a function here runs; without it the error names the extra.
-"""
+(docs/methods.md). lm-eval is imported only when a function here runs; without it the error names the extra."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
-from ..files import write_text_atomically
 
 if TYPE_CHECKING:
     from ..spec import ContextSpec
@@ -49,29 +46,11 @@ def extended_length(model_or_adapter: str | Path | None) -> int | None:
     return None if spec is None else max(spec.max_position_embeddings, spec.target_length or 0)
 
 
-def check_batch_size(model: Any, batch_size: int) -> None:
-    """Refuse ``batch_size > 1`` on a model with a method on that reads a padded request differently from the request
-    alone (its ``padded_batches``: Activation Beacon): lm-eval pads a batch's requests to one length."""
-    from ..adapters import applied_methods
-
-    if batch_size <= 1:
-        return
-    why = [method.padded_batches for method in applied_methods(model) if method.padded_batches]
-    if why:
-        raise ConfigError(
-            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and {why[0]}; use "
-            "--batch-size 1"
-        )
-
-
-# What lm-eval's HFLM logs whenever it is given a built model rather than a name: advice for lm-eval's own launcher
-# (accelerate, parallelize=True), which a model handed over here never goes through.
-MODEL_OBJECT_NOTICE = "`pretrained` model kwarg is not of type `str`"
-
-
 def without_model_object_notice(record: logging.LogRecord) -> bool:
-    """A logging filter: drops lm-eval's :data:`MODEL_OBJECT_NOTICE` record, lets every other record through."""
-    return not str(record.msg).startswith(MODEL_OBJECT_NOTICE)
+    """A logging filter: drops the notice lm-eval's HFLM logs whenever it is given a built model rather than a name
+    (advice for lm-eval's own launcher, accelerate or parallelize=True, which a model handed over here never goes
+    through), lets every other record through."""
+    return not str(record.msg).startswith("`pretrained` model kwarg is not of type `str`")
 
 
 def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_size: int = 1) -> Any:
@@ -89,8 +68,8 @@ def harness_lm(model: Any, tokenizer: Any, max_length: int | None = None, batch_
 
 
 def task_manager(tasks: Sequence[str], include_path: str | Path | None, metadata: dict[str, Any] | None) -> Any:
-    """lm-eval's ``TaskManager``: over ``include_path`` alone when it defines every one of ``tasks`` (indexing
-    lm-eval's own ~15,000 task files takes 10-30 s), else over lm-eval's tasks and ``include_path``."""
+    """lm-eval's ``TaskManager``: over ``include_path`` alone when it defines all ``tasks`` (indexing lm-eval's own
+    ~15,000 task files takes 10-30 s), else over lm-eval's tasks and ``include_path``."""
     from lm_eval.tasks import TaskManager
 
     if include_path is not None:
@@ -115,22 +94,23 @@ def run_harness(
     log_samples: bool = False,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Run lm-eval tasks on ``model`` with :func:`harness_lm`; returns lm-eval's result dict (``results``, ``groups``,
-    ``configs``, ...; ``samples`` with each request and the model's answers when ``log_samples``).
+    """Run lm-eval ``tasks`` (task, group or tag names, e.g. ``["ruler"]``, or of tasks in the YAML files under
+    ``include_path``, searched besides lm-eval's) on ``model`` with :func:`harness_lm`; returns lm-eval's result dict
+    (``results``, ``groups``, ``configs``, ...; ``samples`` with each request and the model's answers when
+    ``log_samples``). ``limit``: documents per task (a float < 1: that fraction); ``num_fewshot``: None for each
+    task's; ``chat``: lm-eval's ``apply_chat_template``; ``metadata``: passed to the tasks (RULER reads
+    ``max_seq_lengths`` and ``tokenizer``); ``seed``: lm-eval's Python, NumPy, torch and few-shot seeds. Raises
+    ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or ``batch_size > 1`` on a model
+    with a method on that reads a padded request differently from the request alone (Activation Beacon)."""
+    from ..adapters import applied_methods
 
-    Args:
-        tasks: lm-eval task, group or tag names (e.g. ``["ruler"]``), or names of tasks under ``include_path``.
-        include_path: a folder of task YAML files of your own, searched besides lm-eval's tasks.
-        limit: at most this many documents per task (a float < 1: that fraction).
-        num_fewshot: few-shot examples per prompt (None: each task's default).
-        chat: wrap prompts in the tokenizer's chat template (lm-eval's ``apply_chat_template``).
-        metadata: passed to the tasks (RULER reads ``max_seq_lengths`` and ``tokenizer`` from it).
-        seed: lm-eval's Python, NumPy, torch and few-shot seeds.
-
-    Raises ConfigError when lm-eval is missing, ``tasks`` is empty or unknown to lm-eval, or for
-    :func:`check_batch_size`.
-    """
-    check_batch_size(model, batch_size)
+    methods = applied_methods(model) if batch_size > 1 else []  # lm-eval pads a batch's requests to one length
+    why = [method.padded_batches for method in methods if method.padded_batches]
+    if why:
+        raise ConfigError(
+            f"--batch-size {batch_size}: lm-eval pads the requests of a batch to one length, and {why[0]}; use "
+            "--batch-size 1"
+        )
     lm_eval = import_lm_eval()
     if not tasks:
         raise ConfigError("--tasks: give at least one lm-eval task or group, e.g. --tasks ruler")
@@ -157,18 +137,3 @@ def run_harness(
     )
     results["longpeft"] = {"max_length": max_length, "tasks": list(tasks), "limit": limit}
     return results
-
-
-def results_table(results: dict[str, Any]) -> str:
-    """lm-eval's Markdown table of the tasks' metrics, then the groups' (when a group ran)."""
-    from lm_eval.utils import make_table
-
-    return make_table(results) + ("\n" + make_table(results, "groups") if results.get("groups") else "")
-
-
-def write_results(results: dict[str, Any], path: str | Path) -> Path:
-    """Write ``results`` as JSON to ``path`` (lm-eval's own conversion for values JSON has no type for)."""
-    from lm_eval.utils import handle_non_serializable
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return write_text_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable) + "\n")

@@ -13,8 +13,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError, DataError, DataNotFoundError
 from ..family import backbone_of, causal_lm_of
 from .flags import WINDOW
-from .memory import check_memory
-from .positions import warn_beyond_positions
+from .generation import check_memory, warn_beyond_positions
 
 LOGIT_CHUNK = 1024  # positions per lm_head call: at most LOGIT_CHUNK x vocab fp32 logits at a time
 
@@ -37,18 +36,12 @@ def sliding_window_perplexity(
     stride: int | None = None,
     max_tokens: int | None = None,
 ) -> dict[str, Any]:
-    """Perplexity with a sliding window: each window of ``window`` tokens scores only the tokens not scored before
-    (the last ``stride`` of it, all of the first window), conditioned on the rest of the window.
-
-    Args:
-        text or input_ids: the text to score (tokenized with the tokenizer's special tokens) or ids.
-        window: tokens per forward (context + scored).
-        stride: step between windows (default ``window // 2``); ``stride == window`` gives disjoint windows.
-        max_tokens: score only the first ``max_tokens`` tokens.
-
+    """Perplexity with a sliding window: each window of ``window`` tokens (context + scored) scores only the tokens
+    not scored before (the last ``stride`` of it, all of the first window), conditioned on the rest of the window.
+    Give ``text`` (tokenized with the tokenizer's special tokens) or ``input_ids``; ``stride``: default
+    ``window // 2``, ``window`` for disjoint windows; ``max_tokens``: score only the first ``max_tokens`` tokens.
     Returns ``{"perplexity", "nll_per_token", "n_scored", "n_tokens", "window", "stride"}``; ``window`` is the
-    longest input a forward got (``min(window, n_tokens)``).
-    """
+    longest input a forward got (``min(window, n_tokens)``)."""
     if (text is None) == (input_ids is None):
         raise ValueError("give exactly one of text or input_ids")
     stride = window // 2 if stride is None else stride

@@ -1,7 +1,6 @@
 """The eval-task registry, read by ``longpeft eval``, :func:`longpeft.eval.evaluate` and tests/test_eval_tasks.py.
 Torch-free: the CLI builds its parser from it. A task is one record and one :func:`register` line (the built-in
-ones: :mod:`.builtin`); CONTRIBUTING.md ("One record for every eval task") describes the contract.
-"""
+ones: :mod:`.cli`); CONTRIBUTING.md ("One record for every eval task") describes the contract."""
 
 from __future__ import annotations
 
@@ -49,14 +48,9 @@ def score_probe(prediction: str, probe: Probe) -> float:
 @dataclass(frozen=True)
 class ProbeTask(EvalTask):
     """A task scored on a grid of probes, each decoded greedily (:func:`longpeft.eval.tasks.run_probe_task`).
-
-    Attributes:
-        build: ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` for a task without
-            ``--depths``): one prompt of exactly ``length`` tokens from a
-            :class:`longpeft.synth_data.probes.ProbeBuilder`; ``options`` are the task's own.
-        max_new_tokens: the decode budget per prompt: enough for the answer(s) with some slack.
-        score: ``score(prediction, probe) -> float`` in [0, 1].
-    """
+    ``build(builder, length, depth, **options) -> Probe`` (no ``depth`` without ``--depths``): one prompt of exactly
+    ``length`` tokens from a :class:`longpeft.synth_data.probes.ProbeBuilder`, ``options`` the task's own;
+    ``max_new_tokens``: the decode budget per prompt (answers + slack); ``score(prediction, probe)``: in [0, 1]."""
 
     build: Callable[..., Probe]
     max_new_tokens: int
@@ -69,8 +63,7 @@ class ProbeTask(EvalTask):
         return DEPTHS in self.flags
 
     def probe(self, builder: probes.ProbeBuilder, length: int, depth: float | None = None, **options: Any) -> Probe:
-        """One probe; ``depth`` in [0, 1] (default 0.5) places the needles of a task with ``--depths``, the others
-        take none."""
+        """One probe; ``depth`` in [0, 1] (default 0.5) places a ``--depths`` task's needles, the others take none."""
         if not self.depths:
             return dataclasses.replace(self.build(builder, length, **options), task=self.name)
         depth = 0.5 if depth is None else float(depth)

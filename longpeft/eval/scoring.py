@@ -1,8 +1,7 @@
 """Scoring of generated continuations: exact match (the answer first: plain prompts end where it begins), contains
 (the answer anywhere: chat replies, in the model's own words) and recall (the fraction of answers found). All rules
 match whole words after :func:`normalize`: for ``60494``, ``604941`` is wrong, and so are numbers that continue it
-through a separator (``60494.1``, ``60494,123``, ``60494-7``).
-"""
+through a separator (``60494.1``, ``60494,123``, ``60494-7``)."""
 
 from __future__ import annotations
 
@@ -29,11 +28,9 @@ def _glued(before: str, target: str, after: str) -> bool:
 
 
 def exact_match(prediction: str, answer: str) -> float:
-    """1.0 when the continuation begins with ``answer`` as a whole word, else 0.0.
-
-    Leading spaces, quotes and colons are skipped, and case is ignored: for the answer ``12345``,
-    ``" 12345. Remember"`` scores 1, ``"123456"``, ``"12345.6"`` and ``"The 12345"`` score 0.
-    """
+    """1.0 when the continuation begins with ``answer`` as a whole word, else 0.0. Leading spaces, quotes and colons
+    are skipped, and case is ignored: for the answer ``12345``, ``" 12345. Remember"`` scores 1, ``"123456"``,
+    ``"12345.6"`` and ``"The 12345"`` score 0."""
     text, target = normalize(prediction).lstrip(" \"'`:*"), normalize(answer)
     return float(bool(target) and text.startswith(target) and not _glued("", target, text[len(target) :]))
 
