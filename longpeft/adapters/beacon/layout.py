@@ -310,40 +310,21 @@ def choose_ratio(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The ratio of the next window among ``ratios`` under ``mix`` (step-random, instance-random, adapt-N; the
-    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead): ``chosen`` (the sequence's
-    earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw among
-    :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
-    ``scheme``: what their positions depend on besides the ratio (:func:`span_at`)."""
+    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead), ``length`` the tokens known so
+    far: ``chosen`` (the sequence's earlier choice, or None) under instance-random and adapt-N, else a draw among
+    :func:`fitting_ratios` or adapt-N's smallest of them for ``length + N`` tokens (the authors' ``rule``:
+    :func:`authors_adapt_ratio`). ``sink``, ``training``, ``rule``, ``keep``, ``scheme``: what positions depend on
+    besides the ratio (:func:`span_at`)."""
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
     if mix.startswith("adapt-"):
-        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule, keep, scheme)
-    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
-    return candidates[int(torch.randint(len(candidates), ()).item())]
-
-
-def span_ratio(
-    ratios: tuple[int, ...],
-    mix: str,
-    window: int,
-    max_positions: int,
-    length: int,
-    sink: int = 0,
-    training: bool = False,
-    rule: str = "longpeft",
-    keep: tuple[int, int | None] = (0, None),
-    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
-) -> int:
-    """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
-    (:func:`fitting_ratios`): adapt-N's choice and the random mixes' worst draw. Under the authors' ``rule``, adapt-N
-    takes :func:`authors_adapt_ratio` instead."""
-    if mix.startswith("adapt-"):
         length += int(mix.split("-", 1)[1])
         if rule == "authors":
             return authors_adapt_ratio(ratios, window, max_positions, length)
-    return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
+    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
+    return min(candidates) if mix.startswith("adapt-") else candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
@@ -360,10 +341,13 @@ def window_span(
     settings: BeaconSettings, length: int, max_positions: int, training: bool = False, keys: bool = False
 ) -> int:
     """Positions an input of ``length`` tokens occupies at most (:func:`span_at`; with ``keys``, the keys one query
-    reads at most), at the ratio :func:`span_ratio` bounds them by (the training or the inference ratios and mix)."""
+    reads at most) under the training or the inference ratios and mix: at adapt-N's ratio, else at the smallest of
+    :func:`fitting_ratios` (a random mix's worst draw)."""
     ratios, mix = settings.ratio_choice(training)
-    rule, keep, scheme = settings.layout_rule, (settings.keep_start, settings.keep_end), settings.scheme
-    ratio = span_ratio(
-        ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep, scheme
-    )
-    return span_at(settings.window, settings.sink, ratio, length, training, rule, keep, scheme, keys)
+    window, sink, rule, scheme = settings.window, settings.sink, settings.layout_rule, settings.scheme
+    keep = (settings.keep_start, settings.keep_end)
+    if mix.startswith("adapt-"):
+        ratio = choose_ratio(ratios, mix, window, max_positions, length, None, sink, training, rule, keep, scheme)
+    else:
+        ratio = min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
+    return span_at(window, sink, ratio, length, training, rule, keep, scheme, keys)

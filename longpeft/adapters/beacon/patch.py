@@ -1,14 +1,10 @@
-"""The beacon weights and the attention forward that uses them, and how Activation Beacon goes on a built model and
-comes off again, leaving the stock model untouched.
+"""Activation Beacon's weights and attention forward, and how they go on a built model and come off again.
 
-Each projection named in ``params`` gets a float32 beacon twin ``beacon_{q,k,v,o}_proj``: a :class:`BeaconLinear`
-(``full``) or a :class:`BeaconLoraDelta` (``lora``). The stock projection computes every row; the twin, applied to
-the beacon rows only, overwrites them (its output cast back to the model's dtype).
-
-``install_beacon`` adds the beacon weights, binds the beacon attention forward to every attention module and the
-window scheduler to the decoder stack, gives ``generate`` a beacon cache and the scheduler the causal LM's
-``logits_to_keep``, and records the settings as ``config.beacon``; ``remove_beacon`` undoes all of it. Works on plain
-and peft-wrapped models, and over a bitsandbytes 4-bit base (the ``full`` copies are dequantised).
+Each projection named in ``params`` gets a float32 beacon twin ``beacon_{q,k,v,o}_proj`` (:class:`BeaconLinear` for
+``full``, :class:`BeaconLoraDelta` for ``lora``) whose output replaces the stock projection's at the beacon rows.
+``install_beacon`` also binds the beacon attention forward and the window scheduler, gives ``generate`` a beacon
+cache and the scheduler the causal LM's ``logits_to_keep``, and records ``config.beacon``; ``remove_beacon`` undoes
+all of it. Plain and peft-wrapped models, and bitsandbytes 4-bit bases (the ``full`` copies are dequantised).
 
 This module imports only torch and transformers: it is part of the exported modeling file.
 """
@@ -64,7 +60,7 @@ class BeaconLoraDelta(nn.Module):
 
 
 def project(attention: nn.Module, name: str, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """The stock ``{name}_proj`` of ``x [batch, seq, in]``, with the beacon twin on ``rows`` (indices into seq)."""
+    """The stock ``{name}_proj`` of ``x [batch, seq, in]``; on ``rows`` (into seq), the beacon twin's, in its dtype."""
     y = getattr(attention, f"{name}_proj")(x)
     twin = getattr(attention, f"beacon_{name}_proj", None)
     if twin is None or rows is None or rows.numel() == 0:

@@ -181,15 +181,9 @@ class _BeaconRun:
         embeds = self.beacon_row.expand(raw_embeds.shape[0], step.end - step.start, -1).clone()
         implementation = self.backbone.config._attn_implementation or "eager"
         mask = attention_mask_for(visible, keys, implementation, raw_embeds.dtype, raw_embeds.device)
-        outputs = type(self.backbone).forward(
-            self.backbone,
-            inputs_embeds=embeds.index_copy(1, raw_rows, raw_embeds),
-            attention_mask=mask,
-            position_ids=positions.to(raw_embeds.device),
-            beacon_step=step,
-            **self.kwargs,
-        )
-        return outputs.last_hidden_state
+        embeds, positions = embeds.index_copy(1, raw_rows, raw_embeds), positions.to(raw_embeds.device)
+        inputs = {"inputs_embeds": embeds, "attention_mask": mask, "position_ids": positions, "beacon_step": step}
+        return type(self.backbone).forward(self.backbone, **inputs, **self.kwargs).last_hidden_state
 
 
 def _run_step(run: _BeaconRun, take: int, raw_embeds: torch.Tensor, keep_raw: torch.Tensor | None) -> torch.Tensor:
@@ -309,21 +303,14 @@ def beacon_backbone_forward(
     use_cache: bool | None = None,
     **kwargs,
 ) -> BaseModelOutputWithPast:
-    """The decoder stack's forward with beacons (bound to ``model.model`` by ``install_beacon``).
-
-    Args:
-        input_ids: ``[batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``).
-        attention_mask: ``[batch, seen + n]`` (or ``[batch, n]``) 1 for tokens, 0 for padding.
-        position_ids, use_cache: ignored: positions follow the beacon layout, and the memory is always used.
-        cache (in kwargs; ``past_key_values`` before transformers 5.24): a :class:`BeaconCache` to continue, or
-            None for a new one (any other cache is refused).
-        beacon_keep_last (in kwargs): ``k``, return the last ``k`` raw tokens' hidden states only (the causal LM
-            passes its int ``logits_to_keep``).
-        output_hidden_states, output_attentions (in kwargs or the config): refused when true.
-
-    Returns:
-        ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache to continue with (as
-        ``cache``, or ``past_key_values`` before transformers 5.24).
+    """The decoder stack's forward with beacons (bound to ``model.model`` by ``install_beacon``), over ``input_ids
+    [batch, n]`` new raw tokens (or ``inputs_embeds [batch, n, hidden]``) with ``attention_mask [batch, seen + n]``
+    (or ``[batch, n]``), 1 for tokens and 0 for padding. ``position_ids`` and ``use_cache`` are ignored: positions
+    follow the beacon layout, and the memory is always used. In ``kwargs``: ``cache`` (``past_key_values`` before
+    transformers 5.24), a :class:`BeaconCache` to continue or None for a new one (any other cache is refused);
+    ``beacon_keep_last``, ``k`` to return the last ``k`` raw tokens' hidden states only (the causal LM passes its int
+    ``logits_to_keep``); ``output_hidden_states`` or ``output_attentions`` (or the config's) true are refused.
+    Returns ``last_hidden_state [batch, n (or k), hidden]`` of the raw tokens and the cache to continue with.
     """
     keep_last, given, cache_name = kwargs.pop("beacon_keep_last", None), pop_cache(kwargs), cache_keyword()
     if not self.beacons_enabled:
