@@ -89,9 +89,7 @@ def _rotated(
     return keys.index_copy(2, which, fresh.to(keys.dtype))
 
 
-def committed_slots(
-    layout: WindowLayout, window_slots: int, window_index: int, sink: int, rule: str = "longpeft"
-) -> torch.Tensor:
+def committed_slots(layout: WindowLayout, window_slots: int, window_index: int, sink: int, rule: str) -> torch.Tensor:
     """``[n]`` long: the slots of a full window (its first ``window_slots``) that join the memory, in memory order:
     at ratio 0 all of them, else the window's beacons; window 0 puts its sink first. The sink is the first ``sink``
     raw tokens (``rule`` longpeft; none again at ratio 0, where they are in memory anyway) or, as the authors' code
