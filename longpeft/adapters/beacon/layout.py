@@ -157,27 +157,22 @@ def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None
     if not present:
         return None
     batch = present[0].shape[0]
-    return torch.cat(
-        [keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool) for keep, length in parts],
-        dim=1,
-    )
+    filled = [
+        keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool) for keep, length in parts
+    ]
+    return torch.cat(filled, dim=1)
 
 
 def window_keep(
-    layout: WindowLayout,
-    keep: torch.Tensor | None,
-    start: int,
-    end: int,
-    keep_raw: torch.Tensor | None,
-    raw_rows: torch.Tensor,
+    layout: WindowLayout, keep: torch.Tensor | None, start: int, end: int, keep_raw: torch.Tensor | None
 ) -> torch.Tensor | None:
     """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
     join the first ``start`` (``keep [batch, start]`` or None). The new raw tokens' ``keep_raw [batch, n_raw]`` (None:
-    no padding) marks their slots ``raw_rows [n_raw]``; a beacon is padding when every raw token it sees is."""
+    no padding) marks their slots; a beacon is padding when every raw token it sees is."""
     new = None
     if keep_raw is not None:
         new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
-        new[:, raw_rows.cpu()] = keep_raw.cpu()
+        new[:, ~layout.is_beacon[start:end]] = keep_raw.cpu()
     keep = padding_keep((keep, start), (new, end - start))  # [batch, end] or None
     if keep is not None:
         beacons = start + layout.is_beacon[start:end].nonzero().flatten()  # [n_beacons] slots
@@ -199,9 +194,8 @@ def step_visibility(
     """``[batch or 1, 1, end - start, M + end]`` bool: the keys the slots ``[start, end)`` of a window after
     ``memory_length`` (``M``) memory entries attend to, padding hidden (``keys [batch, M + end]``, False at padding,
     or None: :func:`key_keep`). Every slot sees itself, so no row is empty (a padding query gets an ignored output)."""
-    rows = torch.cat(
-        [torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1
-    )
+    memory = torch.ones(end - start, memory_length, dtype=torch.bool)
+    rows = torch.cat([memory, layout.visible[start:end, :end]], dim=1)
     visible = rows[None, None] if keys is None else (rows[None] & keys[:, None, :])[:, None]
     visible[..., torch.arange(end - start), memory_length + torch.arange(start, end)] = True
     return visible

@@ -17,7 +17,6 @@ This module imports only torch and transformers: it is part of the exported mode
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -193,7 +192,7 @@ def _run_step(run: _BeaconRun, take: int, raw_embeds: torch.Tensor, keep_raw: to
     start, end = state.window_slots, layout.slots_for(state.window_raw + take)
     is_beacon = layout.is_beacon[start:end]
     raw_rows, beacon_rows = (~is_beacon).nonzero().flatten().to(device), is_beacon.nonzero().flatten().to(device)
-    state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw, raw_rows)
+    state.window_keep = window_keep(layout, state.window_keep, start, end, keep_raw)
     keys = key_keep(state.memory_length, end, state.memory_keep, state.window_keep)
     visible = step_visibility(layout, state.memory_length, start, end, keys)
     positions = (state.memory_length + layout.offsets[start:end])[None]
@@ -225,9 +224,7 @@ def _run_group(run: _BeaconRun, take: int, raw_embeds: torch.Tensor, keep_raw: t
     group = WindowGroup(windows, entry_window, torch.cat(kept), entry_positions, rotate, run.rotate)
     # the keys [B * P, K = M + G + L] each row may read: padding and later windows' entries hidden
     raw_keeps = [None] * windows if keep_raw is None else keep_raw.split(layout.window, dim=1)
-    window_keeps = [
-        None if keep is None else window_keep(layout, None, 0, slots, keep, raw_rows) for keep in raw_keeps
-    ]
+    window_keeps = [None if keep is None else window_keep(layout, None, 0, slots, keep) for keep in raw_keeps]
     entry_keep = padding_keep(
         *[(None if keep is None else keep[:, entries], entries.numel()) for keep, entries in zip(window_keeps, kept)]
     )  # [B, G] or None
@@ -252,19 +249,18 @@ def _run_group(run: _BeaconRun, take: int, raw_embeds: torch.Tensor, keep_raw: t
     return hidden.index_select(1, raw_rows).reshape(batch, take, hidden_size)
 
 
-def _plan_group(
-    first: WindowLayout, next_layout: Callable[[int], WindowLayout], start: int, window: int, remaining: int, most: int
-) -> tuple[int, WindowLayout | None]:
-    """``(windows, pending)``: how many windows, up to ``most`` (``parallel_windows``; 1: ``first`` alone), run in the
-    group that begins with ``first`` at raw token ``start``, with ``remaining`` new raw tokens from there (only full
-    windows of ``window`` tokens join), and the layout chosen for the window after the group when it could not join
-    (another ratio or size), else None. ``next_layout(start)`` lays out (draws the ratio of) the window beginning at
-    raw token ``start``: it is called once per window, in order."""
+def _plan_group(run: _BeaconRun, remaining: int) -> tuple[int, WindowLayout | None]:
+    """``(windows, pending)``: how many windows, up to ``parallel_windows`` (in training 1), run in the group that
+    begins with the open window, with ``remaining`` new raw tokens from its start (only full windows join), and the
+    layout chosen for the window after the group when it could not join (another ratio or size), else None. Lays out
+    (draws the ratio of) each window it looks at, in order."""
+    first, start, window = run.cache.state.layout, run.cache.state.raw_seen, run.settings.window
+    most = 1 if run.backbone.training else run.settings.parallel_windows
     if most < 2 or remaining < first.window:
         return 1, None
     count, used = 1, first.window
     while count < most and remaining - used >= window:
-        layout = next_layout(start + used)
+        layout = run.layout_at(start + used)
         if (layout.ratio, layout.window) != (first.ratio, first.window):
             return count, layout
         count, used = count + 1, used + window
@@ -285,8 +281,7 @@ def _next_part(run: _BeaconRun, remaining: int, pending: WindowLayout | None) ->
         layout = pending or run.layout_at(state.raw_seen)
         state.ratio_deferred = layout is None  # laid out without beacons until it fills
         state.layout = layout or window_layout(settings.window, 0, *settings.scheme)
-        most = 1 if run.backbone.training else settings.parallel_windows
-        windows, pending = _plan_group(state.layout, run.layout_at, state.raw_seen, settings.window, remaining, most)
+        windows, pending = _plan_group(run, remaining)
     take = windows * state.layout.window if windows > 1 else min(remaining, state.layout.window - state.window_raw)
     if state.ratio_deferred and state.window_raw + take == state.layout.window:  # the authors' ratio, chosen now
         state.layout = run.layout_at(state.raw_seen - state.window_raw)
