@@ -5,8 +5,7 @@ in memory. Per layer the beacons have their own q/k/v(/o) projections and one em
 and unedited. Modules: :mod:`.config` (the section, no torch), :mod:`.layout` (window layout, masks, ratio choice),
 :mod:`.cache`, :mod:`.scheduler` (the window loop, parallel windows), :mod:`.patch` (beacon projections, attention
 forward, install/remove), :mod:`.apply`, :mod:`.remote_classes`, :mod:`.export`, :mod:`.weights` and
-:mod:`.authors_config` (the authors' checkpoints, ``longpeft convert-beacon``).
-"""
+:mod:`.authors_config` (the authors' checkpoints, ``longpeft convert-beacon``)."""
 
 from __future__ import annotations
 

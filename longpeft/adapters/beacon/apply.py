@@ -1,6 +1,5 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons.
-"""
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons."""
 
 from __future__ import annotations
 

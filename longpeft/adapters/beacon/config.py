@@ -60,10 +60,8 @@ class BeaconConfig(StrictModel):
     ``projection``: ``full`` copies or ``lora`` deltas (``lora_rank``, scaled by ``lora_alpha / lora_rank``).
     ``layout_rule``: whose rules choose the adapt-N ratio and lay out the sink (``longpeft`` or ``authors``).
     Inference only: ``parallel_windows``, the full windows a prefill runs per forward; ``keep_start`` / ``keep_end``:
-    the first tokens, and those from index ``keep_end`` on, stay uncondensed.
-
-    Each setting is declared here only; :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``).
-    """
+    the first tokens, and those from index ``keep_end`` on, stay uncondensed. Each setting is declared here only;
+    :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``)."""
 
     window: int = Field(default=1024, ge=1)
     ratios: list[int] = Field(default_factory=lambda: [2, 4, 8])

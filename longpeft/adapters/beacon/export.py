@@ -1,7 +1,6 @@
 """Export a merged Activation Beacon model so plain transformers loads it (trust_remote_code), without longpeft: the
 saved folder's config.json gets the ``beacon`` settings and an ``auto_map`` at ``modeling_beacon.py``, the beacon
-runtime and the causal LM classes of :mod:`.remote_classes` with the few longpeft helpers they use inlined.
-"""
+runtime and the causal LM classes of :mod:`.remote_classes` with the few longpeft helpers they use inlined."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the choice of the
-condensing ratio.
+"""Activation Beacon's runtime settings, one window's layout, its masks and positions, and the condensing ratio.
 
 A window holds ``W`` raw tokens and, at ratio ``r > 0``, ``W / r`` beacons: one after every ``r`` raw tokens
 (``interleave``) or all after the last one (``append``). Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)``:
@@ -18,8 +17,7 @@ segmentation,       raw 0..i                            raw jr..(j+1)r-1; beacon
 append                                                  (attend_prev) or itself
 ==================  ==================================  ===============================  ==========================
 
-This module imports only torch: it is part of the exported modeling file.
-"""
+This module imports only torch: it is part of the exported modeling file."""
 
 from __future__ import annotations
 
@@ -28,9 +26,6 @@ import functools
 import math
 
 import torch
-
-SCHEMES = ("full-coverage", "step-expansion", "segmentation")
-POSITION_MODES = ("interleave", "append")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +111,7 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
     """
     if ratio < 0 or (ratio and window % ratio):
         raise ValueError(f"beacon ratio {ratio} must be 0 or divide the window {window}")
-    if attn not in SCHEMES or pos not in POSITION_MODES:
+    if attn not in ("full-coverage", "step-expansion", "segmentation") or pos not in ("interleave", "append"):
         raise ValueError(f"unknown beacon scheme {attn!r} or position mode {pos!r}")
     if attn == "segmentation" and pos == "interleave" and ratio:
         raise ValueError("beacon attn segmentation with pos interleave is not implemented; use pos: append")
@@ -236,9 +231,7 @@ def span_at(
     (:meth:`WindowLayout.reach` under ``scheme``, ``(attn, pos, attend_prev)``; with ``training`` the last window has
     no beacons); at ratio 0, ``length`` (plus the sink, stored twice under the authors' ``rule``). ``keep =
     (keep_start, keep_end)``: the first ``keep_start`` tokens stay in memory, and those from ``keep_end`` on follow
-    raw. ``keys``: the keys one query reads at most instead (more than the positions where beacons take raw tokens'
-    positions). O(1).
-    """
+    raw. ``keys``: the keys one query reads at most instead. O(1)."""
     start, end = keep
     condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
     if not ratio or condensed <= start:  # every window raw
@@ -268,10 +261,8 @@ def fitting_ratios(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> tuple[int, ...]:
     """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (:func:`span_at`; the largest ratio
-    when none does): a random mix of them stays inside too. Ratio 0 is left out where a raw window before a
-    condensed one could pass ``max_positions``: a mix with it reaches at most ``length + sink + window // r`` (``r``
-    the smallest other fitting ratio), more than either ratio alone.
-    """
+    when none does): a random mix of them stays inside too. Ratio 0 is left out where a mix with it, which reaches
+    ``length + sink + window // r`` (``r`` the smallest other fitting ratio), would pass ``max_positions``."""
     fitting = tuple(
         r for r in ratios if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions
     )

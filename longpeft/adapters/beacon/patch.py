@@ -6,8 +6,7 @@ Each projection named in ``params`` gets a float32 beacon twin ``beacon_{q,k,v,o
 cache and the scheduler the causal LM's ``logits_to_keep``, and records ``config.beacon``; ``remove_beacon`` undoes
 all of it. Plain and peft-wrapped models, and bitsandbytes 4-bit bases (the ``full`` copies are dequantised).
 
-This module imports only torch and transformers: it is part of the exported modeling file.
-"""
+This module imports only torch and transformers: it is part of the exported modeling file."""
 
 from __future__ import annotations
 

@@ -1,18 +1,14 @@
 """The window scheduler: the decoder stack's forward with Activation Beacon.
 
 :func:`beacon_backbone_forward` replaces the forward of the decoder stack (``model.model``): it cuts the new raw
-tokens into windows, inserts the beacon embeddings, runs the stock decoder stack once per window (or part of one)
-with an explicit mask, explicit positions and the :class:`~.cache.BeaconCache`, and returns the raw tokens' hidden
-states only (beacons are never scored).
+tokens into windows, inserts the beacon embeddings, runs the stock decoder stack once per window (or part of one, or
+up to ``parallel_windows`` full windows of one layout in a prefill: :func:`_run_group`) with an explicit mask,
+explicit positions and the :class:`~.cache.BeaconCache`, and returns the raw tokens' hidden states only. Training
+runs all windows in one forward, the memory in the autograd graph; inference commits a full window when the next raw
+token arrives, so decoding inserts the beacons where one prefill would. Rows of a batch share one layout: a row whose
+tokens follow padding is refused unless every ratio is 0; padding after a row's tokens is masked.
 
-Training runs all windows in one forward, the memory in the autograd graph. Inference commits a full window when the
-next raw token arrives, so decoding inserts the beacons where one prefill would, and a prefill runs up to
-``parallel_windows`` full windows of one layout in one forward, with the logits of running them one after another
-(:func:`_run_group`; docs/beacon.md says why this is exact). Rows of a batch share one layout, so a row whose tokens
-follow padding is refused unless every ratio is 0; padding after a row's tokens is masked.
-
-This module imports only torch and transformers: it is part of the exported modeling file.
-"""
+This module imports only torch and transformers: it is part of the exported modeling file."""
 
 from __future__ import annotations
 
@@ -128,12 +124,9 @@ class _BeaconRun:
 
     def layout_at(self, start: int):
         """The layout of the window that begins at raw token ``start`` (its ratio drawn now: call once per window, in
-        order), or None when its ratio is to be chosen in the forward that fills it: appended beacons under
-        ``layout_rule: authors`` in a window that this call does not fill (the authors' code chooses a window's ratio
-        when it is full, counting the tokens known then; the raw slots are laid out alike at every ratio).
-        ``keep_start``: the first window is the kept start, at ratio 0; ``keep_end``: windows from there on are at
-        ratio 0. A training forward over a whole input (``complete``): the window that reaches its end has no beacons.
-        """
+        order), or None when its ratio is chosen in the forward that fills it: appended beacons under ``layout_rule:
+        authors`` in a window this call does not fill (their code counts the tokens known when a window is full).
+        Ratio 0 for the kept start and from ``keep_end`` on, and in the window that ends a ``complete`` input."""
         settings, state, length, complete = self.settings, self.cache.state, self.total, self.complete
         window, scheme, rule = settings.window, settings.scheme, settings.layout_rule
         if settings.keep_start and start == 0:
@@ -271,8 +264,7 @@ def _next_part(run: _BeaconRun, remaining: int, pending: WindowLayout | None) ->
     """``(windows, take, pending)`` of the next step of the window loop, with ``remaining`` new raw tokens to go: the
     windows of the open window's group (:func:`_plan_group`; 1: a step of one window), the raw tokens the step takes,
     and the layout chosen for the window after the group (``pending``: the last one's, or None). Commits the open
-    window when it is full, and chooses a deferred ratio when this step fills its window.
-    """
+    window when it is full, and chooses a deferred ratio when this step fills its window."""
     state, settings = run.cache.state, run.settings
     if state.layout is not None and state.window_raw == state.layout.window:
         run.cache.commit(run.rotate, settings.sink, settings.layout_rule)
