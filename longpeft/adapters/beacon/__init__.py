@@ -3,10 +3,9 @@
 Long inputs run in windows of ``W`` raw tokens; beacons condense each window, and once it is full only their K/V stay
 in memory. Per layer the beacons have their own q/k/v(/o) projections and one embedding row; the base stays frozen
 and unedited. Modules: :mod:`.config` (the section, no torch), :mod:`.layout` (window layout, masks, ratio choice),
-:mod:`.cache`, :mod:`.modules` (beacon projections, attention forward), :mod:`.parallel`, :mod:`.scheduler` (the
-window loop), :mod:`.patch` (install/remove), :mod:`.apply`, :mod:`.remote_classes`, :mod:`.export`,
-:mod:`.weights` and :mod:`.authors_config` (the authors' checkpoints, ``longpeft convert-beacon``).
-"""
+:mod:`.cache`, :mod:`.scheduler` (the window loop, parallel windows), :mod:`.patch` (beacon projections, attention
+forward, install/remove), :mod:`.apply`, :mod:`.remote_classes`, :mod:`.export`, :mod:`.weights` and
+:mod:`.authors_config` (the authors' checkpoints, ``longpeft convert-beacon``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Activation Beacon on a built model through longpeft: :func:`apply_beacon` (the registry's conflicts checked, then
-:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons.
-"""
+:func:`~.patch.install_beacon`), the settings only inference reads, and what an input costs a model with beacons."""
 
 from __future__ import annotations
 
@@ -19,24 +18,17 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
     """Give a built Llama/Mistral/Qwen2/Qwen3 causal LM (plain or peft-wrapped) Activation Beacon, in place; applying
     again replaces the settings and the beacon weights. ``settings``: :class:`BeaconSettings`, or a dict of some or
     all of them (:func:`settings_from`). ``initialise``: copy the stock weights into the beacon weights (``full``) and
-    the eos/bos row into the beacon embedding (off when the weights are loaded right after).
-
-    Raises:
-        MethodConflict: a method beacon cannot run with is on (its registry ``conflicts``).
-        ConfigError: a setting of the dict that :class:`BeaconConfig` refuses.
-    """
+    the eos/bos row into the beacon embedding (off when the weights are loaded right after). Raises MethodConflict
+    when a method beacon cannot run with is on (its registry ``conflicts``), ConfigError for a setting of the dict that
+    :class:`BeaconConfig` refuses."""
     check_applicable(model, "beacon")
     install_beacon(model, settings if isinstance(settings, BeaconSettings) else settings_from(settings), initialise)
 
 
 def settings_from(data: dict, what: str | None = None) -> BeaconSettings:
     """:class:`BeaconSettings` from a dict of every setting (``BeaconSettings.as_dict``) or of some of them, with
-    :class:`BeaconConfig`'s defaults for the rest (``{"window": 8, "ratios": [2]}``).
-
-    Raises:
-        ConfigError: a key :class:`BeaconConfig` does not have, or a value it refuses, each named, after ``what``
-            (default: the dict).
-    """
+    :class:`BeaconConfig`'s defaults for the rest; a ConfigError names each key it does not have or value it refuses,
+    after ``what`` (default: the dict)."""
     try:
         return BeaconConfig(**data).settings()
     except pydantic.ValidationError as error:
@@ -50,12 +42,8 @@ def settings_from(data: dict, what: str | None = None) -> BeaconSettings:
 def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     """Change the settings of a model with beacons that only inference reads (:data:`INFERENCE_SETTINGS`), keeping
     its beacon weights; returns the new settings. A request already under way keeps its cache, which the new settings
-    may not fit: start new requests after the change.
-
-    Raises:
-        ConfigError: a setting that is not an inference setting, or a value :class:`BeaconConfig` refuses.
-        ValueError: the model has no beacons.
-    """
+    may not fit: start new requests after the change. Raises ConfigError for a setting that is not an inference
+    setting or a value :class:`BeaconConfig` refuses, ValueError when the model has no beacons."""
     other = sorted(set(changes) - set(INFERENCE_SETTINGS))
     if other:
         raise ConfigError(

@@ -1,7 +1,6 @@
 """The authors' ``config.json``: their ``beacon_*`` keys read into a :class:`~.config.BeaconConfig`, and their RoPE
 settings compared with the stock base's. A refusal names the file, the key, the value it holds and what it must hold
-(:data:`AUTHORS_KEYS`), or the keys of a combination the authors' rule cannot reproduce.
-"""
+(:data:`AUTHORS_KEYS`), or the keys of a combination the authors' rule cannot reproduce."""
 
 from __future__ import annotations
 

@@ -2,12 +2,10 @@
 
 Per layer it holds the memory (at positions ``0 .. M-1``) and the current window's K/V (at ``M + offset``). Writes
 are idempotent, so gradient checkpointing can replay a layer: a step (:class:`BeaconStep`) overwrites its window's
-slots from its first one and reads only memory[:M], which later commits (between windows, or memory[:M] plus a
-:class:`WindowGroup`'s entries) never change. Keys committed at another position than they were computed at are
-rotated again from their pre-RoPE keys.
+slots from its first one and reads only memory[:M], which later commits never change. Keys committed at another
+position than they were computed at are rotated again from their pre-RoPE keys.
 
-This module imports only torch and transformers: it is part of the exported modeling file.
-"""
+This module imports only torch and transformers: it is part of the exported modeling file."""
 
 from __future__ import annotations
 
@@ -27,10 +25,9 @@ Rotate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # rotate(pre_rope
 
 @dataclasses.dataclass(frozen=True)
 class WindowGroup:
-    """``windows`` (``P``) consecutive full windows of one layout computed in one step, its rows batch-major (row
-    ``b * P + p`` is window ``p`` of sequence ``b``). Windows ``0 .. P-2`` are committed by the step: their ``G``
-    memory entries (:func:`committed_slots`, in memory order) follow the memory, and window ``p`` reads those of the
-    windows before it. The last stays open."""
+    """``windows`` (``P``) full windows of one layout in one step, row ``b * P + p`` window ``p`` of sequence ``b``.
+    The step commits windows ``0 .. P-2``: their ``G`` memory entries (:func:`committed_slots`, in memory order)
+    follow memory[:M], and window ``p`` reads those of the windows before it. The last stays open."""
 
     windows: int
     entry_window: torch.Tensor  # [G] long: the group window each new memory entry comes from
@@ -89,9 +86,7 @@ def _rotated(
     return keys.index_copy(2, which, fresh.to(keys.dtype))
 
 
-def committed_slots(
-    layout: WindowLayout, window_slots: int, window_index: int, sink: int, rule: str = "longpeft"
-) -> torch.Tensor:
+def committed_slots(layout: WindowLayout, window_slots: int, window_index: int, sink: int, rule: str) -> torch.Tensor:
     """``[n]`` long: the slots of a full window (its first ``window_slots``) that join the memory, in memory order:
     at ratio 0 all of them, else the window's beacons; window 0 puts its sink first. The sink is the first ``sink``
     raw tokens (``rule`` longpeft; none again at ratio 0, where they are in memory anyway) or, as the authors' code
@@ -202,12 +197,9 @@ class BeaconLayer(CacheLayerMixin):
 
 
 class BeaconCache(Cache):
-    """Activation Beacon's memory for one batch of sequences that share a beacon layout.
-
-    Create one per request (``generate`` does it by itself); pass it as ``cache`` (``past_key_values`` before
-    transformers 5.24) to keep a conversation's memory across calls. The model reads its settings from
-    ``config.beacon``; the cache holds only this request's state, so two requests never see each other's tokens.
-    """
+    """Activation Beacon's memory for one batch of sequences that share a beacon layout: one per request (``generate``
+    makes it), passed as ``cache`` (``past_key_values`` before transformers 5.24) to keep a conversation's memory
+    across calls. It holds only this request's state (the settings are ``config.beacon``'s)."""
 
     def __init__(self) -> None:
         super().__init__(layer_class_to_replicate=BeaconLayer)

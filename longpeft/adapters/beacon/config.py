@@ -47,22 +47,6 @@ def resolve_attend_prev(attn: str, pos: str, attend_prev: bool | None) -> bool:
     return True if attend_prev is None else attend_prev
 
 
-def _check_kept_spans(config: BeaconConfig) -> None:
-    """keep_start / keep_end as the authors allow them: no sink beside a kept start (the kept start is the sink),
-    and a whole number of windows between the two."""
-    if config.keep_start and config.sink:
-        raise ValueError(f"keep_start ({config.keep_start}) keeps the first tokens in memory already; set sink: 0")
-    if config.keep_end is None:
-        return
-    condensed = config.keep_end - config.keep_start
-    if condensed < 0 or condensed % config.window:
-        nearest = config.keep_start + config.window * max(0, round(condensed / config.window))
-        raise ValueError(
-            f"keep_end ({config.keep_end}) must be keep_start ({config.keep_start}) plus a whole number of windows "
-            f"of {config.window} tokens, so that no window is cut (e.g. keep_end: {nearest})"
-        )
-
-
 class BeaconConfig(StrictModel):
     """Activation Beacon settings (Zhang et al., "Soaring from 4K to 400K"; docs/beacon.md describes each).
 
@@ -76,10 +60,8 @@ class BeaconConfig(StrictModel):
     ``projection``: ``full`` copies or ``lora`` deltas (``lora_rank``, scaled by ``lora_alpha / lora_rank``).
     ``layout_rule``: whose rules choose the adapt-N ratio and lay out the sink (``longpeft`` or ``authors``).
     Inference only: ``parallel_windows``, the full windows a prefill runs per forward; ``keep_start`` / ``keep_end``:
-    the first tokens, and those from index ``keep_end`` on, stay uncondensed.
-
-    Each setting is declared here only; :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``).
-    """
+    the first tokens, and those from index ``keep_end`` on, stay uncondensed. Each setting is declared here only;
+    :meth:`settings` gives them to the modeling code (``layout.BeaconSettings``)."""
 
     window: int = Field(default=1024, ge=1)
     ratios: list[int] = Field(default_factory=lambda: [2, 4, 8])
@@ -138,7 +120,16 @@ class BeaconConfig(StrictModel):
                 "indexing); use layout_rule: longpeft (raw tokens never see the window's beacons, as the "
                 "paper says)"
             )
-        _check_kept_spans(self)
+        # keep_start / keep_end as the authors allow them: the kept start is the sink, no window is cut
+        if self.keep_start and self.sink:
+            raise ValueError(f"keep_start ({self.keep_start}) keeps the first tokens in memory already; set sink: 0")
+        condensed = 0 if self.keep_end is None else self.keep_end - self.keep_start
+        if condensed < 0 or condensed % self.window:
+            nearest = self.keep_start + self.window * max(0, round(condensed / self.window))
+            raise ValueError(
+                f"keep_end ({self.keep_end}) must be keep_start ({self.keep_start}) plus a whole number of windows "
+                f"of {self.window} tokens, so that no window is cut (e.g. keep_end: {nearest})"
+            )
         if self.projection == "full" and (self.lora_rank is not None or self.lora_alpha is not None):
             raise ValueError(
                 "lora_rank and lora_alpha are settings of projection: lora; remove them or set projection: lora"

@@ -1,5 +1,4 @@
-"""Activation Beacon's runtime settings, the layout of one window, its masks and positions, and the choice of the
-condensing ratio.
+"""Activation Beacon's runtime settings, one window's layout, its masks and positions, and the condensing ratio.
 
 A window holds ``W`` raw tokens and, at ratio ``r > 0``, ``W / r`` beacons: one after every ``r`` raw tokens
 (``interleave``) or all after the last one (``append``). Beacon ``j`` condenses the raw tokens ``[lo_j, (j + 1) r)``:
@@ -18,8 +17,7 @@ segmentation,       raw 0..i                            raw jr..(j+1)r-1; beacon
 append                                                  (attend_prev) or itself
 ==================  ==================================  ===============================  ==========================
 
-This module imports only torch: it is part of the exported modeling file.
-"""
+This module imports only torch: it is part of the exported modeling file."""
 
 from __future__ import annotations
 
@@ -28,9 +26,6 @@ import functools
 import math
 
 import torch
-
-SCHEMES = ("full-coverage", "step-expansion", "segmentation")
-POSITION_MODES = ("interleave", "append")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +111,7 @@ def window_layout(window: int, ratio: int, attn: str, pos: str, attend_prev: boo
     """
     if ratio < 0 or (ratio and window % ratio):
         raise ValueError(f"beacon ratio {ratio} must be 0 or divide the window {window}")
-    if attn not in SCHEMES or pos not in POSITION_MODES:
+    if attn not in ("full-coverage", "step-expansion", "segmentation") or pos not in ("interleave", "append"):
         raise ValueError(f"unknown beacon scheme {attn!r} or position mode {pos!r}")
     if attn == "segmentation" and pos == "interleave" and ratio:
         raise ValueError("beacon attn segmentation with pos interleave is not implemented; use pos: append")
@@ -157,27 +152,22 @@ def padding_keep(*parts: tuple[torch.Tensor | None, int]) -> torch.Tensor | None
     if not present:
         return None
     batch = present[0].shape[0]
-    return torch.cat(
-        [keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool) for keep, length in parts],
-        dim=1,
-    )
+    filled = [
+        keep.cpu() if keep is not None else torch.ones(batch, length, dtype=torch.bool) for keep, length in parts
+    ]
+    return torch.cat(filled, dim=1)
 
 
 def window_keep(
-    layout: WindowLayout,
-    keep: torch.Tensor | None,
-    start: int,
-    end: int,
-    keep_raw: torch.Tensor | None,
-    raw_rows: torch.Tensor,
+    layout: WindowLayout, keep: torch.Tensor | None, start: int, end: int, keep_raw: torch.Tensor | None
 ) -> torch.Tensor | None:
     """``[batch, end]`` bool on the CPU, False at the window's padding slots (None: none), once slots ``[start, end)``
     join the first ``start`` (``keep [batch, start]`` or None). The new raw tokens' ``keep_raw [batch, n_raw]`` (None:
-    no padding) marks their slots ``raw_rows [n_raw]``; a beacon is padding when every raw token it sees is."""
+    no padding) marks their slots; a beacon is padding when every raw token it sees is."""
     new = None
     if keep_raw is not None:
         new = torch.ones(keep_raw.shape[0], end - start, dtype=torch.bool)
-        new[:, raw_rows.cpu()] = keep_raw.cpu()
+        new[:, ~layout.is_beacon[start:end]] = keep_raw.cpu()
     keep = padding_keep((keep, start), (new, end - start))  # [batch, end] or None
     if keep is not None:
         beacons = start + layout.is_beacon[start:end].nonzero().flatten()  # [n_beacons] slots
@@ -199,9 +189,8 @@ def step_visibility(
     """``[batch or 1, 1, end - start, M + end]`` bool: the keys the slots ``[start, end)`` of a window after
     ``memory_length`` (``M``) memory entries attend to, padding hidden (``keys [batch, M + end]``, False at padding,
     or None: :func:`key_keep`). Every slot sees itself, so no row is empty (a padding query gets an ignored output)."""
-    rows = torch.cat(
-        [torch.ones(end - start, memory_length, dtype=torch.bool), layout.visible[start:end, :end]], dim=1
-    )
+    memory = torch.ones(end - start, memory_length, dtype=torch.bool)
+    rows = torch.cat([memory, layout.visible[start:end, :end]], dim=1)
     visible = rows[None, None] if keys is None else (rows[None] & keys[:, None, :])[:, None]
     visible[..., torch.arange(end - start), memory_length + torch.arange(start, end)] = True
     return visible
@@ -242,9 +231,7 @@ def span_at(
     (:meth:`WindowLayout.reach` under ``scheme``, ``(attn, pos, attend_prev)``; with ``training`` the last window has
     no beacons); at ratio 0, ``length`` (plus the sink, stored twice under the authors' ``rule``). ``keep =
     (keep_start, keep_end)``: the first ``keep_start`` tokens stay in memory, and those from ``keep_end`` on follow
-    raw. ``keys``: the keys one query reads at most instead (more than the positions where beacons take raw tokens'
-    positions). O(1).
-    """
+    raw. ``keys``: the keys one query reads at most instead. O(1)."""
     start, end = keep
     condensed = length if end is None else min(length, end)  # the tokens of the condensed windows end here
     if not ratio or condensed <= start:  # every window raw
@@ -274,10 +261,8 @@ def fitting_ratios(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> tuple[int, ...]:
     """The ``ratios`` at which ``length`` tokens stay inside ``max_positions`` (:func:`span_at`; the largest ratio
-    when none does): a random mix of them stays inside too. Ratio 0 is left out where a raw window before a
-    condensed one could pass ``max_positions``: a mix with it reaches at most ``length + sink + window // r`` (``r``
-    the smallest other fitting ratio), more than either ratio alone.
-    """
+    when none does): a random mix of them stays inside too. Ratio 0 is left out where a mix with it, which reaches
+    ``length + sink + window // r`` (``r`` the smallest other fitting ratio), would pass ``max_positions``."""
     fitting = tuple(
         r for r in ratios if span_at(window, sink, r, length, training, rule, keep, scheme) <= max_positions
     )
@@ -310,40 +295,21 @@ def choose_ratio(
     scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
 ) -> int:
     """The ratio of the next window among ``ratios`` under ``mix`` (step-random, instance-random, adapt-N; the
-    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead): ``chosen`` (the sequence's
-    earlier choice, or None) under instance-random and adapt-N, else adapt-N's :func:`span_ratio` or a draw among
-    :func:`fitting_ratios`. ``length``: the tokens known so far; ``sink``, ``training``, ``rule``, ``keep``,
-    ``scheme``: what their positions depend on besides the ratio (:func:`span_at`)."""
+    ``sequence`` mix cycles through :func:`fitting_ratios` in the scheduler instead), ``length`` the tokens known so
+    far: ``chosen`` (the sequence's earlier choice, or None) under instance-random and adapt-N, else a draw among
+    :func:`fitting_ratios` or adapt-N's smallest of them for ``length + N`` tokens (the authors' ``rule``:
+    :func:`authors_adapt_ratio`). ``sink``, ``training``, ``rule``, ``keep``, ``scheme``: what positions depend on
+    besides the ratio (:func:`span_at`)."""
     if len(ratios) == 1:
         return ratios[0]
     if chosen is not None and (mix.startswith("adapt-") or mix == "instance-random"):
         return chosen
     if mix.startswith("adapt-"):
-        return span_ratio(ratios, mix, window, max_positions, length, sink, training, rule, keep, scheme)
-    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
-    return candidates[int(torch.randint(len(candidates), ()).item())]
-
-
-def span_ratio(
-    ratios: tuple[int, ...],
-    mix: str,
-    window: int,
-    max_positions: int,
-    length: int,
-    sink: int = 0,
-    training: bool = False,
-    rule: str = "longpeft",
-    keep: tuple[int, int | None] = (0, None),
-    scheme: tuple[str, str, bool] = DEFAULT_SCHEME,
-) -> int:
-    """The smallest ratio at which ``length`` tokens (adapt-N: ``length + N``) stay inside ``max_positions``
-    (:func:`fitting_ratios`): adapt-N's choice and the random mixes' worst draw. Under the authors' ``rule``, adapt-N
-    takes :func:`authors_adapt_ratio` instead."""
-    if mix.startswith("adapt-"):
         length += int(mix.split("-", 1)[1])
         if rule == "authors":
             return authors_adapt_ratio(ratios, window, max_positions, length)
-    return min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
+    candidates = fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme)
+    return min(candidates) if mix.startswith("adapt-") else candidates[int(torch.randint(len(candidates), ()).item())]
 
 
 def authors_adapt_ratio(ratios: tuple[int, ...], window: int, max_positions: int, length: int) -> int:
@@ -360,10 +326,13 @@ def window_span(
     settings: BeaconSettings, length: int, max_positions: int, training: bool = False, keys: bool = False
 ) -> int:
     """Positions an input of ``length`` tokens occupies at most (:func:`span_at`; with ``keys``, the keys one query
-    reads at most), at the ratio :func:`span_ratio` bounds them by (the training or the inference ratios and mix)."""
+    reads at most) under the training or the inference ratios and mix: at adapt-N's ratio, else at the smallest of
+    :func:`fitting_ratios` (a random mix's worst draw)."""
     ratios, mix = settings.ratio_choice(training)
-    rule, keep, scheme = settings.layout_rule, (settings.keep_start, settings.keep_end), settings.scheme
-    ratio = span_ratio(
-        ratios, mix, settings.window, max_positions, length, settings.sink, training, rule, keep, scheme
-    )
-    return span_at(settings.window, settings.sink, ratio, length, training, rule, keep, scheme, keys)
+    window, sink, rule, scheme = settings.window, settings.sink, settings.layout_rule, settings.scheme
+    keep = (settings.keep_start, settings.keep_end)
+    if mix.startswith("adapt-"):
+        ratio = choose_ratio(ratios, mix, window, max_positions, length, None, sink, training, rule, keep, scheme)
+    else:
+        ratio = min(fitting_ratios(ratios, window, sink, max_positions, length, training, keep, rule, scheme))
+    return span_at(window, sink, ratio, length, training, rule, keep, scheme, keys)

@@ -1,7 +1,6 @@
 """Causal LM classes of an exported Activation Beacon model (the end of ``modeling_beacon.py``): each builds its
 stock architecture (``BeaconLlamaForCausalLM``, ... with model_type ``beacon_llama``, ...), then applies the beacons
-of ``config.beacon`` (their weights are loaded afterwards).
-"""
+of ``config.beacon`` (their weights are loaded afterwards)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Beacon weights on disk: ``beacon_adapter.safetensors`` beside ``longpeft.json``, under the authors' tensor names
 (``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``, ``...beacon_q_proj.lora_A.weight`` /
 ``lora_B.weight`` with ``projection: lora``, ``model.beacon_embed_tokens.weight``), and :data:`AUTHORS_TENSOR`, the
-beacon tensors of the authors' released models, which ``longpeft.convert`` reads (no remote code runs).
-"""
+beacon tensors of the authors' released models, which ``longpeft.convert`` reads (no remote code runs)."""
 
 from __future__ import annotations
 
@@ -39,10 +38,6 @@ def authors_tensor_shape(name: str, config: Any) -> tuple[int, ...]:
     return (out_size,) if name.endswith(".bias") else (out_size, in_size)
 
 
-def _prefix(model: nn.Module) -> str:
-    return f"{causal_lm_of(model).base_model_prefix}."
-
-
 def save_beacon_weights(
     model: nn.Module, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None
 ) -> Path:
@@ -50,8 +45,9 @@ def save_beacon_weights(
     path. ``state_dict``: the gathered weights of a sharded model (keyed as ``model.state_dict()``), read instead."""
     path = Path(folder) / WEIGHTS_FILENAME
     path.parent.mkdir(parents=True, exist_ok=True)
+    prefix = causal_lm_of(model).base_model_prefix
     gathered = gathered_tensors(model, beacon_parameters(model), state_dict)
-    tensors = {_prefix(model) + name: t.float().contiguous().cpu() for name, t in gathered.items()}
+    tensors = {f"{prefix}.{name}": t.float().contiguous().cpu() for name, t in gathered.items()}
     if not tensors:
         raise ValueError("the model has no beacon weights to save; apply Activation Beacon first")
     save_file(tensors, str(path), metadata={"format": "pt", "source": "longpeft"})
@@ -66,7 +62,8 @@ def load_beacon_weights(model: nn.Module, folder: str | Path) -> None:
         raise FileNotFoundError(
             f"{path} not found: the adapter's longpeft.json names Activation Beacon but its beacon weights are missing"
         )
-    own = {_prefix(model) + name: p for name, p in beacon_parameters(model).items()}
+    prefix = causal_lm_of(model).base_model_prefix
+    own = {f"{prefix}.{name}": p for name, p in beacon_parameters(model).items()}
     safetensors_header(path)  # a truncated or foreign file is named before safetensors reads it
     with safe_open(str(path), framework="pt") as f:
         stored = set(f.keys())
