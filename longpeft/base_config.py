@@ -1,13 +1,20 @@
 """A base model as longpeft sees it before any weight loads, torch-free: its ``config.json`` as transformers v5 reads
 it, its chat template, whether it ships modeling code, its module names. Read from a ``tiny:`` model, a local or
-built-in folder, the Hugging Face cache, or the Hub (``config.json`` and the tokenizer's config only, bounded).
+built-in folder, the Hugging Face cache, or the Hub (``config.json`` and the tokenizer's config only, bounded). Also
+torch-free: RoPE parameter dicts (the keys each rope type reads, a config's complete ``rope_parameters``), and
+transformers' model types and optimizer names read from its source without importing it (which imports torch; it
+imports them only for a source layout it does not know).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import copy
+import importlib.util
 import warnings
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +23,160 @@ from .errors import ConfigError, HubTimeoutError, ModelSourceError
 from .family import adaptable_kind, module_kinds
 from .files import asking_the_hub, hub_preflight, is_local
 from .reading import read_json_object
-from .rope_parameters import rope_parameters_from_json
-from .transformers_source import model_types
+
+# rope_type -> keys that transformers requires besides "rope_type" and "rope_theta".
+ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+# Keys a rope type reads besides its required ones (transformers ignores, with a log line, any other key).
+ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
+    "yarn": (
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    )
+}
+# transformers' RoPE base of the Llama family (LlamaConfig.default_theta) when a config.json names none.
+DEFAULT_ROPE_THETA = 10_000.0
+# rope types whose scaling reads the pretraining length, which transformers fills from max_position_embeddings.
+READS_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
+
+
+def unused_rope_keys(rope_type: str, keys: Any) -> list[str]:
+    """The ``keys`` a ``rope_type`` does not read (transformers would ignore them)."""
+    used = {
+        "rope_type",
+        "rope_theta",
+        "partial_rotary_factor",
+        *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
+        *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ()),
+    }
+    return sorted(set(keys) - used)
+
+
+def rope_parameters_of(config: Any) -> dict[str, Any]:
+    """A copy of the config's complete ``rope_parameters`` dict (``rope_type`` and ``rope_theta`` at least)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        raise ConfigError(
+            f"{type(config).__name__} has no usable rope_parameters ({params!r}); longpeft supports "
+            "RoPE models whose transformers v5 config carries rope_parameters with a rope_theta"
+        )
+    if "rope_type" not in params:
+        params = {**params, "rope_type": "default"}
+    return copy.deepcopy(dict(params))
+
+
+def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
+    """Check a rope_parameters dict for the rope types longpeft supports; returns it unchanged."""
+    rope_type = params.get("rope_type", "default")
+    if rope_type not in ROPE_TYPE_REQUIRED_KEYS:
+        raise ConfigError(
+            f"rope_parameters.rope_type={rope_type!r} is not supported; choose one of "
+            f"{sorted(ROPE_TYPE_REQUIRED_KEYS)}"
+        )
+    if "rope_theta" not in params:
+        raise ConfigError("rope_parameters needs rope_theta (the RoPE base)")
+    if float(params["rope_theta"]) <= 1:
+        raise ConfigError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
+    missing = [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]
+    if missing:
+        raise ConfigError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
+    return params
+
+
+def rope_parameters_from_json(config: dict[str, Any]) -> dict[str, Any]:
+    """The ``rope_parameters`` transformers v5 gives a Llama-family ``config.json`` dict: its ``rope_scaling`` (v4) or
+    ``rope_parameters``, completed from the top level (``rope_type`` from v4's ``type`` or ``default``, ``rope_theta``
+    or :data:`DEFAULT_ROPE_THETA`, ``partial_rotary_factor``, a scaling type's original length)."""
+    params = copy.deepcopy(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if not isinstance(params, dict):
+        raise ConfigError(f"rope_parameters {params!r} is not a mapping of RoPE settings")
+    theta = config.get("rope_theta")
+    params.setdefault("rope_theta", theta if theta is not None else DEFAULT_ROPE_THETA)
+    if config.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] in READS_ORIGINAL_LENGTH:
+        original = config.get("original_max_position_embeddings")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+        elif config.get("max_position_embeddings") is not None:
+            params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    return params
+
+
+def _source(relative: str) -> ast.Module | None:
+    """The parsed source of ``transformers/<relative>``, or None when it is not there."""
+    spec = importlib.util.find_spec("transformers")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / relative
+    return ast.parse(path.read_text()) if path.is_file() else None
+
+
+@lru_cache(maxsize=1)
+def optimizer_names() -> tuple[str, ...]:
+    """The optimizer names transformers' Trainer accepts (``training_args.OptimizerNames``)."""
+    tree = _source("training_args.py")
+    for node in tree.body if tree is not None else ():
+        if isinstance(node, ast.ClassDef) and node.name == "OptimizerNames":
+            names = tuple(
+                statement.value.value
+                for statement in node.body
+                if isinstance(statement, ast.Assign)
+                and isinstance(statement.value, ast.Constant)
+                and isinstance(statement.value.value, str)
+            )
+            if names:
+                return names
+    from transformers.training_args import OptimizerNames
+
+    return tuple(name.value for name in OptimizerNames)
+
+
+@lru_cache(maxsize=1)
+def model_types() -> frozenset[str]:
+    """Every ``model_type`` transformers has a config class for (the keys of ``CONFIG_MAPPING_NAMES``), read from
+    ``models/auto/auto_mappings.py`` and ``models/auto/configuration_auto.py``."""
+    found: set[str] = set()
+    for relative in ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py"):
+        tree = _source(relative)
+        for node in ast.walk(tree) if tree is not None else ():
+            mentions = isinstance(node, (ast.Assign, ast.Expr)) and "CONFIG_MAPPING_NAMES" in ast.unparse(
+                node.targets[0] if isinstance(node, ast.Assign) else getattr(node.value, "func", node.value)
+            )
+            if mentions:
+                found |= _string_keys(node.value)
+    if found:
+        return frozenset(found)
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return frozenset(CONFIG_MAPPING_NAMES)
+
+
+def _string_keys(node: ast.AST) -> set[str]:
+    """The first strings of the ``(str, str)`` pairs and the string keys of the dicts inside ``node``."""
+    keys = set()
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Tuple) and len(inner.elts) == 2 and _is_string(inner.elts[0]):
+            keys.add(inner.elts[0].value)
+        elif isinstance(inner, ast.Dict):
+            keys |= {key.value for key in inner.keys if key is not None and _is_string(key)}
+    return keys
+
+
+def _is_string(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
 
 TINY_PREFIX = "tiny:"
 # The keys of config.json a causal LM must have for longpeft to plan and check it.

@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from .base_config import rope_parameters_of
 from .config import StrictModel, format_validation_error
 from .errors import ConfigError, DataError, ModelSourceError
 from .family import head_dim_of, num_kv_heads
 from .reading import read_json
-from .rope_parameters import rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 3
