@@ -34,14 +34,8 @@ ROPE_TYPE_REQUIRED_KEYS: dict[str, tuple[str, ...]] = {
 }
 # Keys a rope type reads besides its required ones (transformers ignores, with a log line, any other key).
 ROPE_TYPE_OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {
-    "yarn": (
-        "original_max_position_embeddings",
-        "attention_factor",
-        "beta_fast",
-        "beta_slow",
-        "mscale",
-        "mscale_all_dim",
-        "truncate",
+    "yarn": tuple(
+        "original_max_position_embeddings attention_factor beta_fast beta_slow mscale mscale_all_dim truncate".split()
     )
 }
 # transformers' RoPE base of the Llama family (LlamaConfig.default_theta) when a config.json names none.
@@ -180,13 +174,8 @@ def _is_string(node: ast.AST) -> bool:
 
 TINY_PREFIX = "tiny:"
 # The keys of config.json a causal LM must have for longpeft to plan and check it.
-REQUIRED_KEYS = (
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "vocab_size",
-    "max_position_embeddings",
+REQUIRED_KEYS = tuple(
+    "model_type hidden_size num_hidden_layers num_attention_heads vocab_size max_position_embeddings".split()
 )
 TOKENIZER_CONFIG = "tokenizer_config.json"
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers 5 saves a tokenizer's template

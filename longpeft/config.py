@@ -135,12 +135,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two",
-                    key_node.start_mark,
-                )
+                message = f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two"
+                raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 

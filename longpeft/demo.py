@@ -56,19 +56,9 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
 
 DEMO_MARKER = ".longpeft-demo"
 # What a demo run writes into its folder (and so may delete to start a new one).
-DEMO_OUTPUTS = (
-    "adapter",
-    "merged",
-    "eval",
-    "checkpoints",
-    "base",
-    "metrics.jsonl",
-    "metrics.json",
-    "loss.png",
-    "eval_results.json",
-    "before_after.md",
-    "recipe.resolved.json",
-    "recipe.training.json",
+DEMO_OUTPUTS = tuple(
+    "adapter merged eval checkpoints base metrics.jsonl metrics.json loss.png eval_results.json before_after.md "
+    "recipe.resolved.json recipe.training.json".split()
 )
 
 

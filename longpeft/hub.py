@@ -71,7 +71,13 @@ def merge(
         warn_unnamed_base(spec, adapter_dir, consequence, "export(..., base_id=...)")
     check_merge(spec, adapter_dir, out_dir, base, without)
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
-    merged, diff = merged_model(model, without, verify)
+    for name in without:
+        METHODS[name].remove(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the largest logit difference the merge made on 32 fixed token ids
+        reference = model(ids).logits.float() if verify else None
+        merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
+        diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     methods = {name: section for name, section in spec.methods.items() if name not in without}
     base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
     kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
@@ -109,19 +115,6 @@ def check_merge(
         )
 
 
-def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[Any, float | None]:
-    """``model`` (``longpeft.load``'s) without the methods ``without`` names and with LoRA merged, and the largest
-    logit difference the merge made on 32 fixed token ids (None unless ``verify``)."""
-    for name in without:
-        METHODS[name].remove(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids).logits.float() if verify else None
-        merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
-        diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    return merged, diff
-
-
 def write_merged(
     merged: Any, spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, card: bool
 ) -> None:
@@ -151,9 +144,7 @@ def export(
     base_id: str | None = None,
 ) -> dict[str, Any]:
     """:func:`merge` in ``dtype`` with a model card (a local base without ``base_id`` is warned about)."""
-    return merge(
-        adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
-    )
+    return merge(adapter_dir, out_dir, base, dtype, verify, without, True, base_id)
 
 
 def serving_note(folder: str | Path) -> str:
@@ -182,11 +173,6 @@ def serving_note(folder: str | Path) -> str:
         "convert to GGUF (llama.cpp's converter does not know that architecture) and engines that run their own "
         f"model code (vLLM, SGLang, llama.cpp) have no {', '.join(remote)}{fix} ({SERVING_DOCS})."
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Model card
-# ---------------------------------------------------------------------------------------------
 
 
 def _copy_eval_results(source: Path, dest: Path) -> None:
@@ -428,11 +414,6 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Push
-# ---------------------------------------------------------------------------------------------
-
-
 def check_adapter_files(folder: Path) -> None:
     """Refuse (ModelSourceError naming what is missing) an adapter folder without longpeft.json and weights:
     LoRA's two files, or a method's own ``*.safetensors``, or both."""
@@ -444,17 +425,6 @@ def check_adapter_files(folder: Path) -> None:
         missing.append("weights (adapter_model.safetensors or a method's own *.safetensors)")
     if missing:
         raise ModelSourceError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
-
-
-def upload_source(source: Path) -> Path:
-    """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
-    found = run_outputs(source)
-    if len(found) > 1:
-        raise ConfigError(
-            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
-            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
-        )
-    return found[0] if found else source
 
 
 def stage_upload(
@@ -473,7 +443,13 @@ def stage_upload(
     check_repo_id(repo_id, "--repo")
     if base_id:
         check_repo_id(base_id, "--base-id")
-    source, dest = upload_source(Path(source)), Path(dest).resolve()
+    found = run_outputs(source)  # a run folder: upload its adapter/ or model/ (finetune: full)
+    if len(found) > 1:
+        raise ConfigError(
+            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
+        )
+    source, dest = (found[0] if found else Path(source)), Path(dest).resolve()
     spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
     if not base_id:
         warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
@@ -510,11 +486,7 @@ def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
 
 def _update_json(path: Path, changes: dict[str, Any]) -> None:
     """Set ``changes`` in the JSON object of ``path``."""
-    _write_json(path, {**json.loads(path.read_text()), **changes})
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}, indent=2, sort_keys=True) + "\n")
 
 
 def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
@@ -540,7 +512,7 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     for index_path in dest.glob("*.safetensors.index.json"):  # sharded weights: the index records their size
         index = json.loads(index_path.read_text())
         index.setdefault("metadata", {})["total_size"] = sum(sizes[name] for name in set(index["weight_map"].values()))
-        _write_json(index_path, index)
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def name_base_in_adapter_config(folder: Path, base_model: str | None) -> None:
