@@ -58,8 +58,9 @@ def merge(
     card: bool = False,
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically
-    (:func:`write_merged`), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
+    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically (weights,
+    the methods' export files, tokenizer, generation config, longpeft.json, eval results and, with ``card``, the model
+    card), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
     longpeft.json and the card (else a local base is named relative to ``out_dir`` and left out of the card).
     Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the logit difference is None unless ``verify``)."""
     if base_id:
@@ -81,7 +82,18 @@ def merge(
     methods = {name: section for name, section in spec.methods.items() if name not in without}
     base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
     kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
-    write_merged(merged, kept, adapter_dir, out_dir, base, card)
+    needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
+    with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
+        merged.config.name_or_path = str(out_dir)
+        merged.save_pretrained(partial)
+        export_methods(merged, kept, partial)
+        load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
+        if (adapter_dir / "generation_config.json").is_file():
+            GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
+        kept.save(partial)
+        _copy_eval_results(adapter_dir, partial)
+        if card:
+            write_model_card(partial, kept, folder_name=out_dir.name)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
@@ -113,25 +125,6 @@ def check_merge(
             f"the base {base_name} is saved quantized ({dict(quantization).get('quant_method', '?')}): "
             "a merge needs the full-precision base; pass it with --base"
         )
-
-
-def write_merged(
-    merged: Any, spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, card: bool
-) -> None:
-    """Save ``merged`` atomically to ``out_dir``: weights, the methods' export files, the adapter's tokenizer and
-    generation config, ``spec``, the eval results and, with ``card``, the model card."""
-    needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
-    with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
-        merged.config.name_or_path = str(out_dir)
-        merged.save_pretrained(partial)
-        export_methods(merged, spec, partial)
-        load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
-        if (adapter_dir / "generation_config.json").is_file():
-            GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
-        spec.save(partial)
-        _copy_eval_results(adapter_dir, partial)
-        if card:
-            write_model_card(partial, spec, folder_name=out_dir.name)
 
 
 def export(
