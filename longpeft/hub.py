@@ -420,55 +420,6 @@ def check_adapter_files(folder: Path) -> None:
         raise ModelSourceError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
 
 
-def stage_upload(
-    source: str | Path,
-    dest: str | Path,
-    repo_id: str,
-    merged: bool = False,
-    dtype: str = "bfloat16",
-    base_id: str | None = None,
-    base: str | Path | None = None,
-) -> Path:
-    """Write atomically into ``dest`` the folder ``push`` uploads to ``repo_id``, from ``source`` (an adapter, a whole
-    model, or a run folder holding one): an adapter in peft's own format, or with ``merged`` merged into ``base``
-    (default: longpeft.json's) in ``dtype``, a whole model cast to ``dtype``. The base is named by ``base_id``, else
-    by longpeft.json's Hub id or built-in name, never by a local folder (warned about). Returns ``dest``."""
-    check_repo_id(repo_id, "--repo")
-    if base_id:
-        check_repo_id(base_id, "--base-id")
-    found = run_outputs(source)  # a run folder: upload its adapter/ or model/ (finetune: full)
-    if len(found) > 1:
-        raise ConfigError(
-            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
-            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
-        )
-    source, dest = (found[0] if found else Path(source)), Path(dest).resolve()
-    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
-    if not base_id:
-        warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
-        base_id = spec.base_model if shareable_base(spec.base_model) else None
-    check_output_folder(dest, protected={"the folder to upload": source}, flag="--dry-run")
-    weights = folder_weights(source, spec)
-    with written_atomically(dest) as partial:
-        if weights in ("full", "merged"):
-            stage_whole_model(source, partial, dtype)
-        elif merged:
-            merge(source, partial, base=base, dtype=dtype)
-            weights = "merged"
-        else:
-            check_adapter_files(source)
-            _copy_files(source, partial)
-            write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
-        _copy_eval_results(source, partial)
-        staged = ContextSpec.load(partial)
-        staged.weights = weights
-        staged.base_model = base_id  # by its Hub id, never by a path of this machine
-        staged.save(partial)
-        name_base_in_adapter_config(partial, base_id)
-        write_model_card(partial, staged, repo_id=repo_id)
-    return dest
-
-
 def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
     """Copy the files of ``source`` (not its subfolders, nor its card: the staged folder gets its own) to ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -526,18 +477,54 @@ def push(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> str:
-    """Upload :func:`stage_upload`'s folder to ``repo_id``, whose files become exactly that folder's; returns the
-    commit URL. With ``dry_run`` the folder is written there, nothing is uploaded, and its path is returned. The
-    token comes from the environment or ``huggingface-cli login``."""
-    options = {"merged": merged, "dtype": dtype, "base_id": base_id, "base": base}
-    if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, **options))
-    try:
-        hub_preflight(repo_id, "push to")
-    except FileNotFoundError:
-        pass  # a new repository: create_repo makes it
+    """Upload to ``repo_id`` (token from the environment or ``huggingface-cli login``), whose files become exactly
+    those of a folder written atomically from ``source`` (an adapter, a whole model, or a run folder holding one): an
+    adapter in peft's own format, or with ``merged`` merged into ``base`` (default: longpeft.json's) in ``dtype``, a
+    whole model cast to ``dtype``. The base is named by ``base_id``, else by longpeft.json's Hub id or built-in name,
+    never by a local folder (warned about). Returns the commit URL; with ``dry_run`` the folder is written there,
+    nothing is uploaded, and its path is returned."""
+    if dry_run is None:
+        try:
+            hub_preflight(repo_id, "push to")
+        except FileNotFoundError:
+            pass  # a new repository: create_repo makes it
+    check_repo_id(repo_id, "--repo")
+    if base_id:
+        check_repo_id(base_id, "--base-id")
+    found = run_outputs(source)  # a run folder: upload its adapter/ or model/ (finetune: full)
+    if len(found) > 1:
+        raise ConfigError(
+            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
+        )
+    source = found[0] if found else Path(source)
+    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
+    if not base_id:
+        warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
+        base_id = spec.base_model if shareable_base(spec.base_model) else None
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(source, Path(staging) / "upload", repo_id, **options)
+        folder = Path(dry_run if dry_run is not None else Path(staging) / "upload").resolve()
+        check_output_folder(folder, protected={"the folder to upload": source}, flag="--dry-run")
+        weights = folder_weights(source, spec)
+        with written_atomically(folder) as partial:
+            if weights in ("full", "merged"):
+                stage_whole_model(source, partial, dtype)
+            elif merged:
+                merge(source, partial, base=base, dtype=dtype)
+                weights = "merged"
+            else:
+                check_adapter_files(source)
+                _copy_files(source, partial)
+                write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
+            _copy_eval_results(source, partial)
+            staged = ContextSpec.load(partial)
+            staged.weights = weights
+            staged.base_model = base_id  # by its Hub id, never by a path of this machine
+            staged.save(partial)
+            name_base_in_adapter_config(partial, base_id)
+            write_model_card(partial, staged, repo_id=repo_id)
+        if dry_run is not None:
+            return str(folder)
         api = HfApi()
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
         if private:  # create_repo leaves an existing repository's visibility as it was
