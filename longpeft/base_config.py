@@ -273,14 +273,14 @@ class BaseFacts:
 
 def read_base(name: str, revision: str | None = None, what: str = "model.name_or_path") -> BaseFacts:
     """The :class:`BaseFacts` of the base ``name`` (``tiny:ARCH``, a built-in name, a local folder or a Hub id) at
-    ``revision``; ``what`` names the setting in messages.
-
-    Raises:
-        BaseNotHere: a missing local folder, or a Hub model not in the cache while the Hub is offline or silent.
-        ModelSourceError: a folder without config.json, a config.json no causal LM's, a Hub repo that does not exist.
-    """
+    ``revision``; ``what`` names the setting in messages. Raises BaseNotHere (a missing local folder, or a Hub model
+    not in the cache while the Hub is offline or silent), or ModelSourceError (a folder without config.json, a
+    config.json no causal LM's, a Hub repo that does not exist)."""
     if name.startswith(TINY_PREFIX):
-        return _tiny_facts(name)
+        from .tiny import CHAT_TEMPLATE, demo_vocab_size, tiny_settings
+
+        settings = tiny_settings(name[len(TINY_PREFIX) :], vocab_size=demo_vocab_size())
+        return BaseFacts(name, name, BaseConfig(settings, name), CHAT_TEMPLATE, tokenizer_found=True)
     location = model_location(name)
     if is_local(location):
         folder = Path(location)
@@ -301,35 +301,25 @@ def check_base_code(name: str, revision: str | None, trusted: bool, setting: str
     facts.check_remote_code(trusted, setting)
 
 
-def _tiny_facts(name: str) -> BaseFacts:
-    from .tiny import CHAT_TEMPLATE, demo_vocab_size, tiny_settings
-
-    settings = tiny_settings(name[len(TINY_PREFIX) :], vocab_size=demo_vocab_size())
-    return BaseFacts(name, name, BaseConfig(settings, name), CHAT_TEMPLATE, tokenizer_found=True)
-
-
 def _folder_facts(name: str, folder: Path, source: str) -> BaseFacts:
     config = BaseConfig(read_json_object(folder / "config.json", "the base's config"), source)
     tokenizer_file = folder / TOKENIZER_CONFIG
     template_file = folder / CHAT_TEMPLATE_FILE
     tokenizer = read_json_object(tokenizer_file, "the base's tokenizer config") if tokenizer_file.is_file() else {}
-    template = template_file.read_text() if template_file.is_file() else _template_of(tokenizer)
-    found = tokenizer_file.is_file() or template_file.is_file()
-    return BaseFacts(name, source, config, template or None, tokenizer_found=found)
-
-
-def _template_of(tokenizer_config: dict[str, Any]) -> str | None:
-    """The default chat template of a tokenizer_config.json: a string, or the one named ``default`` of a list."""
-    template = tokenizer_config.get("chat_template")
+    template = tokenizer.get("chat_template")  # a string, or a list of named ones: the one named default
     if isinstance(template, list):
-        named = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
-        template = named.get("default")
-    return template if isinstance(template, str) else None
+        template = {entry.get("name"): entry.get("template") for entry in template if isinstance(entry, dict)}
+        template = template.get("default")
+    template = template_file.read_text() if template_file.is_file() else template
+    found = tokenizer_file.is_file() or template_file.is_file()
+    return BaseFacts(name, source, config, template if isinstance(template, str) and template else None, found)
 
 
 def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
-    """A Hub base: from the cache when its config.json is there, else its config files downloaded (bounded)."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    """A Hub base: from the cache when its config.json is there, else its config.json, tokenizer config and chat
+    template downloaded (bounded)."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import EntryNotFoundError
 
     cached = try_to_load_from_cache(name, "config.json", revision=revision)
     if isinstance(cached, str):
@@ -338,28 +328,19 @@ def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
         raise BaseNotHere(f"{what} {name}: its config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
     try:
         hub_preflight(name, what)
-        folder = _download_config_files(name, revision)
+        with asking_the_hub(name, "base model"):
+            try:
+                folder = Path(hf_hub_download(name, "config.json", revision=revision)).parent
+            except EntryNotFoundError:
+                raise ModelSourceError(f"base model {name}: the Hub repo has no config.json; is it a model?") from None
+            for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):  # where the repo has them
+                with contextlib.suppress(EntryNotFoundError):
+                    hf_hub_download(name, optional, revision=revision)
     except (HubTimeoutError, OSError) as error:
         if isinstance(error, ModelSourceError):
             raise
         raise BaseNotHere(f"{what} {name}: its config.json could not be fetched ({error})") from None
     return _folder_facts(name, folder, str(folder / "config.json"))
-
-
-def _download_config_files(name: str, revision: str | None) -> Path:
-    """The snapshot folder of ``name``'s config.json, tokenizer config and chat template (where the repo has them)."""
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    with asking_the_hub(name, "base model"):
-        try:
-            config_path = Path(hf_hub_download(name, "config.json", revision=revision))
-        except EntryNotFoundError:
-            raise ModelSourceError(f"base model {name}: the Hub repo has no config.json; is it a model?") from None
-        for optional in (TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE):
-            with contextlib.suppress(EntryNotFoundError):
-                hf_hub_download(name, optional, revision=revision)
-    return config_path.parent
 
 
 def _meta_module_kinds(config: dict[str, Any]) -> dict[str, str]:

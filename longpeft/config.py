@@ -96,15 +96,6 @@ def validate(model: type[StrictModel], data: Any, source: str) -> Any:
         raise ConfigError(format_validation_error(source, exc, model)) from None
 
 
-def parse_value(raw: str, where: str) -> Any:
-    """A ``--set`` value parsed as YAML (``10`` -> int, ``[1, 2]`` -> list, ``null`` -> None)."""
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        problem = str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: value {raw!r} is not valid YAML ({problem}); quote it or fix it") from None
-
-
 def assign(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     """Set ``data[a][b][c] = value`` for ``dotted = "a.b.c"``, creating sections on the way."""
     *parents, leaf = dotted.split(".")
@@ -123,7 +114,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: s
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"{source}: --set {override!r} must look like section.key=value")
-        assign(data, key, parse_value(raw, f"{source}: --set {key}"), f"{source}: --set")
+        try:
+            value = yaml.safe_load(raw)  # 10 -> int, [1, 2] -> list, null -> None
+        except yaml.YAMLError as exc:
+            problem = str(exc).splitlines()[0]
+            raise ConfigError(
+                f"{source}: --set {key}: value {raw!r} is not valid YAML ({problem}); quote it or fix it"
+            ) from None
+        assign(data, key, value, f"{source}: --set")
     return data
 
 

@@ -206,14 +206,6 @@ def write_failure(error: BaseException) -> str | None:
     return None
 
 
-def _elsewhere(error: BaseException, folder: Path) -> bool:
-    """Whether ``error`` names a file outside ``folder``'s parent (an input, not the output)."""
-    filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
-    if not isinstance(filename, (str, Path)):
-        return False
-    return not os.path.abspath(filename).startswith(os.path.abspath(folder.parent))
-
-
 def _size(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count:,} bytes"
 
@@ -231,7 +223,10 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         problem = write_failure(error)
         folder = Path(folder)
         refused = problem is not None and problem.startswith(("permission", "read-only"))
-        if problem is None or refused and _elsewhere(error, folder):  # an input that could not be read
+        filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
+        parent = os.path.abspath(folder.parent)  # a refused file outside it is an input that could not be read
+        elsewhere = isinstance(filename, (str, Path)) and not os.path.abspath(filename).startswith(parent)
+        if problem is None or refused and elsewhere:
             raise
         sizes = [f"it needs about {_size(needed_bytes)}"] if needed_bytes else []
         existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)

@@ -53,14 +53,6 @@ ADAPTER_LOOKUP_KWARGS = ("cache_dir", "local_files_only", "subfolder", "proxies"
 CONFIG_KWARGS = ("revision", "trust_remote_code", "token", *ADAPTER_LOOKUP_KWARGS)
 
 
-def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` whose ``adapter_kwargs`` also get the caller's :data:`ADAPTER_LOOKUP_KWARGS` (what
-    the caller set in ``adapter_kwargs`` wins)."""
-    lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
-    adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
-    return {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs} if lookup else from_pretrained_kwargs
-
-
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
     """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
     the Hub repository the spec names and no revision was given."""
@@ -105,7 +97,11 @@ def load(
         check_base_code(name, revision, trusted, "trust_remote_code=True")
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
-        model = AutoModelForCausalLM.from_pretrained(name, **with_adapter_lookup_kwargs(from_pretrained_kwargs))
+        lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
+        if lookup:  # what the caller set in adapter_kwargs wins
+            adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
+            from_pretrained_kwargs = {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs}
+        model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)

@@ -174,23 +174,17 @@ def read_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
         ) from None
 
 
-def _lora_rank(name: str, config: dict[str, Any]) -> int | None:
-    """The LoRA rank ``adapter_config.json`` gives the module of tensor ``name`` (its ``rank_pattern`` first)."""
-    rank = config.get("r")
-    for pattern, value in (config.get("rank_pattern") or {}).items():
-        if re.search(rf"(^|\.){pattern}\.lora_[AB]", name) or re.fullmatch(rf".*{pattern}\.lora_[AB]\..*", name):
-            rank = value
-    return rank if isinstance(rank, int) else None
-
-
 def lora_rank_shapes(header: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape each LoRA tensor of ``header`` must have for the ranks of ``config`` (adapter_config.json):
-    ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``, the other side as in the file."""
+    ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``, the other side as in the file; a module's rank is its
+    ``rank_pattern``'s, else ``r``."""
     expected = {}
     for name, entry in header.items():
-        shape = entry["shape"]
-        rank = _lora_rank(name, config)
-        if rank is None or len(shape) != 2:
+        shape, rank = entry["shape"], config.get("r")
+        for pattern, value in (config.get("rank_pattern") or {}).items():
+            if re.search(rf"(^|\.){pattern}\.lora_[AB]", name) or re.fullmatch(rf".*{pattern}\.lora_[AB]\..*", name):
+                rank = value
+        if not isinstance(rank, int) or len(shape) != 2:
             continue
         if ".lora_A." in name:
             expected[name] = (rank, shape[1])
