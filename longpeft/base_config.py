@@ -18,7 +18,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .builtin_models import model_location
 from .errors import ConfigError, HubTimeoutError, ModelSourceError
 from .family import adaptable_kind, module_kinds
 from .files import asking_the_hub, hub_preflight, is_local
@@ -170,6 +169,16 @@ def _string_keys(node: ast.AST) -> set[str]:
 
 def _is_string(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and isinstance(node.value, str)
+
+
+TOY_BASE = "longpeft:toy-base"
+BUILTIN_MODELS = {TOY_BASE: Path(__file__).parent / "toy_base"}
+
+
+def model_location(name: str | Path) -> str:
+    """Where to load ``name`` from: the packaged folder for a built-in model (``longpeft:toy-base``, the
+    short-window base of the demo, see ``longpeft/toy_base/README.md``), else ``name`` as given."""
+    return str(BUILTIN_MODELS.get(str(name), name))
 
 
 TINY_PREFIX = "tiny:"

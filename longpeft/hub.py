@@ -30,8 +30,7 @@ from .adapters import METHODS, export_methods, spec_methods
 from .adapters.beacon import WEIGHTS_FILENAME
 from .adapters.beacon.authors_config import check_built_on, config_from_authors
 from .adapters.beacon.weights import AUTHORS_TENSOR, authors_tensor_shape
-from .base_config import check_base_code
-from .builtin_models import BUILTIN_MODELS
+from .base_config import BUILTIN_MODELS, check_base_code
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import (

@@ -10,8 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
-from .base_config import check_base_code
-from .builtin_models import model_location
+from .base_config import check_base_code, model_location
 from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir, raised_in

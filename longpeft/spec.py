@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
-from .base_config import rope_parameters_of
+from .base_config import BUILTIN_MODELS, rope_parameters_of
 from .config import StrictModel, format_validation_error
 from .errors import ConfigError, DataError, ModelSourceError
 from .family import head_dim_of, num_kv_heads
@@ -215,8 +215,6 @@ class ContextSpec(StrictModel):
 def base_reference(name: str, folder: str | Path) -> str:
     """How ``folder``'s longpeft.json names the base ``name``: a local folder by its path relative to ``folder``
     (always starting with ``.``), a Hub id or a built-in model's name as given."""
-    from .builtin_models import BUILTIN_MODELS
-
     if name in BUILTIN_MODELS or not Path(name).exists():
         return name
     relative = os.path.relpath(Path(name).resolve(), Path(folder).resolve())

@@ -49,7 +49,7 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
     why. Never downloads."""
     from transformers import AutoTokenizer
 
-    from ..builtin_models import model_location
+    from ..base_config import model_location
     from ..files import is_local
 
     name = recipe.model.name_or_path
