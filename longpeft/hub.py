@@ -178,17 +178,6 @@ def _copy_eval_results(source: Path, dest: Path) -> None:
             return
 
 
-def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
-    """Rows of ``eval_results.json`` (``{"rows": [{"task", "setting", "length", "score"}, ...]}``), if present."""
-    path = folder / EVAL_RESULTS_FILENAME
-    rows = json.loads(path.read_text()).get("rows", []) if path.is_file() else []
-    for row in rows:
-        missing = {"task", "score"} - set(row)
-        if missing:
-            raise DataError(f"{path}: a row lacks {sorted(missing)}: {row}")
-    return rows
-
-
 def check_repo_id(value: str, flag: str) -> None:
     """Raise a ConfigError naming ``flag`` unless ``value`` is a valid Hub repo id (``owner/name``)."""
     try:
@@ -246,7 +235,8 @@ def model_card_text(
 ) -> str:
     """README.md of what ``spec.weights`` says the folder holds (LoRA when unknown): YAML metadata, what changed,
     how to load it (from ``repo_id``, else from a marked placeholder ``path/to/<folder_name>``), the eval table."""
-    weights, name = spec.weights or "lora", base_display_name(spec.base_model)
+    weights, base = spec.weights or "lora", spec.base_model
+    name = (Path(base).name if is_local(base) else base) if base else "the base model"  # a local one by its folder
     full = weights == "full"
     lines = [
         "---",
@@ -376,13 +366,6 @@ def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
     return [note, ""] if note else []
 
 
-def base_display_name(base_model: str | None) -> str:
-    """The base's name for a card title: a Hub id as is, a local path by its last folder."""
-    if not base_model:
-        return "the base model"
-    return Path(base_model).name if is_local(base_model) else base_model
-
-
 def write_model_card(
     folder: str | Path, spec: ContextSpec, repo_id: str | None = None, folder_name: str | None = None
 ) -> Path:
@@ -390,8 +373,13 @@ def write_model_card(
     return its path. ``folder_name`` (default ``folder``'s name) is the placeholder's when there is no ``repo_id``."""
     folder = Path(folder)
     spec = spec.model_copy(update={"weights": folder_weights(folder, spec)})
+    results = folder / EVAL_RESULTS_FILENAME  # {"rows": [{"task", "setting", "length", "score"}, ...]}
+    rows = json.loads(results.read_text()).get("rows", []) if results.is_file() else []
+    for row in rows:
+        if missing := {"task", "score"} - set(row):
+            raise DataError(f"{results}: a row lacks {sorted(missing)}: {row}")
     path = folder / "README.md"
-    path.write_text(model_card_text(spec, load_eval_rows(folder), repo_id, folder_name or folder.name))
+    path.write_text(model_card_text(spec, rows, repo_id, folder_name or folder.name))
     return path
 
 

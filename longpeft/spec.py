@@ -47,15 +47,9 @@ class BaseShape(StrictModel):
     @classmethod
     def of(cls, config: Any) -> BaseShape:
         """The shape of a transformers config."""
-        return cls(
-            model_type=config.model_type,
-            hidden_size=config.hidden_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=num_kv_heads(config),
-            head_dim=head_dim_of(config),
-            vocab_size=config.vocab_size,
-        )
+        kept = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        shape = {key: getattr(config, key) for key in kept}
+        return cls(**shape, num_key_value_heads=num_kv_heads(config), head_dim=head_dim_of(config))
 
 
 class SpecMismatchError(ConfigError):
@@ -149,12 +143,8 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def load(cls, directory: str | Path) -> ContextSpec:
-        """Read ``longpeft.json`` from an adapter directory.
-
-        Raises:
-            ModelSourceError: there is none (for a training run folder, naming the folders it holds).
-            DataError: not a format-3 ``longpeft.json`` (:meth:`from_dict`).
-        """
+        """Read ``longpeft.json`` from an adapter directory: a ModelSourceError when there is none (for a training
+        run folder, naming the folders it holds), a DataError when it is not a format-3 one (:meth:`from_dict`)."""
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file() and (outputs := run_outputs(directory)):
             raise ModelSourceError(
