@@ -50,7 +50,11 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
         "eval": eval_rows,
         "table": table,
     }
-    print_summary(summary)
+    print(f"\nlongpeft demo -> {summary['output_dir']}")
+    print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
+    print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
+    print("  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
+    print(summary["table"])
     return summary
 
 
@@ -81,11 +85,3 @@ def prepare_demo_folder(out: Path) -> None:
                 path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).write_text("written by `longpeft demo`: it may replace its own outputs here\n")
-
-
-def print_summary(summary: dict) -> None:
-    print(f"\nlongpeft demo -> {summary['output_dir']}")
-    print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
-    print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
-    print("  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
-    print(summary["table"])

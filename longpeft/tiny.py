@@ -121,19 +121,10 @@ def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) 
     if arch not in TINY_ARCHITECTURES:
         raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
     model_type, arch_overrides = TINY_ARCHITECTURES[arch]
-    settings: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=[6, 2],
-        attn_implementation="eager",
-    )
+    settings: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    settings |= dict(max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    settings |= dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=[6, 2])
+    settings |= dict(attn_implementation="eager")
     return {"model_type": model_type, **settings, **arch_overrides, **overrides}
 
 
