@@ -30,6 +30,7 @@ from .files import replaced_atomically
 
 WEIGHTS_NAME = "adapter_model.safetensors"
 TIED_METADATA = "longpeft.tied"
+REDO = "re-create it (or copy / download the folder again)"
 
 
 def tied_copies(model: Any) -> dict[str, str]:
@@ -96,10 +97,7 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
             return {}
         lost = sorted(source for source in added.values() if source not in names)
         if lost:
-            raise DataError(
-                f"{path}: a tied copy's matrix {lost[0]} is not in the file (a damaged file); re-create it "
-                "(or copy / download the folder again)"
-            )
+            raise DataError(f"{path}: a tied copy's matrix {lost[0]} is not in the file (a damaged file); {REDO}")
         tensors = {name: handle.get_tensor(name) for name in names}
     tensors.update({copy: tensors[source].clone() for copy, source in added.items()})  # safetensors refuses shared
     with replaced_atomically(path) as partial:  # a failure keeps the old file
@@ -118,10 +116,7 @@ def tied_names(folder: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as handle:
             raw = (handle.metadata() or {}).get(TIED_METADATA)
     except SafetensorError as error:
-        raise DataError(
-            f"{path}: could not be read ({str(error).splitlines()[0]}); re-create it (or copy / "
-            "download the folder again)"
-        ) from None
+        raise DataError(f"{path}: could not be read ({str(error).splitlines()[0]}); {REDO}") from None
     if raw is None:
         return {}
     try:
@@ -129,10 +124,7 @@ def tied_names(folder: str | Path) -> dict[str, str]:
     except ValueError:
         names = None
     if not isinstance(names, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in names.items()):
-        raise DataError(
-            f"{path}: its {TIED_METADATA} metadata is not a JSON object of tensor names; re-create it "
-            "(or copy / download the folder again)"
-        )
+        raise DataError(f"{path}: its {TIED_METADATA} metadata is not a JSON object of tensor names; {REDO}")
     return names
 
 
@@ -142,9 +134,9 @@ def adapter_weights(folder: str | Path) -> dict[str, Any]:
     weights = load_peft_weights(str(folder), device="cpu")
     for copy, source in tied_names(folder).items():
         if source not in weights:
+            path = Path(folder) / WEIGHTS_NAME
             raise DataError(
-                f"{Path(folder) / WEIGHTS_NAME}: {copy} is tied to {source}, which the file does not "
-                "hold (a damaged file); re-create it (or copy / download the folder again)"
+                f"{path}: {copy} is tied to {source}, which the file does not hold (a damaged file); {REDO}"
             )
         weights[copy] = weights[source]
     return weights
