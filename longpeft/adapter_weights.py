@@ -1,13 +1,10 @@
 """A LoRA adapter's weights file on a base whose output head shares the input embedding's weight
 (``tie_word_embeddings``), where ``lora.embeddings: full`` trains one matrix that peft saves under both names.
 
-Every folder users get is in peft's own format (both names). Checkpoints keep the matrix once:
-:func:`leave_out_tied_copies` drops the copies and records them in the file's metadata (``longpeft.tied``:
-``{copy: the name it is tied to}``). :func:`adapter_weights` and :func:`load_adapter` read either format, with every
-copy in place; every longpeft reader goes through them (docs/recipes.md, "Why longpeft.json").
-
-transformers' ``tie_weights()`` fails on a tied module peft wrapped: :func:`tie_through_peft_wrappers` gives the model
-one that ties wrapped pairs version by version and leaves the others to transformers.
+Folders users get are in peft's own format (both names); checkpoints keep the matrix once, the copies recorded in
+the file's metadata (``longpeft.tied``: ``{copy: the name it is tied to}``). Every longpeft reader reads either format
+through :func:`adapter_weights` or :func:`load_adapter`, whose model gets a ``tie_weights`` that works on the modules
+peft wrapped (:func:`tie_through_peft_wrappers`; docs/recipes.md, "Why longpeft.json").
 """
 
 from __future__ import annotations
@@ -156,12 +153,8 @@ def missing_adapter_weights(model: Any, result: Any) -> list[str]:
 
 def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> Any:
     """``PeftModel.from_pretrained(model, folder, is_trainable=is_trainable)`` that also reads a file without its
-    tied copies, with :func:`tie_through_peft_wrappers`'s ``tie_weights``.
-
-    Raises:
-        ConfigError: a compact file on a base that ``device_map`` offloaded in part.
-        DataError: the file lacks weights of the adapter its config describes.
-    """
+    tied copies, with :func:`tie_through_peft_wrappers`'s ``tie_weights``. A ConfigError for a compact file on a base
+    that ``device_map`` offloaded in part, a DataError when it lacks weights its config describes."""
     if not tied_names(folder):
         return tie_through_peft_wrappers(PeftModel.from_pretrained(model, str(folder), is_trainable=is_trainable))
     if any(parameter.device.type == "meta" for parameter in model.parameters()):

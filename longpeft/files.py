@@ -382,11 +382,9 @@ def _silent_hub_message(url: Any, limit: float) -> str:
 
 
 def bound_hub_requests() -> None:
-    """Bound every later GET and HEAD request huggingface_hub sends in this process (uploads are left alone) by
-    :func:`hub_timeout` of the Hub's silence; then it and every later one end in a HubTimeoutError until the next
-    :func:`ask_again`. Installed once, around the client factory in use; hf_xet's own client gets the same connect
-    and read timeouts (:data:`XET_TIMEOUTS`) unless set.
-    """
+    """Bound every later GET and HEAD request huggingface_hub sends in this process by :func:`hub_timeout` of the
+    Hub's silence (then they end in a HubTimeoutError until the next :func:`ask_again`), once, around the client
+    factory in use; hf_xet's own client gets the same timeouts (:data:`XET_TIMEOUTS`) unless set."""
     from huggingface_hub import set_client_factory
     from huggingface_hub.utils import _http
 

@@ -1,10 +1,5 @@
-"""Merge, export and share adapters with everything they change besides weights.
-
-- ``merge``: base + adapter -> one model folder for plain ``AutoModelForCausalLM.from_pretrained`` (RoPE in
-  config.json; HARPE, Activation Beacon and STRING ship a modeling file and ``auto_map``: ``trust_remote_code``).
-- ``export``: a merged model in a chosen dtype with its model card.
-- ``push``: an adapter, an exported model or a fully fine-tuned model to the Hub; ``dry_run`` writes the folder only.
-- ``convert_authors_beacon``: Activation Beacon's released models as longpeft adapters.
+"""Merge an adapter into one model folder for ``AutoModelForCausalLM.from_pretrained`` (``export``: with its model
+card), push an adapter or a whole model to the Hub, and convert Activation Beacon's released models into adapters.
 """
 
 from __future__ import annotations
