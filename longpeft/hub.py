@@ -233,14 +233,9 @@ def model_card_text(
     weights, base = spec.weights or "lora", spec.base_model
     name = (Path(base).name if is_local(base) else base) if base else "the base model"  # a local one by its folder
     full = weights == "full"
-    lines = [
-        "---",
-        yaml.safe_dump(card_metadata(spec, weights), sort_keys=False).strip(),
-        "---",
-        "",
-        f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})",
-        "",
-    ]
+    metadata = yaml.safe_dump(card_metadata(spec, weights), sort_keys=False).strip()
+    title = f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})"
+    lines = ["---", metadata, "---", "", title, ""]
     if full:
         lines += [
             f"A full fine-tune (longpeft `finetune: full`): every weight of {name} was trained, so this is the whole "
@@ -265,15 +260,11 @@ def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
     the implied ones) and longpeft's record of the change."""
     methods = spec_methods(spec)
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
+    named = dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])
     return {
         **({"base_model": spec.base_model} if shareable_base(spec.base_model) else {}),
         **({"library_name": library} if library else {}),
-        "tags": [
-            "longpeft",
-            "long-context",
-            *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)]),
-        ]
-        + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
+        "tags": ["longpeft", "long-context", *named, *{"full": ["full-finetune"], "lora": ["lora"]}.get(weights, [])],
         "longpeft": {
             "method": spec.method,
             "rope_theta": spec.rope_parameters.get("rope_theta"),
