@@ -521,7 +521,10 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
     folder = Path(source if local else snapshot_download(str(source), allow_patterns=patterns))
     index = next(iter(folder.glob("*.safetensors.index.json")), None)
     if index is not None:
-        names = sorted({f for k, f in _weight_map(index).items() if AUTHORS_TENSOR.match(k)})
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")  # tensor -> file
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise DataError(f"{index}: no weight_map of tensor names to file names; download the model again")
+        names = sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})
     else:
         names = [path.name for path in sorted(folder.glob("*.safetensors"))] if local else ["model.safetensors"]
     files = [folder / name if local else Path(hf_hub_download(str(source), name)) for name in names]
@@ -529,14 +532,6 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
     if not config_path.is_file():
         raise ModelSourceError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
     return folder, read_json_object(config_path, "the authors' config"), files
-
-
-def _weight_map(index: Path) -> dict[str, str]:
-    """The ``weight_map`` (tensor -> file) of a ``*.safetensors.index.json``."""
-    weight_map = read_json_object(index, "safetensors index").get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise DataError(f"{index}: no weight_map of tensor names to file names; download the model again")
-    return weight_map
 
 
 def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_config: Any, base: str | Path) -> None:
