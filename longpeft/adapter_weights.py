@@ -103,8 +103,7 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
 
 
 def tied_names(folder: str | Path) -> dict[str, str]:
-    """``{copy: the name it is tied to}`` that ``folder``'s adapter file left out (empty for peft's format or no
-    file); a DataError when the file or its record cannot be read."""
+    """The ``{copy: tied name}`` that ``folder``'s adapter file left out (empty if none); a DataError if unreadable."""
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():
         return {}
@@ -126,8 +125,7 @@ def tied_names(folder: str | Path) -> dict[str, str]:
 
 
 def adapter_weights(folder: str | Path) -> dict[str, Any]:
-    """The adapter weights of ``folder`` as peft reads them (on the CPU), with every tied copy the file left out;
-    a DataError when a name the file ties a copy to is not in it."""
+    """``folder``'s adapter weights as peft reads them (CPU) with every tied copy; a DataError for a missing source."""
     weights = load_peft_weights(str(folder), device="cpu")
     for copy, source in tied_names(folder).items():
         if source not in weights:
@@ -205,8 +203,7 @@ def is_peft_wrapped(module: nn.Module) -> bool:
 
 
 def tie_versions(model: nn.Module, target: str, source: str) -> None:
-    """Tie the parameter ``target`` to ``source`` of ``model`` version by version (:func:`module_versions`); a
-    version the source lacks stays as peft built it."""
+    """Tie ``target`` to ``source`` of ``model`` version by version; a version the source lacks stays as built."""
     target_module, target_attribute = owner(model, target)
     source_module, source_attribute = owner(model, source)
     sources = module_versions(source_module)

@@ -325,8 +325,7 @@ def _folder_facts(name: str, folder: Path, source: str) -> BaseFacts:
 
 
 def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
-    """A Hub base: from the cache when its config.json is there, else its config.json, tokenizer config and chat
-    template downloaded (bounded)."""
+    """A Hub base: its config files from the cache, or downloaded (config, tokenizer config, chat template)."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import EntryNotFoundError
 

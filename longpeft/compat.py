@@ -17,8 +17,7 @@ CHECKPOINTING_NOTICE = "`is_gradient_checkpointing` is deprecated"
 
 @contextmanager
 def without_checkpointing_notice() -> Iterator[None]:
-    """Run a block without transformers' (>= 5.23) FutureWarning about ``is_gradient_checkpointing``, which peft and
-    TRL read (other warnings are untouched)."""
+    """Run a block without transformers' (>= 5.23) ``is_gradient_checkpointing`` FutureWarning (peft, TRL)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=CHECKPOINTING_NOTICE, category=FutureWarning)
         yield

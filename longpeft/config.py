@@ -145,8 +145,7 @@ def bundled_names(folder: Path) -> list[str]:
 
 
 def file_or_bundled(path_or_name: str | Path, folder: Path, what: str) -> Path:
-    """The file given, or the bundled ``folder/NAME.yaml`` of that name; else a ConfigError naming ``what``
-    (``recipe``, ``synth config``) and the bundled names."""
+    """The file given, else bundled ``folder/NAME.yaml``; else a ConfigError naming ``what`` and the bundled names."""
     path = Path(path_or_name)
     if path.is_file():
         return path

@@ -36,8 +36,7 @@ def is_local(name: str | Path) -> bool:
 
 
 def require_file(folder: str | Path, name: str, what: str, hint: str = "") -> Path:
-    """``folder / name``, which must be a file, else a ModelSourceError naming ``what`` (``adapter``) and the folder,
-    with ``hint`` (what to do) appended."""
+    """``folder / name`` if a file, else a ModelSourceError naming ``what``, the folder and ``hint`` (what to do)."""
     path = Path(folder) / name
     if not path.is_file():
         todo = hint or "; the folder is incomplete: copy or download it again"
@@ -153,8 +152,7 @@ def raised_in(error: BaseException, packages: tuple[str, ...], innermost: bool =
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Refuse now a ``folder`` (named by ``flag``) that is a file (OutputFolderError) or whose nearest existing
-    folder is not writable (PermissionError)."""
+    """Refuse a ``folder`` (``flag``) that is a file (OutputFolderError) or not writable (PermissionError)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputFolderError(f"{flag} {folder} is a file; choose a folder")

@@ -256,8 +256,7 @@ def model_card_text(
 
 
 def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
-    """A card's YAML metadata: the shareable base, the library that loads ``weights``, the tags (the methods but
-    the implied ones) and longpeft's record of the change."""
+    """A card's YAML metadata: shareable base, library, tags (the methods but the implied ones), longpeft's record."""
     methods = spec_methods(spec)
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
     named = dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])
@@ -385,8 +384,7 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
 
 
 def check_adapter_files(folder: Path) -> None:
-    """Refuse (ModelSourceError naming what is missing) an adapter folder without longpeft.json and weights:
-    LoRA's two files, or a method's own ``*.safetensors``, or both."""
+    """A ModelSourceError unless ``folder`` has longpeft.json and LoRA's two files or a method's ``*.safetensors``."""
     lora = [name for name in LORA_FILES if (folder / name).is_file()]
     missing = [name for name in LORA_FILES if name not in lora] if lora else []
     if not (folder / SPEC_FILENAME).is_file():
@@ -437,8 +435,7 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
 
 
 def name_base_in_adapter_config(folder: Path, base_model: str | None) -> None:
-    """Set ``base_model_name_or_path`` of ``folder``'s adapter_config.json, if any, to how longpeft.json names the
-    base (peft writes the path the base was loaded from)."""
+    """Name the base in ``folder``'s adapter_config.json (if any) as longpeft.json does, not by peft's load path."""
     config_path = folder / "adapter_config.json"
     if config_path.is_file():
         _update_json(config_path, {"base_model_name_or_path": base_model})

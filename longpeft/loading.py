@@ -53,8 +53,7 @@ CONFIG_KWARGS = ("revision", "trust_remote_code", "token", *ADAPTER_LOOKUP_KWARG
 
 
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
-    the Hub repository the spec names and no revision was given."""
+    """``from_pretrained_kwargs`` pinned to the trained-on commit when the base is the spec's Hub repo, if unpinned."""
     hub_base = name == spec.base_model and not is_local(name)
     if spec.base_revision and hub_base and "revision" not in from_pretrained_kwargs:
         return {**from_pretrained_kwargs, "revision": spec.base_revision}

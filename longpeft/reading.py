@@ -136,8 +136,7 @@ def read_safetensors(
     expected: dict[str, tuple[int, ...]] | None = None,
     source: str = "",
 ) -> dict[str, Any]:
-    """The tensors of a safetensors file whose names ``keep`` accepts, after :func:`safetensors_header` (and
-    :func:`check_shapes` against ``expected``, from ``source``)."""
+    """Tensors named as ``keep`` accepts, after :func:`safetensors_header` and :func:`check_shapes` (``expected``)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)

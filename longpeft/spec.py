@@ -130,8 +130,7 @@ class ContextSpec(StrictModel):
         return self.model_dump()
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path. Raises ConfigError
-        for a non-finite number (JSON has no Infinity/NaN)."""
+        """Write ``longpeft.json`` into ``directory``; returns its path (a ConfigError for a non-finite number)."""
         path = Path(directory) / SPEC_FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
