@@ -295,16 +295,13 @@ def hub_timeout() -> float:
     text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
     if not text:
         return DEFAULT_HUB_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError(
-            f"{HUB_TIMEOUT_VARIABLE}={text!r}: give the seconds to wait on a silent Hub, a number > 0 "
-            f"(default {DEFAULT_HUB_TIMEOUT:g})"
-        )
-    return value
+    with contextlib.suppress(ValueError):
+        if math.isfinite(value := float(text)) and value > 0:
+            return value
+    raise ConfigError(
+        f"{HUB_TIMEOUT_VARIABLE}={text!r}: give the seconds to wait on a silent Hub, a number > 0 "
+        f"(default {DEFAULT_HUB_TIMEOUT:g})"
+    )
 
 
 class _HubWait:

@@ -107,10 +107,8 @@ class ContextSpec(StrictModel):
         from . import __version__
 
         original = rope_parameters_of(config)
-        methods = {
-            "rope": {**original, "max_position_embeddings": config.max_position_embeddings},
-            **changes.pop("methods", {}),
-        }
+        rope = {**original, "max_position_embeddings": config.max_position_embeddings}
+        methods = {"rope": rope, **changes.pop("methods", {})}
         fields = dict(
             method=method,
             architecture=_architecture(config),
