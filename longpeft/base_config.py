@@ -45,14 +45,8 @@ READS_ORIGINAL_LENGTH = ("llama3", "yarn", "longrope")
 
 def unused_rope_keys(rope_type: str, keys: Any) -> list[str]:
     """The ``keys`` a ``rope_type`` does not read (transformers would ignore them)."""
-    used = {
-        "rope_type",
-        "rope_theta",
-        "partial_rotary_factor",
-        *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ()),
-        *ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ()),
-    }
-    return sorted(set(keys) - used)
+    used = {"rope_type", "rope_theta", "partial_rotary_factor", *ROPE_TYPE_REQUIRED_KEYS.get(rope_type, ())}
+    return sorted(set(keys) - used - set(ROPE_TYPE_OPTIONAL_KEYS.get(rope_type, ())))
 
 
 def rope_parameters_of(config: Any) -> dict[str, Any]:
@@ -63,9 +57,7 @@ def rope_parameters_of(config: Any) -> dict[str, Any]:
             f"{type(config).__name__} has no usable rope_parameters ({params!r}); longpeft supports "
             "RoPE models whose transformers v5 config carries rope_parameters with a rope_theta"
         )
-    if "rope_type" not in params:
-        params = {**params, "rope_type": "default"}
-    return copy.deepcopy(dict(params))
+    return copy.deepcopy({**params, "rope_type": params.get("rope_type", "default")})
 
 
 def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:

@@ -20,14 +20,9 @@ if TYPE_CHECKING:  # a tiny base's settings and vocabulary are read torch-free (
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
     "<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
-    "{% else %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
