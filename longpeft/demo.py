@@ -40,16 +40,9 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
     for folder in (result.adapter_dir, out / "merged"):  # now with the eval table
         write_model_card(folder, ContextSpec.load(folder))
 
-    summary = {
-        "output_dir": str(out),
-        "steps": result.metrics["steps"],
-        "first_loss": result.metrics["first_loss"],
-        "final_loss": result.metrics["final_loss"],
-        "merged_max_abs_logit_diff": merged["max_abs_logit_diff"],
-        "window": window,
-        "eval": eval_rows,
-        "table": table,
-    }
+    metrics = {key: result.metrics[key] for key in ("steps", "first_loss", "final_loss")}
+    summary = {"output_dir": str(out), **metrics, "merged_max_abs_logit_diff": merged["max_abs_logit_diff"]}
+    summary |= {"window": window, "eval": eval_rows, "table": table}
     print(f"\nlongpeft demo -> {summary['output_dir']}")
     print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
     print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
