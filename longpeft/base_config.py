@@ -130,8 +130,7 @@ def optimizer_names() -> tuple[str, ...]:
 
 @lru_cache(maxsize=1)
 def model_types() -> frozenset[str]:
-    """Every ``model_type`` transformers has a config class for (the keys of ``CONFIG_MAPPING_NAMES``), read from
-    ``models/auto/auto_mappings.py`` and ``models/auto/configuration_auto.py``."""
+    """Every ``model_type`` transformers has a config class for (``CONFIG_MAPPING_NAMES``' keys, read from source)."""
     found: set[str] = set()
     for relative in ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py"):
         tree = _source(relative)
@@ -168,8 +167,7 @@ BUILTIN_MODELS = {TOY_BASE: Path(__file__).parent / "toy_base"}
 
 
 def model_location(name: str | Path) -> str:
-    """Where to load ``name`` from: the packaged folder for a built-in model (``longpeft:toy-base``, the
-    short-window base of the demo, see ``longpeft/toy_base/README.md``), else ``name`` as given."""
+    """Where to load ``name`` from: a built-in model's packaged folder (``longpeft:toy-base``), else ``name``."""
     return str(BUILTIN_MODELS.get(str(name), name))
 
 

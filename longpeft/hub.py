@@ -409,8 +409,7 @@ def _update_json(path: Path, changes: dict[str, Any]) -> None:
 
 
 def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
-    """Copy a whole model to ``dest`` with its floating-point weights cast to ``dtype`` file by file (no model built,
-    no code run); a ModelSourceError when it has no ``*.safetensors`` weights."""
+    """Copy a whole model to ``dest``, its float weights cast to ``dtype`` file by file; a ModelSourceError if none."""
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
         raise ModelSourceError(

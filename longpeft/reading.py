@@ -119,8 +119,7 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
 def check_shapes(
     path: str | Path, header: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], source: str
 ) -> None:
-    """Raise a DataError for the first tensor of ``header`` whose shape differs from ``expected``'s (``source`` says
-    where those come from, e.g. ``adapter_config.json r=8``)."""
+    """A DataError for the first tensor of ``header`` whose shape is not ``expected``'s (from ``source``)."""
     for name, shape in expected.items():
         if name in header and tuple(header[name]["shape"]) != tuple(shape):
             raise DataError(

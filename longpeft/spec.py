@@ -156,8 +156,7 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:
-        """A spec from the content of a ``longpeft.json``; a DataError naming ``source`` for anything but a JSON object
-        of format 3 (saying what to do about another format) with valid keys."""
+        """A spec from a ``longpeft.json``'s content; a DataError naming ``source`` unless a valid format-3 object."""
         if not isinstance(data, dict):
             raise DataError(f"{source} must hold a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
