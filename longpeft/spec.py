@@ -109,18 +109,11 @@ class ContextSpec(StrictModel):
         original = rope_parameters_of(config)
         rope = {**original, "max_position_embeddings": config.max_position_embeddings}
         methods = {"rope": rope, **changes.pop("methods", {})}
-        fields = dict(
-            method=method,
-            architecture=_architecture(config),
-            base_shape=BaseShape.of(config),
-            original_rope_parameters=original,
-            original_max_position_embeddings=config.max_position_embeddings,
-            methods=methods,
-            base_model=base_model or getattr(config, "name_or_path", None) or None,
-            base_revision=getattr(config, "_commit_hash", None),
-            vocab_size=config.vocab_size,
-            library_version=__version__,
-        )
+        base_model = base_model or getattr(config, "name_or_path", None) or None
+        sizes = dict(original_max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
+        fields = dict(method=method, architecture=_architecture(config), base_shape=BaseShape.of(config), **sizes)
+        fields |= dict(original_rope_parameters=original, methods=methods, base_model=base_model)
+        fields |= dict(base_revision=getattr(config, "_commit_hash", None), library_version=__version__)
         return cls(**(fields | changes))
 
     def to_dict(self) -> dict[str, Any]:
