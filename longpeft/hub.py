@@ -78,7 +78,9 @@ def merge(
         merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
         diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     methods = {name: section for name, section in spec.methods.items() if name not in without}
-    base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
+    base_model = base_id or spec.base_model
+    if not base_id and base_model and not shareable_base(base_model):  # a local folder: named relative to out_dir
+        base_model = base_reference(resolve_base(spec, adapter_dir, None), out_dir)
     kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
     needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
     with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
@@ -186,14 +188,6 @@ def check_repo_id(value: str, flag: str) -> None:
 def shareable_base(base_model: str | None) -> bool:
     """Whether a card may name ``base_model``: a Hub id or a built-in model, not a local path."""
     return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
-
-
-def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | None:
-    """How ``folder``'s longpeft.json, written from the adapter in ``adapter_dir``, names the base: as the adapter
-    does, or a local folder relative to ``folder`` (:func:`~longpeft.spec.base_reference`); None if unnamed."""
-    if not spec.base_model or shareable_base(spec.base_model):
-        return spec.base_model
-    return base_reference(resolve_base(spec, adapter_dir, None), folder)
 
 
 def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_call: str) -> None:
