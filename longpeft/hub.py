@@ -562,12 +562,9 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
         read = {k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()}
         check_beacon_tensors(read, path, base_config, base)
         tensors.update(read)
-    expected = {
-        f"model.layers.{i}.self_attn.beacon_{p}_proj.weight"
-        for i in range(base_config.num_hidden_layers)
-        for p in beacon.params
-    } | {"model.beacon_embed_tokens.weight"}
-    missing = sorted(expected - set(tensors))
+    layers = range(base_config.num_hidden_layers)
+    expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in layers for p in beacon.params}
+    missing = sorted((expected | {"model.beacon_embed_tokens.weight"}) - set(tensors))
     if missing:
         raise DataError(
             f"{source} lacks beacon tensors {missing[:4]} (beacon_param in {config_file} says {beacon.params})"
