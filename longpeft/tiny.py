@@ -64,13 +64,8 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
     ``vocab_size`` tokens including the special tokens and the 256 byte symbols."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_backend(texts, vocab_size),
-        bos_token="<s>",
-        eos_token="<|end|>",
-        pad_token="<pad>",
-        unk_token=None,
-    )
+    tokens = dict(bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", unk_token=None)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_backend(texts, vocab_size), **tokens)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -83,12 +78,9 @@ def _train_backend(texts: Iterable[str] | None, vocab_size: int) -> Tokenizer:
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet)
+    trainer.show_progress = False
     backend.train_from_iterator(texts, trainer=trainer)
     return backend
 
