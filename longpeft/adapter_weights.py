@@ -65,7 +65,6 @@ def leave_out_tied_copies(model: Any, folder: str | Path) -> dict[str, str]:
     copies = tied_copies(model)
     if not copies or not path.is_file():
         return {}
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         names = set(handle.keys())
@@ -85,7 +84,6 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
     path = Path(folder) / WEIGHTS_NAME
     if not copies or not path.is_file():
         return {}
-
     with safe_open(str(path), framework="pt") as handle:
         metadata = handle.metadata() or {}
         names = set(handle.keys())
@@ -107,7 +105,6 @@ def tied_names(folder: str | Path) -> dict[str, str]:
     path = Path(folder) / WEIGHTS_NAME
     if not path.is_file():
         return {}
-
     try:
         with safe_open(str(path), framework="pt") as handle:
             raw = (handle.metadata() or {}).get(TIED_METADATA)

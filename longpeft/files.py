@@ -57,13 +57,11 @@ def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_ty
     (default :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`bound_hub_requests`).
     Skipped with ``HF_HUB_OFFLINE=1``. Raises HubTimeoutError (no answer in time), ModelSourceError (no such or a
     private repository) or OSError (another failure)."""
-    from huggingface_hub import constants
+    from huggingface_hub import HfApi, constants
 
     timeout = timeout or hub_timeout()
     if constants.HF_HUB_OFFLINE:
         return
-    from huggingface_hub import HfApi
-
     bound_hub_requests()
     ask_again()  # a new check: an earlier silence no longer stops requests
     outcome: dict[str, BaseException | None] = {}
