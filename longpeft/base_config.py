@@ -185,9 +185,8 @@ class BaseNotHere(ModelSourceError):
 
 
 class BaseConfig:
-    """A ``config.json`` (named by ``source``) with attribute access as transformers v5 gives it: complete
-    ``rope_parameters``, ``num_key_value_heads`` and ``head_dim`` filled as the Llama family does, the rest as
-    written. A ModelSourceError when a :data:`REQUIRED_KEYS` value is missing or unusable."""
+    """A ``config.json`` (from ``source``) read as transformers v5 does (``rope_parameters``, ``num_key_value_heads``,
+    ``head_dim`` completed); a ModelSourceError when a :data:`REQUIRED_KEYS` value is missing or unusable."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
         missing = [key for key in REQUIRED_KEYS if not _usable(key, data.get(key))]
@@ -222,9 +221,8 @@ def _usable(key: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class BaseFacts:
-    """What longpeft knows of a base before loading it: its ``name`` as given, the ``source`` its config was read
-    from (a path, or ``tiny:ARCH``), that ``config``, its tokenizer's ``chat_template`` (None when it has none or its
-    tokenizer files were not found) and whether they were (``tokenizer_found``)."""
+    """A base before loading: its ``name`` as given, the ``source`` (a path, or ``tiny:ARCH``) of its ``config``, its
+    tokenizer's ``chat_template`` (None if none or not found) and whether its tokenizer files were found."""
 
     name: str
     source: str

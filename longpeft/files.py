@@ -209,8 +209,7 @@ def _size(count: int) -> str:
 @contextlib.contextmanager
 def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[None]:
     """Turn a write in the block that fails for want of space or permission (:func:`write_failure`) into one
-    OutputWriteError naming ``folder``, the bytes needed (``needed_bytes``, where known) and those free; other
-    errors pass unchanged."""
+    OutputWriteError naming ``folder``, the bytes needed (``needed_bytes``) and those free; others pass unchanged."""
     try:
         yield
     except LongpeftError:
@@ -239,9 +238,8 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
 
 @contextlib.contextmanager
 def replaced_atomically(path: Path) -> Iterator[Path]:
-    """A temporary name of this process and thread beside ``path`` to write to, renamed to ``path`` when the block
-    succeeds: a failure leaves the old file (or none), concurrent writers each rename a whole file; a full disk or a
-    refused write is an OutputWriteError."""
+    """A temporary name (this process and thread's) beside ``path`` to write to, renamed to ``path`` when the block
+    succeeds (a failure leaves the old file); a full disk or a refused write is an OutputWriteError."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     with writing_to(path.parent):
         try:
