@@ -56,11 +56,11 @@ def merge(
     card: bool = False,
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically (weights,
-    the methods' export files, tokenizer, generation config, longpeft.json, eval results and, with ``card``, the model
-    card), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
-    longpeft.json and the card (else a local base is named relative to ``out_dir`` and left out of the card).
-    Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the logit difference is None unless ``verify``)."""
+    """Merge an adapter into its unquantized base loaded in ``dtype``, without the inference-time methods ``without``
+    names, and save the model atomically with its methods' files, tokenizer, generation config, longpeft.json, eval
+    results and (``card``) model card. ``base_id`` names the base there (else a local base is named relative to
+    ``out_dir``, left out of the card). Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the difference
+    None unless ``verify``)."""
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
@@ -444,12 +444,11 @@ def push(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> str:
-    """Upload to ``repo_id`` (token from the environment or ``huggingface-cli login``), whose files become exactly
-    those of a folder written atomically from ``source`` (an adapter, a whole model, or a run folder holding one): an
-    adapter in peft's own format, or with ``merged`` merged into ``base`` (default: longpeft.json's) in ``dtype``, a
-    whole model cast to ``dtype``. The base is named by ``base_id``, else by longpeft.json's Hub id or built-in name,
-    never by a local folder (warned about). Returns the commit URL; with ``dry_run`` the folder is written there,
-    nothing is uploaded, and its path is returned."""
+    """Make ``repo_id``'s files exactly a folder written from ``source`` (an adapter, a whole model or a run folder
+    holding one): an adapter in peft's format, or (``merged``) merged into ``base`` in ``dtype``, or a whole model cast
+    to ``dtype``; the base named by ``base_id``, else longpeft.json's Hub id or built-in name, never a local folder
+    (warned). Returns the commit URL (token: the environment's or ``huggingface-cli login``'s), or with ``dry_run``
+    the folder written there (nothing uploaded)."""
     if dry_run is None:
         try:
             hub_preflight(repo_id, "push to")
