@@ -541,10 +541,9 @@ def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_conf
 
 
 def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
-    """Write into ``out_dir`` a longpeft beacon adapter (``longpeft.json``, ``beacon_adapter.safetensors``) for
-    ``longpeft.load(base, out_dir)`` from an authors' released Activation Beacon model ``source`` (a folder or Hub
-    id, e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``) built on ``base``, reading its ``beacon_*`` settings and
-    beacon tensors only (no remote code runs). Returns ``{"out_dir", "tensors", "beacon"}``."""
+    """Write into ``out_dir`` a beacon adapter for ``longpeft.load(base, out_dir)`` from the authors' Activation Beacon
+    model ``source`` (a folder or Hub id, e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``) built on ``base``: its
+    ``beacon_*`` settings and tensors only, no remote code run. Returns ``{"out_dir", "tensors", "beacon"}``."""
     from transformers import AutoConfig
 
     out_dir = Path(out_dir)

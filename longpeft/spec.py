@@ -168,9 +168,8 @@ class ContextSpec(StrictModel):
     def check_base(
         self, config: Any, base_model: str | None = None, strict_base_id: bool = False, recorded: str | None = None
     ) -> None:
-        """Raise :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (when both know it)
-        or :class:`BaseShape`, or, with ``strict_base_id``, when ``base_model`` is not the spec's base (or
-        ``recorded``, where that resolves to) by id or location."""
+        """A :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (both known) or shape, or
+        (``strict_base_id``) ``base_model`` is not the spec's base (or ``recorded``) by id or path."""
         problems = []
         architecture = _architecture(config)
         if architecture and self.architecture and architecture != self.architecture:
