@@ -69,12 +69,11 @@ def load(
     strict_base_id: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> PeftModel | PreTrainedModel:
-    """Load the adapter in ``adapter_dir`` (a folder or Hub repo id with ``longpeft.json``) onto ``base`` (a built
-    model, a Hub id or path, or None for the spec's): its ContextSpec first, then its weights. ``strict_base_id``
-    also refuses another base id; ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (without
-    ``revision``, the spec's Hub base loads at the commit trained on). Returns the PeftModel (the model itself
-    without LoRA weights) with the spec as ``model.longpeft_spec``; a SpecMismatchError, before any weight loads,
-    when the adapter does not fit the base."""
+    """Load the adapter in ``adapter_dir`` (a folder or Hub id with ``longpeft.json``) onto ``base`` (a model, a Hub
+    id or path, None: the spec's), its ContextSpec first; ``strict_base_id`` refuses another base id, and
+    ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (no ``revision``: the commit trained on).
+    Returns the PeftModel (the model itself without LoRA weights), spec in ``model.longpeft_spec``; a
+    SpecMismatchError, before any weight loads, when the adapter does not fit the base."""
     given, adapter_dir = adapter_dir, local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none

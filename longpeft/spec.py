@@ -62,11 +62,9 @@ def run_outputs(folder: str | Path) -> list[Path]:
 
 
 class ContextSpec(StrictModel):
-    """Non-weight changes of a context-extension adapter (``longpeft.json``, format 3), strictly typed and checked
-    on construction and assignment. ``method`` is the recipe's; ``methods`` holds one section per applied method;
-    ``base_model`` is a Hub id, a built-in name, or a local folder relative to this file's (:func:`base_reference`);
-    ``vocab_size`` is the adapted model's; ``weights`` is None for a spec saved from Python without it
-    (:func:`longpeft.hub.folder_weights` reads it off the files)."""
+    """What an adapter changes besides weights (``longpeft.json``, format 3), checked on construction and assignment:
+    ``methods`` one section per applied method, ``base_model`` a Hub id, built-in name or folder relative to this
+    file's (:func:`base_reference`), ``vocab_size`` the adapted model's, ``weights`` None when unrecorded."""
 
     model_config = ConfigDict(strict=True)
 
