@@ -1,9 +1,7 @@
-"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub
-(:func:`check_model_source`); an output folder must be new or empty, writable and no input
-(:func:`check_output_folder`); results are renamed into place once complete (:func:`written_atomically`); a write that
-fails for want of space or permission, in any library, is one :class:`OutputWriteError` (:func:`writing_to`); after
-:func:`hub_preflight`, every Hub download waits at most ``LONGPEFT_HUB_TIMEOUT`` seconds of silence
-(:func:`bound_hub_requests`), then ends in one HubTimeoutError.
+"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub, an output
+folder must be new or empty, writable and no input, results are renamed into place once complete, a write that fails
+for want of space or permission is one :class:`OutputWriteError`, and a Hub silent for ``LONGPEFT_HUB_TIMEOUT``
+seconds ends a download in one HubTimeoutError.
 """
 
 from __future__ import annotations
