@@ -1,9 +1,7 @@
 """A base model as longpeft sees it before any weight loads, torch-free: its ``config.json`` as transformers v5 reads
-it, its chat template, whether it ships modeling code, its module names. Read from a ``tiny:`` model, a local or
-built-in folder, the Hugging Face cache, or the Hub (``config.json`` and the tokenizer's config only, bounded). Also
-torch-free: RoPE parameter dicts (the keys each rope type reads, a config's complete ``rope_parameters``), and
-transformers' model types and optimizer names read from its source without importing it (which imports torch; it
-imports them only for a source layout it does not know).
+it, its chat template, whether it ships modeling code, its module names (from a ``tiny:`` model, a local or built-in
+folder, the Hugging Face cache, or the Hub, bounded); RoPE parameter dicts; transformers' model types and optimizer
+names read from its source without importing it (which imports torch) unless its layout is unknown.
 """
 
 from __future__ import annotations
