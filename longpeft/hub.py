@@ -316,12 +316,10 @@ def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | N
 def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
     """A card's paragraph after the snippet: what ``trust_remote_code`` runs, what plain peft leaves out of a LoRA
     adapter (or that it leaves nothing out), or that a method-only adapter needs longpeft."""
-    if weights in ("full", "merged"):
+    if weights in ("full", "merged") and remote:
         note = (
             "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "
             "and transformers); without it loading fails rather than giving a model without the method."
-            if remote
-            else None
         )
     elif weights == "lora" and (missed := plain_peft_misses(spec)):
         note = (
