@@ -15,13 +15,9 @@ __version__ = "0.1.0"
 # bitsandbytes' CPU backend (AVX512-BF16 CPUs) warns on every import that it cannot fetch an optional 4-bit kernel
 # from the Hub, then uses its own (the one longpeft is tested with): that one record is dropped.
 BNB_OPTIONAL_KERNEL_NOTICE = "Failed to load CPU gemm_4bit_forward from kernels-community"
-
-
-def _not_bnb_optional_kernel_notice(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith(BNB_OPTIONAL_KERNEL_NOTICE)
-
-
-logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_optional_kernel_notice)
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith(BNB_OPTIONAL_KERNEL_NOTICE)
+)
 
 # DeepSpeed (imported by accelerate on a first save_pretrained) warns on stdout, breaking a command's JSON output, that
 # it set the accelerator to CPU: that record is dropped where torch sees no CUDA device either.

@@ -17,8 +17,7 @@ CHECKPOINTING_NOTICE = "`is_gradient_checkpointing` is deprecated"
 
 @contextmanager
 def without_checkpointing_notice() -> Iterator[None]:
-    """Run a block without transformers' (>= 5.23) FutureWarning about ``is_gradient_checkpointing``, which peft and
-    TRL read (other warnings are untouched)."""
+    """Run a block without transformers' (>= 5.23) ``is_gradient_checkpointing`` FutureWarning (peft, TRL)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=CHECKPOINTING_NOTICE, category=FutureWarning)
         yield
@@ -43,10 +42,8 @@ def plain_cpu_device(args) -> bool:
     ``cpu:<rank>`` (which ``torch.load`` cannot restore the optimizer state to); returns whether it changed it."""
     import transformers
 
-    if Version(transformers.__version__) >= Version("5.23") or args.world_size < 2:
-        return False
-    device = args.device
-    if device.type != "cpu" or device.index is None:
+    old = Version(transformers.__version__) < Version("5.23")
+    if not old or args.world_size < 2 or args.device.type != "cpu" or args.device.index is None:
         return False
     args.__dict__["_setup_devices"] = torch.device("cpu")  # TrainingArguments.device reads this cached property
     return True

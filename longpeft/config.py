@@ -96,15 +96,6 @@ def validate(model: type[StrictModel], data: Any, source: str) -> Any:
         raise ConfigError(format_validation_error(source, exc, model)) from None
 
 
-def parse_value(raw: str, where: str) -> Any:
-    """A ``--set`` value parsed as YAML (``10`` -> int, ``[1, 2]`` -> list, ``null`` -> None)."""
-    try:
-        return yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        problem = str(exc).splitlines()[0]
-        raise ConfigError(f"{where}: value {raw!r} is not valid YAML ({problem}); quote it or fix it") from None
-
-
 def assign(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
     """Set ``data[a][b][c] = value`` for ``dotted = "a.b.c"``, creating sections on the way."""
     *parents, leaf = dotted.split(".")
@@ -123,7 +114,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | None, source: s
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"{source}: --set {override!r} must look like section.key=value")
-        assign(data, key, parse_value(raw, f"{source}: --set {key}"), f"{source}: --set")
+        try:
+            value = yaml.safe_load(raw)  # 10 -> int, [1, 2] -> list, null -> None
+        except yaml.YAMLError as exc:
+            problem = str(exc).splitlines()[0]
+            raise ConfigError(
+                f"{source}: --set {key}: value {raw!r} is not valid YAML ({problem}); quote it or fix it"
+            ) from None
+        assign(data, key, value, f"{source}: --set")
     return data
 
 
@@ -135,12 +133,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
-                    f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two",
-                    key_node.start_mark,
-                )
+                message = f"key {key!r} appears twice (line {key_node.start_mark.line + 1}); merge the two"
+                raise yaml.constructor.ConstructorError(None, None, message, key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -151,8 +145,7 @@ def bundled_names(folder: Path) -> list[str]:
 
 
 def file_or_bundled(path_or_name: str | Path, folder: Path, what: str) -> Path:
-    """The file given, or the bundled ``folder/NAME.yaml`` of that name; else a ConfigError naming ``what``
-    (``recipe``, ``synth config``) and the bundled names."""
+    """The file given, else bundled ``folder/NAME.yaml``; else a ConfigError naming ``what`` and the bundled names."""
     path = Path(path_or_name)
     if path.is_file():
         return path

@@ -40,35 +40,22 @@ def run_demo(out: str | Path = "runs/demo", max_steps: int | None = None) -> dic
     for folder in (result.adapter_dir, out / "merged"):  # now with the eval table
         write_model_card(folder, ContextSpec.load(folder))
 
-    summary = {
-        "output_dir": str(out),
-        "steps": result.metrics["steps"],
-        "first_loss": result.metrics["first_loss"],
-        "final_loss": result.metrics["final_loss"],
-        "merged_max_abs_logit_diff": merged["max_abs_logit_diff"],
-        "window": window,
-        "eval": eval_rows,
-        "table": table,
-    }
-    print_summary(summary)
+    metrics = {key: result.metrics[key] for key in ("steps", "first_loss", "final_loss")}
+    summary = {"output_dir": str(out), **metrics, "merged_max_abs_logit_diff": merged["max_abs_logit_diff"]}
+    summary |= {"window": window, "eval": eval_rows, "table": table}
+    print(f"\nlongpeft demo -> {summary['output_dir']}")
+    print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
+    print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
+    print("  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
+    print(summary["table"])
     return summary
 
 
 DEMO_MARKER = ".longpeft-demo"
 # What a demo run writes into its folder (and so may delete to start a new one).
-DEMO_OUTPUTS = (
-    "adapter",
-    "merged",
-    "eval",
-    "checkpoints",
-    "base",
-    "metrics.jsonl",
-    "metrics.json",
-    "loss.png",
-    "eval_results.json",
-    "before_after.md",
-    "recipe.resolved.json",
-    "recipe.training.json",
+DEMO_OUTPUTS = tuple(
+    "adapter merged eval checkpoints base metrics.jsonl metrics.json loss.png eval_results.json before_after.md "
+    "recipe.resolved.json recipe.training.json".split()
 )
 
 
@@ -91,11 +78,3 @@ def prepare_demo_folder(out: Path) -> None:
                 path.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARKER).write_text("written by `longpeft demo`: it may replace its own outputs here\n")
-
-
-def print_summary(summary: dict) -> None:
-    print(f"\nlongpeft demo -> {summary['output_dir']}")
-    print(f"  training: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
-    print(f"  merged model vs base + adapter: max |logit diff| = {summary['merged_max_abs_logit_diff']:.2e}")
-    print("  retrieval accuracy (greedy, exact match) at W, 2W and 4W tokens; W = the toy base's window:\n")
-    print(summary["table"])

@@ -1,22 +1,27 @@
-"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub
-(:func:`check_model_source`); an output folder must be new or empty, writable and no input
-(:func:`check_output_folder`); results are renamed into place once complete (:func:`written_atomically`); a write that
-fails for want of space or permission, in any library, is one :class:`OutputWriteError` (:func:`writing_to`).
+"""File-safety rules every command follows, torch-free: a model source must exist or answer on the Hub, an output
+folder must be new or empty, writable and no input, results are renamed into place once complete, a write that fails
+for want of space or permission is one :class:`OutputWriteError`, and a Hub silent for ``LONGPEFT_HUB_TIMEOUT``
+seconds ends a download in one HubTimeoutError.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
+import math
 import os
+import re
 import shutil
+import sys
 import threading
+import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from .errors import HubTimeoutError, LongpeftError, ModelSourceError, OutputFolderError, OutputWriteError
-from .hub_wait import HUB_TIMEOUT_VARIABLE, ask_again, bound_hub_requests, hub_timeout
+from .errors import ConfigError, HubTimeoutError, LongpeftError, ModelSourceError, OutputFolderError, OutputWriteError
 
 
 def is_local(name: str | Path) -> bool:
@@ -29,8 +34,7 @@ def is_local(name: str | Path) -> bool:
 
 
 def require_file(folder: str | Path, name: str, what: str, hint: str = "") -> Path:
-    """``folder / name``, which must be a file, else a ModelSourceError naming ``what`` (``adapter``) and the folder,
-    with ``hint`` (what to do) appended."""
+    """``folder / name`` if a file, else a ModelSourceError naming ``what``, the folder and ``hint`` (what to do)."""
     path = Path(folder) / name
     if not path.is_file():
         todo = hint or "; the folder is incomplete: copy or download it again"
@@ -48,16 +52,14 @@ _NO_ANSWER = TimeoutError()
 
 def hub_preflight(repo_id: str, what: str, timeout: float | None = None, repo_type: str = "model") -> None:
     """Ask the Hub about ``repo_id`` (of ``repo_type``; ``what`` names its role) once, waiting at most ``timeout``
-    (default :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`.hub_wait.bound_hub_requests`).
+    (default :func:`hub_timeout`) seconds, and bound every later Hub download (:func:`bound_hub_requests`).
     Skipped with ``HF_HUB_OFFLINE=1``. Raises HubTimeoutError (no answer in time), ModelSourceError (no such or a
     private repository) or OSError (another failure)."""
-    from huggingface_hub import constants
+    from huggingface_hub import HfApi, constants
 
     timeout = timeout or hub_timeout()
     if constants.HF_HUB_OFFLINE:
         return
-    from huggingface_hub import HfApi
-
     bound_hub_requests()
     ask_again()  # a new check: an earlier silence no longer stops requests
     outcome: dict[str, BaseException | None] = {}
@@ -146,8 +148,7 @@ def raised_in(error: BaseException, packages: tuple[str, ...], innermost: bool =
 
 
 def check_writable_folder(folder: str | Path, flag: str) -> None:
-    """Refuse now a ``folder`` (named by ``flag``) that is a file (OutputFolderError) or whose nearest existing
-    folder is not writable (PermissionError)."""
+    """Refuse a ``folder`` (``flag``) that is a file (OutputFolderError) or not writable (PermissionError)."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise OutputFolderError(f"{flag} {folder} is a file; choose a folder")
@@ -199,14 +200,6 @@ def write_failure(error: BaseException) -> str | None:
     return None
 
 
-def _elsewhere(error: BaseException, folder: Path) -> bool:
-    """Whether ``error`` names a file outside ``folder``'s parent (an input, not the output)."""
-    filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
-    if not isinstance(filename, (str, Path)):
-        return False
-    return not os.path.abspath(filename).startswith(os.path.abspath(folder.parent))
-
-
 def _size(count: int) -> str:
     return f"{count / 2**20:,.1f} MiB" if count >= 2**20 else f"{count:,} bytes"
 
@@ -214,8 +207,7 @@ def _size(count: int) -> str:
 @contextlib.contextmanager
 def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[None]:
     """Turn a write in the block that fails for want of space or permission (:func:`write_failure`) into one
-    OutputWriteError naming ``folder``, the bytes needed (``needed_bytes``, where known) and those free; other
-    errors pass unchanged."""
+    OutputWriteError naming ``folder``, the bytes needed (``needed_bytes``) and those free; others pass unchanged."""
     try:
         yield
     except LongpeftError:
@@ -224,7 +216,10 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
         problem = write_failure(error)
         folder = Path(folder)
         refused = problem is not None and problem.startswith(("permission", "read-only"))
-        if problem is None or refused and _elsewhere(error, folder):  # an input that could not be read
+        filename = getattr(error, "filename", None) if isinstance(error, OSError) else None
+        parent = os.path.abspath(folder.parent)  # a refused file outside it is an input that could not be read
+        elsewhere = isinstance(filename, (str, Path)) and not os.path.abspath(filename).startswith(parent)
+        if problem is None or refused and elsewhere:
             raise
         sizes = [f"it needs about {_size(needed_bytes)}"] if needed_bytes else []
         existing = next((p for p in (folder, *folder.absolute().parents) if p.exists()), None)
@@ -241,9 +236,8 @@ def writing_to(folder: str | Path, needed_bytes: int | None = None) -> Iterator[
 
 @contextlib.contextmanager
 def replaced_atomically(path: Path) -> Iterator[Path]:
-    """A temporary name of this process and thread beside ``path`` to write to, renamed to ``path`` when the block
-    succeeds: a failure leaves the old file (or none), concurrent writers each rename a whole file; a full disk or a
-    refused write is an OutputWriteError."""
+    """A temporary name (this process and thread's) beside ``path`` to write to, renamed to ``path`` when the block
+    succeeds (a failure leaves the old file); a full disk or a refused write is an OutputWriteError."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.partial")
     with writing_to(path.parent):
         try:
@@ -284,3 +278,164 @@ def written_atomically(out_dir: Path, needed_bytes: int | None = None, replace: 
                 partial.rename(out_dir)
         finally:
             shutil.rmtree(partial, ignore_errors=True)
+
+
+HUB_TIMEOUT_VARIABLE = "LONGPEFT_HUB_TIMEOUT"
+DEFAULT_HUB_TIMEOUT = 30.0  # seconds
+
+
+def hub_timeout() -> float:
+    """``LONGPEFT_HUB_TIMEOUT``: seconds (default 30) to wait on a silent Hub; a ConfigError unless a number > 0."""
+    text = os.environ.get(HUB_TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_HUB_TIMEOUT
+    with contextlib.suppress(ValueError):
+        if math.isfinite(value := float(text)) and value > 0:
+            return value
+    raise ConfigError(
+        f"{HUB_TIMEOUT_VARIABLE}={text!r}: give the seconds to wait on a silent Hub, a number > 0 "
+        f"(default {DEFAULT_HUB_TIMEOUT:g})"
+    )
+
+
+class _HubWait:
+    """How long the Hub has sent nothing while requests (of any thread) waited on it; any answer or byte resets it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.silent_since: float | None = None  # when the Hub last sent something, while requests wait in vain
+        self.gave_up: str | None = None  # the message once the wait ran out: later requests are refused at once
+
+    def ask_again(self) -> None:
+        """Forget an earlier silence (a new pre-check): requests are sent again."""
+        with self.lock:
+            self.silent_since, self.gave_up = None, None
+
+    def answered(self) -> None:
+        with self.lock:
+            self.silent_since = None
+
+    def budget(self, url: Any) -> float:
+        """Seconds a request for ``url`` may wait now; refuses it when the wait has run out."""
+        limit = hub_timeout()
+        with self.lock:
+            waited = 0.0 if self.silent_since is None else time.monotonic() - self.silent_since
+            if self.gave_up is None and waited >= limit:
+                self.gave_up = _silent_hub_message(url, limit)
+            if self.gave_up is not None:
+                raise HubTimeoutError(self.gave_up)
+        return max(limit - waited, 0.05)
+
+    def timed_out(self, url: Any, waiting_since: float, error: BaseException) -> None:
+        """A request for ``url`` waiting since ``waiting_since`` got nothing: a HubTimeoutError once the Hub has been
+        silent for the whole wait; before, the library's own error goes on (its retries run in the time left)."""
+        limit = hub_timeout()
+        with self.lock:
+            if self.silent_since is None or waiting_since < self.silent_since:
+                self.silent_since = waiting_since
+            if time.monotonic() - self.silent_since < limit * 0.99:  # a socket's timeout may end a hair early
+                return
+            self.gave_up = _silent_hub_message(url, limit)
+        raise HubTimeoutError(self.gave_up) from error
+
+
+_HUB_WAIT = _HubWait()
+ask_again = _HUB_WAIT.ask_again
+
+
+XET_TIMEOUTS = ("HF_XET_CLIENT_CONNECT_TIMEOUT", "HF_XET_CLIENT_READ_TIMEOUT")  # hf_xet's own knobs
+_RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+/[^/]+)/resolve/[^/]+/(.+)$")
+_API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+/[^/]+?)(/tree/.*|/revision/.*|/paths-info/.*)?$")
+
+
+def _silent_hub_message(url: Any, limit: float) -> str:
+    """One line for a Hub at ``url`` silent for ``limit`` seconds: the repo, the file, the endpoint, what to do."""
+    from urllib.parse import unquote, urlsplit
+
+    parts = urlsplit(str(url))
+    server, path = f"{parts.scheme}://{parts.netloc}", unquote(parts.path)
+    file, api = _RESOLVE.match(path), _API.match(path)
+    if file:
+        kind = f"{file.group(1)[:-1]} " if file.group(1) else ""
+        doing = f"while downloading {file.group(3)} of {kind}{file.group(2)}"
+    elif api:
+        kind = "" if api.group(1) == "models" else f"{api.group(1)[:-1]} "
+        listing = (api.group(3) or "").startswith(("/tree", "/paths-info"))
+        doing = f"while {'listing the files of' if listing else 'asking about'} {kind}{api.group(2)}"
+    else:
+        doing = f"while downloading {path.rsplit('/', 1)[-1] or path} (a file the Hub sent the download to)"
+    return (
+        f"the Hub at {server} sent nothing for {limit:g} s {doing}; check the network and HF_ENDPOINT, raise "
+        f"{HUB_TIMEOUT_VARIABLE} on a slow link, or give a local folder (a rerun resumes what was downloaded)"
+    )
+
+
+def bound_hub_requests() -> None:
+    """Bound every later GET and HEAD request huggingface_hub sends in this process by :func:`hub_timeout` of the
+    Hub's silence (then they end in a HubTimeoutError until the next :func:`ask_again`), once, around the client
+    factory in use; hf_xet's own client gets the same timeouts (:data:`XET_TIMEOUTS`) unless set."""
+    from huggingface_hub import set_client_factory
+    from huggingface_hub.utils import _http
+
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+    if getattr(factory, "bounded_by_longpeft", False):
+        return
+    wait = f"{max(round(hub_timeout() * 1000), 1)}ms"  # hf_xet reads durations as humantime text
+    for name in XET_TIMEOUTS:
+        os.environ.setdefault(name, wait)
+    bounded = functools.partial(_bounded_client, factory)
+    bounded.bounded_by_longpeft = True  # type: ignore[attr-defined]
+    set_client_factory(bounded)
+
+
+def _bounded_client(make_client: Callable[[], Any]) -> Any:
+    """A client of ``make_client`` whose ``send`` of GET and HEAD requests keeps the :class:`_HubWait` clock."""
+    client = make_client()
+    library = sys.modules[type(client).__module__.split(".")[0]]  # httpx, or httpx2 (huggingface_hub >= 2)
+    send = client.send
+
+    def bounded_send(request: Any, **kwargs: Any) -> Any:
+        if request.method not in ("GET", "HEAD"):
+            return send(request, **kwargs)
+        left = _HUB_WAIT.budget(request.url)
+        timeouts = request.extensions.get("timeout") or {}
+        request.extensions["timeout"] = {
+            kind: left if timeouts.get(kind) is None else min(timeouts[kind], left)
+            for kind in ("connect", "read", "write", "pool")
+        }
+        started = time.monotonic()
+        try:
+            response = send(request, **kwargs)
+        except library.TimeoutException as error:
+            _HUB_WAIT.timed_out(request.url, started, error)
+            raise
+        if kwargs.get("stream"):  # a download: its headers alone are no progress, its bytes are
+            response.stream = _watched_body(library, response.stream, request.url, started)
+        else:
+            _HUB_WAIT.answered()
+        return response
+
+    client.send = bounded_send
+    return client
+
+
+def _watched_body(library: Any, stream: Any, url: Any, requested: float) -> Any:
+    """``stream``, a download's body asked for at ``requested`` (``time.monotonic()``), whose bytes reset the
+    :class:`_HubWait` clock and whose read timeouts count as silence since the last byte."""
+
+    class Watched(library.SyncByteStream):
+        def __iter__(self) -> Iterator[bytes]:
+            last = requested
+            try:
+                for chunk in stream:
+                    _HUB_WAIT.answered()
+                    last = time.monotonic()
+                    yield chunk
+            except library.TimeoutException as error:
+                _HUB_WAIT.timed_out(url, last, error)
+                raise
+
+        def close(self) -> None:
+            stream.close()
+
+    return Watched()

@@ -1,9 +1,5 @@
-"""Merge, export and share adapters with everything they change besides weights.
-
-- ``merge``: base + adapter -> one model folder for plain ``AutoModelForCausalLM.from_pretrained`` (RoPE in
-  config.json; HARPE, Activation Beacon and STRING ship a modeling file and ``auto_map``: ``trust_remote_code``).
-- ``export``: a merged model in a chosen dtype with its model card.
-- ``push``: an adapter, an exported model or a fully fine-tuned model to the Hub; ``dry_run`` writes the folder only.
+"""Merge an adapter into one model folder for ``AutoModelForCausalLM.from_pretrained`` (``export``: with its model
+card), push an adapter or a whole model to the Hub, and convert Activation Beacon's released models into adapters.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from typing import Any
 
 import torch
 import yaml
-from huggingface_hub import HfApi
+from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from safetensors import safe_open
@@ -26,8 +22,10 @@ from transformers import AutoConfig, GenerationConfig
 
 from .adapter_weights import tied_names, write_tied_copies
 from .adapters import METHODS, export_methods, spec_methods
-from .base_config import check_base_code
-from .builtin_models import BUILTIN_MODELS
+from .adapters.beacon import WEIGHTS_FILENAME
+from .adapters.beacon.authors_config import check_built_on, config_from_authors
+from .adapters.beacon.weights import AUTHORS_TENSOR, authors_tensor_shape
+from .base_config import BUILTIN_MODELS, check_base_code
 from .config import torch_dtype
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import (
@@ -40,7 +38,7 @@ from .files import (
     written_atomically,
 )
 from .loading import load, load_tokenizer, pin_base_revision, resolve_base
-from .reading import read_safetensors
+from .reading import read_json_object, read_safetensors
 from .spec import SPEC_FILENAME, ContextSpec, base_reference, run_outputs
 
 EVAL_RESULTS_FILENAME = "eval_results.json"
@@ -58,10 +56,11 @@ def merge(
     card: bool = False,
     base_id: str | None = None,
 ) -> dict[str, Any]:
-    """Merge an adapter into its unquantized base loaded in ``dtype`` and save a standalone model atomically
-    (:func:`write_merged`), leaving out the inference-time methods ``without`` names. ``base_id`` names the base in
-    longpeft.json and the card (else a local base is named relative to ``out_dir`` and left out of the card).
-    Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the logit difference is None unless ``verify``)."""
+    """Merge an adapter into its unquantized base loaded in ``dtype``, without the inference-time methods ``without``
+    names, and save the model atomically with its methods' files, tokenizer, generation config, longpeft.json, eval
+    results and (``card``) model card. ``base_id`` names the base there (else a local base is named relative to
+    ``out_dir``, left out of the card). Returns ``{"out_dir", "max_abs_logit_diff", "left_out"}`` (the difference
+    None unless ``verify``)."""
     if base_id:
         check_repo_id(base_id, "--base-id")
     adapter_dir, out_dir = local_adapter_dir(adapter_dir), Path(out_dir).resolve()  # "." has no name to rename to
@@ -71,11 +70,30 @@ def merge(
         warn_unnamed_base(spec, adapter_dir, consequence, "export(..., base_id=...)")
     check_merge(spec, adapter_dir, out_dir, base, without)
     model = load(base, adapter_dir, dtype=torch_dtype(dtype)).eval()
-    merged, diff = merged_model(model, without, verify)
+    for name in without:
+        METHODS[name].remove(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the largest logit difference the merge made on 32 fixed token ids
+        reference = model(ids).logits.float() if verify else None
+        merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
+        diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
     methods = {name: section for name, section in spec.methods.items() if name not in without}
-    base_model = base_id or recorded_base(spec, adapter_dir, out_dir)
+    base_model = base_id or spec.base_model
+    if not base_id and base_model and not shareable_base(base_model):  # a local folder: named relative to out_dir
+        base_model = base_reference(resolve_base(spec, adapter_dir, None), out_dir)
     kept = spec.model_copy(update={"methods": methods, "weights": "merged", "base_model": base_model})
-    write_merged(merged, kept, adapter_dir, out_dir, base, card)
+    needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
+    with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
+        merged.config.name_or_path = str(out_dir)
+        merged.save_pretrained(partial)
+        export_methods(merged, kept, partial)
+        load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
+        if (adapter_dir / "generation_config.json").is_file():
+            GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
+        kept.save(partial)
+        _copy_eval_results(adapter_dir, partial)
+        if card:
+            write_model_card(partial, kept, folder_name=out_dir.name)
     return {"out_dir": str(out_dir), "max_abs_logit_diff": diff, "left_out": list(without)}
 
 
@@ -109,38 +127,6 @@ def check_merge(
         )
 
 
-def merged_model(model: Any, without: tuple[str, ...], verify: bool) -> tuple[Any, float | None]:
-    """``model`` (``longpeft.load``'s) without the methods ``without`` names and with LoRA merged, and the largest
-    logit difference the merge made on 32 fixed token ids (None unless ``verify``)."""
-    for name in without:
-        METHODS[name].remove(model)
-    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids).logits.float() if verify else None
-        merged = (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model).eval()
-        diff = (merged(ids).logits.float() - reference).abs().max().item() if verify else None
-    return merged, diff
-
-
-def write_merged(
-    merged: Any, spec: ContextSpec, adapter_dir: Path, out_dir: Path, base: str | Path | None, card: bool
-) -> None:
-    """Save ``merged`` atomically to ``out_dir``: weights, the methods' export files, the adapter's tokenizer and
-    generation config, ``spec``, the eval results and, with ``card``, the model card."""
-    needed = sum(t.numel() * t.element_size() for t in merged.state_dict().values())
-    with written_atomically(out_dir, needed) as partial:  # a full disk: one OutputWriteError naming out_dir
-        merged.config.name_or_path = str(out_dir)
-        merged.save_pretrained(partial)
-        export_methods(merged, spec, partial)
-        load_tokenizer(adapter_dir, base, trust_remote_code=False).save_pretrained(partial)
-        if (adapter_dir / "generation_config.json").is_file():
-            GenerationConfig.from_pretrained(adapter_dir).save_pretrained(partial)
-        spec.save(partial)
-        _copy_eval_results(adapter_dir, partial)
-        if card:
-            write_model_card(partial, spec, folder_name=out_dir.name)
-
-
 def export(
     adapter_dir: str | Path,
     out_dir: str | Path,
@@ -151,9 +137,7 @@ def export(
     base_id: str | None = None,
 ) -> dict[str, Any]:
     """:func:`merge` in ``dtype`` with a model card (a local base without ``base_id`` is warned about)."""
-    return merge(
-        adapter_dir, out_dir, base=base, dtype=dtype, verify=verify, without=without, card=True, base_id=base_id
-    )
+    return merge(adapter_dir, out_dir, base, dtype, verify, without, True, base_id)
 
 
 def serving_note(folder: str | Path) -> str:
@@ -184,27 +168,11 @@ def serving_note(folder: str | Path) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Model card
-# ---------------------------------------------------------------------------------------------
-
-
 def _copy_eval_results(source: Path, dest: Path) -> None:
     for folder in (source, source.parent):
         if (folder / EVAL_RESULTS_FILENAME).is_file():
             shutil.copy(folder / EVAL_RESULTS_FILENAME, dest / EVAL_RESULTS_FILENAME)
             return
-
-
-def load_eval_rows(folder: Path) -> list[dict[str, Any]]:
-    """Rows of ``eval_results.json`` (``{"rows": [{"task", "setting", "length", "score"}, ...]}``), if present."""
-    path = folder / EVAL_RESULTS_FILENAME
-    rows = json.loads(path.read_text()).get("rows", []) if path.is_file() else []
-    for row in rows:
-        missing = {"task", "score"} - set(row)
-        if missing:
-            raise DataError(f"{path}: a row lacks {sorted(missing)}: {row}")
-    return rows
 
 
 def check_repo_id(value: str, flag: str) -> None:
@@ -220,14 +188,6 @@ def check_repo_id(value: str, flag: str) -> None:
 def shareable_base(base_model: str | None) -> bool:
     """Whether a card may name ``base_model``: a Hub id or a built-in model, not a local path."""
     return bool(base_model) and (base_model in BUILTIN_MODELS or not is_local(base_model))
-
-
-def recorded_base(spec: ContextSpec, adapter_dir: Path, folder: Path) -> str | None:
-    """How ``folder``'s longpeft.json, written from the adapter in ``adapter_dir``, names the base: as the adapter
-    does, or a local folder relative to ``folder`` (:func:`~longpeft.spec.base_reference`); None if unnamed."""
-    if not spec.base_model or shareable_base(spec.base_model):
-        return spec.base_model
-    return base_reference(resolve_base(spec, adapter_dir, None), folder)
 
 
 def warn_unnamed_base(spec: ContextSpec, source: Path, consequence: str, python_call: str) -> None:
@@ -264,16 +224,12 @@ def model_card_text(
 ) -> str:
     """README.md of what ``spec.weights`` says the folder holds (LoRA when unknown): YAML metadata, what changed,
     how to load it (from ``repo_id``, else from a marked placeholder ``path/to/<folder_name>``), the eval table."""
-    weights, name = spec.weights or "lora", base_display_name(spec.base_model)
+    weights, base = spec.weights or "lora", spec.base_model
+    name = (Path(base).name if is_local(base) else base) if base else "the base model"  # a local one by its folder
     full = weights == "full"
-    lines = [
-        "---",
-        yaml.safe_dump(card_metadata(spec, weights), sort_keys=False).strip(),
-        "---",
-        "",
-        f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})",
-        "",
-    ]
+    metadata = yaml.safe_dump(card_metadata(spec, weights), sort_keys=False).strip()
+    title = f"# {name} {'fully fine-tuned' if full else 'extended'} with longpeft ({spec.method})"
+    lines = ["---", metadata, "---", "", title, ""]
     if full:
         lines += [
             f"A full fine-tune (longpeft `finetune: full`): every weight of {name} was trained, so this is the whole "
@@ -294,19 +250,14 @@ def model_card_text(
 
 
 def card_metadata(spec: ContextSpec, weights: str) -> dict[str, Any]:
-    """A card's YAML metadata: the shareable base, the library that loads ``weights``, the tags (the methods but
-    the implied ones) and longpeft's record of the change."""
+    """A card's YAML metadata: shareable base, library, tags (the methods but the implied ones), longpeft's record."""
     methods = spec_methods(spec)
     library = {"lora": "peft", "full": "transformers", "merged": "transformers"}.get(weights)  # none loads "method"
+    named = dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)])
     return {
         **({"base_model": spec.base_model} if shareable_base(spec.base_model) else {}),
         **({"library_name": library} if library else {}),
-        "tags": [
-            "longpeft",
-            "long-context",
-            *dict.fromkeys([spec.method, *(m.name for m, _ in methods if not m.implied)]),
-        ]
-        + {"full": ["full-finetune"], "lora": ["lora"]}.get(weights, []),
+        "tags": ["longpeft", "long-context", *named, *{"full": ["full-finetune"], "lora": ["lora"]}.get(weights, [])],
         "longpeft": {
             "method": spec.method,
             "rope_theta": spec.rope_parameters.get("rope_theta"),
@@ -365,12 +316,10 @@ def load_snippet(spec: ContextSpec, weights: str, remote: bool, repo_id: str | N
 def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
     """A card's paragraph after the snippet: what ``trust_remote_code`` runs, what plain peft leaves out of a LoRA
     adapter (or that it leaves nothing out), or that a method-only adapter needs longpeft."""
-    if weights in ("full", "merged"):
+    if weights in ("full", "merged") and remote:
         note = (
             "`trust_remote_code=True` runs the modeling file shipped here (written by longpeft, it imports only torch "
             "and transformers); without it loading fails rather than giving a model without the method."
-            if remote
-            else None
         )
     elif weights == "lora" and (missed := plain_peft_misses(spec)):
         note = (
@@ -394,13 +343,6 @@ def loading_notes(spec: ContextSpec, weights: str, remote: bool) -> list[str]:
     return [note, ""] if note else []
 
 
-def base_display_name(base_model: str | None) -> str:
-    """The base's name for a card title: a Hub id as is, a local path by its last folder."""
-    if not base_model:
-        return "the base model"
-    return Path(base_model).name if is_local(base_model) else base_model
-
-
 def write_model_card(
     folder: str | Path, spec: ContextSpec, repo_id: str | None = None, folder_name: str | None = None
 ) -> Path:
@@ -408,8 +350,13 @@ def write_model_card(
     return its path. ``folder_name`` (default ``folder``'s name) is the placeholder's when there is no ``repo_id``."""
     folder = Path(folder)
     spec = spec.model_copy(update={"weights": folder_weights(folder, spec)})
+    results = folder / EVAL_RESULTS_FILENAME  # {"rows": [{"task", "setting", "length", "score"}, ...]}
+    rows = json.loads(results.read_text()).get("rows", []) if results.is_file() else []
+    for row in rows:
+        if missing := {"task", "score"} - set(row):
+            raise DataError(f"{results}: a row lacks {sorted(missing)}: {row}")
     path = folder / "README.md"
-    path.write_text(model_card_text(spec, load_eval_rows(folder), repo_id, folder_name or folder.name))
+    path.write_text(model_card_text(spec, rows, repo_id, folder_name or folder.name))
     return path
 
 
@@ -428,14 +375,8 @@ def folder_weights(folder: Path, spec: ContextSpec) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Push
-# ---------------------------------------------------------------------------------------------
-
-
 def check_adapter_files(folder: Path) -> None:
-    """Refuse (ModelSourceError naming what is missing) an adapter folder without longpeft.json and weights:
-    LoRA's two files, or a method's own ``*.safetensors``, or both."""
+    """A ModelSourceError unless ``folder`` has longpeft.json and LoRA's two files or a method's ``*.safetensors``."""
     lora = [name for name in LORA_FILES if (folder / name).is_file()]
     missing = [name for name in LORA_FILES if name not in lora] if lora else []
     if not (folder / SPEC_FILENAME).is_file():
@@ -444,60 +385,6 @@ def check_adapter_files(folder: Path) -> None:
         missing.append("weights (adapter_model.safetensors or a method's own *.safetensors)")
     if missing:
         raise ModelSourceError(f"{folder} lacks {missing}; is it an adapter folder written by longpeft train?")
-
-
-def upload_source(source: Path) -> Path:
-    """The folder to upload: ``source`` itself, or a run folder's ``adapter/`` or ``model/`` (``finetune: full``)."""
-    found = run_outputs(source)
-    if len(found) > 1:
-        raise ConfigError(
-            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
-            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
-        )
-    return found[0] if found else source
-
-
-def stage_upload(
-    source: str | Path,
-    dest: str | Path,
-    repo_id: str,
-    merged: bool = False,
-    dtype: str = "bfloat16",
-    base_id: str | None = None,
-    base: str | Path | None = None,
-) -> Path:
-    """Write atomically into ``dest`` the folder ``push`` uploads to ``repo_id``, from ``source`` (an adapter, a whole
-    model, or a run folder holding one): an adapter in peft's own format, or with ``merged`` merged into ``base``
-    (default: longpeft.json's) in ``dtype``, a whole model cast to ``dtype``. The base is named by ``base_id``, else
-    by longpeft.json's Hub id or built-in name, never by a local folder (warned about). Returns ``dest``."""
-    check_repo_id(repo_id, "--repo")
-    if base_id:
-        check_repo_id(base_id, "--base-id")
-    source, dest = upload_source(Path(source)), Path(dest).resolve()
-    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
-    if not base_id:
-        warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
-        base_id = spec.base_model if shareable_base(spec.base_model) else None
-    check_output_folder(dest, protected={"the folder to upload": source}, flag="--dry-run")
-    weights = folder_weights(source, spec)
-    with written_atomically(dest) as partial:
-        if weights in ("full", "merged"):
-            stage_whole_model(source, partial, dtype)
-        elif merged:
-            merge(source, partial, base=base, dtype=dtype)
-            weights = "merged"
-        else:
-            check_adapter_files(source)
-            _copy_files(source, partial)
-            write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
-        _copy_eval_results(source, partial)
-        staged = ContextSpec.load(partial)
-        staged.weights = weights
-        staged.base_model = base_id  # by its Hub id, never by a path of this machine
-        staged.save(partial)
-        name_base_in_adapter_config(partial, base_id)
-        write_model_card(partial, staged, repo_id=repo_id)
-    return dest
 
 
 def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
@@ -510,16 +397,11 @@ def _copy_files(source: Path, dest: Path, skip: tuple[str, ...] = ()) -> None:
 
 def _update_json(path: Path, changes: dict[str, Any]) -> None:
     """Set ``changes`` in the JSON object of ``path``."""
-    _write_json(path, {**json.loads(path.read_text()), **changes})
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}, indent=2, sort_keys=True) + "\n")
 
 
 def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
-    """Copy a whole model to ``dest`` with its floating-point weights cast to ``dtype`` file by file (no model built,
-    no code run); a ModelSourceError when it has no ``*.safetensors`` weights."""
+    """Copy a whole model to ``dest``, its float weights cast to ``dtype`` file by file; a ModelSourceError if none."""
     weights = sorted(source.glob("*.safetensors"))
     if not weights:
         raise ModelSourceError(
@@ -540,12 +422,11 @@ def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     for index_path in dest.glob("*.safetensors.index.json"):  # sharded weights: the index records their size
         index = json.loads(index_path.read_text())
         index.setdefault("metadata", {})["total_size"] = sum(sizes[name] for name in set(index["weight_map"].values()))
-        _write_json(index_path, index)
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def name_base_in_adapter_config(folder: Path, base_model: str | None) -> None:
-    """Set ``base_model_name_or_path`` of ``folder``'s adapter_config.json, if any, to how longpeft.json names the
-    base (peft writes the path the base was loaded from)."""
+    """Name the base in ``folder``'s adapter_config.json (if any) as longpeft.json does, not by peft's load path."""
     config_path = folder / "adapter_config.json"
     if config_path.is_file():
         _update_json(config_path, {"base_model_name_or_path": base_model})
@@ -561,18 +442,53 @@ def push(
     base_id: str | None = None,
     base: str | Path | None = None,
 ) -> str:
-    """Upload :func:`stage_upload`'s folder to ``repo_id``, whose files become exactly that folder's; returns the
-    commit URL. With ``dry_run`` the folder is written there, nothing is uploaded, and its path is returned. The
-    token comes from the environment or ``huggingface-cli login``."""
-    options = {"merged": merged, "dtype": dtype, "base_id": base_id, "base": base}
-    if dry_run is not None:
-        return str(stage_upload(source, dry_run, repo_id, **options))
-    try:
-        hub_preflight(repo_id, "push to")
-    except FileNotFoundError:
-        pass  # a new repository: create_repo makes it
+    """Make ``repo_id``'s files exactly a folder written from ``source`` (an adapter, a whole model or a run folder
+    holding one): an adapter in peft's format, or (``merged``) merged into ``base`` in ``dtype``, or a whole model cast
+    to ``dtype``; the base named by ``base_id``, else longpeft.json's Hub id or built-in name, never a local folder
+    (warned). Returns the commit URL (token: the environment's or ``huggingface-cli login``'s), or with ``dry_run``
+    the folder written there (nothing uploaded)."""
+    if dry_run is None:
+        try:
+            hub_preflight(repo_id, "push to")
+        except FileNotFoundError:
+            pass  # a new repository: create_repo makes it
+    check_repo_id(repo_id, "--repo")
+    if base_id:
+        check_repo_id(base_id, "--base-id")
+    found = run_outputs(source)  # a run folder: upload its adapter/ or model/ (finetune: full)
+    if len(found) > 1:
+        raise ConfigError(
+            f"{source} holds both {found[0].name}/ and {found[1].name}/ (runs with different finetune "
+            "settings wrote there); push the one you mean: " + " or ".join(map(str, found))
+        )
+    source = found[0] if found else Path(source)
+    spec = ContextSpec.load(source)  # fails clearly when this is not a longpeft folder
+    if not base_id:
+        warn_unnamed_base(spec, source, "the uploaded card and longpeft.json leave it out", "push(..., base_id=...)")
+        base_id = spec.base_model if shareable_base(spec.base_model) else None
     with tempfile.TemporaryDirectory() as staging:
-        folder = stage_upload(source, Path(staging) / "upload", repo_id, **options)
+        folder = Path(dry_run if dry_run is not None else Path(staging) / "upload").resolve()
+        check_output_folder(folder, protected={"the folder to upload": source}, flag="--dry-run")
+        weights = folder_weights(source, spec)
+        with written_atomically(folder) as partial:
+            if weights in ("full", "merged"):
+                stage_whole_model(source, partial, dtype)
+            elif merged:
+                merge(source, partial, base=base, dtype=dtype)
+                weights = "merged"
+            else:
+                check_adapter_files(source)
+                _copy_files(source, partial)
+                write_tied_copies(partial, tied_names(partial))  # peft's own format, whatever wrote the folder
+            _copy_eval_results(source, partial)
+            staged = ContextSpec.load(partial)
+            staged.weights = weights
+            staged.base_model = base_id  # by its Hub id, never by a path of this machine
+            staged.save(partial)
+            name_base_in_adapter_config(partial, base_id)
+            write_model_card(partial, staged, repo_id=repo_id)
+        if dry_run is not None:
+            return str(folder)
         api = HfApi()
         api.create_repo(repo_id, private=private or None, exist_ok=True)  # None: the account's default visibility
         if private:  # create_repo leaves an existing repository's visibility as it was
@@ -582,3 +498,86 @@ def push(
             repo_id=repo_id, folder_path=str(folder), commit_message="Upload longpeft model", delete_patterns=["*"]
         )
         return str(info)
+
+
+def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Path]]:
+    """(folder, config.json, the safetensors files that hold beacon tensors) of a local folder or Hub repo (whose
+    config and index are downloaded, then the files the index names, or ``model.safetensors``)."""
+    local = Path(source).is_dir()
+    patterns = ["config.json", "*.safetensors.index.json"]
+    folder = Path(source if local else snapshot_download(str(source), allow_patterns=patterns))
+    index = next(iter(folder.glob("*.safetensors.index.json")), None)
+    if index is not None:
+        weight_map = read_json_object(index, "safetensors index").get("weight_map")  # tensor -> file
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise DataError(f"{index}: no weight_map of tensor names to file names; download the model again")
+        names = sorted({f for k, f in weight_map.items() if AUTHORS_TENSOR.match(k)})
+    else:
+        names = [path.name for path in sorted(folder.glob("*.safetensors"))] if local else ["model.safetensors"]
+    files = [folder / name if local else Path(hf_hub_download(str(source), name)) for name in names]
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(f"{source}: no config.json; give the folder (or Hub id) of an Activation Beacon model")
+    return folder, read_json_object(config_path, "the authors' config"), files
+
+
+def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_config: Any, base: str | Path) -> None:
+    """Raise a DataError naming ``path`` and the tensor for an authors' beacon tensor whose shape is not the one the
+    base gives it (:func:`authors_tensor_shape`) or that holds NaN or infinity."""
+    for name, tensor in tensors.items():
+        expected = authors_tensor_shape(name, base_config)
+        if tuple(tensor.shape) != expected:
+            raise DataError(
+                f"{path}: {name} has shape {tuple(tensor.shape)}, and on the base {base} it must be "
+                f"{expected}; the checkpoint is damaged or built on another base (--base)"
+            )
+        if not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise DataError(
+                f"{path}: {name} holds {bad} NaN or infinite values; the checkpoint is damaged: download it again"
+            )
+
+
+def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | Path) -> dict[str, Any]:
+    """Write into ``out_dir`` a beacon adapter for ``longpeft.load(base, out_dir)`` from the authors' Activation Beacon
+    model ``source`` (a folder or Hub id, e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``) built on ``base``: its
+    ``beacon_*`` settings and tensors only, no remote code run. Returns ``{"out_dir", "tensors", "beacon"}``."""
+    from transformers import AutoConfig
+
+    out_dir = Path(out_dir)
+    check_output_folder(out_dir, {"the authors' model": Path(source)})  # before any download
+    check_model_source(source, "the authors' model")
+    check_model_source(base, "--base")
+    folder, checkpoint_config, files = _checkpoint_files(source)
+    config_file = str(folder / "config.json")
+    beacon = config_from_authors(checkpoint_config, config_file)
+    base_config = AutoConfig.from_pretrained(str(base), trust_remote_code=False)
+    check_built_on(checkpoint_config, base_config, beacon, str(source), str(base), config_file)
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        read = {k: t.float().contiguous() for k, t in read_safetensors(path, AUTHORS_TENSOR.match).items()}
+        check_beacon_tensors(read, path, base_config, base)
+        tensors.update(read)
+    layers = range(base_config.num_hidden_layers)
+    expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in layers for p in beacon.params}
+    missing = sorted((expected | {"model.beacon_embed_tokens.weight"}) - set(tensors))
+    if missing:
+        raise DataError(
+            f"{source} lacks beacon tensors {missing[:4]} (beacon_param in {config_file} says {beacon.params})"
+        )
+    projections = {name.split(".")[-2][len("beacon_")] for name in tensors if name.endswith("_proj.weight")}
+    unlisted = sorted(projections - set(beacon.params))  # the layer count is the base's (check_built_on)
+    if unlisted:
+        raise DataError(
+            f"{config_file}: beacon_param is {beacon.params}, and {source} holds beacon weights of the "
+            f"{'/'.join(unlisted)} projections too; edit beacon_param there to list every projection it has beacon "
+            "weights for"
+        )
+    spec = ContextSpec.from_base(
+        base_config, "beacon", base_model=str(base), methods={"beacon": beacon.model_dump()}, weights="method"
+    )
+    needed = sum(t.numel() * t.element_size() for t in tensors.values())
+    with written_atomically(out_dir.resolve(), needed) as partial:  # a failure leaves no adapter that looks complete
+        save_file(tensors, str(partial / WEIGHTS_FILENAME), metadata={"format": "pt", "source": str(source)})
+        spec.save(partial)
+    return {"out_dir": str(out_dir), "tensors": len(tensors), "beacon": beacon.model_dump()}

@@ -10,8 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 
 from .adapter_weights import load_adapter
 from .adapters import apply_spec, load_method_weights, spec_methods
-from .base_config import check_base_code
-from .builtin_models import model_location
+from .base_config import check_base_code, model_location
 from .compat import without_checkpointing_notice
 from .errors import ConfigError, DataError, ModelSourceError
 from .files import check_model_source, is_local, is_whole_model, local_adapter_dir, raised_in
@@ -53,17 +52,8 @@ ADAPTER_LOOKUP_KWARGS = ("cache_dir", "local_files_only", "subfolder", "proxies"
 CONFIG_KWARGS = ("revision", "trust_remote_code", "token", *ADAPTER_LOOKUP_KWARGS)
 
 
-def with_adapter_lookup_kwargs(from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` whose ``adapter_kwargs`` also get the caller's :data:`ADAPTER_LOOKUP_KWARGS` (what
-    the caller set in ``adapter_kwargs`` wins)."""
-    lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
-    adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
-    return {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs} if lookup else from_pretrained_kwargs
-
-
 def pin_base_revision(spec: ContextSpec, name: str, from_pretrained_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``from_pretrained_kwargs`` with ``revision`` set to the commit the adapter was trained on, when the base is
-    the Hub repository the spec names and no revision was given."""
+    """``from_pretrained_kwargs`` pinned to the trained-on commit when the base is the spec's Hub repo, if unpinned."""
     hub_base = name == spec.base_model and not is_local(name)
     if spec.base_revision and hub_base and "revision" not in from_pretrained_kwargs:
         return {**from_pretrained_kwargs, "revision": spec.base_revision}
@@ -79,12 +69,11 @@ def load(
     strict_base_id: bool = False,
     **from_pretrained_kwargs: Any,
 ) -> PeftModel | PreTrainedModel:
-    """Load the adapter in ``adapter_dir`` (a folder or Hub repo id with ``longpeft.json``) onto ``base`` (a built
-    model, a Hub id or path, or None for the spec's): its ContextSpec first, then its weights. ``strict_base_id``
-    also refuses another base id; ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (without
-    ``revision``, the spec's Hub base loads at the commit trained on). Returns the PeftModel (the model itself
-    without LoRA weights) with the spec as ``model.longpeft_spec``; a SpecMismatchError, before any weight loads,
-    when the adapter does not fit the base."""
+    """Load the adapter in ``adapter_dir`` (a folder or Hub id with ``longpeft.json``) onto ``base`` (a model, a Hub
+    id or path, None: the spec's), its ContextSpec first; ``strict_base_id`` refuses another base id, and
+    ``from_pretrained_kwargs`` go to ``AutoModelForCausalLM.from_pretrained`` (no ``revision``: the commit trained on).
+    Returns the PeftModel (the model itself without LoRA weights), spec in ``model.longpeft_spec``; a
+    SpecMismatchError, before any weight loads, when the adapter does not fit the base."""
     given, adapter_dir = adapter_dir, local_adapter_dir(adapter_dir)
     spec = ContextSpec.load(adapter_dir)
     if is_whole_model(adapter_dir):  # before the base is looked for: a whole model needs none
@@ -105,7 +94,11 @@ def load(
         check_base_code(name, revision, trusted, "trust_remote_code=True")
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
-        model = AutoModelForCausalLM.from_pretrained(name, **with_adapter_lookup_kwargs(from_pretrained_kwargs))
+        lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
+        if lookup:  # what the caller set in adapter_kwargs wins
+            adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
+            from_pretrained_kwargs = {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs}
+        model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     apply_spec(model, spec)
     if spec.vocab_size and model.get_input_embeddings().num_embeddings != spec.vocab_size:
         model.resize_token_embeddings(spec.vocab_size)

@@ -119,8 +119,7 @@ def _entry_problem(entry: Any, data_bytes: int) -> str | None:
 def check_shapes(
     path: str | Path, header: dict[str, dict[str, Any]], expected: dict[str, tuple[int, ...]], source: str
 ) -> None:
-    """Raise a DataError for the first tensor of ``header`` whose shape differs from ``expected``'s (``source`` says
-    where those come from, e.g. ``adapter_config.json r=8``)."""
+    """A DataError for the first tensor of ``header`` whose shape is not ``expected``'s (from ``source``)."""
     for name, shape in expected.items():
         if name in header and tuple(header[name]["shape"]) != tuple(shape):
             raise DataError(
@@ -136,8 +135,7 @@ def read_safetensors(
     expected: dict[str, tuple[int, ...]] | None = None,
     source: str = "",
 ) -> dict[str, Any]:
-    """The tensors of a safetensors file whose names ``keep`` accepts, after :func:`safetensors_header` (and
-    :func:`check_shapes` against ``expected``, from ``source``)."""
+    """Tensors named as ``keep`` accepts, after :func:`safetensors_header` and :func:`check_shapes` (``expected``)."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -174,23 +172,17 @@ def read_torch_file(path: str | Path, map_location: Any = "cpu") -> Any:
         ) from None
 
 
-def _lora_rank(name: str, config: dict[str, Any]) -> int | None:
-    """The LoRA rank ``adapter_config.json`` gives the module of tensor ``name`` (its ``rank_pattern`` first)."""
-    rank = config.get("r")
-    for pattern, value in (config.get("rank_pattern") or {}).items():
-        if re.search(rf"(^|\.){pattern}\.lora_[AB]", name) or re.fullmatch(rf".*{pattern}\.lora_[AB]\..*", name):
-            rank = value
-    return rank if isinstance(rank, int) else None
-
-
 def lora_rank_shapes(header: dict[str, dict[str, Any]], config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The shape each LoRA tensor of ``header`` must have for the ranks of ``config`` (adapter_config.json):
-    ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``, the other side as in the file."""
+    ``lora_A`` ``[r, in]``, ``lora_B`` ``[out, r]``, the other side as in the file; a module's rank is its
+    ``rank_pattern``'s, else ``r``."""
     expected = {}
     for name, entry in header.items():
-        shape = entry["shape"]
-        rank = _lora_rank(name, config)
-        if rank is None or len(shape) != 2:
+        shape, rank = entry["shape"], config.get("r")
+        for pattern, value in (config.get("rank_pattern") or {}).items():
+            if re.search(rf"(^|\.){pattern}\.lora_[AB]", name) or re.fullmatch(rf".*{pattern}\.lora_[AB]\..*", name):
+                rank = value
+        if not isinstance(rank, int) or len(shape) != 2:
             continue
         if ".lora_A." in name:
             expected[name] = (rank, shape[1])

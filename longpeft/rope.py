@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .base_config import rope_parameters_of, validate_rope_parameters
 from .errors import ConfigError, LongpeftError
 from .family import head_dim_of
-from .rope_parameters import rope_parameters_of, validate_rope_parameters
 
 
 def inv_freq(base: float, head_dim: int, device: torch.device | str | None = None) -> torch.Tensor:

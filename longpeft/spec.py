@@ -12,11 +12,11 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError
 
+from .base_config import BUILTIN_MODELS, rope_parameters_of
 from .config import StrictModel, format_validation_error
 from .errors import ConfigError, DataError, ModelSourceError
 from .family import head_dim_of, num_kv_heads
 from .reading import read_json
-from .rope_parameters import rope_parameters_of
 
 SPEC_FILENAME = "longpeft.json"
 SPEC_FORMAT_VERSION = 3
@@ -47,15 +47,9 @@ class BaseShape(StrictModel):
     @classmethod
     def of(cls, config: Any) -> BaseShape:
         """The shape of a transformers config."""
-        return cls(
-            model_type=config.model_type,
-            hidden_size=config.hidden_size,
-            num_hidden_layers=config.num_hidden_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_key_value_heads=num_kv_heads(config),
-            head_dim=head_dim_of(config),
-            vocab_size=config.vocab_size,
-        )
+        kept = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+        shape = {key: getattr(config, key) for key in kept}
+        return cls(**shape, num_key_value_heads=num_kv_heads(config), head_dim=head_dim_of(config))
 
 
 class SpecMismatchError(ConfigError):
@@ -68,11 +62,9 @@ def run_outputs(folder: str | Path) -> list[Path]:
 
 
 class ContextSpec(StrictModel):
-    """Non-weight changes of a context-extension adapter (``longpeft.json``, format 3), strictly typed and checked
-    on construction and assignment. ``method`` is the recipe's; ``methods`` holds one section per applied method;
-    ``base_model`` is a Hub id, a built-in name, or a local folder relative to this file's (:func:`base_reference`);
-    ``vocab_size`` is the adapted model's; ``weights`` is None for a spec saved from Python without it
-    (:func:`longpeft.hub.folder_weights` reads it off the files)."""
+    """What an adapter changes besides weights (``longpeft.json``, format 3), checked on construction and assignment:
+    ``methods`` one section per applied method, ``base_model`` a Hub id, built-in name or folder relative to this
+    file's (:func:`base_reference`), ``vocab_size`` the adapted model's, ``weights`` None when unrecorded."""
 
     model_config = ConfigDict(strict=True)
 
@@ -113,22 +105,13 @@ class ContextSpec(StrictModel):
         from . import __version__
 
         original = rope_parameters_of(config)
-        methods = {
-            "rope": {**original, "max_position_embeddings": config.max_position_embeddings},
-            **changes.pop("methods", {}),
-        }
-        fields = dict(
-            method=method,
-            architecture=_architecture(config),
-            base_shape=BaseShape.of(config),
-            original_rope_parameters=original,
-            original_max_position_embeddings=config.max_position_embeddings,
-            methods=methods,
-            base_model=base_model or getattr(config, "name_or_path", None) or None,
-            base_revision=getattr(config, "_commit_hash", None),
-            vocab_size=config.vocab_size,
-            library_version=__version__,
-        )
+        rope = {**original, "max_position_embeddings": config.max_position_embeddings}
+        methods = {"rope": rope, **changes.pop("methods", {})}
+        base_model = base_model or getattr(config, "name_or_path", None) or None
+        sizes = dict(original_max_position_embeddings=config.max_position_embeddings, vocab_size=config.vocab_size)
+        fields = dict(method=method, architecture=_architecture(config), base_shape=BaseShape.of(config), **sizes)
+        fields |= dict(original_rope_parameters=original, methods=methods, base_model=base_model)
+        fields |= dict(base_revision=getattr(config, "_commit_hash", None), library_version=__version__)
         return cls(**(fields | changes))
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,8 +119,7 @@ class ContextSpec(StrictModel):
         return self.model_dump()
 
     def save(self, directory: str | Path) -> Path:
-        """Write ``longpeft.json`` into ``directory`` (created if missing); returns its path. Raises ConfigError
-        for a non-finite number (JSON has no Infinity/NaN)."""
+        """Write ``longpeft.json`` into ``directory``; returns its path (a ConfigError for a non-finite number)."""
         path = Path(directory) / SPEC_FILENAME
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -149,12 +131,8 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def load(cls, directory: str | Path) -> ContextSpec:
-        """Read ``longpeft.json`` from an adapter directory.
-
-        Raises:
-            ModelSourceError: there is none (for a training run folder, naming the folders it holds).
-            DataError: not a format-3 ``longpeft.json`` (:meth:`from_dict`).
-        """
+        """Read ``longpeft.json`` from an adapter directory: a ModelSourceError when there is none (for a training
+        run folder, naming the folders it holds), a DataError when it is not a format-3 one (:meth:`from_dict`)."""
         path = Path(directory) / SPEC_FILENAME
         if not path.is_file() and (outputs := run_outputs(directory)):
             raise ModelSourceError(
@@ -169,8 +147,7 @@ class ContextSpec(StrictModel):
 
     @classmethod
     def from_dict(cls, data: Any, source: str = SPEC_FILENAME) -> ContextSpec:
-        """A spec from the content of a ``longpeft.json``; a DataError naming ``source`` for anything but a JSON object
-        of format 3 (saying what to do about another format) with valid keys."""
+        """A spec from a ``longpeft.json``'s content; a DataError naming ``source`` unless a valid format-3 object."""
         if not isinstance(data, dict):
             raise DataError(f"{source} must hold a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
@@ -189,9 +166,8 @@ class ContextSpec(StrictModel):
     def check_base(
         self, config: Any, base_model: str | None = None, strict_base_id: bool = False, recorded: str | None = None
     ) -> None:
-        """Raise :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (when both know it)
-        or :class:`BaseShape`, or, with ``strict_base_id``, when ``base_model`` is not the spec's base (or
-        ``recorded``, where that resolves to) by id or location."""
+        """A :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (both known) or shape, or
+        (``strict_base_id``) ``base_model`` is not the spec's base (or ``recorded``) by id or path."""
         problems = []
         architecture = _architecture(config)
         if architecture and self.architecture and architecture != self.architecture:
@@ -215,8 +191,6 @@ class ContextSpec(StrictModel):
 def base_reference(name: str, folder: str | Path) -> str:
     """How ``folder``'s longpeft.json names the base ``name``: a local folder by its path relative to ``folder``
     (always starting with ``.``), a Hub id or a built-in model's name as given."""
-    from .builtin_models import BUILTIN_MODELS
-
     if name in BUILTIN_MODELS or not Path(name).exists():
         return name
     relative = os.path.relpath(Path(name).resolve(), Path(folder).resolve())

@@ -20,14 +20,9 @@ if TYPE_CHECKING:  # a tiny base's settings and vocabulary are read torch-free (
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] == 'assistant' %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
     "<|assistant|>\n{% generation %}{{ message['content'] }}<|end|>{% endgeneration %}\n"
-    "{% else %}"
-    "<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
+    "{% else %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -69,13 +64,8 @@ def train_tokenizer(texts: Iterable[str] | None = None, vocab_size: int = 512) -
     ``vocab_size`` tokens including the special tokens and the 256 byte symbols."""
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=_train_backend(texts, vocab_size),
-        bos_token="<s>",
-        eos_token="<|end|>",
-        pad_token="<pad>",
-        unk_token=None,
-    )
+    tokens = dict(bos_token="<s>", eos_token="<|end|>", pad_token="<pad>", unk_token=None)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_train_backend(texts, vocab_size), **tokens)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -88,12 +78,9 @@ def _train_backend(texts: Iterable[str] | None, vocab_size: int) -> Tokenizer:
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet)
+    trainer.show_progress = False
     backend.train_from_iterator(texts, trainer=trainer)
     return backend
 
@@ -121,19 +108,10 @@ def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) 
     if arch not in TINY_ARCHITECTURES:
         raise ConfigError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_ARCHITECTURES)}")
     model_type, arch_overrides = TINY_ARCHITECTURES[arch]
-    settings: dict[str, Any] = dict(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=[6, 2],
-        attn_implementation="eager",
-    )
+    settings: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    settings |= dict(max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    settings |= dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=[6, 2])
+    settings |= dict(attn_implementation="eager")
     return {"model_type": model_type, **settings, **arch_overrides, **overrides}
 
 

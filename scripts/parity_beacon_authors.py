@@ -227,7 +227,7 @@ def load_converted(
     from safetensors.torch import load_file
 
     import longpeft
-    from longpeft.convert import convert_authors_beacon
+    from longpeft.hub import convert_authors_beacon
 
     config_class, model_class = (getattr(transformers, name) for name in CLASSES[family])
     checkpoint = out / "authors"

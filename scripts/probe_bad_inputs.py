@@ -683,9 +683,7 @@ def fault_cases(root: Path, adapter: Path) -> list[tuple[str, list[str], Callabl
         (
             "convert-beacon full disk (safetensors)",
             ["convert-beacon", str(authors), "--base", model, "--out", str(target)],
-            lambda: replaced(
-                __import__("longpeft.convert").convert, "save_file", failing(SafetensorError(SAFETENSORS_FULL))
-            ),
+            lambda: replaced(__import__("longpeft.hub").hub, "save_file", failing(SafetensorError(SAFETENSORS_FULL))),
             target,
         )
     )

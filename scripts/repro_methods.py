@@ -256,7 +256,7 @@ def run_one(variant: Variant, target: int, seed: int, args: argparse.Namespace) 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from longpeft import load
-    from longpeft.builtin_models import TOY_BASE, model_location
+    from longpeft.base_config import TOY_BASE, model_location
     from longpeft.eval.demo_report import demo_string_settings
 
     folder = Path(args.out) / variant.name / f"{target}W" / f"seed{seed}"

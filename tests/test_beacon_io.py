@@ -25,8 +25,8 @@ from longpeft.adapters.beacon import (
     save_beacon_weights,
 )
 from longpeft.cli import main
-from longpeft.convert import convert_authors_beacon
 from longpeft.errors import DataError
+from longpeft.hub import convert_authors_beacon
 from longpeft.spec import ContextSpec
 
 from export_helpers import imported_modules, run_without_longpeft  # tests/export_helpers.py

@@ -16,7 +16,7 @@ from fake_hub import FakeHub, pointed_at, silent_hub
 
 import longpeft.recipes.runner  # noqa: F401 - imported before the timed commands
 import longpeft.synth_data.pipeline  # noqa: F401
-from longpeft import files, hub_wait
+from longpeft import files
 from longpeft.cli import main
 from longpeft.errors import ConfigError, HubTimeoutError
 
@@ -60,7 +60,7 @@ COMMANDS = ["train", "synth --tokenizer", "plan --build"]
 
 @pytest.fixture(autouse=True)
 def _short_wait(monkeypatch):
-    monkeypatch.setenv(hub_wait.HUB_TIMEOUT_VARIABLE, str(WAIT))
+    monkeypatch.setenv(files.HUB_TIMEOUT_VARIABLE, str(WAIT))
 
 
 @contextlib.contextmanager
@@ -170,16 +170,16 @@ def test_a_download_that_keeps_sending_is_not_cut():
 
 @pytest.mark.parametrize("value", ["0", "-2", "nan", "inf", "soon"])
 def test_the_wait_must_be_a_positive_number(value, monkeypatch):
-    monkeypatch.setenv(hub_wait.HUB_TIMEOUT_VARIABLE, value)
+    monkeypatch.setenv(files.HUB_TIMEOUT_VARIABLE, value)
     with pytest.raises(ConfigError, match=f"LONGPEFT_HUB_TIMEOUT={value!r}"):
-        hub_wait.hub_timeout()
+        files.hub_timeout()
 
 
 def test_the_silent_hub_message_names_repo_file_and_endpoint():
-    message = hub_wait._silent_hub_message("http://hub.test/datasets/owner/data/resolve/main/data%2Ftrain.jsonl", 30)
+    message = files._silent_hub_message("http://hub.test/datasets/owner/data/resolve/main/data%2Ftrain.jsonl", 30)
     assert message.startswith(
         "the Hub at http://hub.test sent nothing for 30 s while downloading data/train.jsonl of dataset owner/data;"
     )
-    assert "listing the files of owner/name" in hub_wait._silent_hub_message(
+    assert "listing the files of owner/name" in files._silent_hub_message(
         "http://hub.test/api/models/owner/name/tree/main", 30
     )

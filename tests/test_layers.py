@@ -16,8 +16,7 @@ FLOOR = "errors"  # the exception classes: every layer may import them
 # layer -> the layers it must not import ("*": all but the floor)
 FORBIDDEN = {
     "errors": {"*"},
-    "files": {"*"},  # torch-free and at the bottom: nothing of longpeft but its errors (and the Hub's wait, BESIDE)
-    "hub_wait": {"*"},  # torch-free: the bound on Hub downloads that the file rules' Hub check installs
+    "files": {"*"},  # torch-free and at the bottom: nothing of longpeft but its errors
     "units": {"*"},  # how quantities are written: torch-free, imports nothing of longpeft
     # the one reader of weights, checkpoints and JSON: the file rules and errors only (torch imported lazily)
     "reading": {
@@ -29,7 +28,6 @@ FORBIDDEN = {
         "cli",
         "hub",
         "loading",
-        "convert",
         "eval",
         "scale",
         "launch",
@@ -46,19 +44,13 @@ FORBIDDEN = {
         "cli",
         "hub",
         "loading",
-        "convert",
         "eval",
         "scale",
         "launch",
         "synth_data",
         "tiny",
     },
-    # transformers' tie_weights through peft's wrappers: peft glue as the weight files' is (they install it)
-    "peft_ties": {"*"},
-    "rope": {"adapters", "recipes", "cli", "hub", "loading", "convert", "eval", "scale", "launch", "synth_data"},
-    # torch-free RoPE parameter dicts, beside the config layer: the method sections and the base's config read them
-    "rope_parameters": {"*"},
-    "transformers_source": {"*"},  # transformers' model types and optimizer names, read from its source
+    "rope": {"adapters", "recipes", "cli", "hub", "loading", "eval", "scale", "launch", "synth_data"},
     # a base's config read without weights or torch: below the recipes' validation, loading and merging
     "base_config": {
         "rope",
@@ -68,23 +60,21 @@ FORBIDDEN = {
         "cli",
         "hub",
         "loading",
-        "convert",
         "eval",
         "scale",
         "launch",
         "synth_data",
     },
-    "adapters": {"hub", "loading", "convert", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
-    "synth_data": {"adapters", "recipes", "hub", "loading", "convert", "eval", "cli"},
+    "adapters": {"hub", "loading", "recipes", "eval", "cli", "scale", "launch", "synth_data"},
+    "synth_data": {"adapters", "recipes", "hub", "loading", "eval", "cli"},
     "eval": {"recipes", "cli"},
-    "scale": {"recipes", "cli", "hub", "convert"},
-    "launch": {"recipes", "scale", "cli", "hub", "convert"},
+    "scale": {"recipes", "cli", "hub"},
+    "launch": {"recipes", "scale", "cli", "hub"},
     "hub": {"recipes", "cli"},
-    "loading": {"recipes", "cli", "hub", "convert"},
-    "convert": {"recipes", "cli"},
+    "loading": {"recipes", "cli", "hub"},
     "recipes": {"cli"},
 }
-BESIDE = {"files": {"hub_wait"}}  # layer -> the "*" layers beside it that it may import
+BESIDE: dict[str, set[str]] = {}  # layer -> the "*" layers beside it that it may import
 # The LLM client's parts in synth_data -> the modules of synth_data each may import: the cache, the rejects file and
 # the HTTP call know nothing of each other nor of the client that joins them.
 LLM_CLIENT_PARTS = {
@@ -227,7 +217,7 @@ def test_a_command_module_imports_no_other_command(name):
     assert others == [], f"{name} imports {others}"
 
 
-@pytest.mark.parametrize("name", ["longpeft.files", "longpeft.hub_wait", "longpeft.rope_parameters"])
+@pytest.mark.parametrize("name", ["longpeft.files"])
 def test_the_file_rules_need_no_torch(name):
     assert not imports(name)[1] & set(HEAVY)
 
@@ -237,7 +227,6 @@ def test_the_file_rules_need_no_torch(name):
 # record, the base's config, the validation).
 TORCH_ON_USE = [
     "reading",
-    "transformers_source",
     "base_config",
     "tiny",
     "recipes/schema",

@@ -1,4 +1,4 @@
-"""transformers' ``tie_weights`` on a tied base whose tied modules peft wrapped (``longpeft.peft_ties``): what
+"""transformers' ``tie_weights`` on a tied base whose tied modules peft wrapped (``longpeft.adapter_weights``): what
 lm-eval's HFLM and ``resize_token_embeddings`` call. Stock transformers raises on peft's wrappers (or silently ties
 the head to the embedding's trained copy); through longpeft it changes nothing on the model peft built, restores a
 tie that was broken, and after a merge ties as transformers does."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from longpeft.peft_ties import tie_through_peft_wrappers
+from longpeft.adapter_weights import tie_through_peft_wrappers
 from longpeft.tiny import tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -179,7 +179,7 @@ def test_spec_mismatch_architecture_and_base_id():
 def test_strict_base_id_accepts_the_adapters_own_relative_or_builtin_base(tiny_base_dirs, tmp_path):
     """strict_base_id compared the recorded name (../base, longpeft:toy-base) with the resolved path: it refused
     the adapter's own base."""
-    from longpeft.builtin_models import TOY_BASE, model_location
+    from longpeft.base_config import TOY_BASE, model_location
 
     shutil.copytree(tiny_base_dirs("llama"), tmp_path / "run" / "base")
     make_adapter(tmp_path / "run" / "base", tmp_path / "run" / "adapter")

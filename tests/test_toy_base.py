@@ -9,7 +9,7 @@ import warnings
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from longpeft.builtin_models import BUILTIN_MODELS, TOY_BASE, model_location
+from longpeft.base_config import BUILTIN_MODELS, TOY_BASE, model_location
 from longpeft.eval import evaluate
 from longpeft.eval.demo_report import (
     DEMO_TASKS,

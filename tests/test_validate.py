@@ -272,7 +272,7 @@ def test_transformers_facts_are_read_from_its_source_as_its_objects_hold_them():
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     from transformers.training_args import OptimizerNames
 
-    from longpeft.transformers_source import model_types, optimizer_names
+    from longpeft.base_config import model_types, optimizer_names
 
     assert optimizer_names() == tuple(name.value for name in OptimizerNames)
     assert model_types() == set(CONFIG_MAPPING_NAMES)

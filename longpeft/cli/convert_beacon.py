@@ -1,5 +1,5 @@
 """``longpeft convert-beacon SOURCE --base BASE --out DIR``: an authors' Activation Beacon model as a longpeft
-adapter (:func:`longpeft.convert.convert_authors_beacon`)."""
+adapter (:func:`longpeft.hub.convert_authors_beacon`)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_convert_beacon(args: argparse.Namespace) -> int:
-    from ..convert import convert_authors_beacon  # torch: `longpeft --help` and plan do without
+    from ..hub import convert_authors_beacon  # torch: `longpeft --help` and plan do without
 
     print(json.dumps(convert_authors_beacon(args.source, args.out, base=args.base), indent=2))
     return 0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..builtin_models import model_location
+from ..base_config import model_location
 from ..config import DTYPE_NAMES, torch_dtype
 from ..errors import ConfigError
 from ..files import check_model_source, check_writable_folder, local_adapter_dir

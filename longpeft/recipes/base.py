@@ -24,8 +24,7 @@ from transformers import (
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from ..adapters import apply_spec
-from ..base_config import TINY_PREFIX
-from ..builtin_models import model_location
+from ..base_config import TINY_PREFIX, model_location
 from ..config import torch_dtype
 from ..files import check_model_source
 from ..launch import check_sharded

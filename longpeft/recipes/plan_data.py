@@ -13,8 +13,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from ..base_config import TINY_PREFIX
-from ..builtin_models import model_location
+from ..base_config import TINY_PREFIX, model_location
 from ..errors import DataError
 from ..files import is_local
 from ..scale.lengths import SampleLengths

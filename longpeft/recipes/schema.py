@@ -15,6 +15,7 @@ from pydantic import Field, ValidationError, create_model, field_validator, mode
 
 from ..adapters import METHODS, LongSamples, check_conflicts, find_conflicts
 from ..adapters.registry import COLLATOR
+from ..base_config import optimizer_names
 from ..config import (
     MAX_POSITIONS,
     ConfigError,
@@ -26,7 +27,6 @@ from ..config import (
     format_validation_error,
     read_yaml,
 )
-from ..transformers_source import optimizer_names
 
 
 class ModelSection(StrictModel):

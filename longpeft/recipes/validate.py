@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters import METHODS, ResolveContext, check_conflicts, spec_methods
-from ..base_config import TINY_PREFIX, BaseFacts, BaseNotHere, read_base
-from ..builtin_models import BUILTIN_MODELS
+from ..base_config import BUILTIN_MODELS, TINY_PREFIX, BaseFacts, BaseNotHere, read_base
 from ..errors import ConfigError
 from ..spec import ContextSpec, base_reference, recipe_hash
 from .schema import Recipe

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters import get_method
-from ..builtin_models import model_location
+from ..base_config import model_location
 from ..errors import ConfigError
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 from ..launch.topology import gradient_accumulation

@@ -8,8 +8,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ...base_config import rope_parameters_from_json, rope_parameters_of
 from ...errors import ConfigError, DataError
-from ...rope_parameters import rope_parameters_from_json, rope_parameters_of
 from .config import RATIO_MIX, BeaconConfig
 
 # What each key of the authors' config must hold; the defaults are those of their training arguments (src/args.py)

@@ -1,7 +1,7 @@
 """Beacon weights on disk: ``beacon_adapter.safetensors`` beside ``longpeft.json``, under the authors' tensor names
 (``model.layers.{i}.self_attn.beacon_{q,k,v,o}_proj.{weight,bias}``, ``...beacon_q_proj.lora_A.weight`` /
 ``lora_B.weight`` with ``projection: lora``, ``model.beacon_embed_tokens.weight``), and :data:`AUTHORS_TENSOR`, the
-beacon tensors of the authors' released models, which ``longpeft.convert`` reads (no remote code runs)."""
+beacon tensors of the authors' released models, which ``longpeft.hub`` reads (no remote code runs)."""
 
 from __future__ import annotations
 

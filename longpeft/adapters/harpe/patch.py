@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ...base_config import rope_parameters_of
 from ...family import attention_modules
 from ...rope import rotary_modules
-from ...rope_parameters import rope_parameters_of
 from ..registry import check_applicable
 from .config import check_head_bases
 from .modeling import HeadRotaryEmbedding, patch_head_rope

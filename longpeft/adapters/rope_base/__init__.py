@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ...base_config import ROPE_TYPE_REQUIRED_KEYS, rope_parameters_of, unused_rope_keys
 from ...errors import ConfigError
-from ...rope_parameters import ROPE_TYPE_REQUIRED_KEYS, rope_parameters_of, unused_rope_keys
 from ..registry import Method, ResolveContext, imported_on_call, torch_names
 from .config import RopeConfig, RopeType, resolve_rope_parameters
 from .export import write_legacy_rope_keys

@@ -6,8 +6,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from ...base_config import rope_parameters_of
 from ...config import MAX_POSITIONS, Positions, StrictModel
-from ...rope_parameters import rope_parameters_of
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3"]
 

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...base_config import rope_parameters_of
 from ...rope import set_rope_parameters
-from ...rope_parameters import rope_parameters_of
 from .config import resolve_rope_parameters
 
 
