@@ -301,8 +301,10 @@ def beacon_backbone_forward(
     """
     keep_last, given, cache_name = kwargs.pop("beacon_keep_last", None), pop_cache(kwargs), cache_keyword()
     if not self.beacons_enabled:
-        stock = {"inputs_embeds": inputs_embeds, "use_cache": use_cache, cache_name: given}
-        return type(self).forward(self, input_ids, attention_mask, position_ids, **stock, **kwargs)
+        stock = dict(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=use_cache
+        )
+        return type(self).forward(self, inputs_embeds=inputs_embeds, **{cache_name: given}, **stock, **kwargs)
     _refuse_unsupported_call(self, input_ids, inputs_embeds, given, kwargs)
     n_new = (input_ids if input_ids is not None else inputs_embeds).shape[1]
     cache = BeaconCache() if given is None else given
