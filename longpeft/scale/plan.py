@@ -190,16 +190,12 @@ class Plan:
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
         elif assumed.get("can_split_sequences", True):
             sequence = "sequence parallelism across GPUs (--launch ulysses)"
-        offload = (
-            None
-            if assumed.get("activation_offloading") or assumed.get("checkpointing", {}).get("offload")
-            else "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of their "
-            "layer)"
-        )
-        if assumed.get("finetune") in ("full", "method"):
-            qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)"
-        else:
-            qlora = None if assumed.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)"
+        offload = None
+        if not (assumed.get("activation_offloading") or assumed.get("checkpointing", {}).get("offload")):
+            offload = "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of "
+            offload += "their layer)"
+        retrain = "finetune: lora with " if assumed.get("finetune") in ("full", "method") else ""
+        qlora = None if assumed.get("load_in_4bit") and not retrain else f"{retrain}model.load_in_4bit: true (QLoRA)"
         bf16_state = ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)"
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
@@ -238,32 +234,25 @@ class Plan:
             + (f" ({pinned / GiB:.1f} GiB of pinned host memory per GPU)" if pinned else ""),
         ]
         lines += format_histogram(self.length_histogram) if self.length_histogram else []
-        utilisation = assumed["utilisation"]
-        lines += [
-            f"time: {assumed['time_basis']} = {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
-            f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
-            f"{utilisation['matmuls']:.0%} (matmuls) and {utilisation['attention']:.0%} (attention, "
-            f"{assumed['attention']}) of {assumed['peak_tflops']:g} TFLOP/s ({utilisation['source']})"
-            + self._time_ending()
-        ]
-        lines += inter_node_lines(assumed.get("inter_node"), self.hours)
-        lines += [f"lever: {lever}" for lever in self.levers()]
-        return "\n".join(lines)
-
-    def _time_ending(self) -> str:
-        """The time line's end: what it leaves out (and the hours in the recipe's order, which count it), then its
-        hours."""
-        assumed, ending = self.assumptions, ""
-        if assumed.get("padding_not_counted"):
-            ending += "; padding to each batch's longest sample not counted"
-        if assumed.get("unequal_load_not_counted"):
-            ending += "; every GPU equally loaded"
+        # the time line ends with what it leaves out (and the hours in the recipe's order, which count it)
+        ending = "; padding to each batch's longest sample not counted" * bool(assumed.get("padding_not_counted"))
+        ending += "; every GPU equally loaded" * bool(assumed.get("unequal_load_not_counted"))
         if assumed.get("hours_in_order") is not None:
             ending += (
                 f" (in the order the recipe trains them, {assumed['order']}, {assumed['order_waits']}: "
                 f"{format_duration(assumed['hours_in_order'] * 3600)})"
             )
-        return f"{ending} = {format_duration(self.hours * 3600)}"
+        utilisation = assumed["utilisation"]
+        lines += [
+            f"time: {assumed['time_basis']} = {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
+            f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
+            f"{utilisation['matmuls']:.0%} (matmuls) and {utilisation['attention']:.0%} (attention, "
+            f"{assumed['attention']}) of {assumed['peak_tflops']:g} TFLOP/s ({utilisation['source']}){ending} = "
+            f"{format_duration(self.hours * 3600)}"
+        ]
+        lines += inter_node_lines(assumed.get("inter_node"), self.hours)
+        lines += [f"lever: {lever}" for lever in self.levers()]
+        return "\n".join(lines)
 
 
 def _either(*options: str | None) -> str | None:
@@ -575,6 +564,10 @@ def estimate(
         if schedule.lengths
         else []
     )
+    varied = len(set(schedule.lengths)) > 1
+    padding, unequal_load = varied and run.batch > 1, varied and run.data_parallel > 1
+    waits = ["each step waits for its slowest GPU"] * unequal_load
+    waits += ["each batch is padded to its longest sample"] * padding
     offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
     return Plan(
         gpus=gpus,
@@ -600,7 +593,14 @@ def estimate(
             "trained_samples": schedule.trained_samples,
             "optimizer_steps": schedule.optimizer_steps,
             "time_basis": _time_basis(recipe, schedule, sample_lengths),
-            **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
+            # what the time leaves out when the samples' lengths differ, and what the time in the recipe's order
+            # adds for it
+            "padding_not_counted": padding,
+            "unequal_load_not_counted": unequal_load,
+            "order": "grouped by length (train.group_by_length)"
+            if recipe.train.group_by_length
+            else "random (the Trainer's default; train.group_by_length: true groups them)",
+            "order_waits": " and ".join(waits),
             "hours_in_order": None if in_order is None else in_order / 3600,
             "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
             f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
@@ -781,11 +781,8 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
         default = UNMEASURED_UTILISATION[four_bit]
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
     matmuls = measured["matmuls"][four_bit]
-    return {
-        "matmuls": matmuls,
-        "attention": measured["attention"].get(attention, matmuls),
-        "source": "measured on an H100",
-    }
+    attention_share = measured["attention"].get(attention, matmuls)
+    return {"matmuls": matmuls, "attention": attention_share, "source": "measured on an H100"}
 
 
 def _samples(recipe: Any) -> tuple[int, str]:
@@ -823,24 +820,3 @@ def _time_basis(recipe: Any, schedule: TrainingSchedule, lengths: SampleLengths 
         return f"{trained:,} samples ({how}) at their own lengths ({lengths.describe()}{cycling})"
     why = lengths.unknown if lengths is not None else "no sample lengths given"
     return f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; {why})"
-
-
-def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...], grouped: bool) -> dict[str, Any]:
-    """What the time leaves out when the samples' lengths differ: ``padding`` (several samples per batch) and an
-    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``order``: the order the
-    recipe trains in; ``order_waits``: what the time in that order adds for them."""
-    varied = len(set(lengths)) > 1
-    padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
-    waits = []
-    if unequal_load:
-        waits.append("each step waits for its slowest GPU")
-    if padding:
-        waits.append("each batch is padded to its longest sample")
-    return {
-        "padding_not_counted": padding,
-        "unequal_load_not_counted": unequal_load,
-        "order": "grouped by length (train.group_by_length)"
-        if grouped
-        else "random (the Trainer's default; train.group_by_length: true groups them)",
-        "order_waits": " and ".join(waits),
-    }
