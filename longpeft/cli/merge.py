@@ -43,15 +43,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from ..hub import export, merge, serving_note  # torch: `longpeft --help` and plan do without
 
     action = export if args.command == "export" else merge
-    result = action(
-        args.adapter,
-        args.out,
-        base=args.base,
-        dtype=args.dtype,
-        verify=not args.no_verify,
-        without=tuple(args.without),
-        base_id=args.base_id,
-    )
+    options = dict(base=args.base, dtype=args.dtype, verify=not args.no_verify, without=tuple(args.without))
+    result = action(args.adapter, args.out, **options, base_id=args.base_id)
     print(json.dumps(result, indent=2))
     if result.get("max_abs_logit_diff") is not None:
         print(

@@ -54,16 +54,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_push(args: argparse.Namespace) -> int:
     from ..hub import push  # torch: `longpeft --help` and plan do without
 
-    print(
-        push(
-            args.source,
-            args.repo,
-            merged=args.merged,
-            dtype=args.dtype,
-            private=args.private,
-            dry_run=args.dry_run,
-            base_id=args.base_id,
-            base=args.base,
-        )
-    )
+    options = dict(merged=args.merged, dtype=args.dtype, private=args.private, dry_run=args.dry_run)
+    print(push(args.source, args.repo, **options, base_id=args.base_id, base=args.base))
     return 0

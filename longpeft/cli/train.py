@@ -60,19 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.launch:
         return _launch(args)
-    launch_flags = {
-        "--gpus": args.gpus is not None,
-        "--print-command": args.print_command,
-        "--nodes": args.nodes,
-        "--node-rank": args.node_rank is not None,
-        "--main-address": args.main_address,
-        "--print-slurm": args.print_slurm,
-    }
-    given = [flag for flag, present in launch_flags.items() if present]
+    launch_flags = {name: getattr(args, name) for name in ("gpus", "print_command", "nodes", "node_rank")}
+    launch_flags |= {"main_address": args.main_address or None, "print_slurm": args.print_slurm}
+    given = [name for name, value in launch_flags.items() if value is not None and value is not False]
     if given:
         raise ConfigError(
-            f"{given[0]} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe trains in this one "
-            "process)"
+            f"--{given[0].replace('_', '-')} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe "
+            "trains in this one process)"
         )
     from ..recipes.runner import run  # torch and the training stack: `longpeft --help` and plan do without
 

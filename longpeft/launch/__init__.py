@@ -24,11 +24,7 @@ def mixed_precision(recipe: Any, on_gpu: bool) -> str:
     """``bf16``, ``fp16`` (CUDA only) or ``no``: the autocast of a recipe's run, for SFTConfig and for ``accelerate
     launch`` (whose ``--mixed_precision`` the Trainer would otherwise take over the recipe's). Trained weights stay
     float32 under it, so that AdamW updates are not rounded away."""
-    if recipe.model.dtype == "bfloat16":
-        return "bf16"
-    if recipe.model.dtype == "float16" and on_gpu:
-        return "fp16"
-    return "no"
+    return {"bfloat16": "bf16", "float16": "fp16" if on_gpu else "no"}.get(recipe.model.dtype, "no")
 
 
 def check_launch(recipe: Any, launch: str) -> None:
@@ -153,14 +149,7 @@ def launch_command(
     command = ["accelerate", "launch", "--config_file", str(config_file(launch)), "--num_processes", processes]
     command += ["--mixed_precision", mixed_precision(recipe, on_gpu=True), *nodes.accelerate_arguments(launch)]
     if launch == "ulysses":
-        attention = recipe.model.attn_implementation
-        command += [
-            "--parallelism_config_sp_size",
-            processes,
-            "--parallelism_config_sp_attn_implementation",
-            attention,
-        ]
+        command += ["--parallelism_config_sp_size", processes]
+        command += ["--parallelism_config_sp_attn_implementation", recipe.model.attn_implementation]
     command += ["-m", "longpeft.cli", "train", recipe_name]
-    for override in overrides or []:
-        command += ["--set", override]
-    return command
+    return command + [word for override in overrides or [] for word in ("--set", override)]

@@ -45,11 +45,8 @@ def is_main_process() -> bool:
 def check_distributed_type(distributed_type: Any) -> None:
     """Refuse a run whose launch config asked for FSDP or DeepSpeed but that accelerate set up otherwise (accelerate
     1.15 makes every multi-process CPU run plain DDP, ``MULTI_CPU``, whatever the config says)."""
-    asked = [
-        name
-        for name, variable in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
-        if os.environ.get(variable, "false").lower() == "true"
-    ]
+    variables = {"FSDP": "ACCELERATE_USE_FSDP", "DEEPSPEED": "ACCELERATE_USE_DEEPSPEED"}
+    asked = [name for name, variable in variables.items() if os.environ.get(variable, "false").lower() == "true"]
     got = str(distributed_type).rsplit(".", 1)[-1]
     if asked and got != asked[0]:
         raise ConfigError(

@@ -118,7 +118,9 @@ class InputOffloader:
             return
         if tensor.device.type == "cuda":
             out_stream, _ = self._streams_of(tensor.device)
-            host, last_use = self._take_buffer(tensor)
+            free = self._free.get((tensor.shape, tensor.dtype))  # pinned buffers are reused across steps
+            buffer = free.pop() if free else (torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), None)
+            host, last_use = buffer
             out_stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the layer's forward has read it
             with torch.cuda.stream(out_stream):
                 if last_use is not None:  # the buffer's previous fetch has read it
@@ -180,26 +182,20 @@ class InputOffloader:
             self._streams[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return self._streams[device]
 
-    def _take_buffer(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        free = self._free.get((tensor.shape, tensor.dtype))
-        return free.pop() if free else (torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True), None)
 
-
-class LayerCheckpoint:
-    """A decoder layer's ``_gradient_checkpointing_func``: torch's non-reentrant checkpoint, keeping the attention
-    kernels' outputs when ``keep_attention``, with the layer input in CPU memory when ``offloader`` is given."""
-
-    def __init__(self, keep_attention: bool, offloader: InputOffloader | None) -> None:
-        self.keep_attention, self.offloader = keep_attention, offloader
-
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        options: dict[str, Any] = {"use_reentrant": False}
-        if self.keep_attention:  # a checkpoint that saves the attention kernels' outputs
-            options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_attention_policy)
-        output = checkpoint(function, *args, **options, **kwargs)
-        if self.offloader is not None and args and isinstance(args[0], torch.Tensor):
-            self.offloader.offload(args[0], output)
-        return output
+def checkpoint_layer(
+    keep_attention: bool, offloader: InputOffloader | None, function: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A decoder layer's ``_gradient_checkpointing_func`` (bound to its settings with ``partial``): torch's
+    non-reentrant checkpoint, keeping the attention kernels' outputs when ``keep_attention``, with the layer input in
+    CPU memory when ``offloader`` is given."""
+    options: dict[str, Any] = {"use_reentrant": False}
+    if keep_attention:  # a checkpoint that saves the attention kernels' outputs
+        options["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_attention_policy)
+    output = checkpoint(function, *args, **options, **kwargs)
+    if offloader is not None and args and isinstance(args[0], torch.Tensor):
+        offloader.offload(args[0], output)
+    return output
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -228,7 +224,7 @@ def apply_checkpointing(model: nn.Module, settings: CheckpointSettings) -> Input
         layer.gradient_checkpointing = index < settings.checkpointed
         if layer.gradient_checkpointing:
             last = index == settings.checkpointed - 1  # its input is the first the backward needs: kept
-            layer._gradient_checkpointing_func = LayerCheckpoint(
-                index < settings.keep_attention, None if last else offloader
+            layer._gradient_checkpointing_func = partial(
+                checkpoint_layer, index < settings.keep_attention, None if last else offloader
             )
     return offloader

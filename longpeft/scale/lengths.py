@@ -146,11 +146,9 @@ def ordered_seconds(
     rng = np.random.default_rng(seed)
     pool = np.asarray(lengths, dtype=np.int64)
     rows, step_samples = len(pool), per_device_batch * data_parallel * accumulation
-    filled = (
-        _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch
-        if data_parallel > 1
-        else rows
-    )
+    filled = rows  # samples drawn per epoch: with several GPUs the last round is completed
+    if data_parallel > 1:
+        filled = _rounds(rows, per_device_batch, data_parallel) * data_parallel * per_device_batch
     batch = np.arange(filled) // per_device_batch  # each drawn sample's micro-batch
     micro = np.arange(_ceil(filled, per_device_batch))
     per_epoch = epoch_steps(rows, per_device_batch, data_parallel, accumulation)

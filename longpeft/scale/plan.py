@@ -21,6 +21,7 @@ from typing import Any
 from ..adapters import get_method
 from ..base_config import model_location
 from ..errors import ConfigError
+from ..files import is_local
 from ..launch import DEEPSPEED_LAUNCHES, SHARDED_LAUNCHES, check_launch, check_sequence_parallel, check_sharded
 from ..launch.topology import gradient_accumulation
 from ..units import format_duration
@@ -103,43 +104,29 @@ class ModelShape:
 
     def projection_shape(self, name: str) -> tuple[int, int]:
         """``(in, out)`` features of a projection by its usual name."""
-        attention_out = {"q_proj": self.heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}
-        if name in attention_out:
-            return self.hidden, attention_out[name] * self.head_dim
-        if name == "o_proj":
-            return self.heads * self.head_dim, self.hidden
-        if name in ("gate_proj", "up_proj"):
-            return self.hidden, self.intermediate
-        if name == "down_proj":
-            return self.intermediate, self.hidden
+        attention, kv, mlp = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        shapes = {"q_proj": attention, "k_proj": kv, "v_proj": kv, "gate_proj": mlp, "up_proj": mlp}
+        if name in shapes:
+            return self.hidden, shapes[name]
+        if name in ("o_proj", "down_proj"):
+            return attention if name == "o_proj" else mlp, self.hidden
         raise ConfigError(f"lora.target_modules: {name!r} is not a projection the planner knows")
 
 
-def local_config_file(name_or_path: str) -> Path | None:
-    """The base's ``config.json`` on this machine, never downloaded: a local (or built-in) model folder's, or a Hub
-    model's already in the Hugging Face cache; None when there is none."""
-    config_file = Path(model_location(name_or_path)) / "config.json"
-    if config_file.is_file():
-        return config_file
-    from ..files import is_local
-
-    if is_local(name_or_path):
-        return None
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(name_or_path, "config.json")
-    return Path(cached) if isinstance(cached, str) else None
-
-
 def shape_of(name_or_path: str) -> ModelShape:
-    """A model's shape from a ``tiny:`` model, its config.json on this machine (:func:`local_config_file`), or the
-    table of known bases."""
+    """A model's shape from a ``tiny:`` model, its config.json on this machine (a local or built-in model folder's,
+    or a Hub model's already in the Hugging Face cache; never downloaded), or the table of known bases."""
     if name_or_path.startswith("tiny:"):
         from ..tiny import tiny_config
 
         return shape_from_config(tiny_config(name_or_path[5:]).to_dict())
-    config_file = local_config_file(name_or_path)
-    if config_file is not None:
+    config_file = Path(model_location(name_or_path)) / "config.json"
+    if not config_file.is_file() and not is_local(name_or_path):
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name_or_path, "config.json")
+        config_file = Path(cached) if isinstance(cached, str) else config_file
+    if config_file.is_file():
         return shape_from_config(json.loads(config_file.read_text()))
     if name_or_path in KNOWN_SHAPES:
         return ModelShape(**KNOWN_SHAPES[name_or_path])
@@ -203,16 +190,12 @@ class Plan:
             sequence = "more GPUs in the sequence-parallel group (each holds tokens / GPUs)"
         elif assumed.get("can_split_sequences", True):
             sequence = "sequence parallelism across GPUs (--launch ulysses)"
-        offload = (
-            None
-            if assumed.get("activation_offloading") or assumed.get("checkpointing", {}).get("offload")
-            else "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of their "
-            "layer)"
-        )
-        if assumed.get("finetune") in ("full", "method"):
-            qlora = "finetune: lora with model.load_in_4bit: true (QLoRA)"
-        else:
-            qlora = None if assumed.get("load_in_4bit") else "model.load_in_4bit: true (QLoRA)"
+        offload = None
+        if not (assumed.get("activation_offloading") or assumed.get("checkpointing", {}).get("offload")):
+            offload = "train.offload_checkpoints: true (the layer inputs wait in CPU memory, fetched back ahead of "
+            offload += "their layer)"
+        retrain = "finetune: lora with " if assumed.get("finetune") in ("full", "method") else ""
+        qlora = None if assumed.get("load_in_4bit") and not retrain else f"{retrain}model.load_in_4bit: true (QLoRA)"
         bf16_state = ", or lora.trainable_dtype: bfloat16 (halves it; AdamW then drops updates below bf16 precision)"
         advice = {
             "checkpointed layer inputs": _either(offload, sequence),
@@ -251,32 +234,25 @@ class Plan:
             + (f" ({pinned / GiB:.1f} GiB of pinned host memory per GPU)" if pinned else ""),
         ]
         lines += format_histogram(self.length_histogram) if self.length_histogram else []
-        utilisation = assumed["utilisation"]
-        lines += [
-            f"time: {assumed['time_basis']} = {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
-            f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
-            f"{utilisation['matmuls']:.0%} (matmuls) and {utilisation['attention']:.0%} (attention, "
-            f"{assumed['attention']}) of {assumed['peak_tflops']:g} TFLOP/s ({utilisation['source']})"
-            + self._time_ending()
-        ]
-        lines += inter_node_lines(assumed.get("inter_node"), self.hours)
-        lines += [f"lever: {lever}" for lever in self.levers()]
-        return "\n".join(lines)
-
-    def _time_ending(self) -> str:
-        """The time line's end: what it leaves out (and the hours in the recipe's order, which count it), then its
-        hours."""
-        assumed, ending = self.assumptions, ""
-        if assumed.get("padding_not_counted"):
-            ending += "; padding to each batch's longest sample not counted"
-        if assumed.get("unequal_load_not_counted"):
-            ending += "; every GPU equally loaded"
+        # the time line ends with what it leaves out (and the hours in the recipe's order, which count it)
+        ending = "; padding to each batch's longest sample not counted" * bool(assumed.get("padding_not_counted"))
+        ending += "; every GPU equally loaded" * bool(assumed.get("unequal_load_not_counted"))
         if assumed.get("hours_in_order") is not None:
             ending += (
                 f" (in the order the recipe trains them, {assumed['order']}, {assumed['order_waits']}: "
                 f"{format_duration(assumed['hours_in_order'] * 3600)})"
             )
-        return f"{ending} = {format_duration(self.hours * 3600)}"
+        utilisation = assumed["utilisation"]
+        lines += [
+            f"time: {assumed['time_basis']} = {self.tokens:,} tokens x {self.flops_per_token / 1e9:.1f} GFLOP/token "
+            f"({self.attention_flops_per_token / 1e9:.1f} of them attention) on {self.gpus} GPUs at "
+            f"{utilisation['matmuls']:.0%} (matmuls) and {utilisation['attention']:.0%} (attention, "
+            f"{assumed['attention']}) of {assumed['peak_tflops']:g} TFLOP/s ({utilisation['source']}){ending} = "
+            f"{format_duration(self.hours * 3600)}"
+        ]
+        lines += inter_node_lines(assumed.get("inter_node"), self.hours)
+        lines += [f"lever: {lever}" for lever in self.levers()]
+        return "\n".join(lines)
 
 
 def _either(*options: str | None) -> str | None:
@@ -460,12 +436,16 @@ def matmul_flops_per_token(
     recipe: Any, shape: ModelShape, checkpointing: CheckpointSettings, trained: TrainedWeights
 ) -> float:
     """Matmul FLOPs per trained token: the forward (2 per parameter of the decoder layers and the LM head; the
-    input embedding is a lookup), the checkpointed layers' recompute (:func:`recompute_flops`), the fused loss's
-    recompute of the logits, the backward to the activations (twice the forward) and the trained weights'
-    gradients."""
+    input embedding is a lookup), the checkpointed layers' forward again, the fused loss's recompute of the logits,
+    the backward to the activations (twice the forward) and the trained weights' gradients. A tiled MLP in a layer
+    that is not checkpointed runs its forward again in its backward; in a checkpointed one the recompute stops before
+    the tiles (:mod:`.tiling`), so nothing is added."""
     layers = shape.linear_params + trained.lora_params  # the decoder layers' matmuls (what checkpointing recomputes)
     head = shape.vocab * shape.hidden
-    recompute = recompute_flops(shape, checkpointing, layers, recipe.data.max_length, recipe.train.mlp_tile_tokens)
+    recompute = 2 * layers * checkpointing.checkpointed / shape.layers
+    tile_tokens = recipe.train.mlp_tile_tokens
+    if tile_tokens and tile_tokens < recipe.data.max_length:
+        recompute += 2 * 3 * shape.hidden * shape.intermediate * (shape.layers - checkpointing.checkpointed)
     return 2 * (layers + head) + recompute + 2 * head + 2 * (layers + head) + 2 * trained.matmul_params
 
 
@@ -505,64 +485,6 @@ class TrainingSchedule:
         per_epoch = epoch_steps(samples, run.batch, run.data_parallel, run.accumulation)
         steps = math.ceil(train.num_train_epochs * per_epoch)
         return cls(samples, rows_from, round(samples * train.num_train_epochs), steps, lengths)
-
-
-@dataclass(frozen=True)
-class PlannedTime:
-    """The time: tokens, FLOPs per token (attention's share apart), seconds, the seconds in the order the recipe
-    trains when the samples' lengths differ and a step holds several (else None), and the lengths' histogram."""
-
-    tokens: int
-    flops_per_token: float
-    attention_flops_per_token: float
-    seconds: float
-    seconds_in_order: float | None
-    histogram: list[dict[str, Any]]
-
-
-def planned_time(
-    recipe: Any,
-    run: RunLayout,
-    schedule: TrainingSchedule,
-    matmul_flops: float,
-    attention_per_square: float,
-    utilisation: dict[str, Any],
-    peak: float,
-) -> PlannedTime:
-    """The FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial
-    pass at their mean; else ``data.max_length`` each) over the GPUs' ``peak`` FLOP/s times ``utilisation``."""
-    lengths = schedule.lengths or (run.tokens_per_sample,)
-    planned_tokens = schedule.trained_samples * sum(lengths) / len(lengths)
-    attention_total = attention_per_square * (schedule.trained_samples * sum(n * n for n in lengths) / len(lengths))
-    attention_flops = attention_total / planned_tokens
-    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
-        run.gpus * peak
-    )
-
-    def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
-        return (
-            n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
-        ) / (run.sequence_shards * peak)
-
-    in_order = None
-    if len(set(lengths)) > 1 and (run.data_parallel > 1 or run.batch > 1):
-        in_order = ordered_seconds(
-            lengths,
-            sample_seconds,
-            schedule.optimizer_steps,
-            run.batch,
-            run.data_parallel,
-            run.accumulation,
-            seed=recipe.train.seed,
-            grouped=recipe.train.group_by_length,
-        )
-    histogram = (
-        length_histogram(lengths, run.tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
-        if schedule.lengths
-        else []
-    )
-    flops_per_token = matmul_flops + attention_flops
-    return PlannedTime(round(planned_tokens), flops_per_token, attention_flops, seconds, in_order, histogram)
 
 
 def estimate(
@@ -615,18 +537,48 @@ def estimate(
     matmul_flops = matmul_flops_per_token(recipe, shape, checkpointing, trained)
     attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
-    time = planned_time(recipe, run, schedule, matmul_flops, attention_per_square, utilisation, peak)
+    # the FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial pass at
+    # their mean; else data.max_length each) over the GPUs' peak FLOP/s times the utilisations
+    lengths = schedule.lengths or (run.tokens_per_sample,)
+    planned_tokens = schedule.trained_samples * sum(lengths) / len(lengths)
+    attention_total = attention_per_square * (schedule.trained_samples * sum(n * n for n in lengths) / len(lengths))
+    attention_flops = attention_total / planned_tokens
+    seconds = (planned_tokens * matmul_flops / utilisation["matmuls"] + attention_total / utilisation["attention"]) / (
+        run.gpus * peak
+    )
+
+    def sample_seconds(n):  # one sample of n tokens on its GPU (its sequence-parallel group's share)
+        return (
+            n * matmul_flops / utilisation["matmuls"] + attention_per_square * n * n / utilisation["attention"]
+        ) / (run.sequence_shards * peak)
+
+    # the seconds in the order the recipe trains when the samples' lengths differ and a step holds several
+    in_order = None
+    if len(set(lengths)) > 1 and (run.data_parallel > 1 or run.batch > 1):
+        batching = (schedule.optimizer_steps, run.batch, run.data_parallel, run.accumulation)
+        in_order = ordered_seconds(
+            lengths, sample_seconds, *batching, seed=recipe.train.seed, grouped=recipe.train.group_by_length
+        )
+    histogram = (
+        length_histogram(lengths, run.tokens_per_sample, lambda n: n * matmul_flops + attention_per_square * n * n)
+        if schedule.lengths
+        else []
+    )
+    varied = len(set(schedule.lengths)) > 1
+    padding, unequal_load = varied and run.batch > 1, varied and run.data_parallel > 1
+    waits = ["each step waits for its slowest GPU"] * unequal_load
+    waits += ["each batch is padded to its longest sample"] * padding
     offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
     return Plan(
         gpus=gpus,
         gpu_memory_gib=gpu_memory_gib,
         terms=terms,
-        tokens=time.tokens,
-        flops_per_token=time.flops_per_token,
-        attention_flops_per_token=time.attention_flops_per_token,
-        hours=time.seconds / 3600,
+        tokens=round(planned_tokens),
+        flops_per_token=matmul_flops + attention_flops,
+        attention_flops_per_token=attention_flops,
+        hours=seconds / 3600,
         method_levers=trained.levers,
-        length_histogram=time.histogram,
+        length_histogram=histogram,
         assumptions={
             "gpu": gpu,
             "peak_tflops": GPU_PEAK_TFLOPS[gpu],
@@ -641,8 +593,15 @@ def estimate(
             "trained_samples": schedule.trained_samples,
             "optimizer_steps": schedule.optimizer_steps,
             "time_basis": _time_basis(recipe, schedule, sample_lengths),
-            **_time_caveats(run.batch, run.data_parallel, schedule.lengths, recipe.train.group_by_length),
-            "hours_in_order": None if time.seconds_in_order is None else time.seconds_in_order / 3600,
+            # what the time leaves out when the samples' lengths differ, and what the time in the recipe's order
+            # adds for it
+            "padding_not_counted": padding,
+            "unequal_load_not_counted": unequal_load,
+            "order": "grouped by length (train.group_by_length)"
+            if recipe.train.group_by_length
+            else "random (the Trainer's default; train.group_by_length: true groups them)",
+            "order_waits": " and ".join(waits),
+            "hours_in_order": None if in_order is None else in_order / 3600,
             "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
             f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
             "finetune": recipe.finetune,
@@ -700,22 +659,6 @@ def activation_terms(
         terms["layers not checkpointed"] = (layers - checkpointed) * layer
     terms["one layer's recompute"] = layer
     return terms
-
-
-def recompute_flops(
-    shape: ModelShape,
-    checkpointing: CheckpointSettings,
-    layer_matmul_params: int,
-    tokens: int,
-    mlp_tile_tokens: int | None = None,
-) -> float:
-    """Matmul FLOPs per token that checkpointing adds: the checkpointed layers' forward again (``2`` per matmul
-    parameter of those layers). A tiled MLP in a layer that is not checkpointed runs its forward again in its
-    backward; in a checkpointed one the recompute stops before the tiles (:mod:`.tiling`), so nothing is added."""
-    flops = 2 * layer_matmul_params * checkpointing.checkpointed / shape.layers
-    if mlp_tile_tokens and mlp_tile_tokens < tokens:
-        flops += 2 * 3 * shape.hidden * shape.intermediate * (shape.layers - checkpointing.checkpointed)
-    return flops
 
 
 def resolve_checkpointing(
@@ -838,11 +781,8 @@ def _utilisation(gpu: str, four_bit: bool, attention: str, mfu: float | None) ->
         default = UNMEASURED_UTILISATION[four_bit]
         return {"matmuls": default, "attention": default, "source": f"assumed: not measured on {gpu}"}
     matmuls = measured["matmuls"][four_bit]
-    return {
-        "matmuls": matmuls,
-        "attention": measured["attention"].get(attention, matmuls),
-        "source": "measured on an H100",
-    }
+    attention_share = measured["attention"].get(attention, matmuls)
+    return {"matmuls": matmuls, "attention": attention_share, "source": "measured on an H100"}
 
 
 def _samples(recipe: Any) -> tuple[int, str]:
@@ -880,24 +820,3 @@ def _time_basis(recipe: Any, schedule: TrainingSchedule, lengths: SampleLengths 
         return f"{trained:,} samples ({how}) at their own lengths ({lengths.describe()}{cycling})"
     why = lengths.unknown if lengths is not None else "no sample lengths given"
     return f"{trained:,} samples ({how}), each assumed {recipe.data.max_length:,} tokens long (data.max_length; {why})"
-
-
-def _time_caveats(batch: int, data_parallel: int, lengths: tuple[int, ...], grouped: bool) -> dict[str, Any]:
-    """What the time leaves out when the samples' lengths differ: ``padding`` (several samples per batch) and an
-    unequal load of the GPUs (``unequal_load``: several GPUs of their own samples); ``order``: the order the
-    recipe trains in; ``order_waits``: what the time in that order adds for them."""
-    varied = len(set(lengths)) > 1
-    padding, unequal_load = varied and batch > 1, varied and data_parallel > 1
-    waits = []
-    if unequal_load:
-        waits.append("each step waits for its slowest GPU")
-    if padding:
-        waits.append("each batch is padded to its longest sample")
-    return {
-        "padding_not_counted": padding,
-        "unequal_load_not_counted": unequal_load,
-        "order": "grouped by length (train.group_by_length)"
-        if grouped
-        else "random (the Trainer's default; train.group_by_length: true groups them)",
-        "order_waits": " and ".join(waits),
-    }
