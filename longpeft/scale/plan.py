@@ -514,6 +514,64 @@ def estimate(
         raise ConfigError(f"--gpu {gpu!r}: choose one of {', '.join(GPU_PEAK_TFLOPS)}")
     run = RunLayout.of(recipe, gpus, launch)
     shape = shape or shape_of(recipe.model.name_or_path)
+    checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, run.launch)
+    terms, trained = memory_terms(recipe, shape, run, checkpointing)
+    schedule = TrainingSchedule.of(recipe, run, samples, sample_lengths)
+    utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
+    matmul_flops = matmul_flops_per_token(recipe, shape, checkpointing, trained)
+    attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
+    tokens, attention_flops, seconds, histogram, order = planned_time(
+        recipe, run, schedule, matmul_flops, attention_per_square, utilisation, gpu
+    )
+    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
+    return Plan(
+        gpus=gpus,
+        gpu_memory_gib=gpu_memory_gib,
+        terms=terms,
+        tokens=tokens,
+        flops_per_token=matmul_flops + attention_flops,
+        attention_flops_per_token=attention_flops,
+        hours=seconds / 3600,
+        method_levers=trained.levers,
+        length_histogram=histogram,
+        assumptions={
+            "gpu": gpu,
+            "peak_tflops": GPU_PEAK_TFLOPS[gpu],
+            "utilisation": utilisation,
+            "attention": recipe.model.attn_implementation,
+            "samples": schedule.samples,
+            "tokens_per_sample": run.tokens_per_sample,
+            "per_device_batch": run.batch,
+            "trainable_params": trained.params,
+            # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
+            "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
+            "trained_samples": schedule.trained_samples,
+            "optimizer_steps": schedule.optimizer_steps,
+            "time_basis": _time_basis(recipe, schedule, sample_lengths),
+            **order,  # what the time leaves out when the samples' lengths differ, and the time in the recipe's order
+            "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
+            f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
+            "finetune": recipe.finetune,
+            "load_in_4bit": recipe.model.load_in_4bit,
+            "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
+            "checkpointing": asdict(checkpointing),
+            "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
+            if checkpointing.offload
+            else 0,
+            "checkpointing_summary": checkpointing.describe(shape.layers),
+            "launch": run.launch,
+            "sequence_parallel": run.sequence_shards,
+            # the levers the recipe can use (train --launch would refuse the others)
+            "can_shard": _allowed(check_sharded, recipe, "sharding"),
+            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
+        },
+    )
+
+
+def memory_terms(
+    recipe: Any, shape: ModelShape, run: RunLayout, checkpointing: CheckpointSettings
+) -> tuple[dict[str, int], TrainedWeights]:
+    """Per-GPU peak memory by term (bytes, largest contributors by name) and the weights that train."""
     base_bytes = (
         shape.linear_params * linear_weight_bytes(recipe, run.dtype_bytes) + shape.other_params * run.dtype_bytes
     )
@@ -523,22 +581,29 @@ def estimate(
     elif recipe.finetune == "full":
         terms.update(full_finetune_terms(shape, run, trained))
     terms.update(method_weight_terms(recipe, shape, trained))
-    checkpointing = checkpointing or resolve_checkpointing(recipe, shape, gpus, gpu_memory_gib, gpu, run.launch)
     terms.update(activation_memory_terms(recipe, shape, run, checkpointing))
     if run.shards > 1:
         terms = sharded_terms(recipe, shape, run, trained, terms)
-    elif gpus > 1:
+    elif run.gpus > 1:
         terms["DDP gradient buckets"] = trained.params * trained.weight_bytes
     activations = sum(terms.get(term, 0) for term in ACTIVATION_TERMS)
     terms["runtime (CUDA context, fragmentation)"] = GiB + activations // 10 + ALLOCATOR_RESERVE
+    return terms, trained
 
-    schedule = TrainingSchedule.of(recipe, run, samples, sample_lengths)
-    utilisation = _utilisation(gpu, recipe.model.load_in_4bit, recipe.model.attn_implementation, mfu)
-    matmul_flops = matmul_flops_per_token(recipe, shape, checkpointing, trained)
-    attention_per_square = attention_flops_per_square(recipe, shape, checkpointing)
+
+def planned_time(
+    recipe: Any,
+    run: RunLayout,
+    schedule: TrainingSchedule,
+    matmul_flops: float,
+    attention_per_square: float,
+    utilisation: dict[str, Any],
+    gpu: str,
+) -> tuple[int, float, float, list[dict[str, Any]], dict[str, Any]]:
+    """The FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial pass at
+    their mean; else ``data.max_length`` each) over the GPUs' peak FLOP/s times ``utilisation``: ``(tokens, attention
+    FLOPs per token, seconds, the lengths' histogram, the plan's assumptions on the order of the samples)``."""
     peak = GPU_PEAK_TFLOPS[gpu] * 1e12
-    # the FLOPs of every trained sample at its own length (the counted lengths, cycled through with a partial pass at
-    # their mean; else data.max_length each) over the GPUs' peak FLOP/s times the utilisations
     lengths = schedule.lengths or (run.tokens_per_sample,)
     planned_tokens = schedule.trained_samples * sum(lengths) / len(lengths)
     attention_total = attention_per_square * (schedule.trained_samples * sum(n * n for n in lengths) / len(lengths))
@@ -568,33 +633,12 @@ def estimate(
     padding, unequal_load = varied and run.batch > 1, varied and run.data_parallel > 1
     waits = ["each step waits for its slowest GPU"] * unequal_load
     waits += ["each batch is padded to its longest sample"] * padding
-    offloaded_inputs = max(checkpointing.checkpointed - 1, 0)  # all but the last wait in pinned host memory
-    return Plan(
-        gpus=gpus,
-        gpu_memory_gib=gpu_memory_gib,
-        terms=terms,
-        tokens=round(planned_tokens),
-        flops_per_token=matmul_flops + attention_flops,
-        attention_flops_per_token=attention_flops,
-        hours=seconds / 3600,
-        method_levers=trained.levers,
-        length_histogram=histogram,
-        assumptions={
-            "gpu": gpu,
-            "peak_tflops": GPU_PEAK_TFLOPS[gpu],
-            "utilisation": utilisation,
-            "attention": recipe.model.attn_implementation,
-            "samples": schedule.samples,
-            "tokens_per_sample": run.tokens_per_sample,
-            "per_device_batch": run.batch,
-            "trainable_params": trained.params,
-            # as the gradients are reduced: sharded launches reduce (and DeepSpeed keeps) them in the compute dtype
-            "gradient_bytes_per_param": run.dtype_bytes if run.launch in SHARDED_LAUNCHES else trained.weight_bytes,
-            "trained_samples": schedule.trained_samples,
-            "optimizer_steps": schedule.optimizer_steps,
-            "time_basis": _time_basis(recipe, schedule, sample_lengths),
-            # what the time leaves out when the samples' lengths differ, and what the time in the recipe's order
-            # adds for it
+    return (
+        round(planned_tokens),
+        attention_flops,
+        seconds,
+        histogram,
+        {
             "padding_not_counted": padding,
             "unequal_load_not_counted": unequal_load,
             "order": "grouped by length (train.group_by_length)"
@@ -602,21 +646,6 @@ def estimate(
             else "random (the Trainer's default; train.group_by_length: true groups them)",
             "order_waits": " and ".join(waits),
             "hours_in_order": None if in_order is None else in_order / 3600,
-            "trainable_dtype": f"{'float32' if trained.weight_bytes == 4 else 'bfloat16'} "
-            f"({run.with_state(trained.weight_bytes)} bytes/param with AdamW)",
-            "finetune": recipe.finetune,
-            "load_in_4bit": recipe.model.load_in_4bit,
-            "activation_offloading": recipe.train.activation_offloading and checkpointing.checkpointed > 0,
-            "checkpointing": asdict(checkpointing),
-            "pinned_host_bytes": offloaded_inputs * run.activation_tokens * shape.hidden * run.dtype_bytes
-            if checkpointing.offload
-            else 0,
-            "checkpointing_summary": checkpointing.describe(shape.layers),
-            "launch": run.launch,
-            "sequence_parallel": run.sequence_shards,
-            # the levers the recipe can use (train --launch would refuse the others)
-            "can_shard": _allowed(check_sharded, recipe, "sharding"),
-            "can_split_sequences": _allowed(check_sequence_parallel, recipe),
         },
     )
 
