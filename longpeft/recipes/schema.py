@@ -240,10 +240,7 @@ TRL_KEYS_OWNED_BY_RECIPE = {
         key: f"use train.{key}"
         for key in (
             *TRAIN_KEYS_AS_IS,
-            "gradient_checkpointing",
-            "assistant_only_loss",
-            "report_to",
-            "use_liger_kernel",
+            *"gradient_checkpointing assistant_only_loss report_to use_liger_kernel".split(),
         )
     },
     "output_dir": "use output_dir",
