@@ -22,12 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase, TrainerCallback
+from transformers import TrainerCallback
 
 from ..compat import without_checkpointing_notice
 from ..files import write_text_atomically
 from ..launch.topology import data_parallel_size, world_size
-from ..spec import ContextSpec
 from . import unsloth_backend
 from .base import base_location, check_base_source, load_base, load_model, quantization_config
 from .data import build_dataset, check_data_source
@@ -35,7 +34,7 @@ from .init_from import check_init_adapter
 from .memory import install_memory
 from .peft_setup import adapter_settings
 from .resume import ApplyOptimizerSettings, start_run, train_or_take_last
-from .saving import save_run
+from .saving import Prepared, save_run
 from .schema import Recipe
 from .trainer import StopOnNonFinite, build_trainer, check_samples_left, sft_config
 from .validate import Validation, check_here, validate_recipe
@@ -48,19 +47,6 @@ class RunResult:
     output_dir: Path
     adapter_dir: Path
     metrics: dict[str, Any]
-
-
-@dataclass
-class Prepared:
-    """Everything the runner builds before training."""
-
-    recipe: Recipe
-    output_dir: Path
-    trainer: Any
-    tokenizer: PreTrainedTokenizerBase
-    spec: ContextSpec
-    data_stats: dict[str, int]
-    resolved: dict[str, Any]
 
 
 @without_checkpointing_notice()  # peft and TRL read a property transformers deprecates
@@ -139,8 +125,6 @@ def run(
             output_dir / "recipe.resolved.json", json.dumps(prepared.resolved, indent=2, default=str) + "\n"
         )
     train_metrics = train_or_take_last(trainer, start.checkpoint)
-    adapter_dir, metrics = save_run(
-        trainer, prepared.tokenizer, prepared.spec, recipe, output_dir, train_metrics, prepared.resolved
-    )
+    adapter_dir, metrics = save_run(prepared, train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)

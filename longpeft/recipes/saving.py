@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,25 @@ from .checkpoints import trim_metrics
 from .schema import Recipe
 
 
-def save_run(
-    trainer: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    spec: ContextSpec,
-    recipe: Recipe,
-    output_dir: Path,
-    train_metrics: dict[str, Any],
-    resolved: dict[str, Any],
-) -> tuple[Path, dict[str, Any]]:
-    """The trained weights of ``trainer.model`` into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
+@dataclass
+class Prepared:
+    """A run built and ready to train (:func:`~.runner.prepare`), which :func:`save_run` saves once trained."""
+
+    recipe: Recipe
+    output_dir: Path
+    trainer: Any
+    tokenizer: PreTrainedTokenizerBase
+    spec: ContextSpec
+    data_stats: dict[str, int]
+    resolved: dict[str, Any]
+
+
+def save_run(prepared: Prepared, train_metrics: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The trained weights of the trainer's model into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
     :func:`save_adapter` on the main process (after every process took part in gathering a sharded model), then
     ``metrics.json`` and ``loss.png`` from ``metrics.jsonl``, the Trainer's ``train_metrics`` and the run's
     ``resolved`` settings. Returns the folder and the summary (``train_metrics`` on the other processes)."""
+    trainer, spec, recipe, output_dir = prepared.trainer, prepared.spec, prepared.recipe, prepared.output_dir
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     state_dict = None  # a sharded model's (FSDP, DeepSpeed ZeRO-3), gathered with every process taking part
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
@@ -44,9 +51,8 @@ def save_run(
         )
     if not trainer.is_world_process_zero():
         return adapter_dir, dict(train_metrics)
-    save_adapter(
-        trainer.model, tokenizer, spec, adapter_dir, state_dict, recipe.finetune, torch_dtype(recipe.model.dtype)
-    )
+    dtype = torch_dtype(recipe.model.dtype)
+    save_adapter(trainer.model, prepared.tokenizer, spec, adapter_dir, state_dict, recipe.finetune, dtype)
     steps = trainer.state.global_step
     trim_metrics(output_dir / "metrics.jsonl", steps)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -57,10 +63,10 @@ def save_run(
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-        "data": resolved["data"],
+        "data": prepared.resolved["data"],
         "rope_parameters": spec.rope_parameters,
         "max_position_embeddings": spec.max_position_embeddings,
-        "trainable_parameters": resolved["trainable_parameters"],
+        "trainable_parameters": prepared.resolved["trainable_parameters"],
     }
     write_text_atomically(output_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
     with writing_to(output_dir):
