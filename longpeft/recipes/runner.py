@@ -1,17 +1,5 @@
-"""Run a recipe: base model -> ContextSpec -> LoRA/QLoRA -> TRL SFTTrainer -> adapter + longpeft.json.
-
-Output folder (``recipe.output_dir``)::
-
-    base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
-    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
-    adapter/              LoRA adapter and the methods' own weights (only those with ``finetune: method``),
-                          longpeft.json, tokenizer
-    model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
-    metrics.jsonl         one JSON object per logging step
-    metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
-    loss.png              the loss curve
-    recipe.resolved.json  the validated recipe and every derived setting
-"""
+"""Run a recipe: base model -> ContextSpec -> LoRA/QLoRA -> TRL SFTTrainer -> adapter + longpeft.json, written
+into the output folder that docs/recipes.md ("A run's output folder") describes."""
 
 from __future__ import annotations
 
@@ -106,7 +94,7 @@ def run(
     callbacks: list[TrainerCallback] | None = None,
     allow_recipe_change: bool = False,
 ) -> RunResult:
-    """Train a recipe end to end and write the output folder described in the module docstring.
+    """Train a recipe end to end and write its output folder (docs/recipes.md).
 
     Args:
         resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (a finished run is not

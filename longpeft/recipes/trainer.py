@@ -24,7 +24,7 @@ from ..rope import rotary_modules
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
-from .init_from import InitAdapter, load_init_weights, report_differences
+from .init_from import InitAdapter
 from .peft_setup import lora_config, set_trained_weights
 from .recipe_trainer import recipe_trainer_class
 from .schema import TRAIN_KEYS_AS_IS, Recipe
@@ -247,6 +247,5 @@ def build_trainer(
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
     if start is not None:
-        load_init_weights(trainer.model, start.folder, start.kind, spec)
-        report_differences(start.folder, start.differences)
+        start.load_into(trainer.model, spec)
     return trainer
