@@ -178,13 +178,6 @@ class LongestSample:
     step: int
     plan: Plan
 
-    @property
-    def bound(self) -> str:
-        """What bounds :attr:`tokens`: ``memory``, ``positions`` or both."""
-        if self.positions is None or self.memory < self.positions:
-            return "memory"
-        return "positions" if self.positions < self.memory else "memory and positions"
-
     def lines(self) -> list[str]:
         """What ``plan --longest`` prints before the plan's table."""
         memory = (
@@ -207,7 +200,10 @@ class LongestSample:
             )
         target = f", for target_length {self.target_length:,}" if self.target_length else ""
         fits = "fits" if self.max_length <= self.tokens else "does not fit"
-        bound = self.bound + (" (positions not checked)" if self.positions is None else "")
+        if self.positions is None or self.memory < self.positions:  # what bounds tokens: memory, positions or both
+            bound = "memory" + (" (positions not checked)" if self.positions is None else "")
+        else:
+            bound = "positions" if self.positions < self.memory else "memory and positions"
         return [
             f"longest sample: {self.tokens:,} tokens per GPU sample, bounded by {bound}",
             f"  {memory}",

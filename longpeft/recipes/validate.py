@@ -47,7 +47,13 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     Raises:
         ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist.
     """
-    check_trl_keys(recipe.trl)
+    if recipe.trl:  # SFTConfig's arguments are known only from the class (a recipe without trl: skips it)
+        from trl import SFTConfig
+
+        fields = {f.name for f in dataclasses.fields(SFTConfig)}
+        unknown = [key for key in recipe.trl if key not in fields]
+        if unknown:
+            raise ConfigError(f"trl.{unknown[0]}: not an argument of trl.SFTConfig")
     check_memory_settings(recipe)
     try:
         base = read_base(recipe.model.name_or_path, recipe.model.revision)
@@ -92,18 +98,6 @@ def check_here(validation: Validation) -> None:
         raise ConfigError(
             "train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)"
         )
-
-
-def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig."""
-    if not trl:
-        return
-    from trl import SFTConfig  # its arguments are known only from the class (a recipe without trl: skips it)
-
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    for key in trl:
-        if key not in fields:
-            raise ConfigError(f"trl.{key}: not an argument of trl.SFTConfig")
 
 
 def check_memory_settings(recipe: Recipe) -> None:
