@@ -73,11 +73,8 @@ def synth_output_file(source: str) -> Path | None:
 
 def check_data_source(data: DataSection) -> None:
     """``data.source`` before anything loads: a generated set, a local path, which must exist (never tried as a Hub
-    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``.
-
-    Raises:
-        DataNotFoundError, or ModelSourceError / HubTimeoutError for a Hub dataset.
-    """
+    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``. Raises DataNotFoundError, or
+    ModelSourceError / HubTimeoutError for a Hub dataset."""
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
     if is_local(data.source):

@@ -86,12 +86,9 @@ class InitAdapter:
 
 
 def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
-    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``.
-
-    Raises:
-        FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from.
-        SpecMismatchError: the earlier run's base has another shape.
-    """
+    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``. Raises
+    FileNotFoundError: not an adapter folder; ValueError: weights this run cannot start from; SpecMismatchError: the
+    earlier run's base has another shape."""
     from ..hub import folder_weights
 
     folder = adapter_folder(recipe.model.init_from)

@@ -69,8 +69,15 @@ def save_run(prepared: Prepared, train_metrics: dict[str, Any]) -> tuple[Path, d
         "trainable_parameters": prepared.resolved["trainable_parameters"],
     }
     write_text_atomically(output_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
-    with writing_to(output_dir):
-        plot_loss(losses, output_dir / "loss.png", title=f"{recipe.name}: training loss")
+    with writing_to(output_dir):  # the loss curve (matplotlib's Figure API: no pyplot state)
+        fig = Figure(figsize=(6, 3.5), dpi=100)
+        ax = fig.subplots()
+        if losses:
+            ax.plot(*zip(*losses), marker="o", markersize=2, linewidth=1.2)
+        ax.set(xlabel="optimizer step", ylabel="training loss", title=f"{recipe.name}: training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(output_dir / "loss.png")
     return adapter_dir, summary
 
 
@@ -88,12 +95,9 @@ def save_adapter(
 
     LoRA weights are in peft's own format (a tied embedding under both names); longpeft.json and adapter_config.json
     name the base without a path of this machine; a warning says what plain ``PeftModel.from_pretrained`` would
-    leave out. ``state_dict``: the gathered weights of a sharded model. A full model
-    is saved in ``dtype`` (the recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); with
-    ``finetune: method`` only the methods' own weights are written.
-
-    Raises:
-        OutputWriteError: a full disk or a refused write.
+    leave out. ``state_dict``: the gathered weights of a sharded model. A full model is saved in ``dtype`` (the
+    recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); ``finetune: method`` writes only
+    the methods' own weights. Raises OutputWriteError: a full disk or a refused write.
     """
     adapter_dir = Path(adapter_dir).absolute()
     with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as folder:
@@ -133,19 +137,3 @@ def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
     embedding's second name in peft's format."""
     tensors = state_dict.values() if state_dict else (p for p in model.parameters() if p.requires_grad)
     return sum(t.numel() * t.element_size() for t in tensors) + tied_copies_bytes(model)
-
-
-def plot_loss(points: list[tuple[int, float]], path: Path, title: str) -> Path:
-    """Plot ``(step, loss)`` points to a PNG (matplotlib's Figure API: no pyplot state); returns its path."""
-    fig = Figure(figsize=(6, 3.5), dpi=100)
-    ax = fig.subplots()
-    if points:
-        steps, losses = zip(*points)
-        ax.plot(steps, losses, marker="o", markersize=2, linewidth=1.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path

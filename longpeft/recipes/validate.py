@@ -42,11 +42,8 @@ class Validation:
 
 def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     """Every check of ``recipe`` that needs no weights, against its base's config when that can be read here
-    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps.
-
-    Raises:
-        ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist.
-    """
+    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps. Raises
+    ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist."""
     if recipe.trl:  # SFTConfig's arguments are known only from the class (a recipe without trl: skips it)
         from trl import SFTConfig
 
@@ -75,10 +72,7 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
 
 def check_here(validation: Validation) -> None:
     """What a run needs of this machine: the base's config read (``validation``), CUDA and packages its settings need.
-
-    Raises:
-        BaseNotHere: the base's config was not readable here. ConfigError: a setting this machine cannot run.
-    """
+    Raises BaseNotHere: the base's config was not readable here; ConfigError: a setting this machine cannot run."""
     if validation.base_missing is not None:
         raise BaseNotHere(validation.base_missing)
     import torch  # only a run asks what this machine has (plan checks the recipe for any machine)
