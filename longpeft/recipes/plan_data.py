@@ -58,11 +58,9 @@ def local_tokenizer(recipe: Recipe) -> tuple[Any | None, str]:
                 local_files_only=True,
             )
         except (OSError, ValueError) as error:
+            reason = str(error).splitlines()[0][:160]
             if is_local(location):
-                return (
-                    None,
-                    f"the tokenizer of {name} does not load from its folder ({str(error).splitlines()[0][:160]})",
-                )
+                return None, f"the tokenizer of {name} does not load from its folder ({reason})"
             return None, f"the tokenizer of {name} is not in the Hugging Face cache (the planner downloads nothing)"
     if recipe.data.utk is not None:
         add_utk_tokens(tokenizer, max(recipe.data.utk.chunk_counts))
