@@ -57,10 +57,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
     t, use_cuda, sp = recipe.train, torch.cuda.is_available(), sequence_parallel_size()
     precision = mixed_precision(recipe, use_cuda)
-    # transformers >= 5.23 names it activation_checkpointing and warns on the old name
-    checkpointing = "activation_checkpointing"
-    if checkpointing not in {f.name for f in dataclasses.fields(SFTConfig)}:
-        checkpointing = "gradient_checkpointing"
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}  # transformers >= 5.23 warns on gradient_checkpointing
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     arguments = dict(
         **{key: getattr(t, key) for key in TRAIN_KEYS_AS_IS},
         output_dir=str(output_dir / "checkpoints"),
