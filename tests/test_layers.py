@@ -103,8 +103,8 @@ RECIPE_PARTS = {
     "trainer": {"schema", "data", "init_from", "peft_setup", "recipe_trainer"},
     "memory": {"schema"},
     "saving": {"schema", "checkpoints"},
-    "longest": {"schema", "validate"},  # the planner's longest-context search, beside the steps
-    "plan_data": {"schema", "data"},  # the planner's sample lengths, by the data step's rules
+    # the planner's sample lengths, by the data step's rules, and its longest-context search
+    "plan_data": {"schema", "data", "validate"},
 }
 HEAVY = ("torch", "transformers", "peft", "trl", "safetensors")  # what a torch-free module must not import
 

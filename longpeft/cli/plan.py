@@ -124,7 +124,7 @@ def _print_estimate(args: argparse.Namespace, recipe: Any, base: Any) -> None:
 
     machine = dict(gpus=args.gpus * args.nodes, gpu_memory_gib=args.gpu_memory, gpu=args.gpu, launch=args.launch)
     if args.longest:
-        from ..recipes.longest import longest_trainable_sample
+        from ..recipes.plan_data import longest_trainable_sample
 
         longest = longest_trainable_sample(recipe, **machine)
         print("\n".join([*longest.lines(), f"the plan at {max(longest.tokens, longest.step):,} tokens:"]))

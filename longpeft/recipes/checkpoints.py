@@ -27,15 +27,9 @@ _WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "pytorch_mo
 _OPTIMIZER_PATTERNS = ("optimizer.pt", "optimizer*.bin", "optimizer_*", "global_step*")
 TRAINING_RECIPE_FILENAME = "recipe.training.json"
 # Recipe keys that do not change what is trained (they may differ between a kill and --resume).
-_NOT_TRAINING = {
-    "name",
-    "description",
-    "output_dir",
-    "train.save_steps",
-    "train.save_total_limit",
-    "train.logging_steps",
-    "train.report_to",
-}
+_NOT_TRAINING = set(
+    "name description output_dir train.save_steps train.save_total_limit train.logging_steps train.report_to".split()
+)
 # Training keys a resumed run cannot take up (--allow-recipe-change refuses them), with the reason: the checkpoint's
 # optimizer state is restored as it was, and its weights have the shapes these keys gave them.
 FIXED_FOR_THE_RUN = {

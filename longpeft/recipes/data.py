@@ -73,11 +73,8 @@ def synth_output_file(source: str) -> Path | None:
 
 def check_data_source(data: DataSection) -> None:
     """``data.source`` before anything loads: a generated set, a local path, which must exist (never tried as a Hub
-    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``.
-
-    Raises:
-        DataNotFoundError, or ModelSourceError / HubTimeoutError for a Hub dataset.
-    """
+    id), or a Hub dataset id, which must answer within ``LONGPEFT_HUB_TIMEOUT``. Raises DataNotFoundError, or
+    ModelSourceError / HubTimeoutError for a Hub dataset."""
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
     if is_local(data.source):
@@ -224,15 +221,11 @@ def tokenize_dataset(dataset: Dataset, tokenizer: PreTrainedTokenizerBase, assis
     def tokenize(row: dict[str, Any]) -> dict[str, list[int]]:
         if conversations:
             return tokenize_conversation(tokenizer, row["messages"], assistant_only)
-        return {"input_ids": with_eos(tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id)}
+        ids, eos = tokenizer(row["text"])["input_ids"], tokenizer.eos_token_id  # one eos, unless already there
+        return {"input_ids": ids if eos is None or ids[-1:] == [eos] else [*ids, eos]}
 
     desc = f"tokenizing {'conversations' if conversations else 'text'}"
     return dataset.map(tokenize, remove_columns=dataset.column_names, desc=desc, new_fingerprint=fingerprint)
-
-
-def with_eos(ids: list[int], eos_id: int | None) -> list[int]:
-    """``ids`` ending with one ``eos_id`` (added unless the text or the tokenizer's post-processor put it there)."""
-    return ids if eos_id is None or ids[-1:] == [eos_id] else [*ids, eos_id]
 
 
 def select_by_length(

@@ -66,14 +66,29 @@ class InitAdapter:
     def to_dict(self) -> dict[str, Any]:
         return {"folder": str(self.folder), "weights": self.kind, "changed_method_settings": self.differences}
 
+    def load_into(self, model: Any, spec: ContextSpec) -> None:
+        """Copy the earlier adapter's methods' own weights, and LoRA's when :attr:`kind` is ``lora``, into ``model``
+        (the trainer's), then say on stderr which method settings this stage changes. Raises ConfigError: LoRA
+        weights that do not fit this run's (names or shapes, listed)."""
+        load_method_weights(model, spec, self.folder)
+        if self.kind == "lora":
+            _load_lora(model, self.folder)
+        changes = "; ".join(
+            f"{name}.{key}: {before!r} -> {now!r}"
+            for name, keys in self.differences.items()
+            for key, (before, now) in keys.items()
+        )
+        if changes:
+            print(
+                f"longpeft: starting from {self.folder}, with these method settings changed: {changes}",
+                file=sys.stderr,
+            )
+
 
 def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
-    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``.
-
-    Raises:
-        FileNotFoundError: not an adapter folder. ValueError: weights this run cannot start from.
-        SpecMismatchError: the earlier run's base has another shape.
-    """
+    """The recipe's ``model.init_from``, checked against this run's ``spec`` and ``base_config``. Raises
+    FileNotFoundError: not an adapter folder; ValueError: weights this run cannot start from; SpecMismatchError: the
+    earlier run's base has another shape."""
     from ..hub import folder_weights
 
     folder = adapter_folder(recipe.model.init_from)
@@ -104,14 +119,6 @@ def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> I
     return InitAdapter(folder, kind, method_differences(earlier, spec))
 
 
-def load_init_weights(model: Any, folder: Path, kind: str, spec: ContextSpec) -> None:
-    """Copy the earlier adapter's methods' own weights, and LoRA's when ``kind`` is ``lora``, into ``model`` (the
-    trainer's). Raises ValueError: LoRA weights that do not fit this run's (names or shapes, listed)."""
-    load_method_weights(model, spec, folder)
-    if kind == "lora":
-        _load_lora(model, folder)
-
-
 def _load_lora(model: Any, folder: Path) -> None:
     from ..adapter_weights import load_weights_into
     from ..reading import check_lora_adapter
@@ -134,15 +141,3 @@ def _load_lora(model: Any, folder: Path) -> None:
             f"must match the earlier run's): missing {missing[:4]}, unexpected "
             f"{result.unexpected_keys[:4]}"
         )
-
-
-def report_differences(folder: Path, differences: dict[str, dict[str, list[Any]]]) -> None:
-    """Say on stderr which method settings this stage changes from the one it starts from."""
-    if not differences:
-        return
-    changes = "; ".join(
-        f"{name}.{key}: {before!r} -> {now!r}"
-        for name, keys in differences.items()
-        for key, (before, now) in keys.items()
-    )
-    print(f"longpeft: starting from {folder}, with these method settings changed: {changes}", file=sys.stderr)

@@ -18,15 +18,6 @@ from ..scale.tiling import apply_tiled_mlp
 from .schema import Recipe
 
 
-def device_memory_gib() -> float:
-    """This process's GPU memory in GiB (the machine's RAM without CUDA)."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB
-    import psutil
-
-    return psutil.virtual_memory().total / GiB
-
-
 def planned_launch(distributed_type: str, processes: int) -> str | None:
     """The ``longpeft plan --launch`` equivalent of the run's accelerate setup (``None`` for one process)."""
     if processes <= 1:
@@ -43,11 +34,17 @@ def install_memory(recipe: Recipe, trainer: Any, model_config: Any) -> Checkpoin
     checkpointing, train = None, recipe.train
     shapes_memory = train.checkpoint_layers != "all" or train.keep_attention != "none" or train.offload_checkpoints
     if train.backend == "transformers" and shapes_memory:
-        name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""
+        if torch.cuda.is_available():  # this process's GPU: its kind and memory
+            device = torch.cuda.get_device_properties(torch.cuda.current_device())
+            name, memory_gib = device.name.lower(), device.total_memory / GiB
+        else:  # the machine's RAM
+            import psutil
+
+            name, memory_gib = "", psutil.virtual_memory().total / GiB
         gpu = next((kind for kind in GPU_PEAK_TFLOPS if kind in name), "h100")
         processes, shape = world_size(), shape_from_config(model_config.to_dict())
         launch = planned_launch(str(trainer.accelerator.distributed_type), processes)
-        checkpointing = resolve_checkpointing(recipe, shape, processes, device_memory_gib(), gpu, launch)
+        checkpointing = resolve_checkpointing(recipe, shape, processes, memory_gib, gpu, launch)
     trainer.add_callback(TrainingMemory(checkpointing, train.mlp_tile_tokens))
     return checkpointing
 

@@ -49,6 +49,7 @@ def lora_config(recipe: Recipe, model: PreTrainedModel) -> LoraConfig | None:
             "peft's trainable tokens leave the bias out of the head's forward; use lora.embeddings: full"
         )
     embedding = input_embedding_path(model)
+    token_indices = {embedding: list(lora.trainable_token_indices)} if lora.embeddings == "token_indices" else None
     return LoraConfig(
         ensure_weight_tying=tied and lora.embeddings == "full",
         r=lora.r,
@@ -56,9 +57,7 @@ def lora_config(recipe: Recipe, model: PreTrainedModel) -> LoraConfig | None:
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         modules_to_save=[embedding] if lora.embeddings == "full" else None,
-        trainable_token_indices={embedding: list(lora.trainable_token_indices)}
-        if lora.embeddings == "token_indices"
-        else None,
+        trainable_token_indices=token_indices,
         task_type="CAUSAL_LM",
     )
 

@@ -40,11 +40,8 @@ class RunStart:
 def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunStart:
     """Check the run folder against ``resume`` and the recipe against the one the run started with, then ready the
     folder (main process): a resumed run's later metrics dropped, a new or changed recipe recorded.
-
-    Raises:
-        ModelSourceError: ``resume`` without a complete checkpoint. OutputFolderError: a new run into a folder with
-            checkpoints. ConfigError: a recipe change not allowed.
-    """
+    Raises ModelSourceError: ``resume`` without a complete checkpoint; OutputFolderError: a new run into a folder
+    with checkpoints; ConfigError: a recipe change not allowed."""
     output_dir = recipe.resolved_output_dir()
     skipped: list[str] = []
     checkpoint = latest_checkpoint(output_dir, skipped)
@@ -116,11 +113,8 @@ def planned_steps(trainer: Any) -> int:
 def train_or_take_last(trainer: Any, checkpoint: Path | None) -> dict[str, Any]:
     """Train (from ``checkpoint`` when resuming) and return the Trainer's metrics; a checkpoint of the run's last
     step is only loaded (:class:`StopBeforeTraining`) and ``{}`` returned.
-
-    Raises:
-        DataError: a checkpoint file weights-only loading refuses, or weights of other shapes than the recipe's.
-        OutputWriteError: a checkpoint that cannot be written (a full disk), naming the checkpoints folder.
-    """
+    Raises DataError: a checkpoint file weights-only loading refuses, or weights of other shapes than the recipe's;
+    OutputWriteError: a checkpoint that cannot be written (a full disk), naming the checkpoints folder."""
     with writing_to(Path(trainer.args.output_dir)):  # the checkpoints folder: a full disk names it
         try:
             if checkpoint is not None and is_finished(checkpoint, planned_steps(trainer)):

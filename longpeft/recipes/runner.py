@@ -1,17 +1,5 @@
-"""Run a recipe: base model -> ContextSpec -> LoRA/QLoRA -> TRL SFTTrainer -> adapter + longpeft.json.
-
-Output folder (``recipe.output_dir``)::
-
-    base/                 only for ``tiny:<arch>`` models: the generated base model and tokenizer
-    checkpoints/          Trainer checkpoints every ``train.save_steps`` (``--resume`` continues from the last)
-    adapter/              LoRA adapter and the methods' own weights (only those with ``finetune: method``),
-                          longpeft.json, tokenizer
-    model/                instead of adapter/ with ``finetune: full``: the whole model + longpeft.json
-    metrics.jsonl         one JSON object per logging step
-    metrics.json          summary: final loss, steps, runtime, data counts, resolved settings
-    loss.png              the loss curve
-    recipe.resolved.json  the validated recipe and every derived setting
-"""
+"""Run a recipe: base model -> ContextSpec -> LoRA/QLoRA -> TRL SFTTrainer -> adapter + longpeft.json, written
+into the output folder that docs/recipes.md ("A run's output folder") describes."""
 
 from __future__ import annotations
 
@@ -22,12 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase, TrainerCallback
+from transformers import TrainerCallback
 
 from ..compat import without_checkpointing_notice
 from ..files import write_text_atomically
 from ..launch.topology import data_parallel_size, world_size
-from ..spec import ContextSpec
 from . import unsloth_backend
 from .base import base_location, check_base_source, load_base, load_model, quantization_config
 from .data import build_dataset, check_data_source
@@ -35,7 +22,7 @@ from .init_from import check_init_adapter
 from .memory import install_memory
 from .peft_setup import adapter_settings
 from .resume import ApplyOptimizerSettings, start_run, train_or_take_last
-from .saving import save_run
+from .saving import Prepared, save_run
 from .schema import Recipe
 from .trainer import StopOnNonFinite, build_trainer, check_samples_left, sft_config
 from .validate import Validation, check_here, validate_recipe
@@ -48,19 +35,6 @@ class RunResult:
     output_dir: Path
     adapter_dir: Path
     metrics: dict[str, Any]
-
-
-@dataclass
-class Prepared:
-    """Everything the runner builds before training."""
-
-    recipe: Recipe
-    output_dir: Path
-    trainer: Any
-    tokenizer: PreTrainedTokenizerBase
-    spec: ContextSpec
-    data_stats: dict[str, int]
-    resolved: dict[str, Any]
 
 
 @without_checkpointing_notice()  # peft and TRL read a property transformers deprecates
@@ -120,7 +94,7 @@ def run(
     callbacks: list[TrainerCallback] | None = None,
     allow_recipe_change: bool = False,
 ) -> RunResult:
-    """Train a recipe end to end and write the output folder described in the module docstring.
+    """Train a recipe end to end and write its output folder (docs/recipes.md).
 
     Args:
         resume: continue from the latest complete checkpoint in ``output_dir/checkpoints`` (a finished run is not
@@ -139,8 +113,6 @@ def run(
             output_dir / "recipe.resolved.json", json.dumps(prepared.resolved, indent=2, default=str) + "\n"
         )
     train_metrics = train_or_take_last(trainer, start.checkpoint)
-    adapter_dir, metrics = save_run(
-        trainer, prepared.tokenizer, prepared.spec, recipe, output_dir, train_metrics, prepared.resolved
-    )
+    adapter_dir, metrics = save_run(prepared, train_metrics)
     trainer.accelerator.wait_for_everyone()
     return RunResult(output_dir, adapter_dir, metrics)

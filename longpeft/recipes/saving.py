@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,19 +24,25 @@ from .checkpoints import trim_metrics
 from .schema import Recipe
 
 
-def save_run(
-    trainer: Any,
-    tokenizer: PreTrainedTokenizerBase,
-    spec: ContextSpec,
-    recipe: Recipe,
-    output_dir: Path,
-    train_metrics: dict[str, Any],
-    resolved: dict[str, Any],
-) -> tuple[Path, dict[str, Any]]:
-    """The trained weights of ``trainer.model`` into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
+@dataclass
+class Prepared:
+    """A run built and ready to train (:func:`~.runner.prepare`), which :func:`save_run` saves once trained."""
+
+    recipe: Recipe
+    output_dir: Path
+    trainer: Any
+    tokenizer: PreTrainedTokenizerBase
+    spec: ContextSpec
+    data_stats: dict[str, int]
+    resolved: dict[str, Any]
+
+
+def save_run(prepared: Prepared, train_metrics: dict[str, Any]) -> tuple[Path, dict[str, Any]]:
+    """The trained weights of the trainer's model into ``output_dir/adapter`` (``model`` with ``finetune: full``) by
     :func:`save_adapter` on the main process (after every process took part in gathering a sharded model), then
     ``metrics.json`` and ``loss.png`` from ``metrics.jsonl``, the Trainer's ``train_metrics`` and the run's
     ``resolved`` settings. Returns the folder and the summary (``train_metrics`` on the other processes)."""
+    trainer, spec, recipe, output_dir = prepared.trainer, prepared.spec, prepared.recipe, prepared.output_dir
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
     state_dict = None  # a sharded model's (FSDP, DeepSpeed ZeRO-3), gathered with every process taking part
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
@@ -44,9 +51,8 @@ def save_run(
         )
     if not trainer.is_world_process_zero():
         return adapter_dir, dict(train_metrics)
-    save_adapter(
-        trainer.model, tokenizer, spec, adapter_dir, state_dict, recipe.finetune, torch_dtype(recipe.model.dtype)
-    )
+    dtype = torch_dtype(recipe.model.dtype)
+    save_adapter(trainer.model, prepared.tokenizer, spec, adapter_dir, state_dict, recipe.finetune, dtype)
     steps = trainer.state.global_step
     trim_metrics(output_dir / "metrics.jsonl", steps)
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
@@ -57,14 +63,21 @@ def save_run(
         "first_loss": losses[0][1] if losses else None,
         "final_loss": losses[-1][1] if losses else None,
         "train": {k: v for k, v in train_metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-        "data": resolved["data"],
+        "data": prepared.resolved["data"],
         "rope_parameters": spec.rope_parameters,
         "max_position_embeddings": spec.max_position_embeddings,
-        "trainable_parameters": resolved["trainable_parameters"],
+        "trainable_parameters": prepared.resolved["trainable_parameters"],
     }
     write_text_atomically(output_dir / "metrics.json", json.dumps(summary, indent=2) + "\n")
-    with writing_to(output_dir):
-        plot_loss(losses, output_dir / "loss.png", title=f"{recipe.name}: training loss")
+    with writing_to(output_dir):  # the loss curve (matplotlib's Figure API: no pyplot state)
+        fig = Figure(figsize=(6, 3.5), dpi=100)
+        ax = fig.subplots()
+        if losses:
+            ax.plot(*zip(*losses), marker="o", markersize=2, linewidth=1.2)
+        ax.set(xlabel="optimizer step", ylabel="training loss", title=f"{recipe.name}: training loss")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(output_dir / "loss.png")
     return adapter_dir, summary
 
 
@@ -82,12 +95,9 @@ def save_adapter(
 
     LoRA weights are in peft's own format (a tied embedding under both names); longpeft.json and adapter_config.json
     name the base without a path of this machine; a warning says what plain ``PeftModel.from_pretrained`` would
-    leave out. ``state_dict``: the gathered weights of a sharded model. A full model
-    is saved in ``dtype`` (the recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); with
-    ``finetune: method`` only the methods' own weights are written.
-
-    Raises:
-        OutputWriteError: a full disk or a refused write.
+    leave out. ``state_dict``: the gathered weights of a sharded model. A full model is saved in ``dtype`` (the
+    recipe's ``model.dtype``) with what its methods export (HARPE's modeling file); ``finetune: method`` writes only
+    the methods' own weights. Raises OutputWriteError: a full disk or a refused write.
     """
     adapter_dir = Path(adapter_dir).absolute()
     with written_atomically(adapter_dir, _saved_bytes(model, state_dict), replace=True) as folder:
@@ -127,19 +137,3 @@ def _saved_bytes(model: Any, state_dict: dict[str, Any] | None) -> int:
     embedding's second name in peft's format."""
     tensors = state_dict.values() if state_dict else (p for p in model.parameters() if p.requires_grad)
     return sum(t.numel() * t.element_size() for t in tensors) + tied_copies_bytes(model)
-
-
-def plot_loss(points: list[tuple[int, float]], path: Path, title: str) -> Path:
-    """Plot ``(step, loss)`` points to a PNG (matplotlib's Figure API: no pyplot state); returns its path."""
-    fig = Figure(figsize=(6, 3.5), dpi=100)
-    ax = fig.subplots()
-    if points:
-        steps, losses = zip(*points)
-        ax.plot(steps, losses, marker="o", markersize=2, linewidth=1.2)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("training loss")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path

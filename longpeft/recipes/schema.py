@@ -160,12 +160,8 @@ class TrainSection(StrictModel):
     max_steps: int = -1  # > 0 overrides num_train_epochs
     gradient_checkpointing: bool = True
     activation_offloading: bool = False  # checkpointed activations in CPU memory (TRL's offloader)
-    # Decoder layers under activation checkpointing (the first N; the others keep their activations): all, N, or auto
-    # (as many as memory forces: scale/plan.py choose_checkpointing).
-    checkpoint_layers: Literal["auto", "all"] | int = "all"
-    # Checkpointed layers (the first N) whose recompute skips the attention forward by keeping its output and
-    # log-sum-exp (a hidden-sized tensor per layer): none, all, N, or auto.
-    keep_attention: Literal["auto", "all", "none"] | int = "none"
+    checkpoint_layers: Literal["auto", "all"] | int = "all"  # layers checkpointed (the first N): docs/scale.md
+    keep_attention: Literal["auto", "all", "none"] | int = "none"  # checkpointed layers keeping attention's output
     offload_checkpoints: bool = False  # checkpointed layer inputs in pinned CPU memory (scale/checkpointing.py)
     mlp_tile_tokens: int | None = Field(default=None, gt=0, le=MAX_POSITIONS)  # tokens per MLP tile; null: untiled
     memory_budget_gib: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # for auto; default 95 % of GPU
@@ -240,10 +236,7 @@ TRL_KEYS_OWNED_BY_RECIPE = {
         key: f"use train.{key}"
         for key in (
             *TRAIN_KEYS_AS_IS,
-            "gradient_checkpointing",
-            "assistant_only_loss",
-            "report_to",
-            "use_liger_kernel",
+            *"gradient_checkpointing assistant_only_loss report_to use_liger_kernel".split(),
         )
     },
     "output_dir": "use output_dir",

@@ -24,7 +24,7 @@ from ..rope import rotary_modules
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
-from .init_from import InitAdapter, load_init_weights, report_differences
+from .init_from import InitAdapter
 from .peft_setup import lora_config, set_trained_weights
 from .recipe_trainer import recipe_trainer_class
 from .schema import TRAIN_KEYS_AS_IS, Recipe
@@ -57,10 +57,8 @@ def sft_arguments(recipe: Recipe, output_dir: Path) -> dict[str, Any]:
 
     t, use_cuda, sp = recipe.train, torch.cuda.is_available(), sequence_parallel_size()
     precision = mixed_precision(recipe, use_cuda)
-    # transformers >= 5.23 names it activation_checkpointing and warns on the old name
-    checkpointing = "activation_checkpointing"
-    if checkpointing not in {f.name for f in dataclasses.fields(SFTConfig)}:
-        checkpointing = "gradient_checkpointing"
+    fields = {f.name for f in dataclasses.fields(SFTConfig)}  # transformers >= 5.23 warns on gradient_checkpointing
+    checkpointing = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     arguments = dict(
         **{key: getattr(t, key) for key in TRAIN_KEYS_AS_IS},
         output_dir=str(output_dir / "checkpoints"),
@@ -247,6 +245,5 @@ def build_trainer(
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
     if start is not None:
-        load_init_weights(trainer.model, start.folder, start.kind, spec)
-        report_differences(start.folder, start.differences)
+        start.load_into(trainer.model, spec)
     return trainer

@@ -27,11 +27,8 @@ INSTALL = "pip install -r requirements-gpu-unsloth.txt"
 
 
 def fast_language_model() -> Any:
-    """``unsloth.FastLanguageModel``, imported on first use.
-
-    Raises:
-        ImportError: unsloth is not installed. ConfigError: there is no CUDA GPU.
-    """
+    """``unsloth.FastLanguageModel``, imported on first use. Raises ImportError: unsloth is not installed;
+    ConfigError: there is no CUDA GPU."""
     if importlib.util.find_spec("unsloth") is None:
         raise ImportError(
             f"train.backend: unsloth needs the unsloth package, which is not installed; on a CUDA machine run "
@@ -49,11 +46,8 @@ def fast_language_model() -> Any:
 def load_model(recipe: Recipe, base_id: str, fast: Any) -> tuple[Any, Any, ContextSpec]:
     """Base model through ``fast.from_pretrained`` (``fast``: :func:`fast_language_model`) with the recipe's RoPE,
     then LoRA through ``fast.get_peft_model``; the rotary frequencies are checked after each. Returns ``(peft model,
-    tokenizer, spec)``, the tokenizer the default backend's.
-
-    Raises:
-        RotaryMismatch: unsloth changed the RoPE the recipe asked for.
-    """
+    tokenizer, spec)``, the tokenizer the default backend's. Raises RotaryMismatch: unsloth changed the RoPE the
+    recipe asked for."""
     m, lora, train = recipe.model, recipe.lora, recipe.train
     tokenizer, config, spec = configure_base(recipe, base_id)
     reference = copy.deepcopy(config)  # what the rotary must give, whatever unsloth does to the config it gets

@@ -41,12 +41,15 @@ class Validation:
 
 def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
     """Every check of ``recipe`` that needs no weights, against its base's config when that can be read here
-    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps.
+    (bounded on the Hub). ``stand_in``: the base stands in for the real one, whose eos ids the recipe keeps. Raises
+    ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist."""
+    if recipe.trl:  # SFTConfig's arguments are known only from the class (a recipe without trl: skips it)
+        from trl import SFTConfig
 
-    Raises:
-        ConfigError (or another LongpeftError): the first problem; ModelSourceError: a base that does not exist.
-    """
-    check_trl_keys(recipe.trl)
+        fields = {f.name for f in dataclasses.fields(SFTConfig)}
+        unknown = [key for key in recipe.trl if key not in fields]
+        if unknown:
+            raise ConfigError(f"trl.{unknown[0]}: not an argument of trl.SFTConfig")
     check_memory_settings(recipe)
     try:
         base = read_base(recipe.model.name_or_path, recipe.model.revision)
@@ -68,10 +71,7 @@ def validate_recipe(recipe: Recipe, stand_in: bool = False) -> Validation:
 
 def check_here(validation: Validation) -> None:
     """What a run needs of this machine: the base's config read (``validation``), CUDA and packages its settings need.
-
-    Raises:
-        BaseNotHere: the base's config was not readable here. ConfigError: a setting this machine cannot run.
-    """
+    Raises BaseNotHere: the base's config was not readable here; ConfigError: a setting this machine cannot run."""
     if validation.base_missing is not None:
         raise BaseNotHere(validation.base_missing)
     import torch  # only a run asks what this machine has (plan checks the recipe for any machine)
@@ -91,18 +91,6 @@ def check_here(validation: Validation) -> None:
         raise ConfigError(
             "train.use_liger_kernel: the liger-kernel package is not installed (pip install liger-kernel)"
         )
-
-
-def check_trl_keys(trl: dict[str, Any]) -> None:
-    """Fail naming ``trl.<key>`` when a key is not an argument of TRL's SFTConfig."""
-    if not trl:
-        return
-    from trl import SFTConfig  # its arguments are known only from the class (a recipe without trl: skips it)
-
-    fields = {f.name for f in dataclasses.fields(SFTConfig)}
-    for key in trl:
-        if key not in fields:
-            raise ConfigError(f"trl.{key}: not an argument of trl.SFTConfig")
 
 
 def check_memory_settings(recipe: Recipe) -> None:

@@ -787,7 +787,7 @@ def longest_fitting(
     """The longest sample (a multiple of ``step`` tokens, up to ``limit``) whose planned peak fits in
     ``gpu_memory_gib``, with the recipe's settings (``auto`` choices re-made at each length), and its plan; ``(0,
     plan at step tokens)`` when not even ``step`` tokens fit. Memory only: the positions of the model and the
-    recipe's lengths bound a sample too (``longpeft.recipes.longest``)."""
+    recipe's lengths bound a sample too (``longpeft.recipes.plan_data``)."""
     shape = shape or shape_of(recipe.model.name_or_path)
 
     def plan_at(tokens: int) -> Plan:
