@@ -73,8 +73,7 @@ def parse_json_object(text: str, required: Sequence[str] = ()) -> dict[str, Any]
         raise MalformedOutput(f"not valid JSON: {error}") from None
     if not isinstance(value, dict):
         raise MalformedOutput(f"expected a JSON object, got {type(value).__name__}")
-    missing = [key for key in required if key not in value]
-    if missing:
+    if missing := [key for key in required if key not in value]:
         raise MalformedOutput(f"JSON object lacks field(s) {missing}")
     return value
 
@@ -149,8 +148,7 @@ def _validate(value: Any, schema: dict[str, Any], path: str) -> None:
         for key, sub in schema.get("properties", {}).items():
             if key in value:
                 _validate(value[key], sub, f"{path}.{key}")
-        missing = [key for key in schema.get("required", []) if key not in value]
-        if missing:
+        if missing := [key for key in schema.get("required", []) if key not in value]:
             raise MalformedOutput(f"{path}: lacks field(s) {missing}")
     elif kind == "array":
         if len(value) < schema.get("minItems", 0):
@@ -232,8 +230,7 @@ class StructuredWatch:
         ``None``."""
         if self.verdict is not None:
             return None
-        followed = judge_answer(response_format, text, finish_reason)
-        if followed is None:
+        if (followed := judge_answer(response_format, text, finish_reason)) is None:
             self.undecided += 1
         elif followed:
             self.verdict = "followed"

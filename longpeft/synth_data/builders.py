@@ -224,8 +224,7 @@ class LongContextBuilder:
         rows = []
         for plan in tqdm(plans, desc="assembling conversations", unit="conv", disable=not self.show_progress):
             qa_lists = [next(answers) for _ in plan.jobs]
-            row = self.assemble(plan, qa_lists)
-            if row is not None:
+            if (row := self.assemble(plan, qa_lists)) is not None:
                 row["id"] = f"{plan.task}-{self.report.built[plan.task]:05d}"
                 self.report.built[plan.task] += 1
                 rows.append(row)
@@ -233,8 +232,7 @@ class LongContextBuilder:
 
     def assemble(self, plan: ContextPlan, qa_lists: Sequence[list[QAPair] | None]) -> dict[str, Any] | None:
         """The conversation of one plan, trimmed to ``max_tokens``; None (and a skip reason) if impossible."""
-        pairs = [pair for qa in qa_lists if qa for pair in qa]
-        if not pairs:
+        if not (pairs := [pair for qa in qa_lists if qa for pair in qa]):
             self.report.skip(plan.task, "no_qa" if all(qa is not None for qa in qa_lists) else "generation_failed")
             return None
         messages = self._messages(plan.context_text, pairs)

@@ -226,9 +226,8 @@ class EndpointCheck:
         ``None`` when the answer proves nothing."""
         response_format = {"type": "json_object"} if kind == "json_object" else PROBE_SCHEMA.response_format()
         params = {**sampling_params(self.config), "max_tokens": PROBE_MAX_TOKENS, "response_format": response_format}
-        answer, _ = self.post(
-            PROBE_MESSAGES, params, f"the structured-output probe (a plain word asked for, under {kind})"
-        )
+        what = f"the structured-output probe (a plain word asked for, under {kind})"
+        answer, _ = self.post(PROBE_MESSAGES, params, what)
         if answer.status_code != 200:
             return None, f"HTTP {answer.status_code}: {server_reason(answer)}"
         try:

@@ -180,8 +180,7 @@ def resolve_config(args: argparse.Namespace):
     chosen = [task for task in TASKS if (config.get(task) or {}).get("contexts") != 0]  # the config's tasks
     if args.tasks:
         chosen = [t.strip() for t in args.tasks.split(",") if t.strip()]
-        unknown = sorted(set(chosen) - set(TASKS))
-        if unknown:
+        if unknown := sorted(set(chosen) - set(TASKS)):
             raise ConfigError(f"--tasks: unknown task(s) {unknown}; choose from {','.join(TASKS)}")
         given.update({f"{task}.contexts": 0 for task in TASKS if task not in chosen})
     if args.contexts is not None:
@@ -225,8 +224,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         speed = args.output_tokens_per_second or OUTPUT_TOKENS_PER_SECOND
         print(plan.report(speed, args.tokens_per_minute, args.requests_per_minute))
         return 0
-    given = [flag.flag for flag in PLAN_FLAGS[1:] if getattr(args, flag.dest) is not None]
-    if given:
+    if given := [flag.flag for flag in PLAN_FLAGS[1:] if getattr(args, flag.dest) is not None]:
         raise ConfigError(f"{', '.join(given)} {'goes' if len(given) == 1 else 'go'} with --plan")
     check_writable_folder(args.out, "--out")  # a file there, or no write access, fails before any work
     dataset, stats = synthesize(config, args.out, retry_rejected=args.retry_rejected)
@@ -234,8 +232,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
     for task, count in stats["counts"].items():
         tokens = stats["tokens_per_task"].get(task, {})
         print(f"  {task:<14} {count:>6}  tokens {tokens.get('min', 0)}..{tokens.get('max', 0)}")
-    skipped = {t: r for t, r in stats["build"]["skipped"].items() if r}
-    if skipped:
+    if skipped := {t: r for t, r in stats["build"]["skipped"].items() if r}:
         print(f"  skipped: {json.dumps(skipped)}")
     if "llm_usage" in stats:
         total = stats["llm_usage"]["total"]

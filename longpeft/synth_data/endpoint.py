@@ -125,8 +125,7 @@ def read_models(body: Any, model: str, info: EndpointInfo) -> None:
     chosen = [e for e in entries if e.get("id") == model] or (entries if len(entries) == 1 else [])
     for entry in chosen[:1]:
         for name in MODEL_CONTEXT_FIELDS:
-            tokens = _positive_int(entry.get(name))
-            if tokens is not None:
+            if (tokens := _positive_int(entry.get(name))) is not None:
                 info.context_tokens, info.context_source = tokens, f"/v1/models {name}"
                 return
 

@@ -65,8 +65,7 @@ def is_outcome(entry: Any, key: str) -> bool:
     (0 for a prompt never sent)."""
     if not isinstance(entry, dict) or entry.get("key") != key:
         return False
-    end = entry.get("end")
-    if not is_count(end) or end > MAX_MARKED_ATTEMPTS:
+    if not is_count(end := entry.get("end")) or end > MAX_MARKED_ATTEMPTS:
         return False
     if entry.get("outcome") == "answered":
         return end >= 1

@@ -82,13 +82,12 @@ class _Round:
 
     def record(self, code: str, reason: str, marked: bool) -> dict[str, Any]:
         """The rejects-file record of this request rejected for ``code``, with every attempt (:mod:`.llm_rejects`)."""
-        request = self.request
         return {
             "kind": "request",
             "request": self.mark_key,
             "key": self.key,
-            "task": request.task,
-            "meta": request.meta,
+            "task": self.request.task,
+            "meta": self.request.meta,
             "reason": code,
             "error": reason,
             "marked": marked,
@@ -265,20 +264,17 @@ class LLMClient:
         """The endpoint refused ``response_format``: when it held the schema's item bounds, ask without them from now
         on (said once); else fall back as :meth:`_structured_off` says."""
         reason, base = server_reason(error), self.config.base_url
+        refused = f"HTTP {error.status_code}: {reason}"
         unbounded = structured_params(self.config, request, bounds=False).get("response_format")
         if self.bounds_refused is None and response_format != unbounded:
             self.bounds_refused = reason
             self._say(
-                f"{base} refused the schema with its item bounds (HTTP {error.status_code}: {reason}); sending the "
-                f"schema without {'/'.join(ITEM_BOUNDS)} for the rest of the run"
+                f"{base} refused the schema with its item bounds ({refused}); sending the schema without "
+                f"{'/'.join(ITEM_BOUNDS)} for the rest of the run"
             )
             return
-        self._structured_off(
-            f"{base} refused structured output (HTTP {error.status_code}: {reason})",
-            f"{base} refused structured output (llm.structured={self.config.structured}; HTTP {error.status_code}: "
-            f"{reason});",
-            reason,
-        )
+        stop = f"{base} refused structured output (llm.structured={self.config.structured}; {refused});"
+        self._structured_off(f"{base} refused structured output ({refused})", stop, reason)
 
     def _observe(self, sent: dict[str, Any], entry: dict[str, Any]) -> None:
         """Judge an answer to a request carrying ``response_format`` (:class:`.answer_schema.StructuredWatch`);
@@ -312,8 +308,7 @@ class LLMClient:
 
     def _say_gave_up(self, desc: str, before: Counter[str]) -> None:
         """One line for the requests of a batch given up after transient failures, counted by cause."""
-        new = self._gave_up_causes() - before
-        if new:
+        if new := self._gave_up_causes() - before:
             causes = ", ".join(f"{cause}: {count}" for cause, count in sorted(new.items(), key=lambda kv: -kv[1]))
             self._say(
                 f"{self.config.base_url}: gave up on {sum(new.values())} {desc} request(s) after "
@@ -335,8 +330,7 @@ class LLMClient:
             self.rejects.keep(run.mark_key, run.record(run.mark["reason"], run.mark["error"], True))
             why = f"rejected in an earlier run ({run.mark['reason']}: {run.mark['error']})"
             return LLMResult(request, False, error=f"{why}; not asked again (--retry-rejected asks again)")
-        too_long = await self._too_long(request)
-        if too_long is not None:  # no attempt of this round was made
+        if (too_long := await self._too_long(request)) is not None:  # no attempt of this round was made
             return self._reject(run, too_long, "prompt_too_long", 0, end=run.end - self.config.max_parse_attempts)
         for attempt in range(run.end):
             try:

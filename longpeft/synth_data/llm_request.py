@@ -81,8 +81,7 @@ class LLMRunAborted(LongpeftError, RuntimeError):
 
 def read_api_key(config: LLMConfig) -> str:
     """The API key, from the environment variable ``config.api_key_env``; :class:`LLMRunAborted` when it is unset."""
-    key = os.environ.get(config.api_key_env)
-    if not key:
+    if not (key := os.environ.get(config.api_key_env)):
         raise LLMRunAborted(
             f"environment variable {config.api_key_env} is not set; export your API key there "
             "(any non-empty value for a local server without authentication)"

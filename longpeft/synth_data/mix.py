@@ -97,8 +97,7 @@ def source_files(path: str | Path, kinds: dict[str, str], name: str = "source pa
     says which source the path is in errors (a config key and its flag)."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in kinds)
-        if not files:
+        if not (files := sorted(p for p in path.rglob("*") if p.suffix in kinds)):
             raise DataNotFoundError(f"{name} {path} holds no {'/'.join(kinds)} files")
         return files
     if not path.is_file():
@@ -227,12 +226,8 @@ def load_mix_sources(config: MixConfig) -> dict[str, list[Conversation]]:
         sources["instruction"] = load_instructions(config.instructions)
     if config.summary_ratio:
         sources["summary"] = load_summaries(config)
-    for task, conversations in sources.items():
-        key = SOURCES[task][0]
-        if not conversations:
-            raise DataError(
-                f"mix.{key} ({source_flag(key)}) {getattr(config, key)} holds no record: nothing to mix in"
-            )
+    for key in (SOURCES[task][0] for task, conversations in sources.items() if not conversations):
+        raise DataError(f"mix.{key} ({source_flag(key)}) {getattr(config, key)} holds no record: nothing to mix in")
     return sources
 
 
@@ -287,8 +282,7 @@ def mix(
             messages = candidates[index]
             tokens = counter.conversation(messages)
             if truncate and max_tokens is not None and tokens > max_tokens:
-                fitted = cut_to_fit(messages, tokens, max_tokens, counter)
-                if fitted is not None:
+                if (fitted := cut_to_fit(messages, tokens, max_tokens, counter)) is not None:
                     (messages, tokens), truncated = fitted, truncated + 1
             if tokens < min_tokens or (max_tokens is not None and tokens > max_tokens):
                 rejected += 1
@@ -300,8 +294,7 @@ def mix(
         return {**counts, "truncated": truncated} if truncate else counts
 
     for task in SOURCES:
-        ratio = config.share(task)[0]
-        if ratio:
+        if ratio := config.share(task)[0]:
             stats[task] = take(task, sources[task], round(len(synthetic) * ratio / synthetic_share))
     rng.shuffle(rows)
     return rows, stats

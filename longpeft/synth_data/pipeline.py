@@ -165,8 +165,7 @@ def synthesize(
     if client is not None:
         client.rejects.finish()  # the file is now this build's state: the summary reports it
         extra.update(llm_usage=client.usage_report(), rejects=client.rejects.counts(), quality=gates.report())
-    dataset = write_dataset(rows, out, extra)
-    return dataset, json.loads((out / "stats.json").read_text(encoding="utf-8"))
+    return write_dataset(rows, out, extra), json.loads((out / "stats.json").read_text(encoding="utf-8"))
 
 
 def plan_contexts(
@@ -179,7 +178,6 @@ def plan_contexts(
     )
     plans = []
     for name in TASKS:
-        settings = getattr(config, name)
-        if settings.contexts:
+        if (settings := getattr(config, name)).contexts:
             plans += builder.plan(name, files, **dict(settings))
     return builder, plans

@@ -124,10 +124,8 @@ class ProbeBuilder:
         while total + len(sentence := self.encode(" " + self.filler_sentence(kind))) <= n_tokens:
             sentences.append(sentence)
             total += len(sentence)
-        pad = self.pad_sentences(n_tokens - total)
-        while pad is None and sentences:
+        while (pad := self.pad_sentences(n_tokens - total)) is None and sentences:
             total -= len(sentences.pop())
-            pad = self.pad_sentences(n_tokens - total)
         if pad is None:
             shortest = min(len(self.encode(" " + s)) for s in PAD_FILLER)
             raise ConfigError(

@@ -45,10 +45,8 @@ def biography(job: QAJob, rng: random.Random) -> list[QAPair]:
         own = [f for f in facts if f.subject == character.name]
         if len(own) < 3:
             continue
-        sentences = list(dict.fromkeys(f.sentence for f in own))  # in order of appearance
-        pairs.append(
-            QAPair(f"Write a short biography of {character.name}.", " ".join(sentences), [f.fact_id for f in own])
-        )
+        text = " ".join(dict.fromkeys(f.sentence for f in own))  # its sentences in order of appearance
+        pairs.append(QAPair(f"Write a short biography of {character.name}.", text, [f.fact_id for f in own]))
     rng.shuffle(pairs)
     return pairs[: job.n]
 
@@ -61,8 +59,7 @@ def _distinct(
     for _ in range(n * 8):
         if len(pairs) == n:
             break
-        pair = rng.choice(makers)(source, rng)
-        if pair is not None:
+        if (pair := rng.choice(makers)(source, rng)) is not None:
             pairs.setdefault(pair.question, pair)
     return list(pairs.values())
 
@@ -78,15 +75,13 @@ def _grouped(facts: Iterable[Fact], field: str) -> dict[str, list[Fact]]:
 def _count_profession(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
     # Asks about people *named* in the text: filler prose also mentions unnamed workers ("spoke with a sailor").
     groups = _grouped(by_kind.get("profession", []), "value")
-    candidates = [p for p, fs in groups.items() if len(fs) >= 2]
-    if not candidates:
+    if not (candidates := [p for p, fs in groups.items() if len(fs) >= 2]):
         return None
     profession = rng.choice(sorted(candidates))
     people = groups[profession]
-    names = ", ".join(f.subject for f in people)
     return QAPair(
         f"How many people named in the text worked as {article(profession)}? Name them in order of appearance.",
-        f"{len(people)}: {names}.",
+        f"{len(people)}: {', '.join(f.subject for f in people)}.",
         [f.fact_id for f in people],
     )
 
@@ -102,8 +97,7 @@ def _two_in_order(facts: list[Fact], rng: random.Random) -> tuple[Fact, Fact, Fa
 
 
 def _earlier_birth(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
-    drawn = _two_in_order(by_kind.get("birth_year", []), rng)
-    if drawn is None:
+    if (drawn := _two_in_order(by_kind.get("birth_year", []), rng)) is None:
         return None
     a, b, first, second = drawn
     return QAPair(
@@ -126,8 +120,7 @@ def _code_sum(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | No
 
 
 def _event_order(by_kind: dict[str, list[Fact]], rng: random.Random) -> QAPair | None:
-    drawn = _two_in_order(by_kind.get("event", []), rng)
-    if drawn is None:
+    if (drawn := _two_in_order(by_kind.get("event", []), rng)) is None:
         return None
     a, b, first, second = drawn
     return QAPair(
@@ -203,8 +196,7 @@ def _shared_professions(docs: list[_DocFacts], rng: random.Random) -> QAPair | N
 
 
 def _same_kind(docs: list[_DocFacts], rng: random.Random) -> QAPair | None:
-    topics = sorted({d.passage.doc.topic for d in docs if d.passage.doc.topic})
-    if not topics:
+    if not (topics := sorted({d.passage.doc.topic for d in docs if d.passage.doc.topic})):
         return None
     topic = rng.choice(topics)
     numbers = [d.number for d in docs if d.passage.doc.topic == topic]

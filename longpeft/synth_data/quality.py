@@ -339,8 +339,7 @@ def ungrounded(
 ) -> str | None:
     """Why ``answer`` is not grounded (the missing content words), or None; ``question``'s words are not counted."""
     asked = {stem(w) for w in words(question)}
-    stems = [s for s in content_stems(answer, drop_numbers) if s not in asked]
-    if not stems:
+    if not (stems := [s for s in content_stems(answer, drop_numbers) if s not in asked]):
         return None
     missing = [s for s in stems if s not in evidence_stems]
     present = 1 - len(missing) / len(stems)
@@ -369,8 +368,7 @@ def name_words(text: str) -> list[str]:
 
 def wrong_subject(name: str, biography: str, others: Sequence[str], evidence_words: set[str]) -> str | None:
     """Why the biography is not about ``name`` (absent from it or the book, or another name more frequent), or None."""
-    tokens = _name_tokens(name, others)
-    if not tokens:
+    if not (tokens := _name_tokens(name, others)):
         return f"the requested name {name!r} has no letters"
     counts = Counter(name_words(biography))
     own = max(counts[t] for t in tokens)

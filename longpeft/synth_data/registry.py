@@ -69,8 +69,7 @@ def parse_qa_pairs(text: str) -> list[QAPair]:
 
 def titled_text(passage: Passage) -> str:
     """The passage's text, headed by its document's title unless the text already starts with it."""
-    text = passage.text.strip()
-    title = passage.doc.title.strip()
+    text, title = passage.text.strip(), passage.doc.title.strip()
     return text if not title or text.startswith(title) else f"{title}\n{text}"
 
 

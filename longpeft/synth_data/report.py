@@ -79,8 +79,7 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
             "edited, or another program's): left out of it"
         )
     rejects = stats.get("rejects", {})
-    by_reason = rejects.get("requests", {})
-    if by_reason:
+    if by_reason := rejects.get("requests", {}):
         causes = usage.get("total", {}).get("gave_up_causes") or {}  # gave_up is never carried: this run's
         why = {"gave_up": " (" + ", ".join(f"{cause}: {n}" for cause, n in causes.items()) + ")"} if causes else {}
         notes = [note for reason, note in REASON_NOTES.items() if by_reason.get(reason)]
@@ -95,8 +94,7 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
                 f"  {rejects['earlier']} of them rejected in an earlier run and not asked again; "
                 "--retry-rejected asks them again"
             )
-    if rejects.get("items"):
-        items = rejects["items"]
+    if items := rejects.get("items"):
         lines.append(f"rejects.jsonl: {sum(items.values())} item(s) dropped by the quality gates: {_counts(items)}")
     quality = stats.get("quality")
     if quality and quality.get("checked"):
@@ -105,8 +103,7 @@ def rejection_summary(stats: dict[str, Any]) -> list[str]:
             f"quality gates: {quality['kept']} of {quality['checked']} items judged in this run kept{unused}; "
             f"rejected: {_counts(quality['rejected']) or 'none'}"
         )
-        for task, counts in quality["rejected_per_task"].items():
-            lines.append(f"  {task:<14} {_counts(counts)}")
+        lines += [f"  {task:<14} {_counts(counts)}" for task, counts in quality["rejected_per_task"].items()]
     elif quality and not quality.get("enabled", True):
         lines.append("quality gates: off (quality.enabled: false)")
     return lines
