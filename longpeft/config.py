@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
@@ -44,6 +46,20 @@ class StrictModel(BaseModel):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
+
+
+def registration(register: Callable[[Any], Any], unregister: Callable[[str], None]) -> Callable[[Any], Any]:
+    """A registry's ``registered(entry)``: ``register(entry)`` for a ``with`` block, then unregister it."""
+
+    @contextmanager
+    def registered(entry: Any) -> Iterator[Any]:
+        register(entry)
+        try:
+            yield entry
+        finally:
+            unregister(entry.name)
+
+    return registered
 
 
 def torch_dtype(name: str):

@@ -7,8 +7,7 @@ name it."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ValidationError
 
-from ..config import StrictModel
+from ..config import StrictModel, registration
 from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # the registry itself needs no torch: method configs import it
@@ -229,14 +228,7 @@ def unregister(name: str) -> None:
     METHODS.pop(name, None)
 
 
-@contextmanager
-def registered(method: Method) -> Iterator[Method]:
-    """Register ``method`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(method)
-    try:
-        yield method
-    finally:
-        unregister(method.name)
+registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
 
 
 def get_method(name: str) -> Method:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from ..config import registration
 from ..errors import ConfigError
 from ..synth_data import probes
 from ..synth_data.probes import Probe
@@ -114,14 +114,7 @@ def unregister(name: str) -> None:
         ALIASES.pop(alias, None)
 
 
-@contextmanager
-def registered(task: EvalTask) -> Iterator[EvalTask]:
-    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(task)
-    try:
-        yield task
-    finally:
-        unregister(task.name)
+registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
 
 
 def task_names(kind: type[EvalTask] = EvalTask, depths: bool = False) -> tuple[str, ...]:

@@ -111,28 +111,22 @@ class ProbeGrid:
 
 
 def build_probe_grid(
-    task: str,
-    tokenizer: Any,
-    lengths: Sequence[int],
-    depths: Sequence[float] | None = None,
-    n_samples: int = SAMPLES.default,
-    seed: int = SEED.default,
-    max_new_tokens: int | None = None,
-    chat: bool = False,
-    **probe_options: Any,
+    task: str, tokenizer: Any, lengths: Sequence[int], max_new_tokens: int | None = None, **options: Any
 ) -> ProbeGrid:
-    """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes`); fails before
-    any generation. ``max_new_tokens``: the continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS``
-    with ``chat``); ``chat`` wraps prompts in the tokenizer's chat template (replies scored with "contains")."""
+    """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes` with
+    ``options``: depths, n_samples, seed, chat and the task's own); fails before any generation. ``max_new_tokens``:
+    the continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``); ``chat`` wraps prompts
+    in the tokenizer's chat template (replies scored with "contains")."""
     record = get_task(task, ProbeTask)
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ConfigError(f"lengths must be positive token counts, got {lengths}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
-    new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
-    probes = make_probes(record, tokenizer, lengths, depths, n_samples, seed, chat, **probe_options)
-    return ProbeGrid(record, probes, lengths, new_tokens, n_samples, seed, chat)
+    options = {"n_samples": SAMPLES.default, "seed": SEED.default, "chat": False} | options
+    new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if options["chat"] else 0)
+    probes = make_probes(record, tokenizer, lengths, **options)
+    return ProbeGrid(record, probes, lengths, new_tokens, options["n_samples"], options["seed"], options["chat"])
 
 
 def run_probe_task(

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import Field
 
-from ..config import StrictModel
+from ..config import StrictModel, registration
 from ..errors import ConfigError
 from .answer_schema import QA_PAIRS, OutputSchema
 from .corpus import Document, Fact
@@ -164,14 +163,7 @@ def unregister(name: str) -> None:
     TASKS.pop(name, None)
 
 
-@contextmanager
-def registered(task: SynthTask) -> Iterator[SynthTask]:
-    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(task)
-    try:
-        yield task
-    finally:
-        unregister(task.name)
+registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
 
 
 def get_task(name: str) -> SynthTask:
