@@ -48,8 +48,17 @@ class StrictModel(BaseModel):
         return value
 
 
-def registration(register: Callable[[Any], Any], unregister: Callable[[str], None]) -> Callable[[Any], Any]:
-    """A registry's ``registered(entry)``: ``register(entry)`` for a ``with`` block, then unregister it."""
+def registration(
+    register: Callable[[Any], Any], table: dict[str, Any], aliases: dict[str, str] | None = None
+) -> tuple[Callable[[str], None], Callable[[Any], Any]]:
+    """A registry's ``(unregister, registered)`` over ``table`` (name -> entry) and its ``aliases`` (alias -> name):
+    ``registered(entry)`` does ``register(entry)`` for a ``with`` block, then unregisters it (tests, experiments)."""
+
+    def unregister(name: str) -> None:
+        """Remove an entry, and its aliases, from the registry (tests, plug-ins)."""
+        entry = table.pop(name, None)
+        for alias in getattr(entry, "aliases", ()) if aliases is not None else ():
+            aliases.pop(alias, None)
 
     @contextmanager
     def registered(entry: Any) -> Iterator[Any]:
@@ -59,7 +68,7 @@ def registration(register: Callable[[Any], Any], unregister: Callable[[str], Non
         finally:
             unregister(entry.name)
 
-    return registered
+    return unregister, registered
 
 
 def torch_dtype(name: str):

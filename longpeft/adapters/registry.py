@@ -223,12 +223,7 @@ def register(method: Method) -> Method:
     return method
 
 
-def unregister(name: str) -> None:
-    """Remove a method from the registry (tests, plug-ins)."""
-    METHODS.pop(name, None)
-
-
-registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
+unregister, registered = registration(register, METHODS)  # tests, plug-ins
 
 
 def get_method(name: str) -> Method:

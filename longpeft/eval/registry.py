@@ -107,14 +107,7 @@ def register(task: EvalTask) -> EvalTask:
     return task
 
 
-def unregister(name: str) -> None:
-    """Remove a task and its aliases from the registry (tests, plug-ins)."""
-    task = TASKS.pop(name, None)
-    for alias in task.aliases if task else ():
-        ALIASES.pop(alias, None)
-
-
-registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
+unregister, registered = registration(register, TASKS, ALIASES)  # tests, plug-ins
 
 
 def task_names(kind: type[EvalTask] = EvalTask, depths: bool = False) -> tuple[str, ...]:

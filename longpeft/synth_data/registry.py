@@ -158,12 +158,7 @@ def register(task: SynthTask) -> SynthTask:
     return task
 
 
-def unregister(name: str) -> None:
-    """Remove a task from the registry (tests, plug-ins)."""
-    TASKS.pop(name, None)
-
-
-registered = registration(register, unregister)  # register for a ``with`` block (tests, experiments)
+unregister, registered = registration(register, TASKS)  # tests, plug-ins
 
 
 def get_task(name: str) -> SynthTask:
