@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, get_args
 
@@ -44,6 +46,29 @@ class StrictModel(BaseModel):
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"must be a finite number, got {value}")
         return value
+
+
+def registration(
+    register: Callable[[Any], Any], table: dict[str, Any], aliases: dict[str, str] | None = None
+) -> tuple[Callable[[str], None], Callable[[Any], Any]]:
+    """A registry's ``(unregister, registered)`` over ``table`` (name -> entry) and its ``aliases`` (alias -> name):
+    ``registered(entry)`` does ``register(entry)`` for a ``with`` block, then unregisters it (tests, experiments)."""
+
+    def unregister(name: str) -> None:
+        """Remove an entry, and its aliases, from the registry (tests, plug-ins)."""
+        entry = table.pop(name, None)
+        for alias in getattr(entry, "aliases", ()) if aliases is not None else ():
+            aliases.pop(alias, None)
+
+    @contextmanager
+    def registered(entry: Any) -> Iterator[Any]:
+        register(entry)
+        try:
+            yield entry
+        finally:
+            unregister(entry.name)
+
+    return unregister, registered
 
 
 def torch_dtype(name: str):

@@ -7,8 +7,7 @@ name it."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import ValidationError
 
-from ..config import StrictModel
+from ..config import StrictModel, registration
 from ..errors import ConfigError, DataError
 
 if TYPE_CHECKING:  # the registry itself needs no torch: method configs import it
@@ -224,19 +223,7 @@ def register(method: Method) -> Method:
     return method
 
 
-def unregister(name: str) -> None:
-    """Remove a method from the registry (tests, plug-ins)."""
-    METHODS.pop(name, None)
-
-
-@contextmanager
-def registered(method: Method) -> Iterator[Method]:
-    """Register ``method`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(method)
-    try:
-        yield method
-    finally:
-        unregister(method.name)
+unregister, registered = registration(register, METHODS)  # tests, plug-ins
 
 
 def get_method(name: str) -> Method:

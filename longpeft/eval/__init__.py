@@ -4,9 +4,7 @@ task through :mod:`.harness`. Every task is a record of the registry (:mod:`.reg
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ..adapters.registry import torch_names
 from . import builtin  # noqa: F401  (registers the built-in tasks)
 from .registry import TASKS, EvalTask, ProbeTask, get_task, register, registered, unregister
 
@@ -23,12 +21,7 @@ _EXPORTS = {
     }.items()
     for name in names.split()
 }
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+__getattr__ = torch_names(__name__, _EXPORTS)
 
 
 __all__ = ["TASKS", "EvalTask", "ProbeTask", "get_task", "register", "registered", "unregister"]

@@ -20,12 +20,10 @@ def load_model_and_tokenizer(args: argparse.Namespace) -> tuple[Any, Any]:
     """The model (base, base + longpeft adapter via ``longpeft.load``, or merged) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {
-        "dtype": torch_dtype(args.dtype) if args.dtype != "auto" else "auto",
-        "trust_remote_code": args.trust_remote_code,  # never run a repository's code unasked (nor prompt for it)
-    }
     optional = {"attn_implementation": args.attn_implementation, "device_map": args.device}
-    kwargs |= {key: value for key, value in optional.items() if value}
+    kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value}
+    kwargs["dtype"] = torch_dtype(args.dtype) if args.dtype != "auto" else "auto"
+    kwargs["trust_remote_code"] = args.trust_remote_code  # never run a repository's code unasked (nor prompt for it)
     if args.adapter:
         from ..loading import load, load_tokenizer
 

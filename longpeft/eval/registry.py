@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from ..config import registration
 from ..errors import ConfigError
 from ..synth_data import probes
 from ..synth_data.probes import Probe
@@ -107,21 +107,7 @@ def register(task: EvalTask) -> EvalTask:
     return task
 
 
-def unregister(name: str) -> None:
-    """Remove a task and its aliases from the registry (tests, plug-ins)."""
-    task = TASKS.pop(name, None)
-    for alias in task.aliases if task else ():
-        ALIASES.pop(alias, None)
-
-
-@contextmanager
-def registered(task: EvalTask) -> Iterator[EvalTask]:
-    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(task)
-    try:
-        yield task
-    finally:
-        unregister(task.name)
+unregister, registered = registration(register, TASKS, ALIASES)  # tests, plug-ins
 
 
 def task_names(kind: type[EvalTask] = EvalTask, depths: bool = False) -> tuple[str, ...]:

@@ -111,28 +111,22 @@ class ProbeGrid:
 
 
 def build_probe_grid(
-    task: str,
-    tokenizer: Any,
-    lengths: Sequence[int],
-    depths: Sequence[float] | None = None,
-    n_samples: int = SAMPLES.default,
-    seed: int = SEED.default,
-    max_new_tokens: int | None = None,
-    chat: bool = False,
-    **probe_options: Any,
+    task: str, tokenizer: Any, lengths: Sequence[int], max_new_tokens: int | None = None, **options: Any
 ) -> ProbeGrid:
-    """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes`); fails before
-    any generation. ``max_new_tokens``: the continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS``
-    with ``chat``); ``chat`` wraps prompts in the tokenizer's chat template (replies scored with "contains")."""
+    """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes` with
+    ``options``: depths, n_samples, seed, chat and the task's own); fails before any generation. ``max_new_tokens``:
+    the continuation budget (default per task, plus ``CHAT_EXTRA_NEW_TOKENS`` with ``chat``); ``chat`` wraps prompts
+    in the tokenizer's chat template (replies scored with "contains")."""
     record = get_task(task, ProbeTask)
     lengths = sorted({int(length) for length in lengths})
     if not lengths or lengths[0] < 1:
         raise ConfigError(f"lengths must be positive token counts, got {lengths}")
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1 (or None for the task's default), got {max_new_tokens}")
-    new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if chat else 0)
-    probes = make_probes(record, tokenizer, lengths, depths, n_samples, seed, chat, **probe_options)
-    return ProbeGrid(record, probes, lengths, new_tokens, n_samples, seed, chat)
+    options = {"n_samples": SAMPLES.default, "seed": SEED.default, "chat": False} | options
+    new_tokens = max_new_tokens or record.max_new_tokens + (CHAT_EXTRA_NEW_TOKENS if options["chat"] else 0)
+    probes = make_probes(record, tokenizer, lengths, **options)
+    return ProbeGrid(record, probes, lengths, new_tokens, options["n_samples"], options["seed"], options["chat"])
 
 
 def run_probe_task(
@@ -171,7 +165,6 @@ def run_probe_task(
         }
         for probe, prediction in zip(probes, predictions)
     ]
-    used_depths = sorted({s["depth"] for s in samples if s["depth"] is not None})
     return {
         "task": record.name,
         "metric": probes[0].metric,
@@ -179,7 +172,7 @@ def run_probe_task(
         "by_length": {str(n): statistics.fmean(s["score"] for s in samples if s["length"] == n) for n in lengths},
         "cells": score_cells(samples),
         "lengths": lengths,
-        "depths": used_depths or None,
+        "depths": sorted({s["depth"] for s in samples if s["depth"] is not None}) or None,
         "n_samples": grid.n_samples,
         "seed": grid.seed,
         "chat": grid.chat,
@@ -225,12 +218,12 @@ def plot_result(result: dict[str, Any], path: Path, title: str) -> Path:
     needed): with depths, the papers' needle-in-a-haystack picture, depth (rows, 0% at the top) x length (columns);
     else its score against context length (``result["by_length"]``)."""
     depths = result.get("depths")
+    fig = Figure(figsize=(1.2 + 0.9 * len(result["lengths"]), 1.0 + 0.5 * len(depths)) if depths else (5, 3))
+    ax = fig.subplots()
     if depths:
         lengths = result["lengths"]
         scores = {(c["length"], c["depth"]): c["score"] for c in result["cells"]}
         grid = [[scores[(length, depth)] for length in lengths] for depth in depths]
-        fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
-        ax = fig.subplots()
         image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(length) for length in lengths])
         ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
@@ -240,8 +233,6 @@ def plot_result(result: dict[str, Any], path: Path, title: str) -> Path:
         fig.colorbar(image, ax=ax, label="score")
     else:
         by_length = {int(n): score for n, score in result["by_length"].items()}
-        fig = Figure(figsize=(5, 3))
-        ax = fig.subplots()
         ax.plot(sorted(by_length), [by_length[n] for n in sorted(by_length)], marker="o")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)

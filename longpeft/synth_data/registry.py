@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import Field
 
-from ..config import StrictModel
+from ..config import StrictModel, registration
 from ..errors import ConfigError
 from .answer_schema import QA_PAIRS, OutputSchema
 from .corpus import Document, Fact
@@ -158,19 +157,7 @@ def register(task: SynthTask) -> SynthTask:
     return task
 
 
-def unregister(name: str) -> None:
-    """Remove a task from the registry (tests, plug-ins)."""
-    TASKS.pop(name, None)
-
-
-@contextmanager
-def registered(task: SynthTask) -> Iterator[SynthTask]:
-    """Register ``task`` for the ``with`` block, and unregister it afterwards (tests, experiments)."""
-    register(task)
-    try:
-        yield task
-    finally:
-        unregister(task.name)
+unregister, registered = registration(register, TASKS)  # tests, plug-ins
 
 
 def get_task(name: str) -> SynthTask:

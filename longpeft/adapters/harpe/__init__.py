@@ -29,10 +29,8 @@ def resolve(config: HarpeConfig, context: ResolveContext) -> HarpeConfig:
         return config.model_copy(update={"bases": check_head_bases(base, config.bases)})
     from .selection import select_bases  # the peak-valley search computes RoPE waveforms in torch
 
-    settings = config.model_dump(exclude={"bases"})  # selection, b_min, b_max, stride, descending
-    bases = select_bases(
-        **settings, n=num_kv_heads(base), head_dim=head_dim_of(base), target_length=context.target_length
-    )
+    shape = {"n": num_kv_heads(base), "head_dim": head_dim_of(base), "target_length": context.target_length}
+    bases = select_bases(**config.model_dump(exclude={"bases"}), **shape)  # and the section's settings
     return config.model_copy(update={"bases": bases})
 
 

@@ -30,9 +30,8 @@ def write_remote_code(save_dir: str | Path, bases: Sequence[float]) -> None:
     stored = config.get("head_rope_bases")
     if stored is not None and [float(b) for b in stored] != bases:
         raise DataError(f"{config_path} already records different head_rope_bases {stored}; export the matching bases")
-    source = standalone_source(
-        "Per-head RoPE (HARPE), written by longpeft for an exported model.", [modeling], INLINED_HELPERS
-    )
+    docstring = "Per-head RoPE (HARPE), written by longpeft for an exported model."
+    source = standalone_source(docstring, [modeling], INLINED_HELPERS)
     entries = {"head_rope_bases": bases}
     point_config_at_remote_code(
         config_path, config, model_type, EXPORT_CLASSES_BY_MODEL_TYPE, MODELING_FILENAME, source, entries
