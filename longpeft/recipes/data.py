@@ -24,6 +24,7 @@ from .schema import DataSection, Recipe, UtkSection
 
 ROLES = {"system", "user", "assistant"}
 GENERATED_SOURCES = ("demo", "retrieval")  # built with the tokenizer when the recipe runs
+DATA_SUFFIXES = (".json", ".jsonl", ".txt")
 
 
 def load_training_data(data: DataSection, tokenizer: PreTrainedTokenizerBase) -> Dataset:
@@ -77,7 +78,7 @@ def check_data_source(data: DataSection) -> None:
     ModelSourceError / HubTimeoutError for a Hub dataset."""
     if data.source in GENERATED_SOURCES or Path(data.source).exists():
         return
-    if is_local(data.source):
+    if is_local(data.source) or Path(data.source).suffix in DATA_SUFFIXES:
         raise DataNotFoundError(
             f"data.source {data.source} does not exist; generate it with `longpeft synth` or "
             "point the recipe at your data (a Hub dataset is named owner/name)"
@@ -95,25 +96,19 @@ def _is_empty(path: Path) -> bool:
 def _load_source(data: DataSection) -> Dataset:
     """A local file or folder (a ``longpeft synth`` output folder: its train.jsonl), else a Hub dataset id."""
     path = synth_output_file(data.source) or Path(data.source)
-    suffixes = (".json", ".jsonl", ".txt")
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in suffixes)
+        files = sorted(p for p in path.iterdir() if p.suffix in DATA_SUFFIXES)
         if not files:
             raise DataNotFoundError(f"data.source {path} is a folder without .json/.jsonl/.txt files")
-    elif path.suffix in suffixes or path.exists():
-        if not path.is_file():
-            raise DataNotFoundError(
-                f"data.source {path} does not exist; generate it with `longpeft synth` or point the recipe at your "
-                "data"
-            )
+    elif path.is_file():
         files = [path]
     else:
-        check_data_source(data)
+        check_data_source(data)  # refuses a local path that does not exist
         return load_dataset(data.source, split=data.split)
     empty = [str(p) for p in files if _is_empty(p)]
     if empty:
         raise DataError(f"data.source: {', '.join(empty)} {'is' if len(empty) == 1 else 'are'} empty")
-    if any(p.suffix not in suffixes for p in files):
+    if any(p.suffix not in DATA_SUFFIXES for p in files):
         raise DataError(f"data.source {path}: expected .jsonl, .json or .txt files")
     if {p.suffix for p in files} == {".txt"}:
         if data.format != "text":
@@ -291,12 +286,8 @@ def pack_for_utk(dataset: Dataset, max_length: int, utk: UtkSection, n_letters: 
             f"to {max_chunks} chunks each); set data.utk.label_length to at least {enough} (or raise "
             "data.utk.min_split_tokens)"
         )
-    return Dataset.from_dict(
-        {
-            "input_ids": [[t for i in group for t in documents[i]] for group in groups],
-            "doc_lengths": [[len(documents[i]) for i in group] for group in groups],
-        }
-    )
+    input_ids = [[t for i in group for t in documents[i]] for group in groups]
+    return Dataset.from_dict({"input_ids": input_ids, "doc_lengths": [[len(documents[i]) for i in g] for g in groups]})
 
 
 def utk_groups(document_lengths: list[int], max_length: int, utk: UtkSection) -> list[list[int]]:

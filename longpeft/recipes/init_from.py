@@ -79,10 +79,8 @@ class InitAdapter:
             for key, (before, now) in keys.items()
         )
         if changes:
-            print(
-                f"longpeft: starting from {self.folder}, with these method settings changed: {changes}",
-                file=sys.stderr,
-            )
+            message = f"longpeft: starting from {self.folder}, with these method settings changed: {changes}"
+            print(message, file=sys.stderr)
 
 
 def check_init_adapter(recipe: Recipe, spec: ContextSpec, base_config: Any) -> InitAdapter:
@@ -138,6 +136,5 @@ def _load_lora(model: Any, folder: Path) -> None:
     if result.unexpected_keys or missing:
         raise ConfigError(
             f"{where}: its LoRA weights do not fit this run's (lora.target_modules, lora.embeddings "
-            f"must match the earlier run's): missing {missing[:4]}, unexpected "
-            f"{result.unexpected_keys[:4]}"
+            f"must match the earlier run's): missing {missing[:4]}, unexpected {result.unexpected_keys[:4]}"
         )

@@ -54,8 +54,7 @@ class TrainingMemory(TrainerCallback):
     did. ``offloader`` then holds the counters of the offloaded layer inputs (None without offloading)."""
 
     def __init__(self, settings: CheckpointSettings | None, mlp_tile_tokens: int | None) -> None:
-        self.settings, self.mlp_tile_tokens = settings, mlp_tile_tokens
-        self.offloader = None
+        self.settings, self.mlp_tile_tokens, self.offloader = settings, mlp_tile_tokens, None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         lines = []

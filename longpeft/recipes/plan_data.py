@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,7 @@ def count_sample_lengths(recipe: Recipe, progress: bool = True) -> SampleLengths
     """The tokens of every sample the recipe trains on, after its length filters, truncation and packing;
     :meth:`SampleLengths.not_known` with the reason when the data is not on this machine. Raises what the runner
     raises for the same data."""
-    source = recipe.data.source
-    generated = source in GENERATED_SOURCES
+    source, generated = recipe.data.source, recipe.data.source in GENERATED_SOURCES
     if not generated and not Path(source).exists():
         return SampleLengths.not_known(
             f"data.source {source} is not on this machine, and the planner downloads no data set"
@@ -106,9 +106,7 @@ def token_counts(tokenized: Any, limit: int) -> tuple[list[int], list[bool] | No
     for table in tokenized.select_columns(["assistant_masks"]).with_format("arrow").iter(batch_size=1024):
         masks = table["assistant_masks"].combine_chunks()
         offsets, values = masks.offsets.to_numpy(), masks.values.to_numpy()
-        scored += [
-            bool(values[start : min(end, start + limit)].any()) for start, end in zip(offsets[:-1], offsets[1:])
-        ]
+        scored += [bool(values[start : min(end, start + limit)].any()) for start, end in pairwise(offsets)]
     return token_lengths(tokenized), scored
 
 
@@ -177,24 +175,17 @@ class LongestSample:
 
     def lines(self) -> list[str]:
         """What ``plan --longest`` prints before the plan's table."""
-        memory = (
-            f"memory: up to {self.memory:,} tokens fit in {self.gpu_memory_gib:g} GiB per GPU (multiples of "
-            f"{self.step:,})"
-            if self.memory
-            else f"memory: not even {self.step:,} tokens fit in {self.gpu_memory_gib:g} GiB per GPU"
-        )
+        per_gpu = f"fit in {self.gpu_memory_gib:g} GiB per GPU"
+        memory = f"not even {self.step:,} tokens {per_gpu}"
+        if self.memory:
+            memory = f"up to {self.memory:,} tokens {per_gpu} (multiples of {self.step:,})"
+        inside = f"inside the adapted model's {self.max_positions:,} positions" if self.max_positions else ""
         if self.positions is None:
-            positions = f"positions: not checked ({self.positions_source})"
+            positions = f"not checked ({self.positions_source})"
         elif self.positions >= LIMIT:
-            positions = (
-                f"positions: no bound below {LIMIT:,} tokens (the method keeps an input inside the adapted model's "
-                f"{self.max_positions:,} positions at any length)"
-            )
+            positions = f"no bound below {LIMIT:,} tokens (the method keeps an input {inside} at any length)"
         else:
-            positions = (
-                f"positions: up to {self.positions:,} tokens stay inside the adapted model's {self.max_positions:,} "
-                "positions (train refuses a longer data.max_length)"
-            )
+            positions = f"up to {self.positions:,} tokens stay {inside} (train refuses a longer data.max_length)"
         target = f", for target_length {self.target_length:,}" if self.target_length else ""
         fits = "fits" if self.max_length <= self.tokens else "does not fit"
         if self.positions is None or self.memory < self.positions:  # what bounds tokens: memory, positions or both
@@ -203,8 +194,8 @@ class LongestSample:
             bound = "positions" if self.positions < self.memory else "memory and positions"
         return [
             f"longest sample: {self.tokens:,} tokens per GPU sample, bounded by {bound}",
-            f"  {memory}",
-            f"  {positions}",
+            f"  memory: {memory}",
+            f"  positions: {positions}",
             f"  recipe: data.max_length={self.max_length:,}{target}; it {fits}",
         ]
 

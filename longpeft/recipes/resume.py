@@ -63,10 +63,9 @@ def start_run(recipe: Recipe, resume: bool, allow_recipe_change: bool) -> RunSta
         output_dir.mkdir(parents=True, exist_ok=True)
         if resume:
             trim_metrics(output_dir / "metrics.jsonl", checkpoint_step(checkpoint))
-            if changed:
-                save_training_recipe(output_dir, recipe.model_dump())
         else:
             (output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        if changed or not resume:
             save_training_recipe(output_dir, recipe.model_dump())
     return RunStart(output_dir, checkpoint, changed)
 

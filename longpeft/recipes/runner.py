@@ -63,9 +63,12 @@ def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: l
     model, tokenizer, spec = load_model(recipe, base_id, args, loader)
     with args.main_process_first(local=True, desc="data"):
         dataset, data_stats = build_dataset(recipe, tokenizer)
-    trainer = build_trainer(recipe, model, tokenizer, spec, dataset, args, output_dir, callbacks, start)
+    trainer = build_trainer(recipe, model, tokenizer, spec, dataset, args, output_dir, callbacks)
+    if start is not None:  # the weights of the stage the run starts from (model.init_from)
+        start.load_into(trainer.model, spec)
     check_samples_left(trainer, data_stats, recipe)
     checkpointing = install_memory(recipe, trainer, model.config)
+    per_step_samples = args.per_device_train_batch_size * args.gradient_accumulation_steps  # on each process
     resolved = {
         "recipe": {**recipe.model_dump(), "output_dir": str(output_dir.resolve())},  # {name} filled in, absolute
         "base_model": base_id,
@@ -73,9 +76,7 @@ def build(recipe: Recipe, validation: Validation, output_dir: Path, callbacks: l
         "world_size": world_size(),
         "distributed_type": str(trainer.accelerator.distributed_type),
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-        "effective_global_batch_size": args.per_device_train_batch_size
-        * args.gradient_accumulation_steps
-        * data_parallel_size(),
+        "effective_global_batch_size": per_step_samples * data_parallel_size(),
         "backend": recipe.train.backend,
         "lora": adapter_settings(trainer.model),
         "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
@@ -109,9 +110,8 @@ def run(
     prepared = build(recipe, validation, start.output_dir, [StopOnNonFinite(), *taken_up, *(callbacks or [])])
     trainer, output_dir = prepared.trainer, prepared.output_dir
     if trainer.is_world_process_zero():
-        write_text_atomically(
-            output_dir / "recipe.resolved.json", json.dumps(prepared.resolved, indent=2, default=str) + "\n"
-        )
+        resolved = json.dumps(prepared.resolved, indent=2, default=str) + "\n"
+        write_text_atomically(output_dir / "recipe.resolved.json", resolved)
     train_metrics = train_or_take_last(trainer, start.checkpoint)
     adapter_dir, metrics = save_run(prepared, train_metrics)
     trainer.accelerator.wait_for_everyone()

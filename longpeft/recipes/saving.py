@@ -44,11 +44,9 @@ def save_run(prepared: Prepared, train_metrics: dict[str, Any]) -> tuple[Path, d
     ``resolved`` settings. Returns the folder and the summary (``train_metrics`` on the other processes)."""
     trainer, spec, recipe, output_dir = prepared.trainer, prepared.spec, prepared.recipe, prepared.output_dir
     adapter_dir = output_dir / ("model" if recipe.finetune == "full" else "adapter")
-    state_dict = None  # a sharded model's (FSDP, DeepSpeed ZeRO-3), gathered with every process taking part
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
-        state_dict = trainer.accelerator.get_state_dict(
-            trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
-        )
+    sharded = trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled  # FSDP, DeepSpeed ZeRO-3
+    wrapped = trainer.deepspeed if trainer.is_deepspeed_enabled else trainer.model
+    state_dict = trainer.accelerator.get_state_dict(wrapped) if sharded else None  # every process takes part
     if not trainer.is_world_process_zero():
         return adapter_dir, dict(train_metrics)
     dtype = torch_dtype(recipe.model.dtype)

@@ -232,13 +232,9 @@ TRAIN_KEYS_AS_IS = (
 ).split()
 # SFTConfig arguments longpeft sets itself (trainer.sft_arguments), with what to do instead.
 TRL_KEYS_OWNED_BY_RECIPE = {
-    **{
-        key: f"use train.{key}"
-        for key in (
-            *TRAIN_KEYS_AS_IS,
-            *"gradient_checkpointing assistant_only_loss report_to use_liger_kernel".split(),
-        )
-    },
+    **{key: f"use train.{key}" for key in TRAIN_KEYS_AS_IS},
+    **{key: f"use train.{key}" for key in ("gradient_checkpointing", "assistant_only_loss", "report_to")},
+    "use_liger_kernel": "use train.use_liger_kernel",
     "output_dir": "use output_dir",
     "per_device_train_batch_size": "use train.per_device_batch_size",
     "gradient_accumulation_steps": "use train.global_batch_size",
@@ -275,10 +271,8 @@ def check_unsloth_recipe(recipe: Recipe) -> None:
         problems.append("data.utk (it adds tokens and its own collator)")
     if recipe.train.activation_offloading:
         problems.append("train.activation_offloading (unsloth's gradient checkpointing already offloads)")
-    memory = changed_from_default(
-        recipe.train,
-        ("checkpoint_layers", "keep_attention", "offload_checkpoints", "mlp_tile_tokens", "use_liger_kernel"),
-    )
+    memory_keys = ("checkpoint_layers", "keep_attention", "offload_checkpoints", "mlp_tile_tokens", "use_liger_kernel")
+    memory = changed_from_default(recipe.train, memory_keys)
     if memory:
         problems.append(f"train.{memory[0]} (unsloth checkpoints its own way and picks its own kernels)")
     if recipe.lora.trainable_dtype is not None:

@@ -24,7 +24,6 @@ from ..rope import rotary_modules
 from ..spec import ContextSpec
 from ..synth_data.utk import UtkAugmenter, UtkCollator, add_utk_tokens
 from .data import longest_sample
-from .init_from import InitAdapter
 from .peft_setup import lora_config, set_trained_weights
 from .recipe_trainer import recipe_trainer_class
 from .schema import TRAIN_KEYS_AS_IS, Recipe
@@ -217,12 +216,10 @@ def build_trainer(
     args: Any,
     output_dir: Path,
     callbacks: list[TrainerCallback],
-    start: InitAdapter | None = None,
 ) -> Any:
     """The recipe's trainer (:func:`~.recipe_trainer.recipe_trainer_class`) over the model with its trained weights
     set up (:mod:`.peft_setup`), the dataset, the collator and each method's label rule; metrics go to
-    ``output_dir/metrics.jsonl``, then come ``callbacks``. Refuses a distributed setup the recipe cannot run under,
-    then copies in the weights of the stage the run starts from (``start``: ``model.init_from``)."""
+    ``output_dir/metrics.jsonl``, then come ``callbacks``. Refuses a distributed setup the recipe cannot run under."""
     own_weights = any(method.keeps_weights for method, _ in spec_methods(spec))  # kept by its checkpoints
     if recipe.finetune == "method":
         model.requires_grad_(False)  # only the methods' own weights train (set_trained_weights)
@@ -244,6 +241,4 @@ def build_trainer(
         trainer.data_collator = MethodTrainingLabels(trainer.data_collator, rules)
     check_distributed_type(trainer.accelerator.distributed_type)
     check_parallelism(recipe, trainer.accelerator)
-    if start is not None:
-        start.load_into(trainer.model, spec)
     return trainer

@@ -131,14 +131,13 @@ def build_spec(recipe: Recipe, base_config: Any, base_id: str) -> ContextSpec:
 def check_against_base(recipe: Recipe, spec: ContextSpec, stand_in: bool = False) -> None:
     """Token ids inside the base's vocabulary (not the eos ids of a ``stand_in`` base), and the positions a sample
     spans inside the adapted model's."""
-    vocab = spec.base_shape.vocab_size
-    problems = []
-    bad_eos = [i for i in recipe.model.eos_token_ids or [] if not 0 <= i < vocab and not stand_in]
-    if bad_eos:
-        problems.append(f"model.eos_token_ids {bad_eos} are outside the vocabulary (0..{vocab - 1})")
-    bad_rows = [i for i in recipe.lora.trainable_token_indices or [] if not 0 <= i < vocab]
-    if bad_rows:
-        problems.append(f"lora.trainable_token_indices {bad_rows} are outside the vocabulary (0..{vocab - 1})")
+    vocab, problems = spec.base_shape.vocab_size, []
+    eos_ids = [] if stand_in else recipe.model.eos_token_ids  # a stand-in base's vocabulary is not the real one's
+    settings = {"model.eos_token_ids": eos_ids, "lora.trainable_token_indices": recipe.lora.trainable_token_indices}
+    for key, values in settings.items():
+        outside = [i for i in values or [] if not 0 <= i < vocab]
+        if outside:
+            problems.append(f"{key} {outside} are outside the vocabulary (0..{vocab - 1})")
     span = positions_spanned(spec, recipe.data.max_length)
     if span > spec.max_position_embeddings:
         problems.append(span_problem(spec, recipe.data.max_length, span))
