@@ -90,8 +90,7 @@ def write_tied_copies(folder: str | Path, copies: dict[str, str]) -> dict[str, s
         added = {copy: source for copy, source in copies.items() if copy not in names}
         if not added and TIED_METADATA not in metadata:
             return {}
-        lost = sorted(source for source in added.values() if source not in names)
-        if lost:
+        if lost := sorted(source for source in added.values() if source not in names):
             raise DataError(f"{path}: a tied copy's matrix {lost[0]} is not in the file (a damaged file); {REDO}")
         tensors = {name: handle.get_tensor(name) for name in names}
     tensors.update({copy: tensors[source].clone() for copy, source in added.items()})  # safetensors refuses shared
@@ -161,8 +160,7 @@ def load_adapter(model: Any, folder: str | Path, is_trainable: bool = False) -> 
     config = PeftConfig.from_pretrained(str(folder))
     config.inference_mode = not is_trainable
     peft_model = get_peft_model(model, config)
-    missing = missing_adapter_weights(peft_model, load_weights_into(peft_model, folder))
-    if missing:
+    if missing := missing_adapter_weights(peft_model, load_weights_into(peft_model, folder)):
         raise DataError(
             f"{Path(folder) / WEIGHTS_NAME}: lacks {len(missing)} weights of the adapter its "
             f"adapter_config.json describes (e.g. {missing[0]}); re-create the folder (or copy / download "

@@ -70,8 +70,7 @@ def validate_rope_parameters(params: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError("rope_parameters needs rope_theta (the RoPE base)")
     if float(params["rope_theta"]) <= 1:
         raise ConfigError(f"rope_parameters.rope_theta must be > 1, got {params['rope_theta']}")
-    missing = [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]
-    if missing:
+    if missing := [k for k in ROPE_TYPE_REQUIRED_KEYS[rope_type] if k not in params]:
         raise ConfigError(f"rope_parameters with rope_type={rope_type!r} needs {missing}")
     return params
 
@@ -89,8 +88,7 @@ def rope_parameters_from_json(config: dict[str, Any]) -> dict[str, Any]:
         params.setdefault("partial_rotary_factor", config["partial_rotary_factor"])
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] in READS_ORIGINAL_LENGTH:
-        original = config.get("original_max_position_embeddings")
-        if original is not None:
+        if (original := config.get("original_max_position_embeddings")) is not None:
             params["original_max_position_embeddings"] = original
         elif config.get("max_position_embeddings") is not None:
             params.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
@@ -133,10 +131,9 @@ def model_types() -> frozenset[str]:
     for relative in ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py"):
         tree = _source(relative)
         for node in ast.walk(tree) if tree is not None else ():
-            mentions = isinstance(node, (ast.Assign, ast.Expr)) and "CONFIG_MAPPING_NAMES" in ast.unparse(
+            if isinstance(node, (ast.Assign, ast.Expr)) and "CONFIG_MAPPING_NAMES" in ast.unparse(
                 node.targets[0] if isinstance(node, ast.Assign) else getattr(node.value, "func", node.value)
-            )
-            if mentions:
+            ):
                 found |= _string_keys(node.value)
     if found:
         return frozenset(found)
@@ -187,8 +184,7 @@ class BaseConfig:
     ``head_dim`` completed); a ModelSourceError when a :data:`REQUIRED_KEYS` value is missing or unusable."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
-        missing = [key for key in REQUIRED_KEYS if not _usable(key, data.get(key))]
-        if missing:
+        if missing := [key for key in REQUIRED_KEYS if not _usable(key, data.get(key))]:
             raise ModelSourceError(
                 f"{source}: config.json has no usable {', '.join(missing)}; is it a causal LM's config (a model "
                 "folder's config.json)?"
@@ -289,11 +285,8 @@ def read_base(name: str, revision: str | None = None, what: str = "model.name_or
 
 def check_base_code(name: str, revision: str | None, trusted: bool, setting: str | None) -> None:
     """:meth:`BaseFacts.check_remote_code` of the base ``name``, if its config is readable here."""
-    try:
-        facts = read_base(name, revision, "base model")
-    except BaseNotHere:
-        return
-    facts.check_remote_code(trusted, setting)
+    with contextlib.suppress(BaseNotHere):
+        read_base(name, revision, "base model").check_remote_code(trusted, setting)
 
 
 def _folder_facts(name: str, folder: Path, source: str) -> BaseFacts:

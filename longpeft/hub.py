@@ -4,6 +4,7 @@ card), push an adapter or a whole model to the Hub, and convert Activation Beaco
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -105,13 +106,11 @@ def check_merge(
     base_name = resolve_base(spec, adapter_dir, base)
     check_output_folder(out_dir, protected={"the adapter": adapter_dir, "the base model": Path(base_name)})
     check_model_source(base_name, "base model", "; give the base model with --base (merge(..., base=...))")
-    unknown = sorted(set(without) - set(spec.methods))
-    if unknown:
+    if unknown := sorted(set(without) - set(spec.methods)):
         raise ConfigError(
             f"--without {', '.join(unknown)}: the adapter has no such method (it has {', '.join(spec.methods)})"
         )
-    trained = [name for name in without if not METHODS[name].inference_only]
-    if trained:
+    if trained := [name for name in without if not METHODS[name].inference_only]:
         optional = [name for name, method in METHODS.items() if method.inference_only]
         raise ConfigError(
             f"--without {trained[0]}: the adapter was trained with it, so the merged model cannot leave "
@@ -402,8 +401,7 @@ def _update_json(path: Path, changes: dict[str, Any]) -> None:
 
 def stage_whole_model(source: Path, dest: Path, dtype: str) -> None:
     """Copy a whole model to ``dest``, its float weights cast to ``dtype`` file by file; a ModelSourceError if none."""
-    weights = sorted(source.glob("*.safetensors"))
-    if not weights:
+    if not (weights := sorted(source.glob("*.safetensors"))):
         raise ModelSourceError(
             f"{source} holds config.json but no *.safetensors weights; is it the model/ folder "
             "of a longpeft run with finetune: full?"
@@ -448,10 +446,8 @@ def push(
     (warned). Returns the commit URL (token: the environment's or ``huggingface-cli login``'s), or with ``dry_run``
     the folder written there (nothing uploaded)."""
     if dry_run is None:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # a new repository: create_repo makes it
             hub_preflight(repo_id, "push to")
-        except FileNotFoundError:
-            pass  # a new repository: create_repo makes it
     check_repo_id(repo_id, "--repo")
     if base_id:
         check_repo_id(base_id, "--base-id")
@@ -506,8 +502,7 @@ def _checkpoint_files(source: str | Path) -> tuple[Path, dict[str, Any], list[Pa
     local = Path(source).is_dir()
     patterns = ["config.json", "*.safetensors.index.json"]
     folder = Path(source if local else snapshot_download(str(source), allow_patterns=patterns))
-    index = next(iter(folder.glob("*.safetensors.index.json")), None)
-    if index is not None:
+    if (index := next(iter(folder.glob("*.safetensors.index.json")), None)) is not None:
         weight_map = read_json_object(index, "safetensors index").get("weight_map")  # tensor -> file
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
             raise DataError(f"{index}: no weight_map of tensor names to file names; download the model again")
@@ -531,8 +526,7 @@ def check_beacon_tensors(tensors: dict[str, torch.Tensor], path: Path, base_conf
                 f"{path}: {name} has shape {tuple(tensor.shape)}, and on the base {base} it must be "
                 f"{expected}; the checkpoint is damaged or built on another base (--base)"
             )
-        if not torch.isfinite(tensor).all():
-            bad = int((~torch.isfinite(tensor)).sum())
+        if bad := int((~torch.isfinite(tensor)).sum()):
             raise DataError(
                 f"{path}: {name} holds {bad} NaN or infinite values; the checkpoint is damaged: download it again"
             )
@@ -542,8 +536,6 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
     """Write into ``out_dir`` a beacon adapter for ``longpeft.load(base, out_dir)`` from the authors' Activation Beacon
     model ``source`` (a folder or Hub id, e.g. ``namespace-Pt/beacon-qwen-2-7b-instruct``) built on ``base``: its
     ``beacon_*`` settings and tensors only, no remote code run. Returns ``{"out_dir", "tensors", "beacon"}``."""
-    from transformers import AutoConfig
-
     out_dir = Path(out_dir)
     check_output_folder(out_dir, {"the authors' model": Path(source)})  # before any download
     check_model_source(source, "the authors' model")
@@ -560,14 +552,12 @@ def convert_authors_beacon(source: str | Path, out_dir: str | Path, base: str | 
         tensors.update(read)
     layers = range(base_config.num_hidden_layers)
     expected = {f"model.layers.{i}.self_attn.beacon_{p}_proj.weight" for i in layers for p in beacon.params}
-    missing = sorted((expected | {"model.beacon_embed_tokens.weight"}) - set(tensors))
-    if missing:
+    if missing := sorted((expected | {"model.beacon_embed_tokens.weight"}) - set(tensors)):
         raise DataError(
             f"{source} lacks beacon tensors {missing[:4]} (beacon_param in {config_file} says {beacon.params})"
         )
     projections = {name.split(".")[-2][len("beacon_")] for name in tensors if name.endswith("_proj.weight")}
-    unlisted = sorted(projections - set(beacon.params))  # the layer count is the base's (check_built_on)
-    if unlisted:
+    if unlisted := sorted(projections - set(beacon.params)):  # the layer count is the base's (check_built_on)
         raise DataError(
             f"{config_file}: beacon_param is {beacon.params}, and {source} holds beacon weights of the "
             f"{'/'.join(unlisted)} projections too; edit beacon_param there to list every projection it has beacon "

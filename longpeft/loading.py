@@ -94,9 +94,8 @@ def load(
         check_base_code(name, revision, trusted, "trust_remote_code=True")
         kwargs = {k: v for k, v in from_pretrained_kwargs.items() if k in CONFIG_KWARGS}
         spec.check_base(AutoConfig.from_pretrained(name, **kwargs), name, strict_base_id, recorded)
-        lookup = {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}
-        if lookup:  # what the caller set in adapter_kwargs wins
-            adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}
+        if lookup := {k: v for k, v in from_pretrained_kwargs.items() if k in ADAPTER_LOOKUP_KWARGS}:
+            adapter_kwargs = {**lookup, **(from_pretrained_kwargs.get("adapter_kwargs") or {})}  # the caller's win
             from_pretrained_kwargs = {**from_pretrained_kwargs, "adapter_kwargs": adapter_kwargs}
         model = AutoModelForCausalLM.from_pretrained(name, **from_pretrained_kwargs)
     apply_spec(model, spec)

@@ -90,8 +90,7 @@ def safetensors_header(path: str | Path) -> dict[str, dict[str, Any]]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        problem = _entry_problem(entry, data_bytes)
-        if problem:
+        if problem := _entry_problem(entry, data_bytes):
             raise DataError(f"{path}: tensor {name!r} {problem} (a truncated or damaged file); {_fix(path)}")
         tensors[name] = entry
     return tensors

@@ -87,8 +87,7 @@ class ContextSpec(StrictModel):
     @property
     def rope_parameters(self) -> dict[str, Any]:
         """The adapted model's complete rope_parameters (the base's when the spec changes none)."""
-        rope = self.methods.get("rope")
-        if not rope:
+        if not (rope := self.methods.get("rope")):
             return dict(self.original_rope_parameters)
         return {k: v for k, v in rope.items() if v is not None and k != "max_position_embeddings"}
 
@@ -169,8 +168,7 @@ class ContextSpec(StrictModel):
         """A :class:`SpecMismatchError` when ``config`` differs from the spec's architecture (both known) or shape, or
         (``strict_base_id``) ``base_model`` is not the spec's base (or ``recorded``) by id or path."""
         problems = []
-        architecture = _architecture(config)
-        if architecture and self.architecture and architecture != self.architecture:
+        if (architecture := _architecture(config)) and self.architecture and architecture != self.architecture:
             problems.append(f"architecture: adapter {self.architecture}, base {architecture}")
         actual = BaseShape.of(config).model_dump()
         for key, expected in self.base_shape.model_dump().items():

@@ -111,8 +111,7 @@ def tiny_settings(arch: str = "llama", vocab_size: int = 512, **overrides: Any) 
     settings: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     settings |= dict(max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     settings |= dict(tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=[6, 2])
-    settings |= dict(attn_implementation="eager")
-    return {"model_type": model_type, **settings, **arch_overrides, **overrides}
+    return {"model_type": model_type, **settings, "attn_implementation": "eager", **arch_overrides, **overrides}
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 512, **overrides: Any):
@@ -133,5 +132,4 @@ def tiny_model(arch: str = "llama", seed: int = 0, vocab_size: int = 512, **over
 
     config = tiny_config(arch, vocab_size=vocab_size, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation)
-    return model.eval()
+    return AutoModelForCausalLM.from_config(config, attn_implementation=config._attn_implementation).eval()

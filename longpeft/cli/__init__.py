@@ -51,9 +51,8 @@ def error_message(exc: BaseException) -> str | None:
     detail = f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
     if isinstance(exc, LongpeftError):  # longpeft's own messages are written to be read as they are
         return str(exc).strip() or type(exc).__name__
-    silent_hub = _cause_of_kind(exc, HubTimeoutError)  # a library turned a silent Hub into its own error
-    if silent_hub is not None:
-        return str(silent_hub)
+    if (silent_hub := _cause_of_kind(exc, HubTimeoutError)) is not None:
+        return str(silent_hub)  # a library turned a silent Hub into its own error
     if isinstance(exc, (KeyError, TypeError, AttributeError)):
         if raised_in(exc, HUB_CLIENT_PACKAGES):
             what = f"KeyError {exc.args[0]!r}" if isinstance(exc, KeyError) and exc.args else detail
@@ -62,8 +61,7 @@ def error_message(exc: BaseException) -> str | None:
                 "proxy?), or give a local folder"
             )
         return None
-    problem = write_failure(exc)
-    if problem is not None:
+    if (problem := write_failure(exc)) is not None:
         return f"a write failed: {problem} ({detail}); free space or choose a writable folder, and run again"
     if isinstance(exc, SafetensorError):
         return f"a safetensors file could not be read ({detail}); re-create or download it again"
@@ -103,11 +101,7 @@ def _cause_of_kind(exc: BaseException, kind: type[BaseException]) -> BaseExcepti
 
 
 # The HTTP clients huggingface_hub may use (1: httpx, 2: httpx2; requests) -> their errors, no OSError subclasses.
-NETWORK_ERRORS = {
-    "httpx": ("HTTPError", "InvalidURL"),
-    "httpx2": ("HTTPError", "InvalidURL"),
-    "requests": ("RequestException",),
-}
+NETWORK_ERRORS = {**dict.fromkeys(("httpx", "httpx2"), ("HTTPError", "InvalidURL")), "requests": ("RequestException",)}
 
 
 def _is_network_error(exc: BaseException) -> bool:
@@ -131,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         if args.debug or os.environ.get("LONGPEFT_DEBUG"):
             raise
-        message = error_message(exc)
-        if message is None:
+        if (message := error_message(exc)) is None:
             traceback.print_exc()
             print(
                 f"longpeft {args.command}: unexpected error ({type(exc).__name__}), a bug in longpeft or a library it "

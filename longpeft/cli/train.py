@@ -60,9 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def cmd_train(args: argparse.Namespace) -> int:
     if args.launch:
         return _launch(args)
-    launch_flags = {name: getattr(args, name) for name in ("gpus", "print_command", "nodes", "node_rank")}
-    launch_flags |= {"main_address": args.main_address or None, "print_slurm": args.print_slurm}
-    given = [name for name, value in launch_flags.items() if value is not None and value is not False]
+    flags = ("gpus", "print_command", "nodes", "node_rank", "main_address", "print_slurm")
+    given = [name for name in flags if (value := getattr(args, name)) not in (None, "") and value is not False]
     if given:
         raise ConfigError(
             f"--{given[0].replace('_', '-')} goes with --launch ddp|fsdp2|zero3|ulysses (without --launch the recipe "

@@ -36,8 +36,7 @@ def check_launch(recipe: Any, launch: str) -> None:
     if launch in SHARDED_LAUNCHES:
         check_sharded(recipe, f"--launch {launch}")
     if launch in DEEPSPEED_LAUNCHES and recipe.finetune == "lora":
-        weighted = [name for name in recipe.method_configs() if METHODS[name].keeps_weights]
-        if weighted:
+        if weighted := [name for name in recipe.method_configs() if METHODS[name].keeps_weights]:
             raise ConfigError(
                 f"--launch {launch} with finetune: lora and {', '.join(weighted)}: for a LoRA model's checkpoints "
                 "DeepSpeed ZeRO-3 gathers only the trainable weights, and some of the method's own weights are "

@@ -65,8 +65,7 @@ def check_parallelism(recipe: Any, accelerator: Any) -> None:
         check_sharded(recipe, "FSDP")
     elif distributed_type == "DEEPSPEED" and deepspeed is not None and deepspeed.zero_stage == 3:
         check_sharded(recipe, "DeepSpeed ZeRO-3")
-    parallelism = getattr(accelerator, "parallelism_config", None)
-    if parallelism is None:
+    if (parallelism := getattr(accelerator, "parallelism_config", None)) is None:
         return
     if parallelism.cp_enabled:
         check_context_parallel(recipe, packing=recipe.data.utk is not None)
