@@ -259,7 +259,7 @@ class BaseFacts:
         """``{module name: kind}`` of the causal LM this config builds (:func:`~longpeft.family.module_kinds`); for
         architectures outside the Llama family the model is built on the ``meta`` device (torch and transformers)."""
         kinds = module_kinds(self.config)
-        return kinds if kinds is not None else _meta_module_kinds(self.config.to_dict())
+        return kinds if kinds is not None else _meta_module_kinds(self.config.to_dict(), self.name)
 
 
 def read_base(name: str, revision: str | None = None, what: str = "model.name_or_path") -> BaseFacts:
@@ -330,13 +330,21 @@ def _hub_facts(name: str, revision: str | None, what: str) -> BaseFacts:
     return _folder_facts(name, folder, str(folder / "config.json"))
 
 
-def _meta_module_kinds(config: dict[str, Any]) -> dict[str, str]:
-    """:meth:`BaseFacts.module_kinds` of the model ``config`` builds, built on the ``meta`` device (no weights)."""
+def _meta_module_kinds(config: dict[str, Any], name: str) -> dict[str, str]:
+    """:meth:`BaseFacts.module_kinds` of the model ``config`` builds, built on the ``meta`` device (no weights);
+    a ConfigError names the base ``name`` when transformers cannot build its config."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = {key: value for key, value in config.items() if key not in ("auto_map", "architectures")}
-    built = AutoConfig.for_model(settings.pop("model_type"), **settings)  # a type validate found transformers knows
+    model_type = settings.pop("model_type")
+    try:
+        built = AutoConfig.for_model(model_type, **settings)
+    except (ValueError, KeyError) as error:
+        raise ConfigError(
+            f"{name}: transformers does not know model_type {model_type!r} ({str(error).splitlines()[0][:120]}); "
+            "upgrade transformers or use another base"
+        ) from None
     with init_empty_weights(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_config(built)

@@ -159,6 +159,9 @@ def test_module_names_from_the_config_are_the_built_models(tmp_path):
     for arch in TINY_ARCHITECTURES:
         settings = {k: v for k, v in tiny_settings(arch).items() if k != "attn_implementation"}
         table = module_kinds(BaseConfig(settings, arch))
+        facts = BaseFacts(arch, arch, BaseConfig({**settings, "model_type": "unlisted"}, arch), None, False)
+        with pytest.raises(Exception, match="does not know model_type 'unlisted'"):
+            facts.module_kinds()
         built = BaseFacts(arch, arch, BaseConfig(settings, arch), None, False)
         assert table is not None and table == _meta_kinds(built.config.to_dict()), arch
 
@@ -166,7 +169,7 @@ def test_module_names_from_the_config_are_the_built_models(tmp_path):
 def _meta_kinds(config: dict) -> dict[str, str]:
     from longpeft.base_config import _meta_module_kinds
 
-    return _meta_module_kinds(config)
+    return _meta_module_kinds(config, "tiny")
 
 
 def test_an_architecture_outside_the_family_has_its_modules_checked(capsys):

@@ -1,6 +1,6 @@
 """The eval-task registry, read by ``longpeft eval``, :func:`longpeft.eval.evaluate` and tests/test_eval_tasks.py.
 Torch-free: the CLI builds its parser from it. A task is one record and one :func:`register` line (the built-in
-ones: :mod:`.cli`); CONTRIBUTING.md ("One record for every eval task") describes the contract."""
+ones: :mod:`.builtin`); CONTRIBUTING.md ("One record for every eval task") describes the contract."""
 
 from __future__ import annotations
 

@@ -111,7 +111,7 @@ class ProbeGrid:
 
 
 def build_probe_grid(
-    task: str, tokenizer: Any, lengths: Sequence[int], max_new_tokens: int | None = None, **options: Any
+    task: str, tokenizer: Any, lengths: Sequence[int], *, max_new_tokens: int | None = None, **options: Any
 ) -> ProbeGrid:
     """The :class:`ProbeGrid` of the probe task ``task`` (:func:`~longpeft.eval.registry.make_probes` with
     ``options``: depths, n_samples, seed, chat and the task's own); fails before any generation. ``max_new_tokens``:
@@ -134,6 +134,7 @@ def run_probe_task(
     model: Any,
     tokenizer: Any,
     lengths: Sequence[int] = LENGTHS.default,
+    *,
     batch_size: int = BATCH_SIZE.default,
     save_prompts: bool = False,
     grid: ProbeGrid | None = None,

@@ -196,7 +196,7 @@ class EndpointCheck:
                 "not_http": f"{base} answered {what} with {error}; check llm.base_url (the address of an "
                 "OpenAI-compatible server, ending in /v1)",
             }
-            raise LLMRunAborted(message[error.kind]) from None
+            raise LLMRunAborted(message.get(error.kind, message["not_http"])) from None
         return answer, time.monotonic() - start
 
     def ask(self, messages: list[dict[str, str]], params: dict[str, Any], what: str) -> str | None:

@@ -20,7 +20,7 @@ from ..files import write_text_atomically
 
 # Why a request was rejected for good (docs/synth.md): its last attempt's output, the endpoint's HTTP 4xx, a prompt
 # longer than the endpoint's context, transient failures after the retries. All but gave_up are marked in the cache.
-FLUSH_EVERY_S = 10.0  # the longest a changed rejects file waits to be written during a batch
+FLUSH_EVERY_S = 10.0  # during a batch, a change this long after the last write writes the file
 REJECT_REASONS = ("malformed", "truncated", "quality", "http_refused", "prompt_too_long", "gave_up")
 
 
@@ -36,8 +36,9 @@ def _is_record(value: Any) -> bool:
 
 class RejectsLog:
     """``rejects.jsonl`` as groups of records, one group per request (see the module docstring), held in memory and
-    written whole by :meth:`flush` when they changed: at the end of each batch, and at most :data:`FLUSH_EVERY_S`
-    after a change (a killed run loses at most that much of its records; the cache's marks lose nothing)."""
+    written whole by :meth:`flush` when they changed: at the end of each batch, and by a change that comes
+    :data:`FLUSH_EVERY_S` or more after the last write. A killed run loses the records changed since the last write;
+    the cache marks every rejected request, and a rerun rebuilds its request record from the mark."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)

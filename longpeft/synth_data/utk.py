@@ -280,7 +280,7 @@ def pack_documents(
     return groups
 
 
-@dataclass
+@dataclass(eq=False)
 class UtkCollator:
     """Applies UtK to packed sequences (features: ``input_ids``, its documents concatenated, and ``doc_lengths``),
     seeded by the collator's seed and the sequence's content (a resumed run sees the same augmentation), and

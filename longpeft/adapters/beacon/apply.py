@@ -28,7 +28,10 @@ def apply_beacon(model: nn.Module, settings: BeaconSettings | dict, initialise: 
 def settings_from(data: dict, what: str | None = None) -> BeaconSettings:
     """:class:`BeaconSettings` from a dict of every setting (``BeaconSettings.as_dict``) or of some of them, with
     :class:`BeaconConfig`'s defaults for the rest; a ConfigError names each key it does not have or value it refuses,
-    after ``what`` (default: the dict)."""
+    after ``what`` (default: the dict). A whole dict under ``projection: full`` may record LoRA values (a
+    ``config.beacon`` written so): they do not apply and are read as None."""
+    if data.get("projection") == "full" and set(data) >= set(BeaconSettings.__dataclass_fields__):
+        data = {**data, "lora_rank": None, "lora_alpha": None}
     try:
         return BeaconConfig(**data).settings()
     except pydantic.ValidationError as error:
@@ -53,10 +56,7 @@ def set_inference_settings(model: nn.Module, **changes) -> BeaconSettings:
     if not is_beacon_applied(model):
         raise ValueError(f"{type(model).__name__} has no Activation Beacon")
     backbone = backbone_of(model)
-    current = backbone.beacon_settings.as_dict()
-    if current["projection"] == "full":  # a config.beacon may hold LoRA values under `full`: they do not apply
-        current.update(lora_rank=None, lora_alpha=None)
-    settings = settings_from({**current, **changes}, f"beacon inference settings {changes}")
+    settings = settings_from({**backbone.beacon_settings.as_dict(), **changes}, f"beacon inference settings {changes}")
     backbone.beacon_settings = settings
     causal_lm_of(model).config.beacon = settings.as_dict()
     return settings

@@ -232,7 +232,8 @@ def _run_group(run: _BeaconRun, take: int, raw_embeds: torch.Tensor, keep_raw: t
     ).reshape(batch * windows, -1)
     visible = step_visibility(layout, starts[-1], 0, slots, keys)
     positions = (torch.tensor(starts)[:, None] + layout.offsets[None]).repeat(batch, 1)  # window p after its memory
-    step = BeaconStep(state.window_index, memory, 0, slots, layout.is_beacon.nonzero().flatten(), group)
+    beacon_rows = layout.is_beacon.nonzero().flatten().to(raw_embeds.device)
+    step = BeaconStep(state.window_index, memory, 0, slots, beacon_rows, group)
     rows = raw_embeds.reshape(batch * windows, layout.window, hidden_size)
     hidden = run.decoder_stack(rows, raw_rows, step, visible, keys, positions)
     state.memory_keep = padding_keep((state.memory_keep, memory), (entry_keep, starts[-1] - memory))

@@ -368,6 +368,14 @@ def string_attention_flash(
 _WARNED: set[str] = set()  # "padded" once the padded-batch warning was given
 
 
+def _has_flash_attn() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def string_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -403,13 +411,10 @@ def string_attention_forward(
             query, key, value, attention_mask, *args, dropout=dropout, training=module.training
         )
     if implementation.startswith("flash_attention"):
-        if attention_mask is None and query.device.type == "cuda":
-            try:  # without flash-attn: the SDPA path
-                return string_attention_flash(query, key, value, *args, dropout=dropout), None
-            except ImportError:
-                pass
+        if attention_mask is None and query.device.type == "cuda" and _has_flash_attn():
+            return string_attention_flash(query, key, value, *args, dropout=dropout), None  # else the SDPA path
         if attention_mask is not None:
-            if not _WARNED:
+            if "padded" not in _WARNED:
                 _WARNED.add("padded")
                 logger.warning(
                     "STRING on a flash-attention model: padded batches run on the exact SDPA path (the flash-attn "
