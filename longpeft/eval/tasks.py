@@ -200,7 +200,9 @@ def run_suite(
     grids = {part: build_probe_grid(part, tokenizer, lengths, **options) for part in parts}
     results = {}
     for part in parts:
-        results[part] = run_probe_task(part, model, tokenizer, lengths, batch_size, save_prompts, grids[part])
+        results[part] = run_probe_task(
+            part, model, tokenizer, lengths, batch_size=batch_size, save_prompts=save_prompts, grid=grids[part]
+        )
         save(results[part])
     lengths_done = results[parts[0]]["lengths"]
     return {
