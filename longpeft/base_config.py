@@ -270,7 +270,10 @@ def read_base(name: str, revision: str | None = None, what: str = "model.name_or
     if name.startswith(TINY_PREFIX):
         from .tiny import CHAT_TEMPLATE, demo_vocab_size, tiny_settings
 
-        settings = tiny_settings(name[len(TINY_PREFIX) :], vocab_size=demo_vocab_size())
+        try:
+            settings = tiny_settings(name[len(TINY_PREFIX) :], vocab_size=demo_vocab_size())
+        except ConfigError as error:  # an unknown architecture
+            raise ConfigError(f"{what} {name}: {error}") from None
         return BaseFacts(name, name, BaseConfig(settings, name), CHAT_TEMPLATE, tokenizer_found=True)
     location = model_location(name)
     if is_local(location):
